@@ -1,0 +1,1 @@
+"""fedpca analyst role."""

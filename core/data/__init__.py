@@ -1,0 +1,1 @@
+"""Bundled public datasets (package data)."""

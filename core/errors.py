@@ -1,0 +1,71 @@
+"""One error hierarchy for fedpca.
+
+Every error raised on purpose by fedpca derives from :class:`FedpcaError` and also
+from the builtin exception whose meaning it shares, so callers that only know the
+builtin still catch it.  Only gRPC servicers translate these into status codes.
+"""
+
+from __future__ import annotations
+
+
+class FedpcaError(Exception):
+    """Base class of every error fedpca raises on purpose."""
+
+
+class ConfigError(FedpcaError, ValueError):
+    """A configuration file, flag or query parameter is invalid."""
+
+
+class DataError(FedpcaError, ValueError):
+    """An owner's input table is malformed (names file, row and column when known)."""
+
+
+class EncodingOverflowError(FedpcaError, OverflowError):
+    """A value could exceed the declared bounds of a packed slot.
+
+    Raised *before* anything is encrypted; fedpca never lets a slot wrap.
+    """
+
+
+class LayoutError(FedpcaError, ValueError):
+    """A packed-ciphertext layout does not match what the query declared."""
+
+
+class CiphertextError(FedpcaError, ValueError):
+    """A ciphertext is out of range, not coprime to n, or has the wrong length."""
+
+
+class KeyFileError(FedpcaError, ValueError):
+    """A Paillier key file is malformed or does not match its fingerprint."""
+
+
+class UntrustedKeyError(FedpcaError, PermissionError):
+    """An owner was asked to encrypt under an analyst key its policy does not pin."""
+
+
+class CalibrationError(FedpcaError, ValueError):
+    """DP parameters are outside the range a mechanism is valid for."""
+
+
+class BudgetExceededError(FedpcaError, PermissionError):
+    """A release would push cumulative (epsilon, delta) past the configured budget."""
+
+
+class PolicyError(FedpcaError, PermissionError):
+    """A task violates an owner's local policy (other than the budget)."""
+
+
+class ProtocolError(FedpcaError, ValueError):
+    """A peer sent a message that breaks the protocol (order, size, hash, replay)."""
+
+
+class QueryStateError(FedpcaError, RuntimeError):
+    """An operation does not fit the current state of a query (e.g. late upload)."""
+
+
+class NotFoundError(FedpcaError, LookupError):
+    """An unknown query, owner or analyst was referenced."""
+
+
+class AuthenticationError(FedpcaError, PermissionError):
+    """A peer is unknown or its certificate does not grant the role it acts in."""

@@ -1,0 +1,1 @@
+"""fedpca owner role."""
