@@ -25,9 +25,10 @@ def build_tree(target: Path) -> Path:
     packages: list[str] = config["tool"]["setuptools"]["packages"]
     for package in packages:
         # The longest mapped prefix decides where a package's files live.
-        prefix = max((p for p in package_dir if package == p or package.startswith(p + ".")),
-                     key=len)
-        rest = package[len(prefix):].lstrip(".").split(".") if package != prefix else []
+        prefix = max(
+            (p for p in package_dir if package == p or package.startswith(p + ".")), key=len
+        )
+        rest = package[len(prefix) :].lstrip(".").split(".") if package != prefix else []
         source = ROOT / package_dir[prefix] / Path(*rest)
         dest = target / Path(*package.split("."))
         dest.mkdir(parents=True, exist_ok=True)
@@ -40,8 +41,15 @@ def build_tree(target: Path) -> Path:
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tree = build_tree(Path(tmp))
-        command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-                   "-p", "fedpca"]
+        command = [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "-p",
+            "fedpca",
+        ]
         return subprocess.call(command, cwd=tree, env={**os.environ, "MYPYPATH": str(tree)})
 
 
