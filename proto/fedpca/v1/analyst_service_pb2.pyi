@@ -1,0 +1,139 @@
+import datetime
+
+from fedpca.v1 import ciphertext_pb2 as _ciphertext_pb2
+from fedpca.v1 import query_pb2 as _query_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class QueryState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUERY_STATE_UNSPECIFIED: _ClassVar[QueryState]
+    QUERY_STATE_PENDING: _ClassVar[QueryState]
+    QUERY_STATE_COLLECTING: _ClassVar[QueryState]
+    QUERY_STATE_AGGREGATING: _ClassVar[QueryState]
+    QUERY_STATE_NOISING: _ClassVar[QueryState]
+    QUERY_STATE_DONE: _ClassVar[QueryState]
+    QUERY_STATE_FAILED: _ClassVar[QueryState]
+
+class NoiseMechanism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NOISE_MECHANISM_UNSPECIFIED: _ClassVar[NoiseMechanism]
+    NOISE_MECHANISM_GAUSSIAN: _ClassVar[NoiseMechanism]
+    NOISE_MECHANISM_NONE: _ClassVar[NoiseMechanism]
+QUERY_STATE_UNSPECIFIED: QueryState
+QUERY_STATE_PENDING: QueryState
+QUERY_STATE_COLLECTING: QueryState
+QUERY_STATE_AGGREGATING: QueryState
+QUERY_STATE_NOISING: QueryState
+QUERY_STATE_DONE: QueryState
+QUERY_STATE_FAILED: QueryState
+NOISE_MECHANISM_UNSPECIFIED: NoiseMechanism
+NOISE_MECHANISM_GAUSSIAN: NoiseMechanism
+NOISE_MECHANISM_NONE: NoiseMechanism
+
+class SubmitQueryRequest(_message.Message):
+    __slots__ = ("query",)
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    query: _query_pb2.QuerySpec
+    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ...) -> None: ...
+
+class QueryRef(_message.Message):
+    __slots__ = ("query_id",)
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    query_id: str
+    def __init__(self, query_id: _Optional[str] = ...) -> None: ...
+
+class QueryStatus(_message.Message):
+    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    query_id: str
+    state: QueryState
+    owners_contributed: int
+    quorum: int
+    owners_declined: int
+    deadline: _timestamp_pb2.Timestamp
+    failure_reason: str
+    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ...) -> None: ...
+
+class NoiseSection(_message.Message):
+    __slots__ = ("name", "sigma")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIGMA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sigma: float
+    def __init__(self, name: _Optional[str] = ..., sigma: _Optional[float] = ...) -> None: ...
+
+class NoiseDescription(_message.Message):
+    __slots__ = ("mechanism", "calibration", "epsilon", "delta", "sections")
+    MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    SECTIONS_FIELD_NUMBER: _ClassVar[int]
+    mechanism: NoiseMechanism
+    calibration: _query_pb2.Calibration
+    epsilon: float
+    delta: float
+    sections: _containers.RepeatedCompositeFieldContainer[NoiseSection]
+    def __init__(self, mechanism: _Optional[_Union[NoiseMechanism, str]] = ..., calibration: _Optional[_Union[_query_pb2.Calibration, str]] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., sections: _Optional[_Iterable[_Union[NoiseSection, _Mapping]]] = ...) -> None: ...
+
+class ResultHeader(_message.Message):
+    __slots__ = ("query", "n_owners", "blocks", "noise", "masked_mean_block", "total_chunks", "content_sha256")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    N_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NOISE_FIELD_NUMBER: _ClassVar[int]
+    MASKED_MEAN_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    query: _query_pb2.QuerySpec
+    n_owners: int
+    blocks: _containers.RepeatedCompositeFieldContainer[_ciphertext_pb2.CiphertextBlock]
+    noise: NoiseDescription
+    masked_mean_block: str
+    total_chunks: int
+    content_sha256: bytes
+    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., n_owners: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_ciphertext_pb2.CiphertextBlock, _Mapping]]] = ..., noise: _Optional[_Union[NoiseDescription, _Mapping]] = ..., masked_mean_block: _Optional[str] = ..., total_chunks: _Optional[int] = ..., content_sha256: _Optional[bytes] = ...) -> None: ...
+
+class ResultMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ResultHeader
+    chunk: _ciphertext_pb2.CiphertextChunk
+    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[_ciphertext_pb2.CiphertextChunk, _Mapping]] = ...) -> None: ...
+
+class BudgetRequest(_message.Message):
+    __slots__ = ("delta",)
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    delta: float
+    def __init__(self, delta: _Optional[float] = ...) -> None: ...
+
+class BudgetStatus(_message.Message):
+    __slots__ = ("analyst_id", "delta", "epsilon_spent", "epsilon_remaining", "epsilon_limit", "n_releases")
+    ANALYST_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    N_RELEASES_FIELD_NUMBER: _ClassVar[int]
+    analyst_id: str
+    delta: float
+    epsilon_spent: float
+    epsilon_remaining: float
+    epsilon_limit: float
+    n_releases: int
+    def __init__(self, analyst_id: _Optional[str] = ..., delta: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., n_releases: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,81 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class QueryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUERY_KIND_UNSPECIFIED: _ClassVar[QueryKind]
+    QUERY_KIND_PCA: _ClassVar[QueryKind]
+    QUERY_KIND_DCA: _ClassVar[QueryKind]
+
+class ProtocolMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_MODE_UNSPECIFIED: _ClassVar[ProtocolMode]
+    PROTOCOL_MODE_STATS: _ClassVar[ProtocolMode]
+    PROTOCOL_MODE_MASKED: _ClassVar[ProtocolMode]
+
+class Calibration(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CALIBRATION_UNSPECIFIED: _ClassVar[Calibration]
+    CALIBRATION_ANALYTIC: _ClassVar[Calibration]
+    CALIBRATION_CLASSIC: _ClassVar[Calibration]
+QUERY_KIND_UNSPECIFIED: QueryKind
+QUERY_KIND_PCA: QueryKind
+QUERY_KIND_DCA: QueryKind
+PROTOCOL_MODE_UNSPECIFIED: ProtocolMode
+PROTOCOL_MODE_STATS: ProtocolMode
+PROTOCOL_MODE_MASKED: ProtocolMode
+CALIBRATION_UNSPECIFIED: Calibration
+CALIBRATION_ANALYTIC: Calibration
+CALIBRATION_CLASSIC: Calibration
+
+class QuerySpec(_message.Message):
+    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    N_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LOWER_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_UPPER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    NOISE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    N_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    CLASS_LABELS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECORDS_PER_OWNER_FIELD_NUMBER: _ClassVar[int]
+    MAX_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    FRAC_BITS_FIELD_NUMBER: _ClassVar[int]
+    ANALYST_PUBLIC_KEY_N_FIELD_NUMBER: _ClassVar[int]
+    ANALYST_KEY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    query_id: str
+    kind: QueryKind
+    n_features: int
+    feature_lower: _containers.RepeatedScalarFieldContainer[float]
+    feature_upper: _containers.RepeatedScalarFieldContainer[float]
+    clip_norm: float
+    epsilon: float
+    delta: float
+    calibration: Calibration
+    noise_weights: _containers.RepeatedScalarFieldContainer[float]
+    mode: ProtocolMode
+    n_components: int
+    label_column: int
+    class_labels: _containers.RepeatedScalarFieldContainer[float]
+    quorum: int
+    deadline_seconds: float
+    max_records_per_owner: int
+    max_owners: int
+    frac_bits: int
+    analyst_public_key_n: bytes
+    analyst_key_fingerprint: str
+    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ...) -> None: ...
