@@ -1,0 +1,180 @@
+"""Loading owner tables: CSV (header auto-detection), .npy, Parquet, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fedpca.errors import DataError
+from fedpca.owner.data import load_table
+
+DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
+
+
+def _write(tmp_path: Path, text: str, name: str = "owner.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+class TestCsv:
+    def test_without_header_auto(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "1,2.5,3\n-1,4,5e-1\n")
+        x, y = load_table(path)
+        np.testing.assert_array_equal(x, [[1, 2.5, 3], [-1, 4, 0.5]])
+        assert y is None
+        assert x.dtype == np.float64
+
+    def test_with_header_auto_and_label_by_index_or_name(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "label,f1,f2\n1,0.5,0.25\n-1,2,3\n")
+        x, y = load_table(path, label_column=0)
+        np.testing.assert_array_equal(x, [[0.5, 0.25], [2, 3]])
+        assert y is not None
+        np.testing.assert_array_equal(y, [1, -1])
+        x2, y2 = load_table(path, label_column="f2")
+        np.testing.assert_array_equal(x2, [[1, 0.5], [-1, 2]])
+        np.testing.assert_array_equal(y2, [0.25, 3])  # type: ignore[arg-type]
+
+    def test_label_column_anywhere_including_negative(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "1,2,3\n4,5,6\n")
+        x, y = load_table(path, label_column=-1)
+        np.testing.assert_array_equal(x, [[1, 2], [4, 5]])
+        np.testing.assert_array_equal(y, [3, 6])  # type: ignore[arg-type]
+        x, y = load_table(path, label_column=1)
+        np.testing.assert_array_equal(x, [[1, 3], [4, 6]])
+        with pytest.raises(DataError, match="label column 3 is out of range for 3 columns"):
+            load_table(path, label_column=3)
+        with pytest.raises(DataError, match="by name, but no header"):
+            load_table(path, label_column="y")
+
+    def test_explicit_header_option(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "1,2\n3,4\n")
+        x, _ = load_table(path, header=True)
+        np.testing.assert_array_equal(x, [[3, 4]])
+        text = _write(tmp_path, "a,b\n3,4\n", "text.csv")
+        with pytest.raises(DataError, match=r"text\.csv: line 1, column 1: 'a' is not a number"):
+            load_table(text, header=False)
+
+    def test_mixed_first_line_is_not_guessed(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "y,1,2\n0,3,4\n")
+        with pytest.raises(DataError, match=r"line 1 mixes numbers and text .*header=True"):
+            load_table(path)
+        x, _ = load_table(path, header=True)
+        np.testing.assert_array_equal(x, [[0, 3, 4]])
+
+    def test_wrong_column_count_names_file_and_line(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "a,b,c\n1,2,3\n4,5\n")
+        with pytest.raises(DataError, match=r"owner\.csv: line 3 has 2 columns, expected 3"):
+            load_table(path)
+
+    def test_non_numeric_cell_names_line_and_column(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "1,2,3\n\n4,x5,6\n")
+        # The blank line still counts: the error is on physical line 3.
+        with pytest.raises(DataError, match=r"line 3, column 2: 'x5' is not a number"):
+            load_table(path)
+        empty_cell = _write(tmp_path, "1,2,3\n4,,6\n", "empty_cell.csv")
+        with pytest.raises(DataError, match=r"line 2, column 2: '' is not a number"):
+            load_table(empty_cell)
+
+    @pytest.mark.parametrize("bad", ["nan", "NaN", "inf", "-Infinity"])
+    def test_nan_and_inf_are_refused(self, tmp_path: Path, bad: str) -> None:
+        path = _write(tmp_path, f"1,2,3\n4,5,6\n7,8,{bad}\n")
+        with pytest.raises(DataError, match=rf"line 3, column 3: '{bad}' is not finite"):
+            load_table(path)
+
+    def test_empty_and_header_only(self, tmp_path: Path) -> None:
+        with pytest.raises(DataError, match=r"empty\.csv: the file is empty"):
+            load_table(_write(tmp_path, "", "empty.csv"))
+        with pytest.raises(DataError, match="the file is empty"):
+            load_table(_write(tmp_path, "\n\n", "blank.csv"))
+        with pytest.raises(DataError, match="header but no records"):
+            load_table(_write(tmp_path, "a,b\n", "header.csv"))
+
+    def test_expected_feature_count(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "1,2,3\n4,5,6\n")
+        assert load_table(path, label_column=0, n_features=2).features.shape == (2, 2)
+        with pytest.raises(DataError, match=r"2 feature columns \(label column excluded\), .*4"):
+            load_table(path, label_column=0, n_features=4)
+        with pytest.raises(DataError, match="3 feature columns, but the query expects 2"):
+            load_table(path, n_features=2)
+
+    def test_only_a_label_column(self, tmp_path: Path) -> None:
+        with pytest.raises(DataError, match="no feature columns"):
+            load_table(_write(tmp_path, "1\n2\n"), label_column=0)
+
+    def test_tsv_and_delimiter(self, tmp_path: Path) -> None:
+        x, _ = load_table(_write(tmp_path, "1\t2\n3\t4\n", "t.tsv"))
+        np.testing.assert_array_equal(x, [[1, 2], [3, 4]])
+        x, _ = load_table(_write(tmp_path, "1;2\n3;4\n", "s.csv"), delimiter=";")
+        np.testing.assert_array_equal(x, [[1, 2], [3, 4]])
+
+
+class TestNpy:
+    def test_round_trip_with_label(self, tmp_path: Path) -> None:
+        table = np.array([[1, 0.5, 0.25], [-1, 2, 3]], dtype=np.float32)
+        np.save(tmp_path / "t.npy", table)
+        x, y = load_table(tmp_path / "t.npy", label_column=0, n_features=2)
+        np.testing.assert_array_equal(x, table[:, 1:])
+        np.testing.assert_array_equal(y, [1, -1])  # type: ignore[arg-type]
+        assert x.dtype == np.float64
+
+    def test_errors(self, tmp_path: Path) -> None:
+        np.save(tmp_path / "one.npy", np.zeros(3))
+        with pytest.raises(DataError, match=r"one\.npy: expected a 2-D array"):
+            load_table(tmp_path / "one.npy")
+        bad = np.zeros((3, 2))
+        bad[2, 1] = np.nan
+        np.save(tmp_path / "nan.npy", bad)
+        with pytest.raises(DataError, match=r"nan\.npy: row 3, column 2: nan is not finite"):
+            load_table(tmp_path / "nan.npy")
+        np.save(tmp_path / "str.npy", np.array([["a", "b"]]))
+        with pytest.raises(DataError, match="not numeric"):
+            load_table(tmp_path / "str.npy")
+        np.save(tmp_path / "empty.npy", np.zeros((0, 3)))
+        with pytest.raises(DataError, match="no records"):
+            load_table(tmp_path / "empty.npy")
+        (tmp_path / "junk.npy").write_bytes(b"not numpy")
+        with pytest.raises(DataError, match=r"not a readable \.npy"):
+            load_table(tmp_path / "junk.npy")
+
+
+class TestParquet:
+    def test_round_trip_label_by_name(self, tmp_path: Path) -> None:
+        table = pa.table({"f1": [0.5, 2.0], "cls": [1, -1], "f2": [0.25, 3.0]})
+        pq.write_table(table, tmp_path / "t.parquet")
+        x, y = load_table(tmp_path / "t.parquet", label_column="cls", n_features=2)
+        np.testing.assert_array_equal(x, [[0.5, 0.25], [2, 3]])
+        np.testing.assert_array_equal(y, [1, -1])  # type: ignore[arg-type]
+
+    def test_null_and_text_columns(self, tmp_path: Path) -> None:
+        pq.write_table(pa.table({"a": [1.0, None, 3.0], "b": [1, 2, 3]}), tmp_path / "n.parquet")
+        with pytest.raises(DataError, match=r"n\.parquet: row 2, column 1 \('a'\) is null"):
+            load_table(tmp_path / "n.parquet")
+        pq.write_table(pa.table({"a": [1.0], "b": ["x"]}), tmp_path / "s.parquet")
+        with pytest.raises(DataError, match=r"column 2 \('b'\) has non-numeric type"):
+            load_table(tmp_path / "s.parquet")
+        pq.write_table(pa.table({"a": [1.0, float("inf")]}), tmp_path / "i.parquet")
+        with pytest.raises(DataError, match="row 2, column 1: inf is not finite"):
+            load_table(tmp_path / "i.parquet")
+
+
+def test_missing_file_and_unknown_suffix(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="no such file"):
+        load_table(tmp_path / "absent.csv")
+    with pytest.raises(DataError, match=r"unsupported file type '\.xlsx'"):
+        load_table(_write(tmp_path, "1,2\n", "t.xlsx"))
+
+
+@pytest.mark.skipif(not DATASETS.is_dir(), reason=f"shared datasets not found at {DATASETS}")
+def test_real_dataset_with_label_in_column_zero() -> None:
+    x, y = load_table(DATASETS / "ionosphere.csv", label_column=0, n_features=34)
+    assert x.shape == (351, 34)
+    assert y is not None
+    assert set(np.unique(y)) == {-1.0, 1.0}
+    raw = np.loadtxt(DATASETS / "ionosphere.csv", delimiter=",")
+    np.testing.assert_array_equal(x, raw[:, 1:])
+    np.testing.assert_array_equal(y, raw[:, 0])
