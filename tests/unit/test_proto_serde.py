@@ -1,0 +1,610 @@
+"""Round trips and every ProtocolError case of fedpca.transport.serde."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+
+from fedpca.errors import CiphertextError, ConfigError, LayoutError, ProtocolError
+from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.transport import serde
+from fedpca.transport.serde import CiphertextBlock, PackedCiphertexts
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
+from fedpca.v1 import owner_service_pb2 as owner_pb
+from fedpca.v1 import query_pb2 as query_pb
+
+KEY_BITS = 512
+WIDTH = 128  # 2 * ceil(512 / 8)
+N = (1 << 511) + 187  # any 512-bit odd number: serde never does arithmetic with it
+
+
+def pca_spec(**overrides: object) -> QuerySpec:
+    values: dict[str, object] = {
+        "query_id": "q-pca",
+        "kind": QueryKind.PCA,
+        "n_features": 3,
+        "epsilon": 1.5,
+        "delta": 1e-6,
+        "n_components": 2,
+        "analyst_public_key_n": N,
+        "analyst_key_fingerprint": "sha256:abcd",
+    }
+    values.update(overrides)
+    return QuerySpec(**values)  # type: ignore[arg-type]
+
+
+def dca_spec() -> QuerySpec:
+    # Every field away from its default, so a field dropped by serde shows up.
+    return QuerySpec(
+        query_id="q-dca",
+        kind=QueryKind.DCA,
+        n_features=3,
+        epsilon=0.25,
+        delta=1e-9,
+        n_components=1,
+        analyst_public_key_n=N,
+        analyst_key_fingerprint="sha256:ffff",
+        feature_lower=(-1.0, 0.0, -2.5),
+        feature_upper=(1.0, 10.0, 2.5),
+        clip_norm=2.0,
+        calibration=Calibration.CLASSIC,
+        mode=ProtocolMode.MASKED,
+        label_column=0,
+        class_labels=(0.0, 1.0, 2.0),
+        quorum=3,
+        deadline_seconds=12.5,
+        max_records_per_owner=5000,
+        max_owners=7,
+        frac_bits=20,
+        noise_weights=(0.5, 0.25, 0.25),
+    )
+
+
+# ------------------------------------------------------------------ QuerySpec
+
+
+def test_wire_fields_equal_queryspec_fields() -> None:
+    # Adding a QuerySpec field without a wire field (or vice versa) fails here.
+    assert {f.name for f in dataclasses.fields(QuerySpec)} == serde.QUERY_SPEC_WIRE_FIELDS
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pca_spec(),
+        dca_spec(),
+        pca_spec(epsilon=math.inf, delta=0.0),
+        pca_spec(feature_lower=(), feature_upper=()),
+        pca_spec(analyst_public_key_n=1),
+    ],
+    ids=["pca-defaults", "dca-everything", "inf-epsilon", "no-bounds", "tiny-n"],
+)
+def test_query_spec_round_trip_is_exact(spec: QuerySpec) -> None:
+    wire = serde.query_spec_to_proto(spec).SerializeToString()
+    back = serde.query_spec_from_proto(query_pb.QuerySpec.FromString(wire))
+    assert back == spec
+    assert type(back.kind) is QueryKind and type(back.calibration) is Calibration
+
+
+def test_every_non_default_field_is_present_on_the_wire() -> None:
+    message = serde.query_spec_to_proto(dca_spec())
+    for name in ("clip_norm", "label_column", "quorum", "deadline_seconds", "frac_bits"):
+        assert message.HasField(name)
+    assert message.label_column == 0  # presence, not the proto3 zero default
+    assert message.analyst_public_key_n == N.to_bytes(64, "big")
+
+
+def test_absent_optional_fields_take_queryspec_defaults() -> None:
+    message = serde.query_spec_to_proto(pca_spec())
+    for name in ("clip_norm", "quorum", "deadline_seconds", "max_records_per_owner"):
+        message.ClearField(name)
+    message.ClearField("calibration")
+    message.ClearField("mode")
+    assert serde.query_spec_from_proto(message) == pca_spec()
+
+
+def test_pca_without_label_column_has_no_presence() -> None:
+    message = serde.query_spec_to_proto(pca_spec())
+    assert not message.HasField("label_column")
+    assert serde.query_spec_from_proto(message).label_column is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda m: m.ClearField("kind"), r"kind: enum value 0"),
+        (lambda m: setattr(m, "kind", 9), r"kind: enum value 9"),
+        (lambda m: setattr(m, "mode", 7), r"mode: enum value 7"),
+        (lambda m: m.ClearField("analyst_public_key_n"), r"analyst_public_key_n is empty"),
+        (
+            lambda m: setattr(m, "analyst_public_key_n", b"\x00" + m.analyst_public_key_n),
+            r"leading zero byte",
+        ),
+        (lambda m: setattr(m, "epsilon", -1.0), r"invalid QuerySpec 'q-pca': epsilon must be"),
+        (lambda m: m.feature_lower.append(0.0), r"same length"),
+    ],
+)
+def test_query_spec_from_proto_errors(
+    mutate: Callable[[query_pb.QuerySpec], object], match: str
+) -> None:
+    message = serde.query_spec_to_proto(pca_spec())
+    mutate(message)
+    with pytest.raises(ProtocolError, match=match):
+        serde.query_spec_from_proto(message)
+
+
+def test_query_spec_to_proto_refuses_unrepresentable_values() -> None:
+    with pytest.raises(ConfigError, match="label_column=-1"):
+        serde.query_spec_to_proto(pca_spec(label_column=-1))
+    with pytest.raises(ConfigError, match="must be positive"):
+        serde.query_spec_to_proto(pca_spec(analyst_public_key_n=0))
+
+
+# --------------------------------------------------------------------- layout
+
+
+def block(name: str, n_ciphertexts: int, value_count: int | None = None) -> CiphertextBlock:
+    return CiphertextBlock(
+        name=name,
+        key_bits=KEY_BITS,
+        slot_bits=64,
+        slots_per_ciphertext=7,
+        value_count=7 * n_ciphertexts if value_count is None else value_count,
+        n_ciphertexts=n_ciphertexts,
+    )
+
+
+def payload(*sizes: int, start: int = 1) -> PackedCiphertexts:
+    blocks = tuple(block(f"b{i}", n) for i, n in enumerate(sizes))
+    counter = iter(range(start, start + sum(sizes)))
+    # Values near both ends of the width catch truncation and sign mistakes.
+    cts = {
+        b.name: [(1 << (8 * WIDTH)) - next(counter) for _ in range(b.n_ciphertexts)] for b in blocks
+    }
+    return PackedCiphertexts(blocks, cts)
+
+
+def test_block_round_trip_and_width() -> None:
+    blocks = (block("scatter", 3, value_count=20), block("sum", 1, value_count=3))
+    assert serde.blocks_from_proto(serde.blocks_to_proto(blocks)) == blocks
+    assert blocks[0].ciphertext_bytes == WIDTH
+    assert serde.ciphertext_width(2048) == 512 and serde.ciphertext_width(3072) == 768
+    assert serde.ciphertext_width(1001) == 2 * 126
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"name": ""}, "needs a name"),
+        ({"n_ciphertexts": 0}, "n_ciphertexts must be >= 1"),
+        ({"slot_bits": 80}, "do not fit below a 512-bit modulus"),
+        ({"value_count": 100}, "100 values do not fit"),
+    ],
+)
+def test_block_validation(kwargs: dict[str, object], match: str) -> None:
+    values: dict[str, object] = dict(
+        name="x",
+        key_bits=512,
+        slot_bits=64,
+        slots_per_ciphertext=7,
+        value_count=10,
+        n_ciphertexts=2,
+    )
+    values.update(kwargs)
+    with pytest.raises(LayoutError, match=match):
+        CiphertextBlock(**values)  # type: ignore[arg-type]
+
+
+def test_layout_errors_from_the_wire_are_protocol_errors() -> None:
+    good = serde.blocks_to_proto([block("a", 1)])
+    with pytest.raises(ProtocolError, match="duplicate block names"):
+        serde.blocks_from_proto([good[0], good[0]])
+    other_key = serde.blocks_to_proto([dataclasses.replace(block("b", 1), key_bits=1024)])
+    with pytest.raises(ProtocolError, match="share key_bits"):
+        serde.blocks_from_proto([good[0], other_key[0]])
+    with pytest.raises(ProtocolError, match="at least one block"):
+        serde.blocks_from_proto([])
+
+
+# ------------------------------------------------------------ bytes and chunks
+
+
+def test_ciphertext_bytes_round_trip_fixed_width() -> None:
+    values = [0, 1, (1 << 1024) - 1, 12345678901234567890]
+    data = serde.ciphertexts_to_bytes(values, WIDTH)
+    assert len(data) == 4 * WIDTH
+    assert data[:WIDTH] == bytes(WIDTH)
+    assert serde.ciphertexts_from_bytes(data, WIDTH) == values
+
+
+def test_ciphertext_out_of_range_is_refused() -> None:
+    with pytest.raises(CiphertextError, match=r"ciphertext 1 .* 128 bytes"):
+        serde.ciphertexts_to_bytes([1, 1 << 1024], WIDTH)
+    with pytest.raises(CiphertextError, match="ciphertext 0 is negative"):
+        serde.ciphertexts_to_bytes([-1], WIDTH)
+
+
+def test_payload_must_match_layout() -> None:
+    with pytest.raises(LayoutError, match="declares 2 ciphertexts, got 1"):
+        PackedCiphertexts((block("a", 2),), {"a": [5]})
+    with pytest.raises(LayoutError, match="ciphertexts given for blocks"):
+        PackedCiphertexts((block("a", 1),), {"b": [5]})
+
+
+@pytest.mark.parametrize(
+    "max_bytes", [64 + WIDTH, 64 + 3 * WIDTH, 1000, serde.DEFAULT_MAX_MESSAGE_BYTES]
+)
+def test_chunks_stay_under_max_message_size(max_bytes: int) -> None:
+    data = payload(5, 4, 2)
+    messages = serde.encode_upload("q1", "fp", "u1", data, max_message_bytes=max_bytes)
+    assert all(m.ByteSize() <= max_bytes for m in messages[1:])
+    header, back = serde.read_upload(messages)
+    assert back == data
+    per_chunk = (max_bytes - 64) // WIDTH
+    assert header.total_chunks == math.ceil(11 / per_chunk) == len(messages) - 1
+
+
+def test_default_chunk_size_with_production_keys() -> None:
+    blocks = (dataclasses.replace(block("scatter", 9000), key_bits=3072),)
+    data = PackedCiphertexts(blocks, {"scatter": [7] * 9000})
+    messages = serde.encode_upload("q1", "fp", "u1", data)
+    sizes = [m.ByteSize() for m in messages[1:]]
+    assert max(sizes) <= serde.DEFAULT_MAX_MESSAGE_BYTES
+    assert len(sizes) == 3  # 9000 * 768 B = 6.6 MiB
+
+
+def test_too_small_max_message_size_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cannot hold one 128-byte ciphertext"):
+        serde.encode_upload("q1", "fp", "u1", payload(1), max_message_bytes=100)
+
+
+def test_upload_header_round_trip() -> None:
+    data = payload(3, 1)
+    messages = serde.encode_upload("q1", "sha256:key", "u-123", data, max_message_bytes=400)
+    header = serde.upload_header_from_message(messages[0])
+    assert header.query_id == "q1" and header.upload_id == "u-123"
+    assert header.analyst_key_fingerprint == "sha256:key"
+    assert header.blocks == data.blocks
+    all_bytes = b"".join(m.chunk.ciphertexts for m in messages[1:])
+    assert header.content_sha256 == hashlib.sha256(all_bytes).digest()
+    assert len(serde.new_upload_id()) == 32 and serde.new_upload_id() != serde.new_upload_id()
+
+
+# ---------------------------------------------------- every ProtocolError case
+
+
+def _upload(max_bytes: int = 64 + 2 * WIDTH) -> list[owner_pb.UploadMessage]:
+    # 5 ciphertexts, 2 per chunk -> chunks of 2, 2, 1.
+    return serde.encode_upload("q1", "fp", "u1", payload(3, 2), max_message_bytes=max_bytes)
+
+
+def _rehash(message: owner_pb.UploadMessage) -> None:
+    message.chunk.sha256 = hashlib.sha256(message.chunk.ciphertexts).digest()
+
+
+def _drop_last_byte(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[1].chunk.ciphertexts = messages[1].chunk.ciphertexts[:-1]
+    _rehash(messages[1])
+
+
+def _swap_chunks(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[1], messages[2] = messages[2], messages[1]
+
+
+def _repeat_chunk(messages: list[owner_pb.UploadMessage]) -> None:
+    messages.insert(2, messages[1])
+
+
+def _corrupt_chunk(messages: list[owner_pb.UploadMessage]) -> None:
+    data = bytearray(messages[2].chunk.ciphertexts)
+    data[5] ^= 1
+    messages[2].chunk.ciphertexts = bytes(data)
+
+
+def _corrupt_chunk_and_hash(messages: list[owner_pb.UploadMessage]) -> None:
+    _corrupt_chunk(messages)
+    _rehash(messages[2])  # chunk hash fine, content hash must still catch it
+
+
+def _extra_ciphertext(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[3].chunk.ciphertexts += bytes(WIDTH)
+    _rehash(messages[3])
+
+
+def _missing_ciphertext(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[2].chunk.ciphertexts = messages[2].chunk.ciphertexts[:WIDTH]
+    _rehash(messages[2])
+
+
+def _missing_chunk(messages: list[owner_pb.UploadMessage]) -> None:
+    del messages[3]
+
+
+def _extra_chunk(messages: list[owner_pb.UploadMessage]) -> None:
+    extra = owner_pb.UploadMessage()
+    extra.chunk.index = 3
+    extra.chunk.ciphertexts = bytes(WIDTH)
+    messages.append(extra)
+    _rehash(extra)
+
+
+def _fewer_declared_chunks(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[0].header.total_chunks = 2
+
+
+def _empty_chunk(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[1].chunk.ciphertexts = b""
+    _rehash(messages[1])
+
+
+def _short_chunk_hash(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[1].chunk.sha256 = b"\x01" * 31
+
+
+def _bad_content_hash_length(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[0].header.content_sha256 = b""
+
+
+def _more_chunks_than_ciphertexts(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[0].header.total_chunks = 6
+
+
+def _chunk_first(messages: list[owner_pb.UploadMessage]) -> None:
+    del messages[0]
+
+
+def _second_header(messages: list[owner_pb.UploadMessage]) -> None:
+    messages.insert(2, messages[0])
+
+
+def _bad_upload_id(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[0].header.upload_id = "../etc/passwd"
+
+
+def _no_fingerprint(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[0].header.analyst_key_fingerprint = ""
+
+
+def _bad_layout(messages: list[owner_pb.UploadMessage]) -> None:
+    messages[0].header.blocks[1].name = "b0"
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "match"),
+    [
+        (_drop_last_byte, r"chunk 0 has 255 bytes, not a multiple of the ciphertext width 128"),
+        (_swap_chunks, r"chunk index 1 arrived, expected 0"),
+        (_repeat_chunk, r"chunk index 0 arrived, expected 1"),
+        (_corrupt_chunk, r"chunk 1 SHA-256 mismatch"),
+        (_corrupt_chunk_and_hash, r"content SHA-256 mismatch"),
+        (_extra_ciphertext, r"chunk 2 brings the ciphertext count to 6, layout declares 5"),
+        (_missing_ciphertext, r"received 4 ciphertexts, layout declares 5"),
+        (_missing_chunk, r"stream ended after 2 of 3 declared chunks"),
+        (_extra_chunk, r"chunk 3 exceeds the declared total_chunks=3"),
+        (_fewer_declared_chunks, r"chunk 2 exceeds the declared total_chunks=2"),
+        (_empty_chunk, r"chunk 0 is empty"),
+        (_short_chunk_hash, r"chunk 0 sha256 must be 32 bytes"),
+        (_bad_content_hash_length, r"content_sha256 must be 32 bytes"),
+        (_more_chunks_than_ciphertexts, r"total_chunks=6 must be in \[1, 5\]"),
+        (_chunk_first, r"must start with an UploadHeader"),
+        (_second_header, r"expected a ciphertext chunk after the upload header, got header"),
+        (_bad_upload_id, r"upload_id '../etc/passwd' must match"),
+        (_no_fingerprint, r"analyst_key_fingerprint is empty"),
+        (_bad_layout, r"duplicate block names"),
+    ],
+)
+def test_upload_protocol_errors(
+    corrupt: Callable[[list[owner_pb.UploadMessage]], None], match: str
+) -> None:
+    messages = _upload()
+    assert [m.chunk.index for m in messages[1:]] == [0, 1, 2]
+    serde.read_upload(messages)  # sanity: intact stream is accepted
+    messages = [owner_pb.UploadMessage.FromString(m.SerializeToString()) for m in messages]
+    corrupt(messages)
+    with pytest.raises(ProtocolError, match=match):
+        serde.read_upload(messages)
+
+
+def test_empty_upload_stream() -> None:
+    with pytest.raises(ProtocolError, match="upload stream is empty"):
+        serde.read_upload([])
+
+
+def test_error_messages_name_the_upload() -> None:
+    messages = _upload()
+    del messages[3]
+    with pytest.raises(ProtocolError, match=r"^upload 'u1' for query 'q1': stream ended"):
+        serde.read_upload(messages)
+
+
+def test_assembler_streams_chunks_with_offsets_and_refuses_late_chunks() -> None:
+    messages = _upload()
+    header = serde.upload_header_from_message(messages[0])
+    assembler = header.assembler()
+    decoded = [assembler.add(serde.upload_chunk_from_message(m)) for m in messages[1:]]
+    assert [d.offset for d in decoded] == [0, 2, 4]
+    assert (assembler.chunks_received, assembler.ciphertexts_received) == (3, 5)
+    assert assembler.bytes_received == 5 * WIDTH
+    assembler.finish()
+    with pytest.raises(ProtocolError, match="after the stream ended"):
+        assembler.add(messages[1].chunk)
+
+
+def test_upload_receipt_round_trip() -> None:
+    receipt = serde.UploadReceipt("q1", "u1", serde.UploadStatus.DUPLICATE, 3, 5)
+    assert serde.upload_receipt_from_proto(serde.upload_receipt_to_proto(receipt)) == receipt
+    with pytest.raises(ProtocolError, match=r"UploadReceipt.status"):
+        serde.upload_receipt_from_proto(owner_pb.UploadReceipt(query_id="q1"))
+
+
+# ------------------------------------------------------------ owner session
+
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+
+
+def test_hello_and_proxy_info_round_trip() -> None:
+    hello = serde.OwnerHello("owner-1", "0.1.0", (serde.ObfuscationVariant.DJN,))
+    assert serde.owner_hello_from_proto(serde.owner_hello_to_proto(hello)) == hello
+    info = serde.ProxyInfo("proxy", "0.1.0", "owner-1", 15.0, 8 << 20, NOW)
+    assert serde.proxy_info_from_proto(serde.proxy_info_to_proto(info)) == info
+
+
+def test_unknown_capabilities_are_ignored() -> None:
+    message = owner_pb.OwnerHello(node_id="o", obfuscation_variants=[1, 42])
+    assert serde.owner_hello_from_proto(message).obfuscation_variants == (
+        serde.ObfuscationVariant.FULL,
+    )
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        serde.Heartbeat(sent_at=NOW),
+        serde.Task(query=dca_spec(), upload_deadline=NOW + timedelta(minutes=5)),
+        serde.Task(
+            query=pca_spec(),
+            upload_deadline=NOW,
+            accepted_obfuscation_variants=(serde.ObfuscationVariant.FULL,),
+        ),
+        serde.TaskCancellation(query_id="q1", reason="deadline passed"),
+    ],
+)
+def test_task_event_round_trip(event: serde.TaskEvent) -> None:
+    wire = serde.task_event_to_proto(event).SerializeToString()
+    assert serde.task_event_from_proto(owner_pb.TaskEvent.FromString(wire)) == event
+
+
+def test_task_event_errors() -> None:
+    with pytest.raises(ProtocolError, match="carries no event"):
+        serde.task_event_from_proto(owner_pb.TaskEvent())
+    message = serde.task_event_to_proto(serde.Task(query=pca_spec(), upload_deadline=NOW))
+    message.task.ClearField("upload_deadline")
+    with pytest.raises(ProtocolError, match="upload_deadline missing"):
+        serde.task_event_from_proto(message)
+
+
+def test_timestamps_must_be_timezone_aware() -> None:
+    with pytest.raises(ConfigError, match="timezone-aware"):
+        serde.task_event_to_proto(serde.Heartbeat(sent_at=datetime(2026, 1, 1)))
+    # Other offsets are fine and compare equal after the round trip.
+    plus_two = NOW.astimezone(timezone(timedelta(hours=2)))
+    back = serde.task_event_from_proto(serde.task_event_to_proto(serde.Heartbeat(plus_two)))
+    assert back == serde.Heartbeat(NOW)
+
+
+@pytest.mark.parametrize("reason", list(serde.DeclineReason))
+def test_task_decline_round_trip(reason: serde.DeclineReason) -> None:
+    decline = serde.TaskDecline("q1", reason, "epsilon above local cap")
+    assert serde.task_decline_from_proto(serde.task_decline_to_proto(decline)) == decline
+
+
+def test_task_decline_needs_a_reason() -> None:
+    with pytest.raises(ProtocolError, match=r"TaskDecline.reason"):
+        serde.task_decline_from_proto(owner_pb.TaskDecline(query_id="q1"))
+    assert serde.decline_receipt_from_proto(serde.decline_receipt_to_proto("q1")) == "q1"
+
+
+# ------------------------------------------------------------ analyst side
+
+
+def test_submit_and_query_ref() -> None:
+    spec = dca_spec()
+    assert serde.submit_query_request_from_proto(serde.submit_query_request_to_proto(spec)) == spec
+    with pytest.raises(ProtocolError, match="query is missing"):
+        serde.submit_query_request_from_proto(analyst_pb.SubmitQueryRequest())
+    assert serde.query_ref_from_proto(serde.query_ref_to_proto("q9")) == "q9"
+    with pytest.raises(ProtocolError, match=r"QueryRef.query_id is empty"):
+        serde.query_ref_from_proto(analyst_pb.QueryRef())
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        serde.QueryStatus("q1", serde.QueryState.PENDING, 0, 2),
+        serde.QueryStatus("q1", serde.QueryState.COLLECTING, 1, 2, 1, NOW),
+        serde.QueryStatus("q1", serde.QueryState.FAILED, 1, 2, 0, NOW, "quorum not reached"),
+        serde.QueryStatus("q1", serde.QueryState.DONE, 2, 2, failure_reason=""),
+    ],
+)
+def test_query_status_round_trip(status: serde.QueryStatus) -> None:
+    assert serde.query_status_from_proto(serde.query_status_to_proto(status)) == status
+
+
+def test_query_state_terminal() -> None:
+    assert {s for s in serde.QueryState if s.terminal} == {
+        serde.QueryState.DONE,
+        serde.QueryState.FAILED,
+    }
+
+
+def test_budget_round_trip() -> None:
+    status = serde.BudgetStatus("analyst-1", 1e-6, 1.25, 8.75, 10.0, 3)
+    assert serde.budget_status_from_proto(serde.budget_status_to_proto(status)) == status
+    assert serde.budget_request_from_proto(serde.budget_request_to_proto()) is None
+    assert serde.budget_request_from_proto(serde.budget_request_to_proto(1e-5)) == 1e-5
+    with pytest.raises(ProtocolError, match="delta must be in"):
+        serde.budget_request_from_proto(serde.budget_request_to_proto(0.0))
+
+
+NOISE = serde.NoiseDescription(
+    mechanism=serde.NoiseMechanism.GAUSSIAN,
+    calibration=Calibration.ANALYTIC,
+    epsilon=1.0,
+    delta=1e-6,
+    sections=(serde.NoiseSection("scatter", 3.5), serde.NoiseSection("sum", 1.25)),
+)
+
+
+def _result(mode: ProtocolMode) -> serde.QueryResult:
+    spec = dca_spec() if mode is ProtocolMode.MASKED else pca_spec()
+    return serde.QueryResult(
+        query=spec,
+        n_owners=3,
+        noise=NOISE,
+        payload=payload(4, 2),
+        masked_mean_block="b1" if mode is ProtocolMode.MASKED else None,
+    )
+
+
+@pytest.mark.parametrize("mode", list(ProtocolMode))
+def test_result_round_trip(mode: ProtocolMode) -> None:
+    result = _result(mode)
+    messages = serde.encode_result(result, max_message_bytes=64 + 4 * WIDTH)
+    assert len(messages) == 3
+    wire = [analyst_pb.ResultMessage.FromString(m.SerializeToString()) for m in messages]
+    assert serde.decode_result(wire) == result
+
+
+def test_result_with_infinite_epsilon() -> None:
+    noise = serde.NoiseDescription(serde.NoiseMechanism.NONE, Calibration.ANALYTIC, math.inf, 0.0)
+    result = dataclasses.replace(
+        _result(ProtocolMode.STATS), query=pca_spec(epsilon=math.inf), noise=noise
+    )
+    assert serde.decode_result(serde.encode_result(result)) == result
+
+
+def test_result_errors() -> None:
+    with pytest.raises(LayoutError, match="masked mode needs masked_mean_block"):
+        dataclasses.replace(_result(ProtocolMode.MASKED), masked_mean_block=None)
+    with pytest.raises(LayoutError, match="not a block of the result"):
+        dataclasses.replace(_result(ProtocolMode.MASKED), masked_mean_block="nope")
+    messages = serde.encode_result(_result(ProtocolMode.MASKED))
+    with pytest.raises(ProtocolError, match="must start with a ResultHeader"):
+        serde.decode_result(messages[1:])
+    messages[0].header.ClearField("masked_mean_block")
+    with pytest.raises(ProtocolError, match="masked mode needs masked_mean_block"):
+        serde.decode_result(messages)
+    messages = serde.encode_result(_result(ProtocolMode.STATS))
+    messages[1].chunk.ciphertexts = messages[1].chunk.ciphertexts[::-1]
+    with pytest.raises(ProtocolError, match=r"^result of query 'q-pca': chunk 0 SHA-256"):
+        serde.decode_result(messages)
+    messages = serde.encode_result(_result(ProtocolMode.STATS))
+    messages[0].header.ClearField("noise")
+    with pytest.raises(ProtocolError, match=r"ResultHeader.noise is missing"):
+        serde.decode_result(messages)
