@@ -1,0 +1,275 @@
+"""Gaussian calibration: from (epsilon, delta, L2 sensitivity) to sigma, and back.
+
+Two calibrations are offered:
+
+* **classic** (Dwork & Roth 2014, Thm A.1): ``sigma = Delta * sqrt(2 ln(1.25/delta)) / epsilon``,
+  a tail-bound argument that is only valid for ``epsilon < 1``;
+* **analytic** (Balle & Wang 2018, Thm 8): the exact condition for the Gaussian
+  mechanism to be (epsilon, delta)-DP,
+
+      delta(sigma) = Phi(Delta/(2 sigma) - epsilon sigma/Delta)
+                     - e^epsilon Phi(-Delta/(2 sigma) - epsilon sigma/Delta) <= delta,
+
+  solved for the smallest sigma. Valid for every epsilon > 0, and never larger than
+  the classic sigma.
+
+Scale invariance: delta(sigma) depends on sigma and Delta only through
+``z = sigma / Delta`` (substitute and both arguments of Phi become functions of z), so
+everything is solved for Delta = 1 and multiplied by Delta afterwards.
+
+Numerics: for large epsilon the second term is ``e^epsilon`` times a tiny tail
+probability and for small delta both terms are tiny and nearly equal, so delta is
+evaluated in log space with ``scipy.special.log_ndtr``:
+``log delta = log Phi(a) + log1p(-exp(epsilon + log Phi(b) - log Phi(a)))``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+from scipy.optimize import brentq
+from scipy.special import erfcx, log_ndtr
+
+from fedpca.errors import CalibrationError
+from fedpca.query import Calibration
+
+__all__ = [
+    "analytic_gaussian_delta",
+    "analytic_gaussian_sigma",
+    "calibrate_noise_multiplier",
+    "calibrate_sigma",
+    "classic_gaussian_sigma",
+    "gaussian_epsilon",
+]
+
+logger = logging.getLogger(__name__)
+
+# brentq stops when the bracket is below xtol + rtol*|x|; rtol cannot go under
+# 4 machine epsilons. The root is then within a few ulps, and a final ulp walk
+# makes the returned sigma satisfy the inequality in floating point.
+_RTOL = 4 * 2.220446049250313e-16
+_MAX_ULP_STEPS = 64
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_LOG2 = math.log(2.0)
+
+
+def _check_finite_params(epsilon: float, delta: float) -> None:
+    if math.isnan(epsilon) or not 0 < epsilon < math.inf:
+        raise CalibrationError(f"epsilon must be finite and > 0, got {epsilon!r}")
+    if math.isnan(delta) or not 0 < delta < 1:
+        raise CalibrationError(f"delta must be in (0, 1), got {delta!r}")
+
+
+def _check_sensitivity(sensitivity: float) -> None:
+    if not (math.isfinite(sensitivity) and sensitivity > 0):
+        raise CalibrationError(f"L2 sensitivity must be finite and > 0, got {sensitivity!r}")
+
+
+def _log_delta(z: float, epsilon: float) -> float:
+    """``log delta`` of the Gaussian mechanism with noise multiplier ``z`` at ``epsilon``.
+
+    With ``a = 1/(2z) - epsilon z`` and ``b = a - 1/z``,
+    ``delta = Phi(a) - e^eps Phi(b) = Phi(a) * (1 - exp(r))`` where
+    ``r = eps + log Phi(b) - log Phi(a) < 0``.
+
+    Computing r from three logs cancels catastrophically when delta << Phi(a)
+    (small epsilon with tiny delta: both log Phi are about -100 while r is about
+    -1e-6). Writing ``Phi(x) = erfcx(-x/sqrt 2) exp(-x^2/2) / 2`` and using
+    ``(b^2 - a^2)/2 = epsilon`` (expand b = a - 1/z), the epsilon cancels exactly:
+    ``r = log erfcx(-b/sqrt 2) - log erfcx(-a/sqrt 2)``, a difference of two smooth,
+    well-conditioned terms. erfcx(-x/sqrt 2) grows like 2 exp(x^2/2) for x > 0, so
+    that form is only used while it cannot overflow (a below 20); above, Phi(a) is
+    1 to within 1e-88 and the direct form has nothing to cancel against.
+    """
+    a = 0.5 / z - epsilon * z
+    b = a - 1.0 / z
+    log_phi_a = float(log_ndtr(a))
+    if a < 20.0:
+        log_ratio = float(np.log(erfcx(-b * _INV_SQRT2)) - np.log(erfcx(-a * _INV_SQRT2)))
+    else:
+        log_ratio = epsilon + float(log_ndtr(b)) - log_phi_a
+    # The divergence is strictly positive for finite z, so r < 0 mathematically; r >= 0
+    # can only be rounding when delta is negligible even next to Phi(a) * 1e-16.
+    if log_ratio >= 0.0:
+        return -math.inf
+    # log(1 - e^r): log1p(-exp(r)) is accurate for r < -log 2, log(-expm1(r)) above.
+    if log_ratio > -_LOG2:
+        return log_phi_a + math.log(-math.expm1(log_ratio))
+    return log_phi_a + math.log1p(-math.exp(log_ratio))
+
+
+def analytic_gaussian_delta(sigma: float, epsilon: float, sensitivity: float = 1.0) -> float:
+    """Exact delta at which the Gaussian mechanism is (epsilon, delta)-DP (Balle & Wang, Thm 8).
+
+    Parameters
+    ----------
+    sigma : float
+        Noise standard deviation, ``> 0``.
+    epsilon : float
+        ``>= 0`` and finite.
+    sensitivity : float
+        L2 sensitivity, ``> 0``.
+
+    Returns
+    -------
+    float
+        ``Phi(Delta/(2 sigma) - eps sigma/Delta) - e^eps Phi(-Delta/(2 sigma) - eps sigma/Delta)``.
+    """
+    _check_sensitivity(sensitivity)
+    if not (math.isfinite(sigma) and sigma > 0):
+        raise CalibrationError(f"sigma must be finite and > 0, got {sigma!r}")
+    if math.isnan(epsilon) or not 0 <= epsilon < math.inf:
+        raise CalibrationError(f"epsilon must be finite and >= 0, got {epsilon!r}")
+    return math.exp(_log_delta(sigma / sensitivity, epsilon))
+
+
+def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
+    """Classic Gaussian calibration ``Delta * sqrt(2 ln(1.25/delta)) / epsilon``.
+
+    Raises
+    ------
+    CalibrationError
+        If ``epsilon >= 1`` (the tail bound behind the formula does not hold there;
+        use the analytic calibration), or any parameter is out of range.
+    """
+    _check_finite_params(epsilon, delta)
+    _check_sensitivity(sensitivity)
+    if epsilon >= 1:
+        raise CalibrationError(
+            f"the classic Gaussian calibration is only valid for epsilon < 1, got epsilon="
+            f"{epsilon!r}; use the analytic Gaussian mechanism (calibration='analytic'), "
+            "which is valid for every epsilon > 0"
+        )
+    return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
+
+
+def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
+    """Smallest sigma making the Gaussian mechanism (epsilon, delta)-DP (Balle & Wang, Thm 8).
+
+    Parameters
+    ----------
+    epsilon : float
+        Finite, ``> 0``.
+    delta : float
+        In ``(0, 1)``.
+    sensitivity : float
+        L2 sensitivity, ``> 0``.
+
+    Returns
+    -------
+    float
+        sigma with ``analytic_gaussian_delta(sigma, epsilon, sensitivity) <= delta`` and
+        equal to it up to a few ulps of sigma.
+
+    Raises
+    ------
+    CalibrationError
+        If a parameter is out of range.
+    """
+    _check_finite_params(epsilon, delta)
+    _check_sensitivity(sensitivity)
+    log_target = math.log(delta)
+
+    def excess(z: float) -> float:
+        return _log_delta(z, epsilon) - log_target
+
+    # delta(z) falls monotonically from 1 (z -> 0) to 0 (z -> inf), so doubling and
+    # halving from z = 1 brackets the unique root.
+    # One of the two loops leaves its end at 1, the other moves it, so lo < hi.
+    lo = hi = 1.0
+    while excess(lo) <= 0:
+        lo /= 2.0
+    while excess(hi) > 0:
+        hi *= 2.0
+    z = float(brentq(excess, lo, hi, xtol=1e-300, rtol=_RTOL, maxiter=500))
+    for _ in range(_MAX_ULP_STEPS):
+        if excess(z) <= 0:
+            break
+        z = math.nextafter(z, math.inf)
+    else:  # pragma: no cover - brentq's bracket is a few ulps wide
+        raise CalibrationError(
+            f"analytic calibration did not converge for epsilon={epsilon!r}, delta={delta!r}"
+        )
+    return z * sensitivity
+
+
+def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
+    """Smallest epsilon for which one Gaussian release with this ``z`` is (epsilon, delta)-DP.
+
+    The inverse of the analytic calibration: ``gaussian_epsilon(analytic_gaussian_sigma(e, d), d)``
+    is ``e`` up to root-finding precision. ``z = 0`` gives ``inf``.
+
+    Raises
+    ------
+    CalibrationError
+        If ``noise_multiplier < 0`` or delta is outside ``(0, 1)``.
+    """
+    if math.isnan(delta) or not 0 < delta < 1:
+        raise CalibrationError(f"delta must be in (0, 1), got {delta!r}")
+    z = noise_multiplier
+    if not (math.isfinite(z) and z >= 0):
+        raise CalibrationError(f"noise_multiplier must be finite and >= 0, got {z!r}")
+    if z == 0:
+        return math.inf
+    log_target = math.log(delta)
+
+    def excess(epsilon: float) -> float:
+        return _log_delta(z, epsilon) - log_target
+
+    # delta is decreasing in epsilon; if even epsilon = 0 meets the target, the release
+    # is (0, delta)-DP.
+    if excess(0.0) <= 0:
+        return 0.0
+    hi = 1.0
+    while excess(hi) > 0:
+        hi *= 2.0
+    eps = float(brentq(excess, 0.0, hi, xtol=1e-300, rtol=_RTOL, maxiter=500))
+    for _ in range(_MAX_ULP_STEPS):
+        if excess(eps) <= 0:
+            break
+        eps = math.nextafter(eps, math.inf)
+    return eps
+
+
+def calibrate_noise_multiplier(
+    epsilon: float, delta: float, calibration: Calibration | str = Calibration.ANALYTIC
+) -> float:
+    """Noise multiplier ``z = sigma / Delta`` of a single (epsilon, delta) Gaussian release.
+
+    ``epsilon = inf`` returns ``0.0``: no noise, the NOT PRIVATE verification mode
+    (whatever the calibration, since no calibration is involved).
+
+    Raises
+    ------
+    CalibrationError
+        If the parameters are out of range for the chosen calibration.
+    """
+    try:
+        method = Calibration(calibration)
+    except ValueError:
+        choices = ", ".join(c.value for c in Calibration)
+        raise CalibrationError(
+            f"unknown calibration {calibration!r}; choose one of {choices}"
+        ) from None
+    if math.isinf(epsilon) and epsilon > 0:
+        logger.warning("epsilon = inf: no noise will be added, the release is NOT PRIVATE")
+        return 0.0
+    if method is Calibration.CLASSIC:
+        return classic_gaussian_sigma(epsilon, delta)
+    return analytic_gaussian_sigma(epsilon, delta)
+
+
+def calibrate_sigma(
+    epsilon: float,
+    delta: float,
+    sensitivity: float,
+    calibration: Calibration | str = Calibration.ANALYTIC,
+) -> float:
+    """sigma of a single (epsilon, delta) Gaussian release with this L2 sensitivity.
+
+    See :func:`calibrate_noise_multiplier`; ``epsilon = inf`` gives ``0.0``.
+    """
+    _check_sensitivity(sensitivity)
+    return calibrate_noise_multiplier(epsilon, delta, calibration) * sensitivity

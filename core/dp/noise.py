@@ -1,0 +1,310 @@
+"""Gaussian noise on the fixed-point integer grid.
+
+The proxy adds noise to *encrypted fixed-point integers* (real value x 2^frac_bits),
+so the noise itself must be an integer. Rounding a floating-point Gaussian sample
+is not safe: floating-point samplers leave the noiseless value recoverable from the
+low-order bits of the output (Mironov 2012). We therefore sample an exact
+**discrete Gaussian** N_Z(0, sigma^2), P[Y = y] proportional to exp(-y^2 / (2 sigma^2)),
+with OpenDP's implementation of the Canonne-Kamath-Steinke sampler, which uses only
+integer/rational arithmetic and the operating system's cryptographic RNG.
+docs/privacy.md states the privacy claim relied on and its conditions.
+
+Every draw is checked against :func:`noise_headroom`, the public bound used to size
+packed slots; a value beyond it raises :class:`~fedpca.errors.EncodingOverflowError`
+instead of being allowed to carry into the neighbouring slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedpca.errors import ConfigError, EncodingOverflowError
+
+__all__ = [
+    "DiscreteGaussianSampler",
+    "NoiseSampler",
+    "TestOnlySeededSampler",
+    "integer_grid_sensitivity",
+    "mirror_upper_triangle",
+    "noise_headroom",
+    "symmetric_noise",
+    "upper_triangle_length",
+    "vector_noise",
+]
+
+logger = logging.getLogger(__name__)
+
+IntArray = NDArray[np.int64]
+
+# OpenDP's i64 addition saturates at the type's limits instead of failing; refusing
+# any bound above 2^62 keeps every draw far from that edge.
+_MAX_SUPPORTED_BOUND = 1 << 62
+
+
+@runtime_checkable
+class NoiseSampler(Protocol):
+    """Source of i.i.d. integer Gaussian noise.
+
+    Implementations return ``size`` independent draws of (a distribution equal to,
+    or for tests approximating) the discrete Gaussian N_Z(0, sigma_int^2).
+    """
+
+    def sample(self, sigma_int: float, size: int) -> IntArray:
+        """Draw ``size`` values with scale ``sigma_int`` (> 0, integer units)."""
+        ...
+
+
+class DiscreteGaussianSampler:
+    """Production sampler: exact discrete Gaussian from OpenDP, OS randomness.
+
+    Uses ``opendp.measurements.make_gaussian`` on an ``i64`` vector domain (``T="i64"``
+    matters: the default integer type is 32-bit and saturates). OpenDP draws its
+    randomness from the operating system's CSPRNG; there is deliberately no seed.
+    """
+
+    def sample(self, sigma_int: float, size: int) -> IntArray:
+        _check_sigma_int(sigma_int)
+        if size < 0:
+            raise ConfigError(f"noise size must be >= 0, got {size!r}")
+        if size == 0:
+            return np.zeros(0, dtype=np.int64)
+        # Imported here: opendp loads a native library and is needed only by the
+        # role that adds noise (the proxy), not by every import of fedpca.dp.
+        import opendp.prelude as dp
+
+        dp.enable_features("contrib")
+        measurement = dp.m.make_gaussian(
+            dp.vector_domain(dp.atom_domain(T="i64"), size=size),
+            dp.l2_distance(T="i64"),
+            scale=float(sigma_int),
+        )
+        # Adding noise to zeros yields the noise itself; the proxy then adds it to the
+        # encrypted statistics homomorphically.
+        return np.asarray(measurement([0] * size), dtype=np.int64)
+
+
+class TestOnlySeededSampler:
+    """TEST ONLY: reproducible, *insecure* approximation of the discrete Gaussian.
+
+    Rounds numpy floating-point normal draws from a seeded generator. Both the seed
+    and floating-point sampling (Mironov 2012) destroy the privacy guarantee: this
+    class exists so that tests are deterministic and fast. Production code never
+    constructs it; tests inject it where a :class:`NoiseSampler` is accepted.
+
+    Parameters
+    ----------
+    seed : int
+        Seed of the numpy generator.
+    """
+
+    # Keep pytest from trying to collect this class as a test case.
+    __test__ = False
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def sample(self, sigma_int: float, size: int) -> IntArray:
+        _check_sigma_int(sigma_int)
+        if size < 0:
+            raise ConfigError(f"noise size must be >= 0, got {size!r}")
+        return np.rint(self._rng.normal(0.0, sigma_int, size)).astype(np.int64)
+
+
+def _check_sigma_int(sigma_int: float) -> None:
+    if not (math.isfinite(sigma_int) and sigma_int > 0):
+        raise ConfigError(f"sigma_int must be finite and > 0, got {sigma_int!r}")
+
+
+def noise_headroom(sigma_int: float, *, security_bits: int = 100, n_values: int = 1) -> int:
+    """Integer B with P(|Z| > B) < 2^-security_bits for each of ``n_values`` draws jointly.
+
+    Derivation. The continuous Gaussian X ~ N(0, s^2) has the Chernoff tail
+    P(|X| > t) <= 2 exp(-t^2 / (2 s^2)). The discrete Gaussian N_Z(0, s^2) is
+    subgaussian with the same parameter (Canonne, Kamath & Steinke 2020:
+    E[exp(lambda Y)] <= exp(lambda^2 s^2 / 2)), so the same bound holds for it.
+    Requiring n * 2 exp(-t^2 / (2 s^2)) <= 2^-k (a union bound over n draws) gives
+    t = s * sqrt(2 ln(n * 2^(k+1))). Rounding a continuous draw (the test-only
+    sampler) moves it by at most 1/2, and ceil + 1 absorbs that as well as float
+    error in t, so B = ceil(t) + 1 holds for every sampler in this module with a
+    strict inequality.
+
+    Parameters
+    ----------
+    sigma_int : float
+        Noise scale in integer (fixed-point) units; ``0`` means no noise and gives 0.
+    security_bits : int
+        k: the failure probability is below ``2**-k``.
+    n_values : int
+        Number of draws the bound must cover at once (1 = per value).
+
+    Returns
+    -------
+    int
+        The bound B, also the headroom packed slots must reserve for noise.
+    """
+    if not (math.isfinite(sigma_int) and sigma_int >= 0):
+        raise ConfigError(f"sigma_int must be finite and >= 0, got {sigma_int!r}")
+    if security_bits < 1:
+        raise ConfigError(f"security_bits must be >= 1, got {security_bits!r}")
+    if n_values < 1:
+        raise ConfigError(f"n_values must be >= 1, got {n_values!r}")
+    if sigma_int == 0:
+        return 0
+    log_inverse_failure = math.log(n_values) + (security_bits + 1) * math.log(2.0)
+    return math.ceil(sigma_int * math.sqrt(2.0 * log_inverse_failure)) + 1
+
+
+def integer_grid_sensitivity(l2_sensitivity: float, frac_bits: int, n_rounded: int) -> float:
+    """L2 sensitivity of the fixed-point integer query, rounding included.
+
+    The integer query is q_int = round(q * 2^f) coordinate-wise (per owner, before
+    any noise). Couple the rounding coins of two neighbouring datasets (stochastic
+    rounding of x is distributed as floor(x + U), U uniform on [0, 1)): then each
+    rounded coordinate differs by less than |u_i| 2^f + 1, where u is the real-valued
+    difference, and by the triangle inequality
+    ||q_int(D) - q_int(D')||_2 <= ||u||_2 2^f + sqrt(n_rounded).
+    For each fixed coin value the Gaussian mechanism with this sensitivity is DP,
+    and the hockey-stick divergence is jointly convex, so the mixture over coins is
+    too. Nearest rounding is the special case U = 1/2.
+
+    Parameters
+    ----------
+    l2_sensitivity : float
+        Sensitivity Delta of the real-valued released vector.
+    frac_bits : int
+        f, fixed-point fractional bits.
+    n_rounded : int
+        Number of released coordinates that went through rounding (0 if the values
+        are integers already, e.g. a plain count).
+
+    Returns
+    -------
+    float
+        ``Delta * 2^f + sqrt(n_rounded)``, rounded up by one ulp.
+    """
+    if not (math.isfinite(l2_sensitivity) and l2_sensitivity > 0):
+        raise ConfigError(f"l2_sensitivity must be finite and > 0, got {l2_sensitivity!r}")
+    if frac_bits < 0:
+        raise ConfigError(f"frac_bits must be >= 0, got {frac_bits!r}")
+    if n_rounded < 0:
+        raise ConfigError(f"n_rounded must be >= 0, got {n_rounded!r}")
+    exact_scaled = math.ldexp(l2_sensitivity, frac_bits)  # exact: power-of-two scaling
+    return math.nextafter(exact_scaled + math.sqrt(n_rounded), math.inf)
+
+
+def vector_noise(
+    size: int,
+    sigma_int: float,
+    *,
+    sampler: NoiseSampler | None = None,
+    bound: int | None = None,
+) -> IntArray:
+    """``size`` i.i.d. integer Gaussian noise values of scale ``sigma_int``.
+
+    Parameters
+    ----------
+    size : int
+        Number of values.
+    sigma_int : float
+        Scale in fixed-point integer units (sigma x 2^frac_bits). ``0`` returns zeros:
+        the NOT PRIVATE verification mode (epsilon = inf).
+    sampler : NoiseSampler, optional
+        Defaults to the production :class:`DiscreteGaussianSampler`.
+    bound : int, optional
+        Largest |value| allowed; defaults to ``noise_headroom(sigma_int)``. Must equal
+        the headroom the packed slots were sized with.
+
+    Returns
+    -------
+    ndarray of int64, shape (size,)
+
+    Raises
+    ------
+    EncodingOverflowError
+        If a draw exceeds ``bound`` (never wrapped or clipped), or the bound is too
+        large for 64-bit sampling.
+    """
+    if size < 0:
+        raise ConfigError(f"noise size must be >= 0, got {size!r}")
+    if not (math.isfinite(sigma_int) and sigma_int >= 0):
+        raise ConfigError(f"sigma_int must be finite and >= 0, got {sigma_int!r}")
+    if sigma_int == 0:
+        logger.warning("sigma_int = 0: adding no noise, the release is NOT PRIVATE")
+        return np.zeros(size, dtype=np.int64)
+    limit = noise_headroom(sigma_int) if bound is None else bound
+    if limit > _MAX_SUPPORTED_BOUND:
+        raise EncodingOverflowError(
+            f"noise bound {limit} for sigma_int={sigma_int!r} exceeds 2^62, the range the "
+            "64-bit sampler supports; use fewer frac_bits"
+        )
+    if limit < 0:
+        raise ConfigError(f"noise bound must be >= 0, got {limit!r}")
+    chosen = DiscreteGaussianSampler() if sampler is None else sampler
+    noise = np.asarray(chosen.sample(sigma_int, size), dtype=np.int64)
+    if noise.shape != (size,):
+        raise ConfigError(f"sampler returned shape {noise.shape}, expected ({size},)")
+    if size:
+        worst = int(np.max(np.abs(noise)))
+        if worst > limit:
+            index = int(np.argmax(np.abs(noise)))
+            raise EncodingOverflowError(
+                f"noise draw {int(noise[index])} at index {index} exceeds the slot headroom "
+                f"{limit} (sigma_int={sigma_int!r}); refusing rather than wrapping"
+            )
+    return noise
+
+
+def upper_triangle_length(dim: int) -> int:
+    """Number of entries i <= j of a ``dim x dim`` matrix: ``dim (dim + 1) / 2``."""
+    if dim < 0:
+        raise ConfigError(f"matrix dimension must be >= 0, got {dim!r}")
+    return dim * (dim + 1) // 2
+
+
+def symmetric_noise(
+    dim: int,
+    sigma_int: float,
+    *,
+    sampler: NoiseSampler | None = None,
+    bound: int | None = None,
+) -> IntArray:
+    """Noise for a symmetric ``dim x dim`` matrix, as its upper triangle.
+
+    The entries i <= j (diagonal included) are i.i.d. with scale ``sigma_int``; the
+    lower triangle is their mirror image (Wang & Chang's E). Returned in row-major
+    order of the upper triangle, the order of ``numpy.triu_indices(dim)``, which is
+    the order in which the scatter upper triangle is released.
+
+    Parameters and errors as in :func:`vector_noise`.
+
+    Returns
+    -------
+    ndarray of int64, shape (dim (dim + 1) / 2,)
+    """
+    return vector_noise(upper_triangle_length(dim), sigma_int, sampler=sampler, bound=bound)
+
+
+def mirror_upper_triangle(upper: NDArray[np.generic], dim: int) -> NDArray[np.generic]:
+    """Full symmetric ``dim x dim`` matrix from its row-major upper triangle (i <= j).
+
+    Raises
+    ------
+    ConfigError
+        If ``upper`` does not have ``dim (dim + 1) / 2`` entries.
+    """
+    values = np.asarray(upper)
+    expected = upper_triangle_length(dim)
+    if values.shape != (expected,):
+        raise ConfigError(
+            f"upper triangle of a {dim}x{dim} matrix needs shape ({expected},), got {values.shape}"
+        )
+    rows, cols = np.triu_indices(dim)
+    full = np.zeros((dim, dim), dtype=values.dtype)
+    full[rows, cols] = values
+    full[cols, rows] = values
+    return full
