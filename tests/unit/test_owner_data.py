@@ -37,13 +37,13 @@ class TestCsv:
         np.testing.assert_array_equal(y, [1, -1])
         x2, y2 = load_table(path, label_column="f2")
         np.testing.assert_array_equal(x2, [[1, 0.5], [-1, 2]])
-        np.testing.assert_array_equal(y2, [0.25, 3])  # type: ignore[arg-type]
+        np.testing.assert_array_equal(y2, [0.25, 3])
 
     def test_label_column_anywhere_including_negative(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "1,2,3\n4,5,6\n")
         x, y = load_table(path, label_column=-1)
         np.testing.assert_array_equal(x, [[1, 2], [4, 5]])
-        np.testing.assert_array_equal(y, [3, 6])  # type: ignore[arg-type]
+        np.testing.assert_array_equal(y, [3, 6])
         x, y = load_table(path, label_column=1)
         np.testing.assert_array_equal(x, [[1, 3], [4, 6]])
         with pytest.raises(DataError, match="label column 3 is out of range for 3 columns"):
@@ -119,7 +119,7 @@ class TestNpy:
         np.save(tmp_path / "t.npy", table)
         x, y = load_table(tmp_path / "t.npy", label_column=0, n_features=2)
         np.testing.assert_array_equal(x, table[:, 1:])
-        np.testing.assert_array_equal(y, [1, -1])  # type: ignore[arg-type]
+        np.testing.assert_array_equal(y, [1, -1])
         assert x.dtype == np.float64
 
     def test_errors(self, tmp_path: Path) -> None:
@@ -148,7 +148,7 @@ class TestParquet:
         pq.write_table(table, tmp_path / "t.parquet")
         x, y = load_table(tmp_path / "t.parquet", label_column="cls", n_features=2)
         np.testing.assert_array_equal(x, [[0.5, 0.25], [2, 3]])
-        np.testing.assert_array_equal(y, [1, -1])  # type: ignore[arg-type]
+        np.testing.assert_array_equal(y, [1, -1])
 
     def test_null_and_text_columns(self, tmp_path: Path) -> None:
         pq.write_table(pa.table({"a": [1.0, None, 3.0], "b": [1, 2, 3]}), tmp_path / "n.parquet")

@@ -83,7 +83,9 @@ class TestScaling:
         bounds = FeatureBounds((0.0, -10.0), (4.0, 10.0))
         x = np.array([[0.0, -10.0], [4.0, 10.0], [2.0, 0.0], [1.0, 5.0]])
         np.testing.assert_allclose(
-            scale_to_unit_box(x, bounds), [[-1, -1], [1, 1], [0, 0], [-0.5, 0.5]], atol=1e-15
+            scale_to_unit_box(x, bounds),
+            np.array([[-1, -1], [1, 1], [0, 0], [-0.5, 0.5]]),
+            atol=1e-15,
         )
 
     def test_out_of_bounds_clip(self) -> None:

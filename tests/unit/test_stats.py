@@ -192,7 +192,7 @@ class TestSensitivityHolds:
 class TestVectorRoundTrip:
     def test_upper_triangle_is_row_major(self) -> None:
         r = np.array([[1.0, 2.0, 3.0], [2.0, 4.0, 5.0], [3.0, 5.0, 6.0]])
-        stats = SufficientStatistics(r, [7.0, 8.0, 9.0], 10.0)
+        stats = SufficientStatistics(r, np.array([7.0, 8.0, 9.0]), 10.0)
         vec = stats.to_vector(StatisticsSpec(PCA, 3))
         np.testing.assert_array_equal(vec, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 
@@ -254,7 +254,7 @@ class TestSufficientStatistics:
         dca_pooled = _dca_stats(np.vstack([a, b]), np.concatenate([ya, yb]), labels)
         assert dca.class_sums is not None and dca_pooled.class_sums is not None
         np.testing.assert_allclose(dca.class_sums, dca_pooled.class_sums, rtol=1e-12)
-        np.testing.assert_array_equal(dca.class_counts, dca_pooled.class_counts)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(dca.class_counts, dca_pooled.class_counts)
 
     def test_dimension_mismatch_on_addition(self) -> None:
         a = SufficientStatistics(np.eye(3), np.zeros(3), 1.0)

@@ -1,0 +1,323 @@
+"""PCA / DCA from sufficient statistics against scikit-learn and a direct reference."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.linalg
+from sklearn.decomposition import PCA
+
+from fedpca.analyst.solvers import (
+    DCAComponentsWarning,
+    dca_from_statistics,
+    pca_from_statistics,
+)
+from fedpca.errors import ConfigError, DataError
+from fedpca.owner.data import load_table
+from fedpca.owner.preprocess import FeatureBounds, preprocess
+from fedpca.owner.statistics import local_statistics
+from fedpca.query import QueryKind
+from fedpca.stats import StatisticsSpec, SufficientStatistics, sum_statistics
+
+DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
+needs_datasets = pytest.mark.skipif(
+    not DATASETS.is_dir(), reason=f"shared datasets not found at {DATASETS}"
+)
+
+_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _dataset(name: str) -> tuple[np.ndarray, np.ndarray]:
+    if name not in _CACHE:
+        x, y = load_table(DATASETS / f"{name}.csv", label_column=0)
+        assert y is not None
+        _CACHE[name] = (x, y)
+    return _CACHE[name]
+
+
+def _rows(name: str, how: str) -> tuple[np.ndarray, float]:
+    """Real rows, prepared as an owner would, and the clip norm they satisfy."""
+    x, _ = _dataset(name)
+    if how == "clip":
+        return preprocess(x, None, clip_norm=1.0), 1.0
+    if how == "bounds":
+        # Test-only bounds from the data: enough to exercise the scaling path.
+        bounds = FeatureBounds.from_arrays(x.min(axis=0) - 1.0, x.max(axis=0) + 1.0)
+        return preprocess(x, bounds, clip_norm=2.0), 2.0
+    # "raw": unscaled rows under a clip large enough to leave them untouched.
+    return x, float(np.linalg.norm(x, axis=1).max()) * 1.01
+
+
+def _owner_stats(x: np.ndarray, spec: StatisticsSpec, n_owners: int, seed: int = 0) -> list:
+    order = np.random.default_rng(seed).permutation(len(x))
+    cuts = np.sort(np.random.default_rng(seed + 1).choice(np.arange(1, len(x)), n_owners - 1))
+    return [local_statistics(x[part], None, spec) for part in np.split(order, cuts)]
+
+
+def _assert_matches_sklearn(x: np.ndarray, stats: SufficientStatistics, k: int) -> None:
+    ref = PCA(n_components=k, svd_solver="covariance_eigh").fit(x)
+    ours = pca_from_statistics(stats, n_components=k)
+    scale = float(ref.explained_variance_[0])
+    np.testing.assert_allclose(ours.mean, ref.mean_, rtol=1e-10, atol=1e-12 * np.abs(x).max())
+    np.testing.assert_allclose(
+        ours.explained_variance, ref.explained_variance_, rtol=1e-10, atol=1e-12 * scale
+    )
+    np.testing.assert_allclose(
+        ours.explained_variance_ratio, ref.explained_variance_ratio_, rtol=1e-10, atol=1e-14
+    )
+    np.testing.assert_allclose(
+        ours.singular_values, ref.singular_values_, rtol=1e-10, atol=1e-12 * ref.singular_values_[0]
+    )
+    assert ours.noise_variance == pytest.approx(ref.noise_variance_, rel=1e-9, abs=1e-12 * scale)
+    assert ours.n_samples == ref.n_samples_
+    # Same deterministic sign convention, so components match with their signs.
+    np.testing.assert_allclose(ours.components, ref.components_, atol=1e-9)
+
+
+@needs_datasets
+@pytest.mark.parametrize(
+    ("name", "how", "k"),
+    [
+        ("ionosphere", "clip", 5),
+        ("ionosphere", "raw", 5),
+        ("australian", "clip", 4),
+        ("australian", "bounds", 4),
+        ("diabetes", "raw", 4),
+        ("diabetes", "bounds", 4),
+        ("german", "clip", 6),
+        ("madelon", "bounds", 5),
+    ],
+)
+def test_pca_equals_sklearn_covariance_eigh(name: str, how: str, k: int) -> None:
+    x, clip = _rows(name, how)
+    spec = StatisticsSpec(QueryKind.PCA, x.shape[1], clip)
+    _assert_matches_sklearn(x, local_statistics(x, None, spec), k)
+
+
+@needs_datasets
+@pytest.mark.parametrize(("name", "n_owners"), [("ionosphere", 3), ("german", 5), ("diabetes", 7)])
+def test_pca_of_summed_owner_statistics_equals_sklearn_on_pooled_rows(
+    name: str, n_owners: int
+) -> None:
+    x, clip = _rows(name, "clip")
+    spec = StatisticsSpec(QueryKind.PCA, x.shape[1], clip)
+    parts = _owner_stats(x, spec, n_owners)
+    assert len(parts) == n_owners
+    total = sum_statistics(parts)
+    _assert_matches_sklearn(x, total, 5)
+    # The released vector round trip (what the analyst decrypts) changes nothing.
+    decoded = SufficientStatistics.from_vector(spec, total.to_vector(spec))
+    _assert_matches_sklearn(x, decoded, 5)
+
+
+def test_matrix_call_form_equals_statistics_call_form() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(60, 4)) @ rng.normal(size=(4, 4))
+    stats = SufficientStatistics(x.T @ x, x.sum(axis=0), len(x))
+    a = pca_from_statistics(stats, n_components=2)
+    b = pca_from_statistics(x.T @ x, x.sum(axis=0), len(x), 2)
+    np.testing.assert_array_equal(a.components, b.components)
+    np.testing.assert_array_equal(a.explained_variance, b.explained_variance)
+    assert pca_from_statistics(stats).n_components == 4
+    np.testing.assert_allclose(a.components @ a.components.T, np.eye(2), atol=1e-12)
+
+
+def test_negative_eigenvalues_of_a_noisy_matrix_are_clipped() -> None:
+    rng = np.random.default_rng(11)
+    m = 6
+    x = preprocess(rng.normal(size=(30, m)) * np.array([3, 1, 0.3, 0.1, 0.1, 0.1]), None, 1.0)
+    spec = StatisticsSpec(QueryKind.PCA, m)
+    vec = local_statistics(x, None, spec).to_vector(spec)
+    noisy = SufficientStatistics.from_vector(spec, vec + rng.normal(scale=2.0, size=vec.shape))
+    # Independent eigenvalues of the noisy covariance.
+    n = noisy.count
+    cov = (noisy.scatter - np.outer(noisy.sums, noisy.sums) / n) / (n - 1)
+    expected = np.sort(np.linalg.eigvalsh(cov))[::-1]
+    assert (expected < 0).sum() >= 2, "the noise must make the covariance indefinite"
+
+    result = pca_from_statistics(noisy, n_components=m)
+    assert (result.explained_variance >= 0).all()
+    positive = expected > 0
+    np.testing.assert_allclose(result.explained_variance[positive], expected[positive], rtol=1e-10)
+    assert (result.explained_variance[~positive] == 0).all()
+    assert (result.singular_values[~positive] == 0).all()
+    # Ratios are over the sum of the clipped eigenvalues, so they sum to one over all M.
+    assert result.explained_variance_ratio.sum() == pytest.approx(1.0, rel=1e-12)
+    np.testing.assert_allclose(
+        result.explained_variance_ratio[positive], expected[positive] / expected[positive].sum()
+    )
+    np.testing.assert_allclose(result.components @ result.components.T, np.eye(m), atol=1e-10)
+    top = np.abs(result.components).argmax(axis=1)
+    assert (result.components[np.arange(m), top] > 0).all()
+
+
+@pytest.mark.parametrize("count", [1.0, 0.3, -5.0, np.nan])
+def test_noisy_count_at_most_one_is_refused(count: float) -> None:
+    with pytest.raises(DataError, match="at least two records"):
+        pca_from_statistics(np.eye(3), np.zeros(3), count, 1)
+
+
+def test_pca_argument_errors() -> None:
+    stats = SufficientStatistics(np.eye(3), np.zeros(3), 10)
+    with pytest.raises(ConfigError, match=r"n_components must be in \[1, 3\]"):
+        pca_from_statistics(stats, n_components=4)
+    with pytest.raises(ConfigError, match="either"):
+        pca_from_statistics(stats, np.zeros(3), 10.0)
+    with pytest.raises(ConfigError, match="required"):
+        pca_from_statistics(np.eye(3), n_components=1)
+    with pytest.raises(DataError, match="not symmetric"):
+        pca_from_statistics(np.triu(np.ones((3, 3))), np.zeros(3), 10, 1)
+    with pytest.raises(DataError, match=r"shape \(3,\)"):
+        pca_from_statistics(np.eye(3), np.zeros(2), 10, 1)
+
+
+# --- DCA ----------------------------------------------------------------------
+
+
+def _reference_dca(
+    x: np.ndarray, y: np.ndarray, k: int, rho: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Kung's DCA straight from pooled rows: scatter matrices built from the data."""
+    mu = x.mean(axis=0)
+    m = x.shape[1]
+    s_w = np.zeros((m, m))
+    s_b = np.zeros((m, m))
+    for label in np.unique(y):
+        xc = x[y == label]
+        mu_c = xc.mean(axis=0)
+        s_w += (xc - mu_c).T @ (xc - mu_c)
+        s_b += len(xc) * np.outer(mu_c - mu, mu_c - mu)
+    if rho is None:
+        rho = 0.02 * np.linalg.eigvalsh(s_w).max()
+    rho_prime = 0.1 * rho
+    values, vectors = scipy.linalg.eigh(
+        s_b + s_w + (rho + rho_prime) * np.eye(m), s_w + rho * np.eye(m)
+    )
+    idx = np.argsort(values)[::-1][:k]
+    w = vectors[:, idx].T
+    return w / np.linalg.norm(w, axis=1, keepdims=True), values[idx]
+
+
+def _assert_same_directions(ours: np.ndarray, ref: np.ndarray, atol: float) -> None:
+    # Unit vectors; compare up to sign.
+    signs = np.sign(np.sum(ours * ref, axis=1))
+    np.testing.assert_allclose(ours, ref * signs[:, None], atol=atol)
+
+
+@needs_datasets
+@pytest.mark.parametrize(
+    ("name", "n_owners"), [("ionosphere", 1), ("australian", 4), ("german", 3)]
+)
+def test_dca_equals_reference_on_real_rows(name: str, n_owners: int) -> None:
+    x_raw, y = _dataset(name)
+    x = preprocess(x_raw, None, clip_norm=1.0)
+    labels = (-1.0, 1.0)
+    spec = StatisticsSpec(QueryKind.DCA, x.shape[1], 1.0, labels)
+    parts = np.array_split(np.random.default_rng(2).permutation(len(x)), n_owners)
+    stats = sum_statistics([local_statistics(x[p], y[p], spec) for p in parts])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DCAComponentsWarning)
+        result = dca_from_statistics(stats, n_components=1)
+    ref_w, ref_values = _reference_dca(x, y, 1)
+    _assert_same_directions(result.components, ref_w, atol=1e-7)
+    np.testing.assert_allclose(result.eigenvalues, ref_values, rtol=1e-8)
+    np.testing.assert_allclose(result.mean, x.mean(axis=0), atol=1e-12)
+    assert result.n_samples == len(x)
+    assert result.n_discriminant == 1
+
+
+def _three_class_data(seed: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    centres = np.array([[2.0, 0, 0, 0, 0], [0, 2.0, 0, 0, 1.0], [-1.0, -1.0, 1.0, 0, 0]])
+    y = rng.choice([0.0, 1.0, 2.0], size=300)
+    x = centres[y.astype(int)] + rng.normal(size=(300, 5)) * [1.0, 2.0, 0.5, 3.0, 1.0]
+    return preprocess(x, None, clip_norm=4.0), y
+
+
+def test_dca_equals_reference_with_three_classes_and_explicit_rho() -> None:
+    x, y = _three_class_data()
+    spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0))
+    stats = local_statistics(x[:120], y[:120], spec) + local_statistics(x[120:], y[120:], spec)
+    for rho in (None, 5.0):
+        result = dca_from_statistics(stats, n_components=2, rho=rho)
+        ref_w, ref_values = _reference_dca(x, y, 2, rho)
+        _assert_same_directions(result.components, ref_w, atol=1e-8)
+        np.testing.assert_allclose(result.eigenvalues, ref_values, rtol=1e-9)
+        np.testing.assert_allclose(np.linalg.norm(result.components, axis=1), 1.0)
+        top = np.abs(result.components).argmax(axis=1)
+        assert (result.components[np.arange(2), top] > 0).all()
+    assert result.rho == 5.0 and result.rho_prime == 0.5
+
+
+def test_dca_warns_beyond_c_minus_one_components() -> None:
+    x, y = _three_class_data()
+    spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0))
+    stats = local_statistics(x, y, spec)
+    with pytest.warns(DCAComponentsWarning, match="exceeds C − 1 = 2"):
+        result = dca_from_statistics(stats, n_components=4)
+    assert result.components.shape == (4, 5)
+    # The extra components are still the reference formulation's next eigenvectors.
+    ref_w, _ = _reference_dca(x, y, 4)
+    _assert_same_directions(result.components, ref_w, atol=1e-7)
+
+
+def test_dca_drops_classes_with_count_below_one() -> None:
+    x, y = _three_class_data()
+    y = np.where(y == 2.0, 1.0, y)  # class 2 is empty
+    spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0))
+    stats = local_statistics(x, y, spec)
+    with pytest.warns(DCAComponentsWarning, match="C − 1 = 1"):
+        result = dca_from_statistics(stats, n_components=2)
+    ref_w, _ = _reference_dca(x, y, 2)
+    _assert_same_directions(result.components, ref_w, atol=1e-7)
+    assert result.n_discriminant == 1
+
+    assert stats.class_sums is not None and stats.class_counts is not None
+    lonely = SufficientStatistics.for_classes(
+        stats.scatter, stats.class_sums, stats.class_counts * [1.0, 0.0, 0.0]
+    )
+    with pytest.raises(DataError, match="at least two classes"):
+        dca_from_statistics(lonely, n_components=1)
+
+
+def test_dca_on_noisy_statistics_stays_well_defined() -> None:
+    x, y = _three_class_data()
+    labels = (0.0, 1.0, 2.0)
+    spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, labels)
+    vec = local_statistics(x[:40], y[:40], spec).to_vector(spec)
+    rng = np.random.default_rng(9)
+    noisy = SufficientStatistics.from_vector(spec, vec + rng.normal(scale=5.0, size=vec.shape))
+    s_w = noisy.scatter - sum(
+        np.outer(s, s) / c
+        for s, c in zip(noisy.class_sums, noisy.class_counts, strict=True)  # type: ignore[arg-type]
+        if c >= 1
+    )
+    assert np.linalg.eigvalsh(s_w).min() < 0, "noise must make S_W indefinite"
+    result = dca_from_statistics(noisy, n_components=2)
+    assert np.isfinite(result.components).all()
+    np.testing.assert_allclose(np.linalg.norm(result.components, axis=1), 1.0)
+    assert result.rho > 0
+
+
+def test_dca_argument_errors() -> None:
+    pca_stats = SufficientStatistics(np.eye(3), np.zeros(3), 10)
+    with pytest.raises(ConfigError, match="per-class"):
+        dca_from_statistics(pca_stats, n_components=1)
+    x, y = _three_class_data()
+    stats = local_statistics(x, y, StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0)))
+    with pytest.raises(ConfigError, match="n_components"):
+        dca_from_statistics(stats, n_components=6)
+    with pytest.raises(ConfigError, match="rho must be"):
+        dca_from_statistics(stats, n_components=1, rho=-1.0)
+    with pytest.raises(ConfigError, match="rho_prime"):
+        dca_from_statistics(stats, n_components=1, rho_prime=float("nan"))
+    # Every class a single repeated point: S_W = 0, so the default rho is 0 too.
+    pts = np.array([[0.5, 0.0], [0.0, 0.5]])
+    yy = np.array([0.0, 0.0, 1.0, 1.0])
+    flat = local_statistics(pts[[0, 0, 1, 1]], yy, StatisticsSpec(QueryKind.DCA, 2, 1.0, (0, 1)))
+    with pytest.raises(DataError, match="singular"):
+        dca_from_statistics(flat, n_components=1)
+    assert dca_from_statistics(flat, n_components=1, rho=0.1).components.shape == (1, 2)
