@@ -1,0 +1,217 @@
+"""Packed ciphertext vectors: validation, serialisation and homomorphic operations.
+
+Ciphertexts are plain Python ints in Z*_{n^2} (what phe's ``raw_encrypt`` returns and
+``raw_decrypt`` accepts).  Arithmetic runs on gmpy2 integers, which is ~5x faster
+than Python ints at 4096 bits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gmpy2
+
+from ..errors import CiphertextError, EncodingOverflowError, LayoutError
+from .packing import SlotLayout
+
+logger = logging.getLogger(__name__)
+
+
+def ciphertext_byte_length(key_bits: int) -> int:
+    """Bytes of one serialised ciphertext: ``2 * ceil(key_bits / 8)`` (c < n^2)."""
+    return 2 * ((key_bits + 7) // 8)
+
+
+def validate_ciphertexts(ciphertexts: Sequence[int], public_key: Any) -> None:
+    """Check that every ciphertext is an element of Z*_{n^2}.
+
+    Parameters
+    ----------
+    ciphertexts : sequence of int, shape (count,)
+    public_key : phe.paillier.PaillierPublicKey
+
+    Raises
+    ------
+    CiphertextError
+        If some c is not an int, not in [1, n^2), or shares a factor with n (such a
+        c is no Paillier ciphertext, and gcd(c, n) would even reveal a factor of n).
+    """
+    n = gmpy2.mpz(public_key.n)
+    n_square = n * n
+    for index, c in enumerate(ciphertexts):
+        if not isinstance(c, int) or isinstance(c, bool):
+            raise CiphertextError(f"ciphertext {index} is {type(c).__name__}, not an int")
+        if not 1 <= c < n_square:
+            raise CiphertextError(f"ciphertext {index} is outside [1, n^2)")
+        if gmpy2.gcd(c, n) != 1:
+            raise CiphertextError(f"ciphertext {index} is not coprime to n")
+
+
+def ciphertexts_to_bytes(ciphertexts: Sequence[int], public_key: Any) -> bytes:
+    """Serialise ciphertexts as concatenated fixed-length big-endian integers.
+
+    Parameters
+    ----------
+    ciphertexts : sequence of int, shape (count,)
+    public_key : phe.paillier.PaillierPublicKey
+
+    Returns
+    -------
+    bytes, length count * ciphertext_byte_length(key_bits)
+    """
+    n_square = public_key.n * public_key.n
+    width = ciphertext_byte_length(public_key.n.bit_length())
+    for index, c in enumerate(ciphertexts):
+        if not 0 < c < n_square:
+            raise CiphertextError(f"ciphertext {index} is outside [1, n^2)")
+    return b"".join(c.to_bytes(width, "big") for c in ciphertexts)
+
+
+def ciphertexts_from_bytes(data: bytes, public_key: Any, count: int) -> list[int]:
+    """Parse and validate ``count`` ciphertexts written by :func:`ciphertexts_to_bytes`.
+
+    Parameters
+    ----------
+    data : bytes
+    public_key : phe.paillier.PaillierPublicKey
+    count : int
+        Number of ciphertexts the sender must have sent.
+
+    Returns
+    -------
+    list of int, shape (count,)
+
+    Raises
+    ------
+    CiphertextError
+        If ``len(data) != count * width`` or a ciphertext fails validation.
+    """
+    width = ciphertext_byte_length(public_key.n.bit_length())
+    if len(data) != count * width:
+        raise CiphertextError(
+            f"expected {count} ciphertexts of {width} bytes ({count * width} bytes), "
+            f"got {len(data)} bytes"
+        )
+    view = memoryview(data)
+    ciphertexts = [
+        int.from_bytes(view[start : start + width], "big") for start in range(0, len(data), width)
+    ]
+    validate_ciphertexts(ciphertexts, public_key)
+    return ciphertexts
+
+
+@dataclass(frozen=True)
+class PackedCiphertexts:
+    """A vector of packed ciphertexts with its layout and slot bound.
+
+    Parameters
+    ----------
+    public_key : phe.paillier.PaillierPublicKey
+        Key the ciphertexts are under.
+    layout : SlotLayout
+        Slot layout; ``len(ciphertexts) == layout.n_ciphertexts``.
+    ciphertexts : tuple of int, shape (layout.n_ciphertexts,)
+    slot_bound : int
+        Declared bound on |slot value| of every slot.  Homomorphic operations
+        propagate it (sums add bounds, scalar products multiply them) and refuse any
+        result whose bound would exceed ``layout.slot_capacity``, so slots can never
+        wrap silently.
+    """
+
+    public_key: Any
+    layout: SlotLayout
+    ciphertexts: tuple[int, ...]
+    slot_bound: int
+
+    def __post_init__(self) -> None:
+        if self.public_key.n.bit_length() != self.layout.key_bits:
+            raise LayoutError(
+                f"layout is for a {self.layout.key_bits}-bit key, the public key has "
+                f"{self.public_key.n.bit_length()} bits"
+            )
+        if len(self.ciphertexts) != self.layout.n_ciphertexts:
+            raise LayoutError(
+                f"layout declares {self.layout.n_ciphertexts} packed ciphertexts, "
+                f"got {len(self.ciphertexts)}"
+            )
+        if not 0 <= self.slot_bound <= self.layout.slot_capacity:
+            raise EncodingOverflowError(
+                f"slot bound {self.slot_bound} exceeds the slot capacity "
+                f"{self.layout.slot_capacity}"
+            )
+
+    def to_bytes(self) -> bytes:
+        """Serialise the ciphertexts (layout and bound travel in the query spec)."""
+        return ciphertexts_to_bytes(self.ciphertexts, self.public_key)
+
+    @classmethod
+    def from_bytes(
+        cls, data: bytes, public_key: Any, layout: SlotLayout, slot_bound: int
+    ) -> PackedCiphertexts:
+        """Parse and validate ciphertexts received for a declared layout and bound."""
+        ciphertexts = ciphertexts_from_bytes(data, public_key, layout.n_ciphertexts)
+        return cls(public_key, layout, tuple(ciphertexts), slot_bound)
+
+
+def add_packed(first: PackedCiphertexts, second: PackedCiphertexts) -> PackedCiphertexts:
+    """Slot-wise homomorphic sum: ``c1 * c2 mod n^2`` per packed ciphertext.
+
+    Raises
+    ------
+    LayoutError
+        If the layouts differ.
+    CiphertextError
+        If the vectors are under different keys.
+    EncodingOverflowError
+        If the summed slot bound would exceed the slot capacity.
+    """
+    if first.layout != second.layout:
+        raise LayoutError(f"cannot add packed ciphertexts: {first.layout} != {second.layout}")
+    if first.public_key != second.public_key:
+        raise CiphertextError("cannot add packed ciphertexts under different public keys")
+    bound = first.slot_bound + second.slot_bound
+    if bound > first.layout.slot_capacity:
+        raise EncodingOverflowError(
+            f"sum of slot bounds {first.slot_bound} + {second.slot_bound} exceeds the slot "
+            f"capacity {first.layout.slot_capacity}; the sum could wrap"
+        )
+    n = gmpy2.mpz(first.public_key.n)
+    n_square = n * n
+    summed = tuple(
+        int(gmpy2.mpz(a) * b % n_square)
+        for a, b in zip(first.ciphertexts, second.ciphertexts, strict=True)
+    )
+    return PackedCiphertexts(first.public_key, first.layout, summed, bound)
+
+
+def scalar_multiply(packed: PackedCiphertexts, scalar: int) -> PackedCiphertexts:
+    """Multiply every slot by a signed plaintext integer: ``c^k mod n^2``.
+
+    A negative ``k`` uses the modular inverse: ``c^k = (c^-1)^|k|``.  Runs in the
+    calling process; the cost is one powmod with a |k|-bit exponent per ciphertext.
+
+    Raises
+    ------
+    EncodingOverflowError
+        If ``|k| * slot_bound`` exceeds the slot capacity.
+    """
+    if not isinstance(scalar, int) or isinstance(scalar, bool):
+        raise TypeError(f"scalar must be an int, got {type(scalar).__name__}")
+    bound = abs(scalar) * packed.slot_bound
+    if bound > packed.layout.slot_capacity:
+        raise EncodingOverflowError(
+            f"scalar {scalar} times slot bound {packed.slot_bound} exceeds the slot "
+            f"capacity {packed.layout.slot_capacity}; the product could wrap"
+        )
+    n = gmpy2.mpz(packed.public_key.n)
+    n_square = n * n
+    exponent = abs(scalar)
+    bases: Sequence[Any] = packed.ciphertexts
+    if scalar < 0:
+        # Valid ciphertexts are units mod n^2, so the inverse exists.
+        bases = [gmpy2.invert(c, n_square) for c in packed.ciphertexts]
+    product = tuple(int(gmpy2.powmod(c, exponent, n_square)) for c in bases)
+    return PackedCiphertexts(packed.public_key, packed.layout, product, bound)

@@ -1,0 +1,354 @@
+"""Packing many signed fixed-point values into one Paillier plaintext.
+
+Layout: balanced signed digits.  A packed plaintext is the signed integer
+
+    P = sum_s d_s * 2^(B*s),    d_s in [-2^(B-1), 2^(B-1)),
+
+reduced mod n for encryption.  Because P is an ordinary integer (no per-slot
+offsets), adding two packed plaintexts adds them slot by slot and multiplying by
+any signed integer multiplies every slot, as long as no slot leaves its digit
+range and |P| stays below n/2, which is what the public :class:`PackingBounds`
+guarantee and what :func:`pack_slots` enforces before anything is encrypted.
+
+Why hand-written: python-paillier, gmpy2 and the other Paillier libraries encrypt
+one number per plaintext; none offers slot packing with declared bounds, and the
+operation is a few lines of shift-and-add on Python ints (125k values into ~4k
+2048-bit plaintexts in ~20 ms), so there is nothing worth depending on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..errors import EncodingOverflowError, LayoutError
+
+logger = logging.getLogger(__name__)
+
+_INT64_MAX = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class PackingBounds:
+    """Public bounds that size every slot of a query; never derived from private data.
+
+    Parameters
+    ----------
+    max_abs_per_record : float
+        Largest |contribution| of one record to one slot, in real units (1.0 for
+        every entry of x xᵀ and x when rows are clipped to ‖x‖₂ ≤ 1).
+    max_records_per_owner : int
+        Largest number of records one owner may sum into a slot.
+    max_owners : int
+        Largest number of owners whose packed ciphertexts are added together.
+    frac_bits : int
+        Fractional bits f of the fixed-point encoding.
+    noise_headroom : int
+        Largest |noise| the proxy may add to one slot, in fixed-point units.
+    """
+
+    max_abs_per_record: float
+    max_records_per_owner: int
+    max_owners: int
+    frac_bits: int
+    noise_headroom: int
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_abs_per_record) and self.max_abs_per_record >= 0):
+            raise ValueError(
+                f"max_abs_per_record must be finite and >= 0, got {self.max_abs_per_record!r}"
+            )
+        for name in ("max_records_per_owner", "max_owners"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("frac_bits", "noise_headroom"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def owner_value_bound(bounds: PackingBounds) -> int:
+    """Largest |slot value| one owner may pack: ``ceil(N_max * a_max * 2^f) + 1``.
+
+    An owner sums its records in floating point and encodes the sum once, so the
+    only rounding step is one stochastic rounding, which moves the value by less
+    than 1 in fixed-point units: hence the ``+ 1``.  Computed exactly with
+    rationals so that no float rounding can make the bound too small.
+    """
+    exact = (
+        Fraction(bounds.max_abs_per_record) * bounds.max_records_per_owner * (1 << bounds.frac_bits)
+    )
+    return math.ceil(exact) + 1
+
+
+def slot_value_bound(bounds: PackingBounds) -> int:
+    """Largest |slot value| after summing all owners and adding noise.
+
+    ``max_owners * owner_value_bound + noise_headroom``.
+    """
+    return bounds.max_owners * owner_value_bound(bounds) + bounds.noise_headroom
+
+
+def check_owner_count(bounds: PackingBounds, n_owners: int) -> None:
+    """Refuse aggregating more owners than the slot width was sized for.
+
+    Raises
+    ------
+    EncodingOverflowError
+        If ``n_owners > bounds.max_owners``.
+    """
+    if n_owners < 0:
+        raise ValueError(f"n_owners must be >= 0, got {n_owners}")
+    if n_owners > bounds.max_owners:
+        raise EncodingOverflowError(
+            f"{n_owners} contributing owners exceed max_owners={bounds.max_owners} "
+            "the packed slots were sized for; their sum could overflow a slot"
+        )
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """How ``value_count`` signed values are spread over packed ciphertexts.
+
+    Parameters
+    ----------
+    key_bits : int
+        Bit length of the Paillier modulus n (n has exactly this many bits).
+    slot_bits : int
+        Slot width B, sign included.
+    slots_per_ciphertext : int
+        Slots k in one packed plaintext (the last one may use fewer).
+    value_count : int
+        Number of values packed.
+    """
+
+    key_bits: int
+    slot_bits: int
+    slots_per_ciphertext: int
+    value_count: int
+
+    def __post_init__(self) -> None:
+        if self.slot_bits < 2:
+            raise LayoutError(f"slot_bits must be >= 2 (one sign bit), got {self.slot_bits}")
+        if self.slots_per_ciphertext < 1:
+            raise LayoutError(f"slots_per_ciphertext must be >= 1, got {self.slots_per_ciphertext}")
+        if self.value_count < 0:
+            raise LayoutError(f"value_count must be >= 0, got {self.value_count}")
+        # See from_bounds: B * k <= key_bits - 1 is what keeps |P| < n / 2.
+        if self.slot_bits * self.slots_per_ciphertext > self.key_bits - 1:
+            raise LayoutError(
+                f"{self.slots_per_ciphertext} slots of {self.slot_bits} bits do not fit a "
+                f"{self.key_bits}-bit modulus (need slot_bits * slots <= key_bits - 1)"
+            )
+
+    @property
+    def n_ciphertexts(self) -> int:
+        """Number of packed ciphertexts, ``ceil(value_count / slots_per_ciphertext)``."""
+        return -(-self.value_count // self.slots_per_ciphertext)
+
+    @property
+    def slot_capacity(self) -> int:
+        """Largest |slot value| that decodes correctly: ``2^(B-1) - 1``."""
+        return (1 << (self.slot_bits - 1)) - 1
+
+    @classmethod
+    def from_bounds(cls, bounds: PackingBounds, key_bits: int, value_count: int) -> SlotLayout:
+        """Derive the slot width and slots per ciphertext from public bounds.
+
+        Parameters
+        ----------
+        bounds : PackingBounds
+        key_bits : int
+            Bit length of n.
+        value_count : int
+            Number of values to pack.
+
+        Raises
+        ------
+        EncodingOverflowError
+            If one slot does not even fit the modulus.
+
+        Notes
+        -----
+        With V = slot_value_bound(bounds), B = V.bit_length() + 1 gives
+        V <= 2^(B-1) - 1, so every slot digit stays inside [-2^(B-1), 2^(B-1)).
+        Then
+
+            |P| <= V * sum_{s<k} 2^(B s) = V (2^(B k) - 1) / (2^B - 1) < 2^(B k - 1),
+
+        because V / (2^B - 1) <= (2^(B-1) - 1) / (2^B - 1) < 1/2.  n has exactly
+        key_bits bits, so n >= 2^(key_bits - 1) and n / 2 >= 2^(key_bits - 2).
+        Hence |P| < n / 2 whenever B k - 1 <= key_bits - 2, i.e. B k <= key_bits - 1,
+        and k = floor((key_bits - 1) / B).  |P| < n / 2 is exactly what makes
+        "P mod n > n/2 means negative" decode every packed plaintext uniquely.
+        """
+        slot_bits = slot_value_bound(bounds).bit_length() + 1
+        slots = (key_bits - 1) // slot_bits
+        if slots < 1:
+            raise EncodingOverflowError(
+                f"a {slot_bits}-bit slot does not fit a {key_bits}-bit modulus; "
+                "lower the declared bounds or use a larger key"
+            )
+        return cls(key_bits, slot_bits, slots, value_count)
+
+
+def _check_bound(layout: SlotLayout, bound: int) -> None:
+    if bound < 0:
+        raise ValueError(f"bound must be >= 0, got {bound}")
+    if bound > layout.slot_capacity:
+        raise EncodingOverflowError(
+            f"declared bound {bound} exceeds the slot capacity {layout.slot_capacity} "
+            f"of {layout.slot_bits}-bit slots"
+        )
+
+
+def _bounded_ints(values: NDArray[np.integer] | Sequence[int], bound: int) -> list[int]:
+    """Return the values as Python ints after refusing any |value| > bound."""
+    if isinstance(values, np.ndarray) and values.dtype.kind == "i":
+        if values.ndim != 1:
+            raise LayoutError(f"values must be one-dimensional, got shape {values.shape}")
+        if bound <= _INT64_MAX:
+            bad = (values > bound) | (values < -bound)
+            if bad.any():
+                index = int(np.flatnonzero(bad)[0])
+                raise EncodingOverflowError(
+                    f"value {int(values[index])} at index {index} exceeds the declared "
+                    f"bound |value| <= {bound}; nothing was packed or encrypted"
+                )
+        return values.tolist()
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise LayoutError(f"values must be one-dimensional, got shape {values.shape}")
+        if values.dtype.kind not in "uO":
+            raise TypeError(f"packing takes encoded integers, got dtype {values.dtype}")
+        values = values.tolist()
+    items = list(values)
+    for index, value in enumerate(items):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            raise TypeError(f"value at index {index} is {type(value).__name__}, not an int")
+        if not -bound <= value <= bound:
+            raise EncodingOverflowError(
+                f"value {int(value)} at index {index} exceeds the declared bound "
+                f"|value| <= {bound}; nothing was packed or encrypted"
+            )
+    return [int(v) for v in items]
+
+
+def pack_slots(
+    values: NDArray[np.integer] | Sequence[int], layout: SlotLayout, bound: int
+) -> list[int]:
+    """Pack signed integers into signed packed plaintexts, refusing out-of-bound values.
+
+    Parameters
+    ----------
+    values : numpy.ndarray of int64 or sequence of int, shape (layout.value_count,)
+        Fixed-point encoded values.
+    layout : SlotLayout
+    bound : int
+        The bound these values are declared against: ``owner_value_bound(bounds)``
+        for an owner's scatter share, ``bounds.noise_headroom`` for the proxy's
+        noise vector.  Must not exceed ``layout.slot_capacity``.
+
+    Returns
+    -------
+    list of int, shape (layout.n_ciphertexts,)
+        Signed packed plaintexts P with |P| < 2^(key_bits - 2) <= n / 2; encrypt
+        ``P mod n``.
+
+    Raises
+    ------
+    EncodingOverflowError
+        If any |value| > bound (message names index and value) or the bound does
+        not fit the slots.  Raised before anything is packed.
+    LayoutError
+        If the number of values differs from ``layout.value_count``.
+    """
+    if len(values) != layout.value_count:
+        raise LayoutError(f"layout declares {layout.value_count} values, got {len(values)}")
+    _check_bound(layout, bound)
+    items = _bounded_ints(values, bound)
+    shift = layout.slot_bits
+    k = layout.slots_per_ciphertext
+    packed: list[int] = []
+    for start in range(0, len(items), k):
+        plaintext = 0
+        # Horner from the top slot down: P = (...(d_{k-1} 2^B + d_{k-2}) 2^B ...) + d_0.
+        # Negative digits simply borrow from the slot above; unpacking undoes it.
+        for digit in reversed(items[start : start + k]):
+            plaintext = (plaintext << shift) + digit
+        packed.append(plaintext)
+    return packed
+
+
+def unpack_slots(
+    plaintexts: Sequence[int], layout: SlotLayout, modulus: int, bound: int | None = None
+) -> list[int]:
+    """Recover signed slot values from decrypted packed plaintexts.
+
+    Parameters
+    ----------
+    plaintexts : sequence of int, shape (layout.n_ciphertexts,)
+        Decrypted plaintexts in [0, n).
+    layout : SlotLayout
+    modulus : int
+        The Paillier modulus n.
+    bound : int, optional
+        If given, every decoded |slot value| must be at most this.
+
+    Returns
+    -------
+    list of int, shape (layout.value_count,)
+        Signed slot values (Python ints; sums may exceed int64).
+
+    Raises
+    ------
+    EncodingOverflowError
+        If a plaintext does not decode into its slots (some slot overflowed, or the
+        ciphertext does not belong to this layout) or a value exceeds ``bound``.
+    LayoutError
+        On a count or key-size mismatch.
+    """
+    if len(plaintexts) != layout.n_ciphertexts:
+        raise LayoutError(
+            f"layout declares {layout.n_ciphertexts} packed ciphertexts, got {len(plaintexts)}"
+        )
+    if modulus.bit_length() != layout.key_bits:
+        raise LayoutError(
+            f"layout is for a {layout.key_bits}-bit modulus, got {modulus.bit_length()} bits"
+        )
+    shift = layout.slot_bits
+    full = 1 << shift
+    half = full >> 1
+    mask = full - 1
+    k = layout.slots_per_ciphertext
+    values: list[int] = []
+    for index, plaintext in enumerate(plaintexts):
+        if not 0 <= plaintext < modulus:
+            raise ValueError(f"plaintext {index} is not in [0, n)")
+        # |P| < n/2 by construction, so the upper half of Z_n holds the negatives.
+        signed = plaintext - modulus if plaintext > modulus >> 1 else plaintext
+        for _ in range(min(k, layout.value_count - index * k)):
+            digit = signed & mask
+            if digit >= half:
+                digit -= full
+            values.append(digit)
+            signed = (signed - digit) >> shift
+        if signed != 0:
+            raise EncodingOverflowError(
+                f"packed plaintext {index} does not decode into its slots: a slot "
+                "overflowed or the ciphertext does not belong to this layout"
+            )
+    if bound is not None:
+        for index, value in enumerate(values):
+            if not -bound <= value <= bound:
+                raise EncodingOverflowError(
+                    f"slot {index} decoded to {value}, outside the declared bound {bound}"
+                )
+    return values

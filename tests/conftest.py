@@ -1,0 +1,20 @@
+"""Shared pytest fixtures.
+
+Keys made here are TEST-ONLY: 512-bit Paillier moduli offer no security at all and
+exist so that unit tests run in seconds.  Production code refuses keys below
+2048 bits unless ``allow_insecure_test_key=True`` is passed explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fedpca.codec import generate_keypair
+
+
+@pytest.fixture(scope="session")
+def test_only_keypair_512() -> tuple[Any, Any]:
+    """A TEST-ONLY 512-bit phe keypair ``(public_key, private_key)``, shared by the session."""
+    return generate_keypair(512, allow_insecure_test_key=True)
