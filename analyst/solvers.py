@@ -45,6 +45,7 @@ __all__ = [
     "DCAResult",
     "PCAResult",
     "dca_from_statistics",
+    "pca_from_centred_scatter",
     "pca_from_statistics",
 ]
 
@@ -116,7 +117,8 @@ class PCAResult:
     explained_variance : (k,) eigenvalues of S/(N−1), negatives clipped to 0.
     explained_variance_ratio : (k,) explained_variance / sum of ALL M clipped eigenvalues.
     singular_values : (k,) √(explained_variance·(N−1)), as sklearn reports them.
-    mean : (M,) v / N.
+    mean : (M,) v / N, or None when the statistics do not reveal it (masked mode,
+        :func:`pca_from_centred_scatter`).
     n_samples : N (a float: the noisy count under DP).
     noise_variance : mean of the discarded clipped eigenvalues (sklearn's
         probabilistic-PCA noise estimate; 0 when k = min(M, N)).
@@ -126,7 +128,7 @@ class PCAResult:
     explained_variance: FloatArray
     explained_variance_ratio: FloatArray
     singular_values: FloatArray
-    mean: FloatArray
+    mean: FloatArray | None
     n_samples: float
     noise_variance: float
 
@@ -182,16 +184,42 @@ def pca_from_statistics(
     PCAResult
     """
     scatter, v, n = _pca_inputs(statistics, sums, count)
-    m = scatter.shape[0]
-    k = _check_n_components(n_components, m)
+    k = _check_n_components(n_components, scatter.shape[0])
     n = _check_count(n)
     if not np.isfinite(v).all():
         raise DataError("sums v have non-finite entries")
-
     mean = v / n
+    mean.setflags(write=False)
     # S = R − v vᵀ/N.  With noise, S is symmetric (the noise E is) but need not be
-    # positive semi-definite; eigh plus clipping handles that below.
-    covariance = (scatter - np.outer(v, v) / n) / (n - 1.0)
+    # positive semi-definite; eigh plus clipping handles that in _pca_from_centred.
+    return _pca_from_centred(scatter - np.outer(v, v) / n, n, k, mean)
+
+
+def pca_from_centred_scatter(
+    centred_scatter: npt.ArrayLike, count: float, n_components: int | None = None
+) -> PCAResult:
+    """PCA from an already centred scatter S = Σ(x−μ)(x−μ)ᵀ (+ noise) and N.
+
+    This is what the analyst holds in the masked protocol mode, where it
+    computes S + E = (R + G + E) − v′v′ᵀ/N and never sees the unmasked v: the
+    result's ``mean`` is therefore None.  Same conventions as
+    :func:`pca_from_statistics` (which it equals when S = R − vvᵀ/N).
+
+    Parameters
+    ----------
+    centred_scatter : (M, M) symmetric S.
+    count : N (> 1; see :func:`pca_from_statistics`).
+    n_components : k, default all M.
+    """
+    scatter = np.asarray(centred_scatter, dtype=np.float64)
+    _check_square(scatter, "centred scatter S")
+    k = _check_n_components(n_components, scatter.shape[0])
+    return _pca_from_centred(scatter, _check_count(float(count)), k, None)
+
+
+def _pca_from_centred(centred: FloatArray, n: float, k: int, mean: FloatArray | None) -> PCAResult:
+    m = centred.shape[0]
+    covariance = centred / (n - 1.0)
     eigenvalues, eigenvectors = np.linalg.eigh(covariance)
     eigenvalues = eigenvalues[::-1].copy()
     eigenvectors = eigenvectors[:, ::-1]
@@ -210,7 +238,7 @@ def pca_from_statistics(
     explained = eigenvalues[:k].copy()
     ratio_k = ratio[:k].copy()
     singular_k = singular_values[:k].copy()
-    _freeze(result_components, explained, ratio_k, singular_k, mean)
+    _freeze(result_components, explained, ratio_k, singular_k)
     return PCAResult(
         components=result_components,
         explained_variance=explained,

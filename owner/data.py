@@ -257,7 +257,12 @@ def load_table(
     names: Sequence[str] | None = None
     if suffix in _CSV_SUFFIXES:
         sep = delimiter if delimiter is not None else ("\t" if suffix == ".tsv" else ",")
-        table, names = _load_csv(file, header, sep)
+        try:
+            table, names = _load_csv(file, header, sep)
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{file}: not a UTF-8 text file ({exc.reason})") from exc
+        except csv.Error as exc:
+            raise DataError(f"{file}: malformed CSV: {exc}") from exc
     elif suffix == ".npy":
         table = _load_npy(file)
     elif suffix in _PARQUET_SUFFIXES:

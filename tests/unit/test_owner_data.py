@@ -106,6 +106,12 @@ class TestCsv:
         with pytest.raises(DataError, match="no feature columns"):
             load_table(_write(tmp_path, "1\n2\n"), label_column=0)
 
+    def test_binary_file_is_refused(self, tmp_path: Path) -> None:
+        path = tmp_path / "bin.csv"
+        path.write_bytes(b"1,2\n\xff\xfe,3\n")
+        with pytest.raises(DataError, match=r"bin\.csv: not a UTF-8 text file"):
+            load_table(path)
+
     def test_tsv_and_delimiter(self, tmp_path: Path) -> None:
         x, _ = load_table(_write(tmp_path, "1\t2\n3\t4\n", "t.tsv"))
         np.testing.assert_array_equal(x, [[1, 2], [3, 4]])

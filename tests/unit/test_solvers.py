@@ -13,6 +13,7 @@ from sklearn.decomposition import PCA
 from fedpca.analyst.solvers import (
     DCAComponentsWarning,
     dca_from_statistics,
+    pca_from_centred_scatter,
     pca_from_statistics,
 )
 from fedpca.errors import ConfigError, DataError
@@ -61,6 +62,7 @@ def _assert_matches_sklearn(x: np.ndarray, stats: SufficientStatistics, k: int) 
     ref = PCA(n_components=k, svd_solver="covariance_eigh").fit(x)
     ours = pca_from_statistics(stats, n_components=k)
     scale = float(ref.explained_variance_[0])
+    assert ours.mean is not None
     np.testing.assert_allclose(ours.mean, ref.mean_, rtol=1e-10, atol=1e-12 * np.abs(x).max())
     np.testing.assert_allclose(
         ours.explained_variance, ref.explained_variance_, rtol=1e-10, atol=1e-12 * scale
@@ -152,6 +154,22 @@ def test_negative_eigenvalues_of_a_noisy_matrix_are_clipped() -> None:
     np.testing.assert_allclose(result.components @ result.components.T, np.eye(m), atol=1e-10)
     top = np.abs(result.components).argmax(axis=1)
     assert (result.components[np.arange(m), top] > 0).all()
+
+
+@needs_datasets
+def test_centred_scatter_form_for_the_masked_mode() -> None:
+    x, _ = _rows("australian", "clip")
+    centred = (x - x.mean(axis=0)).T @ (x - x.mean(axis=0))
+    ours = pca_from_centred_scatter(centred, len(x), 3)
+    ref = PCA(n_components=3, svd_solver="covariance_eigh").fit(x)
+    assert ours.mean is None
+    np.testing.assert_allclose(ours.components, ref.components_, atol=1e-9)
+    np.testing.assert_allclose(ours.explained_variance, ref.explained_variance_, rtol=1e-10)
+    np.testing.assert_allclose(
+        ours.explained_variance_ratio, ref.explained_variance_ratio_, rtol=1e-10
+    )
+    with pytest.raises(DataError, match="at least two records"):
+        pca_from_centred_scatter(centred, 1.0, 3)
 
 
 @pytest.mark.parametrize("count", [1.0, 0.3, -5.0, np.nan])
