@@ -58,6 +58,7 @@ from typing import Self
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle
 from fedpca.errors import ConfigError, LayoutError
 from fedpca.query import QueryKind, QuerySpec
 
@@ -90,20 +91,13 @@ def upper_triangle_length(n_features: int) -> int:
     return n_features * (n_features + 1) // 2
 
 
-# Private helpers: fedpca.codec owns the public packing layout; these only need
-# to agree with the documented order (row-major, i <= j), which is the order of
-# numpy.triu_indices.
 def _upper_triangle(matrix: FloatArray) -> FloatArray:
-    rows, cols = np.triu_indices(matrix.shape[0])
-    return np.asarray(matrix[rows, cols], dtype=np.float64)
+    # The codec owns the layout (row-major, i <= j); stats only relies on it.
+    return np.asarray(upper_triangle(matrix), dtype=np.float64)
 
 
 def _symmetric_from_upper_triangle(values: FloatArray, n_features: int) -> FloatArray:
-    rows, cols = np.triu_indices(n_features)
-    out = np.zeros((n_features, n_features), dtype=np.float64)
-    out[rows, cols] = values
-    out[cols, rows] = values
-    return out
+    return np.asarray(symmetric_from_upper_triangle(values, n_features), dtype=np.float64)
 
 
 @dataclass(frozen=True)
