@@ -1,0 +1,81 @@
+"""``fedpca dp``: calibration and accounting from the command line.
+
+Each command prints explanatory lines and then its result alone on the last line
+(a plain float repr), so scripts can take ``tail -n 1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+from fedpca.dp.calibration import calibrate_sigma, classic_gaussian_sigma
+from fedpca.errors import CalibrationError, ConfigError
+from fedpca.query import Calibration
+
+__all__ = ["dp_group"]
+
+
+@click.group("dp")
+def dp_group() -> None:
+    """Differential-privacy calibration and accounting."""
+
+
+@dp_group.command("calibrate")
+@click.option("--epsilon", type=float, required=True, help="Target epsilon (> 0; inf = no noise).")
+@click.option("--delta", type=float, required=True, help="Target delta, in (0, 1).")
+@click.option(
+    "--sensitivity", type=float, default=1.0, show_default=True, help="L2 sensitivity Delta."
+)
+@click.option(
+    "--mechanism",
+    type=click.Choice([c.value for c in Calibration]),
+    default=Calibration.ANALYTIC.value,
+    show_default=True,
+    help="analytic (Balle & Wang 2018, any epsilon) or classic (epsilon < 1 only).",
+)
+def calibrate_command(epsilon: float, delta: float, sensitivity: float, mechanism: str) -> None:
+    """Print the Gaussian noise sigma for one (EPSILON, DELTA) release."""
+    calibration = Calibration(mechanism)
+    try:
+        sigma = calibrate_sigma(epsilon, delta, sensitivity, calibration)
+    except CalibrationError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"mechanism: {calibration.value} Gaussian")
+    click.echo(f"epsilon={epsilon!r} delta={delta!r} L2 sensitivity={sensitivity!r}")
+    if sigma == 0:
+        click.echo("epsilon = inf: no noise, the release is NOT PRIVATE")
+    else:
+        click.echo(f"noise multiplier z = sigma / sensitivity = {sigma / sensitivity!r}")
+        if calibration is Calibration.ANALYTIC and epsilon < 1:
+            classic = classic_gaussian_sigma(epsilon, delta, sensitivity)
+            click.echo(f"(classic calibration would need sigma = {classic!r})")
+    click.echo("sigma:")
+    click.echo(repr(sigma))
+
+
+@dp_group.command("compose")
+@click.argument("noise_multipliers", nargs=-1, type=float, required=True)
+@click.option("--delta", type=float, required=True, help="Delta at which epsilon is reported.")
+@click.option(
+    "--accountant",
+    type=click.Choice(["pld", "rdp"]),
+    default="pld",
+    show_default=True,
+    help="pld (tight, primary) or rdp (cross-check).",
+)
+def compose_command(noise_multipliers: tuple[float, ...], delta: float, accountant: str) -> None:
+    """Print the epsilon at DELTA of composing Gaussian releases with these NOISE_MULTIPLIERS."""
+    # dp_accounting takes about a second to import; only this command needs it.
+    from fedpca.dp.accounting import compose_epsilon
+
+    try:
+        epsilon = compose_epsilon(noise_multipliers, delta, accountant)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{len(noise_multipliers)} Gaussian release(s), {accountant} accountant")
+    if math.isinf(epsilon):
+        click.echo("a release with noise multiplier 0 makes the composition NOT PRIVATE")
+    click.echo(f"epsilon at delta={delta!r}:")
+    click.echo(repr(epsilon))
