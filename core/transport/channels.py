@@ -1,0 +1,198 @@
+"""gRPC servers and channels for fedpca: mutual TLS by default, insecure only by name.
+
+The proxy serves both services on one port that *requires and verifies* a client
+certificate issued by the fedpca CA; owners and analysts dial it with their own
+certificate. Servicers then read the caller's role and node id with
+:func:`fedpca.transport.certs.require_role`.
+
+Keepalive is tuned for the owners' long-lived task stream, which can sit idle
+for hours behind NATs and firewalls that drop silent TCP flows:
+
+* clients ping every :data:`CLIENT_KEEPALIVE_TIME_MS` even without active calls
+  and without data frames, so a dead proxy is noticed within ~40 s and the
+  owner reconnects;
+* the server accepts pings that often (its default minimum interval is 5 min and
+  it would answer faster pings with GOAWAY ``too_many_pings``) and pings clients
+  itself, so it drops vanished owners' streams and frees their worker threads.
+
+Message size limits are raised to :data:`DEFAULT_MAX_MESSAGE_BYTES` on both sides;
+ciphertext chunks are cut well below that (see :mod:`fedpca.transport.serde`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from fedpca.errors import ConfigError
+from fedpca.transport.certs import TlsMaterial
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+CLIENT_KEEPALIVE_TIME_MS = 30_000
+CLIENT_KEEPALIVE_TIMEOUT_MS = 10_000
+SERVER_KEEPALIVE_TIME_MS = 60_000
+SERVER_KEEPALIVE_TIMEOUT_MS = 20_000
+# Must not exceed the clients' keepalive interval, or the server treats their
+# pings as abuse and closes the connection.
+SERVER_MIN_PING_INTERVAL_MS = 10_000
+DEFAULT_MAX_WORKERS = 64
+
+ChannelOptions = list[tuple[str, Any]]
+
+
+def _size_options(max_message_bytes: int) -> ChannelOptions:
+    if max_message_bytes < 1:
+        raise ConfigError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def client_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    server_name_override: str | None = None,
+) -> ChannelOptions:
+    """Channel options for owners and analysts.
+
+    Parameters
+    ----------
+    max_message_bytes : send and receive limit.
+    server_name_override : verify the proxy certificate against this name instead
+        of the host in the target (e.g. when dialling an IP not in the certificate).
+    """
+    options = [
+        *_size_options(max_message_bytes),
+        ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", CLIENT_KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # 0 = unlimited: an idle task stream sends no data frames, and the
+        # default limit of 2 would stop keepalive pings on exactly that stream.
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 1_000),
+        ("grpc.max_reconnect_backoff_ms", 30_000),
+    ]
+    if server_name_override is not None:
+        options.append(("grpc.ssl_target_name_override", server_name_override))
+    return options
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ChannelOptions:
+    """Server options for the proxy."""
+    return [
+        *_size_options(max_message_bytes),
+        ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", SERVER_KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: the least time
+        # between client pings the server tolerates before counting a strike.
+        ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.http2.max_pings_without_data", 0),
+        # gRPC enables SO_REUSEPORT by default: a second proxy on the same port
+        # would bind silently and split owners between two separate states.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
+    """Server credentials that require a client certificate signed by the fedpca CA."""
+    return grpc.ssl_server_credentials(
+        [(tls.private_key, tls.certificate_chain)],
+        root_certificates=tls.root_certificates,
+        require_client_auth=True,
+    )
+
+
+def channel_credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
+    """Client credentials: trust only the fedpca CA and present this node's certificate."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.root_certificates,
+        private_key=tls.private_key,
+        certificate_chain=tls.certificate_chain,
+    )
+
+
+def secure_channel(
+    target: str,
+    tls: TlsMaterial,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    server_name_override: str | None = None,
+    extra_options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """A mutual-TLS channel to the proxy at ``target`` (``host:port``)."""
+    options = client_options(max_message_bytes, server_name_override) + list(extra_options)
+    logger.debug("opening mTLS channel to %s as %s", target, tls.identity)
+    return grpc.secure_channel(target, channel_credentials(tls), options=options)
+
+
+def create_server(
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    extra_options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Server:
+    """A synchronous gRPC server with fedpca's options; add ports and servicers to it.
+
+    Every open task stream and status watch holds one worker thread of the
+    synchronous server, so ``max_workers`` must exceed the number of owners plus
+    concurrent watchers plus a margin for unary calls.
+    """
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedpca-grpc"),
+        options=server_options(max_message_bytes) + list(extra_options),
+        maximum_concurrent_rpcs=None,
+    )
+
+
+def add_secure_port(server: grpc.Server, address: str, tls: TlsMaterial) -> int:
+    """Bind ``address`` with mutual TLS; return the bound port (useful with port 0).
+
+    Raises
+    ------
+    ConfigError
+        If the address cannot be bound.
+    """
+    port = _bind(address, lambda: server.add_secure_port(address, server_credentials(tls)))
+    logger.info("listening on %s with mutual TLS as %s", address, tls.identity)
+    return port
+
+
+def insecure_channel(
+    target: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    extra_options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """A plaintext channel. NOT for deployments: no encryption, no identities.
+
+    Logs a WARNING every time it is used so it cannot go unnoticed.
+    """
+    logger.warning("INSECURE channel to %s: no TLS, traffic and identities are unprotected", target)
+    options = client_options(max_message_bytes) + list(extra_options)
+    return grpc.insecure_channel(target, options=options)
+
+
+def add_insecure_port(server: grpc.Server, address: str) -> int:
+    """Bind ``address`` without TLS. NOT for deployments; logs a WARNING every time.
+
+    Servicers cannot identify callers on such a port:
+    :func:`fedpca.transport.certs.identity_from_context` raises AuthenticationError.
+    """
+    logger.warning("INSECURE port %s: no TLS, callers cannot be authenticated", address)
+    return _bind(address, lambda: server.add_insecure_port(address))
+
+
+def _bind(address: str, add_port: Callable[[], int]) -> int:
+    # Depending on the version, grpc reports a failed bind as port 0 or RuntimeError.
+    try:
+        port = add_port()
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot bind {address}: {exc}") from exc
+    if port == 0:
+        raise ConfigError(f"cannot bind {address} (in use or not a local address?)")
+    return port
