@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
+from fedpca.codec.matrix import symmetric_from_upper_triangle
 from fedpca.errors import ConfigError, EncodingOverflowError
 
 __all__ = [
@@ -277,8 +278,8 @@ def symmetric_noise(
 
     The entries i <= j (diagonal included) are i.i.d. with scale ``sigma_int``; the
     lower triangle is their mirror image (Wang & Chang's E). Returned in row-major
-    order of the upper triangle, the order of ``numpy.triu_indices(dim)``, which is
-    the order in which the scatter upper triangle is released.
+    order of the upper triangle (:func:`fedpca.codec.matrix.upper_triangle`, the
+    order of ``numpy.triu_indices(dim)``), the order the scatter is released in.
 
     Parameters and errors as in :func:`vector_noise`.
 
@@ -292,6 +293,9 @@ def symmetric_noise(
 def mirror_upper_triangle(upper: NDArray[np.generic], dim: int) -> NDArray[np.generic]:
     """Full symmetric ``dim x dim`` matrix from its row-major upper triangle (i <= j).
 
+    Delegates to :func:`fedpca.codec.matrix.symmetric_from_upper_triangle`, the one
+    definition of the released layout.
+
     Raises
     ------
     ConfigError
@@ -303,8 +307,4 @@ def mirror_upper_triangle(upper: NDArray[np.generic], dim: int) -> NDArray[np.ge
         raise ConfigError(
             f"upper triangle of a {dim}x{dim} matrix needs shape ({expected},), got {values.shape}"
         )
-    rows, cols = np.triu_indices(dim)
-    full = np.zeros((dim, dim), dtype=values.dtype)
-    full[rows, cols] = values
-    full[cols, rows] = values
-    return full
+    return symmetric_from_upper_triangle(values, dim)

@@ -17,6 +17,7 @@ from numpy.typing import NDArray
 from scipy.special import logsumexp
 from scipy.stats import norm
 
+from fedpca.codec.matrix import upper_triangle
 from fedpca.dp.noise import (
     DiscreteGaussianSampler,
     NoiseSampler,
@@ -109,6 +110,7 @@ def test_mirrored_noise_matrix_is_symmetric_and_keeps_the_triangle() -> None:
     np.testing.assert_array_equal(full, full.T)
     rows, cols = np.triu_indices(dim)
     np.testing.assert_array_equal(full[rows, cols], upper)
+    np.testing.assert_array_equal(upper_triangle(full), upper)  # the codec's layout
     # Row-major order: the second value is entry (0, 1), the (dim+1)-th is (1, 1).
     assert full[0, 1] == upper[1] and full[1, 1] == upper[dim]
 
