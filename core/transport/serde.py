@@ -1064,6 +1064,16 @@ def proxy_info_from_proto(message: owner_pb.ProxyInfo) -> ProxyInfo:
     )
 
 
+def task_stream_request_to_proto(node_id: str) -> owner_pb.TaskStreamRequest:
+    """Open the task stream; the node id is informational (the certificate decides)."""
+    return owner_pb.TaskStreamRequest(node_id=node_id)
+
+
+def task_stream_request_from_proto(message: owner_pb.TaskStreamRequest) -> str:
+    """Return the node id the owner claims (informational only)."""
+    return message.node_id
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """Application-level keep-alive on the task stream."""

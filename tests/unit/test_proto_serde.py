@@ -455,6 +455,11 @@ def test_hello_and_proxy_info_round_trip() -> None:
     assert serde.proxy_info_from_proto(serde.proxy_info_to_proto(info)) == info
 
 
+def test_task_stream_request() -> None:
+    message = serde.task_stream_request_to_proto("owner-1")
+    assert serde.task_stream_request_from_proto(message) == "owner-1"
+
+
 def test_unknown_capabilities_are_ignored() -> None:
     message = owner_pb.OwnerHello(node_id="o", obfuscation_variants=[1, 42])
     assert serde.owner_hello_from_proto(message).obfuscation_variants == (
