@@ -17,6 +17,7 @@ from fedpca import __version__
 # name -> (module, attribute, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "dp": ("fedpca.dp.cli", "dp_group", "Differential-privacy calibration and accounting."),
+    "certs": ("fedpca.transport.certs", "certs_group", "Create and inspect TLS certificates."),
 }
 
 

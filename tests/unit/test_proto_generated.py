@@ -83,10 +83,6 @@ def _floor(requirement: str) -> Version:
     return Version(spec.version)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pyproject must require protobuf>=7.35.1 and grpcio>=1.85.1 (lead owns pyproject)",
-)
 def test_dependency_floors_cover_the_generated_code() -> None:
     # Generated code refuses to import on a runtime older than the generator's,
     # so the declared lower bounds must be at least the gencode versions.
