@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -74,19 +74,40 @@ class DiscreteGaussianSampler:
             raise ConfigError(f"noise size must be >= 0, got {size!r}")
         if size == 0:
             return np.zeros(0, dtype=np.int64)
-        # Imported here: opendp loads a native library and is needed only by the
-        # role that adds noise (the proxy), not by every import of fedpca.dp.
-        import opendp.prelude as dp
-
-        dp.enable_features("contrib")
-        measurement = dp.m.make_gaussian(
-            dp.vector_domain(dp.atom_domain(T="i64"), size=size),
-            dp.l2_distance(T="i64"),
-            scale=float(sigma_int),
-        )
         # Adding noise to zeros yields the noise itself; the proxy then adds it to the
         # encrypted statistics homomorphically.
-        return np.asarray(measurement([0] * size), dtype=np.int64)
+        return np.asarray(_opendp_gaussian(sigma_int, size)([0] * size), dtype=np.int64)
+
+    @staticmethod
+    def zcdp_rho(sigma_int: float, l2_sensitivity_int: float) -> float:
+        """OpenDP's own privacy map for this measurement: rho of rho-zCDP.
+
+        For an integer query with L2 sensitivity ``l2_sensitivity_int`` OpenDP states
+        rho = (Delta / sigma)^2 / 2, the continuous Gaussian's value (the claim
+        docs/privacy.md relies on). Exposed so that the claim is checked against the
+        library rather than restated. OpenDP measures i64 sensitivities in integers, so
+        a fractional bound is rounded up (a larger bound is still a valid bound).
+        """
+        _check_sigma_int(sigma_int)
+        if not (math.isfinite(l2_sensitivity_int) and l2_sensitivity_int >= 0):
+            raise ConfigError(
+                f"l2_sensitivity_int must be finite and >= 0, got {l2_sensitivity_int!r}"
+            )
+        bound = math.ceil(l2_sensitivity_int)
+        return float(_opendp_gaussian(sigma_int, 1).map(bound))
+
+
+def _opendp_gaussian(sigma_int: float, size: int) -> Any:
+    # Imported here: opendp loads a native library and is needed only by the role that
+    # adds noise (the proxy), not by every import of fedpca.dp.
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    return dp.m.make_gaussian(
+        dp.vector_domain(dp.atom_domain(T="i64"), size=size),
+        dp.l2_distance(T="i64"),
+        scale=float(sigma_int),
+    )
 
 
 class TestOnlySeededSampler:

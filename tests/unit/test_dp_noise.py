@@ -68,6 +68,20 @@ def test_default_sampler_is_the_production_one_and_values_are_integers() -> None
     assert isinstance(DiscreteGaussianSampler(), NoiseSampler)
 
 
+@pytest.mark.parametrize("z", [0.7, 3.73, 40.0])
+@pytest.mark.parametrize("sensitivity", [1.0, 2.0**32 + 354.0])
+def test_opendp_states_the_continuous_gaussian_zcdp_for_its_discrete_gaussian(
+    z: float, sensitivity: float
+) -> None:
+    rho = DiscreteGaussianSampler.zcdp_rho(z * sensitivity, sensitivity)
+    assert rho == pytest.approx(1 / (2 * z**2), rel=1e-12)
+    # A fractional integer-grid sensitivity is rounded up, never down.
+    fractional = integer_grid_sensitivity(1.0, 8, 3)  # 256 + sqrt(3)
+    assert DiscreteGaussianSampler.zcdp_rho(z * 256, fractional) == pytest.approx(
+        (258 / (z * 256)) ** 2 / 2, rel=1e-12
+    )
+
+
 def test_opendp_sampler_reaches_beyond_32_bits() -> None:
     # The i32 default would saturate at 2^31 - 1; fixed-point noise is far larger.
     noise = vector_noise(200, 2.0**40)
