@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from fractions import Fraction
 
 import numpy as np
@@ -222,17 +221,13 @@ def test_invalid_bounds_are_refused() -> None:
         PackingBounds(1.0, 1, 1, 0, -1)
 
 
-def test_packing_125k_values_is_fast() -> None:
+def test_packing_round_trips_a_madelon_sized_share() -> None:
     layout = SlotLayout.from_bounds(REALISTIC, 2048, 125_751)
     bound = owner_value_bound(REALISTIC)
     rng = random.Random(3)
     values = np.array([rng.randint(-bound, bound) for _ in range(125_751)], dtype=np.int64)
     n = _smallest_modulus(2048)
-    start = time.perf_counter()
     packed = pack_slots(values, layout, bound)
+    assert len(packed) == layout.n_ciphertexts
     unpacked = unpack_slots([p % n for p in packed], layout, n)
-    elapsed = time.perf_counter() - start
     assert unpacked == values.tolist()
-    # Measured ~0.06 s; a generous limit for a shared machine that still catches an
-    # accidentally quadratic implementation.
-    assert elapsed < 1.0, elapsed
