@@ -126,7 +126,7 @@ class GaussianMechanism:
             raise ConfigError(f"scale factor must be finite and > 0, got {factor!r}")
         return GaussianMechanism(self.sigma * factor, self.l2_sensitivity * factor)
 
-    def on_integer_grid(self, frac_bits: int, n_coordinates: int) -> GaussianMechanism:
+    def on_integer_grid(self, frac_bits: int, n_rounded: int) -> GaussianMechanism:
         """The mechanism to run on fixed-point integers, keeping the noise multiplier.
 
         The integer query differs from ``2**frac_bits`` times the real one by rounding,
@@ -135,7 +135,7 @@ class GaussianMechanism:
         """
         from fedpca.dp.noise import integer_grid_sensitivity
 
-        delta_int = integer_grid_sensitivity(self.l2_sensitivity, frac_bits, n_coordinates)
+        delta_int = integer_grid_sensitivity(self.l2_sensitivity, frac_bits, n_rounded)
         return GaussianMechanism(self.noise_multiplier * delta_int, delta_int)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-import mpmath
+import mpmath  # type: ignore[import-untyped]
 import pytest
 from dp_accounting import dp_event, gaussian_mechanism
 from dp_accounting.pld import PLDAccountant

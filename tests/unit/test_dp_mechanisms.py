@@ -81,7 +81,7 @@ def test_scaling_keeps_the_noise_multiplier() -> None:
 
 def test_integer_grid_mechanism_adds_rounding_slack_to_the_sensitivity() -> None:
     mechanism = GaussianMechanism(3.73, 1.0)
-    grid = mechanism.on_integer_grid(frac_bits=16, n_coordinates=100)
+    grid = mechanism.on_integer_grid(frac_bits=16, n_rounded=100)
     assert grid.l2_sensitivity == integer_grid_sensitivity(1.0, 16, 100)
     assert grid.l2_sensitivity >= 2.0**16 + 10.0
     assert grid.noise_multiplier == pytest.approx(3.73, rel=1e-15)

@@ -111,7 +111,7 @@ def test_symmetric_noise_is_an_iid_upper_triangle() -> None:
     ratios = samples.astype(np.float64).var(axis=0, ddof=1) / sigma**2
     assert np.all(np.abs(ratios - 1.0) < tolerance), ratios
     # ... and distinct entries are uncorrelated (|r| < 5 / sqrt(n)).
-    correlations = np.corrcoef(samples.T.astype(np.float64))
+    correlations = np.asarray(np.corrcoef(samples.T.astype(np.float64)))
     off_diagonal = correlations[~np.eye(15, dtype=bool)]
     assert np.max(np.abs(off_diagonal)) < 5.0 / math.sqrt(draws)
 
