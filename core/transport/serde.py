@@ -846,6 +846,8 @@ class UploadHeader:
     blocks : the layout.
     total_chunks : chunks that follow.
     content_sha256 : SHA-256 over all ciphertext bytes in order.
+    public_record_count : masked mode only: the owner's record count, in the
+        clear; None (absent on the wire) in stats mode.
     """
 
     query_id: str
@@ -854,6 +856,7 @@ class UploadHeader:
     blocks: tuple[CiphertextBlock, ...]
     total_chunks: int
     content_sha256: bytes
+    public_record_count: int | None = None
 
     @property
     def label(self) -> str:
@@ -871,11 +874,13 @@ def encode_upload(
     upload_id: str,
     payload: PackedCiphertexts,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    public_record_count: int | None = None,
 ) -> list[owner_pb.UploadMessage]:
     """Build the full Upload client stream: header first, then chunks.
 
     Returns a list rather than a generator so that a retry can resend the very
-    same messages (same upload id, same hashes).
+    same messages (same upload id, same hashes). ``public_record_count`` is the
+    owner's clear-text record count, sent in masked mode only.
     """
     if not _UPLOAD_ID_RE.fullmatch(upload_id):
         raise ConfigError(f"upload_id {upload_id!r} must match {_UPLOAD_ID_RE.pattern}")
@@ -888,6 +893,8 @@ def encode_upload(
         total_chunks=len(chunks),
         content_sha256=content_sha256,
     )
+    if public_record_count is not None:
+        _set_scalars(header, "UploadHeader", public_record_count=public_record_count)
     return [owner_pb.UploadMessage(header=header)] + [
         owner_pb.UploadMessage(chunk=chunk) for chunk in chunks
     ]
@@ -919,6 +926,9 @@ def upload_header_from_message(message: owner_pb.UploadMessage) -> UploadHeader:
         blocks=_blocks_with_label(header.blocks, label),
         total_chunks=header.total_chunks,
         content_sha256=_sha256_field(header.content_sha256, f"{label}: content_sha256"),
+        public_record_count=(
+            header.public_record_count if header.HasField("public_record_count") else None
+        ),
     )
     # Check chunk count against the layout now, before any chunk is read.
     decoded.assembler()

@@ -273,6 +273,22 @@ def test_upload_header_round_trip() -> None:
     all_bytes = b"".join(m.chunk.ciphertexts for m in messages[1:])
     assert header.content_sha256 == hashlib.sha256(all_bytes).digest()
     assert len(serde.new_upload_id()) == 32 and serde.new_upload_id() != serde.new_upload_id()
+    assert header.public_record_count is None  # stats mode: the count stays encrypted
+
+
+@pytest.mark.parametrize("count", [0, 351, 1 << 40])
+def test_upload_header_carries_the_public_record_count(count: int) -> None:
+    # Masked mode sends N_l in the clear; 0 must survive (presence, not truthiness).
+    messages = serde.encode_upload("q1", "fp", "u1", payload(1), public_record_count=count)
+    assert messages[0].header.HasField("public_record_count")
+    assert serde.upload_header_from_message(messages[0]).public_record_count == count
+    header, _ = serde.read_upload(messages)
+    assert header.public_record_count == count
+
+
+def test_negative_public_record_count_cannot_be_encoded() -> None:
+    with pytest.raises(ConfigError, match="public_record_count"):
+        serde.encode_upload("q1", "fp", "u1", payload(1), public_record_count=-1)
 
 
 # ---------------------------------------------------- every ProtocolError case

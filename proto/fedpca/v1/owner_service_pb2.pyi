@@ -101,20 +101,22 @@ class TaskCancellation(_message.Message):
     def __init__(self, query_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
-    __slots__ = ("query_id", "analyst_key_fingerprint", "upload_id", "blocks", "total_chunks", "content_sha256")
+    __slots__ = ("query_id", "analyst_key_fingerprint", "upload_id", "blocks", "total_chunks", "content_sha256", "public_record_count")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     ANALYST_KEY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_RECORD_COUNT_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     analyst_key_fingerprint: str
     upload_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[_ciphertext_pb2.CiphertextBlock]
     total_chunks: int
     content_sha256: bytes
-    def __init__(self, query_id: _Optional[str] = ..., analyst_key_fingerprint: _Optional[str] = ..., upload_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[_ciphertext_pb2.CiphertextBlock, _Mapping]]] = ..., total_chunks: _Optional[int] = ..., content_sha256: _Optional[bytes] = ...) -> None: ...
+    public_record_count: int
+    def __init__(self, query_id: _Optional[str] = ..., analyst_key_fingerprint: _Optional[str] = ..., upload_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[_ciphertext_pb2.CiphertextBlock, _Mapping]]] = ..., total_chunks: _Optional[int] = ..., content_sha256: _Optional[bytes] = ..., public_record_count: _Optional[int] = ...) -> None: ...
 
 class UploadMessage(_message.Message):
     __slots__ = ("header", "chunk")
