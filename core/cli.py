@@ -18,6 +18,10 @@ from fedpca import __version__
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "dp": ("fedpca.dp.cli", "dp_group", "Differential-privacy calibration and accounting."),
     "certs": ("fedpca.transport.certs", "certs_group", "Create and inspect TLS certificates."),
+    "owner": ("fedpca.owner.cli", "owner_group", "Run a data-owner node."),
+    "proxy": ("fedpca.proxy.cli", "proxy_group", "Run the proxy (aggregator)."),
+    "analyst": ("fedpca.analyst.cli", "analyst_group", "Analyst: keys, private PCA/DCA, budget."),
+    "demo": ("fedpca.demo", "demo_command", "Run proxy, owners and analyst on loopback."),
 }
 
 
@@ -55,3 +59,7 @@ def main(verbose: int, **_: Any) -> None:
     decrypts only differentially private statistics.
     """
     configure_logging(verbose)
+
+
+if __name__ == "__main__":
+    main()

@@ -300,8 +300,17 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
         raise ConfigError(
             "masked mode is the published PCA protocol; run DCA in stats mode (--mode stats)"
         )
-    z = _noise_multiplier(spec)
     m = spec.n_features
+    # The mask hides v only statistically: the analyst's view of v + b moves by at most
+    # M·2^-40 in total variation between neighbours, which is added to delta.
+    mask_delta = m * 2.0**-MASK_SECURITY_BITS
+    if spec.private and spec.delta <= mask_delta:
+        raise ConfigError(
+            f"masked mode spends delta {mask_delta:.3g} on the mean mask; delta must exceed it"
+        )
+    z = calibrate_noise_multiplier(
+        spec.epsilon, spec.delta - mask_delta if spec.private else spec.delta, spec.calibration
+    )
     c = spec.clip_norm
     f = spec.frac_bits
     # Worst case N = 1 sizes the headroom; the actual sigma uses the public N.
