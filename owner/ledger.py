@@ -1,0 +1,481 @@
+"""The owner's durable privacy-budget ledger and handled-task record (SQLite).
+
+Every release of this owner's data is charged here *before* anything is
+encrypted. The owner's budget covers every release of its data, whichever
+analyst receives it: the owner's concern is the total leakage of its rows.
+
+Durability and atomicity
+------------------------
+* WAL journal with ``synchronous=FULL``: a reservation that returned has
+  reached the disk, so a crash right after it cannot forget a spent budget.
+* A reservation runs in one ``BEGIN IMMEDIATE`` transaction: it takes SQLite's
+  write lock *before* reading the past releases, so two reservations (threads
+  of one node, or two processes started on the same state folder by mistake)
+  are serialised and can never both pass when only one fits.
+* Each operation opens its own connection, so one ledger object can be shared
+  by threads without a Python-level lock (SQLite's file lock is the lock).
+
+Verification mode (``epsilon = inf``)
+-------------------------------------
+A query with ``epsilon = inf`` adds no noise: the analyst learns the exact sums.
+It is accepted only by owners whose policy sets ``allow_not_private`` (the
+caller passes that flag), and it is recorded with ``not_private = 1`` but *not
+composed* into the finite budget. Rationale: such a query is a deliberate,
+separately authorised disclosure of data the owner has agreed to reveal exactly
+to the analyst (end-to-end verification of a deployment on test data); it is
+outside differential privacy altogether, so charging it to the DP budget would
+only close the budget without meaning anything. The record keeps it visible in
+``fedpca owner budget``.
+
+Replays
+-------
+A query id can be reserved once. Reserving it again with the same parameters
+(``spec_digest``) is a no-op that reports the current state, so a task
+re-delivered after a reconnect or a restart is not charged twice. The same id
+with *different* parameters is refused: otherwise a proxy could obtain two
+different releases for the price of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from fedpca.dp.accounting import check_budget, compose_epsilon
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
+
+__all__ = [
+    "BudgetDecision",
+    "BudgetLedger",
+    "LedgerEntry",
+    "TaskOutcome",
+    "TaskRecord",
+]
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+# How long a reservation waits for another one holding the write lock. A
+# reservation's critical section is one PLD composition (well under a second),
+# so a minute only expires if something is badly stuck.
+_BUSY_TIMEOUT_SECONDS = 60.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS releases (
+    query_id TEXT PRIMARY KEY,
+    analyst TEXT NOT NULL,
+    noise_multiplier REAL NOT NULL,
+    epsilon REAL NOT NULL,
+    delta REAL NOT NULL,
+    recorded_at REAL NOT NULL,
+    not_private INTEGER NOT NULL CHECK (not_private IN (0, 1)),
+    spec_digest TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    query_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    upload_id TEXT,
+    upload_started INTEGER NOT NULL DEFAULT 0,
+    updated_at REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """Outcome of a reservation that fit.
+
+    Attributes
+    ----------
+    query_id : the reserved query.
+    budget : the owner's total budget.
+    epsilon_spent_before, epsilon_spent_after : composed epsilon at ``budget.delta``
+        of the private releases without / with this one.
+    epsilon_remaining : ``budget.epsilon - epsilon_spent_after`` (display only:
+        epsilon is not additive).
+    not_private : this was an ``epsilon = inf`` verification release (recorded,
+        not composed).
+    already_reserved : the query id had been reserved before with the same
+        parameters; nothing new was charged.
+    """
+
+    query_id: str
+    budget: PrivacyParams
+    epsilon_spent_before: float
+    epsilon_spent_after: float
+    epsilon_remaining: float
+    not_private: bool = False
+    already_reserved: bool = False
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One recorded release.
+
+    Attributes
+    ----------
+    event : the privacy event (``noise_multiplier = 0`` for verification mode).
+    not_private : True for an ``epsilon = inf`` release (not composed).
+    spec_digest : digest of the public query the reservation was made for.
+    """
+
+    event: PrivacyEvent
+    not_private: bool
+    spec_digest: str
+
+
+class TaskOutcome(StrEnum):
+    """What became of a task. All but UPLOADING are final: the task is never redone."""
+
+    UPLOADING = "uploading"
+    """An upload was started (not final: a restart recomputes and uploads again)."""
+    UPLOADED = "uploaded"
+    DECLINED = "declined"
+    REJECTED = "rejected"
+    """The proxy refused the upload permanently (invalid, not allowed, wrong state)."""
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def final(self) -> bool:
+        return self is not TaskOutcome.UPLOADING
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """The recorded state of one task."""
+
+    query_id: str
+    outcome: TaskOutcome
+    detail: str
+    upload_id: str | None
+    upload_started: bool
+    updated_at: float
+
+
+class BudgetLedger:
+    """Durable, process-safe privacy budget ledger of one owner.
+
+    Parameters
+    ----------
+    path : the SQLite file (its folder is created if missing).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the ledger folder {self.path.parent}: {exc}") from exc
+        with self._connect() as connection:
+            # WAL is a property of the file; setting it needs no transaction.
+            mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
+            with _immediate(connection):
+                # executescript would commit the open transaction; run statements singly.
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        connection.execute(statement)
+                row = connection.execute(
+                    "SELECT value FROM meta WHERE key = 'schema_version'"
+                ).fetchone()
+                if row is None:
+                    connection.execute(
+                        "INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
+                        (str(SCHEMA_VERSION),),
+                    )
+                elif int(row[0]) != SCHEMA_VERSION:
+                    raise ConfigError(
+                        f"{self.path}: ledger schema version {row[0]}, this fedpca "
+                        f"understands {SCHEMA_VERSION}"
+                    )
+
+    def __repr__(self) -> str:
+        return f"BudgetLedger({str(self.path)!r})"
+
+    # ------------------------------------------------------------ connection
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        try:
+            # isolation_level=None: no implicit transactions; every write below
+            # runs inside an explicit BEGIN IMMEDIATE.
+            connection = sqlite3.connect(
+                self.path, timeout=_BUSY_TIMEOUT_SECONDS, isolation_level=None
+            )
+        except sqlite3.Error as exc:
+            raise ConfigError(f"cannot open the budget ledger {self.path}: {exc}") from exc
+        try:
+            connection.execute("PRAGMA synchronous=FULL")
+            connection.execute("PRAGMA foreign_keys=ON")
+            yield connection
+        finally:
+            connection.close()
+
+    # ------------------------------------------------------------- budget
+    def reserve(
+        self,
+        event: PrivacyEvent,
+        budget: PrivacyParams,
+        *,
+        spec_digest: str = "",
+        allow_not_private: bool = False,
+    ) -> BudgetDecision:
+        """Charge ``event`` to the budget if it fits, atomically.
+
+        Parameters
+        ----------
+        event : the release (``ReleasePlan.privacy_event``).
+        budget : the owner's total (epsilon, delta).
+        spec_digest : digest of the public query; a later reservation of the same
+            query id must carry the same digest.
+        allow_not_private : accept an ``epsilon = inf`` event (recorded, not composed).
+
+        Returns
+        -------
+        BudgetDecision
+
+        Raises
+        ------
+        BudgetExceededError
+            If the composition of every recorded private release and this one
+            exceeds ``budget`` at ``budget.delta``. Nothing is recorded.
+        PolicyError
+            For a verification (``epsilon = inf``) event without
+            ``allow_not_private``, or a query id already reserved with different
+            parameters.
+        """
+        not_private = event.noise_multiplier == 0
+        if not_private and not allow_not_private:
+            raise PolicyError(
+                f"query {event.query_id!r} asks for epsilon = inf (no noise, NOT PRIVATE) and "
+                "this owner does not allow verification queries (policy.allow_not_private)"
+            )
+        with self._connect() as connection, _immediate(connection):
+            existing = connection.execute(
+                "SELECT spec_digest, noise_multiplier, not_private FROM releases "
+                "WHERE query_id = ?",
+                (event.query_id,),
+            ).fetchone()
+            past = _private_events(connection)
+            if existing is not None:
+                digest, z, was_not_private = existing
+                if digest != spec_digest or z != event.noise_multiplier:
+                    raise PolicyError(
+                        f"query id {event.query_id!r} was already reserved with different "
+                        "parameters; refusing a second, different release under the same id"
+                    )
+                logger.info("query %s: budget already reserved, not charged again", event.query_id)
+                spent = _compose(past, budget)
+                return BudgetDecision(
+                    event.query_id,
+                    budget,
+                    spent,
+                    spent,
+                    _remaining(budget, spent),
+                    not_private=bool(was_not_private),
+                    already_reserved=True,
+                )
+            if not_private:
+                spent = _compose(past, budget)
+                decision = BudgetDecision(
+                    event.query_id, budget, spent, spent, _remaining(budget, spent), True
+                )
+                logger.warning(
+                    "query %s: NOT PRIVATE verification release (epsilon = inf) recorded; "
+                    "not composed into the budget",
+                    event.query_id,
+                )
+            else:
+                check = check_budget(past, event, budget)
+                if not check.fits:
+                    raise BudgetExceededError(
+                        f"query {event.query_id!r} refused: it would bring this owner's epsilon "
+                        f"from {check.epsilon_spent_before:.6g} to "
+                        f"{check.epsilon_spent_after:.6g} at delta={budget.delta:g}, over the "
+                        f"budget epsilon={budget.epsilon:g}"
+                    )
+                decision = BudgetDecision(
+                    event.query_id,
+                    budget,
+                    check.epsilon_spent_before,
+                    check.epsilon_spent_after,
+                    _remaining(budget, check.epsilon_spent_after),
+                )
+            connection.execute(
+                "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
+                "recorded_at, not_private, spec_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    event.query_id,
+                    event.analyst,
+                    event.noise_multiplier,
+                    event.epsilon,
+                    event.delta,
+                    event.timestamp,
+                    int(not_private),
+                    spec_digest,
+                ),
+            )
+        return decision
+
+    def cancel_reservation(self, query_id: str) -> bool:
+        """Refund a reservation whose data never left this node.
+
+        Sound only because nothing derived from the data was sent: a reservation
+        is refunded only while no upload of the task was ever started (checked in
+        the same transaction).
+
+        Returns
+        -------
+        bool
+            True if a reservation was removed.
+        """
+        with self._connect() as connection, _immediate(connection):
+            started = connection.execute(
+                "SELECT upload_started FROM tasks WHERE query_id = ?", (query_id,)
+            ).fetchone()
+            if started is not None and started[0]:
+                logger.info("query %s: an upload was started; the budget stays charged", query_id)
+                return False
+            cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
+            removed = cursor.rowcount > 0
+        if removed:
+            logger.info("query %s: nothing was sent, reservation refunded", query_id)
+        return removed
+
+    def events(self) -> list[LedgerEntry]:
+        """Every recorded release, oldest first (verification releases included)."""
+        with self._connect() as connection:
+            rows = connection.execute(
+                "SELECT query_id, analyst, noise_multiplier, epsilon, delta, recorded_at, "
+                "not_private, spec_digest FROM releases ORDER BY recorded_at, query_id"
+            ).fetchall()
+        return [
+            LedgerEntry(
+                PrivacyEvent(
+                    query_id=row[0],
+                    analyst=row[1],
+                    noise_multiplier=row[2],
+                    epsilon=row[3],
+                    delta=row[4],
+                    timestamp=row[5],
+                ),
+                bool(row[6]),
+                row[7],
+            )
+            for row in rows
+        ]
+
+    def spent(self, delta: float) -> float:
+        """Composed epsilon at ``delta`` of every private release (PLD accountant)."""
+        private = [entry.event for entry in self.events() if not entry.not_private]
+        return compose_epsilon(private, delta)
+
+    # --------------------------------------------------------------- tasks
+    def record_task(
+        self,
+        query_id: str,
+        outcome: TaskOutcome,
+        detail: str = "",
+        *,
+        upload_id: str | None = None,
+    ) -> None:
+        """Record what became of a task (UPLOADING marks that data is about to leave)."""
+        now = time.time()
+        with self._connect() as connection, _immediate(connection):
+            connection.execute(
+                "INSERT INTO tasks (query_id, state, detail, upload_id, upload_started, "
+                "updated_at) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (query_id) DO UPDATE SET state = excluded.state, "
+                "detail = excluded.detail, "
+                "upload_id = COALESCE(excluded.upload_id, tasks.upload_id), "
+                "upload_started = MAX(tasks.upload_started, excluded.upload_started), "
+                "updated_at = excluded.updated_at",
+                (
+                    query_id,
+                    outcome.value,
+                    detail,
+                    upload_id,
+                    int(outcome in (TaskOutcome.UPLOADING, TaskOutcome.UPLOADED)),
+                    now,
+                ),
+            )
+
+    def task(self, query_id: str) -> TaskRecord | None:
+        """The recorded state of a task, or None if it was never seen."""
+        with self._connect() as connection:
+            row = connection.execute(
+                "SELECT query_id, state, detail, upload_id, upload_started, updated_at "
+                "FROM tasks WHERE query_id = ?",
+                (query_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        return TaskRecord(row[0], TaskOutcome(row[1]), row[2], row[3], bool(row[4]), row[5])
+
+    def is_handled(self, query_id: str) -> bool:
+        """True if the task reached a final outcome (it must not be redone)."""
+        record = self.task(query_id)
+        return record is not None and record.outcome.final
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@contextmanager
+def _immediate(connection: sqlite3.Connection) -> Iterator[None]:
+    """An explicit write transaction: the write lock is taken before any read."""
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
+    connection.execute("COMMIT")
+
+
+def _private_events(connection: sqlite3.Connection) -> list[PrivacyEvent]:
+    rows = connection.execute(
+        "SELECT query_id, analyst, noise_multiplier, epsilon, delta, recorded_at "
+        "FROM releases WHERE not_private = 0 ORDER BY recorded_at, query_id"
+    ).fetchall()
+    return [
+        PrivacyEvent(
+            query_id=row[0],
+            analyst=row[1],
+            noise_multiplier=row[2],
+            epsilon=row[3],
+            delta=row[4],
+            timestamp=row[5],
+        )
+        for row in rows
+    ]
+
+
+def _compose(events: list[PrivacyEvent], budget: PrivacyParams) -> float:
+    if not 0 < budget.delta < 1:
+        return math.nan  # an unlimited budget may carry delta 0 or 1
+    return compose_epsilon(events, budget.delta)
+
+
+def _remaining(budget: PrivacyParams, spent: float) -> float:
+    if math.isinf(budget.epsilon):
+        return math.inf
+    if math.isnan(spent):
+        return math.nan
+    return max(0.0, budget.epsilon - spent)

@@ -1,0 +1,158 @@
+"""owner.toml parsing: the documented format, relative paths, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedpca.codec.paillier import Obfuscation
+from fedpca.errors import ConfigError
+from fedpca.owner.config import OwnerConfig, load_config
+
+FINGERPRINT = "sha256:" + "ab" * 32
+
+GOOD = f"""
+[owner]
+id = "owner-1"
+proxy = "127.0.0.1:50051"
+state_dir = "state/owner-1"
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/owner-1.pem"
+key = "certs/owner-1.key"
+insecure = false
+[data]
+path = "data/owner-1.csv"
+header = "auto"
+label_column = 0
+out_of_bounds = "clip"
+[policy]
+accepted_analyst_keys = ["{FINGERPRINT}"]
+max_epsilon_per_query = 1.0
+allow_not_private = false
+[budget]
+epsilon = 10.0
+delta = 1e-5
+[crypto]
+processes = 0
+obfuscation = "djn"
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "conf" / "owner.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_good_file_parses_with_paths_relative_to_the_file(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, GOOD))
+    base = (tmp_path / "conf").resolve()
+    assert config.owner.id == "owner-1"
+    assert config.owner.proxy == "127.0.0.1:50051"
+    assert config.owner.state_dir == base / "state/owner-1"
+    assert config.ledger_path.parent == base / "state/owner-1"
+    assert config.tls.ca == base / "certs/ca.pem"
+    assert config.tls.files().private_key == base / "certs/owner-1.key"
+    assert config.tls.insecure is False
+    assert config.data.path == base / "data/owner-1.csv"
+    assert config.data.header == "auto"
+    assert config.data.label_column == 0
+    assert config.data.out_of_bounds == "clip"
+    assert config.policy.accepted_analyst_keys == (FINGERPRINT,)
+    assert config.policy.max_epsilon_per_query == 1.0
+    assert config.policy.allow_not_private is False
+    assert (config.budget.epsilon, config.budget.delta) == (10.0, 1e-5)
+    assert config.crypto.processes == 0
+    assert config.crypto.obfuscation is Obfuscation.DJN
+    assert config.source is not None
+    assert config.with_insecure().tls.insecure is True
+
+
+def test_defaults_and_insecure_without_tls_files(tmp_path: Path) -> None:
+    text = f"""
+[owner]
+id = "o2"
+proxy = "[::1]:7000"
+[tls]
+insecure = true
+[data]
+path = "/abs/x.npy"
+[policy]
+accepted_analyst_keys = []
+max_epsilon_per_query = inf
+allow_not_private = true
+[budget]
+epsilon = inf
+delta = 1e-6
+"""
+    config = load_config(_write(tmp_path, text))
+    assert config.owner.state_dir == (tmp_path / "conf").resolve() / "state/o2"
+    assert config.tls.insecure and config.tls.ca is None
+    assert config.data.path == Path("/abs/x.npy")
+    assert config.data.label_column is None
+    assert config.crypto.obfuscation is Obfuscation.DJN
+    with pytest.raises(ConfigError, match="tls.ca"):
+        config.tls.files()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ('id = "owner-1"', 'id = "bad id!"', "owner.id"),
+        ('id = "owner-1"', "id = 3", "owner.id"),
+        ('proxy = "127.0.0.1:50051"', 'proxy = "127.0.0.1"', "owner.proxy"),
+        ('proxy = "127.0.0.1:50051"', 'proxy = "host:99999"', "owner.proxy"),
+        ('state_dir = "state/owner-1"', "state_dir = 5", "owner.state_dir"),
+        ('ca = "certs/ca.pem"', "", "tls.ca"),
+        ("insecure = false", 'insecure = "no"', "tls.insecure"),
+        ('path = "data/owner-1.csv"', "", "data.path"),
+        ('header = "auto"', 'header = "yes"', "data.header"),
+        ("label_column = 0", 'label_column = "label"', "data.label_column"),
+        ("label_column = 0", "label_column = true", "data.label_column"),
+        ('out_of_bounds = "clip"', 'out_of_bounds = "wrap"', "data.out_of_bounds"),
+        (f'accepted_analyst_keys = ["{FINGERPRINT}"]', 'accepted_analyst_keys = "x"', "policy"),
+        (
+            f'accepted_analyst_keys = ["{FINGERPRINT}"]',
+            'accepted_analyst_keys = ["sha256:xyz"]',
+            r"policy.accepted_analyst_keys\[0\]",
+        ),
+        ("max_epsilon_per_query = 1.0", "max_epsilon_per_query = 0", "max_epsilon_per_query"),
+        ("max_epsilon_per_query = 1.0", "", "policy.max_epsilon_per_query"),
+        ("max_epsilon_per_query = 1.0", "max_epsilon_per_query = nan", "max_epsilon_per_query"),
+        ("allow_not_private = false", "allow_not_private = 1", "policy.allow_not_private"),
+        ("epsilon = 10.0", "epsilon = -1.0", "budget.epsilon"),
+        ("delta = 1e-5", "delta = 1.0", "budget.delta"),
+        ("delta = 1e-5", "", "budget.delta"),
+        ("processes = 0", "processes = -2", "crypto.processes"),
+        ('obfuscation = "djn"', 'obfuscation = "fast"', "crypto.obfuscation"),
+        ("allow_not_private = false", "allow_not_private = false\nmax_epsilon = 2", "policy"),
+        ("[crypto]", "[cryptography]", "cryptography"),
+    ],
+)
+def test_each_bad_key_is_named(tmp_path: Path, old: str, new: str, key: str) -> None:
+    assert old in GOOD
+    with pytest.raises(ConfigError, match=key):
+        load_config(_write(tmp_path, GOOD.replace(old, new, 1)))
+
+
+def test_unknown_key_is_named_not_ignored(tmp_path: Path) -> None:
+    text = GOOD.replace("max_epsilon_per_query = 1.0", "max_epsilon_per_querry = 1.0")
+    with pytest.raises(ConfigError, match="policy.max_epsilon_per_querry"):
+        load_config(_write(tmp_path, text))
+
+
+def test_missing_section_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\[budget\]"):
+        load_config(_write(tmp_path, GOOD.split("[budget]")[0]))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[owner\nid = 1"))
+
+
+def test_from_mapping_names_section_type_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\[owner\] must be a table"):
+        OwnerConfig.from_mapping({"owner": 3}, tmp_path)

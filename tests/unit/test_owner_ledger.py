@@ -1,0 +1,175 @@
+"""The owner's SQLite budget ledger: fits/refuses, idempotence, concurrency, durability."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import sqlite3
+import threading
+from multiprocessing.synchronize import Barrier as BarrierType
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedpca.dp.calibration import calibrate_noise_multiplier
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.errors import BudgetExceededError, PolicyError
+from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+
+DELTA = 1e-5
+# One release at epsilon 0.7 fits a budget of 1.0; a second one composes to ~1.02 (PLD).
+BUDGET = PrivacyParams(1.0, DELTA)
+Z = calibrate_noise_multiplier(0.7, DELTA)
+
+
+def _event(query_id: str, z: float = Z, epsilon: float = 0.7) -> PrivacyEvent:
+    return PrivacyEvent(query_id, "sha256:analyst", z, epsilon, DELTA if z else 0.0)
+
+
+def _not_private(query_id: str) -> PrivacyEvent:
+    return PrivacyEvent(query_id, "sha256:analyst", 0.0, math.inf, 0.0)
+
+
+def test_fits_then_refuses_and_records_nothing_on_refusal(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    decision = ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    assert decision.epsilon_spent_before == 0.0
+    assert decision.epsilon_spent_after == pytest.approx(0.7, abs=1e-6)
+    assert decision.epsilon_remaining == pytest.approx(0.3, abs=1e-6)
+    assert not decision.already_reserved
+    with pytest.raises(BudgetExceededError, match="'q2'.*over the budget epsilon=1"):
+        ledger.reserve(_event("q2"), BUDGET, spec_digest="d2")
+    assert [e.event.query_id for e in ledger.events()] == ["q1"]
+    assert ledger.spent(DELTA) == pytest.approx(0.7, abs=1e-6)
+    # A weaker release still fits beside the first one.
+    weak = calibrate_noise_multiplier(0.1, DELTA)
+    ledger.reserve(_event("q3", weak, 0.1), BUDGET, spec_digest="d3")
+    assert 0.7 < ledger.spent(DELTA) <= 1.0
+
+
+def test_re_reserving_the_same_query_is_idempotent(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    again = ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    assert again.already_reserved
+    assert again.epsilon_spent_after == pytest.approx(0.7, abs=1e-6)
+    assert len(ledger.events()) == 1
+    assert ledger.spent(DELTA) == pytest.approx(0.7, abs=1e-6)
+
+
+def test_same_query_id_with_other_parameters_is_refused(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    with pytest.raises(PolicyError, match="different parameters"):
+        ledger.reserve(_event("q1"), BUDGET, spec_digest="other")
+    with pytest.raises(PolicyError, match="different parameters"):
+        ledger.reserve(_event("q1", Z * 2, 0.35), BUDGET, spec_digest="d1")
+
+
+def test_ledger_survives_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "ledger.sqlite3"
+    BudgetLedger(path).reserve(_event("q1"), BUDGET, spec_digest="d1")
+    BudgetLedger(path).record_task("q1", TaskOutcome.UPLOADED, "accepted", upload_id="u1")
+    reopened = BudgetLedger(path)
+    assert [e.event.query_id for e in reopened.events()] == ["q1"]
+    assert reopened.events()[0].event.noise_multiplier == Z
+    with pytest.raises(BudgetExceededError):
+        reopened.reserve(_event("q2"), BUDGET, spec_digest="d2")
+    record = reopened.task("q1")
+    assert record is not None and record.outcome is TaskOutcome.UPLOADED
+    assert record.upload_id == "u1" and record.upload_started
+    assert reopened.is_handled("q1") and not reopened.is_handled("q2")
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_not_private_needs_permission_is_flagged_and_not_composed(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    with pytest.raises(PolicyError, match="NOT PRIVATE"):
+        ledger.reserve(_not_private("v1"), BUDGET, spec_digest="v")
+    assert ledger.events() == []
+    decision = ledger.reserve(_not_private("v1"), BUDGET, spec_digest="v", allow_not_private=True)
+    assert decision.not_private
+    assert decision.epsilon_spent_after == 0.0
+    (entry,) = ledger.events()
+    assert entry.not_private and math.isinf(entry.event.epsilon)
+    # The finite budget is untouched: a private release still fits in full.
+    assert ledger.spent(DELTA) == 0.0
+    ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    assert ledger.spent(DELTA) == pytest.approx(0.7, abs=1e-6)
+    again = ledger.reserve(_not_private("v1"), BUDGET, spec_digest="v", allow_not_private=True)
+    assert again.already_reserved and again.not_private
+
+
+def test_cancel_reservation_only_before_any_upload(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    assert ledger.cancel_reservation("q1")
+    assert ledger.events() == []
+    ledger.reserve(_event("q2"), BUDGET, spec_digest="d2")
+    ledger.record_task("q2", TaskOutcome.UPLOADING, upload_id="u2")
+    assert not ledger.cancel_reservation("q2")
+    # Later outcomes never clear the fact that data left the node.
+    ledger.record_task("q2", TaskOutcome.CANCELLED, "cancelled")
+    assert not ledger.cancel_reservation("q2")
+    assert [e.event.query_id for e in ledger.events()] == ["q2"]
+    record = ledger.task("q2")
+    assert record is not None and record.upload_id == "u2" and record.upload_started
+
+
+def test_concurrent_threads_never_both_pass(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    BudgetLedger(path)
+    barrier = threading.Barrier(4)
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def reserve(index: int) -> None:
+        ledger = BudgetLedger(path)
+        barrier.wait()
+        try:
+            ledger.reserve(_event(f"q{index}"), BUDGET, spec_digest=f"d{index}")
+            outcome = "fit"
+        except BudgetExceededError:
+            outcome = "refused"
+        with lock:
+            results.append(outcome)
+
+    threads = [threading.Thread(target=reserve, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == ["fit", "refused", "refused", "refused"]
+    assert len(BudgetLedger(path).events()) == 1
+
+
+def _reserve_in_process(path: str, index: int, barrier: BarrierType, out: Any) -> None:
+    ledger = BudgetLedger(path)
+    barrier.wait()
+    try:
+        ledger.reserve(_event(f"p{index}"), BUDGET, spec_digest=f"d{index}")
+        out.put("fit")
+    except BudgetExceededError:
+        out.put("refused")
+
+
+def test_concurrent_processes_never_both_pass(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    BudgetLedger(path)
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(2)
+    out = context.Queue()
+    processes = [
+        context.Process(target=_reserve_in_process, args=(str(path), i, barrier, out))
+        for i in range(2)
+    ]
+    for process in processes:
+        process.start()
+    results = sorted(out.get(timeout=60) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert results == ["fit", "refused"]
+    assert len(BudgetLedger(path).events()) == 1
