@@ -337,6 +337,7 @@ class ProxyStore:
         fold: BlockFold,
         *,
         public_count: int | None = None,
+        before_fold: Callable[[int], None] | None = None,
     ) -> UploadReceipt:
         """Fold one complete, validated upload into the query's aggregate, exactly once.
 
@@ -345,6 +346,11 @@ class ProxyStore:
         changes nothing and returns ``duplicate=True``. A second, different
         upload from the same owner, or the same ciphertexts replayed into
         another query, is refused.
+
+        ``before_fold(n_contributed)`` runs inside the transaction, after those
+        checks and before anything is folded, with the number of uploads accepted
+        so far; raising refuses the upload (the proxy checks max_owners here, so
+        concurrent uploads cannot both take the last place).
         """
         now = self._clock()
         with self.transaction() as conn:
@@ -380,6 +386,8 @@ class ProxyStore:
                     f"these ciphertexts were already accepted for query {replay['query_id']!r}: "
                     "replayed uploads are refused"
                 )
+            if before_fold is not None:
+                before_fold(int(row["n_contributed"]))
             for name, data in blocks.items():
                 current = conn.execute(
                     "SELECT data FROM aggregates WHERE query_id=? AND block=?", (query_id, name)

@@ -108,3 +108,30 @@ def test_before_insert_runs_in_the_same_transaction(store: ProxyStore) -> None:
 def test_wal_mode_is_on(store: ProxyStore) -> None:
     conn = sqlite3.connect(str(store.path))
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_before_fold_sees_the_count_and_can_refuse_inside_the_transaction(
+    store: ProxyStore,
+) -> None:
+    seen: list[int] = []
+
+    def at_most_one(n_contributed: int) -> None:
+        seen.append(n_contributed)
+        if n_contributed >= 1:
+            raise QueryStateError("full")
+
+    store.accept_upload(
+        "q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold, before_fold=at_most_one
+    )
+    with pytest.raises(QueryStateError, match="full"):
+        store.accept_upload(
+            "q1", "o2", "u2", "h2", {"scatter": b"B"}, 1, concat_fold, before_fold=at_most_one
+        )
+    assert seen == [0, 1]
+    assert store.aggregate("q1") == {"scatter": b"|A"}
+    assert [u.owner_id for u in store.uploads("q1")] == ["o1"]
+    # A retry of the accepted upload is a duplicate, not refused by the hook.
+    retry = store.accept_upload(
+        "q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold, before_fold=at_most_one
+    )
+    assert retry.duplicate and seen == [0, 1]

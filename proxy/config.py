@@ -1,0 +1,306 @@
+"""The proxy's TOML configuration as frozen dataclasses.
+
+Example (every key shown; relative paths are resolved against the folder of the
+configuration file, so a deployment directory can be moved as a whole)::
+
+    [proxy]
+    id = "proxy"
+    listen = "127.0.0.1:50051"
+    database = "proxy.sqlite3"
+    heartbeat_seconds = 5.0
+
+    [tls]
+    ca = "certs/ca/ca.pem"
+    cert = "certs/proxy/proxy/cert.pem"
+    key = "certs/proxy/proxy/key.pem"
+    insecure = false             # true only for local experiments: WARNING on every start
+
+    [budget]                     # default per-analyst total budget
+    epsilon = 10.0
+    delta = 1e-5
+
+    [budget.analysts.alice]      # optional per-analyst override
+    epsilon = 2.0
+    delta = 1e-6
+
+    [crypto]
+    processes = 0                # 0 = all cores
+    allow_insecure_test_keys = false   # TEST ONLY: accept analyst keys < 2048 bits
+
+Unknown keys are refused (a typo such as ``epsilion`` must not silently fall
+back to a default budget); every error names the offending key.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.errors import ConfigError
+from fedpca.transport.certs import TlsFiles, validate_node_id
+
+__all__ = [
+    "BudgetConfig",
+    "CryptoConfig",
+    "ProxyConfig",
+    "ProxySection",
+    "TlsConfig",
+    "load_config",
+    "parse_config",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_HEARTBEAT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class ProxySection:
+    """``[proxy]``: identity, address, database and task-stream heartbeat."""
+
+    id: str = "proxy"
+    listen: str = DEFAULT_LISTEN
+    database: Path = Path("proxy.sqlite3")
+    heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """``[tls]``: the proxy's mutual-TLS material, or the explicit insecure path."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    insecure: bool = False
+
+    def files(self) -> TlsFiles:
+        """The TLS file paths; ConfigError if one is missing (and not insecure)."""
+        missing = [name for name in ("ca", "cert", "key") if getattr(self, name) is None]
+        if missing:
+            raise ConfigError(
+                f"tls.{missing[0]} is required unless tls.insecure = true "
+                f"(missing: {', '.join('tls.' + m for m in missing)})"
+            )
+        assert self.ca is not None and self.cert is not None and self.key is not None
+        return TlsFiles(ca_certificate=self.ca, certificate=self.cert, private_key=self.key)
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """``[budget]``: every analyst's total (epsilon, delta), with per-analyst overrides."""
+
+    default: PrivacyParams = field(default_factory=lambda: PrivacyParams(10.0, 1e-5))
+    analysts: Mapping[str, PrivacyParams] = field(default_factory=dict)
+
+    def for_analyst(self, analyst_id: str) -> PrivacyParams:
+        """The total budget of ``analyst_id`` (its override, else the default)."""
+        return self.analysts.get(analyst_id, self.default)
+
+
+@dataclass(frozen=True)
+class CryptoConfig:
+    """``[crypto]``: the process pool that encrypts noise and computes the mask."""
+
+    processes: int = 0
+    """Worker processes; 0 = every core this process may use."""
+    allow_insecure_test_keys: bool = False
+    """TEST ONLY: accept analyst keys shorter than 2048 bits."""
+
+    @property
+    def pool_processes(self) -> int | None:
+        """What :class:`~fedpca.codec.CryptoPool` takes (None = all cores)."""
+        return None if self.processes == 0 else self.processes
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The whole proxy configuration."""
+
+    proxy: ProxySection = field(default_factory=ProxySection)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    crypto: CryptoConfig = field(default_factory=CryptoConfig)
+
+    def with_overrides(self, *, listen: str | None = None, insecure: bool = False) -> ProxyConfig:
+        """A copy with command-line overrides applied (flags win over the file)."""
+        config = self
+        if listen is not None:
+            config = replace(config, proxy=replace(config.proxy, listen=_listen(listen, "listen")))
+        if insecure:
+            config = replace(config, tls=replace(config.tls, insecure=True))
+        return config
+
+
+# ------------------------------------------------------------------ parsing
+def load_config(path: str | Path) -> ProxyConfig:
+    """Read and validate a proxy TOML file.
+
+    Raises
+    ------
+    ConfigError
+        Unreadable file, invalid TOML, unknown or ill-typed keys (named in the message).
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read proxy config {file}: {exc.strerror or exc}") from exc
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: invalid TOML: {exc}") from exc
+    try:
+        return parse_config(document, base_dir=file.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{file}: {exc}") from exc
+
+
+def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
+    """Build a :class:`ProxyConfig` from a parsed TOML document.
+
+    Parameters
+    ----------
+    document : the parsed TOML tables.
+    base_dir : folder relative paths are resolved against.
+    """
+    _only(document, "", {"proxy", "tls", "budget", "crypto"})
+    proxy_table = _table(document, "proxy")
+    tls_table = _table(document, "tls")
+    budget_table = _table(document, "budget")
+    crypto_table = _table(document, "crypto")
+
+    _only(proxy_table, "proxy", {"id", "listen", "database", "heartbeat_seconds"})
+    node_id = _str(proxy_table, "proxy.id", "proxy")
+    try:
+        validate_node_id(node_id)
+    except ConfigError as exc:
+        raise ConfigError(f"proxy.id: {exc}") from exc
+    heartbeat = _float(proxy_table, "proxy.heartbeat_seconds", DEFAULT_HEARTBEAT_SECONDS)
+    if not (math.isfinite(heartbeat) and heartbeat > 0):
+        raise ConfigError(f"proxy.heartbeat_seconds must be finite and > 0, got {heartbeat!r}")
+    proxy = ProxySection(
+        id=node_id,
+        listen=_listen(_str(proxy_table, "proxy.listen", DEFAULT_LISTEN), "proxy.listen"),
+        database=_path(base_dir, _str(proxy_table, "proxy.database", "proxy.sqlite3")),
+        heartbeat_seconds=heartbeat,
+    )
+
+    _only(tls_table, "tls", {"ca", "cert", "key", "insecure"})
+    tls = TlsConfig(
+        ca=_optional_path(base_dir, tls_table, "tls.ca"),
+        cert=_optional_path(base_dir, tls_table, "tls.cert"),
+        key=_optional_path(base_dir, tls_table, "tls.key"),
+        insecure=_bool(tls_table, "tls.insecure", False),
+    )
+    if not tls.insecure:
+        tls.files()  # names the missing key now rather than at bind time
+
+    _only(budget_table, "budget", {"epsilon", "delta", "analysts"})
+    default = _privacy(budget_table, "budget", PrivacyParams(10.0, 1e-5))
+    overrides: dict[str, PrivacyParams] = {}
+    analysts_table = _table(budget_table, "analysts", "budget.analysts")
+    for analyst_id, entry in analysts_table.items():
+        key = f"budget.analysts.{analyst_id}"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{key} must be a table with epsilon and delta")
+        _only(entry, key, {"epsilon", "delta"})
+        try:
+            validate_node_id(analyst_id)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}: {exc}") from exc
+        overrides[analyst_id] = _privacy(entry, key, default)
+    budget = BudgetConfig(default=default, analysts=overrides)
+
+    _only(crypto_table, "crypto", {"processes", "allow_insecure_test_keys"})
+    processes = _int(crypto_table, "crypto.processes", 0)
+    if processes < 0:
+        raise ConfigError(f"crypto.processes must be >= 0 (0 = all cores), got {processes}")
+    crypto = CryptoConfig(
+        processes=processes,
+        allow_insecure_test_keys=_bool(crypto_table, "crypto.allow_insecure_test_keys", False),
+    )
+    return ProxyConfig(proxy=proxy, tls=tls, budget=budget, crypto=crypto)
+
+
+# ------------------------------------------------------------------ helpers
+def _only(table: Mapping[str, Any], where: str, allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]} (allowed in "
+            f"{'[' + where + ']' if where else 'the top level'}: {', '.join(sorted(allowed))})"
+        )
+
+
+def _table(document: Mapping[str, Any], name: str, key: str | None = None) -> Mapping[str, Any]:
+    value = document.get(name, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key or name} must be a table")
+    return value
+
+
+def _str(table: Mapping[str, Any], key: str, default: str) -> str:
+    value = table.get(key.rsplit(".", 1)[-1], default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(table: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = table.get(key.rsplit(".", 1)[-1], default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _int(table: Mapping[str, Any], key: str, default: int) -> int:
+    value = table.get(key.rsplit(".", 1)[-1], default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _float(table: Mapping[str, Any], key: str, default: float) -> float:
+    value = table.get(key.rsplit(".", 1)[-1], default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _path(base_dir: Path, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
+def _optional_path(base_dir: Path, table: Mapping[str, Any], key: str) -> Path | None:
+    name = key.rsplit(".", 1)[-1]
+    if name not in table:
+        return None
+    return _path(base_dir, _str(table, key, ""))
+
+
+def _privacy(table: Mapping[str, Any], key: str, default: PrivacyParams) -> PrivacyParams:
+    epsilon = _float(table, f"{key}.epsilon", default.epsilon)
+    delta = _float(table, f"{key}.delta", default.delta)
+    if math.isnan(epsilon) or epsilon <= 0:
+        raise ConfigError(f"{key}.epsilon must be > 0 (inf = unlimited), got {epsilon!r}")
+    # The budget's delta is where composed epsilons are read off, so it must be a
+    # usable accounting delta even for an unlimited epsilon.
+    if not 0 < delta < 1:
+        raise ConfigError(f"{key}.delta must be in (0, 1), got {delta!r}")
+    return PrivacyParams(epsilon, delta)
+
+
+def _listen(value: str, key: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key} must be host:port (port 0 = any free port), got {value!r}")
+    return value

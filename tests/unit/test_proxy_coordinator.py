@@ -1,0 +1,639 @@
+"""The proxy coordinator without gRPC: lifecycle, budget, validation, noise and mask.
+
+Keys are TEST-ONLY 512-bit moduli; owners' shares are real ionosphere rows split
+across owners, encrypted exactly as an owner does (plan values, fixed point,
+packed encryption), so the checks below compare decrypted results with the
+integer sums the owners actually encrypted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint, unpack_slots
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.errors import (
+    BudgetExceededError,
+    CiphertextError,
+    ConfigError,
+    EncodingOverflowError,
+    LayoutError,
+    ProtocolError,
+    QueryStateError,
+)
+from fedpca.owner.preprocess import preprocess_for_query
+from fedpca.owner.statistics import local_statistics
+from fedpca.protocol import (
+    MASKED_SUM,
+    SCATTER_ROWS,
+    SHARES,
+    SUM_SINGLE,
+    SUM_WINDOWS,
+    ReleasePlan,
+    row_aligned_positions,
+)
+from fedpca.proxy.config import BudgetConfig, ProxyConfig
+from fedpca.proxy.coordinator import Coordinator, spec_from_dict, spec_to_dict, wire_blocks
+from fedpca.proxy.store import ProxyStore, QueryState
+from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.stats import sum_statistics
+from fedpca.transport import serde
+
+DATASET = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "ionosphere.csv"
+IntVector = list[int]
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def pool() -> Iterator[CryptoPool]:
+    with CryptoPool(processes=2) as crypto_pool:
+        yield crypto_pool
+
+
+@pytest.fixture(scope="module")
+def owner_rows() -> list[np.ndarray]:
+    """Ionosphere features split across three owners (raw; owners preprocess)."""
+    if not DATASET.is_file():
+        pytest.skip(f"reference dataset {DATASET} is absent")
+    table = np.loadtxt(DATASET, delimiter=",")
+    features = table[:, 1:]
+    return [features[0:120], features[120:240], features[240:]]
+
+
+def make_config(epsilon: float = math.inf, **analysts: PrivacyParams) -> ProxyConfig:
+    return ProxyConfig(budget=BudgetConfig(PrivacyParams(epsilon, 1e-5), dict(analysts)))
+
+
+def make_spec(public_key: Any, query_id: str = "q1", **changes: Any) -> QuerySpec:
+    spec = QuerySpec(
+        query_id=query_id,
+        kind=QueryKind.PCA,
+        n_features=34,
+        epsilon=math.inf,
+        delta=1e-5,
+        n_components=3,
+        analyst_public_key_n=public_key.n,
+        analyst_key_fingerprint=key_fingerprint(public_key),
+        feature_lower=(-1.0,) * 34,
+        feature_upper=(1.0,) * 34,
+        quorum=3,
+        deadline_seconds=60.0,
+    )
+    return replace(spec, **changes)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_coordinator(
+    tmp_path: Path, pool: CryptoPool, config: ProxyConfig | None = None, **kwargs: Any
+) -> Coordinator:
+    clock = kwargs.setdefault("clock", Clock())
+    store = ProxyStore(tmp_path / "proxy.sqlite3", clock=clock)
+    kwargs.setdefault("noise_sampler", TestOnlySeededSampler(7))
+    return Coordinator(
+        store,
+        config or make_config(),
+        pool,
+        allow_insecure_test_keys=True,
+        background=False,
+        **kwargs,
+    )
+
+
+class Owner:
+    """What an owner node does for one query, minus the network."""
+
+    def __init__(self, owner_id: str, rows: np.ndarray, seed: int) -> None:
+        self.owner_id = owner_id
+        self.rows = rows
+        self.seed = seed
+
+    def encode(self, plan: ReleasePlan) -> tuple[dict[str, np.ndarray], int]:
+        """Fixed-point values of every block; the same integers on every call."""
+        rng = np.random.default_rng(self.seed)  # stochastic rounding coins, reproducible
+        x = preprocess_for_query(self.rows, plan.spec)
+        statistics = local_statistics(x, None, plan.spec)
+        values = plan.owner_values(statistics)
+        encoded = {
+            name: encode_fixed_point(v, plan.spec.frac_bits, rng=rng) for name, v in values.items()
+        }
+        if plan.spec.mode is ProtocolMode.MASKED:
+            # v must be rounded once: the proxy's Enc(v_i)^(b_j) and Enc(window)^(b_i)
+            # terms cancel against v' v'ᵀ only if both blocks hold the same integers.
+            k = plan.owner_block(SUM_WINDOWS).layout.slots_per_ciphertext
+            padded = np.concatenate([encoded[SUM_SINGLE], np.zeros(k, dtype=np.int64)])
+            encoded[SUM_WINDOWS] = np.concatenate(
+                [padded[t : t + k] for t in range(plan.spec.n_features)]
+            )
+        return encoded, len(x)
+
+    def upload(
+        self, plan: ReleasePlan, public_key: Any, pool: CryptoPool
+    ) -> tuple[serde.UploadHeader, dict[str, list[int]], dict[str, np.ndarray]]:
+        encoded, count = self.encode(plan)
+        blocks = {
+            block.name: list(
+                pool.encrypt_packed(
+                    public_key, encoded[block.name], block.layout, block.bound
+                ).ciphertexts
+            )
+            for block in plan.owner_blocks
+        }
+        width = 2 * ((public_key.n.bit_length() + 7) // 8)
+        content = b"".join(
+            c.to_bytes(width, "big") for block in plan.owner_blocks for c in blocks[block.name]
+        )
+        header = serde.UploadHeader(
+            query_id=plan.spec.query_id,
+            analyst_key_fingerprint=plan.spec.analyst_key_fingerprint,
+            upload_id=f"{self.owner_id}-{plan.spec.query_id}",
+            blocks=wire_blocks(plan),
+            total_chunks=1,
+            content_sha256=hashlib.sha256(content).digest(),
+            public_record_count=count if plan.spec.mode is ProtocolMode.MASKED else None,
+        )
+        return header, blocks, encoded
+
+
+def owners_for(rows: list[np.ndarray]) -> list[Owner]:
+    return [Owner(f"owner-{i}", r, seed=i) for i, r in enumerate(rows)]
+
+
+def decrypt_block(
+    pool: CryptoPool, private_key: Any, coordinator: Coordinator, query_id: str, name: str
+) -> IntVector:
+    result = coordinator.result(query_id)
+    block = next(b for b in coordinator.plan(query_id).result_blocks if b.name == name)
+    plaintexts = pool.decrypt(private_key, list(result.payload[name]))
+    return unpack_slots(plaintexts, block.layout, private_key.public_key.n)
+
+
+def run_stats_query(
+    coordinator: Coordinator,
+    pool: CryptoPool,
+    public_key: Any,
+    owners: list[Owner],
+    spec: QuerySpec,
+    analyst: str = "alice",
+) -> np.ndarray:
+    """Submit, upload every owner, finish; return Σ of the owners' encoded values."""
+    coordinator.submit(analyst, spec)
+    plan = coordinator.plan(spec.query_id)
+    total = np.zeros(plan.owner_block(SHARES).layout.value_count, dtype=object)
+    for owner in owners:
+        header, blocks, encoded = owner.upload(plan, public_key, pool)
+        coordinator.accept_upload(owner.owner_id, header, blocks)
+        total = total + encoded[SHARES].astype(object)
+    return total
+
+
+# ------------------------------------------------------------------ stats mode
+def test_spec_json_round_trip_keeps_every_field(test_only_keypair_512: Any) -> None:
+    public_key, _ = test_only_keypair_512
+    spec = make_spec(public_key, mode=ProtocolMode.MASKED, noise_weights=())
+    assert spec_from_dict(spec_to_dict(spec)) == spec
+    dca = make_spec(
+        public_key, kind=QueryKind.DCA, label_column=0, class_labels=(-1.0, 1.0), epsilon=0.5
+    )
+    assert spec_from_dict(spec_to_dict(dca)) == dca
+    assert spec_to_dict(spec)["epsilon"] == "inf"  # strict JSON
+
+
+def test_stats_mode_without_noise_equals_the_owners_integer_sums(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    owners = owners_for(owner_rows)
+    spec = make_spec(public_key)
+    expected = run_stats_query(coordinator, pool, public_key, owners, spec)
+
+    record = coordinator.store.query("q1")
+    assert record.state is QueryState.DONE and record.n_contributed == 3
+    decrypted = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
+    assert decrypted == list(expected)  # exact: no noise, homomorphic sums only
+
+    # And the decoded statistics are the pooled statistics of all rows.
+    plan = coordinator.plan("q1")
+    values = np.array(decrypted, dtype=np.float64) / 2.0**spec.frac_bits
+    pooled = sum_statistics(
+        local_statistics(preprocess_for_query(o.rows, spec), None, spec) for o in owners
+    )
+    got = plan.statistics_from_values(values)
+    np.testing.assert_allclose(got.scatter, pooled.scatter, atol=1e-8)
+    np.testing.assert_allclose(got.sums, pooled.sums, atol=1e-8)
+    assert got.count == pytest.approx(351)
+
+    meta = coordinator.result_meta("q1")
+    assert meta["not_private"] is True and meta["n_owners"] == 3
+    assert all(s["sigma"] == 0 for s in meta["sections"])
+    result = coordinator.result("q1")
+    assert result.noise.mechanism is serde.NoiseMechanism.NONE
+
+
+def test_stats_mode_noise_has_the_planned_sigma_per_section(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0))
+    spec = make_spec(public_key, epsilon=1.0)
+    expected = run_stats_query(coordinator, pool, public_key, owners_for(owner_rows), spec)
+    decrypted = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
+    noise = np.array([int(a - b) for a, b in zip(decrypted, expected, strict=True)], dtype=float)
+
+    plan = coordinator.plan("q1")
+    slices = plan.statistics.section_slices()
+    for section in plan.sections:
+        part = noise[slices[section.name]]
+        assert section.sigma_int > 0
+        if section.length >= 30:
+            # Sample sd of n Gaussian draws has relative standard error ~1/sqrt(2n):
+            # 3% for the 595 scatter values, 12% for the 34 sums; allow 5 of them.
+            tolerance = 5 / math.sqrt(2 * section.length)
+            assert np.std(part) == pytest.approx(section.sigma_int, rel=tolerance)
+            assert abs(np.mean(part)) < 5 * section.sigma_int / math.sqrt(section.length)
+        else:
+            assert np.all(np.abs(part) < 6 * section.sigma_int)
+    meta = coordinator.result_meta("q1")
+    assert meta["not_private"] is False
+    assert [s["sigma"] for s in meta["sections"]] == [s.sigma for s in plan.sections]
+    assert coordinator.result("q1").noise.mechanism is serde.NoiseMechanism.GAUSSIAN
+
+
+# ------------------------------------------------------------------ budget
+def test_budget_refusal_happens_at_submit_and_records_nothing(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    config = make_config(epsilon=100.0, bob=PrivacyParams(1.2, 1e-5))
+    coordinator = make_coordinator(tmp_path, pool, config)
+    coordinator.submit("bob", make_spec(public_key, "b1", epsilon=1.0))
+    with pytest.raises(BudgetExceededError):
+        coordinator.submit("bob", make_spec(public_key, "b2", epsilon=1.0))
+    assert [q.query_id for q in coordinator.store.queries()] == ["b1"]
+    assert len(coordinator.store.releases("bob")) == 1
+    assert coordinator.tasks_for("owner-0") == [make_spec(public_key, "b1", epsilon=1.0)]
+    # Resubmitting the accepted query is idempotent and not charged twice.
+    coordinator.submit("bob", make_spec(public_key, "b1", epsilon=1.0))
+    assert len(coordinator.store.releases("bob")) == 1
+    # epsilon = inf costs an infinite budget: refused under any finite one.
+    with pytest.raises(BudgetExceededError):
+        coordinator.submit("alice", make_spec(public_key, "inf"))
+    budget = coordinator.budget("bob")
+    assert budget.n_releases == 1 and budget.epsilon_limit == 1.2
+    assert 0 < budget.epsilon_spent <= 1.0 + 1e-6
+    assert budget.epsilon_remaining == pytest.approx(1.2 - budget.epsilon_spent)
+
+
+def test_two_concurrent_submits_where_only_one_fits(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(1.2))
+    outcomes: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def submit(query_id: str) -> None:
+        barrier.wait()
+        try:
+            coordinator.submit("carol", make_spec(public_key, query_id, epsilon=1.0))
+            outcomes.append("accepted")
+        except BudgetExceededError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=submit, args=(f"c{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outcomes) == ["accepted", "refused"]
+    assert len(coordinator.store.queries()) == 1
+    assert len(coordinator.store.releases("carol")) == 1
+
+
+def test_submit_refuses_short_keys_and_wrong_fingerprints(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    strict = Coordinator(
+        ProxyStore(tmp_path / "strict.sqlite3"), make_config(), pool, background=False
+    )
+    with pytest.raises(ConfigError, match="512 bits; at least 2048"):
+        strict.submit("alice", make_spec(public_key))
+    coordinator = make_coordinator(tmp_path, pool)
+    with pytest.raises(ConfigError, match="fingerprint does not match"):
+        coordinator.submit("alice", make_spec(public_key, analyst_key_fingerprint="sha256:00"))
+    with pytest.raises(ConfigError, match="masked mode is the published PCA protocol"):
+        coordinator.submit(
+            "alice",
+            make_spec(
+                public_key,
+                kind=QueryKind.DCA,
+                label_column=0,
+                class_labels=(-1.0, 1.0),
+                mode=ProtocolMode.MASKED,
+            ),
+        )
+    assert coordinator.store.queries() == [] and strict.store.queries() == []
+
+
+# ------------------------------------------------------------------ uploads
+def test_late_upload_is_refused(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", make_spec(public_key, quorum=1))
+    plan = coordinator.plan("q1")
+    first, first_blocks, _ = owners_for(owner_rows)[0].upload(plan, public_key, pool)
+    assert not coordinator.accept_upload("owner-0", first, first_blocks).duplicate
+    assert coordinator.store.query("q1").state is QueryState.DONE
+    aggregate = coordinator.store.aggregate("q1")
+
+    late = Owner("late", owner_rows[1], seed=9)
+    header, blocks, _ = late.upload(plan, public_key, pool)
+    assert coordinator.tasks_for("late") == []
+    with pytest.raises(QueryStateError, match="no longer accepted"):
+        coordinator.accept_upload("late", header, blocks)
+    # A retry of the accepted upload (lost acknowledgement) is still "duplicate".
+    assert coordinator.accept_upload("owner-0", first, first_blocks).duplicate
+    # The same owner with different content is a late upload, not a retry.
+    with pytest.raises(QueryStateError, match="no longer accepted"):
+        coordinator.accept_upload("owner-0", replace(first, upload_id="other"), first_blocks)
+    assert coordinator.store.query("q1").n_contributed == 1
+    assert coordinator.store.aggregate("q1") == aggregate
+
+
+def test_bad_uploads_are_refused_with_state_untouched(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", make_spec(public_key))
+    plan = coordinator.plan("q1")
+    owner = owners_for(owner_rows)[0]
+    header, blocks, _ = owner.upload(plan, public_key, pool)
+
+    wrong_block = replace(header.blocks[0], slot_bits=header.blocks[0].slot_bits - 1)
+    with pytest.raises(LayoutError, match="the query's plan requires"):
+        coordinator.accept_upload("owner-0", replace(header, blocks=(wrong_block,)), blocks)
+    with pytest.raises(CiphertextError, match="encrypted under key"):
+        coordinator.accept_upload(
+            "owner-0", replace(header, analyst_key_fingerprint="sha256:beef"), blocks
+        )
+    n = public_key.n
+    for bad in (0, n * n, n * 3):  # outside [1, n^2), or sharing the factor n
+        tampered = {SHARES: [bad, *blocks[SHARES][1:]]}
+        with pytest.raises(CiphertextError):
+            coordinator.accept_upload("owner-0", header, tampered)
+    with pytest.raises(LayoutError, match="ciphertexts"):
+        coordinator.accept_upload("owner-0", header, {SHARES: blocks[SHARES][:-1]})
+    with pytest.raises(ProtocolError, match="absent in stats mode"):
+        coordinator.accept_upload("owner-0", replace(header, public_record_count=5), blocks)
+
+    record = coordinator.store.query("q1")
+    assert record.state is QueryState.COLLECTING and record.n_contributed == 0
+    assert coordinator.store.aggregate("q1") == {} and coordinator.store.uploads("q1") == []
+    # The intact upload is still accepted afterwards.
+    assert coordinator.accept_upload("owner-0", header, blocks).n_contributed == 1
+
+
+def test_more_owners_than_max_owners_are_refused(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", make_spec(public_key, quorum=1, max_owners=1))
+    owners = owners_for(owner_rows)
+    plan = coordinator.plan("q1")
+    # Keep the query open past the first upload so the cap, not the state, refuses.
+    coordinator.close = lambda query_id: None  # type: ignore[method-assign]
+    header, blocks, _ = owners[0].upload(plan, public_key, pool)
+    coordinator.accept_upload("owner-0", header, blocks)
+    header, blocks, _ = owners[1].upload(plan, public_key, pool)
+    with pytest.raises(EncodingOverflowError, match="max_owners=1"):
+        coordinator.accept_upload("owner-1", header, blocks)
+    assert coordinator.store.query("q1").n_contributed == 1
+
+
+# ------------------------------------------------------------ quorum/deadline
+def test_deadline_below_quorum_fails_the_query(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    clock = Clock()
+    coordinator = make_coordinator(tmp_path, pool, clock=clock)
+    coordinator.submit("alice", make_spec(public_key, quorum=2, deadline_seconds=60))
+    owner = owners_for(owner_rows)[0]
+    header, blocks, _ = owner.upload(coordinator.plan("q1"), public_key, pool)
+    coordinator.accept_upload("owner-0", header, blocks)
+    coordinator.decline("owner-1", "q1", "policy")
+    assert coordinator.tasks_for("owner-1") == [] and len(coordinator.tasks_for("owner-2")) == 1
+    clock.now += 59
+    assert coordinator.check_deadlines() == []
+    clock.now += 2
+    assert coordinator.tasks_for("owner-2") == []  # past the deadline: no longer offered
+    with pytest.raises(QueryStateError, match="deadline has passed"):
+        coordinator.check_upload_header("owner-2", replace(header, upload_id="x"))
+    assert coordinator.check_deadlines() == ["q1"]
+    record = coordinator.store.query("q1")
+    assert record.state is QueryState.FAILED
+    assert record.failure_reason == "deadline passed with 1 of 2 required owners"
+    status = coordinator.status("q1")
+    assert status.state is serde.QueryState.FAILED and status.owners_declined == 1
+    with pytest.raises(QueryStateError):
+        coordinator.result("q1")
+
+
+def test_timer_finishes_a_query_that_reached_its_quorum_but_was_not_closed(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    clock = Clock()
+    coordinator = make_coordinator(tmp_path, pool, clock=clock)
+    closes: list[str] = []
+    real_close = coordinator.close
+    coordinator.close = closes.append  # type: ignore[method-assign]  # e.g. a crash after the fold
+    spec = make_spec(public_key, quorum=2)
+    expected = run_stats_query(coordinator, pool, public_key, owners_for(owner_rows)[:2], spec)
+    assert closes == ["q1"] and coordinator.store.query("q1").state is QueryState.COLLECTING
+    coordinator.close = real_close  # type: ignore[method-assign]
+    stop = threading.Event()
+    timer = threading.Thread(target=coordinator.run_timers, args=(stop, 0.01))
+    timer.start()
+    try:
+        for _ in range(500):
+            if coordinator.store.query("q1").state is QueryState.DONE:
+                break
+            stop.wait(0.02)
+    finally:
+        stop.set()
+        timer.join()
+    assert coordinator.store.query("q1").state is QueryState.DONE
+    assert decrypt_block(pool, private_key, coordinator, "q1", SHARES) == list(expected)
+
+
+class SimulatedCrash(BaseException):
+    """Stands in for the process dying (not an Exception: nothing may catch it)."""
+
+
+def test_recover_finishes_a_query_interrupted_in_noising_exactly_once(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+
+    def crash(*args: Any) -> Any:
+        raise SimulatedCrash
+
+    coordinator._compute_result = crash  # type: ignore[method-assign]
+    spec = make_spec(public_key, quorum=2)
+    with pytest.raises(SimulatedCrash):
+        run_stats_query(coordinator, pool, public_key, owners_for(owner_rows)[:2], spec)
+    store = coordinator.store
+    assert store.query("q1").state is QueryState.NOISING
+    aggregate_before = store.aggregate("q1")
+    store.close()
+
+    # A new process: new store connection, new coordinator, recover() at startup.
+    restarted = make_coordinator(tmp_path, pool)
+    assert restarted.store.aggregate("q1") == aggregate_before
+    assert restarted.recover() == ["q1"]
+    assert restarted.store.query("q1").state is QueryState.DONE
+    assert restarted.recover() == []
+    assert restarted.finish("q1").state is QueryState.DONE  # a no-op now
+    with pytest.raises(QueryStateError):
+        restarted.store.store_result("q1", {}, {})
+    assert len(restarted.store.releases("alice")) == 1
+    decrypted = decrypt_block(pool, private_key, restarted, "q1", SHARES)
+    plan = restarted.plan("q1")
+    owners = owners_for(owner_rows)[:2]
+    expected = sum(o.encode(plan)[0][SHARES].astype(object) for o in owners)
+    # Same seeds => same stochastic rounding => the same integers the owners sent.
+    assert decrypted == list(expected)
+
+
+# ------------------------------------------------------------------ masked mode
+def _unmask(
+    pool: CryptoPool,
+    private_key: Any,
+    coordinator: Coordinator,
+    owners: list[Owner],
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(T − v′v′ᵀ)/(N 2^f) − (N 2^f R − v vᵀ)/(N 2^f) as exact integers: the noise E.
+
+    Also returns S = (N 2^f R_int − v_int v_intᵀ)/(N 2^(2f)) from the owners' own
+    integers and N.
+    """
+    plan = coordinator.plan("q1")
+    spec = plan.spec
+    m, f = spec.n_features, spec.frac_bits
+    k = plan.result_block(SCATTER_ROWS).layout.slots_per_ciphertext
+    t_slots = decrypt_block(pool, private_key, coordinator, "q1", SCATTER_ROWS)
+    v_prime = decrypt_block(pool, private_key, coordinator, "q1", MASKED_SUM)
+    r_int = [0] * len(t_slots)
+    v_int = [0] * m
+    n_records = 0
+    for owner in owners:
+        encoded, count = owner.encode(plan)
+        r_int = [a + int(b) for a, b in zip(r_int, encoded[SCATTER_ROWS], strict=True)]
+        v_int = [a + int(b) for a, b in zip(v_int, encoded[SUM_SINGLE], strict=True)]
+        n_records += count
+    assert coordinator.result_meta("q1")["public_n"] == n_records
+    scale = n_records << f
+    noise = np.zeros((m, m))
+    scatter = np.zeros((m, m))
+    for slot, position in enumerate(row_aligned_positions(m, k)):
+        if position is None:
+            assert t_slots[slot] == 0
+            continue
+        i, j = position
+        centred = t_slots[slot] - v_prime[i] * v_prime[j]
+        truth = scale * r_int[slot] - v_int[i] * v_int[j]
+        difference = centred - truth
+        assert difference % scale == 0  # the mask cancels exactly; E is an integer
+        noise[i, j] = difference // scale
+        scatter[i, j] = truth / (scale * 2.0**f)
+    return noise, scatter, n_records
+
+
+def test_masked_mode_without_noise_unmasks_to_the_centred_scatter(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    spec = make_spec(public_key, mode=ProtocolMode.MASKED)
+    coordinator.submit("alice", spec)
+    plan = coordinator.plan("q1")
+    assert plan.owner_block(SCATTER_ROWS).layout.slots_per_ciphertext == 2  # 512-bit key
+    owners = owners_for(owner_rows)
+    for owner in owners:
+        header, blocks, _ = owner.upload(plan, public_key, pool)
+        coordinator.accept_upload(owner.owner_id, header, blocks)
+    assert coordinator.store.query("q1").state is QueryState.DONE
+
+    noise, scatter, n_records = _unmask(pool, private_key, coordinator, owners)
+    assert not noise.any()  # epsilon = inf: exact
+    # The unmasked value is the centred scatter of all rows (fixed-point rounding only).
+    x = np.vstack([preprocess_for_query(o.rows, spec) for o in owners])
+    centred = x.T @ x - np.outer(x.sum(axis=0), x.sum(axis=0)) / len(x)
+    upper = np.triu_indices(34)
+    np.testing.assert_allclose(scatter[upper], centred[upper], atol=1e-7)
+    result = coordinator.result("q1")
+    assert result.masked_mean_block == MASKED_SUM and n_records == 351
+    # The masked sum is v + b: far from v (the mask is 2^40 times wider than |v|).
+    v_prime = decrypt_block(pool, private_key, coordinator, "q1", MASKED_SUM)
+    v_true = x.sum(axis=0) * 2.0**spec.frac_bits
+    assert min(abs(a - b) for a, b in zip(v_prime, v_true, strict=True)) > 2**40
+
+
+def test_masked_mode_noise_has_the_expected_sigma(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0))
+    spec = make_spec(public_key, mode=ProtocolMode.MASKED, epsilon=1.0)
+    coordinator.submit("alice", spec)
+    plan = coordinator.plan("q1")
+    owners = owners_for(owner_rows)
+    for owner in owners:
+        header, blocks, _ = owner.upload(plan, public_key, pool)
+        coordinator.accept_upload(owner.owner_id, header, blocks)
+    noise, _, _ = _unmask(pool, private_key, coordinator, owners)
+    upper = noise[np.triu_indices(34)]
+    sigma_int = coordinator.result_meta("q1")["sections"][0]["sigma_int"]
+    assert sigma_int > 0
+    # 595 draws: sample sd within 5 relative standard errors (1/sqrt(2 * 595) ≈ 3%).
+    assert np.std(upper) == pytest.approx(sigma_int, rel=5 / math.sqrt(2 * upper.size))
+    assert abs(np.mean(upper)) < 5 * sigma_int / math.sqrt(upper.size)
+    assert not np.tril(noise, -1).any()  # only the upper triangle is released
+
+
+def test_masked_upload_needs_a_public_count_within_bounds(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", make_spec(public_key, mode=ProtocolMode.MASKED, quorum=1))
+    header, blocks, _ = owners_for(owner_rows)[0].upload(coordinator.plan("q1"), public_key, pool)
+    with pytest.raises(ProtocolError, match="needs the owner's public_record_count"):
+        coordinator.accept_upload("owner-0", replace(header, public_record_count=None), blocks)
+    with pytest.raises(ProtocolError, match="exceeds the query's max_records_per_owner"):
+        coordinator.accept_upload("owner-0", replace(header, public_record_count=1 << 21), blocks)
+    assert coordinator.store.query("q1").n_contributed == 0
