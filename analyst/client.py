@@ -1,0 +1,331 @@
+"""The analyst's gRPC client for the proxy's AnalystService.
+
+A thin layer: every message is translated by :mod:`fedpca.transport.serde`, and
+every gRPC failure becomes a :class:`~fedpca.errors.FedpcaError` subclass whose
+message is the proxy's own explanation, so callers (the estimators, the CLI)
+never see ``grpc.RpcError``.
+
+Status code -> error (the proxy's servicer maps domain errors the other way):
+
+=====================  ==============================================
+RESOURCE_EXHAUSTED     BudgetExceededError
+INVALID_ARGUMENT       ConfigError (the proxy refused the query)
+PERMISSION_DENIED,     AuthenticationError
+UNAUTHENTICATED
+NOT_FOUND              NotFoundError
+FAILED_PRECONDITION,   QueryStateError
+ALREADY_EXISTS,
+ABORTED
+UNAVAILABLE,           ProxyUnavailableError
+DEADLINE_EXCEEDED
+anything else          ProxyError
+=====================  ==============================================
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from fedpca.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    ConfigError,
+    FedpcaError,
+    NotFoundError,
+    ProtocolError,
+    QueryStateError,
+)
+from fedpca.query import QuerySpec
+from fedpca.transport import serde
+from fedpca.transport.certs import TlsMaterial
+from fedpca.transport.channels import insecure_channel, secure_channel
+from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+
+__all__ = [
+    "PUBLIC_COUNT_METADATA_KEY",
+    "AnalystClient",
+    "FetchedResult",
+    "ProxyError",
+    "ProxyUnavailableError",
+]
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_COUNT_METADATA_KEY = "fedpca-public-count"
+"""Initial-metadata key under which a proxy may send the masked-mode public N
+(until the result header has a field for it)."""
+
+_RECONNECT_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0)
+
+
+class ProxyError(FedpcaError, RuntimeError):
+    """The proxy failed a call for a reason the protocol does not name."""
+
+
+class ProxyUnavailableError(FedpcaError, ConnectionError):
+    """The proxy could not be reached (or did not answer in time)."""
+
+
+_STATUS_ERRORS: dict[grpc.StatusCode, type[FedpcaError]] = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BudgetExceededError,
+    grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: QueryStateError,
+    grpc.StatusCode.ALREADY_EXISTS: QueryStateError,
+    grpc.StatusCode.ABORTED: QueryStateError,
+    grpc.StatusCode.UNAVAILABLE: ProxyUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ProxyUnavailableError,
+}
+
+
+def error_from_rpc(error: grpc.RpcError, action: str) -> FedpcaError:
+    """Translate a failed call into the matching FedpcaError.
+
+    Parameters
+    ----------
+    error : the ``grpc.RpcError`` (also a ``grpc.Call``).
+    action : what was attempted, e.g. "submit query 'q1'", for the message.
+    """
+    code = error.code() if isinstance(error, grpc.Call) else None
+    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    cls = _STATUS_ERRORS.get(code, ProxyError) if code is not None else ProxyError
+    name = code.name if code is not None else "UNKNOWN"
+    if cls is BudgetExceededError:
+        message = f"{action}: refused, privacy budget exhausted: {details}"
+    elif cls is ConfigError:
+        message = f"{action}: refused by the proxy: {details}"
+    elif cls is ProxyUnavailableError:
+        message = f"{action}: proxy unavailable ({name}): {details}"
+    else:
+        message = f"{action}: {details} ({name})"
+    return cls(message)
+
+
+@dataclass(frozen=True)
+class FetchedResult:
+    """An encrypted result as fetched, plus what travels beside the header.
+
+    Attributes
+    ----------
+    result : the validated stream (header, layout, ciphertexts).
+    public_count : masked mode: the public record count N, or None.
+    """
+
+    result: serde.QueryResult
+    public_count: int | None = None
+
+    @property
+    def query(self) -> QuerySpec:
+        return self.result.query
+
+
+def _public_count_from_metadata(metadata: Any) -> int | None:
+    for key, value in metadata or ():
+        if key == PUBLIC_COUNT_METADATA_KEY:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                raise ProtocolError(
+                    f"{PUBLIC_COUNT_METADATA_KEY} metadata {value!r} is not an integer"
+                ) from None
+    return None
+
+
+class AnalystClient:
+    """Client of the proxy's AnalystService.
+
+    Parameters
+    ----------
+    proxy_address : ``host:port`` of the proxy.
+    tls : the analyst's TLS material (mutual TLS); required unless ``insecure``.
+    insecure : dial without TLS (tests and local demos only; logs a warning).
+    server_name_override : verify the proxy certificate against this name.
+    timeout : seconds for unary calls and for each fetch.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        proxy_address: str,
+        tls: TlsMaterial | None,
+        insecure: bool = False,
+        *,
+        server_name_override: str | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        if not proxy_address:
+            raise ConfigError("the proxy address (host:port) is required")
+        if tls is None and not insecure:
+            raise ConfigError(
+                "TLS material (--ca/--cert/--key) is required to reach the proxy; "
+                "pass insecure=True (--insecure) only for local tests"
+            )
+        if tls is not None and insecure:
+            raise ConfigError("give either TLS material or insecure=True, not both")
+        self.proxy_address = proxy_address
+        self.timeout = timeout
+        if tls is not None:
+            self._channel = secure_channel(
+                proxy_address, tls, server_name_override=server_name_override
+            )
+        else:
+            self._channel = insecure_channel(proxy_address)
+        self._stub = analyst_grpc.AnalystServiceStub(self._channel)
+
+    def __enter__(self) -> AnalystClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # ------------------------------------------------------------------ calls
+    def submit(self, spec: QuerySpec) -> serde.QueryStatus:
+        """Submit a query; the proxy checks the budget before accepting it.
+
+        Raises
+        ------
+        BudgetExceededError
+            The release would exceed the analyst's privacy budget.
+        ConfigError
+            The proxy refused the query (its message says why).
+        """
+        action = f"submit query {spec.query_id!r}"
+        try:
+            message = self._stub.SubmitQuery(
+                serde.submit_query_request_to_proto(spec), timeout=self.timeout
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, action) from None
+        return serde.query_status_from_proto(message)
+
+    def status(self, query_id: str) -> serde.QueryStatus:
+        """The current status of one query."""
+        try:
+            message = self._stub.GetQueryStatus(
+                serde.query_ref_to_proto(query_id), timeout=self.timeout
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, f"status of query {query_id!r}") from None
+        return serde.query_status_from_proto(message)
+
+    def watch(self, query_id: str, timeout: float | None = None) -> Iterator[serde.QueryStatus]:
+        """Status updates until the query is done or failed (the last one is terminal).
+
+        A watch stream that breaks (proxy restart, network) is re-opened with
+        back-off; the proxy's durable store keeps the query's progress.
+
+        Parameters
+        ----------
+        query_id : the query.
+        timeout : give up after this many seconds in total (None = never).
+        """
+        action = f"watch query {query_id!r}"
+        give_up = None if timeout is None else time.monotonic() + timeout
+        failures = 0
+        while True:
+            remaining = None if give_up is None else max(give_up - time.monotonic(), 0.001)
+            try:
+                stream = self._stub.WatchQueryStatus(
+                    serde.query_ref_to_proto(query_id), timeout=remaining
+                )
+                for message in stream:
+                    status = serde.query_status_from_proto(message)
+                    failures = 0
+                    yield status
+                    if status.terminal:
+                        return
+            except grpc.RpcError as error:
+                mapped = error_from_rpc(error, action)
+                if not isinstance(mapped, ProxyUnavailableError) or (
+                    error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                ):
+                    raise mapped from None
+                if failures >= len(_RECONNECT_DELAYS):
+                    raise mapped from None
+                delay = _RECONNECT_DELAYS[failures]
+                failures += 1
+                logger.warning("%s; reconnecting in %.0f s", mapped, delay)
+                time.sleep(delay)
+                continue
+            # The stream ended without a terminal status: ask once, then re-watch.
+            status = self.status(query_id)
+            if status.terminal:
+                yield status
+                return
+
+    def fetch(self, query_id: str) -> FetchedResult:
+        """Download and validate the encrypted result of a finished query.
+
+        Raises
+        ------
+        ProtocolError
+            The stream is malformed (framing, hashes, layout).
+        QueryStateError
+            The query has no result (yet).
+        """
+        action = f"fetch result of query {query_id!r}"
+        try:
+            call = self._stub.FetchResult(serde.query_ref_to_proto(query_id), timeout=self.timeout)
+            result = serde.decode_result(call)
+            public_count = _public_count_from_metadata(call.initial_metadata())
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, action) from None
+        if result.query.query_id != query_id:
+            raise ProtocolError(
+                f"{action}: the proxy returned the result of query {result.query.query_id!r}"
+            )
+        return FetchedResult(result, public_count)
+
+    def budget(self, delta: float | None = None) -> serde.BudgetStatus:
+        """The analyst's cumulative privacy loss (epsilons reported at ``delta``)."""
+        try:
+            message = self._stub.GetBudget(
+                serde.budget_request_to_proto(delta), timeout=self.timeout
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, "budget") from None
+        return serde.budget_status_from_proto(message)
+
+    def wait(
+        self,
+        query_id: str,
+        on_status: Callable[[serde.QueryStatus], None] | None = None,
+        timeout: float | None = None,
+    ) -> serde.QueryStatus:
+        """Follow a query to its terminal status.
+
+        Raises
+        ------
+        QueryStateError
+            The query failed at the proxy (the message carries its reason).
+        """
+        last: serde.QueryStatus | None = None
+        for status in self.watch(query_id, timeout=timeout):
+            last = status
+            if on_status is not None:
+                on_status(status)
+        if last is None:  # pragma: no cover - watch always yields a terminal status
+            raise ProxyError(f"watch of query {query_id!r} ended without a status")
+        if last.state is serde.QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} failed at the proxy: {last.failure_reason or 'no reason'}"
+            )
+        return last

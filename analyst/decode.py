@@ -1,0 +1,595 @@
+"""Decrypting and decoding a release: from ciphertexts to noisy statistics.
+
+Pure: no grpc, no files.  Input is the encrypted result as the proxy streams it
+(:class:`fedpca.transport.serde.QueryResult`) and the analyst's private key;
+output is a :class:`DecodedRelease` that the solvers turn into PCA/DCA.
+
+Before decrypting anything the analyst re-derives the release plan from the
+query itself (:meth:`fedpca.protocol.ReleasePlan.for_query`) and refuses a
+result that
+
+* is encrypted under another key than the analyst's own
+  (:class:`~fedpca.errors.UntrustedKeyError`),
+* is not the query the analyst submitted (:class:`~fedpca.errors.ProtocolError`),
+* has a block layout other than the plan's (:class:`~fedpca.errors.LayoutError`),
+* aggregates more owners than the slots were sized for
+  (:class:`~fedpca.errors.EncodingOverflowError`), or
+* describes noise for other privacy parameters than the query's
+  (:class:`~fedpca.errors.ProtocolError`).
+
+Every packed plaintext must then decode into its slots within the declared
+bound (the codec refuses otherwise), so a slot that wrapped is an error, never a
+silently wrong statistic.
+
+Stats mode
+    One block ``shares``: decrypt, unpack, decode fixed point (2^f units) and
+    read back the noisy :class:`~fedpca.stats.SufficientStatistics`.
+
+Masked mode
+    ``scatter_rows`` holds T = N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E (2^(2f)
+    units, row-aligned upper triangle) and ``masked_sum`` holds v′ = v + b (2^f
+    units).  Then T − v′v′ᵀ = 2^(2f) (N R − v vᵀ + N E), so
+
+        (S + E)_ij = (T_ij − v′_i v′_j) / (N · 2^(2f)),
+
+    computed in exact integer arithmetic with one correctly rounded division,
+    where N is the public record count the proxy reports with the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.analyst.solvers import (
+    DCAResult,
+    PCAResult,
+    dca_from_statistics,
+    pca_from_centred_scatter,
+    pca_from_statistics,
+)
+from fedpca.codec.fixed_point import decode_fixed_point
+from fedpca.codec.keys import key_fingerprint
+from fedpca.codec.packing import check_owner_count, owner_value_bound, unpack_slots
+from fedpca.codec.paillier import CryptoPool
+from fedpca.errors import (
+    ConfigError,
+    LayoutError,
+    ProtocolError,
+    UntrustedKeyError,
+)
+from fedpca.protocol import (
+    MASKED_SUM,
+    SCATTER_ROWS,
+    SHARES,
+    Block,
+    ReleasePlan,
+    masked_sigma,
+    row_aligned_positions,
+)
+from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.stats import SufficientStatistics
+from fedpca.transport.serde import (
+    CiphertextBlock,
+    NoiseDescription,
+    NoiseMechanism,
+    NoiseSection,
+    PackedCiphertexts,
+    QueryResult,
+)
+
+__all__ = [
+    "DecodedRelease",
+    "ProgressCallback",
+    "check_result",
+    "decrypt_result",
+    "noise_description",
+    "result_from_packed",
+    "unmask_scatter",
+    "wire_blocks",
+]
+
+logger = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+ProgressCallback = Callable[[int], None]
+"""Called with the number of ciphertexts decrypted so far."""
+
+# Relative tolerance when comparing the proxy's reported sigmas with the plan's:
+# both are computed from the same public inputs with the same code, so anything
+# beyond float noise means the two sides disagree on the plan.
+_SIGMA_RTOL = 1e-9
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedRelease:
+    """A decrypted, still differentially private release.
+
+    Attributes
+    ----------
+    query : the query the release answers.
+    plan : the release plan the analyst derived from ``query`` itself.
+    n_owners : owners whose contributions were aggregated.
+    key_fingerprint : fingerprint of the analyst key the result was encrypted under.
+    statistics : stats mode: the noisy R (M, M), v (M,), N (and class sums (C, M)
+        and counts (C,) for DCA); None in masked mode.
+    centred_scatter : masked mode: S + E (M, M), symmetric; None in stats mode.
+    public_count : masked mode: the exact record count N, public under the
+        replace-one adjacency of that mode; None in stats mode.
+    sigmas : section name -> standard deviation of the Gaussian noise in real
+        units, as the analyst's own plan derives it (0 = no noise).
+    noise : the noise description the proxy sent, if any.
+    """
+
+    query: QuerySpec
+    plan: ReleasePlan
+    n_owners: int
+    key_fingerprint: str
+    statistics: SufficientStatistics | None
+    centred_scatter: FloatArray | None
+    public_count: int | None
+    sigmas: Mapping[str, float]
+    noise: NoiseDescription | None = None
+
+    @property
+    def mode(self) -> ProtocolMode:
+        return self.query.mode
+
+    @property
+    def kind(self) -> QueryKind:
+        return self.query.kind
+
+    @property
+    def private(self) -> bool:
+        """False only for epsilon = inf (no noise: NOT PRIVATE)."""
+        return self.plan.private
+
+    @property
+    def n_samples(self) -> float:
+        """N: the noisy count in stats mode, the exact public count in masked mode."""
+        if self.statistics is not None:
+            return self.statistics.count
+        assert self.public_count is not None
+        return float(self.public_count)
+
+    @property
+    def n_samples_is_noisy(self) -> bool:
+        """True when :attr:`n_samples` carries DP noise (stats mode with finite epsilon)."""
+        return self.statistics is not None and self.private
+
+    def pca(self, n_components: int | None = None) -> PCAResult:
+        """PCA of the release (k = the query's n_components unless given)."""
+        if self.kind is not QueryKind.PCA:
+            raise ConfigError(f"query {self.query.query_id!r} is a {self.kind.value} release")
+        k = self.query.n_components if n_components is None else n_components
+        if self.centred_scatter is not None:
+            assert self.public_count is not None
+            return pca_from_centred_scatter(self.centred_scatter, self.public_count, k)
+        assert self.statistics is not None
+        return pca_from_statistics(self.statistics, n_components=k)
+
+    def dca(
+        self,
+        n_components: int | None = None,
+        rho: float | None = None,
+        rho_prime: float | None = None,
+    ) -> DCAResult:
+        """Kung's DCA of the release (k = the query's n_components unless given)."""
+        if self.kind is not QueryKind.DCA or self.statistics is None:
+            raise ConfigError(f"query {self.query.query_id!r} is not a DCA release")
+        k = self.query.n_components if n_components is None else n_components
+        return dca_from_statistics(self.statistics, k, rho=rho, rho_prime=rho_prime)
+
+
+# ------------------------------------------------------------------ validation
+def wire_blocks(plan: ReleasePlan) -> tuple[CiphertextBlock, ...]:
+    """The result layout of ``plan`` as the wire declares it."""
+    return tuple(_wire_block(block) for block in plan.result_blocks)
+
+
+def _wire_block(block: Block) -> CiphertextBlock:
+    layout = block.layout
+    return CiphertextBlock(
+        name=block.name,
+        key_bits=layout.key_bits,
+        slot_bits=layout.slot_bits,
+        slots_per_ciphertext=layout.slots_per_ciphertext,
+        value_count=layout.value_count,
+        n_ciphertexts=layout.n_ciphertexts,
+    )
+
+
+def _query_differences(got: QuerySpec, expected: QuerySpec) -> list[str]:
+    return [
+        f"{f.name}: {getattr(got, f.name)!r} != {getattr(expected, f.name)!r}"
+        for f in fields(QuerySpec)
+        if getattr(got, f.name) != getattr(expected, f.name)
+        # n is long and already covered by the fingerprint line.
+        and f.name != "analyst_public_key_n"
+    ]
+
+
+def _check_key(query: QuerySpec, public_key: Any) -> str:
+    fingerprint = key_fingerprint(public_key)
+    if query.analyst_public_key_n != public_key.n:
+        raise UntrustedKeyError(
+            f"result of query {query.query_id!r} is encrypted under key "
+            f"{query.analyst_key_fingerprint}, not your key {fingerprint}"
+        )
+    if query.analyst_key_fingerprint != fingerprint:
+        raise UntrustedKeyError(
+            f"result of query {query.query_id!r} declares fingerprint "
+            f"{query.analyst_key_fingerprint!r}, which is not the fingerprint of its key "
+            f"({fingerprint})"
+        )
+    return fingerprint
+
+
+def _check_noise(noise: NoiseDescription, plan: ReleasePlan, sigmas: Mapping[str, float]) -> None:
+    query = plan.spec
+    problems = []
+    if noise.epsilon != query.epsilon:
+        problems.append(f"epsilon {noise.epsilon!r} != {query.epsilon!r}")
+    if plan.private and noise.delta != query.delta:
+        problems.append(f"delta {noise.delta!r} != {query.delta!r}")
+    if noise.calibration is not query.calibration:
+        problems.append(f"calibration {noise.calibration.value} != {query.calibration.value}")
+    expected = NoiseMechanism.GAUSSIAN if plan.private else NoiseMechanism.NONE
+    if noise.mechanism is not expected:
+        problems.append(f"mechanism {noise.mechanism.value} != {expected.value}")
+    if problems:
+        raise ProtocolError(
+            f"result of query {query.query_id!r} describes noise for other parameters: "
+            + "; ".join(problems)
+        )
+    # The analyst cannot verify under encryption that noise was added at all;
+    # a disagreement on sigma is reported, and the analyst's own derivation is used.
+    for section in noise.sections:
+        mine = sigmas.get(section.name)
+        if mine is None or not math.isclose(section.sigma, mine, rel_tol=_SIGMA_RTOL):
+            logger.warning(
+                "proxy reports sigma %r for section %r, the analyst's plan derives %r",
+                section.sigma,
+                section.name,
+                mine,
+            )
+
+
+def check_result(
+    result: QueryResult,
+    public_key: Any,
+    *,
+    expected_query: QuerySpec | None = None,
+) -> ReleasePlan:
+    """Validate an encrypted result against the analyst's key and own plan.
+
+    Parameters
+    ----------
+    result : the encrypted result as fetched.
+    public_key : the analyst's phe public key.
+    expected_query : the query the analyst submitted; the result must echo it
+        field for field.
+
+    Returns
+    -------
+    ReleasePlan derived by the analyst from ``result.query``.
+
+    Raises
+    ------
+    UntrustedKeyError
+        The result is not encrypted under ``public_key``.
+    ProtocolError
+        Another query, an impossible owner count, or noise for other parameters.
+    LayoutError
+        The block layout differs from the plan's.
+    EncodingOverflowError
+        More owners than the slots were sized for.
+    """
+    query = result.query
+    _check_key(query, public_key)
+    if expected_query is not None and query != expected_query:
+        differences = _query_differences(query, expected_query)
+        raise ProtocolError(
+            f"result is for query {query.query_id!r}, which differs from the submitted "
+            f"query {expected_query.query_id!r}: " + "; ".join(differences or ["key"])
+        )
+    plan = ReleasePlan.for_query(query, public_key.n.bit_length())
+    expected_blocks = wire_blocks(plan)
+    got_blocks = tuple(result.payload.blocks)
+    if got_blocks != expected_blocks:
+        raise LayoutError(
+            f"result of query {query.query_id!r} has layout {_describe(got_blocks)}; "
+            f"the plan derived from the query has {_describe(expected_blocks)}"
+        )
+    if query.mode is ProtocolMode.MASKED and result.masked_mean_block != MASKED_SUM:
+        raise LayoutError(
+            f"masked-mode result names {result.masked_mean_block!r} as the masked mean block, "
+            f"expected {MASKED_SUM!r}"
+        )
+    if result.n_owners < 1:
+        raise ProtocolError(f"result of query {query.query_id!r} aggregates no owners")
+    check_owner_count(plan.bounds, result.n_owners)
+    if result.n_owners < query.quorum:
+        # Releasing below quorum is the proxy's violation; decrypting does not make
+        # it worse, but the analyst should know the release is not what it asked for.
+        logger.warning(
+            "query %s: released with %d owners, below its quorum of %d",
+            query.query_id,
+            result.n_owners,
+            query.quorum,
+        )
+    return plan
+
+
+def _describe(blocks: Sequence[CiphertextBlock]) -> str:
+    return ", ".join(
+        f"{b.name}[{b.n_ciphertexts} ct, {b.value_count} values, "
+        f"{b.slots_per_ciphertext}x{b.slot_bits} bits, key {b.key_bits}]"
+        for b in blocks
+    )
+
+
+# ------------------------------------------------------------------ decryption
+def _plan_sigmas(plan: ReleasePlan, public_count: int | None) -> dict[str, float]:
+    if plan.spec.mode is ProtocolMode.MASKED:
+        assert public_count is not None
+        return {"scatter": masked_sigma(plan, public_count)[0]}
+    return {section.name: section.sigma for section in plan.sections}
+
+
+def _public_count(result: QueryResult, plan: ReleasePlan, public_count: int | None) -> int:
+    if public_count is None:
+        # Forward compatible: a QueryResult that carries the count itself.
+        carried = getattr(result, "public_count", None)
+        public_count = None if carried is None else int(carried)
+    if public_count is None:
+        raise ProtocolError(
+            f"masked-mode result of query {plan.spec.query_id!r} carries no public record "
+            "count N; the analyst cannot unmask the scatter without it"
+        )
+    most = result.n_owners * plan.spec.max_records_per_owner
+    if not 2 <= public_count <= most:
+        raise ProtocolError(
+            f"masked-mode record count N={public_count} is impossible for "
+            f"{result.n_owners} owners of at most {plan.spec.max_records_per_owner} records"
+        )
+    return public_count
+
+
+def _decrypt_blocks(
+    result: QueryResult,
+    private_key: Any,
+    plan: ReleasePlan,
+    bounds: Mapping[str, int],
+    pool: CryptoPool | None,
+    progress: ProgressCallback | None,
+) -> dict[str, list[int]]:
+    """Decrypt every block in one pool run; return its signed slot values."""
+    ciphertexts = list(result.payload.in_wire_order())
+    owned = pool is None
+    active = CryptoPool() if pool is None else pool
+    try:
+        plaintexts = active.decrypt(private_key, ciphertexts, progress=progress)
+    finally:
+        if owned:
+            active.close()
+    n = private_key.public_key.n
+    values: dict[str, list[int]] = {}
+    start = 0
+    for block in plan.result_blocks:
+        count = block.layout.n_ciphertexts
+        values[block.name] = unpack_slots(
+            plaintexts[start : start + count], block.layout, n, bounds[block.name]
+        )
+        start += count
+    return values
+
+
+def unmask_scatter(
+    masked_scatter: Sequence[int],
+    masked_sums: Sequence[int],
+    n_features: int,
+    slots_per_ciphertext: int,
+    count: int,
+    frac_bits: int,
+) -> FloatArray:
+    """S + E from the masked-mode slot values.
+
+    Parameters
+    ----------
+    masked_scatter : row-aligned upper triangle of T (2^(2f) units), the layout of
+        :func:`fedpca.protocol.row_aligned_positions`; padding slots are ignored.
+    masked_sums : (M,) v′ = v + b (2^f units).
+    n_features : M.
+    slots_per_ciphertext : k of the row-aligned layout.
+    count : the public record count N.
+    frac_bits : f.
+
+    Returns
+    -------
+    (M, M) symmetric float64: (T_ij − v′_i v′_j) / (N 2^(2f)), each entry the
+    correctly rounded value of the exact rational.
+    """
+    positions = row_aligned_positions(n_features, slots_per_ciphertext)
+    if len(masked_scatter) != len(positions):
+        raise LayoutError(
+            f"masked scatter has {len(masked_scatter)} slots, the row-aligned layout "
+            f"for M={n_features}, k={slots_per_ciphertext} has {len(positions)}"
+        )
+    if len(masked_sums) != n_features:
+        raise LayoutError(f"masked sums have {len(masked_sums)} values, expected {n_features}")
+    if count < 1:
+        raise ConfigError(f"record count must be >= 1, got {count}")
+    sums = [int(v) for v in masked_sums]
+    scale = count << (2 * frac_bits)
+    scatter = np.zeros((n_features, n_features), dtype=np.float64)
+    for value, position in zip(masked_scatter, positions, strict=True):
+        if position is None:
+            continue
+        i, j = position
+        # Python int / int is correctly rounded however large both sides are;
+        # T and v′v′ᵀ are ~2^200 here and cancel to ~2^(2f) N |S|, so the
+        # subtraction must happen before any conversion to float.
+        entry = (int(value) - sums[i] * sums[j]) / scale
+        scatter[i, j] = entry
+        scatter[j, i] = entry
+    return scatter
+
+
+def decrypt_result(
+    result: QueryResult,
+    private_key: Any,
+    *,
+    expected_query: QuerySpec | None = None,
+    public_count: int | None = None,
+    pool: CryptoPool | None = None,
+    progress: ProgressCallback | None = None,
+) -> DecodedRelease:
+    """Validate, decrypt and decode an encrypted result.
+
+    Parameters
+    ----------
+    result : the encrypted result (:func:`fedpca.transport.serde.decode_result`).
+    private_key : the analyst's phe private key.
+    expected_query : the submitted query; the result must echo it exactly.
+    public_count : masked mode: the public record count N the proxy reported.
+    pool : a crypto pool to decrypt on (default: a temporary one on all cores).
+    progress : called with the number of ciphertexts decrypted so far
+        (``result.payload.total_ciphertexts`` in all).
+
+    Returns
+    -------
+    DecodedRelease
+
+    Raises
+    ------
+    UntrustedKeyError, ProtocolError, LayoutError, EncodingOverflowError
+        See :func:`check_result`; EncodingOverflowError also when a decrypted
+        plaintext does not decode into its slots within the declared bound.
+    CiphertextError
+        A ciphertext is not an element of Z*_{n^2}.
+    """
+    public_key = private_key.public_key
+    plan = check_result(result, public_key, expected_query=expected_query)
+    query = plan.spec
+    fingerprint = key_fingerprint(public_key)
+    if query.mode is ProtocolMode.MASKED:
+        count = _public_count(result, plan, public_count)
+        sigmas = _plan_sigmas(plan, count)
+        _check_noise(result.noise, plan, sigmas)
+        bounds = {block.name: block.bound for block in plan.result_blocks}
+        values = _decrypt_blocks(result, private_key, plan, bounds, pool, progress)
+        scatter = unmask_scatter(
+            values[SCATTER_ROWS],
+            values[MASKED_SUM],
+            query.n_features,
+            plan.result_block(SCATTER_ROWS).layout.slots_per_ciphertext,
+            count,
+            query.frac_bits,
+        )
+        scatter.setflags(write=False)
+        return DecodedRelease(
+            query=query,
+            plan=plan,
+            n_owners=result.n_owners,
+            key_fingerprint=fingerprint,
+            statistics=None,
+            centred_scatter=scatter,
+            public_count=count,
+            sigmas=sigmas,
+            noise=result.noise,
+        )
+    sigmas = _plan_sigmas(plan, None)
+    _check_noise(result.noise, plan, sigmas)
+    # The sum of n_owners shares plus noise: tighter than the slot capacity, so a
+    # share that broke its declared bound shows up as an error here.
+    bound = result.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
+    values = _decrypt_blocks(result, private_key, plan, {SHARES: bound}, pool, progress)
+    real = decode_fixed_point(values[SHARES], query.frac_bits)
+    statistics = plan.statistics_from_values(real)
+    return DecodedRelease(
+        query=query,
+        plan=plan,
+        n_owners=result.n_owners,
+        key_fingerprint=fingerprint,
+        statistics=statistics,
+        centred_scatter=None,
+        public_count=None,
+        sigmas=sigmas,
+        noise=result.noise,
+    )
+
+
+# -------------------------------------------------------- building results
+def noise_description(plan: ReleasePlan, public_count: int | None = None) -> NoiseDescription:
+    """The noise description a proxy following ``plan`` reports.
+
+    Parameters
+    ----------
+    plan : the release plan.
+    public_count : masked mode: the public N the scatter sigma depends on.
+    """
+    query = plan.spec
+    if query.mode is ProtocolMode.MASKED and public_count is None:
+        raise ConfigError("a masked-mode noise description needs the public record count")
+    sigmas = _plan_sigmas(plan, public_count)
+    return NoiseDescription(
+        mechanism=NoiseMechanism.GAUSSIAN if plan.private else NoiseMechanism.NONE,
+        calibration=query.calibration,
+        epsilon=query.epsilon,
+        delta=query.delta,
+        sections=tuple(NoiseSection(name, sigma) for name, sigma in sigmas.items()),
+    )
+
+
+def result_from_packed(
+    query: QuerySpec,
+    n_owners: int,
+    blocks: Mapping[str, Any],
+    *,
+    key_bits: int | None = None,
+    noise: NoiseDescription | None = None,
+    public_count: int | None = None,
+) -> QueryResult:
+    """Assemble an encrypted result from codec packed ciphertexts, without a proxy.
+
+    For tests, demos and offline use: the proxy builds the same object before
+    streaming it.
+
+    Parameters
+    ----------
+    query : the query.
+    n_owners : owners aggregated.
+    blocks : block name -> :class:`fedpca.codec.PackedCiphertexts` (or a plain
+        sequence of ciphertext ints), one entry per result block of the plan.
+    key_bits : size of the analyst key (default: that of ``query.analyst_public_key_n``).
+    noise : the noise description (default: :func:`noise_description` of the plan).
+    public_count : masked mode: N, used for the default noise description.
+    """
+    bits = query.analyst_public_key_n.bit_length() if key_bits is None else key_bits
+    plan = ReleasePlan.for_query(query, bits)
+    layout = wire_blocks(plan)
+    ciphertexts: dict[str, Sequence[int]] = {}
+    for block in layout:
+        if block.name not in blocks:
+            raise LayoutError(f"no ciphertexts given for result block {block.name!r}")
+        given = blocks[block.name]
+        ciphertexts[block.name] = tuple(getattr(given, "ciphertexts", given))
+    extra = sorted(set(blocks) - set(ciphertexts))
+    if extra:
+        raise LayoutError(f"blocks {extra} are not result blocks of this query")
+    if noise is None:
+        noise = noise_description(plan, public_count)
+    return QueryResult(
+        query=query,
+        n_owners=n_owners,
+        noise=noise,
+        payload=PackedCiphertexts(layout, ciphertexts),
+        masked_mean_block=MASKED_SUM if query.mode is ProtocolMode.MASKED else None,
+    )

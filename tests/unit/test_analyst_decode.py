@@ -1,0 +1,463 @@
+"""Analyst decryption and decoding: stats and masked mode, and refusals.
+
+Results are built in the tests the way owners and the proxy build them: owners'
+local statistics of real rows, fixed-point encoded, packed and encrypted under a
+TEST-ONLY 512-bit analyst key, summed homomorphically; masked-mode results by
+hand from known R, v, b.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpca.analyst.decode import (
+    DecodedRelease,
+    decrypt_result,
+    noise_description,
+    result_from_packed,
+    unmask_scatter,
+)
+from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
+from fedpca.analyst.solvers import dca_from_statistics, pca_from_centred_scatter
+from fedpca.codec import (
+    CryptoPool,
+    PackedCiphertexts,
+    PackingBounds,
+    add_packed,
+    encode_fixed_point,
+    generate_keypair,
+    key_fingerprint,
+    owner_value_bound,
+)
+from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.errors import (
+    EncodingOverflowError,
+    LayoutError,
+    ProtocolError,
+    UntrustedKeyError,
+)
+from fedpca.owner.data import load_table
+from fedpca.owner.preprocess import preprocess_for_query
+from fedpca.owner.statistics import local_statistics
+from fedpca.protocol import (
+    MASKED_SUM,
+    SCATTER_ROWS,
+    SHARES,
+    ReleasePlan,
+    mask_width,
+    row_aligned_positions,
+)
+from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.stats import SufficientStatistics, sum_statistics
+from fedpca.transport import serde
+
+IONOSPHERE = Path("/work/shared/datasets/ionosphere.csv")
+N_OWNERS = 3
+
+
+@pytest.fixture(scope="module")
+def pool() -> Any:
+    with CryptoPool(processes=1) as crypto_pool:
+        yield crypto_pool
+
+
+@pytest.fixture(scope="module")
+def ionosphere() -> tuple[np.ndarray, np.ndarray]:
+    if not IONOSPHERE.is_file():
+        pytest.skip(f"reference dataset {IONOSPHERE} is absent")
+    rows, labels = load_table(IONOSPHERE, label_column=0)
+    assert labels is not None
+    return rows, labels
+
+
+def make_spec(public_key: Any, **overrides: Any) -> QuerySpec:
+    fields: dict[str, Any] = {
+        "query_id": "q-test",
+        "kind": QueryKind.PCA,
+        "n_features": 34,
+        "epsilon": math.inf,
+        "delta": 1e-6,
+        "n_components": 3,
+        "analyst_public_key_n": public_key.n,
+        "analyst_key_fingerprint": key_fingerprint(public_key),
+        # (-2, 2) halves every feature, so the bounds scaling is not the identity.
+        "feature_lower": (-2.0,) * 34,
+        "feature_upper": (2.0,) * 34,
+        "max_records_per_owner": 256,
+        "max_owners": 4,
+    }
+    fields.update(overrides)
+    return QuerySpec(**fields)
+
+
+def owner_statistics(
+    spec: QuerySpec, rows: np.ndarray, labels: np.ndarray
+) -> list[SufficientStatistics]:
+    parts = np.array_split(np.arange(len(rows)), N_OWNERS)
+    return [
+        local_statistics(
+            preprocess_for_query(rows[index], spec),
+            labels[index] if spec.kind is QueryKind.DCA else None,
+            spec,
+        )
+        for index in parts
+    ]
+
+
+def encrypted_stats_result(
+    spec: QuerySpec,
+    shares: list[SufficientStatistics],
+    public_key: Any,
+    pool: CryptoPool,
+    noise: np.ndarray | None = None,
+) -> serde.QueryResult:
+    """What owners upload and the proxy folds (plus optional noise), as a result."""
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    block = plan.owner_block(SHARES)
+    total: PackedCiphertexts | None = None
+    for share in shares:
+        values = encode_fixed_point(plan.owner_values(share)[SHARES], spec.frac_bits)
+        packed = pool.encrypt_packed(public_key, values, block.layout, block.bound)
+        total = packed if total is None else add_packed(total, packed)
+    assert total is not None
+    if noise is not None:
+        headroom = plan.bounds.noise_headroom
+        total = add_packed(total, pool.encrypt_packed(public_key, noise, block.layout, headroom))
+    return result_from_packed(spec, len(shares), {SHARES: total})
+
+
+# ------------------------------------------------------------------ stats mode
+def test_stats_pca_without_noise_equals_sklearn_on_pooled_rows(
+    test_only_keypair_512: Any, pool: CryptoPool, ionosphere: tuple[np.ndarray, np.ndarray]
+) -> None:
+    from sklearn.decomposition import PCA
+
+    public_key, private_key = test_only_keypair_512
+    rows, labels = ionosphere
+    spec = make_spec(public_key)
+    result = encrypted_stats_result(spec, owner_statistics(spec, rows, labels), public_key, pool)
+
+    release = decrypt_result(result, private_key, expected_query=spec, pool=pool)
+    estimator = FederatedPCA.from_result(release)
+
+    pooled = preprocess_for_query(rows, spec)
+    reference = PCA(n_components=3, svd_solver="covariance_eigh").fit(pooled)
+    signs = np.sign(np.sum(estimator.components_ * reference.components_, axis=1))
+    np.testing.assert_allclose(
+        estimator.components_ * signs[:, None], reference.components_, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        estimator.explained_variance_, reference.explained_variance_, rtol=1e-7
+    )
+    np.testing.assert_allclose(
+        estimator.explained_variance_ratio_, reference.explained_variance_ratio_, rtol=1e-7
+    )
+    assert estimator.mean_ is not None
+    np.testing.assert_allclose(estimator.mean_, reference.mean_, atol=1e-8)
+    # The count is encoded exactly in fixed point and no noise was added.
+    assert estimator.n_samples_ == len(rows)
+    assert estimator.not_private_ and not estimator.n_samples_is_noisy_
+    assert estimator.n_owners_ == N_OWNERS
+    # transform applies the public preprocessing itself, then projects like sklearn.
+    scores = estimator.transform(rows[:20])
+    assert scores.shape == (20, 3)
+    np.testing.assert_allclose(scores * signs, reference.transform(pooled[:20]), atol=1e-6)
+
+
+def test_stats_dca_without_noise_equals_solver_on_pooled_statistics(
+    test_only_keypair_512: Any, pool: CryptoPool, ionosphere: tuple[np.ndarray, np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    rows, labels = ionosphere
+    spec = make_spec(
+        public_key,
+        kind=QueryKind.DCA,
+        n_components=1,
+        label_column=0,
+        class_labels=(-1.0, 1.0),
+    )
+    shares = owner_statistics(spec, rows, labels)
+    result = encrypted_stats_result(spec, shares, public_key, pool)
+
+    estimator = FederatedDCA.from_result(decrypt_result(result, private_key, pool=pool))
+    reference = dca_from_statistics(sum_statistics(shares), 1)
+
+    np.testing.assert_allclose(estimator.components_, reference.components, atol=1e-7)
+    np.testing.assert_allclose(estimator.eigenvalues_, reference.eigenvalues, rtol=1e-7)
+    np.testing.assert_array_equal(estimator.classes_, [-1.0, 1.0])
+    np.testing.assert_allclose(estimator.class_counts_, [np.sum(labels == -1), np.sum(labels == 1)])
+    assert estimator.transform(rows[:5]).shape == (5, 1)
+
+
+def test_noisy_stats_release_decodes_to_truth_plus_the_added_noise(
+    test_only_keypair_512: Any, pool: CryptoPool, ionosphere: tuple[np.ndarray, np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    rows, labels = ionosphere
+    spec = make_spec(public_key, epsilon=1.0, n_features=34)
+    plan = ReleasePlan.for_query(spec, 512)
+    noise = plan.noise_values(TestOnlySeededSampler(3))
+    assert (noise < 0).any()  # negative slots must survive packing and decoding
+    shares = owner_statistics(spec, rows, labels)
+    result = encrypted_stats_result(spec, shares, public_key, pool, noise=noise)
+
+    release = decrypt_result(result, private_key, expected_query=spec, pool=pool)
+
+    assert release.private and release.n_samples_is_noisy
+    assert release.statistics is not None
+    decoded = release.statistics.to_vector(plan.statistics)
+    truth = sum_statistics(shares).to_vector(plan.statistics)
+    # Exact up to each owner's fixed-point rounding (< 1 unit of 2^-f per owner).
+    np.testing.assert_allclose(
+        decoded - truth, np.ldexp(noise.astype(float), -spec.frac_bits), atol=4 * 2.0**-32
+    )
+    assert release.sigmas == {s.name: s.sigma for s in plan.sections}
+    estimator = FederatedPCA.from_result(release)
+    assert estimator.epsilon_ == 1.0 and estimator.delta_ == 1e-6
+    assert not estimator.not_private_
+    assert estimator.n_samples_ != len(rows)
+
+
+# ----------------------------------------------------------------- masked mode
+def masked_spec(public_key: Any, m: int = 4) -> QuerySpec:
+    return make_spec(
+        public_key,
+        n_features=m,
+        n_components=2,
+        feature_lower=(),
+        feature_upper=(),
+        mode=ProtocolMode.MASKED,
+        frac_bits=16,
+        max_records_per_owner=64,
+    )
+
+
+def masked_result_by_hand(
+    spec: QuerySpec, public_key: Any, pool: CryptoPool, seed: int
+) -> tuple[serde.QueryResult, int, np.ndarray]:
+    """T and v' computed in plaintext from known R, v, b, E; returns (result, N, S + E)."""
+    rng = random.Random(seed)
+    m, f = spec.n_features, spec.frac_bits
+    n_records = 37
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    scale = 1 << f
+    # Integer R, v in 2^f units as the owners' sums would be (|x| <= 1 per entry).
+    r = [[0] * m for _ in range(m)]
+    for i in range(m):
+        for j in range(i, m):
+            r[i][j] = r[j][i] = rng.randint(-n_records * scale, n_records * scale)
+    v = [rng.randint(-n_records * scale, n_records * scale) for _ in range(m)]
+    e = [[0] * m for _ in range(m)]
+    for i in range(m):
+        for j in range(i, m):
+            e[i][j] = e[j][i] = rng.randint(-50 * scale, 50 * scale)
+    v_bound = spec.max_owners * owner_value_bound(
+        PackingBounds(spec.clip_norm, spec.max_records_per_owner, 1, f, 0)
+    )
+    b = [rng.randrange(mask_width(v_bound)) for _ in range(m)]
+
+    rows_block = plan.result_block(SCATTER_ROWS)
+    k = rows_block.layout.slots_per_ciphertext
+    t_values = []
+    for position in row_aligned_positions(m, k):
+        if position is None:
+            t_values.append(0)
+            continue
+        i, j = position
+        t_values.append(
+            n_records * scale * r[i][j]
+            + v[i] * b[j]
+            + b[i] * v[j]
+            + b[i] * b[j]
+            + n_records * scale * e[i][j]
+        )
+    masked_sums = [v[i] + b[i] for i in range(m)]
+    sums_block = plan.result_block(MASKED_SUM)
+    packed = {
+        SCATTER_ROWS: pool.encrypt_packed(
+            public_key, t_values, rows_block.layout, rows_block.bound
+        ),
+        MASKED_SUM: pool.encrypt_packed(
+            public_key, masked_sums, sums_block.layout, sums_block.bound
+        ),
+    }
+    expected = np.array(
+        [
+            [
+                float(
+                    Fraction(
+                        n_records * scale * (r[i][j] + e[i][j]) - v[i] * v[j],
+                        n_records * scale * scale,
+                    )
+                )
+                for j in range(m)
+            ]
+            for i in range(m)
+        ]
+    )
+    result = result_from_packed(spec, 2, packed, public_count=n_records)
+    return result, n_records, expected
+
+
+def test_masked_mode_unmasks_the_scatter_exactly(
+    test_only_keypair_512: Any, pool: CryptoPool
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    spec = masked_spec(public_key)
+    result, n_records, expected = masked_result_by_hand(spec, public_key, pool, seed=11)
+
+    release = decrypt_result(
+        result, private_key, expected_query=spec, public_count=n_records, pool=pool
+    )
+
+    assert release.centred_scatter is not None and release.statistics is None
+    np.testing.assert_array_equal(release.centred_scatter, expected)
+    assert release.n_samples == n_records and not release.n_samples_is_noisy
+    estimator = FederatedPCA.from_result(release)
+    reference = pca_from_centred_scatter(expected, n_records, 2)
+    np.testing.assert_array_equal(estimator.components_, reference.components)
+    assert estimator.mean_ is None  # masked mode never releases the mean
+    assert estimator.transform(np.ones((3, 4)) / 4).shape == (3, 2)
+
+
+def test_masked_mode_needs_the_public_count(test_only_keypair_512: Any, pool: CryptoPool) -> None:
+    public_key, private_key = test_only_keypair_512
+    spec = masked_spec(public_key)
+    result, _, _ = masked_result_by_hand(spec, public_key, pool, seed=12)
+    with pytest.raises(ProtocolError, match="public record count"):
+        decrypt_result(result, private_key, pool=pool)
+    with pytest.raises(ProtocolError, match="impossible"):
+        decrypt_result(result, private_key, public_count=10**6, pool=pool)
+
+
+def test_unmask_scatter_is_the_exact_rational() -> None:
+    rng = random.Random(5)
+    m, k, f, n = 3, 2, 20, 9
+    positions = row_aligned_positions(m, k)
+    t_values = [rng.randrange(-(2**150), 2**150) if p else 0 for p in positions]
+    sums = [rng.randrange(-(2**70), 2**70) for _ in range(m)]
+    scatter = unmask_scatter(t_values, sums, m, k, n, f)
+    for value, position in zip(t_values, positions, strict=True):
+        if position is not None:
+            i, j = position
+            exact = float(Fraction(value - sums[i] * sums[j], n << (2 * f)))
+            assert scatter[i, j] == exact == scatter[j, i]
+
+
+# ------------------------------------------------------------------- refusals
+@pytest.fixture(scope="module")
+def small_stats_result(
+    test_only_keypair_512: Any, pool: CryptoPool
+) -> tuple[QuerySpec, serde.QueryResult]:
+    public_key, _ = test_only_keypair_512
+    spec = make_spec(public_key, n_features=3, feature_lower=(), feature_upper=(), n_components=1)
+    rows = np.array([[0.1, 0.2, 0.3], [0.5, -0.1, 0.0], [-0.3, 0.3, 0.2]])
+    shares = [local_statistics(rows, None, spec), local_statistics(rows[:2], None, spec)]
+    return spec, encrypted_stats_result(spec, shares, public_key, pool)
+
+
+def test_result_under_a_foreign_key_is_refused(
+    test_only_keypair_512: Any, pool: CryptoPool
+) -> None:
+    _, private_key = test_only_keypair_512
+    foreign_public, _ = generate_keypair(512, allow_insecure_test_key=True)
+    spec = make_spec(
+        foreign_public, n_features=2, feature_lower=(), feature_upper=(), n_components=1
+    )
+    share = local_statistics(np.array([[0.1, 0.2], [0.3, 0.1]]), None, spec)
+    result = encrypted_stats_result(spec, [share], foreign_public, pool)
+    with pytest.raises(UntrustedKeyError, match="not your key"):
+        decrypt_result(result, private_key, pool=pool)
+
+
+def test_fingerprint_that_does_not_match_the_key_is_refused(
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+) -> None:
+    _, private_key = test_only_keypair_512
+    spec, result = small_stats_result
+    forged = dataclasses.replace(
+        result, query=dataclasses.replace(spec, analyst_key_fingerprint="sha256:00")
+    )
+    with pytest.raises(UntrustedKeyError, match="fingerprint"):
+        decrypt_result(forged, private_key)
+
+
+def test_layout_other_than_the_plan_is_refused(
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+) -> None:
+    _, private_key = test_only_keypair_512
+    _, result = small_stats_result
+    (block,) = result.payload.blocks
+    # Same ciphertexts, but declared with narrower slots than the plan derives.
+    narrower = dataclasses.replace(block, slot_bits=block.slot_bits - 1)
+    payload = serde.PackedCiphertexts((narrower,), {block.name: result.payload[block.name]})
+    with pytest.raises(LayoutError, match="plan derived from the query"):
+        decrypt_result(dataclasses.replace(result, payload=payload), private_key)
+
+
+def test_result_for_another_query_is_refused(
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+) -> None:
+    _, private_key = test_only_keypair_512
+    spec, result = small_stats_result
+    submitted = dataclasses.replace(spec, epsilon=0.5)
+    with pytest.raises(ProtocolError, match="epsilon"):
+        decrypt_result(result, private_key, expected_query=submitted)
+
+
+def test_more_owners_than_the_slots_hold_is_refused(
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+) -> None:
+    _, private_key = test_only_keypair_512
+    spec, result = small_stats_result
+    with pytest.raises(EncodingOverflowError, match="max_owners"):
+        decrypt_result(dataclasses.replace(result, n_owners=spec.max_owners + 1), private_key)
+
+
+def test_noise_for_other_parameters_is_refused(
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+) -> None:
+    _, private_key = test_only_keypair_512
+    spec, result = small_stats_result
+    plan = ReleasePlan.for_query(dataclasses.replace(spec, epsilon=2.0), 512)
+    wrong = noise_description(plan)
+    with pytest.raises(ProtocolError, match="noise for other parameters"):
+        decrypt_result(dataclasses.replace(result, noise=wrong), private_key)
+
+
+def test_slot_beyond_the_declared_bound_is_refused(
+    test_only_keypair_512: Any, pool: CryptoPool
+) -> None:
+    """A share that breaks its bound decodes outside n_owners x bound: refused, not used."""
+    public_key, private_key = test_only_keypair_512
+    spec = make_spec(public_key, n_features=2, feature_lower=(), feature_upper=(), n_components=1)
+    plan = ReleasePlan.for_query(spec, 512)
+    block = plan.owner_block(SHARES)
+    values = [0] * block.layout.value_count
+    values[0] = block.layout.slot_capacity  # fits the slot, not the declared sum bound
+    packed = pool.encrypt_packed(public_key, values, block.layout, block.layout.slot_capacity)
+    result = result_from_packed(spec, 1, {SHARES: packed})
+    with pytest.raises(EncodingOverflowError, match="outside the declared bound"):
+        decrypt_result(result, private_key, pool=pool)
+
+
+def test_decoded_release_reports_what_it_is(
+    test_only_keypair_512: Any,
+    small_stats_result: tuple[QuerySpec, serde.QueryResult],
+    pool: CryptoPool,
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    spec, result = small_stats_result
+    release = decrypt_result(result, private_key, expected_query=spec, pool=pool)
+    assert isinstance(release, DecodedRelease)
+    assert release.key_fingerprint == key_fingerprint(public_key)
+    assert release.n_owners == 2 and release.n_samples == 5.0
+    assert release.mode is ProtocolMode.STATS and not release.private

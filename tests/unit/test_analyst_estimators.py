@@ -1,0 +1,306 @@
+"""FederatedPCA / FederatedDCA conventions, the fit pipeline (fake proxy), and reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import fedpca.analyst.client as client_module
+import fedpca.analyst.estimators as estimators_module
+from fedpca.analyst.client import FetchedResult
+from fedpca.analyst.decode import DecodedRelease, result_from_packed
+from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, NotFittedError
+from fedpca.analyst.report import write_plots, write_report, write_result
+from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint
+from fedpca.errors import ConfigError, QueryStateError
+from fedpca.owner.preprocess import preprocess_for_query
+from fedpca.owner.statistics import local_statistics
+from fedpca.protocol import SHARES, ReleasePlan
+from fedpca.query import QueryKind, QuerySpec
+from fedpca.stats import SufficientStatistics
+from fedpca.transport import serde
+
+RNG = np.random.default_rng(0)
+ROWS = RNG.uniform(-3.0, 3.0, size=(60, 4)) @ np.diag([1.0, 0.6, 0.3, 0.1])
+LABELS = np.where(ROWS[:, 0] > 0, 1.0, -1.0)
+
+
+def release_for(
+    kind: QueryKind = QueryKind.PCA, n_components: int = 2, epsilon: float = math.inf
+) -> DecodedRelease:
+    """A decoded release built directly from plaintext statistics (no crypto needed)."""
+    extra: dict[str, Any] = {}
+    if kind is QueryKind.DCA:
+        extra = {"label_column": 0, "class_labels": (-1.0, 1.0)}
+    spec = QuerySpec(
+        query_id="q-est",
+        kind=kind,
+        n_features=4,
+        epsilon=epsilon,
+        delta=1e-6,
+        n_components=n_components,
+        analyst_public_key_n=(1 << 511) + 1,
+        analyst_key_fingerprint="sha256:test",
+        feature_lower=(-3.0,) * 4,
+        feature_upper=(3.0,) * 4,
+        **extra,
+    )
+    plan = ReleasePlan.for_query(spec, 512)
+    rows = preprocess_for_query(ROWS, spec)
+    statistics = local_statistics(rows, LABELS if kind is QueryKind.DCA else None, spec)
+    return DecodedRelease(
+        query=spec,
+        plan=plan,
+        n_owners=2,
+        key_fingerprint="sha256:test",
+        statistics=statistics,
+        centred_scatter=None,
+        public_count=None,
+        sigmas={s.name: s.sigma for s in plan.sections},
+    )
+
+
+# ----------------------------------------------------------- sklearn conventions
+def test_constructor_only_stores_parameters() -> None:
+    estimator = FederatedPCA(3, epsilon=0.5, bounds=(-1, 1), proxy="nowhere:1")
+    assert not [name for name in vars(estimator) if name.endswith("_")]
+    params = estimator.get_params()
+    assert params["n_components"] == 3 and params["epsilon"] == 0.5
+    assert params["bounds"] == (-1, 1) and params["proxy"] == "nowhere:1"
+    assert set(params) == set(vars(estimator))
+    assert "epsilon=0.5" in repr(estimator)
+
+
+def test_sklearn_clone_and_set_params() -> None:
+    from sklearn.base import clone
+
+    estimator = FederatedDCA(1, classes=(0.0, 1.0), rho=0.1)
+    copy = clone(estimator)
+    assert copy.get_params() == estimator.get_params() and copy is not estimator
+    assert estimator.set_params(epsilon=2.0) is estimator and estimator.epsilon == 2.0
+    with pytest.raises(ConfigError, match="no parameter"):
+        estimator.set_params(n_clusters=3)
+
+
+def test_unfitted_estimator_refuses_transform() -> None:
+    with pytest.raises(NotFittedError, match="not fitted"):
+        FederatedPCA().transform(ROWS)
+    with pytest.raises(AttributeError):  # the sklearn way to probe fittedness
+        FederatedPCA().transform(ROWS)
+
+
+def test_fit_takes_the_public_schema_not_data() -> None:
+    estimator = FederatedPCA(proxy="nowhere:1", private_key_path="/nonexistent")
+    with pytest.raises(ConfigError, match="public schema"):
+        estimator.fit(ROWS)  # type: ignore[arg-type]
+
+
+def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
+    public_key, _ = test_only_keypair_512
+    spec = FederatedPCA(2, epsilon=0.7, bounds="0:10", quorum=3).build_query(5, public_key)
+    assert spec.feature_lower == (0.0,) * 5 and spec.feature_upper == (10.0,) * 5
+    assert spec.quorum == 3 and spec.epsilon == 0.7 and spec.kind is QueryKind.PCA
+    assert spec.analyst_key_fingerprint == key_fingerprint(public_key)
+    # Per-feature bounds imply M; a conflicting M is refused.
+    per_feature = FederatedPCA(1, bounds=([0, 0, 0], [1, 2, 3]))
+    assert per_feature.build_query(None, public_key).n_features == 3
+    with pytest.raises(ConfigError, match="cover 3 features"):
+        per_feature.build_query(4, public_key)
+    dca = FederatedDCA(1, classes=(1, 2, 3), label_column=4).build_query(4, public_key)
+    assert dca.class_labels == (1.0, 2.0, 3.0) and dca.label_column == 4
+    with pytest.raises(ConfigError, match="stats mode"):
+        FederatedDCA(1, mode="masked").build_query(4, public_key)
+
+
+def test_from_result_sets_learned_attributes_and_transforms() -> None:
+    estimator = FederatedPCA.from_result(release_for(n_components=4))
+    assert estimator.components_.shape == (4, 4)
+    assert estimator.n_features_in_ == 4 and estimator.n_components_ == 4
+    assert estimator.n_samples_ == 60 and estimator.n_owners_ == 2
+    assert set(estimator.timings_) == {"solve"}
+    # With all M components the projection is invertible for rows inside the
+    # bounds and the clip norm: here scaled rows have norm < 1 after dividing by 3.
+    inside = ROWS[np.linalg.norm(ROWS / 3.0, axis=1) < 1.0][:10]
+    scores = estimator.transform(inside)
+    assert scores.shape == (len(inside), 4)
+    np.testing.assert_allclose(estimator.inverse_transform(scores), inside, atol=1e-8)
+    with pytest.raises(ConfigError, match="fixed by the release"):
+        FederatedPCA.from_result(release_for(), epsilon=1.0)
+    with pytest.raises(ConfigError, match="needs a dca release"):
+        FederatedDCA.from_result(release_for())
+
+
+# -------------------------------------------------------- fit with a fake proxy
+class FakeClient:
+    """Stands in for AnalystClient: encrypts the owners' shares as a proxy would."""
+
+    instances: ClassVar[list[FakeClient]] = []
+    key: ClassVar[Any] = None
+
+    def __init__(self, proxy: str, tls: Any, insecure: bool = False, **_: Any) -> None:
+        self.proxy, self.tls, self.insecure = proxy, tls, insecure
+        self.submitted: list[QuerySpec] = []
+        FakeClient.instances.append(self)
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+    def submit(self, spec: QuerySpec) -> serde.QueryStatus:
+        self.submitted.append(spec)
+        return serde.QueryStatus(spec.query_id, serde.QueryState.COLLECTING, 0, spec.quorum)
+
+    def wait(self, query_id: str, on_status: Any = None, timeout: Any = None) -> Any:
+        done = serde.QueryStatus(query_id, serde.QueryState.DONE, 2, 2)
+        if on_status is not None:
+            on_status(done)
+        return done
+
+    def fetch(self, query_id: str) -> FetchedResult:
+        (spec,) = self.submitted
+        public_key = self.key.public_key
+        plan = ReleasePlan.for_query(spec, 512)
+        block = plan.owner_block(SHARES)
+        rows = preprocess_for_query(ROWS, spec)
+        share = local_statistics(rows, None, spec)
+        values = encode_fixed_point(plan.owner_values(share)[SHARES], spec.frac_bits)
+        with CryptoPool(1) as pool:
+            packed = pool.encrypt_packed(public_key, values, block.layout, block.bound)
+        return FetchedResult(result_from_packed(spec, 1, {SHARES: packed}))
+
+
+def test_fit_runs_the_query_and_returns_self(
+    monkeypatch: pytest.MonkeyPatch, test_only_keypair_512: Any
+) -> None:
+    from sklearn.decomposition import PCA
+
+    _, private_key = test_only_keypair_512
+    FakeClient.key = private_key
+    monkeypatch.setattr(client_module, "AnalystClient", FakeClient)
+    monkeypatch.setattr(estimators_module, "load_analyst_private_key", lambda path: private_key)
+    statuses: list[serde.QueryStatus] = []
+    estimator = FederatedPCA(
+        2,
+        epsilon=math.inf,
+        bounds=(-3, 3),
+        proxy="fake:1",
+        insecure=True,
+        private_key_path="key.json",
+        n_jobs=1,
+        on_status=statuses.append,
+    )
+
+    assert estimator.fit(4) is estimator
+
+    (client,) = FakeClient.instances[-1:]
+    assert client.proxy == "fake:1" and client.insecure
+    assert estimator.query_id_ == client.submitted[0].query_id
+    assert [s.state for s in statuses] == [serde.QueryState.COLLECTING, serde.QueryState.DONE]
+    assert set(estimator.timings_) == {"submit", "wait", "fetch", "decrypt", "solve"}
+    reference = PCA(2, svd_solver="covariance_eigh").fit(
+        preprocess_for_query(ROWS, client.submitted[0])
+    )
+    np.testing.assert_allclose(
+        np.abs(estimator.components_), np.abs(reference.components_), atol=1e-7
+    )
+
+
+def test_failed_query_raises_with_the_proxy_reason(
+    monkeypatch: pytest.MonkeyPatch, test_only_keypair_512: Any
+) -> None:
+    _, private_key = test_only_keypair_512
+
+    class Failing(FakeClient):
+        def wait(self, query_id: str, on_status: Any = None, timeout: Any = None) -> Any:
+            raise QueryStateError(f"query {query_id!r} failed at the proxy: quorum not reached")
+
+    monkeypatch.setattr(client_module, "AnalystClient", Failing)
+    monkeypatch.setattr(estimators_module, "load_analyst_private_key", lambda path: private_key)
+    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    with pytest.raises(QueryStateError, match="quorum not reached"):
+        estimator.fit(4)
+    assert not hasattr(estimator, "components_")
+
+
+# --------------------------------------------------------------------- reports
+def _strict_json(path: Path) -> dict[str, Any]:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    document: dict[str, Any] = json.loads(path.read_text(), parse_constant=refuse)
+    return document
+
+
+def _is_png(path: Path) -> bool:
+    return (
+        path.is_file()
+        and path.stat().st_size > 100
+        and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    )
+
+
+def test_report_writes_json_and_plots(tmp_path: Path) -> None:
+    estimator = FederatedPCA.from_result(release_for())
+    files = write_report(tmp_path / "out" / "result.json", estimator, sample=ROWS, labels=LABELS)
+
+    document = _strict_json(files.json)
+    for key in (
+        "components",
+        "explained_variance",
+        "explained_variance_ratio",
+        "mean",
+        "n_samples",
+        "n_samples_noisy",
+        "n_owners",
+        "epsilon",
+        "delta",
+        "mechanism",
+        "calibration",
+        "mode",
+        "timings",
+        "not_private",
+        "key_fingerprint",
+        "query_id",
+    ):
+        assert key in document, key
+    assert np.asarray(document["components"]).shape == (2, 4)
+    assert document["epsilon"] is None and document["not_private"] is True
+    assert document["mechanism"] == "none" and document["query_id"] == "q-est"
+    assert document["plots"] == {
+        "scree": "result.scree.png",
+        "projection": "result.projection.png",
+    }
+    assert files.projection is not None
+    assert _is_png(files.scree) and _is_png(files.projection)
+    assert files.scree.parent == files.json.parent
+
+
+def test_private_dca_report_and_separate_writers(tmp_path: Path) -> None:
+    estimator = FederatedDCA.from_result(release_for(QueryKind.DCA, 1, epsilon=1.0))
+    path = write_result(tmp_path / "dca.json", estimator, extra={"note": "x", "ratio": math.nan})
+    document = _strict_json(path)
+    assert document["eigenvalues"] and document["classes"] == [-1.0, 1.0]
+    assert document["epsilon"] == 1.0 and document["not_private"] is False
+    assert document["mechanism"] == "gaussian" and document["ratio"] is None
+    assert document["note"] == "x"
+    plots = write_plots(tmp_path / "plots", estimator, sample=ROWS)
+    assert [p.name for p in plots] == ["scree.png", "projection.png"]
+    assert all(_is_png(p) for p in plots)
+
+
+def test_report_of_unfitted_estimator_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not fitted"):
+        write_result(tmp_path / "r.json", FederatedPCA())
+
+
+def test_statistics_helper_matches_shapes() -> None:
+    # Guard for the helper above: DCA statistics carry per-class sums.
+    statistics = release_for(QueryKind.DCA, 1).statistics
+    assert isinstance(statistics, SufficientStatistics) and statistics.n_classes == 2
