@@ -72,7 +72,7 @@ def test_good_file_parses_with_paths_relative_to_the_file(tmp_path: Path) -> Non
 
 
 def test_defaults_and_insecure_without_tls_files(tmp_path: Path) -> None:
-    text = f"""
+    text = """
 [owner]
 id = "o2"
 proxy = "[::1]:7000"
@@ -94,7 +94,7 @@ delta = 1e-6
     assert config.data.path == Path("/abs/x.npy")
     assert config.data.label_column is None
     assert config.crypto.obfuscation is Obfuscation.DJN
-    with pytest.raises(ConfigError, match="tls.ca"):
+    with pytest.raises(ConfigError, match=r"tls\.ca"):
         config.tls.files()
 
 
@@ -140,7 +140,7 @@ def test_each_bad_key_is_named(tmp_path: Path, old: str, new: str, key: str) -> 
 
 def test_unknown_key_is_named_not_ignored(tmp_path: Path) -> None:
     text = GOOD.replace("max_epsilon_per_query = 1.0", "max_epsilon_per_querry = 1.0")
-    with pytest.raises(ConfigError, match="policy.max_epsilon_per_querry"):
+    with pytest.raises(ConfigError, match=r"policy\.max_epsilon_per_querry"):
         load_config(_write(tmp_path, text))
 
 

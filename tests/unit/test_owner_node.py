@@ -1,0 +1,409 @@
+"""The owner node against a fake in-process OwnerService over mutual TLS.
+
+The fake proxy validates every upload with the real serde reader, records
+Hello/Upload/DeclineTask calls, and can fail uploads on demand.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.errors import DataError
+from fedpca.owner.config import (
+    CryptoConfig,
+    DataConfig,
+    NodeConfig,
+    OwnerConfig,
+    PolicyConfig,
+    TlsConfig,
+)
+from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.node import OwnerNode, RetryPolicy
+from fedpca.query import QueryKind, QuerySpec
+from fedpca.transport import certs, channels, serde
+from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
+from fedpca.v1 import owner_service_pb2 as owner_pb
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+
+WAIT = 30.0
+FAST_RETRY = RetryPolicy(
+    upload_attempts=4,
+    backoff_initial=0.05,
+    backoff_max=0.2,
+    reconnect_initial=0.05,
+    reconnect_max=0.2,
+    call_timeout=5.0,
+    upload_timeout=30.0,
+)
+
+
+@dataclass
+class UploadCall:
+    upload_id: str
+    query_id: str
+    content_sha256: bytes
+    total_chunks: int
+    n_ciphertexts: int
+
+
+@dataclass
+class FakeProxy(owner_grpc.OwnerServiceServicer):
+    """Records calls; ``upload_failures`` are raised (in order) by the first uploads."""
+
+    upload_failures: list[grpc.StatusCode] = field(default_factory=list)
+    close_stream_after_first: bool = False
+    tasks: queue.Queue[serde.TaskEvent] = field(default_factory=queue.Queue)
+    hellos: list[str] = field(default_factory=list)
+    uploads: list[UploadCall] = field(default_factory=list)
+    declines: list[serde.TaskDecline] = field(default_factory=list)
+    streams: int = 0
+    changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def _notify(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = WAIT) -> None:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError("timed out waiting for the owner node")
+                self.changed.wait(min(left, 0.1))
+
+    def Hello(self, request: owner_pb.OwnerHello, context: Any) -> owner_pb.ProxyInfo:
+        identity = certs.require_role(context, Role.OWNER)
+        hello = serde.owner_hello_from_proto(request)
+        self.hellos.append(identity.node_id)
+        assert hello.node_id == identity.node_id
+        self._notify()
+        now = datetime.now(UTC)
+        return serde.proxy_info_to_proto(
+            serde.ProxyInfo("proxy", "test", identity.node_id, 1.0, 1 << 20, now)
+        )
+
+    def StreamTasks(
+        self, request: owner_pb.TaskStreamRequest, context: Any
+    ) -> Iterator[owner_pb.TaskEvent]:
+        certs.require_role(context, Role.OWNER)
+        self.streams += 1
+        self._notify()
+        yield serde.task_event_to_proto(serde.Heartbeat(datetime.now(UTC)))
+        while context.is_active():
+            try:
+                event = self.tasks.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            yield serde.task_event_to_proto(event)
+            if self.close_stream_after_first and self.streams == 1:
+                return
+
+    def Upload(
+        self, request_iterator: Iterator[owner_pb.UploadMessage], context: Any
+    ) -> owner_pb.UploadReceipt:
+        certs.require_role(context, Role.OWNER)
+        header, payload = serde.read_upload(request_iterator)
+        seen = {call.upload_id for call in self.uploads}
+        self.uploads.append(
+            UploadCall(
+                header.upload_id,
+                header.query_id,
+                header.content_sha256,
+                header.total_chunks,
+                payload.total_ciphertexts,
+            )
+        )
+        self._notify()
+        if self.upload_failures:
+            code = self.upload_failures.pop(0)
+            context.abort(code, f"test failure {code.name}")
+        status = (
+            serde.UploadStatus.DUPLICATE
+            if header.upload_id in seen
+            else (serde.UploadStatus.ACCEPTED)
+        )
+        receipt = serde.UploadReceipt(
+            header.query_id,
+            header.upload_id,
+            status,
+            header.total_chunks,
+            payload.total_ciphertexts,
+        )
+        return serde.upload_receipt_to_proto(receipt)
+
+    def DeclineTask(self, request: owner_pb.TaskDecline, context: Any) -> owner_pb.DeclineReceipt:
+        certs.require_role(context, Role.OWNER)
+        decline = serde.task_decline_from_proto(request)
+        self.declines.append(decline)
+        self._notify()
+        return serde.decline_receipt_to_proto(decline.query_id)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[NodeIdentity, TlsFiles]:
+    root = tmp_path_factory.mktemp("pki")
+    return certs.init_certificates(root, ["owner-1"], ["analyst-1"])
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[CryptoPool]:
+    with CryptoPool(1) as crypto_pool:
+        yield crypto_pool
+
+
+@dataclass
+class Harness:
+    proxy: FakeProxy
+    node: OwnerNode
+    config: OwnerConfig
+    public_key: Any
+
+    def spec(self, query_id: str, **overrides: Any) -> QuerySpec:
+        fields: dict[str, Any] = {
+            "query_id": query_id,
+            "kind": QueryKind.PCA,
+            "n_features": 3,
+            "epsilon": 1.0,
+            "delta": 1e-5,
+            "n_components": 2,
+            "analyst_public_key_n": self.public_key.n,
+            "analyst_key_fingerprint": key_fingerprint(self.public_key),
+            "feature_lower": (-3.0,) * 3,
+            "feature_upper": (3.0,) * 3,
+            "max_records_per_owner": 100,
+            "max_owners": 4,
+        }
+        fields.update(overrides)
+        return QuerySpec(**fields)
+
+    def send(self, spec: QuerySpec, deadline: float = 60.0) -> None:
+        self.proxy.tasks.put(serde.Task(spec, datetime.now(UTC) + timedelta(seconds=deadline)))
+
+
+@pytest.fixture
+def harness(
+    tmp_path: Path,
+    pki: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+) -> Iterator[Harness]:
+    caplog.set_level(logging.INFO, logger="fedpca.owner")
+    options = getattr(request, "param", {})
+    public_key, _ = test_only_keypair_512
+    proxy = FakeProxy(
+        upload_failures=list(options.get("upload_failures", [])),
+        close_stream_after_first=options.get("close_stream_after_first", False),
+    )
+    server = channels.create_server(max_workers=8)
+    owner_grpc.add_OwnerServiceServicer_to_server(proxy, server)
+    proxy_tls = TlsMaterial.load(pki[NodeIdentity(Role.PROXY, "proxy")])
+    port = channels.add_secure_port(server, "127.0.0.1:0", proxy_tls)
+    server.start()
+
+    rng = np.random.default_rng(3)
+    data = np.column_stack([rng.choice([-1.0, 1.0], size=30), rng.normal(size=(30, 3))])
+    data_path = tmp_path / "owner.csv"
+    np.savetxt(data_path, data, delimiter=",")
+    files = pki[NodeIdentity(Role.OWNER, "owner-1")]
+    config = OwnerConfig(
+        owner=NodeConfig("owner-1", f"127.0.0.1:{port}", tmp_path / "state"),
+        tls=TlsConfig(files.ca_certificate, files.certificate, files.private_key),
+        data=DataConfig(data_path, header=False, label_column=0),
+        policy=PolicyConfig((key_fingerprint(public_key),), 1.0, False),
+        budget=PrivacyParams(1.2, 1e-5),
+        crypto=CryptoConfig(processes=1),
+    )
+    node = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        proxy.wait_for(lambda: proxy.streams >= 1)
+        yield Harness(proxy, node, config, public_key)
+    finally:
+        stop.set()
+        thread.join(WAIT)
+        server.stop(grace=None)
+    assert not thread.is_alive(), "run_forever did not return after stop"
+
+
+def test_good_task_is_uploaded_once(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    proxy = harness.proxy
+    spec = harness.spec("q1")
+    harness.send(spec)
+    proxy.wait_for(lambda: len(proxy.uploads) == 1)
+    (upload,) = proxy.uploads
+    assert upload.query_id == "q1" and upload.total_chunks >= 1 and upload.n_ciphertexts > 0
+    ledger = BudgetLedger(harness.config.ledger_path)
+    proxy.wait_for(lambda: ledger.is_handled("q1"))
+    record = ledger.task("q1")
+    assert record is not None and record.outcome is TaskOutcome.UPLOADED
+    assert record.upload_id == upload.upload_id
+    assert [entry.event.query_id for entry in ledger.events()] == ["q1"]
+    assert "query q1: encrypted" in caplog.text
+    setup = " ".join(r.getMessage() for r in caplog.get_records("setup"))
+    assert "owner owner-1 connected to 127.0.0.1" in setup
+
+    # Re-delivery is ignored; a later task (declined: not pinned) proves it was read.
+    harness.send(spec)
+    other, _ = generate_keypair(512, allow_insecure_test_key=True)
+    harness.send(
+        harness.spec(
+            "q2", analyst_public_key_n=other.n, analyst_key_fingerprint=key_fingerprint(other)
+        )
+    )
+    proxy.wait_for(lambda: len(proxy.declines) == 1)
+    assert len(proxy.uploads) == 1
+    assert len(ledger.events()) == 1
+
+
+def test_not_pinned_and_substituted_keys_are_declined_without_upload(harness: Harness) -> None:
+    proxy = harness.proxy
+    other, _ = generate_keypair(512, allow_insecure_test_key=True)
+    harness.send(
+        harness.spec(
+            "q1", analyst_public_key_n=other.n, analyst_key_fingerprint=key_fingerprint(other)
+        )
+    )
+    # The pinned fingerprint carried with another modulus: a substituting proxy.
+    harness.send(harness.spec("q2", analyst_public_key_n=other.n))
+    proxy.wait_for(lambda: len(proxy.declines) == 2)
+    assert [d.reason for d in proxy.declines] == [serde.DeclineReason.KEY_NOT_PINNED] * 2
+    assert "substituted" in proxy.declines[1].detail
+    assert proxy.uploads == []
+    ledger = BudgetLedger(harness.config.ledger_path)
+    proxy.wait_for(lambda: ledger.is_handled("q2"))
+    assert ledger.events() == []
+    record = ledger.task("q2")
+    assert record is not None and record.outcome is TaskOutcome.DECLINED
+
+
+def test_policy_and_budget_refusals_are_declined_with_their_reason(harness: Harness) -> None:
+    proxy = harness.proxy
+    harness.send(harness.spec("too-much", epsilon=2.0))
+    harness.send(
+        harness.spec(
+            "wrong-shape", n_features=5, n_components=1, feature_lower=(), feature_upper=()
+        )
+    )
+    harness.send(harness.spec("first", epsilon=1.0))
+    harness.send(harness.spec("second", epsilon=1.0))  # 2 x epsilon 1 compose to ~1.47 > 1.2
+    proxy.wait_for(lambda: len(proxy.declines) == 3 and len(proxy.uploads) == 1)
+    reasons = {d.query_id: d.reason for d in proxy.declines}
+    assert reasons == {
+        "too-much": serde.DeclineReason.POLICY_REFUSAL,
+        "wrong-shape": serde.DeclineReason.POLICY_REFUSAL,
+        "second": serde.DeclineReason.BUDGET_EXHAUSTED,
+    }
+    assert proxy.uploads[0].query_id == "first"
+    # The data-fit refusal reveals nothing about the rows.
+    detail = next(d.detail for d in proxy.declines if d.query_id == "wrong-shape")
+    assert "does not fit this owner's data" in detail
+
+
+@pytest.mark.parametrize(
+    "harness", [{"upload_failures": [grpc.StatusCode.UNAVAILABLE]}], indirect=True
+)
+def test_unavailable_upload_is_retried_with_the_same_id_and_bytes(harness: Harness) -> None:
+    proxy = harness.proxy
+    harness.send(harness.spec("q1"))
+    proxy.wait_for(lambda: len(proxy.uploads) == 2)
+    first, second = proxy.uploads
+    assert second.upload_id == first.upload_id
+    assert second.content_sha256 == first.content_sha256
+    assert second.total_chunks == first.total_chunks
+    ledger = BudgetLedger(harness.config.ledger_path)
+    proxy.wait_for(lambda: ledger.is_handled("q1"))
+    record = ledger.task("q1")
+    assert record is not None and record.outcome is TaskOutcome.UPLOADED
+    assert record.detail == serde.UploadStatus.DUPLICATE.value  # the fake counts by id
+
+
+@pytest.mark.parametrize(
+    "harness", [{"upload_failures": [grpc.StatusCode.INVALID_ARGUMENT]}], indirect=True
+)
+def test_invalid_argument_is_not_retried(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="fedpca.owner")
+    proxy = harness.proxy
+    harness.send(harness.spec("q1"))
+    ledger = BudgetLedger(harness.config.ledger_path)
+    proxy.wait_for(lambda: ledger.is_handled("q1"))
+    time.sleep(0.3)  # room for a wrong retry to show up
+    assert len(proxy.uploads) == 1
+    record = ledger.task("q1")
+    assert record is not None and record.outcome is TaskOutcome.REJECTED
+    assert "INVALID_ARGUMENT: test failure INVALID_ARGUMENT" in caplog.text
+    # Data left the node: the budget stays charged.
+    assert len(ledger.events()) == 1
+
+
+@pytest.mark.parametrize("harness", [{"close_stream_after_first": True}], indirect=True)
+def test_node_reconnects_when_the_stream_closes(harness: Harness) -> None:
+    proxy = harness.proxy
+    harness.send(harness.spec("q1"))
+    proxy.wait_for(lambda: len(proxy.uploads) == 1)
+    proxy.wait_for(lambda: proxy.streams >= 2 and len(proxy.hellos) >= 2)
+    harness.send(harness.spec("q2", epsilon=0.2))
+    proxy.wait_for(lambda: len(proxy.uploads) == 2)
+    assert proxy.uploads[1].query_id == "q2"
+
+
+def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:
+    proxy = harness.proxy
+    harness.send(harness.spec("late"), deadline=-1.0)
+    proxy.tasks.put(serde.TaskCancellation("gone", "analyst cancelled"))
+    harness.send(harness.spec("gone"))
+    harness.send(harness.spec("marker", epsilon=2.0))  # declined: marks the others as read
+    proxy.wait_for(lambda: len(proxy.declines) == 1)
+    ledger = BudgetLedger(harness.config.ledger_path)
+    late, gone = ledger.task("late"), ledger.task("gone")
+    assert late is not None and late.outcome is TaskOutcome.EXPIRED
+    assert gone is not None and gone.outcome is TaskOutcome.CANCELLED
+    assert proxy.uploads == []
+    assert ledger.events() == []
+
+
+def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool) -> None:
+    proxy = harness.proxy
+    harness.send(harness.spec("q1"))
+    ledger = BudgetLedger(harness.config.ledger_path)
+    proxy.wait_for(lambda: ledger.is_handled("q1"))
+    # A second node on the same state folder (a restart) skips the task.
+    second = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    stub = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    task = serde.Task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60))
+    assert second.process_task(stub, task) is None
+    assert len(proxy.uploads) == 1
+
+
+def test_bad_data_file_fails_at_start(tmp_path: Path, harness: Harness) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("1,2\n3,x\n")
+    config = OwnerConfig(
+        harness.config.owner,
+        harness.config.tls,
+        DataConfig(bad),
+        harness.config.policy,
+        harness.config.budget,
+    )
+    with pytest.raises(DataError, match="'x' is not a number"):
+        OwnerNode(config)
