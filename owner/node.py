@@ -181,7 +181,7 @@ def wire_payload(shares: dict[str, CodecCiphertexts], plan: ReleasePlan) -> serd
 
 
 class _ProgressLog:
-    """INFO lines about encryption progress, at most every ~10 % or 5 s."""
+    """INFO lines about encryption progress: every quarter, every 5 s, and at the end."""
 
     def __init__(self, query_id: str) -> None:
         self.query_id = query_id
@@ -191,7 +191,7 @@ class _ProgressLog:
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
         fraction = done / total if total else 1.0
-        if done == total or fraction - self.last_fraction >= 0.1 or now - self.last_time >= 5.0:
+        if done == total or fraction - self.last_fraction >= 0.25 or now - self.last_time >= 5.0:
             logger.info("query %s: encrypted %d/%d ciphertexts", self.query_id, done, total)
             self.last_time = now
             self.last_fraction = fraction
@@ -324,6 +324,11 @@ class OwnerNode:
                 except ProtocolError as exc:
                     logger.error(
                         "owner %s: protocol error from the proxy: %s", self.config.owner.id, exc
+                    )
+                except Exception:
+                    # A long-running daemon outlives surprises: log, back off, reconnect.
+                    logger.exception(
+                        "owner %s: unexpected failure of the session", self.config.owner.id
                     )
                 finally:
                     self.connected.clear()

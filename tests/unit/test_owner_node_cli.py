@@ -1,0 +1,175 @@
+"""``fedpca owner serve`` / ``fedpca owner budget``."""
+
+from __future__ import annotations
+
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from click.testing import CliRunner
+
+from fedpca.dp.calibration import calibrate_noise_multiplier
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.owner.cli import owner_group
+from fedpca.owner.config import load_config
+from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.transport import certs, channels, serde
+from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
+from fedpca.v1 import owner_service_pb2 as owner_pb
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+
+FINGERPRINT = "sha256:" + "cd" * 32
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _write_config(tmp_path: Path, proxy: str = "127.0.0.1:9", tls: str = "insecure = true") -> Path:
+    data = tmp_path / "data.csv"
+    np.savetxt(data, np.random.default_rng(0).normal(size=(10, 3)), delimiter=",")
+    config = tmp_path / "owner.toml"
+    config.write_text(
+        f"""
+[owner]
+id = "owner-1"
+proxy = "{proxy}"
+state_dir = "state"
+[tls]
+{tls}
+[data]
+path = "data.csv"
+[policy]
+accepted_analyst_keys = ["{FINGERPRINT}"]
+max_epsilon_per_query = 1.0
+[budget]
+epsilon = 2.0
+delta = 1e-5
+[crypto]
+processes = 1
+"""
+    )
+    return config
+
+
+def test_budget_without_ledger(tmp_path: Path) -> None:
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(_write_config(tmp_path))])
+    assert result.exit_code == 0, result.output
+    assert "no release recorded" in result.output
+    assert not (tmp_path / "state").exists()  # a read-only command creates nothing
+
+
+def test_budget_lists_spent_remaining_and_queries(tmp_path: Path) -> None:
+    path = _write_config(tmp_path)
+    config = load_config(path)
+    ledger = BudgetLedger(config.ledger_path)
+    z = calibrate_noise_multiplier(0.5, 1e-5)
+    ledger.reserve(PrivacyEvent("q-private", "sha256:a", z, 0.5, 1e-5), config.budget)
+    ledger.record_task("q-private", TaskOutcome.UPLOADED, "accepted", upload_id="u")
+    ledger.reserve(
+        PrivacyEvent("q-verify", "sha256:a", 0.0, math.inf, 0.0),
+        PrivacyParams(2.0, 1e-5),
+        allow_not_private=True,
+    )
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "spent        epsilon=0.5 at delta=1e-05" in result.output
+    assert "remaining    epsilon=1.5" in result.output
+    assert "1 private, 1 NOT PRIVATE" in result.output
+    assert "q-private" in result.output and "uploaded" in result.output
+    assert "q-verify" in result.output and "not composed" in result.output
+    other = CliRunner().invoke(owner_group, ["budget", "--config", str(path), "--delta", "1e-3"])
+    assert other.exit_code == 0
+    assert "at delta=0.001" in other.output and "remaining" not in other.output
+
+
+def test_serve_fails_fast_on_bad_config_and_bad_data(tmp_path: Path) -> None:
+    path = _write_config(tmp_path)
+    path.write_text(path.read_text().replace("max_epsilon_per_query", "max_eps"))
+    result = CliRunner().invoke(owner_group, ["serve", "--config", str(path)])
+    assert result.exit_code == 1
+    assert "policy.max_eps" in result.output
+
+    path = _write_config(tmp_path)
+    (tmp_path / "data.csv").write_text("1,2\n3,oops\n")
+    result = CliRunner().invoke(owner_group, ["serve", "--config", str(path)])
+    assert result.exit_code == 1
+    assert "'oops' is not a number" in result.output
+
+
+class _HelloOnly(owner_grpc.OwnerServiceServicer):
+    def Hello(self, request: owner_pb.OwnerHello, context: Any) -> owner_pb.ProxyInfo:
+        identity = certs.require_role(context, Role.OWNER)
+        info = serde.ProxyInfo("proxy", "test", identity.node_id, 1.0, 1 << 20, datetime.now(UTC))
+        return serde.proxy_info_to_proto(info)
+
+    def StreamTasks(self, request: owner_pb.TaskStreamRequest, context: Any) -> Iterator[Any]:
+        while context.is_active():
+            time.sleep(0.05)
+        yield from ()
+
+
+def _serve_until(path: Path, marker: str, log: Path, *extra: str) -> str:
+    """Run ``owner serve`` in a subprocess until ``marker`` is logged, then SIGTERM it."""
+    code = "from fedpca.owner.cli import owner_group; owner_group()"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", "--config", str(path), *extra],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while marker not in log.read_text() and time.monotonic() < deadline:
+                assert process.poll() is None, log.read_text()
+                time.sleep(0.05)
+            assert marker in log.read_text()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0, log.read_text()
+        finally:
+            if process.poll() is None:
+                process.kill()
+    return log.read_text()
+
+
+def test_serve_connects_over_mtls_and_stops_on_sigterm(tmp_path: Path) -> None:
+    files = certs.init_certificates(tmp_path / "pki", ["owner-1"], [])
+    server = channels.create_server(max_workers=4)
+    owner_grpc.add_OwnerServiceServicer_to_server(_HelloOnly(), server)
+    port = channels.add_secure_port(
+        server, "127.0.0.1:0", TlsMaterial.load(files[NodeIdentity(Role.PROXY, "proxy")])
+    )
+    server.start()
+    owner = files[NodeIdentity(Role.OWNER, "owner-1")]
+    tls = (
+        f'ca = "{owner.ca_certificate}"\ncert = "{owner.certificate}"\nkey = "{owner.private_key}"'
+    )
+    path = _write_config(tmp_path, f"127.0.0.1:{port}", tls)
+    try:
+        text = _serve_until(path, "connected to", tmp_path / "owner.log")
+    finally:
+        server.stop(grace=None)
+    assert f"owner owner-1 connected to 127.0.0.1:{port}" in text
+    assert "owner owner-1 stopped" in text
+
+
+def test_serve_insecure_flag_skips_tls_files_and_warns(tmp_path: Path) -> None:
+    tls = 'ca = "x.pem"\ncert = "y.pem"\nkey = "z.pem"'
+    path = _write_config(tmp_path, f"127.0.0.1:{free_port()}", tls)
+    # Without the flag the missing TLS files are an error at start-up ...
+    result = CliRunner().invoke(owner_group, ["serve", "--config", str(path)])
+    assert result.exit_code == 1 and "x.pem" in result.output
+    # ... with it they are never read, and every start says so loudly.
+    text = _serve_until(path, "reconnecting in", tmp_path / "owner.log", "--insecure")
+    assert "WARNING" in text and "tls.insecure = true" in text
+    assert "INSECURE channel" in text
