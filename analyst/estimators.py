@@ -210,12 +210,17 @@ class _ProgressDisplay:
 
     def status(self, status: Any) -> None:
         if self._owners is None:
-            self._owners = self._tqdm(total=max(status.quorum, 1), desc="owners", unit="owner")
+            # Owners arrive minutes apart: a rate would mislead, elapsed time does not.
+            self._owners = self._tqdm(
+                total=max(status.quorum, 1),
+                desc="owners / quorum",
+                bar_format="{desc} {n}/{total} |{bar}| [{elapsed}]",
+            )
         bar = self._owners
         bar.total = max(status.quorum, status.owners_contributed, 1)
         bar.n = status.owners_contributed
         declined = f", {status.owners_declined} declined" if status.owners_declined else ""
-        bar.set_postfix_str(f"{status.state.value}{declined}", refresh=False)
+        bar.set_description_str(f"{status.state.value}{declined}: owners / quorum", refresh=False)
         bar.refresh()
         if status.terminal:
             bar.close()
@@ -399,10 +404,10 @@ class _FederatedEstimator:
         display = _ProgressDisplay() if self.verbose else None
 
         def on_status(status: Any) -> None:
-            if display is not None:
-                display.status(status)
             if self.on_status is not None:
                 self.on_status(status)
+            if display is not None:
+                display.status(status)
 
         with (
             AnalystClient(
@@ -494,8 +499,6 @@ class _FederatedEstimator:
         self.key_fingerprint_ = release.key_fingerprint
         self.noise_sigmas_ = dict(release.sigmas)
         self.timings_ = all_timings
-        if self.not_private_:
-            logger.warning("query %s was released WITHOUT noise: NOT PRIVATE", query.query_id)
 
     def _solve(self, release: DecodedRelease) -> None:
         raise NotImplementedError

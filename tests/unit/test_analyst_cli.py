@@ -1,0 +1,441 @@
+"""Analyst keys, the gRPC client and the ``fedpca analyst`` CLI.
+
+The client and CLI talk real gRPC (loopback, insecure port) to a fake
+AnalystService that answers like the proxy: it stores submitted queries and
+streams results built with serde.encode_result from ciphertexts under the
+analyst's TEST-ONLY 512-bit key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import fedpca.analyst.estimators as estimators_module
+import fedpca.analyst.keys as keys_module
+from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group, load_config
+from fedpca.analyst.client import (
+    PUBLIC_COUNT_METADATA_KEY,
+    AnalystClient,
+    ProxyUnavailableError,
+)
+from fedpca.analyst.decode import decrypt_result, result_from_packed
+from fedpca.analyst.keys import (
+    create_analyst_keys,
+    load_analyst_private_key,
+    load_analyst_public_key,
+)
+from fedpca.codec import (
+    CryptoPool,
+    encode_fixed_point,
+    generate_keypair,
+    key_fingerprint,
+)
+from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.errors import BudgetExceededError, ConfigError, NotFoundError, QueryStateError
+from fedpca.owner.preprocess import preprocess_for_query
+from fedpca.owner.statistics import local_statistics
+from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
+from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.transport import serde
+from fedpca.transport.channels import add_insecure_port, create_server
+from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+
+ROWS = np.random.default_rng(1).uniform(-1.0, 1.0, size=(40, 3)) * [1.0, 0.5, 0.2]
+LABELS = np.where(ROWS[:, 0] > 0, 1.0, -1.0)
+
+
+# ------------------------------------------------------------------------ keys
+def test_create_keys_writes_private_0600_and_refuses_overwrite(tmp_path: Path) -> None:
+    files = create_analyst_keys(tmp_path / "keys", 512, allow_insecure_test_key=True)
+    assert stat.S_IMODE(files.private_key.stat().st_mode) == 0o600
+    public_key = load_analyst_public_key(files.directory, allow_insecure_test_key=True)
+    assert files.fingerprint == key_fingerprint(public_key)
+    private_key = load_analyst_private_key(files.private_key, allow_insecure_test_key=True)
+    assert private_key.public_key == public_key
+    with pytest.raises(ConfigError, match="already exists"):
+        create_analyst_keys(files.directory, 512, allow_insecure_test_key=True)
+    replaced = create_analyst_keys(files.directory, 512, force=True, allow_insecure_test_key=True)
+    assert replaced.fingerprint != files.fingerprint
+
+
+@pytest.mark.parametrize("bits", [512, 1024, 4096])
+def test_only_2048_and_3072_bit_keys_are_generated(tmp_path: Path, bits: int) -> None:
+    with pytest.raises(ConfigError, match="2048 or 3072"):
+        create_analyst_keys(tmp_path, bits)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def fast_keygen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the CLI's 2048/3072-bit generation produce a TEST-ONLY 512-bit key."""
+    requested: list[int] = []
+
+    def generate(bits: int, *, allow_insecure_test_key: bool = False) -> Any:
+        requested.append(bits)
+        return generate_keypair(512, allow_insecure_test_key=True)
+
+    monkeypatch.setattr(keys_module, "generate_keypair", generate)
+    return requested
+
+
+def test_keygen_cli_prints_fingerprint_last(tmp_path: Path, fast_keygen: list[int]) -> None:
+    runner = CliRunner()
+    result = runner.invoke(analyst_group, ["keygen", "--out", str(tmp_path / "k")])
+    assert result.exit_code == 0, result.output
+    assert fast_keygen == [3072]  # the default is the codec's 128-bit-security size
+    private = tmp_path / "k" / "analyst.key.json"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    public_key = load_analyst_public_key(tmp_path / "k", allow_insecure_test_key=True)
+    assert result.stdout.strip().splitlines()[-1] == key_fingerprint(public_key)
+
+    again = runner.invoke(analyst_group, ["keygen", "--out", str(tmp_path / "k"), "--bits", "2048"])
+    assert again.exit_code == 1 and "already exists" in again.output
+    assert "Traceback" not in again.output
+    forced = runner.invoke(
+        analyst_group, ["keygen", "--out", str(tmp_path / "k"), "--bits", "2048", "--force"]
+    )
+    assert forced.exit_code == 0 and fast_keygen == [3072, 2048]
+    bad = runner.invoke(analyst_group, ["keygen", "--out", str(tmp_path / "x"), "--bits", "1024"])
+    assert bad.exit_code == 2
+
+
+# -------------------------------------------------------------- a fake proxy
+def _masked_blocks(
+    spec: QuerySpec, pool: CryptoPool, public_key: Any
+) -> tuple[dict[str, Any], int]:
+    """Masked-mode result of ROWS without noise, computed in plaintext."""
+    plan = ReleasePlan.for_query(spec, 512)
+    f = spec.frac_bits
+    statistics = local_statistics(preprocess_for_query(ROWS, spec), None, spec)
+    r = encode_fixed_point(statistics.scatter, f, rounding="nearest").tolist()
+    v = encode_fixed_point(statistics.sums, f, rounding="nearest").tolist()
+    n = len(ROWS)
+    sums_block = plan.result_block(MASKED_SUM)
+    rng = random.Random(3)
+    # Below the mask width W (the block bound is |v|max + W), as the proxy draws it.
+    b = [rng.randrange(sums_block.bound // 2) for _ in v]
+    rows_block = plan.result_block(SCATTER_ROWS)
+    k = rows_block.layout.slots_per_ciphertext
+    t_values = [
+        0
+        if p is None
+        else (n << f) * r[p[0]][p[1]] + v[p[0]] * b[p[1]] + b[p[0]] * v[p[1]] + b[p[0]] * b[p[1]]
+        for p in row_aligned_positions(spec.n_features, k)
+    ]
+    masked = [vi + bi for vi, bi in zip(v, b, strict=True)]
+    return {
+        SCATTER_ROWS: pool.encrypt_packed(
+            public_key, t_values, rows_block.layout, rows_block.bound
+        ),
+        MASKED_SUM: pool.encrypt_packed(public_key, masked, sums_block.layout, sums_block.bound),
+    }, n
+
+
+class FakeProxy(analyst_grpc.AnalystServiceServicer):
+    def __init__(self, public_key: Any, pool: CryptoPool) -> None:
+        self.public_key = public_key
+        self.pool = pool
+        self.specs: dict[str, QuerySpec] = {}
+        self.refuse_budget = False
+        self.fail_reason: str | None = None
+
+    def SubmitQuery(self, request: Any, context: Any) -> Any:
+        spec = serde.submit_query_request_from_proto(request)
+        if self.refuse_budget:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"epsilon {spec.epsilon} would exceed the limit 3.0 (spent 2.9)",
+            )
+        self.specs[spec.query_id] = spec
+        status = serde.QueryStatus(spec.query_id, serde.QueryState.COLLECTING, 0, spec.quorum)
+        return serde.query_status_to_proto(status)
+
+    def GetQueryStatus(self, request: Any, context: Any) -> Any:
+        query_id = serde.query_ref_from_proto(request)
+        status = serde.QueryStatus(query_id, serde.QueryState.DONE, 1, 1)
+        return serde.query_status_to_proto(status)
+
+    def WatchQueryStatus(self, request: Any, context: Any) -> Iterator[Any]:
+        query_id = serde.query_ref_from_proto(request)
+        quorum = self.specs[query_id].quorum
+        yield serde.query_status_to_proto(
+            serde.QueryStatus(query_id, serde.QueryState.COLLECTING, 1, quorum)
+        )
+        if self.fail_reason is not None:
+            final = serde.QueryStatus(
+                query_id, serde.QueryState.FAILED, 1, quorum, failure_reason=self.fail_reason
+            )
+        else:
+            final = serde.QueryStatus(query_id, serde.QueryState.DONE, quorum, quorum)
+        yield serde.query_status_to_proto(final)
+
+    def FetchResult(self, request: Any, context: Any) -> Iterator[Any]:
+        query_id = serde.query_ref_from_proto(request)
+        spec = self.specs.get(query_id)
+        if spec is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no query {query_id!r}")
+        assert spec is not None
+        if spec.mode is ProtocolMode.MASKED:
+            blocks, n = _masked_blocks(spec, self.pool, self.public_key)
+            context.send_initial_metadata(((PUBLIC_COUNT_METADATA_KEY, str(n)),))
+            result = result_from_packed(spec, 1, blocks, public_count=n)
+        else:
+            plan = ReleasePlan.for_query(spec, 512)
+            block = plan.owner_block(SHARES)
+            labels = LABELS if spec.kind is QueryKind.DCA else None
+            share = local_statistics(preprocess_for_query(ROWS, spec), labels, spec)
+            values = encode_fixed_point(plan.owner_values(share)[SHARES], spec.frac_bits)
+            if plan.private:
+                values = values + plan.noise_values(TestOnlySeededSampler(1))
+            bound = block.bound + plan.bounds.noise_headroom
+            packed = self.pool.encrypt_packed(self.public_key, values, block.layout, bound)
+            result = result_from_packed(spec, 1, {SHARES: packed})
+        yield from serde.encode_result(result)
+
+    def GetBudget(self, request: Any, context: Any) -> Any:
+        delta = serde.budget_request_from_proto(request)
+        status = serde.BudgetStatus("alice", delta or 1e-6, 1.25, 1.75, 3.0, 2)
+        return serde.budget_status_to_proto(status)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[CryptoPool]:
+    with CryptoPool(processes=1) as crypto_pool:
+        yield crypto_pool
+
+
+@pytest.fixture
+def proxy(test_only_keypair_512: Any, pool: CryptoPool) -> Iterator[tuple[FakeProxy, str]]:
+    fake = FakeProxy(test_only_keypair_512[0], pool)
+    server = create_server(max_workers=4)
+    analyst_grpc.add_AnalystServiceServicer_to_server(fake, server)
+    port = add_insecure_port(server, "127.0.0.1:0")
+    server.start()
+    yield fake, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def _spec(public_key: Any, **overrides: Any) -> QuerySpec:
+    fields: dict[str, Any] = {
+        "query_id": "q-client",
+        "kind": QueryKind.PCA,
+        "n_features": 3,
+        "epsilon": math.inf,
+        "delta": 1e-6,
+        "n_components": 2,
+        "analyst_public_key_n": public_key.n,
+        "analyst_key_fingerprint": key_fingerprint(public_key),
+        "max_records_per_owner": 64,
+        "max_owners": 4,
+        "frac_bits": 16,
+    }
+    fields.update(overrides)
+    return QuerySpec(**fields)
+
+
+# ---------------------------------------------------------------------- client
+def test_client_submits_watches_fetches_and_decrypts_masked_mode(
+    proxy: tuple[FakeProxy, str], test_only_keypair_512: Any, pool: CryptoPool
+) -> None:
+    _, address = proxy
+    public_key, private_key = test_only_keypair_512
+    spec = _spec(public_key, mode=ProtocolMode.MASKED)
+    with AnalystClient(address, None, insecure=True) as client:
+        assert client.submit(spec).state is serde.QueryState.COLLECTING
+        states = [s.state for s in client.watch(spec.query_id)]
+        assert states == [serde.QueryState.COLLECTING, serde.QueryState.DONE]
+        fetched = client.fetch(spec.query_id)
+    # The public N travels as initial metadata until the header has a field for it.
+    assert fetched.public_count == len(ROWS)
+    release = decrypt_result(
+        fetched.result,
+        private_key,
+        expected_query=spec,
+        public_count=fetched.public_count,
+        pool=pool,
+    )
+    rows = preprocess_for_query(ROWS, spec)
+    centred = (rows - rows.mean(axis=0)).T @ (rows - rows.mean(axis=0))
+    assert release.centred_scatter is not None
+    np.testing.assert_allclose(release.centred_scatter, centred, atol=1e-3)
+
+
+def test_client_maps_grpc_errors(proxy: tuple[FakeProxy, str], test_only_keypair_512: Any) -> None:
+    fake, address = proxy
+    fake.refuse_budget = True
+    with AnalystClient(address, None, insecure=True) as client:
+        with pytest.raises(BudgetExceededError, match=r"would exceed the limit 3\.0"):
+            client.submit(_spec(test_only_keypair_512[0]))
+        with pytest.raises(NotFoundError, match="no query 'nope'"):
+            client.fetch("nope")
+        fake.refuse_budget = False
+        fake.fail_reason = "quorum of 3 not reached by the deadline"
+        client.submit(_spec(test_only_keypair_512[0]))
+        with pytest.raises(QueryStateError, match="quorum of 3 not reached"):
+            client.wait("q-client")
+        budget = client.budget(1e-5)
+    assert budget.delta == 1e-5 and budget.epsilon_remaining == 1.75
+
+
+def test_unreachable_proxy_is_a_clear_error() -> None:
+    with (
+        AnalystClient("127.0.0.1:1", None, insecure=True, timeout=5.0) as client,
+        pytest.raises(ProxyUnavailableError, match="proxy unavailable"),
+    ):
+        client.status("q")
+
+
+def test_client_needs_tls_unless_insecure() -> None:
+    with pytest.raises(ConfigError, match="TLS material"):
+        AnalystClient("localhost:1", None)
+
+
+# ------------------------------------------------------------------------- CLI
+@pytest.fixture
+def key_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    files = create_analyst_keys(tmp_path / "keys", 512, allow_insecure_test_key=True)
+
+    def load(path: Any) -> Any:
+        return load_analyst_private_key(path, allow_insecure_test_key=True)
+
+    monkeypatch.setattr(estimators_module, "load_analyst_private_key", load)
+    return files.directory
+
+
+@pytest.fixture
+def analyst_key(key_dir: Path, proxy: tuple[FakeProxy, str]) -> Path:
+    """Point the fake proxy at the CLI's key."""
+    fake, _ = proxy
+    fake.public_key = load_analyst_public_key(key_dir, allow_insecure_test_key=True)
+    return key_dir
+
+
+def _query_args(address: str, key_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--proxy",
+        address,
+        "--insecure",
+        "--key-dir",
+        str(key_dir),
+        "--features",
+        "3",
+        "--components",
+        "2",
+        "--max-records-per-owner",
+        "64",
+        "--max-owners",
+        "4",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def test_cli_pca_writes_result_and_plots(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    _, address = proxy
+    sample = tmp_path / "sample.csv"
+    np.savetxt(sample, np.column_stack([LABELS, ROWS]), delimiter=",")
+    out = tmp_path / "run" / "result.json"
+    args = ["pca", *_query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6")]
+    result = CliRunner().invoke(analyst_group, [*args, "--sample", str(sample)])
+
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().splitlines()[-1] == str(out)
+    document = json.loads(out.read_text())
+    assert document["epsilon"] == 1.0 and document["not_private"] is False
+    assert document["n_samples_noisy"] is True and document["mode"] == "stats"
+    assert (out.parent / "result.scree.png").stat().st_size > 0
+    assert (out.parent / "result.projection.png").stat().st_size > 0
+
+
+def test_cli_not_private_warning_and_config_file(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    _, address = proxy
+    config = tmp_path / "analyst.toml"
+    config.write_text(f'proxy = "{address}"\ninsecure = true\nkey_dir = "keys"\n')
+    out = tmp_path / "r.json"
+    args = _query_args("", analyst_key, out, "--epsilon", "inf", "--mode", "masked")
+    # Drop --proxy/--insecure/--key-dir: they come from the config file.
+    args = args[5:]
+    result = CliRunner().invoke(analyst_group, ["pca", "--config", str(config), *args])
+
+    assert result.exit_code == 0, result.output
+    assert "NOT PRIVATE" in result.output
+    document = json.loads(out.read_text())
+    assert document["epsilon"] is None and document["not_private"] is True
+    assert document["mean"] is None and document["n_samples"] == len(ROWS)
+
+
+def test_cli_dca(proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path) -> None:
+    _, address = proxy
+    out = tmp_path / "dca.json"
+    args = _query_args(address, analyst_key, out, "--epsilon", "inf", "--classes", "-1,1")
+    args[args.index("--components") + 1] = "1"
+    result = CliRunner().invoke(analyst_group, ["dca", *args])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["classes"] == [-1.0, 1.0]
+
+
+def test_cli_refusals_exit_nonzero_without_traceback(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    fake, address = proxy
+    runner = CliRunner()
+    args = ["pca", *_query_args(address, analyst_key, tmp_path / "r.json", "--epsilon", "1")]
+
+    missing_delta = runner.invoke(analyst_group, args)
+    assert missing_delta.exit_code == 2 and "--delta is required" in missing_delta.output
+
+    fake.refuse_budget = True
+    refused = runner.invoke(analyst_group, [*args, "--delta", "1e-6"])
+    assert refused.exit_code == BUDGET_EXIT_CODE
+    assert "privacy budget exhausted" in refused.output and "Traceback" not in refused.output
+
+    fake.refuse_budget = False
+    fake.fail_reason = "quorum of 1 not reached by the deadline"
+    failed = runner.invoke(analyst_group, [*args, "--delta", "1e-6"])
+    assert failed.exit_code == 1 and "quorum of 1 not reached" in failed.output
+    assert not (tmp_path / "r.json").exists()
+
+    no_tls = runner.invoke(analyst_group, ["budget", "--proxy", address])
+    assert no_tls.exit_code == 1 and "no TLS material" in no_tls.output
+
+
+def test_cli_budget(proxy: tuple[FakeProxy, str]) -> None:
+    _, address = proxy
+    result = CliRunner().invoke(
+        analyst_group, ["budget", "--proxy", address, "--insecure", "--delta", "1e-5"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "alice" in result.output
+    assert result.stdout.strip().splitlines()[-1] == "1.75"
+
+
+def test_config_file_is_validated(tmp_path: Path) -> None:
+    config = tmp_path / "analyst.toml"
+    config.write_text('proxy = "x:1"\n[tls]\nca = "ca.pem"\ncert = "c.pem"\nkey = "k.pem"\n')
+    loaded = load_config(config)
+    assert loaded.proxy == "x:1" and loaded.tls is not None
+    assert loaded.tls.ca_certificate == tmp_path / "ca.pem"
+    config.write_text('proxi = "x:1"\n')
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_config(config)
+    config.write_text('[tls]\nca = "ca.pem"\n')
+    with pytest.raises(ConfigError, match="exactly ca, cert and key"):
+        load_config(config)
