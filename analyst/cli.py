@@ -454,6 +454,9 @@ def _run(
             on_status=on_status,
         )
         estimator.fit(params["n_features"])
+        if sample is not None:
+            # The sample is raw; the components live in the preprocessed space.
+            sample = estimator.preprocess(sample)
         files = write_report(out, estimator, sample=sample, labels=labels)
     click.echo(f"query:       {estimator.query_id_}")
     click.echo(f"owners:      {estimator.n_owners_}")

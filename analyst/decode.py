@@ -346,8 +346,11 @@ def _plan_sigmas(plan: ReleasePlan, public_count: int | None) -> dict[str, float
 def _public_count(result: QueryResult, plan: ReleasePlan, public_count: int | None) -> int:
     if public_count is None:
         # Forward compatible: a QueryResult that carries the count itself.
-        carried = getattr(result, "public_count", None)
-        public_count = None if carried is None else int(carried)
+        for name in ("public_count", "public_record_count"):
+            carried = getattr(result, name, None)
+            if carried is not None:
+                public_count = int(carried)
+                break
     if public_count is None:
         raise ProtocolError(
             f"masked-mode result of query {plan.spec.query_id!r} carries no public record "

@@ -18,8 +18,11 @@ returns ``self``; learned attributes end in ``_`` as in scikit-learn.
 
 Components live in the *preprocessed* space the owners summed in: each feature
 mapped from its public bounds onto [−1, 1], then each row clipped to
-‖x‖₂ <= clip_norm.  ``transform`` therefore applies that same public
-preprocessing to X (given in the raw units of the schema) before projecting.
+‖x‖₂ <= clip_norm.  As in scikit-learn, ``transform`` and ``inverse_transform``
+work in that space; ``preprocess`` maps rows given in the raw units of the
+schema into it with the query's public bounds and clip norm::
+
+    scores = pca.transform(pca.preprocess(raw_rows))
 """
 
 from __future__ import annotations
@@ -529,33 +532,27 @@ class _FederatedEstimator:
             raise DataError(f"X must have shape (n, {query.n_features}), got {x.shape}")
         return preprocess(x, FeatureBounds.from_query(query), query.clip_norm)
 
-    def _centred(self, X: npt.ArrayLike) -> FloatArray:
-        x = self.preprocess(X)
-        mean: FloatArray | None = self.mean_
-        return x if mean is None else x - mean
-
     def transform(self, X: npt.ArrayLike) -> FloatArray:
-        """Project rows onto the components.
+        """Project rows onto the components: (X − mean_) @ components_ᵀ.
 
         Parameters
         ----------
-        X : (n, M) rows in the raw units of the schema; the public preprocessing
-            is applied first, then the released mean is subtracted (when the
-            release has one: masked mode does not release the mean, and the
-            scores are then offset by the constant components_ @ μ).
+        X : (n, M) rows in the preprocessed space (see :meth:`preprocess`).
+            Masked mode does not release the mean; rows are then projected
+            uncentred, which offsets every score by the constant components_ @ μ.
 
         Returns
         -------
         (n, k) scores.
         """
-        self._check_fitted()
-        components: FloatArray = self.components_
-        return np.asarray(self._centred(X) @ components.T, dtype=np.float64)
-
-    def fit_transform(self, X: npt.ArrayLike, n_features: int | None = None) -> FloatArray:
-        """``fit`` over the federation, then ``transform`` the analyst's own rows X."""
+        query = self._check_fitted().query
         x = np.asarray(X, dtype=np.float64)
-        return self.fit(n_features if n_features is not None else x.shape[1]).transform(x)
+        if x.ndim != 2 or x.shape[1] != query.n_features:
+            raise DataError(f"X must have shape (n, {query.n_features}), got {x.shape}")
+        mean: FloatArray | None = self.mean_
+        centred = x if mean is None else x - mean
+        components: FloatArray = self.components_
+        return np.asarray(centred @ components.T, dtype=np.float64)
 
     # Declared for type checkers; set by fit / from_result.
     components_: FloatArray
@@ -649,7 +646,7 @@ class FederatedPCA(_FederatedEstimator):
         self.n_components_ = result.n_components
 
     def inverse_transform(self, X: npt.ArrayLike) -> FloatArray:
-        """Map scores back to the raw units of the schema.
+        """Map scores back to the preprocessed space: X @ components_ + mean_.
 
         Parameters
         ----------
@@ -657,10 +654,10 @@ class FederatedPCA(_FederatedEstimator):
 
         Returns
         -------
-        (n, M) rows: scores @ components_ (+ mean_), then the public bounds
-        scaling undone.  The row clip is not invertible and is not undone.
+        (n, M) rows in the preprocessed space (mean_ is not added in masked
+        mode, mirroring :meth:`transform`).
         """
-        query = self._check_fitted().query
+        self._check_fitted()
         scores = np.asarray(X, dtype=np.float64)
         if scores.ndim != 2 or scores.shape[1] != self.components_.shape[0]:
             raise DataError(
@@ -669,10 +666,6 @@ class FederatedPCA(_FederatedEstimator):
         rows = scores @ self.components_
         if self.mean_ is not None:
             rows = rows + self.mean_
-        if query.has_bounds:
-            lower = np.asarray(query.feature_lower)
-            upper = np.asarray(query.feature_upper)
-            rows = lower + (rows + 1.0) * (upper - lower) / 2.0
         return np.asarray(rows, dtype=np.float64)
 
 

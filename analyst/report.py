@@ -190,7 +190,8 @@ def plot_projection(
     Parameters
     ----------
     estimator : fitted estimator.
-    sample : (n, M) rows in the raw units of the schema.
+    sample : (n, M) rows in the preprocessed space of the components
+        (``estimator.preprocess(raw_rows)``).
     path : PNG to write.
     labels : (n,) optional labels; points are coloured by label.
     """
@@ -288,7 +289,8 @@ def write_plots(
     ----------
     directory : where the PNGs go (created if missing).
     estimator : a fitted estimator.
-    sample : (n, M) the analyst's own rows in the raw units of the schema.
+    sample : (n, M) the analyst's own rows in the preprocessed space
+        (``estimator.preprocess(raw_rows)``).
     labels : (n,) labels of the sample (colours the projection).
     prefix : file-name prefix.
 

@@ -166,8 +166,9 @@ def test_stats_pca_without_noise_equals_sklearn_on_pooled_rows(
     assert estimator.n_samples_ == len(rows)
     assert estimator.not_private_ and not estimator.n_samples_is_noisy_
     assert estimator.n_owners_ == N_OWNERS
-    # transform applies the public preprocessing itself, then projects like sklearn.
-    scores = estimator.transform(rows[:20])
+    # preprocess applies the query's public bounds and clip; transform projects like sklearn.
+    np.testing.assert_array_equal(estimator.preprocess(rows[:20]), pooled[:20])
+    scores = estimator.transform(pooled[:20])
     assert scores.shape == (20, 3)
     np.testing.assert_allclose(scores * signs, reference.transform(pooled[:20]), atol=1e-6)
 
@@ -194,7 +195,7 @@ def test_stats_dca_without_noise_equals_solver_on_pooled_statistics(
     np.testing.assert_allclose(estimator.eigenvalues_, reference.eigenvalues, rtol=1e-7)
     np.testing.assert_array_equal(estimator.classes_, [-1.0, 1.0])
     np.testing.assert_allclose(estimator.class_counts_, [np.sum(labels == -1), np.sum(labels == 1)])
-    assert estimator.transform(rows[:5]).shape == (5, 1)
+    assert estimator.transform(estimator.preprocess(rows[:5])).shape == (5, 1)
 
 
 def test_noisy_stats_release_decodes_to_truth_plus_the_added_noise(
@@ -336,6 +337,14 @@ def test_masked_mode_needs_the_public_count(test_only_keypair_512: Any, pool: Cr
         decrypt_result(result, private_key, pool=pool)
     with pytest.raises(ProtocolError, match="impossible"):
         decrypt_result(result, private_key, public_count=10**6, pool=pool)
+
+    # Forward compatible: a result object that carries N itself is read directly.
+    @dataclasses.dataclass(frozen=True)
+    class ResultWithCount(serde.QueryResult):
+        public_record_count: int | None = None
+
+    carrying = ResultWithCount(**vars(result), public_record_count=37)
+    assert decrypt_result(carrying, private_key, pool=pool).public_count == 37
 
 
 def test_unmask_scatter_is_the_exact_rational() -> None:

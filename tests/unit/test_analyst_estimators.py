@@ -17,7 +17,7 @@ from fedpca.analyst.decode import DecodedRelease, result_from_packed
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, NotFittedError
 from fedpca.analyst.report import write_plots, write_report, write_result
 from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint
-from fedpca.errors import ConfigError, QueryStateError
+from fedpca.errors import ConfigError, DataError, QueryStateError
 from fedpca.owner.preprocess import preprocess_for_query
 from fedpca.owner.statistics import local_statistics
 from fedpca.protocol import SHARES, ReleasePlan
@@ -123,12 +123,16 @@ def test_from_result_sets_learned_attributes_and_transforms() -> None:
     assert estimator.n_features_in_ == 4 and estimator.n_components_ == 4
     assert estimator.n_samples_ == 60 and estimator.n_owners_ == 2
     assert set(estimator.timings_) == {"solve"}
-    # With all M components the projection is invertible for rows inside the
-    # bounds and the clip norm: here scaled rows have norm < 1 after dividing by 3.
-    inside = ROWS[np.linalg.norm(ROWS / 3.0, axis=1) < 1.0][:10]
-    scores = estimator.transform(inside)
-    assert scores.shape == (len(inside), 4)
-    np.testing.assert_allclose(estimator.inverse_transform(scores), inside, atol=1e-8)
+    rows = estimator.preprocess(ROWS[:10])
+    # (-3, 3) bounds map x to x / 3; rows beyond norm 1 are clipped.
+    np.testing.assert_allclose(rows, preprocess_for_query(ROWS[:10], estimator.release_.query))
+    scores = estimator.transform(rows)
+    assert scores.shape == (10, 4)
+    # With all M components the projection is an orthogonal change of basis.
+    np.testing.assert_allclose(estimator.inverse_transform(scores), rows, atol=1e-12)
+    np.testing.assert_allclose(scores, (rows - estimator.mean_) @ estimator.components_.T)
+    with pytest.raises(DataError, match="shape"):
+        estimator.transform(rows[:, :3])
     with pytest.raises(ConfigError, match="fixed by the release"):
         FederatedPCA.from_result(release_for(), epsilon=1.0)
     with pytest.raises(ConfigError, match="needs a dca release"):
@@ -248,7 +252,8 @@ def _is_png(path: Path) -> bool:
 
 def test_report_writes_json_and_plots(tmp_path: Path) -> None:
     estimator = FederatedPCA.from_result(release_for())
-    files = write_report(tmp_path / "out" / "result.json", estimator, sample=ROWS, labels=LABELS)
+    sample = estimator.preprocess(ROWS)
+    files = write_report(tmp_path / "out" / "result.json", estimator, sample=sample, labels=LABELS)
 
     document = _strict_json(files.json)
     for key in (
@@ -290,7 +295,7 @@ def test_private_dca_report_and_separate_writers(tmp_path: Path) -> None:
     assert document["epsilon"] == 1.0 and document["not_private"] is False
     assert document["mechanism"] == "gaussian" and document["ratio"] is None
     assert document["note"] == "x"
-    plots = write_plots(tmp_path / "plots", estimator, sample=ROWS)
+    plots = write_plots(tmp_path / "plots", estimator, sample=estimator.preprocess(ROWS))
     assert [p.name for p in plots] == ["scree.png", "projection.png"]
     assert all(_is_png(p) for p in plots)
 
