@@ -425,6 +425,37 @@ class Coordinator:
             )
         return tasks
 
+    def withdrawn_tasks(
+        self, owner_id: str, query_ids: Sequence[str]
+    ) -> list[serde.TaskCancellation]:
+        """Cancellations for delivered tasks the owner should no longer answer.
+
+        A task is withdrawn when its query stopped collecting (quorum reached,
+        failed, done) or its deadline passed before this owner answered. Tasks
+        the owner uploaded to or declined need no cancellation.
+        """
+        now = self.clock()
+        cancellations = []
+        for query_id in query_ids:
+            try:
+                record = self.store.query(query_id)
+            except NotFoundError:
+                continue
+            if owner_id in self.store.declines(query_id) or any(
+                u.owner_id == owner_id for u in self.store.uploads(query_id)
+            ):
+                continue
+            if record.state is QueryState.FAILED:
+                reason = f"query failed: {record.failure_reason}"
+            elif record.state is not QueryState.COLLECTING:
+                reason = "uploads are closed (the quorum was reached)"
+            elif record.deadline_at <= now:
+                reason = "the upload deadline has passed"
+            else:
+                continue
+            cancellations.append(serde.TaskCancellation(query_id=query_id, reason=reason))
+        return cancellations
+
     def decline(self, owner_id: str, query_id: str, reason: str) -> None:
         """Record an owner's refusal of a task (it is not offered again)."""
         self.store.record_decline(query_id, owner_id, reason)
@@ -681,6 +712,16 @@ class Coordinator:
                 blocks, meta = self._compute_result(record)
                 record = self.store.store_result(query_id, blocks, meta)
             except Exception as exc:
+                if self._stopping.is_set():
+                    # Interrupted by shutdown (e.g. the pool was closed under us):
+                    # leave NOISING, the next start finishes it from the intact aggregate.
+                    logger.warning(
+                        "query %s: noise step interrupted by shutdown (%s); it will be "
+                        "finished on restart",
+                        query_id,
+                        type(exc).__name__,
+                    )
+                    return self.store.query(query_id)
                 if isinstance(exc, FedpcaError):
                     logger.error("query %s: noise step failed: %s", query_id, type(exc).__name__)
                 else:

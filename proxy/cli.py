@@ -1,0 +1,144 @@
+"""``fedpca proxy``: run the proxy and inspect its state.
+
+``fedpca proxy serve --config proxy.toml`` runs until SIGTERM or SIGINT, then
+stops gracefully. Once the port is bound it prints exactly one line,
+``proxy listening on HOST:PORT`` (flushed), so a parent process can wait for it;
+everything else goes to the log (stderr).
+
+``fedpca proxy status --config proxy.toml`` lists the queries in the proxy's
+SQLite database (it may run while the proxy is serving: WAL readers do not block).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from fedpca.errors import FedpcaError
+from fedpca.proxy.config import ProxyConfig, load_config
+
+__all__ = ["proxy_group"]
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _configure_logging(verbose: int) -> None:
+    """INFO by default (a daemon's log is its only window), DEBUG with -v.
+
+    ``fedpca -v…`` may already have configured the root logger; never make it
+    quieter than it is.
+    """
+    level = logging.DEBUG if verbose else logging.INFO
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, format=LOG_FORMAT)
+    root.setLevel(min(root.level or logging.WARNING, level))
+
+
+def _load(path: Path) -> ProxyConfig:
+    try:
+        return load_config(path)
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.group("proxy")
+def proxy_group() -> None:
+    """Run the proxy (aggregator) and inspect its queries."""
+
+
+@proxy_group.command("serve")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The proxy's TOML configuration.",
+)
+@click.option("--listen", help="host:port to bind (overrides proxy.listen; port 0 = any).")
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="No TLS, no authentication (local experiments only; overrides tls.insecure).",
+)
+@click.option("-v", "--verbose", count=True, help="Debug log output.")
+def serve_command(config_path: Path, listen: str | None, insecure: bool, verbose: int) -> None:
+    """Serve OwnerService and AnalystService until SIGTERM/SIGINT."""
+    from fedpca.proxy.server import ProxyServer  # grpc, numpy, phe: only when serving
+
+    _configure_logging(verbose)
+    try:
+        config = _load(config_path).with_overrides(listen=listen, insecure=insecure)
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        logger.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = ProxyServer(config)
+    try:
+        try:
+            address = server.start()
+        except (FedpcaError, OSError) as exc:
+            raise click.ClickException(f"cannot start the proxy: {exc}") from exc
+        click.echo(f"proxy listening on {address}")
+        sys.stdout.flush()
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@proxy_group.command("status")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The proxy's TOML configuration (for the database path).",
+)
+def status_command(config_path: Path) -> None:
+    """List the proxy's queries: id, analyst, state, owners, failure reason."""
+    from fedpca.proxy.store import ProxyStore
+
+    config = _load(config_path)
+    database = config.proxy.database
+    if not database.is_file():
+        raise click.ClickException(f"no proxy database at {database} (has the proxy run?)")
+    store = ProxyStore(database)
+    try:
+        records = store.queries()
+    finally:
+        store.close()
+    if not records:
+        click.echo("no queries")
+        return
+    rows = [("QUERY", "ANALYST", "STATE", "OWNERS", "REASON")]
+    for record in records:
+        quorum = record.spec.get("quorum", 1)
+        rows.append(
+            (
+                record.query_id,
+                record.analyst_id,
+                record.state.value,
+                f"{record.n_contributed}/{quorum}",
+                record.failure_reason or "",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
+        click.echo("  ".join([*cells, row[4]]).rstrip())

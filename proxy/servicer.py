@@ -1,0 +1,340 @@
+"""The proxy's gRPC servicers: translate, call the coordinator, map errors. Nothing else.
+
+Every message is translated by :mod:`fedpca.transport.serde`; every decision is
+the :class:`~fedpca.proxy.coordinator.Coordinator`'s. The caller's identity and
+role come only from its verified client certificate
+(:func:`fedpca.transport.certs.require_role`): OwnerService methods require the
+owner role, AnalystService methods the analyst role.
+
+Domain errors become status codes here and nowhere else:
+
+==========================================================  ======================
+error                                                       status
+==========================================================  ======================
+NotFoundError                                               NOT_FOUND
+BudgetExceededError                                         RESOURCE_EXHAUSTED
+AuthenticationError, PolicyError, UntrustedKeyError         PERMISSION_DENIED
+QueryStateError                                             FAILED_PRECONDITION
+ProtocolError, LayoutError, CiphertextError, ConfigError,   INVALID_ARGUMENT
+EncodingOverflowError (and every other FedpcaError)
+anything else                                               INTERNAL (generic text)
+==========================================================  ======================
+
+Insecure mode (``tls.insecure = true``, local experiments only) has no
+certificates: the caller's node id is then taken from the ``fedpca-node-id``
+request metadata (or, failing that, from its network address) and its role from
+the service it calls. Nothing is authenticated; a WARNING says so at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import UTC, datetime
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from fedpca import __version__
+from fedpca.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    FedpcaError,
+    NotFoundError,
+    PolicyError,
+    ProtocolError,
+    QueryStateError,
+    UntrustedKeyError,
+)
+from fedpca.proxy.coordinator import Coordinator
+from fedpca.transport import certs, channels, serde
+from fedpca.transport.certs import NodeIdentity, Role
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
+from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from fedpca.v1 import owner_service_pb2 as owner_pb
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+
+__all__ = ["AnalystServicer", "OwnerServicer", "status_code_for"]
+
+logger = logging.getLogger(__name__)
+
+INSECURE_IDENTITY_METADATA = "fedpca-node-id"
+"""Request metadata naming the caller in insecure mode (ignored with TLS)."""
+
+_STATUS_CODES: tuple[tuple[type[FedpcaError] | tuple[type[FedpcaError], ...], grpc.StatusCode], ...]
+_STATUS_CODES = (
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    # Before the permission errors: BudgetExceededError is also a PermissionError.
+    (BudgetExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((AuthenticationError, PolicyError, UntrustedKeyError), grpc.StatusCode.PERMISSION_DENIED),
+    (QueryStateError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def status_code_for(error: FedpcaError) -> grpc.StatusCode:
+    """The gRPC status a domain error is reported with (see the module table)."""
+    for kinds, code in _STATUS_CODES:
+        if isinstance(error, kinds):
+            return code
+    # ProtocolError, LayoutError, CiphertextError, ConfigError, EncodingOverflowError,
+    # CalibrationError, KeyFileError, DataError: the request itself is at fault.
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _refuse(context: grpc.ServicerContext, method: str, error: Exception) -> NoReturn:
+    if isinstance(error, FedpcaError):
+        code = status_code_for(error)
+        logger.warning("%s refused (%s): %s", method, code.name, error)
+        context.abort(code, str(error))
+    else:
+        # Internal details (paths, values) stay in the log, not in the reply.
+        logger.error("%s failed unexpectedly", method, exc_info=error)
+        context.abort(grpc.StatusCode.INTERNAL, "internal error in the proxy; see its log")
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def _unary(method: _Method) -> _Method:
+    """Map errors of a unary-response method to status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as error:
+            _refuse(context, method.__name__, error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _streaming(method: _Method) -> _Method:
+    """Map errors of a server-streaming method (a generator) to status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except Exception as error:
+            _refuse(context, method.__name__, error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+_PEER_RE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class _Base:
+    def __init__(self, coordinator: Coordinator, *, insecure: bool = False) -> None:
+        self.coordinator = coordinator
+        self.insecure = insecure
+
+    def _caller(self, context: grpc.ServicerContext, role: Role) -> NodeIdentity:
+        if not self.insecure:
+            return certs.require_role(context, role)
+        claimed = dict(context.invocation_metadata() or ()).get(INSECURE_IDENTITY_METADATA)
+        if claimed is None:
+            # No identity at all without TLS: fall back to the network address.
+            claimed = _PEER_RE.sub("-", context.peer()).strip("-.")[:63] or "unknown"
+        try:
+            return NodeIdentity(role, str(claimed))
+        except FedpcaError as error:
+            raise AuthenticationError(f"insecure mode: bad node id: {error}") from error
+
+
+# ------------------------------------------------------------------- owners
+class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
+    """OwnerService: hello, the long-lived task stream, uploads, declines.
+
+    Parameters
+    ----------
+    coordinator : the domain logic.
+    proxy_id : this proxy's node id (reported in ProxyInfo).
+    heartbeat_seconds : interval of heartbeats on the task stream.
+    insecure : no TLS (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        proxy_id: str,
+        heartbeat_seconds: float,
+        *,
+        insecure: bool = False,
+    ) -> None:
+        super().__init__(coordinator, insecure=insecure)
+        self.proxy_id = proxy_id
+        self.heartbeat_seconds = heartbeat_seconds
+
+    @_unary
+    def Hello(
+        self, request: owner_pb.OwnerHello, context: grpc.ServicerContext
+    ) -> owner_pb.ProxyInfo:
+        owner = self._caller(context, Role.OWNER)
+        hello = serde.owner_hello_from_proto(request)
+        self.coordinator.enroll(
+            owner.node_id,
+            {"claimed_node_id": hello.node_id, "software_version": hello.software_version},
+        )
+        return serde.proxy_info_to_proto(
+            serde.ProxyInfo(
+                proxy_id=self.proxy_id,
+                software_version=__version__,
+                authenticated_node_id=owner.node_id,
+                heartbeat_interval_seconds=self.heartbeat_seconds,
+                max_message_bytes=channels.DEFAULT_MAX_MESSAGE_BYTES,
+                server_time=datetime.now(UTC),
+            )
+        )
+
+    @_streaming
+    def StreamTasks(
+        self, request: owner_pb.TaskStreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[owner_pb.TaskEvent]:
+        owner = self._caller(context, Role.OWNER).node_id
+        serde.task_stream_request_from_proto(request)  # informational node id only
+        self.coordinator.enroll(owner)
+        logger.info("task stream opened by owner %s", owner)
+        coordinator = self.coordinator
+        delivered: set[str] = set()
+        # A heartbeat first tells the owner the stream is live.
+        yield serde.task_event_to_proto(serde.Heartbeat(sent_at=datetime.now(UTC)))
+        next_beat = time.monotonic() + self.heartbeat_seconds
+        while context.is_active() and not coordinator.stopping:
+            version = coordinator.version
+            tasks = coordinator.pending_tasks(owner)
+            for task in tasks:
+                if task.query.query_id not in delivered:
+                    delivered.add(task.query.query_id)
+                    yield serde.task_event_to_proto(task)
+            open_ids = {task.query.query_id for task in tasks}
+            answered = sorted(delivered - open_ids)
+            for cancellation in coordinator.withdrawn_tasks(owner, answered):
+                yield serde.task_event_to_proto(cancellation)
+            delivered &= open_ids
+            now = time.monotonic()
+            if now >= next_beat:
+                yield serde.task_event_to_proto(serde.Heartbeat(sent_at=datetime.now(UTC)))
+                next_beat = now + self.heartbeat_seconds
+            coordinator.wait_for_change(version, max(0.0, next_beat - time.monotonic()))
+        logger.info("task stream of owner %s closed", owner)
+
+    @_unary
+    def Upload(
+        self, request_iterator: Iterable[owner_pb.UploadMessage], context: grpc.ServicerContext
+    ) -> owner_pb.UploadReceipt:
+        owner = self._caller(context, Role.OWNER).node_id
+        messages = iter(request_iterator)
+        first = next(messages, None)
+        if first is None:
+            raise ProtocolError("upload stream is empty (expected an UploadHeader)")
+        header = serde.upload_header_from_message(first)
+        # Refuse a late, foreign-key or wrongly shaped upload before reading any chunk;
+        # the header's layout equals the plan, so the assembler caps the size too.
+        self.coordinator.check_upload_header(owner, header)
+        assembler = header.assembler()
+        ciphertexts: list[int] = []
+        for message in messages:
+            ciphertexts.extend(assembler.add(serde.upload_chunk_from_message(message)).ciphertexts)
+        assembler.finish()
+        payload = serde.PackedCiphertexts.from_wire_order(header.blocks, ciphertexts)
+        receipt = self.coordinator.accept_upload(owner, header, payload.ciphertexts)
+        return serde.upload_receipt_to_proto(
+            serde.UploadReceipt(
+                query_id=header.query_id,
+                upload_id=header.upload_id,
+                status=(
+                    serde.UploadStatus.DUPLICATE
+                    if receipt.duplicate
+                    else serde.UploadStatus.ACCEPTED
+                ),
+                chunks_received=assembler.chunks_received,
+                ciphertexts_received=assembler.ciphertexts_received,
+            )
+        )
+
+    @_unary
+    def DeclineTask(
+        self, request: owner_pb.TaskDecline, context: grpc.ServicerContext
+    ) -> owner_pb.DeclineReceipt:
+        owner = self._caller(context, Role.OWNER).node_id
+        decline = serde.task_decline_from_proto(request)
+        reason = decline.reason.value + (f": {decline.detail}" if decline.detail else "")
+        self.coordinator.decline(owner, decline.query_id, reason)
+        return serde.decline_receipt_to_proto(decline.query_id)
+
+
+# ------------------------------------------------------------------ analysts
+class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
+    """AnalystService: submit, status (unary and streamed), result, budget.
+
+    Parameters
+    ----------
+    coordinator : the domain logic.
+    watch_poll_seconds : longest wait between status checks of a watch stream
+        (changes wake it at once; this only bounds how soon a vanished client or
+        a passed deadline is noticed).
+    insecure : no TLS (see the module docstring).
+    """
+
+    def __init__(
+        self, coordinator: Coordinator, watch_poll_seconds: float = 5.0, *, insecure: bool = False
+    ) -> None:
+        super().__init__(coordinator, insecure=insecure)
+        self.watch_poll_seconds = watch_poll_seconds
+
+    @_unary
+    def SubmitQuery(
+        self, request: analyst_pb.SubmitQueryRequest, context: grpc.ServicerContext
+    ) -> analyst_pb.QueryStatus:
+        analyst = self._caller(context, Role.ANALYST).node_id
+        spec = serde.submit_query_request_from_proto(request)
+        self.coordinator.submit(analyst, spec)
+        return serde.query_status_to_proto(self.coordinator.status(spec.query_id, analyst))
+
+    @_unary
+    def GetQueryStatus(
+        self, request: analyst_pb.QueryRef, context: grpc.ServicerContext
+    ) -> analyst_pb.QueryStatus:
+        analyst = self._caller(context, Role.ANALYST).node_id
+        query_id = serde.query_ref_from_proto(request)
+        return serde.query_status_to_proto(self.coordinator.status(query_id, analyst))
+
+    @_streaming
+    def WatchQueryStatus(
+        self, request: analyst_pb.QueryRef, context: grpc.ServicerContext
+    ) -> Iterator[analyst_pb.QueryStatus]:
+        analyst = self._caller(context, Role.ANALYST).node_id
+        query_id = serde.query_ref_from_proto(request)
+        coordinator = self.coordinator
+        last: serde.QueryStatus | None = None
+        while context.is_active() and not coordinator.stopping:
+            version = coordinator.version
+            status = coordinator.status(query_id, analyst)
+            if status != last:
+                yield serde.query_status_to_proto(status)
+                last = status
+            if status.terminal:
+                return
+            coordinator.wait_for_change(version, self.watch_poll_seconds)
+
+    @_streaming
+    def FetchResult(
+        self, request: analyst_pb.QueryRef, context: grpc.ServicerContext
+    ) -> Iterator[analyst_pb.ResultMessage]:
+        analyst = self._caller(context, Role.ANALYST).node_id
+        query_id = serde.query_ref_from_proto(request)
+        result = self.coordinator.result(query_id, analyst)
+        logger.info("result of query %s fetched by %s", query_id, analyst)
+        yield from serde.encode_result(result)
+
+    @_unary
+    def GetBudget(
+        self, request: analyst_pb.BudgetRequest, context: grpc.ServicerContext
+    ) -> analyst_pb.BudgetStatus:
+        analyst = self._caller(context, Role.ANALYST).node_id
+        delta = serde.budget_request_from_proto(request)
+        return serde.budget_status_to_proto(self.coordinator.budget(analyst, delta))

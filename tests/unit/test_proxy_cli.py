@@ -1,0 +1,135 @@
+"""``fedpca proxy serve`` as a real process (mTLS, SIGTERM) and ``fedpca proxy status``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from fedpca.proxy.cli import proxy_group
+from fedpca.proxy.store import ProxyStore, QueryState
+from fedpca.transport import channels, serde
+from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
+from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+
+ENTRY = "from fedpca.proxy.cli import proxy_group; proxy_group()"
+
+
+def write_config(
+    tmp_path: Path, *, insecure: bool = False
+) -> tuple[Path, dict[NodeIdentity, TlsFiles]]:
+    files = init_certificates(tmp_path / "certs", owner_ids=["owner-1"], analyst_ids=["alice"])
+    proxy = files[NodeIdentity(Role.PROXY, "proxy")]
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        f"""\
+[proxy]
+id = "proxy"
+listen = "127.0.0.1:0"
+database = "state/proxy.sqlite3"
+heartbeat_seconds = 1.0
+[tls]
+ca = "{proxy.ca_certificate.relative_to(tmp_path)}"
+cert = "{proxy.certificate.relative_to(tmp_path)}"
+key = "{proxy.private_key.relative_to(tmp_path)}"
+insecure = {str(insecure).lower()}
+[budget]
+epsilon = 3.0
+delta = 1e-5
+[crypto]
+processes = 1
+"""
+    )
+    return config, files
+
+
+def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_path: Path) -> None:
+    config, files = write_config(tmp_path)
+    process = subprocess.Popen(
+        [sys.executable, "-c", ENTRY, "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        assert line.startswith("proxy listening on 127.0.0.1:"), line
+        address = line.rsplit(" ", 1)[1]
+        assert not address.endswith(":0")
+        alice = TlsMaterial.load(files[NodeIdentity(Role.ANALYST, "alice")])
+        with channels.secure_channel(address, alice) as channel:
+            budget = serde.budget_status_from_proto(
+                analyst_grpc.AnalystServiceStub(channel).GetBudget(
+                    serde.budget_request_to_proto(), timeout=30
+                )
+            )
+        assert budget.analyst_id == "alice" and budget.epsilon_limit == 3.0
+        assert budget.epsilon_spent == 0.0 and budget.n_releases == 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert (tmp_path / "state" / "proxy.sqlite3").is_file()
+    stderr = process.stderr.read() if process.stderr else ""
+    assert "received SIGTERM" in stderr and "INSECURE" not in stderr
+
+
+def test_insecure_serve_warns(tmp_path: Path) -> None:
+    config, _ = write_config(tmp_path)
+    process = subprocess.Popen(
+        [sys.executable, "-c", ENTRY, "serve", "--config", str(config), "--insecure"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().startswith("proxy listening on")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "INSECURE proxy" in (process.stderr.read() if process.stderr else "")
+
+
+def test_serve_refuses_a_bad_config(tmp_path: Path) -> None:
+    config = tmp_path / "proxy.toml"
+    config.write_text("[tls]\ninsecure = true\n[budget]\nepsilion = 1\n")
+    result = CliRunner().invoke(proxy_group, ["serve", "--config", str(config)])
+    assert result.exit_code == 1 and "budget.epsilion" in result.output
+
+
+def test_status_lists_queries(tmp_path: Path) -> None:
+    config, _ = write_config(tmp_path)
+    runner = CliRunner()
+    missing = runner.invoke(proxy_group, ["status", "--config", str(config)])
+    assert missing.exit_code == 1 and "no proxy database" in missing.output
+
+    store = ProxyStore(tmp_path / "state" / "proxy.sqlite3")
+    store.create_query("q-ok", "alice", {"quorum": 2}, {}, deadline_at=time.time() + 60)
+    store.create_query("q-late", "bob", {"quorum": 3}, {}, deadline_at=time.time() + 60)
+    store.set_state(
+        "q-late", QueryState.FAILED, failure_reason="deadline passed with 1 of 3 required owners"
+    )
+    store.close()
+    result = runner.invoke(proxy_group, ["status", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["QUERY", "ANALYST", "STATE", "OWNERS", "REASON"]
+    assert lines[1].split() == ["q-ok", "alice", "collecting", "0/2"]
+    assert lines[2].split()[:4] == ["q-late", "bob", "failed", "0/3"]
+    assert lines[2].endswith("deadline passed with 1 of 3 required owners")
+
+
+def test_serve_help_lists_the_overriding_flags() -> None:
+    result = CliRunner().invoke(proxy_group, ["serve", "--help"])
+    assert result.exit_code == 0 and "--listen" in result.output and "--insecure" in result.output

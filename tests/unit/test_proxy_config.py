@@ -1,0 +1,96 @@
+"""proxy.toml: the documented format, relative paths, errors that name the key."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.errors import ConfigError
+from fedpca.proxy.config import ProxyConfig, load_config
+
+EXAMPLE = """\
+[proxy]
+id = "proxy"
+listen = "127.0.0.1:50051"
+database = "proxy.sqlite3"
+heartbeat_seconds = 5.0
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/proxy.pem"
+key = "certs/proxy.key"
+insecure = false
+[budget]
+epsilon = 10.0
+delta = 1e-5
+[budget.analysts.alice]
+epsilon = 2.0
+delta = 1e-6
+[crypto]
+processes = 0
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "conf" / "proxy.toml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_the_documented_example_loads_with_paths_relative_to_the_file(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, EXAMPLE))
+    base = (tmp_path / "conf").resolve()
+    assert config.proxy.id == "proxy" and config.proxy.listen == "127.0.0.1:50051"
+    assert config.proxy.database == base / "proxy.sqlite3"
+    assert config.proxy.heartbeat_seconds == 5.0
+    assert config.tls.files().certificate == base / "certs" / "proxy.pem"
+    assert config.tls.ca == base / "certs" / "ca.pem" and not config.tls.insecure
+    assert config.budget.for_analyst("alice") == PrivacyParams(2.0, 1e-6)
+    assert config.budget.for_analyst("bob") == PrivacyParams(10.0, 1e-5)
+    assert config.crypto.pool_processes is None  # 0 = all cores
+    assert not config.crypto.allow_insecure_test_keys
+
+
+def test_defaults_and_unlimited_budget(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "[tls]\ninsecure = true\n[budget]\nepsilon = inf\n"))
+    assert config.tls.insecure and config.proxy.listen == "127.0.0.1:50051"
+    assert math.isinf(config.budget.default.epsilon) and config.budget.default.delta == 1e-5
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[proxy]\nlisten = 5\n[tls]\ninsecure = true\n", "proxy.listen"),
+        ("[proxy]\nlisten = 'nohost'\n[tls]\ninsecure = true\n", "proxy.listen"),
+        ("[proxy]\nheartbeat_seconds = 0\n[tls]\ninsecure = true\n", "proxy.heartbeat_seconds"),
+        ("[proxy]\nid = 'bad id'\n[tls]\ninsecure = true\n", "proxy.id"),
+        ("[proxy]\nport = 1\n[tls]\ninsecure = true\n", "proxy.port"),
+        ("[tls]\nca = 'ca.pem'\ncert = 'c.pem'\n", "tls.key"),
+        ("[tls]\ninsecure = 'yes'\n", "tls.insecure"),
+        ("[tls]\ninsecure = true\n[budget]\nepsilion = 1.0\n", "budget.epsilion"),
+        ("[tls]\ninsecure = true\n[budget]\ndelta = 0\n", "budget.delta"),
+        ("[tls]\ninsecure = true\n[budget.analysts.bob]\nepsilon = -1\n", "budget.analysts.bob"),
+        ("[tls]\ninsecure = true\n[crypto]\nprocesses = -2\n", "crypto.processes"),
+        ("[tls]\ninsecure = true\n[cryto]\nprocesses = 1\n", "cryto"),
+    ],
+)
+def test_bad_values_name_their_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(write(tmp_path, text))
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(write(tmp_path, "[proxy\n"))
+
+
+def test_flags_override_the_file() -> None:
+    config = ProxyConfig().with_overrides(listen="0.0.0.0:0", insecure=True)
+    assert config.proxy.listen == "0.0.0.0:0" and config.tls.insecure
+    with pytest.raises(ConfigError, match="listen"):
+        ProxyConfig().with_overrides(listen="nope")

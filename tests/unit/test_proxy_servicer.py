@@ -1,0 +1,410 @@
+"""The proxy over real gRPC with mutual TLS on 127.0.0.1.
+
+Certificates come from ``init_certificates`` (EC keys, fast); Paillier keys are
+TEST-ONLY 512-bit moduli. Owners and the analyst below speak the wire protocol
+directly through generated stubs and :mod:`fedpca.transport.serde`, as the real
+owner node and analyst client do.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint, unpack_slots
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    CiphertextError,
+    ConfigError,
+    EncodingOverflowError,
+    LayoutError,
+    NotFoundError,
+    PolicyError,
+    ProtocolError,
+    QueryStateError,
+    UntrustedKeyError,
+)
+from fedpca.protocol import MASKED_SUM, SHARES, ReleasePlan
+from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
+from fedpca.proxy.coordinator import wire_blocks
+from fedpca.proxy.server import ProxyServer
+from fedpca.proxy.servicer import status_code_for
+from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.transport import channels, serde
+from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
+from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+
+TIMEOUT = 30.0
+M = 6
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[NodeIdentity, TlsFiles]:
+    return init_certificates(
+        tmp_path_factory.mktemp("certs"), owner_ids=["owner-1", "owner-2"], analyst_ids=["alice"]
+    )
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[CryptoPool]:
+    with CryptoPool(processes=2) as crypto_pool:
+        yield crypto_pool
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+) -> Iterator[ProxyServer]:
+    proxy = tls_files[NodeIdentity(Role.PROXY, "proxy")]
+    config = ProxyConfig(
+        proxy=ProxySection(
+            listen="127.0.0.1:0",
+            database=tmp_path_factory.mktemp("proxy") / "proxy.sqlite3",
+            heartbeat_seconds=0.2,
+        ),
+        tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
+        budget=BudgetConfig(
+            PrivacyParams(math.inf, 1e-5), {"alice": PrivacyParams(math.inf, 1e-5)}
+        ),
+        crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
+    )
+    running = ProxyServer(config, noise_sampler=TestOnlySeededSampler(3), pool=pool)
+    running.start()
+    yield running
+    running.stop(grace=1.0)
+
+
+def channel_for(
+    server: ProxyServer, tls_files: dict[NodeIdentity, TlsFiles], role: Role, node_id: str
+) -> grpc.Channel:
+    material = TlsMaterial.load(tls_files[NodeIdentity(role, node_id)])
+    return channels.secure_channel(server.address, material)
+
+
+def make_spec(public_key: Any, query_id: str, **changes: Any) -> QuerySpec:
+    spec = QuerySpec(
+        query_id=query_id,
+        kind=QueryKind.PCA,
+        n_features=M,
+        epsilon=math.inf,
+        delta=1e-5,
+        n_components=2,
+        analyst_public_key_n=public_key.n,
+        analyst_key_fingerprint=key_fingerprint(public_key),
+        quorum=2,
+        deadline_seconds=120.0,
+    )
+    return replace(spec, **changes)
+
+
+def owner_share(
+    spec: QuerySpec, seed: int, public_key: Any, pool: CryptoPool
+) -> tuple[serde.PackedCiphertexts, dict[str, np.ndarray], int]:
+    """An owner's encrypted upload for ``spec`` (rows drawn with ``seed``)."""
+    from fedpca.owner.statistics import local_statistics
+
+    rng = np.random.default_rng(seed)
+    rows = rng.uniform(-1, 1, size=(25, M))
+    rows /= np.maximum(1.0, np.linalg.norm(rows, axis=1))[:, None]
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    values = plan.owner_values(local_statistics(rows, None, spec))
+    encoded = {
+        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
+        for name, v in values.items()
+    }
+    ciphertexts = {
+        block.name: list(
+            pool.encrypt_packed(
+                public_key, encoded[block.name], block.layout, block.bound
+            ).ciphertexts
+        )
+        for block in plan.owner_blocks
+    }
+    return serde.PackedCiphertexts(wire_blocks(plan), ciphertexts), encoded, len(rows)
+
+
+def first_task(stub: owner_grpc.OwnerServiceStub) -> tuple[serde.Task, list[str]]:
+    """Open a task stream, read events until a task arrives; return it and the kinds seen."""
+    call = stub.StreamTasks(serde.task_stream_request_to_proto("ignored"), timeout=TIMEOUT)
+    kinds: list[str] = []
+    try:
+        for message in call:
+            event = serde.task_event_from_proto(message)
+            kinds.append(type(event).__name__)
+            if isinstance(event, serde.Task):
+                return event, kinds
+    finally:
+        call.cancel()
+    raise AssertionError(f"task stream ended without a task: {kinds}")
+
+
+# ------------------------------------------------------------------ roles
+def test_an_analyst_certificate_cannot_upload(
+    server: ProxyServer, tls_files: dict[NodeIdentity, TlsFiles]
+) -> None:
+    with channel_for(server, tls_files, Role.ANALYST, "alice") as channel:
+        stub = owner_grpc.OwnerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Upload(iter([]), timeout=TIMEOUT)
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert "requires owner" in (info.value.details() or "")
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.StreamTasks(serde.task_stream_request_to_proto("x"), timeout=TIMEOUT))
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_an_owner_certificate_cannot_submit_a_query(
+    server: ProxyServer, tls_files: dict[NodeIdentity, TlsFiles], test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    with channel_for(server, tls_files, Role.OWNER, "owner-1") as channel:
+        stub = analyst_grpc.AnalystServiceStub(channel)
+        request = serde.submit_query_request_to_proto(make_spec(public_key, "sneaky"))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SubmitQuery(request, timeout=TIMEOUT)
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(NotFoundError):
+        server.coordinator.store.query("sneaky")
+
+
+def test_domain_errors_map_to_status_codes() -> None:
+    expected = {
+        NotFoundError("x"): grpc.StatusCode.NOT_FOUND,
+        BudgetExceededError("x"): grpc.StatusCode.RESOURCE_EXHAUSTED,
+        AuthenticationError("x"): grpc.StatusCode.PERMISSION_DENIED,
+        PolicyError("x"): grpc.StatusCode.PERMISSION_DENIED,
+        UntrustedKeyError("x"): grpc.StatusCode.PERMISSION_DENIED,
+        QueryStateError("x"): grpc.StatusCode.FAILED_PRECONDITION,
+        ProtocolError("x"): grpc.StatusCode.INVALID_ARGUMENT,
+        LayoutError("x"): grpc.StatusCode.INVALID_ARGUMENT,
+        CiphertextError("x"): grpc.StatusCode.INVALID_ARGUMENT,
+        ConfigError("x"): grpc.StatusCode.INVALID_ARGUMENT,
+        EncodingOverflowError("x"): grpc.StatusCode.INVALID_ARGUMENT,
+    }
+    for error, code in expected.items():
+        assert status_code_for(error) is code, type(error).__name__
+
+
+# ------------------------------------------------------------------ round trip
+def test_stats_round_trip_over_grpc(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    analyst_channel = channel_for(server, tls_files, Role.ANALYST, "alice")
+    analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
+    owners = {
+        node_id: owner_grpc.OwnerServiceStub(channel_for(server, tls_files, Role.OWNER, node_id))
+        for node_id in ("owner-1", "owner-2")
+    }
+
+    info = serde.proxy_info_from_proto(
+        owners["owner-1"].Hello(
+            serde.owner_hello_to_proto(serde.OwnerHello("owner-1", "test")), timeout=TIMEOUT
+        )
+    )
+    assert info.authenticated_node_id == "owner-1" and info.proxy_id == "proxy"
+
+    spec = make_spec(public_key, "round-trip")
+    status = serde.query_status_from_proto(
+        analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=TIMEOUT)
+    )
+    assert status.state is serde.QueryState.COLLECTING and status.quorum == 2
+
+    watched: list[serde.QueryStatus] = []
+    watcher = threading.Thread(
+        target=lambda: watched.extend(
+            serde.query_status_from_proto(m)
+            for m in analyst.WatchQueryStatus(
+                serde.query_ref_to_proto("round-trip"), timeout=TIMEOUT
+            )
+        )
+    )
+    watcher.start()
+
+    expected: np.ndarray | None = None
+    for seed, (node_id, stub) in enumerate(owners.items()):
+        task, kinds = first_task(stub)
+        assert kinds[0] == "Heartbeat" and task.query == spec
+        payload, encoded, _ = owner_share(task.query, seed, public_key, pool)
+        messages = serde.encode_upload(
+            spec.query_id, spec.analyst_key_fingerprint, f"u-{node_id}", payload
+        )
+        receipt = serde.upload_receipt_from_proto(stub.Upload(iter(messages), timeout=TIMEOUT))
+        assert receipt.status is serde.UploadStatus.ACCEPTED
+        assert receipt.ciphertexts_received == payload.total_ciphertexts
+        if node_id == "owner-1":
+            # A retry after a lost acknowledgement: answered DUPLICATE, counted once.
+            again = stub.Upload(iter(messages), timeout=TIMEOUT)
+            assert serde.upload_receipt_from_proto(again).status is serde.UploadStatus.DUPLICATE
+        share = encoded[SHARES].astype(object)
+        expected = share if expected is None else expected + share
+
+    watcher.join(timeout=TIMEOUT)
+    assert not watcher.is_alive()
+    assert watched[-1].state is serde.QueryState.DONE and watched[-1].owners_contributed == 2
+    assert [s.state for s in watched].count(serde.QueryState.DONE) == 1
+
+    result = serde.decode_result(
+        analyst.FetchResult(serde.query_ref_to_proto("round-trip"), timeout=TIMEOUT)
+    )
+    assert result.n_owners == 2 and result.query == spec
+    assert result.noise.mechanism is serde.NoiseMechanism.NONE
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    block = plan.result_block(SHARES)
+    plaintexts = pool.decrypt(private_key, list(result.payload[SHARES]))
+    assert expected is not None
+    assert unpack_slots(plaintexts, block.layout, public_key.n) == list(expected)
+
+    budget = serde.budget_status_from_proto(
+        analyst.GetBudget(serde.budget_request_to_proto(), timeout=TIMEOUT)
+    )
+    assert budget.analyst_id == "alice" and budget.n_releases == 1
+    assert math.isinf(budget.epsilon_spent)  # epsilon = inf released: NOT PRIVATE
+
+    # Late upload and a foreign query are refused with the mapped codes.
+    late = serde.encode_upload(spec.query_id, spec.analyst_key_fingerprint, "late", payload)
+    with pytest.raises(grpc.RpcError) as info:
+        owners["owner-2"].Upload(iter(late), timeout=TIMEOUT)
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as info:
+        analyst.GetQueryStatus(serde.query_ref_to_proto("nope"), timeout=TIMEOUT)
+    assert info.value.code() is grpc.StatusCode.NOT_FOUND
+    analyst_channel.close()
+
+
+def test_bad_uploads_are_refused_before_their_chunks(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+) -> None:
+    public_key, _ = test_only_keypair_512
+    spec = make_spec(public_key, "bad-uploads")
+    with (
+        channel_for(server, tls_files, Role.ANALYST, "alice") as analyst_channel,
+        channel_for(server, tls_files, Role.OWNER, "owner-1") as owner_channel,
+    ):
+        analyst_grpc.AnalystServiceStub(analyst_channel).SubmitQuery(
+            serde.submit_query_request_to_proto(spec), timeout=TIMEOUT
+        )
+        stub = owner_grpc.OwnerServiceStub(owner_channel)
+        payload, _, _ = owner_share(spec, 5, public_key, pool)
+        fingerprint = spec.analyst_key_fingerprint
+
+        def refused(messages: list[Any]) -> grpc.StatusCode:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Upload(iter(messages), timeout=TIMEOUT)
+            return info.value.code()
+
+        wrong_key = serde.encode_upload(spec.query_id, "sha256:00", "a", payload)
+        assert refused(wrong_key) is grpc.StatusCode.INVALID_ARGUMENT
+        counted = serde.encode_upload(
+            spec.query_id, fingerprint, "b", payload, public_record_count=3
+        )
+        assert refused(counted) is grpc.StatusCode.INVALID_ARGUMENT  # stats mode: no count
+        # Only the header: refused at the header, so no chunk was ever needed.
+        block = payload.blocks[0]
+        short = replace(block, value_count=block.value_count - 1)
+        messages = serde.encode_upload(
+            spec.query_id,
+            fingerprint,
+            "c",
+            serde.PackedCiphertexts((short,), {block.name: payload[block.name]}),
+        )
+        assert refused(messages[:1]) is grpc.StatusCode.INVALID_ARGUMENT
+        unknown = serde.encode_upload("no-such-query", fingerprint, "d", payload)
+        assert refused(unknown) is grpc.StatusCode.NOT_FOUND
+        # A truncated stream (missing chunks) is a protocol error, nothing folded.
+        good = serde.encode_upload(spec.query_id, fingerprint, "e", payload)
+        assert refused(good[:1]) is grpc.StatusCode.INVALID_ARGUMENT
+        stub.DeclineTask(
+            serde.task_decline_to_proto(
+                serde.TaskDecline(spec.query_id, serde.DeclineReason.POLICY_REFUSAL)
+            ),
+            timeout=TIMEOUT,
+        )
+    record = server.coordinator.store.query("bad-uploads")
+    assert record.n_contributed == 0 and server.coordinator.store.aggregate("bad-uploads") == {}
+    assert server.coordinator.store.declines("bad-uploads") == {"owner-1": "policy_refusal"}
+
+
+def test_masked_round_trip_carries_the_public_count(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+) -> None:
+    public_key, _ = test_only_keypair_512
+    spec = make_spec(public_key, "masked", mode=ProtocolMode.MASKED, quorum=1)
+    with (
+        channel_for(server, tls_files, Role.ANALYST, "alice") as analyst_channel,
+        channel_for(server, tls_files, Role.OWNER, "owner-2") as owner_channel,
+    ):
+        analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
+        analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=TIMEOUT)
+        stub = owner_grpc.OwnerServiceStub(owner_channel)
+        payload, _, count = owner_share(spec, 11, public_key, pool)
+        messages = serde.encode_upload(
+            spec.query_id, spec.analyst_key_fingerprint, "m", payload, public_record_count=count
+        )
+        stub.Upload(iter(messages), timeout=TIMEOUT)
+        statuses = [
+            serde.query_status_from_proto(m)
+            for m in analyst.WatchQueryStatus(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
+        ]
+        assert statuses[-1].state is serde.QueryState.DONE
+        result = serde.decode_result(
+            analyst.FetchResult(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
+        )
+    assert result.masked_mean_block == MASKED_SUM
+    assert server.coordinator.result_meta("masked")["public_n"] == count
+    assert {b.name for b in result.payload.blocks} == {"scatter_rows", MASKED_SUM}
+
+
+def test_stop_ends_open_task_streams_promptly(
+    tmp_path: Path,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+) -> None:
+    proxy = tls_files[NodeIdentity(Role.PROXY, "proxy")]
+    config = ProxyConfig(
+        proxy=ProxySection(listen="127.0.0.1:0", database=tmp_path / "p.sqlite3"),
+        tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
+    )
+    running = ProxyServer(config, pool=pool)
+    running.start()
+    channel = channel_for(running, tls_files, Role.OWNER, "owner-1")
+    stream = owner_grpc.OwnerServiceStub(channel).StreamTasks(
+        serde.task_stream_request_to_proto("owner-1"), timeout=TIMEOUT
+    )
+    assert isinstance(serde.task_event_from_proto(next(stream)), serde.Heartbeat)
+    started = time.monotonic()
+    running.stop(grace=1.0)
+    assert time.monotonic() - started < 5.0
+    # The stream has ended (cleanly, or cancelled by the stopping server): draining it
+    # returns at once instead of waiting for the 30 s call timeout.
+    try:
+        for _ in stream:
+            pass
+    except grpc.RpcError as error:
+        assert error.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 5.0
+    channel.close()
