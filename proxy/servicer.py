@@ -22,8 +22,9 @@ anything else                                               INTERNAL (generic te
 
 Insecure mode (``tls.insecure = true``, local experiments only) has no
 certificates: the caller's node id is then taken from the ``fedpca-node-id``
-request metadata (or, failing that, from its network address) and its role from
-the service it calls. Nothing is authenticated; a WARNING says so at start.
+request metadata (failing that: ``insecure-analyst`` for analysts, the network
+address of the connection for owners) and its role from the service it calls.
+Nothing is authenticated; a WARNING says so at start.
 """
 
 from __future__ import annotations
@@ -57,12 +58,26 @@ from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 
-__all__ = ["AnalystServicer", "OwnerServicer", "status_code_for"]
+__all__ = [
+    "INSECURE_ANALYST_ID",
+    "INSECURE_IDENTITY_METADATA",
+    "PUBLIC_COUNT_METADATA",
+    "AnalystServicer",
+    "OwnerServicer",
+    "status_code_for",
+]
 
 logger = logging.getLogger(__name__)
 
 INSECURE_IDENTITY_METADATA = "fedpca-node-id"
 """Request metadata naming the caller in insecure mode (ignored with TLS)."""
+
+INSECURE_ANALYST_ID = "insecure-analyst"
+"""Analyst id in insecure mode when the caller sends no ``fedpca-node-id``."""
+
+PUBLIC_COUNT_METADATA = "fedpca-public-count"
+"""Initial metadata of FetchResult carrying the masked mode's public N (the
+ResultHeader has no field for it; the analyst client reads this key)."""
 
 _STATUS_CODES: tuple[tuple[type[FedpcaError] | tuple[type[FedpcaError], ...], grpc.StatusCode], ...]
 _STATUS_CODES = (
@@ -136,9 +151,14 @@ class _Base:
         if not self.insecure:
             return certs.require_role(context, role)
         claimed = dict(context.invocation_metadata() or ()).get(INSECURE_IDENTITY_METADATA)
-        if claimed is None:
-            # No identity at all without TLS: fall back to the network address.
-            claimed = _PEER_RE.sub("-", context.peer()).strip("-.")[:63] or "unknown"
+        if claimed is None and role is Role.ANALYST:
+            # One anonymous analyst: its queries, results and budget stay together
+            # across client processes.
+            claimed = INSECURE_ANALYST_ID
+        elif claimed is None:
+            # Owners must stay distinct (each counts towards the quorum once): fall
+            # back to the network address, which is stable for one connection.
+            claimed = _PEER_RE.sub("-", context.peer()).strip("-.")[-63:] or "unknown"
         try:
             return NodeIdentity(role, str(claimed))
         except FedpcaError as error:
@@ -328,6 +348,10 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
         analyst = self._caller(context, Role.ANALYST).node_id
         query_id = serde.query_ref_from_proto(request)
         result = self.coordinator.result(query_id, analyst)
+        public_count = self.coordinator.public_count(query_id, analyst)
+        if public_count is not None:
+            # Masked mode: the analyst divides by N to unmask the scatter.
+            context.send_initial_metadata(((PUBLIC_COUNT_METADATA, str(public_count)),))
         logger.info("result of query %s fetched by %s", query_id, analyst)
         yield from serde.encode_result(result)
 

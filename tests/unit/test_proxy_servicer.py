@@ -40,7 +40,11 @@ from fedpca.protocol import MASKED_SUM, SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
 from fedpca.proxy.coordinator import wire_blocks
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.servicer import status_code_for
+from fedpca.proxy.servicer import (
+    INSECURE_IDENTITY_METADATA,
+    PUBLIC_COUNT_METADATA,
+    status_code_for,
+)
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
@@ -371,9 +375,10 @@ def test_masked_round_trip_carries_the_public_count(
             for m in analyst.WatchQueryStatus(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
         ]
         assert statuses[-1].state is serde.QueryState.DONE
-        result = serde.decode_result(
-            analyst.FetchResult(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
-        )
+        call = analyst.FetchResult(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
+        result = serde.decode_result(call)
+        metadata = dict(call.initial_metadata())
+    assert metadata[PUBLIC_COUNT_METADATA] == str(count)  # the analyst needs N to unmask
     assert result.masked_mean_block == MASKED_SUM
     assert server.coordinator.result_meta("masked")["public_n"] == count
     assert {b.name for b in result.payload.blocks} == {"scatter_rows", MASKED_SUM}
@@ -408,3 +413,32 @@ def test_stop_ends_open_task_streams_promptly(
         assert error.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 5.0
     channel.close()
+
+
+def test_insecure_mode_identifies_callers_by_metadata(tmp_path: Path, pool: CryptoPool) -> None:
+    config = ProxyConfig(
+        proxy=ProxySection(listen="127.0.0.1:0", database=tmp_path / "p.sqlite3"),
+        tls=TlsConfig(insecure=True),
+    )
+    running = ProxyServer(config, pool=pool)
+    running.start()
+    try:
+        with channels.insecure_channel(running.address) as channel:
+            stub = analyst_grpc.AnalystServiceStub(channel)
+            anonymous = stub.GetBudget(serde.budget_request_to_proto(), timeout=TIMEOUT)
+            named = stub.GetBudget(
+                serde.budget_request_to_proto(),
+                metadata=((INSECURE_IDENTITY_METADATA, "bob"),),
+                timeout=TIMEOUT,
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetBudget(
+                    serde.budget_request_to_proto(),
+                    metadata=((INSECURE_IDENTITY_METADATA, "../etc"),),
+                    timeout=TIMEOUT,
+                )
+    finally:
+        running.stop(grace=1.0)
+    assert serde.budget_status_from_proto(anonymous).analyst_id == "insecure-analyst"
+    assert serde.budget_status_from_proto(named).analyst_id == "bob"
+    assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
