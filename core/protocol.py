@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.codec.fixed_point import encode_fixed_point
 from fedpca.codec.packing import PackingBounds, SlotLayout, owner_value_bound
 from fedpca.dp.allocation import allocate_noise, effective_noise_multiplier
 from fedpca.dp.calibration import calibrate_noise_multiplier
@@ -171,8 +172,25 @@ class ReleasePlan:
     def owner_values(self, statistics: SufficientStatistics) -> dict[str, npt.NDArray[np.float64]]:
         """Real-valued values of every owner block (before fixed-point encoding)."""
         if self.spec.mode is ProtocolMode.MASKED:
-            return _masked_owner_values(self, statistics)
+            scatter = np.asarray(statistics.scatter, dtype=np.float64)
+            return _masked_blocks(self, scatter, np.asarray(statistics.sums, dtype=np.float64))
         return {SHARES: statistics.to_vector(self.statistics)}
+
+    def owner_integers(
+        self, statistics: SufficientStatistics, rng: np.random.Generator | None = None
+    ) -> dict[str, IntArray]:
+        """Fixed-point values of every owner block, each statistic rounded exactly once.
+
+        Masked mode uploads v several times (unpacked and as overlapping windows). The
+        mask terms b·v only cancel at the analyst if every copy is the *same* integer,
+        so v is stochastically rounded once and then laid out, never rounded per copy.
+        """
+        f = self.spec.frac_bits
+        if self.spec.mode is ProtocolMode.MASKED:
+            scatter = encode_fixed_point(np.asarray(statistics.scatter), f, rng=rng)
+            sums = encode_fixed_point(np.asarray(statistics.sums), f, rng=rng)
+            return _masked_blocks(self, scatter, sums)
+        return {SHARES: encode_fixed_point(statistics.to_vector(self.statistics), f, rng=rng)}
 
     def noise_values(self, sampler: NoiseSampler | None = None) -> IntArray:
         """Stats mode: discrete Gaussian noise for the ``shares`` block, per section.
@@ -379,17 +397,18 @@ def row_aligned_positions(m: int, k: int) -> list[tuple[int, int] | None]:
     return positions
 
 
-def _masked_owner_values(
-    plan: ReleasePlan, statistics: SufficientStatistics
-) -> dict[str, npt.NDArray[np.float64]]:
+def _masked_blocks(
+    plan: ReleasePlan, scatter: npt.NDArray[Any], sums: npt.NDArray[Any]
+) -> dict[str, npt.NDArray[Any]]:
+    """Lay out the masked-mode owner blocks from one scatter matrix and one sum vector."""
     m = plan.spec.n_features
     k = plan.owner_block(SCATTER_ROWS).layout.slots_per_ciphertext
-    scatter = np.asarray(statistics.scatter, dtype=np.float64)
-    sums = np.asarray(statistics.sums, dtype=np.float64)
+    zero = np.zeros(1, dtype=sums.dtype)[0]
     rows = np.array(
-        [0.0 if p is None else scatter[p[0], p[1]] for p in row_aligned_positions(m, k)]
+        [zero if p is None else scatter[p[0], p[1]] for p in row_aligned_positions(m, k)],
+        dtype=sums.dtype,
     )
-    padded = np.concatenate([sums, np.zeros(k)])
+    padded = np.concatenate([sums, np.zeros(k, dtype=sums.dtype)])
     windows = np.concatenate([padded[t : t + k] for t in range(m)])
     return {SCATTER_ROWS: rows, SUM_SINGLE: sums.copy(), SUM_WINDOWS: windows}
 

@@ -33,7 +33,6 @@ import numpy.typing as npt
 from phe import paillier
 
 from fedpca.codec.ciphertext import PackedCiphertexts
-from fedpca.codec.fixed_point import encode_fixed_point
 from fedpca.codec.paillier import DEFAULT_OBFUSCATION, CryptoPool, Obfuscation
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError, PolicyError
 from fedpca.owner.config import DataConfig, OutOfBounds
@@ -212,16 +211,16 @@ def encode_share(
         )
     rows = preprocess_for_query(table.features, spec, out_of_bounds)
     statistics = local_statistics(rows, table.labels, spec)
-    values = plan.owner_values(statistics)
+    # Each statistic is rounded once, even where a block repeats it (masked mode).
+    values = plan.owner_integers(statistics, rng)
     encoded: dict[str, IntArray] = {}
     for block in plan.owner_blocks:
-        block_values = values[block.name]
-        if block_values.shape != (block.layout.value_count,):
+        fixed = values[block.name]
+        if fixed.shape != (block.layout.value_count,):
             raise LayoutError(
-                f"block {block.name!r}: {block_values.shape[0]} values, the layout declares "
+                f"block {block.name!r}: {fixed.shape[0]} values, the layout declares "
                 f"{block.layout.value_count}"
             )
-        fixed = encode_fixed_point(block_values, spec.frac_bits, rng=rng)
         # Refuse here, naming the block but no value: the values are private.
         if fixed.size and int(np.abs(fixed).max()) > block.bound:
             raise EncodingOverflowError(

@@ -175,3 +175,21 @@ def test_masked_sensitivity_bounds_a_replacement(n: int, m: int, seed: int) -> N
     change = centred(neighbour) - centred(rows)
     upper = change[np.triu_indices(m)]
     assert np.linalg.norm(upper) <= masked_scatter_sensitivity(1.0, n, 32, m)
+
+
+def test_masked_owner_integers_round_each_sum_once() -> None:
+    """Every copy of v must be the same integer, or the mask terms cannot cancel."""
+    plan = ReleasePlan.for_query(spec(mode=ProtocolMode.MASKED, n_features=7), 2048)
+    k = plan.owner_block(SCATTER_ROWS).layout.slots_per_ciphertext
+    rng = np.random.default_rng(5)
+    rows = rng.uniform(-0.3, 0.3, size=(40, 7))
+    stats = SufficientStatistics(rows.T @ rows, rows.sum(axis=0), 40.0)
+    values = plan.owner_integers(stats, rng)
+    singles = values[SUM_SINGLE]
+    windows = values[SUM_WINDOWS].reshape(7, k)
+    for t in range(7):
+        for s in range(k):
+            expected = singles[t + s] if t + s < 7 else 0
+            assert windows[t, s] == expected
+    # Rounded once: within one fixed-point unit of the real sums.
+    assert np.all(np.abs(singles - stats.sums * 2.0**32) <= 1)
