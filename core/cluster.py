@@ -229,7 +229,11 @@ class LocalCluster:
                     "cert": proxy_files.certificate,
                     "key": proxy_files.private_key,
                 },
-                "budget": {"epsilon": self.epsilon_budget, "delta": self.delta_budget},
+                # A verification (epsilon = inf) run only passes an unlimited budget.
+                "budget": {
+                    "epsilon": math.inf if self.allow_not_private else self.epsilon_budget,
+                    "delta": self.delta_budget,
+                },
                 "crypto": {"processes": self.processes_per_node},
             },
         )

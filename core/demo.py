@@ -96,10 +96,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     if not 1 <= settings.components <= n_features:
         raise ConfigError(f"--components must be in [1, {n_features}]")
     parts = split_rows(len(rows), settings.owners)
-    if labels is not None:
-        full = np.column_stack([labels, rows])
-    else:
-        full = rows
+    full = np.column_stack([labels, rows]) if labels is not None else rows
     owner_tables = [full[index] for index in parts]
 
     workdir = settings.out / "work"
@@ -129,7 +126,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
             epsilon=settings.epsilon,
             delta=settings.delta,
             mode=settings.mode,
-            bounds=None if bounds is None else (settings.bounds[0], settings.bounds[1]),  # type: ignore[index]
+            bounds=settings.bounds,
             clip_norm=settings.clip_norm,
             quorum=settings.owners,
             deadline_seconds=600.0,
@@ -138,6 +135,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
             cert=tls.certificate,
             key=tls.private_key,
             private_key_path=cluster.key_dir / "analyst.key.json",
+            verbose=True,
         )
         estimator.fit(n_features=n_features)
 
@@ -147,7 +145,9 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     timings["total"] = time.perf_counter() - total_started
     settings.out.mkdir(parents=True, exist_ok=True)
     result_path = settings.out / "result.json"
-    write_result(result_path, estimator, extra={"captured_variance_ratio": ratio, "timings": timings})
+    write_result(
+        result_path, estimator, extra={"captured_variance_ratio": ratio, "timings": timings}
+    )
     plots = write_plots(settings.out, estimator, sample=pooled, labels=labels)
     summary = json.loads(result_path.read_text())
     _print_summary(settings, estimator, ratio, timings, result_path, plots)
@@ -196,9 +196,7 @@ def _print_summary(
 @click.option("--epsilon", type=float, default=1.0, show_default=True, help="'inf': no noise.")
 @click.option("--delta", type=float, default=1e-5, show_default=True)
 @click.option("--components", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option(
-    "--mode", type=click.Choice(["stats", "masked"]), default="stats", show_default=True
-)
+@click.option("--mode", type=click.Choice(["stats", "masked"]), default="stats", show_default=True)
 @click.option(
     "--bounds",
     default="none",
@@ -208,7 +206,9 @@ def _print_summary(
 @click.option("--clip-norm", type=float, default=1.0, show_default=True)
 @click.option("--key-bits", type=click.IntRange(min=2048), default=2048, show_default=True)
 @click.option(
-    "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"),
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-out"),
     show_default=True,
 )
 def demo_command(

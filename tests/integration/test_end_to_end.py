@@ -94,7 +94,7 @@ def test_no_noise_pca_equals_sklearn(tmp_path: Path, mode: str) -> None:
 
 
 def test_no_noise_dca_equals_reference_formulation(tmp_path: Path) -> None:
-    table = _unit_rows(_dataset("australian.csv"))
+    table = _unit_rows(_dataset("ionosphere.csv"))
     rows, labels = table[:, 1:], table[:, 0]
     with _cluster(tmp_path, table, owners=2, allow_not_private=True) as cluster:
         cluster.prepare()
@@ -121,11 +121,12 @@ def test_noise_differs_from_exact_by_the_calibrated_scale(tmp_path: Path) -> Non
         model = FederatedPCA(
             n_components=2, epsilon=1.0, delta=1e-5, **_estimator_kwargs(cluster)
         ).fit(n_features=rows.shape[1])
-    noisy = model.statistics_
+    noisy = model.release_.statistics
+    assert noisy is not None
     exact = rows.T @ rows
     upper = np.triu_indices(rows.shape[1])
     errors = (noisy.scatter - exact)[upper]
-    sigma = {s["name"]: s["sigma"] for s in model.noise_["sections"]}["scatter"]
+    sigma = model.noise_sigmas_["scatter"]
     # 595 i.i.d. draws: the sample sd is within ~3 % of sigma; 15 % leaves room.
     assert np.std(errors) == pytest.approx(sigma, rel=0.15)
     assert abs(np.mean(errors)) < 4 * sigma / math.sqrt(len(errors))
