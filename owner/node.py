@@ -377,16 +377,19 @@ class OwnerNode:
             self._call = call
         if self._stop.is_set():
             call.cancel()
-        logger.info(
-            "owner %s connected to %s (proxy %s, fedpca %s)",
-            self.config.owner.id,
-            self.config.owner.proxy,
-            info.proxy_id or "?",
-            info.software_version or "?",
-        )
-        self.connected.set()
         try:
             for message in call:
+                if not self.connected.is_set():
+                    # The first event (the proxy sends a heartbeat at once) proves the
+                    # proxy has enrolled this owner: only now is the node ready for tasks.
+                    logger.info(
+                        "owner %s connected to %s (proxy %s, fedpca %s)",
+                        self.config.owner.id,
+                        self.config.owner.proxy,
+                        info.proxy_id or "?",
+                        info.software_version or "?",
+                    )
+                    self.connected.set()
                 try:
                     event = serde.task_event_from_proto(message)
                 except ProtocolError as exc:

@@ -235,7 +235,7 @@ def harness(
     thread = threading.Thread(target=node.run_forever, args=(stop,), daemon=True)
     thread.start()
     try:
-        proxy.wait_for(lambda: proxy.streams >= 1)
+        assert node.connected.wait(WAIT), "the node did not connect"
         yield Harness(proxy, node, config, public_key)
     finally:
         stop.set()

@@ -114,9 +114,10 @@ class _HelloOnly(owner_grpc.OwnerServiceServicer):
         return serde.proxy_info_to_proto(info)
 
     def StreamTasks(self, request: owner_pb.TaskStreamRequest, context: Any) -> Iterator[Any]:
+        # Like the real proxy: a heartbeat at once says the stream is live.
+        yield serde.task_event_to_proto(serde.Heartbeat(datetime.now(UTC)))
         while context.is_active():
             time.sleep(0.05)
-        yield from ()
 
 
 def _serve_until(path: Path, marker: str, log: Path, *extra: str) -> str:
