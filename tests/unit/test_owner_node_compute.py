@@ -19,7 +19,7 @@ from fedpca.owner.compute import LocalTable, encrypt_share, spec_digest
 from fedpca.owner.config import DataConfig
 from fedpca.owner.preprocess import preprocess_for_query
 from fedpca.owner.statistics import local_statistics
-from fedpca.protocol import SHARES, ReleasePlan
+from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics
 
@@ -131,9 +131,17 @@ def test_masked_mode_blocks_decrypt_to_the_planned_values(
     assert list(shares) == [block.name for block in plan.owner_blocks]
     rows = preprocess_for_query(table.features, spec)
     expected = plan.owner_values(local_statistics(rows, None, spec))
-    for name, packed in shares.items():
-        values = decode_fixed_point(pool.decrypt_packed(private_key, packed), 16)
-        np.testing.assert_allclose(values, expected[name], rtol=0, atol=2.0**-16)
+    integers = {name: pool.decrypt_packed(private_key, packed) for name, packed in shares.items()}
+    for name, values in integers.items():
+        decoded = decode_fixed_point(values, 16)
+        np.testing.assert_allclose(decoded, expected[name], rtol=0, atol=2.0**-16)
+    # The mask terms only cancel if every copy of v is the very same integer.
+    k = plan.owner_block(SUM_WINDOWS).layout.slots_per_ciphertext
+    single = integers[SUM_SINGLE]
+    windows = integers[SUM_WINDOWS]
+    for t in range(m):
+        window = windows[t * k : (t + 1) * k]
+        assert window[: m - t] == single[t : t + k][: m - t]
 
 
 class _RecordingPool:
