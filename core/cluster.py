@@ -157,6 +157,11 @@ class LocalCluster:
     key_fingerprint: str = ""
     timings: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Child processes run with the working folder as cwd, so every path handed to
+        # them must be absolute.
+        self.workdir = Path(self.workdir).resolve()
+
     # ----------------------------------------------------------------- layout
     @property
     def owner_ids(self) -> list[str]:
