@@ -19,11 +19,11 @@ about 2^(t/2) (Pollard lambda / baby-step giant-step), so t = 2 lambda would
 already match the key's security level; we use t = 4 lambda for margin.  Anyone
 who does not want the extra assumption selects ``Obfuscation.STANDARD``.
 
-The default is DJN because it is measured much faster.  Per obfuscator at 2048-bit
-n on one core of the development machine: full ``r^n`` 8.6 ms, a 448-bit
-``gmpy2.powmod`` of h_s 1.85 ms, the fixed-base window table used here 0.23 ms.
-End to end (benchmarks/owner_encrypt.py, one madelon scatter share = 3811 packed
-ciphertexts, 2 shared cores, cold pool): DJN 1.5 s, STANDARD 18.7 s.
+The default is DJN because it is measured much faster: ``benchmarks/primitives.py``
+prints the cost of one full ``r^n`` encryption, one short-exponent powmod and one
+encryption with the fixed-base window table used here (about 36x cheaper than the
+full obfuscator at 2048 bits), and ``benchmarks/owner_encrypt.py --obfuscation
+standard`` compares whole scatter shares.
 
 Neither variant is constant-time (gmpy2's powmod and the table lookups depend on
 secret exponents); owners encrypt on their own hardware, where such side channels
@@ -189,30 +189,61 @@ class CryptoPool:
             return self.chunk_size
         return max(1, math.ceil(count / (8 * self.processes)))
 
-    def _run(
+    def map(
         self,
-        task: Callable[..., list[int]],
-        fixed_args: tuple[int, ...],
-        items: Sequence[int],
-        progress: ProgressCallback | None,
-    ) -> list[int]:
-        """Apply ``task(*fixed_args, chunk)`` to chunks of items, preserving order."""
+        function: Callable[..., list[Any]],
+        fixed_args: tuple[Any, ...],
+        items: Sequence[Any],
+        progress: ProgressCallback | None = None,
+    ) -> list[Any]:
+        """Apply ``function(*fixed_args, chunk)`` to chunks of ``items`` on the workers.
+
+        Parameters
+        ----------
+        function : callable
+            A module-level (picklable) function taking the fixed arguments and then
+            a list of items, and returning one result per item, in the same order.
+        fixed_args : tuple
+            Picklable arguments passed before every chunk.
+        items : sequence
+            Picklable items; cut into chunks of ``chunk_size`` (default: about
+            eight chunks per worker).
+        progress : callable, optional
+            Called as ``progress(items_done)`` in the calling thread after each chunk.
+
+        Returns
+        -------
+        list
+            The results of all items, in input order.
+
+        Raises
+        ------
+        ValueError
+            If ``function`` returned a different number of results than it got items.
+        concurrent.futures.process.BrokenProcessPool
+            If a worker died; the next call starts fresh workers.
+        """
         if not items:
             return []
         executor = self._get_executor()
         length = self._chunk_length(len(items))
-        results: list[int] = [0] * len(items)
-        futures: dict[Future[list[int]], int] = {}
+        results: list[Any] = [None] * len(items)
+        futures: dict[Future[list[Any]], tuple[int, int]] = {}
         try:
             for start in range(0, len(items), length):
                 chunk = list(items[start : start + length])
-                futures[executor.submit(task, *fixed_args, chunk)] = start
+                futures[executor.submit(function, *fixed_args, chunk)] = (start, len(chunk))
             done = 0
             for future in as_completed(futures):
                 chunk_result = future.result()
-                start = futures[future]
-                results[start : start + len(chunk_result)] = chunk_result
-                done += len(chunk_result)
+                start, size = futures[future]
+                if len(chunk_result) != size:
+                    raise ValueError(
+                        f"{getattr(function, '__name__', function)!s} returned "
+                        f"{len(chunk_result)} results for a chunk of {size} items"
+                    )
+                results[start : start + size] = chunk_result
+                done += size
                 if progress is not None:
                     progress(done)
         except BrokenProcessPool:
@@ -277,9 +308,9 @@ class CryptoPool:
         start = time.perf_counter()
         if obfuscation is Obfuscation.DJN:
             fixed = (n, self._djn_base(n), djn_exponent_bits(n.bit_length()))
-            ciphertexts = self._run(_worker.encrypt_chunk_djn, fixed, plaintexts, progress)
+            ciphertexts = self.map(_worker.encrypt_chunk_djn, fixed, plaintexts, progress)
         elif obfuscation is Obfuscation.STANDARD:
-            ciphertexts = self._run(_worker.encrypt_chunk_standard, (n,), plaintexts, progress)
+            ciphertexts = self.map(_worker.encrypt_chunk_standard, (n,), plaintexts, progress)
         else:
             raise ValueError(f"unknown obfuscation {obfuscation!r}")
         logger.debug(
@@ -319,7 +350,7 @@ class CryptoPool:
         public_key = private_key.public_key
         validate_ciphertexts(ciphertexts, public_key)
         fixed = (public_key.n, private_key.p, private_key.q)
-        return self._run(_worker.decrypt_chunk, fixed, ciphertexts, progress)
+        return self.map(_worker.decrypt_chunk, fixed, ciphertexts, progress)
 
     def encrypt_packed(
         self,
