@@ -899,8 +899,8 @@ class Coordinator:
                 )
             )
         started = time.perf_counter()
-        masked_scatter = _pool_map(
-            self.pool, _mask_worker.mask_scatter_chunk, (n, scale, slot_bits), items
+        masked_scatter = self.pool.map(
+            _mask_worker.mask_scatter_chunk, (n, scale, slot_bits), items
         )
         timings["mask_seconds"] = time.perf_counter() - started
 
@@ -1075,11 +1075,3 @@ def _layout_difference(
         if mine != theirs:
             return f"block {mine.name!r} is {mine}, the query's plan requires {theirs}"
     return "layout differs from the plan"
-
-
-def _pool_map(
-    pool: CryptoPool, task: Callable[..., list[int]], fixed: tuple[int, ...], items: Sequence[Any]
-) -> list[int]:
-    # CryptoPool has no public map; its order-preserving chunked runner works for
-    # any picklable items as long as the task returns one int per item.
-    return pool._run(task, fixed, items, None)

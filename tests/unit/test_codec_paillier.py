@@ -5,6 +5,7 @@ All keys here are TEST-ONLY 512-bit keys (see tests/conftest.py).
 
 from __future__ import annotations
 
+import heapq
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -332,6 +333,33 @@ def test_progress_reports_cumulative_counts(test_only_keypair_512: Keypair) -> N
         ciphertexts = small_chunks.encrypt(public_key, list(range(10)), progress=seen.append)
         assert sorted(seen) == seen and seen[-1] == 10 and len(seen) == 4
         assert small_chunks.decrypt(private_key, ciphertexts) == list(range(10))
+
+
+def test_map_runs_any_module_function_in_input_order(test_only_keypair_512: Keypair) -> None:
+    public_key, private_key = test_only_keypair_512
+    items = [(i * 7919) % 101 for i in range(101)]  # scrambled: sorting a chunk reorders it
+    seen: list[int] = []
+    with CryptoPool(processes=2, chunk_size=1) as crypto_pool:
+        # One item per chunk: chunks finish in any order, results come back in input order.
+        assert crypto_pool.map(sorted, (), items, progress=seen.append) == items
+        assert sorted(seen) == seen and seen[-1] == len(items) and len(seen) == len(items)
+        # Fixed arguments go before each chunk, exactly as the built-in decryption uses it.
+        ciphertexts = crypto_pool.encrypt(public_key, [5, 6, 7])
+        fixed = (public_key.n, private_key.p, private_key.q)
+        assert crypto_pool.map(worker_module.decrypt_chunk, fixed, ciphertexts) == [5, 6, 7]
+        assert crypto_pool.map(sorted, (), []) == []
+    with CryptoPool(processes=1, chunk_size=4) as chunked:
+        # sorted() of a chunk of four reorders within the chunk: proof that a chunk,
+        # not a single item, is what the function receives.
+        assert chunked.map(sorted, (), [4, 3, 2, 1, 8, 7]) == [1, 2, 3, 4, 7, 8]
+
+
+def test_map_refuses_a_function_that_loses_items() -> None:
+    with (
+        CryptoPool(processes=1, chunk_size=3) as crypto_pool,
+        pytest.raises(ValueError, match="1 results for a chunk of 3 items"),
+    ):
+        crypto_pool.map(heapq.nsmallest, (1,), [3, 1, 2, 6, 5, 4])
 
 
 def test_pool_is_reusable_after_close(test_only_keypair_512: Keypair) -> None:
