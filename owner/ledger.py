@@ -259,6 +259,10 @@ class BudgetLedger:
             For a verification (``epsilon = inf``) event without
             ``allow_not_private``, or a query id already reserved with different
             parameters.
+        CalibrationError
+            If the release (or its composition with the ledger) has less noise than
+            the accountant supports (:data:`fedpca.dp.accounting.MIN_NOISE_MULTIPLIER`,
+            e.g. epsilon = 1e6). Nothing is recorded.
         """
         not_private = event.noise_multiplier == 0
         if not_private and not allow_not_private:

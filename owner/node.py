@@ -48,6 +48,7 @@ from fedpca.codec.ciphertext import PackedCiphertexts as CodecCiphertexts
 from fedpca.codec.paillier import CryptoPool, Obfuscation
 from fedpca.errors import (
     BudgetExceededError,
+    CalibrationError,
     ConfigError,
     DataError,
     EncodingOverflowError,
@@ -518,6 +519,17 @@ class OwnerNode:
                 spec,
                 decline.BUDGET_EXHAUSTED,
                 "this owner's privacy budget cannot cover the release",
+                str(exc),
+            )
+        except CalibrationError as exc:
+            # Too little noise for the privacy accountant (a huge epsilon); the
+            # message may describe this owner's ledger, so it stays in the log.
+            return self._decline(
+                stub,
+                spec,
+                decline.POLICY_REFUSAL,
+                "the release has less noise than this owner's privacy accountant supports "
+                "(epsilon too large)",
                 str(exc),
             )
         except PolicyError as exc:

@@ -15,15 +15,18 @@ import re
 import pytest
 
 from fedpca.dp.accounting import (
+    MIN_NOISE_MULTIPLIER,
     Accountant,
     BudgetDecision,
     check_budget,
     compose_epsilon,
+    composed_noise_multiplier,
+    max_epsilon_per_release,
     require_budget,
 )
-from fedpca.dp.calibration import gaussian_epsilon
+from fedpca.dp.calibration import calibrate_noise_multiplier, gaussian_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import BudgetExceededError, ConfigError
+from fedpca.errors import BudgetExceededError, CalibrationError, ConfigError
 
 DELTA = 1e-5
 
@@ -169,3 +172,60 @@ def test_bad_accounting_arguments_are_named(
 ) -> None:
     with pytest.raises(ConfigError, match=re.escape(named)):
         compose_epsilon(releases, delta, accountant)
+
+
+# ------------------------------------------------- the PLD accountant's floor
+def test_huge_epsilon_is_refused_with_the_floor_named() -> None:
+    # epsilon = 1e6 calibrates to z ~ 7e-4, for which dp_accounting's PLD would try to
+    # allocate a ~150 GiB array (MemoryError, INTERNAL at the proxy).
+    z = calibrate_noise_multiplier(1e6, DELTA)
+    assert 0 < z < MIN_NOISE_MULTIPLIER
+    huge = PrivacyEvent("q-huge", "alice", z, 1e6, DELTA, timestamp=1.0)
+    for budget in (PrivacyParams(math.inf, DELTA), PrivacyParams(5.0, DELTA)):
+        with pytest.raises(CalibrationError) as info:
+            check_budget([4.0], huge, budget)
+        message = str(info.value)
+        assert "'q-huge'" in message and "epsilon=1e+06" in message
+        assert f"minimum {MIN_NOISE_MULTIPLIER:g}" in message
+        assert f"{max_epsilon_per_release(DELTA):.4g}" in message
+    with pytest.raises(CalibrationError, match=r"z=0\.000709"):
+        check_budget([], z, PrivacyParams(math.inf, DELTA))
+    with pytest.raises(CalibrationError, match=r"minimum 0\.1"):
+        compose_epsilon([z], DELTA)
+    # The RDP accountant is closed form: it has no floor.
+    assert compose_epsilon([z], DELTA, Accountant.RDP) > 1e6
+    assert check_budget([], huge, PrivacyParams(math.inf, DELTA), Accountant.RDP).fits
+
+
+def test_the_floor_is_the_largest_accepted_epsilon() -> None:
+    largest = max_epsilon_per_release(DELTA)
+    assert largest == pytest.approx(91.8, abs=0.1)
+    assert calibrate_noise_multiplier(largest, DELTA) == pytest.approx(MIN_NOISE_MULTIPLIER)
+    # At the floor itself the PLD accountant still answers, and agrees with the closed form.
+    assert compose_epsilon([MIN_NOISE_MULTIPLIER], DELTA) == pytest.approx(largest, rel=1e-4)
+    with pytest.raises(CalibrationError, match="minimum"):
+        compose_epsilon([MIN_NOISE_MULTIPLIER * 0.999], DELTA)
+
+
+def test_a_composition_below_the_floor_is_refused_not_crashed() -> None:
+    assert composed_noise_multiplier([3.0, 4.0]) == pytest.approx(12 / 5)
+    assert composed_noise_multiplier([2.0, 0.0]) == 0.0
+    assert composed_noise_multiplier([]) == math.inf
+    ledger = [1.0]
+    proposed = 0.1005  # accountable alone; with the ledger, z = 0.09999 < 0.1
+    assert composed_noise_multiplier([*ledger, proposed]) < MIN_NOISE_MULTIPLIER
+    with pytest.raises(CalibrationError, match="2 composed releases"):
+        compose_epsilon([*ledger, proposed], DELTA)
+    # A finite budget the composition clearly exceeds: an ordinary refusal.
+    refused = check_budget(ledger, proposed, PrivacyParams(10.0, DELTA))
+    assert not refused.fits
+    exact = gaussian_epsilon(composed_noise_multiplier([*ledger, proposed]), DELTA)
+    assert refused.epsilon_spent_after == pytest.approx(exact)
+    with pytest.raises(BudgetExceededError):
+        refused.raise_if_exceeded()
+    # A budget the composition would fit, or an infinite one, cannot be accounted for
+    # past the floor: refused, named.
+    with pytest.raises(CalibrationError, match="cannot be accounted for"):
+        check_budget(ledger, proposed, PrivacyParams(1000.0, DELTA))
+    with pytest.raises(CalibrationError, match=r"2 composed releases: noise multiplier z=0\.0999"):
+        check_budget(ledger, proposed, PrivacyParams(math.inf, DELTA))

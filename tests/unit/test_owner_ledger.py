@@ -14,7 +14,7 @@ import pytest
 
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import BudgetExceededError, PolicyError
+from fedpca.errors import BudgetExceededError, CalibrationError, PolicyError
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome
 
 DELTA = 1e-5
@@ -46,6 +46,18 @@ def test_fits_then_refuses_and_records_nothing_on_refusal(tmp_path: Path) -> Non
     weak = calibrate_noise_multiplier(0.1, DELTA)
     ledger.reserve(_event("q3", weak, 0.1), BUDGET, spec_digest="d3")
     assert 0.7 < ledger.spent(DELTA) <= 1.0
+
+
+def test_huge_epsilon_is_refused_by_the_accountant_and_records_nothing(tmp_path: Path) -> None:
+    # epsilon = 1e6 (z ~ 7e-4) made dp_accounting's PLD accountant run out of memory.
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    huge = calibrate_noise_multiplier(1e6, DELTA)
+    for budget in (BUDGET, PrivacyParams(math.inf, DELTA)):
+        with pytest.raises(CalibrationError, match=r"'q-huge'.*epsilon=1e\+06.*minimum 0\.1"):
+            ledger.reserve(_event("q-huge", huge, 1e6), budget, spec_digest="d")
+    assert ledger.events() == []
+    ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    assert [e.event.query_id for e in ledger.events()] == ["q1"]
 
 
 def test_re_reserving_the_same_query_is_idempotent(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ Hello/Upload/DeclineTask calls, and can fail uploads on demand.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -226,7 +227,7 @@ def harness(
         owner=NodeConfig("owner-1", f"127.0.0.1:{port}", tmp_path / "state"),
         tls=TlsConfig(files.ca_certificate, files.certificate, files.private_key),
         data=DataConfig(data_path, header=False, label_column=0),
-        policy=PolicyConfig((key_fingerprint(public_key),), 1.0, False),
+        policy=PolicyConfig((key_fingerprint(public_key),), options.get("max_epsilon", 1.0), False),
         budget=PrivacyParams(1.2, 1e-5),
         crypto=CryptoConfig(processes=1),
     )
@@ -316,6 +317,24 @@ def test_policy_and_budget_refusals_are_declined_with_their_reason(harness: Harn
     # The data-fit refusal reveals nothing about the rows.
     detail = next(d.detail for d in proxy.declines if d.query_id == "wrong-shape")
     assert "does not fit this owner's data" in detail
+
+
+@pytest.mark.parametrize("harness", [{"max_epsilon": math.inf}], indirect=True)
+def test_epsilon_beyond_the_accountant_is_declined_not_crashed(harness: Harness) -> None:
+    # The owner's policy allows any epsilon; its PLD accountant cannot take 1e6.
+    proxy = harness.proxy
+    harness.send(harness.spec("huge", epsilon=1e6))
+    harness.send(harness.spec("fine", epsilon=1.0))
+    proxy.wait_for(lambda: len(proxy.declines) == 1 and len(proxy.uploads) == 1)
+    (declined,) = proxy.declines
+    assert declined.query_id == "huge"
+    assert declined.reason is serde.DeclineReason.POLICY_REFUSAL
+    assert "privacy accountant" in declined.detail
+    ledger = BudgetLedger(harness.config.ledger_path)
+    proxy.wait_for(lambda: ledger.is_handled("fine"))
+    assert [entry.event.query_id for entry in ledger.events()] == ["fine"]
+    record = ledger.task("huge")
+    assert record is not None and record.outcome is TaskOutcome.DECLINED
 
 
 @pytest.mark.parametrize(

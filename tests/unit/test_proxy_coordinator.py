@@ -24,6 +24,7 @@ from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
     BudgetExceededError,
+    CalibrationError,
     CiphertextError,
     ConfigError,
     EncodingOverflowError,
@@ -299,6 +300,24 @@ def test_budget_refusal_happens_at_submit_and_records_nothing(
     assert budget.n_releases == 1 and budget.epsilon_limit == 1.2
     assert 0 < budget.epsilon_spent <= 1.0 + 1e-6
     assert budget.epsilon_remaining == pytest.approx(1.2 - budget.epsilon_spent)
+
+
+@pytest.mark.parametrize("budget", [math.inf, 5.0])
+def test_huge_epsilon_is_refused_at_submit_with_the_accountants_limit(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, budget: float
+) -> None:
+    # epsilon = 1e6 made dp_accounting's PLD accountant fail (MemoryError): INTERNAL.
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=budget))
+    with pytest.raises(CalibrationError, match=r"epsilon=1e\+06.*minimum 0\.1") as info:
+        coordinator.submit("alice", make_spec(public_key, "huge", epsilon=1e6))
+    assert "at most epsilon=91.82" in str(info.value)
+    assert coordinator.store.queries() == []
+    assert coordinator.store.releases("alice") == []
+    assert coordinator.tasks_for("owner-0") == []
+    # The analyst may still ask for a usable epsilon.
+    coordinator.submit("alice", make_spec(public_key, "fine", epsilon=1.0))
+    assert [q.query_id for q in coordinator.store.queries()] == ["fine"]
 
 
 def test_two_concurrent_submits_where_only_one_fits(

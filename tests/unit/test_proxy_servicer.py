@@ -26,6 +26,7 @@ from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
     AuthenticationError,
     BudgetExceededError,
+    CalibrationError,
     CiphertextError,
     ConfigError,
     EncodingOverflowError,
@@ -199,6 +200,8 @@ def test_domain_errors_map_to_status_codes() -> None:
         CiphertextError("x"): grpc.StatusCode.INVALID_ARGUMENT,
         ConfigError("x"): grpc.StatusCode.INVALID_ARGUMENT,
         EncodingOverflowError("x"): grpc.StatusCode.INVALID_ARGUMENT,
+        # e.g. a huge epsilon below the PLD accountant's floor (fedpca.dp.accounting)
+        CalibrationError("x"): grpc.StatusCode.INVALID_ARGUMENT,
     }
     for error, code in expected.items():
         assert status_code_for(error) is code, type(error).__name__
