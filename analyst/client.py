@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import grpc
 
@@ -49,7 +48,6 @@ from fedpca.transport.channels import insecure_channel, secure_channel
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 
 __all__ = [
-    "PUBLIC_COUNT_METADATA_KEY",
     "AnalystClient",
     "FetchedResult",
     "ProxyError",
@@ -57,10 +55,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-PUBLIC_COUNT_METADATA_KEY = "fedpca-public-count"
-"""Initial-metadata key under which a proxy may send the masked-mode public N
-(until the result header has a field for it)."""
 
 _RECONNECT_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0)
 
@@ -112,32 +106,24 @@ def error_from_rpc(error: grpc.RpcError, action: str) -> FedpcaError:
 
 @dataclass(frozen=True)
 class FetchedResult:
-    """An encrypted result as fetched, plus what travels beside the header.
+    """An encrypted result as fetched.
 
     Attributes
     ----------
-    result : the validated stream (header, layout, ciphertexts).
-    public_count : masked mode: the public record count N, or None.
+    result : the validated stream (header, layout, ciphertexts; in masked mode
+        also the public record count N, ``ResultHeader.public_record_count``).
     """
 
     result: serde.QueryResult
-    public_count: int | None = None
 
     @property
     def query(self) -> QuerySpec:
         return self.result.query
 
-
-def _public_count_from_metadata(metadata: Any) -> int | None:
-    for key, value in metadata or ():
-        if key == PUBLIC_COUNT_METADATA_KEY:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                raise ProtocolError(
-                    f"{PUBLIC_COUNT_METADATA_KEY} metadata {value!r} is not an integer"
-                ) from None
-    return None
+    @property
+    def public_count(self) -> int | None:
+        """Masked mode: the public record count N the result carries; None in stats mode."""
+        return self.result.public_record_count
 
 
 class AnalystClient:
@@ -285,14 +271,13 @@ class AnalystClient:
         try:
             call = self._stub.FetchResult(serde.query_ref_to_proto(query_id), timeout=self.timeout)
             result = serde.decode_result(call)
-            public_count = _public_count_from_metadata(call.initial_metadata())
         except grpc.RpcError as error:
             raise error_from_rpc(error, action) from None
         if result.query.query_id != query_id:
             raise ProtocolError(
                 f"{action}: the proxy returned the result of query {result.query.query_id!r}"
             )
-        return FetchedResult(result, public_count)
+        return FetchedResult(result)
 
     def budget(self, delta: float | None = None) -> serde.BudgetStatus:
         """The analyst's cumulative privacy loss (epsilons reported at ``delta``)."""

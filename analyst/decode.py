@@ -343,14 +343,8 @@ def _plan_sigmas(plan: ReleasePlan, public_count: int | None) -> dict[str, float
     return {section.name: section.sigma for section in plan.sections}
 
 
-def _public_count(result: QueryResult, plan: ReleasePlan, public_count: int | None) -> int:
-    if public_count is None:
-        # Forward compatible: a QueryResult that carries the count itself.
-        for name in ("public_count", "public_record_count"):
-            carried = getattr(result, name, None)
-            if carried is not None:
-                public_count = int(carried)
-                break
+def _public_count(result: QueryResult, plan: ReleasePlan) -> int:
+    public_count = result.public_record_count
     if public_count is None:
         raise ProtocolError(
             f"masked-mode result of query {plan.spec.query_id!r} carries no public record "
@@ -450,7 +444,6 @@ def decrypt_result(
     private_key: Any,
     *,
     expected_query: QuerySpec | None = None,
-    public_count: int | None = None,
     pool: CryptoPool | None = None,
     progress: ProgressCallback | None = None,
 ) -> DecodedRelease:
@@ -458,10 +451,11 @@ def decrypt_result(
 
     Parameters
     ----------
-    result : the encrypted result (:func:`fedpca.transport.serde.decode_result`).
+    result : the encrypted result (:func:`fedpca.transport.serde.decode_result`);
+        in masked mode it carries the public record count N the proxy reported
+        (``public_record_count``).
     private_key : the analyst's phe private key.
     expected_query : the submitted query; the result must echo it exactly.
-    public_count : masked mode: the public record count N the proxy reported.
     pool : a crypto pool to decrypt on (default: a temporary one on all cores).
     progress : called with the number of ciphertexts decrypted so far
         (``result.payload.total_ciphertexts`` in all).
@@ -483,7 +477,7 @@ def decrypt_result(
     query = plan.spec
     fingerprint = key_fingerprint(public_key)
     if query.mode is ProtocolMode.MASKED:
-        count = _public_count(result, plan, public_count)
+        count = _public_count(result, plan)
         sigmas = _plan_sigmas(plan, count)
         _check_noise(result.noise, plan, sigmas)
         bounds = {block.name: block.bound for block in plan.result_blocks}
@@ -573,7 +567,8 @@ def result_from_packed(
         sequence of ciphertext ints), one entry per result block of the plan.
     key_bits : size of the analyst key (default: that of ``query.analyst_public_key_n``).
     noise : the noise description (default: :func:`noise_description` of the plan).
-    public_count : masked mode: N, used for the default noise description.
+    public_count : masked mode: N, carried as the result's ``public_record_count``
+        and used for the default noise description.
     """
     bits = query.analyst_public_key_n.bit_length() if key_bits is None else key_bits
     plan = ReleasePlan.for_query(query, bits)
@@ -595,4 +590,5 @@ def result_from_packed(
         noise=noise,
         payload=PackedCiphertexts(layout, ciphertexts),
         masked_mean_block=MASKED_SUM if query.mode is ProtocolMode.MASKED else None,
+        public_record_count=public_count if query.mode is ProtocolMode.MASKED else None,
     )

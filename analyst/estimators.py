@@ -126,7 +126,6 @@ def run_query(
         fetched.result,
         private_key,
         expected_query=spec,
-        public_count=fetched.public_count,
         pool=pool,
         progress=decrypt_progress,
     )

@@ -972,19 +972,17 @@ class Coordinator:
                 for s in meta.get("sections", [])
             ),
         )
+        masked = spec.mode is ProtocolMode.MASKED
+        public_n = meta.get("public_n")
         return serde.QueryResult(
             query=spec,
             n_owners=int(meta.get("n_owners", record.n_contributed)),
             noise=noise,
             payload=serde.PackedCiphertexts(blocks, ciphertexts),
-            masked_mean_block=MASKED_SUM if spec.mode is ProtocolMode.MASKED else None,
+            masked_mean_block=MASKED_SUM if masked else None,
+            # Masked mode: the analyst divides by N to unmask the scatter.
+            public_record_count=int(public_n) if masked and public_n is not None else None,
         )
-
-    def public_count(self, query_id: str, analyst_id: str | None = None) -> int | None:
-        """Masked mode: the public record count N of a DONE query (None in stats mode)."""
-        self._record_for(query_id, analyst_id)
-        value = self.store.result(query_id)[1].get("public_n")
-        return None if value is None else int(value)
 
     def result_meta(self, query_id: str) -> dict[str, Any]:
         """The JSON metadata stored with a result (sigmas, public N, timings)."""

@@ -61,7 +61,6 @@ from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 __all__ = [
     "INSECURE_ANALYST_ID",
     "INSECURE_IDENTITY_METADATA",
-    "PUBLIC_COUNT_METADATA",
     "AnalystServicer",
     "OwnerServicer",
     "status_code_for",
@@ -74,10 +73,6 @@ INSECURE_IDENTITY_METADATA = "fedpca-node-id"
 
 INSECURE_ANALYST_ID = "insecure-analyst"
 """Analyst id in insecure mode when the caller sends no ``fedpca-node-id``."""
-
-PUBLIC_COUNT_METADATA = "fedpca-public-count"
-"""Initial metadata of FetchResult carrying the masked mode's public N (the
-ResultHeader has no field for it; the analyst client reads this key)."""
 
 _STATUS_CODES: tuple[tuple[type[FedpcaError] | tuple[type[FedpcaError], ...], grpc.StatusCode], ...]
 _STATUS_CODES = (
@@ -348,10 +343,6 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
         analyst = self._caller(context, Role.ANALYST).node_id
         query_id = serde.query_ref_from_proto(request)
         result = self.coordinator.result(query_id, analyst)
-        public_count = self.coordinator.public_count(query_id, analyst)
-        if public_count is not None:
-            # Masked mode: the analyst divides by N to unmask the scatter.
-            context.send_initial_metadata(((PUBLIC_COUNT_METADATA, str(public_count)),))
         logger.info("result of query %s fetched by %s", query_id, analyst)
         yield from serde.encode_result(result)
 

@@ -1335,6 +1335,9 @@ class QueryResult:
     noise : the noise that was added.
     payload : the ciphertext blocks.
     masked_mean_block : masked mode only: the block holding Enc(v + b).
+    public_record_count : masked mode only: the public record count N (sum of
+        the owners' counts) the analyst unmasks the scatter with; None in stats
+        mode, where N is a noised statistic nobody but the analyst learns.
     """
 
     query: QuerySpec
@@ -1342,15 +1345,27 @@ class QueryResult:
     noise: NoiseDescription
     payload: PackedCiphertexts
     masked_mean_block: str | None = field(default=None)
+    public_record_count: int | None = field(default=None)
 
     def __post_init__(self) -> None:
         masked = self.query.mode is ProtocolMode.MASKED
+        label = f"query {self.query.query_id!r}"
         if masked and self.masked_mean_block is None:
-            raise LayoutError(f"query {self.query.query_id!r}: masked mode needs masked_mean_block")
+            raise LayoutError(f"{label}: masked mode needs masked_mean_block")
         if not masked and self.masked_mean_block is not None:
+            raise LayoutError(f"{label}: masked_mean_block is only valid in masked mode")
+        count = self.public_record_count
+        if masked and count is None:
+            raise LayoutError(f"{label}: masked mode needs public_record_count")
+        if not masked and count is not None:
             raise LayoutError(
-                f"query {self.query.query_id!r}: masked_mean_block is only valid in masked mode"
+                f"{label}: public_record_count is only valid in masked mode (in stats mode "
+                "N is noised)"
             )
+        if count is not None and (
+            isinstance(count, bool) or not isinstance(count, int) or count < 1
+        ):
+            raise LayoutError(f"{label}: public_record_count must be an int >= 1, got {count!r}")
         if self.masked_mean_block is not None and self.masked_mean_block not in {
             block.name for block in self.payload.blocks
         }:
@@ -1375,6 +1390,8 @@ def encode_result(
     )
     if result.masked_mean_block is not None:
         header.masked_mean_block = result.masked_mean_block
+    if result.public_record_count is not None:
+        _set_scalars(header, "ResultHeader", public_record_count=result.public_record_count)
     return [analyst_pb.ResultMessage(header=header)] + [
         analyst_pb.ResultMessage(chunk=chunk) for chunk in chunks
     ]
@@ -1417,6 +1434,9 @@ def decode_result(messages: Iterable[analyst_pb.ResultMessage]) -> QueryResult:
             payload=payload,
             masked_mean_block=(
                 header.masked_mean_block if header.HasField("masked_mean_block") else None
+            ),
+            public_record_count=(
+                header.public_record_count if header.HasField("public_record_count") else None
             ),
         )
     except LayoutError as exc:

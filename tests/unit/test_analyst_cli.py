@@ -25,7 +25,6 @@ import fedpca.analyst.estimators as estimators_module
 import fedpca.analyst.keys as keys_module
 from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group, load_config
 from fedpca.analyst.client import (
-    PUBLIC_COUNT_METADATA_KEY,
     AnalystClient,
     ProxyUnavailableError,
 )
@@ -188,7 +187,6 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         assert spec is not None
         if spec.mode is ProtocolMode.MASKED:
             blocks, n = _masked_blocks(spec, self.pool, self.public_key)
-            context.send_initial_metadata(((PUBLIC_COUNT_METADATA_KEY, str(n)),))
             result = result_from_packed(spec, 1, blocks, public_count=n)
         else:
             plan = ReleasePlan.for_query(spec, 512)
@@ -256,15 +254,11 @@ def test_client_submits_watches_fetches_and_decrypts_masked_mode(
         states = [s.state for s in client.watch(spec.query_id)]
         assert states == [serde.QueryState.COLLECTING, serde.QueryState.DONE]
         fetched = client.fetch(spec.query_id)
-    # The public N travels as initial metadata until the header has a field for it.
+    # The public N travels in the result header (ResultHeader.public_record_count).
+    assert fetched.result.public_record_count == len(ROWS)
     assert fetched.public_count == len(ROWS)
-    release = decrypt_result(
-        fetched.result,
-        private_key,
-        expected_query=spec,
-        public_count=fetched.public_count,
-        pool=pool,
-    )
+    release = decrypt_result(fetched.result, private_key, expected_query=spec, pool=pool)
+    assert release.public_count == len(ROWS)
     rows = preprocess_for_query(ROWS, spec)
     centred = (rows - rows.mean(axis=0)).T @ (rows - rows.mean(axis=0))
     assert release.centred_scatter is not None

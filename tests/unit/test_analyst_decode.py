@@ -315,9 +315,8 @@ def test_masked_mode_unmasks_the_scatter_exactly(
     spec = masked_spec(public_key)
     result, n_records, expected = masked_result_by_hand(spec, public_key, pool, seed=11)
 
-    release = decrypt_result(
-        result, private_key, expected_query=spec, public_count=n_records, pool=pool
-    )
+    assert result.public_record_count == n_records
+    release = decrypt_result(result, private_key, expected_query=spec, pool=pool)
 
     assert release.centred_scatter is not None and release.statistics is None
     np.testing.assert_array_equal(release.centred_scatter, expected)
@@ -332,19 +331,22 @@ def test_masked_mode_unmasks_the_scatter_exactly(
 def test_masked_mode_needs_the_public_count(test_only_keypair_512: Any, pool: CryptoPool) -> None:
     public_key, private_key = test_only_keypair_512
     spec = masked_spec(public_key)
-    result, _, _ = masked_result_by_hand(spec, public_key, pool, seed=12)
-    with pytest.raises(ProtocolError, match="public record count"):
-        decrypt_result(result, private_key, pool=pool)
+    result, n_records, _ = masked_result_by_hand(spec, public_key, pool, seed=12)
+    # N is part of a masked-mode result, so a result without it cannot even be built.
+    with pytest.raises(LayoutError, match="masked mode needs public_record_count"):
+        dataclasses.replace(result, public_record_count=None)
     with pytest.raises(ProtocolError, match="impossible"):
-        decrypt_result(result, private_key, public_count=10**6, pool=pool)
-
-    # Forward compatible: a result object that carries N itself is read directly.
-    @dataclasses.dataclass(frozen=True)
-    class ResultWithCount(serde.QueryResult):
-        public_record_count: int | None = None
-
-    carrying = ResultWithCount(**vars(result), public_record_count=37)
-    assert decrypt_result(carrying, private_key, pool=pool).public_count == 37
+        decrypt_result(
+            dataclasses.replace(result, public_record_count=10**6), private_key, pool=pool
+        )
+    # The count the result carries is the one the scatter is unmasked with.
+    right = decrypt_result(result, private_key, pool=pool)
+    wrong = decrypt_result(
+        dataclasses.replace(result, public_record_count=n_records + 1), private_key, pool=pool
+    )
+    assert right.public_count == n_records and wrong.public_count == n_records + 1
+    assert right.centred_scatter is not None and wrong.centred_scatter is not None
+    assert not np.allclose(right.centred_scatter, wrong.centred_scatter)
 
 
 def test_unmask_scatter_is_the_exact_rational() -> None:

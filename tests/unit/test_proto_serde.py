@@ -590,6 +590,8 @@ def _result(mode: ProtocolMode) -> serde.QueryResult:
         noise=NOISE,
         payload=payload(4, 2),
         masked_mean_block="b1" if mode is ProtocolMode.MASKED else None,
+        # Masked mode: the public N, beyond 32 bits to show the field is a uint64.
+        public_record_count=5_000_000_000 if mode is ProtocolMode.MASKED else None,
     )
 
 
@@ -600,6 +602,10 @@ def test_result_round_trip(mode: ProtocolMode) -> None:
     assert len(messages) == 3
     wire = [analyst_pb.ResultMessage.FromString(m.SerializeToString()) for m in messages]
     assert serde.decode_result(wire) == result
+    masked = mode is ProtocolMode.MASKED
+    # N is in the header in masked mode only (stats mode: absent, not 0).
+    assert wire[0].header.HasField("public_record_count") is masked
+    assert serde.decode_result(wire).public_record_count == (5_000_000_000 if masked else None)
 
 
 def test_result_with_infinite_epsilon() -> None:
@@ -613,6 +619,12 @@ def test_result_with_infinite_epsilon() -> None:
 def test_result_errors() -> None:
     with pytest.raises(LayoutError, match="masked mode needs masked_mean_block"):
         dataclasses.replace(_result(ProtocolMode.MASKED), masked_mean_block=None)
+    with pytest.raises(LayoutError, match="masked mode needs public_record_count"):
+        dataclasses.replace(_result(ProtocolMode.MASKED), public_record_count=None)
+    with pytest.raises(LayoutError, match="only valid in masked mode"):
+        dataclasses.replace(_result(ProtocolMode.STATS), public_record_count=3)
+    with pytest.raises(LayoutError, match="must be an int >= 1"):
+        dataclasses.replace(_result(ProtocolMode.MASKED), public_record_count=True)
     with pytest.raises(LayoutError, match="not a block of the result"):
         dataclasses.replace(_result(ProtocolMode.MASKED), masked_mean_block="nope")
     messages = serde.encode_result(_result(ProtocolMode.MASKED))
@@ -620,6 +632,17 @@ def test_result_errors() -> None:
         serde.decode_result(messages[1:])
     messages[0].header.ClearField("masked_mean_block")
     with pytest.raises(ProtocolError, match="masked mode needs masked_mean_block"):
+        serde.decode_result(messages)
+    messages = serde.encode_result(_result(ProtocolMode.MASKED))
+    messages[0].header.ClearField("public_record_count")
+    with pytest.raises(ProtocolError, match="masked mode needs public_record_count"):
+        serde.decode_result(messages)
+    messages[0].header.public_record_count = 0
+    with pytest.raises(ProtocolError, match="public_record_count must be an int >= 1, got 0"):
+        serde.decode_result(messages)
+    messages = serde.encode_result(_result(ProtocolMode.STATS))
+    messages[0].header.public_record_count = 7
+    with pytest.raises(ProtocolError, match="public_record_count is only valid in masked mode"):
         serde.decode_result(messages)
     messages = serde.encode_result(_result(ProtocolMode.STATS))
     messages[1].chunk.ciphertexts = messages[1].chunk.ciphertexts[::-1]

@@ -43,7 +43,6 @@ from fedpca.proxy.coordinator import wire_blocks
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.servicer import (
     INSECURE_IDENTITY_METADATA,
-    PUBLIC_COUNT_METADATA,
     status_code_for,
 )
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
@@ -273,6 +272,7 @@ def test_stats_round_trip_over_grpc(
         analyst.FetchResult(serde.query_ref_to_proto("round-trip"), timeout=TIMEOUT)
     )
     assert result.n_owners == 2 and result.query == spec
+    assert result.public_record_count is None  # stats mode: the proxy never learns N
     assert result.noise.mechanism is serde.NoiseMechanism.NONE
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     block = plan.result_block(SHARES)
@@ -379,9 +379,13 @@ def test_masked_round_trip_carries_the_public_count(
         ]
         assert statuses[-1].state is serde.QueryState.DONE
         call = analyst.FetchResult(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
-        result = serde.decode_result(call)
+        messages = list(call)
         metadata = dict(call.initial_metadata())
-    assert metadata[PUBLIC_COUNT_METADATA] == str(count)  # the analyst needs N to unmask
+    # The analyst needs N to unmask: it is a field of the result header, not metadata.
+    assert messages[0].header.public_record_count == count
+    result = serde.decode_result(messages)
+    assert result.public_record_count == count
+    assert not any(key.startswith("fedpca-") for key in metadata)
     assert result.masked_mean_block == MASKED_SUM
     assert server.coordinator.result_meta("masked")["public_n"] == count
     assert {b.name for b in result.payload.blocks} == {"scatter_rows", MASKED_SUM}

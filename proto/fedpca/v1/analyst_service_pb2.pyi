@@ -91,7 +91,7 @@ class NoiseDescription(_message.Message):
     def __init__(self, mechanism: _Optional[_Union[NoiseMechanism, str]] = ..., calibration: _Optional[_Union[_query_pb2.Calibration, str]] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., sections: _Optional[_Iterable[_Union[NoiseSection, _Mapping]]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("query", "n_owners", "blocks", "noise", "masked_mean_block", "total_chunks", "content_sha256")
+    __slots__ = ("query", "n_owners", "blocks", "noise", "masked_mean_block", "total_chunks", "content_sha256", "public_record_count")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     N_OWNERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class ResultHeader(_message.Message):
     MASKED_MEAN_BLOCK_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_RECORD_COUNT_FIELD_NUMBER: _ClassVar[int]
     query: _query_pb2.QuerySpec
     n_owners: int
     blocks: _containers.RepeatedCompositeFieldContainer[_ciphertext_pb2.CiphertextBlock]
@@ -106,7 +107,8 @@ class ResultHeader(_message.Message):
     masked_mean_block: str
     total_chunks: int
     content_sha256: bytes
-    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., n_owners: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_ciphertext_pb2.CiphertextBlock, _Mapping]]] = ..., noise: _Optional[_Union[NoiseDescription, _Mapping]] = ..., masked_mean_block: _Optional[str] = ..., total_chunks: _Optional[int] = ..., content_sha256: _Optional[bytes] = ...) -> None: ...
+    public_record_count: int
+    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., n_owners: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_ciphertext_pb2.CiphertextBlock, _Mapping]]] = ..., noise: _Optional[_Union[NoiseDescription, _Mapping]] = ..., masked_mean_block: _Optional[str] = ..., total_chunks: _Optional[int] = ..., content_sha256: _Optional[bytes] = ..., public_record_count: _Optional[int] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
     __slots__ = ("header", "chunk")
