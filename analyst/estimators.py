@@ -96,7 +96,9 @@ def run_query(
     on_submitted : called with the status returned by the submission.
     decrypt_progress : called with the number of ciphertexts decrypted so far.
     on_fetched : called with the number of ciphertexts to decrypt, once fetched.
-    pool : crypto pool for decryption (default: a temporary one on all cores).
+    pool : crypto pool for decryption (default: a temporary one on all cores,
+        closed before returning). Its workers are started right after the
+        submission, so their start-up overlaps the wait for the result.
     wait_timeout : give up waiting after this many seconds (None = never).
 
     Returns
@@ -106,30 +108,38 @@ def run_query(
     """
     if spec.analyst_public_key_n != private_key.public_key.n:
         raise ConfigError("the query is not addressed to this private key")
-    timings: dict[str, float] = {}
-    start = time.perf_counter()
-    submitted = client.submit(spec)
-    timings["submit"] = time.perf_counter() - start
-    logger.info("submitted query %s (state %s)", spec.query_id, submitted.state.value)
-    if on_submitted is not None:
-        on_submitted(submitted)
-    start = time.perf_counter()
-    client.wait(spec.query_id, on_status=on_status, timeout=wait_timeout)
-    timings["wait"] = time.perf_counter() - start
-    start = time.perf_counter()
-    fetched = client.fetch(spec.query_id)
-    timings["fetch"] = time.perf_counter() - start
-    if on_fetched is not None:
-        on_fetched(fetched.result.payload.total_ciphertexts)
-    start = time.perf_counter()
-    release = decrypt_result(
-        fetched.result,
-        private_key,
-        expected_query=spec,
-        pool=pool,
-        progress=decrypt_progress,
-    )
-    timings["decrypt"] = time.perf_counter() - start
+    owned = pool is None
+    active = CryptoPool() if pool is None else pool
+    try:
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        submitted = client.submit(spec)
+        timings["submit"] = time.perf_counter() - start
+        logger.info("submitted query %s (state %s)", spec.query_id, submitted.state.value)
+        if on_submitted is not None:
+            on_submitted(submitted)
+        start = time.perf_counter()
+        # Owners take seconds to encrypt: start the decryption workers meanwhile.
+        active.start()
+        client.wait(spec.query_id, on_status=on_status, timeout=wait_timeout)
+        timings["wait"] = time.perf_counter() - start
+        start = time.perf_counter()
+        fetched = client.fetch(spec.query_id)
+        timings["fetch"] = time.perf_counter() - start
+        if on_fetched is not None:
+            on_fetched(fetched.result.payload.total_ciphertexts)
+        start = time.perf_counter()
+        release = decrypt_result(
+            fetched.result,
+            private_key,
+            expected_query=spec,
+            pool=active,
+            progress=decrypt_progress,
+        )
+        timings["decrypt"] = time.perf_counter() - start
+    finally:
+        if owned:
+            active.close()
     return release, timings
 
 
