@@ -48,6 +48,7 @@ from fedpca.transport.channels import insecure_channel, secure_channel
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 
 __all__ = [
+    "DEFAULT_INSECURE_ANALYST_ID",
     "AnalystClient",
     "FetchedResult",
     "ProxyError",
@@ -57,6 +58,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _RECONNECT_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0)
+
+DEFAULT_INSECURE_ANALYST_ID = "analyst"
+"""The id an insecure client claims (``fedpca-node-id`` metadata) unless told otherwise."""
 
 
 class ProxyError(FedpcaError, RuntimeError):
@@ -136,6 +140,9 @@ class AnalystClient:
     insecure : dial without TLS (tests and local demos only; logs a warning).
     server_name_override : verify the proxy certificate against this name.
     timeout : seconds for unary calls and for each fetch.
+    insecure_node_id : insecure channels only: the analyst id claimed in
+        ``fedpca-node-id`` metadata, under which an insecure proxy keeps this
+        analyst's queries and budget (with TLS the certificate names the analyst).
 
     Use as a context manager, or call :meth:`close`.
     """
@@ -148,6 +155,7 @@ class AnalystClient:
         *,
         server_name_override: str | None = None,
         timeout: float = 60.0,
+        insecure_node_id: str = DEFAULT_INSECURE_ANALYST_ID,
     ) -> None:
         if not proxy_address:
             raise ConfigError("the proxy address (host:port) is required")
@@ -165,7 +173,7 @@ class AnalystClient:
                 proxy_address, tls, server_name_override=server_name_override
             )
         else:
-            self._channel = insecure_channel(proxy_address)
+            self._channel = insecure_channel(proxy_address, node_id=insecure_node_id)
         self._stub = analyst_grpc.AnalystServiceStub(self._channel)
 
     def __enter__(self) -> AnalystClient:

@@ -282,7 +282,9 @@ class OwnerNode:
     def _open_channel(self) -> grpc.Channel:
         target = self.config.owner.proxy
         if self._tls is None:
-            return insecure_channel(target)
+            # No certificate names this node: claim its id in metadata, so the proxy
+            # keeps one identity for it across reconnections.
+            return insecure_channel(target, node_id=self.config.owner.id)
         return secure_channel(target, self._tls)
 
     def run_forever(self, stop_event: threading.Event | None = None) -> None:

@@ -22,9 +22,11 @@ anything else                                               INTERNAL (generic te
 
 Insecure mode (``tls.insecure = true``, local experiments only) has no
 certificates: the caller's node id is then taken from the ``fedpca-node-id``
-request metadata (failing that: ``insecure-analyst`` for analysts, the network
-address of the connection for owners) and its role from the service it calls.
-Nothing is authenticated; a WARNING says so at start.
+request metadata (:data:`fedpca.transport.channels.INSECURE_IDENTITY_METADATA`,
+which fedpca's owner node and analyst client send on insecure channels; failing
+that: ``insecure-analyst`` for analysts, the network address of the connection for
+owners) and its role from the service it calls. Nothing is authenticated; a
+WARNING says so at start.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from fedpca.errors import (
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role
+from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import owner_service_pb2 as owner_pb
@@ -67,9 +70,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-INSECURE_IDENTITY_METADATA = "fedpca-node-id"
-"""Request metadata naming the caller in insecure mode (ignored with TLS)."""
 
 INSECURE_ANALYST_ID = "insecure-analyst"
 """Analyst id in insecure mode when the caller sends no ``fedpca-node-id``."""

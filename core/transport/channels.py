@@ -21,17 +21,24 @@ ciphertext chunks are cut well below that (see :mod:`fedpca.transport.serde`).
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
 import grpc
 
 from fedpca.errors import ConfigError
-from fedpca.transport.certs import TlsMaterial
+from fedpca.transport.certs import TlsMaterial, validate_node_id
 
 logger = logging.getLogger(__name__)
+
+INSECURE_IDENTITY_METADATA = "fedpca-node-id"
+"""Request metadata in which a client names itself on an insecure channel.
+
+Without TLS there is no certificate to identify a caller; the proxy in insecure
+mode then reads the node id from this key (and ignores it with TLS)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 CLIENT_KEEPALIVE_TIME_MS = 30_000
@@ -163,18 +170,86 @@ def add_secure_port(server: grpc.Server, address: str, tls: TlsMaterial) -> int:
     return port
 
 
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """The details of one call, as grpc's interceptors pass them on."""
+
+
+class _NodeIdInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``fedpca-node-id: <node id>`` to the metadata of every call."""
+
+    def __init__(self, node_id: str) -> None:
+        self._entry = (INSECURE_IDENTITY_METADATA, node_id)
+
+    def _with_id(self, details: Any) -> grpc.ClientCallDetails:
+        metadata = [m for m in details.metadata or () if m[0] != INSECURE_IDENTITY_METADATA]
+        metadata.append(self._entry)
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_id(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_id(details), request)
+
+    def intercept_stream_unary(
+        self, continuation: Any, details: Any, request_iterator: Iterator[Any]
+    ) -> Any:
+        return continuation(self._with_id(details), request_iterator)
+
+    def intercept_stream_stream(
+        self, continuation: Any, details: Any, request_iterator: Iterator[Any]
+    ) -> Any:
+        return continuation(self._with_id(details), request_iterator)
+
+
 def insecure_channel(
     target: str,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     extra_options: Sequence[tuple[str, Any]] = (),
+    node_id: str | None = None,
 ) -> grpc.Channel:
     """A plaintext channel. NOT for deployments: no encryption, no identities.
 
     Logs a WARNING every time it is used so it cannot go unnoticed.
+
+    Parameters
+    ----------
+    node_id : if given, every call names the caller with
+        :data:`INSECURE_IDENTITY_METADATA` metadata, which an insecure proxy takes
+        as the caller's id (a claim, not a proof: nothing is authenticated). Owners
+        must send it to keep one identity across reconnections.
+
+    Raises
+    ------
+    ConfigError
+        If ``node_id`` is not a valid node id.
     """
+    if node_id is not None:
+        validate_node_id(node_id)
     logger.warning("INSECURE channel to %s: no TLS, traffic and identities are unprotected", target)
     options = client_options(max_message_bytes) + list(extra_options)
-    return grpc.insecure_channel(target, options=options)
+    channel = grpc.insecure_channel(target, options=options)
+    if node_id is None:
+        return channel
+    return grpc.intercept_channel(channel, _NodeIdInterceptor(node_id))
 
 
 def add_insecure_port(server: grpc.Server, address: str) -> int:

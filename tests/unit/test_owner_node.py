@@ -34,6 +34,9 @@ from fedpca.owner.config import (
 )
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome
 from fedpca.owner.node import OwnerNode, RetryPolicy
+from fedpca.proxy.config import ProxyConfig, ProxySection
+from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
+from fedpca.proxy.server import ProxyServer
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
@@ -384,6 +387,57 @@ def test_node_reconnects_when_the_stream_closes(harness: Harness) -> None:
     harness.send(harness.spec("q2", epsilon=0.2))
     proxy.wait_for(lambda: len(proxy.uploads) == 2)
     assert proxy.uploads[1].query_id == "q2"
+
+
+def test_insecure_owner_keeps_its_identity_across_reconnects(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    # No certificate names an insecure owner: it claims its configured id in
+    # fedpca-node-id metadata. Without it the proxy names owners after the connection
+    # address, which changes with every reconnection (one owner counted as several).
+    def proxy_on(listen: str) -> ProxyServer:
+        config = ProxyConfig(
+            proxy=ProxySection(
+                listen=listen, database=tmp_path / "proxy.sqlite3", heartbeat_seconds=0.2
+            ),
+            tls=ProxyTlsConfig(insecure=True),
+        )
+        server = ProxyServer(config, pool=pool)
+        server.start()
+        return server
+
+    rows = np.random.default_rng(5).normal(size=(10, 3))
+    np.savetxt(tmp_path / "owner.csv", rows, delimiter=",")
+    servers = [proxy_on("127.0.0.1:0")]
+    address = servers[0].address
+    config = OwnerConfig(
+        owner=NodeConfig("owner-7", address, tmp_path / "state"),
+        tls=TlsConfig(None, None, None, insecure=True),
+        data=DataConfig(tmp_path / "owner.csv", header=False),
+        policy=PolicyConfig((key_fingerprint(test_only_keypair_512[0]),), 1.0, False),
+        budget=PrivacyParams(1.0, 1e-5),
+    )
+    stop = threading.Event()
+    try:
+        node = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+        thread = threading.Thread(target=node.run_forever, args=(stop,), daemon=True)
+        thread.start()
+        assert node.connected.wait(WAIT), "the node did not connect"
+        assert servers[0].coordinator.store.owners() == ["owner-7"]
+        servers[0].stop(grace=0.5)
+        deadline = time.monotonic() + WAIT
+        while node.connected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not node.connected.is_set(), "the node did not notice the proxy stop"
+        servers.append(proxy_on(address))  # same port and database: a restarted proxy
+        assert node.connected.wait(WAIT), "the node did not reconnect"
+        assert servers[1].coordinator.store.owners() == ["owner-7"]
+    finally:
+        stop.set()
+        for server in servers:
+            server.stop(grace=0.5)
+    thread.join(WAIT)
+    assert not thread.is_alive()
 
 
 def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:

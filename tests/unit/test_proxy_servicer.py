@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
+from fedpca.analyst.client import AnalystClient
 from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint, unpack_slots
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
@@ -422,10 +423,13 @@ def test_stop_ends_open_task_streams_promptly(
     channel.close()
 
 
-def test_insecure_mode_identifies_callers_by_metadata(tmp_path: Path, pool: CryptoPool) -> None:
+def test_insecure_mode_identifies_callers_by_metadata(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
     config = ProxyConfig(
         proxy=ProxySection(listen="127.0.0.1:0", database=tmp_path / "p.sqlite3"),
         tls=TlsConfig(insecure=True),
+        crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
     )
     running = ProxyServer(config, pool=pool)
     running.start()
@@ -444,8 +448,21 @@ def test_insecure_mode_identifies_callers_by_metadata(tmp_path: Path, pool: Cryp
                     metadata=((INSECURE_IDENTITY_METADATA, "../etc"),),
                     timeout=TIMEOUT,
                 )
+        # fedpca's own analyst client names itself on insecure channels (every call:
+        # unary and streamed alike), "analyst" unless configured otherwise.
+        with AnalystClient(running.address, None, insecure=True) as client:
+            default_id = client.budget().analyst_id
+        with AnalystClient(running.address, None, insecure=True, insecure_node_id="carol") as carol:
+            assert carol.budget().analyst_id == "carol"
+            carol.submit(make_spec(test_only_keypair_512[0], "carols", epsilon=1.0))
+            first = next(iter(carol.watch("carols", timeout=5.0)))  # a streamed call
+            assert first.state is serde.QueryState.COLLECTING
+        assert running.coordinator.store.query("carols").analyst_id == "carol"
+        with pytest.raises(ConfigError, match="node id"):
+            AnalystClient(running.address, None, insecure=True, insecure_node_id="../etc")
     finally:
         running.stop(grace=1.0)
     assert serde.budget_status_from_proto(anonymous).analyst_id == "insecure-analyst"
     assert serde.budget_status_from_proto(named).analyst_id == "bob"
     assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert default_id == "analyst"
