@@ -290,7 +290,9 @@ class OwnerNode:
     def run_forever(self, stop_event: threading.Event | None = None) -> None:
         """Connect, stream tasks and handle them until :meth:`stop` (or ``stop_event``).
 
-        Connection failures and a lost stream are retried with backoff forever.
+        Connection failures and a lost stream are retried with backoff forever; the
+        backoff starts again from ``reconnect_initial`` after every session that got
+        its task stream up.
         """
         if stop_event is not None:
 
@@ -334,6 +336,11 @@ class OwnerNode:
                         "owner %s: unexpected failure of the session", self.config.owner.id
                     )
                 finally:
+                    if self.connected.is_set():
+                        # The stream was up (the proxy had enrolled this node), so even
+                        # an abrupt loss (proxy killed, connection cut) starts the backoff
+                        # afresh; otherwise every outage would wait longer than the last.
+                        attempt = 0
                     self.connected.clear()
                 if self._stop.is_set():
                     break

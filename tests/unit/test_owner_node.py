@@ -70,6 +70,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
 
     upload_failures: list[grpc.StatusCode] = field(default_factory=list)
     close_stream_after_first: bool = False
+    abort_streams: int = 0
+    """Open task streams to break with UNAVAILABLE (after their first heartbeat)."""
     tasks: queue.Queue[serde.TaskEvent] = field(default_factory=queue.Queue)
     hellos: list[str] = field(default_factory=list)
     uploads: list[UploadCall] = field(default_factory=list)
@@ -109,6 +111,9 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
         self._notify()
         yield serde.task_event_to_proto(serde.Heartbeat(datetime.now(UTC)))
         while context.is_active():
+            if self.abort_streams > 0:
+                self.abort_streams -= 1
+                context.abort(grpc.StatusCode.UNAVAILABLE, "test: stream lost")
             try:
                 event = self.tasks.get(timeout=0.05)
             except queue.Empty:
@@ -387,6 +392,28 @@ def test_node_reconnects_when_the_stream_closes(harness: Harness) -> None:
     harness.send(harness.spec("q2", epsilon=0.2))
     proxy.wait_for(lambda: len(proxy.uploads) == 2)
     assert proxy.uploads[1].query_id == "q2"
+
+
+def test_backoff_restarts_after_each_established_stream(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stream that was up and then broke (a proxy killed and restarted, a cut
+    # connection) must not make the next reconnection wait longer than the last: the
+    # backoff grows only over failures in a row, not over the node's lifetime.
+    attempts: list[int] = []
+    original = RetryPolicy.delay
+
+    def recording(attempt: int, initial: float, cap: float) -> float:
+        attempts.append(attempt)
+        return original(attempt, initial, cap)
+
+    monkeypatch.setattr(RetryPolicy, "delay", staticmethod(recording))
+    proxy = harness.proxy
+    streams = proxy.streams
+    proxy.abort_streams = 3
+    proxy.wait_for(lambda: proxy.streams >= streams + 3 and proxy.abort_streams == 0)
+    proxy.wait_for(lambda: harness.node.connected.is_set())
+    assert attempts == [0, 0, 0]
 
 
 def test_insecure_owner_keeps_its_identity_across_reconnects(
