@@ -104,6 +104,8 @@ def load_config(path: Path) -> AnalystConfig:
         document = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
     unknown = sorted(set(document) - _CONFIG_KEYS)
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(_CONFIG_KEYS)})")
@@ -115,8 +117,13 @@ def load_config(path: Path) -> AnalystConfig:
             raise ConfigError(f"{path}: {where}{key} must be a string")
         return value
 
-    def file(value: str | None) -> Path | None:
-        return None if value is None else base / Path(value).expanduser()
+    def file(value: str | None, key: str) -> Path | None:
+        if value is None:
+            return None
+        try:
+            return base / Path(value).expanduser()
+        except RuntimeError as exc:  # "~user/..." naming an unknown user
+            raise ConfigError(f"{path}: {key}: cannot expand {value!r}: {exc}") from None
 
     tls = None
     table = document.get("tls")
@@ -127,7 +134,7 @@ def load_config(path: Path) -> AnalystConfig:
         missing = sorted(_TLS_KEYS - set(table))
         if unknown_tls or missing:
             raise ConfigError(f"{path}: [tls] needs exactly ca, cert and key")
-        ca, cert, key = (file(text(k, table, "tls.")) for k in ("ca", "cert", "key"))
+        ca, cert, key = (file(text(k, table, "tls."), f"tls.{k}") for k in ("ca", "cert", "key"))
         assert ca is not None and cert is not None and key is not None
         tls = TlsFiles(ca, cert, key)
     insecure = document.get("insecure", False)
@@ -135,7 +142,7 @@ def load_config(path: Path) -> AnalystConfig:
         raise ConfigError(f"{path}: insecure must be true or false")
     return AnalystConfig(
         proxy=text("proxy"),
-        key_dir=file(text("key_dir")),
+        key_dir=file(text("key_dir"), "key_dir"),
         tls=tls,
         server_name=text("server_name"),
         insecure=insecure,

@@ -324,6 +324,8 @@ def load_config(path: str | os.PathLike[str]) -> OwnerConfig:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read owner config {file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{file}: not a UTF-8 text file ({exc.reason})") from None
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -391,7 +393,10 @@ class _Reader:
             return None
         if not isinstance(value, str) or not value.strip():
             raise ConfigError(f"{section}.{key} must be a non-empty path string, got {value!r}")
-        path = Path(value).expanduser()
+        try:
+            path = Path(value).expanduser()
+        except RuntimeError as exc:  # "~user/..." naming an unknown user
+            raise ConfigError(f"{section}.{key}: cannot expand {value!r}: {exc}") from None
         return path if path.is_absolute() else self.base_dir / path
 
     def boolean(
@@ -412,7 +417,10 @@ class _Reader:
             return math.nan
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"{section}.{key} must be a number, got {value!r}")
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # TOML integers are unbounded in tomllib
+            raise ConfigError(f"{section}.{key} is too large: {value}") from None
         if math.isnan(number):
             raise ConfigError(f"{section}.{key} must not be nan")
         return number

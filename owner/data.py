@@ -167,9 +167,16 @@ def _check_finite(table: FloatArray, path: Path) -> None:
 
 def _load_npy(path: Path) -> FloatArray:
     try:
-        raw = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
+        with path.open("rb") as handle:
+            # read_array, not np.load: np.load also opens .npz archives (a mapping,
+            # not an array) and dispatches on the file's first bytes.
+            raw = np.lib.format.read_array(handle, allow_pickle=False)
+    except OSError as exc:
         raise DataError(f"{path}: not a readable .npy array: {exc}") from exc
+    except Exception as exc:
+        # numpy's header parser reports a malformed file with whatever its tools
+        # raise: ValueError, EOFError, SyntaxError, tokenize.TokenError, ...
+        raise DataError(f"{path}: not a readable .npy array: {type(exc).__name__}: {exc}") from exc
     if raw.ndim != 2:
         raise DataError(f"{path}: expected a 2-D array, got shape {raw.shape}")
     if raw.size == 0 and raw.shape[0] == 0:

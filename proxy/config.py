@@ -152,6 +152,8 @@ def load_config(path: str | Path) -> ProxyConfig:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read proxy config {file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{file}: not a UTF-8 text file ({exc.reason})") from None
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -188,7 +190,9 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     proxy = ProxySection(
         id=node_id,
         listen=_listen(_str(proxy_table, "proxy.listen", DEFAULT_LISTEN), "proxy.listen"),
-        database=_path(base_dir, _str(proxy_table, "proxy.database", "proxy.sqlite3")),
+        database=_path(
+            base_dir, _str(proxy_table, "proxy.database", "proxy.sqlite3"), "proxy.database"
+        ),
         heartbeat_seconds=heartbeat,
     )
 
@@ -272,11 +276,17 @@ def _float(table: Mapping[str, Any], key: str, default: float) -> float:
     value = table.get(key.rsplit(".", 1)[-1], default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{key} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # TOML integers are unbounded in tomllib
+        raise ConfigError(f"{key} is too large: {value}") from None
 
 
-def _path(base_dir: Path, value: str) -> Path:
-    path = Path(value).expanduser()
+def _path(base_dir: Path, value: str, key: str) -> Path:
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError as exc:  # "~user/..." naming an unknown user
+        raise ConfigError(f"{key}: cannot expand {value!r}: {exc}") from None
     return path if path.is_absolute() else base_dir / path
 
 
@@ -284,7 +294,7 @@ def _optional_path(base_dir: Path, table: Mapping[str, Any], key: str) -> Path |
     name = key.rsplit(".", 1)[-1]
     if name not in table:
         return None
-    return _path(base_dir, _str(table, key, ""))
+    return _path(base_dir, _str(table, key, ""), key)
 
 
 def _privacy(table: Mapping[str, Any], key: str, default: PrivacyParams) -> PrivacyParams:
@@ -301,6 +311,13 @@ def _privacy(table: Mapping[str, Any], key: str, default: PrivacyParams) -> Priv
 
 def _listen(value: str, key: str) -> str:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # ASCII digits only and at most 5 of them: str.isdigit() also accepts other
+    # scripts' digits, and int() refuses strings of more than 4300 digits.
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdigit() and len(port) <= 5)
+        or not 0 <= int(port) <= 65535
+    ):
         raise ConfigError(f"{key} must be host:port (port 0 = any free port), got {value!r}")
     return value

@@ -130,6 +130,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMER_INTERVAL = 0.5
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
 
+_MAX_DEADLINE = 366 * 24 * 3600.0
+"""Longest ``deadline_seconds`` a query may ask for (one year)."""
+
 
 # --------------------------------------------------------------- spec <-> JSON
 def spec_to_dict(spec: QuerySpec) -> dict[str, Any]:
@@ -394,8 +397,14 @@ class Coordinator:
                 "analyst_key_fingerprint does not match analyst_public_key_n "
                 f"(expected {key_fingerprint(public_key)})"
             )
-        if not math.isfinite(spec.deadline_seconds):
-            raise ConfigError("deadline_seconds must be finite")
+        # The deadline travels as a timestamp (task stream, query status): a query whose
+        # deadline lies past year 9999 was stored and charged, and then every status
+        # and every owner's task stream failed with INTERNAL (datetime out of range).
+        if not (math.isfinite(spec.deadline_seconds) and spec.deadline_seconds <= _MAX_DEADLINE):
+            raise ConfigError(
+                f"deadline_seconds must be finite and at most {_MAX_DEADLINE:.0f} (one year),"
+                f" got {spec.deadline_seconds!r}"
+            )
         plan = ReleasePlan.for_query(spec, bits)
         return _QueryContext(spec, plan, public_key)
 
@@ -490,8 +499,9 @@ class Coordinator:
     def check_upload_header(self, owner_id: str, header: serde.UploadHeader) -> None:
         """Everything that can be checked before a single chunk is read.
 
-        A retry of an upload this owner already had accepted passes (the store
-        then answers "duplicate"), even after the query has moved on.
+        A retry of an upload this owner already had accepted passes the state and
+        deadline checks (the store then answers "duplicate"), even after the query
+        has moved on; it must still match the plan like any other upload.
 
         Raises
         ------
@@ -509,15 +519,10 @@ class Coordinator:
         """
         context = self._context(header.query_id)
         spec = context.spec
-        if self._is_retry(owner_id, header):
-            return
-        record = self.store.query(header.query_id)
-        if record.state is not QueryState.COLLECTING:
-            raise QueryStateError(
-                f"query {header.query_id!r} is {record.state.value}: uploads are no longer accepted"
-            )
-        if self.clock() >= record.deadline_at:
-            raise QueryStateError(f"query {header.query_id!r}: the upload deadline has passed")
+        # Key, layout and count are checked before the retry shortcut: a genuine retry
+        # resends the very same header, and one with the same upload id and content
+        # hash but e.g. another layout or a stats-mode record count was answered
+        # "duplicate" without ever being validated.
         if header.analyst_key_fingerprint != spec.analyst_key_fingerprint:
             raise CiphertextError(
                 f"{header.label}: encrypted under key {header.analyst_key_fingerprint}, the "
@@ -542,6 +547,15 @@ class Coordinator:
                 f"{header.label}: public_record_count must be absent in stats mode (the "
                 "count is a noised statistic)"
             )
+        if self._is_retry(owner_id, header):
+            return
+        record = self.store.query(header.query_id)
+        if record.state is not QueryState.COLLECTING:
+            raise QueryStateError(
+                f"query {header.query_id!r} is {record.state.value}: uploads are no longer accepted"
+            )
+        if self.clock() >= record.deadline_at:
+            raise QueryStateError(f"query {header.query_id!r}: the upload deadline has passed")
 
     def accept_upload(
         self,

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import gmpy2
 from phe import paillier
 
 from ..errors import KeyFileError
@@ -123,11 +124,18 @@ def save_private_key(
 
 
 def _read_document(path: Path, expected_format: str) -> dict[str, Any]:
-    text = path.read_text(encoding="utf-8")  # OSError (missing, unreadable) propagates
+    try:
+        text = path.read_text(encoding="utf-8")  # OSError (missing, unreadable) propagates
+    except UnicodeDecodeError as error:
+        raise KeyFileError(f"{path}: not a UTF-8 text file ({error.reason})") from None
     try:
         document = json.loads(text)
     except json.JSONDecodeError as error:
         raise KeyFileError(f"{path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    except (ValueError, RecursionError) as error:
+        # json raises these for an integer literal of more than 4300 digits and for
+        # arrays/objects nested deeper than the interpreter's recursion limit.
+        raise KeyFileError(f"{path}: not a usable JSON document ({error})") from None
     if not isinstance(document, dict):
         raise KeyFileError(f"{path}: expected a JSON object")
     if document.get("format") != expected_format:
@@ -197,7 +205,7 @@ def load_private_key(
     Raises
     ------
     KeyFileError
-        If the file is malformed, p·q != n, p == q, or the checks of
+        If the file is malformed, p·q != n, p == q, p or q is not prime, or the checks of
         :func:`load_public_key` fail.
     """
     file = Path(path)
@@ -211,4 +219,9 @@ def load_private_key(
         raise KeyFileError(f"{file}: p * q does not equal n")
     if p == q:
         raise KeyFileError(f"{file}: p and q must differ")
+    # With composite factors phe either fails deep inside (no modular inverse) or
+    # builds a key whose CRT decryption is silently wrong.
+    for name, factor in (("p", p), ("q", q)):
+        if not gmpy2.is_prime(factor):
+            raise KeyFileError(f"{file}: {name} is not a prime")
     return paillier.PaillierPrivateKey(public_key, p, q)

@@ -232,8 +232,13 @@ def _timestamp_to_proto(moment: datetime, what: str) -> timestamp_pb2.Timestamp:
     return stamp
 
 
-def _timestamp_from_proto(stamp: timestamp_pb2.Timestamp) -> datetime:
-    return stamp.ToDatetime(tzinfo=UTC)
+def _timestamp_from_proto(stamp: timestamp_pb2.Timestamp, what: str) -> datetime:
+    # A peer may send any int64 seconds / int32 nanos; protobuf's ToDatetime raises a
+    # bare ValueError outside 0001-01-01..9999-12-31 or for nanos outside [0, 1e9).
+    try:
+        return stamp.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{what} is not a valid timestamp: {exc}") from None
 
 
 def _key_modulus_to_bytes(n: int) -> bytes:
@@ -1070,7 +1075,7 @@ def proxy_info_from_proto(message: owner_pb.ProxyInfo) -> ProxyInfo:
         authenticated_node_id=message.authenticated_node_id,
         heartbeat_interval_seconds=message.heartbeat_interval_seconds,
         max_message_bytes=message.max_message_bytes,
-        server_time=_timestamp_from_proto(message.server_time),
+        server_time=_timestamp_from_proto(message.server_time, "ProxyInfo.server_time"),
     )
 
 
@@ -1142,7 +1147,9 @@ def task_event_from_proto(message: owner_pb.TaskEvent) -> TaskEvent:
     if kind == "heartbeat":
         if not message.heartbeat.HasField("sent_at"):
             raise ProtocolError("Heartbeat.sent_at is missing")
-        return Heartbeat(sent_at=_timestamp_from_proto(message.heartbeat.sent_at))
+        return Heartbeat(
+            sent_at=_timestamp_from_proto(message.heartbeat.sent_at, "Heartbeat.sent_at")
+        )
     if kind == "task":
         task = message.task
         if not task.HasField("query"):
@@ -1151,7 +1158,7 @@ def task_event_from_proto(message: owner_pb.TaskEvent) -> TaskEvent:
             raise ProtocolError(f"Task for query {task.query.query_id!r}: upload_deadline missing")
         return Task(
             query=query_spec_from_proto(task.query),
-            upload_deadline=_timestamp_from_proto(task.upload_deadline),
+            upload_deadline=_timestamp_from_proto(task.upload_deadline, "Task.upload_deadline"),
             accepted_obfuscation_variants=_capabilities_from_proto(
                 task.accepted_obfuscation_variants, "Task.accepted_obfuscation_variants"
             ),
@@ -1275,7 +1282,9 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
         quorum=message.quorum,
         owners_declined=message.owners_declined,
         deadline=(
-            _timestamp_from_proto(message.deadline) if message.HasField("deadline") else None
+            _timestamp_from_proto(message.deadline, f"{what}.deadline")
+            if message.HasField("deadline")
+            else None
         ),
         failure_reason=message.failure_reason if message.HasField("failure_reason") else None,
     )

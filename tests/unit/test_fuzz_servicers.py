@@ -1,0 +1,843 @@
+"""Fuzzing the proxy's servicers over real gRPC with mutual TLS (hypothesis, bounded).
+
+One in-process proxy (TEST-ONLY 512-bit analyst keys) holds:
+
+* ``fuzz-target``: a stats-mode PCA query in COLLECTING (quorum 3) into which
+  owner-1 has already uploaded;
+* ``fuzz-finished``: a DONE query (quorum 1) with a stored result.
+
+Fuzzed calls:
+
+* Upload streams from owner-1, owner-2 and a third owner: mutations of owner-1's
+  accepted upload (a replay) and of a fresh, never sent upload — dropped,
+  duplicated, reordered, resized or flipped chunks, wrong chunk indices and
+  hashes, changed header fields (query, key fingerprint, upload id, blocks,
+  chunk count, content hash, public record count), oversized declared counts,
+  ciphertexts 0, >= n^2 or sharing a factor with n (with the hashes recomputed,
+  so they reach the Z*_{n^2} check). Every mutation is invalid by construction,
+  so the only acceptable outcomes are a refusal, or DUPLICATE for owner-1
+  resending its very own, unmodified upload.
+* SubmitQuery with near-valid specs (every field pushed to its edges, wrong or
+  foreign keys, existing ids, an analyst with a small budget).
+* GetQueryStatus, WatchQueryStatus, FetchResult, GetBudget, DeclineTask and Hello
+  with random ids, deltas, reasons and callers of the wrong role.
+
+Properties: a refused call ends with a specific, non-INTERNAL status code and a
+non-empty details message that the proxy also logged, and the stored state
+(queries and their counters, SQLite aggregate blobs, uploads, declines, results,
+budget ledgers, read through :class:`~fedpca.proxy.store.ProxyStore`) is exactly
+what it was before the call. An accepted call changes only what it should. After
+the fuzz run a valid upload still succeeds, and the decrypted result equals the
+exact sums of the three owners' encrypted shares (no corruption).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from fedpca.codec import (
+    CryptoPool,
+    encode_fixed_point,
+    generate_keypair,
+    key_fingerprint,
+    unpack_slots,
+)
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.owner.statistics import local_statistics
+from fedpca.protocol import SHARES, ReleasePlan
+from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
+from fedpca.proxy.coordinator import spec_to_dict, wire_blocks
+from fedpca.proxy.server import ProxyServer
+from fedpca.proxy.store import ProxyStore, QueryState
+from fedpca.query import QueryKind, QuerySpec
+from fedpca.transport import channels, serde
+from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
+from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from fedpca.v1 import owner_service_pb2 as owner_pb
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from fedpca.v1 import query_pb2 as query_pb
+
+TIMEOUT = 30.0
+M = 6
+TARGET = "fuzz-target"
+FINISHED = "fuzz-finished"
+OWNERS = ("owner-1", "owner-2", "owner-3")
+ANALYSTS = ("alice", "bob")
+# One ciphertext per chunk: a 512-bit key has 128-byte ciphertexts.
+SMALL_MESSAGES = 64 + 128
+
+REFUSAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+
+
+def fuzz_settings(max_examples: int) -> settings:
+    """Bounded and reproducible: fixed seed per test, no example database."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+# ------------------------------------------------------------------- fixtures
+class _Refusals(logging.Handler):
+    """Collects the servicers' refusal log lines (caplog is per function)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        self._guard = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._guard:
+            self.lines.append(record.getMessage())
+
+    def logged(self, details: str) -> bool:
+        with self._guard:
+            return any(details in line and "refused (" in line for line in self.lines)
+
+
+@dataclass
+class World:
+    """The running proxy, its callers and what owner-1 uploaded."""
+
+    server: ProxyServer
+    store: ProxyStore
+    public_key: Any
+    private_key: Any
+    other_key: Any
+    spec: QuerySpec
+    owners: dict[str, owner_grpc.OwnerServiceStub]
+    analysts: dict[str, analyst_grpc.AnalystServiceStub]
+    wrong_role: analyst_grpc.AnalystServiceStub
+    wrong_owner: owner_grpc.OwnerServiceStub
+    open_channel: Any
+    replay: list[owner_pb.UploadMessage]
+    fresh: dict[str, list[owner_pb.UploadMessage]]
+    expected: dict[str, np.ndarray]
+    refusals: _Refusals
+    channels: list[grpc.Channel] = field(default_factory=list)
+
+
+def _share(
+    spec: QuerySpec, seed: int, public_key: Any, pool: CryptoPool
+) -> tuple[serde.PackedCiphertexts, np.ndarray]:
+    """An owner's encrypted upload for ``spec`` and the integers it encrypted."""
+    rng = np.random.default_rng(seed)
+    rows = rng.uniform(-1, 1, size=(20, M))
+    rows /= np.maximum(1.0, np.linalg.norm(rows, axis=1))[:, None]
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    values = plan.owner_values(local_statistics(rows, None, spec))
+    encoded = {
+        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
+        for name, v in values.items()
+    }
+    ciphertexts = {
+        block.name: list(
+            pool.encrypt_packed(
+                public_key, encoded[block.name], block.layout, block.bound
+            ).ciphertexts
+        )
+        for block in plan.owner_blocks
+    }
+    return serde.PackedCiphertexts(wire_blocks(plan), ciphertexts), encoded[SHARES]
+
+
+def _spec(public_key: Any, query_id: str, **changes: Any) -> QuerySpec:
+    spec = QuerySpec(
+        query_id=query_id,
+        kind=QueryKind.PCA,
+        n_features=M,
+        epsilon=math.inf,
+        delta=1e-5,
+        n_components=2,
+        analyst_public_key_n=public_key.n,
+        analyst_key_fingerprint=key_fingerprint(public_key),
+        quorum=3,
+        max_owners=8,
+        deadline_seconds=3600.0,
+    )
+    return replace(spec, **changes)
+
+
+@pytest.fixture(scope="module")
+def world(
+    tmp_path_factory: pytest.TempPathFactory, test_only_keypair_512: tuple[Any, Any]
+) -> Iterator[World]:
+    public_key, private_key = test_only_keypair_512
+    other_key, _ = generate_keypair(512, allow_insecure_test_key=True)
+    tls = init_certificates(
+        tmp_path_factory.mktemp("certs"), owner_ids=list(OWNERS), analyst_ids=list(ANALYSTS)
+    )
+    proxy = tls[NodeIdentity(Role.PROXY, "proxy")]
+    config = ProxyConfig(
+        proxy=ProxySection(
+            listen="127.0.0.1:0",
+            database=tmp_path_factory.mktemp("proxy") / "proxy.sqlite3",
+            heartbeat_seconds=0.2,
+        ),
+        tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
+        budget=BudgetConfig(PrivacyParams(math.inf, 1e-5), {"bob": PrivacyParams(1.0, 1e-5)}),
+        crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
+    )
+    refusals = _Refusals()
+    servicer_log = logging.getLogger("fedpca.proxy.servicer")
+    servicer_log.addHandler(refusals)
+    with CryptoPool(processes=1) as pool:
+        server = ProxyServer(config, noise_sampler=TestOnlySeededSampler(3), pool=pool)
+        server.start()
+        opened: list[grpc.Channel] = []
+
+        def channel(role: Role, node_id: str, **options: Any) -> grpc.Channel:
+            material = TlsMaterial.load(tls[NodeIdentity(role, node_id)])
+            opened.append(channels.secure_channel(server.address, material, **options))
+            return opened[-1]
+
+        try:
+            owners = {o: owner_grpc.OwnerServiceStub(channel(Role.OWNER, o)) for o in OWNERS}
+            analysts = {
+                a: analyst_grpc.AnalystServiceStub(channel(Role.ANALYST, a)) for a in ANALYSTS
+            }
+            # An owner certificate on the analyst service and the other way round.
+            wrong_role = analyst_grpc.AnalystServiceStub(channel(Role.OWNER, "owner-3"))
+            wrong_owner = owner_grpc.OwnerServiceStub(channel(Role.ANALYST, "alice"))
+            spec = _spec(public_key, TARGET)
+            finished = _spec(public_key, FINISHED, quorum=1)
+            for submitted in (spec, finished):
+                analysts["alice"].SubmitQuery(
+                    serde.submit_query_request_to_proto(submitted), timeout=TIMEOUT
+                )
+            expected: dict[str, np.ndarray] = {}
+            fresh: dict[str, list[owner_pb.UploadMessage]] = {}
+            for seed, owner in enumerate(OWNERS):
+                payload, shares = _share(spec, seed, public_key, pool)
+                expected[owner] = shares.astype(object)
+                fresh[owner] = serde.encode_upload(
+                    TARGET, spec.analyst_key_fingerprint, f"up-{owner}", payload, SMALL_MESSAGES
+                )
+            replay = fresh.pop("owner-1")
+            owners["owner-1"].Upload(iter(replay), timeout=TIMEOUT)
+            done_payload, _ = _share(finished, 99, public_key, pool)
+            owners["owner-2"].Upload(
+                iter(
+                    serde.encode_upload(
+                        FINISHED, spec.analyst_key_fingerprint, "done", done_payload
+                    )
+                ),
+                timeout=TIMEOUT,
+            )
+            store = server.coordinator.store
+            _wait_for(lambda: store.query(FINISHED).state is QueryState.DONE)
+            yield World(
+                server=server,
+                store=store,
+                public_key=public_key,
+                private_key=private_key,
+                other_key=other_key,
+                spec=spec,
+                owners=owners,
+                analysts=analysts,
+                wrong_role=wrong_role,
+                wrong_owner=wrong_owner,
+                open_channel=channel,
+                replay=replay,
+                fresh=fresh,
+                expected=expected,
+                refusals=refusals,
+                channels=opened,
+            )
+        finally:
+            for opened_channel in opened:
+                opened_channel.close()
+            server.stop(grace=1.0)
+            servicer_log.removeHandler(refusals)
+
+
+def _wait_for(condition: Any, timeout: float = TIMEOUT) -> None:
+    event = threading.Event()
+    for _ in range(int(timeout / 0.05)):
+        if condition():
+            return
+        event.wait(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+# ---------------------------------------------------------------- the oracle
+def snapshot(store: ProxyStore) -> dict[str, Any]:
+    """Everything durable a call could corrupt, read through the store."""
+    queries = store.queries()
+    ids = [record.query_id for record in queries]
+    return {
+        "queries": {record.query_id: record for record in queries},
+        "aggregates": {q: store.aggregate(q) for q in ids},
+        "uploads": {q: store.uploads(q) for q in ids},
+        "declines": {q: store.declines(q) for q in ids},
+        "results": {
+            r.query_id: store.result(r.query_id) for r in queries if r.state is QueryState.DONE
+        },
+        "releases": {a: store.releases(a) for a in ANALYSTS},
+        # Not compared: the owners table (Hello and task streams record last_seen) and
+        # the analysts table, a write-only mirror of the configured budget that every
+        # submission refreshes before its checks run.
+    }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: grpc.StatusCode | None
+    details: str
+    response: Any = None
+
+
+def call(invoke: Any) -> Outcome:
+    try:
+        response = invoke()
+    except grpc.RpcError as error:
+        return Outcome(error.code(), error.details() or "")
+    return Outcome(None, "", response)
+
+
+def assert_refused_cleanly(
+    world: World, outcome: Outcome, before: dict[str, Any], what: str
+) -> None:
+    """A refusal: specific code, a message the proxy logged, nothing stored changed."""
+    # Coverage report with --hypothesis-show-statistics: which checks refused.
+    event(f"{what.split()[0]} refused: {outcome.code}: {_shape(outcome.details)}")
+    assert outcome.code in REFUSAL_CODES, f"{what}: {outcome.code} {outcome.details!r}"
+    assert outcome.details.strip(), f"{what}: {outcome.code} without details"
+    assert world.refusals.logged(outcome.details), f"{what}: refusal was not logged"
+    assert snapshot(world.store) == before, f"{what}: refused, but the stored state changed"
+
+
+def _shape(details: str) -> str:
+    """The refusal message without its variable parts (ids, numbers, hashes)."""
+    text = re.sub(r"'[^']*'|\"[^\"]*\"|[0-9a-f]{16}…|sha256:[0-9a-f]+|-?\d[\d.e+-]*", "_", details)
+    return text[:90]
+
+
+# -------------------------------------------------------------- upload fuzz
+def _copy(messages: list[Any]) -> list[Any]:
+    return [type(m).FromString(m.SerializeToString()) for m in messages]
+
+
+def _rehash(stream: list[owner_pb.UploadMessage]) -> None:
+    content = hashlib.sha256()
+    for message in stream:
+        if message.WhichOneof("payload") == "chunk":
+            message.chunk.sha256 = hashlib.sha256(message.chunk.ciphertexts).digest()
+            content.update(message.chunk.ciphertexts)
+    if stream and stream[0].WhichOneof("payload") == "header":
+        stream[0].header.content_sha256 = content.digest()
+
+
+def _different(value: Any, current: Any) -> Any:
+    """``value``, nudged when it happens to equal ``current`` (every edit must bite)."""
+    if value != current:
+        return value
+    if isinstance(value, bytes):
+        return value + b"\x00"
+    if isinstance(value, str):
+        return value + "x"
+    return value + 1 if value < 2**32 - 1 else value - 1
+
+
+_BLOCK_FIELDS = {
+    "name": st.text(max_size=10),
+    "key_bits": st.sampled_from([0, 1, 511, 513, 1024, 2**32 - 1]),
+    "slot_bits": st.sampled_from([0, 1, 61, 63, 512, 2**32 - 1]),
+    "slots_per_ciphertext": st.sampled_from([0, 1, 7, 9, 2**32 - 1]),
+    "value_count": st.sampled_from([0, 1, 27, 29, 2**63, 2**64 - 1]),
+    "n_ciphertexts": st.sampled_from([0, 1, 3, 5, 2**32, 2**64 - 1]),
+}
+_UPLOAD_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def _bad_value(public_key: Any, private_key: Any) -> st.SearchStrategy[int]:
+    """Integers that fit the 128-byte field but are no element of Z*_{n^2}."""
+    n = public_key.n
+    n_square = n * n
+    return st.one_of(
+        st.sampled_from([0, n, n_square, n_square + 1, 2**1024 - 1]),
+        st.integers(n_square, 2**1024 - 1),
+        st.integers(1, 2**200).flatmap(
+            lambda k: st.sampled_from([k * private_key.p, k * private_key.q, k * n])
+        ),
+    )
+
+
+@st.composite
+def upload_edits(draw: st.DrawFn, world: World) -> list[tuple[Any, ...]]:
+    """1-3 edits, each of which alone makes any upload invalid."""
+    position = st.integers(0, 64)
+    edit = st.one_of(
+        st.tuples(st.just("drop"), position),
+        st.tuples(st.just("duplicate"), position),
+        st.tuples(st.just("swap"), position, st.integers(1, 8)),
+        st.tuples(st.just("flip"), position, st.integers(0, 127), st.integers(1, 255)),
+        st.tuples(st.just("flip_keep_chunk_hash"), position, st.integers(0, 127)),
+        st.tuples(st.just("chunk_index"), position, st.integers(0, 2**32 - 1)),
+        st.tuples(st.just("chunk_sha"), position, st.binary(max_size=40)),
+        st.tuples(st.just("resize"), position, st.integers(-200, 200).filter(bool)),
+        st.tuples(st.just("truncate"), position),
+        st.tuples(st.just("extra_chunk"), st.binary(min_size=1, max_size=256)),
+        st.tuples(st.just("chunk_first")),
+        st.tuples(st.just("empty")),
+        st.tuples(
+            st.just("query_id"),
+            st.one_of(st.text(max_size=12), st.sampled_from(["", FINISHED, "nope"])),
+        ),
+        st.tuples(st.just("fingerprint"), st.one_of(st.text(max_size=12), st.just(""))),
+        st.tuples(
+            st.just("upload_id"),
+            st.text(max_size=140).filter(lambda s: not _UPLOAD_ID_RE.fullmatch(s)),
+        ),
+        st.sampled_from(list(_BLOCK_FIELDS)).flatmap(
+            lambda name: st.tuples(st.just("block"), st.just(name), _BLOCK_FIELDS[name])
+        ),
+        st.tuples(st.just("drop_block")),
+        st.tuples(st.just("add_block"), st.text(max_size=6)),
+        st.tuples(st.just("total_chunks"), st.sampled_from([0, 1, 3, 5, 2**32 - 1])),
+        st.tuples(st.just("content_sha"), st.binary(max_size=40)),
+        st.tuples(st.just("public_count"), st.sampled_from([0, 1, 20, 2**64 - 1])),
+        st.tuples(
+            st.just("ciphertext"),
+            position,
+            _bad_value(world.public_key, world.private_key),
+        ),
+    )
+    return draw(st.lists(edit, min_size=1, max_size=3))
+
+
+def mutate_upload(
+    base: list[owner_pb.UploadMessage], edits: list[tuple[Any, ...]]
+) -> list[owner_pb.UploadMessage]:
+    stream = _copy(base)
+    for edit in edits:
+        kind = edit[0]
+        chunks = [m.chunk for m in stream if m.WhichOneof("payload") == "chunk"]
+        header = next((m.header for m in stream if m.WhichOneof("payload") == "header"), None)
+        if kind == "empty":
+            stream = []
+        elif kind == "drop" and stream:
+            del stream[edit[1] % len(stream)]
+        elif kind == "duplicate" and stream:
+            at = edit[1] % len(stream)
+            stream.insert(at, _copy([stream[at]])[0])
+        elif kind == "swap" and len(stream) >= 2:
+            i = edit[1] % len(stream)
+            j = (i + edit[2]) % len(stream)
+            j = j if j != i else (i + 1) % len(stream)
+            stream[i], stream[j] = stream[j], stream[i]
+        elif kind in ("flip", "flip_keep_chunk_hash") and chunks:
+            chunk = chunks[edit[1] % len(chunks)]
+            data = bytearray(chunk.ciphertexts)
+            if data:
+                data[edit[2] % len(data)] ^= edit[3] if kind == "flip" else 0x01
+                chunk.ciphertexts = bytes(data)
+                if kind == "flip_keep_chunk_hash":
+                    # The chunk checks out on its own; only the content hash can tell.
+                    chunk.sha256 = hashlib.sha256(chunk.ciphertexts).digest()
+        elif kind == "chunk_index" and chunks:
+            chunk = chunks[edit[1] % len(chunks)]
+            chunk.index = _different(edit[2], chunk.index)
+        elif kind == "chunk_sha" and chunks:
+            chunk = chunks[edit[1] % len(chunks)]
+            chunk.sha256 = _different(edit[2], chunk.sha256)
+        elif kind == "resize" and chunks:
+            chunk = chunks[edit[1] % len(chunks)]
+            data, delta = chunk.ciphertexts, edit[2]
+            chunk.ciphertexts = data[:delta] if delta < 0 else data + b"\x01" * delta
+        elif kind == "truncate" and stream:
+            del stream[edit[1] % len(stream) :]
+        elif kind == "extra_chunk":
+            index = len(chunks)
+            stream.append(
+                owner_pb.UploadMessage(
+                    chunk=serde.ciphertext_pb.CiphertextChunk(
+                        index=index, ciphertexts=edit[1], sha256=hashlib.sha256(edit[1]).digest()
+                    )
+                )
+            )
+        elif kind == "chunk_first" and stream and header is not None:
+            stream[0] = owner_pb.UploadMessage(chunk=_copy([stream[-1]])[0].chunk)
+        elif kind == "ciphertext" and chunks:
+            chunk = chunks[edit[1] % len(chunks)]
+            if len(chunk.ciphertexts) >= 128:
+                chunk.ciphertexts = edit[2].to_bytes(128, "big") + chunk.ciphertexts[128:]
+                _rehash(stream)  # reach the Z*_{n^2} check, past every hash check
+        elif header is not None:
+            if kind == "query_id":
+                value = _different(edit[1], header.query_id)
+                # "sq-*" ids belong to SubmitQuery's fuzz; keep clear of them.
+                header.query_id = "q" + value if value.startswith("sq-") else value
+            elif kind == "fingerprint":
+                header.analyst_key_fingerprint = _different(edit[1], header.analyst_key_fingerprint)
+            elif kind == "upload_id":
+                header.upload_id = edit[1]
+            elif kind == "block" and header.blocks:
+                block = header.blocks[0]
+                setattr(block, edit[1], _different(edit[2], getattr(block, edit[1])))
+            elif kind == "drop_block" and header.blocks:
+                del header.blocks[0]
+            elif kind == "add_block":
+                extra = header.blocks.add()
+                if len(header.blocks) > 1:
+                    extra.CopyFrom(header.blocks[0])
+                extra.name = edit[1] + "-extra"
+            elif kind == "total_chunks":
+                header.total_chunks = _different(edit[1], header.total_chunks)
+            elif kind == "content_sha":
+                header.content_sha256 = _different(edit[1], header.content_sha256)
+            elif kind == "public_count":
+                header.public_record_count = edit[1]  # stats mode: must be absent
+    return stream
+
+
+def _wire(stream: list[Any]) -> list[bytes]:
+    return [m.SerializeToString(deterministic=True) for m in stream]
+
+
+def test_fuzzed_uploads_are_refused_without_touching_the_store(world: World) -> None:
+    assert world.store.query(TARGET).state is QueryState.COLLECTING
+    assert world.store.query(TARGET).n_contributed == 1
+
+    @fuzz_settings(max_examples=250)
+    @given(
+        st.sampled_from(["replay", "owner-2", "owner-3"]),
+        st.sampled_from(OWNERS),
+        upload_edits(world),
+    )
+    def run(base_name: str, caller: str, edits: list[tuple[Any, ...]]) -> None:
+        base = world.replay if base_name == "replay" else world.fresh[base_name]
+        stream = mutate_upload(base, edits)
+        # Edits can cancel out (the same byte flipped twice, a swap undone); an
+        # unmodified fresh upload is valid, so only a changed one is a fuzz input.
+        assume(base_name == "replay" or _wire(stream) != _wire(base))
+        before = snapshot(world.store)
+        outcome = call(lambda: world.owners[caller].Upload(iter(stream), timeout=TIMEOUT))
+        what = f"Upload by {caller} of {base_name} with {[e[0] for e in edits]}"
+        if outcome.code is None:
+            receipt = serde.upload_receipt_from_proto(outcome.response)
+            # Only owner-1 resending its own accepted upload, byte for byte, may pass.
+            assert receipt.status is serde.UploadStatus.DUPLICATE, what
+            assert caller == "owner-1" and _wire(stream) == _wire(world.replay), what
+            assert snapshot(world.store) == before, what
+        else:
+            assert_refused_cleanly(world, outcome, before, what)
+
+    run()
+
+
+def test_unmodified_retry_is_a_harmless_duplicate(world: World) -> None:
+    before = snapshot(world.store)
+    receipt = world.owners["owner-1"].Upload(iter(world.replay), timeout=TIMEOUT)
+    assert serde.upload_receipt_from_proto(receipt).status is serde.UploadStatus.DUPLICATE
+    assert snapshot(world.store) == before
+
+
+# --------------------------------------------------------- SubmitQuery fuzz
+_FLOATS = [0.0, -1.0, 1e-300, 5e-324, 0.5, 1.0, 2.0, 1e300, math.inf, -math.inf, math.nan]
+_SPEC_EDITS: dict[str, st.SearchStrategy[Any]] = {
+    "query_id": st.one_of(
+        st.text(max_size=8).map(lambda s: "sq-" + s),
+        st.sampled_from(["", TARGET, FINISHED, "sq-a", "sq-a", "sq-b"]),
+    ),
+    "kind": st.sampled_from([0, 1, 2, 99]),
+    "mode": st.sampled_from([0, 1, 2, 99]),
+    "calibration": st.sampled_from([0, 1, 2, 99]),
+    "n_features": st.sampled_from([0, 1, 2, 4, 7, 50, 2**32 - 1]),
+    "n_components": st.sampled_from([0, 1, 2, 4, 5, 2**32 - 1]),
+    # No epsilon near 1e300: the analytic calibration fails there with a bare
+    # RuntimeError (a known defect in fedpca.dp, see the xfail test below).
+    "epsilon": st.sampled_from(
+        [math.inf, 0.1, 0.5, 1.0, 2.0, 10.0, 1e4, 1e10, 0.0, -1.0, -math.inf, math.nan]
+    ),
+    "delta": st.sampled_from([1e-5, 0.5, 1e-300, 5e-324, 0.0, 1.0, -1.0, math.inf, math.nan]),
+    "clip_norm": st.sampled_from(_FLOATS),
+    "bounds": st.tuples(
+        st.lists(st.sampled_from([-1.0, 0.0, 1.0, math.nan, math.inf, -1e308]), max_size=5),
+        st.lists(st.sampled_from([1.0, 2.0, 0.0, math.nan, 1e308]), max_size=5),
+    ),
+    "label_column": st.sampled_from([0, 3, 2**32 - 1]),
+    "class_labels": st.lists(
+        st.sampled_from([0.0, 1.0, 1.0, -1.0, math.nan, math.inf]), max_size=4
+    ),
+    "noise_weights": st.lists(
+        st.sampled_from([1.0, 2.0, 0.0, -1.0, math.nan, math.inf]), max_size=4
+    ),
+    "quorum": st.sampled_from([0, 1, 2, 9, 2**32 - 1]),
+    "max_owners": st.sampled_from([0, 1, 8, 2**32 - 1]),
+    "max_records_per_owner": st.sampled_from([0, 1, 1000, 2**20, 2**63, 2**64 - 1]),
+    "frac_bits": st.sampled_from([0, 7, 8, 32, 48, 49, 2**32 - 1]),
+    # No short positive deadlines: an accepted query must not expire (and change
+    # state on the proxy's timer) while the snapshots of other calls are compared.
+    "deadline_seconds": st.sampled_from([3600.0, 4e7, 1e12, 1e300, 0.0, -1.0, math.inf, math.nan]),
+    "key": st.sampled_from(["target", "other", "wrong-fingerprint", "even", "one", "padded"]),
+}
+
+
+def _spec_message(world: World, edits: list[tuple[str, Any]]) -> query_pb.QuerySpec:
+    # A fresh id per input unless the edits name one, so that a valid spec is accepted
+    # rather than refused as a different spec under an existing id.
+    fresh_id = "sq-" + hashlib.sha256(repr(edits).encode()).hexdigest()[:16]
+    spec = _spec(world.other_key, fresh_id, quorum=1, n_features=4, n_components=2)
+    message = serde.query_spec_to_proto(spec)
+    for name, value in edits:
+        if name == "bounds":
+            message.ClearField("feature_lower")
+            message.ClearField("feature_upper")
+            message.feature_lower.extend(value[0])
+            message.feature_upper.extend(value[1])
+        elif name in ("class_labels", "noise_weights"):
+            message.ClearField(name)
+            getattr(message, name).extend(value)
+        elif name == "key":
+            key = world.public_key if value == "target" else world.other_key
+            n = key.n
+            message.analyst_public_key_n = n.to_bytes((n.bit_length() + 7) // 8, "big")
+            message.analyst_key_fingerprint = key_fingerprint(key)
+            if value == "wrong-fingerprint":
+                message.analyst_key_fingerprint = key_fingerprint(world.public_key)[:-1] + "0"
+            elif value == "even":
+                message.analyst_public_key_n = (n + 1).to_bytes(64, "big")
+            elif value == "one":
+                message.analyst_public_key_n = b"\x01"
+            elif value == "padded":
+                message.analyst_public_key_n = b"\x00" + message.analyst_public_key_n
+        else:
+            setattr(message, name, value)
+    return message
+
+
+def test_fuzzed_query_submissions(world: World) -> None:
+    @fuzz_settings(max_examples=150)
+    @given(
+        st.lists(
+            st.sampled_from(sorted(_SPEC_EDITS)).flatmap(
+                lambda name: st.tuples(st.just(name), _SPEC_EDITS[name])
+            ),
+            max_size=3,
+        ),
+        st.sampled_from(["alice", "alice", "alice", "bob"]),
+        st.sampled_from([False] * 9 + [True]),
+    )
+    def run(edits: list[tuple[str, Any]], analyst: str, wrong_role: bool) -> None:
+        message = _spec_message(world, edits)
+        request = analyst_pb.SubmitQueryRequest(query=message)
+        stub = world.wrong_role if wrong_role else world.analysts[analyst]
+        before = snapshot(world.store)
+        outcome = call(lambda: stub.SubmitQuery(request, timeout=TIMEOUT))
+        what = f"SubmitQuery by {'owner-3' if wrong_role else analyst} with {edits}"
+        event(f"SubmitQuery: {outcome.code}")
+        if outcome.code is not None:
+            assert_refused_cleanly(world, outcome, before, what)
+            return
+        assert not wrong_role, what
+        status = serde.query_status_from_proto(outcome.response)
+        spec = serde.query_spec_from_proto(message)
+        assert status.query_id == spec.query_id and status.state is serde.QueryState.COLLECTING
+        after = snapshot(world.store)
+        record = after["queries"][spec.query_id]
+        assert record.analyst_id == analyst and record.spec == spec_to_dict(spec), what
+        new = spec.query_id not in before["queries"]
+        if new:
+            del after["queries"][spec.query_id]
+            for part in ("aggregates", "uploads", "declines"):
+                assert not after[part].pop(spec.query_id), what
+            assert len(after["releases"][analyst]) == len(before["releases"][analyst]) + 1
+            after["releases"][analyst] = before["releases"][analyst]
+        assert after == before, f"{what}: accepted, but changed more than the new query"
+
+    run()
+
+
+# ------------------------------------------------- reads, budget, declines
+_IDS = st.one_of(st.text(max_size=10), st.sampled_from(["", TARGET, FINISHED, "sq-a", "nope"]))
+
+
+def test_fuzzed_reads_declines_and_hellos(world: World) -> None:
+    @fuzz_settings(max_examples=200)
+    @given(
+        st.sampled_from(["status", "watch", "fetch", "budget", "decline", "hello"]),
+        _IDS,
+        st.sampled_from([*ANALYSTS, "wrong-role"]),
+        st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+        st.integers(-5, 5),
+        st.text(max_size=20),
+    )
+    def run(
+        method: str, query_id: str, caller: str, delta: float | None, reason: int, text: str
+    ) -> None:
+        wrong = caller == "wrong-role"
+        analyst = world.wrong_role if wrong else world.analysts[caller]
+        owner = world.wrong_owner if wrong else world.owners["owner-3"]
+        ref = analyst_pb.QueryRef(query_id=query_id)
+        before = snapshot(world.store)
+        what = f"{method}({query_id!r}) by {caller}"
+        if method == "status":
+            outcome = call(lambda: analyst.GetQueryStatus(ref, timeout=TIMEOUT))
+        elif method == "watch":
+            # Read the first status (or the refusal), then hang up.
+            def first() -> Any:
+                stream = analyst.WatchQueryStatus(ref, timeout=TIMEOUT)
+                try:
+                    return next(stream)
+                finally:
+                    stream.cancel()
+
+            outcome = call(first)
+        elif method == "fetch":
+            outcome = call(lambda: list(analyst.FetchResult(ref, timeout=TIMEOUT)))
+        elif method == "budget":
+            request = analyst_pb.BudgetRequest()
+            if delta is not None:
+                request.delta = delta
+            outcome = call(lambda: analyst.GetBudget(request, timeout=TIMEOUT))
+        elif method == "decline":
+            # The target stays untouched: its final check counts owners.
+            if query_id == TARGET:
+                return
+            decline = owner_pb.TaskDecline(query_id=query_id, reason=reason, detail=text)
+            outcome = call(lambda: owner.DeclineTask(decline, timeout=TIMEOUT))
+        else:
+            hello = owner_pb.OwnerHello(node_id=text, software_version=text)
+            outcome = call(lambda: owner.Hello(hello, timeout=TIMEOUT))
+        if outcome.code is not None:
+            assert_refused_cleanly(world, outcome, before, what)
+            return
+        after = snapshot(world.store)
+        if method == "fetch":
+            result = serde.decode_result(outcome.response)
+            assert result.query.query_id == query_id and result.n_owners >= 1
+        elif method == "decline":
+            assert after["declines"][query_id]["owner-3"].startswith(
+                serde.task_decline_from_proto(decline).reason.value
+            )
+            after["declines"] = before["declines"]
+        assert after == before, f"{what}: changed the stored state"
+
+    run()
+
+
+# ------------------------------------------------------- focused checks
+def test_an_oversized_message_is_refused_by_size(world: World) -> None:
+    """A chunk above the proxy's 8 MiB message limit: RESOURCE_EXHAUSTED, nothing stored.
+
+    The client may send up to 32 MiB, so it is the proxy that enforces its limit.
+    """
+    big = world.open_channel(Role.OWNER, "owner-3", max_message_bytes=32 * 1024 * 1024)
+    stream = _copy(world.fresh["owner-3"])
+    stream[1].chunk.ciphertexts = b"\x01" * (channels.DEFAULT_MAX_MESSAGE_BYTES + 1024)
+    stream[1].chunk.sha256 = hashlib.sha256(stream[1].chunk.ciphertexts).digest()
+    before = snapshot(world.store)
+    stub = owner_grpc.OwnerServiceStub(big)
+    outcome = call(lambda: stub.Upload(iter(stream), timeout=TIMEOUT))
+    assert outcome.code is grpc.StatusCode.RESOURCE_EXHAUSTED and outcome.details.strip()
+    assert snapshot(world.store) == before
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="grpc's generated handlers answer undecodable request bytes with INTERNAL "
+    "('Exception deserializing request!') before any servicer runs; mapping it to "
+    "INVALID_ARGUMENT needs lenient deserializers registered in proxy/server.py",
+)
+def test_undecodable_request_bytes_are_invalid_argument(world: World) -> None:
+    channel = world.channels[len(OWNERS)]  # alice's channel
+    raw = channel.unary_unary("/fedpca.v1.AnalystService/GetQueryStatus")
+    before = snapshot(world.store)
+    outcome = call(lambda: raw(b"\x0a\xff\xff", timeout=TIMEOUT))
+    assert snapshot(world.store) == before
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fedpca.dp.calibration: brentq does not converge for epsilon=1e300 and its "
+    "RuntimeError surfaces as INTERNAL instead of a CalibrationError",
+)
+@pytest.mark.parametrize("analyst", ANALYSTS)
+def test_an_absurd_epsilon_is_refused_precisely(world: World, analyst: str) -> None:
+    message = _spec_message(world, [("query_id", f"sq-absurd-{analyst}")])
+    message.epsilon = 1e300
+    before = snapshot(world.store)
+    outcome = call(
+        lambda: world.analysts[analyst].SubmitQuery(
+            analyst_pb.SubmitQueryRequest(query=message), timeout=TIMEOUT
+        )
+    )
+    assert snapshot(world.store) == before
+    assert outcome.code in REFUSAL_CODES, outcome
+
+
+def test_a_retry_with_a_changed_header_is_refused_not_duplicate(world: World) -> None:
+    """Found by fuzzing: owner-1 resending its accepted upload with a stats-mode
+    public_record_count (or another layout) under the same upload id and content
+    hash skipped every header check and was answered DUPLICATE."""
+    stream = mutate_upload(world.replay, [("public_count", 0)])
+    before = snapshot(world.store)
+    outcome = call(lambda: world.owners["owner-1"].Upload(iter(stream), timeout=TIMEOUT))
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "public_record_count" in outcome.details
+    assert snapshot(world.store) == before
+
+
+@pytest.mark.parametrize("deadline", [1e12, 1e300])
+def test_a_deadline_beyond_any_timestamp_is_refused(world: World, deadline: float) -> None:
+    """Found by fuzzing: deadline_seconds=1e12 was stored and charged, then its status
+    (and every owner's task stream) failed with INTERNAL: year 33715 is out of range."""
+    message = _spec_message(world, [("query_id", f"sq-far-{deadline}")])
+    message.deadline_seconds = deadline
+    before = snapshot(world.store)
+    outcome = call(
+        lambda: world.analysts["alice"].SubmitQuery(
+            analyst_pb.SubmitQueryRequest(query=message), timeout=TIMEOUT
+        )
+    )
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT and "deadline" in outcome.details
+    assert snapshot(world.store) == before
+
+
+# ---------------------------------------------------------------- the end
+def test_after_the_fuzz_valid_uploads_still_sum_exactly(world: World) -> None:
+    """Run last: the two remaining owners upload; the decrypted sums are exact."""
+    assert world.store.query(TARGET).n_contributed == 1
+    for owner in ("owner-2", "owner-3"):
+        receipt = world.owners[owner].Upload(iter(world.fresh[owner]), timeout=TIMEOUT)
+        assert serde.upload_receipt_from_proto(receipt).status is serde.UploadStatus.ACCEPTED
+    _wait_for(lambda: world.store.query(TARGET).state is QueryState.DONE)
+    assert {u.owner_id for u in world.store.uploads(TARGET)} == set(OWNERS)
+    result = serde.decode_result(
+        world.analysts["alice"].FetchResult(analyst_pb.QueryRef(query_id=TARGET), timeout=TIMEOUT)
+    )
+    assert result.n_owners == 3
+    block = ReleasePlan.for_query(world.spec, 512).result_block(SHARES)
+    plaintexts = [world.private_key.raw_decrypt(c) for c in result.payload[SHARES]]
+    expected = sum(world.expected.values())
+    assert unpack_slots(plaintexts, block.layout, world.public_key.n) == list(expected)
