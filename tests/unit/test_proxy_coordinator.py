@@ -548,6 +548,201 @@ def test_recover_finishes_a_query_interrupted_in_noising_exactly_once(
     assert decrypted == list(expected)
 
 
+# ------------------------------------------------- stats noise prepared early
+class RecordingSampler:
+    """TEST ONLY: a seeded sampler that records which thread drew how many values.
+
+    ``hold`` (optional) keeps the first draw waiting until it is set; ``fail`` makes
+    every draw raise.
+    """
+
+    def __init__(self, seed: int, hold: threading.Event | None = None, fail: bool = False) -> None:
+        self.inner = TestOnlySeededSampler(seed)
+        self.hold = hold
+        self.fail = fail
+        self.draws: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def sample(self, sigma_int: float, size: int) -> np.ndarray:
+        with self.lock:
+            first = not self.draws
+            self.draws.append((threading.current_thread().name, size))
+        if first and self.hold is not None:
+            assert self.hold.wait(30.0)
+        if self.fail:
+            raise ConfigError("sampler failure (test)")
+        with self.lock:
+            return self.inner.sample(sigma_int, size)
+
+    def threads(self) -> list[str]:
+        with self.lock:
+            return [name.split("_")[0] for name, _ in self.draws]
+
+
+def finish_with_owners(
+    coordinator: Coordinator, pool: CryptoPool, public_key: Any, owners: list[Owner], query_id: str
+) -> None:
+    plan = coordinator.plan(query_id)
+    for owner in owners:
+        header, blocks, _ = owner.upload(plan, public_key, pool)
+        coordinator.accept_upload(owner.owner_id, header, blocks)
+
+
+def test_stats_noise_is_prepared_at_submit_and_used_once(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    sections = 3  # scatter, sum, count: one draw each
+    sampler = RecordingSampler(7)
+    early = make_coordinator(tmp_path / "early", pool, noise_sampler=sampler, precompute_noise=True)
+    try:
+        spec = make_spec(public_key, epsilon=1.0)
+        early.submit("alice", spec)
+        prepared = early.prepared_noise("q1")
+        assert prepared is not None
+        prepared.result(timeout=60)
+        # Drawn (and encrypted) on the preparation thread before any owner uploaded.
+        assert sampler.threads() == ["fedpca-noise-prep"] * sections
+        early.submit("alice", spec)  # an idempotent resubmission prepares nothing more
+        assert early.prepared_noise("q1") is prepared
+        finish_with_owners(early, pool, public_key, owners_for(owner_rows), "q1")
+        assert early.store.query("q1").state is QueryState.DONE
+        assert len(sampler.draws) == sections  # used, not drawn again
+        assert early.prepared_noise("q1") is None  # taken: can never serve another result
+        assert early.result_meta("q1")["timings"]["noise_precomputed"] == 1.0
+        got = decrypt_block(pool, private_key, early, "q1", SHARES)
+    finally:
+        early.shutdown()
+
+    # The same seeded sampler drawing at finish time yields the very same release:
+    # the prepared noise is what was added, drawn by the injected sampler.
+    late = make_coordinator(tmp_path / "late", pool, noise_sampler=TestOnlySeededSampler(7))
+    run_stats_query(
+        late, pool, public_key, owners_for(owner_rows), make_spec(public_key, epsilon=1.0)
+    )
+    assert "noise_precomputed" not in late.result_meta("q1")["timings"]
+    reference = decrypt_block(pool, private_key, late, "q1", SHARES)
+    assert got == reference
+
+
+def test_prepared_noise_is_discarded_when_the_query_fails(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    clock = Clock()
+    sampler = RecordingSampler(7)
+    coordinator = make_coordinator(
+        tmp_path, pool, clock=clock, noise_sampler=sampler, precompute_noise=True
+    )
+    try:
+        coordinator.submit("alice", make_spec(public_key, epsilon=1.0, deadline_seconds=60))
+        prepared = coordinator.prepared_noise("q1")
+        assert prepared is not None
+        prepared.result(timeout=60)
+        clock.now += 61
+        assert coordinator.check_deadlines() == ["q1"]
+        assert coordinator.store.query("q1").state is QueryState.FAILED
+        assert coordinator.prepared_noise("q1") is None
+        # Not private or masked: nothing to prepare.
+        coordinator.submit("alice", make_spec(public_key, "q-inf", epsilon=math.inf))
+        coordinator.submit(
+            "alice", make_spec(public_key, "q-masked", epsilon=1.0, mode=ProtocolMode.MASKED)
+        )
+        assert coordinator.prepared_noise("q-inf") is None
+        assert coordinator.prepared_noise("q-masked") is None
+    finally:
+        coordinator.shutdown()
+
+
+def test_noise_not_prepared_in_time_is_drawn_at_finish_for_that_query_only(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    hold = threading.Event()
+    sampler = RecordingSampler(7, hold=hold)
+    coordinator = make_coordinator(tmp_path, pool, noise_sampler=sampler, precompute_noise=True)
+    try:
+        coordinator.submit("alice", make_spec(public_key, "q1", epsilon=1.0))
+        coordinator.submit("alice", make_spec(public_key, "q2", epsilon=1.0))
+        first, second = coordinator.prepared_noise("q1"), coordinator.prepared_noise("q2")
+        assert first is not None and second is not None
+        assert not second.running()  # queued behind q1's preparation, held by the sampler
+        # q2 reaches its quorum first: its preparation has not started, so it is
+        # cancelled and q2's noise is drawn by the finisher (here: this thread).
+        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q2")
+        assert coordinator.store.query("q2").state is QueryState.DONE
+        assert second.cancelled()
+        assert "noise_precomputed" not in coordinator.result_meta("q2")["timings"]
+        assert sampler.threads()[1:] == ["MainThread"] * 3
+        hold.set()
+        first.result(timeout=60)
+        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
+        assert coordinator.result_meta("q1")["timings"]["noise_precomputed"] == 1.0
+        # Six draws in all, three per query: no vector served two results.
+        threads = sampler.threads()
+        assert sorted(threads) == ["MainThread"] * 3 + ["fedpca-noise-prep"] * 3
+        noise = [
+            np.array(decrypt_block(pool, private_key, coordinator, q, SHARES), dtype=object)
+            for q in ("q1", "q2")
+        ]
+        assert not np.array_equal(noise[0], noise[1])
+    finally:
+        hold.set()
+        coordinator.shutdown()
+
+
+def test_a_failed_noise_preparation_fails_the_query_without_a_second_draw(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    sampler = RecordingSampler(7, fail=True)
+    coordinator = make_coordinator(tmp_path, pool, noise_sampler=sampler, precompute_noise=True)
+    try:
+        coordinator.submit("alice", make_spec(public_key, epsilon=1.0))
+        prepared = coordinator.prepared_noise("q1")
+        assert prepared is not None and isinstance(prepared.exception(timeout=60), ConfigError)
+        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
+        record = coordinator.store.query("q1")
+        assert record.state is QueryState.FAILED
+        assert record.failure_reason is not None and "ConfigError" in record.failure_reason
+        # A redraw after a failed draw would condition the noise on the failure.
+        assert len(sampler.draws) == 1
+    finally:
+        coordinator.shutdown()
+
+
+def test_a_restarted_proxy_prepares_fresh_noise_for_collecting_queries(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    first_sampler = RecordingSampler(7)
+    first = make_coordinator(tmp_path, pool, noise_sampler=first_sampler, precompute_noise=True)
+    first.submit("alice", make_spec(public_key, epsilon=1.0))
+    prepared = first.prepared_noise("q1")
+    assert prepared is not None
+    prepared.result(timeout=60)
+    first.shutdown()
+    first.store.close()
+    assert first.prepared_noise("q1") is None  # memory only: gone with the process
+
+    second_sampler = RecordingSampler(8)
+    restarted = make_coordinator(
+        tmp_path, pool, noise_sampler=second_sampler, precompute_noise=True
+    )
+    try:
+        restarted.recover()
+        again = restarted.prepared_noise("q1")
+        assert again is not None
+        again.result(timeout=60)
+        assert second_sampler.threads() == ["fedpca-noise-prep"] * 3
+        finish_with_owners(restarted, pool, public_key, owners_for(owner_rows), "q1")
+        assert restarted.store.query("q1").state is QueryState.DONE
+        assert len(second_sampler.draws) == 3
+        assert restarted.result_meta("q1")["timings"]["noise_precomputed"] == 1.0
+    finally:
+        restarted.shutdown()
+
+
 # ------------------------------------------------------------------ masked mode
 def _unmask(
     pool: CryptoPool,
