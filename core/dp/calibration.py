@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import numpy as np
 from scipy.optimize import brentq
@@ -100,6 +101,22 @@ def _log_delta(z: float, epsilon: float) -> float:
     return log_phi_a + math.log1p(-math.exp(log_ratio))
 
 
+def _root(function: Callable[[float], float], lo: float, hi: float, what: str) -> float:
+    """brentq's root in [lo, hi]; its failures become a CalibrationError naming ``what``.
+
+    brentq raises RuntimeError when it does not converge, which happens at absurd
+    parameters (epsilon = 1e300 puts z near 1e-150, where 1/(2z) - epsilon z cancels
+    catastrophically), and ValueError when an end point is not finite.
+    """
+    try:
+        return float(brentq(function, lo, hi, xtol=1e-300, rtol=_RTOL, maxiter=500))
+    except (RuntimeError, ValueError) as exc:
+        raise CalibrationError(
+            f"{what} cannot be computed ({exc}); the parameters are far outside any "
+            "meaningful privacy guarantee"
+        ) from None
+
+
 def analytic_gaussian_delta(sigma: float, epsilon: float, sensitivity: float = 1.0) -> float:
     """Exact delta at which the Gaussian mechanism is (epsilon, delta)-DP (Balle & Wang, Thm 8).
 
@@ -166,7 +183,8 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
     Raises
     ------
     CalibrationError
-        If a parameter is out of range.
+        If a parameter is out of range, or the root cannot be found (an absurd
+        epsilon such as 1e300).
     """
     _check_finite_params(epsilon, delta)
     _check_sensitivity(sensitivity)
@@ -183,7 +201,7 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
         lo /= 2.0
     while excess(hi) > 0:
         hi *= 2.0
-    z = float(brentq(excess, lo, hi, xtol=1e-300, rtol=_RTOL, maxiter=500))
+    z = _root(excess, lo, hi, f"the analytic calibration of epsilon={epsilon!r}, delta={delta!r}")
     for _ in range(_MAX_ULP_STEPS):
         if excess(z) <= 0:
             break
@@ -225,7 +243,7 @@ def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
     hi = 1.0
     while excess(hi) > 0:
         hi *= 2.0
-    eps = float(brentq(excess, 0.0, hi, xtol=1e-300, rtol=_RTOL, maxiter=500))
+    eps = _root(excess, 0.0, hi, f"epsilon of noise_multiplier={z!r} at delta={delta!r}")
     for _ in range(_MAX_ULP_STEPS):
         if excess(eps) <= 0:
             break

@@ -777,11 +777,6 @@ def test_undecodable_request_bytes_are_invalid_argument(world: World) -> None:
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fedpca.dp.calibration: brentq does not converge for epsilon=1e300 and its "
-    "RuntimeError surfaces as INTERNAL instead of a CalibrationError",
-)
 @pytest.mark.parametrize("analyst", ANALYSTS)
 def test_an_absurd_epsilon_is_refused_precisely(world: World, analyst: str) -> None:
     message = _spec_message(world, [("query_id", f"sq-absurd-{analyst}")])
