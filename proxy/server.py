@@ -19,12 +19,10 @@ from fedpca.dp.noise import NoiseSampler
 from fedpca.errors import ConfigError
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator import Coordinator
-from fedpca.proxy.servicer import AnalystServicer, OwnerServicer
+from fedpca.proxy.servicer import AnalystServicer, OwnerServicer, register_services
 from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels
 from fedpca.transport.certs import Role, TlsMaterial
-from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
-from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 
 __all__ = ["ProxyServer"]
 
@@ -130,20 +128,17 @@ class ProxyServer:
             )
             self._timer.start()
             server = channels.create_server()
-            owner_grpc.add_OwnerServiceServicer_to_server(
+            register_services(
+                server,
                 OwnerServicer(
                     self._coordinator,
                     config.proxy.id,
                     config.proxy.heartbeat_seconds,
                     insecure=tls is None,
                 ),
-                server,
-            )
-            analyst_grpc.add_AnalystServiceServicer_to_server(
                 AnalystServicer(
                     self._coordinator, config.proxy.heartbeat_seconds, insecure=tls is None
                 ),
-                server,
             )
             if tls is None:
                 port = channels.add_insecure_port(server, listen)

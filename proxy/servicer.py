@@ -353,3 +353,87 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
         analyst = self._caller(context, Role.ANALYST).node_id
         delta = serde.budget_request_from_proto(request)
         return serde.budget_status_to_proto(self.coordinator.budget(analyst, delta))
+
+
+# ------------------------------------------------------------- registration
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid protobuf message."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    def protocol_error(self) -> ProtocolError:
+        return ProtocolError(f"request is not a valid {self.message_type} message: {self.error}")
+
+
+def _lenient(deserialize: Callable[[bytes], Any], message_type: str) -> Callable[[bytes], Any]:
+    # grpc answers a deserializer's exception with INTERNAL before any servicer runs;
+    # deferring the failure lets it become a precise INVALID_ARGUMENT instead.
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # protobuf raises DecodeError, and others on garbage
+            return _Undecodable(message_type, error)
+
+    return parse
+
+
+def _checked(requests: Iterable[Any]) -> Iterator[Any]:
+    for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.protocol_error()  # the servicer maps it to INVALID_ARGUMENT
+        yield request
+
+
+def _guard(handler: Any, method: str) -> Any:
+    """The same handler, with undecodable requests refused as INVALID_ARGUMENT."""
+    deserialize = handler.request_deserializer
+    # Generated handlers deserialize with the bound classmethod <Message>.FromString.
+    message_type = getattr(getattr(deserialize, "__self__", None), "__name__", "request")
+    lenient = _lenient(deserialize, message_type)
+    if handler.request_streaming:
+        field = "stream_stream" if handler.response_streaming else "stream_unary"
+        behaviour = getattr(handler, field)
+
+        def streamed(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
+            return behaviour(_checked(requests), context)
+
+        return handler._replace(request_deserializer=lenient, **{field: streamed})
+    field = "unary_stream" if handler.response_streaming else "unary_unary"
+    behaviour = getattr(handler, field)
+
+    def single(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            _refuse(context, method, request.protocol_error())
+        return behaviour(request, context)
+
+    return handler._replace(request_deserializer=lenient, **{field: single})
+
+
+class _LenientRegistration:
+    """The ``server`` argument of the generated ``add_*_to_server`` functions.
+
+    It receives the generated method handlers and registers guarded copies on the
+    real server, so the generated code stays the single description of each service.
+    """
+
+    def __init__(self, server: grpc.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: the registered handlers below carry the same methods."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        guarded = {name: _guard(handler, name) for name, handler in handlers.items()}
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, guarded),)
+        )
+        self._server.add_registered_method_handlers(service, guarded)
+
+
+def register_services(server: grpc.Server, owner: OwnerServicer, analyst: AnalystServicer) -> None:
+    """Serve both services on ``server``, refusing undecodable requests precisely."""
+    registration: Any = _LenientRegistration(server)
+    owner_grpc.add_OwnerServiceServicer_to_server(owner, registration)
+    analyst_grpc.add_AnalystServiceServicer_to_server(analyst, registration)

@@ -762,12 +762,6 @@ def test_an_oversized_message_is_refused_by_size(world: World) -> None:
     assert snapshot(world.store) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grpc's generated handlers answer undecodable request bytes with INTERNAL "
-    "('Exception deserializing request!') before any servicer runs; mapping it to "
-    "INVALID_ARGUMENT needs lenient deserializers registered in proxy/server.py",
-)
 def test_undecodable_request_bytes_are_invalid_argument(world: World) -> None:
     channel = world.channels[len(OWNERS)]  # alice's channel
     raw = channel.unary_unary("/fedpca.v1.AnalystService/GetQueryStatus")
@@ -775,6 +769,17 @@ def test_undecodable_request_bytes_are_invalid_argument(world: World) -> None:
     outcome = call(lambda: raw(b"\x0a\xff\xff", timeout=TIMEOUT))
     assert snapshot(world.store) == before
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "QueryRef" in outcome.details
+
+
+def test_undecodable_message_in_an_upload_stream_is_invalid_argument(world: World) -> None:
+    channel = world.channels[0]  # an owner's channel
+    raw = channel.stream_unary("/fedpca.v1.OwnerService/Upload")
+    before = snapshot(world.store)
+    outcome = call(lambda: raw(iter([b"\x0a\xff\xff"]), timeout=TIMEOUT))
+    assert snapshot(world.store) == before
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "UploadMessage" in outcome.details
 
 
 @pytest.mark.parametrize("analyst", ANALYSTS)
