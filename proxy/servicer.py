@@ -335,6 +335,13 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
             if status.terminal:
                 return
             coordinator.wait_for_change(version, self.watch_poll_seconds)
+        if coordinator.stopping:
+            # Shutting down before the query ended. A clean end of the stream would
+            # read as "nothing more to come" (the client then asks for the status once,
+            # finds no proxy and gives up); UNAVAILABLE makes it reconnect to the
+            # restarted proxy and keep watching, as after a crash.
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details("the proxy is shutting down; reconnect to keep watching")
 
     @_streaming
     def FetchResult(

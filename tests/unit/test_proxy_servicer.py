@@ -423,6 +423,42 @@ def test_stop_ends_open_task_streams_promptly(
     channel.close()
 
 
+def test_stop_tells_watching_analysts_to_reconnect(
+    tmp_path: Path,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+) -> None:
+    # A graceful restart must not end an open watch as if there were nothing more to
+    # come: the analyst client would give up instead of following the query on the
+    # restarted proxy. UNAVAILABLE is the status it reconnects on.
+    proxy = tls_files[NodeIdentity(Role.PROXY, "proxy")]
+    config = ProxyConfig(
+        proxy=ProxySection(listen="127.0.0.1:0", database=tmp_path / "p.sqlite3"),
+        tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
+        budget=BudgetConfig(PrivacyParams(math.inf, 1e-5)),
+        crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
+    )
+    running = ProxyServer(config, pool=pool)
+    running.start()
+    public_key, _ = test_only_keypair_512
+    channel = channel_for(running, tls_files, Role.ANALYST, "alice")
+    analyst = analyst_grpc.AnalystServiceStub(channel)
+    analyst.SubmitQuery(
+        serde.submit_query_request_to_proto(make_spec(public_key, "open")), timeout=TIMEOUT
+    )
+    watch = analyst.WatchQueryStatus(serde.query_ref_to_proto("open"), timeout=TIMEOUT)
+    first = serde.query_status_from_proto(next(watch))
+    assert first.state is serde.QueryState.COLLECTING
+    running.stop(grace=1.0)
+    with pytest.raises(grpc.RpcError) as ended:
+        for _ in watch:
+            pass
+    assert ended.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in (ended.value.details() or "")
+    channel.close()
+
+
 def test_insecure_mode_identifies_callers_by_metadata(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:
