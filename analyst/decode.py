@@ -68,7 +68,6 @@ from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
     SHARES,
-    Block,
     ReleasePlan,
     masked_sigma,
     row_aligned_positions,
@@ -82,6 +81,7 @@ from fedpca.transport.serde import (
     NoiseSection,
     PackedCiphertexts,
     QueryResult,
+    blocks_of,
 )
 
 __all__ = [
@@ -190,19 +190,7 @@ class DecodedRelease:
 # ------------------------------------------------------------------ validation
 def wire_blocks(plan: ReleasePlan) -> tuple[CiphertextBlock, ...]:
     """The result layout of ``plan`` as the wire declares it."""
-    return tuple(_wire_block(block) for block in plan.result_blocks)
-
-
-def _wire_block(block: Block) -> CiphertextBlock:
-    layout = block.layout
-    return CiphertextBlock(
-        name=block.name,
-        key_bits=layout.key_bits,
-        slot_bits=layout.slot_bits,
-        slots_per_ciphertext=layout.slots_per_ciphertext,
-        value_count=layout.value_count,
-        n_ciphertexts=layout.n_ciphertexts,
-    )
+    return blocks_of(plan.result_blocks)
 
 
 def _query_differences(got: QuerySpec, expected: QuerySpec) -> list[str]:

@@ -135,7 +135,6 @@ from fedpca.protocol import (
     SHARES,
     SUM_SINGLE,
     SUM_WINDOWS,
-    Block,
     ReleasePlan,
     mask_width,
     masked_sigma,
@@ -226,26 +225,14 @@ def _float_out(value: Any) -> Any:
 
 
 # ------------------------------------------------------------- plan <-> layout
-def _wire_block(block: Block) -> serde.CiphertextBlock:
-    layout = block.layout
-    return serde.CiphertextBlock(
-        name=block.name,
-        key_bits=layout.key_bits,
-        slot_bits=layout.slot_bits,
-        slots_per_ciphertext=layout.slots_per_ciphertext,
-        value_count=layout.value_count,
-        n_ciphertexts=layout.n_ciphertexts,
-    )
-
-
 def wire_blocks(plan: ReleasePlan) -> tuple[serde.CiphertextBlock, ...]:
     """The layout owners must declare in their upload header, in order."""
-    return tuple(_wire_block(block) for block in plan.owner_blocks)
+    return serde.blocks_of(plan.owner_blocks)
 
 
 def result_blocks(plan: ReleasePlan) -> tuple[serde.CiphertextBlock, ...]:
     """The layout of the result the proxy returns, in order."""
-    return tuple(_wire_block(block) for block in plan.result_blocks)
+    return serde.blocks_of(plan.result_blocks)
 
 
 def _tri_index(i: int, j: int, m: int) -> int:

@@ -839,6 +839,25 @@ def new_upload_id() -> str:
     return secrets.token_hex(16)
 
 
+def blocks_of(blocks: Iterable[Any]) -> tuple[CiphertextBlock, ...]:
+    """The wire declaration of release-plan blocks (:class:`fedpca.protocol.Block`).
+
+    Each block contributes its name and slot layout; this is the one place where a
+    plan's layout becomes what an upload or result header declares.
+    """
+    return tuple(
+        CiphertextBlock(
+            name=block.name,
+            key_bits=block.layout.key_bits,
+            slot_bits=block.layout.slot_bits,
+            slots_per_ciphertext=block.layout.slots_per_ciphertext,
+            value_count=block.layout.value_count,
+            n_ciphertexts=block.layout.n_ciphertexts,
+        )
+        for block in blocks
+    )
+
+
 @dataclass(frozen=True)
 class UploadHeader:
     """Validated first message of an upload.
