@@ -10,6 +10,7 @@ protocol: the processes only share the files a real deployment would hand out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -109,20 +110,24 @@ class ManagedProcess:
         raise RuntimeError(f"{self.name} {state}; last log lines:\n{tail}")
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM and wait (SIGKILL after ``timeout``); then reap leftovers, close the log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.kill()
         self.log_file.close()
 
     def kill(self) -> None:
-        """SIGKILL: the crash a durable process must survive."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        """SIGKILL the process and everything it started: the crash a durable process must survive.
+
+        The signal goes to the process group (each child runs in its own session),
+        as a crash of its machine or container would: a ``kill -9`` of the main pid
+        alone leaves its crypto pool's forkserver and workers running as orphans.
+        """
+        with contextlib.suppress(ProcessLookupError):  # the whole group has already exited
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
 
 @dataclass
@@ -138,6 +143,11 @@ class LocalCluster:
     epsilon_budget, delta_budget : the owners' and the analyst's total budgets.
     max_epsilon_per_query : owners' policy; ``inf`` also allows NOT PRIVATE queries.
     processes_per_node : worker processes each node's crypto pool may use.
+    proxy_command : argv that starts the proxy instead of
+        ``python -m fedpca.cli -v proxy serve``; ``--config <proxy.toml>`` is
+        appended. The command must print ``proxy listening on HOST:PORT`` once it
+        serves and stop on SIGTERM. Tests use it to run a TEST-ONLY launcher
+        (e.g. one with a seeded noise sampler); None runs the real command.
     """
 
     workdir: Path
@@ -151,6 +161,7 @@ class LocalCluster:
     processes_per_node: int = 0
     heartbeat_seconds: float = 2.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    proxy_command: list[str] | None = None
     proxy: ManagedProcess | None = None
     owners: list[ManagedProcess] = field(default_factory=list)
     port: int = 0
@@ -278,27 +289,50 @@ class LocalCluster:
             )
 
     # -------------------------------------------------------------- processes
-    def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
+    def _spawn(
+        self, name: str, args: list[str], command: Sequence[str] | None = None
+    ) -> ManagedProcess:
+        """Start ``command`` (default: this Python's ``-m fedpca.cli -v``) plus ``args``."""
         logs = self.workdir / "logs"
         logs.mkdir(exist_ok=True)
         log_path = logs / f"{name}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed by ManagedProcess.stop
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
-        command = [sys.executable, "-m", "fedpca.cli", "-v", *args]
+        prefix = [sys.executable, "-m", "fedpca.cli", "-v"] if command is None else command
         process = subprocess.Popen(
-            command, cwd=self.workdir, stdout=log_file, stderr=subprocess.STDOUT, env=env
+            [*prefix, *args],
+            cwd=self.workdir,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: see ManagedProcess.kill
         )
         return ManagedProcess(name, process, log_path, log_file)
 
     def start_proxy(self, timeout: float = 60.0) -> ManagedProcess:
-        self.proxy = self._spawn("proxy", ["proxy", "serve", "--config", str(self.proxy_config)])
+        """Start the proxy; again after a stop or kill: same config and database.
+
+        Its log file starts afresh: read a killed proxy's log before restarting it.
+        """
+        config = ["--config", str(self.proxy_config)]
+        if self.proxy_command is None:
+            self.proxy = self._spawn("proxy", ["proxy", "serve", *config])
+        else:
+            self.proxy = self._spawn("proxy", config, command=self.proxy_command)
         self.proxy.wait_for(PROXY_READY_MARKER, timeout)
         return self.proxy
 
-    def start_owners(self, timeout: float = 60.0) -> list[ManagedProcess]:
+    def start_owners(
+        self, timeout: float = 60.0, owner_ids: Sequence[str] | None = None
+    ) -> list[ManagedProcess]:
+        """Start the owner nodes (all, or those in ``owner_ids``) and wait until connected."""
+        chosen = self.owner_ids if owner_ids is None else list(owner_ids)
+        unknown = sorted(set(chosen) - set(self.owner_ids))
+        if unknown:
+            raise ConfigError(f"unknown owners {unknown}; this cluster has {self.owner_ids}")
         started = [
             self._spawn(owner_id, ["owner", "serve", "--config", str(self.owner_config(owner_id))])
-            for owner_id in self.owner_ids
+            for owner_id in chosen
         ]
         for process in started:
             process.wait_for(OWNER_READY_MARKER, timeout)

@@ -388,6 +388,7 @@ class ProxyStore:
                 )
             if before_fold is not None:
                 before_fold(int(row["n_contributed"]))
+            logger.debug("query %s: folding upload %s from %s", query_id, upload_id, owner_id)
             for name, data in blocks.items():
                 current = conn.execute(
                     "SELECT data FROM aggregates WHERE query_id=? AND block=?", (query_id, name)

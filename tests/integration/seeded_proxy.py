@@ -1,0 +1,190 @@
+"""TEST ONLY: run the proxy with a seeded, *insecure* noise sampler.
+
+``python tests/integration/seeded_proxy.py --seed 7 --config proxy.toml`` behaves
+like ``fedpca proxy serve --config proxy.toml`` (prints ``proxy listening on
+HOST:PORT`` once it serves, stops gracefully on SIGTERM/SIGINT, dies on SIGKILL
+like the real thing) but builds :class:`fedpca.proxy.server.ProxyServer` with
+:class:`fedpca.dp.noise.TestOnlySeededSampler` noise, so that two runs of the same
+query draw the same noise and their results can be compared.
+
+Every draw is seeded afresh from ``(seed, sigma_int, size)``
+(:class:`PerDrawSeededSampler`): a query's noise must not depend on which process
+draws it (the first one, or the one restarted after a ``kill -9`` in the middle of
+the noise step) nor on the queries that process noised before.
+
+``--crash QUERY_ID:POINT:K`` (TEST ONLY fault injection) makes the process SIGKILL
+itself at an exact point of that query, for windows of a few milliseconds that a
+kill from outside rarely hits:
+
+* ``prep:K``: at the K-th noise draw of that query's noise preparation, which the
+  proxy starts on a background thread when it accepts the query;
+* ``fold:K``: inside the SQLite transaction that folds the K-th upload into the
+  aggregate, before it commits;
+* ``folded:K``: right after that transaction committed, before the owner's
+  acknowledgement leaves (the owner must retry and be answered DUPLICATE);
+* ``result:1``: with the (prepared) noise added to the aggregate, before the
+  result is stored (the query is left NOISING, for the restarted proxy to finish).
+
+This file lives under ``tests/`` on purpose: production code has no way to seed
+its noise (no CLI flag, no environment variable); only a test can construct the
+server with another sampler. :class:`fedpca.cluster.LocalCluster` runs it as a
+separate OS process through its ``proxy_command`` field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.cluster import PROXY_READY_MARKER
+from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.proxy.cli import LOG_FORMAT
+from fedpca.proxy.config import load_config
+from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.server import ProxyServer
+from fedpca.proxy.store import ProxyStore, QueryRecord, UploadReceipt
+from fedpca.query import QuerySpec
+
+logger = logging.getLogger("fedpca.tests.seeded_proxy")
+
+
+class PerDrawSeededSampler:
+    """TEST ONLY: :class:`TestOnlySeededSampler` seeded by ``(seed, sigma_int, size)``.
+
+    The same request always returns the same values, in any process and after any
+    history; insecure by construction (see :class:`TestOnlySeededSampler`).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.crash_in: int | None = None
+        """TEST ONLY: SIGKILL this process at the ``crash_in``-th draw from now."""
+
+    def sample(self, sigma_int: float, size: int) -> npt.NDArray[np.int64]:
+        if self.crash_in is not None:
+            self.crash_in -= 1
+            if self.crash_in == 0:
+                _crash("while drawing a query's noise")
+        key = f"{self.seed}:{float(sigma_int).hex()}:{size}".encode()
+        draw_seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
+        return TestOnlySeededSampler(draw_seed).sample(sigma_int, size)
+
+
+def _crash(reason: str) -> None:
+    logger.warning("TEST ONLY: crashing (SIGKILL) %s", reason)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSampler) -> None:
+    """TEST ONLY: make this process kill itself at ``point`` of ``query_id`` (``--crash``)."""
+    if point not in ("prep", "fold", "folded", "result") or k < 1:
+        raise SystemExit(f"--crash: unknown point {point}:{k}")
+    if point == "prep":
+        submit = Coordinator.submit
+
+        def arming_submit(self: Coordinator, analyst_id: str, spec: QuerySpec) -> QueryRecord:
+            if spec.query_id == query_id:
+                # Its noise preparation starts inside submit: the next draws are its own.
+                sampler.crash_in = k
+            return submit(self, analyst_id, spec)
+
+        Coordinator.submit = arming_submit  # type: ignore[method-assign]
+        return
+    if point == "result":
+        store_result = ProxyStore.store_result
+
+        def crashing_store_result(
+            self: ProxyStore, stored: str, blocks: Mapping[str, bytes], meta: Mapping[str, Any]
+        ) -> QueryRecord:
+            if stored == query_id:
+                _crash(f"with the noise of query {query_id} added, before its result is stored")
+            return store_result(self, stored, blocks, meta)
+
+        ProxyStore.store_result = crashing_store_result  # type: ignore[method-assign]
+        return
+    original = ProxyStore.accept_upload
+    signature = inspect.signature(original)
+
+    def accept_upload(self: ProxyStore, *args: Any, **kwargs: Any) -> UploadReceipt:
+        call = signature.bind(self, *args, **kwargs)
+        if call.arguments["query_id"] != query_id:
+            return original(*call.args, **call.kwargs)
+        if point == "fold":
+            before_fold: Callable[[int], None] | None = call.arguments.get("before_fold")
+            fold: Callable[[str, bytes | None, bytes], bytes] = call.arguments["fold"]
+            position = [0]
+
+            def numbered(n_contributed: int) -> None:
+                if before_fold is not None:
+                    before_fold(n_contributed)
+                position[0] = n_contributed + 1
+
+            def crashing(name: str, current: bytes | None, upload: bytes) -> bytes:
+                folded = fold(name, current, upload)
+                if position[0] == k:
+                    _crash(f"inside the fold of upload {k} of query {query_id}, before COMMIT")
+                return folded
+
+            call.arguments["before_fold"] = numbered
+            call.arguments["fold"] = crashing
+            return original(*call.args, **call.kwargs)
+        receipt = original(*call.args, **call.kwargs)
+        if not receipt.duplicate and receipt.n_contributed == k:
+            _crash(f"after upload {k} of query {query_id} committed, before its acknowledgement")
+        return receipt
+
+    ProxyStore.accept_upload = accept_upload  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, required=True, help="noise seed (TEST ONLY)")
+    parser.add_argument("--config", type=Path, required=True, help="the proxy's TOML config")
+    parser.add_argument(
+        "--crash", help="QUERY_ID:POINT:K, POINT fold, folded or result (TEST ONLY)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG, format=LOG_FORMAT)
+    logger.warning(
+        "TEST ONLY proxy: noise comes from a seeded floating-point sampler (seed %d); "
+        "its releases are NOT PRIVATE",
+        args.seed,
+    )
+    sampler = PerDrawSeededSampler(args.seed)
+    if args.crash:
+        query_id, point, k = args.crash.rsplit(":", 2)
+        inject_crash(query_id, point, int(k), sampler)
+        logger.warning("TEST ONLY: will crash at %s", args.crash)
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        logger.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    server = ProxyServer(load_config(args.config), noise_sampler=sampler)
+    try:
+        address = server.start()
+        print(f"{PROXY_READY_MARKER} {address}", flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
