@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 import grpc
 
@@ -58,6 +59,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _RECONNECT_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0)
+_Reply = TypeVar("_Reply")
 
 DEFAULT_INSECURE_ANALYST_ID = "analyst"
 """The id an insecure client claims (``fedpca-node-id`` metadata) unless told otherwise."""
@@ -156,6 +158,7 @@ class AnalystClient:
         server_name_override: str | None = None,
         timeout: float = 60.0,
         insecure_node_id: str = DEFAULT_INSECURE_ANALYST_ID,
+        retry_delays: Sequence[float] = _RECONNECT_DELAYS,
     ) -> None:
         if not proxy_address:
             raise ConfigError("the proxy address (host:port) is required")
@@ -168,6 +171,7 @@ class AnalystClient:
             raise ConfigError("give either TLS material or insecure=True, not both")
         self.proxy_address = proxy_address
         self.timeout = timeout
+        self.retry_delays = tuple(retry_delays)
         if tls is not None:
             self._channel = secure_channel(
                 proxy_address, tls, server_name_override=server_name_override
@@ -191,6 +195,29 @@ class AnalystClient:
         self._channel.close()
 
     # ------------------------------------------------------------------ calls
+    def _unary(self, action: str, call: Callable[[], _Reply]) -> _Reply:
+        """Run one call, retrying with back-off while the proxy is unreachable.
+
+        Every analyst call is idempotent at the proxy: a query id chosen here is
+        accepted once (a resubmission of the same spec is the same query and is not
+        charged again), and reads change nothing. So a call that failed because the
+        proxy was restarting is simply sent again.
+        """
+        failures = 0
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as error:
+                mapped = error_from_rpc(error, action)
+                if error.code() is not grpc.StatusCode.UNAVAILABLE or failures >= len(
+                    self.retry_delays
+                ):
+                    raise mapped from None
+                delay = self.retry_delays[failures]
+                failures += 1
+                logger.warning("%s; retrying in %.0f s", mapped, delay)
+                time.sleep(delay)
+
     def submit(self, spec: QuerySpec) -> serde.QueryStatus:
         """Submit a query; the proxy checks the budget before accepting it.
 
@@ -201,23 +228,20 @@ class AnalystClient:
         ConfigError
             The proxy refused the query (its message says why).
         """
-        action = f"submit query {spec.query_id!r}"
-        try:
-            message = self._stub.SubmitQuery(
-                serde.submit_query_request_to_proto(spec), timeout=self.timeout
-            )
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, action) from None
+        request = serde.submit_query_request_to_proto(spec)
+        message = self._unary(
+            f"submit query {spec.query_id!r}",
+            lambda: self._stub.SubmitQuery(request, timeout=self.timeout),
+        )
         return serde.query_status_from_proto(message)
 
     def status(self, query_id: str) -> serde.QueryStatus:
         """The current status of one query."""
-        try:
-            message = self._stub.GetQueryStatus(
-                serde.query_ref_to_proto(query_id), timeout=self.timeout
-            )
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"status of query {query_id!r}") from None
+        request = serde.query_ref_to_proto(query_id)
+        message = self._unary(
+            f"status of query {query_id!r}",
+            lambda: self._stub.GetQueryStatus(request, timeout=self.timeout),
+        )
         return serde.query_status_from_proto(message)
 
     def watch(self, query_id: str, timeout: float | None = None) -> Iterator[serde.QueryStatus]:
@@ -252,9 +276,9 @@ class AnalystClient:
                     error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
                 ):
                     raise mapped from None
-                if failures >= len(_RECONNECT_DELAYS):
+                if failures >= len(self.retry_delays):
                     raise mapped from None
-                delay = _RECONNECT_DELAYS[failures]
+                delay = self.retry_delays[failures]
                 failures += 1
                 logger.warning("%s; reconnecting in %.0f s", mapped, delay)
                 time.sleep(delay)
@@ -276,11 +300,11 @@ class AnalystClient:
             The query has no result (yet).
         """
         action = f"fetch result of query {query_id!r}"
-        try:
-            call = self._stub.FetchResult(serde.query_ref_to_proto(query_id), timeout=self.timeout)
-            result = serde.decode_result(call)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, action) from None
+        request = serde.query_ref_to_proto(query_id)
+        result = self._unary(
+            action,
+            lambda: serde.decode_result(self._stub.FetchResult(request, timeout=self.timeout)),
+        )
         if result.query.query_id != query_id:
             raise ProtocolError(
                 f"{action}: the proxy returned the result of query {result.query.query_id!r}"
@@ -289,12 +313,8 @@ class AnalystClient:
 
     def budget(self, delta: float | None = None) -> serde.BudgetStatus:
         """The analyst's cumulative privacy loss (epsilons reported at ``delta``)."""
-        try:
-            message = self._stub.GetBudget(
-                serde.budget_request_to_proto(delta), timeout=self.timeout
-            )
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, "budget") from None
+        request = serde.budget_request_to_proto(delta)
+        message = self._unary("budget", lambda: self._stub.GetBudget(request, timeout=self.timeout))
         return serde.budget_status_from_proto(message)
 
     def wait(

@@ -148,9 +148,15 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.specs: dict[str, QuerySpec] = {}
         self.refuse_budget = False
         self.fail_reason: str | None = None
+        self.unavailable_submits = 0
+        self.submitted_ids: list[str] = []
 
     def SubmitQuery(self, request: Any, context: Any) -> Any:
         spec = serde.submit_query_request_from_proto(request)
+        self.submitted_ids.append(spec.query_id)
+        if self.unavailable_submits:
+            self.unavailable_submits -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "proxy restarting")
         if self.refuse_budget:
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -282,9 +288,35 @@ def test_client_maps_grpc_errors(proxy: tuple[FakeProxy, str], test_only_keypair
     assert budget.delta == 1e-5 and budget.epsilon_remaining == 1.75
 
 
+def test_submit_is_retried_with_the_same_query_id_while_the_proxy_is_unavailable(
+    proxy: tuple[FakeProxy, str], test_only_keypair_512: Any
+) -> None:
+    fake, address = proxy
+    fake.unavailable_submits = 2
+    spec = _spec(test_only_keypair_512[0])
+    with AnalystClient(address, None, insecure=True, retry_delays=(0.01, 0.01, 0.01)) as client:
+        status = client.submit(spec)
+    assert status.query_id == spec.query_id
+    # Three attempts, all with the id chosen once by the client: the proxy treats an
+    # identical resubmission as the same query, so the budget is charged once.
+    assert fake.submitted_ids[-3:] == [spec.query_id] * 3
+
+
+def test_a_refusal_is_not_retried(proxy: tuple[FakeProxy, str], test_only_keypair_512: Any) -> None:
+    fake, address = proxy
+    fake.refuse_budget = True
+    before = len(fake.submitted_ids)
+    with (
+        AnalystClient(address, None, insecure=True, retry_delays=(0.01,) * 5) as client,
+        pytest.raises(BudgetExceededError),
+    ):
+        client.submit(_spec(test_only_keypair_512[0]))
+    assert len(fake.submitted_ids) == before + 1
+
+
 def test_unreachable_proxy_is_a_clear_error() -> None:
     with (
-        AnalystClient("127.0.0.1:1", None, insecure=True, timeout=5.0) as client,
+        AnalystClient("127.0.0.1:1", None, insecure=True, timeout=5.0, retry_delays=()) as client,
         pytest.raises(ProxyUnavailableError, match="proxy unavailable"),
     ):
         client.status("q")
