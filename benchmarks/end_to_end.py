@@ -71,7 +71,6 @@ def main() -> None:
     cluster.prepare()
     with cluster:
         cluster.start()
-        tls = cluster.analyst_tls()
         model = FederatedPCA(
             n_components=args.components,
             epsilon=1.0,
@@ -79,11 +78,7 @@ def main() -> None:
             bounds=(0.0, 999.0),
             quorum=args.owners,
             deadline_seconds=600.0,
-            proxy=cluster.proxy_address,
-            ca=tls.ca_certificate,
-            cert=tls.certificate,
-            key=tls.private_key,
-            private_key_path=cluster.key_dir / "analyst.key.json",
+            **cluster.analyst_connection(),
         )
         started = time.time()
         model.fit(n_features=table.shape[1] - 1)

@@ -204,6 +204,17 @@ class LocalCluster:
             NodeIdentity(Role.ANALYST, "analyst")
         )
 
+    def analyst_connection(self) -> dict[str, Any]:
+        """Keyword arguments that point a FederatedPCA/DCA at this cluster as its analyst."""
+        tls = self.analyst_tls()
+        return {
+            "proxy": self.proxy_address,
+            "ca": tls.ca_certificate,
+            "cert": tls.certificate,
+            "key": tls.private_key,
+            "private_key_path": self.key_dir / "analyst.key.json",
+        }
+
     def prepare(self) -> None:
         """Create certificates, the analyst key, owner data files and configs."""
         from fedpca.codec import generate_keypair, key_fingerprint, save_private_key

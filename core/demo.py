@@ -120,7 +120,6 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     with cluster:
         click.echo(f"starting proxy on {cluster.proxy_address} and {settings.owners} owners ...")
         cluster.start()
-        tls = cluster.analyst_tls()
         estimator = FederatedPCA(
             n_components=settings.components,
             epsilon=settings.epsilon,
@@ -130,11 +129,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
             clip_norm=settings.clip_norm,
             quorum=settings.owners,
             deadline_seconds=600.0,
-            proxy=cluster.proxy_address,
-            ca=tls.ca_certificate,
-            cert=tls.certificate,
-            key=tls.private_key,
-            private_key_path=cluster.key_dir / "analyst.key.json",
+            **cluster.analyst_connection(),
             verbose=True,
         )
         estimator.fit(n_features=n_features)

@@ -65,18 +65,13 @@ def _cluster(tmp_path: Path) -> LocalCluster:
 
 
 def _pca(cluster: LocalCluster, quorum: int, deadline: float) -> FederatedPCA:
-    tls = cluster.analyst_tls()
     return FederatedPCA(
         n_components=2,
         epsilon=1.0,
         delta=1e-5,
         quorum=quorum,
         deadline_seconds=deadline,
-        proxy=cluster.proxy_address,
-        ca=tls.ca_certificate,
-        cert=tls.certificate,
-        key=tls.private_key,
-        private_key_path=cluster.key_dir / "analyst.key.json",
+        **cluster.analyst_connection(),
     )
 
 

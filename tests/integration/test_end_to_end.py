@@ -53,13 +53,8 @@ def _cluster(tmp_path: Path, table: np.ndarray, owners: int, **kwargs: object) -
 
 
 def _estimator_kwargs(cluster: LocalCluster) -> dict[str, object]:
-    tls = cluster.analyst_tls()
     return {
-        "proxy": cluster.proxy_address,
-        "ca": tls.ca_certificate,
-        "cert": tls.certificate,
-        "key": tls.private_key,
-        "private_key_path": cluster.key_dir / "analyst.key.json",
+        **cluster.analyst_connection(),
         "quorum": len(cluster.owner_tables),
         "deadline_seconds": 300.0,
     }
