@@ -304,6 +304,9 @@ class OwnerNode:
                 self.stop()
 
             threading.Thread(target=watch, name="owner-stop-watch", daemon=True).start()
+        # A daemon waits for tasks: start the encryption workers now, so that the first
+        # task does not pay for process start-up.
+        self._pool.start()
         channel = self._open_channel()
         stub = owner_grpc.OwnerServiceStub(channel)
         worker = threading.Thread(
