@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_HEARTBEAT_SECONDS = 5.0
+DEFAULT_MAX_UPLOAD_MIB = 256.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class ProxySection:
     listen: str = DEFAULT_LISTEN
     database: Path = Path("proxy.sqlite3")
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
+    max_upload_mib: float = DEFAULT_MAX_UPLOAD_MIB
+    """Largest upload one owner may have to send for a query (MiB of ciphertexts);
+    a query whose release plan needs more is refused at submission."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     budget_table = _table(document, "budget")
     crypto_table = _table(document, "crypto")
 
-    _only(proxy_table, "proxy", {"id", "listen", "database", "heartbeat_seconds"})
+    _only(proxy_table, "proxy", {"id", "listen", "database", "heartbeat_seconds", "max_upload_mib"})
     node_id = _str(proxy_table, "proxy.id", "proxy")
     try:
         validate_node_id(node_id)
@@ -187,6 +191,9 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     heartbeat = _float(proxy_table, "proxy.heartbeat_seconds", DEFAULT_HEARTBEAT_SECONDS)
     if not (math.isfinite(heartbeat) and heartbeat > 0):
         raise ConfigError(f"proxy.heartbeat_seconds must be finite and > 0, got {heartbeat!r}")
+    max_upload = _float(proxy_table, "proxy.max_upload_mib", DEFAULT_MAX_UPLOAD_MIB)
+    if not (math.isfinite(max_upload) and max_upload > 0):
+        raise ConfigError(f"proxy.max_upload_mib must be finite and > 0, got {max_upload!r}")
     proxy = ProxySection(
         id=node_id,
         listen=_listen(_str(proxy_table, "proxy.listen", DEFAULT_LISTEN), "proxy.listen"),
@@ -194,6 +201,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
             base_dir, _str(proxy_table, "proxy.database", "proxy.sqlite3"), "proxy.database"
         ),
         heartbeat_seconds=heartbeat,
+        max_upload_mib=max_upload,
     )
 
     _only(tls_table, "tls", {"ca", "cert", "key", "insecure"})

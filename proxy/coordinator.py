@@ -471,6 +471,16 @@ class Coordinator:
                 f" got {spec.deadline_seconds!r}"
             )
         plan = ReleasePlan.for_query(spec, bits)
+        # Uploads are held in memory while their content hash is checked, so the
+        # proxy bounds them before any owner is asked to encrypt anything.
+        ciphertexts = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
+        upload_mib = ciphertexts * ciphertext_byte_length(bits) / 2**20
+        limit = self.config.proxy.max_upload_mib
+        if upload_mib > limit:
+            raise ConfigError(
+                f"this query needs uploads of {upload_mib:.1f} MiB per owner ({ciphertexts} "
+                f"ciphertexts); this proxy accepts at most {limit:g} MiB (proxy.max_upload_mib)"
+            )
         return _QueryContext(spec, plan, public_key)
 
     def _context(self, query_id: str) -> _QueryContext:

@@ -46,6 +46,7 @@ def test_the_documented_example_loads_with_paths_relative_to_the_file(tmp_path: 
     assert config.proxy.id == "proxy" and config.proxy.listen == "127.0.0.1:50051"
     assert config.proxy.database == base / "proxy.sqlite3"
     assert config.proxy.heartbeat_seconds == 5.0
+    assert config.proxy.max_upload_mib == 256.0  # the default
     assert config.tls.files().certificate == base / "certs" / "proxy.pem"
     assert config.tls.ca == base / "certs" / "ca.pem" and not config.tls.insecure
     assert config.budget.for_analyst("alice") == PrivacyParams(2.0, 1e-6)
@@ -66,6 +67,7 @@ def test_defaults_and_unlimited_budget(tmp_path: Path) -> None:
         ("[proxy]\nlisten = 5\n[tls]\ninsecure = true\n", "proxy.listen"),
         ("[proxy]\nlisten = 'nohost'\n[tls]\ninsecure = true\n", "proxy.listen"),
         ("[proxy]\nheartbeat_seconds = 0\n[tls]\ninsecure = true\n", "proxy.heartbeat_seconds"),
+        ("[proxy]\nmax_upload_mib = -1\n[tls]\ninsecure = true\n", "proxy.max_upload_mib"),
         ("[proxy]\nid = 'bad id'\n[tls]\ninsecure = true\n", "proxy.id"),
         ("[proxy]\nport = 1\n[tls]\ninsecure = true\n", "proxy.port"),
         ("[tls]\nca = 'ca.pem'\ncert = 'c.pem'\n", "tls.key"),

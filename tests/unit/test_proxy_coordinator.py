@@ -8,6 +8,7 @@ integer sums the owners actually encrypted.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import threading
@@ -851,3 +852,28 @@ def test_masked_upload_needs_a_public_count_within_bounds(
     with pytest.raises(ProtocolError, match="exceeds the query's max_records_per_owner"):
         coordinator.accept_upload("owner-0", replace(header, public_record_count=1 << 21), blocks)
     assert coordinator.store.query("q1").n_contributed == 0
+
+
+def test_a_query_needing_oversized_uploads_is_refused_before_anything_is_stored(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    config = dataclasses.replace(
+        make_config(), proxy=dataclasses.replace(ProxyConfig().proxy, max_upload_mib=0.001)
+    )
+    coordinator = make_coordinator(tmp_path, pool, config)
+    # 34 features at 512 bits: 79 ciphertexts of 128 bytes (~10 KiB) against ~1 KiB;
+    # 2 features fit in one ciphertext.
+    with pytest.raises(ConfigError, match=r"proxy\.max_upload_mib"):
+        coordinator.submit("alice", make_spec(public_key))
+    assert coordinator.store.queries() == []
+    assert coordinator.store.releases("alice") == []
+    small = make_spec(
+        public_key,
+        query_id="q-small",
+        n_features=2,
+        n_components=1,
+        feature_lower=(-1.0, -1.0),
+        feature_upper=(1.0, 1.0),
+    )
+    assert coordinator.submit("alice", small).query_id == "q-small"
