@@ -1,11 +1,12 @@
 """Process-pool workers for Paillier encryption and decryption.
 
 This module is what every pool worker imports, so it deliberately imports only
-``gmpy2`` and ``secrets`` at module level: with the "spawn" and "forkserver" start
-methods each worker re-imports it, and pulling in numpy (~0.1 s) or phe (~0.05 s,
-it imports click through ``phe.command_line``) would make pool start-up dominate
-small batches.  ``phe`` is imported lazily, only by the tasks that use its key
-classes (standard r^n encryption and CRT decryption).
+``gmpy2``, ``secrets`` and stdlib modules that multiprocessing has already loaded in
+every worker (``os``, ``threading``, ``time``) at module level: with the "spawn" and
+"forkserver" start methods each worker re-imports it, and pulling in numpy (~0.1 s)
+or phe (~0.05 s, it imports click through ``phe.command_line``) would make pool
+start-up dominate small batches.  ``phe`` is imported lazily, only by the tasks that
+use its key classes (standard r^n encryption and CRT decryption).
 
 Every task is a top-level function taking plain ints so that it pickles cheaply;
 per-key precomputation (the DJN window table, phe's private-key CRT constants) is
@@ -14,7 +15,10 @@ cached in the worker process and reused across chunks and across calls.
 
 from __future__ import annotations
 
+import os
 import secrets
+import threading
+import time
 from typing import Any
 
 import gmpy2
@@ -32,6 +36,9 @@ _WINDOW_SIZE = 1 << _WINDOW_BITS
 
 # A worker keeps the tables of at most this many keys (each ~7-13 MB).
 _MAX_CACHED_KEYS = 2
+
+# How often a worker checks that the process that created its pool still exists.
+_CREATOR_POLL_S = 0.5
 
 _djn_tables: dict[tuple[int, int, int], list[list[Any]]] = {}
 _private_keys: dict[int, Any] = {}
@@ -151,3 +158,50 @@ def decrypt_chunk(n: int, p: int, q: int, ciphertexts: list[int]) -> list[int]:
 def warm_up() -> bool:
     """No-op task used to start worker processes ahead of timing-sensitive work."""
     return True
+
+
+def watch_creator(creator_pid: int) -> None:
+    """Pool initializer: make this worker exit once the process that created the pool is gone.
+
+    A creator killed with SIGKILL (``kill -9`` of an owner node daemon or of the
+    proxy) never shuts its pool down, and the workers block forever on the call
+    queue, whose pipe they hold open themselves: they would live on as orphans.
+    A daemon thread therefore polls every ``_CREATOR_POLL_S`` seconds and ends the
+    process with ``os._exit`` when either
+
+    * our parent changed: with "spawn" the parent is the creator itself; with
+      "forkserver" it is the fork server, which exits as soon as its creator dies
+      (EOF on its "alive" pipe).  Either way we are re-parented at that moment,
+      even while the dead creator is still an unreaped zombie; or
+    * ``creator_pid`` no longer exists, which covers a creator that died before
+      this initializer ran (our parent then was already the re-parenting one).
+
+    ``PR_SET_PDEATHSIG`` is not used: with "spawn" it fires when the *thread* that
+    spawned the worker exits, and the executor spawns workers from whichever thread
+    submits work.
+
+    Parameters
+    ----------
+    creator_pid : int
+        ``os.getpid()`` of the process that created the executor.
+    """
+    parent_pid = os.getppid()
+
+    def creator_is_gone() -> bool:
+        if os.getppid() != parent_pid:
+            return True
+        try:
+            os.kill(creator_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # the pid exists (under another user): not proof of death
+            pass
+        return False
+
+    def watch() -> None:
+        while not creator_is_gone():
+            time.sleep(_CREATOR_POLL_S)
+        # Nobody is left to collect results or to shut us down; skip all cleanup.
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fedpca-creator-watch", daemon=True).start()

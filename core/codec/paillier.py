@@ -178,9 +178,13 @@ class CryptoPool:
         with self._lock:
             if self._executor is None:
                 logger.debug("starting %d crypto workers (%s)", self.processes, self.start_method)
+                # Workers watch this process and exit when it is gone, so that a
+                # kill -9 of the owner daemon or the proxy leaves no orphaned workers.
                 self._executor = ProcessPoolExecutor(
                     max_workers=self.processes,
                     mp_context=multiprocessing.get_context(self.start_method),
+                    initializer=_worker.watch_creator,
+                    initargs=(os.getpid(),),
                 )
             return self._executor
 
