@@ -87,6 +87,7 @@ The stats-mode sampling and encryption above now run while owners encrypt: in
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -108,6 +109,7 @@ from fedpca.codec import (
     CryptoPool,
     PackedCiphertexts,
     PackingBounds,
+    SerialisedCiphertextGroup,
     add_packed,
     check_owner_count,
     ciphertext_byte_length,
@@ -274,6 +276,125 @@ def _draw_encrypted_noise(
     return _EncryptedNoise(ciphertexts, sampled - started, time.perf_counter() - sampled)
 
 
+class UploadStream:
+    """One owner's upload in progress: its chunks are folded as they arrive.
+
+    Made by :meth:`Coordinator.begin_upload`. Call :meth:`add` for each chunk in
+    wire order, then :meth:`complete` once the whole stream (and its content hash)
+    has been verified; on any failure call :meth:`abandon`, which takes the
+    chunks folded so far out of the aggregate again. A retry of an upload the
+    proxy already accepted (``duplicate``) folds nothing and completes as
+    "duplicate".
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        owner_id: str,
+        header: serde.UploadHeader,
+        context: _QueryContext,
+        stream: int,
+        *,
+        duplicate: bool,
+    ) -> None:
+        self.coordinator = coordinator
+        self.owner_id = owner_id
+        self.header = header
+        self.context = context
+        self.stream = stream
+        self.duplicate = duplicate
+        self.algebra = SerialisedCiphertextGroup(context.public_key.n)
+        self.total = sum(block.layout.n_ciphertexts for block in context.plan.owner_blocks)
+        self.fold_seconds = 0.0
+
+    def add(self, position: int, ciphertexts: Sequence[int]) -> None:
+        """Check one chunk's ciphertexts (wire positions from ``position``) and fold them.
+
+        Raises
+        ------
+        CiphertextError
+            A ciphertext outside Z*_{n^2}.
+        QueryStateError, ProtocolError
+            From :meth:`ProxyStore.fold_chunk` (query closed, a different upload
+            already accepted from this owner, superseded by a newer stream).
+        """
+        if self.duplicate:
+            return
+        started = time.perf_counter()
+        public_key = self.context.public_key
+        validate_ciphertexts(ciphertexts, public_key)
+        folded = self.coordinator.store.fold_chunk(
+            self.header.query_id,
+            self.owner_id,
+            self.header.upload_id,
+            self.stream,
+            position,
+            ciphertexts_to_bytes(ciphertexts, public_key),
+            self.total,
+            self.algebra,
+        )
+        self.duplicate = not folded
+        self.fold_seconds += time.perf_counter() - started
+
+    def complete(self) -> UploadReceipt:
+        """Accept the upload, exactly once; closes the query when it makes the quorum.
+
+        Raises
+        ------
+        EncodingOverflowError
+            More owners than the query's max_owners.
+        ProtocolError
+            A second, different upload from this owner, a replay of ciphertexts
+            accepted for another query, or chunks that do not cover the layout.
+        QueryStateError
+            The query stopped collecting meanwhile.
+        """
+        coordinator = self.coordinator
+        header = self.header
+        bounds = self.context.plan.bounds
+
+        def owner_count_fits(n_contributed: int) -> None:
+            check_owner_count(bounds, n_contributed + 1)
+
+        receipt = coordinator.store.complete_upload(
+            header.query_id,
+            self.owner_id,
+            header.upload_id,
+            self.stream,
+            header.content_sha256.hex(),
+            self.total,
+            self.algebra,
+            public_count=header.public_record_count,
+            before_accept=owner_count_fits,
+        )
+        if receipt.duplicate:
+            logger.info("query %s: duplicate upload from %s", header.query_id, self.owner_id)
+            return receipt
+        coordinator._uploaded(header.query_id, receipt, self.fold_seconds)
+        return receipt
+
+    def abandon(self) -> None:
+        """Take this stream's folded chunks out of the aggregate (after a failure)."""
+        if self.duplicate:
+            return
+        try:
+            removed = self.coordinator.store.discard_stream(
+                self.header.query_id, self.owner_id, self.stream, self.algebra
+            )
+        except FedpcaError as exc:
+            logger.warning(
+                "%s: could not take the unfinished upload out: %s", self.header.label, exc
+            )
+            return
+        if removed:
+            logger.info(
+                "%s: unfinished upload of %s taken out of the aggregate (%d chunks)",
+                self.header.label,
+                self.owner_id,
+                removed,
+            )
+
+
 class Coordinator:
     """Runs every query's lifecycle on top of the durable store.
 
@@ -321,6 +442,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._finishing: set[str] = set()
         self._fold_seconds: dict[str, float] = {}
+        self._stream_numbers = itertools.count(1)
         self._changed = threading.Condition()
         self._version = 0
         self._stopping = threading.Event()
@@ -632,79 +754,64 @@ class Coordinator:
         if self.clock() >= record.deadline_at:
             raise QueryStateError(f"query {header.query_id!r}: the upload deadline has passed")
 
+    def begin_upload(self, owner_id: str, header: serde.UploadHeader) -> UploadStream:
+        """Check an upload's header and open the stream its chunks are folded through.
+
+        Raises the errors of :meth:`check_upload_header`.
+        """
+        self.check_upload_header(owner_id, header)
+        context = self._context(header.query_id)
+        with self._lock:
+            stream = next(self._stream_numbers)
+        return UploadStream(
+            self, owner_id, header, context, stream, duplicate=self._is_retry(owner_id, header)
+        )
+
     def accept_upload(
         self,
         owner_id: str,
         header: serde.UploadHeader,
         blocks: Mapping[str, Sequence[int]],
     ) -> UploadReceipt:
-        """Validate one complete upload and fold it into the aggregate exactly once.
+        """Accept one complete upload handed over in memory (one chunk per block).
 
-        Parameters
-        ----------
-        owner_id : the uploading owner (from its certificate).
-        header : the upload header.
-        blocks : block name -> that block's ciphertexts.
+        The same path as a streamed upload (:meth:`begin_upload`), for callers that
+        already hold every ciphertext; the servicer streams instead.
 
         Raises
         ------
-        The errors of :meth:`check_upload_header`, and
-        CiphertextError
-            A ciphertext outside Z*_{n^2}.
-        EncodingOverflowError
-            More owners than the query's max_owners.
-        ProtocolError
-            A second, different upload from this owner, or a replay.
+        The errors of :meth:`check_upload_header` and :meth:`UploadStream.complete`, and
+        LayoutError
+            A block is missing, unexpected or has the wrong number of ciphertexts.
         """
-        started = time.perf_counter()
-        self.check_upload_header(owner_id, header)
-        context = self._context(header.query_id)
-        public_key = context.public_key
-        data: dict[str, bytes] = {}
-        total = 0
-        for block in context.plan.owner_blocks:
-            ciphertexts = blocks.get(block.name)
-            if ciphertexts is None or len(ciphertexts) != block.layout.n_ciphertexts:
-                got = "none" if ciphertexts is None else str(len(ciphertexts))
-                raise LayoutError(
-                    f"{header.label}: block {block.name!r} needs "
-                    f"{block.layout.n_ciphertexts} ciphertexts, got {got}"
-                )
-            validate_ciphertexts(ciphertexts, public_key)
-            data[block.name] = ciphertexts_to_bytes(ciphertexts, public_key)
-            total += len(ciphertexts)
-        if set(blocks) - set(data):
-            raise LayoutError(
-                f"{header.label}: unexpected blocks {sorted(set(blocks) - set(data))}"
-            )
-        bounds = context.plan.bounds
+        upload = self.begin_upload(owner_id, header)
+        try:
+            names = set(blocks)
+            position = 0
+            for block in upload.context.plan.owner_blocks:
+                ciphertexts = blocks.get(block.name)
+                if ciphertexts is None or len(ciphertexts) != block.layout.n_ciphertexts:
+                    got = "none" if ciphertexts is None else str(len(ciphertexts))
+                    raise LayoutError(
+                        f"{header.label}: block {block.name!r} needs "
+                        f"{block.layout.n_ciphertexts} ciphertexts, got {got}"
+                    )
+                names.discard(block.name)
+                upload.add(position, ciphertexts)
+                position += len(ciphertexts)
+            if names:
+                raise LayoutError(f"{header.label}: unexpected blocks {sorted(names)}")
+            return upload.complete()
+        except BaseException:
+            upload.abandon()
+            raise
 
-        def owner_count_fits(n_contributed: int) -> None:
-            check_owner_count(bounds, n_contributed + 1)
-
-        receipt = self.store.accept_upload(
-            header.query_id,
-            owner_id,
-            header.upload_id,
-            header.content_sha256.hex(),
-            data,
-            total,
-            _fold(public_key.n),
-            public_count=header.public_record_count,
-            before_fold=owner_count_fits,
-        )
-        elapsed = time.perf_counter() - started
-        if receipt.duplicate:
-            logger.info("query %s: duplicate upload from %s", header.query_id, owner_id)
-            return receipt
+    def _uploaded(self, query_id: str, receipt: UploadReceipt, fold_seconds: float) -> None:
         with self._lock:
-            self._fold_seconds[header.query_id] = (
-                self._fold_seconds.get(header.query_id, 0.0) + elapsed
-            )
+            self._fold_seconds[query_id] = self._fold_seconds.get(query_id, 0.0) + fold_seconds
         self._notify()
-        if receipt.n_contributed >= context.spec.quorum:
-            self.close(header.query_id)
-        return receipt
+        if receipt.n_contributed >= self._context(query_id).spec.quorum:
+            self.close(query_id)
 
     # --------------------------------------------------------- quorum/deadline
     def close(self, query_id: str) -> None:
@@ -714,7 +821,12 @@ class Coordinator:
         background thread (or here, without one).
         """
         try:
-            self.store.set_state(query_id, QueryState.NOISING, expect=(QueryState.COLLECTING,))
+            self.store.set_state(
+                query_id,
+                QueryState.NOISING,
+                expect=(QueryState.COLLECTING,),
+                algebra=self._algebra(query_id),
+            )
         except QueryStateError:
             return
         logger.info("query %s: collection closed, adding noise", query_id)
@@ -787,7 +899,17 @@ class Coordinator:
             handled.append(record.query_id)
             self._schedule(record.query_id)
         for record in self.store.queries(QueryState.COLLECTING):
-            # Noise prepared before a restart died with the old process: draw it anew.
+            # Upload streams died with the old process: take their chunks out (the
+            # owners resend), and noise prepared before the restart: draw it anew.
+            removed = self.store.discard_partial_uploads(
+                record.query_id, self._algebra(record.query_id)
+            )
+            if removed:
+                logger.warning(
+                    "query %s: %d chunks of uploads interrupted by the restart taken out",
+                    record.query_id,
+                    removed,
+                )
             self._prepare_noise(self._context(record.query_id))
         return handled + self.check_deadlines()
 
@@ -809,7 +931,10 @@ class Coordinator:
             if record.state is QueryState.COLLECTING:
                 try:
                     record = self.store.set_state(
-                        query_id, QueryState.NOISING, expect=(QueryState.COLLECTING,)
+                        query_id,
+                        QueryState.NOISING,
+                        expect=(QueryState.COLLECTING,),
+                        algebra=self._algebra(query_id),
                     )
                 except QueryStateError:
                     record = self.store.query(query_id)
@@ -860,12 +985,34 @@ class Coordinator:
             # of this query, if any is left, must never be used.
             self._discard_noise(query_id)
 
+    def _algebra(self, query_id: str) -> SerialisedCiphertextGroup:
+        return SerialisedCiphertextGroup(self._context(query_id).public_key.n)
+
+    @staticmethod
+    def _aggregate_blocks(context: _QueryContext, data: bytes) -> dict[str, bytes]:
+        """Split the wire-order aggregate into the plan's owner blocks."""
+        width = ciphertext_byte_length(context.public_key.n.bit_length())
+        blocks = context.plan.owner_blocks
+        expected = sum(block.layout.n_ciphertexts for block in blocks) * width
+        if len(data) != expected:
+            raise LayoutError(
+                f"query {context.spec.query_id!r}: the aggregate holds {len(data)} bytes, "
+                f"the plan {expected}"
+            )
+        out: dict[str, bytes] = {}
+        start = 0
+        for block in blocks:
+            end = start + block.layout.n_ciphertexts * width
+            out[block.name] = data[start:end]
+            start = end
+        return out
+
     def _compute_result(self, record: QueryRecord) -> tuple[dict[str, bytes], dict[str, Any]]:
         context = self._context(record.query_id)
         n_owners = record.n_contributed
         if n_owners < 1:
             raise QueryStateError(f"query {record.query_id!r} has no uploads to release")
-        aggregate = self.store.aggregate(record.query_id)
+        aggregate = self._aggregate_blocks(context, self.store.aggregate(record.query_id))
         started = time.perf_counter()
         if context.spec.mode is ProtocolMode.MASKED:
             public_n = sum(u.public_count or 0 for u in self.store.uploads(record.query_id))
@@ -1168,26 +1315,6 @@ def _block_bytes(blocks: Mapping[str, bytes], name: str) -> bytes:
     if data is None:
         raise LayoutError(f"stored data has no block {name!r}")
     return data
-
-
-def _fold(n: int) -> Callable[[str, bytes | None, bytes], bytes]:
-    """Homomorphic addition on serialised fixed-width ciphertexts: c1 · c2 mod n²."""
-    n_square = gmpy2.mpz(n) * n
-    width = ciphertext_byte_length(n.bit_length())
-
-    def fold(name: str, current: bytes | None, upload: bytes) -> bytes:
-        if current is None:
-            return upload
-        if len(current) != len(upload) or len(upload) % width:
-            raise CiphertextError(f"block {name!r}: aggregate and upload sizes differ")
-        out = bytearray()
-        for start in range(0, len(upload), width):
-            a = gmpy2.mpz(int.from_bytes(current[start : start + width], "big"))
-            b = int.from_bytes(upload[start : start + width], "big")
-            out += int(a * b % n_square).to_bytes(width, "big")
-        return bytes(out)
-
-    return fold
 
 
 def _mask_width(plan: ReleasePlan) -> int:

@@ -101,6 +101,11 @@ def _refuse(context: grpc.ServicerContext, method: str, error: Exception) -> NoR
         code = status_code_for(error)
         logger.warning("%s refused (%s): %s", method, code.name, error)
         context.abort(code, str(error))
+    elif isinstance(error, grpc.RpcError):
+        # Reading the request stream failed: the client cancelled or the connection
+        # dropped mid-stream. Routine on a network; nobody is left to answer.
+        logger.warning("%s ended: the client's request stream broke off", method)
+        context.abort(grpc.StatusCode.CANCELLED, "the request stream broke off")
     else:
         # Internal details (paths, values) stay in the log, not in the reply.
         logger.error("%s failed unexpectedly", method, exc_info=error)
@@ -247,16 +252,19 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
         if first is None:
             raise ProtocolError("upload stream is empty (expected an UploadHeader)")
         header = serde.upload_header_from_message(first)
-        # Refuse a late, foreign-key or wrongly shaped upload before reading any chunk;
-        # the header's layout equals the plan, so the assembler caps the size too.
-        self.coordinator.check_upload_header(owner, header)
+        # A late, foreign-key or wrongly shaped upload is refused before any chunk is
+        # read; the header's layout equals the plan, so the assembler caps the size.
+        upload = self.coordinator.begin_upload(owner, header)
         assembler = header.assembler()
-        ciphertexts: list[int] = []
-        for message in messages:
-            ciphertexts.extend(assembler.add(serde.upload_chunk_from_message(message)).ciphertexts)
-        assembler.finish()
-        payload = serde.PackedCiphertexts.from_wire_order(header.blocks, ciphertexts)
-        receipt = self.coordinator.accept_upload(owner, header, payload.ciphertexts)
+        try:
+            for message in messages:
+                chunk = assembler.add(serde.upload_chunk_from_message(message))
+                upload.add(chunk.offset, chunk.ciphertexts)
+            assembler.finish()
+            receipt = upload.complete()
+        except BaseException:
+            upload.abandon()
+            raise
         return serde.upload_receipt_to_proto(
             serde.UploadReceipt(
                 query_id=header.query_id,

@@ -9,12 +9,25 @@ Crash safety rests on two rules:
 * every state change that must be atomic is one ``BEGIN IMMEDIATE`` transaction
   (WAL journal, ``synchronous=FULL``), so a ``kill -9`` leaves either the state
   before or the state after it;
-* folding an upload into the aggregate and recording that upload as accepted are
-  the *same* transaction, so an upload is counted exactly once: a retry after a
-  lost acknowledgement finds its record and is answered "duplicate".
+* an upload is counted exactly once. Each chunk is folded into the aggregate as
+  it arrives, and in the same transaction a copy of it is staged in
+  ``upload_chunks``. Completing the upload inserts its record and drops the
+  copies in one transaction (a retry after a lost acknowledgement finds the
+  record and is answered "duplicate"). An upload that never completes (stream
+  broken, bad chunk, superseded by the owner's reconnect, query closed, proxy
+  restarted) is taken out again by multiplying its staged chunks' inverses into
+  the aggregate, in the transaction that ends it. Modular arithmetic is exact,
+  so the aggregate is then byte for byte what it was before.
 
-Ciphertexts are stored as opaque fixed-width byte strings; the fold itself is a
-callable supplied by the caller (homomorphic addition lives in the codec).
+The aggregate lives in pages of :data:`PAGE_CIPHERTEXTS` ciphertexts, so folding
+a chunk reads and rewrites only the pages it touches: the proxy's memory holds
+one chunk (bounded by the gRPC message size) and one page per upload in flight,
+never a whole upload, and the aggregate grows with the number of ciphertexts, not
+with owners x ciphertexts.
+
+Ciphertexts are stored as opaque fixed-width byte strings; the group operation is
+a :class:`CiphertextAlgebra` supplied by the caller (homomorphic addition lives in
+the codec).
 """
 
 from __future__ import annotations
@@ -29,13 +42,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
+from fedpca.errors import FedpcaError, NotFoundError, ProtocolError, QueryStateError
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+PAGE_CIPHERTEXTS = 512
+"""Ciphertexts per aggregate page (256 KiB at 2048-bit keys): the unit read and
+rewritten when a chunk is folded."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -78,11 +95,22 @@ CREATE TABLE IF NOT EXISTS declines (
     declined_at REAL NOT NULL,
     PRIMARY KEY (query_id, owner_id)
 );
-CREATE TABLE IF NOT EXISTS aggregates (
+CREATE TABLE IF NOT EXISTS aggregate_pages (
     query_id TEXT NOT NULL REFERENCES queries(query_id),
-    block TEXT NOT NULL,
+    page INTEGER NOT NULL,
+    n_folded INTEGER NOT NULL,
     data BLOB NOT NULL,
-    PRIMARY KEY (query_id, block)
+    PRIMARY KEY (query_id, page)
+);
+CREATE TABLE IF NOT EXISTS upload_chunks (
+    query_id TEXT NOT NULL REFERENCES queries(query_id),
+    owner_id TEXT NOT NULL,
+    upload_id TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    start_index INTEGER NOT NULL,
+    total INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (query_id, owner_id, stream, start_index)
 );
 CREATE TABLE IF NOT EXISTS results (
     query_id TEXT NOT NULL REFERENCES queries(query_id),
@@ -158,8 +186,20 @@ class UploadReceipt:
     """Owners whose uploads the query has accepted, including this one."""
 
 
-BlockFold = Callable[[str, bytes | None, bytes], bytes]
-"""``fold(block_name, aggregate_or_None, upload_block) -> new aggregate``."""
+class CiphertextAlgebra(Protocol):
+    """The group operation on serialised ciphertexts (homomorphic addition lives in
+    the codec; the store only sees fixed-width byte strings)."""
+
+    width: int
+    """Bytes per ciphertext."""
+
+    def add(self, current: bytes, data: bytes) -> bytes:
+        """Element-wise product of two equally long runs of ciphertexts."""
+        ...
+
+    def subtract(self, current: bytes, data: bytes) -> bytes:
+        """Element-wise ``current · data⁻¹``: takes ``data`` out of ``current``."""
+        ...
 
 
 class ProxyStore:
@@ -169,7 +209,16 @@ class ProxyStore:
     proxy's writes are few and short (the homomorphic fold of one upload).
     """
 
-    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        clock: Callable[[], float] = time.time,
+        page_ciphertexts: int = PAGE_CIPHERTEXTS,
+    ) -> None:
+        if page_ciphertexts < 1:
+            raise ValueError(f"page_ciphertexts must be >= 1, got {page_ciphertexts}")
+        self.page_ciphertexts = page_ciphertexts
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
@@ -307,8 +356,15 @@ class ProxyStore:
         *,
         expect: tuple[QueryState, ...] = (),
         failure_reason: str | None = None,
+        algebra: CiphertextAlgebra | None = None,
     ) -> QueryRecord:
-        """Move a query to ``state``; refuse if it is not currently in one of ``expect``."""
+        """Move a query to ``state``; refuse if it is not currently in one of ``expect``.
+
+        Leaving COLLECTING ends every upload still in progress: in the same
+        transaction their folded chunks are taken out of the aggregate (with
+        ``algebra``; required when moving to NOISING with uploads in progress) or,
+        for a query that fails, simply dropped.
+        """
         with self.transaction() as conn:
             row = conn.execute("SELECT state FROM queries WHERE query_id=?", (query_id,)).fetchone()
             if row is None:
@@ -319,6 +375,23 @@ class ProxyStore:
                     f"query {query_id!r} is {current.value}, expected "
                     + " or ".join(s.value for s in expect)
                 )
+            if current is QueryState.COLLECTING and state is not QueryState.COLLECTING:
+                if algebra is None and state is not QueryState.FAILED:
+                    partial = conn.execute(
+                        "SELECT 1 FROM upload_chunks WHERE query_id=?", (query_id,)
+                    ).fetchone()
+                    if partial is not None:
+                        raise QueryStateError(
+                            f"query {query_id!r}: uploads in progress can only be taken out "
+                            "with the query's ciphertext algebra"
+                        )
+                removed = self._unfold(conn, query_id, algebra)
+                if removed:
+                    logger.info(
+                        "query %s: %d chunks of unfinished uploads taken out of the aggregate",
+                        query_id,
+                        removed,
+                    )
             conn.execute(
                 "UPDATE queries SET state=?, failure_reason=?, updated_at=? WHERE query_id=?",
                 (state.value, failure_reason, self._clock(), query_id),
@@ -326,39 +399,126 @@ class ProxyStore:
         return self.query(query_id)
 
     # --------------------------------------------------------------- uploads
-    def accept_upload(
+    def fold_chunk(
         self,
         query_id: str,
         owner_id: str,
         upload_id: str,
+        stream: int,
+        offset: int,
+        data: bytes,
+        total_ciphertexts: int,
+        algebra: CiphertextAlgebra,
+    ) -> bool:
+        """Fold one checked chunk of an upload in progress into the aggregate.
+
+        The chunk's ciphertexts (wire positions ``offset`` onwards) are multiplied
+        into the aggregate pages and kept in ``upload_chunks`` in the same
+        transaction, so that the upload can be taken out again exactly if it never
+        completes (:meth:`discard_stream`). ``stream`` numbers upload streams,
+        newer streams higher: an owner that reconnects and resends supersedes its
+        older stream, whose chunks are taken out here; a chunk of the older stream
+        arriving later is refused.
+
+        Returns
+        -------
+        False, folding nothing, when this owner's upload ``upload_id`` was already
+        accepted (a retry racing its own acknowledgement: :meth:`complete_upload`
+        then answers "duplicate"); True otherwise.
+
+        Raises
+        ------
+        NotFoundError, QueryStateError
+            Unknown query, or not COLLECTING.
+        ProtocolError
+            The owner already contributed a different upload, a newer stream of
+            this owner is in progress, or the chunk lies outside the layout.
+        """
+        count, rest = divmod(len(data), algebra.width)
+        if rest or count < 1 or offset < 0 or offset + count > total_ciphertexts:
+            raise ProtocolError(
+                f"upload {upload_id!r}: a chunk of {len(data)} bytes at position {offset} "
+                f"does not fit {total_ciphertexts} ciphertexts of {algebra.width} bytes"
+            )
+        with self.transaction() as conn:
+            # A retry racing its own acceptance is answered "duplicate", even when that
+            # acceptance closed the query.
+            self._collecting(conn, query_id, allow_accepted=(owner_id, upload_id))
+            previous = conn.execute(
+                "SELECT upload_id FROM uploads WHERE query_id=? AND owner_id=?",
+                (query_id, owner_id),
+            ).fetchone()
+            if previous is not None:
+                if previous["upload_id"] == upload_id:
+                    return False
+                raise ProtocolError(
+                    f"owner {owner_id!r} already contributed a different upload to query "
+                    f"{query_id!r}"
+                )
+            newest = conn.execute(
+                "SELECT MAX(stream) AS newest FROM upload_chunks WHERE query_id=? AND owner_id=?",
+                (query_id, owner_id),
+            ).fetchone()["newest"]
+            if newest is not None and newest > stream:
+                raise ProtocolError(
+                    f"upload {upload_id!r}: superseded by a newer upload stream of owner "
+                    f"{owner_id!r}"
+                )
+            if newest is not None and newest < stream:
+                removed = self._unfold(conn, query_id, algebra, owner_id=owner_id, below=stream)
+                logger.info(
+                    "query %s: a new upload stream of %s took over (%d chunks of the old "
+                    "one taken out)",
+                    query_id,
+                    owner_id,
+                    removed,
+                )
+            logger.debug(
+                "query %s: folding upload %s from %s (chunk at %d)",
+                query_id,
+                upload_id,
+                owner_id,
+                offset,
+            )
+            self._apply(conn, query_id, offset, data, total_ciphertexts, algebra, inverse=False)
+            conn.execute(
+                "INSERT INTO upload_chunks(query_id, owner_id, upload_id, stream, start_index, "
+                "total, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (query_id, owner_id, upload_id, stream, offset, total_ciphertexts, data),
+            )
+        return True
+
+    def complete_upload(
+        self,
+        query_id: str,
+        owner_id: str,
+        upload_id: str,
+        stream: int,
         content_sha256: str,
-        blocks: Mapping[str, bytes],
         n_ciphertexts: int,
-        fold: BlockFold,
+        algebra: CiphertextAlgebra,
         *,
         public_count: int | None = None,
-        before_fold: Callable[[int], None] | None = None,
+        before_accept: Callable[[int], None] | None = None,
     ) -> UploadReceipt:
-        """Fold one complete, validated upload into the query's aggregate, exactly once.
+        """Record a fully received, hash-verified upload as accepted, exactly once.
 
-        The fold and the upload record are one transaction. A retry of an
-        already-accepted upload (same owner, same upload id and content hash)
-        changes nothing and returns ``duplicate=True``. A second, different
-        upload from the same owner, or the same ciphertexts replayed into
-        another query, is refused.
+        Its chunks, folded as they arrived (:meth:`fold_chunk`), become permanent:
+        the upload record is inserted and the staged chunk copies are dropped in one
+        transaction. A retry of an already-accepted upload (same owner, upload id
+        and content hash) changes nothing and returns ``duplicate=True``.
 
-        ``before_fold(n_contributed)`` runs inside the transaction, after those
-        checks and before anything is folded, with the number of uploads accepted
-        so far; raising refuses the upload (the proxy checks max_owners here, so
-        concurrent uploads cannot both take the last place).
+        ``before_accept(n_contributed)`` runs inside the transaction with the number
+        of uploads accepted so far; raising refuses the upload (the proxy checks
+        max_owners here, so concurrent uploads cannot both take the last place). A
+        refused upload (that, a replay of ciphertexts accepted for another query,
+        or chunks that do not cover the layout) is taken out of the aggregate
+        before the error is raised.
         """
         now = self._clock()
+        refusal: Exception | None = None
         with self.transaction() as conn:
-            row = conn.execute(
-                "SELECT state, n_contributed FROM queries WHERE query_id=?", (query_id,)
-            ).fetchone()
-            if row is None:
-                raise NotFoundError(f"unknown query {query_id!r}")
+            row = self._collecting(conn, query_id, allow_accepted=(owner_id, upload_id))
             previous = conn.execute(
                 "SELECT upload_id, content_sha256 FROM uploads WHERE query_id=? AND owner_id=?",
                 (query_id, owner_id),
@@ -373,46 +533,217 @@ class ProxyStore:
                     f"owner {owner_id!r} already contributed a different upload to query "
                     f"{query_id!r}"
                 )
-            state = QueryState(row["state"])
-            if state is not QueryState.COLLECTING:
-                raise QueryStateError(
-                    f"query {query_id!r} is {state.value}: uploads are no longer accepted"
-                )
+            staged = conn.execute(
+                "SELECT stream, start_index, length(data) AS size FROM upload_chunks "
+                "WHERE query_id=? AND owner_id=? ORDER BY start_index",
+                (query_id, owner_id),
+            ).fetchall()
+            covered = 0
+            for chunk in staged:
+                if chunk["stream"] != stream or chunk["start_index"] != covered:
+                    break
+                covered += chunk["size"] // algebra.width
             replay = conn.execute(
                 "SELECT query_id FROM uploads WHERE content_sha256=?", (content_sha256,)
             ).fetchone()
-            if replay is not None:
-                raise ProtocolError(
+            if covered != n_ciphertexts or len(staged) == 0:
+                refusal = ProtocolError(
+                    f"upload {upload_id!r}: its folded chunks cover {covered} of "
+                    f"{n_ciphertexts} ciphertexts (superseded by a newer stream, or incomplete)"
+                )
+            elif replay is not None:
+                refusal = ProtocolError(
                     f"these ciphertexts were already accepted for query {replay['query_id']!r}: "
                     "replayed uploads are refused"
                 )
-            if before_fold is not None:
-                before_fold(int(row["n_contributed"]))
-            logger.debug("query %s: folding upload %s from %s", query_id, upload_id, owner_id)
-            for name, data in blocks.items():
-                current = conn.execute(
-                    "SELECT data FROM aggregates WHERE query_id=? AND block=?", (query_id, name)
-                ).fetchone()
-                folded = fold(name, None if current is None else bytes(current["data"]), data)
+            elif before_accept is not None:
+                try:
+                    before_accept(int(row["n_contributed"]))
+                except FedpcaError as exc:
+                    refusal = exc
+            if refusal is not None:
+                self._unfold(conn, query_id, algebra, owner_id=owner_id, stream=stream)
+            else:
                 conn.execute(
-                    "INSERT INTO aggregates(query_id, block, data) VALUES (?, ?, ?) "
-                    "ON CONFLICT(query_id, block) DO UPDATE SET data=excluded.data",
-                    (query_id, name, folded),
+                    "DELETE FROM upload_chunks WHERE query_id=? AND owner_id=?",
+                    (query_id, owner_id),
                 )
-            conn.execute(
-                "INSERT INTO uploads(query_id, owner_id, upload_id, content_sha256, "
-                "n_ciphertexts, public_count, accepted_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (query_id, owner_id, upload_id, content_sha256, n_ciphertexts, public_count, now),
-            )
-            n_contributed = int(row["n_contributed"]) + 1
-            conn.execute(
-                "UPDATE queries SET n_contributed=?, updated_at=? WHERE query_id=?",
-                (n_contributed, now, query_id),
-            )
+                conn.execute(
+                    "INSERT INTO uploads(query_id, owner_id, upload_id, content_sha256, "
+                    "n_ciphertexts, public_count, accepted_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        query_id,
+                        owner_id,
+                        upload_id,
+                        content_sha256,
+                        n_ciphertexts,
+                        public_count,
+                        now,
+                    ),
+                )
+                n_contributed = int(row["n_contributed"]) + 1
+                conn.execute(
+                    "UPDATE queries SET n_contributed=?, updated_at=? WHERE query_id=?",
+                    (n_contributed, now, query_id),
+                )
+        if refusal is not None:
+            raise refusal
         logger.info(
             "query %s: accepted upload from %s (%d owners)", query_id, owner_id, n_contributed
         )
         return UploadReceipt(duplicate=False, n_contributed=n_contributed)
+
+    def discard_stream(
+        self, query_id: str, owner_id: str, stream: int, algebra: CiphertextAlgebra
+    ) -> int:
+        """Take an unfinished upload stream's chunks out of the aggregate; returns how many.
+
+        Used when a stream fails (bad chunk, hash mismatch, lost connection). A no-op
+        if the query is gone from COLLECTING (the state change already took the
+        chunks out) or the stream was superseded.
+        """
+        with self.transaction() as conn:
+            return self._unfold(conn, query_id, algebra, owner_id=owner_id, stream=stream)
+
+    def discard_partial_uploads(self, query_id: str, algebra: CiphertextAlgebra) -> int:
+        """Take every unfinished upload of a query out of its aggregate (proxy start-up:
+        the streams that sent them died with the previous process)."""
+        with self.transaction() as conn:
+            return self._unfold(conn, query_id, algebra)
+
+    def partial_uploads(self, query_id: str) -> dict[str, int]:
+        """owner id -> chunks folded by its upload in progress (for status and tests)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT owner_id, COUNT(*) AS n FROM upload_chunks WHERE query_id=? "
+                "GROUP BY owner_id",
+                (query_id,),
+            ).fetchall()
+        return {str(r["owner_id"]): int(r["n"]) for r in rows}
+
+    def _collecting(
+        self,
+        conn: sqlite3.Connection,
+        query_id: str,
+        allow_accepted: tuple[str, str] | None = None,
+    ) -> sqlite3.Row:
+        row = conn.execute(
+            "SELECT state, n_contributed FROM queries WHERE query_id=?", (query_id,)
+        ).fetchone()
+        if row is None:
+            raise NotFoundError(f"unknown query {query_id!r}")
+        state = QueryState(row["state"])
+        if state is QueryState.COLLECTING:
+            return row
+        if allow_accepted is not None:
+            owner_id, upload_id = allow_accepted
+            accepted = conn.execute(
+                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=? AND upload_id=?",
+                (query_id, owner_id, upload_id),
+            ).fetchone()
+            if accepted is not None:
+                return row  # a retry of an accepted upload is answered "duplicate"
+        raise QueryStateError(
+            f"query {query_id!r} is {state.value}: uploads are no longer accepted"
+        )
+
+    def _apply(
+        self,
+        conn: sqlite3.Connection,
+        query_id: str,
+        offset: int,
+        data: bytes,
+        total_ciphertexts: int,
+        algebra: CiphertextAlgebra,
+        *,
+        inverse: bool,
+    ) -> None:
+        """Multiply ``data`` (or its inverse) into the aggregate pages it overlaps.
+
+        A page holds PAGE_CIPHERTEXTS consecutive wire positions (the last one
+        fewer). It starts as encryptions of zero with unit randomness (the integer
+        1, the identity of Z*_{n^2}), so chunks cut at any boundary fold in, and
+        ``n_folded`` counts the chunks folded into it: a page that drops back to
+        zero is deleted, leaving the store exactly as if the chunks never came.
+        """
+        width = algebra.width
+        size = self.page_ciphertexts
+        count = len(data) // width
+        identity = (1).to_bytes(width, "big")
+        for page in range(offset // size, (offset + count - 1) // size + 1):
+            page_start = page * size
+            page_length = min(size, total_ciphertexts - page_start)
+            lo = max(offset, page_start)
+            hi = min(offset + count, page_start + page_length)
+            row = conn.execute(
+                "SELECT n_folded, data FROM aggregate_pages WHERE query_id=? AND page=?",
+                (query_id, page),
+            ).fetchone()
+            if row is None:
+                if inverse:
+                    raise QueryStateError(
+                        f"query {query_id!r}: aggregate page {page} is missing while taking "
+                        "an upload out"
+                    )
+                current, n_folded = identity * page_length, 0
+            else:
+                current, n_folded = bytes(row["data"]), int(row["n_folded"])
+            a, b = (lo - page_start) * width, (hi - page_start) * width
+            segment = data[(lo - offset) * width : (hi - offset) * width]
+            combine = algebra.subtract if inverse else algebra.add
+            updated = current[:a] + combine(current[a:b], segment) + current[b:]
+            n_folded += -1 if inverse else 1
+            if n_folded == 0:
+                conn.execute(
+                    "DELETE FROM aggregate_pages WHERE query_id=? AND page=?", (query_id, page)
+                )
+            else:
+                conn.execute(
+                    "INSERT INTO aggregate_pages(query_id, page, n_folded, data) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT(query_id, page) DO UPDATE SET "
+                    "n_folded=excluded.n_folded, data=excluded.data",
+                    (query_id, page, n_folded, updated),
+                )
+
+    def _unfold(
+        self,
+        conn: sqlite3.Connection,
+        query_id: str,
+        algebra: CiphertextAlgebra | None,
+        *,
+        owner_id: str | None = None,
+        stream: int | None = None,
+        below: int | None = None,
+    ) -> int:
+        """Take staged chunks out of the aggregate (inside ``conn``'s transaction).
+
+        Selects the query's chunks, optionally of one owner, of one stream or of
+        streams older than ``below``. Without ``algebra`` they are only deleted
+        (for a query that fails: its aggregate is never used).
+        """
+        where, args = "query_id=?", list[str | int]([query_id])
+        if owner_id is not None:
+            where, args = where + " AND owner_id=?", [*args, owner_id]
+        if stream is not None:
+            where, args = where + " AND stream=?", [*args, stream]
+        if below is not None:
+            where, args = where + " AND stream<?", [*args, below]
+        rows = conn.execute(
+            f"SELECT start_index, total, data FROM upload_chunks WHERE {where}", args
+        ).fetchall()
+        if algebra is not None:
+            for row in rows:
+                self._apply(
+                    conn,
+                    query_id,
+                    int(row["start_index"]),
+                    bytes(row["data"]),
+                    int(row["total"]),
+                    algebra,
+                    inverse=True,
+                )
+        conn.execute(f"DELETE FROM upload_chunks WHERE {where}", args)
+        return len(rows)
 
     def uploads(self, query_id: str) -> list[UploadRecord]:
         with self._lock:
@@ -452,12 +783,16 @@ class ProxyStore:
             ).fetchall()
         return {str(r["owner_id"]): str(r["reason"]) for r in rows}
 
-    def aggregate(self, query_id: str) -> dict[str, bytes]:
+    def aggregate(self, query_id: str) -> bytes:
+        """The query's encrypted aggregate: all pages, in wire order (b"" before any fold)."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT block, data FROM aggregates WHERE query_id=?", (query_id,)
+                "SELECT page, data FROM aggregate_pages WHERE query_id=? ORDER BY page",
+                (query_id,),
             ).fetchall()
-        return {str(r["block"]): bytes(r["data"]) for r in rows}
+        if [int(r["page"]) for r in rows] != list(range(len(rows))):
+            raise QueryStateError(f"query {query_id!r}: its aggregate has missing pages")
+        return b"".join(bytes(r["data"]) for r in rows)
 
     # --------------------------------------------------------------- results
     def store_result(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .ciphertext import (
         PackedCiphertexts,
+        SerialisedCiphertextGroup,
         add_packed,
         ciphertext_byte_length,
         ciphertexts_from_bytes,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "fedpca.codec.ciphertext": (
         "PackedCiphertexts",
+        "SerialisedCiphertextGroup",
         "add_packed",
         "ciphertext_byte_length",
         "ciphertexts_from_bytes",
@@ -99,6 +101,7 @@ __all__ = [
     "Obfuscation",
     "PackedCiphertexts",
     "PackingBounds",
+    "SerialisedCiphertextGroup",
     "SlotLayout",
     "add_packed",
     "check_owner_count",

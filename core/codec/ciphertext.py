@@ -103,6 +103,57 @@ def ciphertexts_from_bytes(data: bytes, public_key: Any, count: int) -> list[int
     return ciphertexts
 
 
+class SerialisedCiphertextGroup:
+    """Homomorphic addition and subtraction on serialised ciphertexts of one key.
+
+    Operates on byte strings written by :func:`ciphertexts_to_bytes` (the proxy's
+    store keeps the aggregate that way): ``add`` multiplies element-wise mod n^2,
+    ``subtract`` multiplies by the inverses, which exist for every validated
+    ciphertext (validation refuses any c sharing a factor with n).
+
+    Parameters
+    ----------
+    n : int
+        The Paillier modulus.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n_square = gmpy2.mpz(n) * n
+        self.width = ciphertext_byte_length(n.bit_length())
+
+    def _pairs(self, current: bytes, data: bytes) -> Any:
+        if len(current) != len(data) or len(data) % self.width:
+            raise CiphertextError(
+                f"cannot combine {len(current)} and {len(data)} bytes of "
+                f"{self.width}-byte ciphertexts"
+            )
+        width = self.width
+        for start in range(0, len(data), width):
+            yield (
+                gmpy2.mpz(int.from_bytes(current[start : start + width], "big")),
+                int.from_bytes(data[start : start + width], "big"),
+            )
+
+    def add(self, current: bytes, data: bytes) -> bytes:
+        """Ciphertexts of the element-wise plaintext sums."""
+        n_square, width = self.n_square, self.width
+        return b"".join(
+            int(a * b % n_square).to_bytes(width, "big") for a, b in self._pairs(current, data)
+        )
+
+    def subtract(self, current: bytes, data: bytes) -> bytes:
+        """Ciphertexts of the element-wise plaintext differences ``current - data``."""
+        n_square, width = self.n_square, self.width
+        out = []
+        for a, b in self._pairs(current, data):
+            try:
+                inverse = gmpy2.invert(b, n_square)
+            except ZeroDivisionError as exc:
+                raise CiphertextError("a ciphertext has no inverse mod n^2") from exc
+            out.append(int(a * inverse % n_square).to_bytes(width, "big"))
+        return b"".join(out)
+
+
 @dataclass(frozen=True)
 class PackedCiphertexts:
     """A vector of packed ciphertexts with its layout and slot bound.

@@ -676,8 +676,9 @@ class ChunkAssembler:
 
     Used by both the proxy (uploads) and the analyst (results). It does not keep
     the ciphertexts: :meth:`add` hands each chunk's ciphertexts back so a caller
-    can fold them as they arrive, and must not commit anything before
-    :meth:`finish` has checked the count and the content hash.
+    can fold them as they arrive; until :meth:`finish` has checked the count and
+    the content hash, the caller must be able to take them out again (the proxy
+    stages each folded chunk for that, see :mod:`fedpca.proxy.store`).
 
     Parameters
     ----------

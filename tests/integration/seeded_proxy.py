@@ -18,10 +18,14 @@ kill from outside rarely hits:
 
 * ``prep:K``: at the K-th noise draw of that query's noise preparation, which the
   proxy starts on a background thread when it accepts the query;
-* ``fold:K``: inside the SQLite transaction that folds the K-th upload into the
-  aggregate, before it commits;
-* ``folded:K``: right after that transaction committed, before the owner's
-  acknowledgement leaves (the owner must retry and be answered DUPLICATE);
+* ``fold:K``: inside the SQLite transaction that folds a chunk of the K-th owner's
+  upload into the aggregate, before it commits;
+* ``staged:K``: right after such a chunk fold committed, before the upload
+  completes (the restarted proxy must take the chunk out, and the owner's resent
+  upload fold it again exactly once);
+* ``folded:K``: right after the transaction accepting the K-th upload committed,
+  before the owner's acknowledgement leaves (the owner must retry and be answered
+  DUPLICATE);
 * ``result:1``: with the (prepared) noise added to the aggregate, before the
   result is stored (the query is left NOISING, for the restarted proxy to finish).
 
@@ -40,7 +44,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -89,7 +93,7 @@ def _crash(reason: str) -> None:
 
 def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSampler) -> None:
     """TEST ONLY: make this process kill itself at ``point`` of ``query_id`` (``--crash``)."""
-    if point not in ("prep", "fold", "folded", "result") or k < 1:
+    if point not in ("prep", "fold", "staged", "folded", "result") or k < 1:
         raise SystemExit(f"--crash: unknown point {point}:{k}")
     if point == "prep":
         submit = Coordinator.submit
@@ -114,38 +118,60 @@ def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSample
 
         ProxyStore.store_result = crashing_store_result  # type: ignore[method-assign]
         return
-    original = ProxyStore.accept_upload
-    signature = inspect.signature(original)
+    if point == "folded":
+        complete_upload = ProxyStore.complete_upload
 
-    def accept_upload(self: ProxyStore, *args: Any, **kwargs: Any) -> UploadReceipt:
+        def crashing_complete(self: ProxyStore, *args: Any, **kwargs: Any) -> UploadReceipt:
+            receipt = complete_upload(self, *args, **kwargs)
+            stored = inspect.signature(complete_upload).bind(self, *args, **kwargs)
+            if (
+                stored.arguments["query_id"] == query_id
+                and not receipt.duplicate
+                and receipt.n_contributed == k
+            ):
+                _crash(
+                    f"after upload {k} of query {query_id} committed, before its acknowledgement"
+                )
+            return receipt
+
+        ProxyStore.complete_upload = crashing_complete  # type: ignore[method-assign]
+        return
+    # fold / staged: the K-th owner whose chunk is folded into this query's aggregate.
+    fold_chunk = ProxyStore.fold_chunk
+    signature = inspect.signature(fold_chunk)
+    folding_owners: list[str] = []
+
+    def crashing_fold(self: ProxyStore, *args: Any, **kwargs: Any) -> bool:
         call = signature.bind(self, *args, **kwargs)
+        owner = call.arguments["owner_id"]
         if call.arguments["query_id"] != query_id:
-            return original(*call.args, **call.kwargs)
+            return fold_chunk(*call.args, **call.kwargs)
+        if owner not in folding_owners:
+            folding_owners.append(owner)
+        if folding_owners.index(owner) + 1 != k:
+            return fold_chunk(*call.args, **call.kwargs)
         if point == "fold":
-            before_fold: Callable[[int], None] | None = call.arguments.get("before_fold")
-            fold: Callable[[str, bytes | None, bytes], bytes] = call.arguments["fold"]
-            position = [0]
+            algebra = call.arguments["algebra"]
 
-            def numbered(n_contributed: int) -> None:
-                if before_fold is not None:
-                    before_fold(n_contributed)
-                position[0] = n_contributed + 1
+            class CrashingAlgebra:
+                width = algebra.width
+                subtract = algebra.subtract
 
-            def crashing(name: str, current: bytes | None, upload: bytes) -> bytes:
-                folded = fold(name, current, upload)
-                if position[0] == k:
+                def add(self, current: bytes, data: bytes) -> bytes:
+                    algebra.add(current, data)
                     _crash(f"inside the fold of upload {k} of query {query_id}, before COMMIT")
-                return folded
+                    raise AssertionError("unreachable")
 
-            call.arguments["before_fold"] = numbered
-            call.arguments["fold"] = crashing
-            return original(*call.args, **call.kwargs)
-        receipt = original(*call.args, **call.kwargs)
-        if not receipt.duplicate and receipt.n_contributed == k:
-            _crash(f"after upload {k} of query {query_id} committed, before its acknowledgement")
-        return receipt
+            call.arguments["algebra"] = CrashingAlgebra()
+            return fold_chunk(*call.args, **call.kwargs)
+        folded = fold_chunk(*call.args, **call.kwargs)
+        _crash(
+            f"after a chunk of upload {k} of query {query_id} was folded, before the upload "
+            "completed"
+        )
+        return folded
 
-    ProxyStore.accept_upload = accept_upload  # type: ignore[method-assign]
+    ProxyStore.fold_chunk = crashing_fold  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, required=True, help="noise seed (TEST ONLY)")
     parser.add_argument("--config", type=Path, required=True, help="the proxy's TOML config")
     parser.add_argument(
-        "--crash", help="QUERY_ID:POINT:K, POINT fold, folded or result (TEST ONLY)"
+        "--crash", help="QUERY_ID:POINT:K, POINT prep, fold, staged, folded or result (TEST ONLY)"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG, format=LOG_FORMAT)

@@ -16,13 +16,15 @@ that every run of the query draws the same noise; production noise cannot be see
    trial runs the query again (a new query id), SIGKILLs the proxy and its crypto
    workers that many seconds after its first encrypted share, restarts it with the
    same config and SQLite file, and lets the owners (upload retries, reconnects)
-   and the analyst (watch reconnects) recover by themselves. Five more trials make
+   and the analyst (watch reconnects) recover by themselves. Six more trials make
    the proxy SIGKILL itself (test-only fault injection) where outside kills rarely
    land: while drawing the query's noise (before the window, while the owners
-   encrypt); inside a fold before its COMMIT; right after a fold committed but
-   before the owner's acknowledgement left (mid-collection and at the last upload),
-   where a double count would come from: the owner must retry and be answered
-   DUPLICATE; and with the noise added but the result not yet stored.
+   encrypt); inside a chunk fold before its COMMIT; after a chunk fold committed
+   but before its upload completed (the restart takes the chunk out, the owner's
+   resend folds it once); right after an upload was accepted but before the owner's
+   acknowledgement left (mid-collection and at the last upload), where a double
+   count would come from: the owner must retry and be answered DUPLICATE; and with
+   the noise added but the result not yet stored.
 3. Every trial must complete with all owners (quorum = all owners, so an owner that
    gave up could not hide behind a smaller quorum; its "giving up" fails the trial
    by name), one ``uploads`` row per owner in the SQLite file, no refused upload,
@@ -276,6 +278,7 @@ class CrashHarness:
             trial.phase = {
                 "prep": "noise preparation",
                 "fold": "fold",
+                "staged": "upload in progress",
                 "folded": "ack lost",
                 "result": "noise",
             }[point]
@@ -318,6 +321,12 @@ class CrashHarness:
             assert acked is not None, f"{label}: {match[1]} was not answered DUPLICATE"
         assert cluster.proxy is not None
         trial.recovery = _recovery(run.query_id, cluster.proxy.log_text(), owner_logs)
+        if trial.fault is not None and trial.fault.startswith("staged:"):
+            # The chunk folded before the crash was taken out at the restart (the
+            # owner's resent upload then folded it once; the statistics above agree).
+            assert "unfinished chunk(s) taken out" in trial.recovery, (
+                f"{label}: the restarted proxy did not take the unfinished upload out"
+            )
         if run.analyst_retries:
             trial.recovery += f"; analyst asked again {len(run.analyst_retries)}x"
         self.wait_owners_connected(reconnect)
@@ -410,6 +419,11 @@ def _recovery(query_id: str, proxy_log: str, owner_logs: dict[str, str]) -> str:
         notes.append("noise step redone")
     elif f"query {query_id}: preparing its noise" in proxy_log:
         notes.append("noise prepared anew")
+    taken_out = re.search(
+        rf"query {q}: (\d+) chunks of uploads interrupted by the restart taken out", proxy_log
+    )
+    if taken_out:
+        notes.append(f"{taken_out[1]} unfinished chunk(s) taken out")
     duplicate = sorted(
         owner
         for owner, text in owner_logs.items()
@@ -480,14 +494,16 @@ def test_kill_9_proxy_at_random_points_loses_and_doubles_nothing(tmp_path: Path)
         trials = [
             Trial(str(i + 1), harness.new_spec(), offset=float(o)) for i, o in enumerate(offsets)
         ]
-        # Five more where the proxy SIGKILLs itself (test-only fault injection) where
+        # Six more where the proxy SIGKILLs itself (test-only fault injection) where
         # kills from outside rarely land: while it draws the query's noise (it does so
         # from submission on, before the window opens), inside the fold of the
-        # 2nd upload before COMMIT, right after it committed but before its
+        # 2nd upload before COMMIT, after the 3rd upload's chunk was folded but before
+        # that upload completed (the restart must take it out, the owner's resend
+        # fold it once), right after the 2nd upload committed but before its
         # acknowledgement left (the retry must be answered DUPLICATE, not folded
         # again), right after the last fold committed (quorum not yet closed), and
         # with the noise added to the aggregate but the result not yet stored.
-        faults = ("prep:2", "fold:2", "folded:2", f"folded:{N_OWNERS}", "result:1")
+        faults = ("prep:2", "fold:2", "staged:3", "folded:2", f"folded:{N_OWNERS}", "result:1")
         trials += [Trial(fault, harness.new_spec(), fault=fault) for fault in faults]
         if trials[0].fault is not None:  # no random kill: arm the running proxy first
             assert cluster.proxy is not None

@@ -429,7 +429,7 @@ def test_bad_uploads_are_refused_with_state_untouched(
 
     record = coordinator.store.query("q1")
     assert record.state is QueryState.COLLECTING and record.n_contributed == 0
-    assert coordinator.store.aggregate("q1") == {} and coordinator.store.uploads("q1") == []
+    assert coordinator.store.aggregate("q1") == b"" and coordinator.store.uploads("q1") == []
     # The intact upload is still accepted afterwards.
     assert coordinator.accept_upload("owner-0", header, blocks).n_contributed == 1
 
@@ -877,3 +877,40 @@ def test_a_query_needing_oversized_uploads_is_refused_before_anything_is_stored(
         feature_upper=(1.0, 1.0),
     )
     assert coordinator.submit("alice", small).query_id == "q-small"
+
+
+def test_uploads_in_progress_are_taken_out_at_restart_and_at_closing(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    spec = make_spec(public_key, quorum=2)
+    coordinator.submit("alice", spec)
+    plan = coordinator.plan("q1")
+    owners = owners_for(owner_rows)[:3]
+    uploads = [owner.upload(plan, public_key, pool) for owner in owners]
+    header, blocks, encoded = uploads[0]
+    coordinator.accept_upload(owners[0].owner_id, header, blocks)
+    accepted = coordinator.store.aggregate("q1")
+    # Owner 1's stream dies with the process after its first chunk was folded.
+    stream = coordinator.begin_upload(owners[1].owner_id, uploads[1][0])
+    stream.add(0, uploads[1][1][SHARES][:2])
+    assert coordinator.store.aggregate("q1") != accepted
+    coordinator.store.close()
+
+    restarted = make_coordinator(tmp_path, pool)
+    assert restarted.store.partial_uploads("q1") == {owners[1].owner_id: 1}
+    restarted.recover()
+    assert restarted.store.partial_uploads("q1") == {}
+    assert restarted.store.aggregate("q1") == accepted
+    # Owner 2 is mid-stream when owner 1's resent upload makes the quorum: closing
+    # takes owner 2's chunk out, and its next chunk is refused as late.
+    late = restarted.begin_upload(owners[2].owner_id, uploads[2][0])
+    late.add(0, uploads[2][1][SHARES][:1])
+    restarted.accept_upload(owners[1].owner_id, uploads[1][0], uploads[1][1])
+    assert restarted.store.query("q1").state is QueryState.DONE
+    assert restarted.store.partial_uploads("q1") == {}
+    with pytest.raises(QueryStateError, match="no longer accepted"):
+        late.add(1, uploads[2][1][SHARES][1:])
+    expected = encoded[SHARES].astype(object) + uploads[1][2][SHARES].astype(object)
+    assert decrypt_block(pool, private_key, restarted, "q1", SHARES) == list(expected)

@@ -46,6 +46,7 @@ from fedpca.proxy.servicer import (
     INSECURE_IDENTITY_METADATA,
     status_code_for,
 )
+from fedpca.proxy.store import QueryState
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
@@ -350,7 +351,7 @@ def test_bad_uploads_are_refused_before_their_chunks(
             timeout=TIMEOUT,
         )
     record = server.coordinator.store.query("bad-uploads")
-    assert record.n_contributed == 0 and server.coordinator.store.aggregate("bad-uploads") == {}
+    assert record.n_contributed == 0 and server.coordinator.store.aggregate("bad-uploads") == b""
     assert server.coordinator.store.declines("bad-uploads") == {"owner-1": "policy_refusal"}
 
 
@@ -502,3 +503,81 @@ def test_insecure_mode_identifies_callers_by_metadata(
     assert serde.budget_status_from_proto(named).analyst_id == "bob"
     assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
     assert default_id == "analyst"
+
+
+def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    store = server.coordinator.store
+    spec = make_spec(public_key, "chunk-folds")
+    # One ciphertext per chunk message, so an upload is a stream of several chunks.
+    width = 2 * public_key.n.bit_length() // 8
+    one_per_chunk = width + 1
+    while True:
+        try:
+            if serde.ciphertexts_per_chunk(width, one_per_chunk) == 1:
+                break
+        except ConfigError:  # too small for one ciphertext and the framing
+            pass
+        one_per_chunk += 1
+    with (
+        channel_for(server, tls_files, Role.ANALYST, "alice") as analyst_channel,
+        channel_for(server, tls_files, Role.OWNER, "owner-1") as channel_1,
+        channel_for(server, tls_files, Role.OWNER, "owner-2") as channel_2,
+    ):
+        analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
+        analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=TIMEOUT)
+        uploads = []
+        for seed in (1, 2):
+            payload, encoded, _ = owner_share(spec, seed, public_key, pool)
+            messages = serde.encode_upload(
+                spec.query_id, spec.analyst_key_fingerprint, f"u{seed}", payload, one_per_chunk
+            )
+            uploads.append((messages, encoded[SHARES].astype(object)))
+        first_messages = uploads[0][0]
+        assert len(first_messages) >= 3  # header and at least two chunks
+
+        def breaks_off_after_two_chunks() -> Iterator[Any]:
+            yield from first_messages[:3]
+            # Chunks are folded into the aggregate as they arrive, not buffered
+            # until the upload is complete.
+            deadline = time.monotonic() + TIMEOUT
+            while store.partial_uploads(spec.query_id) != {"owner-1": 2}:
+                assert time.monotonic() < deadline, store.partial_uploads(spec.query_id)
+                time.sleep(0.01)
+            assert store.aggregate(spec.query_id) != b""
+            raise ConnectionError("TEST: the owner's connection drops mid-upload")
+
+        owner_1 = owner_grpc.OwnerServiceStub(channel_1)
+        with pytest.raises(grpc.RpcError):
+            owner_1.Upload(breaks_off_after_two_chunks(), timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while store.partial_uploads(spec.query_id):
+            assert time.monotonic() < deadline, "the broken stream's chunks stayed folded"
+            time.sleep(0.01)
+        assert store.aggregate(spec.query_id) == b""  # taken out, byte for byte
+        assert store.query(spec.query_id).n_contributed == 0
+
+        # The owner resends the same upload: folded once, like everything else.
+        for stub, (messages, _) in zip(
+            (owner_1, owner_grpc.OwnerServiceStub(channel_2)), uploads, strict=True
+        ):
+            receipt = serde.upload_receipt_from_proto(stub.Upload(iter(messages), timeout=TIMEOUT))
+            assert receipt.status is serde.UploadStatus.ACCEPTED
+        deadline = time.monotonic() + TIMEOUT
+        while store.query(spec.query_id).state is not QueryState.DONE:
+            assert time.monotonic() < deadline, store.query(spec.query_id).state
+            time.sleep(0.01)
+        result = serde.decode_result(
+            analyst.FetchResult(serde.query_ref_to_proto(spec.query_id), timeout=TIMEOUT)
+        )
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    plaintexts = pool.decrypt(private_key, list(result.payload[SHARES]))
+    expected = uploads[0][1] + uploads[1][1]
+    assert unpack_slots(plaintexts, plan.result_block(SHARES).layout, public_key.n) == list(
+        expected
+    )

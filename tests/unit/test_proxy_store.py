@@ -1,79 +1,273 @@
-"""The proxy's SQLite store: atomic folds, idempotent uploads, replay refusal, durability."""
+"""The proxy's SQLite store: chunk folds taken out exactly when an upload does not
+complete, idempotent uploads, replay refusal, durability."""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
-from fedpca.proxy.store import ProxyStore, QueryState
+from fedpca.proxy.store import ProxyStore, QueryState, UploadReceipt
+
+PRIME = 65521  # the toy group: Z*_p with 2-byte elements, p the largest 16-bit prime
+TOTAL = 8  # ciphertexts per upload in these tests
+PAGE = 3  # ciphertexts per page: uploads span pages 0-2, the last one short
 
 
-def concat_fold(name: str, current: bytes | None, upload: bytes) -> bytes:
-    """A stand-in for homomorphic addition that makes every fold visible."""
-    return (current or b"") + b"|" + upload
+class ToyGroup:
+    """Z*_p on 2-byte big-endian elements: a stand-in for Paillier ciphertexts whose
+    group operation (multiplication) and inverses can be checked by hand."""
+
+    width = 2
+
+    @staticmethod
+    def _values(data: bytes) -> list[int]:
+        return [int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2)]
+
+    @staticmethod
+    def _bytes(values: list[int]) -> bytes:
+        return b"".join(v.to_bytes(2, "big") for v in values)
+
+    def add(self, current: bytes, data: bytes) -> bytes:
+        pairs = zip(self._values(current), self._values(data), strict=True)
+        return self._bytes([a * b % PRIME for a, b in pairs])
+
+    def subtract(self, current: bytes, data: bytes) -> bytes:
+        pairs = zip(self._values(current), self._values(data), strict=True)
+        return self._bytes([a * pow(b, -1, PRIME) % PRIME for a, b in pairs])
+
+
+GROUP = ToyGroup()
+
+
+def upload_values(seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % (PRIME - 1) + 1 for i in range(TOTAL)]
+
+
+def product(*uploads: list[int]) -> bytes:
+    out = [1] * TOTAL
+    for values in uploads:
+        out = [a * b % PRIME for a, b in zip(out, values, strict=True)]
+    return ToyGroup._bytes(out)
+
+
+def fold(
+    store: ProxyStore,
+    owner: str,
+    upload: str,
+    values: list[int],
+    *,
+    stream: int = 1,
+    cuts: tuple[int, ...] = (TOTAL,),
+    query: str = "q1",
+) -> None:
+    """Fold ``values`` as chunks ending at ``cuts``."""
+    start = 0
+    for end in cuts:
+        store.fold_chunk(
+            query, owner, upload, stream, start, ToyGroup._bytes(values[start:end]), TOTAL, GROUP
+        )
+        start = end
+
+
+def complete(
+    store: ProxyStore,
+    owner: str,
+    upload: str,
+    digest: str,
+    *,
+    query: str = "q1",
+    stream: int = 1,
+    before_accept: Callable[[int], None] | None = None,
+) -> UploadReceipt:
+    return store.complete_upload(
+        query, owner, upload, stream, digest, TOTAL, GROUP, before_accept=before_accept
+    )
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> ProxyStore:
-    s = ProxyStore(tmp_path / "proxy.sqlite3")
+    s = ProxyStore(tmp_path / "proxy.sqlite3", page_ciphertexts=PAGE)
     s.create_query("q1", "alice", {"k": 1}, {"blocks": []}, deadline_at=1e12)
     return s
 
 
-def test_upload_is_folded_once_and_retry_is_duplicate(store: ProxyStore) -> None:
-    first = store.accept_upload("q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold)
-    retry = store.accept_upload("q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold)
+def test_chunks_cut_anywhere_fold_into_the_element_wise_product(store: ProxyStore) -> None:
+    a, b = upload_values(1), upload_values(2)
+    fold(store, "o1", "u1", a, cuts=(1, 5, 8))  # chunk 1-5 spans pages 0 and 1
+    # Folded as the chunks arrived, before the upload completes.
+    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {"o1": 3}
+    fold(store, "o2", "u2", b, cuts=(4, 8))
+    first = complete(store, "o1", "u1", "h1")
+    second = complete(store, "o2", "u2", "h2")
     assert (first.duplicate, first.n_contributed) == (False, 1)
+    assert (second.duplicate, second.n_contributed) == (False, 2)
+    assert store.aggregate("q1") == product(a, b)
+    assert store.partial_uploads("q1") == {}
+
+
+def test_retry_of_an_accepted_upload_is_duplicate_and_folds_nothing(store: ProxyStore) -> None:
+    a = upload_values(1)
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1")
+    # The retry resends its chunks (they are not folded) and completes as duplicate.
+    assert not store.fold_chunk("q1", "o1", "u1", 2, 0, ToyGroup._bytes(a), TOTAL, GROUP)
+    retry = complete(store, "o1", "u1", "h1", stream=2)
     assert (retry.duplicate, retry.n_contributed) == (True, 1)
-    assert store.aggregate("q1") == {"scatter": b"|A"}
+    assert store.aggregate("q1") == product(a) and store.query("q1").n_contributed == 1
+
+
+def test_abandoned_upload_is_taken_out_byte_for_byte(store: ProxyStore) -> None:
+    fold(store, "o2", "u2", upload_values(2), cuts=(2, 7))  # never finished: its only part
+    assert store.discard_stream("q1", "o2", 1, GROUP) == 2
+    assert store.aggregate("q1") == b""  # its pages were dropped, not left at "1"
+    a = upload_values(1)
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1")
+    before = store.aggregate("q1")
+    fold(store, "o2", "u2", upload_values(2), cuts=(5,))
+    assert store.aggregate("q1") != before
+    assert store.discard_stream("q1", "o2", 1, GROUP) == 1
+    assert store.aggregate("q1") == before
+    with pytest.raises(ProtocolError, match="cover 0 of 8"):
+        complete(store, "o2", "u2", "h2")
     assert store.query("q1").n_contributed == 1
+
+
+def test_a_newer_stream_takes_over_and_the_older_is_refused(store: ProxyStore) -> None:
+    a = upload_values(1)
+    fold(store, "o1", "u1", a, stream=1, cuts=(3,))
+    fold(store, "o1", "u1", a, stream=2, cuts=(3,))  # reconnected: the old part goes
+    assert store.aggregate("q1") == ToyGroup._bytes(a[:3])
+    with pytest.raises(ProtocolError, match="superseded"):
+        store.fold_chunk("q1", "o1", "u1", 1, 3, ToyGroup._bytes(a[3:]), TOTAL, GROUP)
+    with pytest.raises(ProtocolError, match="cover 0 of 8"):
+        complete(store, "o1", "u1", "h1", stream=1)
+    assert store.aggregate("q1") == ToyGroup._bytes(a[:3])  # the refusal took out nothing
+    store.fold_chunk("q1", "o1", "u1", 2, 3, ToyGroup._bytes(a[3:]), TOTAL, GROUP)
+    assert complete(store, "o1", "u1", "h1", stream=2).n_contributed == 1
+    assert store.aggregate("q1") == product(a)
 
 
 def test_second_different_upload_from_same_owner_is_refused(store: ProxyStore) -> None:
-    store.accept_upload("q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold)
+    a = upload_values(1)
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1")
     with pytest.raises(ProtocolError, match="different upload"):
-        store.accept_upload("q1", "o1", "u2", "h2", {"scatter": b"B"}, 1, concat_fold)
-    assert store.aggregate("q1") == {"scatter": b"|A"}
+        fold(store, "o1", "u2", upload_values(2))
+    with pytest.raises(ProtocolError, match="different upload"):
+        complete(store, "o1", "u2", "h2", stream=2)
+    assert store.aggregate("q1") == product(a)
 
 
-def test_replay_into_another_query_is_refused(store: ProxyStore) -> None:
+def test_replay_into_another_query_is_refused_and_taken_out(store: ProxyStore) -> None:
     store.create_query("q2", "alice", {"k": 2}, {"blocks": []}, deadline_at=1e12)
-    store.accept_upload("q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold)
+    a = upload_values(1)
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1")
+    fold(store, "o1", "u9", a, query="q2")
     with pytest.raises(ProtocolError, match="replayed"):
-        store.accept_upload("q2", "o1", "u9", "h1", {"scatter": b"A"}, 1, concat_fold)
-    assert store.aggregate("q2") == {}
+        complete(store, "o1", "u9", "h1", query="q2")
+    assert store.aggregate("q2") == b"" and store.partial_uploads("q2") == {}
     assert store.query("q2").n_contributed == 0
 
 
-def test_failed_fold_leaves_state_untouched(store: ProxyStore) -> None:
-    store.accept_upload("q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold)
+def test_before_accept_sees_the_count_and_a_refusal_is_taken_out(store: ProxyStore) -> None:
+    seen: list[int] = []
 
-    def broken(name: str, current: bytes | None, upload: bytes) -> bytes:
-        if name == "sum":
-            raise RuntimeError("boom in the middle of a multi-block fold")
-        return concat_fold(name, current, upload)
+    def at_most_one(n_contributed: int) -> None:
+        seen.append(n_contributed)
+        if n_contributed >= 1:
+            raise QueryStateError("full")
 
-    with pytest.raises(RuntimeError):
-        store.accept_upload("q1", "o2", "u2", "h2", {"scatter": b"B", "sum": b"b"}, 2, broken)
-    assert store.aggregate("q1") == {"scatter": b"|A"}
+    a = upload_values(1)
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1", before_accept=at_most_one)
+    fold(store, "o2", "u2", upload_values(2), cuts=(4, 8))
+    with pytest.raises(QueryStateError, match="full"):
+        complete(store, "o2", "u2", "h2", before_accept=at_most_one)
+    assert seen == [0, 1]
+    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {}
     assert [u.owner_id for u in store.uploads("q1")] == ["o1"]
-    assert store.query("q1").n_contributed == 1
+    # A retry of the accepted upload is a duplicate, not refused by the hook.
+    assert complete(store, "o1", "u1", "h1", before_accept=at_most_one).duplicate
+    assert seen == [0, 1]
 
 
-def test_late_upload_to_finished_query_is_refused(store: ProxyStore) -> None:
-    store.set_state("q1", QueryState.NOISING, expect=(QueryState.COLLECTING,))
+def test_a_failure_inside_a_fold_leaves_the_store_untouched(store: ProxyStore) -> None:
+    a = upload_values(1)
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1")
+
+    class BreaksOnSecondPage(ToyGroup):
+        calls = 0
+
+        def add(self, current: bytes, data: bytes) -> bytes:
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("boom between two pages of one chunk")
+            return super().add(current, data)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        data = ToyGroup._bytes(upload_values(2))
+        store.fold_chunk("q1", "o2", "u2", 1, 0, data, TOTAL, BreaksOnSecondPage())
+    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {}
+
+
+def test_closing_takes_uploads_in_progress_out(store: ProxyStore) -> None:
+    a = upload_values(1)
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1")
+    fold(store, "o2", "u2", upload_values(2), cuts=(4,))
+    with pytest.raises(QueryStateError, match="algebra"):
+        store.set_state("q1", QueryState.NOISING, expect=(QueryState.COLLECTING,))
+    store.set_state("q1", QueryState.NOISING, expect=(QueryState.COLLECTING,), algebra=GROUP)
+    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {}
     with pytest.raises(QueryStateError, match="no longer accepted"):
-        store.accept_upload("q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold)
+        fold(store, "o2", "u2", upload_values(2), cuts=(4, 8), stream=2)
+    with pytest.raises(QueryStateError, match="no longer accepted"):
+        complete(store, "o2", "u2", "h2", stream=2)
+    # The accepted upload's retry is still answered "duplicate" after closing.
+    assert not store.fold_chunk("q1", "o1", "u1", 3, 0, ToyGroup._bytes(a), TOTAL, GROUP)
+    assert complete(store, "o1", "u1", "h1", stream=3).duplicate
+
+
+def test_a_failing_query_drops_uploads_in_progress(store: ProxyStore) -> None:
+    fold(store, "o2", "u2", upload_values(2), cuts=(4,))
+    store.set_state("q1", QueryState.FAILED, expect=(QueryState.COLLECTING,), failure_reason="x")
+    assert store.partial_uploads("q1") == {}
+
+
+def test_uploads_in_progress_survive_a_crash_until_discarded(tmp_path: Path) -> None:
+    path = tmp_path / "p.sqlite3"
+    s = ProxyStore(path, page_ciphertexts=PAGE)
+    s.create_query("q", "alice", {}, {}, deadline_at=1e12)
+    a = upload_values(1)
+    fold(s, "o1", "u1", a, query="q")
+    complete(s, "o1", "u1", "h1", query="q")
+    fold(s, "o2", "u2", upload_values(2), cuts=(2, 6), query="q")
+    s.close()  # the process dies here
+    reopened = ProxyStore(path, page_ciphertexts=PAGE)
+    assert reopened.partial_uploads("q") == {"o2": 2}
+    assert reopened.discard_partial_uploads("q", GROUP) == 2
+    assert reopened.aggregate("q") == product(a) and reopened.query("q").n_contributed == 1
+
+
+def test_chunks_outside_the_layout_are_refused(store: ProxyStore) -> None:
+    data = ToyGroup._bytes(upload_values(1))
+    for start, payload in ((1, data), (-1, data[:2]), (0, b""), (0, data[:3])):
+        with pytest.raises(ProtocolError, match="does not fit"):
+            store.fold_chunk("q1", "o1", "u1", 1, start, payload, TOTAL, GROUP)
+    assert store.aggregate("q1") == b""
 
 
 def test_result_is_stored_once_and_survives_reopen(tmp_path: Path) -> None:
     path = tmp_path / "p.sqlite3"
     s = ProxyStore(path)
     s.create_query("q", "alice", {}, {}, deadline_at=1e12)
-    s.accept_upload("q", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold)
     s.set_state("q", QueryState.NOISING, expect=(QueryState.COLLECTING,))
     s.store_result("q", {"scatter": b"noised"}, {"n_owners": 1})
     with pytest.raises(QueryStateError):
@@ -89,7 +283,9 @@ def test_unknown_query_and_conflicting_resubmission(store: ProxyStore) -> None:
     with pytest.raises(NotFoundError):
         store.query("nope")
     with pytest.raises(NotFoundError):
-        store.accept_upload("nope", "o1", "u", "h", {"s": b""}, 0, concat_fold)
+        fold(store, "o1", "u", upload_values(1), query="nope")
+    with pytest.raises(NotFoundError):
+        complete(store, "o1", "u", "h", query="nope")
     assert store.create_query("q1", "alice", {"k": 1}, {"blocks": []}, 1e12).query_id == "q1"
     with pytest.raises(ProtocolError, match="different spec"):
         store.create_query("q1", "alice", {"k": 2}, {"blocks": []}, 1e12)
@@ -108,30 +304,3 @@ def test_before_insert_runs_in_the_same_transaction(store: ProxyStore) -> None:
 def test_wal_mode_is_on(store: ProxyStore) -> None:
     conn = sqlite3.connect(str(store.path))
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-
-
-def test_before_fold_sees_the_count_and_can_refuse_inside_the_transaction(
-    store: ProxyStore,
-) -> None:
-    seen: list[int] = []
-
-    def at_most_one(n_contributed: int) -> None:
-        seen.append(n_contributed)
-        if n_contributed >= 1:
-            raise QueryStateError("full")
-
-    store.accept_upload(
-        "q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold, before_fold=at_most_one
-    )
-    with pytest.raises(QueryStateError, match="full"):
-        store.accept_upload(
-            "q1", "o2", "u2", "h2", {"scatter": b"B"}, 1, concat_fold, before_fold=at_most_one
-        )
-    assert seen == [0, 1]
-    assert store.aggregate("q1") == {"scatter": b"|A"}
-    assert [u.owner_id for u in store.uploads("q1")] == ["o1"]
-    # A retry of the accepted upload is a duplicate, not refused by the hook.
-    retry = store.accept_upload(
-        "q1", "o1", "u1", "h1", {"scatter": b"A"}, 1, concat_fold, before_fold=at_most_one
-    )
-    assert retry.duplicate and seen == [0, 1]
