@@ -258,7 +258,7 @@ class OwnerNode:
         # Upload messages of tasks not yet finished: a re-delivered task resends
         # the same bytes under the same upload id instead of encrypting again.
         self._prepared: dict[str, tuple[str, list[owner_pb.UploadMessage]]] = {}
-        self._max_message_bytes = serde.DEFAULT_MAX_MESSAGE_BYTES
+        self._max_message_bytes = serde.UPLOAD_CHUNK_BYTES
         self.connected = threading.Event()
         """Set while a task stream is open (for tests and health checks)."""
         # The record count is a statistic of the data: routine logs leave it out.
@@ -384,7 +384,7 @@ class OwnerNode:
                 self.config.owner.id,
             )
         if info.max_message_bytes > 0:
-            self._max_message_bytes = min(info.max_message_bytes, serde.DEFAULT_MAX_MESSAGE_BYTES)
+            self._max_message_bytes = min(info.max_message_bytes, serde.UPLOAD_CHUNK_BYTES)
         call = stub.StreamTasks(serde.task_stream_request_to_proto(self.config.owner.id))
         with self._lock:
             self._call = call

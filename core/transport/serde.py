@@ -58,6 +58,12 @@ Well below the 8 MiB channel limit (:mod:`fedpca.transport.channels`) and gRPC's
 4 MiB default, so a peer running with default limits still accepts our chunks.
 """
 
+UPLOAD_CHUNK_BYTES = 256 * 1024
+"""Target size of one upload chunk (owners): 512 ciphertexts at 2048-bit keys, one
+aggregate page of the proxy. The proxy folds chunk by chunk, so what it holds per
+upload in flight is about one chunk; smaller chunks keep that small, at the price
+of one SQLite transaction each."""
+
 SHA256_BYTES = 32
 
 # Worst-case framing around a chunk's ciphertext bytes inside an UploadMessage /
