@@ -232,7 +232,10 @@ class _ProgressDisplay:
         bar.total = max(status.quorum, status.owners_contributed, 1)
         bar.n = status.owners_contributed
         declined = f", {status.owners_declined} declined" if status.owners_declined else ""
-        bar.set_description_str(f"{status.state.value}{declined}: owners / quorum", refresh=False)
+        uploading = f", {status.owners_uploading} uploading" if status.owners_uploading else ""
+        bar.set_description_str(
+            f"{status.state.value}{uploading}{declined}: owners / quorum", refresh=False
+        )
         bar.refresh()
         if status.terminal:
             bar.close()

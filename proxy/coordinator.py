@@ -306,6 +306,7 @@ class UploadStream:
         self.algebra = SerialisedCiphertextGroup(context.public_key.n)
         self.total = sum(block.layout.n_ciphertexts for block in context.plan.owner_blocks)
         self.fold_seconds = 0.0
+        self._announced = False
 
     def add(self, position: int, ciphertexts: Sequence[int]) -> None:
         """Check one chunk's ciphertexts (wire positions from ``position``) and fold them.
@@ -335,6 +336,9 @@ class UploadStream:
         )
         self.duplicate = not folded
         self.fold_seconds += time.perf_counter() - started
+        if folded and not self._announced:
+            self._announced = True  # watchers see this owner as uploading
+            self.coordinator._notify()
 
     def complete(self) -> UploadReceipt:
         """Accept the upload, exactly once; closes the query when it makes the quorum.
@@ -387,6 +391,7 @@ class UploadStream:
             )
             return
         if removed:
+            self.coordinator._notify()
             logger.info(
                 "%s: unfinished upload of %s taken out of the aggregate (%d chunks)",
                 self.header.label,
@@ -1225,6 +1230,7 @@ class Coordinator:
             owners_declined=len(self.store.declines(query_id)),
             deadline=datetime.fromtimestamp(record.deadline_at, UTC),
             failure_reason=record.failure_reason,
+            owners_uploading=len(self.store.partial_uploads(query_id)),
         )
 
     def _record_for(self, query_id: str, analyst_id: str | None) -> QueryRecord:

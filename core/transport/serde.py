@@ -1266,6 +1266,7 @@ class QueryStatus:
     owners_declined : owners that declined the task.
     deadline : when collection closes (timezone-aware), None before publication.
     failure_reason : set only in state FAILED.
+    owners_uploading : owners whose upload is streaming in, not yet complete.
     """
 
     query_id: str
@@ -1275,6 +1276,7 @@ class QueryStatus:
     owners_declined: int = 0
     deadline: datetime | None = None
     failure_reason: str | None = None
+    owners_uploading: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -1291,6 +1293,7 @@ def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
         owners_contributed=status.owners_contributed,
         quorum=status.quorum,
         owners_declined=status.owners_declined,
+        owners_uploading=status.owners_uploading,
     )
     if status.deadline is not None:
         message.deadline.CopyFrom(_timestamp_to_proto(status.deadline, "QueryStatus.deadline"))
@@ -1313,6 +1316,7 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
             else None
         ),
         failure_reason=message.failure_reason if message.HasField("failure_reason") else None,
+        owners_uploading=message.owners_uploading,
     )
 
 

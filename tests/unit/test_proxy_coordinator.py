@@ -896,6 +896,8 @@ def test_uploads_in_progress_are_taken_out_at_restart_and_at_closing(
     stream = coordinator.begin_upload(owners[1].owner_id, uploads[1][0])
     stream.add(0, uploads[1][1][SHARES][:2])
     assert coordinator.store.aggregate("q1") != accepted
+    status = coordinator.status("q1")
+    assert (status.owners_contributed, status.owners_uploading) == (1, 1)
     coordinator.store.close()
 
     restarted = make_coordinator(tmp_path, pool)
@@ -903,6 +905,7 @@ def test_uploads_in_progress_are_taken_out_at_restart_and_at_closing(
     restarted.recover()
     assert restarted.store.partial_uploads("q1") == {}
     assert restarted.store.aggregate("q1") == accepted
+    assert restarted.status("q1").owners_uploading == 0
     # Owner 2 is mid-stream when owner 1's resent upload makes the quorum: closing
     # takes owner 2's chunk out, and its next chunk is refused as late.
     late = restarted.begin_upload(owners[2].owner_id, uploads[2][0])

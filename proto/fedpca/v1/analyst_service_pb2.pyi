@@ -51,7 +51,7 @@ class QueryRef(_message.Message):
     def __init__(self, query_id: _Optional[str] = ...) -> None: ...
 
 class QueryStatus(_message.Message):
-    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason")
+    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class QueryStatus(_message.Message):
     OWNERS_DECLINED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_UPLOADING_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     state: QueryState
     owners_contributed: int
@@ -66,7 +67,8 @@ class QueryStatus(_message.Message):
     owners_declined: int
     deadline: _timestamp_pb2.Timestamp
     failure_reason: str
-    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ...) -> None: ...
+    owners_uploading: int
+    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ...) -> None: ...
 
 class NoiseSection(_message.Message):
     __slots__ = ("name", "sigma")
