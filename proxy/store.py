@@ -392,6 +392,16 @@ class ProxyStore:
                         query_id,
                         removed,
                     )
+            if state is QueryState.FAILED:
+                # A failed query never stored a result (storing one moves it to DONE
+                # in the same transaction), so it released nothing: its budget charge
+                # is refunded. Whether a query fails depends on owners' participation
+                # and the public plan, not on the data (docs/privacy.md).
+                refunded = conn.execute(
+                    "DELETE FROM releases WHERE query_id=?", (query_id,)
+                ).rowcount
+                if refunded:
+                    logger.info("query %s failed: its budget charge is refunded", query_id)
             conn.execute(
                 "UPDATE queries SET state=?, failure_reason=?, updated_at=? WHERE query_id=?",
                 (state.value, failure_reason, self._clock(), query_id),

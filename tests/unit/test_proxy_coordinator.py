@@ -460,6 +460,7 @@ def test_deadline_below_quorum_fails_the_query(
     clock = Clock()
     coordinator = make_coordinator(tmp_path, pool, clock=clock)
     coordinator.submit("alice", make_spec(public_key, quorum=2, deadline_seconds=60))
+    assert coordinator.budget("alice").n_releases == 1  # charged at submission
     owner = owners_for(owner_rows)[0]
     header, blocks, _ = owner.upload(coordinator.plan("q1"), public_key, pool)
     coordinator.accept_upload("owner-0", header, blocks)
@@ -479,6 +480,8 @@ def test_deadline_below_quorum_fails_the_query(
     assert status.state is serde.QueryState.FAILED and status.owners_declined == 1
     with pytest.raises(QueryStateError):
         coordinator.result("q1")
+    # Nothing was released, so the charge is refunded.
+    assert coordinator.budget("alice").n_releases == 0 and coordinator.store.releases("alice") == []
 
 
 def test_timer_finishes_a_query_that_reached_its_quorum_but_was_not_closed(
@@ -708,6 +711,7 @@ def test_a_failed_noise_preparation_fails_the_query_without_a_second_draw(
         assert record.failure_reason is not None and "ConfigError" in record.failure_reason
         # A redraw after a failed draw would condition the noise on the failure.
         assert len(sampler.draws) == 1
+        assert coordinator.budget("alice").n_releases == 0  # nothing released: refunded
     finally:
         coordinator.shutdown()
 
