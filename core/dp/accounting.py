@@ -206,9 +206,18 @@ def compose_epsilon(
     if kind is Accountant.PLD and z_composed < MIN_NOISE_MULTIPLIER:
         what = "one release" if len(multipliers) == 1 else f"{len(multipliers)} composed releases"
         raise CalibrationError(f"{what}: {_floor_message(z_composed, delta)}")
-    event = to_dp_event(multipliers)
-    engine = PLDAccountant() if kind is Accountant.PLD else RdpAccountant()
-    engine.compose(event)
+    if kind is Accountant.PLD:
+        # The composition of Gaussian releases *is* one Gaussian release with
+        # z_composed (their privacy-loss distributions are Gaussian and add), so PLD
+        # accounts for that single event: exact, and one PLD per check whatever the
+        # ledger's length (convolution would cost one more per distinct z).
+        engine: PLDAccountant | RdpAccountant = PLDAccountant()
+        engine.compose(dp_event.GaussianDpEvent(z_composed))
+    else:
+        # RDP, the cross-check, composes the releases one by one (curves add up),
+        # independently of the closed form above.
+        engine = RdpAccountant()
+        engine.compose(to_dp_event(multipliers))
     return float(engine.get_epsilon(delta))
 
 

@@ -42,11 +42,11 @@ def test_k_identical_gaussians_compose_to_one_with_z_over_sqrt_k(z: float, k: in
     exact = gaussian_epsilon(z / math.sqrt(k), DELTA)
     assert composed == pytest.approx(exact, rel=1e-5)
     if k <= 10:
-        # Identical z's are grouped into one self-composed event (which dp_accounting
-        # turns into z/sqrt(k) itself); perturbing them by 1e-9 defeats the grouping
-        # and makes the PLD accountant convolve k distributions for real.
+        # Distinct z's (perturbed by 1e-9) take no shortcut in the RDP accountant,
+        # which composes them one by one.
         distinct = [z * (1 + 1e-9 * i) for i in range(k)]
         assert compose_epsilon(distinct, DELTA) == pytest.approx(exact, rel=1e-5)
+        assert compose_epsilon(distinct, DELTA, "rdp") >= exact
     # A wrong composition rule (e.g. z / k, or naive epsilon addition) is far off.
     assert abs(composed - k * gaussian_epsilon(z, DELTA)) > 0.1 * composed
 
@@ -56,6 +56,20 @@ def test_different_gaussians_compose_like_their_inverse_squares() -> None:
     z_total = math.fsum(z**-2 for z in multipliers) ** -0.5
     composed = compose_epsilon([release(z, f"q{i}") for i, z in enumerate(multipliers)], DELTA)
     assert composed == pytest.approx(gaussian_epsilon(z_total, DELTA), rel=1e-5)
+
+
+def test_pld_of_the_composed_gaussian_equals_dp_accountings_own_convolution() -> None:
+    # compose_epsilon accounts a ledger as the one Gaussian it equals; dp_accounting
+    # convolving the releases' distributions itself must give the same epsilon.
+    from dp_accounting import dp_event
+    from dp_accounting.pld import PLDAccountant
+
+    multipliers = [1.0, 1.3, 2.0, 2.7, 5.0]
+    convolved = PLDAccountant()
+    convolved.compose(dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(z) for z in multipliers]))
+    assert compose_epsilon(multipliers, DELTA) == pytest.approx(
+        convolved.get_epsilon(DELTA), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("ledger", [[5.0], [3.0] * 4, [2.0, 8.0, 8.0, 30.0], [40.0] * 50])
