@@ -240,6 +240,16 @@ def test_validation_rejects_non_ciphertexts(test_only_keypair_512: Keypair) -> N
             validate_ciphertexts([1, bad], public_key)
     with pytest.raises(CiphertextError, match="not an int"):
         validate_ciphertexts([1.0], public_key)
+    # The coprimality check runs once per batch; a bad element anywhere (a multiple of
+    # p, of q or of n) is still found and named.
+    rng = np.random.default_rng(5)
+    units = [int(rng.integers(2, 2**62)) * (n + 1) % n_square for _ in range(40)]
+    validate_ciphertexts(units, public_key)
+    for position, bad in ((0, private_key.p), (17, 3 * private_key.q), (39, n * 5)):
+        batch = list(units)
+        batch[position] = bad
+        with pytest.raises(CiphertextError, match=f"ciphertext {position} is not coprime"):
+            validate_ciphertexts(batch, public_key)
 
 
 def test_decrypt_validates_its_input(pool: CryptoPool, test_only_keypair_512: Keypair) -> None:
