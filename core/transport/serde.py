@@ -58,11 +58,6 @@ Well below the 8 MiB channel limit (:mod:`fedpca.transport.channels`) and gRPC's
 4 MiB default, so a peer running with default limits still accepts our chunks.
 """
 
-UPLOAD_CHUNK_BYTES = 256 * 1024
-"""Target size of one upload chunk (owners): 512 ciphertexts at 2048-bit keys, one
-aggregate page of the proxy. The proxy folds chunk by chunk, so what it holds per
-upload in flight is about one chunk; smaller chunks keep that small, at the price
-of one SQLite transaction each."""
 
 SHA256_BYTES = 32
 
@@ -70,6 +65,13 @@ SHA256_BYTES = 32
 # ResultMessage: oneof tag + length (<= 6), index tag + varint (<= 6), sha256
 # tag + length + 32 bytes (34), payload tag + length varint (<= 6). 64 leaves margin.
 _CHUNK_FRAMING_BYTES = 64
+
+UPLOAD_CHUNK_BYTES = 256 * 1024 + _CHUNK_FRAMING_BYTES
+"""Message size owners cut uploads into: 512 ciphertexts of a 2048-bit key (256 KiB)
+plus the chunk framing, i.e. exactly one aggregate page of the proxy, so a chunk
+folds into one page. The proxy folds chunk by chunk, so what it holds per upload in
+flight is about one chunk; smaller chunks keep that small, at the price of one SQLite
+transaction each."""
 
 # Upload ids end up in the proxy's durable store (file names, keys); keep them to
 # a conservative alphabet so no store has to escape them.

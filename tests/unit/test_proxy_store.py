@@ -304,3 +304,12 @@ def test_before_insert_runs_in_the_same_transaction(store: ProxyStore) -> None:
 def test_wal_mode_is_on(store: ProxyStore) -> None:
     conn = sqlite3.connect(str(store.path))
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_an_owner_chunk_is_one_aggregate_page_at_2048_bits() -> None:
+    from fedpca.codec import ciphertext_byte_length
+    from fedpca.proxy.store import PAGE_CIPHERTEXTS
+    from fedpca.transport import serde
+
+    width = ciphertext_byte_length(2048)
+    assert serde.ciphertexts_per_chunk(width, serde.UPLOAD_CHUNK_BYTES) == PAGE_CIPHERTEXTS
