@@ -89,6 +89,8 @@ class QuerySpec:
             raise ConfigError(f"epsilon must be > 0 (or inf for no noise), got {self.epsilon}")
         if math.isfinite(self.epsilon) and not (0 < self.delta < 1):
             raise ConfigError(f"delta must be in (0, 1), got {self.delta}")
+        if not (0 <= self.delta < 1):  # epsilon = inf: delta unused, but still a number
+            raise ConfigError(f"delta must be in [0, 1) when epsilon = inf, got {self.delta}")
         if not (1 <= self.n_components <= self.n_features):
             raise ConfigError(
                 f"n_components must be in [1, {self.n_features}], got {self.n_components}"

@@ -127,7 +127,9 @@ class Store:
             "SELECT state, n_contributed, failure_reason, updated_at FROM queries WHERE query_id=?",
             "SELECT owner_id, upload_id, content_sha256, accepted_at FROM uploads "
             "WHERE query_id=? ORDER BY owner_id",
-            "SELECT block, data FROM aggregates WHERE query_id=? ORDER BY block",
+            "SELECT page, n_folded, data FROM aggregate_pages WHERE query_id=? ORDER BY page",
+            "SELECT owner_id, stream, start_index FROM upload_chunks WHERE query_id=? "
+            "ORDER BY owner_id, stream, start_index",
         ):
             digest.update(repr(self.rows(sql, query_id)).encode())
         return digest.hexdigest()

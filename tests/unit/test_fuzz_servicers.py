@@ -296,6 +296,7 @@ def snapshot(store: ProxyStore) -> dict[str, Any]:
     return {
         "queries": {record.query_id: record for record in queries},
         "aggregates": {q: store.aggregate(q) for q in ids},
+        "uploads_in_progress": {q: store.partial_uploads(q) for q in ids},
         "uploads": {q: store.uploads(q) for q in ids},
         "declines": {q: store.declines(q) for q in ids},
         "results": {
@@ -668,7 +669,7 @@ def test_fuzzed_query_submissions(world: World) -> None:
         new = spec.query_id not in before["queries"]
         if new:
             del after["queries"][spec.query_id]
-            for part in ("aggregates", "uploads", "declines"):
+            for part in ("aggregates", "uploads_in_progress", "uploads", "declines"):
                 assert not after[part].pop(spec.query_id), what
             assert len(after["releases"][analyst]) == len(before["releases"][analyst]) + 1
             after["releases"][analyst] = before["releases"][analyst]

@@ -551,6 +551,7 @@ def test_submit_and_query_ref() -> None:
         serde.QueryStatus("q1", serde.QueryState.COLLECTING, 1, 2, 1, NOW),
         serde.QueryStatus("q1", serde.QueryState.FAILED, 1, 2, 0, NOW, "quorum not reached"),
         serde.QueryStatus("q1", serde.QueryState.DONE, 2, 2, failure_reason=""),
+        serde.QueryStatus("q1", serde.QueryState.COLLECTING, 1, 4, owners_uploading=3),
     ],
 )
 def test_query_status_round_trip(status: serde.QueryStatus) -> None:
@@ -652,3 +653,12 @@ def test_result_errors() -> None:
     messages[0].header.ClearField("noise")
     with pytest.raises(ProtocolError, match=r"ResultHeader.noise is missing"):
         serde.decode_result(messages)
+
+
+@pytest.mark.parametrize("delta", [math.nan, -1e-9, 1.0, math.inf])
+def test_a_spec_needs_a_real_delta_even_without_noise(delta: float) -> None:
+    # epsilon = inf ignores delta, but a NaN there was accepted and stored (found by
+    # the servicer fuzz tests).
+    with pytest.raises(ConfigError, match="delta must be in"):
+        pca_spec(epsilon=math.inf, delta=delta)
+    assert pca_spec(epsilon=math.inf, delta=0.0).delta == 0.0
