@@ -30,21 +30,14 @@ peak − baseline from the small to the large configuration, against the bytes t
 extra owners uploaded concurrently. A proxy that buffered whole uploads would show a
 ratio of at least 1; a proxy that folds chunk by chunk shows a ratio well below 1.
 
-Measured (2 vs 10 owners, M = 1500, 16.7 MiB per upload, 2 cores shared with other
-work; eight runs): the ratio was 0.43 to 1.45, median ~0.83 (peak growth 58 to 194
-MiB for 133 MiB more uploaded), i.e. at this size the proxy's memory DID grow with
-owners × upload size. The proxy's own code folds chunk by chunk; what grows is, by all
-evidence, gRPC's HTTP/2 receive buffering: the proxy folds ~15 MiB/s while owners
-send at loopback speed, its RSS rose by ~125 MiB within ~1 s of the release (sampled
-in one 10-owner run) while the folds took ~10 s, and gRPC's BDP probing widens each
-stream's flow-control window to megabytes. With
-``--grpc-server-option grpc.http2.bdp_probe=0`` (five runs) the ratio fell to 0.10 to
-0.14 (13 to 19 MiB, ~2 MiB per extra owner) with similar upload times. At M = 2500
-(46 MiB per upload, 2 vs 6 owners, two runs) an extra owner cost 12 and 16 MiB, so
-the buffering per stream looks bounded (by the window) rather than proportional to
-the upload: uploads of ~16 MiB and less are buffered about whole. Independently of the
-owner count, one query cost ~85-95 MiB above baseline at M = 1500 (~5× one upload)
-with 1 or 2 owners.
+What it found: with gRPC's default bandwidth-delay probing, the proxy's memory did
+grow with owners x upload size at this size (2 vs 10 owners, M = 1500, eight runs:
+ratio 0.43 to 1.45). The proxy's own code folded chunk by chunk, but gRPC widened each
+upload stream's HTTP/2 window until whole uploads waited in its receive buffers while
+the proxy was still folding earlier chunks. The proxy now runs with a fixed 1 MiB
+window per stream (``fedpca.transport.channels.STREAM_WINDOW_BYTES``);
+``--grpc-server-option`` appends other options for experiments. The figures quoted in
+README.md come from runs of this script.
 
 Usage::
 

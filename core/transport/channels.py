@@ -90,6 +90,10 @@ def client_options(
     return options
 
 
+STREAM_WINDOW_BYTES = 1024 * 1024
+"""HTTP/2 flow-control window of each stream the proxy receives (see server_options)."""
+
+
 def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ChannelOptions:
     """Server options for the proxy."""
     return [
@@ -105,6 +109,14 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Channe
         # gRPC enables SO_REUSEPORT by default: a second proxy on the same port
         # would bind silently and split owners between two separate states.
         ("grpc.so_reuseport", 0),
+        # Bounded read-ahead per stream. With bandwidth-delay probing on, gRPC
+        # widened an upload stream's HTTP/2 window until it had buffered a whole
+        # upload (16.7 MiB at M = 1500) while the proxy was still folding earlier
+        # chunks, so peak memory grew with owners x upload size again
+        # (benchmarks/proxy_memory.py). A fixed 1 MiB window bounds what waits per
+        # stream and still allows ~20 MB/s per stream at 50 ms round trip.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ]
 
 
