@@ -241,11 +241,37 @@ class ProxyStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
+            elif int(row["value"]) == 1:
+                self._migrate_from_version_1(conn)
             elif int(row["value"]) != SCHEMA_VERSION:
                 raise QueryStateError(
                     f"{self.path}: schema version {row['value']} is not supported "
                     f"(this proxy expects {SCHEMA_VERSION})"
                 )
+
+    def _migrate_from_version_1(self, conn: sqlite3.Connection) -> None:
+        """Version 1 kept one aggregate blob per block; version 2 pages it and stages
+        the chunks of uploads in progress.
+
+        Only an aggregate still to be noised matters, and a version-1 one cannot be
+        paged without the query's plan, so the migration runs only when no query is
+        COLLECTING or NOISING; it then drops the old aggregates (finished queries keep
+        their results, uploads and releases).
+        """
+        in_flight = conn.execute(
+            "SELECT query_id FROM queries WHERE state IN (?, ?)",
+            (QueryState.COLLECTING.value, QueryState.NOISING.value),
+        ).fetchall()
+        if in_flight:
+            names = ", ".join(str(r["query_id"]) for r in in_flight)
+            raise QueryStateError(
+                f"{self.path}: schema version 1 with queries still in flight ({names}); "
+                "let the previous fedpca version finish them (or their deadlines pass), "
+                "then start this version"
+            )
+        conn.execute("DROP TABLE IF EXISTS aggregates")
+        conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+        logger.warning("%s: migrated from schema version 1 to %d", self.path, SCHEMA_VERSION)
 
     def close(self) -> None:
         with self._lock:

@@ -313,3 +313,41 @@ def test_an_owner_chunk_is_one_aggregate_page_at_2048_bits() -> None:
 
     width = ciphertext_byte_length(2048)
     assert serde.ciphertexts_per_chunk(width, serde.UPLOAD_CHUNK_BYTES) == PAGE_CIPHERTEXTS
+
+
+def _as_version_1(path: Path, *, collecting: bool) -> None:
+    """Turn a fresh database into what fedpca with schema version 1 left behind."""
+    store = ProxyStore(path)
+    store.create_query("q-old", "alice", {}, {}, deadline_at=1e12)
+    if not collecting:
+        store.set_state("q-old", QueryState.FAILED, failure_reason="old")
+    store.close()
+    conn = sqlite3.connect(str(path))
+    with conn:
+        conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+        conn.execute("CREATE TABLE aggregates (query_id TEXT, block TEXT, data BLOB)")
+        conn.execute("INSERT INTO aggregates VALUES ('q-old', 'shares', x'01')")
+    conn.close()
+
+
+def test_a_version_1_database_is_migrated_when_nothing_is_in_flight(tmp_path: Path) -> None:
+    path = tmp_path / "v1.sqlite3"
+    _as_version_1(path, collecting=False)
+    store = ProxyStore(path)
+    assert store.query("q-old").state is QueryState.FAILED
+    conn = sqlite3.connect(str(path))
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+    conn.close()
+    assert "aggregates" not in tables and {"aggregate_pages", "upload_chunks"} <= tables
+    assert version == "2"
+
+
+def test_a_version_1_database_with_a_query_in_flight_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "v1.sqlite3"
+    _as_version_1(path, collecting=True)
+    with pytest.raises(QueryStateError, match=r"in flight \(q-old\).*previous fedpca version"):
+        ProxyStore(path)
+    conn = sqlite3.connect(str(path))  # untouched: the old version can still finish it
+    assert conn.execute("SELECT COUNT(*) FROM aggregates").fetchone()[0] == 1
+    conn.close()
