@@ -13,8 +13,11 @@ Lifecycle of one query::
   query and records the release, so two concurrent submissions can never both
   spend the last of a budget, and no owner ever works on a refused query.
 * **uploads** are checked against the plan (state, key fingerprint, exact block
-  layouts, ciphertexts in Z*_{n^2}, owner count) and folded into the encrypted
-  aggregate by multiplying ciphertexts mod n^2, atomically with the upload record.
+  layouts) from their header, then streamed through an :class:`UploadStream`: each
+  chunk's ciphertexts are checked (in Z*_{n^2}) and folded into the encrypted
+  aggregate (multiplied mod n^2) as it arrives; completing the upload records it
+  (owner count checked) and a stream that fails is taken out again, both atomically
+  in the store.
 * **finish** moves COLLECTING to NOISING, adds noise (stats mode) or noise and mean
   mask (masked mode) under encryption and stores the result, which sets DONE. The
   aggregate itself is never modified, so a crash anywhere in between leaves a
@@ -771,45 +774,6 @@ class Coordinator:
         return UploadStream(
             self, owner_id, header, context, stream, duplicate=self._is_retry(owner_id, header)
         )
-
-    def accept_upload(
-        self,
-        owner_id: str,
-        header: serde.UploadHeader,
-        blocks: Mapping[str, Sequence[int]],
-    ) -> UploadReceipt:
-        """Accept one complete upload handed over in memory (one chunk per block).
-
-        The same path as a streamed upload (:meth:`begin_upload`), for callers that
-        already hold every ciphertext; the servicer streams instead.
-
-        Raises
-        ------
-        The errors of :meth:`check_upload_header` and :meth:`UploadStream.complete`, and
-        LayoutError
-            A block is missing, unexpected or has the wrong number of ciphertexts.
-        """
-        upload = self.begin_upload(owner_id, header)
-        try:
-            names = set(blocks)
-            position = 0
-            for block in upload.context.plan.owner_blocks:
-                ciphertexts = blocks.get(block.name)
-                if ciphertexts is None or len(ciphertexts) != block.layout.n_ciphertexts:
-                    got = "none" if ciphertexts is None else str(len(ciphertexts))
-                    raise LayoutError(
-                        f"{header.label}: block {block.name!r} needs "
-                        f"{block.layout.n_ciphertexts} ciphertexts, got {got}"
-                    )
-                names.discard(block.name)
-                upload.add(position, ciphertexts)
-                position += len(ciphertexts)
-            if names:
-                raise LayoutError(f"{header.label}: unexpected blocks {sorted(names)}")
-            return upload.complete()
-        except BaseException:
-            upload.abandon()
-            raise
 
     def _uploaded(self, query_id: str, receipt: UploadReceipt, fold_seconds: float) -> None:
         with self._lock:
