@@ -701,8 +701,10 @@ class Coordinator:
             for u in self.store.uploads(header.query_id)
         )
 
-    def check_upload_header(self, owner_id: str, header: serde.UploadHeader) -> None:
+    def check_upload_header(self, owner_id: str, header: serde.UploadHeader) -> bool:
         """Everything that can be checked before a single chunk is read.
+
+        Returns True when the header is a retry of an upload already accepted.
 
         A retry of an upload this owner already had accepted passes the state and
         deadline checks (the store then answers "duplicate"), even after the query
@@ -753,7 +755,7 @@ class Coordinator:
                 "count is a noised statistic)"
             )
         if self._is_retry(owner_id, header):
-            return
+            return True
         record = self.store.query(header.query_id)
         if record.state is not QueryState.COLLECTING:
             raise QueryStateError(
@@ -761,19 +763,18 @@ class Coordinator:
             )
         if self.clock() >= record.deadline_at:
             raise QueryStateError(f"query {header.query_id!r}: the upload deadline has passed")
+        return False
 
     def begin_upload(self, owner_id: str, header: serde.UploadHeader) -> UploadStream:
         """Check an upload's header and open the stream its chunks are folded through.
 
         Raises the errors of :meth:`check_upload_header`.
         """
-        self.check_upload_header(owner_id, header)
+        duplicate = self.check_upload_header(owner_id, header)
         context = self._context(header.query_id)
         with self._lock:
             stream = next(self._stream_numbers)
-        return UploadStream(
-            self, owner_id, header, context, stream, duplicate=self._is_retry(owner_id, header)
-        )
+        return UploadStream(self, owner_id, header, context, stream, duplicate=duplicate)
 
     def _uploaded(self, query_id: str, receipt: UploadReceipt, fold_seconds: float) -> None:
         with self._lock:

@@ -120,10 +120,11 @@ def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSample
         return
     if point == "folded":
         complete_upload = ProxyStore.complete_upload
+        complete_signature = inspect.signature(complete_upload)
 
         def crashing_complete(self: ProxyStore, *args: Any, **kwargs: Any) -> UploadReceipt:
             receipt = complete_upload(self, *args, **kwargs)
-            stored = inspect.signature(complete_upload).bind(self, *args, **kwargs)
+            stored = complete_signature.bind(self, *args, **kwargs)
             if (
                 stored.arguments["query_id"] == query_id
                 and not receipt.duplicate
