@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpca.analyst.estimators import FederatedPCA
-from fedpca.cluster import LocalCluster, split_rows
+from fedpca.app.cluster import LocalCluster, split_rows
 
 DATASET = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "madelon.csv"
 ENCRYPTED = re.compile(

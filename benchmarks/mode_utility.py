@@ -29,8 +29,8 @@ import numpy as np
 
 from fedpca.analyst.baseline import private_local_pca_baseline
 from fedpca.analyst.solvers import pca_from_centred_scatter, pca_from_statistics
-from fedpca.demo import captured_variance_ratio
-from fedpca.owner.preprocess import FeatureBounds, preprocess
+from fedpca.app.demo import captured_variance_ratio
+from fedpca.preprocess import FeatureBounds, preprocess
 from fedpca.protocol import ReleasePlan, masked_sigma
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics

@@ -4,7 +4,7 @@ Claim measured: the proxy folds each upload chunk into the encrypted aggregate a
 arrives, so its memory grows with the number of ciphertexts of one upload, not with
 owners × ciphertexts.
 
-One run starts two real proxy processes (``python -m fedpca.cli proxy serve``), one
+One run starts two real proxy processes (``python -m fedpca.app.cli proxy serve``), one
 after the other, each with fresh certificates and database: one for
 ``--owners-small`` owners and one for ``--owners-large`` owners. For each, the
 analyst "alice" (unlimited budget in the proxy config, 2048-bit Paillier key)
@@ -70,7 +70,7 @@ from typing import Any
 
 import grpc
 
-from fedpca.cluster import PROXY_READY_MARKER, ManagedProcess, free_loopback_port, write_toml
+from fedpca.app.cluster import PROXY_READY_MARKER, ManagedProcess, free_loopback_port, write_toml
 from fedpca.codec import generate_keypair, key_fingerprint
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.coordinator import wire_blocks
@@ -243,7 +243,7 @@ pairs = [option.partition("=") for option in sys.argv[1].split(",")]
 extra = [(name, int(value)) for name, _, value in pairs]
 base = channels.server_options
 channels.server_options = lambda *args, **kwargs: base(*args, **kwargs) + extra
-from fedpca.cli import main
+from fedpca.app.cli import main
 main(args=sys.argv[2:], prog_name="fedpca")
 """
 
@@ -257,7 +257,7 @@ def start_proxy(workdir: Path, config: Path, server_options: list[str]) -> Manag
     if server_options:
         command = [sys.executable, "-c", PATCHED_PROXY, ",".join(server_options), *serve]
     else:
-        command = [sys.executable, "-m", "fedpca.cli", *serve]
+        command = [sys.executable, "-m", "fedpca.app.cli", *serve]
     process = subprocess.Popen(
         command,
         cwd=workdir,

@@ -1,7 +1,8 @@
-"""Lint, format and type checks run as part of the test suite, so CI enforces them."""
+"""Lint, format, type checks and the dependency rule, run by the test suite so CI enforces them."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +26,66 @@ def test_ruff_format_is_clean() -> None:
 
 
 def test_mypy_is_clean() -> None:
-    result = _run(sys.executable, "scripts/typecheck.py")
+    # The source roots are in pyproject's [tool.mypy]: mypy resolves the fedpca
+    # namespace from the folders themselves, as an editor does.
+    result = _run(sys.executable, "-m", "mypy")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The layers of the import graph: kernel <- roles <- application wiring.
+KERNEL = "core"
+ROLES = ("owner", "proxy", "analyst")
+APP = "app"
+
+
+def _fedpca_imports(path: Path) -> set[str]:
+    """Every fedpca module a source file imports, at module level or inside functions."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name == "fedpca" or name.startswith("fedpca.")}
+
+
+def _layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in (*ROLES, APP):
+        return parts[1]
+    return KERNEL
+
+
+def test_the_dependency_rule_holds() -> None:
+    """The kernel imports no role or app; a role imports the kernel only; app imports all."""
+    allowed = {KERNEL: {KERNEL}, APP: {KERNEL, APP, *ROLES}}
+    allowed.update({role: {KERNEL, role} for role in ROLES})
+    violations = []
+    checked = 0
+    for folder in (KERNEL, *ROLES, APP):
+        for path in sorted((ROOT / folder / "fedpca").rglob("*.py")):
+            checked += 1
+            for module in sorted(_fedpca_imports(path)):
+                if _layer_of(module) not in allowed[folder]:
+                    violations.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert checked > 40, "the source folders were not found"
+    assert violations == [], "\n".join(violations)
+
+
+def test_every_source_folder_is_a_portion_of_the_fedpca_namespace() -> None:
+    """Folder = import path: <folder>/fedpca/... and no fedpca/__init__.py anywhere."""
+    for folder in (KERNEL, *ROLES, APP, "proto"):
+        assert (ROOT / folder / "fedpca").is_dir(), folder
+        assert not (ROOT / folder / "fedpca" / "__init__.py").exists(), folder
+        stray = [p.name for p in (ROOT / folder).iterdir() if p.name != "fedpca"]
+        assert stray == [], f"{folder}/ holds {stray} outside its fedpca/ portion"
 
 
 def test_role_folders_are_not_top_level_imports(tmp_path: Path) -> None:
     """After install only ``fedpca`` is importable, never ``proxy``/``owner``/``analyst``."""
-    for name in ("proxy", "owner", "analyst", "core", "proto"):
+    for name in ("proxy", "owner", "analyst", "core", "proto", "app"):
         result = subprocess.run(
             [sys.executable, "-c", f"import {name}"],
             cwd=tmp_path,
@@ -42,7 +96,11 @@ def test_role_folders_are_not_top_level_imports(tmp_path: Path) -> None:
         assert result.returncode != 0, f"`import {name}` must fail after install"
         assert "ModuleNotFoundError" in result.stderr
     ok = subprocess.run(
-        [sys.executable, "-c", "import fedpca.owner, fedpca.proxy, fedpca.analyst, fedpca.v1"],
+        [
+            sys.executable,
+            "-c",
+            "import fedpca.owner, fedpca.proxy, fedpca.analyst, fedpca.app, fedpca.v1",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -31,7 +31,7 @@ kill from outside rarely hits:
 
 This file lives under ``tests/`` on purpose: production code has no way to seed
 its noise (no CLI flag, no environment variable); only a test can construct the
-server with another sampler. :class:`fedpca.cluster.LocalCluster` runs it as a
+server with another sampler. :class:`fedpca.app.cluster.LocalCluster` runs it as a
 separate OS process through its ``proxy_command`` field.
 """
 
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fedpca.cluster import PROXY_READY_MARKER
+from fedpca.app.cluster import PROXY_READY_MARKER
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.proxy.cli import LOG_FORMAT
 from fedpca.proxy.config import load_config

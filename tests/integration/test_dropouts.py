@@ -1,6 +1,6 @@
 """Owners that never answer, too few owners by the deadline, and an owner back too late.
 
-Real processes over mutual TLS (:class:`fedpca.cluster.LocalCluster`): the real
+Real processes over mutual TLS (:class:`fedpca.app.cluster.LocalCluster`): the real
 ``fedpca proxy serve`` and ``fedpca owner serve``, three owners configured, the
 analyst in this process. The proxy's SQLite file is read after the fact to check
 what it recorded.
@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from fedpca.analyst.estimators import FederatedPCA
-from fedpca.cluster import LocalCluster, split_rows
+from fedpca.app.cluster import LocalCluster, split_rows
 from fedpca.codec import CryptoPool
 from fedpca.errors import FedpcaError
 from fedpca.owner.config import load_config as load_owner_config
@@ -43,19 +43,16 @@ from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import secure_channel
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import dataset_table
 
 pytestmark = pytest.mark.slow
 
-DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
 N_OWNERS = 3
 WAIT = 120.0
 
 
 def _cluster(tmp_path: Path) -> LocalCluster:
-    path = DATASETS / "ionosphere.csv"
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the shared datasets folder is not beside the repo)")
-    table = np.loadtxt(path, delimiter=",")
+    table = dataset_table("ionosphere")
     labels, rows = table[:, :1], table[:, 1:]
     table = np.column_stack([labels, rows / np.linalg.norm(rows, axis=1).max()])
     parts = split_rows(len(table), N_OWNERS, seed=1)

@@ -1,7 +1,7 @@
 """End to end over gRPC: real proxy and owner processes, mutual TLS, 2048-bit keys.
 
 Every test starts ``fedpca proxy serve`` and ``fedpca owner serve`` as separate OS
-processes on loopback (through :class:`fedpca.cluster.LocalCluster`) and runs the
+processes on loopback (through :class:`fedpca.app.cluster.LocalCluster`) and runs the
 analyst against them.
 """
 
@@ -19,21 +19,17 @@ from sklearn.decomposition import PCA
 
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
 from fedpca.analyst.solvers import dca_from_statistics
-from fedpca.cluster import LocalCluster, split_rows
+from fedpca.app.cluster import LocalCluster, split_rows
 from fedpca.owner.statistics import local_statistics
 from fedpca.query import QueryKind
 from fedpca.stats import StatisticsSpec
+from helpers import dataset_table
 
 pytestmark = pytest.mark.slow
 
-DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
-
 
 def _dataset(name: str) -> np.ndarray:
-    path = DATASETS / name
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the shared datasets folder is not beside the repo)")
-    return np.loadtxt(path, delimiter=",")
+    return dataset_table(name.removesuffix(".csv"))
 
 
 def _unit_rows(table: np.ndarray) -> np.ndarray:
@@ -138,7 +134,7 @@ def test_demo_command_writes_exact_result(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "fedpca.cli",
+            "fedpca.app.cli",
             "demo",
             "--owners",
             "2",

@@ -1,6 +1,6 @@
 """``kill -9`` the proxy at 20 random points of a query, restart it: nothing lost, nothing twice.
 
-Real processes over mutual TLS (:class:`fedpca.cluster.LocalCluster`): one proxy, five
+Real processes over mutual TLS (:class:`fedpca.app.cluster.LocalCluster`): one proxy, five
 owner nodes (madelon, 200 features, ~616 ciphertexts each at 2048 bits), the analyst
 in this process. The proxy runs through the TEST-ONLY launcher ``seeded_proxy.py`` so
 that every run of the query draws the same noise; production noise cannot be seeded.
@@ -55,14 +55,14 @@ from fedpca.analyst.client import AnalystClient, ProxyUnavailableError
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.estimators import FederatedPCA, run_query
 from fedpca.analyst.keys import load_analyst_private_key
-from fedpca.cluster import OWNER_READY_MARKER, LocalCluster, ManagedProcess, split_rows
+from fedpca.app.cluster import OWNER_READY_MARKER, LocalCluster, ManagedProcess, split_rows
 from fedpca.codec import CryptoPool
 from fedpca.query import QuerySpec
 from fedpca.transport.certs import TlsMaterial
+from helpers import dataset_table
 
 pytestmark = pytest.mark.slow
 
-DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
 SEEDED_PROXY = Path(__file__).resolve().with_name("seeded_proxy.py")
 
 N_OWNERS = 5
@@ -77,10 +77,7 @@ POLL = 0.01
 
 
 def _madelon_unit_rows() -> np.ndarray:
-    path = DATASETS / "madelon.csv"
-    if not path.exists():
-        pytest.skip(f"{path} is absent (the shared datasets folder is not beside the repo)")
-    table = np.loadtxt(path, delimiter=",")[:, : N_FEATURES + 1]
+    table = dataset_table("madelon")[:, : N_FEATURES + 1]
     labels, rows = table[:, :1], table[:, 1:]
     return np.column_stack([labels, rows / np.linalg.norm(rows, axis=1).max()])
 

@@ -42,8 +42,8 @@ from fedpca.codec import (
 )
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import BudgetExceededError, ConfigError, NotFoundError, QueryStateError
-from fedpca.owner.preprocess import preprocess_for_query
 from fedpca.owner.statistics import local_statistics
+from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import serde

@@ -12,7 +12,6 @@ import dataclasses
 import math
 import random
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ from fedpca.codec import (
     key_fingerprint,
     owner_value_bound,
 )
+from fedpca.data import dataset_path
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
     EncodingOverflowError,
@@ -44,9 +44,8 @@ from fedpca.errors import (
     ProtocolError,
     UntrustedKeyError,
 )
-from fedpca.owner.data import load_table
-from fedpca.owner.preprocess import preprocess_for_query
 from fedpca.owner.statistics import local_statistics
+from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -57,9 +56,10 @@ from fedpca.protocol import (
 )
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics, sum_statistics
+from fedpca.tables import load_table
 from fedpca.transport import serde
 
-IONOSPHERE = Path("/work/shared/datasets/ionosphere.csv")
+IONOSPHERE = dataset_path("ionosphere")
 N_OWNERS = 3
 
 
@@ -71,8 +71,6 @@ def pool() -> Any:
 
 @pytest.fixture(scope="module")
 def ionosphere() -> tuple[np.ndarray, np.ndarray]:
-    if not IONOSPHERE.is_file():
-        pytest.skip(f"reference dataset {IONOSPHERE} is absent")
     rows, labels = load_table(IONOSPHERE, label_column=0)
     assert labels is not None
     return rows, labels

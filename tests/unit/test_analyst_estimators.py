@@ -18,8 +18,8 @@ from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, NotFittedError
 from fedpca.analyst.report import write_plots, write_report, write_result
 from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint
 from fedpca.errors import ConfigError, DataError, QueryStateError
-from fedpca.owner.preprocess import preprocess_for_query
 from fedpca.owner.statistics import local_statistics
+from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics

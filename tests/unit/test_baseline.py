@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +13,9 @@ from fedpca.analyst.baseline import (
     private_local_pca_merge,
     private_local_pca_owner_share,
 )
+from fedpca.data import load_dataset
 from fedpca.errors import ConfigError, DataError
-from fedpca.owner.data import load_table
-from fedpca.owner.preprocess import preprocess
-
-DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
+from fedpca.preprocess import preprocess
 
 
 def _top_k(matrix: np.ndarray, k: int) -> np.ndarray:
@@ -46,9 +43,8 @@ def test_noise_free_merge_equals_pooled_top_k_when_owners_have_rank_k() -> None:
     assert result.n_owners == 4
 
 
-@pytest.mark.skipif(not DATASETS.is_dir(), reason=f"shared datasets not found at {DATASETS}")
 def test_noise_free_on_real_rows_matches_the_truncated_sum() -> None:
-    x, _ = load_table(DATASETS / "ionosphere.csv", label_column=0)
+    x, _ = load_dataset("ionosphere")
     x = preprocess(x, None, 1.0)
     k = 4
     one = private_local_pca_baseline([x], k, math.inf, np.random.default_rng(0))

@@ -13,6 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedpca.app.certs_cli import certs_group
 from fedpca.errors import AuthenticationError, ConfigError, KeyFileError
 from fedpca.transport import certs
 from fedpca.transport.certs import NodeIdentity, Role
@@ -222,7 +223,7 @@ def test_tls_material_consistency_checks(tmp_path: Path) -> None:
 def test_cli_init_prints_paths(tmp_path: Path) -> None:
     out = tmp_path / "pki"
     result = CliRunner().invoke(
-        certs.certs_group,
+        certs_group,
         ["init", "--out", str(out), "--owner-ids", "h1,h2,h3", "--proxy-host", "proxy.lan"],
     )
     assert result.exit_code == 0, result.output
@@ -237,7 +238,7 @@ def test_cli_init_prints_paths(tmp_path: Path) -> None:
 def test_cli_init_counts_and_conflicts(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(
-        certs.certs_group, ["init", "--out", str(tmp_path), "--owners", "3", "--analysts", "2"]
+        certs_group, ["init", "--out", str(tmp_path), "--owners", "3", "--analysts", "2"]
     )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (tmp_path / "owner").iterdir()) == [
@@ -246,10 +247,10 @@ def test_cli_init_counts_and_conflicts(tmp_path: Path) -> None:
         "owner-3",
     ]
     assert sorted(p.name for p in (tmp_path / "analyst").iterdir()) == ["analyst-1", "analyst-2"]
-    again = runner.invoke(certs.certs_group, ["init", "--out", str(tmp_path)])
+    again = runner.invoke(certs_group, ["init", "--out", str(tmp_path)])
     assert again.exit_code != 0 and "refusing to replace the CA" in again.output
     both = runner.invoke(
-        certs.certs_group,
+        certs_group,
         ["init", "--out", str(tmp_path / "b"), "--owners", "2", "--owner-ids", "a"],
     )
     assert both.exit_code != 0 and "not both" in both.output
@@ -257,15 +258,15 @@ def test_cli_init_counts_and_conflicts(tmp_path: Path) -> None:
 
 def test_cli_issue_and_show(tmp_path: Path) -> None:
     runner = CliRunner()
-    assert runner.invoke(certs.certs_group, ["init", "--out", str(tmp_path)]).exit_code == 0
+    assert runner.invoke(certs_group, ["init", "--out", str(tmp_path)]).exit_code == 0
     result = runner.invoke(
-        certs.certs_group,
+        certs_group,
         ["issue", "--dir", str(tmp_path), "--role", "owner", "--node-id", "late-joiner"],
     )
     assert result.exit_code == 0, result.output
     files = certs.CertificateDirectory(tmp_path).node_files(NodeIdentity(Role.OWNER, "late-joiner"))
     assert certs.TlsMaterial.load(files).identity.node_id == "late-joiner"
-    shown = runner.invoke(certs.certs_group, ["show", str(files.certificate)])
+    shown = runner.invoke(certs_group, ["show", str(files.certificate)])
     assert shown.exit_code == 0, shown.output
     assert "identity:   owner/late-joiner" in shown.output
     assert "fedpca://owner/late-joiner" in shown.output

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpca.cluster import LocalCluster, split_rows, write_toml
+from fedpca.app.cluster import LocalCluster, split_rows, write_toml
 from fedpca.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fedpca.cli import main
+from fedpca.app.cli import main
 from fedpca.dp.calibration import analytic_gaussian_sigma, classic_gaussian_sigma, gaussian_epsilon
 
 

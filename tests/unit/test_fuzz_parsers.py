@@ -59,9 +59,9 @@ from fedpca.codec import ciphertext as codec_ciphertext
 from fedpca.codec.keys import key_fingerprint, load_private_key, load_public_key
 from fedpca.errors import ConfigError, FedpcaError
 from fedpca.owner.config import load_config as load_owner_config
-from fedpca.owner.data import load_table
 from fedpca.proxy.config import load_config as load_proxy_config
 from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.tables import load_table
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb

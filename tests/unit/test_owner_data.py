@@ -9,10 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fedpca.data import dataset_path
 from fedpca.errors import DataError
-from fedpca.owner.data import load_table
-
-DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
+from fedpca.tables import load_table
 
 
 def _write(tmp_path: Path, text: str, name: str = "owner.csv") -> Path:
@@ -175,12 +174,11 @@ def test_missing_file_and_unknown_suffix(tmp_path: Path) -> None:
         load_table(_write(tmp_path, "1,2\n", "t.xlsx"))
 
 
-@pytest.mark.skipif(not DATASETS.is_dir(), reason=f"shared datasets not found at {DATASETS}")
 def test_real_dataset_with_label_in_column_zero() -> None:
-    x, y = load_table(DATASETS / "ionosphere.csv", label_column=0, n_features=34)
+    x, y = load_table(dataset_path("ionosphere"), label_column=0, n_features=34)
     assert x.shape == (351, 34)
     assert y is not None
     assert set(np.unique(y)) == {-1.0, 1.0}
-    raw = np.loadtxt(DATASETS / "ionosphere.csv", delimiter=",")
+    raw = np.loadtxt(dataset_path("ionosphere"), delimiter=",")
     np.testing.assert_array_equal(x, raw[:, 1:])
     np.testing.assert_array_equal(y, raw[:, 0])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fedpca.errors import ConfigError, DataError
-from fedpca.owner.preprocess import (
+from fedpca.preprocess import (
     FeatureBounds,
     clip_rows,
     preprocess,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fedpca.errors import DataError
-from fedpca.owner.preprocess import clip_rows
 from fedpca.owner.statistics import local_statistics
+from fedpca.preprocess import clip_rows
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.stats import StatisticsSpec
 

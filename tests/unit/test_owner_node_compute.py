@@ -7,23 +7,23 @@ Uses real rows of ionosphere.csv (column 0 is the class label) and a TEST-ONLY
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from fedpca.codec import CryptoPool, decode_fixed_point, key_fingerprint
+from fedpca.data import dataset_path
 from fedpca.errors import DataError, EncodingOverflowError
 from fedpca.owner.compute import LocalTable, encrypt_share, spec_digest
 from fedpca.owner.config import DataConfig
-from fedpca.owner.preprocess import preprocess_for_query
 from fedpca.owner.statistics import local_statistics
+from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics
 
-IONOSPHERE = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "ionosphere.csv"
+IONOSPHERE = dataset_path("ionosphere")
 FRAC_BITS = 32
 
 
@@ -35,8 +35,6 @@ def pool() -> Iterator[CryptoPool]:
 
 @pytest.fixture(scope="module")
 def ionosphere() -> LocalTable:
-    if not IONOSPHERE.is_file():
-        pytest.skip(f"{IONOSPHERE} is absent (shared datasets folder not mounted)")
     return LocalTable.load(DataConfig(IONOSPHERE, header=False, label_column=0))
 
 

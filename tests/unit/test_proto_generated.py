@@ -12,14 +12,14 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from fedpca.transport import protogen
+import protogen
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_committed_generated_code_is_current() -> None:
     stale = protogen.stale_files()
-    assert stale == [], f"regenerate with scripts/gen_proto.sh; stale: {stale}"
+    assert stale == [], f"regenerate with python scripts/protogen.py; stale: {stale}"
 
 
 def test_every_proto_has_its_generated_files() -> None:

@@ -33,8 +33,8 @@ from fedpca.errors import (
     ProtocolError,
     QueryStateError,
 )
-from fedpca.owner.preprocess import preprocess_for_query
 from fedpca.owner.statistics import local_statistics
+from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -50,8 +50,8 @@ from fedpca.proxy.store import ProxyStore, QueryState, UploadReceipt
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import sum_statistics
 from fedpca.transport import serde
+from helpers import dataset_table
 
-DATASET = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "ionosphere.csv"
 IntVector = list[int]
 
 
@@ -65,9 +65,7 @@ def pool() -> Iterator[CryptoPool]:
 @pytest.fixture(scope="module")
 def owner_rows() -> list[np.ndarray]:
     """Ionosphere features split across three owners (raw; owners preprocess)."""
-    if not DATASET.is_file():
-        pytest.skip(f"reference dataset {DATASET} is absent")
-    table = np.loadtxt(DATASET, delimiter=",")
+    table = dataset_table("ionosphere")
     features = table[:, 1:]
     return [features[0:120], features[120:240], features[240:]]
 

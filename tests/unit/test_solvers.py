@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,24 +15,19 @@ from fedpca.analyst.solvers import (
     pca_from_centred_scatter,
     pca_from_statistics,
 )
+from fedpca.data import load_dataset
 from fedpca.errors import ConfigError, DataError
-from fedpca.owner.data import load_table
-from fedpca.owner.preprocess import FeatureBounds, preprocess
 from fedpca.owner.statistics import local_statistics
+from fedpca.preprocess import FeatureBounds, preprocess
 from fedpca.query import QueryKind
 from fedpca.stats import StatisticsSpec, SufficientStatistics, sum_statistics
-
-DATASETS = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
-needs_datasets = pytest.mark.skipif(
-    not DATASETS.is_dir(), reason=f"shared datasets not found at {DATASETS}"
-)
 
 _CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def _dataset(name: str) -> tuple[np.ndarray, np.ndarray]:
     if name not in _CACHE:
-        x, y = load_table(DATASETS / f"{name}.csv", label_column=0)
+        x, y = load_dataset(name)
         assert y is not None
         _CACHE[name] = (x, y)
     return _CACHE[name]
@@ -79,7 +73,6 @@ def _assert_matches_sklearn(x: np.ndarray, stats: SufficientStatistics, k: int) 
     np.testing.assert_allclose(ours.components, ref.components_, atol=1e-9)
 
 
-@needs_datasets
 @pytest.mark.parametrize(
     ("name", "how", "k"),
     [
@@ -99,7 +92,6 @@ def test_pca_equals_sklearn_covariance_eigh(name: str, how: str, k: int) -> None
     _assert_matches_sklearn(x, local_statistics(x, None, spec), k)
 
 
-@needs_datasets
 @pytest.mark.parametrize(("name", "n_owners"), [("ionosphere", 3), ("german", 5), ("diabetes", 7)])
 def test_pca_of_summed_owner_statistics_equals_sklearn_on_pooled_rows(
     name: str, n_owners: int
@@ -156,7 +148,6 @@ def test_negative_eigenvalues_of_a_noisy_matrix_are_clipped() -> None:
     assert (result.components[np.arange(m), top] > 0).all()
 
 
-@needs_datasets
 def test_centred_scatter_form_for_the_masked_mode() -> None:
     x, _ = _rows("australian", "clip")
     centred = (x - x.mean(axis=0)).T @ (x - x.mean(axis=0))
@@ -225,7 +216,6 @@ def _assert_same_directions(ours: np.ndarray, ref: np.ndarray, atol: float) -> N
     np.testing.assert_allclose(ours, ref * signs[:, None], atol=atol)
 
 
-@needs_datasets
 @pytest.mark.parametrize(
     ("name", "n_owners"), [("ionosphere", 1), ("australian", 4), ("german", 3)]
 )

@@ -1,0 +1,575 @@
+"""``fedpca analyst``: keys, private PCA/DCA queries and the privacy budget.
+
+Commands::
+
+    fedpca analyst keygen --out DIR [--bits 2048|3072] [--force]
+    fedpca analyst pca --proxy ADDR --components K --epsilon E --delta D --features M \\
+        [--mode stats|masked] [--bounds none|LO:HI|LO:HI,…] [...] --out result.json
+    fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
+    fedpca analyst budget --proxy ADDR [--delta D]
+
+Connection settings may come from ``--config analyst.toml``; flags override it::
+
+    proxy = "proxy.example.org:7443"
+    key_dir = "keys"                 # relative paths: relative to this file
+    server_name = "proxy"            # optional: name in the proxy certificate
+    insecure = false                 # local tests only
+    [tls]
+    ca = "certs/ca/ca.pem"
+    cert = "certs/analyst/alice/cert.pem"
+    key = "certs/analyst/alice/key.pem"
+
+Refused or failed queries exit with a one-line message and no traceback: exit
+code 3 when the privacy budget refused the release, 1 for every other error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from fedpca.analyst.keys import (
+    DEFAULT_KEY_BITS,
+    SUPPORTED_KEY_BITS,
+    create_analyst_keys,
+)
+from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError
+from fedpca.query import Calibration, ProtocolMode
+from fedpca.transport.certs import TlsFiles
+
+__all__ = ["AnalystConfig", "analyst_group", "load_config"]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+BUDGET_EXIT_CODE = 3
+
+_CONFIG_KEYS = {"proxy", "key_dir", "server_name", "insecure", "tls"}
+_TLS_KEYS = {"ca", "cert", "key"}
+
+
+class _Refused(click.ClickException):
+    """A release refused by the privacy budget (distinct exit code for scripts)."""
+
+    exit_code = BUDGET_EXIT_CODE
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn fedpca errors into one-line CLI errors (no traceback)."""
+    try:
+        yield
+    except BudgetExceededError as exc:
+        raise _Refused(str(exc)) from None
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"{exc.filename or ''}: {exc.strerror or exc}") from None
+
+
+# ---------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class AnalystConfig:
+    """Connection settings of one analyst (from analyst.toml and flags)."""
+
+    proxy: str | None = None
+    key_dir: Path | None = None
+    tls: TlsFiles | None = None
+    server_name: str | None = None
+    insecure: bool = False
+
+
+def load_config(path: Path) -> AnalystConfig:
+    """Read an analyst.toml; relative paths are resolved against its directory.
+
+    Raises
+    ------
+    ConfigError
+        Unreadable TOML, unknown keys, wrong types or an incomplete [tls] table.
+    """
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+    unknown = sorted(set(document) - _CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(_CONFIG_KEYS)})")
+    base = path.parent
+
+    def text(key: str, table: dict[str, Any] = document, where: str = "") -> str | None:
+        value = table.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{path}: {where}{key} must be a string")
+        return value
+
+    def file(value: str | None, key: str) -> Path | None:
+        if value is None:
+            return None
+        try:
+            return base / Path(value).expanduser()
+        except RuntimeError as exc:  # "~user/..." naming an unknown user
+            raise ConfigError(f"{path}: {key}: cannot expand {value!r}: {exc}") from None
+
+    tls = None
+    table = document.get("tls")
+    if table is not None:
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [tls] must be a table")
+        unknown_tls = sorted(set(table) - _TLS_KEYS)
+        missing = sorted(_TLS_KEYS - set(table))
+        if unknown_tls or missing:
+            raise ConfigError(f"{path}: [tls] needs exactly ca, cert and key")
+        ca, cert, key = (file(text(k, table, "tls."), f"tls.{k}") for k in ("ca", "cert", "key"))
+        assert ca is not None and cert is not None and key is not None
+        tls = TlsFiles(ca, cert, key)
+    insecure = document.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise ConfigError(f"{path}: insecure must be true or false")
+    return AnalystConfig(
+        proxy=text("proxy"),
+        key_dir=file(text("key_dir"), "key_dir"),
+        tls=tls,
+        server_name=text("server_name"),
+        insecure=insecure,
+    )
+
+
+def _connection(
+    config_path: Path | None,
+    proxy: str | None,
+    ca: Path | None,
+    cert: Path | None,
+    key: Path | None,
+    insecure: bool,
+    server_name: str | None,
+    key_dir: Path | None = None,
+) -> AnalystConfig:
+    config = load_config(config_path) if config_path is not None else AnalystConfig()
+    tls_flags = (ca, cert, key)
+    if any(tls_flags) and not all(tls_flags):
+        raise ConfigError("--ca, --cert and --key must be given together")
+    tls = TlsFiles(*tls_flags) if ca and cert and key else config.tls  # type: ignore[arg-type]
+    insecure = insecure or config.insecure
+    if insecure:
+        tls = None
+    merged = AnalystConfig(
+        proxy=proxy or config.proxy,
+        key_dir=key_dir or config.key_dir,
+        tls=tls,
+        server_name=server_name or config.server_name,
+        insecure=insecure,
+    )
+    if merged.proxy is None:
+        raise ConfigError("no proxy address: pass --proxy HOST:PORT or set proxy in --config")
+    if merged.tls is None and not merged.insecure:
+        raise ConfigError(
+            "no TLS material: pass --ca/--cert/--key or a [tls] table in --config "
+            "(--insecure only for local tests)"
+        )
+    return merged
+
+
+def _connection_options(function: F) -> F:
+    options: list[Callable[[Any], Any]] = [
+        click.option("--proxy", metavar="HOST:PORT", help="Address of the proxy."),
+        click.option(
+            "--config",
+            "config_path",
+            type=click.Path(dir_okay=False, exists=True, path_type=Path),
+            help="analyst.toml with proxy, key_dir and [tls]; flags override it.",
+        ),
+        click.option(
+            "--ca", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="CA cert."
+        ),
+        click.option(
+            "--cert",
+            type=click.Path(dir_okay=False, exists=True, path_type=Path),
+            help="The analyst's certificate.",
+        ),
+        click.option(
+            "--key",
+            type=click.Path(dir_okay=False, exists=True, path_type=Path),
+            help="The analyst's TLS private key.",
+        ),
+        click.option("--server-name", help="Name to verify the proxy certificate against."),
+        click.option(
+            "--insecure", is_flag=True, help="No TLS (local tests only; NOT for deployments)."
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+# ---------------------------------------------------------------------- keygen
+@contextmanager
+def _spinner(message: str) -> Iterator[None]:
+    """A spinner with elapsed seconds on stderr while a slow step runs."""
+    stream = sys.stderr
+    if not stream.isatty():
+        click.echo(f"{message} ...", err=True)
+        yield
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def spin() -> None:
+        for frame in itertools.cycle("|/-\\"):
+            if done.wait(0.1):
+                break
+            stream.write(f"\r{frame} {message} {time.monotonic() - start:4.1f} s")
+            stream.flush()
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        stream.write(f"\r{message} done in {time.monotonic() - start:.1f} s\n")
+        stream.flush()
+
+
+@click.group("analyst")
+def analyst_group() -> None:
+    """Analyst: keys, private PCA/DCA queries, budget."""
+
+
+@analyst_group.command("keygen")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for analyst.key.json (0600) and analyst.pub.json.",
+)
+@click.option(
+    "--bits",
+    type=click.Choice([str(b) for b in SUPPORTED_KEY_BITS]),
+    default=str(DEFAULT_KEY_BITS),
+    show_default=True,
+    help="Paillier modulus size (3072 = 128-bit security).",
+)
+@click.option(
+    "--force", is_flag=True, help="Replace an existing key (old results become unreadable)."
+)
+def keygen_command(out: Path, bits: str, force: bool) -> None:
+    """Generate the analyst's Paillier keypair; print its fingerprint last."""
+    with _errors(), _spinner(f"generating a {bits}-bit Paillier key"):
+        files = create_analyst_keys(out, int(bits), force=force)
+    click.echo(f"private key (keep secret, 0600): {files.private_key}")
+    click.echo(f"public key (give to owners):     {files.public_key}")
+    click.echo("fingerprint (owners pin it):")
+    click.echo(files.fingerprint)
+
+
+# ----------------------------------------------------------------- queries
+def _parse_epsilon(_: click.Context, __: click.Parameter, value: str) -> float:
+    try:
+        epsilon = float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number (or 'inf')") from None
+    if not epsilon > 0:
+        raise click.BadParameter("epsilon must be > 0 (or inf for NO privacy)")
+    return epsilon
+
+
+def _parse_classes(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, ...]:
+    if value is None:
+        return ()
+    try:
+        return tuple(float(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+
+
+def _query_options(function: F) -> F:
+    options: list[Callable[[Any], Any]] = [
+        click.option(
+            "--components", "n_components", type=click.IntRange(min=1), required=True, help="k."
+        ),
+        click.option(
+            "--epsilon",
+            required=True,
+            callback=_parse_epsilon,
+            help="Privacy loss of this release ('inf' = no noise, NOT PRIVATE).",
+        ),
+        click.option(
+            "--delta", type=float, help="Privacy failure probability (required unless inf)."
+        ),
+        click.option(
+            "--calibration",
+            type=click.Choice([c.value for c in Calibration]),
+            default=Calibration.ANALYTIC.value,
+            show_default=True,
+        ),
+        click.option(
+            "--features",
+            "n_features",
+            type=click.IntRange(min=1),
+            required=True,
+            help="Number of feature columns M in the owners' files (label excluded).",
+        ),
+        click.option(
+            "--bounds",
+            default="none",
+            show_default=True,
+            help="Public feature bounds: none, LO:HI (every feature) or LO:HI,LO:HI,… (M).",
+        ),
+        click.option("--clip-norm", type=float, default=1.0, show_default=True),
+        click.option("--quorum", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option(
+            "--deadline",
+            type=float,
+            default=300.0,
+            show_default=True,
+            help="Seconds the proxy collects uploads.",
+        ),
+        click.option(
+            "--max-records-per-owner",
+            type=click.IntRange(min=1),
+            default=1 << 20,
+            show_default=True,
+            help="Public bound that sizes packed slots.",
+        ),
+        click.option(
+            "--max-owners",
+            type=click.IntRange(min=1),
+            default=1 << 8,
+            show_default=True,
+            help="Public bound that sizes packed slots.",
+        ),
+        click.option(
+            "--key-dir",
+            type=click.Path(exists=True, path_type=Path),
+            help="Directory of analyst.key.json (or set key_dir in --config).",
+        ),
+        click.option(
+            "--sample",
+            type=click.Path(dir_okay=False, exists=True, path_type=Path),
+            help="Your own CSV sample to project in a plot.",
+        ),
+        click.option(
+            "--workers", type=click.IntRange(min=1), help="Decryption processes [all cores]."
+        ),
+        click.option(
+            "--out",
+            required=True,
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="result.json to write (plots go next to it).",
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return _connection_options(function)
+
+
+def _warn_not_private() -> None:
+    banner = "!" * 72
+    click.secho(banner, fg="red", bold=True, err=True)
+    click.secho(
+        "  epsilon = inf: NO NOISE. This release is NOT PRIVATE.\n"
+        "  Use it only to verify a deployment on test data.",
+        fg="red",
+        bold=True,
+        err=True,
+    )
+    click.secho(banner, fg="red", bold=True, err=True)
+
+
+def _run(
+    estimator_factory: Callable[..., Any],
+    params: dict[str, Any],
+    sample_label_column: int | None,
+) -> None:
+    """Shared body of ``pca`` and ``dca``: fit, report, summarise."""
+    from fedpca.analyst.estimators import FederatedPCA
+    from fedpca.analyst.report import write_report
+    from fedpca.tables import load_table
+
+    epsilon: float = params["epsilon"]
+    delta: float | None = params["delta"]
+    if math.isfinite(epsilon) and delta is None:
+        raise click.UsageError("--delta is required with a finite --epsilon")
+    if not math.isfinite(epsilon):
+        _warn_not_private()
+    out: Path = params["out"]
+    with _errors():
+        connection = _connection(
+            params["config_path"],
+            params["proxy"],
+            params["ca"],
+            params["cert"],
+            params["key"],
+            params["insecure"],
+            params["server_name"],
+            params["key_dir"],
+        )
+        if connection.key_dir is None:
+            raise ConfigError("no analyst key: pass --key-dir DIR or set key_dir in --config")
+        sample = labels = None
+        if params["sample"] is not None:
+            sample, labels = load_table(
+                params["sample"],
+                label_column=sample_label_column,
+                n_features=params["n_features"],
+            )
+        announced: list[str] = []
+
+        def on_status(status: Any) -> None:
+            if not announced:
+                announced.append(status.query_id)
+                click.echo(f"query {status.query_id} submitted", err=True)
+            if status.failure_reason:
+                click.echo(f"query failed: {status.failure_reason}", err=True)
+
+        estimator = estimator_factory(
+            params["n_components"],
+            epsilon=epsilon,
+            delta=delta if delta is not None else 0.0,
+            calibration=params["calibration"],
+            bounds=params["bounds"],
+            clip_norm=params["clip_norm"],
+            quorum=params["quorum"],
+            deadline_seconds=params["deadline"],
+            max_records_per_owner=params["max_records_per_owner"],
+            max_owners=params["max_owners"],
+            proxy=connection.proxy,
+            ca=None if connection.tls is None else connection.tls.ca_certificate,
+            cert=None if connection.tls is None else connection.tls.certificate,
+            key=None if connection.tls is None else connection.tls.private_key,
+            insecure=connection.insecure,
+            server_name_override=connection.server_name,
+            private_key_path=connection.key_dir,
+            n_jobs=params["workers"],
+            verbose=True,
+            on_status=on_status,
+        )
+        estimator.fit(params["n_features"])
+        if sample is not None:
+            # The sample is raw; the components live in the preprocessed space.
+            sample = estimator.preprocess(sample)
+        files = write_report(out, estimator, sample=sample, labels=labels)
+    click.echo(f"query:       {estimator.query_id_}")
+    click.echo(f"owners:      {estimator.n_owners_}")
+    noisy = " (noisy)" if estimator.n_samples_is_noisy_ else " (exact, public)"
+    click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
+    if isinstance(estimator, FederatedPCA):
+        ratios = ", ".join(f"{r:.4f}" for r in estimator.explained_variance_ratio_)
+        click.echo(f"explained variance ratio: {ratios}")
+    else:
+        values = ", ".join(f"{v:.4g}" for v in estimator.eigenvalues_)
+        click.echo(f"generalized eigenvalues: {values}")
+    if estimator.not_private_:
+        click.secho("release: NOT PRIVATE (epsilon = inf)", fg="red", bold=True)
+    else:
+        click.echo(f"release: ({estimator.epsilon_:g}, {estimator.delta_:g})-DP")
+    timings = ", ".join(f"{k} {v:.2f} s" for k, v in estimator.timings_.items())
+    click.echo(f"timings: {timings}")
+    for plot in (files.scree, files.projection):
+        if plot is not None:
+            click.echo(f"plot: {plot}")
+    click.echo(str(files.json))
+
+
+@analyst_group.command("pca")
+@click.option(
+    "--mode",
+    type=click.Choice([m.value for m in ProtocolMode]),
+    default=ProtocolMode.STATS.value,
+    show_default=True,
+    help="stats: noisy sufficient statistics; masked: corrected Wang & Chang (no mean).",
+)
+@click.option(
+    "--no-label",
+    is_flag=True,
+    help="The --sample CSV has no label column (default: label in column 0).",
+)
+@_query_options
+def pca_command(mode: str, no_label: bool, **params: Any) -> None:
+    """Run a differentially private federated PCA and write result.json and plots."""
+    from fedpca.analyst.estimators import FederatedPCA
+
+    def factory(n_components: int, **kwargs: Any) -> FederatedPCA:
+        return FederatedPCA(n_components, mode=mode, **kwargs)
+
+    _run(factory, params, None if no_label else 0)
+
+
+@analyst_group.command("dca")
+@click.option(
+    "--label-column",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Column of the label in the owners' files (and in --sample).",
+)
+@click.option(
+    "--classes",
+    required=True,
+    callback=_parse_classes,
+    help="Public class labels, comma-separated (e.g. -1,1).",
+)
+@_query_options
+def dca_command(label_column: int, classes: tuple[float, ...], **params: Any) -> None:
+    """Run a differentially private federated DCA and write result.json and plots."""
+    from fedpca.analyst.estimators import FederatedDCA
+
+    def factory(n_components: int, **kwargs: Any) -> FederatedDCA:
+        return FederatedDCA(n_components, classes=classes, label_column=label_column, **kwargs)
+
+    _run(factory, params, label_column)
+
+
+@analyst_group.command("budget")
+@_connection_options
+@click.option("--delta", type=float, help="Report epsilon at this delta [the proxy's].")
+def budget_command(
+    proxy: str | None,
+    config_path: Path | None,
+    ca: Path | None,
+    cert: Path | None,
+    key: Path | None,
+    server_name: str | None,
+    insecure: bool,
+    delta: float | None,
+) -> None:
+    """Show the analyst's cumulative privacy loss as the proxy accounts it."""
+    from fedpca.analyst.client import AnalystClient
+    from fedpca.transport.certs import TlsMaterial
+
+    with _errors():
+        if delta is not None and not 0 < delta < 1:
+            raise ConfigError(f"--delta must be in (0, 1), got {delta}")
+        connection = _connection(config_path, proxy, ca, cert, key, insecure, server_name)
+        assert connection.proxy is not None
+        tls = None if connection.tls is None else TlsMaterial.load(connection.tls)
+        with AnalystClient(
+            connection.proxy,
+            tls,
+            insecure=connection.insecure,
+            server_name_override=connection.server_name,
+        ) as client:
+            status = client.budget(delta)
+    click.echo(f"analyst:            {status.analyst_id}")
+    click.echo(f"releases:           {status.n_releases}")
+    click.echo(f"delta:              {status.delta:g}")
+    click.echo(f"epsilon spent:      {status.epsilon_spent:.6g}")
+    click.echo(f"epsilon limit:      {status.epsilon_limit:.6g}")
+    click.echo("epsilon remaining:")
+    click.echo(f"{status.epsilon_remaining:.6g}")

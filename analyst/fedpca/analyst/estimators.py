@@ -1,0 +1,808 @@
+"""scikit-learn-shaped estimators for federated, differentially private PCA and DCA.
+
+>>> pca = FederatedPCA(n_components=2, epsilon=1.0, delta=1e-6, bounds=(-1, 1),
+...                    proxy="proxy:7443", ca="ca.pem", cert="cert.pem", key="key.pem",
+...                    private_key_path="keys/analyst.key.json")
+>>> pca.fit(n_features=34)          # doctest: +SKIP
+>>> pca.transform(my_rows)          # doctest: +SKIP
+
+The constructor only stores parameters.  ``fit`` does not take X: the rows are
+federated and never leave their owners, so ``fit`` takes the *public schema*
+(the number of features; the public feature ``bounds`` are a constructor
+parameter), submits the query to the proxy, follows its progress, fetches the
+encrypted result, decrypts it with the analyst's key and solves PCA/DCA.  It
+returns ``self``; learned attributes end in ``_`` as in scikit-learn.
+
+``from_result`` builds a fitted estimator from an already decrypted release
+(:class:`fedpca.analyst.decode.DecodedRelease`) without any network.
+
+Components live in the *preprocessed* space the owners summed in: each feature
+mapped from its public bounds onto [−1, 1], then each row clipped to
+‖x‖₂ <= clip_norm.  As in scikit-learn, ``transform`` and ``inverse_transform``
+work in that space; ``preprocess`` maps rows given in the raw units of the
+schema into it with the query's public bounds and clip norm::
+
+    scores = pca.transform(pca.preprocess(raw_rows))
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.analyst.decode import DecodedRelease, decrypt_result
+from fedpca.analyst.keys import load_analyst_private_key
+from fedpca.codec.keys import key_fingerprint
+from fedpca.codec.paillier import CryptoPool
+from fedpca.errors import ConfigError, DataError, FedpcaError
+from fedpca.preprocess import FeatureBounds, preprocess
+from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.transport.certs import TlsFiles, TlsMaterial
+
+__all__ = [
+    "FederatedDCA",
+    "FederatedPCA",
+    "NotFittedError",
+    "new_query_id",
+    "run_query",
+]
+
+logger = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+StatusCallback = Callable[[Any], None]
+BoundsParam = str | tuple[Any, Any] | FeatureBounds | None
+
+
+class NotFittedError(FedpcaError, ValueError, AttributeError):
+    """An estimator was used before ``fit`` (same bases as scikit-learn's)."""
+
+
+def new_query_id() -> str:
+    """A fresh, unguessable query id."""
+    return f"q-{uuid.uuid4().hex}"
+
+
+def run_query(
+    spec: QuerySpec,
+    client: Any,
+    private_key: Any,
+    *,
+    on_status: StatusCallback | None = None,
+    on_submitted: StatusCallback | None = None,
+    decrypt_progress: Callable[[int], None] | None = None,
+    on_fetched: Callable[[int], None] | None = None,
+    pool: CryptoPool | None = None,
+    wait_timeout: float | None = None,
+) -> tuple[DecodedRelease, dict[str, float]]:
+    """Submit ``spec``, follow it, fetch and decrypt the result.
+
+    Parameters
+    ----------
+    spec : the query (its key must be ``private_key``'s).
+    client : an :class:`~fedpca.analyst.client.AnalystClient` (or anything with
+        ``submit``, ``wait`` and ``fetch``).
+    private_key : the analyst's phe private key.
+    on_status : called with every status update while waiting.
+    on_submitted : called with the status returned by the submission.
+    decrypt_progress : called with the number of ciphertexts decrypted so far.
+    on_fetched : called with the number of ciphertexts to decrypt, once fetched.
+    pool : crypto pool for decryption (default: a temporary one on all cores,
+        closed before returning). Its workers are started right after the
+        submission, so their start-up overlaps the wait for the result.
+    wait_timeout : give up waiting after this many seconds (None = never).
+
+    Returns
+    -------
+    (DecodedRelease, timings) with timings in seconds for "submit", "wait",
+    "fetch" and "decrypt".
+    """
+    if spec.analyst_public_key_n != private_key.public_key.n:
+        raise ConfigError("the query is not addressed to this private key")
+    owned = pool is None
+    active = CryptoPool() if pool is None else pool
+    try:
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        submitted = client.submit(spec)
+        timings["submit"] = time.perf_counter() - start
+        logger.info("submitted query %s (state %s)", spec.query_id, submitted.state.value)
+        if on_submitted is not None:
+            on_submitted(submitted)
+        start = time.perf_counter()
+        # Owners take seconds to encrypt: start the decryption workers meanwhile.
+        active.start()
+        client.wait(spec.query_id, on_status=on_status, timeout=wait_timeout)
+        timings["wait"] = time.perf_counter() - start
+        start = time.perf_counter()
+        fetched = client.fetch(spec.query_id)
+        timings["fetch"] = time.perf_counter() - start
+        if on_fetched is not None:
+            on_fetched(fetched.result.payload.total_ciphertexts)
+        start = time.perf_counter()
+        release = decrypt_result(
+            fetched.result,
+            private_key,
+            expected_query=spec,
+            pool=active,
+            progress=decrypt_progress,
+        )
+        timings["decrypt"] = time.perf_counter() - start
+    finally:
+        if owned:
+            active.close()
+    return release, timings
+
+
+# -------------------------------------------------------------------- helpers
+def _resolve_bounds(bounds: BoundsParam, n_features: int) -> FeatureBounds | None:
+    if bounds is None:
+        return None
+    if isinstance(bounds, FeatureBounds):
+        bounds = bounds
+    elif isinstance(bounds, str):
+        if bounds.strip().lower() == "none":
+            return None
+        bounds = FeatureBounds.parse(bounds, n_features)
+    else:
+        try:
+            lower, upper = bounds
+        except (TypeError, ValueError):
+            raise ConfigError(
+                "bounds must be None, 'LO:HI', a (lower, upper) pair of numbers "
+                f"or of length-M sequences, got {bounds!r}"
+            ) from None
+        if np.ndim(lower) == 0 and np.ndim(upper) == 0:
+            bounds = FeatureBounds((float(lower),) * n_features, (float(upper),) * n_features)
+        else:
+            bounds = FeatureBounds.from_arrays(lower, upper)
+    if bounds.n_features != n_features:
+        raise ConfigError(f"bounds cover {bounds.n_features} features, not {n_features}")
+    return bounds
+
+
+def _bounds_length(bounds: BoundsParam) -> int | None:
+    """M implied by per-feature bounds, if they are given per feature."""
+    if isinstance(bounds, FeatureBounds):
+        return bounds.n_features
+    if isinstance(bounds, str):
+        pairs = [p for p in bounds.split(",") if p.strip()]
+        return len(pairs) if len(pairs) > 1 else None
+    if bounds is not None:
+        try:
+            lower, _ = bounds
+        except (TypeError, ValueError):
+            return None
+        if np.ndim(lower) == 1:
+            return len(lower)
+    return None
+
+
+def _check_schema(n_features: Any, bounds: BoundsParam) -> int:
+    if n_features is not None and not isinstance(n_features, int | np.integer):
+        raise ConfigError(
+            "fit() takes the public schema, not data: the rows stay with their owners. "
+            f"Call fit(n_features=M); got {type(n_features).__name__}"
+        )
+    implied = _bounds_length(bounds)
+    if n_features is None:
+        if implied is None:
+            raise ConfigError("give n_features (or per-feature bounds that imply it)")
+        return implied
+    if implied is not None and implied != n_features:
+        raise ConfigError(f"n_features={n_features} but bounds cover {implied} features")
+    return int(n_features)
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except ValueError:  # numpy arrays compare elementwise
+        return True
+
+
+class _ProgressDisplay:
+    """tqdm bars for the owners' uploads and for decryption (``verbose=True``)."""
+
+    def __init__(self) -> None:
+        from tqdm.auto import tqdm
+
+        self._tqdm = tqdm
+        self._owners: Any = None
+        self._decrypt: Any = None
+
+    def status(self, status: Any) -> None:
+        if self._owners is None:
+            # Owners arrive minutes apart: a rate would mislead, elapsed time does not.
+            self._owners = self._tqdm(
+                total=max(status.quorum, 1),
+                desc="owners / quorum",
+                bar_format="{desc} {n}/{total} |{bar}| [{elapsed}]",
+            )
+        bar = self._owners
+        bar.total = max(status.quorum, status.owners_contributed, 1)
+        bar.n = status.owners_contributed
+        declined = f", {status.owners_declined} declined" if status.owners_declined else ""
+        uploading = f", {status.owners_uploading} uploading" if status.owners_uploading else ""
+        bar.set_description_str(
+            f"{status.state.value}{uploading}{declined}: owners / quorum", refresh=False
+        )
+        bar.refresh()
+        if status.terminal:
+            bar.close()
+
+    def fetched(self, total: int) -> None:
+        self._decrypt = self._tqdm(total=total, desc="decrypt", unit="ct")
+
+    def decrypted(self, done: int) -> None:
+        if self._decrypt is not None:
+            self._decrypt.n = done
+            self._decrypt.refresh()
+            if done >= self._decrypt.total:
+                self._decrypt.close()
+
+
+# ---------------------------------------------------------------------- base
+class _FederatedEstimator:
+    """Shared parameters, query building and the fit pipeline."""
+
+    _kind: QueryKind
+
+    def __init__(
+        self,
+        n_components: int = 2,
+        *,
+        epsilon: float = 1.0,
+        delta: float = 1e-6,
+        mode: str = ProtocolMode.STATS.value,
+        calibration: str = Calibration.ANALYTIC.value,
+        bounds: BoundsParam = None,
+        clip_norm: float = 1.0,
+        quorum: int = 1,
+        deadline_seconds: float = 300.0,
+        max_records_per_owner: int = 1 << 20,
+        max_owners: int = 1 << 8,
+        frac_bits: int = 32,
+        noise_weights: Sequence[float] | None = None,
+        proxy: str | None = None,
+        ca: str | Path | None = None,
+        cert: str | Path | None = None,
+        key: str | Path | None = None,
+        insecure: bool = False,
+        server_name_override: str | None = None,
+        private_key_path: str | Path | None = None,
+        n_jobs: int | None = None,
+        verbose: bool = False,
+        on_status: StatusCallback | None = None,
+    ) -> None:
+        self.n_components = n_components
+        self.epsilon = epsilon
+        self.delta = delta
+        self.mode = mode
+        self.calibration = calibration
+        self.bounds = bounds
+        self.clip_norm = clip_norm
+        self.quorum = quorum
+        self.deadline_seconds = deadline_seconds
+        self.max_records_per_owner = max_records_per_owner
+        self.max_owners = max_owners
+        self.frac_bits = frac_bits
+        self.noise_weights = noise_weights
+        self.proxy = proxy
+        self.ca = ca
+        self.cert = cert
+        self.key = key
+        self.insecure = insecure
+        self.server_name_override = server_name_override
+        self.private_key_path = private_key_path
+        self.n_jobs = n_jobs
+        self.verbose = verbose
+        self.on_status = on_status
+
+    # ----------------------------------------------------- sklearn conventions
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        signature = inspect.signature(cls.__init__)
+        return [name for name in signature.parameters if name != "self"]
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """Constructor parameters (scikit-learn convention; ``deep`` is accepted)."""
+        return {name: getattr(self, name) for name in self._param_names()}
+
+    def set_params(self, **params: Any) -> Self:
+        """Set constructor parameters (scikit-learn convention)."""
+        valid = set(self._param_names())
+        for name, value in params.items():
+            if name not in valid:
+                raise ConfigError(f"{type(self).__name__} has no parameter {name!r}")
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self) -> str:
+        signature = inspect.signature(type(self).__init__)
+        changed = [
+            f"{name}={getattr(self, name)!r}"
+            for name, parameter in signature.parameters.items()
+            if name != "self" and _differs(getattr(self, name), parameter.default)
+        ]
+        return f"{type(self).__name__}({', '.join(changed)})"
+
+    # ------------------------------------------------------------ the query
+    def _query_extras(self) -> dict[str, Any]:
+        return {}
+
+    def build_query(self, n_features: int | None, public_key: Any) -> QuerySpec:
+        """The public query ``fit`` submits, addressed to ``public_key``.
+
+        Parameters
+        ----------
+        n_features : M (or None when per-feature bounds imply it).
+        public_key : the analyst's phe public key.
+        """
+        m = _check_schema(n_features, self.bounds)
+        bounds = _resolve_bounds(self.bounds, m)
+        try:
+            mode = ProtocolMode(self.mode)
+            calibration = Calibration(self.calibration)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return QuerySpec(
+            query_id=new_query_id(),
+            kind=self._kind,
+            n_features=m,
+            epsilon=float(self.epsilon),
+            delta=float(self.delta),
+            n_components=int(self.n_components),
+            analyst_public_key_n=public_key.n,
+            analyst_key_fingerprint=key_fingerprint(public_key),
+            feature_lower=() if bounds is None else bounds.lower,
+            feature_upper=() if bounds is None else bounds.upper,
+            clip_norm=float(self.clip_norm),
+            calibration=calibration,
+            mode=mode,
+            quorum=int(self.quorum),
+            deadline_seconds=float(self.deadline_seconds),
+            max_records_per_owner=int(self.max_records_per_owner),
+            max_owners=int(self.max_owners),
+            frac_bits=int(self.frac_bits),
+            noise_weights=tuple(self.noise_weights or ()),
+            **self._query_extras(),
+        )
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, n_features: int | None = None) -> Self:
+        """Run one private query over the federated rows and solve it.
+
+        Parameters
+        ----------
+        n_features : M, the number of feature columns of the public schema
+            (labels excluded).  May be omitted when ``bounds`` gives
+            per-feature bounds.  There is no X: the rows stay with their owners.
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        BudgetExceededError
+            The proxy refused the release: the analyst's budget is exhausted.
+        QueryStateError
+            The query failed at the proxy (e.g. quorum not reached by the deadline).
+        UntrustedKeyError, LayoutError, ProtocolError
+            The result is not what the analyst's own plan expects.
+        """
+        from fedpca.analyst.client import AnalystClient
+
+        # Refuse data passed as the schema before touching keys or the network.
+        _check_schema(n_features, self.bounds)
+        if self.proxy is None:
+            raise ConfigError("set proxy='host:port' to fit against a proxy")
+        if self.private_key_path is None:
+            raise ConfigError(
+                "set private_key_path to the analyst's key file (or its key directory)"
+            )
+        private_key = load_analyst_private_key(self.private_key_path)
+        spec = self.build_query(n_features, private_key.public_key)
+        if not spec.private:
+            logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
+        tls = self._tls_material()
+        display = _ProgressDisplay() if self.verbose else None
+
+        def on_status(status: Any) -> None:
+            if self.on_status is not None:
+                self.on_status(status)
+            if display is not None:
+                display.status(status)
+
+        with (
+            AnalystClient(
+                self.proxy,
+                tls,
+                insecure=self.insecure,
+                server_name_override=self.server_name_override,
+            ) as client,
+            CryptoPool(self.n_jobs) as pool,
+        ):
+            release, timings = run_query(
+                spec,
+                client,
+                private_key,
+                on_status=on_status,
+                on_submitted=on_status,
+                on_fetched=None if display is None else display.fetched,
+                decrypt_progress=None if display is None else display.decrypted,
+                pool=pool,
+            )
+        self._fit_release(release, timings)
+        return self
+
+    def _tls_material(self) -> TlsMaterial | None:
+        paths = (self.ca, self.cert, self.key)
+        if not any(paths):
+            return None
+        if not all(paths):
+            raise ConfigError("ca, cert and key must be given together")
+        return TlsMaterial.load(TlsFiles(Path(self.ca), Path(self.cert), Path(self.key)))  # type: ignore[arg-type]
+
+    @classmethod
+    def from_result(cls, release: DecodedRelease, **params: Any) -> Self:
+        """A fitted estimator from a decrypted release, without any network.
+
+        Parameters
+        ----------
+        release : the decrypted release.
+        **params : constructor parameters beyond those the query fixes
+            (e.g. ``rho`` for DCA, ``proxy``); query parameters are taken from
+            the release and may not be overridden.
+        """
+        if release.kind is not cls._kind:
+            raise ConfigError(
+                f"{cls.__name__} needs a {cls._kind.value} release, got {release.kind.value}"
+            )
+        query = release.query
+        from_query = {
+            "n_components": query.n_components,
+            "epsilon": query.epsilon,
+            "delta": query.delta,
+            "mode": query.mode.value,
+            "calibration": query.calibration.value,
+            "bounds": ((query.feature_lower, query.feature_upper) if query.has_bounds else None),
+            "clip_norm": query.clip_norm,
+            "quorum": query.quorum,
+            "deadline_seconds": query.deadline_seconds,
+            "max_records_per_owner": query.max_records_per_owner,
+            "max_owners": query.max_owners,
+            "frac_bits": query.frac_bits,
+            "noise_weights": query.noise_weights or None,
+            **cls._params_from_query(query),
+        }
+        clash = sorted(set(params) & set(from_query))
+        if clash:
+            raise ConfigError(f"{clash} are fixed by the release's query")
+        estimator = cls(**from_query, **params)
+        estimator._fit_release(release, {})
+        return estimator
+
+    @classmethod
+    def _params_from_query(cls, query: QuerySpec) -> dict[str, Any]:
+        return {}
+
+    def _fit_release(self, release: DecodedRelease, timings: Mapping[str, float]) -> None:
+        query = release.query
+        start = time.perf_counter()
+        self._solve(release)
+        all_timings = dict(timings)
+        all_timings["solve"] = time.perf_counter() - start
+        self.release_ = release
+        self.n_features_in_ = query.n_features
+        self.n_owners_ = release.n_owners
+        self.epsilon_ = query.epsilon
+        self.delta_ = query.delta if release.private else 0.0
+        self.not_private_ = not release.private
+        self.mode_ = query.mode.value
+        self.query_id_ = query.query_id
+        self.key_fingerprint_ = release.key_fingerprint
+        self.noise_sigmas_ = dict(release.sigmas)
+        self.timings_ = all_timings
+
+    def _solve(self, release: DecodedRelease) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ projection
+    def _check_fitted(self) -> DecodedRelease:
+        release: DecodedRelease | None = getattr(self, "release_", None)
+        if release is None:
+            raise NotFittedError(
+                f"this {type(self).__name__} is not fitted yet; call fit() or from_result()"
+            )
+        return release
+
+    def preprocess(self, X: npt.ArrayLike) -> FloatArray:
+        """Apply the query's public preprocessing (bounds scaling, row clip) to rows.
+
+        Parameters
+        ----------
+        X : (n, M) rows in the raw units of the public schema.
+
+        Returns
+        -------
+        (n, M) rows in the space the components live in.
+        """
+        query = self._check_fitted().query
+        x = np.asarray(X, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != query.n_features:
+            raise DataError(f"X must have shape (n, {query.n_features}), got {x.shape}")
+        return preprocess(x, FeatureBounds.from_query(query), query.clip_norm)
+
+    def transform(self, X: npt.ArrayLike) -> FloatArray:
+        """Project rows onto the components: (X − mean_) @ components_ᵀ.
+
+        Parameters
+        ----------
+        X : (n, M) rows in the preprocessed space (see :meth:`preprocess`).
+            Masked mode does not release the mean; rows are then projected
+            uncentred, which offsets every score by the constant components_ @ μ.
+
+        Returns
+        -------
+        (n, k) scores.
+        """
+        query = self._check_fitted().query
+        x = np.asarray(X, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != query.n_features:
+            raise DataError(f"X must have shape (n, {query.n_features}), got {x.shape}")
+        mean: FloatArray | None = self.mean_
+        centred = x if mean is None else x - mean
+        components: FloatArray = self.components_
+        return np.asarray(centred @ components.T, dtype=np.float64)
+
+    # Declared for type checkers; set by fit / from_result.
+    components_: FloatArray
+    mean_: FloatArray | None
+    release_: DecodedRelease
+    n_features_in_: int
+    n_owners_: int
+    epsilon_: float
+    delta_: float
+    not_private_: bool
+    mode_: str
+    query_id_: str
+    key_fingerprint_: str
+    noise_sigmas_: dict[str, float]
+    timings_: dict[str, float]
+    n_samples_: float
+
+
+# ----------------------------------------------------------------------- PCA
+class FederatedPCA(_FederatedEstimator):
+    """Differentially private PCA over rows held by several owners.
+
+    Parameters
+    ----------
+    n_components : k, components to compute (1 <= k <= M).
+    epsilon, delta : privacy parameters of the release (``epsilon=inf``: no
+        noise, NOT PRIVATE, verification only).
+    mode : "stats" (noisy sufficient statistics, default) or "masked"
+        (corrected Wang & Chang: the mean is never released).
+    calibration : "analytic" (Balle & Wang, default) or "classic" (epsilon < 1).
+    bounds : public per-feature bounds: None (raw values, only the row
+        clip applies), "LO:HI" or (lo, hi) for every feature, "LO:HI,LO:HI,…" or
+        (lower, upper) sequences of length M.  Never derive them from private data.
+    clip_norm : rows are clipped to ‖x‖₂ <= clip_norm before summing.
+    quorum : minimum number of contributing owners.
+    deadline_seconds : seconds the proxy collects uploads.
+    max_records_per_owner, max_owners : public bounds that size packed slots.
+    frac_bits : fixed-point fractional bits.
+    noise_weights : relative budget split over the released sections.
+    proxy : ``host:port`` of the proxy.
+    ca, cert, key : paths of the fedpca CA certificate and of the analyst's TLS
+        certificate and key (mutual TLS).
+    insecure : dial the proxy without TLS (local tests only).
+    server_name_override : name to verify the proxy certificate against.
+    private_key_path : the analyst's Paillier private key file (or its key directory).
+    n_jobs : decryption processes (default: all cores).
+    verbose : show progress bars (owners / quorum, decryption).
+    on_status : called with every query status update.
+
+    Attributes
+    ----------
+    components_ : (k, M) principal axes in the preprocessed space.
+    explained_variance_ : (k,) variance along each component (noisy).
+    explained_variance_ratio_ : (k,) fraction of the total (noisy) variance.
+    singular_values_ : (k,)
+    mean_ : (M,) noisy mean in stats mode; None in masked mode.
+    n_samples_ : N; noisy in stats mode (``n_samples_is_noisy_``), exact and
+        public in masked mode.
+    n_samples_is_noisy_ : bool
+    noise_variance_ : mean of the discarded eigenvalues.
+    n_components_ : k.
+    n_features_in_ : M.
+    n_owners_ : owners aggregated.
+    epsilon_, delta_ : privacy parameters of the release (delta_ = 0 without noise).
+    not_private_ : True for epsilon = inf.
+    noise_sigmas_ : section -> Gaussian sigma in real units.
+    timings_ : phase -> seconds ("submit", "wait", "fetch", "decrypt", "solve").
+    query_id_, key_fingerprint_, mode_ : provenance.
+    release_ : the decrypted :class:`~fedpca.analyst.decode.DecodedRelease`.
+    """
+
+    _kind = QueryKind.PCA
+
+    explained_variance_: FloatArray
+    explained_variance_ratio_: FloatArray
+    singular_values_: FloatArray
+    noise_variance_: float
+    n_components_: int
+    n_samples_is_noisy_: bool
+
+    def _solve(self, release: DecodedRelease) -> None:
+        result = release.pca(int(self.n_components))
+        self.components_ = result.components
+        self.explained_variance_ = result.explained_variance
+        self.explained_variance_ratio_ = result.explained_variance_ratio
+        self.singular_values_ = result.singular_values
+        self.mean_ = result.mean
+        self.n_samples_ = result.n_samples
+        self.n_samples_is_noisy_ = release.n_samples_is_noisy
+        self.noise_variance_ = result.noise_variance
+        self.n_components_ = result.n_components
+
+    def inverse_transform(self, X: npt.ArrayLike) -> FloatArray:
+        """Map scores back to the preprocessed space: X @ components_ + mean_.
+
+        Parameters
+        ----------
+        X : (n, k) scores.
+
+        Returns
+        -------
+        (n, M) rows in the preprocessed space (mean_ is not added in masked
+        mode, mirroring :meth:`transform`).
+        """
+        self._check_fitted()
+        scores = np.asarray(X, dtype=np.float64)
+        if scores.ndim != 2 or scores.shape[1] != self.components_.shape[0]:
+            raise DataError(
+                f"X must have shape (n, {self.components_.shape[0]}), got {scores.shape}"
+            )
+        rows = scores @ self.components_
+        if self.mean_ is not None:
+            rows = rows + self.mean_
+        return np.asarray(rows, dtype=np.float64)
+
+
+# ----------------------------------------------------------------------- DCA
+class FederatedDCA(_FederatedEstimator):
+    """Differentially private discriminant component analysis (Kung) over federated rows.
+
+    Parameters
+    ----------
+    n_components : k (at most C − 1 carry between-class information).
+    classes : the public class labels (at least two, distinct).
+    label_column : column of the owners' files holding the label.
+    rho, rho_prime : DCA ridges (default 0.02·λmax(S_W) and 0.1·ρ of the noisy
+        statistics).
+    Other parameters as :class:`FederatedPCA`; DCA runs in stats mode only.
+
+    Attributes
+    ----------
+    classes_ : (C,) the public class labels, in release order.
+    components_ : (k, M) unit-norm discriminant directions (not orthogonal).
+    eigenvalues_ : (k,) generalized eigenvalues, descending.
+    mean_ : (M,) noisy pooled mean.
+    class_counts_ : (C,) noisy class counts.
+    n_samples_ : noisy N.
+    rho_, rho_prime_ : ridges used.
+    n_discriminant_ : usable classes − 1.
+    Provenance attributes as :class:`FederatedPCA`.
+    """
+
+    _kind = QueryKind.DCA
+
+    classes_: FloatArray
+    eigenvalues_: FloatArray
+    class_counts_: FloatArray
+    rho_: float
+    rho_prime_: float
+    n_discriminant_: int
+    n_components_: int
+    n_samples_is_noisy_: bool
+
+    def __init__(
+        self,
+        n_components: int = 1,
+        *,
+        classes: Sequence[float] = (-1.0, 1.0),
+        label_column: int = 0,
+        rho: float | None = None,
+        rho_prime: float | None = None,
+        epsilon: float = 1.0,
+        delta: float = 1e-6,
+        mode: str = ProtocolMode.STATS.value,
+        calibration: str = Calibration.ANALYTIC.value,
+        bounds: BoundsParam = None,
+        clip_norm: float = 1.0,
+        quorum: int = 1,
+        deadline_seconds: float = 300.0,
+        max_records_per_owner: int = 1 << 20,
+        max_owners: int = 1 << 8,
+        frac_bits: int = 32,
+        noise_weights: Sequence[float] | None = None,
+        proxy: str | None = None,
+        ca: str | Path | None = None,
+        cert: str | Path | None = None,
+        key: str | Path | None = None,
+        insecure: bool = False,
+        server_name_override: str | None = None,
+        private_key_path: str | Path | None = None,
+        n_jobs: int | None = None,
+        verbose: bool = False,
+        on_status: StatusCallback | None = None,
+    ) -> None:
+        super().__init__(
+            n_components,
+            epsilon=epsilon,
+            delta=delta,
+            mode=mode,
+            calibration=calibration,
+            bounds=bounds,
+            clip_norm=clip_norm,
+            quorum=quorum,
+            deadline_seconds=deadline_seconds,
+            max_records_per_owner=max_records_per_owner,
+            max_owners=max_owners,
+            frac_bits=frac_bits,
+            noise_weights=noise_weights,
+            proxy=proxy,
+            ca=ca,
+            cert=cert,
+            key=key,
+            insecure=insecure,
+            server_name_override=server_name_override,
+            private_key_path=private_key_path,
+            n_jobs=n_jobs,
+            verbose=verbose,
+            on_status=on_status,
+        )
+        self.classes = classes
+        self.label_column = label_column
+        self.rho = rho
+        self.rho_prime = rho_prime
+
+    def _query_extras(self) -> dict[str, Any]:
+        if self.mode != ProtocolMode.STATS.value:
+            raise ConfigError(
+                "DCA runs in stats mode only (masked mode is the published PCA protocol)"
+            )
+        classes = tuple(float(c) for c in self.classes)
+        if not all(math.isfinite(c) for c in classes):
+            raise ConfigError(f"classes must be finite numbers, got {self.classes!r}")
+        return {"label_column": int(self.label_column), "class_labels": classes}
+
+    @classmethod
+    def _params_from_query(cls, query: QuerySpec) -> dict[str, Any]:
+        return {"classes": query.class_labels, "label_column": query.label_column}
+
+    def _solve(self, release: DecodedRelease) -> None:
+        result = release.dca(int(self.n_components), rho=self.rho, rho_prime=self.rho_prime)
+        self.classes_ = np.asarray(release.query.class_labels, dtype=np.float64)
+        self.components_ = result.components
+        self.eigenvalues_ = result.eigenvalues
+        self.mean_ = result.mean
+        self.class_counts_ = result.class_counts
+        self.n_samples_ = result.n_samples
+        self.n_samples_is_noisy_ = release.n_samples_is_noisy
+        self.rho_ = result.rho
+        self.rho_prime_ = result.rho_prime
+        self.n_discriminant_ = result.n_discriminant
+        self.n_components_ = result.n_components

@@ -1,0 +1,332 @@
+"""Reports of a fitted federated estimator: ``result.json`` and plots beside it.
+
+Everything written here is post-processing of the DP release (plus, for the
+projection plot, the analyst's *own* sample, which it may look at freely).
+
+``result.json`` is strict JSON (no NaN/Infinity): an epsilon of infinity — the
+NOT PRIVATE verification mode — is written as ``null`` with
+``"not_private": true``.
+
+Plots use matplotlib's object API on an Agg canvas, so writing a report neither
+needs a display nor changes the process-wide pyplot backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
+from fedpca.errors import ConfigError, DataError
+from fedpca.version import __version__
+
+__all__ = [
+    "REPORT_FORMAT",
+    "ReportFiles",
+    "plot_projection",
+    "plot_scree",
+    "result_document",
+    "write_plots",
+    "write_report",
+    "write_result",
+]
+
+logger = logging.getLogger(__name__)
+
+REPORT_FORMAT = "fedpca-analyst-result"
+REPORT_VERSION = 1
+
+Estimator = FederatedPCA | FederatedDCA
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """What :func:`write_report` wrote."""
+
+    json: Path
+    scree: Path
+    projection: Path | None = None
+
+
+def _finite_or_none(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def _list(array: npt.ArrayLike | None) -> Any:
+    if array is None:
+        return None
+    return np.asarray(array, dtype=np.float64).tolist()
+
+
+def result_document(estimator: Estimator) -> dict[str, Any]:
+    """The JSON-ready description of a fitted estimator's release.
+
+    Returns
+    -------
+    dict with at least: query_id, kind, mode, components (k × M),
+    explained_variance / explained_variance_ratio (PCA) or eigenvalues (DCA),
+    mean (None when not released), n_samples with n_samples_noisy, n_owners,
+    epsilon (None for inf), delta, not_private, mechanism, calibration,
+    noise_sigma, key_fingerprint, timings.
+    """
+    release = getattr(estimator, "release_", None)
+    if release is None:
+        raise ConfigError("the estimator is not fitted; nothing to report")
+    query = release.query
+    document: dict[str, Any] = {
+        "format": REPORT_FORMAT,
+        "version": REPORT_VERSION,
+        "fedpca_version": __version__,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "query_id": query.query_id,
+        "kind": query.kind.value,
+        "mode": query.mode.value,
+        "n_features": query.n_features,
+        "n_components": int(estimator.components_.shape[0]),
+        "components": _list(estimator.components_),
+    }
+    if isinstance(estimator, FederatedPCA):
+        document.update(
+            explained_variance=_list(estimator.explained_variance_),
+            explained_variance_ratio=_list(estimator.explained_variance_ratio_),
+            singular_values=_list(estimator.singular_values_),
+            noise_variance=float(estimator.noise_variance_),
+        )
+    else:
+        document.update(
+            eigenvalues=_list(estimator.eigenvalues_),
+            classes=_list(estimator.classes_),
+            class_counts=_list(estimator.class_counts_),
+            class_counts_noisy=release.n_samples_is_noisy,
+            rho=float(estimator.rho_),
+            rho_prime=float(estimator.rho_prime_),
+            n_discriminant=int(estimator.n_discriminant_),
+        )
+    document.update(
+        mean=_list(estimator.mean_),
+        mean_released=estimator.mean_ is not None,
+        n_samples=float(estimator.n_samples_),
+        n_samples_noisy=release.n_samples_is_noisy,
+        n_owners=int(estimator.n_owners_),
+        epsilon=_finite_or_none(estimator.epsilon_),
+        delta=float(estimator.delta_),
+        not_private=bool(estimator.not_private_),
+        mechanism="none" if estimator.not_private_ else "gaussian",
+        calibration=query.calibration.value,
+        noise_multiplier=float(release.plan.noise_multiplier),
+        noise_sigma={name: float(sigma) for name, sigma in estimator.noise_sigmas_.items()},
+        clip_norm=query.clip_norm,
+        feature_bounds=(
+            {"lower": list(query.feature_lower), "upper": list(query.feature_upper)}
+            if query.has_bounds
+            else None
+        ),
+        quorum=query.quorum,
+        key_fingerprint=estimator.key_fingerprint_,
+        timings={phase: float(seconds) for phase, seconds in estimator.timings_.items()},
+    )
+    return document
+
+
+def _figure(width: float = 6.4, height: float = 4.2) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _private_tag(estimator: Estimator) -> str:
+    if estimator.not_private_:
+        return "NOT PRIVATE (epsilon = inf)"
+    return f"epsilon = {estimator.epsilon_:g}, delta = {estimator.delta_:g}"
+
+
+def plot_scree(estimator: Estimator, path: str | os.PathLike[str]) -> Path:
+    """Scree plot: explained variance ratio per component and cumulative (PCA),
+    generalized eigenvalues (DCA).  Returns the PNG path."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    index = np.arange(1, estimator.components_.shape[0] + 1)
+    if isinstance(estimator, FederatedPCA):
+        ratio = np.asarray(estimator.explained_variance_ratio_)
+        axes.bar(index, ratio, color="tab:blue", label="per component")
+        axes.plot(index, np.cumsum(ratio), "o-", color="tab:orange", label="cumulative")
+        axes.set_ylabel("explained variance ratio")
+        axes.set_ylim(0.0, max(1.0, float(np.cumsum(ratio)[-1]) * 1.05))
+        axes.legend(loc="center right")
+        title = "Federated PCA"
+    else:
+        axes.bar(index, np.asarray(estimator.eigenvalues_), color="tab:green")
+        axes.set_ylabel("generalized eigenvalue")
+        title = "Federated DCA"
+    axes.set_xlabel("component")
+    axes.set_xticks(index)
+    axes.set_title(f"{title} ({estimator.mode_} mode), {_private_tag(estimator)}")
+    out = Path(path)
+    figure.savefig(out, dpi=110)
+    return out
+
+
+def plot_projection(
+    estimator: Estimator,
+    sample: npt.ArrayLike,
+    path: str | os.PathLike[str],
+    labels: npt.ArrayLike | None = None,
+) -> Path:
+    """Scatter of the analyst's own sample on the first two components.
+
+    Parameters
+    ----------
+    estimator : fitted estimator.
+    sample : (n, M) rows in the preprocessed space of the components
+        (``estimator.preprocess(raw_rows)``).
+    path : PNG to write.
+    labels : (n,) optional labels; points are coloured by label.
+    """
+    scores = estimator.transform(sample)
+    n = scores.shape[0]
+    if n == 0:
+        raise DataError("the sample to project is empty")
+    label_array = None if labels is None else np.asarray(labels)
+    if label_array is not None and label_array.shape != (n,):
+        raise DataError(f"labels must have shape ({n},), got {label_array.shape}")
+    figure = _figure(5.6, 5.0)
+    axes = figure.add_subplot()
+    x: npt.NDArray[np.float64] = scores[:, 0]
+    y: npt.NDArray[np.float64]
+    if scores.shape[1] >= 2:
+        y = scores[:, 1]
+        axes.set_ylabel("component 2")
+    else:
+        # One component: spread the points vertically so they do not overlap.
+        y = np.random.default_rng(0).uniform(-1.0, 1.0, size=(n,))
+        axes.set_yticks([])
+    if label_array is None:
+        axes.scatter(x, y, s=10, alpha=0.7)
+    else:
+        for value in np.unique(label_array):
+            chosen = label_array == value
+            axes.scatter(x[chosen], y[chosen], s=10, alpha=0.7, label=f"{value:g}")
+        axes.legend(title="label", loc="best")
+    axes.set_xlabel("component 1")
+    axes.set_title(f"Own sample projected ({n} rows)\n{_private_tag(estimator)}", fontsize=10)
+    out = Path(path)
+    figure.savefig(out, dpi=110)
+    return out
+
+
+def write_result(
+    path: str | os.PathLike[str],
+    estimator: Estimator,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write result.json (:func:`result_document`, updated with ``extra``).
+
+    Parameters
+    ----------
+    path : the JSON file to write (parent folders are created).
+    estimator : a fitted estimator.
+    extra : more JSON-ready entries (e.g. measured utility); they replace
+        entries of the same name.
+
+    Returns
+    -------
+    The path written.
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document = result_document(estimator)
+    document.update(extra or {})
+    # allow_nan=False: the report must be strict JSON for any consumer.
+    try:
+        text = json.dumps(_strict(document), indent=2, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot write {out} as JSON: {exc}") from None
+    out.write_text(text + "\n", encoding="utf-8")
+    logger.info("wrote %s", out)
+    return out
+
+
+def _strict(value: Any) -> Any:
+    """Replace non-finite floats (e.g. an infinite epsilon in ``extra``) by None."""
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return _strict(value.tolist())
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def write_plots(
+    directory: str | os.PathLike[str],
+    estimator: Estimator,
+    *,
+    sample: npt.ArrayLike | None = None,
+    labels: npt.ArrayLike | None = None,
+    prefix: str = "",
+) -> list[Path]:
+    """Write ``<prefix>scree.png`` and, with a sample, ``<prefix>projection.png``.
+
+    Parameters
+    ----------
+    directory : where the PNGs go (created if missing).
+    estimator : a fitted estimator.
+    sample : (n, M) the analyst's own rows in the preprocessed space
+        (``estimator.preprocess(raw_rows)``).
+    labels : (n,) labels of the sample (colours the projection).
+    prefix : file-name prefix.
+
+    Returns
+    -------
+    The PNG paths written.
+    """
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [plot_scree(estimator, folder / f"{prefix}scree.png")]
+    if sample is not None:
+        written.append(
+            plot_projection(estimator, sample, folder / f"{prefix}projection.png", labels)
+        )
+    return written
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    estimator: Estimator,
+    *,
+    sample: npt.ArrayLike | None = None,
+    labels: npt.ArrayLike | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> ReportFiles:
+    """Write ``path`` (result.json) and the plots next to it.
+
+    The plots are ``<stem>.scree.png`` and, when ``sample`` is given,
+    ``<stem>.projection.png``; result.json lists their names under "plots".
+
+    Returns
+    -------
+    ReportFiles
+    """
+    out = Path(path)
+    plots = write_plots(out.parent, estimator, sample=sample, labels=labels, prefix=f"{out.stem}.")
+    names = {"scree": plots[0].name, "projection": plots[1].name if len(plots) > 1 else None}
+    write_result(out, estimator, extra={"plots": names, **(extra or {})})
+    return ReportFiles(out, plots[0], plots[1] if len(plots) > 1 else None)

@@ -1,0 +1,65 @@
+"""The ``fedpca`` console entry point: one subcommand group per role.
+
+Subcommands are imported lazily so that ``fedpca --help`` and short commands do
+not pay for importing grpc, scipy and matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import click
+
+from fedpca.version import __version__
+
+# name -> (module, attribute, one-line help)
+_SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "dp": ("fedpca.app.dp_cli", "dp_group", "Differential-privacy calibration and accounting."),
+    "certs": ("fedpca.app.certs_cli", "certs_group", "Create and inspect TLS certificates."),
+    "owner": ("fedpca.owner.cli", "owner_group", "Run a data-owner node."),
+    "proxy": ("fedpca.proxy.cli", "proxy_group", "Run the proxy (aggregator)."),
+    "analyst": ("fedpca.analyst.cli", "analyst_group", "Analyst: keys, private PCA/DCA, budget."),
+    "demo": ("fedpca.app.demo", "demo_command", "Run proxy, owners and analyst on loopback."),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = _SUBCOMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module_name, attribute, _ = entry
+        command: click.Command = getattr(importlib.import_module(module_name), attribute)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, _SUBCOMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def configure_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fedpca")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def main(verbose: int, **_: Any) -> None:
+    """Federated, differentially private PCA/DCA.
+
+    Owners encrypt local scatter shares under the analyst's Paillier key, a proxy
+    aggregates them and adds calibrated noise under encryption, and the analyst
+    decrypts only differentially private statistics.
+    """
+    configure_logging(verbose)
+
+
+if __name__ == "__main__":
+    main()

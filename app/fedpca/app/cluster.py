@@ -1,0 +1,369 @@
+"""A local fedpca deployment on loopback: the building block of the demo and the tests.
+
+:class:`LocalCluster` lays out a working folder (certificates from a fresh CA, the
+analyst's Paillier key, one data file and one TOML config per owner, the proxy's
+config), then starts the proxy and the owner nodes as separate OS processes
+running the real ``fedpca proxy serve`` / ``fedpca owner serve`` commands over
+mutual TLS, and stops them again. Nothing here is a shortcut around the
+protocol: the processes only share the files a real deployment would hand out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PROXY_READY_MARKER = "proxy listening on"
+OWNER_READY_MARKER = "connected to"
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        if isinstance(value, float) and math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str | Path):
+        text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{text}"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def write_toml(path: Path, document: dict[str, dict[str, Any]]) -> None:
+    """Write a two-level TOML document (tables of scalars and lists)."""
+    lines: list[str] = []
+    for table, entries in document.items():
+        lines.append(f"[{table}]")
+        lines.extend(
+            f"{key} = {_toml_value(value)}" for key, value in entries.items() if value is not None
+        )
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def split_rows(n_rows: int, n_owners: int, seed: int = 0) -> list[npt.NDArray[np.int64]]:
+    """Row indices of each owner: a seeded shuffle cut into near-equal parts."""
+    if n_owners < 1:
+        raise ConfigError(f"need at least one owner, got {n_owners}")
+    if n_rows < n_owners:
+        raise ConfigError(f"{n_rows} rows cannot be split over {n_owners} owners")
+    order = np.random.default_rng(seed).permutation(n_rows)
+    return [np.sort(part) for part in np.array_split(order, n_owners)]
+
+
+@dataclass
+class ManagedProcess:
+    """A child process with its log file."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+    def log_text(self) -> str:
+        self.log_file.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, marker: str, timeout: float) -> None:
+        """Block until ``marker`` appears in the log, or fail with the log's tail."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if marker in self.log_text():
+                return
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        tail = "\n".join(self.log_text().splitlines()[-30:])
+        state = (
+            "exited with code " + str(self.process.returncode)
+            if self.process.poll() is not None
+            else f"did not print {marker!r} within {timeout:.0f} s"
+        )
+        raise RuntimeError(f"{self.name} {state}; last log lines:\n{tail}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM and wait (SIGKILL after ``timeout``); then reap leftovers, close the log."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout)
+        self.kill()
+        self.log_file.close()
+
+    def kill(self) -> None:
+        """SIGKILL the process and everything it started: the crash a durable process must survive.
+
+        The signal goes to the process group (each child runs in its own session),
+        as a crash of its machine or container would: a ``kill -9`` of the main pid
+        alone leaves its crypto pool's forkserver and workers running as orphans.
+        """
+        with contextlib.suppress(ProcessLookupError):  # the whole group has already exited
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@dataclass
+class LocalCluster:
+    """Working folder and processes of a loopback deployment.
+
+    Parameters
+    ----------
+    workdir : folder for certificates, keys, data, configs, state and logs.
+    owner_tables : per owner, the rows (label column first when ``label_column`` is 0).
+    key_bits : analyst Paillier key size (2048 or more outside tests).
+    label_column : column of the label in the owners' files, or None.
+    epsilon_budget, delta_budget : the owners' and the analyst's total budgets.
+    max_epsilon_per_query : owners' policy; ``inf`` also allows NOT PRIVATE queries.
+    processes_per_node : worker processes each node's crypto pool may use.
+    proxy_command : argv that starts the proxy instead of
+        ``python -m fedpca.app.cli -v proxy serve``; ``--config <proxy.toml>`` is
+        appended. The command must print ``proxy listening on HOST:PORT`` once it
+        serves and stop on SIGTERM. Tests use it to run a TEST-ONLY launcher
+        (e.g. one with a seeded noise sampler); None runs the real command.
+    """
+
+    workdir: Path
+    owner_tables: Sequence[npt.NDArray[np.float64]]
+    key_bits: int = 2048
+    label_column: int | None = 0
+    epsilon_budget: float = 100.0
+    delta_budget: float = 1e-3
+    max_epsilon_per_query: float = 10.0
+    allow_not_private: bool = False
+    processes_per_node: int = 0
+    heartbeat_seconds: float = 2.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proxy_command: list[str] | None = None
+    proxy: ManagedProcess | None = None
+    owners: list[ManagedProcess] = field(default_factory=list)
+    port: int = 0
+    key_fingerprint: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Child processes run with the working folder as cwd, so every path handed to
+        # them must be absolute.
+        self.workdir = Path(self.workdir).resolve()
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def owner_ids(self) -> list[str]:
+        return [f"owner-{i + 1}" for i in range(len(self.owner_tables))]
+
+    @property
+    def proxy_address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def certs_dir(self) -> Path:
+        return self.workdir / "certs"
+
+    @property
+    def key_dir(self) -> Path:
+        return self.workdir / "keys"
+
+    @property
+    def proxy_config(self) -> Path:
+        return self.workdir / "proxy.toml"
+
+    def owner_config(self, owner_id: str) -> Path:
+        return self.workdir / f"{owner_id}.toml"
+
+    def analyst_tls(self) -> Any:
+        from fedpca.transport.certs import CertificateDirectory, NodeIdentity, Role
+
+        return CertificateDirectory(self.certs_dir).node_files(
+            NodeIdentity(Role.ANALYST, "analyst")
+        )
+
+    def analyst_connection(self) -> dict[str, Any]:
+        """Keyword arguments that point a FederatedPCA/DCA at this cluster as its analyst."""
+        tls = self.analyst_tls()
+        return {
+            "proxy": self.proxy_address,
+            "ca": tls.ca_certificate,
+            "cert": tls.certificate,
+            "key": tls.private_key,
+            "private_key_path": self.key_dir / "analyst.key.json",
+        }
+
+    def prepare(self) -> None:
+        """Create certificates, the analyst key, owner data files and configs."""
+        from fedpca.codec import generate_keypair, key_fingerprint, save_private_key
+        from fedpca.codec import save_public_key as save_public
+        from fedpca.transport.certs import (
+            CertificateDirectory,
+            NodeIdentity,
+            Role,
+            init_certificates,
+        )
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        init_certificates(self.certs_dir, self.owner_ids, ["analyst"], force=True)
+        self.timings["certificates"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        public_key, private_key = generate_keypair(self.key_bits)
+        self.key_dir.mkdir(exist_ok=True)
+        save_public(self.key_dir / "analyst.pub.json", public_key)
+        save_private_key(self.key_dir / "analyst.key.json", private_key)
+        self.key_fingerprint = key_fingerprint(public_key)
+        self.timings["key generation"] = time.perf_counter() - started
+
+        self.port = free_loopback_port()
+        directory = CertificateDirectory(self.certs_dir)
+        proxy_files = directory.node_files(NodeIdentity(Role.PROXY, "proxy"))
+        write_toml(
+            self.proxy_config,
+            {
+                "proxy": {
+                    "id": "proxy",
+                    "listen": self.proxy_address,
+                    "database": "state/proxy.sqlite3",
+                    "heartbeat_seconds": self.heartbeat_seconds,
+                },
+                "tls": {
+                    "ca": proxy_files.ca_certificate,
+                    "cert": proxy_files.certificate,
+                    "key": proxy_files.private_key,
+                },
+                # A verification (epsilon = inf) run only passes an unlimited budget.
+                "budget": {
+                    "epsilon": math.inf if self.allow_not_private else self.epsilon_budget,
+                    "delta": self.delta_budget,
+                },
+                "crypto": {"processes": self.processes_per_node},
+            },
+        )
+        data_dir = self.workdir / "data"
+        data_dir.mkdir(exist_ok=True)
+        for owner_id, table in zip(self.owner_ids, self.owner_tables, strict=True):
+            path = data_dir / f"{owner_id}.csv"
+            np.savetxt(path, table, delimiter=",", fmt="%.17g")
+            files = directory.node_files(NodeIdentity(Role.OWNER, owner_id))
+            write_toml(
+                self.owner_config(owner_id),
+                {
+                    "owner": {
+                        "id": owner_id,
+                        "proxy": self.proxy_address,
+                        "state_dir": f"state/{owner_id}",
+                    },
+                    "tls": {
+                        "ca": files.ca_certificate,
+                        "cert": files.certificate,
+                        "key": files.private_key,
+                    },
+                    "data": {
+                        "path": path,
+                        "header": False,
+                        "label_column": self.label_column,
+                        "out_of_bounds": "clip",
+                    },
+                    "policy": {
+                        "accepted_analyst_keys": [self.key_fingerprint],
+                        "max_epsilon_per_query": self.max_epsilon_per_query,
+                        "allow_not_private": self.allow_not_private,
+                    },
+                    "budget": {"epsilon": self.epsilon_budget, "delta": self.delta_budget},
+                    "crypto": {"processes": self.processes_per_node},
+                },
+            )
+
+    # -------------------------------------------------------------- processes
+    def _spawn(
+        self, name: str, args: list[str], command: Sequence[str] | None = None
+    ) -> ManagedProcess:
+        """Start ``command`` (default: this Python's ``-m fedpca.app.cli -v``) plus ``args``."""
+        logs = self.workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        log_path = logs / f"{name}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 - closed by ManagedProcess.stop
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        prefix = [sys.executable, "-m", "fedpca.app.cli", "-v"] if command is None else command
+        process = subprocess.Popen(
+            [*prefix, *args],
+            cwd=self.workdir,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: see ManagedProcess.kill
+        )
+        return ManagedProcess(name, process, log_path, log_file)
+
+    def start_proxy(self, timeout: float = 60.0) -> ManagedProcess:
+        """Start the proxy; again after a stop or kill: same config and database.
+
+        Its log file starts afresh: read a killed proxy's log before restarting it.
+        """
+        config = ["--config", str(self.proxy_config)]
+        if self.proxy_command is None:
+            self.proxy = self._spawn("proxy", ["proxy", "serve", *config])
+        else:
+            self.proxy = self._spawn("proxy", config, command=self.proxy_command)
+        self.proxy.wait_for(PROXY_READY_MARKER, timeout)
+        return self.proxy
+
+    def start_owners(
+        self, timeout: float = 60.0, owner_ids: Sequence[str] | None = None
+    ) -> list[ManagedProcess]:
+        """Start the owner nodes (all, or those in ``owner_ids``) and wait until connected."""
+        chosen = self.owner_ids if owner_ids is None else list(owner_ids)
+        unknown = sorted(set(chosen) - set(self.owner_ids))
+        if unknown:
+            raise ConfigError(f"unknown owners {unknown}; this cluster has {self.owner_ids}")
+        started = [
+            self._spawn(owner_id, ["owner", "serve", "--config", str(self.owner_config(owner_id))])
+            for owner_id in chosen
+        ]
+        for process in started:
+            process.wait_for(OWNER_READY_MARKER, timeout)
+        self.owners.extend(started)
+        return started
+
+    def start(self) -> None:
+        started = time.perf_counter()
+        self.start_proxy()
+        self.start_owners()
+        self.timings["start processes"] = time.perf_counter() - started
+
+    def stop(self) -> None:
+        for process in [*self.owners, *([self.proxy] if self.proxy else [])]:
+            process.stop()
+        self.owners.clear()
+        self.proxy = None
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

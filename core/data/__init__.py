@@ -1,1 +1,0 @@
-"""Bundled public datasets (package data)."""

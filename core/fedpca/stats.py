@@ -1,0 +1,430 @@
+"""Sufficient-statistics specs: which sums a query needs and what one record can change.
+
+Every fedpca query releases "a vector of per-record-bounded sums".  This module
+says, for a query, which *sections* that vector has, in which order, how long
+each is, and the per-record bounds the DP layer calibrates noise with and the
+codec sizes packed slots with.  It also holds :class:`SufficientStatistics`, the
+plaintext value object an owner computes and the analyst decrypts.
+
+Sections and their order
+------------------------
+PCA: ``scatter`` (upper triangle of R = XᵀX, row-major i <= j, M(M+1)/2 values),
+``sum`` (v = Σx, M values), ``count`` (N, 1 value).
+
+DCA: ``scatter`` (as above), ``class_sums`` (v_c for every public class label c,
+C×M values, row-major, classes in the order of the public ``class_labels``),
+``class_counts`` (N_c, C values).  The pooled v and N are *not* sent: they are
+Σ_c v_c and Σ_c N_c, so sending them would only spend budget on redundant values.
+
+Per-record sensitivity (add/remove adjacency)
+---------------------------------------------
+Neighbouring datasets differ by adding or removing one record x, and every row
+is clipped to ‖x‖₂ <= c by the owner before summing (fedpca.preprocess).  The
+change of each section is therefore the contribution of that single record.
+
+* scatter: the record adds xxᵀ; only the upper triangle is sent, so the change
+  has squared L2 norm Σ_{i<=j} (x_i x_j)² = (‖x‖⁴ + Σ_i x_i⁴)/2 <= ‖x‖⁴ <= c⁴,
+  because Σ_i x_i⁴ <= (Σ_i x_i²)² = ‖x‖⁴.  Sensitivity c², attained by x = c·e_1.
+  Per-entry: |x_i x_j| <= (x_i² + x_j²)/2 <= c²/2 off the diagonal and x_i² <= c²
+  on it, so max |entry| = c².
+* sum: the record adds x, L2 change ‖x‖ <= c; max |entry| |x_i| <= c.
+* count: N changes by exactly 1.
+* class_sums (DCA): a record of class c changes only row c, by x: L2 <= c, max
+  |entry| <= c.  The bound does *not* grow with the number of classes C because
+  the rows of the other classes are untouched.
+* class_counts (DCA): only N_c changes, by 1.
+
+Joint sensitivity.  One record changes all sections at once; the squared L2
+norm of the change of the concatenated vector is the sum of the per-section
+squared norms, each bounded separately, so
+
+    Δ₂ = √(Δ_scatter² + Δ_sum² + Δ_count²) = √(c⁴ + c² + 1)            (PCA)
+    Δ₂ = √(Δ_scatter² + Δ_class_sums² + Δ_class_counts²) = √(c⁴ + c² + 1)  (DCA)
+
+(√3 at c = 1).  Both are tight: x = c·e_1 attains every section bound at once.
+For DCA this is the same value as for PCA although C·M + C values are sent
+instead of M + 1, precisely because one record lands in one class row.  Sending
+v and N *in addition* to the class sums would raise it to √(c⁴ + 2c² + 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Self
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle
+from fedpca.errors import ConfigError, LayoutError
+from fedpca.query import QueryKind, QuerySpec
+
+__all__ = [
+    "CLASS_COUNTS",
+    "CLASS_SUMS",
+    "COUNT",
+    "SCATTER",
+    "SUM",
+    "Section",
+    "StatisticsSpec",
+    "SufficientStatistics",
+    "sum_statistics",
+    "upper_triangle_length",
+]
+
+logger = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+
+SCATTER = "scatter"
+SUM = "sum"
+COUNT = "count"
+CLASS_SUMS = "class_sums"
+CLASS_COUNTS = "class_counts"
+
+
+def upper_triangle_length(n_features: int) -> int:
+    """Number of values in the upper triangle (diagonal included) of an M×M matrix."""
+    return n_features * (n_features + 1) // 2
+
+
+def _upper_triangle(matrix: FloatArray) -> FloatArray:
+    # The codec owns the layout (row-major, i <= j); stats only relies on it.
+    return np.asarray(upper_triangle(matrix), dtype=np.float64)
+
+
+def _symmetric_from_upper_triangle(values: FloatArray, n_features: int) -> FloatArray:
+    return np.asarray(symmetric_from_upper_triangle(values, n_features), dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One contiguous block of the released statistics vector.
+
+    Attributes
+    ----------
+    name : protocol name of the block ("scatter", "sum", "count", "class_sums",
+        "class_counts").
+    length : number of scalar values in the block.
+    max_abs_per_record : largest absolute value one record can contribute to a
+        single entry (what the codec needs to bound slot sums).
+    l2_sensitivity : largest L2 norm of the change of the whole block when one
+        record is added or removed.
+    """
+
+    name: str
+    length: int
+    max_abs_per_record: float
+    l2_sensitivity: float
+
+    def __post_init__(self) -> None:
+        if self.length < 1:
+            raise ConfigError(f"section {self.name!r}: length must be >= 1, got {self.length}")
+        for attr in ("max_abs_per_record", "l2_sensitivity"):
+            value = getattr(self, attr)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"section {self.name!r}: {attr} must be finite and > 0")
+
+
+@dataclass(frozen=True)
+class StatisticsSpec:
+    """Which sums a query needs, in which order, and their per-record bounds.
+
+    Build it with ``StatisticsSpec(kind, n_features, clip_norm, class_labels)``
+    or :meth:`from_query`.  See the module docstring for the derivation of the
+    sensitivities.
+
+    Attributes
+    ----------
+    kind : pca or dca.
+    n_features : M, the number of feature columns.
+    clip_norm : c, every row has ‖x‖₂ <= c before summing.
+    class_labels : the C public class labels (DCA only; empty for PCA).  Their
+        order is the row order of ``class_sums`` and ``class_counts``.
+    """
+
+    kind: QueryKind
+    n_features: int
+    clip_norm: float = 1.0
+    class_labels: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        try:
+            kind = QueryKind(self.kind)
+        except ValueError as exc:
+            raise ConfigError(f"unknown query kind {self.kind!r}") from exc
+        object.__setattr__(self, "kind", kind)
+        if self.n_features < 1:
+            raise ConfigError(f"n_features must be >= 1, got {self.n_features}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise ConfigError(f"clip_norm must be finite and > 0, got {self.clip_norm}")
+        labels = tuple(float(label) for label in self.class_labels)
+        object.__setattr__(self, "class_labels", labels)
+        if kind is QueryKind.PCA:
+            if labels:
+                raise ConfigError("a PCA statistics spec takes no class_labels")
+        else:
+            if len(labels) < 2:
+                raise ConfigError("a DCA statistics spec needs at least two class labels")
+            if len(set(labels)) != len(labels):
+                raise ConfigError(f"class_labels must be distinct, got {labels}")
+            if not all(math.isfinite(label) for label in labels):
+                raise ConfigError(f"class_labels must be finite, got {labels}")
+
+    @classmethod
+    def from_query(cls, query: QuerySpec) -> StatisticsSpec:
+        """The statistics spec of a public query (class labels only for DCA)."""
+        labels = query.class_labels if query.kind is QueryKind.DCA else ()
+        return cls(query.kind, query.n_features, query.clip_norm, labels)
+
+    @property
+    def n_classes(self) -> int:
+        """C, the number of public class labels (0 for PCA)."""
+        return len(self.class_labels)
+
+    @property
+    def sections(self) -> tuple[Section, ...]:
+        """The sections of the released vector, in order."""
+        c = self.clip_norm
+        m = self.n_features
+        scatter = Section(SCATTER, upper_triangle_length(m), c * c, c * c)
+        if self.kind is QueryKind.PCA:
+            return (scatter, Section(SUM, m, c, c), Section(COUNT, 1, 1.0, 1.0))
+        n_classes = self.n_classes
+        return (
+            scatter,
+            Section(CLASS_SUMS, n_classes * m, c, c),
+            Section(CLASS_COUNTS, n_classes, 1.0, 1.0),
+        )
+
+    def section(self, name: str) -> Section:
+        """The section called ``name``; LayoutError if this query has none."""
+        for section in self.sections:
+            if section.name == name:
+                return section
+        raise LayoutError(f"a {self.kind.value} query has no section {name!r}")
+
+    def section_slices(self) -> dict[str, slice]:
+        """Where each section sits in the vector of :meth:`SufficientStatistics.to_vector`."""
+        slices: dict[str, slice] = {}
+        start = 0
+        for section in self.sections:
+            slices[section.name] = slice(start, start + section.length)
+            start += section.length
+        return slices
+
+    @property
+    def value_count(self) -> int:
+        """Total number of scalar values released."""
+        return sum(section.length for section in self.sections)
+
+    @property
+    def l2_sensitivity(self) -> float:
+        """Joint add/remove-one L2 sensitivity √(c⁴ + c² + 1) of the whole vector."""
+        return math.sqrt(sum(section.l2_sensitivity**2 for section in self.sections))
+
+    @property
+    def max_abs_per_record(self) -> float:
+        """Largest |entry| one record can contribute, over all sections: max(c², c, 1)."""
+        return max(section.max_abs_per_record for section in self.sections)
+
+    def l2_sensitivity_scaled(self, scales: Sequence[float]) -> float:
+        """Joint sensitivity after multiplying section s by ``scales[s]``.
+
+        Noise of standard deviation σ/scales[s] on section s (a non-uniform
+        budget split) is the same mechanism as multiplying section s by
+        scales[s], adding isotropic N(0, σ²) noise and dividing back, so the DP
+        layer calibrates σ with Δ = √(Σ_s (scales[s]·Δ_s)²).
+        """
+        sections = self.sections
+        if len(scales) != len(sections):
+            raise ConfigError(f"need {len(sections)} section scales, got {len(scales)}")
+        if any(not (math.isfinite(w) and w > 0) for w in scales):
+            raise ConfigError(f"section scales must be finite and > 0, got {tuple(scales)}")
+        return math.sqrt(
+            sum((w * s.l2_sensitivity) ** 2 for w, s in zip(scales, sections, strict=True))
+        )
+
+
+def _as_float_array(value: npt.ArrayLike, name: str) -> FloatArray:
+    try:
+        array = np.array(value, dtype=np.float64)  # a private copy we can freeze
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"{name} is not a numeric array: {exc}") from exc
+    array.setflags(write=False)
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class SufficientStatistics:
+    """Plaintext sufficient statistics of a set of records (one owner's, or summed).
+
+    The arrays are private read-only copies.  For DCA use :meth:`for_classes`,
+    which derives ``sums`` and ``count`` from the per-class statistics.
+
+    Attributes
+    ----------
+    scatter : (M, M) symmetric, R = Σ x xᵀ.
+    sums : (M,), v = Σ x.
+    count : N (a float: after noise it is no longer an integer).
+    class_sums : (C, M) or None, row c is v_c = Σ_{x in class c} x.
+    class_counts : (C,) or None, N_c.
+    """
+
+    scatter: FloatArray
+    sums: FloatArray
+    count: float
+    class_sums: FloatArray | None = None
+    class_counts: FloatArray | None = None
+
+    def __post_init__(self) -> None:
+        scatter = _as_float_array(self.scatter, "scatter")
+        if scatter.ndim != 2 or scatter.shape[0] != scatter.shape[1]:
+            raise LayoutError(f"scatter must be a square matrix, got shape {scatter.shape}")
+        m = scatter.shape[0]
+        sums = _as_float_array(self.sums, "sums")
+        if sums.shape != (m,):
+            raise LayoutError(f"sums must have shape ({m},) to match scatter, got {sums.shape}")
+        object.__setattr__(self, "scatter", scatter)
+        object.__setattr__(self, "sums", sums)
+        object.__setattr__(self, "count", float(self.count))
+        if (self.class_sums is None) != (self.class_counts is None):
+            raise LayoutError("class_sums and class_counts must be given together")
+        if self.class_sums is not None and self.class_counts is not None:
+            class_sums = _as_float_array(self.class_sums, "class_sums")
+            class_counts = _as_float_array(self.class_counts, "class_counts")
+            if class_sums.ndim != 2 or class_sums.shape[1] != m:
+                raise LayoutError(f"class_sums must have shape (C, {m}), got {class_sums.shape}")
+            if class_counts.shape != (class_sums.shape[0],):
+                raise LayoutError(
+                    f"class_counts must have shape ({class_sums.shape[0]},), "
+                    f"got {class_counts.shape}"
+                )
+            object.__setattr__(self, "class_sums", class_sums)
+            object.__setattr__(self, "class_counts", class_counts)
+
+    @classmethod
+    def for_classes(
+        cls, scatter: npt.ArrayLike, class_sums: npt.ArrayLike, class_counts: npt.ArrayLike
+    ) -> Self:
+        """DCA statistics; the pooled v = Σ_c v_c and N = Σ_c N_c are derived."""
+        class_sums_arr = _as_float_array(class_sums, "class_sums")
+        class_counts_arr = _as_float_array(class_counts, "class_counts")
+        if class_sums_arr.ndim != 2:
+            raise LayoutError(f"class_sums must be 2-D (C, M), got shape {class_sums_arr.shape}")
+        return cls(
+            scatter=np.asarray(scatter, dtype=np.float64),
+            sums=class_sums_arr.sum(axis=0),
+            count=float(class_counts_arr.sum()),
+            class_sums=class_sums_arr,
+            class_counts=class_counts_arr,
+        )
+
+    @classmethod
+    def zeros(cls, spec: StatisticsSpec) -> Self:
+        """Statistics of the empty set of records, shaped for ``spec``."""
+        m = spec.n_features
+        if spec.kind is QueryKind.PCA:
+            return cls(np.zeros((m, m)), np.zeros(m), 0.0)
+        c = spec.n_classes
+        return cls.for_classes(np.zeros((m, m)), np.zeros((c, m)), np.zeros(c))
+
+    @property
+    def n_features(self) -> int:
+        return int(self.scatter.shape[0])
+
+    @property
+    def n_classes(self) -> int:
+        """C, or 0 if there are no per-class statistics."""
+        return 0 if self.class_sums is None else int(self.class_sums.shape[0])
+
+    def _check_matches(self, spec: StatisticsSpec) -> None:
+        if self.n_features != spec.n_features:
+            raise LayoutError(
+                f"statistics have {self.n_features} features, the spec has {spec.n_features}"
+            )
+        if spec.kind is QueryKind.DCA and self.n_classes != spec.n_classes:
+            raise LayoutError(
+                f"a DCA spec with {spec.n_classes} classes needs per-class statistics for "
+                f"{spec.n_classes} classes, these have {self.n_classes}"
+            )
+
+    def to_vector(self, spec: StatisticsSpec) -> FloatArray:
+        """Flatten into the released vector, sections in ``spec.sections`` order.
+
+        Returns
+        -------
+        (spec.value_count,) float64.  The scatter is represented by its upper
+        triangle (row-major, i <= j); class rows follow ``spec.class_labels``.
+        """
+        self._check_matches(spec)
+        parts: list[FloatArray] = [_upper_triangle(self.scatter)]
+        if spec.kind is QueryKind.PCA:
+            parts += [self.sums, np.array([self.count])]
+        else:
+            assert self.class_sums is not None and self.class_counts is not None
+            parts += [self.class_sums.reshape(-1), self.class_counts]
+        return np.concatenate(parts)
+
+    @classmethod
+    def from_vector(cls, spec: StatisticsSpec, vector: npt.ArrayLike) -> Self:
+        """Inverse of :meth:`to_vector`; the scatter is mirrored from its upper triangle.
+
+        Parameters
+        ----------
+        spec : the spec the vector was laid out with.
+        vector : (spec.value_count,) values, e.g. the decrypted noisy sums.
+        """
+        values = np.asarray(vector, dtype=np.float64)
+        if values.shape != (spec.value_count,):
+            raise LayoutError(
+                f"a {spec.kind.value} vector for M={spec.n_features}"
+                + (f", C={spec.n_classes}" if spec.n_classes else "")
+                + f" has {spec.value_count} values, got shape {values.shape}"
+            )
+        slices = spec.section_slices()
+        m = spec.n_features
+        scatter = _symmetric_from_upper_triangle(values[slices[SCATTER]], m)
+        if spec.kind is QueryKind.PCA:
+            return cls(scatter, values[slices[SUM]], float(values[slices[COUNT]][0]))
+        class_sums = values[slices[CLASS_SUMS]].reshape(spec.n_classes, m)
+        return cls.for_classes(scatter, class_sums, values[slices[CLASS_COUNTS]])
+
+    def __add__(self, other: object) -> SufficientStatistics:
+        if not isinstance(other, SufficientStatistics):
+            return NotImplemented
+        if self.n_features != other.n_features:
+            raise LayoutError(
+                f"cannot add statistics over {self.n_features} and {other.n_features} features"
+            )
+        if self.n_classes != other.n_classes:
+            raise LayoutError(
+                f"cannot add statistics with {self.n_classes} and {other.n_classes} classes"
+            )
+        if self.class_sums is None or other.class_sums is None:
+            return SufficientStatistics(
+                self.scatter + other.scatter, self.sums + other.sums, self.count + other.count
+            )
+        assert self.class_counts is not None and other.class_counts is not None
+        return SufficientStatistics(
+            self.scatter + other.scatter,
+            self.sums + other.sums,
+            self.count + other.count,
+            self.class_sums + other.class_sums,
+            self.class_counts + other.class_counts,
+        )
+
+
+def sum_statistics(parts: Iterable[SufficientStatistics]) -> SufficientStatistics:
+    """Σ of several owners' statistics (what the proxy computes under encryption)."""
+    iterator = iter(parts)
+    try:
+        total = next(iterator)
+    except StopIteration:
+        raise LayoutError("cannot sum an empty collection of statistics") from None
+    for part in iterator:
+        total = total + part
+    return total

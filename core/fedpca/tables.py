@@ -1,0 +1,302 @@
+"""Loading an owner's table: CSV (with or without header), ``.npy`` and Parquet.
+
+Every failure is a :class:`~fedpca.errors.DataError` that names the file and,
+when it is about one cell, the row and column as the owner sees them in the
+file (1-based; for CSV the row is the physical line number, so a header is
+line 1).  Nothing is repaired silently: a statistic computed over a table that
+was half-understood would still be released under the owner's budget.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.errors import DataError
+
+__all__ = ["HeaderOption", "OwnerTable", "load_table"]
+
+logger = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+HeaderOption = bool | Literal["auto"]
+
+_CSV_SUFFIXES = {".csv", ".txt", ".tsv"}
+_PARQUET_SUFFIXES = {".parquet", ".pq"}
+
+
+class OwnerTable(NamedTuple):
+    """Features and (optional) labels of one owner; unpacks as ``(X, y)``.
+
+    Attributes
+    ----------
+    features : (N, M) float64.
+    labels : (N,) float64, or None when no label column was requested.
+    """
+
+    features: FloatArray
+    labels: FloatArray | None
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve_label_column(
+    label_column: int | str | None, n_columns: int, names: Sequence[str] | None, path: Path
+) -> int | None:
+    """Column index (0-based) of the label, accepting negative indices and header names."""
+    if label_column is None:
+        return None
+    if isinstance(label_column, str):
+        if names is None:
+            raise DataError(f"{path}: label column {label_column!r} given by name, but no header")
+        stripped = [name.strip() for name in names]
+        if label_column not in stripped:
+            raise DataError(f"{path}: no column named {label_column!r} (columns: {stripped})")
+        return stripped.index(label_column)
+    if not -n_columns <= label_column < n_columns:
+        raise DataError(
+            f"{path}: label column {label_column} is out of range for {n_columns} columns"
+        )
+    return label_column % n_columns
+
+
+def _split(
+    table: FloatArray,
+    label_index: int | None,
+    n_features: int | None,
+    path: Path,
+) -> OwnerTable:
+    if table.shape[0] == 0:
+        raise DataError(f"{path}: the table has no records")
+    if label_index is None:
+        features, labels = table, None
+    else:
+        features = np.delete(table, label_index, axis=1)
+        labels = table[:, label_index].copy()
+    if features.shape[1] == 0:
+        raise DataError(f"{path}: no feature columns besides the label column")
+    if n_features is not None and features.shape[1] != n_features:
+        raise DataError(
+            f"{path}: {features.shape[1]} feature columns"
+            + (" (label column excluded)" if label_index is not None else "")
+            + f", but the query expects {n_features}"
+        )
+    return OwnerTable(np.ascontiguousarray(features, dtype=np.float64), labels)
+
+
+def _open_text(path: Path) -> IO[str]:
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", newline="", encoding="utf-8-sig")
+    return path.open(newline="", encoding="utf-8-sig")
+
+
+def _load_csv(
+    path: Path, header: HeaderOption, delimiter: str
+) -> tuple[FloatArray, list[str] | None]:
+    with _open_text(path) as handle:
+        reader = csv.reader(handle, delimiter=delimiter)
+        rows: list[list[float]] = []
+        names: list[str] | None = None
+        n_columns: int | None = None
+        first = True
+        for cells in reader:
+            line = reader.line_num
+            if not cells or all(not cell.strip() for cell in cells):
+                continue  # blank lines carry no record
+            if first:
+                first = False
+                numeric = [_is_number(cell) for cell in cells]
+                if header == "auto":
+                    if not any(numeric):
+                        header_here = True
+                    elif all(numeric):
+                        header_here = False
+                    else:
+                        bad = numeric.index(False)
+                        raise DataError(
+                            f"{path}: line {line} mixes numbers and text (column {bad + 1}: "
+                            f"{cells[bad]!r}); cannot tell whether it is a header, pass "
+                            "header=True or header=False"
+                        )
+                else:
+                    header_here = bool(header)
+                n_columns = len(cells)
+                if header_here:
+                    names = list(cells)
+                    continue
+            assert n_columns is not None
+            if len(cells) != n_columns:
+                raise DataError(
+                    f"{path}: line {line} has {len(cells)} columns, expected {n_columns}"
+                )
+            try:
+                values = [float(cell) for cell in cells]
+            except ValueError:
+                bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
+                raise DataError(
+                    f"{path}: line {line}, column {bad + 1}: {cells[bad]!r} is not a number"
+                ) from None
+            if not all(math.isfinite(value) for value in values):
+                bad = next(j for j, value in enumerate(values) if not math.isfinite(value))
+                raise DataError(
+                    f"{path}: line {line}, column {bad + 1}: {cells[bad].strip()!r} is not finite"
+                )
+            rows.append(values)
+    if first:
+        raise DataError(f"{path}: the file is empty")
+    if not rows:
+        raise DataError(f"{path}: the file has a header but no records")
+    assert n_columns is not None
+    return np.asarray(rows, dtype=np.float64).reshape(len(rows), n_columns), names
+
+
+def _check_finite(table: FloatArray, path: Path) -> None:
+    bad = np.argwhere(~np.isfinite(table))
+    if bad.size:
+        r, j = bad[0]
+        raise DataError(f"{path}: row {r + 1}, column {j + 1}: {table[r, j]} is not finite")
+
+
+def _load_npy(path: Path) -> FloatArray:
+    try:
+        with path.open("rb") as handle:
+            # read_array, not np.load: np.load also opens .npz archives (a mapping,
+            # not an array) and dispatches on the file's first bytes.
+            raw = np.lib.format.read_array(handle, allow_pickle=False)
+    except OSError as exc:
+        raise DataError(f"{path}: not a readable .npy array: {exc}") from exc
+    except Exception as exc:
+        # numpy's header parser reports a malformed file with whatever its tools
+        # raise: ValueError, EOFError, SyntaxError, tokenize.TokenError, ...
+        raise DataError(f"{path}: not a readable .npy array: {type(exc).__name__}: {exc}") from exc
+    if raw.ndim != 2:
+        raise DataError(f"{path}: expected a 2-D array, got shape {raw.shape}")
+    if raw.size == 0 and raw.shape[0] == 0:
+        raise DataError(f"{path}: the table has no records")
+    if not (np.issubdtype(raw.dtype, np.number) or raw.dtype == np.bool_):
+        raise DataError(f"{path}: array dtype {raw.dtype} is not numeric")
+    if np.iscomplexobj(raw):
+        raise DataError(f"{path}: complex values are not supported")
+    table = np.asarray(raw, dtype=np.float64)
+    _check_finite(table, path)
+    return table
+
+
+def _load_parquet(path: Path) -> tuple[FloatArray, list[str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        arrow_table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file: {exc}") from exc
+    names = list(arrow_table.column_names)
+    if not names:
+        raise DataError(f"{path}: the file has no columns")
+    if arrow_table.num_rows == 0:
+        raise DataError(f"{path}: the table has no records")
+    columns: list[FloatArray] = []
+    for j, name in enumerate(names):
+        column = arrow_table.column(j)
+        kind = column.type
+        if not (
+            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+        ):
+            raise DataError(f"{path}: column {j + 1} ({name!r}) has non-numeric type {kind}")
+        if column.null_count:
+            mask = column.is_null().to_numpy(zero_copy_only=False)
+            r = int(np.flatnonzero(mask)[0])
+            raise DataError(f"{path}: row {r + 1}, column {j + 1} ({name!r}) is null")
+        columns.append(np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64))
+    table = np.column_stack(columns)
+    _check_finite(table, path)
+    return table, names
+
+
+def load_table(
+    path: str | os.PathLike[str],
+    *,
+    label_column: int | str | None = None,
+    header: HeaderOption = "auto",
+    n_features: int | None = None,
+    delimiter: str | None = None,
+) -> OwnerTable:
+    """Load an owner's records and, optionally, their labels.
+
+    Parameters
+    ----------
+    path : a ``.csv``/``.txt``/``.tsv`` file (optionally gzip-compressed,
+        ``.csv.gz``), a ``.npy`` array, or a
+        ``.parquet``/``.pq`` file (decided by the suffix).
+    label_column : the column holding the class label: an index into the
+        file's columns (negative counts from the end), a column name (CSV with a
+        header, Parquet), or None (default, PCA) when every column is a feature.
+    header : CSV only.  "auto" (default) treats the first non-blank line as a
+        header when none of its cells is a number, as data when all are, and
+        refuses a mixed line; True/False force the choice.
+    n_features : if given, the expected number of feature columns M (the label
+        column excluded); any other count is refused.
+    delimiter : CSV field separator; default "," (tab for ``.tsv``).
+
+    Returns
+    -------
+    OwnerTable(features (N, M) float64, labels (N,) float64 or None); it unpacks
+    as ``X, y = load_table(...)``.
+
+    Raises
+    ------
+    DataError
+        Missing or empty file, wrong column count, non-numeric / NaN / inf cells,
+        or a feature count different from ``n_features``.  The message names the
+        file and, for a single cell, its 1-based row (CSV: line) and column.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"{file}: no such file")
+    suffix = file.suffix.lower()
+    if suffix == ".gz":  # gzip-compressed text: the suffix before .gz decides
+        suffix = Path(file.stem).suffix.lower()
+        if suffix not in _CSV_SUFFIXES:
+            raise DataError(f"{file}: only compressed text tables (.csv.gz, .tsv.gz) are read")
+    names: Sequence[str] | None = None
+    if suffix in _CSV_SUFFIXES:
+        sep = delimiter if delimiter is not None else ("\t" if suffix == ".tsv" else ",")
+        try:
+            table, names = _load_csv(file, header, sep)
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{file}: not a UTF-8 text file ({exc.reason})") from exc
+        except (gzip.BadGzipFile, EOFError) as exc:
+            raise DataError(f"{file}: not a readable gzip file: {exc}") from exc
+        except csv.Error as exc:
+            raise DataError(f"{file}: malformed CSV: {exc}") from exc
+    elif suffix == ".npy":
+        table = _load_npy(file)
+    elif suffix in _PARQUET_SUFFIXES:
+        table, names = _load_parquet(file)
+    else:
+        raise DataError(f"{file}: unsupported file type {suffix!r} (use .csv, .npy or .parquet)")
+    label_index = _resolve_label_column(label_column, table.shape[1], names, file)
+    result = _split(table, label_index, n_features, file)
+    logger.info(
+        "loaded %s: %d records, %d features%s",
+        file,
+        result.features.shape[0],
+        result.features.shape[1],
+        ", with labels" if result.labels is not None else "",
+    )
+    return result

@@ -1,0 +1,8 @@
+"""Transport for fedpca: wire serialisation, TLS certificates and gRPC channels.
+
+- :mod:`fedpca.transport.serde` converts between ``fedpca.v1`` messages and domain objects.
+- :mod:`fedpca.transport.certs` creates the CA and node certificates and reads identities.
+- :mod:`fedpca.transport.channels` builds mutual-TLS servers and channels.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,135 @@
+"""``fedpca owner``: run a data-owner node and inspect its privacy budget.
+
+Register in ``fedpca.app.cli`` as ``"owner": ("fedpca.owner.cli", "owner_group", ...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from fedpca.errors import ConfigError, DataError, KeyFileError
+from fedpca.owner.config import load_config
+
+__all__ = ["owner_group"]
+
+logger = logging.getLogger(__name__)
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _configure_logging(verbose: int) -> None:
+    """Log handlers are configured here, in the entry point, and nowhere else.
+
+    A daemon logs INFO by default (connections, tasks, progress); ``-v`` adds
+    DEBUG. A DEBUG level already chosen by ``fedpca -vv`` is kept.
+    """
+    root_debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    level = logging.DEBUG if verbose > 0 or root_debug else logging.INFO
+    logging.basicConfig(level=level, format=_LOG_FORMAT, force=True)
+
+
+@click.group("owner")
+def owner_group() -> None:
+    """Run a data-owner node."""
+
+
+@owner_group.command("serve")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The owner's TOML config (owner.toml).",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Dial the proxy without TLS (local experiments only; overrides tls.insecure).",
+)
+@click.option("-v", "--verbose", count=True, help="Debug log output.")
+def serve_command(config_path: Path, insecure: bool, verbose: int) -> None:
+    """Connect to the proxy and answer tasks until interrupted (SIGINT/SIGTERM)."""
+    from fedpca.owner.node import OwnerNode
+
+    _configure_logging(verbose)
+    try:
+        config = load_config(config_path)
+        if insecure:
+            config = config.with_insecure()
+        node = OwnerNode(config)
+    except (ConfigError, DataError, KeyFileError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.info("owner %s: received %s, stopping", config.owner.id, signal.Signals(signum).name)
+        node.stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+    node.run_forever()
+
+
+@owner_group.command("budget")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The owner's TOML config (owner.toml).",
+)
+@click.option(
+    "--delta",
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    default=None,
+    help="Report epsilon at this delta (default: the budget's delta).",
+)
+def budget_command(config_path: Path, delta: float | None) -> None:
+    """Print the epsilon spent and left, and every release recorded in the ledger."""
+    from fedpca.owner.ledger import BudgetLedger
+
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    budget = config.budget
+    at_delta = delta if delta is not None else budget.delta
+    click.echo(f"owner        {config.owner.id}")
+    click.echo(f"budget       epsilon={budget.epsilon:g} delta={budget.delta:g}")
+    if not config.ledger_path.exists():
+        click.echo(f"ledger       {config.ledger_path} (none yet: no release recorded)")
+        click.echo(f"spent        epsilon=0 at delta={at_delta:g}")
+        return
+    try:
+        ledger = BudgetLedger(config.ledger_path)
+        entries = ledger.events()
+        spent = ledger.spent(at_delta)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"ledger       {config.ledger_path}")
+    click.echo(f"spent        epsilon={spent:.6g} at delta={at_delta:g}")
+    if delta is None or delta == budget.delta:
+        remaining = budget.epsilon - spent if math.isfinite(budget.epsilon) else math.inf
+        click.echo(f"remaining    epsilon={max(0.0, remaining):.6g} (display only: not additive)")
+    private = sum(1 for e in entries if not e.not_private)
+    click.echo(f"releases     {private} private, {len(entries) - private} NOT PRIVATE")
+    for entry in entries:
+        event = entry.event
+        when = datetime.fromtimestamp(event.timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        task = ledger.task(event.query_id)
+        state = task.outcome.value if task is not None else "reserved"
+        if entry.not_private:
+            cost = "NOT PRIVATE (epsilon=inf, not composed)"
+        else:
+            cost = f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.4g}"
+        click.echo(
+            f"  {when}Z  {event.query_id:<24} {cost:<44} {state:<10} analyst {event.analyst}"
+        )
