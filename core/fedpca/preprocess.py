@@ -8,9 +8,10 @@ then every row is clipped to norm c.  The bounds are part of the public query,
 agreed before anyone looks at the data; they are never computed from the
 private rows (a min/max of the private data would itself leak).
 
-Values outside the declared bounds are either clipped to the bound
-(``out_of_bounds="clip"``, the default) or refused (``"refuse"``, which raises
-DataError naming the record and feature so the owner can fix the schema).
+Values outside the declared bounds are clipped to the bound. They are never
+refused: whether an owner's data holds such a value is private, and a refusal
+the analyst could observe would release it (docs/privacy.md). Nothing about
+which or how many values were clipped is logged for the same reason.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +28,6 @@ from fedpca.query import QuerySpec
 
 __all__ = [
     "FeatureBounds",
-    "OutOfBounds",
     "clip_rows",
     "preprocess",
     "preprocess_for_query",
@@ -38,7 +37,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
-OutOfBounds = Literal["clip", "refuse"]
 
 
 @dataclass(frozen=True)
@@ -141,24 +139,18 @@ def _check_rows(rows: npt.ArrayLike) -> FloatArray:
     return x
 
 
-def scale_to_unit_box(
-    rows: npt.ArrayLike, bounds: FeatureBounds, out_of_bounds: OutOfBounds = "clip"
-) -> FloatArray:
-    """Map feature j affinely from [lower_j, upper_j] onto [−1, 1].
+def scale_to_unit_box(rows: npt.ArrayLike, bounds: FeatureBounds) -> FloatArray:
+    """Map feature j affinely from [lower_j, upper_j] onto [−1, 1], clipping outside values.
 
     Parameters
     ----------
     rows : (N, M) records.
     bounds : public bounds for the M features.
-    out_of_bounds : "clip" values outside their bounds to the bound, or
-        "refuse" them with a DataError naming record and feature (1-based).
 
     Returns
     -------
     (N, M) float64 array with every entry in [−1, 1].
     """
-    if out_of_bounds not in ("clip", "refuse"):
-        raise ConfigError(f"out_of_bounds must be 'clip' or 'refuse', got {out_of_bounds!r}")
     x = _check_rows(rows)
     if x.shape[1] != bounds.n_features:
         raise DataError(
@@ -166,17 +158,7 @@ def scale_to_unit_box(
         )
     lower = np.asarray(bounds.lower)
     upper = np.asarray(bounds.upper)
-    outside = (x < lower) | (x > upper)
-    if outside.any():
-        r, j = np.argwhere(outside)[0]
-        if out_of_bounds == "refuse":
-            raise DataError(
-                f"record {r + 1}, feature {j + 1} (1-based): value {x[r, j]} is outside "
-                f"the declared public bounds [{lower[j]}, {upper[j]}]"
-            )
-        # Count only; the values themselves are private and must not be logged.
-        logger.info("clipping %d values to the declared feature bounds", int(outside.sum()))
-        x = np.clip(x, lower, upper)
+    x = np.clip(x, lower, upper)
     scaled = 2.0 * (x - lower) / (upper - lower) - 1.0
     # Rounding can leave an entry 1 ulp outside [−1, 1]; the public bound is exact.
     return np.clip(scaled, -1.0, 1.0)
@@ -205,7 +187,6 @@ def clip_rows(rows: npt.ArrayLike, clip_norm: float = 1.0) -> FloatArray:
     norms = np.linalg.norm(x, axis=1)
     over = norms > clip_norm
     if over.any():
-        logger.debug("clipping %d of %d rows to norm %g", int(over.sum()), len(x), clip_norm)
         factor = clip_norm / norms[over]
         clipped = x[over] * factor[:, None]
         for _ in range(8):  # at most a couple of ulps ever need shaving
@@ -218,10 +199,7 @@ def clip_rows(rows: npt.ArrayLike, clip_norm: float = 1.0) -> FloatArray:
 
 
 def preprocess(
-    rows: npt.ArrayLike,
-    bounds: FeatureBounds | None,
-    clip_norm: float = 1.0,
-    out_of_bounds: OutOfBounds = "clip",
+    rows: npt.ArrayLike, bounds: FeatureBounds | None, clip_norm: float = 1.0
 ) -> FloatArray:
     """Scale with public bounds (if any), then clip rows to ‖x‖₂ <= clip_norm.
 
@@ -232,7 +210,6 @@ def preprocess(
     rows : (N, M) raw records.
     bounds : public feature bounds or None.
     clip_norm : c, the row-norm clip of the query.
-    out_of_bounds : see :func:`scale_to_unit_box`.
 
     Returns
     -------
@@ -240,15 +217,13 @@ def preprocess(
     """
     x = _check_rows(rows)
     if bounds is not None:
-        x = scale_to_unit_box(x, bounds, out_of_bounds)
+        x = scale_to_unit_box(x, bounds)
     return clip_rows(x, clip_norm)
 
 
-def preprocess_for_query(
-    rows: npt.ArrayLike, query: QuerySpec, out_of_bounds: OutOfBounds = "clip"
-) -> FloatArray:
+def preprocess_for_query(rows: npt.ArrayLike, query: QuerySpec) -> FloatArray:
     """:func:`preprocess` with the bounds and clip norm the public query declares."""
     x = _check_rows(rows)
     if x.shape[1] != query.n_features:
         raise DataError(f"records have {x.shape[1]} features, the query has {query.n_features}")
-    return preprocess(x, FeatureBounds.from_query(query), query.clip_norm, out_of_bounds)
+    return preprocess(x, FeatureBounds.from_query(query), query.clip_norm)

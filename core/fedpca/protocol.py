@@ -17,15 +17,19 @@ Two protocol modes (see docs/privacy.md for the proofs):
 ``stats``
     One block ``shares``: the concatenated sections of
     :class:`~fedpca.stats.StatisticsSpec` (scatter upper triangle, sum, count; or
-    scatter, class sums, class counts for DCA). The proxy adds discrete Gaussian
-    noise per section under encryption. Adjacency: add/remove one record.
+    scatter, class sums, class counts for DCA), in 2^-f clip units
+    (:func:`fedpca.stats.fixed_point_statistics`). The proxy adds discrete Gaussian
+    noise per section under encryption. Adjacency: the query's (add/remove by
+    default, or replace-one); the noise covers every change the relation allows
+    (:func:`fedpca.stats.worst_case_change`).
 
 ``masked``
     The corrected Wang & Chang protocol, PCA only. Owners upload the scatter upper
     triangle packed *row-aligned* (every row of the triangle starts a new packed
     ciphertext), their sum vector once unpacked (one value per ciphertext) and once
     as packed windows ``v[t : t + k]`` for every t, and their record count in the
-    clear. N is public: the adjacency is replace-one record. The proxy returns
+    clear. N is public: the adjacency must be replace-one record (a query stated
+    for add/remove adjacency is refused: N would have infinite epsilon). The proxy returns
     ``Enc(N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E)`` (all in 2^(2f) units) and
     ``Enc(v + b)`` for a uniformly random mask b, 2^40 times wider than |v|.
 """
@@ -39,20 +43,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fedpca.codec.fixed_point import encode_fixed_point
 from fedpca.codec.packing import PackingBounds, SlotLayout, owner_value_bound
-from fedpca.dp.allocation import allocate_noise, effective_noise_multiplier
+from fedpca.dp.allocation import normalise_weights
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent
-from fedpca.dp.noise import NoiseSampler, integer_grid_sensitivity, noise_headroom, vector_noise
-from fedpca.errors import ConfigError, LayoutError
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.dp.noise import NoiseSampler, noise_headroom, vector_noise
+from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import (
-    CLASS_COUNTS,
-    COUNT,
+    FixedPointStatistics,
     StatisticsSpec,
     SufficientStatistics,
     upper_triangle_length,
+    worst_case_change,
 )
 
 IntArray = npt.NDArray[np.int64]
@@ -73,6 +76,10 @@ MASK_SECURITY_BITS = 40
 variation distance 2^-40 of the same for a neighbouring v (see mask_width)."""
 
 
+INT64_VALUE_LIMIT = 1 << 62
+"""Owners compute their statistics in int64: the plan refuses bounds that could reach it."""
+
+
 @dataclass(frozen=True)
 class SectionNoise:
     """The Gaussian noise one released section receives."""
@@ -80,11 +87,11 @@ class SectionNoise:
     name: str
     length: int
     l2_sensitivity: float
-    """Per-record L2 sensitivity in real units."""
+    """Per-record add/remove L2 sensitivity in real units (also the section's clip unit)."""
     sigma: float
     """Standard deviation in real units (0 = not private)."""
     sigma_int: float
-    """Standard deviation in fixed-point integer units, rounding slack included."""
+    """Standard deviation in fixed-point integer units (2^-f clip units)."""
 
 
 @dataclass(frozen=True)
@@ -140,14 +147,42 @@ class ReleasePlan:
         return _find(self.result_blocks, name)
 
     def privacy_event(self, analyst: str) -> PrivacyEvent:
-        """The ledger record of this release."""
+        """The ledger record of this release, under the query's neighbouring relation."""
         return PrivacyEvent(
             query_id=self.spec.query_id,
             analyst=analyst,
             noise_multiplier=self.noise_multiplier,
             epsilon=self.spec.epsilon,
             delta=self.spec.delta if self.private else 0.0,
+            neighbouring=self.spec.neighbouring,
+            sensitivity=self.sensitivity,
+            delta_extra=self.delta_extra if self.private else 0.0,
         )
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 sensitivity of the release in the units of its first section's noise.
+
+        With per-section noise sigma_j the release is accounted by z alone; this is
+        sigma_0 / z, i.e. the sensitivity of the release once every section is rescaled
+        to the first section's noise (the plain L2 sensitivity when all sections get
+        the same sigma, as by default at clip norm 1). Masked mode: the scatter's
+        sensitivity at N = 1 (its noise uses the public N, which only lowers it).
+        """
+        spec = self.spec
+        c2 = spec.clip_norm * spec.clip_norm
+        if spec.mode is ProtocolMode.MASKED:
+            return masked_scatter_sensitivity(spec.clip_norm, 1)
+        if not self.private:
+            return StatisticsSpec.from_query(spec).l2_sensitivity_under(spec.neighbouring) * c2
+        return self.sections[0].sigma / self.noise_multiplier
+
+    @property
+    def delta_extra(self) -> float:
+        """delta spent outside the Gaussian part (masked mode's mean mask: M 2^-40)."""
+        if self.spec.mode is ProtocolMode.MASKED:
+            return self.spec.n_features * 2.0**-MASK_SECURITY_BITS
+        return 0.0
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready public description (stored by the proxy, shown to the analyst)."""
@@ -169,28 +204,20 @@ class ReleasePlan:
         }
 
     # ------------------------------------------------------------- stats mode
-    def owner_values(self, statistics: SufficientStatistics) -> dict[str, npt.NDArray[np.float64]]:
-        """Real-valued values of every owner block (before fixed-point encoding)."""
-        if self.spec.mode is ProtocolMode.MASKED:
-            scatter = np.asarray(statistics.scatter, dtype=np.float64)
-            return _masked_blocks(self, scatter, np.asarray(statistics.sums, dtype=np.float64))
-        return {SHARES: statistics.to_vector(self.statistics)}
+    def owner_integers(self, statistics: FixedPointStatistics) -> dict[str, IntArray]:
+        """Fixed-point values of every owner block, laid out from exact statistics.
 
-    def owner_integers(
-        self, statistics: SufficientStatistics, rng: np.random.Generator | None = None
-    ) -> dict[str, IntArray]:
-        """Fixed-point values of every owner block, each statistic rounded exactly once.
-
-        Masked mode uploads v several times (unpacked and as overlapping windows). The
-        mask terms b·v only cancel at the analyst if every copy is the *same* integer,
-        so v is stochastically rounded once and then laid out, never rounded per copy.
+        Masked mode uploads v several times (unpacked and as overlapping windows); the
+        mask terms b·v only cancel at the analyst because every copy is the same integer.
         """
-        f = self.spec.frac_bits
+        if statistics.frac_bits != self.spec.frac_bits:
+            raise LayoutError(
+                f"statistics on a 2^-{statistics.frac_bits} grid, the query uses "
+                f"2^-{self.spec.frac_bits}"
+            )
         if self.spec.mode is ProtocolMode.MASKED:
-            scatter = encode_fixed_point(np.asarray(statistics.scatter), f, rng=rng)
-            sums = encode_fixed_point(np.asarray(statistics.sums), f, rng=rng)
-            return _masked_blocks(self, scatter, sums)
-        return {SHARES: encode_fixed_point(statistics.to_vector(self.statistics), f, rng=rng)}
+            return _masked_blocks(self, statistics.scatter, statistics.sums)
+        return {SHARES: statistics.to_vector(self.statistics)}
 
     def noise_values(self, sampler: NoiseSampler | None = None) -> IntArray:
         """Stats mode: discrete Gaussian noise for the ``shares`` block, per section.
@@ -209,9 +236,20 @@ class ReleasePlan:
         ]
         return np.concatenate(parts).astype(np.int64)
 
-    def statistics_from_values(self, values: npt.NDArray[np.float64]) -> SufficientStatistics:
-        """Stats mode: decoded ``shares`` values (real units) back to statistics."""
-        return SufficientStatistics.from_vector(self.statistics, values)
+    def statistics_from_integers(self, values: npt.ArrayLike) -> SufficientStatistics:
+        """Stats mode: the decrypted ``shares`` integers (2^-f clip units) as real statistics."""
+        integers = np.asarray(values)
+        if integers.shape != (self.statistics.value_count,):
+            raise LayoutError(
+                f"expected {self.statistics.value_count} values, got shape {integers.shape}"
+            )
+        real = np.empty(integers.shape, dtype=np.float64)
+        f = self.spec.frac_bits
+        for section, part in self.statistics.section_slices().items():
+            unit = self.statistics.section(section).l2_sensitivity
+            # Python ints may exceed 2^63 after noise and summing: convert one by one.
+            real[part] = [math.ldexp(float(v), -f) * unit for v in integers[part].tolist()]
+        return SufficientStatistics.from_vector(self.statistics, real)
 
 
 # --------------------------------------------------------------------- stats mode
@@ -226,37 +264,58 @@ def _noise_multiplier(spec: QuerySpec) -> float:
 def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> ReleasePlan:
     z = _noise_multiplier(spec)
     names = [s.name for s in statistics.sections]
-    sensitivities = [s.l2_sensitivity for s in statistics.sections]
     weights = list(spec.noise_weights) or [1.0] * len(names)
     if len(weights) != len(names):
         raise ConfigError(
             f"noise_weights has {len(weights)} entries; this query releases "
             f"{len(names)} sections ({', '.join(names)})"
         )
-    sigmas = allocate_noise(sensitivities, weights, z) if z > 0 else (0.0,) * len(names)
+    omegas = normalise_weights(weights)
+    f = spec.frac_bits
     sections = []
-    for section, sigma in zip(statistics.sections, sigmas, strict=True):
-        # Noise is added to fixed-point integers: calibrate to the integer query's
-        # sensitivity, which includes the owners' rounding (fedpca.dp.noise).
-        rounded = 0 if section.name in (COUNT, CLASS_COUNTS) else section.length
-        sigma_int = 0.0
-        if sigma > 0:
-            grid = integer_grid_sensitivity(section.l2_sensitivity, spec.frac_bits, rounded)
-            sigma_int = sigma / section.l2_sensitivity * grid
-        sections.append(
-            SectionNoise(section.name, section.length, section.l2_sensitivity, sigma, sigma_int)
+    if z > 0:
+        # In clip units every section's add/remove sensitivity is 1, so the weights
+        # give reference sigmas 1/sqrt(omega_j); the worst change the relation allows
+        # then fixes the one scale that makes the release's noise multiplier exactly z.
+        reference = [1.0 / math.sqrt(w) for w in omegas]
+        worst = worst_case_change(
+            statistics.kind, [1.0 / (r * r) for r in reference], spec.neighbouring
         )
+        scale = z * math.sqrt(worst)
+        for section, r in zip(statistics.sections, reference, strict=True):
+            sigma_clip = r * scale
+            sections.append(
+                SectionNoise(
+                    section.name,
+                    section.length,
+                    section.l2_sensitivity,
+                    sigma_clip * section.l2_sensitivity,
+                    math.ldexp(sigma_clip, f),
+                )
+            )
+        z_effective = 1.0 / math.sqrt(
+            worst_case_change(
+                statistics.kind,
+                [math.ldexp(1.0, 2 * f) / (s.sigma_int * s.sigma_int) for s in sections],
+                spec.neighbouring,
+            )
+        )
+    else:
+        sections = [
+            SectionNoise(s.name, s.length, s.l2_sensitivity, 0.0, 0.0) for s in statistics.sections
+        ]
+        z_effective = 0.0
     headroom = max(_headroom(s.sigma_int, s.length) for s in sections)
     bounds = PackingBounds(
-        max_abs_per_record=statistics.max_abs_per_record,
+        max_abs_per_record=1.0,  # clip units
         max_records_per_owner=spec.max_records_per_owner,
         max_owners=spec.max_owners,
-        frac_bits=spec.frac_bits,
+        frac_bits=f,
         noise_headroom=headroom,
     )
+    _check_int64(bounds)
     layout = SlotLayout.from_bounds(bounds, key_bits, statistics.value_count)
     block = Block(SHARES, layout, owner_value_bound(bounds))
-    z_effective = effective_noise_multiplier(sensitivities, sigmas) if z > 0 else 0.0
     return ReleasePlan(
         spec=spec,
         key_bits=key_bits,
@@ -269,22 +328,29 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
     )
 
 
+def _check_int64(bounds: PackingBounds) -> None:
+    """Refuse, at planning time, bounds whose owner values could leave int64."""
+    if owner_value_bound(bounds) >= INT64_VALUE_LIMIT:
+        raise EncodingOverflowError(
+            f"max_records_per_owner={bounds.max_records_per_owner} at frac_bits="
+            f"{bounds.frac_bits} lets one owner's values reach 2^62; lower either"
+        )
+
+
 # -------------------------------------------------------------------- masked mode
-def masked_scatter_sensitivity(clip_norm: float, n_records: int, frac_bits: int, m: int) -> float:
+def masked_scatter_sensitivity(clip_norm: float, n_records: int) -> float:
     """L2 sensitivity of the released centred scatter under replace-one adjacency.
 
     Replacing record x by x' in a dataset of N records (μ its mean, y = x − μ,
     y' = x' − μ, d = x' − x) changes S = R − v vᵀ/N by y'y'ᵀ − y yᵀ − d dᵀ/N.
     ‖y'y'ᵀ − y yᵀ‖_F² = ‖y'‖⁴ + ‖y‖⁴ − 2(yᵀy')² <= 2 (2c)⁴ and ‖d dᵀ‖_F/N <= (2c)²/N,
     so ‖ΔS‖_F <= 4√2 c² + 4c²/N; the upper triangle's L2 norm is at most that.
-    The analyst computes S from fixed-point sums rounded once per owner; with
-    coupled rounding coins every rounded upper-triangle entry moves by at most
-    2^-f (2 + 6c) more, which adds sqrt(M(M+1)/2) 2^-f (2 + 6c).
+    The owners' statistics are exact integers of rows quantised with ‖x‖ <= c
+    (:func:`fedpca.stats.fixed_point_statistics`), and the analyst computes S from
+    them exactly, so no rounding slack is needed.
     """
     c2 = clip_norm * clip_norm
-    core = 4.0 * math.sqrt(2.0) * c2 + 4.0 * c2 / max(n_records, 1)
-    slack = math.sqrt(upper_triangle_length(m)) * math.ldexp(2.0 + 6.0 * clip_norm, -frac_bits)
-    return math.nextafter(core + slack, math.inf)
+    return math.nextafter(4.0 * math.sqrt(2.0) * c2 + 4.0 * c2 / max(n_records, 1), math.inf)
 
 
 def mask_width(sum_bound: int) -> int:
@@ -301,11 +367,10 @@ def masked_sigma(plan: ReleasePlan, n_records: int) -> tuple[float, float]:
     spec = plan.spec
     if plan.noise_multiplier == 0:
         return 0.0, 0.0
-    sensitivity = masked_scatter_sensitivity(
-        spec.clip_norm, n_records, spec.frac_bits, spec.n_features
-    )
-    sigma = plan.noise_multiplier * sensitivity
-    return sigma, math.ldexp(sigma, spec.frac_bits)
+    sigma = plan.noise_multiplier * masked_scatter_sensitivity(spec.clip_norm, n_records)
+    # Owners send the scatter in clip units (c^2): the integer noise is in the same units.
+    sigma_clip = sigma / (spec.clip_norm * spec.clip_norm)
+    return sigma, math.ldexp(sigma_clip, spec.frac_bits)
 
 
 def row_aligned_length(m: int, k: int) -> int:
@@ -318,6 +383,11 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
         raise ConfigError(
             "masked mode is the published PCA protocol; run DCA in stats mode (--mode stats)"
         )
+    if spec.neighbouring is not Neighbouring.REPLACE_ONE:
+        raise ConfigError(
+            "masked mode publishes the record count N, which has no finite epsilon under "
+            "add-remove adjacency; it needs a deployment (and query) stated for replace-one"
+        )
     m = spec.n_features
     # The mask hides v only statistically: the analyst's view of v + b moves by at most
     # M·2^-40 in total variation between neighbours, which is added to delta.
@@ -329,16 +399,15 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
     z = calibrate_noise_multiplier(
         spec.epsilon, spec.delta - mask_delta if spec.private else spec.delta, spec.calibration
     )
-    c = spec.clip_norm
     f = spec.frac_bits
-    # Worst case N = 1 sizes the headroom; the actual sigma uses the public N.
-    worst_sensitivity = masked_scatter_sensitivity(c, 1, f, m)
-    worst_sigma_int = math.ldexp(z * worst_sensitivity, f)
+    # Worst case N = 1 sizes the headroom; the actual sigma uses the public N. Clip
+    # units (c = 1): owners send R in c^2 and v in c.
+    worst_sigma_int = math.ldexp(z * masked_scatter_sensitivity(1.0, 1), f)
     headroom = _headroom(worst_sigma_int, upper_triangle_length(m))
     n_total = spec.max_owners * spec.max_records_per_owner
     per_owner = {
-        "scatter": PackingBounds(c * c, spec.max_records_per_owner, 1, f, 0),
-        "sum": PackingBounds(c, spec.max_records_per_owner, 1, f, 0),
+        "scatter": PackingBounds(1.0, spec.max_records_per_owner, 1, f, 0),
+        "sum": PackingBounds(1.0, spec.max_records_per_owner, 1, f, 0),
     }
     r_bound = spec.max_owners * owner_value_bound(per_owner["scatter"])
     v_bound = spec.max_owners * owner_value_bound(per_owner["sum"])
@@ -354,12 +423,13 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
             "lower max_records_per_owner, max_owners or frac_bits"
         )
     bounds = PackingBounds(
-        max_abs_per_record=statistics.max_abs_per_record,
+        max_abs_per_record=1.0,  # clip units
         max_records_per_owner=spec.max_records_per_owner,
         max_owners=spec.max_owners,
         frac_bits=f,
         noise_headroom=headroom,
     )
+    _check_int64(bounds)
     scatter_bound = owner_value_bound(per_owner["scatter"])
     sum_bound = owner_value_bound(per_owner["sum"])
     rows = SlotLayout(key_bits, slot_bits, k, row_aligned_length(m, k))

@@ -27,8 +27,26 @@ class ProtocolMode(StrEnum):
 
 
 class Calibration(StrEnum):
+    """How the noise multiplier of a release is derived from its (epsilon, delta)."""
+
+    ZCDP = "zcdp"
+    """Default. The discrete Gaussian's zero-concentrated DP (rho = 1/(2 z^2), Canonne,
+    Kamath & Steinke 2020) converted to (epsilon, delta) with the best known conversion:
+    a proven bound for the mechanism fedpca runs."""
     ANALYTIC = "analytic"
+    """Balle & Wang's exact condition for the *continuous* Gaussian; for the discrete
+    sampler fedpca uses it is a close approximation, not a proof (docs/privacy.md)."""
     CLASSIC = "classic"
+    """Dwork & Roth's tail bound for the continuous Gaussian, epsilon < 1 only."""
+
+
+class Neighbouring(StrEnum):
+    """The neighbouring relation a deployment states its guarantee for (docs/privacy.md)."""
+
+    ADD_REMOVE = "add-remove"
+    """Default: D' is D with one record added or removed (counts are private)."""
+    REPLACE_ONE = "replace-one"
+    """D' is D with one record replaced by another (record counts are public)."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +62,18 @@ class QuerySpec:
     clip_norm : every row is scaled down to L2 norm <= clip_norm before summing.
     epsilon, delta : privacy parameters of this release; ``epsilon = inf`` means
         no noise at all (verification only, NOT PRIVATE).
-    calibration : analytic (Balle & Wang) or classic Gaussian calibration.
+    calibration : zcdp (default, proven for the discrete Gaussian), analytic or classic.
+    neighbouring : the neighbouring relation (epsilon, delta) refer to; the proxy and
+        every owner refuse a query stated for another relation than their deployment's.
     mode : stats or masked.
     n_components : number of components the analyst asks for.
     label_column : column holding the class label (DCA), counted in the owners' files.
-    class_labels : the public list of class labels (DCA); records of other labels are refused.
+    class_labels : the public list of class labels (DCA); an owner leaves records of
+        other labels out of its statistics (the sensitivity accounts for it).
     quorum : minimum number of owners that must contribute.
     deadline_seconds : how long the proxy waits for uploads after the query is published.
-    max_records_per_owner, max_owners : public bounds used to size packed slots.
+    max_records_per_owner, max_owners : public bounds used to size packed slots; an
+        owner holding more records contributes a uniform sample of this many.
     frac_bits : fixed-point fractional bits.
     analyst_public_key_n : the analyst's Paillier modulus n.
     analyst_key_fingerprint : fingerprint of that key (owners pin it).
@@ -69,7 +91,8 @@ class QuerySpec:
     feature_lower: tuple[float, ...] = ()
     feature_upper: tuple[float, ...] = ()
     clip_norm: float = 1.0
-    calibration: Calibration = Calibration.ANALYTIC
+    calibration: Calibration = Calibration.ZCDP
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
     mode: ProtocolMode = ProtocolMode.STATS
     label_column: int | None = None
     class_labels: tuple[float, ...] = ()

@@ -45,6 +45,20 @@ squared norms, each bounded separately, so
 For DCA this is the same value as for PCA although C·M + C values are sent
 instead of M + 1, precisely because one record lands in one class row.  Sending
 v and N *in addition* to the class sums would raise it to √(c⁴ + 2c² + 2).
+
+Clip units and the changes a release must cover
+-----------------------------------------------
+Owners release every section in *clip units* (scatter in c², sums in c, counts
+in 1), where one record's add/remove change is at most 1 per section, whatever
+c.  Besides adding or removing a record, an owner's statistics can see one
+record *swapped* for another with the counts unchanged: under replace-one
+adjacency, and under add/remove adjacency when an owner at its public record
+cap contributes a uniform sample of its rows (a record added to it displaces
+one).  For DCA a swap may also move a record between classes, and a record
+whose label is not one of the public classes is left out, so under replace-one
+a replacement can look like an addition.  :func:`worst_case_change` bounds
+Σ_j ‖Δq_j‖²/σ_j² over every change a relation allows (docs/privacy.md derives
+each case).
 """
 
 from __future__ import annotations
@@ -60,7 +74,8 @@ import numpy.typing as npt
 
 from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle
 from fedpca.errors import ConfigError, LayoutError
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.preprocess import preprocess_for_query
+from fedpca.query import Neighbouring, QueryKind, QuerySpec
 
 __all__ = [
     "CLASS_COUNTS",
@@ -68,11 +83,16 @@ __all__ = [
     "COUNT",
     "SCATTER",
     "SUM",
+    "FixedPointStatistics",
     "Section",
     "StatisticsSpec",
     "SufficientStatistics",
+    "fixed_point_statistics",
+    "quantize_unit_rows",
+    "row_bits",
     "sum_statistics",
     "upper_triangle_length",
+    "worst_case_change",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,7 +132,9 @@ class Section:
     max_abs_per_record : largest absolute value one record can contribute to a
         single entry (what the codec needs to bound slot sums).
     l2_sensitivity : largest L2 norm of the change of the whole block when one
-        record is added or removed.
+        record is added or removed; also the block's *clip unit*: owners release
+        the block in multiples of it (times 2^-f), so that one record's
+        add/remove change is at most 1 in every block.
     """
 
     name: str
@@ -230,6 +252,15 @@ class StatisticsSpec:
     def max_abs_per_record(self) -> float:
         """Largest |entry| one record can contribute, over all sections: max(c², c, 1)."""
         return max(section.max_abs_per_record for section in self.sections)
+
+    def l2_sensitivity_under(self, neighbouring: Neighbouring) -> float:
+        """Joint L2 sensitivity in clip units when every section has the same noise.
+
+        √(worst_case_change(kind, (1, 1, 1), relation)): √4.5 = 2.121 for PCA and
+        √6 = 2.449 for DCA, under either relation (the swap of a capped owner under
+        add/remove; the replacement itself under replace-one).
+        """
+        return math.sqrt(worst_case_change(self.kind, (1.0, 1.0, 1.0), neighbouring))
 
     def l2_sensitivity_scaled(self, scales: Sequence[float]) -> float:
         """Joint sensitivity after multiplying section s by ``scales[s]``.
@@ -416,6 +447,213 @@ class SufficientStatistics:
             self.class_sums + other.class_sums,
             self.class_counts + other.class_counts,
         )
+
+
+def worst_case_change(
+    kind: QueryKind, inverse_variances: Sequence[float], neighbouring: Neighbouring
+) -> float:
+    """Largest Σ_j ‖Δq_j‖² w_j of one neighbouring change, in clip units.
+
+    Parameters
+    ----------
+    kind : pca or dca (the sections are scatter, sums, counts or their class forms).
+    inverse_variances : w_j = 1/σ_j² of the three sections, σ_j in clip units; every
+        w_j must be > 0.
+    neighbouring : the relation whose changes must be covered.
+
+    Returns
+    -------
+    float
+        The bound 1/z² of the release whose noise has these variances: z = 1/√(result)
+        is its noise multiplier.
+
+    Notes
+    -----
+    With ‖x‖, ‖y‖ <= 1 (clip units) and t = ⟨x, y⟩ (a = w_scatter, b = w_sums,
+    g = w_counts):
+
+    * add/remove x: a + b + g (x = e_1 attains it);
+    * swap y -> x, same class (PCA, or DCA within a class): the upper triangle of
+      xxᵀ − yyᵀ has squared norm at most ‖xxᵀ − yyᵀ‖_F² = ‖x‖⁴ + ‖y‖⁴ − 2t² <= 2 − 2t²,
+      and ‖x − y‖² <= 2 − 2t; maximising a(2 − 2t²) + b(2 − 2t) over t in [−1, 1]
+      gives 2a + 2b + b²/(2a) at t = −b/(2a) when b <= 2a, else 4b at t = −1;
+    * swap between classes (DCA): the class-sum rows move by x and −y
+      (‖x‖² + ‖y‖² <= 2), two counts by ±1, the scatter as above with t = 0:
+      2a + 2b + 2g.
+
+    Add/remove adjacency needs the add case and the swaps (an owner at its record cap
+    samples: one added record displaces another). Replace-one needs the swaps, and
+    for DCA the add case too (a replaced record whose label is not public was left out).
+    """
+    if len(inverse_variances) != 3:
+        raise ConfigError(f"need 3 inverse variances, got {len(inverse_variances)}")
+    a, b, g = (float(w) for w in inverse_variances)
+    if not all(math.isfinite(w) and w > 0 for w in (a, b, g)):
+        raise ConfigError(f"inverse variances must be finite and > 0, got {(a, b, g)}")
+    add = a + b + g
+    swap = 2 * a + 2 * b + b * b / (2 * a) if b <= 2 * a else 4 * b
+    cases = [swap]
+    if kind is QueryKind.DCA:
+        cases.append(2 * a + 2 * b + 2 * g)
+    if neighbouring is Neighbouring.ADD_REMOVE or kind is QueryKind.DCA:
+        cases.append(add)
+    return max(cases)
+
+
+ROW_BITS_MAX = 20
+"""Largest number of fractional bits of a quantised row coordinate (see row_bits)."""
+
+
+def row_bits(frac_bits: int) -> int:
+    """Fractional bits g of each coordinate of a quantised row: min(f // 2, 20).
+
+    Products of two coordinates then sit on the 2^(2g) grid, at most f, and a block
+    of up to 2^(53 − 2g) >= 8192 rows sums them exactly in float64 (every partial sum
+    is an integer below 2^53).
+    """
+    return min(frac_bits // 2, ROW_BITS_MAX)
+
+
+def quantize_unit_rows(unit_rows: FloatArray, bits: int) -> npt.NDArray[np.int64]:
+    """Rows with ‖u‖₂ <= 1 (up to float rounding) as integers q with ‖q‖₂ <= 2^bits exactly.
+
+    Each coordinate is truncated toward zero (|q_i| <= |u_i| 2^bits), which keeps the
+    norm; a row that float rounding left a hair above 1 has its largest |q_i| lowered
+    by 1 until Σ q_i² <= 4^bits holds in exact integer arithmetic.
+    """
+    q = np.trunc(np.ldexp(unit_rows, bits)).astype(np.int64)
+    limit = 1 << (2 * bits)
+    squared = np.einsum("ij,ij->i", q, q)
+    for r in np.flatnonzero(squared > limit):
+        row = q[r]
+        while int(np.dot(row, row)) > limit:
+            j = int(np.argmax(np.abs(row)))
+            row[j] -= np.sign(row[j])
+    return q
+
+
+@dataclass(frozen=True, eq=False)
+class FixedPointStatistics:
+    """Exact integer sufficient statistics in 2^-f clip units (what an owner releases).
+
+    Attributes
+    ----------
+    frac_bits : f.
+    scatter : (M, M) int64, Σ q qᵀ shifted onto the 2^f grid (symmetric).
+    sums : (M,) int64.
+    count : number of records (not scaled).
+    class_sums : (C, M) int64 or None (DCA).
+    class_counts : (C,) int64 or None (DCA, not scaled).
+    """
+
+    frac_bits: int
+    scatter: npt.NDArray[np.int64]
+    sums: npt.NDArray[np.int64]
+    count: int
+    class_sums: npt.NDArray[np.int64] | None = None
+    class_counts: npt.NDArray[np.int64] | None = None
+
+    def to_vector(self, spec: StatisticsSpec) -> npt.NDArray[np.int64]:
+        """The released integer vector, sections in ``spec.sections`` order (2^-f clip units)."""
+        f = self.frac_bits
+        parts = [np.asarray(upper_triangle(self.scatter), dtype=np.int64)]
+        if spec.kind is QueryKind.PCA:
+            parts += [self.sums, np.array([self.count << f], dtype=np.int64)]
+        else:
+            if self.class_sums is None or self.class_counts is None:
+                raise LayoutError("DCA statistics need class sums and class counts")
+            parts += [self.class_sums.reshape(-1), self.class_counts.astype(np.int64) << f]
+        return np.concatenate(parts).astype(np.int64)
+
+
+def fixed_point_statistics(
+    features: npt.ArrayLike,
+    labels: npt.ArrayLike | None,
+    query: QuerySpec,
+    *,
+    pad_to: int = 0,
+) -> FixedPointStatistics:
+    """Exact fixed-point statistics of raw records under a query (what an owner releases).
+
+    Each record is scaled with the query's public bounds and clipped to norm c
+    (:func:`fedpca.preprocess.preprocess_for_query`), divided by c, and quantised to
+    ``row_bits(f)`` fractional bits with ‖q‖ <= 1 *exactly*
+    (:func:`quantize_unit_rows`). The statistics of the quantised rows are then exact
+    integers: no rounding happens after quantisation, so one record changes each
+    section by at most 1 clip unit (2^f integer units) — the sensitivity the noise
+    is calibrated with, without any rounding slack.
+
+    Parameters
+    ----------
+    features : (N, M) raw records.
+    labels : (N,) labels for DCA, each one of ``query.class_labels``; None for PCA.
+    query : the public query (bounds, clip norm, kind, class labels, frac_bits).
+    pad_to : process at least this many rows, the extra ones all-zero and left out of
+        every statistic: the work done (and the time taken) depends on
+        max(N, pad_to) only, not on N.
+
+    Returns
+    -------
+    FixedPointStatistics
+    """
+    spec = StatisticsSpec.from_query(query)
+    x = np.asarray(features, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != spec.n_features:
+        raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")
+    n, m = x.shape
+    f = query.frac_bits
+    g = row_bits(f)
+    # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and a few MiB.
+    block = max(1, min(4096, 1 << (53 - 2 * g), max(64, (1 << 22) // m)))
+    total = max(n, pad_to)
+    gram = np.zeros((m, m), dtype=np.int64)
+    sums = np.zeros(m, dtype=np.int64)
+    class_index: npt.NDArray[np.int64] | None = None
+    class_sums: npt.NDArray[np.int64] | None = None
+    class_counts: npt.NDArray[np.int64] | None = None
+    if spec.kind is QueryKind.DCA:
+        if labels is None:
+            raise LayoutError("a DCA query needs a label for every record")
+        y = np.asarray(labels, dtype=np.float64).reshape(-1)
+        if y.shape != (n,):
+            raise LayoutError(f"{n} records but {y.shape[0]} labels")
+        lookup = {label: c for c, label in enumerate(spec.class_labels)}
+        try:
+            class_index = np.array([lookup[float(v)] for v in y], dtype=np.int64)
+        except KeyError:
+            raise LayoutError("every label must be one of the query's class labels") from None
+        class_sums = np.zeros((spec.n_classes, m), dtype=np.int64)
+        class_counts = np.zeros(spec.n_classes, dtype=np.int64)
+    buffer = np.zeros((block, m), dtype=np.float64)
+    inverse_clip = 1.0 / query.clip_norm
+    for start in range(0, total, block):
+        size = min(block, total - start)
+        real = max(0, min(size, n - start))
+        buffer[:real] = x[start : start + real]
+        buffer[real:] = 0.0
+        # The same work for real and padding rows; padding is zeroed after scaling.
+        unit = preprocess_for_query(buffer[:size], query) * inverse_clip
+        q = quantize_unit_rows(unit, g)
+        q[real:] = 0
+        qf = q.astype(np.float64)
+        gram += (qf.T @ qf).astype(np.int64)
+        sums += q.sum(axis=0)
+        if class_index is not None and class_sums is not None and class_counts is not None:
+            onehot = np.zeros((size, spec.n_classes), dtype=np.float64)
+            onehot[np.arange(real), class_index[start : start + real]] = 1.0
+            class_sums += (onehot.T @ qf).astype(np.int64)
+            class_counts += onehot.sum(axis=0).astype(np.int64)
+    scatter = gram << (f - 2 * g)
+    if class_sums is not None:
+        class_sums = class_sums << (f - g)
+    return FixedPointStatistics(
+        frac_bits=f,
+        scatter=scatter,
+        sums=sums << (f - g),
+        count=n,
+        class_sums=class_sums,
+        class_counts=class_counts,
+    )
 
 
 def sum_statistics(parts: Iterable[SufficientStatistics]) -> SufficientStatistics:

@@ -22,15 +22,16 @@ bound (the codec refuses otherwise), so a slot that wrapped is an error, never a
 silently wrong statistic.
 
 Stats mode
-    One block ``shares``: decrypt, unpack, decode fixed point (2^f units) and
-    read back the noisy :class:`~fedpca.stats.SufficientStatistics`.
+    One block ``shares``: decrypt, unpack, decode fixed point (2^-f clip units:
+    c² for the scatter, c for sums, 1 for counts) and read back the noisy
+    :class:`~fedpca.stats.SufficientStatistics`.
 
 Masked mode
     ``scatter_rows`` holds T = N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E (2^(2f)
-    units, row-aligned upper triangle) and ``masked_sum`` holds v′ = v + b (2^f
-    units).  Then T − v′v′ᵀ = 2^(2f) (N R − v vᵀ + N E), so
+    units, row-aligned upper triangle, R and E in c², v in c) and ``masked_sum``
+    holds v′ = v + b (2^f units).  Then T − v′v′ᵀ = 2^(2f) (N R − v vᵀ + N E), so
 
-        (S + E)_ij = (T_ij − v′_i v′_j) / (N · 2^(2f)),
+        (S + E)_ij = c² (T_ij − v′_i v′_j) / (N · 2^(2f)),
 
     computed in exact integer arithmetic with one correctly rounded division,
     where N is the public record count the proxy reports with the result.
@@ -54,7 +55,6 @@ from fedpca.analyst.solvers import (
     pca_from_centred_scatter,
     pca_from_statistics,
 )
-from fedpca.codec.fixed_point import decode_fixed_point
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.packing import check_owner_count, owner_value_bound, unpack_slots
 from fedpca.codec.paillier import CryptoPool
@@ -478,6 +478,7 @@ def decrypt_result(
             count,
             query.frac_bits,
         )
+        scatter *= query.clip_norm * query.clip_norm  # clip units -> real units
         scatter.setflags(write=False)
         return DecodedRelease(
             query=query,
@@ -496,8 +497,7 @@ def decrypt_result(
     # share that broke its declared bound shows up as an error here.
     bound = result.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
     values = _decrypt_blocks(result, private_key, plan, {SHARES: bound}, pool, progress)
-    real = decode_fixed_point(values[SHARES], query.frac_bits)
-    statistics = plan.statistics_from_values(real)
+    statistics = plan.statistics_from_integers(values[SHARES])
     return DecodedRelease(
         query=query,
         plan=plan,

@@ -1,18 +1,26 @@
 """Composition of Gaussian releases against a total (epsilon, delta) budget.
 
 Each release in a ledger is a Gaussian mechanism characterised by its noise
-multiplier z (see :mod:`fedpca.dp.mechanisms`). The budget question "may this
-analyst receive one more release?" is answered by composing every past release
-plus the proposed one with Google's dp_accounting library and reading off epsilon
-at the budget's delta:
+multiplier z (see :mod:`fedpca.dp.mechanisms`), stated under one neighbouring
+relation. The budget question "may this analyst (or this owner's data) take one more
+release?" is answered by composing every past release plus the proposed one and
+reading off epsilon at the budget's delta:
 
-* **PLD** (privacy loss distributions, the primary answer): numerically tight for
-  Gaussian compositions; dp_accounting's pessimistic discretisation makes its
-  epsilon an upper bound.
-* **RDP** (Renyi DP, the cross-check): a looser but simple, proven upper bound.
-  Both are upper bounds on the same true epsilon, so RDP may exceed PLD but should
-  never undercut it by more than PLD's discretisation error; a larger gap means a
-  numerical problem and is logged.
+* **zcdp** (the default, proven for the mechanism fedpca runs): each release is
+  rho-zCDP with rho = 1/(2 z^2), for the discrete Gaussian exactly as for the
+  continuous one (Canonne, Kamath & Steinke 2020); rho adds up under composition, so
+  a ledger is one Gaussian with z = (sum z_i^-2)^(-1/2), converted to (epsilon, delta)
+  by dp_accounting's RDP accountant with the best known conversion.
+* **pld-continuous** (labelled option): dp_accounting's privacy-loss-distribution
+  accountant, numerically tight for the *continuous* Gaussian; for the discrete
+  sampler it is a close approximation, not a proof (docs/privacy.md).
+
+Additive delta terms (``PrivacyEvent.delta_extra``, e.g. the masked mode's
+statistical mask) are subtracted from the budget's delta before the Gaussian part is
+converted: the total failure probability is the Gaussian part's delta plus theirs.
+
+A ledger is kept under one neighbouring relation (the deployment's); an event
+recorded under another relation is refused, never mixed in.
 
 Epsilon is not additive under composition, so the "remaining" epsilon a decision
 reports is for display only: every check recomposes the whole ledger.
@@ -23,7 +31,8 @@ an infinite epsilon: such a ledger only fits an infinite budget.
 The PLD accountant has a floor, :data:`MIN_NOISE_MULTIPLIER`: a release (or a
 composition) with less noise than that is refused with a
 :class:`~fedpca.errors.CalibrationError` that names the limit, instead of exhausting
-the memory of the process that checks the budget.
+the memory of the process that checks the budget. The zcdp accountant is closed form
+and has no floor.
 """
 
 from __future__ import annotations
@@ -38,11 +47,11 @@ from typing import TypeAlias
 
 from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
-from dp_accounting.rdp import RdpAccountant
 
-from fedpca.dp.calibration import gaussian_epsilon
+from fedpca.dp.calibration import gaussian_epsilon, zcdp_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, ConfigError
+from fedpca.query import Neighbouring
 
 __all__ = [
     "MIN_NOISE_MULTIPLIER",
@@ -51,6 +60,7 @@ __all__ = [
     "check_budget",
     "compose_epsilon",
     "composed_noise_multiplier",
+    "extra_delta",
     "max_epsilon_per_release",
     "require_budget",
     "to_dp_event",
@@ -79,12 +89,37 @@ CalibrationError naming this limit. The RDP accountant (closed form) has no floo
 
 
 class Accountant(StrEnum):
-    PLD = "pld"
-    RDP = "rdp"
+    ZCDP = "zcdp"
+    """Default: rho-zCDP of the discrete Gaussian, converted by dp_accounting's RDP
+    accountant (a proven bound)."""
+    PLD_CONTINUOUS = "pld-continuous"
+    """dp_accounting's PLD accountant for the continuous Gaussian (labelled option)."""
 
 
 Release: TypeAlias = PrivacyEvent | float
 """A ledger entry: a recorded event, or just its noise multiplier z."""
+
+
+def extra_delta(releases: Iterable[Release]) -> float:
+    """Sum of the additive delta terms of the releases (plain z values have none)."""
+    return math.fsum(r.delta_extra for r in releases if isinstance(r, PrivacyEvent))
+
+
+def _gaussian_delta(releases: Sequence[Release], delta: float) -> float:
+    """The delta left for the Gaussian part once the additive terms are paid (may be <= 0)."""
+    return delta - extra_delta(releases)
+
+
+def _check_relation(releases: Iterable[Release], neighbouring: Neighbouring | None) -> None:
+    if neighbouring is None:
+        return
+    for release in releases:
+        if isinstance(release, PrivacyEvent) and release.neighbouring is not neighbouring:
+            raise ConfigError(
+                f"release {release.query_id!r} is accounted under {release.neighbouring.value} "
+                f"adjacency, but this ledger is kept under {neighbouring.value}; the two are "
+                "never composed"
+            )
 
 
 def _noise_multiplier(release: Release) -> float:
@@ -171,7 +206,11 @@ def _check_release_floor(release: Release, z: float, fallback_delta: float) -> N
 
 
 def compose_epsilon(
-    releases: Iterable[Release], delta: float, accountant: Accountant | str = Accountant.PLD
+    releases: Iterable[Release],
+    delta: float,
+    accountant: Accountant | str = Accountant.ZCDP,
+    *,
+    neighbouring: Neighbouring | None = None,
 ) -> float:
     """Epsilon at ``delta`` of the composition of Gaussian releases.
 
@@ -180,45 +219,50 @@ def compose_epsilon(
     releases : iterable of PrivacyEvent or float
         Past releases, or their noise multipliers z.
     delta : float
-        In ``(0, 1)``.
-    accountant : {"pld", "rdp"}
+        In ``(0, 1)``: the total delta; the releases' additive terms are paid from it.
+    accountant : {"zcdp", "pld-continuous"}
+    neighbouring : the ledger's relation; events of another relation are refused.
 
     Returns
     -------
     float
-        ``0.0`` for an empty ledger, ``inf`` if any release had z = 0.
+        ``0.0`` for an empty ledger, ``inf`` if any release had z = 0 or the additive
+        delta terms use up ``delta``.
 
     Raises
     ------
     CalibrationError
-        PLD only: the composition's noise multiplier is below
+        pld-continuous only: the composition's noise multiplier is below
         :data:`MIN_NOISE_MULTIPLIER`.
+    ConfigError
+        An event of another neighbouring relation than ``neighbouring``.
     """
     if math.isnan(delta) or not 0 < delta < 1:
         raise ConfigError(f"delta must be in (0, 1), got {delta!r}")
     kind = _accountant(accountant)
-    multipliers = [_noise_multiplier(r) for r in releases]
+    listed = list(releases)
+    _check_relation(listed, neighbouring)
+    multipliers = [_noise_multiplier(r) for r in listed]
     if not multipliers:
         return 0.0
     if any(z == 0 for z in multipliers):
         return math.inf
+    gaussian_delta = _gaussian_delta(listed, delta)
+    if gaussian_delta <= 0:
+        return math.inf
     z_composed = composed_noise_multiplier(multipliers)
-    if kind is Accountant.PLD and z_composed < MIN_NOISE_MULTIPLIER:
+    if kind is Accountant.ZCDP:
+        # rho adds up: the ledger is one Gaussian with z_composed, for every order alpha.
+        return zcdp_epsilon(z_composed, gaussian_delta)
+    if z_composed < MIN_NOISE_MULTIPLIER:
         what = "one release" if len(multipliers) == 1 else f"{len(multipliers)} composed releases"
-        raise CalibrationError(f"{what}: {_floor_message(z_composed, delta)}")
-    if kind is Accountant.PLD:
-        # The composition of Gaussian releases *is* one Gaussian release with
-        # z_composed (their privacy-loss distributions are Gaussian and add), so PLD
-        # accounts for that single event: exact, and one PLD per check whatever the
-        # ledger's length (convolution would cost one more per distinct z).
-        engine: PLDAccountant | RdpAccountant = PLDAccountant()
-        engine.compose(dp_event.GaussianDpEvent(z_composed))
-    else:
-        # RDP, the cross-check, composes the releases one by one (curves add up),
-        # independently of the closed form above.
-        engine = RdpAccountant()
-        engine.compose(to_dp_event(multipliers))
-    return float(engine.get_epsilon(delta))
+        raise CalibrationError(f"{what}: {_floor_message(z_composed, gaussian_delta)}")
+    # The composition of Gaussian releases *is* one Gaussian release with z_composed
+    # (their privacy-loss distributions are Gaussian and add), so PLD accounts for
+    # that single event: exact, and one PLD per check whatever the ledger's length.
+    engine = PLDAccountant()
+    engine.compose(dp_event.GaussianDpEvent(z_composed))
+    return float(engine.get_epsilon(gaussian_delta))
 
 
 @dataclass(frozen=True)
@@ -267,8 +311,9 @@ def check_budget(
     ledger: Sequence[Release],
     proposed: Release,
     budget: PrivacyParams,
-    accountant: Accountant | str = Accountant.PLD,
+    accountant: Accountant | str = Accountant.ZCDP,
     *,
+    neighbouring: Neighbouring | None = None,
     cross_check: bool = True,
 ) -> BudgetDecision:
     """Decide whether ``proposed`` may be released after ``ledger`` within ``budget``.
@@ -281,11 +326,14 @@ def check_budget(
         The release being asked for (or its z).
     budget : PrivacyParams
         Total (epsilon, delta). ``epsilon = inf`` accepts everything.
-    accountant : {"pld", "rdp"}
-        Primary accountant (PLD by default).
+    accountant : {"zcdp", "pld-continuous"}
+        Primary accountant (zcdp by default).
+    neighbouring : the ledger's relation; events of another relation are refused.
     cross_check : bool
-        With PLD primary, also compose with RDP and log a warning if RDP reports a
-        smaller epsilon than PLD beyond the numerical slack.
+        With pld-continuous primary, also compose with zcdp and log a warning if it
+        reports a smaller epsilon than PLD beyond the numerical slack (both bound the
+        continuous Gaussian's epsilon from above; a smaller zcdp value means a numerical
+        problem in the PLD).
 
     Returns
     -------
@@ -294,15 +342,19 @@ def check_budget(
     Raises
     ------
     CalibrationError
-        PLD only: the proposed release has a noise multiplier below
+        pld-continuous only: the proposed release has a noise multiplier below
         :data:`MIN_NOISE_MULTIPLIER` (whatever the budget), or its composition with
         the ledger has, and the budget is not already exceeded by that composition
         (e.g. an infinite budget).
+    ConfigError
+        An event of another neighbouring relation than ``neighbouring``.
     """
     kind = _accountant(accountant)
+    _check_relation([*ledger, proposed], neighbouring)
     multipliers = [_noise_multiplier(r) for r in ledger]
     z_new = _noise_multiplier(proposed)
-    if kind is Accountant.PLD:
+    after_releases = [*ledger, proposed]
+    if kind is Accountant.PLD_CONTINUOUS:
         _check_release_floor(proposed, z_new, budget.delta)
     if math.isinf(budget.epsilon):
         # An unlimited budget accepts everything; spent values are still reported when
@@ -310,36 +362,42 @@ def check_budget(
         spent = (math.nan, math.nan)
         if 0 < budget.delta < 1:
             spent = (
-                compose_epsilon(multipliers, budget.delta, kind),
-                compose_epsilon([*multipliers, z_new], budget.delta, kind),
+                compose_epsilon(ledger, budget.delta, kind),
+                compose_epsilon(after_releases, budget.delta, kind),
             )
         return BudgetDecision(True, budget, spent[0], spent[1], math.inf, kind)
-    before = compose_epsilon(multipliers, budget.delta, kind)
+    before = compose_epsilon(ledger, budget.delta, kind)
     z_after = composed_noise_multiplier([*multipliers, z_new])
-    beyond_pld = kind is Accountant.PLD and 0 < z_after < MIN_NOISE_MULTIPLIER
-    if beyond_pld:
+    beyond_pld = kind is Accountant.PLD_CONTINUOUS and 0 < z_after < MIN_NOISE_MULTIPLIER
+    gaussian_delta = _gaussian_delta(after_releases, budget.delta)
+    if beyond_pld and gaussian_delta > 0:
         # Each release is accountable but the composition is not. Its epsilon is that
         # of one Gaussian with z_after (closed form, exact for Gaussians); a budget
         # below it refuses the release as usual, anything else cannot be accounted.
-        after = gaussian_epsilon(z_after, budget.delta)
+        after = gaussian_epsilon(z_after, gaussian_delta)
         if after <= budget.epsilon:
             raise CalibrationError(
                 f"{len(multipliers) + 1} composed releases: "
-                f"{_floor_message(z_after, budget.delta)}; a budget of epsilon="
+                f"{_floor_message(z_after, gaussian_delta)}; a budget of epsilon="
                 f"{budget.epsilon:g} cannot be accounted for"
             )
     else:
-        after = compose_epsilon([*multipliers, z_new], budget.delta, kind)
+        after = compose_epsilon(after_releases, budget.delta, kind)
     # Requiring before < total as well keeps an exactly-full ledger closed even if
     # a very weak release did not move the composed epsilon in floating point.
     fits = after <= budget.epsilon and before < budget.epsilon
     remaining = budget.epsilon - (after if fits else before)
     cross: float | None = None
-    if cross_check and kind is Accountant.PLD and math.isfinite(after) and not beyond_pld:
-        cross = compose_epsilon([*multipliers, z_new], budget.delta, Accountant.RDP)
+    if (
+        cross_check
+        and kind is Accountant.PLD_CONTINUOUS
+        and math.isfinite(after)
+        and not beyond_pld
+    ):
+        cross = compose_epsilon(after_releases, budget.delta, Accountant.ZCDP)
         if cross < after - CROSS_CHECK_SLACK_ABS - CROSS_CHECK_SLACK_REL * after:
             logger.warning(
-                "RDP epsilon %.6g is below PLD epsilon %.6g at delta=%g: numerical problem "
+                "zcdp epsilon %.6g is below PLD epsilon %.6g at delta=%g: numerical problem "
                 "in the PLD accountant",
                 cross,
                 after,
@@ -370,9 +428,11 @@ def require_budget(
     ledger: Sequence[Release],
     proposed: Release,
     budget: PrivacyParams,
-    accountant: Accountant | str = Accountant.PLD,
+    accountant: Accountant | str = Accountant.ZCDP,
+    *,
+    neighbouring: Neighbouring | None = None,
 ) -> BudgetDecision:
     """:func:`check_budget`, raising :class:`BudgetExceededError` if it does not fit."""
-    decision = check_budget(ledger, proposed, budget, accountant)
+    decision = check_budget(ledger, proposed, budget, accountant, neighbouring=neighbouring)
     decision.raise_if_exceeded()
     return decision

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fedpca.errors import ConfigError
-from fedpca.query import Calibration
+from fedpca.query import Calibration, Neighbouring
 
 __all__ = ["GaussianMechanism", "PrivacyEvent", "PrivacyParams"]
 
@@ -104,7 +104,7 @@ class GaussianMechanism:
         cls,
         params: PrivacyParams,
         l2_sensitivity: float,
-        calibration: Calibration = Calibration.ANALYTIC,
+        calibration: Calibration = Calibration.ZCDP,
     ) -> GaussianMechanism:
         """The mechanism with the smallest sigma meeting ``params`` for this sensitivity.
 
@@ -161,11 +161,23 @@ class PrivacyEvent:
     analyst : str
         Who received it (the budget is per analyst and per data owner).
     noise_multiplier : float
-        ``z = sigma / l2_sensitivity`` of the (possibly section-allocated) Gaussian
-        release; ``0`` for the NOT PRIVATE verification mode.
+        ``z``: the release's noise, per section, divided by the largest change one
+        neighbouring pair (under ``neighbouring``) makes to it (docs/privacy.md,
+        "Sensitivities"); ``0`` for the NOT PRIVATE verification mode. Accounting
+        needs nothing else from a Gaussian release.
     epsilon, delta : float
         The per-release target the noise was calibrated for (informative: budgets
         are checked by composing noise multipliers, not by adding epsilons).
+    neighbouring : Neighbouring
+        The relation z was computed under; a ledger composes only events of its own
+        deployment's relation.
+    sensitivity : float
+        The release's L2 sensitivity under ``neighbouring``, in the units of its
+        noise's standard deviation ``sigma = z * sensitivity`` (the first section's
+        sigma; the default split gives every section the same sigma at clip norm 1).
+    delta_extra : float
+        delta spent outside the Gaussian part (the masked mode's statistical mask,
+        M 2^-40); composition adds these terms linearly.
     timestamp : float
         POSIX seconds (UTC) of the release; defaults to now.
 
@@ -181,6 +193,9 @@ class PrivacyEvent:
     noise_multiplier: float
     epsilon: float
     delta: float
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
+    sensitivity: float = 1.0
+    delta_extra: float = 0.0
     timestamp: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -188,6 +203,12 @@ class PrivacyEvent:
             raise ConfigError("PrivacyEvent: query_id must be non-empty")
         if not self.analyst:
             raise ConfigError("PrivacyEvent: analyst must be non-empty")
+        try:
+            object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))
+        except ValueError:
+            raise ConfigError(
+                f"PrivacyEvent: unknown neighbouring relation {self.neighbouring!r}"
+            ) from None
         z = self.noise_multiplier
         if not (math.isfinite(z) and z >= 0):
             raise ConfigError(f"PrivacyEvent: noise_multiplier must be finite and >= 0, got {z!r}")
@@ -196,6 +217,14 @@ class PrivacyEvent:
             raise ConfigError(
                 "PrivacyEvent: noise_multiplier = 0 (no noise) goes with epsilon = inf and only "
                 f"then; got noise_multiplier={z!r}, epsilon={self.epsilon!r}"
+            )
+        if not (math.isfinite(self.sensitivity) and self.sensitivity > 0):
+            raise ConfigError(
+                f"PrivacyEvent: sensitivity must be finite and > 0, got {self.sensitivity!r}"
+            )
+        if not (math.isfinite(self.delta_extra) and 0 <= self.delta_extra < 1):
+            raise ConfigError(
+                f"PrivacyEvent: delta_extra must be in [0, 1), got {self.delta_extra!r}"
             )
         if not math.isfinite(self.timestamp):
             raise ConfigError(f"PrivacyEvent: timestamp must be finite, got {self.timestamp!r}")
@@ -210,7 +239,9 @@ class PrivacyEvent:
 
     def to_dict(self) -> dict[str, Any]:
         """Field name -> value, floats kept as floats (``inf`` included)."""
-        return asdict(self)
+        record = asdict(self)
+        record["neighbouring"] = self.neighbouring.value
+        return record
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> PrivacyEvent:
@@ -221,9 +252,10 @@ class PrivacyEvent:
         ConfigError
             On missing or unknown keys, or values of the wrong type.
         """
-        expected = {"query_id", "analyst", "noise_multiplier", "epsilon", "delta", "timestamp"}
-        missing = expected - record.keys()
-        unknown = record.keys() - expected
+        required = {"query_id", "analyst", "noise_multiplier", "epsilon", "delta", "timestamp"}
+        optional = {"neighbouring", "sensitivity", "delta_extra"}
+        missing = required - record.keys()
+        unknown = record.keys() - required - optional
         if missing or unknown:
             raise ConfigError(
                 f"PrivacyEvent record: missing keys {sorted(missing)}, "
@@ -232,6 +264,14 @@ class PrivacyEvent:
         for name in ("query_id", "analyst"):
             if not isinstance(record[name], str):
                 raise ConfigError(f"PrivacyEvent field {name!r} must be a string")
+        extra: dict[str, Any] = {}
+        if "neighbouring" in record:
+            if not isinstance(record["neighbouring"], str):
+                raise ConfigError("PrivacyEvent field 'neighbouring' must be a string")
+            extra["neighbouring"] = record["neighbouring"]
+        for name in ("sensitivity", "delta_extra"):
+            if name in record:
+                extra[name] = _float_from_record(name, record[name])
         return cls(
             query_id=record["query_id"],
             analyst=record["analyst"],
@@ -239,6 +279,7 @@ class PrivacyEvent:
             epsilon=_float_from_record("epsilon", record["epsilon"]),
             delta=_float_from_record("delta", record["delta"]),
             timestamp=_float_from_record("timestamp", record["timestamp"]),
+            **extra,
         )
 
     def to_json(self) -> str:

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from google.protobuf import timestamp_pb2
 
 from fedpca.errors import CiphertextError, ConfigError, LayoutError, ProtocolError
-from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
@@ -92,8 +92,13 @@ _MODE_TO_PROTO: dict[ProtocolMode, query_pb.ProtocolMode] = {
     ProtocolMode.MASKED: query_pb.PROTOCOL_MODE_MASKED,
 }
 _CALIBRATION_TO_PROTO: dict[Calibration, query_pb.Calibration] = {
+    Calibration.ZCDP: query_pb.CALIBRATION_ZCDP,
     Calibration.ANALYTIC: query_pb.CALIBRATION_ANALYTIC,
     Calibration.CLASSIC: query_pb.CALIBRATION_CLASSIC,
+}
+_NEIGHBOURING_TO_PROTO: dict[Neighbouring, query_pb.Neighbouring] = {
+    Neighbouring.ADD_REMOVE: query_pb.NEIGHBOURING_ADD_REMOVE,
+    Neighbouring.REPLACE_ONE: query_pb.NEIGHBOURING_REPLACE_ONE,
 }
 
 
@@ -180,6 +185,7 @@ def _invert(mapping: Mapping[_E, _W]) -> dict[_W, _E]:
 _KIND_FROM_PROTO = _invert(_KIND_TO_PROTO)
 _MODE_FROM_PROTO = _invert(_MODE_TO_PROTO)
 _CALIBRATION_FROM_PROTO = _invert(_CALIBRATION_TO_PROTO)
+_NEIGHBOURING_FROM_PROTO = _invert(_NEIGHBOURING_TO_PROTO)
 _OBFUSCATION_FROM_PROTO = _invert(_OBFUSCATION_TO_PROTO)
 _DECLINE_FROM_PROTO = _invert(_DECLINE_TO_PROTO)
 _UPLOAD_STATUS_FROM_PROTO = _invert(_UPLOAD_STATUS_TO_PROTO)
@@ -305,6 +311,7 @@ def query_spec_to_proto(spec: QuerySpec) -> query_pb.QuerySpec:
         epsilon=spec.epsilon,
         delta=spec.delta,
         calibration=_CALIBRATION_TO_PROTO[spec.calibration],
+        neighbouring=_NEIGHBOURING_TO_PROTO[spec.neighbouring],
         mode=_MODE_TO_PROTO[spec.mode],
         n_components=spec.n_components,
         quorum=spec.quorum,
@@ -354,6 +361,10 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
     if message.calibration != query_pb.CALIBRATION_UNSPECIFIED:
         kwargs["calibration"] = _enum_from_proto(
             message.calibration, _CALIBRATION_FROM_PROTO, f"{what}.calibration"
+        )
+    if message.neighbouring != query_pb.NEIGHBOURING_UNSPECIFIED:
+        kwargs["neighbouring"] = _enum_from_proto(
+            message.neighbouring, _NEIGHBOURING_FROM_PROTO, f"{what}.neighbouring"
         )
     if message.mode != query_pb.PROTOCOL_MODE_UNSPECIFIED:
         kwargs["mode"] = _enum_from_proto(message.mode, _MODE_FROM_PROTO, f"{what}.mode")

@@ -1,21 +1,28 @@
 """From the owner's table to encrypted, packed statistics for one query (no gRPC).
 
-The pipeline of one task, in order:
+The pipeline of one task, in order. Once the owner has decided to take part (from
+public facts only: :mod:`fedpca.owner.policy` and the budget), nothing here can
+refuse: whatever the rows hold, the owner uploads a share of the agreed shape.
 
 1. pick the query's columns from the table loaded at start-up
    (:meth:`LocalTable.table_for`; the label column is dropped for PCA and
-   used for DCA);
-2. refuse before any work if the table has more records than the query's
-   public ``max_records_per_owner``: the slot width was sized for that many, and
-   an owner that exceeded it could carry into the next slot of the sum;
-3. scale with the query's public bounds and clip rows
-   (:func:`~fedpca.preprocess.preprocess_for_query`);
-4. local sufficient statistics, laid out per owner block by the release plan;
-5. stochastic fixed-point encoding with the query's ``frac_bits``;
-6. check every block against its declared bound, then pack and encrypt
-   (all blocks are checked before the first ciphertext is computed).
+   used for DCA); a schema that does not fit (feature count, label column) is a
+   public fact, checked before the budget;
+2. :func:`contributed_rows`: for DCA leave out records whose label is not one of
+   the query's public classes; if more records remain than the public cap
+   (the query's ``max_records_per_owner`` or this owner's declared capacity,
+   whichever is smaller), keep a uniform random sample of exactly that many. The
+   sensitivity the noise is calibrated with covers both (a record left out, or one
+   record displacing another: :func:`fedpca.stats.worst_case_change`);
+3. :func:`fedpca.stats.fixed_point_statistics`: scale with the query's public bounds
+   (values outside are clipped to them), clip rows to the query's norm, quantise,
+   and sum exactly on the fixed-point grid, always over ``cap`` rows (zero rows pad
+   the real ones), so the time taken depends on the public cap, not on the data;
+4. lay the integers out per owner block; they are within the block's bound by
+   construction (checked once more before anything is encrypted);
+5. pack and encrypt.
 
-Nothing here logs values derived from the rows.
+Nothing here logs values or counts derived from the rows.
 """
 
 from __future__ import annotations
@@ -35,19 +42,20 @@ from phe import paillier
 from fedpca.codec.ciphertext import PackedCiphertexts
 from fedpca.codec.paillier import DEFAULT_OBFUSCATION, CryptoPool, Obfuscation
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError, PolicyError
-from fedpca.owner.config import DataConfig, OutOfBounds
-from fedpca.owner.statistics import local_statistics
-from fedpca.preprocess import preprocess_for_query
+from fedpca.owner.config import DataConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
+from fedpca.stats import fixed_point_statistics
 from fedpca.tables import OwnerTable, load_table
 
 __all__ = [
     "EncryptionProgress",
     "LocalTable",
     "analyst_public_key",
+    "contributed_rows",
     "encode_share",
     "encrypt_share",
+    "record_cap",
     "spec_digest",
 ]
 
@@ -108,13 +116,14 @@ class LocalTable:
     def table_for(self, spec: QuerySpec) -> OwnerTable:
         """Features (and labels for DCA) of this table as ``spec`` needs them.
 
+        Only the table's schema is checked (its column count and configured label
+        column, public facts the owner could declare); the records are not looked at.
+
         Raises
         ------
         PolicyError
-            If the query's feature count does not match this owner's data, its
-            label column does not exist or differs from the configured one, or
-            the data holds labels outside the query's public class labels. The
-            messages name counts and columns, never values.
+            If the query's feature count does not match this owner's columns, or its
+            label column does not exist or differs from the configured one.
         """
         if spec.kind is QueryKind.DCA:
             label = spec.label_column if spec.label_column is not None else self.label_column
@@ -149,12 +158,6 @@ class LocalTable:
             )
         if spec.kind is QueryKind.DCA:
             assert labels is not None
-            unknown = ~np.isin(labels, np.asarray(spec.class_labels, dtype=np.float64))
-            if unknown.any():
-                raise PolicyError(
-                    f"query {spec.query_id!r}: {int(unknown.sum())} of this owner's records carry "
-                    f"labels outside the query's {len(spec.class_labels)} public class labels"
-                )
             return OwnerTable(np.ascontiguousarray(features), labels.copy())
         return OwnerTable(np.ascontiguousarray(features), None)
 
@@ -171,23 +174,61 @@ def spec_digest(spec: QuerySpec) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def record_cap(spec: QuerySpec, capacity: int) -> int:
+    """The most records this owner contributes to ``spec``: the smaller public bound."""
+    if capacity < 1:
+        raise ConfigError(f"an owner's declared capacity must be >= 1, got {capacity}")
+    return min(spec.max_records_per_owner, capacity)
+
+
+def contributed_rows(
+    table: OwnerTable, spec: QuerySpec, cap: int, rng: np.random.Generator | None = None
+) -> OwnerTable:
+    """The records that enter this owner's statistics for ``spec``.
+
+    DCA: records whose label is not one of the query's public class labels are left
+    out. Then, if more than ``cap`` records remain, a uniform sample of exactly
+    ``cap`` of them (without replacement) is kept. Neither step refuses anything.
+
+    Parameters
+    ----------
+    table : the owner's features and labels for the query (:meth:`LocalTable.table_for`).
+    spec : the public query.
+    cap : :func:`record_cap`.
+    rng : sampling randomness (tests only; fresh from the OS by default). It must stay
+        secret: the sample is part of the mechanism.
+    """
+    features, labels = table.features, table.labels
+    if spec.kind is QueryKind.DCA:
+        if labels is None:
+            raise LayoutError("a DCA query needs the owner's labels")
+        known = np.isin(labels, np.asarray(spec.class_labels, dtype=np.float64))
+        features, labels = features[known], labels[known]
+    if features.shape[0] > cap:
+        generator = rng if rng is not None else np.random.default_rng()
+        keep = np.sort(generator.choice(features.shape[0], size=cap, replace=False))
+        features = features[keep]
+        labels = None if labels is None else labels[keep]
+    return OwnerTable(features, labels)
+
+
 def encode_share(
     spec: QuerySpec,
     table: OwnerTable,
     plan: ReleasePlan,
     *,
-    out_of_bounds: OutOfBounds = "clip",
+    capacity: int,
     rng: np.random.Generator | None = None,
 ) -> dict[str, IntArray]:
-    """Fixed-point values of every owner block of ``plan``, checked against their bounds.
+    """Fixed-point values of every owner block of ``plan`` (exact, never refused).
 
     Parameters
     ----------
     spec : the public query.
     table : the owner's features (N, M) and labels (N,) for DCA.
     plan : ``ReleasePlan.for_query(spec, key_bits)``.
-    out_of_bounds : "clip" or "refuse" values outside the query's public bounds.
-    rng : source of the stochastic-rounding coins (tests only; fresh by default).
+    capacity : the owner's declared (public) capacity in records.
+    rng : sampling randomness (tests only; fresh from the OS by default).
 
     Returns
     -------
@@ -197,22 +238,13 @@ def encode_share(
     Raises
     ------
     EncodingOverflowError
-        If the table has more records than ``spec.max_records_per_owner`` or a
-        value exceeds its block's bound (checked for every block before returning).
-    DataError
-        If preprocessing refuses the rows (e.g. ``out_of_bounds="refuse"``).
+        Only if a value broke its block's bound, which the construction rules out:
+        it would be a bug, and nothing is encrypted.
     """
-    n_records = int(table.features.shape[0])
-    if n_records > spec.max_records_per_owner:
-        raise EncodingOverflowError(
-            f"query {spec.query_id!r}: this owner holds {n_records} records, more than the "
-            f"query's max_records_per_owner={spec.max_records_per_owner} that sizes the packed "
-            "slots; nothing was encrypted"
-        )
-    rows = preprocess_for_query(table.features, spec, out_of_bounds)
-    statistics = local_statistics(rows, table.labels, spec)
-    # Each statistic is rounded once, even where a block repeats it (masked mode).
-    values = plan.owner_integers(statistics, rng)
+    cap = record_cap(spec, capacity)
+    rows = contributed_rows(table, spec, cap, rng)
+    statistics = fixed_point_statistics(rows.features, rows.labels, spec, pad_to=cap)
+    values = plan.owner_integers(statistics)
     encoded: dict[str, IntArray] = {}
     for block in plan.owner_blocks:
         fixed = values[block.name]
@@ -221,11 +253,11 @@ def encode_share(
                 f"block {block.name!r}: {fixed.shape[0]} values, the layout declares "
                 f"{block.layout.value_count}"
             )
-        # Refuse here, naming the block but no value: the values are private.
         if fixed.size and int(np.abs(fixed).max()) > block.bound:
             raise EncodingOverflowError(
-                f"query {spec.query_id!r}: block {block.name!r} holds a value beyond its declared "
-                f"bound |value| <= {block.bound}; nothing was encrypted"
+                f"query {spec.query_id!r}: block {block.name!r} broke its declared bound "
+                f"{block.bound} (a bug: the statistics are bounded by construction); nothing "
+                "was encrypted"
             )
         encoded[block.name] = fixed
     return encoded
@@ -236,8 +268,8 @@ def encrypt_share(
     table: OwnerTable,
     pool: CryptoPool,
     *,
+    capacity: int,
     plan: ReleasePlan | None = None,
-    out_of_bounds: OutOfBounds = "clip",
     obfuscation: Obfuscation = DEFAULT_OBFUSCATION,
     progress: EncryptionProgress | None = None,
     rng: np.random.Generator | None = None,
@@ -249,26 +281,21 @@ def encrypt_share(
     spec : the public query (its ``analyst_public_key_n`` is the encryption key).
     table : the owner's features and labels (:meth:`LocalTable.table_for`).
     pool : the process pool that encrypts.
+    capacity : the owner's declared (public) capacity in records.
     plan : the release plan (derived from ``spec`` and the key size if omitted).
-    out_of_bounds : "clip" or "refuse" values outside the public bounds.
     obfuscation : DJN or standard obfuscators.
     progress : ``progress(done, total)`` in ciphertexts over all blocks.
-    rng : stochastic-rounding coins (tests only).
+    rng : sampling randomness (tests only).
 
     Returns
     -------
     dict
         Block name -> packed ciphertexts, in ``plan.owner_blocks`` order.
-
-    Raises
-    ------
-    EncodingOverflowError
-        Before any encryption, if the data exceed the query's public bounds.
     """
     public_key = analyst_public_key(spec)
     if plan is None:
         plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    encoded = encode_share(spec, table, plan, out_of_bounds=out_of_bounds, rng=rng)
+    encoded = encode_share(spec, table, plan, capacity=capacity, rng=rng)
     total = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
     shares: dict[str, PackedCiphertexts] = {}
     done_before = 0

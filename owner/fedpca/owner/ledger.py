@@ -19,13 +19,22 @@ Verification mode (``epsilon = inf``)
 -------------------------------------
 A query with ``epsilon = inf`` adds no noise: the analyst learns the exact sums.
 It is accepted only by owners whose policy sets ``allow_not_private`` (the
-caller passes that flag), and it is recorded with ``not_private = 1`` but *not
-composed* into the finite budget. Rationale: such a query is a deliberate,
-separately authorised disclosure of data the owner has agreed to reveal exactly
-to the analyst (end-to-end verification of a deployment on test data); it is
-outside differential privacy altogether, so charging it to the DP budget would
-only close the budget without meaning anything. The record keeps it visible in
-``fedpca owner budget``.
+caller passes that flag), and it is recorded with ``not_private = 1`` and
+composed like every other release: its epsilon is infinite, so after it this
+ledger's (finite) budget is exhausted and every later private query is refused.
+An owner that verifies a deployment on test data does so with an infinite budget
+or on a ledger it discards afterwards.
+
+Neighbouring relation
+---------------------
+A ledger belongs to one deployment and is kept under its neighbouring relation
+(``[privacy] neighbouring`` in the owner's config): a release recorded under
+another relation is refused. Ledgers written by fedpca 0.1 (schema 1) recorded
+no relation; opening one migrates it once, halving every recorded noise multiplier
+and recording the deployment's relation. For a stats-mode release of 0.1 that is
+a valid bound under either relation (a replacement changes a sum at most twice as
+much as an addition); a masked-mode release of 0.1 has no finite epsilon under
+add/remove adjacency and cannot be covered by any migration (docs/privacy.md).
 
 Replays
 -------
@@ -49,9 +58,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from fedpca.dp.accounting import check_budget, compose_epsilon
+from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
+from fedpca.query import Neighbouring
 
 __all__ = [
     "BudgetDecision",
@@ -63,7 +73,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+LEGACY_MIGRATION_FACTOR = 0.5
+"""Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
 
 # How long a reservation waits for another one holding the write lock. A
 # reservation's critical section is one PLD composition (well under a second),
@@ -83,7 +96,10 @@ CREATE TABLE IF NOT EXISTS releases (
     delta REAL NOT NULL,
     recorded_at REAL NOT NULL,
     not_private INTEGER NOT NULL CHECK (not_private IN (0, 1)),
-    spec_digest TEXT NOT NULL
+    spec_digest TEXT NOT NULL,
+    neighbouring TEXT NOT NULL DEFAULT 'add-remove',
+    sensitivity REAL NOT NULL DEFAULT 1.0,
+    delta_extra REAL NOT NULL DEFAULT 0.0
 );
 CREATE TABLE IF NOT EXISTS tasks (
     query_id TEXT PRIMARY KEY,
@@ -108,8 +124,8 @@ class BudgetDecision:
         of the private releases without / with this one.
     epsilon_remaining : ``budget.epsilon - epsilon_spent_after`` (display only:
         epsilon is not additive).
-    not_private : this was an ``epsilon = inf`` verification release (recorded,
-        not composed).
+    not_private : this was an ``epsilon = inf`` verification release (it exhausts a
+        finite budget).
     already_reserved : the query id had been reserved before with the same
         parameters; nothing new was charged.
     """
@@ -130,7 +146,7 @@ class LedgerEntry:
     Attributes
     ----------
     event : the privacy event (``noise_multiplier = 0`` for verification mode).
-    not_private : True for an ``epsilon = inf`` release (not composed).
+    not_private : True for an ``epsilon = inf`` release.
     spec_digest : digest of the public query the reservation was made for.
     """
 
@@ -174,10 +190,21 @@ class BudgetLedger:
     Parameters
     ----------
     path : the SQLite file (its folder is created if missing).
+    neighbouring : the deployment's neighbouring relation; every release is accounted
+        under it, and a release stated for another one is refused.
+    accountant : how releases compose (zcdp, the proven default, or pld-continuous).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
+        accountant: Accountant = Accountant.ZCDP,
+    ) -> None:
         self.path = Path(path)
+        self.neighbouring = Neighbouring(neighbouring)
+        self.accountant = Accountant(accountant)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -200,11 +227,38 @@ class BudgetLedger:
                         "INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
                         (str(SCHEMA_VERSION),),
                     )
+                elif int(row[0]) == 1:
+                    self._migrate_schema_1(connection)
                 elif int(row[0]) != SCHEMA_VERSION:
                     raise ConfigError(
                         f"{self.path}: ledger schema version {row[0]}, this fedpca "
                         f"understands {SCHEMA_VERSION}"
                     )
+
+    def _migrate_schema_1(self, connection: sqlite3.Connection) -> None:
+        """Schema 1 -> 2 inside the open transaction (see the module docstring)."""
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(releases)")}
+        for name, declaration in (
+            ("neighbouring", "TEXT NOT NULL DEFAULT 'add-remove'"),
+            ("sensitivity", "REAL NOT NULL DEFAULT 1.0"),
+            ("delta_extra", "REAL NOT NULL DEFAULT 0.0"),
+        ):
+            if name not in columns:
+                connection.execute(f"ALTER TABLE releases ADD COLUMN {name} {declaration}")
+        migrated = connection.execute(
+            "UPDATE releases SET noise_multiplier = noise_multiplier * ?, neighbouring = ?",
+            (LEGACY_MIGRATION_FACTOR, self.neighbouring.value),
+        ).rowcount
+        connection.execute(
+            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
+        )
+        logger.warning(
+            "%s: migrated a schema-1 ledger: %d recorded releases now count with half their "
+            "noise multiplier under %s adjacency (docs/privacy.md, 'Ledgers of fedpca 0.1')",
+            self.path,
+            migrated,
+            self.neighbouring.value,
+        )
 
     def __repr__(self) -> str:
         return f"BudgetLedger({str(self.path)!r})"
@@ -244,7 +298,8 @@ class BudgetLedger:
         budget : the owner's total (epsilon, delta).
         spec_digest : digest of the public query; a later reservation of the same
             query id must carry the same digest.
-        allow_not_private : accept an ``epsilon = inf`` event (recorded, not composed).
+        allow_not_private : accept an ``epsilon = inf`` event (it exhausts a finite
+            budget: every later private release is refused).
 
         Returns
         -------
@@ -257,7 +312,8 @@ class BudgetLedger:
             exceeds ``budget`` at ``budget.delta``. Nothing is recorded.
         PolicyError
             For a verification (``epsilon = inf``) event without
-            ``allow_not_private``, or a query id already reserved with different
+            ``allow_not_private``, an event stated for another neighbouring relation
+            than this ledger's, or a query id already reserved with different
             parameters.
         CalibrationError
             If the release (or its composition with the ledger) has less noise than
@@ -270,13 +326,18 @@ class BudgetLedger:
                 f"query {event.query_id!r} asks for epsilon = inf (no noise, NOT PRIVATE) and "
                 "this owner does not allow verification queries (policy.allow_not_private)"
             )
+        if event.neighbouring is not self.neighbouring:
+            raise PolicyError(
+                f"query {event.query_id!r} is stated for {event.neighbouring.value} adjacency; "
+                f"this owner accounts under {self.neighbouring.value}"
+            )
         with self._connect() as connection, _immediate(connection):
             existing = connection.execute(
                 "SELECT spec_digest, noise_multiplier, not_private FROM releases "
                 "WHERE query_id = ?",
                 (event.query_id,),
             ).fetchone()
-            past = _private_events(connection)
+            past = _events(connection)
             if existing is not None:
                 digest, z, was_not_private = existing
                 if digest != spec_digest or z != event.noise_multiplier:
@@ -285,7 +346,7 @@ class BudgetLedger:
                         "parameters; refusing a second, different release under the same id"
                     )
                 logger.info("query %s: budget already reserved, not charged again", event.query_id)
-                spent = _compose(past, budget)
+                spent = self._compose(past, budget)
                 return BudgetDecision(
                     event.query_id,
                     budget,
@@ -296,17 +357,22 @@ class BudgetLedger:
                     already_reserved=True,
                 )
             if not_private:
-                spent = _compose(past, budget)
+                # Allowed by the owner's policy: recorded even over a finite budget,
+                # which it exhausts (its epsilon is infinite).
+                before = self._compose(past, budget)
+                after = math.inf if 0 < budget.delta < 1 else math.nan
                 decision = BudgetDecision(
-                    event.query_id, budget, spent, spent, _remaining(budget, spent), True
+                    event.query_id, budget, before, after, _remaining(budget, after), True
                 )
                 logger.warning(
-                    "query %s: NOT PRIVATE verification release (epsilon = inf) recorded; "
-                    "not composed into the budget",
+                    "query %s: NOT PRIVATE verification release (epsilon = inf) recorded; a "
+                    "finite budget is now exhausted",
                     event.query_id,
                 )
             else:
-                check = check_budget(past, event, budget)
+                check = check_budget(
+                    past, event, budget, self.accountant, neighbouring=self.neighbouring
+                )
                 if not check.fits:
                     raise BudgetExceededError(
                         f"query {event.query_id!r} refused: it would bring this owner's epsilon "
@@ -323,7 +389,8 @@ class BudgetLedger:
                 )
             connection.execute(
                 "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
-                "recorded_at, not_private, spec_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "recorded_at, not_private, spec_digest, neighbouring, sensitivity, delta_extra) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     event.query_id,
                     event.analyst,
@@ -333,9 +400,27 @@ class BudgetLedger:
                     event.timestamp,
                     int(not_private),
                     spec_digest,
+                    event.neighbouring.value,
+                    event.sensitivity,
+                    event.delta_extra,
                 ),
             )
         return decision
+
+    def _compose(self, events: list[PrivacyEvent], budget: PrivacyParams) -> float:
+        if not 0 < budget.delta < 1:
+            return math.nan  # an unlimited budget may carry delta 0 or 1
+        return compose_epsilon(
+            events, budget.delta, self.accountant, neighbouring=self.neighbouring
+        )
+
+    def reservations_since(self, timestamp: float) -> int:
+        """Number of releases recorded at or after ``timestamp`` (the task-rate cap)."""
+        with self._connect() as connection:
+            row = connection.execute(
+                "SELECT COUNT(*) FROM releases WHERE recorded_at >= ?", (timestamp,)
+            ).fetchone()
+        return int(row[0])
 
     def cancel_reservation(self, query_id: str) -> bool:
         """Refund a reservation whose data never left this node.
@@ -366,29 +451,19 @@ class BudgetLedger:
         """Every recorded release, oldest first (verification releases included)."""
         with self._connect() as connection:
             rows = connection.execute(
-                "SELECT query_id, analyst, noise_multiplier, epsilon, delta, recorded_at, "
-                "not_private, spec_digest FROM releases ORDER BY recorded_at, query_id"
+                f"SELECT {_EVENT_COLUMNS}, not_private, spec_digest FROM releases "
+                "ORDER BY recorded_at, query_id"
             ).fetchall()
-        return [
-            LedgerEntry(
-                PrivacyEvent(
-                    query_id=row[0],
-                    analyst=row[1],
-                    noise_multiplier=row[2],
-                    epsilon=row[3],
-                    delta=row[4],
-                    timestamp=row[5],
-                ),
-                bool(row[6]),
-                row[7],
-            )
-            for row in rows
-        ]
+        return [LedgerEntry(_event(row), bool(row[9]), row[10]) for row in rows]
 
     def spent(self, delta: float) -> float:
-        """Composed epsilon at ``delta`` of every private release (PLD accountant)."""
-        private = [entry.event for entry in self.events() if not entry.not_private]
-        return compose_epsilon(private, delta)
+        """Composed epsilon at ``delta`` of every release (inf after a NOT PRIVATE one)."""
+        return compose_epsilon(
+            [entry.event for entry in self.events()],
+            delta,
+            self.accountant,
+            neighbouring=self.neighbouring,
+        )
 
     # --------------------------------------------------------------- tasks
     def record_task(
@@ -453,28 +528,34 @@ def _immediate(connection: sqlite3.Connection) -> Iterator[None]:
     connection.execute("COMMIT")
 
 
-def _private_events(connection: sqlite3.Connection) -> list[PrivacyEvent]:
+_EVENT_COLUMNS = (
+    "query_id, analyst, noise_multiplier, epsilon, delta, recorded_at, neighbouring, "
+    "sensitivity, delta_extra"
+)
+
+
+def _event(row: tuple[object, ...]) -> PrivacyEvent:
+    return PrivacyEvent.from_dict(
+        {
+            "query_id": row[0],
+            "analyst": row[1],
+            "noise_multiplier": row[2],
+            "epsilon": row[3],
+            "delta": row[4],
+            "timestamp": row[5],
+            "neighbouring": row[6],
+            "sensitivity": row[7],
+            "delta_extra": row[8],
+        }
+    )
+
+
+def _events(connection: sqlite3.Connection) -> list[PrivacyEvent]:
+    """Every recorded release, verification ones included (they compose to inf)."""
     rows = connection.execute(
-        "SELECT query_id, analyst, noise_multiplier, epsilon, delta, recorded_at "
-        "FROM releases WHERE not_private = 0 ORDER BY recorded_at, query_id"
+        f"SELECT {_EVENT_COLUMNS} FROM releases ORDER BY recorded_at, query_id"
     ).fetchall()
-    return [
-        PrivacyEvent(
-            query_id=row[0],
-            analyst=row[1],
-            noise_multiplier=row[2],
-            epsilon=row[3],
-            delta=row[4],
-            timestamp=row[5],
-        )
-        for row in rows
-    ]
-
-
-def _compose(events: list[PrivacyEvent], budget: PrivacyParams) -> float:
-    if not 0 < budget.delta < 1:
-        return math.nan  # an unlimited budget may carry delta 0 or 1
-    return compose_epsilon(events, budget.delta)
+    return [_event(row) for row in rows]
 
 
 def _remaining(budget: PrivacyParams, spent: float) -> float:

@@ -24,6 +24,13 @@ class Calibration(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CALIBRATION_UNSPECIFIED: _ClassVar[Calibration]
     CALIBRATION_ANALYTIC: _ClassVar[Calibration]
     CALIBRATION_CLASSIC: _ClassVar[Calibration]
+    CALIBRATION_ZCDP: _ClassVar[Calibration]
+
+class Neighbouring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NEIGHBOURING_UNSPECIFIED: _ClassVar[Neighbouring]
+    NEIGHBOURING_ADD_REMOVE: _ClassVar[Neighbouring]
+    NEIGHBOURING_REPLACE_ONE: _ClassVar[Neighbouring]
 QUERY_KIND_UNSPECIFIED: QueryKind
 QUERY_KIND_PCA: QueryKind
 QUERY_KIND_DCA: QueryKind
@@ -33,9 +40,13 @@ PROTOCOL_MODE_MASKED: ProtocolMode
 CALIBRATION_UNSPECIFIED: Calibration
 CALIBRATION_ANALYTIC: Calibration
 CALIBRATION_CLASSIC: Calibration
+CALIBRATION_ZCDP: Calibration
+NEIGHBOURING_UNSPECIFIED: Neighbouring
+NEIGHBOURING_ADD_REMOVE: Neighbouring
+NEIGHBOURING_REPLACE_ONE: Neighbouring
 
 class QuerySpec(_message.Message):
-    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint")
+    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "neighbouring", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     N_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +57,7 @@ class QuerySpec(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     NOISE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     N_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     LABEL_COLUMN_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +79,7 @@ class QuerySpec(_message.Message):
     delta: float
     calibration: Calibration
     noise_weights: _containers.RepeatedScalarFieldContainer[float]
+    neighbouring: Neighbouring
     mode: ProtocolMode
     n_components: int
     label_column: int
@@ -78,4 +91,4 @@ class QuerySpec(_message.Message):
     frac_bits: int
     analyst_public_key_n: bytes
     analyst_key_fingerprint: str
-    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ...) -> None: ...
+    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ...) -> None: ...

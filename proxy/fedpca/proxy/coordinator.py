@@ -148,7 +148,7 @@ from fedpca.protocol import (
 from fedpca.proxy import _mask_worker
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.store import ProxyStore, QueryRecord, QueryState, UploadReceipt
-from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import serde
 
 __all__ = [
@@ -180,7 +180,7 @@ def spec_to_dict(spec: QuerySpec) -> dict[str, Any]:
         value = getattr(spec, spec_field.name)
         if spec_field.name == "analyst_public_key_n":
             value = format(value, "x")
-        elif isinstance(value, QueryKind | ProtocolMode | Calibration):
+        elif isinstance(value, QueryKind | ProtocolMode | Calibration | Neighbouring):
             value = value.value
         elif isinstance(value, tuple):
             value = [_float_out(v) for v in value]
@@ -213,6 +213,8 @@ def spec_from_dict(record: Mapping[str, Any]) -> QuerySpec:
                 value = ProtocolMode(value)
             elif name == "calibration":
                 value = Calibration(value)
+            elif name == "neighbouring":
+                value = Neighbouring(value)
             elif isinstance(value, list):
                 value = tuple(float(v) for v in value)
             elif name in ("epsilon", "delta", "clip_norm", "deadline_seconds"):
