@@ -1,9 +1,11 @@
-"""Composition with dp_accounting: PLD primary, RDP cross-check, budget decisions.
+"""Composition with dp_accounting: zCDP primary (proven), continuous PLD as an option.
 
 Ground truth for Gaussian compositions: k releases with noise multipliers z_i
-compose to exactly one Gaussian release with z = (sum z_i^-2)^(-1/2) (the privacy
-loss of a Gaussian mechanism is itself Gaussian, and independent Gaussians add), whose
-epsilon :func:`fedpca.dp.calibration.gaussian_epsilon` computes in closed form.
+compose to exactly one Gaussian release with z = (sum z_i^-2)^(-1/2): under zCDP
+because rho = 1/(2 z^2) adds up, under PLD because the privacy loss of a Gaussian is
+itself Gaussian. The zCDP epsilon of one release is checked against the defining
+conversion (Canonne, Kamath & Steinke 2020), minimised over a continuous order here;
+the PLD epsilon against :func:`fedpca.dp.calibration.gaussian_epsilon` (closed form).
 """
 
 from __future__ import annotations
@@ -24,38 +26,115 @@ from fedpca.dp.accounting import (
     max_epsilon_per_release,
     require_budget,
 )
-from fedpca.dp.calibration import calibrate_noise_multiplier, gaussian_epsilon
+from fedpca.dp.calibration import calibrate_noise_multiplier, gaussian_epsilon, zcdp_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, ConfigError
+from fedpca.query import Neighbouring
 
 DELTA = 1e-5
+PLD = Accountant.PLD_CONTINUOUS
 
 
-def release(z: float, query_id: str = "q") -> PrivacyEvent:
-    epsilon = gaussian_epsilon(z, DELTA) if z > 0 else math.inf
-    return PrivacyEvent(query_id, "alice", z, epsilon, DELTA, timestamp=1.0)
+def release(
+    z: float,
+    query_id: str = "q",
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
+    delta_extra: float = 0.0,
+) -> PrivacyEvent:
+    epsilon = zcdp_epsilon(z, DELTA) if z > 0 else math.inf
+    return PrivacyEvent(
+        query_id,
+        "alice",
+        z,
+        epsilon,
+        DELTA,
+        neighbouring=neighbouring,
+        delta_extra=delta_extra,
+        timestamp=1.0,
+    )
+
+
+def zcdp_epsilon_by_definition(z: float, delta: float) -> float:
+    """min over alpha > 1 of alpha rho + log((alpha-1)/alpha) - (log delta + log alpha)/(alpha-1).
+
+    (Canonne, Kamath & Steinke 2020, Prop. 12, for rho = 1/(2 z^2).)
+    """
+    from scipy.optimize import minimize_scalar
+
+    rho = 1.0 / (2.0 * z * z)
+
+    def epsilon(log_alpha_minus_1: float) -> float:
+        alpha = 1.0 + math.exp(log_alpha_minus_1)
+        return (
+            alpha * rho
+            + math.log((alpha - 1.0) / alpha)
+            - (math.log(delta) + math.log(alpha)) / (alpha - 1.0)
+        )
+
+    best = minimize_scalar(epsilon, bounds=(-12.0, 16.0), method="bounded", options={"xatol": 1e-9})
+    return float(best.fun)
+
+
+@pytest.mark.parametrize("z", [0.7, 1.5, 4.0, 20.0, 200.0])
+@pytest.mark.parametrize("delta", [1e-3, 1e-5, 1e-10])
+def test_zcdp_epsilon_is_the_defining_conversion(z: float, delta: float) -> None:
+    by_definition = zcdp_epsilon_by_definition(z, delta)
+    computed = compose_epsilon([z], delta)
+    # dp_accounting minimises over a grid of orders: never below the continuous
+    # minimum, and the grid is dense enough to stay within 0.5 % of it.
+    assert by_definition - 1e-9 <= computed <= by_definition * 1.005
+    # The textbook conversion rho + 2 sqrt(rho log(1/delta)) is looser, never tighter.
+    rho = 1.0 / (2.0 * z * z)
+    assert computed <= rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
+    # ... and the continuous Gaussian's exact epsilon is below the zCDP bound.
+    assert gaussian_epsilon(z, delta) <= computed
 
 
 @pytest.mark.parametrize(("z", "k"), [(4.0, 10), (2.0, 3), (20.0, 100)])
 def test_k_identical_gaussians_compose_to_one_with_z_over_sqrt_k(z: float, k: int) -> None:
-    composed = compose_epsilon([z] * k, DELTA)
-    exact = gaussian_epsilon(z / math.sqrt(k), DELTA)
-    assert composed == pytest.approx(exact, rel=1e-5)
-    if k <= 10:
-        # Distinct z's (perturbed by 1e-9) take no shortcut in the RDP accountant,
-        # which composes them one by one.
-        distinct = [z * (1 + 1e-9 * i) for i in range(k)]
-        assert compose_epsilon(distinct, DELTA) == pytest.approx(exact, rel=1e-5)
-        assert compose_epsilon(distinct, DELTA, "rdp") >= exact
-    # A wrong composition rule (e.g. z / k, or naive epsilon addition) is far off.
-    assert abs(composed - k * gaussian_epsilon(z, DELTA)) > 0.1 * composed
+    for accountant, single in ((Accountant.ZCDP, zcdp_epsilon), (PLD, gaussian_epsilon)):
+        composed = compose_epsilon([z] * k, DELTA, accountant)
+        exact = single(z / math.sqrt(k), DELTA)
+        assert composed == pytest.approx(exact, rel=1e-5)
+        # A wrong composition rule (e.g. naive epsilon addition) is far off.
+        assert abs(composed - k * single(z, DELTA)) > 0.1 * composed
+    # Under zCDP the curves add: k copies are one release with rho k.
+    assert compose_epsilon([z] * k, DELTA) == pytest.approx(
+        zcdp_epsilon_by_definition(z / math.sqrt(k), DELTA), rel=5e-3
+    )
 
 
 def test_different_gaussians_compose_like_their_inverse_squares() -> None:
     multipliers = [3.0, 4.5, 6.0, 9.0, 12.0]
     z_total = math.fsum(z**-2 for z in multipliers) ** -0.5
-    composed = compose_epsilon([release(z, f"q{i}") for i, z in enumerate(multipliers)], DELTA)
-    assert composed == pytest.approx(gaussian_epsilon(z_total, DELTA), rel=1e-5)
+    ledger = [release(z, f"q{i}") for i, z in enumerate(multipliers)]
+    assert compose_epsilon(ledger, DELTA) == pytest.approx(zcdp_epsilon(z_total, DELTA))
+    assert compose_epsilon(ledger, DELTA, PLD) == pytest.approx(
+        gaussian_epsilon(z_total, DELTA), rel=1e-5
+    )
+
+
+def test_a_ledger_is_kept_under_one_neighbouring_relation() -> None:
+    add = release(4.0, "a")
+    replace = release(4.0, "b", Neighbouring.REPLACE_ONE)
+    with pytest.raises(ConfigError, match=r"replace-one adjacency.*kept under add-remove"):
+        compose_epsilon([add, replace], DELTA, neighbouring=Neighbouring.ADD_REMOVE)
+    with pytest.raises(ConfigError, match="'b'"):
+        check_budget(
+            [add], replace, PrivacyParams(5.0, DELTA), neighbouring=Neighbouring.ADD_REMOVE
+        )
+    assert compose_epsilon([replace], DELTA, neighbouring=Neighbouring.REPLACE_ONE) > 0
+
+
+def test_additive_delta_terms_are_paid_from_the_budget_delta() -> None:
+    plain = compose_epsilon([release(4.0)], DELTA)
+    masked = compose_epsilon([release(4.0, delta_extra=DELTA / 2)], DELTA)
+    assert masked == pytest.approx(zcdp_epsilon(4.0, DELTA / 2))
+    assert masked > plain
+    # Two releases each spending half the budget's delta outside the Gaussian use it up.
+    spent = [release(4.0, "a", delta_extra=DELTA / 2), release(4.0, "b", delta_extra=DELTA / 2)]
+    assert compose_epsilon(spent, DELTA) == math.inf
+    assert not check_budget(spent[:1], spent[1], PrivacyParams(100.0, DELTA)).fits
 
 
 def test_pld_of_the_composed_gaussian_equals_dp_accountings_own_convolution() -> None:
@@ -67,19 +146,19 @@ def test_pld_of_the_composed_gaussian_equals_dp_accountings_own_convolution() ->
     multipliers = [1.0, 1.3, 2.0, 2.7, 5.0]
     convolved = PLDAccountant()
     convolved.compose(dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(z) for z in multipliers]))
-    assert compose_epsilon(multipliers, DELTA) == pytest.approx(
+    assert compose_epsilon(multipliers, DELTA, PLD) == pytest.approx(
         convolved.get_epsilon(DELTA), rel=1e-6
     )
 
 
 @pytest.mark.parametrize("ledger", [[5.0], [3.0] * 4, [2.0, 8.0, 8.0, 30.0], [40.0] * 50])
 @pytest.mark.parametrize("delta", [1e-3, 1e-9])
-def test_rdp_never_undercuts_pld(ledger: list[float], delta: float) -> None:
-    pld = compose_epsilon(ledger, delta, Accountant.PLD)
-    rdp = compose_epsilon(ledger, delta, Accountant.RDP)
-    assert rdp >= pld - 1e-6 * pld
-    # Both bound the same quantity; RDP's conversion costs tens of percent, not more.
-    assert rdp < 1.5 * pld
+def test_zcdp_never_undercuts_the_continuous_pld(ledger: list[float], delta: float) -> None:
+    pld = compose_epsilon(ledger, delta, PLD)
+    zcdp = compose_epsilon(ledger, delta, Accountant.ZCDP)
+    assert zcdp >= pld - 1e-6 * pld
+    # Both bound the continuous Gaussian; the proven conversion costs tens of percent.
+    assert zcdp < 1.5 * pld
 
 
 def test_empty_ledger_spent_nothing() -> None:
@@ -89,12 +168,12 @@ def test_empty_ledger_spent_nothing() -> None:
 def test_a_ledger_that_exactly_fills_the_budget_refuses_one_more() -> None:
     ledger = [release(3.0, "a"), release(5.0, "b"), release(4.0, "c")]
     budget = PrivacyParams(compose_epsilon(ledger, DELTA), DELTA)
-    last = check_budget(ledger[:-1], ledger[-1], budget, cross_check=False)
+    last = check_budget(ledger[:-1], ledger[-1], budget)
     assert last.fits
     assert last.epsilon_spent_after == budget.epsilon
     assert last.epsilon_remaining == 0.0
     for proposed in (release(3.0, "d"), 1e4):
-        refused = check_budget(ledger, proposed, budget, cross_check=False)
+        refused = check_budget(ledger, proposed, budget)
         assert not refused.fits
         assert refused.epsilon_spent_before == budget.epsilon
         assert refused.epsilon_remaining == 0.0
@@ -107,15 +186,14 @@ def test_remaining_is_consistent_with_spent() -> None:
     ledger: list[PrivacyEvent | float] = [release(6.0)]
     decision = check_budget(ledger, 6.0, budget)
     assert isinstance(decision, BudgetDecision)
-    assert decision.fits and decision.accountant is Accountant.PLD
-    assert decision.epsilon_spent_before == pytest.approx(gaussian_epsilon(6.0, DELTA))
-    assert decision.epsilon_spent_after == pytest.approx(
-        gaussian_epsilon(6.0 / math.sqrt(2), DELTA), rel=1e-5
-    )
+    assert decision.fits and decision.accountant is Accountant.ZCDP
+    assert decision.epsilon_spent_before == pytest.approx(zcdp_epsilon(6.0, DELTA))
+    assert decision.epsilon_spent_after == pytest.approx(zcdp_epsilon(6.0 / math.sqrt(2), DELTA))
     assert decision.epsilon_spent_before < decision.epsilon_spent_after <= budget.epsilon
     assert decision.epsilon_remaining == budget.epsilon - decision.epsilon_spent_after
-    assert decision.cross_check_epsilon_after is not None
-    assert decision.cross_check_epsilon_after >= decision.epsilon_spent_after
+    assert decision.cross_check_epsilon_after is None  # cross-checks are for the PLD option
+    pld = check_budget(ledger, 6.0, budget, PLD)
+    assert pld.cross_check_epsilon_after == pytest.approx(decision.epsilon_spent_after)
     # Spending releases until refused: the remaining value shrinks monotonically and
     # the refused decision reports what was left before it.
     remaining = [budget.epsilon]
@@ -125,14 +203,20 @@ def test_remaining_is_consistent_with_spent() -> None:
         ledger.append(6.0)
     assert decision.epsilon_remaining == pytest.approx(remaining[-1])
     assert decision.epsilon_spent_after > budget.epsilon
-    assert len(ledger) == 5  # 5 releases of z = 6 cost 1.44 <= 1.5; a sixth costs 1.59
+    # k releases of z = 6 fit while zcdp_epsilon(6 / sqrt(k)) <= 1.5.
+    fitting = [k for k in range(1, 20) if zcdp_epsilon(6.0 / math.sqrt(k), DELTA) <= 1.5]
+    assert len(ledger) == max(fitting)
 
 
-def test_rdp_can_be_the_primary_accountant() -> None:
-    decision = check_budget([5.0], 5.0, PrivacyParams(2.0, DELTA), "rdp")
-    assert decision.accountant is Accountant.RDP
-    assert decision.cross_check_epsilon_after is None
-    assert decision.epsilon_spent_after == pytest.approx(compose_epsilon([5.0, 5.0], DELTA, "rdp"))
+def test_the_continuous_pld_can_be_chosen_explicitly() -> None:
+    decision = check_budget([5.0], 5.0, PrivacyParams(2.0, DELTA), "pld-continuous")
+    assert decision.accountant is PLD
+    assert decision.epsilon_spent_after == pytest.approx(
+        gaussian_epsilon(5.0 / math.sqrt(2), DELTA), rel=1e-5
+    )
+    assert decision.cross_check_epsilon_after == pytest.approx(
+        zcdp_epsilon(5.0 / math.sqrt(2), DELTA)
+    )
 
 
 def test_non_private_releases_need_an_infinite_budget() -> None:
@@ -163,22 +247,24 @@ def test_cross_check_disagreement_is_logged(
 
     real = accounting.compose_epsilon
 
-    def broken_rdp(releases: object, delta: float, accountant: object = "pld") -> float:
-        value = real(releases, delta, accountant)  # type: ignore[arg-type]
-        return value / 2 if accountant is Accountant.RDP else value
+    def broken_zcdp(
+        releases: object, delta: float, accountant: object = "zcdp", **kwargs: object
+    ) -> float:
+        value = real(releases, delta, accountant, **kwargs)  # type: ignore[arg-type]
+        return value / 2 if accountant is Accountant.ZCDP else value
 
-    monkeypatch.setattr(accounting, "compose_epsilon", broken_rdp)
+    monkeypatch.setattr(accounting, "compose_epsilon", broken_zcdp)
     with caplog.at_level(logging.WARNING, logger="fedpca.dp.accounting"):
-        check_budget([], 4.0, PrivacyParams(5.0, DELTA))
-    assert "RDP epsilon" in caplog.text
+        check_budget([], 4.0, PrivacyParams(5.0, DELTA), PLD)
+    assert "zcdp epsilon" in caplog.text
 
 
 @pytest.mark.parametrize(
     ("releases", "delta", "accountant", "named"),
     [
-        ([1.0], 0.0, "pld", "0.0"),
+        ([1.0], 0.0, "zcdp", "0.0"),
         ([1.0], DELTA, "moments", "moments"),
-        ([-1.0], DELTA, "pld", "-1.0"),
+        ([-1.0], DELTA, "pld-continuous", "-1.0"),
     ],
 )
 def test_bad_accounting_arguments_are_named(
@@ -192,33 +278,35 @@ def test_bad_accounting_arguments_are_named(
 def test_huge_epsilon_is_refused_with_the_floor_named() -> None:
     # epsilon = 1e6 calibrates to z ~ 7e-4, for which dp_accounting's PLD would try to
     # allocate a ~150 GiB array (MemoryError, INTERNAL at the proxy).
-    z = calibrate_noise_multiplier(1e6, DELTA)
+    z = calibrate_noise_multiplier(1e6, DELTA, "analytic")
     assert 0 < z < MIN_NOISE_MULTIPLIER
     huge = PrivacyEvent("q-huge", "alice", z, 1e6, DELTA, timestamp=1.0)
     for budget in (PrivacyParams(math.inf, DELTA), PrivacyParams(5.0, DELTA)):
         with pytest.raises(CalibrationError) as info:
-            check_budget([4.0], huge, budget)
+            check_budget([4.0], huge, budget, PLD)
         message = str(info.value)
         assert "'q-huge'" in message and "epsilon=1e+06" in message
         assert f"minimum {MIN_NOISE_MULTIPLIER:g}" in message
         assert f"{max_epsilon_per_release(DELTA):.4g}" in message
     with pytest.raises(CalibrationError, match=r"z=0\.000709"):
-        check_budget([], z, PrivacyParams(math.inf, DELTA))
+        check_budget([], z, PrivacyParams(math.inf, DELTA), PLD)
     with pytest.raises(CalibrationError, match=r"minimum 0\.1"):
-        compose_epsilon([z], DELTA)
-    # The RDP accountant is closed form: it has no floor.
-    assert compose_epsilon([z], DELTA, Accountant.RDP) > 1e6
-    assert check_budget([], huge, PrivacyParams(math.inf, DELTA), Accountant.RDP).fits
+        compose_epsilon([z], DELTA, PLD)
+    # The zcdp accountant is closed form: it has no floor.
+    assert compose_epsilon([z], DELTA) > 1e6
+    assert check_budget([], huge, PrivacyParams(math.inf, DELTA)).fits
 
 
 def test_the_floor_is_the_largest_accepted_epsilon() -> None:
     largest = max_epsilon_per_release(DELTA)
     assert largest == pytest.approx(91.8, abs=0.1)
-    assert calibrate_noise_multiplier(largest, DELTA) == pytest.approx(MIN_NOISE_MULTIPLIER)
+    assert calibrate_noise_multiplier(largest, DELTA, "analytic") == pytest.approx(
+        MIN_NOISE_MULTIPLIER
+    )
     # At the floor itself the PLD accountant still answers, and agrees with the closed form.
-    assert compose_epsilon([MIN_NOISE_MULTIPLIER], DELTA) == pytest.approx(largest, rel=1e-4)
+    assert compose_epsilon([MIN_NOISE_MULTIPLIER], DELTA, PLD) == pytest.approx(largest, rel=1e-4)
     with pytest.raises(CalibrationError, match="minimum"):
-        compose_epsilon([MIN_NOISE_MULTIPLIER * 0.999], DELTA)
+        compose_epsilon([MIN_NOISE_MULTIPLIER * 0.999], DELTA, PLD)
 
 
 def test_a_composition_below_the_floor_is_refused_not_crashed() -> None:
@@ -229,9 +317,9 @@ def test_a_composition_below_the_floor_is_refused_not_crashed() -> None:
     proposed = 0.1005  # accountable alone; with the ledger, z = 0.09999 < 0.1
     assert composed_noise_multiplier([*ledger, proposed]) < MIN_NOISE_MULTIPLIER
     with pytest.raises(CalibrationError, match="2 composed releases"):
-        compose_epsilon([*ledger, proposed], DELTA)
+        compose_epsilon([*ledger, proposed], DELTA, PLD)
     # A finite budget the composition clearly exceeds: an ordinary refusal.
-    refused = check_budget(ledger, proposed, PrivacyParams(10.0, DELTA))
+    refused = check_budget(ledger, proposed, PrivacyParams(10.0, DELTA), PLD)
     assert not refused.fits
     exact = gaussian_epsilon(composed_noise_multiplier([*ledger, proposed]), DELTA)
     assert refused.epsilon_spent_after == pytest.approx(exact)
@@ -240,6 +328,6 @@ def test_a_composition_below_the_floor_is_refused_not_crashed() -> None:
     # A budget the composition would fit, or an infinite one, cannot be accounted for
     # past the floor: refused, named.
     with pytest.raises(CalibrationError, match="cannot be accounted for"):
-        check_budget(ledger, proposed, PrivacyParams(1000.0, DELTA))
+        check_budget(ledger, proposed, PrivacyParams(1000.0, DELTA), PLD)
     with pytest.raises(CalibrationError, match=r"2 composed releases: noise multiplier z=0\.0999"):
-        check_budget(ledger, proposed, PrivacyParams(math.inf, DELTA))
+        check_budget(ledger, proposed, PrivacyParams(math.inf, DELTA), PLD)

@@ -22,6 +22,8 @@ from fedpca.dp.calibration import (
     calibrate_sigma,
     classic_gaussian_sigma,
     gaussian_epsilon,
+    zcdp_epsilon,
+    zcdp_noise_multiplier,
 )
 from fedpca.errors import CalibrationError
 from fedpca.query import Calibration
@@ -133,6 +135,7 @@ def test_absurd_epsilon_is_a_calibration_error_not_a_crash() -> None:
         gaussian_epsilon(1e-300, 1e-5)
     # Large but computable epsilons still calibrate (the accountant refuses them later).
     assert 0 < calibrate_noise_multiplier(1e100, 1e-5) < 1e-50
+    assert 0 < calibrate_noise_multiplier(1e100, 1e-5, "analytic") < 1e-50
 
 
 def test_unknown_calibration_is_refused() -> None:
@@ -149,7 +152,23 @@ def test_infinite_epsilon_means_no_noise() -> None:
 
 def test_calibrate_dispatches_to_the_chosen_calibration() -> None:
     assert calibrate_sigma(0.5, 1e-6, 2.0, "classic") == classic_gaussian_sigma(0.5, 1e-6, 2.0)
-    assert calibrate_sigma(0.5, 1e-6, 2.0) == analytic_gaussian_sigma(0.5, 1e-6, 2.0)
+    assert calibrate_sigma(0.5, 1e-6, 2.0, "analytic") == analytic_gaussian_sigma(0.5, 1e-6, 2.0)
+    assert calibrate_sigma(0.5, 1e-6, 2.0) == zcdp_noise_multiplier(0.5, 1e-6) * 2.0
+
+
+@pytest.mark.parametrize("epsilon", [0.01, 0.3, 1.0, 4.0, 40.0])
+@pytest.mark.parametrize("delta", [1e-4, 1e-7, 1e-12])
+def test_zcdp_calibration_is_the_smallest_z_meeting_the_target(
+    epsilon: float, delta: float
+) -> None:
+    z = zcdp_noise_multiplier(epsilon, delta)
+    assert zcdp_epsilon(z, delta) <= epsilon
+    assert zcdp_epsilon(z * (1 - 1e-9), delta) > epsilon
+    # The proven bound needs more noise than the continuous Gaussian's exact condition,
+    # and less than the textbook conversion rho + 2 sqrt(rho log(1/delta)) would.
+    assert z > analytic_gaussian_sigma(epsilon, delta)
+    rho = 1.0 / (2.0 * z * z)
+    assert rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta)) > epsilon
 
 
 @pytest.mark.parametrize("epsilon", [0.01, 0.7, 3.0, 40.0])

@@ -11,7 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from fedpca.app.cli import main
-from fedpca.dp.calibration import analytic_gaussian_sigma, classic_gaussian_sigma, gaussian_epsilon
+from fedpca.dp.calibration import (
+    analytic_gaussian_sigma,
+    classic_gaussian_sigma,
+    gaussian_epsilon,
+    zcdp_epsilon,
+    zcdp_noise_multiplier,
+)
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -23,8 +29,14 @@ def test_calibrate_prints_sigma_alone_on_the_last_line() -> None:
     code, output = run("calibrate", "--epsilon", "1", "--delta", "1e-5", "--sensitivity", "2")
     assert code == 0, output
     lines = output.strip().splitlines()
-    assert len(lines) > 1 and "analytic" in output
-    assert float(lines[-1]) == analytic_gaussian_sigma(1.0, 1e-5, 2.0)
+    assert len(lines) > 1 and "zcdp" in output
+    assert float(lines[-1]) == zcdp_noise_multiplier(1.0, 1e-5) * 2.0
+    code, output = run(
+        "calibrate", "--epsilon", "1", "--delta", "1e-5", "--sensitivity", "2",
+        "--mechanism", "analytic",
+    )  # fmt: skip
+    assert code == 0, output
+    assert float(output.strip().splitlines()[-1]) == analytic_gaussian_sigma(1.0, 1e-5, 2.0)
 
 
 def test_calibrate_classic() -> None:
@@ -74,11 +86,12 @@ def test_compose_prints_epsilon_last() -> None:
     code, output = run("compose", "--delta", "1e-5", "4", "4", "4", "4")
     assert code == 0, output
     # Four releases with z = 4 are one release with z = 2.
+    assert float(output.strip().splitlines()[-1]) == pytest.approx(zcdp_epsilon(2.0, 1e-5))
+    code, output = run("compose", "--delta", "1e-5", "--accountant", "pld-continuous", "4")
+    assert code == 0
     assert float(output.strip().splitlines()[-1]) == pytest.approx(
-        gaussian_epsilon(2.0, 1e-5), rel=1e-5
+        gaussian_epsilon(4.0, 1e-5), rel=1e-5
     )
-    code, output = run("compose", "--delta", "1e-5", "--accountant", "rdp", "4")
-    assert code == 0 and float(output.strip().splitlines()[-1]) > gaussian_epsilon(4.0, 1e-5)
     code, output = run("compose", "--delta", "1e-5", "4", "0")
     assert code == 0 and "NOT PRIVATE" in output
     assert math.isinf(float(output.strip().splitlines()[-1]))
@@ -100,7 +113,7 @@ def test_real_subprocess_of_the_console_script() -> None:
         check=False,
     )
     assert completed.returncode == 0, completed.stderr
-    assert float(completed.stdout.strip().splitlines()[-1]) == analytic_gaussian_sigma(1.0, 1e-5)
+    assert float(completed.stdout.strip().splitlines()[-1]) == zcdp_noise_multiplier(1.0, 1e-5)
     failed = subprocess.run(
         [str(script), "dp", "calibrate", "--epsilon", "1", "--delta", "1e-5", "--mechanism",
          "classic"],

@@ -9,9 +9,12 @@ import re
 
 import pytest
 
-from fedpca.dp.calibration import analytic_gaussian_sigma, classic_gaussian_sigma
+from fedpca.dp.calibration import (
+    analytic_gaussian_sigma,
+    classic_gaussian_sigma,
+    zcdp_noise_multiplier,
+)
 from fedpca.dp.mechanisms import GaussianMechanism, PrivacyEvent, PrivacyParams
-from fedpca.dp.noise import integer_grid_sensitivity
 from fedpca.errors import CalibrationError, ConfigError
 from fedpca.query import Calibration
 
@@ -63,7 +66,9 @@ def test_gaussian_mechanism_noise_multiplier_and_validation() -> None:
 
 def test_calibrated_mechanism_uses_the_chosen_calibration() -> None:
     params = PrivacyParams(0.5, 1e-6)
-    analytic = GaussianMechanism.calibrated(params, math.sqrt(3))
+    default = GaussianMechanism.calibrated(params, math.sqrt(3))
+    assert default.sigma == pytest.approx(zcdp_noise_multiplier(0.5, 1e-6) * math.sqrt(3))
+    analytic = GaussianMechanism.calibrated(params, math.sqrt(3), Calibration.ANALYTIC)
     assert analytic.sigma == pytest.approx(analytic_gaussian_sigma(0.5, 1e-6, math.sqrt(3)))
     classic = GaussianMechanism.calibrated(params, 2.0, Calibration.CLASSIC)
     assert classic.sigma == pytest.approx(classic_gaussian_sigma(0.5, 1e-6, 2.0))
@@ -77,14 +82,6 @@ def test_scaling_keeps_the_noise_multiplier() -> None:
     scaled = mechanism.scaled(2.0**32)
     assert scaled.sigma == 3.0 * 2.0**32
     assert scaled.noise_multiplier == mechanism.noise_multiplier
-
-
-def test_integer_grid_mechanism_adds_rounding_slack_to_the_sensitivity() -> None:
-    mechanism = GaussianMechanism(3.73, 1.0)
-    grid = mechanism.on_integer_grid(frac_bits=16, n_rounded=100)
-    assert grid.l2_sensitivity == integer_grid_sensitivity(1.0, 16, 100)
-    assert grid.l2_sensitivity >= 2.0**16 + 10.0
-    assert grid.noise_multiplier == pytest.approx(3.73, rel=1e-15)
 
 
 def test_event_round_trips_through_dict_and_json() -> None:

@@ -22,7 +22,6 @@ from fedpca.dp.noise import (
     DiscreteGaussianSampler,
     NoiseSampler,
     TestOnlySeededSampler,
-    integer_grid_sensitivity,
     mirror_upper_triangle,
     noise_headroom,
     symmetric_noise,
@@ -76,7 +75,7 @@ def test_opendp_states_the_continuous_gaussian_zcdp_for_its_discrete_gaussian(
     rho = DiscreteGaussianSampler.zcdp_rho(z * sensitivity, sensitivity)
     assert rho == pytest.approx(1 / (2 * z**2), rel=1e-12)
     # A fractional integer-grid sensitivity is rounded up, never down.
-    fractional = integer_grid_sensitivity(1.0, 8, 3)  # 256 + sqrt(3)
+    fractional = 256 + math.sqrt(3)
     assert DiscreteGaussianSampler.zcdp_rho(z * 256, fractional) == pytest.approx(
         (258 / (z * 256)) ** 2 / 2, rel=1e-12
     )
@@ -204,24 +203,3 @@ def test_bad_arguments_are_named() -> None:
         vector_noise(3, 1.0, sampler=FixedSampler([1]))
     with pytest.raises(ConfigError, match="sigma_int"):
         DiscreteGaussianSampler().sample(0.0, 3)
-
-
-def test_integer_grid_sensitivity_covers_rounding() -> None:
-    # Delta * 2^f + sqrt(n): one unit of rounding per coordinate.
-    assert integer_grid_sensitivity(1.0, 32, 0) >= 2.0**32
-    value = integer_grid_sensitivity(math.sqrt(3), 16, 125_250)
-    assert value >= math.sqrt(3) * 2**16 + math.sqrt(125_250)
-    assert value == pytest.approx(math.sqrt(3) * 2**16 + math.sqrt(125_250), rel=1e-15)
-    # The proof couples the rounding coins: stochastic rounding of x is distributed as
-    # floor(x + U), U uniform on [0, 1), and neighbours share U. Check that claim on
-    # random neighbouring vectors and coins.
-    rng = np.random.default_rng(11)
-    f, n = 4, 50
-    for _ in range(500):
-        a = rng.uniform(-3, 3, n)
-        b = a + rng.normal(0, rng.choice([1e-3, 0.1, 1.0]), n)
-        coins = rng.uniform(0, 1, n)
-        rounded_a = np.floor(a * 2**f + coins)
-        rounded_b = np.floor(b * 2**f + coins)
-        real_delta = float(np.linalg.norm(a - b))
-        assert np.linalg.norm(rounded_a - rounded_b) <= integer_grid_sensitivity(real_delta, f, n)

@@ -31,9 +31,10 @@ def dp_group() -> None:
 @click.option(
     "--mechanism",
     type=click.Choice([c.value for c in Calibration]),
-    default=Calibration.ANALYTIC.value,
+    default=Calibration.ZCDP.value,
     show_default=True,
-    help="analytic (Balle & Wang 2018, any epsilon) or classic (epsilon < 1 only).",
+    help="zcdp (proven for the discrete Gaussian fedpca samples), or the continuous "
+    "Gaussian's analytic (Balle & Wang 2018) or classic (epsilon < 1 only) calibration.",
 )
 def calibrate_command(epsilon: float, delta: float, sensitivity: float, mechanism: str) -> None:
     """Print the Gaussian noise sigma for one (EPSILON, DELTA) release."""
@@ -48,7 +49,7 @@ def calibrate_command(epsilon: float, delta: float, sensitivity: float, mechanis
         click.echo("epsilon = inf: no noise, the release is NOT PRIVATE")
     else:
         click.echo(f"noise multiplier z = sigma / sensitivity = {sigma / sensitivity!r}")
-        if calibration is Calibration.ANALYTIC and epsilon < 1:
+        if calibration is not Calibration.CLASSIC and epsilon < 1:
             classic = classic_gaussian_sigma(epsilon, delta, sensitivity)
             click.echo(f"(classic calibration would need sigma = {classic!r})")
     click.echo("sigma:")
@@ -60,10 +61,11 @@ def calibrate_command(epsilon: float, delta: float, sensitivity: float, mechanis
 @click.option("--delta", type=float, required=True, help="Delta at which epsilon is reported.")
 @click.option(
     "--accountant",
-    type=click.Choice(["pld", "rdp"]),
-    default="pld",
+    type=click.Choice(["zcdp", "pld-continuous"]),
+    default="zcdp",
     show_default=True,
-    help="pld (tight, primary) or rdp (cross-check).",
+    help="zcdp (proven for the discrete Gaussian, the default) or pld-continuous "
+    "(tight for the continuous Gaussian).",
 )
 def compose_command(noise_multipliers: tuple[float, ...], delta: float, accountant: str) -> None:
     """Print the epsilon at DELTA of composing Gaussian releases with these NOISE_MULTIPLIERS."""

@@ -27,7 +27,6 @@ from fedpca.dp.mechanisms import GaussianMechanism, PrivacyEvent, PrivacyParams
 from fedpca.dp.noise import (
     DiscreteGaussianSampler,
     NoiseSampler,
-    integer_grid_sensitivity,
     mirror_upper_triangle,
     noise_headroom,
     symmetric_noise,
@@ -49,7 +48,6 @@ __all__ = [
     "classic_gaussian_sigma",
     "effective_noise_multiplier",
     "gaussian_epsilon",
-    "integer_grid_sensitivity",
     "mirror_upper_triangle",
     "noise_headroom",
     "normalise_weights",

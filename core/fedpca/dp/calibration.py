@@ -264,12 +264,12 @@ def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
 RDP_ORDERS: tuple[float, ...] = (
     *(1 + x / 10.0 for x in range(1, 100)),
     *range(11, 64),
-    *(2.0**k for k in range(6, 21)),
+    *(64.0 * 2.0 ** (k / 8) for k in range(0, 113)),
 )
 """Renyi orders alpha at which the zCDP curve rho * alpha is converted to (epsilon, delta):
-dp_accounting's default grid extended to 2^20, so that small epsilons (whose best
-order is in the thousands) are not over-estimated. Any order gives a valid bound; the
-conversion takes the best one."""
+dp_accounting's default grid below 64, then 8 orders per doubling up to 2^20, so that
+small epsilons (whose best order is in the thousands) are not over-estimated. Any order
+gives a valid bound; the conversion takes the best one."""
 
 
 def zcdp_epsilon(noise_multiplier: float, delta: float) -> float:
@@ -326,9 +326,9 @@ def zcdp_noise_multiplier(epsilon: float, delta: float) -> float:
             raise CalibrationError(f"no noise multiplier reaches epsilon={epsilon!r}")
     while fits(lo):
         lo /= 2.0
-        if lo < 1e-12:
+        if lo < 1e-150:
             raise CalibrationError(
-                f"epsilon={epsilon!r} at delta={delta!r} asks for almost no noise (z < 1e-12)"
+                f"epsilon={epsilon!r} at delta={delta!r} asks for almost no noise (z < 1e-150)"
             )
     while hi - lo > 1e-12 * hi:
         mid = 0.5 * (lo + hi)

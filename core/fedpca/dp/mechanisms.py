@@ -126,18 +126,6 @@ class GaussianMechanism:
             raise ConfigError(f"scale factor must be finite and > 0, got {factor!r}")
         return GaussianMechanism(self.sigma * factor, self.l2_sensitivity * factor)
 
-    def on_integer_grid(self, frac_bits: int, n_rounded: int) -> GaussianMechanism:
-        """The mechanism to run on fixed-point integers, keeping the noise multiplier.
-
-        The integer query differs from ``2**frac_bits`` times the real one by rounding,
-        so its sensitivity is :func:`fedpca.dp.noise.integer_grid_sensitivity` (which
-        adds the rounding slack) and sigma grows in proportion.
-        """
-        from fedpca.dp.noise import integer_grid_sensitivity
-
-        delta_int = integer_grid_sensitivity(self.l2_sensitivity, frac_bits, n_rounded)
-        return GaussianMechanism(self.noise_multiplier * delta_int, delta_int)
-
 
 def _float_from_record(name: str, value: Any) -> float:
     # Ledgers written through JSON carry inf as the string "inf" (strict JSON has no

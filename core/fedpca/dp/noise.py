@@ -30,7 +30,6 @@ __all__ = [
     "DiscreteGaussianSampler",
     "NoiseSampler",
     "TestOnlySeededSampler",
-    "integer_grid_sensitivity",
     "mirror_upper_triangle",
     "noise_headroom",
     "symmetric_noise",
@@ -179,44 +178,6 @@ def noise_headroom(sigma_int: float, *, security_bits: int = 100, n_values: int 
         return 0
     log_inverse_failure = math.log(n_values) + (security_bits + 1) * math.log(2.0)
     return math.ceil(sigma_int * math.sqrt(2.0 * log_inverse_failure)) + 1
-
-
-def integer_grid_sensitivity(l2_sensitivity: float, frac_bits: int, n_rounded: int) -> float:
-    """L2 sensitivity of the fixed-point integer query, rounding included.
-
-    The integer query is q_int = round(q * 2^f) coordinate-wise (per owner, before
-    any noise). Couple the rounding coins of two neighbouring datasets (stochastic
-    rounding of x is distributed as floor(x + U), U uniform on [0, 1)): then each
-    rounded coordinate differs by less than |u_i| 2^f + 1, where u is the real-valued
-    difference, and by the triangle inequality
-    ||q_int(D) - q_int(D')||_2 <= ||u||_2 2^f + sqrt(n_rounded).
-    For each fixed coin value the Gaussian mechanism with this sensitivity is DP,
-    and the hockey-stick divergence is jointly convex, so the mixture over coins is
-    too. Nearest rounding is the special case U = 1/2.
-
-    Parameters
-    ----------
-    l2_sensitivity : float
-        Sensitivity Delta of the real-valued released vector.
-    frac_bits : int
-        f, fixed-point fractional bits.
-    n_rounded : int
-        Number of released coordinates that went through rounding (0 if the values
-        are integers already, e.g. a plain count).
-
-    Returns
-    -------
-    float
-        ``Delta * 2^f + sqrt(n_rounded)``, rounded up by one ulp.
-    """
-    if not (math.isfinite(l2_sensitivity) and l2_sensitivity > 0):
-        raise ConfigError(f"l2_sensitivity must be finite and > 0, got {l2_sensitivity!r}")
-    if frac_bits < 0:
-        raise ConfigError(f"frac_bits must be >= 0, got {frac_bits!r}")
-    if n_rounded < 0:
-        raise ConfigError(f"n_rounded must be >= 0, got {n_rounded!r}")
-    exact_scaled = math.ldexp(l2_sensitivity, frac_bits)  # exact: power-of-two scaling
-    return math.nextafter(exact_scaled + math.sqrt(n_rounded), math.inf)
 
 
 def vector_noise(
