@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedpca.codec import slot_value_bound
-from fedpca.dp.calibration import analytic_gaussian_delta
+from fedpca.dp.calibration import zcdp_epsilon, zcdp_noise_multiplier
 from fedpca.dp.noise import TestOnlySeededSampler
-from fedpca.errors import ConfigError
+from fedpca.errors import ConfigError, EncodingOverflowError
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -25,8 +25,10 @@ from fedpca.protocol import (
     row_aligned_length,
     row_aligned_positions,
 )
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
-from fedpca.stats import StatisticsSpec, SufficientStatistics
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.stats import StatisticsSpec, fixed_point_statistics, worst_case_change
+
+MASKED = {"mode": ProtocolMode.MASKED, "neighbouring": Neighbouring.REPLACE_ONE}
 
 
 def spec(**overrides: object) -> QuerySpec:
@@ -44,26 +46,57 @@ def spec(**overrides: object) -> QuerySpec:
     return QuerySpec(**fields)  # type: ignore[arg-type]
 
 
-def test_stats_plan_noise_multiplier_meets_the_privacy_target() -> None:
-    plan = ReleasePlan.for_query(spec(noise_weights=(3.0, 1.0, 1.0)), 2048)
-    # The per-section sigmas compose to one Gaussian with noise multiplier z ...
-    total = sum((s.l2_sensitivity / s.sigma) ** 2 for s in plan.sections)
-    assert 1 / math.sqrt(total) == pytest.approx(plan.noise_multiplier, rel=1e-12)
-    # ... and that z meets (epsilon, delta) by the analytic Gaussian's defining equation.
-    assert analytic_gaussian_delta(plan.noise_multiplier, 0.5) == pytest.approx(1e-5, rel=1e-9)
+def _clip_inverse_variances(plan: ReleasePlan) -> list[float]:
+    return [(2.0**32 / s.sigma_int) ** 2 for s in plan.sections]
+
+
+@pytest.mark.parametrize("neighbouring", list(Neighbouring))
+@pytest.mark.parametrize("kind", list(QueryKind))
+def test_stats_plan_noise_multiplier_meets_the_privacy_target(
+    neighbouring: Neighbouring, kind: QueryKind
+) -> None:
+    dca = {"label_column": 0, "class_labels": (-1.0, 1.0)} if kind is QueryKind.DCA else {}
+    query = spec(kind=kind, neighbouring=neighbouring, noise_weights=(3.0, 1.0, 1.0), **dca)
+    plan = ReleasePlan.for_query(query, 2048)
+    # The per-section noise covers the worst change the relation allows with exactly z ...
+    worst = worst_case_change(kind, _clip_inverse_variances(plan), neighbouring)
+    assert 1 / math.sqrt(worst) == pytest.approx(plan.noise_multiplier, rel=1e-12)
+    # ... and that z is the smallest meeting (epsilon, delta) by the zCDP conversion.
+    assert plan.noise_multiplier == pytest.approx(zcdp_noise_multiplier(0.5, 1e-5), rel=1e-9)
+    assert zcdp_epsilon(plan.noise_multiplier * (1 + 1e-9), 1e-5) <= 0.5
     # More weight on the scatter means less noise there than on the sum.
     scatter, total_sum, _ = plan.sections
     assert scatter.sigma / scatter.l2_sensitivity < total_sum.sigma / total_sum.l2_sensitivity
+    event = plan.privacy_event("alice")
+    assert event.neighbouring is neighbouring and event.delta_extra == 0.0
+    assert event.sensitivity == pytest.approx(scatter.sigma / plan.noise_multiplier)
 
 
-def test_integer_noise_includes_rounding_slack() -> None:
-    plan = ReleasePlan.for_query(spec(), 2048)
+def test_default_split_is_isotropic_with_the_swap_sensitivity() -> None:
+    # c = 1, equal weights: one sigma for every section, sqrt(4.5) = 2.121 x z for PCA
+    # (a capped owner's swap), sqrt(6) x z for DCA (a swap between classes).
+    z = zcdp_noise_multiplier(0.5, 1e-5)
+    pca = ReleasePlan.for_query(spec(), 2048)
+    assert {round(s.sigma, 9) for s in pca.sections} == {round(z * math.sqrt(4.5), 9)}
+    assert pca.privacy_event("a").sensitivity == pytest.approx(math.sqrt(4.5))
+    dca = ReleasePlan.for_query(
+        spec(kind=QueryKind.DCA, label_column=0, class_labels=(0.0, 1.0, 2.0)), 2048
+    )
+    assert {round(s.sigma, 9) for s in dca.sections} == {round(z * math.sqrt(6.0), 9)}
+
+
+def test_integer_noise_is_the_real_noise_in_clip_units_on_the_grid() -> None:
+    # Owners' statistics are exact integers in 2^-f clip units (c^2, c, 1): no slack.
+    plan = ReleasePlan.for_query(spec(clip_norm=2.5, frac_bits=30), 2048)
     for section in plan.sections:
-        rounded = 0 if section.name == "count" else section.length
-        scaled = math.ldexp(section.l2_sensitivity, 32) + math.sqrt(rounded)
-        expected = section.sigma / section.l2_sensitivity * scaled
-        assert section.sigma_int == pytest.approx(expected, rel=1e-12)
-        assert section.sigma_int >= math.ldexp(section.sigma, 32)
+        sigma_clip = section.sigma / section.l2_sensitivity
+        assert section.sigma_int == math.ldexp(sigma_clip, 30)
+    assert [s.l2_sensitivity for s in plan.sections] == [6.25, 2.5, 1.0]
+
+
+def test_bounds_that_could_leave_int64_are_refused_at_planning() -> None:
+    with pytest.raises(EncodingOverflowError, match="2\\^62"):
+        ReleasePlan.for_query(spec(max_records_per_owner=1 << 40, frac_bits=32), 2048)
 
 
 def test_slot_width_holds_all_owners_plus_noise() -> None:
@@ -103,7 +136,7 @@ def test_dca_plan_sections_and_masked_dca_refused() -> None:
                 kind=QueryKind.DCA,
                 label_column=0,
                 class_labels=(-1.0, 1.0),
-                mode=ProtocolMode.MASKED,
+                **MASKED,
             ),
             2048,
         )
@@ -127,21 +160,31 @@ def test_row_aligned_positions_cover_the_upper_triangle_once(m: int, k: int) -> 
         assert len(rows) == 1
 
 
+def test_masked_mode_needs_replace_one_adjacency() -> None:
+    with pytest.raises(ConfigError, match="replace-one"):
+        ReleasePlan.for_query(spec(mode=ProtocolMode.MASKED), 2048)
+    plan = ReleasePlan.for_query(spec(**MASKED), 2048)
+    event = plan.privacy_event("alice")
+    assert event.neighbouring is Neighbouring.REPLACE_ONE
+    assert event.delta_extra == 6 * 2.0**-40
+    assert event.sensitivity == masked_scatter_sensitivity(1.0, 1)
+
+
 def test_masked_plan_blocks_and_owner_values() -> None:
-    plan = ReleasePlan.for_query(spec(mode=ProtocolMode.MASKED, n_features=4), 2048)
+    plan = ReleasePlan.for_query(spec(**MASKED, n_features=4), 2048)
     k = plan.owner_block(SCATTER_ROWS).layout.slots_per_ciphertext
     assert plan.owner_block(SUM_SINGLE).layout.slots_per_ciphertext == 1
     assert plan.result_block(MASKED_SUM).layout.value_count == 4
     rows = np.arange(12, dtype=float).reshape(3, 4) / 20.0
-    stats = SufficientStatistics(rows.T @ rows, rows.sum(axis=0), 3.0)
-    values = plan.owner_values(stats)
+    stats = fixed_point_statistics(rows, None, plan.spec)
+    values = plan.owner_integers(stats)
     assert values[SUM_SINGLE].tolist() == stats.sums.tolist()
     windows = values[SUM_WINDOWS].reshape(4, k)
     for t in range(4):
         expected = np.concatenate([stats.sums[t : t + k], np.zeros(max(0, t + k - 4))])
         assert windows[t].tolist() == expected.tolist()
     for value, position in zip(values[SCATTER_ROWS], row_aligned_positions(4, k), strict=True):
-        assert value == (0.0 if position is None else stats.scatter[position])
+        assert value == (0 if position is None else stats.scatter[position])
 
 
 def test_mask_width_gives_the_stated_statistical_distance() -> None:
@@ -174,22 +217,21 @@ def test_masked_sensitivity_bounds_a_replacement(n: int, m: int, seed: int) -> N
     neighbour[0] = replacement
     change = centred(neighbour) - centred(rows)
     upper = change[np.triu_indices(m)]
-    assert np.linalg.norm(upper) <= masked_scatter_sensitivity(1.0, n, 32, m)
+    assert np.linalg.norm(upper) <= masked_scatter_sensitivity(1.0, n)
 
 
-def test_masked_owner_integers_round_each_sum_once() -> None:
+def test_masked_owner_blocks_repeat_each_sum_as_the_same_integer() -> None:
     """Every copy of v must be the same integer, or the mask terms cannot cancel."""
-    plan = ReleasePlan.for_query(spec(mode=ProtocolMode.MASKED, n_features=7), 2048)
+    plan = ReleasePlan.for_query(spec(**MASKED, n_features=7), 2048)
     k = plan.owner_block(SCATTER_ROWS).layout.slots_per_ciphertext
     rng = np.random.default_rng(5)
     rows = rng.uniform(-0.3, 0.3, size=(40, 7))
-    stats = SufficientStatistics(rows.T @ rows, rows.sum(axis=0), 40.0)
-    values = plan.owner_integers(stats, rng)
+    values = plan.owner_integers(fixed_point_statistics(rows, None, plan.spec))
     singles = values[SUM_SINGLE]
     windows = values[SUM_WINDOWS].reshape(7, k)
     for t in range(7):
         for s in range(k):
             expected = singles[t + s] if t + s < 7 else 0
             assert windows[t, s] == expected
-    # Rounded once: within one fixed-point unit of the real sums.
-    assert np.all(np.abs(singles - stats.sums * 2.0**32) <= 1)
+    # Each of the 40 rows is truncated by less than 2^-16 per coordinate.
+    assert np.all(np.abs(singles / 2.0**32 - rows.sum(axis=0)) <= 40 * 2.0**-16)

@@ -1,0 +1,171 @@
+"""Exact fixed-point statistics and the changes one record can make to them.
+
+The noise is calibrated with :func:`fedpca.stats.worst_case_change`; these tests
+check its closed forms against brute force over neighbouring pairs, and that the
+owners' integer statistics really move by at most one clip unit per section when a
+record is added, with no rounding slack.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import minimize
+
+from fedpca.codec.matrix import upper_triangle
+from fedpca.query import Neighbouring, QueryKind, QuerySpec
+from fedpca.stats import (
+    StatisticsSpec,
+    fixed_point_statistics,
+    quantize_unit_rows,
+    row_bits,
+    worst_case_change,
+)
+
+
+def query(**overrides: object) -> QuerySpec:
+    fields: dict[str, object] = {
+        "query_id": "q",
+        "kind": QueryKind.PCA,
+        "n_features": 4,
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "n_components": 2,
+        "analyst_public_key_n": 3,
+        "analyst_key_fingerprint": "sha256:x",
+    }
+    fields.update(overrides)
+    return QuerySpec(**fields)  # type: ignore[arg-type]
+
+
+def _swap_change(x: np.ndarray, y: np.ndarray, w: tuple[float, float, float]) -> float:
+    """Sum_j w_j ||change_j||^2 of replacing y by x (same class, counts unchanged)."""
+    scatter = upper_triangle(np.outer(x, x) - np.outer(y, y))
+    return w[0] * float(scatter @ scatter) + w[1] * float(np.sum((x - y) ** 2))
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    return v / max(1.0, float(np.linalg.norm(v)))
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0, 1.0), (3.0, 1.0, 1.0), (1.0, 5.0, 0.5)])
+def test_the_swap_bound_covers_every_pair_and_is_nearly_attained(
+    weights: tuple[float, float, float],
+) -> None:
+    bound = worst_case_change(QueryKind.PCA, weights, Neighbouring.REPLACE_ONE)
+    rng = np.random.default_rng(3)
+    best = 0.0
+    for m in (1, 2, 3, 6):
+        for _ in range(300):
+            x, y = _unit(rng.normal(size=m)), _unit(rng.normal(size=m))
+            best = max(best, _swap_change(x, y, weights))
+        # Local search from random starts for the worst pair.
+        for _ in range(10):
+            start = rng.normal(size=2 * m)
+
+            def negative(v: np.ndarray, m: int = m) -> float:
+                return -_swap_change(_unit(v[:m]), _unit(v[m:]), weights)
+
+            result = minimize(negative, start, tol=1e-10)
+            value = _swap_change(_unit(result.x[:m]), _unit(result.x[m:]), weights)
+            best = max(best, value)
+    assert best <= bound * (1 + 1e-9)
+    # The bound uses ||upper triangle|| <= ||Frobenius||; it stays within 5 % of the
+    # worst pair found (2.085^2 = 4.35 against 4.5 at equal weights).
+    assert best >= bound / 1.05
+
+
+def test_add_and_class_swap_cases() -> None:
+    w = (2.0, 3.0, 5.0)
+    # x = e_1 added: every section moves by exactly one clip unit.
+    assert worst_case_change(QueryKind.PCA, w, Neighbouring.ADD_REMOVE) >= sum(w)
+    # DCA: a swap between classes moves two class rows and two counts.
+    assert worst_case_change(QueryKind.DCA, w, Neighbouring.REPLACE_ONE) >= 2 * (w[0] + w[1] + w[2])
+    # Equal weights: sqrt(4.5) for PCA, sqrt(6) for DCA, whatever the relation.
+    for relation in Neighbouring:
+        spec = StatisticsSpec(QueryKind.PCA, 3)
+        assert spec.l2_sensitivity_under(relation) == pytest.approx(math.sqrt(4.5))
+        dca = StatisticsSpec(QueryKind.DCA, 3, class_labels=(0.0, 1.0))
+        assert dca.l2_sensitivity_under(relation) == pytest.approx(math.sqrt(6.0))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    m=st.integers(min_value=1, max_value=30),
+    bits=st.integers(min_value=1, max_value=20),
+    seed=st.integers(min_value=0, max_value=2**31),
+)
+def test_quantised_rows_never_exceed_the_unit_norm(m: int, bits: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows = rng.normal(size=(20, m))
+    rows /= np.linalg.norm(rows, axis=1)[:, None]
+    rows *= 1 + rng.uniform(0, 1e-12, size=(20, 1))  # float rounding above 1
+    q = quantize_unit_rows(rows, bits)
+    squared = [sum(int(v) ** 2 for v in row) for row in q.tolist()]
+    assert max(squared) <= 1 << (2 * bits)
+    # Truncation toward zero moves every coordinate by at most one grid step (plus the
+    # rare repair step).
+    assert np.max(np.abs(q / 2.0**bits - rows)) <= 2 * 2.0**-bits
+
+
+def _exact_reference(rows: np.ndarray, q: QuerySpec) -> dict[str, list[int]]:
+    """The same statistics computed with Python integers from the quantised rows."""
+    from fedpca.preprocess import preprocess_for_query
+
+    g = row_bits(q.frac_bits)
+    quantised = quantize_unit_rows(preprocess_for_query(rows, q) / q.clip_norm, g).tolist()
+    m = q.n_features
+    shift_scatter, shift_sum = q.frac_bits - 2 * g, q.frac_bits - g
+    scatter = [
+        sum(r[i] * r[j] for r in quantised) << shift_scatter for i in range(m) for j in range(i, m)
+    ]
+    sums = [sum(r[j] for r in quantised) << shift_sum for j in range(m)]
+    return {"scatter": scatter, "sums": sums}
+
+
+@pytest.mark.parametrize("frac_bits", [16, 32, 33, 48])
+def test_fixed_point_statistics_are_exact_and_padding_changes_nothing(frac_bits: int) -> None:
+    rng = np.random.default_rng(frac_bits)
+    rows = rng.uniform(-3, 3, size=(50, 4))
+    q = query(frac_bits=frac_bits, feature_lower=(-2.0,) * 4, feature_upper=(2.0,) * 4)
+    stats = fixed_point_statistics(rows, None, q)
+    reference = _exact_reference(rows, q)
+    assert upper_triangle(stats.scatter).tolist() == reference["scatter"]
+    assert stats.sums.tolist() == reference["sums"]
+    assert stats.count == 50
+    padded = fixed_point_statistics(rows, None, q, pad_to=10_000)
+    assert np.array_equal(padded.scatter, stats.scatter)
+    assert np.array_equal(padded.sums, stats.sums) and padded.count == 50
+    # Bounded by construction: at most one clip unit per record and entry.
+    vector = stats.to_vector(StatisticsSpec.from_query(q))
+    assert int(np.abs(vector).max()) <= 50 << frac_bits
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**31), n=st.integers(min_value=0, max_value=30))
+def test_one_added_record_moves_each_section_by_at_most_one_clip_unit(seed: int, n: int) -> None:
+    rng = np.random.default_rng(seed)
+    q = query(n_features=5, clip_norm=float(rng.uniform(0.5, 3.0)))
+    spec = StatisticsSpec.from_query(q)
+    rows = rng.normal(scale=2.0, size=(n, 5))
+    extra = rng.normal(scale=2.0, size=(1, 5))
+    before = fixed_point_statistics(rows, None, q).to_vector(spec).astype(float)
+    after = fixed_point_statistics(np.vstack([rows, extra]), None, q).to_vector(spec).astype(float)
+    unit = 2.0**q.frac_bits
+    for part in spec.section_slices().values():
+        assert np.linalg.norm(after[part] - before[part]) <= unit
+
+
+def test_dca_class_statistics_are_exact() -> None:
+    rng = np.random.default_rng(1)
+    rows = rng.uniform(-1, 1, size=(30, 3)) / 2
+    labels = rng.choice([1.0, 2.0, 5.0], size=30)
+    q = query(n_features=3, kind=QueryKind.DCA, label_column=0, class_labels=(1.0, 2.0, 5.0))
+    stats = fixed_point_statistics(rows, labels, q, pad_to=64)
+    assert stats.class_counts is not None and stats.class_sums is not None
+    assert stats.class_counts.tolist() == [int(np.sum(labels == c)) for c in (1.0, 2.0, 5.0)]
+    assert stats.class_sums.sum(axis=0).tolist() == stats.sums.tolist()
