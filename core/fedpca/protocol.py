@@ -308,7 +308,8 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
     headroom = max(_headroom(s.sigma_int, s.length) for s in sections)
     bounds = PackingBounds(
         max_abs_per_record=1.0,  # clip units
-        max_records_per_owner=spec.max_records_per_owner,
+        # DCA caps every class at max_records_per_owner (docs/privacy.md).
+        max_records_per_owner=spec.max_records_per_owner * max(1, statistics.n_classes),
         max_owners=spec.max_owners,
         frac_bits=f,
         noise_headroom=headroom,

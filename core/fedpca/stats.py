@@ -54,11 +54,12 @@ c.  Besides adding or removing a record, an owner's statistics can see one
 record *swapped* for another with the counts unchanged: under replace-one
 adjacency, and under add/remove adjacency when an owner at its public record
 cap contributes a uniform sample of its rows (a record added to it displaces
-one).  For DCA a swap may also move a record between classes, and a record
-whose label is not one of the public classes is left out, so under replace-one
-a replacement can look like an addition.  :func:`worst_case_change` bounds
-Σ_j ‖Δq_j‖²/σ_j² over every change a relation allows (docs/privacy.md derives
-each case).
+one).  For DCA the cap applies to each class separately, so under add/remove a
+displaced record is of the same class; under replace-one a replacement may move
+a record between classes, and since a record whose label is not one of the
+public classes is left out, a replacement can also look like an addition.
+:func:`worst_case_change` bounds Σ_j ‖Δq_j‖²/σ_j² over every change a relation
+allows (docs/privacy.md derives each case).
 """
 
 from __future__ import annotations
@@ -256,9 +257,10 @@ class StatisticsSpec:
     def l2_sensitivity_under(self, neighbouring: Neighbouring) -> float:
         """Joint L2 sensitivity in clip units when every section has the same noise.
 
-        √(worst_case_change(kind, (1, 1, 1), relation)): √4.5 = 2.121 for PCA and
-        √6 = 2.449 for DCA, under either relation (the swap of a capped owner under
-        add/remove; the replacement itself under replace-one).
+        √(worst_case_change(kind, (1, 1, 1), relation)): √4.5 = 2.121 under either
+        relation for PCA and under add/remove for DCA (the swap of a capped owner, or
+        the replacement itself), √6 = 2.449 for DCA under replace-one (a replacement
+        between classes).
         """
         return math.sqrt(worst_case_change(self.kind, (1.0, 1.0, 1.0), neighbouring))
 
@@ -477,13 +479,14 @@ def worst_case_change(
       xxᵀ − yyᵀ has squared norm at most ‖xxᵀ − yyᵀ‖_F² = ‖x‖⁴ + ‖y‖⁴ − 2t² <= 2 − 2t²,
       and ‖x − y‖² <= 2 − 2t; maximising a(2 − 2t²) + b(2 − 2t) over t in [−1, 1]
       gives 2a + 2b + b²/(2a) at t = −b/(2a) when b <= 2a, else 4b at t = −1;
-    * swap between classes (DCA): the class-sum rows move by x and −y
-      (‖x‖² + ‖y‖² <= 2), two counts by ±1, the scatter as above with t = 0:
+    * swap between classes (DCA, replace-one only): the class-sum rows move by x
+      and −y (‖x‖² + ‖y‖² <= 2), two counts by ±1, the scatter as above with t = 0:
       2a + 2b + 2g.
 
-    Add/remove adjacency needs the add case and the swaps (an owner at its record cap
-    samples: one added record displaces another). Replace-one needs the swaps, and
-    for DCA the add case too (a replaced record whose label is not public was left out).
+    Add/remove adjacency needs the add case and the same-class swap (an owner at its
+    record cap - per class for DCA - samples: one added record displaces another of
+    its class). Replace-one needs the swaps, and for DCA the add case too (a replaced
+    record whose label is not public was left out).
     """
     if len(inverse_variances) != 3:
         raise ConfigError(f"need 3 inverse variances, got {len(inverse_variances)}")
@@ -493,7 +496,7 @@ def worst_case_change(
     add = a + b + g
     swap = 2 * a + 2 * b + b * b / (2 * a) if b <= 2 * a else 4 * b
     cases = [swap]
-    if kind is QueryKind.DCA:
+    if kind is QueryKind.DCA and neighbouring is Neighbouring.REPLACE_ONE:
         cases.append(2 * a + 2 * b + 2 * g)
     if neighbouring is Neighbouring.ADD_REMOVE or kind is QueryKind.DCA:
         cases.append(add)

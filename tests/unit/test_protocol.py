@@ -73,16 +73,17 @@ def test_stats_plan_noise_multiplier_meets_the_privacy_target(
 
 
 def test_default_split_is_isotropic_with_the_swap_sensitivity() -> None:
-    # c = 1, equal weights: one sigma for every section, sqrt(4.5) = 2.121 x z for PCA
-    # (a capped owner's swap), sqrt(6) x z for DCA (a swap between classes).
+    # c = 1, equal weights: one sigma for every section, sqrt(4.5) = 2.121 x z (a capped
+    # owner's swap), and sqrt(6) x z for DCA under replace-one (a swap between classes).
     z = zcdp_noise_multiplier(0.5, 1e-5)
     pca = ReleasePlan.for_query(spec(), 2048)
     assert {round(s.sigma, 9) for s in pca.sections} == {round(z * math.sqrt(4.5), 9)}
     assert pca.privacy_event("a").sensitivity == pytest.approx(math.sqrt(4.5))
-    dca = ReleasePlan.for_query(
-        spec(kind=QueryKind.DCA, label_column=0, class_labels=(0.0, 1.0, 2.0)), 2048
-    )
-    assert {round(s.sigma, 9) for s in dca.sections} == {round(z * math.sqrt(6.0), 9)}
+    dca = {"kind": QueryKind.DCA, "label_column": 0, "class_labels": (0.0, 1.0, 2.0)}
+    plan = ReleasePlan.for_query(spec(**dca), 2048)
+    assert {round(s.sigma, 9) for s in plan.sections} == {round(z * math.sqrt(4.5), 9)}
+    plan = ReleasePlan.for_query(spec(**dca, neighbouring=Neighbouring.REPLACE_ONE), 2048)
+    assert {round(s.sigma, 9) for s in plan.sections} == {round(z * math.sqrt(6.0), 9)}
 
 
 def test_integer_noise_is_the_real_noise_in_clip_units_on_the_grid() -> None:

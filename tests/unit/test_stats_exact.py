@@ -83,14 +83,19 @@ def test_add_and_class_swap_cases() -> None:
     w = (2.0, 3.0, 5.0)
     # x = e_1 added: every section moves by exactly one clip unit.
     assert worst_case_change(QueryKind.PCA, w, Neighbouring.ADD_REMOVE) >= sum(w)
-    # DCA: a swap between classes moves two class rows and two counts.
+    # DCA under replace-one: a replacement between classes moves two class rows and two
+    # counts. Under add/remove the cap is per class, so no swap crosses classes.
     assert worst_case_change(QueryKind.DCA, w, Neighbouring.REPLACE_ONE) >= 2 * (w[0] + w[1] + w[2])
-    # Equal weights: sqrt(4.5) for PCA, sqrt(6) for DCA, whatever the relation.
+    assert worst_case_change(QueryKind.DCA, w, Neighbouring.ADD_REMOVE) == worst_case_change(
+        QueryKind.PCA, w, Neighbouring.ADD_REMOVE
+    )
+    # Equal weights: sqrt(4.5), except DCA under replace-one: sqrt(6).
+    dca = StatisticsSpec(QueryKind.DCA, 3, class_labels=(0.0, 1.0))
     for relation in Neighbouring:
         spec = StatisticsSpec(QueryKind.PCA, 3)
         assert spec.l2_sensitivity_under(relation) == pytest.approx(math.sqrt(4.5))
-        dca = StatisticsSpec(QueryKind.DCA, 3, class_labels=(0.0, 1.0))
-        assert dca.l2_sensitivity_under(relation) == pytest.approx(math.sqrt(6.0))
+    assert dca.l2_sensitivity_under(Neighbouring.ADD_REMOVE) == pytest.approx(math.sqrt(4.5))
+    assert dca.l2_sensitivity_under(Neighbouring.REPLACE_ONE) == pytest.approx(math.sqrt(6.0))
 
 
 @settings(max_examples=80, deadline=None)

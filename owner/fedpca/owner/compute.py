@@ -11,13 +11,15 @@ refuse: whatever the rows hold, the owner uploads a share of the agreed shape.
 2. :func:`contributed_rows`: for DCA leave out records whose label is not one of
    the query's public classes; if more records remain than the public cap
    (the query's ``max_records_per_owner`` or this owner's declared capacity,
-   whichever is smaller), keep a uniform random sample of exactly that many. The
-   sensitivity the noise is calibrated with covers both (a record left out, or one
-   record displacing another: :func:`fedpca.stats.worst_case_change`);
+   whichever is smaller; for DCA per class), keep a uniform random sample of exactly
+   that many. The sensitivity the noise is calibrated with covers both (a record left
+   out, or one record displacing another of its class:
+   :func:`fedpca.stats.worst_case_change`);
 3. :func:`fedpca.stats.fixed_point_statistics`: scale with the query's public bounds
    (values outside are clipped to them), clip rows to the query's norm, quantise,
-   and sum exactly on the fixed-point grid, always over ``cap`` rows (zero rows pad
-   the real ones), so the time taken depends on the public cap, not on the data;
+   and sum exactly on the fixed-point grid, always over the public number of rows the
+   cap allows (zero rows pad the real ones), so the time taken depends on public
+   facts, not on the data;
 4. lay the integers out per owner block; they are within the block's bound by
    construction (checked once more before anything is encrypted);
 5. pack and encrypt.
@@ -55,6 +57,7 @@ __all__ = [
     "contributed_rows",
     "encode_share",
     "encrypt_share",
+    "padded_rows",
     "record_cap",
     "spec_digest",
 ]
@@ -175,10 +178,19 @@ def spec_digest(spec: QuerySpec) -> str:
 
 
 def record_cap(spec: QuerySpec, capacity: int) -> int:
-    """The most records this owner contributes to ``spec``: the smaller public bound."""
+    """The most records this owner contributes to ``spec`` (per class for DCA).
+
+    The smaller of two public bounds: the query's ``max_records_per_owner`` and the
+    owner's declared capacity.
+    """
     if capacity < 1:
         raise ConfigError(f"an owner's declared capacity must be >= 1, got {capacity}")
     return min(spec.max_records_per_owner, capacity)
+
+
+def padded_rows(spec: QuerySpec, cap: int) -> int:
+    """Rows an owner's statistics always process for ``spec``: the cap, times C for DCA."""
+    return cap * (len(spec.class_labels) if spec.kind is QueryKind.DCA else 1)
 
 
 def contributed_rows(
@@ -187,8 +199,9 @@ def contributed_rows(
     """The records that enter this owner's statistics for ``spec``.
 
     DCA: records whose label is not one of the query's public class labels are left
-    out. Then, if more than ``cap`` records remain, a uniform sample of exactly
-    ``cap`` of them (without replacement) is kept. Neither step refuses anything.
+    out, and the cap applies to each class. Then, if more than ``cap`` records
+    remain (of a class), a uniform sample of exactly ``cap`` of them (without
+    replacement) is kept. Neither step refuses anything.
 
     Parameters
     ----------
@@ -198,18 +211,22 @@ def contributed_rows(
     rng : sampling randomness (tests only; fresh from the OS by default). It must stay
         secret: the sample is part of the mechanism.
     """
+    generator = rng if rng is not None else np.random.default_rng()
+
+    def sample(indices: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        if indices.size <= cap:
+            return indices
+        return np.sort(generator.choice(indices, size=cap, replace=False))
+
     features, labels = table.features, table.labels
     if spec.kind is QueryKind.DCA:
         if labels is None:
             raise LayoutError("a DCA query needs the owner's labels")
-        known = np.isin(labels, np.asarray(spec.class_labels, dtype=np.float64))
-        features, labels = features[known], labels[known]
-    if features.shape[0] > cap:
-        generator = rng if rng is not None else np.random.default_rng()
-        keep = np.sort(generator.choice(features.shape[0], size=cap, replace=False))
-        features = features[keep]
-        labels = None if labels is None else labels[keep]
-    return OwnerTable(features, labels)
+        parts = [sample(np.flatnonzero(labels == label)) for label in spec.class_labels]
+        keep = np.sort(np.concatenate(parts))
+        return OwnerTable(features[keep], labels[keep])
+    keep = sample(np.arange(features.shape[0]))
+    return OwnerTable(features[keep], None)
 
 
 def encode_share(
@@ -243,7 +260,9 @@ def encode_share(
     """
     cap = record_cap(spec, capacity)
     rows = contributed_rows(table, spec, cap, rng)
-    statistics = fixed_point_statistics(rows.features, rows.labels, spec, pad_to=cap)
+    statistics = fixed_point_statistics(
+        rows.features, rows.labels, spec, pad_to=padded_rows(spec, cap)
+    )
     values = plan.owner_integers(statistics)
     encoded: dict[str, IntArray] = {}
     for block in plan.owner_blocks:
