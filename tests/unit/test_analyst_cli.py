@@ -42,6 +42,11 @@ from fedpca.codec import (
 )
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import BudgetExceededError, ConfigError, NotFoundError, QueryStateError
+from fedpca.messages import (
+    BudgetStatus,
+    QueryState,
+    QueryStatus,
+)
 from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
@@ -163,26 +168,24 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
                 f"epsilon {spec.epsilon} would exceed the limit 3.0 (spent 2.9)",
             )
         self.specs[spec.query_id] = spec
-        status = serde.QueryStatus(spec.query_id, serde.QueryState.COLLECTING, 0, spec.quorum)
+        status = QueryStatus(spec.query_id, QueryState.COLLECTING, 0, spec.quorum)
         return serde.query_status_to_proto(status)
 
     def GetQueryStatus(self, request: Any, context: Any) -> Any:
         query_id = serde.query_ref_from_proto(request)
-        status = serde.QueryStatus(query_id, serde.QueryState.DONE, 1, 1)
+        status = QueryStatus(query_id, QueryState.DONE, 1, 1)
         return serde.query_status_to_proto(status)
 
     def WatchQueryStatus(self, request: Any, context: Any) -> Iterator[Any]:
         query_id = serde.query_ref_from_proto(request)
         quorum = self.specs[query_id].quorum
-        yield serde.query_status_to_proto(
-            serde.QueryStatus(query_id, serde.QueryState.COLLECTING, 1, quorum)
-        )
+        yield serde.query_status_to_proto(QueryStatus(query_id, QueryState.COLLECTING, 1, quorum))
         if self.fail_reason is not None:
-            final = serde.QueryStatus(
-                query_id, serde.QueryState.FAILED, 1, quorum, failure_reason=self.fail_reason
+            final = QueryStatus(
+                query_id, QueryState.FAILED, 1, quorum, failure_reason=self.fail_reason
             )
         else:
-            final = serde.QueryStatus(query_id, serde.QueryState.DONE, quorum, quorum)
+            final = QueryStatus(query_id, QueryState.DONE, quorum, quorum)
         yield serde.query_status_to_proto(final)
 
     def FetchResult(self, request: Any, context: Any) -> Iterator[Any]:
@@ -209,7 +212,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
 
     def GetBudget(self, request: Any, context: Any) -> Any:
         delta = serde.budget_request_from_proto(request)
-        status = serde.BudgetStatus("alice", delta or 1e-6, 1.25, 1.75, 3.0, 2)
+        status = BudgetStatus("alice", delta or 1e-6, 1.25, 1.75, 3.0, 2)
         return serde.budget_status_to_proto(status)
 
 
@@ -256,9 +259,9 @@ def test_client_submits_watches_fetches_and_decrypts_masked_mode(
     public_key, private_key = test_only_keypair_512
     spec = _spec(public_key, mode=ProtocolMode.MASKED)
     with AnalystClient(address, None, insecure=True) as client:
-        assert client.submit(spec).state is serde.QueryState.COLLECTING
+        assert client.submit(spec).state is QueryState.COLLECTING
         states = [s.state for s in client.watch(spec.query_id)]
-        assert states == [serde.QueryState.COLLECTING, serde.QueryState.DONE]
+        assert states == [QueryState.COLLECTING, QueryState.DONE]
         fetched = client.fetch(spec.query_id)
     # The public N travels in the result header (ResultHeader.public_record_count).
     assert fetched.result.public_record_count == len(ROWS)

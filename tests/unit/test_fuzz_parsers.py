@@ -58,6 +58,23 @@ from fedpca.analyst.cli import load_config as load_analyst_config
 from fedpca.codec import ciphertext as codec_ciphertext
 from fedpca.codec.keys import key_fingerprint, load_private_key, load_public_key
 from fedpca.errors import ConfigError, FedpcaError
+from fedpca.messages import (
+    SHA256_BYTES,
+    CiphertextBlock,
+    CiphertextPayload,
+    NoiseDescription,
+    NoiseMechanism,
+    NoiseSection,
+    QueryResult,
+    QueryState,
+    QueryStatus,
+    Task,
+    UploadHeader,
+    check_layout,
+    ciphertext_width,
+    ciphertexts_from_bytes,
+    ciphertexts_to_bytes,
+)
 from fedpca.owner.config import load_config as load_owner_config
 from fedpca.proxy.config import load_config as load_proxy_config
 from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
@@ -218,12 +235,12 @@ def check_decoded(
     decoded = parse_or_refuse(lambda: decode(message))
     if decoded is None:
         return
-    if isinstance(decoded, serde.UploadHeader):
+    if isinstance(decoded, UploadHeader):
         # Invariants of a decoded header: a valid layout and a consistent chunk count.
-        assert serde.check_layout(decoded.blocks) >= 2
+        assert check_layout(decoded.blocks) >= 2
         assembler = decoded.assembler()
         assert 1 <= assembler.total_chunks <= assembler.expected_ciphertexts
-        assert len(decoded.content_sha256) == serde.SHA256_BYTES
+        assert len(decoded.content_sha256) == SHA256_BYTES
         return
     if encode is None:
         return
@@ -276,11 +293,11 @@ _VALID_MESSAGES: list[tuple[Message, int]] = [
     (serde.query_spec_to_proto(_valid_spec()), 0),
     (
         serde.task_event_to_proto(
-            serde.Task(_valid_spec(mode=ProtocolMode.MASKED), datetime(2030, 1, 1, tzinfo=UTC))
+            Task(_valid_spec(mode=ProtocolMode.MASKED), datetime(2030, 1, 1, tzinfo=UTC))
         ),
         4,
     ),
-    (serde.query_status_to_proto(serde.QueryStatus("q", serde.QueryState.DONE, 2, 2)), 11),
+    (serde.query_status_to_proto(QueryStatus("q", QueryState.DONE, 2, 2)), 11),
 ]
 
 
@@ -319,19 +336,19 @@ def test_mutated_valid_encodings_into_their_parsers(
 
 # ============================================================= stream readers
 _KEY_BITS = 64
-_WIDTH = serde.ciphertext_width(_KEY_BITS)
+_WIDTH = ciphertext_width(_KEY_BITS)
 _BLOCKS = (
-    serde.CiphertextBlock("scatter", _KEY_BITS, 7, 8, 10, 2),
-    serde.CiphertextBlock("sum", _KEY_BITS, 7, 8, 3, 1),
+    CiphertextBlock("scatter", _KEY_BITS, 7, 8, 10, 2),
+    CiphertextBlock("sum", _KEY_BITS, 7, 8, 3, 1),
 )
 # One ciphertext per chunk: a three-chunk stream.
 _SMALL_MESSAGES = 64 + _WIDTH
 
 
-def _payload(seed: int) -> serde.PackedCiphertexts:
+def _payload(seed: int) -> CiphertextPayload:
     rng = np.random.default_rng(seed)
     values = [int.from_bytes(rng.bytes(_WIDTH), "big") for _ in range(3)]
-    return serde.PackedCiphertexts.from_wire_order(_BLOCKS, values)
+    return CiphertextPayload.from_wire_order(_BLOCKS, values)
 
 
 def _upload_stream() -> list[owner_pb.UploadMessage]:
@@ -339,14 +356,14 @@ def _upload_stream() -> list[owner_pb.UploadMessage]:
 
 
 def _result_stream() -> list[analyst_pb.ResultMessage]:
-    noise = serde.NoiseDescription(
-        serde.NoiseMechanism.GAUSSIAN,
+    noise = NoiseDescription(
+        NoiseMechanism.GAUSSIAN,
         Calibration.ANALYTIC,
         1.0,
         1e-5,
-        (serde.NoiseSection("scatter", 0.5),),
+        (NoiseSection("scatter", 0.5),),
     )
-    result = serde.QueryResult(_valid_spec(), 3, noise, _payload(2))
+    result = QueryResult(_valid_spec(), 3, noise, _payload(2))
     return serde.encode_result(result, _SMALL_MESSAGES)
 
 
@@ -462,12 +479,12 @@ def mutate_stream(messages: list[Any], edits: list[tuple[Any, ...]]) -> list[Any
 
 
 def _check_payload(
-    payload: serde.PackedCiphertexts, blocks: tuple[serde.CiphertextBlock, ...], digest: bytes
+    payload: CiphertextPayload, blocks: tuple[CiphertextBlock, ...], digest: bytes
 ) -> None:
     assert payload.blocks == blocks
     for block in blocks:
         assert len(payload[block.name]) == block.n_ciphertexts
-    data = serde.ciphertexts_to_bytes(payload.in_wire_order(), payload.ciphertext_bytes)
+    data = ciphertexts_to_bytes(payload.in_wire_order(), payload.ciphertext_bytes)
     assert hashlib.sha256(data).digest() == digest
 
 
@@ -514,10 +531,10 @@ def test_huge_declared_counts_are_refused_before_any_chunk() -> None:
 @fuzz_settings(max_examples=300)
 @given(st.binary(max_size=300), st.integers(-3, 200))
 def test_serde_ciphertext_framing(data: bytes, width: int) -> None:
-    values = parse_or_refuse(lambda: serde.ciphertexts_from_bytes(data, width))
+    values = parse_or_refuse(lambda: ciphertexts_from_bytes(data, width))
     if values is not None:
         assert len(values) * width == len(data)
-        assert serde.ciphertexts_to_bytes(values, width) == data
+        assert ciphertexts_to_bytes(values, width) == data
 
 
 @st.composite
@@ -1059,7 +1076,7 @@ def test_out_of_range_timestamps_are_protocol_errors() -> None:
 
     for stamp in (Timestamp(seconds=2**62), Timestamp(seconds=-(2**62)), Timestamp(nanos=-5)):
         heartbeat = owner_pb.TaskEvent(heartbeat=owner_pb.Heartbeat(sent_at=stamp))
-        status = analyst_pb.QueryStatus(query_id="q", state=1, deadline=stamp)
+        status = analyst_pb.QueryStatus(query_id="q", state=2, deadline=stamp)
         info = owner_pb.ProxyInfo(server_time=stamp)
         for decode, message in (
             (serde.task_event_from_proto, heartbeat),

@@ -57,12 +57,17 @@ from fedpca.codec import (
 )
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.messages import (
+    CiphertextPayload,
+    QueryState,
+    UploadStatus,
+)
 from fedpca.owner.statistics import local_statistics
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
 from fedpca.proxy.coordinator import spec_to_dict, wire_blocks
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.store import ProxyStore, QueryState
+from fedpca.proxy.store import ProxyStore
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
@@ -147,7 +152,7 @@ class World:
 
 def _share(
     spec: QuerySpec, seed: int, public_key: Any, pool: CryptoPool
-) -> tuple[serde.PackedCiphertexts, np.ndarray]:
+) -> tuple[CiphertextPayload, np.ndarray]:
     """An owner's encrypted upload for ``spec`` and the integers it encrypted."""
     rng = np.random.default_rng(seed)
     rows = rng.uniform(-1, 1, size=(20, M))
@@ -166,7 +171,7 @@ def _share(
         )
         for block in plan.owner_blocks
     }
-    return serde.PackedCiphertexts(wire_blocks(plan), ciphertexts), encoded[SHARES]
+    return CiphertextPayload(wire_blocks(plan), ciphertexts), encoded[SHARES]
 
 
 def _spec(public_key: Any, query_id: str, **changes: Any) -> QuerySpec:
@@ -546,7 +551,7 @@ def test_fuzzed_uploads_are_refused_without_touching_the_store(world: World) -> 
         if outcome.code is None:
             receipt = serde.upload_receipt_from_proto(outcome.response)
             # Only owner-1 resending its own accepted upload, byte for byte, may pass.
-            assert receipt.status is serde.UploadStatus.DUPLICATE, what
+            assert receipt.status is UploadStatus.DUPLICATE, what
             assert caller == "owner-1" and _wire(stream) == _wire(world.replay), what
             assert snapshot(world.store) == before, what
         else:
@@ -558,7 +563,7 @@ def test_fuzzed_uploads_are_refused_without_touching_the_store(world: World) -> 
 def test_unmodified_retry_is_a_harmless_duplicate(world: World) -> None:
     before = snapshot(world.store)
     receipt = world.owners["owner-1"].Upload(iter(world.replay), timeout=TIMEOUT)
-    assert serde.upload_receipt_from_proto(receipt).status is serde.UploadStatus.DUPLICATE
+    assert serde.upload_receipt_from_proto(receipt).status is UploadStatus.DUPLICATE
     assert snapshot(world.store) == before
 
 
@@ -662,7 +667,7 @@ def test_fuzzed_query_submissions(world: World) -> None:
         assert not wrong_role, what
         status = serde.query_status_from_proto(outcome.response)
         spec = serde.query_spec_from_proto(message)
-        assert status.query_id == spec.query_id and status.state is serde.QueryState.COLLECTING
+        assert status.query_id == spec.query_id and status.state is QueryState.COLLECTING
         after = snapshot(world.store)
         record = after["queries"][spec.query_id]
         assert record.analyst_id == analyst and record.spec == spec_to_dict(spec), what
@@ -831,7 +836,7 @@ def test_after_the_fuzz_valid_uploads_still_sum_exactly(world: World) -> None:
     assert world.store.query(TARGET).n_contributed == 1
     for owner in ("owner-2", "owner-3"):
         receipt = world.owners[owner].Upload(iter(world.fresh[owner]), timeout=TIMEOUT)
-        assert serde.upload_receipt_from_proto(receipt).status is serde.UploadStatus.ACCEPTED
+        assert serde.upload_receipt_from_proto(receipt).status is UploadStatus.ACCEPTED
     _wait_for(lambda: world.store.query(TARGET).state is QueryState.DONE)
     assert {u.owner_id for u in world.store.uploads(TARGET)} == set(OWNERS)
     result = serde.decode_result(

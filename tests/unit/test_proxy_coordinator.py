@@ -33,6 +33,11 @@ from fedpca.errors import (
     ProtocolError,
     QueryStateError,
 )
+from fedpca.messages import (
+    NoiseMechanism,
+    QueryState,
+    UploadHeader,
+)
 from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import (
@@ -46,10 +51,9 @@ from fedpca.protocol import (
 )
 from fedpca.proxy.config import BudgetConfig, ProxyConfig
 from fedpca.proxy.coordinator import Coordinator, spec_from_dict, spec_to_dict, wire_blocks
-from fedpca.proxy.store import ProxyStore, QueryState, UploadReceipt
+from fedpca.proxy.store import ProxyStore, UploadCompletion
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import sum_statistics
-from fedpca.transport import serde
 from helpers import dataset_table
 
 IntVector = list[int]
@@ -145,7 +149,7 @@ class Owner:
 
     def upload(
         self, plan: ReleasePlan, public_key: Any, pool: CryptoPool
-    ) -> tuple[serde.UploadHeader, dict[str, list[int]], dict[str, np.ndarray]]:
+    ) -> tuple[UploadHeader, dict[str, list[int]], dict[str, np.ndarray]]:
         encoded, count = self.encode(plan)
         blocks = {
             block.name: list(
@@ -159,7 +163,7 @@ class Owner:
         content = b"".join(
             c.to_bytes(width, "big") for block in plan.owner_blocks for c in blocks[block.name]
         )
-        header = serde.UploadHeader(
+        header = UploadHeader(
             query_id=plan.spec.query_id,
             analyst_key_fingerprint=plan.spec.analyst_key_fingerprint,
             upload_id=f"{self.owner_id}-{plan.spec.query_id}",
@@ -174,9 +178,9 @@ class Owner:
 def accept_upload(
     coordinator: Coordinator,
     owner_id: str,
-    header: serde.UploadHeader,
+    header: UploadHeader,
     blocks: Mapping[str, Sequence[int]],
-) -> UploadReceipt:
+) -> UploadCompletion:
     """Stream an upload through the coordinator, one chunk per block in the plan's
     order, as the servicer does with wire chunks (taking it out again if it fails).
 
@@ -270,7 +274,7 @@ def test_stats_mode_without_noise_equals_the_owners_integer_sums(
     assert meta["not_private"] is True and meta["n_owners"] == 3
     assert all(s["sigma"] == 0 for s in meta["sections"])
     result = coordinator.result("q1")
-    assert result.noise.mechanism is serde.NoiseMechanism.NONE
+    assert result.noise.mechanism is NoiseMechanism.NONE
 
 
 def test_stats_mode_noise_has_the_planned_sigma_per_section(
@@ -299,7 +303,7 @@ def test_stats_mode_noise_has_the_planned_sigma_per_section(
     meta = coordinator.result_meta("q1")
     assert meta["not_private"] is False
     assert [s["sigma"] for s in meta["sections"]] == [s.sigma for s in plan.sections]
-    assert coordinator.result("q1").noise.mechanism is serde.NoiseMechanism.GAUSSIAN
+    assert coordinator.result("q1").noise.mechanism is NoiseMechanism.GAUSSIAN
 
 
 # ------------------------------------------------------------------ budget
@@ -501,7 +505,7 @@ def test_deadline_below_quorum_fails_the_query(
     assert record.state is QueryState.FAILED
     assert record.failure_reason == "deadline passed with 1 of 2 required owners"
     status = coordinator.status("q1")
-    assert status.state is serde.QueryState.FAILED and status.owners_declined == 1
+    assert status.state is QueryState.FAILED and status.owners_declined == 1
     with pytest.raises(QueryStateError):
         coordinator.result("q1")
     # Nothing was released, so the charge is refunded.

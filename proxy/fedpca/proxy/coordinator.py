@@ -134,6 +134,24 @@ from fedpca.errors import (
     ProtocolError,
     QueryStateError,
 )
+from fedpca.messages import (
+    BudgetStatus,
+    CiphertextBlock,
+    CiphertextPayload,
+    NoiseDescription,
+    NoiseMechanism,
+    NoiseSection,
+    QueryResult,
+    QueryState,
+    QueryStatus,
+    Task,
+    TaskCancellation,
+    UploadHeader,
+    blocks_of,
+)
+from fedpca.messages import (
+    ciphertexts_from_bytes as wire_ciphertexts_from_bytes,
+)
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -147,9 +165,8 @@ from fedpca.protocol import (
 )
 from fedpca.proxy import _mask_worker
 from fedpca.proxy.config import ProxyConfig
-from fedpca.proxy.store import ProxyStore, QueryRecord, QueryState, UploadReceipt
+from fedpca.proxy.store import ProxyStore, QueryRecord, UploadCompletion
 from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
-from fedpca.transport import serde
 
 __all__ = [
     "Coordinator",
@@ -230,14 +247,14 @@ def _float_out(value: Any) -> Any:
 
 
 # ------------------------------------------------------------- plan <-> layout
-def wire_blocks(plan: ReleasePlan) -> tuple[serde.CiphertextBlock, ...]:
+def wire_blocks(plan: ReleasePlan) -> tuple[CiphertextBlock, ...]:
     """The layout owners must declare in their upload header, in order."""
-    return serde.blocks_of(plan.owner_blocks)
+    return blocks_of(plan.owner_blocks)
 
 
-def result_blocks(plan: ReleasePlan) -> tuple[serde.CiphertextBlock, ...]:
+def result_blocks(plan: ReleasePlan) -> tuple[CiphertextBlock, ...]:
     """The layout of the result the proxy returns, in order."""
-    return serde.blocks_of(plan.result_blocks)
+    return blocks_of(plan.result_blocks)
 
 
 def _tri_index(i: int, j: int, m: int) -> int:
@@ -294,7 +311,7 @@ class UploadStream:
         self,
         coordinator: Coordinator,
         owner_id: str,
-        header: serde.UploadHeader,
+        header: UploadHeader,
         context: _QueryContext,
         stream: int,
         *,
@@ -343,7 +360,7 @@ class UploadStream:
             self._announced = True  # watchers see this owner as uploading
             self.coordinator._notify()
 
-    def complete(self) -> UploadReceipt:
+    def complete(self) -> UploadCompletion:
         """Accept the upload, exactly once; closes the query when it makes the quorum.
 
         Raises
@@ -635,7 +652,7 @@ class Coordinator:
         """COLLECTING queries this owner has neither uploaded to nor declined."""
         return [task.query for task in self.pending_tasks(owner_id)]
 
-    def pending_tasks(self, owner_id: str) -> list[serde.Task]:
+    def pending_tasks(self, owner_id: str) -> list[Task]:
         """:meth:`tasks_for` with each query's upload deadline, ready for the task stream."""
         now = self.clock()
         tasks = []
@@ -647,16 +664,14 @@ class Coordinator:
             if any(u.owner_id == owner_id for u in self.store.uploads(record.query_id)):
                 continue
             tasks.append(
-                serde.Task(
+                Task(
                     query=self._context(record.query_id).spec,
                     upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),
                 )
             )
         return tasks
 
-    def withdrawn_tasks(
-        self, owner_id: str, query_ids: Sequence[str]
-    ) -> list[serde.TaskCancellation]:
+    def withdrawn_tasks(self, owner_id: str, query_ids: Sequence[str]) -> list[TaskCancellation]:
         """Cancellations for delivered tasks the owner should no longer answer.
 
         A task is withdrawn when its query stopped collecting (quorum reached,
@@ -682,7 +697,7 @@ class Coordinator:
                 reason = "the upload deadline has passed"
             else:
                 continue
-            cancellations.append(serde.TaskCancellation(query_id=query_id, reason=reason))
+            cancellations.append(TaskCancellation(query_id=query_id, reason=reason))
         return cancellations
 
     def decline(self, owner_id: str, query_id: str, reason: str) -> None:
@@ -692,7 +707,7 @@ class Coordinator:
         self._notify()
 
     # ----------------------------------------------------------------- uploads
-    def _is_retry(self, owner_id: str, header: serde.UploadHeader) -> bool:
+    def _is_retry(self, owner_id: str, header: UploadHeader) -> bool:
         digest = header.content_sha256.hex()
         return any(
             u.owner_id == owner_id
@@ -701,7 +716,7 @@ class Coordinator:
             for u in self.store.uploads(header.query_id)
         )
 
-    def check_upload_header(self, owner_id: str, header: serde.UploadHeader) -> bool:
+    def check_upload_header(self, owner_id: str, header: UploadHeader) -> bool:
         """Everything that can be checked before a single chunk is read.
 
         Returns True when the header is a retry of an upload already accepted.
@@ -765,7 +780,7 @@ class Coordinator:
             raise QueryStateError(f"query {header.query_id!r}: the upload deadline has passed")
         return False
 
-    def begin_upload(self, owner_id: str, header: serde.UploadHeader) -> UploadStream:
+    def begin_upload(self, owner_id: str, header: UploadHeader) -> UploadStream:
         """Check an upload's header and open the stream its chunks are folded through.
 
         Raises the errors of :meth:`check_upload_header`.
@@ -776,7 +791,7 @@ class Coordinator:
             stream = next(self._stream_numbers)
         return UploadStream(self, owner_id, header, context, stream, duplicate=duplicate)
 
-    def _uploaded(self, query_id: str, receipt: UploadReceipt, fold_seconds: float) -> None:
+    def _uploaded(self, query_id: str, receipt: UploadCompletion, fold_seconds: float) -> None:
         with self._lock:
             self._fold_seconds[query_id] = self._fold_seconds.get(query_id, 0.0) + fold_seconds
         self._notify()
@@ -1184,12 +1199,12 @@ class Coordinator:
         return blocks, sections, timings
 
     # ---------------------------------------------------------------- reading
-    def status(self, query_id: str, analyst_id: str | None = None) -> serde.QueryStatus:
+    def status(self, query_id: str, analyst_id: str | None = None) -> QueryStatus:
         """The status of a query; with ``analyst_id``, only that analyst's queries exist."""
         record = self._record_for(query_id, analyst_id)
-        return serde.QueryStatus(
+        return QueryStatus(
             query_id=record.query_id,
-            state=serde.QueryState(record.state.value),
+            state=record.state,
             owners_contributed=record.n_contributed,
             quorum=int(record.spec.get("quorum", 1)),
             owners_declined=len(self.store.declines(query_id)),
@@ -1205,8 +1220,8 @@ class Coordinator:
             raise NotFoundError(f"unknown query {query_id!r}")
         return record
 
-    def result(self, query_id: str, analyst_id: str | None = None) -> serde.QueryResult:
-        """The stored, noise-added result, ready for :func:`serde.encode_result`.
+    def result(self, query_id: str, analyst_id: str | None = None) -> QueryResult:
+        """The stored, noise-added result, ready for :func:`fedpca.transport.serde.encode_result`.
 
         Raises
         ------
@@ -1222,27 +1237,27 @@ class Coordinator:
         blocks = result_blocks(context.plan)
         ciphertexts: dict[str, list[int]] = {}
         for block in blocks:
-            ciphertexts[block.name] = serde.ciphertexts_from_bytes(
+            ciphertexts[block.name] = wire_ciphertexts_from_bytes(
                 _block_bytes(data, block.name), block.ciphertext_bytes, f"result {block.name}"
             )
         private = not meta.get("not_private", False)
-        noise = serde.NoiseDescription(
-            mechanism=serde.NoiseMechanism.GAUSSIAN if private else serde.NoiseMechanism.NONE,
+        noise = NoiseDescription(
+            mechanism=NoiseMechanism.GAUSSIAN if private else NoiseMechanism.NONE,
             calibration=spec.calibration,
             epsilon=spec.epsilon,
             delta=spec.delta,
             sections=tuple(
-                serde.NoiseSection(name=s["name"], sigma=float(s["sigma"]))
+                NoiseSection(name=s["name"], sigma=float(s["sigma"]))
                 for s in meta.get("sections", [])
             ),
         )
         masked = spec.mode is ProtocolMode.MASKED
         public_n = meta.get("public_n")
-        return serde.QueryResult(
+        return QueryResult(
             query=spec,
             n_owners=int(meta.get("n_owners", record.n_contributed)),
             noise=noise,
-            payload=serde.PackedCiphertexts(blocks, ciphertexts),
+            payload=CiphertextPayload(blocks, ciphertexts),
             masked_mean_block=MASKED_SUM if masked else None,
             # Masked mode: the analyst divides by N to unmask the scatter.
             public_record_count=int(public_n) if masked and public_n is not None else None,
@@ -1252,7 +1267,7 @@ class Coordinator:
         """The JSON metadata stored with a result (sigmas, public N, timings)."""
         return self.store.result(query_id)[1]
 
-    def budget(self, analyst_id: str, delta: float | None = None) -> serde.BudgetStatus:
+    def budget(self, analyst_id: str, delta: float | None = None) -> BudgetStatus:
         """An analyst's cumulative privacy loss.
 
         ``epsilon_spent`` is composed at ``delta`` (default: the budget's delta);
@@ -1270,7 +1285,7 @@ class Coordinator:
         else:
             used = spent if at == limit.delta else compose_epsilon(ledger, limit.delta)
             remaining = max(0.0, limit.epsilon - used)
-        return serde.BudgetStatus(
+        return BudgetStatus(
             analyst_id=analyst_id,
             delta=at,
             epsilon_spent=spent,
@@ -1305,9 +1320,7 @@ def _mask_width(plan: ReleasePlan) -> int:
     return width
 
 
-def _layout_difference(
-    got: Sequence[serde.CiphertextBlock], expected: Sequence[serde.CiphertextBlock]
-) -> str:
+def _layout_difference(got: Sequence[CiphertextBlock], expected: Sequence[CiphertextBlock]) -> str:
     if [b.name for b in got] != [b.name for b in expected]:
         return (
             f"blocks {[b.name for b in got]} declared, the query's plan has "

@@ -40,11 +40,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
 from fedpca.errors import FedpcaError, NotFoundError, ProtocolError, QueryStateError
+from fedpca.messages import QueryState
 
 logger = logging.getLogger(__name__)
 
@@ -136,21 +136,6 @@ CREATE TABLE IF NOT EXISTS releases (
 """
 
 
-class QueryState(StrEnum):
-    COLLECTING = "collecting"
-    """Published to owners; uploads are being folded into the aggregate."""
-    NOISING = "noising"
-    """Uploads closed; noise (and in masked mode the mask) is being added."""
-    DONE = "done"
-    """The noise-added result is stored and can be fetched by the analyst."""
-    FAILED = "failed"
-    """The query ended without a result; ``failure_reason`` says why."""
-
-    @property
-    def terminal(self) -> bool:
-        return self in (QueryState.DONE, QueryState.FAILED)
-
-
 @dataclass(frozen=True)
 class QueryRecord:
     query_id: str
@@ -177,8 +162,9 @@ class UploadRecord:
 
 
 @dataclass(frozen=True)
-class UploadReceipt:
-    """What the proxy answers to a completed upload."""
+class UploadCompletion:
+    """What completing an upload did to its query (the servicer turns it into the
+    owner's :class:`fedpca.messages.UploadReceipt`)."""
 
     duplicate: bool
     """True when this exact upload had already been accepted (a harmless retry)."""
@@ -536,7 +522,7 @@ class ProxyStore:
         *,
         public_count: int | None = None,
         before_accept: Callable[[int], None] | None = None,
-    ) -> UploadReceipt:
+    ) -> UploadCompletion:
         """Record a fully received, hash-verified upload as accepted, exactly once.
 
         Its chunks, folded as they arrived (:meth:`fold_chunk`), become permanent:
@@ -564,7 +550,7 @@ class ProxyStore:
                     previous["upload_id"] == upload_id
                     and previous["content_sha256"] == content_sha256
                 ):
-                    return UploadReceipt(duplicate=True, n_contributed=int(row["n_contributed"]))
+                    return UploadCompletion(duplicate=True, n_contributed=int(row["n_contributed"]))
                 raise ProtocolError(
                     f"owner {owner_id!r} already contributed a different upload to query "
                     f"{query_id!r}"
@@ -627,7 +613,7 @@ class ProxyStore:
         logger.info(
             "query %s: accepted upload from %s (%d owners)", query_id, owner_id, n_contributed
         )
-        return UploadReceipt(duplicate=False, n_contributed=n_contributed)
+        return UploadCompletion(duplicate=False, n_contributed=n_contributed)
 
     def discard_stream(
         self, query_id: str, owner_id: str, stream: int, algebra: CiphertextAlgebra
