@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from fedpca.codec.ciphertext import PackedCiphertexts as CodecCiphertexts
+from fedpca.codec.ciphertext import PackedCiphertexts
 from fedpca.codec.paillier import CryptoPool, Obfuscation
 from fedpca.errors import (
     BudgetExceededError,
@@ -59,7 +59,6 @@ from fedpca.errors import (
 from fedpca.messages import (
     PROTOCOL_VERSION,
     UPLOAD_CHUNK_BYTES,
-    CiphertextBlock,
     CiphertextPayload,
     DeclineReason,
     Heartbeat,
@@ -69,6 +68,7 @@ from fedpca.messages import (
     TaskCancellation,
     TaskDecline,
     TaskEvent,
+    blocks_of,
     new_upload_id,
 )
 from fedpca.owner.compute import LocalTable, encrypt_share, spec_digest
@@ -178,21 +178,11 @@ def choose_obfuscation(
     )
 
 
-def wire_payload(shares: dict[str, CodecCiphertexts], plan: ReleasePlan) -> CiphertextPayload:
+def wire_payload(shares: dict[str, PackedCiphertexts], plan: ReleasePlan) -> CiphertextPayload:
     """The codec's packed ciphertexts as the wire payload, blocks in plan order."""
-    blocks = tuple(
-        CiphertextBlock(
-            name=block.name,
-            key_bits=block.layout.key_bits,
-            slot_bits=block.layout.slot_bits,
-            slots_per_ciphertext=block.layout.slots_per_ciphertext,
-            value_count=block.layout.value_count,
-            n_ciphertexts=block.layout.n_ciphertexts,
-        )
-        for block in plan.owner_blocks
-    )
     return CiphertextPayload(
-        blocks, {block.name: shares[block.name].ciphertexts for block in plan.owner_blocks}
+        blocks_of(plan.owner_blocks),
+        {block.name: shares[block.name].ciphertexts for block in plan.owner_blocks},
     )
 
 
