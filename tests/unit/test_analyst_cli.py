@@ -23,11 +23,12 @@ from click.testing import CliRunner
 
 import fedpca.analyst.estimators as estimators_module
 import fedpca.analyst.keys as keys_module
-from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group, load_config
+from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group
 from fedpca.analyst.client import (
     AnalystClient,
     ProxyUnavailableError,
 )
+from fedpca.analyst.config import load_config
 from fedpca.analyst.decode import decrypt_result, result_from_packed
 from fedpca.analyst.keys import (
     create_analyst_keys,

@@ -54,7 +54,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as npst
 from phe import paillier
 
-from fedpca.analyst.cli import load_config as load_analyst_config
+from fedpca.analyst.config import load_config as load_analyst_config
 from fedpca.codec import ciphertext as codec_ciphertext
 from fedpca.codec.keys import key_fingerprint, load_private_key, load_public_key
 from fedpca.errors import ConfigError, FedpcaError
