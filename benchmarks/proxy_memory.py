@@ -82,7 +82,7 @@ from fedpca.messages import (
     UploadStatus,
 )
 from fedpca.protocol import ReleasePlan
-from fedpca.proxy.coordinator import wire_blocks
+from fedpca.proxy.queries import wire_blocks
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates

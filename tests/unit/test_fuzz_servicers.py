@@ -65,7 +65,7 @@ from fedpca.messages import (
 from fedpca.owner.statistics import local_statistics
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
-from fedpca.proxy.coordinator import spec_to_dict, wire_blocks
+from fedpca.proxy.queries import spec_to_dict, wire_blocks
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import QueryKind, QuerySpec

@@ -50,7 +50,8 @@ from fedpca.protocol import (
     row_aligned_positions,
 )
 from fedpca.proxy.config import BudgetConfig, ProxyConfig
-from fedpca.proxy.coordinator import Coordinator, spec_from_dict, spec_to_dict, wire_blocks
+from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore, UploadCompletion
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import sum_statistics

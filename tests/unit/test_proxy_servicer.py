@@ -53,7 +53,7 @@ from fedpca.messages import (
 )
 from fedpca.protocol import MASKED_SUM, SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
-from fedpca.proxy.coordinator import wire_blocks
+from fedpca.proxy.queries import wire_blocks
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.servicer import (
     INSECURE_IDENTITY_METADATA,

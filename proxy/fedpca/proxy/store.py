@@ -43,7 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedpca.errors import FedpcaError, NotFoundError, ProtocolError, QueryStateError
+from fedpca.errors import (
+    FedpcaError,
+    LayoutError,
+    NotFoundError,
+    ProtocolError,
+    QueryStateError,
+)
 from fedpca.messages import QueryState
 
 logger = logging.getLogger(__name__)
@@ -905,6 +911,14 @@ class ProxyStore:
             "INSERT INTO releases(query_id, analyst_id, event, recorded_at) VALUES (?, ?, ?, ?)",
             (query_id, analyst_id, json.dumps(dict(event), sort_keys=True), self._clock()),
         )
+
+
+def stored_block(blocks: Mapping[str, bytes], name: str) -> bytes:
+    """Block ``name`` of stored ciphertext data (an aggregate split by block, a result)."""
+    data = blocks.get(name)
+    if data is None:
+        raise LayoutError(f"stored data has no block {name!r}")
+    return data
 
 
 def _query_record(row: sqlite3.Row) -> QueryRecord:
