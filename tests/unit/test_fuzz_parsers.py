@@ -81,6 +81,7 @@ from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
 from fedpca.tables import load_table
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
+from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import query_pb2 as query_pb
 
@@ -372,7 +373,7 @@ def _header_scalars(descriptor: Descriptor) -> list[FieldDescriptor]:
 
 
 _BLOCK_FIELDS = [
-    f for f in serde.ciphertext_pb.CiphertextBlock.DESCRIPTOR.fields if f.message_type is None
+    f for f in ciphertext_pb.CiphertextBlock.DESCRIPTOR.fields if f.message_type is None
 ]
 
 
@@ -473,7 +474,7 @@ def mutate_stream(messages: list[Any], edits: list[tuple[Any, ...]]) -> list[Any
             del stream[edit[1] :]
         elif kind == "header_as_chunk" and headers:
             stream[stream.index(headers[0])] = message_class(
-                chunk=serde.ciphertext_pb.CiphertextChunk(index=0, ciphertexts=b"\x01" * _WIDTH)
+                chunk=ciphertext_pb.CiphertextChunk(index=0, ciphertexts=b"\x01" * _WIDTH)
             )
     return stream
 

@@ -73,6 +73,7 @@ from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from fedpca.v1 import query_pb2 as query_pb
@@ -485,7 +486,7 @@ def mutate_upload(
             index = len(chunks)
             stream.append(
                 owner_pb.UploadMessage(
-                    chunk=serde.ciphertext_pb.CiphertextChunk(
+                    chunk=ciphertext_pb.CiphertextChunk(
                         index=index, ciphertexts=edit[1], sha256=hashlib.sha256(edit[1]).digest()
                     )
                 )
