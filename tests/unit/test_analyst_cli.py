@@ -9,7 +9,6 @@ analyst's TEST-ONLY 512-bit key.
 from __future__ import annotations
 
 import json
-import math
 import random
 import stat
 from collections.abc import Iterator
@@ -55,6 +54,7 @@ from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import serde
 from fedpca.transport.channels import add_insecure_port, create_server
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from helpers import query_builder
 
 ROWS = np.random.default_rng(1).uniform(-1.0, 1.0, size=(40, 3)) * [1.0, 0.5, 0.2]
 LABELS = np.where(ROWS[:, 0] > 0, 1.0, -1.0)
@@ -217,12 +217,6 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         return serde.budget_status_to_proto(status)
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(processes=1) as crypto_pool:
-        yield crypto_pool
-
-
 @pytest.fixture
 def proxy(test_only_keypair_512: Any, pool: CryptoPool) -> Iterator[tuple[FakeProxy, str]]:
     fake = FakeProxy(test_only_keypair_512[0], pool)
@@ -234,22 +228,9 @@ def proxy(test_only_keypair_512: Any, pool: CryptoPool) -> Iterator[tuple[FakePr
     server.stop(None)
 
 
-def _spec(public_key: Any, **overrides: Any) -> QuerySpec:
-    fields: dict[str, Any] = {
-        "query_id": "q-client",
-        "kind": QueryKind.PCA,
-        "n_features": 3,
-        "epsilon": math.inf,
-        "delta": 1e-6,
-        "n_components": 2,
-        "analyst_public_key_n": public_key.n,
-        "analyst_key_fingerprint": key_fingerprint(public_key),
-        "max_records_per_owner": 64,
-        "max_owners": 4,
-        "frac_bits": 16,
-    }
-    fields.update(overrides)
-    return QuerySpec(**fields)
+_spec = query_builder(
+    query_id="q-client", delta=1e-6, max_records_per_owner=64, max_owners=4, frac_bits=16
+)
 
 
 # ---------------------------------------------------------------------- client

@@ -9,7 +9,6 @@ hand from known R, v, b.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from fractions import Fraction
 from typing import Any
@@ -61,15 +60,10 @@ from fedpca.protocol import (
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics, sum_statistics
 from fedpca.tables import load_table
+from helpers import query_builder
 
 IONOSPHERE = dataset_path("ionosphere")
 N_OWNERS = 3
-
-
-@pytest.fixture(scope="module")
-def pool() -> Any:
-    with CryptoPool(processes=1) as crypto_pool:
-        yield crypto_pool
 
 
 @pytest.fixture(scope="module")
@@ -79,24 +73,17 @@ def ionosphere() -> tuple[np.ndarray, np.ndarray]:
     return rows, labels
 
 
-def make_spec(public_key: Any, **overrides: Any) -> QuerySpec:
-    fields: dict[str, Any] = {
-        "query_id": "q-test",
-        "kind": QueryKind.PCA,
-        "n_features": 34,
-        "epsilon": math.inf,
-        "delta": 1e-6,
-        "n_components": 3,
-        "analyst_public_key_n": public_key.n,
-        "analyst_key_fingerprint": key_fingerprint(public_key),
-        # (-2, 2) halves every feature, so the bounds scaling is not the identity.
-        "feature_lower": (-2.0,) * 34,
-        "feature_upper": (2.0,) * 34,
-        "max_records_per_owner": 256,
-        "max_owners": 4,
-    }
-    fields.update(overrides)
-    return QuerySpec(**fields)
+make_spec = query_builder(
+    query_id="q-test",
+    n_features=34,
+    delta=1e-6,
+    n_components=3,
+    # (-2, 2) halves every feature, so the bounds scaling is not the identity.
+    feature_lower=(-2.0,) * 34,
+    feature_upper=(2.0,) * 34,
+    max_records_per_owner=256,
+    max_owners=4,
+)
 
 
 def owner_statistics(

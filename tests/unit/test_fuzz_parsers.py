@@ -49,7 +49,7 @@ import pytest
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as npst
 from phe import paillier
@@ -84,19 +84,9 @@ from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import query_pb2 as query_pb
+from helpers import fuzz_settings
 
 T = TypeVar("T")
-
-
-def fuzz_settings(max_examples: int) -> settings:
-    """Bounded and reproducible: fixed seed per test, no example database."""
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 def parse_or_refuse(parse: Callable[[], T]) -> T | None:

@@ -39,18 +39,17 @@ import math
 import re
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from fedpca.codec import (
     CryptoPool,
-    encode_fixed_point,
     generate_keypair,
     key_fingerprint,
     unpack_slots,
@@ -62,13 +61,12 @@ from fedpca.messages import (
     QueryState,
     UploadStatus,
 )
-from fedpca.owner.statistics import local_statistics
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
-from fedpca.proxy.queries import spec_to_dict, wire_blocks
+from fedpca.proxy.queries import spec_to_dict
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.store import ProxyStore
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.query import QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
@@ -77,6 +75,7 @@ from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from fedpca.v1 import query_pb2 as query_pb
+from helpers import encrypted_upload, fuzz_settings, query_builder, unit_ball_rows
 
 TIMEOUT = 30.0
 M = 6
@@ -98,17 +97,6 @@ REFUSAL_CODES = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
-
-
-def fuzz_settings(max_examples: int) -> settings:
-    """Bounded and reproducible: fixed seed per test, no example database."""
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 # ------------------------------------------------------------------- fixtures
@@ -155,41 +143,11 @@ def _share(
     spec: QuerySpec, seed: int, public_key: Any, pool: CryptoPool
 ) -> tuple[CiphertextPayload, np.ndarray]:
     """An owner's encrypted upload for ``spec`` and the integers it encrypted."""
-    rng = np.random.default_rng(seed)
-    rows = rng.uniform(-1, 1, size=(20, M))
-    rows /= np.maximum(1.0, np.linalg.norm(rows, axis=1))[:, None]
-    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    values = plan.owner_values(local_statistics(rows, None, spec))
-    encoded = {
-        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
-        for name, v in values.items()
-    }
-    ciphertexts = {
-        block.name: list(
-            pool.encrypt_packed(
-                public_key, encoded[block.name], block.layout, block.bound
-            ).ciphertexts
-        )
-        for block in plan.owner_blocks
-    }
-    return CiphertextPayload(wire_blocks(plan), ciphertexts), encoded[SHARES]
+    payload, encoded = encrypted_upload(spec, unit_ball_rows(seed, 20, M), public_key, pool)
+    return payload, encoded[SHARES]
 
 
-def _spec(public_key: Any, query_id: str, **changes: Any) -> QuerySpec:
-    spec = QuerySpec(
-        query_id=query_id,
-        kind=QueryKind.PCA,
-        n_features=M,
-        epsilon=math.inf,
-        delta=1e-5,
-        n_components=2,
-        analyst_public_key_n=public_key.n,
-        analyst_key_fingerprint=key_fingerprint(public_key),
-        quorum=3,
-        max_owners=8,
-        deadline_seconds=3600.0,
-    )
-    return replace(spec, **changes)
+_spec = query_builder(n_features=M, quorum=3, max_owners=8, deadline_seconds=3600.0)
 
 
 @pytest.fixture(scope="module")

@@ -48,11 +48,12 @@ from fedpca.owner.node import OwnerNode, RetryPolicy
 from fedpca.proxy.config import ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.server import ProxyServer
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.query import QuerySpec
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import query_builder
 
 WAIT = 30.0
 FAST_RETRY = RetryPolicy(
@@ -176,10 +177,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[NodeIdentity, TlsFiles
     return certs.init_certificates(root, ["owner-1"], ["analyst-1"])
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(1) as crypto_pool:
-        yield crypto_pool
+_spec = query_builder(
+    epsilon=1.0,
+    feature_lower=(-3.0,) * 3,
+    feature_upper=(3.0,) * 3,
+    max_records_per_owner=100,
+    max_owners=4,
+)
 
 
 @dataclass
@@ -190,22 +194,7 @@ class Harness:
     public_key: Any
 
     def spec(self, query_id: str, **overrides: Any) -> QuerySpec:
-        fields: dict[str, Any] = {
-            "query_id": query_id,
-            "kind": QueryKind.PCA,
-            "n_features": 3,
-            "epsilon": 1.0,
-            "delta": 1e-5,
-            "n_components": 2,
-            "analyst_public_key_n": self.public_key.n,
-            "analyst_key_fingerprint": key_fingerprint(self.public_key),
-            "feature_lower": (-3.0,) * 3,
-            "feature_upper": (3.0,) * 3,
-            "max_records_per_owner": 100,
-            "max_owners": 4,
-        }
-        fields.update(overrides)
-        return QuerySpec(**fields)
+        return _spec(self.public_key, query_id, **overrides)
 
     def send(self, spec: QuerySpec, deadline: float = 60.0) -> None:
         self.proxy.tasks.put(Task(spec, datetime.now(UTC) + timedelta(seconds=deadline)))

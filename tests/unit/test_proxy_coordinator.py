@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint, unpack_slots
+from fedpca.codec import CryptoPool, encode_fixed_point, unpack_slots
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
@@ -55,18 +55,12 @@ from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore, UploadCompletion
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import sum_statistics
-from helpers import dataset_table
+from helpers import dataset_table, query_builder
 
 IntVector = list[int]
 
 
 # ------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(processes=2) as crypto_pool:
-        yield crypto_pool
-
-
 @pytest.fixture(scope="module")
 def owner_rows() -> list[np.ndarray]:
     """Ionosphere features split across three owners (raw; owners preprocess)."""
@@ -79,22 +73,14 @@ def make_config(epsilon: float = math.inf, **analysts: PrivacyParams) -> ProxyCo
     return ProxyConfig(budget=BudgetConfig(PrivacyParams(epsilon, 1e-5), dict(analysts)))
 
 
-def make_spec(public_key: Any, query_id: str = "q1", **changes: Any) -> QuerySpec:
-    spec = QuerySpec(
-        query_id=query_id,
-        kind=QueryKind.PCA,
-        n_features=34,
-        epsilon=math.inf,
-        delta=1e-5,
-        n_components=3,
-        analyst_public_key_n=public_key.n,
-        analyst_key_fingerprint=key_fingerprint(public_key),
-        feature_lower=(-1.0,) * 34,
-        feature_upper=(1.0,) * 34,
-        quorum=3,
-        deadline_seconds=60.0,
-    )
-    return replace(spec, **changes)
+make_spec = query_builder(
+    n_features=34,
+    n_components=3,
+    feature_lower=(-1.0,) * 34,
+    feature_upper=(1.0,) * 34,
+    quorum=3,
+    deadline_seconds=60.0,
+)
 
 
 class Clock:

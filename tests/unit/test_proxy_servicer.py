@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fedpca.analyst.client import AnalystClient
-from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint, unpack_slots
+from fedpca.codec import CryptoPool, unpack_slots
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
@@ -53,17 +53,17 @@ from fedpca.messages import (
 )
 from fedpca.protocol import MASKED_SUM, SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
-from fedpca.proxy.queries import wire_blocks
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.servicer import (
     INSECURE_IDENTITY_METADATA,
     status_code_for,
 )
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import encrypted_upload, query_builder, unit_ball_rows
 
 TIMEOUT = 30.0
 M = 6
@@ -74,12 +74,6 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[NodeIdentity, Tl
     return init_certificates(
         tmp_path_factory.mktemp("certs"), owner_ids=["owner-1", "owner-2"], analyst_ids=["alice"]
     )
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(processes=2) as crypto_pool:
-        yield crypto_pool
 
 
 @pytest.fixture(scope="module")
@@ -114,46 +108,16 @@ def channel_for(
     return channels.secure_channel(server.address, material)
 
 
-def make_spec(public_key: Any, query_id: str, **changes: Any) -> QuerySpec:
-    spec = QuerySpec(
-        query_id=query_id,
-        kind=QueryKind.PCA,
-        n_features=M,
-        epsilon=math.inf,
-        delta=1e-5,
-        n_components=2,
-        analyst_public_key_n=public_key.n,
-        analyst_key_fingerprint=key_fingerprint(public_key),
-        quorum=2,
-        deadline_seconds=120.0,
-    )
-    return replace(spec, **changes)
+make_spec = query_builder(n_features=M, quorum=2, deadline_seconds=120.0)
 
 
 def owner_share(
     spec: QuerySpec, seed: int, public_key: Any, pool: CryptoPool
 ) -> tuple[CiphertextPayload, dict[str, np.ndarray], int]:
     """An owner's encrypted upload for ``spec`` (rows drawn with ``seed``)."""
-    from fedpca.owner.statistics import local_statistics
-
-    rng = np.random.default_rng(seed)
-    rows = rng.uniform(-1, 1, size=(25, M))
-    rows /= np.maximum(1.0, np.linalg.norm(rows, axis=1))[:, None]
-    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    values = plan.owner_values(local_statistics(rows, None, spec))
-    encoded = {
-        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
-        for name, v in values.items()
-    }
-    ciphertexts = {
-        block.name: list(
-            pool.encrypt_packed(
-                public_key, encoded[block.name], block.layout, block.bound
-            ).ciphertexts
-        )
-        for block in plan.owner_blocks
-    }
-    return CiphertextPayload(wire_blocks(plan), ciphertexts), encoded, len(rows)
+    rows = unit_ball_rows(seed, 25, M)
+    payload, encoded = encrypted_upload(spec, rows, public_key, pool)
+    return payload, encoded, len(rows)
 
 
 def first_task(stub: owner_grpc.OwnerServiceStub) -> tuple[Task, list[str]]:
