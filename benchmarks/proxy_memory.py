@@ -72,8 +72,17 @@ import grpc
 
 from fedpca.app.cluster import PROXY_READY_MARKER, ManagedProcess, free_loopback_port, write_toml
 from fedpca.codec import generate_keypair, key_fingerprint
+from fedpca.messages import (
+    UPLOAD_CHUNK_BYTES,
+    CiphertextPayload,
+    OwnerHello,
+    QueryState,
+    Task,
+    UploadReceipt,
+    UploadStatus,
+)
 from fedpca.protocol import ReleasePlan
-from fedpca.proxy.coordinator import wire_blocks
+from fedpca.proxy.queries import wire_blocks
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
@@ -113,13 +122,13 @@ def make_spec(public_key: Any, query_id: str, n_features: int, owners: int) -> Q
     )
 
 
-def first_task(stub: owner_grpc.OwnerServiceStub) -> serde.Task:
+def first_task(stub: owner_grpc.OwnerServiceStub) -> Task:
     """Open a task stream and read events until a task arrives."""
     call = stub.StreamTasks(serde.task_stream_request_to_proto("ignored"), timeout=60.0)
     try:
         for message in call:
             event = serde.task_event_from_proto(message)
-            if isinstance(event, serde.Task):
+            if isinstance(event, Task):
                 return event
     finally:
         call.cancel()
@@ -134,13 +143,13 @@ def random_upload(spec: QuerySpec, n: int, upload_id: str) -> tuple[list[Any], i
         block.name: [secrets.randbelow(n_square - 2) + 2 for _ in range(block.n_ciphertexts)]
         for block in blocks
     }
-    payload = serde.PackedCiphertexts(blocks, ciphertexts)
+    payload = CiphertextPayload(blocks, ciphertexts)
     messages = serde.encode_upload(
         spec.query_id,
         spec.analyst_key_fingerprint,
         upload_id,
         payload,
-        serde.UPLOAD_CHUNK_BYTES,
+        UPLOAD_CHUNK_BYTES,
     )
     return messages, payload.total_ciphertexts
 
@@ -179,7 +188,7 @@ class OwnerThread:
     go: threading.Barrier
     messages: list[Any] | None = None
     n_ciphertexts: int = 0
-    receipt: serde.UploadReceipt | None = None
+    receipt: UploadReceipt | None = None
     finished_at: float = 0.0
     error: BaseException | None = None
 
@@ -188,7 +197,7 @@ class OwnerThread:
             with channels.secure_channel(self.address, TlsMaterial.load(self.files)) as channel:
                 stub = owner_grpc.OwnerServiceStub(channel)
                 stub.Hello(
-                    serde.owner_hello_to_proto(serde.OwnerHello(self.owner_id, "proxy_memory")),
+                    serde.owner_hello_to_proto(OwnerHello(self.owner_id, "proxy_memory")),
                     timeout=60.0,
                 )
                 task = first_task(stub)
@@ -358,7 +367,7 @@ def measure(
             for thread in threads:
                 thread.join(timeout=60.0)
             raise_owner_errors(workers, threads)
-            if status.state is not serde.QueryState.DONE or status.owners_contributed != owners:
+            if status.state is not QueryState.DONE or status.owners_contributed != owners:
                 raise SystemExit(
                     f"query {spec.query_id} ended {status.state.value} with "
                     f"{status.owners_contributed}/{owners} owners: {status.failure_reason}"
@@ -367,7 +376,7 @@ def measure(
                 receipt = worker.receipt
                 if (
                     receipt is None
-                    or receipt.status is not serde.UploadStatus.ACCEPTED
+                    or receipt.status is not UploadStatus.ACCEPTED
                     or receipt.ciphertexts_received != per_upload
                 ):
                     raise SystemExit(f"{worker.owner_id}: upload not accepted: {receipt}")

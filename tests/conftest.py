@@ -7,14 +7,26 @@ exist so that unit tests run in seconds.  Production code refuses keys below
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from fedpca.codec import generate_keypair
+from fedpca.codec import CryptoPool, generate_keypair
 
 
 @pytest.fixture(scope="session")
 def test_only_keypair_512() -> tuple[Any, Any]:
     """A TEST-ONLY 512-bit phe keypair ``(public_key, private_key)``, shared by the session."""
     return generate_keypair(512, allow_insecure_test_key=True)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[CryptoPool]:
+    """A crypto pool of two worker processes, shared by the tests of one module.
+
+    Module scope, as each module had its own copy: the workers live no longer
+    than the tests that use them.
+    """
+    with CryptoPool(processes=2) as crypto_pool:
+        yield crypto_pool

@@ -1,13 +1,112 @@
 """Helpers shared by the test modules (importable as ``helpers``: pytest puts tests/ on
-the path, see ``pythonpath`` in pyproject.toml)."""
+the path, see ``pythonpath`` in pyproject.toml). Fixtures shared by several modules
+are in conftest.py."""
 
 from __future__ import annotations
 
-import numpy as np
+import math
+from typing import Any, Protocol
 
+import numpy as np
+from hypothesis import HealthCheck, settings
+
+from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint
 from fedpca.data import dataset_path
+from fedpca.messages import CiphertextPayload, blocks_of
+from fedpca.protocol import ReleasePlan
+from fedpca.query import QueryKind, QuerySpec
 
 
 def dataset_table(name: str) -> np.ndarray:
     """A bundled dataset as one array: the label in column 0, the raw features after it."""
     return np.loadtxt(dataset_path(name), delimiter=",")
+
+
+def fuzz_settings(max_examples: int) -> settings:
+    """Bounded and reproducible: fixed seed per test, no example database."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+# ---------------------------------------------------------------------- queries
+def make_query(public_key: Any, **fields: Any) -> QuerySpec:
+    """A query encrypted to ``public_key``; ``fields`` override the defaults.
+
+    Defaults: query_id "q1", PCA, 3 features, 2 components, epsilon = inf (no
+    noise, so results can be compared exactly) and delta 1e-5; everything else
+    is the :class:`~fedpca.query.QuerySpec` default.
+    """
+    values: dict[str, Any] = {
+        "query_id": "q1",
+        "kind": QueryKind.PCA,
+        "n_features": 3,
+        "epsilon": math.inf,
+        "delta": 1e-5,
+        "n_components": 2,
+        "analyst_public_key_n": public_key.n,
+        "analyst_key_fingerprint": key_fingerprint(public_key),
+    }
+    values.update(fields)
+    return QuerySpec(**values)
+
+
+class QueryBuilder(Protocol):
+    def __call__(
+        self, public_key: Any, query_id: str | None = None, **overrides: Any
+    ) -> QuerySpec: ...
+
+
+def query_builder(**defaults: Any) -> QueryBuilder:
+    """A test module's own :func:`make_query`: ``defaults`` first, then the call's overrides.
+
+    The query id may be given positionally: ``spec(public_key, "q2", quorum=1)``.
+    """
+
+    def build(public_key: Any, query_id: str | None = None, **overrides: Any) -> QuerySpec:
+        fields = {**defaults, **overrides}
+        if query_id is not None:
+            fields["query_id"] = query_id
+        return make_query(public_key, **fields)
+
+    return build
+
+
+# ----------------------------------------------------------------------- owners
+def unit_ball_rows(seed: int, n_rows: int, n_features: int) -> np.ndarray:
+    """Uniform rows on [-1, 1]^M scaled into the unit ball (clip norm 1 leaves them be)."""
+    rng = np.random.default_rng(seed)
+    rows = rng.uniform(-1, 1, size=(n_rows, n_features))
+    rows /= np.maximum(1.0, np.linalg.norm(rows, axis=1))[:, None]
+    return rows
+
+
+def encrypted_upload(
+    spec: QuerySpec, rows: np.ndarray, public_key: Any, pool: CryptoPool
+) -> tuple[CiphertextPayload, dict[str, np.ndarray]]:
+    """What an owner uploads for ``spec``, and the fixed-point integers it encrypted.
+
+    The rows' statistics in every owner block of the plan, rounded to nearest (so a
+    test can recompute them), encrypted under ``public_key``.
+    """
+    from fedpca.owner.statistics import local_statistics
+
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    values = plan.owner_values(local_statistics(rows, None, spec))
+    encoded = {
+        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
+        for name, v in values.items()
+    }
+    ciphertexts = {
+        block.name: list(
+            pool.encrypt_packed(
+                public_key, encoded[block.name], block.layout, block.bound
+            ).ciphertexts
+        )
+        for block in plan.owner_blocks
+    }
+    return CiphertextPayload(blocks_of(plan.owner_blocks), ciphertexts), encoded

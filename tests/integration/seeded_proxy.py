@@ -58,7 +58,7 @@ from fedpca.proxy.cli import LOG_FORMAT
 from fedpca.proxy.config import load_config
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.store import ProxyStore, QueryRecord, UploadReceipt
+from fedpca.proxy.store import ProxyStore, QueryRecord, UploadCompletion
 from fedpca.query import QuerySpec
 
 logger = logging.getLogger("fedpca.tests.seeded_proxy")
@@ -122,7 +122,7 @@ def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSample
         complete_upload = ProxyStore.complete_upload
         complete_signature = inspect.signature(complete_upload)
 
-        def crashing_complete(self: ProxyStore, *args: Any, **kwargs: Any) -> UploadReceipt:
+        def crashing_complete(self: ProxyStore, *args: Any, **kwargs: Any) -> UploadCompletion:
             receipt = complete_upload(self, *args, **kwargs)
             stored = complete_signature.bind(self, *args, **kwargs)
             if (

@@ -36,10 +36,12 @@ from fedpca.analyst.estimators import FederatedPCA
 from fedpca.app.cluster import LocalCluster, split_rows
 from fedpca.codec import CryptoPool
 from fedpca.errors import FedpcaError
+from fedpca.messages import (
+    Task,
+)
 from fedpca.owner.config import load_config as load_owner_config
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome
 from fedpca.owner.node import OwnerNode
-from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import secure_channel
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
@@ -173,7 +175,7 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
         caplog.set_level(logging.INFO, logger="fedpca.owner")
         config = load_owner_config(cluster.owner_config(late_id))
         spec = model.release_.query
-        task = serde.Task(spec, datetime.fromtimestamp(record["deadline_at"], UTC))
+        task = Task(spec, datetime.fromtimestamp(record["deadline_at"], UTC))
         with CryptoPool(1) as pool:
             node = OwnerNode(config, pool=pool)
             channel = secure_channel(config.owner.proxy, TlsMaterial.load(config.tls.files()))

@@ -9,7 +9,6 @@ analyst's TEST-ONLY 512-bit key.
 from __future__ import annotations
 
 import json
-import math
 import random
 import stat
 from collections.abc import Iterator
@@ -23,11 +22,12 @@ from click.testing import CliRunner
 
 import fedpca.analyst.estimators as estimators_module
 import fedpca.analyst.keys as keys_module
-from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group, load_config
+from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group
 from fedpca.analyst.client import (
     AnalystClient,
     ProxyUnavailableError,
 )
+from fedpca.analyst.config import load_config
 from fedpca.analyst.decode import decrypt_result, result_from_packed
 from fedpca.analyst.keys import (
     create_analyst_keys,
@@ -42,6 +42,11 @@ from fedpca.codec import (
 )
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import BudgetExceededError, ConfigError, NotFoundError, QueryStateError
+from fedpca.messages import (
+    BudgetStatus,
+    QueryState,
+    QueryStatus,
+)
 from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
@@ -49,6 +54,7 @@ from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import serde
 from fedpca.transport.channels import add_insecure_port, create_server
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from helpers import query_builder
 
 ROWS = np.random.default_rng(1).uniform(-1.0, 1.0, size=(40, 3)) * [1.0, 0.5, 0.2]
 LABELS = np.where(ROWS[:, 0] > 0, 1.0, -1.0)
@@ -163,26 +169,24 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
                 f"epsilon {spec.epsilon} would exceed the limit 3.0 (spent 2.9)",
             )
         self.specs[spec.query_id] = spec
-        status = serde.QueryStatus(spec.query_id, serde.QueryState.COLLECTING, 0, spec.quorum)
+        status = QueryStatus(spec.query_id, QueryState.COLLECTING, 0, spec.quorum)
         return serde.query_status_to_proto(status)
 
     def GetQueryStatus(self, request: Any, context: Any) -> Any:
         query_id = serde.query_ref_from_proto(request)
-        status = serde.QueryStatus(query_id, serde.QueryState.DONE, 1, 1)
+        status = QueryStatus(query_id, QueryState.DONE, 1, 1)
         return serde.query_status_to_proto(status)
 
     def WatchQueryStatus(self, request: Any, context: Any) -> Iterator[Any]:
         query_id = serde.query_ref_from_proto(request)
         quorum = self.specs[query_id].quorum
-        yield serde.query_status_to_proto(
-            serde.QueryStatus(query_id, serde.QueryState.COLLECTING, 1, quorum)
-        )
+        yield serde.query_status_to_proto(QueryStatus(query_id, QueryState.COLLECTING, 1, quorum))
         if self.fail_reason is not None:
-            final = serde.QueryStatus(
-                query_id, serde.QueryState.FAILED, 1, quorum, failure_reason=self.fail_reason
+            final = QueryStatus(
+                query_id, QueryState.FAILED, 1, quorum, failure_reason=self.fail_reason
             )
         else:
-            final = serde.QueryStatus(query_id, serde.QueryState.DONE, quorum, quorum)
+            final = QueryStatus(query_id, QueryState.DONE, quorum, quorum)
         yield serde.query_status_to_proto(final)
 
     def FetchResult(self, request: Any, context: Any) -> Iterator[Any]:
@@ -209,14 +213,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
 
     def GetBudget(self, request: Any, context: Any) -> Any:
         delta = serde.budget_request_from_proto(request)
-        status = serde.BudgetStatus("alice", delta or 1e-6, 1.25, 1.75, 3.0, 2)
+        status = BudgetStatus("alice", delta or 1e-6, 1.25, 1.75, 3.0, 2)
         return serde.budget_status_to_proto(status)
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(processes=1) as crypto_pool:
-        yield crypto_pool
 
 
 @pytest.fixture
@@ -230,22 +228,9 @@ def proxy(test_only_keypair_512: Any, pool: CryptoPool) -> Iterator[tuple[FakePr
     server.stop(None)
 
 
-def _spec(public_key: Any, **overrides: Any) -> QuerySpec:
-    fields: dict[str, Any] = {
-        "query_id": "q-client",
-        "kind": QueryKind.PCA,
-        "n_features": 3,
-        "epsilon": math.inf,
-        "delta": 1e-6,
-        "n_components": 2,
-        "analyst_public_key_n": public_key.n,
-        "analyst_key_fingerprint": key_fingerprint(public_key),
-        "max_records_per_owner": 64,
-        "max_owners": 4,
-        "frac_bits": 16,
-    }
-    fields.update(overrides)
-    return QuerySpec(**fields)
+_spec = query_builder(
+    query_id="q-client", delta=1e-6, max_records_per_owner=64, max_owners=4, frac_bits=16
+)
 
 
 # ---------------------------------------------------------------------- client
@@ -256,9 +241,9 @@ def test_client_submits_watches_fetches_and_decrypts_masked_mode(
     public_key, private_key = test_only_keypair_512
     spec = _spec(public_key, mode=ProtocolMode.MASKED)
     with AnalystClient(address, None, insecure=True) as client:
-        assert client.submit(spec).state is serde.QueryState.COLLECTING
+        assert client.submit(spec).state is QueryState.COLLECTING
         states = [s.state for s in client.watch(spec.query_id)]
-        assert states == [serde.QueryState.COLLECTING, serde.QueryState.DONE]
+        assert states == [QueryState.COLLECTING, QueryState.DONE]
         fetched = client.fetch(spec.query_id)
     # The public N travels in the result header (ResultHeader.public_record_count).
     assert fetched.result.public_record_count == len(ROWS)

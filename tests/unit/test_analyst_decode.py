@@ -9,7 +9,6 @@ hand from known R, v, b.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from fractions import Fraction
 from typing import Any
@@ -44,6 +43,10 @@ from fedpca.errors import (
     ProtocolError,
     UntrustedKeyError,
 )
+from fedpca.messages import (
+    CiphertextPayload,
+    QueryResult,
+)
 from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import (
@@ -57,16 +60,10 @@ from fedpca.protocol import (
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics, sum_statistics
 from fedpca.tables import load_table
-from fedpca.transport import serde
+from helpers import query_builder
 
 IONOSPHERE = dataset_path("ionosphere")
 N_OWNERS = 3
-
-
-@pytest.fixture(scope="module")
-def pool() -> Any:
-    with CryptoPool(processes=1) as crypto_pool:
-        yield crypto_pool
 
 
 @pytest.fixture(scope="module")
@@ -76,24 +73,17 @@ def ionosphere() -> tuple[np.ndarray, np.ndarray]:
     return rows, labels
 
 
-def make_spec(public_key: Any, **overrides: Any) -> QuerySpec:
-    fields: dict[str, Any] = {
-        "query_id": "q-test",
-        "kind": QueryKind.PCA,
-        "n_features": 34,
-        "epsilon": math.inf,
-        "delta": 1e-6,
-        "n_components": 3,
-        "analyst_public_key_n": public_key.n,
-        "analyst_key_fingerprint": key_fingerprint(public_key),
-        # (-2, 2) halves every feature, so the bounds scaling is not the identity.
-        "feature_lower": (-2.0,) * 34,
-        "feature_upper": (2.0,) * 34,
-        "max_records_per_owner": 256,
-        "max_owners": 4,
-    }
-    fields.update(overrides)
-    return QuerySpec(**fields)
+make_spec = query_builder(
+    query_id="q-test",
+    n_features=34,
+    delta=1e-6,
+    n_components=3,
+    # (-2, 2) halves every feature, so the bounds scaling is not the identity.
+    feature_lower=(-2.0,) * 34,
+    feature_upper=(2.0,) * 34,
+    max_records_per_owner=256,
+    max_owners=4,
+)
 
 
 def owner_statistics(
@@ -116,7 +106,7 @@ def encrypted_stats_result(
     public_key: Any,
     pool: CryptoPool,
     noise: np.ndarray | None = None,
-) -> serde.QueryResult:
+) -> QueryResult:
     """What owners upload and the proxy folds (plus optional noise), as a result."""
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     block = plan.owner_block(SHARES)
@@ -241,7 +231,7 @@ def masked_spec(public_key: Any, m: int = 4) -> QuerySpec:
 
 def masked_result_by_hand(
     spec: QuerySpec, public_key: Any, pool: CryptoPool, seed: int
-) -> tuple[serde.QueryResult, int, np.ndarray]:
+) -> tuple[QueryResult, int, np.ndarray]:
     """T and v' computed in plaintext from known R, v, b, E; returns (result, N, S + E)."""
     rng = random.Random(seed)
     m, f = spec.n_features, spec.frac_bits
@@ -365,7 +355,7 @@ def test_unmask_scatter_is_the_exact_rational() -> None:
 @pytest.fixture(scope="module")
 def small_stats_result(
     test_only_keypair_512: Any, pool: CryptoPool
-) -> tuple[QuerySpec, serde.QueryResult]:
+) -> tuple[QuerySpec, QueryResult]:
     public_key, _ = test_only_keypair_512
     spec = make_spec(public_key, n_features=3, feature_lower=(), feature_upper=(), n_components=1)
     rows = np.array([[0.1, 0.2, 0.3], [0.5, -0.1, 0.0], [-0.3, 0.3, 0.2]])
@@ -388,7 +378,7 @@ def test_result_under_a_foreign_key_is_refused(
 
 
 def test_fingerprint_that_does_not_match_the_key_is_refused(
-    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, QueryResult]
 ) -> None:
     _, private_key = test_only_keypair_512
     spec, result = small_stats_result
@@ -400,20 +390,20 @@ def test_fingerprint_that_does_not_match_the_key_is_refused(
 
 
 def test_layout_other_than_the_plan_is_refused(
-    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, QueryResult]
 ) -> None:
     _, private_key = test_only_keypair_512
     _, result = small_stats_result
     (block,) = result.payload.blocks
     # Same ciphertexts, but declared with narrower slots than the plan derives.
     narrower = dataclasses.replace(block, slot_bits=block.slot_bits - 1)
-    payload = serde.PackedCiphertexts((narrower,), {block.name: result.payload[block.name]})
+    payload = CiphertextPayload((narrower,), {block.name: result.payload[block.name]})
     with pytest.raises(LayoutError, match="plan derived from the query"):
         decrypt_result(dataclasses.replace(result, payload=payload), private_key)
 
 
 def test_result_for_another_query_is_refused(
-    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, QueryResult]
 ) -> None:
     _, private_key = test_only_keypair_512
     spec, result = small_stats_result
@@ -423,7 +413,7 @@ def test_result_for_another_query_is_refused(
 
 
 def test_more_owners_than_the_slots_hold_is_refused(
-    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, QueryResult]
 ) -> None:
     _, private_key = test_only_keypair_512
     spec, result = small_stats_result
@@ -432,7 +422,7 @@ def test_more_owners_than_the_slots_hold_is_refused(
 
 
 def test_noise_for_other_parameters_is_refused(
-    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, serde.QueryResult]
+    test_only_keypair_512: Any, small_stats_result: tuple[QuerySpec, QueryResult]
 ) -> None:
     _, private_key = test_only_keypair_512
     spec, result = small_stats_result
@@ -460,7 +450,7 @@ def test_slot_beyond_the_declared_bound_is_refused(
 
 def test_decoded_release_reports_what_it_is(
     test_only_keypair_512: Any,
-    small_stats_result: tuple[QuerySpec, serde.QueryResult],
+    small_stats_result: tuple[QuerySpec, QueryResult],
     pool: CryptoPool,
 ) -> None:
     public_key, private_key = test_only_keypair_512

@@ -18,12 +18,15 @@ from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, NotFittedError
 from fedpca.analyst.report import write_plots, write_report, write_result
 from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint
 from fedpca.errors import ConfigError, DataError, QueryStateError
+from fedpca.messages import (
+    QueryState,
+    QueryStatus,
+)
 from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics
-from fedpca.transport import serde
 
 RNG = np.random.default_rng(0)
 ROWS = RNG.uniform(-3.0, 3.0, size=(60, 4)) @ np.diag([1.0, 0.6, 0.3, 0.1])
@@ -157,12 +160,12 @@ class FakeClient:
     def __exit__(self, *args: Any) -> None:
         pass
 
-    def submit(self, spec: QuerySpec) -> serde.QueryStatus:
+    def submit(self, spec: QuerySpec) -> QueryStatus:
         self.submitted.append(spec)
-        return serde.QueryStatus(spec.query_id, serde.QueryState.COLLECTING, 0, spec.quorum)
+        return QueryStatus(spec.query_id, QueryState.COLLECTING, 0, spec.quorum)
 
     def wait(self, query_id: str, on_status: Any = None, timeout: Any = None) -> Any:
-        done = serde.QueryStatus(query_id, serde.QueryState.DONE, 2, 2)
+        done = QueryStatus(query_id, QueryState.DONE, 2, 2)
         if on_status is not None:
             on_status(done)
         return done
@@ -189,7 +192,7 @@ def test_fit_runs_the_query_and_returns_self(
     FakeClient.key = private_key
     monkeypatch.setattr(client_module, "AnalystClient", FakeClient)
     monkeypatch.setattr(estimators_module, "load_analyst_private_key", lambda path: private_key)
-    statuses: list[serde.QueryStatus] = []
+    statuses: list[QueryStatus] = []
     estimator = FederatedPCA(
         2,
         epsilon=math.inf,
@@ -206,7 +209,7 @@ def test_fit_runs_the_query_and_returns_self(
     (client,) = FakeClient.instances[-1:]
     assert client.proxy == "fake:1" and client.insecure
     assert estimator.query_id_ == client.submitted[0].query_id
-    assert [s.state for s in statuses] == [serde.QueryState.COLLECTING, serde.QueryState.DONE]
+    assert [s.state for s in statuses] == [QueryState.COLLECTING, QueryState.DONE]
     assert set(estimator.timings_) == {"submit", "wait", "fetch", "decrypt", "solve"}
     reference = PCA(2, svd_solver="covariance_eigh").fit(
         preprocess_for_query(ROWS, client.submitted[0])

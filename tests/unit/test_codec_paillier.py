@@ -8,7 +8,6 @@ from __future__ import annotations
 import heapq
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import gmpy2
@@ -52,12 +51,6 @@ BOUNDS = PackingBounds(
 )
 OWNER_BOUND = owner_value_bound(BOUNDS)
 VALUE_COUNT = 70
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(processes=2) as crypto_pool:
-        yield crypto_pool
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedpca.analyst.cli import load_config as load_analyst_config
+from fedpca.analyst.config import load_config as load_analyst_config
 from fedpca.owner.config import load_config as load_owner_config
 from fedpca.proxy.config import load_config as load_proxy_config
 

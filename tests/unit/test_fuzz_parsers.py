@@ -49,36 +49,44 @@ import pytest
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as npst
 from phe import paillier
 
-from fedpca.analyst.cli import load_config as load_analyst_config
+from fedpca.analyst.config import load_config as load_analyst_config
 from fedpca.codec import ciphertext as codec_ciphertext
 from fedpca.codec.keys import key_fingerprint, load_private_key, load_public_key
 from fedpca.errors import ConfigError, FedpcaError
+from fedpca.messages import (
+    SHA256_BYTES,
+    CiphertextBlock,
+    CiphertextPayload,
+    NoiseDescription,
+    NoiseMechanism,
+    NoiseSection,
+    QueryResult,
+    QueryState,
+    QueryStatus,
+    Task,
+    UploadHeader,
+    check_layout,
+    ciphertext_width,
+    ciphertexts_from_bytes,
+    ciphertexts_to_bytes,
+)
 from fedpca.owner.config import load_config as load_owner_config
 from fedpca.proxy.config import load_config as load_proxy_config
 from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
 from fedpca.tables import load_table
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
+from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import query_pb2 as query_pb
+from helpers import fuzz_settings
 
 T = TypeVar("T")
-
-
-def fuzz_settings(max_examples: int) -> settings:
-    """Bounded and reproducible: fixed seed per test, no example database."""
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 def parse_or_refuse(parse: Callable[[], T]) -> T | None:
@@ -218,12 +226,12 @@ def check_decoded(
     decoded = parse_or_refuse(lambda: decode(message))
     if decoded is None:
         return
-    if isinstance(decoded, serde.UploadHeader):
+    if isinstance(decoded, UploadHeader):
         # Invariants of a decoded header: a valid layout and a consistent chunk count.
-        assert serde.check_layout(decoded.blocks) >= 2
+        assert check_layout(decoded.blocks) >= 2
         assembler = decoded.assembler()
         assert 1 <= assembler.total_chunks <= assembler.expected_ciphertexts
-        assert len(decoded.content_sha256) == serde.SHA256_BYTES
+        assert len(decoded.content_sha256) == SHA256_BYTES
         return
     if encode is None:
         return
@@ -276,11 +284,11 @@ _VALID_MESSAGES: list[tuple[Message, int]] = [
     (serde.query_spec_to_proto(_valid_spec()), 0),
     (
         serde.task_event_to_proto(
-            serde.Task(_valid_spec(mode=ProtocolMode.MASKED), datetime(2030, 1, 1, tzinfo=UTC))
+            Task(_valid_spec(mode=ProtocolMode.MASKED), datetime(2030, 1, 1, tzinfo=UTC))
         ),
         4,
     ),
-    (serde.query_status_to_proto(serde.QueryStatus("q", serde.QueryState.DONE, 2, 2)), 11),
+    (serde.query_status_to_proto(QueryStatus("q", QueryState.DONE, 2, 2)), 11),
 ]
 
 
@@ -319,19 +327,19 @@ def test_mutated_valid_encodings_into_their_parsers(
 
 # ============================================================= stream readers
 _KEY_BITS = 64
-_WIDTH = serde.ciphertext_width(_KEY_BITS)
+_WIDTH = ciphertext_width(_KEY_BITS)
 _BLOCKS = (
-    serde.CiphertextBlock("scatter", _KEY_BITS, 7, 8, 10, 2),
-    serde.CiphertextBlock("sum", _KEY_BITS, 7, 8, 3, 1),
+    CiphertextBlock("scatter", _KEY_BITS, 7, 8, 10, 2),
+    CiphertextBlock("sum", _KEY_BITS, 7, 8, 3, 1),
 )
 # One ciphertext per chunk: a three-chunk stream.
 _SMALL_MESSAGES = 64 + _WIDTH
 
 
-def _payload(seed: int) -> serde.PackedCiphertexts:
+def _payload(seed: int) -> CiphertextPayload:
     rng = np.random.default_rng(seed)
     values = [int.from_bytes(rng.bytes(_WIDTH), "big") for _ in range(3)]
-    return serde.PackedCiphertexts.from_wire_order(_BLOCKS, values)
+    return CiphertextPayload.from_wire_order(_BLOCKS, values)
 
 
 def _upload_stream() -> list[owner_pb.UploadMessage]:
@@ -339,14 +347,14 @@ def _upload_stream() -> list[owner_pb.UploadMessage]:
 
 
 def _result_stream() -> list[analyst_pb.ResultMessage]:
-    noise = serde.NoiseDescription(
-        serde.NoiseMechanism.GAUSSIAN,
+    noise = NoiseDescription(
+        NoiseMechanism.GAUSSIAN,
         Calibration.ANALYTIC,
         1.0,
         1e-5,
-        (serde.NoiseSection("scatter", 0.5),),
+        (NoiseSection("scatter", 0.5),),
     )
-    result = serde.QueryResult(_valid_spec(), 3, noise, _payload(2))
+    result = QueryResult(_valid_spec(), 3, noise, _payload(2))
     return serde.encode_result(result, _SMALL_MESSAGES)
 
 
@@ -355,7 +363,7 @@ def _header_scalars(descriptor: Descriptor) -> list[FieldDescriptor]:
 
 
 _BLOCK_FIELDS = [
-    f for f in serde.ciphertext_pb.CiphertextBlock.DESCRIPTOR.fields if f.message_type is None
+    f for f in ciphertext_pb.CiphertextBlock.DESCRIPTOR.fields if f.message_type is None
 ]
 
 
@@ -456,18 +464,18 @@ def mutate_stream(messages: list[Any], edits: list[tuple[Any, ...]]) -> list[Any
             del stream[edit[1] :]
         elif kind == "header_as_chunk" and headers:
             stream[stream.index(headers[0])] = message_class(
-                chunk=serde.ciphertext_pb.CiphertextChunk(index=0, ciphertexts=b"\x01" * _WIDTH)
+                chunk=ciphertext_pb.CiphertextChunk(index=0, ciphertexts=b"\x01" * _WIDTH)
             )
     return stream
 
 
 def _check_payload(
-    payload: serde.PackedCiphertexts, blocks: tuple[serde.CiphertextBlock, ...], digest: bytes
+    payload: CiphertextPayload, blocks: tuple[CiphertextBlock, ...], digest: bytes
 ) -> None:
     assert payload.blocks == blocks
     for block in blocks:
         assert len(payload[block.name]) == block.n_ciphertexts
-    data = serde.ciphertexts_to_bytes(payload.in_wire_order(), payload.ciphertext_bytes)
+    data = ciphertexts_to_bytes(payload.in_wire_order(), payload.ciphertext_bytes)
     assert hashlib.sha256(data).digest() == digest
 
 
@@ -514,10 +522,10 @@ def test_huge_declared_counts_are_refused_before_any_chunk() -> None:
 @fuzz_settings(max_examples=300)
 @given(st.binary(max_size=300), st.integers(-3, 200))
 def test_serde_ciphertext_framing(data: bytes, width: int) -> None:
-    values = parse_or_refuse(lambda: serde.ciphertexts_from_bytes(data, width))
+    values = parse_or_refuse(lambda: ciphertexts_from_bytes(data, width))
     if values is not None:
         assert len(values) * width == len(data)
-        assert serde.ciphertexts_to_bytes(values, width) == data
+        assert ciphertexts_to_bytes(values, width) == data
 
 
 @st.composite
@@ -1059,7 +1067,7 @@ def test_out_of_range_timestamps_are_protocol_errors() -> None:
 
     for stamp in (Timestamp(seconds=2**62), Timestamp(seconds=-(2**62)), Timestamp(nanos=-5)):
         heartbeat = owner_pb.TaskEvent(heartbeat=owner_pb.Heartbeat(sent_at=stamp))
-        status = analyst_pb.QueryStatus(query_id="q", state=1, deadline=stamp)
+        status = analyst_pb.QueryStatus(query_id="q", state=2, deadline=stamp)
         info = owner_pb.ProxyInfo(server_time=stamp)
         for decode, message in (
             (serde.task_event_from_proto, heartbeat),

@@ -39,38 +39,43 @@ import math
 import re
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from fedpca.codec import (
     CryptoPool,
-    encode_fixed_point,
     generate_keypair,
     key_fingerprint,
     unpack_slots,
 )
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
-from fedpca.owner.statistics import local_statistics
+from fedpca.messages import (
+    CiphertextPayload,
+    QueryState,
+    UploadStatus,
+)
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
-from fedpca.proxy.coordinator import spec_to_dict, wire_blocks
+from fedpca.proxy.queries import spec_to_dict
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.store import ProxyStore, QueryState
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.proxy.store import ProxyStore
+from fedpca.query import QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from fedpca.v1 import query_pb2 as query_pb
+from helpers import encrypted_upload, fuzz_settings, query_builder, unit_ball_rows
 
 TIMEOUT = 30.0
 M = 6
@@ -92,17 +97,6 @@ REFUSAL_CODES = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
-
-
-def fuzz_settings(max_examples: int) -> settings:
-    """Bounded and reproducible: fixed seed per test, no example database."""
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 # ------------------------------------------------------------------- fixtures
@@ -147,43 +141,13 @@ class World:
 
 def _share(
     spec: QuerySpec, seed: int, public_key: Any, pool: CryptoPool
-) -> tuple[serde.PackedCiphertexts, np.ndarray]:
+) -> tuple[CiphertextPayload, np.ndarray]:
     """An owner's encrypted upload for ``spec`` and the integers it encrypted."""
-    rng = np.random.default_rng(seed)
-    rows = rng.uniform(-1, 1, size=(20, M))
-    rows /= np.maximum(1.0, np.linalg.norm(rows, axis=1))[:, None]
-    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    values = plan.owner_values(local_statistics(rows, None, spec))
-    encoded = {
-        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
-        for name, v in values.items()
-    }
-    ciphertexts = {
-        block.name: list(
-            pool.encrypt_packed(
-                public_key, encoded[block.name], block.layout, block.bound
-            ).ciphertexts
-        )
-        for block in plan.owner_blocks
-    }
-    return serde.PackedCiphertexts(wire_blocks(plan), ciphertexts), encoded[SHARES]
+    payload, encoded = encrypted_upload(spec, unit_ball_rows(seed, 20, M), public_key, pool)
+    return payload, encoded[SHARES]
 
 
-def _spec(public_key: Any, query_id: str, **changes: Any) -> QuerySpec:
-    spec = QuerySpec(
-        query_id=query_id,
-        kind=QueryKind.PCA,
-        n_features=M,
-        epsilon=math.inf,
-        delta=1e-5,
-        n_components=2,
-        analyst_public_key_n=public_key.n,
-        analyst_key_fingerprint=key_fingerprint(public_key),
-        quorum=3,
-        max_owners=8,
-        deadline_seconds=3600.0,
-    )
-    return replace(spec, **changes)
+_spec = query_builder(n_features=M, quorum=3, max_owners=8, deadline_seconds=3600.0)
 
 
 @pytest.fixture(scope="module")
@@ -480,7 +444,7 @@ def mutate_upload(
             index = len(chunks)
             stream.append(
                 owner_pb.UploadMessage(
-                    chunk=serde.ciphertext_pb.CiphertextChunk(
+                    chunk=ciphertext_pb.CiphertextChunk(
                         index=index, ciphertexts=edit[1], sha256=hashlib.sha256(edit[1]).digest()
                     )
                 )
@@ -546,7 +510,7 @@ def test_fuzzed_uploads_are_refused_without_touching_the_store(world: World) -> 
         if outcome.code is None:
             receipt = serde.upload_receipt_from_proto(outcome.response)
             # Only owner-1 resending its own accepted upload, byte for byte, may pass.
-            assert receipt.status is serde.UploadStatus.DUPLICATE, what
+            assert receipt.status is UploadStatus.DUPLICATE, what
             assert caller == "owner-1" and _wire(stream) == _wire(world.replay), what
             assert snapshot(world.store) == before, what
         else:
@@ -558,7 +522,7 @@ def test_fuzzed_uploads_are_refused_without_touching_the_store(world: World) -> 
 def test_unmodified_retry_is_a_harmless_duplicate(world: World) -> None:
     before = snapshot(world.store)
     receipt = world.owners["owner-1"].Upload(iter(world.replay), timeout=TIMEOUT)
-    assert serde.upload_receipt_from_proto(receipt).status is serde.UploadStatus.DUPLICATE
+    assert serde.upload_receipt_from_proto(receipt).status is UploadStatus.DUPLICATE
     assert snapshot(world.store) == before
 
 
@@ -662,7 +626,7 @@ def test_fuzzed_query_submissions(world: World) -> None:
         assert not wrong_role, what
         status = serde.query_status_from_proto(outcome.response)
         spec = serde.query_spec_from_proto(message)
-        assert status.query_id == spec.query_id and status.state is serde.QueryState.COLLECTING
+        assert status.query_id == spec.query_id and status.state is QueryState.COLLECTING
         after = snapshot(world.store)
         record = after["queries"][spec.query_id]
         assert record.analyst_id == analyst and record.spec == spec_to_dict(spec), what
@@ -831,7 +795,7 @@ def test_after_the_fuzz_valid_uploads_still_sum_exactly(world: World) -> None:
     assert world.store.query(TARGET).n_contributed == 1
     for owner in ("owner-2", "owner-3"):
         receipt = world.owners[owner].Upload(iter(world.fresh[owner]), timeout=TIMEOUT)
-        assert serde.upload_receipt_from_proto(receipt).status is serde.UploadStatus.ACCEPTED
+        assert serde.upload_receipt_from_proto(receipt).status is UploadStatus.ACCEPTED
     _wait_for(lambda: world.store.query(TARGET).state is QueryState.DONE)
     assert {u.owner_id for u in world.store.uploads(TARGET)} == set(OWNERS)
     result = serde.decode_result(

@@ -149,7 +149,7 @@ def test_missing_section_missing_file_and_bad_toml(tmp_path: Path) -> None:
         load_config(_write(tmp_path, GOOD.split("[budget]")[0]))
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.toml")
-    with pytest.raises(ConfigError, match="not valid TOML"):
+    with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(_write(tmp_path, "[owner\nid = 1"))
 
 

@@ -24,6 +24,17 @@ import pytest
 from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import DataError
+from fedpca.messages import (
+    DeclineReason,
+    Heartbeat,
+    ProxyInfo,
+    Task,
+    TaskCancellation,
+    TaskDecline,
+    TaskEvent,
+    UploadReceipt,
+    UploadStatus,
+)
 from fedpca.owner.config import (
     CryptoConfig,
     DataConfig,
@@ -37,11 +48,12 @@ from fedpca.owner.node import OwnerNode, RetryPolicy
 from fedpca.proxy.config import ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.server import ProxyServer
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.query import QuerySpec
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import query_builder
 
 WAIT = 30.0
 FAST_RETRY = RetryPolicy(
@@ -72,10 +84,10 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     close_stream_after_first: bool = False
     abort_streams: int = 0
     """Open task streams to break with UNAVAILABLE (after their first heartbeat)."""
-    tasks: queue.Queue[serde.TaskEvent] = field(default_factory=queue.Queue)
+    tasks: queue.Queue[TaskEvent] = field(default_factory=queue.Queue)
     hellos: list[str] = field(default_factory=list)
     uploads: list[UploadCall] = field(default_factory=list)
-    declines: list[serde.TaskDecline] = field(default_factory=list)
+    declines: list[TaskDecline] = field(default_factory=list)
     streams: int = 0
     changed: threading.Condition = field(default_factory=threading.Condition)
 
@@ -100,7 +112,7 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
         self._notify()
         now = datetime.now(UTC)
         return serde.proxy_info_to_proto(
-            serde.ProxyInfo("proxy", "test", identity.node_id, 1.0, 1 << 20, now)
+            ProxyInfo("proxy", "test", identity.node_id, 1.0, 1 << 20, now)
         )
 
     def StreamTasks(
@@ -109,7 +121,7 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
         certs.require_role(context, Role.OWNER)
         self.streams += 1
         self._notify()
-        yield serde.task_event_to_proto(serde.Heartbeat(datetime.now(UTC)))
+        yield serde.task_event_to_proto(Heartbeat(datetime.now(UTC)))
         while context.is_active():
             if self.abort_streams > 0:
                 self.abort_streams -= 1
@@ -141,12 +153,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
         if self.upload_failures:
             code = self.upload_failures.pop(0)
             context.abort(code, f"test failure {code.name}")
-        status = (
-            serde.UploadStatus.DUPLICATE
-            if header.upload_id in seen
-            else (serde.UploadStatus.ACCEPTED)
-        )
-        receipt = serde.UploadReceipt(
+        status = UploadStatus.DUPLICATE if header.upload_id in seen else (UploadStatus.ACCEPTED)
+        receipt = UploadReceipt(
             header.query_id,
             header.upload_id,
             status,
@@ -169,10 +177,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[NodeIdentity, TlsFiles
     return certs.init_certificates(root, ["owner-1"], ["analyst-1"])
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(1) as crypto_pool:
-        yield crypto_pool
+_spec = query_builder(
+    epsilon=1.0,
+    feature_lower=(-3.0,) * 3,
+    feature_upper=(3.0,) * 3,
+    max_records_per_owner=100,
+    max_owners=4,
+)
 
 
 @dataclass
@@ -183,25 +194,10 @@ class Harness:
     public_key: Any
 
     def spec(self, query_id: str, **overrides: Any) -> QuerySpec:
-        fields: dict[str, Any] = {
-            "query_id": query_id,
-            "kind": QueryKind.PCA,
-            "n_features": 3,
-            "epsilon": 1.0,
-            "delta": 1e-5,
-            "n_components": 2,
-            "analyst_public_key_n": self.public_key.n,
-            "analyst_key_fingerprint": key_fingerprint(self.public_key),
-            "feature_lower": (-3.0,) * 3,
-            "feature_upper": (3.0,) * 3,
-            "max_records_per_owner": 100,
-            "max_owners": 4,
-        }
-        fields.update(overrides)
-        return QuerySpec(**fields)
+        return _spec(self.public_key, query_id, **overrides)
 
     def send(self, spec: QuerySpec, deadline: float = 60.0) -> None:
-        self.proxy.tasks.put(serde.Task(spec, datetime.now(UTC) + timedelta(seconds=deadline)))
+        self.proxy.tasks.put(Task(spec, datetime.now(UTC) + timedelta(seconds=deadline)))
 
 
 @pytest.fixture
@@ -294,7 +290,7 @@ def test_not_pinned_and_substituted_keys_are_declined_without_upload(harness: Ha
     # The pinned fingerprint carried with another modulus: a substituting proxy.
     harness.send(harness.spec("q2", analyst_public_key_n=other.n))
     proxy.wait_for(lambda: len(proxy.declines) == 2)
-    assert [d.reason for d in proxy.declines] == [serde.DeclineReason.KEY_NOT_PINNED] * 2
+    assert [d.reason for d in proxy.declines] == [DeclineReason.KEY_NOT_PINNED] * 2
     assert "substituted" in proxy.declines[1].detail
     assert proxy.uploads == []
     ledger = BudgetLedger(harness.config.ledger_path)
@@ -317,9 +313,9 @@ def test_policy_and_budget_refusals_are_declined_with_their_reason(harness: Harn
     proxy.wait_for(lambda: len(proxy.declines) == 3 and len(proxy.uploads) == 1)
     reasons = {d.query_id: d.reason for d in proxy.declines}
     assert reasons == {
-        "too-much": serde.DeclineReason.POLICY_REFUSAL,
-        "wrong-shape": serde.DeclineReason.POLICY_REFUSAL,
-        "second": serde.DeclineReason.BUDGET_EXHAUSTED,
+        "too-much": DeclineReason.POLICY_REFUSAL,
+        "wrong-shape": DeclineReason.POLICY_REFUSAL,
+        "second": DeclineReason.BUDGET_EXHAUSTED,
     }
     assert proxy.uploads[0].query_id == "first"
     # The data-fit refusal reveals nothing about the rows.
@@ -336,7 +332,7 @@ def test_epsilon_beyond_the_accountant_is_declined_not_crashed(harness: Harness)
     proxy.wait_for(lambda: len(proxy.declines) == 1 and len(proxy.uploads) == 1)
     (declined,) = proxy.declines
     assert declined.query_id == "huge"
-    assert declined.reason is serde.DeclineReason.POLICY_REFUSAL
+    assert declined.reason is DeclineReason.POLICY_REFUSAL
     assert "privacy accountant" in declined.detail
     ledger = BudgetLedger(harness.config.ledger_path)
     proxy.wait_for(lambda: ledger.is_handled("fine"))
@@ -360,7 +356,7 @@ def test_unavailable_upload_is_retried_with_the_same_id_and_bytes(harness: Harne
     proxy.wait_for(lambda: ledger.is_handled("q1"))
     record = ledger.task("q1")
     assert record is not None and record.outcome is TaskOutcome.UPLOADED
-    assert record.detail == serde.UploadStatus.DUPLICATE.value  # the fake counts by id
+    assert record.detail == UploadStatus.DUPLICATE.value  # the fake counts by id
 
 
 @pytest.mark.parametrize(
@@ -470,7 +466,7 @@ def test_insecure_owner_keeps_its_identity_across_reconnects(
 def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:
     proxy = harness.proxy
     harness.send(harness.spec("late"), deadline=-1.0)
-    proxy.tasks.put(serde.TaskCancellation("gone", "analyst cancelled"))
+    proxy.tasks.put(TaskCancellation("gone", "analyst cancelled"))
     harness.send(harness.spec("gone"))
     harness.send(harness.spec("marker", epsilon=2.0))  # declined: marks the others as read
     proxy.wait_for(lambda: len(proxy.declines) == 1)
@@ -490,7 +486,7 @@ def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool
     # A second node on the same state folder (a restart) skips the task.
     second = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
     stub = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
-    task = serde.Task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60))
+    task = Task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60))
     assert second.process_task(stub, task) is None
     assert len(proxy.uploads) == 1
 

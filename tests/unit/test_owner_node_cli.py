@@ -18,6 +18,10 @@ from click.testing import CliRunner
 
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.messages import (
+    Heartbeat,
+    ProxyInfo,
+)
 from fedpca.owner.cli import owner_group
 from fedpca.owner.config import load_config
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome
@@ -110,12 +114,12 @@ def test_serve_fails_fast_on_bad_config_and_bad_data(tmp_path: Path) -> None:
 class _HelloOnly(owner_grpc.OwnerServiceServicer):
     def Hello(self, request: owner_pb.OwnerHello, context: Any) -> owner_pb.ProxyInfo:
         identity = certs.require_role(context, Role.OWNER)
-        info = serde.ProxyInfo("proxy", "test", identity.node_id, 1.0, 1 << 20, datetime.now(UTC))
+        info = ProxyInfo("proxy", "test", identity.node_id, 1.0, 1 << 20, datetime.now(UTC))
         return serde.proxy_info_to_proto(info)
 
     def StreamTasks(self, request: owner_pb.TaskStreamRequest, context: Any) -> Iterator[Any]:
         # Like the real proxy: a heartbeat at once says the stream is live.
-        yield serde.task_event_to_proto(serde.Heartbeat(datetime.now(UTC)))
+        yield serde.task_event_to_proto(Heartbeat(datetime.now(UTC)))
         while context.is_active():
             time.sleep(0.05)
 

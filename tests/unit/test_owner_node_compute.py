@@ -6,13 +6,12 @@ Uses real rows of ionosphere.csv (column 0 is the class label) and a TEST-ONLY
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool, decode_fixed_point, key_fingerprint
+from fedpca.codec import CryptoPool, decode_fixed_point
 from fedpca.data import dataset_path
 from fedpca.errors import DataError, EncodingOverflowError
 from fedpca.owner.compute import LocalTable, encrypt_share, spec_digest
@@ -22,15 +21,10 @@ from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics
+from helpers import query_builder
 
 IONOSPHERE = dataset_path("ionosphere")
 FRAC_BITS = 32
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(2) as crypto_pool:
-        yield crypto_pool
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +32,15 @@ def ionosphere() -> LocalTable:
     return LocalTable.load(DataConfig(IONOSPHERE, header=False, label_column=0))
 
 
-def _spec(public_key: Any, **overrides: Any) -> QuerySpec:
-    m = 34
-    fields: dict[str, Any] = {
-        "query_id": "q1",
-        "kind": QueryKind.PCA,
-        "n_features": m,
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "n_components": 2,
-        "analyst_public_key_n": public_key.n,
-        "analyst_key_fingerprint": key_fingerprint(public_key),
-        "feature_lower": (-1.0,) * m,
-        "feature_upper": (1.0,) * m,
-        "max_records_per_owner": 1000,
-        "max_owners": 8,
-        "frac_bits": FRAC_BITS,
-    }
-    fields.update(overrides)
-    return QuerySpec(**fields)
+_spec = query_builder(
+    n_features=34,
+    epsilon=1.0,
+    feature_lower=(-1.0,) * 34,
+    feature_upper=(1.0,) * 34,
+    max_records_per_owner=1000,
+    max_owners=8,
+    frac_bits=FRAC_BITS,
+)
 
 
 def _decrypt(pool: CryptoPool, private_key: Any, packed: Any) -> np.ndarray:

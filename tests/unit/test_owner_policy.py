@@ -14,21 +14,9 @@ from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import PolicyConfig
 from fedpca.owner.policy import check_task
 from fedpca.query import QueryKind, QuerySpec
+from helpers import query_builder
 
-
-def _spec(public_key: Any, **overrides: Any) -> QuerySpec:
-    fields: dict[str, Any] = {
-        "query_id": "q1",
-        "kind": QueryKind.PCA,
-        "n_features": 3,
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "n_components": 2,
-        "analyst_public_key_n": public_key.n,
-        "analyst_key_fingerprint": key_fingerprint(public_key),
-    }
-    fields.update(overrides)
-    return QuerySpec(**fields)
+_spec = query_builder(epsilon=1.0)
 
 
 def _policy(public_key: Any, **overrides: Any) -> PolicyConfig:

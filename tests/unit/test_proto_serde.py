@@ -11,9 +11,35 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from fedpca.errors import CiphertextError, ConfigError, LayoutError, ProtocolError
+from fedpca.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BudgetStatus,
+    CiphertextBlock,
+    CiphertextPayload,
+    DeclineReason,
+    Heartbeat,
+    NoiseDescription,
+    NoiseMechanism,
+    NoiseSection,
+    ObfuscationVariant,
+    OwnerHello,
+    ProxyInfo,
+    QueryResult,
+    QueryState,
+    QueryStatus,
+    Task,
+    TaskCancellation,
+    TaskDecline,
+    TaskEvent,
+    UploadReceipt,
+    UploadStatus,
+    ciphertext_width,
+    ciphertexts_from_bytes,
+    ciphertexts_to_bytes,
+    new_upload_id,
+)
 from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import serde
-from fedpca.transport.serde import CiphertextBlock, PackedCiphertexts
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import query_pb2 as query_pb
@@ -159,22 +185,22 @@ def block(name: str, n_ciphertexts: int, value_count: int | None = None) -> Ciph
     )
 
 
-def payload(*sizes: int, start: int = 1) -> PackedCiphertexts:
+def payload(*sizes: int, start: int = 1) -> CiphertextPayload:
     blocks = tuple(block(f"b{i}", n) for i, n in enumerate(sizes))
     counter = iter(range(start, start + sum(sizes)))
     # Values near both ends of the width catch truncation and sign mistakes.
     cts = {
         b.name: [(1 << (8 * WIDTH)) - next(counter) for _ in range(b.n_ciphertexts)] for b in blocks
     }
-    return PackedCiphertexts(blocks, cts)
+    return CiphertextPayload(blocks, cts)
 
 
 def test_block_round_trip_and_width() -> None:
     blocks = (block("scatter", 3, value_count=20), block("sum", 1, value_count=3))
     assert serde.blocks_from_proto(serde.blocks_to_proto(blocks)) == blocks
     assert blocks[0].ciphertext_bytes == WIDTH
-    assert serde.ciphertext_width(2048) == 512 and serde.ciphertext_width(3072) == 768
-    assert serde.ciphertext_width(1001) == 2 * 126
+    assert ciphertext_width(2048) == 512 and ciphertext_width(3072) == 768
+    assert ciphertext_width(1001) == 2 * 126
 
 
 @pytest.mark.parametrize(
@@ -216,29 +242,27 @@ def test_layout_errors_from_the_wire_are_protocol_errors() -> None:
 
 def test_ciphertext_bytes_round_trip_fixed_width() -> None:
     values = [0, 1, (1 << 1024) - 1, 12345678901234567890]
-    data = serde.ciphertexts_to_bytes(values, WIDTH)
+    data = ciphertexts_to_bytes(values, WIDTH)
     assert len(data) == 4 * WIDTH
     assert data[:WIDTH] == bytes(WIDTH)
-    assert serde.ciphertexts_from_bytes(data, WIDTH) == values
+    assert ciphertexts_from_bytes(data, WIDTH) == values
 
 
 def test_ciphertext_out_of_range_is_refused() -> None:
     with pytest.raises(CiphertextError, match=r"ciphertext 1 .* 128 bytes"):
-        serde.ciphertexts_to_bytes([1, 1 << 1024], WIDTH)
+        ciphertexts_to_bytes([1, 1 << 1024], WIDTH)
     with pytest.raises(CiphertextError, match="ciphertext 0 is negative"):
-        serde.ciphertexts_to_bytes([-1], WIDTH)
+        ciphertexts_to_bytes([-1], WIDTH)
 
 
 def test_payload_must_match_layout() -> None:
     with pytest.raises(LayoutError, match="declares 2 ciphertexts, got 1"):
-        PackedCiphertexts((block("a", 2),), {"a": [5]})
+        CiphertextPayload((block("a", 2),), {"a": [5]})
     with pytest.raises(LayoutError, match="ciphertexts given for blocks"):
-        PackedCiphertexts((block("a", 1),), {"b": [5]})
+        CiphertextPayload((block("a", 1),), {"b": [5]})
 
 
-@pytest.mark.parametrize(
-    "max_bytes", [64 + WIDTH, 64 + 3 * WIDTH, 1000, serde.DEFAULT_MAX_MESSAGE_BYTES]
-)
+@pytest.mark.parametrize("max_bytes", [64 + WIDTH, 64 + 3 * WIDTH, 1000, DEFAULT_MAX_MESSAGE_BYTES])
 def test_chunks_stay_under_max_message_size(max_bytes: int) -> None:
     data = payload(5, 4, 2)
     messages = serde.encode_upload("q1", "fp", "u1", data, max_message_bytes=max_bytes)
@@ -251,10 +275,10 @@ def test_chunks_stay_under_max_message_size(max_bytes: int) -> None:
 
 def test_default_chunk_size_with_production_keys() -> None:
     blocks = (dataclasses.replace(block("scatter", 9000), key_bits=3072),)
-    data = PackedCiphertexts(blocks, {"scatter": [7] * 9000})
+    data = CiphertextPayload(blocks, {"scatter": [7] * 9000})
     messages = serde.encode_upload("q1", "fp", "u1", data)
     sizes = [m.ByteSize() for m in messages[1:]]
-    assert max(sizes) <= serde.DEFAULT_MAX_MESSAGE_BYTES
+    assert max(sizes) <= DEFAULT_MAX_MESSAGE_BYTES
     assert len(sizes) == 3  # 9000 * 768 B = 6.6 MiB
 
 
@@ -272,7 +296,7 @@ def test_upload_header_round_trip() -> None:
     assert header.blocks == data.blocks
     all_bytes = b"".join(m.chunk.ciphertexts for m in messages[1:])
     assert header.content_sha256 == hashlib.sha256(all_bytes).digest()
-    assert len(serde.new_upload_id()) == 32 and serde.new_upload_id() != serde.new_upload_id()
+    assert len(new_upload_id()) == 32 and new_upload_id() != new_upload_id()
     assert header.public_record_count is None  # stats mode: the count stays encrypted
 
 
@@ -452,7 +476,7 @@ def test_assembler_streams_chunks_with_offsets_and_refuses_late_chunks() -> None
 
 
 def test_upload_receipt_round_trip() -> None:
-    receipt = serde.UploadReceipt("q1", "u1", serde.UploadStatus.DUPLICATE, 3, 5)
+    receipt = UploadReceipt("q1", "u1", UploadStatus.DUPLICATE, 3, 5)
     assert serde.upload_receipt_from_proto(serde.upload_receipt_to_proto(receipt)) == receipt
     with pytest.raises(ProtocolError, match=r"UploadReceipt.status"):
         serde.upload_receipt_from_proto(owner_pb.UploadReceipt(query_id="q1"))
@@ -465,9 +489,9 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 
 
 def test_hello_and_proxy_info_round_trip() -> None:
-    hello = serde.OwnerHello("owner-1", "0.1.0", (serde.ObfuscationVariant.DJN,))
+    hello = OwnerHello("owner-1", "0.1.0", (ObfuscationVariant.DJN,))
     assert serde.owner_hello_from_proto(serde.owner_hello_to_proto(hello)) == hello
-    info = serde.ProxyInfo("proxy", "0.1.0", "owner-1", 15.0, 8 << 20, NOW)
+    info = ProxyInfo("proxy", "0.1.0", "owner-1", 15.0, 8 << 20, NOW)
     assert serde.proxy_info_from_proto(serde.proxy_info_to_proto(info)) == info
 
 
@@ -478,25 +502,23 @@ def test_task_stream_request() -> None:
 
 def test_unknown_capabilities_are_ignored() -> None:
     message = owner_pb.OwnerHello(node_id="o", obfuscation_variants=[1, 42])
-    assert serde.owner_hello_from_proto(message).obfuscation_variants == (
-        serde.ObfuscationVariant.FULL,
-    )
+    assert serde.owner_hello_from_proto(message).obfuscation_variants == (ObfuscationVariant.FULL,)
 
 
 @pytest.mark.parametrize(
     "event",
     [
-        serde.Heartbeat(sent_at=NOW),
-        serde.Task(query=dca_spec(), upload_deadline=NOW + timedelta(minutes=5)),
-        serde.Task(
+        Heartbeat(sent_at=NOW),
+        Task(query=dca_spec(), upload_deadline=NOW + timedelta(minutes=5)),
+        Task(
             query=pca_spec(),
             upload_deadline=NOW,
-            accepted_obfuscation_variants=(serde.ObfuscationVariant.FULL,),
+            accepted_obfuscation_variants=(ObfuscationVariant.FULL,),
         ),
-        serde.TaskCancellation(query_id="q1", reason="deadline passed"),
+        TaskCancellation(query_id="q1", reason="deadline passed"),
     ],
 )
-def test_task_event_round_trip(event: serde.TaskEvent) -> None:
+def test_task_event_round_trip(event: TaskEvent) -> None:
     wire = serde.task_event_to_proto(event).SerializeToString()
     assert serde.task_event_from_proto(owner_pb.TaskEvent.FromString(wire)) == event
 
@@ -504,7 +526,7 @@ def test_task_event_round_trip(event: serde.TaskEvent) -> None:
 def test_task_event_errors() -> None:
     with pytest.raises(ProtocolError, match="carries no event"):
         serde.task_event_from_proto(owner_pb.TaskEvent())
-    message = serde.task_event_to_proto(serde.Task(query=pca_spec(), upload_deadline=NOW))
+    message = serde.task_event_to_proto(Task(query=pca_spec(), upload_deadline=NOW))
     message.task.ClearField("upload_deadline")
     with pytest.raises(ProtocolError, match="upload_deadline missing"):
         serde.task_event_from_proto(message)
@@ -512,16 +534,16 @@ def test_task_event_errors() -> None:
 
 def test_timestamps_must_be_timezone_aware() -> None:
     with pytest.raises(ConfigError, match="timezone-aware"):
-        serde.task_event_to_proto(serde.Heartbeat(sent_at=datetime(2026, 1, 1)))
+        serde.task_event_to_proto(Heartbeat(sent_at=datetime(2026, 1, 1)))
     # Other offsets are fine and compare equal after the round trip.
     plus_two = NOW.astimezone(timezone(timedelta(hours=2)))
-    back = serde.task_event_from_proto(serde.task_event_to_proto(serde.Heartbeat(plus_two)))
-    assert back == serde.Heartbeat(NOW)
+    back = serde.task_event_from_proto(serde.task_event_to_proto(Heartbeat(plus_two)))
+    assert back == Heartbeat(NOW)
 
 
-@pytest.mark.parametrize("reason", list(serde.DeclineReason))
-def test_task_decline_round_trip(reason: serde.DeclineReason) -> None:
-    decline = serde.TaskDecline("q1", reason, "epsilon above local cap")
+@pytest.mark.parametrize("reason", list(DeclineReason))
+def test_task_decline_round_trip(reason: DeclineReason) -> None:
+    decline = TaskDecline("q1", reason, "epsilon above local cap")
     assert serde.task_decline_from_proto(serde.task_decline_to_proto(decline)) == decline
 
 
@@ -547,26 +569,37 @@ def test_submit_and_query_ref() -> None:
 @pytest.mark.parametrize(
     "status",
     [
-        serde.QueryStatus("q1", serde.QueryState.PENDING, 0, 2),
-        serde.QueryStatus("q1", serde.QueryState.COLLECTING, 1, 2, 1, NOW),
-        serde.QueryStatus("q1", serde.QueryState.FAILED, 1, 2, 0, NOW, "quorum not reached"),
-        serde.QueryStatus("q1", serde.QueryState.DONE, 2, 2, failure_reason=""),
-        serde.QueryStatus("q1", serde.QueryState.COLLECTING, 1, 4, owners_uploading=3),
+        QueryStatus("q1", QueryState.NOISING, 2, 2),
+        QueryStatus("q1", QueryState.COLLECTING, 1, 2, 1, NOW),
+        QueryStatus("q1", QueryState.FAILED, 1, 2, 0, NOW, "quorum not reached"),
+        QueryStatus("q1", QueryState.DONE, 2, 2, failure_reason=""),
+        QueryStatus("q1", QueryState.COLLECTING, 1, 4, owners_uploading=3),
     ],
 )
-def test_query_status_round_trip(status: serde.QueryStatus) -> None:
+def test_query_status_round_trip(status: QueryStatus) -> None:
     assert serde.query_status_from_proto(serde.query_status_to_proto(status)) == status
 
 
+@pytest.mark.parametrize(
+    "state", [analyst_pb.QUERY_STATE_PENDING, analyst_pb.QUERY_STATE_AGGREGATING]
+)
+def test_query_states_no_proxy_reports_are_refused(state: int) -> None:
+    # The wire numbers PENDING and AGGREGATING, but the lifecycle has no such states.
+    message = serde.query_status_to_proto(QueryStatus("q1", QueryState.COLLECTING, 0, 2))
+    message.state = state
+    with pytest.raises(ProtocolError, match="state: enum value"):
+        serde.query_status_from_proto(message)
+
+
 def test_query_state_terminal() -> None:
-    assert {s for s in serde.QueryState if s.terminal} == {
-        serde.QueryState.DONE,
-        serde.QueryState.FAILED,
+    assert {s for s in QueryState if s.terminal} == {
+        QueryState.DONE,
+        QueryState.FAILED,
     }
 
 
 def test_budget_round_trip() -> None:
-    status = serde.BudgetStatus("analyst-1", 1e-6, 1.25, 8.75, 10.0, 3)
+    status = BudgetStatus("analyst-1", 1e-6, 1.25, 8.75, 10.0, 3)
     assert serde.budget_status_from_proto(serde.budget_status_to_proto(status)) == status
     assert serde.budget_request_from_proto(serde.budget_request_to_proto()) is None
     assert serde.budget_request_from_proto(serde.budget_request_to_proto(1e-5)) == 1e-5
@@ -574,18 +607,18 @@ def test_budget_round_trip() -> None:
         serde.budget_request_from_proto(serde.budget_request_to_proto(0.0))
 
 
-NOISE = serde.NoiseDescription(
-    mechanism=serde.NoiseMechanism.GAUSSIAN,
+NOISE = NoiseDescription(
+    mechanism=NoiseMechanism.GAUSSIAN,
     calibration=Calibration.ANALYTIC,
     epsilon=1.0,
     delta=1e-6,
-    sections=(serde.NoiseSection("scatter", 3.5), serde.NoiseSection("sum", 1.25)),
+    sections=(NoiseSection("scatter", 3.5), NoiseSection("sum", 1.25)),
 )
 
 
-def _result(mode: ProtocolMode) -> serde.QueryResult:
+def _result(mode: ProtocolMode) -> QueryResult:
     spec = dca_spec() if mode is ProtocolMode.MASKED else pca_spec()
-    return serde.QueryResult(
+    return QueryResult(
         query=spec,
         n_owners=3,
         noise=NOISE,
@@ -610,7 +643,7 @@ def test_result_round_trip(mode: ProtocolMode) -> None:
 
 
 def test_result_with_infinite_epsilon() -> None:
-    noise = serde.NoiseDescription(serde.NoiseMechanism.NONE, Calibration.ANALYTIC, math.inf, 0.0)
+    noise = NoiseDescription(NoiseMechanism.NONE, Calibration.ANALYTIC, math.inf, 0.0)
     result = dataclasses.replace(
         _result(ProtocolMode.STATS), query=pca_spec(epsilon=math.inf), noise=noise
     )

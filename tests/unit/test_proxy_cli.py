@@ -10,8 +10,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from fedpca.messages import QueryState
 from fedpca.proxy.cli import proxy_group
-from fedpca.proxy.store import ProxyStore, QueryState
+from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint, unpack_slots
+from fedpca.codec import CryptoPool, encode_fixed_point, unpack_slots
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
@@ -32,6 +32,11 @@ from fedpca.errors import (
     LayoutError,
     ProtocolError,
     QueryStateError,
+)
+from fedpca.messages import (
+    NoiseMechanism,
+    QueryState,
+    UploadHeader,
 )
 from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
@@ -45,23 +50,17 @@ from fedpca.protocol import (
     row_aligned_positions,
 )
 from fedpca.proxy.config import BudgetConfig, ProxyConfig
-from fedpca.proxy.coordinator import Coordinator, spec_from_dict, spec_to_dict, wire_blocks
-from fedpca.proxy.store import ProxyStore, QueryState, UploadReceipt
+from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
+from fedpca.proxy.store import ProxyStore, UploadCompletion
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import sum_statistics
-from fedpca.transport import serde
-from helpers import dataset_table
+from helpers import dataset_table, query_builder
 
 IntVector = list[int]
 
 
 # ------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(processes=2) as crypto_pool:
-        yield crypto_pool
-
-
 @pytest.fixture(scope="module")
 def owner_rows() -> list[np.ndarray]:
     """Ionosphere features split across three owners (raw; owners preprocess)."""
@@ -74,22 +73,14 @@ def make_config(epsilon: float = math.inf, **analysts: PrivacyParams) -> ProxyCo
     return ProxyConfig(budget=BudgetConfig(PrivacyParams(epsilon, 1e-5), dict(analysts)))
 
 
-def make_spec(public_key: Any, query_id: str = "q1", **changes: Any) -> QuerySpec:
-    spec = QuerySpec(
-        query_id=query_id,
-        kind=QueryKind.PCA,
-        n_features=34,
-        epsilon=math.inf,
-        delta=1e-5,
-        n_components=3,
-        analyst_public_key_n=public_key.n,
-        analyst_key_fingerprint=key_fingerprint(public_key),
-        feature_lower=(-1.0,) * 34,
-        feature_upper=(1.0,) * 34,
-        quorum=3,
-        deadline_seconds=60.0,
-    )
-    return replace(spec, **changes)
+make_spec = query_builder(
+    n_features=34,
+    n_components=3,
+    feature_lower=(-1.0,) * 34,
+    feature_upper=(1.0,) * 34,
+    quorum=3,
+    deadline_seconds=60.0,
+)
 
 
 class Clock:
@@ -145,7 +136,7 @@ class Owner:
 
     def upload(
         self, plan: ReleasePlan, public_key: Any, pool: CryptoPool
-    ) -> tuple[serde.UploadHeader, dict[str, list[int]], dict[str, np.ndarray]]:
+    ) -> tuple[UploadHeader, dict[str, list[int]], dict[str, np.ndarray]]:
         encoded, count = self.encode(plan)
         blocks = {
             block.name: list(
@@ -159,7 +150,7 @@ class Owner:
         content = b"".join(
             c.to_bytes(width, "big") for block in plan.owner_blocks for c in blocks[block.name]
         )
-        header = serde.UploadHeader(
+        header = UploadHeader(
             query_id=plan.spec.query_id,
             analyst_key_fingerprint=plan.spec.analyst_key_fingerprint,
             upload_id=f"{self.owner_id}-{plan.spec.query_id}",
@@ -174,9 +165,9 @@ class Owner:
 def accept_upload(
     coordinator: Coordinator,
     owner_id: str,
-    header: serde.UploadHeader,
+    header: UploadHeader,
     blocks: Mapping[str, Sequence[int]],
-) -> UploadReceipt:
+) -> UploadCompletion:
     """Stream an upload through the coordinator, one chunk per block in the plan's
     order, as the servicer does with wire chunks (taking it out again if it fails).
 
@@ -270,7 +261,7 @@ def test_stats_mode_without_noise_equals_the_owners_integer_sums(
     assert meta["not_private"] is True and meta["n_owners"] == 3
     assert all(s["sigma"] == 0 for s in meta["sections"])
     result = coordinator.result("q1")
-    assert result.noise.mechanism is serde.NoiseMechanism.NONE
+    assert result.noise.mechanism is NoiseMechanism.NONE
 
 
 def test_stats_mode_noise_has_the_planned_sigma_per_section(
@@ -299,7 +290,7 @@ def test_stats_mode_noise_has_the_planned_sigma_per_section(
     meta = coordinator.result_meta("q1")
     assert meta["not_private"] is False
     assert [s["sigma"] for s in meta["sections"]] == [s.sigma for s in plan.sections]
-    assert coordinator.result("q1").noise.mechanism is serde.NoiseMechanism.GAUSSIAN
+    assert coordinator.result("q1").noise.mechanism is NoiseMechanism.GAUSSIAN
 
 
 # ------------------------------------------------------------------ budget
@@ -501,7 +492,7 @@ def test_deadline_below_quorum_fails_the_query(
     assert record.state is QueryState.FAILED
     assert record.failure_reason == "deadline passed with 1 of 2 required owners"
     status = coordinator.status("q1")
-    assert status.state is serde.QueryState.FAILED and status.owners_declined == 1
+    assert status.state is QueryState.FAILED and status.owners_declined == 1
     with pytest.raises(QueryStateError):
         coordinator.result("q1")
     # Nothing was released, so the charge is refunded.

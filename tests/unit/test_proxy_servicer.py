@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fedpca.analyst.client import AnalystClient
-from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint, unpack_slots
+from fedpca.codec import CryptoPool, unpack_slots
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
@@ -38,20 +38,32 @@ from fedpca.errors import (
     QueryStateError,
     UntrustedKeyError,
 )
+from fedpca.messages import (
+    CiphertextPayload,
+    DeclineReason,
+    Heartbeat,
+    NoiseMechanism,
+    OwnerHello,
+    QueryState,
+    QueryStatus,
+    Task,
+    TaskDecline,
+    UploadStatus,
+    ciphertexts_per_chunk,
+)
 from fedpca.protocol import MASKED_SUM, SHARES, ReleasePlan
 from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
-from fedpca.proxy.coordinator import wire_blocks
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.servicer import (
     INSECURE_IDENTITY_METADATA,
     status_code_for,
 )
-from fedpca.proxy.store import QueryState
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import encrypted_upload, query_builder, unit_ball_rows
 
 TIMEOUT = 30.0
 M = 6
@@ -62,12 +74,6 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[NodeIdentity, Tl
     return init_certificates(
         tmp_path_factory.mktemp("certs"), owner_ids=["owner-1", "owner-2"], analyst_ids=["alice"]
     )
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[CryptoPool]:
-    with CryptoPool(processes=2) as crypto_pool:
-        yield crypto_pool
 
 
 @pytest.fixture(scope="module")
@@ -102,49 +108,19 @@ def channel_for(
     return channels.secure_channel(server.address, material)
 
 
-def make_spec(public_key: Any, query_id: str, **changes: Any) -> QuerySpec:
-    spec = QuerySpec(
-        query_id=query_id,
-        kind=QueryKind.PCA,
-        n_features=M,
-        epsilon=math.inf,
-        delta=1e-5,
-        n_components=2,
-        analyst_public_key_n=public_key.n,
-        analyst_key_fingerprint=key_fingerprint(public_key),
-        quorum=2,
-        deadline_seconds=120.0,
-    )
-    return replace(spec, **changes)
+make_spec = query_builder(n_features=M, quorum=2, deadline_seconds=120.0)
 
 
 def owner_share(
     spec: QuerySpec, seed: int, public_key: Any, pool: CryptoPool
-) -> tuple[serde.PackedCiphertexts, dict[str, np.ndarray], int]:
+) -> tuple[CiphertextPayload, dict[str, np.ndarray], int]:
     """An owner's encrypted upload for ``spec`` (rows drawn with ``seed``)."""
-    from fedpca.owner.statistics import local_statistics
-
-    rng = np.random.default_rng(seed)
-    rows = rng.uniform(-1, 1, size=(25, M))
-    rows /= np.maximum(1.0, np.linalg.norm(rows, axis=1))[:, None]
-    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    values = plan.owner_values(local_statistics(rows, None, spec))
-    encoded = {
-        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
-        for name, v in values.items()
-    }
-    ciphertexts = {
-        block.name: list(
-            pool.encrypt_packed(
-                public_key, encoded[block.name], block.layout, block.bound
-            ).ciphertexts
-        )
-        for block in plan.owner_blocks
-    }
-    return serde.PackedCiphertexts(wire_blocks(plan), ciphertexts), encoded, len(rows)
+    rows = unit_ball_rows(seed, 25, M)
+    payload, encoded = encrypted_upload(spec, rows, public_key, pool)
+    return payload, encoded, len(rows)
 
 
-def first_task(stub: owner_grpc.OwnerServiceStub) -> tuple[serde.Task, list[str]]:
+def first_task(stub: owner_grpc.OwnerServiceStub) -> tuple[Task, list[str]]:
     """Open a task stream, read events until a task arrives; return it and the kinds seen."""
     call = stub.StreamTasks(serde.task_stream_request_to_proto("ignored"), timeout=TIMEOUT)
     kinds: list[str] = []
@@ -152,7 +128,7 @@ def first_task(stub: owner_grpc.OwnerServiceStub) -> tuple[serde.Task, list[str]
         for message in call:
             event = serde.task_event_from_proto(message)
             kinds.append(type(event).__name__)
-            if isinstance(event, serde.Task):
+            if isinstance(event, Task):
                 return event, kinds
     finally:
         call.cancel()
@@ -225,7 +201,7 @@ def test_stats_round_trip_over_grpc(
 
     info = serde.proxy_info_from_proto(
         owners["owner-1"].Hello(
-            serde.owner_hello_to_proto(serde.OwnerHello("owner-1", "test")), timeout=TIMEOUT
+            serde.owner_hello_to_proto(OwnerHello("owner-1", "test")), timeout=TIMEOUT
         )
     )
     assert info.authenticated_node_id == "owner-1" and info.proxy_id == "proxy"
@@ -234,9 +210,9 @@ def test_stats_round_trip_over_grpc(
     status = serde.query_status_from_proto(
         analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=TIMEOUT)
     )
-    assert status.state is serde.QueryState.COLLECTING and status.quorum == 2
+    assert status.state is QueryState.COLLECTING and status.quorum == 2
 
-    watched: list[serde.QueryStatus] = []
+    watched: list[QueryStatus] = []
     watcher = threading.Thread(
         target=lambda: watched.extend(
             serde.query_status_from_proto(m)
@@ -256,26 +232,26 @@ def test_stats_round_trip_over_grpc(
             spec.query_id, spec.analyst_key_fingerprint, f"u-{node_id}", payload
         )
         receipt = serde.upload_receipt_from_proto(stub.Upload(iter(messages), timeout=TIMEOUT))
-        assert receipt.status is serde.UploadStatus.ACCEPTED
+        assert receipt.status is UploadStatus.ACCEPTED
         assert receipt.ciphertexts_received == payload.total_ciphertexts
         if node_id == "owner-1":
             # A retry after a lost acknowledgement: answered DUPLICATE, counted once.
             again = stub.Upload(iter(messages), timeout=TIMEOUT)
-            assert serde.upload_receipt_from_proto(again).status is serde.UploadStatus.DUPLICATE
+            assert serde.upload_receipt_from_proto(again).status is UploadStatus.DUPLICATE
         share = encoded[SHARES].astype(object)
         expected = share if expected is None else expected + share
 
     watcher.join(timeout=TIMEOUT)
     assert not watcher.is_alive()
-    assert watched[-1].state is serde.QueryState.DONE and watched[-1].owners_contributed == 2
-    assert [s.state for s in watched].count(serde.QueryState.DONE) == 1
+    assert watched[-1].state is QueryState.DONE and watched[-1].owners_contributed == 2
+    assert [s.state for s in watched].count(QueryState.DONE) == 1
 
     result = serde.decode_result(
         analyst.FetchResult(serde.query_ref_to_proto("round-trip"), timeout=TIMEOUT)
     )
     assert result.n_owners == 2 and result.query == spec
     assert result.public_record_count is None  # stats mode: the proxy never learns N
-    assert result.noise.mechanism is serde.NoiseMechanism.NONE
+    assert result.noise.mechanism is NoiseMechanism.NONE
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     block = plan.result_block(SHARES)
     plaintexts = pool.decrypt(private_key, list(result.payload[SHARES]))
@@ -336,7 +312,7 @@ def test_bad_uploads_are_refused_before_their_chunks(
             spec.query_id,
             fingerprint,
             "c",
-            serde.PackedCiphertexts((short,), {block.name: payload[block.name]}),
+            CiphertextPayload((short,), {block.name: payload[block.name]}),
         )
         assert refused(messages[:1]) is grpc.StatusCode.INVALID_ARGUMENT
         unknown = serde.encode_upload("no-such-query", fingerprint, "d", payload)
@@ -345,9 +321,7 @@ def test_bad_uploads_are_refused_before_their_chunks(
         good = serde.encode_upload(spec.query_id, fingerprint, "e", payload)
         assert refused(good[:1]) is grpc.StatusCode.INVALID_ARGUMENT
         stub.DeclineTask(
-            serde.task_decline_to_proto(
-                serde.TaskDecline(spec.query_id, serde.DeclineReason.POLICY_REFUSAL)
-            ),
+            serde.task_decline_to_proto(TaskDecline(spec.query_id, DeclineReason.POLICY_REFUSAL)),
             timeout=TIMEOUT,
         )
     record = server.coordinator.store.query("bad-uploads")
@@ -379,7 +353,7 @@ def test_masked_round_trip_carries_the_public_count(
             serde.query_status_from_proto(m)
             for m in analyst.WatchQueryStatus(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
         ]
-        assert statuses[-1].state is serde.QueryState.DONE
+        assert statuses[-1].state is QueryState.DONE
         call = analyst.FetchResult(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
         messages = list(call)
         metadata = dict(call.initial_metadata())
@@ -409,7 +383,7 @@ def test_stop_ends_open_task_streams_promptly(
     stream = owner_grpc.OwnerServiceStub(channel).StreamTasks(
         serde.task_stream_request_to_proto("owner-1"), timeout=TIMEOUT
     )
-    assert isinstance(serde.task_event_from_proto(next(stream)), serde.Heartbeat)
+    assert isinstance(serde.task_event_from_proto(next(stream)), Heartbeat)
     started = time.monotonic()
     running.stop(grace=1.0)
     assert time.monotonic() - started < 5.0
@@ -450,7 +424,7 @@ def test_stop_tells_watching_analysts_to_reconnect(
     )
     watch = analyst.WatchQueryStatus(serde.query_ref_to_proto("open"), timeout=TIMEOUT)
     first = serde.query_status_from_proto(next(watch))
-    assert first.state is serde.QueryState.COLLECTING
+    assert first.state is QueryState.COLLECTING
     running.stop(grace=1.0)
     with pytest.raises(grpc.RpcError) as ended:
         for _ in watch:
@@ -493,7 +467,7 @@ def test_insecure_mode_identifies_callers_by_metadata(
             assert carol.budget().analyst_id == "carol"
             carol.submit(make_spec(test_only_keypair_512[0], "carols", epsilon=1.0))
             first = next(iter(carol.watch("carols", timeout=5.0)))  # a streamed call
-            assert first.state is serde.QueryState.COLLECTING
+            assert first.state is QueryState.COLLECTING
         assert running.coordinator.store.query("carols").analyst_id == "carol"
         with pytest.raises(ConfigError, match="node id"):
             AnalystClient(running.address, None, insecure=True, insecure_node_id="../etc")
@@ -519,7 +493,7 @@ def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
     one_per_chunk = width + 1
     while True:
         try:
-            if serde.ciphertexts_per_chunk(width, one_per_chunk) == 1:
+            if ciphertexts_per_chunk(width, one_per_chunk) == 1:
                 break
         except ConfigError:  # too small for one ciphertext and the framing
             pass
@@ -567,7 +541,7 @@ def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
             (owner_1, owner_grpc.OwnerServiceStub(channel_2)), uploads, strict=True
         ):
             receipt = serde.upload_receipt_from_proto(stub.Upload(iter(messages), timeout=TIMEOUT))
-            assert receipt.status is serde.UploadStatus.ACCEPTED
+            assert receipt.status is UploadStatus.ACCEPTED
         deadline = time.monotonic() + TIMEOUT
         while store.query(spec.query_id).state is not QueryState.DONE:
             assert time.monotonic() < deadline, store.query(spec.query_id).state

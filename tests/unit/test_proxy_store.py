@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
-from fedpca.proxy.store import ProxyStore, QueryState, UploadReceipt
+from fedpca.messages import (
+    UPLOAD_CHUNK_BYTES,
+    QueryState,
+    ciphertexts_per_chunk,
+)
+from fedpca.proxy.store import ProxyStore, UploadCompletion
 
 PRIME = 65521  # the toy group: Z*_p with 2-byte elements, p the largest 16-bit prime
 TOTAL = 8  # ciphertexts per upload in these tests
@@ -82,7 +87,7 @@ def complete(
     query: str = "q1",
     stream: int = 1,
     before_accept: Callable[[int], None] | None = None,
-) -> UploadReceipt:
+) -> UploadCompletion:
     return store.complete_upload(
         query, owner, upload, stream, digest, TOTAL, GROUP, before_accept=before_accept
     )
@@ -309,10 +314,9 @@ def test_wal_mode_is_on(store: ProxyStore) -> None:
 def test_an_owner_chunk_is_one_aggregate_page_at_2048_bits() -> None:
     from fedpca.codec import ciphertext_byte_length
     from fedpca.proxy.store import PAGE_CIPHERTEXTS
-    from fedpca.transport import serde
 
     width = ciphertext_byte_length(2048)
-    assert serde.ciphertexts_per_chunk(width, serde.UPLOAD_CHUNK_BYTES) == PAGE_CIPHERTEXTS
+    assert ciphertexts_per_chunk(width, UPLOAD_CHUNK_BYTES) == PAGE_CIPHERTEXTS
 
 
 def _as_version_1(path: Path, *, collecting: bool) -> None:

@@ -12,6 +12,19 @@ import grpc
 import pytest
 
 from fedpca.errors import AuthenticationError, ConfigError, FedpcaError, ProtocolError
+from fedpca.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    CiphertextBlock,
+    CiphertextPayload,
+    Heartbeat,
+    OwnerHello,
+    ProxyInfo,
+    Task,
+    TaskCancellation,
+    TaskEvent,
+    UploadReceipt,
+    UploadStatus,
+)
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
@@ -50,17 +63,17 @@ class _Servicer(owner_grpc.OwnerServiceServicer):  # type: ignore[misc]
             serde.owner_hello_from_proto(request)
         except FedpcaError as exc:
             context.abort(_status_for(exc), str(exc))
-        info = serde.ProxyInfo("proxy", "test", identity.node_id, 5.0, 1 << 20, NOW)
+        info = ProxyInfo("proxy", "test", identity.node_id, 5.0, 1 << 20, NOW)
         return serde.proxy_info_to_proto(info)
 
     def StreamTasks(
         self, request: owner_pb.TaskStreamRequest, context: Any
     ) -> Iterator[owner_pb.TaskEvent]:
         certs.require_role(context, Role.OWNER)
-        events: list[serde.TaskEvent] = [
-            serde.Heartbeat(NOW),
-            serde.Task(SPEC, NOW + timedelta(minutes=5)),
-            serde.TaskCancellation("q0", "superseded"),
+        events: list[TaskEvent] = [
+            Heartbeat(NOW),
+            Task(SPEC, NOW + timedelta(minutes=5)),
+            TaskCancellation("q0", "superseded"),
         ]
         for event in events:
             yield serde.task_event_to_proto(event)
@@ -73,10 +86,10 @@ class _Servicer(owner_grpc.OwnerServiceServicer):  # type: ignore[misc]
             header, payload = serde.read_upload(request_iterator)
         except FedpcaError as exc:
             context.abort(_status_for(exc), str(exc))
-        receipt = serde.UploadReceipt(
+        receipt = UploadReceipt(
             header.query_id,
             header.upload_id,
-            serde.UploadStatus.ACCEPTED,
+            UploadStatus.ACCEPTED,
             header.total_chunks,
             payload.total_ciphertexts,
         )
@@ -141,7 +154,7 @@ def stub_for(proxy: str) -> Iterator[Callable[..., Any]]:
 
 
 def _hello() -> owner_pb.OwnerHello:
-    return serde.owner_hello_to_proto(serde.OwnerHello("claimed-id", "test"))
+    return serde.owner_hello_to_proto(OwnerHello("claimed-id", "test"))
 
 
 def test_mtls_with_valid_certificates_sees_the_caller(
@@ -209,15 +222,15 @@ def test_task_server_stream(stub_for: Callable[..., Any], pki: dict[str, TlsMate
     stream = stub_for(pki["owner"]).StreamTasks(owner_pb.TaskStreamRequest(), timeout=TIMEOUT)
     events = [serde.task_event_from_proto(message) for message in stream]
     assert events == [
-        serde.Heartbeat(NOW),
-        serde.Task(SPEC, NOW + timedelta(minutes=5)),
-        serde.TaskCancellation("q0", "superseded"),
+        Heartbeat(NOW),
+        Task(SPEC, NOW + timedelta(minutes=5)),
+        TaskCancellation("q0", "superseded"),
     ]
 
 
-def _payload(n: int) -> serde.PackedCiphertexts:
-    block = serde.CiphertextBlock("scatter", 2048, 72, 28, 28 * n, n)
-    return serde.PackedCiphertexts((block,), {"scatter": [(7 << 4000) + i for i in range(n)]})
+def _payload(n: int) -> CiphertextPayload:
+    block = CiphertextBlock("scatter", 2048, 72, 28, 28 * n, n)
+    return CiphertextPayload((block,), {"scatter": [(7 << 4000) + i for i in range(n)]})
 
 
 def test_chunked_upload_over_mtls(
@@ -229,7 +242,7 @@ def test_chunked_upload_over_mtls(
     receipt = serde.upload_receipt_from_proto(
         stub_for(pki["owner"]).Upload(iter(messages), timeout=TIMEOUT)
     )
-    assert receipt == serde.UploadReceipt("q1", "u1", serde.UploadStatus.ACCEPTED, 24, 3000)
+    assert receipt == UploadReceipt("q1", "u1", UploadStatus.ACCEPTED, 24, 3000)
 
 
 def test_default_sized_chunks_pass_the_channel_limits(
@@ -287,7 +300,7 @@ def test_options() -> None:
         server["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
     )
     assert client["grpc.http2.max_pings_without_data"] == 0
-    assert serde.DEFAULT_MAX_MESSAGE_BYTES < channels.DEFAULT_MAX_MESSAGE_BYTES
+    assert DEFAULT_MAX_MESSAGE_BYTES < channels.DEFAULT_MAX_MESSAGE_BYTES
 
 
 def test_port_in_use_is_a_config_error(pki: dict[str, TlsMaterial]) -> None:

@@ -8,16 +8,8 @@ Commands::
     fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
     fedpca analyst budget --proxy ADDR [--delta D]
 
-Connection settings may come from ``--config analyst.toml``; flags override it::
-
-    proxy = "proxy.example.org:7443"
-    key_dir = "keys"                 # relative paths: relative to this file
-    server_name = "proxy"            # optional: name in the proxy certificate
-    insecure = false                 # local tests only
-    [tls]
-    ca = "certs/ca/ca.pem"
-    cert = "certs/analyst/alice/cert.pem"
-    key = "certs/analyst/alice/key.pem"
+Connection settings may come from ``--config analyst.toml``
+(:mod:`fedpca.analyst.config`); flags override it.
 
 Refused or failed queries exit with a one-line message and no traceback: exit
 code 3 when the privacy budget refused the release, 1 for every other error.
@@ -31,15 +23,14 @@ import math
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
+from fedpca.analyst.config import AnalystConfig, load_config
 from fedpca.analyst.keys import (
     DEFAULT_KEY_BITS,
     SUPPORTED_KEY_BITS,
@@ -49,16 +40,13 @@ from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError
 from fedpca.query import Calibration, ProtocolMode
 from fedpca.transport.certs import TlsFiles
 
-__all__ = ["AnalystConfig", "analyst_group", "load_config"]
+__all__ = ["analyst_group"]
 
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 BUDGET_EXIT_CODE = 3
-
-_CONFIG_KEYS = {"proxy", "key_dir", "server_name", "insecure", "tls"}
-_TLS_KEYS = {"ca", "cert", "key"}
 
 
 class _Refused(click.ClickException):
@@ -81,74 +69,6 @@ def _errors() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- configuration
-@dataclass(frozen=True)
-class AnalystConfig:
-    """Connection settings of one analyst (from analyst.toml and flags)."""
-
-    proxy: str | None = None
-    key_dir: Path | None = None
-    tls: TlsFiles | None = None
-    server_name: str | None = None
-    insecure: bool = False
-
-
-def load_config(path: Path) -> AnalystConfig:
-    """Read an analyst.toml; relative paths are resolved against its directory.
-
-    Raises
-    ------
-    ConfigError
-        Unreadable TOML, unknown keys, wrong types or an incomplete [tls] table.
-    """
-    try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
-    unknown = sorted(set(document) - _CONFIG_KEYS)
-    if unknown:
-        raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(_CONFIG_KEYS)})")
-    base = path.parent
-
-    def text(key: str, table: dict[str, Any] = document, where: str = "") -> str | None:
-        value = table.get(key)
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(f"{path}: {where}{key} must be a string")
-        return value
-
-    def file(value: str | None, key: str) -> Path | None:
-        if value is None:
-            return None
-        try:
-            return base / Path(value).expanduser()
-        except RuntimeError as exc:  # "~user/..." naming an unknown user
-            raise ConfigError(f"{path}: {key}: cannot expand {value!r}: {exc}") from None
-
-    tls = None
-    table = document.get("tls")
-    if table is not None:
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: [tls] must be a table")
-        unknown_tls = sorted(set(table) - _TLS_KEYS)
-        missing = sorted(_TLS_KEYS - set(table))
-        if unknown_tls or missing:
-            raise ConfigError(f"{path}: [tls] needs exactly ca, cert and key")
-        ca, cert, key = (file(text(k, table, "tls."), f"tls.{k}") for k in ("ca", "cert", "key"))
-        assert ca is not None and cert is not None and key is not None
-        tls = TlsFiles(ca, cert, key)
-    insecure = document.get("insecure", False)
-    if not isinstance(insecure, bool):
-        raise ConfigError(f"{path}: insecure must be true or false")
-    return AnalystConfig(
-        proxy=text("proxy"),
-        key_dir=file(text("key_dir"), "key_dir"),
-        tls=tls,
-        server_name=text("server_name"),
-        insecure=insecure,
-    )
-
-
 def _connection(
     config_path: Path | None,
     proxy: str | None,

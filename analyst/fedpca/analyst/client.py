@@ -42,6 +42,12 @@ from fedpca.errors import (
     ProtocolError,
     QueryStateError,
 )
+from fedpca.messages import (
+    BudgetStatus,
+    QueryResult,
+    QueryState,
+    QueryStatus,
+)
 from fedpca.query import QuerySpec
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
@@ -120,7 +126,7 @@ class FetchedResult:
         also the public record count N, ``ResultHeader.public_record_count``).
     """
 
-    result: serde.QueryResult
+    result: QueryResult
 
     @property
     def query(self) -> QuerySpec:
@@ -218,7 +224,7 @@ class AnalystClient:
                 logger.warning("%s; retrying in %.0f s", mapped, delay)
                 time.sleep(delay)
 
-    def submit(self, spec: QuerySpec) -> serde.QueryStatus:
+    def submit(self, spec: QuerySpec) -> QueryStatus:
         """Submit a query; the proxy checks the budget before accepting it.
 
         Raises
@@ -235,7 +241,7 @@ class AnalystClient:
         )
         return serde.query_status_from_proto(message)
 
-    def status(self, query_id: str) -> serde.QueryStatus:
+    def status(self, query_id: str) -> QueryStatus:
         """The current status of one query."""
         request = serde.query_ref_to_proto(query_id)
         message = self._unary(
@@ -244,7 +250,7 @@ class AnalystClient:
         )
         return serde.query_status_from_proto(message)
 
-    def watch(self, query_id: str, timeout: float | None = None) -> Iterator[serde.QueryStatus]:
+    def watch(self, query_id: str, timeout: float | None = None) -> Iterator[QueryStatus]:
         """Status updates until the query is done or failed (the last one is terminal).
 
         A watch stream that breaks (proxy restart, network) is re-opened with
@@ -311,7 +317,7 @@ class AnalystClient:
             )
         return FetchedResult(result)
 
-    def budget(self, delta: float | None = None) -> serde.BudgetStatus:
+    def budget(self, delta: float | None = None) -> BudgetStatus:
         """The analyst's cumulative privacy loss (epsilons reported at ``delta``)."""
         request = serde.budget_request_to_proto(delta)
         message = self._unary("budget", lambda: self._stub.GetBudget(request, timeout=self.timeout))
@@ -320,9 +326,9 @@ class AnalystClient:
     def wait(
         self,
         query_id: str,
-        on_status: Callable[[serde.QueryStatus], None] | None = None,
+        on_status: Callable[[QueryStatus], None] | None = None,
         timeout: float | None = None,
-    ) -> serde.QueryStatus:
+    ) -> QueryStatus:
         """Follow a query to its terminal status.
 
         Raises
@@ -330,14 +336,14 @@ class AnalystClient:
         QueryStateError
             The query failed at the proxy (the message carries its reason).
         """
-        last: serde.QueryStatus | None = None
+        last: QueryStatus | None = None
         for status in self.watch(query_id, timeout=timeout):
             last = status
             if on_status is not None:
                 on_status(status)
         if last is None:  # pragma: no cover - watch always yields a terminal status
             raise ProxyError(f"watch of query {query_id!r} ended without a status")
-        if last.state is serde.QueryState.FAILED:
+        if last.state is QueryState.FAILED:
             raise QueryStateError(
                 f"query {query_id!r} failed at the proxy: {last.failure_reason or 'no reason'}"
             )

@@ -1,7 +1,7 @@
 """Decrypting and decoding a release: from ciphertexts to noisy statistics.
 
 Pure: no grpc, no files.  Input is the encrypted result as the proxy streams it
-(:class:`fedpca.transport.serde.QueryResult`) and the analyst's private key;
+(:class:`fedpca.messages.QueryResult`) and the analyst's private key;
 output is a :class:`DecodedRelease` that the solvers turn into PCA/DCA.
 
 Before decrypting anything the analyst re-derives the release plan from the
@@ -64,6 +64,15 @@ from fedpca.errors import (
     ProtocolError,
     UntrustedKeyError,
 )
+from fedpca.messages import (
+    CiphertextBlock,
+    CiphertextPayload,
+    NoiseDescription,
+    NoiseMechanism,
+    NoiseSection,
+    QueryResult,
+    blocks_of,
+)
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -74,15 +83,6 @@ from fedpca.protocol import (
 )
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics
-from fedpca.transport.serde import (
-    CiphertextBlock,
-    NoiseDescription,
-    NoiseMechanism,
-    NoiseSection,
-    PackedCiphertexts,
-    QueryResult,
-    blocks_of,
-)
 
 __all__ = [
     "DecodedRelease",
@@ -551,7 +551,7 @@ def result_from_packed(
     ----------
     query : the query.
     n_owners : owners aggregated.
-    blocks : block name -> :class:`fedpca.codec.PackedCiphertexts` (or a plain
+    blocks : block name -> :class:`fedpca.codec.CiphertextPayload` (or a plain
         sequence of ciphertext ints), one entry per result block of the plan.
     key_bits : size of the analyst key (default: that of ``query.analyst_public_key_n``).
     noise : the noise description (default: :func:`noise_description` of the plan).
@@ -576,7 +576,7 @@ def result_from_packed(
         query=query,
         n_owners=n_owners,
         noise=noise,
-        payload=PackedCiphertexts(layout, ciphertexts),
+        payload=CiphertextPayload(layout, ciphertexts),
         masked_mean_block=MASKED_SUM if query.mode is ProtocolMode.MASKED else None,
         public_record_count=public_count if query.mode is ProtocolMode.MASKED else None,
     )

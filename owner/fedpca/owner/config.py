@@ -39,15 +39,15 @@ import logging
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from fedpca.codec.paillier import Obfuscation
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
+from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
 __all__ = [
@@ -205,10 +205,10 @@ class OwnerConfig:
             Naming the section and key of the first invalid or unknown entry.
         """
         sections = {"owner", "tls", "data", "policy", "budget", "crypto"}
-        _reject_unknown(document, sections, "")
+        reject_unknown_keys(document, sections)
         reader = _Reader(base_dir)
         owner = _section(document, "owner", required=True)
-        _reject_unknown(owner, {"id", "proxy", "state_dir"}, "owner")
+        reject_unknown_keys(owner, {"id", "proxy", "state_dir"}, "owner")
         node_id = reader.string(owner, "owner", "id")
         try:
             validate_node_id(node_id)
@@ -223,7 +223,7 @@ class OwnerConfig:
         node = NodeConfig(node_id, proxy, state_dir)
 
         tls_doc = _section(document, "tls", required=False)
-        _reject_unknown(tls_doc, {"ca", "cert", "key", "insecure"}, "tls")
+        reject_unknown_keys(tls_doc, {"ca", "cert", "key", "insecure"}, "tls")
         insecure = reader.boolean(tls_doc, "tls", "insecure", default=False)
         tls = TlsConfig(
             ca=reader.path(tls_doc, "tls", "ca", required=not insecure),
@@ -233,7 +233,7 @@ class OwnerConfig:
         )
 
         data_doc = _section(document, "data", required=True)
-        _reject_unknown(data_doc, {"path", "header", "label_column", "out_of_bounds"}, "data")
+        reject_unknown_keys(data_doc, {"path", "header", "label_column", "out_of_bounds"}, "data")
         data_path = reader.path(data_doc, "data", "path", required=True)
         assert data_path is not None
         header = data_doc.get("header", "auto")
@@ -252,7 +252,7 @@ class OwnerConfig:
         data = DataConfig(data_path, header, label_column, out_of_bounds)
 
         policy_doc = _section(document, "policy", required=True)
-        _reject_unknown(
+        reject_unknown_keys(
             policy_doc,
             {"accepted_analyst_keys", "max_epsilon_per_query", "allow_not_private"},
             "policy",
@@ -279,7 +279,7 @@ class OwnerConfig:
         )
 
         budget_doc = _section(document, "budget", required=True)
-        _reject_unknown(budget_doc, {"epsilon", "delta"}, "budget")
+        reject_unknown_keys(budget_doc, {"epsilon", "delta"}, "budget")
         budget_epsilon = reader.number(budget_doc, "budget", "epsilon", required=True)
         budget_delta = reader.number(budget_doc, "budget", "delta", required=True)
         if not (budget_epsilon > 0):
@@ -292,7 +292,7 @@ class OwnerConfig:
             raise ConfigError(f"budget: {exc}") from exc
 
         crypto_doc = _section(document, "crypto", required=False)
-        _reject_unknown(crypto_doc, {"processes", "obfuscation"}, "crypto")
+        reject_unknown_keys(crypto_doc, {"processes", "obfuscation"}, "crypto")
         processes = crypto_doc.get("processes", 0)
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 0:
             raise ConfigError(f"crypto.processes must be an integer >= 0, got {processes!r}")
@@ -319,30 +319,8 @@ def load_config(path: str | os.PathLike[str]) -> OwnerConfig:
     ConfigError
         If the file is missing, not TOML, or any key is invalid (the message names it).
     """
-    file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read owner config {file}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{file}: not a UTF-8 text file ({exc.reason})") from None
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{file}: not valid TOML: {exc}") from exc
-    try:
-        config = OwnerConfig.from_mapping(document, file.resolve().parent)
-    except ConfigError as exc:
-        raise ConfigError(f"{file}: {exc}") from exc
-    return OwnerConfig(
-        config.owner,
-        config.tls,
-        config.data,
-        config.policy,
-        config.budget,
-        config.crypto,
-        file,
-    )
+    config = load_toml_config(path, "owner", OwnerConfig.from_mapping)
+    return replace(config, source=Path(path))
 
 
 # ------------------------------------------------------------------ helpers
@@ -357,14 +335,6 @@ def _section(document: Mapping[str, Any], name: str, *, required: bool) -> Mappi
     if not isinstance(value, Mapping):
         raise ConfigError(f"[{name}] must be a table, got {type(value).__name__}")
     return value
-
-
-def _reject_unknown(document: Mapping[str, Any], known: set[str], section: str) -> None:
-    unknown = sorted(set(document) - known)
-    if unknown:
-        where = f"section [{section}]" if section else "the top level"
-        names = ", ".join(f"{section}.{key}" if section else key for key in unknown)
-        raise ConfigError(f"unknown key(s) in {where}: {names} (known: {', '.join(sorted(known))})")
 
 
 @dataclass(frozen=True)
@@ -393,11 +363,7 @@ class _Reader:
             return None
         if not isinstance(value, str) or not value.strip():
             raise ConfigError(f"{section}.{key} must be a non-empty path string, got {value!r}")
-        try:
-            path = Path(value).expanduser()
-        except RuntimeError as exc:  # "~user/..." naming an unknown user
-            raise ConfigError(f"{section}.{key}: cannot expand {value!r}: {exc}") from None
-        return path if path.is_absolute() else self.base_dir / path
+        return resolve_path(value, self.base_dir, f"{section}.{key}")
 
     def boolean(
         self, document: Mapping[str, Any], section: str, key: str, *, default: bool

@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from fedpca.codec.ciphertext import PackedCiphertexts as CodecCiphertexts
+from fedpca.codec.ciphertext import PackedCiphertexts
 from fedpca.codec.paillier import CryptoPool, Obfuscation
 from fedpca.errors import (
     BudgetExceededError,
@@ -55,6 +55,21 @@ from fedpca.errors import (
     PolicyError,
     ProtocolError,
     UntrustedKeyError,
+)
+from fedpca.messages import (
+    PROTOCOL_VERSION,
+    UPLOAD_CHUNK_BYTES,
+    CiphertextPayload,
+    DeclineReason,
+    Heartbeat,
+    ObfuscationVariant,
+    OwnerHello,
+    Task,
+    TaskCancellation,
+    TaskDecline,
+    TaskEvent,
+    blocks_of,
+    new_upload_id,
 )
 from fedpca.owner.compute import LocalTable, encrypt_share, spec_digest
 from fedpca.owner.config import OwnerConfig
@@ -138,7 +153,7 @@ class RetryPolicy:
 
 
 def choose_obfuscation(
-    preferred: Obfuscation, accepted: Sequence[serde.ObfuscationVariant]
+    preferred: Obfuscation, accepted: Sequence[ObfuscationVariant]
 ) -> Obfuscation:
     """The obfuscator to encrypt a task with.
 
@@ -153,9 +168,9 @@ def choose_obfuscation(
     """
     if not accepted:
         return preferred
-    if preferred is Obfuscation.DJN and serde.ObfuscationVariant.DJN in accepted:
+    if preferred is Obfuscation.DJN and ObfuscationVariant.DJN in accepted:
         return Obfuscation.DJN
-    if serde.ObfuscationVariant.FULL in accepted:
+    if ObfuscationVariant.FULL in accepted:
         return Obfuscation.STANDARD
     raise PolicyError(
         "the task accepts only DJN short-exponent encryption; this owner is configured for "
@@ -163,21 +178,11 @@ def choose_obfuscation(
     )
 
 
-def wire_payload(shares: dict[str, CodecCiphertexts], plan: ReleasePlan) -> serde.PackedCiphertexts:
+def wire_payload(shares: dict[str, PackedCiphertexts], plan: ReleasePlan) -> CiphertextPayload:
     """The codec's packed ciphertexts as the wire payload, blocks in plan order."""
-    blocks = tuple(
-        serde.CiphertextBlock(
-            name=block.name,
-            key_bits=block.layout.key_bits,
-            slot_bits=block.layout.slot_bits,
-            slots_per_ciphertext=block.layout.slots_per_ciphertext,
-            value_count=block.layout.value_count,
-            n_ciphertexts=block.layout.n_ciphertexts,
-        )
-        for block in plan.owner_blocks
-    )
-    return serde.PackedCiphertexts(
-        blocks, {block.name: shares[block.name].ciphertexts for block in plan.owner_blocks}
+    return CiphertextPayload(
+        blocks_of(plan.owner_blocks),
+        {block.name: shares[block.name].ciphertexts for block in plan.owner_blocks},
     )
 
 
@@ -252,13 +257,13 @@ class OwnerNode:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: Any = None  # the open StreamTasks call, cancelled by stop()
-        self._queue: queue.Queue[serde.Task | None] = queue.Queue()
+        self._queue: queue.Queue[Task | None] = queue.Queue()
         self._queued: set[str] = set()
         self._cancelled: set[str] = set()
         # Upload messages of tasks not yet finished: a re-delivered task resends
         # the same bytes under the same upload id instead of encrypting again.
         self._prepared: dict[str, tuple[str, list[owner_pb.UploadMessage]]] = {}
-        self._max_message_bytes = serde.UPLOAD_CHUNK_BYTES
+        self._max_message_bytes = UPLOAD_CHUNK_BYTES
         self.connected = threading.Event()
         """Set while a task stream is open (for tests and health checks)."""
         # The record count is a statistic of the data: routine logs leave it out.
@@ -364,7 +369,7 @@ class OwnerNode:
 
     def _session(self, stub: owner_grpc.OwnerServiceStub) -> bool:
         """Hello, then read the task stream until it ends. True if Hello succeeded."""
-        hello = serde.OwnerHello(
+        hello = OwnerHello(
             node_id=self.config.owner.id,
             software_version=__version__,
             obfuscation_variants=_variants(self.config.crypto.obfuscation),
@@ -372,10 +377,10 @@ class OwnerNode:
         info = serde.proxy_info_from_proto(
             stub.Hello(serde.owner_hello_to_proto(hello), timeout=self.retry.call_timeout)
         )
-        if info.protocol_version != serde.PROTOCOL_VERSION:
+        if info.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(
                 f"the proxy speaks wire protocol {info.protocol_version}, this owner "
-                f"{serde.PROTOCOL_VERSION}"
+                f"{PROTOCOL_VERSION}"
             )
         if info.authenticated_node_id and info.authenticated_node_id != self.config.owner.id:
             logger.warning(
@@ -384,7 +389,7 @@ class OwnerNode:
                 self.config.owner.id,
             )
         if info.max_message_bytes > 0:
-            self._max_message_bytes = min(info.max_message_bytes, serde.UPLOAD_CHUNK_BYTES)
+            self._max_message_bytes = min(info.max_message_bytes, UPLOAD_CHUNK_BYTES)
         call = stub.StreamTasks(serde.task_stream_request_to_proto(self.config.owner.id))
         with self._lock:
             self._call = call
@@ -415,11 +420,11 @@ class OwnerNode:
         logger.info("owner %s: the proxy closed the task stream", self.config.owner.id)
         return True
 
-    def _dispatch(self, event: serde.TaskEvent) -> None:
-        if isinstance(event, serde.Heartbeat):
+    def _dispatch(self, event: TaskEvent) -> None:
+        if isinstance(event, Heartbeat):
             logger.debug("heartbeat from the proxy (sent %s)", event.sent_at.isoformat())
             return
-        if isinstance(event, serde.TaskCancellation):
+        if isinstance(event, TaskCancellation):
             logger.info("query %s: cancelled by the proxy (%s)", event.query_id, event.reason)
             with self._lock:
                 self._cancelled.add(event.query_id)
@@ -456,9 +461,7 @@ class OwnerNode:
             return query_id in self._cancelled
 
     # ---------------------------------------------------------------- tasks
-    def process_task(
-        self, stub: owner_grpc.OwnerServiceStub, task: serde.Task
-    ) -> TaskOutcome | None:
+    def process_task(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
         """Handle one task end to end (policy, budget, encryption, upload or decline).
 
         Returns
@@ -490,11 +493,11 @@ class OwnerNode:
         upload_id, messages = prepared
         return self._upload(stub, task, upload_id, messages)
 
-    def _prepare(self, stub: owner_grpc.OwnerServiceStub, task: serde.Task) -> TaskOutcome | None:
+    def _prepare(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
         """Policy, budget and encryption; stores the upload messages, or declines."""
         spec = task.query
         query_id = spec.query_id
-        decline = serde.DeclineReason
+        decline = DeclineReason
         try:
             check_key(spec, self.config.policy)
         except UntrustedKeyError as exc:
@@ -581,7 +584,7 @@ class OwnerNode:
             time.perf_counter() - started,
         )
         record_count = self.table.n_records if spec.mode is ProtocolMode.MASKED else None
-        upload_id = serde.new_upload_id()
+        upload_id = new_upload_id()
         messages = serde.encode_upload(
             query_id,
             spec.analyst_key_fingerprint,
@@ -596,7 +599,7 @@ class OwnerNode:
     def _upload(
         self,
         stub: owner_grpc.OwnerServiceStub,
-        task: serde.Task,
+        task: Task,
         upload_id: str,
         messages: list[owner_pb.UploadMessage],
     ) -> TaskOutcome | None:
@@ -681,13 +684,13 @@ class OwnerNode:
         self,
         stub: owner_grpc.OwnerServiceStub,
         spec: QuerySpec,
-        reason: serde.DeclineReason,
+        reason: DeclineReason,
         detail: str,
         log_message: str,
     ) -> TaskOutcome | None:
         """Send DeclineTask (with retries); record it once the proxy acknowledged."""
         logger.warning("query %s: declined (%s): %s", spec.query_id, reason.value, log_message)
-        message = serde.task_decline_to_proto(serde.TaskDecline(spec.query_id, reason, detail))
+        message = serde.task_decline_to_proto(TaskDecline(spec.query_id, reason, detail))
         for attempt in range(self.retry.decline_attempts):
             try:
                 stub.DeclineTask(message, timeout=self.retry.call_timeout)
@@ -714,10 +717,10 @@ class OwnerNode:
         return None  # pragma: no cover - the loop always returns
 
 
-def _variants(preferred: Obfuscation) -> tuple[serde.ObfuscationVariant, ...]:
+def _variants(preferred: Obfuscation) -> tuple[ObfuscationVariant, ...]:
     if preferred is Obfuscation.DJN:
-        return (serde.ObfuscationVariant.DJN, serde.ObfuscationVariant.FULL)
-    return (serde.ObfuscationVariant.FULL,)
+        return (ObfuscationVariant.DJN, ObfuscationVariant.FULL)
+    return (ObfuscationVariant.FULL,)
 
 
 def _code(err: grpc.RpcError) -> grpc.StatusCode:

@@ -4,7 +4,7 @@ Runs in the :class:`~fedpca.codec.CryptoPool` worker processes, so like
 ``fedpca.codec._worker`` it imports only ``gmpy2`` at module level.
 
 For one row-aligned packed ciphertext of row i with columns j_0..j_{k'-1} the
-proxy needs (see :mod:`fedpca.proxy.coordinator`)
+proxy needs (see :mod:`fedpca.proxy.masking`)
 
     Enc(R_chunk)^(N 2^f) · Enc(v_i)^(Σ_s 2^(B s) b_{j_s}) · Enc(window_{j_0})^(b_i) · fresh.
 

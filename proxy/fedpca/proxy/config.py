@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Any
 
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
+from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
 __all__ = [
@@ -151,21 +151,7 @@ def load_config(path: str | Path) -> ProxyConfig:
     ConfigError
         Unreadable file, invalid TOML, unknown or ill-typed keys (named in the message).
     """
-    file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read proxy config {file}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{file}: not a UTF-8 text file ({exc.reason})") from None
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: {exc}") from exc
-    try:
-        return parse_config(document, base_dir=file.resolve().parent)
-    except ConfigError as exc:
-        raise ConfigError(f"{file}: {exc}") from exc
+    return load_toml_config(path, "proxy", parse_config)
 
 
 def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
@@ -176,13 +162,15 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     document : the parsed TOML tables.
     base_dir : folder relative paths are resolved against.
     """
-    _only(document, "", {"proxy", "tls", "budget", "crypto"})
+    reject_unknown_keys(document, {"proxy", "tls", "budget", "crypto"})
     proxy_table = _table(document, "proxy")
     tls_table = _table(document, "tls")
     budget_table = _table(document, "budget")
     crypto_table = _table(document, "crypto")
 
-    _only(proxy_table, "proxy", {"id", "listen", "database", "heartbeat_seconds", "max_upload_mib"})
+    reject_unknown_keys(
+        proxy_table, {"id", "listen", "database", "heartbeat_seconds", "max_upload_mib"}, "proxy"
+    )
     node_id = _str(proxy_table, "proxy.id", "proxy")
     try:
         validate_node_id(node_id)
@@ -197,14 +185,14 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     proxy = ProxySection(
         id=node_id,
         listen=_listen(_str(proxy_table, "proxy.listen", DEFAULT_LISTEN), "proxy.listen"),
-        database=_path(
-            base_dir, _str(proxy_table, "proxy.database", "proxy.sqlite3"), "proxy.database"
+        database=resolve_path(
+            _str(proxy_table, "proxy.database", "proxy.sqlite3"), base_dir, "proxy.database"
         ),
         heartbeat_seconds=heartbeat,
         max_upload_mib=max_upload,
     )
 
-    _only(tls_table, "tls", {"ca", "cert", "key", "insecure"})
+    reject_unknown_keys(tls_table, {"ca", "cert", "key", "insecure"}, "tls")
     tls = TlsConfig(
         ca=_optional_path(base_dir, tls_table, "tls.ca"),
         cert=_optional_path(base_dir, tls_table, "tls.cert"),
@@ -214,7 +202,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     if not tls.insecure:
         tls.files()  # names the missing key now rather than at bind time
 
-    _only(budget_table, "budget", {"epsilon", "delta", "analysts"})
+    reject_unknown_keys(budget_table, {"epsilon", "delta", "analysts"}, "budget")
     default = _privacy(budget_table, "budget", PrivacyParams(10.0, 1e-5))
     overrides: dict[str, PrivacyParams] = {}
     analysts_table = _table(budget_table, "analysts", "budget.analysts")
@@ -222,7 +210,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         key = f"budget.analysts.{analyst_id}"
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{key} must be a table with epsilon and delta")
-        _only(entry, key, {"epsilon", "delta"})
+        reject_unknown_keys(entry, {"epsilon", "delta"}, key)
         try:
             validate_node_id(analyst_id)
         except ConfigError as exc:
@@ -230,7 +218,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         overrides[analyst_id] = _privacy(entry, key, default)
     budget = BudgetConfig(default=default, analysts=overrides)
 
-    _only(crypto_table, "crypto", {"processes", "allow_insecure_test_keys"})
+    reject_unknown_keys(crypto_table, {"processes", "allow_insecure_test_keys"}, "crypto")
     processes = _int(crypto_table, "crypto.processes", 0)
     if processes < 0:
         raise ConfigError(f"crypto.processes must be >= 0 (0 = all cores), got {processes}")
@@ -242,16 +230,6 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
 
 
 # ------------------------------------------------------------------ helpers
-def _only(table: Mapping[str, Any], where: str, allowed: set[str]) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(
-            f"unknown key {prefix}{unknown[0]} (allowed in "
-            f"{'[' + where + ']' if where else 'the top level'}: {', '.join(sorted(allowed))})"
-        )
-
-
 def _table(document: Mapping[str, Any], name: str, key: str | None = None) -> Mapping[str, Any]:
     value = document.get(name, {})
     if not isinstance(value, Mapping):
@@ -290,19 +268,11 @@ def _float(table: Mapping[str, Any], key: str, default: float) -> float:
         raise ConfigError(f"{key} is too large: {value}") from None
 
 
-def _path(base_dir: Path, value: str, key: str) -> Path:
-    try:
-        path = Path(value).expanduser()
-    except RuntimeError as exc:  # "~user/..." naming an unknown user
-        raise ConfigError(f"{key}: cannot expand {value!r}: {exc}") from None
-    return path if path.is_absolute() else base_dir / path
-
-
 def _optional_path(base_dir: Path, table: Mapping[str, Any], key: str) -> Path | None:
     name = key.rsplit(".", 1)[-1]
     if name not in table:
         return None
-    return _path(base_dir, _str(table, key, ""), key)
+    return resolve_path(_str(table, key, ""), base_dir, key)
 
 
 def _privacy(table: Mapping[str, Any], key: str, default: PrivacyParams) -> PrivacyParams:

@@ -51,6 +51,13 @@ from fedpca.errors import (
     QueryStateError,
     UntrustedKeyError,
 )
+from fedpca.messages import (
+    Heartbeat,
+    ProxyInfo,
+    QueryStatus,
+    UploadReceipt,
+    UploadStatus,
+)
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role
@@ -200,7 +207,7 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
             {"claimed_node_id": hello.node_id, "software_version": hello.software_version},
         )
         return serde.proxy_info_to_proto(
-            serde.ProxyInfo(
+            ProxyInfo(
                 proxy_id=self.proxy_id,
                 software_version=__version__,
                 authenticated_node_id=owner.node_id,
@@ -221,7 +228,7 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
         coordinator = self.coordinator
         delivered: set[str] = set()
         # A heartbeat first tells the owner the stream is live.
-        yield serde.task_event_to_proto(serde.Heartbeat(sent_at=datetime.now(UTC)))
+        yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
         next_beat = time.monotonic() + self.heartbeat_seconds
         while context.is_active() and not coordinator.stopping:
             version = coordinator.version
@@ -237,7 +244,7 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
             delivered &= open_ids
             now = time.monotonic()
             if now >= next_beat:
-                yield serde.task_event_to_proto(serde.Heartbeat(sent_at=datetime.now(UTC)))
+                yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
                 next_beat = now + self.heartbeat_seconds
             coordinator.wait_for_change(version, max(0.0, next_beat - time.monotonic()))
         logger.info("task stream of owner %s closed", owner)
@@ -266,14 +273,10 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
             upload.abandon()
             raise
         return serde.upload_receipt_to_proto(
-            serde.UploadReceipt(
+            UploadReceipt(
                 query_id=header.query_id,
                 upload_id=header.upload_id,
-                status=(
-                    serde.UploadStatus.DUPLICATE
-                    if receipt.duplicate
-                    else serde.UploadStatus.ACCEPTED
-                ),
+                status=(UploadStatus.DUPLICATE if receipt.duplicate else UploadStatus.ACCEPTED),
                 chunks_received=assembler.chunks_received,
                 ciphertexts_received=assembler.ciphertexts_received,
             )
@@ -333,7 +336,7 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
         analyst = self._caller(context, Role.ANALYST).node_id
         query_id = serde.query_ref_from_proto(request)
         coordinator = self.coordinator
-        last: serde.QueryStatus | None = None
+        last: QueryStatus | None = None
         while context.is_active() and not coordinator.stopping:
             version = coordinator.version
             status = coordinator.status(query_id, analyst)

@@ -40,11 +40,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedpca.errors import FedpcaError, NotFoundError, ProtocolError, QueryStateError
+from fedpca.errors import (
+    FedpcaError,
+    LayoutError,
+    NotFoundError,
+    ProtocolError,
+    QueryStateError,
+)
+from fedpca.messages import QueryState
 
 logger = logging.getLogger(__name__)
 
@@ -136,21 +142,6 @@ CREATE TABLE IF NOT EXISTS releases (
 """
 
 
-class QueryState(StrEnum):
-    COLLECTING = "collecting"
-    """Published to owners; uploads are being folded into the aggregate."""
-    NOISING = "noising"
-    """Uploads closed; noise (and in masked mode the mask) is being added."""
-    DONE = "done"
-    """The noise-added result is stored and can be fetched by the analyst."""
-    FAILED = "failed"
-    """The query ended without a result; ``failure_reason`` says why."""
-
-    @property
-    def terminal(self) -> bool:
-        return self in (QueryState.DONE, QueryState.FAILED)
-
-
 @dataclass(frozen=True)
 class QueryRecord:
     query_id: str
@@ -177,8 +168,9 @@ class UploadRecord:
 
 
 @dataclass(frozen=True)
-class UploadReceipt:
-    """What the proxy answers to a completed upload."""
+class UploadCompletion:
+    """What completing an upload did to its query (the servicer turns it into the
+    owner's :class:`fedpca.messages.UploadReceipt`)."""
 
     duplicate: bool
     """True when this exact upload had already been accepted (a harmless retry)."""
@@ -536,7 +528,7 @@ class ProxyStore:
         *,
         public_count: int | None = None,
         before_accept: Callable[[int], None] | None = None,
-    ) -> UploadReceipt:
+    ) -> UploadCompletion:
         """Record a fully received, hash-verified upload as accepted, exactly once.
 
         Its chunks, folded as they arrived (:meth:`fold_chunk`), become permanent:
@@ -564,7 +556,7 @@ class ProxyStore:
                     previous["upload_id"] == upload_id
                     and previous["content_sha256"] == content_sha256
                 ):
-                    return UploadReceipt(duplicate=True, n_contributed=int(row["n_contributed"]))
+                    return UploadCompletion(duplicate=True, n_contributed=int(row["n_contributed"]))
                 raise ProtocolError(
                     f"owner {owner_id!r} already contributed a different upload to query "
                     f"{query_id!r}"
@@ -627,7 +619,7 @@ class ProxyStore:
         logger.info(
             "query %s: accepted upload from %s (%d owners)", query_id, owner_id, n_contributed
         )
-        return UploadReceipt(duplicate=False, n_contributed=n_contributed)
+        return UploadCompletion(duplicate=False, n_contributed=n_contributed)
 
     def discard_stream(
         self, query_id: str, owner_id: str, stream: int, algebra: CiphertextAlgebra
@@ -919,6 +911,14 @@ class ProxyStore:
             "INSERT INTO releases(query_id, analyst_id, event, recorded_at) VALUES (?, ?, ?, ?)",
             (query_id, analyst_id, json.dumps(dict(event), sort_keys=True), self._clock()),
         )
+
+
+def stored_block(blocks: Mapping[str, bytes], name: str) -> bytes:
+    """Block ``name`` of stored ciphertext data (an aggregate split by block, a result)."""
+    data = blocks.get(name)
+    if data is None:
+        raise LayoutError(f"stored data has no block {name!r}")
+    return data
 
 
 def _query_record(row: sqlite3.Row) -> QueryRecord:

@@ -1,0 +1,113 @@
+"""What the roles say to one another, as plain domain objects.
+
+Every message of the protocol has one home here: the owner's session (hello,
+tasks, declines), uploads and their receipts, query status, results and budgets,
+the ciphertext payloads they carry and the chunking of those payloads.
+:mod:`fedpca.transport.serde` only translates these objects to and from the
+generated ``fedpca.v1`` messages, so domain code (the proxy's coordinator, the
+analyst's decoder) depends on this package and never on the wire layer.
+
+- :mod:`~fedpca.messages.ciphertexts`: blocks, payloads, fixed-width ciphertext bytes;
+- :mod:`~fedpca.messages.chunks`: cutting a payload into chunks and checking them;
+- :mod:`~fedpca.messages.tasks`: hello, proxy info, task stream events, declines;
+- :mod:`~fedpca.messages.uploads`: upload ids, headers, receipts;
+- :mod:`~fedpca.messages.queries`: query state and status, results, budgets.
+"""
+
+from __future__ import annotations
+
+from fedpca.messages.chunks import (
+    CHUNK_FRAMING_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    SHA256_BYTES,
+    UPLOAD_CHUNK_BYTES,
+    ChunkAssembler,
+    ChunkLike,
+    DecodedChunk,
+    EncodedChunk,
+    check_sha256,
+    ciphertexts_per_chunk,
+    collect_payload,
+    split_into_chunks,
+)
+from fedpca.messages.ciphertexts import (
+    CiphertextBlock,
+    CiphertextPayload,
+    blocks_of,
+    check_layout,
+    ciphertext_width,
+    ciphertexts_from_bytes,
+    ciphertexts_to_bytes,
+)
+from fedpca.messages.queries import (
+    BudgetStatus,
+    NoiseDescription,
+    NoiseMechanism,
+    NoiseSection,
+    QueryResult,
+    QueryState,
+    QueryStatus,
+)
+from fedpca.messages.tasks import (
+    PROTOCOL_VERSION,
+    DeclineReason,
+    Heartbeat,
+    ObfuscationVariant,
+    OwnerHello,
+    ProxyInfo,
+    Task,
+    TaskCancellation,
+    TaskDecline,
+    TaskEvent,
+)
+from fedpca.messages.uploads import (
+    UPLOAD_ID_PATTERN,
+    UploadHeader,
+    UploadReceipt,
+    UploadStatus,
+    new_upload_id,
+)
+
+__all__ = [
+    "CHUNK_FRAMING_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "SHA256_BYTES",
+    "UPLOAD_CHUNK_BYTES",
+    "UPLOAD_ID_PATTERN",
+    "BudgetStatus",
+    "ChunkAssembler",
+    "ChunkLike",
+    "CiphertextBlock",
+    "CiphertextPayload",
+    "DeclineReason",
+    "DecodedChunk",
+    "EncodedChunk",
+    "Heartbeat",
+    "NoiseDescription",
+    "NoiseMechanism",
+    "NoiseSection",
+    "ObfuscationVariant",
+    "OwnerHello",
+    "ProxyInfo",
+    "QueryResult",
+    "QueryState",
+    "QueryStatus",
+    "Task",
+    "TaskCancellation",
+    "TaskDecline",
+    "TaskEvent",
+    "UploadHeader",
+    "UploadReceipt",
+    "UploadStatus",
+    "blocks_of",
+    "check_layout",
+    "check_sha256",
+    "ciphertext_width",
+    "ciphertexts_from_bytes",
+    "ciphertexts_per_chunk",
+    "ciphertexts_to_bytes",
+    "collect_payload",
+    "new_upload_id",
+    "split_into_chunks",
+]

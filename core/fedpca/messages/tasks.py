@@ -1,0 +1,104 @@
+"""The owner's session with the proxy: hello, tasks on the task stream, declines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from fedpca.query import QuerySpec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DeclineReason",
+    "Heartbeat",
+    "ObfuscationVariant",
+    "OwnerHello",
+    "ProxyInfo",
+    "Task",
+    "TaskCancellation",
+    "TaskDecline",
+    "TaskEvent",
+]
+
+PROTOCOL_VERSION = 1
+"""Wire protocol version spoken by this code (the ``v1`` in ``fedpca.v1``)."""
+
+
+class ObfuscationVariant(StrEnum):
+    """How an owner randomises Paillier encryptions."""
+
+    FULL = "full"
+    """Uniform r, obfuscator r^n mod n^2 (textbook Paillier)."""
+    DJN = "djn"
+    """Damgård-Jurik-Nielsen h_s^a with a short exponent a (extra assumption)."""
+
+
+@dataclass(frozen=True)
+class OwnerHello:
+    """What an owner announces (informational; identity comes from its certificate)."""
+
+    node_id: str
+    software_version: str
+    obfuscation_variants: tuple[ObfuscationVariant, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProxyInfo:
+    """The proxy's answer to an owner's hello."""
+
+    proxy_id: str
+    software_version: str
+    authenticated_node_id: str
+    heartbeat_interval_seconds: float
+    max_message_bytes: int
+    server_time: datetime
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Application-level keep-alive on the task stream."""
+
+    sent_at: datetime
+
+
+@dataclass(frozen=True)
+class Task:
+    """A request to an owner to contribute to one query."""
+
+    query: QuerySpec
+    upload_deadline: datetime
+    accepted_obfuscation_variants: tuple[ObfuscationVariant, ...] = (
+        ObfuscationVariant.FULL,
+        ObfuscationVariant.DJN,
+    )
+
+
+@dataclass(frozen=True)
+class TaskCancellation:
+    """Withdraws a previously delivered task."""
+
+    query_id: str
+    reason: str
+
+
+TaskEvent = Heartbeat | Task | TaskCancellation
+"""One event on an owner's task stream."""
+
+
+class DeclineReason(StrEnum):
+    """Why an owner refuses a task."""
+
+    POLICY_REFUSAL = "policy_refusal"
+    KEY_NOT_PINNED = "key_not_pinned"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+
+
+@dataclass(frozen=True)
+class TaskDecline:
+    """An owner's refusal of one task. ``detail`` must not contain data-dependent values."""
+
+    query_id: str
+    reason: DeclineReason
+    detail: str = ""

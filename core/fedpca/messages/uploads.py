@@ -1,0 +1,81 @@
+"""An owner's upload: its id, its validated header and the proxy's receipt."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from enum import StrEnum
+
+from fedpca.messages.chunks import ChunkAssembler
+from fedpca.messages.ciphertexts import CiphertextBlock
+
+__all__ = [
+    "UPLOAD_ID_PATTERN",
+    "UploadHeader",
+    "UploadReceipt",
+    "UploadStatus",
+    "new_upload_id",
+]
+
+UPLOAD_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""What an upload id must fully match. Upload ids end up in the proxy's durable
+store (keys, log lines); a conservative alphabet means no store has to escape them."""
+
+
+def new_upload_id() -> str:
+    """A fresh random upload id (reuse it when retrying the same upload)."""
+    return secrets.token_hex(16)
+
+
+@dataclass(frozen=True)
+class UploadHeader:
+    """Validated first message of an upload.
+
+    Attributes
+    ----------
+    query_id : the query answered.
+    analyst_key_fingerprint : key the ciphertexts are encrypted under.
+    upload_id : owner-chosen nonce; retries of the same upload reuse it.
+    blocks : the layout.
+    total_chunks : chunks that follow.
+    content_sha256 : SHA-256 over all ciphertext bytes in order.
+    public_record_count : masked mode only: the owner's record count, in the
+        clear; None (absent on the wire) in stats mode.
+    """
+
+    query_id: str
+    analyst_key_fingerprint: str
+    upload_id: str
+    blocks: tuple[CiphertextBlock, ...]
+    total_chunks: int
+    content_sha256: bytes
+    public_record_count: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Prefix for error and log messages about this upload."""
+        return f"upload {self.upload_id!r} for query {self.query_id!r}"
+
+    def assembler(self) -> ChunkAssembler:
+        """A :class:`ChunkAssembler` checking the chunks this header announces."""
+        return ChunkAssembler(self.blocks, self.total_chunks, self.content_sha256, self.label)
+
+
+class UploadStatus(StrEnum):
+    """Outcome of an upload at the proxy."""
+
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    """Same upload id accepted before; nothing was counted twice."""
+
+
+@dataclass(frozen=True)
+class UploadReceipt:
+    """The proxy's answer to an upload."""
+
+    query_id: str
+    upload_id: str
+    status: UploadStatus
+    chunks_received: int
+    ciphertexts_received: int

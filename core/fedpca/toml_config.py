@@ -1,0 +1,99 @@
+"""What every role's TOML configuration file has in common.
+
+Each role (owner, proxy, analyst) declares its own sections and keys and checks
+their values; this module holds the part they share:
+
+* the file is read as UTF-8 TOML, and every error is a
+  :class:`~fedpca.errors.ConfigError` that names the file;
+* unknown keys are refused: a misspelt ``max_epsilon_per_querry`` or ``epsilion``
+  that silently fell back to a default would weaken a policy or a budget without
+  anyone noticing;
+* relative paths are resolved against the folder holding the file, so a
+  configuration can be moved together with its certificates and data.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fedpca.errors import ConfigError
+
+__all__ = ["load_toml_config", "read_toml", "reject_unknown_keys", "resolve_path"]
+
+_Config = TypeVar("_Config")
+
+
+def read_toml(path: str | os.PathLike[str], role: str) -> dict[str, Any]:
+    """The parsed TOML document of a ``role`` configuration file.
+
+    Raises
+    ------
+    ConfigError
+        If the file cannot be read, is not UTF-8 text or is not valid TOML.
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {role} config {file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{file}: not a UTF-8 text file ({exc.reason})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: invalid TOML: {exc}") from exc
+
+
+def load_toml_config(
+    path: str | os.PathLike[str],
+    role: str,
+    build: Callable[[Mapping[str, Any], Path], _Config],
+) -> _Config:
+    """Read a ``role`` configuration file and build it with ``build(document, base_dir)``.
+
+    ``base_dir`` is the folder holding the file, for :func:`resolve_path`. A
+    ConfigError raised by ``build`` is prefixed with the file name.
+    """
+    file = Path(path)
+    document = read_toml(file, role)
+    try:
+        return build(document, file.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{file}: {exc}") from exc
+
+
+def reject_unknown_keys(
+    table: Mapping[str, Any], known: Collection[str], section: str = ""
+) -> None:
+    """Refuse keys of ``table`` outside ``known``; ``section`` is the table's dotted name.
+
+    Raises
+    ------
+    ConfigError
+        Naming every unknown key with its section (``policy.max_epsilon_per_querry``)
+        and listing the known ones.
+    """
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        where = f"section [{section}]" if section else "the top level"
+        names = ", ".join(f"{section}.{key}" if section else key for key in unknown)
+        raise ConfigError(f"unknown keys in {where}: {names} (known: {', '.join(sorted(known))})")
+
+
+def resolve_path(value: str, base_dir: Path, key: str) -> Path:
+    """A path from the file: ``~`` expanded, relative ones resolved against ``base_dir``.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``key`` if ``~user`` names an unknown user.
+    """
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError as exc:  # "~user/..." naming an unknown user
+        raise ConfigError(f"{key}: cannot expand {value!r}: {exc}") from None
+    return path if path.is_absolute() else base_dir / path

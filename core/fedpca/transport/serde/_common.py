@@ -1,0 +1,157 @@
+"""What every translation in :mod:`fedpca.transport.serde` shares.
+
+The domain <-> wire tables of every enum, and helpers for scalar fields and
+timestamps that turn protobuf's errors into fedpca's: a value we cannot encode is
+a ConfigError, a value a peer sent that we cannot decode is a ProtocolError.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from google.protobuf import timestamp_pb2
+
+from fedpca.errors import ConfigError, ProtocolError
+from fedpca.messages import (
+    DeclineReason,
+    NoiseMechanism,
+    ObfuscationVariant,
+    QueryState,
+    UploadStatus,
+)
+from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
+from fedpca.v1 import owner_service_pb2 as owner_pb
+from fedpca.v1 import query_pb2 as query_pb
+
+logger = logging.getLogger(__name__)
+
+
+_E = TypeVar("_E")
+_W = TypeVar("_W", bound=int)
+
+KIND_TO_PROTO: dict[QueryKind, query_pb.QueryKind] = {
+    QueryKind.PCA: query_pb.QUERY_KIND_PCA,
+    QueryKind.DCA: query_pb.QUERY_KIND_DCA,
+}
+MODE_TO_PROTO: dict[ProtocolMode, query_pb.ProtocolMode] = {
+    ProtocolMode.STATS: query_pb.PROTOCOL_MODE_STATS,
+    ProtocolMode.MASKED: query_pb.PROTOCOL_MODE_MASKED,
+}
+CALIBRATION_TO_PROTO: dict[Calibration, query_pb.Calibration] = {
+    Calibration.ZCDP: query_pb.CALIBRATION_ZCDP,
+    Calibration.ANALYTIC: query_pb.CALIBRATION_ANALYTIC,
+    Calibration.CLASSIC: query_pb.CALIBRATION_CLASSIC,
+}
+NEIGHBOURING_TO_PROTO: dict[Neighbouring, query_pb.Neighbouring] = {
+    Neighbouring.ADD_REMOVE: query_pb.NEIGHBOURING_ADD_REMOVE,
+    Neighbouring.REPLACE_ONE: query_pb.NEIGHBOURING_REPLACE_ONE,
+}
+OBFUSCATION_TO_PROTO: dict[ObfuscationVariant, owner_pb.ObfuscationVariant] = {
+    ObfuscationVariant.FULL: owner_pb.OBFUSCATION_VARIANT_FULL,
+    ObfuscationVariant.DJN: owner_pb.OBFUSCATION_VARIANT_DJN_SHORT_EXPONENT,
+}
+DECLINE_TO_PROTO: dict[DeclineReason, owner_pb.DeclineReason] = {
+    DeclineReason.POLICY_REFUSAL: owner_pb.DECLINE_REASON_POLICY_REFUSAL,
+    DeclineReason.KEY_NOT_PINNED: owner_pb.DECLINE_REASON_KEY_NOT_PINNED,
+    DeclineReason.BUDGET_EXHAUSTED: owner_pb.DECLINE_REASON_BUDGET_EXHAUSTED,
+}
+UPLOAD_STATUS_TO_PROTO: dict[UploadStatus, owner_pb.UploadReceipt.Status] = {
+    UploadStatus.ACCEPTED: owner_pb.UploadReceipt.STATUS_ACCEPTED,
+    UploadStatus.DUPLICATE: owner_pb.UploadReceipt.STATUS_DUPLICATE,
+}
+# The wire also numbers PENDING (1) and AGGREGATING (3); no proxy ever reports them,
+# so they decode like any value unknown to this version.
+STATE_TO_PROTO: dict[QueryState, analyst_pb.QueryState] = {
+    QueryState.COLLECTING: analyst_pb.QUERY_STATE_COLLECTING,
+    QueryState.NOISING: analyst_pb.QUERY_STATE_NOISING,
+    QueryState.DONE: analyst_pb.QUERY_STATE_DONE,
+    QueryState.FAILED: analyst_pb.QUERY_STATE_FAILED,
+}
+MECHANISM_TO_PROTO: dict[NoiseMechanism, analyst_pb.NoiseMechanism] = {
+    NoiseMechanism.GAUSSIAN: analyst_pb.NOISE_MECHANISM_GAUSSIAN,
+    NoiseMechanism.NONE: analyst_pb.NOISE_MECHANISM_NONE,
+}
+
+
+def _invert(mapping: Mapping[_E, _W]) -> dict[_W, _E]:
+    return {wire: domain for domain, wire in mapping.items()}
+
+
+KIND_FROM_PROTO = _invert(KIND_TO_PROTO)
+MODE_FROM_PROTO = _invert(MODE_TO_PROTO)
+CALIBRATION_FROM_PROTO = _invert(CALIBRATION_TO_PROTO)
+NEIGHBOURING_FROM_PROTO = _invert(NEIGHBOURING_TO_PROTO)
+OBFUSCATION_FROM_PROTO = _invert(OBFUSCATION_TO_PROTO)
+DECLINE_FROM_PROTO = _invert(DECLINE_TO_PROTO)
+UPLOAD_STATUS_FROM_PROTO = _invert(UPLOAD_STATUS_TO_PROTO)
+STATE_FROM_PROTO = _invert(STATE_TO_PROTO)
+MECHANISM_FROM_PROTO = _invert(MECHANISM_TO_PROTO)
+
+
+def enum_from_proto(value: _W, mapping: Mapping[_W, _E], what: str) -> _E:
+    """Decode a single-valued enum strictly: UNSPECIFIED or unknown is an error."""
+    try:
+        return mapping[value]
+    except KeyError:
+        raise ProtocolError(
+            f"{what}: enum value {value} is unspecified or unknown to this version"
+        ) from None
+
+
+def capabilities_from_proto(
+    values: Iterable[owner_pb.ObfuscationVariant], what: str
+) -> tuple[ObfuscationVariant, ...]:
+    """Decode a capability list leniently: a newer peer may offer variants we lack."""
+    known = []
+    for value in values:
+        variant = OBFUSCATION_FROM_PROTO.get(value)
+        if variant is None:
+            logger.debug("%s: ignoring unknown obfuscation variant %d", what, value)
+        else:
+            known.append(variant)
+    return tuple(known)
+
+
+def set_scalars(message: Any, what: str, **values: Any) -> None:
+    """Assign scalar fields, turning protobuf's range/type errors into ConfigError."""
+    for name, value in values.items():
+        try:
+            setattr(message, name, value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{what}.{name}={value!r} cannot be encoded: {exc}") from exc
+
+
+def extend_repeated(message: Any, what: str, name: str, values: Iterable[Any]) -> None:
+    try:
+        getattr(message, name).extend(values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what}.{name} cannot be encoded: {exc}") from exc
+
+
+def timestamp_to_proto(moment: datetime, what: str) -> timestamp_pb2.Timestamp:
+    # A naive datetime would be read as UTC by protobuf and silently shift by
+    # the local offset; deadlines must not depend on the sender's time zone.
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        raise ConfigError(f"{what} must be a timezone-aware datetime, got naive {moment!r}")
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromDatetime(moment)
+    return stamp
+
+
+def timestamp_from_proto(stamp: timestamp_pb2.Timestamp, what: str) -> datetime:
+    # A peer may send any int64 seconds / int32 nanos; protobuf's ToDatetime raises a
+    # bare ValueError outside 0001-01-01..9999-12-31 or for nanos outside [0, 1e9).
+    try:
+        return stamp.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{what} is not a valid timestamp: {exc}") from None
+
+
+def require_text(value: str, what: str) -> str:
+    if not value:
+        raise ProtocolError(f"{what} is empty")
+    return value

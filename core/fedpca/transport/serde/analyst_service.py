@@ -1,0 +1,225 @@
+"""analyst_service.proto: submission, query status, results and budgets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from fedpca.errors import LayoutError, ProtocolError
+from fedpca.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BudgetStatus,
+    ChunkAssembler,
+    NoiseDescription,
+    NoiseSection,
+    QueryResult,
+    QueryStatus,
+    collect_payload,
+)
+from fedpca.query import QuerySpec
+from fedpca.transport.serde._common import (
+    CALIBRATION_FROM_PROTO,
+    CALIBRATION_TO_PROTO,
+    MECHANISM_FROM_PROTO,
+    MECHANISM_TO_PROTO,
+    STATE_FROM_PROTO,
+    STATE_TO_PROTO,
+    enum_from_proto,
+    require_text,
+    set_scalars,
+    timestamp_from_proto,
+    timestamp_to_proto,
+)
+from fedpca.transport.serde.ciphertext import blocks_to_proto, blocks_with_label, encode_chunks
+from fedpca.transport.serde.query import query_spec_from_proto, query_spec_to_proto
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
+from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
+
+
+def submit_query_request_to_proto(spec: QuerySpec) -> analyst_pb.SubmitQueryRequest:
+    return analyst_pb.SubmitQueryRequest(query=query_spec_to_proto(spec))
+
+
+def submit_query_request_from_proto(message: analyst_pb.SubmitQueryRequest) -> QuerySpec:
+    if not message.HasField("query"):
+        raise ProtocolError("SubmitQueryRequest.query is missing")
+    return query_spec_from_proto(message.query)
+
+
+def query_ref_to_proto(query_id: str) -> analyst_pb.QueryRef:
+    return analyst_pb.QueryRef(query_id=query_id)
+
+
+def query_ref_from_proto(message: analyst_pb.QueryRef) -> str:
+    """Return the referenced query id (ProtocolError if empty)."""
+    return require_text(message.query_id, "QueryRef.query_id")
+
+
+def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
+    message = analyst_pb.QueryStatus()
+    set_scalars(
+        message,
+        f"QueryStatus {status.query_id!r}",
+        query_id=status.query_id,
+        state=STATE_TO_PROTO[status.state],
+        owners_contributed=status.owners_contributed,
+        quorum=status.quorum,
+        owners_declined=status.owners_declined,
+        owners_uploading=status.owners_uploading,
+    )
+    if status.deadline is not None:
+        message.deadline.CopyFrom(timestamp_to_proto(status.deadline, "QueryStatus.deadline"))
+    if status.failure_reason is not None:
+        message.failure_reason = status.failure_reason
+    return message
+
+
+def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
+    what = f"QueryStatus {message.query_id!r}"
+    return QueryStatus(
+        query_id=require_text(message.query_id, "QueryStatus.query_id"),
+        state=enum_from_proto(message.state, STATE_FROM_PROTO, f"{what}.state"),
+        owners_contributed=message.owners_contributed,
+        quorum=message.quorum,
+        owners_declined=message.owners_declined,
+        deadline=(
+            timestamp_from_proto(message.deadline, f"{what}.deadline")
+            if message.HasField("deadline")
+            else None
+        ),
+        failure_reason=message.failure_reason if message.HasField("failure_reason") else None,
+        owners_uploading=message.owners_uploading,
+    )
+
+
+def noise_description_to_proto(noise: NoiseDescription) -> analyst_pb.NoiseDescription:
+    return analyst_pb.NoiseDescription(
+        mechanism=MECHANISM_TO_PROTO[noise.mechanism],
+        calibration=CALIBRATION_TO_PROTO[noise.calibration],
+        epsilon=noise.epsilon,
+        delta=noise.delta,
+        sections=[analyst_pb.NoiseSection(name=s.name, sigma=s.sigma) for s in noise.sections],
+    )
+
+
+def noise_description_from_proto(message: analyst_pb.NoiseDescription) -> NoiseDescription:
+    return NoiseDescription(
+        mechanism=enum_from_proto(
+            message.mechanism, MECHANISM_FROM_PROTO, "NoiseDescription.mechanism"
+        ),
+        calibration=enum_from_proto(
+            message.calibration, CALIBRATION_FROM_PROTO, "NoiseDescription.calibration"
+        ),
+        epsilon=message.epsilon,
+        delta=message.delta,
+        sections=tuple(NoiseSection(name=s.name, sigma=s.sigma) for s in message.sections),
+    )
+
+
+def encode_result(
+    result: QueryResult, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> list[analyst_pb.ResultMessage]:
+    """Build the full FetchResult server stream: header first, then chunks."""
+    chunks, content_sha256 = encode_chunks(result.payload, max_message_bytes)
+    header = analyst_pb.ResultHeader(
+        query=query_spec_to_proto(result.query),
+        n_owners=result.n_owners,
+        blocks=blocks_to_proto(result.payload.blocks),
+        noise=noise_description_to_proto(result.noise),
+        total_chunks=len(chunks),
+        content_sha256=content_sha256,
+    )
+    if result.masked_mean_block is not None:
+        header.masked_mean_block = result.masked_mean_block
+    if result.public_record_count is not None:
+        set_scalars(header, "ResultHeader", public_record_count=result.public_record_count)
+    return [analyst_pb.ResultMessage(header=header)] + [
+        analyst_pb.ResultMessage(chunk=chunk) for chunk in chunks
+    ]
+
+
+def decode_result(messages: Iterable[analyst_pb.ResultMessage]) -> QueryResult:
+    """Read and fully validate a FetchResult stream.
+
+    Raises
+    ------
+    ProtocolError
+        On any framing, layout, hash or count problem, or an invalid header.
+    """
+    iterator = iter(messages)
+    first = next(iterator, None)
+    if first is None or first.WhichOneof("payload") != "header":
+        raise ProtocolError("a result stream must start with a ResultHeader")
+    header = first.header
+    for name in ("query", "noise"):
+        if not header.HasField(name):
+            raise ProtocolError(f"ResultHeader.{name} is missing")
+    query = query_spec_from_proto(header.query)
+    label = f"result of query {query.query_id!r}"
+    blocks = blocks_with_label(header.blocks, label)
+    assembler = ChunkAssembler(blocks, header.total_chunks, header.content_sha256, label)
+
+    def chunks() -> Iterator[ciphertext_pb.CiphertextChunk]:
+        for message in iterator:
+            kind = message.WhichOneof("payload")
+            if kind != "chunk":
+                raise ProtocolError(f"{label}: expected a ciphertext chunk, got {kind}")
+            yield message.chunk
+
+    payload = collect_payload(blocks, assembler, chunks())
+    try:
+        return QueryResult(
+            query=query,
+            n_owners=header.n_owners,
+            noise=noise_description_from_proto(header.noise),
+            payload=payload,
+            masked_mean_block=(
+                header.masked_mean_block if header.HasField("masked_mean_block") else None
+            ),
+            public_record_count=(
+                header.public_record_count if header.HasField("public_record_count") else None
+            ),
+        )
+    except LayoutError as exc:
+        raise ProtocolError(f"{label}: {exc}") from exc
+
+
+def budget_request_to_proto(delta: float | None = None) -> analyst_pb.BudgetRequest:
+    message = analyst_pb.BudgetRequest()
+    if delta is not None:
+        message.delta = delta
+    return message
+
+
+def budget_request_from_proto(message: analyst_pb.BudgetRequest) -> float | None:
+    """Return the requested delta, or None for the proxy's configured delta."""
+    if not message.HasField("delta"):
+        return None
+    if not 0 < message.delta < 1:
+        raise ProtocolError(f"BudgetRequest.delta must be in (0, 1), got {message.delta}")
+    return message.delta
+
+
+def budget_status_to_proto(status: BudgetStatus) -> analyst_pb.BudgetStatus:
+    message = analyst_pb.BudgetStatus()
+    set_scalars(
+        message,
+        "BudgetStatus",
+        analyst_id=status.analyst_id,
+        delta=status.delta,
+        epsilon_spent=status.epsilon_spent,
+        epsilon_remaining=status.epsilon_remaining,
+        epsilon_limit=status.epsilon_limit,
+        n_releases=status.n_releases,
+    )
+    return message
+
+
+def budget_status_from_proto(message: analyst_pb.BudgetStatus) -> BudgetStatus:
+    return BudgetStatus(
+        analyst_id=message.analyst_id,
+        delta=message.delta,
+        epsilon_spent=message.epsilon_spent,
+        epsilon_remaining=message.epsilon_remaining,
+        epsilon_limit=message.epsilon_limit,
+        n_releases=message.n_releases,
+    )

@@ -1,0 +1,101 @@
+"""ciphertext.proto: block layouts and chunks of a ciphertext stream.
+
+What the blocks and chunks mean, and how a stream is checked, is in
+:mod:`fedpca.messages.chunks`; here they only become messages and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from fedpca.errors import LayoutError, ProtocolError
+from fedpca.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    CiphertextBlock,
+    CiphertextPayload,
+    check_layout,
+    split_into_chunks,
+)
+from fedpca.transport.serde._common import (
+    set_scalars,
+)
+from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
+
+
+def blocks_to_proto(blocks: Sequence[CiphertextBlock]) -> list[ciphertext_pb.CiphertextBlock]:
+    """Encode a layout (the single domain → wire mapping of a block)."""
+    check_layout(blocks)
+    messages = []
+    for block in blocks:
+        message = ciphertext_pb.CiphertextBlock()
+        set_scalars(
+            message,
+            f"block {block.name!r}",
+            name=block.name,
+            key_bits=block.key_bits,
+            slot_bits=block.slot_bits,
+            slots_per_ciphertext=block.slots_per_ciphertext,
+            value_count=block.value_count,
+            n_ciphertexts=block.n_ciphertexts,
+        )
+        messages.append(message)
+    return messages
+
+
+def blocks_from_proto(
+    messages: Iterable[ciphertext_pb.CiphertextBlock],
+) -> tuple[CiphertextBlock, ...]:
+    """Decode and check a layout (the single wire → domain mapping of a block).
+
+    Raises
+    ------
+    ProtocolError
+        If any block or the layout as a whole is invalid.
+    """
+    try:
+        blocks = tuple(
+            CiphertextBlock(
+                name=message.name,
+                key_bits=message.key_bits,
+                slot_bits=message.slot_bits,
+                slots_per_ciphertext=message.slots_per_ciphertext,
+                value_count=message.value_count,
+                n_ciphertexts=message.n_ciphertexts,
+            )
+            for message in messages
+        )
+        check_layout(blocks)
+    except LayoutError as exc:
+        raise ProtocolError(f"invalid ciphertext layout: {exc}") from exc
+    return blocks
+
+
+def blocks_with_label(
+    messages: Iterable[ciphertext_pb.CiphertextBlock], label: str
+) -> tuple[CiphertextBlock, ...]:
+    try:
+        return blocks_from_proto(messages)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{label}: {exc}") from exc
+
+
+def encode_chunks(
+    payload: CiphertextPayload, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> tuple[list[ciphertext_pb.CiphertextChunk], bytes]:
+    """Chunk messages of a payload (:func:`fedpca.messages.split_into_chunks`).
+
+    Returns
+    -------
+    chunks : list of CiphertextChunk
+        In order, indices 0, 1, ...; each with its own SHA-256.
+    content_sha256 : bytes
+        SHA-256 over all ciphertext bytes in order (for the stream header).
+    """
+    chunks, content_sha256 = split_into_chunks(payload, max_message_bytes)
+    messages = [
+        ciphertext_pb.CiphertextChunk(
+            index=chunk.index, ciphertexts=chunk.ciphertexts, sha256=chunk.sha256
+        )
+        for chunk in chunks
+    ]
+    return messages, content_sha256

@@ -1,0 +1,138 @@
+"""``fedpca.v1.QuerySpec`` (query.proto) <-> :class:`fedpca.query.QuerySpec`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedpca.errors import ConfigError, ProtocolError
+from fedpca.query import QuerySpec
+from fedpca.transport.serde._common import (
+    CALIBRATION_FROM_PROTO,
+    CALIBRATION_TO_PROTO,
+    NEIGHBOURING_FROM_PROTO,
+    NEIGHBOURING_TO_PROTO,
+    KIND_FROM_PROTO,
+    KIND_TO_PROTO,
+    MODE_FROM_PROTO,
+    MODE_TO_PROTO,
+    enum_from_proto,
+    extend_repeated,
+    set_scalars,
+)
+from fedpca.v1 import query_pb2 as query_pb
+
+
+def _key_modulus_to_bytes(n: int) -> bytes:
+    if n <= 0:
+        raise ConfigError(f"analyst_public_key_n must be positive, got {n}")
+    return n.to_bytes((n.bit_length() + 7) // 8, "big")
+
+
+def _key_modulus_from_bytes(data: bytes, what: str) -> int:
+    if not data:
+        raise ProtocolError(f"{what}.analyst_public_key_n is empty")
+    # One canonical encoding per key: fingerprints and equality checks on the
+    # raw bytes must not depend on how a peer padded the modulus.
+    if data[0] == 0:
+        raise ProtocolError(
+            f"{what}.analyst_public_key_n has a leading zero byte (not minimal big-endian)"
+        )
+    return int.from_bytes(data, "big")
+
+
+#: Names of the QuerySpec fields on the wire; equal to the dataclass field names.
+QUERY_SPEC_WIRE_FIELDS: frozenset[str] = frozenset(query_pb.QuerySpec.DESCRIPTOR.fields_by_name)
+
+
+def query_spec_to_proto(spec: QuerySpec) -> query_pb.QuerySpec:
+    """Encode a :class:`~fedpca.query.QuerySpec`; every field is written explicitly.
+
+    Raises
+    ------
+    ConfigError
+        If a value does not fit its wire type (e.g. a negative label column).
+    """
+    what = f"QuerySpec {spec.query_id!r}"
+    message = query_pb.QuerySpec()
+    set_scalars(
+        message,
+        what,
+        query_id=spec.query_id,
+        kind=KIND_TO_PROTO[spec.kind],
+        n_features=spec.n_features,
+        clip_norm=spec.clip_norm,
+        epsilon=spec.epsilon,
+        delta=spec.delta,
+        calibration=CALIBRATION_TO_PROTO[spec.calibration],
+        neighbouring=NEIGHBOURING_TO_PROTO[spec.neighbouring],
+        mode=MODE_TO_PROTO[spec.mode],
+        n_components=spec.n_components,
+        quorum=spec.quorum,
+        deadline_seconds=spec.deadline_seconds,
+        max_records_per_owner=spec.max_records_per_owner,
+        max_owners=spec.max_owners,
+        frac_bits=spec.frac_bits,
+        analyst_public_key_n=_key_modulus_to_bytes(spec.analyst_public_key_n),
+        analyst_key_fingerprint=spec.analyst_key_fingerprint,
+    )
+    if spec.label_column is not None:
+        set_scalars(message, what, label_column=spec.label_column)
+    extend_repeated(message, what, "feature_lower", spec.feature_lower)
+    extend_repeated(message, what, "feature_upper", spec.feature_upper)
+    extend_repeated(message, what, "class_labels", spec.class_labels)
+    extend_repeated(message, what, "noise_weights", spec.noise_weights)
+    return message
+
+
+def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
+    """Decode and validate a QuerySpec sent by a peer.
+
+    Absent ``optional`` fields, UNSPECIFIED calibration and UNSPECIFIED mode take
+    the :class:`~fedpca.query.QuerySpec` defaults; the kind has no default.
+
+    Raises
+    ------
+    ProtocolError
+        If the message is malformed or the spec it describes is invalid (the
+        message of the underlying ConfigError is kept).
+    """
+    what = f"QuerySpec {message.query_id!r}"
+    kwargs: dict[str, Any] = {
+        "query_id": message.query_id,
+        "kind": enum_from_proto(message.kind, KIND_FROM_PROTO, f"{what}.kind"),
+        "n_features": message.n_features,
+        "feature_lower": tuple(message.feature_lower),
+        "feature_upper": tuple(message.feature_upper),
+        "epsilon": message.epsilon,
+        "delta": message.delta,
+        "n_components": message.n_components,
+        "class_labels": tuple(message.class_labels),
+        "noise_weights": tuple(message.noise_weights),
+        "analyst_public_key_n": _key_modulus_from_bytes(message.analyst_public_key_n, what),
+        "analyst_key_fingerprint": message.analyst_key_fingerprint,
+    }
+    if message.calibration != query_pb.CALIBRATION_UNSPECIFIED:
+        kwargs["calibration"] = enum_from_proto(
+            message.calibration, CALIBRATION_FROM_PROTO, f"{what}.calibration"
+        )
+    if message.neighbouring != query_pb.NEIGHBOURING_UNSPECIFIED:
+        kwargs["neighbouring"] = enum_from_proto(
+            message.neighbouring, NEIGHBOURING_FROM_PROTO, f"{what}.neighbouring"
+        )
+    if message.mode != query_pb.PROTOCOL_MODE_UNSPECIFIED:
+        kwargs["mode"] = enum_from_proto(message.mode, MODE_FROM_PROTO, f"{what}.mode")
+    for name in (
+        "clip_norm",
+        "label_column",
+        "quorum",
+        "deadline_seconds",
+        "max_records_per_owner",
+        "max_owners",
+        "frac_bits",
+    ):
+        if message.HasField(name):
+            kwargs[name] = getattr(message, name)
+    try:
+        return QuerySpec(**kwargs)
+    except ConfigError as exc:
+        raise ProtocolError(f"invalid {what}: {exc}") from exc
