@@ -10,11 +10,22 @@ from typing import Any, Protocol
 import numpy as np
 from hypothesis import HealthCheck, settings
 
-from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint
+from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.data import dataset_path
-from fedpca.messages import CiphertextPayload, blocks_of
+from fedpca.messages import CiphertextPayload, SignedQuery, blocks_of
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
+from fedpca.signing import generate_signing_key, sign_query, signer_id
+from fedpca.stats import fixed_point_statistics
+
+TEST_SIGNING_KEY = generate_signing_key()
+"""The analyst's query-signing key in tests (owners' test policies pin TEST_SIGNER)."""
+TEST_SIGNER = signer_id(TEST_SIGNING_KEY)
+
+
+def signed(spec: QuerySpec) -> SignedQuery:
+    """``spec`` signed with :data:`TEST_SIGNING_KEY`, as the analyst submits it."""
+    return SignedQuery(spec, sign_query(spec, TEST_SIGNING_KEY), TEST_SIGNER)
 
 
 def dataset_table(name: str) -> np.ndarray:
@@ -90,17 +101,11 @@ def encrypted_upload(
 ) -> tuple[CiphertextPayload, dict[str, np.ndarray]]:
     """What an owner uploads for ``spec``, and the fixed-point integers it encrypted.
 
-    The rows' statistics in every owner block of the plan, rounded to nearest (so a
-    test can recompute them), encrypted under ``public_key``.
+    The rows' exact statistics (:func:`fedpca.stats.fixed_point_statistics`) in every
+    owner block of the plan, encrypted under ``public_key``.
     """
-    from fedpca.owner.statistics import local_statistics
-
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    values = plan.owner_values(local_statistics(rows, None, spec))
-    encoded = {
-        name: encode_fixed_point(v, spec.frac_bits, rounding="nearest")
-        for name, v in values.items()
-    }
+    encoded = plan.owner_integers(fixed_point_statistics(rows, None, spec))
     ciphertexts = {
         block.name: list(
             pool.encrypt_packed(

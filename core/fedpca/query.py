@@ -7,11 +7,18 @@ parameters, the protocol mode, and the analyst key the owners must encrypt to.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from fedpca.errors import ConfigError
+
+QUERY_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""Query ids appear in log lines, file names and the proxy's keys: a safe alphabet."""
 
 
 class QueryKind(StrEnum):
@@ -104,8 +111,11 @@ class QuerySpec:
     noise_weights: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not self.query_id:
-            raise ConfigError("query_id must be non-empty")
+        if not QUERY_ID_PATTERN.fullmatch(self.query_id):
+            raise ConfigError(
+                f"query_id must be 1 to 128 letters, digits, '.', '_' or '-', got "
+                f"{self.query_id[:40]!r}" + ("..." if len(self.query_id) > 40 else "")
+            )
         if self.n_features < 1:
             raise ConfigError(f"n_features must be >= 1, got {self.n_features}")
         if not (self.epsilon > 0):
@@ -159,3 +169,14 @@ class QuerySpec:
     @property
     def n_classes(self) -> int:
         return len(self.class_labels)
+
+
+def spec_digest(spec: QuerySpec) -> str:
+    """``sha256:<hex>`` over every public parameter of ``spec``, canonically encoded.
+
+    What the analyst signs and what an owner's ledger keys a release by: two specs with
+    the same digest describe the same release.
+    """
+    fields = dataclasses.asdict(spec)
+    text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 
 from fedpca.codec.paillier import Obfuscation
+from fedpca.dp.accounting import Accountant
 from fedpca.errors import ConfigError
 from fedpca.owner.config import OwnerConfig, load_config
+from fedpca.query import Neighbouring, QueryKind
 
 FINGERPRINT = "sha256:" + "ab" * 32
+SIGNER = "ed25519:" + "cd" * 32
 
 GOOD = f"""
 [owner]
@@ -26,11 +29,20 @@ insecure = false
 path = "data/owner-1.csv"
 header = "auto"
 label_column = 0
-out_of_bounds = "clip"
+max_records = 5000
+[privacy]
+neighbouring = "add-remove"
+accountant = "zcdp"
 [policy]
 accepted_analyst_keys = ["{FINGERPRINT}"]
+accepted_query_signers = ["{SIGNER}"]
 max_epsilon_per_query = 1.0
+max_delta_per_query = 1e-6
 allow_not_private = false
+allow_masked_mode = false
+allowed_kinds = ["pca"]
+min_quorum = 2
+max_tasks_per_day = 20
 [budget]
 epsilon = 10.0
 delta = 1e-5
@@ -60,10 +72,18 @@ def test_good_file_parses_with_paths_relative_to_the_file(tmp_path: Path) -> Non
     assert config.data.path == base / "data/owner-1.csv"
     assert config.data.header == "auto"
     assert config.data.label_column == 0
-    assert config.data.out_of_bounds == "clip"
+    assert config.data.max_records == 5000
+    assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
+    assert config.privacy.accountant is Accountant.ZCDP
     assert config.policy.accepted_analyst_keys == (FINGERPRINT,)
+    assert config.policy.accepted_query_signers == (SIGNER,)
     assert config.policy.max_epsilon_per_query == 1.0
+    assert config.policy.max_delta_per_query == 1e-6
+    assert config.policy.delta_cap(config.budget) == 1e-6
     assert config.policy.allow_not_private is False
+    assert config.policy.allow_masked_mode is False
+    assert config.policy.allowed_kinds == (QueryKind.PCA,)
+    assert (config.policy.min_quorum, config.policy.max_tasks_per_day) == (2, 20)
     assert (config.budget.epsilon, config.budget.delta) == (10.0, 1e-5)
     assert config.crypto.processes == 0
     assert config.crypto.obfuscation is Obfuscation.DJN
@@ -80,6 +100,7 @@ proxy = "[::1]:7000"
 insecure = true
 [data]
 path = "/abs/x.npy"
+max_records = 1
 [policy]
 accepted_analyst_keys = []
 max_epsilon_per_query = inf
@@ -89,6 +110,13 @@ epsilon = inf
 delta = 1e-6
 """
     config = load_config(_write(tmp_path, text))
+    # Safe defaults: the deployment's relation is add/remove, masked mode is off, the
+    # delta cap is the budget's delta (at most 1e-5), no signer is pinned.
+    assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
+    assert config.policy.accepted_query_signers == ()
+    assert config.policy.allow_masked_mode is False
+    assert config.policy.delta_cap(config.budget) == 1e-6
+    assert config.policy.min_quorum == 1
     assert config.owner.state_dir == (tmp_path / "conf").resolve() / "state/o2"
     assert config.tls.insecure and config.tls.ca is None
     assert config.data.path == Path("/abs/x.npy")
@@ -112,7 +140,16 @@ delta = 1e-6
         ('header = "auto"', 'header = "yes"', "data.header"),
         ("label_column = 0", 'label_column = "label"', "data.label_column"),
         ("label_column = 0", "label_column = true", "data.label_column"),
-        ('out_of_bounds = "clip"', 'out_of_bounds = "wrap"', "data.out_of_bounds"),
+        ("max_records = 5000", "", "data.max_records is required"),
+        ("max_records = 5000", "max_records = 0", "data.max_records"),
+        ("max_records = 5000", 'max_records = 5000\nout_of_bounds = "refuse"', "clipped"),
+        ('neighbouring = "add-remove"', 'neighbouring = "swap"', "privacy.neighbouring"),
+        ('accountant = "zcdp"', 'accountant = "rdp"', "privacy.accountant"),
+        (f'accepted_query_signers = ["{SIGNER}"]', 'accepted_query_signers = ["x"]', "signers"),
+        ("max_delta_per_query = 1e-6", "max_delta_per_query = 1e-4", "exceeds budget.delta"),
+        ('allowed_kinds = ["pca"]', 'allowed_kinds = ["svm"]', "policy.allowed_kinds"),
+        ("min_quorum = 2", "min_quorum = 0", "policy.min_quorum"),
+        ("max_tasks_per_day = 20", "max_tasks_per_day = 1.5", "policy.max_tasks_per_day"),
         (f'accepted_analyst_keys = ["{FINGERPRINT}"]', 'accepted_analyst_keys = "x"', "policy"),
         (
             f'accepted_analyst_keys = ["{FINGERPRINT}"]',

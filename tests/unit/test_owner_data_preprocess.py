@@ -88,21 +88,18 @@ class TestScaling:
             atol=1e-15,
         )
 
-    def test_out_of_bounds_clip(self) -> None:
+    def test_values_outside_the_bounds_are_clipped_never_refused(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
         bounds = FeatureBounds((0.0, 0.0), (1.0, 1.0))
-        out = scale_to_unit_box([[2.0, -3.0]], bounds, out_of_bounds="clip")
-        np.testing.assert_array_equal(out, [[1.0, -1.0]])
+        with caplog.at_level("DEBUG"):
+            out = scale_to_unit_box([[2.0, -3.0], [0.5, 0.5]], bounds)
+        np.testing.assert_array_equal(out, [[1.0, -1.0], [0.0, 0.0]])
+        # Which or how many values were outside is private: nothing about it is logged.
+        assert caplog.text == ""
 
-    def test_out_of_bounds_refuse_names_record_and_feature(self) -> None:
-        bounds = FeatureBounds((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
-        x = np.array([[0.5, 0.5, 0.5], [0.5, 0.5, 1.5]])
-        with pytest.raises(DataError, match=r"record 2, feature 3 .*\[0.0, 1.0\]"):
-            scale_to_unit_box(x, bounds, out_of_bounds="refuse")
-
-    def test_unknown_policy_and_shape_errors(self) -> None:
+    def test_shape_errors(self) -> None:
         bounds = FeatureBounds((0.0,), (1.0,))
-        with pytest.raises(ConfigError, match="out_of_bounds"):
-            scale_to_unit_box([[0.5]], bounds, out_of_bounds="wrap")  # type: ignore[arg-type]
         with pytest.raises(DataError, match="2 features, the bounds declare 1"):
             scale_to_unit_box([[0.5, 0.5]], bounds)
         with pytest.raises(DataError, match="record 1, feature 1"):
@@ -159,7 +156,7 @@ class TestClipping:
         q = _query(feature_lower=(0.0, 0.0, 0.0), feature_upper=(2.0, 2.0, 2.0), clip_norm=0.5)
         out = preprocess_for_query([[2.0, 1.0, 1.0]], q)
         np.testing.assert_allclose(out, [[0.5, 0.0, 0.0]])
-        with pytest.raises(DataError, match="outside"):
-            preprocess_for_query([[3.0, 1.0, 1.0]], q, out_of_bounds="refuse")
+        # A value outside the public bounds is clipped to them, then the row clipped.
+        np.testing.assert_allclose(preprocess_for_query([[3.0, 1.0, 1.0]], q), [[0.5, 0.0, 0.0]])
         with pytest.raises(DataError, match="2 features, the query has 3"):
             preprocess_for_query([[1.0, 1.0]], q)

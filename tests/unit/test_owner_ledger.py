@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 
+from fedpca.dp.accounting import Accountant
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, PolicyError
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.query import Neighbouring
 
 DELTA = 1e-5
-# One release at epsilon 0.7 fits a budget of 1.0; a second one composes to ~1.02 (PLD).
+# One release at epsilon 0.7 fits a budget of 1.0; a second one composes to more (zCDP).
 BUDGET = PrivacyParams(1.0, DELTA)
 Z = calibrate_noise_multiplier(0.7, DELTA)
 
@@ -49,12 +51,18 @@ def test_fits_then_refuses_and_records_nothing_on_refusal(tmp_path: Path) -> Non
 
 
 def test_huge_epsilon_is_refused_by_the_accountant_and_records_nothing(tmp_path: Path) -> None:
-    # epsilon = 1e6 (z ~ 7e-4) made dp_accounting's PLD accountant run out of memory.
-    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
-    huge = calibrate_noise_multiplier(1e6, DELTA)
+    # epsilon = 1e6 (z ~ 7e-4) made dp_accounting's PLD accountant run out of memory:
+    # the continuous-PLD option refuses it by name; zCDP (closed form) refuses it as
+    # over a finite budget.
+    pld = BudgetLedger(tmp_path / "pld.sqlite3", accountant=Accountant.PLD_CONTINUOUS)
+    huge = calibrate_noise_multiplier(1e6, DELTA, "analytic")
     for budget in (BUDGET, PrivacyParams(math.inf, DELTA)):
         with pytest.raises(CalibrationError, match=r"'q-huge'.*epsilon=1e\+06.*minimum 0\.1"):
-            ledger.reserve(_event("q-huge", huge, 1e6), budget, spec_digest="d")
+            pld.reserve(_event("q-huge", huge, 1e6), budget, spec_digest="d")
+    assert pld.events() == []
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    with pytest.raises(BudgetExceededError, match="q-huge"):
+        ledger.reserve(_event("q-huge", huge, 1e6), BUDGET, spec_digest="d")
     assert ledger.events() == []
     ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
     assert [e.event.query_id for e in ledger.events()] == ["q1"]
@@ -96,22 +104,61 @@ def test_ledger_survives_reopening(tmp_path: Path) -> None:
         assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-def test_not_private_needs_permission_is_flagged_and_not_composed(tmp_path: Path) -> None:
+def test_not_private_needs_permission_and_exhausts_a_finite_budget(tmp_path: Path) -> None:
     ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
     with pytest.raises(PolicyError, match="NOT PRIVATE"):
         ledger.reserve(_not_private("v1"), BUDGET, spec_digest="v")
     assert ledger.events() == []
-    decision = ledger.reserve(_not_private("v1"), BUDGET, spec_digest="v", allow_not_private=True)
+    budget = PrivacyParams(3.0, DELTA)
+    decision = ledger.reserve(_not_private("v1"), budget, spec_digest="v", allow_not_private=True)
     assert decision.not_private
-    assert decision.epsilon_spent_after == 0.0
+    assert decision.epsilon_spent_after == math.inf
     (entry,) = ledger.events()
     assert entry.not_private and math.isinf(entry.event.epsilon)
-    # The finite budget is untouched: a private release still fits in full.
-    assert ledger.spent(DELTA) == 0.0
-    ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
-    assert ledger.spent(DELTA) == pytest.approx(0.7, abs=1e-6)
-    again = ledger.reserve(_not_private("v1"), BUDGET, spec_digest="v", allow_not_private=True)
+    # The release composes to an infinite epsilon: every later private release is
+    # refused (fedpca 0.1 left it out and a 0.83-epsilon release still fit a 3.0 budget).
+    assert ledger.spent(DELTA) == math.inf
+    with pytest.raises(BudgetExceededError, match="'q1'"):
+        ledger.reserve(_event("q1", calibrate_noise_multiplier(0.83, DELTA), 0.83), budget)
+    again = ledger.reserve(_not_private("v1"), budget, spec_digest="v", allow_not_private=True)
     assert again.already_reserved and again.not_private
+
+
+def test_a_release_under_another_relation_is_refused(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3", neighbouring=Neighbouring.REPLACE_ONE)
+    with pytest.raises(PolicyError, match=r"add-remove adjacency.*replace-one"):
+        ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
+    replace_one = PrivacyEvent(
+        "q2", "sha256:analyst", Z, 0.7, DELTA, neighbouring=Neighbouring.REPLACE_ONE
+    )
+    ledger.reserve(replace_one, BUDGET, spec_digest="d2")
+    (entry,) = ledger.events()
+    assert entry.event.neighbouring is Neighbouring.REPLACE_ONE
+
+
+def test_a_schema_1_ledger_is_migrated_conservatively(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as old:
+        old.executescript(
+            """
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema_version', '1');
+            CREATE TABLE releases (query_id TEXT PRIMARY KEY, analyst TEXT NOT NULL,
+                noise_multiplier REAL NOT NULL, epsilon REAL NOT NULL, delta REAL NOT NULL,
+                recorded_at REAL NOT NULL, not_private INTEGER NOT NULL, spec_digest TEXT NOT NULL);
+            CREATE TABLE tasks (query_id TEXT PRIMARY KEY, state TEXT NOT NULL,
+                detail TEXT NOT NULL, upload_id TEXT, upload_started INTEGER NOT NULL DEFAULT 0,
+                updated_at REAL NOT NULL);
+            """
+        )
+        old.execute("INSERT INTO releases VALUES ('old', 'a', 4.0, 1.0, 1e-5, 1.0, 0, 'd')")
+    ledger = BudgetLedger(path, neighbouring=Neighbouring.REPLACE_ONE)
+    (entry,) = ledger.events()
+    assert entry.event.noise_multiplier == 2.0  # halved: valid under either relation
+    assert entry.event.neighbouring is Neighbouring.REPLACE_ONE
+    assert (
+        BudgetLedger(path, neighbouring=Neighbouring.REPLACE_ONE).events()[0].event == entry.event
+    )
 
 
 def test_cancel_reservation_only_before_any_upload(tmp_path: Path) -> None:

@@ -14,12 +14,12 @@ import pytest
 from fedpca.codec import CryptoPool, decode_fixed_point
 from fedpca.data import dataset_path
 from fedpca.errors import DataError, EncodingOverflowError
-from fedpca.owner.compute import LocalTable, encrypt_share, spec_digest
+from fedpca.owner.compute import LocalTable, encrypt_share
 from fedpca.owner.config import DataConfig
 from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import ProtocolMode, QueryKind, QuerySpec, spec_digest
 from fedpca.stats import SufficientStatistics
 from helpers import query_builder
 

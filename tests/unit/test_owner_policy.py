@@ -1,112 +1,233 @@
-"""Owner policy: pinned keys (including a substituted modulus), epsilon caps, fit to the data."""
+"""An owner's decision to take part, from public facts only: signature, pinned keys,
+the deployment's relation, per-query caps, quorum, task rate and the table's schema."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from fedpca.codec import generate_keypair, key_fingerprint
-from fedpca.errors import ConfigError, PolicyError, UntrustedKeyError
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.errors import ConfigError
+from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import LocalTable
-from fedpca.owner.config import PolicyConfig
-from fedpca.owner.policy import check_task
-from fedpca.query import QueryKind, QuerySpec
-from helpers import query_builder
+from fedpca.owner.config import (
+    DataConfig,
+    NodeConfig,
+    OwnerConfig,
+    PolicyConfig,
+    PrivacyConfig,
+    TlsConfig,
+)
+from fedpca.owner.policy import Refusal, TaskAccepted, check_task
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.signing import generate_signing_key, sign_query, signer_id
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY, query_builder
 
-_spec = query_builder(epsilon=1.0)
+_spec = query_builder(epsilon=1.0, quorum=2)
 
 
-def _policy(public_key: Any, **overrides: Any) -> PolicyConfig:
+def _config(public_key: Any, **policy: Any) -> OwnerConfig:
     fields: dict[str, Any] = {
         "accepted_analyst_keys": (key_fingerprint(public_key),),
-        "max_epsilon_per_query": 1.0,
-        "allow_not_private": False,
+        "accepted_query_signers": (TEST_SIGNER,),
+        "max_epsilon_per_query": 1.5,
     }
-    fields.update(overrides)
-    return PolicyConfig(**fields)
+    fields.update(policy)
+    return OwnerConfig(
+        owner=NodeConfig("owner-1", "127.0.0.1:1", Path("state")),
+        tls=TlsConfig(None, None, None, insecure=True),
+        data=DataConfig(Path("data.csv"), max_records=100),
+        policy=PolicyConfig(**fields),
+        budget=PrivacyParams(10.0, 1e-5),
+        privacy=PrivacyConfig(),
+    )
+
+
+def _task(spec: QuerySpec, key: Any = TEST_SIGNING_KEY) -> Task:
+    return Task(
+        query=spec,
+        upload_deadline=datetime.now(UTC) + timedelta(minutes=5),
+        query_signature=sign_query(spec, key),
+        query_signer=signer_id(key),
+        task_id=f"alice/{spec.query_id}",
+    )
 
 
 def _table(label_column: int | None = 0) -> LocalTable:
     rng = np.random.default_rng(0)
-    labels = rng.choice([-1.0, 1.0], size=20)
+    labels = rng.choice([-1.0, 1.0, 7.0], size=20)  # 7 is in no query's class list
     columns = np.column_stack([labels, rng.normal(size=(20, 3))])
     return LocalTable(columns, label_column, "test")
 
 
+def _refusal(result: TaskAccepted | Refusal, reason: DeclineReason, match: str) -> None:
+    assert isinstance(result, Refusal), result
+    assert result.reason is reason
+    assert match in result.detail, result.detail
+
+
+def _dca(public_key: Any, **overrides: Any) -> QuerySpec:
+    fields: dict[str, Any] = {
+        "kind": QueryKind.DCA,
+        "n_components": 1,
+        "label_column": 0,
+        "class_labels": (-1.0, 1.0),
+    }
+    fields.update(overrides)
+    return _spec(public_key, **fields)
+
+
 def test_good_task_passes(test_only_keypair_512: tuple[Any, Any]) -> None:
     public_key, _ = test_only_keypair_512
-    check_task(_spec(public_key), _policy(public_key), _table())
-    dca = _spec(
-        public_key, kind=QueryKind.DCA, n_components=1, label_column=0, class_labels=(-1.0, 1.0)
+    config = _config(public_key)
+    accepted = check_task(_task(_spec(public_key)), config, _table())
+    assert isinstance(accepted, TaskAccepted)
+    assert accepted.table.features.shape == (20, 3) and accepted.table.labels is None
+    # Labels outside the query's classes are not a reason to decline: the owner
+    # leaves those records out of its statistics.
+    accepted = check_task(_task(_dca(public_key)), config, _table())
+    assert isinstance(accepted, TaskAccepted)
+
+
+def test_only_queries_signed_by_a_pinned_analyst(test_only_keypair_512: tuple[Any, Any]) -> None:
+    public_key, _ = test_only_keypair_512
+    config = _config(public_key)
+    spec = _spec(public_key)
+    unsigned = replace(_task(spec), query_signature=b"", query_signer="")
+    _refusal(check_task(unsigned, config, _table()), DeclineReason.UNSIGNED_QUERY, "not signed")
+    stranger = generate_signing_key()
+    _refusal(
+        check_task(_task(spec, stranger), config, _table()),
+        DeclineReason.UNSIGNED_QUERY,
+        signer_id(stranger),
     )
-    check_task(dca, _policy(public_key), _table())
+    # A proxy that changes anything in a signed query breaks the signature.
+    invented = replace(_task(spec), query=replace(spec, epsilon=1.4))
+    _refusal(
+        check_task(invented, config, _table()), DeclineReason.UNSIGNED_QUERY, "does not verify"
+    )
 
 
-def test_key_not_pinned(test_only_keypair_512: tuple[Any, Any]) -> None:
+def test_key_not_pinned_and_substituted_modulus(test_only_keypair_512: tuple[Any, Any]) -> None:
     public_key, _ = test_only_keypair_512
+    config = _config(public_key)
     other, _ = generate_keypair(512, allow_insecure_test_key=True)
-    with pytest.raises(UntrustedKeyError, match=r"not in policy\.accepted_analyst_keys"):
-        check_task(_spec(other), _policy(public_key))
-
-
-def test_substituted_modulus_behind_a_pinned_fingerprint(
-    test_only_keypair_512: tuple[Any, Any],
-) -> None:
-    """A proxy forwarding the pinned fingerprint with its own key gets a refusal."""
-    public_key, _ = test_only_keypair_512
-    proxy_key, _ = generate_keypair(512, allow_insecure_test_key=True)
+    _refusal(
+        check_task(_task(_spec(other)), config, _table()),
+        DeclineReason.KEY_NOT_PINNED,
+        "not in policy.accepted_analyst_keys",
+    )
+    # A proxy forwarding the pinned fingerprint with its own modulus gets a refusal
+    # (signed by the analyst here, to show the two checks are independent).
     forged = _spec(
         public_key,
-        analyst_public_key_n=proxy_key.n,
+        analyst_public_key_n=other.n,
         analyst_key_fingerprint=key_fingerprint(public_key),
     )
-    with pytest.raises(UntrustedKeyError, match="substituted key"):
-        check_task(forged, _policy(public_key), _table())
+    _refusal(
+        check_task(_task(forged), config, _table()), DeclineReason.KEY_NOT_PINNED, "substituted"
+    )
 
 
-def test_epsilon_cap_and_not_private(test_only_keypair_512: tuple[Any, Any]) -> None:
+def test_epsilon_is_measured_at_the_owner_budget_delta(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
     public_key, _ = test_only_keypair_512
-    with pytest.raises(PolicyError, match="max_epsilon_per_query"):
-        check_task(_spec(public_key, epsilon=1.5), _policy(public_key))
-    not_private = _spec(public_key, epsilon=math.inf)
-    with pytest.raises(PolicyError, match="allow_not_private"):
-        check_task(not_private, _policy(public_key))
-    check_task(not_private, _policy(public_key, allow_not_private=True))
+    config = _config(public_key)
+    _refusal(
+        check_task(_task(_spec(public_key, epsilon=3.0)), config, _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "max_epsilon_per_query",
+    )
+    # delta = 0.99 would make sigma tiny for "epsilon = 1": refused by the delta cap,
+    # and even under a generous cap the epsilon it costs at the budget's delta is huge.
+    big_delta = _spec(public_key, epsilon=1.0, delta=0.99)
+    _refusal(
+        check_task(_task(big_delta), config, _table()), DeclineReason.POLICY_REFUSAL, "cap 1e-05"
+    )
+    generous = _config(public_key, max_delta_per_query=0.999)
+    _refusal(
+        check_task(_task(big_delta), generous, _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "at this owner's budget delta 1e-05",
+    )
 
 
-def test_feature_count_must_match_the_data(test_only_keypair_512: tuple[Any, Any]) -> None:
+def test_not_private_masked_relation_kind_and_quorum(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
     public_key, _ = test_only_keypair_512
-    with pytest.raises(PolicyError, match="4 features; this owner's data has 3"):
-        check_task(_spec(public_key, n_features=4), _policy(public_key), _table())
+    config = _config(public_key)
+    table = _table()
+    not_private = _task(_spec(public_key, epsilon=math.inf))
+    _refusal(check_task(not_private, config, table), DeclineReason.POLICY_REFUSAL, "allow_not")
+    assert isinstance(
+        check_task(not_private, _config(public_key, allow_not_private=True), table), TaskAccepted
+    )
+    masked = _task(
+        _spec(public_key, mode=ProtocolMode.MASKED, neighbouring=Neighbouring.REPLACE_ONE)
+    )
+    _refusal(check_task(masked, config, table), DeclineReason.POLICY_REFUSAL, "replace-one")
+    replace_one = replace(config, privacy=PrivacyConfig(neighbouring=Neighbouring.REPLACE_ONE))
+    _refusal(check_task(masked, replace_one, table), DeclineReason.POLICY_REFUSAL, "masked")
+    opted_in = replace(replace_one, policy=replace(config.policy, allow_masked_mode=True))
+    assert isinstance(check_task(masked, opted_in, table), TaskAccepted)
+    pca_only = _config(public_key, allowed_kinds=(QueryKind.PCA,))
+    _refusal(
+        check_task(_task(_dca(public_key)), pca_only, table), DeclineReason.POLICY_REFUSAL, "dca"
+    )
+    lonely = _task(_spec(public_key, quorum=1))
+    _refusal(
+        check_task(lonely, _config(public_key, min_quorum=2), table),
+        DeclineReason.POLICY_REFUSAL,
+        "min_quorum",
+    )
+
+
+def test_task_rate_cap(test_only_keypair_512: tuple[Any, Any]) -> None:
+    public_key, _ = test_only_keypair_512
+    config = _config(public_key, max_tasks_per_day=3)
+    task = _task(_spec(public_key))
+    assert isinstance(check_task(task, config, _table(), releases_last_day=2), TaskAccepted)
+    _refusal(
+        check_task(task, config, _table(), releases_last_day=3),
+        DeclineReason.POLICY_REFUSAL,
+        "max_tasks_per_day",
+    )
+
+
+def test_the_schema_must_fit(test_only_keypair_512: tuple[Any, Any]) -> None:
+    public_key, _ = test_only_keypair_512
+    config = _config(public_key)
+    _refusal(
+        check_task(_task(_spec(public_key, n_features=4)), config, _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "4 features; this owner's data has 3",
+    )
     # Without a configured label column all four columns are features.
-    check_task(_spec(public_key, n_features=4), _policy(public_key), _table(label_column=None))
-
-
-def test_dca_labels_must_fit_the_data(test_only_keypair_512: tuple[Any, Any]) -> None:
-    public_key, _ = test_only_keypair_512
-    policy = _policy(public_key)
-
-    def dca(**overrides: Any) -> QuerySpec:
-        fields: dict[str, Any] = {
-            "kind": QueryKind.DCA,
-            "n_components": 1,
-            "label_column": 0,
-            "class_labels": (-1.0, 1.0),
-        }
-        fields.update(overrides)
-        return _spec(public_key, **fields)
-
-    with pytest.raises(PolicyError, match="outside the query's 2 public class labels"):
-        check_task(dca(class_labels=(1.0, 2.0)), policy, _table())
-    with pytest.raises(PolicyError, match="column 7"):
-        check_task(dca(label_column=7), policy, _table())
-    with pytest.raises(PolicyError, match="labels are in column 0"):
-        check_task(dca(label_column=1), policy, _table())
+    wide = _task(_spec(public_key, n_features=4))
+    assert isinstance(check_task(wide, config, _table(label_column=None)), TaskAccepted)
+    _refusal(
+        check_task(_task(_dca(public_key, label_column=7)), config, _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "column 7",
+    )
+    _refusal(
+        check_task(_task(_dca(public_key, label_column=1)), config, _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "labels are in column 0",
+    )
     # An owner without a configured label column follows the query's.
-    check_task(dca(), policy, _table(label_column=None))
+    assert isinstance(
+        check_task(_task(_dca(public_key)), config, _table(label_column=None)), TaskAccepted
+    )
 
 
 def test_configured_label_column_must_exist() -> None:

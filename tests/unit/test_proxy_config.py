@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
 from fedpca.proxy.config import ProxyConfig, load_config
+from fedpca.query import Neighbouring
+
+OWNERS = '[owners]\nallowed = ["o1"]\n'
 
 EXAMPLE = """\
 [proxy]
@@ -22,6 +26,13 @@ ca = "certs/ca.pem"
 cert = "certs/proxy.pem"
 key = "certs/proxy.key"
 insecure = false
+revoked_serials = ["1f:2e", "AB"]
+[owners]
+allowed = ["hospital-a", "hospital-b"]
+[privacy]
+neighbouring = "replace-one"
+accountant = "pld-continuous"
+max_delta_per_query = 1e-7
 [budget]
 epsilon = 10.0
 delta = 1e-5
@@ -53,12 +64,26 @@ def test_the_documented_example_loads_with_paths_relative_to_the_file(tmp_path: 
     assert config.budget.for_analyst("bob") == PrivacyParams(10.0, 1e-5)
     assert config.crypto.pool_processes is None  # 0 = all cores
     assert not config.crypto.allow_insecure_test_keys
+    assert config.tls.revoked_serials == frozenset({0x1F2E, 0xAB})
+    assert config.owners.allowed == frozenset({"hospital-a", "hospital-b"})
+    assert config.privacy.neighbouring is Neighbouring.REPLACE_ONE
+    assert config.privacy.accountant is Accountant.PLD_CONTINUOUS
+    assert config.privacy.delta_cap(config.budget.default) == 1e-7
 
 
 def test_defaults_and_unlimited_budget(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, "[tls]\ninsecure = true\n[budget]\nepsilon = inf\n"))
+    text = "[tls]\ninsecure = true\n[budget]\nepsilon = inf\n" + OWNERS
+    config = load_config(write(tmp_path, text))
     assert config.tls.insecure and config.proxy.listen == "127.0.0.1:50051"
     assert math.isinf(config.budget.default.epsilon) and config.budget.default.delta == 1e-5
+    assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
+    assert config.privacy.accountant is Accountant.ZCDP
+    assert config.privacy.delta_cap(config.budget.default) == 1e-5
+
+
+def test_the_owner_allow_list_is_required(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"owners\.allowed is required"):
+        load_config(write(tmp_path, "[tls]\ninsecure = true\n"))
 
 
 @pytest.mark.parametrize(
@@ -77,11 +102,16 @@ def test_defaults_and_unlimited_budget(tmp_path: Path) -> None:
         ("[tls]\ninsecure = true\n[budget.analysts.bob]\nepsilon = -1\n", "budget.analysts.bob"),
         ("[tls]\ninsecure = true\n[crypto]\nprocesses = -2\n", "crypto.processes"),
         ("[tls]\ninsecure = true\n[cryto]\nprocesses = 1\n", "cryto"),
+        ("[tls]\ninsecure = true\nrevoked_serials = ['xyz']\n", "tls.revoked_serials"),
+        ("[tls]\ninsecure = true\n[owners]\nallowed = ['a b']\n", "owners.allowed"),
+        ("[tls]\ninsecure = true\n[owners]\nallowed = ['a', 'a']\n", "twice"),
+        ("[tls]\ninsecure = true\n[privacy]\nneighbouring = 'x'\n", "privacy"),
+        ("[tls]\ninsecure = true\n[privacy]\nmax_delta_per_query = 2\n", "max_delta"),
     ],
 )
 def test_bad_values_name_their_key(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(write(tmp_path, text))
+        load_config(write(tmp_path, text + ("" if "[owners]" in text else OWNERS)))
 
 
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:

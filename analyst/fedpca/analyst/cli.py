@@ -189,12 +189,20 @@ def analyst_group() -> None:
     "--force", is_flag=True, help="Replace an existing key (old results become unreadable)."
 )
 def keygen_command(out: Path, bits: str, force: bool) -> None:
-    """Generate the analyst's Paillier keypair; print its fingerprint last."""
+    """Generate the analyst's Paillier keypair and query-signing key.
+
+    Owners pin both printed values: the Paillier fingerprint in
+    policy.accepted_analyst_keys and the signing key in policy.accepted_query_signers.
+    The fingerprint is printed last.
+    """
     with _errors(), _spinner(f"generating a {bits}-bit Paillier key"):
         files = create_analyst_keys(out, int(bits), force=force)
     click.echo(f"private key (keep secret, 0600): {files.private_key}")
+    click.echo(f"signing key (keep secret, 0600): {files.signing_key}")
     click.echo(f"public key (give to owners):     {files.public_key}")
-    click.echo("fingerprint (owners pin it):")
+    click.echo("query signer (owners pin it in policy.accepted_query_signers):")
+    click.echo(files.signer)
+    click.echo("fingerprint (owners pin it in policy.accepted_analyst_keys):")
     click.echo(files.fingerprint)
 
 

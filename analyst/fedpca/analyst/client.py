@@ -47,8 +47,10 @@ from fedpca.messages import (
     QueryResult,
     QueryState,
     QueryStatus,
+    SignedQuery,
 )
 from fedpca.query import QuerySpec
+from fedpca.signing import Ed25519PrivateKey, sign_query, signer_id
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
@@ -224,8 +226,8 @@ class AnalystClient:
                 logger.warning("%s; retrying in %.0f s", mapped, delay)
                 time.sleep(delay)
 
-    def submit(self, spec: QuerySpec) -> QueryStatus:
-        """Submit a query; the proxy checks the budget before accepting it.
+    def submit(self, spec: QuerySpec, signing_key: Ed25519PrivateKey) -> QueryStatus:
+        """Sign a query and submit it; the proxy checks the budget before accepting it.
 
         Raises
         ------
@@ -234,7 +236,8 @@ class AnalystClient:
         ConfigError
             The proxy refused the query (its message says why).
         """
-        request = serde.submit_query_request_to_proto(spec)
+        signed = SignedQuery(spec, sign_query(spec, signing_key), signer_id(signing_key))
+        request = serde.submit_query_request_to_proto(signed)
         message = self._unary(
             f"submit query {spec.query_id!r}",
             lambda: self._stub.SubmitQuery(request, timeout=self.timeout),

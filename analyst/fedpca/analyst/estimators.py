@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fedpca.analyst.decode import DecodedRelease, decrypt_result
-from fedpca.analyst.keys import load_analyst_private_key
+from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, DataError, FedpcaError
@@ -76,6 +76,7 @@ def run_query(
     spec: QuerySpec,
     client: Any,
     private_key: Any,
+    signing_key: Any,
     *,
     on_status: StatusCallback | None = None,
     on_submitted: StatusCallback | None = None,
@@ -92,6 +93,8 @@ def run_query(
     client : an :class:`~fedpca.analyst.client.AnalystClient` (or anything with
         ``submit``, ``wait`` and ``fetch``).
     private_key : the analyst's phe private key.
+    signing_key : the analyst's Ed25519 query-signing key (owners answer only signed
+        queries).
     on_status : called with every status update while waiting.
     on_submitted : called with the status returned by the submission.
     decrypt_progress : called with the number of ciphertexts decrypted so far.
@@ -113,7 +116,7 @@ def run_query(
     try:
         timings: dict[str, float] = {}
         start = time.perf_counter()
-        submitted = client.submit(spec)
+        submitted = client.submit(spec, signing_key)
         timings["submit"] = time.perf_counter() - start
         logger.info("submitted query %s (state %s)", spec.query_id, submitted.state.value)
         if on_submitted is not None:
@@ -412,6 +415,7 @@ class _FederatedEstimator:
                 "set private_key_path to the analyst's key file (or its key directory)"
             )
         private_key = load_analyst_private_key(self.private_key_path)
+        signing_key = load_analyst_signing_key(self.private_key_path)
         spec = self.build_query(n_features, private_key.public_key)
         if not spec.private:
             logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
@@ -437,6 +441,7 @@ class _FederatedEstimator:
                 spec,
                 client,
                 private_key,
+                signing_key,
                 on_status=on_status,
                 on_submitted=on_status,
                 on_fetched=None if display is None else display.fetched,

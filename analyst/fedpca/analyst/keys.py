@@ -1,9 +1,12 @@
-"""The analyst's Paillier keypair: one directory, two files.
+"""The analyst's keys: one directory, three files.
 
-``DIR/analyst.key.json`` holds the private key (mode 0600, never leaves the
+``DIR/analyst.key.json`` holds the Paillier private key (mode 0600, never leaves the
 analyst's machine); ``DIR/analyst.pub.json`` is the public key the analyst hands
 to the owners so that they can pin its fingerprint.  Both are written with the
 codec's key-file helpers, so the format is the one every role reads.
+``DIR/analyst.signing.pem`` is the Ed25519 key the analyst signs every query with
+(:mod:`fedpca.signing`); owners pin its public half, ``ed25519:<hex>``, next to the
+Paillier fingerprint and answer only queries it signed.
 
 Only 2048- and 3072-bit moduli are generated (112- and 128-bit security, NIST SP
 800-57); shorter TEST-ONLY keys need ``allow_insecure_test_key=True`` from Python
@@ -28,22 +31,32 @@ from fedpca.codec.keys import (
     save_public_key,
 )
 from fedpca.errors import ConfigError, KeyFileError
+from fedpca.signing import (
+    Ed25519PrivateKey,
+    generate_signing_key,
+    load_signing_key,
+    save_signing_key,
+    signer_id,
+)
 
 __all__ = [
     "DEFAULT_KEY_BITS",
     "PRIVATE_KEY_FILE",
     "PUBLIC_KEY_FILE",
+    "SIGNING_KEY_FILE",
     "SUPPORTED_KEY_BITS",
     "AnalystKeyFiles",
     "create_analyst_keys",
     "load_analyst_private_key",
     "load_analyst_public_key",
+    "load_analyst_signing_key",
 ]
 
 logger = logging.getLogger(__name__)
 
 PRIVATE_KEY_FILE = "analyst.key.json"
 PUBLIC_KEY_FILE = "analyst.pub.json"
+SIGNING_KEY_FILE = "analyst.signing.pem"
 SUPPORTED_KEY_BITS: tuple[int, ...] = (2048, 3072)
 """Moduli the analyst may generate; the default is the codec's ``DEFAULT_KEY_BITS`` (3072)."""
 
@@ -60,6 +73,8 @@ class AnalystKeyFiles:
 
     directory: Path
     fingerprint: str = ""
+    signer: str = ""
+    """``ed25519:<hex>`` of the query-signing key (what owners pin), or "" if unknown."""
 
     @property
     def private_key(self) -> Path:
@@ -68,6 +83,10 @@ class AnalystKeyFiles:
     @property
     def public_key(self) -> Path:
         return self.directory / PUBLIC_KEY_FILE
+
+    @property
+    def signing_key(self) -> Path:
+        return self.directory / SIGNING_KEY_FILE
 
 
 def create_analyst_keys(
@@ -103,7 +122,7 @@ def create_analyst_keys(
             f"got {key_bits}"
         )
     files = AnalystKeyFiles(Path(directory))
-    existing = [p for p in (files.private_key, files.public_key) if p.exists()]
+    existing = [p for p in (files.private_key, files.public_key, files.signing_key) if p.exists()]
     if existing and not force:
         raise ConfigError(
             f"{existing[0]} already exists; refusing to overwrite an analyst key "
@@ -117,9 +136,12 @@ def create_analyst_keys(
     # half can be re-derived), never a public key without its private half.
     save_private_key(files.private_key, private_key)
     save_public_key(files.public_key, public_key)
+    signing_key = generate_signing_key()
+    files.signing_key.unlink(missing_ok=True)  # only reached with force
+    save_signing_key(signing_key, files.signing_key)
     fingerprint = key_fingerprint(public_key)
     logger.info("wrote %d-bit analyst key %s to %s", key_bits, fingerprint, files.directory)
-    return AnalystKeyFiles(files.directory, fingerprint)
+    return AnalystKeyFiles(files.directory, fingerprint, signer_id(signing_key))
 
 
 def _key_path(location: str | os.PathLike[str], file_name: str) -> Path:
@@ -158,3 +180,19 @@ def load_analyst_public_key(
     if not path.is_file():
         raise KeyFileError(f"no analyst public key at {path}")
     return load_public_key(path, allow_insecure_test_key=allow_insecure_test_key)
+
+
+def load_analyst_signing_key(location: str | os.PathLike[str]) -> Ed25519PrivateKey:
+    """The query-signing key of a key directory, or the one next to a Paillier key file.
+
+    Raises
+    ------
+    KeyFileError
+        Missing or malformed file.
+    """
+    path = Path(location)
+    if path.is_dir():
+        path = path / SIGNING_KEY_FILE
+    elif path.suffix != ".pem":
+        path = path.with_name(SIGNING_KEY_FILE)
+    return load_signing_key(path)

@@ -133,6 +133,7 @@ def show_command(certificate: Path) -> None:
         raise click.ClickException(str(exc)) from exc
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     click.echo(f"identity:   {identity}")
+    click.echo(f"serial:     {cert.serial_number:x}")
     click.echo(f"subject:    {cert.subject.rfc4514_string()}")
     click.echo(f"issuer:     {cert.issuer.rfc4514_string()}")
     click.echo(f"names:      {', '.join(str(v.value) for v in san)}")

@@ -166,6 +166,7 @@ class LocalCluster:
     owners: list[ManagedProcess] = field(default_factory=list)
     port: int = 0
     key_fingerprint: str = ""
+    query_signer: str = ""
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -217,8 +218,7 @@ class LocalCluster:
 
     def prepare(self) -> None:
         """Create certificates, the analyst key, owner data files and configs."""
-        from fedpca.codec import generate_keypair, key_fingerprint, save_private_key
-        from fedpca.codec import save_public_key as save_public
+        from fedpca.analyst.keys import create_analyst_keys
         from fedpca.transport.certs import (
             CertificateDirectory,
             NodeIdentity,
@@ -232,11 +232,14 @@ class LocalCluster:
         self.timings["certificates"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        public_key, private_key = generate_keypair(self.key_bits)
-        self.key_dir.mkdir(exist_ok=True)
-        save_public(self.key_dir / "analyst.pub.json", public_key)
-        save_private_key(self.key_dir / "analyst.key.json", private_key)
-        self.key_fingerprint = key_fingerprint(public_key)
+        keys = create_analyst_keys(
+            self.key_dir,
+            self.key_bits,
+            force=True,
+            allow_insecure_test_key=self.key_bits < 2048,
+        )
+        self.key_fingerprint = keys.fingerprint
+        self.query_signer = keys.signer
         self.timings["key generation"] = time.perf_counter() - started
 
         self.port = free_loopback_port()
@@ -256,6 +259,7 @@ class LocalCluster:
                     "cert": proxy_files.certificate,
                     "key": proxy_files.private_key,
                 },
+                "owners": {"allowed": self.owner_ids},
                 # A verification (epsilon = inf) run only passes an unlimited budget.
                 "budget": {
                     "epsilon": math.inf if self.allow_not_private else self.epsilon_budget,
@@ -287,10 +291,12 @@ class LocalCluster:
                         "path": path,
                         "header": False,
                         "label_column": self.label_column,
-                        "out_of_bounds": "clip",
+                        # Public capacity: the demo's tables are public anyway.
+                        "max_records": max(1, len(table)),
                     },
                     "policy": {
                         "accepted_analyst_keys": [self.key_fingerprint],
+                        "accepted_query_signers": [self.query_signer],
                         "max_epsilon_per_query": self.max_epsilon_per_query,
                         "allow_not_private": self.allow_not_private,
                     },

@@ -15,9 +15,11 @@ __all__ = [
     "NoiseDescription",
     "NoiseMechanism",
     "NoiseSection",
+    "OwnerDecline",
     "QueryResult",
     "QueryState",
     "QueryStatus",
+    "SignedQuery",
 ]
 
 
@@ -43,6 +45,29 @@ class QueryState(StrEnum):
 
 
 @dataclass(frozen=True)
+class SignedQuery:
+    """A query as the analyst submits it: the spec and the analyst's signature over it."""
+
+    spec: QuerySpec
+    signature: bytes = b""
+    signer: str = ""
+    """``ed25519:<hex>`` (:func:`fedpca.signing.signer_id`); empty when unsigned."""
+
+
+@dataclass(frozen=True)
+class OwnerDecline:
+    """One owner's refusal of a query with its public reason code and one line of detail."""
+
+    owner_id: str
+    reason: str
+    detail: str = ""
+
+    def line(self) -> str:
+        """``owner: reason: detail`` for a progress display."""
+        return f"{self.owner_id}: {self.reason}" + (f": {self.detail}" if self.detail else "")
+
+
+@dataclass(frozen=True)
 class QueryStatus:
     """Progress of one query as the proxy reports it.
 
@@ -56,6 +81,8 @@ class QueryStatus:
     deadline : when collection closes (timezone-aware), None before publication.
     failure_reason : set only in state FAILED.
     owners_uploading : owners whose upload is streaming in, not yet complete.
+    declines : every decline so far, with its public reason.
+    owners_registered : owners the proxy accepts (the most that can contribute).
     """
 
     query_id: str
@@ -66,6 +93,8 @@ class QueryStatus:
     deadline: datetime | None = None
     failure_reason: str | None = None
     owners_uploading: int = 0
+    declines: tuple[OwnerDecline, ...] = ()
+    owners_registered: int = 0
 
     @property
     def terminal(self) -> bool:

@@ -65,7 +65,12 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Task:
-    """A request to an owner to contribute to one query."""
+    """A request to an owner to contribute to one query.
+
+    ``query_signature`` and ``query_signer`` are the analyst's, forwarded unchanged by
+    the proxy: the owner answers only queries signed by a signer it pins
+    (:mod:`fedpca.signing`).
+    """
 
     query: QuerySpec
     upload_deadline: datetime
@@ -73,11 +78,21 @@ class Task:
         ObfuscationVariant.FULL,
         ObfuscationVariant.DJN,
     )
+    query_signature: bytes = b""
+    query_signer: str = ""
+    task_id: str = ""
+    """The proxy's key of this query (``analyst/query``); owners answer with it. Empty
+    only for tasks built without a proxy: then the query id is used."""
+
+    @property
+    def key(self) -> str:
+        """What the owner names this task by towards the proxy and in its ledger."""
+        return self.task_id or self.query.query_id
 
 
 @dataclass(frozen=True)
 class TaskCancellation:
-    """Withdraws a previously delivered task."""
+    """Withdraws a previously delivered task (``query_id`` is the task's key)."""
 
     query_id: str
     reason: str
@@ -93,11 +108,20 @@ class DeclineReason(StrEnum):
     POLICY_REFUSAL = "policy_refusal"
     KEY_NOT_PINNED = "key_not_pinned"
     BUDGET_EXHAUSTED = "budget_exhausted"
+    UNSIGNED_QUERY = "unsigned_query"
+
+
+MAX_DECLINE_DETAIL = 300
+"""Characters of a decline's detail the proxy keeps and shows the analyst."""
 
 
 @dataclass(frozen=True)
 class TaskDecline:
-    """An owner's refusal of one task. ``detail`` must not contain data-dependent values."""
+    """An owner's refusal of one task, for a public reason.
+
+    Owners decide from public facts only (docs/privacy.md), so reason and detail go to
+    the analyst; ``detail`` must not contain anything derived from the owner's records.
+    """
 
     query_id: str
     reason: DeclineReason

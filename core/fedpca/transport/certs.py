@@ -343,14 +343,20 @@ def identity_from_context(context: Any) -> NodeIdentity:
     return identity_from_certificate(pems[0])
 
 
-def require_role(context: Any, *roles: Role) -> NodeIdentity:
-    """The peer's identity, if its certificate grants one of ``roles``.
+def require_role(
+    context: Any, *roles: Role, revoked_serials: frozenset[int] = frozenset()
+) -> NodeIdentity:
+    """The peer's identity, if its certificate grants one of ``roles`` and is not revoked.
 
     Raises
     ------
     AuthenticationError
-        No usable certificate, or a role not in ``roles``.
+        No usable certificate, a revoked one, or a role not in ``roles``.
     """
+    if revoked_serials:
+        pems = context.auth_context().get("x509_pem_cert") or []
+        if pems and load_certificate(pems[0]).serial_number in revoked_serials:
+            raise AuthenticationError("the peer's certificate is revoked")
     identity = identity_from_context(context)
     if identity.role not in roles:
         allowed = ", ".join(str(role) for role in roles)

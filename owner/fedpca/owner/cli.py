@@ -94,7 +94,7 @@ def serve_command(config_path: Path, insecure: bool, verbose: int) -> None:
 )
 def budget_command(config_path: Path, delta: float | None) -> None:
     """Print the epsilon spent and left, and every release recorded in the ledger."""
-    from fedpca.owner.ledger import BudgetLedger
+    from fedpca.owner.ledger import owner_ledger
 
     try:
         config = load_config(config_path)
@@ -109,7 +109,7 @@ def budget_command(config_path: Path, delta: float | None) -> None:
         click.echo(f"spent        epsilon=0 at delta={at_delta:g}")
         return
     try:
-        ledger = BudgetLedger(config.ledger_path)
+        ledger = owner_ledger(config)
         entries = ledger.events()
         spent = ledger.spent(at_delta)
     except ConfigError as exc:
@@ -127,7 +127,7 @@ def budget_command(config_path: Path, delta: float | None) -> None:
         task = ledger.task(event.query_id)
         state = task.outcome.value if task is not None else "reserved"
         if entry.not_private:
-            cost = "NOT PRIVATE (epsilon=inf, not composed)"
+            cost = "NOT PRIVATE (epsilon=inf: exhausts a finite budget)"
         else:
             cost = f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.4g}"
         click.echo(

@@ -29,9 +29,6 @@ Nothing here logs values or counts derived from the rows.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,7 +56,6 @@ __all__ = [
     "encrypt_share",
     "padded_rows",
     "record_cap",
-    "spec_digest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +112,11 @@ class LocalTable:
     def n_columns(self) -> int:
         return int(self.columns.shape[1])
 
+    @property
+    def n_features(self) -> int:
+        """Feature columns (the configured label column excluded): a schema fact."""
+        return self.n_columns - (1 if self.label_column is not None else 0)
+
     def table_for(self, spec: QuerySpec) -> OwnerTable:
         """Features (and labels for DCA) of this table as ``spec`` needs them.
 
@@ -168,13 +169,6 @@ class LocalTable:
 def analyst_public_key(spec: QuerySpec) -> paillier.PaillierPublicKey:
     """The analyst's Paillier public key carried by the query."""
     return paillier.PaillierPublicKey(spec.analyst_public_key_n)
-
-
-def spec_digest(spec: QuerySpec) -> str:
-    """SHA-256 over every public parameter of ``spec`` (binds a ledger entry to one query)."""
-    fields = dataclasses.asdict(spec)
-    text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def record_cap(spec: QuerySpec, capacity: int) -> int:

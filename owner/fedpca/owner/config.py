@@ -16,11 +16,20 @@ config can be moved together with its certificates and data)::
     path = "data/owner-1.csv"            # CSV (header auto-detected), .npy or .parquet
     header = "auto"                      # "auto" | true | false
     label_column = 0                     # optional; dropped for PCA, used for DCA
-    out_of_bounds = "clip"               # "clip" | "refuse"
+    max_records = 4096                   # public capacity: queries use at most this many rows
+    [privacy]
+    neighbouring = "add-remove"          # "add-remove" | "replace-one" (the deployment's)
+    accountant = "zcdp"                  # "zcdp" (proven) | "pld-continuous"
     [policy]
-    accepted_analyst_keys = ["sha256:..."]
-    max_epsilon_per_query = 1.0
+    accepted_analyst_keys = ["sha256:..."]      # Paillier keys it encrypts under
+    accepted_query_signers = ["ed25519:..."]    # analysts whose signed queries it answers
+    max_epsilon_per_query = 1.0          # measured at the budget's delta
+    max_delta_per_query = 1e-6           # default: the budget's delta, at most 1e-5
     allow_not_private = false
+    allow_masked_mode = false            # the published protocol: the proxy learns N
+    allowed_kinds = ["pca", "dca"]
+    min_quorum = 1                       # smallest number of owners it contributes with
+    max_tasks_per_day = 100              # releases it takes part in per 24 hours
     [budget]
     epsilon = 10.0
     delta = 1e-5
@@ -41,12 +50,16 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fedpca.codec.paillier import Obfuscation
+from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
+from fedpca.query import Neighbouring, QueryKind
+from fedpca.signing import parse_signer
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
@@ -57,6 +70,7 @@ __all__ = [
     "NodeConfig",
     "OwnerConfig",
     "PolicyConfig",
+    "PrivacyConfig",
     "TlsConfig",
     "load_config",
 ]
@@ -64,7 +78,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HeaderSetting = bool | Literal["auto"]
-OutOfBounds = Literal["clip", "refuse"]
+
+DEFAULT_MAX_TASKS_PER_DAY = 100
+DELTA_CAP = 1e-5
+"""The default per-query delta cap never exceeds this (nor the budget's delta)."""
 
 _FINGERPRINT_RE = re.compile(r"sha256:[0-9a-f]{64}")
 # host:port, host may be a bracketed IPv6 literal; the port is checked numerically.
@@ -120,31 +137,64 @@ class DataConfig:
     label_column : 0-based column (negative counts from the end) holding a class
         label, or None. Dropped from PCA queries; used by DCA queries that do not
         name their own label column.
-    out_of_bounds : "clip" values outside a query's public bounds, or "refuse" the query.
+    max_records : the owner's declared capacity, a *public* number: a query uses
+        at most this many of its records (a uniform sample if the file holds more;
+        per class for DCA), and the owner's work is padded to it, so that neither
+        the result nor the timing reveals how many records it really holds.
     """
 
     path: Path
     header: HeaderSetting = "auto"
     label_column: int | None = None
-    out_of_bounds: OutOfBounds = "clip"
+    max_records: int = 1
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """``[privacy]``: the deployment's neighbouring relation and this ledger's accountant."""
+
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
+    accountant: Accountant = Accountant.ZCDP
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """``[policy]``: which tasks this owner accepts.
+    """``[policy]``: which tasks this owner accepts (decided from public facts only).
 
     Attributes
     ----------
-    accepted_analyst_keys : fingerprints (``sha256:<hex>``) of the analyst keys
-        this owner encrypts under; any other key is declined.
-    max_epsilon_per_query : largest epsilon of a single release.
+    accepted_analyst_keys : fingerprints (``sha256:<hex>``) of the analyst Paillier
+        keys this owner encrypts under; any other key is declined.
+    accepted_query_signers : the analysts' query-signing keys (``ed25519:<hex>``); a
+        task not signed by one of them is declined.
+    max_epsilon_per_query : largest epsilon of a single release, measured at the
+        owner's budget delta (from the release's noise, not its stated epsilon).
+    max_delta_per_query : largest delta a query may state (None: the budget's delta,
+        at most 1e-5).
     allow_not_private : accept ``epsilon = inf`` verification queries (no noise:
-        the analyst learns the exact sums).
+        the analyst learns the exact sums; a finite budget is exhausted by one).
+    allow_masked_mode : take part in the masked (published) protocol, in which the
+        proxy learns this owner's record count.
+    allowed_kinds : query kinds this owner answers.
+    min_quorum : smallest quorum of a query this owner contributes to.
+    max_tasks_per_day : releases this owner takes part in per 24 hours.
     """
 
     accepted_analyst_keys: tuple[str, ...]
     max_epsilon_per_query: float
     allow_not_private: bool = False
+    accepted_query_signers: tuple[str, ...] = ()
+    max_delta_per_query: float | None = None
+    allow_masked_mode: bool = False
+    allowed_kinds: tuple[QueryKind, ...] = (QueryKind.PCA, QueryKind.DCA)
+    min_quorum: int = 1
+    max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY
+
+    def delta_cap(self, budget: PrivacyParams) -> float:
+        """The largest per-query delta this owner accepts under ``budget``."""
+        if self.max_delta_per_query is not None:
+            return self.max_delta_per_query
+        return min(budget.delta, DELTA_CAP)
 
 
 @dataclass(frozen=True)
@@ -182,6 +232,7 @@ class OwnerConfig:
     budget: PrivacyParams
     crypto: CryptoConfig = CryptoConfig()
     source: Path | None = None
+    privacy: PrivacyConfig = PrivacyConfig()
 
     @property
     def ledger_path(self) -> Path:
@@ -190,10 +241,7 @@ class OwnerConfig:
 
     def with_insecure(self, insecure: bool = True) -> OwnerConfig:
         """A copy with ``tls.insecure`` overridden (the ``--insecure`` flag)."""
-        tls = TlsConfig(self.tls.ca, self.tls.cert, self.tls.key, insecure)
-        return OwnerConfig(
-            self.owner, tls, self.data, self.policy, self.budget, self.crypto, self.source
-        )
+        return replace(self, tls=TlsConfig(self.tls.ca, self.tls.cert, self.tls.key, insecure))
 
     @classmethod
     def from_mapping(cls, document: Mapping[str, Any], base_dir: Path) -> OwnerConfig:
@@ -204,7 +252,7 @@ class OwnerConfig:
         ConfigError
             Naming the section and key of the first invalid or unknown entry.
         """
-        sections = {"owner", "tls", "data", "policy", "budget", "crypto"}
+        sections = {"owner", "tls", "data", "privacy", "policy", "budget", "crypto"}
         reject_unknown_keys(document, sections)
         reader = _Reader(base_dir)
         owner = _section(document, "owner", required=True)
@@ -233,7 +281,13 @@ class OwnerConfig:
         )
 
         data_doc = _section(document, "data", required=True)
-        reject_unknown_keys(data_doc, {"path", "header", "label_column", "out_of_bounds"}, "data")
+        if "out_of_bounds" in data_doc:
+            raise ConfigError(
+                "data.out_of_bounds was removed: values outside a query's public bounds are "
+                "always clipped to them, because refusing a query over such a value would "
+                "tell the analyst it exists (docs/privacy.md); delete the key"
+            )
+        reject_unknown_keys(data_doc, {"path", "header", "label_column", "max_records"}, "data")
         data_path = reader.path(data_doc, "data", "path", required=True)
         assert data_path is not None
         header = data_doc.get("header", "auto")
@@ -244,17 +298,37 @@ class OwnerConfig:
             not isinstance(label_column, int) or isinstance(label_column, bool)
         ):
             raise ConfigError(f"data.label_column must be an integer, got {label_column!r}")
-        out_of_bounds = data_doc.get("out_of_bounds", "clip")
-        if out_of_bounds not in ("clip", "refuse"):
+        max_records = data_doc.get("max_records")
+        if max_records is None:
             raise ConfigError(
-                f'data.out_of_bounds must be "clip" or "refuse", got {out_of_bounds!r}'
+                "data.max_records is required: the most records this owner will ever "
+                "contribute (public; queries use a uniform sample if the file holds more)"
             )
-        data = DataConfig(data_path, header, label_column, out_of_bounds)
+        if not isinstance(max_records, int) or isinstance(max_records, bool) or max_records < 1:
+            raise ConfigError(f"data.max_records must be an integer >= 1, got {max_records!r}")
+        data = DataConfig(data_path, header, label_column, max_records)
+
+        privacy_doc = _section(document, "privacy", required=False)
+        reject_unknown_keys(privacy_doc, {"neighbouring", "accountant"}, "privacy")
+        privacy = PrivacyConfig(
+            neighbouring=_choice(privacy_doc, "privacy", "neighbouring", Neighbouring.ADD_REMOVE),
+            accountant=_choice(privacy_doc, "privacy", "accountant", Accountant.ZCDP),
+        )
 
         policy_doc = _section(document, "policy", required=True)
         reject_unknown_keys(
             policy_doc,
-            {"accepted_analyst_keys", "max_epsilon_per_query", "allow_not_private"},
+            {
+                "accepted_analyst_keys",
+                "accepted_query_signers",
+                "max_epsilon_per_query",
+                "max_delta_per_query",
+                "allow_not_private",
+                "allow_masked_mode",
+                "allowed_kinds",
+                "min_quorum",
+                "max_tasks_per_day",
+            },
             "policy",
         )
         keys = policy_doc.get("accepted_analyst_keys")
@@ -269,13 +343,55 @@ class OwnerConfig:
                     f"policy.accepted_analyst_keys[{index}] = {key!r} is not a key fingerprint "
                     '("sha256:" + 64 lowercase hex digits, as printed by the analyst)'
                 )
+        signers = policy_doc.get("accepted_query_signers", [])
+        if not isinstance(signers, list) or not all(isinstance(k, str) for k in signers):
+            raise ConfigError(
+                "policy.accepted_query_signers must be a list of query-signing keys "
+                '("ed25519:<64 hex digits>")'
+            )
+        for index, signer in enumerate(signers):
+            try:
+                parse_signer(signer)
+            except ConfigError as exc:
+                raise ConfigError(f"policy.accepted_query_signers[{index}]: {exc}") from None
+        if not signers:
+            logger.warning(
+                "policy.accepted_query_signers is empty: this owner declines every task "
+                "(tasks must be signed by a pinned analyst)"
+            )
         max_epsilon = reader.number(policy_doc, "policy", "max_epsilon_per_query", required=True)
         if not (max_epsilon > 0):
             raise ConfigError(f"policy.max_epsilon_per_query must be > 0, got {max_epsilon!r}")
+        max_delta: float | None = reader.number(
+            policy_doc, "policy", "max_delta_per_query", required=False
+        )
+        if max_delta is not None and math.isnan(max_delta):
+            max_delta = None
+        if max_delta is not None and not (0 < max_delta < 1):
+            raise ConfigError(f"policy.max_delta_per_query must be in (0, 1), got {max_delta!r}")
+        kinds = policy_doc.get("allowed_kinds", [k.value for k in QueryKind])
+        if not isinstance(kinds, list) or not kinds:
+            raise ConfigError("policy.allowed_kinds must be a non-empty list of query kinds")
+        try:
+            allowed_kinds = tuple(QueryKind(k) for k in kinds)
+        except ValueError:
+            raise ConfigError(
+                f"policy.allowed_kinds: {kinds!r}; choose from {[k.value for k in QueryKind]}"
+            ) from None
         policy = PolicyConfig(
             tuple(keys),
             max_epsilon,
             reader.boolean(policy_doc, "policy", "allow_not_private", default=False),
+            accepted_query_signers=tuple(signers),
+            max_delta_per_query=max_delta,
+            allow_masked_mode=reader.boolean(
+                policy_doc, "policy", "allow_masked_mode", default=False
+            ),
+            allowed_kinds=allowed_kinds,
+            min_quorum=_positive_int(policy_doc, "policy", "min_quorum", 1),
+            max_tasks_per_day=_positive_int(
+                policy_doc, "policy", "max_tasks_per_day", DEFAULT_MAX_TASKS_PER_DAY
+            ),
         )
 
         budget_doc = _section(document, "budget", required=True)
@@ -290,6 +406,11 @@ class OwnerConfig:
             budget = PrivacyParams(budget_epsilon, budget_delta)
         except ConfigError as exc:
             raise ConfigError(f"budget: {exc}") from exc
+        if policy.max_delta_per_query is not None and policy.max_delta_per_query > budget.delta:
+            raise ConfigError(
+                f"policy.max_delta_per_query = {policy.max_delta_per_query:g} exceeds "
+                f"budget.delta = {budget.delta:g}"
+            )
 
         crypto_doc = _section(document, "crypto", required=False)
         reject_unknown_keys(crypto_doc, {"processes", "obfuscation"}, "crypto")
@@ -304,7 +425,7 @@ class OwnerConfig:
                 f'crypto.obfuscation must be "djn" or "standard", got {obfuscation_name!r}'
             ) from None
         crypto = CryptoConfig(processes, obfuscation)
-        return cls(node, tls, data, policy, budget, crypto)
+        return cls(node, tls, data, policy, budget, crypto, privacy=privacy)
 
 
 def load_config(path: str | os.PathLike[str]) -> OwnerConfig:
@@ -324,6 +445,25 @@ def load_config(path: str | os.PathLike[str]) -> OwnerConfig:
 
 
 # ------------------------------------------------------------------ helpers
+
+
+_Choice = TypeVar("_Choice", bound=StrEnum)
+
+
+def _choice(document: Mapping[str, Any], section: str, key: str, default: _Choice) -> _Choice:
+    value = document.get(key, default.value)
+    try:
+        return type(default)(value)
+    except ValueError:
+        choices = ", ".join(repr(c.value) for c in type(default))
+        raise ConfigError(f"{section}.{key} must be one of {choices}, got {value!r}") from None
+
+
+def _positive_int(document: Mapping[str, Any], section: str, key: str, default: int) -> int:
+    value = document.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{section}.{key} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _section(document: Mapping[str, Any], name: str, *, required: bool) -> Mapping[str, Any]:

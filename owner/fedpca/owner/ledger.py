@@ -61,6 +61,7 @@ from pathlib import Path
 from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
+from fedpca.owner.config import OwnerConfig
 from fedpca.query import Neighbouring
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "LedgerEntry",
     "TaskOutcome",
     "TaskRecord",
+    "owner_ledger",
 ]
 
 logger = logging.getLogger(__name__)
@@ -564,3 +566,12 @@ def _remaining(budget: PrivacyParams, spent: float) -> float:
     if math.isnan(spent):
         return math.nan
     return max(0.0, budget.epsilon - spent)
+
+
+def owner_ledger(config: OwnerConfig) -> BudgetLedger:
+    """The ledger of an owner's configuration (its state folder, relation and accountant)."""
+    return BudgetLedger(
+        config.ledger_path,
+        neighbouring=config.privacy.neighbouring,
+        accountant=config.privacy.accountant,
+    )

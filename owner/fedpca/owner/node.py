@@ -37,7 +37,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,12 +49,8 @@ from fedpca.errors import (
     BudgetExceededError,
     CalibrationError,
     ConfigError,
-    DataError,
-    EncodingOverflowError,
-    LayoutError,
     PolicyError,
     ProtocolError,
-    UntrustedKeyError,
 )
 from fedpca.messages import (
     PROTOCOL_VERSION,
@@ -71,12 +67,12 @@ from fedpca.messages import (
     blocks_of,
     new_upload_id,
 )
-from fedpca.owner.compute import LocalTable, encrypt_share, spec_digest
+from fedpca.owner.compute import LocalTable, encrypt_share, record_cap
 from fedpca.owner.config import OwnerConfig
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome
-from fedpca.owner.policy import check_key, check_privacy
+from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.policy import SECONDS_PER_DAY, Refusal, check_task
 from fedpca.protocol import ReleasePlan
-from fedpca.query import ProtocolMode, QuerySpec
+from fedpca.query import ProtocolMode, spec_digest
 from fedpca.transport import serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
@@ -96,13 +92,6 @@ RETRYABLE_CODES = frozenset(
     }
 )
 """Statuses that say "try again later"; every other failure of an upload is final."""
-
-# Generic decline detail for data-fit refusals: the detail reaches the proxy and
-# the analyst, so it must not depend on the rows (counts included).
-_DATA_FIT_DETAIL = (
-    "the query does not fit this owner's data (feature count, label column, class labels or "
-    "public bounds); see the owner's log"
-)
 
 
 @dataclass(frozen=True)
@@ -250,7 +239,7 @@ class OwnerNode:
                     f"tls.cert {config.tls.cert} is the certificate of {self._tls.identity}, "
                     f"but this node is {expected}"
                 )
-        self.ledger = BudgetLedger(config.ledger_path)
+        self.ledger = owner_ledger(config)
         self._owns_pool = pool is None
         processes = config.crypto.processes or None
         self._pool = pool if pool is not None else CryptoPool(processes)
@@ -266,13 +255,17 @@ class OwnerNode:
         self._max_message_bytes = UPLOAD_CHUNK_BYTES
         self.connected = threading.Event()
         """Set while a task stream is open (for tests and health checks)."""
-        # The record count is a statistic of the data: routine logs leave it out.
+        # The record count is a statistic of the data: logs carry the public capacity.
         logger.info(
-            "owner %s ready: table of %d columns, budget epsilon=%g delta=%g",
+            "owner %s ready: table of %d features%s, capacity %d records, budget epsilon=%g "
+            "delta=%g under %s adjacency",
             config.owner.id,
-            self.table.n_columns,
+            self.table.n_features,
+            " and a label column" if self.table.label_column is not None else "",
+            config.data.max_records,
             config.budget.epsilon,
             config.budget.delta,
+            config.privacy.neighbouring.value,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -429,7 +422,7 @@ class OwnerNode:
             with self._lock:
                 self._cancelled.add(event.query_id)
             return
-        query_id = event.query.query_id
+        query_id = event.key
         with self._lock:
             if query_id in self._queued:
                 logger.debug("query %s: already queued", query_id)
@@ -451,10 +444,10 @@ class OwnerNode:
                 self.process_task(stub, task)
             except Exception:
                 # A bug must not kill the worker: later tasks still deserve an answer.
-                logger.exception("query %s: unexpected failure", task.query.query_id)
+                logger.exception("query %s: unexpected failure", task.key)
             finally:
                 with self._lock:
-                    self._queued.discard(task.query.query_id)
+                    self._queued.discard(task.key)
 
     def _is_cancelled(self, query_id: str) -> bool:
         with self._lock:
@@ -471,8 +464,7 @@ class OwnerNode:
             handled) or the upload gave up on a transient failure (it stays
             open for a re-delivery).
         """
-        spec = task.query
-        query_id = spec.query_id
+        query_id = task.key
         if self.ledger.is_handled(query_id):
             logger.info("query %s: already handled", query_id)
             return None
@@ -494,33 +486,32 @@ class OwnerNode:
         return self._upload(stub, task, upload_id, messages)
 
     def _prepare(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
-        """Policy, budget and encryption; stores the upload messages, or declines."""
+        """Public checks, budget and encryption; stores the upload messages, or declines.
+
+        Every decline happens before the records are looked at, for a public reason
+        (:mod:`fedpca.owner.policy`); after the budget is reserved the share is computed
+        and encrypted whatever the records hold.
+        """
         spec = task.query
-        query_id = spec.query_id
-        decline = DeclineReason
+        query_id = task.key
+        day_ago = time.time() - SECONDS_PER_DAY
+        decision = check_task(
+            task,
+            self.config,
+            self.table,
+            releases_last_day=self.ledger.reservations_since(day_ago),
+        )
+        if isinstance(decision, Refusal):
+            return self._decline(stub, query_id, decision.reason, decision.detail)
         try:
-            check_key(spec, self.config.policy)
-        except UntrustedKeyError as exc:
-            return self._decline(stub, spec, decline.KEY_NOT_PINNED, str(exc), str(exc))
-        try:
-            check_privacy(spec, self.config.policy)
             obfuscation = choose_obfuscation(
                 self.config.crypto.obfuscation, task.accepted_obfuscation_variants
             )
         except PolicyError as exc:
-            return self._decline(stub, spec, decline.POLICY_REFUSAL, str(exc), str(exc))
-        try:
-            table = self.table.table_for(spec)
-        except PolicyError as exc:
-            return self._decline(stub, spec, decline.POLICY_REFUSAL, _DATA_FIT_DETAIL, str(exc))
-        key_bits = spec.analyst_public_key_n.bit_length()
-        try:
-            plan = ReleasePlan.for_query(spec, key_bits)
-        except (ConfigError, LayoutError, EncodingOverflowError) as exc:
-            # Depends only on the public query: safe to tell the analyst.
-            return self._decline(stub, spec, decline.POLICY_REFUSAL, str(exc), str(exc))
-
-        event = plan.privacy_event(analyst=spec.analyst_key_fingerprint)
+            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
+        plan = decision.plan
+        # The ledger keys releases by the task's key (scoped by analyst at the proxy).
+        event = replace(plan.privacy_event(analyst=spec.analyst_key_fingerprint), query_id=query_id)
         try:
             budget = self.ledger.reserve(
                 event,
@@ -529,26 +520,9 @@ class OwnerNode:
                 allow_not_private=self.config.policy.allow_not_private,
             )
         except BudgetExceededError as exc:
-            return self._decline(
-                stub,
-                spec,
-                decline.BUDGET_EXHAUSTED,
-                "this owner's privacy budget cannot cover the release",
-                str(exc),
-            )
-        except CalibrationError as exc:
-            # Too little noise for the privacy accountant (a huge epsilon); the
-            # message may describe this owner's ledger, so it stays in the log.
-            return self._decline(
-                stub,
-                spec,
-                decline.POLICY_REFUSAL,
-                "the release has less noise than this owner's privacy accountant supports "
-                "(epsilon too large)",
-                str(exc),
-            )
-        except PolicyError as exc:
-            return self._decline(stub, spec, decline.POLICY_REFUSAL, str(exc), str(exc))
+            return self._decline(stub, query_id, DeclineReason.BUDGET_EXHAUSTED, str(exc))
+        except (CalibrationError, PolicyError) as exc:
+            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
         logger.info(
             "query %s: budget reserved (epsilon spent %.6g -> %.6g of %g%s)",
             query_id,
@@ -559,21 +533,21 @@ class OwnerNode:
         )
 
         started = time.perf_counter()
+        capacity = self.config.data.max_records
         try:
             shares = encrypt_share(
                 spec,
-                table,
+                decision.table,
                 self._pool,
+                capacity=capacity,
                 plan=plan,
-                out_of_bounds=self.config.data.out_of_bounds,
                 obfuscation=obfuscation,
                 progress=_ProgressLog(query_id),
             )
-        except (DataError, EncodingOverflowError, LayoutError, PolicyError) as exc:
-            # Nothing left the node: refund, then decline without data-dependent detail.
-            self.ledger.cancel_reservation(query_id)
-            return self._decline(stub, spec, decline.POLICY_REFUSAL, _DATA_FIT_DETAIL, str(exc))
         except BaseException:
+            # Not a decline: nothing here depends on the records (a crash or a bug).
+            # Nothing left the node, so the reservation is refunded; the task stays
+            # open and a re-delivery tries again.
             self.ledger.cancel_reservation(query_id)
             raise
         logger.info(
@@ -583,7 +557,13 @@ class OwnerNode:
             sum(len(s.ciphertexts) for s in shares.values()),
             time.perf_counter() - started,
         )
-        record_count = self.table.n_records if spec.mode is ProtocolMode.MASKED else None
+        # Masked mode publishes the count of records the statistics cover (its relation,
+        # replace-one, makes it public); stats mode keeps it inside the noised release.
+        record_count = (
+            min(decision.table.features.shape[0], record_cap(spec, capacity))
+            if spec.mode is ProtocolMode.MASKED
+            else None
+        )
         upload_id = new_upload_id()
         messages = serde.encode_upload(
             query_id,
@@ -603,7 +583,7 @@ class OwnerNode:
         upload_id: str,
         messages: list[owner_pb.UploadMessage],
     ) -> TaskOutcome | None:
-        query_id = task.query.query_id
+        query_id = task.key
         # From here on data derived from the rows may leave: no refund any more.
         self.ledger.record_task(query_id, TaskOutcome.UPLOADING, upload_id=upload_id)
         attempts = self.retry.upload_attempts
@@ -683,14 +663,17 @@ class OwnerNode:
     def _decline(
         self,
         stub: owner_grpc.OwnerServiceStub,
-        spec: QuerySpec,
+        query_id: str,
         reason: DeclineReason,
         detail: str,
-        log_message: str,
     ) -> TaskOutcome | None:
-        """Send DeclineTask (with retries); record it once the proxy acknowledged."""
-        logger.warning("query %s: declined (%s): %s", spec.query_id, reason.value, log_message)
-        message = serde.task_decline_to_proto(TaskDecline(spec.query_id, reason, detail))
+        """Send DeclineTask (with retries); record it once the proxy acknowledged.
+
+        Declines happen only for public reasons (:mod:`fedpca.owner.policy`), so the
+        detail goes to the proxy and the analyst as it is logged here.
+        """
+        logger.warning("query %s: declined (%s): %s", query_id, reason.value, detail)
+        message = serde.task_decline_to_proto(TaskDecline(query_id, reason, detail))
         for attempt in range(self.retry.decline_attempts):
             try:
                 stub.DeclineTask(message, timeout=self.retry.call_timeout)
@@ -698,7 +681,7 @@ class OwnerNode:
                 retry = _code(err) in RETRYABLE_CODES and attempt + 1 < self.retry.decline_attempts
                 logger.warning(
                     "query %s: could not deliver the decline (%s: %s)%s",
-                    spec.query_id,
+                    query_id,
                     _code_name(err),
                     _details(err),
                     "; retrying" if retry else "",
@@ -710,9 +693,7 @@ class OwnerNode:
                     RetryPolicy.delay(attempt, self.retry.backoff_initial, self.retry.backoff_max)
                 )
                 continue
-            self.ledger.record_task(
-                spec.query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}"
-            )
+            self.ledger.record_task(query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}")
             return TaskOutcome.DECLINED
         return None  # pragma: no cover - the loop always returns
 

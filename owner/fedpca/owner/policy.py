@@ -1,35 +1,98 @@
-"""The owner's local policy: which tasks it is willing to answer at all.
+"""The owner's decision to take part in a query, from public facts only.
 
-Checked before the budget and before any computation, in this order:
+Everything here looks at the signed query, the owner's configuration, the schema of
+its table (column count and configured label column, facts the owner could publish)
+and the time; never at its records. A refusal therefore reveals nothing about the
+data and goes back to the analyst with its reason (docs/privacy.md, "Decisions from
+public facts"). Once :func:`check_task` has passed and the budget is reserved, the
+owner uploads a share of the agreed shape whatever its rows hold.
 
-1. **Key pinning.** The query must name an analyst key fingerprint the owner
-   lists in ``policy.accepted_analyst_keys`` *and* the modulus the query carries
-   must hash to that fingerprint. The second check is what stops a curious proxy
-   that forwards a genuine fingerprint with its own modulus: the owner would
-   otherwise encrypt under a key the proxy can decrypt. Both failures raise
-   :class:`~fedpca.errors.UntrustedKeyError` (declined as KEY_NOT_PINNED).
-2. **Privacy caps.** ``epsilon`` at most ``policy.max_epsilon_per_query``;
-   ``epsilon = inf`` (no noise) only with ``policy.allow_not_private``.
-3. **Data fit** (when the local table is given): the query's feature count and,
-   for DCA, its label column and public class labels must fit the data.
+Checks, in order, with the decline reason each failure is reported under:
 
-Failures of 2 and 3 raise :class:`~fedpca.errors.PolicyError` (POLICY_REFUSAL).
+1. **Signature** (UNSIGNED_QUERY): the task carries a signature by one of
+   ``policy.accepted_query_signers`` over exactly this query, so a malicious proxy
+   cannot invent tasks.
+2. **Key pinning** (KEY_NOT_PINNED): the analyst's Paillier key is pinned in
+   ``policy.accepted_analyst_keys`` *and* the modulus the query carries hashes to it
+   (a curious proxy forwarding a pinned fingerprint with its own modulus would
+   otherwise receive shares it can decrypt).
+3. **Policy** (POLICY_REFUSAL): the deployment's neighbouring relation, allowed query
+   kinds, masked mode only if allowed, ``epsilon = inf`` only if allowed, delta at most
+   the per-query cap, the query's quorum at least ``policy.min_quorum``, at most
+   ``policy.max_tasks_per_day`` releases in the last 24 hours, the table's schema, a
+   release plan this owner can derive, and epsilon at most
+   ``policy.max_epsilon_per_query`` *measured at the owner's budget delta* from the
+   release's own noise (a large stated delta cannot make a weak release look cheap).
+
+The budget itself (BUDGET_EXHAUSTED) is checked by the ledger when the release is
+reserved.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 from fedpca.codec.keys import key_fingerprint
-from fedpca.errors import PolicyError, UntrustedKeyError
+from fedpca.dp.accounting import compose_epsilon
+from fedpca.errors import (
+    CalibrationError,
+    ConfigError,
+    EncodingOverflowError,
+    LayoutError,
+    PolicyError,
+    UntrustedKeyError,
+)
+from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import LocalTable, analyst_public_key
-from fedpca.owner.config import PolicyConfig
-from fedpca.query import QuerySpec
+from fedpca.owner.config import OwnerConfig, PolicyConfig
+from fedpca.protocol import ReleasePlan
+from fedpca.query import ProtocolMode, QuerySpec
+from fedpca.signing import verify_query
+from fedpca.tables import OwnerTable
 
-__all__ = ["check_key", "check_privacy", "check_task"]
+__all__ = ["Refusal", "TaskAccepted", "check_key", "check_signature", "check_task"]
 
 logger = logging.getLogger(__name__)
+
+SECONDS_PER_DAY = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an owner declines a task: a public reason code and one line of explanation."""
+
+    reason: DeclineReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class TaskAccepted:
+    """What :func:`check_task` derived for a task it accepts."""
+
+    plan: ReleasePlan
+    table: OwnerTable
+
+
+def check_signature(task: Task, policy: PolicyConfig) -> None:
+    """Refuse a task whose query is not signed by a pinned analyst.
+
+    Raises
+    ------
+    UntrustedKeyError
+    """
+    spec = task.query
+    if task.query_signer not in policy.accepted_query_signers:
+        raise UntrustedKeyError(
+            f"query {spec.query_id!r} is "
+            + (f"signed by {task.query_signer}" if task.query_signer else "not signed")
+            + ", not by a signer in policy.accepted_query_signers"
+        )
+    try:
+        verify_query(spec, task.query_signature, task.query_signer)
+    except ConfigError as exc:
+        raise UntrustedKeyError(str(exc)) from None
 
 
 def check_key(spec: QuerySpec, policy: PolicyConfig) -> None:
@@ -53,44 +116,91 @@ def check_key(spec: QuerySpec, policy: PolicyConfig) -> None:
         )
 
 
-def check_privacy(spec: QuerySpec, policy: PolicyConfig) -> None:
-    """Refuse epsilon above the per-query cap, and epsilon = inf unless allowed.
-
-    Raises
-    ------
-    PolicyError
-    """
+def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) -> None:
+    policy = config.policy
+    if spec.neighbouring is not config.privacy.neighbouring:
+        raise PolicyError(
+            f"the query is stated for {spec.neighbouring.value} adjacency; this deployment "
+            f"accounts under {config.privacy.neighbouring.value}"
+        )
+    if spec.kind not in policy.allowed_kinds:
+        raise PolicyError(
+            f"{spec.kind.value} queries are not in policy.allowed_kinds "
+            f"({', '.join(k.value for k in policy.allowed_kinds)})"
+        )
+    if spec.mode is ProtocolMode.MASKED and not policy.allow_masked_mode:
+        raise PolicyError(
+            "masked mode reveals this owner's record count to the proxy; "
+            "policy.allow_masked_mode is false"
+        )
     if math.isinf(spec.epsilon):
         if not policy.allow_not_private:
             raise PolicyError(
-                f"query {spec.query_id!r} asks for epsilon = inf (no noise, NOT PRIVATE); "
+                "the query asks for epsilon = inf (no noise, NOT PRIVATE); "
                 "policy.allow_not_private is false"
             )
-    elif spec.epsilon > policy.max_epsilon_per_query:
+    elif spec.delta > policy.delta_cap(config.budget):
         raise PolicyError(
-            f"query {spec.query_id!r} asks for epsilon = {spec.epsilon:g}, above "
-            f"policy.max_epsilon_per_query = {policy.max_epsilon_per_query:g}"
+            f"the query's delta {spec.delta:g} is above this owner's per-query cap "
+            f"{policy.delta_cap(config.budget):g}"
+        )
+    if spec.quorum < policy.min_quorum:
+        raise PolicyError(
+            f"the query's quorum {spec.quorum} is below policy.min_quorum = {policy.min_quorum}"
+        )
+    if releases_last_day >= policy.max_tasks_per_day:
+        raise PolicyError(
+            f"this owner took part in {releases_last_day} releases in the last 24 hours "
+            f"(policy.max_tasks_per_day = {policy.max_tasks_per_day})"
         )
 
 
-def check_task(spec: QuerySpec, policy: PolicyConfig, table: LocalTable | None = None) -> None:
-    """Refuse a query this owner's policy does not allow.
+def _check_epsilon_at_budget_delta(plan: ReleasePlan, config: OwnerConfig) -> None:
+    if not plan.private:
+        return
+    event = plan.privacy_event(analyst=plan.spec.analyst_key_fingerprint)
+    at = config.budget.delta
+    try:
+        epsilon = compose_epsilon([event], at, config.privacy.accountant)
+    except CalibrationError as exc:
+        raise PolicyError(f"the release has too little noise to be accounted: {exc}") from None
+    if epsilon > config.policy.max_epsilon_per_query:
+        raise PolicyError(
+            f"the release costs epsilon = {epsilon:.4g} at this owner's budget delta {at:g}, "
+            f"above policy.max_epsilon_per_query = {config.policy.max_epsilon_per_query:g}"
+        )
+
+
+def check_task(
+    task: Task, config: OwnerConfig, table: LocalTable, *, releases_last_day: int = 0
+) -> TaskAccepted | Refusal:
+    """Decide from public facts whether this owner takes part in ``task``.
 
     Parameters
     ----------
-    spec : the public query of the task.
-    policy : the owner's ``[policy]``.
-    table : the owner's data; when given, the query must fit it.
+    task : the task as the proxy delivered it (query, signature, signer).
+    config : the owner's configuration.
+    table : the owner's table (only its schema is looked at).
+    releases_last_day : releases this owner's ledger recorded in the last 24 hours.
 
-    Raises
-    ------
-    UntrustedKeyError
-        The analyst key is not pinned, or the modulus does not match the fingerprint.
-    PolicyError
-        Epsilon above the per-query cap, a NOT PRIVATE query without
-        ``allow_not_private``, or a query that does not fit the data.
+    Returns
+    -------
+    TaskAccepted with the release plan and the query's columns, or the Refusal to send.
     """
-    check_key(spec, policy)
-    check_privacy(spec, policy)
-    if table is not None:
-        table.table_for(spec)
+    spec = task.query
+    try:
+        check_signature(task, config.policy)
+    except UntrustedKeyError as exc:
+        return Refusal(DeclineReason.UNSIGNED_QUERY, str(exc))
+    try:
+        check_key(spec, config.policy)
+    except UntrustedKeyError as exc:
+        return Refusal(DeclineReason.KEY_NOT_PINNED, str(exc))
+    try:
+        _check_policy(spec, config, releases_last_day)
+        columns = table.table_for(spec)
+        plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+        _check_epsilon_at_budget_delta(plan, config)
+    except (PolicyError, ConfigError, CalibrationError, LayoutError, EncodingOverflowError) as exc:
+        return Refusal(DeclineReason.POLICY_REFUSAL, str(exc))
+    return TaskAccepted(plan, columns)

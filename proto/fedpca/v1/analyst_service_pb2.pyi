@@ -39,10 +39,14 @@ NOISE_MECHANISM_GAUSSIAN: NoiseMechanism
 NOISE_MECHANISM_NONE: NoiseMechanism
 
 class SubmitQueryRequest(_message.Message):
-    __slots__ = ("query",)
+    __slots__ = ("query", "query_signature", "query_signer")
     QUERY_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SIGNER_FIELD_NUMBER: _ClassVar[int]
     query: _query_pb2.QuerySpec
-    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ...) -> None: ...
+    query_signature: bytes
+    query_signer: str
+    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., query_signature: _Optional[bytes] = ..., query_signer: _Optional[str] = ...) -> None: ...
 
 class QueryRef(_message.Message):
     __slots__ = ("query_id",)
@@ -51,7 +55,7 @@ class QueryRef(_message.Message):
     def __init__(self, query_id: _Optional[str] = ...) -> None: ...
 
 class QueryStatus(_message.Message):
-    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading")
+    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading", "declines", "owners_registered")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +64,8 @@ class QueryStatus(_message.Message):
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     OWNERS_UPLOADING_FIELD_NUMBER: _ClassVar[int]
+    DECLINES_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     state: QueryState
     owners_contributed: int
@@ -68,7 +74,19 @@ class QueryStatus(_message.Message):
     deadline: _timestamp_pb2.Timestamp
     failure_reason: str
     owners_uploading: int
-    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ...) -> None: ...
+    declines: _containers.RepeatedCompositeFieldContainer[OwnerDecline]
+    owners_registered: int
+    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ..., declines: _Optional[_Iterable[_Union[OwnerDecline, _Mapping]]] = ..., owners_registered: _Optional[int] = ...) -> None: ...
+
+class OwnerDecline(_message.Message):
+    __slots__ = ("owner_id", "reason", "detail")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    reason: str
+    detail: str
+    def __init__(self, owner_id: _Optional[str] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class NoiseSection(_message.Message):
     __slots__ = ("name", "sigma")

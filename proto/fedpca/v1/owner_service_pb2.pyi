@@ -24,6 +24,7 @@ class DeclineReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECLINE_REASON_POLICY_REFUSAL: _ClassVar[DeclineReason]
     DECLINE_REASON_KEY_NOT_PINNED: _ClassVar[DeclineReason]
     DECLINE_REASON_BUDGET_EXHAUSTED: _ClassVar[DeclineReason]
+    DECLINE_REASON_UNSIGNED_QUERY: _ClassVar[DeclineReason]
 OBFUSCATION_VARIANT_UNSPECIFIED: ObfuscationVariant
 OBFUSCATION_VARIANT_FULL: ObfuscationVariant
 OBFUSCATION_VARIANT_DJN_SHORT_EXPONENT: ObfuscationVariant
@@ -31,6 +32,7 @@ DECLINE_REASON_UNSPECIFIED: DeclineReason
 DECLINE_REASON_POLICY_REFUSAL: DeclineReason
 DECLINE_REASON_KEY_NOT_PINNED: DeclineReason
 DECLINE_REASON_BUDGET_EXHAUSTED: DeclineReason
+DECLINE_REASON_UNSIGNED_QUERY: DeclineReason
 
 class OwnerHello(_message.Message):
     __slots__ = ("node_id", "software_version", "obfuscation_variants")
@@ -83,14 +85,20 @@ class Heartbeat(_message.Message):
     def __init__(self, sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("query", "upload_deadline", "accepted_obfuscation_variants")
+    __slots__ = ("query", "upload_deadline", "accepted_obfuscation_variants", "query_signature", "query_signer", "task_id")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_OBFUSCATION_VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SIGNER_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
     query: _query_pb2.QuerySpec
     upload_deadline: _timestamp_pb2.Timestamp
     accepted_obfuscation_variants: _containers.RepeatedScalarFieldContainer[ObfuscationVariant]
-    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., upload_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., accepted_obfuscation_variants: _Optional[_Iterable[_Union[ObfuscationVariant, str]]] = ...) -> None: ...
+    query_signature: bytes
+    query_signer: str
+    task_id: str
+    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., upload_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., accepted_obfuscation_variants: _Optional[_Iterable[_Union[ObfuscationVariant, str]]] = ..., query_signature: _Optional[bytes] = ..., query_signer: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class TaskCancellation(_message.Message):
     __slots__ = ("query_id", "reason")

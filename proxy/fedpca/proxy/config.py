@@ -14,6 +14,15 @@ configuration file, so a deployment directory can be moved as a whole)::
     cert = "certs/proxy/proxy/cert.pem"
     key = "certs/proxy/proxy/key.pem"
     insecure = false             # true only for local experiments: WARNING on every start
+    revoked_serials = []         # certificates refused although the CA signed them (hex)
+
+    [owners]                     # the owners this proxy accepts (their certificate ids)
+    allowed = ["hospital-a", "hospital-b"]
+
+    [privacy]
+    neighbouring = "add-remove"  # the deployment's relation: "add-remove" | "replace-one"
+    accountant = "zcdp"          # "zcdp" (proven) | "pld-continuous"
+    max_delta_per_query = 1e-6   # default: the default budget's delta, at most 1e-5
 
     [budget]                     # default per-analyst total budget
     epsilon = 10.0
@@ -40,14 +49,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
+from fedpca.query import Neighbouring
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
 __all__ = [
     "BudgetConfig",
     "CryptoConfig",
+    "OwnersConfig",
+    "PrivacySection",
     "ProxyConfig",
     "ProxySection",
     "TlsConfig",
@@ -60,6 +73,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 DEFAULT_MAX_UPLOAD_MIB = 256.0
+DELTA_CAP = 1e-5
+"""The default per-query delta cap never exceeds this (nor the default budget's delta)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,9 @@ class TlsConfig:
     cert: Path | None = None
     key: Path | None = None
     insecure: bool = False
+    revoked_serials: frozenset[int] = frozenset()
+    """Serial numbers of certificates refused although the CA signed them (docs/operations.md,
+    "Revoking a certificate")."""
 
     def files(self) -> TlsFiles:
         """The TLS file paths; ConfigError if one is missing (and not insecure)."""
@@ -109,6 +127,32 @@ class BudgetConfig:
 
 
 @dataclass(frozen=True)
+class OwnersConfig:
+    """``[owners]``: which owners this proxy accepts.
+
+    Any certificate the CA signed authenticates a node, but only the listed owner ids
+    may enrol, receive tasks, upload or decline.
+    """
+
+    allowed: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class PrivacySection:
+    """``[privacy]``: the deployment's neighbouring relation and per-query caps."""
+
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
+    accountant: Accountant = Accountant.ZCDP
+    max_delta_per_query: float | None = None
+    """Largest delta a query may state (None: the default budget's delta, at most 1e-5)."""
+
+    def delta_cap(self, budget: PrivacyParams) -> float:
+        if self.max_delta_per_query is not None:
+            return self.max_delta_per_query
+        return min(budget.delta, DELTA_CAP)
+
+
+@dataclass(frozen=True)
 class CryptoConfig:
     """``[crypto]``: the process pool that encrypts noise and computes the mask."""
 
@@ -131,6 +175,8 @@ class ProxyConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     crypto: CryptoConfig = field(default_factory=CryptoConfig)
+    owners: OwnersConfig = field(default_factory=OwnersConfig)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
 
     def with_overrides(self, *, listen: str | None = None, insecure: bool = False) -> ProxyConfig:
         """A copy with command-line overrides applied (flags win over the file)."""
@@ -162,7 +208,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     document : the parsed TOML tables.
     base_dir : folder relative paths are resolved against.
     """
-    reject_unknown_keys(document, {"proxy", "tls", "budget", "crypto"})
+    reject_unknown_keys(document, {"proxy", "tls", "owners", "privacy", "budget", "crypto"})
     proxy_table = _table(document, "proxy")
     tls_table = _table(document, "tls")
     budget_table = _table(document, "budget")
@@ -192,12 +238,13 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         max_upload_mib=max_upload,
     )
 
-    reject_unknown_keys(tls_table, {"ca", "cert", "key", "insecure"}, "tls")
+    reject_unknown_keys(tls_table, {"ca", "cert", "key", "insecure", "revoked_serials"}, "tls")
     tls = TlsConfig(
         ca=_optional_path(base_dir, tls_table, "tls.ca"),
         cert=_optional_path(base_dir, tls_table, "tls.cert"),
         key=_optional_path(base_dir, tls_table, "tls.key"),
         insecure=_bool(tls_table, "tls.insecure", False),
+        revoked_serials=_serials(tls_table.get("revoked_serials", [])),
     )
     if not tls.insecure:
         tls.files()  # names the missing key now rather than at bind time
@@ -226,7 +273,67 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         processes=processes,
         allow_insecure_test_keys=_bool(crypto_table, "crypto.allow_insecure_test_keys", False),
     )
-    return ProxyConfig(proxy=proxy, tls=tls, budget=budget, crypto=crypto)
+    return ProxyConfig(
+        proxy=proxy,
+        tls=tls,
+        budget=budget,
+        crypto=crypto,
+        owners=_owners(_table(document, "owners")),
+        privacy=_privacy_section(_table(document, "privacy"), default),
+    )
+
+
+def _serials(serials: Any) -> frozenset[int]:
+    if not isinstance(serials, list):
+        raise ConfigError("tls.revoked_serials must be a list of hex serial numbers")
+    revoked: set[int] = set()
+    for index, serial in enumerate(serials):
+        try:
+            revoked.add(int(str(serial).replace(":", ""), 16))
+        except ValueError:
+            raise ConfigError(
+                f"tls.revoked_serials[{index}] = {serial!r} is not a hex serial number "
+                "(as `fedpca certs show` prints it)"
+            ) from None
+    return frozenset(revoked)
+
+
+def _owners(table: Mapping[str, Any]) -> OwnersConfig:
+    reject_unknown_keys(table, {"allowed"}, "owners")
+    allowed = table.get("allowed")
+    if allowed is None:
+        raise ConfigError(
+            "owners.allowed is required: the list of owner ids (as in their certificates) this "
+            'proxy accepts, e.g. allowed = ["hospital-a", "hospital-b"]'
+        )
+    if not isinstance(allowed, list) or not all(isinstance(a, str) for a in allowed):
+        raise ConfigError(f"owners.allowed must be a list of owner ids, got {allowed!r}")
+    for index, owner_id in enumerate(allowed):
+        try:
+            validate_node_id(owner_id)
+        except ConfigError as exc:
+            raise ConfigError(f"owners.allowed[{index}]: {exc}") from exc
+    if len(set(allowed)) != len(allowed):
+        raise ConfigError("owners.allowed lists an owner twice")
+    return OwnersConfig(frozenset(allowed))
+
+
+def _privacy_section(table: Mapping[str, Any], budget: PrivacyParams) -> PrivacySection:
+    reject_unknown_keys(table, {"neighbouring", "accountant", "max_delta_per_query"}, "privacy")
+    try:
+        neighbouring = Neighbouring(table.get("neighbouring", Neighbouring.ADD_REMOVE.value))
+        accountant = Accountant(table.get("accountant", Accountant.ZCDP.value))
+    except ValueError as exc:
+        raise ConfigError(
+            f"privacy: {exc}; neighbouring is 'add-remove' or 'replace-one', accountant is "
+            "'zcdp' or 'pld-continuous'"
+        ) from None
+    cap: float | None = None
+    if "max_delta_per_query" in table:
+        cap = _float(table, "privacy.max_delta_per_query", 0.0)
+        if not 0 < cap < 1:
+            raise ConfigError(f"privacy.max_delta_per_query must be in (0, 1), got {cap!r}")
+    return PrivacySection(neighbouring, accountant, cap)
 
 
 # ------------------------------------------------------------------ helpers

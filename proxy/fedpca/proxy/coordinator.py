@@ -6,7 +6,13 @@ every durable change goes through :class:`~fedpca.proxy.store.ProxyStore`.
 Lifecycle of one query::
 
     submit ──▶ COLLECTING ──(quorum reached, or deadline with >= quorum)──▶ NOISING ──▶ DONE
-                   └──────────(deadline with fewer than quorum owners)──────────────▶ FAILED
+                   └──(deadline with fewer than quorum, or so many public
+                       declines that the quorum can no longer be reached)──────▶ FAILED
+
+Queries are keyed by analyst: the proxy stores analyst ``a``'s query ``q`` under the
+*task id* ``a/q``, which is also what owners see and answer with, so one analyst's
+query ids say nothing about another's. Only owners on the allow-list
+(``[owners] allowed``) are offered tasks or may upload and decline.
 
 The noise of a stats-mode query is prepared while owners encrypt
 (:mod:`fedpca.proxy.prepared_noise`); a masked-mode result is computed by
@@ -31,12 +37,21 @@ from typing import Any
 from fedpca.codec import MIN_KEY_BITS, CryptoPool, SerialisedCiphertextGroup
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.dp.noise import NoiseSampler
-from fedpca.errors import FedpcaError, NotFoundError, QueryStateError
+from fedpca.errors import (
+    AuthenticationError,
+    ConfigError,
+    FedpcaError,
+    NotFoundError,
+    QueryStateError,
+)
 from fedpca.messages import (
+    MAX_DECLINE_DETAIL,
     BudgetStatus,
+    OwnerDecline,
     QueryResult,
     QueryState,
     QueryStatus,
+    SignedQuery,
     Task,
     TaskCancellation,
     UploadHeader,
@@ -50,13 +65,37 @@ from fedpca.proxy.results import aggregate_blocks, stats_result, stored_result
 from fedpca.proxy.store import ProxyStore, QueryRecord, UploadCompletion
 from fedpca.proxy.uploads import UploadStream, check_upload_header
 from fedpca.query import ProtocolMode, QuerySpec
+from fedpca.signing import verify_query
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "task_id"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMER_INTERVAL = 0.5
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
+
+_BUDGET_CHECK_ATTEMPTS = 5
+"""Times a submission recomposes its analyst's ledger if another one changed it meanwhile."""
+
+
+def task_id(analyst_id: str, query_id: str) -> str:
+    """The proxy's key of analyst ``analyst_id``'s query ``query_id`` (what owners see).
+
+    Neither part may contain "/" (node ids and query ids have safe alphabets).
+    """
+    return f"{analyst_id}/{query_id}"
+
+
+class _LedgerChanged(Exception):
+    """Another submission changed the analyst's ledger during a budget check."""
+
+
+def _one_line(text: str) -> str:
+    """A peer-supplied text as one bounded log/status line (no forged line breaks)."""
+    cleaned = " ".join(text.split())
+    if len(cleaned) > MAX_DECLINE_DETAIL:
+        cleaned = cleaned[: MAX_DECLINE_DETAIL - 3] + "..."
+    return cleaned
 
 
 class Coordinator:
@@ -159,73 +198,155 @@ class Coordinator:
         self._noise.shutdown(wait=wait)
 
     # ------------------------------------------------------------------ owners
+    @property
+    def registered_owners(self) -> frozenset[str]:
+        """The owners this proxy accepts (its allow-list)."""
+        return self.config.owners.allowed
+
+    def require_owner(self, owner_id: str) -> None:
+        """Refuse an owner that is not on the allow-list.
+
+        Raises
+        ------
+        AuthenticationError
+        """
+        if owner_id not in self.config.owners.allowed:
+            raise AuthenticationError(
+                f"owner {owner_id!r} is not in this proxy's [owners] allowed list"
+            )
+
     def enroll(self, owner_id: str, info: Mapping[str, Any] | None = None) -> None:
-        """Record that an owner said hello (or is alive on its task stream)."""
+        """Record that an allowed owner said hello (or is alive on its task stream)."""
+        self.require_owner(owner_id)
         self.store.touch_owner(owner_id, info)
 
     # ------------------------------------------------------------------ submit
-    def submit(self, analyst_id: str, spec: QuerySpec) -> QueryRecord:
-        """Validate a query, charge the analyst's budget and publish it to owners.
+    def submit(self, analyst_id: str, signed: SignedQuery) -> QueryRecord:
+        """Validate a signed query, charge the analyst's budget and publish it to owners.
 
         Resubmitting the same query id with the same spec returns the existing
-        record without charging again.
+        record without charging again. The query is stored under
+        :func:`task_id` ``(analyst_id, query_id)``.
 
         Raises
         ------
         ConfigError
             Short or malformed analyst key, fingerprint mismatch, invalid deadline,
-            or a query the release plan cannot serve (also LayoutError /
+            a relation other than the deployment's, a delta above the per-query cap,
+            a quorum larger than the allow-list, a missing or invalid signature, or a
+            query the release plan cannot serve (also LayoutError /
             EncodingOverflowError / CalibrationError from the plan).
         BudgetExceededError
             The release would exceed the analyst's total budget.
         ProtocolError
             The query id exists with a different spec.
         """
+        spec = signed.spec
+        self._check_public_facts(signed, analyst_id)
         context = validate_query(
             spec,
             allow_insecure_test_keys=self.allow_insecure_test_keys,
             max_upload_mib=self.config.proxy.max_upload_mib,
         )
+        key = task_id(analyst_id, spec.query_id)
         plan = context.plan
         budget = self.config.budget.for_analyst(analyst_id)
         event = plan.privacy_event(analyst_id)
+        event = PrivacyEvent.from_dict({**event.to_dict(), "query_id": key})
         event_record = json.loads(event.to_json())
-
-        def charge(conn: Any) -> None:
-            from fedpca.dp.accounting import check_budget  # slow import (dp_accounting)
-
-            ledger = [PrivacyEvent.from_dict(r) for r in self.store.releases(analyst_id, conn)]
-            check_budget(ledger, event, budget).raise_if_exceeded()
-            self.store.record_release(conn, analyst_id, spec.query_id, event_record)
-
         deadline_at = self.clock() + spec.deadline_seconds
         self.store.set_analyst_budget(analyst_id, budget.epsilon, budget.delta)
-        record = self.store.create_query(
-            spec.query_id,
-            analyst_id,
-            spec_to_dict(spec),
-            plan.describe(),
-            deadline_at,
-            before_insert=charge,
-        )
+        record: QueryRecord | None = None
+        for _ in range(_BUDGET_CHECK_ATTEMPTS):
+            # Composing a ledger takes a while: do it outside the store's transaction
+            # (which every other call waits for), then insert only if the ledger did
+            # not change meanwhile, else compose again.
+            rows = self.store.releases(analyst_id)
+            decision = self._check_budget(rows, event, budget)
+
+            def charge(conn: Any, rows: list[dict[str, Any]] = rows, fits: Any = decision) -> None:
+                if self.store.release_ids(conn, analyst_id) != [r["query_id"] for r in rows]:
+                    raise _LedgerChanged
+                fits.raise_if_exceeded()
+                self.store.record_release(conn, analyst_id, key, event_record)
+
+            try:
+                record = self.store.create_query(
+                    key,
+                    analyst_id,
+                    spec_to_dict(spec),
+                    plan.describe(),
+                    deadline_at,
+                    signature=signed.signature,
+                    signer=signed.signer,
+                    before_insert=charge,
+                )
+                break
+            except _LedgerChanged:
+                continue
+        if record is None:
+            raise QueryStateError(
+                "the analyst's ledger kept changing during the budget check; submit again"
+            )
         with self._lock:
-            self._contexts.setdefault(spec.query_id, context)
+            self._contexts.setdefault(key, context)
         if record.state is QueryState.COLLECTING:
             self._prepare_noise(context)
         if not spec.private:
-            logger.warning("query %s: epsilon = inf, the result will be NOT PRIVATE", spec.query_id)
+            logger.warning("query %s: epsilon = inf, the result will be NOT PRIVATE", key)
         logger.info(
-            "query %s from %s: %s %s, M=%d, quorum %d, deadline in %.0f s",
-            spec.query_id,
-            analyst_id,
+            "query %s: %s %s, M=%d, quorum %d of %d owners, deadline in %.0f s",
+            key,
             spec.kind.value,
             spec.mode.value,
             spec.n_features,
             spec.quorum,
+            len(self.registered_owners),
             spec.deadline_seconds,
         )
         self._notify()
         return record
+
+    def _check_public_facts(self, signed: SignedQuery, analyst_id: str) -> None:
+        """Refuse, before anything is charged, what the deployment can never serve."""
+        spec = signed.spec
+        privacy = self.config.privacy
+        if spec.neighbouring is not privacy.neighbouring:
+            raise ConfigError(
+                f"the query is stated for {spec.neighbouring.value} adjacency; this deployment "
+                f"accounts under {privacy.neighbouring.value}"
+            )
+        cap = privacy.delta_cap(self.config.budget.for_analyst(analyst_id))
+        if spec.private and spec.delta > cap:
+            raise ConfigError(
+                f"delta = {spec.delta:g} is above this proxy's per-query cap {cap:g} "
+                "(privacy.max_delta_per_query)"
+            )
+        registered = len(self.registered_owners)
+        if spec.quorum > registered:
+            raise ConfigError(
+                f"quorum {spec.quorum} is more than the {registered} owners this proxy accepts"
+            )
+        if not signed.signer:
+            raise ConfigError(
+                "the query is not signed; owners answer only queries signed by an analyst "
+                "key they pin (fedpca analyst keygen creates one)"
+            )
+        try:
+            verify_query(spec, signed.signature, signed.signer)
+        except FedpcaError as exc:
+            raise ConfigError(f"invalid query signature: {exc}") from None
+
+    def _check_budget(self, rows: list[dict[str, Any]], event: PrivacyEvent, budget: Any) -> Any:
+        from fedpca.dp.accounting import check_budget  # slow import (dp_accounting)
+
+        return check_budget(
+            [PrivacyEvent.from_dict(r) for r in rows],
+            event,
+            budget,
+            self.config.privacy.accountant,
+            neighbouring=self.config.privacy.neighbouring,
+        )
 
     def _context(self, query_id: str) -> QueryContext:
         with self._lock:
@@ -247,7 +368,12 @@ class Coordinator:
         return [task.query for task in self.pending_tasks(owner_id)]
 
     def pending_tasks(self, owner_id: str) -> list[Task]:
-        """:meth:`tasks_for` with each query's upload deadline, ready for the task stream."""
+        """:meth:`tasks_for` with each query's upload deadline, ready for the task stream.
+
+        Each task carries its task id and the analyst's signature, forwarded unchanged.
+        """
+        if owner_id not in self.registered_owners:
+            return []
         now = self.clock()
         tasks = []
         for record in self.store.queries(QueryState.COLLECTING):
@@ -261,6 +387,9 @@ class Coordinator:
                 Task(
                     query=self._context(record.query_id).spec,
                     upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),
+                    query_signature=record.signature,
+                    query_signer=record.signer,
+                    task_id=record.query_id,
                 )
             )
         return tasks
@@ -294,11 +423,52 @@ class Coordinator:
             cancellations.append(TaskCancellation(query_id=query_id, reason=reason))
         return cancellations
 
-    def decline(self, owner_id: str, query_id: str, reason: str) -> None:
-        """Record an owner's refusal of a task (it is not offered again)."""
-        self.store.record_decline(query_id, owner_id, reason)
+    def decline(self, owner_id: str, query_id: str, reason: str, detail: str = "") -> None:
+        """Record an owner's refusal of a task (it is not offered again).
+
+        Accepted only from an allowed owner while the query collects and before that
+        owner uploaded; the detail is cut to one line of at most
+        :data:`~fedpca.messages.MAX_DECLINE_DETAIL` characters. When the declines
+        leave fewer owners than the quorum, the query fails at once (the declines are
+        public, so failing early releases nothing new) instead of at its deadline.
+
+        Raises
+        ------
+        AuthenticationError, NotFoundError, QueryStateError
+        """
+        self.require_owner(owner_id)
+        line = _one_line(detail)
+        self.store.record_decline(query_id, owner_id, f"{reason}: {line}" if line else reason)
         logger.info("query %s: owner %s declined (%s)", query_id, owner_id, reason)
+        self._fail_if_quorum_unreachable(query_id)
         self._notify()
+
+    def _fail_if_quorum_unreachable(self, query_id: str) -> None:
+        record = self.store.query(query_id)
+        if record.state is not QueryState.COLLECTING:
+            return
+        quorum = int(record.spec.get("quorum", 1))
+        declines = self.store.declines(query_id)
+        available = len(self.registered_owners - set(declines))
+        if available >= quorum:
+            return
+        listed = "; ".join(f"{owner}: {why}" for owner, why in sorted(declines.items()))
+        reason = (
+            f"the quorum of {quorum} can no longer be reached: {len(declines)} of "
+            f"{len(self.registered_owners)} owners declined ({listed})"
+        )
+        try:
+            self.store.set_state(
+                query_id,
+                QueryState.FAILED,
+                expect=(QueryState.COLLECTING,),
+                failure_reason=reason,
+                algebra=self._algebra(query_id),
+            )
+        except QueryStateError:
+            return
+        logger.warning("query %s failed: %s", query_id, reason)
+        self._noise.discard(query_id)
 
     # ----------------------------------------------------------------- uploads
     def check_upload_header(self, owner_id: str, header: UploadHeader) -> bool:
@@ -313,9 +483,16 @@ class Coordinator:
     def begin_upload(self, owner_id: str, header: UploadHeader) -> UploadStream:
         """Check an upload's header and open the stream its chunks are folded through.
 
-        Raises the errors of :meth:`check_upload_header`.
+        From here on the owner may have spent budget on the query, so it is marked as
+        never to be refunded.
+
+        Raises the errors of :meth:`check_upload_header`, and AuthenticationError for
+        an owner that is not on the allow-list.
         """
+        self.require_owner(owner_id)
         duplicate = self.check_upload_header(owner_id, header)
+        if not duplicate:
+            self.store.mark_upload_begun(header.query_id)
         context = self._context(header.query_id)
         with self._lock:
             stream = next(self._stream_numbers)
@@ -559,44 +736,46 @@ class Coordinator:
         return self._noise.pending(query_id)
 
     # ---------------------------------------------------------------- reading
-    def status(self, query_id: str, analyst_id: str | None = None) -> QueryStatus:
-        """The status of a query; with ``analyst_id``, only that analyst's queries exist."""
-        record = self._record_for(query_id, analyst_id)
+    def status(self, analyst_id: str, query_id: str) -> QueryStatus:
+        """The status of the analyst's query ``query_id``, with every public decline."""
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        declines = []
+        for owner, text in sorted(self.store.declines(key).items()):
+            code, _, detail = text.partition(": ")
+            declines.append(OwnerDecline(owner, code, detail))
         return QueryStatus(
-            query_id=record.query_id,
+            query_id=query_id,
             state=record.state,
             owners_contributed=record.n_contributed,
             quorum=int(record.spec.get("quorum", 1)),
-            owners_declined=len(self.store.declines(query_id)),
+            owners_declined=len(declines),
             deadline=datetime.fromtimestamp(record.deadline_at, UTC),
             failure_reason=record.failure_reason,
-            owners_uploading=len(self.store.partial_uploads(query_id)),
+            owners_uploading=len(self.store.partial_uploads(key)),
+            declines=tuple(declines),
+            owners_registered=len(self.registered_owners),
         )
 
-    def _record_for(self, query_id: str, analyst_id: str | None) -> QueryRecord:
-        record = self.store.query(query_id)
-        if analyst_id is not None and record.analyst_id != analyst_id:
-            # Another analyst's query is reported as unknown: its existence is not ours to tell.
-            raise NotFoundError(f"unknown query {query_id!r}")
-        return record
-
-    def result(self, query_id: str, analyst_id: str | None = None) -> QueryResult:
-        """The stored, noise-added result, ready for :func:`fedpca.transport.serde.encode_result`.
+    def result(self, analyst_id: str, query_id: str) -> QueryResult:
+        """The analyst's stored, noise-added result, ready for
+        :func:`fedpca.transport.serde.encode_result`.
 
         Raises
         ------
         NotFoundError
-            Unknown query (or another analyst's).
+            Unknown query (for this analyst).
         QueryStateError
             Not DONE yet (or FAILED).
         """
-        record = self._record_for(query_id, analyst_id)
-        data, meta = self.store.result(query_id)
-        return stored_result(self._context(query_id), record.n_contributed, data, meta)
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        data, meta = self.store.result(key)
+        return stored_result(self._context(key), record.n_contributed, data, meta)
 
-    def result_meta(self, query_id: str) -> dict[str, Any]:
+    def result_meta(self, analyst_id: str, query_id: str) -> dict[str, Any]:
         """The JSON metadata stored with a result (sigmas, public N, timings)."""
-        return self.store.result(query_id)[1]
+        return self.store.result(task_id(analyst_id, query_id))[1]
 
     def budget(self, analyst_id: str, delta: float | None = None) -> BudgetStatus:
         """An analyst's cumulative privacy loss.
@@ -610,11 +789,18 @@ class Coordinator:
         limit = self.config.budget.for_analyst(analyst_id)
         at = limit.delta if delta is None else delta
         ledger = [PrivacyEvent.from_dict(r) for r in self.store.releases(analyst_id)]
-        spent = compose_epsilon(ledger, at)
+        privacy = self.config.privacy
+
+        def spent_at(delta_: float) -> float:
+            return compose_epsilon(
+                ledger, delta_, privacy.accountant, neighbouring=privacy.neighbouring
+            )
+
+        spent = spent_at(at)
         if math.isinf(limit.epsilon):
             remaining = math.inf
         else:
-            used = spent if at == limit.delta else compose_epsilon(ledger, limit.delta)
+            used = spent if at == limit.delta else spent_at(limit.delta)
             remaining = max(0.0, limit.epsilon - used)
         return BudgetStatus(
             analyst_id=analyst_id,

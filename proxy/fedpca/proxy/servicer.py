@@ -156,7 +156,9 @@ class _Base:
 
     def _caller(self, context: grpc.ServicerContext, role: Role) -> NodeIdentity:
         if not self.insecure:
-            return certs.require_role(context, role)
+            return certs.require_role(
+                context, role, revoked_serials=self.coordinator.config.tls.revoked_serials
+            )
         claimed = dict(context.invocation_metadata() or ()).get(INSECURE_IDENTITY_METADATA)
         if claimed is None and role is Role.ANALYST:
             # One anonymous analyst: its queries, results and budget stay together
@@ -288,8 +290,7 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
     ) -> owner_pb.DeclineReceipt:
         owner = self._caller(context, Role.OWNER).node_id
         decline = serde.task_decline_from_proto(request)
-        reason = decline.reason.value + (f": {decline.detail}" if decline.detail else "")
-        self.coordinator.decline(owner, decline.query_id, reason)
+        self.coordinator.decline(owner, decline.query_id, decline.reason.value, decline.detail)
         return serde.decline_receipt_to_proto(decline.query_id)
 
 
@@ -317,9 +318,9 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
         self, request: analyst_pb.SubmitQueryRequest, context: grpc.ServicerContext
     ) -> analyst_pb.QueryStatus:
         analyst = self._caller(context, Role.ANALYST).node_id
-        spec = serde.submit_query_request_from_proto(request)
-        self.coordinator.submit(analyst, spec)
-        return serde.query_status_to_proto(self.coordinator.status(spec.query_id, analyst))
+        signed = serde.submit_query_request_from_proto(request)
+        self.coordinator.submit(analyst, signed)
+        return serde.query_status_to_proto(self.coordinator.status(analyst, signed.spec.query_id))
 
     @_unary
     def GetQueryStatus(
@@ -327,7 +328,7 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
     ) -> analyst_pb.QueryStatus:
         analyst = self._caller(context, Role.ANALYST).node_id
         query_id = serde.query_ref_from_proto(request)
-        return serde.query_status_to_proto(self.coordinator.status(query_id, analyst))
+        return serde.query_status_to_proto(self.coordinator.status(analyst, query_id))
 
     @_streaming
     def WatchQueryStatus(
@@ -339,7 +340,7 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
         last: QueryStatus | None = None
         while context.is_active() and not coordinator.stopping:
             version = coordinator.version
-            status = coordinator.status(query_id, analyst)
+            status = coordinator.status(analyst, query_id)
             if status != last:
                 yield serde.query_status_to_proto(status)
                 last = status
@@ -360,7 +361,7 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
     ) -> Iterator[analyst_pb.ResultMessage]:
         analyst = self._caller(context, Role.ANALYST).node_id
         query_id = serde.query_ref_from_proto(request)
-        result = self.coordinator.result(query_id, analyst)
+        result = self.coordinator.result(analyst, query_id)
         logger.info("result of query %s fetched by %s", query_id, analyst)
         yield from serde.encode_result(result)
 

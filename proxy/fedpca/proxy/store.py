@@ -51,10 +51,11 @@ from fedpca.errors import (
     QueryStateError,
 )
 from fedpca.messages import QueryState
+from fedpca.query import Neighbouring
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 PAGE_CIPHERTEXTS = 512
 """Ciphertexts per aggregate page (256 KiB at 2048-bit keys): the unit read and
@@ -81,7 +82,10 @@ CREATE TABLE IF NOT EXISTS queries (
     deadline_at REAL NOT NULL,
     updated_at REAL NOT NULL,
     n_contributed INTEGER NOT NULL DEFAULT 0,
-    failure_reason TEXT
+    failure_reason TEXT,
+    signature BLOB NOT NULL DEFAULT x'',
+    signer TEXT NOT NULL DEFAULT '',
+    uploads_begun INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS uploads (
     query_id TEXT NOT NULL REFERENCES queries(query_id),
@@ -154,6 +158,10 @@ class QueryRecord:
     updated_at: float
     n_contributed: int
     failure_reason: str | None
+    signature: bytes = b""
+    signer: str = ""
+    uploads_begun: bool = False
+    """An owner began an upload: owners may have spent budget, so no refund."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +215,9 @@ class ProxyStore:
         *,
         clock: Callable[[], float] = time.time,
         page_ciphertexts: int = PAGE_CIPHERTEXTS,
+        neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
     ) -> None:
+        self.neighbouring = Neighbouring(neighbouring)
         if page_ciphertexts < 1:
             raise ValueError(f"page_ciphertexts must be >= 1, got {page_ciphertexts}")
         self.page_ciphertexts = page_ciphertexts
@@ -233,8 +243,10 @@ class ProxyStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            elif int(row["value"]) == 1:
-                self._migrate_from_version_1(conn)
+            elif int(row["value"]) in (1, 2):
+                if int(row["value"]) == 1:
+                    self._migrate_from_version_1(conn)
+                self._migrate_from_version_2(conn)
             elif int(row["value"]) != SCHEMA_VERSION:
                 raise QueryStateError(
                     f"{self.path}: schema version {row['value']} is not supported "
@@ -262,8 +274,80 @@ class ProxyStore:
                 "then start this version"
             )
         conn.execute("DROP TABLE IF EXISTS aggregates")
+        logger.warning("%s: migrated from schema version 1 to 2", self.path)
+
+    def _migrate_from_version_2(self, conn: sqlite3.Connection) -> None:
+        """Version 3 keys queries by analyst, stores each query's signature and whether
+        an upload began, and states every recorded release's neighbouring relation.
+
+        Releases of version 2 recorded no relation; they are restated under this
+        deployment's (docs/privacy.md, "Ledgers of fedpca 0.1"): a stats-mode release
+        keeps its add/remove noise multiplier under add/remove and counts with half of
+        it under replace-one; a masked-mode release keeps its replace-one multiplier
+        under replace-one and counts as NOT PRIVATE (infinite epsilon) under
+        add/remove, where publishing N has no finite epsilon. Queries already in the
+        database count as having had uploads (no refund), and are renamed to their
+        analyst-scoped keys (``analyst/query``).
+        """
+        columns = {row["name"] for row in conn.execute("PRAGMA table_info(queries)")}
+        for name, declaration in (
+            ("signature", "BLOB NOT NULL DEFAULT x''"),
+            ("signer", "TEXT NOT NULL DEFAULT ''"),
+            ("uploads_begun", "INTEGER NOT NULL DEFAULT 0"),
+        ):
+            if name not in columns:
+                conn.execute(f"ALTER TABLE queries ADD COLUMN {name} {declaration}")
+        conn.execute("UPDATE queries SET uploads_begun=1")
+        relation = self.neighbouring.value
+        rows = conn.execute(
+            "SELECT r.query_id, r.analyst_id, r.event, q.spec FROM releases r "
+            "LEFT JOIN queries q ON q.query_id = r.query_id"
+        ).fetchall()
+        for row in rows:
+            event = json.loads(row["event"])
+            masked = row["spec"] is not None and json.loads(row["spec"]).get("mode") == "masked"
+            if "neighbouring" not in event:
+                if masked and relation == "add-remove":
+                    event.update(noise_multiplier=0.0, epsilon="inf")
+                elif not masked and relation == "replace-one":
+                    event["noise_multiplier"] = event["noise_multiplier"] / 2
+                event["neighbouring"] = relation
+            if "/" not in str(event["query_id"]):
+                event["query_id"] = f"{row['analyst_id']}/{event['query_id']}"
+            conn.execute(
+                "UPDATE releases SET event=? WHERE query_id=?",
+                (json.dumps(event, sort_keys=True), row["query_id"]),
+            )
+        conn.execute("PRAGMA defer_foreign_keys=ON")
+        for table in (
+            "uploads",
+            "declines",
+            "aggregate_pages",
+            "upload_chunks",
+            "results",
+            "result_meta",
+        ):
+            conn.execute(
+                f"UPDATE {table} SET query_id = (SELECT q.analyst_id FROM queries q "
+                f"WHERE q.query_id = {table}.query_id) || '/' || query_id "
+                "WHERE instr(query_id, '/') = 0"
+            )
+        conn.execute(
+            "UPDATE releases SET query_id = analyst_id || '/' || query_id "
+            "WHERE instr(query_id, '/') = 0"
+        )
+        conn.execute(
+            "UPDATE queries SET query_id = analyst_id || '/' || query_id "
+            "WHERE instr(query_id, '/') = 0"
+        )
         conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-        logger.warning("%s: migrated from schema version 1 to %d", self.path, SCHEMA_VERSION)
+        logger.warning(
+            "%s: migrated to schema version %d; %d recorded releases restated under %s adjacency",
+            self.path,
+            SCHEMA_VERSION,
+            len(rows),
+            relation,
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -307,6 +391,8 @@ class ProxyStore:
         plan: Mapping[str, Any],
         deadline_at: float,
         *,
+        signature: bytes = b"",
+        signer: str = "",
         before_insert: Callable[[sqlite3.Connection], None] | None = None,
     ) -> QueryRecord:
         """Create a query in state COLLECTING.
@@ -314,7 +400,8 @@ class ProxyStore:
         ``before_insert`` runs inside the same transaction (the budget check uses
         it so that two concurrent submissions cannot both pass). Submitting the
         same query id again with the same spec returns the existing record;
-        with a different spec it is a protocol error.
+        with a different spec it is a protocol error. Query ids are the proxy's
+        keys, scoped by analyst (:meth:`fedpca.proxy.coordinator.Coordinator.submit`).
         """
         now = self._clock()
         spec_json = json.dumps(dict(spec), sort_keys=True)
@@ -332,7 +419,8 @@ class ProxyStore:
                     before_insert(conn)
                 conn.execute(
                     "INSERT INTO queries(query_id, analyst_id, spec, plan, state, created_at, "
-                    "deadline_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "deadline_at, updated_at, signature, signer) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         query_id,
                         analyst_id,
@@ -342,6 +430,8 @@ class ProxyStore:
                         now,
                         deadline_at,
                         now,
+                        signature,
+                        signer,
                     ),
                 )
         return self.query(query_id)
@@ -411,15 +501,21 @@ class ProxyStore:
                         removed,
                     )
             if state is QueryState.FAILED:
-                # A failed query never stored a result (storing one moves it to DONE
-                # in the same transaction), so it released nothing: its budget charge
-                # is refunded. Whether a query fails depends on owners' participation
-                # and the public plan, not on the data (docs/privacy.md).
-                refunded = conn.execute(
-                    "DELETE FROM releases WHERE query_id=?", (query_id,)
-                ).rowcount
-                if refunded:
-                    logger.info("query %s failed: its budget charge is refunded", query_id)
+                # Refunded only if no owner ever began an upload: then no owner spent
+                # budget on it and the analyst received nothing but a failure that
+                # depends on public facts (docs/privacy.md, "Refunds"). Once an upload
+                # began, the analyst pays for what the owners spent.
+                begun = conn.execute(
+                    "SELECT uploads_begun FROM queries WHERE query_id=?", (query_id,)
+                ).fetchone()
+                if not begun["uploads_begun"]:
+                    refunded = conn.execute(
+                        "DELETE FROM releases WHERE query_id=?", (query_id,)
+                    ).rowcount
+                    if refunded:
+                        logger.info(
+                            "query %s failed before any upload: its charge is refunded", query_id
+                        )
             conn.execute(
                 "UPDATE queries SET state=?, failure_reason=?, updated_at=? WHERE query_id=?",
                 (state.value, failure_reason, self._clock(), query_id),
@@ -791,13 +887,35 @@ class ProxyStore:
             for r in rows
         ]
 
-    def record_decline(self, query_id: str, owner_id: str, reason: str) -> None:
+    def mark_upload_begun(self, query_id: str) -> None:
+        """Record that an owner began an upload (from then on the query is never refunded)."""
         with self.transaction() as conn:
-            if (
-                conn.execute("SELECT 1 FROM queries WHERE query_id=?", (query_id,)).fetchone()
-                is None
-            ):
+            conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (query_id,))
+
+    def record_decline(self, query_id: str, owner_id: str, reason: str) -> None:
+        """Record an owner's decline while the query collects uploads.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query.
+        QueryStateError
+            The query no longer collects, or this owner already uploaded to it.
+        """
+        with self.transaction() as conn:
+            row = conn.execute("SELECT state FROM queries WHERE query_id=?", (query_id,)).fetchone()
+            if row is None:
                 raise NotFoundError(f"unknown query {query_id!r}")
+            if QueryState(row["state"]) is not QueryState.COLLECTING:
+                raise QueryStateError(
+                    f"query {query_id!r} is {row['state']}: declines are no longer recorded"
+                )
+            if conn.execute(
+                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+            ).fetchone():
+                raise QueryStateError(
+                    f"query {query_id!r}: owner {owner_id!r} already uploaded; it cannot decline"
+                )
             conn.execute(
                 "INSERT INTO declines(query_id, owner_id, reason, declined_at) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT(query_id, owner_id) DO UPDATE SET reason=excluded.reason",
@@ -886,6 +1004,14 @@ class ProxyStore:
             ).fetchone()
         return None if row is None else (float(row["epsilon_budget"]), float(row["delta_budget"]))
 
+    def release_ids(self, conn: sqlite3.Connection, analyst_id: str) -> list[str]:
+        """Ids of the analyst's recorded releases, in order (inside a transaction)."""
+        rows = conn.execute(
+            "SELECT query_id FROM releases WHERE analyst_id=? ORDER BY recorded_at, query_id",
+            (analyst_id,),
+        ).fetchall()
+        return [str(r["query_id"]) for r in rows]
+
     def releases(
         self, analyst_id: str, conn: sqlite3.Connection | None = None
     ) -> list[dict[str, Any]]:
@@ -893,12 +1019,12 @@ class ProxyStore:
         if conn is None:
             with self._lock:
                 rows = self._conn.execute(
-                    "SELECT event FROM releases WHERE analyst_id=? ORDER BY recorded_at",
+                    "SELECT event FROM releases WHERE analyst_id=? ORDER BY recorded_at, query_id",
                     (analyst_id,),
                 ).fetchall()
         else:
             rows = conn.execute(
-                "SELECT event FROM releases WHERE analyst_id=? ORDER BY recorded_at",
+                "SELECT event FROM releases WHERE analyst_id=? ORDER BY recorded_at, query_id",
                 (analyst_id,),
             ).fetchall()
         return [json.loads(r["event"]) for r in rows]
@@ -933,4 +1059,7 @@ def _query_record(row: sqlite3.Row) -> QueryRecord:
         updated_at=float(row["updated_at"]),
         n_contributed=int(row["n_contributed"]),
         failure_reason=row["failure_reason"],
+        signature=bytes(row["signature"]),
+        signer=str(row["signer"]),
+        uploads_begun=bool(row["uploads_begun"]),
     )

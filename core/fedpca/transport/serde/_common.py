@@ -58,6 +58,7 @@ DECLINE_TO_PROTO: dict[DeclineReason, owner_pb.DeclineReason] = {
     DeclineReason.POLICY_REFUSAL: owner_pb.DECLINE_REASON_POLICY_REFUSAL,
     DeclineReason.KEY_NOT_PINNED: owner_pb.DECLINE_REASON_KEY_NOT_PINNED,
     DeclineReason.BUDGET_EXHAUSTED: owner_pb.DECLINE_REASON_BUDGET_EXHAUSTED,
+    DeclineReason.UNSIGNED_QUERY: owner_pb.DECLINE_REASON_UNSIGNED_QUERY,
 }
 UPLOAD_STATUS_TO_PROTO: dict[UploadStatus, owner_pb.UploadReceipt.Status] = {
     UploadStatus.ACCEPTED: owner_pb.UploadReceipt.STATUS_ACCEPTED,

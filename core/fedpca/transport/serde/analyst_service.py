@@ -11,11 +11,12 @@ from fedpca.messages import (
     ChunkAssembler,
     NoiseDescription,
     NoiseSection,
+    OwnerDecline,
     QueryResult,
     QueryStatus,
+    SignedQuery,
     collect_payload,
 )
-from fedpca.query import QuerySpec
 from fedpca.transport.serde._common import (
     CALIBRATION_FROM_PROTO,
     CALIBRATION_TO_PROTO,
@@ -34,15 +35,25 @@ from fedpca.transport.serde.query import query_spec_from_proto, query_spec_to_pr
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 
-
-def submit_query_request_to_proto(spec: QuerySpec) -> analyst_pb.SubmitQueryRequest:
-    return analyst_pb.SubmitQueryRequest(query=query_spec_to_proto(spec))
+MAX_SIGNATURE_BYTES = 256
 
 
-def submit_query_request_from_proto(message: analyst_pb.SubmitQueryRequest) -> QuerySpec:
+def submit_query_request_to_proto(query: SignedQuery) -> analyst_pb.SubmitQueryRequest:
+    return analyst_pb.SubmitQueryRequest(
+        query=query_spec_to_proto(query.spec),
+        query_signature=query.signature,
+        query_signer=query.signer,
+    )
+
+
+def submit_query_request_from_proto(message: analyst_pb.SubmitQueryRequest) -> SignedQuery:
     if not message.HasField("query"):
         raise ProtocolError("SubmitQueryRequest.query is missing")
-    return query_spec_from_proto(message.query)
+    if len(message.query_signature) > MAX_SIGNATURE_BYTES or len(message.query_signer) > 100:
+        raise ProtocolError("SubmitQueryRequest: the query signature or signer is too long")
+    return SignedQuery(
+        query_spec_from_proto(message.query), message.query_signature, message.query_signer
+    )
 
 
 def query_ref_to_proto(query_id: str) -> analyst_pb.QueryRef:
@@ -65,6 +76,11 @@ def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
         quorum=status.quorum,
         owners_declined=status.owners_declined,
         owners_uploading=status.owners_uploading,
+        owners_registered=status.owners_registered,
+    )
+    message.declines.extend(
+        analyst_pb.OwnerDecline(owner_id=d.owner_id, reason=d.reason, detail=d.detail)
+        for d in status.declines
     )
     if status.deadline is not None:
         message.deadline.CopyFrom(timestamp_to_proto(status.deadline, "QueryStatus.deadline"))
@@ -88,6 +104,11 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
         ),
         failure_reason=message.failure_reason if message.HasField("failure_reason") else None,
         owners_uploading=message.owners_uploading,
+        declines=tuple(
+            OwnerDecline(owner_id=d.owner_id, reason=d.reason, detail=d.detail)
+            for d in message.declines
+        ),
+        owners_registered=message.owners_registered,
     )
 
 

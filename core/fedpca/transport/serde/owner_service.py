@@ -225,6 +225,9 @@ def task_event_to_proto(event: TaskEvent) -> owner_pb.TaskEvent:
                 accepted_obfuscation_variants=[
                     OBFUSCATION_TO_PROTO[v] for v in event.accepted_obfuscation_variants
                 ],
+                query_signature=event.query_signature,
+                query_signer=event.query_signer,
+                task_id=event.task_id,
             )
         )
     return owner_pb.TaskEvent(
@@ -253,6 +256,9 @@ def task_event_from_proto(message: owner_pb.TaskEvent) -> TaskEvent:
             accepted_obfuscation_variants=capabilities_from_proto(
                 task.accepted_obfuscation_variants, "Task.accepted_obfuscation_variants"
             ),
+            query_signature=task.query_signature,
+            query_signer=task.query_signer,
+            task_id=task.task_id,
         )
     if kind == "cancellation":
         return TaskCancellation(
