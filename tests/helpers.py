@@ -115,3 +115,23 @@ def encrypted_upload(
         for block in plan.owner_blocks
     }
     return CiphertextPayload(blocks_of(plan.owner_blocks), ciphertexts), encoded
+
+
+def reference_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
+    """Plain float64 statistics of already preprocessed rows (the tests' reference).
+
+    Owners release exact integer statistics of quantised rows
+    (:func:`fedpca.stats.fixed_point_statistics`); this is what those approximate to
+    within the quantisation step.
+    """
+    from fedpca.stats import SufficientStatistics
+
+    x = np.asarray(rows, dtype=np.float64)
+    scatter = x.T @ x
+    if spec.kind is QueryKind.PCA:
+        return SufficientStatistics(scatter, x.sum(axis=0), float(len(x)))
+    y = np.asarray(labels, dtype=np.float64)
+    classes = spec.class_labels
+    class_sums = np.array([x[y == c].sum(axis=0) for c in classes])
+    class_counts = np.array([float(np.sum(y == c)) for c in classes])
+    return SufficientStatistics.for_classes(scatter, class_sums, class_counts)

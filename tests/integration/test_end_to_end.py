@@ -20,10 +20,9 @@ from sklearn.decomposition import PCA
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
 from fedpca.analyst.solvers import dca_from_statistics
 from fedpca.app.cluster import LocalCluster, split_rows
-from fedpca.owner.statistics import local_statistics
 from fedpca.query import QueryKind
 from fedpca.stats import StatisticsSpec
-from helpers import dataset_table
+from helpers import dataset_table, reference_statistics
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +98,7 @@ def test_no_noise_dca_equals_reference_formulation(tmp_path: Path) -> None:
             **_estimator_kwargs(cluster),
         ).fit(n_features=rows.shape[1])
     spec = StatisticsSpec(QueryKind.DCA, rows.shape[1], 1.0, (-1.0, 1.0))
-    reference = dca_from_statistics(local_statistics(rows, labels, spec), n_components=1)
+    reference = dca_from_statistics(reference_statistics(rows, labels, spec), n_components=1)
     _same_up_to_sign(model.components_, reference.components, atol=1e-6)
 
 

@@ -47,14 +47,13 @@ from fedpca.messages import (
     QueryState,
     QueryStatus,
 )
-from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport import serde
 from fedpca.transport.channels import add_insecure_port, create_server
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
-from helpers import query_builder
+from helpers import query_builder, reference_statistics
 
 ROWS = np.random.default_rng(1).uniform(-1.0, 1.0, size=(40, 3)) * [1.0, 0.5, 0.2]
 LABELS = np.where(ROWS[:, 0] > 0, 1.0, -1.0)
@@ -122,7 +121,7 @@ def _masked_blocks(
     """Masked-mode result of ROWS without noise, computed in plaintext."""
     plan = ReleasePlan.for_query(spec, 512)
     f = spec.frac_bits
-    statistics = local_statistics(preprocess_for_query(ROWS, spec), None, spec)
+    statistics = reference_statistics(preprocess_for_query(ROWS, spec), None, spec)
     r = encode_fixed_point(statistics.scatter, f, rounding="nearest").tolist()
     v = encode_fixed_point(statistics.sums, f, rounding="nearest").tolist()
     n = len(ROWS)
@@ -202,7 +201,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             plan = ReleasePlan.for_query(spec, 512)
             block = plan.owner_block(SHARES)
             labels = LABELS if spec.kind is QueryKind.DCA else None
-            share = local_statistics(preprocess_for_query(ROWS, spec), labels, spec)
+            share = reference_statistics(preprocess_for_query(ROWS, spec), labels, spec)
             values = encode_fixed_point(plan.owner_values(share)[SHARES], spec.frac_bits)
             if plan.private:
                 values = values + plan.noise_values(TestOnlySeededSampler(1))

@@ -22,11 +22,11 @@ from fedpca.messages import (
     QueryState,
     QueryStatus,
 )
-from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics
+from helpers import reference_statistics
 
 RNG = np.random.default_rng(0)
 ROWS = RNG.uniform(-3.0, 3.0, size=(60, 4)) @ np.diag([1.0, 0.6, 0.3, 0.1])
@@ -55,7 +55,7 @@ def release_for(
     )
     plan = ReleasePlan.for_query(spec, 512)
     rows = preprocess_for_query(ROWS, spec)
-    statistics = local_statistics(rows, LABELS if kind is QueryKind.DCA else None, spec)
+    statistics = reference_statistics(rows, LABELS if kind is QueryKind.DCA else None, spec)
     return DecodedRelease(
         query=spec,
         plan=plan,
@@ -176,7 +176,7 @@ class FakeClient:
         plan = ReleasePlan.for_query(spec, 512)
         block = plan.owner_block(SHARES)
         rows = preprocess_for_query(ROWS, spec)
-        share = local_statistics(rows, None, spec)
+        share = reference_statistics(rows, None, spec)
         values = encode_fixed_point(plan.owner_values(share)[SHARES], spec.frac_bits)
         with CryptoPool(1) as pool:
             packed = pool.encrypt_packed(public_key, values, block.layout, block.bound)

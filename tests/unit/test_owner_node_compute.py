@@ -1,7 +1,9 @@
-"""Owner share computation: decrypting the encrypted share gives the local statistics.
+"""Owner share computation: what an owner encrypts for a query, whatever its rows hold.
 
-Uses real rows of ionosphere.csv (column 0 is the class label) and a TEST-ONLY
-512-bit key.
+Decrypting the share gives the exact fixed-point statistics of the owner's rows
+(sampled to the public cap, labels outside the query's classes left out, values
+clipped to the public bounds); nothing about the rows is ever a reason to refuse.
+Uses real rows of ionosphere (column 0 is the class label) and a TEST-ONLY 512-bit key.
 """
 
 from __future__ import annotations
@@ -11,20 +13,28 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool, decode_fixed_point
+from fedpca.codec import CryptoPool
 from fedpca.data import dataset_path
-from fedpca.errors import DataError, EncodingOverflowError
-from fedpca.owner.compute import LocalTable, encrypt_share
+from fedpca.owner import compute
+from fedpca.owner.compute import (
+    LocalTable,
+    contributed_rows,
+    encode_share,
+    encrypt_share,
+    padded_rows,
+    record_cap,
+)
 from fedpca.owner.config import DataConfig
-from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec, spec_digest
-from fedpca.stats import SufficientStatistics
-from helpers import query_builder
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, spec_digest
+from fedpca.stats import fixed_point_statistics
+from fedpca.tables import OwnerTable
+from helpers import query_builder, reference_statistics
 
 IONOSPHERE = dataset_path("ionosphere")
 FRAC_BITS = 32
+CAPACITY = 1000
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +53,8 @@ _spec = query_builder(
 )
 
 
-def _decrypt(pool: CryptoPool, private_key: Any, packed: Any) -> np.ndarray:
-    return decode_fixed_point(pool.decrypt_packed(private_key, packed), FRAC_BITS)
-
-
 @pytest.mark.parametrize("kind", [QueryKind.PCA, QueryKind.DCA])
-def test_decrypted_share_is_the_local_statistics(
+def test_decrypted_share_is_the_exact_statistics_of_the_rows(
     test_only_keypair_512: tuple[Any, Any],
     pool: CryptoPool,
     ionosphere: LocalTable,
@@ -62,30 +68,29 @@ def test_decrypted_share_is_the_local_statistics(
     table = ionosphere.table_for(spec)
     assert table.features.shape == (351, 34)
     progress: list[tuple[int, int]] = []
-    shares = encrypt_share(spec, table, pool, progress=lambda d, t: progress.append((d, t)))
+    shares = encrypt_share(
+        spec, table, pool, capacity=CAPACITY, progress=lambda d, t: progress.append((d, t))
+    )
 
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     assert list(shares) == [SHARES]
     n_ciphertexts = plan.owner_block(SHARES).layout.n_ciphertexts
     assert len(shares[SHARES].ciphertexts) == n_ciphertexts
     assert progress[-1] == (n_ciphertexts, n_ciphertexts)
-    decoded = _decrypt(pool, private_key, shares[SHARES])
-    received = plan.statistics_from_values(decoded)
-
-    rows = preprocess_for_query(table.features, spec)
-    expected = local_statistics(rows, table.labels, spec)
-    tolerance = 2.0**-FRAC_BITS  # one stochastic rounding per value
+    integers = pool.decrypt_packed(private_key, shares[SHARES])
+    exact = fixed_point_statistics(table.features, table.labels, spec).to_vector(plan.statistics)
+    assert integers == exact.tolist()
+    # ... which are the float statistics to within the rows' quantisation (2^-16 per
+    # coordinate, 351 rows).
+    received = plan.statistics_from_integers(integers)
+    expected = reference_statistics(preprocess_for_query(table.features, spec), table.labels, spec)
+    tolerance = 351 * 2 * 2.0**-16
     np.testing.assert_allclose(received.scatter, expected.scatter, rtol=0, atol=tolerance)
-    # DCA derives v from C separately rounded class sums.
-    sums_tolerance = tolerance * max(1, len(spec.class_labels))
-    np.testing.assert_allclose(received.sums, expected.sums, rtol=0, atol=sums_tolerance)
+    np.testing.assert_allclose(received.sums, expected.sums, rtol=0, atol=tolerance)
     assert received.count == 351.0
     if kind is QueryKind.DCA:
-        assert received.class_counts is not None and expected.class_sums is not None
+        assert received.class_counts is not None and expected.class_counts is not None
         np.testing.assert_array_equal(received.class_counts, expected.class_counts)
-        assert received.class_sums is not None
-        np.testing.assert_allclose(received.class_sums, expected.class_sums, atol=tolerance)
-        assert received.class_counts.sum() == 351.0
         assert received.class_counts[0] == np.sum(ionosphere.columns[:, 0] == -1.0)
     # The share really is this owner's data, not e.g. zeros.
     assert np.abs(expected.scatter).max() > 1.0
@@ -100,6 +105,7 @@ def test_masked_mode_blocks_decrypt_to_the_planned_values(
     spec = _spec(
         public_key,
         mode=ProtocolMode.MASKED,
+        neighbouring=Neighbouring.REPLACE_ONE,
         n_features=m,
         feature_lower=(-1.0,) * m,
         feature_upper=(1.0,) * m,
@@ -109,14 +115,12 @@ def test_masked_mode_blocks_decrypt_to_the_planned_values(
     narrow = LocalTable(ionosphere.columns[:, : m + 1], 0, "ionosphere[:, :4]")
     table = narrow.table_for(spec)
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    shares = encrypt_share(spec, table, pool, plan=plan)
+    shares = encrypt_share(spec, table, pool, capacity=CAPACITY, plan=plan)
     assert list(shares) == [block.name for block in plan.owner_blocks]
-    rows = preprocess_for_query(table.features, spec)
-    expected = plan.owner_values(local_statistics(rows, None, spec))
+    expected = plan.owner_integers(fixed_point_statistics(table.features, None, spec))
     integers = {name: pool.decrypt_packed(private_key, packed) for name, packed in shares.items()}
     for name, values in integers.items():
-        decoded = decode_fixed_point(values, 16)
-        np.testing.assert_allclose(decoded, expected[name], rtol=0, atol=2.0**-16)
+        assert values == expected[name].tolist()
     # The mask terms only cancel if every copy of v is the very same integer.
     k = plan.owner_block(SUM_WINDOWS).layout.slots_per_ciphertext
     single = integers[SUM_SINGLE]
@@ -126,43 +130,80 @@ def test_masked_mode_blocks_decrypt_to_the_planned_values(
         assert window[: m - t] == single[t : t + k][: m - t]
 
 
-class _RecordingPool:
-    """Stands in for CryptoPool: any encryption call is a test failure."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def encrypt_packed(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        raise AssertionError("nothing may be encrypted")
+def _count(spec: Any, table: OwnerTable, capacity: int) -> float:
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+    values = encode_share(spec, table, plan, capacity=capacity, rng=np.random.default_rng(1))
+    statistics = plan.statistics_from_integers(values[SHARES])
+    return statistics.count
 
 
-def test_more_rows_than_declared_is_refused_before_encryption(
+def test_more_rows_than_the_cap_contribute_a_sample_of_exactly_the_cap(
+    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable
+) -> None:
+    """fedpca 0.1 refused (a decline an analyst could binary-search); now it samples."""
+    public_key, _ = test_only_keypair_512
+    table = ionosphere.table_for(_spec(public_key))
+    assert _count(_spec(public_key, max_records_per_owner=100), table, CAPACITY) == 100.0
+    # The owner's declared capacity caps it the same way.
+    assert _count(_spec(public_key), table, capacity=50) == 50.0
+    assert _count(_spec(public_key), table, capacity=CAPACITY) == 351.0
+    rows = contributed_rows(table, _spec(public_key), 100, np.random.default_rng(3))
+    assert rows.features.shape == (100, 34)
+    # A uniform sample without replacement: distinct rows of the table.
+    assert len({row.tobytes() for row in rows.features}) == 100
+
+
+def test_dca_caps_each_class_and_leaves_unknown_labels_out(
     test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable
 ) -> None:
     public_key, _ = test_only_keypair_512
-    spec = _spec(public_key, max_records_per_owner=100)
-    recording = _RecordingPool()
-    with pytest.raises(EncodingOverflowError, match="max_records_per_owner=100"):
-        encrypt_share(spec, ionosphere.table_for(spec), recording)  # type: ignore[arg-type]
-    assert recording.calls == 0
+    spec = _spec(
+        public_key, kind=QueryKind.DCA, label_column=0, class_labels=(1.0, 5.0), n_components=1
+    )
+    table = ionosphere.table_for(spec)  # labels -1 and 1; -1 is not a class of this query
+    rows = contributed_rows(table, spec, 60, np.random.default_rng(0))
+    assert rows.labels is not None and set(np.unique(rows.labels)) == {1.0}
+    assert rows.features.shape[0] == 60
+    assert record_cap(spec, 40) == 40 and padded_rows(spec, 40) == 80  # per class
 
 
-def test_out_of_bounds_refuse_raises_before_encryption(
-    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable
+def test_values_outside_the_bounds_are_clipped_not_refused(
+    test_only_keypair_512: tuple[Any, Any], pool: CryptoPool, ionosphere: LocalTable
 ) -> None:
-    public_key, _ = test_only_keypair_512
+    public_key, private_key = test_only_keypair_512
     m = 34
     spec = _spec(public_key, feature_lower=(0.0,) * m, feature_upper=(0.5,) * m)
-    recording = _RecordingPool()
-    with pytest.raises(DataError, match="outside the declared public bounds"):
-        encrypt_share(
-            spec,
-            ionosphere.table_for(spec),
-            recording,  # type: ignore[arg-type]
-            out_of_bounds="refuse",
-        )
-    assert recording.calls == 0
+    table = ionosphere.table_for(spec)
+    shares = encrypt_share(spec, table, pool, capacity=CAPACITY)
+    clipped = np.clip(table.features, 0.0, 0.5)
+    expected = fixed_point_statistics(clipped, None, spec)
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    assert (
+        pool.decrypt_packed(private_key, shares[SHARES])
+        == expected.to_vector(plan.statistics).tolist()
+    )
+
+
+def test_the_work_is_padded_to_the_public_cap(
+    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The statistics always process the cap's number of rows, however many are real."""
+    public_key, _ = test_only_keypair_512
+    spec = _spec(public_key)
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    seen: list[tuple[int, int]] = []
+    real = compute.fixed_point_statistics
+
+    def recording(features: Any, labels: Any, query: Any, *, pad_to: int = 0) -> Any:
+        seen.append((len(features), pad_to))
+        return real(features, labels, query, pad_to=pad_to)
+
+    monkeypatch.setattr(compute, "fixed_point_statistics", recording)
+    table = ionosphere.table_for(spec)
+    for n in (10, 351):
+        small = OwnerTable(table.features[:n], None)
+        encode_share(spec, small, plan, capacity=CAPACITY)
+    assert seen == [(10, 1000), (351, 1000)]
 
 
 def test_pca_drops_the_configured_label_column(
@@ -180,13 +221,4 @@ def test_spec_digest_binds_every_public_parameter(test_only_keypair_512: tuple[A
     assert spec_digest(base) == spec_digest(_spec(public_key))
     assert spec_digest(base) != spec_digest(_spec(public_key, epsilon=0.5))
     assert spec_digest(base) != spec_digest(_spec(public_key, clip_norm=0.5))
-
-
-def test_statistics_vector_roundtrip_sanity() -> None:
-    # Guards the test's own decoding path: the plan's vector layout is invertible.
-    spec = QuerySpec("q", QueryKind.PCA, 2, 1.0, 1e-5, 1, 77, "f")
-    stats = SufficientStatistics(np.eye(2), np.ones(2), 3.0)
-    plan_statistics = ReleasePlan.for_query(spec, 512).statistics
-    vector = stats.to_vector(plan_statistics)
-    back = SufficientStatistics.from_vector(plan_statistics, vector)
-    np.testing.assert_array_equal(back.scatter, stats.scatter)
+    assert spec_digest(base) != spec_digest(_spec(public_key, query_id="other"))

@@ -38,7 +38,6 @@ from fedpca.messages import (
     QueryState,
     UploadHeader,
 )
-from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import (
     MASKED_SUM,
@@ -55,7 +54,7 @@ from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore, UploadCompletion
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import sum_statistics
-from helpers import dataset_table, query_builder
+from helpers import dataset_table, query_builder, reference_statistics
 
 IntVector = list[int]
 
@@ -119,7 +118,7 @@ class Owner:
         """Fixed-point values of every block; the same integers on every call."""
         rng = np.random.default_rng(self.seed)  # stochastic rounding coins, reproducible
         x = preprocess_for_query(self.rows, plan.spec)
-        statistics = local_statistics(x, None, plan.spec)
+        statistics = reference_statistics(x, None, plan.spec)
         values = plan.owner_values(statistics)
         encoded = {
             name: encode_fixed_point(v, plan.spec.frac_bits, rng=rng) for name, v in values.items()
@@ -250,7 +249,7 @@ def test_stats_mode_without_noise_equals_the_owners_integer_sums(
     plan = coordinator.plan("q1")
     values = np.array(decrypted, dtype=np.float64) / 2.0**spec.frac_bits
     pooled = sum_statistics(
-        local_statistics(preprocess_for_query(o.rows, spec), None, spec) for o in owners
+        reference_statistics(preprocess_for_query(o.rows, spec), None, spec) for o in owners
     )
     got = plan.statistics_from_values(values)
     np.testing.assert_allclose(got.scatter, pooled.scatter, atol=1e-8)

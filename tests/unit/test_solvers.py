@@ -17,10 +17,10 @@ from fedpca.analyst.solvers import (
 )
 from fedpca.data import load_dataset
 from fedpca.errors import ConfigError, DataError
-from fedpca.owner.statistics import local_statistics
 from fedpca.preprocess import FeatureBounds, preprocess
 from fedpca.query import QueryKind
 from fedpca.stats import StatisticsSpec, SufficientStatistics, sum_statistics
+from helpers import reference_statistics
 
 _CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -49,7 +49,7 @@ def _rows(name: str, how: str) -> tuple[np.ndarray, float]:
 def _owner_stats(x: np.ndarray, spec: StatisticsSpec, n_owners: int, seed: int = 0) -> list:
     order = np.random.default_rng(seed).permutation(len(x))
     cuts = np.sort(np.random.default_rng(seed + 1).choice(np.arange(1, len(x)), n_owners - 1))
-    return [local_statistics(x[part], None, spec) for part in np.split(order, cuts)]
+    return [reference_statistics(x[part], None, spec) for part in np.split(order, cuts)]
 
 
 def _assert_matches_sklearn(x: np.ndarray, stats: SufficientStatistics, k: int) -> None:
@@ -89,7 +89,7 @@ def _assert_matches_sklearn(x: np.ndarray, stats: SufficientStatistics, k: int) 
 def test_pca_equals_sklearn_covariance_eigh(name: str, how: str, k: int) -> None:
     x, clip = _rows(name, how)
     spec = StatisticsSpec(QueryKind.PCA, x.shape[1], clip)
-    _assert_matches_sklearn(x, local_statistics(x, None, spec), k)
+    _assert_matches_sklearn(x, reference_statistics(x, None, spec), k)
 
 
 @pytest.mark.parametrize(("name", "n_owners"), [("ionosphere", 3), ("german", 5), ("diabetes", 7)])
@@ -124,7 +124,7 @@ def test_negative_eigenvalues_of_a_noisy_matrix_are_clipped() -> None:
     m = 6
     x = preprocess(rng.normal(size=(30, m)) * np.array([3, 1, 0.3, 0.1, 0.1, 0.1]), None, 1.0)
     spec = StatisticsSpec(QueryKind.PCA, m)
-    vec = local_statistics(x, None, spec).to_vector(spec)
+    vec = reference_statistics(x, None, spec).to_vector(spec)
     noisy = SufficientStatistics.from_vector(spec, vec + rng.normal(scale=2.0, size=vec.shape))
     # Independent eigenvalues of the noisy covariance.
     n = noisy.count
@@ -225,7 +225,7 @@ def test_dca_equals_reference_on_real_rows(name: str, n_owners: int) -> None:
     labels = (-1.0, 1.0)
     spec = StatisticsSpec(QueryKind.DCA, x.shape[1], 1.0, labels)
     parts = np.array_split(np.random.default_rng(2).permutation(len(x)), n_owners)
-    stats = sum_statistics([local_statistics(x[p], y[p], spec) for p in parts])
+    stats = sum_statistics([reference_statistics(x[p], y[p], spec) for p in parts])
     with warnings.catch_warnings():
         warnings.simplefilter("error", DCAComponentsWarning)
         result = dca_from_statistics(stats, n_components=1)
@@ -248,7 +248,9 @@ def _three_class_data(seed: int = 4) -> tuple[np.ndarray, np.ndarray]:
 def test_dca_equals_reference_with_three_classes_and_explicit_rho() -> None:
     x, y = _three_class_data()
     spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0))
-    stats = local_statistics(x[:120], y[:120], spec) + local_statistics(x[120:], y[120:], spec)
+    stats = reference_statistics(x[:120], y[:120], spec) + reference_statistics(
+        x[120:], y[120:], spec
+    )
     for rho in (None, 5.0):
         result = dca_from_statistics(stats, n_components=2, rho=rho)
         ref_w, ref_values = _reference_dca(x, y, 2, rho)
@@ -263,7 +265,7 @@ def test_dca_equals_reference_with_three_classes_and_explicit_rho() -> None:
 def test_dca_warns_beyond_c_minus_one_components() -> None:
     x, y = _three_class_data()
     spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0))
-    stats = local_statistics(x, y, spec)
+    stats = reference_statistics(x, y, spec)
     with pytest.warns(DCAComponentsWarning, match="exceeds C − 1 = 2"):
         result = dca_from_statistics(stats, n_components=4)
     assert result.components.shape == (4, 5)
@@ -276,7 +278,7 @@ def test_dca_drops_classes_with_count_below_one() -> None:
     x, y = _three_class_data()
     y = np.where(y == 2.0, 1.0, y)  # class 2 is empty
     spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0))
-    stats = local_statistics(x, y, spec)
+    stats = reference_statistics(x, y, spec)
     with pytest.warns(DCAComponentsWarning, match="C − 1 = 1"):
         result = dca_from_statistics(stats, n_components=2)
     ref_w, _ = _reference_dca(x, y, 2)
@@ -295,7 +297,7 @@ def test_dca_on_noisy_statistics_stays_well_defined() -> None:
     x, y = _three_class_data()
     labels = (0.0, 1.0, 2.0)
     spec = StatisticsSpec(QueryKind.DCA, 5, 4.0, labels)
-    vec = local_statistics(x[:40], y[:40], spec).to_vector(spec)
+    vec = reference_statistics(x[:40], y[:40], spec).to_vector(spec)
     rng = np.random.default_rng(9)
     noisy = SufficientStatistics.from_vector(spec, vec + rng.normal(scale=5.0, size=vec.shape))
     s_w = noisy.scatter - sum(
@@ -315,7 +317,7 @@ def test_dca_argument_errors() -> None:
     with pytest.raises(ConfigError, match="per-class"):
         dca_from_statistics(pca_stats, n_components=1)
     x, y = _three_class_data()
-    stats = local_statistics(x, y, StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0)))
+    stats = reference_statistics(x, y, StatisticsSpec(QueryKind.DCA, 5, 4.0, (0.0, 1.0, 2.0)))
     with pytest.raises(ConfigError, match="n_components"):
         dca_from_statistics(stats, n_components=6)
     with pytest.raises(ConfigError, match="rho must be"):
@@ -325,7 +327,9 @@ def test_dca_argument_errors() -> None:
     # Every class a single repeated point: S_W = 0, so the default rho is 0 too.
     pts = np.array([[0.5, 0.0], [0.0, 0.5]])
     yy = np.array([0.0, 0.0, 1.0, 1.0])
-    flat = local_statistics(pts[[0, 0, 1, 1]], yy, StatisticsSpec(QueryKind.DCA, 2, 1.0, (0, 1)))
+    flat = reference_statistics(
+        pts[[0, 0, 1, 1]], yy, StatisticsSpec(QueryKind.DCA, 2, 1.0, (0, 1))
+    )
     with pytest.raises(DataError, match="singular"):
         dca_from_statistics(flat, n_components=1)
     assert dca_from_statistics(flat, n_components=1, rho=0.1).components.shape == (1, 2)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize
 
 from fedpca.codec.matrix import upper_triangle
+from fedpca.errors import LayoutError
 from fedpca.query import Neighbouring, QueryKind, QuerySpec
 from fedpca.stats import (
     StatisticsSpec,
@@ -174,3 +175,14 @@ def test_dca_class_statistics_are_exact() -> None:
     assert stats.class_counts is not None and stats.class_sums is not None
     assert stats.class_counts.tolist() == [int(np.sum(labels == c)) for c in (1.0, 2.0, 5.0)]
     assert stats.class_sums.sum(axis=0).tolist() == stats.sums.tolist()
+
+
+def test_shape_and_label_errors() -> None:
+    q = query(n_features=3)
+    with pytest.raises(LayoutError, match=r"\(N, 3\)"):
+        fixed_point_statistics(np.zeros((4, 2)), None, q)
+    dca = query(n_features=2, kind=QueryKind.DCA, label_column=0, class_labels=(0.0, 1.0))
+    with pytest.raises(LayoutError, match="needs a label"):
+        fixed_point_statistics(np.zeros((4, 2)), None, dca)
+    with pytest.raises(LayoutError, match="class labels"):
+        fixed_point_statistics(np.zeros((2, 2)), np.array([0.0, 2.0]), dca)
