@@ -184,7 +184,10 @@ def clip_rows(rows: npt.ArrayLike, clip_norm: float = 1.0) -> FloatArray:
     if not (math.isfinite(clip_norm) and clip_norm > 0):
         raise ConfigError(f"clip_norm must be finite and > 0, got {clip_norm}")
     x = _check_rows(rows).copy()
-    norms = np.linalg.norm(x, axis=1)
+    # Scaled norms: squaring raw values beyond 1e154 (no public bounds) would overflow.
+    largest = np.max(np.abs(x), axis=1, initial=0.0)
+    safe = np.where(largest > 0, largest, 1.0)
+    norms = largest * np.linalg.norm(x / safe[:, None], axis=1)
     over = norms > clip_norm
     if over.any():
         factor = clip_norm / norms[over]

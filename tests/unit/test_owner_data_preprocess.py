@@ -133,6 +133,12 @@ class TestClipping:
         within = np.linalg.norm(x, axis=1) <= c
         assert np.array_equal(out[within], x[within])
 
+    def test_huge_raw_rows_are_clipped_along_their_direction(self) -> None:
+        # Squaring 1e300 overflows; the clip must still keep the row's direction.
+        out = clip_rows([[1e300, -1e300, 0.0], [3e200, 4e200, 0.0]], 1.0)
+        np.testing.assert_allclose(out[0], [2**-0.5, -(2**-0.5), 0.0])
+        np.testing.assert_allclose(out[1], [0.6, 0.8, 0.0])
+
     def test_bad_clip_norm(self) -> None:
         with pytest.raises(ConfigError):
             clip_rows([[1.0]], 0.0)

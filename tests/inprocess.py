@@ -1,0 +1,226 @@
+"""A whole deployment in one process, for fast tests of what the analyst observes.
+
+The real :class:`~fedpca.proxy.server.ProxyServer` and real
+:class:`~fedpca.owner.node.OwnerNode` daemons (one thread each) talk gRPC over mutual
+TLS on loopback with certificates from :func:`fedpca.transport.certs.init_certificates`;
+the analyst uses the real :class:`~fedpca.analyst.client.AnalystClient` and signs its
+queries. Only the Paillier key is small (TEST-ONLY 512 bits) and the proxy's noise
+sampler is seeded, so a run takes well under a second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpca.analyst.client import AnalystClient
+from fedpca.codec import CryptoPool, key_fingerprint
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.errors import FedpcaError
+from fedpca.messages import QueryStatus
+from fedpca.owner.config import (
+    CryptoConfig,
+    DataConfig,
+    NodeConfig,
+    OwnerConfig,
+    PolicyConfig,
+    PrivacyConfig,
+    TlsConfig,
+)
+from fedpca.owner.node import OwnerNode, RetryPolicy
+from fedpca.proxy.config import (
+    BudgetConfig,
+    OwnersConfig,
+    ProxyConfig,
+    ProxySection,
+)
+from fedpca.proxy.config import CryptoConfig as ProxyCryptoConfig
+from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
+from fedpca.proxy.server import ProxyServer
+from fedpca.query import QuerySpec
+from fedpca.transport.certs import (
+    CertificateDirectory,
+    NodeIdentity,
+    Role,
+    TlsMaterial,
+    init_certificates,
+)
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY
+
+FAST_RETRY = RetryPolicy(
+    upload_attempts=3,
+    backoff_initial=0.05,
+    backoff_max=0.2,
+    reconnect_initial=0.05,
+    reconnect_max=0.2,
+    call_timeout=5.0,
+    upload_timeout=30.0,
+)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Everything the analyst can observe about one query (besides the noised numbers)."""
+
+    state: str
+    owners_contributed: int
+    owners_declined: int
+    declines: tuple[tuple[str, str, str], ...]
+    failure_reason: str | None
+    error: str | None
+    seconds: float
+
+    def without_timing(self) -> Outcome:
+        return replace(self, seconds=0.0)
+
+
+@dataclass
+class InProcessDeployment:
+    """One proxy and one owner node per table, on loopback with mutual TLS.
+
+    Parameters
+    ----------
+    workdir : a fresh folder for certificates, data, ledgers and the proxy database.
+    tables : owner id -> its table (label in column 0, features after it).
+    pool : the crypto pool every node encrypts on (a test fixture).
+    capacity : each owner's declared ``data.max_records``.
+    owner_budget, analyst_budget : total budgets.
+    policy : overrides of every owner's :class:`PolicyConfig` fields.
+    """
+
+    workdir: Path
+    tables: Mapping[str, np.ndarray]
+    pool: CryptoPool
+    public_key: Any
+    capacity: int = 1000
+    owner_budget: PrivacyParams = field(default_factory=lambda: PrivacyParams(100.0, 1e-5))
+    analyst_budget: PrivacyParams = field(default_factory=lambda: PrivacyParams(100.0, 1e-5))
+    policy: dict[str, Any] = field(default_factory=dict)
+    allowed: tuple[str, ...] | None = None
+    proxy: ProxyServer | None = None
+    nodes: dict[str, OwnerNode] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def certs(self) -> CertificateDirectory:
+        return CertificateDirectory(self.workdir / "certs")
+
+    def tls(self, role: Role, node_id: str) -> Any:
+        return self.certs.node_files(NodeIdentity(role, node_id))
+
+    def owner_config(self, owner_id: str, data_path: Path) -> OwnerConfig:
+        files = self.tls(Role.OWNER, owner_id)
+        policy: dict[str, Any] = {
+            "accepted_analyst_keys": (key_fingerprint(self.public_key),),
+            "accepted_query_signers": (TEST_SIGNER,),
+            "max_epsilon_per_query": 10.0,
+        }
+        policy.update(self.policy)
+        assert self.proxy is not None
+        return OwnerConfig(
+            owner=NodeConfig(owner_id, self.proxy.address, self.workdir / "state" / owner_id),
+            tls=TlsConfig(files.ca_certificate, files.certificate, files.private_key),
+            data=DataConfig(data_path, header=False, label_column=0, max_records=self.capacity),
+            policy=PolicyConfig(**policy),
+            budget=self.owner_budget,
+            crypto=CryptoConfig(processes=1),
+            privacy=PrivacyConfig(),
+        )
+
+    def start(self) -> InProcessDeployment:
+        owner_ids = list(self.tables)
+        init_certificates(self.workdir / "certs", owner_ids, ["alice"], force=True)
+        files = self.tls(Role.PROXY, "proxy")
+        config = ProxyConfig(
+            proxy=ProxySection(
+                id="proxy",
+                listen="127.0.0.1:0",
+                database=self.workdir / "proxy.sqlite3",
+                heartbeat_seconds=1.0,
+            ),
+            tls=ProxyTlsConfig(files.ca_certificate, files.certificate, files.private_key),
+            budget=BudgetConfig(self.analyst_budget),
+            crypto=ProxyCryptoConfig(processes=1, allow_insecure_test_keys=True),
+            owners=OwnersConfig(frozenset(self.allowed if self.allowed else owner_ids)),
+        )
+        self.proxy = ProxyServer(config, noise_sampler=TestOnlySeededSampler(5), pool=self.pool)
+        self.proxy.start()
+        (self.workdir / "data").mkdir(exist_ok=True)
+        for owner_id, table in self.tables.items():
+            path = self.workdir / "data" / f"{owner_id}.csv"
+            np.savetxt(path, table, delimiter=",", fmt="%.17g")
+            node = OwnerNode(self.owner_config(owner_id, path), pool=self.pool, retry=FAST_RETRY)
+            thread = threading.Thread(target=node.run_forever, name=owner_id, daemon=True)
+            thread.start()
+            self.nodes[owner_id] = node
+            self.threads.append(thread)
+        for owner_id, node in self.nodes.items():
+            if not node.connected.wait(30.0):
+                raise RuntimeError(f"owner {owner_id} did not connect")
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+        for thread in self.threads:
+            thread.join(timeout=30.0)
+        if self.proxy is not None:
+            self.proxy.stop(0)
+
+    @contextmanager
+    def analyst(self) -> Iterator[AnalystClient]:
+        files = self.tls(Role.ANALYST, "alice")
+        assert self.proxy is not None
+        with AnalystClient(self.proxy.address, TlsMaterial.load(files), timeout=30.0) as client:
+            yield client
+
+    def run(self, spec: QuerySpec, timeout: float = 60.0) -> Outcome:
+        """Submit ``spec`` as the analyst, follow it to the end; what the analyst saw."""
+        started = time.monotonic()
+        error: str | None = None
+        status: QueryStatus | None = None
+        with self.analyst() as client:
+            try:
+                client.submit(spec, TEST_SIGNING_KEY)
+                status = client.wait(spec.query_id, timeout=timeout)
+            except FedpcaError as exc:
+                error = type(exc).__name__
+                try:
+                    status = client.status(spec.query_id)
+                except FedpcaError:
+                    status = None
+        seconds = time.monotonic() - started
+        if status is None:
+            return Outcome("unknown", 0, 0, (), None, error, seconds)
+        return Outcome(
+            state=status.state.value,
+            owners_contributed=status.owners_contributed,
+            owners_declined=status.owners_declined,
+            declines=tuple((d.owner_id, d.reason, d.detail) for d in status.declines),
+            failure_reason=status.failure_reason,
+            error=error,
+            seconds=seconds,
+        )
+
+
+@contextmanager
+def deployment(**kwargs: Any) -> Iterator[InProcessDeployment]:
+    running = InProcessDeployment(**kwargs)
+    try:
+        yield running.start()
+    finally:
+        running.stop()
+
+
+def labelled(features: np.ndarray, labels: np.ndarray | float = 1.0) -> np.ndarray:
+    """A table as owners store it: the label in column 0, then the features."""
+    column = np.broadcast_to(np.asarray(labels, dtype=np.float64), (features.shape[0],))
+    return np.column_stack([column, features])

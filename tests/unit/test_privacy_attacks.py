@@ -1,0 +1,171 @@
+"""The attacks of the privacy audit, replayed: nothing the analyst observes depends on data.
+
+An untrusted analyst recovered an owner's exact row count in 20 probes at epsilon
+0.01 by binary search over ``max_records_per_owner``, because the owner declined when
+its data crossed the query's threshold; unexpected DCA labels, values outside the
+public bounds (with ``out_of_bounds = "refuse"``) and a fixed-point overflow detected
+from the data were oracles of the same kind. Each test below runs the same signed query
+on two neighbouring datasets, one record apart across the old threshold, through a real
+proxy and real owner nodes (:mod:`inprocess`), and checks that the analyst's view —
+state, counts of contributing and declining owners, decline reasons, failure reason,
+errors, and the time to the result on a one-second grid — is the same. Only the noised
+numbers may differ. On fedpca 0.1 every one of these runs ended differently: the owner
+crossing the threshold declined.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from inprocess import Outcome, deployment, labelled
+
+from fedpca.codec import CryptoPool
+from fedpca.query import QueryKind
+from helpers import query_builder
+
+M = 4
+_spec = query_builder(
+    n_features=M,
+    n_components=2,
+    epsilon=1.0,
+    delta=1e-6,
+    quorum=2,
+    deadline_seconds=60.0,
+    feature_lower=(-1.0,) * M,
+    feature_upper=(1.0,) * M,
+)
+
+
+def _rows(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-0.9, 0.9, size=(n, M))
+
+
+def _observe(
+    tmp_path: Path, pool: CryptoPool, public_key: Any, tables: dict[str, np.ndarray], **spec: Any
+) -> Outcome:
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        capacity=spec.pop("capacity", 1000),
+    ) as running:
+        return running.run(_spec(public_key, **spec))
+
+
+def _same_view(first: Outcome, second: Outcome) -> None:
+    assert first.without_timing() == second.without_timing()
+    assert first.state == "done", first
+    assert first.owners_declined == 0 and first.declines == ()
+    # The time to the result moves by milliseconds, far below a one-second grid.
+    assert abs(first.seconds - second.seconds) < 1.0
+
+
+def _neighbours(
+    tmp_path: Path,
+    pool: CryptoPool,
+    public_key: Any,
+    base: np.ndarray,
+    extra: np.ndarray,
+    labels: Any = 1.0,
+    extra_label: float = 1.0,
+    **spec: Any,
+) -> tuple[Outcome, Outcome]:
+    other = labelled(_rows(99, 30))
+    d = {"owner-1": labelled(base, labels), "owner-2": other}
+    d_prime = {
+        "owner-1": np.vstack([labelled(base, labels), labelled(extra[None, :], extra_label)]),
+        "owner-2": other,
+    }
+    return (
+        _observe(tmp_path / "d", pool, public_key, d, **spec),
+        _observe(tmp_path / "d-prime", pool, public_key, d_prime, **spec),
+    )
+
+
+def test_the_row_count_is_no_oracle_at_the_query_cap(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    # 40 rows fit max_records_per_owner = 40; 41 used to be declined.
+    public_key, _ = test_only_keypair_512
+    first, second = _neighbours(
+        tmp_path, pool, public_key, _rows(1, 40), _rows(2, 1)[0], max_records_per_owner=40
+    )
+    _same_view(first, second)
+
+
+def test_the_row_count_is_no_oracle_at_the_declared_capacity(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    first, second = _neighbours(
+        tmp_path, pool, public_key, _rows(1, 30), _rows(2, 1)[0], capacity=30
+    )
+    _same_view(first, second)
+
+
+def test_an_unexpected_label_is_no_oracle(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    labels = np.where(np.arange(30) % 2 == 0, -1.0, 1.0)
+    first, second = _neighbours(
+        tmp_path,
+        pool,
+        public_key,
+        _rows(1, 30),
+        _rows(2, 1)[0],
+        labels=labels,
+        extra_label=7.0,  # in no class list of the query
+        kind=QueryKind.DCA,
+        n_components=1,
+        label_column=0,
+        class_labels=(-1.0, 1.0),
+    )
+    _same_view(first, second)
+
+
+def test_a_value_outside_the_public_bounds_is_no_oracle(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    outlier = np.array([0.2, 5.0, -0.1, 0.3])  # feature 2 far outside [-1, 1]
+    first, second = _neighbours(tmp_path, pool, public_key, _rows(1, 30), outlier)
+    _same_view(first, second)
+
+
+def test_extreme_raw_values_cannot_overflow_a_slot(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Without bounds only the row clip applies; slots are sized from it, not from data."""
+    public_key, _ = test_only_keypair_512
+    huge = np.array([1e300, -1e300, 1e300, 3.0])
+    first, second = _neighbours(
+        tmp_path, pool, public_key, _rows(1, 30), huge, feature_lower=(), feature_upper=()
+    )
+    _same_view(first, second)
+
+
+def test_owner_logs_carry_no_record_counts_or_values(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    public_key, _ = test_only_keypair_512
+    # 70001 cannot be mistaken for a port number in a log line.
+    rows = _rows(3, 70_001)
+    rows[17, 2] = 0.8765432
+    tables = {"owner-1": labelled(rows), "owner-2": labelled(_rows(4, 30))}
+    with caplog.at_level(logging.DEBUG, logger="fedpca.owner"):
+        outcome = _observe(tmp_path, pool, public_key, tables, capacity=100_000)
+    assert outcome.state == "done"
+    owner_lines = [r.getMessage() for r in caplog.records if r.name.startswith("fedpca.owner")]
+    assert any("budget reserved" in line for line in owner_lines)  # the logs were captured
+    text = "\n".join(owner_lines)
+    assert "70001" not in text and "70,001" not in text
+    assert "8765432" not in text
