@@ -5,7 +5,9 @@ captures on the pooled preprocessed rows / variance the exact top-k subspace
 captures; 1 = as good as non-private PCA) for
 
 * ``stats``  — noisy R, v, N with the per-section sigmas of ``ReleasePlan``;
-* ``masked`` — the corrected Wang & Chang release S + E with sigma = z * Delta_S(N);
+* ``masked`` — the corrected Wang & Chang release S + E with sigma = z * Delta_S(N),
+  stated for replace-one adjacency (the only relation under which it has a finite
+  epsilon; ``stats`` is stated for add/remove, the stronger guarantee);
 * PrivateLocalPCA — the historical baseline (Wishart noise, sequential merge; not DP
   as published, shown only because the seed paper compared against it).
 
@@ -23,25 +25,24 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import numpy as np
 
 from fedpca.analyst.baseline import private_local_pca_baseline
 from fedpca.analyst.solvers import pca_from_centred_scatter, pca_from_statistics
 from fedpca.app.demo import captured_variance_ratio
+from fedpca.data import load_dataset
 from fedpca.preprocess import FeatureBounds, preprocess
 from fedpca.protocol import ReleasePlan, masked_sigma
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics
 
-DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 # Public bounds documented with the datasets (none: raw values, rows clipped).
 SCHEMAS: dict[str, tuple[float, float] | None] = {
-    "ionosphere.csv": (-1.0, 1.0),
-    "madelon.csv": (0.0, 999.0),
-    "german.csv": None,
-    "australian.csv": None,
+    "ionosphere": (-1.0, 1.0),
+    "madelon": (0.0, 999.0),
+    "german": None,
+    "australian": None,
 }
 
 
@@ -61,6 +62,9 @@ def spec_for(m: int, epsilon: float, delta: float, k: int, mode: ProtocolMode) -
         analyst_public_key_n=3,
         analyst_key_fingerprint="sha256:benchmark",
         mode=mode,
+        neighbouring=(
+            Neighbouring.REPLACE_ONE if mode is ProtocolMode.MASKED else Neighbouring.ADD_REMOVE
+        ),
     )
 
 
@@ -72,11 +76,7 @@ def run(trials: int, k: int, owners: int, epsilons: list[float], delta: float) -
     print(header)
     print("-" * len(header))
     for name, schema in SCHEMAS.items():
-        path = DATASETS / name
-        if not path.exists():
-            raise SystemExit(f"{path} not found: run from a checkout with ../shared/datasets")
-        table = np.loadtxt(path, delimiter=",")
-        raw = table[:, 1:]
+        raw, _ = load_dataset(name)
         m = raw.shape[1]
         bounds = None
         if schema is not None:
