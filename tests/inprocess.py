@@ -52,6 +52,7 @@ from fedpca.transport.certs import (
     Role,
     TlsMaterial,
     init_certificates,
+    read_certificate,
 )
 from helpers import TEST_SIGNER, TEST_SIGNING_KEY
 
@@ -104,7 +105,15 @@ class InProcessDeployment:
     owner_budget: PrivacyParams = field(default_factory=lambda: PrivacyParams(100.0, 1e-5))
     analyst_budget: PrivacyParams = field(default_factory=lambda: PrivacyParams(100.0, 1e-5))
     policy: dict[str, Any] = field(default_factory=dict)
+    owner_policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-owner overrides of ``policy``."""
     allowed: tuple[str, ...] | None = None
+    """The proxy's allow-list (default: every owner in ``tables``)."""
+    running: tuple[str, ...] | None = None
+    """Owners whose node is started (default: all)."""
+    revoked: tuple[str, ...] = ()
+    """Owners whose certificate the proxy lists as revoked."""
+    analysts: tuple[str, ...] = ("alice",)
     proxy: ProxyServer | None = None
     nodes: dict[str, OwnerNode] = field(default_factory=dict)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -124,6 +133,7 @@ class InProcessDeployment:
             "max_epsilon_per_query": 10.0,
         }
         policy.update(self.policy)
+        policy.update(self.owner_policies.get(owner_id, {}))
         assert self.proxy is not None
         return OwnerConfig(
             owner=NodeConfig(owner_id, self.proxy.address, self.workdir / "state" / owner_id),
@@ -137,8 +147,12 @@ class InProcessDeployment:
 
     def start(self) -> InProcessDeployment:
         owner_ids = list(self.tables)
-        init_certificates(self.workdir / "certs", owner_ids, ["alice"], force=True)
+        init_certificates(self.workdir / "certs", owner_ids, list(self.analysts), force=True)
         files = self.tls(Role.PROXY, "proxy")
+        revoked = frozenset(
+            read_certificate(self.tls(Role.OWNER, owner_id).certificate).serial_number
+            for owner_id in self.revoked
+        )
         config = ProxyConfig(
             proxy=ProxySection(
                 id="proxy",
@@ -146,7 +160,9 @@ class InProcessDeployment:
                 database=self.workdir / "proxy.sqlite3",
                 heartbeat_seconds=1.0,
             ),
-            tls=ProxyTlsConfig(files.ca_certificate, files.certificate, files.private_key),
+            tls=ProxyTlsConfig(
+                files.ca_certificate, files.certificate, files.private_key, revoked_serials=revoked
+            ),
             budget=BudgetConfig(self.analyst_budget),
             crypto=ProxyCryptoConfig(processes=1, allow_insecure_test_keys=True),
             owners=OwnersConfig(frozenset(self.allowed if self.allowed else owner_ids)),
@@ -155,6 +171,8 @@ class InProcessDeployment:
         self.proxy.start()
         (self.workdir / "data").mkdir(exist_ok=True)
         for owner_id, table in self.tables.items():
+            if self.running is not None and owner_id not in self.running:
+                continue
             path = self.workdir / "data" / f"{owner_id}.csv"
             np.savetxt(path, table, delimiter=",", fmt="%.17g")
             node = OwnerNode(self.owner_config(owner_id, path), pool=self.pool, retry=FAST_RETRY)
@@ -176,8 +194,8 @@ class InProcessDeployment:
             self.proxy.stop(0)
 
     @contextmanager
-    def analyst(self) -> Iterator[AnalystClient]:
-        files = self.tls(Role.ANALYST, "alice")
+    def analyst(self, analyst_id: str = "alice") -> Iterator[AnalystClient]:
+        files = self.tls(Role.ANALYST, analyst_id)
         assert self.proxy is not None
         with AnalystClient(self.proxy.address, TlsMaterial.load(files), timeout=30.0) as client:
             yield client

@@ -169,7 +169,23 @@ def create_server(
     )
 
 
-def add_secure_port(server: grpc.Server, address: str, tls: TlsMaterial) -> int:
+def create_async_server(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    *,
+    maximum_concurrent_rpcs: int | None = None,
+    extra_options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Server:
+    """An asynchronous (grpc.aio) server with fedpca's options: no thread per stream.
+
+    Calls beyond ``maximum_concurrent_rpcs`` are answered RESOURCE_EXHAUSTED by gRPC.
+    """
+    return grpc.aio.server(
+        options=server_options(max_message_bytes) + list(extra_options),
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+    )
+
+
+def add_secure_port(server: grpc.Server | grpc.aio.Server, address: str, tls: TlsMaterial) -> int:
     """Bind ``address`` with mutual TLS; return the bound port (useful with port 0).
 
     Raises
@@ -264,7 +280,7 @@ def insecure_channel(
     return grpc.intercept_channel(channel, _NodeIdInterceptor(node_id))
 
 
-def add_insecure_port(server: grpc.Server, address: str) -> int:
+def add_insecure_port(server: grpc.Server | grpc.aio.Server, address: str) -> int:
     """Bind ``address`` without TLS. NOT for deployments; logs a WARNING every time.
 
     Servicers cannot identify callers on such a port:

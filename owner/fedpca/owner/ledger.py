@@ -424,12 +424,14 @@ class BudgetLedger:
             ).fetchone()
         return int(row[0])
 
-    def cancel_reservation(self, query_id: str) -> bool:
-        """Refund a reservation whose data never left this node.
+    def cancel_reservation(self, query_id: str, *, upload_refused: bool = False) -> bool:
+        """Refund a reservation whose data was not released.
 
-        Sound only because nothing derived from the data was sent: a reservation
-        is refunded only while no upload of the task was ever started (checked in
-        the same transaction).
+        Sound only because nothing derived from the data reaches a result: a
+        reservation is refunded while no upload of the task was ever started (checked
+        in the same transaction), or, with ``upload_refused``, when the proxy refused
+        the upload because the query had stopped collecting (the proxy then takes
+        whatever it had folded of it out of the aggregate, so it is in no result).
 
         Returns
         -------
@@ -440,7 +442,7 @@ class BudgetLedger:
             started = connection.execute(
                 "SELECT upload_started FROM tasks WHERE query_id = ?", (query_id,)
             ).fetchone()
-            if started is not None and started[0]:
+            if started is not None and started[0] and not upload_refused:
                 logger.info("query %s: an upload was started; the budget stays charged", query_id)
                 return False
             cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))

@@ -609,6 +609,12 @@ class OwnerNode:
                         f"{_code_name(err)}: {_details(err)}",
                         upload_id=upload_id,
                     )
+                    if _code(err) is grpc.StatusCode.FAILED_PRECONDITION:
+                        # The query stopped collecting: the proxy takes an upload it did
+                        # not complete out of the aggregate, so this share is in no
+                        # result, and the proxy refunds the analyst only if no upload
+                        # began. Nothing of this owner's data was released.
+                        self.ledger.cancel_reservation(query_id, upload_refused=True)
                     return TaskOutcome.REJECTED
                 delay = RetryPolicy.delay(
                     attempt, self.retry.backoff_initial, self.retry.backoff_max

@@ -36,6 +36,16 @@ configuration file, so a deployment directory can be moved as a whole)::
     processes = 0                # 0 = all cores
     allow_insecure_test_keys = false   # TEST ONLY: accept analyst keys < 2048 bits
 
+    [limits]                     # per-peer bounds (fedpca.proxy.limits; these are the defaults)
+    max_uploads_per_owner = 2
+    upload_idle_seconds = 60.0
+    upload_total_seconds = 3600.0
+    max_watches_per_analyst = 8
+    max_calls_per_peer = 64
+    max_pending_work = 4096
+    worker_threads = 16
+    max_concurrent_rpcs = 20000
+
 Unknown keys are refused (a typo such as ``epsilion`` must not silently fall
 back to a default budget); every error names the offending key.
 """
@@ -52,6 +62,7 @@ from typing import Any
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
+from fedpca.proxy.limits import PeerLimits
 from fedpca.query import Neighbouring
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
 from fedpca.transport.certs import TlsFiles, validate_node_id
@@ -177,6 +188,7 @@ class ProxyConfig:
     crypto: CryptoConfig = field(default_factory=CryptoConfig)
     owners: OwnersConfig = field(default_factory=OwnersConfig)
     privacy: PrivacySection = field(default_factory=PrivacySection)
+    limits: PeerLimits = field(default_factory=PeerLimits)
 
     def with_overrides(self, *, listen: str | None = None, insecure: bool = False) -> ProxyConfig:
         """A copy with command-line overrides applied (flags win over the file)."""
@@ -208,7 +220,9 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     document : the parsed TOML tables.
     base_dir : folder relative paths are resolved against.
     """
-    reject_unknown_keys(document, {"proxy", "tls", "owners", "privacy", "budget", "crypto"})
+    reject_unknown_keys(
+        document, {"proxy", "tls", "owners", "privacy", "budget", "crypto", "limits"}
+    )
     proxy_table = _table(document, "proxy")
     tls_table = _table(document, "tls")
     budget_table = _table(document, "budget")
@@ -280,6 +294,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         crypto=crypto,
         owners=_owners(_table(document, "owners")),
         privacy=_privacy_section(_table(document, "privacy"), default),
+        limits=PeerLimits.from_mapping(dict(_table(document, "limits"))),
     )
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -84,6 +85,14 @@ def task_id(analyst_id: str, query_id: str) -> str:
     Neither part may contain "/" (node ids and query ids have safe alphabets).
     """
     return f"{analyst_id}/{query_id}"
+
+
+@dataclass(frozen=True)
+class _OpenQuery:
+    task: Task
+    deadline_at: float
+    answered: frozenset[str]
+    """Owners that uploaded to or declined the query."""
 
 
 class _LedgerChanged(Exception):
@@ -148,6 +157,8 @@ class Coordinator:
         self._stream_numbers = itertools.count(1)
         self._changed = threading.Condition()
         self._version = 0
+        self._listeners: list[Callable[[], None]] = []
+        self._snapshot: tuple[int, list[_OpenQuery]] | None = None
         self._stopping = threading.Event()
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise")
@@ -179,10 +190,18 @@ class Coordinator:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (from whichever thread) after every query change."""
+        with self._changed:
+            self._listeners.append(listener)
+
     def _notify(self) -> None:
         with self._changed:
             self._version += 1
             self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
 
     def shutdown(self, wait: bool = True) -> None:
         """Wake every waiting stream and stop the background finisher.
@@ -291,7 +310,7 @@ class Coordinator:
         with self._lock:
             self._contexts.setdefault(key, context)
         if record.state is QueryState.COLLECTING:
-            self._prepare_noise(context)
+            self._prepare_noise(key, context)
         if not spec.private:
             logger.warning("query %s: epsilon = inf, the result will be NOT PRIVATE", key)
         logger.info(
@@ -367,6 +386,33 @@ class Coordinator:
         """COLLECTING queries this owner has neither uploaded to nor declined."""
         return [task.query for task in self.pending_tasks(owner_id)]
 
+    def _open_queries(self) -> list[_OpenQuery]:
+        """The COLLECTING queries with who answered them, read once per change.
+
+        Every owner's task stream asks after every change; one read of the store per
+        change serves them all (a thousand streams would otherwise read it a thousand
+        times).
+        """
+        version = self.version
+        with self._lock:
+            if self._snapshot is not None and self._snapshot[0] == version:
+                return self._snapshot[1]
+        snapshot = []
+        for record in self.store.queries(QueryState.COLLECTING):
+            answered = set(self.store.declines(record.query_id))
+            answered.update(u.owner_id for u in self.store.uploads(record.query_id))
+            task = Task(
+                query=self._context(record.query_id).spec,
+                upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),
+                query_signature=record.signature,
+                query_signer=record.signer,
+                task_id=record.query_id,
+            )
+            snapshot.append(_OpenQuery(task, record.deadline_at, frozenset(answered)))
+        with self._lock:
+            self._snapshot = (version, snapshot)
+        return snapshot
+
     def pending_tasks(self, owner_id: str) -> list[Task]:
         """:meth:`tasks_for` with each query's upload deadline, ready for the task stream.
 
@@ -375,24 +421,11 @@ class Coordinator:
         if owner_id not in self.registered_owners:
             return []
         now = self.clock()
-        tasks = []
-        for record in self.store.queries(QueryState.COLLECTING):
-            if record.deadline_at <= now:
-                continue
-            if owner_id in self.store.declines(record.query_id):
-                continue
-            if any(u.owner_id == owner_id for u in self.store.uploads(record.query_id)):
-                continue
-            tasks.append(
-                Task(
-                    query=self._context(record.query_id).spec,
-                    upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),
-                    query_signature=record.signature,
-                    query_signer=record.signer,
-                    task_id=record.query_id,
-                )
-            )
-        return tasks
+        return [
+            open_query.task
+            for open_query in self._open_queries()
+            if open_query.deadline_at > now and owner_id not in open_query.answered
+        ]
 
     def withdrawn_tasks(self, owner_id: str, query_ids: Sequence[str]) -> list[TaskCancellation]:
         """Cancellations for delivered tasks the owner should no longer answer.
@@ -611,7 +644,7 @@ class Coordinator:
                     record.query_id,
                     removed,
                 )
-            self._prepare_noise(self._context(record.query_id))
+            self._prepare_noise(record.query_id, self._context(record.query_id))
         return handled + self.check_deadlines()
 
     # ------------------------------------------------------------------ finish
@@ -708,7 +741,9 @@ class Coordinator:
             )
         else:
             public_n = None
-            blocks, sections, timings = stats_result(context, aggregate, n_owners, self._noise)
+            blocks, sections, timings = stats_result(
+                record.query_id, context, aggregate, n_owners, self._noise
+            )
         timings["noise_seconds"] = time.perf_counter() - started
         with self._lock:
             fold_seconds = self._fold_seconds.get(record.query_id)
@@ -727,9 +762,9 @@ class Coordinator:
             meta["public_n"] = public_n
         return blocks, meta
 
-    def _prepare_noise(self, context: QueryContext) -> None:
+    def _prepare_noise(self, key: str, context: QueryContext) -> None:
         if not self._stopping.is_set():
-            self._noise.prepare(context.plan, context.public_key)
+            self._noise.prepare(key, context.plan, context.public_key)
 
     def prepared_noise(self, query_id: str) -> Future[EncryptedNoise] | None:
         """TEST AID: the pending preparation of a query's noise, if any (not removed)."""

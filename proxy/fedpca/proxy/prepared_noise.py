@@ -91,13 +91,17 @@ class PreparedNoise:
             else None
         )
 
-    def prepare(self, plan: ReleasePlan, public_key: PaillierPublicKey) -> None:
-        """Start drawing and encrypting a stats-mode query's noise in the background."""
+    def prepare(self, key: str, plan: ReleasePlan, public_key: PaillierPublicKey) -> None:
+        """Start drawing and encrypting a stats-mode query's noise in the background.
+
+        ``key`` is the proxy's key of the query (its task id): two analysts' queries
+        may share a query id, never a key.
+        """
         spec = plan.spec
         if self._executor is None or spec.mode is not ProtocolMode.STATS or not plan.private:
             return
         with self._lock:
-            if spec.query_id in self._futures or self._closed:
+            if key in self._futures or self._closed:
                 return
             try:
                 future = self._executor.submit(
@@ -105,8 +109,8 @@ class PreparedNoise:
                 )
             except RuntimeError:  # shutting down: the noise is drawn at finish
                 return
-            self._futures[spec.query_id] = future
-        logger.info("query %s: preparing its noise while owners encrypt", spec.query_id)
+            self._futures[key] = future
+        logger.info("query %s: preparing its noise while owners encrypt", key)
 
     def take(self, query_id: str) -> EncryptedNoise | None:
         """The prepared noise of a query, removed from the table; None: draw it now.
@@ -125,10 +129,10 @@ class PreparedNoise:
         return noise
 
     def take_or_draw(
-        self, plan: ReleasePlan, public_key: PaillierPublicKey
+        self, key: str, plan: ReleasePlan, public_key: PaillierPublicKey
     ) -> tuple[EncryptedNoise, bool]:
         """The query's noise: prepared (True) if :meth:`take` has it, else drawn now (False)."""
-        noise = self.take(plan.spec.query_id)
+        noise = self.take(key)
         if noise is not None:
             return noise, True
         return draw_encrypted_noise(plan, public_key, self.pool, self.sampler), False

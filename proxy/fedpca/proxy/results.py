@@ -57,12 +57,13 @@ def aggregate_blocks(context: QueryContext, data: bytes) -> dict[str, bytes]:
 
 
 def stats_result(
+    key: str,
     context: QueryContext,
     aggregate: Mapping[str, bytes],
     n_owners: int,
     noise_source: PreparedNoise,
 ) -> tuple[dict[str, bytes], list[dict[str, Any]], dict[str, float]]:
-    """Add the query's encrypted noise (prepared or drawn now) to a stats-mode aggregate.
+    """Add query ``key``'s encrypted noise (prepared or drawn now) to a stats-mode aggregate.
 
     Returns the result blocks, the noise of each section and the seconds spent.
     """
@@ -83,7 +84,7 @@ def stats_result(
     if not plan.private:
         logger.warning("query %s: no noise added (epsilon = inf): NOT PRIVATE", plan.spec.query_id)
         return {SHARES: total.to_bytes()}, sections, timings
-    noise, prepared = noise_source.take_or_draw(plan, context.public_key)
+    noise, prepared = noise_source.take_or_draw(key, plan, context.public_key)
     if prepared:
         timings["noise_precomputed"] = 1.0
     timings["sample_seconds"] = noise.sample_seconds

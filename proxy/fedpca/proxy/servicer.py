@@ -236,10 +236,10 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
             version = coordinator.version
             tasks = coordinator.pending_tasks(owner)
             for task in tasks:
-                if task.query.query_id not in delivered:
-                    delivered.add(task.query.query_id)
+                if task.key not in delivered:
+                    delivered.add(task.key)
                     yield serde.task_event_to_proto(task)
-            open_ids = {task.query.query_id for task in tasks}
+            open_ids = {task.key for task in tasks}
             answered = sorted(delivered - open_ids)
             for cancellation in coordinator.withdrawn_tasks(owner, answered):
                 yield serde.task_event_to_proto(cancellation)

@@ -1,0 +1,130 @@
+"""Per-peer resource bounds of the proxy (no gRPC here; the servicer applies them).
+
+One owner certificate used to freeze the proxy: 61 open task streams or 62 uploads that
+sent a header and stalled each held one of 64 server threads. The asynchronous server
+holds no thread per stream, and these bounds keep any one peer from taking more than
+its share of what remains:
+
+* one task stream per owner: a newer stream replaces the older one, which ends;
+* at most ``max_uploads_per_owner`` uploads in flight per owner, each ended after
+  ``upload_idle_seconds`` without a message or ``upload_total_seconds`` in all;
+* at most ``max_watches_per_analyst`` status watches per analyst;
+* at most ``max_calls_per_peer`` calls of any kind in flight per peer;
+* at most ``max_pending_work`` blocking jobs (database, folding) waiting for the
+  proxy's ``worker_threads``.
+
+A call beyond a bound is answered RESOURCE_EXHAUSTED at once; nothing waits for a slot.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fedpca.errors import ConfigError, FedpcaError
+
+__all__ = ["OverloadError", "PeerLimits", "PeerSlots", "TaskStreams"]
+
+
+class OverloadError(FedpcaError, RuntimeError):
+    """A peer asked for more than its bound (answered RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """``[limits]`` of the proxy configuration."""
+
+    max_uploads_per_owner: int = 2
+    upload_idle_seconds: float = 60.0
+    upload_total_seconds: float = 3600.0
+    max_watches_per_analyst: int = 8
+    max_calls_per_peer: int = 64
+    max_pending_work: int = 4096
+    worker_threads: int = 16
+    max_concurrent_rpcs: int = 20_000
+    """gRPC's own bound on calls in flight (task streams of every owner included)."""
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if isinstance(value, float):
+                if not (math.isfinite(value) and value > 0):
+                    raise ConfigError(f"limits.{spec.name} must be finite and > 0, got {value!r}")
+            elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(f"limits.{spec.name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, table: dict[str, Any]) -> PeerLimits:
+        known = {spec.name: spec for spec in fields(cls)}
+        unknown = sorted(set(table) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown keys in [limits]: {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for name, value in table.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"limits.{name} must be a number, got {value!r}")
+            values[name] = float(value) if known[name].type in ("float", float) else value
+        return cls(**values)
+
+
+class PeerSlots:
+    """Counting slots per (kind, peer); thread-safe, never blocks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._used: Counter[tuple[str, str]] = Counter()
+
+    def acquire(self, kind: str, peer: str, limit: int) -> None:
+        """Take one slot or raise :class:`OverloadError`."""
+        with self._lock:
+            if self._used[(kind, peer)] >= limit:
+                raise OverloadError(
+                    f"{peer} already has {limit} {kind} in flight, the most this proxy allows"
+                )
+            self._used[(kind, peer)] += 1
+
+    def release(self, kind: str, peer: str) -> None:
+        with self._lock:
+            self._used[(kind, peer)] -= 1
+            if self._used[(kind, peer)] <= 0:
+                del self._used[(kind, peer)]
+
+    def in_use(self, kind: str, peer: str) -> int:
+        with self._lock:
+            return self._used[(kind, peer)]
+
+
+class TaskStreams:
+    """The one task stream of each owner: a newer stream supersedes the older.
+
+    :meth:`open` returns a generation number; a stream keeps serving while
+    :meth:`is_current` says its generation is still the owner's latest.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: dict[str, int] = {}
+        self._next = 0
+
+    def open(self, owner_id: str) -> int:
+        with self._lock:
+            self._next += 1
+            self._latest[owner_id] = self._next
+            return self._next
+
+    def is_current(self, owner_id: str, generation: int) -> bool:
+        with self._lock:
+            return self._latest.get(owner_id) == generation
+
+    def close(self, owner_id: str, generation: int) -> None:
+        with self._lock:
+            if self._latest.get(owner_id) == generation:
+                del self._latest[owner_id]
+
+    def connected(self) -> int:
+        """Owners with an open task stream."""
+        with self._lock:
+            return len(self._latest)

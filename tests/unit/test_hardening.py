@@ -1,0 +1,208 @@
+"""Hostile peers against a real proxy and real owner nodes over mutual TLS (in process).
+
+Each test is one finding of the red-team run, replayed: a certificate the proxy does not
+list, a revoked one, queries that drain owners' budgets for free, a weak delta, query
+ids that leak across analysts, and the resource exhaustion of one owner certificate.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from inprocess import deployment, labelled
+
+from fedpca.codec import CryptoPool
+from fedpca.errors import ConfigError, NotFoundError
+from fedpca.messages import DeclineReason, OwnerHello, QueryState, TaskDecline
+from fedpca.transport import serde
+from fedpca.transport.certs import Role, TlsMaterial
+from fedpca.transport.channels import secure_channel
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import TEST_SIGNING_KEY, query_builder
+
+M = 3
+_spec = query_builder(
+    n_features=M,
+    n_components=1,
+    epsilon=1.0,
+    delta=1e-6,
+    deadline_seconds=60.0,
+    feature_lower=(-1.0,) * M,
+    feature_upper=(1.0,) * M,
+)
+
+
+def _tables(*owners: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {owner: labelled(rng.uniform(-0.5, 0.5, size=(20, M))) for owner in owners}
+
+
+def _owner_stub(running: Any, owner_id: str) -> tuple[grpc.Channel, Any]:
+    channel = secure_channel(
+        running.proxy.address, TlsMaterial.load(running.tls(Role.OWNER, owner_id))
+    )
+    return channel, owner_grpc.OwnerServiceStub(channel)
+
+
+def _refused(call: Any) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    code: grpc.StatusCode = info.value.code()
+    return code
+
+
+def test_revoked_and_unlisted_certificates_are_refused(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Any certificate the CA signed used to be an owner, took a quorum slot and
+    poisoned the count (180 -> 50,183)."""
+    public_key, _ = test_only_keypair_512
+    tables = _tables("owner-1", "owner-2", "intruder", "revoked")
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        allowed=("owner-1", "owner-2", "revoked"),
+        running=("owner-1", "owner-2"),
+        revoked=("revoked",),
+    ) as running:
+        for owner_id in ("intruder", "revoked"):
+            channel, stub = _owner_stub(running, owner_id)
+            with channel:
+                hello = serde.owner_hello_to_proto(OwnerHello(owner_id, "test"))
+                code = _refused(lambda stub=stub, hello=hello: stub.Hello(hello, timeout=10))
+                assert code is grpc.StatusCode.PERMISSION_DENIED, owner_id
+                request = serde.task_stream_request_to_proto(owner_id)
+                code = _refused(lambda stub=stub, request=request: next(stub.StreamTasks(request)))
+                assert code is grpc.StatusCode.PERMISSION_DENIED, owner_id
+        # The owners that are allowed still complete a query with quorum 2.
+        outcome = running.run(_spec(public_key, quorum=2))
+        assert outcome.state == "done" and outcome.owners_contributed == 2
+
+
+def test_failed_queries_with_uploads_are_charged_to_the_analyst(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Twelve queries with an unreachable quorum exhausted every owner while the
+    analyst was charged nothing: the proxy refunded even after owners uploaded."""
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1", "owner-2", "owner-3"),
+        pool=pool,
+        public_key=public_key,
+        running=("owner-1", "owner-2"),  # owner-3 never comes: quorum 3 is unreachable
+    ) as running:
+        outcome = running.run(_spec(public_key, "drain", quorum=3, deadline_seconds=2.0))
+        assert outcome.state == "failed" and outcome.owners_contributed == 2
+        with running.analyst() as client:
+            budget = client.budget()
+        # The owners spent budget on it, so the analyst pays for it too.
+        assert budget.n_releases == 1 and budget.epsilon_spent > 0
+        for node in running.nodes.values():
+            assert [e.event.query_id for e in node.ledger.events()] == ["alice/drain"]
+
+
+def test_public_declines_fail_the_query_at_once_with_their_reasons_and_are_refunded(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1", "owner-2"),
+        pool=pool,
+        public_key=public_key,
+        owner_policies={"owner-2": {"max_epsilon_per_query": 0.5}},
+    ) as running:
+        started = time.monotonic()
+        outcome = running.run(_spec(public_key, "strict", quorum=2, deadline_seconds=300.0))
+        assert time.monotonic() - started < 30.0  # not the 300 s deadline
+        assert outcome.state == "failed" and outcome.error == "QueryStateError"
+        ((owner, reason, detail),) = outcome.declines
+        assert (owner, reason) == ("owner-2", "policy_refusal")
+        assert "max_epsilon_per_query" in detail
+        assert outcome.failure_reason is not None and "owner-2" in outcome.failure_reason
+        # owner-1 may or may not have begun its upload before the decline failed the
+        # query; its share is in no result either way, so it refunds itself, and the
+        # analyst is refunded unless an upload had begun: the analyst never pays less
+        # than the owners spent.
+        ledger = running.nodes["owner-1"].ledger
+        deadline = time.monotonic() + 30.0
+        while not ledger.is_handled("alice/strict") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ledger.is_handled("alice/strict")
+        with running.analyst() as client:
+            budget = client.budget()
+        assert ledger.events() == []
+        assert budget.n_releases >= len(ledger.events())
+
+
+def test_a_large_delta_is_refused_before_any_owner_works(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """delta = 0.99 was accepted (sigma 0.32 instead of 6.46)."""
+    public_key, _ = test_only_keypair_512
+    with (
+        deployment(
+            workdir=tmp_path, tables=_tables("owner-1"), pool=pool, public_key=public_key
+        ) as running,
+        running.analyst() as client,
+    ):
+        with pytest.raises(ConfigError, match="cap"):
+            client.submit(_spec(public_key, "weak", delta=0.99), TEST_SIGNING_KEY)
+        with pytest.raises(NotFoundError):
+            client.status("weak")
+    for node in running.nodes.values():
+        assert node.ledger.events() == []
+
+
+def test_query_ids_are_scoped_by_analyst(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """A global id space told one analyst whether another had used an id."""
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1"),
+        pool=pool,
+        public_key=public_key,
+        analysts=("alice", "bob"),
+    ) as running:
+        with running.analyst("alice") as alice, running.analyst("bob") as bob:
+            with pytest.raises(NotFoundError):
+                bob.status("q1")
+            alice.submit(_spec(public_key, "q1", quorum=1), TEST_SIGNING_KEY)
+            # Bob cannot see Alice's q1, and may use the same id for another query.
+            with pytest.raises(NotFoundError):
+                bob.status("q1")
+            bob.submit(_spec(public_key, "q1", quorum=1, epsilon=0.5), TEST_SIGNING_KEY)
+            assert alice.wait("q1", timeout=60).state is QueryState.DONE
+            assert bob.wait("q1", timeout=60).state is QueryState.DONE
+        owner = running.nodes["owner-1"]
+        assert sorted(e.event.query_id for e in owner.ledger.events()) == ["alice/q1", "bob/q1"]
+
+
+def test_a_query_cannot_be_declined_after_it_ended(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path, tables=_tables("owner-1"), pool=pool, public_key=public_key
+    ) as running:
+        outcome = running.run(_spec(public_key, "done-one", quorum=1))
+        assert outcome.state == "done"
+        channel, stub = _owner_stub(running, "owner-1")
+        with channel:
+            decline = serde.task_decline_to_proto(
+                TaskDecline("alice/done-one", DeclineReason.POLICY_REFUSAL, "late")
+            )
+            code = _refused(lambda: stub.DeclineTask(decline, timeout=10))
+            assert code is grpc.StatusCode.FAILED_PRECONDITION
+        with running.analyst() as client:
+            assert client.status("done-one").declines == ()
