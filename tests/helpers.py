@@ -5,6 +5,7 @@ are in conftest.py."""
 from __future__ import annotations
 
 import math
+from datetime import datetime
 from typing import Any, Protocol
 
 import numpy as np
@@ -12,10 +13,10 @@ from hypothesis import HealthCheck, settings
 
 from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.data import dataset_path
-from fedpca.messages import CiphertextPayload, SignedQuery, blocks_of
+from fedpca.messages import CiphertextPayload, SignedQuery, Task, blocks_of
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
-from fedpca.signing import generate_signing_key, sign_query, signer_id
+from fedpca.signing import Ed25519PrivateKey, generate_signing_key, sign_query, signer_id
 from fedpca.stats import fixed_point_statistics
 
 TEST_SIGNING_KEY = generate_signing_key()
@@ -23,9 +24,38 @@ TEST_SIGNING_KEY = generate_signing_key()
 TEST_SIGNER = signer_id(TEST_SIGNING_KEY)
 
 
-def signed(spec: QuerySpec) -> SignedQuery:
-    """``spec`` signed with :data:`TEST_SIGNING_KEY`, as the analyst submits it."""
-    return SignedQuery(spec, sign_query(spec, TEST_SIGNING_KEY), TEST_SIGNER)
+def signed(spec: QuerySpec, key: Ed25519PrivateKey = TEST_SIGNING_KEY) -> SignedQuery:
+    """``spec`` signed with ``key`` (default :data:`TEST_SIGNING_KEY`), as the analyst
+    submits it."""
+    return SignedQuery(spec, sign_query(spec, key), signer_id(key))
+
+
+def submit_request(spec: QuerySpec, key: Ed25519PrivateKey = TEST_SIGNING_KEY) -> Any:
+    """The SubmitQuery request of ``spec`` signed with ``key``, as the analyst client sends it."""
+    from fedpca.transport import serde
+
+    return serde.submit_query_request_to_proto(signed(spec, key))
+
+
+def signed_task(
+    spec: QuerySpec,
+    upload_deadline: datetime,
+    analyst: str = "alice",
+    key: Ed25519PrivateKey = TEST_SIGNING_KEY,
+) -> Task:
+    """The task a proxy delivers for analyst ``analyst``'s signed query ``spec``.
+
+    It carries the signature by ``key`` (default :data:`TEST_SIGNING_KEY`) and the
+    proxy's task id ``analyst/query_id``.
+    """
+    query = signed(spec, key)
+    return Task(
+        spec,
+        upload_deadline,
+        query_signature=query.signature,
+        query_signer=query.signer,
+        task_id=f"{analyst}/{spec.query_id}",
+    )
 
 
 def dataset_table(name: str) -> np.ndarray:
@@ -135,3 +165,28 @@ def reference_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
     class_sums = np.array([x[y == c].sum(axis=0) for c in classes])
     class_counts = np.array([float(np.sum(y == c)) for c in classes])
     return SufficientStatistics.for_classes(scatter, class_sums, class_counts)
+
+
+def quantisation_step(frac_bits: int = 32) -> float:
+    """The grid owners quantise every coordinate of a (clip-unit) row to
+    (:func:`fedpca.stats.row_bits`): the largest difference between a coordinate and
+    what the exact statistics are computed from."""
+    from fedpca.stats import row_bits
+
+    return 2.0 ** -row_bits(frac_bits)
+
+
+QUANTISATION_STEP = quantisation_step(32)
+"""2^-16: the quantisation step at the default frac_bits 32."""
+
+
+def exact_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
+    """The exact statistics owners release for raw ``rows``, decoded to real units (stats
+    mode).
+
+    :func:`fedpca.stats.fixed_point_statistics` (quantised rows, exact integers) read
+    back with the query's plan: what a noiseless release decodes to, bit for bit.
+    """
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+    integers = fixed_point_statistics(rows, labels, spec).to_vector(plan.statistics)
+    return plan.statistics_from_integers(integers)

@@ -12,9 +12,10 @@ Every draw is seeded afresh from ``(seed, sigma_int, size)``
 draws it (the first one, or the one restarted after a ``kill -9`` in the middle of
 the noise step) nor on the queries that process noised before.
 
-``--crash QUERY_ID:POINT:K`` (TEST ONLY fault injection) makes the process SIGKILL
+``--crash TASK_ID:POINT:K`` (TEST ONLY fault injection) makes the process SIGKILL
 itself at an exact point of that query, for windows of a few milliseconds that a
-kill from outside rarely hits:
+kill from outside rarely hits. ``TASK_ID`` is the proxy's key of the query,
+``analyst/query_id`` (:func:`fedpca.proxy.coordinator.task_id`):
 
 * ``prep:K``: at the K-th noise draw of that query's noise preparation, which the
   proxy starts on a background thread when it accepts the query;
@@ -54,12 +55,12 @@ import numpy.typing as npt
 
 from fedpca.app.cluster import PROXY_READY_MARKER
 from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.messages import SignedQuery
 from fedpca.proxy.cli import LOG_FORMAT
 from fedpca.proxy.config import load_config
-from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.store import ProxyStore, QueryRecord, UploadCompletion
-from fedpca.query import QuerySpec
 
 logger = logging.getLogger("fedpca.tests.seeded_proxy")
 
@@ -92,17 +93,18 @@ def _crash(reason: str) -> None:
 
 
 def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSampler) -> None:
-    """TEST ONLY: make this process kill itself at ``point`` of ``query_id`` (``--crash``)."""
+    """TEST ONLY: make this process kill itself at ``point`` of the query whose task id
+    is ``query_id`` (``--crash``)."""
     if point not in ("prep", "fold", "staged", "folded", "result") or k < 1:
         raise SystemExit(f"--crash: unknown point {point}:{k}")
     if point == "prep":
         submit = Coordinator.submit
 
-        def arming_submit(self: Coordinator, analyst_id: str, spec: QuerySpec) -> QueryRecord:
-            if spec.query_id == query_id:
+        def arming_submit(self: Coordinator, analyst_id: str, signed: SignedQuery) -> QueryRecord:
+            if task_id(analyst_id, signed.spec.query_id) == query_id:
                 # Its noise preparation starts inside submit: the next draws are its own.
                 sampler.crash_in = k
-            return submit(self, analyst_id, spec)
+            return submit(self, analyst_id, signed)
 
         Coordinator.submit = arming_submit  # type: ignore[method-assign]
         return
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, required=True, help="noise seed (TEST ONLY)")
     parser.add_argument("--config", type=Path, required=True, help="the proxy's TOML config")
     parser.add_argument(
-        "--crash", help="QUERY_ID:POINT:K, POINT prep, fold, staged, folded or result (TEST ONLY)"
+        "--crash",
+        help="TASK_ID:POINT:K, POINT prep, fold, staged, folded or result (TEST ONLY)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG, format=LOG_FORMAT)

@@ -33,24 +33,25 @@ import numpy as np
 import pytest
 
 from fedpca.analyst.estimators import FederatedPCA
+from fedpca.analyst.keys import load_analyst_signing_key
 from fedpca.app.cluster import LocalCluster, split_rows
 from fedpca.codec import CryptoPool
 from fedpca.errors import FedpcaError
-from fedpca.messages import (
-    Task,
-)
 from fedpca.owner.config import load_config as load_owner_config
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.ledger import TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
+from fedpca.proxy.coordinator import task_id
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import secure_channel
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import dataset_table
+from helpers import dataset_table, signed_task
 
 pytestmark = pytest.mark.slow
 
 N_OWNERS = 3
 WAIT = 120.0
+ANALYST = "analyst"
+"""The cluster's analyst: the proxy stores its query q under the task id analyst/q."""
 
 
 def _cluster(tmp_path: Path) -> LocalCluster:
@@ -147,14 +148,15 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
 
         # (a) quorum 2 of 3: the silent owner does not hold the query up.
         model = _pca(cluster, quorum=2, deadline=WAIT).fit(n_features=34)
-        record = store.query(model.query_id_)
-        uploaders = store.uploaders(model.query_id_)
+        key = task_id(ANALYST, model.query_id_)
+        record = store.query(key)
+        uploaders = store.uploaders(key)
         assert uploaders == present
         assert model.n_owners_ == len(uploaders) == record["n_contributed"] == 2
         assert record["state"] == "done"
         # Finished when the quorum had uploaded, not at the deadline.
         assert record["updated_at"] < record["deadline_at"]
-        stored = store.result_digest(model.query_id_)
+        stored = store.result_digest(key)
 
         # (c1) The owner starts after the query finished: the closed query is not
         # offered to it, the next one is (the task stream sends open tasks in order).
@@ -162,11 +164,11 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
         next_model = _pca(cluster, quorum=N_OWNERS, deadline=WAIT).fit(n_features=34)
         assert next_model.n_owners_ == N_OWNERS
         late_log = late.log_text()
-        assert f"query {next_model.query_id_}: task received" in late_log
+        assert f"query {task_id(ANALYST, next_model.query_id_)}: task received" in late_log
         assert model.query_id_ not in late_log
         late.stop()
         cluster.owners.remove(late)
-        assert store.result_digest(model.query_id_) == stored
+        assert store.result_digest(key) == stored
 
         # (c2) A late upload that does reach the proxy (the owner's node is handed the
         # old task, as if it had received it before going away) is refused with
@@ -175,7 +177,14 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
         caplog.set_level(logging.INFO, logger="fedpca.owner")
         config = load_owner_config(cluster.owner_config(late_id))
         spec = model.release_.query
-        task = Task(spec, datetime.fromtimestamp(record["deadline_at"], UTC))
+        # As the proxy delivered it: the analyst's signature, the task id.
+        task = signed_task(
+            spec,
+            datetime.fromtimestamp(record["deadline_at"], UTC),
+            ANALYST,
+            load_analyst_signing_key(cluster.key_dir),
+        )
+        assert task.key == key
         with CryptoPool(1) as pool:
             node = OwnerNode(config, pool=pool)
             channel = secure_channel(config.owner.proxy, TlsMaterial.load(config.tls.files()))
@@ -184,20 +193,23 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
             finally:
                 channel.close()
         assert outcome is TaskOutcome.REJECTED
-        refusal = f"query {spec.query_id!r} is done: uploads are no longer accepted"
+        refusal = f"query {key!r} is done: uploads are no longer accepted"
         owner_lines = [r.getMessage() for r in caplog.records if "refused upload" in r.getMessage()]
         assert len(owner_lines) == 1 and "FAILED_PRECONDITION" in owner_lines[0]
         assert refusal in owner_lines[0]
-        ledger_record = BudgetLedger(config.ledger_path).task(spec.query_id)
+        ledger = owner_ledger(config)
+        ledger_record = ledger.task(key)
         assert ledger_record is not None and ledger_record.outcome is TaskOutcome.REJECTED
+        # The refused share is in no result: the owner's reservation was refunded.
+        assert key not in [entry.event.query_id for entry in ledger.events()]
         assert cluster.proxy is not None
         proxy_log = cluster.proxy.log_text()
         assert re.search(
             r"Upload refused \(FAILED_PRECONDITION\): .*" + re.escape(refusal), proxy_log
         )
 
-        assert store.result_digest(model.query_id_) == stored
-        assert store.uploaders(model.query_id_) == present
+        assert store.result_digest(key) == stored
+        assert store.uploaders(key) == present
         print(f"\nlate owner refused: {owner_lines[0]}")
 
 
@@ -235,9 +247,14 @@ def test_fewer_than_quorum_by_the_deadline_fails_with_the_reason(tmp_path: Path)
         print(f"\nanalyst sees: {type(failure[0]).__name__}: {message}")
 
         ((query_id,),) = store.rows("SELECT query_id FROM queries")
+        assert query_id.startswith(f"{ANALYST}/")  # the task id
         record = store.query(query_id)
         assert record["state"] == "failed"
         assert record["failure_reason"] == "deadline passed with 2 of 3 required owners"
         assert record["n_contributed"] == 2
         assert store.uploaders(query_id) == cluster.owner_ids[:2]
         assert store.rows("SELECT COUNT(*) FROM results WHERE query_id=?", query_id) == [(0,)]
+        # Two owners uploaded (and spent their budgets): the analyst is charged although
+        # the query failed (no refund once an upload began).
+        assert store.rows("SELECT COUNT(*) FROM releases WHERE query_id=?", query_id) == [(1,)]
+        assert store.rows("SELECT uploads_begun FROM queries WHERE query_id=?", query_id) == [(1,)]

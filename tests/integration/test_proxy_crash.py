@@ -28,9 +28,9 @@ that every run of the query draws the same noise; production noise cannot be see
 3. Every trial must complete with all owners (quorum = all owners, so an owner that
    gave up could not hide behind a smaller quorum; its "giving up" fails the trial
    by name), one ``uploads`` row per owner in the SQLite file, no refused upload,
-   and decrypted statistics equal to the reference's up to stochastic rounding, a
-   few times n_owners x 2^-frac_bits: one owner's share lost or doubled moves them by
-   orders of magnitude more (its record count alone is 400).
+   and decrypted statistics *equal* to the reference's: owners release exact integer
+   statistics and every run draws the same noise, so one owner's share lost or
+   doubled (its record count alone is 400) shows, and so does any other difference.
 
 The complete log of each killed proxy (DEBUG: it logs every fold before it starts)
 tells which phase the kill hit; the test prints kill offsets, phases and what the
@@ -54,9 +54,10 @@ import pytest
 from fedpca.analyst.client import AnalystClient, ProxyUnavailableError
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.estimators import FederatedPCA, run_query
-from fedpca.analyst.keys import load_analyst_private_key
+from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.app.cluster import OWNER_READY_MARKER, LocalCluster, ManagedProcess, split_rows
 from fedpca.codec import CryptoPool
+from fedpca.proxy.coordinator import task_id
 from fedpca.query import QuerySpec
 from fedpca.transport.certs import TlsMaterial
 from helpers import dataset_table
@@ -64,6 +65,8 @@ from helpers import dataset_table
 pytestmark = pytest.mark.slow
 
 SEEDED_PROXY = Path(__file__).resolve().with_name("seeded_proxy.py")
+ANALYST = "analyst"
+"""The cluster's analyst (its certificate's node id): the proxy keys queries by it."""
 
 N_OWNERS = 5
 N_FEATURES = 200  # of madelon's 500: ~615 ciphertexts per owner at 2048 bits
@@ -116,7 +119,8 @@ class QueryRun:
 
     @property
     def query_id(self) -> str:
-        return self.spec.query_id
+        """The proxy's task id of the query: what its store, its log and the owners use."""
+        return task_id(ANALYST, self.spec.query_id)
 
 
 @dataclass
@@ -143,6 +147,7 @@ class CrashHarness:
         self.cluster = cluster
         self.pool = pool
         self.private_key = load_analyst_private_key(cluster.key_dir / "analyst.key.json")
+        self.signing_key = load_analyst_signing_key(cluster.key_dir)
         self.tls = TlsMaterial.load(cluster.analyst_tls())
         self.estimator = FederatedPCA(
             n_components=2,
@@ -177,6 +182,7 @@ class CrashHarness:
                         run.spec,
                         client,
                         self.private_key,
+                        self.signing_key,
                         pool=self.pool,
                         wait_timeout=TRIAL_TIMEOUT,
                     )
@@ -239,7 +245,7 @@ class CrashHarness:
         """Start the proxy again (same config and SQLite file); armed for ``arm``'s fault."""
         command = [sys.executable, str(SEEDED_PROXY), "--seed", str(NOISE_SEED)]
         if arm is not None and arm.fault is not None:
-            command += ["--crash", f"{arm.spec.query_id}:{arm.fault}"]
+            command += ["--crash", f"{task_id(ANALYST, arm.spec.query_id)}:{arm.fault}"]
         self.cluster.proxy_command = command
         self.cluster.start_proxy()
 
@@ -439,13 +445,12 @@ def _recovery(query_id: str, proxy_log: str, owner_logs: dict[str, str]) -> str:
 def _assert_same_statistics(model: FederatedPCA, reference: FederatedPCA, label: str) -> None:
     got, want = model.release_.statistics, reference.release_.statistics
     assert got is not None and want is not None
-    # Only the owners' stochastic rounding differs between runs (< 2^-f per owner
-    # and value, each run); the noise is the same. One owner's share is ~1 or more.
-    atol = 4 * N_OWNERS * 2.0**-FRAC_BITS
+    # Owners release exact integer statistics (no rounding coins) and every run draws
+    # the same noise: the decrypted statistics are the very same numbers.
     assert model.n_owners_ == reference.n_owners_ == N_OWNERS, label
-    np.testing.assert_allclose(got.count, want.count, rtol=0, atol=atol, err_msg=label)
-    np.testing.assert_allclose(got.sums, want.sums, rtol=0, atol=atol, err_msg=label)
-    np.testing.assert_allclose(got.scatter, want.scatter, rtol=0, atol=atol, err_msg=label)
+    np.testing.assert_array_equal(got.count, want.count, err_msg=label)
+    np.testing.assert_array_equal(got.sums, want.sums, err_msg=label)
+    np.testing.assert_array_equal(got.scatter, want.scatter, err_msg=label)
 
 
 def test_kill_9_proxy_at_random_points_loses_and_doubles_nothing(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """Analyst keys, the gRPC client and the ``fedpca analyst`` CLI.
 
 The client and CLI talk real gRPC (loopback, insecure port) to a fake
-AnalystService that answers like the proxy: it stores submitted queries and
-streams results built with serde.encode_result from ciphertexts under the
-analyst's TEST-ONLY 512-bit key.
+AnalystService that answers like the proxy: it verifies each query's signature,
+stores submitted queries and streams results built with serde.encode_result from
+ciphertexts (the owners' exact fixed-point statistics) under the analyst's
+TEST-ONLY 512-bit key.
 """
 
 from __future__ import annotations
@@ -33,15 +34,22 @@ from fedpca.analyst.keys import (
     create_analyst_keys,
     load_analyst_private_key,
     load_analyst_public_key,
+    load_analyst_signing_key,
 )
 from fedpca.codec import (
     CryptoPool,
-    encode_fixed_point,
     generate_keypair,
     key_fingerprint,
 )
 from fedpca.dp.noise import TestOnlySeededSampler
-from fedpca.errors import BudgetExceededError, ConfigError, NotFoundError, QueryStateError
+from fedpca.errors import (
+    BudgetExceededError,
+    ConfigError,
+    FedpcaError,
+    KeyFileError,
+    NotFoundError,
+    QueryStateError,
+)
 from fedpca.messages import (
     BudgetStatus,
     QueryState,
@@ -49,11 +57,13 @@ from fedpca.messages import (
 )
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.signing import signer_id, verify_query
+from fedpca.stats import fixed_point_statistics
 from fedpca.transport import serde
 from fedpca.transport.channels import add_insecure_port, create_server
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
-from helpers import query_builder, reference_statistics
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY, quantisation_step, query_builder
 
 ROWS = np.random.default_rng(1).uniform(-1.0, 1.0, size=(40, 3)) * [1.0, 0.5, 0.2]
 LABELS = np.where(ROWS[:, 0] > 0, 1.0, -1.0)
@@ -67,10 +77,27 @@ def test_create_keys_writes_private_0600_and_refuses_overwrite(tmp_path: Path) -
     assert files.fingerprint == key_fingerprint(public_key)
     private_key = load_analyst_private_key(files.private_key, allow_insecure_test_key=True)
     assert private_key.public_key == public_key
+    # The query-signing key: secret (0600), next to the Paillier key, what owners pin.
+    assert stat.S_IMODE(files.signing_key.stat().st_mode) == 0o600
+    signing_key = load_analyst_signing_key(files.directory)
+    assert files.signer == signer_id(signing_key) and files.signer.startswith("ed25519:")
+    # Found from the key directory and from the Paillier key file next to it alike.
+    assert signer_id(load_analyst_signing_key(files.private_key)) == files.signer
+    assert signer_id(load_analyst_signing_key(files.signing_key)) == files.signer
     with pytest.raises(ConfigError, match="already exists"):
         create_analyst_keys(files.directory, 512, allow_insecure_test_key=True)
     replaced = create_analyst_keys(files.directory, 512, force=True, allow_insecure_test_key=True)
     assert replaced.fingerprint != files.fingerprint
+    assert replaced.signer != files.signer
+    assert signer_id(load_analyst_signing_key(files.directory)) == replaced.signer
+    # A signing key left alone in a directory is not overwritten either.
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    files.signing_key.rename(lone / files.signing_key.name)
+    with pytest.raises(ConfigError, match="already exists"):
+        create_analyst_keys(lone, 512, allow_insecure_test_key=True)
+    with pytest.raises(KeyFileError, match="no query-signing key"):
+        load_analyst_signing_key(files.directory)
 
 
 @pytest.mark.parametrize("bits", [512, 1024, 4096])
@@ -101,7 +128,13 @@ def test_keygen_cli_prints_fingerprint_last(tmp_path: Path, fast_keygen: list[in
     private = tmp_path / "k" / "analyst.key.json"
     assert stat.S_IMODE(private.stat().st_mode) == 0o600
     public_key = load_analyst_public_key(tmp_path / "k", allow_insecure_test_key=True)
-    assert result.stdout.strip().splitlines()[-1] == key_fingerprint(public_key)
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == key_fingerprint(public_key)
+    # The query signer owners pin, printed on its own line before the fingerprint.
+    signing_key = tmp_path / "k" / "analyst.signing.pem"
+    assert stat.S_IMODE(signing_key.stat().st_mode) == 0o600
+    assert lines[-3] == signer_id(load_analyst_signing_key(tmp_path / "k"))
+    assert "accepted_query_signers" in lines[-4] and "accepted_analyst_keys" in lines[-2]
 
     again = runner.invoke(analyst_group, ["keygen", "--out", str(tmp_path / "k"), "--bits", "2048"])
     assert again.exit_code == 1 and "already exists" in again.output
@@ -118,13 +151,14 @@ def test_keygen_cli_prints_fingerprint_last(tmp_path: Path, fast_keygen: list[in
 def _masked_blocks(
     spec: QuerySpec, pool: CryptoPool, public_key: Any
 ) -> tuple[dict[str, Any], int]:
-    """Masked-mode result of ROWS without noise, computed in plaintext."""
+    """Masked-mode result of ROWS without noise, computed in plaintext from the owners'
+    exact fixed-point statistics."""
     plan = ReleasePlan.for_query(spec, 512)
     f = spec.frac_bits
-    statistics = reference_statistics(preprocess_for_query(ROWS, spec), None, spec)
-    r = encode_fixed_point(statistics.scatter, f, rounding="nearest").tolist()
-    v = encode_fixed_point(statistics.sums, f, rounding="nearest").tolist()
-    n = len(ROWS)
+    statistics = fixed_point_statistics(ROWS, None, spec)
+    r = statistics.scatter.tolist()
+    v = statistics.sums.tolist()
+    n = statistics.count
     sums_block = plan.result_block(MASKED_SUM)
     rng = random.Random(3)
     # Below the mask width W (the block bound is |v|max + W), as the proxy draws it.
@@ -155,10 +189,26 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.fail_reason: str | None = None
         self.unavailable_submits = 0
         self.submitted_ids: list[str] = []
+        self.signatures: list[tuple[bytes, str]] = []
+        self.neighbouring = Neighbouring.ADD_REMOVE
+        """The deployment's relation: a query stated for another is refused."""
 
     def SubmitQuery(self, request: Any, context: Any) -> Any:
-        spec = serde.submit_query_request_from_proto(request)
+        signed = serde.submit_query_request_from_proto(request)
+        spec = signed.spec
+        # Like the proxy: only a query its analyst signed is accepted.
+        try:
+            verify_query(spec, signed.signature, signed.signer)
+        except FedpcaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid query signature: {exc}")
         self.submitted_ids.append(spec.query_id)
+        self.signatures.append((signed.signature, signed.signer))
+        if spec.neighbouring is not self.neighbouring:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the query is stated for {spec.neighbouring.value} adjacency; this "
+                f"deployment accounts under {self.neighbouring.value}",
+            )
         if self.unavailable_submits:
             self.unavailable_submits -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "proxy restarting")
@@ -201,8 +251,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             plan = ReleasePlan.for_query(spec, 512)
             block = plan.owner_block(SHARES)
             labels = LABELS if spec.kind is QueryKind.DCA else None
-            share = reference_statistics(preprocess_for_query(ROWS, spec), labels, spec)
-            values = encode_fixed_point(plan.owner_values(share)[SHARES], spec.frac_bits)
+            share = fixed_point_statistics(ROWS, labels, spec)
+            values = plan.owner_integers(share)[SHARES]
             if plan.private:
                 values = values + plan.noise_values(TestOnlySeededSampler(1))
             bound = block.bound + plan.bounds.noise_headroom
@@ -236,23 +286,34 @@ _spec = query_builder(
 def test_client_submits_watches_fetches_and_decrypts_masked_mode(
     proxy: tuple[FakeProxy, str], test_only_keypair_512: Any, pool: CryptoPool
 ) -> None:
-    _, address = proxy
+    fake, address = proxy
+    fake.neighbouring = Neighbouring.REPLACE_ONE  # masked mode: a replace-one deployment
     public_key, private_key = test_only_keypair_512
-    spec = _spec(public_key, mode=ProtocolMode.MASKED)
+    spec = _spec(public_key, mode=ProtocolMode.MASKED, neighbouring=Neighbouring.REPLACE_ONE)
     with AnalystClient(address, None, insecure=True) as client:
-        assert client.submit(spec).state is QueryState.COLLECTING
+        assert client.submit(spec, TEST_SIGNING_KEY).state is QueryState.COLLECTING
         states = [s.state for s in client.watch(spec.query_id)]
         assert states == [QueryState.COLLECTING, QueryState.DONE]
         fetched = client.fetch(spec.query_id)
+    # The client signed the query with the key it was given.
+    assert [signer for _, signer in fake.signatures] == [TEST_SIGNER]
     # The public N travels in the result header (ResultHeader.public_record_count).
     assert fetched.result.public_record_count == len(ROWS)
     assert fetched.public_count == len(ROWS)
     release = decrypt_result(fetched.result, private_key, expected_query=spec, pool=pool)
     assert release.public_count == len(ROWS)
+    assert release.centred_scatter is not None
+    # Exactly the centred scatter of the owners' quantised rows ...
+    exact = fixed_point_statistics(ROWS, None, spec)
+    scatter = exact.scatter.astype(float) * 2.0**-spec.frac_bits
+    sums = exact.sums.astype(float) * 2.0**-spec.frac_bits
+    expected = scatter - np.outer(sums, sums) / exact.count
+    np.testing.assert_allclose(release.centred_scatter, expected, rtol=1e-12, atol=1e-12)
+    # ... which is the rows' centred scatter to within their quantisation.
     rows = preprocess_for_query(ROWS, spec)
     centred = (rows - rows.mean(axis=0)).T @ (rows - rows.mean(axis=0))
-    assert release.centred_scatter is not None
-    np.testing.assert_allclose(release.centred_scatter, centred, atol=1e-3)
+    tolerance = 4 * len(ROWS) * quantisation_step(spec.frac_bits)
+    np.testing.assert_allclose(release.centred_scatter, centred, rtol=0, atol=tolerance)
 
 
 def test_client_maps_grpc_errors(proxy: tuple[FakeProxy, str], test_only_keypair_512: Any) -> None:
@@ -260,12 +321,12 @@ def test_client_maps_grpc_errors(proxy: tuple[FakeProxy, str], test_only_keypair
     fake.refuse_budget = True
     with AnalystClient(address, None, insecure=True) as client:
         with pytest.raises(BudgetExceededError, match=r"would exceed the limit 3\.0"):
-            client.submit(_spec(test_only_keypair_512[0]))
+            client.submit(_spec(test_only_keypair_512[0]), TEST_SIGNING_KEY)
         with pytest.raises(NotFoundError, match="no query 'nope'"):
             client.fetch("nope")
         fake.refuse_budget = False
         fake.fail_reason = "quorum of 3 not reached by the deadline"
-        client.submit(_spec(test_only_keypair_512[0]))
+        client.submit(_spec(test_only_keypair_512[0]), TEST_SIGNING_KEY)
         with pytest.raises(QueryStateError, match="quorum of 3 not reached"):
             client.wait("q-client")
         budget = client.budget(1e-5)
@@ -279,11 +340,13 @@ def test_submit_is_retried_with_the_same_query_id_while_the_proxy_is_unavailable
     fake.unavailable_submits = 2
     spec = _spec(test_only_keypair_512[0])
     with AnalystClient(address, None, insecure=True, retry_delays=(0.01, 0.01, 0.01)) as client:
-        status = client.submit(spec)
+        status = client.submit(spec, TEST_SIGNING_KEY)
     assert status.query_id == spec.query_id
     # Three attempts, all with the id chosen once by the client: the proxy treats an
-    # identical resubmission as the same query, so the budget is charged once.
+    # identical resubmission as the same query, so the budget is charged once. The
+    # signature (deterministic, over the same query) is the same every time.
     assert fake.submitted_ids[-3:] == [spec.query_id] * 3
+    assert len(set(fake.signatures[-3:])) == 1
 
 
 def test_a_refusal_is_not_retried(proxy: tuple[FakeProxy, str], test_only_keypair_512: Any) -> None:
@@ -294,7 +357,7 @@ def test_a_refusal_is_not_retried(proxy: tuple[FakeProxy, str], test_only_keypai
         AnalystClient(address, None, insecure=True, retry_delays=(0.01,) * 5) as client,
         pytest.raises(BudgetExceededError),
     ):
-        client.submit(_spec(test_only_keypair_512[0]))
+        client.submit(_spec(test_only_keypair_512[0]), TEST_SIGNING_KEY)
     assert len(fake.submitted_ids) == before + 1
 
 
@@ -357,7 +420,7 @@ def _query_args(address: str, key_dir: Path, out: Path, *extra: str) -> list[str
 def test_cli_pca_writes_result_and_plots(
     proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
 ) -> None:
-    _, address = proxy
+    fake, address = proxy
     sample = tmp_path / "sample.csv"
     np.savetxt(sample, np.column_stack([LABELS, ROWS]), delimiter=",")
     out = tmp_path / "run" / "result.json"
@@ -371,16 +434,20 @@ def test_cli_pca_writes_result_and_plots(
     assert document["n_samples_noisy"] is True and document["mode"] == "stats"
     assert (out.parent / "result.scree.png").stat().st_size > 0
     assert (out.parent / "result.projection.png").stat().st_size > 0
+    # Signed with the signing key of the key directory (owners pin its signer).
+    assert [signer for _, signer in fake.signatures] == [
+        signer_id(load_analyst_signing_key(analyst_key))
+    ]
 
 
 def test_cli_not_private_warning_and_config_file(
     proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
 ) -> None:
-    _, address = proxy
+    fake, address = proxy
     config = tmp_path / "analyst.toml"
     config.write_text(f'proxy = "{address}"\ninsecure = true\nkey_dir = "keys"\n')
     out = tmp_path / "r.json"
-    args = _query_args("", analyst_key, out, "--epsilon", "inf", "--mode", "masked")
+    args = _query_args("", analyst_key, out, "--epsilon", "inf")
     # Drop --proxy/--insecure/--key-dir: they come from the config file.
     args = args[5:]
     result = CliRunner().invoke(analyst_group, ["pca", "--config", str(config), *args])
@@ -389,6 +456,35 @@ def test_cli_not_private_warning_and_config_file(
     assert "NOT PRIVATE" in result.output
     document = json.loads(out.read_text())
     assert document["epsilon"] is None and document["not_private"] is True
+    # No noise: the exact count, and the mean to within the rows' quantisation.
+    assert document["n_samples"] == len(ROWS) and document["n_samples_noisy"] is False
+    spec = fake.specs[fake.submitted_ids[-1]]
+    rows = preprocess_for_query(ROWS, spec)
+    step = quantisation_step(spec.frac_bits)
+    np.testing.assert_allclose(document["mean"], rows.mean(axis=0), rtol=0, atol=step)
+    # The key directory named in the config file signed the query.
+    assert fake.signatures[-1][1] == signer_id(load_analyst_signing_key(analyst_key))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "production gap: `fedpca analyst pca` (and FederatedPCA) has no option for the "
+        "neighbouring relation, so a masked query is always stated for add-remove, which "
+        "every proxy (and ReleasePlan) refuses; masked mode needs replace-one"
+    ),
+)
+def test_cli_masked_mode_against_a_replace_one_deployment(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    fake, address = proxy
+    fake.neighbouring = Neighbouring.REPLACE_ONE
+    out = tmp_path / "r.json"
+    args = _query_args(address, analyst_key, out, "--epsilon", "inf", "--mode", "masked")
+    result = CliRunner().invoke(analyst_group, ["pca", *args])
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    assert document["mode"] == "masked" and document["not_private"] is True
     assert document["mean"] is None and document["n_samples"] == len(ROWS)
 
 

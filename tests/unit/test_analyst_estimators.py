@@ -16,7 +16,8 @@ from fedpca.analyst.client import FetchedResult
 from fedpca.analyst.decode import DecodedRelease, result_from_packed
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, NotFittedError
 from fedpca.analyst.report import write_plots, write_report, write_result
-from fedpca.codec import CryptoPool, encode_fixed_point, key_fingerprint
+from fedpca.analyst.solvers import pca_from_statistics
+from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.errors import ConfigError, DataError, QueryStateError
 from fedpca.messages import (
     QueryState,
@@ -24,9 +25,10 @@ from fedpca.messages import (
 )
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
-from fedpca.query import QueryKind, QuerySpec
-from fedpca.stats import SufficientStatistics
-from helpers import reference_statistics
+from fedpca.query import Calibration, QueryKind, QuerySpec
+from fedpca.signing import signer_id
+from fedpca.stats import SufficientStatistics, fixed_point_statistics
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY, exact_statistics, reference_statistics
 
 RNG = np.random.default_rng(0)
 ROWS = RNG.uniform(-3.0, 3.0, size=(60, 4)) @ np.diag([1.0, 0.6, 0.3, 0.1])
@@ -120,6 +122,20 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
         FederatedDCA(1, mode="masked").build_query(4, public_key)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "production: FederatedPCA/FederatedDCA (and `fedpca analyst --calibration`) still "
+        "default to 'analytic', while zcdp is the proven default of QuerySpec and the docs"
+    ),
+)
+def test_the_default_calibration_is_the_proven_zcdp(test_only_keypair_512: Any) -> None:
+    public_key, _ = test_only_keypair_512
+    assert QuerySpec.__dataclass_fields__["calibration"].default is Calibration.ZCDP
+    for estimator in (FederatedPCA(2, epsilon=0.7), FederatedDCA(1, classes=(1, 2))):
+        assert estimator.build_query(4, public_key).calibration is Calibration.ZCDP
+
+
 def test_from_result_sets_learned_attributes_and_transforms() -> None:
     estimator = FederatedPCA.from_result(release_for(n_components=4))
     assert estimator.components_.shape == (4, 4)
@@ -152,6 +168,7 @@ class FakeClient:
     def __init__(self, proxy: str, tls: Any, insecure: bool = False, **_: Any) -> None:
         self.proxy, self.tls, self.insecure = proxy, tls, insecure
         self.submitted: list[QuerySpec] = []
+        self.signers: list[str] = []
         FakeClient.instances.append(self)
 
     def __enter__(self) -> FakeClient:
@@ -160,8 +177,9 @@ class FakeClient:
     def __exit__(self, *args: Any) -> None:
         pass
 
-    def submit(self, spec: QuerySpec) -> QueryStatus:
+    def submit(self, spec: QuerySpec, signing_key: Any) -> QueryStatus:
         self.submitted.append(spec)
+        self.signers.append(signer_id(signing_key))
         return QueryStatus(spec.query_id, QueryState.COLLECTING, 0, spec.quorum)
 
     def wait(self, query_id: str, on_status: Any = None, timeout: Any = None) -> Any:
@@ -175,9 +193,8 @@ class FakeClient:
         public_key = self.key.public_key
         plan = ReleasePlan.for_query(spec, 512)
         block = plan.owner_block(SHARES)
-        rows = preprocess_for_query(ROWS, spec)
-        share = reference_statistics(rows, None, spec)
-        values = encode_fixed_point(plan.owner_values(share)[SHARES], spec.frac_bits)
+        share = fixed_point_statistics(ROWS, None, spec)
+        values = plan.owner_integers(share)[SHARES]
         with CryptoPool(1) as pool:
             packed = pool.encrypt_packed(public_key, values, block.layout, block.bound)
         return FetchedResult(result_from_packed(spec, 1, {SHARES: packed}))
@@ -192,6 +209,13 @@ def test_fit_runs_the_query_and_returns_self(
     FakeClient.key = private_key
     monkeypatch.setattr(client_module, "AnalystClient", FakeClient)
     monkeypatch.setattr(estimators_module, "load_analyst_private_key", lambda path: private_key)
+    signing_keys_from: list[Any] = []
+
+    def load_signing_key(path: Any) -> Any:
+        signing_keys_from.append(path)
+        return TEST_SIGNING_KEY
+
+    monkeypatch.setattr(estimators_module, "load_analyst_signing_key", load_signing_key)
     statuses: list[QueryStatus] = []
     estimator = FederatedPCA(
         2,
@@ -209,13 +233,20 @@ def test_fit_runs_the_query_and_returns_self(
     (client,) = FakeClient.instances[-1:]
     assert client.proxy == "fake:1" and client.insecure
     assert estimator.query_id_ == client.submitted[0].query_id
+    # Signed with the signing key found next to the private key.
+    assert signing_keys_from == ["key.json"] and client.signers == [TEST_SIGNER]
     assert [s.state for s in statuses] == [QueryState.COLLECTING, QueryState.DONE]
     assert set(estimator.timings_) == {"submit", "wait", "fetch", "decrypt", "solve"}
-    reference = PCA(2, svd_solver="covariance_eigh").fit(
-        preprocess_for_query(ROWS, client.submitted[0])
-    )
+    spec = client.submitted[0]
+    # Exactly the PCA of the owners' exact statistics (quantised rows) ...
+    exact = pca_from_statistics(exact_statistics(ROWS, None, spec), n_components=2)
     np.testing.assert_allclose(
-        np.abs(estimator.components_), np.abs(reference.components_), atol=1e-7
+        np.abs(estimator.components_), np.abs(exact.components), rtol=0, atol=1e-9
+    )
+    # ... which is sklearn's on the float rows to within the quantisation (2^-16).
+    reference = PCA(2, svd_solver="covariance_eigh").fit(preprocess_for_query(ROWS, spec))
+    np.testing.assert_allclose(
+        np.abs(estimator.components_), np.abs(reference.components_), rtol=0, atol=1e-4
     )
 
 
@@ -230,6 +261,9 @@ def test_failed_query_raises_with_the_proxy_reason(
 
     monkeypatch.setattr(client_module, "AnalystClient", Failing)
     monkeypatch.setattr(estimators_module, "load_analyst_private_key", lambda path: private_key)
+    monkeypatch.setattr(
+        estimators_module, "load_analyst_signing_key", lambda path: TEST_SIGNING_KEY
+    )
     estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
     with pytest.raises(QueryStateError, match="quorum not reached"):
         estimator.fit(4)

@@ -57,6 +57,7 @@ from phe import paillier
 from fedpca.analyst.config import load_config as load_analyst_config
 from fedpca.codec import ciphertext as codec_ciphertext
 from fedpca.codec.keys import key_fingerprint, load_private_key, load_public_key
+from fedpca.dp.accounting import Accountant
 from fedpca.errors import ConfigError, FedpcaError
 from fedpca.messages import (
     SHA256_BYTES,
@@ -77,7 +78,7 @@ from fedpca.messages import (
 )
 from fedpca.owner.config import load_config as load_owner_config
 from fedpca.proxy.config import load_config as load_proxy_config
-from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.tables import load_table
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
@@ -856,18 +857,33 @@ _TOML_VALUES = st.recursive(
 _VALID_OWNER = {
     "owner": {"id": "owner-1", "proxy": "127.0.0.1:50051", "state_dir": "state"},
     "tls": {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem", "insecure": False},
-    "data": {"path": "data.csv", "header": "auto", "label_column": 0, "out_of_bounds": "clip"},
+    "data": {"path": "data.csv", "header": "auto", "label_column": 0, "max_records": 1000},
+    "privacy": {"neighbouring": "add-remove", "accountant": "zcdp"},
     "policy": {
         "accepted_analyst_keys": ["sha256:" + "0" * 64],
+        "accepted_query_signers": ["ed25519:" + "ab" * 32],
         "max_epsilon_per_query": 1.0,
+        "max_delta_per_query": 1e-6,
         "allow_not_private": False,
+        "allow_masked_mode": False,
+        "allowed_kinds": ["pca", "dca"],
+        "min_quorum": 2,
+        "max_tasks_per_day": 10,
     },
     "budget": {"epsilon": 10.0, "delta": 1e-5},
     "crypto": {"processes": 0, "obfuscation": "djn"},
 }
 _VALID_PROXY = {
     "proxy": {"id": "proxy", "listen": "127.0.0.1:0", "database": "p.sqlite3"},
-    "tls": {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem", "insecure": False},
+    "tls": {
+        "ca": "ca.pem",
+        "cert": "cert.pem",
+        "key": "key.pem",
+        "insecure": False,
+        "revoked_serials": ["1f:2e", "0a"],
+    },
+    "owners": {"allowed": ["hospital-a", "hospital-b"]},
+    "privacy": {"neighbouring": "replace-one", "accountant": "zcdp", "max_delta_per_query": 1e-6},
     "budget": {"epsilon": 10.0, "delta": 1e-5, "analysts": {"alice": {"epsilon": 1.0}}},
     "crypto": {"processes": 0, "allow_insecure_test_keys": False},
 }
@@ -919,9 +935,25 @@ def _check_owner_config(config: Any) -> None:
     assert config.policy.max_epsilon_per_query > 0
     assert config.budget.epsilon > 0 and 0 < config.budget.delta < 1
     assert config.data.header in ("auto", True, False)
-    assert config.data.out_of_bounds in ("clip", "refuse")
+    assert not hasattr(config.data, "out_of_bounds")  # removed: values are always clipped
+    # The declared public capacity is a positive integer (never a bool).
+    assert type(config.data.max_records) is int and config.data.max_records >= 1
     assert isinstance(config.crypto.processes, int) and config.crypto.processes >= 0
     assert all(re.fullmatch("sha256:[0-9a-f]{64}", k) for k in config.policy.accepted_analyst_keys)
+    assert all(
+        re.fullmatch("ed25519:[0-9a-f]{64}", k) for k in config.policy.accepted_query_signers
+    )
+    assert config.privacy.neighbouring in set(Neighbouring)
+    assert config.privacy.accountant in set(Accountant)
+    policy = config.policy
+    cap = policy.delta_cap(config.budget)
+    assert 0 < cap <= config.budget.delta and (
+        policy.max_delta_per_query is not None or cap <= 1e-5
+    )
+    assert isinstance(policy.allow_masked_mode, bool) and isinstance(policy.allow_not_private, bool)
+    assert policy.allowed_kinds and set(policy.allowed_kinds) <= set(QueryKind)
+    for count in (policy.min_quorum, policy.max_tasks_per_day):
+        assert type(count) is int and count >= 1
     if not config.tls.insecure:
         config.tls.files()
 
@@ -934,6 +966,13 @@ def _check_proxy_config(config: Any) -> None:
     assert isinstance(config.crypto.processes, int) and config.crypto.processes >= 0
     for budget in [config.budget.default, *config.budget.analysts.values()]:
         assert budget.epsilon > 0 and 0 < budget.delta < 1
+    # The allow-list holds valid node ids only.
+    assert all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", o) for o in config.owners.allowed)
+    assert all(type(serial) is int for serial in config.tls.revoked_serials)
+    privacy = config.privacy
+    assert privacy.neighbouring in set(Neighbouring) and privacy.accountant in set(Accountant)
+    cap = privacy.delta_cap(config.budget.default)
+    assert 0 < cap < 1 and (privacy.max_delta_per_query is not None or cap <= 1e-5)
     if not config.tls.insecure:
         config.tls.files()
 
@@ -1137,10 +1176,19 @@ def _retyped(valid: dict[str, Any], section: str | None, key: str, value: Any) -
         ("owner", "policy", "max_epsilon_per_query", 10**400),
         ("owner", "owner", "state_dir", "~no-such-user-fedpca/state"),
         ("owner", "data", "path", "~no-such-user-fedpca/data.csv"),
+        ("owner", "data", "out_of_bounds", "clip"),  # removed: values are always clipped
+        ("owner", "data", "max_records", True),
+        ("owner", "policy", "accepted_query_signers", ["ed25519:" + "AB" * 32]),
+        ("owner", "policy", "max_delta_per_query", 1e-4),  # above budget.delta
+        ("owner", "privacy", "neighbouring", "replace-all"),
         ("proxy", "proxy", "heartbeat_seconds", 10**400),
         ("proxy", "proxy", "database", "~no-such-user-fedpca/p.sqlite3"),
         ("proxy", "proxy", "listen", "h:" + "9" * 5000),
         ("proxy", "proxy", "listen", "h:١"),
+        ("proxy", "owners", "allowed", ["hospital-a", "../etc"]),
+        ("proxy", "owners", "allowed", ["hospital-a", "hospital-a"]),
+        ("proxy", "tls", "revoked_serials", ["zz"]),
+        ("proxy", "privacy", "max_delta_per_query", 1.5),
         ("analyst", None, "key_dir", "~no-such-user-fedpca/keys"),
     ],
 )
@@ -1148,7 +1196,9 @@ def test_config_values_found_by_fuzzing(
     role: str, section: str | None, key: str, value: Any, scratch: Path
 ) -> None:
     """Huge integers (OverflowError), unknown ~user paths (RuntimeError), over-long or
-    non-ASCII ports (ValueError / accepted) are ConfigErrors naming the key."""
+    non-ASCII ports (ValueError / accepted) are ConfigErrors naming the key; so are the
+    removed data.out_of_bounds and invalid capacities, signers, relations, delta caps,
+    allow-lists and revoked serials."""
     valid, load, _ = _CONFIG_LOADERS[role]
     path = scratch / f"regression-{role}.toml"
     path.write_text(_retyped(valid, section, key, value), encoding="utf-8")

@@ -1,26 +1,32 @@
 """Fuzzing the proxy's servicers over real gRPC with mutual TLS (hypothesis, bounded).
 
-One in-process proxy (TEST-ONLY 512-bit analyst keys) holds:
+One in-process proxy (TEST-ONLY 512-bit analyst keys; owner-1, owner-2 and owner-3
+on its allow-list) holds three queries of the analyst alice, stored (and named by
+owners) under their task ids ``alice/<query id>``:
 
 * ``fuzz-target``: a stats-mode PCA query in COLLECTING (quorum 3) into which
   owner-1 has already uploaded;
-* ``fuzz-finished``: a DONE query (quorum 1) with a stored result.
+* ``fuzz-finished``: a DONE query (quorum 1) with a stored result;
+* ``fuzz-declinable``: a COLLECTING query (quorum 1) the fuzzed declines may hit.
 
 Fuzzed calls:
 
-* Upload streams from owner-1, owner-2 and a third owner: mutations of owner-1's
-  accepted upload (a replay) and of a fresh, never sent upload — dropped,
-  duplicated, reordered, resized or flipped chunks, wrong chunk indices and
-  hashes, changed header fields (query, key fingerprint, upload id, blocks,
+* Upload streams from owner-1, owner-2, a third owner and an "intruder" whose
+  certificate the CA signed but who is not on the allow-list: mutations of
+  owner-1's accepted upload (a replay) and of a fresh, never sent upload —
+  dropped, duplicated, reordered, resized or flipped chunks, wrong chunk indices
+  and hashes, changed header fields (query, key fingerprint, upload id, blocks,
   chunk count, content hash, public record count), oversized declared counts,
   ciphertexts 0, >= n^2 or sharing a factor with n (with the hashes recomputed,
   so they reach the Z*_{n^2} check). Every mutation is invalid by construction,
   so the only acceptable outcomes are a refusal, or DUPLICATE for owner-1
   resending its very own, unmodified upload.
 * SubmitQuery with near-valid specs (every field pushed to its edges, wrong or
-  foreign keys, existing ids, an analyst with a small budget).
+  foreign keys, existing ids, an analyst with a small budget) and their
+  signatures missing, over another query, flipped, oversized or by another key.
 * GetQueryStatus, WatchQueryStatus, FetchResult, GetBudget, DeclineTask and Hello
-  with random ids, deltas, reasons and callers of the wrong role.
+  with random ids, deltas, reasons and details, callers of the wrong role and the
+  intruder.
 
 Properties: a refused call ends with a specific, non-INTERNAL status code and a
 non-empty details message that the proxy also logged, and the stored state
@@ -33,7 +39,9 @@ exact sums of the three owners' encrypted shares (no corruption).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import math
 import re
@@ -56,17 +64,27 @@ from fedpca.codec import (
 )
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.errors import FedpcaError
 from fedpca.messages import (
     CiphertextPayload,
     QueryState,
     UploadStatus,
 )
 from fedpca.protocol import SHARES, ReleasePlan
-from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
+from fedpca.proxy.config import (
+    BudgetConfig,
+    CryptoConfig,
+    OwnersConfig,
+    ProxyConfig,
+    ProxySection,
+    TlsConfig,
+)
+from fedpca.proxy.coordinator import task_id
 from fedpca.proxy.queries import spec_to_dict
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store import ProxyStore, QueryRecord
 from fedpca.query import QuerySpec
+from fedpca.signing import generate_signing_key, sign_query, signer_id
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
@@ -75,14 +93,30 @@ from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from fedpca.v1 import query_pb2 as query_pb
-from helpers import encrypted_upload, fuzz_settings, query_builder, unit_ball_rows
+from helpers import (
+    TEST_SIGNER,
+    TEST_SIGNING_KEY,
+    encrypted_upload,
+    fuzz_settings,
+    query_builder,
+    submit_request,
+    unit_ball_rows,
+)
 
 TIMEOUT = 30.0
 M = 6
 TARGET = "fuzz-target"
 FINISHED = "fuzz-finished"
+DECLINABLE = "fuzz-declinable"
+TARGET_KEY = task_id("alice", TARGET)
+FINISHED_KEY = task_id("alice", FINISHED)
+DECLINABLE_KEY = task_id("alice", DECLINABLE)
 OWNERS = ("owner-1", "owner-2", "owner-3")
+"""The proxy's allow-list."""
+INTRUDER = "intruder"
+"""An owner certificate the CA signed, for an owner the proxy does not accept."""
 ANALYSTS = ("alice", "bob")
+OTHER_SIGNING_KEY = generate_signing_key()
 # One ciphertext per chunk: a 512-bit key has 128-byte ciphertexts.
 SMALL_MESSAGES = 64 + 128
 
@@ -128,6 +162,7 @@ class World:
     other_key: Any
     spec: QuerySpec
     owners: dict[str, owner_grpc.OwnerServiceStub]
+    """The allowed owners' stubs, and the intruder's."""
     analysts: dict[str, analyst_grpc.AnalystServiceStub]
     wrong_role: analyst_grpc.AnalystServiceStub
     wrong_owner: owner_grpc.OwnerServiceStub
@@ -157,7 +192,9 @@ def world(
     public_key, private_key = test_only_keypair_512
     other_key, _ = generate_keypair(512, allow_insecure_test_key=True)
     tls = init_certificates(
-        tmp_path_factory.mktemp("certs"), owner_ids=list(OWNERS), analyst_ids=list(ANALYSTS)
+        tmp_path_factory.mktemp("certs"),
+        owner_ids=[*OWNERS, INTRUDER],
+        analyst_ids=list(ANALYSTS),
     )
     proxy = tls[NodeIdentity(Role.PROXY, "proxy")]
     config = ProxyConfig(
@@ -169,6 +206,7 @@ def world(
         tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
         budget=BudgetConfig(PrivacyParams(math.inf, 1e-5), {"bob": PrivacyParams(1.0, 1e-5)}),
         crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
+        owners=OwnersConfig(frozenset(OWNERS)),
     )
     refusals = _Refusals()
     servicer_log = logging.getLogger("fedpca.proxy.servicer")
@@ -184,7 +222,9 @@ def world(
             return opened[-1]
 
         try:
-            owners = {o: owner_grpc.OwnerServiceStub(channel(Role.OWNER, o)) for o in OWNERS}
+            owners = {
+                o: owner_grpc.OwnerServiceStub(channel(Role.OWNER, o)) for o in (*OWNERS, INTRUDER)
+            }
             analysts = {
                 a: analyst_grpc.AnalystServiceStub(channel(Role.ANALYST, a)) for a in ANALYSTS
             }
@@ -193,17 +233,20 @@ def world(
             wrong_owner = owner_grpc.OwnerServiceStub(channel(Role.ANALYST, "alice"))
             spec = _spec(public_key, TARGET)
             finished = _spec(public_key, FINISHED, quorum=1)
-            for submitted in (spec, finished):
-                analysts["alice"].SubmitQuery(
-                    serde.submit_query_request_to_proto(submitted), timeout=TIMEOUT
-                )
+            declinable = _spec(public_key, DECLINABLE, quorum=1)
+            for submitted in (spec, finished, declinable):
+                analysts["alice"].SubmitQuery(submit_request(submitted), timeout=TIMEOUT)
             expected: dict[str, np.ndarray] = {}
             fresh: dict[str, list[owner_pb.UploadMessage]] = {}
             for seed, owner in enumerate(OWNERS):
                 payload, shares = _share(spec, seed, public_key, pool)
                 expected[owner] = shares.astype(object)
                 fresh[owner] = serde.encode_upload(
-                    TARGET, spec.analyst_key_fingerprint, f"up-{owner}", payload, SMALL_MESSAGES
+                    TARGET_KEY,
+                    spec.analyst_key_fingerprint,
+                    f"up-{owner}",
+                    payload,
+                    SMALL_MESSAGES,
                 )
             replay = fresh.pop("owner-1")
             owners["owner-1"].Upload(iter(replay), timeout=TIMEOUT)
@@ -211,13 +254,13 @@ def world(
             owners["owner-2"].Upload(
                 iter(
                     serde.encode_upload(
-                        FINISHED, spec.analyst_key_fingerprint, "done", done_payload
+                        FINISHED_KEY, spec.analyst_key_fingerprint, "done", done_payload
                     )
                 ),
                 timeout=TIMEOUT,
             )
             store = server.coordinator.store
-            _wait_for(lambda: store.query(FINISHED).state is QueryState.DONE)
+            _wait_for(lambda: store.query(FINISHED_KEY).state is QueryState.DONE)
             yield World(
                 server=server,
                 store=store,
@@ -253,12 +296,22 @@ def _wait_for(condition: Any, timeout: float = TIMEOUT) -> None:
 
 
 # ---------------------------------------------------------------- the oracle
+def _comparable(record: QueryRecord) -> QueryRecord:
+    """``record`` with its spec as canonical JSON text: a PCA query may carry NaN class
+    labels (unused by PCA), and NaN never equals itself."""
+    return dataclasses.replace(record, spec=_spec_text(record.spec))  # type: ignore[arg-type]
+
+
+def _spec_text(spec: Any) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
 def snapshot(store: ProxyStore) -> dict[str, Any]:
     """Everything durable a call could corrupt, read through the store."""
     queries = store.queries()
     ids = [record.query_id for record in queries]
     return {
-        "queries": {record.query_id: record for record in queries},
+        "queries": {record.query_id: _comparable(record) for record in queries},
         "aggregates": {q: store.aggregate(q) for q in ids},
         "uploads_in_progress": {q: store.partial_uploads(q) for q in ids},
         "uploads": {q: store.uploads(q) for q in ids},
@@ -375,7 +428,13 @@ def upload_edits(draw: st.DrawFn, world: World) -> list[tuple[Any, ...]]:
         st.tuples(st.just("empty")),
         st.tuples(
             st.just("query_id"),
-            st.one_of(st.text(max_size=12), st.sampled_from(["", FINISHED, "nope"])),
+            st.one_of(
+                st.text(max_size=12),
+                # Another task, the analyst's bare id, another analyst's key for it.
+                st.sampled_from(
+                    ["", FINISHED_KEY, DECLINABLE_KEY, TARGET, "bob/" + TARGET, "nope"]
+                ),
+            ),
         ),
         st.tuples(st.just("fingerprint"), st.one_of(st.text(max_size=12), st.just(""))),
         st.tuples(
@@ -460,7 +519,7 @@ def mutate_upload(
             if kind == "query_id":
                 value = _different(edit[1], header.query_id)
                 # "sq-*" ids belong to SubmitQuery's fuzz; keep clear of them.
-                header.query_id = "q" + value if value.startswith("sq-") else value
+                header.query_id = "q" + value if "sq-" in value else value
             elif kind == "fingerprint":
                 header.analyst_key_fingerprint = _different(edit[1], header.analyst_key_fingerprint)
             elif kind == "upload_id":
@@ -489,21 +548,22 @@ def _wire(stream: list[Any]) -> list[bytes]:
 
 
 def test_fuzzed_uploads_are_refused_without_touching_the_store(world: World) -> None:
-    assert world.store.query(TARGET).state is QueryState.COLLECTING
-    assert world.store.query(TARGET).n_contributed == 1
+    assert world.store.query(TARGET_KEY).state is QueryState.COLLECTING
+    assert world.store.query(TARGET_KEY).n_contributed == 1
 
     @fuzz_settings(max_examples=250)
     @given(
         st.sampled_from(["replay", "owner-2", "owner-3"]),
-        st.sampled_from(OWNERS),
+        st.sampled_from([*OWNERS, INTRUDER]),
         upload_edits(world),
     )
     def run(base_name: str, caller: str, edits: list[tuple[Any, ...]]) -> None:
         base = world.replay if base_name == "replay" else world.fresh[base_name]
         stream = mutate_upload(base, edits)
         # Edits can cancel out (the same byte flipped twice, a swap undone); an
-        # unmodified fresh upload is valid, so only a changed one is a fuzz input.
-        assume(base_name == "replay" or _wire(stream) != _wire(base))
+        # unmodified fresh upload is valid, so only a changed one is a fuzz input
+        # (except from the intruder, for whom no upload is valid).
+        assume(base_name == "replay" or caller == INTRUDER or _wire(stream) != _wire(base))
         before = snapshot(world.store)
         outcome = call(lambda: world.owners[caller].Upload(iter(stream), timeout=TIMEOUT))
         what = f"Upload by {caller} of {base_name} with {[e[0] for e in edits]}"
@@ -523,6 +583,11 @@ def test_unmodified_retry_is_a_harmless_duplicate(world: World) -> None:
     before = snapshot(world.store)
     receipt = world.owners["owner-1"].Upload(iter(world.replay), timeout=TIMEOUT)
     assert serde.upload_receipt_from_proto(receipt).status is UploadStatus.DUPLICATE
+    assert snapshot(world.store) == before
+    # The same bytes from an owner off the allow-list are refused, not a duplicate.
+    outcome = call(lambda: world.owners[INTRUDER].Upload(iter(world.replay), timeout=TIMEOUT))
+    assert outcome.code is grpc.StatusCode.PERMISSION_DENIED
+    assert "allowed list" in outcome.details
     assert snapshot(world.store) == before
 
 
@@ -600,6 +665,44 @@ def _spec_message(world: World, edits: list[tuple[str, Any]]) -> query_pb.QueryS
     return message
 
 
+_SIGNATURES = ["valid"] * 6 + ["foreign-key", "none", "other-query", "flipped", "bad-signer"]
+_SIGNATURES += ["oversized"]
+"""How a fuzzed submission is signed: validly (by the test key or another one: the proxy
+verifies, owners pin), not at all, over the unedited query, with a flipped bit, under a
+signer that is no signer id, or with a signature beyond the wire limit."""
+
+
+def _signed_request(
+    message: query_pb.QuerySpec, base: query_pb.QuerySpec, how: str
+) -> analyst_pb.SubmitQueryRequest:
+    """SubmitQuery carrying ``message`` and a signature made as ``how`` says.
+
+    The signature is over the spec the proxy will parse from ``message``; a message that
+    parses to no spec is signed over ``base`` (the proxy refuses it before any check of
+    the signature).
+    """
+    request = analyst_pb.SubmitQueryRequest(query=message)
+    if how == "none":
+        return request
+    try:
+        spec = serde.query_spec_from_proto(message)
+    except FedpcaError:
+        spec = serde.query_spec_from_proto(base)
+    if how == "other-query":
+        spec = serde.query_spec_from_proto(base)
+    key = OTHER_SIGNING_KEY if how == "foreign-key" else TEST_SIGNING_KEY
+    signature = sign_query(spec, key)
+    request.query_signature = signature
+    request.query_signer = signer_id(key)
+    if how == "flipped":
+        request.query_signature = bytes([signature[0] ^ 0x01]) + signature[1:]
+    elif how == "bad-signer":
+        request.query_signer = "ed25519:" + "0" * 63 + "g"
+    elif how == "oversized":
+        request.query_signature = signature * 5
+    return request
+
+
 def test_fuzzed_query_submissions(world: World) -> None:
     @fuzz_settings(max_examples=150)
     @given(
@@ -611,30 +714,40 @@ def test_fuzzed_query_submissions(world: World) -> None:
         ),
         st.sampled_from(["alice", "alice", "alice", "bob"]),
         st.sampled_from([False] * 9 + [True]),
+        st.sampled_from(_SIGNATURES),
     )
-    def run(edits: list[tuple[str, Any]], analyst: str, wrong_role: bool) -> None:
+    def run(edits: list[tuple[str, Any]], analyst: str, wrong_role: bool, signing: str) -> None:
         message = _spec_message(world, edits)
-        request = analyst_pb.SubmitQueryRequest(query=message)
+        base = _spec_message(world, [])
+        request = _signed_request(message, base, signing)
         stub = world.wrong_role if wrong_role else world.analysts[analyst]
         before = snapshot(world.store)
         outcome = call(lambda: stub.SubmitQuery(request, timeout=TIMEOUT))
-        what = f"SubmitQuery by {'owner-3' if wrong_role else analyst} with {edits}"
+        what = f"SubmitQuery by {'owner-3' if wrong_role else analyst} with {edits}, {signing}"
         event(f"SubmitQuery: {outcome.code}")
         if outcome.code is not None:
             assert_refused_cleanly(world, outcome, before, what)
             return
         assert not wrong_role, what
-        status = serde.query_status_from_proto(outcome.response)
         spec = serde.query_spec_from_proto(message)
+        # Only a signature over exactly this query passes (whoever signed it).
+        assert signing in ("valid", "foreign-key") or (
+            signing == "other-query" and spec == serde.query_spec_from_proto(base)
+        ), what
+        status = serde.query_status_from_proto(outcome.response)
         assert status.query_id == spec.query_id and status.state is QueryState.COLLECTING
         after = snapshot(world.store)
-        record = after["queries"][spec.query_id]
-        assert record.analyst_id == analyst and record.spec == spec_to_dict(spec), what
-        new = spec.query_id not in before["queries"]
+        key = task_id(analyst, spec.query_id)
+        record = after["queries"][key]
+        assert record.analyst_id == analyst, what
+        assert record.spec == _spec_text(spec_to_dict(spec)), what
+        new = key not in before["queries"]
         if new:
-            del after["queries"][spec.query_id]
+            assert record.signature == request.query_signature, what
+            assert record.signer == request.query_signer, what
+            del after["queries"][key]
             for part in ("aggregates", "uploads_in_progress", "uploads", "declines"):
-                assert not after[part].pop(spec.query_id), what
+                assert not after[part].pop(key), what
             assert len(after["releases"][analyst]) == len(before["releases"][analyst]) + 1
             after["releases"][analyst] = before["releases"][analyst]
         assert after == before, f"{what}: accepted, but changed more than the new query"
@@ -643,25 +756,38 @@ def test_fuzzed_query_submissions(world: World) -> None:
 
 
 # ------------------------------------------------- reads, budget, declines
-_IDS = st.one_of(st.text(max_size=10), st.sampled_from(["", TARGET, FINISHED, "sq-a", "nope"]))
+_KNOWN_IDS = st.sampled_from(
+    [
+        *("", TARGET, FINISHED, FINISHED, DECLINABLE, "sq-a", "nope", "bob/" + FINISHED),
+        # Owners name tasks by their task ids; declines may reach the declinable one.
+        *(TARGET_KEY, FINISHED_KEY, DECLINABLE_KEY, DECLINABLE_KEY, DECLINABLE_KEY),
+    ]
+)
+_IDS = st.one_of(st.text(max_size=10), _KNOWN_IDS, _KNOWN_IDS)
 
 
 def test_fuzzed_reads_declines_and_hellos(world: World) -> None:
-    @fuzz_settings(max_examples=200)
+    @fuzz_settings(max_examples=400)
     @given(
         st.sampled_from(["status", "watch", "fetch", "budget", "decline", "hello"]),
         _IDS,
-        st.sampled_from([*ANALYSTS, "wrong-role"]),
+        st.sampled_from([*ANALYSTS, "wrong-role", INTRUDER]),
         st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
-        st.integers(-5, 5),
+        st.one_of(st.integers(-5, 5), st.sampled_from(sorted(owner_pb.DeclineReason.values()))),
         st.text(max_size=20),
     )
     def run(
         method: str, query_id: str, caller: str, delta: float | None, reason: int, text: str
     ) -> None:
+        # The intruder holds an owner certificate: on the analyst service it is of the
+        # wrong role, on the owner service it is not on the allow-list.
         wrong = caller == "wrong-role"
-        analyst = world.wrong_role if wrong else world.analysts[caller]
-        owner = world.wrong_owner if wrong else world.owners["owner-3"]
+        analyst = world.wrong_role if caller in ("wrong-role", INTRUDER) else world.analysts[caller]
+        owner = (
+            world.wrong_owner
+            if wrong
+            else world.owners[INTRUDER if caller == INTRUDER else "owner-3"]
+        )
         ref = analyst_pb.QueryRef(query_id=query_id)
         before = snapshot(world.store)
         what = f"{method}({query_id!r}) by {caller}"
@@ -685,8 +811,9 @@ def test_fuzzed_reads_declines_and_hellos(world: World) -> None:
                 request.delta = delta
             outcome = call(lambda: analyst.GetBudget(request, timeout=TIMEOUT))
         elif method == "decline":
-            # The target stays untouched: its final check counts owners.
-            if query_id == TARGET:
+            # The target stays untouched: its final check counts owners (and owner-3's
+            # decline would leave its quorum of 3 out of reach).
+            if query_id == TARGET_KEY and caller in ANALYSTS:
                 return
             decline = owner_pb.TaskDecline(query_id=query_id, reason=reason, detail=text)
             outcome = call(lambda: owner.DeclineTask(decline, timeout=TIMEOUT))
@@ -696,14 +823,24 @@ def test_fuzzed_reads_declines_and_hellos(world: World) -> None:
         if outcome.code is not None:
             assert_refused_cleanly(world, outcome, before, what)
             return
+        event(f"{method}: accepted")
         after = snapshot(world.store)
+        if method in ("decline", "hello"):
+            # Only owner-3 (allowed) can decline or say hello; analysts use its channel.
+            assert caller in ANALYSTS, what
         if method == "fetch":
             result = serde.decode_result(outcome.response)
             assert result.query.query_id == query_id and result.n_owners >= 1
+            # Queries are the analyst's own: only alice has a result, of her query.
+            assert caller == "alice" and query_id == FINISHED, what
         elif method == "decline":
-            assert after["declines"][query_id]["owner-3"].startswith(
-                serde.task_decline_from_proto(decline).reason.value
-            )
+            # Recorded under the task id, its reason and detail as one line.
+            assert query_id == DECLINABLE_KEY, what
+            code = serde.task_decline_from_proto(decline).reason.value
+            line = " ".join(text.split())
+            stored = after["declines"][query_id]["owner-3"]
+            assert stored == (f"{code}: {line}" if line else code), what
+            assert after["queries"][query_id].state is QueryState.COLLECTING, what
             after["declines"] = before["declines"]
         assert after == before, f"{what}: changed the stored state"
 
@@ -754,11 +891,13 @@ def test_an_absurd_epsilon_is_refused_precisely(world: World, analyst: str) -> N
     before = snapshot(world.store)
     outcome = call(
         lambda: world.analysts[analyst].SubmitQuery(
-            analyst_pb.SubmitQueryRequest(query=message), timeout=TIMEOUT
+            _signed_request(message, message, "valid"), timeout=TIMEOUT
         )
     )
     assert snapshot(world.store) == before
-    assert outcome.code in REFUSAL_CODES, outcome
+    # Signed, so refused for the epsilon itself: no noise multiplier can be derived.
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT, outcome
+    assert "epsilon=1e+300" in outcome.details
 
 
 def test_a_retry_with_a_changed_header_is_refused_not_duplicate(world: World) -> None:
@@ -777,12 +916,13 @@ def test_a_retry_with_a_changed_header_is_refused_not_duplicate(world: World) ->
 def test_a_deadline_beyond_any_timestamp_is_refused(world: World, deadline: float) -> None:
     """Found by fuzzing: deadline_seconds=1e12 was stored and charged, then its status
     (and every owner's task stream) failed with INTERNAL: year 33715 is out of range."""
-    message = _spec_message(world, [("query_id", f"sq-far-{deadline}")])
+    # (A valid query id: "+" is not in the query-id alphabet.)
+    message = _spec_message(world, [("query_id", f"sq-far-{deadline:.0e}".replace("+", ""))])
     message.deadline_seconds = deadline
     before = snapshot(world.store)
     outcome = call(
         lambda: world.analysts["alice"].SubmitQuery(
-            analyst_pb.SubmitQueryRequest(query=message), timeout=TIMEOUT
+            _signed_request(message, message, "valid"), timeout=TIMEOUT
         )
     )
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT and "deadline" in outcome.details
@@ -792,12 +932,13 @@ def test_a_deadline_beyond_any_timestamp_is_refused(world: World, deadline: floa
 # ---------------------------------------------------------------- the end
 def test_after_the_fuzz_valid_uploads_still_sum_exactly(world: World) -> None:
     """Run last: the two remaining owners upload; the decrypted sums are exact."""
-    assert world.store.query(TARGET).n_contributed == 1
+    assert world.store.query(TARGET_KEY).n_contributed == 1
+    assert world.store.query(TARGET_KEY).signer == TEST_SIGNER
     for owner in ("owner-2", "owner-3"):
         receipt = world.owners[owner].Upload(iter(world.fresh[owner]), timeout=TIMEOUT)
         assert serde.upload_receipt_from_proto(receipt).status is UploadStatus.ACCEPTED
-    _wait_for(lambda: world.store.query(TARGET).state is QueryState.DONE)
-    assert {u.owner_id for u in world.store.uploads(TARGET)} == set(OWNERS)
+    _wait_for(lambda: world.store.query(TARGET_KEY).state is QueryState.DONE)
+    assert {u.owner_id for u in world.store.uploads(TARGET_KEY)} == set(OWNERS)
     result = serde.decode_result(
         world.analysts["alice"].FetchResult(analyst_pb.QueryRef(query_id=TARGET), timeout=TIMEOUT)
     )

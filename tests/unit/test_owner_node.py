@@ -1,7 +1,10 @@
 """The owner node against a fake in-process OwnerService over mutual TLS.
 
 The fake proxy validates every upload with the real serde reader, records
-Hello/Upload/DeclineTask calls, and can fail uploads on demand.
+Hello/Upload/DeclineTask calls, and can fail uploads on demand. Tasks come as the
+real proxy sends them: signed by the analyst (helpers.TEST_SIGNING_KEY, pinned by the
+owner) and named by their task id ``analyst-1/<query id>``, which the node answers
+with and keys its ledger by.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 
 from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint
+from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import DataError
 from fedpca.messages import (
@@ -41,21 +45,26 @@ from fedpca.owner.config import (
     NodeConfig,
     OwnerConfig,
     PolicyConfig,
+    PrivacyConfig,
     TlsConfig,
 )
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode, RetryPolicy
-from fedpca.proxy.config import ProxyConfig, ProxySection
+from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.server import ProxyServer
-from fedpca.query import QuerySpec
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.signing import generate_signing_key, sign_query, signer_id
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import query_builder
+from helpers import TEST_SIGNER, query_builder, signed_task
 
 WAIT = 30.0
+ANALYST = "analyst-1"
+N_ROWS = 30
+"""Rows in the harness owner's file (label column first, three features)."""
 FAST_RETRY = RetryPolicy(
     upload_attempts=4,
     backoff_initial=0.05,
@@ -74,6 +83,7 @@ class UploadCall:
     content_sha256: bytes
     total_chunks: int
     n_ciphertexts: int
+    public_record_count: int | None = None
 
 
 @dataclass
@@ -147,6 +157,7 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
                 header.content_sha256,
                 header.total_chunks,
                 payload.total_ciphertexts,
+                header.public_record_count,
             )
         )
         self._notify()
@@ -197,7 +208,18 @@ class Harness:
         return _spec(self.public_key, query_id, **overrides)
 
     def send(self, spec: QuerySpec, deadline: float = 60.0) -> None:
-        self.proxy.tasks.put(Task(spec, datetime.now(UTC) + timedelta(seconds=deadline)))
+        """Deliver ``spec`` as the proxy does: signed, under its task id."""
+        due = datetime.now(UTC) + timedelta(seconds=deadline)
+        self.proxy.tasks.put(signed_task(spec, due, ANALYST))
+
+    @property
+    def ledger(self) -> BudgetLedger:
+        return owner_ledger(self.config)
+
+
+def key(query_id: str) -> str:
+    """The proxy's task id of the analyst's query: what the node answers with."""
+    return f"{ANALYST}/{query_id}"
 
 
 @pytest.fixture
@@ -223,17 +245,29 @@ def harness(
     server.start()
 
     rng = np.random.default_rng(3)
-    data = np.column_stack([rng.choice([-1.0, 1.0], size=30), rng.normal(size=(30, 3))])
+    data = np.column_stack([rng.choice([-1.0, 1.0], size=N_ROWS), rng.normal(size=(N_ROWS, 3))])
     data_path = tmp_path / "owner.csv"
     np.savetxt(data_path, data, delimiter=",")
     files = pki[NodeIdentity(Role.OWNER, "owner-1")]
     config = OwnerConfig(
         owner=NodeConfig("owner-1", f"127.0.0.1:{port}", tmp_path / "state"),
         tls=TlsConfig(files.ca_certificate, files.certificate, files.private_key),
-        data=DataConfig(data_path, header=False, label_column=0),
-        policy=PolicyConfig((key_fingerprint(public_key),), options.get("max_epsilon", 1.0), False),
+        data=DataConfig(
+            data_path, header=False, label_column=0, max_records=options.get("max_records", 100)
+        ),
+        policy=PolicyConfig(
+            (key_fingerprint(public_key),),
+            options.get("max_epsilon", 1.0),
+            False,
+            accepted_query_signers=(TEST_SIGNER,),
+            allow_masked_mode=options.get("allow_masked_mode", False),
+        ),
         budget=PrivacyParams(1.2, 1e-5),
         crypto=CryptoConfig(processes=1),
+        privacy=PrivacyConfig(
+            options.get("neighbouring", Neighbouring.ADD_REMOVE),
+            options.get("accountant", Accountant.ZCDP),
+        ),
     )
     node = OwnerNode(config, pool=pool, retry=FAST_RETRY)
     stop = threading.Event()
@@ -255,14 +289,16 @@ def test_good_task_is_uploaded_once(harness: Harness, caplog: pytest.LogCaptureF
     harness.send(spec)
     proxy.wait_for(lambda: len(proxy.uploads) == 1)
     (upload,) = proxy.uploads
-    assert upload.query_id == "q1" and upload.total_chunks >= 1 and upload.n_ciphertexts > 0
-    ledger = BudgetLedger(harness.config.ledger_path)
-    proxy.wait_for(lambda: ledger.is_handled("q1"))
-    record = ledger.task("q1")
+    # Answered under the task id the proxy named the task by.
+    assert upload.query_id == key("q1") and upload.total_chunks >= 1 and upload.n_ciphertexts > 0
+    assert upload.public_record_count is None  # stats mode: the count stays in the release
+    ledger = harness.ledger
+    proxy.wait_for(lambda: ledger.is_handled(key("q1")))
+    record = ledger.task(key("q1"))
     assert record is not None and record.outcome is TaskOutcome.UPLOADED
     assert record.upload_id == upload.upload_id
-    assert [entry.event.query_id for entry in ledger.events()] == ["q1"]
-    assert "query q1: encrypted" in caplog.text
+    assert [entry.event.query_id for entry in ledger.events()] == [key("q1")]
+    assert f"query {key('q1')}: encrypted" in caplog.text
     setup = " ".join(r.getMessage() for r in caplog.get_records("setup"))
     assert "owner owner-1 connected to 127.0.0.1" in setup
 
@@ -275,8 +311,43 @@ def test_good_task_is_uploaded_once(harness: Harness, caplog: pytest.LogCaptureF
         )
     )
     proxy.wait_for(lambda: len(proxy.declines) == 1)
+    assert proxy.declines[0].query_id == key("q2")
     assert len(proxy.uploads) == 1
     assert len(ledger.events()) == 1
+
+
+def test_unsigned_and_foreign_signed_tasks_are_declined_without_upload(harness: Harness) -> None:
+    # A proxy that invents or alters queries cannot make the owner answer them.
+    proxy = harness.proxy
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    unsigned = harness.spec("unsigned")
+    proxy.tasks.put(Task(unsigned, due, task_id=key("unsigned")))
+    foreign = harness.spec("foreign")
+    stranger = generate_signing_key()
+    proxy.tasks.put(
+        Task(
+            foreign,
+            due,
+            query_signature=sign_query(foreign, stranger),
+            query_signer=signer_id(stranger),
+            task_id=key("foreign"),
+        )
+    )
+    # Signed by the pinned analyst, but over another query than the one delivered.
+    altered = harness.spec("altered", epsilon=0.5)
+    original = signed_task(harness.spec("altered"), due, ANALYST)
+    proxy.tasks.put(replace(original, query=altered))
+    proxy.wait_for(lambda: len(proxy.declines) == 3)
+    declines = {d.query_id: d for d in proxy.declines}
+    assert set(declines) == {key("unsigned"), key("foreign"), key("altered")}
+    assert {d.reason for d in declines.values()} == {DeclineReason.UNSIGNED_QUERY}
+    assert "not signed" in declines[key("unsigned")].detail
+    assert signer_id(stranger) in declines[key("foreign")].detail
+    assert "does not verify" in declines[key("altered")].detail
+    assert proxy.uploads == []
+    ledger = harness.ledger
+    proxy.wait_for(lambda: all(ledger.is_handled(k) for k in declines))
+    assert ledger.events() == []
 
 
 def test_not_pinned_and_substituted_keys_are_declined_without_upload(harness: Harness) -> None:
@@ -291,12 +362,13 @@ def test_not_pinned_and_substituted_keys_are_declined_without_upload(harness: Ha
     harness.send(harness.spec("q2", analyst_public_key_n=other.n))
     proxy.wait_for(lambda: len(proxy.declines) == 2)
     assert [d.reason for d in proxy.declines] == [DeclineReason.KEY_NOT_PINNED] * 2
+    assert [d.query_id for d in proxy.declines] == [key("q1"), key("q2")]
     assert "substituted" in proxy.declines[1].detail
     assert proxy.uploads == []
-    ledger = BudgetLedger(harness.config.ledger_path)
-    proxy.wait_for(lambda: ledger.is_handled("q2"))
+    ledger = harness.ledger
+    proxy.wait_for(lambda: ledger.is_handled(key("q2")))
     assert ledger.events() == []
-    record = ledger.task("q2")
+    record = ledger.task(key("q2"))
     assert record is not None and record.outcome is TaskOutcome.DECLINED
 
 
@@ -313,31 +385,94 @@ def test_policy_and_budget_refusals_are_declined_with_their_reason(harness: Harn
     proxy.wait_for(lambda: len(proxy.declines) == 3 and len(proxy.uploads) == 1)
     reasons = {d.query_id: d.reason for d in proxy.declines}
     assert reasons == {
-        "too-much": DeclineReason.POLICY_REFUSAL,
-        "wrong-shape": DeclineReason.POLICY_REFUSAL,
-        "second": DeclineReason.BUDGET_EXHAUSTED,
+        key("too-much"): DeclineReason.POLICY_REFUSAL,
+        key("wrong-shape"): DeclineReason.POLICY_REFUSAL,
+        key("second"): DeclineReason.BUDGET_EXHAUSTED,
     }
-    assert proxy.uploads[0].query_id == "first"
-    # The data-fit refusal reveals nothing about the rows.
-    detail = next(d.detail for d in proxy.declines if d.query_id == "wrong-shape")
-    assert "does not fit this owner's data" in detail
+    assert proxy.uploads[0].query_id == key("first")
+    # Declines are for public reasons only, so their detail says which: the table's
+    # schema (its column count, a public fact), never anything about the rows.
+    details = {d.query_id: d.detail for d in proxy.declines}
+    assert (
+        "has 5 features; this owner's data has 3 (label column excluded)"
+        in (details[key("wrong-shape")])
+    )
+    assert "max_epsilon_per_query" in details[key("too-much")]
 
 
-@pytest.mark.parametrize("harness", [{"max_epsilon": math.inf}], indirect=True)
+def test_the_records_are_never_a_reason_to_decline(harness: Harness) -> None:
+    # Labels outside the query's classes are left out, values outside its bounds are
+    # clipped: every such query is answered with an upload, like any other.
+    proxy = harness.proxy
+    dca = {"kind": QueryKind.DCA, "label_column": 0, "n_components": 1}
+    harness.send(harness.spec("other-classes", class_labels=(1.0, 7.0), **dca, epsilon=0.3))
+    harness.send(
+        harness.spec("narrow", feature_lower=(-0.01,) * 3, feature_upper=(0.01,) * 3, epsilon=0.3)
+    )
+    harness.send(harness.spec("unbounded", feature_lower=(), feature_upper=(), epsilon=0.3))
+    proxy.wait_for(lambda: len(proxy.uploads) == 3)
+    assert proxy.declines == []
+    assert sorted(u.query_id for u in proxy.uploads) == sorted(
+        key(q) for q in ("other-classes", "narrow", "unbounded")
+    )
+
+
+@pytest.mark.parametrize(
+    "harness",
+    [
+        {
+            "max_records": 20,
+            "allow_masked_mode": True,
+            "neighbouring": Neighbouring.REPLACE_ONE,
+        }
+    ],
+    indirect=True,
+)
+def test_a_masked_upload_publishes_the_capped_count(harness: Harness) -> None:
+    # 30 rows, a declared capacity of 20: the owner contributes a sample of 20 and the
+    # count it publishes in masked mode is the capacity, not what its file holds.
+    proxy = harness.proxy
+    masked = {"mode": ProtocolMode.MASKED, "neighbouring": Neighbouring.REPLACE_ONE}
+    harness.send(harness.spec("masked", frac_bits=16, max_owners=2, epsilon=0.5, **masked))
+    # The deployment's relation is replace-one: an add/remove query is declined.
+    harness.send(harness.spec("add-remove", frac_bits=16, max_owners=2))
+    proxy.wait_for(lambda: len(proxy.uploads) == 1 and len(proxy.declines) == 1)
+    (upload,) = proxy.uploads
+    assert upload.query_id == key("masked") and upload.public_record_count == 20 < N_ROWS
+    (decline,) = proxy.declines
+    assert decline.query_id == key("add-remove")
+    assert decline.reason is DeclineReason.POLICY_REFUSAL and "adjacency" in decline.detail
+
+
+@pytest.mark.parametrize(
+    "harness",
+    [
+        {"max_epsilon": math.inf, "accountant": Accountant.PLD_CONTINUOUS},
+        {"max_epsilon": math.inf, "accountant": Accountant.ZCDP},
+    ],
+    indirect=True,
+    ids=["pld-continuous", "zcdp"],
+)
 def test_epsilon_beyond_the_accountant_is_declined_not_crashed(harness: Harness) -> None:
-    # The owner's policy allows any epsilon; its PLD accountant cannot take 1e6.
+    # The owner's policy allows any epsilon. Its PLD accountant cannot take 1e6 (too
+    # little noise to account: a policy refusal); zcdp can, and finds the budget of 1.2
+    # exhausted by it.
     proxy = harness.proxy
     harness.send(harness.spec("huge", epsilon=1e6))
     harness.send(harness.spec("fine", epsilon=1.0))
     proxy.wait_for(lambda: len(proxy.declines) == 1 and len(proxy.uploads) == 1)
     (declined,) = proxy.declines
-    assert declined.query_id == "huge"
-    assert declined.reason is DeclineReason.POLICY_REFUSAL
-    assert "privacy accountant" in declined.detail
-    ledger = BudgetLedger(harness.config.ledger_path)
-    proxy.wait_for(lambda: ledger.is_handled("fine"))
-    assert [entry.event.query_id for entry in ledger.events()] == ["fine"]
-    record = ledger.task("huge")
+    assert declined.query_id == key("huge")
+    if harness.config.privacy.accountant is Accountant.PLD_CONTINUOUS:
+        assert declined.reason is DeclineReason.POLICY_REFUSAL
+        assert "too little noise to be accounted" in declined.detail
+        assert "PLD accountant" in declined.detail
+    else:
+        assert declined.reason is DeclineReason.BUDGET_EXHAUSTED
+    ledger = harness.ledger
+    proxy.wait_for(lambda: ledger.is_handled(key("fine")))
+    assert [entry.event.query_id for entry in ledger.events()] == [key("fine")]
+    record = ledger.task(key("huge"))
     assert record is not None and record.outcome is TaskOutcome.DECLINED
 
 
@@ -352,9 +487,10 @@ def test_unavailable_upload_is_retried_with_the_same_id_and_bytes(harness: Harne
     assert second.upload_id == first.upload_id
     assert second.content_sha256 == first.content_sha256
     assert second.total_chunks == first.total_chunks
-    ledger = BudgetLedger(harness.config.ledger_path)
-    proxy.wait_for(lambda: ledger.is_handled("q1"))
-    record = ledger.task("q1")
+    assert first.query_id == second.query_id == key("q1")
+    ledger = harness.ledger
+    proxy.wait_for(lambda: ledger.is_handled(key("q1")))
+    record = ledger.task(key("q1"))
     assert record is not None and record.outcome is TaskOutcome.UPLOADED
     assert record.detail == UploadStatus.DUPLICATE.value  # the fake counts by id
 
@@ -368,11 +504,11 @@ def test_invalid_argument_is_not_retried(
     caplog.set_level(logging.ERROR, logger="fedpca.owner")
     proxy = harness.proxy
     harness.send(harness.spec("q1"))
-    ledger = BudgetLedger(harness.config.ledger_path)
-    proxy.wait_for(lambda: ledger.is_handled("q1"))
+    ledger = harness.ledger
+    proxy.wait_for(lambda: ledger.is_handled(key("q1")))
     time.sleep(0.3)  # room for a wrong retry to show up
     assert len(proxy.uploads) == 1
-    record = ledger.task("q1")
+    record = ledger.task(key("q1"))
     assert record is not None and record.outcome is TaskOutcome.REJECTED
     assert "INVALID_ARGUMENT: test failure INVALID_ARGUMENT" in caplog.text
     # Data left the node: the budget stays charged.
@@ -387,7 +523,7 @@ def test_node_reconnects_when_the_stream_closes(harness: Harness) -> None:
     proxy.wait_for(lambda: proxy.streams >= 2 and len(proxy.hellos) >= 2)
     harness.send(harness.spec("q2", epsilon=0.2))
     proxy.wait_for(lambda: len(proxy.uploads) == 2)
-    assert proxy.uploads[1].query_id == "q2"
+    assert proxy.uploads[1].query_id == key("q2")
 
 
 def test_backoff_restarts_after_each_established_stream(
@@ -424,6 +560,7 @@ def test_insecure_owner_keeps_its_identity_across_reconnects(
                 listen=listen, database=tmp_path / "proxy.sqlite3", heartbeat_seconds=0.2
             ),
             tls=ProxyTlsConfig(insecure=True),
+            owners=OwnersConfig(frozenset({"owner-7"})),
         )
         server = ProxyServer(config, pool=pool)
         server.start()
@@ -436,8 +573,13 @@ def test_insecure_owner_keeps_its_identity_across_reconnects(
     config = OwnerConfig(
         owner=NodeConfig("owner-7", address, tmp_path / "state"),
         tls=TlsConfig(None, None, None, insecure=True),
-        data=DataConfig(tmp_path / "owner.csv", header=False),
-        policy=PolicyConfig((key_fingerprint(test_only_keypair_512[0]),), 1.0, False),
+        data=DataConfig(tmp_path / "owner.csv", header=False, max_records=10),
+        policy=PolicyConfig(
+            (key_fingerprint(test_only_keypair_512[0]),),
+            1.0,
+            False,
+            accepted_query_signers=(TEST_SIGNER,),
+        ),
         budget=PrivacyParams(1.0, 1e-5),
     )
     stop = threading.Event()
@@ -466,12 +608,12 @@ def test_insecure_owner_keeps_its_identity_across_reconnects(
 def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:
     proxy = harness.proxy
     harness.send(harness.spec("late"), deadline=-1.0)
-    proxy.tasks.put(TaskCancellation("gone", "analyst cancelled"))
+    proxy.tasks.put(TaskCancellation(key("gone"), "analyst cancelled"))
     harness.send(harness.spec("gone"))
     harness.send(harness.spec("marker", epsilon=2.0))  # declined: marks the others as read
     proxy.wait_for(lambda: len(proxy.declines) == 1)
-    ledger = BudgetLedger(harness.config.ledger_path)
-    late, gone = ledger.task("late"), ledger.task("gone")
+    ledger = harness.ledger
+    late, gone = ledger.task(key("late")), ledger.task(key("gone"))
     assert late is not None and late.outcome is TaskOutcome.EXPIRED
     assert gone is not None and gone.outcome is TaskOutcome.CANCELLED
     assert proxy.uploads == []
@@ -481,12 +623,12 @@ def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:
 def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool) -> None:
     proxy = harness.proxy
     harness.send(harness.spec("q1"))
-    ledger = BudgetLedger(harness.config.ledger_path)
-    proxy.wait_for(lambda: ledger.is_handled("q1"))
+    ledger = harness.ledger
+    proxy.wait_for(lambda: ledger.is_handled(key("q1")))
     # A second node on the same state folder (a restart) skips the task.
     second = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
     stub = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
-    task = Task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60))
+    task = signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
     assert second.process_task(stub, task) is None
     assert len(proxy.uploads) == 1
 

@@ -17,20 +17,23 @@ import numpy as np
 from click.testing import CliRunner
 
 from fedpca.dp.calibration import calibrate_noise_multiplier
-from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.messages import (
     Heartbeat,
     ProxyInfo,
 )
 from fedpca.owner.cli import owner_group
 from fedpca.owner.config import load_config
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.query import Neighbouring
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 
+REPLACE_ONE = Neighbouring.REPLACE_ONE
 FINGERPRINT = "sha256:" + "cd" * 32
+SIGNER = "ed25519:" + "ef" * 32
 
 
 def free_port() -> int:
@@ -53,8 +56,10 @@ state_dir = "state"
 {tls}
 [data]
 path = "data.csv"
+max_records = 100
 [policy]
 accepted_analyst_keys = ["{FINGERPRINT}"]
+accepted_query_signers = ["{SIGNER}"]
 max_epsilon_per_query = 1.0
 [budget]
 epsilon = 2.0
@@ -76,25 +81,45 @@ def test_budget_without_ledger(tmp_path: Path) -> None:
 def test_budget_lists_spent_remaining_and_queries(tmp_path: Path) -> None:
     path = _write_config(tmp_path)
     config = load_config(path)
-    ledger = BudgetLedger(config.ledger_path)
+    ledger = owner_ledger(config)
     z = calibrate_noise_multiplier(0.5, 1e-5)
-    ledger.reserve(PrivacyEvent("q-private", "sha256:a", z, 0.5, 1e-5), config.budget)
-    ledger.record_task("q-private", TaskOutcome.UPLOADED, "accepted", upload_id="u")
-    ledger.reserve(
-        PrivacyEvent("q-verify", "sha256:a", 0.0, math.inf, 0.0),
-        PrivacyParams(2.0, 1e-5),
-        allow_not_private=True,
-    )
+    ledger.reserve(PrivacyEvent("alice/q-private", "sha256:a", z, 0.5, 1e-5), config.budget)
+    ledger.record_task("alice/q-private", TaskOutcome.UPLOADED, "accepted", upload_id="u")
     result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
     assert result.exit_code == 0, result.output
     assert "spent        epsilon=0.5 at delta=1e-05" in result.output
     assert "remaining    epsilon=1.5" in result.output
+    assert "1 private, 0 NOT PRIVATE" in result.output
+    assert "alice/q-private" in result.output and "uploaded" in result.output
+
+    # A NOT PRIVATE (epsilon = inf) release exhausts the finite budget.
+    ledger.reserve(
+        PrivacyEvent("alice/q-verify", "sha256:a", 0.0, math.inf, 0.0),
+        config.budget,
+        allow_not_private=True,
+    )
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "spent        epsilon=inf at delta=1e-05" in result.output
+    assert "remaining    epsilon=0" in result.output
     assert "1 private, 1 NOT PRIVATE" in result.output
-    assert "q-private" in result.output and "uploaded" in result.output
-    assert "q-verify" in result.output and "not composed" in result.output
+    assert "alice/q-verify" in result.output and "exhausts a finite budget" in result.output
     other = CliRunner().invoke(owner_group, ["budget", "--config", str(path), "--delta", "1e-3"])
     assert other.exit_code == 0
     assert "at delta=0.001" in other.output and "remaining" not in other.output
+
+
+def test_budget_reads_the_ledger_under_the_configured_relation(tmp_path: Path) -> None:
+    path = _write_config(tmp_path)
+    path.write_text(path.read_text() + '[privacy]\nneighbouring = "replace-one"\n')
+    config = load_config(path)
+    ledger = owner_ledger(config)
+    z = calibrate_noise_multiplier(0.5, 1e-5)
+    event = PrivacyEvent("alice/q", "sha256:a", z, 0.5, 1e-5, neighbouring=REPLACE_ONE)
+    ledger.reserve(event, config.budget)
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "spent        epsilon=0.5 at delta=1e-05" in result.output
 
 
 def test_serve_fails_fast_on_bad_config_and_bad_data(tmp_path: Path) -> None:

@@ -22,11 +22,13 @@ from fedpca.messages import (
     NoiseMechanism,
     NoiseSection,
     ObfuscationVariant,
+    OwnerDecline,
     OwnerHello,
     ProxyInfo,
     QueryResult,
     QueryState,
     QueryStatus,
+    SignedQuery,
     Task,
     TaskCancellation,
     TaskDecline,
@@ -39,10 +41,12 @@ from fedpca.messages import (
     new_upload_id,
 )
 from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.signing import sign_query, verify_query
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import query_pb2 as query_pb
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY, signed
 
 KEY_BITS = 512
 WIDTH = 128  # 2 * ceil(512 / 8)
@@ -515,7 +519,15 @@ def test_unknown_capabilities_are_ignored() -> None:
             upload_deadline=NOW,
             accepted_obfuscation_variants=(ObfuscationVariant.FULL,),
         ),
-        TaskCancellation(query_id="q1", reason="deadline passed"),
+        # As the proxy forwards it: the analyst's signature and the task id.
+        Task(
+            query=pca_spec(),
+            upload_deadline=NOW,
+            query_signature=sign_query(pca_spec(), TEST_SIGNING_KEY),
+            query_signer=TEST_SIGNER,
+            task_id="alice/" + pca_spec().query_id,
+        ),
+        TaskCancellation(query_id="alice/q1", reason="deadline passed"),
     ],
 )
 def test_task_event_round_trip(event: TaskEvent) -> None:
@@ -558,9 +570,21 @@ def test_task_decline_needs_a_reason() -> None:
 
 def test_submit_and_query_ref() -> None:
     spec = dca_spec()
-    assert serde.submit_query_request_from_proto(serde.submit_query_request_to_proto(spec)) == spec
+    query = signed(spec)
+    back = serde.submit_query_request_from_proto(serde.submit_query_request_to_proto(query))
+    assert back == query and back.spec == spec
+    verify_query(back.spec, back.signature, back.signer)  # the signature survives the wire
+    # An unsigned request reads as unsigned (the proxy refuses it, not the parser).
+    unsigned = serde.submit_query_request_to_proto(SignedQuery(spec))
+    assert serde.submit_query_request_from_proto(unsigned) == SignedQuery(spec, b"", "")
     with pytest.raises(ProtocolError, match="query is missing"):
         serde.submit_query_request_from_proto(analyst_pb.SubmitQueryRequest())
+    for oversized in (
+        dataclasses.replace(query, signature=b"\x01" * 257),
+        dataclasses.replace(query, signer="ed25519:" + "0" * 100),
+    ):
+        with pytest.raises(ProtocolError, match="signature or signer is too long"):
+            serde.submit_query_request_from_proto(serde.submit_query_request_to_proto(oversized))
     assert serde.query_ref_from_proto(serde.query_ref_to_proto("q9")) == "q9"
     with pytest.raises(ProtocolError, match=r"QueryRef.query_id is empty"):
         serde.query_ref_from_proto(analyst_pb.QueryRef())
@@ -574,6 +598,21 @@ def test_submit_and_query_ref() -> None:
         QueryStatus("q1", QueryState.FAILED, 1, 2, 0, NOW, "quorum not reached"),
         QueryStatus("q1", QueryState.DONE, 2, 2, failure_reason=""),
         QueryStatus("q1", QueryState.COLLECTING, 1, 4, owners_uploading=3),
+        # Public declines and the allow-list's size reach the analyst.
+        QueryStatus(
+            "q1",
+            QueryState.FAILED,
+            0,
+            3,
+            2,
+            NOW,
+            "the quorum of 3 can no longer be reached",
+            declines=(
+                OwnerDecline("owner-1", "policy_refusal", "epsilon above the cap"),
+                OwnerDecline("owner-2", "unsigned_query"),
+            ),
+            owners_registered=3,
+        ),
     ],
 )
 def test_query_status_round_trip(status: QueryStatus) -> None:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from fedpca.messages import QueryState
 from fedpca.proxy.cli import proxy_group
+from fedpca.proxy.coordinator import task_id
 from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
@@ -38,6 +39,8 @@ ca = "{proxy.ca_certificate.relative_to(tmp_path)}"
 cert = "{proxy.certificate.relative_to(tmp_path)}"
 key = "{proxy.private_key.relative_to(tmp_path)}"
 insecure = {str(insecure).lower()}
+[owners]
+allowed = ["owner-1"]
 [budget]
 epsilon = 3.0
 delta = 1e-5
@@ -104,9 +107,16 @@ def test_insecure_serve_warns(tmp_path: Path) -> None:
 
 def test_serve_refuses_a_bad_config(tmp_path: Path) -> None:
     config = tmp_path / "proxy.toml"
-    config.write_text("[tls]\ninsecure = true\n[budget]\nepsilion = 1\n")
+    config.write_text(
+        '[tls]\ninsecure = true\n[owners]\nallowed = ["owner-1"]\n[budget]\nepsilion = 1\n'
+    )
     result = CliRunner().invoke(proxy_group, ["serve", "--config", str(config)])
     assert result.exit_code == 1 and "budget.epsilion" in result.output
+    # Without the owner allow-list the proxy does not start (any CA-signed owner
+    # certificate would otherwise be accepted).
+    config.write_text("[tls]\ninsecure = true\n")
+    result = CliRunner().invoke(proxy_group, ["serve", "--config", str(config)])
+    assert result.exit_code == 1 and "owners.allowed is required" in result.output
 
 
 def test_status_lists_queries(tmp_path: Path) -> None:
@@ -115,19 +125,21 @@ def test_status_lists_queries(tmp_path: Path) -> None:
     missing = runner.invoke(proxy_group, ["status", "--config", str(config)])
     assert missing.exit_code == 1 and "no proxy database" in missing.output
 
+    # The proxy stores each query under its task id, analyst/query.
     store = ProxyStore(tmp_path / "state" / "proxy.sqlite3")
-    store.create_query("q-ok", "alice", {"quorum": 2}, {}, deadline_at=time.time() + 60)
-    store.create_query("q-late", "bob", {"quorum": 3}, {}, deadline_at=time.time() + 60)
+    ok, late = task_id("alice", "q-ok"), task_id("bob", "q-late")
+    store.create_query(ok, "alice", {"quorum": 2}, {}, deadline_at=time.time() + 60)
+    store.create_query(late, "bob", {"quorum": 3}, {}, deadline_at=time.time() + 60)
     store.set_state(
-        "q-late", QueryState.FAILED, failure_reason="deadline passed with 1 of 3 required owners"
+        late, QueryState.FAILED, failure_reason="deadline passed with 1 of 3 required owners"
     )
     store.close()
     result = runner.invoke(proxy_group, ["status", "--config", str(config)])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].split() == ["QUERY", "ANALYST", "STATE", "OWNERS", "REASON"]
-    assert lines[1].split() == ["q-ok", "alice", "collecting", "0/2"]
-    assert lines[2].split()[:4] == ["q-late", "bob", "failed", "0/3"]
+    assert lines[1].split() == ["alice/q-ok", "alice", "collecting", "0/2"]
+    assert lines[2].split()[:4] == ["bob/q-late", "bob", "failed", "0/3"]
     assert lines[2].endswith("deadline passed with 1 of 3 required owners")
 
 

@@ -1,9 +1,11 @@
 """The proxy coordinator without gRPC: lifecycle, budget, validation, noise and mask.
 
 Keys are TEST-ONLY 512-bit moduli; owners' shares are real ionosphere rows split
-across owners, encrypted exactly as an owner does (plan values, fixed point,
+across owners, encrypted exactly as an owner does (exact fixed-point statistics,
 packed encryption), so the checks below compare decrypted results with the
-integer sums the owners actually encrypted.
+integer sums the owners actually encrypted. Queries are signed by the analyst
+(helpers.TEST_SIGNING_KEY) and stored under their task id ``analyst/query``; only
+the owners on the allow-list (owner-0, owner-1, owner-2) take part.
 """
 
 from __future__ import annotations
@@ -20,22 +22,28 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool, encode_fixed_point, unpack_slots
+from fedpca.codec import CryptoPool, unpack_slots
+from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
+    AuthenticationError,
     BudgetExceededError,
     CalibrationError,
     CiphertextError,
     ConfigError,
     EncodingOverflowError,
     LayoutError,
+    NotFoundError,
     ProtocolError,
     QueryStateError,
 )
 from fedpca.messages import (
+    MAX_DECLINE_DETAIL,
     NoiseMechanism,
+    OwnerDecline,
     QueryState,
+    SignedQuery,
     UploadHeader,
 )
 from fedpca.preprocess import preprocess_for_query
@@ -44,17 +52,24 @@ from fedpca.protocol import (
     SCATTER_ROWS,
     SHARES,
     SUM_SINGLE,
-    SUM_WINDOWS,
     ReleasePlan,
     row_aligned_positions,
 )
-from fedpca.proxy.config import BudgetConfig, ProxyConfig
-from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.config import BudgetConfig, OwnersConfig, PrivacySection, ProxyConfig
+from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore, UploadCompletion
-from fedpca.query import ProtocolMode, QueryKind, QuerySpec
-from fedpca.stats import sum_statistics
-from helpers import dataset_table, query_builder, reference_statistics
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.signing import generate_signing_key, sign_query, verify_query
+from fedpca.stats import fixed_point_statistics, sum_statistics
+from helpers import (
+    QUANTISATION_STEP,
+    TEST_SIGNER,
+    dataset_table,
+    query_builder,
+    reference_statistics,
+    signed,
+)
 
 IntVector = list[int]
 
@@ -68,8 +83,33 @@ def owner_rows() -> list[np.ndarray]:
     return [features[0:120], features[120:240], features[240:]]
 
 
-def make_config(epsilon: float = math.inf, **analysts: PrivacyParams) -> ProxyConfig:
-    return ProxyConfig(budget=BudgetConfig(PrivacyParams(epsilon, 1e-5), dict(analysts)))
+OWNER_IDS = ("owner-0", "owner-1", "owner-2")
+"""The proxy's allow-list (``[owners] allowed``)."""
+ANALYST = "alice"
+REPLACE_ONE = Neighbouring.REPLACE_ONE
+
+
+def key(query_id: str = "q1", analyst: str = ANALYST) -> str:
+    """The proxy's task id of an analyst's query (what owners and the store use)."""
+    return task_id(analyst, query_id)
+
+
+Q1 = key("q1")
+
+
+def make_config(
+    epsilon: float = math.inf,
+    *,
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
+    accountant: Accountant = Accountant.ZCDP,
+    max_delta_per_query: float | None = None,
+    **analysts: PrivacyParams,
+) -> ProxyConfig:
+    return ProxyConfig(
+        budget=BudgetConfig(PrivacyParams(epsilon, 1e-5), dict(analysts)),
+        owners=OwnersConfig(frozenset(OWNER_IDS)),
+        privacy=PrivacySection(neighbouring, accountant, max_delta_per_query),
+    )
 
 
 make_spec = query_builder(
@@ -109,33 +149,24 @@ def make_coordinator(
 class Owner:
     """What an owner node does for one query, minus the network."""
 
-    def __init__(self, owner_id: str, rows: np.ndarray, seed: int) -> None:
+    def __init__(self, owner_id: str, rows: np.ndarray) -> None:
         self.owner_id = owner_id
         self.rows = rows
-        self.seed = seed
 
     def encode(self, plan: ReleasePlan) -> tuple[dict[str, np.ndarray], int]:
-        """Fixed-point values of every block; the same integers on every call."""
-        rng = np.random.default_rng(self.seed)  # stochastic rounding coins, reproducible
-        x = preprocess_for_query(self.rows, plan.spec)
-        statistics = reference_statistics(x, None, plan.spec)
-        values = plan.owner_values(statistics)
-        encoded = {
-            name: encode_fixed_point(v, plan.spec.frac_bits, rng=rng) for name, v in values.items()
-        }
-        if plan.spec.mode is ProtocolMode.MASKED:
-            # v must be rounded once: the proxy's Enc(v_i)^(b_j) and Enc(window)^(b_i)
-            # terms cancel against v' v'ᵀ only if both blocks hold the same integers.
-            k = plan.owner_block(SUM_WINDOWS).layout.slots_per_ciphertext
-            padded = np.concatenate([encoded[SUM_SINGLE], np.zeros(k, dtype=np.int64)])
-            encoded[SUM_WINDOWS] = np.concatenate(
-                [padded[t : t + k] for t in range(plan.spec.n_features)]
-            )
-        return encoded, len(x)
+        """The exact fixed-point integers of every block and the record count.
+
+        Exact integer statistics: the same integers on every call, and in masked mode
+        every copy of v (unpacked and as windows) is the same integer, as the mask
+        terms need.
+        """
+        statistics = fixed_point_statistics(self.rows, None, plan.spec)
+        return plan.owner_integers(statistics), statistics.count
 
     def upload(
-        self, plan: ReleasePlan, public_key: Any, pool: CryptoPool
+        self, plan: ReleasePlan, public_key: Any, pool: CryptoPool, task: str = Q1
     ) -> tuple[UploadHeader, dict[str, list[int]], dict[str, np.ndarray]]:
+        """The upload header (naming the task id ``task``), ciphertexts and integers."""
         encoded, count = self.encode(plan)
         blocks = {
             block.name: list(
@@ -150,7 +181,7 @@ class Owner:
             c.to_bytes(width, "big") for block in plan.owner_blocks for c in blocks[block.name]
         )
         header = UploadHeader(
-            query_id=plan.spec.query_id,
+            query_id=task,
             analyst_key_fingerprint=plan.spec.analyst_key_fingerprint,
             upload_id=f"{self.owner_id}-{plan.spec.query_id}",
             blocks=wire_blocks(plan),
@@ -188,14 +219,20 @@ def accept_upload(
 
 
 def owners_for(rows: list[np.ndarray]) -> list[Owner]:
-    return [Owner(f"owner-{i}", r, seed=i) for i, r in enumerate(rows)]
+    return [Owner(f"owner-{i}", r) for i, r in enumerate(rows)]
 
 
 def decrypt_block(
-    pool: CryptoPool, private_key: Any, coordinator: Coordinator, query_id: str, name: str
+    pool: CryptoPool,
+    private_key: Any,
+    coordinator: Coordinator,
+    query_id: str,
+    name: str,
+    analyst: str = ANALYST,
 ) -> IntVector:
-    result = coordinator.result(query_id)
-    block = next(b for b in coordinator.plan(query_id).result_blocks if b.name == name)
+    result = coordinator.result(analyst, query_id)
+    plan = coordinator.plan(key(query_id, analyst))
+    block = next(b for b in plan.result_blocks if b.name == name)
     plaintexts = pool.decrypt(private_key, list(result.payload[name]))
     return unpack_slots(plaintexts, block.layout, private_key.public_key.n)
 
@@ -209,11 +246,12 @@ def run_stats_query(
     analyst: str = "alice",
 ) -> np.ndarray:
     """Submit, upload every owner, finish; return Σ of the owners' encoded values."""
-    coordinator.submit(analyst, spec)
-    plan = coordinator.plan(spec.query_id)
+    coordinator.submit(analyst, signed(spec))
+    task = key(spec.query_id, analyst)
+    plan = coordinator.plan(task)
     total = np.zeros(plan.owner_block(SHARES).layout.value_count, dtype=object)
     for owner in owners:
-        header, blocks, encoded = owner.upload(plan, public_key, pool)
+        header, blocks, encoded = owner.upload(plan, public_key, pool, task)
         accept_upload(coordinator, owner.owner_id, header, blocks)
         total = total + encoded[SHARES].astype(object)
     return total
@@ -240,27 +278,30 @@ def test_stats_mode_without_noise_equals_the_owners_integer_sums(
     spec = make_spec(public_key)
     expected = run_stats_query(coordinator, pool, public_key, owners, spec)
 
-    record = coordinator.store.query("q1")
+    record = coordinator.store.query(Q1)
     assert record.state is QueryState.DONE and record.n_contributed == 3
+    assert record.analyst_id == ANALYST and record.signer == TEST_SIGNER
     decrypted = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
     assert decrypted == list(expected)  # exact: no noise, homomorphic sums only
 
-    # And the decoded statistics are the pooled statistics of all rows.
-    plan = coordinator.plan("q1")
-    values = np.array(decrypted, dtype=np.float64) / 2.0**spec.frac_bits
+    # And the decoded statistics are the pooled statistics of all rows, to within the
+    # owners' quantisation of every coordinate (2^-16 per coordinate and row).
+    plan = coordinator.plan(Q1)
     pooled = sum_statistics(
         reference_statistics(preprocess_for_query(o.rows, spec), None, spec) for o in owners
     )
-    got = plan.statistics_from_values(values)
-    np.testing.assert_allclose(got.scatter, pooled.scatter, atol=1e-8)
-    np.testing.assert_allclose(got.sums, pooled.sums, atol=1e-8)
-    assert got.count == pytest.approx(351)
+    got = plan.statistics_from_integers(decrypted)
+    tolerance = 351 * 2 * QUANTISATION_STEP
+    np.testing.assert_allclose(got.scatter, pooled.scatter, rtol=0, atol=tolerance)
+    np.testing.assert_allclose(got.sums, pooled.sums, rtol=0, atol=tolerance)
+    assert got.count == 351.0  # counts are exact
 
-    meta = coordinator.result_meta("q1")
+    meta = coordinator.result_meta(ANALYST, "q1")
     assert meta["not_private"] is True and meta["n_owners"] == 3
     assert all(s["sigma"] == 0 for s in meta["sections"])
-    result = coordinator.result("q1")
+    result = coordinator.result(ANALYST, "q1")
     assert result.noise.mechanism is NoiseMechanism.NONE
+    assert result.query == spec  # the analyst's own query id, not the task id
 
 
 def test_stats_mode_noise_has_the_planned_sigma_per_section(
@@ -273,11 +314,14 @@ def test_stats_mode_noise_has_the_planned_sigma_per_section(
     decrypted = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
     noise = np.array([int(a - b) for a, b in zip(decrypted, expected, strict=True)], dtype=float)
 
-    plan = coordinator.plan("q1")
+    plan = coordinator.plan(Q1)
     slices = plan.statistics.section_slices()
     for section in plan.sections:
         part = noise[slices[section.name]]
         assert section.sigma_int > 0
+        # The noise covers a capped owner's swap of a record under add/remove: at clip
+        # norm 1 every section of the default split gets z * sqrt(4.5).
+        assert section.sigma == pytest.approx(plan.noise_multiplier * math.sqrt(4.5))
         if section.length >= 30:
             # Sample sd of n Gaussian draws has relative standard error ~1/sqrt(2n):
             # 3% for the 595 scatter values, 12% for the 34 sums; allow 5 of them.
@@ -286,10 +330,10 @@ def test_stats_mode_noise_has_the_planned_sigma_per_section(
             assert abs(np.mean(part)) < 5 * section.sigma_int / math.sqrt(section.length)
         else:
             assert np.all(np.abs(part) < 6 * section.sigma_int)
-    meta = coordinator.result_meta("q1")
+    meta = coordinator.result_meta(ANALYST, "q1")
     assert meta["not_private"] is False
     assert [s["sigma"] for s in meta["sections"]] == [s.sigma for s in plan.sections]
-    assert coordinator.result("q1").noise.mechanism is NoiseMechanism.GAUSSIAN
+    assert coordinator.result(ANALYST, "q1").noise.mechanism is NoiseMechanism.GAUSSIAN
 
 
 # ------------------------------------------------------------------ budget
@@ -299,18 +343,19 @@ def test_budget_refusal_happens_at_submit_and_records_nothing(
     public_key, _ = test_only_keypair_512
     config = make_config(epsilon=100.0, bob=PrivacyParams(1.2, 1e-5))
     coordinator = make_coordinator(tmp_path, pool, config)
-    coordinator.submit("bob", make_spec(public_key, "b1", epsilon=1.0))
+    coordinator.submit("bob", signed(make_spec(public_key, "b1", epsilon=1.0)))
     with pytest.raises(BudgetExceededError):
-        coordinator.submit("bob", make_spec(public_key, "b2", epsilon=1.0))
-    assert [q.query_id for q in coordinator.store.queries()] == ["b1"]
+        coordinator.submit("bob", signed(make_spec(public_key, "b2", epsilon=1.0)))
+    assert [q.query_id for q in coordinator.store.queries()] == ["bob/b1"]
     assert len(coordinator.store.releases("bob")) == 1
+    assert coordinator.store.releases("bob")[0]["query_id"] == "bob/b1"
     assert coordinator.tasks_for("owner-0") == [make_spec(public_key, "b1", epsilon=1.0)]
     # Resubmitting the accepted query is idempotent and not charged twice.
-    coordinator.submit("bob", make_spec(public_key, "b1", epsilon=1.0))
+    coordinator.submit("bob", signed(make_spec(public_key, "b1", epsilon=1.0)))
     assert len(coordinator.store.releases("bob")) == 1
     # epsilon = inf costs an infinite budget: refused under any finite one.
     with pytest.raises(BudgetExceededError):
-        coordinator.submit("alice", make_spec(public_key, "inf"))
+        coordinator.submit("alice", signed(make_spec(public_key, "inf")))
     budget = coordinator.budget("bob")
     assert budget.n_releases == 1 and budget.epsilon_limit == 1.2
     assert 0 < budget.epsilon_spent <= 1.0 + 1e-6
@@ -322,17 +367,36 @@ def test_huge_epsilon_is_refused_at_submit_with_the_accountants_limit(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, budget: float
 ) -> None:
     # epsilon = 1e6 made dp_accounting's PLD accountant fail (MemoryError): INTERNAL.
+    # The floor is the PLD accountant's (the option); zcdp has none (next test).
     public_key, _ = test_only_keypair_512
-    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=budget))
+    config = make_config(epsilon=budget, accountant=Accountant.PLD_CONTINUOUS)
+    coordinator = make_coordinator(tmp_path, pool, config)
     with pytest.raises(CalibrationError, match=r"epsilon=1e\+06.*minimum 0\.1") as info:
-        coordinator.submit("alice", make_spec(public_key, "huge", epsilon=1e6))
+        coordinator.submit("alice", signed(make_spec(public_key, "huge", epsilon=1e6)))
     assert "at most epsilon=91.82" in str(info.value)
     assert coordinator.store.queries() == []
     assert coordinator.store.releases("alice") == []
     assert coordinator.tasks_for("owner-0") == []
     # The analyst may still ask for a usable epsilon.
-    coordinator.submit("alice", make_spec(public_key, "fine", epsilon=1.0))
-    assert [q.query_id for q in coordinator.store.queries()] == ["fine"]
+    coordinator.submit("alice", signed(make_spec(public_key, "fine", epsilon=1.0)))
+    assert [q.query_id for q in coordinator.store.queries()] == [key("fine")]
+
+
+def test_huge_epsilon_under_the_default_zcdp_accountant_is_a_budget_question(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    # The zcdp accountant is closed form: no floor, nothing to exhaust. epsilon = 1e6
+    # is charged like any other release: over a finite budget it is refused (and
+    # nothing recorded), under an unlimited one accepted.
+    public_key, _ = test_only_keypair_512
+    limited = make_coordinator(tmp_path / "limited", pool, make_config(epsilon=5.0))
+    with pytest.raises(BudgetExceededError, match="zcdp accountant"):
+        limited.submit("alice", signed(make_spec(public_key, "huge", epsilon=1e6)))
+    assert limited.store.queries() == [] and limited.store.releases("alice") == []
+    unlimited = make_coordinator(tmp_path / "unlimited", pool, make_config())
+    unlimited.submit("alice", signed(make_spec(public_key, "huge", epsilon=1e6)))
+    assert unlimited.budget("alice").n_releases == 1
+    assert unlimited.budget("alice").epsilon_spent == pytest.approx(1e6, rel=1e-3)
 
 
 def test_two_concurrent_submits_where_only_one_fits(
@@ -346,7 +410,7 @@ def test_two_concurrent_submits_where_only_one_fits(
     def submit(query_id: str) -> None:
         barrier.wait()
         try:
-            coordinator.submit("carol", make_spec(public_key, query_id, epsilon=1.0))
+            coordinator.submit("carol", signed(make_spec(public_key, query_id, epsilon=1.0)))
             outcomes.append("accepted")
         except BudgetExceededError:
             outcomes.append("refused")
@@ -369,22 +433,126 @@ def test_submit_refuses_short_keys_and_wrong_fingerprints(
         ProxyStore(tmp_path / "strict.sqlite3"), make_config(), pool, background=False
     )
     with pytest.raises(ConfigError, match="512 bits; at least 2048"):
-        strict.submit("alice", make_spec(public_key))
+        strict.submit("alice", signed(make_spec(public_key)))
     coordinator = make_coordinator(tmp_path, pool)
     with pytest.raises(ConfigError, match="fingerprint does not match"):
-        coordinator.submit("alice", make_spec(public_key, analyst_key_fingerprint="sha256:00"))
+        coordinator.submit(
+            "alice", signed(make_spec(public_key, analyst_key_fingerprint="sha256:00"))
+        )
     with pytest.raises(ConfigError, match="masked mode is the published PCA protocol"):
         coordinator.submit(
             "alice",
-            make_spec(
-                public_key,
-                kind=QueryKind.DCA,
-                label_column=0,
-                class_labels=(-1.0, 1.0),
-                mode=ProtocolMode.MASKED,
+            signed(
+                make_spec(
+                    public_key,
+                    kind=QueryKind.DCA,
+                    label_column=0,
+                    class_labels=(-1.0, 1.0),
+                    mode=ProtocolMode.MASKED,
+                )
             ),
         )
     assert coordinator.store.queries() == [] and strict.store.queries() == []
+    assert coordinator.store.releases("alice") == []
+
+
+def test_submit_refuses_what_the_deployment_cannot_serve(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0))
+    spec = make_spec(public_key, epsilon=1.0)
+    # Unsigned, signed over another query, or by something that is no signer id.
+    with pytest.raises(ConfigError, match="not signed"):
+        coordinator.submit("alice", SignedQuery(spec))
+    other = make_spec(public_key, epsilon=2.0)
+    with pytest.raises(ConfigError, match="invalid query signature"):
+        coordinator.submit("alice", replace(signed(spec), signature=signed(other).signature))
+    with pytest.raises(ConfigError, match="not a query-signing key"):
+        coordinator.submit("alice", replace(signed(spec), signer="ed25519:nothex"))
+    # A relation other than the deployment's (the owners' ledgers could not compose it).
+    with pytest.raises(ConfigError, match="stated for replace-one adjacency"):
+        coordinator.submit("alice", signed(make_spec(public_key, neighbouring=REPLACE_ONE)))
+    # Masked mode publishes N: refused under add/remove by the plan.
+    with pytest.raises(ConfigError, match="no finite epsilon under add-remove"):
+        coordinator.submit("alice", signed(make_spec(public_key, mode=ProtocolMode.MASKED)))
+    # delta above the cap: by default the budget's delta, at most 1e-5.
+    with pytest.raises(ConfigError, match=r"above this proxy's per-query cap 1e-05"):
+        coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0, delta=2e-5)))
+    # More owners than the allow-list holds can never meet the quorum.
+    with pytest.raises(ConfigError, match="quorum 4 is more than the 3 owners"):
+        coordinator.submit("alice", signed(make_spec(public_key, quorum=4)))
+    assert coordinator.store.queries() == [] and coordinator.store.releases("alice") == []
+    assert coordinator.tasks_for("owner-0") == []
+
+    # The same signed query is accepted; any valid signature is (owners pin signers).
+    assert coordinator.submit("alice", signed(spec)).query_id == Q1
+    someone = generate_signing_key()
+    second = make_spec(public_key, "q2", epsilon=1.0)
+    accepted = coordinator.submit("alice", signed(second, someone))
+    assert accepted.signature == sign_query(second, someone)
+    # A configured cap replaces the default; NOT PRIVATE queries state no delta to cap.
+    capped = make_coordinator(
+        tmp_path / "capped", pool, make_config(epsilon=100.0, max_delta_per_query=1e-4)
+    )
+    capped.submit("alice", signed(make_spec(public_key, epsilon=1.0, delta=1e-4)))
+    with pytest.raises(ConfigError, match=r"cap 0\.0001"):
+        capped.submit("alice", signed(make_spec(public_key, "q2", epsilon=1.0, delta=2e-4)))
+    unlimited = make_coordinator(tmp_path / "unlimited", pool)
+    unlimited.submit("alice", signed(make_spec(public_key, epsilon=math.inf, delta=0.5)))
+
+
+def test_owners_off_the_allow_list_get_no_task_and_cannot_act(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    spec = make_spec(public_key, quorum=1)
+    coordinator.submit("alice", signed(spec))
+    # Allowed owners get the task with its task id and the analyst's signature.
+    (task,) = coordinator.pending_tasks("owner-0")
+    assert task.task_id == task.key == Q1 and task.query == spec
+    assert task.query_signer == TEST_SIGNER
+    verify_query(task.query, task.query_signature, task.query_signer)  # forwarded unchanged
+    coordinator.enroll("owner-0")
+
+    assert coordinator.tasks_for("mallory") == [] and coordinator.pending_tasks("mallory") == []
+    with pytest.raises(AuthenticationError, match="not in this proxy's"):
+        coordinator.enroll("mallory")
+    header, blocks, _ = Owner("mallory", owner_rows[0]).upload(
+        coordinator.plan(Q1), public_key, pool
+    )
+    with pytest.raises(AuthenticationError):
+        accept_upload(coordinator, "mallory", header, blocks)
+    with pytest.raises(AuthenticationError):
+        coordinator.decline("mallory", Q1, "policy_refusal")
+    record = coordinator.store.query(Q1)
+    assert record.state is QueryState.COLLECTING and record.n_contributed == 0
+    assert not record.uploads_begun  # a refused stranger does not cost the refund
+    assert coordinator.store.declines(Q1) == {} and coordinator.store.owners() == ["owner-0"]
+    assert coordinator.status(ANALYST, "q1").owners_registered == len(OWNER_IDS)
+
+
+def test_another_analysts_query_does_not_exist_for_you(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", signed(make_spec(public_key)))
+    # Bob asking for alice's query id is told exactly what an unknown id gets.
+    for read in (coordinator.status, coordinator.result, coordinator.result_meta):
+        with pytest.raises(NotFoundError) as hers:
+            read("bob", "q1")
+        with pytest.raises(NotFoundError) as unknown:
+            read("bob", "qx")
+        assert str(hers.value).replace("q1", "qx") == str(unknown.value)
+    # The same query id is his own, separate query (and his own budget charge).
+    coordinator.submit("bob", signed(make_spec(public_key, epsilon=math.inf, quorum=2)))
+    assert sorted(q.query_id for q in coordinator.store.queries()) == ["alice/q1", "bob/q1"]
+    assert coordinator.status("bob", "q1").quorum == 2
+    assert coordinator.status("alice", "q1").quorum == 3
+    assert coordinator.status("alice", "q1").query_id == "q1"
+    assert len(coordinator.store.releases("bob")) == len(coordinator.store.releases("alice")) == 1
 
 
 # ------------------------------------------------------------------ uploads
@@ -393,25 +561,29 @@ def test_late_upload_is_refused(
 ) -> None:
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
-    coordinator.submit("alice", make_spec(public_key, quorum=1))
-    plan = coordinator.plan("q1")
+    coordinator.submit("alice", signed(make_spec(public_key, quorum=1)))
+    plan = coordinator.plan(Q1)
     first, first_blocks, _ = owners_for(owner_rows)[0].upload(plan, public_key, pool)
     assert not accept_upload(coordinator, "owner-0", first, first_blocks).duplicate
-    assert coordinator.store.query("q1").state is QueryState.DONE
-    aggregate = coordinator.store.aggregate("q1")
+    assert coordinator.store.query(Q1).state is QueryState.DONE
+    aggregate = coordinator.store.aggregate(Q1)
 
-    late = Owner("late", owner_rows[1], seed=9)
+    late = owners_for(owner_rows)[1]  # an allowed owner that had not answered yet
     header, blocks, _ = late.upload(plan, public_key, pool)
-    assert coordinator.tasks_for("late") == []
+    assert coordinator.tasks_for(late.owner_id) == []
     with pytest.raises(QueryStateError, match="no longer accepted"):
-        accept_upload(coordinator, "late", header, blocks)
+        accept_upload(coordinator, late.owner_id, header, blocks)
+    # ... nor may it decline a query that no longer collects.
+    with pytest.raises(QueryStateError, match="no longer recorded"):
+        coordinator.decline(late.owner_id, Q1, "policy_refusal")
     # A retry of the accepted upload (lost acknowledgement) is still "duplicate".
     assert accept_upload(coordinator, "owner-0", first, first_blocks).duplicate
     # The same owner with different content is a late upload, not a retry.
     with pytest.raises(QueryStateError, match="no longer accepted"):
         accept_upload(coordinator, "owner-0", replace(first, upload_id="other"), first_blocks)
-    assert coordinator.store.query("q1").n_contributed == 1
-    assert coordinator.store.aggregate("q1") == aggregate
+    assert coordinator.store.query(Q1).n_contributed == 1
+    assert coordinator.store.aggregate(Q1) == aggregate
+    assert coordinator.store.declines(Q1) == {}
 
 
 def test_bad_uploads_are_refused_with_state_untouched(
@@ -419,10 +591,13 @@ def test_bad_uploads_are_refused_with_state_untouched(
 ) -> None:
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
-    coordinator.submit("alice", make_spec(public_key))
-    plan = coordinator.plan("q1")
+    coordinator.submit("alice", signed(make_spec(public_key)))
+    plan = coordinator.plan(Q1)
     owner = owners_for(owner_rows)[0]
     header, blocks, _ = owner.upload(plan, public_key, pool)
+    # Owners name the task by its task id: the analyst's own id is no task of theirs.
+    with pytest.raises(NotFoundError):
+        accept_upload(coordinator, "owner-0", replace(header, query_id="q1"), blocks)
 
     wrong_block = replace(header.blocks[0], slot_bits=header.blocks[0].slot_bits - 1)
     with pytest.raises(LayoutError, match="the query's plan requires"):
@@ -441,9 +616,9 @@ def test_bad_uploads_are_refused_with_state_untouched(
     with pytest.raises(ProtocolError, match="absent in stats mode"):
         accept_upload(coordinator, "owner-0", replace(header, public_record_count=5), blocks)
 
-    record = coordinator.store.query("q1")
+    record = coordinator.store.query(Q1)
     assert record.state is QueryState.COLLECTING and record.n_contributed == 0
-    assert coordinator.store.aggregate("q1") == b"" and coordinator.store.uploads("q1") == []
+    assert coordinator.store.aggregate(Q1) == b"" and coordinator.store.uploads(Q1) == []
     # The intact upload is still accepted afterwards.
     assert accept_upload(coordinator, "owner-0", header, blocks).n_contributed == 1
 
@@ -453,9 +628,9 @@ def test_more_owners_than_max_owners_are_refused(
 ) -> None:
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
-    coordinator.submit("alice", make_spec(public_key, quorum=1, max_owners=1))
+    coordinator.submit("alice", signed(make_spec(public_key, quorum=1, max_owners=1)))
     owners = owners_for(owner_rows)
-    plan = coordinator.plan("q1")
+    plan = coordinator.plan(Q1)
     # Keep the query open past the first upload so the cap, not the state, refuses.
     coordinator.close = lambda query_id: None  # type: ignore[method-assign]
     header, blocks, _ = owners[0].upload(plan, public_key, pool)
@@ -463,7 +638,7 @@ def test_more_owners_than_max_owners_are_refused(
     header, blocks, _ = owners[1].upload(plan, public_key, pool)
     with pytest.raises(EncodingOverflowError, match="max_owners=1"):
         accept_upload(coordinator, "owner-1", header, blocks)
-    assert coordinator.store.query("q1").n_contributed == 1
+    assert coordinator.store.query(Q1).n_contributed == 1
 
 
 # ------------------------------------------------------------ quorum/deadline
@@ -473,12 +648,14 @@ def test_deadline_below_quorum_fails_the_query(
     public_key, _ = test_only_keypair_512
     clock = Clock()
     coordinator = make_coordinator(tmp_path, pool, clock=clock)
-    coordinator.submit("alice", make_spec(public_key, quorum=2, deadline_seconds=60))
+    coordinator.submit("alice", signed(make_spec(public_key, quorum=2, deadline_seconds=60)))
     assert coordinator.budget("alice").n_releases == 1  # charged at submission
     owner = owners_for(owner_rows)[0]
-    header, blocks, _ = owner.upload(coordinator.plan("q1"), public_key, pool)
+    header, blocks, _ = owner.upload(coordinator.plan(Q1), public_key, pool)
     accept_upload(coordinator, "owner-0", header, blocks)
-    coordinator.decline("owner-1", "q1", "policy")
+    # One decline leaves two allowed owners for a quorum of two: still collecting.
+    coordinator.decline("owner-1", Q1, "policy_refusal", "epsilon above this owner's cap")
+    assert coordinator.store.query(Q1).state is QueryState.COLLECTING
     assert coordinator.tasks_for("owner-1") == [] and len(coordinator.tasks_for("owner-2")) == 1
     clock.now += 59
     assert coordinator.check_deadlines() == []
@@ -486,16 +663,98 @@ def test_deadline_below_quorum_fails_the_query(
     assert coordinator.tasks_for("owner-2") == []  # past the deadline: no longer offered
     with pytest.raises(QueryStateError, match="deadline has passed"):
         coordinator.check_upload_header("owner-2", replace(header, upload_id="x"))
-    assert coordinator.check_deadlines() == ["q1"]
-    record = coordinator.store.query("q1")
+    assert coordinator.check_deadlines() == [Q1]
+    record = coordinator.store.query(Q1)
     assert record.state is QueryState.FAILED
     assert record.failure_reason == "deadline passed with 1 of 2 required owners"
-    status = coordinator.status("q1")
+    status = coordinator.status(ANALYST, "q1")
     assert status.state is QueryState.FAILED and status.owners_declined == 1
+    # The decline's public reason reaches the analyst.
+    assert status.declines == (
+        OwnerDecline("owner-1", "policy_refusal", "epsilon above this owner's cap"),
+    )
+    assert status.owners_registered == 3 and status.owners_contributed == 1
     with pytest.raises(QueryStateError):
-        coordinator.result("q1")
-    # Nothing was released, so the charge is refunded.
-    assert coordinator.budget("alice").n_releases == 0 and coordinator.store.releases("alice") == []
+        coordinator.result(ANALYST, "q1")
+    # owner-0 uploaded, so it may have spent budget on the query: nothing was released,
+    # but the analyst's charge is not refunded.
+    assert record.uploads_begun
+    assert coordinator.budget("alice").n_releases == 1
+    assert [r["query_id"] for r in coordinator.store.releases("alice")] == [Q1]
+
+
+def test_a_failed_query_is_refunded_only_if_no_upload_ever_began(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    clock = Clock()
+    coordinator = make_coordinator(tmp_path, pool, clock=clock)
+    coordinator.submit("alice", signed(make_spec(public_key, "silent", deadline_seconds=60)))
+    coordinator.submit("alice", signed(make_spec(public_key, "broken", deadline_seconds=60)))
+    assert coordinator.budget("alice").n_releases == 2
+    # An upload that began and broke off is taken out of the aggregate, but the owner
+    # may have spent its budget by then: the query counts as uploaded to.
+    header, blocks, _ = owners_for(owner_rows)[0].upload(
+        coordinator.plan(key("broken")), public_key, pool, key("broken")
+    )
+    stream = coordinator.begin_upload("owner-0", header)
+    stream.add(0, blocks[SHARES][:1])
+    stream.abandon()
+    assert coordinator.store.aggregate(key("broken")) == b""
+    assert coordinator.store.query(key("broken")).uploads_begun
+    assert not coordinator.store.query(key("silent")).uploads_begun
+
+    clock.now += 61
+    assert sorted(coordinator.check_deadlines()) == [key("broken"), key("silent")]
+    assert coordinator.status(ANALYST, "silent").state is QueryState.FAILED
+    assert coordinator.status(ANALYST, "broken").state is QueryState.FAILED
+    # The silent query released nothing and no owner spent anything: refunded.
+    assert [r["query_id"] for r in coordinator.store.releases("alice")] == [key("broken")]
+    assert coordinator.budget("alice").n_releases == 1
+
+
+def test_declines_are_public_one_line_and_fail_a_query_whose_quorum_is_out_of_reach(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", signed(make_spec(public_key, quorum=2)))
+    # Unknown tasks, and the analyst's bare query id, are no task of an owner's.
+    for unknown in ("q1", key("q1", "bob"), "alice/nope"):
+        with pytest.raises(NotFoundError):
+            coordinator.decline("owner-0", unknown, "policy_refusal")
+    # An owner that uploaded cannot decline afterwards (its share is in the aggregate).
+    header, blocks, _ = owners_for(owner_rows)[0].upload(coordinator.plan(Q1), public_key, pool)
+    accept_upload(coordinator, "owner-0", header, blocks)
+    with pytest.raises(QueryStateError, match="already uploaded"):
+        coordinator.decline("owner-0", Q1, "policy_refusal")
+    # A detail is cut to one line of at most MAX_DECLINE_DETAIL characters.
+    forged = "fine\nowner-2: budget_exhausted: forged line\r\t" + "x" * 500
+    coordinator.decline("owner-1", Q1, "policy_refusal", forged)
+    (decline,) = coordinator.status(ANALYST, "q1").declines
+    assert decline.owner_id == "owner-1" and decline.reason == "policy_refusal"
+    assert "\n" not in decline.detail and "\r" not in decline.detail
+    assert len(decline.detail) == MAX_DECLINE_DETAIL and decline.detail.endswith("...")
+    assert decline.detail.startswith("fine owner-2: budget_exhausted: forged line x")
+    # owner-0 uploaded, owner-2 may still: the quorum of 2 is in reach.
+    assert coordinator.store.query(Q1).state is QueryState.COLLECTING
+
+    # Quorum 3 of 3 allowed owners: one decline puts it out of reach, and the query
+    # fails at once (the declines are public), listing them. Nobody uploaded: refunded.
+    coordinator.submit("alice", signed(make_spec(public_key, "q3", quorum=3)))
+    before = coordinator.budget("alice").n_releases
+    coordinator.decline("owner-2", key("q3"), "key_not_pinned", "not my analyst")
+    status = coordinator.status(ANALYST, "q3")
+    assert status.state is QueryState.FAILED
+    assert status.failure_reason == (
+        "the quorum of 3 can no longer be reached: 1 of 3 owners declined "
+        "(owner-2: key_not_pinned: not my analyst)"
+    )
+    assert status.declines == (OwnerDecline("owner-2", "key_not_pinned", "not my analyst"),)
+    assert coordinator.budget("alice").n_releases == before - 1
+    assert coordinator.tasks_for("owner-2") == [make_spec(public_key, quorum=2)]
+    with pytest.raises(QueryStateError, match="no longer recorded"):
+        coordinator.decline("owner-1", key("q3"), "policy_refusal")
 
 
 def test_timer_finishes_a_query_that_reached_its_quorum_but_was_not_closed(
@@ -509,20 +768,20 @@ def test_timer_finishes_a_query_that_reached_its_quorum_but_was_not_closed(
     coordinator.close = closes.append  # type: ignore[method-assign]  # e.g. a crash after the fold
     spec = make_spec(public_key, quorum=2)
     expected = run_stats_query(coordinator, pool, public_key, owners_for(owner_rows)[:2], spec)
-    assert closes == ["q1"] and coordinator.store.query("q1").state is QueryState.COLLECTING
+    assert closes == [Q1] and coordinator.store.query(Q1).state is QueryState.COLLECTING
     coordinator.close = real_close  # type: ignore[method-assign]
     stop = threading.Event()
     timer = threading.Thread(target=coordinator.run_timers, args=(stop, 0.01))
     timer.start()
     try:
         for _ in range(500):
-            if coordinator.store.query("q1").state is QueryState.DONE:
+            if coordinator.store.query(Q1).state is QueryState.DONE:
                 break
             stop.wait(0.02)
     finally:
         stop.set()
         timer.join()
-    assert coordinator.store.query("q1").state is QueryState.DONE
+    assert coordinator.store.query(Q1).state is QueryState.DONE
     assert decrypt_block(pool, private_key, coordinator, "q1", SHARES) == list(expected)
 
 
@@ -544,25 +803,25 @@ def test_recover_finishes_a_query_interrupted_in_noising_exactly_once(
     with pytest.raises(SimulatedCrash):
         run_stats_query(coordinator, pool, public_key, owners_for(owner_rows)[:2], spec)
     store = coordinator.store
-    assert store.query("q1").state is QueryState.NOISING
-    aggregate_before = store.aggregate("q1")
+    assert store.query(Q1).state is QueryState.NOISING
+    aggregate_before = store.aggregate(Q1)
     store.close()
 
     # A new process: new store connection, new coordinator, recover() at startup.
     restarted = make_coordinator(tmp_path, pool)
-    assert restarted.store.aggregate("q1") == aggregate_before
-    assert restarted.recover() == ["q1"]
-    assert restarted.store.query("q1").state is QueryState.DONE
+    assert restarted.store.aggregate(Q1) == aggregate_before
+    assert restarted.recover() == [Q1]
+    assert restarted.store.query(Q1).state is QueryState.DONE
     assert restarted.recover() == []
-    assert restarted.finish("q1").state is QueryState.DONE  # a no-op now
+    assert restarted.finish(Q1).state is QueryState.DONE  # a no-op now
     with pytest.raises(QueryStateError):
-        restarted.store.store_result("q1", {}, {})
+        restarted.store.store_result(Q1, {}, {})
     assert len(restarted.store.releases("alice")) == 1
     decrypted = decrypt_block(pool, private_key, restarted, "q1", SHARES)
-    plan = restarted.plan("q1")
+    plan = restarted.plan(Q1)
     owners = owners_for(owner_rows)[:2]
     expected = sum(o.encode(plan)[0][SHARES].astype(object) for o in owners)
-    # Same seeds => same stochastic rounding => the same integers the owners sent.
+    # Exact statistics: the very integers the owners sent, summed once each.
     assert decrypted == list(expected)
 
 
@@ -600,9 +859,10 @@ class RecordingSampler:
 def finish_with_owners(
     coordinator: Coordinator, pool: CryptoPool, public_key: Any, owners: list[Owner], query_id: str
 ) -> None:
-    plan = coordinator.plan(query_id)
+    task = key(query_id)
+    plan = coordinator.plan(task)
     for owner in owners:
-        header, blocks, _ = owner.upload(plan, public_key, pool)
+        header, blocks, _ = owner.upload(plan, public_key, pool, task)
         accept_upload(coordinator, owner.owner_id, header, blocks)
 
 
@@ -615,19 +875,19 @@ def test_stats_noise_is_prepared_at_submit_and_used_once(
     early = make_coordinator(tmp_path / "early", pool, noise_sampler=sampler, precompute_noise=True)
     try:
         spec = make_spec(public_key, epsilon=1.0)
-        early.submit("alice", spec)
-        prepared = early.prepared_noise("q1")
+        early.submit("alice", signed(spec))
+        prepared = early.prepared_noise(Q1)
         assert prepared is not None
         prepared.result(timeout=60)
         # Drawn (and encrypted) on the preparation thread before any owner uploaded.
         assert sampler.threads() == ["fedpca-noise-prep"] * sections
-        early.submit("alice", spec)  # an idempotent resubmission prepares nothing more
-        assert early.prepared_noise("q1") is prepared
+        early.submit("alice", signed(spec))  # an idempotent resubmission prepares nothing more
+        assert early.prepared_noise(Q1) is prepared
         finish_with_owners(early, pool, public_key, owners_for(owner_rows), "q1")
-        assert early.store.query("q1").state is QueryState.DONE
+        assert early.store.query(Q1).state is QueryState.DONE
         assert len(sampler.draws) == sections  # used, not drawn again
-        assert early.prepared_noise("q1") is None  # taken: can never serve another result
-        assert early.result_meta("q1")["timings"]["noise_precomputed"] == 1.0
+        assert early.prepared_noise(Q1) is None  # taken: can never serve another result
+        assert early.result_meta(ANALYST, "q1")["timings"]["noise_precomputed"] == 1.0
         got = decrypt_block(pool, private_key, early, "q1", SHARES)
     finally:
         early.shutdown()
@@ -638,7 +898,7 @@ def test_stats_noise_is_prepared_at_submit_and_used_once(
     run_stats_query(
         late, pool, public_key, owners_for(owner_rows), make_spec(public_key, epsilon=1.0)
     )
-    assert "noise_precomputed" not in late.result_meta("q1")["timings"]
+    assert "noise_precomputed" not in late.result_meta(ANALYST, "q1")["timings"]
     reference = decrypt_block(pool, private_key, late, "q1", SHARES)
     assert got == reference
 
@@ -652,24 +912,42 @@ def test_prepared_noise_is_discarded_when_the_query_fails(
     coordinator = make_coordinator(
         tmp_path, pool, clock=clock, noise_sampler=sampler, precompute_noise=True
     )
+    masked = make_coordinator(
+        tmp_path / "replace-one",
+        pool,
+        make_config(neighbouring=REPLACE_ONE),
+        noise_sampler=sampler,
+        precompute_noise=True,
+    )
     try:
-        coordinator.submit("alice", make_spec(public_key, epsilon=1.0, deadline_seconds=60))
-        prepared = coordinator.prepared_noise("q1")
+        coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0, deadline_seconds=60)))
+        prepared = coordinator.prepared_noise(Q1)
         assert prepared is not None
         prepared.result(timeout=60)
         clock.now += 61
-        assert coordinator.check_deadlines() == ["q1"]
-        assert coordinator.store.query("q1").state is QueryState.FAILED
-        assert coordinator.prepared_noise("q1") is None
-        # Not private or masked: nothing to prepare.
-        coordinator.submit("alice", make_spec(public_key, "q-inf", epsilon=math.inf))
-        coordinator.submit(
-            "alice", make_spec(public_key, "q-masked", epsilon=1.0, mode=ProtocolMode.MASKED)
+        assert coordinator.check_deadlines() == [Q1]
+        assert coordinator.store.query(Q1).state is QueryState.FAILED
+        assert coordinator.prepared_noise(Q1) is None
+        # Not private or masked (a replace-one deployment): nothing to prepare.
+        coordinator.submit("alice", signed(make_spec(public_key, "q-inf", epsilon=math.inf)))
+        masked.submit(
+            "alice",
+            signed(
+                make_spec(
+                    public_key,
+                    "q-masked",
+                    epsilon=1.0,
+                    mode=ProtocolMode.MASKED,
+                    neighbouring=REPLACE_ONE,
+                )
+            ),
         )
-        assert coordinator.prepared_noise("q-inf") is None
-        assert coordinator.prepared_noise("q-masked") is None
+        assert coordinator.prepared_noise(key("q-inf")) is None
+        assert masked.prepared_noise(key("q-masked")) is None
+        assert len(sampler.draws) == 3  # q1's three sections only
     finally:
         coordinator.shutdown()
+        masked.shutdown()
 
 
 def test_noise_not_prepared_in_time_is_drawn_at_finish_for_that_query_only(
@@ -680,22 +958,22 @@ def test_noise_not_prepared_in_time_is_drawn_at_finish_for_that_query_only(
     sampler = RecordingSampler(7, hold=hold)
     coordinator = make_coordinator(tmp_path, pool, noise_sampler=sampler, precompute_noise=True)
     try:
-        coordinator.submit("alice", make_spec(public_key, "q1", epsilon=1.0))
-        coordinator.submit("alice", make_spec(public_key, "q2", epsilon=1.0))
-        first, second = coordinator.prepared_noise("q1"), coordinator.prepared_noise("q2")
+        coordinator.submit("alice", signed(make_spec(public_key, "q1", epsilon=1.0)))
+        coordinator.submit("alice", signed(make_spec(public_key, "q2", epsilon=1.0)))
+        first, second = coordinator.prepared_noise(Q1), coordinator.prepared_noise(key("q2"))
         assert first is not None and second is not None
         assert not second.running()  # queued behind q1's preparation, held by the sampler
         # q2 reaches its quorum first: its preparation has not started, so it is
         # cancelled and q2's noise is drawn by the finisher (here: this thread).
         finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q2")
-        assert coordinator.store.query("q2").state is QueryState.DONE
+        assert coordinator.store.query(key("q2")).state is QueryState.DONE
         assert second.cancelled()
-        assert "noise_precomputed" not in coordinator.result_meta("q2")["timings"]
+        assert "noise_precomputed" not in coordinator.result_meta(ANALYST, "q2")["timings"]
         assert sampler.threads()[1:] == ["MainThread"] * 3
         hold.set()
         first.result(timeout=60)
         finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
-        assert coordinator.result_meta("q1")["timings"]["noise_precomputed"] == 1.0
+        assert coordinator.result_meta(ANALYST, "q1")["timings"]["noise_precomputed"] == 1.0
         # Six draws in all, three per query: no vector served two results.
         threads = sampler.threads()
         assert sorted(threads) == ["MainThread"] * 3 + ["fedpca-noise-prep"] * 3
@@ -716,16 +994,18 @@ def test_a_failed_noise_preparation_fails_the_query_without_a_second_draw(
     sampler = RecordingSampler(7, fail=True)
     coordinator = make_coordinator(tmp_path, pool, noise_sampler=sampler, precompute_noise=True)
     try:
-        coordinator.submit("alice", make_spec(public_key, epsilon=1.0))
-        prepared = coordinator.prepared_noise("q1")
+        coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
+        prepared = coordinator.prepared_noise(Q1)
         assert prepared is not None and isinstance(prepared.exception(timeout=60), ConfigError)
         finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
-        record = coordinator.store.query("q1")
+        record = coordinator.store.query(Q1)
         assert record.state is QueryState.FAILED
         assert record.failure_reason is not None and "ConfigError" in record.failure_reason
         # A redraw after a failed draw would condition the noise on the failure.
         assert len(sampler.draws) == 1
-        assert coordinator.budget("alice").n_releases == 0  # nothing released: refunded
+        # Nothing was released, but the owners uploaded (and spent their budgets on
+        # it): the analyst's charge stands.
+        assert record.uploads_begun and coordinator.budget("alice").n_releases == 1
     finally:
         coordinator.shutdown()
 
@@ -736,13 +1016,13 @@ def test_a_restarted_proxy_prepares_fresh_noise_for_collecting_queries(
     public_key, _ = test_only_keypair_512
     first_sampler = RecordingSampler(7)
     first = make_coordinator(tmp_path, pool, noise_sampler=first_sampler, precompute_noise=True)
-    first.submit("alice", make_spec(public_key, epsilon=1.0))
-    prepared = first.prepared_noise("q1")
+    first.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
+    prepared = first.prepared_noise(Q1)
     assert prepared is not None
     prepared.result(timeout=60)
     first.shutdown()
     first.store.close()
-    assert first.prepared_noise("q1") is None  # memory only: gone with the process
+    assert first.prepared_noise(Q1) is None  # memory only: gone with the process
 
     second_sampler = RecordingSampler(8)
     restarted = make_coordinator(
@@ -750,14 +1030,14 @@ def test_a_restarted_proxy_prepares_fresh_noise_for_collecting_queries(
     )
     try:
         restarted.recover()
-        again = restarted.prepared_noise("q1")
+        again = restarted.prepared_noise(Q1)
         assert again is not None
         again.result(timeout=60)
         assert second_sampler.threads() == ["fedpca-noise-prep"] * 3
         finish_with_owners(restarted, pool, public_key, owners_for(owner_rows), "q1")
-        assert restarted.store.query("q1").state is QueryState.DONE
+        assert restarted.store.query(Q1).state is QueryState.DONE
         assert len(second_sampler.draws) == 3
-        assert restarted.result_meta("q1")["timings"]["noise_precomputed"] == 1.0
+        assert restarted.result_meta(ANALYST, "q1")["timings"]["noise_precomputed"] == 1.0
     finally:
         restarted.shutdown()
 
@@ -774,7 +1054,7 @@ def _unmask(
     Also returns S = (N 2^f R_int − v_int v_intᵀ)/(N 2^(2f)) from the owners' own
     integers and N.
     """
-    plan = coordinator.plan("q1")
+    plan = coordinator.plan(Q1)
     spec = plan.spec
     m, f = spec.n_features, spec.frac_bits
     k = plan.result_block(SCATTER_ROWS).layout.slots_per_ciphertext
@@ -788,7 +1068,7 @@ def _unmask(
         r_int = [a + int(b) for a, b in zip(r_int, encoded[SCATTER_ROWS], strict=True)]
         v_int = [a + int(b) for a, b in zip(v_int, encoded[SUM_SINGLE], strict=True)]
         n_records += count
-    assert coordinator.result_meta("q1")["public_n"] == n_records
+    assert coordinator.result_meta(ANALYST, "q1")["public_n"] == n_records
     scale = n_records << f
     noise = np.zeros((m, m))
     scatter = np.zeros((m, m))
@@ -810,25 +1090,29 @@ def test_masked_mode_without_noise_unmasks_to_the_centred_scatter(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:
     public_key, private_key = test_only_keypair_512
-    coordinator = make_coordinator(tmp_path, pool)
-    spec = make_spec(public_key, mode=ProtocolMode.MASKED)
-    coordinator.submit("alice", spec)
-    plan = coordinator.plan("q1")
+    coordinator = make_coordinator(tmp_path, pool, make_config(neighbouring=REPLACE_ONE))
+    spec = make_spec(public_key, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE)
+    coordinator.submit("alice", signed(spec))
+    plan = coordinator.plan(Q1)
     assert plan.owner_block(SCATTER_ROWS).layout.slots_per_ciphertext == 2  # 512-bit key
     owners = owners_for(owner_rows)
     for owner in owners:
         header, blocks, _ = owner.upload(plan, public_key, pool)
+        assert header.public_record_count == len(owner.rows)
         accept_upload(coordinator, owner.owner_id, header, blocks)
-    assert coordinator.store.query("q1").state is QueryState.DONE
+    assert coordinator.store.query(Q1).state is QueryState.DONE
 
     noise, scatter, n_records = _unmask(pool, private_key, coordinator, owners)
     assert not noise.any()  # epsilon = inf: exact
-    # The unmasked value is the centred scatter of all rows (fixed-point rounding only).
+    # The unmasked value is the centred scatter of all rows, to within the owners'
+    # quantisation (< 2^-16 per coordinate; the scatter and the mean's outer product
+    # each move by at most 2 * N * 2^-16).
     x = np.vstack([preprocess_for_query(o.rows, spec) for o in owners])
     centred = x.T @ x - np.outer(x.sum(axis=0), x.sum(axis=0)) / len(x)
     upper = np.triu_indices(34)
-    np.testing.assert_allclose(scatter[upper], centred[upper], atol=1e-7)
-    result = coordinator.result("q1")
+    tolerance = 4 * len(x) * QUANTISATION_STEP
+    np.testing.assert_allclose(scatter[upper], centred[upper], rtol=0, atol=tolerance)
+    result = coordinator.result(ANALYST, "q1")
     assert result.masked_mean_block == MASKED_SUM and n_records == 351
     # The masked sum is v + b: far from v (the mask is 2^40 times wider than |v|).
     v_prime = decrypt_block(pool, private_key, coordinator, "q1", MASKED_SUM)
@@ -840,17 +1124,18 @@ def test_masked_mode_noise_has_the_expected_sigma(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:
     public_key, private_key = test_only_keypair_512
-    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0))
-    spec = make_spec(public_key, mode=ProtocolMode.MASKED, epsilon=1.0)
-    coordinator.submit("alice", spec)
-    plan = coordinator.plan("q1")
+    config = make_config(epsilon=100.0, neighbouring=REPLACE_ONE)
+    coordinator = make_coordinator(tmp_path, pool, config)
+    spec = make_spec(public_key, mode=ProtocolMode.MASKED, epsilon=1.0, neighbouring=REPLACE_ONE)
+    coordinator.submit("alice", signed(spec))
+    plan = coordinator.plan(Q1)
     owners = owners_for(owner_rows)
     for owner in owners:
         header, blocks, _ = owner.upload(plan, public_key, pool)
         accept_upload(coordinator, owner.owner_id, header, blocks)
     noise, _, _ = _unmask(pool, private_key, coordinator, owners)
     upper = noise[np.triu_indices(34)]
-    sigma_int = coordinator.result_meta("q1")["sections"][0]["sigma_int"]
+    sigma_int = coordinator.result_meta(ANALYST, "q1")["sections"][0]["sigma_int"]
     assert sigma_int > 0
     # 595 draws: sample sd within 5 relative standard errors (1/sqrt(2 * 595) ≈ 3%).
     assert np.std(upper) == pytest.approx(sigma_int, rel=5 / math.sqrt(2 * upper.size))
@@ -862,14 +1147,15 @@ def test_masked_upload_needs_a_public_count_within_bounds(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:
     public_key, _ = test_only_keypair_512
-    coordinator = make_coordinator(tmp_path, pool)
-    coordinator.submit("alice", make_spec(public_key, mode=ProtocolMode.MASKED, quorum=1))
-    header, blocks, _ = owners_for(owner_rows)[0].upload(coordinator.plan("q1"), public_key, pool)
+    coordinator = make_coordinator(tmp_path, pool, make_config(neighbouring=REPLACE_ONE))
+    spec = make_spec(public_key, mode=ProtocolMode.MASKED, quorum=1, neighbouring=REPLACE_ONE)
+    coordinator.submit("alice", signed(spec))
+    header, blocks, _ = owners_for(owner_rows)[0].upload(coordinator.plan(Q1), public_key, pool)
     with pytest.raises(ProtocolError, match="needs the owner's public_record_count"):
         accept_upload(coordinator, "owner-0", replace(header, public_record_count=None), blocks)
     with pytest.raises(ProtocolError, match="exceeds the query's max_records_per_owner"):
         accept_upload(coordinator, "owner-0", replace(header, public_record_count=1 << 21), blocks)
-    assert coordinator.store.query("q1").n_contributed == 0
+    assert coordinator.store.query(Q1).n_contributed == 0
 
 
 def test_a_query_needing_oversized_uploads_is_refused_before_anything_is_stored(
@@ -883,7 +1169,7 @@ def test_a_query_needing_oversized_uploads_is_refused_before_anything_is_stored(
     # 34 features at 512 bits: 79 ciphertexts of 128 bytes (~10 KiB) against ~1 KiB;
     # 2 features fit in one ciphertext.
     with pytest.raises(ConfigError, match=r"proxy\.max_upload_mib"):
-        coordinator.submit("alice", make_spec(public_key))
+        coordinator.submit("alice", signed(make_spec(public_key)))
     assert coordinator.store.queries() == []
     assert coordinator.store.releases("alice") == []
     small = make_spec(
@@ -894,7 +1180,7 @@ def test_a_query_needing_oversized_uploads_is_refused_before_anything_is_stored(
         feature_lower=(-1.0, -1.0),
         feature_upper=(1.0, 1.0),
     )
-    assert coordinator.submit("alice", small).query_id == "q-small"
+    assert coordinator.submit("alice", signed(small)).query_id == key("q-small")
 
 
 def test_uploads_in_progress_are_taken_out_at_restart_and_at_closing(
@@ -903,34 +1189,34 @@ def test_uploads_in_progress_are_taken_out_at_restart_and_at_closing(
     public_key, private_key = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
     spec = make_spec(public_key, quorum=2)
-    coordinator.submit("alice", spec)
-    plan = coordinator.plan("q1")
+    coordinator.submit("alice", signed(spec))
+    plan = coordinator.plan(Q1)
     owners = owners_for(owner_rows)[:3]
     uploads = [owner.upload(plan, public_key, pool) for owner in owners]
     header, blocks, encoded = uploads[0]
     accept_upload(coordinator, owners[0].owner_id, header, blocks)
-    accepted = coordinator.store.aggregate("q1")
+    accepted = coordinator.store.aggregate(Q1)
     # Owner 1's stream dies with the process after its first chunk was folded.
     stream = coordinator.begin_upload(owners[1].owner_id, uploads[1][0])
     stream.add(0, uploads[1][1][SHARES][:2])
-    assert coordinator.store.aggregate("q1") != accepted
-    status = coordinator.status("q1")
+    assert coordinator.store.aggregate(Q1) != accepted
+    status = coordinator.status(ANALYST, "q1")
     assert (status.owners_contributed, status.owners_uploading) == (1, 1)
     coordinator.store.close()
 
     restarted = make_coordinator(tmp_path, pool)
-    assert restarted.store.partial_uploads("q1") == {owners[1].owner_id: 1}
+    assert restarted.store.partial_uploads(Q1) == {owners[1].owner_id: 1}
     restarted.recover()
-    assert restarted.store.partial_uploads("q1") == {}
-    assert restarted.store.aggregate("q1") == accepted
-    assert restarted.status("q1").owners_uploading == 0
+    assert restarted.store.partial_uploads(Q1) == {}
+    assert restarted.store.aggregate(Q1) == accepted
+    assert restarted.status(ANALYST, "q1").owners_uploading == 0
     # Owner 2 is mid-stream when owner 1's resent upload makes the quorum: closing
     # takes owner 2's chunk out, and its next chunk is refused as late.
     late = restarted.begin_upload(owners[2].owner_id, uploads[2][0])
     late.add(0, uploads[2][1][SHARES][:1])
     accept_upload(restarted, owners[1].owner_id, uploads[1][0], uploads[1][1])
-    assert restarted.store.query("q1").state is QueryState.DONE
-    assert restarted.store.partial_uploads("q1") == {}
+    assert restarted.store.query(Q1).state is QueryState.DONE
+    assert restarted.store.partial_uploads(Q1) == {}
     with pytest.raises(QueryStateError, match="no longer accepted"):
         late.add(1, uploads[2][1][SHARES][1:])
     expected = encoded[SHARES].astype(object) + uploads[1][2][SHARES].astype(object)

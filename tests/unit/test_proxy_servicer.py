@@ -3,7 +3,10 @@
 Certificates come from ``init_certificates`` (EC keys, fast); Paillier keys are
 TEST-ONLY 512-bit moduli. Owners and the analyst below speak the wire protocol
 directly through generated stubs and :mod:`fedpca.transport.serde`, as the real
-owner node and analyst client do.
+owner node and analyst client do. The proxy accepts owner-1, owner-2 and owner-3
+(``[owners] allowed``) and refuses two certificates its CA signed: owner-3's and the
+analyst mallory's (``[tls] revoked_serials``); "intruder" holds a valid owner
+certificate but is not on the allow-list.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from fedpca.messages import (
     DeclineReason,
     Heartbeat,
     NoiseMechanism,
+    OwnerDecline,
     OwnerHello,
     QueryState,
     QueryStatus,
@@ -52,28 +56,93 @@ from fedpca.messages import (
     ciphertexts_per_chunk,
 )
 from fedpca.protocol import MASKED_SUM, SHARES, ReleasePlan
-from fedpca.proxy.config import BudgetConfig, CryptoConfig, ProxyConfig, ProxySection, TlsConfig
+from fedpca.proxy.config import (
+    BudgetConfig,
+    CryptoConfig,
+    OwnersConfig,
+    PrivacySection,
+    ProxyConfig,
+    ProxySection,
+    TlsConfig,
+)
+from fedpca.proxy.coordinator import task_id
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.servicer import (
     INSECURE_IDENTITY_METADATA,
     status_code_for,
 )
-from fedpca.query import ProtocolMode, QuerySpec
+from fedpca.query import Neighbouring, ProtocolMode, QuerySpec
+from fedpca.signing import verify_query
 from fedpca.transport import channels, serde
-from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
+from fedpca.transport.certs import (
+    NodeIdentity,
+    Role,
+    TlsFiles,
+    TlsMaterial,
+    init_certificates,
+    load_certificate,
+)
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import encrypted_upload, query_builder, unit_ball_rows
+from helpers import (
+    TEST_SIGNER,
+    TEST_SIGNING_KEY,
+    encrypted_upload,
+    query_builder,
+    submit_request,
+    unit_ball_rows,
+)
 
 TIMEOUT = 30.0
 M = 6
+ALLOWED = frozenset({"owner-1", "owner-2", "owner-3"})
+"""The proxy's ``[owners] allowed``; owner-3's certificate is revoked."""
 
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[NodeIdentity, TlsFiles]:
     return init_certificates(
-        tmp_path_factory.mktemp("certs"), owner_ids=["owner-1", "owner-2"], analyst_ids=["alice"]
+        tmp_path_factory.mktemp("certs"),
+        owner_ids=["owner-1", "owner-2", "owner-3", "intruder"],
+        analyst_ids=["alice", "mallory"],
     )
+
+
+def serial(tls_files: dict[NodeIdentity, TlsFiles], role: Role, node_id: str) -> int:
+    """The serial number of a node's certificate (what ``[tls] revoked_serials`` lists)."""
+    pem = tls_files[NodeIdentity(role, node_id)].certificate.read_bytes()
+    return int(load_certificate(pem).serial_number)
+
+
+def proxy_config(
+    tls_files: dict[NodeIdentity, TlsFiles],
+    database: Path,
+    *,
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
+    **sections: Any,
+) -> ProxyConfig:
+    """The test proxy: mutual TLS, the allow-list, owner-3 and mallory revoked."""
+    proxy = tls_files[NodeIdentity(Role.PROXY, "proxy")]
+    revoked = frozenset(
+        {serial(tls_files, Role.OWNER, "owner-3"), serial(tls_files, Role.ANALYST, "mallory")}
+    )
+    fields: dict[str, Any] = {
+        "proxy": ProxySection(listen="127.0.0.1:0", database=database, heartbeat_seconds=0.2),
+        "tls": TlsConfig(
+            ca=proxy.ca_certificate,
+            cert=proxy.certificate,
+            key=proxy.private_key,
+            revoked_serials=revoked,
+        ),
+        "budget": BudgetConfig(
+            PrivacyParams(math.inf, 1e-5), {"alice": PrivacyParams(math.inf, 1e-5)}
+        ),
+        "crypto": CryptoConfig(processes=1, allow_insecure_test_keys=True),
+        "owners": OwnersConfig(ALLOWED),
+        "privacy": PrivacySection(neighbouring=neighbouring),
+    }
+    fields.update(sections)
+    return ProxyConfig(**fields)
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +151,7 @@ def server(
     tls_files: dict[NodeIdentity, TlsFiles],
     pool: CryptoPool,
 ) -> Iterator[ProxyServer]:
-    proxy = tls_files[NodeIdentity(Role.PROXY, "proxy")]
-    config = ProxyConfig(
-        proxy=ProxySection(
-            listen="127.0.0.1:0",
-            database=tmp_path_factory.mktemp("proxy") / "proxy.sqlite3",
-            heartbeat_seconds=0.2,
-        ),
-        tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
-        budget=BudgetConfig(
-            PrivacyParams(math.inf, 1e-5), {"alice": PrivacyParams(math.inf, 1e-5)}
-        ),
-        crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
-    )
+    config = proxy_config(tls_files, tmp_path_factory.mktemp("proxy") / "proxy.sqlite3")
     running = ProxyServer(config, noise_sampler=TestOnlySeededSampler(3), pool=pool)
     running.start()
     yield running
@@ -156,12 +213,74 @@ def test_an_owner_certificate_cannot_submit_a_query(
     public_key, _ = test_only_keypair_512
     with channel_for(server, tls_files, Role.OWNER, "owner-1") as channel:
         stub = analyst_grpc.AnalystServiceStub(channel)
-        request = serde.submit_query_request_to_proto(make_spec(public_key, "sneaky"))
+        request = submit_request(make_spec(public_key, "sneaky"))
         with pytest.raises(grpc.RpcError) as info:
             stub.SubmitQuery(request, timeout=TIMEOUT)
         assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
-    with pytest.raises(NotFoundError):
-        server.coordinator.store.query("sneaky")
+    for stored in ("sneaky", task_id("owner-1", "sneaky")):
+        with pytest.raises(NotFoundError):
+            server.coordinator.store.query(stored)
+
+
+def test_owners_off_the_allow_list_and_revoked_certificates_are_refused(
+    tmp_path: Path,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+) -> None:
+    server = ProxyServer(proxy_config(tls_files, tmp_path / "p.sqlite3"), pool=pool)
+    server.start()
+    try:
+        _refuse_strangers(server, tls_files, pool, test_only_keypair_512[0])
+    finally:
+        server.stop(grace=1.0)
+
+
+def _refuse_strangers(
+    server: ProxyServer, tls_files: dict[NodeIdentity, TlsFiles], pool: CryptoPool, public_key: Any
+) -> None:
+    spec = make_spec(public_key, "for-allowed-owners")
+    with channel_for(server, tls_files, Role.ANALYST, "alice") as channel:
+        analyst_grpc.AnalystServiceStub(channel).SubmitQuery(submit_request(spec), timeout=TIMEOUT)
+    key = task_id("alice", spec.query_id)
+    store = server.coordinator.store
+
+    def refused(call: Any) -> str:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        return info.value.details() or ""
+
+    # A certificate the CA signed, for an owner the proxy does not accept.
+    with channel_for(server, tls_files, Role.OWNER, "intruder") as channel:
+        stub = owner_grpc.OwnerServiceStub(channel)
+        hello = serde.owner_hello_to_proto(OwnerHello("intruder", "test"))
+        assert "not in this proxy's [owners] allowed list" in refused(
+            lambda: stub.Hello(hello, timeout=TIMEOUT)
+        )
+        refused(lambda: next(stub.StreamTasks(serde.task_stream_request_to_proto("x"))))
+        payload, _, _ = owner_share(spec, 7, public_key, pool)
+        upload = serde.encode_upload(key, spec.analyst_key_fingerprint, "i", payload)
+        refused(lambda: stub.Upload(iter(upload), timeout=TIMEOUT))
+        decline = TaskDecline(key, DeclineReason.POLICY_REFUSAL, "forged")
+        refused(lambda: stub.DeclineTask(serde.task_decline_to_proto(decline), timeout=TIMEOUT))
+    # Revoked certificates, of an allowed owner and of an analyst.
+    with channel_for(server, tls_files, Role.OWNER, "owner-3") as channel:
+        stub = owner_grpc.OwnerServiceStub(channel)
+        hello = serde.owner_hello_to_proto(OwnerHello("owner-3", "test"))
+        assert "revoked" in refused(lambda: stub.Hello(hello, timeout=TIMEOUT))
+        refused(lambda: next(stub.StreamTasks(serde.task_stream_request_to_proto("x"))))
+    with channel_for(server, tls_files, Role.ANALYST, "mallory") as channel:
+        stub_a = analyst_grpc.AnalystServiceStub(channel)
+        assert "revoked" in refused(
+            lambda: stub_a.GetBudget(serde.budget_request_to_proto(), timeout=TIMEOUT)
+        )
+        other = make_spec(public_key, "by-mallory")
+        refused(lambda: stub_a.SubmitQuery(submit_request(other), timeout=TIMEOUT))
+    assert store.query(key).n_contributed == 0 and store.declines(key) == {}
+    assert store.uploads(key) == [] and not store.query(key).uploads_begun
+    assert "intruder" not in store.owners() and "owner-3" not in store.owners()
+    assert all(q.analyst_id != "mallory" for q in store.queries())
 
 
 def test_domain_errors_map_to_status_codes() -> None:
@@ -207,10 +326,12 @@ def test_stats_round_trip_over_grpc(
     assert info.authenticated_node_id == "owner-1" and info.proxy_id == "proxy"
 
     spec = make_spec(public_key, "round-trip")
+    key = task_id("alice", "round-trip")
     status = serde.query_status_from_proto(
-        analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=TIMEOUT)
+        analyst.SubmitQuery(submit_request(spec), timeout=TIMEOUT)
     )
     assert status.state is QueryState.COLLECTING and status.quorum == 2
+    assert status.query_id == "round-trip" and status.owners_registered == len(ALLOWED)
 
     watched: list[QueryStatus] = []
     watcher = threading.Thread(
@@ -227,9 +348,12 @@ def test_stats_round_trip_over_grpc(
     for seed, (node_id, stub) in enumerate(owners.items()):
         task, kinds = first_task(stub)
         assert kinds[0] == "Heartbeat" and task.query == spec
+        # The task names the proxy's key and carries the analyst's signature unchanged.
+        assert task.task_id == task.key == key and task.query_signer == TEST_SIGNER
+        verify_query(task.query, task.query_signature, task.query_signer)
         payload, encoded, _ = owner_share(task.query, seed, public_key, pool)
         messages = serde.encode_upload(
-            spec.query_id, spec.analyst_key_fingerprint, f"u-{node_id}", payload
+            task.key, spec.analyst_key_fingerprint, f"u-{node_id}", payload
         )
         receipt = serde.upload_receipt_from_proto(stub.Upload(iter(messages), timeout=TIMEOUT))
         assert receipt.status is UploadStatus.ACCEPTED
@@ -265,7 +389,7 @@ def test_stats_round_trip_over_grpc(
     assert math.isinf(budget.epsilon_spent)  # epsilon = inf released: NOT PRIVATE
 
     # Late upload and a foreign query are refused with the mapped codes.
-    late = serde.encode_upload(spec.query_id, spec.analyst_key_fingerprint, "late", payload)
+    late = serde.encode_upload(key, spec.analyst_key_fingerprint, "late", payload)
     with pytest.raises(grpc.RpcError) as info:
         owners["owner-2"].Upload(iter(late), timeout=TIMEOUT)
     assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -283,13 +407,13 @@ def test_bad_uploads_are_refused_before_their_chunks(
 ) -> None:
     public_key, _ = test_only_keypair_512
     spec = make_spec(public_key, "bad-uploads")
+    key = task_id("alice", spec.query_id)
     with (
         channel_for(server, tls_files, Role.ANALYST, "alice") as analyst_channel,
         channel_for(server, tls_files, Role.OWNER, "owner-1") as owner_channel,
     ):
-        analyst_grpc.AnalystServiceStub(analyst_channel).SubmitQuery(
-            serde.submit_query_request_to_proto(spec), timeout=TIMEOUT
-        )
+        analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
+        analyst.SubmitQuery(submit_request(spec), timeout=TIMEOUT)
         stub = owner_grpc.OwnerServiceStub(owner_channel)
         payload, _, _ = owner_share(spec, 5, public_key, pool)
         fingerprint = spec.analyst_key_fingerprint
@@ -299,54 +423,109 @@ def test_bad_uploads_are_refused_before_their_chunks(
                 stub.Upload(iter(messages), timeout=TIMEOUT)
             return info.value.code()
 
-        wrong_key = serde.encode_upload(spec.query_id, "sha256:00", "a", payload)
+        wrong_key = serde.encode_upload(key, "sha256:00", "a", payload)
         assert refused(wrong_key) is grpc.StatusCode.INVALID_ARGUMENT
-        counted = serde.encode_upload(
-            spec.query_id, fingerprint, "b", payload, public_record_count=3
-        )
+        counted = serde.encode_upload(key, fingerprint, "b", payload, public_record_count=3)
         assert refused(counted) is grpc.StatusCode.INVALID_ARGUMENT  # stats mode: no count
         # Only the header: refused at the header, so no chunk was ever needed.
         block = payload.blocks[0]
         short = replace(block, value_count=block.value_count - 1)
         messages = serde.encode_upload(
-            spec.query_id,
+            key,
             fingerprint,
             "c",
             CiphertextPayload((short,), {block.name: payload[block.name]}),
         )
         assert refused(messages[:1]) is grpc.StatusCode.INVALID_ARGUMENT
-        unknown = serde.encode_upload("no-such-query", fingerprint, "d", payload)
-        assert refused(unknown) is grpc.StatusCode.NOT_FOUND
+        # Unknown tasks, the analyst's bare query id among them (owners use task ids).
+        for name in ("no-such-query", spec.query_id, task_id("bob", spec.query_id)):
+            unknown = serde.encode_upload(name, fingerprint, "d", payload)
+            assert refused(unknown) is grpc.StatusCode.NOT_FOUND
         # A truncated stream (missing chunks) is a protocol error, nothing folded.
-        good = serde.encode_upload(spec.query_id, fingerprint, "e", payload)
+        good = serde.encode_upload(key, fingerprint, "e", payload)
         assert refused(good[:1]) is grpc.StatusCode.INVALID_ARGUMENT
         stub.DeclineTask(
-            serde.task_decline_to_proto(TaskDecline(spec.query_id, DeclineReason.POLICY_REFUSAL)),
+            serde.task_decline_to_proto(TaskDecline(key, DeclineReason.POLICY_REFUSAL)),
             timeout=TIMEOUT,
         )
-    record = server.coordinator.store.query("bad-uploads")
-    assert record.n_contributed == 0 and server.coordinator.store.aggregate("bad-uploads") == b""
-    assert server.coordinator.store.declines("bad-uploads") == {"owner-1": "policy_refusal"}
+        status = serde.query_status_from_proto(
+            analyst.GetQueryStatus(serde.query_ref_to_proto(spec.query_id), timeout=TIMEOUT)
+        )
+    record = server.coordinator.store.query(key)
+    assert record.n_contributed == 0 and server.coordinator.store.aggregate(key) == b""
+    assert server.coordinator.store.declines(key) == {"owner-1": "policy_refusal"}
+    # The decline's public reason reaches the analyst; one of three owners declined,
+    # two remain for the quorum of two: still collecting.
+    assert status.declines == (OwnerDecline("owner-1", "policy_refusal", ""),)
+    assert status.state is QueryState.COLLECTING and status.owners_declined == 1
 
 
 def test_masked_round_trip_carries_the_public_count(
+    tmp_path: Path,
     server: ProxyServer,
     tls_files: dict[NodeIdentity, TlsFiles],
     pool: CryptoPool,
     test_only_keypair_512: Any,
 ) -> None:
     public_key, _ = test_only_keypair_512
-    spec = make_spec(public_key, "masked", mode=ProtocolMode.MASKED, quorum=1)
+    replace_one = Neighbouring.REPLACE_ONE
+    spec = make_spec(
+        public_key, "masked", mode=ProtocolMode.MASKED, quorum=1, neighbouring=replace_one
+    )
+    # Masked mode publishes N: only a deployment stated for replace-one serves it.
+    with channel_for(server, tls_files, Role.ANALYST, "alice") as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            analyst_grpc.AnalystServiceStub(channel).SubmitQuery(
+                submit_request(spec), timeout=TIMEOUT
+            )
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "replace-one" in (info.value.details() or "")
+    masked_server = ProxyServer(
+        proxy_config(tls_files, tmp_path / "p.sqlite3", neighbouring=replace_one),
+        noise_sampler=TestOnlySeededSampler(3),
+        pool=pool,
+    )
+    masked_server.start()
+    try:
+        messages, metadata, count = _masked_round_trip(
+            masked_server, tls_files, pool, spec, public_key
+        )
+        public_n = masked_server.coordinator.result_meta("alice", "masked")["public_n"]
+    finally:
+        masked_server.stop(grace=1.0)
+    # The analyst needs N to unmask: it is a field of the result header, not metadata.
+    assert messages[0].header.public_record_count == count
+    result = serde.decode_result(messages)
+    assert result.public_record_count == count
+    assert not any(key.startswith("fedpca-") for key in metadata)
+    assert result.masked_mean_block == MASKED_SUM
+    assert public_n == count
+    assert {b.name for b in result.payload.blocks} == {"scatter_rows", MASKED_SUM}
+
+
+def _masked_round_trip(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    spec: QuerySpec,
+    public_key: Any,
+) -> tuple[list[Any], dict[str, Any], int]:
+    """Submit ``spec``, upload owner-2's share with its count; the result's messages,
+    the call's metadata and the count."""
     with (
         channel_for(server, tls_files, Role.ANALYST, "alice") as analyst_channel,
         channel_for(server, tls_files, Role.OWNER, "owner-2") as owner_channel,
     ):
         analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
-        analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=TIMEOUT)
+        analyst.SubmitQuery(submit_request(spec), timeout=TIMEOUT)
         stub = owner_grpc.OwnerServiceStub(owner_channel)
         payload, _, count = owner_share(spec, 11, public_key, pool)
         messages = serde.encode_upload(
-            spec.query_id, spec.analyst_key_fingerprint, "m", payload, public_record_count=count
+            task_id("alice", spec.query_id),
+            spec.analyst_key_fingerprint,
+            "m",
+            payload,
+            public_record_count=count,
         )
         stub.Upload(iter(messages), timeout=TIMEOUT)
         statuses = [
@@ -355,16 +534,9 @@ def test_masked_round_trip_carries_the_public_count(
         ]
         assert statuses[-1].state is QueryState.DONE
         call = analyst.FetchResult(serde.query_ref_to_proto("masked"), timeout=TIMEOUT)
-        messages = list(call)
+        result_messages = list(call)
         metadata = dict(call.initial_metadata())
-    # The analyst needs N to unmask: it is a field of the result header, not metadata.
-    assert messages[0].header.public_record_count == count
-    result = serde.decode_result(messages)
-    assert result.public_record_count == count
-    assert not any(key.startswith("fedpca-") for key in metadata)
-    assert result.masked_mean_block == MASKED_SUM
-    assert server.coordinator.result_meta("masked")["public_n"] == count
-    assert {b.name for b in result.payload.blocks} == {"scatter_rows", MASKED_SUM}
+    return result_messages, metadata, count
 
 
 def test_stop_ends_open_task_streams_promptly(
@@ -376,6 +548,7 @@ def test_stop_ends_open_task_streams_promptly(
     config = ProxyConfig(
         proxy=ProxySection(listen="127.0.0.1:0", database=tmp_path / "p.sqlite3"),
         tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
+        owners=OwnersConfig(frozenset({"owner-1"})),
     )
     running = ProxyServer(config, pool=pool)
     running.start()
@@ -413,15 +586,14 @@ def test_stop_tells_watching_analysts_to_reconnect(
         tls=TlsConfig(ca=proxy.ca_certificate, cert=proxy.certificate, key=proxy.private_key),
         budget=BudgetConfig(PrivacyParams(math.inf, 1e-5)),
         crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
+        owners=OwnersConfig(ALLOWED),
     )
     running = ProxyServer(config, pool=pool)
     running.start()
     public_key, _ = test_only_keypair_512
     channel = channel_for(running, tls_files, Role.ANALYST, "alice")
     analyst = analyst_grpc.AnalystServiceStub(channel)
-    analyst.SubmitQuery(
-        serde.submit_query_request_to_proto(make_spec(public_key, "open")), timeout=TIMEOUT
-    )
+    analyst.SubmitQuery(submit_request(make_spec(public_key, "open")), timeout=TIMEOUT)
     watch = analyst.WatchQueryStatus(serde.query_ref_to_proto("open"), timeout=TIMEOUT)
     first = serde.query_status_from_proto(next(watch))
     assert first.state is QueryState.COLLECTING
@@ -441,6 +613,7 @@ def test_insecure_mode_identifies_callers_by_metadata(
         proxy=ProxySection(listen="127.0.0.1:0", database=tmp_path / "p.sqlite3"),
         tls=TlsConfig(insecure=True),
         crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
+        owners=OwnersConfig(frozenset({"owner-1", "owner-2"})),
     )
     running = ProxyServer(config, pool=pool)
     running.start()
@@ -465,10 +638,13 @@ def test_insecure_mode_identifies_callers_by_metadata(
             default_id = client.budget().analyst_id
         with AnalystClient(running.address, None, insecure=True, insecure_node_id="carol") as carol:
             assert carol.budget().analyst_id == "carol"
-            carol.submit(make_spec(test_only_keypair_512[0], "carols", epsilon=1.0))
+            carol.submit(
+                make_spec(test_only_keypair_512[0], "carols", epsilon=1.0), TEST_SIGNING_KEY
+            )
             first = next(iter(carol.watch("carols", timeout=5.0)))  # a streamed call
             assert first.state is QueryState.COLLECTING
-        assert running.coordinator.store.query("carols").analyst_id == "carol"
+        record = running.coordinator.store.query(task_id("carol", "carols"))
+        assert record.analyst_id == "carol" and record.signer == TEST_SIGNER
         with pytest.raises(ConfigError, match="node id"):
             AnalystClient(running.address, None, insecure=True, insecure_node_id="../etc")
     finally:
@@ -488,6 +664,7 @@ def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
     public_key, private_key = test_only_keypair_512
     store = server.coordinator.store
     spec = make_spec(public_key, "chunk-folds")
+    key = task_id("alice", spec.query_id)
     # One ciphertext per chunk message, so an upload is a stream of several chunks.
     width = 2 * public_key.n.bit_length() // 8
     one_per_chunk = width + 1
@@ -504,12 +681,12 @@ def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
         channel_for(server, tls_files, Role.OWNER, "owner-2") as channel_2,
     ):
         analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
-        analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=TIMEOUT)
+        analyst.SubmitQuery(submit_request(spec), timeout=TIMEOUT)
         uploads = []
         for seed in (1, 2):
             payload, encoded, _ = owner_share(spec, seed, public_key, pool)
             messages = serde.encode_upload(
-                spec.query_id, spec.analyst_key_fingerprint, f"u{seed}", payload, one_per_chunk
+                key, spec.analyst_key_fingerprint, f"u{seed}", payload, one_per_chunk
             )
             uploads.append((messages, encoded[SHARES].astype(object)))
         first_messages = uploads[0][0]
@@ -520,21 +697,21 @@ def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
             # Chunks are folded into the aggregate as they arrive, not buffered
             # until the upload is complete.
             deadline = time.monotonic() + TIMEOUT
-            while store.partial_uploads(spec.query_id) != {"owner-1": 2}:
-                assert time.monotonic() < deadline, store.partial_uploads(spec.query_id)
+            while store.partial_uploads(key) != {"owner-1": 2}:
+                assert time.monotonic() < deadline, store.partial_uploads(key)
                 time.sleep(0.01)
-            assert store.aggregate(spec.query_id) != b""
+            assert store.aggregate(key) != b""
             raise ConnectionError("TEST: the owner's connection drops mid-upload")
 
         owner_1 = owner_grpc.OwnerServiceStub(channel_1)
         with pytest.raises(grpc.RpcError):
             owner_1.Upload(breaks_off_after_two_chunks(), timeout=TIMEOUT)
         deadline = time.monotonic() + TIMEOUT
-        while store.partial_uploads(spec.query_id):
+        while store.partial_uploads(key):
             assert time.monotonic() < deadline, "the broken stream's chunks stayed folded"
             time.sleep(0.01)
-        assert store.aggregate(spec.query_id) == b""  # taken out, byte for byte
-        assert store.query(spec.query_id).n_contributed == 0
+        assert store.aggregate(key) == b""  # taken out, byte for byte
+        assert store.query(key).n_contributed == 0
 
         # The owner resends the same upload: folded once, like everything else.
         for stub, (messages, _) in zip(
@@ -543,8 +720,8 @@ def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
             receipt = serde.upload_receipt_from_proto(stub.Upload(iter(messages), timeout=TIMEOUT))
             assert receipt.status is UploadStatus.ACCEPTED
         deadline = time.monotonic() + TIMEOUT
-        while store.query(spec.query_id).state is not QueryState.DONE:
-            assert time.monotonic() < deadline, store.query(spec.query_id).state
+        while store.query(key).state is not QueryState.DONE:
+            assert time.monotonic() < deadline, store.query(key).state
             time.sleep(0.01)
         result = serde.decode_result(
             analyst.FetchResult(serde.query_ref_to_proto(spec.query_id), timeout=TIMEOUT)
