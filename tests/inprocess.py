@@ -44,6 +44,7 @@ from fedpca.proxy.config import (
 )
 from fedpca.proxy.config import CryptoConfig as ProxyCryptoConfig
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
+from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.server import ProxyServer
 from fedpca.query import QuerySpec
 from fedpca.transport.certs import (
@@ -114,6 +115,8 @@ class InProcessDeployment:
     revoked: tuple[str, ...] = ()
     """Owners whose certificate the proxy lists as revoked."""
     analysts: tuple[str, ...] = ("alice",)
+    limits: PeerLimits = field(default_factory=PeerLimits)
+    """The proxy's per-peer bounds."""
     proxy: ProxyServer | None = None
     nodes: dict[str, OwnerNode] = field(default_factory=dict)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -166,6 +169,7 @@ class InProcessDeployment:
             budget=BudgetConfig(self.analyst_budget),
             crypto=ProxyCryptoConfig(processes=1, allow_insecure_test_keys=True),
             owners=OwnersConfig(frozenset(self.allowed if self.allowed else owner_ids)),
+            limits=self.limits,
         )
         self.proxy = ProxyServer(config, noise_sampler=TestOnlySeededSampler(5), pool=self.pool)
         self.proxy.start()

@@ -14,7 +14,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from inprocess import deployment, labelled
 
 from fedpca.codec import CryptoPool
 from fedpca.errors import ConfigError, NotFoundError
@@ -24,6 +23,7 @@ from fedpca.transport.certs import Role, TlsMaterial
 from fedpca.transport.channels import secure_channel
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import TEST_SIGNING_KEY, query_builder
+from inprocess import deployment, labelled
 
 M = 3
 _spec = query_builder(

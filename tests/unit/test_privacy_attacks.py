@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from inprocess import Outcome, deployment, labelled
 
 from fedpca.codec import CryptoPool
 from fedpca.query import QueryKind
 from helpers import query_builder
+from inprocess import Outcome, deployment, labelled
 
 M = 4
 _spec = query_builder(
