@@ -466,14 +466,6 @@ def test_cli_not_private_warning_and_config_file(
     assert fake.signatures[-1][1] == signer_id(load_analyst_signing_key(analyst_key))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "production gap: `fedpca analyst pca` (and FederatedPCA) has no option for the "
-        "neighbouring relation, so a masked query is always stated for add-remove, which "
-        "every proxy (and ReleasePlan) refuses; masked mode needs replace-one"
-    ),
-)
 def test_cli_masked_mode_against_a_replace_one_deployment(
     proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
 ) -> None:

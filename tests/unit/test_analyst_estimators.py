@@ -122,13 +122,6 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
         FederatedDCA(1, mode="masked").build_query(4, public_key)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "production: FederatedPCA/FederatedDCA (and `fedpca analyst --calibration`) still "
-        "default to 'analytic', while zcdp is the proven default of QuerySpec and the docs"
-    ),
-)
 def test_the_default_calibration_is_the_proven_zcdp(test_only_keypair_512: Any) -> None:
     public_key, _ = test_only_keypair_512
     assert QuerySpec.__dataclass_fields__["calibration"].default is Calibration.ZCDP

@@ -516,15 +516,6 @@ def test_a_version_2_database_is_keyed_by_analyst_and_its_releases_restated(
     assert {r.query_id for r in again.queries()} == set(records)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "production bug: ProxyServer.start (and `fedpca proxy status`) open "
-        "ProxyStore(config.proxy.database) without neighbouring=config.privacy.neighbouring, "
-        "so a replace-one proxy migrates a version-2 database under add-remove and then "
-        "refuses to compose its analysts' ledgers (ConfigError: another relation)"
-    ),
-)
 def test_the_proxy_migrates_its_database_under_its_configured_relation(
     tmp_path: Path, pool: CryptoPool
 ) -> None:

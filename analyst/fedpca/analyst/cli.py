@@ -37,7 +37,7 @@ from fedpca.analyst.keys import (
     create_analyst_keys,
 )
 from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError
-from fedpca.query import Calibration, ProtocolMode
+from fedpca.query import Calibration, Neighbouring, ProtocolMode
 from fedpca.transport.certs import TlsFiles
 
 __all__ = ["analyst_group"]
@@ -243,8 +243,17 @@ def _query_options(function: F) -> F:
         click.option(
             "--calibration",
             type=click.Choice([c.value for c in Calibration]),
-            default=Calibration.ANALYTIC.value,
+            default=Calibration.ZCDP.value,
             show_default=True,
+            help="zcdp: proven for the discrete Gaussian fedpca samples; analytic and "
+            "classic: the continuous Gaussian's calibrations (docs/privacy.md).",
+        ),
+        click.option(
+            "--neighbouring",
+            type=click.Choice([n.value for n in Neighbouring]),
+            default=None,
+            help="The neighbouring relation (epsilon, delta) are stated for; it must be the "
+            "deployment's. Default: replace-one for --mode masked, else add-remove.",
         ),
         click.option(
             "--features",
@@ -371,6 +380,7 @@ def _run(
             epsilon=epsilon,
             delta=delta if delta is not None else 0.0,
             calibration=params["calibration"],
+            neighbouring=params["neighbouring"],
             bounds=params["bounds"],
             clip_norm=params["clip_norm"],
             quorum=params["quorum"],

@@ -45,7 +45,7 @@ from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, DataError, FedpcaError
 from fedpca.preprocess import FeatureBounds, preprocess
-from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport.certs import TlsFiles, TlsMaterial
 
 __all__ = [
@@ -267,7 +267,8 @@ class _FederatedEstimator:
         epsilon: float = 1.0,
         delta: float = 1e-6,
         mode: str = ProtocolMode.STATS.value,
-        calibration: str = Calibration.ANALYTIC.value,
+        calibration: str = Calibration.ZCDP.value,
+        neighbouring: str | None = None,
         bounds: BoundsParam = None,
         clip_norm: float = 1.0,
         quorum: int = 1,
@@ -292,6 +293,7 @@ class _FederatedEstimator:
         self.delta = delta
         self.mode = mode
         self.calibration = calibration
+        self.neighbouring = neighbouring
         self.bounds = bounds
         self.clip_norm = clip_norm
         self.quorum = quorum
@@ -356,6 +358,16 @@ class _FederatedEstimator:
         try:
             mode = ProtocolMode(self.mode)
             calibration = Calibration(self.calibration)
+            # Masked mode has a finite epsilon only under replace-one adjacency.
+            neighbouring = Neighbouring(
+                self.neighbouring
+                if self.neighbouring is not None
+                else (
+                    Neighbouring.REPLACE_ONE
+                    if mode is ProtocolMode.MASKED
+                    else Neighbouring.ADD_REMOVE
+                )
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return QuerySpec(
@@ -371,6 +383,7 @@ class _FederatedEstimator:
             feature_upper=() if bounds is None else bounds.upper,
             clip_norm=float(self.clip_norm),
             calibration=calibration,
+            neighbouring=neighbouring,
             mode=mode,
             quorum=int(self.quorum),
             deadline_seconds=float(self.deadline_seconds),
@@ -599,7 +612,11 @@ class FederatedPCA(_FederatedEstimator):
         noise, NOT PRIVATE, verification only).
     mode : "stats" (noisy sufficient statistics, default) or "masked"
         (corrected Wang & Chang: the mean is never released).
-    calibration : "analytic" (Balle & Wang, default) or "classic" (epsilon < 1).
+    calibration : "zcdp" (default: proven for the discrete Gaussian fedpca samples),
+        or the continuous Gaussian's "analytic" (Balle & Wang) or "classic" (epsilon < 1).
+    neighbouring : the relation (epsilon, delta) are stated for, "add-remove" or
+        "replace-one"; it must be the deployment's. Default: replace-one for masked
+        mode (the only relation it has a finite epsilon under), else add-remove.
     bounds : public per-feature bounds: None (raw values, only the row
         clip applies), "LO:HI" or (lo, hi) for every feature, "LO:HI,LO:HI,…" or
         (lower, upper) sequences of length M.  Never derive them from private data.
@@ -734,7 +751,8 @@ class FederatedDCA(_FederatedEstimator):
         epsilon: float = 1.0,
         delta: float = 1e-6,
         mode: str = ProtocolMode.STATS.value,
-        calibration: str = Calibration.ANALYTIC.value,
+        calibration: str = Calibration.ZCDP.value,
+        neighbouring: str | None = None,
         bounds: BoundsParam = None,
         clip_norm: float = 1.0,
         quorum: int = 1,
@@ -760,6 +778,7 @@ class FederatedDCA(_FederatedEstimator):
             delta=delta,
             mode=mode,
             calibration=calibration,
+            neighbouring=neighbouring,
             bounds=bounds,
             clip_norm=clip_norm,
             quorum=quorum,

@@ -118,7 +118,7 @@ def status_command(config_path: Path) -> None:
     database = config.proxy.database
     if not database.is_file():
         raise click.ClickException(f"no proxy database at {database} (has the proxy run?)")
-    store = ProxyStore(database)
+    store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
     try:
         records = store.queries()
     finally:

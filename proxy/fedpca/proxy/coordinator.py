@@ -210,8 +210,7 @@ class Coordinator:
         :meth:`recover` on the next start.
         """
         self._stopping.set()
-        with self._changed:
-            self._changed.notify_all()
+        self._notify()
         if self._executor is not None:
             self._executor.shutdown(wait=wait, cancel_futures=True)
         self._noise.shutdown(wait=wait)

@@ -3,23 +3,35 @@
 :class:`ProxyServer` wires the pieces together in the order that keeps crash
 recovery sound: the store and the pool come first, then the coordinator finishes
 every query a previous run left in NOISING (:meth:`Coordinator.recover`), and only
-then does the gRPC port open. Signal handling lives in the CLI entry point
-(:mod:`fedpca.proxy.cli`), not here, so tests can run servers in threads.
+then does the gRPC port open. The gRPC server is asynchronous (:mod:`grpc.aio`) and
+runs its event loop on a thread of its own, so :meth:`ProxyServer.start` and
+:meth:`ProxyServer.stop` can be called from ordinary code and tests. Signal handling
+lives in the CLI entry point (:mod:`fedpca.proxy.cli`), not here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
-import grpc
+from grpc import aio
 
 from fedpca.codec import CryptoPool
 from fedpca.dp.noise import NoiseSampler
 from fedpca.errors import ConfigError
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator import Coordinator
-from fedpca.proxy.servicer import AnalystServicer, OwnerServicer, register_services
+from fedpca.proxy.limits import PeerSlots
+from fedpca.proxy.servicer import (
+    AnalystServicer,
+    ChangeFeed,
+    OwnerServicer,
+    WorkerPool,
+    register_services,
+)
 from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels
 from fedpca.transport.certs import Role, TlsMaterial
@@ -29,6 +41,8 @@ __all__ = ["ProxyServer"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_SECONDS = 5.0
+
+_T = TypeVar("_T")
 
 
 class ProxyServer:
@@ -62,10 +76,14 @@ class ProxyServer:
         self._pool: CryptoPool | None = None
         self._store: ProxyStore | None = None
         self._coordinator: Coordinator | None = None
-        self._server: grpc.Server | None = None
+        self._server: aio.Server | None = None
+        self._work: WorkerPool | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self._timer_stop = threading.Event()
         self._timer: threading.Thread | None = None
         self._address: str | None = None
+        self._terminated = threading.Event()
 
     @property
     def address(self) -> str:
@@ -79,6 +97,10 @@ class ProxyServer:
         if self._coordinator is None:
             raise RuntimeError("the proxy server is not started")
         return self._coordinator
+
+    def _on_loop(self, coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def start(self) -> str:
         """Open the store, start the pool, recover, bind and serve; return the address.
@@ -109,9 +131,10 @@ class ProxyServer:
                     config.proxy.id,
                     tls.identity.node_id,
                 )
-        listen = config.proxy.listen
         try:
-            self._store = ProxyStore(config.proxy.database)
+            self._store = ProxyStore(
+                config.proxy.database, neighbouring=config.privacy.neighbouring
+            )
             self._pool = self._external_pool or CryptoPool(config.crypto.pool_processes)
             self._pool.start()
             self._coordinator = Coordinator(
@@ -127,32 +150,60 @@ class ProxyServer:
                 daemon=True,
             )
             self._timer.start()
-            server = channels.create_server()
-            register_services(
-                server,
-                OwnerServicer(
-                    self._coordinator,
-                    config.proxy.id,
-                    config.proxy.heartbeat_seconds,
-                    insecure=tls is None,
-                ),
-                AnalystServicer(
-                    self._coordinator, config.proxy.heartbeat_seconds, insecure=tls is None
-                ),
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(
+                target=self._loop.run_forever, name="fedpca-grpc", daemon=True
             )
-            if tls is None:
-                port = channels.add_insecure_port(server, listen)
-            else:
-                port = channels.add_secure_port(server, listen, tls)
-            server.start()
-            self._server = server
+            self._loop_thread.start()
+            port = self._on_loop(self._serve(tls))
         except BaseException:
             self.stop(0)
             raise
-        host = listen.rpartition(":")[0]
+        host = config.proxy.listen.rpartition(":")[0]
         self._address = f"{host}:{port}"
         logger.info("proxy %s serving on %s", config.proxy.id, self._address)
         return self._address
+
+    async def _serve(self, tls: TlsMaterial | None) -> int:
+        config = self.config
+        coordinator = self.coordinator
+        limits = config.limits
+        feed = ChangeFeed(asyncio.get_running_loop())
+        coordinator.add_listener(feed.notify)
+        self._work = WorkerPool(limits)
+        slots = PeerSlots()
+        common: dict[str, Any] = {"insecure": tls is None}
+        server = channels.create_async_server(maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
+        register_services(
+            server,
+            OwnerServicer(
+                coordinator,
+                self._work,
+                feed,
+                slots,
+                limits,
+                proxy_id=config.proxy.id,
+                heartbeat_seconds=config.proxy.heartbeat_seconds,
+                **common,
+            ),
+            AnalystServicer(
+                coordinator,
+                self._work,
+                feed,
+                slots,
+                limits,
+                watch_poll_seconds=config.proxy.heartbeat_seconds,
+                **common,
+            ),
+        )
+        listen = config.proxy.listen
+        if tls is None:
+            port = channels.add_insecure_port(server, listen)
+        else:
+            port = channels.add_secure_port(server, listen, tls)
+        await server.start()
+        self._server = server
+        return port
 
     def stop(self, grace: float | None = DEFAULT_GRACE_SECONDS) -> None:
         """Stop serving and release everything; safe to call twice.
@@ -164,8 +215,22 @@ class ProxyServer:
         if coordinator is not None:
             coordinator.shutdown(wait=False)  # wakes task and watch streams
         server, self._server = self._server, None
+        if server is not None and grace:
+            # Let the woken streams answer (watches end with "reconnect") before
+            # gRPC cancels whatever is still open.
+            self._on_loop(asyncio.sleep(min(grace, 0.2)))
         if server is not None:
-            server.stop(grace).wait()
+            self._on_loop(server.stop(grace))
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join()
+            loop.close()
+            self._loop_thread = None
+        work, self._work = self._work, None
+        if work is not None:
+            work.shutdown()
         self._timer_stop.set()
         if self._timer is not None:
             self._timer.join()
@@ -178,10 +243,10 @@ class ProxyServer:
         store, self._store = self._store, None
         if store is not None:
             store.close()
+        self._terminated.set()
         if server is not None:
             logger.info("proxy stopped")
 
     def wait(self) -> None:
-        """Block until the gRPC server terminates."""
-        if self._server is not None:
-            self._server.wait_for_termination()
+        """Block until the server is stopped (by :meth:`stop` from another thread)."""
+        self._terminated.wait()

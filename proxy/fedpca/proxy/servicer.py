@@ -1,10 +1,18 @@
 """The proxy's gRPC servicers: translate, call the coordinator, map errors. Nothing else.
 
-Every message is translated by :mod:`fedpca.transport.serde`; every decision is
-the :class:`~fedpca.proxy.coordinator.Coordinator`'s. The caller's identity and
-role come only from its verified client certificate
-(:func:`fedpca.transport.certs.require_role`): OwnerService methods require the
-owner role, AnalystService methods the analyst role.
+The servicers run on gRPC's asynchronous server (:mod:`grpc.aio`): an open task stream
+or status watch is a coroutine waiting for a change, not a thread, so a thousand
+connected owners cost no threads, and no peer can exhaust a thread pool by opening
+streams. The coordinator and its store are synchronous; every call into them runs on a
+bounded pool of worker threads (:class:`WorkerPool`). Per-peer bounds
+(:mod:`fedpca.proxy.limits`) are checked before any work, and a call beyond one is
+answered RESOURCE_EXHAUSTED at once.
+
+Every message is translated by :mod:`fedpca.transport.serde`; every decision is the
+:class:`~fedpca.proxy.coordinator.Coordinator`'s. The caller's identity and role come
+only from its verified client certificate (:func:`fedpca.transport.certs.require_role`,
+which also refuses revoked certificates): OwnerService methods require the owner role,
+AnalystService methods the analyst role.
 
 Domain errors become status codes here and nowhere else:
 
@@ -12,9 +20,10 @@ Domain errors become status codes here and nowhere else:
 error                                                       status
 ==========================================================  ======================
 NotFoundError                                               NOT_FOUND
-BudgetExceededError                                         RESOURCE_EXHAUSTED
+BudgetExceededError, OverloadError                          RESOURCE_EXHAUSTED
 AuthenticationError, PolicyError, UntrustedKeyError         PERMISSION_DENIED
 QueryStateError                                             FAILED_PRECONDITION
+UploadTimeoutError                                          DEADLINE_EXCEEDED
 ProtocolError, LayoutError, CiphertextError, ConfigError,   INVALID_ARGUMENT
 EncodingOverflowError (and every other FedpcaError)
 anything else                                               INTERNAL (generic text)
@@ -31,15 +40,20 @@ WARNING says so at start.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import re
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from grpc import aio
 
 from fedpca.errors import (
     AuthenticationError,
@@ -59,6 +73,7 @@ from fedpca.messages import (
     UploadStatus,
 )
 from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.limits import OverloadError, PeerLimits, PeerSlots, TaskStreams
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role
 from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
@@ -72,7 +87,11 @@ __all__ = [
     "INSECURE_ANALYST_ID",
     "INSECURE_IDENTITY_METADATA",
     "AnalystServicer",
+    "ChangeFeed",
     "OwnerServicer",
+    "UploadTimeoutError",
+    "WorkerPool",
+    "register_services",
     "status_code_for",
 ]
 
@@ -81,16 +100,24 @@ logger = logging.getLogger(__name__)
 INSECURE_ANALYST_ID = "insecure-analyst"
 """Analyst id in insecure mode when the caller sends no ``fedpca-node-id``."""
 
-_STATUS_CODES: tuple[tuple[type[FedpcaError] | tuple[type[FedpcaError], ...], grpc.StatusCode], ...]
+_T = TypeVar("_T")
+
+
+class UploadTimeoutError(FedpcaError, TimeoutError):
+    """An upload stalled longer than the proxy's idle or total upload time."""
+
+
+_STATUS_CODES: tuple[
+    tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode], ...
+]
 _STATUS_CODES = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     # Before the permission errors: BudgetExceededError is also a PermissionError.
-    (BudgetExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((BudgetExceededError, OverloadError), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((AuthenticationError, PolicyError, UntrustedKeyError), grpc.StatusCode.PERMISSION_DENIED),
     (QueryStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UploadTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def status_code_for(error: FedpcaError) -> grpc.StatusCode:
@@ -103,58 +130,143 @@ def status_code_for(error: FedpcaError) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
-def _refuse(context: grpc.ServicerContext, method: str, error: Exception) -> NoReturn:
+async def _refuse(context: aio.ServicerContext, method: str, error: BaseException) -> NoReturn:
     if isinstance(error, FedpcaError):
         code = status_code_for(error)
         logger.warning("%s refused (%s): %s", method, code.name, error)
-        context.abort(code, str(error))
-    elif isinstance(error, grpc.RpcError):
+        await context.abort(code, str(error))
+    elif isinstance(error, grpc.RpcError | aio.AioRpcError):
         # Reading the request stream failed: the client cancelled or the connection
         # dropped mid-stream. Routine on a network; nobody is left to answer.
         logger.warning("%s ended: the client's request stream broke off", method)
-        context.abort(grpc.StatusCode.CANCELLED, "the request stream broke off")
+        await context.abort(grpc.StatusCode.CANCELLED, "the request stream broke off")
     else:
         # Internal details (paths, values) stay in the log, not in the reply.
         logger.error("%s failed unexpectedly", method, exc_info=error)
-        context.abort(grpc.StatusCode.INTERNAL, "internal error in the proxy; see its log")
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error in the proxy; see its log")
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
 def _unary(method: _Method) -> _Method:
-    """Map errors of a unary-response method to status codes."""
+    """Map errors of a unary-response coroutine to status codes."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
-        except Exception as error:
-            _refuse(context, method.__name__, error)
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except aio.AbortError:
+            raise
+        except BaseException as error:
+            await _refuse(context, method.__name__, error)
 
     return wrapper  # type: ignore[return-value]
 
 
 def _streaming(method: _Method) -> _Method:
-    """Map errors of a server-streaming method (a generator) to status codes."""
+    """Map errors of a server-streaming method (an async generator) to status codes."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            yield from method(self, request, context)
-        except Exception as error:
-            _refuse(context, method.__name__, error)
+            async for message in method(self, request, context):
+                yield message
+        except asyncio.CancelledError:
+            raise
+        except aio.AbortError:
+            raise
+        except BaseException as error:
+            await _refuse(context, method.__name__, error)
 
     return wrapper  # type: ignore[return-value]
+
+
+class WorkerPool:
+    """Runs the coordinator's blocking calls off the event loop, with a bounded backlog.
+
+    A call beyond ``limits.max_pending_work`` waiting jobs is refused with
+    :class:`OverloadError` instead of queueing without end.
+    """
+
+    def __init__(self, limits: PeerLimits) -> None:
+        self._executor = ThreadPoolExecutor(
+            max_workers=limits.worker_threads, thread_name_prefix="fedpca-proxy-work"
+        )
+        self._limit = limits.max_pending_work
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    async def run(self, function: Callable[..., _T], *args: Any) -> _T:
+        with self._lock:
+            if self._pending >= self._limit:
+                raise OverloadError(
+                    f"the proxy has {self._pending} calls waiting for a worker; try again later"
+                )
+            self._pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, functools.partial(function, *args))
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class ChangeFeed:
+    """The coordinator's change notifications, awaited on the event loop.
+
+    The coordinator calls :meth:`notify` from any thread whenever a query changes; a
+    coroutine takes :attr:`event` *before* it reads the state it reacts to and then
+    awaits it, so a change between the read and the wait is never missed.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.event = asyncio.Event()
+
+    def notify(self) -> None:
+        # A closed loop raises RuntimeError: then nothing is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
+
+    @staticmethod
+    async def wait(event: asyncio.Event, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
 
 
 _PEER_RE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 class _Base:
-    def __init__(self, coordinator: Coordinator, *, insecure: bool = False) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        work: WorkerPool,
+        feed: ChangeFeed,
+        slots: PeerSlots,
+        limits: PeerLimits,
+        *,
+        insecure: bool = False,
+    ) -> None:
         self.coordinator = coordinator
+        self.work = work
+        self.feed = feed
+        self.slots = slots
+        self.limits = limits
         self.insecure = insecure
 
-    def _caller(self, context: grpc.ServicerContext, role: Role) -> NodeIdentity:
+    def _caller(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
         if not self.insecure:
             return certs.require_role(
                 context, role, revoked_serials=self.coordinator.config.tls.revoked_serials
@@ -173,6 +285,23 @@ class _Base:
         except FedpcaError as error:
             raise AuthenticationError(f"insecure mode: bad node id: {error}") from error
 
+    def _call_slot(self, peer: NodeIdentity) -> _Slot:
+        return _Slot(self.slots, "calls", str(peer), self.limits.max_calls_per_peer)
+
+
+class _Slot:
+    """One per-peer slot held for the duration of a ``with`` block."""
+
+    def __init__(self, slots: PeerSlots, kind: str, peer: str, limit: int) -> None:
+        self._slots, self._kind, self._peer = slots, kind, peer
+        slots.acquire(kind, peer, limit)
+
+    def __enter__(self) -> _Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._slots.release(self._kind, self._peer)
+
 
 # ------------------------------------------------------------------- owners
 class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
@@ -180,118 +309,154 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
 
     Parameters
     ----------
-    coordinator : the domain logic.
     proxy_id : this proxy's node id (reported in ProxyInfo).
     heartbeat_seconds : interval of heartbeats on the task stream.
-    insecure : no TLS (see the module docstring).
+    The others as for every servicer: the coordinator, the worker pool, the change
+    feed, the per-peer slots and limits, and the insecure switch.
     """
 
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        proxy_id: str,
-        heartbeat_seconds: float,
-        *,
-        insecure: bool = False,
-    ) -> None:
-        super().__init__(coordinator, insecure=insecure)
+    def __init__(self, *args: Any, proxy_id: str, heartbeat_seconds: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.proxy_id = proxy_id
         self.heartbeat_seconds = heartbeat_seconds
+        self.streams = TaskStreams()
 
     @_unary
-    def Hello(
-        self, request: owner_pb.OwnerHello, context: grpc.ServicerContext
+    async def Hello(
+        self, request: owner_pb.OwnerHello, context: aio.ServicerContext
     ) -> owner_pb.ProxyInfo:
         owner = self._caller(context, Role.OWNER)
-        hello = serde.owner_hello_from_proto(request)
-        self.coordinator.enroll(
-            owner.node_id,
-            {"claimed_node_id": hello.node_id, "software_version": hello.software_version},
-        )
-        return serde.proxy_info_to_proto(
-            ProxyInfo(
-                proxy_id=self.proxy_id,
-                software_version=__version__,
-                authenticated_node_id=owner.node_id,
-                heartbeat_interval_seconds=self.heartbeat_seconds,
-                max_message_bytes=channels.DEFAULT_MAX_MESSAGE_BYTES,
-                server_time=datetime.now(UTC),
+        with self._call_slot(owner):
+            hello = serde.owner_hello_from_proto(request)
+            await self.work.run(
+                self.coordinator.enroll,
+                owner.node_id,
+                {"claimed_node_id": hello.node_id, "software_version": hello.software_version},
             )
-        )
+            return serde.proxy_info_to_proto(
+                ProxyInfo(
+                    proxy_id=self.proxy_id,
+                    software_version=__version__,
+                    authenticated_node_id=owner.node_id,
+                    heartbeat_interval_seconds=self.heartbeat_seconds,
+                    max_message_bytes=channels.DEFAULT_MAX_MESSAGE_BYTES,
+                    server_time=datetime.now(UTC),
+                )
+            )
 
     @_streaming
-    def StreamTasks(
-        self, request: owner_pb.TaskStreamRequest, context: grpc.ServicerContext
-    ) -> Iterator[owner_pb.TaskEvent]:
+    async def StreamTasks(
+        self, request: owner_pb.TaskStreamRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[owner_pb.TaskEvent]:
         owner = self._caller(context, Role.OWNER).node_id
         serde.task_stream_request_from_proto(request)  # informational node id only
-        self.coordinator.enroll(owner)
+        await self.work.run(self.coordinator.enroll, owner)
+        # One stream per owner: this one supersedes any older one, which ends.
+        generation = self.streams.open(owner)
+        self.feed.notify()
         logger.info("task stream opened by owner %s", owner)
         coordinator = self.coordinator
         delivered: set[str] = set()
-        # A heartbeat first tells the owner the stream is live.
-        yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
-        next_beat = time.monotonic() + self.heartbeat_seconds
-        while context.is_active() and not coordinator.stopping:
-            version = coordinator.version
-            tasks = coordinator.pending_tasks(owner)
-            for task in tasks:
-                if task.key not in delivered:
-                    delivered.add(task.key)
-                    yield serde.task_event_to_proto(task)
-            open_ids = {task.key for task in tasks}
-            answered = sorted(delivered - open_ids)
-            for cancellation in coordinator.withdrawn_tasks(owner, answered):
-                yield serde.task_event_to_proto(cancellation)
-            delivered &= open_ids
-            now = time.monotonic()
-            if now >= next_beat:
-                yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
-                next_beat = now + self.heartbeat_seconds
-            coordinator.wait_for_change(version, max(0.0, next_beat - time.monotonic()))
-        logger.info("task stream of owner %s closed", owner)
+        try:
+            # A heartbeat first tells the owner the stream is live.
+            yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
+            next_beat = time.monotonic() + self.heartbeat_seconds
+            while not coordinator.stopping and self.streams.is_current(owner, generation):
+                changed = self.feed.event
+                tasks = await self.work.run(coordinator.pending_tasks, owner)
+                for task in tasks:
+                    if task.key not in delivered:
+                        delivered.add(task.key)
+                        yield serde.task_event_to_proto(task)
+                open_ids = {task.key for task in tasks}
+                answered = sorted(delivered - open_ids)
+                if answered:
+                    for cancellation in await self.work.run(
+                        coordinator.withdrawn_tasks, owner, answered
+                    ):
+                        yield serde.task_event_to_proto(cancellation)
+                delivered &= open_ids
+                now = time.monotonic()
+                if now >= next_beat:
+                    yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
+                    next_beat = now + self.heartbeat_seconds
+                await ChangeFeed.wait(changed, max(0.0, next_beat - time.monotonic()))
+        finally:
+            self.streams.close(owner, generation)
+        if not self.streams.is_current(owner, generation) and not coordinator.stopping:
+            logger.info("task stream of owner %s replaced by a newer one", owner)
+        else:
+            logger.info("task stream of owner %s closed", owner)
 
     @_unary
-    def Upload(
-        self, request_iterator: Iterable[owner_pb.UploadMessage], context: grpc.ServicerContext
+    async def Upload(
+        self, request_iterator: AsyncIterator[Any], context: aio.ServicerContext
     ) -> owner_pb.UploadReceipt:
         owner = self._caller(context, Role.OWNER).node_id
-        messages = iter(request_iterator)
-        first = next(messages, None)
-        if first is None:
-            raise ProtocolError("upload stream is empty (expected an UploadHeader)")
-        header = serde.upload_header_from_message(first)
-        # A late, foreign-key or wrongly shaped upload is refused before any chunk is
-        # read; the header's layout equals the plan, so the assembler caps the size.
-        upload = self.coordinator.begin_upload(owner, header)
-        assembler = header.assembler()
-        try:
-            for message in messages:
-                chunk = assembler.add(serde.upload_chunk_from_message(message))
-                upload.add(chunk.offset, chunk.ciphertexts)
-            assembler.finish()
-            receipt = upload.complete()
-        except BaseException:
-            upload.abandon()
-            raise
+        with _Slot(self.slots, "uploads", owner, self.limits.max_uploads_per_owner):
+            deadline = time.monotonic() + self.limits.upload_total_seconds
+            messages = aiter(request_iterator)
+            first = await self._next(messages, deadline)
+            if first is None:
+                raise ProtocolError("upload stream is empty (expected an UploadHeader)")
+            header = serde.upload_header_from_message(first)
+            # A late, foreign-key or wrongly shaped upload is refused before any chunk
+            # is read; the header's layout equals the plan, so the assembler caps the size.
+            upload = await self.work.run(self.coordinator.begin_upload, owner, header)
+            assembler = header.assembler()
+            try:
+                while (message := await self._next(messages, deadline)) is not None:
+                    chunk = assembler.add(serde.upload_chunk_from_message(message))
+                    await self.work.run(upload.add, chunk.offset, chunk.ciphertexts)
+                assembler.finish()
+                receipt = await self.work.run(upload.complete)
+            except BaseException:
+                await asyncio.shield(self.work.run(upload.abandon))
+                raise
         return serde.upload_receipt_to_proto(
             UploadReceipt(
                 query_id=header.query_id,
                 upload_id=header.upload_id,
-                status=(UploadStatus.DUPLICATE if receipt.duplicate else UploadStatus.ACCEPTED),
+                status=UploadStatus.DUPLICATE if receipt.duplicate else UploadStatus.ACCEPTED,
                 chunks_received=assembler.chunks_received,
                 ciphertexts_received=assembler.ciphertexts_received,
             )
         )
 
+    async def _next(self, messages: AsyncIterator[Any], deadline: float) -> Any:
+        """The next upload message, None at the end; bounded by the idle and total times."""
+        left = deadline - time.monotonic()
+        timeout = min(self.limits.upload_idle_seconds, left)
+        if timeout <= 0:
+            raise UploadTimeoutError(
+                f"the upload took longer than {self.limits.upload_total_seconds:g} s"
+            )
+        try:
+            return await asyncio.wait_for(anext(messages), timeout)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise UploadTimeoutError(
+                f"no upload message for {timeout:g} s (limits.upload_idle_seconds = "
+                f"{self.limits.upload_idle_seconds:g}, upload_total_seconds = "
+                f"{self.limits.upload_total_seconds:g})"
+            ) from None
+
     @_unary
-    def DeclineTask(
-        self, request: owner_pb.TaskDecline, context: grpc.ServicerContext
+    async def DeclineTask(
+        self, request: owner_pb.TaskDecline, context: aio.ServicerContext
     ) -> owner_pb.DeclineReceipt:
-        owner = self._caller(context, Role.OWNER).node_id
-        decline = serde.task_decline_from_proto(request)
-        self.coordinator.decline(owner, decline.query_id, decline.reason.value, decline.detail)
-        return serde.decline_receipt_to_proto(decline.query_id)
+        owner = self._caller(context, Role.OWNER)
+        with self._call_slot(owner):
+            decline = serde.task_decline_from_proto(request)
+            await self.work.run(
+                self.coordinator.decline,
+                owner.node_id,
+                decline.query_id,
+                decline.reason.value,
+                decline.detail,
+            )
+            return serde.decline_receipt_to_proto(decline.query_id)
 
 
 # ------------------------------------------------------------------ analysts
@@ -300,78 +465,85 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
 
     Parameters
     ----------
-    coordinator : the domain logic.
     watch_poll_seconds : longest wait between status checks of a watch stream
-        (changes wake it at once; this only bounds how soon a vanished client or
-        a passed deadline is noticed).
-    insecure : no TLS (see the module docstring).
+        (changes wake it at once; this only bounds how soon a passed deadline is
+        noticed).
     """
 
-    def __init__(
-        self, coordinator: Coordinator, watch_poll_seconds: float = 5.0, *, insecure: bool = False
-    ) -> None:
-        super().__init__(coordinator, insecure=insecure)
+    def __init__(self, *args: Any, watch_poll_seconds: float = 5.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.watch_poll_seconds = watch_poll_seconds
 
     @_unary
-    def SubmitQuery(
-        self, request: analyst_pb.SubmitQueryRequest, context: grpc.ServicerContext
+    async def SubmitQuery(
+        self, request: analyst_pb.SubmitQueryRequest, context: aio.ServicerContext
     ) -> analyst_pb.QueryStatus:
-        analyst = self._caller(context, Role.ANALYST).node_id
-        signed = serde.submit_query_request_from_proto(request)
-        self.coordinator.submit(analyst, signed)
-        return serde.query_status_to_proto(self.coordinator.status(analyst, signed.spec.query_id))
+        analyst = self._caller(context, Role.ANALYST)
+        with self._call_slot(analyst):
+            signed = serde.submit_query_request_from_proto(request)
+            await self.work.run(self.coordinator.submit, analyst.node_id, signed)
+            status = await self.work.run(
+                self.coordinator.status, analyst.node_id, signed.spec.query_id
+            )
+            return serde.query_status_to_proto(status)
 
     @_unary
-    def GetQueryStatus(
-        self, request: analyst_pb.QueryRef, context: grpc.ServicerContext
+    async def GetQueryStatus(
+        self, request: analyst_pb.QueryRef, context: aio.ServicerContext
     ) -> analyst_pb.QueryStatus:
-        analyst = self._caller(context, Role.ANALYST).node_id
-        query_id = serde.query_ref_from_proto(request)
-        return serde.query_status_to_proto(self.coordinator.status(analyst, query_id))
+        analyst = self._caller(context, Role.ANALYST)
+        with self._call_slot(analyst):
+            query_id = serde.query_ref_from_proto(request)
+            status = await self.work.run(self.coordinator.status, analyst.node_id, query_id)
+            return serde.query_status_to_proto(status)
 
     @_streaming
-    def WatchQueryStatus(
-        self, request: analyst_pb.QueryRef, context: grpc.ServicerContext
-    ) -> Iterator[analyst_pb.QueryStatus]:
+    async def WatchQueryStatus(
+        self, request: analyst_pb.QueryRef, context: aio.ServicerContext
+    ) -> AsyncIterator[analyst_pb.QueryStatus]:
         analyst = self._caller(context, Role.ANALYST).node_id
         query_id = serde.query_ref_from_proto(request)
         coordinator = self.coordinator
-        last: QueryStatus | None = None
-        while context.is_active() and not coordinator.stopping:
-            version = coordinator.version
-            status = coordinator.status(analyst, query_id)
-            if status != last:
-                yield serde.query_status_to_proto(status)
-                last = status
-            if status.terminal:
-                return
-            coordinator.wait_for_change(version, self.watch_poll_seconds)
-        if coordinator.stopping:
-            # Shutting down before the query ended. A clean end of the stream would
-            # read as "nothing more to come" (the client then asks for the status once,
-            # finds no proxy and gives up); UNAVAILABLE makes it reconnect to the
-            # restarted proxy and keep watching, as after a crash.
-            context.set_code(grpc.StatusCode.UNAVAILABLE)
-            context.set_details("the proxy is shutting down; reconnect to keep watching")
+        with _Slot(self.slots, "watches", analyst, self.limits.max_watches_per_analyst):
+            last: QueryStatus | None = None
+            while not coordinator.stopping:
+                changed = self.feed.event
+                status = await self.work.run(coordinator.status, analyst, query_id)
+                if status != last:
+                    yield serde.query_status_to_proto(status)
+                    last = status
+                if status.terminal:
+                    return
+                await ChangeFeed.wait(changed, self.watch_poll_seconds)
+        # Shutting down before the query ended. A clean end of the stream would read as
+        # "nothing more to come" (the client then asks for the status once, finds no
+        # proxy and gives up); UNAVAILABLE makes it reconnect to the restarted proxy.
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, "the proxy is shutting down; reconnect to keep watching"
+        )
 
     @_streaming
-    def FetchResult(
-        self, request: analyst_pb.QueryRef, context: grpc.ServicerContext
-    ) -> Iterator[analyst_pb.ResultMessage]:
-        analyst = self._caller(context, Role.ANALYST).node_id
-        query_id = serde.query_ref_from_proto(request)
-        result = self.coordinator.result(analyst, query_id)
-        logger.info("result of query %s fetched by %s", query_id, analyst)
-        yield from serde.encode_result(result)
+    async def FetchResult(
+        self, request: analyst_pb.QueryRef, context: aio.ServicerContext
+    ) -> AsyncIterator[analyst_pb.ResultMessage]:
+        analyst = self._caller(context, Role.ANALYST)
+        with self._call_slot(analyst):
+            query_id = serde.query_ref_from_proto(request)
+            result = await self.work.run(self.coordinator.result, analyst.node_id, query_id)
+            logger.info("result of query %s fetched by %s", query_id, analyst.node_id)
+            # Encoding converts thousands of ciphertexts: off the event loop.
+            for message in await self.work.run(serde.encode_result, result):
+                yield message
 
     @_unary
-    def GetBudget(
-        self, request: analyst_pb.BudgetRequest, context: grpc.ServicerContext
+    async def GetBudget(
+        self, request: analyst_pb.BudgetRequest, context: aio.ServicerContext
     ) -> analyst_pb.BudgetStatus:
-        analyst = self._caller(context, Role.ANALYST).node_id
-        delta = serde.budget_request_from_proto(request)
-        return serde.budget_status_to_proto(self.coordinator.budget(analyst, delta))
+        analyst = self._caller(context, Role.ANALYST)
+        with self._call_slot(analyst):
+            delta = serde.budget_request_from_proto(request)
+            status = await self.work.run(self.coordinator.budget, analyst.node_id, delta)
+            return serde.budget_status_to_proto(status)
 
 
 # ------------------------------------------------------------- registration
@@ -398,8 +570,8 @@ def _lenient(deserialize: Callable[[bytes], Any], message_type: str) -> Callable
     return parse
 
 
-def _checked(requests: Iterable[Any]) -> Iterator[Any]:
-    for request in requests:
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
         if isinstance(request, _Undecodable):
             raise request.protocol_error()  # the servicer maps it to INVALID_ARGUMENT
         yield request
@@ -412,22 +584,40 @@ def _guard(handler: Any, method: str) -> Any:
     message_type = getattr(getattr(deserialize, "__self__", None), "__name__", "request")
     lenient = _lenient(deserialize, message_type)
     if handler.request_streaming:
-        field = "stream_stream" if handler.response_streaming else "stream_unary"
-        behaviour = getattr(handler, field)
+        if handler.response_streaming:
+            both = handler.stream_stream
 
-        def streamed(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
-            return behaviour(_checked(requests), context)
+            async def streams(
+                requests: AsyncIterator[Any], context: aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                async for message in both(_checked(requests), context):
+                    yield message
 
-        return handler._replace(request_deserializer=lenient, **{field: streamed})
-    field = "unary_stream" if handler.response_streaming else "unary_unary"
-    behaviour = getattr(handler, field)
+            return handler._replace(request_deserializer=lenient, stream_stream=streams)
+        collect = handler.stream_unary
 
-    def single(request: Any, context: grpc.ServicerContext) -> Any:
+        async def streamed(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
+            return await collect(_checked(requests), context)
+
+        return handler._replace(request_deserializer=lenient, stream_unary=streamed)
+    if handler.response_streaming:
+        behaviour = handler.unary_stream
+
+        async def single_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await _refuse(context, method, request.protocol_error())
+            async for message in behaviour(request, context):
+                yield message
+
+        return handler._replace(request_deserializer=lenient, unary_stream=single_stream)
+    behaviour = handler.unary_unary
+
+    async def single(request: Any, context: aio.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
-            _refuse(context, method, request.protocol_error())
-        return behaviour(request, context)
+            await _refuse(context, method, request.protocol_error())
+        return await behaviour(request, context)
 
-    return handler._replace(request_deserializer=lenient, **{field: single})
+    return handler._replace(request_deserializer=lenient, unary_unary=single)
 
 
 class _LenientRegistration:
@@ -437,7 +627,7 @@ class _LenientRegistration:
     real server, so the generated code stays the single description of each service.
     """
 
-    def __init__(self, server: grpc.Server) -> None:
+    def __init__(self, server: aio.Server) -> None:
         self._server = server
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
@@ -448,10 +638,9 @@ class _LenientRegistration:
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, guarded),)
         )
-        self._server.add_registered_method_handlers(service, guarded)
 
 
-def register_services(server: grpc.Server, owner: OwnerServicer, analyst: AnalystServicer) -> None:
+def register_services(server: aio.Server, owner: OwnerServicer, analyst: AnalystServicer) -> None:
     """Serve both services on ``server``, refusing undecodable requests precisely."""
     registration: Any = _LenientRegistration(server)
     owner_grpc.add_OwnerServiceServicer_to_server(owner, registration)

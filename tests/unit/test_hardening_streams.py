@@ -1,0 +1,128 @@
+"""One owner certificate must not be able to starve the proxy.
+
+On fedpca 0.1, 61 open ``StreamTasks`` or 62 uploads that sent a header and stalled held
+all 64 threads of the synchronous gRPC server: the analyst's ``GetBudget`` and other
+owners' ``Hello`` hit DEADLINE_EXCEEDED. The proxy now serves on the asynchronous server
+with per-peer bounds (:mod:`fedpca.proxy.limits`); this test opens the attack's streams
+and checks that the other peers are still answered within a second, that the extra
+uploads are refused at once with RESOURCE_EXHAUSTED, that stalled uploads end after the
+idle time, and that an owner keeps exactly one task stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from fedpca.codec import CryptoPool
+from fedpca.messages import OwnerHello
+from fedpca.protocol import ReleasePlan
+from fedpca.proxy.limits import PeerLimits
+from fedpca.transport import serde
+from fedpca.transport.certs import Role, TlsMaterial
+from fedpca.transport.channels import secure_channel
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import TEST_SIGNING_KEY, encrypted_upload, query_builder
+from inprocess import deployment, labelled
+
+M = 3
+STREAMS = 61
+UPLOADS = 62
+_spec = query_builder(
+    n_features=M, n_components=1, epsilon=1.0, delta=1e-6, quorum=2, deadline_seconds=120.0
+)
+
+
+def _stub(running: Any, owner_id: str) -> tuple[grpc.Channel, Any]:
+    channel = secure_channel(
+        running.proxy.address, TlsMaterial.load(running.tls(Role.OWNER, owner_id))
+    )
+    return channel, owner_grpc.OwnerServiceStub(channel)
+
+
+def test_one_owner_certificate_cannot_starve_the_proxy(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(0)
+    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
+    limits = PeerLimits(max_uploads_per_owner=2, upload_idle_seconds=3.0)
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),  # both owners are driven by hand below
+        limits=limits,
+    ) as running:
+        spec = _spec(public_key, "target")
+        with running.analyst() as analyst:
+            analyst.submit(spec, TEST_SIGNING_KEY)
+        plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+        payload, _ = encrypted_upload(spec, rng.uniform(-0.5, 0.5, (5, M)), public_key, pool)
+        release = threading.Event()
+        channel, attacker = _stub(running, "attacker")
+        with channel:
+            # 61 task streams: each new one supersedes the previous one.
+            streams = []
+            for _ in range(STREAMS):
+                stream = attacker.StreamTasks(serde.task_stream_request_to_proto("attacker"))
+                next(stream)  # the first heartbeat: the stream is open
+                streams.append(stream)
+
+            # 62 uploads that send a valid header and then stall.
+            def stalled(index: int) -> Iterator[Any]:
+                messages = serde.encode_upload(
+                    "alice/target", spec.analyst_key_fingerprint, f"stall-{index}", payload
+                )
+                yield messages[0]
+                release.wait(30.0)
+
+            started = time.monotonic()
+            uploads = [attacker.Upload.future(stalled(i)) for i in range(UPLOADS)]
+            time.sleep(0.5)
+            exhausted = [
+                u for u in uploads if u.done() and u.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            ]
+            # Beyond the per-owner bound, uploads are refused at once.
+            assert len(exhausted) >= UPLOADS - limits.max_uploads_per_owner
+            assert time.monotonic() - started < 5.0
+
+            # Other peers are served within a second meanwhile.
+            other_channel, owner_2 = _stub(running, "owner-2")
+            with other_channel, running.analyst() as analyst:
+                t = time.monotonic()
+                owner_2.Hello(serde.owner_hello_to_proto(OwnerHello("owner-2", "t")), timeout=5)
+                assert time.monotonic() - t < 1.0
+                t = time.monotonic()
+                analyst.budget()
+                assert time.monotonic() - t < 1.0
+                t = time.monotonic()
+                assert analyst.status("target").owners_uploading <= limits.max_uploads_per_owner
+                assert time.monotonic() - t < 1.0
+
+            # Only the newest task stream is alive: the 60 older ones ended.
+            ended = 0
+            for stream in streams[:-1]:
+                try:
+                    for _ in stream:
+                        pass
+                except grpc.RpcError:
+                    pass
+                ended += 1
+            assert ended == STREAMS - 1
+            streams[-1].cancel()
+
+            # The stalled uploads end after the idle time, with DEADLINE_EXCEEDED.
+            stalled_ones = [u for u in uploads if u not in exhausted]
+            for upload in stalled_ones:
+                assert upload.exception(timeout=limits.upload_idle_seconds + 10) is not None
+                assert upload.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            release.set()
+        assert plan.owner_blocks  # the header really was the plan's
