@@ -139,6 +139,10 @@ class QuerySpec:
                 raise ConfigError(f"feature {j}: bounds must be finite with lower < upper")
         if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
             raise ConfigError(f"clip_norm must be finite and > 0, got {self.clip_norm}")
+        if not all(math.isfinite(label) for label in self.class_labels):
+            raise ConfigError("class_labels must be finite numbers")
+        if self.kind is QueryKind.PCA and self.class_labels:
+            raise ConfigError("a PCA query takes no class_labels")
         if self.kind is QueryKind.DCA:
             if self.label_column is None:
                 raise ConfigError("a DCA query needs label_column")

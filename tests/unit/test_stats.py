@@ -104,8 +104,13 @@ class TestSpecLayout:
         assert spec.max_abs_per_record == max(c * c, c, 1.0)
 
     def test_from_query(self) -> None:
-        pca = StatisticsSpec.from_query(_query(clip_norm=2.0, class_labels=(1.0, 2.0)))
+        pca = StatisticsSpec.from_query(_query(clip_norm=2.0))
         assert pca == StatisticsSpec(PCA, 4, 2.0)
+        # Class labels belong to DCA queries only (a NaN label was once accepted).
+        with pytest.raises(ConfigError, match="PCA query takes no class_labels"):
+            _query(class_labels=(1.0, 2.0))
+        with pytest.raises(ConfigError, match="finite"):
+            _query(kind=QueryKind.DCA, label_column=0, class_labels=(1.0, math.nan))
         dca = StatisticsSpec.from_query(
             _query(kind=QueryKind.DCA, label_column=0, class_labels=(1.0, 2.0))
         )

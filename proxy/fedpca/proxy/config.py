@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -303,13 +304,13 @@ def _serials(serials: Any) -> frozenset[int]:
         raise ConfigError("tls.revoked_serials must be a list of hex serial numbers")
     revoked: set[int] = set()
     for index, serial in enumerate(serials):
-        try:
-            revoked.add(int(str(serial).replace(":", ""), 16))
-        except ValueError:
+        text = serial.replace(":", "") if isinstance(serial, str) else ""
+        if not re.fullmatch(r"[0-9A-Fa-f]{1,40}", text):
             raise ConfigError(
-                f"tls.revoked_serials[{index}] = {serial!r} is not a hex serial number "
-                "(as `fedpca certs show` prints it)"
-            ) from None
+                f"tls.revoked_serials[{index}] = {serial!r} is not a hex serial number in "
+                'quotes (as `fedpca certs show` prints it, e.g. "1f2e3d")'
+            )
+        revoked.add(int(text, 16))
     return frozenset(revoked)
 
 
