@@ -18,7 +18,6 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -68,40 +67,18 @@ def _same_up_to_sign(a: np.ndarray, b: np.ndarray, atol: float) -> None:
         np.testing.assert_allclose(row_a, sign * row_b, rtol=0, atol=atol)
 
 
-def _state_replace_one(cluster: LocalCluster) -> None:
-    """Restate the prepared deployment for replace-one adjacency, masked mode allowed.
-
-    LocalCluster writes add-remove configurations and has no setting for the relation;
-    masked mode (which publishes N) needs replace-one at the proxy and every owner.
-    """
-    replace_one = '\n[privacy]\nneighbouring = "replace-one"\n'
-    cluster.proxy_config.write_text(cluster.proxy_config.read_text() + replace_one)
-    for owner_id in cluster.owner_ids:
-        path = cluster.owner_config(owner_id)
-        text = path.read_text().replace("[policy]\n", "[policy]\nallow_masked_mode = true\n")
-        path.write_text(text + replace_one)
-
-
-class _ReplaceOnePCA(FederatedPCA):
-    """FederatedPCA stating its queries for replace-one adjacency (the estimator has no
-    parameter for the relation)."""
-
-    def _query_extras(self) -> dict[str, Any]:
-        return {**super()._query_extras(), "neighbouring": Neighbouring.REPLACE_ONE}
-
-
 @pytest.mark.parametrize("mode", ["stats", "masked"])
 def test_no_noise_pca_equals_sklearn(tmp_path: Path, mode: str) -> None:
     table = _unit_rows(_dataset("ionosphere.csv"))
     rows = table[:, 1:]
     masked = mode == "masked"
-    with _cluster(tmp_path, table, owners=3, allow_not_private=True) as cluster:
+    # Masked mode publishes N: it needs a replace-one deployment whose owners opted in.
+    relation = {"neighbouring": "replace-one", "allow_masked_mode": True} if masked else {}
+    with _cluster(tmp_path, table, owners=3, allow_not_private=True, **relation) as cluster:
         cluster.prepare()
-        if masked:
-            _state_replace_one(cluster)
         cluster.start()
-        estimator = _ReplaceOnePCA if masked else FederatedPCA
-        model = estimator(
+        # The estimator states masked queries for replace-one by default.
+        model = FederatedPCA(
             n_components=3, epsilon=math.inf, delta=1e-5, mode=mode, **_estimator_kwargs(cluster)
         ).fit(n_features=rows.shape[1])
     spec = model.release_.query

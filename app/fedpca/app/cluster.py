@@ -158,6 +158,10 @@ class LocalCluster:
     delta_budget: float = 1e-3
     max_epsilon_per_query: float = 10.0
     allow_not_private: bool = False
+    neighbouring: str = "add-remove"
+    """The deployment's neighbouring relation (proxy and every owner state it)."""
+    allow_masked_mode: bool = False
+    """Owners take part in masked-mode queries (needs ``neighbouring = "replace-one"``)."""
     processes_per_node: int = 0
     heartbeat_seconds: float = 2.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -260,6 +264,7 @@ class LocalCluster:
                     "key": proxy_files.private_key,
                 },
                 "owners": {"allowed": self.owner_ids},
+                "privacy": {"neighbouring": self.neighbouring},
                 # A verification (epsilon = inf) run only passes an unlimited budget.
                 "budget": {
                     "epsilon": math.inf if self.allow_not_private else self.epsilon_budget,
@@ -299,7 +304,9 @@ class LocalCluster:
                         "accepted_query_signers": [self.query_signer],
                         "max_epsilon_per_query": self.max_epsilon_per_query,
                         "allow_not_private": self.allow_not_private,
+                        "allow_masked_mode": self.allow_masked_mode,
                     },
+                    "privacy": {"neighbouring": self.neighbouring},
                     "budget": {"epsilon": self.epsilon_budget, "delta": self.delta_budget},
                     "crypto": {"processes": self.processes_per_node},
                 },
