@@ -298,8 +298,13 @@ def test_upload_header_round_trip() -> None:
     assert header.query_id == "q1" and header.upload_id == "u-123"
     assert header.analyst_key_fingerprint == "sha256:key"
     assert header.blocks == data.blocks
-    all_bytes = b"".join(m.chunk.ciphertexts for m in messages[1:])
-    assert header.content_sha256 == hashlib.sha256(all_bytes).digest()
+    # Each chunk carries its link of the hash chain, from the defining equation.
+    link = hashlib.sha256(b"fedpca ciphertext chunk chain v1").digest()
+    for message in messages[1:]:
+        chunk = message.chunk
+        link = hashlib.sha256(link + chunk.index.to_bytes(4, "big") + chunk.ciphertexts).digest()
+        assert chunk.sha256 == link
+    assert not messages[0].header.content_sha256  # nothing is declared up front
     assert len(new_upload_id()) == 32 and new_upload_id() != new_upload_id()
     assert header.public_record_count is None  # stats mode: the count stays encrypted
 
@@ -327,13 +332,21 @@ def _upload(max_bytes: int = 64 + 2 * WIDTH) -> list[owner_pb.UploadMessage]:
     return serde.encode_upload("q1", "fp", "u1", payload(3, 2), max_message_bytes=max_bytes)
 
 
-def _rehash(message: owner_pb.UploadMessage) -> None:
-    message.chunk.sha256 = hashlib.sha256(message.chunk.ciphertexts).digest()
+def _rechain(messages: list[owner_pb.UploadMessage]) -> None:
+    """Recompute every chunk's link (a sender that changed a chunk and fixed the chain)."""
+    link = hashlib.sha256(b"fedpca ciphertext chunk chain v1").digest()
+    for message in messages:
+        if message.WhichOneof("payload") == "chunk":
+            chunk = message.chunk
+            link = hashlib.sha256(
+                link + chunk.index.to_bytes(4, "big") + chunk.ciphertexts
+            ).digest()
+            chunk.sha256 = link
 
 
 def _drop_last_byte(messages: list[owner_pb.UploadMessage]) -> None:
     messages[1].chunk.ciphertexts = messages[1].chunk.ciphertexts[:-1]
-    _rehash(messages[1])
+    _rechain(messages)
 
 
 def _swap_chunks(messages: list[owner_pb.UploadMessage]) -> None:
@@ -350,19 +363,25 @@ def _corrupt_chunk(messages: list[owner_pb.UploadMessage]) -> None:
     messages[2].chunk.ciphertexts = bytes(data)
 
 
-def _corrupt_chunk_and_hash(messages: list[owner_pb.UploadMessage]) -> None:
+def _corrupt_chunk_and_its_link(messages: list[owner_pb.UploadMessage]) -> None:
     _corrupt_chunk(messages)
-    _rehash(messages[2])  # chunk hash fine, content hash must still catch it
+    # Chunk 1's own link made consistent again: chunk 2's link, which commits to it,
+    # no longer continues the chain.
+    previous = messages[1].chunk.sha256
+    chunk = messages[2].chunk
+    chunk.sha256 = hashlib.sha256(
+        previous + chunk.index.to_bytes(4, "big") + chunk.ciphertexts
+    ).digest()
 
 
 def _extra_ciphertext(messages: list[owner_pb.UploadMessage]) -> None:
     messages[3].chunk.ciphertexts += bytes(WIDTH)
-    _rehash(messages[3])
+    _rechain(messages)
 
 
 def _missing_ciphertext(messages: list[owner_pb.UploadMessage]) -> None:
     messages[2].chunk.ciphertexts = messages[2].chunk.ciphertexts[:WIDTH]
-    _rehash(messages[2])
+    _rechain(messages)
 
 
 def _missing_chunk(messages: list[owner_pb.UploadMessage]) -> None:
@@ -374,7 +393,7 @@ def _extra_chunk(messages: list[owner_pb.UploadMessage]) -> None:
     extra.chunk.index = 3
     extra.chunk.ciphertexts = bytes(WIDTH)
     messages.append(extra)
-    _rehash(extra)
+    _rechain(messages)
 
 
 def _fewer_declared_chunks(messages: list[owner_pb.UploadMessage]) -> None:
@@ -383,15 +402,17 @@ def _fewer_declared_chunks(messages: list[owner_pb.UploadMessage]) -> None:
 
 def _empty_chunk(messages: list[owner_pb.UploadMessage]) -> None:
     messages[1].chunk.ciphertexts = b""
-    _rehash(messages[1])
+    _rechain(messages)
 
 
 def _short_chunk_hash(messages: list[owner_pb.UploadMessage]) -> None:
     messages[1].chunk.sha256 = b"\x01" * 31
 
 
-def _bad_content_hash_length(messages: list[owner_pb.UploadMessage]) -> None:
-    messages[0].header.content_sha256 = b""
+def _links_of_another_chunking(messages: list[owner_pb.UploadMessage]) -> None:
+    # The same bytes cut differently: the first chunk's link names other boundaries.
+    other = serde.encode_upload("q1", "fp", "u1", payload(3, 2), max_message_bytes=64 + WIDTH)
+    messages[1].chunk.sha256 = other[1].chunk.sha256
 
 
 def _more_chunks_than_ciphertexts(messages: list[owner_pb.UploadMessage]) -> None:
@@ -424,8 +445,8 @@ def _bad_layout(messages: list[owner_pb.UploadMessage]) -> None:
         (_drop_last_byte, r"chunk 0 has 255 bytes, not a multiple of the ciphertext width 128"),
         (_swap_chunks, r"chunk index 1 arrived, expected 0"),
         (_repeat_chunk, r"chunk index 0 arrived, expected 1"),
-        (_corrupt_chunk, r"chunk 1 SHA-256 mismatch"),
-        (_corrupt_chunk_and_hash, r"content SHA-256 mismatch"),
+        (_corrupt_chunk, r"chunk 1 does not continue the hash chain"),
+        (_corrupt_chunk_and_its_link, r"chunk 2 does not continue the hash chain"),
         (_extra_ciphertext, r"chunk 2 brings the ciphertext count to 6, layout declares 5"),
         (_missing_ciphertext, r"received 4 ciphertexts, layout declares 5"),
         (_missing_chunk, r"stream ended after 2 of 3 declared chunks"),
@@ -433,7 +454,7 @@ def _bad_layout(messages: list[owner_pb.UploadMessage]) -> None:
         (_fewer_declared_chunks, r"chunk 2 exceeds the declared total_chunks=2"),
         (_empty_chunk, r"chunk 0 is empty"),
         (_short_chunk_hash, r"chunk 0 sha256 must be 32 bytes"),
-        (_bad_content_hash_length, r"content_sha256 must be 32 bytes"),
+        (_links_of_another_chunking, r"chunk 0 does not continue the hash chain"),
         (_more_chunks_than_ciphertexts, r"total_chunks=6 must be in \[1, 5\]"),
         (_chunk_first, r"must start with an UploadHeader"),
         (_second_header, r"expected a ciphertext chunk after the upload header, got header"),
@@ -598,6 +619,9 @@ def test_submit_and_query_ref() -> None:
         QueryStatus("q1", QueryState.FAILED, 1, 2, 0, NOW, "quorum not reached"),
         QueryStatus("q1", QueryState.DONE, 2, 2, failure_reason=""),
         QueryStatus("q1", QueryState.COLLECTING, 1, 4, owners_uploading=3),
+        QueryStatus(
+            "q1", QueryState.AGGREGATING, 0, 2, owners_uploading=2, pages_final=3, pages_total=8
+        ),
         # Public declines and the allow-list's size reach the analyst.
         QueryStatus(
             "q1",
@@ -619,11 +643,9 @@ def test_query_status_round_trip(status: QueryStatus) -> None:
     assert serde.query_status_from_proto(serde.query_status_to_proto(status)) == status
 
 
-@pytest.mark.parametrize(
-    "state", [analyst_pb.QUERY_STATE_PENDING, analyst_pb.QUERY_STATE_AGGREGATING]
-)
+@pytest.mark.parametrize("state", [analyst_pb.QUERY_STATE_PENDING])
 def test_query_states_no_proxy_reports_are_refused(state: int) -> None:
-    # The wire numbers PENDING and AGGREGATING, but the lifecycle has no such states.
+    # The wire numbers PENDING, but the lifecycle has no such state.
     message = serde.query_status_to_proto(QueryStatus("q1", QueryState.COLLECTING, 0, 2))
     message.state = state
     with pytest.raises(ProtocolError, match="state: enum value"):
@@ -719,7 +741,7 @@ def test_result_errors() -> None:
         serde.decode_result(messages)
     messages = serde.encode_result(_result(ProtocolMode.STATS))
     messages[1].chunk.ciphertexts = messages[1].chunk.ciphertexts[::-1]
-    with pytest.raises(ProtocolError, match=r"^result of query 'q-pca': chunk 0 SHA-256"):
+    with pytest.raises(ProtocolError, match=r"^result of query 'q-pca': chunk 0 does not continue"):
         serde.decode_result(messages)
     messages = serde.encode_result(_result(ProtocolMode.STATS))
     messages[0].header.ClearField("noise")

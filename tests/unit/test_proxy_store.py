@@ -1,13 +1,15 @@
-"""The proxy's SQLite store: chunk folds taken out exactly when an upload does not
-complete, idempotent uploads, replay refusal, durability, declines and refunds, and
-migrations of older databases."""
+"""The proxy's SQLite store: contributors and their durable marks, chunks folded exactly
+once (resumed, never refolded), the exact take-out while the contributors are open,
+result pages released once, group commit, declines and refunds, and migrations of
+older databases."""
 
 from __future__ import annotations
 
 import json
 import math
 import sqlite3
-from collections.abc import Callable
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +32,20 @@ from fedpca.proxy.config import (
     TlsConfig,
 )
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.store import SCHEMA_VERSION, ProxyStore, UploadCompletion
+from fedpca.proxy.store import (
+    SCHEMA_VERSION,
+    Contributor,
+    Joined,
+    NotContributingError,
+    ProxyStore,
+    UploadCompletion,
+)
 from fedpca.query import Neighbouring
 
 PRIME = 65521  # the toy group: Z*_p with 2-byte elements, p the largest 16-bit prime
 TOTAL = 8  # ciphertexts per upload in these tests
 PAGE = 3  # ciphertexts per page: uploads span pages 0-2, the last one short
+V3_SCHEMA = Path(__file__).resolve().parents[1] / "data" / "proxy_schema_v3.sql"
 
 
 class ToyGroup:
@@ -49,7 +59,7 @@ class ToyGroup:
         return [int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2)]
 
     @staticmethod
-    def _bytes(values: list[int]) -> bytes:
+    def _bytes(values: Sequence[int]) -> bytes:
         return b"".join(v.to_bytes(2, "big") for v in values)
 
     def add(self, current: bytes, data: bytes) -> bytes:
@@ -68,160 +78,240 @@ def upload_values(seed: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % (PRIME - 1) + 1 for i in range(TOTAL)]
 
 
-def product(*uploads: list[int]) -> bytes:
+def product(*uploads: Sequence[int]) -> list[int]:
     out = [1] * TOTAL
     for values in uploads:
         out = [a * b % PRIME for a, b in zip(out, values, strict=True)]
-    return ToyGroup._bytes(out)
+    return out
+
+
+def as_bytes(values: Sequence[int]) -> bytes:
+    return ToyGroup._bytes(values)
+
+
+def create(store: ProxyStore, query: str = "q1", quorum: int = 2, **spec: Any) -> None:
+    store.create_query(
+        query,
+        "alice",
+        {"quorum": quorum, **spec},
+        {"key_bits": 8, "result_blocks": [{"name": "shares"}]},
+        deadline_at=1e12,
+    )
+
+
+def join(
+    store: ProxyStore,
+    owner: str,
+    upload: str,
+    query: str = "q1",
+    meta: dict[str, Any] | None = None,
+    public_count: int | None = None,
+) -> Joined:
+    def on_fixed(contributors: Sequence[Contributor]) -> dict[str, Any]:
+        return meta if meta is not None else {"n_owners": len(contributors)}
+
+    return store.join(
+        query,
+        owner,
+        upload,
+        total_ciphertexts=TOTAL,
+        algebra=GROUP,
+        public_count=public_count,
+        on_fixed=on_fixed,
+    )
 
 
 def fold(
     store: ProxyStore,
     owner: str,
     upload: str,
-    values: list[int],
+    values: Sequence[int],
     *,
-    stream: int = 1,
     cuts: tuple[int, ...] = (TOTAL,),
+    start: int = 0,
     query: str = "q1",
-) -> None:
-    """Fold ``values`` as chunks ending at ``cuts``."""
-    start = 0
+) -> list[bool]:
+    """Fold ``values[start:]`` as chunks ending at ``cuts``; returns which were folded."""
+    folded = []
     for end in cuts:
-        store.fold_chunk(
-            query, owner, upload, stream, start, ToyGroup._bytes(values[start:end]), TOTAL, GROUP
+        result = store.fold_chunk(
+            query, owner, upload, start, as_bytes(values[start:end]), TOTAL, GROUP
         )
+        folded.append(result.folded)
         start = end
+    return folded
 
 
 def complete(
-    store: ProxyStore,
-    owner: str,
-    upload: str,
-    digest: str,
-    *,
-    query: str = "q1",
-    stream: int = 1,
-    before_accept: Callable[[int], None] | None = None,
+    store: ProxyStore, owner: str, upload: str, digest: str, *, query: str = "q1"
 ) -> UploadCompletion:
-    return store.complete_upload(
-        query, owner, upload, stream, digest, TOTAL, GROUP, before_accept=before_accept
-    )
+    return store.complete_upload(query, owner, upload, digest, TOTAL)
+
+
+def aggregate(store: ProxyStore, query: str = "q1") -> list[int]:
+    return ToyGroup._values(store.aggregate(query))
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> ProxyStore:
     s = ProxyStore(tmp_path / "proxy.sqlite3", page_ciphertexts=PAGE)
-    s.create_query("q1", "alice", {"k": 1}, {"blocks": []}, deadline_at=1e12)
+    create(s)
     return s
+
+
+# ------------------------------------------------------------ contributors, folds
+def test_the_first_quorum_owners_to_begin_are_the_contributors(store: ProxyStore) -> None:
+    assert join(store, "o1", "u1") == Joined(covered=0)
+    assert store.query("q1").state is QueryState.COLLECTING and store.query("q1").uploads_begun
+    assert store.result_meta("q1") is None
+    assert join(store, "o2", "u2", meta={"n_owners": 2, "mode": "stats"}) == Joined(
+        covered=0, fixed=True
+    )
+    assert store.query("q1").state is QueryState.AGGREGATING
+    assert store.result_meta("q1") == {"n_owners": 2, "mode": "stats"}
+    assert [c.owner_id for c in store.contributors("q1")] == ["o1", "o2"]
+    with pytest.raises(NotContributingError, match="contributors are fixed"):
+        join(store, "o3", "u3")
+    assert [c.owner_id for c in store.contributors("q1")] == ["o1", "o2"]
 
 
 def test_chunks_cut_anywhere_fold_into_the_element_wise_product(store: ProxyStore) -> None:
     a, b = upload_values(1), upload_values(2)
-    fold(store, "o1", "u1", a, cuts=(1, 5, 8))  # chunk 1-5 spans pages 0 and 1
+    join(store, "o1", "u1")
+    assert fold(store, "o1", "u1", a, cuts=(1, 5, 8)) == [True] * 3  # 1-5 spans pages 0, 1
     # Folded as the chunks arrived, before the upload completes.
-    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {"o1": 3}
+    assert aggregate(store) == product(a) and store.partial_uploads("q1") == {"o1": TOTAL}
+    join(store, "o2", "u2")
     fold(store, "o2", "u2", b, cuts=(4, 8))
     first = complete(store, "o1", "u1", "h1")
     second = complete(store, "o2", "u2", "h2")
     assert (first.duplicate, first.n_contributed) == (False, 1)
     assert (second.duplicate, second.n_contributed) == (False, 2)
-    assert store.aggregate("q1") == product(a, b)
-    assert store.partial_uploads("q1") == {}
+    assert aggregate(store) == product(a, b) and store.partial_uploads("q1") == {}
+
+
+def test_a_resumed_upload_skips_what_is_folded_and_continues_at_its_mark(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.sqlite3"
+    s = ProxyStore(path, page_ciphertexts=PAGE)
+    create(s, quorum=1)
+    a = upload_values(1)
+    join(s, "o1", "u1")
+    fold(s, "o1", "u1", a, cuts=(2, 5))
+    s.close()  # the proxy dies here; the contributors were fixed, so nothing is taken out
+    reopened = ProxyStore(path, page_ciphertexts=PAGE)
+    assert reopened.discard_partial_uploads("q1", total_ciphertexts=TOTAL, algebra=GROUP) == 0
+    assert join(reopened, "o1", "u1") == Joined(covered=5)
+    # A resend cut at other boundaries cannot be resumed: it straddles the mark.
+    with pytest.raises(ProtocolError, match="a chunk at position 4, the proxy holds the first 5"):
+        fold(reopened, "o1", "u1", a, cuts=(8,), start=4)
+    # The owner resends from the start: the chunks below its mark are skipped.
+    assert fold(reopened, "o1", "u1", a, cuts=(2, 5, 8)) == [False, False, True]
+    assert fold(reopened, "o1", "u1", a, cuts=(8,), start=7) == [False]
+    assert aggregate(reopened) == product(a)
+    assert complete(reopened, "o1", "u1", "h1").n_contributed == 1
+
+
+def test_a_chunk_beyond_the_mark_is_refused(store: ProxyStore) -> None:
+    a = upload_values(1)
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", a, cuts=(3,))
+    with pytest.raises(ProtocolError, match="a chunk at position 5, the proxy holds the first 3"):
+        fold(store, "o1", "u1", a, cuts=(8,), start=5)
+    with pytest.raises(ProtocolError, match="is not a contribution to query 'q1'"):
+        fold(store, "o9", "u9", a)
+    with pytest.raises(ProtocolError, match="is not a contribution to query 'q1'"):
+        fold(store, "o1", "u-other", a, cuts=(4,), start=3)
+    assert aggregate(store) == a[:3]  # page 0 only: the others were never touched
+
+
+def test_a_broken_upload_is_taken_out_exactly_while_the_set_is_open(store: ProxyStore) -> None:
+    a, b = upload_values(1), upload_values(2)
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", a)
+    complete(store, "o1", "u1", "h1")
+    before = store.aggregate("q1")
+    store.create_query("q3", "alice", {"quorum": 3}, {}, deadline_at=1e12)
+    join(store, "o1", "u1", query="q3")
+    join(store, "o2", "u2", query="q3")
+    fold(store, "o2", "u2", b, cuts=(2, 7), query="q3")  # never finished
+    assert store.abandon("q3", "o2", "u2", total_ciphertexts=TOTAL, algebra=GROUP) == 2
+    assert store.aggregate("q3") == b""  # its pages were dropped, not left at "1"
+    assert [c.owner_id for c in store.contributors("q3")] == ["o1"]  # its place is free
+    assert join(store, "o4", "u4", query="q3") == Joined(covered=0)
+    assert store.aggregate("q1") == before  # other queries untouched
+
+
+def test_once_the_set_is_fixed_a_broken_upload_is_kept_for_resumption(store: ProxyStore) -> None:
+    a = upload_values(1)
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", a, cuts=(3,))  # staged: the set is still open
+    join(store, "o2", "u2")  # fixed: staged copies dropped, nothing taken out any more
+    fold(store, "o1", "u1", a, cuts=(6,), start=3)
+    assert store.abandon("q1", "o1", "u1", total_ciphertexts=TOTAL, algebra=GROUP) == 0
+    assert store.partial_uploads("q1") == {"o1": 6, "o2": 0}
+    assert aggregate(store) == a[:6]  # pages 0 and 1
+
+
+def test_a_new_upload_id_starts_over_while_open_and_is_refused_once_fixed(
+    store: ProxyStore,
+) -> None:
+    a, a2 = upload_values(1), upload_values(5)
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", a, cuts=(4,))
+    # The owner lost its state and begins again under a new id: the old part goes.
+    assert join(store, "o1", "u1-new") == Joined(covered=0)
+    assert store.aggregate("q1") == b""
+    fold(store, "o1", "u1-new", a2, cuts=(4,))
+    join(store, "o2", "u2")  # fixed
+    with pytest.raises(ProtocolError, match="resume it with the same upload id"):
+        join(store, "o1", "u1-again")
+    assert join(store, "o1", "u1-new") == Joined(covered=4)
 
 
 def test_retry_of_an_accepted_upload_is_duplicate_and_folds_nothing(store: ProxyStore) -> None:
     a = upload_values(1)
+    join(store, "o1", "u1")
     fold(store, "o1", "u1", a)
     complete(store, "o1", "u1", "h1")
-    # The retry resends its chunks (they are not folded) and completes as duplicate.
-    assert not store.fold_chunk("q1", "o1", "u1", 2, 0, ToyGroup._bytes(a), TOTAL, GROUP)
-    retry = complete(store, "o1", "u1", "h1", stream=2)
+    assert join(store, "o1", "u1") == Joined(covered=TOTAL, duplicate=True)
+    retry = complete(store, "o1", "u1", "h1")
     assert (retry.duplicate, retry.n_contributed) == (True, 1)
-    assert store.aggregate("q1") == product(a) and store.query("q1").n_contributed == 1
-
-
-def test_abandoned_upload_is_taken_out_byte_for_byte(store: ProxyStore) -> None:
-    fold(store, "o2", "u2", upload_values(2), cuts=(2, 7))  # never finished: its only part
-    assert store.discard_stream("q1", "o2", 1, GROUP) == 2
-    assert store.aggregate("q1") == b""  # its pages were dropped, not left at "1"
-    a = upload_values(1)
-    fold(store, "o1", "u1", a)
-    complete(store, "o1", "u1", "h1")
-    before = store.aggregate("q1")
-    fold(store, "o2", "u2", upload_values(2), cuts=(5,))
-    assert store.aggregate("q1") != before
-    assert store.discard_stream("q1", "o2", 1, GROUP) == 1
-    assert store.aggregate("q1") == before
-    with pytest.raises(ProtocolError, match="cover 0 of 8"):
-        complete(store, "o2", "u2", "h2")
-    assert store.query("q1").n_contributed == 1
-
-
-def test_a_newer_stream_takes_over_and_the_older_is_refused(store: ProxyStore) -> None:
-    a = upload_values(1)
-    fold(store, "o1", "u1", a, stream=1, cuts=(3,))
-    fold(store, "o1", "u1", a, stream=2, cuts=(3,))  # reconnected: the old part goes
-    assert store.aggregate("q1") == ToyGroup._bytes(a[:3])
-    with pytest.raises(ProtocolError, match="superseded"):
-        store.fold_chunk("q1", "o1", "u1", 1, 3, ToyGroup._bytes(a[3:]), TOTAL, GROUP)
-    with pytest.raises(ProtocolError, match="cover 0 of 8"):
-        complete(store, "o1", "u1", "h1", stream=1)
-    assert store.aggregate("q1") == ToyGroup._bytes(a[:3])  # the refusal took out nothing
-    store.fold_chunk("q1", "o1", "u1", 2, 3, ToyGroup._bytes(a[3:]), TOTAL, GROUP)
-    assert complete(store, "o1", "u1", "h1", stream=2).n_contributed == 1
-    assert store.aggregate("q1") == product(a)
-
-
-def test_second_different_upload_from_same_owner_is_refused(store: ProxyStore) -> None:
-    a = upload_values(1)
-    fold(store, "o1", "u1", a)
-    complete(store, "o1", "u1", "h1")
+    assert aggregate(store) == product(a) and store.query("q1").n_contributed == 1
     with pytest.raises(ProtocolError, match="different upload"):
-        fold(store, "o1", "u2", upload_values(2))
+        join(store, "o1", "u2")
     with pytest.raises(ProtocolError, match="different upload"):
-        complete(store, "o1", "u2", "h2", stream=2)
-    assert store.aggregate("q1") == product(a)
+        complete(store, "o1", "u2", "h2")
 
 
-def test_replay_into_another_query_is_refused_and_taken_out(store: ProxyStore) -> None:
-    store.create_query("q2", "alice", {"k": 2}, {"blocks": []}, deadline_at=1e12)
+def test_an_incomplete_upload_cannot_complete(store: ProxyStore) -> None:
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", upload_values(1), cuts=(5,))
+    with pytest.raises(ProtocolError, match="cover 5 of 8"):
+        complete(store, "o1", "u1", "h1")
+    with pytest.raises(ProtocolError, match="cover 0 of 8"):
+        complete(store, "o9", "u9", "h9")
+    assert store.query("q1").n_contributed == 0
+
+
+def test_replay_into_another_query_is_refused(store: ProxyStore) -> None:
+    create(store, "q2", quorum=1)
     a = upload_values(1)
+    join(store, "o1", "u1")
     fold(store, "o1", "u1", a)
     complete(store, "o1", "u1", "h1")
+    join(store, "o1", "u9", query="q2")
     fold(store, "o1", "u9", a, query="q2")
     with pytest.raises(ProtocolError, match="replayed"):
         complete(store, "o1", "u9", "h1", query="q2")
-    assert store.aggregate("q2") == b"" and store.partial_uploads("q2") == {}
     assert store.query("q2").n_contributed == 0
-
-
-def test_before_accept_sees_the_count_and_a_refusal_is_taken_out(store: ProxyStore) -> None:
-    seen: list[int] = []
-
-    def at_most_one(n_contributed: int) -> None:
-        seen.append(n_contributed)
-        if n_contributed >= 1:
-            raise QueryStateError("full")
-
-    a = upload_values(1)
-    fold(store, "o1", "u1", a)
-    complete(store, "o1", "u1", "h1", before_accept=at_most_one)
-    fold(store, "o2", "u2", upload_values(2), cuts=(4, 8))
-    with pytest.raises(QueryStateError, match="full"):
-        complete(store, "o2", "u2", "h2", before_accept=at_most_one)
-    assert seen == [0, 1]
-    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {}
-    assert [u.owner_id for u in store.uploads("q1")] == ["o1"]
-    # A retry of the accepted upload is a duplicate, not refused by the hook.
-    assert complete(store, "o1", "u1", "h1", before_accept=at_most_one).duplicate
-    assert seen == [0, 1]
 
 
 def test_a_failure_inside_a_fold_leaves_the_store_untouched(store: ProxyStore) -> None:
     a = upload_values(1)
-    fold(store, "o1", "u1", a)
-    complete(store, "o1", "u1", "h1")
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", a, cuts=(2,))
 
     class BreaksOnSecondPage(ToyGroup):
         calls = 0
@@ -232,74 +322,178 @@ def test_a_failure_inside_a_fold_leaves_the_store_untouched(store: ProxyStore) -
                 raise RuntimeError("boom between two pages of one chunk")
             return super().add(current, data)
 
+    before = store.aggregate("q1")
     with pytest.raises(RuntimeError, match="boom"):
-        data = ToyGroup._bytes(upload_values(2))
-        store.fold_chunk("q1", "o2", "u2", 1, 0, data, TOTAL, BreaksOnSecondPage())
-    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {}
-
-
-def test_closing_takes_uploads_in_progress_out(store: ProxyStore) -> None:
-    a = upload_values(1)
-    fold(store, "o1", "u1", a)
-    complete(store, "o1", "u1", "h1")
-    fold(store, "o2", "u2", upload_values(2), cuts=(4,))
-    with pytest.raises(QueryStateError, match="algebra"):
-        store.set_state("q1", QueryState.NOISING, expect=(QueryState.COLLECTING,))
-    store.set_state("q1", QueryState.NOISING, expect=(QueryState.COLLECTING,), algebra=GROUP)
-    assert store.aggregate("q1") == product(a) and store.partial_uploads("q1") == {}
-    with pytest.raises(QueryStateError, match="no longer accepted"):
-        fold(store, "o2", "u2", upload_values(2), cuts=(4, 8), stream=2)
-    with pytest.raises(QueryStateError, match="no longer accepted"):
-        complete(store, "o2", "u2", "h2", stream=2)
-    # The accepted upload's retry is still answered "duplicate" after closing.
-    assert not store.fold_chunk("q1", "o1", "u1", 3, 0, ToyGroup._bytes(a), TOTAL, GROUP)
-    assert complete(store, "o1", "u1", "h1", stream=3).duplicate
-
-
-def test_a_failing_query_drops_uploads_in_progress(store: ProxyStore) -> None:
-    fold(store, "o2", "u2", upload_values(2), cuts=(4,))
-    store.set_state("q1", QueryState.FAILED, expect=(QueryState.COLLECTING,), failure_reason="x")
-    assert store.partial_uploads("q1") == {}
-
-
-def test_uploads_in_progress_survive_a_crash_until_discarded(tmp_path: Path) -> None:
-    path = tmp_path / "p.sqlite3"
-    s = ProxyStore(path, page_ciphertexts=PAGE)
-    s.create_query("q", "alice", {}, {}, deadline_at=1e12)
-    a = upload_values(1)
-    fold(s, "o1", "u1", a, query="q")
-    complete(s, "o1", "u1", "h1", query="q")
-    fold(s, "o2", "u2", upload_values(2), cuts=(2, 6), query="q")
-    s.close()  # the process dies here
-    reopened = ProxyStore(path, page_ciphertexts=PAGE)
-    assert reopened.partial_uploads("q") == {"o2": 2}
-    assert reopened.discard_partial_uploads("q", GROUP) == 2
-    assert reopened.aggregate("q") == product(a) and reopened.query("q").n_contributed == 1
+        store.fold_chunk("q1", "o1", "u1", 2, as_bytes(a[2:8]), TOTAL, BreaksOnSecondPage())
+    assert store.aggregate("q1") == before and store.partial_uploads("q1") == {"o1": 2}
 
 
 def test_chunks_outside_the_layout_are_refused(store: ProxyStore) -> None:
-    data = ToyGroup._bytes(upload_values(1))
+    join(store, "o1", "u1")
+    data = as_bytes(upload_values(1))
     for start, payload in ((1, data), (-1, data[:2]), (0, b""), (0, data[:3])):
         with pytest.raises(ProtocolError, match="does not fit"):
-            store.fold_chunk("q1", "o1", "u1", 1, start, payload, TOTAL, GROUP)
+            store.fold_chunk("q1", "o1", "u1", start, payload, TOTAL, GROUP)
     assert store.aggregate("q1") == b""
 
 
-def test_result_is_stored_once_and_survives_reopen(tmp_path: Path) -> None:
+def test_late_and_unknown_joins_are_refused(tmp_path: Path) -> None:
+    now = [100.0]
+    s = ProxyStore(tmp_path / "p.sqlite3", page_ciphertexts=PAGE, clock=lambda: now[0])
+    s.create_query("q1", "alice", {"quorum": 2}, {}, deadline_at=200.0)
+    join(s, "o1", "u1")
+    now[0] = 200.0
+    with pytest.raises(NotContributingError, match="deadline has passed"):
+        join(s, "o2", "u2")
+    assert join(s, "o1", "u1") == Joined(covered=0)  # a contributor may still resume
+    with pytest.raises(NotFoundError):
+        join(s, "o1", "u1", query="nope")
+    s.set_state("q1", QueryState.FAILED, failure_reason="deadline")
+    with pytest.raises(QueryStateError, match="failed: deadline"):
+        join(s, "o1", "u1")
+
+
+# ------------------------------------------------------------------ result pages
+def noise_page(page: int, start: int, count: int) -> bytes:
+    return as_bytes([7 + start + i for i in range(count)])
+
+
+def test_pages_become_final_as_every_contributor_passes_them(store: ProxyStore) -> None:
+    a, b = upload_values(1), upload_values(2)
+    join(store, "o1", "u1")
+    join(store, "o2", "u2")
+    fold(store, "o1", "u1", a, cuts=(5,))
+    assert store.aggregated_through("q1") == 0
+    assert store.finalize_pages("q1", TOTAL, GROUP, noise_page).new_pages == 0
+    fold(store, "o2", "u2", b, cuts=(4,))
+    assert store.aggregated_through("q1") == 4
+    first = store.finalize_pages("q1", TOTAL, GROUP, noise_page)
+    assert (first.new_pages, first.pages_final, first.done) == (1, 1, False)  # page 0 only
+    expected = [x * y * (7 + i) % PRIME for i, (x, y) in enumerate(zip(a, b, strict=True))]
+    assert store.result_pages("q1") == [as_bytes(expected[0:3])]
+    fold(store, "o1", "u1", a, cuts=(8,), start=5)
+    fold(store, "o2", "u2", b, cuts=(8,), start=4)
+    last = store.finalize_pages("q1", TOTAL, GROUP, noise_page)
+    assert (last.new_pages, last.pages_final, last.done) == (2, 3, True)
+    assert store.query("q1").state is QueryState.DONE
+    assert b"".join(store.result_pages("q1")) == as_bytes(expected)
+    assert store.result_pages("q1", 2) == [as_bytes(expected[6:8])]
+    # A released page never changes; completions after DONE are still recorded.
+    assert store.finalize_pages("q1", TOTAL, GROUP, None) == last.__class__(0, 3, True)
+    assert complete(store, "o1", "u1", "h1").n_contributed == 1
+    assert b"".join(store.result_pages("q1")) == as_bytes(expected)
+
+
+def test_pages_are_not_released_while_the_contributors_are_open(store: ProxyStore) -> None:
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", upload_values(1))
+    assert store.finalize_pages("q1", TOTAL, GROUP, None).pages_final == 0
+    assert store.pages_final("q1") == 0
+
+
+def test_a_masked_result_is_stored_once_as_pages_and_survives_reopen(tmp_path: Path) -> None:
     path = tmp_path / "p.sqlite3"
-    s = ProxyStore(path)
-    s.create_query("q", "alice", {}, {}, deadline_at=1e12)
-    s.set_state("q", QueryState.NOISING, expect=(QueryState.COLLECTING,))
-    s.store_result("q", {"scatter": b"noised"}, {"n_owners": 1})
+    s = ProxyStore(path, page_ciphertexts=PAGE)
+    create(s, quorum=1)
+    with pytest.raises(QueryStateError, match="cannot store a result"):
+        s.store_result("q1", b"", {})
+    join(s, "o1", "u1", meta={"n_owners": 1})
+    s.set_state("q1", QueryState.NOISING, expect=(QueryState.AGGREGATING,))
+    data = bytes(range(2 * 7))  # 7 one-byte-key "ciphertexts" of 2 bytes: pages 3, 3, 1
+    s.store_result("q1", data, {"timings": {"noise_seconds": 1.0}})
     with pytest.raises(QueryStateError):
-        s.store_result("q", {"scatter": b"again"}, {"n_owners": 1})
+        s.store_result("q1", data, {})
     s.close()
-    reopened = ProxyStore(path)
-    blocks, meta = reopened.result("q")
-    assert blocks == {"scatter": b"noised"} and meta == {"n_owners": 1}
-    assert reopened.query("q").state is QueryState.DONE
+    reopened = ProxyStore(path, page_ciphertexts=PAGE)
+    assert reopened.result_pages("q1") == [data[0:6], data[6:12], data[12:14]]
+    assert reopened.result_meta("q1") == {"n_owners": 1, "timings": {"noise_seconds": 1.0}}
+    assert reopened.query("q1").state is QueryState.DONE
 
 
+# -------------------------------------------------------------------- group commit
+def test_concurrent_folds_share_commits_and_all_are_durable(tmp_path: Path) -> None:
+    path = tmp_path / "p.sqlite3"
+    s = ProxyStore(path, page_ciphertexts=PAGE)
+    owners = [f"o{i}" for i in range(12)]
+    create(s, quorum=len(owners))
+    for owner in owners:
+        join(s, owner, f"u-{owner}")
+    barrier = threading.Barrier(len(owners))
+    errors: list[BaseException] = []
+
+    def upload(index: int, owner: str) -> None:
+        try:
+            barrier.wait()
+            fold(s, owner, f"u-{owner}", upload_values(index), cuts=(1, 2, 3, 4, 5, 6, 7, 8))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=upload, args=(i, o)) for i, o in enumerate(owners)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    operations, commits = s.commit_stats
+    assert operations == len(owners) * (TOTAL + 1)  # every join and every fold
+    assert commits < operations  # some shared a commit (concurrent writers)
+    s.close()
+    reopened = ProxyStore(path, page_ciphertexts=PAGE)
+    assert aggregate(reopened) == product(*(upload_values(i) for i in range(len(owners))))
+
+
+def test_a_failing_operation_of_a_group_fails_alone(tmp_path: Path) -> None:
+    s = ProxyStore(tmp_path / "p.sqlite3", page_ciphertexts=PAGE)
+    create(s, quorum=2)
+    join(s, "o1", "u1")
+    join(s, "o2", "u2")
+    started = threading.Event()
+    release = threading.Event()
+
+    class Slow(ToyGroup):
+        def add(self, current: bytes, data: bytes) -> bytes:
+            started.set()
+            release.wait(5)
+            return super().add(current, data)
+
+    a, b = upload_values(1), upload_values(2)
+    outcomes: dict[str, Any] = {}
+
+    def slow_fold() -> None:  # leads the first group, holding the others back
+        outcomes["slow"] = s.fold_chunk("q1", "o1", "u1", 0, as_bytes(a[:3]), TOTAL, Slow())
+
+    def bad_fold() -> None:
+        try:
+            s.fold_chunk("q1", "o2", "u2", 5, as_bytes(b[5:8]), TOTAL, GROUP)
+        except ProtocolError as exc:
+            outcomes["bad"] = exc
+
+    def good_fold() -> None:
+        outcomes["good"] = s.fold_chunk("q1", "o2", "u2", 0, as_bytes(b[:3]), TOTAL, GROUP)
+
+    leader = threading.Thread(target=slow_fold)
+    leader.start()
+    assert started.wait(5)
+    others = [threading.Thread(target=bad_fold), threading.Thread(target=good_fold)]
+    for thread in others:
+        thread.start()
+    release.set()
+    for thread in [leader, *others]:
+        thread.join()
+    assert outcomes["slow"].folded and outcomes["good"].folded
+    assert isinstance(outcomes["bad"], ProtocolError)
+    assert s.partial_uploads("q1") == {"o1": 3, "o2": 3}
+
+
+def test_without_group_commit_every_operation_commits_alone(tmp_path: Path) -> None:
+    s = ProxyStore(tmp_path / "p.sqlite3", page_ciphertexts=PAGE, group_commit=False)
+    create(s, quorum=1)
+    join(s, "o1", "u1")
+    fold(s, "o1", "u1", upload_values(1), cuts=(2, 4, 8))
+    assert s.commit_stats == (4, 4)
+
+
+# ------------------------------------------------------------------ the rest
 def test_unknown_query_and_conflicting_resubmission(store: ProxyStore) -> None:
     with pytest.raises(NotFoundError):
         store.query("nope")
@@ -307,9 +501,9 @@ def test_unknown_query_and_conflicting_resubmission(store: ProxyStore) -> None:
         fold(store, "o1", "u", upload_values(1), query="nope")
     with pytest.raises(NotFoundError):
         complete(store, "o1", "u", "h", query="nope")
-    assert store.create_query("q1", "alice", {"k": 1}, {"blocks": []}, 1e12).query_id == "q1"
+    assert store.create_query("q1", "alice", {"quorum": 2}, {}, 1e12).query_id == "q1"
     with pytest.raises(ProtocolError, match="different spec"):
-        store.create_query("q1", "alice", {"k": 2}, {"blocks": []}, 1e12)
+        store.create_query("q1", "alice", {"k": 2}, {}, 1e12)
 
 
 def test_before_insert_runs_in_the_same_transaction(store: ProxyStore) -> None:
@@ -335,60 +529,22 @@ def test_an_owner_chunk_is_one_aggregate_page_at_2048_bits() -> None:
     assert ciphertexts_per_chunk(width, UPLOAD_CHUNK_BYTES) == PAGE_CIPHERTEXTS
 
 
-def _as_version_1(path: Path, *, collecting: bool) -> None:
-    """Turn a fresh database into what fedpca with schema version 1 left behind."""
-    store = ProxyStore(path)
-    store.create_query("q-old", "alice", {}, {}, deadline_at=1e12)
-    if not collecting:
-        store.set_state("q-old", QueryState.FAILED, failure_reason="old")
-    store.close()
-    conn = sqlite3.connect(str(path))
-    with conn:
-        conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
-        conn.execute("CREATE TABLE aggregates (query_id TEXT, block TEXT, data BLOB)")
-        conn.execute("INSERT INTO aggregates VALUES ('q-old', 'shares', x'01')")
-    conn.close()
-
-
-def test_a_version_1_database_is_migrated_when_nothing_is_in_flight(tmp_path: Path) -> None:
-    path = tmp_path / "v1.sqlite3"
-    _as_version_1(path, collecting=False)
-    store = ProxyStore(path)
-    # Through version 2 to the current one: the query is keyed by its analyst now.
-    assert store.query("alice/q-old").state is QueryState.FAILED
-    with pytest.raises(NotFoundError):
-        store.query("q-old")
-    conn = sqlite3.connect(str(path))
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
-    conn.close()
-    assert "aggregates" not in tables and {"aggregate_pages", "upload_chunks"} <= tables
-    assert version == str(SCHEMA_VERSION) == "3"
-
-
-def test_a_version_1_database_with_a_query_in_flight_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "v1.sqlite3"
-    _as_version_1(path, collecting=True)
-    with pytest.raises(QueryStateError, match=r"in flight \(q-old\).*previous fedpca version"):
-        ProxyStore(path)
-    conn = sqlite3.connect(str(path))  # untouched: the old version can still finish it
-    assert conn.execute("SELECT COUNT(*) FROM aggregates").fetchone()[0] == 1
-    conn.close()
-
-
-# ---------------------------------------------------------------- refunds, declines
 def test_a_failed_query_is_refunded_only_if_no_upload_began(store: ProxyStore) -> None:
-    store.create_query("q2", "alice", {"k": 2}, {"blocks": []}, deadline_at=1e12)
+    create(store, "q2")
     with store.transaction() as conn:
         store.record_release(conn, "alice", "q1", {"query_id": "q1"})
         store.record_release(conn, "alice", "q2", {"query_id": "q2"})
     assert not store.query("q1").uploads_begun
-    store.mark_upload_begun("q1")
+    join(store, "o1", "u1")
+    fold(store, "o1", "u1", upload_values(1), cuts=(3,))
     assert store.query("q1").uploads_begun and not store.query("q2").uploads_begun
-    store.set_state("q1", QueryState.FAILED, failure_reason="deadline", algebra=GROUP)
-    store.set_state("q2", QueryState.FAILED, failure_reason="deadline", algebra=GROUP)
+    store.set_state("q1", QueryState.FAILED, failure_reason="deadline")
+    store.set_state("q2", QueryState.FAILED, failure_reason="deadline")
     # q2 never saw an upload begin: refunded; q1 did (owners may have spent): charged.
     assert store.releases("alice") == [{"query_id": "q1"}]
+    assert store.partial_uploads("q1") == {"o1": 3}  # the mark stays; staged copies go
+    with store.transaction() as conn:
+        assert conn.execute("SELECT COUNT(*) FROM staged_chunks").fetchone()[0] == 0
 
 
 def test_declines_are_recorded_only_while_collecting_and_before_an_upload(
@@ -397,70 +553,104 @@ def test_declines_are_recorded_only_while_collecting_and_before_an_upload(
     store.record_decline("q1", "o2", "policy_refusal: epsilon")
     store.record_decline("q1", "o2", "key_not_pinned")  # a second decline replaces the first
     assert store.declines("q1") == {"o2": "key_not_pinned"}
-    fold(store, "o1", "u1", upload_values(1))
-    complete(store, "o1", "u1", "h1")
-    with pytest.raises(QueryStateError, match="already uploaded"):
-        store.record_decline("q1", "o1", "policy_refusal")
+    create(store, "q2", quorum=1)
+    join(store, "o1", "u1", query="q2")
+    fold(store, "o1", "u1", upload_values(1), query="q2")
+    complete(store, "o1", "u1", "h1", query="q2")
+    with pytest.raises(QueryStateError, match="no longer recorded"):
+        store.record_decline("q2", "o1", "policy_refusal")
     with pytest.raises(NotFoundError):
         store.record_decline("nope", "o1", "policy_refusal")
-    store.set_state("q1", QueryState.NOISING, expect=(QueryState.COLLECTING,), algebra=GROUP)
+    join(store, "o1", "u1")
+    join(store, "o3", "u3")  # fixed: nobody else is needed, declines are not recorded
     with pytest.raises(QueryStateError, match="no longer recorded"):
-        store.record_decline("q1", "o3", "policy_refusal")
+        store.record_decline("q1", "o4", "policy_refusal")
     assert store.declines("q1") == {"o2": "key_not_pinned"}
 
 
-# ---------------------------------------------------------------- version 2 -> 3
-_V2_EVENTS = {
-    # (analyst, query): noise multiplier z; epsilon 1, delta 1e-5 as fedpca 0.1 stored them.
-    ("alice", "q-stats"): 2.0,
-    ("alice", "q-open"): 3.0,
-    ("bob", "q-masked"): 4.0,
-}
-
-
-def _as_version_2(path: Path, *, open_query: bool = True) -> dict[str, Any]:
-    """A database as fedpca with schema version 2 left it, and what it held.
-
-    Query ids not scoped by analyst; no signature, signer or uploads_begun column;
-    releases without a neighbouring relation (nor sensitivity and delta_extra).
-    ``open_query=False`` leaves q-open out (its spec is no real query: a proxy
-    starting on the database would try to recover it).
-    """
-    store = ProxyStore(path, page_ciphertexts=PAGE)
-    store.create_query("q-stats", "alice", {"mode": "stats"}, {}, deadline_at=1e12)
-    store.create_query("q-masked", "bob", {"mode": "masked"}, {}, deadline_at=1e12)
-    store.create_query("q-open", "alice", {"mode": "stats"}, {}, deadline_at=1e12)
-    fold(store, "o1", "u1", upload_values(1), query="q-stats")
-    complete(store, "o1", "u1", "h1", query="q-stats")
-    store.set_state("q-stats", QueryState.NOISING, expect=(QueryState.COLLECTING,), algebra=GROUP)
-    store.store_result("q-stats", {"shares": b"noised"}, {"n_owners": 1})
-    store.set_state("q-masked", QueryState.FAILED, failure_reason="old", algebra=GROUP)
-    fold(store, "o1", "u1", upload_values(2), query="q-open")
-    complete(store, "o1", "u1", "h2", query="q-open")
-    fold(store, "o2", "u2", upload_values(3), cuts=(2,), query="q-open")  # in flight
-    store.record_decline("q-open", "o3", "policy_refusal")
-    if not open_query:
-        store.set_state("q-open", QueryState.FAILED, failure_reason="old", algebra=GROUP)
-    with store.transaction() as conn:
-        for (analyst, query), z in _V2_EVENTS.items():
+# -------------------------------------------------------------------- migrations
+def _old_database(path: Path, version: int) -> None:
+    """A database as fedpca 0.2.0 (schema 3) left it, or older (fewer columns)."""
+    conn = sqlite3.connect(str(path))
+    with conn:
+        conn.executescript(V3_SCHEMA.read_text())
+        conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(version),))
+        plan = json.dumps({"key_bits": 8, "result_blocks": [{"name": "a"}, {"name": "b"}]})
+        for query, analyst, mode, state in (
+            ("q-stats", "alice", "stats", "done"),
+            ("q-masked", "bob", "masked", "failed"),
+        ):
+            key = query if version < 3 else f"{analyst}/{query}"
+            conn.execute(
+                "INSERT INTO queries(query_id, analyst_id, spec, plan, state, created_at, "
+                "deadline_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, 2, 3)",
+                (key, analyst, json.dumps({"mode": mode}), plan, state),
+            )
+        stats = "q-stats" if version < 3 else "alice/q-stats"
+        # Blocks "a" (2 ciphertexts) and "b" (3), 2 bytes each: pages of 3 in wire order.
+        conn.execute("INSERT INTO results VALUES (?, 'b', x'0b010b020b03')", (stats,))
+        conn.execute("INSERT INTO results VALUES (?, 'a', x'0a010a02')", (stats,))
+        conn.execute("INSERT INTO result_meta VALUES (?, '{\"n_owners\": 1}')", (stats,))
+        for (analyst, query), z in _OLD_EVENTS.items():
             event = {
-                "query_id": query,
+                "query_id": query if version < 3 else f"{analyst}/{query}",
                 "analyst": analyst,
                 "noise_multiplier": z,
                 "epsilon": 1.0,
                 "delta": 1e-5,
                 "timestamp": 1.7e9,
             }
-            store.record_release(conn, analyst, query, event)
-    held = {"aggregate": store.aggregate("q-open"), "result": store.result("q-stats")}
-    store.close()
+            if version >= 3:
+                event["neighbouring"] = "add-remove"
+            conn.execute(
+                "INSERT INTO releases VALUES (?, ?, ?, 1)",
+                (event["query_id"], analyst, json.dumps(event)),
+            )
+        if version < 3:
+            for column in ("signature", "signer", "uploads_begun"):
+                conn.execute(f"ALTER TABLE queries DROP COLUMN {column}")
+        if version == 1:
+            conn.execute("CREATE TABLE aggregates (query_id TEXT, block TEXT, data BLOB)")
+    conn.close()
+
+
+_OLD_EVENTS = {("alice", "q-stats"): 2.0, ("bob", "q-masked"): 4.0}
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_older_databases_are_migrated_with_results_as_pages(tmp_path: Path, version: int) -> None:
+    path = tmp_path / "old.sqlite3"
+    _old_database(path, version)
+    store = ProxyStore(path, page_ciphertexts=PAGE)
+    assert {r.query_id for r in store.queries()} == {"alice/q-stats", "bob/q-masked"}
+    # The result's blocks, in its plan's order (a then b), cut into pages of 3.
+    assert store.result_pages("alice/q-stats") == [
+        bytes.fromhex("0a010a020b01"),
+        bytes.fromhex("0b020b03"),
+    ]
+    assert store.result_meta("alice/q-stats") == {"n_owners": 1}
+    conn = sqlite3.connect(str(path))
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    stored = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+    conn.close()
+    assert not {"aggregates", "results", "upload_chunks"} & tables
+    assert {"contributors", "staged_chunks", "result_pages"} <= tables
+    assert stored == str(SCHEMA_VERSION) == "4"
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_an_older_database_with_a_query_in_flight_is_refused(tmp_path: Path, version: int) -> None:
+    path = tmp_path / "old.sqlite3"
+    _old_database(path, version)
     conn = sqlite3.connect(str(path))
     with conn:
-        for column in ("signature", "signer", "uploads_begun"):
-            conn.execute(f"ALTER TABLE queries DROP COLUMN {column}")
-        conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+        conn.execute("UPDATE queries SET state='collecting' WHERE query_id LIKE '%q-masked'")
     conn.close()
-    return held
+    with pytest.raises(QueryStateError, match=r"in flight \(.*q-masked\).*previous fedpca"):
+        ProxyStore(path)
+    conn = sqlite3.connect(str(path))  # untouched: the old version can still finish it
+    assert conn.execute("SELECT COUNT(*) FROM results").fetchone()[0] == 2
+    conn.close()
 
 
 @pytest.mark.parametrize("relation", list(Neighbouring))
@@ -468,46 +658,32 @@ def test_a_version_2_database_is_keyed_by_analyst_and_its_releases_restated(
     tmp_path: Path, relation: Neighbouring
 ) -> None:
     path = tmp_path / "v2.sqlite3"
-    held = _as_version_2(path)
+    _old_database(path, 2)
     store = ProxyStore(path, page_ciphertexts=PAGE, neighbouring=relation)
-    # Every query under its task id, with all it held, as having had uploads (no
-    # refund for what fedpca 0.1 may have let owners spend).
+    # Every query under its task id, as having had uploads (no refund for what
+    # fedpca 0.1 may have let owners spend).
     records = {r.query_id: r for r in store.queries()}
-    assert set(records) == {"alice/q-stats", "bob/q-masked", "alice/q-open"}
     assert all(r.uploads_begun and r.signature == b"" and r.signer == "" for r in records.values())
-    assert store.result("alice/q-stats") == held["result"]
-    assert store.aggregate("alice/q-open") == held["aggregate"]
-    assert [u.owner_id for u in store.uploads("alice/q-open")] == ["o1"]
-    assert store.partial_uploads("alice/q-open") == {"o2": 1}
-    assert store.declines("alice/q-open") == {"o3": "policy_refusal"}
-    for old in ("q-stats", "q-masked", "q-open"):
+    for old in ("q-stats", "q-masked"):
         with pytest.raises(NotFoundError):
             store.query(old)
     # Releases restated under the deployment's relation (docs/privacy.md, "Ledgers of
     # fedpca 0.1"): stats mode keeps its add/remove z, or half of it under replace-one;
     # masked mode keeps its replace-one z, or has no finite epsilon under add/remove.
     events = {
-        (analyst, e.query_id): e
+        e.query_id: e
         for analyst in ("alice", "bob")
         for e in (PrivacyEvent.from_dict(r) for r in store.releases(analyst))
     }
-    assert set(events) == {
-        ("alice", "alice/q-stats"),
-        ("alice", "alice/q-open"),
-        ("bob", "bob/q-masked"),
-    }
+    assert set(events) == {"alice/q-stats", "bob/q-masked"}
     assert {e.neighbouring for e in events.values()} == {relation}
     halve = 2.0 if relation is Neighbouring.REPLACE_ONE else 1.0
-    assert events["alice", "alice/q-stats"].noise_multiplier == 2.0 / halve
-    assert events["alice", "alice/q-open"].noise_multiplier == 3.0 / halve
-    masked = events["bob", "bob/q-masked"]
+    assert events["alice/q-stats"].noise_multiplier == 2.0 / halve
+    masked = events["bob/q-masked"]
     if relation is Neighbouring.REPLACE_ONE:
         assert masked.noise_multiplier == 4.0 and masked.epsilon == 1.0
     else:
         assert masked.noise_multiplier == 0.0 and math.isinf(masked.epsilon)
-    # The open query fails later: its charge stands (an upload began long ago).
-    store.set_state("alice/q-open", QueryState.FAILED, failure_reason="deadline", algebra=GROUP)
-    assert len(store.releases("alice")) == 2
     ledgers = {a: json.dumps(store.releases(a), sort_keys=True) for a in ("alice", "bob")}
     store.close()
     # Reopening migrates nothing twice (no second halving, no second renaming).
@@ -520,7 +696,7 @@ def test_the_proxy_migrates_its_database_under_its_configured_relation(
     tmp_path: Path, pool: CryptoPool
 ) -> None:
     path = tmp_path / "v2.sqlite3"
-    _as_version_2(path, open_query=False)
+    _old_database(path, 2)
     config = ProxyConfig(
         proxy=ProxySection(listen="127.0.0.1:0", database=path),
         tls=TlsConfig(insecure=True),
@@ -536,4 +712,4 @@ def test_the_proxy_migrates_its_database_under_its_configured_relation(
     finally:
         server.stop(grace=1.0)
     assert {r["neighbouring"] for r in releases} == {"replace-one"}
-    assert budget.n_releases == 2 and 0 < budget.epsilon_spent < math.inf
+    assert budget.n_releases == 1 and 0 < budget.epsilon_spent < math.inf

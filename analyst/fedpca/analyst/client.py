@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,15 +38,19 @@ from fedpca.errors import (
     BudgetExceededError,
     ConfigError,
     FedpcaError,
+    LayoutError,
     NotFoundError,
     ProtocolError,
     QueryStateError,
 )
 from fedpca.messages import (
     BudgetStatus,
+    CiphertextPayload,
+    DecodedChunk,
     QueryResult,
     QueryState,
     QueryStatus,
+    ResultHeader,
     SignedQuery,
 )
 from fedpca.query import QuerySpec
@@ -62,6 +66,7 @@ __all__ = [
     "FetchedResult",
     "ProxyError",
     "ProxyUnavailableError",
+    "ResultStream",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +121,20 @@ def error_from_rpc(error: grpc.RpcError, action: str) -> FedpcaError:
     else:
         message = f"{action}: {details} ({name})"
     return cls(message)
+
+
+@dataclass(frozen=True)
+class ResultStream:
+    """An encrypted result being received.
+
+    Attributes
+    ----------
+    header : the validated header (query, owner count, noise, layout, page count).
+    chunks : the result's pages, each checked (hash chain, size) as it arrives.
+    """
+
+    header: ResultHeader
+    chunks: Iterator[DecodedChunk]
 
 
 @dataclass(frozen=True)
@@ -273,12 +292,15 @@ class AnalystClient:
                 stream = self._stub.WatchQueryStatus(
                     serde.query_ref_to_proto(query_id), timeout=remaining
                 )
-                for message in stream:
-                    status = serde.query_status_from_proto(message)
-                    failures = 0
-                    yield status
-                    if status.terminal:
-                        return
+                try:
+                    for message in stream:
+                        status = serde.query_status_from_proto(message)
+                        failures = 0
+                        yield status
+                        if status.terminal:
+                            return
+                finally:
+                    stream.cancel()  # also when the caller stops early
             except grpc.RpcError as error:
                 mapped = error_from_rpc(error, action)
                 if not isinstance(mapped, ProxyUnavailableError) or (
@@ -298,26 +320,99 @@ class AnalystClient:
                 yield status
                 return
 
-    def fetch(self, query_id: str) -> FetchedResult:
-        """Download and validate the encrypted result of a finished query.
+    def fetch_stream(self, query_id: str, timeout: float | None = None) -> ResultStream:
+        """Open a query's result: its header once the contributors are fixed, then its
+        pages, each as soon as the proxy made it final.
+
+        The proxy holds the call open until the contributors are fixed and while later
+        pages are still being folded, so decrypting the first pages overlaps the owners'
+        encryption of the last ones. A stream that breaks (proxy restart) is re-opened
+        with back-off; the pages it had already delivered must come back identical.
+
+        Parameters
+        ----------
+        query_id : the query.
+        timeout : give up after this many seconds in total (None = never).
 
         Raises
         ------
         ProtocolError
-            The stream is malformed (framing, hashes, layout).
+            The stream is malformed (framing, hash chain, layout) or names another query.
         QueryStateError
-            The query has no result (yet).
+            The query failed (before or while its pages were being released).
         """
         action = f"fetch result of query {query_id!r}"
-        request = serde.query_ref_to_proto(query_id)
-        result = self._unary(
-            action,
-            lambda: serde.decode_result(self._stub.FetchResult(request, timeout=self.timeout)),
-        )
-        if result.query.query_id != query_id:
+        messages = self._result_messages(query_id, timeout, action)
+        header, chunks = serde.read_result_stream(messages)
+        if header.query.query_id != query_id:
             raise ProtocolError(
-                f"{action}: the proxy returned the result of query {result.query.query_id!r}"
+                f"{action}: the proxy returned the result of query {header.query.query_id!r}"
             )
+        return ResultStream(header, chunks)
+
+    def _result_messages(self, query_id: str, timeout: float | None, action: str) -> Iterator[Any]:
+        """FetchResult messages, re-opening the stream after a break; messages seen before
+        the break are compared (not yielded twice) when it is re-opened."""
+        request = serde.query_ref_to_proto(query_id)
+        give_up = None if timeout is None else time.monotonic() + timeout
+        seen: list[bytes] = []
+        failures = 0
+        while True:
+            remaining = None if give_up is None else max(give_up - time.monotonic(), 0.001)
+            index = 0
+            try:
+                for message in self._stub.FetchResult(request, timeout=remaining):
+                    digest = message.SerializeToString(deterministic=True)
+                    if index < len(seen):
+                        if seen[index] != digest:
+                            raise ProtocolError(
+                                f"{action}: message {index} differs from the one received "
+                                "before the stream was re-opened"
+                            )
+                    else:
+                        seen.append(digest)
+                        failures = 0
+                        yield message
+                    index += 1
+                return
+            except grpc.RpcError as error:
+                mapped = error_from_rpc(error, action)
+                retry = error.code() is grpc.StatusCode.UNAVAILABLE and failures < len(
+                    self.retry_delays
+                )
+                if not retry:
+                    raise mapped from None
+                delay = self.retry_delays[failures]
+                failures += 1
+                logger.warning("%s; re-opening in %.0f s", mapped, delay)
+                time.sleep(delay)
+
+    def fetch(self, query_id: str, timeout: float | None = None) -> FetchedResult:
+        """Download and validate the whole encrypted result of a query.
+
+        Raises
+        ------
+        ProtocolError
+            The stream is malformed (framing, hash chain, layout).
+        QueryStateError
+            The query failed.
+        """
+        stream = self.fetch_stream(query_id, timeout=timeout if timeout else self.timeout)
+        flat: list[int] = []
+        for chunk in stream.chunks:
+            flat.extend(chunk.ciphertexts)
+        header = stream.header
+        try:
+            result = QueryResult(
+                query=header.query,
+                n_owners=header.n_owners,
+                noise=header.noise,
+                payload=CiphertextPayload.from_wire_order(header.blocks, flat),
+                masked_mean_block=header.masked_mean_block,
+                public_record_count=header.public_record_count,
+            )
+        except LayoutError as exc:
+            raise ProtocolError(f"fetch result of query {query_id!r}: {exc}") from exc
         return FetchedResult(result)
 
     def budget(self, delta: float | None = None) -> BudgetStatus:
@@ -325,6 +420,35 @@ class AnalystClient:
         request = serde.budget_request_to_proto(delta)
         message = self._unary("budget", lambda: self._stub.GetBudget(request, timeout=self.timeout))
         return serde.budget_status_from_proto(message)
+
+    def wait_for_contributors(
+        self,
+        query_id: str,
+        on_status: Callable[[QueryStatus], None] | None = None,
+        timeout: float | None = None,
+    ) -> QueryStatus:
+        """Follow a query until its contributors are fixed (its pages may then be
+        fetched as they become final) or it ends.
+
+        Raises
+        ------
+        QueryStateError
+            The query failed at the proxy (the message carries its reason).
+        """
+        last: QueryStatus | None = None
+        for status in self.watch(query_id, timeout=timeout):
+            last = status
+            if on_status is not None:
+                on_status(status)
+            if status.state is not QueryState.COLLECTING:
+                break
+        if last is None:  # pragma: no cover - watch always yields a status
+            raise ProxyError(f"watch of query {query_id!r} ended without a status")
+        if last.state is QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} failed at the proxy: {last.failure_reason or 'no reason'}"
+            )
+        return last
 
     def wait(
         self,

@@ -1,8 +1,10 @@
 """Decrypting and decoding a release: from ciphertexts to noisy statistics.
 
 Pure: no grpc, no files.  Input is the encrypted result as the proxy streams it
-(:class:`fedpca.messages.QueryResult`) and the analyst's private key;
-output is a :class:`DecodedRelease` that the solvers turn into PCA/DCA.
+(a :class:`fedpca.messages.ResultHeader` and its ciphertexts page by page, or a whole
+:class:`fedpca.messages.QueryResult`) and the analyst's private key; output is a
+:class:`DecodedRelease` that the solvers turn into PCA/DCA. Pages are decrypted as
+they arrive (:func:`decrypt_stream`), while the proxy is still finalising later ones.
 
 Before decrypting anything the analyst re-derives the release plan from the
 query itself (:meth:`fedpca.protocol.ReleasePlan.for_query`) and refuses a
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -71,6 +73,7 @@ from fedpca.messages import (
     NoiseMechanism,
     NoiseSection,
     QueryResult,
+    ResultHeader,
     blocks_of,
 )
 from fedpca.protocol import (
@@ -89,6 +92,7 @@ __all__ = [
     "ProgressCallback",
     "check_result",
     "decrypt_result",
+    "decrypt_stream",
     "noise_description",
     "result_from_packed",
     "unmask_scatter",
@@ -250,7 +254,7 @@ def _check_noise(noise: NoiseDescription, plan: ReleasePlan, sigmas: Mapping[str
 
 
 def check_result(
-    result: QueryResult,
+    result: ResultHeader | QueryResult,
     public_key: Any,
     *,
     expected_query: QuerySpec | None = None,
@@ -289,7 +293,7 @@ def check_result(
         )
     plan = ReleasePlan.for_query(query, public_key.n.bit_length())
     expected_blocks = wire_blocks(plan)
-    got_blocks = tuple(result.payload.blocks)
+    got_blocks = tuple(result.blocks)
     if got_blocks != expected_blocks:
         raise LayoutError(
             f"result of query {query.query_id!r} has layout {_describe(got_blocks)}; "
@@ -331,7 +335,7 @@ def _plan_sigmas(plan: ReleasePlan, public_count: int | None) -> dict[str, float
     return {section.name: section.sigma for section in plan.sections}
 
 
-def _public_count(result: QueryResult, plan: ReleasePlan) -> int:
+def _public_count(result: ResultHeader | QueryResult, plan: ReleasePlan) -> int:
     public_count = result.public_record_count
     if public_count is None:
         raise ProtocolError(
@@ -348,22 +352,32 @@ def _public_count(result: QueryResult, plan: ReleasePlan) -> int:
 
 
 def _decrypt_blocks(
-    result: QueryResult,
+    batches: Iterable[Sequence[int]],
     private_key: Any,
     plan: ReleasePlan,
     bounds: Mapping[str, int],
     pool: CryptoPool | None,
     progress: ProgressCallback | None,
 ) -> dict[str, list[int]]:
-    """Decrypt every block in one pool run; return its signed slot values."""
-    ciphertexts = list(result.payload.in_wire_order())
+    """Decrypt ciphertexts arriving batch by batch (wire order); return each block's
+    signed slot values. Each batch goes to the workers as it arrives."""
     owned = pool is None
     active = CryptoPool() if pool is None else pool
+    plaintexts: list[int] = []
     try:
-        plaintexts = active.decrypt(private_key, ciphertexts, progress=progress)
+        for decrypted in active.decrypt_stream(private_key, batches):
+            plaintexts.extend(decrypted)
+            if progress is not None:
+                progress(len(plaintexts))
     finally:
         if owned:
             active.close()
+    expected = sum(block.layout.n_ciphertexts for block in plan.result_blocks)
+    if len(plaintexts) != expected:
+        raise ProtocolError(
+            f"result of query {plan.spec.query_id!r}: {len(plaintexts)} ciphertexts, the "
+            f"plan has {expected}"
+        )
     n = private_key.public_key.n
     values: dict[str, list[int]] = {}
     start = 0
@@ -435,18 +449,39 @@ def decrypt_result(
     pool: CryptoPool | None = None,
     progress: ProgressCallback | None = None,
 ) -> DecodedRelease:
-    """Validate, decrypt and decode an encrypted result.
+    """Validate, decrypt and decode a whole encrypted result (:func:`decrypt_stream`
+    with all ciphertexts at once)."""
+    return decrypt_stream(
+        result,
+        [list(result.payload.in_wire_order())],
+        private_key,
+        expected_query=expected_query,
+        pool=pool,
+        progress=progress,
+    )
+
+
+def decrypt_stream(
+    header: ResultHeader | QueryResult,
+    batches: Iterable[Sequence[int]],
+    private_key: Any,
+    *,
+    expected_query: QuerySpec | None = None,
+    pool: CryptoPool | None = None,
+    progress: ProgressCallback | None = None,
+) -> DecodedRelease:
+    """Validate a result's header, then decrypt its ciphertexts as they arrive and decode.
 
     Parameters
     ----------
-    result : the encrypted result (:func:`fedpca.transport.serde.decode_result`);
-        in masked mode it carries the public record count N the proxy reported
-        (``public_record_count``).
+    header : the result's header (:func:`fedpca.transport.serde.read_result_stream`);
+        in masked mode it carries the public record count N the proxy reported.
+    batches : the result's ciphertexts in wire order, batch by batch (e.g. one per
+        page as it arrives); each is handed to the pool's workers at once.
     private_key : the analyst's phe private key.
     expected_query : the submitted query; the result must echo it exactly.
     pool : a crypto pool to decrypt on (default: a temporary one on all cores).
-    progress : called with the number of ciphertexts decrypted so far
-        (``result.payload.total_ciphertexts`` in all).
+    progress : called with the number of ciphertexts decrypted so far.
 
     Returns
     -------
@@ -455,21 +490,22 @@ def decrypt_result(
     Raises
     ------
     UntrustedKeyError, ProtocolError, LayoutError, EncodingOverflowError
-        See :func:`check_result`; EncodingOverflowError also when a decrypted
-        plaintext does not decode into its slots within the declared bound.
+        See :func:`check_result` (checked before anything is decrypted);
+        EncodingOverflowError also when a decrypted plaintext does not decode into its
+        slots within the declared bound.
     CiphertextError
         A ciphertext is not an element of Z*_{n^2}.
     """
     public_key = private_key.public_key
-    plan = check_result(result, public_key, expected_query=expected_query)
+    plan = check_result(header, public_key, expected_query=expected_query)
     query = plan.spec
     fingerprint = key_fingerprint(public_key)
     if query.mode is ProtocolMode.MASKED:
-        count = _public_count(result, plan)
+        count = _public_count(header, plan)
         sigmas = _plan_sigmas(plan, count)
-        _check_noise(result.noise, plan, sigmas)
+        _check_noise(header.noise, plan, sigmas)
         bounds = {block.name: block.bound for block in plan.result_blocks}
-        values = _decrypt_blocks(result, private_key, plan, bounds, pool, progress)
+        values = _decrypt_blocks(batches, private_key, plan, bounds, pool, progress)
         scatter = unmask_scatter(
             values[SCATTER_ROWS],
             values[MASKED_SUM],
@@ -483,31 +519,31 @@ def decrypt_result(
         return DecodedRelease(
             query=query,
             plan=plan,
-            n_owners=result.n_owners,
+            n_owners=header.n_owners,
             key_fingerprint=fingerprint,
             statistics=None,
             centred_scatter=scatter,
             public_count=count,
             sigmas=sigmas,
-            noise=result.noise,
+            noise=header.noise,
         )
     sigmas = _plan_sigmas(plan, None)
-    _check_noise(result.noise, plan, sigmas)
+    _check_noise(header.noise, plan, sigmas)
     # The sum of n_owners shares plus noise: tighter than the slot capacity, so a
     # share that broke its declared bound shows up as an error here.
-    bound = result.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
-    values = _decrypt_blocks(result, private_key, plan, {SHARES: bound}, pool, progress)
+    bound = header.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
+    values = _decrypt_blocks(batches, private_key, plan, {SHARES: bound}, pool, progress)
     statistics = plan.statistics_from_integers(values[SHARES])
     return DecodedRelease(
         query=query,
         plan=plan,
-        n_owners=result.n_owners,
+        n_owners=header.n_owners,
         key_fingerprint=fingerprint,
         statistics=statistics,
         centred_scatter=None,
         public_count=None,
         sigmas=sigmas,
-        noise=result.noise,
+        noise=header.noise,
     )
 
 

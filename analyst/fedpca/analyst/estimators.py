@@ -30,16 +30,17 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
 
-from fedpca.analyst.decode import DecodedRelease, decrypt_result
+from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
@@ -85,29 +86,33 @@ def run_query(
     pool: CryptoPool | None = None,
     wait_timeout: float | None = None,
 ) -> tuple[DecodedRelease, dict[str, float]]:
-    """Submit ``spec``, follow it, fetch and decrypt the result.
+    """Submit ``spec``, follow it, and decrypt its result page by page as it is released.
 
     Parameters
     ----------
     spec : the query (its key must be ``private_key``'s).
     client : an :class:`~fedpca.analyst.client.AnalystClient` (or anything with
-        ``submit``, ``wait`` and ``fetch``).
+        ``submit``, ``wait_for_contributors`` and ``fetch_stream``).
     private_key : the analyst's phe private key.
     signing_key : the analyst's Ed25519 query-signing key (owners answer only signed
         queries).
-    on_status : called with every status update while waiting.
+    on_status : called with every status update until the contributors are fixed.
     on_submitted : called with the status returned by the submission.
     decrypt_progress : called with the number of ciphertexts decrypted so far.
-    on_fetched : called with the number of ciphertexts to decrypt, once fetched.
+    on_fetched : called with the number of ciphertexts to decrypt, once the result's
+        header arrived.
     pool : crypto pool for decryption (default: a temporary one on all cores,
-        closed before returning). Its workers are started right after the
-        submission, so their start-up overlaps the wait for the result.
+        closed before returning). Its workers start in the background right after
+        the submission, so their start-up overlaps the wait.
     wait_timeout : give up waiting after this many seconds (None = never).
 
     Returns
     -------
-    (DecodedRelease, timings) with timings in seconds for "submit", "wait",
-    "fetch" and "decrypt".
+    (DecodedRelease, timings) with timings in seconds for "submit", "wait" (until the
+    contributors are fixed and the result's header arrived), "decrypt" (from then on
+    until the last page is decrypted; it overlaps the owners' encryption and the
+    proxy's folding of later pages) and "tail" (from the last page's arrival until
+    it is decrypted).
     """
     if spec.analyst_public_key_n != private_key.public_key.n:
         raise ConfigError("the query is not addressed to this private key")
@@ -122,24 +127,38 @@ def run_query(
         if on_submitted is not None:
             on_submitted(submitted)
         start = time.perf_counter()
-        # Owners take seconds to encrypt: start the decryption workers meanwhile.
-        active.start()
-        client.wait(spec.query_id, on_status=on_status, timeout=wait_timeout)
+        # Owners take seconds to encrypt: start the decryption workers meanwhile,
+        # without holding up the wait for the first pages.
+        threading.Thread(
+            target=_start_quietly, args=(active,), name="fedpca-pool-start", daemon=True
+        ).start()
+        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+        client.wait_for_contributors(spec.query_id, on_status=on_status, timeout=wait_timeout)
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+        stream = client.fetch_stream(spec.query_id, timeout=remaining)
         timings["wait"] = time.perf_counter() - start
-        start = time.perf_counter()
-        fetched = client.fetch(spec.query_id)
-        timings["fetch"] = time.perf_counter() - start
+        total = sum(block.n_ciphertexts for block in stream.header.blocks)
         if on_fetched is not None:
-            on_fetched(fetched.result.payload.total_ciphertexts)
+            on_fetched(total)
+        arrived = [0.0]
+
+        def batches() -> Iterator[list[int]]:
+            for chunk in stream.chunks:
+                arrived[0] = time.perf_counter()
+                yield chunk.ciphertexts
+
         start = time.perf_counter()
-        release = decrypt_result(
-            fetched.result,
+        release = decrypt_stream(
+            stream.header,
+            batches(),
             private_key,
             expected_query=spec,
             pool=active,
             progress=decrypt_progress,
         )
-        timings["decrypt"] = time.perf_counter() - start
+        finished = time.perf_counter()
+        timings["decrypt"] = finished - start
+        timings["tail"] = finished - arrived[0] if arrived[0] else 0.0
     finally:
         if owned:
             active.close()
@@ -147,6 +166,15 @@ def run_query(
 
 
 # -------------------------------------------------------------------- helpers
+def _start_quietly(pool: CryptoPool) -> None:
+    """Start a pool's workers ahead of use; a pool closed meanwhile is no error."""
+    try:
+        pool.start()
+    except Exception as exc:  # closed under us, or workers that fail start again on use
+        logger.debug("decryption workers not started ahead of use: %s", exc)
+
+
+
 def _resolve_bounds(bounds: BoundsParam, n_features: int) -> FeatureBounds | None:
     if bounds is None:
         return None
@@ -653,7 +681,8 @@ class FederatedPCA(_FederatedEstimator):
     epsilon_, delta_ : privacy parameters of the release (delta_ = 0 without noise).
     not_private_ : True for epsilon = inf.
     noise_sigmas_ : section -> Gaussian sigma in real units.
-    timings_ : phase -> seconds ("submit", "wait", "fetch", "decrypt", "solve").
+    timings_ : phase -> seconds ("submit", "wait", "decrypt", "tail", "solve"; see
+        :func:`run_query`).
     query_id_, key_fingerprint_, mode_ : provenance.
     release_ : the decrypted :class:`~fedpca.analyst.decode.DecodedRelease`.
     """

@@ -44,7 +44,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from types import TracebackType
@@ -62,6 +63,11 @@ from .packing import SlotLayout, pack_slots, unpack_slots
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int], None]
+
+STREAM_TASK_CIPHERTEXTS = 64
+"""Ciphertexts per task when encrypting as a stream: about 16 ms of work at 2048 bits,
+so the first chunk of an upload is ready after a few tasks while the per-task cost
+(pickling 64 integers each way) stays negligible."""
 
 
 class Obfuscation(enum.Enum):
@@ -94,6 +100,14 @@ def security_level(key_bits: int) -> int:
 def djn_exponent_bits(key_bits: int) -> int:
     """Length of the DJN short exponent: 4 x security level (448 for 2048-bit n)."""
     return 4 * security_level(key_bits)
+
+
+def _check_plaintexts(plaintexts: Sequence[int], n: int) -> None:
+    for index, m in enumerate(plaintexts):
+        if not isinstance(m, int) or isinstance(m, bool):
+            raise TypeError(f"plaintext {index} is {type(m).__name__}, not an int")
+        if not 0 <= m < n:
+            raise EncodingOverflowError(f"plaintext {index} is not in [0, n)")
 
 
 def _available_cpus() -> int:
@@ -149,6 +163,7 @@ class CryptoPool:
         self._executor: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._djn_bases: dict[int, int] = {}
+        self._work: dict[str, list[float]] = {}
 
     def __enter__(self) -> CryptoPool:
         return self
@@ -193,6 +208,103 @@ class CryptoPool:
             return self.chunk_size
         return max(1, math.ceil(count / (8 * self.processes)))
 
+    def work_done(self) -> dict[str, tuple[int, float]]:
+        """Task kind (the worker function's name) -> (items processed, worker CPU seconds).
+
+        Measured by the workers themselves (``time.process_time`` around each task),
+        so the figures are the cost of the operations in this run, whatever else the
+        machine was doing; benchmarks read them to compute the crypto floor.
+        """
+        with self._lock:
+            return {name: (int(items), cpu) for name, (items, cpu) in self._work.items()}
+
+    def _submit(
+        self,
+        executor: ProcessPoolExecutor,
+        function: Callable[..., list[Any]],
+        fixed_args: tuple[Any, ...],
+        chunk: list[Any],
+    ) -> Future[tuple[list[Any], float]]:
+        return executor.submit(_worker.timed, function, *fixed_args, chunk)
+
+    def _result(
+        self, function: Callable[..., list[Any]], future: Future[tuple[list[Any], float]], size: int
+    ) -> list[Any]:
+        chunk_result, cpu = future.result()
+        if len(chunk_result) != size:
+            raise ValueError(
+                f"{getattr(function, '__name__', function)!s} returned "
+                f"{len(chunk_result)} results for a chunk of {size} items"
+            )
+        name = getattr(function, "__name__", "task")
+        with self._lock:
+            totals = self._work.setdefault(name, [0.0, 0.0])
+            totals[0] += size
+            totals[1] += cpu
+        return chunk_result
+
+    def _broken(self, executor: ProcessPoolExecutor) -> None:
+        # A worker died (e.g. killed by the OOM killer); drop the executor so the
+        # next call starts fresh workers instead of failing forever.
+        with self._lock:
+            if self._executor is executor:
+                self._executor = None
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    def _ordered(
+        self,
+        function: Callable[..., list[Any]],
+        fixed_args: tuple[Any, ...],
+        batches: Iterable[Sequence[Any]],
+        task_length: Callable[[int], int],
+        check: Callable[[Sequence[Any]], None] | None = None,
+    ) -> Iterator[list[Any]]:
+        """Results of ``function`` over batches arriving one after another, in order.
+
+        Each batch is cut into tasks and submitted as soon as it arrives; the result
+        of a batch is yielded once all its tasks (and all earlier batches) are done,
+        and the next batch is read meanwhile, so the workers compute while the
+        caller's source (an encryption in progress, a network stream) produces more.
+        """
+        executor = self._get_executor()
+        pending: deque[list[tuple[Future[tuple[list[Any], float]], int]]] = deque()
+
+        def ready() -> bool:
+            return bool(pending) and all(future.done() for future, _ in pending[0])
+
+        def take() -> list[Any]:
+            out: list[Any] = []
+            for future, size in pending.popleft():
+                out.extend(self._result(function, future, size))
+            return out
+
+        try:
+            for batch in batches:
+                if check is not None:
+                    check(batch)
+                items = list(batch)
+                length = max(1, task_length(len(items)))
+                pending.append(
+                    [
+                        (
+                            self._submit(executor, function, fixed_args, items[i : i + length]),
+                            len(items[i : i + length]),
+                        )
+                        for i in range(0, len(items), length)
+                    ]
+                )
+                while ready():
+                    yield take()
+            while pending:
+                yield take()
+        except BrokenProcessPool:
+            self._broken(executor)
+            raise
+        finally:
+            for tasks in pending:
+                for future, _ in tasks:
+                    future.cancel()
+
     def map(
         self,
         function: Callable[..., list[Any]],
@@ -232,31 +344,20 @@ class CryptoPool:
         executor = self._get_executor()
         length = self._chunk_length(len(items))
         results: list[Any] = [None] * len(items)
-        futures: dict[Future[list[Any]], tuple[int, int]] = {}
+        futures: dict[Future[tuple[list[Any], float]], tuple[int, int]] = {}
         try:
             for start in range(0, len(items), length):
                 chunk = list(items[start : start + length])
-                futures[executor.submit(function, *fixed_args, chunk)] = (start, len(chunk))
+                futures[self._submit(executor, function, fixed_args, chunk)] = (start, len(chunk))
             done = 0
             for future in as_completed(futures):
-                chunk_result = future.result()
                 start, size = futures[future]
-                if len(chunk_result) != size:
-                    raise ValueError(
-                        f"{getattr(function, '__name__', function)!s} returned "
-                        f"{len(chunk_result)} results for a chunk of {size} items"
-                    )
-                results[start : start + size] = chunk_result
+                results[start : start + size] = self._result(function, future, size)
                 done += size
                 if progress is not None:
                     progress(done)
         except BrokenProcessPool:
-            # A worker died (e.g. killed by the OOM killer); drop the executor so the
-            # next call starts fresh workers instead of failing forever.
-            with self._lock:
-                if self._executor is executor:
-                    self._executor = None
-            executor.shutdown(wait=False, cancel_futures=True)
+            self._broken(executor)
             raise
         except BaseException:
             for future in futures:
@@ -303,20 +404,10 @@ class CryptoPool:
         list of int, shape (count,)
             Ciphertexts in Z*_{n^2}, in input order.
         """
-        n = public_key.n
-        for index, m in enumerate(plaintexts):
-            if not isinstance(m, int) or isinstance(m, bool):
-                raise TypeError(f"plaintext {index} is {type(m).__name__}, not an int")
-            if not 0 <= m < n:
-                raise EncodingOverflowError(f"plaintext {index} is not in [0, n)")
+        _check_plaintexts(plaintexts, public_key.n)
         start = time.perf_counter()
-        if obfuscation is Obfuscation.DJN:
-            fixed = (n, self._djn_base(n), djn_exponent_bits(n.bit_length()))
-            ciphertexts = self.map(_worker.encrypt_chunk_djn, fixed, plaintexts, progress)
-        elif obfuscation is Obfuscation.STANDARD:
-            ciphertexts = self.map(_worker.encrypt_chunk_standard, (n,), plaintexts, progress)
-        else:
-            raise ValueError(f"unknown obfuscation {obfuscation!r}")
+        function, fixed = self._encryptor(public_key.n, obfuscation)
+        ciphertexts = self.map(function, fixed, plaintexts, progress)
         logger.debug(
             "encrypted %d plaintexts (%s) in %.3f s",
             len(ciphertexts),
@@ -324,6 +415,76 @@ class CryptoPool:
             time.perf_counter() - start,
         )
         return ciphertexts
+
+    def _encryptor(
+        self, n: int, obfuscation: Obfuscation
+    ) -> tuple[Callable[..., list[Any]], tuple[Any, ...]]:
+        if obfuscation is Obfuscation.DJN:
+            return _worker.encrypt_chunk_djn, (
+                n,
+                self._djn_base(n),
+                djn_exponent_bits(n.bit_length()),
+            )
+        if obfuscation is Obfuscation.STANDARD:
+            return _worker.encrypt_chunk_standard, (n,)
+        raise ValueError(f"unknown obfuscation {obfuscation!r}")
+
+    def encrypt_stream(
+        self,
+        public_key: Any,
+        plaintexts: Sequence[int],
+        *,
+        obfuscation: Obfuscation = DEFAULT_OBFUSCATION,
+        task_ciphertexts: int = STREAM_TASK_CIPHERTEXTS,
+    ) -> Iterator[list[int]]:
+        """Encrypt raw plaintexts in [0, n), yielding ciphertexts in order as they are ready.
+
+        All the work is submitted at once; batches of ``task_ciphertexts`` come back
+        in input order, the first after a few milliseconds, so a caller can send
+        them while the rest are still being encrypted.
+
+        Raises
+        ------
+        TypeError, EncodingOverflowError
+            A plaintext that is not an int in [0, n) (checked before anything runs).
+        """
+        _check_plaintexts(plaintexts, public_key.n)
+        function, fixed = self._encryptor(public_key.n, obfuscation)
+        return self._ordered(
+            function,
+            fixed,
+            (
+                plaintexts[i : i + task_ciphertexts]
+                for i in range(0, len(plaintexts), task_ciphertexts)
+            ),
+            lambda count: count,
+        )
+
+    def decrypt_stream(
+        self, private_key: Any, batches: Iterable[Sequence[int]]
+    ) -> Iterator[list[int]]:
+        """Decrypt batches of ciphertexts as they arrive; yield each batch's plaintexts in order.
+
+        A batch (e.g. one result page from the network) is validated and handed to the
+        workers the moment it arrives, and the next one is read while they decrypt,
+        so decryption overlaps the transfer and the proxy's work on later pages.
+
+        Raises
+        ------
+        CiphertextError
+            A ciphertext of some batch is not in Z*_{n^2} (nothing of that batch is
+            decrypted).
+        """
+        public_key = private_key.public_key
+        fixed = (public_key.n, private_key.p, private_key.q)
+        per_task = max(1, 4 * self.processes)
+        return self._ordered(
+            _worker.decrypt_chunk,
+            fixed,
+            batches,
+            lambda count: -(-count // per_task),
+            check=lambda batch: validate_ciphertexts(batch, public_key),
+        )
 
     def decrypt(
         self,

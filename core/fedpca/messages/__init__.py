@@ -17,15 +17,20 @@ analyst's decoder) depends on this package and never on the wire layer.
 from __future__ import annotations
 
 from fedpca.messages.chunks import (
+    CHAIN_GENESIS,
     CHUNK_FRAMING_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     SHA256_BYTES,
     UPLOAD_CHUNK_BYTES,
     ChunkAssembler,
+    ChunkChain,
     ChunkLike,
     DecodedChunk,
     EncodedChunk,
+    chain_link,
     check_sha256,
+    chunk_count,
+    chunk_stream,
     ciphertexts_per_chunk,
     collect_payload,
     split_into_chunks,
@@ -48,6 +53,7 @@ from fedpca.messages.queries import (
     QueryResult,
     QueryState,
     QueryStatus,
+    ResultHeader,
     SignedQuery,
 )
 from fedpca.messages.tasks import (
@@ -64,6 +70,7 @@ from fedpca.messages.tasks import (
     TaskEvent,
 )
 from fedpca.messages.uploads import (
+    UPLOAD_FOLDED_METADATA,
     UPLOAD_ID_PATTERN,
     UploadHeader,
     UploadReceipt,
@@ -72,15 +79,18 @@ from fedpca.messages.uploads import (
 )
 
 __all__ = [
+    "CHAIN_GENESIS",
     "CHUNK_FRAMING_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_DECLINE_DETAIL",
     "PROTOCOL_VERSION",
     "SHA256_BYTES",
     "UPLOAD_CHUNK_BYTES",
+    "UPLOAD_FOLDED_METADATA",
     "UPLOAD_ID_PATTERN",
     "BudgetStatus",
     "ChunkAssembler",
+    "ChunkChain",
     "ChunkLike",
     "CiphertextBlock",
     "CiphertextPayload",
@@ -98,6 +108,7 @@ __all__ = [
     "QueryResult",
     "QueryState",
     "QueryStatus",
+    "ResultHeader",
     "SignedQuery",
     "Task",
     "TaskCancellation",
@@ -107,8 +118,11 @@ __all__ = [
     "UploadReceipt",
     "UploadStatus",
     "blocks_of",
+    "chain_link",
     "check_layout",
     "check_sha256",
+    "chunk_count",
+    "chunk_stream",
     "ciphertext_width",
     "ciphertexts_from_bytes",
     "ciphertexts_per_chunk",

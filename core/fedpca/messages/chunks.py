@@ -1,17 +1,25 @@
-"""Ciphertext streams cut into chunks, and the checks that put them back together.
+"""Ciphertext streams cut into chunks, chained by hashes, and the checks that read them.
 
-A ciphertext stream is a header declaring named blocks followed by ordered chunks.
-Each chunk carries fixed-width unsigned big-endian ciphertexts
+A ciphertext stream is a header declaring named blocks and a chunk count, followed
+by ordered chunks. Each chunk carries fixed-width unsigned big-endian ciphertexts
 (``2 * ceil(key_bits / 8)`` bytes each, because a Paillier ciphertext lives in
-Z_{n^2}) and its own SHA-256; the header carries the chunk count and a SHA-256
-over all ciphertext bytes in order. Blocks follow one another in declaration order
-and chunk boundaries ignore block boundaries.
+Z_{n^2}) and a *link* of a hash chain::
+
+    link_{-1} = SHA-256("fedpca ciphertext chunk chain v1")
+    link_i    = SHA-256(link_{i-1} || uint32_be(i) || ciphertexts_i)
+
+so every chunk is checked the moment it arrives, and its link commits to every byte
+and chunk boundary before it: a sender can stream chunks while it is still
+encrypting the later ones (no hash over the whole content is needed up front), and
+a receiver can act on a chunk (fold it, decrypt it) before the stream ends. The
+last link commits to the whole stream. Blocks follow one another in declaration
+order and chunk boundaries ignore block boundaries.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,15 +33,20 @@ from fedpca.messages.ciphertexts import (
 )
 
 __all__ = [
+    "CHAIN_GENESIS",
     "CHUNK_FRAMING_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "SHA256_BYTES",
     "UPLOAD_CHUNK_BYTES",
     "ChunkAssembler",
+    "ChunkChain",
     "ChunkLike",
     "DecodedChunk",
     "EncodedChunk",
+    "chain_link",
     "check_sha256",
+    "chunk_count",
+    "chunk_stream",
     "ciphertexts_per_chunk",
     "collect_payload",
     "split_into_chunks",
@@ -56,9 +69,19 @@ length + 32 bytes (34), payload tag + length varint (<= 6). 64 leaves margin."""
 UPLOAD_CHUNK_BYTES = 256 * 1024 + CHUNK_FRAMING_BYTES
 """Message size owners cut uploads into: 512 ciphertexts of a 2048-bit key (256 KiB)
 plus the chunk framing, i.e. exactly one aggregate page of the proxy, so a chunk
-folds into one page. The proxy folds chunk by chunk, so what it holds per upload in
-flight is about one chunk; smaller chunks keep that small, at the price of one SQLite
-transaction each."""
+folds into one page and completes it. Small chunks also start the pipeline early:
+the first one leaves the owner after 512 encryptions."""
+
+CHAIN_GENESIS = hashlib.sha256(b"fedpca ciphertext chunk chain v1").digest()
+"""The link before chunk 0."""
+
+
+def chain_link(previous: bytes, index: int, data: bytes) -> bytes:
+    """``SHA-256(previous || uint32_be(index) || data)``: the link of chunk ``index``."""
+    hasher = hashlib.sha256(previous)
+    hasher.update(index.to_bytes(4, "big"))
+    hasher.update(data)
+    return hasher.digest()
 
 
 def check_sha256(value: bytes, what: str) -> bytes:
@@ -79,6 +102,11 @@ def ciphertexts_per_chunk(width: int, max_message_bytes: int = DEFAULT_MAX_MESSA
     return per_chunk
 
 
+def chunk_count(total_ciphertexts: int, per_chunk: int) -> int:
+    """Chunks of at most ``per_chunk`` ciphertexts that carry ``total_ciphertexts``."""
+    return -(-total_ciphertexts // per_chunk)
+
+
 @dataclass(frozen=True)
 class EncodedChunk:
     """One chunk of a stream about to be sent.
@@ -87,7 +115,7 @@ class EncodedChunk:
     ----------
     index : position of the chunk in the stream, from 0.
     ciphertexts : the chunk's ciphertexts, fixed width, big-endian, in wire order.
-    sha256 : SHA-256 of ``ciphertexts``.
+    sha256 : its link in the stream's hash chain (:func:`chain_link`).
     """
 
     index: int
@@ -95,37 +123,47 @@ class EncodedChunk:
     sha256: bytes
 
 
+class ChunkChain:
+    """The sending side of a hash chain: chunk after chunk, each with its link."""
+
+    def __init__(self) -> None:
+        self._link = CHAIN_GENESIS
+        self._index = 0
+
+    def next(self, data: bytes) -> EncodedChunk:
+        """The next chunk carrying ``data`` (fixed-width ciphertext bytes)."""
+        self._link = chain_link(self._link, self._index, data)
+        chunk = EncodedChunk(self._index, data, self._link)
+        self._index += 1
+        return chunk
+
+
+def chunk_stream(batches: Iterable[Sequence[int]], width: int, per_chunk: int) -> Iterator[bytes]:
+    """Regroup ciphertexts arriving in batches of any size into chunks of ``per_chunk``.
+
+    Yields each chunk's bytes as soon as it is full (the last one may be shorter),
+    so a sender streams while the later batches are still being computed.
+    """
+    pending: list[int] = []
+    for batch in batches:
+        pending.extend(batch)
+        while len(pending) >= per_chunk:
+            yield ciphertexts_to_bytes(pending[:per_chunk], width)
+            del pending[:per_chunk]
+    if pending:
+        yield ciphertexts_to_bytes(pending, width)
+
+
 def split_into_chunks(
     payload: CiphertextPayload, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> tuple[list[EncodedChunk], bytes]:
-    """Cut a payload into chunks whose messages each serialise under ``max_message_bytes``.
-
-    Returns
-    -------
-    chunks : list of EncodedChunk
-        In order, indices 0, 1, ...; each with its own SHA-256.
-    content_sha256 : bytes
-        SHA-256 over all ciphertext bytes in order (for the stream header).
-    """
+) -> list[EncodedChunk]:
+    """Cut a whole payload into chained chunks whose messages each fit ``max_message_bytes``."""
     width = payload.ciphertext_bytes
+    chain = ChunkChain()
     per_chunk = ciphertexts_per_chunk(width, max_message_bytes)
-    content = hashlib.sha256()
-    chunks: list[EncodedChunk] = []
-    pending: list[int] = []
-
-    def flush() -> None:
-        data = ciphertexts_to_bytes(pending, width)
-        content.update(data)
-        chunks.append(EncodedChunk(len(chunks), data, hashlib.sha256(data).digest()))
-        pending.clear()
-
-    for ciphertext in payload.in_wire_order():
-        pending.append(ciphertext)
-        if len(pending) == per_chunk:
-            flush()
-    if pending:
-        flush()
-    return chunks, content.digest()
+    return [
+        chain.next(data) for data in chunk_stream([list(payload.in_wire_order())], width, per_chunk)
+    ]
 
 
 class ChunkLike(Protocol):
@@ -154,27 +192,29 @@ class DecodedChunk:
     index : chunk index.
     offset : wire-order position of the first ciphertext in this chunk.
     ciphertexts : the decoded ciphertexts.
+    data : the same ciphertexts as the fixed-width bytes they arrived in.
+    link : the chunk's verified link in the stream's hash chain.
     """
 
     index: int
     offset: int
     ciphertexts: list[int]
+    data: bytes = b""
+    link: bytes = b""
 
 
 class ChunkAssembler:
-    """Validates one ordered stream of ciphertext chunks.
+    """Validates one ordered stream of chained ciphertext chunks as they arrive.
 
     Used by both the proxy (uploads) and the analyst (results). It does not keep
-    the ciphertexts: :meth:`add` hands each chunk's ciphertexts back so a caller
-    can fold them as they arrive; until :meth:`finish` has checked the count and
-    the content hash, the caller must be able to take them out again (the proxy
-    stages each folded chunk for that, see :mod:`fedpca.proxy.store`).
+    the ciphertexts: :meth:`add` checks each chunk's link and hands its ciphertexts
+    back, so a caller can fold or decrypt them at once; :meth:`finish` checks that
+    the stream was complete.
 
     Parameters
     ----------
     blocks : the layout declared by the stream header.
     total_chunks : number of chunks declared by the header.
-    content_sha256 : SHA-256 over all ciphertext bytes declared by the header.
     label : prefix for error messages (e.g. ``"upload 'u1' for query 'q1'"``).
     """
 
@@ -182,7 +222,6 @@ class ChunkAssembler:
         self,
         blocks: Sequence[CiphertextBlock],
         total_chunks: int,
-        content_sha256: bytes,
         label: str = "ciphertext stream",
     ) -> None:
         self._label = label
@@ -198,8 +237,8 @@ class ChunkAssembler:
                 f" [1, {self._expected_ciphertexts}] (the declared ciphertext count)"
             )
         self._total_chunks = total_chunks
-        self._content_sha256 = check_sha256(content_sha256, f"{label}: content_sha256")
-        self._hasher = hashlib.sha256()
+        self._link = CHAIN_GENESIS
+        self._content = hashlib.sha256()
         self._chunks_received = 0
         self._ciphertexts_received = 0
         self._bytes_received = 0
@@ -225,15 +264,34 @@ class ChunkAssembler:
     def expected_ciphertexts(self) -> int:
         return self._expected_ciphertexts
 
+    @property
+    def width(self) -> int:
+        """Bytes per ciphertext."""
+        return self._width
+
+    @property
+    def content_sha256(self) -> bytes:
+        """SHA-256 over all ciphertext bytes in order, independent of chunk boundaries
+        (the proxy's key for refusing ciphertexts replayed into another query).
+
+        Raises
+        ------
+        ProtocolError
+            Before :meth:`finish` succeeded.
+        """
+        if not self._finished:
+            raise ProtocolError(f"{self._label}: the stream is not complete yet")
+        return self._content.digest()
+
     def add(self, chunk: ChunkLike) -> DecodedChunk:
-        """Check the next chunk and return its ciphertexts.
+        """Check the next chunk (index, size, link) and return its ciphertexts.
 
         Raises
         ------
         ProtocolError
             Out-of-order or surplus index, empty chunk, length not a multiple of
-            the ciphertext width, per-chunk hash mismatch, or more ciphertexts
-            than the layout declares.
+            the ciphertext width, a link that does not continue the chain, or more
+            ciphertexts than the layout declares.
         """
         label = self._label
         if self._finished:
@@ -249,7 +307,7 @@ class ChunkAssembler:
                 f"{label}: chunk {chunk.index} exceeds the declared total_chunks"
                 f"={self._total_chunks}"
             )
-        data = chunk.ciphertexts
+        data = bytes(chunk.ciphertexts)
         if not data:
             raise ProtocolError(f"{label}: chunk {chunk.index} is empty")
         if len(data) % self._width:
@@ -258,11 +316,11 @@ class ChunkAssembler:
                 f" ciphertext width {self._width}"
             )
         declared = check_sha256(chunk.sha256, f"{label}: chunk {chunk.index} sha256")
-        actual = hashlib.sha256(data).digest()
+        actual = chain_link(self._link, chunk.index, data)
         if declared != actual:
             raise ProtocolError(
-                f"{label}: chunk {chunk.index} SHA-256 mismatch"
-                f" (declared {declared.hex()[:16]}…, computed {actual.hex()[:16]}…)"
+                f"{label}: chunk {chunk.index} does not continue the hash chain"
+                f" (declared link {declared.hex()[:16]}…, computed {actual.hex()[:16]}…)"
             )
         count = len(data) // self._width
         if self._ciphertexts_received + count > self._expected_ciphertexts:
@@ -271,11 +329,14 @@ class ChunkAssembler:
                 f" {self._ciphertexts_received + count}, layout declares"
                 f" {self._expected_ciphertexts}"
             )
-        self._hasher.update(data)
+        self._link = actual
+        self._content.update(data)
         decoded = DecodedChunk(
             index=chunk.index,
             offset=self._ciphertexts_received,
             ciphertexts=ciphertexts_from_bytes(data, self._width),
+            data=data,
+            link=actual,
         )
         self._chunks_received += 1
         self._ciphertexts_received += count
@@ -283,12 +344,12 @@ class ChunkAssembler:
         return decoded
 
     def finish(self) -> None:
-        """Check that the stream is complete and its content hash matches.
+        """Check that the stream is complete.
 
         Raises
         ------
         ProtocolError
-            Missing chunks, too few ciphertexts, or content hash mismatch.
+            Missing chunks or too few ciphertexts.
         """
         label = self._label
         if self._chunks_received != self._total_chunks:
@@ -300,12 +361,6 @@ class ChunkAssembler:
             raise ProtocolError(
                 f"{label}: received {self._ciphertexts_received} ciphertexts, layout declares"
                 f" {self._expected_ciphertexts}"
-            )
-        actual = self._hasher.digest()
-        if actual != self._content_sha256:
-            raise ProtocolError(
-                f"{label}: content SHA-256 mismatch (declared"
-                f" {self._content_sha256.hex()[:16]}…, computed {actual.hex()[:16]}…)"
             )
         self._finished = True
 

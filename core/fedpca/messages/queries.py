@@ -7,7 +7,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from fedpca.errors import LayoutError
-from fedpca.messages.ciphertexts import CiphertextPayload
+from fedpca.messages.ciphertexts import CiphertextBlock, CiphertextPayload
 from fedpca.query import Calibration, ProtocolMode, QuerySpec
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "QueryResult",
     "QueryState",
     "QueryStatus",
+    "ResultHeader",
     "SignedQuery",
 ]
 
@@ -30,7 +31,12 @@ class QueryState(StrEnum):
     """
 
     COLLECTING = "collecting"
-    """Published to owners; uploads are being folded into the aggregate."""
+    """Published to owners; the first ``quorum`` owners to begin an upload become its
+    contributors, and their chunks are folded into the aggregate as they arrive."""
+    AGGREGATING = "aggregating"
+    """The contributors are fixed (no other owner may join); their chunks are still
+    arriving, and each result page is final (noise added, ready to fetch) as soon as
+    every contributor's chunks covering it are folded."""
     NOISING = "noising"
     """Uploads closed; noise (and in masked mode the mask) is being added."""
     DONE = "done"
@@ -83,6 +89,8 @@ class QueryStatus:
     owners_uploading : owners whose upload is streaming in, not yet complete.
     declines : every decline so far, with its public reason.
     owners_registered : owners the proxy accepts (the most that can contribute).
+    pages_final : result pages final so far (noise added; the analyst may fetch them).
+    pages_total : result pages the query's result has.
     """
 
     query_id: str
@@ -95,6 +103,8 @@ class QueryStatus:
     owners_uploading: int = 0
     declines: tuple[OwnerDecline, ...] = ()
     owners_registered: int = 0
+    pages_final: int = 0
+    pages_total: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -129,19 +139,48 @@ class NoiseDescription:
 
 
 @dataclass(frozen=True)
-class QueryResult:
-    """A noised, still encrypted result as the analyst receives it.
+class ResultHeader:
+    """Everything about a noised, still encrypted result but its ciphertexts.
+
+    The proxy sends it as soon as the query's contributors are fixed; the result's
+    pages follow as they become final.
 
     Attributes
     ----------
     query : the query as the proxy ran it.
-    n_owners : owners whose contributions were aggregated.
-    noise : the noise that was added.
-    payload : the ciphertext blocks.
+    n_owners : owners whose contributions are aggregated.
+    noise : the noise that was (or is being) added.
+    blocks : the result's ciphertext blocks, in wire order.
+    total_chunks : chunks (result pages) that follow.
     masked_mean_block : masked mode only: the block holding Enc(v + b).
     public_record_count : masked mode only: the public record count N (sum of
         the owners' counts) the analyst unmasks the scatter with; None in stats
         mode, where N is a noised statistic nobody but the analyst learns.
+    """
+
+    query: QuerySpec
+    n_owners: int
+    noise: NoiseDescription
+    blocks: tuple[CiphertextBlock, ...]
+    total_chunks: int
+    masked_mean_block: str | None = field(default=None)
+    public_record_count: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        _check_result_fields(
+            self.query, self.blocks, self.masked_mean_block, self.public_record_count
+        )
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """A whole noised, still encrypted result (its header and every ciphertext).
+
+    Attributes
+    ----------
+    query, n_owners, noise, masked_mean_block, public_record_count : as in
+        :class:`ResultHeader`.
+    payload : the ciphertext blocks.
     """
 
     query: QuerySpec
@@ -152,31 +191,39 @@ class QueryResult:
     public_record_count: int | None = field(default=None)
 
     def __post_init__(self) -> None:
-        masked = self.query.mode is ProtocolMode.MASKED
-        label = f"query {self.query.query_id!r}"
-        if masked and self.masked_mean_block is None:
-            raise LayoutError(f"{label}: masked mode needs masked_mean_block")
-        if not masked and self.masked_mean_block is not None:
-            raise LayoutError(f"{label}: masked_mean_block is only valid in masked mode")
-        count = self.public_record_count
-        if masked and count is None:
-            raise LayoutError(f"{label}: masked mode needs public_record_count")
-        if not masked and count is not None:
-            raise LayoutError(
-                f"{label}: public_record_count is only valid in masked mode (in stats mode "
-                "N is noised)"
-            )
-        if count is not None and (
-            isinstance(count, bool) or not isinstance(count, int) or count < 1
-        ):
-            raise LayoutError(f"{label}: public_record_count must be an int >= 1, got {count!r}")
-        if self.masked_mean_block is not None and self.masked_mean_block not in {
-            block.name for block in self.payload.blocks
-        }:
-            raise LayoutError(
-                f"query {self.query.query_id!r}: masked_mean_block {self.masked_mean_block!r}"
-                " is not a block of the result"
-            )
+        _check_result_fields(
+            self.query, self.payload.blocks, self.masked_mean_block, self.public_record_count
+        )
+
+    @property
+    def blocks(self) -> tuple[CiphertextBlock, ...]:
+        return tuple(self.payload.blocks)
+
+
+def _check_result_fields(
+    query: QuerySpec,
+    blocks: tuple[CiphertextBlock, ...],
+    masked_mean_block: str | None,
+    count: int | None,
+) -> None:
+    masked = query.mode is ProtocolMode.MASKED
+    label = f"query {query.query_id!r}"
+    if masked and masked_mean_block is None:
+        raise LayoutError(f"{label}: masked mode needs masked_mean_block")
+    if not masked and masked_mean_block is not None:
+        raise LayoutError(f"{label}: masked_mean_block is only valid in masked mode")
+    if masked and count is None:
+        raise LayoutError(f"{label}: masked mode needs public_record_count")
+    if not masked and count is not None:
+        raise LayoutError(
+            f"{label}: public_record_count is only valid in masked mode (in stats mode N is noised)"
+        )
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise LayoutError(f"{label}: public_record_count must be an int >= 1, got {count!r}")
+    if masked_mean_block is not None and masked_mean_block not in {b.name for b in blocks}:
+        raise LayoutError(
+            f"{label}: masked_mean_block {masked_mean_block!r} is not a block of the result"
+        )
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,13 @@ __all__ = [
     "TaskEvent",
 ]
 
-PROTOCOL_VERSION = 1
-"""Wire protocol version spoken by this code (the ``v1`` in ``fedpca.v1``)."""
+PROTOCOL_VERSION = 2
+"""Wire protocol version spoken by this code (messages of package ``fedpca.v1``).
+
+Version 2: chunks carry links of a hash chain instead of per-chunk hashes under a
+content hash declared in the header (uploads stream while the owner encrypts, results
+stream page by page), and an interrupted upload resumes where the proxy's durable
+copy ends."""
 
 
 class ObfuscationVariant(StrEnum):

@@ -11,6 +11,7 @@ from fedpca.messages.chunks import ChunkAssembler
 from fedpca.messages.ciphertexts import CiphertextBlock
 
 __all__ = [
+    "UPLOAD_FOLDED_METADATA",
     "UPLOAD_ID_PATTERN",
     "UploadHeader",
     "UploadReceipt",
@@ -21,6 +22,13 @@ __all__ = [
 UPLOAD_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 """What an upload id must fully match. Upload ids end up in the proxy's durable
 store (keys, log lines); a conservative alphabet means no store has to escape them."""
+
+
+UPLOAD_FOLDED_METADATA = "fedpca-upload-folded"
+"""Trailing metadata key of a refused upload. The proxy sets it to ``none`` when it
+never folded any chunk of the owner into the query (the owner is not one of its
+contributors), so nothing derived from the owner's rows can be in a released result
+and the owner may refund its reservation."""
 
 
 def new_upload_id() -> str:
@@ -38,8 +46,9 @@ class UploadHeader:
     analyst_key_fingerprint : key the ciphertexts are encrypted under.
     upload_id : owner-chosen nonce; retries of the same upload reuse it.
     blocks : the layout.
-    total_chunks : chunks that follow.
-    content_sha256 : SHA-256 over all ciphertext bytes in order.
+    total_chunks : chunks that follow (each carries its link of the stream's hash
+        chain, :mod:`fedpca.messages.chunks`, so nothing about the content is
+        declared up front and the owner streams while it encrypts).
     public_record_count : masked mode only: the owner's record count, in the
         clear; None (absent on the wire) in stats mode.
     """
@@ -49,7 +58,6 @@ class UploadHeader:
     upload_id: str
     blocks: tuple[CiphertextBlock, ...]
     total_chunks: int
-    content_sha256: bytes
     public_record_count: int | None = None
 
     @property
@@ -59,7 +67,7 @@ class UploadHeader:
 
     def assembler(self) -> ChunkAssembler:
         """A :class:`ChunkAssembler` checking the chunks this header announces."""
-        return ChunkAssembler(self.blocks, self.total_chunks, self.content_sha256, self.label)
+        return ChunkAssembler(self.blocks, self.total_chunks, self.label)
 
 
 class UploadStatus(StrEnum):

@@ -30,7 +30,7 @@ Nothing here logs values or counts derived from the rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ import numpy.typing as npt
 from phe import paillier
 
 from fedpca.codec.ciphertext import PackedCiphertexts
+from fedpca.codec.packing import pack_slots
 from fedpca.codec.paillier import DEFAULT_OBFUSCATION, CryptoPool, Obfuscation
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError, PolicyError
 from fedpca.owner.config import DataConfig
@@ -54,6 +55,7 @@ __all__ = [
     "contributed_rows",
     "encode_share",
     "encrypt_share",
+    "encrypt_share_stream",
     "padded_rows",
     "record_cap",
 ]
@@ -276,6 +278,44 @@ def encode_share(
     return encoded
 
 
+def encrypt_share_stream(
+    spec: QuerySpec,
+    encoded: Mapping[str, IntArray],
+    plan: ReleasePlan,
+    pool: CryptoPool,
+    *,
+    obfuscation: Obfuscation = DEFAULT_OBFUSCATION,
+    progress: EncryptionProgress | None = None,
+) -> Iterator[list[int]]:
+    """The ciphertexts of an encoded share in wire order, batch by batch as encrypted.
+
+    Blocks follow ``plan.owner_blocks``; within a block, every packed plaintext is
+    checked against the block's bound before anything is encrypted, and batches come
+    back in order while later ones are still on the pool, so the caller can send them
+    at once (:class:`fedpca.owner.upload.OutgoingUpload`).
+
+    Parameters
+    ----------
+    spec : the public query (its ``analyst_public_key_n`` is the encryption key).
+    encoded : :func:`encode_share`'s values, block name -> fixed-point integers.
+    plan : the release plan the values were laid out with.
+    pool : the process pool that encrypts.
+    obfuscation : DJN or standard obfuscators.
+    progress : ``progress(done, total)`` in ciphertexts over all blocks.
+    """
+    public_key = analyst_public_key(spec)
+    n = public_key.n
+    total = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
+    done = 0
+    for block in plan.owner_blocks:
+        packed = [p % n for p in pack_slots(encoded[block.name], block.layout, block.bound)]
+        for batch in pool.encrypt_stream(public_key, packed, obfuscation=obfuscation):
+            done += len(batch)
+            if progress is not None:
+                progress(done, total)
+            yield batch
+
+
 def encrypt_share(
     spec: QuerySpec,
     table: OwnerTable,
@@ -287,7 +327,7 @@ def encrypt_share(
     progress: EncryptionProgress | None = None,
     rng: np.random.Generator | None = None,
 ) -> dict[str, PackedCiphertexts]:
-    """Encrypt this owner's share of ``spec`` under the analyst key the query carries.
+    """Encrypt this owner's whole share of ``spec`` under the analyst key the query carries.
 
     Parameters
     ----------
@@ -309,24 +349,19 @@ def encrypt_share(
     if plan is None:
         plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     encoded = encode_share(spec, table, plan, capacity=capacity, rng=rng)
-    total = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
+    flat: list[int] = []
+    for batch in encrypt_share_stream(
+        spec, encoded, plan, pool, obfuscation=obfuscation, progress=progress
+    ):
+        flat.extend(batch)
     shares: dict[str, PackedCiphertexts] = {}
-    done_before = 0
+    start = 0
     for block in plan.owner_blocks:
-
-        def report(done: int, offset: int = done_before) -> None:
-            if progress is not None:
-                progress(offset + done, total)
-
-        shares[block.name] = pool.encrypt_packed(
-            public_key,
-            encoded[block.name],
-            block.layout,
-            block.bound,
-            obfuscation=obfuscation,
-            progress=report,
+        count = block.layout.n_ciphertexts
+        shares[block.name] = PackedCiphertexts(
+            public_key, block.layout, tuple(flat[start : start + count]), block.bound
         )
-        done_before += block.layout.n_ciphertexts
+        start += count
     return shares
 
 

@@ -75,7 +75,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 LEGACY_MIGRATION_FACTOR = 0.5
 """Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
@@ -109,7 +109,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     detail TEXT NOT NULL,
     upload_id TEXT,
     upload_started INTEGER NOT NULL DEFAULT 0,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    seed BLOB
 );
 """
 
@@ -161,7 +162,8 @@ class TaskOutcome(StrEnum):
     """What became of a task. All but UPLOADING are final: the task is never redone."""
 
     UPLOADING = "uploading"
-    """An upload was started (not final: a restart recomputes and uploads again)."""
+    """An upload was started (not final: a restart resumes it with the same upload id and
+    the same sample of rows, and the proxy continues after the chunks it holds)."""
     UPLOADED = "uploaded"
     DECLINED = "declined"
     REJECTED = "rejected"
@@ -184,6 +186,8 @@ class TaskRecord:
     upload_id: str | None
     upload_started: bool
     updated_at: float
+    seed: bytes | None = None
+    """Secret seed of the task's sample of rows (set once its upload began)."""
 
 
 class BudgetLedger:
@@ -229,8 +233,10 @@ class BudgetLedger:
                         "INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
                         (str(SCHEMA_VERSION),),
                     )
-                elif int(row[0]) == 1:
-                    self._migrate_schema_1(connection)
+                elif int(row[0]) in (1, 2):
+                    if int(row[0]) == 1:
+                        self._migrate_schema_1(connection)
+                    self._migrate_schema_2(connection)
                 elif int(row[0]) != SCHEMA_VERSION:
                     raise ConfigError(
                         f"{self.path}: ledger schema version {row[0]}, this fedpca "
@@ -260,6 +266,16 @@ class BudgetLedger:
             self.path,
             migrated,
             self.neighbouring.value,
+        )
+
+    def _migrate_schema_2(self, connection: sqlite3.Connection) -> None:
+        """Schema 2 -> 3: tasks keep the secret seed of their sample of rows, so an upload
+        interrupted by a restart resumes with exactly the values it began with."""
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(tasks)")}
+        if "seed" not in columns:
+            connection.execute("ALTER TABLE tasks ADD COLUMN seed BLOB")
+        connection.execute(
+            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
         )
 
     def __repr__(self) -> str:
@@ -430,8 +446,8 @@ class BudgetLedger:
         Sound only because nothing derived from the data reaches a result: a
         reservation is refunded while no upload of the task was ever started (checked
         in the same transaction), or, with ``upload_refused``, when the proxy refused
-        the upload because the query had stopped collecting (the proxy then takes
-        whatever it had folded of it out of the aggregate, so it is in no result).
+        the upload saying it never folded any chunk of this owner into the query (it
+        was not one of the query's contributors), so the share is in no result.
 
         Returns
         -------
@@ -477,18 +493,24 @@ class BudgetLedger:
         detail: str = "",
         *,
         upload_id: str | None = None,
+        seed: bytes | None = None,
     ) -> None:
-        """Record what became of a task (UPLOADING marks that data is about to leave)."""
+        """Record what became of a task (UPLOADING marks that data is about to leave).
+
+        ``seed`` is the secret seed of the task's sample of rows, kept (like the
+        upload id) so that a restarted node resumes the very same upload.
+        """
         now = time.time()
         with self._connect() as connection, _immediate(connection):
             connection.execute(
                 "INSERT INTO tasks (query_id, state, detail, upload_id, upload_started, "
-                "updated_at) VALUES (?, ?, ?, ?, ?, ?) "
+                "updated_at, seed) VALUES (?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (query_id) DO UPDATE SET state = excluded.state, "
                 "detail = excluded.detail, "
                 "upload_id = COALESCE(excluded.upload_id, tasks.upload_id), "
                 "upload_started = MAX(tasks.upload_started, excluded.upload_started), "
-                "updated_at = excluded.updated_at",
+                "updated_at = excluded.updated_at, "
+                "seed = COALESCE(excluded.seed, tasks.seed)",
                 (
                     query_id,
                     outcome.value,
@@ -496,6 +518,7 @@ class BudgetLedger:
                     upload_id,
                     int(outcome in (TaskOutcome.UPLOADING, TaskOutcome.UPLOADED)),
                     now,
+                    seed,
                 ),
             )
 
@@ -503,13 +526,21 @@ class BudgetLedger:
         """The recorded state of a task, or None if it was never seen."""
         with self._connect() as connection:
             row = connection.execute(
-                "SELECT query_id, state, detail, upload_id, upload_started, updated_at "
+                "SELECT query_id, state, detail, upload_id, upload_started, updated_at, seed "
                 "FROM tasks WHERE query_id = ?",
                 (query_id,),
             ).fetchone()
         if row is None:
             return None
-        return TaskRecord(row[0], TaskOutcome(row[1]), row[2], row[3], bool(row[4]), row[5])
+        return TaskRecord(
+            row[0],
+            TaskOutcome(row[1]),
+            row[2],
+            row[3],
+            bool(row[4]),
+            row[5],
+            None if row[6] is None else bytes(row[6]),
+        )
 
     def is_handled(self, query_id: str) -> bool:
         """True if the task reached a final outcome (it must not be redone)."""

@@ -34,6 +34,7 @@ import logging
 import math
 import queue
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,8 +43,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import grpc
+import numpy as np
 
-from fedpca.codec.ciphertext import PackedCiphertexts
+from fedpca.codec.ciphertext import ciphertext_byte_length
 from fedpca.codec.paillier import CryptoPool, Obfuscation
 from fedpca.errors import (
     BudgetExceededError,
@@ -55,7 +57,7 @@ from fedpca.errors import (
 from fedpca.messages import (
     PROTOCOL_VERSION,
     UPLOAD_CHUNK_BYTES,
-    CiphertextPayload,
+    UPLOAD_FOLDED_METADATA,
     DeclineReason,
     Heartbeat,
     ObfuscationVariant,
@@ -65,22 +67,28 @@ from fedpca.messages import (
     TaskDecline,
     TaskEvent,
     blocks_of,
+    chunk_count,
+    ciphertexts_per_chunk,
     new_upload_id,
 )
-from fedpca.owner.compute import LocalTable, encrypt_share, record_cap
+from fedpca.owner.compute import LocalTable, encode_share, encrypt_share_stream, record_cap
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import TaskOutcome, owner_ledger
 from fedpca.owner.policy import SECONDS_PER_DAY, Refusal, check_task
+from fedpca.owner.upload import OutgoingUpload
 from fedpca.protocol import ReleasePlan
-from fedpca.query import ProtocolMode, spec_digest
+from fedpca.query import ProtocolMode, QuerySpec, spec_digest
 from fedpca.transport import serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
-from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from fedpca.version import __version__
 
-__all__ = ["OwnerNode", "RetryPolicy", "choose_obfuscation", "wire_payload"]
+__all__ = [
+    "OwnerNode",
+    "RetryPolicy",
+    "choose_obfuscation",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -167,14 +175,6 @@ def choose_obfuscation(
     )
 
 
-def wire_payload(shares: dict[str, PackedCiphertexts], plan: ReleasePlan) -> CiphertextPayload:
-    """The codec's packed ciphertexts as the wire payload, blocks in plan order."""
-    return CiphertextPayload(
-        blocks_of(plan.owner_blocks),
-        {block.name: shares[block.name].ciphertexts for block in plan.owner_blocks},
-    )
-
-
 class _ProgressLog:
     """INFO lines about encryption progress: every quarter, every 5 s, and at the end."""
 
@@ -249,9 +249,9 @@ class OwnerNode:
         self._queue: queue.Queue[Task | None] = queue.Queue()
         self._queued: set[str] = set()
         self._cancelled: set[str] = set()
-        # Upload messages of tasks not yet finished: a re-delivered task resends
-        # the same bytes under the same upload id instead of encrypting again.
-        self._prepared: dict[str, tuple[str, list[owner_pb.UploadMessage]]] = {}
+        # Uploads of tasks not yet finished: a retry or a re-delivered task resends the
+        # same messages under the same upload id instead of encrypting again.
+        self._prepared: dict[str, OutgoingUpload] = {}
         self._max_message_bytes = UPLOAD_CHUNK_BYTES
         self.connected = threading.Event()
         """Set while a task stream is open (for tests and health checks)."""
@@ -276,6 +276,8 @@ class OwnerNode:
             call = self._call
         if call is not None:
             call.cancel()
+        for upload in list(self._prepared.values()):
+            upload.stop()
 
     def _open_channel(self) -> grpc.Channel:
         target = self.config.owner.proxy
@@ -455,7 +457,7 @@ class OwnerNode:
 
     # ---------------------------------------------------------------- tasks
     def process_task(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
-        """Handle one task end to end (policy, budget, encryption, upload or decline).
+        """Handle one task end to end (policy, budget, encryption and upload, or decline).
 
         Returns
         -------
@@ -474,23 +476,92 @@ class OwnerNode:
             logger.warning("query %s: upload deadline already passed, skipping", query_id)
             self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
             return TaskOutcome.EXPIRED
-        prepared = self._prepared.get(query_id)
-        if prepared is None:
+        upload = self._prepared.get(query_id)
+        if upload is None:
             outcome = self._prepare(stub, task)
             if outcome is not None:
                 return outcome
-            prepared = self._prepared[query_id]
+            upload = self._prepared[query_id]
         if self._is_cancelled(query_id):
             return self._finish_cancelled(query_id)
-        upload_id, messages = prepared
-        return self._upload(stub, task, upload_id, messages)
+        return self._upload(stub, task, upload)
 
     def _prepare(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
-        """Public checks, budget and encryption; stores the upload messages, or declines.
+        """Public checks and budget, then start encrypting; or decline.
 
         Every decline happens before the records are looked at, for a public reason
         (:mod:`fedpca.owner.policy`); after the budget is reserved the share is computed
-        and encrypted whatever the records hold.
+        and encrypted whatever the records hold. A task whose upload had begun before a
+        restart is resumed: same upload id, same sample of rows (its seed is in the
+        ledger), so the proxy continues after the chunks it already folded.
+        """
+        spec = task.query
+        query_id = task.key
+        record = self.ledger.task(query_id)
+        resuming = (
+            record is not None
+            and record.outcome is TaskOutcome.UPLOADING
+            and record.upload_id is not None
+            and record.seed is not None
+        )
+        try:
+            obfuscation = choose_obfuscation(
+                self.config.crypto.obfuscation, task.accepted_obfuscation_variants
+            )
+        except PolicyError as exc:
+            if resuming:
+                raise
+            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
+        if resuming:
+            assert record is not None and record.upload_id is not None and record.seed is not None
+            # Data of this task may already be at the proxy: finish what was agreed.
+            plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+            table = self.table.table_for(spec)
+            upload_id, seed = record.upload_id, record.seed
+            logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
+        else:
+            accepted = self._accept(stub, task)
+            if not isinstance(accepted, tuple):
+                return accepted
+            plan, table = accepted
+            upload_id, seed = new_upload_id(), secrets.token_bytes(32)
+        capacity = self.config.data.max_records
+        try:
+            # The sample of rows is drawn from the task's secret seed, so a resumed
+            # upload encodes exactly the values whose first chunks the proxy holds.
+            encoded = encode_share(
+                spec,
+                table,
+                plan,
+                capacity=capacity,
+                rng=np.random.default_rng(int.from_bytes(seed, "big")),
+            )
+        except BaseException:
+            # Not a decline: nothing here depends on the records (a bug). Nothing left
+            # the node, so a fresh reservation is refunded; a re-delivery tries again.
+            if not resuming:
+                self.ledger.cancel_reservation(query_id)
+            raise
+        # Masked mode publishes the count of records the statistics cover (its relation,
+        # replace-one, makes it public); stats mode keeps it inside the noised release.
+        record_count = (
+            min(table.features.shape[0], record_cap(spec, capacity))
+            if spec.mode is ProtocolMode.MASKED
+            else None
+        )
+        # From here on data derived from the rows may leave: no refund any more.
+        self.ledger.record_task(query_id, TaskOutcome.UPLOADING, upload_id=upload_id, seed=seed)
+        self._prepared[query_id] = self._start_upload(
+            spec, query_id, upload_id, plan, encoded, obfuscation, record_count
+        )
+        return None
+
+    def _accept(
+        self, stub: owner_grpc.OwnerServiceStub, task: Task
+    ) -> tuple[ReleasePlan, Any] | TaskOutcome | None:
+        """Public policy checks and the budget reservation of a new task.
+
+        Returns the plan and the query's view of the table, or the decline's outcome.
         """
         spec = task.query
         query_id = task.key
@@ -503,12 +574,6 @@ class OwnerNode:
         )
         if isinstance(decision, Refusal):
             return self._decline(stub, query_id, decision.reason, decision.detail)
-        try:
-            obfuscation = choose_obfuscation(
-                self.config.crypto.obfuscation, task.accepted_obfuscation_variants
-            )
-        except PolicyError as exc:
-            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
         plan = decision.plan
         # The ledger keys releases by the task's key (scoped by analyst at the proxy).
         event = replace(plan.privacy_event(analyst=spec.analyst_key_fingerprint), query_id=query_id)
@@ -531,69 +596,90 @@ class OwnerNode:
             self.config.budget.epsilon,
             ", NOT PRIVATE verification release" if budget.not_private else "",
         )
+        return plan, decision.table
 
-        started = time.perf_counter()
-        capacity = self.config.data.max_records
-        try:
-            shares = encrypt_share(
-                spec,
-                decision.table,
-                self._pool,
-                capacity=capacity,
-                plan=plan,
-                obfuscation=obfuscation,
-                progress=_ProgressLog(query_id),
-            )
-        except BaseException:
-            # Not a decline: nothing here depends on the records (a crash or a bug).
-            # Nothing left the node, so the reservation is refunded; the task stays
-            # open and a re-delivery tries again.
-            self.ledger.cancel_reservation(query_id)
-            raise
-        logger.info(
-            "query %s: share encrypted (%s, %d ciphertexts) in %.1f s",
-            query_id,
-            obfuscation.value,
-            sum(len(s.ciphertexts) for s in shares.values()),
-            time.perf_counter() - started,
-        )
-        # Masked mode publishes the count of records the statistics cover (its relation,
-        # replace-one, makes it public); stats mode keeps it inside the noised release.
-        record_count = (
-            min(decision.table.features.shape[0], record_cap(spec, capacity))
-            if spec.mode is ProtocolMode.MASKED
-            else None
-        )
-        upload_id = new_upload_id()
-        messages = serde.encode_upload(
+    def _start_upload(
+        self,
+        spec: QuerySpec,
+        query_id: str,
+        upload_id: str,
+        plan: ReleasePlan,
+        encoded: Any,
+        obfuscation: Obfuscation,
+        record_count: int | None,
+    ) -> OutgoingUpload:
+        """Start encrypting; the upload's messages exist as soon as their chunks do."""
+        width = ciphertext_byte_length(spec.analyst_public_key_n.bit_length())
+        per_chunk = ciphertexts_per_chunk(width, self._max_message_bytes)
+        total = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
+        header = serde.upload_header_message(
             query_id,
             spec.analyst_key_fingerprint,
             upload_id,
-            wire_payload(shares, plan),
-            self._max_message_bytes,
+            blocks_of(plan.owner_blocks),
+            chunk_count(total, per_chunk),
             public_record_count=record_count,
         )
-        self._prepared[query_id] = (upload_id, messages)
-        return None
+        kind = "encrypt_chunk_djn" if obfuscation is Obfuscation.DJN else "encrypt_chunk_standard"
+        cpu_before = self._pool.work_done().get(kind, (0, 0.0))[1]
+        started = time.perf_counter()
+
+        def done() -> None:
+            cpu = self._pool.work_done().get(kind, (0, 0.0))[1] - cpu_before
+            logger.info(
+                "query %s: share encrypted (%s, %d ciphertexts) in %.2f s, %.2f CPU-s in the "
+                "crypto workers",
+                query_id,
+                obfuscation.value,
+                total,
+                time.perf_counter() - started,
+                cpu,
+            )
+
+        logger.info(
+            "query %s: encrypting %d ciphertexts (%s), sending each chunk as soon as it is ready",
+            query_id,
+            total,
+            obfuscation.value,
+        )
+        batches = encrypt_share_stream(
+            spec,
+            encoded,
+            plan,
+            self._pool,
+            obfuscation=obfuscation,
+            progress=_ProgressLog(query_id),
+        )
+        return OutgoingUpload(
+            upload_id, header, batches, width, per_chunk, serde.upload_chunk_message, on_done=done
+        ).start()
 
     def _upload(
         self,
         stub: owner_grpc.OwnerServiceStub,
         task: Task,
-        upload_id: str,
-        messages: list[owner_pb.UploadMessage],
+        upload: OutgoingUpload,
     ) -> TaskOutcome | None:
         query_id = task.key
-        # From here on data derived from the rows may leave: no refund any more.
-        self.ledger.record_task(query_id, TaskOutcome.UPLOADING, upload_id=upload_id)
+        upload_id = upload.upload_id
         attempts = self.retry.upload_attempts
         for attempt in range(attempts):
             if self._stop.is_set():
                 logger.warning("query %s: stopping before the upload finished", query_id)
                 return None
             try:
-                response = stub.Upload(iter(messages), timeout=self.retry.upload_timeout)
+                response = stub.Upload(upload.messages(), timeout=self.retry.upload_timeout)
             except grpc.RpcError as err:
+                if upload.error is not None:
+                    # Encrypting failed (a bug or a dead worker), not the proxy: the task
+                    # stays open, and a re-delivery resumes it.
+                    self._drop_upload(query_id)
+                    logger.error(
+                        "query %s: encrypting the share failed (%s); the task stays open",
+                        query_id,
+                        type(upload.error).__name__,
+                    )
+                    return None
                 if _code(err) not in RETRYABLE_CODES:
                     logger.error(
                         "query %s: the proxy refused upload %s: %s: %s",
@@ -602,18 +688,17 @@ class OwnerNode:
                         _code_name(err),
                         _details(err),
                     )
-                    self._prepared.pop(query_id, None)
+                    self._drop_upload(query_id)
                     self.ledger.record_task(
                         query_id,
                         TaskOutcome.REJECTED,
                         f"{_code_name(err)}: {_details(err)}",
                         upload_id=upload_id,
                     )
-                    if _code(err) is grpc.StatusCode.FAILED_PRECONDITION:
-                        # The query stopped collecting: the proxy takes an upload it did
-                        # not complete out of the aggregate, so this share is in no
-                        # result, and the proxy refunds the analyst only if no upload
-                        # began. Nothing of this owner's data was released.
+                    if _nothing_folded(err):
+                        # The proxy never took any of this owner's chunks into the query
+                        # (it was not one of its contributors), so this share is in no
+                        # result: nothing of the data was released.
                         self.ledger.cancel_reservation(query_id, upload_refused=True)
                     return TaskOutcome.REJECTED
                 delay = RetryPolicy.delay(
@@ -644,7 +729,7 @@ class OwnerNode:
                 self._stop.wait(delay)
                 continue
             receipt = serde.upload_receipt_from_proto(response)
-            self._prepared.pop(query_id, None)
+            self._drop_upload(query_id)
             self.ledger.record_task(
                 query_id, TaskOutcome.UPLOADED, receipt.status.value, upload_id=upload_id
             )
@@ -659,11 +744,17 @@ class OwnerNode:
             return TaskOutcome.UPLOADED
         return None  # pragma: no cover - the loop always returns
 
+    def _drop_upload(self, query_id: str) -> None:
+        upload = self._prepared.pop(query_id, None)
+        if upload is not None:
+            upload.stop()
+
     def _finish_cancelled(self, query_id: str) -> TaskOutcome:
-        self._prepared.pop(query_id, None)
+        self._drop_upload(query_id)
+        # Refunded only if no upload of the task had begun (the ledger checks).
         self.ledger.cancel_reservation(query_id)
         self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
-        logger.info("query %s: cancelled before upload; nothing was sent", query_id)
+        logger.info("query %s: cancelled by the proxy", query_id)
         return TaskOutcome.CANCELLED
 
     def _decline(
@@ -708,6 +799,15 @@ def _variants(preferred: Obfuscation) -> tuple[ObfuscationVariant, ...]:
     if preferred is Obfuscation.DJN:
         return (ObfuscationVariant.DJN, ObfuscationVariant.FULL)
     return (ObfuscationVariant.FULL,)
+
+
+def _nothing_folded(err: grpc.RpcError) -> bool:
+    """The proxy's refusal says none of this owner's chunks was ever folded."""
+    if _code(err) is not grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    trailing: Callable[[], Any] | None = getattr(err, "trailing_metadata", None)
+    metadata = dict(trailing() or ()) if trailing is not None else {}
+    return metadata.get(UPLOAD_FOLDED_METADATA) == "none"
 
 
 def _code(err: grpc.RpcError) -> grpc.StatusCode:

@@ -27,37 +27,37 @@ from fedpca.v1 import query_pb2 as fedpca_dot_v1_dot_query__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64pca/v1/analyst_service.proto\x12\tfedpca.v1\x1a\x1a\x66\x65\x64pca/v1/ciphertext.proto\x1a\x15\x66\x65\x64pca/v1/query.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x12SubmitQueryRequest\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x17\n\x0fquery_signature\x18\x02 \x01(\x0c\x12\x14\n\x0cquery_signer\x18\x03 \x01(\t\"\x1c\n\x08QueryRef\x12\x10\n\x08query_id\x18\x01 \x01(\t\"\xc8\x02\n\x0bQueryStatus\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.fedpca.v1.QueryState\x12\x1a\n\x12owners_contributed\x18\x03 \x01(\r\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12\x17\n\x0fowners_declined\x18\x05 \x01(\r\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x0e\x66\x61ilure_reason\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10owners_uploading\x18\x08 \x01(\r\x12)\n\x08\x64\x65\x63lines\x18\t \x03(\x0b\x32\x17.fedpca.v1.OwnerDecline\x12\x19\n\x11owners_registered\x18\n \x01(\rB\x11\n\x0f_failure_reason\"@\n\x0cOwnerDecline\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"+\n\x0cNoiseSection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05sigma\x18\x02 \x01(\x01\"\xb8\x01\n\x10NoiseDescription\x12,\n\tmechanism\x18\x01 \x01(\x0e\x32\x19.fedpca.v1.NoiseMechanism\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0e\x32\x16.fedpca.v1.Calibration\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12)\n\x08sections\x18\x05 \x03(\x0b\x32\x17.fedpca.v1.NoiseSection\"\xbb\x02\n\x0cResultHeader\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x10\n\x08n_owners\x18\x02 \x01(\r\x12*\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1a.fedpca.v1.CiphertextBlock\x12*\n\x05noise\x18\x04 \x01(\x0b\x32\x1b.fedpca.v1.NoiseDescription\x12\x1e\n\x11masked_mean_block\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0ctotal_chunks\x18\x06 \x01(\r\x12\x16\n\x0e\x63ontent_sha256\x18\x07 \x01(\x0c\x12 \n\x13public_record_count\x18\x08 \x01(\x04H\x01\x88\x01\x01\x42\x14\n\x12_masked_mean_blockB\x16\n\x14_public_record_count\"r\n\rResultMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpca.v1.ResultHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.fedpca.v1.CiphertextChunkH\x00\x42\t\n\x07payload\"-\n\rBudgetRequest\x12\x12\n\x05\x64\x65lta\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_delta\"\x8e\x01\n\x0c\x42udgetStatus\x12\x12\n\nanalyst_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\x15\n\repsilon_spent\x18\x03 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x04 \x01(\x01\x12\x15\n\repsilon_limit\x18\x05 \x01(\x01\x12\x12\n\nn_releases\x18\x06 \x01(\r*\xc2\x01\n\nQueryState\x12\x1b\n\x17QUERY_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUERY_STATE_PENDING\x10\x01\x12\x1a\n\x16QUERY_STATE_COLLECTING\x10\x02\x12\x1b\n\x17QUERY_STATE_AGGREGATING\x10\x03\x12\x17\n\x13QUERY_STATE_NOISING\x10\x04\x12\x14\n\x10QUERY_STATE_DONE\x10\x05\x12\x16\n\x12QUERY_STATE_FAILED\x10\x06*i\n\x0eNoiseMechanism\x12\x1f\n\x1bNOISE_MECHANISM_UNSPECIFIED\x10\x00\x12\x1c\n\x18NOISE_MECHANISM_GAUSSIAN\x10\x01\x12\x18\n\x14NOISE_MECHANISM_NONE\x10\x02\x32\xd8\x02\n\x0e\x41nalystService\x12\x44\n\x0bSubmitQuery\x12\x1d.fedpca.v1.SubmitQueryRequest\x1a\x16.fedpca.v1.QueryStatus\x12=\n\x0eGetQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus\x12\x41\n\x10WatchQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus0\x01\x12>\n\x0b\x46\x65tchResult\x12\x13.fedpca.v1.QueryRef\x1a\x18.fedpca.v1.ResultMessage0\x01\x12>\n\tGetBudget\x12\x18.fedpca.v1.BudgetRequest\x1a\x17.fedpca.v1.BudgetStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64pca/v1/analyst_service.proto\x12\tfedpca.v1\x1a\x1a\x66\x65\x64pca/v1/ciphertext.proto\x1a\x15\x66\x65\x64pca/v1/query.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x12SubmitQueryRequest\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x17\n\x0fquery_signature\x18\x02 \x01(\x0c\x12\x14\n\x0cquery_signer\x18\x03 \x01(\t\"\x1c\n\x08QueryRef\x12\x10\n\x08query_id\x18\x01 \x01(\t\"\xf2\x02\n\x0bQueryStatus\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.fedpca.v1.QueryState\x12\x1a\n\x12owners_contributed\x18\x03 \x01(\r\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12\x17\n\x0fowners_declined\x18\x05 \x01(\r\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x0e\x66\x61ilure_reason\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10owners_uploading\x18\x08 \x01(\r\x12)\n\x08\x64\x65\x63lines\x18\t \x03(\x0b\x32\x17.fedpca.v1.OwnerDecline\x12\x19\n\x11owners_registered\x18\n \x01(\r\x12\x13\n\x0bpages_final\x18\x0b \x01(\r\x12\x13\n\x0bpages_total\x18\x0c \x01(\rB\x11\n\x0f_failure_reason\"@\n\x0cOwnerDecline\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"+\n\x0cNoiseSection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05sigma\x18\x02 \x01(\x01\"\xb8\x01\n\x10NoiseDescription\x12,\n\tmechanism\x18\x01 \x01(\x0e\x32\x19.fedpca.v1.NoiseMechanism\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0e\x32\x16.fedpca.v1.Calibration\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12)\n\x08sections\x18\x05 \x03(\x0b\x32\x17.fedpca.v1.NoiseSection\"\xbb\x02\n\x0cResultHeader\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x10\n\x08n_owners\x18\x02 \x01(\r\x12*\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1a.fedpca.v1.CiphertextBlock\x12*\n\x05noise\x18\x04 \x01(\x0b\x32\x1b.fedpca.v1.NoiseDescription\x12\x1e\n\x11masked_mean_block\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0ctotal_chunks\x18\x06 \x01(\r\x12\x16\n\x0e\x63ontent_sha256\x18\x07 \x01(\x0c\x12 \n\x13public_record_count\x18\x08 \x01(\x04H\x01\x88\x01\x01\x42\x14\n\x12_masked_mean_blockB\x16\n\x14_public_record_count\"r\n\rResultMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpca.v1.ResultHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.fedpca.v1.CiphertextChunkH\x00\x42\t\n\x07payload\"-\n\rBudgetRequest\x12\x12\n\x05\x64\x65lta\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_delta\"\x8e\x01\n\x0c\x42udgetStatus\x12\x12\n\nanalyst_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\x15\n\repsilon_spent\x18\x03 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x04 \x01(\x01\x12\x15\n\repsilon_limit\x18\x05 \x01(\x01\x12\x12\n\nn_releases\x18\x06 \x01(\r*\xc2\x01\n\nQueryState\x12\x1b\n\x17QUERY_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUERY_STATE_PENDING\x10\x01\x12\x1a\n\x16QUERY_STATE_COLLECTING\x10\x02\x12\x1b\n\x17QUERY_STATE_AGGREGATING\x10\x03\x12\x17\n\x13QUERY_STATE_NOISING\x10\x04\x12\x14\n\x10QUERY_STATE_DONE\x10\x05\x12\x16\n\x12QUERY_STATE_FAILED\x10\x06*i\n\x0eNoiseMechanism\x12\x1f\n\x1bNOISE_MECHANISM_UNSPECIFIED\x10\x00\x12\x1c\n\x18NOISE_MECHANISM_GAUSSIAN\x10\x01\x12\x18\n\x14NOISE_MECHANISM_NONE\x10\x02\x32\xd8\x02\n\x0e\x41nalystService\x12\x44\n\x0bSubmitQuery\x12\x1d.fedpca.v1.SubmitQueryRequest\x1a\x16.fedpca.v1.QueryStatus\x12=\n\x0eGetQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus\x12\x41\n\x10WatchQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus0\x01\x12>\n\x0b\x46\x65tchResult\x12\x13.fedpca.v1.QueryRef\x1a\x18.fedpca.v1.ResultMessage0\x01\x12>\n\tGetBudget\x12\x18.fedpca.v1.BudgetRequest\x1a\x17.fedpca.v1.BudgetStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpca.v1.analyst_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QUERYSTATE']._serialized_start=1522
-  _globals['_QUERYSTATE']._serialized_end=1716
-  _globals['_NOISEMECHANISM']._serialized_start=1718
-  _globals['_NOISEMECHANISM']._serialized_end=1823
+  _globals['_QUERYSTATE']._serialized_start=1564
+  _globals['_QUERYSTATE']._serialized_end=1758
+  _globals['_NOISEMECHANISM']._serialized_start=1760
+  _globals['_NOISEMECHANISM']._serialized_end=1865
   _globals['_SUBMITQUERYREQUEST']._serialized_start=130
   _globals['_SUBMITQUERYREQUEST']._serialized_end=234
   _globals['_QUERYREF']._serialized_start=236
   _globals['_QUERYREF']._serialized_end=264
   _globals['_QUERYSTATUS']._serialized_start=267
-  _globals['_QUERYSTATUS']._serialized_end=595
-  _globals['_OWNERDECLINE']._serialized_start=597
-  _globals['_OWNERDECLINE']._serialized_end=661
-  _globals['_NOISESECTION']._serialized_start=663
-  _globals['_NOISESECTION']._serialized_end=706
-  _globals['_NOISEDESCRIPTION']._serialized_start=709
-  _globals['_NOISEDESCRIPTION']._serialized_end=893
-  _globals['_RESULTHEADER']._serialized_start=896
-  _globals['_RESULTHEADER']._serialized_end=1211
-  _globals['_RESULTMESSAGE']._serialized_start=1213
-  _globals['_RESULTMESSAGE']._serialized_end=1327
-  _globals['_BUDGETREQUEST']._serialized_start=1329
-  _globals['_BUDGETREQUEST']._serialized_end=1374
-  _globals['_BUDGETSTATUS']._serialized_start=1377
-  _globals['_BUDGETSTATUS']._serialized_end=1519
-  _globals['_ANALYSTSERVICE']._serialized_start=1826
-  _globals['_ANALYSTSERVICE']._serialized_end=2170
+  _globals['_QUERYSTATUS']._serialized_end=637
+  _globals['_OWNERDECLINE']._serialized_start=639
+  _globals['_OWNERDECLINE']._serialized_end=703
+  _globals['_NOISESECTION']._serialized_start=705
+  _globals['_NOISESECTION']._serialized_end=748
+  _globals['_NOISEDESCRIPTION']._serialized_start=751
+  _globals['_NOISEDESCRIPTION']._serialized_end=935
+  _globals['_RESULTHEADER']._serialized_start=938
+  _globals['_RESULTHEADER']._serialized_end=1253
+  _globals['_RESULTMESSAGE']._serialized_start=1255
+  _globals['_RESULTMESSAGE']._serialized_end=1369
+  _globals['_BUDGETREQUEST']._serialized_start=1371
+  _globals['_BUDGETREQUEST']._serialized_end=1416
+  _globals['_BUDGETSTATUS']._serialized_start=1419
+  _globals['_BUDGETSTATUS']._serialized_end=1561
+  _globals['_ANALYSTSERVICE']._serialized_start=1868
+  _globals['_ANALYSTSERVICE']._serialized_end=2212
 # @@protoc_insertion_point(module_scope)

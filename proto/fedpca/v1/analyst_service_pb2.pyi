@@ -55,7 +55,7 @@ class QueryRef(_message.Message):
     def __init__(self, query_id: _Optional[str] = ...) -> None: ...
 
 class QueryStatus(_message.Message):
-    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading", "declines", "owners_registered")
+    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading", "declines", "owners_registered", "pages_final", "pages_total")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class QueryStatus(_message.Message):
     OWNERS_UPLOADING_FIELD_NUMBER: _ClassVar[int]
     DECLINES_FIELD_NUMBER: _ClassVar[int]
     OWNERS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FINAL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     state: QueryState
     owners_contributed: int
@@ -76,7 +78,9 @@ class QueryStatus(_message.Message):
     owners_uploading: int
     declines: _containers.RepeatedCompositeFieldContainer[OwnerDecline]
     owners_registered: int
-    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ..., declines: _Optional[_Iterable[_Union[OwnerDecline, _Mapping]]] = ..., owners_registered: _Optional[int] = ...) -> None: ...
+    pages_final: int
+    pages_total: int
+    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ..., declines: _Optional[_Iterable[_Union[OwnerDecline, _Mapping]]] = ..., owners_registered: _Optional[int] = ..., pages_final: _Optional[int] = ..., pages_total: _Optional[int] = ...) -> None: ...
 
 class OwnerDecline(_message.Message):
     __slots__ = ("owner_id", "reason", "detail")

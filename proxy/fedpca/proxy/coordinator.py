@@ -5,30 +5,38 @@ every durable change goes through :class:`~fedpca.proxy.store.ProxyStore`.
 
 Lifecycle of one query::
 
-    submit ──▶ COLLECTING ──(quorum reached, or deadline with >= quorum)──▶ NOISING ──▶ DONE
-                   └──(deadline with fewer than quorum, or so many public
-                       declines that the quorum can no longer be reached)──────▶ FAILED
+    submit ─▶ COLLECTING ─(quorum owners began)─▶ AGGREGATING ─(stats: last page final)─▶ DONE
+                  │                                   └─(masked: all folded)─▶ NOISING ─▶ DONE
+                  └─(deadline, or declines leave the quorum out of reach; from
+                     AGGREGATING: a contributor did not finish by the deadline)─▶ FAILED
+
+The first ``quorum`` owners to begin an upload are the query's contributors; while the
+set is open, an upload whose stream breaks is taken out and its place freed. Once it
+is fixed, each result page is final (noise added under encryption) as soon as every
+contributor's chunks covering it are folded, and the analyst fetches and decrypts it
+while the owners still encrypt the later ones; an interrupted upload resumes where its
+durable mark stands.
 
 Queries are keyed by analyst: the proxy stores analyst ``a``'s query ``q`` under the
 *task id* ``a/q``, which is also what owners see and answer with, so one analyst's
 query ids say nothing about another's. Only owners on the allow-list
 (``[owners] allowed``) are offered tasks or may upload and decline.
 
-The noise of a stats-mode query is prepared while owners encrypt
-(:mod:`fedpca.proxy.prepared_noise`); a masked-mode result is computed by
-:mod:`fedpca.proxy.masking`. Why each step is safe against concurrent
+The noise of a stats-mode query is drawn while owners encrypt
+(:mod:`fedpca.proxy.prepared_noise`) and added page by page; a masked-mode result is
+computed at the end by :mod:`fedpca.proxy.masking`. Why each step is safe against concurrent
 submissions, broken streams and crashes, and what the noise step costs, is in
 docs/architecture.md ("The proxy's query lifecycle").
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +60,7 @@ from fedpca.messages import (
     QueryResult,
     QueryState,
     QueryStatus,
+    ResultHeader,
     SignedQuery,
     Task,
     TaskCancellation,
@@ -60,10 +69,16 @@ from fedpca.messages import (
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.masking import masked_result
-from fedpca.proxy.prepared_noise import EncryptedNoise, PreparedNoise
-from fedpca.proxy.queries import QueryContext, spec_from_dict, spec_to_dict, validate_query
-from fedpca.proxy.results import aggregate_blocks, stats_result, stored_result
-from fedpca.proxy.store import ProxyStore, QueryRecord, UploadCompletion
+from fedpca.proxy.prepared_noise import PageNoise, PreparedNoise
+from fedpca.proxy.queries import (
+    QueryContext,
+    result_blocks,
+    spec_from_dict,
+    spec_to_dict,
+    validate_query,
+)
+from fedpca.proxy.results import aggregate_blocks, result_header, result_meta, whole_result
+from fedpca.proxy.store import Contributor, ProxyStore, QueryRecord, page_count
 from fedpca.proxy.uploads import UploadStream, check_upload_header
 from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.signing import verify_query
@@ -77,6 +92,10 @@ DEFAULT_TIMER_INTERVAL = 0.5
 
 _BUDGET_CHECK_ATTEMPTS = 5
 """Times a submission recomposes its analyst's ledger if another one changed it meanwhile."""
+
+
+def _total_ciphertexts(context: QueryContext) -> int:
+    return sum(block.layout.n_ciphertexts for block in context.plan.owner_blocks)
 
 
 def task_id(analyst_id: str, query_id: str) -> str:
@@ -154,7 +173,11 @@ class Coordinator:
         self._lock = threading.Lock()
         self._finishing: set[str] = set()
         self._fold_seconds: dict[str, float] = {}
-        self._stream_numbers = itertools.count(1)
+        self._last_chunk_at: dict[str, float] = {}
+        self._open_streams: Counter[tuple[str, str]] = Counter()
+        self._finalizing: set[str] = set()
+        self._dirty: set[str] = set()
+        self._pages_final: dict[str, int] = {}
         self._changed = threading.Condition()
         self._version = 0
         self._listeners: list[Callable[[], None]] = []
@@ -166,7 +189,6 @@ class Coordinator:
             else None
         )
         self._noise = PreparedNoise(
-            pool,
             noise_sampler,
             enabled=background if precompute_noise is None else precompute_noise,
         )
@@ -489,80 +511,208 @@ class Coordinator:
             f"the quorum of {quorum} can no longer be reached: {len(declines)} of "
             f"{len(self.registered_owners)} owners declined ({listed})"
         )
-        try:
-            self.store.set_state(
-                query_id,
-                QueryState.FAILED,
-                expect=(QueryState.COLLECTING,),
-                failure_reason=reason,
-                algebra=self._algebra(query_id),
-            )
-        except QueryStateError:
-            return
-        logger.warning("query %s failed: %s", query_id, reason)
-        self._noise.discard(query_id)
+        self._fail(query_id, reason)
 
     # ----------------------------------------------------------------- uploads
-    def check_upload_header(self, owner_id: str, header: UploadHeader) -> bool:
-        """:func:`fedpca.proxy.uploads.check_upload_header` against the stored query.
-
-        Returns True when the header is a retry of an upload already accepted.
-        """
-        return check_upload_header(
-            self._context(header.query_id), self.store, owner_id, header, self.clock
-        )
+    def check_upload_header(self, owner_id: str, header: UploadHeader) -> None:
+        """:func:`fedpca.proxy.uploads.check_upload_header` against the stored query."""
+        self.require_owner(owner_id)
+        check_upload_header(self._context(header.query_id), header)
 
     def begin_upload(self, owner_id: str, header: UploadHeader) -> UploadStream:
-        """Check an upload's header and open the stream its chunks are folded through.
+        """Check an upload's header, let the owner join the query's contributors (or
+        resume its upload), and open the stream its chunks are folded through.
 
         From here on the owner may have spent budget on the query, so it is marked as
         never to be refunded.
 
-        Raises the errors of :meth:`check_upload_header`, and AuthenticationError for
-        an owner that is not on the allow-list.
+        Raises the errors of :meth:`check_upload_header` and of
+        :meth:`fedpca.proxy.store.ProxyStore.join` (NotContributingError for an owner
+        that is not, and can no longer become, a contributor).
         """
-        self.require_owner(owner_id)
-        duplicate = self.check_upload_header(owner_id, header)
-        if not duplicate:
-            self.store.mark_upload_begun(header.query_id)
-        context = self._context(header.query_id)
+        self.check_upload_header(owner_id, header)
+        key = header.query_id
+        context = self._context(key)
+        total = _total_ciphertexts(context)
+
+        def meta_when_fixed(contributors: Sequence[Contributor]) -> dict[str, Any]:
+            return result_meta(
+                context.plan, len(contributors), [c.public_count for c in contributors]
+            )
+
+        joined = self.store.join(
+            key,
+            owner_id,
+            header.upload_id,
+            total_ciphertexts=total,
+            algebra=self._algebra(key),
+            public_count=header.public_record_count,
+            on_fixed=meta_when_fixed,
+        )
+        if joined.fixed:
+            logger.info(
+                "query %s: its %d contributors are fixed; pages become final as they complete",
+                key,
+                context.spec.quorum,
+            )
+            self._notify()
+        elif joined.covered and not joined.duplicate:
+            logger.info(
+                "query %s: %s resumes upload %s after %d folded ciphertexts",
+                key,
+                owner_id,
+                header.upload_id,
+                joined.covered,
+            )
+        stream_key = (key, owner_id)
         with self._lock:
-            stream = next(self._stream_numbers)
+            self._open_streams[stream_key] += 1
+
+        def ended() -> None:
+            with self._lock:
+                self._open_streams[stream_key] -= 1
+                if self._open_streams[stream_key] <= 0:
+                    del self._open_streams[stream_key]
+
+        def streams_open() -> int:
+            with self._lock:
+                return self._open_streams[stream_key]
+
         return UploadStream(
             self.store,
             owner_id,
             header,
             context,
-            stream,
-            duplicate=duplicate,
-            on_change=self._notify,
-            on_accepted=self._uploaded,
+            joined,
+            on_folded=self._folded,
+            on_completed=self._completed,
+            on_ended=ended,
+            streams_open=streams_open,
         )
 
-    def _uploaded(self, query_id: str, receipt: UploadCompletion, fold_seconds: float) -> None:
+    def _folded(self, query_id: str) -> None:
         with self._lock:
-            self._fold_seconds[query_id] = self._fold_seconds.get(query_id, 0.0) + fold_seconds
+            self._last_chunk_at[query_id] = time.time()
+        self.advance(query_id)
         self._notify()
-        if receipt.n_contributed >= self._context(query_id).spec.quorum:
-            self.close(query_id)
 
-    # --------------------------------------------------------- quorum/deadline
-    def close(self, query_id: str) -> None:
-        """Stop collecting (COLLECTING → NOISING) and finish the query.
+    def _completed(self, query_id: str) -> None:
+        self._notify()
 
-        A no-op if another thread closed it first. The result is computed on the
-        background thread (or here, without one).
+    def advance(self, query_id: str) -> None:
+        """Make final whatever the folded chunks allow: result pages of a stats-mode
+        query, or (masked mode) the whole result once every contribution is in.
+
+        Called after every fold, and at start-up; concurrent calls for one query
+        collapse into one pass that repeats while more folds arrived meanwhile.
         """
+        with self._lock:
+            self._dirty.add(query_id)
+            if query_id in self._finalizing:
+                return
+            self._finalizing.add(query_id)
+        try:
+            while True:
+                with self._lock:
+                    if query_id not in self._dirty:
+                        self._finalizing.discard(query_id)
+                        return
+                    self._dirty.discard(query_id)
+                self._advance_once(query_id)
+        except BaseException:
+            with self._lock:
+                self._finalizing.discard(query_id)
+            raise
+
+    def _advance_once(self, query_id: str) -> None:
+        context = self._context(query_id)
+        total = _total_ciphertexts(context)
+        through = self.store.aggregated_through(query_id)
+        if context.spec.mode is ProtocolMode.MASKED:
+            if through >= total:
+                self.close(query_id)
+            return
+        size = self.store.page_ciphertexts
+        ready = page_count(total, size) if through >= total else through // size
+        with self._lock:
+            if ready <= self._pages_final.get(query_id, 0):
+                return
+        noise: PageNoise | None = None
+        try:
+            if context.plan.private:
+                noise = self._noise.get(query_id, context.plan, context.public_key.n)
+            finalized = self.store.finalize_pages(
+                query_id,
+                total,
+                self._algebra(query_id),
+                None if noise is None else lambda _page, start, count: noise.encoded(start, count),
+            )
+        except FedpcaError as exc:
+            self._fail(query_id, f"adding noise failed ({type(exc).__name__}); see the proxy log")
+            logger.error("query %s: noise step failed: %s", query_id, type(exc).__name__)
+            return
+        with self._lock:
+            self._pages_final[query_id] = finalized.pages_final
+        if finalized.new_pages:
+            logger.debug(
+                "query %s: %d of %d result pages final",
+                query_id,
+                finalized.pages_final,
+                page_count(total, size),
+            )
+            self._notify()
+        if finalized.done:
+            self._done(query_id, noise)
+
+    def _done(self, query_id: str, noise: PageNoise | None) -> None:
+        with self._lock:
+            last_chunk = self._last_chunk_at.pop(query_id, None)
+            fold_seconds = self._fold_seconds.pop(query_id, None)
+            self._pages_final.pop(query_id, None)
+        timings: dict[str, float] = {}
+        if noise is not None:
+            timings["sample_seconds"] = noise.sample_seconds
+        if fold_seconds is not None:
+            timings["fold_seconds"] = fold_seconds
+        if last_chunk is not None:
+            timings["final_after_last_chunk_seconds"] = max(0.0, time.time() - last_chunk)
+        self.store.update_result_meta(query_id, {"timings": timings})
+        self._noise.discard(query_id)
+        record = self.store.query(query_id)
+        logger.info(
+            "query %s done: %d contributors, every page final%s",
+            query_id,
+            record.quorum,
+            f", {timings['final_after_last_chunk_seconds']:.3f} s after the last chunk arrived"
+            if "final_after_last_chunk_seconds" in timings
+            else "",
+        )
+        self._notify()
+
+    def _fail(self, query_id: str, reason: str) -> None:
         try:
             self.store.set_state(
                 query_id,
-                QueryState.NOISING,
-                expect=(QueryState.COLLECTING,),
-                algebra=self._algebra(query_id),
+                QueryState.FAILED,
+                expect=(QueryState.COLLECTING, QueryState.AGGREGATING, QueryState.NOISING),
+                failure_reason=reason,
             )
         except QueryStateError:
             return
-        logger.info("query %s: collection closed, adding noise", query_id)
+        logger.warning("query %s failed: %s", query_id, reason)
+        self._noise.discard(query_id)
+        self._notify()
+
+    # --------------------------------------------------------- masked results
+    def close(self, query_id: str) -> None:
+        """Every contribution of a masked-mode query is in: AGGREGATING → NOISING, then
+        compute its result (on the background thread, or here without one). A no-op
+        if another thread closed it first."""
+        try:
+            self.store.set_state(query_id, QueryState.NOISING, expect=(QueryState.AGGREGATING,))
+        except QueryStateError:
+            return
+        logger.info("query %s: every contribution folded, masking and adding noise", query_id)
         self._notify()
         self._schedule(query_id)
 
@@ -576,84 +726,12 @@ class Coordinator:
             # Shutting down: the query stays NOISING and recover() finishes it.
             logger.info("query %s: shutting down, noise step deferred to restart", query_id)
 
-    def check_deadlines(self) -> list[str]:
-        """Finish or fail COLLECTING queries that are due; returns their ids.
-
-        Due means: the quorum is already reached (e.g. after a crash between the
-        last fold and closing), or the deadline has passed. At the deadline a
-        query with at least ``quorum`` owners is finished, otherwise it fails.
-        """
-        now = self.clock()
-        due = []
-        for record in self.store.queries(QueryState.COLLECTING):
-            quorum = int(record.spec.get("quorum", 1))
-            if record.n_contributed >= quorum:
-                due.append(record.query_id)
-                self.close(record.query_id)
-            elif record.deadline_at <= now:
-                due.append(record.query_id)
-                reason = f"deadline passed with {record.n_contributed} of {quorum} required owners"
-                try:
-                    self.store.set_state(
-                        record.query_id,
-                        QueryState.FAILED,
-                        expect=(QueryState.COLLECTING,),
-                        failure_reason=reason,
-                    )
-                except QueryStateError:
-                    continue  # an upload closed it in the meantime
-                logger.warning("query %s failed: %s", record.query_id, reason)
-                self._noise.discard(record.query_id)
-                self._notify()
-        return due
-
-    def run_timers(
-        self, stop_event: threading.Event, interval: float = DEFAULT_TIMER_INTERVAL
-    ) -> None:
-        """Check deadlines every ``interval`` seconds until ``stop_event`` is set."""
-        while not stop_event.wait(interval):
-            try:
-                self.check_deadlines()
-            except Exception:
-                logger.exception("deadline check failed; retrying")
-
-    def recover(self) -> list[str]:
-        """After a (re)start: finish every NOISING query, then handle due ones.
-
-        Returns
-        -------
-        The ids of the queries that were finished, failed or scheduled.
-        """
-        handled = []
-        for record in self.store.queries(QueryState.NOISING):
-            logger.warning(
-                "query %s was interrupted while adding noise; finishing", record.query_id
-            )
-            handled.append(record.query_id)
-            self._schedule(record.query_id)
-        for record in self.store.queries(QueryState.COLLECTING):
-            # Upload streams died with the old process: take their chunks out (the
-            # owners resend), and noise prepared before the restart: draw it anew.
-            removed = self.store.discard_partial_uploads(
-                record.query_id, self._algebra(record.query_id)
-            )
-            if removed:
-                logger.warning(
-                    "query %s: %d chunks of uploads interrupted by the restart taken out",
-                    record.query_id,
-                    removed,
-                )
-            self._prepare_noise(record.query_id, self._context(record.query_id))
-        return handled + self.check_deadlines()
-
-    # ------------------------------------------------------------------ finish
     def finish(self, query_id: str) -> QueryRecord:
-        """Add noise (and the mask) and store the result; idempotent.
+        """Compute and store a NOISING (masked-mode) query's result; idempotent.
 
-        COLLECTING is first moved to NOISING; a DONE or FAILED query is returned
-        as is. Errors while adding noise fail the query (the reason names the error
-        class only: messages may carry noise values). A crash (process death)
-        leaves it NOISING for :meth:`recover`.
+        A DONE or FAILED query is returned as is. Errors while adding noise fail the
+        query (the reason names the error class only: messages may carry noise
+        values). A crash (process death) leaves it NOISING for :meth:`recover`.
         """
         with self._lock:
             if query_id in self._finishing:
@@ -661,22 +739,11 @@ class Coordinator:
             self._finishing.add(query_id)
         try:
             record = self.store.query(query_id)
-            if record.state is QueryState.COLLECTING:
-                try:
-                    record = self.store.set_state(
-                        query_id,
-                        QueryState.NOISING,
-                        expect=(QueryState.COLLECTING,),
-                        algebra=self._algebra(query_id),
-                    )
-                except QueryStateError:
-                    record = self.store.query(query_id)
-                self._notify()
             if record.state is not QueryState.NOISING:
                 return record
             try:
-                blocks, meta = self._compute_result(record)
-                record = self.store.store_result(query_id, blocks, meta)
+                data, meta = self._masked_result(record)
+                record = self.store.store_result(query_id, data, meta)
             except Exception as exc:
                 if self._stopping.is_set():
                     # Interrupted by shutdown (e.g. the pool was closed under us):
@@ -692,82 +759,124 @@ class Coordinator:
                     logger.error("query %s: noise step failed: %s", query_id, type(exc).__name__)
                 else:
                     logger.exception("query %s: noise step failed", query_id)
-                reason = f"adding noise failed ({type(exc).__name__}); see the proxy log"
-                try:
-                    record = self.store.set_state(
-                        query_id,
-                        QueryState.FAILED,
-                        expect=(QueryState.NOISING,),
-                        failure_reason=reason,
-                    )
-                except QueryStateError:
-                    record = self.store.query(query_id)
-            else:
-                logger.info(
-                    "query %s done: %d owners, noise step %.2f s",
-                    query_id,
-                    record.n_contributed,
-                    meta["timings"]["noise_seconds"],
+                self._fail(
+                    query_id, f"adding noise failed ({type(exc).__name__}); see the proxy log"
                 )
+                return self.store.query(query_id)
+            logger.info(
+                "query %s done: %d owners, noise step %.2f s",
+                query_id,
+                record.quorum,
+                meta["timings"]["noise_seconds"],
+            )
             self._notify()
             return record
         finally:
             with self._lock:
                 self._finishing.discard(query_id)
-            # Done (its noise was taken), failed or already terminal: prepared noise
-            # of this query, if any is left, must never be used.
-            self._noise.discard(query_id)
 
     def _algebra(self, query_id: str) -> SerialisedCiphertextGroup:
         return SerialisedCiphertextGroup(self._context(query_id).public_key.n)
 
-    def _compute_result(self, record: QueryRecord) -> tuple[dict[str, bytes], dict[str, Any]]:
+    def _masked_result(self, record: QueryRecord) -> tuple[bytes, dict[str, Any]]:
         context = self._context(record.query_id)
-        n_owners = record.n_contributed
-        if n_owners < 1:
-            raise QueryStateError(f"query {record.query_id!r} has no uploads to release")
+        meta = self.store.result_meta(record.query_id) or {}
         aggregate = aggregate_blocks(context, self.store.aggregate(record.query_id))
         started = time.perf_counter()
-        if context.spec.mode is ProtocolMode.MASKED:
-            public_n = sum(u.public_count or 0 for u in self.store.uploads(record.query_id))
-            blocks, sections, timings = masked_result(
-                context.plan,
-                context.public_key,
-                aggregate,
-                public_n,
-                self.pool,
-                self.noise_sampler,
-            )
-        else:
-            public_n = None
-            blocks, sections, timings = stats_result(
-                record.query_id, context, aggregate, n_owners, self._noise
-            )
+        blocks, _sections, timings = masked_result(
+            context.plan,
+            context.public_key,
+            aggregate,
+            int(meta.get("public_n", 0)),
+            self.pool,
+            self.noise_sampler,
+        )
         timings["noise_seconds"] = time.perf_counter() - started
-        with self._lock:
-            fold_seconds = self._fold_seconds.get(record.query_id)
-        if fold_seconds is not None:
-            # Only folds done by this process; absent after a restart.
-            timings["fold_seconds"] = fold_seconds
-        meta: dict[str, Any] = {
-            "n_owners": n_owners,
-            "mode": context.spec.mode.value,
-            "not_private": not context.spec.private,
-            "sections": sections,
-            "plan": context.plan.describe(),
-            "timings": timings,
-        }
-        if public_n is not None:
-            meta["public_n"] = public_n
-        return blocks, meta
+        data = b"".join(blocks[block.name] for block in context.plan.result_blocks)
+        return data, {"timings": timings}
 
     def _prepare_noise(self, key: str, context: QueryContext) -> None:
         if not self._stopping.is_set():
-            self._noise.prepare(key, context.plan, context.public_key)
+            self._noise.prepare(key, context.plan, context.public_key.n)
 
-    def prepared_noise(self, query_id: str) -> Future[EncryptedNoise] | None:
-        """TEST AID: the pending preparation of a query's noise, if any (not removed)."""
+    def prepared_noise(self, query_id: str) -> Future[PageNoise] | None:
+        """TEST AID: the query's noise being (or already) drawn, if any (not removed)."""
         return self._noise.pending(query_id)
+
+    # -------------------------------------------------------------- deadlines
+    def check_deadlines(self) -> list[str]:
+        """Fail the queries whose deadline passed before they could finish; returns
+        their ids.
+
+        A COLLECTING query fails when fewer than ``quorum`` owners began an upload in
+        time; an AGGREGATING one when a contributor did not deliver all its chunks.
+        Result pages already released stay released (and charged, like every query
+        some owner began an upload for).
+        """
+        now = self.clock()
+        due = []
+        for record in self.store.queries(QueryState.COLLECTING, QueryState.AGGREGATING):
+            if record.deadline_at > now:
+                continue
+            due.append(record.query_id)
+            if record.state is QueryState.COLLECTING:
+                joined = len(self.store.contributors(record.query_id))
+                reason = (
+                    f"deadline passed with {joined} of {record.quorum} required owners uploading"
+                )
+            else:
+                late = sorted(self.store.partial_uploads(record.query_id))
+                reason = (
+                    f"deadline passed before contributors {', '.join(late) or '?'} delivered "
+                    "all their chunks"
+                )
+            self._fail(record.query_id, reason)
+        return due
+
+    def run_timers(
+        self, stop_event: threading.Event, interval: float = DEFAULT_TIMER_INTERVAL
+    ) -> None:
+        """Check deadlines every ``interval`` seconds until ``stop_event`` is set."""
+        while not stop_event.wait(interval):
+            try:
+                self.check_deadlines()
+            except Exception:
+                logger.exception("deadline check failed; retrying")
+
+    def recover(self) -> list[str]:
+        """After a (re)start: finish every NOISING query, take out the uploads the old
+        process was receiving for COLLECTING queries (their owners resend), finalise
+        whatever pages of AGGREGATING queries are ready, then handle due ones.
+
+        Returns
+        -------
+        The ids of the queries that were finished, failed or scheduled.
+        """
+        handled = []
+        for record in self.store.queries(QueryState.NOISING):
+            logger.warning(
+                "query %s was interrupted while adding noise; finishing", record.query_id
+            )
+            handled.append(record.query_id)
+            self._schedule(record.query_id)
+        for record in self.store.queries(QueryState.COLLECTING, QueryState.AGGREGATING):
+            context = self._context(record.query_id)
+            removed = self.store.discard_partial_uploads(
+                record.query_id,
+                total_ciphertexts=_total_ciphertexts(context),
+                algebra=self._algebra(record.query_id),
+            )
+            if removed:
+                logger.warning(
+                    "query %s: %d chunks of uploads interrupted by the restart taken out",
+                    record.query_id,
+                    removed,
+                )
+            # Noise drawn before the restart is gone: pages not yet final get a fresh draw.
+            self._prepare_noise(record.query_id, context)
+            if record.state is QueryState.AGGREGATING:
+                self.advance(record.query_id)
+        return handled + self.check_deadlines()
 
     # ---------------------------------------------------------------- reading
     def status(self, analyst_id: str, query_id: str) -> QueryStatus:
@@ -778,22 +887,68 @@ class Coordinator:
         for owner, text in sorted(self.store.declines(key).items()):
             code, _, detail = text.partition(": ")
             declines.append(OwnerDecline(owner, code, detail))
+        context = self._context(key)
+        result_total = sum(block.n_ciphertexts for block in result_blocks(context.plan))
         return QueryStatus(
             query_id=query_id,
             state=record.state,
             owners_contributed=record.n_contributed,
-            quorum=int(record.spec.get("quorum", 1)),
+            quorum=record.quorum,
             owners_declined=len(declines),
             deadline=datetime.fromtimestamp(record.deadline_at, UTC),
             failure_reason=record.failure_reason,
             owners_uploading=len(self.store.partial_uploads(key)),
             declines=tuple(declines),
             owners_registered=len(self.registered_owners),
+            pages_final=self.store.pages_final(key),
+            pages_total=page_count(result_total, self.store.page_ciphertexts),
         )
 
+    def result_header(self, analyst_id: str, query_id: str) -> ResultHeader | None:
+        """The header of the analyst's result once its contributors are fixed (None
+        before: the owner count is not known yet).
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        QueryStateError
+            The query failed (the message carries its reason).
+        """
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        if record.state is QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
+            )
+        meta = self.store.result_meta(key)
+        if meta is None:
+            return None
+        return result_header(self._context(key), meta, self.store.page_ciphertexts)
+
+    def result_pages(self, analyst_id: str, query_id: str, start: int) -> list[bytes]:
+        """The analyst's final result pages from ``start`` on (each is released once it
+        is final and never changes).
+
+        Raises
+        ------
+        NotFoundError, QueryStateError
+            As :meth:`result_header`; a query that failed after some pages were
+            released raises here (the pages released stay released).
+        """
+        key = task_id(analyst_id, query_id)
+        pages = self.store.result_pages(key, start)
+        if not pages:
+            record = self.store.query(key)
+            if record.state is QueryState.FAILED:
+                raise QueryStateError(
+                    f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
+                )
+        return pages
+
     def result(self, analyst_id: str, query_id: str) -> QueryResult:
-        """The analyst's stored, noise-added result, ready for
-        :func:`fedpca.transport.serde.encode_result`.
+        """The analyst's whole result, once DONE (tools and tests; the servicer streams
+        pages as they become final instead).
 
         Raises
         ------
@@ -804,12 +959,14 @@ class Coordinator:
         """
         key = task_id(analyst_id, query_id)
         record = self.store.query(key)
-        data, meta = self.store.result(key)
-        return stored_result(self._context(key), record.n_contributed, data, meta)
+        header = self.result_header(analyst_id, query_id)
+        if record.state is not QueryState.DONE or header is None:
+            raise QueryStateError(f"query {query_id!r} is {record.state.value}: no result yet")
+        return whole_result(header, self.store.result_pages(key))
 
     def result_meta(self, analyst_id: str, query_id: str) -> dict[str, Any]:
         """The JSON metadata stored with a result (sigmas, public N, timings)."""
-        return self.store.result(task_id(analyst_id, query_id))[1]
+        return self.store.result_meta(task_id(analyst_id, query_id)) or {}
 
     def budget(self, analyst_id: str, delta: float | None = None) -> BudgetStatus:
         """An analyst's cumulative privacy loss.

@@ -1,22 +1,28 @@
-"""Stats-mode noise drawn and encrypted while the owners encrypt their shares.
+"""Stats-mode noise, drawn while the owners encrypt and added to each result page.
 
-A stats-mode query's noise depends on the public query only, so it is drawn and
-encrypted under the analyst key on a background thread from submission on rather
-than after the quorum (see docs/architecture.md for the measured gain). The
-prepared noise
+A stats-mode query's noise depends on the public query only, so it is drawn on a
+background thread from submission on (:meth:`PreparedNoise.prepare`) rather than after
+the last upload, and each result page takes its slice when it becomes final
+(:meth:`fedpca.proxy.store.ProxyStore.finalize_pages`).
 
-* lives in this process's memory only, as ciphertexts (the plaintext draws are
-  dropped once encrypted), and is never persisted: a restarted proxy draws fresh
-  noise, which is sound because the store keeps at most one result per query, so
-  exactly one noise vector is ever added to a released result;
-* belongs to one query id and leaves the table when the query takes it
-  (:meth:`PreparedNoise.take`, used once) or fails (:meth:`PreparedNoise.discard`),
-  so no vector is ever added to two results;
-* is taken as it stands: not started yet, it is cancelled and the noise drawn
-  then; being computed, it is waited for (less time than starting over); failed,
-  its error is raised, as it would have been with the noise drawn at the end
-  (drawing again after a draw beyond the slot headroom would truncate the noise
-  distribution).
+The noise is added to the encrypted aggregate as the ciphertext ``(1 + P n) mod n^2``
+of its packed value P, *without* a random obfuscator: the aggregate it multiplies is
+already randomised by every owner's obfuscators, so the product is an encryption of
+sum + noise with the owners' randomness, exactly as distributed as before for anyone
+without the aggregate itself; and the analyst, the only party that decrypts, never
+sees the aggregate without the noise. This saves one full encryption per result
+ciphertext (the proxy's largest cost before).
+
+The prepared noise
+
+* lives in this process's memory only and is never persisted: a restarted proxy
+  draws a fresh vector for the pages not yet final. That is sound because every
+  coordinate of the noise is an independent draw and every result page is released
+  once and never recomputed, so each released coordinate carries exactly one draw;
+* belongs to one query key and is dropped when the query is done or failed
+  (:meth:`PreparedNoise.discard`);
+* is used as it stands: if its draw failed (a value beyond the slot headroom), the
+  error is raised and the query fails; drawing again would truncate the distribution.
 """
 
 from __future__ import annotations
@@ -27,128 +33,129 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from phe.paillier import PaillierPublicKey
+import gmpy2
 
-from fedpca.codec import CryptoPool, PackedCiphertexts
+from fedpca.codec import ciphertext_byte_length
+from fedpca.codec.packing import pack_slots
 from fedpca.dp.noise import NoiseSampler
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import ProtocolMode
 
-__all__ = ["EncryptedNoise", "PreparedNoise", "draw_encrypted_noise"]
+__all__ = ["PageNoise", "PreparedNoise", "draw_page_noise"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class EncryptedNoise:
-    """A stats-mode query's noise, encrypted under its analyst key (memory only)."""
+class PageNoise:
+    """A stats-mode query's noise, packed like the shares block (memory only).
 
-    ciphertexts: PackedCiphertexts
-    sample_seconds: float
-    encrypt_seconds: float
-
-
-def draw_encrypted_noise(
-    plan: ReleasePlan,
-    public_key: PaillierPublicKey,
-    pool: CryptoPool,
-    sampler: NoiseSampler | None,
-) -> EncryptedNoise:
-    """Draw a stats-mode query's discrete Gaussian noise and encrypt it, packed.
-
-    Only the ciphertexts are kept; the plaintext draws go out of scope here.
+    Attributes
+    ----------
+    packed : the packed noise plaintexts P mod n, one per result ciphertext.
+    n : the analyst's modulus.
+    sample_seconds : time taken by the discrete Gaussian draws.
     """
+
+    packed: tuple[int, ...]
+    n: int
+    sample_seconds: float
+
+    def encoded(self, start: int, count: int) -> bytes:
+        """Ciphertexts ``(1 + P n) mod n^2`` of positions ``start .. start + count - 1``,
+        fixed width, ready to multiply into an aggregate page."""
+        n = gmpy2.mpz(self.n)
+        n_square = n * n
+        width = ciphertext_byte_length(self.n.bit_length())
+        return b"".join(
+            int((1 + p * n) % n_square).to_bytes(width, "big")
+            for p in self.packed[start : start + count]
+        )
+
+
+def draw_page_noise(plan: ReleasePlan, n: int, sampler: NoiseSampler | None) -> PageNoise:
+    """Draw a stats-mode query's discrete Gaussian noise and pack it (no encryption)."""
     started = time.perf_counter()
     values = plan.noise_values(sampler)
-    sampled = time.perf_counter()
-    ciphertexts = pool.encrypt_packed(
-        public_key, values, plan.owner_block(SHARES).layout, plan.bounds.noise_headroom
-    )
+    sampled = time.perf_counter() - started
+    block = plan.owner_block(SHARES)
+    packed = tuple(p % n for p in pack_slots(values, block.layout, plan.bounds.noise_headroom))
     del values
-    return EncryptedNoise(ciphertexts, sampled - started, time.perf_counter() - sampled)
+    return PageNoise(packed, n, sampled)
 
 
 class PreparedNoise:
-    """Query id -> its stats-mode noise, being (or already) drawn and encrypted.
+    """Query key -> its stats-mode noise, being (or already) drawn.
 
     Parameters
     ----------
-    pool : the crypto pool that encrypts the noise.
     sampler : integer Gaussian sampler (None: the production discrete Gaussian).
-    enabled : prepare in the background at all; when False, :meth:`prepare` does
-        nothing and every query draws its noise when it is finished.
+    enabled : draw in the background from submission on; when False, :meth:`prepare`
+        does nothing and :meth:`get` draws on first use.
     """
 
-    def __init__(self, pool: CryptoPool, sampler: NoiseSampler | None, *, enabled: bool) -> None:
-        self.pool = pool
+    def __init__(self, sampler: NoiseSampler | None, *, enabled: bool) -> None:
         self.sampler = sampler
         self._lock = threading.Lock()
         self._closed = False
-        self._futures: dict[str, Future[EncryptedNoise]] = {}
+        self._futures: dict[str, Future[PageNoise]] = {}
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise-prep")
             if enabled
             else None
         )
 
-    def prepare(self, key: str, plan: ReleasePlan, public_key: PaillierPublicKey) -> None:
-        """Start drawing and encrypting a stats-mode query's noise in the background.
+    def prepare(self, key: str, plan: ReleasePlan, n: int) -> None:
+        """Start drawing a stats-mode query's noise in the background.
 
         ``key`` is the proxy's key of the query (its task id): two analysts' queries
         may share a query id, never a key.
         """
-        spec = plan.spec
-        if self._executor is None or spec.mode is not ProtocolMode.STATS or not plan.private:
+        if self._executor is None or not _needs_noise(plan):
             return
         with self._lock:
             if key in self._futures or self._closed:
                 return
             try:
-                future = self._executor.submit(
-                    draw_encrypted_noise, plan, public_key, self.pool, self.sampler
-                )
-            except RuntimeError:  # shutting down: the noise is drawn at finish
+                future = self._executor.submit(draw_page_noise, plan, n, self.sampler)
+            except RuntimeError:  # shutting down: drawn on first use
                 return
             self._futures[key] = future
-        logger.info("query %s: preparing its noise while owners encrypt", key)
+        logger.info("query %s: drawing its noise while owners encrypt", key)
 
-    def take(self, query_id: str) -> EncryptedNoise | None:
-        """The prepared noise of a query, removed from the table; None: draw it now.
+    def get(self, key: str, plan: ReleasePlan, n: int) -> PageNoise:
+        """The query's noise: waited for if being drawn, drawn now if never prepared.
 
-        Not prepared, or not started yet (then cancelled: drawing now is as fast):
-        None. Being computed: waited for (faster than starting over). Failed: its
-        error is raised, exactly as if the noise had been drawn now; drawing again
-        after e.g. a draw beyond the headroom would truncate the distribution.
+        Kept until :meth:`discard`, so every page of the result takes its slice of one
+        draw. A failed draw raises its error (every time: it is never drawn again).
         """
         with self._lock:
-            future = self._futures.pop(query_id, None)
-        if future is None or future.cancel():
-            return None
-        noise = future.result()
-        logger.info("query %s: using the noise prepared while owners encrypted", query_id)
-        return noise
+            future = self._futures.get(key)
+            if future is None:
+                future = Future()
+                self._futures[key] = future
+                draw_here = True
+            else:
+                draw_here = False
+        if draw_here:
+            try:
+                future.set_result(draw_page_noise(plan, n, self.sampler))
+            except BaseException as exc:
+                future.set_exception(exc)
+        return future.result()
 
-    def take_or_draw(
-        self, key: str, plan: ReleasePlan, public_key: PaillierPublicKey
-    ) -> tuple[EncryptedNoise, bool]:
-        """The query's noise: prepared (True) if :meth:`take` has it, else drawn now (False)."""
-        noise = self.take(key)
-        if noise is not None:
-            return noise, True
-        return draw_encrypted_noise(plan, public_key, self.pool, self.sampler), False
-
-    def discard(self, query_id: str) -> None:
-        """Drop a query's prepared noise (it failed or is finished); never used again."""
+    def discard(self, key: str) -> None:
+        """Drop a query's noise (it is done or failed); never used again."""
         with self._lock:
-            future = self._futures.pop(query_id, None)
+            future = self._futures.pop(key, None)
         if future is not None:
-            future.cancel()  # if it is already running, its result is simply dropped
-            logger.info("query %s: prepared noise discarded", query_id)
+            future.cancel()  # if it is being drawn, its result is simply dropped
+            logger.debug("query %s: prepared noise dropped", key)
 
-    def pending(self, query_id: str) -> Future[EncryptedNoise] | None:
-        """TEST AID: the pending preparation of a query's noise, if any (not removed)."""
+    def pending(self, key: str) -> Future[PageNoise] | None:
+        """TEST AID: the query's noise being (or already) drawn, if any (not removed)."""
         with self._lock:
-            return self._futures.get(query_id)
+            return self._futures.get(key)
 
     def shutdown(self, wait: bool = True) -> None:
         """Drop every prepared noise and stop the background thread."""
@@ -159,3 +166,7 @@ class PreparedNoise:
             future.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+def _needs_noise(plan: ReleasePlan) -> bool:
+    return plan.spec.mode is ProtocolMode.STATS and plan.private

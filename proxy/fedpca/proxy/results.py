@@ -1,22 +1,19 @@
-"""A query's result: computed from its aggregate when it closes, read back for the analyst.
+"""A query's result as the analyst receives it: its header, then its pages.
 
-The aggregate itself is never modified, so a crash while the result is computed
-leaves a NOISING query whose inputs are intact. Masked-mode arithmetic is in
-:mod:`fedpca.proxy.masking`.
+Stats-mode pages become final one by one as the contributors' chunks are folded
+(:meth:`fedpca.proxy.store.ProxyStore.finalize_pages`, noise from
+:mod:`fedpca.proxy.prepared_noise`); a masked-mode result is computed at the end by
+:mod:`fedpca.proxy.masking` from the whole aggregate, which is never modified, so a
+crash while it is computed leaves a NOISING query whose inputs are intact.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedpca.codec import (
-    PackedCiphertexts,
-    add_packed,
-    ciphertext_byte_length,
-    ciphertexts_from_bytes,
-)
+from fedpca.codec import ciphertext_byte_length
 from fedpca.errors import LayoutError
 from fedpca.messages import (
     CiphertextPayload,
@@ -24,15 +21,15 @@ from fedpca.messages import (
     NoiseMechanism,
     NoiseSection,
     QueryResult,
+    ResultHeader,
 )
 from fedpca.messages import ciphertexts_from_bytes as wire_ciphertexts_from_bytes
-from fedpca.protocol import MASKED_SUM, SHARES
-from fedpca.proxy.prepared_noise import PreparedNoise
+from fedpca.protocol import MASKED_SUM, ReleasePlan
 from fedpca.proxy.queries import QueryContext, result_blocks
-from fedpca.proxy.store import stored_block
+from fedpca.proxy.store import page_count
 from fedpca.query import ProtocolMode
 
-__all__ = ["aggregate_blocks", "stats_result", "stored_result"]
+__all__ = ["aggregate_blocks", "result_header", "result_meta", "whole_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,53 +53,34 @@ def aggregate_blocks(context: QueryContext, data: bytes) -> dict[str, bytes]:
     return out
 
 
-def stats_result(
-    key: str,
-    context: QueryContext,
-    aggregate: Mapping[str, bytes],
-    n_owners: int,
-    noise_source: PreparedNoise,
-) -> tuple[dict[str, bytes], list[dict[str, Any]], dict[str, float]]:
-    """Add query ``key``'s encrypted noise (prepared or drawn now) to a stats-mode aggregate.
+def result_meta(
+    plan: ReleasePlan, n_owners: int, public_counts: Sequence[int | None]
+) -> dict[str, Any]:
+    """What the proxy stores about a result once its contributors are fixed.
 
-    Returns the result blocks, the noise of each section and the seconds spent.
+    Everything in it is public: the owner count, the plan, each section's noise scale,
+    and in masked mode the owners' public record counts' sum N.
     """
-    plan = context.plan
-    block = plan.owner_block(SHARES)
-    layout = block.layout
-    data = stored_block(aggregate, SHARES)
-    # Every owner packed values bounded by block.bound, so the sum is bounded by
-    # n_owners times that; add_packed then proves sum + noise fits a slot.
-    total = PackedCiphertexts(
-        context.public_key,
-        layout,
-        tuple(ciphertexts_from_bytes(data, context.public_key, layout.n_ciphertexts)),
-        n_owners * block.bound,
-    )
-    sections = [{"name": s.name, "sigma": s.sigma, "sigma_int": s.sigma_int} for s in plan.sections]
-    timings: dict[str, float] = {}
-    if not plan.private:
-        logger.warning("query %s: no noise added (epsilon = inf): NOT PRIVATE", plan.spec.query_id)
-        return {SHARES: total.to_bytes()}, sections, timings
-    noise, prepared = noise_source.take_or_draw(key, plan, context.public_key)
-    if prepared:
-        timings["noise_precomputed"] = 1.0
-    timings["sample_seconds"] = noise.sample_seconds
-    timings["encrypt_seconds"] = noise.encrypt_seconds
-    return {SHARES: add_packed(total, noise.ciphertexts).to_bytes()}, sections, timings
+    meta: dict[str, Any] = {
+        "n_owners": n_owners,
+        "mode": plan.spec.mode.value,
+        "not_private": not plan.private,
+        "sections": [
+            {"name": s.name, "sigma": s.sigma, "sigma_int": s.sigma_int} for s in plan.sections
+        ],
+        "plan": plan.describe(),
+    }
+    if plan.spec.mode is ProtocolMode.MASKED:
+        meta["public_n"] = sum(count or 0 for count in public_counts)
+    return meta
 
 
-def stored_result(
-    context: QueryContext, n_contributed: int, data: Mapping[str, bytes], meta: Mapping[str, Any]
-) -> QueryResult:
-    """A stored result (its blocks and metadata) as the analyst fetches it."""
+def result_header(
+    context: QueryContext, meta: Mapping[str, Any], page_ciphertexts: int
+) -> ResultHeader:
+    """The header of a result whose contributors are fixed (its pages follow)."""
     spec = context.spec
     blocks = result_blocks(context.plan)
-    ciphertexts: dict[str, list[int]] = {}
-    for block in blocks:
-        ciphertexts[block.name] = wire_ciphertexts_from_bytes(
-            stored_block(data, block.name), block.ciphertext_bytes, f"result {block.name}"
-        )
     private = not meta.get("not_private", False)
     noise = NoiseDescription(
         mechanism=NoiseMechanism.GAUSSIAN if private else NoiseMechanism.NONE,
@@ -115,12 +93,32 @@ def stored_result(
     )
     masked = spec.mode is ProtocolMode.MASKED
     public_n = meta.get("public_n")
-    return QueryResult(
+    total = sum(block.n_ciphertexts for block in blocks)
+    return ResultHeader(
         query=spec,
-        n_owners=int(meta.get("n_owners", n_contributed)),
+        n_owners=int(meta["n_owners"]),
         noise=noise,
-        payload=CiphertextPayload(blocks, ciphertexts),
+        blocks=blocks,
+        total_chunks=page_count(total, page_ciphertexts),
         masked_mean_block=MASKED_SUM if masked else None,
         # Masked mode: the analyst divides by N to unmask the scatter.
         public_record_count=int(public_n) if masked and public_n is not None else None,
+    )
+
+
+def whole_result(header: ResultHeader, pages: Sequence[bytes]) -> QueryResult:
+    """A complete result from its header and every page (tools and tests)."""
+    if len(pages) != header.total_chunks:
+        raise LayoutError(
+            f"query {header.query.query_id!r}: {len(pages)} of {header.total_chunks} pages"
+        )
+    width = header.blocks[0].ciphertext_bytes
+    flat = wire_ciphertexts_from_bytes(b"".join(pages), width, "result pages")
+    return QueryResult(
+        query=header.query,
+        n_owners=header.n_owners,
+        noise=header.noise,
+        payload=CiphertextPayload.from_wire_order(header.blocks, flat),
+        masked_mean_block=header.masked_mean_block,
+        public_record_count=header.public_record_count,
     )

@@ -66,6 +66,8 @@ from fedpca.errors import (
     UntrustedKeyError,
 )
 from fedpca.messages import (
+    UPLOAD_FOLDED_METADATA,
+    ChunkChain,
     Heartbeat,
     ProxyInfo,
     QueryStatus,
@@ -74,6 +76,7 @@ from fedpca.messages import (
 )
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import OverloadError, PeerLimits, PeerSlots, TaskStreams
+from fedpca.proxy.store import NotContributingError
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role
 from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
@@ -402,15 +405,30 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
             header = serde.upload_header_from_message(first)
             # A late, foreign-key or wrongly shaped upload is refused before any chunk
             # is read; the header's layout equals the plan, so the assembler caps the size.
-            upload = await self.work.run(self.coordinator.begin_upload, owner, header)
+            try:
+                upload = await self.work.run(self.coordinator.begin_upload, owner, header)
+            except NotContributingError:
+                # Nothing of this owner was ever folded into the query: say so, so that
+                # it may refund its reservation.
+                context.set_trailing_metadata(((UPLOAD_FOLDED_METADATA, "none"),))
+                raise
             assembler = header.assembler()
+            # The fold of one chunk (a durable write) overlaps reading the next one.
+            folding: asyncio.Future[None] | None = None
             try:
                 while (message := await self._next(messages, deadline)) is not None:
                     chunk = assembler.add(serde.upload_chunk_from_message(message))
-                    await self.work.run(upload.add, chunk.offset, chunk.ciphertexts)
+                    if folding is not None:
+                        await folding
+                    folding = asyncio.ensure_future(self.work.run(upload.add, chunk))
+                if folding is not None:
+                    await folding
+                    folding = None
                 assembler.finish()
-                receipt = await self.work.run(upload.complete)
+                receipt = await self.work.run(upload.complete, assembler.content_sha256)
             except BaseException:
+                if folding is not None:
+                    await asyncio.gather(folding, return_exceptions=True)
                 await asyncio.shield(self.work.run(upload.abandon))
                 raise
         return serde.upload_receipt_to_proto(
@@ -526,14 +544,40 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
     async def FetchResult(
         self, request: analyst_pb.QueryRef, context: aio.ServicerContext
     ) -> AsyncIterator[analyst_pb.ResultMessage]:
-        analyst = self._caller(context, Role.ANALYST)
-        with self._call_slot(analyst):
-            query_id = serde.query_ref_from_proto(request)
-            result = await self.work.run(self.coordinator.result, analyst.node_id, query_id)
-            logger.info("result of query %s fetched by %s", query_id, analyst.node_id)
-            # Encoding converts thousands of ciphertexts: off the event loop.
-            for message in await self.work.run(serde.encode_result, result):
-                yield message
+        """The result header as soon as the contributors are fixed, then every page the
+        moment it is final (the analyst decrypts while later pages are being folded)."""
+        analyst = self._caller(context, Role.ANALYST).node_id
+        query_id = serde.query_ref_from_proto(request)
+        coordinator = self.coordinator
+        with _Slot(self.slots, "watches", analyst, self.limits.max_watches_per_analyst):
+            header = None
+            while header is None:
+                changed = self.feed.event
+                header = await self.work.run(coordinator.result_header, analyst, query_id)
+                if header is None:
+                    if coordinator.stopping:
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            "the proxy is shutting down; fetch again after it restarts",
+                        )
+                    await ChangeFeed.wait(changed, self.watch_poll_seconds)
+            yield serde.result_header_message(header)
+            chain = ChunkChain()
+            sent = 0
+            while sent < header.total_chunks:
+                changed = self.feed.event
+                pages = await self.work.run(coordinator.result_pages, analyst, query_id, sent)
+                for data in pages:
+                    yield serde.result_chunk_message(chain.next(data))
+                    sent += 1
+                if sent < header.total_chunks and not pages:
+                    if coordinator.stopping:
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            "the proxy is shutting down; fetch again after it restarts",
+                        )
+                    await ChangeFeed.wait(changed, self.watch_poll_seconds)
+            logger.info("result of query %s fetched by %s", query_id, analyst)
 
     @_unary
     async def GetBudget(

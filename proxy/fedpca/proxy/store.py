@@ -1,29 +1,33 @@
 """Durable proxy state in SQLite.
 
 Everything the proxy must not lose lives here: enrolled owners, queries and their
-lifecycle, accepted uploads, the running encrypted aggregates, noise-added
-results, and each analyst's privacy-budget ledger.
+lifecycle, each query's contributors and how far their chunks are folded, accepted
+uploads, the running encrypted aggregates, the result pages released so far, and each
+analyst's privacy-budget ledger. The tables and migrations are in
+:mod:`fedpca.proxy.store_schema`.
 
-Crash safety rests on two rules:
+Crash safety rests on three rules:
 
 * every state change that must be atomic is one ``BEGIN IMMEDIATE`` transaction
   (WAL journal, ``synchronous=FULL``), so a ``kill -9`` leaves either the state
-  before or the state after it;
-* an upload is counted exactly once. Each chunk is folded into the aggregate as
-  it arrives, and in the same transaction a copy of it is staged in
-  ``upload_chunks``. Completing the upload inserts its record and drops the
-  copies in one transaction (a retry after a lost acknowledgement finds the
-  record and is answered "duplicate"). An upload that never completes (stream
-  broken, bad chunk, superseded by the owner's reconnect, query closed, proxy
-  restarted) is taken out again by multiplying its staged chunks' inverses into
-  the aggregate, in the transaction that ends it. Modular arithmetic is exact,
-  so the aggregate is then byte for byte what it was before.
+  before or the state after it; concurrent chunk folds share one transaction and one
+  fsync (:mod:`fedpca.proxy.group_commit`), and a chunk counts only once committed;
+* a chunk is folded exactly once. Each contributor's row records how many of its
+  ciphertexts (from the start, in wire order) are folded; a chunk below that mark
+  (a retry, or an upload resumed after a restart of either side) is skipped, one at
+  the mark is folded and the mark moves in the same transaction, and one beyond it
+  is refused;
+* while the contributors are not yet fixed (state COLLECTING) a copy of each folded
+  chunk is staged, so an upload whose stream breaks is taken out exactly (by
+  multiplying the staged chunks' inverses into the aggregate) and its place goes to
+  the next owner. From the moment the contributors are fixed (AGGREGATING) result
+  pages may be released, so nothing is ever taken out again: the staged copies are
+  dropped and a broken upload resumes where its mark stands.
 
-The aggregate lives in pages of :data:`PAGE_CIPHERTEXTS` ciphertexts, so folding
-a chunk reads and rewrites only the pages it touches: the proxy's memory holds
-one chunk (bounded by the gRPC message size) and one page per upload in flight,
-never a whole upload, and the aggregate grows with the number of ciphertexts, not
-with owners x ciphertexts.
+The aggregate lives in pages of :data:`PAGE_CIPHERTEXTS` ciphertexts, so folding a
+chunk reads and rewrites only the pages it touches, and a page of the result is
+final (noise added, :meth:`ProxyStore.finalize_pages`) as soon as every contributor's
+mark has passed it; it is then never changed.
 
 Ciphertexts are stored as opaque fixed-width byte strings; the group operation is
 a :class:`CiphertextAlgebra` supplied by the caller (homomorphic addition lives in
@@ -37,113 +41,54 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from fedpca.errors import (
-    FedpcaError,
     LayoutError,
     NotFoundError,
     ProtocolError,
     QueryStateError,
 )
 from fedpca.messages import QueryState
+from fedpca.proxy.group_commit import GroupCommit
+from fedpca.proxy.store_schema import SCHEMA, SCHEMA_VERSION, migrate
 from fedpca.query import Neighbouring
+
+__all__ = [
+    "PAGE_CIPHERTEXTS",
+    "SCHEMA_VERSION",
+    "CiphertextAlgebra",
+    "Contributor",
+    "Finalized",
+    "Folded",
+    "Joined",
+    "NotContributingError",
+    "ProxyStore",
+    "QueryRecord",
+    "UploadCompletion",
+    "UploadRecord",
+    "stored_block",
+]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
-
 PAGE_CIPHERTEXTS = 512
-"""Ciphertexts per aggregate page (256 KiB at 2048-bit keys): the unit read and
-rewritten when a chunk is folded."""
+"""Ciphertexts per aggregate and result page (256 KiB at 2048-bit keys): the unit read
+and rewritten when a chunk is folded, and the unit released to the analyst."""
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS owners (
-    owner_id TEXT PRIMARY KEY,
-    first_seen REAL NOT NULL,
-    last_seen REAL NOT NULL,
-    info TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS queries (
-    query_id TEXT PRIMARY KEY,
-    analyst_id TEXT NOT NULL,
-    spec TEXT NOT NULL,
-    plan TEXT NOT NULL,
-    state TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    deadline_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    n_contributed INTEGER NOT NULL DEFAULT 0,
-    failure_reason TEXT,
-    signature BLOB NOT NULL DEFAULT x'',
-    signer TEXT NOT NULL DEFAULT '',
-    uploads_begun INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS uploads (
-    query_id TEXT NOT NULL REFERENCES queries(query_id),
-    owner_id TEXT NOT NULL,
-    upload_id TEXT NOT NULL,
-    content_sha256 TEXT NOT NULL,
-    n_ciphertexts INTEGER NOT NULL,
-    public_count INTEGER,
-    accepted_at REAL NOT NULL,
-    PRIMARY KEY (query_id, owner_id)
-);
-CREATE UNIQUE INDEX IF NOT EXISTS uploads_content ON uploads(content_sha256);
-CREATE TABLE IF NOT EXISTS declines (
-    query_id TEXT NOT NULL REFERENCES queries(query_id),
-    owner_id TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    declined_at REAL NOT NULL,
-    PRIMARY KEY (query_id, owner_id)
-);
-CREATE TABLE IF NOT EXISTS aggregate_pages (
-    query_id TEXT NOT NULL REFERENCES queries(query_id),
-    page INTEGER NOT NULL,
-    n_folded INTEGER NOT NULL,
-    data BLOB NOT NULL,
-    PRIMARY KEY (query_id, page)
-);
-CREATE TABLE IF NOT EXISTS upload_chunks (
-    query_id TEXT NOT NULL REFERENCES queries(query_id),
-    owner_id TEXT NOT NULL,
-    upload_id TEXT NOT NULL,
-    stream INTEGER NOT NULL,
-    start_index INTEGER NOT NULL,
-    total INTEGER NOT NULL,
-    data BLOB NOT NULL,
-    PRIMARY KEY (query_id, owner_id, stream, start_index)
-);
-CREATE TABLE IF NOT EXISTS results (
-    query_id TEXT NOT NULL REFERENCES queries(query_id),
-    block TEXT NOT NULL,
-    data BLOB NOT NULL,
-    PRIMARY KEY (query_id, block)
-);
-CREATE TABLE IF NOT EXISTS result_meta (
-    query_id TEXT PRIMARY KEY REFERENCES queries(query_id),
-    meta TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS analysts (
-    analyst_id TEXT PRIMARY KEY,
-    epsilon_budget REAL NOT NULL,
-    delta_budget REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS releases (
-    query_id TEXT PRIMARY KEY,
-    analyst_id TEXT NOT NULL,
-    event TEXT NOT NULL,
-    recorded_at REAL NOT NULL
-);
-"""
+_OPEN_STATES = (QueryState.COLLECTING, QueryState.AGGREGATING)
+
+
+class NotContributingError(QueryStateError):
+    """An owner that is not one of the query's contributors may no longer join it.
+
+    Nothing of this owner was ever folded into the query, so its share is in no result
+    (the servicer tells the owner, which may then refund its reservation).
+    """
 
 
 @dataclass(frozen=True)
@@ -163,6 +108,10 @@ class QueryRecord:
     uploads_begun: bool = False
     """An owner began an upload: owners may have spent budget, so no refund."""
 
+    @property
+    def quorum(self) -> int:
+        return int(self.spec.get("quorum", 1))
+
 
 @dataclass(frozen=True)
 class UploadRecord:
@@ -173,6 +122,49 @@ class UploadRecord:
     n_ciphertexts: int
     public_count: int | None
     accepted_at: float
+
+
+@dataclass(frozen=True)
+class Contributor:
+    """An owner whose upload is part of a query's result."""
+
+    owner_id: str
+    upload_id: str
+    covered: int
+    """Ciphertexts of its upload folded so far, from the start in wire order."""
+    public_count: int | None
+    joined_at: float
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What :meth:`ProxyStore.join` found or did."""
+
+    covered: int
+    """Ciphertexts of this upload already folded (chunks below are skipped)."""
+    duplicate: bool = False
+    """This very upload was accepted before (a retry): nothing is folded."""
+    fixed: bool = False
+    """This owner was the last contributor the quorum needed: the set is now fixed."""
+
+
+@dataclass(frozen=True)
+class Folded:
+    """What :meth:`ProxyStore.fold_chunk` did."""
+
+    folded: bool
+    """False: the chunk was below the contributor's mark and skipped."""
+    covered: int
+
+
+@dataclass(frozen=True)
+class Finalized:
+    """What :meth:`ProxyStore.finalize_pages` did."""
+
+    new_pages: int
+    pages_final: int
+    done: bool
+    """Every page is final; the query moved to DONE."""
 
 
 @dataclass(frozen=True)
@@ -202,11 +194,26 @@ class CiphertextAlgebra(Protocol):
         ...
 
 
+def page_count(total_ciphertexts: int, page_ciphertexts: int = PAGE_CIPHERTEXTS) -> int:
+    """Pages of ``page_ciphertexts`` that hold ``total_ciphertexts``."""
+    return -(-total_ciphertexts // page_ciphertexts)
+
+
 class ProxyStore:
     """Thread-safe access to the proxy's SQLite database.
 
-    One connection guarded by a lock: SQLite serialises writers anyway, and the
-    proxy's writes are few and short (the homomorphic fold of one upload).
+    One connection guarded by a lock: SQLite serialises writers anyway. Chunk folds,
+    upload completions and joins go through a group commit (one fsync for all the
+    operations that arrive together).
+
+    Parameters
+    ----------
+    path : the database file.
+    clock : wall-clock seconds (tests inject one).
+    page_ciphertexts : ciphertexts per aggregate and result page.
+    neighbouring : the deployment's relation (used to restate old ledgers).
+    group_commit : share transactions between concurrent writers (False: one
+        transaction, one fsync, per chunk; benchmarks compare the two).
     """
 
     def __init__(
@@ -216,6 +223,7 @@ class ProxyStore:
         clock: Callable[[], float] = time.time,
         page_ciphertexts: int = PAGE_CIPHERTEXTS,
         neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
+        group_commit: bool = True,
     ) -> None:
         self.neighbouring = Neighbouring(neighbouring)
         if page_ciphertexts < 1:
@@ -233,7 +241,7 @@ class ProxyStore:
         # FULL: a committed transaction survives power loss, not only a process crash.
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
-        for statement in _SCHEMA.split(";"):
+        for statement in SCHEMA.split(";"):
             if statement.strip():
                 self._conn.execute(statement)
         with self.transaction() as conn:
@@ -243,111 +251,21 @@ class ProxyStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            elif int(row["value"]) in (1, 2):
-                if int(row["value"]) == 1:
-                    self._migrate_from_version_1(conn)
-                self._migrate_from_version_2(conn)
-            elif int(row["value"]) != SCHEMA_VERSION:
-                raise QueryStateError(
-                    f"{self.path}: schema version {row['value']} is not supported "
-                    f"(this proxy expects {SCHEMA_VERSION})"
+            else:
+                migrate(
+                    conn,
+                    int(row["value"]),
+                    path=self.path,
+                    neighbouring=self.neighbouring,
+                    page_ciphertexts=page_ciphertexts,
                 )
+        self._group = GroupCommit(self.transaction, enabled=group_commit)
 
-    def _migrate_from_version_1(self, conn: sqlite3.Connection) -> None:
-        """Version 1 kept one aggregate blob per block; version 2 pages it and stages
-        the chunks of uploads in progress.
-
-        Only an aggregate still to be noised matters, and a version-1 one cannot be
-        paged without the query's plan, so the migration runs only when no query is
-        COLLECTING or NOISING; it then drops the old aggregates (finished queries keep
-        their results, uploads and releases).
-        """
-        in_flight = conn.execute(
-            "SELECT query_id FROM queries WHERE state IN (?, ?)",
-            (QueryState.COLLECTING.value, QueryState.NOISING.value),
-        ).fetchall()
-        if in_flight:
-            names = ", ".join(str(r["query_id"]) for r in in_flight)
-            raise QueryStateError(
-                f"{self.path}: schema version 1 with queries still in flight ({names}); "
-                "let the previous fedpca version finish them (or their deadlines pass), "
-                "then start this version"
-            )
-        conn.execute("DROP TABLE IF EXISTS aggregates")
-        logger.warning("%s: migrated from schema version 1 to 2", self.path)
-
-    def _migrate_from_version_2(self, conn: sqlite3.Connection) -> None:
-        """Version 3 keys queries by analyst, stores each query's signature and whether
-        an upload began, and states every recorded release's neighbouring relation.
-
-        Releases of version 2 recorded no relation; they are restated under this
-        deployment's (docs/privacy.md, "Ledgers of fedpca 0.1"): a stats-mode release
-        keeps its add/remove noise multiplier under add/remove and counts with half of
-        it under replace-one; a masked-mode release keeps its replace-one multiplier
-        under replace-one and counts as NOT PRIVATE (infinite epsilon) under
-        add/remove, where publishing N has no finite epsilon. Queries already in the
-        database count as having had uploads (no refund), and are renamed to their
-        analyst-scoped keys (``analyst/query``).
-        """
-        columns = {row["name"] for row in conn.execute("PRAGMA table_info(queries)")}
-        for name, declaration in (
-            ("signature", "BLOB NOT NULL DEFAULT x''"),
-            ("signer", "TEXT NOT NULL DEFAULT ''"),
-            ("uploads_begun", "INTEGER NOT NULL DEFAULT 0"),
-        ):
-            if name not in columns:
-                conn.execute(f"ALTER TABLE queries ADD COLUMN {name} {declaration}")
-        conn.execute("UPDATE queries SET uploads_begun=1")
-        relation = self.neighbouring.value
-        rows = conn.execute(
-            "SELECT r.query_id, r.analyst_id, r.event, q.spec FROM releases r "
-            "LEFT JOIN queries q ON q.query_id = r.query_id"
-        ).fetchall()
-        for row in rows:
-            event = json.loads(row["event"])
-            masked = row["spec"] is not None and json.loads(row["spec"]).get("mode") == "masked"
-            if "neighbouring" not in event:
-                if masked and relation == "add-remove":
-                    event.update(noise_multiplier=0.0, epsilon="inf")
-                elif not masked and relation == "replace-one":
-                    event["noise_multiplier"] = event["noise_multiplier"] / 2
-                event["neighbouring"] = relation
-            if "/" not in str(event["query_id"]):
-                event["query_id"] = f"{row['analyst_id']}/{event['query_id']}"
-            conn.execute(
-                "UPDATE releases SET event=? WHERE query_id=?",
-                (json.dumps(event, sort_keys=True), row["query_id"]),
-            )
-        conn.execute("PRAGMA defer_foreign_keys=ON")
-        for table in (
-            "uploads",
-            "declines",
-            "aggregate_pages",
-            "upload_chunks",
-            "results",
-            "result_meta",
-        ):
-            conn.execute(
-                f"UPDATE {table} SET query_id = (SELECT q.analyst_id FROM queries q "
-                f"WHERE q.query_id = {table}.query_id) || '/' || query_id "
-                "WHERE instr(query_id, '/') = 0"
-            )
-        conn.execute(
-            "UPDATE releases SET query_id = analyst_id || '/' || query_id "
-            "WHERE instr(query_id, '/') = 0"
-        )
-        conn.execute(
-            "UPDATE queries SET query_id = analyst_id || '/' || query_id "
-            "WHERE instr(query_id, '/') = 0"
-        )
-        conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-        logger.warning(
-            "%s: migrated to schema version %d; %d recorded releases restated under %s adjacency",
-            self.path,
-            SCHEMA_VERSION,
-            len(rows),
-            relation,
-        )
+    @property
+    def commit_stats(self) -> tuple[int, int]:
+        """(operations, commits) that went through the group commit so far."""
+        stats = self._group.stats
+        return stats.operations, stats.commits
 
     def close(self) -> None:
         with self._lock:
@@ -464,14 +382,11 @@ class ProxyStore:
         *,
         expect: tuple[QueryState, ...] = (),
         failure_reason: str | None = None,
-        algebra: CiphertextAlgebra | None = None,
     ) -> QueryRecord:
         """Move a query to ``state``; refuse if it is not currently in one of ``expect``.
 
-        Leaving COLLECTING ends every upload still in progress: in the same
-        transaction their folded chunks are taken out of the aggregate (with
-        ``algebra``; required when moving to NOISING with uploads in progress) or,
-        for a query that fails, simply dropped.
+        A query that fails drops its staged chunks (its aggregate is never used). It is
+        refunded only if no owner ever began an upload (docs/privacy.md, "Refunds").
         """
         with self.transaction() as conn:
             row = conn.execute("SELECT state FROM queries WHERE query_id=?", (query_id,)).fetchone()
@@ -483,28 +398,12 @@ class ProxyStore:
                     f"query {query_id!r} is {current.value}, expected "
                     + " or ".join(s.value for s in expect)
                 )
-            if current is QueryState.COLLECTING and state is not QueryState.COLLECTING:
-                if algebra is None and state is not QueryState.FAILED:
-                    partial = conn.execute(
-                        "SELECT 1 FROM upload_chunks WHERE query_id=?", (query_id,)
-                    ).fetchone()
-                    if partial is not None:
-                        raise QueryStateError(
-                            f"query {query_id!r}: uploads in progress can only be taken out "
-                            "with the query's ciphertext algebra"
-                        )
-                removed = self._unfold(conn, query_id, algebra)
-                if removed:
-                    logger.info(
-                        "query %s: %d chunks of unfinished uploads taken out of the aggregate",
-                        query_id,
-                        removed,
-                    )
             if state is QueryState.FAILED:
+                conn.execute("DELETE FROM staged_chunks WHERE query_id=?", (query_id,))
                 # Refunded only if no owner ever began an upload: then no owner spent
                 # budget on it and the analyst received nothing but a failure that
-                # depends on public facts (docs/privacy.md, "Refunds"). Once an upload
-                # began, the analyst pays for what the owners spent.
+                # depends on public facts. Once an upload began (and so before any
+                # result page can have been released), the analyst pays in full.
                 begun = conn.execute(
                     "SELECT uploads_begun FROM queries WHERE query_id=?", (query_id,)
                 ).fetchone()
@@ -522,41 +421,203 @@ class ProxyStore:
             )
         return self.query(query_id)
 
+    # ---------------------------------------------------------- contributors
+    def join(
+        self,
+        query_id: str,
+        owner_id: str,
+        upload_id: str,
+        *,
+        total_ciphertexts: int,
+        algebra: CiphertextAlgebra,
+        public_count: int | None = None,
+        on_fixed: Callable[[Sequence[Contributor]], Mapping[str, Any]] | None = None,
+    ) -> Joined:
+        """Let an owner begin (or resume) its upload to a query.
+
+        The first ``quorum`` owners to begin become the query's contributors; the one
+        that completes the set moves the query to AGGREGATING, drops the staged chunks
+        (nothing is taken out from now on) and stores ``on_fixed(contributors)`` as the
+        result's metadata, in the same transaction. A contributor that comes back with
+        the same upload id resumes after its mark; with another upload id it starts over
+        while the set is open (its chunks are taken out) and is refused once it is fixed.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query.
+        NotContributingError
+            The owner is not a contributor and the query no longer takes new ones
+            (contributors fixed, ended, or past its deadline).
+        QueryStateError
+            The query failed (for a contributor).
+        ProtocolError
+            Another upload of this owner was accepted or is being aggregated.
+        """
+
+        def operation(conn: sqlite3.Connection) -> Joined:
+            query = self._query_row(conn, query_id)
+            state = QueryState(query["state"])
+            accepted = conn.execute(
+                "SELECT upload_id FROM uploads WHERE query_id=? AND owner_id=?",
+                (query_id, owner_id),
+            ).fetchone()
+            if accepted is not None:
+                if accepted["upload_id"] == upload_id:
+                    return Joined(covered=total_ciphertexts, duplicate=True)
+                raise ProtocolError(
+                    f"owner {owner_id!r} already contributed a different upload to query "
+                    f"{query_id!r}"
+                )
+            mine = self._contributor(conn, query_id, owner_id)
+            if mine is not None:
+                if state is QueryState.FAILED:
+                    raise QueryStateError(
+                        f"query {query_id!r} failed: {query['failure_reason'] or 'no reason'}"
+                    )
+                if mine.upload_id == upload_id:
+                    return Joined(covered=mine.covered)
+                if state is not QueryState.COLLECTING:
+                    raise ProtocolError(
+                        f"upload {mine.upload_id!r} of owner {owner_id!r} is being aggregated "
+                        f"into query {query_id!r}; resume it with the same upload id (a new "
+                        f"upload {upload_id!r} cannot replace it)"
+                    )
+                self._take_out(conn, query_id, owner_id, total_ciphertexts, algebra)
+                conn.execute(
+                    "UPDATE contributors SET upload_id=?, covered=0, public_count=?, "
+                    "joined_at=? WHERE query_id=? AND owner_id=?",
+                    (upload_id, public_count, self._clock(), query_id, owner_id),
+                )
+                return Joined(covered=0)
+            if state is not QueryState.COLLECTING:
+                raise NotContributingError(
+                    f"query {query_id!r} is {state.value}: its contributors are fixed"
+                    if state is QueryState.AGGREGATING
+                    else f"query {query_id!r} is {state.value}: uploads are no longer accepted"
+                )
+            if self._clock() >= float(query["deadline_at"]):
+                raise NotContributingError(f"query {query_id!r}: the upload deadline has passed")
+            conn.execute(
+                "INSERT INTO contributors(query_id, owner_id, upload_id, covered, public_count, "
+                "joined_at) VALUES (?, ?, ?, 0, ?, ?)",
+                (query_id, owner_id, upload_id, public_count, self._clock()),
+            )
+            conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (query_id,))
+            contributors = self._contributors(conn, query_id)
+            quorum = int(json.loads(query["spec"]).get("quorum", 1))
+            if len(contributors) < quorum:
+                return Joined(covered=0)
+            conn.execute("DELETE FROM staged_chunks WHERE query_id=?", (query_id,))
+            conn.execute(
+                "UPDATE queries SET state=?, updated_at=? WHERE query_id=?",
+                (QueryState.AGGREGATING.value, self._clock(), query_id),
+            )
+            if on_fixed is not None:
+                conn.execute(
+                    "INSERT INTO result_meta(query_id, meta) VALUES (?, ?) "
+                    "ON CONFLICT(query_id) DO UPDATE SET meta=excluded.meta",
+                    (query_id, json.dumps(dict(on_fixed(contributors)), sort_keys=True)),
+                )
+            return Joined(covered=0, fixed=True)
+
+        return self._group.run(operation)
+
+    def contributors(self, query_id: str) -> list[Contributor]:
+        """The query's contributors so far, in the order they joined."""
+        with self._lock:
+            return self._contributors(self._conn, query_id)
+
+    def abandon(
+        self,
+        query_id: str,
+        owner_id: str,
+        upload_id: str,
+        *,
+        total_ciphertexts: int,
+        algebra: CiphertextAlgebra,
+    ) -> int:
+        """An upload's stream broke: while the contributors are not fixed, take its chunks
+        out and give its place up (it may join again); afterwards keep them, so it
+        resumes. Returns the number of chunks taken out."""
+        with self.transaction() as conn:
+            query = self._query_row(conn, query_id)
+            if QueryState(query["state"]) is not QueryState.COLLECTING:
+                return 0
+            mine = self._contributor(conn, query_id, owner_id)
+            completed = conn.execute(
+                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+            ).fetchone()
+            if mine is None or mine.upload_id != upload_id or completed is not None:
+                return 0
+            removed = self._take_out(conn, query_id, owner_id, total_ciphertexts, algebra)
+            conn.execute(
+                "DELETE FROM contributors WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+            )
+            return removed
+
+    def discard_partial_uploads(
+        self, query_id: str, *, total_ciphertexts: int, algebra: CiphertextAlgebra
+    ) -> int:
+        """Proxy start-up: the streams of a COLLECTING query died with the previous
+        process; take their chunks out and free their places. Returns the chunks taken
+        out (0 once the contributors are fixed: they resume instead)."""
+        with self.transaction() as conn:
+            query = self._query_row(conn, query_id)
+            if QueryState(query["state"]) is not QueryState.COLLECTING:
+                return 0
+            removed = 0
+            for mine in self._contributors(conn, query_id):
+                completed = conn.execute(
+                    "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?",
+                    (query_id, mine.owner_id),
+                ).fetchone()
+                if completed is not None:
+                    continue
+                removed += self._take_out(conn, query_id, mine.owner_id, total_ciphertexts, algebra)
+                conn.execute(
+                    "DELETE FROM contributors WHERE query_id=? AND owner_id=?",
+                    (query_id, mine.owner_id),
+                )
+            return removed
+
+    def partial_uploads(self, query_id: str) -> dict[str, int]:
+        """owner id -> ciphertexts folded, for contributors whose upload is not complete."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT c.owner_id, c.covered FROM contributors c WHERE c.query_id=? AND NOT "
+                "EXISTS (SELECT 1 FROM uploads u WHERE u.query_id=c.query_id AND "
+                "u.owner_id=c.owner_id)",
+                (query_id,),
+            ).fetchall()
+        return {str(r["owner_id"]): int(r["covered"]) for r in rows}
+
     # --------------------------------------------------------------- uploads
     def fold_chunk(
         self,
         query_id: str,
         owner_id: str,
         upload_id: str,
-        stream: int,
         offset: int,
         data: bytes,
         total_ciphertexts: int,
         algebra: CiphertextAlgebra,
-    ) -> bool:
-        """Fold one checked chunk of an upload in progress into the aggregate.
+    ) -> Folded:
+        """Fold one checked chunk of a contributor's upload into the aggregate, durably.
 
-        The chunk's ciphertexts (wire positions ``offset`` onwards) are multiplied
-        into the aggregate pages and kept in ``upload_chunks`` in the same
-        transaction, so that the upload can be taken out again exactly if it never
-        completes (:meth:`discard_stream`). ``stream`` numbers upload streams,
-        newer streams higher: an owner that reconnects and resends supersedes its
-        older stream, whose chunks are taken out here; a chunk of the older stream
-        arriving later is refused.
-
-        Returns
-        -------
-        False, folding nothing, when this owner's upload ``upload_id`` was already
-        accepted (a retry racing its own acknowledgement: :meth:`complete_upload`
-        then answers "duplicate"); True otherwise.
+        A chunk ending at or below the contributor's mark was folded before (a retry or
+        a resumed upload) and is skipped; a chunk starting at the mark is multiplied
+        into the aggregate pages and the mark moves past it in the same transaction
+        (while the contributors are not fixed, a copy is staged for a take-out).
+        Concurrent folds share one commit.
 
         Raises
         ------
         NotFoundError, QueryStateError
-            Unknown query, or not COLLECTING.
+            Unknown query, or it no longer aggregates.
         ProtocolError
-            The owner already contributed a different upload, a newer stream of
-            this owner is in progress, or the chunk lies outside the layout.
+            The owner is not a contributor with this upload, or the chunk does not
+            start at its mark or lies outside the layout.
         """
         count, rest = divmod(len(data), algebra.width)
         if rest or count < 1 or offset < 0 or offset + count > total_ciphertexts:
@@ -564,310 +625,124 @@ class ProxyStore:
                 f"upload {upload_id!r}: a chunk of {len(data)} bytes at position {offset} "
                 f"does not fit {total_ciphertexts} ciphertexts of {algebra.width} bytes"
             )
-        with self.transaction() as conn:
-            # A retry racing its own acceptance is answered "duplicate", even when that
-            # acceptance closed the query.
-            self._collecting(conn, query_id, allow_accepted=(owner_id, upload_id))
-            previous = conn.execute(
-                "SELECT upload_id FROM uploads WHERE query_id=? AND owner_id=?",
-                (query_id, owner_id),
-            ).fetchone()
-            if previous is not None:
-                if previous["upload_id"] == upload_id:
-                    return False
+
+        def operation(conn: sqlite3.Connection) -> Folded:
+            query = self._query_row(conn, query_id)
+            mine = self._contributor(conn, query_id, owner_id)
+            if mine is None or mine.upload_id != upload_id:
                 raise ProtocolError(
-                    f"owner {owner_id!r} already contributed a different upload to query "
-                    f"{query_id!r}"
+                    f"upload {upload_id!r} of owner {owner_id!r} is not a contribution to "
+                    f"query {query_id!r} (begin the upload again)"
                 )
-            newest = conn.execute(
-                "SELECT MAX(stream) AS newest FROM upload_chunks WHERE query_id=? AND owner_id=?",
-                (query_id, owner_id),
-            ).fetchone()["newest"]
-            if newest is not None and newest > stream:
+            if offset + count <= mine.covered:
+                return Folded(folded=False, covered=mine.covered)
+            if offset != mine.covered:
                 raise ProtocolError(
-                    f"upload {upload_id!r}: superseded by a newer upload stream of owner "
-                    f"{owner_id!r}"
+                    f"upload {upload_id!r}: a chunk at position {offset}, the proxy holds "
+                    f"the first {mine.covered} ciphertexts of this upload"
                 )
-            if newest is not None and newest < stream:
-                removed = self._unfold(conn, query_id, algebra, owner_id=owner_id, below=stream)
-                logger.info(
-                    "query %s: a new upload stream of %s took over (%d chunks of the old "
-                    "one taken out)",
-                    query_id,
-                    owner_id,
-                    removed,
+            state = QueryState(query["state"])
+            if state not in _OPEN_STATES:
+                raise QueryStateError(
+                    f"query {query_id!r} is {state.value}: uploads are no longer accepted"
                 )
-            logger.debug(
-                "query %s: folding upload %s from %s (chunk at %d)",
-                query_id,
-                upload_id,
-                owner_id,
-                offset,
-            )
             self._apply(conn, query_id, offset, data, total_ciphertexts, algebra, inverse=False)
+            if state is QueryState.COLLECTING:
+                conn.execute(
+                    "INSERT INTO staged_chunks(query_id, owner_id, start_index, data) "
+                    "VALUES (?, ?, ?, ?)",
+                    (query_id, owner_id, offset, data),
+                )
+            covered = offset + count
             conn.execute(
-                "INSERT INTO upload_chunks(query_id, owner_id, upload_id, stream, start_index, "
-                "total, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (query_id, owner_id, upload_id, stream, offset, total_ciphertexts, data),
+                "UPDATE contributors SET covered=? WHERE query_id=? AND owner_id=?",
+                (covered, query_id, owner_id),
             )
-        return True
+            return Folded(folded=True, covered=covered)
+
+        return self._group.run(operation)
 
     def complete_upload(
         self,
         query_id: str,
         owner_id: str,
         upload_id: str,
-        stream: int,
         content_sha256: str,
         n_ciphertexts: int,
-        algebra: CiphertextAlgebra,
         *,
         public_count: int | None = None,
-        before_accept: Callable[[int], None] | None = None,
     ) -> UploadCompletion:
-        """Record a fully received, hash-verified upload as accepted, exactly once.
+        """Record a contributor's fully received upload as accepted, exactly once.
 
-        Its chunks, folded as they arrived (:meth:`fold_chunk`), become permanent:
-        the upload record is inserted and the staged chunk copies are dropped in one
-        transaction. A retry of an already-accepted upload (same owner, upload id
-        and content hash) changes nothing and returns ``duplicate=True``.
+        A retry of an already accepted upload (same owner and upload id) changes
+        nothing and returns ``duplicate=True``.
 
-        ``before_accept(n_contributed)`` runs inside the transaction with the number
-        of uploads accepted so far; raising refuses the upload (the proxy checks
-        max_owners here, so concurrent uploads cannot both take the last place). A
-        refused upload (that, a replay of ciphertexts accepted for another query,
-        or chunks that do not cover the layout) is taken out of the aggregate
-        before the error is raised.
+        Raises
+        ------
+        ProtocolError
+            A different upload of this owner was accepted, the folded chunks do not
+            cover the layout, or these ciphertexts were accepted for another query
+            (a replay; its chunks stay folded, so the query cannot finish).
+        QueryStateError
+            The query failed.
         """
         now = self._clock()
-        refusal: Exception | None = None
-        with self.transaction() as conn:
-            row = self._collecting(conn, query_id, allow_accepted=(owner_id, upload_id))
+
+        def operation(conn: sqlite3.Connection) -> UploadCompletion:
+            query = self._query_row(conn, query_id)
             previous = conn.execute(
-                "SELECT upload_id, content_sha256 FROM uploads WHERE query_id=? AND owner_id=?",
+                "SELECT upload_id FROM uploads WHERE query_id=? AND owner_id=?",
                 (query_id, owner_id),
             ).fetchone()
             if previous is not None:
-                if (
-                    previous["upload_id"] == upload_id
-                    and previous["content_sha256"] == content_sha256
-                ):
-                    return UploadCompletion(duplicate=True, n_contributed=int(row["n_contributed"]))
+                if previous["upload_id"] == upload_id:
+                    return UploadCompletion(
+                        duplicate=True, n_contributed=int(query["n_contributed"])
+                    )
                 raise ProtocolError(
                     f"owner {owner_id!r} already contributed a different upload to query "
                     f"{query_id!r}"
                 )
-            staged = conn.execute(
-                "SELECT stream, start_index, length(data) AS size FROM upload_chunks "
-                "WHERE query_id=? AND owner_id=? ORDER BY start_index",
-                (query_id, owner_id),
-            ).fetchall()
-            covered = 0
-            for chunk in staged:
-                if chunk["stream"] != stream or chunk["start_index"] != covered:
-                    break
-                covered += chunk["size"] // algebra.width
+            if QueryState(query["state"]) is QueryState.FAILED:
+                raise QueryStateError(
+                    f"query {query_id!r} failed: {query['failure_reason'] or 'no reason'}"
+                )
+            mine = self._contributor(conn, query_id, owner_id)
+            covered = 0 if mine is None or mine.upload_id != upload_id else mine.covered
+            if covered != n_ciphertexts:
+                raise ProtocolError(
+                    f"upload {upload_id!r}: its folded chunks cover {covered} of "
+                    f"{n_ciphertexts} ciphertexts"
+                )
             replay = conn.execute(
                 "SELECT query_id FROM uploads WHERE content_sha256=?", (content_sha256,)
             ).fetchone()
-            if covered != n_ciphertexts or len(staged) == 0:
-                refusal = ProtocolError(
-                    f"upload {upload_id!r}: its folded chunks cover {covered} of "
-                    f"{n_ciphertexts} ciphertexts (superseded by a newer stream, or incomplete)"
-                )
-            elif replay is not None:
-                refusal = ProtocolError(
+            if replay is not None:
+                raise ProtocolError(
                     f"these ciphertexts were already accepted for query {replay['query_id']!r}: "
                     "replayed uploads are refused"
                 )
-            elif before_accept is not None:
-                try:
-                    before_accept(int(row["n_contributed"]))
-                except FedpcaError as exc:
-                    refusal = exc
-            if refusal is not None:
-                self._unfold(conn, query_id, algebra, owner_id=owner_id, stream=stream)
-            else:
-                conn.execute(
-                    "DELETE FROM upload_chunks WHERE query_id=? AND owner_id=?",
-                    (query_id, owner_id),
-                )
-                conn.execute(
-                    "INSERT INTO uploads(query_id, owner_id, upload_id, content_sha256, "
-                    "n_ciphertexts, public_count, accepted_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        query_id,
-                        owner_id,
-                        upload_id,
-                        content_sha256,
-                        n_ciphertexts,
-                        public_count,
-                        now,
-                    ),
-                )
-                n_contributed = int(row["n_contributed"]) + 1
-                conn.execute(
-                    "UPDATE queries SET n_contributed=?, updated_at=? WHERE query_id=?",
-                    (n_contributed, now, query_id),
-                )
-        if refusal is not None:
-            raise refusal
-        logger.info(
-            "query %s: accepted upload from %s (%d owners)", query_id, owner_id, n_contributed
-        )
-        return UploadCompletion(duplicate=False, n_contributed=n_contributed)
+            conn.execute(
+                "INSERT INTO uploads(query_id, owner_id, upload_id, content_sha256, "
+                "n_ciphertexts, public_count, accepted_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (query_id, owner_id, upload_id, content_sha256, n_ciphertexts, public_count, now),
+            )
+            n_contributed = int(query["n_contributed"]) + 1
+            conn.execute(
+                "UPDATE queries SET n_contributed=?, updated_at=? WHERE query_id=?",
+                (n_contributed, now, query_id),
+            )
+            return UploadCompletion(duplicate=False, n_contributed=n_contributed)
 
-    def discard_stream(
-        self, query_id: str, owner_id: str, stream: int, algebra: CiphertextAlgebra
-    ) -> int:
-        """Take an unfinished upload stream's chunks out of the aggregate; returns how many.
-
-        Used when a stream fails (bad chunk, hash mismatch, lost connection). A no-op
-        if the query is gone from COLLECTING (the state change already took the
-        chunks out) or the stream was superseded.
-        """
-        with self.transaction() as conn:
-            return self._unfold(conn, query_id, algebra, owner_id=owner_id, stream=stream)
-
-    def discard_partial_uploads(self, query_id: str, algebra: CiphertextAlgebra) -> int:
-        """Take every unfinished upload of a query out of its aggregate (proxy start-up:
-        the streams that sent them died with the previous process)."""
-        with self.transaction() as conn:
-            return self._unfold(conn, query_id, algebra)
-
-    def partial_uploads(self, query_id: str) -> dict[str, int]:
-        """owner id -> chunks folded by its upload in progress (for status and tests)."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT owner_id, COUNT(*) AS n FROM upload_chunks WHERE query_id=? "
-                "GROUP BY owner_id",
-                (query_id,),
-            ).fetchall()
-        return {str(r["owner_id"]): int(r["n"]) for r in rows}
-
-    def _collecting(
-        self,
-        conn: sqlite3.Connection,
-        query_id: str,
-        allow_accepted: tuple[str, str] | None = None,
-    ) -> sqlite3.Row:
-        row = conn.execute(
-            "SELECT state, n_contributed FROM queries WHERE query_id=?", (query_id,)
-        ).fetchone()
-        if row is None:
-            raise NotFoundError(f"unknown query {query_id!r}")
-        state = QueryState(row["state"])
-        if state is QueryState.COLLECTING:
-            return row
-        if allow_accepted is not None:
-            owner_id, upload_id = allow_accepted
-            accepted = conn.execute(
-                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=? AND upload_id=?",
-                (query_id, owner_id, upload_id),
-            ).fetchone()
-            if accepted is not None:
-                return row  # a retry of an accepted upload is answered "duplicate"
-        raise QueryStateError(
-            f"query {query_id!r} is {state.value}: uploads are no longer accepted"
-        )
-
-    def _apply(
-        self,
-        conn: sqlite3.Connection,
-        query_id: str,
-        offset: int,
-        data: bytes,
-        total_ciphertexts: int,
-        algebra: CiphertextAlgebra,
-        *,
-        inverse: bool,
-    ) -> None:
-        """Multiply ``data`` (or its inverse) into the aggregate pages it overlaps.
-
-        A page holds PAGE_CIPHERTEXTS consecutive wire positions (the last one
-        fewer). It starts as encryptions of zero with unit randomness (the integer
-        1, the identity of Z*_{n^2}), so chunks cut at any boundary fold in, and
-        ``n_folded`` counts the chunks folded into it: a page that drops back to
-        zero is deleted, leaving the store exactly as if the chunks never came.
-        """
-        width = algebra.width
-        size = self.page_ciphertexts
-        count = len(data) // width
-        identity = (1).to_bytes(width, "big")
-        for page in range(offset // size, (offset + count - 1) // size + 1):
-            page_start = page * size
-            page_length = min(size, total_ciphertexts - page_start)
-            lo = max(offset, page_start)
-            hi = min(offset + count, page_start + page_length)
-            row = conn.execute(
-                "SELECT n_folded, data FROM aggregate_pages WHERE query_id=? AND page=?",
-                (query_id, page),
-            ).fetchone()
-            if row is None:
-                if inverse:
-                    raise QueryStateError(
-                        f"query {query_id!r}: aggregate page {page} is missing while taking "
-                        "an upload out"
-                    )
-                current, n_folded = identity * page_length, 0
-            else:
-                current, n_folded = bytes(row["data"]), int(row["n_folded"])
-            a, b = (lo - page_start) * width, (hi - page_start) * width
-            segment = data[(lo - offset) * width : (hi - offset) * width]
-            combine = algebra.subtract if inverse else algebra.add
-            updated = current[:a] + combine(current[a:b], segment) + current[b:]
-            n_folded += -1 if inverse else 1
-            if n_folded == 0:
-                conn.execute(
-                    "DELETE FROM aggregate_pages WHERE query_id=? AND page=?", (query_id, page)
-                )
-            else:
-                conn.execute(
-                    "INSERT INTO aggregate_pages(query_id, page, n_folded, data) "
-                    "VALUES (?, ?, ?, ?) ON CONFLICT(query_id, page) DO UPDATE SET "
-                    "n_folded=excluded.n_folded, data=excluded.data",
-                    (query_id, page, n_folded, updated),
-                )
-
-    def _unfold(
-        self,
-        conn: sqlite3.Connection,
-        query_id: str,
-        algebra: CiphertextAlgebra | None,
-        *,
-        owner_id: str | None = None,
-        stream: int | None = None,
-        below: int | None = None,
-    ) -> int:
-        """Take staged chunks out of the aggregate (inside ``conn``'s transaction).
-
-        Selects the query's chunks, optionally of one owner, of one stream or of
-        streams older than ``below``. Without ``algebra`` they are only deleted
-        (for a query that fails: its aggregate is never used).
-        """
-        where, args = "query_id=?", list[str | int]([query_id])
-        if owner_id is not None:
-            where, args = where + " AND owner_id=?", [*args, owner_id]
-        if stream is not None:
-            where, args = where + " AND stream=?", [*args, stream]
-        if below is not None:
-            where, args = where + " AND stream<?", [*args, below]
-        rows = conn.execute(
-            f"SELECT start_index, total, data FROM upload_chunks WHERE {where}", args
-        ).fetchall()
-        if algebra is not None:
-            for row in rows:
-                self._apply(
-                    conn,
-                    query_id,
-                    int(row["start_index"]),
-                    bytes(row["data"]),
-                    int(row["total"]),
-                    algebra,
-                    inverse=True,
-                )
-        conn.execute(f"DELETE FROM upload_chunks WHERE {where}", args)
-        return len(rows)
+        completion = self._group.run(operation)
+        if not completion.duplicate:
+            logger.info(
+                "query %s: accepted upload from %s (%d owners)",
+                query_id,
+                owner_id,
+                completion.n_contributed,
+            )
+        return completion
 
     def uploads(self, query_id: str) -> list[UploadRecord]:
         with self._lock:
@@ -886,11 +761,6 @@ class ProxyStore:
             )
             for r in rows
         ]
-
-    def mark_upload_begun(self, query_id: str) -> None:
-        """Record that an owner began an upload (from then on the query is never refunded)."""
-        with self.transaction() as conn:
-            conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (query_id,))
 
     def record_decline(self, query_id: str, owner_id: str, reason: str) -> None:
         """Record an owner's decline while the query collects uploads.
@@ -929,6 +799,7 @@ class ProxyStore:
             ).fetchall()
         return {str(r["owner_id"]): str(r["reason"]) for r in rows}
 
+    # ------------------------------------------------------ aggregate, results
     def aggregate(self, query_id: str) -> bytes:
         """The query's encrypted aggregate: all pages, in wire order (b"" before any fold)."""
         with self._lock:
@@ -940,51 +811,135 @@ class ProxyStore:
             raise QueryStateError(f"query {query_id!r}: its aggregate has missing pages")
         return b"".join(bytes(r["data"]) for r in rows)
 
-    # --------------------------------------------------------------- results
-    def store_result(
-        self, query_id: str, blocks: Mapping[str, bytes], meta: Mapping[str, Any]
-    ) -> QueryRecord:
-        """Store the noise-added result and mark the query DONE, in one transaction.
+    def aggregated_through(self, query_id: str) -> int:
+        """Ciphertexts (from the start) that every contributor has folded; 0 before the
+        contributors are fixed."""
+        with self._lock:
+            query = self._query_row(self._conn, query_id)
+            if QueryState(query["state"]) is QueryState.COLLECTING:
+                return 0
+            row = self._conn.execute(
+                "SELECT MIN(covered) AS lowest FROM contributors WHERE query_id=?", (query_id,)
+            ).fetchone()
+        return int(row["lowest"] or 0)
 
-        Only a query in NOISING can receive a result, so a result is never
-        overwritten (a restarted proxy that already finished finds DONE).
+    def finalize_pages(
+        self,
+        query_id: str,
+        total_ciphertexts: int,
+        algebra: CiphertextAlgebra,
+        page_noise: Callable[[int, int, int], bytes] | None,
+    ) -> Finalized:
+        """Release every page of an AGGREGATING query that all contributors have covered.
+
+        Page ``p``'s result is its aggregate times ``page_noise(p, start, count)`` (the
+        encoded noise of wire positions ``start .. start + count - 1``; None: no noise,
+        epsilon = inf). A released page is never changed. When the last page is final
+        the query is DONE.
         """
+        size = self.page_ciphertexts
+        pages = page_count(total_ciphertexts, size)
         with self.transaction() as conn:
-            row = conn.execute("SELECT state FROM queries WHERE query_id=?", (query_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"unknown query {query_id!r}")
-            if QueryState(row["state"]) is not QueryState.NOISING:
-                raise QueryStateError(
-                    f"query {query_id!r} is {row['state']}: cannot store a result"
-                )
-            for name, data in blocks.items():
+            query = self._query_row(conn, query_id)
+            existing = int(
                 conn.execute(
-                    "INSERT INTO results(query_id, block, data) VALUES (?, ?, ?)",
-                    (query_id, name, data),
-                )
-            conn.execute(
-                "INSERT INTO result_meta(query_id, meta) VALUES (?, ?)",
-                (query_id, json.dumps(dict(meta), sort_keys=True)),
+                    "SELECT COUNT(*) AS n FROM result_pages WHERE query_id=?", (query_id,)
+                ).fetchone()["n"]
             )
+            if QueryState(query["state"]) is not QueryState.AGGREGATING:
+                return Finalized(0, existing, QueryState(query["state"]) is QueryState.DONE)
+            lowest = int(
+                conn.execute(
+                    "SELECT MIN(covered) AS lowest FROM contributors WHERE query_id=?",
+                    (query_id,),
+                ).fetchone()["lowest"]
+                or 0
+            )
+            ready = pages if lowest >= total_ciphertexts else lowest // size
+            for page in range(existing, ready):
+                row = conn.execute(
+                    "SELECT data FROM aggregate_pages WHERE query_id=? AND page=?",
+                    (query_id, page),
+                ).fetchone()
+                if row is None:
+                    raise QueryStateError(f"query {query_id!r}: aggregate page {page} is missing")
+                data = bytes(row["data"])
+                start = page * size
+                count = min(size, total_ciphertexts - start)
+                if page_noise is not None:
+                    data = algebra.add(data, page_noise(page, start, count))
+                conn.execute(
+                    "INSERT INTO result_pages(query_id, page, data) VALUES (?, ?, ?)",
+                    (query_id, page, data),
+                )
+            done = ready == pages
+            if done:
+                conn.execute(
+                    "UPDATE queries SET state=?, updated_at=? WHERE query_id=?",
+                    (QueryState.DONE.value, self._clock(), query_id),
+                )
+        return Finalized(max(0, ready - existing), max(ready, existing), done)
+
+    def store_result(self, query_id: str, data: bytes, meta: Mapping[str, Any]) -> QueryRecord:
+        """Store a whole result computed at the end (masked mode) as pages and mark the
+        query DONE, in one transaction. Only a NOISING query can receive one, so a result
+        is never overwritten (a restarted proxy that already finished finds DONE)."""
+        size = self.page_ciphertexts
+        with self.transaction() as conn:
+            query = self._query_row(conn, query_id)
+            if QueryState(query["state"]) is not QueryState.NOISING:
+                raise QueryStateError(
+                    f"query {query_id!r} is {query['state']}: cannot store a result"
+                )
+            width = 2 * ((int(json.loads(query["plan"])["key_bits"]) + 7) // 8)
+            step = size * width
+            for page, start in enumerate(range(0, len(data), step)):
+                conn.execute(
+                    "INSERT INTO result_pages(query_id, page, data) VALUES (?, ?, ?)",
+                    (query_id, page, data[start : start + step]),
+                )
+            self._merge_meta(conn, query_id, meta)
             conn.execute(
                 "UPDATE queries SET state=?, updated_at=? WHERE query_id=?",
                 (QueryState.DONE.value, self._clock(), query_id),
             )
         return self.query(query_id)
 
-    def result(self, query_id: str) -> tuple[dict[str, bytes], dict[str, Any]]:
-        record = self.query(query_id)
-        if record.state is not QueryState.DONE:
-            raise QueryStateError(f"query {query_id!r} is {record.state.value}: no result yet")
+    def update_result_meta(self, query_id: str, meta: Mapping[str, Any]) -> None:
+        """Merge ``meta`` into the metadata stored with a query's result."""
+        with self.transaction() as conn:
+            self._merge_meta(conn, query_id, meta)
+
+    def result_meta(self, query_id: str) -> dict[str, Any] | None:
+        """The metadata stored with a query's result (None before its contributors are
+        fixed)."""
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT block, data FROM results WHERE query_id=?", (query_id,)
-            ).fetchall()
-            meta_row = self._conn.execute(
+            row = self._conn.execute(
                 "SELECT meta FROM result_meta WHERE query_id=?", (query_id,)
             ).fetchone()
-        meta: dict[str, Any] = json.loads(meta_row["meta"]) if meta_row else {}
-        return {str(r["block"]): bytes(r["data"]) for r in rows}, meta
+        return None if row is None else dict(json.loads(row["meta"]))
+
+    def result_pages(self, query_id: str, start: int = 0) -> list[bytes]:
+        """The final result pages from ``start`` on, in order."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT page, data FROM result_pages WHERE query_id=? AND page>=? ORDER BY page",
+                (query_id, start),
+            ).fetchall()
+        pages = []
+        for expected, row in enumerate(rows, start):
+            if int(row["page"]) != expected:
+                break
+            pages.append(bytes(row["data"]))
+        return pages
+
+    def pages_final(self, query_id: str) -> int:
+        """How many result pages are final."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT COUNT(*) AS n FROM result_pages WHERE query_id=?", (query_id,)
+            ).fetchone()
+        return int(row["n"])
 
     # ---------------------------------------------------------------- budget
     def set_analyst_budget(self, analyst_id: str, epsilon: float, delta: float) -> None:
@@ -1038,6 +993,131 @@ class ProxyStore:
             (query_id, analyst_id, json.dumps(dict(event), sort_keys=True), self._clock()),
         )
 
+    # --------------------------------------------------------------- helpers
+    def _query_row(self, conn: sqlite3.Connection, query_id: str) -> sqlite3.Row:
+        row = conn.execute("SELECT * FROM queries WHERE query_id=?", (query_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"unknown query {query_id!r}")
+        return row
+
+    def _contributor(
+        self, conn: sqlite3.Connection, query_id: str, owner_id: str
+    ) -> Contributor | None:
+        row = conn.execute(
+            "SELECT * FROM contributors WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+        ).fetchone()
+        return None if row is None else _contributor_of(row)
+
+    def _contributors(self, conn: sqlite3.Connection, query_id: str) -> list[Contributor]:
+        rows = conn.execute(
+            "SELECT * FROM contributors WHERE query_id=? ORDER BY joined_at, owner_id",
+            (query_id,),
+        ).fetchall()
+        return [_contributor_of(row) for row in rows]
+
+    def _merge_meta(self, conn: sqlite3.Connection, query_id: str, meta: Mapping[str, Any]) -> None:
+        row = conn.execute("SELECT meta FROM result_meta WHERE query_id=?", (query_id,)).fetchone()
+        merged = {} if row is None else dict(json.loads(row["meta"]))
+        merged.update(meta)
+        conn.execute(
+            "INSERT INTO result_meta(query_id, meta) VALUES (?, ?) "
+            "ON CONFLICT(query_id) DO UPDATE SET meta=excluded.meta",
+            (query_id, json.dumps(merged, sort_keys=True)),
+        )
+
+    def _take_out(
+        self,
+        conn: sqlite3.Connection,
+        query_id: str,
+        owner_id: str,
+        total_ciphertexts: int,
+        algebra: CiphertextAlgebra,
+    ) -> int:
+        """Multiply the inverses of an owner's staged chunks into the aggregate."""
+        rows = conn.execute(
+            "SELECT start_index, data FROM staged_chunks WHERE query_id=? AND owner_id=?",
+            (query_id, owner_id),
+        ).fetchall()
+        for row in rows:
+            self._apply(
+                conn,
+                query_id,
+                int(row["start_index"]),
+                bytes(row["data"]),
+                total_ciphertexts,
+                algebra,
+                inverse=True,
+            )
+        conn.execute(
+            "DELETE FROM staged_chunks WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+        )
+        if rows:
+            logger.info(
+                "query %s: the unfinished upload of %s taken out of the aggregate (%d chunks)",
+                query_id,
+                owner_id,
+                len(rows),
+            )
+        return len(rows)
+
+    def _apply(
+        self,
+        conn: sqlite3.Connection,
+        query_id: str,
+        offset: int,
+        data: bytes,
+        total_ciphertexts: int,
+        algebra: CiphertextAlgebra,
+        *,
+        inverse: bool,
+    ) -> None:
+        """Multiply ``data`` (or its inverse) into the aggregate pages it overlaps.
+
+        A page holds ``page_ciphertexts`` consecutive wire positions (the last one
+        fewer). It starts as encryptions of zero with unit randomness (the integer
+        1, the identity of Z*_{n^2}), so chunks cut at any boundary fold in, and
+        ``n_folded`` counts the chunks folded into it: a page that drops back to
+        zero is deleted, leaving the store exactly as if the chunks never came.
+        """
+        width = algebra.width
+        size = self.page_ciphertexts
+        count = len(data) // width
+        identity = (1).to_bytes(width, "big")
+        for page in range(offset // size, (offset + count - 1) // size + 1):
+            page_start = page * size
+            page_length = min(size, total_ciphertexts - page_start)
+            lo = max(offset, page_start)
+            hi = min(offset + count, page_start + page_length)
+            row = conn.execute(
+                "SELECT n_folded, data FROM aggregate_pages WHERE query_id=? AND page=?",
+                (query_id, page),
+            ).fetchone()
+            if row is None:
+                if inverse:
+                    raise QueryStateError(
+                        f"query {query_id!r}: aggregate page {page} is missing while taking "
+                        "an upload out"
+                    )
+                current, n_folded = identity * page_length, 0
+            else:
+                current, n_folded = bytes(row["data"]), int(row["n_folded"])
+            a, b = (lo - page_start) * width, (hi - page_start) * width
+            segment = data[(lo - offset) * width : (hi - offset) * width]
+            combine = algebra.subtract if inverse else algebra.add
+            updated = current[:a] + combine(current[a:b], segment) + current[b:]
+            n_folded += -1 if inverse else 1
+            if n_folded == 0:
+                conn.execute(
+                    "DELETE FROM aggregate_pages WHERE query_id=? AND page=?", (query_id, page)
+                )
+            else:
+                conn.execute(
+                    "INSERT INTO aggregate_pages(query_id, page, n_folded, data) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT(query_id, page) DO UPDATE SET "
+                    "n_folded=excluded.n_folded, data=excluded.data",
+                    (query_id, page, n_folded, updated),
+                )
+
 
 def stored_block(blocks: Mapping[str, bytes], name: str) -> bytes:
     """Block ``name`` of stored ciphertext data (an aggregate split by block, a result)."""
@@ -1062,4 +1142,14 @@ def _query_record(row: sqlite3.Row) -> QueryRecord:
         signature=bytes(row["signature"]),
         signer=str(row["signer"]),
         uploads_begun=bool(row["uploads_begun"]),
+    )
+
+
+def _contributor_of(row: sqlite3.Row) -> Contributor:
+    return Contributor(
+        owner_id=str(row["owner_id"]),
+        upload_id=str(row["upload_id"]),
+        covered=int(row["covered"]),
+        public_count=None if row["public_count"] is None else int(row["public_count"]),
+        joined_at=float(row["joined_at"]),
     )

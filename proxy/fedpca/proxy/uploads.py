@@ -1,9 +1,10 @@
 """One owner's upload at the proxy: the checks on its header, then its stream of chunks.
 
 Everything that can be checked before a single chunk is read is checked on the
-header (:func:`check_upload_header`). The chunks are then folded into the
-encrypted aggregate as they arrive (:class:`UploadStream`); completing the upload
-records it and a stream that fails is taken out again, both atomically in the store.
+header (:func:`check_upload_header`); the store then lets the owner join the query's
+contributors, or resume its upload (:meth:`fedpca.proxy.store.ProxyStore.join`). Each
+chunk is folded into the encrypted aggregate as soon as it arrives
+(:class:`UploadStream`), durably, and result pages it completes become final at once.
 """
 
 from __future__ import annotations
@@ -12,16 +13,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from fedpca.codec import (
-    SerialisedCiphertextGroup,
-    check_owner_count,
-    ciphertexts_to_bytes,
-    validate_ciphertexts,
-)
-from fedpca.errors import CiphertextError, FedpcaError, LayoutError, ProtocolError, QueryStateError
-from fedpca.messages import CiphertextBlock, QueryState, UploadHeader
+from fedpca.codec import SerialisedCiphertextGroup, validate_ciphertexts
+from fedpca.errors import CiphertextError, FedpcaError, LayoutError, ProtocolError
+from fedpca.messages import CiphertextBlock, DecodedChunk, UploadHeader
 from fedpca.proxy.queries import QueryContext, wire_blocks
-from fedpca.proxy.store import ProxyStore, UploadCompletion
+from fedpca.proxy.store import Joined, ProxyStore, UploadCompletion
 from fedpca.query import ProtocolMode
 
 __all__ = ["UploadStream", "check_upload_header"]
@@ -29,27 +25,11 @@ __all__ = ["UploadStream", "check_upload_header"]
 logger = logging.getLogger(__name__)
 
 
-def check_upload_header(
-    context: QueryContext,
-    store: ProxyStore,
-    owner_id: str,
-    header: UploadHeader,
-    clock: Callable[[], float],
-) -> bool:
-    """Everything that can be checked before a single chunk is read.
-
-    Returns True when the header is a retry of an upload already accepted.
-
-    A retry of an upload this owner already had accepted passes the state and
-    deadline checks (the store then answers "duplicate"), even after the query
-    has moved on; it must still match the plan like any other upload.
+def check_upload_header(context: QueryContext, header: UploadHeader) -> None:
+    """Everything about an upload that can be checked before a single chunk is read.
 
     Raises
     ------
-    NotFoundError
-        Unknown query.
-    QueryStateError
-        The query no longer collects uploads (late upload).
     CiphertextError
         The header names another analyst key.
     LayoutError
@@ -59,10 +39,6 @@ def check_upload_header(
         or above the query's max_records_per_owner.
     """
     spec = context.spec
-    # Key, layout and count are checked before the retry shortcut: a genuine retry
-    # resends the very same header, and one with the same upload id and content
-    # hash but e.g. another layout or a stats-mode record count was answered
-    # "duplicate" without ever being validated.
     if header.analyst_key_fingerprint != spec.analyst_key_fingerprint:
         raise CiphertextError(
             f"{header.label}: encrypted under key {header.analyst_key_fingerprint}, the "
@@ -87,24 +63,6 @@ def check_upload_header(
             f"{header.label}: public_record_count must be absent in stats mode (the "
             "count is a noised statistic)"
         )
-    if _is_retry(store, owner_id, header):
-        return True
-    record = store.query(header.query_id)
-    if record.state is not QueryState.COLLECTING:
-        raise QueryStateError(
-            f"query {header.query_id!r} is {record.state.value}: uploads are no longer accepted"
-        )
-    if clock() >= record.deadline_at:
-        raise QueryStateError(f"query {header.query_id!r}: the upload deadline has passed")
-    return False
-
-
-def _is_retry(store: ProxyStore, owner_id: str, header: UploadHeader) -> bool:
-    digest = header.content_sha256.hex()
-    return any(
-        u.owner_id == owner_id and u.upload_id == header.upload_id and u.content_sha256 == digest
-        for u in store.uploads(header.query_id)
-    )
 
 
 def _layout_difference(got: Sequence[CiphertextBlock], expected: Sequence[CiphertextBlock]) -> str:
@@ -122,14 +80,20 @@ def _layout_difference(got: Sequence[CiphertextBlock], expected: Sequence[Cipher
 class UploadStream:
     """One owner's upload in progress: its chunks are folded as they arrive.
 
-    Made by :meth:`fedpca.proxy.coordinator.Coordinator.begin_upload`, which passes
-    ``on_change`` (a query changed: wake its watchers) and ``on_accepted`` (count the
-    upload, close the query at its quorum). Call :meth:`add` for each chunk in
-    wire order, then :meth:`complete` once the whole stream (and its content hash)
-    has been verified; on any failure call :meth:`abandon`, which takes the
-    chunks folded so far out of the aggregate again. A retry of an upload the
-    proxy already accepted (``duplicate``) folds nothing and completes as
-    "duplicate".
+    Made by :meth:`fedpca.proxy.coordinator.Coordinator.begin_upload` once the owner
+    joined (or rejoined) the query's contributors. Call :meth:`add` for each checked
+    chunk in wire order, then :meth:`complete` once the stream has ended; on any
+    failure call :meth:`abandon`. Chunks below the owner's mark (already folded by an
+    earlier stream of this upload) are skipped; a retry of an upload the proxy already
+    accepted folds nothing and completes as "duplicate".
+
+    Parameters
+    ----------
+    on_folded : called with the query key after each folded chunk (pages may be final).
+    on_ended : called once the stream ended, completed or not (the coordinator
+        counts the owner's live streams).
+    streams_open : how many streams of this owner's upload to this query are open,
+        this one included.
     """
 
     def __init__(
@@ -138,111 +102,114 @@ class UploadStream:
         owner_id: str,
         header: UploadHeader,
         context: QueryContext,
-        stream: int,
+        joined: Joined,
         *,
-        duplicate: bool,
-        on_change: Callable[[], None],
-        on_accepted: Callable[[str, UploadCompletion, float], None],
+        on_folded: Callable[[str], None],
+        on_completed: Callable[[str], None],
+        on_ended: Callable[[], None],
+        streams_open: Callable[[], int],
     ) -> None:
         self.store = store
         self.owner_id = owner_id
         self.header = header
         self.context = context
-        self.stream = stream
-        self.duplicate = duplicate
+        self.duplicate = joined.duplicate
+        self.covered = joined.covered
         self.algebra = SerialisedCiphertextGroup(context.public_key.n)
         self.total = sum(block.layout.n_ciphertexts for block in context.plan.owner_blocks)
         self.fold_seconds = 0.0
-        self._announced = False
-        self._on_change = on_change
-        self._on_accepted = on_accepted
+        self.last_chunk_at = 0.0
+        self._on_folded = on_folded
+        self._on_completed = on_completed
+        self._on_ended = on_ended
+        self._streams_open = streams_open
+        self._ended = False
 
-    def add(self, position: int, ciphertexts: Sequence[int]) -> None:
-        """Check one chunk's ciphertexts (wire positions from ``position``) and fold them.
+    def add(self, chunk: DecodedChunk) -> None:
+        """Check one chunk's ciphertexts and fold them (durably) unless already folded.
 
         Raises
         ------
         CiphertextError
             A ciphertext outside Z*_{n^2}.
         QueryStateError, ProtocolError
-            From :meth:`ProxyStore.fold_chunk` (query closed, a different upload
-            already accepted from this owner, superseded by a newer stream).
+            From :meth:`ProxyStore.fold_chunk`.
         """
-        if self.duplicate:
+        self.last_chunk_at = time.time()
+        count = len(chunk.ciphertexts)
+        if self.duplicate or chunk.offset + count <= self.covered:
             return
         started = time.perf_counter()
-        public_key = self.context.public_key
-        validate_ciphertexts(ciphertexts, public_key)
+        validate_ciphertexts(chunk.ciphertexts, self.context.public_key)
         folded = self.store.fold_chunk(
             self.header.query_id,
             self.owner_id,
             self.header.upload_id,
-            self.stream,
-            position,
-            ciphertexts_to_bytes(ciphertexts, public_key),
+            chunk.offset,
+            chunk.data,
             self.total,
             self.algebra,
         )
-        self.duplicate = not folded
+        self.covered = folded.covered
         self.fold_seconds += time.perf_counter() - started
-        if folded and not self._announced:
-            self._announced = True  # watchers see this owner as uploading
-            self._on_change()
+        if folded.folded:
+            self._on_folded(self.header.query_id)
 
-    def complete(self) -> UploadCompletion:
-        """Accept the upload, exactly once; closes the query when it makes the quorum.
+    def complete(self, content_sha256: bytes) -> UploadCompletion:
+        """Accept the upload, exactly once (``content_sha256``: over all its ciphertexts).
 
         Raises
         ------
-        EncodingOverflowError
-            More owners than the query's max_owners.
         ProtocolError
             A second, different upload from this owner, a replay of ciphertexts
             accepted for another query, or chunks that do not cover the layout.
         QueryStateError
-            The query stopped collecting meanwhile.
+            The query failed.
         """
         header = self.header
-        bounds = self.context.plan.bounds
-
-        def owner_count_fits(n_contributed: int) -> None:
-            check_owner_count(bounds, n_contributed + 1)
-
-        receipt = self.store.complete_upload(
-            header.query_id,
-            self.owner_id,
-            header.upload_id,
-            self.stream,
-            header.content_sha256.hex(),
-            self.total,
-            self.algebra,
-            public_count=header.public_record_count,
-            before_accept=owner_count_fits,
-        )
+        try:
+            receipt = self.store.complete_upload(
+                header.query_id,
+                self.owner_id,
+                header.upload_id,
+                content_sha256.hex(),
+                self.total,
+                public_count=header.public_record_count,
+            )
+        finally:
+            self._end()
         if receipt.duplicate:
             logger.info("query %s: duplicate upload from %s", header.query_id, self.owner_id)
-            return receipt
-        self._on_accepted(header.query_id, receipt, self.fold_seconds)
+        else:
+            self._on_completed(header.query_id)
         return receipt
 
     def abandon(self) -> None:
-        """Take this stream's folded chunks out of the aggregate (after a failure)."""
-        if self.duplicate:
-            return
+        """The stream broke: while the contributors are not fixed, and unless another
+        stream of this upload is still open, take its chunks out and free its place;
+        afterwards keep them so that the upload resumes."""
         try:
-            removed = self.store.discard_stream(
-                self.header.query_id, self.owner_id, self.stream, self.algebra
-            )
-        except FedpcaError as exc:
-            logger.warning(
-                "%s: could not take the unfinished upload out: %s", self.header.label, exc
-            )
-            return
-        if removed:
-            self._on_change()
-            logger.info(
-                "%s: unfinished upload of %s taken out of the aggregate (%d chunks)",
-                self.header.label,
-                self.owner_id,
-                removed,
-            )
+            if self.duplicate or self._streams_open() > 1:
+                return
+            try:
+                removed = self.store.abandon(
+                    self.header.query_id,
+                    self.owner_id,
+                    self.header.upload_id,
+                    total_ciphertexts=self.total,
+                    algebra=self.algebra,
+                )
+            except FedpcaError as exc:
+                logger.warning(
+                    "%s: could not take the unfinished upload out: %s", self.header.label, exc
+                )
+                return
+            if removed:
+                self._on_folded(self.header.query_id)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._on_ended()

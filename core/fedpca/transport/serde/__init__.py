@@ -32,12 +32,17 @@ from fedpca.transport.serde.analyst_service import (
     query_ref_to_proto,
     query_status_from_proto,
     query_status_to_proto,
+    read_result_stream,
+    result_chunk_message,
+    result_header_from_message,
+    result_header_message,
     submit_query_request_from_proto,
     submit_query_request_to_proto,
 )
 from fedpca.transport.serde.ciphertext import (
     blocks_from_proto,
     blocks_to_proto,
+    chunk_to_proto,
     encode_chunks,
 )
 from fedpca.transport.serde.owner_service import (
@@ -56,7 +61,9 @@ from fedpca.transport.serde.owner_service import (
     task_stream_request_from_proto,
     task_stream_request_to_proto,
     upload_chunk_from_message,
+    upload_chunk_message,
     upload_header_from_message,
+    upload_header_message,
     upload_receipt_from_proto,
     upload_receipt_to_proto,
 )
@@ -74,6 +81,7 @@ __all__ = [
     "budget_request_to_proto",
     "budget_status_from_proto",
     "budget_status_to_proto",
+    "chunk_to_proto",
     "decline_receipt_from_proto",
     "decline_receipt_to_proto",
     "decode_result",
@@ -92,7 +100,11 @@ __all__ = [
     "query_spec_to_proto",
     "query_status_from_proto",
     "query_status_to_proto",
+    "read_result_stream",
     "read_upload",
+    "result_chunk_message",
+    "result_header_from_message",
+    "result_header_message",
     "submit_query_request_from_proto",
     "submit_query_request_to_proto",
     "task_decline_from_proto",
@@ -102,7 +114,9 @@ __all__ = [
     "task_stream_request_from_proto",
     "task_stream_request_to_proto",
     "upload_chunk_from_message",
+    "upload_chunk_message",
     "upload_header_from_message",
+    "upload_header_message",
     "upload_receipt_from_proto",
     "upload_receipt_to_proto",
 ]

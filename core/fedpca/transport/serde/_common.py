@@ -64,10 +64,11 @@ UPLOAD_STATUS_TO_PROTO: dict[UploadStatus, owner_pb.UploadReceipt.Status] = {
     UploadStatus.ACCEPTED: owner_pb.UploadReceipt.STATUS_ACCEPTED,
     UploadStatus.DUPLICATE: owner_pb.UploadReceipt.STATUS_DUPLICATE,
 }
-# The wire also numbers PENDING (1) and AGGREGATING (3); no proxy ever reports them,
-# so they decode like any value unknown to this version.
+# The wire also numbers PENDING (1); no proxy ever reports it, so it decodes like any
+# value unknown to this version.
 STATE_TO_PROTO: dict[QueryState, analyst_pb.QueryState] = {
     QueryState.COLLECTING: analyst_pb.QUERY_STATE_COLLECTING,
+    QueryState.AGGREGATING: analyst_pb.QUERY_STATE_AGGREGATING,
     QueryState.NOISING: analyst_pb.QUERY_STATE_NOISING,
     QueryState.DONE: analyst_pb.QUERY_STATE_DONE,
     QueryState.FAILED: analyst_pb.QUERY_STATE_FAILED,

@@ -9,13 +9,16 @@ from fedpca.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BudgetStatus,
     ChunkAssembler,
+    CiphertextPayload,
+    DecodedChunk,
+    EncodedChunk,
     NoiseDescription,
     NoiseSection,
     OwnerDecline,
     QueryResult,
     QueryStatus,
+    ResultHeader,
     SignedQuery,
-    collect_payload,
 )
 from fedpca.transport.serde._common import (
     CALIBRATION_FROM_PROTO,
@@ -30,10 +33,14 @@ from fedpca.transport.serde._common import (
     timestamp_from_proto,
     timestamp_to_proto,
 )
-from fedpca.transport.serde.ciphertext import blocks_to_proto, blocks_with_label, encode_chunks
+from fedpca.transport.serde.ciphertext import (
+    blocks_to_proto,
+    blocks_with_label,
+    chunk_to_proto,
+    encode_chunks,
+)
 from fedpca.transport.serde.query import query_spec_from_proto, query_spec_to_proto
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
-from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 
 MAX_SIGNATURE_BYTES = 256
 
@@ -77,6 +84,8 @@ def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
         owners_declined=status.owners_declined,
         owners_uploading=status.owners_uploading,
         owners_registered=status.owners_registered,
+        pages_final=status.pages_final,
+        pages_total=status.pages_total,
     )
     message.declines.extend(
         analyst_pb.OwnerDecline(owner_id=d.owner_id, reason=d.reason, detail=d.detail)
@@ -109,6 +118,8 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
             for d in message.declines
         ),
         owners_registered=message.owners_registered,
+        pages_final=message.pages_final,
+        pages_total=message.pages_total,
     )
 
 
@@ -136,63 +147,70 @@ def noise_description_from_proto(message: analyst_pb.NoiseDescription) -> NoiseD
     )
 
 
+def result_header_message(header: ResultHeader) -> analyst_pb.ResultMessage:
+    """The first message of a FetchResult stream."""
+    message = analyst_pb.ResultHeader(
+        query=query_spec_to_proto(header.query),
+        n_owners=header.n_owners,
+        blocks=blocks_to_proto(header.blocks),
+        noise=noise_description_to_proto(header.noise),
+        total_chunks=header.total_chunks,
+    )
+    if header.masked_mean_block is not None:
+        message.masked_mean_block = header.masked_mean_block
+    if header.public_record_count is not None:
+        set_scalars(message, "ResultHeader", public_record_count=header.public_record_count)
+    return analyst_pb.ResultMessage(header=message)
+
+
+def result_chunk_message(chunk: EncodedChunk) -> analyst_pb.ResultMessage:
+    """One chained chunk (a result page) of a FetchResult stream."""
+    return analyst_pb.ResultMessage(chunk=chunk_to_proto(chunk))
+
+
 def encode_result(
     result: QueryResult, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> list[analyst_pb.ResultMessage]:
-    """Build the full FetchResult server stream: header first, then chunks."""
-    chunks, content_sha256 = encode_chunks(result.payload, max_message_bytes)
-    header = analyst_pb.ResultHeader(
-        query=query_spec_to_proto(result.query),
+    """A whole FetchResult stream of a complete result: header first, then chunks."""
+    chunks = encode_chunks(result.payload, max_message_bytes)
+    header = ResultHeader(
+        query=result.query,
         n_owners=result.n_owners,
-        blocks=blocks_to_proto(result.payload.blocks),
-        noise=noise_description_to_proto(result.noise),
+        noise=result.noise,
+        blocks=result.blocks,
         total_chunks=len(chunks),
-        content_sha256=content_sha256,
+        masked_mean_block=result.masked_mean_block,
+        public_record_count=result.public_record_count,
     )
-    if result.masked_mean_block is not None:
-        header.masked_mean_block = result.masked_mean_block
-    if result.public_record_count is not None:
-        set_scalars(header, "ResultHeader", public_record_count=result.public_record_count)
-    return [analyst_pb.ResultMessage(header=header)] + [
+    return [result_header_message(header)] + [
         analyst_pb.ResultMessage(chunk=chunk) for chunk in chunks
     ]
 
 
-def decode_result(messages: Iterable[analyst_pb.ResultMessage]) -> QueryResult:
-    """Read and fully validate a FetchResult stream.
+def result_header_from_message(message: analyst_pb.ResultMessage) -> ResultHeader:
+    """Decode the first message of a FetchResult stream.
 
     Raises
     ------
     ProtocolError
-        On any framing, layout, hash or count problem, or an invalid header.
+        If the message is not a header or any header field is invalid.
     """
-    iterator = iter(messages)
-    first = next(iterator, None)
-    if first is None or first.WhichOneof("payload") != "header":
+    if message.WhichOneof("payload") != "header":
         raise ProtocolError("a result stream must start with a ResultHeader")
-    header = first.header
+    header = message.header
     for name in ("query", "noise"):
         if not header.HasField(name):
             raise ProtocolError(f"ResultHeader.{name} is missing")
     query = query_spec_from_proto(header.query)
     label = f"result of query {query.query_id!r}"
     blocks = blocks_with_label(header.blocks, label)
-    assembler = ChunkAssembler(blocks, header.total_chunks, header.content_sha256, label)
-
-    def chunks() -> Iterator[ciphertext_pb.CiphertextChunk]:
-        for message in iterator:
-            kind = message.WhichOneof("payload")
-            if kind != "chunk":
-                raise ProtocolError(f"{label}: expected a ciphertext chunk, got {kind}")
-            yield message.chunk
-
-    payload = collect_payload(blocks, assembler, chunks())
     try:
-        return QueryResult(
+        decoded = ResultHeader(
             query=query,
             n_owners=header.n_owners,
             noise=noise_description_from_proto(header.noise),
-            payload=payload,
+            blocks=blocks,
+            total_chunks=header.total_chunks,
             masked_mean_block=(
                 header.masked_mean_block if header.HasField("masked_mean_block") else None
             ),
@@ -202,6 +220,61 @@ def decode_result(messages: Iterable[analyst_pb.ResultMessage]) -> QueryResult:
         )
     except LayoutError as exc:
         raise ProtocolError(f"{label}: {exc}") from exc
+    ChunkAssembler(blocks, decoded.total_chunks, label)  # the chunk count fits the layout
+    return decoded
+
+
+def read_result_stream(
+    messages: Iterable[analyst_pb.ResultMessage],
+) -> tuple[ResultHeader, Iterator[DecodedChunk]]:
+    """The header of a FetchResult stream and an iterator over its checked chunks.
+
+    Each chunk is checked (index, size, hash-chain link) as it arrives, so a caller
+    decrypts pages while later ones are still being finalised at the proxy; the
+    iterator raises ProtocolError if the stream ends early.
+    """
+    iterator = iter(messages)
+    first = next(iterator, None)
+    if first is None:
+        raise ProtocolError("a result stream must start with a ResultHeader")
+    header = result_header_from_message(first)
+    label = f"result of query {header.query.query_id!r}"
+    assembler = ChunkAssembler(header.blocks, header.total_chunks, label)
+
+    def chunks() -> Iterator[DecodedChunk]:
+        for message in iterator:
+            kind = message.WhichOneof("payload")
+            if kind != "chunk":
+                raise ProtocolError(f"{label}: expected a ciphertext chunk, got {kind}")
+            yield assembler.add(message.chunk)
+        assembler.finish()
+
+    return header, chunks()
+
+
+def decode_result(messages: Iterable[analyst_pb.ResultMessage]) -> QueryResult:
+    """Read and fully validate a whole FetchResult stream.
+
+    Raises
+    ------
+    ProtocolError
+        On any framing, layout, hash or count problem, or an invalid header.
+    """
+    header, chunks = read_result_stream(messages)
+    flat: list[int] = []
+    for chunk in chunks:
+        flat.extend(chunk.ciphertexts)
+    try:
+        return QueryResult(
+            query=header.query,
+            n_owners=header.n_owners,
+            noise=header.noise,
+            payload=CiphertextPayload.from_wire_order(header.blocks, flat),
+            masked_mean_block=header.masked_mean_block,
+            public_record_count=header.public_record_count,
+        )
+    except LayoutError as exc:
+        raise ProtocolError(f"result of query {header.query.query_id!r}: {exc}") from exc
 
 
 def budget_request_to_proto(delta: float | None = None) -> analyst_pb.BudgetRequest:

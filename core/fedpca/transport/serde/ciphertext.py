@@ -13,6 +13,7 @@ from fedpca.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     CiphertextBlock,
     CiphertextPayload,
+    EncodedChunk,
     check_layout,
     split_into_chunks,
 )
@@ -79,23 +80,16 @@ def blocks_with_label(
         raise ProtocolError(f"{label}: {exc}") from exc
 
 
+def chunk_to_proto(chunk: EncodedChunk) -> ciphertext_pb.CiphertextChunk:
+    """One chained chunk as its message."""
+    return ciphertext_pb.CiphertextChunk(
+        index=chunk.index, ciphertexts=chunk.ciphertexts, sha256=chunk.sha256
+    )
+
+
 def encode_chunks(
     payload: CiphertextPayload, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> tuple[list[ciphertext_pb.CiphertextChunk], bytes]:
-    """Chunk messages of a payload (:func:`fedpca.messages.split_into_chunks`).
-
-    Returns
-    -------
-    chunks : list of CiphertextChunk
-        In order, indices 0, 1, ...; each with its own SHA-256.
-    content_sha256 : bytes
-        SHA-256 over all ciphertext bytes in order (for the stream header).
-    """
-    chunks, content_sha256 = split_into_chunks(payload, max_message_bytes)
-    messages = [
-        ciphertext_pb.CiphertextChunk(
-            index=chunk.index, ciphertexts=chunk.ciphertexts, sha256=chunk.sha256
-        )
-        for chunk in chunks
-    ]
-    return messages, content_sha256
+) -> list[ciphertext_pb.CiphertextChunk]:
+    """Chunk messages of a whole payload (:func:`fedpca.messages.split_into_chunks`):
+    in order, indices 0, 1, ..., each carrying its link of the stream's hash chain."""
+    return [chunk_to_proto(chunk) for chunk in split_into_chunks(payload, max_message_bytes)]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from fedpca.errors import ConfigError, ProtocolError
 from fedpca.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     UPLOAD_ID_PATTERN,
+    CiphertextBlock,
     CiphertextPayload,
+    EncodedChunk,
     Heartbeat,
     OwnerHello,
     ProxyInfo,
@@ -18,7 +20,6 @@ from fedpca.messages import (
     TaskEvent,
     UploadHeader,
     UploadReceipt,
-    check_sha256,
     collect_payload,
 )
 from fedpca.transport.serde._common import (
@@ -34,10 +35,47 @@ from fedpca.transport.serde._common import (
     timestamp_from_proto,
     timestamp_to_proto,
 )
-from fedpca.transport.serde.ciphertext import blocks_to_proto, blocks_with_label, encode_chunks
+from fedpca.transport.serde.ciphertext import (
+    blocks_to_proto,
+    blocks_with_label,
+    chunk_to_proto,
+    encode_chunks,
+)
 from fedpca.transport.serde.query import query_spec_from_proto, query_spec_to_proto
 from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
+
+
+def upload_header_message(
+    query_id: str,
+    analyst_key_fingerprint: str,
+    upload_id: str,
+    blocks: Sequence[CiphertextBlock],
+    total_chunks: int,
+    public_record_count: int | None = None,
+) -> owner_pb.UploadMessage:
+    """The first message of an Upload stream (its chunks follow as they are encrypted).
+
+    ``public_record_count`` is the owner's clear-text record count, sent in masked
+    mode only.
+    """
+    if not UPLOAD_ID_PATTERN.fullmatch(upload_id):
+        raise ConfigError(f"upload_id {upload_id!r} must match {UPLOAD_ID_PATTERN.pattern}")
+    header = owner_pb.UploadHeader(
+        query_id=query_id,
+        analyst_key_fingerprint=analyst_key_fingerprint,
+        upload_id=upload_id,
+        blocks=blocks_to_proto(blocks),
+        total_chunks=total_chunks,
+    )
+    if public_record_count is not None:
+        set_scalars(header, "UploadHeader", public_record_count=public_record_count)
+    return owner_pb.UploadMessage(header=header)
+
+
+def upload_chunk_message(chunk: EncodedChunk) -> owner_pb.UploadMessage:
+    """One chained chunk of an Upload stream."""
+    return owner_pb.UploadMessage(chunk=chunk_to_proto(chunk))
 
 
 def encode_upload(
@@ -48,28 +86,21 @@ def encode_upload(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     public_record_count: int | None = None,
 ) -> list[owner_pb.UploadMessage]:
-    """Build the full Upload client stream: header first, then chunks.
+    """A whole Upload client stream for a payload encrypted in advance: header, chunks.
 
-    Returns a list rather than a generator so that a retry can resend the very
-    same messages (same upload id, same hashes). ``public_record_count`` is the
-    owner's clear-text record count, sent in masked mode only.
+    Owners stream instead (:meth:`fedpca.owner.node.OwnerNode`); this serves tools
+    and tests that hold a complete payload.
     """
-    if not UPLOAD_ID_PATTERN.fullmatch(upload_id):
-        raise ConfigError(f"upload_id {upload_id!r} must match {UPLOAD_ID_PATTERN.pattern}")
-    chunks, content_sha256 = encode_chunks(payload, max_message_bytes)
-    header = owner_pb.UploadHeader(
-        query_id=query_id,
-        analyst_key_fingerprint=analyst_key_fingerprint,
-        upload_id=upload_id,
-        blocks=blocks_to_proto(payload.blocks),
-        total_chunks=len(chunks),
-        content_sha256=content_sha256,
+    chunks = encode_chunks(payload, max_message_bytes)
+    header = upload_header_message(
+        query_id,
+        analyst_key_fingerprint,
+        upload_id,
+        payload.blocks,
+        len(chunks),
+        public_record_count,
     )
-    if public_record_count is not None:
-        set_scalars(header, "UploadHeader", public_record_count=public_record_count)
-    return [owner_pb.UploadMessage(header=header)] + [
-        owner_pb.UploadMessage(chunk=chunk) for chunk in chunks
-    ]
+    return [header] + [owner_pb.UploadMessage(chunk=chunk) for chunk in chunks]
 
 
 def upload_header_from_message(message: owner_pb.UploadMessage) -> UploadHeader:
@@ -97,7 +128,6 @@ def upload_header_from_message(message: owner_pb.UploadMessage) -> UploadHeader:
         upload_id=header.upload_id,
         blocks=blocks_with_label(header.blocks, label),
         total_chunks=header.total_chunks,
-        content_sha256=check_sha256(header.content_sha256, f"{label}: content_sha256"),
         public_record_count=(
             header.public_record_count if header.HasField("public_record_count") else None
         ),
