@@ -32,7 +32,6 @@ from fedpca.errors import (
     CalibrationError,
     CiphertextError,
     ConfigError,
-    EncodingOverflowError,
     LayoutError,
     NotFoundError,
     ProtocolError,
@@ -40,11 +39,13 @@ from fedpca.errors import (
 )
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
+    DecodedChunk,
     NoiseMechanism,
     OwnerDecline,
     QueryState,
     SignedQuery,
     UploadHeader,
+    ciphertexts_to_bytes,
 )
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import (
@@ -58,7 +59,7 @@ from fedpca.protocol import (
 from fedpca.proxy.config import BudgetConfig, OwnersConfig, PrivacySection, ProxyConfig
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
-from fedpca.proxy.store import ProxyStore, UploadCompletion
+from fedpca.proxy.store import NotContributingError, ProxyStore, UploadCompletion
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, verify_query
 from fedpca.stats import fixed_point_statistics, sum_statistics
@@ -176,17 +177,12 @@ class Owner:
             )
             for block in plan.owner_blocks
         }
-        width = 2 * ((public_key.n.bit_length() + 7) // 8)
-        content = b"".join(
-            c.to_bytes(width, "big") for block in plan.owner_blocks for c in blocks[block.name]
-        )
         header = UploadHeader(
             query_id=task,
             analyst_key_fingerprint=plan.spec.analyst_key_fingerprint,
             upload_id=f"{self.owner_id}-{plan.spec.query_id}",
             blocks=wire_blocks(plan),
-            total_chunks=1,
-            content_sha256=hashlib.sha256(content).digest(),
+            total_chunks=len(plan.owner_blocks),
             public_record_count=count if plan.spec.mode is ProtocolMode.MASKED else None,
         )
         return header, blocks, encoded
@@ -206,16 +202,26 @@ def accept_upload(
     """
     upload = coordinator.begin_upload(owner_id, header)
     try:
-        position = 0
+        position, index = 0, 0
+        content = hashlib.sha256()
+        width = header.blocks[0].ciphertext_bytes
         for block in upload.context.plan.owner_blocks:
-            ciphertexts = blocks.get(block.name, [])
+            ciphertexts = list(blocks.get(block.name, []))
             if ciphertexts:
-                upload.add(position, ciphertexts)
+                data = ciphertexts_to_bytes(ciphertexts, width)
+                upload.add(DecodedChunk(index, position, ciphertexts, data))
+                content.update(data)
+                index += 1
             position += block.layout.n_ciphertexts
-        return upload.complete()
+        return upload.complete(content.digest())
     except BaseException:
         upload.abandon()
         raise
+
+
+def chunk_of(ciphertexts: Sequence[int], index: int = 0, offset: int = 0) -> DecodedChunk:
+    """The checked chunk a servicer hands on for these ciphertexts (512-bit test keys)."""
+    return DecodedChunk(index, offset, list(ciphertexts), ciphertexts_to_bytes(ciphertexts, 128))
 
 
 def owners_for(rows: list[np.ndarray]) -> list[Owner]:
@@ -578,8 +584,8 @@ def test_late_upload_is_refused(
         coordinator.decline(late.owner_id, Q1, "policy_refusal")
     # A retry of the accepted upload (lost acknowledgement) is still "duplicate".
     assert accept_upload(coordinator, "owner-0", first, first_blocks).duplicate
-    # The same owner with different content is a late upload, not a retry.
-    with pytest.raises(QueryStateError, match="no longer accepted"):
+    # The same owner with another upload is refused, not counted twice.
+    with pytest.raises(ProtocolError, match="already contributed a different upload"):
         accept_upload(coordinator, "owner-0", replace(first, upload_id="other"), first_blocks)
     assert coordinator.store.query(Q1).n_contributed == 1
     assert coordinator.store.aggregate(Q1) == aggregate
@@ -623,22 +629,26 @@ def test_bad_uploads_are_refused_with_state_untouched(
     assert accept_upload(coordinator, "owner-0", header, blocks).n_contributed == 1
 
 
-def test_more_owners_than_max_owners_are_refused(
+def test_no_more_owners_than_the_quorum_contribute(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
+    # The quorum is checked against the slots' owner bound at submission...
+    with pytest.raises(ConfigError, match="quorum must be in"):
+        make_spec(public_key, quorum=2, max_owners=1)
+    # ...and the contributors are the first quorum owners to begin, so the aggregate
+    # never holds more owners than the slots were sized for.
     coordinator.submit("alice", signed(make_spec(public_key, quorum=1, max_owners=1)))
     owners = owners_for(owner_rows)
     plan = coordinator.plan(Q1)
-    # Keep the query open past the first upload so the cap, not the state, refuses.
-    coordinator.close = lambda query_id: None  # type: ignore[method-assign]
     header, blocks, _ = owners[0].upload(plan, public_key, pool)
-    accept_upload(coordinator, "owner-0", header, blocks)
+    coordinator.begin_upload("owner-0", header)  # begins: the set of one is fixed
+    assert coordinator.store.query(Q1).state is QueryState.AGGREGATING
     header, blocks, _ = owners[1].upload(plan, public_key, pool)
-    with pytest.raises(EncodingOverflowError, match="max_owners=1"):
+    with pytest.raises(NotContributingError, match="contributors are fixed"):
         accept_upload(coordinator, "owner-1", header, blocks)
-    assert coordinator.store.query(Q1).n_contributed == 1
+    assert [c.owner_id for c in coordinator.store.contributors(Q1)] == ["owner-0"]
 
 
 # ------------------------------------------------------------ quorum/deadline
@@ -661,12 +671,13 @@ def test_deadline_below_quorum_fails_the_query(
     assert coordinator.check_deadlines() == []
     clock.now += 2
     assert coordinator.tasks_for("owner-2") == []  # past the deadline: no longer offered
-    with pytest.raises(QueryStateError, match="deadline has passed"):
-        coordinator.check_upload_header("owner-2", replace(header, upload_id="x"))
+    late, late_blocks, _ = owners_for(owner_rows)[2].upload(coordinator.plan(Q1), public_key, pool)
+    with pytest.raises(NotContributingError, match="deadline has passed"):
+        accept_upload(coordinator, "owner-2", late, late_blocks)
     assert coordinator.check_deadlines() == [Q1]
     record = coordinator.store.query(Q1)
     assert record.state is QueryState.FAILED
-    assert record.failure_reason == "deadline passed with 1 of 2 required owners"
+    assert record.failure_reason == "deadline passed with 1 of 2 required owners uploading"
     status = coordinator.status(ANALYST, "q1")
     assert status.state is QueryState.FAILED and status.owners_declined == 1
     # The decline's public reason reaches the analyst.
@@ -698,9 +709,10 @@ def test_a_failed_query_is_refunded_only_if_no_upload_ever_began(
         coordinator.plan(key("broken")), public_key, pool, key("broken")
     )
     stream = coordinator.begin_upload("owner-0", header)
-    stream.add(0, blocks[SHARES][:1])
-    stream.abandon()
+    stream.add(chunk_of(blocks[SHARES][:1]))
+    stream.abandon()  # the set of contributors was open: taken out, place freed
     assert coordinator.store.aggregate(key("broken")) == b""
+    assert coordinator.store.contributors(key("broken")) == []
     assert coordinator.store.query(key("broken")).uploads_begun
     assert not coordinator.store.query(key("silent")).uploads_begun
 
@@ -757,32 +769,51 @@ def test_declines_are_public_one_line_and_fail_a_query_whose_quorum_is_out_of_re
         coordinator.decline("owner-1", key("q3"), "policy_refusal")
 
 
-def test_timer_finishes_a_query_that_reached_its_quorum_but_was_not_closed(
+def test_pages_left_unreleased_by_a_crash_are_released_at_restart(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:
     public_key, private_key = test_only_keypair_512
-    clock = Clock()
-    coordinator = make_coordinator(tmp_path, pool, clock=clock)
-    closes: list[str] = []
-    real_close = coordinator.close
-    coordinator.close = closes.append  # type: ignore[method-assign]  # e.g. a crash after the fold
+    coordinator = make_coordinator(tmp_path, pool)
+    # e.g. the process died after the last fold, before the pages were made final
+    coordinator.advance = lambda query_id: None  # type: ignore[method-assign]
     spec = make_spec(public_key, quorum=2)
     expected = run_stats_query(coordinator, pool, public_key, owners_for(owner_rows)[:2], spec)
-    assert closes == [Q1] and coordinator.store.query(Q1).state is QueryState.COLLECTING
-    coordinator.close = real_close  # type: ignore[method-assign]
-    stop = threading.Event()
-    timer = threading.Thread(target=coordinator.run_timers, args=(stop, 0.01))
-    timer.start()
-    try:
-        for _ in range(500):
-            if coordinator.store.query(Q1).state is QueryState.DONE:
-                break
-            stop.wait(0.02)
-    finally:
-        stop.set()
-        timer.join()
-    assert coordinator.store.query(Q1).state is QueryState.DONE
-    assert decrypt_block(pool, private_key, coordinator, "q1", SHARES) == list(expected)
+    record = coordinator.store.query(Q1)
+    assert record.state is QueryState.AGGREGATING and record.n_contributed == 2
+    assert coordinator.store.pages_final(Q1) == 0
+    coordinator.store.close()
+    restarted = make_coordinator(tmp_path, pool)
+    assert restarted.recover() == []
+    assert restarted.store.query(Q1).state is QueryState.DONE
+    assert decrypt_block(pool, private_key, restarted, "q1", SHARES) == list(expected)
+
+
+def test_a_contributor_that_never_finishes_fails_the_query_at_its_deadline(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    clock = Clock()
+    coordinator = make_coordinator(tmp_path, pool, clock=clock)
+    coordinator.submit("alice", signed(make_spec(public_key, quorum=2, deadline_seconds=60)))
+    owners = owners_for(owner_rows)
+    plan = coordinator.plan(Q1)
+    header, blocks, _ = owners[0].upload(plan, public_key, pool)
+    accept_upload(coordinator, "owner-0", header, blocks)
+    header, blocks, _ = owners[1].upload(plan, public_key, pool)
+    stream = coordinator.begin_upload("owner-1", header)  # fixed: kept for resumption
+    stream.add(chunk_of(blocks[SHARES][:2]))
+    stream.abandon()
+    assert coordinator.store.partial_uploads(Q1) == {"owner-1": 2}
+    clock.now += 61
+    assert coordinator.check_deadlines() == [Q1]
+    record = coordinator.store.query(Q1)
+    assert record.state is QueryState.FAILED
+    assert record.failure_reason == (
+        "deadline passed before contributors owner-1 delivered all their chunks"
+    )
+    with pytest.raises(QueryStateError, match="failed: deadline passed before"):
+        coordinator.result_pages(ANALYST, "q1", 0)
+    assert coordinator.budget("alice").n_releases == 1  # charged in full
 
 
 class SimulatedCrash(BaseException):
@@ -798,31 +829,31 @@ def test_recover_finishes_a_query_interrupted_in_noising_exactly_once(
     def crash(*args: Any) -> Any:
         raise SimulatedCrash
 
-    coordinator._compute_result = crash  # type: ignore[method-assign]
-    spec = make_spec(public_key, quorum=2)
+    config = make_config(neighbouring=REPLACE_ONE)
+    coordinator = make_coordinator(tmp_path, pool, config)
+    coordinator._masked_result = crash  # type: ignore[method-assign]
+    spec = make_spec(public_key, quorum=2, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE)
+    coordinator.submit("alice", signed(spec))
     with pytest.raises(SimulatedCrash):
-        run_stats_query(coordinator, pool, public_key, owners_for(owner_rows)[:2], spec)
+        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
     store = coordinator.store
     assert store.query(Q1).state is QueryState.NOISING
     aggregate_before = store.aggregate(Q1)
     store.close()
 
     # A new process: new store connection, new coordinator, recover() at startup.
-    restarted = make_coordinator(tmp_path, pool)
+    restarted = make_coordinator(tmp_path, pool, config)
     assert restarted.store.aggregate(Q1) == aggregate_before
     assert restarted.recover() == [Q1]
     assert restarted.store.query(Q1).state is QueryState.DONE
     assert restarted.recover() == []
     assert restarted.finish(Q1).state is QueryState.DONE  # a no-op now
     with pytest.raises(QueryStateError):
-        restarted.store.store_result(Q1, {}, {})
+        restarted.store.store_result(Q1, b"", {})
     assert len(restarted.store.releases("alice")) == 1
-    decrypted = decrypt_block(pool, private_key, restarted, "q1", SHARES)
-    plan = restarted.plan(Q1)
-    owners = owners_for(owner_rows)[:2]
-    expected = sum(o.encode(plan)[0][SHARES].astype(object) for o in owners)
-    # Exact statistics: the very integers the owners sent, summed once each.
-    assert decrypted == list(expected)
+    # Exact arithmetic: no noise, and the mask cancels exactly.
+    noise, _, _ = _unmask(pool, private_key, restarted, owners_for(owner_rows)[:2])
+    assert not noise.any()
 
 
 # ------------------------------------------------- stats noise prepared early
@@ -997,7 +1028,11 @@ def test_a_failed_noise_preparation_fails_the_query_without_a_second_draw(
         coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
         prepared = coordinator.prepared_noise(Q1)
         assert prepared is not None and isinstance(prepared.exception(timeout=60), ConfigError)
-        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
+        owners = owners_for(owner_rows)
+        finish_with_owners(coordinator, pool, public_key, owners[:2], "q1")
+        # The third upload completes the first page: its noise is needed, and missing.
+        with pytest.raises(QueryStateError, match=r"failed: adding noise failed \(ConfigError\)"):
+            finish_with_owners(coordinator, pool, public_key, owners[2:], "q1")
         record = coordinator.store.query(Q1)
         assert record.state is QueryState.FAILED
         assert record.failure_reason is not None and "ConfigError" in record.failure_reason
@@ -1183,41 +1218,54 @@ def test_a_query_needing_oversized_uploads_is_refused_before_anything_is_stored(
     assert coordinator.submit("alice", signed(small)).query_id == key("q-small")
 
 
-def test_uploads_in_progress_are_taken_out_at_restart_and_at_closing(
+def test_uploads_in_progress_are_taken_out_at_restart_while_open_and_resumed_once_fixed(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:
     public_key, private_key = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
-    spec = make_spec(public_key, quorum=2)
-    coordinator.submit("alice", signed(spec))
+    coordinator.submit("alice", signed(make_spec(public_key, quorum=3)))
     plan = coordinator.plan(Q1)
-    owners = owners_for(owner_rows)[:3]
+    owners = owners_for(owner_rows)
     uploads = [owner.upload(plan, public_key, pool) for owner in owners]
     header, blocks, encoded = uploads[0]
     accept_upload(coordinator, owners[0].owner_id, header, blocks)
     accepted = coordinator.store.aggregate(Q1)
     # Owner 1's stream dies with the process after its first chunk was folded.
     stream = coordinator.begin_upload(owners[1].owner_id, uploads[1][0])
-    stream.add(0, uploads[1][1][SHARES][:2])
+    stream.add(chunk_of(uploads[1][1][SHARES][:2]))
     assert coordinator.store.aggregate(Q1) != accepted
     status = coordinator.status(ANALYST, "q1")
     assert (status.owners_contributed, status.owners_uploading) == (1, 1)
     coordinator.store.close()
 
+    # The set of contributors was still open: the restart takes the chunk out and
+    # frees the place.
     restarted = make_coordinator(tmp_path, pool)
-    assert restarted.store.partial_uploads(Q1) == {owners[1].owner_id: 1}
+    assert restarted.store.partial_uploads(Q1) == {owners[1].owner_id: 2}
     restarted.recover()
     assert restarted.store.partial_uploads(Q1) == {}
     assert restarted.store.aggregate(Q1) == accepted
     assert restarted.status(ANALYST, "q1").owners_uploading == 0
-    # Owner 2 is mid-stream when owner 1's resent upload makes the quorum: closing
-    # takes owner 2's chunk out, and its next chunk is refused as late.
+    # Owner 2 begins, then owner 1 resends and completes the set: from now on nothing
+    # is taken out. Owner 2's stream breaks; it resumes after its two folded chunks.
     late = restarted.begin_upload(owners[2].owner_id, uploads[2][0])
-    late.add(0, uploads[2][1][SHARES][:1])
+    ciphertexts = uploads[2][1][SHARES]
+    late.add(chunk_of(ciphertexts[:1]))
     accept_upload(restarted, owners[1].owner_id, uploads[1][0], uploads[1][1])
+    assert restarted.store.query(Q1).state is QueryState.AGGREGATING
+    late.add(chunk_of(ciphertexts[1:3], 1, 1))
+    late.abandon()
+    assert restarted.store.partial_uploads(Q1) == {owners[2].owner_id: 3}
+    resumed = restarted.begin_upload(owners[2].owner_id, uploads[2][0])
+    content = hashlib.sha256()
+    for chunk in (
+        chunk_of(ciphertexts[:1]),
+        chunk_of(ciphertexts[1:3], 1, 1),
+        chunk_of(ciphertexts[3:], 2, 3),
+    ):
+        resumed.add(chunk)  # the first two are below the mark: skipped
+        content.update(chunk.data)
+    resumed.complete(content.digest())
     assert restarted.store.query(Q1).state is QueryState.DONE
-    assert restarted.store.partial_uploads(Q1) == {}
-    with pytest.raises(QueryStateError, match="no longer accepted"):
-        late.add(1, uploads[2][1][SHARES][1:])
-    expected = encoded[SHARES].astype(object) + uploads[1][2][SHARES].astype(object)
+    expected = sum(upload[2][SHARES].astype(object) for upload in uploads)
     assert decrypt_block(pool, private_key, restarted, "q1", SHARES) == list(expected)

@@ -672,6 +672,8 @@ class Coordinator:
         timings: dict[str, float] = {}
         if noise is not None:
             timings["sample_seconds"] = noise.sample_seconds
+            if noise.prepared:
+                timings["noise_precomputed"] = 1.0
         if fold_seconds is not None:
             timings["fold_seconds"] = fold_seconds
         if last_chunk is not None:
@@ -965,8 +967,17 @@ class Coordinator:
         return whole_result(header, self.store.result_pages(key))
 
     def result_meta(self, analyst_id: str, query_id: str) -> dict[str, Any]:
-        """The JSON metadata stored with a result (sigmas, public N, timings)."""
-        return self.store.result_meta(task_id(analyst_id, query_id)) or {}
+        """The JSON metadata stored with a result (sigmas, public N, timings); empty
+        before the query's contributors are fixed.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        """
+        key = task_id(analyst_id, query_id)
+        self.store.query(key)
+        return self.store.result_meta(key) or {}
 
     def budget(self, analyst_id: str, delta: float | None = None) -> BudgetStatus:
         """An analyst's cumulative privacy loss.

@@ -55,11 +55,14 @@ class PageNoise:
     packed : the packed noise plaintexts P mod n, one per result ciphertext.
     n : the analyst's modulus.
     sample_seconds : time taken by the discrete Gaussian draws.
+    prepared : drawn in the background from submission on.
     """
 
     packed: tuple[int, ...]
     n: int
     sample_seconds: float
+    prepared: bool = False
+    """Drawn in the background from submission on (not when the first page needed it)."""
 
     def encoded(self, start: int, count: int) -> bytes:
         """Ciphertexts ``(1 + P n) mod n^2`` of positions ``start .. start + count - 1``,
@@ -73,7 +76,9 @@ class PageNoise:
         )
 
 
-def draw_page_noise(plan: ReleasePlan, n: int, sampler: NoiseSampler | None) -> PageNoise:
+def draw_page_noise(
+    plan: ReleasePlan, n: int, sampler: NoiseSampler | None, *, prepared: bool = False
+) -> PageNoise:
     """Draw a stats-mode query's discrete Gaussian noise and pack it (no encryption)."""
     started = time.perf_counter()
     values = plan.noise_values(sampler)
@@ -81,7 +86,7 @@ def draw_page_noise(plan: ReleasePlan, n: int, sampler: NoiseSampler | None) -> 
     block = plan.owner_block(SHARES)
     packed = tuple(p % n for p in pack_slots(values, block.layout, plan.bounds.noise_headroom))
     del values
-    return PageNoise(packed, n, sampled)
+    return PageNoise(packed, n, sampled, prepared)
 
 
 class PreparedNoise:
@@ -117,26 +122,30 @@ class PreparedNoise:
             if key in self._futures or self._closed:
                 return
             try:
-                future = self._executor.submit(draw_page_noise, plan, n, self.sampler)
+                future = self._executor.submit(
+                    draw_page_noise, plan, n, self.sampler, prepared=True
+                )
             except RuntimeError:  # shutting down: drawn on first use
                 return
             self._futures[key] = future
         logger.info("query %s: drawing its noise while owners encrypt", key)
 
     def get(self, key: str, plan: ReleasePlan, n: int) -> PageNoise:
-        """The query's noise: waited for if being drawn, drawn now if never prepared.
+        """The query's noise: waited for if being drawn, drawn now (in this thread) if
+        never prepared or its preparation has not started yet (it is then cancelled:
+        drawing now is as fast as waiting for the queue).
 
         Kept until :meth:`discard`, so every page of the result takes its slice of one
         draw. A failed draw raises its error (every time: it is never drawn again).
         """
         with self._lock:
             future = self._futures.get(key)
-            if future is None:
+            draw_here = future is None or future.cancel()
+            if draw_here:
                 future = Future()
+                future.set_running_or_notify_cancel()  # others wait for it, never cancel it
                 self._futures[key] = future
-                draw_here = True
-            else:
-                draw_here = False
+        assert future is not None
         if draw_here:
             try:
                 future.set_result(draw_page_noise(plan, n, self.sampler))

@@ -24,7 +24,7 @@ from fedpca.messages import (
     ResultHeader,
 )
 from fedpca.messages import ciphertexts_from_bytes as wire_ciphertexts_from_bytes
-from fedpca.protocol import MASKED_SUM, ReleasePlan
+from fedpca.protocol import MASKED_SUM, ReleasePlan, masked_sigma
 from fedpca.proxy.queries import QueryContext, result_blocks
 from fedpca.proxy.store import page_count
 from fedpca.query import ProtocolMode
@@ -71,7 +71,11 @@ def result_meta(
         "plan": plan.describe(),
     }
     if plan.spec.mode is ProtocolMode.MASKED:
-        meta["public_n"] = sum(count or 0 for count in public_counts)
+        public_n = sum(count or 0 for count in public_counts)
+        # The scatter noise scales with the public N, known once the contributors are.
+        sigma, sigma_int = masked_sigma(plan, public_n)
+        meta["public_n"] = public_n
+        meta["sections"] = [{"name": "scatter", "sigma": sigma, "sigma_int": sigma_int}]
     return meta
 
 
