@@ -12,7 +12,7 @@ import pytest
 
 import fedpca.analyst.client as client_module
 import fedpca.analyst.estimators as estimators_module
-from fedpca.analyst.client import FetchedResult
+from fedpca.analyst.client import ResultStream
 from fedpca.analyst.decode import DecodedRelease, result_from_packed
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, NotFittedError
 from fedpca.analyst.report import write_plots, write_report, write_result
@@ -28,6 +28,7 @@ from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import Calibration, QueryKind, QuerySpec
 from fedpca.signing import signer_id
 from fedpca.stats import SufficientStatistics, fixed_point_statistics
+from fedpca.transport import serde
 from helpers import TEST_SIGNER, TEST_SIGNING_KEY, exact_statistics, reference_statistics
 
 RNG = np.random.default_rng(0)
@@ -175,13 +176,17 @@ class FakeClient:
         self.signers.append(signer_id(signing_key))
         return QueryStatus(spec.query_id, QueryState.COLLECTING, 0, spec.quorum)
 
-    def wait(self, query_id: str, on_status: Any = None, timeout: Any = None) -> Any:
-        done = QueryStatus(query_id, QueryState.DONE, 2, 2)
+    def wait_for_contributors(
+        self, query_id: str, on_status: Any = None, timeout: Any = None
+    ) -> QueryStatus:
+        fixed = QueryStatus(query_id, QueryState.AGGREGATING, 0, 1)
         if on_status is not None:
-            on_status(done)
-        return done
+            on_status(fixed)
+        return fixed
 
-    def fetch(self, query_id: str) -> FetchedResult:
+    def fetch_stream(self, query_id: str, timeout: Any = None) -> ResultStream:
+        """The result as the proxy streams it: header, then chained pages of one page
+        ciphertext each (through the real stream reader)."""
         (spec,) = self.submitted
         public_key = self.key.public_key
         plan = ReleasePlan.for_query(spec, 512)
@@ -190,7 +195,11 @@ class FakeClient:
         values = plan.owner_integers(share)[SHARES]
         with CryptoPool(1) as pool:
             packed = pool.encrypt_packed(public_key, values, block.layout, block.bound)
-        return FetchedResult(result_from_packed(spec, 1, {SHARES: packed}))
+        result = result_from_packed(spec, 1, {SHARES: packed})
+        messages = serde.encode_result(result, max_message_bytes=64 + 128)
+        header, chunks = serde.read_result_stream(messages)
+        assert header.total_chunks > 1  # several pages, decrypted as they arrive
+        return ResultStream(header, chunks)
 
 
 def test_fit_runs_the_query_and_returns_self(
@@ -228,8 +237,8 @@ def test_fit_runs_the_query_and_returns_self(
     assert estimator.query_id_ == client.submitted[0].query_id
     # Signed with the signing key found next to the private key.
     assert signing_keys_from == ["key.json"] and client.signers == [TEST_SIGNER]
-    assert [s.state for s in statuses] == [QueryState.COLLECTING, QueryState.DONE]
-    assert set(estimator.timings_) == {"submit", "wait", "fetch", "decrypt", "solve"}
+    assert [s.state for s in statuses] == [QueryState.COLLECTING, QueryState.AGGREGATING]
+    assert set(estimator.timings_) == {"submit", "wait", "decrypt", "tail", "solve"}
     spec = client.submitted[0]
     # Exactly the PCA of the owners' exact statistics (quantised rows) ...
     exact = pca_from_statistics(exact_statistics(ROWS, None, spec), n_components=2)
@@ -249,7 +258,9 @@ def test_failed_query_raises_with_the_proxy_reason(
     _, private_key = test_only_keypair_512
 
     class Failing(FakeClient):
-        def wait(self, query_id: str, on_status: Any = None, timeout: Any = None) -> Any:
+        def wait_for_contributors(
+            self, query_id: str, on_status: Any = None, timeout: Any = None
+        ) -> QueryStatus:
             raise QueryStateError(f"query {query_id!r} failed at the proxy: quorum not reached")
 
     monkeypatch.setattr(client_module, "AnalystClient", Failing)

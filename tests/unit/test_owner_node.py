@@ -9,6 +9,7 @@ with and keys its ledger by.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import queue
@@ -24,7 +25,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint
+from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint, unpack_slots
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import DataError
@@ -39,6 +40,7 @@ from fedpca.messages import (
     UploadReceipt,
     UploadStatus,
 )
+from fedpca.owner.compute import LocalTable, encode_share
 from fedpca.owner.config import (
     CryptoConfig,
     DataConfig,
@@ -50,6 +52,7 @@ from fedpca.owner.config import (
 )
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode, RetryPolicy
+from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.server import ProxyServer
@@ -84,6 +87,7 @@ class UploadCall:
     total_chunks: int
     n_ciphertexts: int
     public_record_count: int | None = None
+    ciphertexts: tuple[int, ...] = ()
 
 
 @dataclass
@@ -150,14 +154,17 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
         certs.require_role(context, Role.OWNER)
         header, payload = serde.read_upload(request_iterator)
         seen = {call.upload_id for call in self.uploads}
+        width = header.blocks[0].ciphertext_bytes
+        content = b"".join(c.to_bytes(width, "big") for c in payload.in_wire_order())
         self.uploads.append(
             UploadCall(
                 header.upload_id,
                 header.query_id,
-                header.content_sha256,
+                hashlib.sha256(content).digest(),
                 header.total_chunks,
                 payload.total_ciphertexts,
                 header.public_record_count,
+                tuple(payload.in_wire_order()),
             )
         )
         self._notify()
@@ -618,6 +625,52 @@ def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:
     assert gone is not None and gone.outcome is TaskOutcome.CANCELLED
     assert proxy.uploads == []
     assert ledger.events() == []
+
+
+def test_a_restarted_node_resumes_its_upload_with_the_same_id_and_sample(
+    harness: Harness, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    _, private_key = test_only_keypair_512
+    proxy = harness.proxy
+    # Fewer records allowed than the owner holds: the share is of a random sample.
+    spec = harness.spec("q1", max_records_per_owner=N_ROWS // 3)
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    # The first process began its upload (data may have left), then died: here its
+    # only attempt meets an unreachable proxy.
+    first = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is TaskOutcome.UPLOADING
+    assert record.upload_id is not None and record.seed is not None
+    assert len(harness.ledger.events()) == 1  # charged once
+
+    # The running node (a restart of the same state folder) gets the task again.
+    harness.send(spec)
+    proxy.wait_for(lambda: len(proxy.uploads) == 1)
+    (upload,) = proxy.uploads
+    assert upload.upload_id == record.upload_id
+    assert len(harness.ledger.events()) == 1  # not charged twice
+    # The same sample of rows as the first process drew: the values its seed gives,
+    # not those of another sample.
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+    table = LocalTable.load(harness.config.data).table_for(spec)
+
+    def values(seed: bytes) -> list[int]:
+        encoded = encode_share(
+            spec,
+            table,
+            plan,
+            capacity=harness.config.data.max_records,
+            rng=np.random.default_rng(int.from_bytes(seed, "big")),
+        )
+        return [int(v) for block in plan.owner_blocks for v in encoded[block.name]]
+
+    block = plan.owner_block(SHARES)
+    plaintexts = pool.decrypt(private_key, list(upload.ciphertexts))
+    sent = unpack_slots(plaintexts, block.layout, private_key.public_key.n)
+    assert sent == values(record.seed)
+    assert sent != values(bytes(32))
 
 
 def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool) -> None:

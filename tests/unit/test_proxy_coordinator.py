@@ -1227,7 +1227,7 @@ def test_uploads_in_progress_are_taken_out_at_restart_while_open_and_resumed_onc
     plan = coordinator.plan(Q1)
     owners = owners_for(owner_rows)
     uploads = [owner.upload(plan, public_key, pool) for owner in owners]
-    header, blocks, encoded = uploads[0]
+    header, blocks, _ = uploads[0]
     accept_upload(coordinator, owners[0].owner_id, header, blocks)
     accepted = coordinator.store.aggregate(Q1)
     # Owner 1's stream dies with the process after its first chunk was folded.

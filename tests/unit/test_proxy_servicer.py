@@ -42,6 +42,7 @@ from fedpca.errors import (
     UntrustedKeyError,
 )
 from fedpca.messages import (
+    SHARE_RELEASED_METADATA,
     CiphertextPayload,
     DeclineReason,
     Heartbeat,
@@ -388,11 +389,27 @@ def test_stats_round_trip_over_grpc(
     assert budget.analyst_id == "alice" and budget.n_releases == 1
     assert math.isinf(budget.epsilon_spent)  # epsilon = inf released: NOT PRIVATE
 
-    # Late upload and a foreign query are refused with the mapped codes.
+    # Another upload of a contributor, a late owner and a foreign query are refused
+    # with the mapped codes; the late owner learns that nothing of it can be released.
     late = serde.encode_upload(key, spec.analyst_key_fingerprint, "late", payload)
     with pytest.raises(grpc.RpcError) as info:
         owners["owner-2"].Upload(iter(late), timeout=TIMEOUT)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "already contributed a different upload" in (info.value.details() or "")
+    solo = make_spec(public_key, "solo", quorum=1)
+    analyst.SubmitQuery(submit_request(solo), timeout=TIMEOUT)
+    solo_key = task_id("alice", "solo")
+    first_share, _, _ = owner_share(solo, 0, public_key, pool)
+    owners["owner-1"].Upload(
+        iter(serde.encode_upload(solo_key, solo.analyst_key_fingerprint, "u1", first_share)),
+        timeout=TIMEOUT,
+    )
+    second = serde.encode_upload(solo_key, solo.analyst_key_fingerprint, "u2", first_share)
+    with pytest.raises(grpc.RpcError) as info:
+        owners["owner-2"].Upload(iter(second), timeout=TIMEOUT)
     assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "uploads are no longer accepted" in (info.value.details() or "")
+    assert dict(info.value.trailing_metadata() or ())[SHARE_RELEASED_METADATA] == "no"
     with pytest.raises(grpc.RpcError) as info:
         analyst.GetQueryStatus(serde.query_ref_to_proto("nope"), timeout=TIMEOUT)
     assert info.value.code() is grpc.StatusCode.NOT_FOUND

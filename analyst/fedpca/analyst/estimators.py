@@ -174,7 +174,6 @@ def _start_quietly(pool: CryptoPool) -> None:
         logger.debug("decryption workers not started ahead of use: %s", exc)
 
 
-
 def _resolve_bounds(bounds: BoundsParam, n_features: int) -> FeatureBounds | None:
     if bounds is None:
         return None

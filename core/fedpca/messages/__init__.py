@@ -70,7 +70,7 @@ from fedpca.messages.tasks import (
     TaskEvent,
 )
 from fedpca.messages.uploads import (
-    UPLOAD_FOLDED_METADATA,
+    SHARE_RELEASED_METADATA,
     UPLOAD_ID_PATTERN,
     UploadHeader,
     UploadReceipt,
@@ -85,8 +85,8 @@ __all__ = [
     "MAX_DECLINE_DETAIL",
     "PROTOCOL_VERSION",
     "SHA256_BYTES",
+    "SHARE_RELEASED_METADATA",
     "UPLOAD_CHUNK_BYTES",
-    "UPLOAD_FOLDED_METADATA",
     "UPLOAD_ID_PATTERN",
     "BudgetStatus",
     "ChunkAssembler",

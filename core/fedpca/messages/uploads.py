@@ -11,7 +11,7 @@ from fedpca.messages.chunks import ChunkAssembler
 from fedpca.messages.ciphertexts import CiphertextBlock
 
 __all__ = [
-    "UPLOAD_FOLDED_METADATA",
+    "SHARE_RELEASED_METADATA",
     "UPLOAD_ID_PATTERN",
     "UploadHeader",
     "UploadReceipt",
@@ -24,11 +24,12 @@ UPLOAD_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 store (keys, log lines); a conservative alphabet means no store has to escape them."""
 
 
-UPLOAD_FOLDED_METADATA = "fedpca-upload-folded"
-"""Trailing metadata key of a refused upload. The proxy sets it to ``none`` when it
-never folded any chunk of the owner into the query (the owner is not one of its
-contributors), so nothing derived from the owner's rows can be in a released result
-and the owner may refund its reservation."""
+SHARE_RELEASED_METADATA = "fedpca-share-released"
+"""Trailing metadata key of an upload refused because its query ended or no longer
+takes this owner. The proxy sets it to ``no`` when no result of the query can contain
+anything of this owner's share: the owner is not one of the query's contributors, or
+the query failed before any page of its result was released. The owner may then refund
+its reservation."""
 
 
 def new_upload_id() -> str:

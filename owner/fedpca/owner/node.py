@@ -56,8 +56,8 @@ from fedpca.errors import (
 )
 from fedpca.messages import (
     PROTOCOL_VERSION,
+    SHARE_RELEASED_METADATA,
     UPLOAD_CHUNK_BYTES,
-    UPLOAD_FOLDED_METADATA,
     DeclineReason,
     Heartbeat,
     ObfuscationVariant,
@@ -549,11 +549,11 @@ class OwnerNode:
             if spec.mode is ProtocolMode.MASKED
             else None
         )
-        # From here on data derived from the rows may leave: no refund any more.
-        self.ledger.record_task(query_id, TaskOutcome.UPLOADING, upload_id=upload_id, seed=seed)
-        self._prepared[query_id] = self._start_upload(
+        upload = self._start_upload(
             spec, query_id, upload_id, plan, encoded, obfuscation, record_count
         )
+        upload.seed = seed
+        self._prepared[query_id] = upload
         return None
 
     def _accept(
@@ -662,6 +662,11 @@ class OwnerNode:
     ) -> TaskOutcome | None:
         query_id = task.key
         upload_id = upload.upload_id
+        # From here on data derived from the rows may leave: no refund any more. The
+        # upload id and the sample's seed are kept, so a restart resumes this upload.
+        self.ledger.record_task(
+            query_id, TaskOutcome.UPLOADING, upload_id=upload_id, seed=upload.seed
+        )
         attempts = self.retry.upload_attempts
         for attempt in range(attempts):
             if self._stop.is_set():
@@ -695,10 +700,10 @@ class OwnerNode:
                         f"{_code_name(err)}: {_details(err)}",
                         upload_id=upload_id,
                     )
-                    if _nothing_folded(err):
-                        # The proxy never took any of this owner's chunks into the query
-                        # (it was not one of its contributors), so this share is in no
-                        # result: nothing of the data was released.
+                    if _share_unreleased(err):
+                        # The proxy says no result of the query holds anything of this
+                        # share (not one of its contributors, or the query failed before
+                        # any page was released): nothing of the data was released.
                         self.ledger.cancel_reservation(query_id, upload_refused=True)
                     return TaskOutcome.REJECTED
                 delay = RetryPolicy.delay(
@@ -801,13 +806,13 @@ def _variants(preferred: Obfuscation) -> tuple[ObfuscationVariant, ...]:
     return (ObfuscationVariant.FULL,)
 
 
-def _nothing_folded(err: grpc.RpcError) -> bool:
-    """The proxy's refusal says none of this owner's chunks was ever folded."""
+def _share_unreleased(err: grpc.RpcError) -> bool:
+    """The proxy's refusal says no result of the query can hold anything of this share."""
     if _code(err) is not grpc.StatusCode.FAILED_PRECONDITION:
         return False
     trailing: Callable[[], Any] | None = getattr(err, "trailing_metadata", None)
     metadata = dict(trailing() or ()) if trailing is not None else {}
-    return metadata.get(UPLOAD_FOLDED_METADATA) == "none"
+    return metadata.get(SHARE_RELEASED_METADATA) == "no"
 
 
 def _code(err: grpc.RpcError) -> grpc.StatusCode:

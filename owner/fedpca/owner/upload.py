@@ -53,6 +53,8 @@ class OutgoingUpload:
         on_done: Callable[[], None] | None = None,
     ) -> None:
         self.upload_id = upload_id
+        self.seed: bytes | None = None
+        """Secret seed of the share's sample of rows (recorded when the upload begins)."""
         self._messages: list[Any] = [header]
         self._batches = batches
         self._width = width

@@ -590,6 +590,21 @@ class Coordinator:
             streams_open=streams_open,
         )
 
+    def share_released(self, query_id: str, owner_id: str) -> bool:
+        """Whether a result of the query can hold anything of this owner's share.
+
+        False for an owner that is not one of the query's contributors (nothing of it
+        was ever folded into what is released), and for every owner of a query that
+        failed before any page of its result was released.
+        """
+        try:
+            record = self.store.query(query_id)
+        except NotFoundError:
+            return False
+        if owner_id not in {c.owner_id for c in self.store.contributors(query_id)}:
+            return False
+        return not (record.state is QueryState.FAILED and self.store.pages_final(query_id) == 0)
+
     def _folded(self, query_id: str) -> None:
         with self._lock:
             self._last_chunk_at[query_id] = time.time()
@@ -891,15 +906,20 @@ class Coordinator:
             declines.append(OwnerDecline(owner, code, detail))
         context = self._context(key)
         result_total = sum(block.n_ciphertexts for block in result_blocks(context.plan))
+        total = _total_ciphertexts(context)
+        contributors = self.store.contributors(key)
+        # A contribution counts once all its chunks are folded (its stream's own end
+        # may be acknowledged a moment later); the others are still uploading.
+        delivered = sum(1 for c in contributors if c.covered >= total)
         return QueryStatus(
             query_id=query_id,
             state=record.state,
-            owners_contributed=record.n_contributed,
+            owners_contributed=max(delivered, record.n_contributed),
             quorum=record.quorum,
             owners_declined=len(declines),
             deadline=datetime.fromtimestamp(record.deadline_at, UTC),
             failure_reason=record.failure_reason,
-            owners_uploading=len(self.store.partial_uploads(key)),
+            owners_uploading=len(contributors) - delivered,
             declines=tuple(declines),
             owners_registered=len(self.registered_owners),
             pages_final=self.store.pages_final(key),

@@ -66,17 +66,19 @@ from fedpca.errors import (
     UntrustedKeyError,
 )
 from fedpca.messages import (
-    UPLOAD_FOLDED_METADATA,
+    SHARE_RELEASED_METADATA,
+    ChunkAssembler,
     ChunkChain,
     Heartbeat,
     ProxyInfo,
     QueryStatus,
+    UploadHeader,
     UploadReceipt,
     UploadStatus,
 )
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import OverloadError, PeerLimits, PeerSlots, TaskStreams
-from fedpca.proxy.store import NotContributingError
+from fedpca.proxy.store import UploadCompletion
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role
 from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
@@ -403,33 +405,16 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
             if first is None:
                 raise ProtocolError("upload stream is empty (expected an UploadHeader)")
             header = serde.upload_header_from_message(first)
-            # A late, foreign-key or wrongly shaped upload is refused before any chunk
-            # is read; the header's layout equals the plan, so the assembler caps the size.
             try:
-                upload = await self.work.run(self.coordinator.begin_upload, owner, header)
-            except NotContributingError:
-                # Nothing of this owner was ever folded into the query: say so, so that
-                # it may refund its reservation.
-                context.set_trailing_metadata(((UPLOAD_FOLDED_METADATA, "none"),))
-                raise
-            assembler = header.assembler()
-            # The fold of one chunk (a durable write) overlaps reading the next one.
-            folding: asyncio.Future[None] | None = None
-            try:
-                while (message := await self._next(messages, deadline)) is not None:
-                    chunk = assembler.add(serde.upload_chunk_from_message(message))
-                    if folding is not None:
-                        await folding
-                    folding = asyncio.ensure_future(self.work.run(upload.add, chunk))
-                if folding is not None:
-                    await folding
-                    folding = None
-                assembler.finish()
-                receipt = await self.work.run(upload.complete, assembler.content_sha256)
-            except BaseException:
-                if folding is not None:
-                    await asyncio.gather(folding, return_exceptions=True)
-                await asyncio.shield(self.work.run(upload.abandon))
+                receipt, assembler = await self._receive(owner, header, messages, deadline)
+            except QueryStateError:
+                # The query ended or no longer takes this owner: say whether any result
+                # can hold this owner's share, so that it may refund its reservation.
+                released = await self.work.run(
+                    self.coordinator.share_released, header.query_id, owner
+                )
+                if not released:
+                    context.set_trailing_metadata(((SHARE_RELEASED_METADATA, "no"),))
                 raise
         return serde.upload_receipt_to_proto(
             UploadReceipt(
@@ -440,6 +425,34 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
                 ciphertexts_received=assembler.ciphertexts_received,
             )
         )
+
+    async def _receive(
+        self, owner: str, header: UploadHeader, messages: AsyncIterator[Any], deadline: float
+    ) -> tuple[UploadCompletion, ChunkAssembler]:
+        # A foreign-key or wrongly shaped upload, or one from an owner the query no
+        # longer takes, is refused before any chunk is read; the header's layout equals
+        # the plan, so the assembler caps the size.
+        upload = await self.work.run(self.coordinator.begin_upload, owner, header)
+        assembler = header.assembler()
+        # The fold of one chunk (a durable write) overlaps reading the next one.
+        folding: asyncio.Future[None] | None = None
+        try:
+            while (message := await self._next(messages, deadline)) is not None:
+                chunk = assembler.add(serde.upload_chunk_from_message(message))
+                if folding is not None:
+                    await folding
+                folding = asyncio.ensure_future(self.work.run(upload.add, chunk))
+            if folding is not None:
+                await folding
+                folding = None
+            assembler.finish()
+            receipt = await self.work.run(upload.complete, assembler.content_sha256)
+        except BaseException:
+            if folding is not None:
+                await asyncio.gather(folding, return_exceptions=True)
+            await asyncio.shield(self.work.run(upload.abandon))
+            raise
+        return receipt, assembler
 
     async def _next(self, messages: AsyncIterator[Any], deadline: float) -> Any:
         """The next upload message, None at the end; bounded by the idle and total times."""
