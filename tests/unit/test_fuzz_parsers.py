@@ -60,7 +60,6 @@ from fedpca.codec.keys import key_fingerprint, load_private_key, load_public_key
 from fedpca.dp.accounting import Accountant
 from fedpca.errors import ConfigError, FedpcaError
 from fedpca.messages import (
-    SHA256_BYTES,
     CiphertextBlock,
     CiphertextPayload,
     NoiseDescription,
@@ -232,7 +231,6 @@ def check_decoded(
         assert check_layout(decoded.blocks) >= 2
         assembler = decoded.assembler()
         assert 1 <= assembler.total_chunks <= assembler.expected_ciphertexts
-        assert len(decoded.content_sha256) == SHA256_BYTES
         return
     if encode is None:
         return
@@ -397,16 +395,25 @@ def stream_mutations(draw: st.DrawFn, length: int, header: Descriptor) -> list[t
     return draw(st.lists(operation, min_size=1, max_size=4))
 
 
-def _rehash(messages: list[Any]) -> None:
-    """Recompute every chunk's and the header's hashes (to get past the hash checks)."""
-    content = hashlib.sha256()
+def _chain(messages: list[Any]) -> list[bytes]:
+    """The links of the chunks in ``messages`` by the defining equation, in stream order."""
+    link = hashlib.sha256(b"fedpca ciphertext chunk chain v1").digest()
+    links = []
     for message in messages:
         if message.WhichOneof("payload") == "chunk":
-            data = message.chunk.ciphertexts
-            message.chunk.sha256 = hashlib.sha256(data).digest()
-            content.update(data)
-    if messages and messages[0].WhichOneof("payload") == "header":
-        messages[0].header.content_sha256 = content.digest()
+            chunk = message.chunk
+            link = hashlib.sha256(
+                link + chunk.index.to_bytes(4, "big") + chunk.ciphertexts
+            ).digest()
+            links.append(link)
+    return links
+
+
+def _rehash(messages: list[Any]) -> None:
+    """Recompute every chunk's link (to get past the hash-chain checks)."""
+    chunks = [m for m in messages if m.WhichOneof("payload") == "chunk"]
+    for message, link in zip(chunks, _chain(messages), strict=True):
+        message.chunk.sha256 = link
 
 
 def mutate_stream(messages: list[Any], edits: list[tuple[Any, ...]]) -> list[Any]:
@@ -471,13 +478,17 @@ def mutate_stream(messages: list[Any], edits: list[tuple[Any, ...]]) -> list[Any
 
 
 def _check_payload(
-    payload: CiphertextPayload, blocks: tuple[CiphertextBlock, ...], digest: bytes
+    payload: CiphertextPayload, blocks: tuple[CiphertextBlock, ...], stream: list[Any]
 ) -> None:
+    """An accepted stream: the layout's ciphertexts, exactly the chunks' bytes, and every
+    chunk carrying the link the chain's defining equation gives."""
     assert payload.blocks == blocks
     for block in blocks:
         assert len(payload[block.name]) == block.n_ciphertexts
+    chunks = [m.chunk for m in stream if m.WhichOneof("payload") == "chunk"]
     data = ciphertexts_to_bytes(payload.in_wire_order(), payload.ciphertext_bytes)
-    assert hashlib.sha256(data).digest() == digest
+    assert data == b"".join(chunk.ciphertexts for chunk in chunks)
+    assert [chunk.sha256 for chunk in chunks] == _chain(stream)
 
 
 @fuzz_settings(max_examples=400)
@@ -487,7 +498,7 @@ def test_mutated_upload_streams_are_read_or_refused(edits: list[tuple[Any, ...]]
     read = parse_or_refuse(lambda: serde.read_upload(iter(stream)))
     if read is not None:
         header, payload = read
-        _check_payload(payload, header.blocks, header.content_sha256)
+        _check_payload(payload, header.blocks, stream)
         assert header.total_chunks == len(stream) - 1
 
 
@@ -498,7 +509,7 @@ def test_mutated_result_streams_are_decoded_or_refused(edits: list[tuple[Any, ..
     result = parse_or_refuse(lambda: serde.decode_result(iter(stream)))
     if result is not None:
         header = stream[0].header
-        _check_payload(result.payload, result.payload.blocks, header.content_sha256)
+        _check_payload(result.payload, result.payload.blocks, stream)
         assert header.total_chunks == len(stream) - 1
         assert (result.masked_mean_block is not None) == (result.query.mode is ProtocolMode.MASKED)
 

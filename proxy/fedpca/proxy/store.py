@@ -674,8 +674,8 @@ class ProxyStore:
     ) -> UploadCompletion:
         """Record a contributor's fully received upload as accepted, exactly once.
 
-        A retry of an already accepted upload (same owner and upload id) changes
-        nothing and returns ``duplicate=True``.
+        A retry of an already accepted upload (same owner, upload id and ciphertexts)
+        changes nothing and returns ``duplicate=True``.
 
         Raises
         ------
@@ -691,11 +691,16 @@ class ProxyStore:
         def operation(conn: sqlite3.Connection) -> UploadCompletion:
             query = self._query_row(conn, query_id)
             previous = conn.execute(
-                "SELECT upload_id FROM uploads WHERE query_id=? AND owner_id=?",
+                "SELECT upload_id, content_sha256 FROM uploads WHERE query_id=? AND owner_id=?",
                 (query_id, owner_id),
             ).fetchone()
             if previous is not None:
                 if previous["upload_id"] == upload_id:
+                    if previous["content_sha256"] != content_sha256:
+                        raise ProtocolError(
+                            f"upload {upload_id!r} was accepted with other ciphertexts; a "
+                            "retry must resend the very same upload"
+                        )
                     return UploadCompletion(
                         duplicate=True, n_contributed=int(query["n_contributed"])
                     )

@@ -203,6 +203,11 @@ def result_header_from_message(message: analyst_pb.ResultMessage) -> ResultHeade
             raise ProtocolError(f"ResultHeader.{name} is missing")
     query = query_spec_from_proto(header.query)
     label = f"result of query {query.query_id!r}"
+    if header.content_sha256:
+        raise ProtocolError(
+            f"{label}: content_sha256 must be empty since protocol version 2 (each page "
+            "carries its link of a hash chain); the proxy runs another fedpca version"
+        )
     blocks = blocks_with_label(header.blocks, label)
     try:
         decoded = ResultHeader(

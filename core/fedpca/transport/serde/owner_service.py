@@ -120,6 +120,11 @@ def upload_header_from_message(message: owner_pb.UploadMessage) -> UploadHeader:
             f"UploadHeader.upload_id {header.upload_id!r} must match {UPLOAD_ID_PATTERN.pattern}"
         )
     label = f"upload {header.upload_id!r} for query {query_id!r}"
+    if header.content_sha256:
+        raise ProtocolError(
+            f"{label}: content_sha256 must be empty since protocol version 2 (each chunk "
+            "carries its link of a hash chain); update the owner's fedpca"
+        )
     decoded = UploadHeader(
         query_id=query_id,
         analyst_key_fingerprint=require_text(
