@@ -122,14 +122,16 @@ class Store:
         """One hash over everything stored for the query's result and its uploads."""
         digest = hashlib.sha256()
         for sql in (
-            "SELECT block, data FROM results WHERE query_id=? ORDER BY block",
+            "SELECT page, data FROM result_pages WHERE query_id=? ORDER BY page",
             "SELECT meta FROM result_meta WHERE query_id=?",
             "SELECT state, n_contributed, failure_reason, updated_at FROM queries WHERE query_id=?",
             "SELECT owner_id, upload_id, content_sha256, accepted_at FROM uploads "
             "WHERE query_id=? ORDER BY owner_id",
             "SELECT page, n_folded, data FROM aggregate_pages WHERE query_id=? ORDER BY page",
-            "SELECT owner_id, stream, start_index FROM upload_chunks WHERE query_id=? "
-            "ORDER BY owner_id, stream, start_index",
+            "SELECT owner_id, upload_id, covered, joined_at FROM contributors "
+            "WHERE query_id=? ORDER BY owner_id",
+            "SELECT owner_id, start_index, data FROM staged_chunks WHERE query_id=? "
+            "ORDER BY owner_id, start_index",
         ):
             digest.update(repr(self.rows(sql, query_id)).encode())
         return digest.hexdigest()
@@ -243,17 +245,17 @@ def test_fewer_than_quorum_by_the_deadline_fails_with_the_reason(tmp_path: Path)
         assert not thread.is_alive(), "the analyst did not see the query end"
         assert len(failure) == 1 and isinstance(failure[0], FedpcaError), failure
         message = str(failure[0])
-        assert "deadline passed with 2 of 3 required owners" in message, message
+        assert "deadline passed with 2 of 3 required owners uploading" in message, message
         print(f"\nanalyst sees: {type(failure[0]).__name__}: {message}")
 
         ((query_id,),) = store.rows("SELECT query_id FROM queries")
         assert query_id.startswith(f"{ANALYST}/")  # the task id
         record = store.query(query_id)
         assert record["state"] == "failed"
-        assert record["failure_reason"] == "deadline passed with 2 of 3 required owners"
+        assert record["failure_reason"] == "deadline passed with 2 of 3 required owners uploading"
         assert record["n_contributed"] == 2
         assert store.uploaders(query_id) == cluster.owner_ids[:2]
-        assert store.rows("SELECT COUNT(*) FROM results WHERE query_id=?", query_id) == [(0,)]
+        assert store.rows("SELECT COUNT(*) FROM result_pages WHERE query_id=?", query_id) == [(0,)]
         # Two owners uploaded (and spent their budgets): the analyst is charged although
         # the query failed (no refund once an upload began).
         assert store.rows("SELECT COUNT(*) FROM releases WHERE query_id=?", query_id) == [(1,)]

@@ -20,8 +20,9 @@ that every run of the query draws the same noise; production noise cannot be see
    the proxy SIGKILL itself (test-only fault injection) where outside kills rarely
    land: while drawing the query's noise (before the window, while the owners
    encrypt); inside a chunk fold before its COMMIT; after a chunk fold committed
-   but before its upload completed (the restart takes the chunk out, the owner's
-   resend folds it once); right after an upload was accepted but before the owner's
+   but before its upload completed (before the contributors are fixed the restart
+   takes the chunk out and the owner's resend folds it once; after, the resend
+   resumes behind the folded mark); right after an upload was accepted but before the owner's
    acknowledgement left (mid-collection and at the last upload), where a double
    count would come from: the owner must retry and be answered DUPLICATE; and with
    the noise added but the result not yet stored.
@@ -325,11 +326,15 @@ class CrashHarness:
         assert cluster.proxy is not None
         trial.recovery = _recovery(run.query_id, cluster.proxy.log_text(), owner_logs)
         if trial.fault is not None and trial.fault.startswith("staged:"):
-            # The chunk folded before the crash was taken out at the restart (the
-            # owner's resent upload then folded it once; the statistics above agree).
-            assert "unfinished chunk(s) taken out" in trial.recovery, (
-                f"{label}: the restarted proxy did not take the unfinished upload out"
-            )
+            # A chunk was folded before the crash and its upload was unfinished. While
+            # the contributors were not fixed, the restart takes it out (the owner's
+            # resent upload folds it once); once they were fixed, the owner's resent
+            # upload resumes after the folded mark. Either way the statistics above
+            # agree with the reference, so the chunk counted exactly once.
+            assert (
+                "unfinished chunk(s) taken out" in trial.recovery
+                or "resumed after" in trial.recovery
+            ), f"{label}: the restarted proxy neither took the upload out nor resumed it"
         if run.analyst_retries:
             trial.recovery += f"; analyst asked again {len(run.analyst_retries)}x"
         self.wait_owners_connected(reconnect)
@@ -427,6 +432,13 @@ def _recovery(query_id: str, proxy_log: str, owner_logs: dict[str, str]) -> str:
     )
     if taken_out:
         notes.append(f"{taken_out[1]} unfinished chunk(s) taken out")
+    resumed = re.findall(
+        rf"query {q}: (\S+) resumes upload \S+ after (\d+) folded ciphertexts", proxy_log
+    )
+    if resumed:
+        notes.append(
+            "resumed after " + ", ".join(f"{count} by {owner}" for owner, count in resumed)
+        )
     duplicate = sorted(
         owner
         for owner, text in owner_logs.items()

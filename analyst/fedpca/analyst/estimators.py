@@ -111,8 +111,9 @@ def run_query(
     (DecodedRelease, timings) with timings in seconds for "submit", "wait" (until the
     contributors are fixed and the result's header arrived), "decrypt" (from then on
     until the last page is decrypted; it overlaps the owners' encryption and the
-    proxy's folding of later pages) and "tail" (from the last page's arrival until
-    it is decrypted).
+    proxy's folding of later pages), "tail" (from the last page's arrival until
+    it is decrypted) and "decrypt_cpu" (CPU seconds the decryption workers spent, as
+    they measured it: the decryption's share of the crypto floor).
     """
     if spec.analyst_public_key_n != private_key.public_key.n:
         raise ConfigError("the query is not addressed to this private key")
@@ -147,6 +148,7 @@ def run_query(
                 arrived[0] = time.perf_counter()
                 yield chunk.ciphertexts
 
+        cpu_before = _decryption_cpu(active)
         start = time.perf_counter()
         release = decrypt_stream(
             stream.header,
@@ -159,6 +161,7 @@ def run_query(
         finished = time.perf_counter()
         timings["decrypt"] = finished - start
         timings["tail"] = finished - arrived[0] if arrived[0] else 0.0
+        timings["decrypt_cpu"] = _decryption_cpu(active) - cpu_before
     finally:
         if owned:
             active.close()
@@ -166,6 +169,11 @@ def run_query(
 
 
 # -------------------------------------------------------------------- helpers
+def _decryption_cpu(pool: CryptoPool) -> float:
+    """CPU seconds the pool's workers have spent decrypting so far."""
+    return sum(cpu for name, (_, cpu) in pool.work_done().items() if "decrypt" in name)
+
+
 def _start_quietly(pool: CryptoPool) -> None:
     """Start a pool's workers ahead of use; a pool closed meanwhile is no error."""
     try:
@@ -680,8 +688,8 @@ class FederatedPCA(_FederatedEstimator):
     epsilon_, delta_ : privacy parameters of the release (delta_ = 0 without noise).
     not_private_ : True for epsilon = inf.
     noise_sigmas_ : section -> Gaussian sigma in real units.
-    timings_ : phase -> seconds ("submit", "wait", "decrypt", "tail", "solve"; see
-        :func:`run_query`).
+    timings_ : phase -> seconds ("submit", "wait", "decrypt", "tail", "decrypt_cpu",
+        "solve"; see :func:`run_query`).
     query_id_, key_fingerprint_, mode_ : provenance.
     release_ : the decrypted :class:`~fedpca.analyst.decode.DecodedRelease`.
     """

@@ -172,7 +172,7 @@ class Coordinator:
         self._contexts: dict[str, QueryContext] = {}
         self._lock = threading.Lock()
         self._finishing: set[str] = set()
-        self._fold_seconds: dict[str, float] = {}
+        self._fold_cpu_seconds: dict[str, float] = {}
         self._last_chunk_at: dict[str, float] = {}
         self._open_streams: Counter[tuple[str, str]] = Counter()
         self._finalizing: set[str] = set()
@@ -605,9 +605,12 @@ class Coordinator:
             return False
         return not (record.state is QueryState.FAILED and self.store.pages_final(query_id) == 0)
 
-    def _folded(self, query_id: str) -> None:
+    def _folded(self, query_id: str, fold_cpu_seconds: float) -> None:
         with self._lock:
             self._last_chunk_at[query_id] = time.time()
+            self._fold_cpu_seconds[query_id] = (
+                self._fold_cpu_seconds.get(query_id, 0.0) + fold_cpu_seconds
+            )
         self.advance(query_id)
         self._notify()
 
@@ -682,24 +685,27 @@ class Coordinator:
     def _done(self, query_id: str, noise: PageNoise | None) -> None:
         with self._lock:
             last_chunk = self._last_chunk_at.pop(query_id, None)
-            fold_seconds = self._fold_seconds.pop(query_id, None)
+            fold_cpu_seconds = self._fold_cpu_seconds.pop(query_id, None)
             self._pages_final.pop(query_id, None)
         timings: dict[str, float] = {}
         if noise is not None:
-            timings["sample_seconds"] = noise.sample_seconds
+            timings["sample_cpu_seconds"] = noise.sample_cpu_seconds
             if noise.prepared:
                 timings["noise_precomputed"] = 1.0
-        if fold_seconds is not None:
-            timings["fold_seconds"] = fold_seconds
+        if fold_cpu_seconds is not None:
+            timings["fold_cpu_seconds"] = fold_cpu_seconds
         if last_chunk is not None:
             timings["final_after_last_chunk_seconds"] = max(0.0, time.time() - last_chunk)
         self.store.update_result_meta(query_id, {"timings": timings})
         self._noise.discard(query_id)
         record = self.store.query(query_id)
         logger.info(
-            "query %s done: %d contributors, every page final%s",
+            "query %s done: %d contributors, every page final, %.3f CPU-s checking and "
+            "folding chunks, %.3f CPU-s drawing noise%s",
             query_id,
             record.quorum,
+            timings.get("fold_cpu_seconds", 0.0),
+            timings.get("sample_cpu_seconds", 0.0),
             f", {timings['final_after_last_chunk_seconds']:.3f} s after the last chunk arrived"
             if "final_after_last_chunk_seconds" in timings
             else "",

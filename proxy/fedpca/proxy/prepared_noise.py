@@ -54,13 +54,13 @@ class PageNoise:
     ----------
     packed : the packed noise plaintexts P mod n, one per result ciphertext.
     n : the analyst's modulus.
-    sample_seconds : time taken by the discrete Gaussian draws.
+    sample_cpu_seconds : CPU time of the discrete Gaussian draws (this thread's).
     prepared : drawn in the background from submission on.
     """
 
     packed: tuple[int, ...]
     n: int
-    sample_seconds: float
+    sample_cpu_seconds: float
     prepared: bool = False
     """Drawn in the background from submission on (not when the first page needed it)."""
 
@@ -80,9 +80,9 @@ def draw_page_noise(
     plan: ReleasePlan, n: int, sampler: NoiseSampler | None, *, prepared: bool = False
 ) -> PageNoise:
     """Draw a stats-mode query's discrete Gaussian noise and pack it (no encryption)."""
-    started = time.perf_counter()
+    started = time.thread_time()
     values = plan.noise_values(sampler)
-    sampled = time.perf_counter() - started
+    sampled = time.thread_time() - started
     block = plan.owner_block(SHARES)
     packed = tuple(p % n for p in pack_slots(values, block.layout, plan.bounds.noise_headroom))
     del values

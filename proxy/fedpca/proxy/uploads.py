@@ -89,7 +89,8 @@ class UploadStream:
 
     Parameters
     ----------
-    on_folded : called with the query key after each folded chunk (pages may be final).
+    on_folded : called with the query key and the CPU seconds this thread spent checking
+        and folding, after each folded chunk (pages may be final).
     on_ended : called once the stream ended, completed or not (the coordinator
         counts the owner's live streams).
     streams_open : how many streams of this owner's upload to this query are open,
@@ -104,7 +105,7 @@ class UploadStream:
         context: QueryContext,
         joined: Joined,
         *,
-        on_folded: Callable[[str], None],
+        on_folded: Callable[[str, float], None],
         on_completed: Callable[[str], None],
         on_ended: Callable[[], None],
         streams_open: Callable[[], int],
@@ -117,8 +118,6 @@ class UploadStream:
         self.covered = joined.covered
         self.algebra = SerialisedCiphertextGroup(context.public_key.n)
         self.total = sum(block.layout.n_ciphertexts for block in context.plan.owner_blocks)
-        self.fold_seconds = 0.0
-        self.last_chunk_at = 0.0
         self._on_folded = on_folded
         self._on_completed = on_completed
         self._on_ended = on_ended
@@ -135,11 +134,11 @@ class UploadStream:
         QueryStateError, ProtocolError
             From :meth:`ProxyStore.fold_chunk`.
         """
-        self.last_chunk_at = time.time()
         count = len(chunk.ciphertexts)
         if self.duplicate or chunk.offset + count <= self.covered:
             return
-        started = time.perf_counter()
+        # CPU time of this thread only: waiting for the group commit's fsync is not work.
+        started = time.thread_time()
         validate_ciphertexts(chunk.ciphertexts, self.context.public_key)
         folded = self.store.fold_chunk(
             self.header.query_id,
@@ -151,9 +150,8 @@ class UploadStream:
             self.algebra,
         )
         self.covered = folded.covered
-        self.fold_seconds += time.perf_counter() - started
         if folded.folded:
-            self._on_folded(self.header.query_id)
+            self._on_folded(self.header.query_id, time.thread_time() - started)
 
     def complete(self, content_sha256: bytes) -> UploadCompletion:
         """Accept the upload, exactly once (``content_sha256``: over all its ciphertexts).
@@ -205,7 +203,7 @@ class UploadStream:
                 )
                 return
             if removed:
-                self._on_folded(self.header.query_id)
+                self._on_folded(self.header.query_id, 0.0)
         finally:
             self._end()
 
