@@ -44,9 +44,12 @@ from fedpca.errors import (
 )
 from fedpca.messages import (
     BudgetStatus,
+    CancelReceipt,
+    DeploymentInfo,
     QueryResult,
     QueryState,
     QueryStatus,
+    QuerySummary,
     SignedQuery,
 )
 from fedpca.query import QuerySpec
@@ -54,6 +57,7 @@ from fedpca.signing import Ed25519PrivateKey, sign_query, signer_id
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 
 __all__ = [
@@ -325,6 +329,40 @@ class AnalystClient:
         request = serde.budget_request_to_proto(delta)
         message = self._unary("budget", lambda: self._stub.GetBudget(request, timeout=self.timeout))
         return serde.budget_status_from_proto(message)
+
+    def describe(self) -> DeploymentInfo:
+        """The deployment's public facts: owners registered, relation, delta cap, budget."""
+        request = analyst_pb.DescribeDeploymentRequest()
+        message = self._unary(
+            "describe the deployment",
+            lambda: self._stub.DescribeDeployment(request, timeout=self.timeout),
+        )
+        return serde.deployment_info_from_proto(message)
+
+    def list_queries(self, limit: int = 0) -> list[QuerySummary]:
+        """This analyst's queries, newest first (``limit`` 0: the proxy's default)."""
+        request = serde.list_queries_request_to_proto(limit)
+        message = self._unary(
+            "list queries", lambda: self._stub.ListQueries(request, timeout=self.timeout)
+        )
+        return serde.query_list_from_proto(message)
+
+    def cancel(self, query_id: str) -> CancelReceipt:
+        """Cancel a query that is still collecting uploads (it fails; see CancelReceipt).
+
+        Raises
+        ------
+        QueryStateError
+            Collection has closed: the result is being or has been released.
+        NotFoundError
+            No such query of this analyst.
+        """
+        request = serde.query_ref_to_proto(query_id)
+        message = self._unary(
+            f"cancel query {query_id!r}",
+            lambda: self._stub.CancelQuery(request, timeout=self.timeout),
+        )
+        return serde.cancel_receipt_from_proto(message)
 
     def wait(
         self,

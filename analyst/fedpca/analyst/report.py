@@ -33,6 +33,7 @@ from fedpca.version import __version__
 __all__ = [
     "REPORT_FORMAT",
     "ReportFiles",
+    "owners_summary",
     "plot_projection",
     "plot_scree",
     "result_document",
@@ -76,7 +77,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     dict with at least: query_id, kind, mode, components (k × M),
     explained_variance / explained_variance_ratio (PCA) or eigenvalues (DCA),
     mean (None when not released), n_samples with n_samples_noisy, n_owners,
-    epsilon (None for inf), delta, not_private, mechanism, calibration,
+    owners (contributed, registered, quorum), epsilon (None for inf), delta,
+    not_private, mechanism, calibration,
     noise_sigma, key_fingerprint, timings.
     """
     release = getattr(estimator, "release_", None)
@@ -132,10 +134,32 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
             else None
         ),
         quorum=query.quorum,
+        owners=owners_summary(estimator),
         key_fingerprint=estimator.key_fingerprint_,
         timings={phase: float(seconds) for phase, seconds in estimator.timings_.items()},
     )
     return document
+
+
+def owners_summary(estimator: Estimator) -> dict[str, Any]:
+    """Who the release covers: owners contributed, registered at the proxy, the quorum.
+
+    ``all_registered`` is False when fewer owners contributed than the proxy accepts
+    (None when the number registered is unknown, e.g. a release read back offline).
+    """
+    contributed = int(estimator.n_owners_)
+    registered = getattr(estimator, "n_owners_registered_", None)
+    return {
+        "contributed": contributed,
+        "registered": registered,
+        "quorum": int(estimator.quorum_),
+        "all_registered": None if registered is None else contributed >= registered,
+        "summary": (
+            f"{contributed} of {registered} registered"
+            if registered is not None
+            else f"{contributed} (registered unknown)"
+        ),
+    }
 
 
 def _figure(width: float = 6.4, height: float = 4.2) -> Any:

@@ -48,6 +48,7 @@ from fedpca.errors import (
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     BudgetStatus,
+    CancelReceipt,
     OwnerDecline,
     QueryResult,
     QueryState,
@@ -68,9 +69,12 @@ from fedpca.proxy.uploads import UploadStream, check_upload_header
 from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.signing import verify_query
 
-__all__ = ["Coordinator", "task_id"]
+__all__ = ["CANCELLED_REASON", "Coordinator", "task_id"]
 
 logger = logging.getLogger(__name__)
+
+CANCELLED_REASON = "cancelled by the analyst"
+"""The failure reason of a query its analyst cancelled."""
 
 DEFAULT_TIMER_INTERVAL = 0.5
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
@@ -769,6 +773,47 @@ class Coordinator:
         """TEST AID: the pending preparation of a query's noise, if any (not removed)."""
         return self._noise.pending(query_id)
 
+    # ----------------------------------------------------------------- cancel
+    def cancel(self, analyst_id: str, query_id: str) -> CancelReceipt:
+        """Stop the analyst's query while it collects: COLLECTING -> FAILED.
+
+        The failure reason is :data:`CANCELLED_REASON`; the refund rule is that of
+        every failure (the charge is refunded only if no owner began an upload), and
+        owners that have not answered receive a TaskCancellation on their task stream.
+        Cancelling a query that already failed changes nothing.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        QueryStateError
+            Collection has closed (NOISING or DONE): the result is, or is being,
+            released and can no longer be withheld.
+        """
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        if record.state is QueryState.COLLECTING:
+            try:
+                record = self.store.set_state(
+                    key,
+                    QueryState.FAILED,
+                    expect=(QueryState.COLLECTING,),
+                    failure_reason=CANCELLED_REASON,
+                    algebra=self._algebra(key),
+                )
+            except QueryStateError:
+                record = self.store.query(key)  # closed or failed meanwhile
+            else:
+                logger.warning("query %s failed: %s", key, CANCELLED_REASON)
+                self._noise.discard(key)
+                self._notify()
+        if record.state is not QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} is {record.state.value}: collection has closed and its "
+                "result is being or has been released; it can no longer be cancelled"
+            )
+        return CancelReceipt(self.status(analyst_id, query_id), not self.store.has_release(key))
+
     # ---------------------------------------------------------------- reading
     def status(self, analyst_id: str, query_id: str) -> QueryStatus:
         """The status of the analyst's query ``query_id``, with every public decline."""
@@ -843,4 +888,5 @@ class Coordinator:
             epsilon_remaining=remaining,
             epsilon_limit=limit.epsilon,
             n_releases=len(ledger),
+            limit_delta=limit.delta,
         )

@@ -174,18 +174,19 @@ class ProxyServer:
         slots = PeerSlots()
         common: dict[str, Any] = {"insecure": tls is None}
         server = channels.create_async_server(maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
+        owners = OwnerServicer(
+            coordinator,
+            self._work,
+            feed,
+            slots,
+            limits,
+            proxy_id=config.proxy.id,
+            heartbeat_seconds=config.proxy.heartbeat_seconds,
+            **common,
+        )
         register_services(
             server,
-            OwnerServicer(
-                coordinator,
-                self._work,
-                feed,
-                slots,
-                limits,
-                proxy_id=config.proxy.id,
-                heartbeat_seconds=config.proxy.heartbeat_seconds,
-                **common,
-            ),
+            owners,
             AnalystServicer(
                 coordinator,
                 self._work,
@@ -193,6 +194,8 @@ class ProxyServer:
                 slots,
                 limits,
                 watch_poll_seconds=config.proxy.heartbeat_seconds,
+                proxy_id=config.proxy.id,
+                task_streams=owners.streams,
                 **common,
             ),
         )
