@@ -57,6 +57,7 @@ from fedpca.signing import Ed25519PrivateKey, sign_query, signer_id
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
+from fedpca.transport.diagnose import ConnectionDiagnosis, diagnose_connection
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 
@@ -184,6 +185,9 @@ class AnalystClient:
         self.proxy_address = proxy_address
         self.timeout = timeout
         self.retry_delays = tuple(retry_delays)
+        self._root_certificates = None if tls is None else tls.root_certificates
+        self._server_name = server_name_override
+        self._diagnosis: ConnectionDiagnosis | None = None
         if tls is not None:
             self._channel = secure_channel(
                 proxy_address, tls, server_name_override=server_name_override
@@ -218,17 +222,37 @@ class AnalystClient:
         failures = 0
         while True:
             try:
-                return call()
+                reply = call()
             except grpc.RpcError as error:
                 mapped = error_from_rpc(error, action)
+                if error.code() is grpc.StatusCode.UNAVAILABLE:
+                    mapped = self._explain_unavailable(action, mapped)
                 if error.code() is not grpc.StatusCode.UNAVAILABLE or failures >= len(
                     self.retry_delays
                 ):
+                    raise mapped from None
+                if not isinstance(mapped, ProxyUnavailableError):
                     raise mapped from None
                 delay = self.retry_delays[failures]
                 failures += 1
                 logger.warning("%s; retrying in %.0f s", mapped, delay)
                 time.sleep(delay)
+            else:
+                self._diagnosis = None  # reached: a later outage is looked at afresh
+                return reply
+
+    def _explain_unavailable(self, action: str, error: FedpcaError) -> FedpcaError:
+        """UNAVAILABLE, looked at once per outage: a TLS failure no retry will fix
+        becomes an AuthenticationError saying what is wrong; otherwise the error gains
+        what each address of the proxy answered (:mod:`fedpca.transport.diagnose`)."""
+        diagnosis = self._diagnosis
+        if diagnosis is None:
+            diagnosis = self._diagnosis = diagnose_connection(
+                self.proxy_address, self._root_certificates, self._server_name
+            )
+        if diagnosis.problem is not None:
+            return AuthenticationError(f"{action}: {diagnosis.problem}")
+        return ProxyUnavailableError(f"{error} [{self.proxy_address}: {diagnosis.summary()}]")
 
     def submit(self, spec: QuerySpec, signing_key: Ed25519PrivateKey) -> QueryStatus:
         """Sign a query and submit it; the proxy checks the budget before accepting it.
@@ -285,6 +309,8 @@ class AnalystClient:
                         return
             except grpc.RpcError as error:
                 mapped = error_from_rpc(error, action)
+                if error.code() is grpc.StatusCode.UNAVAILABLE:
+                    mapped = self._explain_unavailable(action, mapped)
                 if not isinstance(mapped, ProxyUnavailableError) or (
                     error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
                 ):

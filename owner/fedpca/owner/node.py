@@ -76,6 +76,7 @@ from fedpca.query import ProtocolMode, spec_digest
 from fedpca.transport import serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
+from fedpca.transport.diagnose import diagnose_connection
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from fedpca.version import __version__
@@ -327,6 +328,8 @@ class OwnerNode:
                         _code_name(err),
                         _details(err),
                     )
+                    if attempt == 0 and _code(err) is grpc.StatusCode.UNAVAILABLE:
+                        self._explain_unavailable()
                 except ProtocolError as exc:
                     logger.error(
                         "owner %s: protocol error from the proxy: %s", self.config.owner.id, exc
@@ -359,6 +362,28 @@ class OwnerNode:
             if self._owns_pool:
                 self._pool.close()
             logger.info("owner %s stopped", self.config.owner.id)
+
+    def _explain_unavailable(self) -> None:
+        """Log what each address of the proxy answers, and a TLS failure no retry fixes
+        (a certificate that does not name the proxy's host) as an ERROR."""
+        diagnosis = diagnose_connection(
+            self.config.owner.proxy,
+            None if self._tls is None else self._tls.root_certificates,
+        )
+        if diagnosis.problem is not None:
+            logger.error(
+                "owner %s: cannot connect to %s: %s",
+                self.config.owner.id,
+                self.config.owner.proxy,
+                diagnosis.problem,
+            )
+        else:
+            logger.warning(
+                "owner %s: %s: %s",
+                self.config.owner.id,
+                self.config.owner.proxy,
+                diagnosis.summary(),
+            )
 
     def _session(self, stub: owner_grpc.OwnerServiceStub) -> bool:
         """Hello, then read the task stream until it ends. True if Hello succeeded."""
