@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import click
 
+from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
 from fedpca.analyst.config import AnalystConfig, load_config
 from fedpca.analyst.keys import (
@@ -565,5 +566,6 @@ def budget_command(
 
 
 # `fedpca analyst list|status|fetch|cancel`: defined in their own module with the
-# connection options above.
+# connection options above; `fedpca analyst init` writes an analyst folder.
 query_commands.register(analyst_group, _connection_options, _errors, _connection)
+analyst_group.add_command(analyst_init.init_command)

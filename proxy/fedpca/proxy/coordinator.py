@@ -174,6 +174,9 @@ class Coordinator:
             noise_sampler,
             enabled=background if precompute_noise is None else precompute_noise,
         )
+        self.observer: Any = None
+        """Told each upload's fold seconds and each query's noise seconds
+        (``upload_folded`` / ``noise_added``; :class:`fedpca.proxy.metrics.ProxyMetrics`)."""
 
     # ------------------------------------------------------------ change feed
     @property
@@ -546,6 +549,8 @@ class Coordinator:
     def _uploaded(self, query_id: str, receipt: UploadCompletion, fold_seconds: float) -> None:
         with self._lock:
             self._fold_seconds[query_id] = self._fold_seconds.get(query_id, 0.0) + fold_seconds
+        if self.observer is not None:
+            self.observer.upload_folded(fold_seconds)
         self._notify()
         if receipt.n_contributed >= self._context(query_id).spec.quorum:
             self.close(query_id)
@@ -713,6 +718,8 @@ class Coordinator:
                     record.n_contributed,
                     meta["timings"]["noise_seconds"],
                 )
+                if self.observer is not None:
+                    self.observer.noise_added(meta["timings"]["noise_seconds"])
             self._notify()
             return record
         finally:
