@@ -497,3 +497,60 @@ def test_statistics_helper_matches_shapes() -> None:
     # Guard for the helper above: DCA statistics carry per-class sums.
     statistics = release_for(QueryKind.DCA, 1).statistics
     assert isinstance(statistics, SufficientStatistics) and statistics.n_classes == 2
+
+
+# ----------------------------------------------------------------------- plots
+def _overlaps(figure: Any, legend: Any, axes: Any) -> bool:
+    renderer = figure.canvas.get_renderer()
+    figure.draw(renderer)
+    box, area = legend.get_window_extent(renderer), axes.get_window_extent(renderer)
+    return bool(box.overlaps(area))
+
+
+def test_scree_shows_the_spectrum_with_the_computed_components_marked() -> None:
+    from fedpca.analyst.report import scree_figure
+
+    estimator = FederatedPCA.from_result(release_for(n_components=2))
+    figure = scree_figure(estimator)
+    (axes,) = figure.axes
+    bars = axes.patches
+    # All M = 4 eigenvalues of the release, not just the k = 2 computed.
+    assert len(bars) == 4
+    colours = [bar.get_facecolor() for bar in bars]
+    assert colours[0] == colours[1] != colours[2] == colours[3]
+    heights = np.array([bar.get_height() for bar in bars])
+    np.testing.assert_allclose(heights[:2], estimator.explained_variance_ratio_)
+    assert heights.sum() == pytest.approx(1.0)
+    (legend,) = figure.legends
+    assert not _overlaps(figure, legend, axes)
+    assert axes.get_ylabel() and axes.get_xlabel() == "component"
+
+
+def test_projection_labels_its_axes_and_keeps_the_legend_off_the_points() -> None:
+    from fedpca.analyst.report import projection_figure
+
+    dca = FederatedDCA.from_result(release_for(QueryKind.DCA, 1, epsilon=1.0))
+    figure = projection_figure(dca, dca.preprocess(ROWS), LABELS, title="Pooled rows")
+    (axes,) = figure.axes
+    # One component: a strip per label, and the y axis says so.
+    assert axes.get_ylabel().startswith("label")
+    assert [t.get_text() for t in axes.get_yticklabels()] == ["-1", "1"]
+    assert axes.get_title().startswith("Pooled rows projected (60 rows)")
+    (legend,) = figure.legends
+    assert not _overlaps(figure, legend, axes)
+    pca = FederatedPCA.from_result(release_for())
+    plain = projection_figure(pca, pca.preprocess(ROWS))
+    assert plain.axes[0].get_ylabel() == "component 2" and not plain.legends
+    assert plain.axes[0].get_title().startswith("Own sample projected")
+
+
+def test_the_demo_warns_when_bounds_none_meets_unscaled_data() -> None:
+    from fedpca.app.demo import unscaled_warning
+    from helpers import dataset_table
+
+    ionosphere = dataset_table("ionosphere")[:, 1:]
+    german = dataset_table("german")[:, 1:]
+    assert unscaled_warning(ionosphere, None) is None  # already on [-1, 1]
+    assert unscaled_warning(german, (0.0, 184.0)) is None  # bounds given
+    message = unscaled_warning(german, None)
+    assert message is not None and "--bounds 0:184" in message
