@@ -92,15 +92,42 @@ def test_a_foreign_ca_is_named(proxy: tuple[str, CertificateDirectory], tmp_path
         client.budget()
 
 
-def test_a_closed_port_is_retried_and_reported_per_address(
+def test_a_proxy_never_reached_fails_at_once_with_each_address(
     proxy: tuple[str, CertificateDirectory],
 ) -> None:
     _, certs = proxy
     port = free_loopback_port()
+    started = time.monotonic()
     with (
-        AnalystClient(f"127.0.0.1:{port}", _alice(certs), retry_delays=(0.01,)) as client,
+        AnalystClient(f"127.0.0.1:{port}", _alice(certs), retry_delays=(5.0,) * 5) as client,
         pytest.raises(ProxyUnavailableError, match=r"127\.0\.0\.1: connection refused"),
     ):
         client.budget()
+    # Nothing listens and this client never reached a proxy there: a wrong address or a
+    # proxy not started, not a restart; no half minute of retries.
+    assert time.monotonic() - started < 5.0
     diagnosis = diagnose_connection(f"127.0.0.1:{port}", None)
     assert not diagnosis.reachable and diagnosis.problem is None
+
+
+def test_a_proxy_reached_before_is_retried(
+    tmp_path: Path, pool: CryptoPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    init_certificates(tmp_path / "certs", ["owner-1"], ["alice"])
+    certs = CertificateDirectory(tmp_path / "certs")
+    files = certs.node_files(NodeIdentity(Role.PROXY, "proxy"))
+    port = free_loopback_port()
+    config = ProxyConfig(
+        proxy=ProxySection(listen=f"127.0.0.1:{port}", database=tmp_path / "proxy.sqlite3"),
+        tls=TlsConfig(files.ca_certificate, files.certificate, files.private_key),
+        owners=OwnersConfig(frozenset({"owner-1"})),
+        crypto=CryptoConfig(processes=1),
+    )
+    server = ProxyServer(config, pool=pool)
+    server.start()
+    with AnalystClient(f"127.0.0.1:{port}", _alice(certs), retry_delays=(0.05,) * 3) as client:
+        assert client.budget().analyst_id == "alice"
+        server.stop(0)  # a restart, as far as this client can tell
+        with pytest.raises(ProxyUnavailableError, match="connection refused"):
+            client.budget()
+    assert sum("retrying in" in r.message for r in caplog.records) == 3

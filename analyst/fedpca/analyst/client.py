@@ -188,6 +188,7 @@ class AnalystClient:
         self._root_certificates = None if tls is None else tls.root_certificates
         self._server_name = server_name_override
         self._diagnosis: ConnectionDiagnosis | None = None
+        self._reached_proxy = False
         if tls is not None:
             self._channel = secure_channel(
                 proxy_address, tls, server_name_override=server_name_override
@@ -225,34 +226,42 @@ class AnalystClient:
                 reply = call()
             except grpc.RpcError as error:
                 mapped = error_from_rpc(error, action)
+                retry = False
                 if error.code() is grpc.StatusCode.UNAVAILABLE:
-                    mapped = self._explain_unavailable(action, mapped)
-                if error.code() is not grpc.StatusCode.UNAVAILABLE or failures >= len(
-                    self.retry_delays
-                ):
-                    raise mapped from None
-                if not isinstance(mapped, ProxyUnavailableError):
+                    mapped, retry = self._explain_unavailable(action, mapped)
+                if not retry or failures >= len(self.retry_delays):
                     raise mapped from None
                 delay = self.retry_delays[failures]
                 failures += 1
                 logger.warning("%s; retrying in %.0f s", mapped, delay)
                 time.sleep(delay)
             else:
-                self._diagnosis = None  # reached: a later outage is looked at afresh
+                self._reached()
                 return reply
 
-    def _explain_unavailable(self, action: str, error: FedpcaError) -> FedpcaError:
-        """UNAVAILABLE, looked at once per outage: a TLS failure no retry will fix
-        becomes an AuthenticationError saying what is wrong; otherwise the error gains
-        what each address of the proxy answered (:mod:`fedpca.transport.diagnose`)."""
+    def _reached(self) -> None:
+        self._reached_proxy = True
+        self._diagnosis = None  # a later outage is looked at afresh
+
+    def _explain_unavailable(self, action: str, error: FedpcaError) -> tuple[FedpcaError, bool]:
+        """UNAVAILABLE, looked at once per outage (:mod:`fedpca.transport.diagnose`);
+        returns the error to raise and whether retrying may help.
+
+        A TLS failure no retry fixes becomes an AuthenticationError saying what is
+        wrong. A proxy that no address of the target accepts connections for, and that
+        this client never reached, fails at once (a wrong address or a proxy not
+        started: half a minute of retries would only delay the message). A proxy that
+        was reached before is retried: it may be restarting.
+        """
         diagnosis = self._diagnosis
         if diagnosis is None:
             diagnosis = self._diagnosis = diagnose_connection(
                 self.proxy_address, self._root_certificates, self._server_name
             )
         if diagnosis.problem is not None:
-            return AuthenticationError(f"{action}: {diagnosis.problem}")
-        return ProxyUnavailableError(f"{error} [{self.proxy_address}: {diagnosis.summary()}]")
+            return AuthenticationError(f"{action}: {diagnosis.problem}"), False
+        explained = ProxyUnavailableError(f"{error} [{self.proxy_address}: {diagnosis.summary()}]")
+        return explained, diagnosis.reachable or self._reached_proxy
 
     def submit(self, spec: QuerySpec, signing_key: Ed25519PrivateKey) -> QueryStatus:
         """Sign a query and submit it; the proxy checks the budget before accepting it.
@@ -303,17 +312,17 @@ class AnalystClient:
                 )
                 for message in stream:
                     status = serde.query_status_from_proto(message)
+                    self._reached()
                     failures = 0
                     yield status
                     if status.terminal:
                         return
             except grpc.RpcError as error:
                 mapped = error_from_rpc(error, action)
+                retry = isinstance(mapped, ProxyUnavailableError)
                 if error.code() is grpc.StatusCode.UNAVAILABLE:
-                    mapped = self._explain_unavailable(action, mapped)
-                if not isinstance(mapped, ProxyUnavailableError) or (
-                    error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-                ):
+                    mapped, retry = self._explain_unavailable(action, mapped)
+                if not retry or error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise mapped from None
                 if failures >= len(self.retry_delays):
                     raise mapped from None
