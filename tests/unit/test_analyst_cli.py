@@ -199,6 +199,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         """The deployment's relation: a query stated for another is refused."""
         self.registered = 1
         """Owners the fake deployment accepts (results carry one owner's statistics)."""
+        self.declines: tuple[OwnerDecline, ...] = ()
         self.cancelled: list[str] = []
 
     def DescribeDeployment(self, request: Any, context: Any) -> Any:
@@ -294,9 +295,27 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         query_id = serde.query_ref_from_proto(request)
         quorum = self.specs[query_id].quorum
         yield serde.query_status_to_proto(QueryStatus(query_id, QueryState.COLLECTING, 1, quorum))
+        if self.declines:
+            yield serde.query_status_to_proto(
+                QueryStatus(
+                    query_id,
+                    QueryState.COLLECTING,
+                    0,
+                    quorum,
+                    owners_declined=len(self.declines),
+                    declines=self.declines,
+                    owners_registered=self.registered,
+                )
+            )
         if self.fail_reason is not None:
             final = QueryStatus(
-                query_id, QueryState.FAILED, 1, quorum, failure_reason=self.fail_reason
+                query_id,
+                QueryState.FAILED,
+                1,
+                quorum,
+                failure_reason=self.fail_reason,
+                declines=self.declines,
+                owners_declined=len(self.declines),
             )
         else:
             final = QueryStatus(query_id, QueryState.DONE, quorum, quorum)
@@ -683,3 +702,28 @@ def test_config_file_is_validated(tmp_path: Path) -> None:
     config.write_text('[tls]\nca = "ca.pem"\n')
     with pytest.raises(ConfigError, match="exactly ca, cert and key"):
         load_config(config)
+
+
+def test_cli_shows_each_decline_and_fails_with_the_proxys_reason(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    fake, address = proxy
+    fake.registered = 3
+    fake.declines = (
+        OwnerDecline("owner-2", "policy_refusal", "epsilon 1 > max_epsilon_per_query 0.5"),
+        OwnerDecline("owner-3", "key_not_pinned", "sha256:ab... is not pinned"),
+    )
+    fake.fail_reason = "the quorum of 3 can no longer be reached: 2 of 3 owners declined"
+    out = tmp_path / "r.json"
+    args = ["pca", *_query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6")]
+    result = CliRunner().invoke(analyst_group, args)
+    assert result.exit_code == 1
+    # One line per decline while waiting, each once, then the proxy's reason as the error.
+    lines = result.stderr.splitlines()
+    shown = [line for line in lines if line.startswith("owner declined: ")]
+    assert shown == [
+        "owner declined: owner-2: policy_refusal: epsilon 1 > max_epsilon_per_query 0.5",
+        "owner declined: owner-3: key_not_pinned: sha256:ab... is not pinned",
+    ]
+    assert lines[-1].startswith("Error: query ") and fake.fail_reason in lines[-1]
+    assert "Traceback" not in result.output and not out.exists()

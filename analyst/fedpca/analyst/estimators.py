@@ -31,6 +31,7 @@ import inspect
 import logging
 import math
 import multiprocessing
+import sys
 import time
 import uuid
 import warnings
@@ -305,7 +306,7 @@ class _ProgressDisplay:
         for decline in status.declines:
             if decline.owner_id not in self._declined:
                 self._declined.add(decline.owner_id)
-                self._tqdm.write(f"owner declined: {decline.line()}")
+                self._tqdm.write(f"owner declined: {decline.line()}", file=sys.stderr)
         if self._owners is None:
             # Owners arrive minutes apart: a rate would mislead, elapsed time does not.
             self._owners = self._tqdm(
