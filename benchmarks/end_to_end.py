@@ -175,7 +175,9 @@ def main() -> None:
         f"({decrypt_cpu / per_owner * 1e3:.3f} ms per ciphertext)"
     )
     print(f"  proxy's check + fold {fold_cpu:6.2f}  ({ciphertexts} ciphertexts folded)")
-    print(f"  proxy's noise draws  {float(done['noise_cpu']):6.2f}  (not crypto: outside the floor)")
+    print(
+        f"  proxy's noise draws  {float(done['noise_cpu']):6.2f}  (not crypto: outside the floor)"
+    )
     print(f"  floor = total ÷ {cores} cores = {floor:.2f} s; {per_owner} ciphertexts per owner")
     print(f"proxy process peak resident memory (VmHWM): {proxy_peak_mib:.1f} MiB")
     print(f"explained variance ratio: {np.round(model.explained_variance_ratio_, 4).tolist()}")

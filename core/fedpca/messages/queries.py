@@ -228,7 +228,12 @@ def _check_result_fields(
 
 @dataclass(frozen=True)
 class BudgetStatus:
-    """Cumulative privacy loss of one analyst, epsilons reported at ``delta``."""
+    """Cumulative privacy loss of one analyst.
+
+    ``epsilon_spent`` is reported at ``delta``; ``epsilon_limit`` and
+    ``epsilon_remaining`` at ``limit_delta``, the budget's own delta (None when the
+    proxy did not say, e.g. an older proxy).
+    """
 
     analyst_id: str
     delta: float
@@ -236,3 +241,4 @@ class BudgetStatus:
     epsilon_remaining: float
     epsilon_limit: float
     n_releases: int
+    limit_delta: float | None = None

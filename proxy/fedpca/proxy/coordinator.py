@@ -56,6 +56,7 @@ from fedpca.errors import (
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     BudgetStatus,
+    CancelReceipt,
     OwnerDecline,
     QueryResult,
     QueryState,
@@ -83,9 +84,12 @@ from fedpca.proxy.uploads import UploadStream, check_upload_header
 from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.signing import verify_query
 
-__all__ = ["Coordinator", "task_id"]
+__all__ = ["CANCELLED_REASON", "Coordinator", "task_id"]
 
 logger = logging.getLogger(__name__)
+
+CANCELLED_REASON = "cancelled by the analyst"
+"""The failure reason of a query its analyst cancelled."""
 
 DEFAULT_TIMER_INTERVAL = 0.5
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
@@ -192,6 +196,9 @@ class Coordinator:
             noise_sampler,
             enabled=background if precompute_noise is None else precompute_noise,
         )
+        self.observer: Any = None
+        """Told each upload's fold seconds and each query's noise seconds
+        (``chunk_folded`` / ``noise_added``; :class:`fedpca.proxy.metrics.ProxyMetrics`)."""
 
     # ------------------------------------------------------------ change feed
     @property
@@ -611,6 +618,8 @@ class Coordinator:
             self._fold_cpu_seconds[query_id] = (
                 self._fold_cpu_seconds.get(query_id, 0.0) + fold_cpu_seconds
             )
+        if self.observer is not None:
+            self.observer.chunk_folded(fold_cpu_seconds)
         self.advance(query_id)
         self._notify()
 
@@ -697,6 +706,8 @@ class Coordinator:
         if last_chunk is not None:
             timings["final_after_last_chunk_seconds"] = max(0.0, time.time() - last_chunk)
         self.store.update_result_meta(query_id, {"timings": timings})
+        if self.observer is not None and "sample_cpu_seconds" in timings:
+            self.observer.noise_added(timings["sample_cpu_seconds"])
         self._noise.discard(query_id)
         record = self.store.query(query_id)
         logger.info(
@@ -792,6 +803,8 @@ class Coordinator:
                 record.quorum,
                 meta["timings"]["noise_seconds"],
             )
+            if self.observer is not None:
+                self.observer.noise_added(meta["timings"]["noise_seconds"])
             self._notify()
             return record
         finally:
@@ -900,6 +913,46 @@ class Coordinator:
             if record.state is QueryState.AGGREGATING:
                 self.advance(record.query_id)
         return handled + self.check_deadlines()
+
+    # ----------------------------------------------------------------- cancel
+    def cancel(self, analyst_id: str, query_id: str) -> CancelReceipt:
+        """Stop the analyst's query while it collects: COLLECTING -> FAILED.
+
+        The failure reason is :data:`CANCELLED_REASON`; the refund rule is that of
+        every failure (the charge is refunded only if no owner began an upload), and
+        owners that have not answered receive a TaskCancellation on their task stream.
+        Cancelling a query that already failed changes nothing.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        QueryStateError
+            Collection has closed (contributors fixed, NOISING or DONE): result pages
+            are, or may be, released and can no longer be withheld.
+        """
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        if record.state is QueryState.COLLECTING:
+            try:
+                record = self.store.set_state(
+                    key,
+                    QueryState.FAILED,
+                    expect=(QueryState.COLLECTING,),
+                    failure_reason=CANCELLED_REASON,
+                )
+            except QueryStateError:
+                record = self.store.query(key)  # closed or failed meanwhile
+            else:
+                logger.warning("query %s failed: %s", key, CANCELLED_REASON)
+                self._noise.discard(key)
+                self._notify()
+        if record.state is not QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} is {record.state.value}: collection has closed and its "
+                "result is being or has been released; it can no longer be cancelled"
+            )
+        return CancelReceipt(self.status(analyst_id, query_id), not self.store.has_release(key))
 
     # ---------------------------------------------------------------- reading
     def status(self, analyst_id: str, query_id: str) -> QueryStatus:
@@ -1037,4 +1090,5 @@ class Coordinator:
             epsilon_remaining=remaining,
             epsilon_limit=limit.epsilon,
             n_releases=len(ledger),
+            limit_delta=limit.delta,
         )
