@@ -22,6 +22,7 @@ import numpy as np
 
 from fedpca.analyst.client import AnalystClient
 from fedpca.codec import CryptoPool, key_fingerprint
+from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import FedpcaError
@@ -39,6 +40,7 @@ from fedpca.owner.node import OwnerNode, RetryPolicy
 from fedpca.proxy.config import (
     BudgetConfig,
     OwnersConfig,
+    PrivacySection,
     ProxyConfig,
     ProxySection,
 )
@@ -117,6 +119,8 @@ class InProcessDeployment:
     analysts: tuple[str, ...] = ("alice",)
     limits: PeerLimits = field(default_factory=PeerLimits)
     """The proxy's per-peer bounds."""
+    accountant: Accountant = Accountant.ZCDP
+    """The accountant of the proxy's and every owner's ledger."""
     proxy: ProxyServer | None = None
     nodes: dict[str, OwnerNode] = field(default_factory=dict)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -145,7 +149,7 @@ class InProcessDeployment:
             policy=PolicyConfig(**policy),
             budget=self.owner_budget,
             crypto=CryptoConfig(processes=1),
-            privacy=PrivacyConfig(),
+            privacy=PrivacyConfig(accountant=self.accountant),
         )
 
     def start(self) -> InProcessDeployment:
@@ -170,6 +174,7 @@ class InProcessDeployment:
             crypto=ProxyCryptoConfig(processes=1, allow_insecure_test_keys=True),
             owners=OwnersConfig(frozenset(self.allowed if self.allowed else owner_ids)),
             limits=self.limits,
+            privacy=PrivacySection(accountant=self.accountant),
         )
         self.proxy = ProxyServer(config, noise_sampler=TestOnlySeededSampler(5), pool=self.pool)
         self.proxy.start()
@@ -196,6 +201,13 @@ class InProcessDeployment:
             thread.join(timeout=30.0)
         if self.proxy is not None:
             self.proxy.stop(0)
+
+    def stop_owner(self, owner_id: str) -> None:
+        """Stop one owner's node (its task stream closes; it answers nothing more)."""
+        self.nodes[owner_id].stop()
+        for thread in self.threads:
+            if thread.name == owner_id:
+                thread.join(timeout=30.0)
 
     @contextmanager
     def analyst(self, analyst_id: str = "alice") -> Iterator[AnalystClient]:

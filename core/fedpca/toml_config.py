@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from fedpca.errors import ConfigError
 
-__all__ = ["load_toml_config", "read_toml", "reject_unknown_keys", "resolve_path"]
+__all__ = ["load_toml_config", "read_toml", "reject_unknown_keys", "resolve_path", "toml_value"]
 
 _Config = TypeVar("_Config")
 
@@ -97,3 +97,38 @@ def resolve_path(value: str, base_dir: Path, key: str) -> Path:
     except RuntimeError as exc:  # "~user/..." naming an unknown user
         raise ConfigError(f"{key}: cannot expand {value!r}: {exc}") from None
     return path if path.is_absolute() else base_dir / path
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML literal (for configuration files that fedpca writes).
+
+    Strings are basic strings with backslashes, quotes and control characters
+    escaped; floats keep every digit (``repr``), infinity is ``inf``; lists are
+    inline arrays.
+
+    Raises
+    ------
+    TypeError
+        A value of another type.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            raise TypeError("nan cannot be written to a configuration file")
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str | Path):
+        text = str(value)
+        escaped = "".join(
+            {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(ch)
+            or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch)
+            for ch in text
+        )
+        return f'"{escaped}"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")

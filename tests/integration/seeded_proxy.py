@@ -55,8 +55,8 @@ import numpy.typing as npt
 
 from fedpca.app.cluster import PROXY_READY_MARKER
 from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.logs import TEXT_FORMAT as LOG_FORMAT
 from fedpca.messages import SignedQuery
-from fedpca.proxy.cli import LOG_FORMAT
 from fedpca.proxy.config import load_config
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.server import ProxyServer

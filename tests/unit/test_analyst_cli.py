@@ -13,6 +13,7 @@ import json
 import random
 import stat
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,12 @@ from fedpca.errors import (
 )
 from fedpca.messages import (
     BudgetStatus,
+    CancelReceipt,
+    DeploymentInfo,
+    OwnerDecline,
     QueryState,
     QueryStatus,
+    QuerySummary,
 )
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
@@ -192,6 +197,58 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.signatures: list[tuple[bytes, str]] = []
         self.neighbouring = Neighbouring.ADD_REMOVE
         """The deployment's relation: a query stated for another is refused."""
+        self.registered = 1
+        """Owners the fake deployment accepts (results carry one owner's statistics)."""
+        self.declines: tuple[OwnerDecline, ...] = ()
+        self.cancelled: list[str] = []
+
+    def DescribeDeployment(self, request: Any, context: Any) -> Any:
+        info = DeploymentInfo(
+            proxy_id="proxy",
+            software_version="test",
+            protocol_version=1,
+            owners_registered=self.registered,
+            owners_connected=self.registered,
+            neighbouring=self.neighbouring,
+            max_delta_per_query=1e-5,
+            accountant="zcdp",
+            analyst_id="alice",
+            budget_epsilon=3.0,
+            budget_delta=1e-5,
+            server_time=datetime.now(UTC),
+        )
+        return serde.deployment_info_to_proto(info)
+
+    def ListQueries(self, request: Any, context: Any) -> Any:
+        limit = serde.list_queries_request_from_proto(request) or 50
+        summaries = [
+            QuerySummary(
+                status=QueryStatus(
+                    query_id,
+                    QueryState.DONE,
+                    1,
+                    spec.quorum,
+                    owners_registered=self.registered,
+                ),
+                kind=spec.kind,
+                mode=spec.mode,
+                epsilon=spec.epsilon,
+                delta=spec.delta,
+                created_at=datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC),
+            )
+            for query_id, spec in list(self.specs.items())[::-1][:limit]
+        ]
+        return serde.query_list_to_proto(summaries)
+
+    def CancelQuery(self, request: Any, context: Any) -> Any:
+        query_id = serde.query_ref_from_proto(request)
+        if query_id not in self.specs:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown query {query_id!r}")
+        self.cancelled.append(query_id)
+        status = QueryStatus(
+            query_id, QueryState.FAILED, 0, 1, failure_reason="cancelled by the analyst"
+        )
+        return serde.cancel_receipt_to_proto(CancelReceipt(status, refunded=True))
 
     def SubmitQuery(self, request: Any, context: Any) -> Any:
         signed = serde.submit_query_request_from_proto(request)
@@ -223,16 +280,42 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
 
     def GetQueryStatus(self, request: Any, context: Any) -> Any:
         query_id = serde.query_ref_from_proto(request)
-        status = QueryStatus(query_id, QueryState.DONE, 1, 1)
+        status = QueryStatus(
+            query_id,
+            QueryState.DONE,
+            1,
+            1,
+            owners_declined=1,
+            owners_registered=2,
+            declines=(OwnerDecline("owner-2", "policy_refusal", "epsilon 9 > 1"),),
+        )
         return serde.query_status_to_proto(status)
 
     def WatchQueryStatus(self, request: Any, context: Any) -> Iterator[Any]:
         query_id = serde.query_ref_from_proto(request)
         quorum = self.specs[query_id].quorum
         yield serde.query_status_to_proto(QueryStatus(query_id, QueryState.COLLECTING, 1, quorum))
+        if self.declines:
+            yield serde.query_status_to_proto(
+                QueryStatus(
+                    query_id,
+                    QueryState.COLLECTING,
+                    0,
+                    quorum,
+                    owners_declined=len(self.declines),
+                    declines=self.declines,
+                    owners_registered=self.registered,
+                )
+            )
         if self.fail_reason is not None:
             final = QueryStatus(
-                query_id, QueryState.FAILED, 1, quorum, failure_reason=self.fail_reason
+                query_id,
+                QueryState.FAILED,
+                1,
+                quorum,
+                failure_reason=self.fail_reason,
+                declines=self.declines,
+                owners_declined=len(self.declines),
             )
         else:
             final = QueryStatus(query_id, QueryState.DONE, quorum, quorum)
@@ -262,7 +345,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
 
     def GetBudget(self, request: Any, context: Any) -> Any:
         delta = serde.budget_request_from_proto(request)
-        status = BudgetStatus("alice", delta or 1e-6, 1.25, 1.75, 3.0, 2)
+        status = BudgetStatus("alice", delta or 1e-5, 1.25, 1.75, 3.0, 2, limit_delta=1e-5)
         return serde.budget_status_to_proto(status)
 
 
@@ -383,6 +466,7 @@ def key_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         return load_analyst_private_key(path, allow_insecure_test_key=True)
 
     monkeypatch.setattr(estimators_module, "load_analyst_private_key", load)
+    monkeypatch.setattr(keys_module, "load_analyst_private_key", load)
     return files.directory
 
 
@@ -515,14 +599,95 @@ def test_cli_refusals_exit_nonzero_without_traceback(
     assert no_tls.exit_code == 1 and "no TLS material" in no_tls.output
 
 
-def test_cli_budget(proxy: tuple[FakeProxy, str]) -> None:
+def test_cli_budget_names_the_delta_of_every_epsilon(proxy: tuple[FakeProxy, str]) -> None:
     _, address = proxy
     result = CliRunner().invoke(
         analyst_group, ["budget", "--proxy", address, "--insecure", "--delta", "1e-5"]
     )
     assert result.exit_code == 0, result.output
-    assert "alice" in result.output
-    assert result.stdout.strip().splitlines()[-1] == "1.75"
+    lines = result.stdout.strip().splitlines()
+    assert "alice" in lines[0]
+    assert "budget:             epsilon 3 at delta 1e-05" in lines
+    assert "epsilon spent:      1.25 at delta 1e-05" in lines
+    # The value on the same line as its label.
+    assert lines[-1] == "epsilon remaining:  1.75 at delta 1e-05"
+    # Asked at another delta: spent is reported there, the remainder at the budget's.
+    other = CliRunner().invoke(
+        analyst_group, ["budget", "--proxy", address, "--insecure", "--delta", "1e-6"]
+    )
+    assert other.exit_code == 0, other.output
+    lines = other.stdout.strip().splitlines()
+    assert "epsilon spent:      1.25 at delta 1e-06" in lines
+    assert lines[-1] == "epsilon remaining:  1.75 at delta 1e-05 (the budget's delta)"
+
+
+def test_cli_summary_states_owners_of_registered_and_warns_when_fewer(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    fake, address = proxy
+    out = tmp_path / "r.json"
+    args = ["pca", *_query_args(address, analyst_key, out, "--epsilon", "inf")]
+    every = CliRunner().invoke(analyst_group, args)
+    assert every.exit_code == 0, every.output
+    # No --quorum: the query waited for every owner the proxy accepts.
+    assert fake.specs[fake.submitted_ids[-1]].quorum == 1
+    assert "owners:      1 of 1 registered (quorum 1)" in every.stdout
+    assert "WARNING" not in every.output
+    fake.registered = 3
+    partial = CliRunner().invoke(analyst_group, [*args, "--quorum", "1"])
+    assert partial.exit_code == 0, partial.output
+    assert "owners:      1 of 3 registered (quorum 1)" in partial.stdout
+    assert "WARNING: query" in partial.stderr
+    assert "only 1 of 3 registered owners contributed" in partial.stderr
+    document = json.loads(out.read_text())
+    assert document["owners"]["summary"] == "1 of 3 registered"
+    assert document["owners"]["all_registered"] is False
+
+
+def test_cli_list_status_cancel_and_fetch(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    fake, address = proxy
+    runner = CliRunner()
+    connection = ["--proxy", address, "--insecure"]
+    assert runner.invoke(analyst_group, ["list", *connection]).stdout.strip() == "no queries"
+    first = runner.invoke(
+        analyst_group,
+        ["pca", *_query_args(address, analyst_key, tmp_path / "a.json", "--epsilon", "inf")],
+    )
+    assert first.exit_code == 0, first.output
+    query_id = fake.submitted_ids[-1]
+
+    listing = runner.invoke(analyst_group, ["list", *connection])
+    assert listing.exit_code == 0, listing.output
+    header, row = listing.stdout.strip().splitlines()
+    assert header.split()[:4] == ["QUERY", "CREATED", "(UTC)", "KIND"]
+    assert row.split()[:7] == [query_id, "2030-01-02", "03:04:05", "pca/stats", "done", "1/1", "of"]
+
+    status = runner.invoke(analyst_group, ["status", query_id, *connection])
+    assert status.exit_code == 0, status.output
+    assert f"query:       {query_id}" in status.stdout
+    assert "quorum 1 of 2 registered" in status.stdout
+    assert "declined:    owner-2: policy_refusal: epsilon 9 > 1" in status.stdout
+
+    cancelled = runner.invoke(analyst_group, ["cancel", query_id, *connection])
+    assert cancelled.exit_code == 0, cancelled.output
+    assert fake.cancelled == [query_id]
+    assert "cancelled by the analyst" in cancelled.stdout and "refunded" in cancelled.stdout
+    unknown = runner.invoke(analyst_group, ["cancel", "q-nope", *connection])
+    assert unknown.exit_code == 1 and "unknown query 'q-nope'" in unknown.output
+
+    out = tmp_path / "again" / "result.json"
+    fetched = runner.invoke(
+        analyst_group,
+        ["fetch", query_id, *connection, "--key-dir", str(analyst_key), "--out", str(out)],
+    )
+    assert fetched.exit_code == 0, fetched.output
+    again = json.loads(out.read_text())
+    assert again["query_id"] == query_id
+    assert again["components"] == json.loads((tmp_path / "a.json").read_text())["components"]
+    assert set(again["timings"]) == {"fetch", "decrypt", "solve"}
+    assert "owners:      1 of 1 registered" in fetched.stdout
 
 
 def test_config_file_is_validated(tmp_path: Path) -> None:
@@ -537,3 +702,28 @@ def test_config_file_is_validated(tmp_path: Path) -> None:
     config.write_text('[tls]\nca = "ca.pem"\n')
     with pytest.raises(ConfigError, match="exactly ca, cert and key"):
         load_config(config)
+
+
+def test_cli_shows_each_decline_and_fails_with_the_proxys_reason(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    fake, address = proxy
+    fake.registered = 3
+    fake.declines = (
+        OwnerDecline("owner-2", "policy_refusal", "epsilon 1 > max_epsilon_per_query 0.5"),
+        OwnerDecline("owner-3", "key_not_pinned", "sha256:ab... is not pinned"),
+    )
+    fake.fail_reason = "the quorum of 3 can no longer be reached: 2 of 3 owners declined"
+    out = tmp_path / "r.json"
+    args = ["pca", *_query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6")]
+    result = CliRunner().invoke(analyst_group, args)
+    assert result.exit_code == 1
+    # One line per decline while waiting, each once, then the proxy's reason as the error.
+    lines = result.stderr.splitlines()
+    shown = [line for line in lines if line.startswith("owner declined: ")]
+    assert shown == [
+        "owner declined: owner-2: policy_refusal: epsilon 1 > max_epsilon_per_query 0.5",
+        "owner declined: owner-3: key_not_pinned: sha256:ab... is not pinned",
+    ]
+    assert lines[-1].startswith("Error: query ") and fake.fail_reason in lines[-1]
+    assert "Traceback" not in result.output and not out.exists()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -14,18 +16,25 @@ import fedpca.analyst.client as client_module
 import fedpca.analyst.estimators as estimators_module
 from fedpca.analyst.client import FetchedResult
 from fedpca.analyst.decode import DecodedRelease, result_from_packed
-from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, NotFittedError
+from fedpca.analyst.estimators import (
+    FederatedDCA,
+    FederatedPCA,
+    MissingOwnersWarning,
+    NotFittedError,
+)
 from fedpca.analyst.report import write_plots, write_report, write_result
 from fedpca.analyst.solvers import pca_from_statistics
 from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.errors import ConfigError, DataError, QueryStateError
 from fedpca.messages import (
+    CancelReceipt,
+    DeploymentInfo,
     QueryState,
     QueryStatus,
 )
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
-from fedpca.query import Calibration, QueryKind, QuerySpec
+from fedpca.query import Calibration, Neighbouring, QueryKind, QuerySpec
 from fedpca.signing import signer_id
 from fedpca.stats import SufficientStatistics, fixed_point_statistics
 from helpers import TEST_SIGNER, TEST_SIGNING_KEY, exact_statistics, reference_statistics
@@ -33,6 +42,24 @@ from helpers import TEST_SIGNER, TEST_SIGNING_KEY, exact_statistics, reference_s
 RNG = np.random.default_rng(0)
 ROWS = RNG.uniform(-3.0, 3.0, size=(60, 4)) @ np.diag([1.0, 0.6, 0.3, 0.1])
 LABELS = np.where(ROWS[:, 0] > 0, 1.0, -1.0)
+
+
+def deployment(owners: int = 3, neighbouring: Neighbouring = Neighbouring.ADD_REMOVE) -> Any:
+    """What DescribeDeployment reports for a proxy accepting ``owners`` owners."""
+    return DeploymentInfo(
+        proxy_id="proxy",
+        software_version="test",
+        protocol_version=1,
+        owners_registered=owners,
+        owners_connected=owners,
+        neighbouring=neighbouring,
+        max_delta_per_query=1e-5,
+        accountant="zcdp",
+        analyst_id="alice",
+        budget_epsilon=10.0,
+        budget_delta=1e-5,
+        server_time=datetime.now(UTC),
+    )
 
 
 def release_for(
@@ -113,20 +140,45 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
     assert spec.analyst_key_fingerprint == key_fingerprint(public_key)
     # Per-feature bounds imply M; a conflicting M is refused.
     per_feature = FederatedPCA(1, bounds=([0, 0, 0], [1, 2, 3]))
-    assert per_feature.build_query(None, public_key).n_features == 3
+    assert per_feature.build_query(None, public_key, deployment()).n_features == 3
     with pytest.raises(ConfigError, match="cover 3 features"):
-        per_feature.build_query(4, public_key)
-    dca = FederatedDCA(1, classes=(1, 2, 3), label_column=4).build_query(4, public_key)
-    assert dca.class_labels == (1.0, 2.0, 3.0) and dca.label_column == 4
+        per_feature.build_query(4, public_key, deployment())
+    dca = FederatedDCA(1, classes=(1, 2, 3), label_column=4)
+    spec = dca.build_query(4, public_key, deployment())
+    assert spec.class_labels == (1.0, 2.0, 3.0) and spec.label_column == 4
     with pytest.raises(ConfigError, match="stats mode"):
-        FederatedDCA(1, mode="masked").build_query(4, public_key)
+        FederatedDCA(1, mode="masked").build_query(4, public_key, deployment())
+
+
+def test_default_quorum_is_every_registered_owner(test_only_keypair_512: Any) -> None:
+    public_key, _ = test_only_keypair_512
+    estimator = FederatedPCA(2)
+    assert estimator.quorum is None
+    # The query states the number explicitly (owners and the proxy see it, signed).
+    assert estimator.build_query(4, public_key, deployment(7)).quorum == 7
+    # An explicit quorum wins; without a deployment the default cannot be resolved.
+    assert FederatedPCA(2, quorum=2).build_query(4, public_key, deployment(7)).quorum == 2
+    with pytest.raises(ConfigError, match="every owner the proxy accepts"):
+        estimator.build_query(4, public_key)
+    with pytest.raises(ConfigError, match="accepts no owners"):
+        estimator.build_query(4, public_key, deployment(0))
+    # The relation defaults to the deployment's (masked mode: replace-one).
+    replace_one = deployment(3, Neighbouring.REPLACE_ONE)
+    assert estimator.build_query(4, public_key, replace_one).neighbouring is (
+        Neighbouring.REPLACE_ONE
+    )
+    assert FederatedPCA(2).build_query(4, public_key, deployment()).neighbouring is (
+        Neighbouring.ADD_REMOVE
+    )
+    masked = FederatedPCA(2, mode="masked").build_query(4, public_key, deployment())
+    assert masked.neighbouring is Neighbouring.REPLACE_ONE
 
 
 def test_the_default_calibration_is_the_proven_zcdp(test_only_keypair_512: Any) -> None:
     public_key, _ = test_only_keypair_512
     assert QuerySpec.__dataclass_fields__["calibration"].default is Calibration.ZCDP
     for estimator in (FederatedPCA(2, epsilon=0.7), FederatedDCA(1, classes=(1, 2))):
-        assert estimator.build_query(4, public_key).calibration is Calibration.ZCDP
+        assert estimator.build_query(4, public_key, deployment()).calibration is Calibration.ZCDP
 
 
 def test_from_result_sets_learned_attributes_and_transforms() -> None:
@@ -158,11 +210,23 @@ class FakeClient:
     instances: ClassVar[list[FakeClient]] = []
     key: ClassVar[Any] = None
 
+    registered: ClassVar[int] = 2
+    contributed: ClassVar[int] = 2
+
     def __init__(self, proxy: str, tls: Any, insecure: bool = False, **_: Any) -> None:
         self.proxy, self.tls, self.insecure = proxy, tls, insecure
         self.submitted: list[QuerySpec] = []
         self.signers: list[str] = []
+        self.cancelled: list[str] = []
         FakeClient.instances.append(self)
+
+    def describe(self) -> DeploymentInfo:
+        return deployment(self.registered)  # type: ignore[no-any-return]
+
+    def cancel(self, query_id: str) -> CancelReceipt:
+        self.cancelled.append(query_id)
+        status = QueryStatus(query_id, QueryState.FAILED, 0, 2, failure_reason="cancelled")
+        return CancelReceipt(status, refunded=True)
 
     def __enter__(self) -> FakeClient:
         return self
@@ -190,7 +254,7 @@ class FakeClient:
         values = plan.owner_integers(share)[SHARES]
         with CryptoPool(1) as pool:
             packed = pool.encrypt_packed(public_key, values, block.layout, block.bound)
-        return FetchedResult(result_from_packed(spec, 1, {SHARES: packed}))
+        return FetchedResult(result_from_packed(spec, self.contributed, {SHARES: packed}))
 
 
 def test_fit_runs_the_query_and_returns_self(
@@ -229,8 +293,18 @@ def test_fit_runs_the_query_and_returns_self(
     # Signed with the signing key found next to the private key.
     assert signing_keys_from == ["key.json"] and client.signers == [TEST_SIGNER]
     assert [s.state for s in statuses] == [QueryState.COLLECTING, QueryState.DONE]
-    assert set(estimator.timings_) == {"submit", "wait", "fetch", "decrypt", "solve"}
+    assert set(estimator.timings_) == {
+        "start workers",
+        "submit",
+        "wait",
+        "fetch",
+        "decrypt",
+        "solve",
+    }
     spec = client.submitted[0]
+    # Quorum unset: the query waited for every registered owner, and the result says so.
+    assert spec.quorum == 2 and estimator.quorum_ == 2
+    assert estimator.n_owners_ == 2 and estimator.n_owners_registered_ == 2
     # Exactly the PCA of the owners' exact statistics (quantised rows) ...
     exact = pca_from_statistics(exact_statistics(ROWS, None, spec), n_components=2)
     np.testing.assert_allclose(
@@ -261,6 +335,90 @@ def test_failed_query_raises_with_the_proxy_reason(
     with pytest.raises(QueryStateError, match="quorum not reached"):
         estimator.fit(4)
     assert not hasattr(estimator, "components_")
+
+
+def _fake_fit(monkeypatch: pytest.MonkeyPatch, private_key: Any, client: type[FakeClient]) -> None:
+    FakeClient.key = private_key
+    monkeypatch.setattr(client_module, "AnalystClient", client)
+    monkeypatch.setattr(estimators_module, "load_analyst_private_key", lambda path: private_key)
+    monkeypatch.setattr(
+        estimators_module, "load_analyst_signing_key", lambda path: TEST_SIGNING_KEY
+    )
+
+
+def test_a_result_of_fewer_owners_than_registered_warns(
+    monkeypatch: pytest.MonkeyPatch, test_only_keypair_512: Any, tmp_path: Path
+) -> None:
+    class Partial(FakeClient):
+        registered = 3
+        contributed = 1
+
+    _fake_fit(monkeypatch, test_only_keypair_512[1], Partial)
+    estimator = FederatedPCA(
+        2,
+        epsilon=math.inf,
+        bounds=(-3, 3),
+        quorum=1,
+        proxy="fake:1",
+        insecure=True,
+        private_key_path="k",
+        n_jobs=1,
+    )
+    with pytest.warns(MissingOwnersWarning, match="only 1 of 3 registered owners"):
+        estimator.fit(4)
+    assert estimator.n_owners_ == 1 and estimator.n_owners_registered_ == 3
+    assert estimator.quorum_ == 1
+    document = _strict_json(write_result(tmp_path / "r.json", estimator))
+    assert document["owners"] == {
+        "contributed": 1,
+        "registered": 3,
+        "quorum": 1,
+        "all_registered": False,
+        "summary": "1 of 3 registered",
+    }
+    # Every registered owner contributed: no warning.
+    _fake_fit(monkeypatch, test_only_keypair_512[1], FakeClient)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MissingOwnersWarning)
+        FederatedPCA(
+            2,
+            epsilon=math.inf,
+            bounds=(-3, 3),
+            proxy="fake:1",
+            insecure=True,
+            private_key_path="k",
+            n_jobs=1,
+        ).fit(4)
+
+
+def test_interrupting_the_wait_cancels_the_query(
+    monkeypatch: pytest.MonkeyPatch, test_only_keypair_512: Any
+) -> None:
+    class Interrupted(FakeClient):
+        def wait(self, query_id: str, on_status: Any = None, timeout: Any = None) -> Any:
+            raise KeyboardInterrupt
+
+    _fake_fit(monkeypatch, test_only_keypair_512[1], Interrupted)
+    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    with pytest.raises(KeyboardInterrupt):
+        estimator.fit(4)
+    client = FakeClient.instances[-1]
+    assert client.cancelled == [client.submitted[0].query_id]
+
+
+def test_fit_refuses_to_submit_from_a_bootstrapping_worker(
+    monkeypatch: pytest.MonkeyPatch, test_only_keypair_512: Any
+) -> None:
+    import multiprocessing
+
+    _fake_fit(monkeypatch, test_only_keypair_512[1], FakeClient)
+    before = len(FakeClient.instances)
+    # What multiprocessing sets while a spawned worker imports its parent's script.
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    with pytest.raises(ConfigError, match="worker process was importing the main script"):
+        estimator.fit(4)
+    assert len(FakeClient.instances) == before  # never connected, nothing submitted
 
 
 # --------------------------------------------------------------------- reports
@@ -339,3 +497,60 @@ def test_statistics_helper_matches_shapes() -> None:
     # Guard for the helper above: DCA statistics carry per-class sums.
     statistics = release_for(QueryKind.DCA, 1).statistics
     assert isinstance(statistics, SufficientStatistics) and statistics.n_classes == 2
+
+
+# ----------------------------------------------------------------------- plots
+def _overlaps(figure: Any, legend: Any, axes: Any) -> bool:
+    renderer = figure.canvas.get_renderer()
+    figure.draw(renderer)
+    box, area = legend.get_window_extent(renderer), axes.get_window_extent(renderer)
+    return bool(box.overlaps(area))
+
+
+def test_scree_shows_the_spectrum_with_the_computed_components_marked() -> None:
+    from fedpca.analyst.report import scree_figure
+
+    estimator = FederatedPCA.from_result(release_for(n_components=2))
+    figure = scree_figure(estimator)
+    (axes,) = figure.axes
+    bars = axes.patches
+    # All M = 4 eigenvalues of the release, not just the k = 2 computed.
+    assert len(bars) == 4
+    colours = [bar.get_facecolor() for bar in bars]
+    assert colours[0] == colours[1] != colours[2] == colours[3]
+    heights = np.array([bar.get_height() for bar in bars])
+    np.testing.assert_allclose(heights[:2], estimator.explained_variance_ratio_)
+    assert heights.sum() == pytest.approx(1.0)
+    (legend,) = figure.legends
+    assert not _overlaps(figure, legend, axes)
+    assert axes.get_ylabel() and axes.get_xlabel() == "component"
+
+
+def test_projection_labels_its_axes_and_keeps_the_legend_off_the_points() -> None:
+    from fedpca.analyst.report import projection_figure
+
+    dca = FederatedDCA.from_result(release_for(QueryKind.DCA, 1, epsilon=1.0))
+    figure = projection_figure(dca, dca.preprocess(ROWS), LABELS, title="Pooled rows")
+    (axes,) = figure.axes
+    # One component: a strip per label, and the y axis says so.
+    assert axes.get_ylabel().startswith("label")
+    assert [t.get_text() for t in axes.get_yticklabels()] == ["-1", "1"]
+    assert axes.get_title().startswith("Pooled rows projected (60 rows)")
+    (legend,) = figure.legends
+    assert not _overlaps(figure, legend, axes)
+    pca = FederatedPCA.from_result(release_for())
+    plain = projection_figure(pca, pca.preprocess(ROWS))
+    assert plain.axes[0].get_ylabel() == "component 2" and not plain.legends
+    assert plain.axes[0].get_title().startswith("Own sample projected")
+
+
+def test_the_demo_warns_when_bounds_none_meets_unscaled_data() -> None:
+    from fedpca.app.demo import unscaled_warning
+    from helpers import dataset_table
+
+    ionosphere = dataset_table("ionosphere")[:, 1:]
+    german = dataset_table("german")[:, 1:]
+    assert unscaled_warning(ionosphere, None) is None  # already on [-1, 1]
+    assert unscaled_warning(german, (0.0, 184.0)) is None  # bounds given
+    message = unscaled_warning(german, None)
+    assert message is not None and "--bounds 0:184" in message

@@ -1,7 +1,9 @@
-"""The example configurations under deploy/ are read by the real loaders, so they stay valid."""
+"""The example configurations under deploy/ are read by the real loaders, so they stay
+valid, and the README's example query fits them."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from fedpca.analyst.config import load_config as load_analyst_config
@@ -10,16 +12,19 @@ from fedpca.owner.config import load_config as load_owner_config
 from fedpca.proxy.config import load_config as load_proxy_config
 from fedpca.query import Neighbouring
 
-CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "config"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "deploy" / "config"
 
 
 def test_proxy_example_parses() -> None:
     config = load_proxy_config(CONFIG / "proxy.toml")
     assert config.proxy.listen == "0.0.0.0:50051"
+    assert config.proxy.database == CONFIG / "state" / "proxy.sqlite3"
     assert config.owners.allowed == {"hospital-a", "hospital-b", "hospital-c"}
     assert config.tls.revoked_serials == frozenset()
     assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
     assert config.privacy.accountant is Accountant.ZCDP
+    assert config.monitoring.listen == "0.0.0.0:9464"
     # The per-query delta cap is within every analyst's budget delta.
     cap = config.privacy.delta_cap(config.budget.default)
     budgets = [config.budget.default, *config.budget.analysts.values()]
@@ -31,6 +36,8 @@ def test_owner_example_parses() -> None:
     assert config.policy.max_epsilon_per_query == 1.0
     assert not config.policy.allow_not_private and not config.policy.allow_masked_mode
     assert config.data.max_records == 5000
+    assert config.data.path == CONFIG / "data" / "patients.csv"
+    assert config.tls.cert == CONFIG / "tls" / "cert.pem"
     assert config.policy.accepted_query_signers == ("ed25519:" + "0" * 64,)
     # The example owner and the example proxy are one deployment: the same relation.
     proxy = load_proxy_config(CONFIG / "proxy.toml")
@@ -42,3 +49,27 @@ def test_owner_example_parses() -> None:
 def test_analyst_example_parses() -> None:
     config = load_analyst_config(CONFIG / "analyst.toml")
     assert config.proxy == "proxy.example.org:50051"
+    assert config.tls is not None and config.tls.ca_certificate == CONFIG / "tls" / "ca.pem"
+
+
+def _readme_query() -> dict[str, str]:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "fedpca analyst pca " in line)
+    command = [lines[start]]
+    while command[-1].endswith("\\"):
+        command.append(lines[start + len(command)])
+    words = shlex.split(" ".join(line.rstrip("\\") for line in command))
+    return {words[i]: words[i + 1] for i in range(len(words) - 1) if words[i].startswith("--")}
+
+
+def test_the_readme_query_fits_the_example_deployment() -> None:
+    """The README's query used to state delta 1e-5 against the examples' cap of 1e-7."""
+    query = _readme_query()
+    epsilon, delta = float(query["--epsilon"]), float(query["--delta"])
+    proxy = load_proxy_config(CONFIG / "proxy.toml")
+    owner = load_owner_config(CONFIG / "owner.toml")
+    for analyst in ("alice", "someone-else"):
+        budget = proxy.budget.for_analyst(analyst)
+        assert delta <= proxy.privacy.delta_cap(budget) and epsilon <= budget.epsilon
+    assert delta <= owner.policy.delta_cap(owner.budget)
+    assert epsilon <= owner.policy.max_epsilon_per_query <= owner.budget.epsilon

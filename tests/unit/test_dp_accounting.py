@@ -17,6 +17,7 @@ import re
 import pytest
 
 from fedpca.dp.accounting import (
+    BUDGET_ROUNDING_SLACK,
     MIN_NOISE_MULTIPLIER,
     Accountant,
     BudgetDecision,
@@ -179,6 +180,44 @@ def test_a_ledger_that_exactly_fills_the_budget_refuses_one_more() -> None:
         assert refused.epsilon_remaining == 0.0
         with pytest.raises(BudgetExceededError, match=re.escape(repr(budget.epsilon))):
             refused.raise_if_exceeded()
+
+
+@pytest.mark.parametrize(
+    ("calibration", "accountant"),
+    [("analytic", Accountant.PLD_CONTINUOUS), ("zcdp", Accountant.ZCDP)],
+)
+@pytest.mark.parametrize("epsilon", [0.1, 1.0, 3.0])
+@pytest.mark.parametrize("delta", [1e-5, 1e-6])
+def test_a_release_asking_for_exactly_the_budget_fits(
+    calibration: str, accountant: Accountant, epsilon: float, delta: float
+) -> None:
+    # The release is calibrated for (epsilon, delta) and its epsilon recomputed from z by
+    # the accountant: float error puts it a hair above epsilon in some cases (analytic
+    # with PLD at delta 1e-6 gave 1.0000000000101565 for epsilon 1).
+    z = calibrate_noise_multiplier(epsilon, delta, calibration)
+    event = PrivacyEvent("q", "alice", z, epsilon, delta, timestamp=1.0)
+    budget = PrivacyParams(epsilon, delta)
+    decision = check_budget([], event, budget, accountant)
+    assert abs(decision.epsilon_spent_after - epsilon) <= 1e-10 * epsilon  # float error only
+    assert decision.fits
+    # The budget is spent: nothing more fits, however weak.
+    assert not check_budget([event], release(1e4, "weak"), budget, accountant).fits
+    # A release that asks for more than the budget, by more than the rounding slack, is
+    # refused: the slack is 1e-9 relative, nothing an analyst can use.
+    z_more = calibrate_noise_multiplier(
+        epsilon * (1 + 1e3 * BUDGET_ROUNDING_SLACK), delta, calibration
+    )
+    more = PrivacyEvent("q2", "alice", z_more, epsilon, delta, timestamp=1.0)
+    assert not check_budget([], more, budget, accountant).fits
+
+
+def test_the_rounding_slack_is_relative_and_tiny() -> None:
+    ledger = [release(3.0, "a")]
+    spent = compose_epsilon(ledger, DELTA)
+    inside = PrivacyParams(spent / (1 + 0.5 * BUDGET_ROUNDING_SLACK), DELTA)
+    outside = PrivacyParams(spent / (1 + 2 * BUDGET_ROUNDING_SLACK), DELTA)
+    assert check_budget([], ledger[0], inside).fits
+    assert not check_budget([], ledger[0], outside).fits
 
 
 def test_remaining_is_consistent_with_spent() -> None:

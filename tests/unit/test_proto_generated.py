@@ -71,6 +71,9 @@ def test_services_are_split_by_caller() -> None:
         "WatchQueryStatus",
         "FetchResult",
         "GetBudget",
+        "DescribeDeployment",
+        "ListQueries",
+        "CancelQuery",
     }
     tasks = owner.DESCRIPTOR.services_by_name["OwnerService"].methods_by_name["StreamTasks"]
     upload = owner.DESCRIPTOR.services_by_name["OwnerService"].methods_by_name["Upload"]

@@ -18,14 +18,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .client import AnalystClient, FetchedResult
     from .decode import DecodedRelease, decrypt_result, result_from_packed
-    from .estimators import FederatedDCA, FederatedPCA, run_query
+    from .estimators import FederatedDCA, FederatedPCA, MissingOwnersWarning, run_query
     from .keys import create_analyst_keys, load_analyst_private_key, load_analyst_public_key
     from .report import write_report
 
 _EXPORTS = {
     "fedpca.analyst.client": ("AnalystClient", "FetchedResult"),
     "fedpca.analyst.decode": ("DecodedRelease", "decrypt_result", "result_from_packed"),
-    "fedpca.analyst.estimators": ("FederatedDCA", "FederatedPCA", "run_query"),
+    "fedpca.analyst.estimators": (
+        "FederatedDCA",
+        "FederatedPCA",
+        "MissingOwnersWarning",
+        "run_query",
+    ),
     "fedpca.analyst.keys": (
         "create_analyst_keys",
         "load_analyst_private_key",
@@ -41,6 +46,7 @@ __all__ = [
     "FederatedDCA",
     "FederatedPCA",
     "FetchedResult",
+    "MissingOwnersWarning",
     "create_analyst_keys",
     "decrypt_result",
     "load_analyst_private_key",

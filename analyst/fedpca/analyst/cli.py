@@ -7,6 +7,7 @@ Commands::
         [--mode stats|masked] [--bounds none|LO:HI|LO:HI,…] [...] --out result.json
     fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
     fedpca analyst budget --proxy ADDR [--delta D]
+    fedpca analyst list|status QUERY|fetch QUERY --out result.json|cancel QUERY
 
 Connection settings may come from ``--config analyst.toml``
 (:mod:`fedpca.analyst.config`); flags override it.
@@ -23,6 +24,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +32,8 @@ from typing import Any, TypeVar
 
 import click
 
+from fedpca.analyst import init as analyst_init
+from fedpca.analyst import query_commands
 from fedpca.analyst.config import AnalystConfig, load_config
 from fedpca.analyst.keys import (
     DEFAULT_KEY_BITS,
@@ -269,7 +273,13 @@ def _query_options(function: F) -> F:
             help="Public feature bounds: none, LO:HI (every feature) or LO:HI,LO:HI,… (M).",
         ),
         click.option("--clip-norm", type=float, default=1.0, show_default=True),
-        click.option("--quorum", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option(
+            "--quorum",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Owners that must contribute [every owner the proxy accepts]. A smaller "
+            "quorum lets collection close before the others upload.",
+        ),
         click.option(
             "--deadline",
             type=float,
@@ -335,7 +345,7 @@ def _run(
     sample_label_column: int | None,
 ) -> None:
     """Shared body of ``pca`` and ``dca``: fit, report, summarise."""
-    from fedpca.analyst.estimators import FederatedPCA
+    from fedpca.analyst.estimators import MissingOwnersWarning
     from fedpca.analyst.report import write_report
     from fedpca.tables import load_table
 
@@ -346,6 +356,15 @@ def _run(
     if not math.isfinite(epsilon):
         _warn_not_private()
     out: Path = params["out"]
+    if params["bounds"].strip().lower() == "none":
+        click.secho(
+            "note: --bounds none: features are used in raw units and each row is clipped to "
+            f"norm {params['clip_norm']:g}. Unless the owners' features already lie within "
+            "about [-1, 1], clipping dominates and the components say little; give the "
+            "public feature ranges with --bounds LO:HI or LO:HI,LO:HI,...",
+            fg="yellow",
+            err=True,
+        )
     with _errors():
         connection = _connection(
             params["config_path"],
@@ -369,11 +388,15 @@ def _run(
         announced: list[str] = []
 
         def on_status(status: Any) -> None:
+            # Declines are shown one line each by the estimator's progress display;
+            # a failure's reason ends the command as its error message.
             if not announced:
                 announced.append(status.query_id)
-                click.echo(f"query {status.query_id} submitted", err=True)
-            if status.failure_reason:
-                click.echo(f"query failed: {status.failure_reason}", err=True)
+                click.echo(
+                    f"query {status.query_id} submitted (quorum {status.quorum} of "
+                    f"{status.owners_registered} registered owners; Ctrl-C cancels it)",
+                    err=True,
+                )
 
         estimator = estimator_factory(
             params["n_components"],
@@ -398,13 +421,39 @@ def _run(
             verbose=True,
             on_status=on_status,
         )
-        estimator.fit(params["n_features"])
+        with warnings.catch_warnings():
+            # The summary below prints the warning in red; Python's copy would repeat it.
+            warnings.simplefilter("ignore", MissingOwnersWarning)
+            estimator.fit(params["n_features"])
         if sample is not None:
             # The sample is raw; the components live in the preprocessed space.
             sample = estimator.preprocess(sample)
         files = write_report(out, estimator, sample=sample, labels=labels)
+    _print_release_summary(estimator, files)
+
+
+def _print_release_summary(estimator: Any, files: Any) -> None:
+    from fedpca.analyst.estimators import FederatedPCA, missing_owners_message
+
     click.echo(f"query:       {estimator.query_id_}")
-    click.echo(f"owners:      {estimator.n_owners_}")
+    registered = estimator.n_owners_registered_
+    if registered is None:
+        click.echo(f"owners:      {estimator.n_owners_} (quorum {estimator.quorum_})")
+    else:
+        click.echo(
+            f"owners:      {estimator.n_owners_} of {registered} registered "
+            f"(quorum {estimator.quorum_})"
+        )
+        if estimator.n_owners_ < registered:
+            click.secho(
+                "WARNING: "
+                + missing_owners_message(
+                    estimator.query_id_, estimator.n_owners_, registered, estimator.quorum_
+                ),
+                fg="red",
+                bold=True,
+                err=True,
+            )
     noisy = " (noisy)" if estimator.n_samples_is_noisy_ else " (exact, public)"
     click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
     if isinstance(estimator, FederatedPCA):
@@ -504,10 +553,19 @@ def budget_command(
             server_name_override=connection.server_name,
         ) as client:
             status = client.budget(delta)
+    limit_delta = status.limit_delta if status.limit_delta is not None else status.delta
     click.echo(f"analyst:            {status.analyst_id}")
     click.echo(f"releases:           {status.n_releases}")
-    click.echo(f"delta:              {status.delta:g}")
-    click.echo(f"epsilon spent:      {status.epsilon_spent:.6g}")
-    click.echo(f"epsilon limit:      {status.epsilon_limit:.6g}")
-    click.echo("epsilon remaining:")
-    click.echo(f"{status.epsilon_remaining:.6g}")
+    click.echo(f"budget:             epsilon {status.epsilon_limit:.6g} at delta {limit_delta:g}")
+    click.echo(f"epsilon spent:      {status.epsilon_spent:.6g} at delta {status.delta:g}")
+    # The limit, and so what remains of it, is stated at the budget's own delta.
+    click.echo(
+        f"epsilon remaining:  {status.epsilon_remaining:.6g} at delta {limit_delta:g}"
+        + ("" if limit_delta == status.delta else " (the budget's delta)")
+    )
+
+
+# `fedpca analyst list|status|fetch|cancel`: defined in their own module with the
+# connection options above; `fedpca analyst init` writes an analyst folder.
+query_commands.register(analyst_group, _connection_options, _errors, _connection)
+analyst_group.add_command(analyst_init.init_command)

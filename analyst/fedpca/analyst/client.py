@@ -44,9 +44,12 @@ from fedpca.errors import (
 )
 from fedpca.messages import (
     BudgetStatus,
+    CancelReceipt,
+    DeploymentInfo,
     QueryResult,
     QueryState,
     QueryStatus,
+    QuerySummary,
     SignedQuery,
 )
 from fedpca.query import QuerySpec
@@ -54,6 +57,8 @@ from fedpca.signing import Ed25519PrivateKey, sign_query, signer_id
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
+from fedpca.transport.diagnose import ConnectionDiagnosis, diagnose_connection
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 
 __all__ = [
@@ -180,6 +185,10 @@ class AnalystClient:
         self.proxy_address = proxy_address
         self.timeout = timeout
         self.retry_delays = tuple(retry_delays)
+        self._root_certificates = None if tls is None else tls.root_certificates
+        self._server_name = server_name_override
+        self._diagnosis: ConnectionDiagnosis | None = None
+        self._reached_proxy = False
         if tls is not None:
             self._channel = secure_channel(
                 proxy_address, tls, server_name_override=server_name_override
@@ -214,17 +223,45 @@ class AnalystClient:
         failures = 0
         while True:
             try:
-                return call()
+                reply = call()
             except grpc.RpcError as error:
                 mapped = error_from_rpc(error, action)
-                if error.code() is not grpc.StatusCode.UNAVAILABLE or failures >= len(
-                    self.retry_delays
-                ):
+                retry = False
+                if error.code() is grpc.StatusCode.UNAVAILABLE:
+                    mapped, retry = self._explain_unavailable(action, mapped)
+                if not retry or failures >= len(self.retry_delays):
                     raise mapped from None
                 delay = self.retry_delays[failures]
                 failures += 1
                 logger.warning("%s; retrying in %.0f s", mapped, delay)
                 time.sleep(delay)
+            else:
+                self._reached()
+                return reply
+
+    def _reached(self) -> None:
+        self._reached_proxy = True
+        self._diagnosis = None  # a later outage is looked at afresh
+
+    def _explain_unavailable(self, action: str, error: FedpcaError) -> tuple[FedpcaError, bool]:
+        """UNAVAILABLE, looked at once per outage (:mod:`fedpca.transport.diagnose`);
+        returns the error to raise and whether retrying may help.
+
+        A TLS failure no retry fixes becomes an AuthenticationError saying what is
+        wrong. A proxy that no address of the target accepts connections for, and that
+        this client never reached, fails at once (a wrong address or a proxy not
+        started: half a minute of retries would only delay the message). A proxy that
+        was reached before is retried: it may be restarting.
+        """
+        diagnosis = self._diagnosis
+        if diagnosis is None:
+            diagnosis = self._diagnosis = diagnose_connection(
+                self.proxy_address, self._root_certificates, self._server_name
+            )
+        if diagnosis.problem is not None:
+            return AuthenticationError(f"{action}: {diagnosis.problem}"), False
+        explained = ProxyUnavailableError(f"{error} [{self.proxy_address}: {diagnosis.summary()}]")
+        return explained, diagnosis.reachable or self._reached_proxy
 
     def submit(self, spec: QuerySpec, signing_key: Ed25519PrivateKey) -> QueryStatus:
         """Sign a query and submit it; the proxy checks the budget before accepting it.
@@ -275,15 +312,17 @@ class AnalystClient:
                 )
                 for message in stream:
                     status = serde.query_status_from_proto(message)
+                    self._reached()
                     failures = 0
                     yield status
                     if status.terminal:
                         return
             except grpc.RpcError as error:
                 mapped = error_from_rpc(error, action)
-                if not isinstance(mapped, ProxyUnavailableError) or (
-                    error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-                ):
+                retry = isinstance(mapped, ProxyUnavailableError)
+                if error.code() is grpc.StatusCode.UNAVAILABLE:
+                    mapped, retry = self._explain_unavailable(action, mapped)
+                if not retry or error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise mapped from None
                 if failures >= len(self.retry_delays):
                     raise mapped from None
@@ -325,6 +364,40 @@ class AnalystClient:
         request = serde.budget_request_to_proto(delta)
         message = self._unary("budget", lambda: self._stub.GetBudget(request, timeout=self.timeout))
         return serde.budget_status_from_proto(message)
+
+    def describe(self) -> DeploymentInfo:
+        """The deployment's public facts: owners registered, relation, delta cap, budget."""
+        request = analyst_pb.DescribeDeploymentRequest()
+        message = self._unary(
+            "describe the deployment",
+            lambda: self._stub.DescribeDeployment(request, timeout=self.timeout),
+        )
+        return serde.deployment_info_from_proto(message)
+
+    def list_queries(self, limit: int = 0) -> list[QuerySummary]:
+        """This analyst's queries, newest first (``limit`` 0: the proxy's default)."""
+        request = serde.list_queries_request_to_proto(limit)
+        message = self._unary(
+            "list queries", lambda: self._stub.ListQueries(request, timeout=self.timeout)
+        )
+        return serde.query_list_from_proto(message)
+
+    def cancel(self, query_id: str) -> CancelReceipt:
+        """Cancel a query that is still collecting uploads (it fails; see CancelReceipt).
+
+        Raises
+        ------
+        QueryStateError
+            Collection has closed: the result is being or has been released.
+        NotFoundError
+            No such query of this analyst.
+        """
+        request = serde.query_ref_to_proto(query_id)
+        message = self._unary(
+            f"cancel query {query_id!r}",
+            lambda: self._stub.CancelQuery(request, timeout=self.timeout),
+        )
+        return serde.cancel_receipt_from_proto(message)
 
     def wait(
         self,

@@ -30,8 +30,11 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import multiprocessing
+import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -43,7 +46,8 @@ from fedpca.analyst.decode import DecodedRelease, decrypt_result
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
-from fedpca.errors import ConfigError, DataError, FedpcaError
+from fedpca.errors import ConfigError, DataError, FedpcaError, QueryStateError
+from fedpca.messages import DeploymentInfo
 from fedpca.preprocess import FeatureBounds, preprocess
 from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.transport.certs import TlsFiles, TlsMaterial
@@ -51,6 +55,7 @@ from fedpca.transport.certs import TlsFiles, TlsMaterial
 __all__ = [
     "FederatedDCA",
     "FederatedPCA",
+    "MissingOwnersWarning",
     "NotFittedError",
     "new_query_id",
     "run_query",
@@ -65,6 +70,32 @@ BoundsParam = str | tuple[Any, Any] | FeatureBounds | None
 
 class NotFittedError(FedpcaError, ValueError, AttributeError):
     """An estimator was used before ``fit`` (same bases as scikit-learn's)."""
+
+
+class MissingOwnersWarning(UserWarning):
+    """A result covers fewer owners than the proxy accepts (an explicit quorum below
+    the number of registered owners let collection close early)."""
+
+
+def missing_owners_message(query_id: str, contributed: int, registered: int, quorum: int) -> str:
+    """The warning for a result that covers ``contributed`` of ``registered`` owners."""
+    return (
+        f"query {query_id}: only {contributed} of {registered} registered owners contributed "
+        f"(quorum {quorum}); the result covers their records only. Leave the quorum unset "
+        "to wait for every registered owner."
+    )
+
+
+def _refuse_in_bootstrapping_child() -> None:
+    # A worker process that is still importing its parent's main script (spawn or
+    # forkserver start, a script without `if __name__ == "__main__":`) must not submit
+    # a query: it would be a second, unintended release charged to the analyst.
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ConfigError(
+            "fit() was called while a worker process was importing the main script; a "
+            'script that starts processes needs `if __name__ == "__main__":` around its '
+            "top-level code. Refusing to submit a second query from a worker."
+        )
 
 
 def new_query_id() -> str:
@@ -115,6 +146,11 @@ def run_query(
     active = CryptoPool() if pool is None else pool
     try:
         timings: dict[str, float] = {}
+        # The decryption workers start before anything is charged: a pool that cannot
+        # start fails the call while the budget is still untouched.
+        start = time.perf_counter()
+        active.start()
+        timings["start workers"] = time.perf_counter() - start
         start = time.perf_counter()
         submitted = client.submit(spec, signing_key)
         timings["submit"] = time.perf_counter() - start
@@ -122,28 +158,70 @@ def run_query(
         if on_submitted is not None:
             on_submitted(submitted)
         start = time.perf_counter()
-        # Owners take seconds to encrypt: start the decryption workers meanwhile.
-        active.start()
-        client.wait(spec.query_id, on_status=on_status, timeout=wait_timeout)
+        _wait_or_cancel(client, spec.query_id, on_status, wait_timeout)
         timings["wait"] = time.perf_counter() - start
-        start = time.perf_counter()
-        fetched = client.fetch(spec.query_id)
-        timings["fetch"] = time.perf_counter() - start
-        if on_fetched is not None:
-            on_fetched(fetched.result.payload.total_ciphertexts)
-        start = time.perf_counter()
-        release = decrypt_result(
-            fetched.result,
-            private_key,
-            expected_query=spec,
-            pool=active,
-            progress=decrypt_progress,
-        )
-        timings["decrypt"] = time.perf_counter() - start
+        try:
+            start = time.perf_counter()
+            fetched = client.fetch(spec.query_id)
+            timings["fetch"] = time.perf_counter() - start
+            if on_fetched is not None:
+                on_fetched(fetched.result.payload.total_ciphertexts)
+            start = time.perf_counter()
+            release = decrypt_result(
+                fetched.result,
+                private_key,
+                expected_query=spec,
+                pool=active,
+                progress=decrypt_progress,
+            )
+            timings["decrypt"] = time.perf_counter() - start
+        except FedpcaError as exc:
+            # The release happened and is paid for; it stays stored at the proxy.
+            raise type(exc)(
+                f"{exc} (the result of query {spec.query_id} stays stored at the proxy: "
+                f"fetch it again with `fedpca analyst fetch {spec.query_id}`)"
+            ) from exc
     finally:
         if owned:
             active.close()
     return release, timings
+
+
+def _wait_or_cancel(
+    client: Any,
+    query_id: str,
+    on_status: StatusCallback | None,
+    timeout: float | None,
+) -> None:
+    """Follow the query to its end; on Ctrl-C cancel it at the proxy, then re-raise.
+
+    A cancelled query fails at once; its charge is refunded if no owner had begun an
+    upload (the proxy's refund rule), and owners receive a cancellation.
+    """
+    try:
+        client.wait(query_id, on_status=on_status, timeout=timeout)
+    except KeyboardInterrupt:
+        try:
+            receipt = client.cancel(query_id)
+        except QueryStateError as exc:
+            logger.warning("interrupted; query %s could not be cancelled: %s", query_id, exc)
+        except FedpcaError as exc:
+            logger.warning(
+                "interrupted; cancelling query %s failed (%s): it may still be collecting; "
+                "`fedpca analyst cancel %s` stops it",
+                query_id,
+                exc,
+                query_id,
+            )
+        else:
+            logger.warning(
+                "interrupted: query %s cancelled; %s",
+                query_id,
+                "its charge was refunded"
+                if receipt.refunded
+                else "an upload had begun, so its charge stands",
+            )
+        raise
 
 
 # -------------------------------------------------------------------- helpers
@@ -222,22 +300,30 @@ class _ProgressDisplay:
         self._tqdm = tqdm
         self._owners: Any = None
         self._decrypt: Any = None
+        self._declined: set[str] = set()
 
     def status(self, status: Any) -> None:
+        for decline in status.declines:
+            if decline.owner_id not in self._declined:
+                self._declined.add(decline.owner_id)
+                self._tqdm.write(f"owner declined: {decline.line()}", file=sys.stderr)
         if self._owners is None:
             # Owners arrive minutes apart: a rate would mislead, elapsed time does not.
             self._owners = self._tqdm(
                 total=max(status.quorum, 1),
-                desc="owners / quorum",
+                desc="owners",
                 bar_format="{desc} {n}/{total} |{bar}| [{elapsed}]",
             )
         bar = self._owners
         bar.total = max(status.quorum, status.owners_contributed, 1)
+        if status.owners_registered:
+            bar.total = max(bar.total, status.owners_registered)
         bar.n = status.owners_contributed
         declined = f", {status.owners_declined} declined" if status.owners_declined else ""
         uploading = f", {status.owners_uploading} uploading" if status.owners_uploading else ""
         bar.set_description_str(
-            f"{status.state.value}{uploading}{declined}: owners / quorum", refresh=False
+            f"{status.state.value}{uploading}{declined}: owners (quorum {status.quorum})",
+            refresh=False,
         )
         bar.refresh()
         if status.terminal:
@@ -271,7 +357,7 @@ class _FederatedEstimator:
         neighbouring: str | None = None,
         bounds: BoundsParam = None,
         clip_norm: float = 1.0,
-        quorum: int = 1,
+        quorum: int | None = None,
         deadline_seconds: float = 300.0,
         max_records_per_owner: int = 1 << 20,
         max_owners: int = 1 << 8,
@@ -345,29 +431,54 @@ class _FederatedEstimator:
     def _query_extras(self) -> dict[str, Any]:
         return {}
 
-    def build_query(self, n_features: int | None, public_key: Any) -> QuerySpec:
+    def build_query(
+        self,
+        n_features: int | None,
+        public_key: Any,
+        deployment: DeploymentInfo | None = None,
+    ) -> QuerySpec:
         """The public query ``fit`` submits, addressed to ``public_key``.
 
         Parameters
         ----------
         n_features : M (or None when per-feature bounds imply it).
         public_key : the analyst's phe public key.
+        deployment : the proxy's public facts (``fit`` asks for them). They fill in
+            what the parameters leave open: ``quorum=None`` becomes every owner the
+            proxy accepts, ``neighbouring=None`` the deployment's relation (masked
+            mode: replace-one, the only relation it has a finite epsilon under).
+            The query states both explicitly, so the owners see what they sign up for.
+
+        Raises
+        ------
+        ConfigError
+            ``quorum=None`` without a deployment to count the owners of, or a
+            deployment that accepts no owners.
         """
         m = _check_schema(n_features, self.bounds)
         bounds = _resolve_bounds(self.bounds, m)
+        quorum = self.quorum
+        if quorum is None:
+            if deployment is None:
+                raise ConfigError(
+                    "quorum=None waits for every owner the proxy accepts: fit() asks the "
+                    "proxy for their number; give quorum=N to build a query without it"
+                )
+            if deployment.owners_registered < 1:
+                raise ConfigError(f"proxy {deployment.proxy_id!r} accepts no owners")
+            quorum = deployment.owners_registered
         try:
             mode = ProtocolMode(self.mode)
             calibration = Calibration(self.calibration)
             # Masked mode has a finite epsilon only under replace-one adjacency.
-            neighbouring = Neighbouring(
-                self.neighbouring
-                if self.neighbouring is not None
-                else (
-                    Neighbouring.REPLACE_ONE
-                    if mode is ProtocolMode.MASKED
-                    else Neighbouring.ADD_REMOVE
-                )
-            )
+            if self.neighbouring is not None:
+                neighbouring = Neighbouring(self.neighbouring)
+            elif mode is ProtocolMode.MASKED:
+                neighbouring = Neighbouring.REPLACE_ONE
+            elif deployment is not None:
+                neighbouring = deployment.neighbouring
+            else:
+                neighbouring = Neighbouring.ADD_REMOVE
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return QuerySpec(
@@ -385,7 +496,7 @@ class _FederatedEstimator:
             calibration=calibration,
             neighbouring=neighbouring,
             mode=mode,
-            quorum=int(self.quorum),
+            quorum=int(quorum),
             deadline_seconds=float(self.deadline_seconds),
             max_records_per_owner=int(self.max_records_per_owner),
             max_owners=int(self.max_owners),
@@ -419,6 +530,7 @@ class _FederatedEstimator:
         """
         from fedpca.analyst.client import AnalystClient
 
+        _refuse_in_bootstrapping_child()
         # Refuse data passed as the schema before touching keys or the network.
         _check_schema(n_features, self.bounds)
         if self.proxy is None:
@@ -429,17 +541,22 @@ class _FederatedEstimator:
             )
         private_key = load_analyst_private_key(self.private_key_path)
         signing_key = load_analyst_signing_key(self.private_key_path)
-        spec = self.build_query(n_features, private_key.public_key)
-        if not spec.private:
-            logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
         tls = self._tls_material()
         display = _ProgressDisplay() if self.verbose else None
+        declined: set[str] = set()
 
         def on_status(status: Any) -> None:
             if self.on_status is not None:
                 self.on_status(status)
             if display is not None:
                 display.status(status)
+            else:
+                for decline in status.declines:
+                    if decline.owner_id not in declined:
+                        declined.add(decline.owner_id)
+                        logger.warning(
+                            "query %s: owner declined: %s", status.query_id, decline.line()
+                        )
 
         with (
             AnalystClient(
@@ -450,6 +567,10 @@ class _FederatedEstimator:
             ) as client,
             CryptoPool(self.n_jobs) as pool,
         ):
+            deployment = client.describe()
+            spec = self.build_query(n_features, private_key.public_key, deployment)
+            if not spec.private:
+                logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
             release, timings = run_query(
                 spec,
                 client,
@@ -461,7 +582,7 @@ class _FederatedEstimator:
                 decrypt_progress=None if display is None else display.decrypted,
                 pool=pool,
             )
-        self._fit_release(release, timings)
+        self._fit_release(release, timings, owners_registered=deployment.owners_registered)
         return self
 
     def _tls_material(self) -> TlsMaterial | None:
@@ -473,12 +594,22 @@ class _FederatedEstimator:
         return TlsMaterial.load(TlsFiles(Path(self.ca), Path(self.cert), Path(self.key)))  # type: ignore[arg-type]
 
     @classmethod
-    def from_result(cls, release: DecodedRelease, **params: Any) -> Self:
+    def from_result(
+        cls,
+        release: DecodedRelease,
+        *,
+        owners_registered: int | None = None,
+        timings: Mapping[str, float] | None = None,
+        **params: Any,
+    ) -> Self:
         """A fitted estimator from a decrypted release, without any network.
 
         Parameters
         ----------
         release : the decrypted release.
+        owners_registered : owners the proxy accepts, if known (for
+            ``n_owners_registered_`` and the warning when fewer contributed).
+        timings : phase -> seconds already spent (e.g. "fetch", "decrypt").
         **params : constructor parameters beyond those the query fixes
             (e.g. ``rho`` for DCA, ``proxy``); query parameters are taken from
             the release and may not be overridden.
@@ -508,14 +639,19 @@ class _FederatedEstimator:
         if clash:
             raise ConfigError(f"{clash} are fixed by the release's query")
         estimator = cls(**from_query, **params)
-        estimator._fit_release(release, {})
+        estimator._fit_release(release, timings or {}, owners_registered=owners_registered)
         return estimator
 
     @classmethod
     def _params_from_query(cls, query: QuerySpec) -> dict[str, Any]:
         return {}
 
-    def _fit_release(self, release: DecodedRelease, timings: Mapping[str, float]) -> None:
+    def _fit_release(
+        self,
+        release: DecodedRelease,
+        timings: Mapping[str, float],
+        owners_registered: int | None = None,
+    ) -> None:
         query = release.query
         start = time.perf_counter()
         self._solve(release)
@@ -524,6 +660,8 @@ class _FederatedEstimator:
         self.release_ = release
         self.n_features_in_ = query.n_features
         self.n_owners_ = release.n_owners
+        self.n_owners_registered_ = owners_registered
+        self.quorum_ = query.quorum
         self.epsilon_ = query.epsilon
         self.delta_ = query.delta if release.private else 0.0
         self.not_private_ = not release.private
@@ -532,6 +670,11 @@ class _FederatedEstimator:
         self.key_fingerprint_ = release.key_fingerprint
         self.noise_sigmas_ = dict(release.sigmas)
         self.timings_ = all_timings
+        if owners_registered is not None and release.n_owners < owners_registered:
+            message = missing_owners_message(
+                query.query_id, release.n_owners, owners_registered, query.quorum
+            )
+            warnings.warn(message, MissingOwnersWarning, stacklevel=3)
 
     def _solve(self, release: DecodedRelease) -> None:
         raise NotImplementedError
@@ -590,6 +733,8 @@ class _FederatedEstimator:
     release_: DecodedRelease
     n_features_in_: int
     n_owners_: int
+    n_owners_registered_: int | None
+    quorum_: int
     epsilon_: float
     delta_: float
     not_private_: bool
@@ -621,7 +766,10 @@ class FederatedPCA(_FederatedEstimator):
         clip applies), "LO:HI" or (lo, hi) for every feature, "LO:HI,LO:HI,…" or
         (lower, upper) sequences of length M.  Never derive them from private data.
     clip_norm : rows are clipped to ‖x‖₂ <= clip_norm before summing.
-    quorum : minimum number of contributing owners.
+    quorum : owners that must contribute; collection closes as soon as this many
+        uploaded. None (default): every owner the proxy accepts (``fit`` asks the
+        proxy and states the number in the signed query). A smaller quorum lets a
+        result cover fewer owners: ``fit`` then warns (:class:`MissingOwnersWarning`).
     deadline_seconds : seconds the proxy collects uploads.
     max_records_per_owner, max_owners : public bounds that size packed slots.
     frac_bits : fixed-point fractional bits.
@@ -650,10 +798,13 @@ class FederatedPCA(_FederatedEstimator):
     n_components_ : k.
     n_features_in_ : M.
     n_owners_ : owners aggregated.
+    n_owners_registered_ : owners the proxy accepts (None for ``from_result``).
+    quorum_ : the quorum the query stated.
     epsilon_, delta_ : privacy parameters of the release (delta_ = 0 without noise).
     not_private_ : True for epsilon = inf.
     noise_sigmas_ : section -> Gaussian sigma in real units.
-    timings_ : phase -> seconds ("submit", "wait", "fetch", "decrypt", "solve").
+    timings_ : phase -> seconds ("start workers", "submit", "wait", "fetch", "decrypt",
+        "solve").
     query_id_, key_fingerprint_, mode_ : provenance.
     release_ : the decrypted :class:`~fedpca.analyst.decode.DecodedRelease`.
     """
@@ -755,7 +906,7 @@ class FederatedDCA(_FederatedEstimator):
         neighbouring: str | None = None,
         bounds: BoundsParam = None,
         clip_norm: float = 1.0,
-        quorum: int = 1,
+        quorum: int | None = None,
         deadline_seconds: float = 300.0,
         max_records_per_owner: int = 1 << 20,
         max_owners: int = 1 << 8,

@@ -33,9 +33,12 @@ from fedpca.version import __version__
 __all__ = [
     "REPORT_FORMAT",
     "ReportFiles",
+    "owners_summary",
     "plot_projection",
     "plot_scree",
+    "projection_figure",
     "result_document",
+    "scree_figure",
     "write_plots",
     "write_report",
     "write_result",
@@ -76,7 +79,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     dict with at least: query_id, kind, mode, components (k × M),
     explained_variance / explained_variance_ratio (PCA) or eigenvalues (DCA),
     mean (None when not released), n_samples with n_samples_noisy, n_owners,
-    epsilon (None for inf), delta, not_private, mechanism, calibration,
+    owners (contributed, registered, quorum), epsilon (None for inf), delta,
+    not_private, mechanism, calibration,
     noise_sigma, key_fingerprint, timings.
     """
     release = getattr(estimator, "release_", None)
@@ -132,10 +136,32 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
             else None
         ),
         quorum=query.quorum,
+        owners=owners_summary(estimator),
         key_fingerprint=estimator.key_fingerprint_,
         timings={phase: float(seconds) for phase, seconds in estimator.timings_.items()},
     )
     return document
+
+
+def owners_summary(estimator: Estimator) -> dict[str, Any]:
+    """Who the release covers: owners contributed, registered at the proxy, the quorum.
+
+    ``all_registered`` is False when fewer owners contributed than the proxy accepts
+    (None when the number registered is unknown, e.g. a release read back offline).
+    """
+    contributed = int(estimator.n_owners_)
+    registered = getattr(estimator, "n_owners_registered_", None)
+    return {
+        "contributed": contributed,
+        "registered": registered,
+        "quorum": int(estimator.quorum_),
+        "all_registered": None if registered is None else contributed >= registered,
+        "summary": (
+            f"{contributed} of {registered} registered"
+            if registered is not None
+            else f"{contributed} (registered unknown)"
+        ),
+    }
 
 
 def _figure(width: float = 6.4, height: float = 4.2) -> Any:
@@ -153,48 +179,86 @@ def _private_tag(estimator: Estimator) -> str:
     return f"epsilon = {estimator.epsilon_:g}, delta = {estimator.delta_:g}"
 
 
-def plot_scree(estimator: Estimator, path: str | os.PathLike[str]) -> Path:
-    """Scree plot: explained variance ratio per component and cumulative (PCA),
-    generalized eigenvalues (DCA).  Returns the PNG path."""
+SCREE_MIN_BARS = 20
+"""The scree plot shows at least this many eigenvalues (all M when fewer)."""
+
+
+def _pca_spectrum(estimator: FederatedPCA) -> npt.NDArray[np.float64]:
+    """Explained variance ratio of every eigenvalue the release determines (descending).
+
+    The release carries the whole (noisy) covariance, so the spectrum beyond the k
+    components asked for is post-processing of the same release, and shows where k
+    sits in it.
+    """
+    release = estimator.release_
+    try:
+        return np.asarray(release.pca(release.query.n_features).explained_variance_ratio)
+    except Exception:  # a degenerate release: fall back to what the fit computed
+        return np.asarray(estimator.explained_variance_ratio_)
+
+
+def scree_figure(estimator: Estimator) -> Any:
+    """The scree plot as a matplotlib Figure (see :func:`plot_scree`)."""
     figure = _figure()
     axes = figure.add_subplot()
-    index = np.arange(1, estimator.components_.shape[0] + 1)
+    k = estimator.components_.shape[0]
     if isinstance(estimator, FederatedPCA):
-        ratio = np.asarray(estimator.explained_variance_ratio_)
-        axes.bar(index, ratio, color="tab:blue", label="per component")
-        axes.plot(index, np.cumsum(ratio), "o-", color="tab:orange", label="cumulative")
-        axes.set_ylabel("explained variance ratio")
+        spectrum = _pca_spectrum(estimator)
+        shown = min(len(spectrum), max(SCREE_MIN_BARS, 2 * k))
+        ratio = spectrum[:shown]
+        index = np.arange(1, shown + 1)
+        colours = ["tab:blue" if i <= k else "tab:gray" for i in index]
+        axes.bar(index, ratio, color=colours)
+        axes.plot(index, np.cumsum(ratio), "o-", color="tab:orange", markersize=3)
+        axes.axvline(k + 0.5, color="black", linestyle="--", linewidth=1)
+        axes.set_ylabel("explained variance ratio (noisy)")
         axes.set_ylim(0.0, max(1.0, float(np.cumsum(ratio)[-1]) * 1.05))
-        axes.legend(loc="center right")
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+
+        handles = [
+            Patch(color="tab:blue", label=f"the {k} component{'s' if k > 1 else ''} computed"),
+            Patch(color="tab:gray", label="further eigenvalues of the release"),
+            Line2D([], [], color="tab:orange", marker="o", markersize=3, label="cumulative"),
+        ]
+        # Below the axes: a legend inside would cover bars or the cumulative curve.
+        figure.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
         title = "Federated PCA"
+        if shown < len(spectrum):
+            axes.set_xlabel(f"component (first {shown} of {len(spectrum)})")
+        else:
+            axes.set_xlabel("component")
+        axes.set_xticks(index if shown <= 40 else index[:: max(1, shown // 20)])
     else:
+        index = np.arange(1, k + 1)
         axes.bar(index, np.asarray(estimator.eigenvalues_), color="tab:green")
-        axes.set_ylabel("generalized eigenvalue")
+        axes.set_ylabel("generalized eigenvalue (between / within)")
+        axes.set_xlabel("discriminant component")
+        axes.set_xticks(index)
         title = "Federated DCA"
-    axes.set_xlabel("component")
-    axes.set_xticks(index)
-    axes.set_title(f"{title} ({estimator.mode_} mode), {_private_tag(estimator)}")
+    axes.set_title(f"{title} ({estimator.mode_} mode), {_private_tag(estimator)}", fontsize=10)
+    return figure
+
+
+def plot_scree(estimator: Estimator, path: str | os.PathLike[str]) -> Path:
+    """Scree plot, returns the PNG path.
+
+    PCA: the explained variance ratio of the leading eigenvalues of the release (at
+    least :data:`SCREE_MIN_BARS`, or all M), the k computed components highlighted,
+    and the cumulative ratio. DCA: the generalized eigenvalues of the components.
+    """
     out = Path(path)
-    figure.savefig(out, dpi=110)
+    scree_figure(estimator).savefig(out, dpi=110)
     return out
 
 
-def plot_projection(
+def projection_figure(
     estimator: Estimator,
     sample: npt.ArrayLike,
-    path: str | os.PathLike[str],
     labels: npt.ArrayLike | None = None,
-) -> Path:
-    """Scatter of the analyst's own sample on the first two components.
-
-    Parameters
-    ----------
-    estimator : fitted estimator.
-    sample : (n, M) rows in the preprocessed space of the components
-        (``estimator.preprocess(raw_rows)``).
-    path : PNG to write.
-    labels : (n,) optional labels; points are coloured by label.
-    """
+    title: str = "Own sample",
+) -> Any:
+    """The projection plot as a matplotlib Figure (see :func:`plot_projection`)."""
     scores = estimator.transform(sample)
     n = scores.shape[0]
     if n == 0:
@@ -202,28 +266,58 @@ def plot_projection(
     label_array = None if labels is None else np.asarray(labels)
     if label_array is not None and label_array.shape != (n,):
         raise DataError(f"labels must have shape ({n},), got {label_array.shape}")
-    figure = _figure(5.6, 5.0)
+    figure = _figure(6.4, 5.0)
     axes = figure.add_subplot()
     x: npt.NDArray[np.float64] = scores[:, 0]
     y: npt.NDArray[np.float64]
+    jitter = np.random.default_rng(0).uniform(-0.3, 0.3, size=(n,))
+    values = None if label_array is None else np.unique(label_array)
     if scores.shape[1] >= 2:
         y = scores[:, 1]
         axes.set_ylabel("component 2")
+    elif values is not None and label_array is not None:
+        # One component: one row of points per label, spread vertically for visibility.
+        position = {value: i for i, value in enumerate(values)}
+        y = np.array([position[v] for v in label_array], dtype=np.float64) + jitter
+        axes.set_yticks(range(len(values)), [f"{v:g}" for v in values])
+        axes.set_ylabel("label (points spread vertically for visibility)")
     else:
-        # One component: spread the points vertically so they do not overlap.
-        y = np.random.default_rng(0).uniform(-1.0, 1.0, size=(n,))
+        y = jitter
         axes.set_yticks([])
-    if label_array is None:
+        axes.set_ylabel("random spread (for visibility only)")
+    if label_array is None or values is None:
         axes.scatter(x, y, s=10, alpha=0.7)
     else:
-        for value in np.unique(label_array):
+        for value in values:
             chosen = label_array == value
             axes.scatter(x[chosen], y[chosen], s=10, alpha=0.7, label=f"{value:g}")
-        axes.legend(title="label", loc="best")
+        # Outside the axes: inside, the legend hid points under it.
+        figure.legend(title="label", loc="outside center right", fontsize=8)
     axes.set_xlabel("component 1")
-    axes.set_title(f"Own sample projected ({n} rows)\n{_private_tag(estimator)}", fontsize=10)
+    axes.set_title(f"{title} projected ({n} rows)\n{_private_tag(estimator)}", fontsize=10)
+    return figure
+
+
+def plot_projection(
+    estimator: Estimator,
+    sample: npt.ArrayLike,
+    path: str | os.PathLike[str],
+    labels: npt.ArrayLike | None = None,
+    title: str = "Own sample",
+) -> Path:
+    """Scatter of rows on the first two components (one component: a strip per label).
+
+    Parameters
+    ----------
+    estimator : fitted estimator.
+    sample : (n, M) rows in the preprocessed space of the components
+        (``estimator.preprocess(raw_rows)``); normally the analyst's own sample.
+    path : PNG to write.
+    labels : (n,) optional labels; points are coloured by label.
+    title : what the rows are ("Own sample"; the demo plots the pooled rows).
+    """
     out = Path(path)
-    figure.savefig(out, dpi=110)
+    projection_figure(estimator, sample, labels, title).savefig(out, dpi=110)
     return out
 
 
@@ -282,6 +376,7 @@ def write_plots(
     sample: npt.ArrayLike | None = None,
     labels: npt.ArrayLike | None = None,
     prefix: str = "",
+    sample_title: str = "Own sample",
 ) -> list[Path]:
     """Write ``<prefix>scree.png`` and, with a sample, ``<prefix>projection.png``.
 
@@ -293,6 +388,7 @@ def write_plots(
         (``estimator.preprocess(raw_rows)``).
     labels : (n,) labels of the sample (colours the projection).
     prefix : file-name prefix.
+    sample_title : what the sample's rows are, for the projection's title.
 
     Returns
     -------
@@ -303,7 +399,9 @@ def write_plots(
     written = [plot_scree(estimator, folder / f"{prefix}scree.png")]
     if sample is not None:
         written.append(
-            plot_projection(estimator, sample, folder / f"{prefix}projection.png", labels)
+            plot_projection(
+                estimator, sample, folder / f"{prefix}projection.png", labels, sample_title
+            )
         )
     return written
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from fedpca import logs
 from fedpca.version import __version__
 
 # name -> (module, attribute, one-line help)
@@ -43,22 +44,31 @@ class _LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-def configure_logging(verbosity: int) -> None:
+def configure_logging(verbosity: int, log_format: str | None = None) -> None:
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure_logging(level, log_format)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="fedpca")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-def main(verbose: int, **_: Any) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice([f.value for f in logs.LogFormat]),
+    default=None,
+    help=f"Log lines as text or one JSON object per line [${logs.LOG_FORMAT_ENV}, else text].",
+)
+def main(verbose: int, log_format: str | None, **_: Any) -> None:
     """Federated, differentially private PCA/DCA.
 
     Owners encrypt local scatter shares under the analyst's Paillier key, a proxy
     aggregates them and adds calibrated noise under encryption, and the analyst
     decrypts only differentially private statistics.
     """
-    configure_logging(verbose)
+    try:
+        configure_logging(verbose, log_format)
+    except ValueError as exc:
+        raise click.UsageError(f"${logs.LOG_FORMAT_ENV}: {exc}") from None
 
 
 if __name__ == "__main__":

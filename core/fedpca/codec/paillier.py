@@ -56,6 +56,7 @@ from numpy.typing import NDArray
 
 from ..errors import CiphertextError, ConfigError, EncodingOverflowError, LayoutError
 from . import _worker
+from ._processes import worker_context
 from .ciphertext import PackedCiphertexts, validate_ciphertexts
 from .packing import SlotLayout, pack_slots, unpack_slots
 
@@ -182,7 +183,9 @@ class CryptoPool:
                 # kill -9 of the owner daemon or the proxy leaves no orphaned workers.
                 self._executor = ProcessPoolExecutor(
                     max_workers=self.processes,
-                    mp_context=multiprocessing.get_context(self.start_method),
+                    # Workers never import the caller's __main__ (see _processes): a
+                    # script without a main guard must not run again in them.
+                    mp_context=worker_context(self.start_method),
                     initializer=_worker.watch_creator,
                     initargs=(os.getpid(),),
                 )

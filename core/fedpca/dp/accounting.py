@@ -54,6 +54,7 @@ from fedpca.errors import BudgetExceededError, CalibrationError, ConfigError
 from fedpca.query import Neighbouring
 
 __all__ = [
+    "BUDGET_ROUNDING_SLACK",
     "MIN_NOISE_MULTIPLIER",
     "Accountant",
     "BudgetDecision",
@@ -67,6 +68,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+BUDGET_ROUNDING_SLACK = 1e-9
+"""Relative slack of the budget comparison: a release composes to at most
+``epsilon_total * (1 + BUDGET_ROUNDING_SLACK)``. It absorbs the floating-point error of
+calibrating a release for exactly the remaining epsilon and recomputing its epsilon
+(measured at most 3e-11 relative; docs/privacy.md, "Rounding slack of the accountant")."""
 
 # RDP below PLD by more than this (absolute + relative) signals a numerical problem.
 # dp_accounting's PLD grid is 1e-4 in privacy-loss units; measured PLD errors on
@@ -383,9 +390,11 @@ def check_budget(
             )
     else:
         after = compose_epsilon(after_releases, budget.delta, kind)
+    # A release asking for exactly what is left lands within float error of the total
+    # (calibration and accounting each round): BUDGET_ROUNDING_SLACK, docs/privacy.md.
     # Requiring before < total as well keeps an exactly-full ledger closed even if
     # a very weak release did not move the composed epsilon in floating point.
-    fits = after <= budget.epsilon and before < budget.epsilon
+    fits = after <= budget.epsilon * (1.0 + BUDGET_ROUNDING_SLACK) and before < budget.epsilon
     remaining = budget.epsilon - (after if fits else before)
     cross: float | None = None
     if (

@@ -11,7 +11,9 @@ analyst's decoder) depends on this package and never on the wire layer.
 - :mod:`~fedpca.messages.chunks`: cutting a payload into chunks and checking them;
 - :mod:`~fedpca.messages.tasks`: hello, proxy info, task stream events, declines;
 - :mod:`~fedpca.messages.uploads`: upload ids, headers, receipts;
-- :mod:`~fedpca.messages.queries`: query state and status, results, budgets.
+- :mod:`~fedpca.messages.queries`: query state and status, results, budgets;
+- :mod:`~fedpca.messages.deployment`: the deployment's public facts, query listings,
+  cancellations.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fedpca.messages.ciphertexts import (
     ciphertexts_from_bytes,
     ciphertexts_to_bytes,
 )
+from fedpca.messages.deployment import CancelReceipt, DeploymentInfo, QuerySummary
 from fedpca.messages.queries import (
     BudgetStatus,
     NoiseDescription,
@@ -80,12 +83,14 @@ __all__ = [
     "UPLOAD_CHUNK_BYTES",
     "UPLOAD_ID_PATTERN",
     "BudgetStatus",
+    "CancelReceipt",
     "ChunkAssembler",
     "ChunkLike",
     "CiphertextBlock",
     "CiphertextPayload",
     "DeclineReason",
     "DecodedChunk",
+    "DeploymentInfo",
     "EncodedChunk",
     "Heartbeat",
     "NoiseDescription",
@@ -98,6 +103,7 @@ __all__ = [
     "QueryResult",
     "QueryState",
     "QueryStatus",
+    "QuerySummary",
     "SignedQuery",
     "Task",
     "TaskCancellation",

@@ -181,7 +181,12 @@ class QueryResult:
 
 @dataclass(frozen=True)
 class BudgetStatus:
-    """Cumulative privacy loss of one analyst, epsilons reported at ``delta``."""
+    """Cumulative privacy loss of one analyst.
+
+    ``epsilon_spent`` is reported at ``delta``; ``epsilon_limit`` and
+    ``epsilon_remaining`` at ``limit_delta``, the budget's own delta (None when the
+    proxy did not say, e.g. an older proxy).
+    """
 
     analyst_id: str
     delta: float
@@ -189,3 +194,4 @@ class BudgetStatus:
     epsilon_remaining: float
     epsilon_limit: float
     n_releases: int
+    limit_delta: float | None = None

@@ -174,6 +174,7 @@ def create_async_server(
     *,
     maximum_concurrent_rpcs: int | None = None,
     extra_options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> grpc.aio.Server:
     """An asynchronous (grpc.aio) server with fedpca's options: no thread per stream.
 
@@ -182,6 +183,7 @@ def create_async_server(
     return grpc.aio.server(
         options=server_options(max_message_bytes) + list(extra_options),
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+        interceptors=list(interceptors) or None,
     )
 
 

@@ -1,4 +1,8 @@
-"""``fedpca owner``: run a data-owner node and inspect its privacy budget.
+"""``fedpca owner``: write an owner folder, check it, run the node, inspect its budget.
+
+``init`` (:mod:`fedpca.owner.init`) writes a complete owner folder; ``probe``
+(:mod:`fedpca.owner.probe`) checks it end to end; ``serve`` runs the node (flags
+override the file); ``budget`` prints the ledger.
 
 Register in ``fedpca.app.cli`` as ``"owner": ("fedpca.owner.cli", "owner_group", ...)``.
 """
@@ -16,24 +20,23 @@ from types import FrameType
 import click
 
 from fedpca.errors import ConfigError, DataError, KeyFileError
+from fedpca.logs import configure_logging
 from fedpca.owner.config import load_config
+from fedpca.owner.init import init_command
 
 __all__ = ["owner_group"]
 
 logger = logging.getLogger(__name__)
-
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _configure_logging(verbose: int) -> None:
     """Log handlers are configured here, in the entry point, and nowhere else.
 
     A daemon logs INFO by default (connections, tasks, progress); ``-v`` adds
-    DEBUG. A DEBUG level already chosen by ``fedpca -vv`` is kept.
+    DEBUG. A DEBUG level already chosen by ``fedpca -vv`` is kept, and so is the
+    format chosen by ``fedpca --log-format``.
     """
-    root_debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
-    level = logging.DEBUG if verbose > 0 or root_debug else logging.INFO
-    logging.basicConfig(level=level, format=_LOG_FORMAT, force=True)
+    configure_logging(logging.DEBUG if verbose > 0 else logging.INFO)
 
 
 @click.group("owner")
@@ -49,22 +52,61 @@ def owner_group() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The owner's TOML config (owner.toml).",
 )
+@click.option("--proxy", metavar="HOST:PORT", help="The proxy (overrides owner.proxy).")
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The owner's table (overrides data.path).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Ledger folder (overrides owner.state_dir).",
+)
+@click.option(
+    "--monitoring-listen",
+    help="host:port of /metrics, /healthz, /readyz (overrides monitoring.listen).",
+)
 @click.option(
     "--insecure",
     is_flag=True,
     help="Dial the proxy without TLS (local experiments only; overrides tls.insecure).",
 )
 @click.option("-v", "--verbose", count=True, help="Debug log output.")
-def serve_command(config_path: Path, insecure: bool, verbose: int) -> None:
-    """Connect to the proxy and answer tasks until interrupted (SIGINT/SIGTERM)."""
+def serve_command(
+    config_path: Path,
+    proxy: str | None,
+    data: Path | None,
+    state_dir: Path | None,
+    monitoring_listen: str | None,
+    insecure: bool,
+    verbose: int,
+) -> None:
+    """Connect to the proxy and answer tasks until interrupted (SIGINT/SIGTERM).
+
+    Flags override the configuration file.
+    """
+    from fedpca.monitoring import MonitoringServer
+    from fedpca.owner.metrics import OwnerMetrics
     from fedpca.owner.node import OwnerNode
 
     _configure_logging(verbose)
     try:
-        config = load_config(config_path)
-        if insecure:
-            config = config.with_insecure()
+        config = load_config(config_path).with_overrides(
+            proxy=proxy,
+            data=data,
+            state_dir=state_dir,
+            insecure=insecure,
+            monitoring_listen=monitoring_listen,
+        )
         node = OwnerNode(config)
+        monitoring = None
+        if config.monitoring.listen is not None:
+            node.metrics = OwnerMetrics(node)
+            monitoring = MonitoringServer(
+                config.monitoring.listen, node.metrics.registry, live=node.alive, ready=node.ready
+            )
+            monitoring.start()
     except (ConfigError, DataError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -75,7 +117,32 @@ def serve_command(config_path: Path, insecure: bool, verbose: int) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
-    node.run_forever()
+    try:
+        node.run_forever()
+    finally:
+        if monitoring is not None:
+            monitoring.stop()
+
+
+@owner_group.command("probe")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The owner's TOML config (owner.toml).",
+)
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds."
+)
+def probe_command(config_path: Path, timeout: float) -> None:
+    """Check config, data, TLS files, state folder, the proxy and enrolment (exit 1 on a
+    failure): before the first serve, and as a Kubernetes exec probe."""
+    from fedpca.owner.probe import probe_owner
+
+    ok = probe_owner(config_path, timeout=timeout, report=lambda result: click.echo(result.line()))
+    if not ok:
+        raise SystemExit(1)
 
 
 @owner_group.command("budget")
@@ -133,3 +200,6 @@ def budget_command(config_path: Path, delta: float | None) -> None:
         click.echo(
             f"  {when}Z  {event.query_id:<24} {cost:<44} {state:<10} analyst {event.analyst}"
         )
+
+
+owner_group.add_command(init_command)

@@ -36,6 +36,8 @@ config can be moved together with its certificates and data)::
     [crypto]
     processes = 0                        # 0 = all cores
     obfuscation = "djn"                  # "djn" | "standard"
+    [monitoring]                         # optional
+    listen = "0.0.0.0:9464"              # HTTP /metrics, /healthz, /readyz (fedpca.monitoring)
 
 Unknown sections and keys are refused: a misspelt ``max_epsilon_per_querry`` that
 silently fell back to a default would weaken the owner's policy without anyone
@@ -67,6 +69,7 @@ __all__ = [
     "BudgetConfig",
     "CryptoConfig",
     "DataConfig",
+    "MonitoringConfig",
     "NodeConfig",
     "OwnerConfig",
     "PolicyConfig",
@@ -216,6 +219,14 @@ BudgetConfig = PrivacyParams
 
 
 @dataclass(frozen=True)
+class MonitoringConfig:
+    """``[monitoring]``: the opt-in HTTP port for Prometheus and health probes."""
+
+    listen: str | None = None
+    """``host:port`` of /metrics, /healthz and /readyz; None: no monitoring port."""
+
+
+@dataclass(frozen=True)
 class OwnerConfig:
     """A whole ``owner.toml``.
 
@@ -233,6 +244,7 @@ class OwnerConfig:
     crypto: CryptoConfig = CryptoConfig()
     source: Path | None = None
     privacy: PrivacyConfig = PrivacyConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
 
     @property
     def ledger_path(self) -> Path:
@@ -243,6 +255,36 @@ class OwnerConfig:
         """A copy with ``tls.insecure`` overridden (the ``--insecure`` flag)."""
         return replace(self, tls=TlsConfig(self.tls.ca, self.tls.cert, self.tls.key, insecure))
 
+    def with_overrides(
+        self,
+        *,
+        proxy: str | None = None,
+        data: Path | None = None,
+        state_dir: Path | None = None,
+        insecure: bool = False,
+        monitoring_listen: str | None = None,
+    ) -> OwnerConfig:
+        """A copy with command-line overrides applied (flags win over the file).
+
+        Raises
+        ------
+        ConfigError
+            A malformed proxy or monitoring address.
+        """
+        config = self
+        if proxy is not None:
+            config = replace(config, owner=replace(config.owner, proxy=_proxy_address(proxy)))
+        if data is not None:
+            config = replace(config, data=replace(config.data, path=data))
+        if state_dir is not None:
+            config = replace(config, owner=replace(config.owner, state_dir=state_dir))
+        if insecure:
+            config = config.with_insecure()
+        if monitoring_listen is not None:
+            _monitoring_listen(monitoring_listen)
+            config = replace(config, monitoring=MonitoringConfig(monitoring_listen))
+        return config
+
     @classmethod
     def from_mapping(cls, document: Mapping[str, Any], base_dir: Path) -> OwnerConfig:
         """Build and validate a config from parsed TOML; paths relative to ``base_dir``.
@@ -252,7 +294,7 @@ class OwnerConfig:
         ConfigError
             Naming the section and key of the first invalid or unknown entry.
         """
-        sections = {"owner", "tls", "data", "privacy", "policy", "budget", "crypto"}
+        sections = {"owner", "tls", "data", "privacy", "policy", "budget", "crypto", "monitoring"}
         reject_unknown_keys(document, sections)
         reader = _Reader(base_dir)
         owner = _section(document, "owner", required=True)
@@ -262,10 +304,7 @@ class OwnerConfig:
             validate_node_id(node_id)
         except ConfigError as exc:
             raise ConfigError(f"owner.id: {exc}") from exc
-        proxy = reader.string(owner, "owner", "proxy")
-        match = _ADDRESS_RE.fullmatch(proxy)
-        if match is None or not 1 <= int(match.group(2)) <= 65535:
-            raise ConfigError(f"owner.proxy must be 'host:port', got {proxy!r}")
+        proxy = _proxy_address(reader.string(owner, "owner", "proxy"))
         state_dir = reader.path(owner, "owner", "state_dir", default=f"state/{node_id}")
         assert state_dir is not None
         node = NodeConfig(node_id, proxy, state_dir)
@@ -425,7 +464,13 @@ class OwnerConfig:
                 f'crypto.obfuscation must be "djn" or "standard", got {obfuscation_name!r}'
             ) from None
         crypto = CryptoConfig(processes, obfuscation)
-        return cls(node, tls, data, policy, budget, crypto, privacy=privacy)
+        monitoring_doc = _section(document, "monitoring", required=False)
+        reject_unknown_keys(monitoring_doc, {"listen"}, "monitoring")
+        monitoring = MonitoringConfig()
+        if "listen" in monitoring_doc:
+            listen = reader.string(monitoring_doc, "monitoring", "listen")
+            monitoring = MonitoringConfig(_monitoring_listen(listen))
+        return cls(node, tls, data, policy, budget, crypto, privacy=privacy, monitoring=monitoring)
 
 
 def load_config(path: str | os.PathLike[str]) -> OwnerConfig:
@@ -445,6 +490,18 @@ def load_config(path: str | os.PathLike[str]) -> OwnerConfig:
 
 
 # ------------------------------------------------------------------ helpers
+def _proxy_address(proxy: str) -> str:
+    match = _ADDRESS_RE.fullmatch(proxy)
+    if match is None or not 1 <= int(match.group(2)) <= 65535:
+        raise ConfigError(f"owner.proxy must be 'host:port', got {proxy!r}")
+    return proxy
+
+
+def _monitoring_listen(listen: str) -> str:
+    match = _ADDRESS_RE.fullmatch(listen)
+    if match is None or not 0 <= int(match.group(2)) <= 65535:
+        raise ConfigError(f"monitoring.listen must be 'host:port', got {listen!r}")
+    return listen
 
 
 _Choice = TypeVar("_Choice", bound=StrEnum)

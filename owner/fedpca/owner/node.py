@@ -76,6 +76,7 @@ from fedpca.query import ProtocolMode, spec_digest
 from fedpca.transport import serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
+from fedpca.transport.diagnose import diagnose_connection
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from fedpca.version import __version__
@@ -255,13 +256,18 @@ class OwnerNode:
         self._max_message_bytes = UPLOAD_CHUNK_BYTES
         self.connected = threading.Event()
         """Set while a task stream is open (for tests and health checks)."""
+        self.metrics: Any = None
+        """Told every handled task's outcome and duration (:mod:`fedpca.owner.metrics`)."""
+        self._worker: threading.Thread | None = None
         # The record count is a statistic of the data: logs carry the public capacity.
         logger.info(
-            "owner %s ready: table of %d features%s, capacity %d records, budget epsilon=%g "
-            "delta=%g under %s adjacency",
+            "owner %s ready: table of %d features (%s), capacity %d records, budget "
+            "epsilon=%g delta=%g under %s adjacency",
             config.owner.id,
             self.table.n_features,
-            " and a label column" if self.table.label_column is not None else "",
+            "no label column"
+            if self.table.label_column is None
+            else f"label in column {self.table.label_column} of {self.table.n_columns}",
             config.data.max_records,
             config.budget.epsilon,
             config.budget.delta,
@@ -269,6 +275,20 @@ class OwnerNode:
         )
 
     # ------------------------------------------------------------ lifecycle
+    def alive(self) -> tuple[bool, str]:
+        """Liveness: the node runs and its task worker thread is alive."""
+        if self._stop.is_set():
+            return False, "stopping"
+        if self._worker is None or not self._worker.is_alive():
+            return False, "the task worker is not running"
+        return True, "running"
+
+    def ready(self) -> tuple[bool, str]:
+        """Readiness: the task stream to the proxy is open."""
+        if self.connected.is_set():
+            return True, f"task stream to {self.config.owner.proxy} open"
+        return False, f"not connected to {self.config.owner.proxy}"
+
     def stop(self) -> None:
         """Ask :meth:`run_forever` to return; safe from any thread or a signal handler."""
         self._stop.set()
@@ -310,6 +330,7 @@ class OwnerNode:
         worker = threading.Thread(
             target=self._work, args=(stub,), name="owner-task-worker", daemon=True
         )
+        self._worker = worker
         worker.start()
         try:
             attempt = 0
@@ -327,6 +348,8 @@ class OwnerNode:
                         _code_name(err),
                         _details(err),
                     )
+                    if attempt == 0 and _code(err) is grpc.StatusCode.UNAVAILABLE:
+                        self._explain_unavailable()
                 except ProtocolError as exc:
                     logger.error(
                         "owner %s: protocol error from the proxy: %s", self.config.owner.id, exc
@@ -359,6 +382,28 @@ class OwnerNode:
             if self._owns_pool:
                 self._pool.close()
             logger.info("owner %s stopped", self.config.owner.id)
+
+    def _explain_unavailable(self) -> None:
+        """Log what each address of the proxy answers, and a TLS failure no retry fixes
+        (a certificate that does not name the proxy's host) as an ERROR."""
+        diagnosis = diagnose_connection(
+            self.config.owner.proxy,
+            None if self._tls is None else self._tls.root_certificates,
+        )
+        if diagnosis.problem is not None:
+            logger.error(
+                "owner %s: cannot connect to %s: %s",
+                self.config.owner.id,
+                self.config.owner.proxy,
+                diagnosis.problem,
+            )
+        else:
+            logger.warning(
+                "owner %s: %s: %s",
+                self.config.owner.id,
+                self.config.owner.proxy,
+                diagnosis.summary(),
+            )
 
     def _session(self, stub: owner_grpc.OwnerServiceStub) -> bool:
         """Hello, then read the task stream until it ends. True if Hello succeeded."""
@@ -440,11 +485,17 @@ class OwnerNode:
             task = self._queue.get()
             if task is None or self._stop.is_set():
                 return
+            started = time.monotonic()
             try:
-                self.process_task(stub, task)
+                outcome = self.process_task(stub, task)
             except Exception:
                 # A bug must not kill the worker: later tasks still deserve an answer.
                 logger.exception("query %s: unexpected failure", task.key)
+                if self.metrics is not None:
+                    self.metrics.task_failed(time.monotonic() - started)
+            else:
+                if self.metrics is not None:
+                    self.metrics.task_finished(outcome, time.monotonic() - started)
             finally:
                 with self._lock:
                     self._queued.discard(task.key)

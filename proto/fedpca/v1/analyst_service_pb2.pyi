@@ -145,17 +145,87 @@ class BudgetRequest(_message.Message):
     def __init__(self, delta: _Optional[float] = ...) -> None: ...
 
 class BudgetStatus(_message.Message):
-    __slots__ = ("analyst_id", "delta", "epsilon_spent", "epsilon_remaining", "epsilon_limit", "n_releases")
+    __slots__ = ("analyst_id", "delta", "epsilon_spent", "epsilon_remaining", "epsilon_limit", "n_releases", "limit_delta")
     ANALYST_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     EPSILON_REMAINING_FIELD_NUMBER: _ClassVar[int]
     EPSILON_LIMIT_FIELD_NUMBER: _ClassVar[int]
     N_RELEASES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_DELTA_FIELD_NUMBER: _ClassVar[int]
     analyst_id: str
     delta: float
     epsilon_spent: float
     epsilon_remaining: float
     epsilon_limit: float
     n_releases: int
-    def __init__(self, analyst_id: _Optional[str] = ..., delta: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., n_releases: _Optional[int] = ...) -> None: ...
+    limit_delta: float
+    def __init__(self, analyst_id: _Optional[str] = ..., delta: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., n_releases: _Optional[int] = ..., limit_delta: _Optional[float] = ...) -> None: ...
+
+class DescribeDeploymentRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeploymentInfo(_message.Message):
+    __slots__ = ("proxy_id", "software_version", "protocol_version", "owners_registered", "owners_connected", "neighbouring", "max_delta_per_query", "accountant", "analyst_id", "budget_epsilon", "budget_delta", "server_time")
+    PROXY_ID_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELTA_PER_QUERY_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    ANALYST_ID_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_DELTA_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    proxy_id: str
+    software_version: str
+    protocol_version: int
+    owners_registered: int
+    owners_connected: int
+    neighbouring: _query_pb2.Neighbouring
+    max_delta_per_query: float
+    accountant: str
+    analyst_id: str
+    budget_epsilon: float
+    budget_delta: float
+    server_time: _timestamp_pb2.Timestamp
+    def __init__(self, proxy_id: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., owners_registered: _Optional[int] = ..., owners_connected: _Optional[int] = ..., neighbouring: _Optional[_Union[_query_pb2.Neighbouring, str]] = ..., max_delta_per_query: _Optional[float] = ..., accountant: _Optional[str] = ..., analyst_id: _Optional[str] = ..., budget_epsilon: _Optional[float] = ..., budget_delta: _Optional[float] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListQueriesRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class QuerySummary(_message.Message):
+    __slots__ = ("status", "kind", "mode", "epsilon", "delta", "created_at")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    status: QueryStatus
+    kind: _query_pb2.QueryKind
+    mode: _query_pb2.ProtocolMode
+    epsilon: float
+    delta: float
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, status: _Optional[_Union[QueryStatus, _Mapping]] = ..., kind: _Optional[_Union[_query_pb2.QueryKind, str]] = ..., mode: _Optional[_Union[_query_pb2.ProtocolMode, str]] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class QueryList(_message.Message):
+    __slots__ = ("queries",)
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    queries: _containers.RepeatedCompositeFieldContainer[QuerySummary]
+    def __init__(self, queries: _Optional[_Iterable[_Union[QuerySummary, _Mapping]]] = ...) -> None: ...
+
+class CancelReceipt(_message.Message):
+    __slots__ = ("status", "refunded")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REFUNDED_FIELD_NUMBER: _ClassVar[int]
+    status: QueryStatus
+    refunded: bool
+    def __init__(self, status: _Optional[_Union[QueryStatus, _Mapping]] = ..., refunded: _Optional[bool] = ...) -> None: ...

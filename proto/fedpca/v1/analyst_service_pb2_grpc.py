@@ -59,6 +59,21 @@ class AnalystServiceStub:
                 request_serializer=fedpca_dot_v1_dot_analyst__service__pb2.BudgetRequest.SerializeToString,
                 response_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.BudgetStatus.FromString,
                 _registered_method=True)
+        self.DescribeDeployment = channel.unary_unary(
+                '/fedpca.v1.AnalystService/DescribeDeployment',
+                request_serializer=fedpca_dot_v1_dot_analyst__service__pb2.DescribeDeploymentRequest.SerializeToString,
+                response_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.DeploymentInfo.FromString,
+                _registered_method=True)
+        self.ListQueries = channel.unary_unary(
+                '/fedpca.v1.AnalystService/ListQueries',
+                request_serializer=fedpca_dot_v1_dot_analyst__service__pb2.ListQueriesRequest.SerializeToString,
+                response_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.QueryList.FromString,
+                _registered_method=True)
+        self.CancelQuery = channel.unary_unary(
+                '/fedpca.v1.AnalystService/CancelQuery',
+                request_serializer=fedpca_dot_v1_dot_analyst__service__pb2.QueryRef.SerializeToString,
+                response_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.CancelReceipt.FromString,
+                _registered_method=True)
 
 
 class AnalystServiceServicer:
@@ -99,6 +114,29 @@ class AnalystServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeDeployment(self, request, context):
+        """Public facts of the deployment: the proxy, how many owners it accepts, the
+        neighbouring relation, the per-query delta cap and the caller's budget limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListQueries(self, request, context):
+        """The caller's own queries, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelQuery(self, request, context):
+        """Stop one of the caller's queries while it collects uploads: it fails with the
+        reason "cancelled by the analyst" and owners receive a TaskCancellation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AnalystServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +164,21 @@ def add_AnalystServiceServicer_to_server(servicer, server):
                     servicer.GetBudget,
                     request_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.BudgetRequest.FromString,
                     response_serializer=fedpca_dot_v1_dot_analyst__service__pb2.BudgetStatus.SerializeToString,
+            ),
+            'DescribeDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeDeployment,
+                    request_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.DescribeDeploymentRequest.FromString,
+                    response_serializer=fedpca_dot_v1_dot_analyst__service__pb2.DeploymentInfo.SerializeToString,
+            ),
+            'ListQueries': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueries,
+                    request_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.ListQueriesRequest.FromString,
+                    response_serializer=fedpca_dot_v1_dot_analyst__service__pb2.QueryList.SerializeToString,
+            ),
+            'CancelQuery': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelQuery,
+                    request_deserializer=fedpca_dot_v1_dot_analyst__service__pb2.QueryRef.FromString,
+                    response_serializer=fedpca_dot_v1_dot_analyst__service__pb2.CancelReceipt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +316,87 @@ class AnalystService:
             '/fedpca.v1.AnalystService/GetBudget',
             fedpca_dot_v1_dot_analyst__service__pb2.BudgetRequest.SerializeToString,
             fedpca_dot_v1_dot_analyst__service__pb2.BudgetStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpca.v1.AnalystService/DescribeDeployment',
+            fedpca_dot_v1_dot_analyst__service__pb2.DescribeDeploymentRequest.SerializeToString,
+            fedpca_dot_v1_dot_analyst__service__pb2.DeploymentInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpca.v1.AnalystService/ListQueries',
+            fedpca_dot_v1_dot_analyst__service__pb2.ListQueriesRequest.SerializeToString,
+            fedpca_dot_v1_dot_analyst__service__pb2.QueryList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelQuery(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpca.v1.AnalystService/CancelQuery',
+            fedpca_dot_v1_dot_analyst__service__pb2.QueryRef.SerializeToString,
+            fedpca_dot_v1_dot_analyst__service__pb2.CancelReceipt.FromString,
             options,
             channel_credentials,
             insecure,

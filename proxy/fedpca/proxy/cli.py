@@ -7,6 +7,9 @@ everything else goes to the log (stderr).
 
 ``fedpca proxy status --config proxy.toml`` lists the queries in the proxy's
 SQLite database (it may run while the proxy is serving: WAL readers do not block).
+
+``fedpca proxy init --out DIR --owners a,b,c --certs CERTS`` writes a complete proxy
+folder (:mod:`fedpca.proxy.init`).
 """
 
 from __future__ import annotations
@@ -21,26 +24,22 @@ from types import FrameType
 import click
 
 from fedpca.errors import FedpcaError
+from fedpca.logs import configure_logging
 from fedpca.proxy.config import ProxyConfig, load_config
+from fedpca.proxy.init import init_command
 
 __all__ = ["proxy_group"]
 
 logger = logging.getLogger(__name__)
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _configure_logging(verbose: int) -> None:
     """INFO by default (a daemon's log is its only window), DEBUG with -v.
 
     ``fedpca -v…`` may already have configured the root logger; never make it
-    quieter than it is.
+    quieter than it is, and keep the format ``fedpca --log-format`` chose.
     """
-    level = logging.DEBUG if verbose else logging.INFO
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(level=level, format=LOG_FORMAT)
-    root.setLevel(min(root.level or logging.WARNING, level))
+    configure_logging(logging.DEBUG if verbose else logging.INFO)
 
 
 def _load(path: Path) -> ProxyConfig:
@@ -65,18 +64,39 @@ def proxy_group() -> None:
 )
 @click.option("--listen", help="host:port to bind (overrides proxy.listen; port 0 = any).")
 @click.option(
+    "--database",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="SQLite database (overrides proxy.database).",
+)
+@click.option(
+    "--monitoring-listen",
+    help="host:port of /metrics, /healthz, /readyz (overrides monitoring.listen).",
+)
+@click.option(
     "--insecure",
     is_flag=True,
     help="No TLS, no authentication (local experiments only; overrides tls.insecure).",
 )
 @click.option("-v", "--verbose", count=True, help="Debug log output.")
-def serve_command(config_path: Path, listen: str | None, insecure: bool, verbose: int) -> None:
+def serve_command(
+    config_path: Path,
+    listen: str | None,
+    database: Path | None,
+    monitoring_listen: str | None,
+    insecure: bool,
+    verbose: int,
+) -> None:
     """Serve OwnerService and AnalystService until SIGTERM/SIGINT."""
     from fedpca.proxy.server import ProxyServer  # grpc, numpy, phe: only when serving
 
     _configure_logging(verbose)
     try:
-        config = _load(config_path).with_overrides(listen=listen, insecure=insecure)
+        config = _load(config_path).with_overrides(
+            listen=listen,
+            insecure=insecure,
+            database=database,
+            monitoring_listen=monitoring_listen,
+        )
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     stop = threading.Event()
@@ -142,3 +162,6 @@ def status_command(config_path: Path) -> None:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
         click.echo("  ".join([*cells, row[4]]).rstrip())
+
+
+proxy_group.add_command(init_command)

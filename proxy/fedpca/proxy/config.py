@@ -36,6 +36,9 @@ configuration file, so a deployment directory can be moved as a whole)::
     processes = 0                # 0 = all cores
     allow_insecure_test_keys = false   # TEST ONLY: accept analyst keys < 2048 bits
 
+    [monitoring]                 # optional: HTTP /metrics, /healthz, /readyz (fedpca.monitoring)
+    listen = "0.0.0.0:9464"
+
     [limits]                     # per-peer bounds (fedpca.proxy.limits; these are the defaults)
     max_uploads_per_owner = 2
     upload_idle_seconds = 60.0
@@ -71,6 +74,7 @@ from fedpca.transport.certs import TlsFiles, validate_node_id
 __all__ = [
     "BudgetConfig",
     "CryptoConfig",
+    "MonitoringSection",
     "OwnersConfig",
     "PrivacySection",
     "ProxyConfig",
@@ -180,6 +184,14 @@ class CryptoConfig:
 
 
 @dataclass(frozen=True)
+class MonitoringSection:
+    """``[monitoring]``: the opt-in HTTP port for Prometheus and health probes."""
+
+    listen: str | None = None
+    """``host:port`` of /metrics, /healthz and /readyz; None: no monitoring port."""
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """The whole proxy configuration."""
 
@@ -190,14 +202,27 @@ class ProxyConfig:
     owners: OwnersConfig = field(default_factory=OwnersConfig)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     limits: PeerLimits = field(default_factory=PeerLimits)
+    monitoring: MonitoringSection = field(default_factory=MonitoringSection)
 
-    def with_overrides(self, *, listen: str | None = None, insecure: bool = False) -> ProxyConfig:
+    def with_overrides(
+        self,
+        *,
+        listen: str | None = None,
+        insecure: bool = False,
+        database: Path | None = None,
+        monitoring_listen: str | None = None,
+    ) -> ProxyConfig:
         """A copy with command-line overrides applied (flags win over the file)."""
         config = self
         if listen is not None:
             config = replace(config, proxy=replace(config.proxy, listen=_listen(listen, "listen")))
         if insecure:
             config = replace(config, tls=replace(config.tls, insecure=True))
+        if database is not None:
+            config = replace(config, proxy=replace(config.proxy, database=database))
+        if monitoring_listen is not None:
+            _listen(monitoring_listen, "monitoring.listen")
+            config = replace(config, monitoring=MonitoringSection(monitoring_listen))
         return config
 
 
@@ -222,7 +247,8 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     base_dir : folder relative paths are resolved against.
     """
     reject_unknown_keys(
-        document, {"proxy", "tls", "owners", "privacy", "budget", "crypto", "limits"}
+        document,
+        {"proxy", "tls", "owners", "privacy", "budget", "crypto", "limits", "monitoring"},
     )
     proxy_table = _table(document, "proxy")
     tls_table = _table(document, "tls")
@@ -296,7 +322,15 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         owners=_owners(_table(document, "owners")),
         privacy=_privacy_section(_table(document, "privacy"), default),
         limits=PeerLimits.from_mapping(dict(_table(document, "limits"))),
+        monitoring=_monitoring(_table(document, "monitoring")),
     )
+
+
+def _monitoring(table: Mapping[str, Any]) -> MonitoringSection:
+    reject_unknown_keys(table, {"listen"}, "monitoring")
+    if "listen" not in table:
+        return MonitoringSection()
+    return MonitoringSection(_listen(_str(table, "monitoring.listen", ""), "monitoring.listen"))
 
 
 def _serials(serials: Any) -> frozenset[int]:

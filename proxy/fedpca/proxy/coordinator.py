@@ -48,6 +48,7 @@ from fedpca.errors import (
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     BudgetStatus,
+    CancelReceipt,
     OwnerDecline,
     QueryResult,
     QueryState,
@@ -68,9 +69,12 @@ from fedpca.proxy.uploads import UploadStream, check_upload_header
 from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.signing import verify_query
 
-__all__ = ["Coordinator", "task_id"]
+__all__ = ["CANCELLED_REASON", "Coordinator", "task_id"]
 
 logger = logging.getLogger(__name__)
+
+CANCELLED_REASON = "cancelled by the analyst"
+"""The failure reason of a query its analyst cancelled."""
 
 DEFAULT_TIMER_INTERVAL = 0.5
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
@@ -170,6 +174,9 @@ class Coordinator:
             noise_sampler,
             enabled=background if precompute_noise is None else precompute_noise,
         )
+        self.observer: Any = None
+        """Told each upload's fold seconds and each query's noise seconds
+        (``upload_folded`` / ``noise_added``; :class:`fedpca.proxy.metrics.ProxyMetrics`)."""
 
     # ------------------------------------------------------------ change feed
     @property
@@ -542,6 +549,8 @@ class Coordinator:
     def _uploaded(self, query_id: str, receipt: UploadCompletion, fold_seconds: float) -> None:
         with self._lock:
             self._fold_seconds[query_id] = self._fold_seconds.get(query_id, 0.0) + fold_seconds
+        if self.observer is not None:
+            self.observer.upload_folded(fold_seconds)
         self._notify()
         if receipt.n_contributed >= self._context(query_id).spec.quorum:
             self.close(query_id)
@@ -709,6 +718,8 @@ class Coordinator:
                     record.n_contributed,
                     meta["timings"]["noise_seconds"],
                 )
+                if self.observer is not None:
+                    self.observer.noise_added(meta["timings"]["noise_seconds"])
             self._notify()
             return record
         finally:
@@ -768,6 +779,47 @@ class Coordinator:
     def prepared_noise(self, query_id: str) -> Future[EncryptedNoise] | None:
         """TEST AID: the pending preparation of a query's noise, if any (not removed)."""
         return self._noise.pending(query_id)
+
+    # ----------------------------------------------------------------- cancel
+    def cancel(self, analyst_id: str, query_id: str) -> CancelReceipt:
+        """Stop the analyst's query while it collects: COLLECTING -> FAILED.
+
+        The failure reason is :data:`CANCELLED_REASON`; the refund rule is that of
+        every failure (the charge is refunded only if no owner began an upload), and
+        owners that have not answered receive a TaskCancellation on their task stream.
+        Cancelling a query that already failed changes nothing.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        QueryStateError
+            Collection has closed (NOISING or DONE): the result is, or is being,
+            released and can no longer be withheld.
+        """
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        if record.state is QueryState.COLLECTING:
+            try:
+                record = self.store.set_state(
+                    key,
+                    QueryState.FAILED,
+                    expect=(QueryState.COLLECTING,),
+                    failure_reason=CANCELLED_REASON,
+                    algebra=self._algebra(key),
+                )
+            except QueryStateError:
+                record = self.store.query(key)  # closed or failed meanwhile
+            else:
+                logger.warning("query %s failed: %s", key, CANCELLED_REASON)
+                self._noise.discard(key)
+                self._notify()
+        if record.state is not QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} is {record.state.value}: collection has closed and its "
+                "result is being or has been released; it can no longer be cancelled"
+            )
+        return CancelReceipt(self.status(analyst_id, query_id), not self.store.has_release(key))
 
     # ---------------------------------------------------------------- reading
     def status(self, analyst_id: str, query_id: str) -> QueryStatus:
@@ -843,4 +895,5 @@ class Coordinator:
             epsilon_remaining=remaining,
             epsilon_limit=limit.epsilon,
             n_releases=len(ledger),
+            limit_delta=limit.delta,
         )

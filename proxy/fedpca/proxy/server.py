@@ -1,4 +1,5 @@
-"""The proxy process: store, crypto pool, coordinator, deadline timer and gRPC server.
+"""The proxy process: store, crypto pool, coordinator, deadline timer and gRPC server,
+plus the standard gRPC health service and the opt-in monitoring port.
 
 :class:`ProxyServer` wires the pieces together in the order that keeps crash
 recovery sound: the store and the pool come first, then the coordinator finishes
@@ -18,13 +19,16 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedpca.codec import CryptoPool
 from fedpca.dp.noise import NoiseSampler
 from fedpca.errors import ConfigError
+from fedpca.monitoring import MonitoringServer
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import PeerSlots
+from fedpca.proxy.metrics import ProxyMetrics
 from fedpca.proxy.servicer import (
     AnalystServicer,
     ChangeFeed,
@@ -36,11 +40,14 @@ from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels
 from fedpca.transport.certs import Role, TlsMaterial
 
-__all__ = ["ProxyServer"]
+__all__ = ["HEALTH_SERVICES", "ProxyServer"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_SECONDS = 5.0
+
+HEALTH_SERVICES = ("fedpca.v1.OwnerService", "fedpca.v1.AnalystService")
+"""Services the health service reports besides the server as a whole ("")."""
 
 _T = TypeVar("_T")
 
@@ -84,6 +91,11 @@ class ProxyServer:
         self._timer: threading.Thread | None = None
         self._address: str | None = None
         self._terminated = threading.Event()
+        self.metrics = ProxyMetrics()
+        """Prometheus metrics of this proxy (served when ``[monitoring] listen`` is set)."""
+        self._health: Any = None
+        self._monitoring: MonitoringServer | None = None
+        self._task_streams: Any = None
 
     @property
     def address(self) -> str:
@@ -140,6 +152,7 @@ class ProxyServer:
             self._coordinator = Coordinator(
                 self._store, config, self._pool, noise_sampler=self._noise_sampler
             )
+            self._coordinator.observer = self.metrics
             recovered = self._coordinator.recover()
             if recovered:
                 logger.warning("recovered %d queries: %s", len(recovered), ", ".join(recovered))
@@ -156,6 +169,14 @@ class ProxyServer:
             )
             self._loop_thread.start()
             port = self._on_loop(self._serve(tls))
+            if config.monitoring.listen is not None:
+                self._monitoring = MonitoringServer(
+                    config.monitoring.listen,
+                    self.metrics.registry,
+                    live=self._live,
+                    ready=self._ready,
+                )
+                self._monitoring.start()
         except BaseException:
             self.stop(0)
             raise
@@ -163,6 +184,27 @@ class ProxyServer:
         self._address = f"{host}:{port}"
         logger.info("proxy %s serving on %s", config.proxy.id, self._address)
         return self._address
+
+    @property
+    def monitoring_port(self) -> int | None:
+        """The bound monitoring port, or None without ``[monitoring] listen``."""
+        return None if self._monitoring is None else self._monitoring.port
+
+    def _live(self) -> tuple[bool, str]:
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return False, "the gRPC event loop is not running"
+        try:
+            self._on_loop(asyncio.sleep(0), timeout=5.0)
+        except TimeoutError:
+            return False, "the gRPC event loop did not answer within 5 s"
+        return True, "event loop answering"
+
+    def _ready(self) -> tuple[bool, str]:
+        coordinator = self._coordinator
+        if self._server is None or coordinator is None or coordinator.stopping:
+            return False, "not serving (starting or stopping)"
+        return True, f"serving; {self._task_streams.connected()} owners connected"
 
     async def _serve(self, tls: TlsMaterial | None) -> int:
         config = self.config
@@ -173,19 +215,23 @@ class ProxyServer:
         self._work = WorkerPool(limits)
         slots = PeerSlots()
         common: dict[str, Any] = {"insecure": tls is None}
-        server = channels.create_async_server(maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
+        server = channels.create_async_server(
+            maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+            interceptors=[self.metrics.interceptor()],
+        )
+        owners = OwnerServicer(
+            coordinator,
+            self._work,
+            feed,
+            slots,
+            limits,
+            proxy_id=config.proxy.id,
+            heartbeat_seconds=config.proxy.heartbeat_seconds,
+            **common,
+        )
         register_services(
             server,
-            OwnerServicer(
-                coordinator,
-                self._work,
-                feed,
-                slots,
-                limits,
-                proxy_id=config.proxy.id,
-                heartbeat_seconds=config.proxy.heartbeat_seconds,
-                **common,
-            ),
+            owners,
             AnalystServicer(
                 coordinator,
                 self._work,
@@ -193,9 +239,18 @@ class ProxyServer:
                 slots,
                 limits,
                 watch_poll_seconds=config.proxy.heartbeat_seconds,
+                proxy_id=config.proxy.id,
+                task_streams=owners.streams,
                 **common,
             ),
         )
+        self._task_streams = owners.streams
+        self.metrics.watch(coordinator, owners.streams.connected)
+        # The standard gRPC health service (grpc.health.v1.Health) on the same port.
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for service in ("", *HEALTH_SERVICES):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         listen = config.proxy.listen
         if tls is None:
             port = channels.add_insecure_port(server, listen)
@@ -211,6 +266,12 @@ class ProxyServer:
         Open streams get ``grace`` seconds. A noise step still running is cut short
         and its query stays NOISING, to be finished by the next start.
         """
+        monitoring, self._monitoring = self._monitoring, None
+        if monitoring is not None:
+            monitoring.stop()
+        health_servicer, self._health = self._health, None
+        if health_servicer is not None and self._loop is not None:
+            self._on_loop(health_servicer.enter_graceful_shutdown())
         coordinator, self._coordinator = self._coordinator, None
         if coordinator is not None:
             coordinator.shutdown(wait=False)  # wakes task and watch streams

@@ -72,6 +72,7 @@ from fedpca.messages import (
     UploadReceipt,
     UploadStatus,
 )
+from fedpca.proxy import catalog
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import OverloadError, PeerLimits, PeerSlots, TaskStreams
 from fedpca.transport import certs, channels, serde
@@ -461,18 +462,31 @@ class OwnerServicer(_Base, owner_grpc.OwnerServiceServicer):
 
 # ------------------------------------------------------------------ analysts
 class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
-    """AnalystService: submit, status (unary and streamed), result, budget.
+    """AnalystService: submit, status (unary and streamed), result, budget, the
+    deployment's public facts, the analyst's query list and cancellation.
 
     Parameters
     ----------
+    proxy_id : this proxy's node id (reported by DescribeDeployment).
+    task_streams : the owners' open task streams (the OwnerServicer's), for the
+        number of connected owners.
     watch_poll_seconds : longest wait between status checks of a watch stream
         (changes wake it at once; this only bounds how soon a passed deadline is
         noticed).
     """
 
-    def __init__(self, *args: Any, watch_poll_seconds: float = 5.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        watch_poll_seconds: float = 5.0,
+        proxy_id: str = "proxy",
+        task_streams: TaskStreams | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.watch_poll_seconds = watch_poll_seconds
+        self.proxy_id = proxy_id
+        self.task_streams = task_streams if task_streams is not None else TaskStreams()
 
     @_unary
     async def SubmitQuery(
@@ -544,6 +558,42 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
             delta = serde.budget_request_from_proto(request)
             status = await self.work.run(self.coordinator.budget, analyst.node_id, delta)
             return serde.budget_status_to_proto(status)
+
+    @_unary
+    async def DescribeDeployment(
+        self, request: analyst_pb.DescribeDeploymentRequest, context: aio.ServicerContext
+    ) -> analyst_pb.DeploymentInfo:
+        analyst = self._caller(context, Role.ANALYST)
+        with self._call_slot(analyst):
+            info = catalog.describe_deployment(
+                self.coordinator,
+                analyst.node_id,
+                proxy_id=self.proxy_id,
+                owners_connected=self.task_streams.connected(),
+            )
+            return serde.deployment_info_to_proto(info)
+
+    @_unary
+    async def ListQueries(
+        self, request: analyst_pb.ListQueriesRequest, context: aio.ServicerContext
+    ) -> analyst_pb.QueryList:
+        analyst = self._caller(context, Role.ANALYST)
+        with self._call_slot(analyst):
+            limit = serde.list_queries_request_from_proto(request)
+            queries = await self.work.run(
+                catalog.list_queries, self.coordinator, analyst.node_id, limit
+            )
+            return serde.query_list_to_proto(queries)
+
+    @_unary
+    async def CancelQuery(
+        self, request: analyst_pb.QueryRef, context: aio.ServicerContext
+    ) -> analyst_pb.CancelReceipt:
+        analyst = self._caller(context, Role.ANALYST)
+        with self._call_slot(analyst):
+            query_id = serde.query_ref_from_proto(request)
+            receipt = await self.work.run(self.coordinator.cancel, analyst.node_id, query_id)
+            return serde.cancel_receipt_to_proto(receipt)
 
 
 # ------------------------------------------------------------- registration

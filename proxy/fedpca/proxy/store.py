@@ -457,6 +457,38 @@ class ProxyStore:
                 rows = self._conn.execute("SELECT * FROM queries ORDER BY created_at").fetchall()
         return [_query_record(r) for r in rows]
 
+    def analyst_queries(self, analyst_id: str, limit: int) -> list[QueryRecord]:
+        """The analyst's ``limit`` newest queries, newest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM queries WHERE analyst_id=? ORDER BY created_at DESC, query_id "
+                "LIMIT ?",
+                (analyst_id, limit),
+            ).fetchall()
+        return [_query_record(r) for r in rows]
+
+    def state_counts(self) -> dict[QueryState, int]:
+        """How many queries are in each state (for monitoring)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT state, COUNT(*) AS n FROM queries GROUP BY state"
+            ).fetchall()
+        return {QueryState(r["state"]): int(r["n"]) for r in rows}
+
+    def analyst_ids(self) -> list[str]:
+        """Analysts with a recorded budget (every analyst that ever submitted)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT analyst_id FROM analysts ORDER BY analyst_id")
+            return [str(r["analyst_id"]) for r in rows.fetchall()]
+
+    def has_release(self, query_id: str) -> bool:
+        """Whether the query's charge is on its analyst's ledger (False once refunded)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT 1 FROM releases WHERE query_id=?", (query_id,)
+            ).fetchone()
+        return row is not None
+
     def set_state(
         self,
         query_id: str,

@@ -8,20 +8,29 @@ from fedpca.errors import LayoutError, ProtocolError
 from fedpca.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BudgetStatus,
+    CancelReceipt,
     ChunkAssembler,
+    DeploymentInfo,
     NoiseDescription,
     NoiseSection,
     OwnerDecline,
     QueryResult,
     QueryStatus,
+    QuerySummary,
     SignedQuery,
     collect_payload,
 )
 from fedpca.transport.serde._common import (
     CALIBRATION_FROM_PROTO,
     CALIBRATION_TO_PROTO,
+    KIND_FROM_PROTO,
+    KIND_TO_PROTO,
     MECHANISM_FROM_PROTO,
     MECHANISM_TO_PROTO,
+    MODE_FROM_PROTO,
+    MODE_TO_PROTO,
+    NEIGHBOURING_FROM_PROTO,
+    NEIGHBOURING_TO_PROTO,
     STATE_FROM_PROTO,
     STATE_TO_PROTO,
     enum_from_proto,
@@ -232,6 +241,8 @@ def budget_status_to_proto(status: BudgetStatus) -> analyst_pb.BudgetStatus:
         epsilon_limit=status.epsilon_limit,
         n_releases=status.n_releases,
     )
+    if status.limit_delta is not None:
+        set_scalars(message, "BudgetStatus", limit_delta=status.limit_delta)
     return message
 
 
@@ -243,4 +254,102 @@ def budget_status_from_proto(message: analyst_pb.BudgetStatus) -> BudgetStatus:
         epsilon_remaining=message.epsilon_remaining,
         epsilon_limit=message.epsilon_limit,
         n_releases=message.n_releases,
+        # 0 is proto3's "not set" (an older proxy): no budget has delta 0.
+        limit_delta=message.limit_delta if message.limit_delta > 0 else None,
     )
+
+
+# ------------------------------------------------- deployment, listing, cancel
+MAX_LISTED_QUERIES = 1000
+"""Most queries one ListQueries call returns."""
+
+
+def deployment_info_to_proto(info: DeploymentInfo) -> analyst_pb.DeploymentInfo:
+    message = analyst_pb.DeploymentInfo(neighbouring=NEIGHBOURING_TO_PROTO[info.neighbouring])
+    set_scalars(
+        message,
+        "DeploymentInfo",
+        proxy_id=info.proxy_id,
+        software_version=info.software_version,
+        protocol_version=info.protocol_version,
+        owners_registered=info.owners_registered,
+        owners_connected=info.owners_connected,
+        max_delta_per_query=info.max_delta_per_query,
+        accountant=info.accountant,
+        analyst_id=info.analyst_id,
+        budget_epsilon=info.budget_epsilon,
+        budget_delta=info.budget_delta,
+    )
+    message.server_time.CopyFrom(timestamp_to_proto(info.server_time, "DeploymentInfo.server_time"))
+    return message
+
+
+def deployment_info_from_proto(message: analyst_pb.DeploymentInfo) -> DeploymentInfo:
+    return DeploymentInfo(
+        proxy_id=message.proxy_id,
+        software_version=message.software_version,
+        protocol_version=message.protocol_version,
+        owners_registered=message.owners_registered,
+        owners_connected=message.owners_connected,
+        neighbouring=enum_from_proto(
+            message.neighbouring, NEIGHBOURING_FROM_PROTO, "DeploymentInfo.neighbouring"
+        ),
+        max_delta_per_query=message.max_delta_per_query,
+        accountant=message.accountant,
+        analyst_id=message.analyst_id,
+        budget_epsilon=message.budget_epsilon,
+        budget_delta=message.budget_delta,
+        server_time=timestamp_from_proto(message.server_time, "DeploymentInfo.server_time"),
+    )
+
+
+def list_queries_request_to_proto(limit: int = 0) -> analyst_pb.ListQueriesRequest:
+    message = analyst_pb.ListQueriesRequest()
+    set_scalars(message, "ListQueriesRequest", limit=limit)
+    return message
+
+
+def list_queries_request_from_proto(message: analyst_pb.ListQueriesRequest) -> int | None:
+    """The requested number of queries (None: the proxy's default), capped."""
+    if message.limit == 0:
+        return None
+    return min(message.limit, MAX_LISTED_QUERIES)
+
+
+def query_list_to_proto(queries: Iterable[QuerySummary]) -> analyst_pb.QueryList:
+    message = analyst_pb.QueryList()
+    for summary in queries:
+        item = message.queries.add(
+            status=query_status_to_proto(summary.status),
+            kind=KIND_TO_PROTO[summary.kind],
+            mode=MODE_TO_PROTO[summary.mode],
+        )
+        set_scalars(item, "QuerySummary", epsilon=summary.epsilon, delta=summary.delta)
+        item.created_at.CopyFrom(timestamp_to_proto(summary.created_at, "QuerySummary.created_at"))
+    return message
+
+
+def query_list_from_proto(message: analyst_pb.QueryList) -> list[QuerySummary]:
+    return [
+        QuerySummary(
+            status=query_status_from_proto(item.status),
+            kind=enum_from_proto(item.kind, KIND_FROM_PROTO, "QuerySummary.kind"),
+            mode=enum_from_proto(item.mode, MODE_FROM_PROTO, "QuerySummary.mode"),
+            epsilon=item.epsilon,
+            delta=item.delta,
+            created_at=timestamp_from_proto(item.created_at, "QuerySummary.created_at"),
+        )
+        for item in message.queries
+    ]
+
+
+def cancel_receipt_to_proto(receipt: CancelReceipt) -> analyst_pb.CancelReceipt:
+    return analyst_pb.CancelReceipt(
+        status=query_status_to_proto(receipt.status), refunded=receipt.refunded
+    )
+
+
+def cancel_receipt_from_proto(message: analyst_pb.CancelReceipt) -> CancelReceipt:
+    if not message.HasField("status"):
+        raise ProtocolError("CancelReceipt.status is missing")
+    return CancelReceipt(query_status_from_proto(message.status), message.refunded)

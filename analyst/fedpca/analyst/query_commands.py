@@ -1,0 +1,204 @@
+"""``fedpca analyst list|status|fetch|cancel``: the analyst's queries by id.
+
+An analyst sees only its own queries (the proxy scopes query ids by analyst). A
+query's result stays stored at the proxy once it is DONE, so ``fetch`` can download
+and decrypt it again, e.g. after the command that submitted it was interrupted during
+decryption; ``cancel`` stops a query that is still collecting uploads (its charge is
+refunded if no owner had begun an upload).
+
+The commands are defined by :func:`register`, which ``fedpca.analyst.cli`` calls with
+its connection options, so that both share one definition of how to reach the proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fedpca.errors import ConfigError, QueryStateError
+from fedpca.messages import QueryState, QueryStatus
+
+__all__ = ["register"]
+
+
+def _status_lines(status: QueryStatus) -> list[str]:
+    registered = status.owners_registered or "?"
+    lines = [
+        f"query:       {status.query_id}",
+        f"state:       {status.state.value}",
+        f"owners:      {status.owners_contributed} contributed, {status.owners_uploading} "
+        f"uploading, {status.owners_declined} declined; quorum {status.quorum} of "
+        f"{registered} registered",
+    ]
+    if status.deadline is not None:
+        lines.append(f"deadline:    {status.deadline.isoformat(timespec='seconds')}")
+    lines.extend(f"declined:    {decline.line()}" for decline in status.declines)
+    if status.failure_reason:
+        lines.append(f"failed:      {status.failure_reason}")
+    return lines
+
+
+def register(
+    group: click.Group,
+    connection_options: Callable[[Any], Any],
+    errors: Callable[[], Any],
+    connection: Callable[..., Any],
+) -> None:
+    """Add ``list``, ``status``, ``fetch`` and ``cancel`` to the analyst ``group``.
+
+    Parameters
+    ----------
+    group : the ``fedpca analyst`` group.
+    connection_options : decorator adding --proxy/--config/--ca/--cert/--key/... .
+    errors : context manager turning fedpca errors into one-line CLI errors.
+    connection : merges --config and flags into an
+        :class:`~fedpca.analyst.config.AnalystConfig`.
+    """
+
+    @contextmanager
+    def client(params: dict[str, Any], key_dir: Path | None = None) -> Iterator[Any]:
+        """An open AnalystClient and the analyst's key folder (flag, else config)."""
+        from fedpca.analyst.client import AnalystClient
+        from fedpca.transport.certs import TlsMaterial
+
+        merged = connection(
+            params["config_path"],
+            params["proxy"],
+            params["ca"],
+            params["cert"],
+            params["key"],
+            params["insecure"],
+            params["server_name"],
+            key_dir,
+        )
+        tls = None if merged.tls is None else TlsMaterial.load(merged.tls)
+        with AnalystClient(
+            merged.proxy,
+            tls,
+            insecure=merged.insecure,
+            server_name_override=merged.server_name,
+        ) as opened:
+            yield opened, merged.key_dir
+
+    @group.command("list")
+    @connection_options
+    @click.option("--limit", type=click.IntRange(min=1, max=1000), default=50, show_default=True)
+    def list_command(limit: int, **params: Any) -> None:
+        """List your queries at the proxy, newest first."""
+        with errors(), client(params) as (opened, _):
+            queries = opened.list_queries(limit)
+        if not queries:
+            click.echo("no queries")
+            return
+        rows = [("QUERY", "CREATED (UTC)", "KIND", "STATE", "OWNERS", "EPSILON", "REASON")]
+        for item in queries:
+            status = item.status
+            registered = status.owners_registered or "?"
+            rows.append(
+                (
+                    status.query_id,
+                    item.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                    f"{item.kind.value}/{item.mode.value}",
+                    status.state.value,
+                    f"{status.owners_contributed}/{status.quorum} of {registered}",
+                    f"{item.epsilon:g}",
+                    status.failure_reason or "",
+                )
+            )
+        widths = [max(len(row[c]) for row in rows) for c in range(6)]
+        for row in rows:
+            cells = [cell.ljust(width) for cell, width in zip(row[:6], widths, strict=True)]
+            click.echo("  ".join([*cells, row[6]]).rstrip())
+
+    @group.command("status")
+    @click.argument("query_id")
+    @connection_options
+    def status_command(query_id: str, **params: Any) -> None:
+        """Show one query's state, owners, declines and failure reason."""
+        with errors(), client(params) as (opened, _):
+            status = opened.status(query_id)
+        for line in _status_lines(status):
+            click.echo(line)
+
+    @group.command("cancel")
+    @click.argument("query_id")
+    @connection_options
+    def cancel_command(query_id: str, **params: Any) -> None:
+        """Cancel a query that is still collecting uploads."""
+        with errors(), client(params) as (opened, _):
+            receipt = opened.cancel(query_id)
+        click.echo(f"query {query_id}: {receipt.status.failure_reason or 'failed'}")
+        if receipt.refunded:
+            click.echo("charge: refunded (no owner had begun an upload)")
+        else:
+            click.echo("charge: stands (an owner had begun an upload, or it had failed before)")
+
+    @group.command("fetch")
+    @click.argument("query_id")
+    @connection_options
+    @click.option(
+        "--key-dir",
+        type=click.Path(exists=True, path_type=Path),
+        help="Directory of analyst.key.json (or set key_dir in --config).",
+    )
+    @click.option(
+        "--out",
+        required=True,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="result.json to write (plots go next to it).",
+    )
+    @click.option("--workers", type=click.IntRange(min=1), help="Decryption processes.")
+    def fetch_command(
+        query_id: str, key_dir: Path | None, out: Path, workers: int | None, **params: Any
+    ) -> None:
+        """Download and decrypt the stored result of a DONE query again."""
+        from fedpca.analyst import keys
+        from fedpca.analyst.cli import _print_release_summary
+        from fedpca.analyst.decode import decrypt_result
+        from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
+        from fedpca.analyst.report import write_report
+        from fedpca.codec.paillier import CryptoPool
+        from fedpca.query import QueryKind
+
+        with errors():
+            with client(params, key_dir) as (opened, analyst_key_dir):
+                if analyst_key_dir is None:
+                    raise ConfigError(
+                        "no analyst key: pass --key-dir DIR or set key_dir in --config"
+                    )
+                private_key = keys.load_analyst_private_key(analyst_key_dir)
+                status = opened.status(query_id)
+                if status.state is not QueryState.DONE:
+                    raise QueryStateError(
+                        f"query {query_id} is {status.state.value}"
+                        + (f" ({status.failure_reason})" if status.failure_reason else "")
+                        + ": only a DONE query has a result"
+                    )
+                registered = opened.describe().owners_registered
+                started = time.perf_counter()
+                fetched = opened.fetch(query_id)
+                fetch_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+            with CryptoPool(workers) as pool:
+                release = decrypt_result(fetched.result, private_key, pool=pool)
+            timings = {"fetch": fetch_seconds, "decrypt": time.perf_counter() - started}
+            estimator: FederatedPCA | FederatedDCA
+            if release.kind is QueryKind.PCA:
+                estimator = FederatedPCA.from_result(
+                    release, owners_registered=registered, timings=timings
+                )
+            elif release.kind is QueryKind.DCA:
+                estimator = FederatedDCA.from_result(
+                    release, owners_registered=registered, timings=timings
+                )
+            else:
+                raise ConfigError(
+                    f"fetch writes reports of pca and dca queries, not {release.kind.value}"
+                )
+            files = write_report(out, estimator)
+        _print_release_summary(estimator, files)

@@ -1,0 +1,75 @@
+"""What the proxy tells an analyst about the deployment and the analyst's own queries.
+
+Everything here is public: the deployment's configuration as the analyst needs it to
+state a query (owners registered, relation, delta cap, its own budget) and the
+lifecycle of the analyst's own queries, which it already observes one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from fedpca.messages.queries import QueryStatus
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind
+
+__all__ = ["CancelReceipt", "DeploymentInfo", "QuerySummary"]
+
+
+@dataclass(frozen=True)
+class DeploymentInfo:
+    """The public facts of a deployment, as its proxy reports them to one analyst.
+
+    Attributes
+    ----------
+    proxy_id, software_version, protocol_version : the proxy.
+    owners_registered : owners on the proxy's allow-list: the most that can
+        contribute, and the default quorum of the analyst's tools.
+    owners_connected : allowed owners with a task stream open at this moment.
+    neighbouring : the relation every query must state.
+    max_delta_per_query : the largest delta a query of this analyst may state.
+    accountant : how the proxy composes the analyst's releases.
+    analyst_id : the caller, as its certificate names it.
+    budget_epsilon, budget_delta : the caller's total budget.
+    server_time : the proxy's clock.
+    """
+
+    proxy_id: str
+    software_version: str
+    protocol_version: int
+    owners_registered: int
+    owners_connected: int
+    neighbouring: Neighbouring
+    max_delta_per_query: float
+    accountant: str
+    analyst_id: str
+    budget_epsilon: float
+    budget_delta: float
+    server_time: datetime
+
+
+@dataclass(frozen=True)
+class QuerySummary:
+    """One of the analyst's queries in a listing."""
+
+    status: QueryStatus
+    kind: QueryKind
+    mode: ProtocolMode
+    epsilon: float
+    delta: float
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class CancelReceipt:
+    """The outcome of cancelling a query.
+
+    Attributes
+    ----------
+    status : the query's status afterwards (FAILED, "cancelled by the analyst").
+    refunded : the analyst's charge was refunded (no owner had begun an upload);
+        otherwise the analyst pays for what the owners may have spent.
+    """
+
+    status: QueryStatus
+    refunded: bool

@@ -1,0 +1,133 @@
+"""Node folders: what ``fedpca proxy init`` and ``fedpca owner init`` write.
+
+A node folder holds everything one process needs, with paths relative to it, so it
+can be copied to the node's machine, mounted into a container or turned into a
+Kubernetes ConfigMap and Secret without editing a path::
+
+    <folder>/<role>.toml     the configuration (paths relative to this folder)
+    <folder>/tls/ca.pem      the fedpca CA certificate (0644)
+    <folder>/tls/cert.pem    this node's certificate (0644)
+    <folder>/tls/key.pem     this node's private key (0600)
+    <folder>/state/          durable state (SQLite), the only folder it writes to
+
+The TLS files are copies of the node's own files from a ``fedpca certs init``
+directory (never the CA key), or of files named one by one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedpca.errors import ConfigError
+from fedpca.transport.certs import (
+    CertificateDirectory,
+    NodeIdentity,
+    TlsFiles,
+    TlsMaterial,
+    read_certificate,
+    read_private_key,
+    write_certificate,
+    write_private_key,
+)
+
+__all__ = ["NodeFolder", "config_path", "prepare_folder"]
+
+TLS_DIR = "tls"
+STATE_DIR = "state"
+
+
+@dataclass(frozen=True)
+class NodeFolder:
+    """The layout of a node folder."""
+
+    root: Path
+
+    @property
+    def tls(self) -> TlsFiles:
+        tls = self.root / TLS_DIR
+        return TlsFiles(tls / "ca.pem", tls / "cert.pem", tls / "key.pem")
+
+    @property
+    def state(self) -> Path:
+        return self.root / STATE_DIR
+
+    def install_tls(
+        self,
+        identity: NodeIdentity,
+        *,
+        certs: Path | None = None,
+        files: TlsFiles | None = None,
+    ) -> TlsMaterial:
+        """Copy ``identity``'s TLS files into ``tls/`` and check them.
+
+        Parameters
+        ----------
+        identity : the node the certificate must name.
+        certs : a ``fedpca certs init`` directory to take the node's files from, or
+        files : the CA certificate, certificate and key named one by one.
+
+        Raises
+        ------
+        ConfigError
+            Neither or both sources, missing files, a certificate of another node, or
+            material that does not belong together (:meth:`TlsMaterial.load`).
+        """
+        if (certs is None) == (files is None):
+            raise ConfigError("give either a certificates directory or the three TLS files")
+        source = CertificateDirectory(certs).node_files(identity) if certs is not None else files
+        assert source is not None
+        for path in (source.ca_certificate, source.certificate, source.private_key):
+            if not path.is_file():
+                raise ConfigError(
+                    f"{path} does not exist"
+                    + (
+                        f" (issue it with `fedpca certs issue --dir {certs} --role "
+                        f"{identity.role.value} --node-id {identity.node_id}`)"
+                        if certs is not None
+                        else ""
+                    )
+                )
+        material = TlsMaterial.load(source)
+        if material.identity != identity:
+            raise ConfigError(
+                f"{source.certificate} is the certificate of {material.identity}, not {identity}"
+            )
+        target = self.tls
+        write_certificate(target.ca_certificate, read_certificate(source.ca_certificate))
+        write_certificate(target.certificate, read_certificate(source.certificate))
+        write_private_key(target.private_key, read_private_key(source.private_key))
+        return material
+
+    def make_state(self) -> None:
+        self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def prepare_folder(root: Path, config_name: str, *, force: bool) -> NodeFolder:
+    """Create ``root`` for a new node folder; refuse to overwrite a config without ``force``.
+
+    Raises
+    ------
+    ConfigError
+        ``root/config_name`` exists and ``force`` is False.
+    """
+    config = root / config_name
+    if config.exists() and not force:
+        raise ConfigError(
+            f"{config} already exists; pass --force to write the node folder again "
+            "(its state/ folder is kept)"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    return NodeFolder(root)
+
+
+def config_path(path: Path, config_dir: Path) -> str:
+    """``path`` as the configuration file should name it: relative to ``config_dir`` when
+    it lies inside it (the folder can move), else absolute."""
+    absolute = Path(os.path.abspath(path))
+    base = Path(os.path.abspath(config_dir))
+    try:
+        return absolute.relative_to(base).as_posix()
+    except ValueError:
+        return str(absolute)

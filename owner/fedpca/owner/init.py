@@ -1,0 +1,398 @@
+"""``fedpca owner init``: write a complete, working owner folder.
+
+One command per owner instead of six edits of a shared example: the folder
+(:mod:`fedpca.transport.bundle`) holds ``owner.toml`` with every path relative to it,
+the owner's TLS files under ``tls/`` and an empty ``state/`` for the budget ledger. The
+analyst's Paillier key fingerprint and query signer (both printed by ``fedpca analyst
+keygen``) are pinned; the public capacity ``max_records`` must be given: it is read by
+every analyst and the proxy, so it is never taken from the data without the operator
+choosing it (a missing flag is refused with a suggestion). The written file is read
+back with the owner's own loader, and the data file's schema is checked when it can be
+read from here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import click
+
+from fedpca.errors import ConfigError, DataError, FedpcaError
+from fedpca.owner.config import DEFAULT_MAX_TASKS_PER_DAY, OwnerConfig, load_config
+from fedpca.query import Neighbouring, QueryKind
+from fedpca.toml_config import toml_value
+from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, prepare_folder
+from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
+
+__all__ = [
+    "CONFIG_NAME",
+    "init_command",
+    "render_owner_config",
+    "suggest_capacity",
+    "write_owner_folder",
+]
+
+CONFIG_NAME = "owner.toml"
+
+
+def suggest_capacity(n_records: int) -> int:
+    """A round number at or above ``n_records`` (351 -> 400, 5000 -> 5000, 12 -> 20).
+
+    ``max_records`` is public; a round number above the true count says less about
+    it than the count itself.
+    """
+    if n_records <= 10:
+        return 10
+    step = 10 ** (len(str(n_records)) - 1)
+    return -(-n_records // step) * step
+
+
+def render_owner_config(
+    *,
+    owner_id: str,
+    proxy: str,
+    data: str,
+    header: str,
+    label_column: int | None,
+    max_records: int,
+    analyst_keys: list[str],
+    signers: list[str],
+    neighbouring: Neighbouring,
+    max_epsilon_per_query: float,
+    max_delta_per_query: float | None,
+    allow_masked_mode: bool,
+    kinds: list[str],
+    min_quorum: int,
+    max_tasks_per_day: int,
+    budget_epsilon: float,
+    budget_delta: float,
+    state_dir: str,
+    monitoring_listen: str | None,
+) -> str:
+    """The text of an owner.toml for a node folder (paths relative to it)."""
+    header_value: bool | str = {"yes": True, "no": False}.get(header, "auto")
+    lines = [
+        "# fedpca owner node, written by `fedpca owner init`.",
+        "# Run: fedpca owner serve --config owner.toml (paths are relative to this file).",
+        "# The node only dials out to the proxy; it never listens (except [monitoring]).",
+        "",
+        "[owner]",
+        f"id = {toml_value(owner_id)}   # the id in this owner's certificate",
+        f"proxy = {toml_value(proxy)}",
+        f"state_dir = {toml_value(state_dir)}   # the durable budget ledger (SQLite)",
+        "",
+        "[tls]",
+        f"ca = {toml_value(f'{TLS_DIR}/ca.pem')}",
+        f"cert = {toml_value(f'{TLS_DIR}/cert.pem')}",
+        f"key = {toml_value(f'{TLS_DIR}/key.pem')}",
+        "",
+        "[data]",
+        f"path = {toml_value(data)}",
+        f"header = {toml_value(header_value)}",
+    ]
+    if label_column is not None:
+        lines.append(f"label_column = {label_column}   # dropped for PCA, the class for DCA")
+    lines += [
+        f"max_records = {max_records}   # PUBLIC: the most records a query uses (a uniform",
+        "#   sample if the file holds more); every analyst and the proxy see this number",
+        "",
+        "[privacy]",
+        f"neighbouring = {toml_value(neighbouring.value)}   # the proxy's and every owner's",
+        "",
+        "[policy]",
+        "# The analyst's Paillier key and query-signing key (`fedpca analyst keygen`).",
+        f"accepted_analyst_keys = {toml_value(analyst_keys)}",
+        f"accepted_query_signers = {toml_value(signers)}",
+        f"max_epsilon_per_query = {toml_value(max_epsilon_per_query)}   # at the budget's delta",
+    ]
+    if max_delta_per_query is not None:
+        lines.append(f"max_delta_per_query = {toml_value(max_delta_per_query)}")
+    lines += [
+        "allow_not_private = false   # never answer epsilon = inf queries",
+        f"allow_masked_mode = {toml_value(allow_masked_mode)}   # masked mode publishes N",
+        f"allowed_kinds = {toml_value(kinds)}",
+        f"min_quorum = {min_quorum}   # never contribute to a query of fewer owners",
+        f"max_tasks_per_day = {max_tasks_per_day}",
+        "",
+        "[budget]   # the total (epsilon, delta) this owner will ever spend",
+        f"epsilon = {toml_value(budget_epsilon)}",
+        f"delta = {toml_value(budget_delta)}",
+        "",
+        "[crypto]",
+        "processes = 0   # 0 = all cores",
+        'obfuscation = "djn"   # or "standard" (full r^n, one assumption less)',
+    ]
+    if monitoring_listen is not None:
+        lines += [
+            "",
+            "[monitoring]   # HTTP /metrics, /healthz, /readyz (no TLS: keep it internal)",
+            f"listen = {toml_value(monitoring_listen)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _table_facts(path: Path, header: str, label_column: int | None) -> tuple[int, int] | None:
+    """(records, feature columns) of the data file, or None if it cannot be read here."""
+    from fedpca.tables import load_table
+
+    if not path.is_file():
+        return None
+    table = load_table(
+        path, label_column=label_column, header={"yes": True, "no": False}.get(header, "auto")
+    )
+    return int(table.features.shape[0]), int(table.features.shape[1])
+
+
+def write_owner_folder(
+    out: Path,
+    *,
+    owner_id: str,
+    proxy: str,
+    data: Path,
+    max_records: int | None,
+    analyst_keys: list[str],
+    signers: list[str],
+    certs: Path | None = None,
+    tls_files: TlsFiles | None = None,
+    header: str = "auto",
+    label_column: int | None = None,
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
+    max_epsilon_per_query: float = 1.0,
+    max_delta_per_query: float | None = None,
+    allow_masked_mode: bool = False,
+    kinds: list[str] | None = None,
+    min_quorum: int = 1,
+    max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY,
+    budget_epsilon: float = 3.0,
+    budget_delta: float = 1e-5,
+    state_dir: Path | None = None,
+    monitoring_listen: str | None = None,
+    force: bool = False,
+) -> tuple[OwnerConfig, tuple[int, int] | None]:
+    """Write an owner folder; return its configuration and the data's (records, features).
+
+    ``data`` is the table's path on this machine (relative paths: to the current
+    folder); the configuration names it relative to ``out`` when it lies inside it.
+
+    Raises
+    ------
+    ConfigError
+        A missing ``max_records`` (with a suggestion from the data), no pinned key or
+        signer, TLS files that are missing or not this owner's, an existing folder
+        without ``force``, or values the owner's loader refuses.
+    DataError
+        The data file exists but cannot be read as a table.
+    """
+    validate_node_id(owner_id)
+    facts = _table_facts(data, header, label_column)
+    if max_records is None:
+        if facts is None:
+            raise ConfigError(
+                "--max-records is required: the most records this owner will ever "
+                "contribute to a query. It is PUBLIC (every analyst and the proxy see it); "
+                "queries use a uniform sample when the data holds more"
+            )
+        raise ConfigError(
+            f"--max-records is required. It is PUBLIC: every analyst and the proxy see it. "
+            f"{data} holds {facts[0]} records; a round number at or above that, e.g. "
+            f"--max-records {suggest_capacity(facts[0])}, says less about the true count "
+            "(queries use a uniform sample when the data holds more)"
+        )
+    if not analyst_keys or not signers:
+        raise ConfigError(
+            "pin the analyst: --analyst-key sha256:... and --analyst-signer ed25519:... "
+            "(both printed by `fedpca analyst keygen`)"
+        )
+    folder = prepare_folder(out, CONFIG_NAME, force=force)
+    folder.install_tls(NodeIdentity(Role.OWNER, owner_id), certs=certs, files=tls_files)
+    state = folder.state if state_dir is None else state_dir
+    if state_dir is None:
+        folder.make_state()
+    text = render_owner_config(
+        owner_id=owner_id,
+        proxy=proxy,
+        data=config_path(data, out),
+        header=header,
+        label_column=label_column,
+        max_records=max_records,
+        analyst_keys=analyst_keys,
+        signers=signers,
+        neighbouring=neighbouring,
+        max_epsilon_per_query=max_epsilon_per_query,
+        max_delta_per_query=max_delta_per_query,
+        allow_masked_mode=allow_masked_mode,
+        kinds=kinds or [k.value for k in QueryKind],
+        min_quorum=min_quorum,
+        max_tasks_per_day=max_tasks_per_day,
+        budget_epsilon=budget_epsilon,
+        budget_delta=budget_delta,
+        state_dir=STATE_DIR if state_dir is None else config_path(state, out),
+        monitoring_listen=monitoring_listen,
+    )
+    path = out / CONFIG_NAME
+    path.write_text(text, encoding="utf-8")
+    return load_config(path), facts
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+@click.command("init")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The owner's folder to create (owner.toml, tls/, state/).",
+)
+@click.option("--id", "owner_id", required=True, help="The owner id (as in its certificate).")
+@click.option("--proxy", required=True, metavar="HOST:PORT", help="The proxy, as owners dial it.")
+@click.option(
+    "--certs",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="Directory from `fedpca certs init`; this owner's files are copied from it.",
+)
+@click.option("--ca", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--key", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--data",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The owner's table (CSV, .npy, Parquet) as the node will read it.",
+)
+@click.option("--label-column", type=int, help="Column of the class label (DCA) [none].")
+@click.option("--header", type=click.Choice(["auto", "yes", "no"]), default="auto")
+@click.option(
+    "--max-records",
+    type=click.IntRange(min=1),
+    help="PUBLIC capacity: the most records a query uses (required; a suggestion is "
+    "printed when missing).",
+)
+@click.option(
+    "--analyst-key",
+    "analyst_keys",
+    multiple=True,
+    help="Pinned Paillier key fingerprint sha256:... (repeatable).",
+)
+@click.option(
+    "--analyst-signer",
+    "signers",
+    multiple=True,
+    help="Pinned query signer ed25519:... (repeatable).",
+)
+@click.option(
+    "--neighbouring",
+    type=click.Choice([n.value for n in Neighbouring]),
+    default=Neighbouring.ADD_REMOVE.value,
+    show_default=True,
+)
+@click.option("--max-epsilon-per-query", type=float, default=1.0, show_default=True)
+@click.option("--max-delta-per-query", type=float, help="[the budget's delta, at most 1e-5]")
+@click.option("--budget-epsilon", type=float, default=3.0, show_default=True)
+@click.option("--budget-delta", type=float, default=1e-5, show_default=True)
+@click.option("--allow-masked-mode", is_flag=True, help="Take part in masked mode (publishes N).")
+@click.option("--kinds", default="pca,dca", show_default=True, help="Query kinds answered.")
+@click.option("--min-quorum", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--max-tasks-per-day",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_TASKS_PER_DAY,
+    show_default=True,
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Ledger folder [OUT/state].",
+)
+@click.option("--monitoring-listen", help="host:port of /metrics and health (off by default).")
+@click.option("--force", is_flag=True, help="Write the folder again (state/ is kept).")
+def init_command(
+    out: Path,
+    owner_id: str,
+    proxy: str,
+    certs: Path | None,
+    ca: Path | None,
+    cert: Path | None,
+    key: Path | None,
+    data: Path,
+    label_column: int | None,
+    header: str,
+    max_records: int | None,
+    analyst_keys: tuple[str, ...],
+    signers: tuple[str, ...],
+    neighbouring: str,
+    max_epsilon_per_query: float,
+    max_delta_per_query: float | None,
+    budget_epsilon: float,
+    budget_delta: float,
+    allow_masked_mode: bool,
+    kinds: str,
+    min_quorum: int,
+    max_tasks_per_day: int,
+    state_dir: Path | None,
+    monitoring_listen: str | None,
+    force: bool,
+) -> None:
+    """Write a complete owner folder: owner.toml, its TLS files and state/."""
+    try:
+        files = None
+        if any((ca, cert, key)):
+            if not all((ca, cert, key)) or certs is not None:
+                raise ConfigError("give --certs DIR, or all of --ca, --cert and --key")
+            assert ca is not None and cert is not None and key is not None
+            files = TlsFiles(ca, cert, key)
+        elif certs is None:
+            raise ConfigError("give --certs DIR (from `fedpca certs init`) or --ca/--cert/--key")
+        config, facts = write_owner_folder(
+            out,
+            owner_id=owner_id,
+            proxy=proxy,
+            data=data,
+            max_records=max_records,
+            analyst_keys=_split(analyst_keys),
+            signers=_split(signers),
+            certs=certs,
+            tls_files=files,
+            header=header,
+            label_column=label_column,
+            neighbouring=Neighbouring(neighbouring),
+            max_epsilon_per_query=max_epsilon_per_query,
+            max_delta_per_query=max_delta_per_query,
+            allow_masked_mode=allow_masked_mode,
+            kinds=_split((kinds,)),
+            min_quorum=min_quorum,
+            max_tasks_per_day=max_tasks_per_day,
+            budget_epsilon=budget_epsilon,
+            budget_delta=budget_delta,
+            state_dir=state_dir,
+            monitoring_listen=monitoring_listen,
+            force=force,
+        )
+    except (FedpcaError, DataError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote {out / CONFIG_NAME}")
+    click.echo(f"  owner           {config.owner.id} -> proxy {config.owner.proxy}")
+    if facts is None:
+        click.secho(
+            f"  data            {config.data.path} is not readable from here; the node checks "
+            "it when it starts (`fedpca owner probe` checks everything)",
+            fg="yellow",
+        )
+    else:
+        records, features = facts
+        label = "no label column" if label_column is None else f"label in column {label_column}"
+        click.echo(f"  data            {records} records, {features} features ({label})")
+        if records > config.data.max_records:
+            click.echo(
+                f"                  queries use a uniform sample of {config.data.max_records}"
+            )
+    click.echo(f"  max_records     {config.data.max_records} (PUBLIC)")
+    epsilon = config.budget.epsilon
+    click.echo(
+        f"  budget          epsilon {epsilon if math.isfinite(epsilon) else 'unlimited'} at "
+        f"delta {config.budget.delta:g}; at most {config.policy.max_epsilon_per_query:g} "
+        "per query"
+    )
+    click.echo(f"run: fedpca owner serve --config {out / CONFIG_NAME}")

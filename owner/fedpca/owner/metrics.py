@@ -1,0 +1,98 @@
+"""The owner node's Prometheus metrics and health checks (the opt-in monitoring port).
+
+=========================================  ==========  ==================================
+metric                                     type        what
+=========================================  ==========  ==================================
+``fedpca_owner_tasks_total{outcome}``      counter     tasks handled, by outcome (uploaded,
+                                                       declined, cancelled, rejected,
+                                                       expired, retry, error)
+``fedpca_owner_task_seconds{outcome}``     histogram   time from taking a task up to its
+                                                       outcome (checks, encryption, upload)
+``fedpca_owner_connected``                 gauge       1 while the task stream is open
+``fedpca_owner_epsilon_spent``             gauge       composed epsilon of the ledger, at
+                                                       the budget's delta
+``fedpca_owner_epsilon_limit``             gauge       the owner's total epsilon
+=========================================  ==========  ==================================
+
+Nothing here depends on the records: outcomes are decided from public facts, and the
+work per task is padded to the owner's public capacity (docs/privacy.md). The port
+serves the owner's own operators; keep it inside the organisation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fedpca.owner.ledger import TaskOutcome
+
+__all__ = ["OwnerMetrics"]
+
+logger = logging.getLogger(__name__)
+
+_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+
+
+class OwnerMetrics:
+    """Every metric of one owner node, in a registry of its own."""
+
+    def __init__(self, node: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.tasks = Counter(
+            "fedpca_owner_tasks",
+            "Tasks handled, by outcome (retry: left open for a re-delivery).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.task_seconds = Histogram(
+            "fedpca_owner_task_seconds",
+            "Seconds from taking a task up to its outcome.",
+            ["outcome"],
+            buckets=_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_NodeCollector(node))
+
+    def task_finished(self, outcome: TaskOutcome | None, seconds: float) -> None:
+        """Count one handled task (``outcome`` None: left open; "error": it raised)."""
+        label = "retry" if outcome is None else outcome.value
+        self.tasks.labels(label).inc()
+        self.task_seconds.labels(label).observe(seconds)
+
+    def task_failed(self, seconds: float) -> None:
+        self.tasks.labels("error").inc()
+        self.task_seconds.labels("error").observe(seconds)
+
+
+class _NodeCollector(Collector):
+    def __init__(self, node: Any) -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        node = self._node
+        yield GaugeMetricFamily(
+            "fedpca_owner_connected",
+            "1 while the task stream to the proxy is open.",
+            value=1.0 if node.connected.is_set() else 0.0,
+        )
+        budget = node.config.budget
+        try:
+            spent = node.ledger.spent(budget.delta)
+        except Exception:  # a scrape must not fail on the ledger
+            logger.exception("metrics: cannot compose the owner's ledger")
+        else:
+            yield GaugeMetricFamily(
+                "fedpca_owner_epsilon_spent",
+                "Composed epsilon of every release of this owner's data, at the budget's delta.",
+                value=spent,
+            )
+        yield GaugeMetricFamily(
+            "fedpca_owner_epsilon_limit",
+            "The owner's total epsilon (+Inf: unlimited).",
+            value=budget.epsilon,
+        )

@@ -1,0 +1,75 @@
+"""What the proxy tells an analyst besides single query statuses: the deployment's
+public facts and the analyst's own queries.
+
+Read-only views over the coordinator's configuration and store (no gRPC here). Both
+answer from public facts only: the allow-list's size and the relation are part of the
+deployment an analyst states its queries against, and an analyst only ever sees its
+own queries (query ids are scoped by analyst, :func:`~fedpca.proxy.coordinator.task_id`).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from fedpca.messages import PROTOCOL_VERSION, DeploymentInfo, QuerySummary
+from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.queries import spec_from_dict
+from fedpca.version import __version__
+
+__all__ = ["DEFAULT_LISTED_QUERIES", "describe_deployment", "list_queries"]
+
+DEFAULT_LISTED_QUERIES = 50
+"""Queries :func:`list_queries` returns when the analyst names no limit."""
+
+
+def describe_deployment(
+    coordinator: Coordinator, analyst_id: str, *, proxy_id: str, owners_connected: int
+) -> DeploymentInfo:
+    """The deployment as analyst ``analyst_id`` may know it.
+
+    Parameters
+    ----------
+    coordinator : the proxy's coordinator (configuration and store).
+    analyst_id : the caller, from its certificate.
+    proxy_id : this proxy's node id.
+    owners_connected : allowed owners with a task stream open now.
+    """
+    config = coordinator.config
+    budget = config.budget.for_analyst(analyst_id)
+    return DeploymentInfo(
+        proxy_id=proxy_id,
+        software_version=__version__,
+        protocol_version=PROTOCOL_VERSION,
+        owners_registered=len(coordinator.registered_owners),
+        owners_connected=owners_connected,
+        neighbouring=config.privacy.neighbouring,
+        max_delta_per_query=config.privacy.delta_cap(budget),
+        accountant=config.privacy.accountant.value,
+        analyst_id=analyst_id,
+        budget_epsilon=budget.epsilon,
+        budget_delta=budget.delta,
+        server_time=datetime.now(UTC),
+    )
+
+
+def list_queries(
+    coordinator: Coordinator, analyst_id: str, limit: int | None = None
+) -> list[QuerySummary]:
+    """The analyst's newest queries (``limit``, default :data:`DEFAULT_LISTED_QUERIES`)."""
+    records = coordinator.store.analyst_queries(analyst_id, limit or DEFAULT_LISTED_QUERIES)
+    summaries = []
+    prefix = f"{analyst_id}/"
+    for record in records:
+        spec = spec_from_dict(record.spec)
+        query_id = record.query_id.removeprefix(prefix)
+        summaries.append(
+            QuerySummary(
+                status=coordinator.status(analyst_id, query_id),
+                kind=spec.kind,
+                mode=spec.mode,
+                epsilon=spec.epsilon,
+                delta=spec.delta,
+                created_at=datetime.fromtimestamp(record.created_at, UTC),
+            )
+        )
+    return summaries

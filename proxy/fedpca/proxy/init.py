@@ -1,0 +1,236 @@
+"""``fedpca proxy init``: write a complete, working proxy folder.
+
+The folder (:mod:`fedpca.transport.bundle`) holds ``proxy.toml`` with every path
+relative to it, the proxy's TLS files under ``tls/`` and an empty ``state/`` for the
+SQLite database, so the same folder runs as it is on a host (``fedpca proxy serve
+--config DIR/proxy.toml``), mounted into a container, or as a Kubernetes ConfigMap
+and Secret. The written file is read back with the proxy's own loader before the
+command succeeds.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import click
+
+from fedpca.errors import ConfigError, FedpcaError
+from fedpca.proxy.config import ProxyConfig, load_config
+from fedpca.query import Neighbouring
+from fedpca.toml_config import toml_value
+from fedpca.transport.bundle import STATE_DIR, TLS_DIR, prepare_folder
+from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
+
+__all__ = ["CONFIG_NAME", "init_command", "render_proxy_config", "write_proxy_folder"]
+
+CONFIG_NAME = "proxy.toml"
+
+
+def _analyst_budget(text: str) -> tuple[str, float, float]:
+    name, sep, rest = text.partition("=")
+    epsilon_text, sep2, delta_text = rest.partition(":")
+    try:
+        if not (sep and sep2):
+            raise ValueError
+        validate_node_id(name)
+        return name, float(epsilon_text), float(delta_text)
+    except (ValueError, ConfigError):
+        raise ConfigError(
+            f"--analyst-budget must be ID=EPSILON:DELTA (e.g. alice=1:1e-6), got {text!r}"
+        ) from None
+
+
+def render_proxy_config(
+    *,
+    proxy_id: str,
+    listen: str,
+    owners: list[str],
+    neighbouring: Neighbouring,
+    budget_epsilon: float,
+    budget_delta: float,
+    analyst_budgets: list[tuple[str, float, float]],
+    max_delta_per_query: float | None,
+    monitoring_listen: str | None,
+) -> str:
+    """The text of a proxy.toml for a node folder (paths relative to it)."""
+    lines = [
+        "# fedpca proxy, written by `fedpca proxy init`.",
+        "# Run: fedpca proxy serve --config proxy.toml (paths are relative to this file).",
+        "",
+        "[proxy]",
+        f"id = {toml_value(proxy_id)}",
+        f"listen = {toml_value(listen)}",
+        f"database = {toml_value(f'{STATE_DIR}/proxy.sqlite3')}"
+        "   # queries, uploads, results, budgets (SQLite)",
+        "",
+        "[tls]",
+        f"ca = {toml_value(f'{TLS_DIR}/ca.pem')}",
+        f"cert = {toml_value(f'{TLS_DIR}/cert.pem')}",
+        f"key = {toml_value(f'{TLS_DIR}/key.pem')}",
+        "revoked_serials = []   # hex serials (`fedpca certs show`) refused although signed",
+        "",
+        "[owners]   # the only owners this proxy accepts (ids in their certificates)",
+        f"allowed = {toml_value(owners)}",
+        "",
+        "[privacy]",
+        f"neighbouring = {toml_value(neighbouring.value)}   # every owner states the same",
+    ]
+    if max_delta_per_query is not None:
+        lines.append(f"max_delta_per_query = {toml_value(max_delta_per_query)}")
+    lines += [
+        "",
+        "[budget]   # every analyst's total (epsilon, delta), unless overridden below",
+        f"epsilon = {toml_value(budget_epsilon)}",
+        f"delta = {toml_value(budget_delta)}",
+    ]
+    for analyst, epsilon, delta in analyst_budgets:
+        lines += [
+            "",
+            f"[budget.analysts.{analyst}]",
+            f"epsilon = {toml_value(epsilon)}",
+            f"delta = {toml_value(delta)}",
+        ]
+    if monitoring_listen is not None:
+        lines += [
+            "",
+            "[monitoring]   # HTTP /metrics, /healthz, /readyz (no TLS: keep it internal)",
+            f"listen = {toml_value(monitoring_listen)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_proxy_folder(
+    out: Path,
+    *,
+    proxy_id: str = "proxy",
+    owners: list[str],
+    certs: Path | None = None,
+    tls_files: TlsFiles | None = None,
+    listen: str = "0.0.0.0:50051",
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
+    budget_epsilon: float = 3.0,
+    budget_delta: float = 1e-5,
+    analyst_budgets: list[tuple[str, float, float]] | None = None,
+    max_delta_per_query: float | None = None,
+    monitoring_listen: str | None = None,
+    force: bool = False,
+) -> ProxyConfig:
+    """Write a proxy folder and return its configuration as the proxy will read it.
+
+    Raises
+    ------
+    ConfigError
+        No owners, an existing folder without ``force``, TLS files that are missing or
+        not the proxy's, or values the proxy's loader refuses (named by key).
+    """
+    if not owners:
+        raise ConfigError("--owners: list the owner ids this proxy accepts (a,b,c)")
+    folder = prepare_folder(out, CONFIG_NAME, force=force)
+    folder.install_tls(NodeIdentity(Role.PROXY, proxy_id), certs=certs, files=tls_files)
+    folder.make_state()
+    text = render_proxy_config(
+        proxy_id=proxy_id,
+        listen=listen,
+        owners=owners,
+        neighbouring=neighbouring,
+        budget_epsilon=budget_epsilon,
+        budget_delta=budget_delta,
+        analyst_budgets=analyst_budgets or [],
+        max_delta_per_query=max_delta_per_query,
+        monitoring_listen=monitoring_listen,
+    )
+    path = out / CONFIG_NAME
+    path.write_text(text, encoding="utf-8")
+    return load_config(path)
+
+
+@click.command("init")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The proxy's folder to create (proxy.toml, tls/, state/).",
+)
+@click.option("--owners", required=True, help="Comma-separated owner ids the proxy accepts.")
+@click.option(
+    "--certs",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="Directory from `fedpca certs init`; the proxy's files are copied from it.",
+)
+@click.option("--ca", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--key", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--id", "proxy_id", default="proxy", show_default=True)
+@click.option("--listen", default="0.0.0.0:50051", show_default=True, help="host:port to serve.")
+@click.option(
+    "--neighbouring",
+    type=click.Choice([n.value for n in Neighbouring]),
+    default=Neighbouring.ADD_REMOVE.value,
+    show_default=True,
+)
+@click.option("--budget-epsilon", type=float, default=3.0, show_default=True)
+@click.option("--budget-delta", type=float, default=1e-5, show_default=True)
+@click.option(
+    "--analyst-budget",
+    "analyst_budgets",
+    multiple=True,
+    help="Per-analyst total budget ID=EPSILON:DELTA (repeatable).",
+)
+@click.option("--max-delta-per-query", type=float, help="[the budget's delta, at most 1e-5]")
+@click.option("--monitoring-listen", help="host:port of /metrics and health (off by default).")
+@click.option("--force", is_flag=True, help="Write the folder again (state/ is kept).")
+def init_command(
+    out: Path,
+    owners: str,
+    certs: Path | None,
+    ca: Path | None,
+    cert: Path | None,
+    key: Path | None,
+    proxy_id: str,
+    listen: str,
+    neighbouring: str,
+    budget_epsilon: float,
+    budget_delta: float,
+    analyst_budgets: tuple[str, ...],
+    max_delta_per_query: float | None,
+    monitoring_listen: str | None,
+    force: bool,
+) -> None:
+    """Write a complete proxy folder: proxy.toml, its TLS files and state/."""
+    try:
+        files = None
+        if any((ca, cert, key)):
+            if not all((ca, cert, key)) or certs is not None:
+                raise ConfigError("give --certs DIR, or all of --ca, --cert and --key")
+            assert ca is not None and cert is not None and key is not None
+            files = TlsFiles(ca, cert, key)
+        elif certs is None:
+            raise ConfigError("give --certs DIR (from `fedpca certs init`) or --ca/--cert/--key")
+        config = write_proxy_folder(
+            out,
+            proxy_id=proxy_id,
+            owners=[o.strip() for o in owners.split(",") if o.strip()],
+            certs=certs,
+            tls_files=files,
+            listen=listen,
+            neighbouring=Neighbouring(neighbouring),
+            budget_epsilon=budget_epsilon,
+            budget_delta=budget_delta,
+            analyst_budgets=[_analyst_budget(text) for text in analyst_budgets],
+            max_delta_per_query=max_delta_per_query,
+            monitoring_listen=monitoring_listen,
+            force=force,
+        )
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    epsilon = config.budget.default.epsilon
+    click.echo(f"wrote {out / CONFIG_NAME}")
+    click.echo(f"  listens on      {config.proxy.listen}")
+    click.echo(f"  owners          {', '.join(sorted(config.owners.allowed))}")
+    click.echo(
+        f"  budget          epsilon {epsilon if math.isfinite(epsilon) else 'unlimited'} "
+        f"at delta {config.budget.default.delta:g} per analyst"
+    )
+    click.echo(f"  relation        {config.privacy.neighbouring.value}")
+    click.echo(f"run: fedpca proxy serve --config {out / CONFIG_NAME}")

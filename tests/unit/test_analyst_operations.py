@@ -1,0 +1,142 @@
+"""What an analyst can ask the proxy besides running a query: the deployment's public
+facts, its own queries, cancelling one, and spending a budget exactly (in process, real
+proxy and owner nodes over mutual TLS)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpca.codec import CryptoPool
+from fedpca.dp.accounting import Accountant
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.errors import BudgetExceededError, NotFoundError, QueryStateError
+from fedpca.messages import QueryState
+from fedpca.proxy.coordinator import CANCELLED_REASON
+from fedpca.query import Calibration, Neighbouring
+from helpers import TEST_SIGNING_KEY, query_builder
+from inprocess import deployment, labelled
+
+M = 3
+_spec = query_builder(
+    n_features=M,
+    n_components=1,
+    epsilon=0.5,
+    delta=1e-6,
+    deadline_seconds=120.0,
+    feature_lower=(-1.0,) * M,
+    feature_upper=(1.0,) * M,
+)
+
+
+def _tables(*owners: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {owner: labelled(rng.uniform(-0.5, 0.5, size=(20, M))) for owner in owners}
+
+
+def _wait_until(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_describe_list_and_cancel(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1", "owner-2"),
+        pool=pool,
+        public_key=public_key,
+        running=("owner-1",),
+        analysts=("alice", "bob"),
+        analyst_budget=PrivacyParams(3.0, 1e-5),
+    ) as running:
+        assert running.proxy is not None
+        coordinator = running.proxy.coordinator
+        with running.analyst() as alice, running.analyst("bob") as bob:
+            info = alice.describe()
+            assert (info.owners_registered, info.owners_connected) == (2, 1)
+            assert info.neighbouring is Neighbouring.ADD_REMOVE and info.accountant == "zcdp"
+            assert info.max_delta_per_query == 1e-5 and info.analyst_id == "alice"
+            assert (info.budget_epsilon, info.budget_delta) == (3.0, 1e-5)
+
+            # A query owner-1 alone completes: DONE cannot be cancelled any more.
+            alice.submit(_spec(public_key, "done", quorum=1), TEST_SIGNING_KEY)
+            assert alice.wait("done", timeout=30).state is QueryState.DONE
+            with pytest.raises(QueryStateError, match="can no longer be cancelled"):
+                alice.cancel("done")
+
+            # quorum 2 with owner-2 absent: owner-1 uploads, the query keeps collecting.
+            alice.submit(_spec(public_key, "begun", quorum=2), TEST_SIGNING_KEY)
+            _wait_until(lambda: alice.status("begun").owners_contributed == 1)
+            receipt = alice.cancel("begun")
+            assert receipt.status.state is QueryState.FAILED
+            assert receipt.status.failure_reason == CANCELLED_REASON
+            assert not receipt.refunded  # an upload began: the analyst pays
+            with pytest.raises(QueryStateError, match=CANCELLED_REASON):
+                alice.wait("begun", timeout=10)
+
+            # No owner answers (owner-1 stopped): cancelling refunds the charge.
+            running.stop_owner("owner-1")
+            spent = alice.budget()
+            alice.submit(_spec(public_key, "idle", quorum=2), TEST_SIGNING_KEY)
+            assert alice.budget().n_releases == spent.n_releases + 1
+            receipt = alice.cancel("idle")
+            assert receipt.refunded and receipt.status.failure_reason == CANCELLED_REASON
+            assert alice.budget().n_releases == spent.n_releases
+            # Cancelling again changes nothing.
+            again = alice.cancel("idle")
+            assert again.status.state is QueryState.FAILED and again.refunded
+            # Owners that had not answered receive a cancellation naming the reason.
+            (withdrawn,) = coordinator.withdrawn_tasks("owner-2", ["alice/idle"])
+            assert CANCELLED_REASON in withdrawn.reason
+
+            # Listings are the caller's own, newest first; another analyst sees nothing.
+            listed = alice.list_queries()
+            assert [q.status.query_id for q in listed] == ["idle", "begun", "done"]
+            assert [q.status.state for q in listed] == [
+                QueryState.FAILED,
+                QueryState.FAILED,
+                QueryState.DONE,
+            ]
+            assert listed[0].epsilon == 0.5 and listed[0].status.owners_registered == 2
+            assert [q.status.query_id for q in alice.list_queries(limit=1)] == ["idle"]
+            assert bob.list_queries() == []
+            with pytest.raises(NotFoundError):
+                bob.cancel("begun")
+
+
+def test_a_query_for_exactly_the_remaining_budget_is_accepted(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """The analytic calibration composed by the PLD accountant lands a hair above the
+    epsilon asked for (1.00000000001 > 1): the budget's rounding slack accepts it, at
+    the proxy and at every owner alike."""
+    public_key, _ = test_only_keypair_512
+    budget = PrivacyParams(1.0, 1e-6)
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1"),
+        pool=pool,
+        public_key=public_key,
+        analyst_budget=budget,
+        owner_budget=budget,
+        accountant=Accountant.PLD_CONTINUOUS,
+    ) as running:
+        exact = _spec(
+            public_key, "all", quorum=1, epsilon=1.0, delta=1e-6, calibration=Calibration.ANALYTIC
+        )
+        outcome = running.run(exact)
+        assert outcome.state == "done", outcome
+        with running.analyst() as client:
+            status = client.budget()
+            assert status.epsilon_remaining == 0.0 and status.n_releases == 1
+            with pytest.raises(BudgetExceededError):
+                client.submit(_spec(public_key, "more", quorum=1, epsilon=0.01), TEST_SIGNING_KEY)

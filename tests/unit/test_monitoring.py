@@ -1,0 +1,227 @@
+"""What operators watch: the gRPC health service, Prometheus metrics and health
+endpoints of the proxy and the owner node, and JSON log lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fedpca import logs
+from fedpca.codec import CryptoPool
+from fedpca.monitoring import MonitoringServer
+from fedpca.owner.metrics import OwnerMetrics
+from fedpca.proxy.config import MonitoringSection
+from fedpca.transport.certs import Role, TlsMaterial
+from fedpca.transport.channels import secure_channel
+from helpers import query_builder
+from inprocess import InProcessDeployment, labelled
+
+M = 3
+_spec = query_builder(
+    n_features=M,
+    n_components=1,
+    epsilon=0.5,
+    delta=1e-6,
+    feature_lower=(-1.0,) * M,
+    feature_upper=(1.0,) * M,
+)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _eventually(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.05)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+class _MonitoredDeployment(InProcessDeployment):
+    """The in-process deployment with the proxy's monitoring port on."""
+
+    def start(self) -> _MonitoredDeployment:
+        from fedpca.proxy import server as server_module
+
+        original = server_module.ProxyServer.__init__
+
+        def with_monitoring(server: Any, config: Any, **kwargs: Any) -> None:
+            config = replace(config, monitoring=MonitoringSection("127.0.0.1:0"))
+            original(server, config, **kwargs)
+
+        server_module.ProxyServer.__init__ = with_monitoring  # type: ignore[method-assign]
+        try:
+            super().start()
+        finally:
+            server_module.ProxyServer.__init__ = original  # type: ignore[method-assign]
+        return self
+
+
+@pytest.fixture
+def running(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> Iterator[_MonitoredDeployment]:
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(2)
+    tables = {o: labelled(rng.uniform(-0.5, 0.5, size=(10, M))) for o in ("owner-1", "owner-2")}
+    deployment = _MonitoredDeployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key
+    )
+    try:
+        yield deployment.start()
+    finally:
+        deployment.stop()
+
+
+def test_proxy_health_service_and_metrics(
+    running: _MonitoredDeployment, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    proxy = running.proxy
+    assert proxy is not None and proxy.monitoring_port is not None
+    base = f"http://127.0.0.1:{proxy.monitoring_port}"
+    owner_metrics = {owner: OwnerMetrics(node) for owner, node in running.nodes.items()}
+    for owner, node in running.nodes.items():
+        node.metrics = owner_metrics[owner]
+
+    # The standard gRPC health service, on the proxy's mutual-TLS port.
+    files = running.tls(Role.ANALYST, "alice")
+    with secure_channel(proxy.address, TlsMaterial.load(files)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "fedpca.v1.OwnerService", "fedpca.v1.AnalystService"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+        assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
+
+    assert _get(f"{base}/healthz") == (200, "ok: event loop answering\n")
+    status, body = _get(f"{base}/readyz")
+    assert status == 200 and "2 owners connected" in body
+    assert _get(f"{base}/nothing")[0] == 404
+
+    outcome = running.run(_spec(public_key, "m1", quorum=2))
+    assert outcome.state == "done"
+    status, text = _get(f"{base}/metrics")
+    assert status == 200
+    samples = _samples(text)
+    assert samples[("fedpca_proxy_queries", (("state", "done"),))] == 1
+    assert samples[("fedpca_proxy_queries", (("state", "collecting"),))] == 0
+    assert samples[("fedpca_proxy_uploads_total", (("outcome", "accepted"),))] == 2
+    assert samples[("fedpca_proxy_uploads_total", (("outcome", "refused"),))] == 0
+    assert samples[("fedpca_proxy_upload_bytes_total", ())] > 0
+    assert samples[("fedpca_proxy_fold_seconds_count", ())] == 2
+    assert samples[("fedpca_proxy_noise_seconds_count", ())] == 1
+    assert samples[("fedpca_proxy_rpcs_total", (("code", "OK"), ("method", "SubmitQuery")))] == 1
+    assert samples[("fedpca_proxy_owners_registered", ())] == 2
+    assert samples[("fedpca_proxy_owners_connected", ())] == 2
+    spent = samples[("fedpca_proxy_analyst_epsilon_spent", (("analyst", "alice"),))]
+    with running.analyst() as client:
+        assert spent == pytest.approx(client.budget().epsilon_spent)
+    assert samples[("fedpca_proxy_analyst_epsilon_limit", (("analyst", "alice"),))] == 100.0
+
+    # A refused call is counted with its status (once the call has ended on the server:
+    # the client may see the status a moment before).
+    with running.analyst() as client, pytest.raises(Exception, match="unknown query"):
+        client.status("missing")
+    key = ("fedpca_proxy_rpcs_total", (("code", "NOT_FOUND"), ("method", "GetQueryStatus")))
+    _eventually(lambda: _samples(_get(f"{base}/metrics")[1]).get(key) == 1)
+
+    # Each owner counted its upload and reports its ledger.
+    uploaded = ("fedpca_owner_tasks_total", (("outcome", "uploaded"),))
+    for owner, metrics in owner_metrics.items():
+        _eventually(
+            lambda metrics=metrics: (
+                _samples(generate_latest(metrics.registry).decode()).get(uploaded) == 1
+            )
+        )
+        owner_samples = _samples(generate_latest(metrics.registry).decode())
+        assert owner_samples[("fedpca_owner_tasks_total", (("outcome", "uploaded"),))] == 1
+        assert owner_samples[("fedpca_owner_connected", ())] == 1
+        assert owner_samples[("fedpca_owner_epsilon_spent", ())] > 0, owner
+
+
+def test_owner_health_endpoints_follow_the_node(running: _MonitoredDeployment) -> None:
+    node = running.nodes["owner-1"]
+    metrics = OwnerMetrics(node)
+    server = MonitoringServer("127.0.0.1:0", metrics.registry, live=node.alive, ready=node.ready)
+    port = server.start()
+    try:
+        assert _get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        status, body = _get(f"http://127.0.0.1:{port}/readyz")
+        assert status == 200 and "task stream" in body
+        running.stop_owner("owner-1")
+        status, body = _get(f"http://127.0.0.1:{port}/readyz")
+        assert status == 503 and "not connected" in body
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (503, "not ok: stopping\n")
+        text = _get(f"http://127.0.0.1:{port}/metrics")[1]
+        assert "fedpca_owner_connected 0.0" in text
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fresh_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.setattr(logs, "_chosen", None)
+    monkeypatch.setattr(logs, "_level_set", False)
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_json_log_lines(fresh_logging: None, capsys: pytest.CaptureFixture[str]) -> None:
+    logs.configure_logging(logging.INFO, "json")
+    logging.getLogger("fedpca.test").warning("owner %s declined", "hospital-a")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    record = json.loads(line)
+    assert record["level"] == "WARNING" and record["logger"] == "fedpca.test"
+    assert record["message"] == "owner hospital-a declined" and "time" in record
+    # A later call (a serve subcommand) keeps the format and only lowers the level.
+    logs.configure_logging(logging.DEBUG)
+    logging.getLogger("fedpca.test").debug("more")
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["message"] == "more"
+    logs.configure_logging(logging.WARNING)
+    assert logging.getLogger().level == logging.DEBUG
+    assert len([h for h in logging.getLogger().handlers if h.get_name() == "fedpca"]) == 1
+
+
+def test_log_format_from_the_environment(
+    fresh_logging: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(logs.LOG_FORMAT_ENV, "json")
+    logs.configure_logging(logging.INFO)
+    logging.getLogger("fedpca.test").info("hello")
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["message"] == "hello"
+    monkeypatch.setattr(logs, "_chosen", None)
+    monkeypatch.setenv(logs.LOG_FORMAT_ENV, "yaml")
+    with pytest.raises(ValueError):
+        logs.configure_logging(logging.INFO)

@@ -1,0 +1,255 @@
+"""``fedpca proxy|owner|analyst init`` write node folders that the real loaders accept,
+``owner serve`` flags override the file, and ``owner probe`` checks a folder end to end."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fedpca.analyst.config import load_config as load_analyst_config
+from fedpca.analyst.init import init_command as analyst_init
+from fedpca.codec import CryptoPool, key_fingerprint
+from fedpca.errors import ConfigError
+from fedpca.owner.cli import owner_group
+from fedpca.owner.config import load_config as load_owner_config
+from fedpca.owner.init import suggest_capacity, write_owner_folder
+from fedpca.proxy.cli import proxy_group
+from fedpca.proxy.config import load_config as load_proxy_config
+from fedpca.query import Neighbouring, QueryKind
+from fedpca.transport.certs import TlsMaterial, init_certificates
+from helpers import TEST_SIGNER
+from inprocess import deployment, labelled
+
+OWNERS = ["hospital-a", "hospital-b"]
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    init_certificates(tmp_path / "certs", OWNERS, ["alice"], proxy_hosts=("proxy.test",))
+    return tmp_path / "certs"
+
+
+def _table(path: Path, rows: int = 351, features: int = 4) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = np.random.default_rng(0).uniform(-1, 1, size=(rows, features))
+    np.savetxt(path, labelled(data), delimiter=",")
+    return path
+
+
+def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "proxy"
+    args = ["init", "--out", str(out), "--owners", ",".join(OWNERS), "--certs", str(certs)]
+    extra = ["--analyst-budget", "alice=1:1e-6", "--monitoring-listen", "0.0.0.0:9464"]
+    result = CliRunner().invoke(proxy_group, [*args, *extra])
+    assert result.exit_code == 0, result.output
+    config = load_proxy_config(out / "proxy.toml")
+    assert config.owners.allowed == frozenset(OWNERS)
+    assert config.proxy.listen == "0.0.0.0:50051"
+    assert config.proxy.database == out / "state" / "proxy.sqlite3"
+    assert config.tls.files().private_key == out / "tls" / "key.pem"
+    assert config.budget.analysts["alice"].epsilon == 1.0
+    assert config.monitoring.listen == "0.0.0.0:9464"
+    assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
+    # Paths are relative in the file: the folder can move or be mounted anywhere.
+    text = (out / "proxy.toml").read_text()
+    assert str(tmp_path) not in text and 'ca = "tls/ca.pem"' in text
+    assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "tls" / "ca.pem").stat().st_mode) == 0o644
+    assert TlsMaterial.load(config.tls.files()).identity.node_id == "proxy"
+    assert (out / "state").is_dir()
+    # Not twice without --force; the CA key never leaves the certificates directory.
+    again = CliRunner().invoke(proxy_group, args)
+    assert again.exit_code == 1 and "already exists" in again.output
+    assert not list(out.rglob("ca-key.pem"))
+
+
+def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    base = ["init", "--out", str(tmp_path / "p"), "--owners", "a", "--certs", str(certs)]
+    wrong_id = runner.invoke(proxy_group, [*base, "--id", "other"])
+    assert wrong_id.exit_code == 1 and "fedpca certs issue" in wrong_id.output
+    budget = runner.invoke(proxy_group, [*base, "--analyst-budget", "alice=1"])
+    assert budget.exit_code == 1 and "ID=EPSILON:DELTA" in budget.output
+    no_tls = runner.invoke(proxy_group, ["init", "--out", str(tmp_path / "q"), "--owners", "a"])
+    assert no_tls.exit_code == 1 and "--certs" in no_tls.output
+
+
+def test_suggested_capacity_is_a_round_number_at_or_above() -> None:
+    assert [suggest_capacity(n) for n in (1, 12, 351, 999, 1000, 5000, 5001)] == [
+        10,
+        20,
+        400,
+        1000,
+        1000,
+        5000,
+        6000,
+    ]
+
+
+def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Path) -> None:
+    data = _table(tmp_path / "hospital-a" / "data" / "table.csv")
+    out = tmp_path / "hospital-a"
+    args = [
+        "init",
+        "--out",
+        str(out),
+        "--id",
+        "hospital-a",
+        "--proxy",
+        "proxy.test:50051",
+        "--certs",
+        str(certs),
+        "--data",
+        str(data),
+        "--label-column",
+        "0",
+        "--analyst-key",
+        "sha256:" + "a" * 64,
+        "--analyst-signer",
+        TEST_SIGNER,
+    ]
+    refused = CliRunner().invoke(owner_group, args)
+    assert refused.exit_code == 1
+    assert "PUBLIC" in refused.output and "--max-records 400" in refused.output
+    assert "351 records" in refused.output
+    assert not (out / "owner.toml").exists()
+
+    result = CliRunner().invoke(owner_group, [*args, "--max-records", "400"])
+    assert result.exit_code == 0, result.output
+    assert "351 records, 4 features (label in column 0)" in result.output
+    config = load_owner_config(out / "owner.toml")
+    assert config.owner.id == "hospital-a" and config.owner.proxy == "proxy.test:50051"
+    assert config.data.path == data and config.data.label_column == 0
+    assert config.data.max_records == 400
+    assert config.policy.accepted_analyst_keys == ("sha256:" + "a" * 64,)
+    assert config.policy.accepted_query_signers == (TEST_SIGNER,)
+    assert config.policy.allowed_kinds == (QueryKind.PCA, QueryKind.DCA)
+    assert config.owner.state_dir == out / "state" and config.owner.state_dir.is_dir()
+    text = (out / "owner.toml").read_text()
+    assert 'path = "data/table.csv"' in text and str(tmp_path) not in text
+    assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
+
+
+def test_owner_init_without_readable_data_and_without_pins(certs: Path, tmp_path: Path) -> None:
+    common: dict[str, Any] = {
+        "owner_id": "hospital-b",
+        "proxy": "proxy.test:50051",
+        "data": Path("/srv/fedpca/data/table.csv"),
+        "certs": certs,
+    }
+    with pytest.raises(ConfigError, match="--max-records is required") as info:
+        write_owner_folder(
+            tmp_path / "b", max_records=None, analyst_keys=["x"], signers=["y"], **common
+        )
+    assert "suggest" not in str(info.value) and "PUBLIC" in str(info.value)
+    with pytest.raises(ConfigError, match="--analyst-signer"):
+        write_owner_folder(tmp_path / "b", max_records=100, analyst_keys=[], signers=[], **common)
+    config, facts = write_owner_folder(
+        tmp_path / "b",
+        max_records=100,
+        analyst_keys=["sha256:" + "b" * 64],
+        signers=[TEST_SIGNER],
+        **common,
+    )
+    assert facts is None  # the data lives where the node will run; checked there
+    assert config.data.path == Path("/srv/fedpca/data/table.csv")
+
+
+def test_analyst_init(certs: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    out = tmp_path / "analyst"
+    args = ["--out", str(out), "--id", "alice", "--proxy", "proxy.test:50051"]
+    result = CliRunner().invoke(
+        analyst_init, [*args, "--key-dir", str(keys), "--certs", str(certs)]
+    )
+    assert result.exit_code == 0, result.output
+    config = load_analyst_config(out / "analyst.toml")
+    assert config.proxy == "proxy.test:50051" and config.key_dir == keys
+    assert config.tls is not None and config.tls.certificate == out / "tls" / "cert.pem"
+    assert TlsMaterial.load(config.tls).identity.node_id == "alice"
+
+
+def test_owner_serve_flags_override_the_file(certs: Path, tmp_path: Path) -> None:
+    data = _table(tmp_path / "o" / "data" / "t.csv", rows=20)
+    config, _ = write_owner_folder(
+        tmp_path / "o",
+        owner_id="hospital-a",
+        proxy="proxy.test:50051",
+        data=data,
+        max_records=20,
+        analyst_keys=["sha256:" + "a" * 64],
+        signers=[TEST_SIGNER],
+        certs=certs,
+    )
+    overridden = config.with_overrides(
+        proxy="other.test:1", data=tmp_path / "x.csv", state_dir=tmp_path / "s", insecure=True
+    )
+    assert overridden.owner.proxy == "other.test:1" and overridden.data.path == tmp_path / "x.csv"
+    assert overridden.owner.state_dir == tmp_path / "s" and overridden.tls.insecure
+    runner = CliRunner()
+    serve = ["serve", "--config", str(tmp_path / "o" / "owner.toml")]
+    # The node refuses to start with what the flags name, before connecting anywhere.
+    missing = runner.invoke(owner_group, [*serve, "--data", str(tmp_path / "nowhere.csv")])
+    assert missing.exit_code == 1 and "nowhere.csv" in missing.output
+    bad = runner.invoke(owner_group, [*serve, "--proxy", "no-port"])
+    assert bad.exit_code == 1 and "owner.proxy must be 'host:port'" in bad.output
+
+
+def test_owner_probe_against_a_running_proxy(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    tables = {owner: labelled(np.zeros((5, 3))) for owner in ("owner-1", "owner-2")}
+    with deployment(
+        workdir=tmp_path / "run",
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        allowed=("owner-1",),
+        running=(),
+    ) as running:
+        assert running.proxy is not None
+        data = _table(tmp_path / "data.csv", rows=5, features=3)
+        folders = {}
+        for owner in ("owner-1", "owner-2"):
+            write_owner_folder(
+                tmp_path / owner,
+                owner_id=owner,
+                proxy=running.proxy.address,
+                data=data,
+                label_column=0,
+                max_records=10,
+                analyst_keys=[key_fingerprint(public_key)],
+                signers=[TEST_SIGNER],
+                certs=running.workdir / "certs",
+            )
+            folders[owner] = tmp_path / owner / "owner.toml"
+        ok = CliRunner().invoke(owner_group, ["probe", "--config", str(folders["owner-1"])])
+        assert ok.exit_code == 0, ok.output
+        names = [line.split()[:2] for line in ok.stdout.strip().splitlines()]
+        assert names == [
+            ["ok", "config"],
+            ["ok", "data"],
+            ["ok", "tls"],
+            ["ok", "state"],
+            ["ok", "proxy"],
+            ["ok", "enrolled"],
+        ]
+        assert "3 features (label in column 0)" in ok.output
+        # owner-2 has a valid certificate but is not on the proxy's allow-list.
+        refused = CliRunner().invoke(owner_group, ["probe", "--config", str(folders["owner-2"])])
+        assert refused.exit_code == 1
+        assert "FAIL  enrolled  PERMISSION_DENIED" in refused.output
+        assert "not in this proxy's [owners] allowed list" in refused.output
+        address = running.proxy.address
+    # The proxy is gone: the probe says which address refused.
+    down = CliRunner().invoke(owner_group, ["probe", "--config", str(folders["owner-1"])])
+    assert down.exit_code == 1
+    assert f"FAIL  proxy     {address} unreachable" in down.output
+    assert "skip  enrolled" in down.output
