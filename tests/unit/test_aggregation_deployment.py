@@ -15,6 +15,7 @@ insulin, BMI, pedigree and age.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from sklearn.linear_model import LinearRegression
 
 import fedpca.analyst.aggregate_estimators as aggregate_estimators_module
@@ -31,6 +33,7 @@ from fedpca.analyst import (
     FederatedQuery,
     FederatedStatistics,
 )
+from fedpca.analyst.cli import analyst_group
 from fedpca.analyst.keys import (
     AnalystKeyFiles,
     create_analyst_keys,
@@ -306,3 +309,50 @@ def test_owners_decline_columns_their_policy_does_not_allow(
         [2, 8], bounds=[(0, 200), (20, 90)], moments="mean", **_connection(running, analyst_keys)
     ).fit()
     assert allowed.mean_.shape == (2,) and allowed.covariance_ is None
+
+
+@pytest.mark.parametrize("running", [{"not_private": True}], indirect=True)
+def test_cli_commands_write_strict_json(
+    running: Any, analyst_keys: AnalystKeyFiles, table: np.ndarray, tmp_path: Path
+) -> None:
+    files = running.tls(Role.ANALYST, "alice")
+    common = [
+        *("--proxy", running.proxy.address, "--ca", str(files.ca_certificate)),
+        *("--cert", str(files.certificate), "--key", str(files.private_key)),
+        *("--key-dir", str(analyst_keys.directory), "--epsilon", "inf", "--quorum", "3"),
+        *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
+    ]
+
+    def run(*args: str) -> dict[str, Any]:
+        out = tmp_path / f"{args[0]}.json"
+        result = CliRunner().invoke(analyst_group, [*args, *common, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert "NOT PRIVATE" in result.output
+        assert result.stdout.strip().splitlines()[-1] == str(out)
+        document: dict[str, Any] = json.loads(out.read_text())
+        assert document["epsilon"] is None and document["not_private"] is True
+        assert document["kind"] == "aggregate" and document["n_owners"] == len(OWNERS)
+        return document
+
+    stats = run("stats", "--columns", "1,2", "--bounds", "0:17,0:200", "--moments", "variance")
+    x = table[:, [1, 2]]
+    assert stats["aggregate"] == "stats" and stats["n_samples"] == len(table)
+    _within(np.array(stats["mean"]), x.mean(axis=0), np.array([8.5, 100.0]) * STEP)
+    _within(np.array(stats["variance"]), x.var(axis=0), 4 * np.array([8.5, 100.0]) ** 2 * STEP)
+    assert stats["covariance"] is None and stats["postprocessing"].startswith("clipped")
+
+    histogram = run("histogram", "--columns", "8", "--bins", ",".join(map(str, AGE_EDGES)))
+    expected, _ = np.histogram(table[:, 8], bins=AGE_EDGES)
+    assert histogram["counts"] == expected.tolist() == histogram["raw_counts"]
+
+    model = run(
+        *("linreg", "--columns", "6,8", "--bounds", "0:70,20:90"),
+        *("--target", "2", "--target-bounds", "0:200"),
+    )
+    reference = LinearRegression().fit(
+        _quantised(table[:, [6, 8]], [(0.0, 70.0), (20.0, 90.0)]),
+        _quantised(table[:, [2]], [TARGET_BOUNDS])[:, 0],
+    )
+    np.testing.assert_allclose(model["coef"], reference.coef_, rtol=1e-8)
+    assert model["intercept"] == pytest.approx(reference.intercept_, rel=1e-8)
+    assert model["alpha"] == 0.0 and model["alpha_rule"].startswith("auto")

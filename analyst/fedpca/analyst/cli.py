@@ -7,6 +7,7 @@ Commands::
         [--mode stats|masked] [--bounds none|LO:HI|LO:HI,…] [...] --out result.json
     fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
     fedpca analyst budget --proxy ADDR [--delta D]
+    fedpca analyst stats|histogram|linreg ...   (fedpca.analyst.aggregate_cli)
 
 Connection settings may come from ``--config analyst.toml``
 (:mod:`fedpca.analyst.config`); flags override it.
@@ -168,7 +169,7 @@ def _spinner(message: str) -> Iterator[None]:
 
 @click.group("analyst")
 def analyst_group() -> None:
-    """Analyst: keys, private PCA/DCA queries, budget."""
+    """Analyst: keys, private PCA/DCA and aggregate queries, budget."""
 
 
 @analyst_group.command("keygen")
@@ -511,3 +512,7 @@ def budget_command(
     click.echo(f"epsilon limit:      {status.epsilon_limit:.6g}")
     click.echo("epsilon remaining:")
     click.echo(f"{status.epsilon_remaining:.6g}")
+
+
+# `stats`, `histogram` and `linreg` (aggregate queries) register themselves on import.
+import fedpca.analyst.aggregate_cli  # noqa: E402, F401
