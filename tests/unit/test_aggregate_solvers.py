@@ -67,21 +67,20 @@ def test_noise_free_statistics_give_least_squares(fit_intercept: bool) -> None:
     assert fit.alpha == 0.0 and fit.n_samples == len(x)
 
 
-def test_fixed_alpha_is_ridge_on_the_augmented_design() -> None:
+def test_fixed_alpha_is_ridge_with_an_unpenalised_intercept() -> None:
     x, y = _data(1)
     sections = _regression_sections(x, y)
     # Without an intercept the design is in the columns' units: scikit-learn's Ridge.
     fit = solve_regression(FEATURES, sections, NO_NOISE, alpha=7.0, fit_intercept=False)
     reference = Ridge(alpha=7.0, fit_intercept=False).fit(x, y)
     np.testing.assert_allclose(fit.coef, reference.coef_, rtol=1e-9)
-    # With an intercept, alpha also shrinks the intercept feature (fixed at 1), as
-    # AdaSSP's augmented design does: the closed form in the scaled space.
+    # With an intercept, alpha applies to the scaled columns and the intercept is not
+    # penalised: scikit-learn's Ridge on the scaled data, mapped back.
     fit = solve_regression(FEATURES, sections, NO_NOISE, alpha=7.0)
-    u = np.column_stack([np.ones(len(x)), _scaled(x, FEATURES.lower, FEATURES.upper)])
+    u = _scaled(x, FEATURES.lower, FEATURES.upper)
     v = _scaled(y[:, None], (0.0,), (4.0,))[:, 0]
-    theta = np.linalg.solve(u.T @ u + 7.0 * np.eye(4), u.T @ v)
-    predicted = 2.0 + 2.0 * (u @ theta)
-    np.testing.assert_allclose(x @ fit.coef + fit.intercept, predicted, rtol=1e-9)
+    scaled = Ridge(alpha=7.0).fit(u, v)
+    np.testing.assert_allclose(x @ fit.coef + fit.intercept, 2.0 + 2.0 * scaled.predict(u))
     with pytest.raises(ConfigError, match="alpha must be 'auto' or a number"):
         solve_regression(FEATURES, sections, NO_NOISE, alpha="large")
     with pytest.raises(ConfigError, match="finite number >= 0"):

@@ -33,6 +33,10 @@ Linear regression
     semidefinite with probability at least 1 − β. This is the regulariser of AdaSSP
     (Wang 2018) without its private estimate of λ_min(XᵀX): that term needs budget
     of its own and a value derived from the data, and alpha/N → 0 as N grows anyway.
+    Unlike AdaSSP's augmented design, the intercept is not penalised (the centred
+    normal equations, as scikit-learn's Ridge): alpha is of the order of N at small
+    epsilon, and shrinking the intercept would pull every prediction toward the
+    midpoint of the target's bounds.
 """
 
 from __future__ import annotations
@@ -217,6 +221,15 @@ def noise_spectral_bound(
     return math.sqrt(2.0 * variance * math.log(2.0 * dim / tail_probability))
 
 
+def _to_columns(centre: FloatArray, scale: FloatArray) -> FloatArray:
+    """T with x = T [1, u]: the features in their own units from the scaled ones."""
+    d = centre.shape[0]
+    transform = np.zeros((d, d + 1))
+    transform[:, 0] = centre
+    transform[np.arange(d), np.arange(1, d + 1)] = scale
+    return transform
+
+
 @dataclass(frozen=True, eq=False)
 class RegressionFit:
     """A linear model in the columns' units: y ≈ X @ coef + intercept.
@@ -226,7 +239,7 @@ class RegressionFit:
     coef : (d,) coefficients.
     intercept : the intercept (0 without one).
     alpha : the ridge regulariser used, in the space it was applied in (the scaled
-        augmented design with an intercept, the columns' units without).
+        columns with an intercept, the columns' own units without).
     n_samples : the noisy count N.
     """
 
@@ -254,9 +267,9 @@ def solve_regression(
     sigmas : the noise standard deviation of each of those sections (0: no noise).
     alpha : "auto" (the noise bound of the module docstring), or a fixed public
         regulariser >= 0 (0: plain least squares on the noisy statistics).
-    fit_intercept : with an intercept (solved in the scaled space with the intercept
-        as a feature fixed at 1, as AdaSSP does), or through the origin of the
-        columns' units.
+    fit_intercept : with an intercept, which is not penalised (the centred normal
+        equations in the scaled space: scikit-learn's Ridge on the scaled columns), or
+        through the origin of the columns' own units (alpha then applies there).
     tail_probability : β of the automatic regulariser.
     """
     if part.kind is not AggregateKind.LINREG:
@@ -277,29 +290,32 @@ def solve_regression(
     entry_sigmas = np.full((d + 1, d + 1), float(sigmas[XTX]))
     entry_sigmas[0, :] = entry_sigmas[:, 0] = float(sigmas[X_SUMS])
     entry_sigmas[0, 0] = float(sigmas[COUNT])
-    if fit_intercept:
-        transform = np.eye(d + 1)
-        target = cross
-    else:
-        # Features in the columns' units, x = m + s u: T maps [1, u] to x.
-        transform = np.zeros((d, d + 1))
-        transform[:, 0] = centre
-        transform[np.arange(d), np.arange(1, d + 1)] = scale
-        # Σ x y with y = m_y + s_y v.
-        target = transform @ (y_centre * moments[:, 0] + y_scale * cross)
-    design = transform @ moments @ transform.T
     if isinstance(alpha, str):
         if alpha != "auto":
             raise ConfigError(f"alpha must be 'auto' or a number >= 0, got {alpha!r}")
+        transform = np.eye(d + 1) if fit_intercept else _to_columns(centre, scale)
         used = noise_spectral_bound(entry_sigmas, transform, tail_probability)
     else:
         used = float(alpha)
         if not (math.isfinite(used) and used >= 0):
             raise ConfigError(f"alpha must be 'auto' or a finite number >= 0, got {alpha!r}")
-    regularised = design + used * np.eye(design.shape[0])
-    theta = np.linalg.lstsq(regularised, target, rcond=None)[0]
     if not fit_intercept:
+        transform = _to_columns(centre, scale)
+        # Σ x y with y = m_y + s_y v.
+        target = transform @ (y_centre * moments[:, 0] + y_scale * cross)
+        design = transform @ moments @ transform.T
+        theta = np.linalg.lstsq(design + used * np.eye(d), target, rcond=None)[0]
         return RegressionFit(np.asarray(theta, dtype=np.float64), 0.0, used, n)
-    coef = y_scale * theta[1:] / scale
-    intercept = float(y_centre + y_scale * theta[0] - coef @ centre)
+    # The intercept is not penalised (as scikit-learn's Ridge): the centred normal
+    # equations of the scaled space. Post-processing keeps them meaningful after noise:
+    # N >= 1, and the means of the scaled columns and target inside their bounds [-1, 1].
+    count = max(n, 1.0)
+    mean_x = np.clip(x_sums / count, -1.0, 1.0)
+    mean_y = float(np.clip(cross[0] / count, -1.0, 1.0))
+    centred = moments[1:, 1:] - count * np.outer(mean_x, mean_x)
+    covariance = cross[1:] - count * mean_x * mean_y
+    weights = np.linalg.lstsq(centred + used * np.eye(d), covariance, rcond=None)[0]
+    theta0 = mean_y - weights @ mean_x
+    coef = y_scale * weights / scale
+    intercept = float(y_centre + y_scale * theta0 - coef @ centre)
     return RegressionFit(np.asarray(coef, dtype=np.float64), intercept, used, n)
