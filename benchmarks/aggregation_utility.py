@@ -14,7 +14,8 @@ relations, each query is answered
   continuous Gaussian noise from the same allocation (``fedpca.dp.allocation``) with the
   same noise multiplier and budget split, but only the changes a curator without a
   record cap must cover: an added record under add/remove (owners at their public cap
-  must also cover a swapped one), a replaced record under replace-one;
+  must also cover a swapped one), a replaced record under replace-one (where the count
+  is public: released exactly, its share of the budget given to the other sections);
 * ``diffprivlib`` (regression only, if installed: ``pip install -e .[bench]``) — its
   LinearRegression at (epsilon, 0), a pure-epsilon central baseline.
 
@@ -184,7 +185,10 @@ class Runner:
             changes = [s.l2_sensitivity for s in sections]
         else:
             changes = [s.swap_sensitivity or 0.0 for s in sections]
-        sigmas = allocate_noise(changes, omegas, plan.noise_multiplier)
+        # A section no change can move (a count under replace-one) is released exactly
+        # and its share goes to the others.
+        shares = [w if c > 0 else 0.0 for w, c in zip(omegas, changes, strict=True)]
+        sigmas = allocate_noise(changes, shares, plan.noise_multiplier)
         noisy = {
             s.name: self.exact[s.name] + self.rng.normal(0.0, sigma, s.length)
             for s, sigma in zip(sections, sigmas, strict=True)
@@ -276,9 +280,10 @@ def run(trials: int, plot: str | None) -> None:
                     float(np.mean(errors["mf"]) / np.mean(errors["mc"])),
                     float(np.mean(errors["cf"]) / np.mean(errors["cc"])),
                 ]
-                if relation is Neighbouring.ADD_REMOVE:
-                    for series, key in (("fed", "cf"), ("central", "cc")):
-                        record(f"covariance, {name}", series, float(np.mean(errors[key])))
+                for way, series in (("f", "fed"), ("c", "central")):
+                    label = f"{series}, {relation.value}"
+                    record(f"means, {name}", label, float(np.mean(errors["m" + way])))
+                    record(f"covariance, {name}", label, float(np.mean(errors["c" + way])))
 
     print("\nHistograms: L1 error of the counts (clamped at 0) against the true counts")
     print(f"{'dataset':<11}{'relation':<13}{'epsilon':>8}{'cells':>7}{'fed':>20}{'central':>20}")
@@ -301,9 +306,10 @@ def run(trials: int, plot: str | None) -> None:
                     f"{_cell(fed):>20}{_cell(central):>20}"
                 )
                 ratios[relation].append(float(np.mean(fed) / np.mean(central)))
-                if relation is Neighbouring.ADD_REMOVE:
-                    record(f"histogram L1, {name}", "fed", float(np.mean(fed)))
-                    record(f"histogram L1, {name}", "central", float(np.mean(central)))
+                record(f"histogram L1, {name}", f"fed, {relation.value}", float(np.mean(fed)))
+                record(
+                    f"histogram L1, {name}", f"central, {relation.value}", float(np.mean(central))
+                )
 
     r2 = regression(trials, rng, record)
     if plot is not None:
@@ -368,11 +374,13 @@ def regression(
                 f"{relation.value:<13}{epsilon:>8g}{_quartiles(fed):>26}{_quartiles(central):>26}"
                 f"{(_quartiles(dpl) if dpl else 'n/a'):>34}{float(np.median(alphas)):>11.4g}"
             )
+            title = "regression R² (median)"
+            record(title, f"fed, {relation.value}", float(np.median(fed)))
+            record(title, f"central, {relation.value}", float(np.median(central)))
             if relation is Neighbouring.ADD_REMOVE:
-                record("regression R² (median)", "fed", float(np.median(fed)))
-                record("regression R² (median)", "central", float(np.median(central)))
+                record(title, "non-private", float(nonprivate))
                 if dpl:
-                    record("regression R² (median)", "diffprivlib", float(np.median(dpl)))
+                    record(title, "diffprivlib", float(np.median(dpl)))
                 if epsilon == 3.0:
                     at_three = {
                         "r2_fed": float(np.median(fed)),
@@ -384,21 +392,54 @@ def regression(
 
 def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:
     # matplotlib's object API on its Agg canvas: no display, no pyplot state.
-    figure = Figure(figsize=(4.2 * len(curves), 3.6))
-    axes = figure.subplots(1, len(curves))
-    styles = {"fed": "o-", "central": "s--", "diffprivlib": "^:"}
-    for axis, (title, series) in zip(np.atleast_1d(axes), curves.items(), strict=True):
+    columns = 4
+    rows = -(-len(curves) // columns)
+    figure = Figure(figsize=(4.0 * columns, 3.4 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns).reshape(-1)
+    colours = {"fed": "tab:blue", "central": "tab:orange"}
+    for axis, (title, series) in zip(axes, curves.items(), strict=False):
+        regression = title.startswith("regression")
         for name, values in series.items():
-            axis.plot(EPSILONS, values, styles[name], label=name)
+            if name == "non-private":
+                axis.axhline(values[0], color="black", linewidth=0.8, label=name)
+                continue
+            if name == "diffprivlib":
+                # Far below -1 at every epsilon here: drawn on the lower edge.
+                axis.plot(
+                    EPSILONS,
+                    np.maximum(values, -0.95),
+                    "v:",
+                    color="tab:green",
+                    label="diffprivlib (below -1)",
+                )
+                continue
+            way, relation = name.split(", ")
+            style = "-" if relation == Neighbouring.ADD_REMOVE.value else "--"
+            axis.plot(
+                EPSILONS,
+                values,
+                "o" + style,
+                color=colours[way],
+                label=name,
+                markersize=4,
+                alpha=1.0 if style == "-" else 0.7,
+            )
         axis.set_xscale("log")
-        if not title.startswith("regression"):
+        if regression:
+            axis.set_ylim(-1.0, 0.4)
+        else:
             axis.set_yscale("log")
         axis.set_xlabel("epsilon")
         axis.set_title(title, fontsize=10)
-        axis.legend(fontsize=8)
-    figure.suptitle(f"add/remove, delta = {DELTA:g}, federated vs central DP", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+        axis.legend(fontsize=7)
+    for axis in axes[len(curves) :]:
+        axis.set_visible(False)
+    figure.suptitle(
+        f"federated vs central DP at equal (epsilon, delta = {DELTA:g}): errors are means, "
+        "R² medians; solid: add/remove, dashed: replace-one",
+        fontsize=10,
+    )
+    figure.savefig(path, dpi=100)
 
 
 def main() -> None:
