@@ -53,6 +53,7 @@ from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import (
     FixedPointStatistics,
+    Section,
     StatisticsSpec,
     SufficientStatistics,
     upper_triangle_length,
@@ -162,13 +163,14 @@ class ReleasePlan:
 
     @property
     def sensitivity(self) -> float:
-        """L2 sensitivity of the release in the units of its first section's noise.
+        """L2 sensitivity of the release in the units of its first noised section's noise.
 
         With per-section noise sigma_j the release is accounted by z alone; this is
-        sigma_0 / z, i.e. the sensitivity of the release once every section is rescaled
-        to the first section's noise (the plain L2 sensitivity when all sections get
-        the same sigma, as by default at clip norm 1). Masked mode: the scatter's
-        sensitivity at N = 1 (its noise uses the public N, which only lowers it).
+        sigma_0 / z (section 0: the first with noise), i.e. the sensitivity of the
+        release once every section is rescaled to that section's noise (the plain L2
+        sensitivity when all sections get the same sigma, as by default at clip norm 1).
+        Masked mode: the scatter's sensitivity at N = 1 (its noise uses the public N,
+        which only lowers it).
         """
         spec = self.spec
         c2 = spec.clip_norm * spec.clip_norm
@@ -176,7 +178,8 @@ class ReleasePlan:
             return masked_scatter_sensitivity(spec.clip_norm, 1)
         if not self.private:
             return StatisticsSpec.from_query(spec).l2_sensitivity_under(spec.neighbouring) * c2
-        return self.sections[0].sigma / self.noise_multiplier
+        first = next(s for s in self.sections if s.sigma > 0)
+        return first.sigma / self.noise_multiplier
 
     @property
     def delta_extra(self) -> float:
@@ -294,12 +297,16 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
         # In clip units a section's change is at most its allocation unit (1 for PCA
         # and DCA), so the weights give reference sigmas unit_j/sqrt(omega_j); the worst
         # change the relation allows then fixes the one scale that makes the release's
-        # noise multiplier exactly z.
+        # noise multiplier exactly z. A section no neighbouring change can move (the
+        # count of a stats or linreg aggregate under replace-one) is released exactly.
+        exact = [_unmoved(statistics, s, spec.neighbouring) for s in statistics.sections]
         reference = [
-            s.allocation_unit / math.sqrt(w)
-            for s, w in zip(statistics.sections, omegas, strict=True)
+            0.0 if unmoved else s.allocation_unit / math.sqrt(w)
+            for s, w, unmoved in zip(statistics.sections, omegas, exact, strict=True)
         ]
-        worst = statistics.worst_case_change([1.0 / (r * r) for r in reference], spec.neighbouring)
+        worst = statistics.worst_case_change(
+            [math.inf if r == 0 else 1.0 / (r * r) for r in reference], spec.neighbouring
+        )
         scale = z * math.sqrt(worst)
         for section, r in zip(statistics.sections, reference, strict=True):
             sigma_clip = r * scale
@@ -315,7 +322,9 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
         z_effective = 1.0 / math.sqrt(
             statistics.worst_case_change(
                 [
-                    math.ldexp(1.0, 2 * info.bits(f)) / (s.sigma_int * s.sigma_int)
+                    math.inf
+                    if s.sigma_int == 0
+                    else math.ldexp(1.0, 2 * info.bits(f)) / (s.sigma_int * s.sigma_int)
                     for info, s in zip(statistics.sections, sections, strict=True)
                 ],
                 spec.neighbouring,
@@ -349,6 +358,15 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
         bounds=bounds,
         owner_blocks=(block,),
         result_blocks=(block,),
+    )
+
+
+def _unmoved(statistics: StatisticsSpec, section: Section, neighbouring: Neighbouring) -> bool:
+    """Whether no change of the relation moves ``section`` (it then needs no noise)."""
+    return (
+        statistics.kind is QueryKind.AGGREGATE
+        and neighbouring is Neighbouring.REPLACE_ONE
+        and section.swap_change == 0
     )
 
 

@@ -585,7 +585,8 @@ def worst_case_change(
     replace-one needs the swap only, because every aggregate section whose records
     can be left out (a histogram's unlisted categories) has b_j >= a_j, so a
     replacement that looks like an addition is within the swap bound
-    (docs/privacy.md, "Aggregate queries").
+    (docs/privacy.md, "Aggregate queries"). A section whose change is 0 in the case
+    at hand contributes nothing, whatever its noise: w_j = inf (no noise) is allowed.
     """
     if kind is QueryKind.AGGREGATE:
         return _aggregate_worst_case(inverse_variances, neighbouring, changes)
@@ -617,13 +618,18 @@ def _aggregate_worst_case(
             "inverse variances"
         )
     weights = [float(w) for w in inverse_variances]
-    if not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ConfigError(f"inverse variances must be finite and > 0, got {tuple(weights)}")
+    # w = inf is a section without noise: allowed, and free, where its change is 0.
+    if not all(w > 0 for w in weights):
+        raise ConfigError(f"inverse variances must be > 0, got {tuple(weights)}")
     for add, swap in changes:
         if not (math.isfinite(add) and add > 0 and math.isfinite(swap) and swap >= 0):
             raise ConfigError(f"section changes must be finite, add > 0, swap >= 0: {changes}")
-    add_case = math.fsum(w * a * a for w, (a, _) in zip(weights, changes, strict=True))
-    swap_case = math.fsum(w * b * b for w, (_, b) in zip(weights, changes, strict=True))
+
+    def term(w: float, change: float) -> float:
+        return 0.0 if change == 0 else w * change * change
+
+    add_case = math.fsum(term(w, a) for w, (a, _) in zip(weights, changes, strict=True))
+    swap_case = math.fsum(term(w, b) for w, (_, b) in zip(weights, changes, strict=True))
     if neighbouring is Neighbouring.REPLACE_ONE:
         return swap_case
     return max(add_case, swap_case)

@@ -25,6 +25,7 @@ from fedpca.aggregates import (
     split_parts,
 )
 from fedpca.dp.calibration import zcdp_noise_multiplier
+from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import ConfigError, LayoutError
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict
@@ -208,6 +209,11 @@ def test_plan_of_a_combined_query_meets_the_target_exactly(neighbouring: Neighbo
     bounds += list(SQUARED_BOUNDS["linreg"].values())
     add = swap = 0.0
     for section, info, (a, b) in zip(plan.sections, plan.statistics.sections, bounds, strict=True):
+        if section.sigma_int == 0:
+            # Released exactly: only a section no replacement moves (a count whose
+            # records are never left out) under replace-one.
+            assert neighbouring is Neighbouring.REPLACE_ONE and b == 0, section.name
+            continue
         grid = 0 if info.grid_bits == 0 else F
         inverse = (2.0**grid / section.sigma_int) ** 2
         add += inverse * float(a)
@@ -220,12 +226,14 @@ def test_plan_of_a_combined_query_meets_the_target_exactly(neighbouring: Neighbo
     worst = swap if neighbouring is Neighbouring.REPLACE_ONE else max(add, swap)
     assert 1 / math.sqrt(worst) == pytest.approx(z, rel=1e-12)
     # The weight of a section is its share of the worst case, in its max(add, swap) units.
-    shares = [
-        (max(math.sqrt(a), math.sqrt(b)) / s.sigma) ** 2
-        for s, (a, b) in zip(plan.sections, bounds, strict=True)
+    ratios = [
+        (max(math.sqrt(a), math.sqrt(b)) / s.sigma) ** 2 / w
+        for s, (a, b), w in zip(plan.sections, bounds, range(1, 10), strict=True)
+        if s.sigma > 0
     ]
-    ratios = [share / w for share, w in zip(shares, range(1, 10), strict=True)]
     assert max(ratios) == pytest.approx(min(ratios), rel=1e-12)
+    exact = [s.name for s in plan.sections if s.sigma == 0]
+    assert exact == ([] if neighbouring is Neighbouring.ADD_REMOVE else ["0.count", "2.count"])
     event = plan.privacy_event("alice")
     assert event.noise_multiplier == z and event.neighbouring is neighbouring
     with pytest.raises(ConfigError, match="noise_weights has 2 entries"):
@@ -403,3 +411,18 @@ def test_wire_and_store_round_trips_are_exact() -> None:
     stored["aggregates"][0]["colour"] = 1
     with pytest.raises(ConfigError, match="unknown keys \\['colour'\\]"):
         spec_from_dict(stored)
+
+
+def test_replace_one_releases_unmoved_counts_exactly() -> None:
+    # |D| and every owner's record count are public under replace-one: the count of a
+    # stats aggregate gets no noise, its budget share goes to the other sections.
+    spec = query(STATS, JOINT, neighbouring=Neighbouring.REPLACE_ONE)
+    plan = ReleasePlan.for_query(spec, 2048)
+    noise = plan.noise_values(TestOnlySeededSampler(3))
+    slices = plan.statistics.section_slices()
+    assert np.all(noise[slices["0.count"]] == 0)
+    assert np.count_nonzero(noise[slices["0.sums"]]) == 3
+    assert np.count_nonzero(noise[slices["1.counts"]]) > 0  # a replacement moves cells
+    assert plan.privacy_event("alice").sensitivity > 0
+    add_remove = ReleasePlan.for_query(query(STATS, JOINT), 2048)
+    assert all(s.sigma > 0 for s in add_remove.sections)
