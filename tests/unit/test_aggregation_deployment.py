@@ -33,6 +33,7 @@ from fedpca.analyst import (
     FederatedQuery,
     FederatedStatistics,
 )
+from fedpca.analyst.aggregate_report import aggregate_document
 from fedpca.analyst.cli import analyst_group
 from fedpca.analyst.keys import (
     AnalystKeyFiles,
@@ -263,6 +264,16 @@ def test_combined_query_is_charged_once_at_the_composed_cost(
     # Every estimator was fitted from that one release.
     assert {e.query_id_ for e in (stats, ages, regression)} == {query.query_id_}
     assert ages.counts_.min() >= 0 and ages.clamped_
+    # One strict-JSON document for the release, one entry per aggregate.
+    document = json.loads(json.dumps(aggregate_document(query), allow_nan=False))
+    assert [part["aggregate"] for part in document["aggregates"]] == [
+        "stats",
+        "histogram",
+        "linreg",
+    ]
+    assert document["noise_multiplier"] == pytest.approx(z)
+    assert document["epsilon"] == epsilon and document["not_private"] is False
+    assert document["aggregates"][1]["postprocessing"] == "negative counts clamped to 0"
 
 
 @pytest.mark.parametrize(
