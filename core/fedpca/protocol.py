@@ -237,7 +237,11 @@ class ReleasePlan:
         if self.spec.mode is not ProtocolMode.STATS:
             raise ConfigError("noise_values is for stats mode; masked mode noises the scatter")
         parts = [
-            vector_noise(
+            # A private release's section without noise is one no change can move
+            # (released exactly, see _unmoved): not a NOT PRIVATE release.
+            np.zeros(s.length, dtype=np.int64)
+            if s.sigma_int == 0 and self.private
+            else vector_noise(
                 s.length, s.sigma_int, sampler=sampler, bound=_headroom(s.sigma_int, s.length)
             )
             for s in self.sections
