@@ -118,7 +118,8 @@ def _ints(values: Any, what: str) -> tuple[int, ...]:
         raise ConfigError(f"{what} must be a sequence of column indices") from None
     out = []
     for value in items:
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole:
             raise ConfigError(f"{what} must hold whole column indices, got {value!r}")
         if value < 0:
             raise ConfigError(f"{what} must hold column indices >= 0, got {value!r}")

@@ -16,6 +16,9 @@ C×M values, row-major, classes in the order of the public ``class_labels``),
 ``class_counts`` (N_c, C values).  The pooled v and N are *not* sent: they are
 Σ_c v_c and Σ_c N_c, so sending them would only spend budget on redundant values.
 
+Aggregate queries: the sections of every aggregate, named ``"<part>.<name>"``, each
+with its own add and swap bounds (:mod:`fedpca.aggregates`).
+
 Per-record sensitivity (add/remove adjacency)
 ---------------------------------------------
 Neighbouring datasets differ by adding or removing one record x, and every row
