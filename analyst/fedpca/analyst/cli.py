@@ -8,6 +8,7 @@ Commands::
     fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
     fedpca analyst budget --proxy ADDR [--delta D]
     fedpca analyst list|status QUERY|fetch QUERY --out result.json|cancel QUERY
+    fedpca analyst stats|histogram|linreg ...   (fedpca.analyst.aggregate_cli)
 
 Connection settings may come from ``--config analyst.toml``
 (:mod:`fedpca.analyst.config`); flags override it.
@@ -172,7 +173,7 @@ def _spinner(message: str) -> Iterator[None]:
 
 @click.group("analyst")
 def analyst_group() -> None:
-    """Analyst: keys, private PCA/DCA queries, budget."""
+    """Analyst: keys, private PCA/DCA and aggregate queries, budget."""
 
 
 @analyst_group.command("keygen")
@@ -569,3 +570,7 @@ def budget_command(
 # connection options above; `fedpca analyst init` writes an analyst folder.
 query_commands.register(analyst_group, _connection_options, _errors, _connection)
 analyst_group.add_command(analyst_init.init_command)
+
+
+# `stats`, `histogram` and `linreg` (aggregate queries) register themselves on import.
+import fedpca.analyst.aggregate_cli  # noqa: E402, F401

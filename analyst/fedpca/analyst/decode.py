@@ -24,7 +24,8 @@ silently wrong statistic.
 Stats mode
     One block ``shares``: decrypt, unpack, decode fixed point (2^-f clip units:
     c² for the scatter, c for sums, 1 for counts) and read back the noisy
-    :class:`~fedpca.stats.SufficientStatistics`.
+    :class:`~fedpca.stats.SufficientStatistics`; for an aggregate query, the noisy
+    sections of every aggregate (:func:`fedpca.aggregates.split_parts`).
 
 Masked mode
     ``scatter_rows`` holds T = N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E (2^(2f)
@@ -48,6 +49,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.aggregates import split_parts
 from fedpca.analyst.solvers import (
     DCAResult,
     PCAResult,
@@ -125,6 +127,8 @@ class DecodedRelease:
     sigmas : section name -> standard deviation of the Gaussian noise in real
         units, as the analyst's own plan derives it (0 = no noise).
     noise : the noise description the proxy sent, if any.
+    aggregates : aggregate queries: per aggregate, its noisy sections by name (real
+        units of the scaled space, see :mod:`fedpca.aggregates`); empty otherwise.
     """
 
     query: QuerySpec
@@ -136,6 +140,7 @@ class DecodedRelease:
     public_count: int | None
     sigmas: Mapping[str, float]
     noise: NoiseDescription | None = None
+    aggregates: tuple[Mapping[str, FloatArray], ...] = ()
 
     @property
     def mode(self) -> ProtocolMode:
@@ -155,7 +160,11 @@ class DecodedRelease:
         """N: the noisy count in stats mode, the exact public count in masked mode."""
         if self.statistics is not None:
             return self.statistics.count
-        assert self.public_count is not None
+        if self.public_count is None:
+            raise ConfigError(
+                f"query {self.query.query_id!r} is an aggregate release: each aggregate "
+                "carries its own count"
+            )
         return float(self.public_count)
 
     @property
@@ -497,6 +506,23 @@ def decrypt_result(
     # share that broke its declared bound shows up as an error here.
     bound = result.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
     values = _decrypt_blocks(result, private_key, plan, {SHARES: bound}, pool, progress)
+    if query.kind is QueryKind.AGGREGATE:
+        parts = split_parts(query.aggregates, plan.section_values(values[SHARES]))
+        for part in parts:
+            for array in part.values():
+                array.setflags(write=False)
+        return DecodedRelease(
+            query=query,
+            plan=plan,
+            n_owners=result.n_owners,
+            key_fingerprint=fingerprint,
+            statistics=None,
+            centred_scatter=None,
+            public_count=None,
+            sigmas=sigmas,
+            noise=result.noise,
+            aggregates=tuple(parts),
+        )
     statistics = plan.statistics_from_integers(values[SHARES])
     return DecodedRelease(
         query=query,
