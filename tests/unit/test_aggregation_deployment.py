@@ -11,6 +11,9 @@ insulin, BMI, pedigree and age.
 * budgets: a combined query is charged once, at the composed cost, by the proxy and by
   every owner; its noise multiplier meets the defining worst case.
 * policy: owners decline kinds and columns their policy forbids, with a public reason.
+* conventions shared with PCA: the quorum defaults to every registered owner, a result
+  of fewer owners warns, each decline is logged once, and ``fetch`` reads a stored
+  aggregate release back.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ from click.testing import CliRunner
 from sklearn.linear_model import LinearRegression
 
 import fedpca.analyst.aggregate_estimators as aggregate_estimators_module
+import fedpca.analyst.keys as keys_module
 from fedpca.analyst import (
     FederatedHistogram,
     FederatedLinearRegression,
     FederatedQuery,
     FederatedStatistics,
 )
-from fedpca.analyst.aggregate_report import aggregate_document
+from fedpca.analyst.aggregate_report import aggregate_document, write_aggregate_result
 from fedpca.analyst.cli import analyst_group
+from fedpca.analyst.estimators import MissingOwnersWarning
 from fedpca.analyst.keys import (
     AnalystKeyFiles,
     create_analyst_keys,
@@ -282,7 +287,7 @@ def test_combined_query_is_charged_once_at_the_composed_cost(
     indirect=True,
 )
 def test_owners_decline_forbidden_kinds_with_a_public_reason(
-    running: Any, analyst_keys: AnalystKeyFiles
+    running: Any, analyst_keys: AnalystKeyFiles, caplog: pytest.LogCaptureFixture
 ) -> None:
     statuses: list[Any] = []
     # Quorum 1: the query fails only once every owner has declined, so all are seen.
@@ -295,6 +300,11 @@ def test_owners_decline_forbidden_kinds_with_a_public_reason(
     for decline in declines:
         assert decline.reason == DeclineReason.POLICY_REFUSAL
         assert decline.detail == "histogram queries are not in policy.allowed_kinds (pca, dca)"
+    # Without a progress display each decline is logged, once per owner.
+    logged = [r.getMessage() for r in caplog.records if "owner declined" in r.getMessage()]
+    assert sorted(logged) == sorted(
+        f"query {statuses[-1].query_id}: owner declined: {d.line()}" for d in declines
+    )
     # Nothing was spent anywhere.
     for node in running.nodes.values():
         assert node.ledger.events() == []
@@ -323,14 +333,40 @@ def test_owners_decline_columns_their_policy_does_not_allow(
 
 
 @pytest.mark.parametrize("running", [{"not_private": True}], indirect=True)
+def test_a_result_of_fewer_owners_than_registered_warns(
+    running: Any, analyst_keys: AnalystKeyFiles, tmp_path: Path
+) -> None:
+    running.stop_owner("owner-3")
+    connection = {**_connection(running, analyst_keys), "quorum": 2}
+    stats = FederatedStatistics([8], bounds=[(20, 90)], moments="mean", epsilon=math.inf)
+    stats.set_params(**connection)
+    with pytest.warns(MissingOwnersWarning, match="only 2 of 3 registered owners"):
+        stats.fit()
+    assert (stats.n_owners_, stats.n_owners_registered_, stats.quorum_) == (2, 3, 2)
+    document = json.loads(write_aggregate_result(tmp_path / "stats.json", stats).read_text())
+    assert document["quorum"] == 2
+    assert document["owners"] == {
+        "contributed": 2,
+        "registered": 3,
+        "quorum": 2,
+        "all_registered": False,
+        "summary": "2 of 3 registered",
+    }
+
+
+@pytest.mark.parametrize("running", [{"not_private": True}], indirect=True)
 def test_cli_commands_write_strict_json(
-    running: Any, analyst_keys: AnalystKeyFiles, table: np.ndarray, tmp_path: Path
+    running: Any,
+    analyst_keys: AnalystKeyFiles,
+    table: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     files = running.tls(Role.ANALYST, "alice")
     common = [
         *("--proxy", running.proxy.address, "--ca", str(files.ca_certificate)),
         *("--cert", str(files.certificate), "--key", str(files.private_key)),
-        *("--key-dir", str(analyst_keys.directory), "--epsilon", "inf", "--quorum", "3"),
+        *("--key-dir", str(analyst_keys.directory), "--epsilon", "inf"),
         *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
     ]
 
@@ -343,6 +379,11 @@ def test_cli_commands_write_strict_json(
         document: dict[str, Any] = json.loads(out.read_text())
         assert document["epsilon"] is None and document["not_private"] is True
         assert document["kind"] == "aggregate" and document["n_owners"] == len(OWNERS)
+        # No --quorum: the query waited for every registered owner and says so.
+        assert f"quorum {len(OWNERS)} of {len(OWNERS)} registered owners" in result.stderr
+        assert "owners:      3 of 3 registered (quorum 3)" in result.stdout
+        assert document["quorum"] == len(OWNERS)
+        assert document["owners"]["summary"] == "3 of 3 registered"
         return document
 
     stats = run("stats", "--columns", "1,2", "--bounds", "0:17,0:200", "--moments", "variance")
@@ -367,3 +408,25 @@ def test_cli_commands_write_strict_json(
     np.testing.assert_allclose(model["coef"], reference.coef_, rtol=1e-8)
     assert model["intercept"] == pytest.approx(reference.intercept_, rel=1e-8)
     assert model["alpha"] == 0.0 and model["alpha_rule"].startswith("auto")
+
+    # The stored release read back by id: the same document, bar timings and time.
+    monkeypatch.setattr(
+        keys_module,
+        "load_analyst_private_key",
+        lambda path: load_analyst_private_key(path, allow_insecure_test_key=True),
+    )
+    fetched_path = tmp_path / "fetched.json"
+    fetched = CliRunner().invoke(
+        analyst_group,
+        [
+            *("fetch", model["query_id"], *common[:8], *common[8:10]),
+            *("--workers", "1", "--out", str(fetched_path)),
+        ],
+    )
+    assert fetched.exit_code == 0, fetched.output
+    assert "owners:      3 of 3 registered (quorum 3)" in fetched.stdout
+    again = json.loads(fetched_path.read_text())
+    volatile = {"created_at", "timings"}
+    assert {k: v for k, v in again.items() if k not in volatile} == {
+        k: v for k, v in model.items() if k not in volatile
+    }

@@ -18,6 +18,7 @@ on :data:`fedpca.analyst.cli.analyst_group`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -99,11 +100,17 @@ def _aggregate_query_options(function: F) -> F:
         click.option(
             "--neighbouring",
             type=click.Choice([n.value for n in Neighbouring]),
-            default=Neighbouring.ADD_REMOVE.value,
-            show_default=True,
-            help="The relation (epsilon, delta) are stated for; the deployment's.",
+            default=None,
+            help="The relation (epsilon, delta) are stated for; it must be the deployment's "
+            "[the deployment's, asked from the proxy].",
         ),
-        click.option("--quorum", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option(
+            "--quorum",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Owners that must contribute [every owner the proxy accepts]. A smaller "
+            "quorum lets collection close before the others upload.",
+        ),
         click.option(
             "--deadline",
             type=float,
@@ -148,6 +155,7 @@ def _aggregate_query_options(function: F) -> F:
 def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:
     """Connect, fit and write result.json; return the fitted estimator."""
     from fedpca.analyst.aggregate_report import write_aggregate_result
+    from fedpca.analyst.estimators import MissingOwnersWarning
 
     epsilon: float = params["epsilon"]
     delta: float | None = params["delta"]
@@ -168,15 +176,6 @@ def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:
         )
         if connection.key_dir is None:
             raise ConfigError("no analyst key: pass --key-dir DIR or set key_dir in --config")
-        announced: list[str] = []
-
-        def on_status(status: Any) -> None:
-            if not announced:
-                announced.append(status.query_id)
-                click.echo(f"query {status.query_id} submitted", err=True)
-            if status.failure_reason:
-                click.echo(f"query failed: {status.failure_reason}", err=True)
-
         estimator = estimator_factory(
             epsilon=epsilon,
             delta=delta if delta is not None else 0.0,
@@ -195,12 +194,15 @@ def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:
             private_key_path=connection.key_dir,
             n_jobs=params["workers"],
             verbose=True,
-            on_status=on_status,
+            on_status=analyst_cli._submission_announcer(),
         )
-        estimator.fit()
+        with warnings.catch_warnings():
+            # The summary below prints the warning in red; Python's copy would repeat it.
+            warnings.simplefilter("ignore", MissingOwnersWarning)
+            estimator.fit()
         path = write_aggregate_result(params["out"], estimator)
     click.echo(f"query:       {estimator.query_id_}")
-    click.echo(f"owners:      {estimator.n_owners_}")
+    analyst_cli._print_owners(estimator)
     return estimator, path
 
 

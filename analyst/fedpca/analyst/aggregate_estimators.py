@@ -41,16 +41,21 @@ import numpy.typing as npt
 from fedpca.aggregates import part_sections
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.estimators import (
+    DeclineLog,
     NotFittedError,
     _differs,
     _ProgressDisplay,
+    _refuse_in_bootstrapping_child,
     new_query_id,
+    resolve_quorum,
     run_query,
+    warn_if_owners_missing,
 )
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError
+from fedpca.messages import DeploymentInfo
 from fedpca.preprocess import FeatureBounds
 from fedpca.query import (
     Aggregate,
@@ -149,7 +154,7 @@ class _Settings:
     delta: float
     calibration: str
     neighbouring: str | None
-    quorum: int
+    quorum: int | None
     deadline_seconds: float
     max_records_per_owner: int
     max_owners: int
@@ -207,10 +212,17 @@ class _Settings:
 
     def _run(
         self, aggregates: Sequence[Aggregate], weights: Sequence[float]
-    ) -> tuple[DecodedRelease, dict[str, float]]:
-        """Submit one aggregate query, wait, fetch and decrypt it."""
+    ) -> tuple[DecodedRelease, dict[str, float], int]:
+        """Submit one aggregate query, wait, fetch and decrypt it.
+
+        Returns the release, the timings and the number of owners the proxy accepts.
+        As for PCA, ``fit`` first asks the proxy for the deployment's public facts: an
+        unset quorum waits for every registered owner and an unset relation is the
+        deployment's; the signed query states both.
+        """
         from fedpca.analyst.client import AnalystClient
 
+        _refuse_in_bootstrapping_child()
         if self.proxy is None:
             raise ConfigError("set proxy='host:port' to fit against a proxy")
         if self.private_key_path is None:
@@ -219,18 +231,17 @@ class _Settings:
             )
         private_key = load_analyst_private_key(self.private_key_path)
         signing_key = load_analyst_signing_key(self.private_key_path)
-        spec = aggregate_query(
-            aggregates, private_key.public_key, noise_weights=weights, **self._query_settings()
-        )
-        if not spec.private:
-            logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
         display = _ProgressDisplay() if self.verbose else None
+        declines = DeclineLog()
 
         def on_status(status: Any) -> None:
             if self.on_status is not None:
                 self.on_status(status)
+            # Each decline is one line: on the progress display, else in the log.
             if display is not None:
                 display.status(status)
+            else:
+                declines.status(status)
 
         with (
             AnalystClient(
@@ -241,7 +252,16 @@ class _Settings:
             ) as client,
             CryptoPool(self.n_jobs) as pool,
         ):
-            return run_query(
+            deployment = client.describe()
+            spec = aggregate_query(
+                aggregates,
+                private_key.public_key,
+                noise_weights=weights,
+                **self._query_settings(deployment),
+            )
+            if not spec.private:
+                logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
+            release, timings = run_query(
                 spec,
                 client,
                 private_key,
@@ -252,14 +272,19 @@ class _Settings:
                 decrypt_progress=None if display is None else display.decrypted,
                 pool=pool,
             )
+        return release, timings, deployment.owners_registered
 
-    def _query_settings(self) -> dict[str, Any]:
+    def _query_settings(self, deployment: DeploymentInfo | None = None) -> dict[str, Any]:
+        """The query parameters; ``deployment`` fills in an unset quorum and relation."""
+        neighbouring = self.neighbouring
+        if neighbouring is None and deployment is not None:
+            neighbouring = deployment.neighbouring.value
         return {
             "epsilon": float(self.epsilon),
             "delta": float(self.delta),
             "calibration": self.calibration,
-            "neighbouring": self.neighbouring,
-            "quorum": int(self.quorum),
+            "neighbouring": neighbouring,
+            "quorum": resolve_quorum(self.quorum, deployment),
             "deadline_seconds": float(self.deadline_seconds),
             "max_records_per_owner": int(self.max_records_per_owner),
             "max_owners": int(self.max_owners),
@@ -352,24 +377,37 @@ class AggregateEstimator(_Settings):
             raise ConfigError(
                 f"{type(self).__name__}.fit() takes no data: the rows stay with their owners"
             )
-        release, timings = self._run([self.aggregate()], self.section_weights())
-        self._fit_release(release, 0, timings)
+        release, timings, registered = self._run([self.aggregate()], self.section_weights())
+        self._fit_release(release, 0, timings, registered)
+        warn_if_owners_missing(release, registered)
         return self
 
     @classmethod
-    def from_result(cls, release: DecodedRelease, index: int = 0, **params: Any) -> Self:
+    def from_result(
+        cls,
+        release: DecodedRelease,
+        index: int = 0,
+        *,
+        owners_registered: int | None = None,
+        timings: Mapping[str, float] | None = None,
+        **params: Any,
+    ) -> Self:
         """A fitted estimator from aggregate ``index`` of a decrypted release (no network).
 
         Parameters
         ----------
         release : the decrypted aggregate release.
         index : which of its aggregates.
+        owners_registered : owners the proxy accepts, if known (for
+            ``n_owners_registered_`` and the warning when fewer contributed).
+        timings : phase -> seconds already spent (e.g. "fetch", "decrypt").
         **params : post-processing parameters (e.g. ``clamp``, ``alpha``).
         """
         if release.kind is not QueryKind.AGGREGATE or not 0 <= index < len(release.aggregates):
             raise ConfigError(f"the release has no aggregate {index}")
         estimator = cls(**cls._params_from_aggregate(release.query.aggregates[index]), **params)
-        estimator._fit_release(release, index, {})
+        estimator._fit_release(release, index, timings or {}, owners_registered)
+        warn_if_owners_missing(release, owners_registered)
         return estimator
 
     @classmethod
@@ -377,7 +415,11 @@ class AggregateEstimator(_Settings):
         raise NotImplementedError
 
     def _fit_release(
-        self, release: DecodedRelease, index: int, timings: Mapping[str, float]
+        self,
+        release: DecodedRelease,
+        index: int,
+        timings: Mapping[str, float],
+        owners_registered: int | None = None,
     ) -> None:
         part = release.query.aggregates[index]
         if part != self.aggregate():
@@ -392,6 +434,8 @@ class AggregateEstimator(_Settings):
         self.release_ = release
         self.aggregate_index_ = index
         self.n_owners_ = release.n_owners
+        self.n_owners_registered_ = owners_registered
+        self.quorum_ = query.quorum
         self.epsilon_ = query.epsilon
         self.delta_ = query.delta if release.private else 0.0
         self.not_private_ = not release.private
@@ -426,6 +470,8 @@ class AggregateEstimator(_Settings):
     release_: DecodedRelease
     aggregate_index_: int
     n_owners_: int
+    n_owners_registered_: int | None
+    quorum_: int
     epsilon_: float
     delta_: float
     not_private_: bool
@@ -440,8 +486,14 @@ COMMON_PARAMETERS_DOC = """
         PRIVATE, verification only).
     calibration : "zcdp" (default, proven for the discrete Gaussian), "analytic" or
         "classic" (the continuous Gaussian's).
-    neighbouring : "add-remove" (default) or "replace-one"; the deployment's relation.
-    quorum, deadline_seconds : minimum contributing owners; seconds the proxy collects.
+    neighbouring : "add-remove" or "replace-one": the deployment's relation (None, the
+        default: ``fit`` asks the proxy for it).
+    quorum : owners that must contribute; collection closes as soon as this many
+        uploaded. None (default): every owner the proxy accepts (``fit`` asks the proxy
+        and states the number in the signed query). A smaller quorum lets a result cover
+        fewer owners: ``fit`` then warns
+        (:class:`~fedpca.analyst.estimators.MissingOwnersWarning`).
+    deadline_seconds : seconds the proxy collects uploads.
     max_records_per_owner, max_owners : public bounds that size packed slots; an owner
         with more records contributes a uniform sample of this many.
     frac_bits : fixed-point fractional bits.
@@ -468,7 +520,9 @@ class FederatedQuery(_Settings):
     Attributes
     ----------
     estimators_ : the fitted estimators (the same objects).
-    release_, epsilon_, delta_, not_private_, query_id_, n_owners_, timings_ : provenance.
+    release_, epsilon_, delta_, not_private_, query_id_, timings_ : provenance.
+    n_owners_, n_owners_registered_, quorum_ : owners aggregated, owners the proxy
+        accepts (None for ``from_result`` without it), the quorum the query stated.
     """
 
     def __init__(
@@ -480,7 +534,7 @@ class FederatedQuery(_Settings):
         delta: float = 1e-6,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
-        quorum: int = 1,
+        quorum: int | None = None,
         deadline_seconds: float = 300.0,
         max_records_per_owner: int = 1 << 20,
         max_owners: int = 1 << 8,
@@ -526,9 +580,20 @@ class FederatedQuery(_Settings):
             raise ConfigError("FederatedQuery.fit() takes no data: the rows stay with their owners")
         estimators = list(self.estimators)
         weights = self.noise_weights()
-        release, timings = self._run([e.aggregate() for e in estimators], weights)
+        release, timings, registered = self._run([e.aggregate() for e in estimators], weights)
+        self._fit_release(estimators, release, timings, registered)
+        warn_if_owners_missing(release, registered)
+        return self
+
+    def _fit_release(
+        self,
+        estimators: list[AggregateEstimator],
+        release: DecodedRelease,
+        timings: Mapping[str, float],
+        owners_registered: int | None,
+    ) -> None:
         for index, estimator in enumerate(estimators):
-            estimator._fit_release(release, index, timings)
+            estimator._fit_release(release, index, timings, owners_registered)
         query = release.query
         self.estimators_ = estimators
         self.release_ = release
@@ -537,8 +602,9 @@ class FederatedQuery(_Settings):
         self.not_private_ = not release.private
         self.query_id_ = query.query_id
         self.n_owners_ = release.n_owners
+        self.n_owners_registered_ = owners_registered
+        self.quorum_ = query.quorum
         self.timings_ = dict(timings)
-        return self
 
     estimators_: list[AggregateEstimator]
     release_: DecodedRelease
@@ -547,4 +613,6 @@ class FederatedQuery(_Settings):
     not_private_: bool
     query_id_: str
     n_owners_: int
+    n_owners_registered_: int | None
+    quorum_: int
     timings_: dict[str, float]

@@ -20,25 +20,73 @@ import numpy as np
 
 from fedpca.analyst.aggregate_estimators import AggregateEstimator, FederatedQuery
 from fedpca.analyst.decode import DecodedRelease
+from fedpca.analyst.estimators import warn_if_owners_missing
 from fedpca.analyst.regression import FederatedLinearRegression
-from fedpca.analyst.report import REPORT_FORMAT, REPORT_VERSION, _strict
+from fedpca.analyst.report import REPORT_FORMAT, REPORT_VERSION, _strict, owners_summary
 from fedpca.analyst.statistics import FederatedHistogram, FederatedStatistics
 from fedpca.errors import ConfigError
-from fedpca.query import Aggregate
+from fedpca.query import Aggregate, AggregateKind, QueryKind
 from fedpca.version import __version__
 
-__all__ = ["aggregate_document", "write_aggregate_result"]
+__all__ = ["aggregate_document", "fitted_from_release", "write_aggregate_result"]
 
 logger = logging.getLogger(__name__)
 
 Fitted = AggregateEstimator | FederatedQuery
+
+_ESTIMATOR_OF: dict[AggregateKind, type[AggregateEstimator]] = {
+    AggregateKind.STATS: FederatedStatistics,
+    AggregateKind.HISTOGRAM: FederatedHistogram,
+    AggregateKind.LINREG: FederatedLinearRegression,
+}
 
 
 def _list(value: Any) -> Any:
     return None if value is None else np.asarray(value, dtype=np.float64).tolist()
 
 
-def _release_header(release: DecodedRelease, timings: dict[str, float]) -> dict[str, Any]:
+def fitted_from_release(
+    release: DecodedRelease,
+    *,
+    owners_registered: int | None = None,
+    timings: dict[str, float] | None = None,
+) -> Fitted:
+    """Fitted estimators from a decrypted aggregate release read back (no network).
+
+    One aggregate: the estimator of its kind, as ``fedpca analyst stats|histogram|linreg``
+    fits it; several: a :class:`FederatedQuery` of them. Post-processing parameters are
+    the defaults; everything else is the release's query.
+    """
+    query = release.query
+    if query.kind is not QueryKind.AGGREGATE:
+        raise ConfigError(f"query {query.query_id!r} is a {query.kind.value} query")
+    estimators = [
+        _ESTIMATOR_OF[part.kind](**_ESTIMATOR_OF[part.kind]._params_from_aggregate(part))
+        for part in query.aggregates
+    ]
+    fitted: Fitted
+    if len(estimators) == 1:
+        fitted = estimators[0]
+        fitted._fit_release(release, 0, timings or {}, owners_registered)
+    else:
+        fitted = FederatedQuery(
+            estimators,
+            epsilon=query.epsilon,
+            delta=query.delta,
+            calibration=query.calibration.value,
+            neighbouring=query.neighbouring.value,
+            quorum=query.quorum,
+            deadline_seconds=query.deadline_seconds,
+            max_records_per_owner=query.max_records_per_owner,
+            max_owners=query.max_owners,
+            frac_bits=query.frac_bits,
+        )
+        fitted._fit_release(estimators, release, timings or {}, owners_registered)
+    warn_if_owners_missing(release, owners_registered)
+    return fitted
+
+
+def _release_header(fitted: Fitted, release: DecodedRelease) -> dict[str, Any]:
     query = release.query
     return {
         "format": REPORT_FORMAT,
@@ -48,6 +96,8 @@ def _release_header(release: DecodedRelease, timings: dict[str, float]) -> dict[
         "query_id": query.query_id,
         "kind": query.kind.value,
         "n_owners": release.n_owners,
+        "quorum": query.quorum,
+        "owners": owners_summary(fitted),
         "epsilon": query.epsilon,
         "delta": query.delta if release.private else 0.0,
         "not_private": not release.private,
@@ -57,7 +107,7 @@ def _release_header(release: DecodedRelease, timings: dict[str, float]) -> dict[
         "noise_multiplier": float(release.plan.noise_multiplier),
         "noise_sigma": {name: float(sigma) for name, sigma in release.sigmas.items()},
         "key_fingerprint": release.key_fingerprint,
-        "timings": {phase: float(seconds) for phase, seconds in timings.items()},
+        "timings": {phase: float(seconds) for phase, seconds in fitted.timings_.items()},
     }
 
 
@@ -125,7 +175,7 @@ def aggregate_document(fitted: Fitted) -> dict[str, Any]:
     release = getattr(fitted, "release_", None)
     if release is None:
         raise ConfigError("the estimator is not fitted; nothing to report")
-    document = _release_header(release, dict(fitted.timings_))
+    document = _release_header(fitted, release)
     if isinstance(fitted, FederatedQuery):
         document["aggregates"] = [_part(e) for e in fitted.estimators_]
     else:

@@ -386,19 +386,7 @@ def _run(
                 label_column=sample_label_column,
                 n_features=params["n_features"],
             )
-        announced: list[str] = []
-
-        def on_status(status: Any) -> None:
-            # Declines are shown one line each by the estimator's progress display;
-            # a failure's reason ends the command as its error message.
-            if not announced:
-                announced.append(status.query_id)
-                click.echo(
-                    f"query {status.query_id} submitted (quorum {status.quorum} of "
-                    f"{status.owners_registered} registered owners; Ctrl-C cancels it)",
-                    err=True,
-                )
-
+        on_status = _submission_announcer()
         estimator = estimator_factory(
             params["n_components"],
             epsilon=epsilon,
@@ -433,10 +421,31 @@ def _run(
     _print_release_summary(estimator, files)
 
 
-def _print_release_summary(estimator: Any, files: Any) -> None:
-    from fedpca.analyst.estimators import FederatedPCA, missing_owners_message
+def _submission_announcer() -> Callable[[Any], None]:
+    """A status callback that says once that the query was submitted, with its quorum.
 
-    click.echo(f"query:       {estimator.query_id_}")
+    Declines are shown one line each by the estimator's progress display; a failure's
+    reason ends the command as its error message.
+    """
+    announced: list[str] = []
+
+    def on_status(status: Any) -> None:
+        if not announced:
+            announced.append(status.query_id)
+            click.echo(
+                f"query {status.query_id} submitted (quorum {status.quorum} of "
+                f"{status.owners_registered} registered owners; Ctrl-C cancels it)",
+                err=True,
+            )
+
+    return on_status
+
+
+def _print_owners(estimator: Any) -> None:
+    """The summary's owners line: k of n registered (quorum q), and a red warning when
+    fewer than the registered owners contributed."""
+    from fedpca.analyst.estimators import missing_owners_message
+
     registered = estimator.n_owners_registered_
     if registered is None:
         click.echo(f"owners:      {estimator.n_owners_} (quorum {estimator.quorum_})")
@@ -455,6 +464,13 @@ def _print_release_summary(estimator: Any, files: Any) -> None:
                 bold=True,
                 err=True,
             )
+
+
+def _print_release_summary(estimator: Any, files: Any) -> None:
+    from fedpca.analyst.estimators import FederatedPCA
+
+    click.echo(f"query:       {estimator.query_id_}")
+    _print_owners(estimator)
     noisy = " (noisy)" if estimator.n_samples_is_noisy_ else " (exact, public)"
     click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
     if isinstance(estimator, FederatedPCA):
