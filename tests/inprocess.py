@@ -39,6 +39,7 @@ from fedpca.owner.node import OwnerNode, RetryPolicy
 from fedpca.proxy.config import (
     BudgetConfig,
     OwnersConfig,
+    PrivacySection,
     ProxyConfig,
     ProxySection,
 )
@@ -46,7 +47,7 @@ from fedpca.proxy.config import CryptoConfig as ProxyCryptoConfig
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.server import ProxyServer
-from fedpca.query import QuerySpec
+from fedpca.query import Neighbouring, QuerySpec
 from fedpca.transport.certs import (
     CertificateDirectory,
     NodeIdentity,
@@ -117,6 +118,9 @@ class InProcessDeployment:
     analysts: tuple[str, ...] = ("alice",)
     limits: PeerLimits = field(default_factory=PeerLimits)
     """The proxy's per-peer bounds."""
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
+    """The deployment's relation (proxy and owners); replace-one also lets owners take
+    part in masked-mode queries."""
     proxy: ProxyServer | None = None
     nodes: dict[str, OwnerNode] = field(default_factory=dict)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -134,6 +138,7 @@ class InProcessDeployment:
             "accepted_analyst_keys": (key_fingerprint(self.public_key),),
             "accepted_query_signers": (TEST_SIGNER,),
             "max_epsilon_per_query": 10.0,
+            "allow_masked_mode": self.neighbouring is Neighbouring.REPLACE_ONE,
         }
         policy.update(self.policy)
         policy.update(self.owner_policies.get(owner_id, {}))
@@ -145,7 +150,7 @@ class InProcessDeployment:
             policy=PolicyConfig(**policy),
             budget=self.owner_budget,
             crypto=CryptoConfig(processes=1),
-            privacy=PrivacyConfig(),
+            privacy=PrivacyConfig(neighbouring=self.neighbouring),
         )
 
     def start(self) -> InProcessDeployment:
@@ -169,6 +174,7 @@ class InProcessDeployment:
             budget=BudgetConfig(self.analyst_budget),
             crypto=ProxyCryptoConfig(processes=1, allow_insecure_test_keys=True),
             owners=OwnersConfig(frozenset(self.allowed if self.allowed else owner_ids)),
+            privacy=PrivacySection(neighbouring=self.neighbouring),
             limits=self.limits,
         )
         self.proxy = ProxyServer(config, noise_sampler=TestOnlySeededSampler(5), pool=self.pool)
