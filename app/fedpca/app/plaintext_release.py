@@ -49,10 +49,16 @@ from fedpca.protocol import (
     masked_sigma,
     row_aligned_positions,
 )
-from fedpca.query import ProtocolMode, QuerySpec
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.tables import OwnerTable
 
-__all__ = ["FoldedShares", "fold_owner_shares", "plaintext_release", "release_from_folded"]
+__all__ = [
+    "FoldedShares",
+    "fold_owner_shares",
+    "plaintext_pca_query",
+    "plaintext_release",
+    "release_from_folded",
+]
 
 ObjectArray = npt.NDArray[np.object_]
 
@@ -73,6 +79,43 @@ class FoldedShares:
     blocks: Mapping[str, ObjectArray]
     n_owners: int
     public_count: int | None
+
+
+def plaintext_pca_query(
+    n_features: int,
+    epsilon: float,
+    delta: float,
+    n_components: int,
+    mode: ProtocolMode,
+    *,
+    bounds: tuple[float, float] | None = None,
+    max_owners: int = 256,
+) -> QuerySpec:
+    """A PCA query for the plaintext path, which encrypts nothing (no analyst key).
+
+    ``stats`` is stated for add/remove adjacency, ``masked`` for replace-one, the only
+    relation under which it has a finite epsilon (docs/privacy.md). ``bounds`` is one
+    public (low, high) range for every feature, or None (rows are only clipped).
+    """
+    lower = () if bounds is None else (bounds[0],) * n_features
+    upper = () if bounds is None else (bounds[1],) * n_features
+    return QuerySpec(
+        query_id="plaintext",
+        kind=QueryKind.PCA,
+        n_features=n_features,
+        epsilon=epsilon,
+        delta=delta,
+        n_components=n_components,
+        analyst_public_key_n=3,  # a placeholder: the plan takes the key size separately
+        analyst_key_fingerprint="sha256:plaintext",
+        feature_lower=lower,
+        feature_upper=upper,
+        mode=mode,
+        neighbouring=(
+            Neighbouring.REPLACE_ONE if mode is ProtocolMode.MASKED else Neighbouring.ADD_REMOVE
+        ),
+        max_owners=max_owners,
+    )
 
 
 def fold_owner_shares(
