@@ -113,7 +113,7 @@ def provenance(parameters: Mapping[str, Any]) -> dict[str, Any]:
                 break
     try:
         commit = subprocess.run(
-            ["git", "-C", str(REPOSITORY), "rev-parse", "--short", "HEAD"],
+            ["git", "-C", str(REPOSITORY), "describe", "--always", "--dirty"],
             capture_output=True,
             text=True,
             check=True,
