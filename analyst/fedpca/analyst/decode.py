@@ -90,6 +90,7 @@ __all__ = [
     "DecodedRelease",
     "ProgressCallback",
     "check_result",
+    "decode_values",
     "decrypt_result",
     "noise_description",
     "result_from_packed",
@@ -474,17 +475,61 @@ def decrypt_result(
     query = plan.spec
     fingerprint = key_fingerprint(public_key)
     if query.mode is ProtocolMode.MASKED:
-        count = _public_count(result, plan)
-        sigmas = _plan_sigmas(plan, count)
-        _check_noise(result.noise, plan, sigmas)
+        count: int | None = _public_count(result, plan)
+        _check_noise(result.noise, plan, _plan_sigmas(plan, count))
         bounds = {block.name: block.bound for block in plan.result_blocks}
-        values = _decrypt_blocks(result, private_key, plan, bounds, pool, progress)
+    else:
+        count = None
+        _check_noise(result.noise, plan, _plan_sigmas(plan, None))
+        # The sum of n_owners shares plus noise: tighter than the slot capacity, so a
+        # share that broke its declared bound shows up as an error here.
+        bound = result.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
+        bounds = {SHARES: bound}
+    values = _decrypt_blocks(result, private_key, plan, bounds, pool, progress)
+    return decode_values(
+        plan,
+        values,
+        n_owners=result.n_owners,
+        key_fingerprint=fingerprint,
+        public_count=count,
+        noise=result.noise,
+    )
+
+
+def decode_values(
+    plan: ReleasePlan,
+    values: Mapping[str, Sequence[int]],
+    *,
+    n_owners: int,
+    key_fingerprint: str,
+    public_count: int | None = None,
+    noise: NoiseDescription | None = None,
+) -> DecodedRelease:
+    """Decode the signed slot values of every result block into a release.
+
+    The step after decryption and unpacking, shared by :func:`decrypt_result` and by
+    anything that holds the result's integers another way (``fedpca.app.plaintext_release``
+    computes them without encryption, which is exact on the fixed-point grid).
+
+    Parameters
+    ----------
+    plan : the release plan.
+    values : result block name -> its slot values (Python ints, in layout order).
+    n_owners : owners aggregated.
+    key_fingerprint : fingerprint of the key the result was encrypted under.
+    public_count : masked mode: the public record count N.
+    noise : the noise description that came with the result, if any.
+    """
+    query = plan.spec
+    if query.mode is ProtocolMode.MASKED:
+        if public_count is None:
+            raise ConfigError("decoding a masked-mode result needs the public record count")
         scatter = unmask_scatter(
             values[SCATTER_ROWS],
             values[MASKED_SUM],
             query.n_features,
             plan.result_block(SCATTER_ROWS).layout.slots_per_ciphertext,
-            count,
+            public_count,
             query.frac_bits,
         )
         scatter *= query.clip_norm * query.clip_norm  # clip units -> real units
@@ -492,20 +537,14 @@ def decrypt_result(
         return DecodedRelease(
             query=query,
             plan=plan,
-            n_owners=result.n_owners,
-            key_fingerprint=fingerprint,
+            n_owners=n_owners,
+            key_fingerprint=key_fingerprint,
             statistics=None,
             centred_scatter=scatter,
-            public_count=count,
-            sigmas=sigmas,
-            noise=result.noise,
+            public_count=public_count,
+            sigmas=_plan_sigmas(plan, public_count),
+            noise=noise,
         )
-    sigmas = _plan_sigmas(plan, None)
-    _check_noise(result.noise, plan, sigmas)
-    # The sum of n_owners shares plus noise: tighter than the slot capacity, so a
-    # share that broke its declared bound shows up as an error here.
-    bound = result.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
-    values = _decrypt_blocks(result, private_key, plan, {SHARES: bound}, pool, progress)
     if query.kind is QueryKind.AGGREGATE:
         parts = split_parts(query.aggregates, plan.section_values(values[SHARES]))
         for part in parts:
@@ -514,26 +553,25 @@ def decrypt_result(
         return DecodedRelease(
             query=query,
             plan=plan,
-            n_owners=result.n_owners,
-            key_fingerprint=fingerprint,
+            n_owners=n_owners,
+            key_fingerprint=key_fingerprint,
             statistics=None,
             centred_scatter=None,
             public_count=None,
-            sigmas=sigmas,
-            noise=result.noise,
+            sigmas=_plan_sigmas(plan, None),
+            noise=noise,
             aggregates=tuple(parts),
         )
-    statistics = plan.statistics_from_integers(values[SHARES])
     return DecodedRelease(
         query=query,
         plan=plan,
-        n_owners=result.n_owners,
-        key_fingerprint=fingerprint,
-        statistics=statistics,
+        n_owners=n_owners,
+        key_fingerprint=key_fingerprint,
+        statistics=plan.statistics_from_integers(values[SHARES]),
         centred_scatter=None,
         public_count=None,
-        sigmas=sigmas,
-        noise=result.noise,
+        sigmas=_plan_sigmas(plan, None),
+        noise=noise,
     )
 
 
