@@ -11,10 +11,11 @@ captures; 1 = as good as non-private PCA) for
 * PrivateLocalPCA — the historical baseline (Wishart noise, sequential merge; not DP
   as published, shown only because the seed paper compared against it).
 
-Encryption is exact (packed Paillier adds integers exactly), so the released values
-are simulated in plaintext with the very noise scales the protocol uses; this isolates
-utility from cryptography. The noise is drawn from numpy here (a benchmark, not a
-release). Usage::
+The releases are computed with :mod:`fedpca.app.plaintext_release`: the owners',
+proxy's and analyst's own code (exact fixed-point statistics, the plan's noise from the
+production discrete Gaussian sampler, the mean mask, the analyst's decoding and solver)
+minus the transport and Paillier, which are exact on the fixed-point grid; this isolates
+utility from cryptography. Usage::
 
     python benchmarks/mode_utility.py [--trials 20] [--components 5]
 
@@ -29,13 +30,16 @@ import math
 import numpy as np
 
 from fedpca.analyst.baseline import private_local_pca_baseline
-from fedpca.analyst.solvers import pca_from_centred_scatter, pca_from_statistics
 from fedpca.app.demo import captured_variance_ratio
+from fedpca.app.plaintext_release import (
+    fold_owner_shares,
+    plaintext_pca_query,
+    release_from_folded,
+)
 from fedpca.data import load_dataset
 from fedpca.preprocess import FeatureBounds, preprocess
-from fedpca.protocol import ReleasePlan, masked_sigma
-from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.stats import SufficientStatistics
+from fedpca.query import ProtocolMode
+from fedpca.tables import OwnerTable
 
 # Public bounds documented with the datasets (none: raw values, rows clipped).
 SCHEMAS: dict[str, tuple[float, float] | None] = {
@@ -44,28 +48,6 @@ SCHEMAS: dict[str, tuple[float, float] | None] = {
     "german": None,
     "australian": None,
 }
-
-
-def symmetric_noise(m: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
-    upper = np.triu(rng.normal(0.0, sigma, (m, m)))
-    return upper + np.triu(upper, 1).T
-
-
-def spec_for(m: int, epsilon: float, delta: float, k: int, mode: ProtocolMode) -> QuerySpec:
-    return QuerySpec(
-        query_id="bench",
-        kind=QueryKind.PCA,
-        n_features=m,
-        epsilon=epsilon,
-        delta=delta,
-        n_components=k,
-        analyst_public_key_n=3,
-        analyst_key_fingerprint="sha256:benchmark",
-        mode=mode,
-        neighbouring=(
-            Neighbouring.REPLACE_ONE if mode is ProtocolMode.MASKED else Neighbouring.ADD_REMOVE
-        ),
-    )
 
 
 def run(trials: int, k: int, owners: int, epsilons: list[float], delta: float) -> bool:
@@ -83,36 +65,22 @@ def run(trials: int, k: int, owners: int, epsilons: list[float], delta: float) -
             bounds = FeatureBounds.from_arrays(np.full(m, schema[0]), np.full(m, schema[1]))
         rows = preprocess(raw, bounds, 1.0)
         n = len(rows)
-        exact_r, exact_v = rows.T @ rows, rows.sum(axis=0)
         parts = np.array_split(rng.permutation(n), owners)
+        tables = [OwnerTable(raw[p], None) for p in parts]
         for epsilon in epsilons:
-            stats_plan = ReleasePlan.for_query(
-                spec_for(m, epsilon, delta, k, ProtocolMode.STATS), 2048
-            )
-            masked_plan = ReleasePlan.for_query(
-                spec_for(m, epsilon, delta, k, ProtocolMode.MASKED), 2048
-            )
-            sigma = {s.name: s.sigma for s in stats_plan.sections}
-            sigma_s, _ = masked_sigma(masked_plan, n)
+            folded = {
+                mode: fold_owner_shares(
+                    plaintext_pca_query(m, epsilon, delta, k, mode, bounds=schema), tables
+                )
+                for mode in (ProtocolMode.STATS, ProtocolMode.MASKED)
+            }
             scores: dict[str, list[float]] = {"stats": [], "masked": [], "baseline": []}
             for _ in range(trials):
-                noisy = SufficientStatistics(
-                    exact_r + symmetric_noise(m, sigma["scatter"], rng),
-                    exact_v + rng.normal(0.0, sigma["sum"], m),
-                    n + rng.normal(0.0, sigma["count"]),
-                )
-                scores["stats"].append(
-                    captured_variance_ratio(
-                        rows, pca_from_statistics(noisy, n_components=k).components
+                for mode in (ProtocolMode.STATS, ProtocolMode.MASKED):
+                    release = release_from_folded(folded[mode])
+                    scores[mode.value].append(
+                        captured_variance_ratio(rows, release.pca(k).components)
                     )
-                )
-                centred = exact_r - np.outer(exact_v, exact_v) / n
-                released = centred + symmetric_noise(m, sigma_s, rng)
-                scores["masked"].append(
-                    captured_variance_ratio(
-                        rows, pca_from_centred_scatter(released, n, n_components=k).components
-                    )
-                )
                 baseline = private_local_pca_baseline([rows[p] for p in parts], k, epsilon, rng)
                 scores["baseline"].append(captured_variance_ratio(rows, baseline.components))
             mean = {key: float(np.mean(v)) for key, v in scores.items()}
@@ -124,7 +92,7 @@ def run(trials: int, k: int, owners: int, epsilons: list[float], delta: float) -
             stats_better = stats_better and mean["stats"] >= mean["masked"]
     print(
         f"\ncaptured-variance ratio, mean of {trials} trials, k={k}, delta={delta:g}, "
-        f"{owners} owners for the baseline (per-owner epsilon)"
+        f"rows split over {owners} owners (the baseline spends epsilon per owner)"
     )
     print(f"stats_better_everywhere={stats_better} mean_gain={float(np.mean(gains)):.4f}")
     return stats_better

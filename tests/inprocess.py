@@ -48,7 +48,7 @@ from fedpca.proxy.config import CryptoConfig as ProxyCryptoConfig
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.server import ProxyServer
-from fedpca.query import QuerySpec
+from fedpca.query import Neighbouring, QuerySpec
 from fedpca.transport.certs import (
     CertificateDirectory,
     NodeIdentity,
@@ -121,6 +121,9 @@ class InProcessDeployment:
     """The proxy's per-peer bounds."""
     accountant: Accountant = Accountant.ZCDP
     """The accountant of the proxy's and every owner's ledger."""
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
+    """The deployment's relation (proxy and owners); replace-one also lets owners take
+    part in masked-mode queries."""
     proxy: ProxyServer | None = None
     nodes: dict[str, OwnerNode] = field(default_factory=dict)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -138,6 +141,7 @@ class InProcessDeployment:
             "accepted_analyst_keys": (key_fingerprint(self.public_key),),
             "accepted_query_signers": (TEST_SIGNER,),
             "max_epsilon_per_query": 10.0,
+            "allow_masked_mode": self.neighbouring is Neighbouring.REPLACE_ONE,
         }
         policy.update(self.policy)
         policy.update(self.owner_policies.get(owner_id, {}))
@@ -149,7 +153,7 @@ class InProcessDeployment:
             policy=PolicyConfig(**policy),
             budget=self.owner_budget,
             crypto=CryptoConfig(processes=1),
-            privacy=PrivacyConfig(accountant=self.accountant),
+            privacy=PrivacyConfig(accountant=self.accountant, neighbouring=self.neighbouring),
         )
 
     def start(self) -> InProcessDeployment:
@@ -174,7 +178,7 @@ class InProcessDeployment:
             crypto=ProxyCryptoConfig(processes=1, allow_insecure_test_keys=True),
             owners=OwnersConfig(frozenset(self.allowed if self.allowed else owner_ids)),
             limits=self.limits,
-            privacy=PrivacySection(accountant=self.accountant),
+            privacy=PrivacySection(accountant=self.accountant, neighbouring=self.neighbouring),
         )
         self.proxy = ProxyServer(config, noise_sampler=TestOnlySeededSampler(5), pool=self.pool)
         self.proxy.start()

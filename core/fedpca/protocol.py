@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.aggregates import AggregateIntegers
 from fedpca.codec.packing import PackingBounds, SlotLayout, owner_value_bound
 from fedpca.dp.allocation import normalise_weights
 from fedpca.dp.calibration import calibrate_noise_multiplier
@@ -52,10 +53,10 @@ from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import (
     FixedPointStatistics,
+    Section,
     StatisticsSpec,
     SufficientStatistics,
     upper_triangle_length,
-    worst_case_change,
 )
 
 IntArray = npt.NDArray[np.int64]
@@ -87,11 +88,12 @@ class SectionNoise:
     name: str
     length: int
     l2_sensitivity: float
-    """Per-record add/remove L2 sensitivity in real units (also the section's clip unit)."""
+    """Per-record add/remove L2 sensitivity in real units."""
     sigma: float
     """Standard deviation in real units (0 = not private)."""
     sigma_int: float
-    """Standard deviation in fixed-point integer units (2^-f clip units)."""
+    """Standard deviation in the section's integer units (2^-f clip units; counts of
+    aggregate queries: plain counts)."""
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,14 @@ class ReleasePlan:
 
     @property
     def sensitivity(self) -> float:
-        """L2 sensitivity of the release in the units of its first section's noise.
+        """L2 sensitivity of the release in the units of its first noised section's noise.
 
         With per-section noise sigma_j the release is accounted by z alone; this is
-        sigma_0 / z, i.e. the sensitivity of the release once every section is rescaled
-        to the first section's noise (the plain L2 sensitivity when all sections get
-        the same sigma, as by default at clip norm 1). Masked mode: the scatter's
-        sensitivity at N = 1 (its noise uses the public N, which only lowers it).
+        sigma_0 / z (section 0: the first with noise), i.e. the sensitivity of the
+        release once every section is rescaled to that section's noise (the plain L2
+        sensitivity when all sections get the same sigma, as by default at clip norm 1).
+        Masked mode: the scatter's sensitivity at N = 1 (its noise uses the public N,
+        which only lowers it).
         """
         spec = self.spec
         c2 = spec.clip_norm * spec.clip_norm
@@ -175,7 +178,8 @@ class ReleasePlan:
             return masked_scatter_sensitivity(spec.clip_norm, 1)
         if not self.private:
             return StatisticsSpec.from_query(spec).l2_sensitivity_under(spec.neighbouring) * c2
-        return self.sections[0].sigma / self.noise_multiplier
+        first = next(s for s in self.sections if s.sigma > 0)
+        return first.sigma / self.noise_multiplier
 
     @property
     def delta_extra(self) -> float:
@@ -204,7 +208,9 @@ class ReleasePlan:
         }
 
     # ------------------------------------------------------------- stats mode
-    def owner_integers(self, statistics: FixedPointStatistics) -> dict[str, IntArray]:
+    def owner_integers(
+        self, statistics: FixedPointStatistics | AggregateIntegers
+    ) -> dict[str, IntArray]:
         """Fixed-point values of every owner block, laid out from exact statistics.
 
         Masked mode uploads v several times (unpacked and as overlapping windows); the
@@ -216,6 +222,8 @@ class ReleasePlan:
                 f"2^-{self.spec.frac_bits}"
             )
         if self.spec.mode is ProtocolMode.MASKED:
+            if not isinstance(statistics, FixedPointStatistics):
+                raise LayoutError("masked mode releases a PCA scatter, not aggregates")
             return _masked_blocks(self, statistics.scatter, statistics.sums)
         return {SHARES: statistics.to_vector(self.statistics)}
 
@@ -229,26 +237,42 @@ class ReleasePlan:
         if self.spec.mode is not ProtocolMode.STATS:
             raise ConfigError("noise_values is for stats mode; masked mode noises the scatter")
         parts = [
-            vector_noise(
+            # A private release's section without noise is one no change can move
+            # (released exactly, see _unmoved): not a NOT PRIVATE release.
+            np.zeros(s.length, dtype=np.int64)
+            if s.sigma_int == 0 and self.private
+            else vector_noise(
                 s.length, s.sigma_int, sampler=sampler, bound=_headroom(s.sigma_int, s.length)
             )
             for s in self.sections
         ]
         return np.concatenate(parts).astype(np.int64)
 
-    def statistics_from_integers(self, values: npt.ArrayLike) -> SufficientStatistics:
-        """Stats mode: the decrypted ``shares`` integers (2^-f clip units) as real statistics."""
+    def section_values(self, values: npt.ArrayLike) -> dict[str, npt.NDArray[np.float64]]:
+        """Stats mode: the decrypted ``shares`` integers in real units, by section name."""
         integers = np.asarray(values)
         if integers.shape != (self.statistics.value_count,):
             raise LayoutError(
                 f"expected {self.statistics.value_count} values, got shape {integers.shape}"
             )
-        real = np.empty(integers.shape, dtype=np.float64)
+        out: dict[str, npt.NDArray[np.float64]] = {}
         f = self.spec.frac_bits
         for section, part in self.statistics.section_slices().items():
-            unit = self.statistics.section(section).l2_sensitivity
+            info = self.statistics.section(section)
+            unit, bits = info.clip_unit, info.bits(f)
             # Python ints may exceed 2^63 after noise and summing: convert one by one.
-            real[part] = [math.ldexp(float(v), -f) * unit for v in integers[part].tolist()]
+            out[section] = np.array(
+                [math.ldexp(float(v), -bits) * unit for v in integers[part].tolist()],
+                dtype=np.float64,
+            )
+        return out
+
+    def statistics_from_integers(self, values: npt.ArrayLike) -> SufficientStatistics:
+        """Stats mode, PCA and DCA: the decrypted ``shares`` integers as real statistics."""
+        if self.spec.kind is QueryKind.AGGREGATE:
+            raise LayoutError("an aggregate release has no R, v, N: use section_values")
+        by_section = self.section_values(values)
+        real = np.concatenate([by_section[s.name] for s in self.statistics.sections])
         return SufficientStatistics.from_vector(self.statistics, real)
 
 
@@ -274,12 +298,18 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
     f = spec.frac_bits
     sections = []
     if z > 0:
-        # In clip units every section's add/remove sensitivity is 1, so the weights
-        # give reference sigmas 1/sqrt(omega_j); the worst change the relation allows
-        # then fixes the one scale that makes the release's noise multiplier exactly z.
-        reference = [1.0 / math.sqrt(w) for w in omegas]
-        worst = worst_case_change(
-            statistics.kind, [1.0 / (r * r) for r in reference], spec.neighbouring
+        # In clip units a section's change is at most its allocation unit (1 for PCA
+        # and DCA), so the weights give reference sigmas unit_j/sqrt(omega_j); the worst
+        # change the relation allows then fixes the one scale that makes the release's
+        # noise multiplier exactly z. A section no neighbouring change can move (the
+        # count of a stats or linreg aggregate under replace-one) is released exactly.
+        exact = [_unmoved(statistics, s, spec.neighbouring) for s in statistics.sections]
+        reference = [
+            0.0 if unmoved else s.allocation_unit / math.sqrt(w)
+            for s, w, unmoved in zip(statistics.sections, omegas, exact, strict=True)
+        ]
+        worst = statistics.worst_case_change(
+            [math.inf if r == 0 else 1.0 / (r * r) for r in reference], spec.neighbouring
         )
         scale = z * math.sqrt(worst)
         for section, r in zip(statistics.sections, reference, strict=True):
@@ -289,14 +319,18 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
                     section.name,
                     section.length,
                     section.l2_sensitivity,
-                    sigma_clip * section.l2_sensitivity,
-                    math.ldexp(sigma_clip, f),
+                    sigma_clip * section.clip_unit,
+                    math.ldexp(sigma_clip, section.bits(f)),
                 )
             )
         z_effective = 1.0 / math.sqrt(
-            worst_case_change(
-                statistics.kind,
-                [math.ldexp(1.0, 2 * f) / (s.sigma_int * s.sigma_int) for s in sections],
+            statistics.worst_case_change(
+                [
+                    math.inf
+                    if s.sigma_int == 0
+                    else math.ldexp(1.0, 2 * info.bits(f)) / (s.sigma_int * s.sigma_int)
+                    for info, s in zip(statistics.sections, sections, strict=True)
+                ],
                 spec.neighbouring,
             )
         )
@@ -309,6 +343,8 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
     bounds = PackingBounds(
         max_abs_per_record=1.0,  # clip units
         # DCA caps every class at max_records_per_owner (docs/privacy.md).
+        # (Aggregate queries cap all records together; their counts sit on the integer
+        # grid, below the K 2^f every other value is bounded by.)
         max_records_per_owner=spec.max_records_per_owner * max(1, statistics.n_classes),
         max_owners=spec.max_owners,
         frac_bits=f,
@@ -326,6 +362,15 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
         bounds=bounds,
         owner_blocks=(block,),
         result_blocks=(block,),
+    )
+
+
+def _unmoved(statistics: StatisticsSpec, section: Section, neighbouring: Neighbouring) -> bool:
+    """Whether no change of the relation moves ``section`` (it then needs no noise)."""
+    return (
+        statistics.kind is QueryKind.AGGREGATE
+        and neighbouring is Neighbouring.REPLACE_ONE
+        and section.swap_change == 0
     )
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from fedpca.errors import ConfigError
 
@@ -24,6 +27,58 @@ QUERY_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 class QueryKind(StrEnum):
     PCA = "pca"
     DCA = "dca"
+    AGGREGATE = "aggregate"
+    """One or more private aggregates (:class:`Aggregate`) released together."""
+
+
+class AggregateKind(StrEnum):
+    """What one part of an aggregate query releases (owners allow or forbid each)."""
+
+    STATS = "stats"
+    """Descriptive statistics of columns: count, sums and (optionally) second moments."""
+    HISTOGRAM = "histogram"
+    """Counts over public bins of one or two columns, optionally per public category."""
+    LINREG = "linreg"
+    """Sufficient statistics of a linear regression: N, Σx, Σy, XᵀX, Xᵀy."""
+
+
+class Moments(StrEnum):
+    """How far a ``stats`` aggregate goes beyond the count and the sums."""
+
+    MEAN = "mean"
+    """Count and sums: means only."""
+    VARIANCE = "variance"
+    """Also the sums of squares: means and variances."""
+    COVARIANCE = "covariance"
+    """Also every product x_i x_j (upper triangle): covariance and correlation matrices."""
+
+
+ReleaseKind = QueryKind | AggregateKind
+"""What an owner's policy allows: a PCA/DCA query kind or an aggregate kind."""
+
+RELEASE_KINDS: tuple[ReleaseKind, ...] = (
+    QueryKind.PCA,
+    QueryKind.DCA,
+    AggregateKind.STATS,
+    AggregateKind.HISTOGRAM,
+    AggregateKind.LINREG,
+)
+"""Every kind an owner's ``policy.allowed_kinds`` may name."""
+
+MAX_AGGREGATES = 64
+"""Most aggregates one query may combine."""
+MAX_HISTOGRAM_CELLS = 1 << 20
+"""Most cells one histogram may have (bins times categories)."""
+
+
+def release_kind(name: str) -> ReleaseKind:
+    """The release kind called ``name`` (ConfigError naming the choices otherwise)."""
+    for kind in RELEASE_KINDS:
+        if kind.value == name:
+            return kind
+    raise ConfigError(
+        f"unknown release kind {name!r}; choose from {', '.join(k.value for k in RELEASE_KINDS)}"
+    )
 
 
 class ProtocolMode(StrEnum):
@@ -56,6 +111,270 @@ class Neighbouring(StrEnum):
     """D' is D with one record replaced by another (record counts are public)."""
 
 
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    try:
+        items = tuple(values)
+    except TypeError:
+        raise ConfigError(f"{what} must be a sequence of column indices") from None
+    out = []
+    for value in items:
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole:
+            raise ConfigError(f"{what} must hold whole column indices, got {value!r}")
+        if value < 0:
+            raise ConfigError(f"{what} must hold column indices >= 0, got {value!r}")
+        out.append(int(value))
+    return tuple(out)
+
+
+def _floats(values: Any, what: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be a sequence of numbers") from None
+    if not all(math.isfinite(v) for v in out):
+        raise ConfigError(f"{what} must be finite numbers")
+    return out
+
+
+def _check_bounds(lower: tuple[float, ...], upper: tuple[float, ...], n: int, what: str) -> None:
+    if len(lower) != n or len(upper) != n:
+        raise ConfigError(
+            f"{what}: need one public lower and upper bound per column ({n}), got "
+            f"{len(lower)} and {len(upper)}"
+        )
+    for j, (lo, hi) in enumerate(zip(lower, upper, strict=True)):
+        if not lo < hi:
+            raise ConfigError(
+                f"{what}: column {j}: bounds must have lower < upper, got [{lo}, {hi}]"
+            )
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """One private aggregate of an aggregate query: its columns and public parameters.
+
+    Columns are 0-based indices into the owners' files (the configured label column is
+    a column like any other). Everything here is public; nothing may be derived from
+    the private rows. Build one with :meth:`statistics`, :meth:`histogram` or
+    :meth:`linear_regression`.
+
+    Attributes
+    ----------
+    kind : stats, histogram or linreg.
+    columns : stats: the described columns; histogram: one or two binned columns;
+        linreg: the feature columns.
+    lower, upper : stats and linreg: public bounds per column; values outside are
+        clipped to them.
+    moments : stats only: mean, variance or covariance.
+    bin_edges : histogram only: the public, strictly increasing bin edges of each
+        binned column (bins are [e_i, e_i+1), the last one closed, as numpy's); a value
+        outside the edges is counted in the nearest edge bin.
+    group_column, categories : histogram only, optional: a public categorical column
+        and its public categories; records of other categories are left out.
+    target_column, target_lower, target_upper : linreg only: the target and its
+        public bounds.
+    """
+
+    kind: AggregateKind
+    columns: tuple[int, ...]
+    lower: tuple[float, ...] = ()
+    upper: tuple[float, ...] = ()
+    moments: Moments | None = None
+    bin_edges: tuple[tuple[float, ...], ...] = ()
+    group_column: int | None = None
+    categories: tuple[float, ...] = ()
+    target_column: int | None = None
+    target_lower: float | None = None
+    target_upper: float | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            kind = AggregateKind(self.kind)
+        except ValueError:
+            raise ConfigError(
+                f"unknown aggregate kind {self.kind!r}; choose from "
+                f"{', '.join(k.value for k in AggregateKind)}"
+            ) from None
+        what = kind.value
+        columns = _ints(self.columns, f"{what}: columns")
+        lower = _floats(self.lower, f"{what}: lower")
+        upper = _floats(self.upper, f"{what}: upper")
+        edges = tuple(_floats(e, f"{what}: bin_edges[{i}]") for i, e in enumerate(self.bin_edges))
+        categories = _floats(self.categories, f"{what}: categories")
+        moments = None if self.moments is None else Moments(self.moments)
+        group = None if self.group_column is None else _ints((self.group_column,), what)[0]
+        target = None if self.target_column is None else _ints((self.target_column,), what)[0]
+        for name, value in (
+            ("kind", kind),
+            ("columns", columns),
+            ("lower", lower),
+            ("upper", upper),
+            ("moments", moments),
+            ("bin_edges", edges),
+            ("group_column", group),
+            ("categories", categories),
+            ("target_column", target),
+        ):
+            object.__setattr__(self, name, value)
+        if not columns:
+            raise ConfigError(f"{what}: needs at least one column")
+        if len(set(self.read_columns)) != len(self.read_columns):
+            raise ConfigError(f"{what}: a column may be read only once, got {self.read_columns}")
+        if kind is AggregateKind.HISTOGRAM:
+            self._check_histogram()
+        else:
+            _check_bounds(lower, upper, len(columns), what)
+            if edges or group is not None or categories:
+                raise ConfigError(
+                    f"{what}: bin_edges, group_column and categories are for histograms"
+                )
+        if kind is AggregateKind.STATS:
+            if moments is None:
+                raise ConfigError("stats: moments must be mean, variance or covariance")
+            if target is not None or self.target_lower is not None or self.target_upper is not None:
+                raise ConfigError("stats: a target is for linreg")
+        elif moments is not None:
+            raise ConfigError(f"{what}: moments are for stats")
+        if kind is AggregateKind.LINREG:
+            if target is None or self.target_lower is None or self.target_upper is None:
+                raise ConfigError("linreg: needs target_column, target_lower and target_upper")
+            bounds = _floats((self.target_lower, self.target_upper), "linreg: target bounds")
+            if not bounds[0] < bounds[1]:
+                raise ConfigError(
+                    f"linreg: target bounds must have lower < upper, got [{bounds[0]}, {bounds[1]}]"
+                )
+            object.__setattr__(self, "target_lower", bounds[0])
+            object.__setattr__(self, "target_upper", bounds[1])
+        elif target is not None or self.target_lower is not None or self.target_upper is not None:
+            raise ConfigError(f"{what}: a target is for linreg")
+
+    def _check_histogram(self) -> None:
+        if not 1 <= len(self.columns) <= 2:
+            raise ConfigError(
+                f"histogram: one column, or two for a joint table, got {len(self.columns)}"
+            )
+        if self.lower or self.upper:
+            raise ConfigError("histogram: bounds are its bin_edges (lower/upper are for stats)")
+        if len(self.bin_edges) != len(self.columns):
+            raise ConfigError(
+                f"histogram: one list of bin edges per column ({len(self.columns)}), got "
+                f"{len(self.bin_edges)}"
+            )
+        for i, edges in enumerate(self.bin_edges):
+            if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)):
+                raise ConfigError(
+                    f"histogram: bin_edges[{i}] must be at least two strictly increasing numbers"
+                )
+        if (self.group_column is None) != (not self.categories):
+            raise ConfigError("histogram: group_column and categories go together")
+        if len(set(self.categories)) != len(self.categories):
+            raise ConfigError("histogram: categories must be distinct")
+        if self.n_cells > MAX_HISTOGRAM_CELLS:
+            raise ConfigError(
+                f"histogram: {self.n_cells} cells, at most {MAX_HISTOGRAM_CELLS} are supported"
+            )
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def statistics(
+        cls,
+        columns: Sequence[int],
+        lower: Sequence[float],
+        upper: Sequence[float],
+        moments: Moments | str = Moments.COVARIANCE,
+    ) -> Aggregate:
+        """Count, sums and (per ``moments``) second moments of ``columns``."""
+        return cls(
+            AggregateKind.STATS, tuple(columns), tuple(lower), tuple(upper), Moments(moments)
+        )
+
+    @classmethod
+    def histogram(
+        cls,
+        columns: Sequence[int],
+        bin_edges: Sequence[Sequence[float]],
+        group_column: int | None = None,
+        categories: Sequence[float] = (),
+    ) -> Aggregate:
+        """Counts over the public bins of one or two columns (per public category)."""
+        return cls(
+            AggregateKind.HISTOGRAM,
+            tuple(columns),
+            bin_edges=tuple(tuple(e) for e in bin_edges),
+            group_column=group_column,
+            categories=tuple(categories),
+        )
+
+    @classmethod
+    def linear_regression(
+        cls,
+        columns: Sequence[int],
+        lower: Sequence[float],
+        upper: Sequence[float],
+        target_column: int,
+        target_lower: float,
+        target_upper: float,
+    ) -> Aggregate:
+        """N, Σx, Σy, XᵀX and Xᵀy of features ``columns`` and target ``target_column``."""
+        return cls(
+            AggregateKind.LINREG,
+            tuple(columns),
+            tuple(lower),
+            tuple(upper),
+            target_column=target_column,
+            target_lower=target_lower,
+            target_upper=target_upper,
+        )
+
+    # ------------------------------------------------------------- properties
+    @property
+    def read_columns(self) -> tuple[int, ...]:
+        """Every file column this aggregate reads (the owner's policy must allow each)."""
+        extra: tuple[int, ...] = (self.group_column,) if self.group_column is not None else ()
+        if self.target_column is not None:
+            extra += (self.target_column,)
+        return self.columns + extra
+
+    @property
+    def bins_per_column(self) -> tuple[int, ...]:
+        """Histogram: the number of bins of each binned column."""
+        return tuple(len(e) - 1 for e in self.bin_edges)
+
+    @property
+    def n_cells(self) -> int:
+        """Histogram: cells of the released table (categories x bins of each column)."""
+        return math.prod(self.bins_per_column) * max(1, len(self.categories))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (what the proxy stores; :meth:`from_dict` reads it back)."""
+        record: dict[str, Any] = {}
+        for spec_field in dataclasses.fields(self):
+            value = getattr(self, spec_field.name)
+            if isinstance(value, StrEnum):
+                value = value.value
+            elif spec_field.name == "bin_edges":
+                value = [list(e) for e in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            record[spec_field.name] = value
+        return record
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> Aggregate:
+        """Inverse of :meth:`to_dict` (ConfigError on unknown keys or bad values)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(record) - names)
+        if unknown:
+            raise ConfigError(f"aggregate has unknown keys {unknown}")
+        if "kind" not in record or "columns" not in record:
+            raise ConfigError("an aggregate needs kind and columns")
+        try:
+            return cls(**record)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid aggregate: {exc}") from None
+
+
 @dataclass(frozen=True)
 class QuerySpec:
     """Public description of one query.
@@ -85,6 +404,10 @@ class QuerySpec:
     analyst_public_key_n : the analyst's Paillier modulus n.
     analyst_key_fingerprint : fingerprint of that key (owners pin it).
     query_id : unique id assigned by the analyst client.
+    aggregates : the aggregates of an ``aggregate`` query, released together with one
+        budget (empty for PCA and DCA). Such a query carries its bounds per aggregate;
+        its ``n_features`` is the number of distinct columns it reads
+        (:attr:`aggregate_columns`) and ``n_components`` is 1.
     """
 
     query_id: str
@@ -109,8 +432,10 @@ class QuerySpec:
     max_owners: int = 1 << 8
     frac_bits: int = 32
     noise_weights: tuple[float, ...] = field(default=())
+    aggregates: tuple[Aggregate, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "aggregates", tuple(self.aggregates))
         if not QUERY_ID_PATTERN.fullmatch(self.query_id):
             raise ConfigError(
                 f"query_id must be 1 to 128 letters, digits, '.', '_' or '-', got "
@@ -160,6 +485,34 @@ class QuerySpec:
             raise ConfigError(f"frac_bits must be in [8, 48], got {self.frac_bits}")
         if any(not (w > 0 and math.isfinite(w)) for w in self.noise_weights):
             raise ConfigError("noise_weights must be positive and finite")
+        self._check_aggregates()
+
+    def _check_aggregates(self) -> None:
+        if self.kind is not QueryKind.AGGREGATE:
+            if self.aggregates:
+                raise ConfigError(f"a {self.kind.value} query takes no aggregates")
+            return
+        if not self.aggregates:
+            raise ConfigError("an aggregate query needs at least one aggregate")
+        if len(self.aggregates) > MAX_AGGREGATES:
+            raise ConfigError(f"at most {MAX_AGGREGATES} aggregates per query")
+        for index, part in enumerate(self.aggregates):
+            if not isinstance(part, Aggregate):
+                raise ConfigError(f"aggregates[{index}] is not an Aggregate")
+        if self.mode is not ProtocolMode.STATS:
+            raise ConfigError("aggregate queries run in stats mode only")
+        if self.has_bounds or self.clip_norm != 1.0 or self.label_column is not None:
+            raise ConfigError(
+                "an aggregate query carries its bounds and columns per aggregate: leave "
+                "feature_lower/feature_upper, clip_norm and label_column at their defaults"
+            )
+        if self.n_features != len(self.aggregate_columns):
+            raise ConfigError(
+                f"an aggregate query reading columns {list(self.aggregate_columns)} has "
+                f"n_features = {len(self.aggregate_columns)}, got {self.n_features}"
+            )
+        if self.n_components != 1:
+            raise ConfigError("an aggregate query has n_components = 1 (it has no components)")
 
     @property
     def private(self) -> bool:
@@ -174,6 +527,18 @@ class QuerySpec:
     def n_classes(self) -> int:
         return len(self.class_labels)
 
+    @property
+    def aggregate_columns(self) -> tuple[int, ...]:
+        """Sorted distinct file columns every aggregate of the query reads together."""
+        return tuple(sorted({c for part in self.aggregates for c in part.read_columns}))
+
+    @property
+    def release_kinds(self) -> tuple[ReleaseKind, ...]:
+        """The kinds an owner's policy must allow: the query's, or each aggregate's."""
+        if self.kind is QueryKind.AGGREGATE:
+            return tuple(dict.fromkeys(part.kind for part in self.aggregates))
+        return (self.kind,)
+
 
 def spec_digest(spec: QuerySpec) -> str:
     """``sha256:<hex>`` over every public parameter of ``spec``, canonically encoded.
@@ -182,5 +547,9 @@ def spec_digest(spec: QuerySpec) -> str:
     the same digest describe the same release.
     """
     fields = dataclasses.asdict(spec)
+    # A PCA or DCA query hashes exactly as before aggregates existed, so signatures by
+    # older analyst clients still verify.
+    if not fields["aggregates"]:
+        del fields["aggregates"]
     text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()

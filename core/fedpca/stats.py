@@ -16,6 +16,9 @@ C×M values, row-major, classes in the order of the public ``class_labels``),
 ``class_counts`` (N_c, C values).  The pooled v and N are *not* sent: they are
 Σ_c v_c and Σ_c N_c, so sending them would only spend budget on redundant values.
 
+Aggregate queries: the sections of every aggregate, named ``"<part>.<name>"``, each
+with its own add and swap bounds (:mod:`fedpca.aggregates`).
+
 Per-record sensitivity (add/remove adjacency)
 ---------------------------------------------
 Neighbouring datasets differ by adding or removing one record x, and every row
@@ -76,7 +79,7 @@ import numpy.typing as npt
 from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle
 from fedpca.errors import ConfigError, LayoutError
 from fedpca.preprocess import preprocess_for_query
-from fedpca.query import Neighbouring, QueryKind, QuerySpec
+from fedpca.query import Aggregate, Neighbouring, QueryKind, QuerySpec
 
 __all__ = [
     "CLASS_COUNTS",
@@ -128,20 +131,29 @@ class Section:
     Attributes
     ----------
     name : protocol name of the block ("scatter", "sum", "count", "class_sums",
-        "class_counts").
+        "class_counts"; an aggregate query's sections are named "<part>.<name>").
     length : number of scalar values in the block.
     max_abs_per_record : largest absolute value one record can contribute to a
         single entry (what the codec needs to bound slot sums).
     l2_sensitivity : largest L2 norm of the change of the whole block when one
-        record is added or removed; also the block's *clip unit*: owners release
-        the block in multiples of it (times 2^-f), so that one record's
-        add/remove change is at most 1 in every block.
+        record is added or removed, in real units.
+    unit : the block's *clip unit*: owners release the block in multiples of it
+        (times 2^-grid_bits). 0 (PCA and DCA) means ``l2_sensitivity``, so that one
+        record's add/remove change is at most 1 clip unit in every block.
+    swap_sensitivity : largest L2 norm of the change when one record is swapped for
+        another (replace-one, or a capped owner's sample), in real units; None for the
+        PCA and DCA sections, whose swap is analysed jointly (:func:`worst_case_change`).
+    grid_bits : fractional bits of the block's integers; None means the query's
+        ``frac_bits``. Counts of aggregate queries are released on the integer grid (0).
     """
 
     name: str
     length: int
     max_abs_per_record: float
     l2_sensitivity: float
+    unit: float = 0.0
+    swap_sensitivity: float | None = None
+    grid_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.length < 1:
@@ -150,6 +162,45 @@ class Section:
             value = getattr(self, attr)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"section {self.name!r}: {attr} must be finite and > 0")
+        if not (math.isfinite(self.unit) and self.unit >= 0):
+            raise ConfigError(f"section {self.name!r}: unit must be finite and >= 0")
+        swap = self.swap_sensitivity
+        if swap is not None and not (math.isfinite(swap) and swap >= 0):
+            raise ConfigError(f"section {self.name!r}: swap_sensitivity must be finite and >= 0")
+        if self.grid_bits is not None and self.grid_bits < 0:
+            raise ConfigError(f"section {self.name!r}: grid_bits must be >= 0")
+
+    @property
+    def clip_unit(self) -> float:
+        """Real value of one clip unit (``unit``, or ``l2_sensitivity`` when unit is 0)."""
+        return self.unit if self.unit > 0 else self.l2_sensitivity
+
+    @property
+    def add_change(self) -> float:
+        """One record's add/remove change in clip units (1 for PCA and DCA)."""
+        return self.l2_sensitivity / self.clip_unit
+
+    @property
+    def swap_change(self) -> float | None:
+        """One record's swap change in clip units (None: analysed jointly)."""
+        if self.swap_sensitivity is None:
+            return None
+        return self.swap_sensitivity / self.clip_unit
+
+    @property
+    def allocation_unit(self) -> float:
+        """The change a budget weight is a share of: max(add, swap) in clip units.
+
+        With reference noise allocation_unit / sqrt(omega) per section, omega_j is section
+        j's share of the squared worst-case change (fedpca.dp.allocation). PCA and DCA
+        sections use their add change, 1: their swap is bounded jointly.
+        """
+        swap = self.swap_change
+        return self.add_change if swap is None else max(self.add_change, swap)
+
+    def bits(self, frac_bits: int) -> int:
+        """The grid of this block's integers: ``grid_bits``, or the query's ``frac_bits``."""
+        return frac_bits if self.grid_bits is None else self.grid_bits
 
 
 @dataclass(frozen=True)
@@ -167,12 +218,15 @@ class StatisticsSpec:
     clip_norm : c, every row has ‖x‖₂ <= c before summing.
     class_labels : the C public class labels (DCA only; empty for PCA).  Their
         order is the row order of ``class_sums`` and ``class_counts``.
+    aggregates : the aggregates of an aggregate query (their sections come from
+        :func:`fedpca.aggregates.aggregate_sections`).
     """
 
     kind: QueryKind
     n_features: int
     clip_norm: float = 1.0
     class_labels: tuple[float, ...] = ()
+    aggregates: tuple[Aggregate, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -186,7 +240,13 @@ class StatisticsSpec:
             raise ConfigError(f"clip_norm must be finite and > 0, got {self.clip_norm}")
         labels = tuple(float(label) for label in self.class_labels)
         object.__setattr__(self, "class_labels", labels)
-        if kind is QueryKind.PCA:
+        object.__setattr__(self, "aggregates", tuple(self.aggregates))
+        if (kind is QueryKind.AGGREGATE) != bool(self.aggregates):
+            raise ConfigError("an aggregate statistics spec, and only that, has aggregates")
+        if kind is QueryKind.AGGREGATE:
+            if labels:
+                raise ConfigError("an aggregate statistics spec takes no class_labels")
+        elif kind is QueryKind.PCA:
             if labels:
                 raise ConfigError("a PCA statistics spec takes no class_labels")
         else:
@@ -201,7 +261,7 @@ class StatisticsSpec:
     def from_query(cls, query: QuerySpec) -> StatisticsSpec:
         """The statistics spec of a public query (class labels only for DCA)."""
         labels = query.class_labels if query.kind is QueryKind.DCA else ()
-        return cls(query.kind, query.n_features, query.clip_norm, labels)
+        return cls(query.kind, query.n_features, query.clip_norm, labels, query.aggregates)
 
     @property
     def n_classes(self) -> int:
@@ -211,6 +271,10 @@ class StatisticsSpec:
     @property
     def sections(self) -> tuple[Section, ...]:
         """The sections of the released vector, in order."""
+        if self.kind is QueryKind.AGGREGATE:
+            from fedpca.aggregates import aggregate_sections  # it builds on Section
+
+            return aggregate_sections(self.aggregates)
         c = self.clip_norm
         m = self.n_features
         scatter = Section(SCATTER, upper_triangle_length(m), c * c, c * c)
@@ -254,15 +318,28 @@ class StatisticsSpec:
         """Largest |entry| one record can contribute, over all sections: max(c², c, 1)."""
         return max(section.max_abs_per_record for section in self.sections)
 
+    def worst_case_change(
+        self, inverse_variances: Sequence[float], neighbouring: Neighbouring
+    ) -> float:
+        """:func:`worst_case_change` of this spec's sections (1/σ_j² in clip units)."""
+        if self.kind is QueryKind.AGGREGATE:
+            changes = []
+            for section in self.sections:
+                swap = section.swap_change
+                assert swap is not None  # every aggregate section states its swap
+                changes.append((section.add_change, swap))
+            return worst_case_change(self.kind, inverse_variances, neighbouring, changes)
+        return worst_case_change(self.kind, inverse_variances, neighbouring)
+
     def l2_sensitivity_under(self, neighbouring: Neighbouring) -> float:
         """Joint L2 sensitivity in clip units when every section has the same noise.
 
         √(worst_case_change(kind, (1, 1, 1), relation)): √4.5 = 2.121 under either
         relation for PCA and under add/remove for DCA (the swap of a capped owner, or
         the replacement itself), √6 = 2.449 for DCA under replace-one (a replacement
-        between classes).
+        between classes). Aggregate queries: the larger of √(Σ add²) and √(Σ swap²).
         """
-        return math.sqrt(worst_case_change(self.kind, (1.0, 1.0, 1.0), neighbouring))
+        return math.sqrt(self.worst_case_change([1.0] * len(self.sections), neighbouring))
 
     def l2_sensitivity_scaled(self, scales: Sequence[float]) -> float:
         """Joint sensitivity after multiplying section s by ``scales[s]``.
@@ -279,6 +356,13 @@ class StatisticsSpec:
             raise ConfigError(f"section scales must be finite and > 0, got {tuple(scales)}")
         return math.sqrt(
             sum((w * s.l2_sensitivity) ** 2 for w, s in zip(scales, sections, strict=True))
+        )
+
+
+def _refuse_aggregate(spec: StatisticsSpec) -> None:
+    if spec.kind is QueryKind.AGGREGATE:
+        raise LayoutError(
+            "aggregate queries have their own statistics (fedpca.aggregates), not R, v, N"
         )
 
 
@@ -359,6 +443,7 @@ class SufficientStatistics:
     @classmethod
     def zeros(cls, spec: StatisticsSpec) -> Self:
         """Statistics of the empty set of records, shaped for ``spec``."""
+        _refuse_aggregate(spec)
         m = spec.n_features
         if spec.kind is QueryKind.PCA:
             return cls(np.zeros((m, m)), np.zeros(m), 0.0)
@@ -375,6 +460,7 @@ class SufficientStatistics:
         return 0 if self.class_sums is None else int(self.class_sums.shape[0])
 
     def _check_matches(self, spec: StatisticsSpec) -> None:
+        _refuse_aggregate(spec)
         if self.n_features != spec.n_features:
             raise LayoutError(
                 f"statistics have {self.n_features} features, the spec has {spec.n_features}"
@@ -411,6 +497,7 @@ class SufficientStatistics:
         spec : the spec the vector was laid out with.
         vector : (spec.value_count,) values, e.g. the decrypted noisy sums.
         """
+        _refuse_aggregate(spec)
         values = np.asarray(vector, dtype=np.float64)
         if values.shape != (spec.value_count,):
             raise LayoutError(
@@ -452,16 +539,23 @@ class SufficientStatistics:
 
 
 def worst_case_change(
-    kind: QueryKind, inverse_variances: Sequence[float], neighbouring: Neighbouring
+    kind: QueryKind,
+    inverse_variances: Sequence[float],
+    neighbouring: Neighbouring,
+    changes: Sequence[tuple[float, float]] | None = None,
 ) -> float:
     """Largest Σ_j ‖Δq_j‖² w_j of one neighbouring change, in clip units.
 
     Parameters
     ----------
-    kind : pca or dca (the sections are scatter, sums, counts or their class forms).
-    inverse_variances : w_j = 1/σ_j² of the three sections, σ_j in clip units; every
-        w_j must be > 0.
+    kind : pca or dca (the sections are scatter, sums, counts or their class forms),
+        or aggregate (any sections, each with its own bounds in ``changes``).
+    inverse_variances : w_j = 1/σ_j² of the sections (three for PCA and DCA), σ_j in
+        clip units; every w_j must be > 0.
     neighbouring : the relation whose changes must be covered.
+    changes : aggregate queries only: (a_j, b_j) per section, the largest L2 change of
+        section j in clip units when one record is added or removed (a_j) and when
+        one record is swapped for another (b_j).
 
     Returns
     -------
@@ -487,7 +581,20 @@ def worst_case_change(
     record cap - per class for DCA - samples: one added record displaces another of
     its class). Replace-one needs the swaps, and for DCA the add case too (a replaced
     record whose label is not public was left out).
+
+    Aggregate queries bound every section on its own, which is valid because the
+    squared norm of the change of the concatenation is the sum over sections: add
+    Σ_j w_j a_j², swap Σ_j w_j b_j². Add/remove needs both (a capped owner swaps);
+    replace-one needs the swap only, because every aggregate section whose records
+    can be left out (a histogram's unlisted categories) has b_j >= a_j, so a
+    replacement that looks like an addition is within the swap bound
+    (docs/privacy.md, "Aggregate queries"). A section whose change is 0 in the case
+    at hand contributes nothing, whatever its noise: w_j = inf (no noise) is allowed.
     """
+    if kind is QueryKind.AGGREGATE:
+        return _aggregate_worst_case(inverse_variances, neighbouring, changes)
+    if changes is not None:
+        raise ConfigError(f"{kind.value} sections are bounded jointly; changes are for aggregates")
     if len(inverse_variances) != 3:
         raise ConfigError(f"need 3 inverse variances, got {len(inverse_variances)}")
     a, b, g = (float(w) for w in inverse_variances)
@@ -501,6 +608,34 @@ def worst_case_change(
     if neighbouring is Neighbouring.ADD_REMOVE or kind is QueryKind.DCA:
         cases.append(add)
     return max(cases)
+
+
+def _aggregate_worst_case(
+    inverse_variances: Sequence[float],
+    neighbouring: Neighbouring,
+    changes: Sequence[tuple[float, float]] | None,
+) -> float:
+    if changes is None or len(changes) != len(inverse_variances) or not changes:
+        raise ConfigError(
+            "an aggregate query needs one (add, swap) change per section and as many "
+            "inverse variances"
+        )
+    weights = [float(w) for w in inverse_variances]
+    # w = inf is a section without noise: allowed, and free, where its change is 0.
+    if not all(w > 0 for w in weights):
+        raise ConfigError(f"inverse variances must be > 0, got {tuple(weights)}")
+    for add, swap in changes:
+        if not (math.isfinite(add) and add > 0 and math.isfinite(swap) and swap >= 0):
+            raise ConfigError(f"section changes must be finite, add > 0, swap >= 0: {changes}")
+
+    def term(w: float, change: float) -> float:
+        return 0.0 if change == 0 else w * change * change
+
+    add_case = math.fsum(term(w, a) for w, (a, _) in zip(weights, changes, strict=True))
+    swap_case = math.fsum(term(w, b) for w, (_, b) in zip(weights, changes, strict=True))
+    if neighbouring is Neighbouring.REPLACE_ONE:
+        return swap_case
+    return max(add_case, swap_case)
 
 
 ROW_BITS_MAX = 20
@@ -558,6 +693,7 @@ class FixedPointStatistics:
 
     def to_vector(self, spec: StatisticsSpec) -> npt.NDArray[np.int64]:
         """The released integer vector, sections in ``spec.sections`` order (2^-f clip units)."""
+        _refuse_aggregate(spec)
         f = self.frac_bits
         parts = [np.asarray(upper_triangle(self.scatter), dtype=np.int64)]
         if spec.kind is QueryKind.PCA:
@@ -600,6 +736,7 @@ def fixed_point_statistics(
     FixedPointStatistics
     """
     spec = StatisticsSpec.from_query(query)
+    _refuse_aggregate(spec)
     x = np.asarray(features, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] != spec.n_features:
         raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")

@@ -26,8 +26,10 @@ from sklearn.decomposition import PCA
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
 from fedpca.analyst.solvers import dca_from_statistics, pca_from_statistics
 from fedpca.app.cluster import LocalCluster, split_rows
+from fedpca.app.plaintext_release import plaintext_release
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind
 from fedpca.stats import StatisticsSpec
+from fedpca.tables import OwnerTable
 from helpers import QUANTISATION_STEP, dataset_table, exact_statistics, reference_statistics
 
 pytestmark = pytest.mark.slow
@@ -105,6 +107,18 @@ def test_no_noise_pca_equals_sklearn(tmp_path: Path, mode: str) -> None:
         np.testing.assert_allclose(model.mean_, exact.mean, rtol=0, atol=1e-12)
         np.testing.assert_allclose(model.mean_, reference.mean_, rtol=0, atol=QUANTISATION_STEP)
         assert model.n_samples_ == len(rows)  # the count is exact
+    # The utility benchmarks' plaintext path (no transport, no Paillier) releases the
+    # very same numbers as these processes did.
+    parts = split_rows(len(table), 3, seed=1)
+    plaintext = plaintext_release(spec, [OwnerTable(rows[p], None) for p in parts])
+    released = model.release_
+    if masked:
+        np.testing.assert_array_equal(plaintext.centred_scatter, released.centred_scatter)
+    else:
+        assert plaintext.statistics is not None and released.statistics is not None
+        np.testing.assert_array_equal(plaintext.statistics.scatter, released.statistics.scatter)
+        np.testing.assert_array_equal(plaintext.statistics.sums, released.statistics.sums)
+        assert plaintext.statistics.count == released.statistics.count
 
 
 def test_no_noise_dca_equals_reference_formulation(tmp_path: Path) -> None:

@@ -129,15 +129,24 @@ def test_proxy_health_service_and_metrics(
 
     outcome = running.run(_spec(public_key, "m1", quorum=2))
     assert outcome.state == "done"
-    status, text = _get(f"{base}/metrics")
-    assert status == 200
-    samples = _samples(text)
+    # The last page can be final a moment before the last Upload call has returned
+    # its acknowledgement (which the interceptor counts): wait for both calls.
+    accepted = ("fedpca_proxy_uploads_total", (("outcome", "accepted"),))
+    deadline = time.monotonic() + 10.0
+    while True:
+        status, text = _get(f"{base}/metrics")
+        assert status == 200
+        samples = _samples(text)
+        if samples[accepted] == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert samples[("fedpca_proxy_queries", (("state", "done"),))] == 1
     assert samples[("fedpca_proxy_queries", (("state", "collecting"),))] == 0
     assert samples[("fedpca_proxy_uploads_total", (("outcome", "accepted"),))] == 2
     assert samples[("fedpca_proxy_uploads_total", (("outcome", "refused"),))] == 0
     assert samples[("fedpca_proxy_upload_bytes_total", ())] > 0
-    assert samples[("fedpca_proxy_fold_seconds_count", ())] == 2
+    # One observation per folded chunk: at least one chunk per owner.
+    assert samples[("fedpca_proxy_fold_seconds_count", ())] >= 2
     assert samples[("fedpca_proxy_noise_seconds_count", ())] == 1
     assert samples[("fedpca_proxy_rpcs_total", (("code", "OK"), ("method", "SubmitQuery")))] == 1
     assert samples[("fedpca_proxy_owners_registered", ())] == 2

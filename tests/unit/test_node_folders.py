@@ -20,7 +20,7 @@ from fedpca.owner.config import load_config as load_owner_config
 from fedpca.owner.init import suggest_capacity, write_owner_folder
 from fedpca.proxy.cli import proxy_group
 from fedpca.proxy.config import load_config as load_proxy_config
-from fedpca.query import Neighbouring, QueryKind
+from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.transport.certs import TlsMaterial, init_certificates
 from helpers import TEST_SIGNER
 from inprocess import deployment, labelled
@@ -128,7 +128,7 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
     assert config.data.max_records == 400
     assert config.policy.accepted_analyst_keys == ("sha256:" + "a" * 64,)
     assert config.policy.accepted_query_signers == (TEST_SIGNER,)
-    assert config.policy.allowed_kinds == (QueryKind.PCA, QueryKind.DCA)
+    assert config.policy.allowed_kinds == RELEASE_KINDS
     assert config.owner.state_dir == out / "state" and config.owner.state_dir.is_dir()
     text = (out / "owner.toml").read_text()
     assert 'path = "data/table.csv"' in text and str(tmp_path) not in text

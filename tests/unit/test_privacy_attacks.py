@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from fedpca.codec import CryptoPool
-from fedpca.query import QueryKind
+from fedpca.query import Aggregate, QueryKind
 from helpers import query_builder
 from inprocess import Outcome, deployment, labelled
 
@@ -169,3 +169,33 @@ def test_owner_logs_carry_no_record_counts_or_values(
     text = "\n".join(owner_lines)
     assert "70001" not in text and "70,001" not in text
     assert "8765432" not in text
+
+
+def test_aggregate_queries_have_no_data_dependent_oracle(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """One extra record crossing every threshold of an aggregate query at once: values
+    far outside the public bounds, a category not in the public list, an owner at its
+    record cap. Owners clip, leave out and sample; none declines."""
+    public_key, _ = test_only_keypair_512
+    aggregates = (
+        Aggregate.statistics((1, 2), (-1.0, -1.0), (1.0, 1.0)),
+        Aggregate.histogram((3,), ((-1.0, 0.0, 1.0),), group_column=0, categories=(1.0,)),
+        Aggregate.linear_regression((1, 2), (-1.0, -1.0), (1.0, 1.0), 4, -1.0, 1.0),
+    )
+    first, second = _neighbours(
+        tmp_path,
+        pool,
+        public_key,
+        _rows(1, 30),
+        np.array([1e300, -1e300, 0.3, 5.0]),
+        extra_label=7.0,
+        kind=QueryKind.AGGREGATE,
+        n_features=5,
+        n_components=1,
+        feature_lower=(),
+        feature_upper=(),
+        aggregates=aggregates,
+        max_records_per_owner=30,
+    )
+    _same_view(first, second)

@@ -4,6 +4,9 @@ The public names are re-exported lazily (PEP 562) so that ``fedpca analyst --hel
 and ``keygen`` do not pay for importing grpc, scipy and matplotlib.
 
 * :class:`FederatedPCA`, :class:`FederatedDCA` - scikit-learn-shaped estimators.
+* :class:`FederatedStatistics`, :class:`FederatedHistogram`,
+  :class:`FederatedLinearRegression` - private aggregates, several in one release with
+  :class:`FederatedQuery`.
 * :class:`AnalystClient` - the gRPC client of the proxy's AnalystService.
 * :func:`decrypt_result`, :class:`DecodedRelease` - from ciphertexts to noisy statistics.
 * :func:`create_analyst_keys`, :func:`load_analyst_private_key` - the analyst's keypair.
@@ -16,11 +19,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .aggregate_estimators import FederatedQuery
     from .client import AnalystClient, FetchedResult
     from .decode import DecodedRelease, decrypt_result, result_from_packed
     from .estimators import FederatedDCA, FederatedPCA, MissingOwnersWarning, run_query
     from .keys import create_analyst_keys, load_analyst_private_key, load_analyst_public_key
+    from .regression import FederatedLinearRegression
     from .report import write_report
+    from .statistics import FederatedHistogram, FederatedStatistics
 
 _EXPORTS = {
     "fedpca.analyst.client": ("AnalystClient", "FetchedResult"),
@@ -31,6 +37,9 @@ _EXPORTS = {
         "MissingOwnersWarning",
         "run_query",
     ),
+    "fedpca.analyst.aggregate_estimators": ("FederatedQuery",),
+    "fedpca.analyst.statistics": ("FederatedHistogram", "FederatedStatistics"),
+    "fedpca.analyst.regression": ("FederatedLinearRegression",),
     "fedpca.analyst.keys": (
         "create_analyst_keys",
         "load_analyst_private_key",
@@ -44,7 +53,11 @@ __all__ = [
     "AnalystClient",
     "DecodedRelease",
     "FederatedDCA",
+    "FederatedHistogram",
+    "FederatedLinearRegression",
     "FederatedPCA",
+    "FederatedQuery",
+    "FederatedStatistics",
     "FetchedResult",
     "MissingOwnersWarning",
     "create_analyst_keys",

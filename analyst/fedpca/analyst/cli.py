@@ -8,6 +8,7 @@ Commands::
     fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
     fedpca analyst budget --proxy ADDR [--delta D]
     fedpca analyst list|status QUERY|fetch QUERY --out result.json|cancel QUERY
+    fedpca analyst stats|histogram|linreg ...   (fedpca.analyst.aggregate_cli)
 
 Connection settings may come from ``--config analyst.toml``
 (:mod:`fedpca.analyst.config`); flags override it.
@@ -172,7 +173,7 @@ def _spinner(message: str) -> Iterator[None]:
 
 @click.group("analyst")
 def analyst_group() -> None:
-    """Analyst: keys, private PCA/DCA queries, budget."""
+    """Analyst: keys, private PCA/DCA and aggregate queries, budget."""
 
 
 @analyst_group.command("keygen")
@@ -385,19 +386,7 @@ def _run(
                 label_column=sample_label_column,
                 n_features=params["n_features"],
             )
-        announced: list[str] = []
-
-        def on_status(status: Any) -> None:
-            # Declines are shown one line each by the estimator's progress display;
-            # a failure's reason ends the command as its error message.
-            if not announced:
-                announced.append(status.query_id)
-                click.echo(
-                    f"query {status.query_id} submitted (quorum {status.quorum} of "
-                    f"{status.owners_registered} registered owners; Ctrl-C cancels it)",
-                    err=True,
-                )
-
+        on_status = _submission_announcer()
         estimator = estimator_factory(
             params["n_components"],
             epsilon=epsilon,
@@ -432,10 +421,31 @@ def _run(
     _print_release_summary(estimator, files)
 
 
-def _print_release_summary(estimator: Any, files: Any) -> None:
-    from fedpca.analyst.estimators import FederatedPCA, missing_owners_message
+def _submission_announcer() -> Callable[[Any], None]:
+    """A status callback that says once that the query was submitted, with its quorum.
 
-    click.echo(f"query:       {estimator.query_id_}")
+    Declines are shown one line each by the estimator's progress display; a failure's
+    reason ends the command as its error message.
+    """
+    announced: list[str] = []
+
+    def on_status(status: Any) -> None:
+        if not announced:
+            announced.append(status.query_id)
+            click.echo(
+                f"query {status.query_id} submitted (quorum {status.quorum} of "
+                f"{status.owners_registered} registered owners; Ctrl-C cancels it)",
+                err=True,
+            )
+
+    return on_status
+
+
+def _print_owners(estimator: Any) -> None:
+    """The summary's owners line: k of n registered (quorum q), and a red warning when
+    fewer than the registered owners contributed."""
+    from fedpca.analyst.estimators import missing_owners_message
+
     registered = estimator.n_owners_registered_
     if registered is None:
         click.echo(f"owners:      {estimator.n_owners_} (quorum {estimator.quorum_})")
@@ -454,6 +464,13 @@ def _print_release_summary(estimator: Any, files: Any) -> None:
                 bold=True,
                 err=True,
             )
+
+
+def _print_release_summary(estimator: Any, files: Any) -> None:
+    from fedpca.analyst.estimators import FederatedPCA
+
+    click.echo(f"query:       {estimator.query_id_}")
+    _print_owners(estimator)
     noisy = " (noisy)" if estimator.n_samples_is_noisy_ else " (exact, public)"
     click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
     if isinstance(estimator, FederatedPCA):
@@ -569,3 +586,7 @@ def budget_command(
 # connection options above; `fedpca analyst init` writes an analyst folder.
 query_commands.register(analyst_group, _connection_options, _errors, _connection)
 analyst_group.add_command(analyst_init.init_command)
+
+
+# `stats`, `histogram` and `linreg` (aggregate queries) register themselves on import.
+import fedpca.analyst.aggregate_cli  # noqa: E402, F401

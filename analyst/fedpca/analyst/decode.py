@@ -26,7 +26,8 @@ silently wrong statistic.
 Stats mode
     One block ``shares``: decrypt, unpack, decode fixed point (2^-f clip units:
     c² for the scatter, c for sums, 1 for counts) and read back the noisy
-    :class:`~fedpca.stats.SufficientStatistics`.
+    :class:`~fedpca.stats.SufficientStatistics`; for an aggregate query, the noisy
+    sections of every aggregate (:func:`fedpca.aggregates.split_parts`).
 
 Masked mode
     ``scatter_rows`` holds T = N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E (2^(2f)
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.aggregates import split_parts
 from fedpca.analyst.solvers import (
     DCAResult,
     PCAResult,
@@ -91,6 +93,7 @@ __all__ = [
     "DecodedRelease",
     "ProgressCallback",
     "check_result",
+    "decode_values",
     "decrypt_result",
     "decrypt_stream",
     "noise_description",
@@ -129,6 +132,8 @@ class DecodedRelease:
     sigmas : section name -> standard deviation of the Gaussian noise in real
         units, as the analyst's own plan derives it (0 = no noise).
     noise : the noise description the proxy sent, if any.
+    aggregates : aggregate queries: per aggregate, its noisy sections by name (real
+        units of the scaled space, see :mod:`fedpca.aggregates`); empty otherwise.
     """
 
     query: QuerySpec
@@ -140,6 +145,7 @@ class DecodedRelease:
     public_count: int | None
     sigmas: Mapping[str, float]
     noise: NoiseDescription | None = None
+    aggregates: tuple[Mapping[str, FloatArray], ...] = ()
 
     @property
     def mode(self) -> ProtocolMode:
@@ -159,7 +165,11 @@ class DecodedRelease:
         """N: the noisy count in stats mode, the exact public count in masked mode."""
         if self.statistics is not None:
             return self.statistics.count
-        assert self.public_count is not None
+        if self.public_count is None:
+            raise ConfigError(
+                f"query {self.query.query_id!r} is an aggregate release: each aggregate "
+                "carries its own count"
+            )
         return float(self.public_count)
 
     @property
@@ -501,17 +511,61 @@ def decrypt_stream(
     query = plan.spec
     fingerprint = key_fingerprint(public_key)
     if query.mode is ProtocolMode.MASKED:
-        count = _public_count(header, plan)
-        sigmas = _plan_sigmas(plan, count)
-        _check_noise(header.noise, plan, sigmas)
+        count: int | None = _public_count(header, plan)
+        _check_noise(header.noise, plan, _plan_sigmas(plan, count))
         bounds = {block.name: block.bound for block in plan.result_blocks}
-        values = _decrypt_blocks(batches, private_key, plan, bounds, pool, progress)
+    else:
+        count = None
+        _check_noise(header.noise, plan, _plan_sigmas(plan, None))
+        # The sum of n_owners shares plus noise: tighter than the slot capacity, so a
+        # share that broke its declared bound shows up as an error here.
+        bound = header.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
+        bounds = {SHARES: bound}
+    values = _decrypt_blocks(batches, private_key, plan, bounds, pool, progress)
+    return decode_values(
+        plan,
+        values,
+        n_owners=header.n_owners,
+        key_fingerprint=fingerprint,
+        public_count=count,
+        noise=header.noise,
+    )
+
+
+def decode_values(
+    plan: ReleasePlan,
+    values: Mapping[str, Sequence[int]],
+    *,
+    n_owners: int,
+    key_fingerprint: str,
+    public_count: int | None = None,
+    noise: NoiseDescription | None = None,
+) -> DecodedRelease:
+    """Decode the signed slot values of every result block into a release.
+
+    The step after decryption and unpacking, shared by :func:`decrypt_result` and by
+    anything that holds the result's integers another way (``fedpca.app.plaintext_release``
+    computes them without encryption, which is exact on the fixed-point grid).
+
+    Parameters
+    ----------
+    plan : the release plan.
+    values : result block name -> its slot values (Python ints, in layout order).
+    n_owners : owners aggregated.
+    key_fingerprint : fingerprint of the key the result was encrypted under.
+    public_count : masked mode: the public record count N.
+    noise : the noise description that came with the result, if any.
+    """
+    query = plan.spec
+    if query.mode is ProtocolMode.MASKED:
+        if public_count is None:
+            raise ConfigError("decoding a masked-mode result needs the public record count")
         scatter = unmask_scatter(
             values[SCATTER_ROWS],
             values[MASKED_SUM],
             query.n_features,
             plan.result_block(SCATTER_ROWS).layout.slots_per_ciphertext,
-            count,
+            public_count,
             query.frac_bits,
         )
         scatter *= query.clip_norm * query.clip_norm  # clip units -> real units
@@ -519,31 +573,41 @@ def decrypt_stream(
         return DecodedRelease(
             query=query,
             plan=plan,
-            n_owners=header.n_owners,
-            key_fingerprint=fingerprint,
+            n_owners=n_owners,
+            key_fingerprint=key_fingerprint,
             statistics=None,
             centred_scatter=scatter,
-            public_count=count,
-            sigmas=sigmas,
-            noise=header.noise,
+            public_count=public_count,
+            sigmas=_plan_sigmas(plan, public_count),
+            noise=noise,
         )
-    sigmas = _plan_sigmas(plan, None)
-    _check_noise(header.noise, plan, sigmas)
-    # The sum of n_owners shares plus noise: tighter than the slot capacity, so a
-    # share that broke its declared bound shows up as an error here.
-    bound = header.n_owners * owner_value_bound(plan.bounds) + plan.bounds.noise_headroom
-    values = _decrypt_blocks(batches, private_key, plan, {SHARES: bound}, pool, progress)
-    statistics = plan.statistics_from_integers(values[SHARES])
+    if query.kind is QueryKind.AGGREGATE:
+        parts = split_parts(query.aggregates, plan.section_values(values[SHARES]))
+        for part in parts:
+            for array in part.values():
+                array.setflags(write=False)
+        return DecodedRelease(
+            query=query,
+            plan=plan,
+            n_owners=n_owners,
+            key_fingerprint=key_fingerprint,
+            statistics=None,
+            centred_scatter=None,
+            public_count=None,
+            sigmas=_plan_sigmas(plan, None),
+            noise=noise,
+            aggregates=tuple(parts),
+        )
     return DecodedRelease(
         query=query,
         plan=plan,
-        n_owners=header.n_owners,
-        key_fingerprint=fingerprint,
-        statistics=statistics,
+        n_owners=n_owners,
+        key_fingerprint=key_fingerprint,
+        statistics=plan.statistics_from_integers(values[SHARES]),
         centred_scatter=None,
         public_count=None,
-        sigmas=sigmas,
-        noise=header.noise,
+        sigmas=_plan_sigmas(plan, None),
+        noise=noise,
     )
 
 

@@ -53,12 +53,15 @@ from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, Que
 from fedpca.transport.certs import TlsFiles, TlsMaterial
 
 __all__ = [
+    "DeclineLog",
     "FederatedDCA",
     "FederatedPCA",
     "MissingOwnersWarning",
     "NotFittedError",
     "new_query_id",
+    "resolve_quorum",
     "run_query",
+    "warn_if_owners_missing",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,6 +99,52 @@ def _refuse_in_bootstrapping_child() -> None:
             'script that starts processes needs `if __name__ == "__main__":` around its '
             "top-level code. Refusing to submit a second query from a worker."
         )
+
+
+def resolve_quorum(quorum: int | None, deployment: DeploymentInfo | None) -> int:
+    """The quorum a query states: ``quorum``, or (None) every owner the proxy accepts.
+
+    Raises
+    ------
+    ConfigError
+        ``quorum=None`` without a deployment to count the owners of, or a deployment
+        that accepts no owners.
+    """
+    if quorum is not None:
+        return int(quorum)
+    if deployment is None:
+        raise ConfigError(
+            "quorum=None waits for every owner the proxy accepts: fit() asks the "
+            "proxy for their number; give quorum=N to build a query without it"
+        )
+    if deployment.owners_registered < 1:
+        raise ConfigError(f"proxy {deployment.proxy_id!r} accepts no owners")
+    return deployment.owners_registered
+
+
+def warn_if_owners_missing(
+    release: DecodedRelease, owners_registered: int | None, stacklevel: int = 3
+) -> None:
+    """:class:`MissingOwnersWarning` when fewer owners contributed than are registered."""
+    if owners_registered is not None and release.n_owners < owners_registered:
+        query = release.query
+        message = missing_owners_message(
+            query.query_id, release.n_owners, owners_registered, query.quorum
+        )
+        warnings.warn(message, MissingOwnersWarning, stacklevel=stacklevel + 1)
+
+
+class DeclineLog:
+    """Logs each owner's decline once (the status callback when there is no display)."""
+
+    def __init__(self) -> None:
+        self._declined: set[str] = set()
+
+    def status(self, status: Any) -> None:
+        for decline in status.declines:
+            if decline.owner_id not in self._declined:
+                self._declined.add(decline.owner_id)
+                logger.warning("query %s: owner declined: %s", status.query_id, decline.line())
 
 
 def new_query_id() -> str:
@@ -482,16 +531,7 @@ class _FederatedEstimator:
         """
         m = _check_schema(n_features, self.bounds)
         bounds = _resolve_bounds(self.bounds, m)
-        quorum = self.quorum
-        if quorum is None:
-            if deployment is None:
-                raise ConfigError(
-                    "quorum=None waits for every owner the proxy accepts: fit() asks the "
-                    "proxy for their number; give quorum=N to build a query without it"
-                )
-            if deployment.owners_registered < 1:
-                raise ConfigError(f"proxy {deployment.proxy_id!r} accepts no owners")
-            quorum = deployment.owners_registered
+        quorum = resolve_quorum(self.quorum, deployment)
         try:
             mode = ProtocolMode(self.mode)
             calibration = Calibration(self.calibration)
@@ -568,20 +608,16 @@ class _FederatedEstimator:
         signing_key = load_analyst_signing_key(self.private_key_path)
         tls = self._tls_material()
         display = _ProgressDisplay() if self.verbose else None
-        declined: set[str] = set()
+        declines = DeclineLog()
 
         def on_status(status: Any) -> None:
             if self.on_status is not None:
                 self.on_status(status)
+            # Each decline is one line: on the progress display, else in the log.
             if display is not None:
                 display.status(status)
             else:
-                for decline in status.declines:
-                    if decline.owner_id not in declined:
-                        declined.add(decline.owner_id)
-                        logger.warning(
-                            "query %s: owner declined: %s", status.query_id, decline.line()
-                        )
+                declines.status(status)
 
         with (
             AnalystClient(
@@ -695,11 +731,7 @@ class _FederatedEstimator:
         self.key_fingerprint_ = release.key_fingerprint
         self.noise_sigmas_ = dict(release.sigmas)
         self.timings_ = all_timings
-        if owners_registered is not None and release.n_owners < owners_registered:
-            message = missing_owners_message(
-                query.query_id, release.n_owners, owners_registered, query.quorum
-            )
-            warnings.warn(message, MissingOwnersWarning, stacklevel=3)
+        warn_if_owners_missing(release, owners_registered, stacklevel=3)
 
     def _solve(self, release: DecodedRelease) -> None:
         raise NotImplementedError

@@ -43,6 +43,31 @@ def _status_lines(status: QueryStatus) -> list[str]:
     return lines
 
 
+def _write_aggregates(release: Any, registered: int, timings: dict[str, float], out: Path) -> None:
+    """result.json of a fetched aggregate release, as the command that asked for it
+    writes it (default post-processing), and the summary lines."""
+    import warnings
+
+    from fedpca.analyst.aggregate_report import fitted_from_release, write_aggregate_result
+    from fedpca.analyst.cli import _print_owners
+    from fedpca.analyst.estimators import MissingOwnersWarning
+
+    with warnings.catch_warnings():
+        # _print_owners prints the warning in red; Python's copy would repeat it.
+        warnings.simplefilter("ignore", MissingOwnersWarning)
+        fitted = fitted_from_release(release, owners_registered=registered, timings=timings)
+    path = write_aggregate_result(out, fitted)
+    click.echo(f"query:       {fitted.query_id_}")
+    _print_owners(fitted)
+    kinds = ", ".join(part.kind.value for part in release.query.aggregates)
+    click.echo(f"aggregates:  {kinds}")
+    if fitted.not_private_:
+        click.secho("release: NOT PRIVATE (epsilon = inf)", fg="red", bold=True)
+    else:
+        click.echo(f"release: ({fitted.epsilon_:g}, {fitted.delta_:g})-DP")
+    click.echo(str(path))
+
+
 def register(
     group: click.Group,
     connection_options: Callable[[Any], Any],
@@ -187,6 +212,9 @@ def register(
             with CryptoPool(workers) as pool:
                 release = decrypt_result(fetched.result, private_key, pool=pool)
             timings = {"fetch": fetch_seconds, "decrypt": time.perf_counter() - started}
+            if release.kind is QueryKind.AGGREGATE:
+                _write_aggregates(release, registered, timings, out)
+                return
             estimator: FederatedPCA | FederatedDCA
             if release.kind is QueryKind.PCA:
                 estimator = FederatedPCA.from_result(
@@ -197,8 +225,6 @@ def register(
                     release, owners_registered=registered, timings=timings
                 )
             else:
-                raise ConfigError(
-                    f"fetch writes reports of pca and dca queries, not {release.kind.value}"
-                )
+                raise ConfigError(f"fetch cannot report {release.kind.value} queries")
             files = write_report(out, estimator)
         _print_release_summary(estimator, files)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -143,7 +143,15 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     return document
 
 
-def owners_summary(estimator: Estimator) -> dict[str, Any]:
+class CoversOwners(Protocol):
+    """A fitted release's owner facts (PCA/DCA and aggregate estimators alike)."""
+
+    n_owners_: int
+    n_owners_registered_: int | None
+    quorum_: int
+
+
+def owners_summary(estimator: CoversOwners) -> dict[str, Any]:
     """Who the release covers: owners contributed, registered at the proxy, the quorum.
 
     ``all_registered`` is False when fewer owners contributed than the proxy accepts

@@ -21,7 +21,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "certs": ("fedpca.app.certs_cli", "certs_group", "Create and inspect TLS certificates."),
     "owner": ("fedpca.owner.cli", "owner_group", "Run a data-owner node."),
     "proxy": ("fedpca.proxy.cli", "proxy_group", "Run the proxy (aggregator)."),
-    "analyst": ("fedpca.analyst.cli", "analyst_group", "Analyst: keys, private PCA/DCA, budget."),
+    "analyst": ("fedpca.analyst.cli", "analyst_group", "Analyst: keys, PCA, DCA, aggregates."),
     "demo": ("fedpca.app.demo", "demo_command", "Run proxy, owners and analyst on loopback."),
 }
 

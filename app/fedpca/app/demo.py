@@ -53,6 +53,14 @@ def captured_variance_ratio(rows: FloatArray, components: FloatArray) -> float:
     """
     centred = rows - rows.mean(axis=0)
     covariance = centred.T @ centred / max(len(rows) - 1, 1)
+    return captured_variance_ratio_of_covariance(covariance, components)
+
+
+def captured_variance_ratio_of_covariance(covariance: FloatArray, components: FloatArray) -> float:
+    """:func:`captured_variance_ratio` from the rows' (M, M) covariance matrix.
+
+    For repeated measurements on the same rows: the covariance is computed once.
+    """
     eigenvalues = np.linalg.eigvalsh(covariance)[::-1]
     k = components.shape[0]
     basis, _ = np.linalg.qr(components.T)

@@ -9,13 +9,15 @@ refuse: whatever the rows hold, the owner uploads a share of the agreed shape.
    used for DCA); a schema that does not fit (feature count, label column) is a
    public fact, checked before the budget;
 2. :func:`contributed_rows`: for DCA leave out records whose label is not one of
-   the query's public classes; if more records remain than the public cap
+   the query's public classes (aggregates leave out a histogram's unlisted categories
+   later, in step 3); if more records remain than the public cap
    (the query's ``max_records_per_owner`` or this owner's declared capacity,
    whichever is smaller; for DCA per class), keep a uniform random sample of exactly
    that many. The sensitivity the noise is calibrated with covers both (a record left
    out, or one record displacing another of its class:
    :func:`fedpca.stats.worst_case_change`);
-3. :func:`fedpca.stats.fixed_point_statistics`: scale with the query's public bounds
+3. :func:`fedpca.stats.fixed_point_statistics` (aggregates:
+   :func:`fedpca.aggregates.fixed_point_aggregates`): scale with the query's public bounds
    (values outside are clipped to them), clip rows to the query's norm, quantise,
    and sum exactly on the fixed-point grid, always over the public number of rows the
    cap allows (zero rows pad the real ones), so the time taken depends on public
@@ -38,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 from phe import paillier
 
+from fedpca.aggregates import AggregateIntegers, fixed_point_aggregates
 from fedpca.codec.ciphertext import PackedCiphertexts
 from fedpca.codec.packing import pack_slots
 from fedpca.codec.paillier import DEFAULT_OBFUSCATION, CryptoPool, Obfuscation
@@ -45,7 +48,7 @@ from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError, Polic
 from fedpca.owner.config import DataConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
-from fedpca.stats import fixed_point_statistics
+from fedpca.stats import FixedPointStatistics, fixed_point_statistics
 from fedpca.tables import OwnerTable, load_table
 
 __all__ = [
@@ -119,18 +122,44 @@ class LocalTable:
         """Feature columns (the configured label column excluded): a schema fact."""
         return self.n_columns - (1 if self.label_column is not None else 0)
 
+    def columns_read(self, spec: QuerySpec) -> tuple[int, ...]:
+        """The file columns ``spec`` reads (0-based): what ``policy.allowed_columns`` limits.
+
+        PCA reads every feature column, DCA every column (the label too), an aggregate
+        query the columns its aggregates name.
+        """
+        if spec.kind is QueryKind.AGGREGATE:
+            return spec.aggregate_columns
+        everything = tuple(range(self.n_columns))
+        if spec.kind is QueryKind.PCA and self.label_column is not None:
+            return tuple(c for c in everything if c != self.label_column)
+        return everything
+
     def table_for(self, spec: QuerySpec) -> OwnerTable:
         """Features (and labels for DCA) of this table as ``spec`` needs them.
 
         Only the table's schema is checked (its column count and configured label
         column, public facts the owner could declare); the records are not looked at.
 
+        Aggregate queries get the columns they read (``spec.aggregate_columns``, in that
+        order) as features; any column of the file may be read, the label column too.
+
         Raises
         ------
         PolicyError
             If the query's feature count does not match this owner's columns, or its
-            label column does not exist or differs from the configured one.
+            label column does not exist or differs from the configured one, or an
+            aggregate reads a column the file does not have.
         """
+        if spec.kind is QueryKind.AGGREGATE:
+            missing = [c for c in spec.aggregate_columns if c >= self.n_columns]
+            if missing:
+                raise PolicyError(
+                    f"query {spec.query_id!r} reads column {missing[0]}; this owner's data has "
+                    f"{self.n_columns} columns (0-based)"
+                )
+            chosen = self.columns[:, list(spec.aggregate_columns)]
+            return OwnerTable(np.ascontiguousarray(chosen), None)
         if spec.kind is QueryKind.DCA:
             label = spec.label_column if spec.label_column is not None else self.label_column
             if label is None:
@@ -256,9 +285,13 @@ def encode_share(
     """
     cap = record_cap(spec, capacity)
     rows = contributed_rows(table, spec, cap, rng)
-    statistics = fixed_point_statistics(
-        rows.features, rows.labels, spec, pad_to=padded_rows(spec, cap)
-    )
+    statistics: FixedPointStatistics | AggregateIntegers
+    if spec.kind is QueryKind.AGGREGATE:
+        statistics = fixed_point_aggregates(rows.features, spec, pad_to=padded_rows(spec, cap))
+    else:
+        statistics = fixed_point_statistics(
+            rows.features, rows.labels, spec, pad_to=padded_rows(spec, cap)
+        )
     values = plan.owner_integers(statistics)
     encoded: dict[str, IntArray] = {}
     for block in plan.owner_blocks:

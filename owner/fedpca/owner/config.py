@@ -27,7 +27,8 @@ config can be moved together with its certificates and data)::
     max_delta_per_query = 1e-6           # default: the budget's delta, at most 1e-5
     allow_not_private = false
     allow_masked_mode = false            # the published protocol: the proxy learns N
-    allowed_kinds = ["pca", "dca"]
+    allowed_kinds = ["pca", "dca"]       # and "stats", "histogram", "linreg" (default: all)
+    allowed_columns = [1, 2, 3]          # optional: the only file columns queries may read
     min_quorum = 1                       # smallest number of owners it contributes with
     max_tasks_per_day = 100              # releases it takes part in per 24 hours
     [budget]
@@ -60,7 +61,7 @@ from fedpca.codec.paillier import Obfuscation
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
-from fedpca.query import Neighbouring, QueryKind
+from fedpca.query import RELEASE_KINDS, Neighbouring, ReleaseKind, release_kind
 from fedpca.signing import parse_signer
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
 from fedpca.transport.certs import TlsFiles, validate_node_id
@@ -178,7 +179,10 @@ class PolicyConfig:
         the analyst learns the exact sums; a finite budget is exhausted by one).
     allow_masked_mode : take part in the masked (published) protocol, in which the
         proxy learns this owner's record count.
-    allowed_kinds : query kinds this owner answers.
+    allowed_kinds : release kinds this owner answers: pca, dca, and the aggregate kinds
+        stats, histogram and linreg (an aggregate query needs every one it combines).
+    allowed_columns : if set, the only file columns (0-based) a query may read; PCA
+        reads every feature column, DCA every column, an aggregate query its columns.
     min_quorum : smallest quorum of a query this owner contributes to.
     max_tasks_per_day : releases this owner takes part in per 24 hours.
     """
@@ -189,7 +193,8 @@ class PolicyConfig:
     accepted_query_signers: tuple[str, ...] = ()
     max_delta_per_query: float | None = None
     allow_masked_mode: bool = False
-    allowed_kinds: tuple[QueryKind, ...] = (QueryKind.PCA, QueryKind.DCA)
+    allowed_kinds: tuple[ReleaseKind, ...] = RELEASE_KINDS
+    allowed_columns: tuple[int, ...] | None = None
     min_quorum: int = 1
     max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY
 
@@ -365,6 +370,7 @@ class OwnerConfig:
                 "allow_not_private",
                 "allow_masked_mode",
                 "allowed_kinds",
+                "allowed_columns",
                 "min_quorum",
                 "max_tasks_per_day",
             },
@@ -408,15 +414,21 @@ class OwnerConfig:
             max_delta = None
         if max_delta is not None and not (0 < max_delta < 1):
             raise ConfigError(f"policy.max_delta_per_query must be in (0, 1), got {max_delta!r}")
-        kinds = policy_doc.get("allowed_kinds", [k.value for k in QueryKind])
-        if not isinstance(kinds, list) or not kinds:
+        kinds = policy_doc.get("allowed_kinds", [k.value for k in RELEASE_KINDS])
+        if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
             raise ConfigError("policy.allowed_kinds must be a non-empty list of query kinds")
         try:
-            allowed_kinds = tuple(QueryKind(k) for k in kinds)
-        except ValueError:
+            allowed_kinds = tuple(release_kind(k) for k in kinds)
+        except ConfigError as exc:
+            raise ConfigError(f"policy.allowed_kinds: {exc}") from None
+        columns = policy_doc.get("allowed_columns")
+        if columns is not None and (
+            not isinstance(columns, list)
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in columns)
+        ):
             raise ConfigError(
-                f"policy.allowed_kinds: {kinds!r}; choose from {[k.value for k in QueryKind]}"
-            ) from None
+                f"policy.allowed_columns must be a list of 0-based column indices, got {columns!r}"
+            )
         policy = PolicyConfig(
             tuple(keys),
             max_epsilon,
@@ -427,6 +439,7 @@ class OwnerConfig:
                 policy_doc, "policy", "allow_masked_mode", default=False
             ),
             allowed_kinds=allowed_kinds,
+            allowed_columns=None if columns is None else tuple(columns),
             min_quorum=_positive_int(policy_doc, "policy", "min_quorum", 1),
             max_tasks_per_day=_positive_int(
                 policy_doc, "policy", "max_tasks_per_day", DEFAULT_MAX_TASKS_PER_DAY

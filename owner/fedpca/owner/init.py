@@ -20,7 +20,7 @@ import click
 
 from fedpca.errors import ConfigError, DataError, FedpcaError
 from fedpca.owner.config import DEFAULT_MAX_TASKS_PER_DAY, OwnerConfig, load_config
-from fedpca.query import Neighbouring, QueryKind
+from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, prepare_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
@@ -222,7 +222,7 @@ def write_owner_folder(
         max_epsilon_per_query=max_epsilon_per_query,
         max_delta_per_query=max_delta_per_query,
         allow_masked_mode=allow_masked_mode,
-        kinds=kinds or [k.value for k in QueryKind],
+        kinds=kinds or [k.value for k in RELEASE_KINDS],
         min_quorum=min_quorum,
         max_tasks_per_day=max_tasks_per_day,
         budget_epsilon=budget_epsilon,
@@ -293,7 +293,12 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--budget-epsilon", type=float, default=3.0, show_default=True)
 @click.option("--budget-delta", type=float, default=1e-5, show_default=True)
 @click.option("--allow-masked-mode", is_flag=True, help="Take part in masked mode (publishes N).")
-@click.option("--kinds", default="pca,dca", show_default=True, help="Query kinds answered.")
+@click.option(
+    "--kinds",
+    default=",".join(k.value for k in RELEASE_KINDS),
+    show_default=True,
+    help="Release kinds answered (policy.allowed_kinds).",
+)
 @click.option("--min-quorum", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option(
     "--max-tasks-per-day",

@@ -17,10 +17,11 @@ Checks, in order, with the decline reason each failure is reported under:
    (a curious proxy forwarding a pinned fingerprint with its own modulus would
    otherwise receive shares it can decrypt).
 3. **Policy** (POLICY_REFUSAL): the deployment's neighbouring relation, allowed query
-   kinds, masked mode only if allowed, ``epsilon = inf`` only if allowed, delta at most
-   the per-query cap, the query's quorum at least ``policy.min_quorum``, at most
-   ``policy.max_tasks_per_day`` releases in the last 24 hours, the table's schema, a
-   release plan this owner can derive, and epsilon at most
+   kinds (every aggregate's kind for an aggregate query), the columns the query reads
+   (``policy.allowed_columns``), masked mode only if allowed, ``epsilon = inf`` only
+   if allowed, delta at most the per-query cap, the query's quorum at least
+   ``policy.min_quorum``, at most ``policy.max_tasks_per_day`` releases in the last 24
+   hours, the table's schema, a release plan this owner can derive, and epsilon at most
    ``policy.max_epsilon_per_query`` *measured at the owner's budget delta* from the
    release's own noise (a large stated delta cannot make a weak release look cheap).
 
@@ -123,11 +124,12 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
             f"the query is stated for {spec.neighbouring.value} adjacency; this deployment "
             f"accounts under {config.privacy.neighbouring.value}"
         )
-    if spec.kind not in policy.allowed_kinds:
-        raise PolicyError(
-            f"{spec.kind.value} queries are not in policy.allowed_kinds "
-            f"({', '.join(k.value for k in policy.allowed_kinds)})"
-        )
+    for kind in spec.release_kinds:
+        if kind not in policy.allowed_kinds:
+            raise PolicyError(
+                f"{kind.value} queries are not in policy.allowed_kinds "
+                f"({', '.join(k.value for k in policy.allowed_kinds)})"
+            )
     if spec.mode is ProtocolMode.MASKED and not policy.allow_masked_mode:
         raise PolicyError(
             "masked mode reveals this owner's record count to the proxy; "
@@ -152,6 +154,18 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
         raise PolicyError(
             f"this owner took part in {releases_last_day} releases in the last 24 hours "
             f"(policy.max_tasks_per_day = {policy.max_tasks_per_day})"
+        )
+
+
+def _check_columns(spec: QuerySpec, policy: PolicyConfig, table: LocalTable) -> None:
+    allowed = policy.allowed_columns
+    if allowed is None:
+        return
+    refused = [c for c in table.columns_read(spec) if c not in allowed]
+    if refused:
+        raise PolicyError(
+            f"the query reads column {refused[0]} (0-based), which is not in "
+            f"policy.allowed_columns ({', '.join(str(c) for c in allowed)})"
         )
 
 
@@ -198,6 +212,7 @@ def check_task(
         return Refusal(DeclineReason.KEY_NOT_PINNED, str(exc))
     try:
         _check_policy(spec, config, releases_last_day)
+        _check_columns(spec, config.policy, table)
         columns = table.table_for(spec)
         plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
         _check_epsilon_at_budget_delta(plan, config)

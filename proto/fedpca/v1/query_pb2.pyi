@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -12,6 +12,21 @@ class QueryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     QUERY_KIND_UNSPECIFIED: _ClassVar[QueryKind]
     QUERY_KIND_PCA: _ClassVar[QueryKind]
     QUERY_KIND_DCA: _ClassVar[QueryKind]
+    QUERY_KIND_AGGREGATE: _ClassVar[QueryKind]
+
+class AggregateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGGREGATE_KIND_UNSPECIFIED: _ClassVar[AggregateKind]
+    AGGREGATE_KIND_STATS: _ClassVar[AggregateKind]
+    AGGREGATE_KIND_HISTOGRAM: _ClassVar[AggregateKind]
+    AGGREGATE_KIND_LINREG: _ClassVar[AggregateKind]
+
+class Moments(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MOMENTS_UNSPECIFIED: _ClassVar[Moments]
+    MOMENTS_MEAN: _ClassVar[Moments]
+    MOMENTS_VARIANCE: _ClassVar[Moments]
+    MOMENTS_COVARIANCE: _ClassVar[Moments]
 
 class ProtocolMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +49,15 @@ class Neighbouring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 QUERY_KIND_UNSPECIFIED: QueryKind
 QUERY_KIND_PCA: QueryKind
 QUERY_KIND_DCA: QueryKind
+QUERY_KIND_AGGREGATE: QueryKind
+AGGREGATE_KIND_UNSPECIFIED: AggregateKind
+AGGREGATE_KIND_STATS: AggregateKind
+AGGREGATE_KIND_HISTOGRAM: AggregateKind
+AGGREGATE_KIND_LINREG: AggregateKind
+MOMENTS_UNSPECIFIED: Moments
+MOMENTS_MEAN: Moments
+MOMENTS_VARIANCE: Moments
+MOMENTS_COVARIANCE: Moments
 PROTOCOL_MODE_UNSPECIFIED: ProtocolMode
 PROTOCOL_MODE_STATS: ProtocolMode
 PROTOCOL_MODE_MASKED: ProtocolMode
@@ -46,7 +70,7 @@ NEIGHBOURING_ADD_REMOVE: Neighbouring
 NEIGHBOURING_REPLACE_ONE: Neighbouring
 
 class QuerySpec(_message.Message):
-    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "neighbouring", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint")
+    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "neighbouring", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint", "aggregates")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     N_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +93,7 @@ class QuerySpec(_message.Message):
     FRAC_BITS_FIELD_NUMBER: _ClassVar[int]
     ANALYST_PUBLIC_KEY_N_FIELD_NUMBER: _ClassVar[int]
     ANALYST_KEY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATES_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     kind: QueryKind
     n_features: int
@@ -91,4 +116,37 @@ class QuerySpec(_message.Message):
     frac_bits: int
     analyst_public_key_n: bytes
     analyst_key_fingerprint: str
-    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ...) -> None: ...
+    aggregates: _containers.RepeatedCompositeFieldContainer[Aggregate]
+    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ..., aggregates: _Optional[_Iterable[_Union[Aggregate, _Mapping]]] = ...) -> None: ...
+
+class BinEdges(_message.Message):
+    __slots__ = ("edges",)
+    EDGES_FIELD_NUMBER: _ClassVar[int]
+    edges: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, edges: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Aggregate(_message.Message):
+    __slots__ = ("kind", "columns", "lower", "upper", "moments", "bin_edges", "group_column", "categories", "target_column", "target_lower", "target_upper")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    LOWER_FIELD_NUMBER: _ClassVar[int]
+    UPPER_FIELD_NUMBER: _ClassVar[int]
+    MOMENTS_FIELD_NUMBER: _ClassVar[int]
+    BIN_EDGES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LOWER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_UPPER_FIELD_NUMBER: _ClassVar[int]
+    kind: AggregateKind
+    columns: _containers.RepeatedScalarFieldContainer[int]
+    lower: _containers.RepeatedScalarFieldContainer[float]
+    upper: _containers.RepeatedScalarFieldContainer[float]
+    moments: Moments
+    bin_edges: _containers.RepeatedCompositeFieldContainer[BinEdges]
+    group_column: int
+    categories: _containers.RepeatedScalarFieldContainer[float]
+    target_column: int
+    target_lower: float
+    target_upper: float
+    def __init__(self, kind: _Optional[_Union[AggregateKind, str]] = ..., columns: _Optional[_Iterable[int]] = ..., lower: _Optional[_Iterable[float]] = ..., upper: _Optional[_Iterable[float]] = ..., moments: _Optional[_Union[Moments, str]] = ..., bin_edges: _Optional[_Iterable[_Union[BinEdges, _Mapping]]] = ..., group_column: _Optional[int] = ..., categories: _Optional[_Iterable[float]] = ..., target_column: _Optional[int] = ..., target_lower: _Optional[float] = ..., target_upper: _Optional[float] = ...) -> None: ...

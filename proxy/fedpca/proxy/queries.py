@@ -19,7 +19,14 @@ from fedpca.codec import MIN_KEY_BITS, ciphertext_byte_length, key_fingerprint
 from fedpca.errors import ConfigError
 from fedpca.messages import CiphertextBlock, blocks_of
 from fedpca.protocol import ReleasePlan
-from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import (
+    Aggregate,
+    Calibration,
+    Neighbouring,
+    ProtocolMode,
+    QueryKind,
+    QuerySpec,
+)
 
 __all__ = [
     "MAX_DEADLINE_SECONDS",
@@ -111,6 +118,8 @@ def spec_to_dict(spec: QuerySpec) -> dict[str, Any]:
         value = getattr(spec, spec_field.name)
         if spec_field.name == "analyst_public_key_n":
             value = format(value, "x")
+        elif spec_field.name == "aggregates":
+            value = [part.to_dict() for part in value]
         elif isinstance(value, QueryKind | ProtocolMode | Calibration | Neighbouring):
             value = value.value
         elif isinstance(value, tuple):
@@ -138,6 +147,8 @@ def spec_from_dict(record: Mapping[str, Any]) -> QuerySpec:
         for name, value in record.items():
             if name == "analyst_public_key_n":
                 value = int(value, 16)
+            elif name == "aggregates":
+                value = tuple(Aggregate.from_dict(part) for part in value)
             elif name == "kind":
                 value = QueryKind(value)
             elif name == "mode":

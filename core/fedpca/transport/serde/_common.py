@@ -22,7 +22,7 @@ from fedpca.messages import (
     QueryState,
     UploadStatus,
 )
-from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind
+from fedpca.query import AggregateKind, Calibration, Moments, Neighbouring, ProtocolMode, QueryKind
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import query_pb2 as query_pb
@@ -36,6 +36,17 @@ _W = TypeVar("_W", bound=int)
 KIND_TO_PROTO: dict[QueryKind, query_pb.QueryKind] = {
     QueryKind.PCA: query_pb.QUERY_KIND_PCA,
     QueryKind.DCA: query_pb.QUERY_KIND_DCA,
+    QueryKind.AGGREGATE: query_pb.QUERY_KIND_AGGREGATE,
+}
+AGGREGATE_KIND_TO_PROTO: dict[AggregateKind, query_pb.AggregateKind] = {
+    AggregateKind.STATS: query_pb.AGGREGATE_KIND_STATS,
+    AggregateKind.HISTOGRAM: query_pb.AGGREGATE_KIND_HISTOGRAM,
+    AggregateKind.LINREG: query_pb.AGGREGATE_KIND_LINREG,
+}
+MOMENTS_TO_PROTO: dict[Moments, query_pb.Moments] = {
+    Moments.MEAN: query_pb.MOMENTS_MEAN,
+    Moments.VARIANCE: query_pb.MOMENTS_VARIANCE,
+    Moments.COVARIANCE: query_pb.MOMENTS_COVARIANCE,
 }
 MODE_TO_PROTO: dict[ProtocolMode, query_pb.ProtocolMode] = {
     ProtocolMode.STATS: query_pb.PROTOCOL_MODE_STATS,
@@ -84,6 +95,8 @@ def _invert(mapping: Mapping[_E, _W]) -> dict[_W, _E]:
 
 
 KIND_FROM_PROTO = _invert(KIND_TO_PROTO)
+AGGREGATE_KIND_FROM_PROTO = _invert(AGGREGATE_KIND_TO_PROTO)
+MOMENTS_FROM_PROTO = _invert(MOMENTS_TO_PROTO)
 MODE_FROM_PROTO = _invert(MODE_TO_PROTO)
 CALIBRATION_FROM_PROTO = _invert(CALIBRATION_TO_PROTO)
 NEIGHBOURING_FROM_PROTO = _invert(NEIGHBOURING_TO_PROTO)

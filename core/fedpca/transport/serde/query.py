@@ -5,14 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from fedpca.errors import ConfigError, ProtocolError
-from fedpca.query import QuerySpec
+from fedpca.query import Aggregate, QuerySpec
 from fedpca.transport.serde._common import (
+    AGGREGATE_KIND_FROM_PROTO,
+    AGGREGATE_KIND_TO_PROTO,
     CALIBRATION_FROM_PROTO,
     CALIBRATION_TO_PROTO,
     KIND_FROM_PROTO,
     KIND_TO_PROTO,
     MODE_FROM_PROTO,
     MODE_TO_PROTO,
+    MOMENTS_FROM_PROTO,
+    MOMENTS_TO_PROTO,
     NEIGHBOURING_FROM_PROTO,
     NEIGHBOURING_TO_PROTO,
     enum_from_proto,
@@ -81,7 +85,45 @@ def query_spec_to_proto(spec: QuerySpec) -> query_pb.QuerySpec:
     extend_repeated(message, what, "feature_upper", spec.feature_upper)
     extend_repeated(message, what, "class_labels", spec.class_labels)
     extend_repeated(message, what, "noise_weights", spec.noise_weights)
+    for index, part in enumerate(spec.aggregates):
+        _aggregate_to_proto(part, message.aggregates.add(), f"{what}.aggregates[{index}]")
     return message
+
+
+def _aggregate_to_proto(part: Aggregate, message: query_pb.Aggregate, what: str) -> None:
+    set_scalars(message, what, kind=AGGREGATE_KIND_TO_PROTO[part.kind])
+    extend_repeated(message, what, "columns", part.columns)
+    extend_repeated(message, what, "lower", part.lower)
+    extend_repeated(message, what, "upper", part.upper)
+    if part.moments is not None:
+        set_scalars(message, what, moments=MOMENTS_TO_PROTO[part.moments])
+    for edges in part.bin_edges:
+        extend_repeated(message.bin_edges.add(), what, "edges", edges)
+    for name in ("group_column", "target_column", "target_lower", "target_upper"):
+        value = getattr(part, name)
+        if value is not None:
+            set_scalars(message, what, **{name: value})
+    extend_repeated(message, what, "categories", part.categories)
+
+
+def _aggregate_from_proto(message: query_pb.Aggregate, what: str) -> Aggregate:
+    kwargs: dict[str, Any] = {
+        "kind": enum_from_proto(message.kind, AGGREGATE_KIND_FROM_PROTO, f"{what}.kind"),
+        "columns": tuple(message.columns),
+        "lower": tuple(message.lower),
+        "upper": tuple(message.upper),
+        "bin_edges": tuple(tuple(e.edges) for e in message.bin_edges),
+        "categories": tuple(message.categories),
+    }
+    if message.moments != query_pb.MOMENTS_UNSPECIFIED:
+        kwargs["moments"] = enum_from_proto(message.moments, MOMENTS_FROM_PROTO, f"{what}.moments")
+    for name in ("group_column", "target_column", "target_lower", "target_upper"):
+        if message.HasField(name):
+            kwargs[name] = getattr(message, name)
+    try:
+        return Aggregate(**kwargs)
+    except ConfigError as exc:
+        raise ProtocolError(f"invalid {what}: {exc}") from exc
 
 
 def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
@@ -110,6 +152,10 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         "noise_weights": tuple(message.noise_weights),
         "analyst_public_key_n": _key_modulus_from_bytes(message.analyst_public_key_n, what),
         "analyst_key_fingerprint": message.analyst_key_fingerprint,
+        "aggregates": tuple(
+            _aggregate_from_proto(part, f"{what}.aggregates[{index}]")
+            for index, part in enumerate(message.aggregates)
+        ),
     }
     if message.calibration != query_pb.CALIBRATION_UNSPECIFIED:
         kwargs["calibration"] = enum_from_proto(

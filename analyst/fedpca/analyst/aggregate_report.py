@@ -1,0 +1,196 @@
+"""``result.json`` of aggregate queries (statistics, histograms, regressions).
+
+Everything written is post-processing of the differentially private release. The
+document is strict JSON like the PCA report (:mod:`fedpca.analyst.report`): an infinite
+epsilon (NOT PRIVATE) is ``null`` with ``"not_private": true``, a NaN (e.g. the
+correlation of a column whose noisy variance is 0) is ``null``. Post-processing that
+changes released values (clipping, clamping) is labelled in the document.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpca.analyst.aggregate_estimators import AggregateEstimator, FederatedQuery
+from fedpca.analyst.decode import DecodedRelease
+from fedpca.analyst.estimators import warn_if_owners_missing
+from fedpca.analyst.regression import FederatedLinearRegression
+from fedpca.analyst.report import REPORT_FORMAT, REPORT_VERSION, _strict, owners_summary
+from fedpca.analyst.statistics import FederatedHistogram, FederatedStatistics
+from fedpca.errors import ConfigError
+from fedpca.query import Aggregate, AggregateKind, QueryKind
+from fedpca.version import __version__
+
+__all__ = ["aggregate_document", "fitted_from_release", "write_aggregate_result"]
+
+logger = logging.getLogger(__name__)
+
+Fitted = AggregateEstimator | FederatedQuery
+
+_ESTIMATOR_OF: dict[AggregateKind, type[AggregateEstimator]] = {
+    AggregateKind.STATS: FederatedStatistics,
+    AggregateKind.HISTOGRAM: FederatedHistogram,
+    AggregateKind.LINREG: FederatedLinearRegression,
+}
+
+
+def _list(value: Any) -> Any:
+    return None if value is None else np.asarray(value, dtype=np.float64).tolist()
+
+
+def fitted_from_release(
+    release: DecodedRelease,
+    *,
+    owners_registered: int | None = None,
+    timings: dict[str, float] | None = None,
+) -> Fitted:
+    """Fitted estimators from a decrypted aggregate release read back (no network).
+
+    One aggregate: the estimator of its kind, as ``fedpca analyst stats|histogram|linreg``
+    fits it; several: a :class:`FederatedQuery` of them. Post-processing parameters are
+    the defaults; everything else is the release's query.
+    """
+    query = release.query
+    if query.kind is not QueryKind.AGGREGATE:
+        raise ConfigError(f"query {query.query_id!r} is a {query.kind.value} query")
+    estimators = [
+        _ESTIMATOR_OF[part.kind](**_ESTIMATOR_OF[part.kind]._params_from_aggregate(part))
+        for part in query.aggregates
+    ]
+    fitted: Fitted
+    if len(estimators) == 1:
+        fitted = estimators[0]
+        fitted._fit_release(release, 0, timings or {}, owners_registered)
+    else:
+        fitted = FederatedQuery(
+            estimators,
+            epsilon=query.epsilon,
+            delta=query.delta,
+            calibration=query.calibration.value,
+            neighbouring=query.neighbouring.value,
+            quorum=query.quorum,
+            deadline_seconds=query.deadline_seconds,
+            max_records_per_owner=query.max_records_per_owner,
+            max_owners=query.max_owners,
+            frac_bits=query.frac_bits,
+        )
+        fitted._fit_release(estimators, release, timings or {}, owners_registered)
+    warn_if_owners_missing(release, owners_registered)
+    return fitted
+
+
+def _release_header(fitted: Fitted, release: DecodedRelease) -> dict[str, Any]:
+    query = release.query
+    return {
+        "format": REPORT_FORMAT,
+        "version": REPORT_VERSION,
+        "fedpca_version": __version__,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "query_id": query.query_id,
+        "kind": query.kind.value,
+        "n_owners": release.n_owners,
+        "quorum": query.quorum,
+        "owners": owners_summary(fitted),
+        "epsilon": query.epsilon,
+        "delta": query.delta if release.private else 0.0,
+        "not_private": not release.private,
+        "mechanism": "gaussian" if release.private else "none",
+        "calibration": query.calibration.value,
+        "neighbouring": query.neighbouring.value,
+        "noise_multiplier": float(release.plan.noise_multiplier),
+        "noise_sigma": {name: float(sigma) for name, sigma in release.sigmas.items()},
+        "key_fingerprint": release.key_fingerprint,
+        "timings": {phase: float(seconds) for phase, seconds in fitted.timings_.items()},
+    }
+
+
+def _part(estimator: AggregateEstimator) -> dict[str, Any]:
+    part: Aggregate = estimator.release_.query.aggregates[estimator.aggregate_index_]
+    document: dict[str, Any] = {
+        "aggregate": part.kind.value,
+        "columns": list(part.columns),
+        "noise_sigma": dict(estimator.noise_sigmas_),
+    }
+    if isinstance(estimator, FederatedStatistics):
+        document.update(
+            bounds={"lower": list(part.lower), "upper": list(part.upper)},
+            moments=part.moments.value if part.moments is not None else None,
+            n_samples=float(estimator.n_samples_),
+            n_samples_noisy=not estimator.not_private_,
+            mean=_list(estimator.mean_),
+            variance=_list(estimator.variance_),
+            covariance=_list(estimator.covariance_),
+            correlation=_list(estimator.correlation_),
+            ddof=int(estimator.ddof),
+            postprocessing=(
+                "clipped: N >= 1, means within the bounds, variances in [0, (hi - lo)^2/4], "
+                "covariance projected onto the positive semidefinite matrices"
+                if estimator.clipped_
+                else "none"
+            ),
+        )
+    elif isinstance(estimator, FederatedHistogram):
+        document.update(
+            bin_edges=[_list(e) for e in estimator.bin_edges_],
+            group_column=part.group_column,
+            categories=_list(estimator.categories_),
+            counts=_list(estimator.counts_),
+            raw_counts=_list(estimator.raw_counts_),
+            postprocessing="negative counts clamped to 0" if estimator.clamped_ else "none",
+        )
+    elif isinstance(estimator, FederatedLinearRegression):
+        document.update(
+            bounds={"lower": list(part.lower), "upper": list(part.upper)},
+            target_column=part.target_column,
+            target_bounds=[part.target_lower, part.target_upper],
+            coef=_list(estimator.coef_),
+            intercept=float(estimator.intercept_),
+            fit_intercept=bool(estimator.fit_intercept),
+            alpha=float(estimator.alpha_),
+            alpha_rule=(
+                "auto: spectral bound of the noise, tail probability "
+                f"{float(estimator.tail_probability):g}"
+                if isinstance(estimator.alpha, str)
+                else "fixed"
+            ),
+            n_samples=float(estimator.n_samples_),
+        )
+    return document
+
+
+def aggregate_document(fitted: Fitted) -> dict[str, Any]:
+    """The JSON-ready description of a fitted aggregate estimator or combined query.
+
+    One estimator: the release header (query id, privacy parameters, noise, owners,
+    timings) and its results at the top level. A :class:`FederatedQuery`: the header
+    and ``"aggregates"``, one entry per estimator.
+    """
+    release = getattr(fitted, "release_", None)
+    if release is None:
+        raise ConfigError("the estimator is not fitted; nothing to report")
+    document = _release_header(fitted, release)
+    if isinstance(fitted, FederatedQuery):
+        document["aggregates"] = [_part(e) for e in fitted.estimators_]
+    else:
+        document.update(_part(fitted))
+    return document
+
+
+def write_aggregate_result(path: str | os.PathLike[str], fitted: Fitted) -> Path:
+    """Write :func:`aggregate_document` to ``path`` as strict JSON (folders created)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        text = json.dumps(_strict(aggregate_document(fitted)), indent=2, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot write {out} as JSON: {exc}") from None
+    out.write_text(text + "\n", encoding="utf-8")
+    logger.info("wrote %s", out)
+    return out

@@ -1,0 +1,320 @@
+"""Aggregate queries: their released sections, sensitivities and exact owner statistics.
+
+An aggregate query (:class:`fedpca.query.QuerySpec` of kind ``aggregate``) carries one
+or more :class:`fedpca.query.Aggregate`; their sections are concatenated into the one
+released vector, noised with one budget (:class:`fedpca.protocol.ReleasePlan` splits
+it with the query's ``noise_weights``). Section names are ``"<part>.<name>"`` with the
+aggregate's index in the query.
+
+Scaling. Every bounded column of a ``stats`` or ``linreg`` aggregate is clipped to its
+public bounds [lo, hi] and mapped affinely onto [-1, 1] (u = 2(x - lo)/(hi - lo) - 1),
+then truncated toward zero onto the grid of g = ``row_bits(f)`` fractional bits, so
+|q| <= 2^g exactly. Sums and products of these integers are exact (float64 sums of
+integers below 2^53 in blocks, accumulated in int64) and shifted onto the 2^-f grid;
+counts stay on the integer grid. One record therefore changes every section by at most
+its bound below, exactly, with no rounding slack.
+
+Sections and their per-record changes (clip unit 1 in the scaled space; d columns):
+
+=========================  =========  ==============  ==================  ===========
+aggregate                  section    length          add/remove          swap
+=========================  =========  ==============  ==================  ===========
+stats                      count      1               1                   0
+stats                      sums       d               √d                  2√d
+stats, moments=variance    squares    d               √d                  √d
+stats, moments=covariance  products   d(d+1)/2        √(d(d+1)/2)         √(d² + d/2)
+histogram                  counts     cells           1                   √2
+linreg                     count      1               1                   0
+linreg                     x_sums     d               √d                  2√d
+linreg                     y_sum      1               1                   2
+linreg                     xtx        d(d+1)/2        √(d(d+1)/2)         √(d² + d/2)
+linreg                     xty        d               √d                  2√d
+=========================  =========  ==============  ==================  ===========
+
+docs/privacy.md ("Aggregate queries") derives each bound; :func:`fedpca.stats.worst_case_change`
+combines them into the release's noise multiplier.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from fedpca.errors import LayoutError
+from fedpca.preprocess import FeatureBounds, scale_to_unit_box
+from fedpca.query import Aggregate, AggregateKind, Moments, QueryKind, QuerySpec
+from fedpca.stats import Section, row_bits, upper_triangle_length
+
+__all__ = [
+    "AggregateIntegers",
+    "aggregate_sections",
+    "fixed_point_aggregates",
+    "histogram_cells",
+    "part_sections",
+    "scaled_columns",
+]
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+# Section names inside one aggregate (the released name is "<part>.<name>").
+COUNT = "count"
+SUMS = "sums"
+SQUARES = "squares"
+PRODUCTS = "products"
+COUNTS = "counts"
+X_SUMS = "x_sums"
+Y_SUM = "y_sum"
+XTX = "xtx"
+XTY = "xty"
+
+
+def _counts(name: str, length: int, swap: float) -> Section:
+    # Counts are released on the integer grid: a noisy count is an integer.
+    return Section(name, length, 1.0, 1.0, unit=1.0, swap_sensitivity=swap, grid_bits=0)
+
+
+def _sums(name: str, d: int) -> Section:
+    # Each coordinate is in [-1, 1]: an added u has ‖u‖ <= √d, a swap u - u' <= 2√d.
+    return Section(name, d, 1.0, math.sqrt(d), unit=1.0, swap_sensitivity=2 * math.sqrt(d))
+
+
+def _products(name: str, d: int) -> Section:
+    # Upper triangle of uuᵀ: Σ_{i<=j} (u_i u_j)² = (‖u‖⁴ + Σ u_i⁴)/2 <= (d² + d)/2. Swap:
+    # A = uuᵀ - u'u'ᵀ has ‖A‖_F² <= ‖u‖⁴ + ‖u'‖⁴ <= 2d² and diagonal entries in [-1, 1],
+    # and the upper triangle of a symmetric A has squared norm (‖A‖_F² + Σ A_ii²)/2.
+    return Section(
+        name,
+        upper_triangle_length(d),
+        1.0,
+        math.sqrt(d * (d + 1) / 2),
+        unit=1.0,
+        swap_sensitivity=math.sqrt(d * d + d / 2),
+    )
+
+
+def part_sections(part: Aggregate) -> tuple[Section, ...]:
+    """The sections of one aggregate, unprefixed, in release order."""
+    d = len(part.columns)
+    if part.kind is AggregateKind.STATS:
+        sections = [_counts(COUNT, 1, 0.0), _sums(SUMS, d)]
+        if part.moments is Moments.VARIANCE:
+            # u_j² in [0, 1]: add <= √d, and a swap moves each by at most 1.
+            sections.append(
+                Section(SQUARES, d, 1.0, math.sqrt(d), unit=1.0, swap_sensitivity=math.sqrt(d))
+            )
+        elif part.moments is Moments.COVARIANCE:
+            sections.append(_products(PRODUCTS, d))
+        return tuple(sections)
+    if part.kind is AggregateKind.HISTOGRAM:
+        # One record is in one cell (or in none, if its category is not listed).
+        return (_counts(COUNTS, part.n_cells, math.sqrt(2.0)),)
+    # linreg: u (features) and v (target), both in [-1, 1].
+    return (
+        _counts(COUNT, 1, 0.0),
+        _sums(X_SUMS, d),
+        Section(Y_SUM, 1, 1.0, 1.0, unit=1.0, swap_sensitivity=2.0),
+        _products(XTX, d),
+        # |u_j v| <= 1, and u_j v - u'_j v' in [-2, 2].
+        Section(XTY, d, 1.0, math.sqrt(d), unit=1.0, swap_sensitivity=2 * math.sqrt(d)),
+    )
+
+
+def aggregate_sections(aggregates: Sequence[Aggregate]) -> tuple[Section, ...]:
+    """Every section of an aggregate query, named ``"<part>.<name>"``, in release order."""
+    out: list[Section] = []
+    for index, part in enumerate(aggregates):
+        for section in part_sections(part):
+            out.append(
+                Section(
+                    f"{index}.{section.name}",
+                    section.length,
+                    section.max_abs_per_record,
+                    section.l2_sensitivity,
+                    unit=section.unit,
+                    swap_sensitivity=section.swap_sensitivity,
+                    grid_bits=section.grid_bits,
+                )
+            )
+    return tuple(out)
+
+
+def split_parts(
+    aggregates: Sequence[Aggregate], values: Mapping[str, FloatArray]
+) -> list[dict[str, FloatArray]]:
+    """Per aggregate, its section values by unprefixed name (from a ``"<part>.<name>"`` map)."""
+    parts: list[dict[str, FloatArray]] = []
+    for index, part in enumerate(aggregates):
+        own: dict[str, FloatArray] = {}
+        for section in part_sections(part):
+            key = f"{index}.{section.name}"
+            if key not in values:
+                raise LayoutError(f"the release has no section {key!r}")
+            own[section.name] = np.asarray(values[key], dtype=np.float64)
+        parts.append(own)
+    return parts
+
+
+# ----------------------------------------------------------------- owner side
+def scaled_columns(raw: FloatArray, lower: Sequence[float], upper: Sequence[float]) -> FloatArray:
+    """Columns clipped to their public bounds and mapped onto [-1, 1]."""
+    return scale_to_unit_box(raw, FeatureBounds(tuple(lower), tuple(upper)))
+
+
+def histogram_cells(part: Aggregate, raw: FloatArray, group: FloatArray | None) -> IntArray:
+    """Cell of every row (row-major over category, bins of column 0, bins of column 1).
+
+    A value outside the edges counts in the nearest edge bin; a row whose category is
+    not one of the public categories gets -1 (left out).
+    """
+    cell = np.zeros(raw.shape[0], dtype=np.int64)
+    for j, edges in enumerate(part.bin_edges):
+        bins = len(edges) - 1
+        # Bins [e_i, e_i+1), the last one closed (numpy's convention); outside values
+        # fall to the first or last bin.
+        index = np.searchsorted(np.asarray(edges), raw[:, j], side="right") - 1
+        cell = cell * bins + np.clip(index, 0, bins - 1)
+    if part.group_column is None:
+        return cell
+    assert group is not None
+    per_group = math.prod(part.bins_per_column)
+    category = np.full(raw.shape[0], -1, dtype=np.int64)
+    for c, value in enumerate(part.categories):
+        category[group == value] = c
+    return np.where(category >= 0, category * per_group + cell, -1)
+
+
+@dataclass(frozen=True, eq=False)
+class AggregateIntegers:
+    """An owner's exact integer statistics of an aggregate query, in release order.
+
+    Attributes
+    ----------
+    frac_bits : f of the query.
+    values : (value_count,) int64, each section on its own grid (2^-f clip units, or
+        plain integers for counts).
+    """
+
+    frac_bits: int
+    values: IntArray
+
+    def to_vector(self, spec: object) -> IntArray:
+        """The released integer vector (``spec`` is accepted for the plan's interface)."""
+        return self.values
+
+
+class _PartAccumulator:
+    """Exact integer sums of one aggregate over blocks of rows."""
+
+    def __init__(self, part: Aggregate, positions: Mapping[int, int], g: int) -> None:
+        self.part = part
+        self.g = g
+        self.columns = [positions[c] for c in part.columns]
+        self.group = None if part.group_column is None else positions[part.group_column]
+        self.target = None if part.target_column is None else positions[part.target_column]
+        d = len(part.columns)
+        width = d + (1 if part.kind is AggregateKind.LINREG else 0)
+        self.count = 0
+        self.sums = np.zeros(width, dtype=np.int64)
+        self.products = np.zeros((width, width), dtype=np.int64)
+        self.squares = np.zeros(width, dtype=np.int64)
+        self.cells = np.zeros(part.n_cells if part.kind is AggregateKind.HISTOGRAM else 0, np.int64)
+
+    def add(self, block: FloatArray, real: int) -> None:
+        """Add the first ``real`` rows of ``block``; the rest pad (same work, left out)."""
+        part = self.part
+        if part.kind is AggregateKind.HISTOGRAM:
+            group = None if self.group is None else block[:, self.group]
+            cell = histogram_cells(part, block[:, self.columns], group)
+            cell[real:] = -1
+            # The same work whatever is left out: every row is counted with weight 0 or 1.
+            kept = cell >= 0
+            counts = np.bincount(np.where(kept, cell, 0), weights=kept, minlength=part.n_cells)
+            self.cells += counts.astype(np.int64)  # exact: integers below 2^53
+            return
+        unit = scaled_columns(block[:, self.columns], part.lower, part.upper)
+        if self.target is not None:
+            assert part.target_lower is not None and part.target_upper is not None
+            target = scaled_columns(
+                block[:, [self.target]], (part.target_lower,), (part.target_upper,)
+            )
+            unit = np.hstack([unit, target])
+        # |u| <= 1 and truncation toward zero keep |q| <= 2^g exactly.
+        q = np.trunc(np.ldexp(unit, self.g)).astype(np.int64)
+        q[real:] = 0
+        self.count += real
+        self.sums += q.sum(axis=0)
+        qf = q.astype(np.float64)
+        if part.kind is AggregateKind.LINREG or part.moments is Moments.COVARIANCE:
+            self.products += (qf.T @ qf).astype(np.int64)
+        elif part.moments is Moments.VARIANCE:
+            self.squares += (qf * qf).sum(axis=0).astype(np.int64)
+
+    def integers(self, f: int) -> list[IntArray]:
+        """The aggregate's sections in release order, on their grids."""
+        part = self.part
+        if part.kind is AggregateKind.HISTOGRAM:
+            return [self.cells.copy()]
+        g = self.g
+        count = np.array([self.count], dtype=np.int64)
+        sums = self.sums << (f - g)
+        products = self.products << (f - 2 * g)
+        upper = products[np.triu_indices(products.shape[0])]
+        if part.kind is AggregateKind.STATS:
+            out = [count, sums]
+            if part.moments is Moments.VARIANCE:
+                out.append(self.squares << (f - 2 * g))
+            elif part.moments is Moments.COVARIANCE:
+                out.append(upper)
+            return out
+        d = len(part.columns)
+        xtx = products[:d, :d][np.triu_indices(d)]
+        return [count, sums[:d], sums[d:], xtx, products[:d, d]]
+
+
+def fixed_point_aggregates(
+    columns: npt.ArrayLike, query: QuerySpec, *, pad_to: int = 0
+) -> AggregateIntegers:
+    """Exact integer statistics of an owner's rows for an aggregate query.
+
+    Parameters
+    ----------
+    columns : (N, K) raw values of the query's columns, in the order of
+        ``query.aggregate_columns`` (the file columns it reads, sorted).
+    query : the public aggregate query.
+    pad_to : process at least this many rows, the extra ones left out of every
+        statistic: the work done depends on max(N, pad_to) only, not on N.
+
+    Returns
+    -------
+    AggregateIntegers
+    """
+    if query.kind is not QueryKind.AGGREGATE:
+        raise LayoutError(f"a {query.kind.value} query has no aggregates")
+    x = np.asarray(columns, dtype=np.float64)
+    width = len(query.aggregate_columns)
+    if x.ndim != 2 or x.shape[1] != width:
+        raise LayoutError(f"the query reads {width} columns, got values of shape {x.shape}")
+    f = query.frac_bits
+    g = row_bits(f)
+    positions = {column: j for j, column in enumerate(query.aggregate_columns)}
+    accumulators = [_PartAccumulator(part, positions, g) for part in query.aggregates]
+    n = x.shape[0]
+    total = max(n, pad_to)
+    # Products of two coordinates sit on the 2^(2g) grid: blocks of at most 2^(53 - 2g)
+    # rows keep every partial float64 sum an exact integer.
+    block = max(1, min(4096, 1 << (53 - 2 * g)))
+    buffer = np.zeros((block, width), dtype=np.float64)
+    for start in range(0, total, block):
+        size = min(block, total - start)
+        real = max(0, min(size, n - start))
+        buffer[:real] = x[start : start + real]
+        buffer[real:] = 0.0
+        for accumulator in accumulators:
+            accumulator.add(buffer[:size], real)
+    parts = [array for acc in accumulators for array in acc.integers(f)]
+    return AggregateIntegers(f, np.concatenate(parts).astype(np.int64))

@@ -1,0 +1,206 @@
+"""Post-processing of aggregate releases and the estimators' scikit-learn conventions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from sklearn.linear_model import LinearRegression, Ridge
+
+from fedpca.analyst import (
+    FederatedHistogram,
+    FederatedLinearRegression,
+    FederatedQuery,
+    FederatedStatistics,
+)
+from fedpca.analyst.aggregates import (
+    describe,
+    histogram_counts,
+    noise_spectral_bound,
+    solve_regression,
+)
+from fedpca.errors import ConfigError
+from fedpca.query import Aggregate, Moments
+
+FEATURES = Aggregate.linear_regression((0, 1, 2), (-1.0, 0.0, 5.0), (1.0, 10.0, 15.0), 3, 0.0, 4.0)
+
+
+def _scaled(x: np.ndarray, lower: tuple[float, ...], upper: tuple[float, ...]) -> np.ndarray:
+    lo, hi = np.array(lower), np.array(upper)
+    return 2 * (x - lo) / (hi - lo) - 1
+
+
+def _regression_sections(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """Exact (noise-free) sections of FEATURES for rows inside the bounds."""
+    assert FEATURES.target_lower is not None and FEATURES.target_upper is not None
+    u = _scaled(x, FEATURES.lower, FEATURES.upper)
+    v = _scaled(y[:, None], (FEATURES.target_lower,), (FEATURES.target_upper,))[:, 0]
+    return {
+        "count": np.array([float(len(x))]),
+        "x_sums": u.sum(axis=0),
+        "y_sum": np.array([v.sum()]),
+        "xtx": (u.T @ u)[np.triu_indices(3)],
+        "xty": u.T @ v,
+    }
+
+
+def _data(seed: int = 0, n: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = np.column_stack([rng.uniform(-1, 1, n), rng.uniform(0, 10, n), rng.uniform(5, 15, n)])
+    y = np.clip(0.5 + 0.8 * x[:, 0] + 0.2 * x[:, 1] + 0.05 * x[:, 2] + rng.normal(0, 0.2, n), 0, 4)
+    return x, y
+
+
+NO_NOISE = {"count": 0.0, "x_sums": 0.0, "y_sum": 0.0, "xtx": 0.0, "xty": 0.0}
+
+
+@pytest.mark.parametrize("fit_intercept", [True, False])
+def test_noise_free_statistics_give_least_squares(fit_intercept: bool) -> None:
+    x, y = _data()
+    fit = solve_regression(
+        FEATURES, _regression_sections(x, y), NO_NOISE, fit_intercept=fit_intercept
+    )
+    reference = LinearRegression(fit_intercept=fit_intercept).fit(x, y)
+    np.testing.assert_allclose(fit.coef, reference.coef_, rtol=1e-9, atol=1e-12)
+    assert fit.intercept == pytest.approx(reference.intercept_, abs=1e-9)
+    assert fit.alpha == 0.0 and fit.n_samples == len(x)
+
+
+def test_fixed_alpha_is_ridge_with_an_unpenalised_intercept() -> None:
+    x, y = _data(1)
+    sections = _regression_sections(x, y)
+    # Without an intercept the design is in the columns' units: scikit-learn's Ridge.
+    fit = solve_regression(FEATURES, sections, NO_NOISE, alpha=7.0, fit_intercept=False)
+    reference = Ridge(alpha=7.0, fit_intercept=False).fit(x, y)
+    np.testing.assert_allclose(fit.coef, reference.coef_, rtol=1e-9)
+    # With an intercept, alpha applies to the scaled columns and the intercept is not
+    # penalised: scikit-learn's Ridge on the scaled data, mapped back.
+    fit = solve_regression(FEATURES, sections, NO_NOISE, alpha=7.0)
+    u = _scaled(x, FEATURES.lower, FEATURES.upper)
+    v = _scaled(y[:, None], (0.0,), (4.0,))[:, 0]
+    scaled = Ridge(alpha=7.0).fit(u, v)
+    np.testing.assert_allclose(x @ fit.coef + fit.intercept, 2.0 + 2.0 * scaled.predict(u))
+    with pytest.raises(ConfigError, match="alpha must be 'auto' or a number"):
+        solve_regression(FEATURES, sections, NO_NOISE, alpha="large")
+    with pytest.raises(ConfigError, match="finite number >= 0"):
+        solve_regression(FEATURES, sections, NO_NOISE, alpha=-1.0)
+
+
+def test_automatic_alpha_is_the_spectral_bound_of_the_noise() -> None:
+    sigmas = {"count": 2.0, "x_sums": 3.0, "y_sum": 1.0, "xtx": 5.0, "xty": 1.0}
+    x, y = _data(2)
+    fit = solve_regression(FEATURES, _regression_sections(x, y), sigmas, tail_probability=0.05)
+    # Identity transform: the variance proxy is the largest row sum of entry variances,
+    # row 0: 2² + 3·3², rows 1-3: 3² + 3·5².
+    v = max(4 + 3 * 9, 9 + 3 * 25)
+    assert fit.alpha == pytest.approx(math.sqrt(2 * v * math.log(2 * 4 / 0.05)), rel=1e-12)
+
+
+def test_spectral_bound_holds_for_sampled_noise() -> None:
+    rng = np.random.default_rng(5)
+    n = 6
+    sigmas = rng.uniform(0.5, 3.0, (n, n))
+    sigmas = np.triu(sigmas) + np.triu(sigmas, 1).T
+    transform = rng.normal(size=(4, n))
+    beta = 0.05
+    bound = noise_spectral_bound(sigmas, transform, beta)
+    trials = 2000
+    exceeded = 0
+    for _ in range(trials):
+        upper = np.triu(rng.normal(size=(n, n)) * sigmas)
+        noise = upper + np.triu(upper, 1).T
+        exceeded += np.linalg.norm(transform @ noise @ transform.T, 2) >= bound
+    # Tropp's bound is conservative: far fewer than beta of the draws exceed it.
+    assert exceeded / trials <= beta
+    assert noise_spectral_bound(np.zeros((n, n)), transform, beta) == 0.0
+    with pytest.raises(ConfigError, match="tail_probability"):
+        noise_spectral_bound(sigmas, transform, 1.0)
+
+
+def test_describe_post_processing_is_labelled_and_consistent() -> None:
+    part = Aggregate.statistics((0, 1), (0.0, 10.0), (2.0, 30.0))
+    # Noisy sections that no dataset has: a negative variance and a non-PSD matrix.
+    sections = {
+        "count": np.array([0.4]),
+        "sums": np.array([5.0, -3.0]),
+        "products": np.array([-1.0, 4.0, 2.0]),
+    }
+    clipped = describe(part, sections)
+    assert clipped.clipped and clipped.n_samples == 1.0
+    assert np.all(clipped.mean >= [0.0, 10.0]) and np.all(clipped.mean <= [2.0, 30.0])
+    assert np.linalg.eigvalsh(clipped.covariance).min() >= -1e-12
+    assert np.all(np.abs(clipped.correlation[~np.isnan(clipped.correlation)]) <= 1.0)
+    raw = describe(part, sections, clip=False)
+    assert not raw.clipped and raw.n_samples == 0.4
+    assert raw.mean[0] == pytest.approx(1.0 + 1.0 * 5.0 / 0.4)
+    assert raw.covariance[0, 0] == pytest.approx((-1.0 - 25.0 / 0.4) / 0.4)
+    # Variances only: within [0, s²].
+    variance = Aggregate.statistics((0,), (0.0,), (2.0,), Moments.VARIANCE)
+    out = describe(variance, {"count": [10.0], "sums": [9.0], "squares": [50.0]})
+    assert out.variance is not None and out.variance[0] == 1.0 and out.covariance is None
+
+
+def test_histogram_counts_shapes_and_clamp() -> None:
+    part = Aggregate.histogram((0, 1), ((0, 1, 2), (0, 1, 2, 3)), 2, (1.0, 2.0))
+    raw = np.arange(-3.0, 9.0)
+    counts = histogram_counts(part, {"counts": raw})
+    assert counts.counts.shape == (2, 2, 3) and counts.clamped
+    assert counts.counts.min() == 0 and counts.raw_counts.min() == -3
+    assert not histogram_counts(part, {"counts": raw}, clamp=False).clamped
+
+
+# -------------------------------------------------------------- the estimators
+def test_estimators_follow_scikit_learn_conventions() -> None:
+    model = FederatedLinearRegression([1, 2], bounds="0:1,0:5", target=3, target_bounds=(0, 9))
+    params = model.get_params()
+    assert params["columns"] == [1, 2] and params["alpha"] == "auto"
+    assert model.set_params(alpha=0.5) is model and model.alpha == 0.5
+    assert repr(model).startswith("FederatedLinearRegression(columns=[1, 2], bounds='0:1,0:5'")
+    with pytest.raises(ConfigError, match="no parameter 'alpah'"):
+        model.set_params(alpah=1)
+    with pytest.raises(ConfigError, match="takes no data"):
+        model.fit(np.zeros((3, 2)))
+    with pytest.raises(AttributeError, match="not fitted"):
+        model.predict(np.zeros((1, 2)))
+    assert model.aggregate().lower == (0.0, 0.0) and model.aggregate().upper == (1.0, 5.0)
+    histogram = FederatedHistogram([0, 4], bins=[[0, 1, 2], [5, 6]])
+    assert histogram.aggregate().bin_edges == ((0.0, 1.0, 2.0), (5.0, 6.0))
+    stats = FederatedStatistics(3, bounds=(0, 1), moments="mean")
+    assert stats.aggregate().columns == (3,)
+    with pytest.raises(ConfigError, match="one \\(lo, hi\\) pair per column"):
+        FederatedStatistics([1, 2, 3], bounds=[(0, 1), (0, 2)]).aggregate()
+
+
+def test_combined_query_splits_its_budget() -> None:
+    stats = FederatedStatistics(
+        [1, 2], bounds=(0, 1), budget_split={"count": 1, "sums": 3, "products": 4}
+    )
+    histogram = FederatedHistogram(0, bins=[0, 1, 2])
+    combined = FederatedQuery([stats, histogram], weights=[3.0, 1.0])
+    weights = combined.noise_weights()
+    np.testing.assert_allclose(weights, [0.75 / 8, 0.75 * 3 / 8, 0.75 * 4 / 8, 0.25])
+    with pytest.raises(ConfigError, match="names \\['means'\\]"):
+        FederatedStatistics([1], bounds=(0, 1), budget_split={"means": 1.0}).section_weights()
+    with pytest.raises(ConfigError, match="one positive weight per estimator"):
+        FederatedQuery([stats], weights=[1.0, 2.0]).noise_weights()
+    with pytest.raises(ConfigError, match="at least one estimator"):
+        FederatedQuery([]).noise_weights()
+
+
+def test_score_is_the_coefficient_of_determination() -> None:
+    x, y = _data(3)
+    sections = _regression_sections(x, y)
+    model = FederatedLinearRegression(
+        [0, 1, 2],
+        bounds=list(zip(FEATURES.lower, FEATURES.upper, strict=True)),
+        target=3,
+        target_bounds=(0.0, 4.0),
+    )
+    fit = solve_regression(FEATURES, sections, NO_NOISE)
+    model.coef_, model.intercept_ = fit.coef, fit.intercept
+    model.n_features_in_ = 3
+    model.release_ = object()  # type: ignore[assignment]
+    reference = LinearRegression().fit(x, y)
+    assert model.score(x, y) == pytest.approx(reference.score(x, y), rel=1e-9)
+    np.testing.assert_allclose(model.predict(x), reference.predict(x), rtol=1e-9)
