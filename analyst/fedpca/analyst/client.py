@@ -363,8 +363,9 @@ class AnalystClient:
         """Open a query's result: its header once the contributors are fixed, then its
         pages, each as soon as the proxy made it final.
 
-        The proxy holds the call open until the contributors are fixed and while later
-        pages are still being folded, so decrypting the first pages overlaps the owners'
+        Call it once the contributors are fixed (:meth:`wait_for_contributors`; the
+        proxy refuses it before). The proxy holds the call open while later pages are
+        still being folded, so decrypting the first pages overlaps the owners'
         encryption of the last ones. A stream that breaks (proxy restart) is re-opened
         with back-off; the pages it had already delivered must come back identical.
 
@@ -378,7 +379,8 @@ class AnalystClient:
         ProtocolError
             The stream is malformed (framing, hash chain, layout) or names another query.
         QueryStateError
-            The query failed (before or while its pages were being released).
+            The query failed (before or while its pages were being released), or it
+            is still collecting.
         """
         action = f"fetch result of query {query_id!r}"
         messages = self._result_messages(query_id, timeout, action)

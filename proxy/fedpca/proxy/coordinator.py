@@ -985,16 +985,17 @@ class Coordinator:
             pages_total=page_count(result_total, self.store.page_ciphertexts),
         )
 
-    def result_header(self, analyst_id: str, query_id: str) -> ResultHeader | None:
-        """The header of the analyst's result once its contributors are fixed (None
-        before: the owner count is not known yet).
+    def result_header(self, analyst_id: str, query_id: str) -> ResultHeader:
+        """The header of the analyst's result, known once its contributors are fixed.
 
         Raises
         ------
         NotFoundError
             Unknown query (for this analyst).
         QueryStateError
-            The query failed (the message carries its reason).
+            The query failed (the message carries its reason), or it is still
+            collecting: the owner count, and so the header, is not known yet (the
+            analyst watches the query until its contributors are fixed, then fetches).
         """
         key = task_id(analyst_id, query_id)
         record = self.store.query(key)
@@ -1003,8 +1004,11 @@ class Coordinator:
                 f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
             )
         meta = self.store.result_meta(key)
-        if meta is None:
-            return None
+        if record.state is QueryState.COLLECTING or meta is None:
+            raise QueryStateError(
+                f"query {query_id!r} is still collecting: its result can be fetched once "
+                "its contributors are fixed (watch the query until then)"
+            )
         return result_header(self._context(key), meta, self.store.page_ciphertexts)
 
     def result_pages(self, analyst_id: str, query_id: str, start: int) -> list[bytes]:
@@ -1041,7 +1045,7 @@ class Coordinator:
         key = task_id(analyst_id, query_id)
         record = self.store.query(key)
         header = self.result_header(analyst_id, query_id)
-        if record.state is not QueryState.DONE or header is None:
+        if record.state is not QueryState.DONE:
             raise QueryStateError(f"query {query_id!r} is {record.state.value}: no result yet")
         return whole_result(header, self.store.result_pages(key))
 

@@ -571,23 +571,14 @@ class AnalystServicer(_Base, analyst_grpc.AnalystServiceServicer):
     async def FetchResult(
         self, request: analyst_pb.QueryRef, context: aio.ServicerContext
     ) -> AsyncIterator[analyst_pb.ResultMessage]:
-        """The result header as soon as the contributors are fixed, then every page the
-        moment it is final (the analyst decrypts while later pages are being folded)."""
+        """The result header (once the contributors are fixed; refused before), then
+        every page the moment it is final (the analyst decrypts while later pages are
+        being folded)."""
         analyst = self._caller(context, Role.ANALYST).node_id
         query_id = serde.query_ref_from_proto(request)
         coordinator = self.coordinator
         with _Slot(self.slots, "watches", analyst, self.limits.max_watches_per_analyst):
-            header = None
-            while header is None:
-                changed = self.feed.event
-                header = await self.work.run(coordinator.result_header, analyst, query_id)
-                if header is None:
-                    if coordinator.stopping:
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            "the proxy is shutting down; fetch again after it restarts",
-                        )
-                    await ChangeFeed.wait(changed, self.watch_poll_seconds)
+            header = await self.work.run(coordinator.result_header, analyst, query_id)
             yield serde.result_header_message(header)
             chain = ChunkChain()
             sent = 0
