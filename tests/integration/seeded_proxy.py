@@ -27,8 +27,9 @@ kill from outside rarely hits. ``TASK_ID`` is the proxy's key of the query,
 * ``folded:K``: right after the transaction accepting the K-th upload committed,
   before the owner's acknowledgement leaves (the owner must retry and be answered
   DUPLICATE);
-* ``result:1``: with the (prepared) noise added to the aggregate, before the
-  result is stored (the query is left NOISING, for the restarted proxy to finish).
+* ``page:K``: with the noise of the query's K-th result page computed, inside the
+  transaction that stores the page, before its COMMIT (the page is not final; the
+  restarted proxy makes it final with fresh noise).
 
 This file lives under ``tests/`` on purpose: production code has no way to seed
 its noise (no CLI flag, no environment variable); only a test can construct the
@@ -45,7 +46,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -95,7 +96,7 @@ def _crash(reason: str) -> None:
 def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSampler) -> None:
     """TEST ONLY: make this process kill itself at ``point`` of the query whose task id
     is ``query_id`` (``--crash``)."""
-    if point not in ("prep", "fold", "staged", "folded", "result") or k < 1:
+    if point not in ("prep", "fold", "staged", "folded", "page") or k < 1:
         raise SystemExit(f"--crash: unknown point {point}:{k}")
     if point == "prep":
         submit = Coordinator.submit
@@ -108,17 +109,32 @@ def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSample
 
         Coordinator.submit = arming_submit  # type: ignore[method-assign]
         return
-    if point == "result":
-        store_result = ProxyStore.store_result
+    if point == "page":
+        finalize_pages = ProxyStore.finalize_pages
 
-        def crashing_store_result(
-            self: ProxyStore, stored: str, blocks: Mapping[str, bytes], meta: Mapping[str, Any]
-        ) -> QueryRecord:
-            if stored == query_id:
-                _crash(f"with the noise of query {query_id} added, before its result is stored")
-            return store_result(self, stored, blocks, meta)
+        def crashing_finalize_pages(
+            self: ProxyStore,
+            finalized: str,
+            total_ciphertexts: int,
+            algebra: Any,
+            page_noise: Callable[[int, int, int], bytes] | None,
+        ) -> Any:
+            if finalized != query_id or page_noise is None:
+                return finalize_pages(self, finalized, total_ciphertexts, algebra, page_noise)
+            noise = page_noise
 
-        ProxyStore.store_result = crashing_store_result  # type: ignore[method-assign]
+            def noise_then_crash(page: int, start: int, count: int) -> bytes:
+                encoded = noise(page, start, count)
+                if page + 1 == k:
+                    _crash(
+                        f"with the noise of page {page} of query {query_id} computed, inside "
+                        "the transaction that stores the page, before COMMIT"
+                    )
+                return encoded
+
+            return finalize_pages(self, finalized, total_ciphertexts, algebra, noise_then_crash)
+
+        ProxyStore.finalize_pages = crashing_finalize_pages  # type: ignore[method-assign]
         return
     if point == "folded":
         complete_upload = ProxyStore.complete_upload
@@ -183,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True, help="the proxy's TOML config")
     parser.add_argument(
         "--crash",
-        help="TASK_ID:POINT:K, POINT prep, fold, staged, folded or result (TEST ONLY)",
+        help="TASK_ID:POINT:K, POINT prep, fold, staged, folded or page (TEST ONLY)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG, format=LOG_FORMAT)

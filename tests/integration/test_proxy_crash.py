@@ -25,7 +25,7 @@ that every run of the query draws the same noise; production noise cannot be see
    resumes behind the folded mark); right after an upload was accepted but before the owner's
    acknowledgement left (mid-collection and at the last upload), where a double
    count would come from: the owner must retry and be answered DUPLICATE; and with
-   the noise added but the result not yet stored.
+   the noise of the first result page computed but the page not yet stored.
 3. Every trial must complete with all owners (quorum = all owners, so an owner that
    gave up could not hide behind a smaller quorum; its "giving up" fails the trial
    by name), one ``uploads`` row per owner in the SQLite file, no refused upload,
@@ -284,7 +284,7 @@ class CrashHarness:
                 "fold": "fold",
                 "staged": "upload in progress",
                 "folded": "ack lost",
-                "result": "noise",
+                "page": "page noise",
             }[point]
         label = f"trial {trial.name} (kill {trial.when}, {trial.phase}: {trial.detail})"
         if trial.fault is not None:
@@ -517,7 +517,7 @@ def test_kill_9_proxy_at_random_points_loses_and_doubles_nothing(tmp_path: Path)
         # acknowledgement left (the retry must be answered DUPLICATE, not folded
         # again), right after the last fold committed (quorum not yet closed), and
         # with the noise added to the aggregate but the result not yet stored.
-        faults = ("prep:2", "fold:2", "staged:3", "folded:2", f"folded:{N_OWNERS}", "result:1")
+        faults = ("prep:2", "fold:2", "staged:3", "folded:2", f"folded:{N_OWNERS}", "page:1")
         trials += [Trial(fault, harness.new_spec(), fault=fault) for fault in faults]
         if trials[0].fault is not None:  # no random kill: arm the running proxy first
             assert cluster.proxy is not None
