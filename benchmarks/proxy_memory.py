@@ -77,6 +77,7 @@ from fedpca.messages import (
     CiphertextPayload,
     OwnerHello,
     QueryState,
+    SignedQuery,
     Task,
     UploadReceipt,
     UploadStatus,
@@ -84,6 +85,7 @@ from fedpca.messages import (
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.queries import wire_blocks
 from fedpca.query import QueryKind, QuerySpec
+from fedpca.signing import generate_signing_key, sign_query, signer_id
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
@@ -122,6 +124,15 @@ def make_spec(public_key: Any, query_id: str, n_features: int, owners: int) -> Q
     )
 
 
+SIGNING_KEY = generate_signing_key()
+"""The analyst's query-signing key of this run (the owners here are not real nodes and
+check nothing; the proxy refuses unsigned queries)."""
+
+
+def signed_query(spec: QuerySpec) -> SignedQuery:
+    return SignedQuery(spec, sign_query(spec, SIGNING_KEY), signer_id(SIGNING_KEY))
+
+
 def first_task(stub: owner_grpc.OwnerServiceStub) -> Task:
     """Open a task stream and read events until a task arrives."""
     call = stub.StreamTasks(serde.task_stream_request_to_proto("ignored"), timeout=60.0)
@@ -135,8 +146,9 @@ def first_task(stub: owner_grpc.OwnerServiceStub) -> Task:
     raise RuntimeError("task stream ended without a task")
 
 
-def random_upload(spec: QuerySpec, n: int, upload_id: str) -> tuple[list[Any], int]:
+def random_upload(task: Task, n: int, upload_id: str) -> tuple[list[Any], int]:
     """Upload messages of random elements of Z*_{n^2} in the plan's layout; and their count."""
+    spec = task.query
     blocks = wire_blocks(ReleasePlan.for_query(spec, KEY_BITS))
     n_square = n * n
     ciphertexts = {
@@ -145,7 +157,7 @@ def random_upload(spec: QuerySpec, n: int, upload_id: str) -> tuple[list[Any], i
     }
     payload = CiphertextPayload(blocks, ciphertexts)
     messages = serde.encode_upload(
-        spec.query_id,
+        task.key,  # the proxy's id of the task: analyst/query
         spec.analyst_key_fingerprint,
         upload_id,
         payload,
@@ -204,7 +216,7 @@ class OwnerThread:
                 if task.query.query_id != self.spec_query_id:
                     raise RuntimeError(f"{self.owner_id} got task {task.query.query_id!r}")
                 self.messages, self.n_ciphertexts = random_upload(
-                    task.query, self.public_n, f"{self.owner_id}-upload"
+                    task, self.public_n, f"{self.owner_id}-upload"
                 )
                 self.ready.wait()
                 self.go.wait()
@@ -217,7 +229,7 @@ class OwnerThread:
             self.go.abort()
 
 
-def write_proxy_config(workdir: Path, files: TlsFiles, port: int) -> Path:
+def write_proxy_config(workdir: Path, files: TlsFiles, port: int, owner_ids: list[str]) -> Path:
     path = workdir / "proxy.toml"
     write_toml(
         path,
@@ -228,6 +240,7 @@ def write_proxy_config(workdir: Path, files: TlsFiles, port: int) -> Path:
                 "database": workdir / "state" / "proxy.sqlite3",
                 "heartbeat_seconds": 2.0,
             },
+            "owners": {"allowed": owner_ids},
             "tls": {
                 "ca": files.ca_certificate,
                 "cert": files.certificate,
@@ -298,7 +311,7 @@ def measure(
     tls = init_certificates(workdir / "certs", owner_ids=owner_ids, analyst_ids=["alice"])
     port = free_loopback_port()
     address = f"127.0.0.1:{port}"
-    config = write_proxy_config(workdir, tls[NodeIdentity(Role.PROXY, "proxy")], port)
+    config = write_proxy_config(workdir, tls[NodeIdentity(Role.PROXY, "proxy")], port, owner_ids)
     log(f"[{owners} owners] starting proxy process")
     with running_proxy(workdir, config, server_options) as proxy:
         pid = proxy.process.pid
@@ -309,7 +322,9 @@ def measure(
             analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
             spec = make_spec(public_key, f"memory-{owners}", n_features, owners)
             status = serde.query_status_from_proto(
-                analyst.SubmitQuery(serde.submit_query_request_to_proto(spec), timeout=60.0)
+                analyst.SubmitQuery(
+                    serde.submit_query_request_to_proto(signed_query(spec)), timeout=60.0
+                )
             )
             log(f"[{owners} owners] query {spec.query_id} submitted: {status.state.value}")
 

@@ -1,0 +1,90 @@
+"""Each benchmark runs once in a small configuration, so that it keeps working.
+
+These are not timed tests: they check that a benchmark completes against the real
+processes it drives and that its last line reports what its docstring promises.
+The figures themselves come from full runs (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedpca.protocol import ReleasePlan
+from fedpca.query import QueryKind, QuerySpec
+
+pytestmark = pytest.mark.slow
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 240.0) -> dict[str, str]:
+    """Run ``benchmarks/<script>`` with ``args``; the key=value pairs of its last line."""
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=BENCHMARKS.parent,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    last = completed.stdout.strip().splitlines()[-1]
+    return dict(pair.split("=", 1) for pair in last.split())
+
+
+def test_scale_owners_completes_with_every_owner(tmp_path: Path) -> None:
+    plot = tmp_path / "scale.png"
+    result = run_benchmark(
+        "scale_owners.py", "--owners", "2,6", "--owners-per-driver", "3", "--plot", str(plot)
+    )
+    # The benchmark exits non-zero unless the result aggregates all 6 owners.
+    assert result["owners"] == "6"
+    assert float(result["end_to_end_seconds"]) > 0
+    assert math.isfinite(float(result["proxy_growth_kib_per_owner"]))
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_scale_owners_runs_the_owner_daemon_as_well(tmp_path: Path) -> None:
+    result = run_benchmark("scale_owners.py", "--owners", "3", "--clients", "node", "--plot", "")
+    assert result["owners"] == "3"
+
+
+def test_high_dimension_reports_every_role(tmp_path: Path) -> None:
+    result = run_benchmark("high_dimension.py", "--features", "50", "--rows", "60")
+    spec = QuerySpec(
+        query_id="q",
+        kind=QueryKind.PCA,
+        n_features=50,
+        epsilon=1.0,
+        delta=1e-5,
+        n_components=5,
+        analyst_public_key_n=(1 << 2047) + 1,
+        analyst_key_fingerprint="unused",
+    )
+    plan = ReleasePlan.for_query(spec, 2048)
+    assert int(result["ciphertexts_per_owner"]) == sum(
+        block.layout.n_ciphertexts for block in plan.owner_blocks
+    )
+    assert float(result["max_peak_over_held"]) > 1
+
+
+def test_proxy_ingest_compares_both_modes() -> None:
+    result = run_benchmark(
+        "proxy_ingest.py", "--uploaders", "3", "--features", "150", "--trials", "1"
+    )
+    assert float(result["group_commit_chunks_per_s"]) > 0
+    assert float(result["no_group_commit_chunks_per_s"]) > 0
+    assert math.isfinite(float(result["speedup"]))
+
+
+def test_proxy_memory_folds_concurrent_uploads() -> None:
+    result = run_benchmark(
+        "proxy_memory.py", "--features", "200", "--owners-small", "1", "--owners-large", "2"
+    )
+    # One extra owner's upload: M = 200 needs several hundred 512-byte ciphertexts.
+    assert float(result["extra_upload_mib"]) > 0.1
+    assert math.isfinite(float(result["growth_over_uploaded"]))
