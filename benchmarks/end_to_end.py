@@ -184,7 +184,7 @@ def main() -> None:
     if args.keep is None:
         shutil.rmtree(workdir, ignore_errors=True)
     print(
-        f"end_to_end_seconds={end_to_end:.2f} floor_seconds={floor:.2f} "
+        f"end_to_end_seconds={end_to_end:.3f} floor_seconds={floor:.3f} "
         f"ratio_vs_floor={end_to_end / floor:.3f}"
     )
 

@@ -88,3 +88,12 @@ def test_proxy_memory_folds_concurrent_uploads() -> None:
     # One extra owner's upload: M = 200 needs several hundred 512-byte ciphertexts.
     assert float(result["extra_upload_mib"]) > 0.1
     assert math.isfinite(float(result["growth_over_uploaded"]))
+
+
+def test_end_to_end_reports_the_floor_from_its_own_run() -> None:
+    result = run_benchmark("end_to_end.py", "--owners", "2", "--rows", "200", "--features", "20")
+    floor = float(result["floor_seconds"])
+    end_to_end = float(result["end_to_end_seconds"])
+    assert floor > 0 and end_to_end > 0
+    # The ratio is the two figures of the same run.
+    assert float(result["ratio_vs_floor"]) == pytest.approx(end_to_end / floor, rel=0.05)
