@@ -61,7 +61,8 @@ from fedpca.messages import SignedQuery
 from fedpca.proxy.config import load_config
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.store import ProxyStore, QueryRecord, UploadCompletion
+from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_records import QueryRecord, UploadCompletion
 
 logger = logging.getLogger("fedpca.tests.seeded_proxy")
 

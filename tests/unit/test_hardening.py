@@ -99,7 +99,8 @@ def test_failed_queries_with_uploads_are_charged_to_the_analyst(
         public_key=public_key,
         running=("owner-1", "owner-2"),  # owner-3 never comes: quorum 3 is unreachable
     ) as running:
-        outcome = running.run(_spec(public_key, "drain", quorum=3, deadline_seconds=2.0))
+        # 6 s: room for both uploads to begin even on a loaded machine.
+        outcome = running.run(_spec(public_key, "drain", quorum=3, deadline_seconds=6.0))
         assert outcome.state == "failed" and outcome.owners_contributed == 2
         with running.analyst() as client:
             budget = client.budget()

@@ -59,7 +59,8 @@ from fedpca.protocol import (
 from fedpca.proxy.config import BudgetConfig, OwnersConfig, PrivacySection, ProxyConfig
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
-from fedpca.proxy.store import NotContributingError, ProxyStore, UploadCompletion
+from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_records import NotContributingError, UploadCompletion
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, verify_query
 from fedpca.stats import fixed_point_statistics, sum_statistics

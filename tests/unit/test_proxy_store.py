@@ -32,12 +32,11 @@ from fedpca.proxy.config import (
     TlsConfig,
 )
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.store import (
-    SCHEMA_VERSION,
+from fedpca.proxy.store import SCHEMA_VERSION, ProxyStore
+from fedpca.proxy.store_records import (
     Contributor,
     Joined,
     NotContributingError,
-    ProxyStore,
     UploadCompletion,
 )
 from fedpca.query import Neighbouring
@@ -523,7 +522,7 @@ def test_wal_mode_is_on(store: ProxyStore) -> None:
 
 def test_an_owner_chunk_is_one_aggregate_page_at_2048_bits() -> None:
     from fedpca.codec import ciphertext_byte_length
-    from fedpca.proxy.store import PAGE_CIPHERTEXTS
+    from fedpca.proxy.store_records import PAGE_CIPHERTEXTS
 
     width = ciphertext_byte_length(2048)
     assert ciphertexts_per_chunk(width, UPLOAD_CHUNK_BYTES) == PAGE_CIPHERTEXTS

@@ -79,7 +79,8 @@ from fedpca.proxy.queries import (
     validate_query,
 )
 from fedpca.proxy.results import aggregate_blocks, result_header, result_meta, whole_result
-from fedpca.proxy.store import Contributor, ProxyStore, QueryRecord, page_count
+from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_records import Contributor, QueryRecord, page_count
 from fedpca.proxy.uploads import UploadStream, check_upload_header
 from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.signing import verify_query

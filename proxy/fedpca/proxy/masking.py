@@ -55,7 +55,7 @@ from fedpca.protocol import (
     row_aligned_positions,
 )
 from fedpca.proxy import _mask_worker
-from fedpca.proxy.store import stored_block
+from fedpca.proxy.store_records import stored_block
 
 __all__ = ["masked_result"]
 

@@ -26,7 +26,7 @@ from fedpca.messages import (
 from fedpca.messages import ciphertexts_from_bytes as wire_ciphertexts_from_bytes
 from fedpca.protocol import MASKED_SUM, ReleasePlan, masked_sigma
 from fedpca.proxy.queries import QueryContext, result_blocks
-from fedpca.proxy.store import page_count
+from fedpca.proxy.store_records import page_count
 from fedpca.query import ProtocolMode
 
 __all__ = ["aggregate_blocks", "result_header", "result_meta", "whole_result"]

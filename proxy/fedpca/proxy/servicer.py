@@ -79,7 +79,7 @@ from fedpca.messages import (
 from fedpca.proxy import catalog
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import OverloadError, PeerLimits, PeerSlots, TaskStreams
-from fedpca.proxy.store import UploadCompletion
+from fedpca.proxy.store_records import UploadCompletion
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role
 from fedpca.transport.channels import INSECURE_IDENTITY_METADATA

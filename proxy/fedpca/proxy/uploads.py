@@ -17,7 +17,8 @@ from fedpca.codec import SerialisedCiphertextGroup, validate_ciphertexts
 from fedpca.errors import CiphertextError, FedpcaError, LayoutError, ProtocolError
 from fedpca.messages import CiphertextBlock, DecodedChunk, UploadHeader
 from fedpca.proxy.queries import QueryContext, wire_blocks
-from fedpca.proxy.store import Joined, ProxyStore, UploadCompletion
+from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_records import Joined, UploadCompletion
 from fedpca.query import ProtocolMode
 
 __all__ = ["UploadStream", "check_upload_header"]

@@ -1,0 +1,193 @@
+"""The proxy store's records and page arithmetic: what its methods return, the
+errors they raise beside :mod:`fedpca.errors`, and how ciphertext bytes are combined.
+
+Split from :mod:`fedpca.proxy.store` so that modules that only read records (the
+coordinator, uploads, results, masking) need not know how they are stored.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fedpca.errors import LayoutError, QueryStateError
+from fedpca.messages import QueryState
+
+__all__ = [
+    "OPEN_STATES",
+    "PAGE_CIPHERTEXTS",
+    "CiphertextAlgebra",
+    "Contributor",
+    "Finalized",
+    "Folded",
+    "Joined",
+    "NotContributingError",
+    "QueryRecord",
+    "UploadCompletion",
+    "UploadRecord",
+    "contributor_of",
+    "page_count",
+    "query_record_of",
+    "stored_block",
+]
+
+PAGE_CIPHERTEXTS = 512
+"""Ciphertexts per aggregate and result page (256 KiB at 2048-bit keys): the unit read
+and rewritten when a chunk is folded, and the unit released to the analyst."""
+
+OPEN_STATES = (QueryState.COLLECTING, QueryState.AGGREGATING)
+
+
+class NotContributingError(QueryStateError):
+    """An owner that is not one of the query's contributors may no longer join it.
+
+    Nothing of this owner was ever folded into the query, so its share is in no result
+    (the servicer tells the owner, which may then refund its reservation).
+    """
+
+
+@dataclass(frozen=True)
+class QueryRecord:
+    query_id: str
+    analyst_id: str
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    state: QueryState
+    created_at: float
+    deadline_at: float
+    updated_at: float
+    n_contributed: int
+    failure_reason: str | None
+    signature: bytes = b""
+    signer: str = ""
+    uploads_begun: bool = False
+    """An owner began an upload: owners may have spent budget, so no refund."""
+
+    @property
+    def quorum(self) -> int:
+        return int(self.spec.get("quorum", 1))
+
+
+@dataclass(frozen=True)
+class UploadRecord:
+    query_id: str
+    owner_id: str
+    upload_id: str
+    content_sha256: str
+    n_ciphertexts: int
+    public_count: int | None
+    accepted_at: float
+
+
+@dataclass(frozen=True)
+class Contributor:
+    """An owner whose upload is part of a query's result."""
+
+    owner_id: str
+    upload_id: str
+    covered: int
+    """Ciphertexts of its upload folded so far, from the start in wire order."""
+    public_count: int | None
+    joined_at: float
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What :meth:`ProxyStore.join` found or did."""
+
+    covered: int
+    """Ciphertexts of this upload already folded (chunks below are skipped)."""
+    duplicate: bool = False
+    """This very upload was accepted before (a retry): nothing is folded."""
+    fixed: bool = False
+    """This owner was the last contributor the quorum needed: the set is now fixed."""
+
+
+@dataclass(frozen=True)
+class Folded:
+    """What :meth:`ProxyStore.fold_chunk` did."""
+
+    folded: bool
+    """False: the chunk was below the contributor's mark and skipped."""
+    covered: int
+
+
+@dataclass(frozen=True)
+class Finalized:
+    """What :meth:`ProxyStore.finalize_pages` did."""
+
+    new_pages: int
+    pages_final: int
+    done: bool
+    """Every page is final; the query moved to DONE."""
+
+
+@dataclass(frozen=True)
+class UploadCompletion:
+    """What completing an upload did to its query (the servicer turns it into the
+    owner's :class:`fedpca.messages.UploadReceipt`)."""
+
+    duplicate: bool
+    """True when this exact upload had already been accepted (a harmless retry)."""
+    n_contributed: int
+    """Owners whose uploads the query has accepted, including this one."""
+
+
+class CiphertextAlgebra(Protocol):
+    """The group operation on serialised ciphertexts (homomorphic addition lives in
+    the codec; the store only sees fixed-width byte strings)."""
+
+    width: int
+    """Bytes per ciphertext."""
+
+    def add(self, current: bytes, data: bytes) -> bytes:
+        """Element-wise product of two equally long runs of ciphertexts."""
+        ...
+
+    def subtract(self, current: bytes, data: bytes) -> bytes:
+        """Element-wise ``current · data⁻¹``: takes ``data`` out of ``current``."""
+        ...
+
+
+def page_count(total_ciphertexts: int, page_ciphertexts: int = PAGE_CIPHERTEXTS) -> int:
+    """Pages of ``page_ciphertexts`` that hold ``total_ciphertexts``."""
+    return -(-total_ciphertexts // page_ciphertexts)
+
+
+def stored_block(blocks: Mapping[str, bytes], name: str) -> bytes:
+    """Block ``name`` of stored ciphertext data (an aggregate split by block, a result)."""
+    data = blocks.get(name)
+    if data is None:
+        raise LayoutError(f"stored data has no block {name!r}")
+    return data
+
+
+def query_record_of(row: sqlite3.Row) -> QueryRecord:
+    return QueryRecord(
+        query_id=str(row["query_id"]),
+        analyst_id=str(row["analyst_id"]),
+        spec=json.loads(row["spec"]),
+        plan=json.loads(row["plan"]),
+        state=QueryState(row["state"]),
+        created_at=float(row["created_at"]),
+        deadline_at=float(row["deadline_at"]),
+        updated_at=float(row["updated_at"]),
+        n_contributed=int(row["n_contributed"]),
+        failure_reason=row["failure_reason"],
+        signature=bytes(row["signature"]),
+        signer=str(row["signer"]),
+        uploads_begun=bool(row["uploads_begun"]),
+    )
+
+
+def contributor_of(row: sqlite3.Row) -> Contributor:
+    return Contributor(
+        owner_id=str(row["owner_id"]),
+        upload_id=str(row["upload_id"]),
+        covered=int(row["covered"]),
+        public_count=None if row["public_count"] is None else int(row["public_count"]),
+        joined_at=float(row["joined_at"]),
+    )
