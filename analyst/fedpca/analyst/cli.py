@@ -258,7 +258,8 @@ def _query_options(function: F) -> F:
             type=click.Choice([n.value for n in Neighbouring]),
             default=None,
             help="The neighbouring relation (epsilon, delta) are stated for; it must be the "
-            "deployment's. Default: replace-one for --mode masked, else add-remove.",
+            "deployment's. Default: replace-one for --mode masked, else the relation the "
+            "proxy reports for the deployment.",
         ),
         click.option(
             "--features",
