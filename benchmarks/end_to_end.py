@@ -25,6 +25,7 @@ import argparse
 import datetime as dt
 import os
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -128,9 +129,14 @@ def main() -> None:
             deadline_seconds=600.0,
             **cluster.analyst_connection(),
         )
+        analyst_cpu = resource.getrusage(resource.RUSAGE_SELF)
         started = time.time()
         model.fit(n_features=n_features)
         finished = time.time()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        analyst_main_cpu = (after.ru_utime + after.ru_stime) - (
+            analyst_cpu.ru_utime + analyst_cpu.ru_stime
+        )
         owners = [owner_record(process.log_text()) for process in cluster.owners]
         assert cluster.proxy is not None
         done = proxy_record(cluster.proxy.log_text())
@@ -153,7 +159,8 @@ def main() -> None:
     for phase, seconds in cluster.timings.items():
         print(f"  {phase:<44}{seconds:8.2f} s (setup, not in end-to-end)")
     rows = [
-        ("submit → first owner encrypting", first_start - started),
+        ("analyst: start decryption workers", timings.get("start workers", 0.0)),
+        ("submit → first owner encrypting", first_start - started - timings["start workers"]),
         (f"owners encrypt ({ciphertexts} ciphertexts, overlapping)", last_end - first_start),
         ("last chunk → every page final (proxy)", float(done["final_after"])),
         ("analyst: waiting for the contributors", timings["wait"]),
@@ -177,6 +184,10 @@ def main() -> None:
     print(f"  proxy's check + fold {fold_cpu:6.2f}  ({ciphertexts} ciphertexts folded)")
     print(
         f"  proxy's noise draws  {float(done['noise_cpu']):6.2f}  (not crypto: outside the floor)"
+    )
+    print(
+        f"  analyst's own process {analyst_main_cpu:5.2f}  (receiving, checking, unpacking, "
+        "decoding, solving: outside the floor)"
     )
     print(f"  floor = total ÷ {cores} cores = {floor:.2f} s; {per_owner} ciphertexts per owner")
     print(f"proxy process peak resident memory (VmHWM): {proxy_peak_mib:.1f} MiB")
