@@ -36,8 +36,8 @@ import numpy as np
 
 from fedpca.analyst.estimators import FederatedPCA
 from fedpca.app.cluster import LocalCluster, split_rows
+from fedpca.data import dataset_path
 
-DATASET = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "madelon.csv"
 _STAMP = r"^(?P<stamp>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO "
 ENCRYPTING = re.compile(_STAMP + r"fedpca\.owner\.node: query \S+: encrypting (?P<count>\d+) ")
 ENCRYPTED = re.compile(
@@ -104,9 +104,8 @@ def main() -> None:
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep the working folder here")
     args = parser.parse_args()
-    if not DATASET.exists():
-        raise SystemExit(f"{DATASET} not found: run from a checkout with ../shared/datasets")
-    table = np.loadtxt(DATASET, delimiter=",")
+    # The bundled copy of madelon (label in column 0).
+    table = np.loadtxt(dataset_path("madelon"), delimiter=",")
     if args.rows is not None:
         table = table[: args.rows]
     if args.features is not None:
@@ -153,7 +152,7 @@ def main() -> None:
     first_start = min(o.started for o in owners)
     last_end = max(o.finished for o in owners)
 
-    print(f"dataset: {DATASET.name}, {len(table)} rows × {n_features} features over")
+    print(f"dataset: madelon, {len(table)} rows × {n_features} features over")
     print(f"  {args.owners} owner processes, one proxy process, the analyst here; {cores} cores")
     print(f"key: {args.key_bits}-bit Paillier; transport: gRPC with mutual TLS on loopback")
     for phase, seconds in cluster.timings.items():

@@ -46,9 +46,9 @@ from fedpca.codec import (
     upper_triangle,
 )
 from fedpca.codec.paillier import djn_exponent_bits
+from fedpca.data import dataset_path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO_ROOT.parent / "shared" / "datasets" / "madelon.csv"
+DEFAULT_DATA = dataset_path("madelon")  # the bundled copy (label in column 0)
 
 # Public feature bounds of madelon (documented in the dataset's README).
 FEATURE_MIN, FEATURE_MAX = 0.0, 999.0
@@ -70,8 +70,8 @@ def _bounds() -> PackingBounds:
 def _load_rows(path: Path, features: int) -> NDArray[np.float64]:
     if not path.is_file():
         sys.exit(
-            f"error: dataset not found at {path}; the benchmark expects the shared datasets "
-            "folder next to the repository (../shared/datasets/madelon.csv) or --data PATH"
+            f"error: dataset not found at {path}; pass --data PATH (a CSV with the label in "
+            "column 0)"
         )
     table = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
     if table.shape[1] - 1 < features:
