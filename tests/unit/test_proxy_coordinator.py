@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -277,7 +278,11 @@ def test_spec_json_round_trip_keeps_every_field(test_only_keypair_512: Any) -> N
 
 
 def test_stats_mode_without_noise_equals_the_owners_integer_sums(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     public_key, private_key = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
@@ -290,6 +295,15 @@ def test_stats_mode_without_noise_equals_the_owners_integer_sums(
     assert record.analyst_id == ANALYST and record.signer == TEST_SIGNER
     decrypted = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
     assert decrypted == list(expected)  # exact: no noise, homomorphic sums only
+
+    # A later pass (a late fold callback, a restart) finds the query done and does not
+    # report it done again (its log line, metrics and result timings).
+    caplog.set_level(logging.INFO, logger="fedpca.proxy.coordinator")
+    caplog.clear()
+    meta = coordinator.store.result_meta(Q1)
+    coordinator.advance(Q1)
+    assert not [r for r in caplog.records if " done: " in r.getMessage()]
+    assert coordinator.store.result_meta(Q1) == meta
 
     # And the decoded statistics are the pooled statistics of all rows, to within the
     # owners' quantisation of every coordinate (2^-16 per coordinate and row).

@@ -689,7 +689,9 @@ class Coordinator:
                 page_count(total, size),
             )
             self._notify()
-        if finalized.done:
+        if finalized.done and finalized.new_pages:
+            # This pass made the last pages final (a later pass finds the query DONE
+            # with nothing new, and must not report it done again).
             self._done(query_id, noise)
 
     def _done(self, query_id: str, noise: PageNoise | None) -> None:
