@@ -664,6 +664,11 @@ def test_no_more_owners_than_the_quorum_contribute(
     with pytest.raises(NotContributingError, match="contributors are fixed"):
         accept_upload(coordinator, "owner-1", header, blocks)
     assert [c.owner_id for c in coordinator.store.contributors(Q1)] == ["owner-0"]
+    # The task stays with the contributor, whose upload is still streaming in; the
+    # other owners see it withdrawn.
+    assert coordinator.withdrawn_tasks("owner-0", [Q1]) == []
+    (withdrawn,) = coordinator.withdrawn_tasks("owner-1", [Q1])
+    assert withdrawn.query_id == Q1 and "uploads are closed" in withdrawn.reason
 
 
 # ------------------------------------------------------------ quorum/deadline

@@ -461,7 +461,8 @@ class Coordinator:
 
         A task is withdrawn when its query stopped collecting (quorum reached,
         failed, done) or its deadline passed before this owner answered. Tasks
-        the owner uploaded to or declined need no cancellation.
+        the owner contributes to (its upload complete or not) or declined are never
+        withdrawn.
         """
         now = self.clock()
         cancellations = []
@@ -470,8 +471,10 @@ class Coordinator:
                 record = self.store.query(query_id)
             except NotFoundError:
                 continue
+            # A contributor keeps its task whatever the state: its upload may still be
+            # streaming in (or resume after a restart of either side).
             if owner_id in self.store.declines(query_id) or any(
-                u.owner_id == owner_id for u in self.store.uploads(query_id)
+                c.owner_id == owner_id for c in self.store.contributors(query_id)
             ):
                 continue
             if record.state is QueryState.FAILED:
