@@ -104,39 +104,7 @@ def _aggregate_query_options(function: F) -> F:
             help="The relation (epsilon, delta) are stated for; it must be the deployment's "
             "[the deployment's, asked from the proxy].",
         ),
-        click.option(
-            "--quorum",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Owners that must contribute [every owner the proxy accepts]. A smaller "
-            "quorum lets collection close before the others upload.",
-        ),
-        click.option(
-            "--deadline",
-            type=float,
-            default=300.0,
-            show_default=True,
-            help="Seconds the proxy collects uploads.",
-        ),
-        click.option(
-            "--max-records-per-owner",
-            type=click.IntRange(min=1),
-            default=1 << 20,
-            show_default=True,
-            help="Public bound that sizes packed slots.",
-        ),
-        click.option(
-            "--max-owners",
-            type=click.IntRange(min=1),
-            default=1 << 8,
-            show_default=True,
-            help="Public bound that sizes packed slots.",
-        ),
-        click.option(
-            "--key-dir",
-            type=click.Path(exists=True, path_type=Path),
-            help="Directory of analyst.key.json (or set key_dir in --config).",
-        ),
+        *analyst_cli.COLLECTION_OPTIONS,
         click.option(
             "--workers", type=click.IntRange(min=1), help="Decryption processes [all cores]."
         ),

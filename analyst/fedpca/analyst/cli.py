@@ -231,6 +231,45 @@ def _parse_classes(_: click.Context, __: click.Parameter, value: str | None) -> 
         raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
 
 
+COLLECTION_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option(
+        "--quorum",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Owners that must contribute [every owner the proxy accepts]. A smaller "
+        "quorum lets collection close before the others upload.",
+    ),
+    click.option(
+        "--deadline",
+        type=float,
+        default=300.0,
+        show_default=True,
+        help="Seconds the proxy collects uploads.",
+    ),
+    click.option(
+        "--max-records-per-owner",
+        type=click.IntRange(min=1),
+        default=1 << 20,
+        show_default=True,
+        help="Public bound that sizes packed slots.",
+    ),
+    click.option(
+        "--max-owners",
+        type=click.IntRange(min=1),
+        default=1 << 8,
+        show_default=True,
+        help="Public bound that sizes packed slots.",
+    ),
+    click.option(
+        "--key-dir",
+        type=click.Path(exists=True, path_type=Path),
+        help="Directory of analyst.key.json (or set key_dir in --config).",
+    ),
+]
+"""Options every release command shares: quorum, deadline, the public bounds that size
+the packed slots, and the analyst's key directory."""
+
+
 def _query_options(function: F) -> F:
     options: list[Callable[[Any], Any]] = [
         click.option(
@@ -275,39 +314,7 @@ def _query_options(function: F) -> F:
             help="Public feature bounds: none, LO:HI (every feature) or LO:HI,LO:HI,… (M).",
         ),
         click.option("--clip-norm", type=float, default=1.0, show_default=True),
-        click.option(
-            "--quorum",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Owners that must contribute [every owner the proxy accepts]. A smaller "
-            "quorum lets collection close before the others upload.",
-        ),
-        click.option(
-            "--deadline",
-            type=float,
-            default=300.0,
-            show_default=True,
-            help="Seconds the proxy collects uploads.",
-        ),
-        click.option(
-            "--max-records-per-owner",
-            type=click.IntRange(min=1),
-            default=1 << 20,
-            show_default=True,
-            help="Public bound that sizes packed slots.",
-        ),
-        click.option(
-            "--max-owners",
-            type=click.IntRange(min=1),
-            default=1 << 8,
-            show_default=True,
-            help="Public bound that sizes packed slots.",
-        ),
-        click.option(
-            "--key-dir",
-            type=click.Path(exists=True, path_type=Path),
-            help="Directory of analyst.key.json (or set key_dir in --config).",
-        ),
+        *COLLECTION_OPTIONS,
         click.option(
             "--sample",
             type=click.Path(dir_okay=False, exists=True, path_type=Path),
