@@ -27,7 +27,6 @@ and must not be derived from the private rows. Learned attributes end in ``_``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -43,7 +42,6 @@ from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.estimators import (
     DeclineLog,
     NotFittedError,
-    _differs,
     _ProgressDisplay,
     _refuse_in_bootstrapping_child,
     new_query_id,
@@ -52,6 +50,7 @@ from fedpca.analyst.estimators import (
     warn_if_owners_missing,
 )
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
+from fedpca.analyst.params import SklearnParams
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError
@@ -147,7 +146,7 @@ def _split(
     return [w / total for w in weights]
 
 
-class _Settings:
+class _Settings(SklearnParams):
     """Privacy, sizing and connection parameters shared by every aggregate estimator."""
 
     epsilon: float
@@ -174,34 +173,6 @@ class _Settings:
         """Store the shared constructor arguments (scikit-learn: parameters as given)."""
         for name in _PRIVACY_PARAMETERS:
             setattr(self, name, arguments[name])
-
-    # ----------------------------------------------------- sklearn conventions
-    @classmethod
-    def _param_names(cls) -> list[str]:
-        signature = inspect.signature(cls.__init__)
-        return [name for name in signature.parameters if name != "self"]
-
-    def get_params(self, deep: bool = True) -> dict[str, Any]:
-        """Constructor parameters (scikit-learn convention; ``deep`` is accepted)."""
-        return {name: getattr(self, name) for name in self._param_names()}
-
-    def set_params(self, **params: Any) -> Self:
-        """Set constructor parameters (scikit-learn convention)."""
-        valid = set(self._param_names())
-        for name, value in params.items():
-            if name not in valid:
-                raise ConfigError(f"{type(self).__name__} has no parameter {name!r}")
-            setattr(self, name, value)
-        return self
-
-    def __repr__(self) -> str:
-        signature = inspect.signature(type(self).__init__)
-        changed = [
-            f"{name}={getattr(self, name)!r}"
-            for name, parameter in signature.parameters.items()
-            if name != "self" and _differs(getattr(self, name), parameter.default)
-        ]
-        return f"{type(self).__name__}({', '.join(changed)})"
 
     def _tls_material(self) -> TlsMaterial | None:
         if self.ca is None and self.cert is None and self.key is None:

@@ -27,7 +27,6 @@ schema into it with the query's public bounds and clip norm::
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import multiprocessing
@@ -44,6 +43,7 @@ import numpy.typing as npt
 
 from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
+from fedpca.analyst.params import SklearnParams
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, DataError, FedpcaError, QueryStateError
@@ -358,13 +358,6 @@ def _check_schema(n_features: Any, bounds: BoundsParam) -> int:
     return int(n_features)
 
 
-def _differs(value: Any, default: Any) -> bool:
-    try:
-        return bool(value != default)
-    except ValueError:  # numpy arrays compare elementwise
-        return True
-
-
 class _ProgressDisplay:
     """tqdm bars for the owners' uploads and for decryption (``verbose=True``)."""
 
@@ -415,7 +408,7 @@ class _ProgressDisplay:
 
 
 # ---------------------------------------------------------------------- base
-class _FederatedEstimator:
+class _FederatedEstimator(SklearnParams):
     """Shared parameters, query building and the fit pipeline."""
 
     _kind: QueryKind
@@ -472,34 +465,6 @@ class _FederatedEstimator:
         self.n_jobs = n_jobs
         self.verbose = verbose
         self.on_status = on_status
-
-    # ----------------------------------------------------- sklearn conventions
-    @classmethod
-    def _param_names(cls) -> list[str]:
-        signature = inspect.signature(cls.__init__)
-        return [name for name in signature.parameters if name != "self"]
-
-    def get_params(self, deep: bool = True) -> dict[str, Any]:
-        """Constructor parameters (scikit-learn convention; ``deep`` is accepted)."""
-        return {name: getattr(self, name) for name in self._param_names()}
-
-    def set_params(self, **params: Any) -> Self:
-        """Set constructor parameters (scikit-learn convention)."""
-        valid = set(self._param_names())
-        for name, value in params.items():
-            if name not in valid:
-                raise ConfigError(f"{type(self).__name__} has no parameter {name!r}")
-            setattr(self, name, value)
-        return self
-
-    def __repr__(self) -> str:
-        signature = inspect.signature(type(self).__init__)
-        changed = [
-            f"{name}={getattr(self, name)!r}"
-            for name, parameter in signature.parameters.items()
-            if name != "self" and _differs(getattr(self, name), parameter.default)
-        ]
-        return f"{type(self).__name__}({', '.join(changed)})"
 
     # ------------------------------------------------------------ the query
     def _query_extras(self) -> dict[str, Any]:
