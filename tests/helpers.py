@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, settings
 
 from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.data import dataset_path
+from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import CiphertextPayload, SignedQuery, Task, blocks_of
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.signing import Ed25519PrivateKey, generate_signing_key, sign_query, signer_id
-from fedpca.stats import fixed_point_statistics
 
 TEST_SIGNING_KEY = generate_signing_key()
 """The analyst's query-signing key in tests (owners' test policies pin TEST_SIGNER)."""
@@ -131,7 +131,7 @@ def encrypted_upload(
 ) -> tuple[CiphertextPayload, dict[str, np.ndarray]]:
     """What an owner uploads for ``spec``, and the fixed-point integers it encrypted.
 
-    The rows' exact statistics (:func:`fedpca.stats.fixed_point_statistics`) in every
+    The rows' exact statistics (:func:`fedpca.exact_statistics.fixed_point_statistics`) in every
     owner block of the plan, encrypted under ``public_key``.
     """
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
@@ -151,7 +151,7 @@ def reference_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
     """Plain float64 statistics of already preprocessed rows (the tests' reference).
 
     Owners release exact integer statistics of quantised rows
-    (:func:`fedpca.stats.fixed_point_statistics`); this is what those approximate to
+    (:func:`fedpca.exact_statistics.fixed_point_statistics`); this is what those approximate to
     within the quantisation step.
     """
     from fedpca.stats import SufficientStatistics
@@ -169,9 +169,9 @@ def reference_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
 
 def quantisation_step(frac_bits: int = 32) -> float:
     """The grid owners quantise every coordinate of a (clip-unit) row to
-    (:func:`fedpca.stats.row_bits`): the largest difference between a coordinate and
+    (:func:`fedpca.exact_statistics.row_bits`): the largest difference between a coordinate and
     what the exact statistics are computed from."""
-    from fedpca.stats import row_bits
+    from fedpca.exact_statistics import row_bits
 
     return 2.0 ** -row_bits(frac_bits)
 
@@ -184,7 +184,7 @@ def exact_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
     """The exact statistics owners release for raw ``rows``, decoded to real units (stats
     mode).
 
-    :func:`fedpca.stats.fixed_point_statistics` (quantised rows, exact integers) read
+    :func:`fedpca.exact_statistics.fixed_point_statistics` (quantised rows, exact integers) read
     back with the query's plan: what a noiseless release decodes to, bit for bit.
     """
     plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())

@@ -36,7 +36,8 @@ from fedpca.owner.config import (
     PrivacyConfig,
     TlsConfig,
 )
-from fedpca.owner.node import OwnerNode, RetryPolicy
+from fedpca.owner.node import OwnerNode
+from fedpca.owner.retry import RetryPolicy
 from fedpca.proxy.config import (
     BudgetConfig,
     OwnersConfig,

@@ -45,9 +45,10 @@ import numpy as np
 import numpy.typing as npt
 
 from fedpca.errors import LayoutError
+from fedpca.exact_statistics import row_bits
 from fedpca.preprocess import FeatureBounds, scale_to_unit_box
 from fedpca.query import Aggregate, AggregateKind, Moments, QueryKind, QuerySpec
-from fedpca.stats import Section, row_bits, upper_triangle_length
+from fedpca.stats import Section, upper_triangle_length
 
 __all__ = [
     "AggregateIntegers",

@@ -18,7 +18,7 @@ Two protocol modes (see docs/privacy.md for the proofs):
     One block ``shares``: the concatenated sections of
     :class:`~fedpca.stats.StatisticsSpec` (scatter upper triangle, sum, count; or
     scatter, class sums, class counts for DCA), in 2^-f clip units
-    (:func:`fedpca.stats.fixed_point_statistics`). The proxy adds discrete Gaussian
+    (:func:`fedpca.exact_statistics.fixed_point_statistics`). The proxy adds discrete Gaussian
     noise per section under encryption. Adjacency: the query's (add/remove by
     default, or replace-one); the noise covers every change the relation allows
     (:func:`fedpca.stats.worst_case_change`).
@@ -50,14 +50,9 @@ from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.dp.noise import NoiseSampler, noise_headroom, vector_noise
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
+from fedpca.exact_statistics import FixedPointStatistics
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.stats import (
-    FixedPointStatistics,
-    Section,
-    StatisticsSpec,
-    SufficientStatistics,
-    upper_triangle_length,
-)
+from fedpca.stats import Section, StatisticsSpec, SufficientStatistics, upper_triangle_length
 
 IntArray = npt.NDArray[np.int64]
 
@@ -392,7 +387,7 @@ def masked_scatter_sensitivity(clip_norm: float, n_records: int) -> float:
     ‖y'y'ᵀ − y yᵀ‖_F² = ‖y'‖⁴ + ‖y‖⁴ − 2(yᵀy')² <= 2 (2c)⁴ and ‖d dᵀ‖_F/N <= (2c)²/N,
     so ‖ΔS‖_F <= 4√2 c² + 4c²/N; the upper triangle's L2 norm is at most that.
     The owners' statistics are exact integers of rows quantised with ‖x‖ <= c
-    (:func:`fedpca.stats.fixed_point_statistics`), and the analyst computes S from
+    (:func:`fedpca.exact_statistics.fixed_point_statistics`), and the analyst computes S from
     them exactly, so no rounding slack is needed.
     """
     c2 = clip_norm * clip_norm

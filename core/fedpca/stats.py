@@ -78,7 +78,6 @@ import numpy.typing as npt
 
 from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle
 from fedpca.errors import ConfigError, LayoutError
-from fedpca.preprocess import preprocess_for_query
 from fedpca.query import Aggregate, Neighbouring, QueryKind, QuerySpec
 
 __all__ = [
@@ -87,13 +86,10 @@ __all__ = [
     "COUNT",
     "SCATTER",
     "SUM",
-    "FixedPointStatistics",
     "Section",
     "StatisticsSpec",
     "SufficientStatistics",
-    "fixed_point_statistics",
-    "quantize_unit_rows",
-    "row_bits",
+    "refuse_aggregate",
     "sum_statistics",
     "upper_triangle_length",
     "worst_case_change",
@@ -359,7 +355,7 @@ class StatisticsSpec:
         )
 
 
-def _refuse_aggregate(spec: StatisticsSpec) -> None:
+def refuse_aggregate(spec: StatisticsSpec) -> None:
     if spec.kind is QueryKind.AGGREGATE:
         raise LayoutError(
             "aggregate queries have their own statistics (fedpca.aggregates), not R, v, N"
@@ -443,7 +439,7 @@ class SufficientStatistics:
     @classmethod
     def zeros(cls, spec: StatisticsSpec) -> Self:
         """Statistics of the empty set of records, shaped for ``spec``."""
-        _refuse_aggregate(spec)
+        refuse_aggregate(spec)
         m = spec.n_features
         if spec.kind is QueryKind.PCA:
             return cls(np.zeros((m, m)), np.zeros(m), 0.0)
@@ -460,7 +456,7 @@ class SufficientStatistics:
         return 0 if self.class_sums is None else int(self.class_sums.shape[0])
 
     def _check_matches(self, spec: StatisticsSpec) -> None:
-        _refuse_aggregate(spec)
+        refuse_aggregate(spec)
         if self.n_features != spec.n_features:
             raise LayoutError(
                 f"statistics have {self.n_features} features, the spec has {spec.n_features}"
@@ -497,7 +493,7 @@ class SufficientStatistics:
         spec : the spec the vector was laid out with.
         vector : (spec.value_count,) values, e.g. the decrypted noisy sums.
         """
-        _refuse_aggregate(spec)
+        refuse_aggregate(spec)
         values = np.asarray(vector, dtype=np.float64)
         if values.shape != (spec.value_count,):
             raise LayoutError(
@@ -636,164 +632,6 @@ def _aggregate_worst_case(
     if neighbouring is Neighbouring.REPLACE_ONE:
         return swap_case
     return max(add_case, swap_case)
-
-
-ROW_BITS_MAX = 20
-"""Largest number of fractional bits of a quantised row coordinate (see row_bits)."""
-
-
-def row_bits(frac_bits: int) -> int:
-    """Fractional bits g of each coordinate of a quantised row: min(f // 2, 20).
-
-    Products of two coordinates then sit on the 2^(2g) grid, at most f, and a block
-    of up to 2^(53 − 2g) >= 8192 rows sums them exactly in float64 (every partial sum
-    is an integer below 2^53).
-    """
-    return min(frac_bits // 2, ROW_BITS_MAX)
-
-
-def quantize_unit_rows(unit_rows: FloatArray, bits: int) -> npt.NDArray[np.int64]:
-    """Rows with ‖u‖₂ <= 1 (up to float rounding) as integers q with ‖q‖₂ <= 2^bits exactly.
-
-    Each coordinate is truncated toward zero (|q_i| <= |u_i| 2^bits), which keeps the
-    norm; a row that float rounding left a hair above 1 has its largest |q_i| lowered
-    by 1 until Σ q_i² <= 4^bits holds in exact integer arithmetic.
-    """
-    q = np.trunc(np.ldexp(unit_rows, bits)).astype(np.int64)
-    limit = 1 << (2 * bits)
-    squared = np.einsum("ij,ij->i", q, q)
-    for r in np.flatnonzero(squared > limit):
-        row = q[r]
-        while int(np.dot(row, row)) > limit:
-            j = int(np.argmax(np.abs(row)))
-            row[j] -= np.sign(row[j])
-    return q
-
-
-@dataclass(frozen=True, eq=False)
-class FixedPointStatistics:
-    """Exact integer sufficient statistics in 2^-f clip units (what an owner releases).
-
-    Attributes
-    ----------
-    frac_bits : f.
-    scatter : (M, M) int64, Σ q qᵀ shifted onto the 2^f grid (symmetric).
-    sums : (M,) int64.
-    count : number of records (not scaled).
-    class_sums : (C, M) int64 or None (DCA).
-    class_counts : (C,) int64 or None (DCA, not scaled).
-    """
-
-    frac_bits: int
-    scatter: npt.NDArray[np.int64]
-    sums: npt.NDArray[np.int64]
-    count: int
-    class_sums: npt.NDArray[np.int64] | None = None
-    class_counts: npt.NDArray[np.int64] | None = None
-
-    def to_vector(self, spec: StatisticsSpec) -> npt.NDArray[np.int64]:
-        """The released integer vector, sections in ``spec.sections`` order (2^-f clip units)."""
-        _refuse_aggregate(spec)
-        f = self.frac_bits
-        parts = [np.asarray(upper_triangle(self.scatter), dtype=np.int64)]
-        if spec.kind is QueryKind.PCA:
-            parts += [self.sums, np.array([self.count << f], dtype=np.int64)]
-        else:
-            if self.class_sums is None or self.class_counts is None:
-                raise LayoutError("DCA statistics need class sums and class counts")
-            parts += [self.class_sums.reshape(-1), self.class_counts.astype(np.int64) << f]
-        return np.concatenate(parts).astype(np.int64)
-
-
-def fixed_point_statistics(
-    features: npt.ArrayLike,
-    labels: npt.ArrayLike | None,
-    query: QuerySpec,
-    *,
-    pad_to: int = 0,
-) -> FixedPointStatistics:
-    """Exact fixed-point statistics of raw records under a query (what an owner releases).
-
-    Each record is scaled with the query's public bounds and clipped to norm c
-    (:func:`fedpca.preprocess.preprocess_for_query`), divided by c, and quantised to
-    ``row_bits(f)`` fractional bits with ‖q‖ <= 1 *exactly*
-    (:func:`quantize_unit_rows`). The statistics of the quantised rows are then exact
-    integers: no rounding happens after quantisation, so one record changes each
-    section by at most 1 clip unit (2^f integer units) — the sensitivity the noise
-    is calibrated with, without any rounding slack.
-
-    Parameters
-    ----------
-    features : (N, M) raw records.
-    labels : (N,) labels for DCA, each one of ``query.class_labels``; None for PCA.
-    query : the public query (bounds, clip norm, kind, class labels, frac_bits).
-    pad_to : process at least this many rows, the extra ones all-zero and left out of
-        every statistic: the work done (and the time taken) depends on
-        max(N, pad_to) only, not on N.
-
-    Returns
-    -------
-    FixedPointStatistics
-    """
-    spec = StatisticsSpec.from_query(query)
-    _refuse_aggregate(spec)
-    x = np.asarray(features, dtype=np.float64)
-    if x.ndim != 2 or x.shape[1] != spec.n_features:
-        raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")
-    n, m = x.shape
-    f = query.frac_bits
-    g = row_bits(f)
-    # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and a few MiB.
-    block = max(1, min(4096, 1 << (53 - 2 * g), max(64, (1 << 22) // m)))
-    total = max(n, pad_to)
-    gram = np.zeros((m, m), dtype=np.int64)
-    sums = np.zeros(m, dtype=np.int64)
-    class_index: npt.NDArray[np.int64] | None = None
-    class_sums: npt.NDArray[np.int64] | None = None
-    class_counts: npt.NDArray[np.int64] | None = None
-    if spec.kind is QueryKind.DCA:
-        if labels is None:
-            raise LayoutError("a DCA query needs a label for every record")
-        y = np.asarray(labels, dtype=np.float64).reshape(-1)
-        if y.shape != (n,):
-            raise LayoutError(f"{n} records but {y.shape[0]} labels")
-        lookup = {label: c for c, label in enumerate(spec.class_labels)}
-        try:
-            class_index = np.array([lookup[float(v)] for v in y], dtype=np.int64)
-        except KeyError:
-            raise LayoutError("every label must be one of the query's class labels") from None
-        class_sums = np.zeros((spec.n_classes, m), dtype=np.int64)
-        class_counts = np.zeros(spec.n_classes, dtype=np.int64)
-    buffer = np.zeros((block, m), dtype=np.float64)
-    inverse_clip = 1.0 / query.clip_norm
-    for start in range(0, total, block):
-        size = min(block, total - start)
-        real = max(0, min(size, n - start))
-        buffer[:real] = x[start : start + real]
-        buffer[real:] = 0.0
-        # The same work for real and padding rows; padding is zeroed after scaling.
-        unit = preprocess_for_query(buffer[:size], query) * inverse_clip
-        q = quantize_unit_rows(unit, g)
-        q[real:] = 0
-        qf = q.astype(np.float64)
-        gram += (qf.T @ qf).astype(np.int64)
-        sums += q.sum(axis=0)
-        if class_index is not None and class_sums is not None and class_counts is not None:
-            onehot = np.zeros((size, spec.n_classes), dtype=np.float64)
-            onehot[np.arange(real), class_index[start : start + real]] = 1.0
-            class_sums += (onehot.T @ qf).astype(np.int64)
-            class_counts += onehot.sum(axis=0).astype(np.int64)
-    scatter = gram << (f - 2 * g)
-    if class_sums is not None:
-        class_sums = class_sums << (f - g)
-    return FixedPointStatistics(
-        frac_bits=f,
-        scatter=scatter,
-        sums=sums << (f - g),
-        count=n,
-        class_sums=class_sums,
-        class_counts=class_counts,
-    )
 
 
 def sum_statistics(parts: Iterable[SufficientStatistics]) -> SufficientStatistics:

@@ -39,12 +39,12 @@ from fedpca.analyst import (
 )
 from fedpca.analyst.aggregate_report import aggregate_document, write_aggregate_result
 from fedpca.analyst.cli import analyst_group
-from fedpca.analyst.estimators import MissingOwnersWarning
 from fedpca.analyst.keys import (
     AnalystKeyFiles,
     create_analyst_keys,
     load_analyst_private_key,
 )
+from fedpca.analyst.querying import MissingOwnersWarning
 from fedpca.codec import CryptoPool
 from fedpca.dp.calibration import zcdp_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyParams

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import fedpca.analyst.estimators as estimators_module
+import fedpca.analyst.federated_estimator as estimators_module
 import fedpca.analyst.keys as keys_module
 from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group
 from fedpca.analyst.client import (
@@ -51,6 +51,7 @@ from fedpca.errors import (
     NotFoundError,
     QueryStateError,
 )
+from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import (
     BudgetStatus,
     CancelReceipt,
@@ -64,7 +65,6 @@ from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import signer_id, verify_query
-from fedpca.stats import fixed_point_statistics
 from fedpca.transport import serde
 from fedpca.transport.channels import add_insecure_port, create_server
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc

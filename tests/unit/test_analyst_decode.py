@@ -42,6 +42,7 @@ from fedpca.errors import (
     ProtocolError,
     UntrustedKeyError,
 )
+from fedpca.exact_statistics import FixedPointStatistics, fixed_point_statistics
 from fedpca.messages import (
     CiphertextPayload,
     QueryResult,
@@ -56,7 +57,7 @@ from fedpca.protocol import (
     row_aligned_positions,
 )
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.stats import FixedPointStatistics, SufficientStatistics, fixed_point_statistics
+from fedpca.stats import SufficientStatistics
 from fedpca.tables import load_table
 from helpers import query_builder
 

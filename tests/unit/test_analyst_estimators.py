@@ -13,19 +13,17 @@ import numpy as np
 import pytest
 
 import fedpca.analyst.client as client_module
-import fedpca.analyst.estimators as estimators_module
+import fedpca.analyst.federated_estimator as estimators_module
 from fedpca.analyst.client import ResultStream
 from fedpca.analyst.decode import DecodedRelease, result_from_packed
-from fedpca.analyst.estimators import (
-    FederatedDCA,
-    FederatedPCA,
-    MissingOwnersWarning,
-    NotFittedError,
-)
+from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
+from fedpca.analyst.params import NotFittedError
+from fedpca.analyst.querying import MissingOwnersWarning
 from fedpca.analyst.report import write_plots, write_report, write_result
 from fedpca.analyst.solvers import pca_from_statistics
 from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.errors import ConfigError, DataError, QueryStateError
+from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import (
     CancelReceipt,
     DeploymentInfo,
@@ -36,7 +34,7 @@ from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import Calibration, Neighbouring, QueryKind, QuerySpec
 from fedpca.signing import signer_id
-from fedpca.stats import SufficientStatistics, fixed_point_statistics
+from fedpca.stats import SufficientStatistics
 from fedpca.transport import serde
 from helpers import TEST_SIGNER, TEST_SIGNING_KEY, exact_statistics, reference_statistics
 

@@ -51,7 +51,8 @@ from fedpca.owner.config import (
     TlsConfig,
 )
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
-from fedpca.owner.node import OwnerNode, RetryPolicy
+from fedpca.owner.node import OwnerNode
+from fedpca.owner.retry import RetryPolicy
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig

@@ -15,6 +15,7 @@ import pytest
 
 from fedpca.codec import CryptoPool
 from fedpca.data import dataset_path
+from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner import compute
 from fedpca.owner.compute import (
     LocalTable,
@@ -28,7 +29,6 @@ from fedpca.owner.config import DataConfig
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, spec_digest
-from fedpca.stats import fixed_point_statistics
 from fedpca.tables import OwnerTable
 from helpers import query_builder, reference_statistics
 

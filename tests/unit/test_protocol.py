@@ -13,6 +13,7 @@ from fedpca.codec import slot_value_bound
 from fedpca.dp.calibration import zcdp_epsilon, zcdp_noise_multiplier
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import ConfigError, EncodingOverflowError
+from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -26,7 +27,7 @@ from fedpca.protocol import (
     row_aligned_positions,
 )
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.stats import StatisticsSpec, fixed_point_statistics, worst_case_change
+from fedpca.stats import StatisticsSpec, worst_case_change
 
 MASKED = {"mode": ProtocolMode.MASKED, "neighbouring": Neighbouring.REPLACE_ONE}
 

@@ -38,6 +38,7 @@ from fedpca.errors import (
     ProtocolError,
     QueryStateError,
 )
+from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     DecodedChunk,
@@ -64,7 +65,7 @@ from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_records import NotContributingError, UploadCompletion
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, verify_query
-from fedpca.stats import fixed_point_statistics, sum_statistics
+from fedpca.stats import sum_statistics
 from helpers import (
     QUANTISATION_STEP,
     TEST_SIGNER,

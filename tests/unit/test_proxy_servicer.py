@@ -68,10 +68,7 @@ from fedpca.proxy.config import (
 )
 from fedpca.proxy.coordinator import task_id
 from fedpca.proxy.server import ProxyServer
-from fedpca.proxy.servicer import (
-    INSECURE_IDENTITY_METADATA,
-    status_code_for,
-)
+from fedpca.proxy.servicer_support import status_code_for
 from fedpca.query import Neighbouring, ProtocolMode, QuerySpec
 from fedpca.signing import verify_query
 from fedpca.transport import channels, serde
@@ -83,6 +80,7 @@ from fedpca.transport.certs import (
     init_certificates,
     load_certificate,
 )
+from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import (

@@ -18,14 +18,9 @@ from scipy.optimize import minimize
 
 from fedpca.codec.matrix import upper_triangle
 from fedpca.errors import LayoutError
+from fedpca.exact_statistics import fixed_point_statistics, quantize_unit_rows, row_bits
 from fedpca.query import Neighbouring, QueryKind, QuerySpec
-from fedpca.stats import (
-    StatisticsSpec,
-    fixed_point_statistics,
-    quantize_unit_rows,
-    row_bits,
-    worst_case_change,
-)
+from fedpca.stats import StatisticsSpec, worst_case_change
 
 
 def query(**overrides: object) -> QuerySpec:

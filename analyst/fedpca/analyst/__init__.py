@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from .aggregate_estimators import FederatedQuery
     from .client import AnalystClient, FetchedResult
     from .decode import DecodedRelease, decrypt_result, result_from_packed
-    from .estimators import FederatedDCA, FederatedPCA, MissingOwnersWarning, run_query
+    from .estimators import FederatedDCA, FederatedPCA
     from .keys import create_analyst_keys, load_analyst_private_key, load_analyst_public_key
+    from .querying import MissingOwnersWarning, run_query
     from .regression import FederatedLinearRegression
     from .report import write_report
     from .statistics import FederatedHistogram, FederatedStatistics
@@ -31,12 +32,8 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "fedpca.analyst.client": ("AnalystClient", "FetchedResult"),
     "fedpca.analyst.decode": ("DecodedRelease", "decrypt_result", "result_from_packed"),
-    "fedpca.analyst.estimators": (
-        "FederatedDCA",
-        "FederatedPCA",
-        "MissingOwnersWarning",
-        "run_query",
-    ),
+    "fedpca.analyst.estimators": ("FederatedDCA", "FederatedPCA"),
+    "fedpca.analyst.querying": ("MissingOwnersWarning", "run_query"),
     "fedpca.analyst.aggregate_estimators": ("FederatedQuery",),
     "fedpca.analyst.statistics": ("FederatedHistogram", "FederatedStatistics"),
     "fedpca.analyst.regression": ("FederatedLinearRegression",),

@@ -123,7 +123,7 @@ def _aggregate_query_options(function: F) -> F:
 def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:
     """Connect, fit and write result.json; return the fitted estimator."""
     from fedpca.analyst.aggregate_report import write_aggregate_result
-    from fedpca.analyst.estimators import MissingOwnersWarning
+    from fedpca.analyst.querying import MissingOwnersWarning
 
     epsilon: float = params["epsilon"]
     delta: float | None = params["delta"]

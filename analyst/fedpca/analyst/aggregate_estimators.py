@@ -39,23 +39,21 @@ import numpy.typing as npt
 
 from fedpca.aggregates import part_sections
 from fedpca.analyst.decode import DecodedRelease
-from fedpca.analyst.estimators import (
+from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
+from fedpca.analyst.params import NotFittedError, SklearnParams
+from fedpca.analyst.querying import (
     DeclineLog,
-    NotFittedError,
-    _ProgressDisplay,
-    _refuse_in_bootstrapping_child,
+    ProgressDisplay,
     new_query_id,
+    refuse_in_bootstrapping_child,
     resolve_quorum,
     run_query,
     warn_if_owners_missing,
 )
-from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
-from fedpca.analyst.params import SklearnParams
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError
 from fedpca.messages import DeploymentInfo
-from fedpca.preprocess import FeatureBounds
 from fedpca.query import (
     Aggregate,
     Calibration,
@@ -65,12 +63,11 @@ from fedpca.query import (
 )
 from fedpca.transport.certs import TlsFiles, TlsMaterial
 
-__all__ = ["COMMON_PARAMETERS_DOC", "FederatedQuery", "aggregate_query", "column_bounds"]
+__all__ = ["COMMON_PARAMETERS_DOC", "FederatedQuery", "aggregate_query"]
 
 logger = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
-BoundsParam = str | Sequence[Any]
 
 _PRIVACY_PARAMETERS = (
     "epsilon",
@@ -93,34 +90,6 @@ _PRIVACY_PARAMETERS = (
     "verbose",
     "on_status",
 )
-
-
-def column_bounds(bounds: BoundsParam, n: int, what: str) -> tuple[tuple[float, ...], ...]:
-    """(lower, upper) of ``n`` columns from "LO:HI[,…]", a (lo, hi) pair or pairs."""
-    if isinstance(bounds, str):
-        parsed = FeatureBounds.parse(bounds, n)
-        return parsed.lower, parsed.upper
-    try:
-        items = list(bounds)
-    except TypeError:
-        raise ConfigError(
-            f"{what} must be 'LO:HI', a (lo, hi) pair or one pair per column"
-        ) from None
-    if len(items) == 2 and all(np.ndim(v) == 0 for v in items):
-        lo, hi = float(items[0]), float(items[1])
-        return (lo,) * n, (hi,) * n
-    if len(items) != n or not all(np.ndim(v) == 1 and len(v) == 2 for v in items):
-        raise ConfigError(f"{what}: need one (lo, hi) pair per column ({n}), got {bounds!r}")
-    return tuple(float(p[0]) for p in items), tuple(float(p[1]) for p in items)
-
-
-def column_indices(columns: int | Sequence[int], what: str) -> tuple[int, ...]:
-    if isinstance(columns, int | np.integer):
-        return (int(columns),)
-    try:
-        return tuple(int(c) for c in columns)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be a column index or a sequence of them") from None
 
 
 def _split(
@@ -193,7 +162,7 @@ class _Settings(SklearnParams):
         """
         from fedpca.analyst.client import AnalystClient
 
-        _refuse_in_bootstrapping_child()
+        refuse_in_bootstrapping_child()
         if self.proxy is None:
             raise ConfigError("set proxy='host:port' to fit against a proxy")
         if self.private_key_path is None:
@@ -202,7 +171,7 @@ class _Settings(SklearnParams):
             )
         private_key = load_analyst_private_key(self.private_key_path)
         signing_key = load_analyst_signing_key(self.private_key_path)
-        display = _ProgressDisplay() if self.verbose else None
+        display = ProgressDisplay() if self.verbose else None
         declines = DeclineLog()
 
         def on_status(status: Any) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from fedpca.analyst.aggregate_estimators import AggregateEstimator, FederatedQuery
 from fedpca.analyst.decode import DecodedRelease
-from fedpca.analyst.estimators import warn_if_owners_missing
+from fedpca.analyst.querying import warn_if_owners_missing
 from fedpca.analyst.regression import FederatedLinearRegression
 from fedpca.analyst.report import REPORT_FORMAT, REPORT_VERSION, _strict, owners_summary
 from fedpca.analyst.statistics import FederatedHistogram, FederatedStatistics

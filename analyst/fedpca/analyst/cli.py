@@ -354,7 +354,7 @@ def _run(
     sample_label_column: int | None,
 ) -> None:
     """Shared body of ``pca`` and ``dca``: fit, report, summarise."""
-    from fedpca.analyst.estimators import MissingOwnersWarning
+    from fedpca.analyst.querying import MissingOwnersWarning
     from fedpca.analyst.report import write_report
     from fedpca.tables import load_table
 
@@ -452,7 +452,7 @@ def _submission_announcer() -> Callable[[Any], None]:
 def _print_owners(estimator: Any) -> None:
     """The summary's owners line: k of n registered (quorum q), and a red warning when
     fewer than the registered owners contributed."""
-    from fedpca.analyst.estimators import missing_owners_message
+    from fedpca.analyst.querying import missing_owners_message
 
     registered = estimator.n_owners_registered_
     if registered is None:

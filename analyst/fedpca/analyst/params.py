@@ -11,9 +11,13 @@ from __future__ import annotations
 import inspect
 from typing import Any, Self
 
-from fedpca.errors import ConfigError
+from fedpca.errors import ConfigError, FedpcaError
 
-__all__ = ["SklearnParams"]
+__all__ = ["NotFittedError", "SklearnParams"]
+
+
+class NotFittedError(FedpcaError, ValueError, AttributeError):
+    """An estimator was used before ``fit`` (same bases as scikit-learn's)."""
 
 
 class SklearnParams:

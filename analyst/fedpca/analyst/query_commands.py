@@ -50,7 +50,7 @@ def _write_aggregates(release: Any, registered: int, timings: dict[str, float], 
 
     from fedpca.analyst.aggregate_report import fitted_from_release, write_aggregate_result
     from fedpca.analyst.cli import _print_owners
-    from fedpca.analyst.estimators import MissingOwnersWarning
+    from fedpca.analyst.querying import MissingOwnersWarning
 
     with warnings.catch_warnings():
         # _print_owners prints the warning in red; Python's copy would repeat it.

@@ -18,12 +18,10 @@ import numpy.typing as npt
 from fedpca.analyst.aggregate_estimators import (
     COMMON_PARAMETERS_DOC,
     AggregateEstimator,
-    BoundsParam,
-    column_bounds,
-    column_indices,
 )
 from fedpca.analyst.aggregates import solve_regression
 from fedpca.analyst.decode import DecodedRelease
+from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
 from fedpca.errors import ConfigError, DataError
 from fedpca.query import Aggregate, Calibration
 
@@ -55,7 +53,7 @@ class FederatedLinearRegression(AggregateEstimator):
         self,
         columns: int | Sequence[int] = (0,),
         *,
-        bounds: BoundsParam = (0.0, 1.0),
+        bounds: ColumnBoundsParam = (0.0, 1.0),
         target: int = 1,
         target_bounds: Sequence[float] = (0.0, 1.0),
         fit_intercept: bool = True,

@@ -19,12 +19,10 @@ import numpy.typing as npt
 from fedpca.analyst.aggregate_estimators import (
     COMMON_PARAMETERS_DOC,
     AggregateEstimator,
-    BoundsParam,
-    column_bounds,
-    column_indices,
 )
 from fedpca.analyst.aggregates import describe, histogram_counts
 from fedpca.analyst.decode import DecodedRelease
+from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
 from fedpca.query import Aggregate, Calibration, Moments
 
 __all__ = ["FederatedHistogram", "FederatedStatistics"]
@@ -55,7 +53,7 @@ class FederatedStatistics(AggregateEstimator):
         self,
         columns: int | Sequence[int] = (0,),
         *,
-        bounds: BoundsParam = (0.0, 1.0),
+        bounds: ColumnBoundsParam = (0.0, 1.0),
         moments: str = Moments.COVARIANCE.value,
         budget_split: Mapping[str, float] | Sequence[float] | None = None,
         ddof: int = 0,

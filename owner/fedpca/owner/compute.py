@@ -16,7 +16,7 @@ refuse: whatever the rows hold, the owner uploads a share of the agreed shape.
    that many. The sensitivity the noise is calibrated with covers both (a record left
    out, or one record displacing another of its class:
    :func:`fedpca.stats.worst_case_change`);
-3. :func:`fedpca.stats.fixed_point_statistics` (aggregates:
+3. :func:`fedpca.exact_statistics.fixed_point_statistics` (aggregates:
    :func:`fedpca.aggregates.fixed_point_aggregates`): scale with the query's public bounds
    (values outside are clipped to them), clip rows to the query's norm, quantise,
    and sum exactly on the fixed-point grid, always over the public number of rows the
@@ -45,10 +45,10 @@ from fedpca.codec.ciphertext import PackedCiphertexts
 from fedpca.codec.packing import pack_slots
 from fedpca.codec.paillier import DEFAULT_OBFUSCATION, CryptoPool, Obfuscation
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError, PolicyError
+from fedpca.exact_statistics import FixedPointStatistics, fixed_point_statistics
 from fedpca.owner.config import DataConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
-from fedpca.stats import FixedPointStatistics, fixed_point_statistics
 from fedpca.tables import OwnerTable, load_table
 
 __all__ = [

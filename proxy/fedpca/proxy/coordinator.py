@@ -33,64 +33,42 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
-from fedpca.codec import MIN_KEY_BITS, CryptoPool, SerialisedCiphertextGroup
 from fedpca.dp.mechanisms import PrivacyEvent
-from fedpca.dp.noise import NoiseSampler
 from fedpca.errors import (
-    AuthenticationError,
     ConfigError,
     FedpcaError,
     NotFoundError,
     QueryStateError,
 )
 from fedpca.messages import (
-    MAX_DECLINE_DETAIL,
-    BudgetStatus,
-    CancelReceipt,
-    OwnerDecline,
-    QueryResult,
     QueryState,
-    QueryStatus,
-    ResultHeader,
     SignedQuery,
-    Task,
-    TaskCancellation,
     UploadHeader,
 )
-from fedpca.protocol import ReleasePlan
-from fedpca.proxy.config import ProxyConfig
+from fedpca.proxy.analyst_requests import CANCELLED_REASON, AnalystRequests
+from fedpca.proxy.coordinator_core import task_id, total_ciphertexts
 from fedpca.proxy.masking import masked_result
-from fedpca.proxy.prepared_noise import PageNoise, PreparedNoise
+from fedpca.proxy.owner_tasks import OwnerTasks
+from fedpca.proxy.prepared_noise import PageNoise
 from fedpca.proxy.queries import (
-    QueryContext,
-    result_blocks,
-    spec_from_dict,
     spec_to_dict,
     validate_query,
 )
-from fedpca.proxy.results import aggregate_blocks, result_header, result_meta, whole_result
-from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.results import aggregate_blocks, result_meta
 from fedpca.proxy.store_records import Contributor, QueryRecord, page_count
 from fedpca.proxy.uploads import UploadStream, check_upload_header
-from fedpca.query import ProtocolMode, QuerySpec
+from fedpca.query import ProtocolMode
 from fedpca.signing import verify_query
 
 __all__ = ["CANCELLED_REASON", "Coordinator", "task_id"]
 
 logger = logging.getLogger(__name__)
-
-CANCELLED_REASON = "cancelled by the analyst"
-"""The failure reason of a query its analyst cancelled."""
 
 DEFAULT_TIMER_INTERVAL = 0.5
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
@@ -99,174 +77,13 @@ _BUDGET_CHECK_ATTEMPTS = 5
 """Times a submission recomposes its analyst's ledger if another one changed it meanwhile."""
 
 
-def _total_ciphertexts(context: QueryContext) -> int:
-    return sum(block.layout.n_ciphertexts for block in context.plan.owner_blocks)
-
-
-def task_id(analyst_id: str, query_id: str) -> str:
-    """The proxy's key of analyst ``analyst_id``'s query ``query_id`` (what owners see).
-
-    Neither part may contain "/" (node ids and query ids have safe alphabets).
-    """
-    return f"{analyst_id}/{query_id}"
-
-
-@dataclass(frozen=True)
-class _OpenQuery:
-    task: Task
-    deadline_at: float
-    answered: frozenset[str]
-    """Owners that uploaded to or declined the query."""
-
-
 class _LedgerChanged(Exception):
     """Another submission changed the analyst's ledger during a budget check."""
 
 
-def _one_line(text: str) -> str:
-    """A peer-supplied text as one bounded log/status line (no forged line breaks)."""
-    cleaned = " ".join(text.split())
-    if len(cleaned) > MAX_DECLINE_DETAIL:
-        cleaned = cleaned[: MAX_DECLINE_DETAIL - 3] + "..."
-    return cleaned
-
-
-class Coordinator:
-    """Runs every query's lifecycle on top of the durable store.
-
-    Parameters
-    ----------
-    store : the proxy's SQLite store.
-    config : the proxy configuration (budgets, test-key switch).
-    pool : a started or lazily starting crypto pool (noise encryption, mask).
-    noise_sampler : integer Gaussian sampler; default the production discrete
-        Gaussian (OpenDP). Tests inject a seeded one.
-    clock : wall-clock seconds (injected by tests of deadlines).
-    allow_insecure_test_keys : TEST ONLY: accept analyst keys below 2048 bits
-        (also enabled by ``[crypto] allow_insecure_test_keys`` in the config).
-    background : finish queries on a background thread (the server) or in the
-        calling thread (tests, recovery tools).
-    precompute_noise : draw and encrypt stats-mode noise on a background thread
-        from submission on (:mod:`fedpca.proxy.prepared_noise`); default: ``background``.
-    """
-
-    def __init__(
-        self,
-        store: ProxyStore,
-        config: ProxyConfig,
-        pool: CryptoPool,
-        noise_sampler: NoiseSampler | None = None,
-        clock: Callable[[], float] = time.time,
-        *,
-        allow_insecure_test_keys: bool = False,
-        background: bool = True,
-        precompute_noise: bool | None = None,
-    ) -> None:
-        self.store = store
-        self.config = config
-        self.pool = pool
-        self.noise_sampler = noise_sampler
-        self.clock = clock
-        self.allow_insecure_test_keys = (
-            allow_insecure_test_keys or config.crypto.allow_insecure_test_keys
-        )
-        if self.allow_insecure_test_keys:
-            logger.warning(
-                "TEST ONLY: analyst keys shorter than %d bits are accepted", MIN_KEY_BITS
-            )
-        self._contexts: dict[str, QueryContext] = {}
-        self._lock = threading.Lock()
-        self._finishing: set[str] = set()
-        self._fold_cpu_seconds: dict[str, float] = {}
-        self._last_chunk_at: dict[str, float] = {}
-        self._open_streams: Counter[tuple[str, str]] = Counter()
-        self._finalizing: set[str] = set()
-        self._dirty: set[str] = set()
-        self._pages_final: dict[str, int] = {}
-        self._changed = threading.Condition()
-        self._version = 0
-        self._listeners: list[Callable[[], None]] = []
-        self._snapshot: tuple[int, list[_OpenQuery]] | None = None
-        self._stopping = threading.Event()
-        self._executor = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise")
-            if background
-            else None
-        )
-        self._noise = PreparedNoise(
-            noise_sampler,
-            enabled=background if precompute_noise is None else precompute_noise,
-        )
-        self.observer: Any = None
-        """Told each upload's fold seconds and each query's noise seconds
-        (``chunk_folded`` / ``noise_added``; :class:`fedpca.proxy.metrics.ProxyMetrics`)."""
-
-    # ------------------------------------------------------------ change feed
-    @property
-    def version(self) -> int:
-        """Increases on every query change; pair with :meth:`wait_for_change`."""
-        with self._changed:
-            return self._version
-
-    def wait_for_change(self, seen: int, timeout: float) -> int:
-        """Block until the version differs from ``seen``, ``timeout`` passes or shutdown."""
-        with self._changed:
-            self._changed.wait_for(
-                lambda: self._version != seen or self._stopping.is_set(), timeout
-            )
-            return self._version
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` (from whichever thread) after every query change."""
-        with self._changed:
-            self._listeners.append(listener)
-
-    def _notify(self) -> None:
-        with self._changed:
-            self._version += 1
-            self._changed.notify_all()
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener()
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Wake every waiting stream and stop the background finisher.
-
-        A query whose noise step is cut short stays NOISING and is finished by
-        :meth:`recover` on the next start.
-        """
-        self._stopping.set()
-        self._notify()
-        if self._executor is not None:
-            self._executor.shutdown(wait=wait, cancel_futures=True)
-        self._noise.shutdown(wait=wait)
-
-    # ------------------------------------------------------------------ owners
-    @property
-    def registered_owners(self) -> frozenset[str]:
-        """The owners this proxy accepts (its allow-list)."""
-        return self.config.owners.allowed
-
-    def require_owner(self, owner_id: str) -> None:
-        """Refuse an owner that is not on the allow-list.
-
-        Raises
-        ------
-        AuthenticationError
-        """
-        if owner_id not in self.config.owners.allowed:
-            raise AuthenticationError(
-                f"owner {owner_id!r} is not in this proxy's [owners] allowed list"
-            )
-
-    def enroll(self, owner_id: str, info: Mapping[str, Any] | None = None) -> None:
-        """Record that an allowed owner said hello (or is alive on its task stream)."""
-        self.require_owner(owner_id)
-        self.store.touch_owner(owner_id, info)
+class Coordinator(OwnerTasks, AnalystRequests):
+    """Runs every query's lifecycle on top of the durable store (constructor parameters:
+    :class:`~fedpca.proxy.coordinator_core.CoordinatorCore`)."""
 
     # ------------------------------------------------------------------ submit
     def submit(self, analyst_id: str, signed: SignedQuery) -> QueryRecord:
@@ -396,134 +213,6 @@ class Coordinator:
             neighbouring=self.config.privacy.neighbouring,
         )
 
-    def _context(self, query_id: str) -> QueryContext:
-        with self._lock:
-            context = self._contexts.get(query_id)
-        if context is not None:
-            return context
-        record = self.store.query(query_id)  # NotFoundError for unknown ids
-        context = QueryContext.of(spec_from_dict(record.spec))
-        with self._lock:
-            return self._contexts.setdefault(query_id, context)
-
-    def plan(self, query_id: str) -> ReleasePlan:
-        """The release plan of a stored query."""
-        return self._context(query_id).plan
-
-    # ------------------------------------------------------------------- tasks
-    def tasks_for(self, owner_id: str) -> list[QuerySpec]:
-        """COLLECTING queries this owner has neither uploaded to nor declined."""
-        return [task.query for task in self.pending_tasks(owner_id)]
-
-    def _open_queries(self) -> list[_OpenQuery]:
-        """The COLLECTING queries with who answered them, read once per change.
-
-        Every owner's task stream asks after every change; one read of the store per
-        change serves them all (a thousand streams would otherwise read it a thousand
-        times).
-        """
-        version = self.version
-        with self._lock:
-            if self._snapshot is not None and self._snapshot[0] == version:
-                return self._snapshot[1]
-        snapshot = []
-        for record in self.store.queries(QueryState.COLLECTING):
-            answered = set(self.store.declines(record.query_id))
-            answered.update(u.owner_id for u in self.store.uploads(record.query_id))
-            task = Task(
-                query=self._context(record.query_id).spec,
-                upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),
-                query_signature=record.signature,
-                query_signer=record.signer,
-                task_id=record.query_id,
-            )
-            snapshot.append(_OpenQuery(task, record.deadline_at, frozenset(answered)))
-        with self._lock:
-            self._snapshot = (version, snapshot)
-        return snapshot
-
-    def pending_tasks(self, owner_id: str) -> list[Task]:
-        """:meth:`tasks_for` with each query's upload deadline, ready for the task stream.
-
-        Each task carries its task id and the analyst's signature, forwarded unchanged.
-        """
-        if owner_id not in self.registered_owners:
-            return []
-        now = self.clock()
-        return [
-            open_query.task
-            for open_query in self._open_queries()
-            if open_query.deadline_at > now and owner_id not in open_query.answered
-        ]
-
-    def withdrawn_tasks(self, owner_id: str, query_ids: Sequence[str]) -> list[TaskCancellation]:
-        """Cancellations for delivered tasks the owner should no longer answer.
-
-        A task is withdrawn when its query stopped collecting (quorum reached,
-        failed, done) or its deadline passed before this owner answered. Tasks
-        the owner contributes to (its upload complete or not) or declined are never
-        withdrawn.
-        """
-        now = self.clock()
-        cancellations = []
-        for query_id in query_ids:
-            try:
-                record = self.store.query(query_id)
-            except NotFoundError:
-                continue
-            # A contributor keeps its task whatever the state: its upload may still be
-            # streaming in (or resume after a restart of either side).
-            if owner_id in self.store.declines(query_id) or any(
-                c.owner_id == owner_id for c in self.store.contributors(query_id)
-            ):
-                continue
-            if record.state is QueryState.FAILED:
-                reason = f"query failed: {record.failure_reason}"
-            elif record.state is not QueryState.COLLECTING:
-                reason = "uploads are closed (the quorum was reached)"
-            elif record.deadline_at <= now:
-                reason = "the upload deadline has passed"
-            else:
-                continue
-            cancellations.append(TaskCancellation(query_id=query_id, reason=reason))
-        return cancellations
-
-    def decline(self, owner_id: str, query_id: str, reason: str, detail: str = "") -> None:
-        """Record an owner's refusal of a task (it is not offered again).
-
-        Accepted only from an allowed owner while the query collects and before that
-        owner uploaded; the detail is cut to one line of at most
-        :data:`~fedpca.messages.MAX_DECLINE_DETAIL` characters. When the declines
-        leave fewer owners than the quorum, the query fails at once (the declines are
-        public, so failing early releases nothing new) instead of at its deadline.
-
-        Raises
-        ------
-        AuthenticationError, NotFoundError, QueryStateError
-        """
-        self.require_owner(owner_id)
-        line = _one_line(detail)
-        self.store.record_decline(query_id, owner_id, f"{reason}: {line}" if line else reason)
-        logger.info("query %s: owner %s declined (%s)", query_id, owner_id, reason)
-        self._fail_if_quorum_unreachable(query_id)
-        self._notify()
-
-    def _fail_if_quorum_unreachable(self, query_id: str) -> None:
-        record = self.store.query(query_id)
-        if record.state is not QueryState.COLLECTING:
-            return
-        quorum = int(record.spec.get("quorum", 1))
-        declines = self.store.declines(query_id)
-        available = len(self.registered_owners - set(declines))
-        if available >= quorum:
-            return
-        listed = "; ".join(f"{owner}: {why}" for owner, why in sorted(declines.items()))
-        reason = (
-            f"the quorum of {quorum} can no longer be reached: {len(declines)} of "
-            f"{len(self.registered_owners)} owners declined ({listed})"
-        )
-        self._fail(query_id, reason)
-
     # ----------------------------------------------------------------- uploads
     def check_upload_header(self, owner_id: str, header: UploadHeader) -> None:
         """:func:`fedpca.proxy.uploads.check_upload_header` against the stored query."""
@@ -544,7 +233,7 @@ class Coordinator:
         self.check_upload_header(owner_id, header)
         key = header.query_id
         context = self._context(key)
-        total = _total_ciphertexts(context)
+        total = total_ciphertexts(context)
 
         def meta_when_fixed(contributors: Sequence[Contributor]) -> dict[str, Any]:
             return result_meta(
@@ -657,7 +346,7 @@ class Coordinator:
 
     def _advance_once(self, query_id: str) -> None:
         context = self._context(query_id)
-        total = _total_ciphertexts(context)
+        total = total_ciphertexts(context)
         through = self.store.aggregated_through(query_id)
         if context.spec.mode is ProtocolMode.MASKED:
             if through >= total:
@@ -727,20 +416,6 @@ class Coordinator:
             if "final_after_last_chunk_seconds" in timings
             else "",
         )
-        self._notify()
-
-    def _fail(self, query_id: str, reason: str) -> None:
-        try:
-            self.store.set_state(
-                query_id,
-                QueryState.FAILED,
-                expect=(QueryState.COLLECTING, QueryState.AGGREGATING, QueryState.NOISING),
-                failure_reason=reason,
-            )
-        except QueryStateError:
-            return
-        logger.warning("query %s failed: %s", query_id, reason)
-        self._noise.discard(query_id)
         self._notify()
 
     # --------------------------------------------------------- masked results
@@ -817,9 +492,6 @@ class Coordinator:
             with self._lock:
                 self._finishing.discard(query_id)
 
-    def _algebra(self, query_id: str) -> SerialisedCiphertextGroup:
-        return SerialisedCiphertextGroup(self._context(query_id).public_key.n)
-
     def _masked_result(self, record: QueryRecord) -> tuple[bytes, dict[str, Any]]:
         context = self._context(record.query_id)
         meta = self.store.result_meta(record.query_id) or {}
@@ -836,10 +508,6 @@ class Coordinator:
         timings["noise_seconds"] = time.perf_counter() - started
         data = b"".join(blocks[block.name] for block in context.plan.result_blocks)
         return data, {"timings": timings}
-
-    def _prepare_noise(self, key: str, context: QueryContext) -> None:
-        if not self._stopping.is_set():
-            self._noise.prepare(key, context.plan, context.public_key.n)
 
     def prepared_noise(self, query_id: str) -> Future[PageNoise] | None:
         """TEST AID: the query's noise being (or already) drawn, if any (not removed)."""
@@ -905,7 +573,7 @@ class Coordinator:
             context = self._context(record.query_id)
             removed = self.store.discard_partial_uploads(
                 record.query_id,
-                total_ciphertexts=_total_ciphertexts(context),
+                total_ciphertexts=total_ciphertexts(context),
                 algebra=self._algebra(record.query_id),
             )
             if removed:
@@ -919,186 +587,3 @@ class Coordinator:
             if record.state is QueryState.AGGREGATING:
                 self.advance(record.query_id)
         return handled + self.check_deadlines()
-
-    # ----------------------------------------------------------------- cancel
-    def cancel(self, analyst_id: str, query_id: str) -> CancelReceipt:
-        """Stop the analyst's query while it collects: COLLECTING -> FAILED.
-
-        The failure reason is :data:`CANCELLED_REASON`; the refund rule is that of
-        every failure (the charge is refunded only if no owner began an upload), and
-        owners that have not answered receive a TaskCancellation on their task stream.
-        Cancelling a query that already failed changes nothing.
-
-        Raises
-        ------
-        NotFoundError
-            Unknown query (for this analyst).
-        QueryStateError
-            Collection has closed (contributors fixed, NOISING or DONE): result pages
-            are, or may be, released and can no longer be withheld.
-        """
-        key = task_id(analyst_id, query_id)
-        record = self.store.query(key)
-        if record.state is QueryState.COLLECTING:
-            try:
-                record = self.store.set_state(
-                    key,
-                    QueryState.FAILED,
-                    expect=(QueryState.COLLECTING,),
-                    failure_reason=CANCELLED_REASON,
-                )
-            except QueryStateError:
-                record = self.store.query(key)  # closed or failed meanwhile
-            else:
-                logger.warning("query %s failed: %s", key, CANCELLED_REASON)
-                self._noise.discard(key)
-                self._notify()
-        if record.state is not QueryState.FAILED:
-            raise QueryStateError(
-                f"query {query_id!r} is {record.state.value}: collection has closed and its "
-                "result is being or has been released; it can no longer be cancelled"
-            )
-        return CancelReceipt(self.status(analyst_id, query_id), not self.store.has_release(key))
-
-    # ---------------------------------------------------------------- reading
-    def status(self, analyst_id: str, query_id: str) -> QueryStatus:
-        """The status of the analyst's query ``query_id``, with every public decline."""
-        key = task_id(analyst_id, query_id)
-        record = self.store.query(key)
-        declines = []
-        for owner, text in sorted(self.store.declines(key).items()):
-            code, _, detail = text.partition(": ")
-            declines.append(OwnerDecline(owner, code, detail))
-        context = self._context(key)
-        result_total = sum(block.n_ciphertexts for block in result_blocks(context.plan))
-        total = _total_ciphertexts(context)
-        contributors = self.store.contributors(key)
-        # A contribution counts once all its chunks are folded (its stream's own end
-        # may be acknowledged a moment later); the others are still uploading.
-        delivered = sum(1 for c in contributors if c.covered >= total)
-        return QueryStatus(
-            query_id=query_id,
-            state=record.state,
-            owners_contributed=max(delivered, record.n_contributed),
-            quorum=record.quorum,
-            owners_declined=len(declines),
-            deadline=datetime.fromtimestamp(record.deadline_at, UTC),
-            failure_reason=record.failure_reason,
-            owners_uploading=len(contributors) - delivered,
-            declines=tuple(declines),
-            owners_registered=len(self.registered_owners),
-            pages_final=self.store.pages_final(key),
-            pages_total=page_count(result_total, self.store.page_ciphertexts),
-        )
-
-    def result_header(self, analyst_id: str, query_id: str) -> ResultHeader:
-        """The header of the analyst's result, known once its contributors are fixed.
-
-        Raises
-        ------
-        NotFoundError
-            Unknown query (for this analyst).
-        QueryStateError
-            The query failed (the message carries its reason), or it is still
-            collecting: the owner count, and so the header, is not known yet (the
-            analyst watches the query until its contributors are fixed, then fetches).
-        """
-        key = task_id(analyst_id, query_id)
-        record = self.store.query(key)
-        if record.state is QueryState.FAILED:
-            raise QueryStateError(
-                f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
-            )
-        meta = self.store.result_meta(key)
-        if record.state is QueryState.COLLECTING or meta is None:
-            raise QueryStateError(
-                f"query {query_id!r} is still collecting: its result can be fetched once "
-                "its contributors are fixed (watch the query until then)"
-            )
-        return result_header(self._context(key), meta, self.store.page_ciphertexts)
-
-    def result_pages(self, analyst_id: str, query_id: str, start: int) -> list[bytes]:
-        """The analyst's final result pages from ``start`` on (each is released once it
-        is final and never changes).
-
-        Raises
-        ------
-        NotFoundError, QueryStateError
-            As :meth:`result_header`; a query that failed after some pages were
-            released raises here (the pages released stay released).
-        """
-        key = task_id(analyst_id, query_id)
-        pages = self.store.result_pages(key, start)
-        if not pages:
-            record = self.store.query(key)
-            if record.state is QueryState.FAILED:
-                raise QueryStateError(
-                    f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
-                )
-        return pages
-
-    def result(self, analyst_id: str, query_id: str) -> QueryResult:
-        """The analyst's whole result, once DONE (tools and tests; the servicer streams
-        pages as they become final instead).
-
-        Raises
-        ------
-        NotFoundError
-            Unknown query (for this analyst).
-        QueryStateError
-            Not DONE yet (or FAILED).
-        """
-        key = task_id(analyst_id, query_id)
-        record = self.store.query(key)
-        header = self.result_header(analyst_id, query_id)
-        if record.state is not QueryState.DONE:
-            raise QueryStateError(f"query {query_id!r} is {record.state.value}: no result yet")
-        return whole_result(header, self.store.result_pages(key))
-
-    def result_meta(self, analyst_id: str, query_id: str) -> dict[str, Any]:
-        """The JSON metadata stored with a result (sigmas, public N, timings); empty
-        before the query's contributors are fixed.
-
-        Raises
-        ------
-        NotFoundError
-            Unknown query (for this analyst).
-        """
-        key = task_id(analyst_id, query_id)
-        self.store.query(key)
-        return self.store.result_meta(key) or {}
-
-    def budget(self, analyst_id: str, delta: float | None = None) -> BudgetStatus:
-        """An analyst's cumulative privacy loss.
-
-        ``epsilon_spent`` is composed at ``delta`` (default: the budget's delta);
-        ``epsilon_remaining`` is always measured at the budget's own delta, the one
-        its epsilon limit refers to.
-        """
-        from fedpca.dp.accounting import compose_epsilon  # slow import (dp_accounting)
-
-        limit = self.config.budget.for_analyst(analyst_id)
-        at = limit.delta if delta is None else delta
-        ledger = [PrivacyEvent.from_dict(r) for r in self.store.releases(analyst_id)]
-        privacy = self.config.privacy
-
-        def spent_at(delta_: float) -> float:
-            return compose_epsilon(
-                ledger, delta_, privacy.accountant, neighbouring=privacy.neighbouring
-            )
-
-        spent = spent_at(at)
-        if math.isinf(limit.epsilon):
-            remaining = math.inf
-        else:
-            used = spent if at == limit.delta else spent_at(limit.delta)
-            remaining = max(0.0, limit.epsilon - used)
-        return BudgetStatus(
-            analyst_id=analyst_id,
-            delta=at,
-            epsilon_spent=spent,
-            epsilon_remaining=remaining,
-            epsilon_limit=limit.epsilon,
-            n_releases=len(ledger),
-            limit_delta=limit.delta,
-        )

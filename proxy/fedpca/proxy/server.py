@@ -29,13 +29,8 @@ from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import PeerSlots
 from fedpca.proxy.metrics import ProxyMetrics
-from fedpca.proxy.servicer import (
-    AnalystServicer,
-    ChangeFeed,
-    OwnerServicer,
-    WorkerPool,
-    register_services,
-)
+from fedpca.proxy.servicer import AnalystServicer, OwnerServicer, register_services
+from fedpca.proxy.servicer_support import ChangeFeed, WorkerPool
 from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels
 from fedpca.transport.certs import Role, TlsMaterial

@@ -1,0 +1,309 @@
+"""Running one query against the proxy, shared by every estimator: the quorum it
+states, submitting it signed, following its progress (a tqdm display or a decline log),
+cancelling it on Ctrl-C while it collects, fetching and decrypting its result pages, and
+warning when fewer owners contributed than the proxy accepts."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fedpca.analyst.decode import DecodedRelease, decrypt_stream
+from fedpca.codec.paillier import CryptoPool
+from fedpca.errors import ConfigError, FedpcaError, QueryStateError
+from fedpca.messages import DeploymentInfo
+from fedpca.query import QuerySpec
+
+__all__ = [
+    "DeclineLog",
+    "MissingOwnersWarning",
+    "ProgressDisplay",
+    "missing_owners_message",
+    "new_query_id",
+    "refuse_in_bootstrapping_child",
+    "resolve_quorum",
+    "run_query",
+    "warn_if_owners_missing",
+]
+
+logger = logging.getLogger("fedpca.analyst.estimators")
+
+StatusCallback = Callable[[Any], None]
+
+
+class MissingOwnersWarning(UserWarning):
+    """A result covers fewer owners than the proxy accepts (an explicit quorum below
+    the number of registered owners let collection close early)."""
+
+
+def missing_owners_message(query_id: str, contributed: int, registered: int, quorum: int) -> str:
+    """The warning for a result that covers ``contributed`` of ``registered`` owners."""
+    return (
+        f"query {query_id}: only {contributed} of {registered} registered owners contributed "
+        f"(quorum {quorum}); the result covers their records only. Leave the quorum unset "
+        "to wait for every registered owner."
+    )
+
+
+def refuse_in_bootstrapping_child() -> None:
+    # A worker process that is still importing its parent's main script (spawn or
+    # forkserver start, a script without `if __name__ == "__main__":`) must not submit
+    # a query: it would be a second, unintended release charged to the analyst.
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ConfigError(
+            "fit() was called while a worker process was importing the main script; a "
+            'script that starts processes needs `if __name__ == "__main__":` around its '
+            "top-level code. Refusing to submit a second query from a worker."
+        )
+
+
+def resolve_quorum(quorum: int | None, deployment: DeploymentInfo | None) -> int:
+    """The quorum a query states: ``quorum``, or (None) every owner the proxy accepts.
+
+    Raises
+    ------
+    ConfigError
+        ``quorum=None`` without a deployment to count the owners of, or a deployment
+        that accepts no owners.
+    """
+    if quorum is not None:
+        return int(quorum)
+    if deployment is None:
+        raise ConfigError(
+            "quorum=None waits for every owner the proxy accepts: fit() asks the "
+            "proxy for their number; give quorum=N to build a query without it"
+        )
+    if deployment.owners_registered < 1:
+        raise ConfigError(f"proxy {deployment.proxy_id!r} accepts no owners")
+    return deployment.owners_registered
+
+
+def warn_if_owners_missing(
+    release: DecodedRelease, owners_registered: int | None, stacklevel: int = 3
+) -> None:
+    """:class:`MissingOwnersWarning` when fewer owners contributed than are registered."""
+    if owners_registered is not None and release.n_owners < owners_registered:
+        query = release.query
+        message = missing_owners_message(
+            query.query_id, release.n_owners, owners_registered, query.quorum
+        )
+        warnings.warn(message, MissingOwnersWarning, stacklevel=stacklevel + 1)
+
+
+class DeclineLog:
+    """Logs each owner's decline once (the status callback when there is no display)."""
+
+    def __init__(self) -> None:
+        self._declined: set[str] = set()
+
+    def status(self, status: Any) -> None:
+        for decline in status.declines:
+            if decline.owner_id not in self._declined:
+                self._declined.add(decline.owner_id)
+                logger.warning("query %s: owner declined: %s", status.query_id, decline.line())
+
+
+def new_query_id() -> str:
+    """A fresh, unguessable query id."""
+    return f"q-{uuid.uuid4().hex}"
+
+
+def run_query(
+    spec: QuerySpec,
+    client: Any,
+    private_key: Any,
+    signing_key: Any,
+    *,
+    on_status: StatusCallback | None = None,
+    on_submitted: StatusCallback | None = None,
+    decrypt_progress: Callable[[int], None] | None = None,
+    on_fetched: Callable[[int], None] | None = None,
+    pool: CryptoPool | None = None,
+    wait_timeout: float | None = None,
+) -> tuple[DecodedRelease, dict[str, float]]:
+    """Submit ``spec``, follow it, and decrypt its result page by page as it is released.
+
+    Parameters
+    ----------
+    spec : the query (its key must be ``private_key``'s).
+    client : an :class:`~fedpca.analyst.client.AnalystClient` (or anything with
+        ``submit``, ``wait_for_contributors`` and ``fetch_stream``).
+    private_key : the analyst's phe private key.
+    signing_key : the analyst's Ed25519 query-signing key (owners answer only signed
+        queries).
+    on_status : called with every status update until the contributors are fixed.
+    on_submitted : called with the status returned by the submission.
+    decrypt_progress : called with the number of ciphertexts decrypted so far.
+    on_fetched : called with the number of ciphertexts to decrypt, once the result's
+        header arrived.
+    pool : crypto pool for decryption (default: a temporary one on all cores,
+        closed before returning). Its workers are started before the submission, so
+        a pool that cannot start fails the call before anything is charged.
+    wait_timeout : give up waiting after this many seconds (None = never).
+
+    Returns
+    -------
+    (DecodedRelease, timings) with timings in seconds for "start workers" (none
+    when the pool was already running), "submit", "wait" (until the
+    contributors are fixed and the result's header arrived), "decrypt" (from then on
+    until the last page is decrypted; it overlaps the owners' encryption and the
+    proxy's folding of later pages), "tail" (from the last page's arrival until
+    it is decrypted) and "decrypt_cpu" (CPU seconds the decryption workers spent, as
+    they measured it: the decryption's share of the crypto floor).
+    """
+    if spec.analyst_public_key_n != private_key.public_key.n:
+        raise ConfigError("the query is not addressed to this private key")
+    owned = pool is None
+    active = CryptoPool() if pool is None else pool
+    try:
+        timings: dict[str, float] = {}
+        # The decryption workers start before anything is charged: a pool that cannot
+        # start fails the call while the budget is still untouched.
+        start = time.perf_counter()
+        active.start()
+        timings["start workers"] = time.perf_counter() - start
+        start = time.perf_counter()
+        submitted = client.submit(spec, signing_key)
+        timings["submit"] = time.perf_counter() - start
+        logger.info("submitted query %s (state %s)", spec.query_id, submitted.state.value)
+        if on_submitted is not None:
+            on_submitted(submitted)
+        start = time.perf_counter()
+        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+        _wait_or_cancel(
+            lambda: client.wait_for_contributors(
+                spec.query_id, on_status=on_status, timeout=wait_timeout
+            ),
+            client,
+            spec.query_id,
+        )
+        try:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            stream = client.fetch_stream(spec.query_id, timeout=remaining)
+            timings["wait"] = time.perf_counter() - start
+            total = sum(block.n_ciphertexts for block in stream.header.blocks)
+            if on_fetched is not None:
+                on_fetched(total)
+            arrived = [0.0]
+
+            def batches() -> Iterator[list[int]]:
+                for chunk in stream.chunks:
+                    arrived[0] = time.perf_counter()
+                    yield chunk.ciphertexts
+
+            cpu_before = _decryption_cpu(active)
+            start = time.perf_counter()
+            release = decrypt_stream(
+                stream.header,
+                batches(),
+                private_key,
+                expected_query=spec,
+                pool=active,
+                progress=decrypt_progress,
+            )
+            finished = time.perf_counter()
+            timings["decrypt"] = finished - start
+            timings["tail"] = finished - arrived[0] if arrived[0] else 0.0
+            timings["decrypt_cpu"] = _decryption_cpu(active) - cpu_before
+        except FedpcaError as exc:
+            # The release happened and is paid for; it stays stored at the proxy.
+            raise type(exc)(
+                f"{exc} (the result of query {spec.query_id} stays stored at the proxy: "
+                f"fetch it again with `fedpca analyst fetch {spec.query_id}`)"
+            ) from exc
+    finally:
+        if owned:
+            active.close()
+    return release, timings
+
+
+def _wait_or_cancel(wait: Callable[[], object], client: Any, query_id: str) -> None:
+    """Run ``wait`` (following the query); on Ctrl-C cancel it at the proxy, then re-raise.
+
+    A cancelled query fails at once; its charge is refunded if no owner had begun an
+    upload (the proxy's refund rule), and owners receive a cancellation.
+    """
+    try:
+        wait()
+    except KeyboardInterrupt:
+        try:
+            receipt = client.cancel(query_id)
+        except QueryStateError as exc:
+            logger.warning("interrupted; query %s could not be cancelled: %s", query_id, exc)
+        except FedpcaError as exc:
+            logger.warning(
+                "interrupted; cancelling query %s failed (%s): it may still be collecting; "
+                "`fedpca analyst cancel %s` stops it",
+                query_id,
+                exc,
+                query_id,
+            )
+        else:
+            logger.warning(
+                "interrupted: query %s cancelled; %s",
+                query_id,
+                "its charge was refunded"
+                if receipt.refunded
+                else "an upload had begun, so its charge stands",
+            )
+        raise
+
+
+def _decryption_cpu(pool: CryptoPool) -> float:
+    """CPU seconds the pool's workers have spent decrypting so far."""
+    return sum(cpu for name, (_, cpu) in pool.work_done().items() if "decrypt" in name)
+
+
+class ProgressDisplay:
+    """tqdm bars for the owners' uploads and for decryption (``verbose=True``)."""
+
+    def __init__(self) -> None:
+        from tqdm.auto import tqdm
+
+        self._tqdm = tqdm
+        self._owners: Any = None
+        self._decrypt: Any = None
+        self._declined: set[str] = set()
+
+    def status(self, status: Any) -> None:
+        for decline in status.declines:
+            if decline.owner_id not in self._declined:
+                self._declined.add(decline.owner_id)
+                self._tqdm.write(f"owner declined: {decline.line()}", file=sys.stderr)
+        if self._owners is None:
+            # Owners arrive minutes apart: a rate would mislead, elapsed time does not.
+            self._owners = self._tqdm(
+                total=max(status.quorum, 1),
+                desc="owners",
+                bar_format="{desc} {n}/{total} |{bar}| [{elapsed}]",
+            )
+        bar = self._owners
+        bar.total = max(status.quorum, status.owners_contributed, 1)
+        if status.owners_registered:
+            bar.total = max(bar.total, status.owners_registered)
+        bar.n = status.owners_contributed
+        declined = f", {status.owners_declined} declined" if status.owners_declined else ""
+        uploading = f", {status.owners_uploading} uploading" if status.owners_uploading else ""
+        bar.set_description_str(
+            f"{status.state.value}{uploading}{declined}: owners (quorum {status.quorum})",
+            refresh=False,
+        )
+        bar.refresh()
+        if status.terminal:
+            bar.close()
+
+    def fetched(self, total: int) -> None:
+        self._decrypt = self._tqdm(total=total, desc="decrypt", unit="ct")
+
+    def decrypted(self, done: int) -> None:
+        if self._decrypt is not None:
+            self._decrypt.n = done
+            self._decrypt.refresh()
+            if done >= self._decrypt.total:
+                self._decrypt.close()

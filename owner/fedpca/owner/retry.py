@@ -1,0 +1,90 @@
+"""How an owner node retries its calls to the proxy: which gRPC statuses mean "try again
+later", and the jittered exponential backoff between attempts."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from fedpca.errors import (
+    ConfigError,
+)
+
+__all__ = ["RETRYABLE_CODES", "RetryPolicy", "status_code", "status_details", "status_name"]
+
+
+RETRYABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+"""Statuses that say "try again later"; every other failure of an upload is final."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff and timeouts of the node's calls to the proxy.
+
+    Attributes
+    ----------
+    upload_attempts : attempts per upload (the first one included).
+    backoff_initial, backoff_max : seconds; attempt ``a`` waits a uniform draw
+        from ``[d/2, d]`` with ``d = min(backoff_max, backoff_initial 2^a)``
+        (jitter keeps owners that lost the proxy together from retrying in lockstep).
+    reconnect_initial, reconnect_max : the same for re-opening the task stream.
+    call_timeout : seconds for Hello and DeclineTask.
+    upload_timeout : seconds for one Upload call.
+    decline_attempts : attempts to deliver a decline.
+    """
+
+    upload_attempts: int = 6
+    backoff_initial: float = 1.0
+    backoff_max: float = 30.0
+    reconnect_initial: float = 1.0
+    reconnect_max: float = 30.0
+    call_timeout: float = 30.0
+    upload_timeout: float = 600.0
+    decline_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.upload_attempts < 1 or self.decline_attempts < 1:
+            raise ConfigError("retry attempts must be >= 1")
+        for name in (
+            "backoff_initial",
+            "backoff_max",
+            "reconnect_initial",
+            "reconnect_max",
+            "call_timeout",
+            "upload_timeout",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be finite and > 0, got {value!r}")
+
+    @staticmethod
+    def delay(attempt: int, initial: float, cap: float) -> float:
+        """Jittered exponential backoff before retry number ``attempt`` (0-based)."""
+        ceiling = min(cap, initial * 2.0 ** min(attempt, 30))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+def status_code(err: grpc.RpcError) -> grpc.StatusCode:
+    # Errors raised by calls are also grpc.Call objects; a bare RpcError has no code.
+    code: Callable[[], grpc.StatusCode] | None = getattr(err, "code", None)
+    return code() if code is not None else grpc.StatusCode.UNKNOWN
+
+
+def status_name(err: grpc.RpcError) -> str:
+    return status_code(err).name
+
+
+def status_details(err: grpc.RpcError) -> str:
+    details: Callable[[], str | None] | None = getattr(err, "details", None)
+    text = details() if details is not None else None
+    return text or str(err)

@@ -1,0 +1,476 @@
+"""How an owner node answers one task: policy and budget checks, computing and encrypting
+its share, the upload with retries under one upload id, and declines.
+
+:class:`TaskProcessing` is the part of :class:`fedpca.owner.node.OwnerNode` that does
+this; the node itself keeps the connection to the proxy and the task stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+import numpy as np
+
+from fedpca.codec.ciphertext import ciphertext_byte_length
+from fedpca.codec.paillier import CryptoPool, Obfuscation
+from fedpca.errors import (
+    BudgetExceededError,
+    CalibrationError,
+    PolicyError,
+)
+from fedpca.messages import (
+    SHARE_RELEASED_METADATA,
+    DeclineReason,
+    ObfuscationVariant,
+    Task,
+    TaskDecline,
+    blocks_of,
+    chunk_count,
+    ciphertexts_per_chunk,
+    new_upload_id,
+)
+from fedpca.owner.compute import LocalTable, encode_share, encrypt_share_stream, record_cap
+from fedpca.owner.config import OwnerConfig
+from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.policy import SECONDS_PER_DAY, Refusal, check_task
+from fedpca.owner.retry import (
+    RETRYABLE_CODES,
+    RetryPolicy,
+    status_code,
+    status_details,
+    status_name,
+)
+from fedpca.owner.upload import OutgoingUpload
+from fedpca.protocol import ReleasePlan
+from fedpca.query import ProtocolMode, QuerySpec, spec_digest
+from fedpca.transport import serde
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+
+__all__ = ["TaskProcessing", "choose_obfuscation"]
+
+logger = logging.getLogger("fedpca.owner.node")
+
+
+def choose_obfuscation(
+    preferred: Obfuscation, accepted: Sequence[ObfuscationVariant]
+) -> Obfuscation:
+    """The obfuscator to encrypt a task with.
+
+    The configured DJN falls back to the standard ``r^n`` obfuscator (which needs
+    one assumption less) when the proxy does not accept DJN; an owner configured
+    for the standard obfuscator never switches to DJN.
+
+    Raises
+    ------
+    PolicyError
+        If the proxy accepts only DJN and the owner is configured for standard.
+    """
+    if not accepted:
+        return preferred
+    if preferred is Obfuscation.DJN and ObfuscationVariant.DJN in accepted:
+        return Obfuscation.DJN
+    if ObfuscationVariant.FULL in accepted:
+        return Obfuscation.STANDARD
+    raise PolicyError(
+        "the task accepts only DJN short-exponent encryption; this owner is configured for "
+        'crypto.obfuscation = "standard"'
+    )
+
+
+class _ProgressLog:
+    """INFO lines about encryption progress: every quarter, every 5 s, and at the end."""
+
+    def __init__(self, query_id: str) -> None:
+        self.query_id = query_id
+        self.last_time = time.monotonic()
+        self.last_fraction = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        fraction = done / total if total else 1.0
+        if done == total or fraction - self.last_fraction >= 0.25 or now - self.last_time >= 5.0:
+            logger.info("query %s: encrypted %d/%d ciphertexts", self.query_id, done, total)
+            self.last_time = now
+            self.last_fraction = fraction
+
+
+class TaskProcessing:
+    """Answers tasks for :class:`~fedpca.owner.node.OwnerNode` (which sets this state)."""
+
+    config: OwnerConfig
+    table: LocalTable
+    ledger: BudgetLedger
+    retry: RetryPolicy
+    _pool: CryptoPool
+    _stop: threading.Event
+    _lock: threading.Lock
+    _cancelled: set[str]
+    _prepared: dict[str, OutgoingUpload]
+    _max_message_bytes: int
+
+    def _is_cancelled(self, query_id: str) -> bool:
+        with self._lock:
+            return query_id in self._cancelled
+
+    def process_task(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
+        """Handle one task end to end (policy, budget, encryption and upload, or decline).
+
+        Returns
+        -------
+        TaskOutcome or None
+            The recorded outcome, or None if the task was skipped (already
+            handled) or the upload gave up on a transient failure (it stays
+            open for a re-delivery).
+        """
+        query_id = task.key
+        if self.ledger.is_handled(query_id):
+            logger.info("query %s: already handled", query_id)
+            return None
+        if self._is_cancelled(query_id):
+            return self._finish_cancelled(query_id)
+        if task.upload_deadline <= datetime.now(UTC):
+            logger.warning("query %s: upload deadline already passed, skipping", query_id)
+            self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
+            return TaskOutcome.EXPIRED
+        upload = self._prepared.get(query_id)
+        if upload is None:
+            outcome = self._prepare(stub, task)
+            if outcome is not None:
+                return outcome
+            upload = self._prepared[query_id]
+        if self._is_cancelled(query_id):
+            return self._finish_cancelled(query_id)
+        return self._upload(stub, task, upload)
+
+    def _prepare(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
+        """Public checks and budget, then start encrypting; or decline.
+
+        Every decline happens before the records are looked at, for a public reason
+        (:mod:`fedpca.owner.policy`); after the budget is reserved the share is computed
+        and encrypted whatever the records hold. A task whose upload had begun before a
+        restart is resumed: same upload id, same sample of rows (its seed is in the
+        ledger), so the proxy continues after the chunks it already folded.
+        """
+        spec = task.query
+        query_id = task.key
+        record = self.ledger.task(query_id)
+        resuming = (
+            record is not None
+            and record.outcome is TaskOutcome.UPLOADING
+            and record.upload_id is not None
+            and record.seed is not None
+        )
+        try:
+            obfuscation = choose_obfuscation(
+                self.config.crypto.obfuscation, task.accepted_obfuscation_variants
+            )
+        except PolicyError as exc:
+            if resuming:
+                raise
+            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
+        if resuming:
+            assert record is not None and record.upload_id is not None and record.seed is not None
+            # Data of this task may already be at the proxy: finish what was agreed.
+            plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+            table = self.table.table_for(spec)
+            upload_id, seed = record.upload_id, record.seed
+            logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
+        else:
+            accepted = self._accept(stub, task)
+            if not isinstance(accepted, tuple):
+                return accepted
+            plan, table = accepted
+            upload_id, seed = new_upload_id(), secrets.token_bytes(32)
+        capacity = self.config.data.max_records
+        try:
+            # The sample of rows is drawn from the task's secret seed, so a resumed
+            # upload encodes exactly the values whose first chunks the proxy holds.
+            encoded = encode_share(
+                spec,
+                table,
+                plan,
+                capacity=capacity,
+                rng=np.random.default_rng(int.from_bytes(seed, "big")),
+            )
+        except BaseException:
+            # Not a decline: nothing here depends on the records (a bug). Nothing left
+            # the node, so a fresh reservation is refunded; a re-delivery tries again.
+            if not resuming:
+                self.ledger.cancel_reservation(query_id)
+            raise
+        # Masked mode publishes the count of records the statistics cover (its relation,
+        # replace-one, makes it public); stats mode keeps it inside the noised release.
+        record_count = (
+            min(table.features.shape[0], record_cap(spec, capacity))
+            if spec.mode is ProtocolMode.MASKED
+            else None
+        )
+        upload = self._start_upload(
+            spec, query_id, upload_id, plan, encoded, obfuscation, record_count
+        )
+        upload.seed = seed
+        self._prepared[query_id] = upload
+        return None
+
+    def _accept(
+        self, stub: owner_grpc.OwnerServiceStub, task: Task
+    ) -> tuple[ReleasePlan, Any] | TaskOutcome | None:
+        """Public policy checks and the budget reservation of a new task.
+
+        Returns the plan and the query's view of the table, or the decline's outcome.
+        """
+        spec = task.query
+        query_id = task.key
+        day_ago = time.time() - SECONDS_PER_DAY
+        decision = check_task(
+            task,
+            self.config,
+            self.table,
+            releases_last_day=self.ledger.reservations_since(day_ago),
+        )
+        if isinstance(decision, Refusal):
+            return self._decline(stub, query_id, decision.reason, decision.detail)
+        plan = decision.plan
+        # The ledger keys releases by the task's key (scoped by analyst at the proxy).
+        event = replace(plan.privacy_event(analyst=spec.analyst_key_fingerprint), query_id=query_id)
+        try:
+            budget = self.ledger.reserve(
+                event,
+                self.config.budget,
+                spec_digest=spec_digest(spec),
+                allow_not_private=self.config.policy.allow_not_private,
+            )
+        except BudgetExceededError as exc:
+            return self._decline(stub, query_id, DeclineReason.BUDGET_EXHAUSTED, str(exc))
+        except (CalibrationError, PolicyError) as exc:
+            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
+        logger.info(
+            "query %s: budget reserved (epsilon spent %.6g -> %.6g of %g%s)",
+            query_id,
+            budget.epsilon_spent_before,
+            budget.epsilon_spent_after,
+            self.config.budget.epsilon,
+            ", NOT PRIVATE verification release" if budget.not_private else "",
+        )
+        return plan, decision.table
+
+    def _start_upload(
+        self,
+        spec: QuerySpec,
+        query_id: str,
+        upload_id: str,
+        plan: ReleasePlan,
+        encoded: Any,
+        obfuscation: Obfuscation,
+        record_count: int | None,
+    ) -> OutgoingUpload:
+        """Start encrypting; the upload's messages exist as soon as their chunks do."""
+        width = ciphertext_byte_length(spec.analyst_public_key_n.bit_length())
+        per_chunk = ciphertexts_per_chunk(width, self._max_message_bytes)
+        total = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
+        header = serde.upload_header_message(
+            query_id,
+            spec.analyst_key_fingerprint,
+            upload_id,
+            blocks_of(plan.owner_blocks),
+            chunk_count(total, per_chunk),
+            public_record_count=record_count,
+        )
+        kind = "encrypt_chunk_djn" if obfuscation is Obfuscation.DJN else "encrypt_chunk_standard"
+        cpu_before = self._pool.work_done().get(kind, (0, 0.0))[1]
+        started = time.perf_counter()
+
+        def done() -> None:
+            cpu = self._pool.work_done().get(kind, (0, 0.0))[1] - cpu_before
+            logger.info(
+                "query %s: share encrypted (%s, %d ciphertexts) in %.2f s, %.2f CPU-s in the "
+                "crypto workers",
+                query_id,
+                obfuscation.value,
+                total,
+                time.perf_counter() - started,
+                cpu,
+            )
+
+        logger.info(
+            "query %s: encrypting %d ciphertexts (%s), sending each chunk as soon as it is ready",
+            query_id,
+            total,
+            obfuscation.value,
+        )
+        batches = encrypt_share_stream(
+            spec,
+            encoded,
+            plan,
+            self._pool,
+            obfuscation=obfuscation,
+            progress=_ProgressLog(query_id),
+        )
+        return OutgoingUpload(
+            upload_id, header, batches, width, per_chunk, serde.upload_chunk_message, on_done=done
+        ).start()
+
+    def _upload(
+        self,
+        stub: owner_grpc.OwnerServiceStub,
+        task: Task,
+        upload: OutgoingUpload,
+    ) -> TaskOutcome | None:
+        query_id = task.key
+        upload_id = upload.upload_id
+        # From here on data derived from the rows may leave: no refund any more. The
+        # upload id and the sample's seed are kept, so a restart resumes this upload.
+        self.ledger.record_task(
+            query_id, TaskOutcome.UPLOADING, upload_id=upload_id, seed=upload.seed
+        )
+        attempts = self.retry.upload_attempts
+        for attempt in range(attempts):
+            if self._stop.is_set():
+                logger.warning("query %s: stopping before the upload finished", query_id)
+                return None
+            try:
+                response = stub.Upload(upload.messages(), timeout=self.retry.upload_timeout)
+            except grpc.RpcError as err:
+                if upload.error is not None:
+                    # Encrypting failed (a bug or a dead worker), not the proxy: the task
+                    # stays open, and a re-delivery resumes it.
+                    self._drop_upload(query_id)
+                    logger.error(
+                        "query %s: encrypting the share failed (%s); the task stays open",
+                        query_id,
+                        type(upload.error).__name__,
+                    )
+                    return None
+                if status_code(err) not in RETRYABLE_CODES:
+                    logger.error(
+                        "query %s: the proxy refused upload %s: %s: %s",
+                        query_id,
+                        upload_id,
+                        status_name(err),
+                        status_details(err),
+                    )
+                    self._drop_upload(query_id)
+                    self.ledger.record_task(
+                        query_id,
+                        TaskOutcome.REJECTED,
+                        f"{status_name(err)}: {status_details(err)}",
+                        upload_id=upload_id,
+                    )
+                    if _share_unreleased(err):
+                        # The proxy says no result of the query holds anything of this
+                        # share (not one of its contributors, or the query failed before
+                        # any page was released): nothing of the data was released.
+                        self.ledger.cancel_reservation(query_id, upload_refused=True)
+                    return TaskOutcome.REJECTED
+                delay = RetryPolicy.delay(
+                    attempt, self.retry.backoff_initial, self.retry.backoff_max
+                )
+                remaining = (task.upload_deadline - datetime.now(UTC)).total_seconds()
+                if attempt + 1 >= attempts or delay >= remaining:
+                    logger.error(
+                        "query %s: giving up upload %s after %d attempt(s) (%s: %s); a "
+                        "re-delivered task will resend it",
+                        query_id,
+                        upload_id,
+                        attempt + 1,
+                        status_name(err),
+                        status_details(err),
+                    )
+                    return None
+                logger.warning(
+                    "query %s: upload attempt %d/%d failed (%s: %s); retrying upload %s in %.1f s",
+                    query_id,
+                    attempt + 1,
+                    attempts,
+                    status_name(err),
+                    status_details(err),
+                    upload_id,
+                    delay,
+                )
+                self._stop.wait(delay)
+                continue
+            receipt = serde.upload_receipt_from_proto(response)
+            self._drop_upload(query_id)
+            self.ledger.record_task(
+                query_id, TaskOutcome.UPLOADED, receipt.status.value, upload_id=upload_id
+            )
+            logger.info(
+                "query %s: upload %s %s by the proxy (%d chunks, %d ciphertexts)",
+                query_id,
+                upload_id,
+                receipt.status.value,
+                receipt.chunks_received,
+                receipt.ciphertexts_received,
+            )
+            return TaskOutcome.UPLOADED
+        return None  # pragma: no cover - the loop always returns
+
+    def _drop_upload(self, query_id: str) -> None:
+        upload = self._prepared.pop(query_id, None)
+        if upload is not None:
+            upload.stop()
+
+    def _finish_cancelled(self, query_id: str) -> TaskOutcome:
+        self._drop_upload(query_id)
+        # Refunded only if no upload of the task had begun (the ledger checks).
+        self.ledger.cancel_reservation(query_id)
+        self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
+        logger.info("query %s: cancelled by the proxy", query_id)
+        return TaskOutcome.CANCELLED
+
+    def _decline(
+        self,
+        stub: owner_grpc.OwnerServiceStub,
+        query_id: str,
+        reason: DeclineReason,
+        detail: str,
+    ) -> TaskOutcome | None:
+        """Send DeclineTask (with retries); record it once the proxy acknowledged.
+
+        Declines happen only for public reasons (:mod:`fedpca.owner.policy`), so the
+        detail goes to the proxy and the analyst as it is logged here.
+        """
+        logger.warning("query %s: declined (%s): %s", query_id, reason.value, detail)
+        message = serde.task_decline_to_proto(TaskDecline(query_id, reason, detail))
+        for attempt in range(self.retry.decline_attempts):
+            try:
+                stub.DeclineTask(message, timeout=self.retry.call_timeout)
+            except grpc.RpcError as err:
+                retry = (
+                    status_code(err) in RETRYABLE_CODES
+                    and attempt + 1 < self.retry.decline_attempts
+                )
+                logger.warning(
+                    "query %s: could not deliver the decline (%s: %s)%s",
+                    query_id,
+                    status_name(err),
+                    status_details(err),
+                    "; retrying" if retry else "",
+                )
+                if not retry:
+                    # Not recorded: a re-delivered task is evaluated and declined again.
+                    return None
+                self._stop.wait(
+                    RetryPolicy.delay(attempt, self.retry.backoff_initial, self.retry.backoff_max)
+                )
+                continue
+            self.ledger.record_task(query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}")
+            return TaskOutcome.DECLINED
+        return None  # pragma: no cover - the loop always returns
+
+
+def _share_unreleased(err: grpc.RpcError) -> bool:
+    """The proxy's refusal says no result of the query can hold anything of this share."""
+    if status_code(err) is not grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    trailing: Callable[[], Any] | None = getattr(err, "trailing_metadata", None)
+    metadata = dict(trailing() or ()) if trailing is not None else {}
+    return metadata.get(SHARE_RELEASED_METADATA) == "no"

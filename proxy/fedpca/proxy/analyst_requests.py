@@ -1,0 +1,222 @@
+"""The analyst's side of the coordinator: cancelling a query, its status, its result
+header and pages, and the analyst's budget."""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.errors import (
+    QueryStateError,
+)
+from fedpca.messages import (
+    BudgetStatus,
+    CancelReceipt,
+    OwnerDecline,
+    QueryResult,
+    QueryState,
+    QueryStatus,
+    ResultHeader,
+)
+from fedpca.proxy.coordinator_core import CoordinatorCore, task_id, total_ciphertexts
+from fedpca.proxy.queries import (
+    result_blocks,
+)
+from fedpca.proxy.results import result_header, whole_result
+from fedpca.proxy.store_records import page_count
+
+__all__ = ["CANCELLED_REASON", "AnalystRequests"]
+
+logger = logging.getLogger("fedpca.proxy.coordinator")
+
+CANCELLED_REASON = "cancelled by the analyst"
+"""The failure reason of a query its analyst cancelled."""
+
+
+class AnalystRequests(CoordinatorCore):
+    """What an analyst may ask of its own queries (always keyed by :func:`task_id`)."""
+
+    def cancel(self, analyst_id: str, query_id: str) -> CancelReceipt:
+        """Stop the analyst's query while it collects: COLLECTING -> FAILED.
+
+        The failure reason is :data:`CANCELLED_REASON`; the refund rule is that of
+        every failure (the charge is refunded only if no owner began an upload), and
+        owners that have not answered receive a TaskCancellation on their task stream.
+        Cancelling a query that already failed changes nothing.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        QueryStateError
+            Collection has closed (contributors fixed, NOISING or DONE): result pages
+            are, or may be, released and can no longer be withheld.
+        """
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        if record.state is QueryState.COLLECTING:
+            try:
+                record = self.store.set_state(
+                    key,
+                    QueryState.FAILED,
+                    expect=(QueryState.COLLECTING,),
+                    failure_reason=CANCELLED_REASON,
+                )
+            except QueryStateError:
+                record = self.store.query(key)  # closed or failed meanwhile
+            else:
+                logger.warning("query %s failed: %s", key, CANCELLED_REASON)
+                self._noise.discard(key)
+                self._notify()
+        if record.state is not QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} is {record.state.value}: collection has closed and its "
+                "result is being or has been released; it can no longer be cancelled"
+            )
+        return CancelReceipt(self.status(analyst_id, query_id), not self.store.has_release(key))
+
+    # ---------------------------------------------------------------- reading
+    def status(self, analyst_id: str, query_id: str) -> QueryStatus:
+        """The status of the analyst's query ``query_id``, with every public decline."""
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        declines = []
+        for owner, text in sorted(self.store.declines(key).items()):
+            code, _, detail = text.partition(": ")
+            declines.append(OwnerDecline(owner, code, detail))
+        context = self._context(key)
+        result_total = sum(block.n_ciphertexts for block in result_blocks(context.plan))
+        total = total_ciphertexts(context)
+        contributors = self.store.contributors(key)
+        # A contribution counts once all its chunks are folded (its stream's own end
+        # may be acknowledged a moment later); the others are still uploading.
+        delivered = sum(1 for c in contributors if c.covered >= total)
+        return QueryStatus(
+            query_id=query_id,
+            state=record.state,
+            owners_contributed=max(delivered, record.n_contributed),
+            quorum=record.quorum,
+            owners_declined=len(declines),
+            deadline=datetime.fromtimestamp(record.deadline_at, UTC),
+            failure_reason=record.failure_reason,
+            owners_uploading=len(contributors) - delivered,
+            declines=tuple(declines),
+            owners_registered=len(self.registered_owners),
+            pages_final=self.store.pages_final(key),
+            pages_total=page_count(result_total, self.store.page_ciphertexts),
+        )
+
+    def result_header(self, analyst_id: str, query_id: str) -> ResultHeader:
+        """The header of the analyst's result, known once its contributors are fixed.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        QueryStateError
+            The query failed (the message carries its reason), or it is still
+            collecting: the owner count, and so the header, is not known yet (the
+            analyst watches the query until its contributors are fixed, then fetches).
+        """
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        if record.state is QueryState.FAILED:
+            raise QueryStateError(
+                f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
+            )
+        meta = self.store.result_meta(key)
+        if record.state is QueryState.COLLECTING or meta is None:
+            raise QueryStateError(
+                f"query {query_id!r} is still collecting: its result can be fetched once "
+                "its contributors are fixed (watch the query until then)"
+            )
+        return result_header(self._context(key), meta, self.store.page_ciphertexts)
+
+    def result_pages(self, analyst_id: str, query_id: str, start: int) -> list[bytes]:
+        """The analyst's final result pages from ``start`` on (each is released once it
+        is final and never changes).
+
+        Raises
+        ------
+        NotFoundError, QueryStateError
+            As :meth:`result_header`; a query that failed after some pages were
+            released raises here (the pages released stay released).
+        """
+        key = task_id(analyst_id, query_id)
+        pages = self.store.result_pages(key, start)
+        if not pages:
+            record = self.store.query(key)
+            if record.state is QueryState.FAILED:
+                raise QueryStateError(
+                    f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
+                )
+        return pages
+
+    def result(self, analyst_id: str, query_id: str) -> QueryResult:
+        """The analyst's whole result, once DONE (tools and tests; the servicer streams
+        pages as they become final instead).
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        QueryStateError
+            Not DONE yet (or FAILED).
+        """
+        key = task_id(analyst_id, query_id)
+        record = self.store.query(key)
+        header = self.result_header(analyst_id, query_id)
+        if record.state is not QueryState.DONE:
+            raise QueryStateError(f"query {query_id!r} is {record.state.value}: no result yet")
+        return whole_result(header, self.store.result_pages(key))
+
+    def result_meta(self, analyst_id: str, query_id: str) -> dict[str, Any]:
+        """The JSON metadata stored with a result (sigmas, public N, timings); empty
+        before the query's contributors are fixed.
+
+        Raises
+        ------
+        NotFoundError
+            Unknown query (for this analyst).
+        """
+        key = task_id(analyst_id, query_id)
+        self.store.query(key)
+        return self.store.result_meta(key) or {}
+
+    def budget(self, analyst_id: str, delta: float | None = None) -> BudgetStatus:
+        """An analyst's cumulative privacy loss.
+
+        ``epsilon_spent`` is composed at ``delta`` (default: the budget's delta);
+        ``epsilon_remaining`` is always measured at the budget's own delta, the one
+        its epsilon limit refers to.
+        """
+        from fedpca.dp.accounting import compose_epsilon  # slow import (dp_accounting)
+
+        limit = self.config.budget.for_analyst(analyst_id)
+        at = limit.delta if delta is None else delta
+        ledger = [PrivacyEvent.from_dict(r) for r in self.store.releases(analyst_id)]
+        privacy = self.config.privacy
+
+        def spent_at(delta_: float) -> float:
+            return compose_epsilon(
+                ledger, delta_, privacy.accountant, neighbouring=privacy.neighbouring
+            )
+
+        spent = spent_at(at)
+        if math.isinf(limit.epsilon):
+            remaining = math.inf
+        else:
+            used = spent if at == limit.delta else spent_at(limit.delta)
+            remaining = max(0.0, limit.epsilon - used)
+        return BudgetStatus(
+            analyst_id=analyst_id,
+            delta=at,
+            epsilon_spent=spent,
+            epsilon_remaining=remaining,
+            epsilon_limit=limit.epsilon,
+            n_releases=len(ledger),
+            limit_delta=limit.delta,
+        )

@@ -1,0 +1,222 @@
+"""The coordinator's shared state: its change feed, the owner allow-list, the per-query
+contexts and the failure step every part of the lifecycle uses.
+
+:class:`fedpca.proxy.coordinator.Coordinator` is built from this core, the owners' task
+feed (:mod:`fedpca.proxy.owner_tasks`) and the analyst's requests
+(:mod:`fedpca.proxy.analyst_requests`); the lifecycle itself is in
+:mod:`fedpca.proxy.coordinator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fedpca.codec import MIN_KEY_BITS, CryptoPool, SerialisedCiphertextGroup
+from fedpca.dp.noise import NoiseSampler
+from fedpca.errors import (
+    AuthenticationError,
+    QueryStateError,
+)
+from fedpca.messages import (
+    QueryState,
+)
+from fedpca.protocol import ReleasePlan
+from fedpca.proxy.config import ProxyConfig
+from fedpca.proxy.prepared_noise import PreparedNoise
+from fedpca.proxy.queries import QueryContext, spec_from_dict
+from fedpca.proxy.store import ProxyStore
+
+__all__ = ["CoordinatorCore", "task_id", "total_ciphertexts"]
+
+logger = logging.getLogger("fedpca.proxy.coordinator")
+
+
+def total_ciphertexts(context: QueryContext) -> int:
+    """Ciphertexts one owner uploads for the query."""
+    return sum(block.layout.n_ciphertexts for block in context.plan.owner_blocks)
+
+
+def task_id(analyst_id: str, query_id: str) -> str:
+    """The proxy's key of analyst ``analyst_id``'s query ``query_id`` (what owners see).
+
+    Neither part may contain "/" (node ids and query ids have safe alphabets).
+    """
+    return f"{analyst_id}/{query_id}"
+
+
+class CoordinatorCore:
+    """The state every part of the coordinator shares, and its constructor.
+
+    Parameters
+    ----------
+    store : the proxy's SQLite store.
+    config : the proxy configuration (budgets, test-key switch).
+    pool : a started or lazily starting crypto pool (noise encryption, mask).
+    noise_sampler : integer Gaussian sampler; default the production discrete
+        Gaussian (OpenDP). Tests inject a seeded one.
+    clock : wall-clock seconds (injected by tests of deadlines).
+    allow_insecure_test_keys : TEST ONLY: accept analyst keys below 2048 bits
+        (also enabled by ``[crypto] allow_insecure_test_keys`` in the config).
+    background : finish queries on a background thread (the server) or in the
+        calling thread (tests, recovery tools).
+    precompute_noise : draw and encrypt stats-mode noise on a background thread
+        from submission on (:mod:`fedpca.proxy.prepared_noise`); default: ``background``.
+    """
+
+    def __init__(
+        self,
+        store: ProxyStore,
+        config: ProxyConfig,
+        pool: CryptoPool,
+        noise_sampler: NoiseSampler | None = None,
+        clock: Callable[[], float] = time.time,
+        *,
+        allow_insecure_test_keys: bool = False,
+        background: bool = True,
+        precompute_noise: bool | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.pool = pool
+        self.noise_sampler = noise_sampler
+        self.clock = clock
+        self.allow_insecure_test_keys = (
+            allow_insecure_test_keys or config.crypto.allow_insecure_test_keys
+        )
+        if self.allow_insecure_test_keys:
+            logger.warning(
+                "TEST ONLY: analyst keys shorter than %d bits are accepted", MIN_KEY_BITS
+            )
+        self._contexts: dict[str, QueryContext] = {}
+        self._lock = threading.Lock()
+        self._finishing: set[str] = set()
+        self._fold_cpu_seconds: dict[str, float] = {}
+        self._last_chunk_at: dict[str, float] = {}
+        self._open_streams: Counter[tuple[str, str]] = Counter()
+        self._finalizing: set[str] = set()
+        self._dirty: set[str] = set()
+        self._pages_final: dict[str, int] = {}
+        self._changed = threading.Condition()
+        self._version = 0
+        self._listeners: list[Callable[[], None]] = []
+        self._stopping = threading.Event()
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise")
+            if background
+            else None
+        )
+        self._noise = PreparedNoise(
+            noise_sampler,
+            enabled=background if precompute_noise is None else precompute_noise,
+        )
+        self.observer: Any = None
+        """Told each upload's fold seconds and each query's noise seconds
+        (``chunk_folded`` / ``noise_added``; :class:`fedpca.proxy.metrics.ProxyMetrics`)."""
+
+    # ------------------------------------------------------------ change feed
+    @property
+    def version(self) -> int:
+        """Increases on every query change; pair with :meth:`wait_for_change`."""
+        with self._changed:
+            return self._version
+
+    def wait_for_change(self, seen: int, timeout: float) -> int:
+        """Block until the version differs from ``seen``, ``timeout`` passes or shutdown."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._version != seen or self._stopping.is_set(), timeout
+            )
+            return self._version
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (from whichever thread) after every query change."""
+        with self._changed:
+            self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Wake every waiting stream and stop the background finisher.
+
+        A query whose noise step is cut short stays NOISING and is finished by
+        :meth:`recover` on the next start.
+        """
+        self._stopping.set()
+        self._notify()
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._noise.shutdown(wait=wait)
+
+    # ------------------------------------------------------------------ owners
+    @property
+    def registered_owners(self) -> frozenset[str]:
+        """The owners this proxy accepts (its allow-list)."""
+        return self.config.owners.allowed
+
+    def require_owner(self, owner_id: str) -> None:
+        """Refuse an owner that is not on the allow-list.
+
+        Raises
+        ------
+        AuthenticationError
+        """
+        if owner_id not in self.config.owners.allowed:
+            raise AuthenticationError(
+                f"owner {owner_id!r} is not in this proxy's [owners] allowed list"
+            )
+
+    def enroll(self, owner_id: str, info: Mapping[str, Any] | None = None) -> None:
+        """Record that an allowed owner said hello (or is alive on its task stream)."""
+        self.require_owner(owner_id)
+        self.store.touch_owner(owner_id, info)
+
+    def _context(self, query_id: str) -> QueryContext:
+        with self._lock:
+            context = self._contexts.get(query_id)
+        if context is not None:
+            return context
+        record = self.store.query(query_id)  # NotFoundError for unknown ids
+        context = QueryContext.of(spec_from_dict(record.spec))
+        with self._lock:
+            return self._contexts.setdefault(query_id, context)
+
+    def plan(self, query_id: str) -> ReleasePlan:
+        """The release plan of a stored query."""
+        return self._context(query_id).plan
+
+    def _fail(self, query_id: str, reason: str) -> None:
+        try:
+            self.store.set_state(
+                query_id,
+                QueryState.FAILED,
+                expect=(QueryState.COLLECTING, QueryState.AGGREGATING, QueryState.NOISING),
+                failure_reason=reason,
+            )
+        except QueryStateError:
+            return
+        logger.warning("query %s failed: %s", query_id, reason)
+        self._noise.discard(query_id)
+        self._notify()
+
+    def _algebra(self, query_id: str) -> SerialisedCiphertextGroup:
+        return SerialisedCiphertextGroup(self._context(query_id).public_key.n)
+
+    def _prepare_noise(self, key: str, context: QueryContext) -> None:
+        if not self._stopping.is_set():
+            self._noise.prepare(key, context.plan, context.public_key.n)

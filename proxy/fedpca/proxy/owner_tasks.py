@@ -1,0 +1,161 @@
+"""The owners' side of the coordinator: the task feed each owner's stream reads, the
+withdrawal of tasks that closed, and declines."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from fedpca.errors import (
+    NotFoundError,
+)
+from fedpca.messages import (
+    MAX_DECLINE_DETAIL,
+    QueryState,
+    Task,
+    TaskCancellation,
+)
+from fedpca.proxy.coordinator_core import CoordinatorCore
+from fedpca.query import QuerySpec
+
+__all__ = ["OwnerTasks"]
+
+logger = logging.getLogger("fedpca.proxy.coordinator")
+
+
+@dataclass(frozen=True)
+class _OpenQuery:
+    task: Task
+    deadline_at: float
+    answered: frozenset[str]
+    """Owners that uploaded to or declined the query."""
+
+
+def _one_line(text: str) -> str:
+    """A peer-supplied text as one bounded log/status line (no forged line breaks)."""
+    cleaned = " ".join(text.split())
+    if len(cleaned) > MAX_DECLINE_DETAIL:
+        cleaned = cleaned[: MAX_DECLINE_DETAIL - 3] + "..."
+    return cleaned
+
+
+class OwnerTasks(CoordinatorCore):
+    """Tasks offered to owners, their withdrawal, and owners' declines."""
+
+    _snapshot: tuple[int, list[_OpenQuery]] | None = None
+    """The COLLECTING queries as last read, with the change version they were read at."""
+
+    def tasks_for(self, owner_id: str) -> list[QuerySpec]:
+        """COLLECTING queries this owner has neither uploaded to nor declined."""
+        return [task.query for task in self.pending_tasks(owner_id)]
+
+    def _open_queries(self) -> list[_OpenQuery]:
+        """The COLLECTING queries with who answered them, read once per change.
+
+        Every owner's task stream asks after every change; one read of the store per
+        change serves them all (a thousand streams would otherwise read it a thousand
+        times).
+        """
+        version = self.version
+        with self._lock:
+            if self._snapshot is not None and self._snapshot[0] == version:
+                return self._snapshot[1]
+        snapshot = []
+        for record in self.store.queries(QueryState.COLLECTING):
+            answered = set(self.store.declines(record.query_id))
+            answered.update(u.owner_id for u in self.store.uploads(record.query_id))
+            task = Task(
+                query=self._context(record.query_id).spec,
+                upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),
+                query_signature=record.signature,
+                query_signer=record.signer,
+                task_id=record.query_id,
+            )
+            snapshot.append(_OpenQuery(task, record.deadline_at, frozenset(answered)))
+        with self._lock:
+            self._snapshot = (version, snapshot)
+        return snapshot
+
+    def pending_tasks(self, owner_id: str) -> list[Task]:
+        """:meth:`tasks_for` with each query's upload deadline, ready for the task stream.
+
+        Each task carries its task id and the analyst's signature, forwarded unchanged.
+        """
+        if owner_id not in self.registered_owners:
+            return []
+        now = self.clock()
+        return [
+            open_query.task
+            for open_query in self._open_queries()
+            if open_query.deadline_at > now and owner_id not in open_query.answered
+        ]
+
+    def withdrawn_tasks(self, owner_id: str, query_ids: Sequence[str]) -> list[TaskCancellation]:
+        """Cancellations for delivered tasks the owner should no longer answer.
+
+        A task is withdrawn when its query stopped collecting (quorum reached,
+        failed, done) or its deadline passed before this owner answered. Tasks
+        the owner contributes to (its upload complete or not) or declined are never
+        withdrawn.
+        """
+        now = self.clock()
+        cancellations = []
+        for query_id in query_ids:
+            try:
+                record = self.store.query(query_id)
+            except NotFoundError:
+                continue
+            # A contributor keeps its task whatever the state: its upload may still be
+            # streaming in (or resume after a restart of either side).
+            if owner_id in self.store.declines(query_id) or any(
+                c.owner_id == owner_id for c in self.store.contributors(query_id)
+            ):
+                continue
+            if record.state is QueryState.FAILED:
+                reason = f"query failed: {record.failure_reason}"
+            elif record.state is not QueryState.COLLECTING:
+                reason = "uploads are closed (the quorum was reached)"
+            elif record.deadline_at <= now:
+                reason = "the upload deadline has passed"
+            else:
+                continue
+            cancellations.append(TaskCancellation(query_id=query_id, reason=reason))
+        return cancellations
+
+    def decline(self, owner_id: str, query_id: str, reason: str, detail: str = "") -> None:
+        """Record an owner's refusal of a task (it is not offered again).
+
+        Accepted only from an allowed owner while the query collects and before that
+        owner uploaded; the detail is cut to one line of at most
+        :data:`~fedpca.messages.MAX_DECLINE_DETAIL` characters. When the declines
+        leave fewer owners than the quorum, the query fails at once (the declines are
+        public, so failing early releases nothing new) instead of at its deadline.
+
+        Raises
+        ------
+        AuthenticationError, NotFoundError, QueryStateError
+        """
+        self.require_owner(owner_id)
+        line = _one_line(detail)
+        self.store.record_decline(query_id, owner_id, f"{reason}: {line}" if line else reason)
+        logger.info("query %s: owner %s declined (%s)", query_id, owner_id, reason)
+        self._fail_if_quorum_unreachable(query_id)
+        self._notify()
+
+    def _fail_if_quorum_unreachable(self, query_id: str) -> None:
+        record = self.store.query(query_id)
+        if record.state is not QueryState.COLLECTING:
+            return
+        quorum = int(record.spec.get("quorum", 1))
+        declines = self.store.declines(query_id)
+        available = len(self.registered_owners - set(declines))
+        if available >= quorum:
+            return
+        listed = "; ".join(f"{owner}: {why}" for owner, why in sorted(declines.items()))
+        reason = (
+            f"the quorum of {quorum} can no longer be reached: {len(declines)} of "
+            f"{len(self.registered_owners)} owners declined ({listed})"
+        )
+        self._fail(query_id, reason)

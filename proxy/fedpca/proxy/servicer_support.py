@@ -1,0 +1,356 @@
+"""What the proxy's servicers stand on: domain errors mapped to gRPC status codes, the
+bounded worker pool that runs the synchronous coordinator off the event loop, the
+coordinator's change feed on the loop, the caller's identity and per-peer call slots,
+and a registration that answers undecodable requests with INVALID_ARGUMENT.
+
+The servicers themselves, and the full table of status codes, are in
+:mod:`fedpca.proxy.servicer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import re
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc import aio
+
+from fedpca.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    FedpcaError,
+    NotFoundError,
+    PolicyError,
+    ProtocolError,
+    QueryStateError,
+    UntrustedKeyError,
+)
+from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.limits import OverloadError, PeerLimits, PeerSlots
+from fedpca.transport import certs
+from fedpca.transport.certs import NodeIdentity, Role
+from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
+
+__all__ = [
+    "INSECURE_ANALYST_ID",
+    "ChangeFeed",
+    "LenientRegistration",
+    "PeerSlot",
+    "ServicerBase",
+    "UploadTimeoutError",
+    "WorkerPool",
+    "refuse",
+    "status_code_for",
+    "streaming_errors",
+    "unary_errors",
+]
+
+logger = logging.getLogger("fedpca.proxy.servicer")
+
+INSECURE_ANALYST_ID = "insecure-analyst"
+"""Analyst id in insecure mode when the caller sends no ``fedpca-node-id``."""
+
+_T = TypeVar("_T")
+
+
+class UploadTimeoutError(FedpcaError, TimeoutError):
+    """An upload stalled longer than the proxy's idle or total upload time."""
+
+
+_STATUS_CODES: tuple[
+    tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode], ...
+]
+_STATUS_CODES = (
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    # Before the permission errors: BudgetExceededError is also a PermissionError.
+    ((BudgetExceededError, OverloadError), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((AuthenticationError, PolicyError, UntrustedKeyError), grpc.StatusCode.PERMISSION_DENIED),
+    (QueryStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UploadTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def status_code_for(error: FedpcaError) -> grpc.StatusCode:
+    """The gRPC status a domain error is reported with (see the module table)."""
+    for kinds, code in _STATUS_CODES:
+        if isinstance(error, kinds):
+            return code
+    # ProtocolError, LayoutError, CiphertextError, ConfigError, EncodingOverflowError,
+    # CalibrationError, KeyFileError, DataError: the request itself is at fault.
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def refuse(context: aio.ServicerContext, method: str, error: BaseException) -> NoReturn:
+    if isinstance(error, FedpcaError):
+        code = status_code_for(error)
+        logger.warning("%s refused (%s): %s", method, code.name, error)
+        await context.abort(code, str(error))
+    elif isinstance(error, grpc.RpcError | aio.AioRpcError):
+        # Reading the request stream failed: the client cancelled or the connection
+        # dropped mid-stream. Routine on a network; nobody is left to answer.
+        logger.warning("%s ended: the client's request stream broke off", method)
+        await context.abort(grpc.StatusCode.CANCELLED, "the request stream broke off")
+    else:
+        # Internal details (paths, values) stay in the log, not in the reply.
+        logger.error("%s failed unexpectedly", method, exc_info=error)
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error in the proxy; see its log")
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def unary_errors(method: _Method) -> _Method:
+    """Map errors of a unary-response coroutine to status codes."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except aio.AbortError:
+            raise
+        except BaseException as error:
+            await refuse(context, method.__name__, error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def streaming_errors(method: _Method) -> _Method:
+    """Map errors of a server-streaming method (an async generator) to status codes."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for message in method(self, request, context):
+                yield message
+        except asyncio.CancelledError:
+            raise
+        except aio.AbortError:
+            raise
+        except BaseException as error:
+            await refuse(context, method.__name__, error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class WorkerPool:
+    """Runs the coordinator's blocking calls off the event loop, with a bounded backlog.
+
+    A call beyond ``limits.max_pending_work`` waiting jobs is refused with
+    :class:`OverloadError` instead of queueing without end.
+    """
+
+    def __init__(self, limits: PeerLimits) -> None:
+        self._executor = ThreadPoolExecutor(
+            max_workers=limits.worker_threads, thread_name_prefix="fedpca-proxy-work"
+        )
+        self._limit = limits.max_pending_work
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    async def run(self, function: Callable[..., _T], *args: Any) -> _T:
+        with self._lock:
+            if self._pending >= self._limit:
+                raise OverloadError(
+                    f"the proxy has {self._pending} calls waiting for a worker; try again later"
+                )
+            self._pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, functools.partial(function, *args))
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class ChangeFeed:
+    """The coordinator's change notifications, awaited on the event loop.
+
+    The coordinator calls :meth:`notify` from any thread whenever a query changes; a
+    coroutine takes :attr:`event` *before* it reads the state it reacts to and then
+    awaits it, so a change between the read and the wait is never missed.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.event = asyncio.Event()
+
+    def notify(self) -> None:
+        # A closed loop raises RuntimeError: then nothing is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
+
+    @staticmethod
+    async def wait(event: asyncio.Event, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+
+_PEER_RE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class ServicerBase:
+    """What both servicers hold: the coordinator, the worker pool, the change feed, the
+    per-peer slots and limits, and the insecure switch; and how they know the caller."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        work: WorkerPool,
+        feed: ChangeFeed,
+        slots: PeerSlots,
+        limits: PeerLimits,
+        *,
+        insecure: bool = False,
+    ) -> None:
+        self.coordinator = coordinator
+        self.work = work
+        self.feed = feed
+        self.slots = slots
+        self.limits = limits
+        self.insecure = insecure
+
+    def _caller(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
+        if not self.insecure:
+            return certs.require_role(
+                context, role, revoked_serials=self.coordinator.config.tls.revoked_serials
+            )
+        claimed = dict(context.invocation_metadata() or ()).get(INSECURE_IDENTITY_METADATA)
+        if claimed is None and role is Role.ANALYST:
+            # One anonymous analyst: its queries, results and budget stay together
+            # across client processes.
+            claimed = INSECURE_ANALYST_ID
+        elif claimed is None:
+            # Owners must stay distinct (each counts towards the quorum once): fall
+            # back to the network address, which is stable for one connection.
+            claimed = _PEER_RE.sub("-", context.peer()).strip("-.")[-63:] or "unknown"
+        try:
+            return NodeIdentity(role, str(claimed))
+        except FedpcaError as error:
+            raise AuthenticationError(f"insecure mode: bad node id: {error}") from error
+
+    def _call_slot(self, peer: NodeIdentity) -> PeerSlot:
+        return PeerSlot(self.slots, "calls", str(peer), self.limits.max_calls_per_peer)
+
+
+class PeerSlot:
+    """One per-peer slot held for the duration of a ``with`` block."""
+
+    def __init__(self, slots: PeerSlots, kind: str, peer: str, limit: int) -> None:
+        self._slots, self._kind, self._peer = slots, kind, peer
+        slots.acquire(kind, peer, limit)
+
+    def __enter__(self) -> PeerSlot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._slots.release(self._kind, self._peer)
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid protobuf message."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    def protocol_error(self) -> ProtocolError:
+        return ProtocolError(f"request is not a valid {self.message_type} message: {self.error}")
+
+
+def _lenient(deserialize: Callable[[bytes], Any], message_type: str) -> Callable[[bytes], Any]:
+    # grpc answers a deserializer's exception with INTERNAL before any servicer runs;
+    # deferring the failure lets it become a precise INVALID_ARGUMENT instead.
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # protobuf raises DecodeError, and others on garbage
+            return _Undecodable(message_type, error)
+
+    return parse
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.protocol_error()  # the servicer maps it to INVALID_ARGUMENT
+        yield request
+
+
+def _guard(handler: Any, method: str) -> Any:
+    """The same handler, with undecodable requests refused as INVALID_ARGUMENT."""
+    deserialize = handler.request_deserializer
+    # Generated handlers deserialize with the bound classmethod <Message>.FromString.
+    message_type = getattr(getattr(deserialize, "__self__", None), "__name__", "request")
+    lenient = _lenient(deserialize, message_type)
+    if handler.request_streaming:
+        if handler.response_streaming:
+            both = handler.stream_stream
+
+            async def streams(
+                requests: AsyncIterator[Any], context: aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                async for message in both(_checked(requests), context):
+                    yield message
+
+            return handler._replace(request_deserializer=lenient, stream_stream=streams)
+        collect = handler.stream_unary
+
+        async def streamed(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
+            return await collect(_checked(requests), context)
+
+        return handler._replace(request_deserializer=lenient, stream_unary=streamed)
+    if handler.response_streaming:
+        behaviour = handler.unary_stream
+
+        async def single_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await refuse(context, method, request.protocol_error())
+            async for message in behaviour(request, context):
+                yield message
+
+        return handler._replace(request_deserializer=lenient, unary_stream=single_stream)
+    behaviour = handler.unary_unary
+
+    async def single(request: Any, context: aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await refuse(context, method, request.protocol_error())
+        return await behaviour(request, context)
+
+    return handler._replace(request_deserializer=lenient, unary_unary=single)
+
+
+class LenientRegistration:
+    """The ``server`` argument of the generated ``add_*_to_server`` functions.
+
+    It receives the generated method handlers and registers guarded copies on the
+    real server, so the generated code stays the single description of each service.
+    """
+
+    def __init__(self, server: aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: the registered handlers below carry the same methods."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        guarded = {name: _guard(handler, name) for name, handler in handlers.items()}
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, guarded),)
+        )
