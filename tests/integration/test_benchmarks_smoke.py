@@ -90,6 +90,12 @@ def test_proxy_memory_folds_concurrent_uploads() -> None:
     assert math.isfinite(float(result["growth_over_uploaded"]))
 
 
+def test_connection_memory_measures_both_transports() -> None:
+    result = run_benchmark("connection_memory.py", "--connections", "5")
+    assert math.isfinite(float(result["mtls_kib_per_connection"]))
+    assert math.isfinite(float(result["plaintext_kib_per_connection"]))
+
+
 def test_end_to_end_reports_the_floor_from_its_own_run() -> None:
     result = run_benchmark("end_to_end.py", "--owners", "2", "--rows", "200", "--features", "20")
     floor = float(result["floor_seconds"])
