@@ -253,3 +253,38 @@ def timed(call: Any) -> tuple[Any, float]:
     except grpc.RpcError as error:
         result = error
     return result, time.monotonic() - started
+
+
+def proxy_database_rows(cluster: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Rows of ``sql`` on the cluster proxy's SQLite file, opened read-only (the proxy
+    process may be running)."""
+    import sqlite3
+
+    path = cluster.workdir / "state" / "proxy.sqlite3"
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30.0)
+    try:
+        return [tuple(row) for row in connection.execute(sql, args).fetchall()]
+    finally:
+        connection.close()
+
+
+def owner_releases(cluster: Any, owner_id: str) -> list[str]:
+    """The task ids in the budget ledger of the cluster's owner ``owner_id``: the releases
+    it spent budget on (read while its process may be running)."""
+    from fedpca.owner.config import load_config
+    from fedpca.owner.ledger import owner_ledger
+
+    ledger = owner_ledger(load_config(cluster.owner_config(owner_id)))
+    return [entry.event.query_id for entry in ledger.events()]
+
+
+def wait_until(condition: Any, what: str, timeout: float = 60.0) -> Any:
+    """Poll ``condition()`` every 50 ms until it returns something truthy (returned)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+    return result
