@@ -255,8 +255,10 @@ def test_an_owner_process_refuses_tasks_the_analyst_did_not_sign(tmp_path: Path)
     owner's configuration) and hands a real owner process five tasks: unsigned; signed
     by a key the owner does not pin; signed by the analyst but with the proxy's own
     Paillier modulus put in (the fingerprint left as pinned); correctly signed with a
-    quorum below the owner's minimum of 2; correctly signed with quorum 2. Only the last
-    may be answered with an upload."""
+    quorum below the owner's minimum of 2; correctly signed with quorum 2; and that last
+    one twice more under other task ids (task ids are the proxy's, not signed). Only the
+    genuine task may be answered with an upload, and only once: the replays were
+    uploaded and charged again until this test found it."""
     cluster = _cluster(tmp_path, 1, owner_settings={"owner-1": {"policy": {"min_quorum": 2}}})
     (owner_id,) = cluster.owner_ids
     analyst = cluster.analyst_ids[0]
@@ -283,6 +285,9 @@ def test_an_owner_process_refuses_tasks_the_analyst_did_not_sign(tmp_path: Path)
         substituted,
         signed_task(_spec(public_key, "lonely", quorum=1), deadline, analyst, analyst_key),
         genuine,
+        # The genuine signed query again under task ids of the proxy's choosing.
+        dataclasses.replace(genuine, task_id="mallory/genuine"),
+        dataclasses.replace(genuine, task_id=key("renamed")),
     ]
     proxy = MaliciousProxy(tasks)
     server = create_server(max_workers=8)
@@ -296,7 +301,7 @@ def test_an_owner_process_refuses_tasks_the_analyst_did_not_sign(tmp_path: Path)
             cluster.start_owners()
             wait_until(
                 lambda: len(proxy.declines) + len(proxy.uploads) >= len(tasks),
-                "the owner's five answers",
+                "the owner's answers to every task",
             )
             assert proxy.uploads == [key("genuine")]
             reasons = {task: reason for task, (reason, _) in proxy.declines.items()}
@@ -305,8 +310,12 @@ def test_an_owner_process_refuses_tasks_the_analyst_did_not_sign(tmp_path: Path)
                 key("foreign"): "unsigned_query",
                 key("substituted"): "unsigned_query",
                 key("lonely"): "policy_refusal",
+                "mallory/genuine": "policy_refusal",
+                key("renamed"): "policy_refusal",
             }
             assert "min_quorum" in proxy.declines[key("lonely")][1]
+            for replay in ("mallory/genuine", key("renamed")):
+                assert "same signed query" in proxy.declines[replay][1]
             # It spent budget on the genuine task only.
             assert owner_releases(cluster, owner_id) == [key("genuine")]
     finally:
