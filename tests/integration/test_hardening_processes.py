@@ -175,6 +175,12 @@ def test_one_owner_certificate_cannot_starve_the_proxy_process(tmp_path: Path) -
 
 
 # ------------------------------------------------------------- 2. allow-list
+def _stall() -> Iterator[Any]:
+    """A request stream that sends nothing for 30 s."""
+    time.sleep(30.0)
+    yield from ()
+
+
 def _owner_calls(stub: Any, owner_id: str, key: str, upload: list[Any]) -> dict[str, Any]:
     """Every OwnerService call, as the holder of ``owner_id``'s certificate makes it."""
     hello = serde.owner_hello_to_proto(OwnerHello(owner_id, "t"))
@@ -230,9 +236,14 @@ def test_unlisted_and_revoked_owner_certificates_are_refused_by_the_proxy_proces
         for owner_id in hostile:
             channel, stub = cluster_stub(cluster, "owner", owner_id)
             with channel:
-                for name, call in _owner_calls(stub, owner_id, key, upload).items():
-                    error = rpc_refusal(call)
+                calls = _owner_calls(stub, owner_id, key, upload)
+                # An upload that sends nothing is refused too, at once: it holds no slot.
+                calls["Upload (stalled)"] = lambda stub=stub: stub.Upload(_stall(), timeout=10)
+                for name, call in calls.items():
+                    error, seconds = timed(call)
+                    assert isinstance(error, grpc.RpcError), (owner_id, name, error)
                     assert error.code() is grpc.StatusCode.PERMISSION_DENIED, (owner_id, name)
+                    assert seconds < PROMPT, (owner_id, name, seconds)
         with cluster_analyst(cluster) as analyst:
             # Nothing of theirs reached the query: the two allowed owners' count stands.
             status = analyst.status(spec.query_id)
