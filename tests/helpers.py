@@ -190,3 +190,101 @@ def exact_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
     plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
     integers = fixed_point_statistics(rows, labels, spec).to_vector(plan.statistics)
     return plan.statistics_from_integers(integers)
+
+
+# ---------------------------------------------------- clusters of real processes
+def cluster_keys(cluster: Any) -> tuple[Any, Ed25519PrivateKey]:
+    """The analyst's TEST-ONLY Paillier public key and query-signing key of a
+    :class:`~fedpca.app.cluster.LocalCluster` (after ``prepare``)."""
+    from fedpca.analyst.keys import load_analyst_public_key, load_analyst_signing_key
+
+    public_key = load_analyst_public_key(cluster.key_dir, allow_insecure_test_key=True)
+    return public_key, load_analyst_signing_key(cluster.key_dir)
+
+
+def cluster_analyst(cluster: Any, analyst_id: str | None = None, timeout: float = 30.0) -> Any:
+    """An :class:`~fedpca.analyst.client.AnalystClient` of the cluster's proxy process,
+    with ``analyst_id``'s certificate (default: the cluster's first analyst)."""
+    from fedpca.analyst.client import AnalystClient
+    from fedpca.transport.certs import TlsMaterial
+
+    tls = TlsMaterial.load(cluster.analyst_tls(analyst_id))
+    return AnalystClient(cluster.proxy_address, tls, timeout=timeout, retry_delays=())
+
+
+def cluster_stub(cluster: Any, role: str, node_id: str) -> tuple[Any, Any]:
+    """``(channel, stub)`` of the cluster's proxy process with ``node_id``'s certificate:
+    an OwnerService stub for ``role`` "owner", an AnalystService stub for "analyst".
+
+    The raw stub sends whatever a hostile peer would (no client-side validation).
+    """
+    from fedpca.transport.certs import TlsMaterial
+    from fedpca.transport.channels import secure_channel
+    from fedpca.v1 import analyst_service_pb2_grpc, owner_service_pb2_grpc
+
+    channel = secure_channel(
+        cluster.proxy_address, TlsMaterial.load(cluster.node_tls(role, node_id))
+    )
+    module = owner_service_pb2_grpc if role == "owner" else analyst_service_pb2_grpc
+    stub_class = module.OwnerServiceStub if role == "owner" else module.AnalystServiceStub
+    return channel, stub_class(channel)
+
+
+def rpc_refusal(call: Any) -> Any:
+    """The ``grpc.RpcError`` that ``call()`` raises; an AssertionError if it succeeds."""
+    import grpc
+
+    try:
+        reply = call()
+    except grpc.RpcError as error:
+        return error
+    raise AssertionError(f"the call was expected to be refused, it answered {reply!r}")
+
+
+def timed(call: Any) -> tuple[Any, float]:
+    """``call()``'s result (or the RpcError it raised) and the seconds it took."""
+    import time
+
+    import grpc
+
+    started = time.monotonic()
+    try:
+        result = call()
+    except grpc.RpcError as error:
+        result = error
+    return result, time.monotonic() - started
+
+
+def proxy_database_rows(cluster: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Rows of ``sql`` on the cluster proxy's SQLite file, opened read-only (the proxy
+    process may be running)."""
+    import sqlite3
+
+    path = cluster.workdir / "state" / "proxy.sqlite3"
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30.0)
+    try:
+        return [tuple(row) for row in connection.execute(sql, args).fetchall()]
+    finally:
+        connection.close()
+
+
+def owner_releases(cluster: Any, owner_id: str) -> list[str]:
+    """The task ids in the budget ledger of the cluster's owner ``owner_id``: the releases
+    it spent budget on (read while its process may be running)."""
+    from fedpca.owner.config import load_config
+    from fedpca.owner.ledger import owner_ledger
+
+    ledger = owner_ledger(load_config(cluster.owner_config(owner_id)))
+    return [entry.event.query_id for entry in ledger.events()]
+
+
+def wait_until(condition: Any, what: str, timeout: float = 60.0) -> Any:
+    """Poll ``condition()`` every 50 ms until it returns something truthy (returned)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+    return result

@@ -87,6 +87,23 @@ def test_same_query_id_with_other_parameters_is_refused(tmp_path: Path) -> None:
         ledger.reserve(_event("q1", Z * 2, 0.35), BUDGET, spec_digest="d1")
 
 
+def test_the_same_query_under_another_id_is_refused(tmp_path: Path) -> None:
+    """Task ids are the proxy's, not signed: a proxy replaying one signed query under new
+    task ids must not spend the owner's budget again (issue 15, point 5)."""
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    ledger.reserve(_event("alice/q1"), BUDGET, spec_digest="d1")
+    for replay in ("mallory/q1", "alice/renamed"):
+        with pytest.raises(PolicyError, match="same signed query as task 'alice/q1'"):
+            ledger.reserve(_event(replay, Z * 2, 0.35), BUDGET, spec_digest="d1")
+    assert [e.event.query_id for e in ledger.events()] == ["alice/q1"]
+    # Released (refunded) reservations leave nothing to compare with.
+    ledger.cancel_reservation("alice/q1")
+    ledger.reserve(_event("mallory/q1", Z * 2, 0.35), BUDGET, spec_digest="d1")
+    # Ledgers of fedpca 0.1 recorded no digest: an empty one matches nothing.
+    ledger.reserve(_event("old-1", Z * 2, 0.35), BUDGET, spec_digest="")
+    ledger.reserve(_event("old-2", Z * 2, 0.35), BUDGET, spec_digest="")
+
+
 def test_ledger_survives_reopening(tmp_path: Path) -> None:
     path = tmp_path / "state" / "ledger.sqlite3"
     BudgetLedger(path).reserve(_event("q1"), BUDGET, spec_digest="d1")

@@ -586,6 +586,42 @@ def test_task_decline_needs_a_reason() -> None:
     assert serde.decline_receipt_from_proto(serde.decline_receipt_to_proto("q1")) == "q1"
 
 
+def test_query_ids_from_peers_follow_the_upload_id_rule() -> None:
+    """1 MiB ids and ids with line breaks are refused wherever a peer names a query,
+    with a message that quotes at most 40 characters of them (issue 15)."""
+    header = serde.encode_upload("alice/q1", "fp", "u1", payload(1))[0]
+    for good in ("q1", "alice/q1", "a.b_c-D9/" + "x" * 128):
+        assert serde.query_ref_from_proto(analyst_pb.QueryRef(query_id=good.split("/")[-1]))
+        decline = owner_pb.TaskDecline(query_id=good, reason=owner_pb.DECLINE_REASON_POLICY_REFUSAL)
+        assert serde.task_decline_from_proto(decline).query_id == good
+        header.header.query_id = good
+        assert serde.upload_header_from_message(header).query_id == good
+    for bad in ("A" * (1 << 20), "q1\nforged", "x" * 129, "alice/", "/q1", "-bad/q1", "a/b/c"):
+        parsers: list[Callable[[], object]] = [
+            lambda bad=bad: serde.task_decline_from_proto(
+                owner_pb.TaskDecline(query_id=bad, reason=owner_pb.DECLINE_REASON_POLICY_REFUSAL)
+            ),
+        ]
+        if "/" not in bad:
+            parsers.append(
+                lambda bad=bad: serde.query_ref_from_proto(analyst_pb.QueryRef(query_id=bad))
+            )
+        bad_header = owner_pb.UploadMessage()
+        bad_header.CopyFrom(header)
+        bad_header.header.query_id = bad
+        parsers.append(lambda m=bad_header: serde.upload_header_from_message(m))
+        for parse in parsers:
+            with pytest.raises(ProtocolError) as info:
+                parse()
+            assert len(str(info.value)) < 200 and "\n" not in str(info.value), bad[:20]
+    bad_header = owner_pb.UploadMessage()
+    bad_header.CopyFrom(header)
+    bad_header.header.upload_id = "u" * (1 << 20)
+    with pytest.raises(ProtocolError, match="upload_id") as info:
+        serde.upload_header_from_message(bad_header)
+    assert len(str(info.value)) < 200
+
+
 # ------------------------------------------------------------ analyst side
 
 

@@ -148,6 +148,16 @@ class LocalCluster:
         appended. The command must print ``proxy listening on HOST:PORT`` once it
         serves and stop on SIGTERM. Tests use it to run a TEST-ONLY launcher
         (e.g. one with a seeded noise sampler); None runs the real command.
+    analyst_ids : the analysts that get a certificate (the first is the analyst of
+        :meth:`analyst_connection`).
+    allowed_owners : the proxy's ``[owners] allowed`` (None: every owner). An owner left
+        out still gets a certificate from the CA, as an unlisted intruder would.
+    revoked_owners : owners whose certificate serial the proxy lists in
+        ``[tls] revoked_serials``.
+    proxy_settings, owner_settings : extra keys written into the proxy's TOML tables
+        (``{"limits": {...}}``) and into one owner's (``{"owner-1": {"policy": {...}}}``);
+        they win over the keys this class writes.
+    data_suffix : the owners' data files' format, ``.csv`` or ``.npy`` (large tables).
     """
 
     workdir: Path
@@ -168,6 +178,12 @@ class LocalCluster:
     proxy_command: list[str] | None = None
     proxy: ManagedProcess | None = None
     owners: list[ManagedProcess] = field(default_factory=list)
+    analyst_ids: tuple[str, ...] = ("analyst",)
+    allowed_owners: Sequence[str] | None = None
+    revoked_owners: Sequence[str] = ()
+    proxy_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    owner_settings: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    data_suffix: str = ".csv"
     port: int = 0
     key_fingerprint: str = ""
     query_signer: str = ""
@@ -202,12 +218,15 @@ class LocalCluster:
     def owner_config(self, owner_id: str) -> Path:
         return self.workdir / f"{owner_id}.toml"
 
-    def analyst_tls(self) -> Any:
+    def analyst_tls(self, analyst_id: str | None = None) -> Any:
+        """TLS files of ``analyst_id`` (default: the first of ``analyst_ids``)."""
+        return self.node_tls("analyst", analyst_id or self.analyst_ids[0])
+
+    def node_tls(self, role: str, node_id: str) -> Any:
+        """TLS files (CA, certificate, key) of one node: ``role`` is owner, proxy or analyst."""
         from fedpca.transport.certs import CertificateDirectory, NodeIdentity, Role
 
-        return CertificateDirectory(self.certs_dir).node_files(
-            NodeIdentity(Role.ANALYST, "analyst")
-        )
+        return CertificateDirectory(self.certs_dir).node_files(NodeIdentity(Role(role), node_id))
 
     def analyst_connection(self) -> dict[str, Any]:
         """Keyword arguments that point a FederatedPCA/DCA at this cluster as its analyst."""
@@ -228,11 +247,14 @@ class LocalCluster:
             NodeIdentity,
             Role,
             init_certificates,
+            read_certificate,
         )
 
+        if self.data_suffix not in (".csv", ".npy"):
+            raise ConfigError(f"data_suffix must be '.csv' or '.npy', got {self.data_suffix!r}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        init_certificates(self.certs_dir, self.owner_ids, ["analyst"], force=True)
+        init_certificates(self.certs_dir, self.owner_ids, list(self.analyst_ids), force=True)
         self.timings["certificates"] = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -249,68 +271,102 @@ class LocalCluster:
         self.port = free_loopback_port()
         directory = CertificateDirectory(self.certs_dir)
         proxy_files = directory.node_files(NodeIdentity(Role.PROXY, "proxy"))
+        revoked = [
+            format(
+                read_certificate(self.node_tls("owner", owner_id).certificate).serial_number, "x"
+            )
+            for owner_id in self.revoked_owners
+        ]
         write_toml(
             self.proxy_config,
-            {
-                "proxy": {
-                    "id": "proxy",
-                    "listen": self.proxy_address,
-                    "database": "state/proxy.sqlite3",
-                    "heartbeat_seconds": self.heartbeat_seconds,
+            self._with_settings(
+                self.proxy_settings,
+                {
+                    "proxy": {
+                        "id": "proxy",
+                        "listen": self.proxy_address,
+                        "database": "state/proxy.sqlite3",
+                        "heartbeat_seconds": self.heartbeat_seconds,
+                    },
+                    "tls": {
+                        "ca": proxy_files.ca_certificate,
+                        "cert": proxy_files.certificate,
+                        "key": proxy_files.private_key,
+                        "revoked_serials": revoked or None,
+                    },
+                    "owners": {
+                        "allowed": list(
+                            self.owner_ids if self.allowed_owners is None else self.allowed_owners
+                        )
+                    },
+                    "privacy": {"neighbouring": self.neighbouring},
+                    # A verification (epsilon = inf) run only passes an unlimited budget.
+                    "budget": {
+                        "epsilon": math.inf if self.allow_not_private else self.epsilon_budget,
+                        "delta": self.delta_budget,
+                    },
+                    "crypto": {
+                        "processes": self.processes_per_node,
+                        # TEST-ONLY keys (below 2048 bits) are refused unless this is set.
+                        "allow_insecure_test_keys": True if self.key_bits < 2048 else None,
+                    },
                 },
-                "tls": {
-                    "ca": proxy_files.ca_certificate,
-                    "cert": proxy_files.certificate,
-                    "key": proxy_files.private_key,
-                },
-                "owners": {"allowed": self.owner_ids},
-                "privacy": {"neighbouring": self.neighbouring},
-                # A verification (epsilon = inf) run only passes an unlimited budget.
-                "budget": {
-                    "epsilon": math.inf if self.allow_not_private else self.epsilon_budget,
-                    "delta": self.delta_budget,
-                },
-                "crypto": {"processes": self.processes_per_node},
-            },
+            ),
         )
         data_dir = self.workdir / "data"
         data_dir.mkdir(exist_ok=True)
         for owner_id, table in zip(self.owner_ids, self.owner_tables, strict=True):
-            path = data_dir / f"{owner_id}.csv"
-            np.savetxt(path, table, delimiter=",", fmt="%.17g")
+            path = data_dir / f"{owner_id}{self.data_suffix}"
+            if self.data_suffix == ".npy":
+                np.save(path, np.asarray(table, dtype=np.float64))
+            else:
+                np.savetxt(path, table, delimiter=",", fmt="%.17g")
             files = directory.node_files(NodeIdentity(Role.OWNER, owner_id))
             write_toml(
                 self.owner_config(owner_id),
-                {
-                    "owner": {
-                        "id": owner_id,
-                        "proxy": self.proxy_address,
-                        "state_dir": f"state/{owner_id}",
+                self._with_settings(
+                    self.owner_settings.get(owner_id, {}),
+                    {
+                        "owner": {
+                            "id": owner_id,
+                            "proxy": self.proxy_address,
+                            "state_dir": f"state/{owner_id}",
+                        },
+                        "tls": {
+                            "ca": files.ca_certificate,
+                            "cert": files.certificate,
+                            "key": files.private_key,
+                        },
+                        "data": {
+                            "path": path,
+                            "header": False,
+                            "label_column": self.label_column,
+                            # Public capacity: the demo's tables are public anyway.
+                            "max_records": max(1, len(table)),
+                        },
+                        "policy": {
+                            "accepted_analyst_keys": [self.key_fingerprint],
+                            "accepted_query_signers": [self.query_signer],
+                            "max_epsilon_per_query": self.max_epsilon_per_query,
+                            "allow_not_private": self.allow_not_private,
+                            "allow_masked_mode": self.allow_masked_mode,
+                        },
+                        "privacy": {"neighbouring": self.neighbouring},
+                        "budget": {"epsilon": self.epsilon_budget, "delta": self.delta_budget},
+                        "crypto": {"processes": self.processes_per_node},
                     },
-                    "tls": {
-                        "ca": files.ca_certificate,
-                        "cert": files.certificate,
-                        "key": files.private_key,
-                    },
-                    "data": {
-                        "path": path,
-                        "header": False,
-                        "label_column": self.label_column,
-                        # Public capacity: the demo's tables are public anyway.
-                        "max_records": max(1, len(table)),
-                    },
-                    "policy": {
-                        "accepted_analyst_keys": [self.key_fingerprint],
-                        "accepted_query_signers": [self.query_signer],
-                        "max_epsilon_per_query": self.max_epsilon_per_query,
-                        "allow_not_private": self.allow_not_private,
-                        "allow_masked_mode": self.allow_masked_mode,
-                    },
-                    "privacy": {"neighbouring": self.neighbouring},
-                    "budget": {"epsilon": self.epsilon_budget, "delta": self.delta_budget},
-                    "crypto": {"processes": self.processes_per_node},
-                },
+                ),
             )
+
+    @staticmethod
+    def _with_settings(
+        settings: dict[str, dict[str, Any]], document: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        """``document`` with ``settings``' keys written over its tables' (tables added)."""
+        merged = {table: dict(entries) for table, entries in document.items()}
+        for table, entries in settings.items():
+            merged.setdefault(table, {}).update(entries)
+        return merged
 
     # -------------------------------------------------------------- processes
     def _spawn(
@@ -347,9 +403,10 @@ class LocalCluster:
         return self.proxy
 
     def start_owners(
-        self, timeout: float = 60.0, owner_ids: Sequence[str] | None = None
+        self, timeout: float = 60.0, owner_ids: Sequence[str] | None = None, *, wait: bool = True
     ) -> list[ManagedProcess]:
-        """Start the owner nodes (all, or those in ``owner_ids``) and wait until connected."""
+        """Start the owner nodes (all, or those in ``owner_ids``) and wait until connected
+        (``wait=False``: do not wait, e.g. for an owner the proxy is expected to refuse)."""
         chosen = self.owner_ids if owner_ids is None else list(owner_ids)
         unknown = sorted(set(chosen) - set(self.owner_ids))
         if unknown:
@@ -358,9 +415,9 @@ class LocalCluster:
             self._spawn(owner_id, ["owner", "serve", "--config", str(self.owner_config(owner_id))])
             for owner_id in chosen
         ]
-        for process in started:
-            process.wait_for(OWNER_READY_MARKER, timeout)
         self.owners.extend(started)
+        for process in started if wait else ():
+            process.wait_for(OWNER_READY_MARKER, timeout)
         return started
 
     def start(self) -> None:

@@ -42,7 +42,10 @@ A query id can be reserved once. Reserving it again with the same parameters
 (``spec_digest``) is a no-op that reports the current state, so a task
 re-delivered after a reconnect or a restart is not charged twice. The same id
 with *different* parameters is refused: otherwise a proxy could obtain two
-different releases for the price of one.
+different releases for the price of one. And the same query (``spec_digest``)
+under *another* id is refused too: the task id is the proxy's, not signed by the
+analyst, so a proxy could otherwise replay one signed query under new task ids and
+spend this owner's budget on releases nobody asked for.
 """
 
 from __future__ import annotations
@@ -331,8 +334,8 @@ class BudgetLedger:
         PolicyError
             For a verification (``epsilon = inf``) event without
             ``allow_not_private``, an event stated for another neighbouring relation
-            than this ledger's, or a query id already reserved with different
-            parameters.
+            than this ledger's, a query id already reserved with different
+            parameters, or a query (``spec_digest``) already reserved under another id.
         CalibrationError
             If the release (or its composition with the ledger) has less noise than
             the accountant supports (:data:`fedpca.dp.accounting.MIN_NOISE_MULTIPLIER`,
@@ -356,6 +359,20 @@ class BudgetLedger:
                 (event.query_id,),
             ).fetchone()
             past = _events(connection)
+            replayed = (
+                connection.execute(
+                    "SELECT query_id FROM releases WHERE spec_digest = ? AND query_id != ?",
+                    (spec_digest, event.query_id),
+                ).fetchone()
+                if spec_digest
+                else None
+            )
+            if replayed is not None:
+                raise PolicyError(
+                    f"task {event.query_id!r} carries the same signed query as task "
+                    f"{replayed[0]!r}, already answered; a query is answered once, whatever "
+                    "task id it comes under"
+                )
             if existing is not None:
                 digest, z, was_not_private = existing
                 if digest != spec_digest or z != event.noise_multiplier:

@@ -227,6 +227,14 @@ class ServicerBase:
         self.insecure = insecure
 
     def _caller(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
+        identity = self._identity(context, role)
+        if role is Role.OWNER:
+            # Before anything else of the call (an upload's first message included): an
+            # owner off the allow-list holds no slot and waits for nothing.
+            self.coordinator.require_owner(identity.node_id)
+        return identity
+
+    def _identity(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
         if not self.insecure:
             return certs.require_role(
                 context, role, revoked_serials=self.coordinator.config.tls.revoked_serials

@@ -22,7 +22,16 @@ from fedpca.messages import (
     QueryState,
     UploadStatus,
 )
-from fedpca.query import AggregateKind, Calibration, Moments, Neighbouring, ProtocolMode, QueryKind
+from fedpca.query import (
+    QUERY_ID_PATTERN,
+    AggregateKind,
+    Calibration,
+    Moments,
+    Neighbouring,
+    ProtocolMode,
+    QueryKind,
+)
+from fedpca.transport.certs import validate_node_id
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import query_pb2 as query_pb
@@ -169,4 +178,49 @@ def timestamp_from_proto(stamp: timestamp_pb2.Timestamp, what: str) -> datetime:
 def require_text(value: str, what: str) -> str:
     if not value:
         raise ProtocolError(f"{what} is empty")
+    return value
+
+
+def short_repr(text: str, limit: int = 40) -> str:
+    """``repr`` of a peer's text cut to ``limit`` characters: error messages and log
+    lines quote what a peer sent without growing with it."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def require_query_id(value: str, what: str) -> str:
+    """A query id as an analyst refers to its query (the rule of upload ids).
+
+    Raises
+    ------
+    ProtocolError
+        Empty, longer than 128 characters, or outside ``[A-Za-z0-9._-]``.
+    """
+    if not QUERY_ID_PATTERN.fullmatch(require_text(value, what)):
+        raise ProtocolError(
+            f"{what} {short_repr(value)} must be 1 to 128 letters, digits, '.', '_' or '-'"
+        )
+    return value
+
+
+def require_task_key(value: str, what: str) -> str:
+    """A task's key as an owner sends it back: ``<analyst id>/<query id>`` (the proxy's
+    task id), or a bare query id.
+
+    Raises
+    ------
+    ProtocolError
+        Either part breaks its rule (node ids, :func:`require_query_id`).
+    """
+    analyst, separator, query_id = require_text(value, what).rpartition("/")
+    valid = QUERY_ID_PATTERN.fullmatch(query_id) is not None
+    if valid and separator:
+        try:
+            validate_node_id(analyst)
+        except ConfigError:
+            valid = False
+    if not valid:
+        raise ProtocolError(
+            f"{what} {short_repr(value)} must be '<analyst id>/<query id>' (a query id is 1 "
+            "to 128 letters, digits, '.', '_' or '-')"
+        )
     return value

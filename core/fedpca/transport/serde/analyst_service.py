@@ -37,6 +37,7 @@ from fedpca.transport.serde._common import (
     STATE_FROM_PROTO,
     STATE_TO_PROTO,
     enum_from_proto,
+    require_query_id,
     require_text,
     set_scalars,
     timestamp_from_proto,
@@ -77,8 +78,8 @@ def query_ref_to_proto(query_id: str) -> analyst_pb.QueryRef:
 
 
 def query_ref_from_proto(message: analyst_pb.QueryRef) -> str:
-    """Return the referenced query id (ProtocolError if empty)."""
-    return require_text(message.query_id, "QueryRef.query_id")
+    """Return the referenced query id (ProtocolError unless it is a valid query id)."""
+    return require_query_id(message.query_id, "QueryRef.query_id")
 
 
 def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:

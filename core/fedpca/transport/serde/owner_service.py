@@ -30,8 +30,10 @@ from fedpca.transport.serde._common import (
     UPLOAD_STATUS_TO_PROTO,
     capabilities_from_proto,
     enum_from_proto,
+    require_task_key,
     require_text,
     set_scalars,
+    short_repr,
     timestamp_from_proto,
     timestamp_to_proto,
 )
@@ -60,7 +62,9 @@ def upload_header_message(
     mode only.
     """
     if not UPLOAD_ID_PATTERN.fullmatch(upload_id):
-        raise ConfigError(f"upload_id {upload_id!r} must match {UPLOAD_ID_PATTERN.pattern}")
+        raise ConfigError(
+            f"upload_id {short_repr(upload_id)} must match {UPLOAD_ID_PATTERN.pattern}"
+        )
     header = owner_pb.UploadHeader(
         query_id=query_id,
         analyst_key_fingerprint=analyst_key_fingerprint,
@@ -114,10 +118,11 @@ def upload_header_from_message(message: owner_pb.UploadMessage) -> UploadHeader:
     if message.WhichOneof("payload") != "header":
         raise ProtocolError("an upload must start with an UploadHeader")
     header = message.header
-    query_id = require_text(header.query_id, "UploadHeader.query_id")
+    query_id = require_task_key(header.query_id, "UploadHeader.query_id")
     if not UPLOAD_ID_PATTERN.fullmatch(header.upload_id):
         raise ProtocolError(
-            f"UploadHeader.upload_id {header.upload_id!r} must match {UPLOAD_ID_PATTERN.pattern}"
+            f"UploadHeader.upload_id {short_repr(header.upload_id)} must match "
+            f"{UPLOAD_ID_PATTERN.pattern}"
         )
     label = f"upload {header.upload_id!r} for query {query_id!r}"
     if header.content_sha256:
@@ -313,7 +318,7 @@ def task_decline_to_proto(decline: TaskDecline) -> owner_pb.TaskDecline:
 
 def task_decline_from_proto(message: owner_pb.TaskDecline) -> TaskDecline:
     return TaskDecline(
-        query_id=require_text(message.query_id, "TaskDecline.query_id"),
+        query_id=require_task_key(message.query_id, "TaskDecline.query_id"),
         reason=enum_from_proto(message.reason, DECLINE_FROM_PROTO, "TaskDecline.reason"),
         detail=message.detail,
     )

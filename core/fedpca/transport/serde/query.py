@@ -22,6 +22,7 @@ from fedpca.transport.serde._common import (
     enum_from_proto,
     extend_repeated,
     set_scalars,
+    short_repr,
 )
 from fedpca.v1 import query_pb2 as query_pb
 
@@ -138,7 +139,7 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         If the message is malformed or the spec it describes is invalid (the
         message of the underlying ConfigError is kept).
     """
-    what = f"QuerySpec {message.query_id!r}"
+    what = f"QuerySpec {short_repr(message.query_id)}"
     kwargs: dict[str, Any] = {
         "query_id": message.query_id,
         "kind": enum_from_proto(message.kind, KIND_FROM_PROTO, f"{what}.kind"),
