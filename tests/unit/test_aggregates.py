@@ -9,6 +9,8 @@ code), and the add bounds are attained.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -396,6 +398,34 @@ def test_pca_digest_is_unchanged_and_aggregates_enter_it() -> None:
         Aggregate.histogram((0, 1), ((0.0, 0.5, 1.0), (-5.0, 0.0, 2.5, 5.0)), 3, (1.0, 2.0))
     )
     assert spec_digest(one) != spec_digest(moved)
+
+
+def test_digest_encodes_every_field_as_dataclasses_asdict_does() -> None:
+    # The digest is what analysts sign: it must stay the canonical JSON of the spec as
+    # dataclasses.asdict presents it, aggregates included, however it is computed.
+    def reference(spec: QuerySpec) -> str:
+        fields = dataclasses.asdict(spec)
+        if not fields["aggregates"]:
+            del fields["aggregates"]
+        text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    dca = QuerySpec(
+        "q2",
+        QueryKind.DCA,
+        3,
+        0.5,
+        1e-6,
+        1,
+        35,
+        "sha256:x",
+        feature_lower=(-1.0, 0.0, 2.5),
+        feature_upper=(1.0, 4.0, 9.0),
+        class_labels=(0.0, 1.0),
+        label_column=0,
+    )
+    for spec in (dca, query(STATS, VARIANCE, JOINT, LINREG, noise_weights=tuple(range(1, 15)))):
+        assert spec_digest(spec) == reference(spec)
 
 
 def test_wire_and_store_round_trips_are_exact() -> None:

@@ -303,10 +303,16 @@ def zcdp_epsilon(noise_multiplier: float, delta: float) -> float:
 
 
 def zcdp_noise_multiplier(epsilon: float, delta: float) -> float:
-    """Smallest z (to 1e-12 relative) with ``zcdp_epsilon(z, delta) <= epsilon``.
+    """Smallest z with ``zcdp_epsilon(z, delta) <= epsilon`` (to float rounding).
 
-    The returned z always satisfies the inequality: the bisection keeps the upper end
-    of its bracket, which is checked to meet it.
+    :func:`zcdp_epsilon` is the minimum over the orders alpha > 1.01 of
+    ``alpha rho + c(alpha)``, ``c(alpha) = log(1 - 1/alpha) - log(delta alpha)/(alpha - 1)``,
+    with rho = 1/(2 z^2). That minimum is at most epsilon exactly when one order has
+    ``alpha rho + c(alpha) <= epsilon``, so the largest rho that fits is the maximum over
+    the orders of ``(epsilon - c(alpha)) / alpha``: solved in one pass here, instead of a
+    bisection that called the accountant ~45 times (0.2 s on every plan of a query, on
+    the owner's path to its first ciphertext). The accountant itself then checks the
+    result, which is raised by a few ulps if rounding left it a hair short.
 
     Raises
     ------
@@ -314,29 +320,30 @@ def zcdp_noise_multiplier(epsilon: float, delta: float) -> float:
         If a parameter is out of range.
     """
     _check_finite_params(epsilon, delta)
+    orders = np.array([alpha for alpha in RDP_ORDERS if alpha > 1.01])
+    offsets = np.log1p(-1.0 / orders) - np.log(delta * orders) / (orders - 1.0)
+    with np.errstate(over="ignore"):
+        rho = float(np.max((epsilon - offsets) / orders))
+    if not rho > 0:
+        raise CalibrationError(f"no noise multiplier reaches epsilon={epsilon!r}")
+    z = 1.0 / math.sqrt(2.0 * rho) if math.isfinite(rho) else 0.0
+    if z > 1e12:
+        raise CalibrationError(f"no noise multiplier reaches epsilon={epsilon!r}")
+    if z < 1e-150:
+        raise CalibrationError(
+            f"epsilon={epsilon!r} at delta={delta!r} asks for almost no noise (z < 1e-150)"
+        )
+    for _ in range(_ROUNDING_STEPS):
+        if zcdp_epsilon(z, delta) <= epsilon:
+            return z
+        z = math.nextafter(z, math.inf)
+    raise CalibrationError(  # pragma: no cover - the closed form is within a few ulps
+        f"calibrating epsilon={epsilon!r} at delta={delta!r} did not converge"
+    )
 
-    def fits(z: float) -> bool:
-        return zcdp_epsilon(z, delta) <= epsilon
 
-    # epsilon(z) falls monotonically in z: bracket by doubling/halving from z = 1.
-    lo = hi = 1.0
-    while not fits(hi):
-        hi *= 2.0
-        if hi > 1e12:
-            raise CalibrationError(f"no noise multiplier reaches epsilon={epsilon!r}")
-    while fits(lo):
-        lo /= 2.0
-        if lo < 1e-150:
-            raise CalibrationError(
-                f"epsilon={epsilon!r} at delta={delta!r} asks for almost no noise (z < 1e-150)"
-            )
-    while hi - lo > 1e-12 * hi:
-        mid = 0.5 * (lo + hi)
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+_ROUNDING_STEPS = 64
+"""ulps :func:`zcdp_noise_multiplier` may raise its closed-form z by to absorb rounding."""
 
 
 def calibrate_noise_multiplier(
