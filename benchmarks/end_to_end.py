@@ -51,6 +51,29 @@ DONE = re.compile(
 )
 
 
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and every live descendant (from /proc).
+
+    Read before and after the round, the difference is the CPU a role spent on it,
+    crypto workers included (they live as long as the node)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+            # Fields after the parenthesised command name; utime and stime are 14 and 15.
+            fields = stat.rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for task in Path(f"/proc/{current}/task").iterdir():
+                children = (task / "children").read_text().split()
+                pending.extend(int(child) for child in children)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+    return total
+
+
 def _stamp(match: re.Match[str]) -> float:
     return dt.datetime.strptime(match["stamp"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
@@ -128,16 +151,25 @@ def main() -> None:
             deadline_seconds=600.0,
             **cluster.analyst_connection(),
         )
+        assert cluster.proxy is not None
+        pids = {
+            "owners": [o.process.pid for o in cluster.owners],
+            "proxy": [cluster.proxy.process.pid],
+        }
+        cpu_before = {role: sum(map(process_tree_cpu_seconds, p)) for role, p in pids.items()}
         analyst_cpu = resource.getrusage(resource.RUSAGE_SELF)
         started = time.time()
         model.fit(n_features=n_features)
         finished = time.time()
+        role_cpu = {
+            role: sum(map(process_tree_cpu_seconds, p)) - cpu_before[role]
+            for role, p in pids.items()
+        }
         after = resource.getrusage(resource.RUSAGE_SELF)
         analyst_main_cpu = (after.ru_utime + after.ru_stime) - (
             analyst_cpu.ru_utime + analyst_cpu.ru_stime
         )
         owners = [owner_record(process.log_text()) for process in cluster.owners]
-        assert cluster.proxy is not None
         done = proxy_record(cluster.proxy.log_text())
         proxy_peak_mib = peak_rss_mib(cluster.proxy.process.pid)
     cores = os.cpu_count() or 1
@@ -189,6 +221,16 @@ def main() -> None:
         "decoding, solving: outside the floor)"
     )
     print(f"  floor = total ÷ {cores} cores = {floor:.2f} s; {per_owner} ciphertexts per owner")
+    print("all CPU of each role during the round (processes and their crypto workers):")
+    print(
+        f"  owners {role_cpu['owners']:8.2f}  ({role_cpu['owners'] - encrypt_cpu:.2f} besides "
+        "encryption: policy, budget, statistics, chunking, gRPC)"
+    )
+    proxy_other = role_cpu["proxy"] - fold_cpu - float(done["noise_cpu"])
+    print(
+        f"  proxy  {role_cpu['proxy']:8.2f}  ({proxy_other:.2f} besides folding and noise: "
+        "submission, store, gRPC)"
+    )
     print(f"proxy process peak resident memory (VmHWM): {proxy_peak_mib:.1f} MiB")
     print(f"explained variance ratio: {np.round(model.explained_variance_ratio_, 4).tolist()}")
     if args.keep is None:
