@@ -130,16 +130,17 @@ def run_driver(config_list: Path, clients: str, connect_timeout: float) -> None:
 def run_owner_nodes(paths: list[str], pool: Any, connect_timeout: float) -> None:
     """``--clients node``: one :class:`OwnerNode` thread per owner (the real owner code)."""
     from fedpca.owner import node as owner_node
+    from fedpca.owner import retry, task_processing
     from fedpca.owner.config import load_config
     from fedpca.owner.node import OwnerNode
 
-    plain_details = owner_node._details
-
     def details(err: Any) -> str:
         debug = getattr(err, "debug_error_string", None)
-        return plain_details(err) + (f" [{debug()}]" if debug is not None else "")
+        return retry.status_details(err) + (f" [{debug()}]" if debug is not None else "")
 
-    owner_node._details = details  # DIAGNOSTIC: name gRPC's own reason in the driver logs
+    # DIAGNOSTIC: name gRPC's own reason in the driver logs (both modules that log it).
+    owner_node.status_details = details
+    task_processing.status_details = details
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     nodes = [OwnerNode(load_config(path), pool=pool) for path in paths]
