@@ -295,8 +295,10 @@ class CrashHarness:
         self.restart_proxy(arm)
         model = self.finish(run)
         _assert_same_statistics(model, reference, label)
-        self.check_store(run.query_id, label)
-        # The query can finish before an owner's retry: wait for every owner's answer.
+        # The query can finish before an owner's retry: its last chunks folded before the
+        # kill make the last page final, while the acknowledgement (and the row in
+        # ``uploads``) waits for the owner's resent upload. Wait for every owner's answer
+        # before the store is checked.
         outcome = re.compile(
             rf"query {re.escape(run.query_id)}: (upload \S+ (accepted|duplicate) by the proxy"
             r"|the proxy refused upload|giving up upload)"
@@ -313,6 +315,7 @@ class CrashHarness:
             # DUPLICATE, never refused.
             assert "giving up upload" not in text, f"{label}: {owner} gave up uploading"
             assert "refused upload" not in text, f"{label}: {owner} was refused"
+        self.check_store(run.query_id, label)
         if trial.fault is not None and trial.fault.startswith("folded:"):
             # The owner whose acknowledgement died with the proxy retried and was told
             # DUPLICATE: the retry was recognised, not folded a second time.
