@@ -190,8 +190,12 @@ def main() -> None:
     for phase, seconds in cluster.timings.items():
         print(f"  {phase:<44}{seconds:8.2f} s (setup, not in end-to-end)")
     rows = [
+        ("analyst: keys, connection, deployment, query", timings["prepare"]),
         ("analyst: start decryption workers", timings.get("start workers", 0.0)),
-        ("submit → first owner encrypting", first_start - started - timings["start workers"]),
+        (
+            "submit → first owner encrypting",
+            first_start - started - timings["prepare"] - timings["start workers"],
+        ),
         (f"owners encrypt ({ciphertexts} ciphertexts, overlapping)", last_end - first_start),
         ("last chunk → every page final (proxy)", float(done["final_after"])),
         ("analyst: waiting for the contributors", timings["wait"]),

@@ -301,6 +301,7 @@ def test_fit_runs_the_query_and_returns_self(
     assert signing_keys_from == ["key.json"] and client.signers == [TEST_SIGNER]
     assert [s.state for s in statuses] == [QueryState.COLLECTING, QueryState.AGGREGATING]
     assert set(estimator.timings_) == {
+        "prepare",
         "start workers",
         "submit",
         "wait",

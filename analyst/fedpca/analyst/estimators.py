@@ -107,8 +107,9 @@ class FederatedPCA(FederatedEstimator):
     epsilon_, delta_ : privacy parameters of the release (delta_ = 0 without noise).
     not_private_ : True for epsilon = inf.
     noise_sigmas_ : section -> Gaussian sigma in real units.
-    timings_ : phase -> seconds ("start workers", "submit", "wait", "decrypt", "tail",
-        "decrypt_cpu", "solve"; see :func:`run_query`).
+    timings_ : phase -> seconds ("prepare": keys, connection, the deployment's facts and
+        the query, before anything is submitted; then "start workers", "submit", "wait",
+        "decrypt", "tail", "decrypt_cpu", "solve"; see :func:`run_query`).
     query_id_, key_fingerprint_, mode_ : provenance.
     release_ : the decrypted :class:`~fedpca.analyst.decode.DecodedRelease`.
     """

@@ -197,6 +197,7 @@ class FederatedEstimator(SklearnParams):
         from fedpca.analyst.client import AnalystClient
 
         refuse_in_bootstrapping_child()
+        fit_started = time.perf_counter()
         # Refuse data passed as the schema before touching keys or the network.
         check_schema(n_features, self.bounds)
         if self.proxy is None:
@@ -233,6 +234,7 @@ class FederatedEstimator(SklearnParams):
             spec = self.build_query(n_features, private_key.public_key, deployment)
             if not spec.private:
                 logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
+            prepared = time.perf_counter() - fit_started
             release, timings = run_query(
                 spec,
                 client,
@@ -244,7 +246,11 @@ class FederatedEstimator(SklearnParams):
                 decrypt_progress=None if display is None else display.decrypted,
                 pool=pool,
             )
-        self._fit_release(release, timings, owners_registered=deployment.owners_registered)
+        self._fit_release(
+            release,
+            {"prepare": prepared, **timings},
+            owners_registered=deployment.owners_registered,
+        )
         return self
 
     def _tls_material(self) -> TlsMaterial | None:
