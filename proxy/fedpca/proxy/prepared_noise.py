@@ -47,10 +47,12 @@ __all__ = ["PageNoise", "PreparedNoise", "draw_page_noise"]
 logger = logging.getLogger(__name__)
 
 
-NOISE_PIECE_VALUES = 1 << 16
+NOISE_PIECE_VALUES = 1 << 12
 """Noise values drawn at a time. The sampler takes and returns Python lists (about
-100 bytes a value with its buffers); drawing 2 million values at once (M = 2,000)
-took some 200 MiB, a piece of 65,536 values takes a few MiB."""
+100 bytes a value with its buffers): drawing the 2 million values of M = 2,000 at once
+took some 200 MiB. Measured at M = 2,000 with OpenDP loaded: pieces of 65,536 values
+raised the peak by 46 MiB over the 15 MiB of packed noise kept, pieces of 4,096 by
+24 MiB, in the same time (the per-call cost of the sampler is negligible)."""
 
 
 @dataclass(frozen=True)
