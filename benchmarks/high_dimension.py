@@ -21,9 +21,24 @@ of ciphertexts that role holds for the query (512 bytes per 2048-bit ciphertext)
   lives in SQLite, so most of it need not be resident;
 * the analyst (this process) receives the result, one copy of the layout.
 
-The crypto pools' worker processes (owners' encryption, the analyst's decryption, the
-proxy's noise) are separate processes and not counted; they hold one task's items
-at a time.
+The crypto pools' worker processes (owners' encryption, the analyst's decryption) are
+separate processes and not counted; they hold one task's items at a time.
+
+Besides its ciphertexts, each role must hold by design (printed as "by design", the
+least its peak above idle can be):
+
+* an owner, its share's fixed-point values (int64, 8 bytes a value) while it encrypts
+  them, next to the upload it keeps;
+* the proxy, the packed noise it draws while the owners encrypt (one plaintext of
+  ``key_bits / 8`` bytes per result ciphertext); its aggregate is in SQLite;
+* the analyst, the noisy scatter R the release keeps (M x M float64) and one working
+  M x M matrix for LAPACK's eigensolver.
+
+The analyst's peak is also read just before the eigendecomposition (decryption and
+decoding alone). Idle figures include each role's libraries: the proxy loads OpenDP's
+native library when it starts (what that costs is measured in a fresh interpreter and
+printed), and this script imports what the analyst's ``fit`` would import at first use
+(gRPC, dp-accounting; printed too) before reading the analyst's idle figure.
 
 Usage::
 
@@ -31,19 +46,23 @@ Usage::
                                         [--keep DIR]
 
 The last line reads ``features=<M> ciphertexts_per_owner=<n> end_to_end_seconds=<s>
-max_peak_over_held=<x>``: the largest ratio, over the roles, of peak resident memory
-to the ciphertext bytes held.
+max_peak_over_held=<x> max_growth_over_held=<y>``: the largest ratios, over the roles,
+of peak resident memory, and of its growth above idle, to the ciphertext bytes held.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from end_to_end import owner_record, proxy_record
@@ -52,6 +71,7 @@ from synthetic import BOUND, owner_tables
 from fedpca.analyst.estimators import FederatedPCA
 from fedpca.app.cluster import LocalCluster
 from fedpca.codec.ciphertext import ciphertext_byte_length
+from fedpca.protocol import SHARES
 
 KEY_BITS = 2048
 MIB = 1024 * 1024
@@ -65,12 +85,40 @@ def proc_status_kib(pid: int, field: str) -> int:
     raise SystemExit(f"no {field} for process {pid}")
 
 
+OPENDP_LOAD_COST = """
+import sys
+from pathlib import Path
+import fedpca.proxy.server
+from fedpca.dp.noise import DiscreteGaussianSampler
+
+def rss():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+before = rss()
+DiscreteGaussianSampler.load()
+print(rss() - before)
+"""
+
+
+def opendp_load_mib() -> float:
+    """Resident MiB that loading OpenDP adds to a fresh interpreter holding the proxy's
+    modules (what the proxy's idle figure includes since it loads OpenDP at start-up)."""
+    completed = subprocess.run(
+        [sys.executable, "-c", OPENDP_LOAD_COST], capture_output=True, text=True, check=True
+    )
+    return int(completed.stdout.strip().splitlines()[-1]) / 1024
+
+
 @dataclass(frozen=True)
 class RoleMemory:
     role: str
     idle_mib: float
     peak_mib: float
     held_mib: float
+    design_mib: float
+    """What the role must hold besides its ciphertexts (see the module docstring)."""
 
     @property
     def peak_over_held(self) -> float:
@@ -79,6 +127,14 @@ class RoleMemory:
     @property
     def growth_over_held(self) -> float:
         return (self.peak_mib - self.idle_mib) / self.held_mib
+
+
+class MeasuredPCA(FederatedPCA):
+    """FederatedPCA that reads this process's peak memory just before it solves."""
+
+    def _solve(self, release: Any) -> None:
+        self.peak_before_solve_mib_ = proc_status_kib(os.getpid(), "VmHWM") / 1024
+        super()._solve(release)
 
 
 def log(message: str) -> None:
@@ -101,6 +157,12 @@ def main() -> None:
     )
     cluster.prepare()
     self_pid = os.getpid()
+    # What fit imports at first use (gRPC, dp-accounting): loaded before the analyst's
+    # idle figure, as the servers' idle figures include their libraries.
+    before_imports = proc_status_kib(self_pid, "VmRSS") / 1024
+    importlib.import_module("fedpca.analyst.client")
+    importlib.import_module("dp_accounting.rdp")
+    analyst_libraries_mib = proc_status_kib(self_pid, "VmRSS") / 1024 - before_imports
     with cluster:
         cluster.start()
         assert cluster.proxy is not None
@@ -112,7 +174,7 @@ def main() -> None:
         idle = {name: proc_status_kib(pid, "VmRSS") / 1024 for name, pid in pids.items()}
         idle["analyst (this process)"] = proc_status_kib(self_pid, "VmRSS") / 1024
         log(f"M = {args.features}: {args.owners} owners connected; submitting the query")
-        model = FederatedPCA(
+        model = MeasuredPCA(
             n_components=min(args.components, args.features),
             epsilon=1.0,
             delta=1e-5,
@@ -163,25 +225,46 @@ def main() -> None:
         f"analyst's decryption {timings['decrypt_cpu']:.1f} s, proxy's check + fold "
         f"{float(done['fold_cpu']):.1f} s"
     )
+    plan = model.release_.plan
+    values = plan.owner_block(SHARES).layout.value_count
+    design = {
+        "proxy": per_owner * (KEY_BITS // 8) / MIB,
+        **{name: values * 8 / MIB for name in owner_names},
+        "analyst (this process)": 2 * args.features**2 * 8 / MIB,
+    }
     memory = [
-        RoleMemory(name, idle[name], peaks[name], held_mib)
+        RoleMemory(name, idle[name], peaks[name], held_mib, design[name])
         for name in ["proxy", *owner_names, "analyst (this process)"]
     ]
     log("memory of each role's main process (MiB) against the ciphertexts it holds:")
     log(
-        f"  {'role':<24}{'idle RSS':>9}{'peak':>9}{'held':>9}{'peak/held':>11}"
-        f"{'(peak-idle)/held':>18}"
+        f"  {'role':<24}{'idle RSS':>9}{'peak':>9}{'peak-idle':>10}{'held':>7}"
+        f"{'peak/held':>11}{'(peak-idle)/held':>18}{'by design':>11}{'/held':>7}"
     )
     for m in memory:
         log(
-            f"  {m.role:<24}{m.idle_mib:>9.1f}{m.peak_mib:>9.1f}{m.held_mib:>9.1f}"
+            f"  {m.role:<24}{m.idle_mib:>9.1f}{m.peak_mib:>9.1f}"
+            f"{m.peak_mib - m.idle_mib:>10.1f}{m.held_mib:>7.1f}"
             f"{m.peak_over_held:>11.2f}{m.growth_over_held:>18.2f}"
+            f"{m.design_mib:>11.1f}{m.design_mib / m.held_mib:>7.2f}"
         )
+    analyst = memory[-1]
+    before_solve = model.peak_before_solve_mib_
+    log(
+        f"  analyst's peak before the eigendecomposition: {before_solve:.1f} MiB "
+        f"((peak-idle)/held {(before_solve - analyst.idle_mib) / held_mib:.2f})"
+    )
+    log(
+        f"  idle includes: OpenDP's library in the proxy (loaded at start-up; "
+        f"{opendp_load_mib():.1f} MiB in a fresh interpreter), the analyst's client "
+        f"libraries ({analyst_libraries_mib:.1f} MiB, imported before its idle figure)"
+    )
     log(f"explained variance ratio: {np.round(model.explained_variance_ratio_, 4).tolist()}")
     log(
         f"features={args.features} ciphertexts_per_owner={per_owner} "
         f"end_to_end_seconds={end_to_end:.2f} "
-        f"max_peak_over_held={max(m.peak_over_held for m in memory):.2f}"
+        f"max_peak_over_held={max(m.peak_over_held for m in memory):.2f} "
+        f"max_growth_over_held={max(m.growth_over_held for m in memory):.2f}"
     )
 
 

@@ -87,14 +87,42 @@ class FixedPointStatistics:
         """The released integer vector, sections in ``spec.sections`` order (2^-f clip units)."""
         refuse_aggregate(spec)
         f = self.frac_bits
-        parts = [np.asarray(upper_triangle(self.scatter), dtype=np.int64)]
         if spec.kind is QueryKind.PCA:
-            parts += [self.sums, np.array([self.count << f], dtype=np.int64)]
+            rest = [self.sums, np.array([self.count << f], dtype=np.int64)]
         else:
             if self.class_sums is None or self.class_counts is None:
                 raise LayoutError("DCA statistics need class sums and class counts")
-            parts += [self.class_sums.reshape(-1), self.class_counts.astype(np.int64) << f]
-        return np.concatenate(parts).astype(np.int64)
+            rest = [self.class_sums.reshape(-1), self.class_counts.astype(np.int64) << f]
+        # Written in place: the triangle is most of the vector (16 MiB at M = 2,000).
+        m = self.scatter.shape[0]
+        triangle = m * (m + 1) // 2
+        vector = np.empty(triangle + sum(part.size for part in rest), dtype=np.int64)
+        upper_triangle(self.scatter, out=vector[:triangle])
+        np.concatenate(rest, out=vector[triangle:], casting="same_kind")
+        return vector
+
+
+_GRAM_STRIP = 256
+"""Columns of the Gram matrix computed at a time: a strip of M x 256 float64 (4 MiB at
+M = 2,000) instead of a whole M x M product and its integer copy."""
+
+
+def _add_upper_gram(gram: npt.NDArray[np.int64], rows: FloatArray) -> None:
+    """``gram += rowsᵀ rows`` on and above the diagonal, strip by strip of columns.
+
+    Every entry of a strip is an exact float64 sum (the caller's block size keeps it
+    below 2^53), so converting it to int64 loses nothing.
+    """
+    m = gram.shape[0]
+    for start in range(0, m, _GRAM_STRIP):
+        stop = min(m, start + _GRAM_STRIP)
+        gram[:stop, start:stop] += (rows[:, :stop].T @ rows[:, start:stop]).astype(np.int64)
+
+
+def _mirror_upper(matrix: npt.NDArray[np.int64]) -> None:
+    """Copy the upper triangle onto the lower one, in place, row by row."""
+    for i in range(matrix.shape[0] - 1):
+        matrix[i + 1 :, i] = matrix[i, i + 1 :]
 
 
 def fixed_point_statistics(
@@ -135,8 +163,9 @@ def fixed_point_statistics(
     n, m = x.shape
     f = query.frac_bits
     g = row_bits(f)
-    # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and a few MiB.
-    block = max(1, min(4096, 1 << (53 - 2 * g), max(64, (1 << 22) // m)))
+    # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and about 2 MiB
+    # (each of the few arrays one block's rows pass through has that size).
+    block = max(1, min(4096, 1 << (53 - 2 * g), max(64, (1 << 18) // m)))
     total = max(n, pad_to)
     gram = np.zeros((m, m), dtype=np.int64)
     sums = np.zeros(m, dtype=np.int64)
@@ -168,14 +197,15 @@ def fixed_point_statistics(
         q = quantize_unit_rows(unit, g)
         q[real:] = 0
         qf = q.astype(np.float64)
-        gram += (qf.T @ qf).astype(np.int64)
+        _add_upper_gram(gram, qf)
         sums += q.sum(axis=0)
         if class_index is not None and class_sums is not None and class_counts is not None:
             onehot = np.zeros((size, spec.n_classes), dtype=np.float64)
             onehot[np.arange(real), class_index[start : start + real]] = 1.0
             class_sums += (onehot.T @ qf).astype(np.int64)
             class_counts += onehot.sum(axis=0).astype(np.int64)
-    scatter = gram << (f - 2 * g)
+    _mirror_upper(gram)
+    scatter = np.left_shift(gram, f - 2 * g, out=gram)
     if class_sums is not None:
         class_sums = class_sums << (f - g)
     return FixedPointStatistics(

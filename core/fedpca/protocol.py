@@ -37,6 +37,7 @@ Two protocol modes (see docs/privacy.md for the proofs):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,46 +230,81 @@ class ReleasePlan:
         section is the upper triangle of a symmetric noise matrix (the analyst
         mirrors it). Every draw is checked against the block's headroom.
         """
+        return np.concatenate([np.zeros(0, dtype=np.int64), *self.noise_pieces(sampler)])
+
+    def noise_pieces(
+        self, sampler: NoiseSampler | None = None, piece_values: int | None = None
+    ) -> Iterator[IntArray]:
+        """:meth:`noise_values` drawn piece by piece, in order (whole sections by default).
+
+        With ``piece_values``, each section's noise is drawn in consecutive pieces of at
+        most that many values: the same independent draws of the same distribution,
+        each checked against the section's headroom (the bound for all the section's
+        values at once), so a consumer that packs the pieces as they come never holds
+        the whole vector, nor the sampler's buffers for it.
+        """
         if self.spec.mode is not ProtocolMode.STATS:
             raise ConfigError("noise_values is for stats mode; masked mode noises the scatter")
-        parts = [
-            # A private release's section without noise is one no change can move
-            # (released exactly, see _unmoved): not a NOT PRIVATE release.
-            np.zeros(s.length, dtype=np.int64)
-            if s.sigma_int == 0 and self.private
-            else vector_noise(
-                s.length, s.sigma_int, sampler=sampler, bound=_headroom(s.sigma_int, s.length)
-            )
-            for s in self.sections
-        ]
-        return np.concatenate(parts).astype(np.int64)
+        if piece_values is not None and piece_values < 1:
+            raise ConfigError(f"piece_values must be >= 1, got {piece_values}")
+        for s in self.sections:
+            step = s.length if piece_values is None else piece_values
+            for start in range(0, s.length, max(step, 1)):
+                size = min(step, s.length - start)
+                # A private release's section without noise is one no change can move
+                # (released exactly, see _unmoved): not a NOT PRIVATE release.
+                yield (
+                    np.zeros(size, dtype=np.int64)
+                    if s.sigma_int == 0 and self.private
+                    else vector_noise(
+                        size, s.sigma_int, sampler=sampler, bound=_headroom(s.sigma_int, s.length)
+                    )
+                )
 
     def section_values(self, values: npt.ArrayLike) -> dict[str, npt.NDArray[np.float64]]:
         """Stats mode: the decrypted ``shares`` integers in real units, by section name."""
-        integers = np.asarray(values)
-        if integers.shape != (self.statistics.value_count,):
-            raise LayoutError(
-                f"expected {self.statistics.value_count} values, got shape {integers.shape}"
-            )
-        out: dict[str, npt.NDArray[np.float64]] = {}
-        f = self.spec.frac_bits
-        for section, part in self.statistics.section_slices().items():
-            info = self.statistics.section(section)
-            unit, bits = info.clip_unit, info.bits(f)
-            # Python ints may exceed 2^63 after noise and summing: convert one by one.
-            out[section] = np.array(
-                [math.ldexp(float(v), -bits) * unit for v in integers[part].tolist()],
-                dtype=np.float64,
-            )
-        return out
+        integers = self._shares_integers(values)
+        return {
+            section: self._section_reals(integers, section, part)
+            for section, part in self.statistics.section_slices().items()
+        }
 
     def statistics_from_integers(self, values: npt.ArrayLike) -> SufficientStatistics:
         """Stats mode, PCA and DCA: the decrypted ``shares`` integers as real statistics."""
         if self.spec.kind is QueryKind.AGGREGATE:
             raise LayoutError("an aggregate release has no R, v, N: use section_values")
-        by_section = self.section_values(values)
-        real = np.concatenate([by_section[s.name] for s in self.statistics.sections])
+        integers = self._shares_integers(values)
+        # One real vector written section by section, not a list of sections joined.
+        real = np.empty(self.statistics.value_count, dtype=np.float64)
+        for section, part in self.statistics.section_slices().items():
+            real[part] = self._section_reals(integers, section, part)
+        del integers
         return SufficientStatistics.from_vector(self.statistics, real)
+
+    def _shares_integers(self, values: npt.ArrayLike) -> npt.NDArray[Any]:
+        integers = np.asarray(values)
+        if integers.shape != (self.statistics.value_count,):
+            raise LayoutError(
+                f"expected {self.statistics.value_count} values, got shape {integers.shape}"
+            )
+        return integers
+
+    def _section_reals(
+        self, integers: npt.NDArray[Any], section: str, part: slice
+    ) -> npt.NDArray[np.float64]:
+        info = self.statistics.section(section)
+        unit, bits = info.clip_unit, info.bits(self.spec.frac_bits)
+        chunk = integers[part]
+        if chunk.dtype.kind == "i":
+            # int64 -> float64 rounds to nearest (ties to even) like float() of a
+            # Python int, and ldexp is exact: the same numbers as the loop below.
+            reals = np.ldexp(chunk.astype(np.float64), -bits)
+            reals *= unit
+            return reals
+        # Python ints may exceed 2^63 after noise and summing: convert one by one.
+        return np.array(
+            [math.ldexp(float(v), -bits) * unit for v in chunk.tolist()], dtype=np.float64
+        )
 
 
 # --------------------------------------------------------------------- stats mode

@@ -363,6 +363,9 @@ def refuse_aggregate(spec: StatisticsSpec) -> None:
 
 
 def _as_float_array(value: npt.ArrayLike, name: str) -> FloatArray:
+    frozen = isinstance(value, np.ndarray) and value.base is None and not value.flags.writeable
+    if frozen and isinstance(value, np.ndarray) and value.dtype == np.float64:
+        return value  # read-only and no view: nobody else can change it, so not copied
     try:
         array = np.array(value, dtype=np.float64)  # a private copy we can freeze
     except (TypeError, ValueError) as exc:
@@ -504,6 +507,7 @@ class SufficientStatistics:
         slices = spec.section_slices()
         m = spec.n_features
         scatter = _symmetric_from_upper_triangle(values[slices[SCATTER]], m)
+        scatter.setflags(write=False)  # fresh: adopted, not copied
         if spec.kind is QueryKind.PCA:
             return cls(scatter, values[slices[SUM]], float(values[slices[COUNT]][0]))
         class_sums = values[slices[CLASS_SUMS]].reshape(spec.n_classes, m)

@@ -49,6 +49,7 @@ from fedpca.errors import (
     FedpcaError,
     KeyFileError,
     NotFoundError,
+    ProtocolError,
     QueryStateError,
 )
 from fedpca.exact_statistics import fixed_point_statistics
@@ -201,6 +202,11 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         """Owners the fake deployment accepts (results carry one owner's statistics)."""
         self.declines: tuple[OwnerDecline, ...] = ()
         self.cancelled: list[str] = []
+        self.fetch_breaks = 0
+        """FetchResult streams to break (UNAVAILABLE) after their first two messages."""
+        self.reencrypt_on_reopen = False
+        """A re-opened FetchResult sends a fresh encryption instead of the same messages."""
+        self.fetched: dict[str, list[Any]] = {}
 
     def DescribeDeployment(self, request: Any, context: Any) -> Any:
         info = DeploymentInfo(
@@ -341,7 +347,15 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             bound = block.bound + plan.bounds.noise_headroom
             packed = self.pool.encrypt_packed(self.public_key, values, block.layout, bound)
             result = result_from_packed(spec, 1, {SHARES: packed})
-        yield from serde.encode_result(result)
+        messages = serde.encode_result(result)
+        if query_id in self.fetched and not self.reencrypt_on_reopen:
+            messages = self.fetched[query_id]
+        self.fetched[query_id] = messages
+        if self.fetch_breaks:
+            self.fetch_breaks -= 1
+            yield from messages[:2]
+            context.abort(grpc.StatusCode.UNAVAILABLE, "proxy restarting")
+        yield from messages
 
     def GetBudget(self, request: Any, context: Any) -> Any:
         delta = serde.budget_request_from_proto(request)
@@ -430,6 +444,27 @@ def test_submit_is_retried_with_the_same_query_id_while_the_proxy_is_unavailable
     # signature (deterministic, over the same query) is the same every time.
     assert fake.submitted_ids[-3:] == [spec.query_id] * 3
     assert len(set(fake.signatures[-3:])) == 1
+
+
+def test_a_broken_result_stream_is_reopened_and_must_repeat_itself(
+    proxy: tuple[FakeProxy, str], test_only_keypair_512: Any, pool: CryptoPool
+) -> None:
+    # The client keeps a digest of every message it has yielded: a re-opened stream
+    # continues after them if it repeats them exactly, and is refused if it does not.
+    fake, address = proxy
+    public_key, private_key = test_only_keypair_512
+    spec = _spec(public_key)
+    with AnalystClient(address, None, insecure=True, retry_delays=(0.01,) * 3) as client:
+        client.submit(spec, TEST_SIGNING_KEY)
+        expected = client.fetch(spec.query_id).result  # the messages every fetch repeats
+        fake.fetch_breaks = 1
+        again = client.fetch(spec.query_id).result
+        assert list(again.payload.in_wire_order()) == list(expected.payload.in_wire_order())
+        fake.fetch_breaks, fake.reencrypt_on_reopen = 1, True
+        with pytest.raises(ProtocolError, match="differs from the one received"):
+            client.fetch(spec.query_id)
+    release = decrypt_result(again, private_key, expected_query=spec, pool=pool)
+    assert release.statistics is not None
 
 
 def test_a_refusal_is_not_retried(proxy: tuple[FakeProxy, str], test_only_keypair_512: Any) -> None:

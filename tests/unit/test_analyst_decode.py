@@ -19,6 +19,7 @@ import pytest
 from fedpca.analyst.decode import (
     DecodedRelease,
     decrypt_result,
+    decrypt_stream,
     noise_description,
     result_from_packed,
     unmask_scatter,
@@ -226,6 +227,35 @@ def test_noisy_stats_release_decodes_to_truth_plus_the_added_noise(
     assert estimator.epsilon_ == 1.0 and estimator.delta_ == 1e-6
     assert not estimator.not_private_
     assert estimator.n_samples_ != len(rows)
+
+
+def test_pages_are_unpacked_as_they_are_decrypted_and_counted(
+    test_only_keypair_512: Any, pool: CryptoPool, ionosphere: tuple[np.ndarray, np.ndarray]
+) -> None:
+    # Pages of any size (here 7 ciphertexts, across slot and section boundaries) decode
+    # to the release of the whole result; a result longer or shorter than the plan
+    # is refused.
+    public_key, private_key = test_only_keypair_512
+    rows, labels = ionosphere
+    spec = make_spec(public_key, epsilon=1.0, n_features=34)
+    plan = ReleasePlan.for_query(spec, 512)
+    noise = plan.noise_values(TestOnlySeededSampler(3))
+    result = encrypted_stats_result(
+        spec, owner_statistics(spec, rows, labels), public_key, pool, noise=noise
+    )
+    whole = decrypt_result(result, private_key, expected_query=spec, pool=pool)
+    ciphertexts = list(result.payload.in_wire_order())
+    assert len(ciphertexts) > 14
+    pages = [ciphertexts[i : i + 7] for i in range(0, len(ciphertexts), 7)]
+    paged = decrypt_stream(result, pages, private_key, expected_query=spec, pool=pool)
+    assert whole.statistics is not None and paged.statistics is not None
+    assert np.array_equal(paged.statistics.scatter, whole.statistics.scatter)
+    assert np.array_equal(paged.statistics.sums, whole.statistics.sums)
+    assert paged.statistics.count == whole.statistics.count
+    with pytest.raises(ProtocolError, match=f"more than {len(ciphertexts)} ciphertexts"):
+        decrypt_stream(result, [*pages, ciphertexts[:1]], private_key, pool=pool)
+    with pytest.raises(ProtocolError, match=f"{len(ciphertexts) - 7} ciphertexts, the plan"):
+        decrypt_stream(result, pages[1:], private_key, pool=pool)
 
 
 # ----------------------------------------------------------------- masked mode

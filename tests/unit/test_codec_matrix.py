@@ -31,6 +31,23 @@ def test_mirroring_keeps_python_ints_of_any_size() -> None:
     assert symmetric_from_upper_triangle(flat).tolist() == [[2**80, -(2**70)], [-(2**70), 3]]
 
 
+@pytest.mark.parametrize("m", [1, 2, 7, 40])
+def test_row_by_row_copies_follow_numpy_triu_indices(m: int) -> None:
+    rng = np.random.default_rng(m)
+    matrix = rng.integers(-1000, 1000, size=(m, m))
+    rows, cols = np.triu_indices(m)
+    assert np.array_equal(upper_triangle(matrix), matrix[rows, cols])
+    rebuilt = symmetric_from_upper_triangle(matrix[rows, cols])
+    assert np.array_equal(rebuilt[rows, cols], matrix[rows, cols])
+    assert np.array_equal(rebuilt[cols, rows], matrix[rows, cols])
+    # Written into the front of a longer vector, left as it was after the triangle.
+    vector = np.full(m * (m + 1) // 2 + 3, -1, dtype=np.int64)
+    assert upper_triangle(matrix, out=vector[:-3]) is not None
+    assert np.array_equal(vector[:-3], matrix[rows, cols]) and vector[-3:].tolist() == [-1] * 3
+    with pytest.raises(ValueError, match="out must have shape"):
+        upper_triangle(matrix, out=vector)
+
+
 def test_shape_errors() -> None:
     with pytest.raises(ValueError, match="square"):
         upper_triangle(np.zeros((2, 3)))

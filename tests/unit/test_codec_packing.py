@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterator
 from fractions import Fraction
 
 import numpy as np
@@ -19,6 +21,7 @@ from fedpca.codec import (
     slot_value_bound,
     unpack_slots,
 )
+from fedpca.codec.packing import check_slot_values, pack_stream, unpack_range
 from fedpca.errors import EncodingOverflowError, LayoutError
 
 # The bounds the owner benchmark uses: rows clipped to norm 1, 2^20 records per
@@ -204,6 +207,71 @@ def test_unpack_checks_count_and_key_size() -> None:
         unpack_slots([0], layout, _smallest_modulus(512))
     with pytest.raises(LayoutError, match="512-bit modulus"):
         unpack_slots([0, 0], layout, _smallest_modulus(1024))
+
+
+@given(st.data())
+def test_packing_a_stream_of_pieces_equals_packing_the_whole(data: st.DataObject) -> None:
+    # Pieces of any sizes (empty ones too) straddling ciphertext boundaries: the
+    # concatenated output is pack_slots of the concatenation and unpacks to the values.
+    bound = small_layout.slot_capacity
+    values = data.draw(st.lists(st.integers(-bound, bound), min_size=60, max_size=60))
+    cuts = sorted(data.draw(st.lists(st.integers(0, 60), max_size=8)))
+    edges = [0, *cuts, 60]
+    pieces = [np.array(values[a:b], dtype=np.int64) for a, b in itertools.pairwise(edges)]
+    streamed = [p for batch in pack_stream(pieces, small_layout, bound) for p in batch]
+    assert streamed == pack_slots(values, small_layout, bound)
+    n = _smallest_modulus(512)
+    assert unpack_slots([p % n for p in streamed], small_layout, n) == values
+
+
+def test_pieces_of_whole_ciphertexts_are_packed_as_they_arrive() -> None:
+    layout = SlotLayout(512, 20, 5, 23)
+    read: list[int] = []
+
+    def pieces() -> Iterator[list[int]]:
+        for start in range(0, 23, 10):
+            read.append(start)
+            yield list(range(start, min(23, start + 10)))
+
+    stream = pack_stream(pieces(), layout, 100)
+    assert len(next(stream)) == 2 and read == [0]  # the first piece only
+    assert [len(batch) for batch in stream] == [2, 1] and read == [0, 10, 20]
+
+
+def test_a_stream_refuses_out_of_bound_values_and_wrong_counts() -> None:
+    layout = SlotLayout(512, 20, 5, 12)
+    pieces = [np.arange(6, dtype=np.int64), np.array([0, 0, 0, 0, 5000, 0], dtype=np.int64)]
+    stream = pack_stream(pieces, layout, 1000)
+    assert len(next(stream)) == 1  # the first piece went through before the bad one
+    with pytest.raises(EncodingOverflowError, match="value 5000 at index 10"):
+        next(stream)
+    with pytest.raises(LayoutError, match="declares 12 values, got 11"):
+        list(pack_stream([[1] * 5, [1] * 6], layout, 10))
+    with pytest.raises(LayoutError, match="declares 12 values, got at least 13"):
+        list(pack_stream([[1] * 7, [1] * 6], layout, 10))
+
+
+def test_checking_values_names_the_first_offender_in_the_whole_vector() -> None:
+    check_slot_values(np.array([3, -3, 0], dtype=np.int64), 3)
+    with pytest.raises(EncodingOverflowError, match="value -4 at index 101"):
+        check_slot_values(np.array([0, -4, 9], dtype=np.int64), 3, first=100)
+    with pytest.raises(LayoutError, match="one-dimensional"):
+        check_slot_values(np.zeros((2, 2), dtype=np.int64), 3)
+
+
+def test_unpacking_a_range_equals_the_slice_of_the_whole() -> None:
+    layout = SlotLayout(512, 20, 25, 60)
+    n = _smallest_modulus(512)
+    values = list(range(-30, 30))
+    plaintexts = [p % n for p in pack_slots(values, layout, 30)]
+    assert unpack_range(plaintexts[1:], layout, n, 30, first=1) == values[25:]
+    assert unpack_range(plaintexts[1:2], layout, n, first=1) == values[25:50]
+    with pytest.raises(LayoutError, match="outside the layout"):
+        unpack_range(plaintexts[1:], layout, n, first=2)
+    # Messages name positions in the whole layout.
+    over = [p % n for p in pack_slots([0] * 59 + [31], layout, 31)]
+    with pytest.raises(EncodingOverflowError, match="slot 59 decoded to 31"):
+        unpack_range(over[2:], layout, n, 30, first=2)
 
 
 def test_owner_count_beyond_max_owners_is_refused() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import gmpy2
@@ -34,7 +35,11 @@ from fedpca.codec import (
     validate_ciphertexts,
 )
 from fedpca.codec._worker import encrypt_chunk_djn, encrypt_chunk_standard
-from fedpca.codec.paillier import djn_exponent_bits, security_level
+from fedpca.codec.paillier import (
+    IN_FLIGHT_TASKS_PER_WORKER,
+    djn_exponent_bits,
+    security_level,
+)
 from fedpca.errors import (
     CiphertextError,
     ConfigError,
@@ -336,6 +341,45 @@ def test_progress_reports_cumulative_counts(test_only_keypair_512: Keypair) -> N
         ciphertexts = small_chunks.encrypt(public_key, list(range(10)), progress=seen.append)
         assert sorted(seen) == seen and seen[-1] == 10 and len(seen) == 4
         assert small_chunks.decrypt(private_key, ciphertexts) == list(range(10))
+
+
+def test_streams_read_their_source_only_as_fast_as_the_workers(
+    pool: CryptoPool, test_only_keypair_512: Keypair
+) -> None:
+    # A lazy source (plaintexts packed as they are needed, pages from the network) is
+    # read at most IN_FLIGHT_TASKS_PER_WORKER tasks per worker ahead of the consumer,
+    # never drained into the queue; results still come back complete and in order.
+    public_key, private_key = test_only_keypair_512
+    limit = IN_FLIGHT_TASKS_PER_WORKER * pool.processes
+    read: list[int] = []
+
+    def plaintexts() -> Iterator[list[int]]:
+        for i in range(100):
+            read.append(i)
+            yield [i, i + 1000]
+
+    stream = pool.encrypt_batches(public_key, plaintexts())
+    first = next(stream)
+    assert len(read) <= limit
+    ciphertexts = first + [c for batch in stream for c in batch]
+    assert len(read) == 100
+    expected = [v for i in range(100) for v in (i, i + 1000)]
+    assert pool.decrypt(private_key, ciphertexts) == expected
+
+    pages_read: list[int] = []
+
+    def pages() -> Iterator[list[int]]:
+        for start in range(0, len(ciphertexts), 16):
+            pages_read.append(start)
+            yield ciphertexts[start : start + 16]
+
+    decrypted = pool.decrypt_stream(private_key, pages())
+    head = next(decrypted)
+    # Each page is 4 tasks per worker: at most two pages wait before the first is taken.
+    assert len(pages_read) <= 2
+    assert head + [m for batch in decrypted for m in batch] == expected
+    with pytest.raises(EncodingOverflowError, match="not in"):
+        list(pool.encrypt_batches(public_key, iter([[1], [public_key.n]])))
 
 
 def test_map_runs_any_module_function_in_input_order(test_only_keypair_512: Keypair) -> None:

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool
+from fedpca.codec import CryptoPool, ciphertext_byte_length, ciphertexts_from_bytes, pack_slots
+from fedpca.codec.paillier import STREAM_TASK_CIPHERTEXTS
 from fedpca.data import dataset_path
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner import compute
@@ -26,6 +27,7 @@ from fedpca.owner.compute import (
     record_cap,
 )
 from fedpca.owner.config import DataConfig
+from fedpca.owner.upload import OutgoingUpload
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, spec_digest
@@ -128,6 +130,42 @@ def test_masked_mode_blocks_decrypt_to_the_planned_values(
     for t in range(m):
         window = windows[t * k : (t + 1) * k]
         assert window[: m - t] == single[t : t + k][: m - t]
+
+
+def test_an_upload_packed_as_it_encrypts_replays_the_very_same_messages(
+    test_only_keypair_512: tuple[Any, Any], pool: CryptoPool
+) -> None:
+    # The plaintexts are packed batch by batch while the pool encrypts (no list of
+    # the whole share); the upload keeps its chunk messages, so a retry sends exactly
+    # the first attempt's bytes, and they decrypt to the packed share, in order.
+    public_key, private_key = test_only_keypair_512
+    m = 60
+    spec = _spec(public_key, n_features=m, feature_lower=(-1.0,) * m, feature_upper=(1.0,) * m)
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    block = plan.owner_block(SHARES)
+    assert block.layout.n_ciphertexts > 2 * STREAM_TASK_CIPHERTEXTS  # several batches
+    rows = np.random.default_rng(0).uniform(-1, 1, size=(80, m))
+    table = LocalTable(rows, None, "uniform rows").table_for(spec)
+    encoded = encode_share(spec, table, plan, capacity=CAPACITY, rng=np.random.default_rng(0))
+    width = ciphertext_byte_length(public_key.n.bit_length())
+    per_chunk = 50  # chunks straddle the encryption batches
+    upload = OutgoingUpload(
+        "u1",
+        "header",
+        compute.encrypt_share_stream(spec, encoded, plan, pool),
+        width,
+        per_chunk,
+        lambda chunk: (chunk.index, chunk.ciphertexts, chunk.sha256),
+    ).start()
+    first = list(upload.messages())
+    assert upload.wait(30.0) and upload.error is None
+    assert list(upload.messages()) == first  # a retry
+    assert first[0] == "header" and [m[0] for m in first[1:]] == list(range(len(first) - 1))
+    data = b"".join(m[1] for m in first[1:])
+    ciphertexts = ciphertexts_from_bytes(data, public_key, block.layout.n_ciphertexts)
+    n = public_key.n
+    expected = [p % n for p in pack_slots(encoded[SHARES], block.layout, block.bound)]
+    assert pool.decrypt(private_key, ciphertexts) == expected
 
 
 def _count(spec: Any, table: OwnerTable, capacity: int) -> float:

@@ -120,6 +120,43 @@ def test_noise_values_follow_each_section_sigma() -> None:
     assert sample_sd == pytest.approx(scatter.sigma_int, rel=0.07)
 
 
+@pytest.mark.parametrize("piece_values", [1, 7, 64, 10_000])
+def test_noise_drawn_in_pieces_is_the_same_sequence_of_draws(piece_values: int) -> None:
+    # Pieces are consecutive draws of each section's own sampler calls: with a
+    # seeded sampler they concatenate to exactly the whole-section draw, and no piece
+    # is longer than asked or crosses a section boundary.
+    plan = ReleasePlan.for_query(spec(n_features=20, noise_weights=(1.0, 4.0, 4.0)), 2048)
+    pieces = list(plan.noise_pieces(TestOnlySeededSampler(7), piece_values))
+    whole = plan.noise_values(TestOnlySeededSampler(7))
+    assert np.array_equal(np.concatenate(pieces), whole)
+    assert all(0 < len(piece) <= piece_values for piece in pieces)
+    edges = np.cumsum([len(piece) for piece in pieces]).tolist()
+    sections = np.cumsum([s.length for s in plan.sections]).tolist()
+    assert set(sections) <= set(edges)
+    with pytest.raises(ConfigError, match="piece_values"):
+        next(plan.noise_pieces(None, 0))
+
+
+def test_int64_and_python_int_values_decode_to_the_same_floats() -> None:
+    # The vectorised int64 path must give bit for bit what the one-by-one float() of
+    # Python ints gives, also where int64 -> float64 rounds (|v| > 2^53, odd low bits).
+    plan = ReleasePlan.for_query(spec(n_features=30), 2048)
+    rng = np.random.default_rng(1)
+    count = plan.statistics.value_count
+    values = rng.integers(-(2**62), 2**62, size=count, dtype=np.int64)
+    values[:4] = [2**53 + 1, -(2**53) - 3, 2**62 - 1, 0]
+    as_python = np.array(values.tolist(), dtype=object)
+    fast, slow = plan.section_values(values), plan.section_values(as_python)
+    assert fast.keys() == slow.keys()
+    for name in fast:
+        assert fast[name].dtype == slow[name].dtype == np.float64
+        assert fast[name].tobytes() == slow[name].tobytes()
+    assert np.array_equal(
+        plan.statistics_from_integers(values).scatter,
+        plan.statistics_from_integers(as_python).scatter,
+    )
+
+
 def test_not_private_plan_has_no_noise() -> None:
     plan = ReleasePlan.for_query(spec(epsilon=math.inf), 2048)
     assert not plan.private

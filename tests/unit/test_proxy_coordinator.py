@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import CryptoPool, unpack_slots
+from fedpca.codec import CryptoPool, pack_slots, unpack_slots
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
@@ -58,6 +58,7 @@ from fedpca.protocol import (
     ReleasePlan,
     row_aligned_positions,
 )
+from fedpca.proxy import prepared_noise
 from fedpca.proxy.config import BudgetConfig, OwnersConfig, PrivacySection, ProxyConfig
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
@@ -953,6 +954,30 @@ def test_stats_noise_is_prepared_at_submit_and_used_once(
     assert "noise_precomputed" not in late.result_meta(ANALYST, "q1")["timings"]
     reference = decrypt_block(pool, private_key, late, "q1", SHARES)
     assert got == reference
+
+
+def test_noise_drawn_in_pieces_packs_to_the_plans_whole_draw(
+    test_only_keypair_512: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Drawn a few values at a time (pieces straddle sections and ciphertexts) and kept
+    # as fixed-width bytes, the noise is still the plan's draw, value for value, and
+    # each page takes the ciphertext (1 + P n) mod n^2 of its packed value P.
+    public_key, _ = test_only_keypair_512
+    n = public_key.n
+    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 7)
+    plan = ReleasePlan.for_query(make_spec(public_key, epsilon=1.0), n.bit_length())
+    sampler = RecordingSampler(7)
+    noise = prepared_noise.draw_page_noise(plan, n, sampler)
+    assert max(size for _, size in sampler.draws) == 7 and len(sampler.draws) > 3
+    block = plan.owner_block(SHARES)
+    whole = plan.noise_values(TestOnlySeededSampler(7))
+    packed = [p % n for p in pack_slots(whole, block.layout, plan.bounds.noise_headroom)]
+    assert [noise.plaintext(i) for i in range(block.layout.n_ciphertexts)] == packed
+    width = 2 * ((n.bit_length() + 7) // 8)
+    assert noise.encoded(2, 3) == b"".join(
+        ((1 + p * n) % (n * n)).to_bytes(width, "big") for p in packed[2:5]
+    )
+    assert noise.sample_cpu_seconds > 0.0
 
 
 def test_prepared_noise_is_discarded_when_the_query_fails(

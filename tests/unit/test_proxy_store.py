@@ -377,6 +377,11 @@ def test_pages_become_final_as_every_contributor_passes_them(store: ProxyStore) 
     assert store.query("q1").state is QueryState.DONE
     assert b"".join(store.result_pages("q1")) == as_bytes(expected)
     assert store.result_pages("q1", 2) == [as_bytes(expected[6:8])]
+    assert store.result_pages("q1", 0, limit=2) == [
+        as_bytes(expected[0:3]),
+        as_bytes(expected[3:6]),
+    ]
+    assert store.result_pages("q1", 1, limit=1) == [as_bytes(expected[3:6])]
     # A released page never changes; completions after DONE are still recorded.
     assert store.finalize_pages("q1", TOTAL, GROUP, None) == last.__class__(0, 3, True)
     assert complete(store, "o1", "u1", "h1").n_contributed == 1

@@ -163,6 +163,34 @@ def test_centred_scatter_form_for_the_masked_mode() -> None:
         pca_from_centred_scatter(centred, 1.0, 3)
 
 
+def test_wide_scatter_checks_reach_every_strip_and_leave_the_input_alone() -> None:
+    # The square/finite/symmetric checks run strip by strip of rows: a defect in the
+    # last strip is found, and the tolerance is relative to the largest entry anywhere.
+    m = 300
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(400, m))
+    centred = x.T @ x
+    before = centred.copy()
+    result = pca_from_centred_scatter(centred, 400.0, 4)
+    assert np.array_equal(centred, before)
+    reference = np.linalg.eigh(centred / 399.0)
+    np.testing.assert_allclose(result.explained_variance, reference[0][::-1][:4], rtol=1e-10)
+    np.testing.assert_allclose(
+        np.abs(result.components @ reference[1][:, ::-1][:, :4]), np.eye(4), atol=1e-9
+    )
+    asymmetric = centred.copy()
+    asymmetric[290, 3] += 1e-6 * np.abs(centred).max()
+    with pytest.raises(DataError, match="not symmetric"):
+        pca_from_centred_scatter(asymmetric, 400.0, 4)
+    tolerated = centred.copy()
+    tolerated[290, 3] += 1e-10 * np.abs(centred).max()
+    pca_from_centred_scatter(tolerated, 400.0, 4)
+    infinite = centred.copy()
+    infinite[299, 299] = np.inf
+    with pytest.raises(DataError, match="non-finite"):
+        pca_from_centred_scatter(infinite, 400.0, 4)
+
+
 @pytest.mark.parametrize("count", [1.0, 0.3, -5.0, np.nan])
 def test_noisy_count_at_most_one_is_refused(count: float) -> None:
     with pytest.raises(DataError, match="at least two records"):

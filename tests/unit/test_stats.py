@@ -320,6 +320,22 @@ class TestSufficientStatistics:
         with pytest.raises(ValueError, match="read-only"):
             stats.scatter[0, 0] = 2.0
 
+    def test_only_frozen_arrays_owning_their_memory_are_shared(self) -> None:
+        # Sharing is what keeps from_vector from copying an M x M scatter; it is safe
+        # only when nothing else can write to the array.
+        frozen = np.eye(2)
+        frozen.setflags(write=False)
+        assert SufficientStatistics(frozen, np.zeros(2), 1.0).scatter is frozen
+        base = np.eye(2)
+        view = base.view()
+        view.setflags(write=False)
+        stats = SufficientStatistics(view, np.zeros(2), 1.0)
+        base[0, 0] = 5.0
+        assert stats.scatter is not view and stats.scatter[0, 0] == 1.0
+        vector = StatisticsSpec(PCA, 2)
+        rebuilt = SufficientStatistics.from_vector(vector, np.arange(6.0))
+        assert rebuilt.scatter.base is None and not rebuilt.scatter.flags.writeable
+
     def test_zeros(self) -> None:
         spec = StatisticsSpec(DCA, 3, class_labels=(0, 1, 2))
         zero = SufficientStatistics.zeros(spec)

@@ -146,6 +146,27 @@ def test_fixed_point_statistics_are_exact_and_padding_changes_nothing(frac_bits:
     assert int(np.abs(vector).max()) <= 50 << frac_bits
 
 
+def test_wide_statistics_are_exact_across_column_strips_and_row_blocks() -> None:
+    # M = 300 spans two column strips of the Gram matrix (256 columns each) and 1,000
+    # rows span two row blocks (2^18 // 300 = 873 rows): the whole symmetric scatter
+    # must equal the integer Gram matrix of the quantised rows, computed in int64.
+    from fedpca.preprocess import preprocess_for_query
+
+    rng = np.random.default_rng(5)
+    m = 300
+    rows = rng.uniform(-1, 1, size=(1000, m))
+    q = query(n_features=m, feature_lower=(-1.0,) * m, feature_upper=(1.0,) * m)
+    stats = fixed_point_statistics(rows, None, q)
+    g = row_bits(q.frac_bits)
+    quantised = quantize_unit_rows(preprocess_for_query(rows, q) / q.clip_norm, g)
+    assert np.array_equal(stats.scatter, (quantised.T @ quantised) << (q.frac_bits - 2 * g))
+    assert np.array_equal(stats.sums, quantised.sum(axis=0) << (q.frac_bits - g))
+    vector = stats.to_vector(StatisticsSpec.from_query(q))
+    assert vector.dtype == np.int64
+    assert np.array_equal(vector[: m * (m + 1) // 2], stats.scatter[np.triu_indices(m)])
+    assert vector[-1] == 1000 << q.frac_bits
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(min_value=0, max_value=2**31), n=st.integers(min_value=0, max_value=30))
 def test_one_added_record_moves_each_section_by_at_most_one_clip_unit(seed: int, n: int) -> None:

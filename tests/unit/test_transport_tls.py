@@ -301,6 +301,10 @@ def test_options() -> None:
     )
     assert client["grpc.http2.max_pings_without_data"] == 0
     assert DEFAULT_MAX_MESSAGE_BYTES < channels.DEFAULT_MAX_MESSAGE_BYTES
+    # Both ends bound what waits per stream: a fixed window, no bandwidth-delay probing.
+    for options in (client, server):
+        assert options["grpc.http2.bdp_probe"] == 0
+        assert options["grpc.http2.lookahead_bytes"] == channels.STREAM_WINDOW_BYTES
 
 
 def test_port_in_use_is_a_config_error(pki: dict[str, TlsMaterial]) -> None:

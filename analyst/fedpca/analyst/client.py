@@ -24,6 +24,7 @@ anything else          ProxyError
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -393,7 +394,11 @@ class AnalystClient:
 
     def _result_messages(self, query_id: str, timeout: float | None, action: str) -> Iterator[Any]:
         """FetchResult messages, re-opening the stream after a break; messages seen before
-        the break are compared (not yielded twice) when it is re-opened."""
+        the break are compared (not yielded twice) when it is re-opened.
+
+        Only the SHA-256 of each message is kept for that comparison, not the message:
+        a whole result's pages would otherwise stay in memory until it is decrypted.
+        """
         request = serde.query_ref_to_proto(query_id)
         give_up = None if timeout is None else time.monotonic() + timeout
         seen: list[bytes] = []
@@ -403,7 +408,7 @@ class AnalystClient:
             index = 0
             try:
                 for message in self._stub.FetchResult(request, timeout=remaining):
-                    digest = message.SerializeToString(deterministic=True)
+                    digest = hashlib.sha256(message.SerializeToString(deterministic=True)).digest()
                     if index < len(seen):
                         if seen[index] != digest:
                             raise ProtocolError(

@@ -3,6 +3,10 @@
 Scatter shares XᵀX are symmetric, so only the M(M+1)/2 entries with i <= j are ever
 encoded, packed and encrypted; the analyst mirrors them back after decryption.
 The order is row-major over i <= j, the order of ``numpy.triu_indices``.
+
+Both directions copy row by row rather than through ``numpy.triu_indices``: its two
+index arrays are twice the size of an int64 triangle (32 MiB at M = 2,000), and the
+roles hold these matrices at the widths where that matters.
 """
 
 from __future__ import annotations
@@ -13,24 +17,37 @@ import numpy as np
 from numpy.typing import NDArray
 
 
-def upper_triangle(matrix: NDArray[np.generic]) -> NDArray[np.generic]:
+def upper_triangle(
+    matrix: NDArray[np.generic], out: NDArray[np.generic] | None = None
+) -> NDArray[np.generic]:
     """Flatten the upper triangle (diagonal included) row by row.
 
     Parameters
     ----------
     matrix : numpy.ndarray, shape (M, M)
         A symmetric matrix (the lower triangle is ignored, not checked).
+    out : numpy.ndarray, shape (M (M + 1) / 2,), optional
+        Where to write the triangle (e.g. the front of a longer vector), instead of a
+        new array of ``matrix``'s dtype.
 
     Returns
     -------
     numpy.ndarray, shape (M (M + 1) / 2,)
-        ``[a00, a01, ..., a0(M-1), a11, a12, ..., a(M-1)(M-1)]``, same dtype.
+        ``[a00, a01, ..., a0(M-1), a11, a12, ..., a(M-1)(M-1)]`` (``out`` if given).
     """
     array = np.asarray(matrix)
     if array.ndim != 2 or array.shape[0] != array.shape[1]:
         raise ValueError(f"expected a square matrix, got shape {array.shape}")
-    rows, cols = np.triu_indices(array.shape[0])
-    return array[rows, cols]
+    m = array.shape[0]
+    length = m * (m + 1) // 2
+    if out is not None and out.shape != (length,):
+        raise ValueError(f"out must have shape ({length},), got {out.shape}")
+    flat = np.empty(length, dtype=array.dtype) if out is None else out
+    start = 0
+    for i in range(m):
+        flat[start : start + m - i] = array[i, i:]
+        start += m - i
+    return flat
 
 
 def symmetric_from_upper_triangle(
@@ -61,7 +78,10 @@ def symmetric_from_upper_triangle(
     if dim is not None and dim != inferred:
         raise ValueError(f"{array.size} values are the upper triangle of {inferred}, not {dim}")
     matrix = np.zeros((inferred, inferred), dtype=array.dtype)
-    rows, cols = np.triu_indices(inferred)
-    matrix[rows, cols] = array
-    matrix[cols, rows] = array
+    start = 0
+    for i in range(inferred):
+        row = array[start : start + inferred - i]
+        matrix[i, i:] = row
+        matrix[i:, i] = row
+        start += inferred - i
     return matrix

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -209,19 +209,15 @@ def _check_bound(layout: SlotLayout, bound: int) -> None:
         )
 
 
-def _bounded_ints(values: NDArray[np.integer] | Sequence[int], bound: int) -> list[int]:
-    """Return the values as Python ints after refusing any |value| > bound."""
+def _bounded_ints(
+    values: NDArray[np.integer] | Sequence[int], bound: int, first: int = 0
+) -> list[int]:
+    """Return the values as Python ints after refusing any |value| > bound.
+
+    ``first`` is the index of ``values[0]`` in the whole vector (for messages).
+    """
     if isinstance(values, np.ndarray) and values.dtype.kind == "i":
-        if values.ndim != 1:
-            raise LayoutError(f"values must be one-dimensional, got shape {values.shape}")
-        if bound <= _INT64_MAX:
-            bad = (values > bound) | (values < -bound)
-            if bad.any():
-                index = int(np.flatnonzero(bad)[0])
-                raise EncodingOverflowError(
-                    f"value {int(values[index])} at index {index} exceeds the declared "
-                    f"bound |value| <= {bound}; nothing was packed or encrypted"
-                )
+        check_slot_values(values, bound, first)
         return values.tolist()
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
@@ -230,7 +226,7 @@ def _bounded_ints(values: NDArray[np.integer] | Sequence[int], bound: int) -> li
             raise TypeError(f"packing takes encoded integers, got dtype {values.dtype}")
         values = values.tolist()
     items = list(values)
-    for index, value in enumerate(items):
+    for index, value in enumerate(items, first):
         if not isinstance(value, int | np.integer) or isinstance(value, bool):
             raise TypeError(f"value at index {index} is {type(value).__name__}, not an int")
         if not -bound <= value <= bound:
@@ -239,6 +235,50 @@ def _bounded_ints(values: NDArray[np.integer] | Sequence[int], bound: int) -> li
                 f"|value| <= {bound}; nothing was packed or encrypted"
             )
     return [int(v) for v in items]
+
+
+def check_slot_values(values: NDArray[np.integer], bound: int, first: int = 0) -> None:
+    """Refuse a one-dimensional integer array holding any |value| > bound.
+
+    Vectorised, without converting anything to Python ints, so a caller can check a
+    whole vector before packing it piece by piece (:func:`pack_stream`).
+
+    Parameters
+    ----------
+    values : numpy.ndarray of signed integers, one-dimensional.
+    bound : int
+    first : index of ``values[0]`` in the whole vector (for the message).
+
+    Raises
+    ------
+    EncodingOverflowError
+        Naming the first offending index and value.
+    LayoutError
+        If ``values`` is not one-dimensional.
+    """
+    if values.ndim != 1:
+        raise LayoutError(f"values must be one-dimensional, got shape {values.shape}")
+    if bound > _INT64_MAX or not values.size:
+        return
+    if int(values.max()) <= bound and int(values.min()) >= -bound:
+        return
+    index = int(np.flatnonzero((values > bound) | (values < -bound))[0])
+    raise EncodingOverflowError(
+        f"value {int(values[index])} at index {first + index} exceeds the declared "
+        f"bound |value| <= {bound}; nothing was packed or encrypted"
+    )
+
+
+def _pack(items: Sequence[int], shift: int, k: int) -> list[int]:
+    packed: list[int] = []
+    for start in range(0, len(items), k):
+        plaintext = 0
+        # Horner from the top slot down: P = (...(d_{k-1} 2^B + d_{k-2}) 2^B ...) + d_0.
+        # Negative digits simply borrow from the slot above; unpacking undoes it.
+        for digit in reversed(items[start : start + k]):
+            plaintext = (plaintext << shift) + digit
+        packed.append(plaintext)
+    return packed
 
 
 def pack_slots(
@@ -273,18 +313,49 @@ def pack_slots(
     if len(values) != layout.value_count:
         raise LayoutError(f"layout declares {layout.value_count} values, got {len(values)}")
     _check_bound(layout, bound)
-    items = _bounded_ints(values, bound)
-    shift = layout.slot_bits
-    k = layout.slots_per_ciphertext
-    packed: list[int] = []
-    for start in range(0, len(items), k):
-        plaintext = 0
-        # Horner from the top slot down: P = (...(d_{k-1} 2^B + d_{k-2}) 2^B ...) + d_0.
-        # Negative digits simply borrow from the slot above; unpacking undoes it.
-        for digit in reversed(items[start : start + k]):
-            plaintext = (plaintext << shift) + digit
-        packed.append(plaintext)
-    return packed
+    return _pack(_bounded_ints(values, bound), layout.slot_bits, layout.slots_per_ciphertext)
+
+
+def pack_stream(
+    pieces: Iterable[NDArray[np.integer] | Sequence[int]], layout: SlotLayout, bound: int
+) -> Iterator[list[int]]:
+    """:func:`pack_slots` of values that arrive in consecutive pieces, packed as they come.
+
+    Yields, after each piece, the packed plaintexts of every ciphertext whose slots are
+    all in (pieces of a multiple of ``layout.slots_per_ciphertext`` values each give
+    exactly their own ciphertexts), so only one piece is ever held as Python ints.
+    The concatenated output equals ``pack_slots`` of the concatenated pieces.
+
+    Raises
+    ------
+    EncodingOverflowError
+        A value of a piece exceeds ``bound`` (checked before that piece is packed; the
+        index is the value's position in the whole vector), or the bound does not fit.
+    LayoutError
+        The pieces hold more or fewer values than ``layout.value_count`` (found once
+        the surplus arrives, or at the end).
+    """
+    _check_bound(layout, bound)
+    shift, k = layout.slot_bits, layout.slots_per_ciphertext
+    carry: list[int] = []
+    seen = 0
+    for piece in pieces:
+        if seen + len(piece) > layout.value_count:
+            raise LayoutError(
+                f"layout declares {layout.value_count} values, got at least {seen + len(piece)}"
+            )
+        items = _bounded_ints(piece, bound, seen)
+        seen += len(items)
+        if carry:
+            items = carry + items
+        whole = len(items) - len(items) % k
+        if whole:
+            yield _pack(items[:whole], shift, k)
+        carry = items[whole:]
+    if seen != layout.value_count:
+        raise LayoutError(f"layout declares {layout.value_count} values, got {seen}")
+    if carry:
+        yield _pack(carry, shift, k)
 
 
 def unpack_slots(
@@ -319,6 +390,33 @@ def unpack_slots(
         raise LayoutError(
             f"layout declares {layout.n_ciphertexts} packed ciphertexts, got {len(plaintexts)}"
         )
+    return unpack_range(plaintexts, layout, modulus, bound)
+
+
+def unpack_range(
+    plaintexts: Sequence[int],
+    layout: SlotLayout,
+    modulus: int,
+    bound: int | None = None,
+    first: int = 0,
+) -> list[int]:
+    """:func:`unpack_slots` of some consecutive packed plaintexts of a layout.
+
+    ``plaintexts`` are the layout's ciphertexts ``first, first + 1, ...`` (e.g. one
+    result page as it is decrypted); returns their slot values, which are the
+    layout's values from ``first * layout.slots_per_ciphertext`` on. Messages name
+    positions in the whole layout.
+
+    Raises
+    ------
+    EncodingOverflowError, LayoutError
+        As :func:`unpack_slots`; LayoutError also when the range leaves the layout.
+    """
+    if first < 0 or first + len(plaintexts) > layout.n_ciphertexts:
+        raise LayoutError(
+            f"packed ciphertexts {first}..{first + len(plaintexts) - 1} are outside the "
+            f"layout's {layout.n_ciphertexts}"
+        )
     if modulus.bit_length() != layout.key_bits:
         raise LayoutError(
             f"layout is for a {layout.key_bits}-bit modulus, got {modulus.bit_length()} bits"
@@ -329,7 +427,7 @@ def unpack_slots(
     mask = full - 1
     k = layout.slots_per_ciphertext
     values: list[int] = []
-    for index, plaintext in enumerate(plaintexts):
+    for index, plaintext in enumerate(plaintexts, first):
         if not 0 <= plaintext < modulus:
             raise ValueError(f"plaintext {index} is not in [0, n)")
         # |P| < n/2 by construction, so the upper half of Z_n holds the negatives.
@@ -346,7 +444,7 @@ def unpack_slots(
                 "overflowed or the ciphertext does not belong to this layout"
             )
     if bound is not None:
-        for index, value in enumerate(values):
+        for index, value in enumerate(values, first * k):
             if not -bound <= value <= bound:
                 raise EncodingOverflowError(
                     f"slot {index} decoded to {value}, outside the declared bound {bound}"

@@ -65,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int], None]
 
+IN_FLIGHT_TASKS_PER_WORKER = 8
+"""Tasks per worker a stream keeps submitted ahead of its consumer: enough that no
+worker waits for the next batch, few enough that the source is not read far ahead
+(at 2048 bits, 8 tasks of 64 encryptions are about 0.1 s of one worker's time)."""
+
 STREAM_TASK_CIPHERTEXTS = 64
 """Ciphertexts per task when encrypting as a stream: about 16 ms of work at 2048 bits,
 so the first chunk of an upload is ready after a few tasks while the per-task cost
@@ -268,12 +273,20 @@ class CryptoPool:
         of a batch is yielded once all its tasks (and all earlier batches) are done,
         and the next batch is read meanwhile, so the workers compute while the
         caller's source (an encryption in progress, a network stream) produces more.
+        At most :data:`IN_FLIGHT_TASKS_PER_WORKER` tasks per worker wait: beyond that
+        the oldest batch is waited for before the source is read again, so a lazy
+        source (packing as it goes, pages from the network) is consumed at the pace
+        of the workers instead of being held whole in the queue.
         """
         executor = self._get_executor()
         pending: deque[list[tuple[Future[tuple[list[Any], float]], int]]] = deque()
+        limit = IN_FLIGHT_TASKS_PER_WORKER * self.processes
 
         def ready() -> bool:
             return bool(pending) and all(future.done() for future, _ in pending[0])
+
+        def full() -> bool:
+            return sum(len(tasks) for tasks in pending) >= limit
 
         def take() -> list[Any]:
             out: list[Any] = []
@@ -296,7 +309,7 @@ class CryptoPool:
                         for i in range(0, len(items), length)
                     ]
                 )
-                while ready():
+                while ready() or full():
                     yield take()
             while pending:
                 yield take()
@@ -442,8 +455,8 @@ class CryptoPool:
     ) -> Iterator[list[int]]:
         """Encrypt raw plaintexts in [0, n), yielding ciphertexts in order as they are ready.
 
-        All the work is submitted at once; batches of ``task_ciphertexts`` come back
-        in input order, the first after a few milliseconds, so a caller can send
+        Batches of ``task_ciphertexts`` are submitted as the workers keep up and come
+        back in input order, the first after a few milliseconds, so a caller can send
         them while the rest are still being encrypted.
 
         Raises
@@ -461,6 +474,36 @@ class CryptoPool:
                 for i in range(0, len(plaintexts), task_ciphertexts)
             ),
             lambda count: count,
+        )
+
+    def encrypt_batches(
+        self,
+        public_key: Any,
+        batches: Iterable[Sequence[int]],
+        *,
+        obfuscation: Obfuscation = DEFAULT_OBFUSCATION,
+    ) -> Iterator[list[int]]:
+        """Encrypt raw plaintexts in [0, n) arriving batch by batch; yield each batch's
+        ciphertexts, in order, as they are ready.
+
+        Each batch is one task. ``batches`` is read only as fast as the workers
+        encrypt (a bounded number of tasks wait), so a generator that packs the
+        plaintexts as it goes never has more than a few batches of them in memory.
+
+        Raises
+        ------
+        TypeError, EncodingOverflowError
+            A plaintext that is not an int in [0, n) (checked before its batch is
+            submitted).
+        """
+        n = public_key.n
+        function, fixed = self._encryptor(n, obfuscation)
+        return self._ordered(
+            function,
+            fixed,
+            batches,
+            lambda count: count,
+            check=lambda batch: _check_plaintexts(batch, n),
         )
 
     def decrypt_stream(

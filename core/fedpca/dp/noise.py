@@ -78,6 +78,17 @@ class DiscreteGaussianSampler:
         return np.asarray(_opendp_gaussian(sigma_int, size)([0] * size), dtype=np.int64)
 
     @staticmethod
+    def load() -> None:
+        """Load OpenDP's native library now rather than at the first draw.
+
+        The library is large (about 130 MiB resident once loaded, half of it
+        relocated data); a long-running process that will draw noise (the proxy)
+        loads it at start-up, so that it is part of its standing footprint and not
+        of its first query's time and memory.
+        """
+        _opendp_gaussian(1.0, 1)
+
+    @staticmethod
     def zcdp_rho(sigma_int: float, l2_sensitivity_int: float) -> float:
         """OpenDP's own privacy map for this measurement: rho of rho-zCDP.
 

@@ -84,6 +84,12 @@ def client_options(
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.initial_reconnect_backoff_ms", 1_000),
         ("grpc.max_reconnect_backoff_ms", 30_000),
+        # Bounded read-ahead per stream, as at the proxy (server_options): an analyst
+        # decrypts a result far slower than the proxy sends it, and with bandwidth-delay
+        # probing gRPC widened the window until much of the result waited in its
+        # buffers (benchmarks/high_dimension.py).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ]
     if server_name_override is not None:
         options.append(("grpc.ssl_target_name_override", server_name_override))

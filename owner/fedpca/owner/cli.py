@@ -19,6 +19,7 @@ from types import FrameType
 
 import click
 
+from fedpca.allocator import map_large_blocks
 from fedpca.errors import ConfigError, DataError, KeyFileError
 from fedpca.logs import configure_logging
 from fedpca.owner.config import load_config
@@ -91,6 +92,7 @@ def serve_command(
     from fedpca.owner.node import OwnerNode
 
     _configure_logging(verbose)
+    map_large_blocks()  # a long-running process: freed arrays go back to the system
     try:
         config = load_config(config_path).with_overrides(
             proxy=proxy,

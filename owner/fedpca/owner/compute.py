@@ -42,8 +42,13 @@ from phe import paillier
 
 from fedpca.aggregates import AggregateIntegers, fixed_point_aggregates
 from fedpca.codec.ciphertext import PackedCiphertexts
-from fedpca.codec.packing import pack_slots
-from fedpca.codec.paillier import DEFAULT_OBFUSCATION, CryptoPool, Obfuscation
+from fedpca.codec.packing import check_slot_values, pack_stream
+from fedpca.codec.paillier import (
+    DEFAULT_OBFUSCATION,
+    STREAM_TASK_CIPHERTEXTS,
+    CryptoPool,
+    Obfuscation,
+)
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError, PolicyError
 from fedpca.exact_statistics import FixedPointStatistics, fixed_point_statistics
 from fedpca.owner.config import DataConfig
@@ -249,9 +254,12 @@ def contributed_rows(
             raise LayoutError("a DCA query needs the owner's labels")
         parts = [sample(np.flatnonzero(labels == label)) for label in spec.class_labels]
         keep = np.sort(np.concatenate(parts))
-        return OwnerTable(features[keep], labels[keep])
-    keep = sample(np.arange(features.shape[0]))
-    return OwnerTable(features[keep], None)
+    else:
+        keep = sample(np.arange(features.shape[0]))
+        labels = None
+    if keep.size == features.shape[0]:
+        return OwnerTable(features, labels)  # every record, in order: no copy
+    return OwnerTable(features[keep], None if labels is None else labels[keep])
 
 
 def encode_share(
@@ -301,7 +309,7 @@ def encode_share(
                 f"block {block.name!r}: {fixed.shape[0]} values, the layout declares "
                 f"{block.layout.value_count}"
             )
-        if fixed.size and int(np.abs(fixed).max()) > block.bound:
+        if fixed.size and max(int(fixed.max()), -int(fixed.min())) > block.bound:
             raise EncodingOverflowError(
                 f"query {spec.query_id!r}: block {block.name!r} broke its declared bound "
                 f"{block.bound} (a bug: the statistics are bounded by construction); nothing "
@@ -322,10 +330,12 @@ def encrypt_share_stream(
 ) -> Iterator[list[int]]:
     """The ciphertexts of an encoded share in wire order, batch by batch as encrypted.
 
-    Blocks follow ``plan.owner_blocks``; within a block, every packed plaintext is
-    checked against the block's bound before anything is encrypted, and batches come
-    back in order while later ones are still on the pool, so the caller can send them
-    at once (:class:`fedpca.owner.upload.OutgoingUpload`).
+    Blocks follow ``plan.owner_blocks``; every value is checked against its block's
+    bound before anything is encrypted. The plaintexts are packed batch by batch as
+    the pool takes them (a whole share's packed plaintexts as Python ints would be
+    about 0.6x its ciphertexts again), and batches come back in order while later
+    ones are still on the pool, so the caller can send them at once
+    (:class:`fedpca.owner.upload.OutgoingUpload`).
 
     Parameters
     ----------
@@ -338,11 +348,26 @@ def encrypt_share_stream(
     """
     public_key = analyst_public_key(spec)
     n = public_key.n
+    for block in plan.owner_blocks:
+        values = encoded[block.name]
+        if len(values) != block.layout.value_count:
+            raise LayoutError(
+                f"block {block.name!r}: {len(values)} values, the layout declares "
+                f"{block.layout.value_count}"
+            )
+        check_slot_values(values, block.bound)
     total = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
     done = 0
     for block in plan.owner_blocks:
-        packed = [p % n for p in pack_slots(encoded[block.name], block.layout, block.bound)]
-        for batch in pool.encrypt_stream(public_key, packed, obfuscation=obfuscation):
+        values = encoded[block.name]
+        step = STREAM_TASK_CIPHERTEXTS * block.layout.slots_per_ciphertext
+        packed = pack_stream(
+            (values[i : i + step] for i in range(0, len(values), step)),
+            block.layout,
+            block.bound,
+        )
+        plaintexts = ([p % n for p in batch] for batch in packed)
+        for batch in pool.encrypt_batches(public_key, plaintexts, obfuscation=obfuscation):
             done += len(batch)
             if progress is not None:
                 progress(done, total)

@@ -135,9 +135,11 @@ class AnalystRequests(CoordinatorCore):
             )
         return result_header(self._context(key), meta, self.store.page_ciphertexts)
 
-    def result_pages(self, analyst_id: str, query_id: str, start: int) -> list[bytes]:
-        """The analyst's final result pages from ``start`` on (each is released once it
-        is final and never changes).
+    def result_pages(
+        self, analyst_id: str, query_id: str, start: int, limit: int | None = None
+    ) -> list[bytes]:
+        """The analyst's final result pages from ``start`` on, at most ``limit`` of them
+        (each is released once it is final and never changes).
 
         Raises
         ------
@@ -146,7 +148,7 @@ class AnalystRequests(CoordinatorCore):
             released raises here (the pages released stay released).
         """
         key = task_id(analyst_id, query_id)
-        pages = self.store.result_pages(key, start)
+        pages = self.store.result_pages(key, start, limit)
         if not pages:
             record = self.store.query(key)
             if record.state is QueryState.FAILED:

@@ -23,6 +23,7 @@ from types import FrameType
 
 import click
 
+from fedpca.allocator import map_large_blocks
 from fedpca.errors import FedpcaError
 from fedpca.logs import configure_logging
 from fedpca.proxy.config import ProxyConfig, load_config
@@ -90,6 +91,7 @@ def serve_command(
     from fedpca.proxy.server import ProxyServer  # grpc, numpy, phe: only when serving
 
     _configure_logging(verbose)
+    map_large_blocks()  # a long-running process: freed arrays go back to the system
     try:
         config = _load(config_path).with_overrides(
             listen=listen,

@@ -89,6 +89,11 @@ __all__ = ["AnalystServicer", "OwnerServicer", "register_services"]
 
 logger = logging.getLogger(__name__)
 
+RESULT_PAGES_PER_READ = 4
+"""Result pages a fetch reads from the database at a time (1 MiB at 2048 bits): an
+analyst that decrypts slower than the proxy finalises would otherwise have the proxy
+hold every final page of the result in memory until the stream drains."""
+
 
 # ------------------------------------------------------------------- owners
 class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
@@ -365,7 +370,9 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
             sent = 0
             while sent < header.total_chunks:
                 changed = self.feed.event
-                pages = await self.work.run(coordinator.result_pages, analyst, query_id, sent)
+                pages = await self.work.run(
+                    coordinator.result_pages, analyst, query_id, sent, RESULT_PAGES_PER_READ
+                )
                 for data in pages:
                     yield serde.result_chunk_message(chain.next(data))
                     sent += 1

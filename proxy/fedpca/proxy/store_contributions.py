@@ -499,12 +499,13 @@ class ContributionStore(StoreDatabase):
             ).fetchone()
         return None if row is None else dict(json.loads(row["meta"]))
 
-    def result_pages(self, query_id: str, start: int = 0) -> list[bytes]:
-        """The final result pages from ``start`` on, in order."""
+    def result_pages(self, query_id: str, start: int = 0, limit: int | None = None) -> list[bytes]:
+        """The final result pages from ``start`` on, in order (at most ``limit``)."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT page, data FROM result_pages WHERE query_id=? AND page>=? ORDER BY page",
-                (query_id, start),
+                "SELECT page, data FROM result_pages WHERE query_id=? AND page>=? ORDER BY page "
+                "LIMIT ?",
+                (query_id, start, -1 if limit is None else limit),
             ).fetchall()
         pages = []
         for expected, row in enumerate(rows, start):
