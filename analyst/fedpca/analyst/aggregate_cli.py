@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 import click
 
 from fedpca.analyst import cli as analyst_cli
-from fedpca.errors import ConfigError
 from fedpca.query import Calibration, Moments, Neighbouring
 
 __all__ = ["histogram_command", "linreg_command", "stats_command"]
@@ -132,37 +131,9 @@ def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:
     if not math.isfinite(epsilon):
         analyst_cli._warn_not_private()
     with analyst_cli._errors():
-        connection = analyst_cli._connection(
-            params["config_path"],
-            params["proxy"],
-            params["ca"],
-            params["cert"],
-            params["key"],
-            params["insecure"],
-            params["server_name"],
-            params["key_dir"],
-        )
-        if connection.key_dir is None:
-            raise ConfigError("no analyst key: pass --key-dir DIR or set key_dir in --config")
+        connection = analyst_cli._estimator_connection(params)
         estimator = estimator_factory(
-            epsilon=epsilon,
-            delta=delta if delta is not None else 0.0,
-            calibration=params["calibration"],
-            neighbouring=params["neighbouring"],
-            quorum=params["quorum"],
-            deadline_seconds=params["deadline"],
-            max_records_per_owner=params["max_records_per_owner"],
-            max_owners=params["max_owners"],
-            proxy=connection.proxy,
-            ca=None if connection.tls is None else connection.tls.ca_certificate,
-            cert=None if connection.tls is None else connection.tls.certificate,
-            key=None if connection.tls is None else connection.tls.private_key,
-            insecure=connection.insecure,
-            server_name_override=connection.server_name,
-            private_key_path=connection.key_dir,
-            n_jobs=params["workers"],
-            verbose=True,
-            on_status=analyst_cli._submission_announcer(),
+            **analyst_cli._estimator_settings(params, connection, epsilon, delta)
         )
         with warnings.catch_warnings():
             # The summary below prints the warning in red; Python's copy would repeat it.

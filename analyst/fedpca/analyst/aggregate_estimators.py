@@ -42,16 +42,13 @@ from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.analyst.params import NotFittedError, SklearnParams
 from fedpca.analyst.querying import (
-    DeclineLog,
-    ProgressDisplay,
     new_query_id,
     refuse_in_bootstrapping_child,
     resolve_quorum,
-    run_query,
+    run_estimator_query,
     warn_if_owners_missing,
 )
 from fedpca.codec.keys import key_fingerprint
-from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError
 from fedpca.messages import DeploymentInfo
 from fedpca.query import (
@@ -61,7 +58,6 @@ from fedpca.query import (
     QueryKind,
     QuerySpec,
 )
-from fedpca.transport.certs import TlsFiles, TlsMaterial
 
 __all__ = ["COMMON_PARAMETERS_DOC", "FederatedQuery", "aggregate_query"]
 
@@ -143,13 +139,6 @@ class _Settings(SklearnParams):
         for name in _PRIVACY_PARAMETERS:
             setattr(self, name, arguments[name])
 
-    def _tls_material(self) -> TlsMaterial | None:
-        if self.ca is None and self.cert is None and self.key is None:
-            return None
-        if self.ca is None or self.cert is None or self.key is None:
-            raise ConfigError("ca, cert and key must be given together")
-        return TlsMaterial.load(TlsFiles(Path(self.ca), Path(self.cert), Path(self.key)))
-
     def _run(
         self, aggregates: Sequence[Aggregate], weights: Sequence[float]
     ) -> tuple[DecodedRelease, dict[str, float], int]:
@@ -160,7 +149,6 @@ class _Settings(SklearnParams):
         unset quorum waits for every registered owner and an unset relation is the
         deployment's; the signed query states both.
         """
-        from fedpca.analyst.client import AnalystClient
 
         refuse_in_bootstrapping_child()
         if self.proxy is None:
@@ -171,48 +159,18 @@ class _Settings(SklearnParams):
             )
         private_key = load_analyst_private_key(self.private_key_path)
         signing_key = load_analyst_signing_key(self.private_key_path)
-        display = ProgressDisplay() if self.verbose else None
-        declines = DeclineLog()
-
-        def on_status(status: Any) -> None:
-            if self.on_status is not None:
-                self.on_status(status)
-            # Each decline is one line: on the progress display, else in the log.
-            if display is not None:
-                display.status(status)
-            else:
-                declines.status(status)
-
-        with (
-            AnalystClient(
-                self.proxy,
-                self._tls_material(),
-                insecure=self.insecure,
-                server_name_override=self.server_name_override,
-            ) as client,
-            CryptoPool(self.n_jobs) as pool,
-        ):
-            deployment = client.describe()
-            spec = aggregate_query(
+        run = run_estimator_query(
+            self,
+            private_key,
+            signing_key,
+            lambda deployment: aggregate_query(
                 aggregates,
                 private_key.public_key,
                 noise_weights=weights,
                 **self._query_settings(deployment),
-            )
-            if not spec.private:
-                logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
-            release, timings = run_query(
-                spec,
-                client,
-                private_key,
-                signing_key,
-                on_status=on_status,
-                on_submitted=on_status,
-                on_fetched=None if display is None else display.fetched,
-                decrypt_progress=None if display is None else display.decrypted,
-                pool=pool,
-            )
-        return release, timings, deployment.owners_registered
+            ),
+        )
+        return run.release, run.timings, run.owners_registered
 
     def _query_settings(self, deployment: DeploymentInfo | None = None) -> dict[str, Any]:
         """The query parameters; ``deployment`` fills in an unset quorum and relation."""

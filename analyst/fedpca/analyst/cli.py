@@ -375,18 +375,7 @@ def _run(
             err=True,
         )
     with _errors():
-        connection = _connection(
-            params["config_path"],
-            params["proxy"],
-            params["ca"],
-            params["cert"],
-            params["key"],
-            params["insecure"],
-            params["server_name"],
-            params["key_dir"],
-        )
-        if connection.key_dir is None:
-            raise ConfigError("no analyst key: pass --key-dir DIR or set key_dir in --config")
+        connection = _estimator_connection(params)
         sample = labels = None
         if params["sample"] is not None:
             sample, labels = load_table(
@@ -394,29 +383,11 @@ def _run(
                 label_column=sample_label_column,
                 n_features=params["n_features"],
             )
-        on_status = _submission_announcer()
         estimator = estimator_factory(
             params["n_components"],
-            epsilon=epsilon,
-            delta=delta if delta is not None else 0.0,
-            calibration=params["calibration"],
-            neighbouring=params["neighbouring"],
             bounds=params["bounds"],
             clip_norm=params["clip_norm"],
-            quorum=params["quorum"],
-            deadline_seconds=params["deadline"],
-            max_records_per_owner=params["max_records_per_owner"],
-            max_owners=params["max_owners"],
-            proxy=connection.proxy,
-            ca=None if connection.tls is None else connection.tls.ca_certificate,
-            cert=None if connection.tls is None else connection.tls.certificate,
-            key=None if connection.tls is None else connection.tls.private_key,
-            insecure=connection.insecure,
-            server_name_override=connection.server_name,
-            private_key_path=connection.key_dir,
-            n_jobs=params["workers"],
-            verbose=True,
-            on_status=on_status,
+            **_estimator_settings(params, connection, epsilon, delta),
         )
         with warnings.catch_warnings():
             # The summary below prints the warning in red; Python's copy would repeat it.
@@ -427,6 +398,56 @@ def _run(
             sample = estimator.preprocess(sample)
         files = write_report(out, estimator, sample=sample, labels=labels)
     _print_release_summary(estimator, files)
+
+
+def _params_connection(params: dict[str, Any], key_dir: Path | None = None) -> AnalystConfig:
+    """:func:`_connection` from a command's parsed connection options."""
+    return _connection(
+        params["config_path"],
+        params["proxy"],
+        params["ca"],
+        params["cert"],
+        params["key"],
+        params["insecure"],
+        params["server_name"],
+        key_dir,
+    )
+
+
+def _estimator_connection(params: dict[str, Any]) -> AnalystConfig:
+    """The proxy connection and analyst key directory a query command's options name."""
+    connection = _params_connection(params, params["key_dir"])
+    if connection.key_dir is None:
+        raise ConfigError("no analyst key: pass --key-dir DIR or set key_dir in --config")
+    return connection
+
+
+def _estimator_settings(
+    params: dict[str, Any], connection: AnalystConfig, epsilon: float, delta: float | None
+) -> dict[str, Any]:
+    """The estimator parameters every query command sets alike: privacy, collection
+    (:data:`COLLECTION_OPTIONS`), the connection, workers and the progress display."""
+    tls = connection.tls
+    return {
+        "epsilon": epsilon,
+        "delta": delta if delta is not None else 0.0,
+        "calibration": params["calibration"],
+        "neighbouring": params["neighbouring"],
+        "quorum": params["quorum"],
+        "deadline_seconds": params["deadline"],
+        "max_records_per_owner": params["max_records_per_owner"],
+        "max_owners": params["max_owners"],
+        "proxy": connection.proxy,
+        "ca": None if tls is None else tls.ca_certificate,
+        "cert": None if tls is None else tls.certificate,
+        "key": None if tls is None else tls.private_key,
+        "insecure": connection.insecure,
+        "server_name_override": connection.server_name,
+        "private_key_path": connection.key_dir,
+        "n_jobs": params["workers"],
+        "verbose": True,
+        "on_status": _submission_announcer(),
+    }
 
 
 def _submission_announcer() -> Callable[[Any], None]:
@@ -592,7 +613,7 @@ def budget_command(
 
 # `fedpca analyst list|status|fetch|cancel`: defined in their own module with the
 # connection options above; `fedpca analyst init` writes an analyst folder.
-query_commands.register(analyst_group, _connection_options, _errors, _connection)
+query_commands.register(analyst_group, _connection_options, _errors, _params_connection)
 analyst_group.add_command(analyst_init.init_command)
 
 

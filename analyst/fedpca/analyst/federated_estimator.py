@@ -19,22 +19,18 @@ from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.analyst.params import NotFittedError, SklearnParams
 from fedpca.analyst.querying import (
-    DeclineLog,
-    ProgressDisplay,
     new_query_id,
     refuse_in_bootstrapping_child,
     resolve_quorum,
-    run_query,
+    run_estimator_query,
     warn_if_owners_missing,
 )
 from fedpca.analyst.schema import FeatureBoundsParam, check_schema, resolve_bounds
 from fedpca.codec.keys import key_fingerprint
-from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, DataError
 from fedpca.messages import DeploymentInfo
 from fedpca.preprocess import FeatureBounds, preprocess
 from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.transport.certs import TlsFiles, TlsMaterial
 
 __all__ = ["FederatedEstimator"]
 
@@ -194,8 +190,6 @@ class FederatedEstimator(SklearnParams):
         UntrustedKeyError, LayoutError, ProtocolError
             The result is not what the analyst's own plan expects.
         """
-        from fedpca.analyst.client import AnalystClient
-
         refuse_in_bootstrapping_child()
         fit_started = time.perf_counter()
         # Refuse data passed as the schema before touching keys or the network.
@@ -208,58 +202,19 @@ class FederatedEstimator(SklearnParams):
             )
         private_key = load_analyst_private_key(self.private_key_path)
         signing_key = load_analyst_signing_key(self.private_key_path)
-        tls = self._tls_material()
-        display = ProgressDisplay() if self.verbose else None
-        declines = DeclineLog()
-
-        def on_status(status: Any) -> None:
-            if self.on_status is not None:
-                self.on_status(status)
-            # Each decline is one line: on the progress display, else in the log.
-            if display is not None:
-                display.status(status)
-            else:
-                declines.status(status)
-
-        with (
-            AnalystClient(
-                self.proxy,
-                tls,
-                insecure=self.insecure,
-                server_name_override=self.server_name_override,
-            ) as client,
-            CryptoPool(self.n_jobs) as pool,
-        ):
-            deployment = client.describe()
-            spec = self.build_query(n_features, private_key.public_key, deployment)
-            if not spec.private:
-                logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
-            prepared = time.perf_counter() - fit_started
-            release, timings = run_query(
-                spec,
-                client,
-                private_key,
-                signing_key,
-                on_status=on_status,
-                on_submitted=on_status,
-                on_fetched=None if display is None else display.fetched,
-                decrypt_progress=None if display is None else display.decrypted,
-                pool=pool,
-            )
+        checked = time.perf_counter() - fit_started
+        run = run_estimator_query(
+            self,
+            private_key,
+            signing_key,
+            lambda deployment: self.build_query(n_features, private_key.public_key, deployment),
+        )
         self._fit_release(
-            release,
-            {"prepare": prepared, **timings},
-            owners_registered=deployment.owners_registered,
+            run.release,
+            {"prepare": checked + run.prepare_seconds, **run.timings},
+            owners_registered=run.owners_registered,
         )
         return self
-
-    def _tls_material(self) -> TlsMaterial | None:
-        paths = (self.ca, self.cert, self.key)
-        if not any(paths):
-            return None
-        if not all(paths):
-            raise ConfigError("ca, cert and key must be given together")
-        return TlsMaterial.load(TlsFiles(Path(self.ca), Path(self.cert), Path(self.key)))  # type: ignore[arg-type]
 
     @classmethod
     def from_result(

@@ -81,8 +81,8 @@ def register(
     group : the ``fedpca analyst`` group.
     connection_options : decorator adding --proxy/--config/--ca/--cert/--key/... .
     errors : context manager turning fedpca errors into one-line CLI errors.
-    connection : merges --config and flags into an
-        :class:`~fedpca.analyst.config.AnalystConfig`.
+    connection : ``connection(params, key_dir)`` merges --config and a command's
+        parsed connection flags into an :class:`~fedpca.analyst.config.AnalystConfig`.
     """
 
     @contextmanager
@@ -91,16 +91,7 @@ def register(
         from fedpca.analyst.client import AnalystClient
         from fedpca.transport.certs import TlsMaterial
 
-        merged = connection(
-            params["config_path"],
-            params["proxy"],
-            params["ca"],
-            params["cert"],
-            params["key"],
-            params["insecure"],
-            params["server_name"],
-            key_dir,
-        )
+        merged = connection(params, key_dir)
         tls = None if merged.tls is None else TlsMaterial.load(merged.tls)
         with AnalystClient(
             merged.proxy,

@@ -12,6 +12,8 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fedpca.analyst.decode import DecodedRelease, decrypt_stream
@@ -19,16 +21,20 @@ from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, FedpcaError, QueryStateError
 from fedpca.messages import DeploymentInfo
 from fedpca.query import QuerySpec
+from fedpca.transport.certs import TlsFiles, TlsMaterial
 
 __all__ = [
     "DeclineLog",
+    "EstimatorRun",
     "MissingOwnersWarning",
     "ProgressDisplay",
     "missing_owners_message",
     "new_query_id",
     "refuse_in_bootstrapping_child",
     "resolve_quorum",
+    "run_estimator_query",
     "run_query",
+    "tls_material",
     "warn_if_owners_missing",
 ]
 
@@ -307,3 +313,89 @@ class ProgressDisplay:
             self._decrypt.refresh()
             if done >= self._decrypt.total:
                 self._decrypt.close()
+
+
+def tls_material(
+    ca: str | Path | None, cert: str | Path | None, key: str | Path | None
+) -> TlsMaterial | None:
+    """An estimator's ``ca``/``cert``/``key`` files, loaded; None when none is given.
+
+    Raises
+    ------
+    ConfigError
+        Only some of the three are given (or the files are unusable).
+    """
+    if ca is None and cert is None and key is None:
+        return None
+    if ca is None or cert is None or key is None:
+        raise ConfigError("ca, cert and key must be given together")
+    return TlsMaterial.load(TlsFiles(Path(ca), Path(cert), Path(key)))
+
+
+@dataclass(frozen=True)
+class EstimatorRun:
+    """What :func:`run_estimator_query` hands back to an estimator's ``fit``."""
+
+    release: DecodedRelease
+    timings: dict[str, float]
+    owners_registered: int
+    prepare_seconds: float
+    """From the call until the query was built (connection, the deployment's facts)."""
+
+
+def run_estimator_query(
+    estimator: Any,
+    private_key: Any,
+    signing_key: Any,
+    build: Callable[[DeploymentInfo], QuerySpec],
+) -> EstimatorRun:
+    """Connect with an estimator's settings, build its query and run it (:func:`run_query`).
+
+    ``estimator`` supplies ``proxy``, ``ca``/``cert``/``key``, ``insecure``,
+    ``server_name_override``, ``n_jobs``, ``verbose`` and ``on_status`` (the
+    parameters every estimator shares); ``build`` makes the query from the
+    deployment's public facts. Declines go to the progress display with ``verbose``,
+    else to the log; ``on_status`` sees every status as well.
+    """
+    from fedpca.analyst.client import AnalystClient  # grpc: imported when first used
+
+    started = time.perf_counter()
+    tls = tls_material(estimator.ca, estimator.cert, estimator.key)
+    display = ProgressDisplay() if estimator.verbose else None
+    declines = DeclineLog()
+
+    def on_status(status: Any) -> None:
+        if estimator.on_status is not None:
+            estimator.on_status(status)
+        # Each decline is one line: on the progress display, else in the log.
+        if display is not None:
+            display.status(status)
+        else:
+            declines.status(status)
+
+    with (
+        AnalystClient(
+            estimator.proxy,
+            tls,
+            insecure=estimator.insecure,
+            server_name_override=estimator.server_name_override,
+        ) as client,
+        CryptoPool(estimator.n_jobs) as pool,
+    ):
+        deployment = client.describe()
+        spec = build(deployment)
+        if not spec.private:
+            logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
+        prepared = time.perf_counter() - started
+        release, timings = run_query(
+            spec,
+            client,
+            private_key,
+            signing_key,
+            on_status=on_status,
+            on_submitted=on_status,
+            on_fetched=None if display is None else display.fetched,
+            decrypt_progress=None if display is None else display.decrypted,
+            pool=pool,
+        )
+    return EstimatorRun(release, timings, deployment.owners_registered, prepared)

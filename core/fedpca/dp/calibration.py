@@ -302,6 +302,10 @@ def zcdp_epsilon(noise_multiplier: float, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
+_ROUNDING_STEPS = 64
+"""ulps :func:`zcdp_noise_multiplier` may raise its closed-form z by to absorb rounding."""
+
+
 def zcdp_noise_multiplier(epsilon: float, delta: float) -> float:
     """Smallest z with ``zcdp_epsilon(z, delta) <= epsilon`` (to float rounding).
 
@@ -340,10 +344,6 @@ def zcdp_noise_multiplier(epsilon: float, delta: float) -> float:
     raise CalibrationError(  # pragma: no cover - the closed form is within a few ulps
         f"calibrating epsilon={epsilon!r} at delta={delta!r} did not converge"
     )
-
-
-_ROUNDING_STEPS = 64
-"""ulps :func:`zcdp_noise_multiplier` may raise its closed-form z by to absorb rounding."""
 
 
 def calibrate_noise_multiplier(
