@@ -173,7 +173,13 @@ class ReleasePlan:
         if spec.mode is ProtocolMode.MASKED:
             return masked_scatter_sensitivity(spec.clip_norm, 1)
         if not self.private:
-            return StatisticsSpec.from_query(spec).l2_sensitivity_under(spec.neighbouring) * c2
+            statistics = StatisticsSpec.from_query(spec)
+            return (
+                statistics.l2_sensitivity_under(
+                    spec.neighbouring, bounded_owner_tables=spec.bounded_owner_tables
+                )
+                * c2
+            )
         first = next(s for s in self.sections if s.sigma > 0)
         return first.sigma / self.noise_multiplier
 
@@ -334,13 +340,17 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
         # change the relation allows then fixes the one scale that makes the release's
         # noise multiplier exactly z. A section no neighbouring change can move (the
         # count of a stats or linreg aggregate under replace-one) is released exactly.
+        # Bounded owner tables never swap: a section's unit is then its add change.
+        bounded = spec.bounded_owner_tables
         exact = [_unmoved(statistics, s, spec.neighbouring) for s in statistics.sections]
         reference = [
-            0.0 if unmoved else s.allocation_unit / math.sqrt(w)
+            0.0 if unmoved else (s.add_change if bounded else s.allocation_unit) / math.sqrt(w)
             for s, w, unmoved in zip(statistics.sections, omegas, exact, strict=True)
         ]
         worst = statistics.worst_case_change(
-            [math.inf if r == 0 else 1.0 / (r * r) for r in reference], spec.neighbouring
+            [math.inf if r == 0 else 1.0 / (r * r) for r in reference],
+            spec.neighbouring,
+            bounded_owner_tables=bounded,
         )
         scale = z * math.sqrt(worst)
         for section, r in zip(statistics.sections, reference, strict=True):
@@ -363,6 +373,7 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
                     for info, s in zip(statistics.sections, sections, strict=True)
                 ],
                 spec.neighbouring,
+                bounded_owner_tables=bounded,
             )
         )
     else:

@@ -391,6 +391,12 @@ class QuerySpec:
     calibration : zcdp (default, proven for the discrete Gaussian), analytic or classic.
     neighbouring : the neighbouring relation (epsilon, delta) refer to; the proxy and
         every owner refuse a query stated for another relation than their deployment's.
+    bounded_owner_tables : add/remove only. Calibrate for owners whose tables never
+        exceed their public capacity, so no owner ever samples and one added record is
+        the only change to cover (no swap: the noise of a central curator). Only owners
+        that enforce their capacity (``data.enforce_max_records``) take part, and the
+        query's ``max_records_per_owner`` must not be below any owner's capacity
+        (docs/privacy.md, "Bounded owner tables").
     mode : stats or masked.
     n_components : number of components the analyst asks for.
     label_column : column holding the class label (DCA), counted in the owners' files.
@@ -423,6 +429,7 @@ class QuerySpec:
     clip_norm: float = 1.0
     calibration: Calibration = Calibration.ZCDP
     neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
+    bounded_owner_tables: bool = False
     mode: ProtocolMode = ProtocolMode.STATS
     label_column: int | None = None
     class_labels: tuple[float, ...] = ()
@@ -485,6 +492,11 @@ class QuerySpec:
             raise ConfigError(f"frac_bits must be in [8, 48], got {self.frac_bits}")
         if any(not (w > 0 and math.isfinite(w)) for w in self.noise_weights):
             raise ConfigError("noise_weights must be positive and finite")
+        if self.bounded_owner_tables and self.neighbouring is not Neighbouring.ADD_REMOVE:
+            raise ConfigError(
+                "bounded_owner_tables changes the add/remove calibration only: under "
+                "replace-one the swap of a record is the relation itself"
+            )
         self._check_aggregates()
 
     def _check_aggregates(self) -> None:
@@ -557,5 +569,8 @@ def spec_digest(spec: QuerySpec) -> str:
         fields["aggregates"] = [dataclasses.asdict(part) for part in spec.aggregates]
     else:
         del fields["aggregates"]
+    # Likewise a query that does not ask for bounded owner tables.
+    if not spec.bounded_owner_tables:
+        del fields["bounded_owner_tables"]
     text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -53,14 +53,9 @@ Clip units and the changes a release must cover
 -----------------------------------------------
 Owners release every section in *clip units* (scatter in c², sums in c, counts
 in 1), where one record's add/remove change is at most 1 per section, whatever
-c.  Besides adding or removing a record, an owner's statistics can see one
-record *swapped* for another with the counts unchanged: under replace-one
-adjacency, and under add/remove adjacency when an owner at its public record
-cap contributes a uniform sample of its rows (a record added to it displaces
-one).  For DCA the cap applies to each class separately, so under add/remove a
-displaced record is of the same class; under replace-one a replacement may move
-a record between classes, and since a record whose label is not one of the
-public classes is left out, a replacement can also look like an addition.
+c.  A record can also be *swapped* for another with the counts unchanged: under
+replace-one, and under add/remove when an owner at its public record cap samples
+(unless the query is for bounded owner tables, which never sample).
 :func:`worst_case_change` bounds Σ_j ‖Δq_j‖²/σ_j² over every change a relation
 allows (docs/privacy.md derives each case).
 """
@@ -315,19 +310,31 @@ class StatisticsSpec:
         return max(section.max_abs_per_record for section in self.sections)
 
     def worst_case_change(
-        self, inverse_variances: Sequence[float], neighbouring: Neighbouring
+        self,
+        inverse_variances: Sequence[float],
+        neighbouring: Neighbouring,
+        *,
+        bounded_owner_tables: bool = False,
     ) -> float:
         """:func:`worst_case_change` of this spec's sections (1/σ_j² in clip units)."""
+        changes = None
         if self.kind is QueryKind.AGGREGATE:
             changes = []
             for section in self.sections:
                 swap = section.swap_change
                 assert swap is not None  # every aggregate section states its swap
                 changes.append((section.add_change, swap))
-            return worst_case_change(self.kind, inverse_variances, neighbouring, changes)
-        return worst_case_change(self.kind, inverse_variances, neighbouring)
+        return worst_case_change(
+            self.kind,
+            inverse_variances,
+            neighbouring,
+            changes,
+            bounded_owner_tables=bounded_owner_tables,
+        )
 
-    def l2_sensitivity_under(self, neighbouring: Neighbouring) -> float:
+    def l2_sensitivity_under(
+        self, neighbouring: Neighbouring, *, bounded_owner_tables: bool = False
+    ) -> float:
         """Joint L2 sensitivity in clip units when every section has the same noise.
 
         √(worst_case_change(kind, (1, 1, 1), relation)): √4.5 = 2.121 under either
@@ -335,23 +342,12 @@ class StatisticsSpec:
         the replacement itself), √6 = 2.449 for DCA under replace-one (a replacement
         between classes). Aggregate queries: the larger of √(Σ add²) and √(Σ swap²).
         """
-        return math.sqrt(self.worst_case_change([1.0] * len(self.sections), neighbouring))
-
-    def l2_sensitivity_scaled(self, scales: Sequence[float]) -> float:
-        """Joint sensitivity after multiplying section s by ``scales[s]``.
-
-        Noise of standard deviation σ/scales[s] on section s (a non-uniform
-        budget split) is the same mechanism as multiplying section s by
-        scales[s], adding isotropic N(0, σ²) noise and dividing back, so the DP
-        layer calibrates σ with Δ = √(Σ_s (scales[s]·Δ_s)²).
-        """
-        sections = self.sections
-        if len(scales) != len(sections):
-            raise ConfigError(f"need {len(sections)} section scales, got {len(scales)}")
-        if any(not (math.isfinite(w) and w > 0) for w in scales):
-            raise ConfigError(f"section scales must be finite and > 0, got {tuple(scales)}")
         return math.sqrt(
-            sum((w * s.l2_sensitivity) ** 2 for w, s in zip(scales, sections, strict=True))
+            self.worst_case_change(
+                [1.0] * len(self.sections),
+                neighbouring,
+                bounded_owner_tables=bounded_owner_tables,
+            )
         )
 
 
@@ -543,6 +539,8 @@ def worst_case_change(
     inverse_variances: Sequence[float],
     neighbouring: Neighbouring,
     changes: Sequence[tuple[float, float]] | None = None,
+    *,
+    bounded_owner_tables: bool = False,
 ) -> float:
     """Largest Σ_j ‖Δq_j‖² w_j of one neighbouring change, in clip units.
 
@@ -551,11 +549,13 @@ def worst_case_change(
     kind : pca or dca (the sections are scatter, sums, counts or their class forms),
         or aggregate (any sections, each with its own bounds in ``changes``).
     inverse_variances : w_j = 1/σ_j² of the sections (three for PCA and DCA), σ_j in
-        clip units; every w_j must be > 0.
+        clip units; every w_j must be > 0 (aggregates: inf, no noise, is allowed).
     neighbouring : the relation whose changes must be covered.
     changes : aggregate queries only: (a_j, b_j) per section, the largest L2 change of
         section j in clip units when one record is added or removed (a_j) and when
         one record is swapped for another (b_j).
+    bounded_owner_tables : add/remove only: no owner holds more records than its cap,
+        so none samples and an added record never displaces another (no swap case).
 
     Returns
     -------
@@ -565,34 +565,19 @@ def worst_case_change(
 
     Notes
     -----
-    With ‖x‖, ‖y‖ <= 1 (clip units) and t = ⟨x, y⟩ (a = w_scatter, b = w_sums,
-    g = w_counts):
-
-    * add/remove x: a + b + g (x = e_1 attains it);
-    * swap y -> x, same class (PCA, or DCA within a class): the upper triangle of
-      xxᵀ − yyᵀ has squared norm at most ‖xxᵀ − yyᵀ‖_F² = ‖x‖⁴ + ‖y‖⁴ − 2t² <= 2 − 2t²,
-      and ‖x − y‖² <= 2 − 2t; maximising a(2 − 2t²) + b(2 − 2t) over t in [−1, 1]
-      gives 2a + 2b + b²/(2a) at t = −b/(2a) when b <= 2a, else 4b at t = −1;
-    * swap between classes (DCA, replace-one only): the class-sum rows move by x
-      and −y (‖x‖² + ‖y‖² <= 2), two counts by ±1, the scatter as above with t = 0:
-      2a + 2b + 2g.
-
-    Add/remove adjacency needs the add case and the same-class swap (an owner at its
-    record cap - per class for DCA - samples: one added record displaces another of
-    its class). Replace-one needs the swaps, and for DCA the add case too (a replaced
-    record whose label is not public was left out).
-
-    Aggregate queries bound every section on its own, which is valid because the
-    squared norm of the change of the concatenation is the sum over sections: add
-    Σ_j w_j a_j², swap Σ_j w_j b_j². Add/remove needs both (a capped owner swaps);
-    replace-one needs the swap only, because every aggregate section whose records
-    can be left out (a histogram's unlisted categories) has b_j >= a_j, so a
-    replacement that looks like an addition is within the swap bound
-    (docs/privacy.md, "Aggregate queries"). A section whose change is 0 in the case
-    at hand contributes nothing, whatever its noise: w_j = inf (no noise) is allowed.
+    With ‖x‖, ‖y‖ <= 1 (clip units), t = ⟨x, y⟩, a = w_scatter, b = w_sums,
+    g = w_counts: add a + b + g; a swap within a class a(2 − 2t²) + b(2 − 2t), at most
+    2a + 2b + b²/(2a) (t = −b/(2a), b <= 2a) or 4b (t = −1); a swap between classes
+    (DCA, replace-one) 2a + 2b + 2g. Add/remove needs the add case and, unless owner
+    tables are bounded, the same-class swap of an owner at its cap (per class for
+    DCA); replace-one needs the swaps, and for DCA the add case (a replaced record of
+    an unlisted label was left out). Aggregates bound each section on its own: add
+    Σ_j w_j a_j², swap Σ_j w_j b_j². docs/privacy.md derives every case.
     """
+    if bounded_owner_tables and neighbouring is not Neighbouring.ADD_REMOVE:
+        raise ConfigError("bounded owner tables change the add/remove calibration only")
     if kind is QueryKind.AGGREGATE:
-        return _aggregate_worst_case(inverse_variances, neighbouring, changes)
+        return _aggregate_worst_case(inverse_variances, neighbouring, changes, bounded_owner_tables)
     if changes is not None:
         raise ConfigError(f"{kind.value} sections are bounded jointly; changes are for aggregates")
     if len(inverse_variances) != 3:
@@ -601,6 +586,8 @@ def worst_case_change(
     if not all(math.isfinite(w) and w > 0 for w in (a, b, g)):
         raise ConfigError(f"inverse variances must be finite and > 0, got {(a, b, g)}")
     add = a + b + g
+    if bounded_owner_tables:
+        return add
     swap = 2 * a + 2 * b + b * b / (2 * a) if b <= 2 * a else 4 * b
     cases = [swap]
     if kind is QueryKind.DCA and neighbouring is Neighbouring.REPLACE_ONE:
@@ -614,6 +601,7 @@ def _aggregate_worst_case(
     inverse_variances: Sequence[float],
     neighbouring: Neighbouring,
     changes: Sequence[tuple[float, float]] | None,
+    bounded_owner_tables: bool,
 ) -> float:
     if changes is None or len(changes) != len(inverse_variances) or not changes:
         raise ConfigError(
@@ -635,7 +623,7 @@ def _aggregate_worst_case(
     swap_case = math.fsum(term(w, b) for w, (_, b) in zip(weights, changes, strict=True))
     if neighbouring is Neighbouring.REPLACE_ONE:
         return swap_case
-    return max(add_case, swap_case)
+    return add_case if bounded_owner_tables else max(add_case, swap_case)
 
 
 def sum_statistics(parts: Iterable[SufficientStatistics]) -> SufficientStatistics:

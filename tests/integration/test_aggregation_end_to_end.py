@@ -185,3 +185,54 @@ def test_cli_commands_and_histogram_noise_over_real_processes(tmp_path: Path) ->
     # 200 i.i.d. draws: the sample sd is within ~5 % of sigma; 20 % leaves room.
     assert np.std(errors) == pytest.approx(sigma, rel=0.2)
     assert abs(np.mean(errors)) < 4 * sigma / math.sqrt(errors.size)
+
+
+def test_bounded_owner_tables_release_a_central_curators_noise(tmp_path: Path) -> None:
+    """Owners that enforce their capacity answer a bounded query with add-only noise.
+
+    Before bounded owner tables existed, every add/remove query covered a capped
+    owner's swap: a histogram's counts had sqrt(2) z noise where a central curator
+    adds z. Here the three owners enforce ``data.max_records`` (their table sizes),
+    the CLI asks for ``--bounded-owner-tables`` and the counts get z: the central
+    noise. A query whose cap is below an owner's capacity is declined by every owner
+    (it could make them sample), with the public reason.
+    """
+    table = dataset_table("diabetes")
+    enforce = {"data": {"enforce_max_records": True}}
+    owners = {f"owner-{i + 1}": enforce for i in range(OWNERS)}
+    with _cluster(tmp_path, table, owner_settings=owners) as cluster:
+        cluster.prepare()
+        cluster.start()
+        tls = cluster.analyst_tls()
+        glucose, bmi = np.linspace(0, 200, 21), np.linspace(0, 70, 11)
+        command = [
+            *(sys.executable, "-m", "fedpca.app.cli", "analyst", "histogram"),
+            *("--proxy", cluster.proxy_address, "--ca", str(tls.ca_certificate)),
+            *("--cert", str(tls.certificate), "--key", str(tls.private_key)),
+            *("--key-dir", str(cluster.key_dir), "--quorum", str(OWNERS)),
+            *("--columns", "2,6", "--bins", ",".join(map(str, glucose))),
+            *("--bins", ",".join(map(str, bmi)), "--no-clamp", "--bounded-owner-tables"),
+            *("--epsilon", "1", "--delta", "1e-6", "--deadline", "30"),
+        ]
+        out = tmp_path / "bounded.json"
+        completed = subprocess.run(
+            [*command, "--out", str(out)], capture_output=True, text=True, timeout=600
+        )
+        assert completed.returncode == 0, completed.stdout + completed.stderr
+        noisy = json.loads(out.read_text())
+        # A cap of 100 is below every owner's capacity (256 of the 768 rows each).
+        refused = subprocess.run(
+            [*command, "--max-records-per-owner", "100", "--out", str(tmp_path / "no.json")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    assert noisy["not_private"] is False
+    exact, _, _ = np.histogram2d(table[:, 2], table[:, 6], bins=[glucose, bmi])
+    errors = np.array(noisy["raw_counts"]) - exact
+    sigma = noisy["noise_sigma"]["counts"]
+    # One added record moves one cell by 1: the noise is z itself, not sqrt(2) z.
+    assert sigma == pytest.approx(noisy["noise_multiplier"], rel=1e-12)
+    assert np.std(errors) == pytest.approx(sigma, rel=0.2)
+    assert refused.returncode != 0
+    assert "below this owner's public max_records" in refused.stdout + refused.stderr

@@ -243,6 +243,48 @@ def test_plan_of_a_combined_query_meets_the_target_exactly(neighbouring: Neighbo
         ReleasePlan.for_query(query(STATS, noise_weights=(1.0, 1.0)), 2048)
 
 
+def test_plan_for_bounded_owner_tables_covers_one_addition_exactly() -> None:
+    """Owners that never sample: the defining equation has the add case alone.
+
+    Every section's noise then has the central curator's calibration (add/remove:
+    sum_j a_j^2 / sigma_j^2 = 1/z^2 with the weights as shares in add units).
+    """
+    weights = tuple(range(1, 10))
+    bounded = query(STATS, JOINT, LINREG, noise_weights=weights, bounded_owner_tables=True)
+    plan = ReleasePlan.for_query(bounded, 2048)
+    z = plan.noise_multiplier
+    assert z == pytest.approx(zcdp_noise_multiplier(1.0, 1e-6), rel=1e-9)
+    bounds = [*SQUARED_BOUNDS["stats"].values(), *SQUARED_BOUNDS["histogram"].values()]
+    bounds += list(SQUARED_BOUNDS["linreg"].values())
+    add = 0.0
+    ratios = []
+    for section, info, (a, _), w in zip(
+        plan.sections, plan.statistics.sections, bounds, weights, strict=True
+    ):
+        grid = 0 if info.grid_bits == 0 else F
+        add += (2.0**grid / section.sigma_int) ** 2 * float(a)
+        ratios.append(float(a) / section.sigma**2 / w)
+    assert 1 / math.sqrt(add) == pytest.approx(z, rel=1e-12)
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-12)
+    # The histogram alone, equal shares: one added record moves one cell by 1, so its
+    # counts get z itself, where covering a swap takes sqrt(2) z.
+    alone = ReleasePlan.for_query(query(JOINT, bounded_owner_tables=True), 2048)
+    assert alone.sections[0].sigma == pytest.approx(z, rel=1e-12)
+    capped = ReleasePlan.for_query(query(JOINT), 2048)
+    assert capped.sections[0].sigma == pytest.approx(math.sqrt(2) * z, rel=1e-12)
+    kind = QueryKind.AGGREGATE
+    changes = [(1.0, 0.0), (1.0, math.sqrt(2))]
+    assert worst_case_change(
+        kind, [1.0, 1.0], Neighbouring.ADD_REMOVE, changes, bounded_owner_tables=True
+    ) == pytest.approx(2.0)
+    with pytest.raises(ConfigError, match="add/remove calibration only"):
+        worst_case_change(
+            kind, [1.0, 1.0], Neighbouring.REPLACE_ONE, changes, bounded_owner_tables=True
+        )
+    with pytest.raises(ConfigError, match="add/remove calibration only"):
+        query(JOINT, neighbouring=Neighbouring.REPLACE_ONE, bounded_owner_tables=True)
+
+
 def test_noise_and_decoding_of_an_aggregate_release() -> None:
     spec = query(STATS, JOINT, epsilon=math.inf, delta=0.0)
     plan = ReleasePlan.for_query(spec, 2048)
@@ -402,11 +444,15 @@ def test_pca_digest_is_unchanged_and_aggregates_enter_it() -> None:
 
 def test_digest_encodes_every_field_as_dataclasses_asdict_does() -> None:
     # The digest is what analysts sign: it must stay the canonical JSON of the spec as
-    # dataclasses.asdict presents it, aggregates included, however it is computed.
+    # dataclasses.asdict presents it, aggregates included, however it is computed. The
+    # fields added later are left out at their defaults, so older clients' signatures
+    # still verify.
     def reference(spec: QuerySpec) -> str:
         fields = dataclasses.asdict(spec)
         if not fields["aggregates"]:
             del fields["aggregates"]
+        if not fields["bounded_owner_tables"]:
+            del fields["bounded_owner_tables"]
         text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -424,15 +470,22 @@ def test_digest_encodes_every_field_as_dataclasses_asdict_does() -> None:
         class_labels=(0.0, 1.0),
         label_column=0,
     )
-    for spec in (dca, query(STATS, VARIANCE, JOINT, LINREG, noise_weights=tuple(range(1, 15)))):
+    combined = query(STATS, VARIANCE, JOINT, LINREG, noise_weights=tuple(range(1, 15)))
+    bounded = dataclasses.replace(combined, bounded_owner_tables=True)
+    for spec in (dca, combined, bounded):
         assert spec_digest(spec) == reference(spec)
+    assert spec_digest(bounded) != spec_digest(combined)
 
 
 def test_wire_and_store_round_trips_are_exact() -> None:
     spec = query(STATS, VARIANCE, JOINT, LINREG, noise_weights=tuple(range(1, 15)))
-    wire = serde.query_spec_to_proto(spec).SerializeToString()
-    assert serde.query_spec_from_proto(query_pb.QuerySpec.FromString(wire)) == spec
+    for variant in (spec, dataclasses.replace(spec, bounded_owner_tables=True)):
+        wire = serde.query_spec_to_proto(variant).SerializeToString()
+        assert serde.query_spec_from_proto(query_pb.QuerySpec.FromString(wire)) == variant
+        assert spec_from_dict(json.loads(json.dumps(spec_to_dict(variant)))) == variant
     stored = json.loads(json.dumps(spec_to_dict(spec)))
+    # A query stored before the field existed reads back with its default.
+    del stored["bounded_owner_tables"]
     assert spec_from_dict(stored) == spec
     # A peer's invalid aggregate is a protocol error naming it.
     message = serde.query_spec_to_proto(spec)

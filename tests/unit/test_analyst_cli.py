@@ -536,6 +536,20 @@ def _query_args(address: str, key_dir: Path, out: Path, *extra: str) -> list[str
     ]
 
 
+def test_cli_asks_for_bounded_owner_tables_only_when_told(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    fake, address = proxy
+    for flag in ((), ("--bounded-owner-tables",)):
+        out = tmp_path / f"result{len(flag)}.json"
+        args = _query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6", *flag)
+        result = CliRunner().invoke(analyst_group, ["pca", *args])
+        assert result.exit_code == 0, result.output
+        spec = fake.specs[fake.submitted_ids[-1]]
+        assert spec.bounded_owner_tables is bool(flag)
+    assert "--bounded-owner-tables" in CliRunner().invoke(analyst_group, ["pca", "--help"]).output
+
+
 def test_cli_pca_writes_result_and_plots(
     proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
 ) -> None:

@@ -14,6 +14,8 @@ import pytest
 
 import fedpca.analyst.client as client_module
 import fedpca.analyst.federated_estimator as estimators_module
+from fedpca.analyst import FederatedStatistics
+from fedpca.analyst.aggregate_estimators import aggregate_query
 from fedpca.analyst.client import ResultStream
 from fedpca.analyst.decode import DecodedRelease, result_from_packed
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
@@ -32,7 +34,7 @@ from fedpca.messages import (
 )
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
-from fedpca.query import Calibration, Neighbouring, QueryKind, QuerySpec
+from fedpca.query import Aggregate, Calibration, Neighbouring, QueryKind, QuerySpec
 from fedpca.signing import signer_id
 from fedpca.stats import SufficientStatistics
 from fedpca.transport import serde
@@ -147,6 +149,16 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
     assert spec.class_labels == (1.0, 2.0, 3.0) and spec.label_column == 4
     with pytest.raises(ConfigError, match="stats mode"):
         FederatedDCA(1, mode="masked").build_query(4, public_key, deployment())
+    assert not FederatedPCA(2).build_query(4, public_key, deployment()).bounded_owner_tables
+    bounded = FederatedDCA(1, bounded_owner_tables=True).build_query(4, public_key, deployment())
+    assert bounded.bounded_owner_tables and bounded.neighbouring is Neighbouring.ADD_REMOVE
+    assert FederatedPCA(2, bounded_owner_tables=True).get_params()["bounded_owner_tables"]
+    stats = FederatedStatistics([0], bounds=[(0.0, 1.0)], bounded_owner_tables=True)
+    settings = stats._query_settings(deployment())
+    aggregate = aggregate_query(
+        [Aggregate.statistics((0,), (0.0,), (1.0,))], public_key, **settings
+    )
+    assert aggregate.bounded_owner_tables and stats.get_params()["bounded_owner_tables"]
 
 
 def test_default_quorum_is_every_registered_owner(test_only_keypair_512: Any) -> None:

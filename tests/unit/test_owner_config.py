@@ -73,6 +73,7 @@ def test_good_file_parses_with_paths_relative_to_the_file(tmp_path: Path) -> Non
     assert config.data.header == "auto"
     assert config.data.label_column == 0
     assert config.data.max_records == 5000
+    assert config.data.enforce_max_records is False
     assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
     assert config.privacy.accountant is Accountant.ZCDP
     assert config.policy.accepted_analyst_keys == (FINGERPRINT,)
@@ -89,6 +90,11 @@ def test_good_file_parses_with_paths_relative_to_the_file(tmp_path: Path) -> Non
     assert config.crypto.obfuscation is Obfuscation.DJN
     assert config.source is not None
     assert config.with_insecure().tls.insecure is True
+
+
+def test_an_enforced_capacity_is_read(tmp_path: Path) -> None:
+    text = GOOD.replace("max_records = 5000", "max_records = 5000\nenforce_max_records = true")
+    assert load_config(_write(tmp_path, text)).data.enforce_max_records is True
 
 
 def test_defaults_and_insecure_without_tls_files(tmp_path: Path) -> None:
@@ -143,6 +149,7 @@ delta = 1e-6
         ("max_records = 5000", "", "data.max_records is required"),
         ("max_records = 5000", "max_records = 0", "data.max_records"),
         ("max_records = 5000", 'max_records = 5000\nout_of_bounds = "refuse"', "clipped"),
+        ("max_records = 5000", "max_records = 5000\nenforce_max_records = 1", "enforce_max"),
         ('neighbouring = "add-remove"', 'neighbouring = "swap"', "privacy.neighbouring"),
         ('accountant = "zcdp"', 'accountant = "rdp"', "privacy.accountant"),
         (f'accepted_query_signers = ["{SIGNER}"]', 'accepted_query_signers = ["x"]', "signers"),

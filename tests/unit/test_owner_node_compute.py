@@ -8,6 +8,7 @@ Uses real rows of ionosphere (column 0 is the class label) and a TEST-ONLY 512-b
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from fedpca.codec import CryptoPool, ciphertext_byte_length, ciphertexts_from_bytes, pack_slots
 from fedpca.codec.paillier import STREAM_TASK_CIPHERTEXTS
 from fedpca.data import dataset_path
+from fedpca.errors import ConfigError, LayoutError
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner import compute
 from fedpca.owner.compute import (
@@ -189,6 +191,27 @@ def test_more_rows_than_the_cap_contribute_a_sample_of_exactly_the_cap(
     assert rows.features.shape == (100, 34)
     # A uniform sample without replacement: distinct rows of the table.
     assert len({row.tobytes() for row in rows.features}) == 100
+
+
+def test_bounded_owner_tables_never_sample(
+    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable, tmp_path: Path
+) -> None:
+    """A node that enforces its capacity refuses to load a larger table, and a query
+    for bounded owner tables cannot make an owner sample (it would be a bug)."""
+    public_key, _ = test_only_keypair_512
+    path = tmp_path / "rows.npy"
+    np.save(path, ionosphere.columns)
+    with pytest.raises(ConfigError, match=r"more records than data\.max_records = 350"):
+        LocalTable.load(DataConfig(path, max_records=350, enforce_max_records=True))
+    loaded = LocalTable.load(DataConfig(path, max_records=351, enforce_max_records=True))
+    assert loaded.n_records == 351
+    # Without enforcement the same file loads, and queries use a sample.
+    assert LocalTable.load(DataConfig(path, max_records=350)).n_records == 351
+    bounded = _spec(public_key, bounded_owner_tables=True)
+    table = ionosphere.table_for(bounded)
+    assert contributed_rows(table, bounded, 351).features.shape[0] == 351
+    with pytest.raises(LayoutError, match="bounded owner tables reached an owner that samples"):
+        contributed_rows(table, bounded, 350)
 
 
 def test_dca_caps_each_class_and_leaves_unknown_labels_out(

@@ -234,3 +234,31 @@ def test_configured_label_column_must_exist() -> None:
     with pytest.raises(ConfigError, match="label_column = 9"):
         LocalTable(np.zeros((2, 3)), 9, "test")
     assert LocalTable(np.zeros((2, 3)), -1, "test").label_column == 2
+
+
+def test_bounded_owner_tables_need_an_enforced_capacity_within_the_cap(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    """From public facts only: the owner's enforcement flag and its capacity."""
+    public_key, _ = test_only_keypair_512
+    config = _config(public_key)  # max_records = 100, not enforced
+    bounded = _spec(public_key, bounded_owner_tables=True, max_records_per_owner=100)
+    _refusal(
+        check_task(_task(bounded), config, _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "does not enforce its max_records",
+    )
+    enforced = replace(
+        config, data=DataConfig(Path("data.csv"), max_records=100, enforce_max_records=True)
+    )
+    assert isinstance(check_task(_task(bounded), enforced, _table()), TaskAccepted)
+    # A cap below the capacity could make the owner sample: declined, whatever it holds
+    # (the table here has 20 records, fewer than either bound).
+    below = _spec(public_key, bounded_owner_tables=True, max_records_per_owner=99)
+    _refusal(
+        check_task(_task(below), enforced, _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "below this owner's public max_records 100",
+    )
+    # Queries that cover a capped owner's swap are answered either way.
+    assert isinstance(check_task(_task(_spec(public_key)), enforced, _table()), TaskAccepted)

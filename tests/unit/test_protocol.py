@@ -87,6 +87,26 @@ def test_default_split_is_isotropic_with_the_swap_sensitivity() -> None:
     assert {round(s.sigma, 9) for s in plan.sections} == {round(z * math.sqrt(6.0), 9)}
 
 
+@pytest.mark.parametrize("kind", [QueryKind.PCA, QueryKind.DCA])
+def test_bounded_owner_tables_give_the_add_only_calibration(kind: QueryKind) -> None:
+    # No owner samples, so one added record is the only change: sqrt(3) z per section
+    # at equal weights (x = e_1 moves every section by one clip unit), where a capped
+    # owner's swap needs sqrt(4.5) z, for PCA and for DCA alike.
+    dca = {"label_column": 0, "class_labels": (0.0, 1.0, 2.0)} if kind is QueryKind.DCA else {}
+    z = zcdp_noise_multiplier(0.5, 1e-5)
+    plan = ReleasePlan.for_query(spec(kind=kind, bounded_owner_tables=True, **dca), 2048)
+    assert {round(s.sigma, 9) for s in plan.sections} == {round(z * math.sqrt(3.0), 9)}
+    assert plan.privacy_event("a").sensitivity == pytest.approx(math.sqrt(3.0))
+    weighted = ReleasePlan.for_query(
+        spec(kind=kind, bounded_owner_tables=True, noise_weights=(3.0, 1.0, 1.0), **dca), 2048
+    )
+    inverse = _clip_inverse_variances(weighted)
+    assert 1 / math.sqrt(sum(inverse)) == pytest.approx(weighted.noise_multiplier, rel=1e-12)
+    assert worst_case_change(
+        kind, inverse, Neighbouring.ADD_REMOVE, bounded_owner_tables=True
+    ) == pytest.approx(sum(inverse), rel=1e-15)
+
+
 def test_integer_noise_is_the_real_noise_in_clip_units_on_the_grid() -> None:
     # Owners' statistics are exact integers in 2^-f clip units (c^2, c, 1): no slack.
     plan = ReleasePlan.for_query(spec(clip_norm=2.5, frac_bits=30), 2048)

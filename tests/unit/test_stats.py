@@ -116,17 +116,6 @@ class TestSpecLayout:
         )
         assert dca == StatisticsSpec(DCA, 4, 1.0, (1.0, 2.0))
 
-    def test_scaled_sensitivity(self) -> None:
-        spec = StatisticsSpec(PCA, 3, 2.0)
-        assert spec.l2_sensitivity_scaled([1, 1, 1]) == pytest.approx(spec.l2_sensitivity)
-        assert spec.l2_sensitivity_scaled([0.5, 2.0, 3.0]) == pytest.approx(
-            math.sqrt((0.5 * 4) ** 2 + (2 * 2) ** 2 + 3**2)
-        )
-        with pytest.raises(ConfigError):
-            spec.l2_sensitivity_scaled([1, 1])
-        with pytest.raises(ConfigError):
-            spec.l2_sensitivity_scaled([1, 0, 1])
-
     @pytest.mark.parametrize(
         ("args", "match"),
         [

@@ -70,6 +70,7 @@ _PRIVACY_PARAMETERS = (
     "delta",
     "calibration",
     "neighbouring",
+    "bounded_owner_tables",
     "quorum",
     "deadline_seconds",
     "max_records_per_owner",
@@ -118,6 +119,7 @@ class _Settings(SklearnParams):
     delta: float
     calibration: str
     neighbouring: str | None
+    bounded_owner_tables: bool
     quorum: int | None
     deadline_seconds: float
     max_records_per_owner: int
@@ -182,6 +184,7 @@ class _Settings(SklearnParams):
             "delta": float(self.delta),
             "calibration": self.calibration,
             "neighbouring": neighbouring,
+            "bounded_owner_tables": bool(self.bounded_owner_tables),
             "quorum": resolve_quorum(self.quorum, deployment),
             "deadline_seconds": float(self.deadline_seconds),
             "max_records_per_owner": int(self.max_records_per_owner),
@@ -199,6 +202,7 @@ def aggregate_query(
     noise_weights: Sequence[float] = (),
     calibration: str = Calibration.ZCDP.value,
     neighbouring: str | None = None,
+    bounded_owner_tables: bool = False,
     quorum: int = 1,
     deadline_seconds: float = 300.0,
     max_records_per_owner: int = 1 << 20,
@@ -229,6 +233,7 @@ def aggregate_query(
             analyst_key_fingerprint=key_fingerprint(public_key),
             calibration=Calibration(calibration),
             neighbouring=Neighbouring(neighbouring or Neighbouring.ADD_REMOVE),
+            bounded_owner_tables=bool(bounded_owner_tables),
             quorum=int(quorum),
             deadline_seconds=float(deadline_seconds),
             max_records_per_owner=int(max_records_per_owner),
@@ -386,6 +391,11 @@ COMMON_PARAMETERS_DOC = """
         "classic" (the continuous Gaussian's).
     neighbouring : "add-remove" or "replace-one": the deployment's relation (None, the
         default: ``fit`` asks the proxy for it).
+    bounded_owner_tables : add/remove only: calibrate for owners that never hold more
+        records than their public capacity (``data.enforce_max_records``), so the noise
+        covers one added record and no swap, as a central curator's does; owners that
+        do not enforce their capacity, or whose capacity is above
+        ``max_records_per_owner``, decline.
     quorum : owners that must contribute; collection closes as soon as this many
         uploaded. None (default): every owner the proxy accepts (``fit`` asks the proxy
         and states the number in the signed query). A smaller quorum lets a result cover
@@ -432,6 +442,7 @@ class FederatedQuery(_Settings):
         delta: float = 1e-6,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
+        bounded_owner_tables: bool = False,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
         max_records_per_owner: int = 1 << 20,

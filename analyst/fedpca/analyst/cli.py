@@ -261,6 +261,13 @@ COLLECTION_OPTIONS: list[Callable[[Any], Any]] = [
         help="Public bound that sizes packed slots.",
     ),
     click.option(
+        "--bounded-owner-tables",
+        is_flag=True,
+        help="Add/remove only: calibrate for owners that enforce their public capacity "
+        "(data.enforce_max_records), so the noise covers one added record and no swap; "
+        "other owners decline (docs/privacy.md).",
+    ),
+    click.option(
         "--key-dir",
         type=click.Path(exists=True, path_type=Path),
         help="Directory of analyst.key.json (or set key_dir in --config).",
@@ -437,6 +444,7 @@ def _estimator_settings(
         "deadline_seconds": params["deadline"],
         "max_records_per_owner": params["max_records_per_owner"],
         "max_owners": params["max_owners"],
+        "bounded_owner_tables": params["bounded_owner_tables"],
         "proxy": connection.proxy,
         "ca": None if tls is None else tls.ca_certificate,
         "cert": None if tls is None else tls.certificate,

@@ -66,6 +66,11 @@ class FederatedPCA(FederatedEstimator):
     neighbouring : the relation (epsilon, delta) are stated for, "add-remove" or
         "replace-one"; it must be the deployment's. Default: replace-one for masked
         mode (the only relation it has a finite epsilon under), else add-remove.
+    bounded_owner_tables : add/remove only: calibrate for owners that never hold more
+        records than their public capacity (``data.enforce_max_records``): the noise
+        covers one added record and no swap, as a central curator's does. Owners that
+        do not enforce their capacity, or whose capacity is above
+        ``max_records_per_owner``, decline with a public reason.
     bounds : public per-feature bounds: None (raw values, only the row
         clip applies), "LO:HI" or (lo, hi) for every feature, "LO:HI,LO:HI,…" or
         (lower, upper) sequences of length M.  Never derive them from private data.
@@ -209,6 +214,7 @@ class FederatedDCA(FederatedEstimator):
         mode: str = ProtocolMode.STATS.value,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
+        bounded_owner_tables: bool = False,
         bounds: FeatureBoundsParam = None,
         clip_norm: float = 1.0,
         quorum: int | None = None,
@@ -235,6 +241,7 @@ class FederatedDCA(FederatedEstimator):
             mode=mode,
             calibration=calibration,
             neighbouring=neighbouring,
+            bounded_owner_tables=bounded_owner_tables,
             bounds=bounds,
             clip_norm=clip_norm,
             quorum=quorum,

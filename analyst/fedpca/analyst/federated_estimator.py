@@ -54,6 +54,7 @@ class FederatedEstimator(SklearnParams):
         mode: str = ProtocolMode.STATS.value,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
+        bounded_owner_tables: bool = False,
         bounds: FeatureBoundsParam = None,
         clip_norm: float = 1.0,
         quorum: int | None = None,
@@ -79,6 +80,7 @@ class FederatedEstimator(SklearnParams):
         self.mode = mode
         self.calibration = calibration
         self.neighbouring = neighbouring
+        self.bounded_owner_tables = bounded_owner_tables
         self.bounds = bounds
         self.clip_norm = clip_norm
         self.quorum = quorum
@@ -157,6 +159,7 @@ class FederatedEstimator(SklearnParams):
             clip_norm=float(self.clip_norm),
             calibration=calibration,
             neighbouring=neighbouring,
+            bounded_owner_tables=bool(self.bounded_owner_tables),
             mode=mode,
             quorum=int(quorum),
             deadline_seconds=float(self.deadline_seconds),

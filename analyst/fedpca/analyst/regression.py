@@ -64,6 +64,7 @@ class FederatedLinearRegression(AggregateEstimator):
         delta: float = 1e-6,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
+        bounded_owner_tables: bool = False,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
         max_records_per_owner: int = 1 << 20,

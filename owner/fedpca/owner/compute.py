@@ -110,8 +110,19 @@ class LocalTable:
 
     @classmethod
     def load(cls, data: DataConfig) -> LocalTable:
-        """Load the configured file (DataError with the loader's message if it is bad)."""
+        """Load the configured file (DataError with the loader's message if it is bad).
+
+        With ``data.enforce_max_records``, a file of more than ``data.max_records``
+        records is a ConfigError: the node stops before it connects, and so before any
+        query, instead of sampling (docs/privacy.md, "Bounded owner tables").
+        """
         table = load_table(data.path, header=data.header)
+        if data.enforce_max_records and table.features.shape[0] > data.max_records:
+            raise ConfigError(
+                f"{data.path} holds more records than data.max_records = {data.max_records}, "
+                "which data.enforce_max_records makes a hard limit: raise max_records (it is "
+                "public) or set enforce_max_records = false (queries then use a sample)"
+            )
         return cls(table.features, data.label_column, str(data.path))
 
     @property
@@ -246,6 +257,10 @@ def contributed_rows(
     def sample(indices: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         if indices.size <= cap:
             return indices
+        if spec.bounded_owner_tables:
+            # Unreachable for a node: it refuses to start with more records than its
+            # capacity and declines a bounded query whose cap is below it (policy).
+            raise LayoutError("a query for bounded owner tables reached an owner that samples")
         return np.sort(generator.choice(indices, size=cap, replace=False))
 
     features, labels = table.features, table.labels

@@ -17,6 +17,7 @@ config can be moved together with its certificates and data)::
     header = "auto"                      # "auto" | true | false
     label_column = 0                     # optional; dropped for PCA, used for DCA
     max_records = 4096                   # public capacity: queries use at most this many rows
+    enforce_max_records = false          # true: refuse to start with more rows (no sampling)
     [privacy]
     neighbouring = "add-remove"          # "add-remove" | "replace-one" (the deployment's)
     accountant = "zcdp"                  # "zcdp" (proven) | "pld-continuous"
@@ -145,12 +146,18 @@ class DataConfig:
         at most this many of its records (a uniform sample if the file holds more;
         per class for DCA), and the owner's work is padded to it, so that neither
         the result nor the timing reveals how many records it really holds.
+    enforce_max_records : the table never holds more than ``max_records`` records:
+        the node refuses to start otherwise (before it connects), so this owner never
+        samples and may answer queries calibrated for bounded owner tables, whose
+        noise need not cover a swapped record (docs/privacy.md). Public, like
+        ``max_records``.
     """
 
     path: Path
     header: HeaderSetting = "auto"
     label_column: int | None = None
     max_records: int = 1
+    enforce_max_records: bool = False
 
 
 @dataclass(frozen=True)
@@ -331,7 +338,11 @@ class OwnerConfig:
                 "always clipped to them, because refusing a query over such a value would "
                 "tell the analyst it exists (docs/privacy.md); delete the key"
             )
-        reject_unknown_keys(data_doc, {"path", "header", "label_column", "max_records"}, "data")
+        reject_unknown_keys(
+            data_doc,
+            {"path", "header", "label_column", "max_records", "enforce_max_records"},
+            "data",
+        )
         data_path = reader.path(data_doc, "data", "path", required=True)
         assert data_path is not None
         header = data_doc.get("header", "auto")
@@ -350,7 +361,10 @@ class OwnerConfig:
             )
         if not isinstance(max_records, int) or isinstance(max_records, bool) or max_records < 1:
             raise ConfigError(f"data.max_records must be an integer >= 1, got {max_records!r}")
-        data = DataConfig(data_path, header, label_column, max_records)
+        enforce = data_doc.get("enforce_max_records", False)
+        if not isinstance(enforce, bool):
+            raise ConfigError(f"data.enforce_max_records must be true or false, got {enforce!r}")
+        data = DataConfig(data_path, header, label_column, max_records, enforce)
 
         privacy_doc = _section(document, "privacy", required=False)
         reject_unknown_keys(privacy_doc, {"neighbouring", "accountant"}, "privacy")

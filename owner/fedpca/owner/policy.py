@@ -146,6 +146,8 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
             f"the query's delta {spec.delta:g} is above this owner's per-query cap "
             f"{policy.delta_cap(config.budget):g}"
         )
+    if spec.bounded_owner_tables:
+        _check_bounded_table(spec, config)
     if spec.quorum < policy.min_quorum:
         raise PolicyError(
             f"the query's quorum {spec.quorum} is below policy.min_quorum = {policy.min_quorum}"
@@ -154,6 +156,23 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
         raise PolicyError(
             f"this owner took part in {releases_last_day} releases in the last 24 hours "
             f"(policy.max_tasks_per_day = {policy.max_tasks_per_day})"
+        )
+
+
+def _check_bounded_table(spec: QuerySpec, config: OwnerConfig) -> None:
+    """A query calibrated for owners that never sample: from public facts only."""
+    data = config.data
+    if not data.enforce_max_records:
+        raise PolicyError(
+            "the query is calibrated for bounded owner tables; this owner does not "
+            "enforce its max_records (data.enforce_max_records is false), so it could "
+            "have to sample"
+        )
+    if spec.max_records_per_owner < data.max_records:
+        raise PolicyError(
+            f"the query is calibrated for bounded owner tables, but its "
+            f"max_records_per_owner {spec.max_records_per_owner} is below this owner's "
+            f"public max_records {data.max_records}, so it could have to sample"
         )
 
 

@@ -70,7 +70,7 @@ NEIGHBOURING_ADD_REMOVE: Neighbouring
 NEIGHBOURING_REPLACE_ONE: Neighbouring
 
 class QuerySpec(_message.Message):
-    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "neighbouring", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint", "aggregates")
+    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "neighbouring", "bounded_owner_tables", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint", "aggregates")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     N_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class QuerySpec(_message.Message):
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     NOISE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
+    BOUNDED_OWNER_TABLES_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     N_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     LABEL_COLUMN_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +106,7 @@ class QuerySpec(_message.Message):
     calibration: Calibration
     noise_weights: _containers.RepeatedScalarFieldContainer[float]
     neighbouring: Neighbouring
+    bounded_owner_tables: bool
     mode: ProtocolMode
     n_components: int
     label_column: int
@@ -117,7 +119,7 @@ class QuerySpec(_message.Message):
     analyst_public_key_n: bytes
     analyst_key_fingerprint: str
     aggregates: _containers.RepeatedCompositeFieldContainer[Aggregate]
-    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ..., aggregates: _Optional[_Iterable[_Union[Aggregate, _Mapping]]] = ...) -> None: ...
+    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., bounded_owner_tables: _Optional[bool] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ..., aggregates: _Optional[_Iterable[_Union[Aggregate, _Mapping]]] = ...) -> None: ...
 
 class BinEdges(_message.Message):
     __slots__ = ("edges",)

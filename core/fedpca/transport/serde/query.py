@@ -70,6 +70,7 @@ def query_spec_to_proto(spec: QuerySpec) -> query_pb.QuerySpec:
         delta=spec.delta,
         calibration=CALIBRATION_TO_PROTO[spec.calibration],
         neighbouring=NEIGHBOURING_TO_PROTO[spec.neighbouring],
+        bounded_owner_tables=spec.bounded_owner_tables,
         mode=MODE_TO_PROTO[spec.mode],
         n_components=spec.n_components,
         quorum=spec.quorum,
@@ -151,6 +152,7 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         "n_components": message.n_components,
         "class_labels": tuple(message.class_labels),
         "noise_weights": tuple(message.noise_weights),
+        "bounded_owner_tables": message.bounded_owner_tables,
         "analyst_public_key_n": _key_modulus_from_bytes(message.analyst_public_key_n, what),
         "analyst_key_fingerprint": message.analyst_key_fingerprint,
         "aggregates": tuple(
