@@ -1,7 +1,9 @@
 """Utility of the aggregate queries: federated against centralised DP at equal (epsilon, delta).
 
-For epsilon in {0.1, 0.3, 1, 3} (delta = 1e-5, zCDP calibration) and both neighbouring
-relations, each query is answered
+For epsilon in {0.1, 0.3, 1, 3} (delta = 1e-5, zCDP calibration) and three settings
+(replace-one; add/remove, where owners at their public cap sample, so the noise covers a
+swapped record; add/remove over bounded owner tables, whose owners enforce their capacity
+and never sample), each query is answered
 
 * ``fed`` — federated: the rows split over four owners, each owner's exact integer
   statistics computed by the owner code (``fedpca.owner.compute.encode_share``: public
@@ -14,8 +16,9 @@ relations, each query is answered
   continuous Gaussian noise from the same allocation (``fedpca.dp.allocation``) with the
   same noise multiplier and budget split, but only the changes a curator without a
   record cap must cover: an added record under add/remove (owners at their public cap
-  must also cover a swapped one), a replaced record under replace-one (where the count
-  is public: released exactly, its share of the budget given to the other sections);
+  must also cover a swapped one, unless their tables are bounded), a replaced record
+  under replace-one (where the count is public: released exactly, its share of the
+  budget given to the other sections);
 * ``diffprivlib`` (regression only, if installed: ``pip install -e .[bench]``) — its
   LinearRegression at (epsilon, 0), a pure-epsilon central baseline.
 
@@ -33,7 +36,8 @@ Usage::
 
 Prints three tables (errors: mean over trials ± its standard error; R²: median and
 quartiles, because a noisy model's R² has outliers of any size) and, last, the summary
-``fed_over_central_replace_one=… fed_over_central_add_remove=… r2_fed=… r2_central=…
+``fed_over_central_replace_one=… fed_over_central_add_remove=…
+fed_over_central_add_remove_bounded=… r2_fed=… r2_fed_bounded=… r2_central=…
 r2_diffprivlib=… r2_nonprivate=…``: error ratios are means over every (query, epsilon);
 the R² values are medians at epsilon = 3 under add/remove.
 """
@@ -67,7 +71,22 @@ from fedpca.query import Aggregate, AggregateKind, Neighbouring, QuerySpec
 EPSILONS = (0.1, 0.3, 1.0, 3.0)
 DELTA = 1e-5
 OWNERS = 4
-RELATIONS = (Neighbouring.REPLACE_ONE, Neighbouring.ADD_REMOVE)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A neighbouring relation, and whether the owners' tables are bounded by their cap."""
+
+    label: str
+    relation: Neighbouring
+    bounded: bool = False
+
+
+SETTINGS = (
+    Setting("replace-one", Neighbouring.REPLACE_ONE),
+    Setting("add-remove", Neighbouring.ADD_REMOVE),
+    Setting("bounded", Neighbouring.ADD_REMOVE, bounded=True),
+)
 
 # Pima diabetes (file columns): 0 outcome, 1 pregnancies, 2 glucose, 3 blood pressure,
 # 4 skin thickness, 5 insulin, 6 BMI, 7 pedigree, 8 age. Public domain bounds.
@@ -101,13 +120,14 @@ class Query:
     score: Callable[[Any], float]
 
 
-def _spec(part: Aggregate, epsilon: float, relation: Neighbouring) -> QuerySpec:
+def _spec(part: Aggregate, epsilon: float, setting: Setting) -> QuerySpec:
     return aggregate_query(
         [part],
         _Key(),
         epsilon=epsilon,
         delta=DELTA,
-        neighbouring=relation.value,
+        neighbouring=setting.relation.value,
+        bounded_owner_tables=setting.bounded,
         max_records_per_owner=4096,
         max_owners=16,
         query_id="bench",
@@ -197,6 +217,14 @@ class Runner:
         return _release(spec, noisy, dict(zip([s.name for s in sections], sigmas, strict=True)))
 
 
+def _plotted(setting: Setting) -> tuple[tuple[str, str], ...]:
+    """The curves a setting adds to the plot: a bounded setting's central curve would
+    repeat the add/remove one (the same curator, the same noise)."""
+    if setting.bounded:
+        return (("f", "fed"),)
+    return (("f", "fed"), ("c", "central"))
+
+
 def _mean_se(values: Sequence[float]) -> tuple[float, float]:
     array = np.asarray(values, dtype=np.float64)
     return float(array.mean()), float(array.std(ddof=1) / math.sqrt(len(array)))
@@ -247,23 +275,23 @@ def _relative(estimate: np.ndarray, truth: np.ndarray) -> float:
 
 def run(trials: int, regression_trials: int, plot: str | None) -> None:
     rng = np.random.default_rng(2026)
-    ratios: dict[Neighbouring, list[float]] = {r: [] for r in RELATIONS}
+    ratios: dict[str, list[float]] = {s.label: [] for s in SETTINGS}
     curves: dict[str, dict[str, list[float]]] = {}
 
     def record(key: str, series: str, value: float) -> None:
         curves.setdefault(key, {}).setdefault(series, []).append(value)
 
     print("Means and covariance: relative error (L2 of the means, Frobenius of the covariance)")
-    header = f"{'dataset':<11}{'relation':<13}{'epsilon':>8}"
+    header = f"{'dataset':<11}{'setting':<13}{'epsilon':>8}"
     header += f"{'mean fed':>20}{'mean central':>20}{'cov fed':>20}{'cov central':>20}"
     print(header)
     for name, part, rows in descriptive_queries():
         x = rows[:, list(part.columns)]
         truth_mean, truth_cov = x.mean(axis=0), np.cov(x, rowvar=False, ddof=0)
         runner = Runner(part, rows, rng)
-        for relation in RELATIONS:
+        for setting in SETTINGS:
             for epsilon in EPSILONS:
-                spec = _spec(part, epsilon, relation)
+                spec = _spec(part, epsilon, setting)
                 errors: dict[str, list[float]] = {k: [] for k in ("mf", "mc", "cf", "cc")}
                 for _ in range(trials):
                     for way, release in (
@@ -274,26 +302,26 @@ def run(trials: int, regression_trials: int, plot: str | None) -> None:
                         errors["m" + way].append(_relative(fitted.mean_, truth_mean))
                         errors["c" + way].append(_relative(fitted.covariance_, truth_cov))
                 print(
-                    f"{name:<11}{relation.value:<13}{epsilon:>8g}{_cell(errors['mf']):>20}"
+                    f"{name:<11}{setting.label:<13}{epsilon:>8g}{_cell(errors['mf']):>20}"
                     f"{_cell(errors['mc']):>20}{_cell(errors['cf']):>20}{_cell(errors['cc']):>20}"
                 )
-                ratios[relation] += [
+                ratios[setting.label] += [
                     float(np.mean(errors["mf"]) / np.mean(errors["mc"])),
                     float(np.mean(errors["cf"]) / np.mean(errors["cc"])),
                 ]
-                for way, series in (("f", "fed"), ("c", "central")):
-                    label = f"{series}, {relation.value}"
+                for way, series in _plotted(setting):
+                    label = f"{series}, {setting.label}"
                     record(f"means, {name}", label, float(np.mean(errors["m" + way])))
                     record(f"covariance, {name}", label, float(np.mean(errors["c" + way])))
 
     print("\nHistograms: L1 error of the counts (clamped at 0) against the true counts")
-    print(f"{'dataset':<11}{'relation':<13}{'epsilon':>8}{'cells':>7}{'fed':>20}{'central':>20}")
+    print(f"{'dataset':<11}{'setting':<13}{'epsilon':>8}{'cells':>7}{'fed':>20}{'central':>20}")
     for name, part, rows in histogram_queries():
         runner = Runner(part, rows, rng)
         truth = runner.exact["0.counts"]
-        for relation in RELATIONS:
+        for setting in SETTINGS:
             for epsilon in EPSILONS:
-                spec = _spec(part, epsilon, relation)
+                spec = _spec(part, epsilon, setting)
                 fed, central = [], []
                 for _ in range(trials):
                     for out, release in (
@@ -303,22 +331,23 @@ def run(trials: int, regression_trials: int, plot: str | None) -> None:
                         counts = FederatedHistogram.from_result(release).counts_.reshape(-1)
                         out.append(float(np.abs(counts - truth).sum()))
                 print(
-                    f"{name:<11}{relation.value:<13}{epsilon:>8g}{part.n_cells:>7}"
+                    f"{name:<11}{setting.label:<13}{epsilon:>8g}{part.n_cells:>7}"
                     f"{_cell(fed):>20}{_cell(central):>20}"
                 )
-                ratios[relation].append(float(np.mean(fed) / np.mean(central)))
-                record(f"histogram L1, {name}", f"fed, {relation.value}", float(np.mean(fed)))
-                record(
-                    f"histogram L1, {name}", f"central, {relation.value}", float(np.mean(central))
-                )
+                ratios[setting.label].append(float(np.mean(fed) / np.mean(central)))
+                errors_by_way = {"f": fed, "c": central}
+                for way, series in _plotted(setting):
+                    label = f"{series}, {setting.label}"
+                    record(f"histogram L1, {name}", label, float(np.mean(errors_by_way[way])))
 
     r2 = regression(regression_trials, rng, record)
     if plot is not None:
         _plot(curves, plot)
         print(f"\nplot: {plot}")
     summary = {
-        "fed_over_central_replace_one": float(np.mean(ratios[Neighbouring.REPLACE_ONE])),
-        "fed_over_central_add_remove": float(np.mean(ratios[Neighbouring.ADD_REMOVE])),
+        "fed_over_central_replace_one": float(np.mean(ratios["replace-one"])),
+        "fed_over_central_add_remove": float(np.mean(ratios["add-remove"])),
+        "fed_over_central_add_remove_bounded": float(np.mean(ratios["bounded"])),
         **r2,
     }
     print(
@@ -350,13 +379,13 @@ def regression(
         f"non-private LinearRegression: {nonprivate:.4f}"
     )
     print(
-        f"{'relation':<13}{'epsilon':>8}{'fed':>26}{'central':>26}{'diffprivlib':>34}"
+        f"{'setting':<13}{'epsilon':>8}{'fed':>26}{'central':>26}{'diffprivlib':>34}"
         f"{'alpha fed':>11}"
     )
     at_three: dict[str, float] = {}
-    for relation in RELATIONS:
+    for setting in SETTINGS:
         for epsilon in EPSILONS:
-            spec = _spec(REGRESSION, epsilon, relation)
+            spec = _spec(REGRESSION, epsilon, setting)
             fed, central, dpl, alphas = [], [], [], []
             for _ in range(trials):
                 model = FederatedLinearRegression.from_result(runner.federated(spec))
@@ -364,7 +393,7 @@ def regression(
                 alphas.append(model.alpha_)
                 model = FederatedLinearRegression.from_result(runner.central(spec))
                 central.append(model.score(x_test, y_test))
-                if DiffprivlibLinearRegression is not None:
+                if DiffprivlibLinearRegression is not None and not setting.bounded:
                     baseline = DiffprivlibLinearRegression(
                         epsilon=epsilon,
                         bounds_X=(list(REGRESSION.lower), list(REGRESSION.upper)),
@@ -373,18 +402,21 @@ def regression(
                     ).fit(train[:, features], train[:, target])
                     dpl.append(float(baseline.score(x_test, y_test)))
             print(
-                f"{relation.value:<13}{epsilon:>8g}{_quartiles(fed):>26}{_quartiles(central):>26}"
+                f"{setting.label:<13}{epsilon:>8g}{_quartiles(fed):>26}{_quartiles(central):>26}"
                 f"{(_quartiles(dpl) if dpl else 'n/a'):>34}{float(np.median(alphas)):>11.4g}"
             )
             title = "regression R² (median)"
-            record(title, f"fed, {relation.value}", float(np.median(fed)))
-            record(title, f"central, {relation.value}", float(np.median(central)))
-            if relation is Neighbouring.ADD_REMOVE:
+            medians = {"f": float(np.median(fed)), "c": float(np.median(central))}
+            for way, series in _plotted(setting):
+                record(title, f"{series}, {setting.label}", medians[way])
+            if setting.bounded and epsilon == 3.0:
+                at_three["r2_fed_bounded"] = float(np.median(fed))
+            if setting.label == "add-remove":
                 record(title, "non-private", float(nonprivate))
                 if dpl:
                     record(title, "diffprivlib", float(np.median(dpl)))
                 if epsilon == 3.0:
-                    at_three = {
+                    at_three |= {
                         "r2_fed": float(np.median(fed)),
                         "r2_central": float(np.median(central)),
                         "r2_diffprivlib": float(np.median(dpl)) if dpl else math.nan,
@@ -415,16 +447,16 @@ def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:
                     label="diffprivlib (below -1)",
                 )
                 continue
-            way, relation = name.split(", ")
-            style = "-" if relation == Neighbouring.ADD_REMOVE.value else "--"
+            way, label = name.split(", ")
+            style = {"add-remove": "-", "bounded": ":", "replace-one": "--"}[label]
             axis.plot(
                 EPSILONS,
                 values,
-                "o" + style,
-                color=colours[way],
+                ("s" if label == "bounded" else "o") + style,
+                color="tab:purple" if label == "bounded" else colours[way],
                 label=name,
                 markersize=4,
-                alpha=1.0 if style == "-" else 0.7,
+                alpha=0.7 if label == "replace-one" else 1.0,
             )
         axis.set_xscale("log")
         if regression:
@@ -438,7 +470,8 @@ def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:
         axis.set_visible(False)
     figure.suptitle(
         f"federated vs central DP at equal (epsilon, delta = {DELTA:g}): errors are means, "
-        "R² medians; solid: add/remove, dashed: replace-one",
+        "R² medians; solid: add/remove, dotted: add/remove over bounded owner tables "
+        "(its central curve is the add/remove one), dashed: replace-one",
         fontsize=10,
     )
     figure.savefig(path, dpi=100)
