@@ -103,3 +103,14 @@ def test_end_to_end_reports_the_floor_from_its_own_run() -> None:
     assert floor > 0 and end_to_end > 0
     # The ratio is the two figures of the same run.
     assert float(result["ratio_vs_floor"]) == pytest.approx(end_to_end / floor, rel=0.05)
+
+
+def test_aggregation_utility_reports_every_setting(tmp_path: Path) -> None:
+    plot = tmp_path / "utility.png"
+    result = run_benchmark(
+        "aggregation_utility.py", "--trials", "2", "--regression-trials", "2", "--plot", str(plot)
+    )
+    for setting in ("replace_one", "add_remove", "add_remove_bounded"):
+        assert 0 < float(result[f"fed_over_central_{setting}"]) < 10
+    assert math.isfinite(float(result["r2_fed_bounded"]))
+    assert plot.stat().st_size > 0
