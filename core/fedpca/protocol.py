@@ -270,22 +270,41 @@ class ReleasePlan:
     def section_values(self, values: npt.ArrayLike) -> dict[str, npt.NDArray[np.float64]]:
         """Stats mode: the decrypted ``shares`` integers in real units, by section name."""
         integers = self._shares_integers(values)
-        return {
-            section: self._section_reals(integers, section, part)
-            for section, part in self.statistics.section_slices().items()
-        }
+        sections = {}
+        for section, part in self.statistics.section_slices().items():
+            out = np.empty(part.stop - part.start, dtype=np.float64)
+            self._section_reals(integers, section, part, out)
+            sections[section] = out
+        return sections
 
-    def statistics_from_integers(self, values: npt.ArrayLike) -> SufficientStatistics:
-        """Stats mode, PCA and DCA: the decrypted ``shares`` integers as real statistics."""
+    def released_values(
+        self, values: npt.ArrayLike, *, overwrite: bool = False
+    ) -> npt.NDArray[np.float64]:
+        """Stats mode, PCA and DCA: the decrypted ``shares`` integers as one real vector.
+
+        The sections in the plan's order, the scatter as its row-major upper triangle
+        (:meth:`SufficientStatistics.from_vector` is the matrix form). With
+        ``overwrite``, a writeable contiguous int64 ``values`` array becomes the result:
+        its memory is reused for the float64 values (the integers are gone), so the
+        analyst holds one vector of the release instead of two.
+        """
         if self.spec.kind is QueryKind.AGGREGATE:
             raise LayoutError("an aggregate release has no R, v, N: use section_values")
         integers = self._shares_integers(values)
-        # One real vector written section by section, not a list of sections joined.
-        real = np.empty(self.statistics.value_count, dtype=np.float64)
+        reuse = (
+            overwrite
+            and integers.dtype == np.int64
+            and integers.flags.c_contiguous
+            and integers.flags.writeable
+        )
+        real = integers.view(np.float64) if reuse else np.empty(integers.size, dtype=np.float64)
         for section, part in self.statistics.section_slices().items():
-            real[part] = self._section_reals(integers, section, part)
-        del integers
-        return SufficientStatistics.from_vector(self.statistics, real)
+            self._section_reals(integers, section, part, real[part])
+        return real
+
+    def statistics_from_integers(self, values: npt.ArrayLike) -> SufficientStatistics:
+        """Stats mode, PCA and DCA: the decrypted ``shares`` integers as real statistics."""
+        return SufficientStatistics.from_vector(self.statistics, self.released_values(values))
 
     def _shares_integers(self, values: npt.ArrayLike) -> npt.NDArray[Any]:
         integers = np.asarray(values)
@@ -296,21 +315,33 @@ class ReleasePlan:
         return integers
 
     def _section_reals(
-        self, integers: npt.NDArray[Any], section: str, part: slice
-    ) -> npt.NDArray[np.float64]:
+        self,
+        integers: npt.NDArray[Any],
+        section: str,
+        part: slice,
+        out: npt.NDArray[np.float64],
+    ) -> None:
+        """Write one section's integers, in real units, into ``out`` (which may be the
+        integers' own memory: each piece is read into a temporary before it is written)."""
         info = self.statistics.section(section)
         unit, bits = info.clip_unit, info.bits(self.spec.frac_bits)
         chunk = integers[part]
         if chunk.dtype.kind == "i":
             # int64 -> float64 rounds to nearest (ties to even) like float() of a
             # Python int, and ldexp is exact: the same numbers as the loop below.
-            reals = np.ldexp(chunk.astype(np.float64), -bits)
-            reals *= unit
-            return reals
+            for start in range(0, chunk.size, _REALS_PIECE):
+                piece = slice(start, start + _REALS_PIECE)
+                reals = np.ldexp(chunk[piece].astype(np.float64), -bits)
+                reals *= unit
+                out[piece] = reals
+            return
         # Python ints may exceed 2^63 after noise and summing: convert one by one.
-        return np.array(
-            [math.ldexp(float(v), -bits) * unit for v in chunk.tolist()], dtype=np.float64
-        )
+        out[:] = [math.ldexp(float(v), -bits) * unit for v in chunk.tolist()]
+
+
+_REALS_PIECE = 1 << 16
+"""Values converted at a time (a 512 KiB temporary), so that the conversion can overwrite
+its own input."""
 
 
 # --------------------------------------------------------------------- stats mode
@@ -352,7 +383,10 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
             spec.neighbouring,
             bounded_owner_tables=bounded,
         )
-        scale = z * math.sqrt(worst)
+        # A few ulps more than exact, so that the rounding of the sigmas and of the
+        # recomputed worst case can never leave the release with less noise than z
+        # (its epsilon a hair above the one asked for, which an owner's cap refuses).
+        scale = z * math.sqrt(worst) * (1.0 + 2.0**-48)
         for section, r in zip(statistics.sections, reference, strict=True):
             sigma_clip = r * scale
             sections.append(

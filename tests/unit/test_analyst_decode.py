@@ -25,7 +25,11 @@ from fedpca.analyst.decode import (
     unmask_scatter,
 )
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
-from fedpca.analyst.solvers import dca_from_statistics, pca_from_centred_scatter
+from fedpca.analyst.solvers import (
+    dca_from_statistics,
+    pca_from_centred_scatter,
+    pca_from_statistics,
+)
 from fedpca.codec import (
     CryptoPool,
     PackedCiphertexts,
@@ -217,6 +221,14 @@ def test_noisy_stats_release_decodes_to_truth_plus_the_added_noise(
     assert release.private and release.n_samples_is_noisy
     assert release.statistics is not None
     decoded = release.statistics.to_vector(plan.statistics)
+    # The release keeps the vector; the matrix form and the PCA are made from it.
+    assert release.values is not None
+    np.testing.assert_array_equal(release.values, decoded)
+    assert release.n_samples == release.statistics.count
+    np.testing.assert_array_equal(
+        release.pca(3).components,
+        pca_from_statistics(release.statistics, n_components=3).components,
+    )
     truth = pooled_statistics(spec, shares).to_vector(plan.statistics)
     # Exactly the owners' integers plus the noise (clip norm 1: clip units are real units).
     np.testing.assert_allclose(

@@ -91,7 +91,7 @@ def release_for(
         plan=plan,
         n_owners=2,
         key_fingerprint="sha256:test",
-        statistics=statistics,
+        values=statistics.to_vector(plan.statistics),
         centred_scatter=None,
         public_count=None,
         sigmas={s.name: s.sigma for s in plan.sections},

@@ -28,7 +28,7 @@ import pytest
 from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint, unpack_slots
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.errors import DataError
+from fedpca.errors import DataError, PolicyError
 from fedpca.messages import (
     DeclineReason,
     Heartbeat,
@@ -672,6 +672,68 @@ def test_a_restarted_node_resumes_its_upload_with_the_same_id_and_sample(
     sent = unpack_slots(plaintexts, block.layout, private_key.public_key.n)
     assert sent == values(record.seed)
     assert sent != values(bytes(32))
+
+
+def test_a_resumed_upload_keeps_the_capacity_it_began_under(
+    harness: Harness, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """A restart with another max_records resumes the same sample.
+
+    Before the ledger kept the capacity, the resumed upload encoded under the new
+    configuration: here, all 30 rows instead of the sample of 12 whose first chunks
+    the proxy may already have folded, two different shares in one contribution.
+    """
+    _, private_key = test_only_keypair_512
+    proxy = harness.proxy
+    spec = harness.spec("q1")
+    before = replace(harness.config, data=replace(harness.config.data, max_records=12))
+    first = OwnerNode(before, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.capacity == 12 and record.seed is not None
+
+    harness.send(spec)  # the running node: max_records = 100
+    proxy.wait_for(lambda: len(proxy.uploads) == 1)
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+    table = LocalTable.load(harness.config.data).table_for(spec)
+    rng = np.random.default_rng(int.from_bytes(record.seed, "big"))
+    expected = encode_share(spec, table, plan, capacity=12, rng=rng)[SHARES]
+    block = plan.owner_block(SHARES)
+    plaintexts = pool.decrypt(private_key, list(proxy.uploads[0].ciphertexts))
+    sent = unpack_slots(plaintexts, block.layout, private_key.public_key.n)
+    assert sent == [int(v) for v in expected]
+    assert plan.statistics_from_integers(sent).count == 12.0  # the sample, not all 30 rows
+
+
+def test_a_bounded_upload_is_not_resumed_where_it_could_sample(
+    harness: Harness, pool: CryptoPool
+) -> None:
+    """Found by review: a resume skipped the bounded-table check, and an owner whose
+    table had outgrown the query's cap failed on every re-delivery (a failure that
+    depended on its record count). Now whether it resumes depends on the configuration
+    alone: it needs the capacity enforced and no larger than when the upload began."""
+    spec = harness.spec("q1", bounded_owner_tables=True, max_records_per_owner=N_ROWS)
+    enforced = replace(
+        harness.config,
+        data=replace(harness.config.data, max_records=N_ROWS, enforce_max_records=True),
+    )
+    first = OwnerNode(enforced, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is TaskOutcome.UPLOADING
+    raised = replace(enforced, data=replace(enforced.data, max_records=2 * N_ROWS))
+    for config in (raised, harness.config):  # a larger capacity; no enforcement
+        restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+        with pytest.raises(PolicyError, match="not resumed"):
+            restarted.process_task(unreachable, signed_task(spec, due, ANALYST))
+    assert len(harness.ledger.events()) == 1  # charged once, never refunded
+    # The configuration it began under resumes it (here: toward an unreachable proxy).
+    again = OwnerNode(enforced, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    assert again.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
 
 
 def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool) -> None:

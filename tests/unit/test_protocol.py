@@ -107,6 +107,48 @@ def test_bounded_owner_tables_give_the_add_only_calibration(kind: QueryKind) -> 
     ) == pytest.approx(sum(inverse), rel=1e-15)
 
 
+def test_a_plan_never_costs_more_than_the_epsilon_asked_for() -> None:
+    # Found when a bounded query at exactly an owner's max_epsilon_per_query was
+    # declined: the recomputed noise multiplier came out one ulp below z, and the
+    # accountant's epsilon one ulp above the cap. The plan now rounds toward more noise.
+    rng = np.random.default_rng(0)
+    for i in range(120):
+        bounded = i % 2 == 1
+        relation = Neighbouring.REPLACE_ONE if i % 5 == 0 and not bounded else None
+        dca = {"kind": QueryKind.DCA, "label_column": 0, "class_labels": (0.0, 1.0)}
+        epsilon = float(rng.choice([0.1, 0.5, 1.0, 2.0, 3.0]))
+        query = spec(
+            n_features=int(rng.integers(2, 40)),
+            epsilon=epsilon,
+            n_components=1,
+            bounded_owner_tables=bounded,
+            noise_weights=tuple(rng.uniform(0.1, 5.0, 3)),
+            **({"neighbouring": relation} if relation else {}),
+            **(dca if i % 3 == 0 else {}),
+        )
+        plan = ReleasePlan.for_query(query, 2048)
+        assert zcdp_epsilon(plan.noise_multiplier, 1e-5) <= epsilon, (i, query)
+
+
+def test_released_values_may_reuse_the_decrypted_integers() -> None:
+    # The analyst's decrypted int64 vector becomes the float64 release in place: the
+    # same numbers as a fresh conversion, in the same memory. Other inputs are copied.
+    plan = ReleasePlan.for_query(spec(n_features=300), 2048)
+    rng = np.random.default_rng(4)
+    integers = rng.integers(-(2**50), 2**50, size=plan.statistics.value_count)
+    fresh = plan.released_values(integers.copy())
+    as_python = plan.released_values(integers.astype(object))
+    kept = integers.copy()
+    kept.setflags(write=False)
+    assert np.shares_memory(plan.released_values(kept, overwrite=True), kept) is False
+    reused = plan.released_values(integers, overwrite=True)
+    assert np.shares_memory(reused, integers) and reused.dtype == np.float64
+    np.testing.assert_array_equal(reused, fresh)
+    np.testing.assert_array_equal(as_python, fresh)
+    statistics = plan.statistics_from_integers(kept)
+    np.testing.assert_array_equal(statistics.to_vector(plan.statistics), fresh)
+
+
 def test_integer_noise_is_the_real_noise_in_clip_units_on_the_grid() -> None:
     # Owners' statistics are exact integers in 2^-f clip units (c^2, c, 1): no slack.
     plan = ReleasePlan.for_query(spec(clip_norm=2.5, frac_bits=30), 2048)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 import warnings
 
 import numpy as np
@@ -14,6 +15,7 @@ from fedpca.analyst.solvers import (
     dca_from_statistics,
     pca_from_centred_scatter,
     pca_from_statistics,
+    pca_from_upper_triangle,
 )
 from fedpca.data import load_dataset
 from fedpca.errors import ConfigError, DataError
@@ -117,6 +119,54 @@ def test_matrix_call_form_equals_statistics_call_form() -> None:
     np.testing.assert_array_equal(a.explained_variance, b.explained_variance)
     assert pca_from_statistics(stats).n_components == 4
     np.testing.assert_allclose(a.components @ a.components.T, np.eye(2), atol=1e-12)
+
+
+def test_upper_triangle_form_equals_the_matrix_form_bit_for_bit() -> None:
+    # The released layout (R as its upper triangle) gives the very numbers of the
+    # mirrored matrix, noisy and indefinite included, without an M x M input.
+    rng = np.random.default_rng(7)
+    m = 9
+    x = preprocess(rng.normal(size=(40, m)) * np.linspace(3, 0.1, m), None, 1.0)
+    spec = StatisticsSpec(QueryKind.PCA, m)
+    vec = reference_statistics(x, None, spec).to_vector(spec)
+    vec += rng.normal(scale=0.5, size=vec.shape)
+    noisy = SufficientStatistics.from_vector(spec, vec)
+    triangle = vec[: m * (m + 1) // 2]
+    for k in (1, 4, m):
+        a = pca_from_statistics(noisy, n_components=k)
+        b = pca_from_upper_triangle(triangle, noisy.sums, noisy.count, k)
+        for name in ("components", "explained_variance", "explained_variance_ratio", "mean"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert a.noise_variance == b.noise_variance and a.n_samples == b.n_samples
+    with pytest.raises(DataError, match="not the upper triangle"):
+        pca_from_upper_triangle(triangle[:-1], noisy.sums, noisy.count)
+    with pytest.raises(DataError, match="sums v must have shape"):
+        pca_from_upper_triangle(triangle, noisy.sums[:-1], noisy.count)
+    bad = triangle.copy()
+    bad[3] = np.nan
+    with pytest.raises(DataError, match="non-finite"):
+        pca_from_upper_triangle(bad, noisy.sums, noisy.count)
+
+
+def test_pca_of_a_release_holds_one_working_matrix() -> None:
+    # Memory, not time: numpy reports its allocations to tracemalloc, so the peak of a
+    # PCA from the released triangle is deterministic. It must be LAPACK's one M x M
+    # buffer plus small strips, not a mirrored R next to the buffer (twice as much).
+    m = 1000
+    rng = np.random.default_rng(1)
+    spec = StatisticsSpec(QueryKind.PCA, m)
+    vec = rng.normal(size=spec.value_count)
+    vec[-1] = 1e4
+    triangle, sums = vec[: m * (m + 1) // 2], vec[m * (m + 1) // 2 : -1]
+    matrix_bytes = m * m * 8
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        pca_from_upper_triangle(triangle, sums, vec[-1], 5)
+        peak = tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+    assert matrix_bytes < peak < 1.3 * matrix_bytes
 
 
 def test_negative_eigenvalues_of_a_noisy_matrix_are_clipped() -> None:

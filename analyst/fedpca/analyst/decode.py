@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ from fedpca.analyst.solvers import (
     PCAResult,
     dca_from_statistics,
     pca_from_centred_scatter,
-    pca_from_statistics,
+    pca_from_upper_triangle,
 )
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.packing import owner_value_bound, unpack_range
@@ -85,7 +86,7 @@ from fedpca.protocol import (
     row_aligned_positions,
 )
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
-from fedpca.stats import SufficientStatistics
+from fedpca.stats import CLASS_COUNTS, COUNT, SCATTER, SUM, SufficientStatistics
 
 __all__ = [
     "DecodedRelease",
@@ -117,8 +118,10 @@ class DecodedRelease:
     plan : the release plan the analyst derived from ``query`` itself.
     n_owners : owners whose contributions were aggregated.
     key_fingerprint : fingerprint of the analyst key the result was encrypted under.
-    statistics : stats mode: the noisy R (M, M), v (M,), N (and class sums (C, M)
-        and counts (C,) for DCA); None in masked mode.
+    values : stats mode (PCA and DCA): the noisy release as one real vector, the plan's
+        sections in order, R as its row-major upper triangle (M(M+1)/2 values: the
+        analyst keeps no M x M matrix of it; :attr:`statistics` is the matrix form).
+        None in masked mode and for aggregates.
     centred_scatter : masked mode: S + E (M, M), symmetric; None in stats mode.
     public_count : masked mode: the exact record count N, public under the
         replace-one adjacency of that mode; None in stats mode.
@@ -133,7 +136,7 @@ class DecodedRelease:
     plan: ReleasePlan
     n_owners: int
     key_fingerprint: str
-    statistics: SufficientStatistics | None
+    values: FloatArray | None
     centred_scatter: FloatArray | None
     public_count: int | None
     sigmas: Mapping[str, float]
@@ -153,11 +156,25 @@ class DecodedRelease:
         """False only for epsilon = inf (no noise: NOT PRIVATE)."""
         return self.plan.private
 
+    @cached_property
+    def statistics(self) -> SufficientStatistics | None:
+        """Stats mode: the noisy R (M, M), v (M,), N (and class sums (C, M) and counts
+        (C,) for DCA), made from :attr:`values` at the first use; None otherwise."""
+        if self.values is None:
+            return None
+        return SufficientStatistics.from_vector(self.plan.statistics, self.values)
+
+    def _section(self, name: str) -> FloatArray:
+        assert self.values is not None
+        return self.values[self.plan.statistics.section_slices()[name]]
+
     @property
     def n_samples(self) -> float:
         """N: the noisy count in stats mode, the exact public count in masked mode."""
-        if self.statistics is not None:
-            return self.statistics.count
+        if self.values is not None:
+            if self.kind is QueryKind.DCA:
+                return float(self._section(CLASS_COUNTS).sum())
+            return float(self._section(COUNT)[0])
         if self.public_count is None:
             raise ConfigError(
                 f"query {self.query.query_id!r} is an aggregate release: each aggregate "
@@ -168,7 +185,7 @@ class DecodedRelease:
     @property
     def n_samples_is_noisy(self) -> bool:
         """True when :attr:`n_samples` carries DP noise (stats mode with finite epsilon)."""
-        return self.statistics is not None and self.private
+        return self.values is not None and self.private
 
     def pca(self, n_components: int | None = None) -> PCAResult:
         """PCA of the release (k = the query's n_components unless given)."""
@@ -178,8 +195,10 @@ class DecodedRelease:
         if self.centred_scatter is not None:
             assert self.public_count is not None
             return pca_from_centred_scatter(self.centred_scatter, self.public_count, k)
-        assert self.statistics is not None
-        return pca_from_statistics(self.statistics, n_components=k)
+        assert self.values is not None
+        return pca_from_upper_triangle(
+            self._section(SCATTER), self._section(SUM), self._section(COUNT)[0], k
+        )
 
     def dca(
         self,
@@ -424,6 +443,7 @@ def decrypt_stream(
         key_fingerprint=fingerprint,
         public_count=count,
         noise=header.noise,
+        overwrite=True,  # the decrypted integers are ours: reuse their memory
     )
 
 
@@ -435,6 +455,7 @@ def decode_values(
     key_fingerprint: str,
     public_count: int | None = None,
     noise: NoiseDescription | None = None,
+    overwrite: bool = False,
 ) -> DecodedRelease:
     """Decode the signed slot values of every result block into a release.
 
@@ -450,6 +471,8 @@ def decode_values(
     key_fingerprint : fingerprint of the key the result was encrypted under.
     public_count : masked mode: the public record count N.
     noise : the noise description that came with the result, if any.
+    overwrite : stats mode: an int64 ``shares`` array becomes the release's
+        :attr:`DecodedRelease.values` (its integers are overwritten), instead of a copy.
     """
     query = plan.spec
     if query.mode is ProtocolMode.MASKED:
@@ -470,7 +493,7 @@ def decode_values(
             plan=plan,
             n_owners=n_owners,
             key_fingerprint=key_fingerprint,
-            statistics=None,
+            values=None,
             centred_scatter=scatter,
             public_count=public_count,
             sigmas=_plan_sigmas(plan, public_count),
@@ -486,7 +509,7 @@ def decode_values(
             plan=plan,
             n_owners=n_owners,
             key_fingerprint=key_fingerprint,
-            statistics=None,
+            values=None,
             centred_scatter=None,
             public_count=None,
             sigmas=_plan_sigmas(plan, None),
@@ -498,7 +521,7 @@ def decode_values(
         plan=plan,
         n_owners=n_owners,
         key_fingerprint=key_fingerprint,
-        statistics=plan.statistics_from_integers(values[SHARES]),
+        values=plan.released_values(values[SHARES], overwrite=overwrite),
         centred_scatter=None,
         public_count=None,
         sigmas=_plan_sigmas(plan, None),

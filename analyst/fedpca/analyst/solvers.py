@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import scipy.linalg
 
+from fedpca.codec.matrix import symmetric_from_upper_triangle
 from fedpca.errors import ConfigError, DataError
 from fedpca.stats import SufficientStatistics
 
@@ -48,6 +49,7 @@ __all__ = [
     "dca_from_statistics",
     "pca_from_centred_scatter",
     "pca_from_statistics",
+    "pca_from_upper_triangle",
 ]
 
 logger = logging.getLogger(__name__)
@@ -200,23 +202,80 @@ def pca_from_statistics(
     """
     scatter, v, n = _pca_inputs(statistics, sums, count)
     k = _check_n_components(n_components, scatter.shape[0])
-    n = _check_count(n)
+    n, mean = _check_sums(v, n)
+
+    def covariance(out: FloatArray) -> None:
+        np.copyto(out, scatter)
+        _centre(out, v, n)
+
+    return _pca(covariance, scatter.shape[0], n, k, mean)
+
+
+def pca_from_upper_triangle(
+    scatter_triangle: npt.ArrayLike,
+    sums: npt.ArrayLike,
+    count: float,
+    n_components: int | None = None,
+) -> PCAResult:
+    """PCA from R given as its row-major upper triangle (the released layout), v and N.
+
+    The same numbers as :func:`pca_from_statistics` on the mirrored matrix, but the
+    only M x M matrix is LAPACK's working buffer, filled from the triangle: the
+    analyst keeps a release as its M(M+1)/2 values, not as a matrix next to the buffer.
+
+    Parameters
+    ----------
+    scatter_triangle : (M(M+1)/2,) the upper triangle of R, i <= j, row by row.
+    sums : (M,) v.
+    count : N (> 1; see :func:`pca_from_statistics`).
+    n_components : k, default all M.
+    """
+    triangle = np.asarray(scatter_triangle, dtype=np.float64)
+    m = (math.isqrt(8 * triangle.size + 1) - 1) // 2
+    if triangle.ndim != 1 or m * (m + 1) // 2 != triangle.size:
+        raise DataError(f"{triangle.shape} values are not the upper triangle of a scatter R")
+    if not np.isfinite(triangle).all():
+        raise DataError("scatter R has non-finite entries")
+    v = np.asarray(sums, dtype=np.float64)
+    if v.shape != (m,):
+        raise DataError(f"sums v must have shape ({m},), got {v.shape}")
+    k = _check_n_components(n_components, m)
+    n, mean = _check_sums(v, float(count))
+
+    def covariance(out: FloatArray) -> None:
+        symmetric_from_upper_triangle(triangle, m, out=out)
+        _centre(out, v, n)
+
+    return _pca(covariance, m, n, k, mean)
+
+
+def _check_sums(v: FloatArray, count: float) -> tuple[float, FloatArray]:
+    """N checked, and the read-only mean v / N."""
+    n = _check_count(count)
     if not np.isfinite(v).all():
         raise DataError("sums v have non-finite entries")
     mean = v / n
     mean.setflags(write=False)
+    return n, mean
 
-    def covariance(out: FloatArray) -> None:
-        # S = R − v vᵀ/N, then C = S/(N−1), in ``out`` (the same operations as
-        # (R − np.outer(v, v) / N) / (N − 1), without its three temporary matrices).
-        # With noise, S is symmetric (the noise E is) but need not be positive
-        # semi-definite; the clipping in _pca handles that.
-        np.outer(v, v, out=out)
-        out /= n
-        np.subtract(scatter, out, out=out)
-        out /= n - 1.0
 
-    return _pca(covariance, scatter.shape[0], n, k, mean)
+_CENTRE_ROWS = 128
+"""Rows of v vᵀ / N made at a time (2 MiB at M = 2,000), instead of an M x M outer product."""
+
+
+def _centre(out: FloatArray, v: FloatArray, n: float) -> None:
+    """R in ``out`` becomes C = (R − v vᵀ/N) / (N − 1), in place.
+
+    The same operations, entry by entry, as (R − np.outer(v, v) / N) / (N − 1). With
+    noise, S is symmetric (the noise E is) but need not be positive semi-definite; the
+    clipping in _pca handles that.
+    """
+    for start in range(0, out.shape[0], _CENTRE_ROWS):
+        rows = slice(start, start + _CENTRE_ROWS)
+        strip = np.outer(v[rows], v)
+        strip /= n
+        out[rows] -= strip
+    out /= n - 1.0
 
 
 def pca_from_centred_scatter(

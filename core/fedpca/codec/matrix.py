@@ -51,7 +51,7 @@ def upper_triangle(
 
 
 def symmetric_from_upper_triangle(
-    values: NDArray[np.generic], dim: int | None = None
+    values: NDArray[np.generic], dim: int | None = None, out: NDArray[np.generic] | None = None
 ) -> NDArray[np.generic]:
     """Rebuild the symmetric matrix from its row-major upper triangle.
 
@@ -62,11 +62,15 @@ def symmetric_from_upper_triangle(
         Python ints).
     dim : int, optional
         M; inferred from the length when omitted, checked when given.
+    out : numpy.ndarray, shape (M, M), optional
+        Where to write the matrix (every entry is written), instead of a new array of
+        ``values``' dtype.
 
     Returns
     -------
     numpy.ndarray, shape (M, M)
-        ``A`` with ``A[i, j] = A[j, i]`` = the entry of (i, j), i <= j, in ``values``.
+        ``A`` with ``A[i, j] = A[j, i]`` = the entry of (i, j), i <= j, in ``values``
+        (``out`` if given).
     """
     array = np.asarray(values)
     if array.ndim != 1:
@@ -77,7 +81,9 @@ def symmetric_from_upper_triangle(
         raise ValueError(f"{array.size} values are not an upper triangle (M (M + 1) / 2)")
     if dim is not None and dim != inferred:
         raise ValueError(f"{array.size} values are the upper triangle of {inferred}, not {dim}")
-    matrix = np.zeros((inferred, inferred), dtype=array.dtype)
+    if out is not None and out.shape != (inferred, inferred):
+        raise ValueError(f"out must have shape ({inferred}, {inferred}), got {out.shape}")
+    matrix = np.empty((inferred, inferred), dtype=array.dtype) if out is None else out
     start = 0
     for i in range(inferred):
         row = array[start : start + inferred - i]

@@ -78,7 +78,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 LEGACY_MIGRATION_FACTOR = 0.5
 """Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
@@ -113,7 +113,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     upload_id TEXT,
     upload_started INTEGER NOT NULL DEFAULT 0,
     updated_at REAL NOT NULL,
-    seed BLOB
+    seed BLOB,
+    capacity INTEGER
 );
 """
 
@@ -191,6 +192,8 @@ class TaskRecord:
     updated_at: float
     seed: bytes | None = None
     """Secret seed of the task's sample of rows (set once its upload began)."""
+    capacity: int | None = None
+    """The owner's ``data.max_records`` when the upload began (a resume uses it)."""
 
 
 class BudgetLedger:
@@ -236,10 +239,10 @@ class BudgetLedger:
                         "INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
                         (str(SCHEMA_VERSION),),
                     )
-                elif int(row[0]) in (1, 2):
+                elif int(row[0]) in (1, 2, 3):
                     if int(row[0]) == 1:
                         self._migrate_schema_1(connection)
-                    self._migrate_schema_2(connection)
+                    self._migrate_tasks(connection)
                 elif int(row[0]) != SCHEMA_VERSION:
                     raise ConfigError(
                         f"{self.path}: ledger schema version {row[0]}, this fedpca "
@@ -271,12 +274,14 @@ class BudgetLedger:
             self.neighbouring.value,
         )
 
-    def _migrate_schema_2(self, connection: sqlite3.Connection) -> None:
-        """Schema 2 -> 3: tasks keep the secret seed of their sample of rows, so an upload
-        interrupted by a restart resumes with exactly the values it began with."""
+    def _migrate_tasks(self, connection: sqlite3.Connection) -> None:
+        """Schemas 2 and 3 -> 4: tasks keep the secret seed of their sample of rows
+        (schema 3) and the capacity it was drawn under (4), so an upload interrupted by
+        a restart resumes with exactly the values it began with."""
         columns = {row[1] for row in connection.execute("PRAGMA table_info(tasks)")}
-        if "seed" not in columns:
-            connection.execute("ALTER TABLE tasks ADD COLUMN seed BLOB")
+        for name, declaration in (("seed", "BLOB"), ("capacity", "INTEGER")):
+            if name not in columns:
+                connection.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
         connection.execute(
             "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
         )
@@ -511,23 +516,26 @@ class BudgetLedger:
         *,
         upload_id: str | None = None,
         seed: bytes | None = None,
+        capacity: int | None = None,
     ) -> None:
         """Record what became of a task (UPLOADING marks that data is about to leave).
 
-        ``seed`` is the secret seed of the task's sample of rows, kept (like the
-        upload id) so that a restarted node resumes the very same upload.
+        ``seed`` is the secret seed of the task's sample of rows and ``capacity`` the
+        ``data.max_records`` it was drawn under, kept (like the upload id) so that a
+        restarted node resumes the very same upload.
         """
         now = time.time()
         with self._connect() as connection, _immediate(connection):
             connection.execute(
                 "INSERT INTO tasks (query_id, state, detail, upload_id, upload_started, "
-                "updated_at, seed) VALUES (?, ?, ?, ?, ?, ?, ?) "
+                "updated_at, seed, capacity) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (query_id) DO UPDATE SET state = excluded.state, "
                 "detail = excluded.detail, "
                 "upload_id = COALESCE(excluded.upload_id, tasks.upload_id), "
                 "upload_started = MAX(tasks.upload_started, excluded.upload_started), "
                 "updated_at = excluded.updated_at, "
-                "seed = COALESCE(excluded.seed, tasks.seed)",
+                "seed = COALESCE(excluded.seed, tasks.seed), "
+                "capacity = COALESCE(excluded.capacity, tasks.capacity)",
                 (
                     query_id,
                     outcome.value,
@@ -536,6 +544,7 @@ class BudgetLedger:
                     int(outcome in (TaskOutcome.UPLOADING, TaskOutcome.UPLOADED)),
                     now,
                     seed,
+                    capacity,
                 ),
             )
 
@@ -543,8 +552,8 @@ class BudgetLedger:
         """The recorded state of a task, or None if it was never seen."""
         with self._connect() as connection:
             row = connection.execute(
-                "SELECT query_id, state, detail, upload_id, upload_started, updated_at, seed "
-                "FROM tasks WHERE query_id = ?",
+                "SELECT query_id, state, detail, upload_id, upload_started, updated_at, seed, "
+                "capacity FROM tasks WHERE query_id = ?",
                 (query_id,),
             ).fetchone()
         if row is None:
@@ -557,6 +566,7 @@ class BudgetLedger:
             bool(row[4]),
             row[5],
             None if row[6] is None else bytes(row[6]),
+            row[7],
         )
 
     def is_handled(self, query_id: str) -> bool:

@@ -159,6 +159,31 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
         )
 
 
+def check_resumable(spec: QuerySpec, config: OwnerConfig, capacity: int) -> None:
+    """Whether an upload begun under ``capacity`` may resume under ``config``.
+
+    A query for bounded owner tables must not make the owner sample: it resumes only
+    while the node still enforces a capacity no larger than the one the upload began
+    under (the node then holds at most that many records). From public facts only:
+    otherwise every resume fails the same way, whatever the records hold.
+
+    Raises
+    ------
+    PolicyError
+        The configuration changed so that the upload could need a sample.
+    """
+    data = config.data
+    if spec.bounded_owner_tables and not (
+        data.enforce_max_records and data.max_records <= capacity
+    ):
+        raise PolicyError(
+            f"the upload of this query for bounded owner tables began under max_records = "
+            f"{capacity} (enforced); with max_records = {data.max_records} "
+            f"{'enforced' if data.enforce_max_records else 'not enforced'} it could have to "
+            "sample, so it is not resumed (restore the configuration to finish it)"
+        )
+
+
 def _check_bounded_table(spec: QuerySpec, config: OwnerConfig) -> None:
     """A query calibrated for owners that never sample: from public facts only."""
     data = config.data

@@ -40,7 +40,7 @@ from fedpca.messages import (
 from fedpca.owner.compute import LocalTable, encode_share, encrypt_share_stream, record_cap
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome
-from fedpca.owner.policy import SECONDS_PER_DAY, Refusal, check_task
+from fedpca.owner.policy import SECONDS_PER_DAY, Refusal, check_resumable, check_task
 from fedpca.owner.retry import (
     RETRYABLE_CODES,
     RetryPolicy,
@@ -182,6 +182,10 @@ class TaskProcessing:
             plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
             table = self.table.table_for(spec)
             upload_id, seed = record.upload_id, record.seed
+            # The capacity the sample was drawn under (a ledger from before it was kept:
+            # the configured one, as then).
+            capacity = record.capacity or self.config.data.max_records
+            check_resumable(spec, self.config, capacity)
             logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
         else:
             accepted = self._accept(stub, task)
@@ -189,7 +193,7 @@ class TaskProcessing:
                 return accepted
             plan, table = accepted
             upload_id, seed = new_upload_id(), secrets.token_bytes(32)
-        capacity = self.config.data.max_records
+            capacity = self.config.data.max_records
         try:
             # The sample of rows is drawn from the task's secret seed, so a resumed
             # upload encodes exactly the values whose first chunks the proxy holds.
@@ -217,6 +221,7 @@ class TaskProcessing:
             spec, query_id, upload_id, plan, encoded, obfuscation, record_count
         )
         upload.seed = seed
+        upload.capacity = capacity
         self._prepared[query_id] = upload
         return None
 
@@ -329,7 +334,11 @@ class TaskProcessing:
         # From here on data derived from the rows may leave: no refund any more. The
         # upload id and the sample's seed are kept, so a restart resumes this upload.
         self.ledger.record_task(
-            query_id, TaskOutcome.UPLOADING, upload_id=upload_id, seed=upload.seed
+            query_id,
+            TaskOutcome.UPLOADING,
+            upload_id=upload_id,
+            seed=upload.seed,
+            capacity=upload.capacity,
         )
         attempts = self.retry.upload_attempts
         for attempt in range(attempts):

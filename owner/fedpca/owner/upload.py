@@ -55,6 +55,8 @@ class OutgoingUpload:
         self.upload_id = upload_id
         self.seed: bytes | None = None
         """Secret seed of the share's sample of rows (recorded when the upload begins)."""
+        self.capacity: int | None = None
+        """The capacity that sample was drawn under (recorded with the seed)."""
         self._messages: list[Any] = [header]
         self._batches = batches
         self._width = width
