@@ -227,7 +227,7 @@ def test_bounded_owner_tables_release_a_central_curators_noise(tmp_path: Path) -
             text=True,
             timeout=600,
         )
-    assert noisy["not_private"] is False
+    assert noisy["not_private"] is False and noisy["bounded_owner_tables"] is True
     exact, _, _ = np.histogram2d(table[:, 2], table[:, 6], bins=[glucose, bmi])
     errors = np.array(noisy["raw_counts"]) - exact
     sigma = noisy["noise_sigma"]["counts"]

@@ -21,7 +21,7 @@ from fedpca.analyst.decode import DecodedRelease, result_from_packed
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
 from fedpca.analyst.params import NotFittedError
 from fedpca.analyst.querying import MissingOwnersWarning
-from fedpca.analyst.report import write_plots, write_report, write_result
+from fedpca.analyst.report import result_document, write_plots, write_report, write_result
 from fedpca.analyst.solvers import pca_from_statistics
 from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.errors import ConfigError, DataError, QueryStateError
@@ -64,12 +64,14 @@ def deployment(owners: int = 3, neighbouring: Neighbouring = Neighbouring.ADD_RE
 
 
 def release_for(
-    kind: QueryKind = QueryKind.PCA, n_components: int = 2, epsilon: float = math.inf
+    kind: QueryKind = QueryKind.PCA,
+    n_components: int = 2,
+    epsilon: float = math.inf,
+    **extra: Any,
 ) -> DecodedRelease:
     """A decoded release built directly from plaintext statistics (no crypto needed)."""
-    extra: dict[str, Any] = {}
     if kind is QueryKind.DCA:
-        extra = {"label_column": 0, "class_labels": (-1.0, 1.0)}
+        extra |= {"label_column": 0, "class_labels": (-1.0, 1.0)}
     spec = QuerySpec(
         query_id="q-est",
         kind=kind,
@@ -153,6 +155,11 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
     bounded = FederatedDCA(1, bounded_owner_tables=True).build_query(4, public_key, deployment())
     assert bounded.bounded_owner_tables and bounded.neighbouring is Neighbouring.ADD_REMOVE
     assert FederatedPCA(2, bounded_owner_tables=True).get_params()["bounded_owner_tables"]
+    # A release read back states the calibration it was made with.
+    fitted = FederatedPCA.from_result(release_for(epsilon=1.0, bounded_owner_tables=True))
+    assert fitted.bounded_owner_tables and fitted.neighbouring == "add-remove"
+    document = result_document(fitted)
+    assert document["bounded_owner_tables"] is True and document["neighbouring"] == "add-remove"
     stats = FederatedStatistics([0], bounds=[(0.0, 1.0)], bounded_owner_tables=True)
     settings = stats._query_settings(deployment())
     aggregate = aggregate_query(

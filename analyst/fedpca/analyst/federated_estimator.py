@@ -251,6 +251,8 @@ class FederatedEstimator(SklearnParams):
             "delta": query.delta,
             "mode": query.mode.value,
             "calibration": query.calibration.value,
+            "neighbouring": query.neighbouring.value,
+            "bounded_owner_tables": query.bounded_owner_tables,
             "bounds": ((query.feature_lower, query.feature_upper) if query.has_bounds else None),
             "clip_norm": query.clip_norm,
             "quorum": query.quorum,

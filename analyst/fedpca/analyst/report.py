@@ -80,7 +80,7 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     explained_variance / explained_variance_ratio (PCA) or eigenvalues (DCA),
     mean (None when not released), n_samples with n_samples_noisy, n_owners,
     owners (contributed, registered, quorum), epsilon (None for inf), delta,
-    not_private, mechanism, calibration,
+    not_private, mechanism, calibration, neighbouring, bounded_owner_tables,
     noise_sigma, key_fingerprint, timings.
     """
     release = getattr(estimator, "release_", None)
@@ -127,6 +127,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
         not_private=bool(estimator.not_private_),
         mechanism="none" if estimator.not_private_ else "gaussian",
         calibration=query.calibration.value,
+        neighbouring=query.neighbouring.value,
+        bounded_owner_tables=query.bounded_owner_tables,
         noise_multiplier=float(release.plan.noise_multiplier),
         noise_sigma={name: float(sigma) for name, sigma in estimator.noise_sigmas_.items()},
         clip_norm=query.clip_norm,

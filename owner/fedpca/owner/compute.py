@@ -120,8 +120,9 @@ class LocalTable:
         if data.enforce_max_records and table.features.shape[0] > data.max_records:
             raise ConfigError(
                 f"{data.path} holds more records than data.max_records = {data.max_records}, "
-                "which data.enforce_max_records makes a hard limit: raise max_records (it is "
-                "public) or set enforce_max_records = false (queries then use a sample)"
+                "which data.enforce_max_records makes a hard limit. Set enforce_max_records = "
+                "false (queries then use a sample); raising max_records because the table "
+                "outgrew it is outside the guarantee of bounded owner tables (docs/privacy.md)"
             )
         return cls(table.features, data.label_column, str(data.path))
 

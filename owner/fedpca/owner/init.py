@@ -96,6 +96,9 @@ def render_owner_config(
     lines += [
         f"max_records = {max_records}   # PUBLIC: the most records a query uses (a uniform",
         "#   sample if the file holds more); every analyst and the proxy see this number",
+        "enforce_max_records = false   # true: max_records is a hard limit fixed in advance",
+        "#   (the node does not start with more records; queries may then use bounded-owner-",
+        "#   table noise). Never raise it because the table outgrew it (docs/privacy.md)",
         "",
         "[privacy]",
         f"neighbouring = {toml_value(neighbouring.value)}   # the proxy's and every owner's",
