@@ -31,8 +31,8 @@ least its peak above idle can be):
   them, next to the upload it keeps;
 * the proxy, the packed noise it draws while the owners encrypt (one plaintext of
   ``key_bits / 8`` bytes per result ciphertext); its aggregate is in SQLite;
-* the analyst, the noisy scatter R the release keeps (M x M float64) and one working
-  M x M matrix for LAPACK's eigensolver.
+* the analyst, the noisy release it keeps (M(M+1)/2 + M + 1 float64 values, R as its
+  upper triangle) and one working M x M matrix for LAPACK's eigensolver.
 
 The analyst's peak is also read just before the eigendecomposition (decryption and
 decoding alone). Idle figures include each role's libraries: the proxy loads OpenDP's
@@ -46,8 +46,11 @@ Usage::
                                         [--keep DIR]
 
 The last line reads ``features=<M> ciphertexts_per_owner=<n> end_to_end_seconds=<s>
-max_peak_over_held=<x> max_growth_over_held=<y>``: the largest ratios, over the roles,
-of peak resident memory, and of its growth above idle, to the ciphertext bytes held.
+max_peak_over_held=<x> max_growth_over_held=<y> analyst_growth_from_ready_over_held=<z>``:
+the largest ratios, over the roles, of peak resident memory, and of its growth above
+idle, to the ciphertext bytes held; and the analyst's growth above its memory once it
+was ready (keys loaded, decryption workers started, connected: the query submitted),
+which is how the servers' idle figures are taken (started and connected).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ import numpy as np
 from end_to_end import owner_record, proxy_record
 from synthetic import BOUND, owner_tables
 
+from fedpca.allocator import map_large_blocks
 from fedpca.analyst.estimators import FederatedPCA
 from fedpca.app.cluster import LocalCluster
 from fedpca.codec.ciphertext import ciphertext_byte_length
@@ -130,10 +134,19 @@ class RoleMemory:
 
 
 class MeasuredPCA(FederatedPCA):
-    """FederatedPCA that reads this process's peak memory just before it solves."""
+    """FederatedPCA that reads this process's memory when its query is submitted (keys
+    loaded, decryption workers started, connected: ready, as a server is once started)
+    and just before it solves."""
+
+    resident_when_submitted_mib_: float | None = None
+
+    def _record_submission(self, status: Any) -> None:
+        if self.resident_when_submitted_mib_ is None:
+            self.resident_when_submitted_mib_ = proc_status_kib(os.getpid(), "VmRSS") / 1024
 
     def _solve(self, release: Any) -> None:
         self.peak_before_solve_mib_ = proc_status_kib(os.getpid(), "VmHWM") / 1024
+        self.resident_at_solve_mib_ = proc_status_kib(os.getpid(), "VmRSS") / 1024
         super()._solve(release)
 
 
@@ -157,6 +170,9 @@ def main() -> None:
     )
     cluster.prepare()
     self_pid = os.getpid()
+    # As `fedpca analyst` does (it is a process of its own; the estimators, as library
+    # code, leave a host process's allocator alone): freed blocks go back to the system.
+    map_large_blocks()
     # What fit imports at first use (gRPC, dp-accounting): loaded before the analyst's
     # idle figure, as the servers' idle figures include their libraries.
     before_imports = proc_status_kib(self_pid, "VmRSS") / 1024
@@ -183,6 +199,7 @@ def main() -> None:
             deadline_seconds=args.deadline,
             **cluster.analyst_connection(),
         )
+        model.on_status = model._record_submission
         started = time.time()
         model.fit(n_features=args.features)
         finished = time.time()
@@ -230,7 +247,7 @@ def main() -> None:
     design = {
         "proxy": per_owner * (KEY_BITS // 8) / MIB,
         **{name: values * 8 / MIB for name in owner_names},
-        "analyst (this process)": 2 * args.features**2 * 8 / MIB,
+        "analyst (this process)": (plan.statistics.value_count + args.features**2) * 8 / MIB,
     }
     memory = [
         RoleMemory(name, idle[name], peaks[name], held_mib, design[name])
@@ -252,7 +269,15 @@ def main() -> None:
     before_solve = model.peak_before_solve_mib_
     log(
         f"  analyst's peak before the eigendecomposition: {before_solve:.1f} MiB "
-        f"((peak-idle)/held {(before_solve - analyst.idle_mib) / held_mib:.2f})"
+        f"((peak-idle)/held {(before_solve - analyst.idle_mib) / held_mib:.2f}); resident "
+        f"when the solve starts: {model.resident_at_solve_mib_:.1f} MiB"
+    )
+    ready = model.resident_when_submitted_mib_
+    assert ready is not None
+    from_ready = (analyst.peak_mib - ready) / held_mib
+    log(
+        f"  analyst when its query was submitted (keys, workers, connection: ready): "
+        f"{ready:.1f} MiB; (peak-ready)/held {from_ready:.2f}"
     )
     log(
         f"  idle includes: OpenDP's library in the proxy (loaded at start-up; "
@@ -264,7 +289,8 @@ def main() -> None:
         f"features={args.features} ciphertexts_per_owner={per_owner} "
         f"end_to_end_seconds={end_to_end:.2f} "
         f"max_peak_over_held={max(m.peak_over_held for m in memory):.2f} "
-        f"max_growth_over_held={max(m.growth_over_held for m in memory):.2f}"
+        f"max_growth_over_held={max(m.growth_over_held for m in memory):.2f} "
+        f"analyst_growth_from_ready_over_held={from_ready:.2f}"
     )
 
 

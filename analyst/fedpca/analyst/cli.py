@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import click
 
+from fedpca.allocator import map_large_blocks
 from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
 from fedpca.analyst.config import AnalystConfig, load_config
@@ -174,6 +175,9 @@ def _spinner(message: str) -> Iterator[None]:
 @click.group("analyst")
 def analyst_group() -> None:
     """Analyst: keys, private PCA/DCA and aggregate queries, budget."""
+    # A process of its own (the estimators, as library code, leave a host process's
+    # allocator alone): what decryption freed goes back to the system before the solve.
+    map_large_blocks()
 
 
 @analyst_group.command("keygen")

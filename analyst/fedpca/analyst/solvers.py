@@ -38,7 +38,8 @@ import numpy as np
 import numpy.typing as npt
 import scipy.linalg
 
-from fedpca.codec.matrix import symmetric_from_upper_triangle
+from fedpca.analyst.packed_eigen import packed_eigenvalues, packed_top_eigenvectors
+from fedpca.codec.matrix import upper_triangle
 from fedpca.errors import ConfigError, DataError
 from fedpca.stats import SufficientStatistics
 
@@ -205,7 +206,7 @@ def pca_from_statistics(
     n, mean = _check_sums(v, n)
 
     def covariance(out: FloatArray) -> None:
-        np.copyto(out, scatter)
+        upper_triangle(scatter, out=out)
         _centre(out, v, n)
 
     return _pca(covariance, scatter.shape[0], n, k, mean)
@@ -219,9 +220,9 @@ def pca_from_upper_triangle(
 ) -> PCAResult:
     """PCA from R given as its row-major upper triangle (the released layout), v and N.
 
-    The same numbers as :func:`pca_from_statistics` on the mirrored matrix, but the
-    only M x M matrix is LAPACK's working buffer, filled from the triangle: the
-    analyst keeps a release as its M(M+1)/2 values, not as a matrix next to the buffer.
+    The same numbers as :func:`pca_from_statistics` on the mirrored matrix, without an
+    M x M matrix anywhere: the analyst keeps a release as its M(M+1)/2 values, and the
+    eigensolver works on a packed copy of the covariance of the same size.
 
     Parameters
     ----------
@@ -243,7 +244,7 @@ def pca_from_upper_triangle(
     n, mean = _check_sums(v, float(count))
 
     def covariance(out: FloatArray) -> None:
-        symmetric_from_upper_triangle(triangle, m, out=out)
+        np.copyto(out, triangle)
         _centre(out, v, n)
 
     return _pca(covariance, m, n, k, mean)
@@ -259,22 +260,20 @@ def _check_sums(v: FloatArray, count: float) -> tuple[float, FloatArray]:
     return n, mean
 
 
-_CENTRE_ROWS = 128
-"""Rows of v vᵀ / N made at a time (2 MiB at M = 2,000), instead of an M x M outer product."""
-
-
 def _centre(out: FloatArray, v: FloatArray, n: float) -> None:
-    """R in ``out`` becomes C = (R − v vᵀ/N) / (N − 1), in place.
+    """R's upper triangle in ``out`` becomes C = (R − v vᵀ/N) / (N − 1)'s, in place.
 
-    The same operations, entry by entry, as (R − np.outer(v, v) / N) / (N − 1). With
-    noise, S is symmetric (the noise E is) but need not be positive semi-definite; the
-    clipping in _pca handles that.
+    Row by row of the triangle, with the same operations, entry by entry, as
+    (R − np.outer(v, v) / N) / (N − 1). With noise, S is symmetric (the noise E is) but
+    need not be positive semi-definite; the clipping in _pca handles that.
     """
-    for start in range(0, out.shape[0], _CENTRE_ROWS):
-        rows = slice(start, start + _CENTRE_ROWS)
-        strip = np.outer(v[rows], v)
-        strip /= n
-        out[rows] -= strip
+    start = 0
+    m = v.shape[0]
+    for i in range(m):
+        row = np.multiply(v[i], v[i:])
+        row /= n
+        out[start : start + m - i] -= row
+        start += m - i
     out /= n - 1.0
 
 
@@ -300,7 +299,8 @@ def pca_from_centred_scatter(
     n = _check_count(float(count))
 
     def covariance(out: FloatArray) -> None:
-        np.divide(scatter, n - 1.0, out=out)
+        upper_triangle(scatter, out=out)
+        out /= n - 1.0
 
     return _pca(covariance, scatter.shape[0], n, k, None)
 
@@ -308,33 +308,27 @@ def pca_from_centred_scatter(
 def _pca(
     covariance: Callable[[FloatArray], None], m: int, n: float, k: int, mean: FloatArray | None
 ) -> PCAResult:
-    """PCA of the covariance ``covariance(out)`` writes into an (m, m) buffer.
+    """PCA of the covariance whose upper triangle ``covariance(out)`` writes into ``out``.
 
     Every eigenvalue is needed (the explained variance ratio and the noise variance
     are over all of them) but only k eigenvectors: the eigenvalues come from one
-    LAPACK pass and the top k eigenvectors from a second (syevr, both in place in
-    the one buffer, which the first pass overwrites and ``covariance`` refills).
-    numpy's eigh would compute all M eigenvectors with three more M x M arrays
-    (the matrix copied, M x M output, 2 M^2 workspace: 128 MiB at M = 2,000) and
-    take about 20 times as long.
+    LAPACK pass and the top k eigenvectors from a second, both in place on the packed
+    triangle (M(M+1)/2 values, which the first pass overwrites and ``covariance``
+    refills; :mod:`fedpca.analyst.packed_eigen`). numpy's eigh would compute all M
+    eigenvectors with four M x M arrays (128 MiB at M = 2,000) and take about 20 times
+    as long; scipy's eigh on the full matrix, twice the memory of the packed triangle.
     """
-    buffer = np.empty((m, m), dtype=np.float64)
-    # The transpose is the Fortran-ordered view LAPACK works on in place; the matrix
-    # is symmetric, so it is the same matrix.
+    buffer = np.empty(m * (m + 1) // 2, dtype=np.float64)
     covariance(buffer)
-    eigenvalues = scipy.linalg.eigh(
-        buffer.T, eigvals_only=True, overwrite_a=True, check_finite=False
-    )[::-1].copy()
+    eigenvalues = packed_eigenvalues(buffer)
     covariance(buffer)
-    _, eigenvectors = scipy.linalg.eigh(
-        buffer.T, subset_by_index=(m - k, m - 1), overwrite_a=True, check_finite=False
-    )
+    _, components = packed_top_eigenvectors(buffer, k)
     del buffer
     negative = eigenvalues < 0.0
     if negative.any():
         logger.debug("clipping %d negative covariance eigenvalues to 0", int(negative.sum()))
     eigenvalues[negative] = 0.0
-    components = _flip_signs(eigenvectors[:, ::-1].T)
+    components = _flip_signs(components)
 
     total = float(eigenvalues.sum())
     ratio = eigenvalues / total if total > 0 else np.zeros_like(eigenvalues)
