@@ -32,7 +32,8 @@ least its peak above idle can be):
 * the proxy, the packed noise it draws while the owners encrypt (one plaintext of
   ``key_bits / 8`` bytes per result ciphertext); its aggregate is in SQLite;
 * the analyst, the noisy release it keeps (M(M+1)/2 + M + 1 float64 values, R as its
-  upper triangle) and one working M x M matrix for LAPACK's eigensolver.
+  upper triangle) and one packed working copy of the covariance (M(M+1)/2 values) for
+  LAPACK's packed eigensolver.
 
 The analyst's peak is also read just before the eigendecomposition (decryption and
 decoding alone). Idle figures include each role's libraries: the proxy loads OpenDP's
@@ -247,7 +248,11 @@ def main() -> None:
     design = {
         "proxy": per_owner * (KEY_BITS // 8) / MIB,
         **{name: values * 8 / MIB for name in owner_names},
-        "analyst (this process)": (plan.statistics.value_count + args.features**2) * 8 / MIB,
+        "analyst (this process)": (
+            plan.statistics.value_count + args.features * (args.features + 1) // 2
+        )
+        * 8
+        / MIB,
     }
     memory = [
         RoleMemory(name, idle[name], peaks[name], held_mib, design[name])
