@@ -178,6 +178,43 @@ def test_a_schema_1_ledger_is_migrated_conservatively(tmp_path: Path) -> None:
     )
 
 
+def test_a_schema_3_ledger_keeps_its_uploads_and_learns_capacities(tmp_path: Path) -> None:
+    # A ledger written before tasks recorded their capacity: an upload in flight keeps
+    # its id and seed (a resume falls back to the configured capacity), and new uploads
+    # record theirs.
+    path = tmp_path / "v3.sqlite3"
+    with sqlite3.connect(path) as old:
+        old.executescript(
+            """
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema_version', '3');
+            CREATE TABLE releases (query_id TEXT PRIMARY KEY, analyst TEXT NOT NULL,
+                noise_multiplier REAL NOT NULL, epsilon REAL NOT NULL, delta REAL NOT NULL,
+                recorded_at REAL NOT NULL, not_private INTEGER NOT NULL, spec_digest TEXT NOT NULL,
+                neighbouring TEXT NOT NULL DEFAULT 'add-remove',
+                sensitivity REAL NOT NULL DEFAULT 1.0, delta_extra REAL NOT NULL DEFAULT 0.0);
+            CREATE TABLE tasks (query_id TEXT PRIMARY KEY, state TEXT NOT NULL,
+                detail TEXT NOT NULL, upload_id TEXT, upload_started INTEGER NOT NULL DEFAULT 0,
+                updated_at REAL NOT NULL, seed BLOB);
+            """
+        )
+        old.execute(
+            "INSERT INTO tasks VALUES ('q1', 'uploading', '', 'u1', 1, 1.0, ?)", (b"s" * 32,)
+        )
+    ledger = BudgetLedger(path)
+    record = ledger.task("q1")
+    assert record is not None and record.outcome is TaskOutcome.UPLOADING
+    assert record.upload_id == "u1" and record.seed == b"s" * 32 and record.capacity is None
+    ledger.record_task("q2", TaskOutcome.UPLOADING, upload_id="u2", seed=b"t" * 32, capacity=40)
+    # A later outcome keeps what the upload began with.
+    ledger.record_task("q2", TaskOutcome.UPLOADED)
+    again = BudgetLedger(path).task("q2")
+    assert again is not None and again.capacity == 40 and again.seed == b"t" * 32
+    with sqlite3.connect(path) as check:
+        version = check.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    assert version == ("4",)
+
+
 def test_cancel_reservation_only_before_any_upload(tmp_path: Path) -> None:
     ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
     ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")
