@@ -15,10 +15,7 @@ is part of milliseconds to seconds of numeric or cryptographic work).
 :func:`map_large_blocks` fixes the threshold. The owner and proxy ``serve`` commands
 and the ``analyst`` commands call it at start-up; library code (the analyst's
 estimators, running in someone else's process) leaves the host process's allocator
-settings alone. :func:`return_free_memory` changes no setting: it hands back what the
-heaps hold free now (``malloc_trim``), which is what remains after many small blocks,
-e.g. the analyst's ciphertexts (a 2048-bit key's are about 560 bytes each, far below any
-threshold), were freed among ones still live.
+alone.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-__all__ = ["LARGE_BLOCK_BYTES", "map_large_blocks", "return_free_memory"]
+__all__ = ["LARGE_BLOCK_BYTES", "map_large_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +45,7 @@ def map_large_blocks(threshold: int = LARGE_BLOCK_BYTES) -> bool:
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -56,25 +53,3 @@ def map_large_blocks(threshold: int = LARGE_BLOCK_BYTES) -> bool:
     if done:
         logger.debug("blocks of %d bytes or more are mapped and unmapped on their own", threshold)
     return done
-
-
-def return_free_memory() -> bool:
-    """Return the free pages of glibc's heaps to the system (``malloc_trim(0)``).
-
-    Measured with ``benchmarks/high_dimension.py --features 2000``: after decrypting,
-    the analyst's heaps held about 20 MiB free, under the 30 MiB matrix its PCA
-    allocates next.
-
-    Returns
-    -------
-    bool
-        True if glibc returned memory; False if it had none to return or the C library
-        has no ``malloc_trim`` (macOS, musl), which changes nothing else.
-    """
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes = [ctypes.c_size_t]
-    malloc_trim.restype = ctypes.c_int
-    return bool(malloc_trim(0))

@@ -61,36 +61,3 @@ def test_setting_the_threshold_is_harmless_to_repeat() -> None:
     expected = platform.libc_ver()[0] == "glibc"
     assert map_large_blocks() is expected
     assert map_large_blocks() is expected
-
-
-# Many small blocks (below any mmap threshold, like the analyst's ciphertexts) with a
-# few kept among them: freeing the rest leaves the heap's pages resident until they
-# are handed back. Prints the resident KiB kept after the free and after the trim.
-TRIM_SCRIPT = """
-from fedpca.allocator import return_free_memory
-
-def rss():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-
-before = rss()
-blocks = [bytes(600) + i.to_bytes(4, "big") for i in range(40000)]
-kept = blocks[::500]
-del blocks
-freed = rss() - before
-return_free_memory()
-print(freed, rss() - before)
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
-def test_free_heap_pages_are_handed_back() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-c", TRIM_SCRIPT], capture_output=True, text=True, check=True
-    )
-    freed, trimmed = (int(v) for v in completed.stdout.split())
-    # ~24 MiB of 604-byte blocks: most stays resident after the free, little after.
-    assert freed > 16 * 1024
-    assert trimmed < freed / 4

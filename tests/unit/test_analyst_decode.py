@@ -222,7 +222,7 @@ def test_noisy_stats_release_decodes_to_truth_plus_the_added_noise(
     assert release.statistics is not None
     decoded = release.statistics.to_vector(plan.statistics)
     # The release keeps the vector; the matrix form and the PCA are made from it.
-    assert release.values is not None
+    assert release.values is not None and not release.values.flags.writeable
     np.testing.assert_array_equal(release.values, decoded)
     assert release.n_samples == release.statistics.count
     np.testing.assert_array_equal(

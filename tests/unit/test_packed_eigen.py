@@ -48,3 +48,19 @@ def test_bad_input_is_refused() -> None:
         packed_eigenvalues(frozen)
     with pytest.raises(ValueError, match="k must be in"):
         packed_top_eigenvectors(np.zeros(6), 4)
+
+
+def test_an_export_with_another_signature_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An ILP64 build (or another routine) would be called with the wrong argument
+    # sizes and corrupt memory: the exported C signature is checked first.
+    from fedpca.analyst import packed_eigen
+
+    assert "int" in packed_eigen._DSPEVX_SIGNATURE
+    packed_eigen._dspevx_function.cache_clear()
+    wider = tuple("int64_t" if t == "int" else t for t in packed_eigen._DSPEVX_SIGNATURE)
+    monkeypatch.setattr(packed_eigen, "_DSPEVX_SIGNATURE", wider)
+    try:
+        with pytest.raises(RuntimeError, match="not the LAPACK call this module makes"):
+            packed_eigenvalues(np.zeros(6))
+    finally:
+        packed_eigen._dspevx_function.cache_clear()

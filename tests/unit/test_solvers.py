@@ -148,6 +148,15 @@ def test_upper_triangle_form_equals_the_matrix_form_bit_for_bit() -> None:
         pca_from_upper_triangle(bad, noisy.sums, noisy.count)
 
 
+def test_a_covariance_that_overflows_is_refused() -> None:
+    # Finite statistics whose centring or scaling overflows: LAPACK would return NaN
+    # eigenvalues without an error, so the solver refuses the covariance first.
+    with pytest.raises(DataError, match="overflows"):
+        pca_from_centred_scatter(np.diag([1.5e308, 1.0, 2.0]), 1.5)
+    with pytest.raises(DataError, match="overflows"):
+        pca_from_statistics(np.diag([1e308, 1.0, 2.0]), np.array([-1e308, 0.0, 0.0]), 1.2)
+
+
 def test_pca_of_a_release_holds_one_packed_working_copy() -> None:
     # Memory, not time: numpy reports its allocations to tracemalloc, so the peak of a
     # PCA from the released triangle is deterministic. It must be one packed copy of the

@@ -521,12 +521,17 @@ def decode_values(
         plan=plan,
         n_owners=n_owners,
         key_fingerprint=key_fingerprint,
-        values=plan.released_values(values[SHARES], overwrite=overwrite),
+        values=_read_only(plan.released_values(values[SHARES], overwrite=overwrite)),
         centred_scatter=None,
         public_count=None,
         sigmas=_plan_sigmas(plan, None),
         noise=noise,
     )
+
+
+def _read_only(array: FloatArray) -> FloatArray:
+    array.setflags(write=False)
+    return array
 
 
 # -------------------------------------------------------- building results

@@ -9,8 +9,9 @@ O(M) workspace), so the covariance's working copy is half that size.
 Why this module calls LAPACK by hand: ``scipy.linalg.lapack`` wraps no packed-storage
 eigensolver, but ``scipy.linalg.cython_lapack`` exports every LAPACK routine (through
 C wrappers that take care of the Fortran calling details) for compiled code, as
-capsules holding C function pointers. :func:`_lapack_function` reads one and calls it
-with :mod:`ctypes`, the way numba calls SciPy's LAPACK. Only ``dspevx`` is used.
+capsules holding C function pointers, each named by its C signature.
+:func:`_dspevx_function` checks that signature, reads the pointer and calls it with
+:mod:`ctypes`, the way numba calls SciPy's LAPACK. Only ``dspevx`` is used.
 
 Layout: a row-major upper triangle (row i: entries (i, i), (i, i+1), ...) is, entry for
 entry, LAPACK's column-major *lower* packed storage of the same symmetric matrix
@@ -35,7 +36,7 @@ __all__ = ["packed_eigenvalues", "packed_top_eigenvectors"]
 
 FloatArray = npt.NDArray[np.float64]
 
-_DSPEVX_ARGUMENTS = [
+_DSPEVX_ARGUMENTS: list[Any] = [
     c_char_p,  # JOBZ: 'N' eigenvalues only, 'V' and eigenvectors
     c_char_p,  # RANGE: 'A' all, 'I' the IL-th to IU-th smallest
     c_char_p,  # UPLO
@@ -57,17 +58,57 @@ _DSPEVX_ARGUMENTS = [
 ]
 
 
+_DSPEVX_SIGNATURE = (
+    ("char",) * 3
+    + ("int", "double", "double", "double", "int", "int")
+    + (
+        "double",
+        "int",
+        "double",
+        "double",
+        "int",
+        "double",
+        "int",
+        "int",
+        "int",
+    )
+)
+"""What each argument of scipy's exported dspevx points to: ``int`` must be C's 32-bit
+int (an ILP64 build would export another signature and is refused, not miscalled)."""
+
+# Python's own C API, through a handle of this module's (argument types set here do not
+# change ctypes.pythonapi's for anyone else).
+_PYTHON_API = ctypes.PyDLL(None)
+_PYTHON_API.PyCapsule_GetName.restype = c_char_p
+_PYTHON_API.PyCapsule_GetName.argtypes = [ctypes.py_object]
+_PYTHON_API.PyCapsule_GetPointer.restype = c_void_p
+_PYTHON_API.PyCapsule_GetPointer.argtypes = [ctypes.py_object, c_char_p]
+
+
+def _pointee(argument: str) -> str:
+    """'int *' -> 'int'; '__pyx_t_5scipy_6linalg_13cython_lapack_d *' -> 'double'."""
+    name = argument.strip().removesuffix("*").strip()
+    return "double" if name.endswith("cython_lapack_d") else name
+
+
 @functools.cache
-def _lapack_function(name: str, argument_types: tuple[Any, ...]) -> Any:
-    """The C function ``name`` that scipy.linalg.cython_lapack exports, callable."""
+def _dspevx_function() -> Any:
+    """The dspevx that scipy.linalg.cython_lapack exports, callable.
+
+    Raises
+    ------
+    RuntimeError
+        The exported function does not take pointers to :data:`_DSPEVX_SIGNATURE`.
+    """
+    name = "dspevx"
     capsule = scipy.linalg.cython_lapack.__pyx_capi__[name]
-    api = ctypes.pythonapi
-    api.PyCapsule_GetName.restype = c_char_p
-    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-    api.PyCapsule_GetPointer.restype = c_void_p
-    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, c_char_p]
-    address = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
-    return ctypes.CFUNCTYPE(None, *argument_types)(address)
+    declared = _PYTHON_API.PyCapsule_GetName(capsule)
+    text = declared.decode("ascii") if declared else ""
+    arguments = text[text.find("(") + 1 : text.rfind(")")].split(",")
+    if not text.startswith("void (") or tuple(_pointee(a) for a in arguments) != _DSPEVX_SIGNATURE:
+        raise RuntimeError(f"scipy's {name} is {text!r}, not the LAPACK call this module makes")
+    address = _PYTHON_API.PyCapsule_GetPointer(capsule, declared)
+    return ctypes.CFUNCTYPE(None, *_DSPEVX_ARGUMENTS)(address)
 
 
 def _order(packed: FloatArray) -> int:
@@ -90,7 +131,7 @@ def _dspevx(packed: FloatArray, first: int, vectors: bool) -> tuple[FloatArray, 
     ifail = np.empty(m, dtype=np.intc)
     found, info = c_int(0), c_int(0)
     every = first == 1 and not vectors
-    _lapack_function("dspevx", tuple(_DSPEVX_ARGUMENTS))(
+    _dspevx_function()(
         b"V" if vectors else b"N",
         b"A" if every else b"I",
         b"L",
@@ -113,7 +154,8 @@ def _dspevx(packed: FloatArray, first: int, vectors: bool) -> tuple[FloatArray, 
     if info.value < 0:
         raise ValueError(f"dspevx: argument {-info.value} is invalid")
     if info.value > 0:
-        raise DataError(f"the eigensolver did not converge for {info.value} eigenvectors")
+        what = "eigenvectors" if vectors else "eigenvalues"
+        raise DataError(f"the eigensolver did not converge for {info.value} {what}")
     if found.value != count:
         raise DataError(f"the eigensolver found {found.value} of {count} eigenvalues")
     # Z is column-major M x count: in C order, row i is the i-th eigenvector.

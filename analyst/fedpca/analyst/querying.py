@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedpca.allocator import return_free_memory
 from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, FedpcaError, QueryStateError
@@ -227,9 +226,6 @@ def run_query(
     finally:
         if owned:
             active.close()
-    # The pages and ciphertexts are freed, scattered among live blocks: hand the free
-    # heap pages back before the solve allocates its M x M matrix (changes no setting).
-    return_free_memory()
     return release, timings
 
 

@@ -305,6 +305,14 @@ def pca_from_centred_scatter(
     return _pca(covariance, scatter.shape[0], n, k, None)
 
 
+def _fill_finite(covariance: Callable[[FloatArray], None], out: FloatArray) -> None:
+    with np.errstate(over="ignore", invalid="ignore"):  # reported below, as an error
+        covariance(out)
+    # Finite inputs can still overflow when centred or scaled; LAPACK would return NaN.
+    if not np.isfinite(out).all():
+        raise DataError("the covariance overflows float64: the statistics are out of range")
+
+
 def _pca(
     covariance: Callable[[FloatArray], None], m: int, n: float, k: int, mean: FloatArray | None
 ) -> PCAResult:
@@ -319,9 +327,9 @@ def _pca(
     as long; scipy's eigh on the full matrix, twice the memory of the packed triangle.
     """
     buffer = np.empty(m * (m + 1) // 2, dtype=np.float64)
-    covariance(buffer)
+    _fill_finite(covariance, buffer)
     eigenvalues = packed_eigenvalues(buffer)
-    covariance(buffer)
+    _fill_finite(covariance, buffer)
     _, components = packed_top_eigenvectors(buffer, k)
     del buffer
     negative = eigenvalues < 0.0
