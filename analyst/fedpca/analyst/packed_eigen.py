@@ -1,17 +1,23 @@
-"""Eigenvalues and top eigenvectors of a symmetric matrix held in packed storage.
+"""Every eigenvalue and the top eigenvectors of a symmetric matrix in packed storage.
 
 The analyst's release keeps R as its M(M+1)/2 upper-triangle values; the eigensolver of
 :func:`scipy.linalg.eigh` needs the full M x M matrix, which at M = 2,000 is 30.5 MiB
 next to the release's 15.3 MiB, more than the 29.6 MiB of ciphertexts the analyst
-received. LAPACK's ``dspevx`` works on the packed triangle itself (in place, with
-O(M) workspace), so the covariance's working copy is half that size.
+received. LAPACK's packed-storage routines work on the triangle itself, in place, with
+O(M) workspace, so the covariance's working copy is half that size.
+
+:func:`packed_spectrum` reduces the matrix to tridiagonal form once (``dsptrd``), takes
+every eigenvalue from a copy of the tridiagonal (``dsterf``), the k largest again with
+their blocks (``dstebz``), their eigenvectors (``dstein``) and transforms those back
+(``dopmtr``): what LAPACK's ``dspevx`` does for one range, with the reduction shared
+between the eigenvalues and the eigenvectors (two ``dspevx`` calls reduce twice).
 
 Why this module calls LAPACK by hand: ``scipy.linalg.lapack`` wraps no packed-storage
-eigensolver, but ``scipy.linalg.cython_lapack`` exports every LAPACK routine (through
-C wrappers that take care of the Fortran calling details) for compiled code, as
-capsules holding C function pointers, each named by its C signature.
-:func:`_dspevx_function` checks that signature, reads the pointer and calls it with
-:mod:`ctypes`, the way numba calls SciPy's LAPACK. Only ``dspevx`` is used.
+routine, but ``scipy.linalg.cython_lapack`` exports every LAPACK routine (through C
+wrappers that take care of the Fortran calling details) for compiled code, as capsules
+holding C function pointers, each named by its C signature. :func:`_lapack` checks that
+signature, reads the pointer and calls it with :mod:`ctypes`, the way numba calls
+SciPy's LAPACK.
 
 Layout: a row-major upper triangle (row i: entries (i, i), (i, i+1), ...) is, entry for
 entry, LAPACK's column-major *lower* packed storage of the same symmetric matrix
@@ -23,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from ctypes import POINTER, byref, c_char_p, c_double, c_int, c_void_p
+from ctypes import byref, c_char_p, c_double, c_int, c_void_p
 from typing import Any
 
 import numpy as np
@@ -32,49 +38,21 @@ import scipy.linalg.cython_lapack
 
 from fedpca.errors import DataError
 
-__all__ = ["packed_eigenvalues", "packed_top_eigenvectors"]
+__all__ = ["packed_spectrum"]
 
 FloatArray = npt.NDArray[np.float64]
 
-_DSPEVX_ARGUMENTS: list[Any] = [
-    c_char_p,  # JOBZ: 'N' eigenvalues only, 'V' and eigenvectors
-    c_char_p,  # RANGE: 'A' all, 'I' the IL-th to IU-th smallest
-    c_char_p,  # UPLO
-    POINTER(c_int),  # N
-    c_void_p,  # AP (destroyed)
-    POINTER(c_double),  # VL
-    POINTER(c_double),  # VU
-    POINTER(c_int),  # IL
-    POINTER(c_int),  # IU
-    POINTER(c_double),  # ABSTOL
-    POINTER(c_int),  # M: eigenvalues found
-    c_void_p,  # W
-    c_void_p,  # Z
-    POINTER(c_int),  # LDZ
-    c_void_p,  # WORK (8 N)
-    c_void_p,  # IWORK (5 N)
-    c_void_p,  # IFAIL (N)
-    POINTER(c_int),  # INFO
-]
-
-
-_DSPEVX_SIGNATURE = (
-    ("char",) * 3
-    + ("int", "double", "double", "double", "int", "int")
-    + (
-        "double",
-        "int",
-        "double",
-        "double",
-        "int",
-        "double",
-        "int",
-        "int",
-        "int",
-    )
-)
-"""What each argument of scipy's exported dspevx points to: ``int`` must be C's 32-bit
-int (an ILP64 build would export another signature and is refused, not miscalled)."""
+_SIGNATURES: dict[str, str] = {
+    # What each argument points to, in order: c = char, i = int, d = double. ``int`` must
+    # be C's 32-bit int: an ILP64 build exports other signatures and is refused.
+    "dsptrd": "ciddddi",
+    "dsterf": "iddi",
+    "dstebz": "cciddiidddiidiidii",
+    "dstein": "iddidiididiii",
+    "dopmtr": "ccciidddidi",
+}
+_CTYPES: dict[str, Any] = {"c": c_char_p, "i": c_void_p, "d": c_void_p}  # addresses
+_C_NAMES = {"char": "c", "int": "i", "double": "d"}
 
 # Python's own C API, through a handle of this module's (argument types set here do not
 # change ctypes.pythonapi's for anyone else).
@@ -86,29 +64,51 @@ _PYTHON_API.PyCapsule_GetPointer.argtypes = [ctypes.py_object, c_char_p]
 
 
 def _pointee(argument: str) -> str:
-    """'int *' -> 'int'; '__pyx_t_5scipy_6linalg_13cython_lapack_d *' -> 'double'."""
+    """'int *' -> 'i'; '__pyx_t_5scipy_6linalg_13cython_lapack_d *' -> 'd'."""
     name = argument.strip().removesuffix("*").strip()
-    return "double" if name.endswith("cython_lapack_d") else name
+    if name.endswith("cython_lapack_d"):
+        name = "double"
+    return _C_NAMES.get(name, "?")
 
 
 @functools.cache
-def _dspevx_function() -> Any:
-    """The dspevx that scipy.linalg.cython_lapack exports, callable.
+def _lapack(name: str) -> Any:
+    """The LAPACK routine ``name`` that scipy.linalg.cython_lapack exports, callable.
 
     Raises
     ------
     RuntimeError
-        The exported function does not take pointers to :data:`_DSPEVX_SIGNATURE`.
+        The exported function does not take pointers to :data:`_SIGNATURES`' types.
     """
-    name = "dspevx"
     capsule = scipy.linalg.cython_lapack.__pyx_capi__[name]
     declared = _PYTHON_API.PyCapsule_GetName(capsule)
     text = declared.decode("ascii") if declared else ""
     arguments = text[text.find("(") + 1 : text.rfind(")")].split(",")
-    if not text.startswith("void (") or tuple(_pointee(a) for a in arguments) != _DSPEVX_SIGNATURE:
+    expected = _SIGNATURES[name]
+    if not text.startswith("void (") or "".join(_pointee(a) for a in arguments) != expected:
         raise RuntimeError(f"scipy's {name} is {text!r}, not the LAPACK call this module makes")
     address = _PYTHON_API.PyCapsule_GetPointer(capsule, declared)
-    return ctypes.CFUNCTYPE(None, *_DSPEVX_ARGUMENTS)(address)
+    return ctypes.CFUNCTYPE(None, *(_CTYPES[c] for c in expected))(address)
+
+
+def _call(name: str, *arguments: Any) -> None:
+    """Call LAPACK's ``name``: ints and floats by reference, arrays by address."""
+    info = c_int(0)
+    converted: list[Any] = []
+    for value in arguments:
+        if isinstance(value, np.ndarray):
+            converted.append(value.ctypes.data)
+        elif isinstance(value, bytes | c_int):
+            converted.append(value if isinstance(value, bytes) else byref(value))
+        elif isinstance(value, float):
+            converted.append(byref(c_double(value)))
+        else:
+            converted.append(byref(c_int(int(value))))
+    _lapack(name)(*converted, byref(info))
+    if info.value < 0:
+        raise ValueError(f"{name}: argument {-info.value} is invalid")
+    if info.value > 0:
+        raise DataError(f"the eigensolver ({name}) did not converge (info {info.value})")
 
 
 def _order(packed: FloatArray) -> int:
@@ -120,61 +120,74 @@ def _order(packed: FloatArray) -> int:
     return m
 
 
-def _dspevx(packed: FloatArray, first: int, vectors: bool) -> tuple[FloatArray, FloatArray]:
-    """Eigenvalues first..m (1-based, ascending) and, with ``vectors``, their vectors."""
-    m = _order(packed)
-    count = m - first + 1
-    values = np.empty(m, dtype=np.float64)
-    z = np.empty((count, m) if vectors else (1, 1), dtype=np.float64)
-    work = np.empty(8 * m, dtype=np.float64)
-    iwork = np.empty(5 * m, dtype=np.intc)
-    ifail = np.empty(m, dtype=np.intc)
-    found, info = c_int(0), c_int(0)
-    every = first == 1 and not vectors
-    _dspevx_function()(
-        b"V" if vectors else b"N",
-        b"A" if every else b"I",
-        b"L",
-        byref(c_int(m)),
-        packed.ctypes.data,
-        byref(c_double(0.0)),
-        byref(c_double(0.0)),
-        byref(c_int(first)),
-        byref(c_int(m)),
-        byref(c_double(0.0)),  # LAPACK's default tolerance
-        byref(found),
-        values.ctypes.data,
-        z.ctypes.data,
-        byref(c_int(m if vectors else 1)),
-        work.ctypes.data,
-        iwork.ctypes.data,
-        ifail.ctypes.data,
-        byref(info),
-    )
-    if info.value < 0:
-        raise ValueError(f"dspevx: argument {-info.value} is invalid")
-    if info.value > 0:
-        what = "eigenvectors" if vectors else "eigenvalues"
-        raise DataError(f"the eigensolver did not converge for {info.value} {what}")
-    if found.value != count:
-        raise DataError(f"the eigensolver found {found.value} of {count} eigenvalues")
-    # Z is column-major M x count: in C order, row i is the i-th eigenvector.
-    return values[:count], z
+def packed_spectrum(packed: FloatArray, k: int) -> tuple[FloatArray, FloatArray]:
+    """Every eigenvalue and the top k unit eigenvectors of a symmetric matrix.
 
+    Parameters
+    ----------
+    packed : the matrix's row-major upper triangle, M(M+1)/2 float64 values; it is
+        overwritten (it holds the reduction to tridiagonal form afterwards).
+    k : how many eigenvectors, of the largest eigenvalues.
 
-def packed_eigenvalues(packed: FloatArray) -> FloatArray:
-    """Every eigenvalue, descending, of the symmetric matrix whose row-major upper
-    triangle is ``packed`` (overwritten)."""
-    values, _ = _dspevx(packed, 1, vectors=False)
-    return values[::-1].copy()
-
-
-def packed_top_eigenvectors(packed: FloatArray, k: int) -> tuple[FloatArray, FloatArray]:
-    """The k largest eigenvalues (descending) and their unit eigenvectors as the rows
-    of a (k, M) array, of the matrix whose row-major upper triangle is ``packed``
-    (overwritten)."""
+    Returns
+    -------
+    (M,) every eigenvalue, descending, and (k, M) the eigenvectors of the k largest, in
+    the same order, as rows.
+    """
     m = _order(packed)
     if not 1 <= k <= m:
         raise ValueError(f"k must be in [1, {m}], got {k}")
-    values, vectors = _dspevx(packed, m - k + 1, vectors=True)
-    return values[::-1].copy(), vectors[::-1].copy()
+    diagonal = np.empty(m, dtype=np.float64)
+    off_diagonal = np.zeros(max(m - 1, 1), dtype=np.float64)
+    tau = np.zeros(max(m - 1, 1), dtype=np.float64)
+    _call("dsptrd", b"L", m, packed, diagonal, off_diagonal, tau)
+
+    eigenvalues = diagonal.copy()
+    _call("dsterf", m, eigenvalues, off_diagonal.copy())  # ascending, in place
+
+    found, blocks = c_int(0), c_int(0)
+    top = np.empty(m, dtype=np.float64)
+    block_of = np.empty(m, dtype=np.intc)
+    splits = np.empty(m, dtype=np.intc)
+    _call(
+        "dstebz",
+        b"I",
+        b"B",  # by block: what dstein takes
+        m,
+        0.0,
+        0.0,
+        m - k + 1,
+        m,
+        0.0,  # LAPACK's default tolerance
+        diagonal,
+        off_diagonal,
+        found,
+        blocks,
+        top,
+        block_of,
+        splits,
+        np.empty(4 * m, dtype=np.float64),
+        np.empty(3 * m, dtype=np.intc),
+    )
+    if found.value != k:
+        raise DataError(f"the eigensolver found {found.value} of the {k} largest eigenvalues")
+    # Column-major M x k: in C order, row j is the j-th eigenvector.
+    vectors = np.empty((k, m), dtype=np.float64)
+    _call(
+        "dstein",
+        m,
+        diagonal,
+        off_diagonal,
+        k,
+        top,
+        block_of,
+        splits,
+        vectors,
+        m,
+        np.empty(5 * m, dtype=np.float64),
+        np.empty(m, dtype=np.intc),
+        np.empty(k, dtype=np.intc),
+    )
+    _call("dopmtr", b"L", b"L", b"N", m, k, packed, tau, vectors, m, np.empty(k, dtype=np.float64))
+    descending = np.argsort(top[:k], kind="stable")[::-1]
+    return eigenvalues[::-1].copy(), vectors[descending].copy()

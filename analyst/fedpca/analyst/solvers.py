@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import scipy.linalg
 
-from fedpca.analyst.packed_eigen import packed_eigenvalues, packed_top_eigenvectors
+from fedpca.analyst.packed_eigen import packed_spectrum
 from fedpca.codec.matrix import upper_triangle
 from fedpca.errors import ConfigError, DataError
 from fedpca.stats import SufficientStatistics
@@ -319,18 +319,15 @@ def _pca(
     """PCA of the covariance whose upper triangle ``covariance(out)`` writes into ``out``.
 
     Every eigenvalue is needed (the explained variance ratio and the noise variance
-    are over all of them) but only k eigenvectors: the eigenvalues come from one
-    LAPACK pass and the top k eigenvectors from a second, both in place on the packed
-    triangle (M(M+1)/2 values, which the first pass overwrites and ``covariance``
-    refills; :mod:`fedpca.analyst.packed_eigen`). numpy's eigh would compute all M
-    eigenvectors with four M x M arrays (128 MiB at M = 2,000) and take about 20 times
-    as long; scipy's eigh on the full matrix, twice the memory of the packed triangle.
+    are over all of them) but only k eigenvectors: one reduction of the packed
+    triangle (M(M+1)/2 values) to tridiagonal form gives both
+    (:func:`fedpca.analyst.packed_eigen.packed_spectrum`). numpy's eigh would compute
+    all M eigenvectors with four M x M arrays (128 MiB at M = 2,000) and take about 20
+    times as long; scipy's eigh works on the full matrix, twice the packed triangle.
     """
     buffer = np.empty(m * (m + 1) // 2, dtype=np.float64)
     _fill_finite(covariance, buffer)
-    eigenvalues = packed_eigenvalues(buffer)
-    _fill_finite(covariance, buffer)
-    _, components = packed_top_eigenvectors(buffer, k)
+    eigenvalues, components = packed_spectrum(buffer, k)
     del buffer
     negative = eigenvalues < 0.0
     if negative.any():
