@@ -14,6 +14,7 @@ import gzip
 import logging
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Literal, NamedTuple
@@ -108,6 +109,85 @@ def _open_text(path: Path) -> IO[str]:
 def _load_csv(
     path: Path, header: HeaderOption, delimiter: str
 ) -> tuple[FloatArray, list[str] | None]:
+    """The table of a text file: numpy's C parser, or the checked reader's verdict.
+
+    :func:`_read_csv_fast` reads a well-formed file with numpy's C parser, without
+    holding every value as a Python float (a large table's peak memory is its array,
+    not four times it); whenever it declines,
+    :func:`_read_csv_checked` reads the file line by line, either accepting it (a
+    form numpy does not parse, such as whitespace-only lines) or refusing it with the
+    line and column at fault. Both give the same table for any file both accept.
+    """
+    fast = _read_csv_fast(path, header, delimiter)
+    return fast if fast is not None else _read_csv_checked(path, header, delimiter)
+
+
+def _header_decision(cells: Sequence[str], header: HeaderOption) -> bool | None:
+    """Whether the first record is a header; None for an auto header that mixes kinds."""
+    if header != "auto":
+        return bool(header)
+    numeric = [_is_number(cell) for cell in cells]
+    if all(numeric):
+        return False
+    if not any(numeric):
+        return True
+    return None
+
+
+def _read_csv_fast(
+    path: Path, header: HeaderOption, delimiter: str
+) -> tuple[FloatArray, list[str] | None] | None:
+    """A whole well-formed table at once, or None for the checked reader to decide.
+
+    The first non-blank record goes through the same csv reader and header rule as
+    the checked reader; the rest through ``numpy.loadtxt`` (its C parser, the same
+    float syntax for every cell it accepts). Anything unusual (a parse error, a
+    ragged row, a non-finite value, no records) returns None: the checked reader then
+    either accepts the file or names the offending line and column.
+    """
+    with _open_text(path) as handle:
+        reader = csv.reader(handle, delimiter=delimiter)
+        cells: list[str] | None = None
+        for row in reader:
+            if row and any(cell.strip() for cell in row):
+                cells = row
+                break
+        if cells is None:
+            return None
+        header_here = _header_decision(cells, header)
+        if header_here is None:
+            return None
+        try:
+            first = None if header_here else np.array([float(cell) for cell in cells])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "input contained no data"
+                rest = np.loadtxt(
+                    handle,
+                    dtype=np.float64,
+                    delimiter=delimiter,
+                    comments=None,
+                    quotechar='"',
+                    ndmin=2,
+                )
+        except ValueError:
+            return None
+    if rest.size == 0:
+        if first is None:
+            return None
+        table = first.reshape(1, -1)
+    elif rest.shape[1] != len(cells):
+        return None
+    else:
+        table = rest if first is None else np.vstack([first, rest])
+    if not np.isfinite(table).all():
+        return None
+    return np.ascontiguousarray(table), list(cells) if header_here else None
+
+
+def _read_csv_checked(
+    path: Path, header: HeaderOption, delimiter: str
+) -> tuple[FloatArray, list[str] | None]:
+    """Line by line with Python's csv reader; every refusal names its line and column."""
     with _open_text(path) as handle:
         reader = csv.reader(handle, delimiter=delimiter)
         rows: list[list[float]] = []
@@ -120,21 +200,14 @@ def _load_csv(
                 continue  # blank lines carry no record
             if first:
                 first = False
-                numeric = [_is_number(cell) for cell in cells]
-                if header == "auto":
-                    if not any(numeric):
-                        header_here = True
-                    elif all(numeric):
-                        header_here = False
-                    else:
-                        bad = numeric.index(False)
-                        raise DataError(
-                            f"{path}: line {line} mixes numbers and text (column {bad + 1}: "
-                            f"{cells[bad]!r}); cannot tell whether it is a header, pass "
-                            "header=True or header=False"
-                        )
-                else:
-                    header_here = bool(header)
+                header_here = _header_decision(cells, header)
+                if header_here is None:
+                    bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
+                    raise DataError(
+                        f"{path}: line {line} mixes numbers and text (column {bad + 1}: "
+                        f"{cells[bad]!r}); cannot tell whether it is a header, pass "
+                        "header=True or header=False"
+                    )
                 n_columns = len(cells)
                 if header_here:
                     names = list(cells)
