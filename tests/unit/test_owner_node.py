@@ -725,6 +725,10 @@ def test_a_bounded_upload_is_not_resumed_where_it_could_sample(
     assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
     record = harness.ledger.task(key("q1"))
     assert record is not None and record.outcome is TaskOutcome.UPLOADING
+    # An upload begun by a version that kept no share (with a kept share nothing is
+    # encoded again, so nothing could sample).
+    for kept in (harness.config.owner.state_dir / "shares").iterdir():
+        kept.unlink()
     raised = replace(enforced, data=replace(enforced.data, max_records=2 * N_ROWS))
     for config in (raised, harness.config):  # a larger capacity; no enforcement
         restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
@@ -734,6 +738,85 @@ def test_a_bounded_upload_is_not_resumed_where_it_could_sample(
     # The configuration it began under resumes it (here: toward an unreachable proxy).
     again = OwnerNode(enforced, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
     assert again.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
+
+
+def test_a_resumed_upload_sends_the_share_it_began_with_after_the_data_changed(
+    harness: Harness, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Found by review: a restart re-encoded the share from the data file, so a file
+    changed between the crash and the restart (a nightly export) gave a contribution
+    whose first chunks came from the old table and the rest from the new one. The
+    share is now kept on disk until its upload ends, and a resume sends exactly it."""
+    _, private_key = test_only_keypair_512
+    spec = harness.spec("q1")
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    first = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.upload_id is not None and record.seed is not None
+    kept = harness.config.owner.state_dir / "shares" / f"{record.upload_id}.npz"
+    assert kept.is_file() and kept.stat().st_mode & 0o077 == 0
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+
+    def share_of_file() -> list[int]:
+        table = LocalTable.load(harness.config.data).table_for(spec)
+        rng = np.random.default_rng(int.from_bytes(record.seed or b"", "big"))
+        encoded = encode_share(spec, table, plan, capacity=100, rng=rng)
+        return [int(v) for v in encoded[SHARES]]
+
+    began_with = share_of_file()
+    changed = np.loadtxt(harness.config.data.path, delimiter=",")
+    changed[:, 1:] *= 0.5
+    np.savetxt(harness.config.data.path, changed, delimiter=",")
+    assert share_of_file() != began_with
+
+    restarted = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    stub = owner_grpc.OwnerServiceStub(restarted._open_channel())
+    assert restarted.process_task(stub, signed_task(spec, due, ANALYST)) is TaskOutcome.UPLOADED
+    (upload,) = harness.proxy.uploads
+    assert upload.upload_id == record.upload_id
+    plaintexts = pool.decrypt(private_key, list(upload.ciphertexts))
+    assert unpack_slots(plaintexts, plan.owner_block(SHARES).layout, private_key.public_key.n) == (
+        began_with
+    )
+    assert not kept.exists()  # deleted once the upload ended
+    assert len(harness.ledger.events()) == 1
+
+
+def test_a_decline_the_proxy_does_not_acknowledge_is_left_for_a_redelivery(
+    harness: Harness, pool: CryptoPool
+) -> None:
+    """Found while testing kept shares: the node then looked up an upload that was
+    never prepared and its task thread raised KeyError."""
+    node = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, decline_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    over_budget = signed_task(harness.spec("q1", epsilon=2.0), due, ANALYST)
+    assert node.process_task(unreachable, over_budget) is None
+    assert harness.ledger.task(key("q1")) is None  # evaluated again when re-delivered
+    assert harness.ledger.events() == []
+
+
+def test_kept_shares_of_ended_uploads_are_deleted_at_start(
+    harness: Harness, pool: CryptoPool
+) -> None:
+    shares = harness.config.owner.state_dir / "shares"
+    first = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    for query_id in ("q1", "q2"):
+        task = signed_task(harness.spec(query_id, epsilon=0.5), due, ANALYST)
+        assert first.process_task(unreachable, task) is None
+    in_flight = {path.name for path in shares.iterdir()}
+    assert len(in_flight) == 2
+    (shares / "0123.tmp").write_bytes(b"half written")  # a crash while saving
+    # q2 ended while its node was down (here: the ledger says it was cancelled).
+    harness.ledger.record_task(key("q2"), TaskOutcome.CANCELLED, "cancelled by the proxy")
+    OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    q1 = harness.ledger.task(key("q1"))
+    assert q1 is not None
+    assert {path.name for path in shares.iterdir()} == {f"{q1.upload_id}.npz"}
 
 
 def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool) -> None:

@@ -569,6 +569,15 @@ class BudgetLedger:
             row[7],
         )
 
+    def uploads_in_flight(self) -> set[str]:
+        """Upload ids of the tasks whose upload began and has no outcome yet."""
+        with self._connect() as connection:
+            rows = connection.execute(
+                "SELECT upload_id FROM tasks WHERE state = ? AND upload_id IS NOT NULL",
+                (TaskOutcome.UPLOADING.value,),
+            ).fetchall()
+        return {row[0] for row in rows}
+
     def is_handled(self, query_id: str) -> bool:
         """True if the task reached a final outcome (it must not be redone)."""
         record = self.task(query_id)

@@ -57,6 +57,7 @@ from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
+from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.owner.task_processing import TaskProcessing
 from fedpca.owner.upload import OutgoingUpload
 from fedpca.transport import serde
@@ -121,6 +122,9 @@ class OwnerNode(TaskProcessing):
                     f"but this node is {expected}"
                 )
         self.ledger = owner_ledger(config)
+        self.shares = ShareSnapshots(config.owner.state_dir / "shares")
+        # Shares kept for uploads that ended while the node was down (or just before).
+        self.shares.prune(self.ledger.uploads_in_flight())
         self._owns_pool = pool is None
         processes = config.crypto.processes or None
         self._pool = pool if pool is not None else CryptoPool(processes)

@@ -48,6 +48,7 @@ from fedpca.owner.retry import (
     status_details,
     status_name,
 )
+from fedpca.owner.share_snapshots import KeptShare, ShareSnapshots
 from fedpca.owner.upload import OutgoingUpload
 from fedpca.protocol import ReleasePlan
 from fedpca.query import ProtocolMode, QuerySpec, spec_digest
@@ -108,6 +109,7 @@ class TaskProcessing:
     config: OwnerConfig
     table: LocalTable
     ledger: BudgetLedger
+    shares: ShareSnapshots
     retry: RetryPolicy
     _pool: CryptoPool
     _stop: threading.Event
@@ -139,13 +141,16 @@ class TaskProcessing:
         if task.upload_deadline <= datetime.now(UTC):
             logger.warning("query %s: upload deadline already passed, skipping", query_id)
             self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
+            self._forget_share(query_id)
             return TaskOutcome.EXPIRED
         upload = self._prepared.get(query_id)
         if upload is None:
             outcome = self._prepare(stub, task)
-            if outcome is not None:
+            upload = self._prepared.get(query_id)
+            if outcome is not None or upload is None:
+                # Declined, or a decline the proxy did not acknowledge (None: nothing
+                # recorded, a re-delivered task is evaluated again).
                 return outcome
-            upload = self._prepared[query_id]
         if self._is_cancelled(query_id):
             return self._finish_cancelled(query_id)
         return self._upload(stub, task, upload)
@@ -156,8 +161,9 @@ class TaskProcessing:
         Every decline happens before the records are looked at, for a public reason
         (:mod:`fedpca.owner.policy`); after the budget is reserved the share is computed
         and encrypted whatever the records hold. A task whose upload had begun before a
-        restart is resumed: same upload id, same sample of rows (its seed is in the
-        ledger), so the proxy continues after the chunks it already folded.
+        restart is resumed: same upload id and the very share it began with (kept on
+        disk, :mod:`fedpca.owner.share_snapshots`), so the proxy continues after the
+        chunks it already folded.
         """
         spec = task.query
         query_id = task.key
@@ -180,13 +186,25 @@ class TaskProcessing:
             assert record is not None and record.upload_id is not None and record.seed is not None
             # Data of this task may already be at the proxy: finish what was agreed.
             plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
-            table = self.table.table_for(spec)
             upload_id, seed = record.upload_id, record.seed
             # The capacity the sample was drawn under (a ledger from before it was kept:
             # the configured one, as then).
             capacity = record.capacity or self.config.data.max_records
+            kept = self.shares.load(upload_id, plan)
+            if kept is not None:
+                logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
+                self._begin_upload(spec, query_id, upload_id, plan, kept, obfuscation)
+                return None
+            # Begun by a version that kept no share: encode it again from the data file
+            # with the upload's seed (the same share only if the file did not change).
             check_resumable(spec, self.config, capacity)
-            logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
+            table = self.table.table_for(spec)
+            logger.warning(
+                "query %s: resuming upload %s without a kept share: encoding it again from "
+                "the data file, which must not have changed since the upload began",
+                query_id,
+                upload_id,
+            )
         else:
             accepted = self._accept(stub, task)
             if not isinstance(accepted, tuple):
@@ -195,8 +213,7 @@ class TaskProcessing:
             upload_id, seed = new_upload_id(), secrets.token_bytes(32)
             capacity = self.config.data.max_records
         try:
-            # The sample of rows is drawn from the task's secret seed, so a resumed
-            # upload encodes exactly the values whose first chunks the proxy holds.
+            # The sample of rows is drawn from the task's secret seed (kept in the ledger).
             encoded = encode_share(
                 spec,
                 table,
@@ -217,13 +234,28 @@ class TaskProcessing:
             if spec.mode is ProtocolMode.MASKED
             else None
         )
-        upload = self._start_upload(
-            spec, query_id, upload_id, plan, encoded, obfuscation, record_count
+        upload = self._begin_upload(
+            spec, query_id, upload_id, plan, KeptShare(encoded, record_count), obfuscation
         )
         upload.seed = seed
         upload.capacity = capacity
-        self._prepared[query_id] = upload
         return None
+
+    def _begin_upload(
+        self,
+        spec: QuerySpec,
+        query_id: str,
+        upload_id: str,
+        plan: ReleasePlan,
+        share: KeptShare,
+        obfuscation: Obfuscation,
+    ) -> OutgoingUpload:
+        upload = self._start_upload(
+            spec, query_id, upload_id, plan, share.values, obfuscation, share.record_count
+        )
+        upload.share = share
+        self._prepared[query_id] = upload
+        return upload
 
     def _accept(
         self, stub: owner_grpc.OwnerServiceStub, task: Task
@@ -332,7 +364,11 @@ class TaskProcessing:
         query_id = task.key
         upload_id = upload.upload_id
         # From here on data derived from the rows may leave: no refund any more. The
-        # upload id and the sample's seed are kept, so a restart resumes this upload.
+        # share is kept on disk first and the upload id and the sample's seed in the
+        # ledger, so a restart resumes this very upload.
+        if upload.share is not None:
+            self.shares.save(upload_id, upload.share)
+            upload.share = None
         self.ledger.record_task(
             query_id,
             TaskOutcome.UPLOADING,
@@ -373,6 +409,7 @@ class TaskProcessing:
                         f"{status_name(err)}: {status_details(err)}",
                         upload_id=upload_id,
                     )
+                    self.shares.discard(upload_id)
                     if _share_unreleased(err):
                         # The proxy says no result of the query holds anything of this
                         # share (not one of its contributors, or the query failed before
@@ -411,6 +448,7 @@ class TaskProcessing:
             self.ledger.record_task(
                 query_id, TaskOutcome.UPLOADED, receipt.status.value, upload_id=upload_id
             )
+            self.shares.discard(upload_id)
             logger.info(
                 "query %s: upload %s %s by the proxy (%d chunks, %d ciphertexts)",
                 query_id,
@@ -427,11 +465,18 @@ class TaskProcessing:
         if upload is not None:
             upload.stop()
 
+    def _forget_share(self, query_id: str) -> None:
+        """Delete the kept share of a task that ended without its upload completing."""
+        record = self.ledger.task(query_id)
+        if record is not None and record.upload_id is not None:
+            self.shares.discard(record.upload_id)
+
     def _finish_cancelled(self, query_id: str) -> TaskOutcome:
         self._drop_upload(query_id)
         # Refunded only if no upload of the task had begun (the ledger checks).
         self.ledger.cancel_reservation(query_id)
         self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
+        self._forget_share(query_id)
         logger.info("query %s: cancelled by the proxy", query_id)
         return TaskOutcome.CANCELLED
 

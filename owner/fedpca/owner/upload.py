@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from fedpca.messages import ChunkChain, chunk_stream
+from fedpca.owner.share_snapshots import KeptShare
 
 __all__ = ["OutgoingUpload"]
 
@@ -57,6 +58,8 @@ class OutgoingUpload:
         """Secret seed of the share's sample of rows (recorded when the upload begins)."""
         self.capacity: int | None = None
         """The capacity that sample was drawn under (recorded with the seed)."""
+        self.share: KeptShare | None = None
+        """The encoded share, until it is kept on disk (:mod:`fedpca.owner.share_snapshots`)."""
         self._messages: list[Any] = [header]
         self._batches = batches
         self._width = width
