@@ -20,6 +20,7 @@ from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, FedpcaError, QueryStateError
 from fedpca.messages import DeploymentInfo
+from fedpca.protocol import ReleasePlan
 from fedpca.query import QuerySpec
 from fedpca.transport.certs import TlsFiles, TlsMaterial
 
@@ -165,6 +166,10 @@ def run_query(
     """
     if spec.analyst_public_key_n != private_key.public_key.n:
         raise ConfigError("the query is not addressed to this private key")
+    # The analyst's own plan of the release, derived before anything is charged: a
+    # query it could not check later fails here, and the accountant the check needs
+    # (a quarter of a CPU-second to load) is loaded now rather than inside the round.
+    ReleasePlan.for_query(spec, private_key.public_key.n.bit_length())
     owned = pool is None
     active = CryptoPool() if pool is None else pool
     try:
