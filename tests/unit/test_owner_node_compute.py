@@ -22,6 +22,7 @@ from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner import compute
 from fedpca.owner.compute import (
     LocalTable,
+    QueryColumns,
     contributed_rows,
     encode_share,
     encrypt_share,
@@ -33,7 +34,6 @@ from fedpca.owner.upload import OutgoingUpload
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, spec_digest
-from fedpca.tables import OwnerTable
 from helpers import query_builder, reference_statistics
 
 IONOSPHERE = dataset_path("ionosphere")
@@ -70,7 +70,7 @@ def test_decrypted_share_is_the_exact_statistics_of_the_rows(
         extra = {"kind": kind, "label_column": 0, "class_labels": (-1.0, 1.0)}
     spec = _spec(public_key, **extra)
     table = ionosphere.table_for(spec)
-    assert table.features.shape == (351, 34)
+    assert table.rows().features.shape == (351, 34)
     progress: list[tuple[int, int]] = []
     shares = encrypt_share(
         spec, table, pool, capacity=CAPACITY, progress=lambda d, t: progress.append((d, t))
@@ -82,12 +82,16 @@ def test_decrypted_share_is_the_exact_statistics_of_the_rows(
     assert len(shares[SHARES].ciphertexts) == n_ciphertexts
     assert progress[-1] == (n_ciphertexts, n_ciphertexts)
     integers = pool.decrypt_packed(private_key, shares[SHARES])
-    exact = fixed_point_statistics(table.features, table.labels, spec).to_vector(plan.statistics)
+    exact = fixed_point_statistics(table.rows().features, table.rows().labels, spec).to_vector(
+        plan.statistics
+    )
     assert integers == exact.tolist()
     # ... which are the float statistics to within the rows' quantisation (2^-16 per
     # coordinate, 351 rows).
     received = plan.statistics_from_integers(integers)
-    expected = reference_statistics(preprocess_for_query(table.features, spec), table.labels, spec)
+    expected = reference_statistics(
+        preprocess_for_query(table.rows().features, spec), table.rows().labels, spec
+    )
     tolerance = 351 * 2 * 2.0**-16
     np.testing.assert_allclose(received.scatter, expected.scatter, rtol=0, atol=tolerance)
     np.testing.assert_allclose(received.sums, expected.sums, rtol=0, atol=tolerance)
@@ -121,7 +125,7 @@ def test_masked_mode_blocks_decrypt_to_the_planned_values(
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     shares = encrypt_share(spec, table, pool, capacity=CAPACITY, plan=plan)
     assert list(shares) == [block.name for block in plan.owner_blocks]
-    expected = plan.owner_integers(fixed_point_statistics(table.features, None, spec))
+    expected = plan.owner_integers(fixed_point_statistics(table.rows().features, None, spec))
     integers = {name: pool.decrypt_packed(private_key, packed) for name, packed in shares.items()}
     for name, values in integers.items():
         assert values == expected[name].tolist()
@@ -170,7 +174,7 @@ def test_an_upload_packed_as_it_encrypts_replays_the_very_same_messages(
     assert pool.decrypt(private_key, ciphertexts) == expected
 
 
-def _count(spec: Any, table: OwnerTable, capacity: int) -> float:
+def _count(spec: Any, table: QueryColumns, capacity: int) -> float:
     plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
     values = encode_share(spec, table, plan, capacity=capacity, rng=np.random.default_rng(1))
     statistics = plan.statistics_from_integers(values[SHARES])
@@ -191,6 +195,42 @@ def test_more_rows_than_the_cap_contribute_a_sample_of_exactly_the_cap(
     assert rows.features.shape == (100, 34)
     # A uniform sample without replacement: distinct rows of the table.
     assert len({row.tobytes() for row in rows.features}) == 100
+
+
+def test_only_the_records_a_query_uses_are_copied(
+    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable, monkeypatch: Any
+) -> None:
+    """Copying the query's columns of every record cost time linear in N on each task
+    (visible to the proxy): now the columns are named, the records chosen, and only
+    they are copied."""
+    public_key, _ = test_only_keypair_512
+    dca = _spec(
+        public_key, kind=QueryKind.DCA, label_column=0, class_labels=(-1.0, 1.0), n_components=1
+    )
+    copied: list[int] = []
+    rows_of = QueryColumns.rows
+
+    def recording(self: QueryColumns, keep: Any = None) -> Any:
+        copied.append(self.n_records if keep is None else len(keep))
+        return rows_of(self, keep)
+
+    for spec in (_spec(public_key), dca):
+        table = ionosphere.table_for(spec)
+        assert table.source is ionosphere.columns  # nothing copied
+        copied.clear()
+        monkeypatch.setattr(QueryColumns, "rows", recording)
+        rows = contributed_rows(table, spec, 40, np.random.default_rng(1))
+        monkeypatch.undo()
+        per_class = 2 if spec.kind is QueryKind.DCA else 1
+        assert copied == [40 * per_class] and rows.features.shape == (40 * per_class, 34)
+        # The copies are the table's records in the query's columns.
+        source = {row.tobytes() for row in ionosphere.columns[:, 1:]}
+        assert all(row.tobytes() in source for row in rows.features)
+        assert rows.features.flags.c_contiguous and rows.features.flags.writeable
+        if spec.kind is QueryKind.DCA:
+            assert rows.labels is not None and np.sum(rows.labels == 1.0) == 40
+        else:
+            assert rows.labels is None
 
 
 def test_bounded_owner_tables_never_sample(
@@ -236,7 +276,7 @@ def test_values_outside_the_bounds_are_clipped_not_refused(
     spec = _spec(public_key, feature_lower=(0.0,) * m, feature_upper=(0.5,) * m)
     table = ionosphere.table_for(spec)
     shares = encrypt_share(spec, table, pool, capacity=CAPACITY)
-    clipped = np.clip(table.features, 0.0, 0.5)
+    clipped = np.clip(table.rows().features, 0.0, 0.5)
     expected = fixed_point_statistics(clipped, None, spec)
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     assert (
@@ -262,7 +302,7 @@ def test_the_work_is_padded_to_the_public_cap(
     monkeypatch.setattr(compute, "fixed_point_statistics", recording)
     table = ionosphere.table_for(spec)
     for n in (10, 351):
-        small = OwnerTable(table.features[:n], None)
+        small = LocalTable(table.rows().features[:n], None, "first rows").table_for(spec)
         encode_share(spec, small, plan, capacity=CAPACITY)
     assert seen == [(10, 1000), (351, 1000)]
 
@@ -272,8 +312,8 @@ def test_pca_drops_the_configured_label_column(
 ) -> None:
     public_key, _ = test_only_keypair_512
     table = ionosphere.table_for(_spec(public_key))
-    np.testing.assert_array_equal(table.features, ionosphere.columns[:, 1:])
-    assert table.labels is None
+    np.testing.assert_array_equal(table.rows().features, ionosphere.columns[:, 1:])
+    assert table.rows().labels is None
 
 
 def test_spec_digest_binds_every_public_parameter(test_only_keypair_512: tuple[Any, Any]) -> None:

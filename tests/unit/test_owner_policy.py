@@ -89,7 +89,8 @@ def test_good_task_passes(test_only_keypair_512: tuple[Any, Any]) -> None:
     config = _config(public_key)
     accepted = check_task(_task(_spec(public_key)), config, _table())
     assert isinstance(accepted, TaskAccepted)
-    assert accepted.table.features.shape == (20, 3) and accepted.table.labels is None
+    assert (accepted.table.n_records, accepted.table.n_features) == (20, 3)
+    assert accepted.table.label_column is None
     # Labels outside the query's classes are not a reason to decline: the owner
     # leaves those records out of its statistics.
     accepted = check_task(_task(_dca(public_key)), config, _table())

@@ -38,7 +38,7 @@ import numpy.typing as npt
 from fedpca.analyst.decode import DecodedRelease, decode_values, noise_description
 from fedpca.dp.noise import NoiseSampler, symmetric_noise
 from fedpca.errors import ConfigError
-from fedpca.owner.compute import encode_share, record_cap
+from fedpca.owner.compute import QueryColumns, encode_share, record_cap
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -145,7 +145,8 @@ def fold_owner_shares(
     plan = ReleasePlan.for_query(spec, key_bits)
     totals: dict[str, ObjectArray] = {}
     for table, capacity in zip(owner_tables, caps, strict=True):
-        share = encode_share(spec, table, plan, capacity=capacity, rng=rng)
+        columns = QueryColumns.of_table(table, spec)
+        share = encode_share(spec, columns, plan, capacity=capacity, rng=rng)
         for name, values in share.items():
             # Python ints: the folded sums may leave int64 (the slots hold them exactly).
             as_ints = values.astype(object)

@@ -4,17 +4,17 @@ The pipeline of one task, in order. Once the owner has decided to take part (fro
 public facts only: :mod:`fedpca.owner.policy` and the budget), nothing here can
 refuse: whatever the rows hold, the owner uploads a share of the agreed shape.
 
-1. pick the query's columns from the table loaded at start-up
+1. name the query's columns of the table loaded at start-up
    (:meth:`LocalTable.table_for`; the label column is dropped for PCA and
    used for DCA); a schema that does not fit (feature count, label column) is a
-   public fact, checked before the budget;
+   public fact, checked before the budget. Nothing is copied yet;
 2. :func:`contributed_rows`: for DCA leave out records whose label is not one of
    the query's public classes (aggregates leave out a histogram's unlisted categories
    later, in step 3); if more records remain than the public cap
    (the query's ``max_records_per_owner`` or this owner's declared capacity,
    whichever is smaller; for DCA per class), keep a uniform random sample of exactly
-   that many. The sensitivity the noise is calibrated with covers both (a record left
-   out, or one record displacing another of its class:
+   that many, and copy only the records kept. The sensitivity the noise is calibrated
+   with covers both (a record left out, or one record displacing another of its class:
    :func:`fedpca.stats.worst_case_change`);
 3. :func:`fedpca.exact_statistics.fixed_point_statistics` (aggregates:
    :func:`fedpca.aggregates.fixed_point_aggregates`): scale with the query's public bounds
@@ -59,6 +59,7 @@ from fedpca.tables import OwnerTable, load_table
 __all__ = [
     "EncryptionProgress",
     "LocalTable",
+    "QueryColumns",
     "analyst_public_key",
     "contributed_rows",
     "encode_share",
@@ -152,13 +153,13 @@ class LocalTable:
             return tuple(c for c in everything if c != self.label_column)
         return everything
 
-    def table_for(self, spec: QuerySpec) -> OwnerTable:
-        """Features (and labels for DCA) of this table as ``spec`` needs them.
+    def table_for(self, spec: QuerySpec) -> QueryColumns:
+        """The columns ``spec`` reads (its features, and its labels for DCA), not copied.
 
         Only the table's schema is checked (its column count and configured label
         column, public facts the owner could declare); the records are not looked at.
 
-        Aggregate queries get the columns they read (``spec.aggregate_columns``, in that
+        Aggregate queries read the columns they name (``spec.aggregate_columns``, in that
         order) as features; any column of the file may be read, the label column too.
 
         Raises
@@ -175,8 +176,7 @@ class LocalTable:
                     f"query {spec.query_id!r} reads column {missing[0]}; this owner's data has "
                     f"{self.n_columns} columns (0-based)"
                 )
-            chosen = self.columns[:, list(spec.aggregate_columns)]
-            return OwnerTable(np.ascontiguousarray(chosen), None)
+            return QueryColumns(self.columns, tuple(spec.aggregate_columns), None)
         if spec.kind is QueryKind.DCA:
             label = spec.label_column if spec.label_column is not None else self.label_column
             if label is None:
@@ -198,20 +198,70 @@ class LocalTable:
                 )
         else:
             label = self.label_column
-        if label is None:
-            features, labels = self.columns, None
-        else:
-            features = np.delete(self.columns, label, axis=1)
-            labels = self.columns[:, label]
-        if features.shape[1] != spec.n_features:
+        features = tuple(c for c in range(self.n_columns) if c != label)
+        if len(features) != spec.n_features:
             raise PolicyError(
                 f"query {spec.query_id!r} has {spec.n_features} features; this owner's data has "
-                f"{features.shape[1]}" + (" (label column excluded)" if label is not None else "")
+                f"{len(features)}" + (" (label column excluded)" if label is not None else "")
             )
-        if spec.kind is QueryKind.DCA:
-            assert labels is not None
-            return OwnerTable(np.ascontiguousarray(features), labels.copy())
-        return OwnerTable(np.ascontiguousarray(features), None)
+        return QueryColumns(self.columns, features, label if spec.kind is QueryKind.DCA else None)
+
+
+@dataclass(frozen=True)
+class QueryColumns:
+    """The columns of the owner's table that one query reads, not copied yet.
+
+    Copying the query's columns of all N records before choosing the records would
+    cost time linear in N on every task, time the proxy can observe. The records are
+    chosen first (:func:`contributed_rows`: for PCA and aggregates without looking at
+    N beyond comparing it to the cap, for DCA by one comparison per label), and only
+    the chosen ones are copied (:meth:`rows`).
+
+    Attributes
+    ----------
+    source : (N, K) the owner's read-only file columns (:attr:`LocalTable.columns`).
+    feature_columns : the file columns that are the query's features, in order.
+    label_column : the file column of the query's labels (DCA), else None.
+    """
+
+    source: FloatArray
+    feature_columns: tuple[int, ...]
+    label_column: int | None
+
+    @classmethod
+    def of_table(cls, table: OwnerTable, spec: QuerySpec) -> QueryColumns:
+        """An in-memory table's columns for ``spec`` (its labels are read by DCA only)."""
+        features = np.asarray(table.features, dtype=np.float64)
+        n_features = features.shape[1]
+        if spec.kind is not QueryKind.DCA or table.labels is None:
+            return cls(features, tuple(range(n_features)), None)
+        source = np.column_stack([features, np.asarray(table.labels, dtype=np.float64)])
+        return cls(source, tuple(range(n_features)), n_features)
+
+    @property
+    def n_records(self) -> int:
+        return int(self.source.shape[0])
+
+    @property
+    def n_features(self) -> int:
+        return len(self.feature_columns)
+
+    def labels(self) -> FloatArray | None:
+        """The label column as a read-only view (nothing copied), or None."""
+        return None if self.label_column is None else self.source[:, self.label_column]
+
+    def rows(self, keep: IntArray | None = None) -> OwnerTable:
+        """Copies of the records ``keep`` (row indices; None: every record), in order."""
+        columns = list(self.feature_columns)
+        if keep is None:
+            features = self.source[:, columns]
+            labels = None if self.label_column is None else self.source[:, self.label_column]
+        else:
+            features = self.source[np.ix_(keep, np.asarray(columns, dtype=np.int64))]
+            labels = None if self.label_column is None else self.source[keep, self.label_column]
+        return OwnerTable(
+            np.ascontiguousarray(features), None if labels is None else np.array(labels)
+        )
 
 
 def analyst_public_key(spec: QuerySpec) -> paillier.PaillierPublicKey:
@@ -236,18 +286,19 @@ def padded_rows(spec: QuerySpec, cap: int) -> int:
 
 
 def contributed_rows(
-    table: OwnerTable, spec: QuerySpec, cap: int, rng: np.random.Generator | None = None
+    table: QueryColumns, spec: QuerySpec, cap: int, rng: np.random.Generator | None = None
 ) -> OwnerTable:
-    """The records that enter this owner's statistics for ``spec``.
+    """The records that enter this owner's statistics for ``spec``, copied.
 
     DCA: records whose label is not one of the query's public class labels are left
     out, and the cap applies to each class. Then, if more than ``cap`` records
     remain (of a class), a uniform sample of exactly ``cap`` of them (without
-    replacement) is kept. Neither step refuses anything.
+    replacement) is kept. Neither step refuses anything. Only the kept records are
+    copied (:class:`QueryColumns`).
 
     Parameters
     ----------
-    table : the owner's features and labels for the query (:meth:`LocalTable.table_for`).
+    table : the query's columns of the owner's table (:meth:`LocalTable.table_for`).
     spec : the public query.
     cap : :func:`record_cap`.
     rng : sampling randomness (tests only; fresh from the OS by default). It must stay
@@ -255,32 +306,37 @@ def contributed_rows(
     """
     generator = rng if rng is not None else np.random.default_rng()
 
-    def sample(indices: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        if indices.size <= cap:
-            return indices
+    def sample(count: int) -> npt.NDArray[np.int64] | None:
+        """Sorted positions of ``cap`` of ``count`` records, or None (keep them all)."""
+        if count <= cap:
+            return None
         if spec.bounded_owner_tables:
             # Unreachable for a node: it refuses to start with more records than its
             # capacity and declines a bounded query whose cap is below it (policy).
             raise LayoutError("a query for bounded owner tables reached an owner that samples")
-        return np.sort(generator.choice(indices, size=cap, replace=False))
+        # Floyd's algorithm inside numpy: time linear in cap, not in count.
+        return np.sort(generator.choice(count, size=cap, replace=False))
 
-    features, labels = table.features, table.labels
     if spec.kind is QueryKind.DCA:
+        labels = table.labels()
         if labels is None:
             raise LayoutError("a DCA query needs the owner's labels")
-        parts = [sample(np.flatnonzero(labels == label)) for label in spec.class_labels]
-        keep = np.sort(np.concatenate(parts))
+        parts = []
+        for label in spec.class_labels:
+            members = np.flatnonzero(labels == label)
+            chosen = sample(members.size)
+            parts.append(members if chosen is None else members[chosen])
+        keep: npt.NDArray[np.int64] | None = np.sort(np.concatenate(parts))
     else:
-        keep = sample(np.arange(features.shape[0]))
-        labels = None
-    if keep.size == features.shape[0]:
-        return OwnerTable(features, labels)  # every record, in order: no copy
-    return OwnerTable(features[keep], None if labels is None else labels[keep])
+        keep = sample(table.n_records)
+    if keep is not None and keep.size == table.n_records:
+        keep = None  # every record, in order
+    return table.rows(keep)
 
 
 def encode_share(
     spec: QuerySpec,
-    table: OwnerTable,
+    table: QueryColumns,
     plan: ReleasePlan,
     *,
     capacity: int,
@@ -291,7 +347,7 @@ def encode_share(
     Parameters
     ----------
     spec : the public query.
-    table : the owner's features (N, M) and labels (N,) for DCA.
+    table : the query's columns of the owner's table (:meth:`LocalTable.table_for`).
     plan : ``ReleasePlan.for_query(spec, key_bits)``.
     capacity : the owner's declared (public) capacity in records.
     rng : sampling randomness (tests only; fresh from the OS by default).
@@ -392,7 +448,7 @@ def encrypt_share_stream(
 
 def encrypt_share(
     spec: QuerySpec,
-    table: OwnerTable,
+    table: QueryColumns,
     pool: CryptoPool,
     *,
     capacity: int,
@@ -406,7 +462,7 @@ def encrypt_share(
     Parameters
     ----------
     spec : the public query (its ``analyst_public_key_n`` is the encryption key).
-    table : the owner's features and labels (:meth:`LocalTable.table_for`).
+    table : the query's columns of the owner's table (:meth:`LocalTable.table_for`).
     pool : the process pool that encrypts.
     capacity : the owner's declared (public) capacity in records.
     plan : the release plan (derived from ``spec`` and the key size if omitted).

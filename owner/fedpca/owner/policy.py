@@ -46,12 +46,11 @@ from fedpca.errors import (
     UntrustedKeyError,
 )
 from fedpca.messages import DeclineReason, Task
-from fedpca.owner.compute import LocalTable, analyst_public_key
+from fedpca.owner.compute import LocalTable, QueryColumns, analyst_public_key
 from fedpca.owner.config import OwnerConfig, PolicyConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import ProtocolMode, QuerySpec
 from fedpca.signing import verify_query
-from fedpca.tables import OwnerTable
 
 __all__ = ["Refusal", "TaskAccepted", "check_key", "check_signature", "check_task"]
 
@@ -73,7 +72,7 @@ class TaskAccepted:
     """What :func:`check_task` derived for a task it accepts."""
 
     plan: ReleasePlan
-    table: OwnerTable
+    table: QueryColumns
 
 
 def check_signature(task: Task, policy: PolicyConfig) -> None:

@@ -230,7 +230,7 @@ class TaskProcessing:
         # Masked mode publishes the count of records the statistics cover (its relation,
         # replace-one, makes it public); stats mode keeps it inside the noised release.
         record_count = (
-            min(table.features.shape[0], record_cap(spec, capacity))
+            min(table.n_records, record_cap(spec, capacity))
             if spec.mode is ProtocolMode.MASKED
             else None
         )
