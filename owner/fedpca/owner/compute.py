@@ -213,9 +213,8 @@ class QueryColumns:
 
     Copying the query's columns of all N records before choosing the records would
     cost time linear in N on every task, time the proxy can observe. The records are
-    chosen first (:func:`contributed_rows`: for PCA and aggregates without looking at
-    N beyond comparing it to the cap, for DCA by one comparison per label), and only
-    the chosen ones are copied (:meth:`rows`).
+    chosen first (:func:`contributed_rows`) and only the chosen ones are copied
+    (:meth:`rows`).
 
     Attributes
     ----------
@@ -314,7 +313,8 @@ def contributed_rows(
             # Unreachable for a node: it refuses to start with more records than its
             # capacity and declines a bounded query whose cap is below it (policy).
             raise LayoutError("a query for bounded owner tables reached an owner that samples")
-        # Floyd's algorithm inside numpy: time linear in cap, not in count.
+        # Only the positions are drawn (time proportional to cap when count is much
+        # larger, to count otherwise); the same draws as choice(arange(count), ...).
         return np.sort(generator.choice(count, size=cap, replace=False))
 
     if spec.kind is QueryKind.DCA:
