@@ -167,8 +167,7 @@ def run_query(
     if spec.analyst_public_key_n != private_key.public_key.n:
         raise ConfigError("the query is not addressed to this private key")
     # The analyst's own plan of the release, derived before anything is charged: a
-    # query it could not check later fails here, and the accountant the check needs
-    # (a quarter of a CPU-second to load) is loaded now rather than inside the round.
+    # query whose result it could not check fails here.
     ReleasePlan.for_query(spec, private_key.public_key.n.bit_length())
     owned = pool is None
     active = CryptoPool() if pool is None else pool
