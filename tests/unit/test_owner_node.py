@@ -798,6 +798,27 @@ def test_a_decline_the_proxy_does_not_acknowledge_is_left_for_a_redelivery(
     assert harness.ledger.events() == []
 
 
+def test_a_share_that_cannot_be_kept_is_not_uploaded(
+    harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Disk full: nothing leaves the node, the task stays open, a later delivery sends."""
+    node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+
+    def disk_full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    stub = owner_grpc.OwnerServiceStub(node._open_channel())
+    task = signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
+    with monkeypatch.context() as patch:
+        patch.setattr(node.shares, "save", disk_full)
+        assert node.process_task(stub, task) is None
+    assert harness.proxy.uploads == []
+    record = harness.ledger.task(key("q1"))
+    assert record is None or record.outcome is not TaskOutcome.UPLOADING
+    assert node.process_task(stub, task) is TaskOutcome.UPLOADED
+    assert len(harness.proxy.uploads) == 1 and len(harness.ledger.events()) == 1
+
+
 def test_kept_shares_of_ended_uploads_are_deleted_at_start(
     harness: Harness, pool: CryptoPool
 ) -> None:

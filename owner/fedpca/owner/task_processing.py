@@ -367,7 +367,18 @@ class TaskProcessing:
         # share is kept on disk first and the upload id and the sample's seed in the
         # ledger, so a restart resumes this very upload.
         if upload.share is not None:
-            self.shares.save(upload_id, upload.share)
+            try:
+                self.shares.save(upload_id, upload.share)
+            except OSError as exc:
+                # Nothing has left the node: the task stays open for a re-delivery.
+                logger.error(
+                    "query %s: cannot keep the share on disk before uploading (%s); the "
+                    "task stays open (free space in %s)",
+                    query_id,
+                    exc,
+                    self.shares.folder,
+                )
+                return None
             upload.share = None
         self.ledger.record_task(
             query_id,
