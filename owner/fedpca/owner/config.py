@@ -6,7 +6,7 @@ config can be moved together with its certificates and data)::
     [owner]
     id = "owner-1"
     proxy = "127.0.0.1:50051"
-    state_dir = "state/owner-1"          # SQLite ledger lives here
+    state_dir = "state/owner-1"          # SQLite ledger (and shares of uploads in flight)
     [tls]
     ca = "certs/ca/ca.pem"
     cert = "certs/owner/owner-1/cert.pem"
@@ -101,7 +101,8 @@ class NodeConfig:
     ----------
     id : the node id; must equal the id in the owner's certificate.
     proxy : ``host:port`` of the proxy.
-    state_dir : folder of the budget ledger (created on start).
+    state_dir : folder of the budget ledger and of the shares of uploads in flight
+        (created on start).
     """
 
     id: str

@@ -80,7 +80,7 @@ def render_owner_config(
         "[owner]",
         f"id = {toml_value(owner_id)}   # the id in this owner's certificate",
         f"proxy = {toml_value(proxy)}",
-        f"state_dir = {toml_value(state_dir)}   # the durable budget ledger (SQLite)",
+        f"state_dir = {toml_value(state_dir)}   # budget ledger, shares being uploaded",
         "",
         "[tls]",
         f"ca = {toml_value(f'{TLS_DIR}/ca.pem')}",
