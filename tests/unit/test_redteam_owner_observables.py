@@ -1,0 +1,163 @@
+"""Red-team findings: owner behaviour an analyst or proxy can observe that depends on data.
+
+Each test states a property docs/privacy.md claims and checks it on two neighbouring
+inputs (one record apart, or the same records with different values). They fail on
+the code they were written against; REDTEAM.md describes each finding and a fix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpca.errors import FedpcaError
+from fedpca.exact_statistics import fixed_point_statistics
+from fedpca.owner.compute import LocalTable
+from fedpca.owner.config import DataConfig
+from fedpca.preprocess import clip_rows
+from fedpca.query import QueryKind
+from helpers import make_query
+
+# ------------------------------------------------------------ whether a node starts
+
+
+def _start_outcome(config: DataConfig) -> str:
+    """What anyone watching which owners connect sees: the node starts, or it does not."""
+    try:
+        LocalTable.load(config)  # the first thing OwnerNode.__init__ does
+    except FedpcaError as exc:
+        return f"refuses to start ({type(exc).__name__})"
+    return "starts"
+
+
+def _write_csv(path: Path, rows: np.ndarray) -> Path:
+    header = "label,a,b,c"
+    np.savetxt(path, rows, delimiter=",", header=header, comments="")
+    return path
+
+
+def _write_npy(path: Path, rows: np.ndarray) -> Path:
+    np.save(path, rows)
+    return path
+
+
+@pytest.mark.parametrize("enforce", [False, True], ids=["default", "bounded-owner-tables"])
+@pytest.mark.parametrize(
+    "write", [_write_csv, _write_npy], ids=["csv-with-header", "npy-of-known-width"]
+)
+def test_an_owners_last_record_does_not_decide_whether_its_node_starts(
+    tmp_path: Path, enforce: bool, write: Callable[[Path, np.ndarray], Path]
+) -> None:
+    """Under add/remove, D and D' differ by one owner's only record.
+
+    docs/privacy.md: add/remove "protects the *presence* of a record, including the fact
+    that an organisation holds it", and over bounded owner tables "every record of every
+    dataset in 𝒟 is protected: removing it gives a dataset in 𝒟" (|D_l| = 0 is in 𝒟).
+    The schema is known in both cases (a header, an array of known width). Yet the node
+    of the owner without records refuses to start, before it connects, so the proxy and
+    the analyst (owners connected, contributing) see whether the owner holds a record.
+    """
+    one = np.array([[1.0, 0.1, -0.2, 0.3]])
+    empty = one[:0]
+    suffix = ".csv" if write is _write_csv else ".npy"
+    header: Any = True if write is _write_csv else "auto"
+    outcomes = []
+    for name, rows in (("d", one), ("d-prime", empty)):
+        path = write(tmp_path / f"{name}{suffix}", rows)
+        config = DataConfig(
+            path, header=header, label_column=0, max_records=5, enforce_max_records=enforce
+        )
+        outcomes.append(_start_outcome(config))
+    assert outcomes[0] == "starts"
+    assert outcomes[1] == outcomes[0], (
+        f"with its record the node {outcomes[0]}; without it, it {outcomes[1]}"
+    )
+
+
+# ------------------------------------------------------------ timing of the padded work
+
+
+def _fastest_of(runs: int, calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """The fastest of ``runs`` interleaved timings of each call (seconds)."""
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(runs):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+def test_dca_statistics_take_the_same_time_whatever_the_number_of_records_below_the_cap(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    """fixed_point_statistics promises: with ``pad_to`` "the work done (and the time taken)
+    depends on max(N, pad_to) only, not on N"; docs/privacy.md lists the only steps of an
+    owner's time that grow with N (copying the query's columns, drawing a sample when
+    N > K). For DCA the label of every *real* record is looked up in a Python dict, one
+    interpreted iteration per record (about 70 ns each), which padding rows skip: at
+    M = 2, K = 100,000 per class an owner holding 2K records takes about 1.5x as long
+    as one holding one record, with no sample drawn in either case. Two ciphertexts are
+    encrypted at this size, so the statistics dominate the owner's time to upload.
+    """
+    public_key, _ = test_only_keypair_512
+    m, per_class = 2, 100_000
+    spec = make_query(
+        public_key,
+        kind=QueryKind.DCA,
+        n_features=m,
+        n_components=1,
+        label_column=0,
+        class_labels=(0.0, 1.0),
+        max_records_per_owner=per_class,
+        feature_lower=(-1.0,) * m,
+        feature_upper=(1.0,) * m,
+        epsilon=1.0,
+        delta=1e-6,
+    )
+    padded = 2 * per_class  # padded_rows: the cap times the number of classes
+    rng = np.random.default_rng(0)
+    features = rng.uniform(-0.5, 0.5, size=(padded, m))  # within the clip norm
+    labels = np.repeat([0.0, 1.0], per_class)  # every class exactly at its cap
+
+    def statistics(n: int) -> Callable[[], object]:
+        return lambda: fixed_point_statistics(features[:n], labels[:n], spec, pad_to=padded)
+
+    best = _fastest_of(7, {"one record": statistics(1), "at the cap": statistics(padded)})
+    ratio = best["at the cap"] / best["one record"]
+    assert ratio < 1.25, (
+        f"{best['at the cap'] * 1e3:.1f} ms at the cap against "
+        f"{best['one record'] * 1e3:.1f} ms for one record ({ratio:.2f}x), same padding"
+    )
+
+
+def test_clipping_costs_the_same_whatever_the_rows_hold() -> None:
+    """docs/privacy.md ("Work padded to a public size"): "Clipping scales every row, by 1
+    when it lies within the norm, so it costs the same whatever the rows hold." It does
+    not: after scaling, rows beyond the norm that rounding left a hair above it are
+    shaved in a loop whose passes (each a norm of the whole block) run only while such a
+    row exists, so a block of rows beyond the clip norm costs about 1.2x a block of rows
+    within it. The owner clips every padded block of 4,096 rows this way (at M = 2 the
+    difference is about 15 % of its statistics' time), so the time to upload shows how
+    many of its rows lie beyond the clip norm.
+    """
+    block, m = 4096, 2  # fixed_point_statistics' block at M = 2
+    rng = np.random.default_rng(0)
+    within = rng.uniform(-0.5, 0.5, size=(block, m))
+    beyond = rng.uniform(-1.0, 1.0, size=(block, m))
+    beyond[:, 0] = 1.0  # every row has norm > 1
+
+    def clip_many(rows: np.ndarray) -> Callable[[], object]:
+        return lambda: [clip_rows(rows, 1.0) for _ in range(20)]
+
+    best = _fastest_of(9, {"within": clip_many(within), "beyond": clip_many(beyond)})
+    ratio = best["beyond"] / best["within"]
+    assert ratio < 1.1, (
+        f"rows beyond the clip norm: {best['beyond'] * 1e3:.2f} ms; within: "
+        f"{best['within'] * 1e3:.2f} ms ({ratio:.2f}x)"
+    )
