@@ -178,11 +178,18 @@ def fixed_point_statistics(
         y = np.asarray(labels, dtype=np.float64).reshape(-1)
         if y.shape != (n,):
             raise LayoutError(f"{n} records but {y.shape[0]} labels")
-        lookup = {label: c for c, label in enumerate(spec.class_labels)}
-        try:
-            class_index = np.array([lookup[float(v)] for v in y], dtype=np.int64)
-        except KeyError:
-            raise LayoutError("every label must be one of the query's class labels") from None
+        # Every row up to max(N, pad_to) is looked up, padding rows with the first class
+        # (they are zeroed below), in one vectorised search: the time does not depend
+        # on N, unlike a lookup per real record.
+        classes = np.asarray(spec.class_labels, dtype=np.float64)
+        order = np.argsort(classes, kind="stable")
+        ordered = classes[order]
+        padded = np.full(total, classes[0])
+        padded[:n] = y
+        position = np.minimum(np.searchsorted(ordered, padded), ordered.size - 1)
+        if not np.array_equal(ordered[position], padded):
+            raise LayoutError("every label must be one of the query's class labels")
+        class_index = order[position]
         class_sums = np.zeros((spec.n_classes, m), dtype=np.int64)
         class_counts = np.zeros(spec.n_classes, dtype=np.int64)
     buffer = np.zeros((block, m), dtype=np.float64)
@@ -201,7 +208,8 @@ def fixed_point_statistics(
         sums += q.sum(axis=0)
         if class_index is not None and class_sums is not None and class_counts is not None:
             onehot = np.zeros((size, spec.n_classes), dtype=np.float64)
-            onehot[np.arange(real), class_index[start : start + real]] = 1.0
+            onehot[np.arange(size), class_index[start : start + size]] = 1.0
+            onehot[real:] = 0.0
             class_sums += (onehot.T @ qf).astype(np.int64)
             class_counts += onehot.sum(axis=0).astype(np.int64)
     _mirror_upper(gram)

@@ -82,8 +82,6 @@ def _split(
     n_features: int | None,
     path: Path,
 ) -> OwnerTable:
-    if table.shape[0] == 0:
-        raise DataError(f"{path}: the table has no records")
     if label_index is None:
         features, labels = table, None
     else:
@@ -232,9 +230,8 @@ def _read_csv_checked(
             rows.append(values)
     if first:
         raise DataError(f"{path}: the file is empty")
-    if not rows:
-        raise DataError(f"{path}: the file has a header but no records")
     assert n_columns is not None
+    # A header without records is a table of known width and no rows (load_table decides).
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), n_columns), names
 
 
@@ -259,8 +256,6 @@ def _load_npy(path: Path) -> FloatArray:
         raise DataError(f"{path}: not a readable .npy array: {type(exc).__name__}: {exc}") from exc
     if raw.ndim != 2:
         raise DataError(f"{path}: expected a 2-D array, got shape {raw.shape}")
-    if raw.size == 0 and raw.shape[0] == 0:
-        raise DataError(f"{path}: the table has no records")
     if not (np.issubdtype(raw.dtype, np.number) or raw.dtype == np.bool_):
         raise DataError(f"{path}: array dtype {raw.dtype} is not numeric")
     if np.iscomplexobj(raw):
@@ -281,8 +276,6 @@ def _load_parquet(path: Path) -> tuple[FloatArray, list[str]]:
     names = list(arrow_table.column_names)
     if not names:
         raise DataError(f"{path}: the file has no columns")
-    if arrow_table.num_rows == 0:
-        raise DataError(f"{path}: the table has no records")
     columns: list[FloatArray] = []
     for j, name in enumerate(names):
         column = arrow_table.column(j)
@@ -296,7 +289,7 @@ def _load_parquet(path: Path) -> tuple[FloatArray, list[str]]:
             r = int(np.flatnonzero(mask)[0])
             raise DataError(f"{path}: row {r + 1}, column {j + 1} ({name!r}) is null")
         columns.append(np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64))
-    table = np.column_stack(columns)
+    table = np.column_stack(columns).reshape(arrow_table.num_rows, len(names))
     _check_finite(table, path)
     return table, names
 
@@ -308,6 +301,7 @@ def load_table(
     header: HeaderOption = "auto",
     n_features: int | None = None,
     delimiter: str | None = None,
+    allow_empty: bool = False,
 ) -> OwnerTable:
     """Load an owner's records and, optionally, their labels.
 
@@ -325,6 +319,10 @@ def load_table(
     n_features : if given, the expected number of feature columns M (the label
         column excluded); any other count is refused.
     delimiter : CSV field separator; default "," (tab for ``.tsv``).
+    allow_empty : accept a table without records whose columns are known (a CSV
+        header, an ``.npy`` array of shape (0, K), a Parquet schema). An owner node
+        does: under add/remove adjacency an owner without records is a neighbour of one
+        with a single record, and must take part in the same way.
 
     Returns
     -------
@@ -363,6 +361,13 @@ def load_table(
         table, names = _load_parquet(file)
     else:
         raise DataError(f"{file}: unsupported file type {suffix!r} (use .csv, .npy or .parquet)")
+    if table.shape[0] == 0 and not allow_empty:
+        raise DataError(
+            f"{file}: the table has no records"
+            + (" (only a header)" if names is not None and table.shape[1] else "")
+        )
+    if table.shape[1] == 0:
+        raise DataError(f"{file}: the table has no columns")
     label_index = _resolve_label_column(label_column, table.shape[1], names, file)
     result = _split(table, label_index, n_features, file)
     logger.info(

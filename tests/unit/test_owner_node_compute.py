@@ -33,7 +33,7 @@ from fedpca.owner.config import DataConfig
 from fedpca.owner.upload import OutgoingUpload
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
-from fedpca.query import Neighbouring, ProtocolMode, QueryKind, spec_digest
+from fedpca.query import Aggregate, Neighbouring, ProtocolMode, QueryKind, spec_digest
 from helpers import query_builder, reference_statistics
 
 IONOSPHERE = dataset_path("ionosphere")
@@ -231,6 +231,50 @@ def test_only_the_records_a_query_uses_are_copied(
             assert rows.labels is not None and np.sum(rows.labels == 1.0) == 40
         else:
             assert rows.labels is None
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".npy", ".parquet"])
+def test_an_owner_without_records_contributes_a_zero_share(
+    test_only_keypair_512: tuple[Any, Any], tmp_path: Path, suffix: str
+) -> None:
+    """Found by review: a node refused to start without records, so whether an owner
+    held its last record showed (add/remove makes the two tables neighbours). A table
+    of known width and no records now loads, and every kind of query gets a share of
+    the agreed layout holding zeros: the same as the padding of any other owner."""
+    public_key, _ = test_only_keypair_512
+    width = 35  # label + 34 features, as ionosphere
+    path = tmp_path / f"empty{suffix}"
+    if suffix == ".csv":
+        path.write_text(",".join(f"c{j}" for j in range(width)) + "\n")
+    elif suffix == ".npy":
+        np.save(path, np.zeros((0, width)))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({f"c{j}": pa.array([], pa.float64()) for j in range(width)}), path)
+    empty = LocalTable.load(DataConfig(path, header=True, label_column=0, max_records=50))
+    assert empty.n_records == 0 and empty.n_features == 34
+    specs = [
+        _spec(public_key),
+        _spec(public_key, kind=QueryKind.DCA, label_column=0, class_labels=(-1.0, 1.0)),
+        _spec(
+            public_key,
+            kind=QueryKind.AGGREGATE,
+            n_features=2,
+            n_components=1,
+            aggregates=(Aggregate.statistics((1, 2), (0.0, 0.0), (1.0, 1.0)),),
+            feature_lower=(),
+            feature_upper=(),
+        ),
+    ]
+    for spec in specs:
+        plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+        encoded = encode_share(spec, empty.table_for(spec), plan, capacity=50)
+        assert [name for name in encoded] == [block.name for block in plan.owner_blocks]
+        for block in plan.owner_blocks:
+            values = encoded[block.name]
+            assert values.shape == (block.layout.value_count,) and not values.any()
 
 
 def test_bounded_owner_tables_never_sample(

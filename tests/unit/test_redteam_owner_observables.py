@@ -93,6 +93,7 @@ def _fastest_of(runs: int, calls: dict[str, Callable[[], object]]) -> dict[str, 
     return best
 
 
+@pytest.mark.slow  # wall-clock ratios: with the other timing checks, off the fast tier
 def test_dca_statistics_take_the_same_time_whatever_the_number_of_records_below_the_cap(
     test_only_keypair_512: tuple[Any, Any],
 ) -> None:
@@ -136,6 +137,7 @@ def test_dca_statistics_take_the_same_time_whatever_the_number_of_records_below_
     )
 
 
+@pytest.mark.slow  # wall-clock ratios: with the other timing checks, off the fast tier
 def test_clipping_costs_the_same_whatever_the_rows_hold() -> None:
     """docs/privacy.md ("Work padded to a public size"): "Clipping scales every row, by 1
     when it lies within the norm, so it costs the same whatever the rows hold." It does

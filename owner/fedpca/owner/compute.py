@@ -98,8 +98,10 @@ class LocalTable:
         columns = np.array(self.columns, dtype=np.float64)
         columns.setflags(write=False)
         object.__setattr__(self, "columns", columns)
-        if self.columns.ndim != 2 or self.columns.shape[0] == 0:
-            raise ValueError(f"{self.source}: expected a non-empty 2-D table")
+        # No records is a valid table (an owner whose last record was removed takes part
+        # as before); no columns is not.
+        if self.columns.ndim != 2 or self.columns.shape[1] == 0:
+            raise ValueError(f"{self.source}: expected a 2-D table with columns")
         if self.label_column is not None:
             k = self.n_columns
             if not -k <= self.label_column < k:
@@ -117,7 +119,7 @@ class LocalTable:
         records is a ConfigError: the node stops before it connects, and so before any
         query, instead of sampling (docs/privacy.md, "Bounded owner tables").
         """
-        table = load_table(data.path, header=data.header)
+        table = load_table(data.path, header=data.header, allow_empty=True)
         if data.enforce_max_records and table.features.shape[0] > data.max_records:
             raise ConfigError(
                 f"{data.path} holds more records than data.max_records = {data.max_records}, "
