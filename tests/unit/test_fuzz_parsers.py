@@ -190,7 +190,7 @@ _DECODERS: list[tuple[type[Message], Callable[[Any], Any], Callable[[Any], Messa
     (
         owner_pb.TaskStreamRequest,
         serde.task_stream_request_from_proto,
-        serde.task_stream_request_to_proto,
+        lambda decoded: serde.task_stream_request_to_proto(*decoded),
     ),
     (owner_pb.TaskEvent, serde.task_event_from_proto, serde.task_event_to_proto),
     (owner_pb.TaskDecline, serde.task_decline_from_proto, serde.task_decline_to_proto),

@@ -53,6 +53,7 @@ from fedpca.owner.config import (
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.retry import RetryPolicy
+from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
@@ -643,7 +644,12 @@ def test_a_restarted_node_resumes_its_upload_with_the_same_id_and_sample(
     assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
     record = harness.ledger.task(key("q1"))
     assert record is not None and record.outcome is TaskOutcome.UPLOADING
-    assert record.upload_id is not None and record.seed is not None
+    assert record.upload_id is not None
+    assert record.seed is None  # the sample's seed is not kept: the share is
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+    kept = ShareSnapshots(harness.config.owner.state_dir / "shares").load(record.upload_id, plan)
+    assert kept is not None
+    assert plan.statistics_from_integers(list(kept.values[SHARES])).count == N_ROWS // 3
     assert len(harness.ledger.events()) == 1  # charged once
 
     # The running node (a restart of the same state folder) gets the task again.
@@ -652,32 +658,31 @@ def test_a_restarted_node_resumes_its_upload_with_the_same_id_and_sample(
     (upload,) = proxy.uploads
     assert upload.upload_id == record.upload_id
     assert len(harness.ledger.events()) == 1  # not charged twice
-    # The same sample of rows as the first process drew: the values its seed gives,
-    # not those of another sample.
-    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
-    table = LocalTable.load(harness.config.data).table_for(spec)
-
-    def values(seed: bytes) -> list[int]:
-        encoded = encode_share(
-            spec,
-            table,
-            plan,
-            capacity=harness.config.data.max_records,
-            rng=np.random.default_rng(int.from_bytes(seed, "big")),
-        )
-        return [int(v) for block in plan.owner_blocks for v in encoded[block.name]]
-
+    # The very sample the first process drew, not another one.
     block = plan.owner_block(SHARES)
     plaintexts = pool.decrypt(private_key, list(upload.ciphertexts))
     sent = unpack_slots(plaintexts, block.layout, private_key.public_key.n)
-    assert sent == values(record.seed)
-    assert sent != values(bytes(32))
+    assert sent == [int(v) for v in kept.values[SHARES]]
+
+
+def _as_begun_by_an_earlier_version(harness: Harness, seed: bytes, capacity: int) -> None:
+    """Make the task's upload look begun by a version that kept no share: the ledger
+    has the sample's seed and capacity, and no share is kept."""
+    ledger = harness.ledger
+    record = ledger.task(key("q1"))
+    assert record is not None and record.upload_id is not None
+    ledger.record_task(
+        key("q1"), TaskOutcome.UPLOADING, upload_id=record.upload_id, seed=seed, capacity=capacity
+    )
+    for kept in (harness.config.owner.state_dir / "shares").iterdir():
+        kept.unlink()
 
 
 def test_a_resumed_upload_keeps_the_capacity_it_began_under(
     harness: Harness, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
 ) -> None:
-    """A restart with another max_records resumes the same sample.
+    """An upload begun by an earlier version (no kept share) resumes the same sample
+    under the capacity it began under, not under a new max_records.
 
     Before the ledger kept the capacity, the resumed upload encoded under the new
     configuration: here, all 30 rows instead of the sample of 12 whose first chunks
@@ -691,20 +696,45 @@ def test_a_resumed_upload_keeps_the_capacity_it_began_under(
     unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
     due = datetime.now(UTC) + timedelta(seconds=60)
     assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
-    record = harness.ledger.task(key("q1"))
-    assert record is not None and record.capacity == 12 and record.seed is not None
+    seed = bytes(range(32))
+    _as_begun_by_an_earlier_version(harness, seed, 12)
 
     harness.send(spec)  # the running node: max_records = 100
     proxy.wait_for(lambda: len(proxy.uploads) == 1)
     plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
     table = LocalTable.load(harness.config.data).table_for(spec)
-    rng = np.random.default_rng(int.from_bytes(record.seed, "big"))
+    rng = np.random.default_rng(int.from_bytes(seed, "big"))
     expected = encode_share(spec, table, plan, capacity=12, rng=rng)[SHARES]
     block = plan.owner_block(SHARES)
     plaintexts = pool.decrypt(private_key, list(proxy.uploads[0].ciphertexts))
     sent = unpack_slots(plaintexts, block.layout, private_key.public_key.n)
     assert sent == [int(v) for v in expected]
     assert plan.statistics_from_integers(sent).count == 12.0  # the sample, not all 30 rows
+
+
+def test_an_upload_whose_kept_share_is_lost_is_abandoned_not_encoded_again(
+    harness: Harness, pool: CryptoPool
+) -> None:
+    """Found by the red team: a resume that found no kept share encoded the upload
+    again from the data file as it is now (which may have changed). An upload begun
+    by this version records no seed, so without its share it cannot resume: it ends
+    as ABANDONED, sends nothing and stays charged."""
+    spec = harness.spec("q1")
+    first = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
+    for kept in (harness.config.owner.state_dir / "shares").iterdir():
+        kept.unlink()  # e.g. state_dir restored from a backup without it
+    restarted = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    stub = owner_grpc.OwnerServiceStub(restarted._open_channel())
+    outcome = restarted.process_task(stub, signed_task(spec, due, ANALYST))
+    assert outcome is TaskOutcome.ABANDONED
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is TaskOutcome.ABANDONED
+    assert "kept share is missing" in record.detail
+    assert harness.proxy.uploads == []
+    assert len(harness.ledger.events()) == 1  # charged: the first chunks may have left
 
 
 def test_a_bounded_upload_is_not_resumed_where_it_could_sample(
@@ -727,8 +757,7 @@ def test_a_bounded_upload_is_not_resumed_where_it_could_sample(
     assert record is not None and record.outcome is TaskOutcome.UPLOADING
     # An upload begun by a version that kept no share (with a kept share nothing is
     # encoded again, so nothing could sample).
-    for kept in (harness.config.owner.state_dir / "shares").iterdir():
-        kept.unlink()
+    _as_begun_by_an_earlier_version(harness, bytes(32), N_ROWS)
     raised = replace(enforced, data=replace(enforced.data, max_records=2 * N_ROWS))
     for config in (raised, harness.config):  # a larger capacity; no enforcement
         restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
@@ -754,16 +783,14 @@ def test_a_resumed_upload_sends_the_share_it_began_with_after_the_data_changed(
     unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
     assert first.process_task(unreachable, signed_task(spec, due, ANALYST)) is None
     record = harness.ledger.task(key("q1"))
-    assert record is not None and record.upload_id is not None and record.seed is not None
+    assert record is not None and record.upload_id is not None
     kept = harness.config.owner.state_dir / "shares" / f"{record.upload_id}.npz"
     assert kept.is_file() and kept.stat().st_mode & 0o077 == 0
     plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
 
-    def share_of_file() -> list[int]:
+    def share_of_file() -> list[int]:  # every record (N_ROWS <= the cap): no sample
         table = LocalTable.load(harness.config.data).table_for(spec)
-        rng = np.random.default_rng(int.from_bytes(record.seed or b"", "big"))
-        encoded = encode_share(spec, table, plan, capacity=100, rng=rng)
-        return [int(v) for v in encoded[SHARES]]
+        return [int(v) for v in encode_share(spec, table, plan, capacity=100)[SHARES]]
 
     began_with = share_of_file()
     changed = np.loadtxt(harness.config.data.path, delimiter=",")

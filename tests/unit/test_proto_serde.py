@@ -522,7 +522,21 @@ def test_hello_and_proxy_info_round_trip() -> None:
 
 def test_task_stream_request() -> None:
     message = serde.task_stream_request_to_proto("owner-1")
-    assert serde.task_stream_request_from_proto(message) == "owner-1"
+    assert serde.task_stream_request_from_proto(message) == ("owner-1", ())
+    keys = ("alice/q1", "bob/q-2")
+    message = serde.task_stream_request_to_proto("owner-1", keys)
+    assert serde.task_stream_request_from_proto(message) == ("owner-1", keys)
+    # The sender cuts a long list; the receiver refuses one that was not cut, and keys
+    # that are not task keys.
+    many = [f"alice/q{i}" for i in range(serde.MAX_IN_FLIGHT_TASKS + 5)]
+    sent = serde.task_stream_request_to_proto("owner-1", many)
+    assert len(sent.in_flight_tasks) == serde.MAX_IN_FLIGHT_TASKS
+    for bad in (
+        owner_pb.TaskStreamRequest(in_flight_tasks=many),
+        owner_pb.TaskStreamRequest(in_flight_tasks=["../etc"]),
+    ):
+        with pytest.raises(ProtocolError):
+            serde.task_stream_request_from_proto(bad)
 
 
 def test_unknown_capabilities_are_ignored() -> None:

@@ -167,13 +167,15 @@ class TaskOutcome(StrEnum):
 
     UPLOADING = "uploading"
     """An upload was started (not final: a restart resumes it with the same upload id and
-    the same sample of rows, and the proxy continues after the chunks it holds)."""
+    the same kept share, and the proxy continues after the chunks it holds)."""
     UPLOADED = "uploaded"
     DECLINED = "declined"
     REJECTED = "rejected"
     """The proxy refused the upload permanently (invalid, not allowed, wrong state)."""
     CANCELLED = "cancelled"
     EXPIRED = "expired"
+    ABANDONED = "abandoned"
+    """An upload that began and could not go on (its kept share was lost); charged."""
 
     @property
     def final(self) -> bool:
@@ -191,9 +193,9 @@ class TaskRecord:
     upload_started: bool
     updated_at: float
     seed: bytes | None = None
-    """Secret seed of the task's sample of rows (set once its upload began)."""
+    """Seed of the sample of rows, recorded only by versions that kept no share."""
     capacity: int | None = None
-    """The owner's ``data.max_records`` when the upload began (a resume uses it)."""
+    """``data.max_records`` of such an upload when it began (its resume uses it)."""
 
 
 class BudgetLedger:
@@ -520,9 +522,8 @@ class BudgetLedger:
     ) -> None:
         """Record what became of a task (UPLOADING marks that data is about to leave).
 
-        ``seed`` is the secret seed of the task's sample of rows and ``capacity`` the
-        ``data.max_records`` it was drawn under, kept (like the upload id) so that a
-        restarted node resumes the very same upload.
+        ``seed`` and ``capacity`` (the sample's seed and the ``data.max_records`` it was
+        drawn under) were recorded by versions that kept no share; tests still use them.
         """
         now = time.time()
         with self._connect() as connection, _immediate(connection):
@@ -569,14 +570,15 @@ class BudgetLedger:
             row[7],
         )
 
-    def uploads_in_flight(self) -> set[str]:
-        """Upload ids of the tasks whose upload began and has no outcome yet."""
+    def uploads_in_flight(self) -> dict[str, str]:
+        """Task key -> upload id of the tasks whose upload began and has no outcome yet."""
         with self._connect() as connection:
             rows = connection.execute(
-                "SELECT upload_id FROM tasks WHERE state = ? AND upload_id IS NOT NULL",
+                "SELECT query_id, upload_id FROM tasks WHERE state = ? AND upload_id IS NOT "
+                "NULL ORDER BY updated_at DESC",
                 (TaskOutcome.UPLOADING.value,),
             ).fetchall()
-        return {row[0] for row in rows}
+        return {row[0]: row[1] for row in rows}
 
     def is_handled(self, query_id: str) -> bool:
         """True if the task reached a final outcome (it must not be redone)."""

@@ -124,7 +124,7 @@ class OwnerNode(TaskProcessing):
         self.ledger = owner_ledger(config)
         self.shares = ShareSnapshots(config.owner.state_dir / "shares")
         # Shares kept for uploads that ended while the node was down (or just before).
-        self.shares.prune(self.ledger.uploads_in_flight())
+        self.shares.prune(set(self.ledger.uploads_in_flight().values()))
         self._owns_pool = pool is None
         processes = config.crypto.processes or None
         self._pool = pool if pool is not None else CryptoPool(processes)
@@ -314,7 +314,10 @@ class OwnerNode(TaskProcessing):
             )
         if info.max_message_bytes > 0:
             self._max_message_bytes = min(info.max_message_bytes, UPLOAD_CHUNK_BYTES)
-        call = stub.StreamTasks(serde.task_stream_request_to_proto(self.config.owner.id))
+        # The uploads left in flight (by a crash, an outage): the proxy answers each with
+        # its task again (it resumes) or a withdrawal (it ends, and its share is deleted).
+        in_flight = list(self.ledger.uploads_in_flight())
+        call = stub.StreamTasks(serde.task_stream_request_to_proto(self.config.owner.id, in_flight))
         with self._lock:
             self._call = call
         if self._stop.is_set():
@@ -352,6 +355,11 @@ class OwnerNode(TaskProcessing):
             logger.info("query %s: cancelled by the proxy (%s)", event.query_id, event.reason)
             with self._lock:
                 self._cancelled.add(event.query_id)
+                queued = event.query_id in self._queued
+            if not queued:
+                # Not waiting for the worker (which ends queued tasks itself): an upload
+                # left in flight whose query ended while this node was away.
+                self.end_withdrawn_upload(event.query_id, event.reason)
             return
         query_id = event.key
         with self._lock:

@@ -172,7 +172,6 @@ class TaskProcessing:
             record is not None
             and record.outcome is TaskOutcome.UPLOADING
             and record.upload_id is not None
-            and record.seed is not None
         )
         try:
             obfuscation = choose_obfuscation(
@@ -183,20 +182,29 @@ class TaskProcessing:
                 raise
             return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
         if resuming:
-            assert record is not None and record.upload_id is not None and record.seed is not None
+            assert record is not None and record.upload_id is not None
             # Data of this task may already be at the proxy: finish what was agreed.
             plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
-            upload_id, seed = record.upload_id, record.seed
-            # The capacity the sample was drawn under (a ledger from before it was kept:
-            # the configured one, as then).
-            capacity = record.capacity or self.config.data.max_records
+            upload_id = record.upload_id
             kept = self.shares.load(upload_id, plan)
             if kept is not None:
                 logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
                 self._begin_upload(spec, query_id, upload_id, plan, kept, obfuscation)
                 return None
+            if record.seed is None:
+                # Begun by a version that keeps every share before its first chunk may
+                # leave (and records no seed): the share was lost. Encoding it again from
+                # the data file could put two tables in one contribution.
+                return self._abandon(
+                    query_id,
+                    upload_id,
+                    f"its kept share is missing from {self.shares.folder} (was state_dir "
+                    "restored without it?); encoding it again could mix two tables",
+                )
             # Begun by a version that kept no share: encode it again from the data file
-            # with the upload's seed (the same share only if the file did not change).
+            # with the recorded seed and capacity (the same share if the file is unchanged).
+            seed = record.seed
+            capacity = record.capacity or self.config.data.max_records
             check_resumable(spec, self.config, capacity)
             table = self.table.table_for(spec)
             logger.warning(
@@ -213,7 +221,8 @@ class TaskProcessing:
             upload_id, seed = new_upload_id(), secrets.token_bytes(32)
             capacity = self.config.data.max_records
         try:
-            # The sample of rows is drawn from the task's secret seed (kept in the ledger).
+            # The sample of rows is drawn from a secret seed (kept in memory only: a
+            # restart resumes from the kept share).
             encoded = encode_share(
                 spec,
                 table,
@@ -234,11 +243,9 @@ class TaskProcessing:
             if spec.mode is ProtocolMode.MASKED
             else None
         )
-        upload = self._begin_upload(
+        self._begin_upload(
             spec, query_id, upload_id, plan, KeptShare(encoded, record_count), obfuscation
         )
-        upload.seed = seed
-        upload.capacity = capacity
         return None
 
     def _begin_upload(
@@ -364,8 +371,8 @@ class TaskProcessing:
         query_id = task.key
         upload_id = upload.upload_id
         # From here on data derived from the rows may leave: no refund any more. The
-        # share is kept on disk first and the upload id and the sample's seed in the
-        # ledger, so a restart resumes this very upload.
+        # share is kept on disk first and the upload id in the ledger, so a restart
+        # resumes this very upload.
         if upload.share is not None:
             try:
                 self.shares.save(upload_id, upload.share)
@@ -380,13 +387,7 @@ class TaskProcessing:
                 )
                 return None
             upload.share = None
-        self.ledger.record_task(
-            query_id,
-            TaskOutcome.UPLOADING,
-            upload_id=upload_id,
-            seed=upload.seed,
-            capacity=upload.capacity,
-        )
+        self.ledger.record_task(query_id, TaskOutcome.UPLOADING, upload_id=upload_id)
         attempts = self.retry.upload_attempts
         for attempt in range(attempts):
             if self._stop.is_set():
@@ -475,6 +476,23 @@ class TaskProcessing:
         upload = self._prepared.pop(query_id, None)
         if upload is not None:
             upload.stop()
+
+    def _abandon(self, query_id: str, upload_id: str, why: str) -> TaskOutcome:
+        """Give up an upload that began and cannot go on; the release stays charged."""
+        logger.error("query %s: upload %s abandoned: %s", query_id, upload_id, why)
+        self._drop_upload(query_id)
+        self.ledger.record_task(query_id, TaskOutcome.ABANDONED, why, upload_id=upload_id)
+        self.shares.discard(upload_id)
+        return TaskOutcome.ABANDONED
+
+    def end_withdrawn_upload(self, query_id: str, reason: str) -> None:
+        """The proxy withdrew a task whose upload this node has in flight but no longer
+        runs (its query ended while the node was away): end it and delete its share."""
+        record = self.ledger.task(query_id)
+        if record is None or record.outcome is not TaskOutcome.UPLOADING:
+            return
+        logger.info("query %s: the upload in flight was withdrawn (%s)", query_id, reason)
+        self._finish_cancelled(query_id)
 
     def _forget_share(self, query_id: str) -> None:
         """Delete the kept share of a task that ended without its upload completing."""

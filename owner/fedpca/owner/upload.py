@@ -54,10 +54,6 @@ class OutgoingUpload:
         on_done: Callable[[], None] | None = None,
     ) -> None:
         self.upload_id = upload_id
-        self.seed: bytes | None = None
-        """Secret seed of the share's sample of rows (recorded when the upload begins)."""
-        self.capacity: int | None = None
-        """The capacity that sample was drawn under (recorded with the seed)."""
         self.share: KeptShare | None = None
         """The encoded share, until it is kept on disk (:mod:`fedpca.owner.share_snapshots`)."""
         self._messages: list[Any] = [header]

@@ -92,6 +92,50 @@ class OwnerTasks(CoordinatorCore):
             if open_query.deadline_at > now and owner_id not in open_query.answered
         ]
 
+    def in_flight_answers(
+        self, owner_id: str, query_ids: Sequence[str]
+    ) -> list[Task | TaskCancellation]:
+        """What the uploads an owner reports in flight (when its stream opens) call for.
+
+        The task again when the query still takes that upload, so that it resumes (this
+        owner is one of its contributors while it collects or aggregates) or is
+        confirmed (its upload was accepted before the owner recorded it); nothing for a
+        query that still collects and offers the task anyway; otherwise a withdrawal
+        (the query is done or failed, closed to this owner, past its deadline, or
+        unknown here), so that the owner ends the upload and deletes the share it keeps.
+        """
+        if owner_id not in self.registered_owners:
+            return []
+        now = self.clock()
+        answers: list[Task | TaskCancellation] = []
+        for query_id in query_ids:
+            try:
+                record = self.store.query(query_id)
+            except NotFoundError:
+                answers.append(TaskCancellation(query_id, "this proxy has no such query"))
+                continue
+            accepted = any(u.owner_id == owner_id for u in self.store.uploads(query_id))
+            joined = any(c.owner_id == owner_id for c in self.store.contributors(query_id))
+            running = record.state in (QueryState.COLLECTING, QueryState.AGGREGATING)
+            if accepted or (joined and running):
+                answers.append(
+                    Task(
+                        query=self._context(query_id).spec,
+                        upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),
+                        query_signature=record.signature,
+                        query_signer=record.signer,
+                        task_id=query_id,
+                    )
+                )
+            elif record.state is QueryState.COLLECTING and record.deadline_at > now:
+                continue
+            else:
+                answers.extend(
+                    self.withdrawn_tasks(owner_id, [query_id])
+                    or [TaskCancellation(query_id, f"the query is {record.state.value}")]
+                )
+        return answers
+
     def withdrawn_tasks(self, owner_id: str, query_ids: Sequence[str]) -> list[TaskCancellation]:
         """Cancellations for delivered tasks the owner should no longer answer.
 

@@ -61,6 +61,7 @@ from fedpca.messages import (
     Heartbeat,
     ProxyInfo,
     QueryStatus,
+    Task,
     UploadHeader,
     UploadReceipt,
     UploadStatus,
@@ -141,7 +142,8 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         self, request: owner_pb.TaskStreamRequest, context: aio.ServicerContext
     ) -> AsyncIterator[owner_pb.TaskEvent]:
         owner = self._caller(context, Role.OWNER).node_id
-        serde.task_stream_request_from_proto(request)  # informational node id only
+        # The claimed node id is informational only; the in-flight uploads are answered.
+        _, in_flight = serde.task_stream_request_from_proto(request)
         await self.work.run(self.coordinator.enroll, owner)
         # One stream per owner: this one supersedes any older one, which ends.
         generation = self.streams.open(owner)
@@ -152,6 +154,11 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         try:
             # A heartbeat first tells the owner the stream is live.
             yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
+            if in_flight:
+                for answer in await self.work.run(coordinator.in_flight_answers, owner, in_flight):
+                    if isinstance(answer, Task):
+                        delivered.add(answer.key)
+                    yield serde.task_event_to_proto(answer)
             next_beat = time.monotonic() + self.heartbeat_seconds
             while not coordinator.stopping and self.streams.is_current(owner, generation):
                 changed = self.feed.event

@@ -54,6 +54,7 @@ from fedpca.transport.serde.ciphertext import (
     encode_chunks,
 )
 from fedpca.transport.serde.owner_service import (
+    MAX_IN_FLIGHT_TASKS,
     decline_receipt_from_proto,
     decline_receipt_to_proto,
     encode_upload,
@@ -82,6 +83,7 @@ from fedpca.transport.serde.query import (
 )
 
 __all__ = [
+    "MAX_IN_FLIGHT_TASKS",
     "QUERY_SPEC_WIRE_FIELDS",
     "blocks_from_proto",
     "blocks_to_proto",

@@ -241,14 +241,42 @@ def proxy_info_from_proto(message: owner_pb.ProxyInfo) -> ProxyInfo:
     )
 
 
-def task_stream_request_to_proto(node_id: str) -> owner_pb.TaskStreamRequest:
-    """Open the task stream; the node id is informational (the certificate decides)."""
-    return owner_pb.TaskStreamRequest(node_id=node_id)
+MAX_IN_FLIGHT_TASKS = 64
+"""Most in-flight task keys an owner reports when it opens its task stream (an honest
+owner has one upload in flight at a time, and a few after a long outage)."""
 
 
-def task_stream_request_from_proto(message: owner_pb.TaskStreamRequest) -> str:
-    """Return the node id the owner claims (informational only)."""
-    return message.node_id
+def task_stream_request_to_proto(
+    node_id: str, in_flight_tasks: Sequence[str] = ()
+) -> owner_pb.TaskStreamRequest:
+    """Open the task stream; the node id is informational (the certificate decides).
+
+    ``in_flight_tasks``: keys of the tasks whose upload began and has not finished
+    (the first :data:`MAX_IN_FLIGHT_TASKS` are sent).
+    """
+    return owner_pb.TaskStreamRequest(
+        node_id=node_id, in_flight_tasks=list(in_flight_tasks)[:MAX_IN_FLIGHT_TASKS]
+    )
+
+
+def task_stream_request_from_proto(
+    message: owner_pb.TaskStreamRequest,
+) -> tuple[str, tuple[str, ...]]:
+    """The node id the owner claims (informational only) and its in-flight task keys.
+
+    Raises
+    ------
+    ProtocolError
+        More than :data:`MAX_IN_FLIGHT_TASKS` keys, or a malformed key.
+    """
+    keys = tuple(message.in_flight_tasks)
+    if len(keys) > MAX_IN_FLIGHT_TASKS:
+        raise ProtocolError(
+            f"TaskStreamRequest: {len(keys)} in-flight tasks, at most {MAX_IN_FLIGHT_TASKS}"
+        )
+    for key in keys:
+        require_task_key(key, "TaskStreamRequest.in_flight_tasks")
+    return message.node_id, keys
 
 
 def task_event_to_proto(event: TaskEvent) -> owner_pb.TaskEvent:

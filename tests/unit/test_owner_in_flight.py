@@ -1,0 +1,127 @@
+"""Uploads left in flight by an owner that went away, as the real proxy answers them:
+resumed when the query still takes them, withdrawn (and their kept share deleted) when
+it does not (fedpca.proxy.owner_tasks.OwnerTasks.in_flight_answers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpca.codec import CryptoPool
+from fedpca.messages import QueryState
+from fedpca.owner import node as node_module
+from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.node import OwnerNode
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import TEST_SIGNING_KEY, query_builder, signed_task, wait_until
+from inprocess import FAST_RETRY, deployment, labelled
+
+M = 12
+_spec = query_builder(
+    n_features=M,
+    n_components=1,
+    epsilon=1.0,
+    delta=1e-6,
+    feature_lower=(-1.0,) * M,
+    feature_upper=(1.0,) * M,
+)
+
+
+class _StreamThatBreaks:
+    """Forwards an upload's header and first chunk, then stalls until the call's deadline
+    (a network that went away): the owner sees DEADLINE_EXCEEDED, the proxy has folded
+    the first chunk and keeps the owner as a contributor."""
+
+    def __init__(self, real: owner_grpc.OwnerServiceStub, folded: threading.Event) -> None:
+        self.real = real
+        self.folded = folded
+
+    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+        def first_chunk_only() -> Iterator[Any]:
+            for index, message in enumerate(messages):
+                if index == 2:
+                    self.folded.wait(20.0)
+                    time.sleep(5.0)  # past the deadline below
+                    return
+                yield message
+
+        return self.real.Upload(first_chunk_only(), timeout=3.0)
+
+
+def test_a_contributor_that_restarts_after_the_contributors_are_fixed_resumes(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found while fixing withdrawn uploads: the proxy offered tasks of collecting
+    queries only, so a contributor restarted after the contributors were fixed never
+    got its task again and the query waited for it until its deadline, then failed.
+    Now the restarted node reports its upload in flight and the proxy delivers the task
+    again: the upload resumes after the chunks already folded and the query completes."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(4)
+    tables = {
+        name: labelled(rng.uniform(-0.3, 0.3, size=(40, M))) for name in ("owner-1", "owner-2")
+    }
+    spec = _spec(public_key, "fixed", quorum=2, deadline_seconds=120.0)
+    key = "alice/fixed"
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=("owner-2",)
+    ) as running:
+        assert running.proxy is not None
+        store = running.proxy.coordinator.store
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            wait_until(lambda: len(store.uploads(key)) == 1, "owner-2's upload")
+            data = tmp_path / "data" / "owner-1.csv"
+            np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
+            config = running.owner_config("owner-1", data)
+            # Owner 1 joins (which fixes the contributors) and its stream breaks after
+            # the first chunk: its node then dies.
+            # Chunks of 7 ciphertexts (before and after the restart): several per upload.
+            monkeypatch.setattr(node_module, "UPLOAD_CHUNK_BYTES", 1024)
+            first = OwnerNode(config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+            folded = threading.Event()
+            broken = _StreamThatBreaks(owner_grpc.OwnerServiceStub(first._open_channel()), folded)
+
+            def first_chunk_folded() -> bool:
+                mine = [c for c in store.contributors(key) if c.owner_id == "owner-1"]
+                return bool(mine) and mine[0].covered > 0
+
+            watcher = threading.Thread(
+                target=lambda: (wait_until(first_chunk_folded, "chunk 0"), folded.set()),
+                daemon=True,
+            )
+            watcher.start()
+            due = datetime.now(UTC) + timedelta(seconds=120)
+            assert first.process_task(broken, signed_task(spec, due, "alice")) is None
+            assert store.query(key).state is QueryState.AGGREGATING
+            record = owner_ledger(config).task(key)
+            assert record is not None and record.outcome is TaskOutcome.UPLOADING
+
+            # The restarted node reports the upload in flight; the proxy sends the task.
+            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            running.nodes["owner-1"] = restarted
+            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
+            running.threads.append(thread)
+            thread.start()
+            status = client.wait(spec.query_id, timeout=60.0)
+        assert status.state is QueryState.DONE and status.owners_contributed == 2
+        # The proxy is done once the last chunk is folded; the receipt comes just after.
+        final = wait_until(
+            lambda: (lambda r: r if r and r.outcome is TaskOutcome.UPLOADED else None)(
+                owner_ledger(config).task(key)
+            ),
+            "owner-1 records its upload as accepted",
+        )
+        assert final.upload_id == record.upload_id
+        assert not list((config.owner.state_dir / "shares").iterdir())
