@@ -114,3 +114,10 @@ def test_aggregation_utility_reports_every_setting(tmp_path: Path) -> None:
         assert 0 < float(result[f"fed_over_central_{setting}"]) < 10
     assert math.isfinite(float(result["r2_fed_bounded"]))
     assert plot.stat().st_size > 0
+
+
+def test_noise_sampler_reports_its_cost_per_value() -> None:
+    result = run_benchmark("noise_sampler.py", "--values", "200")
+    low, high = float(result["us_per_value_min"]), float(result["us_per_value_max"])
+    assert 0 < low <= high
+    assert float(result["max_over_min"]) >= 1.0
