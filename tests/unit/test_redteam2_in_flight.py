@@ -1,0 +1,170 @@
+"""Red-team findings (second pass) on uploads in flight and their resume
+(fedpca.owner.task_processing, fedpca.proxy.owner_tasks).
+
+They fail on the code they were written against (98d67ee); REDTEAM2.md describes each
+finding and a fix. Nothing here is marked xfail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint, unpack_slots
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.messages import Task, UploadReceipt, UploadStatus
+from fedpca.owner.config import (
+    CryptoConfig,
+    DataConfig,
+    NodeConfig,
+    OwnerConfig,
+    PolicyConfig,
+    TlsConfig,
+)
+from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.node import OwnerNode
+from fedpca.owner.share_snapshots import ShareSnapshots
+from fedpca.protocol import ReleasePlan
+from fedpca.transport import serde
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import TEST_SIGNER, query_builder, signed_task
+from inprocess import FAST_RETRY, labelled
+
+M = 3
+_spec = query_builder(
+    n_features=M,
+    n_components=1,
+    epsilon=1.0,
+    delta=1e-6,
+    feature_lower=(-1.0,) * M,
+    feature_upper=(1.0,) * M,
+)
+ONE_ATTEMPT = replace(FAST_RETRY, upload_attempts=1)
+
+
+def _unreachable() -> owner_grpc.OwnerServiceStub:
+    """A proxy that cannot be reached: the upload begins (recorded, share kept), then fails."""
+    return owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+
+
+def _owner_config(tmp_path: Path, public_key: Any) -> OwnerConfig:
+    data = tmp_path / "owner.csv"
+    rows = np.random.default_rng(3).uniform(-0.9, 0.9, size=(30, M))
+    np.savetxt(data, labelled(rows), delimiter=",", fmt="%.17g")
+    return OwnerConfig(
+        owner=NodeConfig("owner-1", "127.0.0.1:1", tmp_path / "state"),
+        # No connection is made in these tests: the node's stub is the test's.
+        tls=TlsConfig(None, None, None, insecure=True),
+        data=DataConfig(data, header=False, label_column=0, max_records=100),
+        policy=PolicyConfig(
+            (key_fingerprint(public_key),),
+            10.0,
+            False,
+            accepted_query_signers=(TEST_SIGNER,),
+        ),
+        budget=PrivacyParams(10.0, 1e-5),
+        crypto=CryptoConfig(processes=1),
+    )
+
+
+class _RecordingProxy:
+    """A malicious proxy's end of the owner's calls: keeps every upload it is sent."""
+
+    def __init__(self) -> None:
+        self.uploads: list[tuple[Any, list[int]]] = []
+        self.declines: list[Any] = []
+
+    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+        header, payload = serde.read_upload(messages)
+        self.uploads.append((header, list(payload.in_wire_order())))
+        return serde.upload_receipt_to_proto(
+            UploadReceipt(
+                header.query_id,
+                header.upload_id,
+                UploadStatus.ACCEPTED,
+                header.total_chunks,
+                payload.total_ciphertexts,
+            )
+        )
+
+    def DeclineTask(self, request: Any, timeout: float | None = None) -> Any:
+        decline = serde.task_decline_from_proto(request)
+        self.declines.append(decline)
+        return serde.decline_receipt_to_proto(decline.query_id)
+
+
+def test_a_resumed_upload_is_not_encrypted_under_a_key_the_proxy_substituted(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """operations.md, malicious proxy, *cannot*: "invent a task or alter a query, its
+    quorum and Paillier modulus included (owners verify the analyst's Ed25519 signature
+    over the whole query; the modulus is also checked against the pinned fingerprint)".
+
+    A task whose upload is in flight (recorded UPLOADING, share kept) is resumed by
+    ``TaskProcessing._prepare`` without any of those checks: the re-delivered task's
+    query is used as it comes (its modulus encrypts the kept share), and neither its
+    signature, nor the pinned fingerprint, nor the spec digest reserved in the ledger
+    is looked at. Since 6fc5950 the node even tells the proxy, at every stream open,
+    which task keys are in flight, and expects the proxy to send those tasks again.
+
+    The proxy stalls owner 1's upload (here: unreachable on its only attempt) until the
+    node restarts, then answers the reported key with the same task whose query carries
+    the proxy's own modulus (same size, so the kept share fits the plan) under the
+    pinned fingerprint and the analyst's original signature. The node encrypts its
+    exact, unnoised share under the proxy's key and uploads it: the proxy decrypts the
+    owner's exact scatter, sums and record count.
+    """
+    public_key, _ = test_only_keypair_512
+    attacker_public, attacker_private = generate_keypair(512, allow_insecure_test_key=True)
+    config = _owner_config(tmp_path, public_key)
+    spec = _spec(public_key, "q1", quorum=1)
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    task = signed_task(spec, due, "alice")
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+
+    first = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
+    assert first.process_task(_unreachable(), task) is None  # began; the proxy stalled it
+    record = owner_ledger(config).task(task.key)
+    assert record is not None and record.outcome is TaskOutcome.UPLOADING
+    assert record.upload_id is not None
+    kept = ShareSnapshots(config.owner.state_dir / "shares").load(record.upload_id, plan)
+    assert kept is not None
+    exact = [int(v) for block in plan.owner_blocks for v in kept.values[block.name]]
+    assert any(exact)
+
+    # After the restart the proxy answers the in-flight key with an altered query: its
+    # own modulus under the pinned fingerprint, the analyst's signature of the original.
+    forged_spec = replace(spec, analyst_public_key_n=attacker_public.n)
+    forged = Task(
+        forged_spec,
+        due,
+        query_signature=task.query_signature,
+        query_signer=task.query_signer,
+        task_id=task.task_id,
+    )
+    proxy = _RecordingProxy()
+    restarted = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
+    try:
+        restarted.process_task(proxy, forged)  # type: ignore[arg-type]
+    except Exception:  # refusing the altered task in any way is a correct answer
+        pass
+
+    leaked: list[int] = []
+    for _header, ciphertexts in proxy.uploads:
+        start = 0
+        for block in plan.owner_blocks:
+            count = block.layout.n_ciphertexts
+            plaintexts = pool.decrypt(attacker_private, ciphertexts[start : start + count])
+            leaked.extend(unpack_slots(plaintexts, block.layout, attacker_public.n))
+            start += count
+    assert not proxy.uploads, (
+        "the owner resumed its upload under a query the analyst did not sign, encrypted "
+        f"under the proxy's modulus; the proxy decrypted {len(leaked)} values, equal to the "
+        f"owner's exact unnoised share: {leaked == exact}"
+    )
