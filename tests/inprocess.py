@@ -150,7 +150,13 @@ class InProcessDeployment:
         return OwnerConfig(
             owner=NodeConfig(owner_id, self.proxy.address, self.workdir / "state" / owner_id),
             tls=TlsConfig(files.ca_certificate, files.certificate, files.private_key),
-            data=DataConfig(data_path, header=False, label_column=0, max_records=self.capacity),
+            data=DataConfig(
+                data_path,
+                header=False,
+                label_column=0,
+                max_records=self.capacity,
+                n_columns=int(np.asarray(self.tables[owner_id]).shape[1]),
+            ),
             policy=PolicyConfig(**policy),
             budget=self.owner_budget,
             crypto=CryptoConfig(processes=1),

@@ -48,6 +48,17 @@ class OwnerTable(NamedTuple):
     labels: FloatArray | None
 
 
+_UNDECLARED_WIDTH = (
+    "{file}: a CSV file without a header row needs its column count declared "
+    "(data.n_columns = {width}, the label column included), so that an export without "
+    "records loads like one with records (docs/privacy.md, add/remove adjacency)"
+)
+
+
+class _EmptyFile(DataError):
+    """A text file without a single non-blank line: not even its width is known."""
+
+
 def _is_number(cell: str) -> bool:
     try:
         float(cell)
@@ -229,7 +240,7 @@ def _read_csv_checked(
                 )
             rows.append(values)
     if first:
-        raise DataError(f"{path}: the file is empty")
+        raise _EmptyFile(f"{path}: the file is empty")
     assert n_columns is not None
     # A header without records is a table of known width and no rows (load_table decides).
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), n_columns), names
@@ -302,6 +313,7 @@ def load_table(
     n_features: int | None = None,
     delimiter: str | None = None,
     allow_empty: bool = False,
+    n_columns: int | None = None,
 ) -> OwnerTable:
     """Load an owner's records and, optionally, their labels.
 
@@ -322,7 +334,10 @@ def load_table(
     allow_empty : accept a table without records whose columns are known (a CSV
         header, an ``.npy`` array of shape (0, K), a Parquet schema). An owner node
         does: under add/remove adjacency an owner without records is a neighbour of one
-        with a single record, and must take part in the same way.
+        with a single record, and must take part in the same way. A CSV file without a
+        header row then needs ``n_columns``: without records it is an empty file.
+    n_columns : the file's column count (label included), declared; a table of
+        another width is refused, and an empty file is a table of this width.
 
     Returns
     -------
@@ -349,6 +364,12 @@ def load_table(
         sep = delimiter if delimiter is not None else ("\t" if suffix == ".tsv" else ",")
         try:
             table, names = _load_csv(file, header, sep)
+        except _EmptyFile:
+            if not allow_empty:
+                raise
+            if n_columns is None:
+                raise DataError(_UNDECLARED_WIDTH.format(file=file, width="N")) from None
+            table, names = np.zeros((0, n_columns)), None
         except UnicodeDecodeError as exc:
             raise DataError(f"{file}: not a UTF-8 text file ({exc.reason})") from exc
         except (gzip.BadGzipFile, EOFError) as exc:
@@ -361,6 +382,14 @@ def load_table(
         table, names = _load_parquet(file)
     else:
         raise DataError(f"{file}: unsupported file type {suffix!r} (use .csv, .npy or .parquet)")
+    if n_columns is not None and table.shape[1] != n_columns:
+        raise DataError(
+            f"{file}: {table.shape[1]} columns, but the configuration declares {n_columns}"
+        )
+    if allow_empty and suffix in _CSV_SUFFIXES and names is None and n_columns is None:
+        # An owner's export without records is an empty file: only a declared width lets
+        # it load as a table, so the node starts with or without its last record.
+        raise DataError(_UNDECLARED_WIDTH.format(file=file, width=table.shape[1]))
     if table.shape[0] == 0 and not allow_empty:
         raise DataError(
             f"{file}: the table has no records"

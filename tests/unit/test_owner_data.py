@@ -93,6 +93,19 @@ class TestCsv:
         with pytest.raises(DataError, match="no records \\(only a header\\)"):
             load_table(_write(tmp_path, "a,b\n", "header.csv"))
 
+    def test_a_declared_width_loads_an_empty_headerless_file(self, tmp_path: Path) -> None:
+        empty = _write(tmp_path, "", "empty.csv")
+        table = load_table(empty, label_column=0, allow_empty=True, n_columns=4)
+        assert table.features.shape == (0, 3) and table.labels is not None
+        assert table.labels.shape == (0,)
+        # Without it an owner's loader refuses a headerless file, empty or not.
+        for text in ("", "1,2,3,4\n"):
+            path = _write(tmp_path, text, "undeclared.csv")
+            with pytest.raises(DataError, match=r"needs its column count declared"):
+                load_table(path, allow_empty=True)
+        with pytest.raises(DataError, match="4 columns, but the configuration declares 5"):
+            load_table(_write(tmp_path, "1,2,3,4\n", "wide.csv"), n_columns=5)
+
     def test_expected_feature_count(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "1,2,3\n4,5,6\n")
         assert load_table(path, label_column=0, n_features=2).features.shape == (2, 2)

@@ -262,7 +262,11 @@ def harness(
         owner=NodeConfig("owner-1", f"127.0.0.1:{port}", tmp_path / "state"),
         tls=TlsConfig(files.ca_certificate, files.certificate, files.private_key),
         data=DataConfig(
-            data_path, header=False, label_column=0, max_records=options.get("max_records", 100)
+            data_path,
+            header=False,
+            label_column=0,
+            max_records=options.get("max_records", 100),
+            n_columns=data.shape[1],
         ),
         policy=PolicyConfig(
             (key_fingerprint(public_key),),
@@ -582,7 +586,7 @@ def test_insecure_owner_keeps_its_identity_across_reconnects(
     config = OwnerConfig(
         owner=NodeConfig("owner-7", address, tmp_path / "state"),
         tls=TlsConfig(None, None, None, insecure=True),
-        data=DataConfig(tmp_path / "owner.csv", header=False, max_records=10),
+        data=DataConfig(tmp_path / "owner.csv", header=False, max_records=10, n_columns=3),
         policy=PolicyConfig(
             (key_fingerprint(test_only_keypair_512[0]),),
             1.0,

@@ -57,6 +57,7 @@ state_dir = "state"
 [data]
 path = "data.csv"
 max_records = 100
+n_columns = 3
 [policy]
 accepted_analyst_keys = ["{FINGERPRINT}"]
 accepted_query_signers = ["{SIGNER}"]

@@ -43,7 +43,7 @@ CAPACITY = 1000
 
 @pytest.fixture(scope="module")
 def ionosphere() -> LocalTable:
-    return LocalTable.load(DataConfig(IONOSPHERE, header=False, label_column=0))
+    return LocalTable.load(DataConfig(IONOSPHERE, header=False, label_column=0, n_columns=35))
 
 
 _spec = query_builder(

@@ -63,7 +63,7 @@ def _owner_config(tmp_path: Path, public_key: Any) -> OwnerConfig:
         owner=NodeConfig("owner-1", "127.0.0.1:1", tmp_path / "state"),
         # No connection is made in these tests: the node's stub is the test's.
         tls=TlsConfig(None, None, None, insecure=True),
-        data=DataConfig(data, header=False, label_column=0, max_records=100),
+        data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=M + 1),
         policy=PolicyConfig(
             (key_fingerprint(public_key),),
             10.0,

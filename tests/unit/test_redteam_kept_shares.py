@@ -129,7 +129,7 @@ def _owner_config(tmp_path: Path, public_key: Any) -> OwnerConfig:
     return OwnerConfig(
         owner=NodeConfig("owner-1", "127.0.0.1:1", tmp_path / "state"),
         tls=TlsConfig(own.ca_certificate, own.certificate, own.private_key),
-        data=DataConfig(data, header=False, label_column=0, max_records=100),
+        data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=M + 1),
         policy=PolicyConfig(
             (key_fingerprint(public_key),),
             10.0,

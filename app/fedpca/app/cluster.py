@@ -340,6 +340,7 @@ class LocalCluster:
                         "data": {
                             "path": path,
                             "header": False,
+                            "n_columns": int(np.asarray(table).shape[1]),
                             "label_column": self.label_column,
                             # Public capacity: the demo's tables are public anyway.
                             "max_records": max(1, len(table)),

@@ -119,7 +119,9 @@ class LocalTable:
         records is a ConfigError: the node stops before it connects, and so before any
         query, instead of sampling (docs/privacy.md, "Bounded owner tables").
         """
-        table = load_table(data.path, header=data.header, allow_empty=True)
+        table = load_table(
+            data.path, header=data.header, allow_empty=True, n_columns=data.n_columns
+        )
         if data.enforce_max_records and table.features.shape[0] > data.max_records:
             raise ConfigError(
                 f"{data.path} holds more records than data.max_records = {data.max_records}, "

@@ -18,6 +18,7 @@ config can be moved together with its certificates and data)::
     label_column = 0                     # optional; dropped for PCA, used for DCA
     max_records = 4096                   # public capacity: queries use at most this many rows
     enforce_max_records = false          # true: refuse to start with more rows (no sampling)
+    n_columns = 35                       # columns of a CSV without a header row (label included)
     [privacy]
     neighbouring = "add-remove"          # "add-remove" | "replace-one" (the deployment's)
     accountant = "zcdp"                  # "zcdp" (proven) | "pld-continuous"
@@ -152,6 +153,9 @@ class DataConfig:
         samples and may answer queries calibrated for bounded owner tables, whose
         noise need not cover a swapped record (docs/privacy.md). Public, like
         ``max_records``.
+    n_columns : the file's column count, label included (required for a CSV file
+        without a header row: without records such an export is an empty file, and
+        the node must start all the same, docs/privacy.md).
     """
 
     path: Path
@@ -159,6 +163,7 @@ class DataConfig:
     label_column: int | None = None
     max_records: int = 1
     enforce_max_records: bool = False
+    n_columns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -341,7 +346,7 @@ class OwnerConfig:
             )
         reject_unknown_keys(
             data_doc,
-            {"path", "header", "label_column", "max_records", "enforce_max_records"},
+            {"path", "header", "label_column", "max_records", "enforce_max_records", "n_columns"},
             "data",
         )
         data_path = reader.path(data_doc, "data", "path", required=True)
@@ -365,7 +370,12 @@ class OwnerConfig:
         enforce = data_doc.get("enforce_max_records", False)
         if not isinstance(enforce, bool):
             raise ConfigError(f"data.enforce_max_records must be true or false, got {enforce!r}")
-        data = DataConfig(data_path, header, label_column, max_records, enforce)
+        n_columns = data_doc.get("n_columns")
+        if n_columns is not None and (
+            not isinstance(n_columns, int) or isinstance(n_columns, bool) or n_columns < 1
+        ):
+            raise ConfigError(f"data.n_columns must be an integer >= 1, got {n_columns!r}")
+        data = DataConfig(data_path, header, label_column, max_records, enforce, n_columns)
 
         privacy_doc = _section(document, "privacy", required=False)
         reject_unknown_keys(privacy_doc, {"neighbouring", "accountant"}, "privacy")

@@ -69,6 +69,7 @@ def render_owner_config(
     budget_delta: float,
     state_dir: str,
     monitoring_listen: str | None,
+    n_columns: int | None = None,
 ) -> str:
     """The text of an owner.toml for a node folder (paths relative to it)."""
     header_value: bool | str = {"yes": True, "no": False}.get(header, "auto")
@@ -93,6 +94,11 @@ def render_owner_config(
     ]
     if label_column is not None:
         lines.append(f"label_column = {label_column}   # dropped for PCA, the class for DCA")
+    if n_columns is not None:
+        lines.append(
+            f"n_columns = {n_columns}   # the file's columns, label included: a CSV export "
+            "without records still loads"
+        )
     lines += [
         f"max_records = {max_records}   # PUBLIC: the most records a query uses (a uniform",
         "#   sample if the file holds more); every analyst and the proxy see this number",
@@ -232,6 +238,12 @@ def write_owner_folder(
         budget_delta=budget_delta,
         state_dir=STATE_DIR if state_dir is None else config_path(state, out),
         monitoring_listen=monitoring_listen,
+        # Declared for text files: without records a headerless export is an empty file.
+        n_columns=(
+            facts[1] + (label_column is not None)
+            if facts is not None and data.suffix.lower() not in (".npy", ".parquet", ".pq")
+            else None
+        ),
     )
     path = out / CONFIG_NAME
     path.write_text(text, encoding="utf-8")

@@ -49,7 +49,7 @@ from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import LocalTable, QueryColumns, analyst_public_key
 from fedpca.owner.config import OwnerConfig, PolicyConfig
 from fedpca.protocol import ReleasePlan
-from fedpca.query import ProtocolMode, QuerySpec
+from fedpca.query import ProtocolMode, QuerySpec, spec_digest
 from fedpca.signing import verify_query
 
 __all__ = ["Refusal", "TaskAccepted", "check_key", "check_signature", "check_task"]
@@ -113,6 +113,27 @@ def check_key(spec: QuerySpec, policy: PolicyConfig) -> None:
             f"query {spec.query_id!r}: the key modulus in the query has fingerprint {actual!r}, "
             f"not the pinned {spec.analyst_key_fingerprint!r}; refusing to encrypt under a "
             "substituted key"
+        )
+
+
+def check_resumed_task(task: Task, policy: PolicyConfig, reserved_digest: str | None) -> None:
+    """Refuse to resume an upload for a task that is not the one it began for.
+
+    A task that arrives again for an upload in flight is checked like a new one (the
+    analyst's signature, the pinned key and its modulus) and must carry the very query
+    the budget was reserved for (its ``spec_digest``): otherwise a proxy could send the
+    task id again with its own key and read the kept share it then encrypts.
+
+    Raises
+    ------
+    UntrustedKeyError
+    """
+    check_signature(task, policy)
+    check_key(task.query, policy)
+    if reserved_digest is None or spec_digest(task.query) != reserved_digest:
+        raise UntrustedKeyError(
+            f"query {task.query.query_id!r}: the task sent again is not the query this "
+            "owner's upload began for (its digest differs from the reserved one)"
         )
 
 

@@ -25,6 +25,7 @@ from fedpca.errors import (
     BudgetExceededError,
     CalibrationError,
     PolicyError,
+    UntrustedKeyError,
 )
 from fedpca.messages import (
     SHARE_RELEASED_METADATA,
@@ -40,7 +41,13 @@ from fedpca.messages import (
 from fedpca.owner.compute import LocalTable, encode_share, encrypt_share_stream, record_cap
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import BudgetLedger, TaskOutcome
-from fedpca.owner.policy import SECONDS_PER_DAY, Refusal, check_resumable, check_task
+from fedpca.owner.policy import (
+    SECONDS_PER_DAY,
+    Refusal,
+    check_resumable,
+    check_resumed_task,
+    check_task,
+)
 from fedpca.owner.retry import (
     RETRYABLE_CODES,
     RetryPolicy,
@@ -183,7 +190,18 @@ class TaskProcessing:
             return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
         if resuming:
             assert record is not None and record.upload_id is not None
-            # Data of this task may already be at the proxy: finish what was agreed.
+            # Data of this task may already be at the proxy: finish what was agreed, and
+            # only that: the task sent again must be the signed query the budget was
+            # reserved for, under the pinned key (the proxy chooses what it sends).
+            reserved = next(
+                (e.spec_digest for e in self.ledger.events() if e.event.query_id == query_id),
+                None,
+            )
+            try:
+                check_resumed_task(task, self.config.policy, reserved)
+            except UntrustedKeyError as exc:
+                logger.error("query %s: upload %s not resumed: %s", query_id, record.upload_id, exc)
+                return None
             plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
             upload_id = record.upload_id
             kept = self.shares.load(upload_id, plan)
