@@ -125,3 +125,29 @@ def test_a_contributor_that_restarts_after_the_contributors_are_fixed_resumes(
         )
         assert final.upload_id == record.upload_id
         assert not list((config.owner.state_dir / "shares").iterdir())
+
+
+def test_the_proxy_withdraws_what_cannot_go_on_and_says_nothing_more(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """An owner may name any task id as in flight: for a query that ended without it
+    and for one the proxy never had, the answer is the same withdrawal with one reason
+    (no state, failure reason or other owners' declines); an owner whose upload was
+    accepted gets the task again (and then records the receipt); an owner off the
+    allow-list gets nothing."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(5)
+    tables = {name: labelled(rng.uniform(-0.3, 0.3, size=(20, M))) for name in ("o-1", "o-2")}
+    spec = _spec(public_key, "over", quorum=1)
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=("o-2",)
+    ) as running:
+        assert running.run(spec).state == "done"
+        assert running.proxy is not None
+        coordinator = running.proxy.coordinator
+        answers = coordinator.in_flight_answers("o-1", ["alice/over", "alice/never"])
+        assert [type(a).__name__ for a in answers] == ["TaskCancellation"] * 2
+        assert len({getattr(a, "reason", None) for a in answers}) == 1
+        (again,) = coordinator.in_flight_answers("o-2", ["alice/over"])
+        assert type(again).__name__ == "Task" and again.key == "alice/over"
+        assert coordinator.in_flight_answers("stranger", ["alice/over"]) == []

@@ -108,11 +108,14 @@ class OwnerTasks(CoordinatorCore):
             return []
         now = self.clock()
         answers: list[Task | TaskCancellation] = []
+        # One reason for every withdrawal: an owner may name any task id here, and learns
+        # no more of a query than whether its own upload can go on.
+        ended = "this upload can no longer go on at this proxy"
         for query_id in query_ids:
             try:
                 record = self.store.query(query_id)
             except NotFoundError:
-                answers.append(TaskCancellation(query_id, "this proxy has no such query"))
+                answers.append(TaskCancellation(query_id, ended))
                 continue
             accepted = any(u.owner_id == owner_id for u in self.store.uploads(query_id))
             joined = any(c.owner_id == owner_id for c in self.store.contributors(query_id))
@@ -130,10 +133,7 @@ class OwnerTasks(CoordinatorCore):
             elif record.state is QueryState.COLLECTING and record.deadline_at > now:
                 continue
             else:
-                answers.extend(
-                    self.withdrawn_tasks(owner_id, [query_id])
-                    or [TaskCancellation(query_id, f"the query is {record.state.value}")]
-                )
+                answers.append(TaskCancellation(query_id, ended))
         return answers
 
     def withdrawn_tasks(self, owner_id: str, query_ids: Sequence[str]) -> list[TaskCancellation]:
