@@ -64,7 +64,7 @@ from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNER, query_builder, signed_task
+from helpers import TEST_SIGNER, query_builder, signed_task, wait_until
 
 WAIT = 30.0
 ANALYST = "analyst-1"
@@ -848,6 +848,36 @@ def test_a_share_that_cannot_be_kept_is_not_uploaded(
     assert record is None or record.outcome is not TaskOutcome.UPLOADING
     assert node.process_task(stub, task) is TaskOutcome.UPLOADED
     assert len(harness.proxy.uploads) == 1 and len(harness.ledger.events()) == 1
+
+
+def test_a_withdrawal_that_arrives_while_the_upload_is_tried_ends_it(
+    harness: Harness, pool: CryptoPool
+) -> None:
+    """Found by the red team: a cancellation that reached the stream thread while the
+    worker was still trying the upload was left to the worker, which gave the upload
+    up without ending it: its kept share stayed on disk until the next connection."""
+    node = OwnerNode(
+        harness.config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=3, backoff_initial=0.3)
+    )
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    worker = threading.Thread(target=node._work, args=(unreachable,), daemon=True)
+    worker.start()
+    task = signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
+    node._dispatch(task)
+
+    def uploading() -> bool:
+        record = harness.ledger.task(key("q1"))
+        return record is not None and record.outcome is TaskOutcome.UPLOADING
+
+    wait_until(uploading, "the upload to begin")
+    node._dispatch(TaskCancellation(key("q1"), "the query ended"))  # while retrying
+    shares = harness.config.owner.state_dir / "shares"
+    wait_until(lambda: not list(shares.iterdir()), "the kept share to be deleted", 30.0)
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is TaskOutcome.CANCELLED
+    assert len(harness.ledger.events()) == 1  # charged: the upload had begun
+    node._queue.put(None)
+    worker.join(10.0)
 
 
 def test_kept_shares_of_ended_uploads_are_deleted_at_start(

@@ -393,6 +393,12 @@ class OwnerNode(TaskProcessing):
             finally:
                 with self._lock:
                     self._queued.discard(task.key)
+                    withdrawn = task.key in self._cancelled
+                if withdrawn:
+                    # A cancellation that arrived while the task was being handled (the
+                    # stream thread left it to this worker): an upload left in flight
+                    # ends now rather than at the next connection.
+                    self.end_withdrawn_upload(task.key, "withdrawn while it was handled")
 
 
 def _variants(preferred: Obfuscation) -> tuple[ObfuscationVariant, ...]:
