@@ -1,0 +1,159 @@
+"""Red-team findings (third pass) on what an owner node does with what the proxy sends
+(fedpca.owner.node, fedpca.owner.task_processing).
+
+They fail on the code they were written against (0cde958); REDTEAM3.md describes each
+finding and a fix. Nothing here is marked xfail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpca.codec import CryptoPool, key_fingerprint
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.messages import (
+    Heartbeat,
+    ProxyInfo,
+    TaskCancellation,
+    UploadReceipt,
+    UploadStatus,
+)
+from fedpca.owner.config import (
+    CryptoConfig,
+    DataConfig,
+    NodeConfig,
+    OwnerConfig,
+    PolicyConfig,
+    TlsConfig,
+)
+from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.node import OwnerNode
+from fedpca.transport import serde
+from helpers import TEST_SIGNER, query_builder, signed_task
+from inprocess import FAST_RETRY, labelled
+
+M = 3
+_spec = query_builder(
+    n_features=M,
+    n_components=1,
+    epsilon=1.0,
+    delta=1e-6,
+    feature_lower=(-1.0,) * M,
+    feature_upper=(1.0,) * M,
+)
+ONE_ATTEMPT = replace(FAST_RETRY, upload_attempts=1)
+
+
+def _owner_config(tmp_path: Path, public_key: Any) -> OwnerConfig:
+    data = tmp_path / "owner.csv"
+    rows = np.random.default_rng(3).uniform(-0.9, 0.9, size=(30, M))
+    np.savetxt(data, labelled(rows), delimiter=",", fmt="%.17g")
+    return OwnerConfig(
+        owner=NodeConfig("owner-1", "127.0.0.1:1", tmp_path / "state"),
+        # No connection is made in these tests: the node's stub is the test's.
+        tls=TlsConfig(None, None, None, insecure=True),
+        data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=M + 1),
+        policy=PolicyConfig(
+            (key_fingerprint(public_key),),
+            10.0,
+            False,
+            accepted_query_signers=(TEST_SIGNER,),
+        ),
+        budget=PrivacyParams(10.0, 1e-5),
+        crypto=CryptoConfig(processes=1),
+    )
+
+
+class _Proxy:
+    """The proxy's end of the owner's calls: a Hello answer of its choosing, a task
+    stream of its choosing, and a record of every upload it is sent."""
+
+    def __init__(self, info: ProxyInfo, events: list[Any]) -> None:
+        self.info = info
+        self.events = events
+        self.uploads: list[Any] = []
+
+    def Hello(self, request: Any, timeout: float | None = None) -> Any:
+        return serde.proxy_info_to_proto(self.info)
+
+    def StreamTasks(self, request: Any, timeout: float | None = None) -> Iterator[Any]:
+        return iter([serde.task_event_to_proto(event) for event in self.events])
+
+    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+        header, payload = serde.read_upload(messages)
+        self.uploads.append(header)
+        return serde.upload_receipt_to_proto(
+            UploadReceipt(
+                header.query_id,
+                header.upload_id,
+                UploadStatus.ACCEPTED,
+                header.total_chunks,
+                payload.total_ciphertexts,
+            )
+        )
+
+    def DeclineTask(self, request: Any, timeout: float | None = None) -> Any:
+        decline = serde.task_decline_from_proto(request)
+        return serde.decline_receipt_to_proto(decline.query_id)
+
+
+def test_a_task_that_failed_before_its_upload_began_is_refunded_when_withdrawn(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """node.py: "If the data never left the node (a cancellation, or a preprocessing
+    refusal after the budget was reserved), the reservation is refunded"; privacy.md,
+    Refunds: an owner refunds "when none of its upload left the node ... it alone knows
+    that".
+
+    The proxy's Hello says how large a message may be (``ProxyInfo.max_message_bytes``),
+    and the node takes any positive value under its own chunk size. A proxy that
+    answers 100 bytes (less than one ciphertext) makes every task fail *after* the
+    budget is reserved: ``_start_upload`` raises in ``ciphertexts_per_chunk``, outside
+    the ``try`` that refunds a failed encoding, and the task is left with no record at
+    all. When the proxy then withdraws the query, ``end_withdrawn_upload`` ignores it
+    (it ends only tasks recorded UPLOADING), so the reservation is never refunded
+    although not one byte left the node: the owner's budget and its daily rate cap pay
+    for a release that did not happen. A proxy can drain any owner's budget this way
+    with the analyst's ordinary signed queries, each refunded to the analyst (no owner
+    began an upload), so the analyst may send them again.
+    """
+    public_key, _ = test_only_keypair_512
+    config = _owner_config(tmp_path, public_key)
+    task = signed_task(
+        _spec(public_key, "q1", quorum=1), datetime.now(UTC) + timedelta(seconds=60), "alice"
+    )
+    info = ProxyInfo(
+        proxy_id="proxy",
+        software_version="x",
+        authenticated_node_id="owner-1",
+        heartbeat_interval_seconds=5.0,
+        max_message_bytes=100,
+        server_time=datetime.now(UTC),
+    )
+    proxy = _Proxy(info, [Heartbeat(datetime.now(UTC))])
+    node = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
+    node._session(proxy)  # type: ignore[arg-type]  # Hello, then the (short) task stream
+
+    failure: list[str] = []
+    try:
+        node.process_task(proxy, task)  # type: ignore[arg-type]
+    except Exception as exc:  # failing the task is fine; keeping the charge is not
+        failure.append(f"{type(exc).__name__}: {exc}")
+    # The query fails at the proxy (this owner never uploaded); it withdraws the task.
+    node._dispatch(TaskCancellation(task.key, "query failed: deadline passed"))
+
+    charged = [e.event.query_id for e in owner_ledger(config).events()]
+    record = owner_ledger(config).task(task.key)
+    # Either the node uploaded after all (then it released, and pays), or nothing left
+    # it and the withdrawn reservation is refunded.
+    assert proxy.uploads or task.key not in charged, (
+        f"the owner's budget stays charged for {task.key!r} although nothing left the node "
+        f"(task record: {record}; the task failed with {failure}); the proxy's withdrawal "
+        "was ignored"
+    )
