@@ -7,6 +7,7 @@ finding and a fix. Nothing here is marked xfail.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ def _npy_export(path: Path, records: list[list[float]]) -> DataConfig:
     ("export", "suffix"), [(_parquet_export, ".parquet"), (_npy_export, ".npy")]
 )
 def test_an_owner_without_records_starts_as_one_with_a_record_whatever_its_export(
-    tmp_path: Path, export: object, suffix: str
+    tmp_path: Path, export: Callable[[Path, list[list[float]]], DataConfig], suffix: str
 ) -> None:
     """privacy.md: "An owner's last record is no exception"; REDTEAM.md finding 1 and
     REDTEAM2.md finding 2, fixed for CSV files (a header, or ``data.n_columns``).
@@ -65,8 +66,7 @@ def test_an_owner_without_records_starts_as_one_with_a_record_whatever_its_expor
       refused as "expected a 2-D array" even with ``data.n_columns`` declared, which
       ``load_table`` documents as "an empty file is a table of this width".
     """
-    make = export  # type: ignore[assignment]
-    with_record = _starts(make(tmp_path / f"one{suffix}", RECORDS))  # type: ignore[operator]
-    without = _starts(make(tmp_path / f"none{suffix}", []))  # type: ignore[operator]
+    with_record = _starts(export(tmp_path / f"one{suffix}", RECORDS))
+    without = _starts(export(tmp_path / f"none{suffix}", []))
     assert with_record == "starts"
     assert without == with_record, f"with its one record the node starts; without it: {without}"
