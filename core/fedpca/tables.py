@@ -49,9 +49,9 @@ class OwnerTable(NamedTuple):
 
 
 _UNDECLARED_WIDTH = (
-    "{file}: a CSV file without a header row needs its column count declared "
-    "(data.n_columns = {width}, the label column included), so that an export without "
-    "records loads like one with records (docs/privacy.md, add/remove adjacency)"
+    "{file}: a .npy file, or a CSV file without a header row, needs its column count "
+    "declared (data.n_columns = {width}, the label column included), so that an export "
+    "without records loads like one with records (docs/privacy.md, add/remove adjacency)"
 )
 
 
@@ -265,6 +265,10 @@ def _load_npy(path: Path) -> FloatArray:
         # numpy's header parser reports a malformed file with whatever its tools
         # raise: ValueError, EOFError, SyntaxError, tokenize.TokenError, ...
         raise DataError(f"{path}: not a readable .npy array: {type(exc).__name__}: {exc}") from exc
+    if raw.ndim == 1 and raw.size == 0:
+        # np.save(path, np.array(records)) of no records: no rows, and no width either
+        # (load_table takes the declared one).
+        return np.zeros((0, 0))
     if raw.ndim != 2:
         raise DataError(f"{path}: expected a 2-D array, got shape {raw.shape}")
     if not (np.issubdtype(raw.dtype, np.number) or raw.dtype == np.bool_):
@@ -291,6 +295,10 @@ def _load_parquet(path: Path) -> tuple[FloatArray, list[str]]:
     for j, name in enumerate(names):
         column = arrow_table.column(j)
         kind = column.type
+        if pa.types.is_null(kind) and arrow_table.num_rows == 0:
+            # A column built from no values has no type; without rows it holds nothing.
+            columns.append(np.zeros(0))
+            continue
         if not (
             pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
         ):
@@ -335,7 +343,8 @@ def load_table(
         header, an ``.npy`` array of shape (0, K), a Parquet schema). An owner node
         does: under add/remove adjacency an owner without records is a neighbour of one
         with a single record, and must take part in the same way. A CSV file without a
-        header row then needs ``n_columns``: without records it is an empty file.
+        header row and a ``.npy`` file then need ``n_columns``: without records an
+        export of either may carry no width (an empty file, an array of shape (0,)).
     n_columns : the file's column count (label included), declared; a table of
         another width is refused, and an empty file is a table of this width.
 
@@ -382,11 +391,17 @@ def load_table(
         table, names = _load_parquet(file)
     else:
         raise DataError(f"{file}: unsupported file type {suffix!r} (use .csv, .npy or .parquet)")
+    if table.shape == (0, 0) and n_columns is not None:
+        table = np.zeros((0, n_columns))  # an empty array of unknown width
     if n_columns is not None and table.shape[1] != n_columns:
         raise DataError(
             f"{file}: {table.shape[1]} columns, but the configuration declares {n_columns}"
         )
-    if allow_empty and suffix in _CSV_SUFFIXES and names is None and n_columns is None:
+    if (
+        allow_empty
+        and n_columns is None
+        and (suffix == ".npy" or (suffix in _CSV_SUFFIXES and names is None))
+    ):
         # An owner's export without records is an empty file: only a declared width lets
         # it load as a table, so the node starts with or without its last record.
         raise DataError(_UNDECLARED_WIDTH.format(file=file, width=table.shape[1]))

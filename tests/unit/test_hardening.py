@@ -130,9 +130,10 @@ def test_public_declines_fail_the_query_at_once_with_their_reasons_and_are_refun
         assert "max_epsilon_per_query" in detail
         assert outcome.failure_reason is not None and "owner-2" in outcome.failure_reason
         # owner-1 may or may not have begun its upload before the decline failed the
-        # query; its share is in no result either way, so it refunds itself, and the
-        # analyst is refunded unless an upload had begun: the analyst never pays less
-        # than the owners spent.
+        # query. It refunds itself only if no chunk of its share had left it (the
+        # proxy's word that the share is in no result is not enough since review pass
+        # 3); the analyst is refunded unless an upload had begun: the analyst never
+        # pays less than the owners spent.
         ledger = running.nodes["owner-1"].ledger
         deadline = time.monotonic() + 30.0
         while not ledger.is_handled("alice/strict") and time.monotonic() < deadline:
@@ -140,7 +141,7 @@ def test_public_declines_fail_the_query_at_once_with_their_reasons_and_are_refun
         assert ledger.is_handled("alice/strict")
         with running.analyst() as client:
             budget = client.budget()
-        assert ledger.events() == []
+        assert len(ledger.events()) <= 1
         assert budget.n_releases >= len(ledger.events())
 
 

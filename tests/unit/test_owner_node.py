@@ -30,6 +30,7 @@ from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import DataError, PolicyError
 from fedpca.messages import (
+    SHARE_RELEASED_METADATA,
     DeclineReason,
     Heartbeat,
     ProxyInfo,
@@ -878,6 +879,47 @@ def test_a_withdrawal_that_arrives_while_the_upload_is_tried_ends_it(
     assert len(harness.ledger.events()) == 1  # charged: the upload had begun
     node._queue.put(None)
     worker.join(10.0)
+
+
+class _ClosedQuery(grpc.RpcError):
+    """The proxy's refusal of an upload, saying the share is in no result."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    def details(self) -> str:
+        return "the query no longer takes uploads"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((SHARE_RELEASED_METADATA, "no"),)
+
+
+class _RefusingProxy:
+    """Reads ``read`` messages of the upload (the header first), then refuses it."""
+
+    def __init__(self, read: int) -> None:
+        self.read = read
+
+    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+        for _ in range(self.read):
+            next(messages)
+        raise _ClosedQuery()
+
+
+@pytest.mark.parametrize("read", [1, 2], ids=["header-only", "header-and-a-chunk"])
+def test_a_refused_upload_is_refunded_only_if_no_chunk_left_the_node(
+    harness: Harness, pool: CryptoPool, read: int
+) -> None:
+    """Found by the red team (pass 3): the owner refunded whenever the proxy's refusal
+    said "share released: no", but a proxy can fold every chunk, let the analyst read
+    the result and still say so. Now the owner refunds only when it handed out no
+    chunk of the upload, which it knows without the proxy."""
+    node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    task = signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
+    outcome = node.process_task(_RefusingProxy(read), task)  # type: ignore[arg-type]
+    assert outcome is TaskOutcome.REJECTED
+    charged = len(harness.ledger.events())
+    assert charged == (0 if read == 1 else 1)
 
 
 def test_kept_shares_of_ended_uploads_are_deleted_at_start(

@@ -253,7 +253,9 @@ def test_an_owner_without_records_contributes_a_zero_share(
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({f"c{j}": pa.array([], pa.float64()) for j in range(width)}), path)
-    empty = LocalTable.load(DataConfig(path, header=True, label_column=0, max_records=50))
+    empty = LocalTable.load(
+        DataConfig(path, header=True, label_column=0, max_records=50, n_columns=width)
+    )
     assert empty.n_records == 0 and empty.n_features == 34
     specs = [
         _spec(public_key),
@@ -286,11 +288,13 @@ def test_bounded_owner_tables_never_sample(
     path = tmp_path / "rows.npy"
     np.save(path, ionosphere.columns)
     with pytest.raises(ConfigError, match=r"more records than data\.max_records = 350"):
-        LocalTable.load(DataConfig(path, max_records=350, enforce_max_records=True))
-    loaded = LocalTable.load(DataConfig(path, max_records=351, enforce_max_records=True))
+        LocalTable.load(DataConfig(path, max_records=350, enforce_max_records=True, n_columns=35))
+    loaded = LocalTable.load(
+        DataConfig(path, max_records=351, enforce_max_records=True, n_columns=35)
+    )
     assert loaded.n_records == 351
     # Without enforcement the same file loads, and queries use a sample.
-    assert LocalTable.load(DataConfig(path, max_records=350)).n_records == 351
+    assert LocalTable.load(DataConfig(path, max_records=350, n_columns=35)).n_records == 351
     bounded = _spec(public_key, bounded_owner_tables=True)
     table = ionosphere.table_for(bounded)
     assert contributed_rows(table, bounded, 351).features.shape[0] == 351

@@ -70,7 +70,12 @@ def test_an_owners_last_record_does_not_decide_whether_its_node_starts(
     for name, rows in (("d", one), ("d-prime", empty)):
         path = write(tmp_path / f"{name}{suffix}", rows)
         config = DataConfig(
-            path, header=header, label_column=0, max_records=5, enforce_max_records=enforce
+            path,
+            header=header,
+            label_column=0,
+            max_records=5,
+            enforce_max_records=enforce,
+            n_columns=4,
         )
         outcomes.append(_start_outcome(config))
     assert outcomes[0] == "starts"

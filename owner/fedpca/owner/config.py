@@ -154,8 +154,8 @@ class DataConfig:
         noise need not cover a swapped record (docs/privacy.md). Public, like
         ``max_records``.
     n_columns : the file's column count, label included (required for a CSV file
-        without a header row: without records such an export is an empty file, and
-        the node must start all the same, docs/privacy.md).
+        without a header row and for a ``.npy`` file: without records such an export
+        may carry no width, and the node must start all the same, docs/privacy.md).
     """
 
     path: Path

@@ -238,10 +238,11 @@ def write_owner_folder(
         budget_delta=budget_delta,
         state_dir=STATE_DIR if state_dir is None else config_path(state, out),
         monitoring_listen=monitoring_listen,
-        # Declared for text files: without records a headerless export is an empty file.
+        # Declared for text and .npy files: without records their export may carry no
+        # width (an empty file, an array of shape (0,)); a Parquet schema always does.
         n_columns=(
             facts[1] + (label_column is not None)
-            if facts is not None and data.suffix.lower() not in (".npy", ".parquet", ".pq")
+            if facts is not None and data.suffix.lower() not in (".parquet", ".pq")
             else None
         ),
     )

@@ -470,8 +470,7 @@ class BudgetLedger:
         Sound only because nothing derived from the data reaches a result: a
         reservation is refunded while no upload of the task was ever started (checked
         in the same transaction), or, with ``upload_refused``, when the proxy refused
-        the upload saying it never folded any chunk of this owner into the query (it
-        was not one of the query's contributors), so the share is in no result.
+        an upload of which the node handed out no chunk (the caller knows that).
 
         Returns
         -------

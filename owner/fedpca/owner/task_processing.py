@@ -207,7 +207,8 @@ class TaskProcessing:
             kept = self.shares.load(upload_id, plan)
             if kept is not None:
                 logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
-                self._begin_upload(spec, query_id, upload_id, plan, kept, obfuscation)
+                resumed = self._begin_upload(spec, query_id, upload_id, plan, kept, obfuscation)
+                resumed.began_here = False
                 return None
             if record.seed is None:
                 # Begun by a version that keeps every share before its first chunk may
@@ -248,22 +249,24 @@ class TaskProcessing:
                 capacity=capacity,
                 rng=np.random.default_rng(int.from_bytes(seed, "big")),
             )
+            # Masked mode publishes the count of records the statistics cover (its
+            # relation, replace-one, makes it public); stats mode keeps it noised.
+            record_count = (
+                min(table.n_records, record_cap(spec, capacity))
+                if spec.mode is ProtocolMode.MASKED
+                else None
+            )
+            upload = self._begin_upload(
+                spec, query_id, upload_id, plan, KeptShare(encoded, record_count), obfuscation
+            )
+            upload.began_here = not resuming
         except BaseException:
-            # Not a decline: nothing here depends on the records (a bug). Nothing left
-            # the node, so a fresh reservation is refunded; a re-delivery tries again.
+            # Not a decline: nothing here depends on the records (a bug, or a proxy whose
+            # Hello set an impossible message size). Nothing left the node, so a fresh
+            # reservation is refunded; a re-delivery tries again.
             if not resuming:
                 self.ledger.cancel_reservation(query_id)
             raise
-        # Masked mode publishes the count of records the statistics cover (its relation,
-        # replace-one, makes it public); stats mode keeps it inside the noised release.
-        record_count = (
-            min(table.n_records, record_cap(spec, capacity))
-            if spec.mode is ProtocolMode.MASKED
-            else None
-        )
-        self._begin_upload(
-            spec, query_id, upload_id, plan, KeptShare(encoded, record_count), obfuscation
-        )
         return None
 
     def _begin_upload(
@@ -440,11 +443,18 @@ class TaskProcessing:
                         upload_id=upload_id,
                     )
                     self.shares.discard(upload_id)
-                    if _share_unreleased(err):
-                        # The proxy says no result of the query holds anything of this
-                        # share (not one of its contributors, or the query failed before
-                        # any page was released): nothing of the data was released.
+                    if upload.began_here and not upload.chunk_handed_out:
+                        # Only the header ever left this node: no result can hold
+                        # anything of the share, whatever the proxy says. (The proxy's
+                        # word alone is not enough: a proxy could fold every chunk, let
+                        # the analyst read the result, and still say "not released".)
                         self.ledger.cancel_reservation(query_id, upload_refused=True)
+                    elif _share_unreleased(err):
+                        logger.info(
+                            "query %s: the proxy says no result holds this share; chunks of "
+                            "it left this node, so the release stays charged",
+                            query_id,
+                        )
                     return TaskOutcome.REJECTED
                 delay = RetryPolicy.delay(
                     attempt, self.retry.backoff_initial, self.retry.backoff_max
@@ -507,7 +517,13 @@ class TaskProcessing:
         """The proxy withdrew a task whose upload this node has in flight but no longer
         runs (its query ended while the node was away): end it and delete its share."""
         record = self.ledger.task(query_id)
-        if record is None or record.outcome is not TaskOutcome.UPLOADING:
+        if record is None:
+            # A task that failed after its reservation, before any upload began: the
+            # withdrawal ends it, refunded (the ledger refunds only if nothing started).
+            if self.ledger.cancel_reservation(query_id):
+                self.ledger.record_task(query_id, TaskOutcome.CANCELLED, f"withdrawn: {reason}")
+            return
+        if record.outcome is not TaskOutcome.UPLOADING:
             return
         logger.info("query %s: the upload in flight was withdrawn (%s)", query_id, reason)
         self._finish_cancelled(query_id)

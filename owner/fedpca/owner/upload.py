@@ -54,6 +54,10 @@ class OutgoingUpload:
         on_done: Callable[[], None] | None = None,
     ) -> None:
         self.upload_id = upload_id
+        self.began_here = True
+        """False for an upload resumed after a restart (earlier chunks may have left)."""
+        self.chunk_handed_out = False
+        """True once any chunk message was handed to gRPC (it may have left the node)."""
         self.share: KeptShare | None = None
         """The encoded share, until it is kept on disk (:mod:`fedpca.owner.share_snapshots`)."""
         self._messages: list[Any] = [header]
@@ -135,6 +139,8 @@ class OutgoingUpload:
                     raise self._error
                 else:
                     return
+            if index > 0:
+                self.chunk_handed_out = True  # before gRPC may send it
             yield message
             index += 1
 
