@@ -132,8 +132,10 @@ def test_public_declines_fail_the_query_at_once_with_their_reasons_and_are_refun
         # owner-1 may or may not have begun its upload before the decline failed the
         # query. It refunds itself only if no chunk of its share had left it (the
         # proxy's word that the share is in no result is not enough since review pass
-        # 3); the analyst is refunded unless an upload had begun: the analyst never
-        # pays less than the owners spent.
+        # 3), so when its first chunk was already handed to gRPC as the refusal came it
+        # stays charged while the analyst, whose query no upload had begun at the proxy,
+        # is refunded: an over-count on the owner's side, the known cost of that fix
+        # (docs/privacy.md, Refunds).
         ledger = running.nodes["owner-1"].ledger
         deadline = time.monotonic() + 30.0
         while not ledger.is_handled("alice/strict") and time.monotonic() < deadline:
@@ -141,8 +143,9 @@ def test_public_declines_fail_the_query_at_once_with_their_reasons_and_are_refun
         assert ledger.is_handled("alice/strict")
         with running.analyst() as client:
             budget = client.budget()
-        assert len(ledger.events()) <= 1
-        assert budget.n_releases >= len(ledger.events())
+        # Each side charged at most once; which refunds depends on the race (the rules
+        # themselves are tested deterministically in test_owner_node.py).
+        assert len(ledger.events()) <= 1 and budget.n_releases <= 1
 
 
 def test_a_large_delta_is_refused_before_any_owner_works(

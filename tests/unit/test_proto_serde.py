@@ -13,6 +13,7 @@ import pytest
 from fedpca.errors import CiphertextError, ConfigError, LayoutError, ProtocolError
 from fedpca.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_DECLINE_DETAIL,
     BudgetStatus,
     CiphertextBlock,
     CiphertextPayload,
@@ -518,6 +519,19 @@ def test_hello_and_proxy_info_round_trip() -> None:
     assert serde.owner_hello_from_proto(serde.owner_hello_to_proto(hello)) == hello
     info = ProxyInfo("proxy", "0.1.0", "owner-1", 15.0, 8 << 20, NOW)
     assert serde.proxy_info_from_proto(serde.proxy_info_to_proto(info)) == info
+
+
+def test_task_ids_and_withdrawal_reasons_from_the_proxy_are_checked() -> None:
+    """Found by review: a proxy could put line breaks into an owner's log lines (and its
+    ledger keys) through the task id or a cancellation."""
+    forged = owner_pb.TaskEvent(cancellation=owner_pb.TaskCancellation(query_id="a/q\nFAKE"))
+    with pytest.raises(ProtocolError):
+        serde.task_event_from_proto(forged)
+    wordy = owner_pb.TaskEvent(
+        cancellation=owner_pb.TaskCancellation(query_id="alice/q1", reason="x\ny" * 500)
+    )
+    event = serde.task_event_from_proto(wordy)
+    assert "\n" not in event.reason and len(event.reason) <= MAX_DECLINE_DETAIL
 
 
 def test_task_stream_request() -> None:

@@ -147,6 +147,7 @@ class TaskProcessing:
             return self._finish_cancelled(query_id)
         if task.upload_deadline <= datetime.now(UTC):
             logger.warning("query %s: upload deadline already passed, skipping", query_id)
+            self._drop_upload(query_id)  # one prepared in this process stops encrypting
             self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
             self._forget_share(query_id)
             return TaskOutcome.EXPIRED

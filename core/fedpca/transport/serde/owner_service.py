@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from fedpca.errors import ConfigError, ProtocolError
 from fedpca.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_DECLINE_DETAIL,
     UPLOAD_ID_PATTERN,
     CiphertextBlock,
     CiphertextPayload,
@@ -326,12 +327,13 @@ def task_event_from_proto(message: owner_pb.TaskEvent) -> TaskEvent:
             ),
             query_signature=task.query_signature,
             query_signer=task.query_signer,
-            task_id=task.task_id,
+            # The proxy's id for the task: the owner's ledger key and log label.
+            task_id=require_task_key(task.task_id, "Task.task_id") if task.task_id else "",
         )
     if kind == "cancellation":
         return TaskCancellation(
-            query_id=require_text(message.cancellation.query_id, "TaskCancellation.query_id"),
-            reason=message.cancellation.reason,
+            query_id=require_task_key(message.cancellation.query_id, "TaskCancellation.query_id"),
+            reason=" ".join(message.cancellation.reason.split())[:MAX_DECLINE_DETAIL],
         )
     raise ProtocolError("TaskEvent carries no event (unknown to this version or empty)")
 
