@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from fedpca.analyst.client import AnalystClient
@@ -58,7 +59,8 @@ from fedpca.transport.certs import (
     init_certificates,
     read_certificate,
 )
-from helpers import TEST_SIGNER, TEST_SIGNING_KEY
+from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY, QueryBuilder, query_builder
 
 FAST_RETRY = RetryPolicy(
     upload_attempts=3,
@@ -69,6 +71,43 @@ FAST_RETRY = RetryPolicy(
     call_timeout=5.0,
     upload_timeout=30.0,
 )
+ONE_ATTEMPT = replace(FAST_RETRY, upload_attempts=1)
+"""An owner that gives an upload up after its first failed attempt."""
+
+
+def unit_box_queries(m: int) -> QueryBuilder:
+    """Queries over ``m`` features bounded to [-1, 1]: one component, epsilon 1, delta 1e-6."""
+    return query_builder(
+        n_features=m,
+        n_components=1,
+        epsilon=1.0,
+        delta=1e-6,
+        feature_lower=(-1.0,) * m,
+        feature_upper=(1.0,) * m,
+    )
+
+
+def unreachable_proxy() -> owner_grpc.OwnerServiceStub:
+    """A proxy that cannot be reached: an upload begins (recorded, share kept), then fails."""
+    return owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+
+
+def standalone_owner_config(folder: Path, public_key: Any, m: int = 3) -> OwnerConfig:
+    """An owner of 30 records of ``m`` features (label in column 0) that never connects:
+    the tests hand its node their own stub."""
+    data = folder / "owner.csv"
+    rows = np.random.default_rng(3).uniform(-0.9, 0.9, size=(30, m))
+    np.savetxt(data, labelled(rows), delimiter=",", fmt="%.17g")
+    return OwnerConfig(
+        owner=NodeConfig("owner-1", "127.0.0.1:1", folder / "state"),
+        tls=TlsConfig(None, None, None, insecure=True),
+        data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=m + 1),
+        policy=PolicyConfig(
+            (key_fingerprint(public_key),), 10.0, False, accepted_query_signers=(TEST_SIGNER,)
+        ),
+        budget=PrivacyParams(10.0, 1e-5),
+        crypto=CryptoConfig(processes=1),
+    )
 
 
 @dataclass(frozen=True)

@@ -21,18 +21,11 @@ from fedpca.owner import node as node_module
 from fedpca.owner.ledger import TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNING_KEY, query_builder, signed_task, wait_until
-from inprocess import FAST_RETRY, deployment, labelled
+from helpers import TEST_SIGNING_KEY, signed_task, wait_until
+from inprocess import FAST_RETRY, deployment, labelled, unit_box_queries
 
 M = 12
-_spec = query_builder(
-    n_features=M,
-    n_components=1,
-    epsilon=1.0,
-    delta=1e-6,
-    feature_lower=(-1.0,) * M,
-    feature_upper=(1.0,) * M,
-)
+_spec = unit_box_queries(M)
 
 
 class _StreamThatBreaks:
@@ -49,11 +42,12 @@ class _StreamThatBreaks:
             for index, message in enumerate(messages):
                 if index == 2:
                     self.folded.wait(20.0)
-                    time.sleep(5.0)  # past the deadline below
+                    time.sleep(10.0)  # past the deadline below
                     return
                 yield message
 
-        return self.real.Upload(first_chunk_only(), timeout=3.0)
+        # Room for the header and the first chunk to arrive on a loaded machine.
+        return self.real.Upload(first_chunk_only(), timeout=8.0)
 
 
 def test_a_contributor_that_restarts_after_the_contributors_are_fixed_resumes(

@@ -14,65 +14,18 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import grpc
-import numpy as np
-
-from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint, unpack_slots
-from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.codec import CryptoPool, generate_keypair, unpack_slots
 from fedpca.errors import FedpcaError
 from fedpca.messages import Task, UploadReceipt, UploadStatus
-from fedpca.owner.config import (
-    CryptoConfig,
-    DataConfig,
-    NodeConfig,
-    OwnerConfig,
-    PolicyConfig,
-    TlsConfig,
-)
 from fedpca.owner.ledger import TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.protocol import ReleasePlan
 from fedpca.transport import serde
-from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNER, query_builder, signed_task
-from inprocess import FAST_RETRY, labelled
+from helpers import signed_task
+from inprocess import ONE_ATTEMPT, standalone_owner_config, unit_box_queries, unreachable_proxy
 
-M = 3
-_spec = query_builder(
-    n_features=M,
-    n_components=1,
-    epsilon=1.0,
-    delta=1e-6,
-    feature_lower=(-1.0,) * M,
-    feature_upper=(1.0,) * M,
-)
-ONE_ATTEMPT = replace(FAST_RETRY, upload_attempts=1)
-
-
-def _unreachable() -> owner_grpc.OwnerServiceStub:
-    """A proxy that cannot be reached: the upload begins (recorded, share kept), then fails."""
-    return owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
-
-
-def _owner_config(tmp_path: Path, public_key: Any) -> OwnerConfig:
-    data = tmp_path / "owner.csv"
-    rows = np.random.default_rng(3).uniform(-0.9, 0.9, size=(30, M))
-    np.savetxt(data, labelled(rows), delimiter=",", fmt="%.17g")
-    return OwnerConfig(
-        owner=NodeConfig("owner-1", "127.0.0.1:1", tmp_path / "state"),
-        # No connection is made in these tests: the node's stub is the test's.
-        tls=TlsConfig(None, None, None, insecure=True),
-        data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=M + 1),
-        policy=PolicyConfig(
-            (key_fingerprint(public_key),),
-            10.0,
-            False,
-            accepted_query_signers=(TEST_SIGNER,),
-        ),
-        budget=PrivacyParams(10.0, 1e-5),
-        crypto=CryptoConfig(processes=1),
-    )
+_spec = unit_box_queries(3)
 
 
 class _RecordingProxy:
@@ -124,14 +77,14 @@ def test_a_resumed_upload_is_not_encrypted_under_a_key_the_proxy_substituted(
     """
     public_key, _ = test_only_keypair_512
     attacker_public, attacker_private = generate_keypair(512, allow_insecure_test_key=True)
-    config = _owner_config(tmp_path, public_key)
+    config = standalone_owner_config(tmp_path, public_key)
     spec = _spec(public_key, "q1", quorum=1)
     due = datetime.now(UTC) + timedelta(seconds=60)
     task = signed_task(spec, due, "alice")
     plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
 
     first = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
-    assert first.process_task(_unreachable(), task) is None  # began; the proxy stalled it
+    assert first.process_task(unreachable_proxy(), task) is None  # began; the proxy stalled it
     record = owner_ledger(config).task(task.key)
     assert record is not None and record.outcome is TaskOutcome.UPLOADING
     assert record.upload_id is not None

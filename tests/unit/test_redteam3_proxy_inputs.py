@@ -8,15 +8,11 @@ finding and a fix. Nothing here is marked xfail.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from fedpca.codec import CryptoPool, key_fingerprint
-from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.codec import CryptoPool
 from fedpca.messages import (
     Heartbeat,
     ProxyInfo,
@@ -24,50 +20,13 @@ from fedpca.messages import (
     UploadReceipt,
     UploadStatus,
 )
-from fedpca.owner.config import (
-    CryptoConfig,
-    DataConfig,
-    NodeConfig,
-    OwnerConfig,
-    PolicyConfig,
-    TlsConfig,
-)
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.transport import serde
-from helpers import TEST_SIGNER, query_builder, signed_task
-from inprocess import FAST_RETRY, labelled
+from helpers import signed_task
+from inprocess import ONE_ATTEMPT, standalone_owner_config, unit_box_queries
 
-M = 3
-_spec = query_builder(
-    n_features=M,
-    n_components=1,
-    epsilon=1.0,
-    delta=1e-6,
-    feature_lower=(-1.0,) * M,
-    feature_upper=(1.0,) * M,
-)
-ONE_ATTEMPT = replace(FAST_RETRY, upload_attempts=1)
-
-
-def _owner_config(tmp_path: Path, public_key: Any) -> OwnerConfig:
-    data = tmp_path / "owner.csv"
-    rows = np.random.default_rng(3).uniform(-0.9, 0.9, size=(30, M))
-    np.savetxt(data, labelled(rows), delimiter=",", fmt="%.17g")
-    return OwnerConfig(
-        owner=NodeConfig("owner-1", "127.0.0.1:1", tmp_path / "state"),
-        # No connection is made in these tests: the node's stub is the test's.
-        tls=TlsConfig(None, None, None, insecure=True),
-        data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=M + 1),
-        policy=PolicyConfig(
-            (key_fingerprint(public_key),),
-            10.0,
-            False,
-            accepted_query_signers=(TEST_SIGNER,),
-        ),
-        budget=PrivacyParams(10.0, 1e-5),
-        crypto=CryptoConfig(processes=1),
-    )
+_spec = unit_box_queries(3)
 
 
 class _Proxy:
@@ -124,7 +83,7 @@ def test_a_task_that_failed_before_its_upload_began_is_refunded_when_withdrawn(
     began an upload), so the analyst may send them again.
     """
     public_key, _ = test_only_keypair_512
-    config = _owner_config(tmp_path, public_key)
+    config = standalone_owner_config(tmp_path, public_key)
     task = signed_task(
         _spec(public_key, "q1", quorum=1), datetime.now(UTC) + timedelta(seconds=60), "alice"
     )

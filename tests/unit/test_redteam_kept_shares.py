@@ -10,49 +10,31 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 
-from fedpca.codec import CryptoPool, key_fingerprint
-from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.codec import CryptoPool
 from fedpca.errors import FedpcaError
-from fedpca.owner.config import (
-    CryptoConfig,
-    DataConfig,
-    NodeConfig,
-    OwnerConfig,
-    PolicyConfig,
-    TlsConfig,
-)
 from fedpca.owner.ledger import TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.protocol import ReleasePlan
-from fedpca.transport import certs
-from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNER, query_builder, signed_task
-from inprocess import FAST_RETRY, deployment, labelled
+from helpers import signed_task
+from inprocess import (
+    FAST_RETRY,
+    ONE_ATTEMPT,
+    deployment,
+    labelled,
+    standalone_owner_config,
+    unit_box_queries,
+    unreachable_proxy,
+)
 
 M = 3
-_spec = query_builder(
-    n_features=M,
-    n_components=1,
-    epsilon=1.0,
-    delta=1e-6,
-    feature_lower=(-1.0,) * M,
-    feature_upper=(1.0,) * M,
-)
-ONE_ATTEMPT = replace(FAST_RETRY, upload_attempts=1)
-
-
-def _unreachable() -> owner_grpc.OwnerServiceStub:
-    """A proxy that cannot be reached: the upload begins (recorded, share kept), then fails."""
-    return owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+_spec = unit_box_queries(M)
 
 
 def _rows(seed: int, n: int) -> np.ndarray:
@@ -93,7 +75,7 @@ def test_the_kept_share_of_an_upload_whose_query_ended_is_deleted(
         due = datetime.now(UTC) + timedelta(seconds=60)
         task = signed_task(spec, due, "alice")  # as the proxy names it: alice/ended
         crashed = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
-        assert crashed.process_task(_unreachable(), task) is None
+        assert crashed.process_task(unreachable_proxy(), task) is None
         record = owner_ledger(config).task(task.key)
         assert record is not None and record.outcome is TaskOutcome.UPLOADING
         assert record.upload_id is not None
@@ -121,26 +103,6 @@ def test_the_kept_share_of_an_upload_whose_query_ended_is_deleted(
         )
 
 
-def _owner_config(tmp_path: Path, public_key: Any) -> OwnerConfig:
-    files = certs.init_certificates(tmp_path / "pki", ["owner-1"], ["analyst-1"])
-    own = files[certs.NodeIdentity(certs.Role.OWNER, "owner-1")]
-    data = tmp_path / "owner.csv"
-    np.savetxt(data, labelled(_rows(3, 30)), delimiter=",", fmt="%.17g")
-    return OwnerConfig(
-        owner=NodeConfig("owner-1", "127.0.0.1:1", tmp_path / "state"),
-        tls=TlsConfig(own.ca_certificate, own.certificate, own.private_key),
-        data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=M + 1),
-        policy=PolicyConfig(
-            (key_fingerprint(public_key),),
-            10.0,
-            False,
-            accepted_query_signers=(TEST_SIGNER,),
-        ),
-        budget=PrivacyParams(10.0, 1e-5),
-        crypto=CryptoConfig(processes=1),
-    )
-
-
 def _share_values(snapshots: ShareSnapshots, upload_id: str, plan: ReleasePlan) -> list[int]:
     kept = snapshots.load(upload_id, plan)
     assert kept is not None
@@ -161,7 +123,7 @@ def test_a_lost_kept_share_is_not_replaced_by_one_of_the_changed_data_file(
     under the same upload id with the values of another table.
     """
     public_key, _ = test_only_keypair_512
-    config = _owner_config(tmp_path, public_key)
+    config = standalone_owner_config(tmp_path, public_key)
     spec = _spec(public_key, "q1", quorum=1)
     due = datetime.now(UTC) + timedelta(seconds=60)
     task = signed_task(spec, due, "alice")
@@ -169,7 +131,7 @@ def test_a_lost_kept_share_is_not_replaced_by_one_of_the_changed_data_file(
     snapshots = ShareSnapshots(config.owner.state_dir / "shares")
 
     first = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
-    assert first.process_task(_unreachable(), task) is None  # began, then the node died
+    assert first.process_task(unreachable_proxy(), task) is None  # began, then the node died
     record = owner_ledger(config).task(task.key)
     assert record is not None and record.outcome is TaskOutcome.UPLOADING
     assert record.upload_id is not None
@@ -183,7 +145,7 @@ def test_a_lost_kept_share_is_not_replaced_by_one_of_the_changed_data_file(
 
     restarted = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
     with contextlib.suppress(FedpcaError):  # refusing to resume is a correct answer
-        restarted.process_task(_unreachable(), task)
+        restarted.process_task(unreachable_proxy(), task)
     # What the restarted node is sending under the upload id (it keeps it on disk before
     # the first chunk may leave): nothing, or the share the upload began with.
     again = snapshots.load(record.upload_id, plan)

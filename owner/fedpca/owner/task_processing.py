@@ -208,8 +208,9 @@ class TaskProcessing:
             kept = self.shares.load(upload_id, plan)
             if kept is not None:
                 logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
-                resumed = self._begin_upload(spec, query_id, upload_id, plan, kept, obfuscation)
-                resumed.began_here = False
+                self._begin_upload(
+                    spec, query_id, upload_id, plan, kept, obfuscation, began_here=False
+                )
                 return None
             if record.seed is None:
                 # Begun by a version that keeps every share before its first chunk may
@@ -257,10 +258,15 @@ class TaskProcessing:
                 if spec.mode is ProtocolMode.MASKED
                 else None
             )
-            upload = self._begin_upload(
-                spec, query_id, upload_id, plan, KeptShare(encoded, record_count), obfuscation
+            self._begin_upload(
+                spec,
+                query_id,
+                upload_id,
+                plan,
+                KeptShare(encoded, record_count),
+                obfuscation,
+                began_here=not resuming,
             )
-            upload.began_here = not resuming
         except BaseException:
             # Not a decline: nothing here depends on the records (a bug, or a proxy whose
             # Hello set an impossible message size). Nothing left the node, so a fresh
@@ -278,13 +284,15 @@ class TaskProcessing:
         plan: ReleasePlan,
         share: KeptShare,
         obfuscation: Obfuscation,
-    ) -> OutgoingUpload:
+        *,
+        began_here: bool,
+    ) -> None:
         upload = self._start_upload(
             spec, query_id, upload_id, plan, share.values, obfuscation, share.record_count
         )
         upload.share = share
+        upload.began_here = began_here
         self._prepared[query_id] = upload
-        return upload
 
     def _accept(
         self, stub: owner_grpc.OwnerServiceStub, task: Task
@@ -509,7 +517,6 @@ class TaskProcessing:
     def _abandon(self, query_id: str, upload_id: str, why: str) -> TaskOutcome:
         """Give up an upload that began and cannot go on; the release stays charged."""
         logger.error("query %s: upload %s abandoned: %s", query_id, upload_id, why)
-        self._drop_upload(query_id)
         self.ledger.record_task(query_id, TaskOutcome.ABANDONED, why, upload_id=upload_id)
         self.shares.discard(upload_id)
         return TaskOutcome.ABANDONED
