@@ -119,9 +119,13 @@ def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSample
             total_ciphertexts: int,
             algebra: Any,
             page_noise: Callable[[int, int, int], bytes] | None,
+            *,
+            limit: int | None = None,
         ) -> Any:
             if finalized != query_id or page_noise is None:
-                return finalize_pages(self, finalized, total_ciphertexts, algebra, page_noise)
+                return finalize_pages(
+                    self, finalized, total_ciphertexts, algebra, page_noise, limit=limit
+                )
             noise = page_noise
 
             def noise_then_crash(page: int, start: int, count: int) -> bytes:
@@ -133,7 +137,9 @@ def inject_crash(query_id: str, point: str, k: int, sampler: PerDrawSeededSample
                     )
                 return encoded
 
-            return finalize_pages(self, finalized, total_ciphertexts, algebra, noise_then_crash)
+            return finalize_pages(
+                self, finalized, total_ciphertexts, algebra, noise_then_crash, limit=limit
+            )
 
         ProxyStore.finalize_pages = crashing_finalize_pages  # type: ignore[method-assign]
         return

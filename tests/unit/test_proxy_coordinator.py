@@ -980,6 +980,100 @@ def test_noise_drawn_in_pieces_packs_to_the_plans_whole_draw(
     assert noise.sample_cpu_seconds > 0.0
 
 
+class GatedSampler(RecordingSampler):
+    """TEST ONLY: a seeded sampler whose draws after the first ``free`` wait for ``gate``."""
+
+    def __init__(self, seed: int, free: int, gate: threading.Event) -> None:
+        super().__init__(seed)
+        self.free = free
+        self.gate = gate
+        self.waiting = threading.Event()
+
+    def sample(self, sigma_int: float, size: int) -> np.ndarray:
+        with self.lock:
+            held = len(self.draws) >= self.free
+        if held:
+            self.waiting.set()
+            assert self.gate.wait(30.0)
+        return super().sample(sigma_int, size)
+
+
+def test_pages_become_final_as_their_noise_is_drawn(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every contribution is in while the noise is still being drawn: the pages whose
+    # noise is drawn are final at once, the others as soon as their noise is, and the
+    # release is the same as with the noise drawn whole before any page.
+    public_key, private_key = test_only_keypair_512
+    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 64)
+    gate = threading.Event()
+    sampler = GatedSampler(7, free=1, gate=gate)
+    store = ProxyStore(tmp_path / "proxy.sqlite3", clock=Clock(), page_ciphertexts=1)
+    coordinator = Coordinator(
+        store,
+        make_config(),
+        pool,
+        noise_sampler=sampler,
+        allow_insecure_test_keys=True,
+        background=False,
+        precompute_noise=True,
+    )
+    try:
+        coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
+        assert sampler.waiting.wait(30.0)  # the first piece is drawn and packed
+        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
+        pages = coordinator.plan(Q1).owner_block(SHARES).layout.n_ciphertexts
+        early = store.pages_final(Q1)
+        assert 0 < early < pages
+        assert store.query(Q1).state is QueryState.AGGREGATING
+        prepared = coordinator.prepared_noise(Q1)
+        assert prepared is not None
+        gate.set()
+        prepared.result(timeout=60)
+        assert store.pages_final(Q1) == pages
+        assert store.query(Q1).state is QueryState.DONE
+        assert coordinator.result_meta(ANALYST, "q1")["timings"]["noise_precomputed"] == 1.0
+        got = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
+    finally:
+        gate.set()
+        coordinator.shutdown()
+    whole = make_coordinator(tmp_path / "whole", pool, noise_sampler=TestOnlySeededSampler(7))
+    run_stats_query(
+        whole, pool, public_key, owners_for(owner_rows), make_spec(public_key, epsilon=1.0)
+    )
+    assert got == decrypt_block(pool, private_key, whole, "q1", SHARES)
+
+
+def test_a_failed_query_stops_drawing_its_noise(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    public_key, _ = test_only_keypair_512
+    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 64)
+    gate = threading.Event()
+    clock = Clock()
+    sampler = GatedSampler(7, free=1, gate=gate)
+    coordinator = make_coordinator(
+        tmp_path, pool, clock=clock, noise_sampler=sampler, precompute_noise=True
+    )
+    try:
+        coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0, deadline_seconds=60)))
+        prepared = coordinator.prepared_noise(Q1)
+        assert prepared is not None and sampler.waiting.wait(30.0)
+        clock.now += 61
+        assert coordinator.check_deadlines() == [Q1]
+        gate.set()
+        prepared.result(timeout=60)
+        # The piece being drawn when the query failed is the last one drawn.
+        assert len(sampler.draws) == 2
+    finally:
+        gate.set()
+        coordinator.shutdown()
+
+
 def test_prepared_noise_is_discarded_when_the_query_fails(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:

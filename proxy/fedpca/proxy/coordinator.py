@@ -355,17 +355,23 @@ class Coordinator(OwnerTasks, AnalystRequests):
         size = self.store.page_ciphertexts
         ready = page_count(total, size) if through >= total else through // size
         with self._lock:
-            if ready <= self._pages_final.get(query_id, 0):
-                return
+            final = self._pages_final.get(query_id, 0)
+        if ready <= final:
+            return
         noise: PageNoise | None = None
         try:
             if context.plan.private:
                 noise = self._noise.get(query_id, context.plan, context.public_key.n)
+                # Pages whose noise is still being drawn wait for it (_noise_drawn).
+                ready = min(ready, noise.pages_drawn(size))
+                if ready <= final:
+                    return
             finalized = self.store.finalize_pages(
                 query_id,
                 total,
                 self._algebra(query_id),
                 None if noise is None else lambda _page, start, count: noise.encoded(start, count),
+                limit=ready,
             )
         except FedpcaError as exc:
             self._fail(query_id, f"adding noise failed ({type(exc).__name__}); see the proxy log")
@@ -385,6 +391,14 @@ class Coordinator(OwnerTasks, AnalystRequests):
             # This pass made the last pages final (a later pass finds the query DONE
             # with nothing new, and must not report it done again).
             self._done(query_id, noise)
+
+    def _noise_drawn(self, key: str) -> None:
+        if self._stopping.is_set():
+            return
+        try:
+            self.advance(key)
+        except Exception:  # the draw goes on; the next fold or piece tries again
+            logger.exception("query %s: making pages final after a noise piece failed", key)
 
     def _done(self, query_id: str, noise: PageNoise | None) -> None:
         with self._lock:

@@ -114,6 +114,7 @@ class CoordinatorCore:
         self._noise = PreparedNoise(
             noise_sampler,
             enabled=background if precompute_noise is None else precompute_noise,
+            on_progress=self._noise_drawn,
         )
         self.observer: Any = None
         """Told each upload's fold seconds and each query's noise seconds
@@ -216,6 +217,11 @@ class CoordinatorCore:
 
     def _algebra(self, query_id: str) -> SerialisedCiphertextGroup:
         return SerialisedCiphertextGroup(self._context(query_id).public_key.n)
+
+    def _noise_drawn(self, key: str) -> None:
+        """Hook, called on the noise thread: more of query ``key``'s noise is drawn, so
+        pages waiting for it may become final (:class:`~fedpca.proxy.coordinator.Coordinator`
+        makes them so). Must not raise: an error here would fail the draw."""
 
     def _prepare_noise(self, key: str, context: QueryContext) -> None:
         if not self._stopping.is_set():

@@ -2,8 +2,10 @@
 
 A stats-mode query's noise depends on the public query only, so it is drawn on a
 background thread from submission on (:meth:`PreparedNoise.prepare`) rather than after
-the last upload, and each result page takes its slice when it becomes final
-(:meth:`fedpca.proxy.store.ProxyStore.finalize_pages`).
+the last upload. It is drawn in wire order, and each result page takes its slice when
+every contributor has delivered the page *and* the slice is drawn
+(:meth:`fedpca.proxy.store.ProxyStore.finalize_pages`): the first pages do not wait
+for the whole vector (1.3 CPU-s at 500 features, about 10 µs a value).
 
 The noise is added to the encrypted aggregate as the ciphertext ``(1 + P n) mod n^2``
 of its packed value P, *without* a random obfuscator: the aggregate it multiplies is
@@ -30,9 +32,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import gmpy2
 
@@ -55,35 +56,72 @@ raised the peak by 46 MiB over the 15 MiB of packed noise kept, pieces of 4,096 
 24 MiB, in the same time (the per-call cost of the sampler is negligible)."""
 
 
-@dataclass(frozen=True)
 class PageNoise:
-    """A stats-mode query's noise, packed like the shares block (memory only).
+    """A stats-mode query's noise, packed like the shares block (memory only), filled
+    in wire order while it is drawn.
+
+    Positions below :meth:`drawn` are final and never change, so a result page whose
+    positions are all drawn can take its noise while later positions are still being
+    drawn: the first pages become final without waiting for the whole vector.
 
     Attributes
     ----------
-    packed : the packed noise plaintexts P mod n, one per result ciphertext, each as
-        ``width`` unsigned big-endian bytes (read-only; 256 bytes at 2048 bits, where
-        the same as Python ints would take about 300).
     n : the analyst's modulus.
-    sample_cpu_seconds : CPU time of the discrete Gaussian draws (this thread's).
-    prepared : drawn in the background from submission on.
+    n_ciphertexts : packed noise plaintexts in all (one per result ciphertext).
+    prepared : drawn in the background from submission on (not when the first page
+        needed it).
     """
 
-    packed: memoryview
-    n: int
-    sample_cpu_seconds: float
-    prepared: bool = False
-    """Drawn in the background from submission on (not when the first page needed it)."""
+    def __init__(self, n: int, n_ciphertexts: int, *, prepared: bool = False) -> None:
+        self.n = n
+        self.n_ciphertexts = n_ciphertexts
+        self.prepared = prepared
+        # Each packed plaintext P mod n as ``width`` unsigned big-endian bytes (256 at
+        # 2048 bits, where the same as Python ints would take about 300).
+        self._packed = bytearray(n_ciphertexts * self.width)
+        self._drawn = 0
+        self._error: BaseException | None = None
+        self._sample_cpu_seconds = 0.0
+        self._lock = threading.Lock()
 
     @property
     def width(self) -> int:
         """Bytes per packed plaintext."""
         return (self.n.bit_length() + 7) // 8
 
+    @property
+    def sample_cpu_seconds(self) -> float:
+        """CPU time of the discrete Gaussian draws so far (the drawing thread's)."""
+        with self._lock:
+            return self._sample_cpu_seconds
+
+    def drawn(self) -> int:
+        """Positions whose noise is drawn and packed (``n_ciphertexts`` once complete).
+
+        Raises
+        ------
+        Exception
+            The draw's own error if it failed: the noise is never drawn again (a redraw
+            would condition the released noise on the failure).
+        """
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            return self._drawn
+
+    def pages_drawn(self, page_ciphertexts: int) -> int:
+        """Result pages of ``page_ciphertexts`` positions whose noise is all drawn."""
+        drawn = self.drawn()
+        if drawn >= self.n_ciphertexts:
+            return -(-self.n_ciphertexts // page_ciphertexts)
+        return drawn // page_ciphertexts
+
     def plaintext(self, position: int) -> int:
         """The packed noise plaintext P mod n of result ciphertext ``position``."""
+        if not 0 <= position < self.drawn():
+            raise IndexError(f"noise position {position} is not drawn yet")
         width = self.width
-        return int.from_bytes(self.packed[position * width : (position + 1) * width], "big")
+        return int.from_bytes(self._packed[position * width : (position + 1) * width], "big")
 
     def encoded(self, start: int, count: int) -> bytes:
         """Ciphertexts ``(1 + P n) mod n^2`` of positions ``start .. start + count - 1``,
@@ -96,18 +134,38 @@ class PageNoise:
             for position in range(start, start + count)
         )
 
+    def _append(self, plaintexts: list[int], cpu_seconds: float) -> None:
+        width = self.width
+        at = self._drawn * width  # only the drawing thread moves _drawn
+        for p in plaintexts:
+            self._packed[at : at + width] = (p % self.n).to_bytes(width, "big")
+            at += width
+        with self._lock:
+            self._drawn += len(plaintexts)
+            self._sample_cpu_seconds += cpu_seconds
+
+    def _failed(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+
 
 def draw_page_noise(
-    plan: ReleasePlan, n: int, sampler: NoiseSampler | None, *, prepared: bool = False
+    plan: ReleasePlan,
+    n: int,
+    sampler: NoiseSampler | None,
+    *,
+    into: PageNoise | None = None,
+    on_progress: Callable[[], None] | None = None,
 ) -> PageNoise:
     """Draw a stats-mode query's discrete Gaussian noise and pack it (no encryption).
 
     The noise is drawn piece by piece (:meth:`ReleasePlan.noise_pieces`) and each
-    piece packed at once, so only the packed plaintexts are kept.
+    piece packed at once into ``into`` (a new :class:`PageNoise` by default), so only
+    the packed plaintexts are kept; ``on_progress`` is called after each piece that
+    completed some positions. A failed draw is recorded in the noise and raised.
     """
     block = plan.owner_block(SHARES)
-    width = (n.bit_length() + 7) // 8
-    packed = bytearray(block.layout.n_ciphertexts * width)
+    noise = PageNoise(n, block.layout.n_ciphertexts) if into is None else into
     pieces = plan.noise_pieces(sampler, NOISE_PIECE_VALUES)
     drawing = 0.0
 
@@ -121,12 +179,16 @@ def draw_page_noise(
                 return
             yield piece
 
-    position = 0
-    for batch in pack_stream(drawn(), block.layout, plan.bounds.noise_headroom):
-        for p in batch:
-            packed[position : position + width] = (p % n).to_bytes(width, "big")
-            position += width
-    return PageNoise(memoryview(packed).toreadonly(), n, drawing, prepared)
+    try:
+        for batch in pack_stream(drawn(), block.layout, plan.bounds.noise_headroom):
+            noise._append(batch, drawing)
+            drawing = 0.0
+            if on_progress is not None and batch:
+                on_progress()
+    except BaseException as exc:
+        noise._failed(exc)
+        raise
+    return noise
 
 
 class PreparedNoise:
@@ -137,13 +199,23 @@ class PreparedNoise:
     sampler : integer Gaussian sampler (None: the production discrete Gaussian).
     enabled : draw in the background from submission on; when False, :meth:`prepare`
         does nothing and :meth:`get` draws on first use.
+    on_progress : called with the query key after each piece of a background draw,
+        so that pages whose noise just became complete can be made final.
     """
 
-    def __init__(self, sampler: NoiseSampler | None, *, enabled: bool) -> None:
+    def __init__(
+        self,
+        sampler: NoiseSampler | None,
+        *,
+        enabled: bool,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.sampler = sampler
+        self.on_progress = on_progress
         self._lock = threading.Lock()
         self._closed = False
         self._futures: dict[str, Future[PageNoise]] = {}
+        self._noises: dict[str, PageNoise] = {}
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise-prep")
             if enabled
@@ -161,22 +233,38 @@ class PreparedNoise:
         with self._lock:
             if key in self._futures or self._closed:
                 return
+            noise = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts, prepared=True)
             try:
-                future = self._executor.submit(
-                    draw_page_noise, plan, n, self.sampler, prepared=True
-                )
+                future = self._executor.submit(self._draw, key, plan, noise)
             except RuntimeError:  # shutting down: drawn on first use
                 return
             self._futures[key] = future
+            self._noises[key] = noise
         logger.info("query %s: drawing its noise while owners encrypt", key)
 
+    def _draw(self, key: str, plan: ReleasePlan, noise: PageNoise) -> PageNoise:
+        def progressed() -> None:
+            with self._lock:
+                wanted = self._noises.get(key) is noise
+            if not wanted:
+                raise _Discarded  # the query is done or failed: stop drawing
+            if self.on_progress is not None:
+                self.on_progress(key)
+
+        try:
+            return draw_page_noise(plan, noise.n, self.sampler, into=noise, on_progress=progressed)
+        except _Discarded:
+            return noise
+
     def get(self, key: str, plan: ReleasePlan, n: int) -> PageNoise:
-        """The query's noise: waited for if being drawn, drawn now (in this thread) if
+        """The query's noise: as far as drawn if it is being drawn in the background
+        (:meth:`PageNoise.drawn` says how far), drawn now in this thread if it was
         never prepared or its preparation has not started yet (it is then cancelled:
         drawing now is as fast as waiting for the queue).
 
         Kept until :meth:`discard`, so every page of the result takes its slice of one
-        draw. A failed draw raises its error (every time: it is never drawn again).
+        draw. A failed draw raises its error from :meth:`PageNoise.drawn` (every time:
+        it is never drawn again).
         """
         with self._lock:
             future = self._futures.get(key)
@@ -185,18 +273,21 @@ class PreparedNoise:
                 future = Future()
                 future.set_running_or_notify_cancel()  # others wait for it, never cancel it
                 self._futures[key] = future
+                self._noises[key] = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts)
+            noise = self._noises[key]
         assert future is not None
         if draw_here:
             try:
-                future.set_result(draw_page_noise(plan, n, self.sampler))
+                future.set_result(draw_page_noise(plan, n, self.sampler, into=noise))
             except BaseException as exc:
-                future.set_exception(exc)
-        return future.result()
+                future.set_exception(exc)  # and kept in the noise: drawn() raises it
+        return noise
 
     def discard(self, key: str) -> None:
         """Drop a query's noise (it is done or failed); never used again."""
         with self._lock:
             future = self._futures.pop(key, None)
+            self._noises.pop(key, None)
         if future is not None:
             future.cancel()  # if it is being drawn, its result is simply dropped
             logger.debug("query %s: prepared noise dropped", key)
@@ -211,10 +302,15 @@ class PreparedNoise:
         with self._lock:
             self._closed = True
             futures, self._futures = self._futures, {}
+            self._noises = {}
         for future in futures.values():
             future.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+class _Discarded(Exception):
+    """A background draw whose query no longer needs it."""
 
 
 def _needs_noise(plan: ReleasePlan) -> bool:

@@ -409,8 +409,11 @@ class ContributionStore(StoreDatabase):
         total_ciphertexts: int,
         algebra: CiphertextAlgebra,
         page_noise: Callable[[int, int, int], bytes] | None,
+        *,
+        limit: int | None = None,
     ) -> Finalized:
-        """Release every page of an AGGREGATING query that all contributors have covered.
+        """Release every page of an AGGREGATING query that all contributors have covered
+        (and, with ``limit``, only the first ``limit`` pages: those whose noise is drawn).
 
         Page ``p``'s result is its aggregate times ``page_noise(p, start, count)`` (the
         encoded noise of wire positions ``start .. start + count - 1``; None: no noise,
@@ -436,6 +439,8 @@ class ContributionStore(StoreDatabase):
                 or 0
             )
             ready = pages if lowest >= total_ciphertexts else lowest // size
+            if limit is not None:
+                ready = min(ready, limit)
             for page in range(existing, ready):
                 row = conn.execute(
                     "SELECT data FROM aggregate_pages WHERE query_id=? AND page=?",
