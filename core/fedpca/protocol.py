@@ -36,8 +36,9 @@ Two protocol modes (see docs/privacy.md for the proofs):
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +250,15 @@ class ReleasePlan:
         values at once), so a consumer that packs the pieces as they come never holds
         the whole vector, nor the sampler's buffers for it.
         """
+        for draw in self.noise_piece_draws(sampler, piece_values):
+            yield draw()
+
+    def noise_piece_draws(
+        self, sampler: NoiseSampler | None = None, piece_values: int | None = None
+    ) -> Iterator[Callable[[], IntArray]]:
+        """The draws of :meth:`noise_pieces`, in order, not yet made: each call draws
+        its piece. The pieces are independent, so they may be drawn concurrently (with
+        a sampler that allows it) and used in this order."""
         if self.spec.mode is not ProtocolMode.STATS:
             raise ConfigError("noise_values is for stats mode; masked mode noises the scatter")
         if piece_values is not None and piece_values < 1:
@@ -259,13 +269,16 @@ class ReleasePlan:
                 size = min(step, s.length - start)
                 # A private release's section without noise is one no change can move
                 # (released exactly, see _unmoved): not a NOT PRIVATE release.
-                yield (
-                    np.zeros(size, dtype=np.int64)
-                    if s.sigma_int == 0 and self.private
-                    else vector_noise(
-                        size, s.sigma_int, sampler=sampler, bound=_headroom(s.sigma_int, s.length)
+                if s.sigma_int == 0 and self.private:
+                    yield functools.partial(_no_noise, size)
+                else:
+                    yield functools.partial(
+                        vector_noise,
+                        size,
+                        s.sigma_int,
+                        sampler=sampler,
+                        bound=_headroom(s.sigma_int, s.length),
                     )
-                )
 
     def section_values(self, values: npt.ArrayLike) -> dict[str, npt.NDArray[np.float64]]:
         """Stats mode: the decrypted ``shares`` integers in real units, by section name."""
@@ -345,6 +358,10 @@ its own input."""
 
 
 # --------------------------------------------------------------------- stats mode
+def _no_noise(size: int) -> IntArray:
+    return np.zeros(size, dtype=np.int64)
+
+
 def _headroom(sigma_int: float, length: int) -> int:
     return noise_headroom(sigma_int) if sigma_int > 0 and length > 0 else 0
 

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -978,6 +979,62 @@ def test_noise_drawn_in_pieces_packs_to_the_plans_whole_draw(
         ((1 + p * n) % (n * n)).to_bytes(width, "big") for p in packed[2:5]
     )
     assert noise.sample_cpu_seconds > 0.0
+
+
+class PieceTaggingSampler:
+    """TEST ONLY: a parallel-safe sampler whose k-th call returns k in every value,
+    finishing out of order (calls sleep 0-2 ms by k)."""
+
+    parallel_safe = True
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sizes: dict[int, int] = {}
+        self.threads: set[str] = set()
+
+    def sample(self, sigma_int: float, size: int) -> np.ndarray:
+        with self.lock:
+            tag = len(self.sizes) + 1
+            self.sizes[tag] = size
+            self.threads.add(threading.current_thread().name)
+        time.sleep(0.001 * (tag % 3))
+        return np.full(size, tag, dtype=np.int64)
+
+
+def test_noise_drawn_on_several_threads_is_packed_in_piece_order(
+    test_only_keypair_512: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pieces drawn concurrently finish out of order; each is still packed whole, in the
+    # order of the plan's draws (which section, which positions), exactly once.
+    public_key, _ = test_only_keypair_512
+    n = public_key.n
+    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 7)
+    plan = ReleasePlan.for_query(make_spec(public_key, epsilon=1.0), n.bit_length())
+    sampler = PieceTaggingSampler()
+    noise = prepared_noise.draw_page_noise(plan, n, sampler, threads=3)
+    block = plan.owner_block(SHARES)
+    values = unpack_slots(
+        [noise.plaintext(i) for i in range(block.layout.n_ciphertexts)], block.layout, n
+    )
+    values = np.asarray(values, dtype=np.int64)[: sum(s.length for s in plan.sections)]
+    # Runs of equal tags, in order: their lengths are the plan's piece sizes.
+    edges = np.flatnonzero(np.diff(values)) + 1
+    runs = np.split(values, edges)
+    expected_sizes = [
+        min(7, section.length - start)
+        for section in plan.sections
+        for start in range(0, section.length, 7)
+    ]
+    assert [len(run) for run in runs] == expected_sizes
+    tags = [int(run[0]) for run in runs]
+    assert sorted(tags) == list(range(1, len(expected_sizes) + 1))
+    assert all(sampler.sizes[tag] == len(run) for tag, run in zip(tags, runs, strict=True))
+    assert len(sampler.threads) > 1 and all(
+        name.startswith("fedpca-noise-draw") for name in sampler.threads
+    )
+    assert prepared_noise.noise_threads(sampler) == prepared_noise.NOISE_THREADS
+    assert prepared_noise.noise_threads(TestOnlySeededSampler(1)) == 1
+    assert prepared_noise.noise_threads(None) == prepared_noise.NOISE_THREADS
 
 
 class GatedSampler(RecordingSampler):

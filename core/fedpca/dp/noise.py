@@ -67,6 +67,12 @@ class DiscreteGaussianSampler:
     randomness from the operating system's CSPRNG; there is deliberately no seed.
     """
 
+    parallel_safe = True
+    """Calls from several threads at once are independent draws (OS randomness, no
+    state kept between calls), and OpenDP's native code runs without holding Python's
+    GIL, so they draw in parallel. A sampler without this attribute (the seeded test
+    sampler, whose output depends on the order of calls) is used from one thread."""
+
     def sample(self, sigma_int: float, size: int) -> IntArray:
         _check_sigma_int(sigma_int)
         if size < 0:
