@@ -30,7 +30,6 @@ The prepared noise
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -221,10 +220,14 @@ def _in_order(
                 future.cancel()
 
 
-NOISE_THREADS = min(4, os.cpu_count() or 1)
+NOISE_THREADS = 4
 """Threads drawing one query's noise when the sampler allows it (the production one
-does): the draw is about 10 µs a value of CPU, so at 500 features (125,751 values) it
-takes 1.3 CPU-s, and at 2,000 features 18 CPU-s."""
+does). The draw costs about 10 µs of CPU a value (1.3 CPU-s at 500 features, 18 at
+2,000) and result pages wait for their slice of it, so it is spread over threads; four
+whatever the cores, because where the proxy shares its cores with other work (in
+``benchmarks/end_to_end.py`` with twenty encryption workers) each thread gets its own
+share of them: on two threads the last page waited 0.09-0.49 s for its noise after
+the last chunk, on four 0.00-0.15 s."""
 
 
 def noise_threads(sampler: NoiseSampler | None) -> int:
