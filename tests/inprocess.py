@@ -27,7 +27,7 @@ from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import FedpcaError
-from fedpca.messages import QueryStatus
+from fedpca.messages import QueryStatus, UploadReceipt, UploadStatus
 from fedpca.owner.config import (
     CryptoConfig,
     DataConfig,
@@ -51,6 +51,7 @@ from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.server import ProxyServer
 from fedpca.query import Neighbouring, QuerySpec
+from fedpca.transport import serde
 from fedpca.transport.certs import (
     CertificateDirectory,
     NodeIdentity,
@@ -85,6 +86,20 @@ def unit_box_queries(m: int) -> QueryBuilder:
         feature_lower=(-1.0,) * m,
         feature_upper=(1.0,) * m,
     )
+
+
+def accepting_upload(messages: Iterator[Any]) -> tuple[Any, Any, Any]:
+    """Read a whole upload as a proxy that accepts it would: (header, payload, the
+    ACCEPTED receipt message to answer with)."""
+    header, payload = serde.read_upload(messages)
+    receipt = UploadReceipt(
+        header.query_id,
+        header.upload_id,
+        UploadStatus.ACCEPTED,
+        header.total_chunks,
+        payload.total_ciphertexts,
+    )
+    return header, payload, serde.upload_receipt_to_proto(receipt)
 
 
 def unreachable_proxy() -> owner_grpc.OwnerServiceStub:

@@ -957,6 +957,13 @@ def test_stats_noise_is_prepared_at_submit_and_used_once(
     assert got == reference
 
 
+def plan_drawn_in_pieces_of_seven(public_key: Any, monkeypatch: pytest.MonkeyPatch) -> ReleasePlan:
+    """A private stats query's plan, its noise drawn 7 values at a time (pieces straddle
+    sections and ciphertexts)."""
+    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 7)
+    return ReleasePlan.for_query(make_spec(public_key, epsilon=1.0), public_key.n.bit_length())
+
+
 def test_noise_drawn_in_pieces_packs_to_the_plans_whole_draw(
     test_only_keypair_512: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -965,8 +972,7 @@ def test_noise_drawn_in_pieces_packs_to_the_plans_whole_draw(
     # each page takes the ciphertext (1 + P n) mod n^2 of its packed value P.
     public_key, _ = test_only_keypair_512
     n = public_key.n
-    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 7)
-    plan = ReleasePlan.for_query(make_spec(public_key, epsilon=1.0), n.bit_length())
+    plan = plan_drawn_in_pieces_of_seven(public_key, monkeypatch)
     sampler = RecordingSampler(7)
     noise = prepared_noise.draw_page_noise(plan, n, sampler)
     assert max(size for _, size in sampler.draws) == 7 and len(sampler.draws) > 3
@@ -1008,8 +1014,7 @@ def test_noise_drawn_on_several_threads_is_packed_in_piece_order(
     # order of the plan's draws (which section, which positions), exactly once.
     public_key, _ = test_only_keypair_512
     n = public_key.n
-    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 7)
-    plan = ReleasePlan.for_query(make_spec(public_key, epsilon=1.0), n.bit_length())
+    plan = plan_drawn_in_pieces_of_seven(public_key, monkeypatch)
     sampler = PieceTaggingSampler()
     noise = prepared_noise.draw_page_noise(plan, n, sampler, threads=3)
     block = plan.owner_block(SHARES)

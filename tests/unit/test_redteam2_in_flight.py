@@ -16,14 +16,20 @@ from typing import Any
 
 from fedpca.codec import CryptoPool, generate_keypair, unpack_slots
 from fedpca.errors import FedpcaError
-from fedpca.messages import Task, UploadReceipt, UploadStatus
+from fedpca.messages import Task
 from fedpca.owner.ledger import TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.protocol import ReleasePlan
 from fedpca.transport import serde
 from helpers import signed_task
-from inprocess import ONE_ATTEMPT, standalone_owner_config, unit_box_queries, unreachable_proxy
+from inprocess import (
+    ONE_ATTEMPT,
+    accepting_upload,
+    standalone_owner_config,
+    unit_box_queries,
+    unreachable_proxy,
+)
 
 _spec = unit_box_queries(3)
 
@@ -36,17 +42,9 @@ class _RecordingProxy:
         self.declines: list[Any] = []
 
     def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
-        header, payload = serde.read_upload(messages)
+        header, payload, receipt = accepting_upload(messages)
         self.uploads.append((header, list(payload.in_wire_order())))
-        return serde.upload_receipt_to_proto(
-            UploadReceipt(
-                header.query_id,
-                header.upload_id,
-                UploadStatus.ACCEPTED,
-                header.total_chunks,
-                payload.total_ciphertexts,
-            )
-        )
+        return receipt
 
     def DeclineTask(self, request: Any, timeout: float | None = None) -> Any:
         decline = serde.task_decline_from_proto(request)

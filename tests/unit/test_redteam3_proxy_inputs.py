@@ -17,14 +17,12 @@ from fedpca.messages import (
     Heartbeat,
     ProxyInfo,
     TaskCancellation,
-    UploadReceipt,
-    UploadStatus,
 )
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.transport import serde
 from helpers import signed_task
-from inprocess import ONE_ATTEMPT, standalone_owner_config, unit_box_queries
+from inprocess import ONE_ATTEMPT, accepting_upload, standalone_owner_config, unit_box_queries
 
 _spec = unit_box_queries(3)
 
@@ -45,17 +43,9 @@ class _Proxy:
         return iter([serde.task_event_to_proto(event) for event in self.events])
 
     def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
-        header, payload = serde.read_upload(messages)
+        header, _, receipt = accepting_upload(messages)
         self.uploads.append(header)
-        return serde.upload_receipt_to_proto(
-            UploadReceipt(
-                header.query_id,
-                header.upload_id,
-                UploadStatus.ACCEPTED,
-                header.total_chunks,
-                payload.total_ciphertexts,
-            )
-        )
+        return receipt
 
     def DeclineTask(self, request: Any, timeout: float | None = None) -> Any:
         decline = serde.task_decline_from_proto(request)

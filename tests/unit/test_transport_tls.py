@@ -30,6 +30,7 @@ from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from inprocess import accepting_upload
 
 TIMEOUT = 10.0
 OWNER = NodeIdentity(Role.OWNER, "owner-1")
@@ -83,17 +84,10 @@ class _Servicer(owner_grpc.OwnerServiceServicer):  # type: ignore[misc]
     ) -> owner_pb.UploadReceipt:
         try:
             certs.require_role(context, Role.OWNER)
-            header, payload = serde.read_upload(request_iterator)
+            _, _, receipt = accepting_upload(request_iterator)
         except FedpcaError as exc:
             context.abort(_status_for(exc), str(exc))
-        receipt = UploadReceipt(
-            header.query_id,
-            header.upload_id,
-            UploadStatus.ACCEPTED,
-            header.total_chunks,
-            payload.total_ciphertexts,
-        )
-        return serde.upload_receipt_to_proto(receipt)
+        return receipt
 
 
 @pytest.fixture(scope="module")

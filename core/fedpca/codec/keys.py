@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import gmpy2
 from phe import paillier
 
 from ..errors import KeyFileError
+from ..files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -87,23 +87,10 @@ def _public_document(public_key: paillier.PaillierPublicKey) -> dict[str, Any]:
 
 
 def _write_atomically(path: Path, text: str, mode: int) -> None:
-    """Write via a temporary file in the same directory created with ``mode``.
-
-    The private key therefore never exists on disk with wider permissions, and a
-    crash never leaves a half-written key file behind.
-    """
-    directory = path.parent
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write ``text`` via :func:`fedpca.files.write_atomically`: the private key never
+    exists on disk with wider permissions, and a crash never leaves a half-written
+    key file behind."""
+    write_atomically(path, lambda handle: handle.write(text.encode("utf-8")), mode)
 
 
 def save_public_key(path: str | os.PathLike[str], public_key: paillier.PaillierPublicKey) -> None:

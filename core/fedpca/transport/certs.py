@@ -28,7 +28,6 @@ import ipaddress
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -43,6 +42,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedpca.errors import AuthenticationError, ConfigError, KeyFileError
+from fedpca.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -370,19 +370,7 @@ def require_role(
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     """Write ``data`` to ``path`` atomically; the file never exists with looser permissions."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # mkstemp creates the file with mode 0600; chmod only ever loosens it for
-    # public material, so a private key is never readable by others.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda handle: handle.write(data), mode)
 
 
 def write_private_key(path: Path, key: PrivateKey) -> None:

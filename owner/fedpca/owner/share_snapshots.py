@@ -17,9 +17,7 @@ and a node's start deletes any left by an upload that no longer runs.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import tempfile
 import zipfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.files import write_atomically
 from fedpca.protocol import ReleasePlan
 
 __all__ = ["KeptShare", "ShareSnapshots"]
@@ -85,22 +84,10 @@ class ShareSnapshots:
         if path.exists():
             return
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        descriptor, temporary = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
-        try:
-            with os.fdopen(descriptor, "wb") as handle:  # mkstemp: mode 0600
-                arrays: dict[str, Any] = {
-                    name: np.asarray(v, np.int64) for name, v in share.values.items()
-                }
-                count = -1 if share.record_count is None else share.record_count
-                arrays[_RECORD_COUNT] = np.array([count], dtype=np.int64)
-                np.savez(handle, **arrays)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        _sync_folder(self.folder)
+        arrays: dict[str, Any] = {name: np.asarray(v, np.int64) for name, v in share.values.items()}
+        count = -1 if share.record_count is None else share.record_count
+        arrays[_RECORD_COUNT] = np.array([count], dtype=np.int64)
+        write_atomically(path, lambda handle: np.savez(handle, **arrays), 0o600)
 
     def load(self, upload_id: str, plan: ReleasePlan) -> KeptShare | None:
         """The saved share of ``upload_id`` if there is one that fits ``plan``, else None.
@@ -152,11 +139,3 @@ class ShareSnapshots:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
-
-
-def _sync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

@@ -42,6 +42,7 @@ from fedpca.codec import ciphertext_byte_length
 from fedpca.codec.packing import pack_stream
 from fedpca.dp.noise import DiscreteGaussianSampler, NoiseSampler
 from fedpca.protocol import SHARES, IntArray, ReleasePlan
+from fedpca.proxy.store_records import page_count
 from fedpca.query import ProtocolMode
 
 __all__ = ["NOISE_THREADS", "PageNoise", "PreparedNoise", "draw_page_noise", "noise_threads"]
@@ -114,7 +115,7 @@ class PageNoise:
         """Result pages of ``page_ciphertexts`` positions whose noise is all drawn."""
         drawn = self.drawn()
         if drawn >= self.n_ciphertexts:
-            return -(-self.n_ciphertexts // page_ciphertexts)
+            return page_count(self.n_ciphertexts, page_ciphertexts)
         return drawn // page_ciphertexts
 
     def plaintext(self, position: int) -> int:
@@ -263,8 +264,9 @@ class PreparedNoise:
         self.threads = noise_threads(sampler) if threads is None else threads
         self._lock = threading.Lock()
         self._closed = False
-        self._futures: dict[str, Future[PageNoise]] = {}
-        self._noises: dict[str, PageNoise] = {}
+        # Query key -> the draw's future (done when every value is drawn) and the noise
+        # it fills, which is read while it is being drawn.
+        self._draws: dict[str, tuple[Future[PageNoise], PageNoise]] = {}
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise-prep")
             if enabled
@@ -280,21 +282,20 @@ class PreparedNoise:
         if self._executor is None or not _needs_noise(plan):
             return
         with self._lock:
-            if key in self._futures or self._closed:
+            if key in self._draws or self._closed:
                 return
             noise = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts, prepared=True)
             try:
                 future = self._executor.submit(self._draw, key, plan, noise)
             except RuntimeError:  # shutting down: drawn on first use
                 return
-            self._futures[key] = future
-            self._noises[key] = noise
+            self._draws[key] = (future, noise)
         logger.info("query %s: drawing its noise while owners encrypt", key)
 
     def _draw(self, key: str, plan: ReleasePlan, noise: PageNoise) -> PageNoise:
         def progressed() -> None:
             with self._lock:
-                wanted = self._noises.get(key) is noise
+                wanted = key in self._draws and self._draws[key][1] is noise
             if not wanted:
                 raise _Discarded  # the query is done or failed: stop drawing
             if self.on_progress is not None:
@@ -323,15 +324,16 @@ class PreparedNoise:
         it is never drawn again).
         """
         with self._lock:
-            future = self._futures.get(key)
-            draw_here = future is None or future.cancel()
+            draw = self._draws.get(key)
+            draw_here = draw is None or draw[0].cancel()
             if draw_here:
-                future = Future()
-                future.set_running_or_notify_cancel()  # others wait for it, never cancel it
-                self._futures[key] = future
-                self._noises[key] = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts)
-            noise = self._noises[key]
-        assert future is not None
+                future: Future[PageNoise] = Future()
+                future.set_running_or_notify_cancel()  # others read it, never cancel it
+                noise = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts)
+                self._draws[key] = (future, noise)
+            else:
+                assert draw is not None
+                future, noise = draw
         if draw_here:
             try:
                 future.set_result(
@@ -344,24 +346,23 @@ class PreparedNoise:
     def discard(self, key: str) -> None:
         """Drop a query's noise (it is done or failed); never used again."""
         with self._lock:
-            future = self._futures.pop(key, None)
-            self._noises.pop(key, None)
-        if future is not None:
-            future.cancel()  # if it is being drawn, its result is simply dropped
+            draw = self._draws.pop(key, None)
+        if draw is not None:
+            draw[0].cancel()  # if it is being drawn, its result is simply dropped
             logger.debug("query %s: prepared noise dropped", key)
 
     def pending(self, key: str) -> Future[PageNoise] | None:
         """TEST AID: the query's noise being (or already) drawn, if any (not removed)."""
         with self._lock:
-            return self._futures.get(key)
+            draw = self._draws.get(key)
+        return None if draw is None else draw[0]
 
     def shutdown(self, wait: bool = True) -> None:
         """Drop every prepared noise and stop the background thread."""
         with self._lock:
             self._closed = True
-            futures, self._futures = self._futures, {}
-            self._noises = {}
-        for future in futures.values():
+            draws, self._draws = self._draws, {}
+        for future, _ in draws.values():
             future.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=wait, cancel_futures=True)
