@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,7 +27,12 @@ from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import FedpcaError
-from fedpca.messages import QueryStatus, UploadReceipt, UploadStatus
+from fedpca.messages import (
+    UPLOAD_ACCEPTED_METADATA,
+    QueryStatus,
+    UploadReceipt,
+    UploadStatus,
+)
 from fedpca.owner.config import (
     CryptoConfig,
     DataConfig,
@@ -100,6 +105,77 @@ def accepting_upload(messages: Iterator[Any]) -> tuple[Any, Any, Any]:
         payload.total_ciphertexts,
     )
     return header, payload, serde.upload_receipt_to_proto(receipt)
+
+
+def acknowledging(request_iterator: Iterable[Any], context: Any) -> Iterator[Any]:
+    """An Upload servicer's messages, acknowledging the header as the proxy does
+    (initial metadata ``UPLOAD_ACCEPTED_METADATA: yes`` once it is read): owners of
+    protocol version 3 send no chunk before it."""
+    messages = iter(request_iterator)
+    for index, message in enumerate(messages):
+        yield message
+        if index == 0:
+            context.send_initial_metadata(((UPLOAD_ACCEPTED_METADATA, "yes"),))
+
+
+class StubUpload:
+    """A fake stub's ``Upload``: owners call ``stub.Upload.future(messages, timeout)``
+    and wait for the call's initial metadata before their first chunk. ``handler`` is
+    called as ``handler(messages, timeout)`` on a thread, like a server; the header
+    counts as accepted once the handler asks for the message after it (a handler that
+    refuses after reading the header alone never acknowledges it)."""
+
+    def __init__(self, handler: Callable[[Iterator[Any], float | None], Any]) -> None:
+        self.handler = handler
+
+    def future(self, messages: Iterable[Any], timeout: float | None = None) -> _StubUploadCall:
+        return _StubUploadCall(self.handler, messages, timeout)
+
+    def __call__(self, messages: Iterable[Any], timeout: float | None = None) -> Any:
+        return self.future(messages, timeout).result()
+
+
+class _StubUploadCall:
+    def __init__(
+        self,
+        handler: Callable[[Iterator[Any], float | None], Any],
+        messages: Iterable[Any],
+        timeout: float | None,
+    ) -> None:
+        self._accepted = threading.Event()
+        self._ended = threading.Event()
+        self._outcome: tuple[bool, Any] = (False, None)
+
+        def server_side() -> Iterator[Any]:
+            source = iter(messages)
+            header = next(source, None)
+            if header is None:
+                return
+            yield header
+            self._accepted.set()
+            yield from source
+
+        def run() -> None:
+            try:
+                self._outcome = (True, handler(server_side(), timeout))
+            except BaseException as exc:
+                self._outcome = (False, exc)
+            finally:
+                self._ended.set()
+
+        threading.Thread(target=run, name="stub-upload", daemon=True).start()
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        while not (self._accepted.wait(0.01) or self._ended.is_set()):
+            pass
+        return ((UPLOAD_ACCEPTED_METADATA, "yes"),) if self._accepted.is_set() else ()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._ended.wait(timeout)
+        succeeded, value = self._outcome
+        if not succeeded:
+            raise value
+        return value
 
 
 def unreachable_proxy() -> owner_grpc.OwnerServiceStub:

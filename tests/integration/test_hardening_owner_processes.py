@@ -53,7 +53,7 @@ from helpers import (
     signed_task,
     wait_until,
 )
-from inprocess import labelled
+from inprocess import acknowledging, labelled
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +228,7 @@ class MaliciousProxy(owner_grpc.OwnerServiceServicer):
         return serde.decline_receipt_to_proto(decline.query_id)
 
     def Upload(self, request_iterator: Any, context: Any) -> Any:
-        messages = iter(request_iterator)
+        messages = acknowledging(request_iterator, context)
         header = serde.upload_header_from_message(next(messages))
         assembler = header.assembler()
         for message in messages:

@@ -26,7 +26,13 @@ import pytest
 
 from fedpca.app.cluster import LocalCluster
 from fedpca.codec import CryptoPool
-from fedpca.messages import DeclineReason, OwnerHello, QueryState, TaskDecline
+from fedpca.messages import (
+    UPLOAD_ACCEPTED_METADATA,
+    DeclineReason,
+    OwnerHello,
+    QueryState,
+    TaskDecline,
+)
 from fedpca.proxy.coordinator import task_id
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
@@ -408,7 +414,11 @@ def test_declines_only_while_collecting_before_an_upload_with_a_bounded_detail(
         down_channel, down_stub = cluster_stub(cluster, "owner", decliner)
         with cluster_analyst(cluster) as analyst, up_channel, down_channel:
             analyst.submit(collecting, signing_key)
-            receipt = up_stub.Upload(iter(uploads["collecting"]), timeout=30)
+            # The proxy acknowledges the header (initial metadata) before any chunk:
+            # owners send chunks only after it (protocol version 3).
+            call = up_stub.Upload.future(iter(uploads["collecting"]), timeout=30)
+            assert dict(call.initial_metadata()).get(UPLOAD_ACCEPTED_METADATA) == "yes"
+            receipt = call.result()
             assert receipt.upload_id == "u-1"
             # An owner that uploaded cannot decline afterwards.
             refused, seconds = decline(up_stub, "collecting")
@@ -431,6 +441,13 @@ def test_declines_only_while_collecting_before_an_upload_with_a_bounded_detail(
             refused, seconds = decline(down_stub, "collecting", "again")
             assert isinstance(refused, grpc.RpcError), refused
             assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION and seconds < PROMPT
+            # A header the proxy refuses (the decliner on the failed query) is never
+            # acknowledged.
+            late = down_stub.Upload.future(iter(uploads["collecting"]), timeout=30)
+            assert UPLOAD_ACCEPTED_METADATA not in dict(late.initial_metadata() or ())
+            with pytest.raises(grpc.RpcError) as refusal:
+                late.result()
+            assert refusal.value.code() is grpc.StatusCode.FAILED_PRECONDITION
 
             analyst.submit(finished, signing_key)
             up_stub.Upload(iter(uploads["finished"]), timeout=30)

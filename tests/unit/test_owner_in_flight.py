@@ -22,7 +22,7 @@ from fedpca.owner.ledger import TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import TEST_SIGNING_KEY, signed_task, wait_until
-from inprocess import FAST_RETRY, deployment, labelled, unit_box_queries
+from inprocess import FAST_RETRY, StubUpload, deployment, labelled, unit_box_queries
 
 M = 12
 _spec = unit_box_queries(M)
@@ -36,8 +36,9 @@ class _StreamThatBreaks:
     def __init__(self, real: owner_grpc.OwnerServiceStub, folded: threading.Event) -> None:
         self.real = real
         self.folded = folded
+        self.Upload = StubUpload(self._upload)
 
-    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+    def _upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
         def first_chunk_only() -> Iterator[Any]:
             for index, message in enumerate(messages):
                 if index == 2:
@@ -142,6 +143,12 @@ def test_the_proxy_withdraws_what_cannot_go_on_and_says_nothing_more(
         answers = coordinator.in_flight_answers("o-1", ["alice/over", "alice/never"])
         assert [type(a).__name__ for a in answers] == ["TaskCancellation"] * 2
         assert len({getattr(a, "reason", None) for a in answers}) == 1
+        # The query is DONE once its last chunk is folded; the upload's completion is
+        # recorded just after.
+        wait_until(
+            lambda: any(u.owner_id == "o-2" for u in coordinator.store.uploads("alice/over")),
+            "o-2's upload recorded as accepted",
+        )
         (again,) = coordinator.in_flight_answers("o-2", ["alice/over"])
         assert type(again).__name__ == "Task" and again.key == "alice/over"
         assert coordinator.in_flight_answers("stranger", ["alice/over"]) == []

@@ -66,6 +66,7 @@ from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import TEST_SIGNER, query_builder, signed_task, wait_until
+from inprocess import StubUpload, acknowledging
 
 WAIT = 30.0
 ANALYST = "analyst-1"
@@ -101,6 +102,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     close_stream_after_first: bool = False
     abort_streams: int = 0
     """Open task streams to break with UNAVAILABLE (after their first heartbeat)."""
+    refuse_headers: int = 0
+    """Uploads to refuse 0.5 s after reading their header, without acknowledging it."""
     tasks: queue.Queue[TaskEvent] = field(default_factory=queue.Queue)
     hellos: list[str] = field(default_factory=list)
     uploads: list[UploadCall] = field(default_factory=list)
@@ -155,7 +158,12 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
         self, request_iterator: Iterator[owner_pb.UploadMessage], context: Any
     ) -> owner_pb.UploadReceipt:
         certs.require_role(context, Role.OWNER)
-        header, payload = serde.read_upload(request_iterator)
+        if self.refuse_headers > 0:
+            self.refuse_headers -= 1
+            next(iter(request_iterator))
+            time.sleep(0.5)  # gRPC's client would pull the next message meanwhile
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "test: query closed")
+        header, payload = serde.read_upload(acknowledging(request_iterator, context))
         seen = {call.upload_id for call in self.uploads}
         width = header.blocks[0].ciphertext_bytes
         content = b"".join(c.to_bytes(width, "big") for c in payload.in_wire_order())
@@ -899,8 +907,9 @@ class _RefusingProxy:
 
     def __init__(self, read: int) -> None:
         self.read = read
+        self.Upload = StubUpload(self._upload)
 
-    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+    def _upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
         for _ in range(self.read):
             next(messages)
         raise _ClosedQuery()
@@ -920,6 +929,23 @@ def test_a_refused_upload_is_refunded_only_if_no_chunk_left_the_node(
     assert outcome is TaskOutcome.REJECTED
     charged = len(harness.ledger.events())
     assert charged == (0 if read == 1 else 1)
+
+
+def test_an_upload_refused_at_its_header_is_refunded_although_chunks_were_ready(
+    harness: Harness,
+) -> None:
+    """The refund race of docs/privacy.md (Refunds): gRPC's client pulls the next
+    message as soon as the header is sent, so before protocol version 3 a proxy that
+    refused the header a moment later found the first chunk already handed out, and
+    the owner stayed charged while the proxy refunded the analyst. Now the owner hands
+    out no chunk before the proxy acknowledges the header, and refunds."""
+    harness.proxy.refuse_headers = 1
+    harness.send(harness.spec("q1"))
+    harness.proxy.wait_for(lambda: harness.ledger.is_handled(key("q1")))
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is TaskOutcome.REJECTED
+    assert harness.ledger.events() == []
+    assert harness.proxy.uploads == []
 
 
 def test_kept_shares_of_ended_uploads_are_deleted_at_start(

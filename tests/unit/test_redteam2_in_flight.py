@@ -25,6 +25,7 @@ from fedpca.transport import serde
 from helpers import signed_task
 from inprocess import (
     ONE_ATTEMPT,
+    StubUpload,
     accepting_upload,
     standalone_owner_config,
     unit_box_queries,
@@ -40,8 +41,9 @@ class _RecordingProxy:
     def __init__(self) -> None:
         self.uploads: list[tuple[Any, list[int]]] = []
         self.declines: list[Any] = []
+        self.Upload = StubUpload(self._upload)
 
-    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+    def _upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
         header, payload, receipt = accepting_upload(messages)
         self.uploads.append((header, list(payload.in_wire_order())))
         return receipt

@@ -22,7 +22,13 @@ from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.transport import serde
 from helpers import signed_task
-from inprocess import ONE_ATTEMPT, accepting_upload, standalone_owner_config, unit_box_queries
+from inprocess import (
+    ONE_ATTEMPT,
+    StubUpload,
+    accepting_upload,
+    standalone_owner_config,
+    unit_box_queries,
+)
 
 _spec = unit_box_queries(3)
 
@@ -35,6 +41,7 @@ class _Proxy:
         self.info = info
         self.events = events
         self.uploads: list[Any] = []
+        self.Upload = StubUpload(self._upload)
 
     def Hello(self, request: Any, timeout: float | None = None) -> Any:
         return serde.proxy_info_to_proto(self.info)
@@ -42,7 +49,7 @@ class _Proxy:
     def StreamTasks(self, request: Any, timeout: float | None = None) -> Iterator[Any]:
         return iter([serde.task_event_to_proto(event) for event in self.events])
 
-    def Upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+    def _upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
         header, _, receipt = accepting_upload(messages)
         self.uploads.append(header)
         return receipt

@@ -74,6 +74,7 @@ from fedpca.messages.tasks import (
 )
 from fedpca.messages.uploads import (
     SHARE_RELEASED_METADATA,
+    UPLOAD_ACCEPTED_METADATA,
     UPLOAD_ID_PATTERN,
     UploadHeader,
     UploadReceipt,
@@ -89,6 +90,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SHA256_BYTES",
     "SHARE_RELEASED_METADATA",
+    "UPLOAD_ACCEPTED_METADATA",
     "UPLOAD_CHUNK_BYTES",
     "UPLOAD_ID_PATTERN",
     "BudgetStatus",

@@ -21,13 +21,19 @@ __all__ = [
     "TaskEvent",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Wire protocol version spoken by this code (messages of package ``fedpca.v1``).
 
 Version 2: chunks carry links of a hash chain instead of per-chunk hashes under a
 content hash declared in the header (uploads stream while the owner encrypts, results
 stream page by page), and an interrupted upload resumes where the proxy's durable
-copy ends."""
+copy ends.
+
+Version 3: the proxy acknowledges an upload's header in the call's initial metadata
+(:data:`~fedpca.messages.uploads.UPLOAD_ACCEPTED_METADATA`) once it has recorded the
+upload as begun, and the owner sends no chunk before that: an upload refused at its
+header leaves both the owner and the analyst refunded, one accepted leaves both
+charged."""
 
 
 class ObfuscationVariant(StrEnum):

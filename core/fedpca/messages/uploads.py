@@ -12,6 +12,7 @@ from fedpca.messages.ciphertexts import CiphertextBlock
 
 __all__ = [
     "SHARE_RELEASED_METADATA",
+    "UPLOAD_ACCEPTED_METADATA",
     "UPLOAD_ID_PATTERN",
     "UploadHeader",
     "UploadReceipt",
@@ -22,6 +23,13 @@ __all__ = [
 UPLOAD_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 """What an upload id must fully match. Upload ids end up in the proxy's durable
 store (keys, log lines); a conservative alphabet means no store has to escape them."""
+
+
+UPLOAD_ACCEPTED_METADATA = "fedpca-upload-accepted"
+"""Initial metadata key the proxy sends, with the value ``yes``, on an upload whose
+header it accepted: the owner joined the query's contributors (or resumes), and the
+proxy recorded that an upload began, so the analyst's charge is never refunded. The
+owner sends its first chunk only after it (protocol version 3)."""
 
 
 SHARE_RELEASED_METADATA = "fedpca-share-released"

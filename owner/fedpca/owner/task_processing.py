@@ -29,6 +29,7 @@ from fedpca.errors import (
 )
 from fedpca.messages import (
     SHARE_RELEASED_METADATA,
+    UPLOAD_ACCEPTED_METADATA,
     DeclineReason,
     ObfuscationVariant,
     Task,
@@ -424,7 +425,12 @@ class TaskProcessing:
                 logger.warning("query %s: stopping before the upload finished", query_id)
                 return None
             try:
-                response = stub.Upload(upload.messages(), timeout=self.retry.upload_timeout)
+                acknowledgement = _HeaderAcknowledgement()
+                call = stub.Upload.future(
+                    upload.messages(acknowledgement.wait), timeout=self.retry.upload_timeout
+                )
+                acknowledgement.watch(call)
+                response = call.result()
             except grpc.RpcError as err:
                 if upload.error is not None:
                     # Encrypting failed (a bug or a dead worker), not the proxy: the task
@@ -453,8 +459,10 @@ class TaskProcessing:
                     )
                     self.shares.discard(upload_id)
                     if upload.began_here and not upload.chunk_handed_out:
-                        # Only the header ever left this node: no result can hold
-                        # anything of the share, whatever the proxy says. (The proxy's
+                        # Only the header ever left this node (chunks wait for the
+                        # proxy's acknowledgement, which a refused header never gets):
+                        # no result can hold anything of the share, whatever the proxy
+                        # says. (The proxy's
                         # word alone is not enough: a proxy could fold every chunk, let
                         # the analyst read the result, and still say "not released".)
                         self.ledger.cancel_reservation(query_id, upload_refused=True)
@@ -590,6 +598,28 @@ class TaskProcessing:
             self.ledger.record_task(query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}")
             return TaskOutcome.DECLINED
         return None  # pragma: no cover - the loop always returns
+
+
+class _HeaderAcknowledgement:
+    """The proxy's word on an upload's header: the call's initial metadata carries
+    ``UPLOAD_ACCEPTED_METADATA: yes`` once the proxy recorded the upload as begun
+    (protocol version 3); a call that ends without it was refused at the header."""
+
+    def __init__(self) -> None:
+        self._call: Any = None
+        self._started = threading.Event()
+
+    def watch(self, call: Any) -> None:
+        """The upload call whose initial metadata to wait for."""
+        self._call = call
+        self._started.set()
+
+    def wait(self) -> bool:
+        """Block until the proxy answered the header (or the call ended); True if it
+        accepted it."""
+        self._started.wait()
+        metadata = dict(self._call.initial_metadata() or ())
+        return bool(metadata.get(UPLOAD_ACCEPTED_METADATA) == "yes")
 
 
 def _share_unreleased(err: grpc.RpcError) -> bool:

@@ -116,8 +116,13 @@ class OutgoingUpload:
         with self._changed:
             return self._complete
 
-    def messages(self) -> Iterator[Any]:
+    def messages(self, header_accepted: Callable[[], bool] | None = None) -> Iterator[Any]:
         """All messages from the header on, waiting for each chunk while it is encrypted.
+
+        ``header_accepted`` is asked once, after the header and before the first chunk
+        is handed out: it waits for the proxy's word and says whether the header was
+        accepted. When it says no, the messages end there (the proxy refused; no chunk
+        left this node).
 
         Raises
         ------
@@ -140,6 +145,8 @@ class OutgoingUpload:
                     raise self._error
                 else:
                     return
+            if index == 1 and header_accepted is not None and not header_accepted():
+                return
             if index > 0:
                 self.chunk_handed_out = True  # before gRPC may send it
             yield message

@@ -56,6 +56,7 @@ from fedpca.errors import (
 )
 from fedpca.messages import (
     SHARE_RELEASED_METADATA,
+    UPLOAD_ACCEPTED_METADATA,
     ChunkAssembler,
     ChunkChain,
     Heartbeat,
@@ -200,7 +201,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                 raise ProtocolError("upload stream is empty (expected an UploadHeader)")
             header = serde.upload_header_from_message(first)
             try:
-                receipt, assembler = await self._receive(owner, header, messages, deadline)
+                receipt, assembler = await self._receive(owner, header, messages, deadline, context)
             except QueryStateError:
                 # The query ended or no longer takes this owner: say whether any result
                 # can hold this owner's share, so that it may refund its reservation.
@@ -221,7 +222,12 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         )
 
     async def _receive(
-        self, owner: str, header: UploadHeader, messages: AsyncIterator[Any], deadline: float
+        self,
+        owner: str,
+        header: UploadHeader,
+        messages: AsyncIterator[Any],
+        deadline: float,
+        context: aio.ServicerContext,
     ) -> tuple[UploadCompletion, ChunkAssembler]:
         # A foreign-key or wrongly shaped upload, or one from an owner the query no
         # longer takes, is refused before any chunk is read; the header's layout equals
@@ -231,6 +237,9 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         # The fold of one chunk (a durable write) overlaps reading the next one.
         folding: asyncio.Future[None] | None = None
         try:
+            # The upload is recorded as begun (the analyst's charge stands): only now
+            # does the owner send chunks (protocol version 3).
+            await context.send_initial_metadata(((UPLOAD_ACCEPTED_METADATA, "yes"),))
             while (message := await self._next(messages, deadline)) is not None:
                 chunk = assembler.add(serde.upload_chunk_from_message(message))
                 if folding is not None:
