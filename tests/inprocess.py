@@ -143,6 +143,7 @@ class _StubUploadCall:
         timeout: float | None,
     ) -> None:
         self._accepted = threading.Event()
+        self._answered = threading.Event()  # accepted, or the handler ended without it
         self._ended = threading.Event()
         self._outcome: tuple[bool, Any] = (False, None)
 
@@ -153,6 +154,7 @@ class _StubUploadCall:
                 return
             yield header
             self._accepted.set()
+            self._answered.set()
             yield from source
 
         def run() -> None:
@@ -161,13 +163,13 @@ class _StubUploadCall:
             except BaseException as exc:
                 self._outcome = (False, exc)
             finally:
+                self._answered.set()
                 self._ended.set()
 
         threading.Thread(target=run, name="stub-upload", daemon=True).start()
 
     def initial_metadata(self) -> tuple[tuple[str, str], ...]:
-        while not (self._accepted.wait(0.01) or self._ended.is_set()):
-            pass
+        self._answered.wait()
         return ((UPLOAD_ACCEPTED_METADATA, "yes"),) if self._accepted.is_set() else ()
 
     def result(self, timeout: float | None = None) -> Any:
