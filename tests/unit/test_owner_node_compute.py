@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from fedpca.codec import CryptoPool, ciphertext_byte_length, ciphertexts_from_bytes, pack_slots
 from fedpca.codec.paillier import STREAM_TASK_CIPHERTEXTS
@@ -353,6 +354,46 @@ def test_the_work_is_padded_to_the_public_cap(
         small = LocalTable(table.rows().features[:n], None, "first rows").table_for(spec)
         encode_share(spec, small, plan, capacity=CAPACITY)
     assert seen == [(10, 1000), (351, 1000)]
+
+
+def _blas_threads() -> int:
+    return max(pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas")
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_statistics_of_a_small_table_run_on_one_blas_thread(
+    test_only_keypair_512: tuple[Any, Any],
+    ionosphere: LocalTable,
+    monkeypatch: pytest.MonkeyPatch,
+    small: bool,
+) -> None:
+    """Below SINGLE_THREAD_BLAS_WORK the Gram matrix is computed on one BLAS thread (no
+    spinning pool threads afterwards); above it BLAS keeps its threads; either way the
+    process's limit is restored."""
+    public_key, _ = test_only_keypair_512
+    spec = _spec(public_key)
+    work = CAPACITY * 34**2
+    assert work < compute.SINGLE_THREAD_BLAS_WORK
+    if not small:
+        monkeypatch.setattr(compute, "SINGLE_THREAD_BLAS_WORK", work)
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    before = _blas_threads()
+    with threadpool_limits(limits=2, user_api="blas"):
+        if _blas_threads() < 2:
+            pytest.skip("this BLAS cannot run two threads here")
+        seen: list[int] = []
+        real = compute.fixed_point_statistics
+
+        def recording(features: Any, labels: Any, query: Any, *, pad_to: int = 0) -> Any:
+            seen.append(_blas_threads())
+            return real(features, labels, query, pad_to=pad_to)
+
+        monkeypatch.setattr(compute, "fixed_point_statistics", recording)
+        table = ionosphere.table_for(spec)
+        encode_share(spec, table, plan, capacity=CAPACITY)
+        assert seen == [1 if small else 2]
+        assert _blas_threads() == 2
+    assert _blas_threads() == before
 
 
 def test_pca_drops_the_configured_label_column(

@@ -32,13 +32,16 @@ Nothing here logs values or counts derived from the rows.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from phe import paillier
+from threadpoolctl import threadpool_limits
 
 from fedpca.aggregates import AggregateIntegers, fixed_point_aggregates
 from fedpca.codec.ciphertext import PackedCiphertexts
@@ -57,10 +60,12 @@ from fedpca.query import QueryKind, QuerySpec
 from fedpca.tables import OwnerTable, load_table
 
 __all__ = [
+    "SINGLE_THREAD_BLAS_WORK",
     "EncryptionProgress",
     "LocalTable",
     "QueryColumns",
     "analyst_public_key",
+    "blas_threads_for",
     "contributed_rows",
     "encode_share",
     "encrypt_share",
@@ -283,6 +288,32 @@ def record_cap(spec: QuerySpec, capacity: int) -> int:
     return min(spec.max_records_per_owner, capacity)
 
 
+SINGLE_THREAD_BLAS_WORK = 1 << 30
+"""Multiply-adds (rows x features^2, the Gram matrix) below which an owner computes its
+statistics on one BLAS thread. OpenBLAS's threads keep spinning for a while after
+every call before they sleep; for a small table that spinning cost more CPU than the
+second thread saved (benchmarks/end_to_end.py, madelon over 10 owners: ~0.2 CPU-s of
+the owners' ~1.3 CPU-s outside encryption was OpenBLAS threads, 0.014 s of it the
+product itself). 2^30 multiply-adds take about 0.1 s on one core."""
+
+_blas_limit_lock = threading.Lock()
+
+
+@contextmanager
+def blas_threads_for(work: int) -> Iterator[None]:
+    """Run the block on one BLAS thread if ``work`` (multiply-adds) is small.
+
+    ``threadpoolctl`` limits the process's BLAS libraries, so every thread of the
+    process is affected while the block runs; the lock keeps two owners in one process
+    (tests, benchmarks) from restoring each other's limits out of order.
+    """
+    if work >= SINGLE_THREAD_BLAS_WORK:
+        yield
+        return
+    with _blas_limit_lock, threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 def padded_rows(spec: QuerySpec, cap: int) -> int:
     """Rows an owner's statistics always process for ``spec``: the cap, times C for DCA."""
     return cap * (len(spec.class_labels) if spec.kind is QueryKind.DCA else 1)
@@ -369,13 +400,13 @@ def encode_share(
     """
     cap = record_cap(spec, capacity)
     rows = contributed_rows(table, spec, cap, rng)
+    padded = padded_rows(spec, cap)
     statistics: FixedPointStatistics | AggregateIntegers
-    if spec.kind is QueryKind.AGGREGATE:
-        statistics = fixed_point_aggregates(rows.features, spec, pad_to=padded_rows(spec, cap))
-    else:
-        statistics = fixed_point_statistics(
-            rows.features, rows.labels, spec, pad_to=padded_rows(spec, cap)
-        )
+    with blas_threads_for(padded * spec.n_features**2):
+        if spec.kind is QueryKind.AGGREGATE:
+            statistics = fixed_point_aggregates(rows.features, spec, pad_to=padded)
+        else:
+            statistics = fixed_point_statistics(rows.features, rows.labels, spec, pad_to=padded)
     values = plan.owner_integers(statistics)
     encoded: dict[str, IntArray] = {}
     for block in plan.owner_blocks:
