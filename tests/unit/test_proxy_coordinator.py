@@ -75,6 +75,7 @@ from helpers import (
     query_builder,
     reference_statistics,
     signed,
+    wait_until,
 )
 
 IntVector = list[int]
@@ -1060,6 +1061,45 @@ class GatedSampler(RecordingSampler):
         return super().sample(sigma_int, size)
 
 
+def test_a_slow_progress_report_does_not_hold_up_the_draw(
+    test_only_keypair_512: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reporting progress (making pages final: store writes) runs on its own thread: the
+    # noise is drawn to the end while the first report is blocked, and the reports
+    # queued meanwhile collapse into one that sees the noise complete.
+    public_key, _ = test_only_keypair_512
+    plan = plan_drawn_in_pieces_of_seven(public_key, monkeypatch)
+    total = plan.owner_block(SHARES).layout.n_ciphertexts
+    reporting, release = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def report(key: str) -> None:
+        # A report follows a drawn piece, so the draw is running: get() returns it.
+        seen.append(prepared.get(key, plan, public_key.n).drawn())
+        reporting.set()
+        assert release.wait(30.0)
+
+    # The pieces after those that fill the first ciphertext (the first report) wait
+    # until that report has begun.
+    first = -(-plan.owner_block(SHARES).layout.slots_per_ciphertext // 7)
+    sampler = GatedSampler(7, free=first, gate=reporting)
+    prepared = prepared_noise.PreparedNoise(sampler, enabled=True, on_progress=report, threads=1)
+    try:
+        prepared.prepare("q", plan, public_key.n)
+        future = prepared.pending("q")
+        assert future is not None
+        assert future.result(timeout=30.0).drawn() == total  # while the report blocks
+        assert len(seen) == 1 and seen[0] < total
+        release.set()
+        wait_until(lambda: len(seen) == 2, "the queued report")
+        assert seen[1] == total
+        time.sleep(0.1)
+        assert len(seen) == 2  # pieces drawn during one report: one more report, not one each
+    finally:
+        release.set()
+        prepared.shutdown()
+
+
 def test_pages_become_final_as_their_noise_is_drawn(
     tmp_path: Path,
     pool: CryptoPool,
@@ -1096,8 +1136,19 @@ def test_pages_become_final_as_their_noise_is_drawn(
         assert prepared is not None
         gate.set()
         prepared.result(timeout=60)
+        # Pages are made final on the reporting thread, after the last piece is drawn;
+        # the query's timings are recorded last.
+        wait_until(
+            lambda: "timings" in coordinator.result_meta(ANALYST, "q1"), "the query to be done"
+        )
         assert store.pages_final(Q1) == pages
         assert store.query(Q1).state is QueryState.DONE
+        # A late report or fold finds the query done: its discarded noise is not drawn
+        # again (it used to be, whole, for nothing).
+        draws = len(sampler.draws)
+        coordinator.advance(Q1)
+        time.sleep(0.2)  # or a report of the last pieces, on the reporting thread
+        assert len(sampler.draws) == draws
         assert coordinator.result_meta(ANALYST, "q1")["timings"]["noise_precomputed"] == 1.0
         got = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
     finally:

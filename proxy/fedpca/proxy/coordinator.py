@@ -359,6 +359,10 @@ class Coordinator(OwnerTasks, AnalystRequests):
         if ready <= final:
             return
         noise: PageNoise | None = None
+        if context.plan.private and self.store.query(query_id).state is not QueryState.AGGREGATING:
+            # Done or failed (a late noise report or fold): its noise is discarded, and
+            # asking for it would draw a whole vector again for nothing.
+            return
         try:
             if context.plan.private:
                 noise = self._noise.get(query_id, context.plan, context.public_key.n)
