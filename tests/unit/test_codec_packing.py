@@ -18,6 +18,7 @@ from fedpca.codec import (
     check_owner_count,
     owner_value_bound,
     pack_slots,
+    packing,
     slot_value_bound,
     unpack_slots,
 )
@@ -299,3 +300,62 @@ def test_packing_round_trips_a_madelon_sized_share() -> None:
     assert len(packed) == layout.n_ciphertexts
     unpacked = unpack_slots([p % n for p in packed], layout, n)
     assert unpacked == values.tolist()
+
+
+@given(st.data())
+def test_words_and_shifts_pack_and_unpack_alike(data: st.DataObject) -> None:
+    # Slots of at most 63 bits are packed and unpacked with 64-bit words; the plain
+    # shifts on Python ints are the reference: the same plaintexts, the same values,
+    # the same refusals, for every width, slot count and a short last plaintext.
+    shift = data.draw(st.integers(2, 63))
+    k = data.draw(st.integers(1, 2046 // shift))
+    count = data.draw(st.integers(1, 3 * k))
+    layout = SlotLayout(2048, shift, k, count)
+    capacity = layout.slot_capacity
+    values = data.draw(
+        st.lists(
+            st.integers(-capacity, capacity) | st.sampled_from([capacity, -capacity, 0]),
+            min_size=count,
+            max_size=count,
+        )
+    )
+    packed = packing._pack_words(np.array(values, dtype=np.int64), shift, k)
+    assert packed == packing._pack(values, shift, k)
+    n = data.draw(st.integers(2**2047, 2**2048 - 1).map(lambda x: x | 1))
+    plaintexts = [p % n for p in packed]
+    first = data.draw(st.integers(0, layout.n_ciphertexts - 1))
+    page = plaintexts[first:]
+    bound = data.draw(st.integers(0, capacity))
+    results = []
+    for unpack in (packing._unpack_words, packing._unpack_shifts):
+        try:
+            results.append(unpack(page, layout, n, bound, first))
+        except EncodingOverflowError as exc:
+            results.append(str(exc))
+    assert results[0] == results[1]
+    # A carry into the slot above a plaintext's own is refused alike (or, when the
+    # plaintext fills all key_bits - 1 bits, decoded alike: that carry wraps mod n).
+    top = count - (layout.n_ciphertexts - 1) * k
+    wrapped = (packed[-1] + (1 << (shift * top))) % n
+    results = []
+    for unpack in (packing._unpack_words, packing._unpack_shifts):
+        try:
+            results.append(unpack([wrapped], layout, n, None, layout.n_ciphertexts - 1))
+        except EncodingOverflowError as exc:
+            results.append(str(exc))
+    assert results[0] == results[1]
+    if 1 << (shift * top + 1) < n:
+        assert isinstance(results[0], str)
+
+
+def test_slots_wider_than_a_word_round_trip() -> None:
+    # 70-bit slots take the shifts on Python ints, whole and streamed.
+    layout = SlotLayout(2048, 70, 29, 100)
+    capacity = layout.slot_capacity
+    rng = random.Random(3)
+    values = [rng.randint(-capacity, capacity) for _ in range(100)]
+    packed = pack_slots(values, layout, capacity)
+    pieces = [values[:41], values[41:]]
+    assert [p for batch in pack_stream(pieces, layout, capacity) for p in batch] == packed
+    n = _smallest_modulus(2048)
+    assert unpack_slots([p % n for p in packed], layout, n, capacity) == values
