@@ -37,8 +37,11 @@ from fedpca.codec import (
 from fedpca.codec._worker import encrypt_chunk_djn, encrypt_chunk_standard
 from fedpca.codec.paillier import (
     IN_FLIGHT_TASKS_PER_WORKER,
+    MAX_STREAM_TASK_CIPHERTEXTS,
+    MIN_STREAM_TASK_CIPHERTEXTS,
     djn_exponent_bits,
     security_level,
+    stream_task_ciphertexts,
 )
 from fedpca.errors import (
     CiphertextError,
@@ -433,3 +436,19 @@ def test_worker_module_imports_neither_numpy_nor_phe() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(
+    ("total", "processes", "expected"),
+    [
+        (3811, 2, MAX_STREAM_TASK_CIPHERTEXTS),  # madelon's share on 2 workers: 15 tasks
+        (3811, 8, 120),  # four tasks per worker
+        (200, 2, MIN_STREAM_TASK_CIPHERTEXTS),  # small shares: first chunk still quick
+        (60_697, 64, 238),
+        (1, 0, MIN_STREAM_TASK_CIPHERTEXTS),
+    ],
+)
+def test_stream_tasks_are_about_four_per_worker_within_bounds(
+    total: int, processes: int, expected: int
+) -> None:
+    assert stream_task_ciphertexts(total, processes) == expected

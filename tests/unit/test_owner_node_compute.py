@@ -16,7 +16,7 @@ import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from fedpca.codec import CryptoPool, ciphertext_byte_length, ciphertexts_from_bytes, pack_slots
-from fedpca.codec.paillier import STREAM_TASK_CIPHERTEXTS
+from fedpca.codec.paillier import stream_task_ciphertexts
 from fedpca.data import dataset_path
 from fedpca.errors import ConfigError, LayoutError
 from fedpca.exact_statistics import fixed_point_statistics
@@ -150,7 +150,8 @@ def test_an_upload_packed_as_it_encrypts_replays_the_very_same_messages(
     spec = _spec(public_key, n_features=m, feature_lower=(-1.0,) * m, feature_upper=(1.0,) * m)
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     block = plan.owner_block(SHARES)
-    assert block.layout.n_ciphertexts > 2 * STREAM_TASK_CIPHERTEXTS  # several batches
+    task = stream_task_ciphertexts(block.layout.n_ciphertexts, pool.processes)
+    assert block.layout.n_ciphertexts > 2 * task  # several batches
     rows = np.random.default_rng(0).uniform(-1, 1, size=(80, m))
     table = LocalTable(rows, None, "uniform rows").table_for(spec)
     encoded = encode_share(spec, table, plan, capacity=CAPACITY, rng=np.random.default_rng(0))

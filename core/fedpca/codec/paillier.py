@@ -68,12 +68,25 @@ ProgressCallback = Callable[[int], None]
 IN_FLIGHT_TASKS_PER_WORKER = 8
 """Tasks per worker a stream keeps submitted ahead of its consumer: enough that no
 worker waits for the next batch, few enough that the source is not read far ahead
-(at 2048 bits, 8 tasks of 64 encryptions are about 0.1 s of one worker's time)."""
+(at 2048 bits, 8 tasks of 256 encryptions are about 0.5 s of one worker's time)."""
 
-STREAM_TASK_CIPHERTEXTS = 64
-"""Ciphertexts per task when encrypting as a stream: about 16 ms of work at 2048 bits,
-so the first chunk of an upload is ready after a few tasks while the per-task cost
-(pickling 64 integers each way) stays negligible."""
+MIN_STREAM_TASK_CIPHERTEXTS = 64
+"""Fewest ciphertexts per task of a streamed encryption: about 16 ms of work at 2048
+bits, so the first chunk of an upload is ready after a few tasks."""
+
+MAX_STREAM_TASK_CIPHERTEXTS = 256
+"""Most ciphertexts per task of a streamed encryption. Each task costs about 0.2-0.3 ms
+of pickling, queueing and waking across the processes, whatever its size: in
+benchmarks/end_to_end.py (10 owners of 3,811 ciphertexts on 2 cores) tasks of 256
+instead of 64 cut the owners' CPU outside encryption from ~0.9 to ~0.7 CPU-s."""
+
+
+def stream_task_ciphertexts(total: int, processes: int) -> int:
+    """Ciphertexts per task for a streamed encryption of ``total`` ciphertexts on
+    ``processes`` workers: about four tasks per worker (so the last tasks leave little
+    imbalance), within [MIN_STREAM_TASK_CIPHERTEXTS, MAX_STREAM_TASK_CIPHERTEXTS]."""
+    share = math.ceil(total / (4 * max(1, processes)))
+    return max(MIN_STREAM_TASK_CIPHERTEXTS, min(MAX_STREAM_TASK_CIPHERTEXTS, share))
 
 
 class Obfuscation(enum.Enum):
@@ -444,37 +457,6 @@ class CryptoPool:
         if obfuscation is Obfuscation.STANDARD:
             return _worker.encrypt_chunk_standard, (n,)
         raise ValueError(f"unknown obfuscation {obfuscation!r}")
-
-    def encrypt_stream(
-        self,
-        public_key: Any,
-        plaintexts: Sequence[int],
-        *,
-        obfuscation: Obfuscation = DEFAULT_OBFUSCATION,
-        task_ciphertexts: int = STREAM_TASK_CIPHERTEXTS,
-    ) -> Iterator[list[int]]:
-        """Encrypt raw plaintexts in [0, n), yielding ciphertexts in order as they are ready.
-
-        Batches of ``task_ciphertexts`` are submitted as the workers keep up and come
-        back in input order, the first after a few milliseconds, so a caller can send
-        them while the rest are still being encrypted.
-
-        Raises
-        ------
-        TypeError, EncodingOverflowError
-            A plaintext that is not an int in [0, n) (checked before anything runs).
-        """
-        _check_plaintexts(plaintexts, public_key.n)
-        function, fixed = self._encryptor(public_key.n, obfuscation)
-        return self._ordered(
-            function,
-            fixed,
-            (
-                plaintexts[i : i + task_ciphertexts]
-                for i in range(0, len(plaintexts), task_ciphertexts)
-            ),
-            lambda count: count,
-        )
 
     def encrypt_batches(
         self,

@@ -48,9 +48,9 @@ from fedpca.codec.ciphertext import PackedCiphertexts
 from fedpca.codec.packing import check_slot_values, pack_stream
 from fedpca.codec.paillier import (
     DEFAULT_OBFUSCATION,
-    STREAM_TASK_CIPHERTEXTS,
     CryptoPool,
     Obfuscation,
+    stream_task_ciphertexts,
 )
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError, PolicyError
 from fedpca.exact_statistics import FixedPointStatistics, fixed_point_statistics
@@ -464,10 +464,11 @@ def encrypt_share_stream(
             )
         check_slot_values(values, block.bound)
     total = sum(block.layout.n_ciphertexts for block in plan.owner_blocks)
+    task = stream_task_ciphertexts(total, pool.processes)
     done = 0
     for block in plan.owner_blocks:
         values = encoded[block.name]
-        step = STREAM_TASK_CIPHERTEXTS * block.layout.slots_per_ciphertext
+        step = task * block.layout.slots_per_ciphertext
         packed = pack_stream(
             (values[i : i + step] for i in range(0, len(values), step)),
             block.layout,
