@@ -146,6 +146,8 @@ class _StubUploadCall:
         self._answered = threading.Event()  # accepted, or the handler ended without it
         self._ended = threading.Event()
         self._outcome: tuple[bool, Any] = (False, None)
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._lock = threading.Lock()
 
         def server_side() -> Iterator[Any]:
             source = iter(messages)
@@ -164,9 +166,20 @@ class _StubUploadCall:
                 self._outcome = (False, exc)
             finally:
                 self._answered.set()
-                self._ended.set()
+                with self._lock:
+                    self._ended.set()
+                    callbacks, self._callbacks = self._callbacks, []
+                for callback in callbacks:
+                    callback(self)
 
         threading.Thread(target=run, name="stub-upload", daemon=True).start()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        with self._lock:
+            if not self._ended.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def initial_metadata(self) -> tuple[tuple[str, str], ...]:
         self._answered.wait()
