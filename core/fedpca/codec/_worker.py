@@ -2,7 +2,7 @@
 
 This module is what every pool worker imports, so it deliberately imports only
 ``gmpy2``, ``secrets`` and stdlib modules that multiprocessing has already loaded in
-every worker (``os``, ``threading``, ``time``) at module level: with the "spawn" and
+every worker (``os``, ``select``, ``threading``, ``time``) at module level: with the "spawn" and
 "forkserver" start methods each worker re-imports it, and pulling in numpy (~0.1 s)
 or phe (~0.05 s, it imports click through ``phe.command_line``) would make pool
 start-up dominate small batches.  ``phe`` is imported lazily, only by the tasks that
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import threading
 import time
 from typing import Any
@@ -174,8 +175,7 @@ def watch_creator(creator_pid: int) -> None:
     A creator killed with SIGKILL (``kill -9`` of an owner node daemon or of the
     proxy) never shuts its pool down, and the workers block forever on the call
     queue, whose pipe they hold open themselves: they would live on as orphans.
-    A daemon thread therefore polls every ``_CREATOR_POLL_S`` seconds and ends the
-    process with ``os._exit`` when either
+    A daemon thread therefore ends the process with ``os._exit`` when either
 
     * our parent changed: with "spawn" the parent is the creator itself; with
       "forkserver" it is the fork server, which exits as soon as its creator dies
@@ -184,6 +184,9 @@ def watch_creator(creator_pid: int) -> None:
     * ``creator_pid`` no longer exists, which covers a creator that died before
       this initializer ran (our parent then was already the re-parenting one).
 
+    It sleeps on process descriptors of the creator and of our parent (``pidfd_open``,
+    Linux 5.3+), which become readable when either exits, so an idle worker never
+    wakes; where they are not available it checks every ``_CREATOR_POLL_S`` seconds.
     ``PR_SET_PDEATHSIG`` is not used: with "spawn" it fires when the *thread* that
     spawned the worker exits, and the executor spawns workers from whichever thread
     submits work.
@@ -207,9 +210,22 @@ def watch_creator(creator_pid: int) -> None:
         return False
 
     def watch() -> None:
-        while not creator_is_gone():
-            time.sleep(_CREATOR_POLL_S)
+        descriptors = [_exit_descriptor(creator_pid), _exit_descriptor(parent_pid)]
+        if None not in descriptors and not creator_is_gone():
+            select.select(descriptors, [], [])  # until one of them exits
+        else:
+            while not creator_is_gone():
+                time.sleep(_CREATOR_POLL_S)
         # Nobody is left to collect results or to shut us down; skip all cleanup.
         os._exit(1)
 
     threading.Thread(target=watch, name="fedpca-creator-watch", daemon=True).start()
+
+
+def _exit_descriptor(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` exits, or None (no
+    ``pidfd_open`` here, or no such process)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
