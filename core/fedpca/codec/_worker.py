@@ -210,9 +210,9 @@ def watch_creator(creator_pid: int) -> None:
         return False
 
     def watch() -> None:
-        descriptors = [_exit_descriptor(creator_pid), _exit_descriptor(parent_pid)]
-        if None not in descriptors and not creator_is_gone():
-            select.select(descriptors, [], [])  # until one of them exits
+        creator, parent = _exit_descriptor(creator_pid), _exit_descriptor(parent_pid)
+        if creator is not None and parent is not None and not creator_is_gone():
+            select.select([creator, parent], [], [])  # until one of them exits
         else:
             while not creator_is_gone():
                 time.sleep(_CREATOR_POLL_S)
