@@ -116,6 +116,16 @@ def test_aggregation_utility_reports_every_setting(tmp_path: Path) -> None:
     assert plot.stat().st_size > 0
 
 
+def test_packing_benchmark_compares_words_with_shifts() -> None:
+    result = run_benchmark("packing.py", "--values", "2000", "--repeats", "1")
+    assert all(
+        float(result[f"{step}_{way}_ms"]) >= 0
+        for step in ("pack", "unpack")
+        for way in ("words", "shifts")
+    )
+    assert float(result["pack_speedup"]) > 0 and float(result["unpack_speedup"]) > 0
+
+
 def test_noise_sampler_reports_its_cost_per_value() -> None:
     result = run_benchmark("noise_sampler.py", "--values", "200")
     low, high = float(result["us_per_value_min"]), float(result["us_per_value_max"])
