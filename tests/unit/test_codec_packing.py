@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterator
 from fractions import Fraction
 
+import gmpy2
 import numpy as np
 import pytest
 from hypothesis import given
@@ -359,3 +360,12 @@ def test_slots_wider_than_a_word_round_trip() -> None:
     assert [p for batch in pack_stream(pieces, layout, capacity) for p in batch] == packed
     n = _smallest_modulus(2048)
     assert unpack_slots([p % n for p in packed], layout, n, capacity) == values
+
+
+def test_unpacking_takes_any_integer_type() -> None:
+    # Decryption may hand back gmpy2 or numpy integers: each is decoded as its int.
+    layout = SlotLayout(32, 10, 3, 5)
+    n = (1 << 31) + 11
+    plaintexts = [p % n for p in pack_slots([1, -2, 3, -4, 5], layout, 5)]
+    for converted in ([gmpy2.mpz(p) for p in plaintexts], np.array(plaintexts)):
+        assert unpack_slots(converted, layout, n) == [1, -2, 3, -4, 5]

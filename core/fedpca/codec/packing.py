@@ -467,7 +467,7 @@ def _pack_stream_words(
         whole = len(digits) - len(digits) % k
         if whole:
             yield _pack_words(digits[:whole], shift, k)
-        carry = digits[whole:]
+        carry = digits[whole:].copy()  # not a view of the caller's checked array
     if seen != layout.value_count:
         raise LayoutError(f"layout declares {layout.value_count} values, got {seen}")
     if len(carry):
@@ -599,6 +599,7 @@ def _unpack_words(
     for index, plaintext in enumerate(plaintexts, first):
         if not 0 <= plaintext < modulus:
             raise ValueError(f"plaintext {index} is not in [0, n)")
+        plaintext = int(plaintext)  # numpy or gmpy2 integers too (to_bytes below)
         # |P| < n/2 by construction, so the upper half of Z_n holds the negatives.
         signed = plaintext - modulus if plaintext > modulus >> 1 else plaintext
         slots = min(k, layout.value_count - index * k)
