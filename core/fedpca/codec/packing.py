@@ -558,10 +558,7 @@ def _unpack_shifts(
     k = layout.slots_per_ciphertext
     values: list[int] = []
     for index, plaintext in enumerate(plaintexts, first):
-        if not 0 <= plaintext < modulus:
-            raise ValueError(f"plaintext {index} is not in [0, n)")
-        # |P| < n/2 by construction, so the upper half of Z_n holds the negatives.
-        signed = plaintext - modulus if plaintext > modulus >> 1 else plaintext
+        signed = _signed(plaintext, modulus, index)
         for _ in range(min(k, layout.value_count - index * k)):
             digit = signed & mask
             if digit >= half:
@@ -569,17 +566,34 @@ def _unpack_shifts(
             values.append(digit)
             signed = (signed - digit) >> shift
         if signed != 0:
-            raise EncodingOverflowError(
-                f"packed plaintext {index} does not decode into its slots: a slot "
-                "overflowed or the ciphertext does not belong to this layout"
-            )
+            raise _undecodable(index)
     if bound is not None:
         for index, value in enumerate(values, first * k):
             if not -bound <= value <= bound:
-                raise EncodingOverflowError(
-                    f"slot {index} decoded to {value}, outside the declared bound {bound}"
-                )
+                raise _outside_bound(index, value, bound)
     return values
+
+
+def _signed(plaintext: int, modulus: int, index: int) -> int:
+    """A decrypted packed plaintext in [0, n) as the signed P it stands for (an int)."""
+    if not 0 <= plaintext < modulus:
+        raise ValueError(f"plaintext {index} is not in [0, n)")
+    plaintext = int(plaintext)  # numpy or gmpy2 integers too
+    # |P| < n/2 by construction, so the upper half of Z_n holds the negatives.
+    return plaintext - modulus if plaintext > modulus >> 1 else plaintext
+
+
+def _undecodable(index: int) -> EncodingOverflowError:
+    return EncodingOverflowError(
+        f"packed plaintext {index} does not decode into its slots: a slot "
+        "overflowed or the ciphertext does not belong to this layout"
+    )
+
+
+def _outside_bound(index: int, value: int, bound: int) -> EncodingOverflowError:
+    return EncodingOverflowError(
+        f"slot {index} decoded to {value}, outside the declared bound {bound}"
+    )
 
 
 def _unpack_words(
@@ -590,25 +604,17 @@ def _unpack_words(
     Adding 2^(B-1) to every digit of P (the ``offset`` below, over the slots the
     plaintext holds) makes each one a plain B-bit field: P decodes into its m slots
     exactly when 0 <= P + offset < 2^(B m), which is what the shift-and-subtract
-    loop of :func:`unpack_range` checks by its remainder.
+    loop of :func:`_unpack_shifts` checks by its remainder.
     """
     shift, k = layout.slot_bits, layout.slots_per_ciphertext
     half = 1 << (shift - 1)
     offsets = _half_offsets(shift, k)
     shifted: list[int] = []
     for index, plaintext in enumerate(plaintexts, first):
-        if not 0 <= plaintext < modulus:
-            raise ValueError(f"plaintext {index} is not in [0, n)")
-        plaintext = int(plaintext)  # numpy or gmpy2 integers too (to_bytes below)
-        # |P| < n/2 by construction, so the upper half of Z_n holds the negatives.
-        signed = plaintext - modulus if plaintext > modulus >> 1 else plaintext
         slots = min(k, layout.value_count - index * k)
-        value = signed + offsets[slots]
+        value = _signed(plaintext, modulus, index) + offsets[slots]
         if not 0 <= value < 1 << (shift * slots):
-            raise EncodingOverflowError(
-                f"packed plaintext {index} does not decode into its slots: a slot "
-                "overflowed or the ciphertext does not belong to this layout"
-            )
+            raise _undecodable(index)
         shifted.append(value)
     digits = _fields_from_ints(shifted, shift, k).view(np.int64) - np.int64(half)
     count = min(len(plaintexts) * k, layout.value_count - first * k)
@@ -617,8 +623,5 @@ def _unpack_words(
         outside = np.flatnonzero((values > bound) | (values < -bound))
         if len(outside):
             at = int(outside[0])
-            raise EncodingOverflowError(
-                f"slot {first * k + at} decoded to {int(values[at])}, outside the declared "
-                f"bound {bound}"
-            )
+            raise _outside_bound(first * k + at, int(values[at]), bound)
     return values.tolist()
