@@ -41,6 +41,7 @@ from fedpca.messages import (
     UploadReceipt,
     UploadStatus,
 )
+from fedpca.owner import compute
 from fedpca.owner.compute import LocalTable, encode_share
 from fedpca.owner.config import (
     CryptoConfig,
@@ -994,3 +995,13 @@ def test_bad_data_file_fails_at_start(tmp_path: Path, harness: Harness) -> None:
     )
     with pytest.raises(DataError, match="'x' is not a number"):
         OwnerNode(config)
+
+
+def test_the_node_finds_the_blas_pools_when_it_is_built(harness: Harness, pool: CryptoPool) -> None:
+    """Finding the BLAS libraries (threadpoolctl reads every loaded shared library) is
+    done when a node is built, not inside its first query; the pools found include
+    a BLAS pool."""
+    compute.blas_pools.cache_clear()
+    OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    assert compute.blas_pools.cache_info().currsize == 1
+    assert any(pool_info["user_api"] == "blas" for pool_info in compute.blas_pools().info())

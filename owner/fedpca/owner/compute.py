@@ -31,6 +31,7 @@ Nothing here logs values or counts derived from the rows.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from phe import paillier
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from fedpca.aggregates import AggregateIntegers, fixed_point_aggregates
 from fedpca.codec.ciphertext import PackedCiphertexts
@@ -65,6 +66,7 @@ __all__ = [
     "LocalTable",
     "QueryColumns",
     "analyst_public_key",
+    "blas_pools",
     "blas_threads_for",
     "contributed_rows",
     "encode_share",
@@ -299,6 +301,18 @@ product itself). 2^30 multiply-adds take about 0.1 s on one core."""
 _blas_limit_lock = threading.Lock()
 
 
+@functools.cache
+def blas_pools() -> ThreadpoolController:
+    """The process's BLAS thread pools, found once.
+
+    Finding them reads every shared library the process has loaded (a few milliseconds
+    for an owner node); :class:`~fedpca.owner.node.OwnerNode` calls this at start-up so
+    that no query pays for it. Libraries loaded after the first call are not seen; the
+    BLAS that :func:`encode_share` uses is numpy's, loaded with numpy, before.
+    """
+    return ThreadpoolController()
+
+
 @contextmanager
 def blas_threads_for(work: int) -> Iterator[None]:
     """Run the block on one BLAS thread if ``work`` (multiply-adds) is small.
@@ -310,7 +324,7 @@ def blas_threads_for(work: int) -> Iterator[None]:
     if work >= SINGLE_THREAD_BLAS_WORK:
         yield
         return
-    with _blas_limit_lock, threadpool_limits(limits=1, user_api="blas"):
+    with _blas_limit_lock, blas_pools().limit(limits=1, user_api="blas"):
         yield
 
 

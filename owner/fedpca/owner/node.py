@@ -53,7 +53,7 @@ from fedpca.messages import (
     TaskCancellation,
     TaskEvent,
 )
-from fedpca.owner.compute import LocalTable
+from fedpca.owner.compute import LocalTable, blas_pools
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
@@ -128,6 +128,7 @@ class OwnerNode(TaskProcessing):
         self._owns_pool = pool is None
         processes = config.crypto.processes or None
         self._pool = pool if pool is not None else CryptoPool(processes)
+        blas_pools()  # found now, not during the first query
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: Any = None  # the open StreamTasks call, cancelled by stop()
