@@ -301,7 +301,7 @@ class Coordinator(OwnerTasks, AnalystRequests):
             record = self.store.query(query_id)
         except NotFoundError:
             return False
-        if owner_id not in {c.owner_id for c in self.store.contributors(query_id)}:
+        if self.store.contributor(query_id, owner_id) is None:
             return False
         return not (record.state is QueryState.FAILED and self.store.pages_final(query_id) == 0)
 
@@ -548,7 +548,7 @@ class Coordinator(OwnerTasks, AnalystRequests):
                 continue
             due.append(record.query_id)
             if record.state is QueryState.COLLECTING:
-                joined = len(self.store.contributors(record.query_id))
+                joined = self.store.contributor_count(record.query_id)
                 reason = (
                     f"deadline passed with {joined} of {record.quorum} required owners uploading"
                 )

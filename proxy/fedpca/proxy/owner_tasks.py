@@ -117,8 +117,8 @@ class OwnerTasks(CoordinatorCore):
             except NotFoundError:
                 answers.append(TaskCancellation(query_id, ended))
                 continue
-            accepted = any(u.owner_id == owner_id for u in self.store.uploads(query_id))
-            joined = any(c.owner_id == owner_id for c in self.store.contributors(query_id))
+            accepted = self.store.has_upload(query_id, owner_id)
+            joined = self.store.contributor(query_id, owner_id) is not None
             running = record.state in (QueryState.COLLECTING, QueryState.AGGREGATING)
             if accepted or (joined and running):
                 answers.append(
@@ -153,8 +153,9 @@ class OwnerTasks(CoordinatorCore):
                 continue
             # A contributor keeps its task whatever the state: its upload may still be
             # streaming in (or resume after a restart of either side).
-            if owner_id in self.store.declines(query_id) or any(
-                c.owner_id == owner_id for c in self.store.contributors(query_id)
+            if (
+                self.store.has_declined(query_id, owner_id)
+                or self.store.contributor(query_id, owner_id) is not None
             ):
                 continue
             if record.state is QueryState.FAILED:

@@ -249,6 +249,14 @@ class ProxyStore(ContributionStore):
                 (query_id, owner_id, reason, self._clock()),
             )
 
+    def has_declined(self, query_id: str, owner_id: str) -> bool:
+        """Whether this owner declined the query (one indexed row)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT 1 FROM declines WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+            ).fetchone()
+        return row is not None
+
     def declines(self, query_id: str) -> dict[str, str]:
         with self._lock:
             rows = self._conn.execute(

@@ -118,10 +118,10 @@ class ContributionStore(StoreDatabase):
                 (query_id, owner_id, upload_id, public_count, self._clock()),
             )
             conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (query_id,))
-            contributors = self._contributors(conn, query_id)
             quorum = int(json.loads(query["spec"]).get("quorum", 1))
-            if len(contributors) < quorum:
+            if self._contributor_count(conn, query_id) < quorum:
                 return Joined(covered=0)
+            contributors = self._contributors(conn, query_id)
             conn.execute("DELETE FROM staged_chunks WHERE query_id=?", (query_id,))
             conn.execute(
                 "UPDATE queries SET state=?, updated_at=? WHERE query_id=?",
@@ -361,6 +361,14 @@ class ContributionStore(StoreDatabase):
                 completion.n_contributed,
             )
         return completion
+
+    def has_upload(self, query_id: str, owner_id: str) -> bool:
+        """Whether an upload of this owner to the query was accepted (one indexed row)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+            ).fetchone()
+        return row is not None
 
     def uploads(self, query_id: str) -> list[UploadRecord]:
         with self._lock:

@@ -136,6 +136,23 @@ class StoreDatabase:
         ).fetchone()
         return None if row is None else contributor_of(row)
 
+    def contributor(self, query_id: str, owner_id: str) -> Contributor | None:
+        """One owner's place among the query's contributors, or None: one indexed row,
+        so a check made for each of N owners costs N rows, not N^2."""
+        with self._lock:
+            return self._contributor(self._conn, query_id, owner_id)
+
+    def contributor_count(self, query_id: str) -> int:
+        """How many owners hold a place among the query's contributors."""
+        with self._lock:
+            return self._contributor_count(self._conn, query_id)
+
+    def _contributor_count(self, conn: sqlite3.Connection, query_id: str) -> int:
+        row = conn.execute(
+            "SELECT COUNT(*) FROM contributors WHERE query_id=?", (query_id,)
+        ).fetchone()
+        return int(row[0])
+
     def _contributors(self, conn: sqlite3.Connection, query_id: str) -> list[Contributor]:
         rows = conn.execute(
             "SELECT * FROM contributors WHERE query_id=? ORDER BY joined_at, owner_id",
