@@ -111,12 +111,16 @@ def _add_upper_gram(gram: npt.NDArray[np.int64], rows: FloatArray) -> None:
     """``gram += rowsᵀ rows`` on and above the diagonal, strip by strip of columns.
 
     Every entry of a strip is an exact float64 sum (the caller's block size keeps it
-    below 2^53), so converting it to int64 loses nothing.
+    below 2^53), so converting it to int64 loses nothing. The addition is done in
+    int64, converting the strip a few thousand entries at a time (no int64 copy of
+    the whole strip: 4 MiB less at the owner's peak for M = 2,000).
     """
     m = gram.shape[0]
     for start in range(0, m, _GRAM_STRIP):
         stop = min(m, start + _GRAM_STRIP)
-        gram[:stop, start:stop] += (rows[:, :stop].T @ rows[:, start:stop]).astype(np.int64)
+        target = gram[:stop, start:stop]
+        strip = rows[:, :stop].T @ rows[:, start:stop]
+        np.add(target, strip, out=target, dtype=np.int64, casting="unsafe")
 
 
 def _mirror_upper(matrix: npt.NDArray[np.int64]) -> None:

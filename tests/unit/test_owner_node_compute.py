@@ -8,6 +8,7 @@ Uses real rows of ionosphere (column 0 is the class label) and a TEST-ONLY 512-b
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,30 @@ def test_an_upload_packed_as_it_encrypts_replays_the_very_same_messages(
     n = public_key.n
     expected = [p % n for p in pack_slots(encoded[SHARES], block.layout, block.bound)]
     assert pool.decrypt(private_key, ciphertexts) == expected
+
+
+def test_the_encryption_stream_lets_go_of_the_share(
+    test_only_keypair_512: tuple[Any, Any], pool: CryptoPool
+) -> None:
+    """Once begun, the stream holds per-task copies (each dropped once packed) instead
+    of the share, so the share's memory goes with its last outside reference (the
+    owner's, until the share is kept on disk) rather than staying beside all of its
+    ciphertexts."""
+    public_key, _ = test_only_keypair_512
+    m = 60
+    spec = _spec(public_key, n_features=m, feature_lower=(-1.0,) * m, feature_upper=(1.0,) * m)
+    plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+    total = plan.owner_block(SHARES).layout.n_ciphertexts
+    assert total > 2 * stream_task_ciphertexts(total, pool.processes)  # several pieces
+    rows = np.random.default_rng(0).uniform(-1, 1, size=(80, m))
+    table = LocalTable(rows, None, "uniform rows").table_for(spec)
+    encoded = encode_share(spec, table, plan, capacity=CAPACITY, rng=np.random.default_rng(0))
+    share = weakref.ref(encoded[SHARES])
+    stream = compute.encrypt_share_stream(spec, encoded, plan, pool)
+    first = next(stream)
+    del encoded
+    assert share() is None, "the stream still holds the whole share"
+    assert len(first) + sum(len(batch) for batch in stream) == total
 
 
 def _count(spec: Any, table: QueryColumns, capacity: int) -> float:
@@ -413,3 +438,18 @@ def test_spec_digest_binds_every_public_parameter(test_only_keypair_512: tuple[A
     assert spec_digest(base) != spec_digest(_spec(public_key, epsilon=0.5))
     assert spec_digest(base) != spec_digest(_spec(public_key, clip_norm=0.5))
     assert spec_digest(base) != spec_digest(_spec(public_key, query_id="other"))
+
+
+def test_every_record_of_consecutive_columns_is_read_in_place_and_read_only(
+    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable
+) -> None:
+    """No copy of the records beside the statistics when the query reads every record
+    of consecutive columns: the table itself, read-only; a sample is still a copy."""
+    public_key, _ = test_only_keypair_512
+    table = ionosphere.table_for(_spec(public_key))
+    every = table.rows()
+    assert np.shares_memory(every.features, table.source)
+    assert not every.features.flags.writeable
+    chosen = np.arange(table.source.shape[0])
+    np.testing.assert_array_equal(every.features, table.rows(chosen).features, strict=True)
+    assert not np.shares_memory(table.rows(chosen).features, table.source)
