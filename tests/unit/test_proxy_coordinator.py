@@ -684,9 +684,9 @@ def test_what_one_owner_asks_reads_that_owners_rows_not_every_owners(
     owner_rows: list[np.ndarray],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An owner joining, its withdrawals and its uploads in flight are answered from its
-    own rows and a count, never by listing the query's contributors, declines or
-    uploads: with N owners, per-owner answers that listed them made the proxy's work
+    """An owner joining, its pending tasks, withdrawals and uploads in flight are
+    answered from its own rows, a count or the answered owners' ids, never by listing
+    the query's contributors, declines or uploads: with N owners, per-owner answers that listed them made the proxy's work
     grow as N^2 (benchmarks/scale_owners.py at 1,000 owners: 6.1 -> 2.4 ms of proxy
     CPU per owner)."""
     public_key, _ = test_only_keypair_512
@@ -705,7 +705,11 @@ def test_what_one_owner_asks_reads_that_owners_rows_not_every_owners(
     accept_upload(coordinator, "owner-0", header, blocks)
     assert coordinator.store.contributor_count(Q1) == 1
     assert coordinator.store.query(Q1).state is QueryState.COLLECTING
-    # Collecting: nobody's task is withdrawn; the contributor's upload is confirmed.
+    # Collecting: the task is offered to the one owner that has not answered yet, and
+    # nobody's task is withdrawn; the contributor's upload is confirmed.
+    assert coordinator.store.answered_owners(Q1) == {"owner-0", "owner-2"}
+    assert [task.task_id for task in coordinator.pending_tasks("owner-1")] == [Q1]
+    assert coordinator.pending_tasks("owner-0") == coordinator.pending_tasks("owner-2") == []
     for owner_id in OWNER_IDS:
         assert coordinator.withdrawn_tasks(owner_id, [Q1]) == []
     (confirmed,) = coordinator.in_flight_answers("owner-0", [Q1])

@@ -64,8 +64,7 @@ class OwnerTasks(CoordinatorCore):
                 return self._snapshot[1]
         snapshot = []
         for record in self.store.queries(QueryState.COLLECTING):
-            answered = set(self.store.declines(record.query_id))
-            answered.update(u.owner_id for u in self.store.uploads(record.query_id))
+            answered = self.store.answered_owners(record.query_id)
             task = Task(
                 query=self._context(record.query_id).spec,
                 upload_deadline=datetime.fromtimestamp(record.deadline_at, UTC),

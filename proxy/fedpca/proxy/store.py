@@ -257,6 +257,17 @@ class ProxyStore(ContributionStore):
             ).fetchone()
         return row is not None
 
+    def answered_owners(self, query_id: str) -> set[str]:
+        """The owners that declined the query or whose upload to it was accepted (ids
+        only: read for every change while a thousand owners answer)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT owner_id FROM declines WHERE query_id=? "
+                "UNION SELECT owner_id FROM uploads WHERE query_id=?",
+                (query_id, query_id),
+            ).fetchall()
+        return {str(r["owner_id"]) for r in rows}
+
     def declines(self, query_id: str) -> dict[str, str]:
         with self._lock:
             rows = self._conn.execute(
