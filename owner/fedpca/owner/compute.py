@@ -226,7 +226,7 @@ class QueryColumns:
     Copying the query's columns of all N records before choosing the records would
     cost time linear in N on every task, time the proxy can observe. The records are
     chosen first (:func:`contributed_rows`) and only the chosen ones are copied
-    (:meth:`rows`).
+    (:meth:`rows`; all of them, of consecutive columns, are read in place).
 
     Attributes
     ----------
@@ -344,13 +344,14 @@ def padded_rows(spec: QuerySpec, cap: int) -> int:
 def contributed_rows(
     table: QueryColumns, spec: QuerySpec, cap: int, rng: np.random.Generator | None = None
 ) -> OwnerTable:
-    """The records that enter this owner's statistics for ``spec``, copied.
+    """The records that enter this owner's statistics for ``spec`` (read-only).
 
     DCA: records whose label is not one of the query's public class labels are left
     out, and the cap applies to each class. Then, if more than ``cap`` records
     remain (of a class), a uniform sample of exactly ``cap`` of them (without
     replacement) is kept. Neither step refuses anything. Only the kept records are
-    copied (:class:`QueryColumns`).
+    copied, and none when every record of consecutive columns is kept
+    (:meth:`QueryColumns.rows`).
 
     Parameters
     ----------
@@ -429,7 +430,7 @@ def encode_share(
             statistics = fixed_point_aggregates(rows.features, spec, pad_to=padded)
         else:
             statistics = fixed_point_statistics(rows.features, rows.labels, spec, pad_to=padded)
-    del rows  # its copy of the records (7.6 MiB at 500 x 2,000) is not needed beside the share
+    del rows  # a sample copies the records (7.6 MiB at 500 x 2,000): not kept beside the share
     values = plan.owner_integers(statistics)
     encoded: dict[str, IntArray] = {}
     for block in plan.owner_blocks:
