@@ -686,9 +686,9 @@ def test_what_one_owner_asks_reads_that_owners_rows_not_every_owners(
 ) -> None:
     """An owner joining, its pending tasks, withdrawals and uploads in flight are
     answered from its own rows, a count or the answered owners' ids, never by listing
-    the query's contributors, declines or uploads: with N owners, per-owner answers that listed them made the proxy's work
-    grow as N^2 (benchmarks/scale_owners.py at 1,000 owners: 6.1 -> 2.4 ms of proxy
-    CPU per owner)."""
+    the query's contributors, declines or uploads: with N owners, per-owner answers
+    that listed them made the proxy's work grow as N^2 (benchmarks/scale_owners.py at
+    1,000 owners: 6.1 -> 2.4 ms of proxy CPU per owner)."""
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
     coordinator.submit("alice", signed(make_spec(public_key, quorum=2)))
