@@ -237,9 +237,7 @@ class ProxyStore(ContributionStore):
                 raise QueryStateError(
                     f"query {query_id!r} is {row['state']}: declines are no longer recorded"
                 )
-            if conn.execute(
-                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?", (query_id, owner_id)
-            ).fetchone():
+            if self._has_owner_row(conn, "uploads", query_id, owner_id):
                 raise QueryStateError(
                     f"query {query_id!r}: owner {owner_id!r} already uploaded; it cannot decline"
                 )
@@ -252,10 +250,7 @@ class ProxyStore(ContributionStore):
     def has_declined(self, query_id: str, owner_id: str) -> bool:
         """Whether this owner declined the query (one indexed row)."""
         with self._lock:
-            row = self._conn.execute(
-                "SELECT 1 FROM declines WHERE query_id=? AND owner_id=?", (query_id, owner_id)
-            ).fetchone()
-        return row is not None
+            return self._has_owner_row(self._conn, "declines", query_id, owner_id)
 
     def answered_owners(self, query_id: str) -> set[str]:
         """The owners that declined the query or whose upload to it was accepted (ids

@@ -159,10 +159,8 @@ class ContributionStore(StoreDatabase):
             if QueryState(query["state"]) is not QueryState.COLLECTING:
                 return 0
             mine = self._contributor(conn, query_id, owner_id)
-            completed = conn.execute(
-                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?", (query_id, owner_id)
-            ).fetchone()
-            if mine is None or mine.upload_id != upload_id or completed is not None:
+            completed = self._has_owner_row(conn, "uploads", query_id, owner_id)
+            if mine is None or mine.upload_id != upload_id or completed:
                 return 0
             removed = self._take_out(conn, query_id, owner_id, total_ciphertexts, algebra)
             conn.execute(
@@ -182,11 +180,7 @@ class ContributionStore(StoreDatabase):
                 return 0
             removed = 0
             for mine in self._contributors(conn, query_id):
-                completed = conn.execute(
-                    "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?",
-                    (query_id, mine.owner_id),
-                ).fetchone()
-                if completed is not None:
+                if self._has_owner_row(conn, "uploads", query_id, mine.owner_id):
                     continue
                 removed += self._take_out(conn, query_id, mine.owner_id, total_ciphertexts, algebra)
                 conn.execute(
@@ -365,10 +359,7 @@ class ContributionStore(StoreDatabase):
     def has_upload(self, query_id: str, owner_id: str) -> bool:
         """Whether an upload of this owner to the query was accepted (one indexed row)."""
         with self._lock:
-            row = self._conn.execute(
-                "SELECT 1 FROM uploads WHERE query_id=? AND owner_id=?", (query_id, owner_id)
-            ).fetchone()
-        return row is not None
+            return self._has_owner_row(self._conn, "uploads", query_id, owner_id)
 
     def uploads(self, query_id: str) -> list[UploadRecord]:
         with self._lock:

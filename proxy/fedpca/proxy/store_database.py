@@ -28,6 +28,10 @@ from fedpca.query import Neighbouring
 __all__ = ["StoreDatabase"]
 
 
+_OWNER_TABLES = frozenset({"contributors", "declines", "uploads"})
+"""Tables whose rows are keyed by (query_id, owner_id)."""
+
+
 class StoreDatabase:
     """Thread-safe access to the proxy's SQLite database.
 
@@ -135,6 +139,18 @@ class StoreDatabase:
             "SELECT * FROM contributors WHERE query_id=? AND owner_id=?", (query_id, owner_id)
         ).fetchone()
         return None if row is None else contributor_of(row)
+
+    def _has_owner_row(
+        self, conn: sqlite3.Connection, table: str, query_id: str, owner_id: str
+    ) -> bool:
+        """Whether ``table`` (one of the tables keyed by query and owner) holds this
+        owner's row for the query: one indexed row."""
+        if table not in _OWNER_TABLES:
+            raise ValueError(f"not a table keyed by query and owner: {table!r}")
+        row = conn.execute(
+            f"SELECT 1 FROM {table} WHERE query_id=? AND owner_id=?", (query_id, owner_id)
+        ).fetchone()
+        return row is not None
 
     def contributor(self, query_id: str, owner_id: str) -> Contributor | None:
         """One owner's place among the query's contributors, or None: one indexed row,
