@@ -51,6 +51,11 @@ class BudgetExceededError(FedpcaError, PermissionError):
     """A release would push cumulative (epsilon, delta) past the configured budget."""
 
 
+class OverloadError(FedpcaError, RuntimeError):
+    """A peer asked the proxy for more than one of its per-peer bounds allows (calls,
+    uploads or queries in flight, queries a day): nothing was done; retry later."""
+
+
 class PolicyError(FedpcaError, PermissionError):
     """A task violates an owner's local policy (other than the budget)."""
 

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import fedpca.analyst.federated_estimator as estimators_module
 import fedpca.analyst.keys as keys_module
-from fedpca.analyst.cli import BUDGET_EXIT_CODE, analyst_group
+from fedpca.analyst.cli import BUDGET_EXIT_CODE, BUSY_EXIT_CODE, analyst_group
 from fedpca.analyst.client import (
     AnalystClient,
     ProxyUnavailableError,
@@ -54,6 +54,7 @@ from fedpca.errors import (
 )
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import (
+    REFUSAL_METADATA,
     BudgetStatus,
     CancelReceipt,
     DeploymentInfo,
@@ -61,6 +62,7 @@ from fedpca.messages import (
     QueryState,
     QueryStatus,
     QuerySummary,
+    Refusal,
 )
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
@@ -192,6 +194,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.pool = pool
         self.specs: dict[str, QuerySpec] = {}
         self.refuse_budget = False
+        self.overload: tuple[tuple[str, str], ...] | None = None
+        """Trailing metadata of a RESOURCE_EXHAUSTED for a per-peer bound (None: none)."""
         self.fail_reason: str | None = None
         self.unavailable_submits = 0
         self.submitted_ids: list[str] = []
@@ -276,10 +280,15 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             self.unavailable_submits -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "proxy restarting")
         if self.refuse_budget:
+            # Like the proxy: which RESOURCE_EXHAUSTED it is goes in trailing metadata.
+            context.set_trailing_metadata(((REFUSAL_METADATA, Refusal.BUDGET.value),))
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"epsilon {spec.epsilon} would exceed the limit 3.0 (spent 2.9)",
             )
+        if self.overload is not None:
+            context.set_trailing_metadata(self.overload)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "analyst already has 4 queries open")
         self.specs[spec.query_id] = spec
         status = QueryStatus(spec.query_id, QueryState.COLLECTING, 0, spec.quorum)
         return serde.query_status_to_proto(status)
@@ -639,6 +648,16 @@ def test_cli_refusals_exit_nonzero_without_traceback(
     assert "privacy budget exhausted" in refused.output and "Traceback" not in refused.output
 
     fake.refuse_budget = False
+    # A per-peer bound is no budget refusal: its own exit code, nothing charged. The
+    # proxy says so in trailing metadata; gRPC's own bound on calls says nothing.
+    for trailing in (((REFUSAL_METADATA, Refusal.OVERLOAD.value),), ()):
+        fake.overload = trailing
+        busy = runner.invoke(analyst_group, [*args, "--delta", "1e-6"])
+        assert busy.exit_code == BUSY_EXIT_CODE, busy.output
+        assert "privacy budget" not in busy.output and "nothing was charged" in busy.output
+        assert "4 queries open" in busy.output and "Traceback" not in busy.output
+
+    fake.overload = None
     fake.fail_reason = "quorum of 1 not reached by the deadline"
     failed = runner.invoke(analyst_group, [*args, "--delta", "1e-6"])
     assert failed.exit_code == 1 and "quorum of 1 not reached" in failed.output

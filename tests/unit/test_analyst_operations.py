@@ -14,9 +14,10 @@ import pytest
 from fedpca.codec import CryptoPool
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.errors import BudgetExceededError, NotFoundError, QueryStateError
+from fedpca.errors import BudgetExceededError, NotFoundError, OverloadError, QueryStateError
 from fedpca.messages import QueryState
 from fedpca.proxy.coordinator import CANCELLED_REASON
+from fedpca.proxy.limits import PeerLimits
 from fedpca.query import Calibration, Neighbouring
 from helpers import TEST_SIGNING_KEY, query_builder
 from inprocess import deployment, labelled
@@ -140,3 +141,33 @@ def test_a_query_for_exactly_the_remaining_budget_is_accepted(
             assert status.epsilon_remaining == 0.0 and status.n_releases == 1
             with pytest.raises(BudgetExceededError):
                 client.submit(_spec(public_key, "more", quorum=1, epsilon=0.01), TEST_SIGNING_KEY)
+
+
+def test_a_proxy_limit_reaches_the_analyst_as_a_limit_not_as_an_exhausted_budget(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Both are RESOURCE_EXHAUSTED on the wire: the proxy's trailing metadata tells them
+    apart, so an analyst at its bound of open queries is told to wait, not that its
+    budget is gone."""
+    public_key, _ = test_only_keypair_512
+    with (
+        deployment(
+            workdir=tmp_path,
+            tables=_tables("owner-1"),
+            pool=pool,
+            public_key=public_key,
+            running=(),  # nobody answers: the first query stays open
+            limits=PeerLimits(max_open_queries_per_analyst=1),
+        ) as running,
+        running.analyst() as client,
+    ):
+        client.submit(_spec(public_key, "first", quorum=1), TEST_SIGNING_KEY)
+        with pytest.raises(OverloadError, match="1 queries open") as refused:
+            client.submit(_spec(public_key, "second", quorum=1), TEST_SIGNING_KEY)
+        assert not isinstance(refused.value, BudgetExceededError)
+        assert "nothing was charged" in str(refused.value)
+        assert client.budget().n_releases == 1
+        assert client.cancel("first").refunded  # no owner began an upload
+        client.submit(_spec(public_key, "second", quorum=1), TEST_SIGNING_KEY)
+        assert client.budget().n_releases == 1
+        assert client.status("second").state is QueryState.COLLECTING

@@ -36,6 +36,7 @@ from fedpca.errors import (
     ConfigError,
     LayoutError,
     NotFoundError,
+    OverloadError,
     ProtocolError,
     QueryStateError,
 )
@@ -64,6 +65,8 @@ from fedpca.protocol import (
 from fedpca.proxy import prepared_noise
 from fedpca.proxy.config import BudgetConfig, OwnersConfig, PrivacySection, ProxyConfig
 from fedpca.proxy.coordinator import Coordinator, task_id
+from fedpca.proxy.coordinator_core import ContextCache
+from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_records import NotContributingError, UploadCompletion
@@ -450,6 +453,75 @@ def test_two_concurrent_submits_where_only_one_fits(
     assert sorted(outcomes) == ["accepted", "refused"]
     assert len(coordinator.store.queries()) == 1
     assert len(coordinator.store.releases("carol")) == 1
+
+
+def test_an_analyst_has_at_most_its_bound_of_queries_open_and_a_refused_one_costs_nothing(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    # Each query costs the proxy its noise draw and a row, cancelled or not: a tiny
+    # epsilon must not buy an unbounded number of them (review: 10 queries at M = 4,000
+    # took 611 MiB for epsilon 0.029 in all).
+    public_key, _ = test_only_keypair_512
+    config = replace(make_config(100.0), limits=PeerLimits(max_open_queries_per_analyst=2))
+    coordinator = make_coordinator(tmp_path, pool, config)
+    for query_id in ("a1", "a2"):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, query_id, epsilon=0.01)))
+    spent = coordinator.budget(ANALYST).epsilon_spent
+    with pytest.raises(OverloadError, match=r"2 queries open.*max_open_queries_per_analyst"):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, "a3", epsilon=0.01)))
+    assert [q.query_id for q in coordinator.store.queries()] == [key("a1"), key("a2")]
+    assert coordinator.budget(ANALYST).epsilon_spent == spent  # nothing charged
+    assert coordinator.budget(ANALYST).n_releases == 2
+    # Resubmitting an open query is the same query, not a new one; another analyst
+    # has bounds of its own.
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "a2", epsilon=0.01)))
+    coordinator.submit("bob", signed(make_spec(public_key, "b1", epsilon=0.01)))
+    # A query that ended (here: cancelled) frees its place.
+    coordinator.cancel(ANALYST, "a1")
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "a3", epsilon=0.01)))
+    assert coordinator.store.query(key("a3")).state is QueryState.COLLECTING
+
+
+def test_an_analyst_submits_at_most_its_daily_bound_in_any_24_hours(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    # Submitting and cancelling at once keeps nothing open and is refunded: without a
+    # rate bound a zero budget could grow the proxy's database without end.
+    public_key, _ = test_only_keypair_512
+    limits = PeerLimits(max_queries_per_analyst_per_day=3)
+    clock = Clock()
+    coordinator = make_coordinator(
+        tmp_path, pool, replace(make_config(100.0), limits=limits), clock=clock
+    )
+    for index in range(3):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, f"d{index}", epsilon=0.01)))
+        assert coordinator.cancel(ANALYST, f"d{index}").refunded
+        clock.now += 3600.0
+    with pytest.raises(OverloadError, match="3 queries in the last 24 hours"):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, "d3", epsilon=0.01)))
+    assert len(coordinator.store.queries()) == 3
+    # 24 hours after the first, one place is free again (and only one).
+    clock.now += 24 * 3600.0 - 3 * 3600.0 + 1.0
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "d3", epsilon=0.01)))
+    with pytest.raises(OverloadError):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, "d4", epsilon=0.01)))
+
+
+def test_query_contexts_in_memory_are_bounded_and_rebuilt_from_the_store(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator._contexts = ContextCache(size=2)
+    specs = [make_spec(public_key, f"c{index}", epsilon=1.0) for index in range(4)]
+    for spec in specs:
+        coordinator.submit(ANALYST, signed(spec))
+        assert len(coordinator._contexts) <= 2
+    assert coordinator._contexts.get(key("c0")) is None  # the oldest went first
+    # A query whose context was dropped is served as before: rebuilt from its row.
+    assert coordinator.plan(key("c0")).spec == specs[0]
+    assert coordinator._contexts.get(key("c0")) is not None
+    assert len(coordinator._contexts) == 2
 
 
 def test_submit_refuses_short_keys_and_wrong_fingerprints(

@@ -42,7 +42,7 @@ from fedpca.analyst.keys import (
     SUPPORTED_KEY_BITS,
     create_analyst_keys,
 )
-from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError
+from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
 from fedpca.transport.certs import TlsFiles
 
@@ -53,12 +53,20 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 BUDGET_EXIT_CODE = 3
+BUSY_EXIT_CODE = 4
 
 
 class _Refused(click.ClickException):
     """A release refused by the privacy budget (distinct exit code for scripts)."""
 
     exit_code = BUDGET_EXIT_CODE
+
+
+class _Busy(click.ClickException):
+    """A call refused by one of the proxy's per-peer bounds: nothing was charged and
+    the same command may succeed later (distinct exit code, so scripts can retry)."""
+
+    exit_code = BUSY_EXIT_CODE
 
 
 @contextmanager
@@ -68,6 +76,8 @@ def _errors() -> Iterator[None]:
         yield
     except BudgetExceededError as exc:
         raise _Refused(str(exc)) from None
+    except OverloadError as exc:
+        raise _Busy(str(exc)) from None
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
@@ -174,7 +184,13 @@ def _spinner(message: str) -> Iterator[None]:
 
 @click.group("analyst")
 def analyst_group() -> None:
-    """Analyst: keys, private PCA/DCA and aggregate queries, budget."""
+    """Analyst: keys, private PCA/DCA and aggregate queries, budget.
+
+    \b
+    Exit status: 0 done; 1 error; 2 usage error; 3 refused by the privacy
+    budget; 4 refused for now by one of the proxy's limits (queries open or
+    submitted today, calls in flight): nothing was charged, retry later.
+    """
     # A process of its own (the estimators, as library code, leave a host process's
     # allocator alone): what decryption freed goes back to the system before the solve.
     map_large_blocks()

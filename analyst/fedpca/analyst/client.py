@@ -8,7 +8,9 @@ never see ``grpc.RpcError``.
 Status code -> error (the proxy's servicer maps domain errors the other way):
 
 =====================  ==============================================
-RESOURCE_EXHAUSTED     BudgetExceededError
+RESOURCE_EXHAUSTED     BudgetExceededError when the proxy's trailing
+                       metadata says ``fedpca-refusal: budget``, else
+                       OverloadError (a per-peer bound; retry later)
 INVALID_ARGUMENT       ConfigError (the proxy refused the query)
 PERMISSION_DENIED,     AuthenticationError
 UNAUTHENTICATED
@@ -41,10 +43,12 @@ from fedpca.errors import (
     FedpcaError,
     LayoutError,
     NotFoundError,
+    OverloadError,
     ProtocolError,
     QueryStateError,
 )
 from fedpca.messages import (
+    REFUSAL_METADATA,
     BudgetStatus,
     CancelReceipt,
     CiphertextPayload,
@@ -54,6 +58,7 @@ from fedpca.messages import (
     QueryState,
     QueryStatus,
     QuerySummary,
+    Refusal,
     ResultHeader,
     SignedQuery,
 )
@@ -106,6 +111,18 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[FedpcaError]] = {
 }
 
 
+def _refusal(error: grpc.RpcError) -> Refusal | None:
+    """What the proxy said a RESOURCE_EXHAUSTED was (None: it did not say)."""
+    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
+    for key, value in trailing or ():
+        if key == REFUSAL_METADATA:
+            try:
+                return Refusal(value)
+            except ValueError:
+                return None
+    return None
+
+
 def error_from_rpc(error: grpc.RpcError, action: str) -> FedpcaError:
     """Translate a failed call into the matching FedpcaError.
 
@@ -117,9 +134,15 @@ def error_from_rpc(error: grpc.RpcError, action: str) -> FedpcaError:
     code = error.code() if isinstance(error, grpc.Call) else None
     details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
     cls = _STATUS_ERRORS.get(code, ProxyError) if code is not None else ProxyError
+    if cls is BudgetExceededError and _refusal(error) is not Refusal.BUDGET:
+        cls = OverloadError
     name = code.name if code is not None else "UNKNOWN"
     if cls is BudgetExceededError:
         message = f"{action}: refused, privacy budget exhausted: {details}"
+    elif cls is OverloadError:
+        message = (
+            f"{action}: refused for now, the proxy is at a limit (nothing was charged): {details}"
+        )
     elif cls is ConfigError:
         message = f"{action}: refused by the proxy: {details}"
     elif cls is ProxyUnavailableError:

@@ -48,6 +48,7 @@ from fedpca.messages.ciphertexts import (
 )
 from fedpca.messages.deployment import CancelReceipt, DeploymentInfo, QuerySummary
 from fedpca.messages.queries import (
+    REFUSAL_METADATA,
     BudgetStatus,
     NoiseDescription,
     NoiseMechanism,
@@ -56,6 +57,7 @@ from fedpca.messages.queries import (
     QueryResult,
     QueryState,
     QueryStatus,
+    Refusal,
     ResultHeader,
     SignedQuery,
 )
@@ -88,6 +90,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_DECLINE_DETAIL",
     "PROTOCOL_VERSION",
+    "REFUSAL_METADATA",
     "SHA256_BYTES",
     "SHARE_RELEASED_METADATA",
     "UPLOAD_ACCEPTED_METADATA",
@@ -116,6 +119,7 @@ __all__ = [
     "QueryState",
     "QueryStatus",
     "QuerySummary",
+    "Refusal",
     "ResultHeader",
     "SignedQuery",
     "Task",

@@ -11,6 +11,7 @@ from fedpca.messages.ciphertexts import CiphertextBlock, CiphertextPayload
 from fedpca.query import Calibration, ProtocolMode, QuerySpec
 
 __all__ = [
+    "REFUSAL_METADATA",
     "BudgetStatus",
     "NoiseDescription",
     "NoiseMechanism",
@@ -19,9 +20,28 @@ __all__ = [
     "QueryResult",
     "QueryState",
     "QueryStatus",
+    "Refusal",
     "ResultHeader",
     "SignedQuery",
 ]
+
+
+REFUSAL_METADATA = "fedpca-refusal"
+"""Trailing metadata key of a call the proxy answered RESOURCE_EXHAUSTED, naming which
+of the two it was (:class:`Refusal`): gRPC has one status code for both, and an analyst
+told "budget exhausted" when the proxy only asked it to wait would give up a budget it
+still has. A RESOURCE_EXHAUSTED without the key comes from gRPC itself (its bound on
+calls in flight), an overload."""
+
+
+class Refusal(StrEnum):
+    """Values of :data:`REFUSAL_METADATA`."""
+
+    BUDGET = "budget"
+    """The release would exceed the analyst's privacy budget: final for that budget."""
+    OVERLOAD = "overload"
+    """A per-peer bound of the proxy (calls, watches, open queries, queries a day):
+    nothing was done or charged; the same call may succeed later."""
 
 
 class QueryState(StrEnum):

@@ -44,6 +44,8 @@ configuration file, so a deployment directory can be moved as a whole)::
     upload_idle_seconds = 60.0
     upload_total_seconds = 3600.0
     max_watches_per_analyst = 8
+    max_open_queries_per_analyst = 4
+    max_queries_per_analyst_per_day = 500
     max_calls_per_peer = 64
     max_pending_work = 4096
     worker_threads = 16

@@ -44,6 +44,7 @@ from fedpca.errors import (
     ConfigError,
     FedpcaError,
     NotFoundError,
+    OverloadError,
     QueryStateError,
 )
 from fedpca.messages import (
@@ -130,6 +131,7 @@ class Coordinator(OwnerTasks, AnalystRequests):
             decision = self._check_budget(rows, event, budget)
 
             def charge(conn: Any, rows: list[dict[str, Any]] = rows, fits: Any = decision) -> None:
+                self._check_query_bounds(conn, analyst_id)
                 if self.store.release_ids(conn, analyst_id) != [r["query_id"] for r in rows]:
                     raise _LedgerChanged
                 fits.raise_if_exceeded()
@@ -153,8 +155,7 @@ class Coordinator(OwnerTasks, AnalystRequests):
             raise QueryStateError(
                 "the analyst's ledger kept changing during the budget check; submit again"
             )
-        with self._lock:
-            self._contexts.setdefault(key, context)
+        self._contexts.put(key, context)
         if record.state is QueryState.COLLECTING:
             self._prepare_noise(key, context)
         if not spec.private:
@@ -171,6 +172,28 @@ class Coordinator(OwnerTasks, AnalystRequests):
         )
         self._notify()
         return record
+
+    def _check_query_bounds(self, conn: Any, analyst_id: str) -> None:
+        """Refuse a new query beyond the analyst's open or daily bound (inside the
+        submission's transaction, so two submissions cannot both take the last slot).
+
+        Every query costs the proxy its noise draw and a row even when it is cancelled
+        and refunded, so these bound what a small budget can make the proxy do."""
+        limits = self.config.limits
+        open_queries, recent = self.store.analyst_query_counts(
+            conn, analyst_id, self.clock() - 86_400.0
+        )
+        if open_queries >= limits.max_open_queries_per_analyst:
+            raise OverloadError(
+                f"analyst {analyst_id!r} already has {open_queries} queries open, the most "
+                f"this proxy allows (limits.max_open_queries_per_analyst): wait for one to "
+                "finish or cancel one"
+            )
+        if recent >= limits.max_queries_per_analyst_per_day:
+            raise OverloadError(
+                f"analyst {analyst_id!r} submitted {recent} queries in the last 24 hours, the "
+                "most this proxy allows (limits.max_queries_per_analyst_per_day)"
+            )
 
     def _check_public_facts(self, signed: SignedQuery, analyst_id: str) -> None:
         """Refuse, before anything is charged, what the deployment can never serve."""

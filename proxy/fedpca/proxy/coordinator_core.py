@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,7 +32,7 @@ from fedpca.proxy.prepared_noise import PreparedNoise
 from fedpca.proxy.queries import QueryContext, spec_from_dict
 from fedpca.proxy.store import ProxyStore
 
-__all__ = ["CoordinatorCore", "task_id", "total_ciphertexts"]
+__all__ = ["CONTEXT_CACHE_SIZE", "ContextCache", "CoordinatorCore", "task_id", "total_ciphertexts"]
 
 logger = logging.getLogger("fedpca.proxy.coordinator")
 
@@ -48,6 +48,41 @@ def task_id(analyst_id: str, query_id: str) -> str:
     Neither part may contain "/" (node ids and query ids have safe alphabets).
     """
     return f"{analyst_id}/{query_id}"
+
+
+CONTEXT_CACHE_SIZE = 256
+"""Query contexts (spec, plan, key) kept in memory. Each is rebuilt from the store on a
+miss, so the bound costs only time; without it every query ever served stayed in memory
+(a flood of submitted and cancelled queries grew the proxy without end)."""
+
+
+class ContextCache:
+    """Query key -> its :class:`QueryContext`, the ``size`` most recently used (thread-safe)."""
+
+    def __init__(self, size: int = CONTEXT_CACHE_SIZE) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._contexts: OrderedDict[str, QueryContext] = OrderedDict()
+
+    def get(self, key: str) -> QueryContext | None:
+        with self._lock:
+            context = self._contexts.get(key)
+            if context is not None:
+                self._contexts.move_to_end(key)
+            return context
+
+    def put(self, key: str, context: QueryContext) -> QueryContext:
+        """Keep ``context`` unless one is kept already; return the kept one."""
+        with self._lock:
+            kept = self._contexts.setdefault(key, context)
+            self._contexts.move_to_end(key)
+            while len(self._contexts) > self.size:
+                self._contexts.popitem(last=False)
+            return kept
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._contexts)
 
 
 class CoordinatorCore:
@@ -93,7 +128,7 @@ class CoordinatorCore:
             logger.warning(
                 "TEST ONLY: analyst keys shorter than %d bits are accepted", MIN_KEY_BITS
             )
-        self._contexts: dict[str, QueryContext] = {}
+        self._contexts = ContextCache()
         self._lock = threading.Lock()
         self._finishing: set[str] = set()
         self._fold_cpu_seconds: dict[str, float] = {}
@@ -188,14 +223,11 @@ class CoordinatorCore:
         self.store.touch_owner(owner_id, info)
 
     def _context(self, query_id: str) -> QueryContext:
-        with self._lock:
-            context = self._contexts.get(query_id)
+        context = self._contexts.get(query_id)
         if context is not None:
             return context
         record = self.store.query(query_id)  # NotFoundError for unknown ids
-        context = QueryContext.of(spec_from_dict(record.spec))
-        with self._lock:
-            return self._contexts.setdefault(query_id, context)
+        return self._contexts.put(query_id, QueryContext.of(spec_from_dict(record.spec)))
 
     def plan(self, query_id: str) -> ReleasePlan:
         """The release plan of a stored query."""

@@ -10,6 +10,10 @@ its share of what remains:
   ``upload_idle_seconds`` without a message or ``upload_total_seconds`` in all;
 * at most ``max_watches_per_analyst`` status watches per analyst;
 * at most ``max_calls_per_peer`` calls of any kind in flight per peer;
+* at most ``max_open_queries_per_analyst`` queries of one analyst not yet done or failed,
+  and ``max_queries_per_analyst_per_day`` submitted in any 24 hours (each query costs
+  the proxy its noise draw, about 10 µs a value, and a database row, even when it is
+  cancelled and refunded, so a small budget must not buy an unbounded amount of them);
 * at most ``max_pending_work`` blocking jobs (database, folding) waiting for the
   proxy's ``worker_threads``.
 
@@ -24,13 +28,9 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fedpca.errors import ConfigError, FedpcaError
+from fedpca.errors import ConfigError, OverloadError
 
-__all__ = ["OverloadError", "PeerLimits", "PeerSlots", "TaskStreams"]
-
-
-class OverloadError(FedpcaError, RuntimeError):
-    """A peer asked for more than its bound (answered RESOURCE_EXHAUSTED)."""
+__all__ = ["PeerLimits", "PeerSlots", "TaskStreams"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class PeerLimits:
     upload_idle_seconds: float = 60.0
     upload_total_seconds: float = 3600.0
     max_watches_per_analyst: int = 8
+    max_open_queries_per_analyst: int = 4
+    max_queries_per_analyst_per_day: int = 500
     max_calls_per_peer: int = 64
     max_pending_work: int = 4096
     worker_threads: int = 16

@@ -29,6 +29,9 @@ EncodingOverflowError (and every other FedpcaError)
 anything else                                               INTERNAL (generic text)
 ==========================================================  ======================
 
+A RESOURCE_EXHAUSTED carries trailing metadata saying which it was
+(:data:`fedpca.messages.REFUSAL_METADATA`: ``budget`` or ``overload``).
+
 Insecure mode (``tls.insecure = true``, local experiments only) has no
 certificates: the caller's node id is then taken from the ``fedpca-node-id``
 request metadata (:data:`fedpca.transport.channels.INSECURE_IDENTITY_METADATA`,

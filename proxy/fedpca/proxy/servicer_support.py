@@ -27,13 +27,15 @@ from fedpca.errors import (
     BudgetExceededError,
     FedpcaError,
     NotFoundError,
+    OverloadError,
     PolicyError,
     ProtocolError,
     QueryStateError,
     UntrustedKeyError,
 )
+from fedpca.messages import REFUSAL_METADATA, Refusal
 from fedpca.proxy.coordinator import Coordinator
-from fedpca.proxy.limits import OverloadError, PeerLimits, PeerSlots
+from fedpca.proxy.limits import PeerLimits, PeerSlots
 from fedpca.transport import certs
 from fedpca.transport.certs import NodeIdentity, Role
 from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
@@ -91,7 +93,11 @@ async def refuse(context: aio.ServicerContext, method: str, error: BaseException
     if isinstance(error, FedpcaError):
         code = status_code_for(error)
         logger.warning("%s refused (%s): %s", method, code.name, error)
-        await context.abort(code, str(error))
+        trailing: tuple[tuple[str, str], ...] = ()
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            refusal = Refusal.BUDGET if isinstance(error, BudgetExceededError) else Refusal.OVERLOAD
+            trailing = ((REFUSAL_METADATA, refusal.value),)
+        await context.abort(code, str(error), trailing)
     elif isinstance(error, grpc.RpcError | aio.AioRpcError):
         # Reading the request stream failed: the client cancelled or the connection
         # dropped mid-stream. Routine on a network; nobody is left to answer.

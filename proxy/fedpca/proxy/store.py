@@ -287,6 +287,19 @@ class ProxyStore(ContributionStore):
             ).fetchone()
         return None if row is None else (float(row["epsilon_budget"]), float(row["delta_budget"]))
 
+    def analyst_query_counts(
+        self, conn: sqlite3.Connection, analyst_id: str, since: float
+    ) -> tuple[int, int]:
+        """(queries of the analyst not yet done or failed, queries it submitted at or
+        after ``since``), inside a transaction: what its per-analyst bounds count."""
+        row = conn.execute(
+            "SELECT COALESCE(SUM(state NOT IN (?, ?)), 0) AS open, "
+            "COALESCE(SUM(created_at >= ?), 0) AS recent "
+            "FROM queries WHERE analyst_id=?",
+            (QueryState.DONE.value, QueryState.FAILED.value, since, analyst_id),
+        ).fetchone()
+        return int(row["open"]), int(row["recent"])
+
     def release_ids(self, conn: sqlite3.Connection, analyst_id: str) -> list[str]:
         """Ids of the analyst's recorded releases, in order (inside a transaction)."""
         rows = conn.execute(

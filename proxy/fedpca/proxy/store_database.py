@@ -92,6 +92,11 @@ class StoreDatabase:
                     neighbouring=self.neighbouring,
                     page_ciphertexts=page_ciphertexts,
                 )
+        # After the migrations (schema 1 had no analyst column): each submission counts
+        # its analyst's open and recent queries (fedpca.proxy.limits).
+        self._conn.execute(
+            "CREATE INDEX IF NOT EXISTS queries_by_analyst ON queries(analyst_id, created_at)"
+        )
         self._group = GroupCommit(self.transaction, enabled=group_commit)
 
     @property
