@@ -66,6 +66,14 @@ class FeatureBounds:
                 raise ConfigError(
                     f"feature {j}: bounds must be finite with lower < upper, got [{lo}, {hi}]"
                 )
+            # Scaling computes 2 (x - lower) / (upper - lower) for x in the bounds: a span
+            # whose double overflows would turn some in-bounds values into NaN, an
+            # encoding failure after the budget is reserved that depends on the records.
+            if not math.isfinite(2.0 * (hi - lo)):
+                raise ConfigError(
+                    f"feature {j}: bounds [{lo}, {hi}] span more than a float can scale "
+                    "(2 x (upper - lower) overflows)"
+                )
         object.__setattr__(self, "lower", lower)
         object.__setattr__(self, "upper", upper)
 

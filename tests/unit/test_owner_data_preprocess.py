@@ -98,6 +98,19 @@ class TestScaling:
         # Which or how many values were outside is private: nothing about it is logged.
         assert caplog.text == ""
 
+    def test_bounds_too_wide_to_scale_are_refused_so_no_value_inside_becomes_nan(
+        self,
+    ) -> None:
+        # Review: with [-8.98e307, 1.7e308] a value of 1e306 scaled to NaN and failed
+        # the owner's encoding after its budget was reserved, which depended on the data.
+        with pytest.raises(ConfigError, match="span more than a float can scale"):
+            FeatureBounds((-8.98e307,), (1.7e308,))
+        widest = FeatureBounds((-4e307,), (4e307,))
+        values = np.array([[-4e307], [-1e306], [0.0], [1e306], [4e307]])
+        scaled = scale_to_unit_box(values, widest)
+        assert np.all(np.isfinite(scaled)) and np.all(np.abs(scaled) <= 1.0)
+        assert scaled[0, 0] == -1.0 and scaled[-1, 0] == 1.0
+
     def test_shape_errors(self) -> None:
         bounds = FeatureBounds((0.0,), (1.0,))
         with pytest.raises(DataError, match="2 features, the bounds declare 1"):
