@@ -321,6 +321,48 @@ def test_masked_sensitivity_bounds_a_replacement(n: int, m: int, seed: int) -> N
     assert np.linalg.norm(upper) <= masked_scatter_sensitivity(1.0, n)
 
 
+def test_a_colluding_owner_amplifies_honest_sums_in_masked_mode_only() -> None:
+    """The limit docs/privacy.md states for masked mode, checked: its sensitivity holds
+    only when every owner's (v_l, N_l) comes from clipped records. A colluder claiming
+    R_h = 0, v_h = s e_1, N_h = 1 (nothing checks it under encryption) makes one honest
+    replacement move S = R - v v^T / N by about s / N times as much; stats mode releases
+    (R, v) as sums, so the same replacement moves it the same with or without it."""
+    rng = np.random.default_rng(3)
+    m, n = 4, 20
+    honest = rng.uniform(-0.5, 0.5, size=(n, m))
+    neighbour = honest.copy()
+    neighbour[0] = -honest[0]
+
+    def shares(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        return rows.T @ rows, rows.sum(axis=0), len(rows)
+
+    def masked_release(*owners: tuple[np.ndarray, np.ndarray, int]) -> np.ndarray:
+        r = sum(o[0] for o in owners)
+        v = sum(o[1] for o in owners)
+        total = sum(o[2] for o in owners)
+        return (r - np.outer(v, v) / total)[np.triu_indices(m)]
+
+    def stats_release(*owners: tuple[np.ndarray, np.ndarray, int]) -> np.ndarray:
+        r = sum(o[0] for o in owners)
+        v = sum(o[1] for o in owners)
+        return np.concatenate([r[np.triu_indices(m)], v])
+
+    bound = masked_scatter_sensitivity(1.0, n + 1)
+    alone = np.linalg.norm(masked_release(shares(neighbour)) - masked_release(shares(honest)))
+    assert alone <= masked_scatter_sensitivity(1.0, n)
+    for s in (1e4, 1e6):
+        colluder = (np.zeros((m, m)), s * np.eye(m)[0], 1)
+        change = np.linalg.norm(
+            masked_release(shares(neighbour), colluder) - masked_release(shares(honest), colluder)
+        )
+        assert change > 0.5 * s / (n + 1) > 10 * bound  # far beyond what E is sized for
+        np.testing.assert_allclose(
+            stats_release(shares(neighbour), colluder) - stats_release(shares(honest), colluder),
+            stats_release(shares(neighbour)) - stats_release(shares(honest)),
+            atol=1e-6,
+        )
+
+
 def test_masked_owner_blocks_repeat_each_sum_as_the_same_integer() -> None:
     """Every copy of v must be the same integer, or the mask terms cannot cancel."""
     plan = ReleasePlan.for_query(spec(**MASKED, n_features=7), 2048)

@@ -191,7 +191,9 @@ class PolicyConfig:
     allow_not_private : accept ``epsilon = inf`` verification queries (no noise:
         the analyst learns the exact sums; a finite budget is exhausted by one).
     allow_masked_mode : take part in the masked (published) protocol, in which the
-        proxy learns this owner's record count.
+        proxy learns this owner's record count, and whose guarantee for this owner's
+        records holds only while no other contributing owner colludes with the
+        analyst (docs/privacy.md, masked mode).
     allowed_kinds : release kinds this owner answers: pca, dca, and the aggregate kinds
         stats, histogram and linreg (an aggregate query needs every one it combines).
     allowed_columns : if set, the only file columns (0-based) a query may read; PCA
