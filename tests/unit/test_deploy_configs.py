@@ -73,3 +73,31 @@ def test_the_readme_query_fits_the_example_deployment() -> None:
         assert delta <= proxy.privacy.delta_cap(budget) and epsilon <= budget.epsilon
     assert delta <= owner.policy.delta_cap(owner.budget)
     assert epsilon <= owner.policy.max_epsilon_per_query <= owner.budget.epsilon
+
+
+def _shown_keys(path: Path) -> set[str]:
+    """Keys the example shows, set or commented out (``# name = ...``)."""
+    keys = set()
+    for line in path.read_text().splitlines():
+        text = line.strip().removeprefix("#").strip()
+        name, equals, _ = text.partition("=")
+        if equals and name.strip().isidentifier():
+            keys.add(name.strip())
+    return keys
+
+
+def test_the_examples_show_every_key_of_these_sections() -> None:
+    """They say "every key, annotated": a key the loaders accept but the examples leave
+    out (all of [limits] once) is one an operator cannot find."""
+    from dataclasses import fields
+
+    from fedpca.analyst.config import _CONFIG_KEYS
+    from fedpca.owner.config import PolicyConfig
+    from fedpca.proxy.config import CryptoConfig as ProxyCrypto
+    from fedpca.proxy.limits import PeerLimits
+
+    proxy = _shown_keys(CONFIG / "proxy.toml")
+    for section in (PeerLimits, ProxyCrypto):
+        assert {f.name for f in fields(section)} <= proxy, section.__name__
+    assert {f.name for f in fields(PolicyConfig)} <= _shown_keys(CONFIG / "owner.toml")
+    assert set(_CONFIG_KEYS) - {"tls"} <= _shown_keys(CONFIG / "analyst.toml")
