@@ -170,8 +170,10 @@ def test_noise_differs_from_exact_by_the_calibrated_scale(tmp_path: Path) -> Non
     assert not np.allclose(noisy.scatter, exact)
 
 
-def test_demo_command_writes_exact_result(tmp_path: Path) -> None:
-    """The README's main command, run as a user would, with --epsilon inf."""
+@pytest.mark.parametrize("mode", ["stats", "masked"])
+def test_demo_command_writes_exact_result(tmp_path: Path, mode: str) -> None:
+    """The README's main command, run as a user would, with --epsilon inf, in both modes
+    (the README lists --mode masked; its deployment once refused every masked query)."""
     table = _unit_rows(_dataset("ionosphere.csv"))
     dataset = tmp_path / "unit.csv"
     np.savetxt(dataset, table, delimiter=",", fmt="%.17g")
@@ -192,6 +194,8 @@ def test_demo_command_writes_exact_result(tmp_path: Path) -> None:
             "none",
             "--components",
             "2",
+            "--mode",
+            mode,
             "--out",
             str(out),
         ],
@@ -201,8 +205,9 @@ def test_demo_command_writes_exact_result(tmp_path: Path) -> None:
         check=False,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    assert "NOT PRIVATE" in completed.stdout
+    assert "NOT PRIVATE" in completed.stdout and "records (exact)" in completed.stdout
     result = json.loads((out / "result.json").read_text())
+    assert result["mode"] == mode
     reference = PCA(n_components=2, svd_solver="covariance_eigh").fit(table[:, 1:])
     # Exact statistics of rows quantised to 2^-16 per coordinate: sklearn's components
     # to within the quantisation.

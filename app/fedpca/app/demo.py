@@ -137,6 +137,10 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         label_column=label_column,
         max_epsilon_per_query=settings.epsilon if private else 10.0,
         allow_not_private=not private,
+        # Masked mode has a finite epsilon only under replace-one (docs/privacy.md), and
+        # owners take part in it only when they opt in: the demo's owners do when asked.
+        neighbouring="replace-one" if settings.mode == "masked" else "add-remove",
+        allow_masked_mode=settings.mode == "masked",
     )
     click.echo(f"preparing {settings.owners} owners, {settings.key_bits}-bit analyst key ...")
     cluster.prepare()
@@ -203,7 +207,8 @@ def _print_summary(
         click.echo(f"privacy spent     epsilon={settings.epsilon:g} delta={settings.delta:g}")
     else:
         click.secho("privacy           NOT PRIVATE (epsilon = inf, no noise added)", fg="red")
-    click.echo(f"records (noisy)   {float(estimator.n_samples_):.1f}")
+    counted = "(noisy)" if math.isfinite(settings.epsilon) else "(exact)"
+    click.echo(f"records {counted:9} {float(estimator.n_samples_):.1f}")
     ratios = ", ".join(f"{r:.4f}" for r in estimator.explained_variance_ratio_)
     click.echo(f"explained var.    ratio per component: {ratios}")
     click.echo(f"captured variance {ratio:.4f} of non-private PCA on the pooled rows")
@@ -224,8 +229,19 @@ def _print_summary(
     help="CSV with the label in column 0 (unless --no-label). Default: bundled ionosphere.",
 )
 @click.option("--no-label", is_flag=True, help="The dataset has no label column.")
-@click.option("--epsilon", type=float, default=1.0, show_default=True, help="'inf': no noise.")
-@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option(
+    "--epsilon",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="'inf': no noise.",
+)
+@click.option(
+    "--delta",
+    type=click.FloatRange(min=0.0, max=1.0, min_open=True, max_open=True),
+    default=1e-5,
+    show_default=True,
+)
 @click.option("--components", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--mode", type=click.Choice(["stats", "masked"]), default="stats", show_default=True)
 @click.option(
@@ -234,7 +250,9 @@ def _print_summary(
     show_default=True,
     help="Public bounds LO:HI applied to every feature, or 'none' to keep raw values.",
 )
-@click.option("--clip-norm", type=float, default=1.0, show_default=True)
+@click.option(
+    "--clip-norm", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True
+)
 @click.option("--key-bits", type=click.IntRange(min=2048), default=2048, show_default=True)
 @click.option(
     "--out",
