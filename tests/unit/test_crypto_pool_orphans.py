@@ -45,6 +45,14 @@ def _is_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _ignores_sigint(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("SigIgn:"):
+                return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
     assert process.stdout is not None
     with selectors.DefaultSelector() as selector:
@@ -101,3 +109,30 @@ def test_workers_exit_after_their_creator_is_killed(
     assert not survivors, (
         f"workers {survivors} still running {_EXIT_DEADLINE_S} s after their creator was killed"
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_ignore_ctrl_c_and_leave_it_to_their_creator(
+    capfd: pytest.CaptureFixture[str], test_only_keypair_512: tuple[object, object]
+) -> None:
+    """Ctrl-C reaches every process of the terminal's group: workers printed a
+    KeyboardInterrupt traceback each while the analyst was cancelling its query."""
+    from fedpca.codec import CryptoPool
+
+    public_key, private_key = test_only_keypair_512
+    with CryptoPool(processes=2) as pool:
+        pool.start()
+        workers = list(pool._executor._processes)  # type: ignore[union-attr]
+        # start() returns once the warm-up tasks ran, maybe all on one worker: wait for
+        # every worker's initializer (its ignored-signal mask, from /proc).
+        deadline = time.monotonic() + _EXIT_DEADLINE_S
+        while not all(_ignores_sigint(pid) for pid in workers):
+            assert time.monotonic() < deadline, "workers never ignored SIGINT"
+            time.sleep(0.05)
+        for pid in workers:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(_is_running(pid) for pid in workers)
+        ciphertexts = pool.encrypt(public_key, [1, 2, 3])
+        assert pool.decrypt(private_key, ciphertexts) == [1, 2, 3]
+    assert "KeyboardInterrupt" not in capfd.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import select
+import signal
 import threading
 import time
 from typing import Any
@@ -170,7 +171,13 @@ def warm_up() -> bool:
 
 
 def watch_creator(creator_pid: int) -> None:
-    """Pool initializer: make this worker exit once the process that created the pool is gone.
+    """Pool initializer: ignore Ctrl-C, and exit once the process that created the pool
+    is gone.
+
+    A terminal's Ctrl-C sends SIGINT to the whole process group, workers included; each
+    printed a KeyboardInterrupt traceback while its creator was handling the interrupt
+    (cancelling the query, stopping the node). The creator shuts its pool down itself,
+    so workers ignore SIGINT (SIGTERM still ends them).
 
     A creator killed with SIGKILL (``kill -9`` of an owner node daemon or of the
     proxy) never shuts its pool down, and the workers block forever on the call
@@ -196,6 +203,7 @@ def watch_creator(creator_pid: int) -> None:
     creator_pid : int
         ``os.getpid()`` of the process that created the executor.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
 
     def creator_is_gone() -> bool:
