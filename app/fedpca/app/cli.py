@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any
 
 import click
+
+# gRPC's C core writes its own lines to stderr (e.g. "I1124 ... Handshake failed" for
+# every peer refused at the TLS handshake), outside fedpca's log format (--log-format
+# json promises one object per line). Keep its errors only, unless the operator asks
+# for more (GRPC_VERBOSITY=INFO to see each refused handshake). Read when grpc is first
+# imported: subcommands import it lazily, after this line.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from fedpca import logs
 from fedpca.version import __version__
