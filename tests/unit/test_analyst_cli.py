@@ -772,6 +772,23 @@ def test_config_file_is_validated(tmp_path: Path) -> None:
         load_config(config)
 
 
+def test_one_tls_flag_overrides_its_file_of_the_config(tmp_path: Path) -> None:
+    """The help says flags override --config: --cert alone used to be refused."""
+    from fedpca.analyst.cli import _connection
+
+    config = tmp_path / "analyst.toml"
+    config.write_text('proxy = "x:1"\n[tls]\nca = "ca.pem"\ncert = "c.pem"\nkey = "k.pem"\n')
+    other = tmp_path / "renewed.pem"
+    merged = _connection(config, None, None, other, None, False, None)
+    assert merged.tls is not None
+    assert merged.tls.certificate == other
+    assert merged.tls.ca_certificate == tmp_path / "ca.pem"
+    assert merged.tls.private_key == tmp_path / "k.pem"
+    # Without a config's [tls] the three still go together.
+    with pytest.raises(ConfigError, match="given together"):
+        _connection(None, "x:1", None, other, None, False, None)
+
+
 def test_cli_shows_each_decline_and_fails_with_the_proxys_reason(
     proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
 ) -> None:

@@ -96,10 +96,20 @@ def _connection(
     key_dir: Path | None = None,
 ) -> AnalystConfig:
     config = load_config(config_path) if config_path is not None else AnalystConfig()
-    tls_flags = (ca, cert, key)
-    if any(tls_flags) and not all(tls_flags):
-        raise ConfigError("--ca, --cert and --key must be given together")
-    tls = TlsFiles(*tls_flags) if ca and cert and key else config.tls  # type: ignore[arg-type]
+    tls = config.tls
+    if ca or cert or key:
+        # Each flag overrides its file of --config's [tls]; without --config all three
+        # are needed.
+        if tls is None and not (ca and cert and key):
+            raise ConfigError(
+                "--ca, --cert and --key must be given together (or with a --config that "
+                "has a [tls] table for the others)"
+            )
+        tls = TlsFiles(
+            ca or tls.ca_certificate,  # type: ignore[union-attr]
+            cert or tls.certificate,  # type: ignore[union-attr]
+            key or tls.private_key,  # type: ignore[union-attr]
+        )
     insecure = insecure or config.insecure
     if insecure:
         tls = None
