@@ -77,6 +77,15 @@ def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> No
     assert budget.exit_code == 1 and "ID=EPSILON:DELTA" in budget.output
     no_tls = runner.invoke(proxy_group, ["init", "--out", str(tmp_path / "q"), "--owners", "a"])
     assert no_tls.exit_code == 1 and "--certs" in no_tls.output
+    # A folder that is no `fedpca certs init` output is named as such (it used to be
+    # told to issue a proxy certificate, which cannot create the missing CA).
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    not_certs = runner.invoke(
+        proxy_group, ["init", "--out", str(tmp_path / "r"), "--owners", "a", "--certs", str(stray)]
+    )
+    assert not_certs.exit_code == 1 and "is not a certificates directory" in not_certs.output
+    assert "fedpca certs init" in not_certs.output and "certs issue" not in not_certs.output
 
 
 def test_suggested_capacity_is_a_round_number_at_or_above() -> None:

@@ -78,6 +78,12 @@ class NodeFolder:
             raise ConfigError("give either a certificates directory or the three TLS files")
         source = CertificateDirectory(certs).node_files(identity) if certs is not None else files
         assert source is not None
+        if certs is not None and not source.ca_certificate.is_file():
+            raise ConfigError(
+                f"{certs} is not a certificates directory: it has no {source.ca_certificate.name}"
+                f" under {source.ca_certificate.parent.name}/ (`fedpca certs init --out DIR` "
+                "creates one; or name the node's files with --ca, --cert and --key)"
+            )
         for path in (source.ca_certificate, source.certificate, source.private_key):
             if not path.is_file():
                 raise ConfigError(
