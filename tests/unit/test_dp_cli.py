@@ -56,6 +56,7 @@ def test_calibrate_refuses_classic_at_epsilon_one_without_a_traceback() -> None:
     )
     assert result.exit_code != 0
     assert "analytic" in result.output and "Traceback" not in result.output
+    assert "--mechanism analytic" in result.output  # this command's own spelling
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
 
 
@@ -64,6 +65,7 @@ def test_calibrate_refuses_classic_at_epsilon_one_without_a_traceback() -> None:
     [
         (["--epsilon", "1", "--delta", "2"], "2.0"),
         (["--epsilon", "-1", "--delta", "1e-5"], "-1.0"),
+        (["--epsilon", "0", "--delta", "1e-5"], "x>0"),  # not "finite": inf is accepted
         (["--epsilon", "1", "--delta", "1e-5", "--sensitivity", "0"], "0.0"),
         (["--epsilon", "x", "--delta", "1e-5"], "x"),
         (["--epsilon", "1", "--delta", "1e-5", "--mechanism", "laplace"], "laplace"),

@@ -23,8 +23,18 @@ def dp_group() -> None:
 
 
 @dp_group.command("calibrate")
-@click.option("--epsilon", type=float, required=True, help="Target epsilon (> 0; inf = no noise).")
-@click.option("--delta", type=float, required=True, help="Target delta, in (0, 1).")
+@click.option(
+    "--epsilon",
+    type=click.FloatRange(min=0.0, min_open=True),
+    required=True,
+    help="Target epsilon (> 0; inf = no noise).",
+)
+@click.option(
+    "--delta",
+    type=click.FloatRange(min=0.0, max=1.0, min_open=True, max_open=True),
+    required=True,
+    help="Target delta, in (0, 1).",
+)
 @click.option(
     "--sensitivity", type=float, default=1.0, show_default=True, help="L2 sensitivity Delta."
 )

@@ -171,8 +171,9 @@ def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.
     if epsilon >= 1:
         raise CalibrationError(
             f"the classic Gaussian calibration is only valid for epsilon < 1, got epsilon="
-            f"{epsilon!r}; use the analytic Gaussian mechanism (calibration='analytic'), "
-            "which is valid for every epsilon > 0"
+            f"{epsilon!r}; use the analytic calibration instead, valid for every epsilon > 0 "
+            "(calibration='analytic' in Python, --calibration analytic for a query on the "
+            "command line, --mechanism analytic for fedpca dp calibrate)"
         )
     return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
 
