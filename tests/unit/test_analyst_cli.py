@@ -146,7 +146,8 @@ def test_keygen_cli_prints_fingerprint_last(tmp_path: Path, fast_keygen: list[in
 
     again = runner.invoke(analyst_group, ["keygen", "--out", str(tmp_path / "k"), "--bits", "2048"])
     assert again.exit_code == 1 and "already exists" in again.output
-    assert "Traceback" not in again.output
+    assert "Traceback" not in again.output and "generating" not in again.output
+    assert fast_keygen == [3072]  # refused before generating anything
     forced = runner.invoke(
         analyst_group, ["keygen", "--out", str(tmp_path / "k"), "--bits", "2048", "--force"]
     )

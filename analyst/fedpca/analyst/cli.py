@@ -41,6 +41,7 @@ from fedpca.analyst.keys import (
     DEFAULT_KEY_BITS,
     SUPPORTED_KEY_BITS,
     create_analyst_keys,
+    refuse_to_overwrite,
 )
 from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
@@ -230,6 +231,8 @@ def keygen_command(out: Path, bits: str, force: bool) -> None:
     policy.accepted_analyst_keys and the signing key in policy.accepted_query_signers.
     The fingerprint is printed last.
     """
+    with _errors():
+        refuse_to_overwrite(out, force=force)
     with _errors(), _spinner(f"generating a {bits}-bit Paillier key"):
         files = create_analyst_keys(out, int(bits), force=force)
     click.echo(f"private key (keep secret, 0600): {files.private_key}")

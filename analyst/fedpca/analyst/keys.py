@@ -50,6 +50,7 @@ __all__ = [
     "load_analyst_private_key",
     "load_analyst_public_key",
     "load_analyst_signing_key",
+    "refuse_to_overwrite",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,25 @@ class AnalystKeyFiles:
         return self.directory / SIGNING_KEY_FILE
 
 
+def refuse_to_overwrite(directory: Path, *, force: bool) -> AnalystKeyFiles:
+    """The key files of ``directory``, after checking none exists unless ``force``
+    (callers check before a minute of key generation, not after it).
+
+    Raises
+    ------
+    ConfigError
+        A key file exists and ``force`` is False.
+    """
+    files = AnalystKeyFiles(Path(directory))
+    existing = [p for p in (files.private_key, files.public_key, files.signing_key) if p.exists()]
+    if existing and not force:
+        raise ConfigError(
+            f"{existing[0]} already exists; refusing to overwrite an analyst key "
+            "(results under it would become unreadable). Use --force to replace it."
+        )
+    return files
+
+
 def create_analyst_keys(
     directory: str | os.PathLike[str],
     key_bits: int = DEFAULT_KEY_BITS,
@@ -121,13 +141,7 @@ def create_analyst_keys(
             f"analyst keys must have {' or '.join(map(str, SUPPORTED_KEY_BITS))} bits, "
             f"got {key_bits}"
         )
-    files = AnalystKeyFiles(Path(directory))
-    existing = [p for p in (files.private_key, files.public_key, files.signing_key) if p.exists()]
-    if existing and not force:
-        raise ConfigError(
-            f"{existing[0]} already exists; refusing to overwrite an analyst key "
-            "(results under it would become unreadable). Use --force to replace it."
-        )
+    files = refuse_to_overwrite(directory, force=force)
     files.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     public_key, private_key = generate_keypair(
         key_bits, allow_insecure_test_key=allow_insecure_test_key
