@@ -215,6 +215,11 @@ def test_tls_material_consistency_checks(tmp_path: Path) -> None:
         certs.TlsMaterial.load(certs.TlsFiles(a.ca_certificate, a.certificate, a.certificate))
     with pytest.raises(ConfigError, match="cannot read certificate"):
         certs.TlsMaterial.load(certs.TlsFiles(a.ca_certificate, tmp_path / "nope", a.private_key))
+    table = tmp_path / "a.csv"
+    table.write_text("1,2,3\n")
+    with pytest.raises(ConfigError, match=r"a\.csv is not a certificate") as info:
+        certs.read_certificate(table)
+    assert "ParseError" not in str(info.value)  # no parser internals for a user
 
 
 # -------------------------------------------------------------------- CLI

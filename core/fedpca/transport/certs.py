@@ -408,9 +408,17 @@ def read_private_key(path: Path) -> PrivateKey:
 def read_certificate(path: Path) -> x509.Certificate:
     """Read a PEM or DER certificate file (ConfigError if unreadable)."""
     try:
-        return load_certificate(Path(path).read_bytes())
-    except (OSError, AuthenticationError) as exc:
+        data = Path(path).read_bytes()
+    except OSError as exc:
         raise ConfigError(f"cannot read certificate {path}: {exc}") from exc
+    try:
+        return load_certificate(data)
+    except AuthenticationError:
+        # The parser's own message (an ASN.1 tag dump) tells a user nothing.
+        raise ConfigError(
+            f"{path} is not a certificate (neither PEM nor DER X.509; fedpca writes them "
+            "as cert.pem)"
+        ) from None
 
 
 @dataclass(frozen=True)
