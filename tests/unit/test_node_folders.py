@@ -182,6 +182,8 @@ def test_analyst_init(certs: Path, tmp_path: Path) -> None:
     assert config.proxy == "proxy.test:50051" and config.key_dir == keys
     assert config.tls is not None and config.tls.certificate == out / "tls" / "cert.pem"
     assert TlsMaterial.load(config.tls).identity.node_id == "alice"
+    # The key folder is empty: said at init, not first at the first query.
+    assert "holds no analyst key yet" in result.output and "analyst keygen" in result.output
 
 
 def test_owner_serve_flags_override_the_file(certs: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from fedpca.analyst.config import AnalystConfig, load_config
+from fedpca.analyst.keys import AnalystKeyFiles
 from fedpca.errors import ConfigError, FedpcaError
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import TLS_DIR, config_path, prepare_folder
@@ -123,4 +124,11 @@ def init_command(
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {out / CONFIG_NAME}")
+    if not AnalystKeyFiles(key_dir).private_key.is_file():
+        # Not an error (keys may be made next), but said now rather than at the first query.
+        click.echo(
+            f"warning: {key_dir} holds no analyst key yet; create it with "
+            f"`fedpca analyst keygen --out {key_dir}` before querying",
+            err=True,
+        )
     click.echo(f"use:  fedpca analyst budget --config {out / CONFIG_NAME}")
