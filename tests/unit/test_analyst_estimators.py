@@ -586,3 +586,23 @@ def test_the_demo_warns_when_bounds_none_meets_unscaled_data() -> None:
     assert unscaled_warning(german, (0.0, 184.0)) is None  # bounds given
     message = unscaled_warning(german, None)
     assert message is not None and "--bounds 0:184" in message
+
+
+def test_progress_off_a_terminal_is_plain_lines_and_says_when_contributors_are_fixed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Piped, the bars came out as fragments joined by carriage returns, and their last
+    state ("aggregating, 2 uploading: owners 0/2") read as owners missing."""
+    from fedpca.analyst.querying import ProgressDisplay
+
+    display = ProgressDisplay()
+    display.status(QueryStatus("q1", QueryState.COLLECTING, 0, 2, owners_registered=2))
+    display.status(
+        QueryStatus("q1", QueryState.AGGREGATING, 0, 2, owners_registered=2, owners_uploading=2)
+    )
+    display.fetched(10)
+    for done in (4, 10):
+        display.decrypted(done)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "0/2" not in err
+    assert err.splitlines() == ["contributors fixed: 2 owners; decrypting pages as they arrive"]

@@ -90,7 +90,7 @@ class AnalystKeyFiles:
         return self.directory / SIGNING_KEY_FILE
 
 
-def refuse_to_overwrite(directory: Path, *, force: bool) -> AnalystKeyFiles:
+def refuse_to_overwrite(directory: str | os.PathLike[str], *, force: bool) -> AnalystKeyFiles:
     """The key files of ``directory``, after checking none exists unless ``force``
     (callers check before a minute of key generation, not after it).
 

@@ -280,8 +280,10 @@ class ProgressDisplay:
         self._owners: Any = None
         self._decrypt: Any = None
         self._declined: set[str] = set()
+        self._quorum = 0
 
     def status(self, status: Any) -> None:
+        self._quorum = status.quorum
         for decline in status.declines:
             if decline.owner_id not in self._declined:
                 self._declined.add(decline.owner_id)
@@ -292,6 +294,9 @@ class ProgressDisplay:
                 total=max(status.quorum, 1),
                 desc="owners",
                 bar_format="{desc} {n}/{total} |{bar}| [{elapsed}]",
+                # No bars where nobody watches them redraw (a pipe, a log file): there
+                # they came out as fragments joined by carriage returns.
+                disable=None,
             )
         bar = self._owners
         bar.total = max(status.quorum, status.owners_contributed, 1)
@@ -309,7 +314,17 @@ class ProgressDisplay:
             bar.close()
 
     def fetched(self, total: int) -> None:
-        self._decrypt = self._tqdm(total=total, desc="decrypt", unit="ct")
+        if self._owners is not None:
+            # The contributors are fixed and go on uploading while pages are decrypted:
+            # the bar's last count (uploads complete, often 0) read as owners missing.
+            self._owners.leave = False
+            self._owners.close()
+            if self._quorum:
+                self._tqdm.write(
+                    f"contributors fixed: {self._quorum} owners; decrypting pages as they arrive",
+                    file=sys.stderr,
+                )
+        self._decrypt = self._tqdm(total=total, desc="decrypt", unit="ct", disable=None)
 
     def decrypted(self, done: int) -> None:
         if self._decrypt is not None:
