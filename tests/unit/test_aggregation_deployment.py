@@ -279,6 +279,10 @@ def test_combined_query_is_charged_once_at_the_composed_cost(
     assert document["noise_multiplier"] == pytest.approx(z)
     assert document["epsilon"] == epsilon and document["not_private"] is False
     assert document["aggregates"][1]["postprocessing"] == "negative counts clamped to 0"
+    # The analyst's listing names the aggregates (it said "aggregate" for every one).
+    with running.analyst() as client:
+        listed = {item.status.query_id: item for item in client.list_queries(10)}
+    assert listed[query.query_id_].what == "aggregate:stats+histogram+linreg"
 
 
 @pytest.mark.parametrize(

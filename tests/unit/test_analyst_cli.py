@@ -730,7 +730,7 @@ def test_cli_list_status_cancel_and_fetch(
     listing = runner.invoke(analyst_group, ["list", *connection])
     assert listing.exit_code == 0, listing.output
     header, row = listing.stdout.strip().splitlines()
-    assert header.split()[:4] == ["QUERY", "CREATED", "(UTC)", "KIND"]
+    assert header.split()[:4] == ["QUERY", "CREATED", "(UTC)", "KIND/MODE"]
     assert row.split()[:7] == [query_id, "2030-01-02", "03:04:05", "pca/stats", "done", "1/1", "of"]
 
     status = runner.invoke(analyst_group, ["status", query_id, *connection])

@@ -820,3 +820,28 @@ def test_a_spec_needs_a_real_delta_even_without_noise(delta: float) -> None:
     with pytest.raises(ConfigError, match="delta must be in"):
         pca_spec(epsilon=math.inf, delta=delta)
     assert pca_spec(epsilon=math.inf, delta=0.0).delta == 0.0
+
+
+def test_query_summaries_round_trip_with_their_aggregate_kinds() -> None:
+    from datetime import UTC, datetime
+
+    from fedpca.messages import QuerySummary
+    from fedpca.query import AggregateKind, ProtocolMode, QueryKind
+
+    status = QueryStatus("q1", QueryState.DONE, 2, 2)
+    made = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    summaries = [
+        QuerySummary(
+            status,
+            QueryKind.AGGREGATE,
+            ProtocolMode.STATS,
+            1.0,
+            1e-6,
+            made,
+            (AggregateKind.HISTOGRAM, AggregateKind.LINREG),
+        ),
+        QuerySummary(status, QueryKind.PCA, ProtocolMode.MASKED, 0.5, 1e-7, made),
+    ]
+    back = serde.query_list_from_proto(serde.query_list_to_proto(summaries))
+    assert back == summaries
+    assert [item.what for item in back] == ["aggregate:histogram+linreg", "pca"]

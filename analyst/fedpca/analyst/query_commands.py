@@ -111,7 +111,7 @@ def register(
         if not queries:
             click.echo("no queries")
             return
-        rows = [("QUERY", "CREATED (UTC)", "KIND", "STATE", "OWNERS", "EPSILON", "REASON")]
+        rows = [("QUERY", "CREATED (UTC)", "KIND/MODE", "STATE", "OWNERS", "EPSILON", "REASON")]
         for item in queries:
             status = item.status
             registered = status.owners_registered or "?"
@@ -119,7 +119,7 @@ def register(
                 (
                     status.query_id,
                     item.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-                    f"{item.kind.value}/{item.mode.value}",
+                    f"{item.what}/{item.mode.value}",
                     status.state.value,
                     f"{status.owners_contributed}/{status.quorum} of {registered}",
                     f"{item.epsilon:g}",

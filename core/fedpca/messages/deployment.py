@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from fedpca.messages.queries import QueryStatus
-from fedpca.query import Neighbouring, ProtocolMode, QueryKind
+from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind
 
 __all__ = ["CancelReceipt", "DeploymentInfo", "QuerySummary"]
 
@@ -58,6 +58,15 @@ class QuerySummary:
     epsilon: float
     delta: float
     created_at: datetime
+    aggregates: tuple[AggregateKind, ...] = ()
+    """An aggregate query's kinds, each once, in query order (empty for PCA, DCA)."""
+
+    @property
+    def what(self) -> str:
+        """What the query releases, e.g. ``pca`` or ``aggregate:stats+histogram``."""
+        if self.aggregates:
+            return f"{self.kind.value}:{'+'.join(kind.value for kind in self.aggregates)}"
+        return self.kind.value
 
 
 @dataclass(frozen=True)

@@ -205,20 +205,22 @@ class ListQueriesRequest(_message.Message):
     def __init__(self, limit: _Optional[int] = ...) -> None: ...
 
 class QuerySummary(_message.Message):
-    __slots__ = ("status", "kind", "mode", "epsilon", "delta", "created_at")
+    __slots__ = ("status", "kind", "mode", "epsilon", "delta", "created_at", "aggregates")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATES_FIELD_NUMBER: _ClassVar[int]
     status: QueryStatus
     kind: _query_pb2.QueryKind
     mode: _query_pb2.ProtocolMode
     epsilon: float
     delta: float
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, status: _Optional[_Union[QueryStatus, _Mapping]] = ..., kind: _Optional[_Union[_query_pb2.QueryKind, str]] = ..., mode: _Optional[_Union[_query_pb2.ProtocolMode, str]] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    aggregates: _containers.RepeatedScalarFieldContainer[_query_pb2.AggregateKind]
+    def __init__(self, status: _Optional[_Union[QueryStatus, _Mapping]] = ..., kind: _Optional[_Union[_query_pb2.QueryKind, str]] = ..., mode: _Optional[_Union[_query_pb2.ProtocolMode, str]] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., aggregates: _Optional[_Iterable[_Union[_query_pb2.AggregateKind, str]]] = ...) -> None: ...
 
 class QueryList(_message.Message):
     __slots__ = ("queries",)

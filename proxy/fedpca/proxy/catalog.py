@@ -70,6 +70,7 @@ def list_queries(
                 epsilon=spec.epsilon,
                 delta=spec.delta,
                 created_at=datetime.fromtimestamp(record.created_at, UTC),
+                aggregates=tuple(dict.fromkeys(part.kind for part in spec.aggregates)),
             )
         )
     return summaries

@@ -24,6 +24,8 @@ from fedpca.messages import (
     SignedQuery,
 )
 from fedpca.transport.serde._common import (
+    AGGREGATE_KIND_FROM_PROTO,
+    AGGREGATE_KIND_TO_PROTO,
     CALIBRATION_FROM_PROTO,
     CALIBRATION_TO_PROTO,
     KIND_FROM_PROTO,
@@ -402,6 +404,7 @@ def query_list_to_proto(queries: Iterable[QuerySummary]) -> analyst_pb.QueryList
             status=query_status_to_proto(summary.status),
             kind=KIND_TO_PROTO[summary.kind],
             mode=MODE_TO_PROTO[summary.mode],
+            aggregates=[AGGREGATE_KIND_TO_PROTO[kind] for kind in summary.aggregates],
         )
         set_scalars(item, "QuerySummary", epsilon=summary.epsilon, delta=summary.delta)
         item.created_at.CopyFrom(timestamp_to_proto(summary.created_at, "QuerySummary.created_at"))
@@ -417,6 +420,10 @@ def query_list_from_proto(message: analyst_pb.QueryList) -> list[QuerySummary]:
             epsilon=item.epsilon,
             delta=item.delta,
             created_at=timestamp_from_proto(item.created_at, "QuerySummary.created_at"),
+            aggregates=tuple(
+                enum_from_proto(kind, AGGREGATE_KIND_FROM_PROTO, "QuerySummary.aggregates")
+                for kind in item.aggregates
+            ),
         )
         for item in message.queries
     ]
