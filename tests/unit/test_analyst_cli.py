@@ -775,7 +775,7 @@ def test_config_file_is_validated(tmp_path: Path) -> None:
 
 def test_one_tls_flag_overrides_its_file_of_the_config(tmp_path: Path) -> None:
     """The help says flags override --config: --cert alone used to be refused."""
-    from fedpca.analyst.cli import _connection
+    from fedpca.analyst.cli_connection import connection_config as _connection
 
     config = tmp_path / "analyst.toml"
     config.write_text('proxy = "x:1"\n[tls]\nca = "ca.pem"\ncert = "c.pem"\nkey = "k.pem"\n')

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import click
 
 from fedpca.analyst import cli as analyst_cli
+from fedpca.analyst.cli_connection import connection_options
 from fedpca.query import Calibration, Moments, Neighbouring
 
 __all__ = ["histogram_command", "linreg_command", "stats_command"]
@@ -116,7 +117,7 @@ def _aggregate_query_options(function: F) -> F:
     ]
     for option in reversed(options):
         function = option(function)
-    return analyst_cli._connection_options(function)
+    return connection_options(function)
 
 
 def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:

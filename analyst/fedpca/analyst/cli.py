@@ -14,7 +14,8 @@ Connection settings may come from ``--config analyst.toml``
 (:mod:`fedpca.analyst.config`); flags override it.
 
 Refused or failed queries exit with a one-line message and no traceback: exit
-code 3 when the privacy budget refused the release, 1 for every other error.
+code 3 when the privacy budget refused the release, 4 when one of the proxy's limits
+refused it for now (nothing charged), 1 for every other error.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import click
 from fedpca.allocator import map_large_blocks
 from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
-from fedpca.analyst.config import AnalystConfig, load_config
+from fedpca.analyst.cli_connection import connection_config, connection_options
+from fedpca.analyst.config import AnalystConfig
 from fedpca.analyst.keys import (
     DEFAULT_KEY_BITS,
     SUPPORTED_KEY_BITS,
@@ -45,7 +47,6 @@ from fedpca.analyst.keys import (
 )
 from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
-from fedpca.transport.certs import TlsFiles
 
 __all__ = ["analyst_group"]
 
@@ -83,84 +84,6 @@ def _errors() -> Iterator[None]:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"{exc.filename or ''}: {exc.strerror or exc}") from None
-
-
-# ---------------------------------------------------------------- configuration
-def _connection(
-    config_path: Path | None,
-    proxy: str | None,
-    ca: Path | None,
-    cert: Path | None,
-    key: Path | None,
-    insecure: bool,
-    server_name: str | None,
-    key_dir: Path | None = None,
-) -> AnalystConfig:
-    config = load_config(config_path) if config_path is not None else AnalystConfig()
-    tls = config.tls
-    if ca or cert or key:
-        # Each flag overrides its file of --config's [tls]; without --config all three
-        # are needed.
-        if tls is None and not (ca and cert and key):
-            raise ConfigError(
-                "--ca, --cert and --key must be given together (or with a --config that "
-                "has a [tls] table for the others)"
-            )
-        tls = TlsFiles(
-            ca or tls.ca_certificate,  # type: ignore[union-attr]
-            cert or tls.certificate,  # type: ignore[union-attr]
-            key or tls.private_key,  # type: ignore[union-attr]
-        )
-    insecure = insecure or config.insecure
-    if insecure:
-        tls = None
-    merged = AnalystConfig(
-        proxy=proxy or config.proxy,
-        key_dir=key_dir or config.key_dir,
-        tls=tls,
-        server_name=server_name or config.server_name,
-        insecure=insecure,
-    )
-    if merged.proxy is None:
-        raise ConfigError("no proxy address: pass --proxy HOST:PORT or set proxy in --config")
-    if merged.tls is None and not merged.insecure:
-        raise ConfigError(
-            "no TLS material: pass --ca/--cert/--key or a [tls] table in --config "
-            "(--insecure only for local tests)"
-        )
-    return merged
-
-
-def _connection_options(function: F) -> F:
-    options: list[Callable[[Any], Any]] = [
-        click.option("--proxy", metavar="HOST:PORT", help="Address of the proxy."),
-        click.option(
-            "--config",
-            "config_path",
-            type=click.Path(dir_okay=False, exists=True, path_type=Path),
-            help="analyst.toml with proxy, key_dir and [tls]; flags override it.",
-        ),
-        click.option(
-            "--ca", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="CA cert."
-        ),
-        click.option(
-            "--cert",
-            type=click.Path(dir_okay=False, exists=True, path_type=Path),
-            help="The analyst's certificate.",
-        ),
-        click.option(
-            "--key",
-            type=click.Path(dir_okay=False, exists=True, path_type=Path),
-            help="The analyst's TLS private key.",
-        ),
-        click.option("--server-name", help="Name to verify the proxy certificate against."),
-        click.option(
-            "--insecure", is_flag=True, help="No TLS (local tests only; NOT for deployments)."
-        ),
-    ]
-    for option in reversed(options):
-        function = option(function)
-    return function
 
 
 # ---------------------------------------------------------------------- keygen
@@ -372,7 +295,7 @@ def _query_options(function: F) -> F:
     ]
     for option in reversed(options):
         function = option(function)
-    return _connection_options(function)
+    return connection_options(function)
 
 
 def _warn_not_private() -> None:
@@ -442,7 +365,7 @@ def _run(
 
 def _params_connection(params: dict[str, Any], key_dir: Path | None = None) -> AnalystConfig:
     """:func:`_connection` from a command's parsed connection options."""
-    return _connection(
+    return connection_config(
         params["config_path"],
         params["proxy"],
         params["ca"],
@@ -611,7 +534,7 @@ def dca_command(label_column: int, classes: tuple[float, ...], **params: Any) ->
 
 
 @analyst_group.command("budget")
-@_connection_options
+@connection_options
 @click.option("--delta", type=float, help="Report epsilon at this delta [the proxy's].")
 def budget_command(
     proxy: str | None,
@@ -630,7 +553,7 @@ def budget_command(
     with _errors():
         if delta is not None and not 0 < delta < 1:
             raise ConfigError(f"--delta must be in (0, 1), got {delta}")
-        connection = _connection(config_path, proxy, ca, cert, key, insecure, server_name)
+        connection = connection_config(config_path, proxy, ca, cert, key, insecure, server_name)
         assert connection.proxy is not None
         tls = None if connection.tls is None else TlsMaterial.load(connection.tls)
         with AnalystClient(
@@ -654,7 +577,7 @@ def budget_command(
 
 # `fedpca analyst list|status|fetch|cancel`: defined in their own module with the
 # connection options above; `fedpca analyst init` writes an analyst folder.
-query_commands.register(analyst_group, _connection_options, _errors, _params_connection)
+query_commands.register(analyst_group, connection_options, _errors, _params_connection)
 analyst_group.add_command(analyst_init.init_command)
 
 
