@@ -368,8 +368,10 @@ def test_unsigned_and_foreign_signed_tasks_are_declined_without_upload(harness: 
     assert signer_id(stranger) in declines[key("foreign")].detail
     assert "does not verify" in declines[key("altered")].detail
     assert proxy.uploads == []
+    # Nothing about them is kept: a proxy sending such tasks by the thousand once grew
+    # the ledger by a row each (the node declines them again if they come back).
     ledger = harness.ledger
-    proxy.wait_for(lambda: all(ledger.is_handled(k) for k in declines))
+    assert all(ledger.task(k) is None for k in declines)
     assert ledger.events() == []
 
 
@@ -1005,3 +1007,18 @@ def test_the_node_finds_the_blas_pools_when_it_is_built(harness: Harness, pool: 
     OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
     assert compute.blas_pools.cache_info().currsize == 1
     assert any(pool_info["user_api"] == "blas" for pool_info in compute.blas_pools().info())
+
+
+def test_cancellations_of_unknown_tasks_are_bounded_and_write_nothing(harness: Harness) -> None:
+    """A proxy sent cancellations of made-up ids by the thousand: each was remembered
+    for ever and opened a write transaction on the ledger."""
+    from fedpca.owner.node import REMEMBERED_CANCELLATIONS
+
+    proxy = harness.proxy
+    for index in range(REMEMBERED_CANCELLATIONS + 200):
+        proxy.tasks.put(TaskCancellation(key(f"made-up-{index}"), "withdrawn"))
+    harness.send(harness.spec("marker", epsilon=2.0))  # declined: the others were read
+    proxy.wait_for(lambda: len(proxy.declines) == 1)
+    assert len(harness.node._cancelled) <= REMEMBERED_CANCELLATIONS
+    ledger = harness.ledger
+    assert ledger.task(key("made-up-0")) is None and ledger.events() == []

@@ -579,6 +579,23 @@ class BudgetLedger:
             ).fetchall()
         return {row[0]: row[1] for row in rows}
 
+    def reserved_under(self, digest: str) -> str | None:
+        """The task id the signed query with ``spec_digest`` ``digest`` was reserved
+        under, or None (read only: looked up for every arriving task)."""
+        with self._connect() as connection:
+            row = connection.execute(
+                "SELECT query_id FROM releases WHERE spec_digest = ? LIMIT 1", (digest,)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def has_reservation(self, query_id: str) -> bool:
+        """True if a release is reserved under ``query_id`` (read only)."""
+        with self._connect() as connection:
+            row = connection.execute(
+                "SELECT 1 FROM releases WHERE query_id = ? LIMIT 1", (query_id,)
+            ).fetchone()
+        return row is not None
+
     def is_handled(self, query_id: str) -> bool:
         """True if the task reached a final outcome (it must not be redone)."""
         record = self.task(query_id)

@@ -34,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import grpc
@@ -46,6 +47,7 @@ from fedpca.errors import (
 from fedpca.messages import (
     PROTOCOL_VERSION,
     UPLOAD_CHUNK_BYTES,
+    DeclineReason,
     Heartbeat,
     ObfuscationVariant,
     OwnerHello,
@@ -58,6 +60,7 @@ from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
 from fedpca.owner.share_snapshots import ShareSnapshots
+from fedpca.owner.task_intake import TaskIntake, UnsignedTask
 from fedpca.owner.task_processing import TaskProcessing
 from fedpca.owner.upload import OutgoingUpload
 from fedpca.transport import serde
@@ -72,6 +75,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+REMEMBERED_CANCELLATIONS = 1024
+"""Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
 
 
 class OwnerNode(TaskProcessing):
@@ -132,9 +138,13 @@ class OwnerNode(TaskProcessing):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: Any = None  # the open StreamTasks call, cancelled by stop()
-        self._queue: queue.Queue[Task | None] = queue.Queue()
+        self._queue: queue.Queue[Task | UnsignedTask | None] = queue.Queue()
+        self._intake = TaskIntake(config.policy, self.ledger.reserved_under)
         self._queued: set[str] = set()
-        self._cancelled: set[str] = set()
+        # Ids the proxy cancelled, for a task queued (or arriving just after its
+        # cancellation): the newest REMEMBERED_CANCELLATIONS, so a flood of made-up ids
+        # cannot grow it.
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
         # Uploads of tasks not yet finished: a retry or a re-delivered task resends the
         # same messages under the same upload id instead of encrypting again.
         self._prepared: dict[str, OutgoingUpload] = {}
@@ -355,11 +365,14 @@ class OwnerNode(TaskProcessing):
         if isinstance(event, TaskCancellation):
             logger.info("query %s: cancelled by the proxy (%s)", event.query_id, event.reason)
             with self._lock:
-                self._cancelled.add(event.query_id)
+                self._cancelled[event.query_id] = None
+                while len(self._cancelled) > REMEMBERED_CANCELLATIONS:
+                    self._cancelled.popitem(last=False)
                 queued = event.query_id in self._queued
             if not queued:
                 # Not waiting for the worker (which ends queued tasks itself): an upload
-                # left in flight whose query ended while this node was away.
+                # left in flight whose query ended while this node was away (an id the
+                # ledger does not know costs one read).
                 self.end_withdrawn_upload(event.query_id, event.reason)
             return
         query_id = event.key
@@ -367,22 +380,37 @@ class OwnerNode(TaskProcessing):
             if query_id in self._queued:
                 logger.debug("query %s: already queued", query_id)
                 return
+            waiting = len(self._queued)
         if self.ledger.is_handled(query_id):
             logger.info("query %s: already handled, ignoring the re-delivered task", query_id)
+            return
+        admitted = self._intake.admit(event, waiting)
+        if admitted is None:
             return
         with self._lock:
             self._queued.add(query_id)
         logger.info("query %s: task received (%s)", query_id, event.query.kind.value)
-        self._queue.put(event)
+        self._queue.put(admitted)
 
     def _work(self, stub: owner_grpc.OwnerServiceStub) -> None:
         while True:
             task = self._queue.get()
             if task is None or self._stop.is_set():
                 return
+            if isinstance(task, UnsignedTask):
+                # Declined, not recorded: nothing about it is worth a ledger row.
+                self._decline(
+                    stub, task.key, DeclineReason.UNSIGNED_QUERY, task.detail, record=False
+                )
+                with self._lock:
+                    self._queued.discard(task.key)
+                    self._cancelled.pop(task.key, None)
+                continue
             started = time.monotonic()
             try:
                 outcome = self.process_task(stub, task)
+                if outcome is not None or self.ledger.has_reservation(task.key):
+                    self._intake.answered(task)
             except Exception:
                 # A bug must not kill the worker: later tasks still deserve an answer.
                 logger.exception("query %s: unexpected failure", task.key)
@@ -392,9 +420,11 @@ class OwnerNode(TaskProcessing):
                 if self.metrics is not None:
                     self.metrics.task_finished(outcome, time.monotonic() - started)
             finally:
+                self._intake.done(task)
                 with self._lock:
                     self._queued.discard(task.key)
                     withdrawn = task.key in self._cancelled
+                    self._cancelled.pop(task.key, None)
                 if withdrawn:
                     # A cancellation that arrived while the task was being handled (the
                     # stream thread left it to this worker): an upload left in flight

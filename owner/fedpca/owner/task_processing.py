@@ -11,7 +11,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -122,7 +122,7 @@ class TaskProcessing:
     _pool: CryptoPool
     _stop: threading.Event
     _lock: threading.Lock
-    _cancelled: set[str]
+    _cancelled: Container[str]
     _prepared: dict[str, OutgoingUpload]
     _max_message_bytes: int
 
@@ -536,7 +536,8 @@ class TaskProcessing:
         if record is None:
             # A task that failed after its reservation, before any upload began: the
             # withdrawal ends it, refunded (the ledger refunds only if nothing started).
-            if self.ledger.cancel_reservation(query_id):
+            # An id the ledger does not know costs a read, no write.
+            if self.ledger.has_reservation(query_id) and self.ledger.cancel_reservation(query_id):
                 self.ledger.record_task(query_id, TaskOutcome.CANCELLED, f"withdrawn: {reason}")
             return
         if record.outcome is not TaskOutcome.UPLOADING:
@@ -565,8 +566,11 @@ class TaskProcessing:
         query_id: str,
         reason: DeclineReason,
         detail: str,
+        *,
+        record: bool = True,
     ) -> TaskOutcome | None:
-        """Send DeclineTask (with retries); record it once the proxy acknowledged.
+        """Send DeclineTask (with retries); record it once the proxy acknowledged
+        (unless ``record`` is False: an unsigned task leaves no ledger row).
 
         Declines happen only for public reasons (:mod:`fedpca.owner.policy`), so the
         detail goes to the proxy and the analyst as it is logged here.
@@ -595,7 +599,8 @@ class TaskProcessing:
                     RetryPolicy.delay(attempt, self.retry.backoff_initial, self.retry.backoff_max)
                 )
                 continue
-            self.ledger.record_task(query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}")
+            if record:
+                self.ledger.record_task(query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}")
             return TaskOutcome.DECLINED
         return None  # pragma: no cover - the loop always returns
 

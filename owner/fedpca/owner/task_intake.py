@@ -1,0 +1,137 @@
+"""What an owner does with a task the moment it arrives, before its worker sees it.
+
+The proxy chooses what it sends, and a malicious one sent tasks faster than the node's
+one worker could answer them: every task with a new task id was queued in full (up to
+the 8 MiB a message may hold) before anything checked it, so 40 unsigned tasks took
+1.5 GB, and each declined one left a row in the ledger for ever (10,000 rows in 30 s).
+The stream thread therefore decides here, from cheap checks, whether a task is worth
+the worker's time and the ledger's space:
+
+* at most :data:`MAX_WAITING_TASKS` tasks wait for the worker; more are dropped with a
+  warning (a proxy re-delivers outstanding tasks when the stream opens again);
+* a task whose query is not signed by a pinned analyst is kept only as its task id and
+  the reason, declined, and not recorded in the ledger (nothing to remember about it);
+* a signed query this node already answered (reserved, or declined) under another task
+  id is dropped: a proxy that replays one signed query under fresh task ids gets no
+  second answer and no ledger row for it. Reserved queries are looked up in the ledger
+  (durable); declined ones in a bounded memory of :data:`REMEMBERED_QUERIES` digests.
+
+Nothing here depends on the node's records: it reads the task and the ledger only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fedpca.errors import UntrustedKeyError
+from fedpca.messages import Task
+from fedpca.owner.config import PolicyConfig
+from fedpca.owner.policy import check_signature
+from fedpca.query import spec_digest
+
+__all__ = [
+    "MAX_WAITING_TASKS",
+    "REMEMBERED_QUERIES",
+    "TaskIntake",
+    "UnsignedTask",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_WAITING_TASKS = 32
+"""Tasks waiting for the worker at most. A real deployment has a handful at a time (an
+owner takes part in ``max_tasks_per_day`` releases a day)."""
+
+REMEMBERED_QUERIES = 4096
+"""Signed queries (digests) remembered as answered under a task id, newest kept."""
+
+
+@dataclass(frozen=True)
+class UnsignedTask:
+    """A task to decline as unsigned: its id and why, without its query."""
+
+    key: str
+    detail: str
+
+
+class TaskIntake:
+    """Admits arriving tasks for the worker (see the module docstring).
+
+    Parameters
+    ----------
+    policy : the owner's policy (its pinned query signers).
+    reserved_under : ledger lookup: the task id a signed query (digest) was reserved
+        under, or None.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        reserved_under: Callable[[str], str | None],
+        *,
+        max_waiting: int = MAX_WAITING_TASKS,
+        remembered: int = REMEMBERED_QUERIES,
+    ) -> None:
+        self.policy = policy
+        self.reserved_under = reserved_under
+        self.max_waiting = max_waiting
+        self.remembered = remembered
+        self._lock = threading.Lock()  # admit() on the stream thread, the rest on the worker
+        self._answered: OrderedDict[str, str] = OrderedDict()  # digest -> task id
+        self._waiting_digests: dict[str, str] = {}  # digest -> task id, while queued
+        self.dropped = 0
+        """Tasks dropped so far (too many waiting, or a replayed query)."""
+
+    def admit(self, task: Task, waiting: int) -> Task | UnsignedTask | None:
+        """What to queue for ``task`` (None: nothing), with ``waiting`` tasks queued.
+
+        Called from one thread (the task stream's)."""
+        if waiting >= self.max_waiting:
+            self._drop(task.key, f"{waiting} tasks already wait for this node's worker; dropped")
+            return None
+        try:
+            check_signature(task, self.policy)
+        except UntrustedKeyError as exc:
+            return UnsignedTask(task.key, str(exc))
+        digest = spec_digest(task.query)
+        with self._lock:
+            earlier = self._waiting_digests.get(digest) or self._answered.get(digest)
+        if earlier is None:
+            earlier = self.reserved_under(digest)
+        if earlier is not None and earlier != task.key:
+            self._drop(
+                task.key,
+                f"it carries the same signed query as task {earlier!r}, which this node "
+                "answers once; ignored",
+            )
+            return None
+        with self._lock:
+            self._waiting_digests[digest] = task.key
+        return task
+
+    def done(self, task: Task) -> None:
+        """The worker finished ``task`` (answered, or gave up until a re-delivery)."""
+        digest = spec_digest(task.query)
+        with self._lock:
+            if self._waiting_digests.get(digest) == task.key:
+                del self._waiting_digests[digest]
+
+    def answered(self, task: Task) -> None:
+        """``task`` was declined or its budget reserved: a replay is dropped."""
+        digest = spec_digest(task.query)
+        with self._lock:
+            self._answered[digest] = task.key
+            self._answered.move_to_end(digest)
+            while len(self._answered) > self.remembered:
+                self._answered.popitem(last=False)
+
+    def _drop(self, key: str, why: str) -> None:
+        self.dropped += 1
+        # Logged for the first drop and then sparingly: a flood must not flood the log.
+        if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8, ...
+            logger.warning("task %s: %s (%d task(s) dropped so far)", key[:80], why, self.dropped)
+        return None

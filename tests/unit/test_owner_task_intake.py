@@ -1,0 +1,86 @@
+"""What an owner queues when a task arrives (fedpca.owner.task_intake): a malicious
+proxy once filled an owner's memory with queued unsigned tasks (1.5 GB for 40) and its
+ledger with a row per declined one (10,000 rows in 30 s)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from fedpca.messages import Task
+from fedpca.owner.config import PolicyConfig
+from fedpca.owner.task_intake import TaskIntake, UnsignedTask
+from fedpca.query import spec_digest
+from fedpca.signing import generate_signing_key
+from helpers import TEST_SIGNER, query_builder, signed_task
+
+_spec = query_builder(n_features=3, n_components=1, epsilon=0.5, delta=1e-6)
+DUE = datetime.now(UTC) + timedelta(hours=1)
+
+
+@pytest.fixture
+def intake(test_only_keypair_512: tuple[Any, Any]) -> tuple[TaskIntake, dict[str, str], Any]:
+    public_key, _ = test_only_keypair_512
+    reserved: dict[str, str] = {}  # digest -> task id, as the ledger would answer
+    policy = PolicyConfig((), 1.0, False, accepted_query_signers=(TEST_SIGNER,))
+    return TaskIntake(policy, reserved.get, max_waiting=3, remembered=2), reserved, public_key
+
+
+def test_unsigned_tasks_are_kept_only_as_their_id_and_reason(intake: Any) -> None:
+    gate, _, public_key = intake
+    spec = _spec(public_key, "q1")
+    unsigned = gate.admit(Task(spec, DUE, task_id="alice/q1"), waiting=0)
+    assert isinstance(unsigned, UnsignedTask)
+    assert unsigned.key == "alice/q1" and "not signed" in unsigned.detail
+    stranger = signed_task(spec, DUE, key=generate_signing_key())
+    foreign = gate.admit(stranger, waiting=0)
+    assert isinstance(foreign, UnsignedTask) and stranger.query_signer in foreign.detail
+    altered = gate.admit(replace(signed_task(spec, DUE), query=_spec(public_key, "q2")), 0)
+    assert isinstance(altered, UnsignedTask)
+
+
+def test_no_more_than_the_bound_wait_and_drops_are_logged_sparingly(
+    intake: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate, _, public_key = intake
+    task = signed_task(_spec(public_key, "q1"), DUE)
+    with caplog.at_level(logging.WARNING, logger="fedpca.owner.task_intake"):
+        for _ in range(9):
+            assert gate.admit(task, waiting=3) is None
+    assert gate.dropped == 9
+    assert len(caplog.records) == 4  # drops 1, 2, 4 and 8
+    assert gate.admit(task, waiting=2) is task
+
+
+def test_one_signed_query_is_answered_under_one_task_id(intake: Any) -> None:
+    gate, reserved, public_key = intake
+    first = signed_task(_spec(public_key, "q1"), DUE, analyst="alice")
+    replayed = replace(first, task_id="alice/replayed")
+    assert gate.admit(first, waiting=0) is first
+    assert gate.admit(replayed, waiting=1) is None  # while the first one waits
+    gate.done(first)
+    assert gate.admit(replayed, waiting=0) is replayed  # nothing known about it yet
+    gate.done(replayed)
+    gate.answered(first)  # declined, say
+    assert gate.admit(replayed, waiting=0) is None
+    assert gate.admit(first, waiting=0) is first  # its own re-delivery still passes
+    gate.done(first)
+    # Reserved queries are found in the ledger, whatever the memory holds.
+    other = signed_task(_spec(public_key, "q2"), DUE)
+    reserved[spec_digest(other.query)] = "alice/q2"
+    assert gate.admit(replace(other, task_id="alice/again"), waiting=0) is None
+    assert gate.admit(other, waiting=0) is other
+
+
+def test_the_memory_of_answered_queries_is_bounded(intake: Any) -> None:
+    gate, _, public_key = intake
+    tasks = [signed_task(_spec(public_key, f"q{i}"), DUE) for i in range(3)]
+    for task in tasks:
+        gate.answered(task)
+    oldest = replace(tasks[0], task_id="alice/late")
+    assert gate.admit(oldest, waiting=0) is oldest  # forgotten (remembered=2)
+    assert gate.admit(replace(tasks[2], task_id="alice/late2"), waiting=0) is None
