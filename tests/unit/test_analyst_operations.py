@@ -4,6 +4,7 @@ proxy and owner nodes over mutual TLS)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,50 @@ def test_a_proxy_limit_reaches_the_analyst_as_a_limit_not_as_an_exhausted_budget
         client.submit(_spec(public_key, "second", quorum=1), TEST_SIGNING_KEY)
         assert client.budget().n_releases == 1
         assert client.status("second").state is QueryState.COLLECTING
+
+
+def test_an_analysts_concurrent_submissions_are_bounded(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each submission holds one of the proxy's worker threads while it is checked: one
+    analyst may not hold more than ``max_submissions_per_analyst`` of them."""
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1"),
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        analysts=("alice", "bob"),
+        limits=PeerLimits(max_submissions_per_analyst=1),
+    ) as running:
+        coordinator = running.proxy.coordinator
+        entered, release = threading.Event(), threading.Event()
+        original = coordinator.submit
+
+        def slow_submit(analyst_id: str, signed: Any) -> Any:
+            if signed.spec.query_id == "slow":
+                entered.set()
+                release.wait(30)
+            return original(analyst_id, signed)
+
+        monkeypatch.setattr(coordinator, "submit", slow_submit)
+        with running.analyst() as client:
+            first = threading.Thread(
+                target=client.submit, args=(_spec(public_key, "slow", quorum=1), TEST_SIGNING_KEY)
+            )
+            first.start()
+            assert entered.wait(30)
+            try:
+                with pytest.raises(OverloadError, match="submissions"):
+                    client.submit(_spec(public_key, "next", quorum=1), TEST_SIGNING_KEY)
+                with running.analyst("bob") as other:  # another analyst is not held up
+                    other.submit(_spec(public_key, "bobs", quorum=1), TEST_SIGNING_KEY)
+            finally:
+                release.set()
+                first.join(30)
+            client.submit(_spec(public_key, "next", quorum=1), TEST_SIGNING_KEY)
+            assert {q.status.query_id for q in client.list_queries(10)} == {"slow", "next"}

@@ -482,6 +482,22 @@ def test_an_analyst_has_at_most_its_bound_of_queries_open_and_a_refused_one_cost
     assert coordinator.store.query(key("a3")).state is QueryState.COLLECTING
 
 
+def test_a_submission_beyond_a_bound_is_refused_before_any_work(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: a refused submission first composed the analyst's ledger (seconds under
+    the PLD accountant, on a shared worker thread), so a flood of them froze the proxy."""
+    public_key, _ = test_only_keypair_512
+    config = replace(make_config(100.0), limits=PeerLimits(max_open_queries_per_analyst=1))
+    coordinator = make_coordinator(tmp_path, pool, config)
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "first", epsilon=0.01)))
+    composed: list[str] = []
+    monkeypatch.setattr(coordinator, "_check_budget", lambda *a: composed.append("!"))
+    with pytest.raises(OverloadError):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, "second", epsilon=0.01)))
+    assert composed == []
+
+
 def test_an_analyst_submits_at_most_its_daily_bound_in_any_24_hours(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:

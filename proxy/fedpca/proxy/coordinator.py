@@ -108,6 +108,10 @@ class Coordinator(OwnerTasks, AnalystRequests):
             The query id exists with a different spec.
         """
         spec = signed.spec
+        # Refused before any work when the analyst is at a bound (a resubmission of a
+        # query it has is not refused here: it creates nothing).
+        if not self.store.has_query(task_id(analyst_id, spec.query_id)):
+            self._check_query_bounds(None, analyst_id)
         self._check_public_facts(signed, analyst_id)
         context = validate_query(
             spec,
@@ -174,14 +178,15 @@ class Coordinator(OwnerTasks, AnalystRequests):
         return record
 
     def _check_query_bounds(self, conn: Any, analyst_id: str) -> None:
-        """Refuse a new query beyond the analyst's open or daily bound (inside the
-        submission's transaction, so two submissions cannot both take the last slot).
+        """Refuse a new query beyond the analyst's open or daily bound: before any work,
+        and again inside the submission's transaction (``conn``), so two submissions
+        cannot both take the last place.
 
         Every query costs the proxy its noise draw and a row even when it is cancelled
         and refunded, so these bound what a small budget can make the proxy do."""
         limits = self.config.limits
         open_queries, recent = self.store.analyst_query_counts(
-            conn, analyst_id, self.clock() - 86_400.0
+            analyst_id, self.clock() - 86_400.0, conn
         )
         if open_queries >= limits.max_open_queries_per_analyst:
             raise OverloadError(

@@ -13,7 +13,8 @@ its share of what remains:
 * at most ``max_open_queries_per_analyst`` queries of one analyst not yet done or failed,
   and ``max_queries_per_analyst_per_day`` submitted in any 24 hours (each query costs
   the proxy its noise draw, about 10 µs a value, and a database row, even when it is
-  cancelled and refunded, so a small budget must not buy an unbounded amount of them);
+  cancelled and refunded, so a small budget must not buy an unbounded amount of them),
+  and at most ``max_submissions_per_analyst`` submissions of one analyst checked at once;
 * at most ``max_pending_work`` blocking jobs (database, folding) waiting for the
   proxy's ``worker_threads``.
 
@@ -43,6 +44,9 @@ class PeerLimits:
     max_watches_per_analyst: int = 8
     max_open_queries_per_analyst: int = 4
     max_queries_per_analyst_per_day: int = 500
+    max_submissions_per_analyst: int = 2
+    """Submissions of one analyst being checked at once (each composes its ledger, which
+    takes seconds under the PLD accountant, on one of the shared worker threads)."""
     max_calls_per_peer: int = 64
     max_pending_work: int = 4096
     worker_threads: int = 16

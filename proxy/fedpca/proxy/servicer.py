@@ -329,7 +329,8 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
         self, request: analyst_pb.SubmitQueryRequest, context: aio.ServicerContext
     ) -> analyst_pb.QueryStatus:
         analyst = self._caller(context, Role.ANALYST)
-        with self._call_slot(analyst):
+        limit = self.limits.max_submissions_per_analyst
+        with self._call_slot(analyst), PeerSlot(self.slots, "submissions", analyst.node_id, limit):
             signed = serde.submit_query_request_from_proto(request)
             await self.work.run(self.coordinator.submit, analyst.node_id, signed)
             status = await self.work.run(

@@ -288,17 +288,29 @@ class ProxyStore(ContributionStore):
         return None if row is None else (float(row["epsilon_budget"]), float(row["delta_budget"]))
 
     def analyst_query_counts(
-        self, conn: sqlite3.Connection, analyst_id: str, since: float
+        self, analyst_id: str, since: float, conn: sqlite3.Connection | None = None
     ) -> tuple[int, int]:
         """(queries of the analyst not yet done or failed, queries it submitted at or
-        after ``since``), inside a transaction: what its per-analyst bounds count."""
-        row = conn.execute(
+        after ``since``): what its per-analyst bounds count (pass ``conn`` inside a
+        transaction)."""
+        sql = (
             "SELECT COALESCE(SUM(state NOT IN (?, ?)), 0) AS open, "
-            "COALESCE(SUM(created_at >= ?), 0) AS recent "
-            "FROM queries WHERE analyst_id=?",
-            (QueryState.DONE.value, QueryState.FAILED.value, since, analyst_id),
-        ).fetchone()
+            "COALESCE(SUM(created_at >= ?), 0) AS recent FROM queries WHERE analyst_id=?"
+        )
+        parameters = (QueryState.DONE.value, QueryState.FAILED.value, since, analyst_id)
+        if conn is None:
+            with self._lock:
+                row = self._conn.execute(sql, parameters).fetchone()
+        else:
+            row = conn.execute(sql, parameters).fetchone()
         return int(row["open"]), int(row["recent"])
+
+    def has_query(self, query_id: str) -> bool:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT 1 FROM queries WHERE query_id=?", (query_id,)
+            ).fetchone()
+        return row is not None
 
     def release_ids(self, conn: sqlite3.Connection, analyst_id: str) -> list[str]:
         """Ids of the analyst's recorded releases, in order (inside a transaction)."""
