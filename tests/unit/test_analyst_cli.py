@@ -9,6 +9,7 @@ TEST-ONLY 512-bit key.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import stat
@@ -195,6 +196,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.pool = pool
         self.specs: dict[str, QuerySpec] = {}
         self.refuse_budget = False
+        self.foreign_key: Any = None
+        """Serve results encrypted under this key instead (a malicious proxy)."""
         self.overload: tuple[tuple[str, str], ...] | None = None
         """Trailing metadata of a RESOURCE_EXHAUSTED for a per-peer bound (None: none)."""
         self.fail_reason: str | None = None
@@ -343,6 +346,17 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         if spec is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no query {query_id!r}")
         assert spec is not None
+        if self.foreign_key is not None:
+            key = self.foreign_key
+            spec = dataclasses.replace(
+                spec, analyst_public_key_n=key.n, analyst_key_fingerprint=key_fingerprint(key)
+            )
+            plan = ReleasePlan.for_query(spec, 512)
+            block = plan.owner_block(SHARES)
+            values = plan.owner_integers(fixed_point_statistics(ROWS, None, spec))[SHARES]
+            packed = self.pool.encrypt_packed(key, values, block.layout, block.bound)
+            yield from serde.encode_result(result_from_packed(spec, 1, {SHARES: packed}))
+            return
         if spec.mode is ProtocolMode.MASKED:
             blocks, n = _masked_blocks(spec, self.pool, self.public_key)
             result = result_from_packed(spec, 1, blocks, public_count=n)
@@ -756,6 +770,17 @@ def test_cli_list_status_cancel_and_fetch(
     assert again["query_id"] == query_id
     assert again["components"] == json.loads((tmp_path / "a.json").read_text())["components"]
     assert set(again["timings"]) == {"fetch", "decrypt", "solve"}
+    # A result under another key is refused at its header, before any page is kept
+    # (fetch once held every page a proxy declared, then failed at decryption).
+    fake.foreign_key, _ = generate_keypair(512, allow_insecure_test_key=True)
+    stray = tmp_path / "stray" / "result.json"
+    foreign = runner.invoke(
+        analyst_group,
+        ["fetch", query_id, *connection, "--key-dir", str(analyst_key), "--out", str(stray)],
+    )
+    assert foreign.exit_code == 1 and "not your key" in foreign.output, foreign.output
+    assert "Traceback" not in foreign.output and not stray.exists()
+    fake.foreign_key = None
     assert "owners:      1 of 1 registered" in fetched.stdout
 
 
@@ -813,3 +838,37 @@ def test_cli_shows_each_decline_and_fails_with_the_proxys_reason(
     ]
     assert lines[-1].startswith("Error: query ") and fake.fail_reason in lines[-1]
     assert "Traceback" not in result.output and not out.exists()
+
+
+def test_fetch_checks_the_header_before_reading_any_page(
+    pool: CryptoPool, test_only_keypair_512: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A malicious proxy declared a result of 10^9 ciphertexts under another key:
+    ``fetch`` held 3.5 GB of its pages before anything refused it (review)."""
+    from fedpca.analyst.client import AnalystClient, ResultStream
+    from fedpca.errors import UntrustedKeyError
+
+    public_key, _ = test_only_keypair_512
+    other, _ = generate_keypair(512, allow_insecure_test_key=True)
+    spec = _spec(other)
+    plan = ReleasePlan.for_query(spec, 512)
+    block = plan.owner_block(SHARES)
+    values = plan.owner_integers(fixed_point_statistics(ROWS, None, spec))[SHARES]
+    packed = pool.encrypt_packed(other, values, block.layout, block.bound)
+    messages = serde.encode_result(result_from_packed(spec, 1, {SHARES: packed}))
+    header = serde.result_header_from_message(messages[0])
+    read: list[int] = []
+
+    def pages() -> Iterator[Any]:
+        read.append(1)
+        raise AssertionError("a page was read")
+        yield  # pragma: no cover
+
+    client = AnalystClient("127.0.0.1:1", None, insecure=True)
+    monkeypatch.setattr(client, "fetch_stream", lambda *a, **k: ResultStream(header, pages()))
+    with pytest.raises(UntrustedKeyError, match="not your key"):
+        client.fetch(spec.query_id, public_key=public_key)
+    with pytest.raises(ProtocolError, match="sent the result of"):
+        client.fetch("another-query", public_key=public_key)
+    assert read == []
+    client.close()

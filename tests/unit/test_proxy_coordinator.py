@@ -523,6 +523,32 @@ def test_an_analyst_submits_at_most_its_daily_bound_in_any_24_hours(
         coordinator.submit(ANALYST, signed(make_spec(public_key, "d4", epsilon=0.01)))
 
 
+def test_a_stalled_contributor_cannot_hold_the_analysts_place_past_a_cancel(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+) -> None:
+    """An owner that begins an upload and stalls keeps the query AGGREGATING until its
+    deadline; the analyst may cancel it then (charged: an upload began), which frees
+    its place under max_open_queries_per_analyst (review)."""
+    public_key, _ = test_only_keypair_512
+    config = replace(make_config(100.0), limits=PeerLimits(max_open_queries_per_analyst=1))
+    coordinator = make_coordinator(tmp_path, pool, config)
+    coordinator.submit(ANALYST, signed(make_spec(public_key, quorum=1, epsilon=1.0)))
+    plan = coordinator.plan(Q1)
+    header, _, _ = owners_for(owner_rows)[0].upload(plan, public_key, pool)
+    stalled = coordinator.begin_upload("owner-0", header)  # a header, then nothing
+    assert coordinator.store.query(Q1).state is QueryState.AGGREGATING
+    with pytest.raises(OverloadError):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, "next", epsilon=1.0)))
+    receipt = coordinator.cancel(ANALYST, "q1")
+    assert receipt.status.state is QueryState.FAILED and not receipt.refunded
+    stalled.abandon()
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "next", epsilon=1.0)))
+    assert coordinator.store.query(key("next")).state is QueryState.COLLECTING
+
+
 def test_query_contexts_in_memory_are_bounded_and_rebuilt_from_the_store(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from fedpca.analyst.result_checks import check_result
 from fedpca.errors import (
     AuthenticationError,
     BudgetExceededError,
@@ -457,17 +458,34 @@ class AnalystClient:
                 logger.warning("%s; re-opening in %.0f s", mapped, delay)
                 time.sleep(delay)
 
-    def fetch(self, query_id: str, timeout: float | None = None) -> FetchedResult:
+    def fetch(
+        self, query_id: str, timeout: float | None = None, *, public_key: Any = None
+    ) -> FetchedResult:
         """Download and validate the whole encrypted result of a query.
+
+        With the analyst's ``public_key``, the result's header is checked against it
+        and against the plan of the query it names before any page is read, so a proxy
+        cannot make the analyst hold pages of a result it could never decrypt (or of
+        any size it declares).
 
         Raises
         ------
         ProtocolError
-            The stream is malformed (framing, hash chain, layout).
+            The stream is malformed (framing, hash chain, layout), or names another
+            query.
+        UntrustedKeyError, LayoutError
+            The header is for another key or its layout is not the plan's.
         QueryStateError
             The query failed.
         """
         stream = self.fetch_stream(query_id, timeout=timeout if timeout else self.timeout)
+        if stream.header.query.query_id != query_id:
+            raise ProtocolError(
+                f"fetch result of query {query_id!r}: the proxy sent the result of "
+                f"{stream.header.query.query_id!r}"
+            )
+        if public_key is not None:
+            check_result(stream.header, public_key)
         flat: list[int] = []
         for chunk in stream.chunks:
             flat.extend(chunk.ciphertexts)

@@ -145,7 +145,9 @@ def register(
     @click.argument("query_id")
     @connection_options
     def cancel_command(query_id: str, **params: Any) -> None:
-        """Cancel a query that is still collecting uploads."""
+        """Cancel a query whose uploads are still arriving (collecting or aggregating).
+
+        The charge is refunded only if no owner had begun an upload."""
         with errors(), client(params) as (opened, _):
             receipt = opened.cancel(query_id)
         click.echo(f"query {query_id}: {receipt.status.failure_reason or 'failed'}")
@@ -197,7 +199,7 @@ def register(
                     )
                 registered = opened.describe().owners_registered
                 started = time.perf_counter()
-                fetched = opened.fetch(query_id)
+                fetched = opened.fetch(query_id, public_key=private_key.public_key)
                 fetch_seconds = time.perf_counter() - started
             started = time.perf_counter()
             with CryptoPool(workers) as pool:

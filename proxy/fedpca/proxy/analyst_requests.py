@@ -40,29 +40,32 @@ class AnalystRequests(CoordinatorCore):
     """What an analyst may ask of its own queries (always keyed by :func:`task_id`)."""
 
     def cancel(self, analyst_id: str, query_id: str) -> CancelReceipt:
-        """Stop the analyst's query while it collects: COLLECTING -> FAILED.
+        """Stop the analyst's query while its contributions arrive: COLLECTING or
+        AGGREGATING -> FAILED.
 
         The failure reason is :data:`CANCELLED_REASON`; the refund rule is that of
-        every failure (the charge is refunded only if no owner began an upload), and
+        every failure (the charge is refunded only if no owner began an upload, so a
+        query cancelled while AGGREGATING stays charged: pages of it may be final), and
         owners that have not answered receive a TaskCancellation on their task stream.
-        Cancelling a query that already failed changes nothing.
+        Cancelling an AGGREGATING query is what frees the analyst's place when a
+        contributor stalls (its open queries are bounded). Cancelling a query that
+        already failed changes nothing.
 
         Raises
         ------
         NotFoundError
             Unknown query (for this analyst).
         QueryStateError
-            Collection has closed (contributors fixed, NOISING or DONE): result pages
-            are, or may be, released and can no longer be withheld.
+            The query is NOISING or DONE: its result is complete or being completed.
         """
         key = task_id(analyst_id, query_id)
         record = self.store.query(key)
-        if record.state is QueryState.COLLECTING:
+        if record.state in (QueryState.COLLECTING, QueryState.AGGREGATING):
             try:
                 record = self.store.set_state(
                     key,
                     QueryState.FAILED,
-                    expect=(QueryState.COLLECTING,),
+                    expect=(QueryState.COLLECTING, QueryState.AGGREGATING),
                     failure_reason=CANCELLED_REASON,
                 )
             except QueryStateError:
@@ -73,8 +76,8 @@ class AnalystRequests(CoordinatorCore):
                 self._notify()
         if record.state is not QueryState.FAILED:
             raise QueryStateError(
-                f"query {query_id!r} is {record.state.value}: collection has closed and its "
-                "result is being or has been released; it can no longer be cancelled"
+                f"query {query_id!r} is {record.state.value}: every contribution has arrived "
+                "and its result is being or has been released; it can no longer be cancelled"
             )
         return CancelReceipt(self.status(analyst_id, query_id), not self.store.has_release(key))
 
