@@ -302,8 +302,10 @@ def test_an_owner_process_refuses_tasks_the_analyst_did_not_sign(tmp_path: Path)
             cluster.start_owners()
             replays = ("mallory/genuine", key("renamed"))
             wait_until(
-                lambda: len(proxy.declines) + len(proxy.uploads) >= len(tasks) - len(replays)
-                and all(r in cluster.owners[0].log_text() for r in replays),
+                lambda: (
+                    len(proxy.declines) + len(proxy.uploads) >= len(tasks) - len(replays)
+                    and all(r in cluster.owners[0].log_text() for r in replays)
+                ),
                 "the owner's answers to every task and its word on the replays",
             )
             assert proxy.uploads == [key("genuine")]
