@@ -161,3 +161,38 @@ def test_dockerfile_runs_from_the_node_folder() -> None:
     assert 'ENTRYPOINT ["fedpca"]' in text
     # Keys and generated folders never enter the image's build context.
     assert "deploy" in (ROOT / ".dockerignore").read_text().split()
+
+
+def _dockerignored(path: str) -> bool:
+    """Docker's rule for .dockerignore, enough for these patterns: a pattern matches
+    the path or one of its parent folders; ``*`` stays within a name, ``**/`` spans
+    any number of folders; patterns are relative to the build context."""
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        regex = re.escape(pattern).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+        if re.fullmatch(regex + "(/.*)?", path):
+            return True
+    return False
+
+
+def test_the_image_build_context_leaves_key_material_out() -> None:
+    """The README's steps, run in the repository root, write the CA key, node keys and
+    a proxy/ node folder next to the proxy/ sources: `COPY . .` took them into the
+    image (review)."""
+    secret = [
+        "certs/ca/ca-key.pem",
+        "certs/owner/hospital-a/key.pem",
+        "keys/analyst.key.json",
+        "keys/analyst.signing.pem",
+        "proxy/tls/key.pem",
+        "proxy/proxy.toml",
+        "proxy/state/proxy.sqlite3",
+        "hospital-a/tls/key.pem",
+        "hospital-a/state/ledger.sqlite3",
+        "alice/analyst.toml",
+    ]
+    assert [path for path in secret if not _dockerignored(path)] == []
+    needed = ["pyproject.toml", "README.md", "core/fedpca/query.py", "proxy/fedpca/proxy/cli.py"]
+    assert [path for path in needed if _dockerignored(path)] == []
