@@ -209,7 +209,11 @@ def standalone_owner_config(folder: Path, public_key: Any, m: int = 3) -> OwnerC
         tls=TlsConfig(None, None, None, insecure=True),
         data=DataConfig(data, header=False, label_column=0, max_records=100, n_columns=m + 1),
         policy=PolicyConfig(
-            (key_fingerprint(public_key),), 10.0, False, accepted_query_signers=(TEST_SIGNER,)
+            (key_fingerprint(public_key),),
+            10.0,
+            False,
+            accepted_query_signers=(TEST_SIGNER,),
+            min_quorum=1,
         ),
         budget=PrivacyParams(10.0, 1e-5),
         crypto=CryptoConfig(processes=1),
@@ -288,6 +292,7 @@ class InProcessDeployment:
             "accepted_query_signers": (TEST_SIGNER,),
             "max_epsilon_per_query": 10.0,
             "allow_masked_mode": self.neighbouring is Neighbouring.REPLACE_ONE,
+            "min_quorum": 1,  # tests run single-owner queries
         }
         policy.update(self.policy)
         policy.update(self.owner_policies.get(owner_id, {}))

@@ -122,7 +122,7 @@ delta = 1e-6
     assert config.policy.accepted_query_signers == ()
     assert config.policy.allow_masked_mode is False
     assert config.policy.delta_cap(config.budget) == 1e-6
-    assert config.policy.min_quorum == 1
+    assert config.policy.min_quorum == 2  # never a release of this owner alone, unless set
     assert config.owner.state_dir == (tmp_path / "conf").resolve() / "state/o2"
     assert config.tls.insecure and config.tls.ca is None
     assert config.data.path == Path("/abs/x.npy")

@@ -284,6 +284,7 @@ def harness(
             False,
             accepted_query_signers=(TEST_SIGNER,),
             allow_masked_mode=options.get("allow_masked_mode", False),
+            min_quorum=1,  # the harness is one owner answering quorum-1 queries
         ),
         budget=PrivacyParams(1.2, 1e-5),
         crypto=CryptoConfig(processes=1),

@@ -351,6 +351,9 @@ class LocalCluster:
                             "max_epsilon_per_query": self.max_epsilon_per_query,
                             "allow_not_private": self.allow_not_private,
                             "allow_masked_mode": self.allow_masked_mode,
+                            # Loopback deployments (demo, tests) run queries of any
+                            # quorum down to 1; a real owner's default is 2.
+                            "min_quorum": 1,
                         },
                         "privacy": {"neighbouring": self.neighbouring},
                         "budget": {"epsilon": self.epsilon_budget, "delta": self.delta_budget},

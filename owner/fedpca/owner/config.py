@@ -31,7 +31,7 @@ config can be moved together with its certificates and data)::
     allow_masked_mode = false            # the published protocol: the proxy learns N
     allowed_kinds = ["pca", "dca"]       # and "stats", "histogram", "linreg" (default: all)
     allowed_columns = [1, 2, 3]          # optional: the only file columns queries may read
-    min_quorum = 1                       # smallest number of owners it contributes with
+    min_quorum = 2                       # smallest number of owners it contributes with
     max_tasks_per_day = 100              # releases it takes part in per 24 hours
     [budget]
     epsilon = 10.0
@@ -86,6 +86,10 @@ logger = logging.getLogger(__name__)
 HeaderSetting = bool | Literal["auto"]
 
 DEFAULT_MAX_TASKS_PER_DAY = 100
+
+DEFAULT_MIN_QUORUM = 2
+"""An owner contributes to no query of fewer owners unless configured to (a quorum of 1
+releases its statistics alone, noised, which an operator should choose knowingly)."""
 DELTA_CAP = 1e-5
 """The default per-query delta cap never exceeds this (nor the budget's delta)."""
 
@@ -198,7 +202,9 @@ class PolicyConfig:
         stats, histogram and linreg (an aggregate query needs every one it combines).
     allowed_columns : if set, the only file columns (0-based) a query may read; PCA
         reads every feature column, DCA every column, an aggregate query its columns.
-    min_quorum : smallest quorum of a query this owner contributes to.
+    min_quorum : smallest quorum of a query this owner contributes to (default
+        :data:`DEFAULT_MIN_QUORUM`, 2: never a release of this owner's statistics alone,
+        unless its operator says so).
     max_tasks_per_day : releases this owner takes part in per 24 hours.
     """
 
@@ -210,7 +216,7 @@ class PolicyConfig:
     allow_masked_mode: bool = False
     allowed_kinds: tuple[ReleaseKind, ...] = RELEASE_KINDS
     allowed_columns: tuple[int, ...] | None = None
-    min_quorum: int = 1
+    min_quorum: int = DEFAULT_MIN_QUORUM
     max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY
 
     def delta_cap(self, budget: PrivacyParams) -> float:
@@ -467,7 +473,7 @@ class OwnerConfig:
             ),
             allowed_kinds=allowed_kinds,
             allowed_columns=None if columns is None else tuple(columns),
-            min_quorum=_positive_int(policy_doc, "policy", "min_quorum", 1),
+            min_quorum=_positive_int(policy_doc, "policy", "min_quorum", DEFAULT_MIN_QUORUM),
             max_tasks_per_day=_positive_int(
                 policy_doc, "policy", "max_tasks_per_day", DEFAULT_MAX_TASKS_PER_DAY
             ),

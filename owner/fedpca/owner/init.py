@@ -19,7 +19,12 @@ from pathlib import Path
 import click
 
 from fedpca.errors import ConfigError, DataError, FedpcaError
-from fedpca.owner.config import DEFAULT_MAX_TASKS_PER_DAY, OwnerConfig, load_config
+from fedpca.owner.config import (
+    DEFAULT_MAX_TASKS_PER_DAY,
+    DEFAULT_MIN_QUORUM,
+    OwnerConfig,
+    load_config,
+)
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, prepare_folder
@@ -171,7 +176,7 @@ def write_owner_folder(
     max_delta_per_query: float | None = None,
     allow_masked_mode: bool = False,
     kinds: list[str] | None = None,
-    min_quorum: int = 1,
+    min_quorum: int = DEFAULT_MIN_QUORUM,
     max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY,
     budget_epsilon: float = 3.0,
     budget_delta: float = 1e-5,
@@ -315,7 +320,13 @@ def _split(values: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="Release kinds answered (policy.allowed_kinds).",
 )
-@click.option("--min-quorum", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--min-quorum",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MIN_QUORUM,
+    show_default=True,
+    help="Smallest quorum this owner contributes to (1: its statistics may be released alone).",
+)
 @click.option(
     "--max-tasks-per-day",
     type=click.IntRange(min=1),

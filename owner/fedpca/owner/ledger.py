@@ -65,6 +65,7 @@ from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.owner.config import OwnerConfig
+from fedpca.owner.ledger_schema import create_or_migrate
 from fedpca.query import Neighbouring
 
 __all__ = [
@@ -78,45 +79,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
-
-LEGACY_MIGRATION_FACTOR = 0.5
-"""Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
-
 # How long a reservation waits for another one holding the write lock. A
 # reservation's critical section is one PLD composition (well under a second),
 # so a minute only expires if something is badly stuck.
 _BUSY_TIMEOUT_SECONDS = 60.0
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS releases (
-    query_id TEXT PRIMARY KEY,
-    analyst TEXT NOT NULL,
-    noise_multiplier REAL NOT NULL,
-    epsilon REAL NOT NULL,
-    delta REAL NOT NULL,
-    recorded_at REAL NOT NULL,
-    not_private INTEGER NOT NULL CHECK (not_private IN (0, 1)),
-    spec_digest TEXT NOT NULL,
-    neighbouring TEXT NOT NULL DEFAULT 'add-remove',
-    sensitivity REAL NOT NULL DEFAULT 1.0,
-    delta_extra REAL NOT NULL DEFAULT 0.0
-);
-CREATE TABLE IF NOT EXISTS tasks (
-    query_id TEXT PRIMARY KEY,
-    state TEXT NOT NULL,
-    detail TEXT NOT NULL,
-    upload_id TEXT,
-    upload_started INTEGER NOT NULL DEFAULT 0,
-    updated_at REAL NOT NULL,
-    seed BLOB,
-    capacity INTEGER
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -229,64 +195,7 @@ class BudgetLedger:
             if str(mode).lower() != "wal":
                 raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
             with _immediate(connection):
-                # executescript would commit the open transaction; run statements singly.
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        connection.execute(statement)
-                row = connection.execute(
-                    "SELECT value FROM meta WHERE key = 'schema_version'"
-                ).fetchone()
-                if row is None:
-                    connection.execute(
-                        "INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
-                        (str(SCHEMA_VERSION),),
-                    )
-                elif int(row[0]) in (1, 2, 3):
-                    if int(row[0]) == 1:
-                        self._migrate_schema_1(connection)
-                    self._migrate_tasks(connection)
-                elif int(row[0]) != SCHEMA_VERSION:
-                    raise ConfigError(
-                        f"{self.path}: ledger schema version {row[0]}, this fedpca "
-                        f"understands {SCHEMA_VERSION}"
-                    )
-
-    def _migrate_schema_1(self, connection: sqlite3.Connection) -> None:
-        """Schema 1 -> 2 inside the open transaction (see the module docstring)."""
-        columns = {row[1] for row in connection.execute("PRAGMA table_info(releases)")}
-        for name, declaration in (
-            ("neighbouring", "TEXT NOT NULL DEFAULT 'add-remove'"),
-            ("sensitivity", "REAL NOT NULL DEFAULT 1.0"),
-            ("delta_extra", "REAL NOT NULL DEFAULT 0.0"),
-        ):
-            if name not in columns:
-                connection.execute(f"ALTER TABLE releases ADD COLUMN {name} {declaration}")
-        migrated = connection.execute(
-            "UPDATE releases SET noise_multiplier = noise_multiplier * ?, neighbouring = ?",
-            (LEGACY_MIGRATION_FACTOR, self.neighbouring.value),
-        ).rowcount
-        connection.execute(
-            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
-        )
-        logger.warning(
-            "%s: migrated a schema-1 ledger: %d recorded releases now count with half their "
-            "noise multiplier under %s adjacency (docs/privacy.md, 'Ledgers of fedpca 0.1')",
-            self.path,
-            migrated,
-            self.neighbouring.value,
-        )
-
-    def _migrate_tasks(self, connection: sqlite3.Connection) -> None:
-        """Schemas 2 and 3 -> 4: tasks keep the secret seed of their sample of rows
-        (schema 3) and the capacity it was drawn under (4), so an upload interrupted by
-        a restart resumes with exactly the values it began with."""
-        columns = {row[1] for row in connection.execute("PRAGMA table_info(tasks)")}
-        for name, declaration in (("seed", "BLOB"), ("capacity", "INTEGER")):
-            if name not in columns:
-                connection.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
-        connection.execute(
-            "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
-        )
+                create_or_migrate(connection, self.path, self.neighbouring)
 
     def __repr__(self) -> str:
         return f"BudgetLedger({str(self.path)!r})"

@@ -108,10 +108,6 @@ class Coordinator(OwnerTasks, AnalystRequests):
             The query id exists with a different spec.
         """
         spec = signed.spec
-        # Refused before any work when the analyst is at a bound (a resubmission of a
-        # query it has is not refused here: it creates nothing).
-        if not self.store.has_query(task_id(analyst_id, spec.query_id)):
-            self._check_query_bounds(None, analyst_id)
         self._check_public_facts(signed, analyst_id)
         context = validate_query(
             spec,
@@ -119,6 +115,10 @@ class Coordinator(OwnerTasks, AnalystRequests):
             max_upload_mib=self.config.proxy.max_upload_mib,
         )
         key = task_id(analyst_id, spec.query_id)
+        # Refused before its ledger is composed (seconds under the PLD accountant) when
+        # the analyst is at a bound; a resubmission of a query it has creates nothing.
+        if not self.store.has_query(key):
+            self._check_query_bounds(None, analyst_id)
         plan = context.plan
         budget = self.config.budget.for_analyst(analyst_id)
         event = plan.privacy_event(analyst_id)

@@ -1,0 +1,115 @@
+"""The owner's budget ledger database: its tables and the migrations from earlier
+fedpca versions (the history is in :mod:`fedpca.owner.ledger`'s docstring)."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+
+from fedpca.errors import ConfigError
+from fedpca.query import Neighbouring
+
+__all__ = ["LEGACY_MIGRATION_FACTOR", "SCHEMA", "SCHEMA_VERSION", "create_or_migrate"]
+
+logger = logging.getLogger("fedpca.owner.ledger")
+
+SCHEMA_VERSION = 4
+
+LEGACY_MIGRATION_FACTOR = 0.5
+"""Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS releases (
+    query_id TEXT PRIMARY KEY,
+    analyst TEXT NOT NULL,
+    noise_multiplier REAL NOT NULL,
+    epsilon REAL NOT NULL,
+    delta REAL NOT NULL,
+    recorded_at REAL NOT NULL,
+    not_private INTEGER NOT NULL CHECK (not_private IN (0, 1)),
+    spec_digest TEXT NOT NULL,
+    neighbouring TEXT NOT NULL DEFAULT 'add-remove',
+    sensitivity REAL NOT NULL DEFAULT 1.0,
+    delta_extra REAL NOT NULL DEFAULT 0.0
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    query_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    upload_id TEXT,
+    upload_started INTEGER NOT NULL DEFAULT 0,
+    updated_at REAL NOT NULL,
+    seed BLOB,
+    capacity INTEGER
+);
+"""
+
+
+def create_or_migrate(
+    connection: sqlite3.Connection, path: Path, neighbouring: Neighbouring
+) -> None:
+    """Create the tables, or bring an older ledger to :data:`SCHEMA_VERSION` (inside
+    the caller's open transaction)."""
+    # executescript would commit the open transaction; run statements singly.
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            connection.execute(statement)
+    row = connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if row is None:
+        connection.execute(
+            "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+        )
+    elif int(row[0]) in (1, 2, 3):
+        if int(row[0]) == 1:
+            _migrate_schema_1(connection, path, neighbouring)
+        _migrate_tasks(connection)
+    elif int(row[0]) != SCHEMA_VERSION:
+        raise ConfigError(
+            f"{path}: ledger schema version {row[0]}, this fedpca understands {SCHEMA_VERSION}"
+        )
+
+
+def _migrate_schema_1(
+    connection: sqlite3.Connection, path: Path, neighbouring: Neighbouring
+) -> None:
+    """Schema 1 -> 2 inside the open transaction (see :mod:`fedpca.owner.ledger`)."""
+    columns = {row[1] for row in connection.execute("PRAGMA table_info(releases)")}
+    for name, declaration in (
+        ("neighbouring", "TEXT NOT NULL DEFAULT 'add-remove'"),
+        ("sensitivity", "REAL NOT NULL DEFAULT 1.0"),
+        ("delta_extra", "REAL NOT NULL DEFAULT 0.0"),
+    ):
+        if name not in columns:
+            connection.execute(f"ALTER TABLE releases ADD COLUMN {name} {declaration}")
+    migrated = connection.execute(
+        "UPDATE releases SET noise_multiplier = noise_multiplier * ?, neighbouring = ?",
+        (LEGACY_MIGRATION_FACTOR, neighbouring.value),
+    ).rowcount
+    connection.execute(
+        "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
+    )
+    logger.warning(
+        "%s: migrated a schema-1 ledger: %d recorded releases now count with half their "
+        "noise multiplier under %s adjacency (docs/privacy.md, 'Ledgers of fedpca 0.1')",
+        path,
+        migrated,
+        neighbouring.value,
+    )
+
+
+def _migrate_tasks(connection: sqlite3.Connection) -> None:
+    """Schemas 2 and 3 -> 4: tasks keep the secret seed of their sample of rows
+    (schema 3) and the capacity it was drawn under (4), so an upload interrupted by
+    a restart resumes with exactly the values it began with."""
+    columns = {row[1] for row in connection.execute("PRAGMA table_info(tasks)")}
+    for name, declaration in (("seed", "BLOB"), ("capacity", "INTEGER")):
+        if name not in columns:
+            connection.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
+    connection.execute(
+        "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
+    )
