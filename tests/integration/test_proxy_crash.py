@@ -301,7 +301,7 @@ class CrashHarness:
         # before the store is checked.
         outcome = re.compile(
             rf"query {re.escape(run.query_id)}: (upload \S+ (accepted|duplicate) by the proxy"
-            r"|the proxy refused upload|giving up upload)"
+            r"|the proxy refused upload|pausing upload)"
         )
         _wait_until(
             lambda: all(outcome.search(w.text()) for w in watches),
@@ -313,7 +313,7 @@ class CrashHarness:
             # Quorum = all owners, so an owner that gave up would also stall the query;
             # this names the culprit. A retry of an accepted upload must be answered
             # DUPLICATE, never refused.
-            assert "giving up upload" not in text, f"{label}: {owner} gave up uploading"
+            assert "pausing upload" not in text, f"{label}: {owner} paused its upload"
             assert "refused upload" not in text, f"{label}: {owner} was refused"
         self.check_store(run.query_id, label)
         if trial.fault is not None and trial.fault.startswith("folded:"):

@@ -606,3 +606,31 @@ def test_progress_off_a_terminal_is_plain_lines_and_says_when_contributors_are_f
     err = capsys.readouterr().err
     assert "\r" not in err and "0/2" not in err
     assert err.splitlines() == ["contributors fixed: 2 owners; decrypting pages as they arrive"]
+
+
+def test_an_unreachable_proxy_after_submission_says_how_to_follow_the_query(
+    test_only_keypair_512: tuple[Any, Any], pool: CryptoPool
+) -> None:
+    """An operator's review: the analyst gave up on a restarting proxy with only
+    "proxy unavailable", though its query went on at the proxy."""
+    from fedpca.analyst.client import ProxyUnavailableError
+    from fedpca.analyst.querying import run_query
+    from helpers import query_builder
+
+    public_key, private_key = test_only_keypair_512
+    spec = query_builder(n_features=3, n_components=1, epsilon=1.0, delta=1e-6)(
+        public_key, "q-away"
+    )
+
+    class AwayProxy:
+        def submit(self, *_: Any) -> Any:
+            return QueryStatus("q-away", QueryState.COLLECTING, 0, 1)
+
+        def wait_for_contributors(self, *_: Any, **__: Any) -> None:
+            raise ProxyUnavailableError("watch query 'q-away': proxy unavailable (UNAVAILABLE)")
+
+    with pytest.raises(ProxyUnavailableError) as raised:
+        run_query(spec, AwayProxy(), private_key, TEST_SIGNING_KEY, pool=pool)
+    message = str(raised.value)
+    assert "goes on at the proxy" in message
+    assert "fedpca analyst status q-away" in message and "fedpca analyst fetch q-away" in message

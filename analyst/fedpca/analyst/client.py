@@ -83,7 +83,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_RECONNECT_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0)
+_RECONNECT_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0, *(30.0,) * 10)
+"""Seconds between re-opening a call the proxy did not answer: about 5.5 minutes in
+all, as long as a proxy's recovery after a restart may take (30 s once left an analyst
+waiting on a restarting proxy with an error)."""
 _Reply = TypeVar("_Reply")
 
 DEFAULT_INSECURE_ANALYST_ID = "analyst"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedpca.analyst.client import ProxyUnavailableError
 from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, FedpcaError, QueryStateError
@@ -186,13 +187,21 @@ def run_query(
             on_submitted(submitted)
         start = time.perf_counter()
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
-        _wait_or_cancel(
-            lambda: client.wait_for_contributors(
-                spec.query_id, on_status=on_status, timeout=wait_timeout
-            ),
-            client,
-            spec.query_id,
-        )
+        try:
+            _wait_or_cancel(
+                lambda: client.wait_for_contributors(
+                    spec.query_id, on_status=on_status, timeout=wait_timeout
+                ),
+                client,
+                spec.query_id,
+            )
+        except ProxyUnavailableError as exc:
+            # The query is the proxy's now and goes on without this process.
+            raise ProxyUnavailableError(
+                f"{exc} (query {spec.query_id} was submitted and goes on at the proxy: "
+                f"follow it with `fedpca analyst status {spec.query_id}` and fetch its "
+                f"result with `fedpca analyst fetch {spec.query_id}`)"
+            ) from exc
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             stream = client.fetch_stream(spec.query_id, timeout=remaining)

@@ -478,9 +478,11 @@ class TaskProcessing:
                 )
                 remaining = (task.upload_deadline - datetime.now(UTC)).total_seconds()
                 if attempt + 1 >= attempts or delay >= remaining:
-                    logger.error(
-                        "query %s: giving up upload %s after %d attempt(s) (%s: %s); a "
-                        "re-delivered task will resend it",
+                    # Not an error yet: the proxy re-delivers the task when the node
+                    # reconnects and the upload resumes where it stopped.
+                    logger.warning(
+                        "query %s: pausing upload %s after %d attempt(s) (%s: %s); it "
+                        "resumes when the proxy delivers the task again",
                         query_id,
                         upload_id,
                         attempt + 1,
