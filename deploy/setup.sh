@@ -49,5 +49,9 @@ $FEDPCA analyst init --out analyst --id alice --proxy "localhost:$PORT" \
     --key-dir analyst/keys --certs certs $FORCE
 
 # The containers run as the user who owns these files (compose reads deploy/.env).
+if [ "$(id -u)" = 0 ]; then
+    echo "warning: run as root, so the containers run as root too (deploy/.env);" \
+        "run deploy/setup.sh as the user who should own the node folders" >&2
+fi
 printf 'FEDPCA_UID=%s\nFEDPCA_GID=%s\n' "$(id -u)" "$(id -g)" > ../.env
 echo "example deployment ready in $(pwd); next: docker compose -f deploy/compose.yaml up"

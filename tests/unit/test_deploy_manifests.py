@@ -144,15 +144,21 @@ def test_kubernetes_owner() -> None:
     spec = _pod(manifests)
     _check_pod(spec, "owner")
     (container,) = spec["containers"]
+    # Only the node's own setup: a node waiting for its proxy must not be restarted.
     assert container["startupProbe"]["exec"]["command"] == [
         "fedpca",
         "owner",
         "probe",
+        "--local",
         "--config",
         f"{NODE_ROOT}/owner.toml",
     ]
     data = next(m for m in container["volumeMounts"] if m["name"] == "data")
     assert data == {"name": "data", "mountPath": f"{NODE_ROOT}/data", "readOnly": True}
+    # The claim the data volume names is defined with it.
+    claim = spec["volumes"][[v["name"] for v in spec["volumes"]].index("data")]
+    claims = [m["metadata"]["name"] for m in manifests if m["kind"] == "PersistentVolumeClaim"]
+    assert claim["persistentVolumeClaim"]["claimName"] in claims
 
 
 def test_dockerfile_runs_from_the_node_folder() -> None:

@@ -264,3 +264,10 @@ def test_owner_probe_against_a_running_proxy(
     assert down.exit_code == 1
     assert f"FAIL  proxy     {address} unreachable" in down.output
     assert "skip  enrolled" in down.output
+    # --local (a container's startup probe) checks the node's own setup only.
+    local = CliRunner().invoke(
+        owner_group, ["probe", "--local", "--config", str(folders["owner-1"])]
+    )
+    assert local.exit_code == 0, local.output
+    assert "skip  proxy     not checked (--local)" in local.output
+    assert "FAIL" not in local.output

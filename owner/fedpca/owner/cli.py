@@ -137,12 +137,23 @@ def serve_command(
 @click.option(
     "--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds."
 )
-def probe_command(config_path: Path, timeout: float) -> None:
+@click.option(
+    "--local",
+    is_flag=True,
+    help="Only this node's own setup, not the proxy: a container's startup probe (a node "
+    "waiting for its proxy is healthy; its readiness says whether it is connected).",
+)
+def probe_command(config_path: Path, timeout: float, local: bool) -> None:
     """Check config, data, TLS files, state folder, the proxy and enrolment (exit 1 on a
     failure): before the first serve, and as a Kubernetes exec probe."""
     from fedpca.owner.probe import probe_owner
 
-    ok = probe_owner(config_path, timeout=timeout, report=lambda result: click.echo(result.line()))
+    ok = probe_owner(
+        config_path,
+        timeout=timeout,
+        report=lambda result: click.echo(result.line()),
+        local=local,
+    )
     if not ok:
         raise SystemExit(1)
 
