@@ -106,6 +106,14 @@ def proxy_record(log: str) -> re.Match[str]:
     return found[0]
 
 
+def machine_idle_seconds() -> float:
+    """Core-seconds every core of the machine has spent idle (or waiting for I/O) since
+    boot (/proc/stat). Read before and after the round, the difference is the time the
+    round left a core without work: the part of end to end that is waiting, not CPU."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return (int(fields[3]) + int(fields[4])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mib(pid: int) -> float:
     """Peak resident set size of a live process (Linux /proc), in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -158,9 +166,11 @@ def main() -> None:
         }
         cpu_before = {role: sum(map(process_tree_cpu_seconds, p)) for role, p in pids.items()}
         analyst_cpu = resource.getrusage(resource.RUSAGE_SELF)
+        idle_before = machine_idle_seconds()
         started = time.time()
         model.fit(n_features=n_features)
         finished = time.time()
+        idle = machine_idle_seconds() - idle_before
         role_cpu = {
             role: sum(map(process_tree_cpu_seconds, p)) - cpu_before[role]
             for role, p in pids.items()
@@ -234,6 +244,10 @@ def main() -> None:
     print(
         f"  proxy  {role_cpu['proxy']:8.2f}  ({proxy_other:.2f} besides folding and noise: "
         "submission, store, gRPC)"
+    )
+    print(
+        f"  idle   {idle:8.2f}  (cores without work during the round, of "
+        f"{end_to_end * cores:.2f} core-seconds)"
     )
     print(f"proxy process peak resident memory (VmHWM): {proxy_peak_mib:.1f} MiB")
     print(f"explained variance ratio: {np.round(model.explained_variance_ratio_, 4).tolist()}")
