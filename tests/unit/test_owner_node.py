@@ -638,10 +638,10 @@ def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:
     harness.send(harness.spec("gone"))
     harness.send(harness.spec("marker", epsilon=2.0))  # declined: marks the others as read
     proxy.wait_for(lambda: len(proxy.declines) == 1)
+    # Neither leaves a row: the node had never seen them (a proxy replaying old signed
+    # queries under fresh ids with past deadlines once grew the ledger without end).
     ledger = harness.ledger
-    late, gone = ledger.task(key("late")), ledger.task(key("gone"))
-    assert late is not None and late.outcome is TaskOutcome.EXPIRED
-    assert gone is not None and gone.outcome is TaskOutcome.CANCELLED
+    assert ledger.task(key("late")) is None and ledger.task(key("gone")) is None
     assert proxy.uploads == []
     assert ledger.events() == []
 

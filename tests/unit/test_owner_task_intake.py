@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from fedpca.messages import Task
+from fedpca.messages import DeclineReason, Task
 from fedpca.owner.config import PolicyConfig
-from fedpca.owner.task_intake import TaskIntake, UnsignedTask
+from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.query import spec_digest
 from fedpca.signing import generate_signing_key
 from helpers import TEST_SIGNER, query_builder, signed_task
@@ -34,13 +34,17 @@ def test_unsigned_tasks_are_kept_only_as_their_id_and_reason(intake: Any) -> Non
     gate, _, public_key = intake
     spec = _spec(public_key, "q1")
     unsigned = gate.admit(Task(spec, DUE, task_id="alice/q1"), waiting=0)
-    assert isinstance(unsigned, UnsignedTask)
+    assert isinstance(unsigned, RefusedTask)
     assert unsigned.key == "alice/q1" and "not signed" in unsigned.detail
+    assert unsigned.reason is DeclineReason.UNSIGNED_QUERY
+    # A signer of the proxy's making is quoted cut, not whole (logs, decline detail).
+    huge = gate.admit(replace(signed_task(spec, DUE), query_signer="x" * 3_000_000), 0)
+    assert isinstance(huge, RefusedTask) and len(huge.detail) <= 300
     stranger = signed_task(spec, DUE, key=generate_signing_key())
     foreign = gate.admit(stranger, waiting=0)
-    assert isinstance(foreign, UnsignedTask) and stranger.query_signer in foreign.detail
+    assert isinstance(foreign, RefusedTask) and stranger.query_signer in foreign.detail
     altered = gate.admit(replace(signed_task(spec, DUE), query=_spec(public_key, "q2")), 0)
-    assert isinstance(altered, UnsignedTask)
+    assert isinstance(altered, RefusedTask)
 
 
 def test_no_more_than_the_bound_wait_and_drops_are_logged_sparingly(
@@ -56,23 +60,31 @@ def test_no_more_than_the_bound_wait_and_drops_are_logged_sparingly(
     assert gate.admit(task, waiting=2) is task
 
 
+def _is_replay(admitted: Any) -> bool:
+    return (
+        isinstance(admitted, RefusedTask)
+        and admitted.reason is DeclineReason.POLICY_REFUSAL
+        and "same signed query" in admitted.detail
+    )
+
+
 def test_one_signed_query_is_answered_under_one_task_id(intake: Any) -> None:
     gate, reserved, public_key = intake
     first = signed_task(_spec(public_key, "q1"), DUE, analyst="alice")
     replayed = replace(first, task_id="alice/replayed")
     assert gate.admit(first, waiting=0) is first
-    assert gate.admit(replayed, waiting=1) is None  # while the first one waits
+    assert _is_replay(gate.admit(replayed, waiting=1))  # while the first one waits
     gate.done(first)
     assert gate.admit(replayed, waiting=0) is replayed  # nothing known about it yet
     gate.done(replayed)
     gate.answered(first)  # declined, say
-    assert gate.admit(replayed, waiting=0) is None
+    assert _is_replay(gate.admit(replayed, waiting=0))
     assert gate.admit(first, waiting=0) is first  # its own re-delivery still passes
     gate.done(first)
     # Reserved queries are found in the ledger, whatever the memory holds.
     other = signed_task(_spec(public_key, "q2"), DUE)
     reserved[spec_digest(other.query)] = "alice/q2"
-    assert gate.admit(replace(other, task_id="alice/again"), waiting=0) is None
+    assert _is_replay(gate.admit(replace(other, task_id="alice/again"), waiting=0))
     assert gate.admit(other, waiting=0) is other
 
 
@@ -83,4 +95,4 @@ def test_the_memory_of_answered_queries_is_bounded(intake: Any) -> None:
         gate.answered(task)
     oldest = replace(tasks[0], task_id="alice/late")
     assert gate.admit(oldest, waiting=0) is oldest  # forgotten (remembered=2)
-    assert gate.admit(replace(tasks[2], task_id="alice/late2"), waiting=0) is None
+    assert _is_replay(gate.admit(replace(tasks[2], task_id="alice/late2"), waiting=0))

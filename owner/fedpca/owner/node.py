@@ -47,7 +47,6 @@ from fedpca.errors import (
 from fedpca.messages import (
     PROTOCOL_VERSION,
     UPLOAD_CHUNK_BYTES,
-    DeclineReason,
     Heartbeat,
     ObfuscationVariant,
     OwnerHello,
@@ -60,7 +59,7 @@ from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
 from fedpca.owner.share_snapshots import ShareSnapshots
-from fedpca.owner.task_intake import TaskIntake, UnsignedTask
+from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.owner.task_processing import TaskProcessing
 from fedpca.owner.upload import OutgoingUpload
 from fedpca.transport import serde
@@ -138,8 +137,9 @@ class OwnerNode(TaskProcessing):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: Any = None  # the open StreamTasks call, cancelled by stop()
-        self._queue: queue.Queue[Task | UnsignedTask | None] = queue.Queue()
+        self._queue: queue.Queue[Task | RefusedTask | None] = queue.Queue()
         self._intake = TaskIntake(config.policy, self.ledger.reserved_under)
+        self._malformed = 0  # task events from the proxy that could not be read
         self._queued: set[str] = set()
         # Ids the proxy cancelled, for a task queued (or arriving just after its
         # cancellation): the newest REMEMBERED_CANCELLATIONS, so a flood of made-up ids
@@ -349,7 +349,15 @@ class OwnerNode(TaskProcessing):
                 try:
                     event = serde.task_event_from_proto(message)
                 except ProtocolError as exc:
-                    logger.error("ignoring a malformed task event: %s", exc)
+                    self._malformed += 1
+                    # Logged for the 1st, 2nd, 4th, 8th, ... only, and cut: a proxy
+                    # sending malformed events must not fill the disk with the log.
+                    if self._malformed & (self._malformed - 1) == 0:
+                        logger.error(
+                            "ignoring a malformed task event (%d so far): %s",
+                            self._malformed,
+                            str(exc)[:300],
+                        )
                     continue
                 self._dispatch(event)
         finally:
@@ -397,11 +405,9 @@ class OwnerNode(TaskProcessing):
             task = self._queue.get()
             if task is None or self._stop.is_set():
                 return
-            if isinstance(task, UnsignedTask):
+            if isinstance(task, RefusedTask):
                 # Declined, not recorded: nothing about it is worth a ledger row.
-                self._decline(
-                    stub, task.key, DeclineReason.UNSIGNED_QUERY, task.detail, record=False
-                )
+                self._decline(stub, task.key, task.reason, task.detail, record=False)
                 with self._lock:
                     self._queued.discard(task.key)
                     self._cancelled.pop(task.key, None)

@@ -86,7 +86,7 @@ def check_signature(task: Task, policy: PolicyConfig) -> None:
     if task.query_signer not in policy.accepted_query_signers:
         raise UntrustedKeyError(
             f"query {spec.query_id!r} is "
-            + (f"signed by {task.query_signer}" if task.query_signer else "not signed")
+            + (f"signed by {task.query_signer[:80]}" if task.query_signer else "not signed")
             + ", not by a signer in policy.accepted_query_signers"
         )
     try:

@@ -8,13 +8,16 @@ The stream thread therefore decides here, from cheap checks, whether a task is w
 the worker's time and the ledger's space:
 
 * at most :data:`MAX_WAITING_TASKS` tasks wait for the worker; more are dropped with a
-  warning (a proxy re-delivers outstanding tasks when the stream opens again);
+  warning (a proxy re-delivers outstanding tasks when the stream opens again). Only
+  tasks signed by a pinned analyst, one per signed query, can wait, so an honest load
+  stays far below it;
 * a task whose query is not signed by a pinned analyst is kept only as its task id and
-  the reason, declined, and not recorded in the ledger (nothing to remember about it);
-* a signed query this node already answered (reserved, or declined) under another task
-  id is dropped: a proxy that replays one signed query under fresh task ids gets no
-  second answer and no ledger row for it. Reserved queries are looked up in the ledger
-  (durable); declined ones in a bounded memory of :data:`REMEMBERED_QUERIES` digests.
+  the reason (cut to what a decline carries), declined, and not recorded in the ledger;
+* a signed query this node already answered (reserved, or declined) or holds under
+  another task id is declined as a replay, also without a ledger row: a proxy that
+  replays one signed query under fresh task ids gets no second answer. Reserved queries
+  are looked up in the ledger (durable); others in a bounded memory of
+  :data:`REMEMBERED_QUERIES` digests.
 
 Nothing here depends on the node's records: it reads the task and the ledger only.
 """
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedpca.errors import UntrustedKeyError
-from fedpca.messages import Task
+from fedpca.messages import MAX_DECLINE_DETAIL, DeclineReason, Task
 from fedpca.owner.config import PolicyConfig
 from fedpca.owner.policy import check_signature
 from fedpca.query import spec_digest
@@ -36,25 +39,27 @@ from fedpca.query import spec_digest
 __all__ = [
     "MAX_WAITING_TASKS",
     "REMEMBERED_QUERIES",
+    "RefusedTask",
     "TaskIntake",
-    "UnsignedTask",
 ]
 
 logger = logging.getLogger(__name__)
 
-MAX_WAITING_TASKS = 32
-"""Tasks waiting for the worker at most. A real deployment has a handful at a time (an
-owner takes part in ``max_tasks_per_day`` releases a day)."""
+MAX_WAITING_TASKS = 256
+"""Tasks waiting for the worker at most. An honest proxy has at most each analyst's
+open queries outstanding (4 by default, ``limits.max_open_queries_per_analyst``)."""
 
 REMEMBERED_QUERIES = 4096
 """Signed queries (digests) remembered as answered under a task id, newest kept."""
 
 
 @dataclass(frozen=True)
-class UnsignedTask:
-    """A task to decline as unsigned: its id and why, without its query."""
+class RefusedTask:
+    """A task to decline without a ledger row: its id, the public reason and the detail
+    (cut to :data:`~fedpca.messages.MAX_DECLINE_DETAIL`), without its query."""
 
     key: str
+    reason: DeclineReason
     detail: str
 
 
@@ -86,7 +91,7 @@ class TaskIntake:
         self.dropped = 0
         """Tasks dropped so far (too many waiting, or a replayed query)."""
 
-    def admit(self, task: Task, waiting: int) -> Task | UnsignedTask | None:
+    def admit(self, task: Task, waiting: int) -> Task | RefusedTask | None:
         """What to queue for ``task`` (None: nothing), with ``waiting`` tasks queued.
 
         Called from one thread (the task stream's)."""
@@ -96,19 +101,21 @@ class TaskIntake:
         try:
             check_signature(task, self.policy)
         except UntrustedKeyError as exc:
-            return UnsignedTask(task.key, str(exc))
+            return RefusedTask(
+                task.key, DeclineReason.UNSIGNED_QUERY, str(exc)[:MAX_DECLINE_DETAIL]
+            )
         digest = spec_digest(task.query)
         with self._lock:
             earlier = self._waiting_digests.get(digest) or self._answered.get(digest)
         if earlier is None:
             earlier = self.reserved_under(digest)
         if earlier is not None and earlier != task.key:
-            self._drop(
-                task.key,
-                f"it carries the same signed query as task {earlier!r}, which this node "
-                "answers once; ignored",
+            detail = (
+                f"task {task.key[:80]!r} carries the same signed query as task "
+                f"{earlier[:80]!r}; a query is answered once, whatever task id it comes under"
             )
-            return None
+            logger.warning("%s", detail)
+            return RefusedTask(task.key, DeclineReason.POLICY_REFUSAL, detail)
         with self._lock:
             self._waiting_digests[digest] = task.key
         return task

@@ -11,7 +11,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -28,8 +28,7 @@ from fedpca.errors import (
     UntrustedKeyError,
 )
 from fedpca.messages import (
-    SHARE_RELEASED_METADATA,
-    UPLOAD_ACCEPTED_METADATA,
+    MAX_DECLINE_DETAIL,
     DeclineReason,
     ObfuscationVariant,
     Task,
@@ -58,6 +57,7 @@ from fedpca.owner.retry import (
 )
 from fedpca.owner.share_snapshots import KeptShare, ShareSnapshots
 from fedpca.owner.upload import OutgoingUpload
+from fedpca.owner.upload_call import HeaderAcknowledgement, result_when_done, share_unreleased
 from fedpca.protocol import ReleasePlan
 from fedpca.query import ProtocolMode, QuerySpec, spec_digest
 from fedpca.transport import serde
@@ -149,8 +149,11 @@ class TaskProcessing:
         if task.upload_deadline <= datetime.now(UTC):
             logger.warning("query %s: upload deadline already passed, skipping", query_id)
             self._drop_upload(query_id)  # one prepared in this process stops encrypting
-            self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
-            self._forget_share(query_id)
+            if self._known(query_id):
+                # A task never seen before leaves no row: a proxy replaying old signed
+                # queries under fresh ids with past deadlines grew the ledger without end.
+                self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
+                self._forget_share(query_id)
             return TaskOutcome.EXPIRED
         upload = self._prepared.get(query_id)
         if upload is None:
@@ -425,12 +428,12 @@ class TaskProcessing:
                 logger.warning("query %s: stopping before the upload finished", query_id)
                 return None
             try:
-                acknowledgement = _HeaderAcknowledgement()
+                acknowledgement = HeaderAcknowledgement()
                 call = stub.Upload.future(
                     upload.messages(acknowledgement.wait), timeout=self.retry.upload_timeout
                 )
                 acknowledgement.watch(call)
-                response = _result_when_done(call)
+                response = result_when_done(call)
             except grpc.RpcError as err:
                 if upload.error is not None:
                     # Encrypting failed (a bug or a dead worker), not the proxy: the task
@@ -466,7 +469,7 @@ class TaskProcessing:
                         # word alone is not enough: a proxy could fold every chunk, let
                         # the analyst read the result, and still say "not released".)
                         self.ledger.cancel_reservation(query_id, upload_refused=True)
-                    elif _share_unreleased(err):
+                    elif share_unreleased(err):
                         logger.info(
                             "query %s: the proxy says no result holds this share; chunks of "
                             "it left this node, so the release stays charged",
@@ -553,12 +556,17 @@ class TaskProcessing:
         if record is not None and record.upload_id is not None:
             self.shares.discard(record.upload_id)
 
+    def _known(self, query_id: str) -> bool:
+        """The ledger holds a record or a reservation of the task."""
+        return self.ledger.task(query_id) is not None or self.ledger.has_reservation(query_id)
+
     def _finish_cancelled(self, query_id: str) -> TaskOutcome:
         self._drop_upload(query_id)
-        # Refunded only if no upload of the task had begun (the ledger checks).
-        self.ledger.cancel_reservation(query_id)
-        self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
-        self._forget_share(query_id)
+        if self._known(query_id):  # a task cancelled before it began leaves no row
+            # Refunded only if no upload of the task had begun (the ledger checks).
+            self.ledger.cancel_reservation(query_id)
+            self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
+            self._forget_share(query_id)
         logger.info("query %s: cancelled by the proxy", query_id)
         return TaskOutcome.CANCELLED
 
@@ -577,6 +585,7 @@ class TaskProcessing:
         Declines happen only for public reasons (:mod:`fedpca.owner.policy`), so the
         detail goes to the proxy and the analyst as it is logged here.
         """
+        detail = detail[:MAX_DECLINE_DETAIL]  # what the proxy keeps; a peer's text may be long
         logger.warning("query %s: declined (%s): %s", query_id, reason.value, detail)
         message = serde.task_decline_to_proto(TaskDecline(query_id, reason, detail))
         for attempt in range(self.retry.decline_attempts):
@@ -605,44 +614,3 @@ class TaskProcessing:
                 self.ledger.record_task(query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}")
             return TaskOutcome.DECLINED
         return None  # pragma: no cover - the loop always returns
-
-
-def _result_when_done(call: Any) -> Any:
-    """``call.result()``, waited for on an event instead of in gRPC's blocking wait,
-    which wakes the thread ten times a second for the whole upload (on a machine of
-    ten owners, ~0.1 CPU-s a round in wake-ups)."""
-    done = threading.Event()
-    call.add_done_callback(lambda _call: done.set())
-    done.wait()
-    return call.result()
-
-
-class _HeaderAcknowledgement:
-    """The proxy's word on an upload's header: the call's initial metadata carries
-    ``UPLOAD_ACCEPTED_METADATA: yes`` once the proxy recorded the upload as begun
-    (protocol version 3); a call that ends without it was refused at the header."""
-
-    def __init__(self) -> None:
-        self._call: Any = None
-        self._started = threading.Event()
-
-    def watch(self, call: Any) -> None:
-        """The upload call whose initial metadata to wait for."""
-        self._call = call
-        self._started.set()
-
-    def wait(self) -> bool:
-        """Block until the proxy answered the header (or the call ended); True if it
-        accepted it."""
-        self._started.wait()
-        metadata = dict(self._call.initial_metadata() or ())
-        return bool(metadata.get(UPLOAD_ACCEPTED_METADATA) == "yes")
-
-
-def _share_unreleased(err: grpc.RpcError) -> bool:
-    """The proxy's refusal says no result of the query can hold anything of this share."""
-    if status_code(err) is not grpc.StatusCode.FAILED_PRECONDITION:
-        return False
-    trailing: Callable[[], Any] | None = getattr(err, "trailing_metadata", None)
-    metadata = dict(trailing() or ()) if trailing is not None else {}
-    return metadata.get(SHARE_RELEASED_METADATA) == "no"

@@ -42,6 +42,7 @@ from fedpca.transport.serde._common import (
     require_query_id,
     require_text,
     set_scalars,
+    short_repr,
     timestamp_from_proto,
     timestamp_to_proto,
 )
@@ -111,7 +112,7 @@ def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
 
 
 def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
-    what = f"QueryStatus {message.query_id!r}"
+    what = f"QueryStatus {short_repr(message.query_id)}"
     return QueryStatus(
         query_id=require_text(message.query_id, "QueryStatus.query_id"),
         state=enum_from_proto(message.state, STATE_FROM_PROTO, f"{what}.state"),

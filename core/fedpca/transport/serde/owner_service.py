@@ -318,7 +318,9 @@ def task_event_from_proto(message: owner_pb.TaskEvent) -> TaskEvent:
         if not task.HasField("query"):
             raise ProtocolError("Task.query is missing")
         if not task.HasField("upload_deadline"):
-            raise ProtocolError(f"Task for query {task.query.query_id!r}: upload_deadline missing")
+            raise ProtocolError(
+                f"Task for query {short_repr(task.query.query_id)}: upload_deadline missing"
+            )
         return Task(
             query=query_spec_from_proto(task.query),
             upload_deadline=timestamp_from_proto(task.upload_deadline, "Task.upload_deadline"),
