@@ -68,7 +68,7 @@ from fedpca.messages import (
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.signing import signer_id, verify_query
+from fedpca.signing import generate_signing_key, sign_query, signer_id, verify_query
 from fedpca.transport import serde
 from fedpca.transport.channels import add_insecure_port, create_server
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
@@ -204,6 +204,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.unavailable_submits = 0
         self.submitted_ids: list[str] = []
         self.signatures: list[tuple[bytes, str]] = []
+        self.signed: dict[str, tuple[bytes, str]] = {}
+        """Query id -> the analyst's (signature, signer), echoed in result headers."""
         self.neighbouring = Neighbouring.ADD_REMOVE
         """The deployment's relation: a query stated for another is refused."""
         self.registered = 1
@@ -274,6 +276,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid query signature: {exc}")
         self.submitted_ids.append(spec.query_id)
         self.signatures.append((signed.signature, signed.signer))
+        self.signed[spec.query_id] = (signed.signature, signed.signer)
         if spec.neighbouring is not self.neighbouring:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -371,7 +374,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             bound = block.bound + plan.bounds.noise_headroom
             packed = self.pool.encrypt_packed(self.public_key, values, block.layout, bound)
             result = result_from_packed(spec, 1, {SHARES: packed})
-        messages = serde.encode_result(result)
+        signature, signer = self.signed.get(query_id, (b"", ""))
+        messages = serde.encode_result(result, query_signature=signature, query_signer=signer)
         if query_id in self.fetched and not self.reencrypt_on_reopen:
             messages = self.fetched[query_id]
         self.fetched[query_id] = messages
@@ -778,7 +782,8 @@ def test_cli_list_status_cancel_and_fetch(
         analyst_group,
         ["fetch", query_id, *connection, "--key-dir", str(analyst_key), "--out", str(stray)],
     )
-    assert foreign.exit_code == 1 and "not your key" in foreign.output, foreign.output
+    # (its query, altered to the other key, is no longer the one this analyst signed)
+    assert foreign.exit_code == 1 and "not by you" in foreign.output, foreign.output
     assert "Traceback" not in foreign.output and not stray.exists()
     fake.foreign_key = None
     assert "owners:      1 of 1 registered" in fetched.stdout
@@ -847,6 +852,7 @@ def test_fetch_checks_the_header_before_reading_any_page(
     ``fetch`` held 3.5 GB of its pages before anything refused it (review)."""
     from fedpca.analyst.client import AnalystClient, ResultStream
     from fedpca.errors import UntrustedKeyError
+    from fedpca.messages import blocks_of
 
     public_key, _ = test_only_keypair_512
     other, _ = generate_keypair(512, allow_insecure_test_key=True)
@@ -870,5 +876,23 @@ def test_fetch_checks_the_header_before_reading_any_page(
         client.fetch(spec.query_id, public_key=public_key)
     with pytest.raises(ProtocolError, match="sent the result of"):
         client.fetch("another-query", public_key=public_key)
+    # Under the analyst's own key but for a query it never signed (any size the proxy
+    # likes, 20,000 features in the review): refused by the signature, before any page.
+    mine = signer_id(TEST_SIGNING_KEY)
+    big = _spec(public_key, n_features=2000)
+    big_header = dataclasses.replace(
+        header,
+        query=big,
+        blocks=blocks_of(ReleasePlan.for_query(big, 512).result_blocks),
+        query_signature=sign_query(big, generate_signing_key()),
+        query_signer=mine,
+    )
+    monkeypatch.setattr(client, "fetch_stream", lambda *a, **k: ResultStream(big_header, pages()))
+    with pytest.raises(UntrustedKeyError, match="does not verify"):
+        client.fetch(big.query_id, public_key=public_key, signer=mine)
+    forged = dataclasses.replace(big_header, query_signer="ed25519:" + "ab" * 32)
+    monkeypatch.setattr(client, "fetch_stream", lambda *a, **k: ResultStream(forged, pages()))
+    with pytest.raises(UntrustedKeyError, match="not by you"):
+        client.fetch(big.query_id, public_key=public_key, signer=mine)
     assert read == []
     client.close()

@@ -302,6 +302,11 @@ def test_stats_mode_without_noise_equals_the_owners_integer_sums(
     record = coordinator.store.query(Q1)
     assert record.state is QueryState.DONE and record.n_contributed == 3
     assert record.analyst_id == ANALYST and record.signer == TEST_SIGNER
+    # The result's header carries the analyst's signature, so a fetch by id checks the
+    # query is one the analyst signed before reading a page.
+    header = coordinator.result_header(ANALYST, "q1")
+    assert header.query_signer == TEST_SIGNER
+    verify_query(header.query, header.query_signature, header.query_signer)
     decrypted = decrypt_block(pool, private_key, coordinator, "q1", SHARES)
     assert decrypted == list(expected)  # exact: no noise, homomorphic sums only
 

@@ -47,6 +47,7 @@ from fedpca.errors import (
     OverloadError,
     ProtocolError,
     QueryStateError,
+    UntrustedKeyError,
 )
 from fedpca.messages import (
     REFUSAL_METADATA,
@@ -64,7 +65,7 @@ from fedpca.messages import (
     SignedQuery,
 )
 from fedpca.query import QuerySpec
-from fedpca.signing import Ed25519PrivateKey, sign_query, signer_id
+from fedpca.signing import Ed25519PrivateKey, sign_query, signer_id, verify_query
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
@@ -462,14 +463,20 @@ class AnalystClient:
                 time.sleep(delay)
 
     def fetch(
-        self, query_id: str, timeout: float | None = None, *, public_key: Any = None
+        self,
+        query_id: str,
+        timeout: float | None = None,
+        *,
+        public_key: Any = None,
+        signer: str | None = None,
     ) -> FetchedResult:
         """Download and validate the whole encrypted result of a query.
 
-        With the analyst's ``public_key``, the result's header is checked against it
-        and against the plan of the query it names before any page is read, so a proxy
-        cannot make the analyst hold pages of a result it could never decrypt (or of
-        any size it declares).
+        Before any page is read, the result's header is checked: against the analyst's
+        ``public_key`` (and the layout of the query it names), and, with the analyst's
+        ``signer`` id, that the query is one this analyst signed (the header carries the
+        signature it was submitted with). A proxy can then make the analyst hold pages
+        only of a query it asked for, of the size that query has.
 
         Raises
         ------
@@ -487,8 +494,16 @@ class AnalystClient:
                 f"fetch result of query {query_id!r}: the proxy sent the result of "
                 f"{stream.header.query.query_id!r}"
             )
+        header = stream.header
+        if signer is not None:
+            if header.query_signer != signer:
+                raise UntrustedKeyError(
+                    f"fetch result of query {query_id!r}: the query is signed by "
+                    f"{header.query_signer[:80] or 'nobody'}, not by you ({signer})"
+                )
+            verify_query(header.query, header.query_signature, header.query_signer)
         if public_key is not None:
-            check_result(stream.header, public_key)
+            check_result(header, public_key)
         flat: list[int] = []
         for chunk in stream.chunks:
             flat.extend(chunk.ciphertexts)

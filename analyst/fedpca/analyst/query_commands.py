@@ -182,6 +182,7 @@ def register(
         from fedpca.analyst.report import write_report
         from fedpca.codec.paillier import CryptoPool
         from fedpca.query import QueryKind
+        from fedpca.signing import signer_id
 
         with errors():
             with client(params, key_dir) as (opened, analyst_key_dir):
@@ -190,6 +191,9 @@ def register(
                         "no analyst key: pass --key-dir DIR or set key_dir in --config"
                     )
                 private_key = keys.load_analyst_private_key(analyst_key_dir)
+                # The result must be of a query this analyst signed: its own signing key
+                # (kept next to the Paillier key) says which.
+                signer = signer_id(keys.load_analyst_signing_key(analyst_key_dir))
                 status = opened.status(query_id)
                 if status.state is not QueryState.DONE:
                     raise QueryStateError(
@@ -199,7 +203,7 @@ def register(
                     )
                 registered = opened.describe().owners_registered
                 started = time.perf_counter()
-                fetched = opened.fetch(query_id, public_key=private_key.public_key)
+                fetched = opened.fetch(query_id, public_key=private_key.public_key, signer=signer)
                 fetch_seconds = time.perf_counter() - started
             started = time.perf_counter()
             with CryptoPool(workers) as pool:

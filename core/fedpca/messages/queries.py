@@ -176,6 +176,8 @@ class ResultHeader:
     public_record_count : masked mode only: the public record count N (sum of
         the owners' counts) the analyst unmasks the scatter with; None in stats
         mode, where N is a noised statistic nobody but the analyst learns.
+    query_signature, query_signer : the analyst's signature over ``query`` and its
+        signing key, as submitted (empty from a proxy older than this field).
     """
 
     query: QuerySpec
@@ -185,6 +187,8 @@ class ResultHeader:
     total_chunks: int
     masked_mean_block: str | None = field(default=None)
     public_record_count: int | None = field(default=None)
+    query_signature: bytes = field(default=b"")
+    query_signer: str = field(default="")
 
     def __post_init__(self) -> None:
         _check_result_fields(

@@ -115,7 +115,7 @@ class NoiseDescription(_message.Message):
     def __init__(self, mechanism: _Optional[_Union[NoiseMechanism, str]] = ..., calibration: _Optional[_Union[_query_pb2.Calibration, str]] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., sections: _Optional[_Iterable[_Union[NoiseSection, _Mapping]]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("query", "n_owners", "blocks", "noise", "masked_mean_block", "total_chunks", "content_sha256", "public_record_count")
+    __slots__ = ("query", "n_owners", "blocks", "noise", "masked_mean_block", "total_chunks", "content_sha256", "public_record_count", "query_signature", "query_signer")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     N_OWNERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,8 @@ class ResultHeader(_message.Message):
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_RECORD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SIGNER_FIELD_NUMBER: _ClassVar[int]
     query: _query_pb2.QuerySpec
     n_owners: int
     blocks: _containers.RepeatedCompositeFieldContainer[_ciphertext_pb2.CiphertextBlock]
@@ -132,7 +134,9 @@ class ResultHeader(_message.Message):
     total_chunks: int
     content_sha256: bytes
     public_record_count: int
-    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., n_owners: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_ciphertext_pb2.CiphertextBlock, _Mapping]]] = ..., noise: _Optional[_Union[NoiseDescription, _Mapping]] = ..., masked_mean_block: _Optional[str] = ..., total_chunks: _Optional[int] = ..., content_sha256: _Optional[bytes] = ..., public_record_count: _Optional[int] = ...) -> None: ...
+    query_signature: bytes
+    query_signer: str
+    def __init__(self, query: _Optional[_Union[_query_pb2.QuerySpec, _Mapping]] = ..., n_owners: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_ciphertext_pb2.CiphertextBlock, _Mapping]]] = ..., noise: _Optional[_Union[NoiseDescription, _Mapping]] = ..., masked_mean_block: _Optional[str] = ..., total_chunks: _Optional[int] = ..., content_sha256: _Optional[bytes] = ..., public_record_count: _Optional[int] = ..., query_signature: _Optional[bytes] = ..., query_signer: _Optional[str] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
     __slots__ = ("header", "chunk")

@@ -136,7 +136,13 @@ class AnalystRequests(CoordinatorCore):
                 f"query {query_id!r} is still collecting: its result can be fetched once "
                 "its contributors are fixed (watch the query until then)"
             )
-        return result_header(self._context(key), meta, self.store.page_ciphertexts)
+        return result_header(
+            self._context(key),
+            meta,
+            self.store.page_ciphertexts,
+            signature=record.signature,
+            signer=record.signer,
+        )
 
     def result_pages(
         self, analyst_id: str, query_id: str, start: int, limit: int | None = None

@@ -80,9 +80,15 @@ def result_meta(
 
 
 def result_header(
-    context: QueryContext, meta: Mapping[str, Any], page_ciphertexts: int
+    context: QueryContext,
+    meta: Mapping[str, Any],
+    page_ciphertexts: int,
+    *,
+    signature: bytes = b"",
+    signer: str = "",
 ) -> ResultHeader:
-    """The header of a result whose contributors are fixed (its pages follow)."""
+    """The header of a result whose contributors are fixed (its pages follow), with the
+    analyst's ``signature`` over the query by ``signer`` as it was submitted."""
     spec = context.spec
     blocks = result_blocks(context.plan)
     private = not meta.get("not_private", False)
@@ -107,6 +113,8 @@ def result_header(
         masked_mean_block=MASKED_SUM if masked else None,
         # Masked mode: the analyst divides by N to unmask the scatter.
         public_record_count=int(public_n) if masked and public_n is not None else None,
+        query_signature=signature,
+        query_signer=signer,
     )
 
 

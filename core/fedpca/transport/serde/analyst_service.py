@@ -168,6 +168,8 @@ def result_header_message(header: ResultHeader) -> analyst_pb.ResultMessage:
         blocks=blocks_to_proto(header.blocks),
         noise=noise_description_to_proto(header.noise),
         total_chunks=header.total_chunks,
+        query_signature=header.query_signature,
+        query_signer=header.query_signer,
     )
     if header.masked_mean_block is not None:
         message.masked_mean_block = header.masked_mean_block
@@ -182,9 +184,14 @@ def result_chunk_message(chunk: EncodedChunk) -> analyst_pb.ResultMessage:
 
 
 def encode_result(
-    result: QueryResult, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    result: QueryResult,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    *,
+    query_signature: bytes = b"",
+    query_signer: str = "",
 ) -> list[analyst_pb.ResultMessage]:
-    """A whole FetchResult stream of a complete result: header first, then chunks."""
+    """A whole FetchResult stream of a complete result: header first (with the
+    analyst's signature over the query, as submitted), then chunks."""
     chunks = encode_chunks(result.payload, max_message_bytes)
     header = ResultHeader(
         query=result.query,
@@ -194,6 +201,8 @@ def encode_result(
         total_chunks=len(chunks),
         masked_mean_block=result.masked_mean_block,
         public_record_count=result.public_record_count,
+        query_signature=query_signature,
+        query_signer=query_signer,
     )
     return [result_header_message(header)] + [
         analyst_pb.ResultMessage(chunk=chunk) for chunk in chunks
@@ -235,6 +244,8 @@ def result_header_from_message(message: analyst_pb.ResultMessage) -> ResultHeade
             public_record_count=(
                 header.public_record_count if header.HasField("public_record_count") else None
             ),
+            query_signature=header.query_signature,
+            query_signer=header.query_signer,
         )
     except LayoutError as exc:
         raise ProtocolError(f"{label}: {exc}") from exc
