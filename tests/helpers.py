@@ -22,6 +22,10 @@ from fedpca.signing import Ed25519PrivateKey, generate_signing_key, sign_query, 
 TEST_SIGNING_KEY = generate_signing_key()
 """The analyst's query-signing key in tests (owners' test policies pin TEST_SIGNER)."""
 TEST_SIGNER = signer_id(TEST_SIGNING_KEY)
+SECOND_TEST_SIGNING_KEY = generate_signing_key()
+"""A second analyst's signing key (a proxy binds a signing key to the first analyst that
+submits with it); owners' test policies pin it too."""
+SECOND_TEST_SIGNER = signer_id(SECOND_TEST_SIGNING_KEY)
 
 
 def signed(spec: QuerySpec, key: Ed25519PrivateKey = TEST_SIGNING_KEY) -> SignedQuery:

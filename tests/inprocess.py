@@ -66,7 +66,7 @@ from fedpca.transport.certs import (
     read_certificate,
 )
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNER, TEST_SIGNING_KEY, QueryBuilder, query_builder
+from helpers import SECOND_TEST_SIGNER, TEST_SIGNER, TEST_SIGNING_KEY, QueryBuilder, query_builder
 
 FAST_RETRY = RetryPolicy(
     upload_attempts=3,
@@ -289,7 +289,7 @@ class InProcessDeployment:
         files = self.tls(Role.OWNER, owner_id)
         policy: dict[str, Any] = {
             "accepted_analyst_keys": (key_fingerprint(self.public_key),),
-            "accepted_query_signers": (TEST_SIGNER,),
+            "accepted_query_signers": (TEST_SIGNER, SECOND_TEST_SIGNER),
             "max_epsilon_per_query": 10.0,
             "allow_masked_mode": self.neighbouring is Neighbouring.REPLACE_ONE,
             "min_quorum": 1,  # tests run single-owner queries

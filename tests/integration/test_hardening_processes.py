@@ -38,6 +38,8 @@ from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from helpers import (
+    SECOND_TEST_SIGNER,
+    SECOND_TEST_SIGNING_KEY,
     cluster_analyst,
     cluster_keys,
     cluster_stub,
@@ -343,7 +345,9 @@ def test_query_ids_are_scoped_by_analyst(tmp_path: Path) -> None:
     """Before: query ids were global across analysts, an existence oracle: a second
     analyst learnt whether an id was in use (its status or its submission of the same
     id answered differently) and could not use an id another analyst had taken."""
-    cluster = _cluster(tmp_path, 1, analyst_ids=("alice", "bob"))
+    cluster = _cluster(
+        tmp_path, 1, analyst_ids=("alice", "bob"), extra_query_signers=(SECOND_TEST_SIGNER,)
+    )
     public_key, signing_key = cluster_keys(cluster)
     with cluster:
         cluster.start_proxy()  # no owner process: the queries stay collecting
@@ -372,7 +376,9 @@ def test_query_ids_are_scoped_by_analyst(tmp_path: Path) -> None:
         with cluster_analyst(cluster, "bob") as bob:
             assert bob.list_queries() == []
             # Bob may use the same id for a query of his own.
-            status = bob.submit(_spec(public_key, "shared", quorum=1, epsilon=0.5), signing_key)
+            status = bob.submit(
+                _spec(public_key, "shared", quorum=1, epsilon=0.5), SECOND_TEST_SIGNING_KEY
+            )
             assert status.state is QueryState.COLLECTING
             (mine,) = bob.list_queries()
             assert (mine.status.query_id, mine.epsilon) == ("shared", 0.5)
@@ -481,7 +487,7 @@ def test_a_long_budget_check_does_not_hold_up_another_analyst(tmp_path: Path) ->
     with cluster:
         cluster.start_proxy()  # no owner process: every query stays collecting
         with cluster_analyst(cluster, "bob") as bob, cluster_analyst(cluster, "alice") as alice:
-            bob.submit(_spec(public_key, "bobs", quorum=1), signing_key)
+            bob.submit(_spec(public_key, "bobs", quorum=1), SECOND_TEST_SIGNING_KEY)
 
             def poll() -> None:
                 while not stop.is_set():

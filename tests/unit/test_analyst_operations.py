@@ -20,7 +20,7 @@ from fedpca.messages import QueryState
 from fedpca.proxy.coordinator import CANCELLED_REASON
 from fedpca.proxy.limits import PeerLimits
 from fedpca.query import Calibration, Neighbouring
-from helpers import TEST_SIGNING_KEY, query_builder
+from helpers import SECOND_TEST_SIGNING_KEY, TEST_SIGNING_KEY, query_builder
 from inprocess import deployment, labelled
 
 M = 3
@@ -213,7 +213,7 @@ def test_an_analysts_concurrent_submissions_are_bounded(
                 with pytest.raises(OverloadError, match="submissions"):
                     client.submit(_spec(public_key, "next", quorum=1), TEST_SIGNING_KEY)
                 with running.analyst("bob") as other:  # another analyst is not held up
-                    other.submit(_spec(public_key, "bobs", quorum=1), TEST_SIGNING_KEY)
+                    other.submit(_spec(public_key, "bobs", quorum=1), SECOND_TEST_SIGNING_KEY)
             finally:
                 release.set()
                 first.join(30)

@@ -22,7 +22,7 @@ from fedpca.transport import serde
 from fedpca.transport.certs import Role, TlsMaterial
 from fedpca.transport.channels import secure_channel
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNING_KEY, query_builder
+from helpers import SECOND_TEST_SIGNING_KEY, TEST_SIGNING_KEY, query_builder
 from inprocess import deployment, labelled
 
 M = 3
@@ -186,7 +186,7 @@ def test_query_ids_are_scoped_by_analyst(
             # Bob cannot see Alice's q1, and may use the same id for another query.
             with pytest.raises(NotFoundError):
                 bob.status("q1")
-            bob.submit(_spec(public_key, "q1", quorum=1, epsilon=0.5), TEST_SIGNING_KEY)
+            bob.submit(_spec(public_key, "q1", quorum=1, epsilon=0.5), SECOND_TEST_SIGNING_KEY)
             assert alice.wait("q1", timeout=60).state is QueryState.DONE
             assert bob.wait("q1", timeout=60).state is QueryState.DONE
         owner = running.nodes["owner-1"]

@@ -75,6 +75,7 @@ from fedpca.signing import generate_signing_key, sign_query, verify_query
 from fedpca.stats import sum_statistics
 from helpers import (
     QUANTISATION_STEP,
+    SECOND_TEST_SIGNING_KEY,
     TEST_SIGNER,
     dataset_table,
     query_builder,
@@ -378,15 +379,21 @@ def test_budget_refusal_happens_at_submit_and_records_nothing(
     public_key, _ = test_only_keypair_512
     config = make_config(epsilon=100.0, bob=PrivacyParams(1.2, 1e-5))
     coordinator = make_coordinator(tmp_path, pool, config)
-    coordinator.submit("bob", signed(make_spec(public_key, "b1", epsilon=1.0)))
+    coordinator.submit(
+        "bob", signed(make_spec(public_key, "b1", epsilon=1.0), SECOND_TEST_SIGNING_KEY)
+    )
     with pytest.raises(BudgetExceededError):
-        coordinator.submit("bob", signed(make_spec(public_key, "b2", epsilon=1.0)))
+        coordinator.submit(
+            "bob", signed(make_spec(public_key, "b2", epsilon=1.0), SECOND_TEST_SIGNING_KEY)
+        )
     assert [q.query_id for q in coordinator.store.queries()] == ["bob/b1"]
     assert len(coordinator.store.releases("bob")) == 1
     assert coordinator.store.releases("bob")[0]["query_id"] == "bob/b1"
     assert coordinator.tasks_for("owner-0") == [make_spec(public_key, "b1", epsilon=1.0)]
     # Resubmitting the accepted query is idempotent and not charged twice.
-    coordinator.submit("bob", signed(make_spec(public_key, "b1", epsilon=1.0)))
+    coordinator.submit(
+        "bob", signed(make_spec(public_key, "b1", epsilon=1.0), SECOND_TEST_SIGNING_KEY)
+    )
     assert len(coordinator.store.releases("bob")) == 1
     # epsilon = inf costs an infinite budget: refused under any finite one.
     with pytest.raises(BudgetExceededError):
@@ -480,7 +487,9 @@ def test_an_analyst_has_at_most_its_bound_of_queries_open_and_a_refused_one_cost
     # Resubmitting an open query is the same query, not a new one; another analyst
     # has bounds of its own.
     coordinator.submit(ANALYST, signed(make_spec(public_key, "a2", epsilon=0.01)))
-    coordinator.submit("bob", signed(make_spec(public_key, "b1", epsilon=0.01)))
+    coordinator.submit(
+        "bob", signed(make_spec(public_key, "b1", epsilon=0.01), SECOND_TEST_SIGNING_KEY)
+    )
     # A query that ended (here: cancelled) frees its place.
     coordinator.cancel(ANALYST, "a1")
     coordinator.submit(ANALYST, signed(make_spec(public_key, "a3", epsilon=0.01)))
@@ -552,6 +561,27 @@ def test_a_stalled_contributor_cannot_hold_the_analysts_place_past_a_cancel(
     stalled.abandon()
     coordinator.submit(ANALYST, signed(make_spec(public_key, "next", epsilon=1.0)))
     assert coordinator.store.query(key("next")).state is QueryState.COLLECTING
+
+
+def test_a_signing_key_belongs_to_the_analyst_that_first_submitted_with_it(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """Owners see every signed query; another analyst who submitted a copy of one first
+    had owners decline the original as a replay (review)."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(100.0))
+    hers = signed(make_spec(public_key, "q1", epsilon=1.0))
+    coordinator.submit("alice", hers)
+    with pytest.raises(AuthenticationError, match="signing key of another analyst"):
+        coordinator.submit("bob", hers)  # her very signature, under his name
+    with pytest.raises(AuthenticationError):
+        coordinator.submit("bob", signed(make_spec(public_key, "q2", epsilon=1.0)))
+    assert [q.query_id for q in coordinator.store.queries()] == ["alice/q1"]
+    assert coordinator.store.releases("bob") == []
+    coordinator.submit(
+        "bob", signed(make_spec(public_key, "q2", epsilon=1.0), SECOND_TEST_SIGNING_KEY)
+    )
+    coordinator.submit("alice", signed(make_spec(public_key, "q3", epsilon=1.0)))
 
 
 def test_query_contexts_in_memory_are_bounded_and_rebuilt_from_the_store(
@@ -693,7 +723,9 @@ def test_another_analysts_query_does_not_exist_for_you(
             read("bob", "qx")
         assert str(hers.value).replace("q1", "qx") == str(unknown.value)
     # The same query id is his own, separate query (and his own budget charge).
-    coordinator.submit("bob", signed(make_spec(public_key, epsilon=math.inf, quorum=2)))
+    coordinator.submit(
+        "bob", signed(make_spec(public_key, epsilon=math.inf, quorum=2), SECOND_TEST_SIGNING_KEY)
+    )
     assert sorted(q.query_id for q in coordinator.store.queries()) == ["alice/q1", "bob/q1"]
     assert coordinator.status("bob", "q1").quorum == 2
     assert coordinator.status("alice", "q1").quorum == 3

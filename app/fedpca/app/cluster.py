@@ -154,6 +154,8 @@ class LocalCluster:
         out still gets a certificate from the CA, as an unlisted intruder would.
     revoked_owners : owners whose certificate serial the proxy lists in
         ``[tls] revoked_serials``.
+    extra_query_signers : more query signers every owner pins (another analyst's signing
+        key: a proxy binds each signing key to the first analyst submitting with it).
     proxy_settings, owner_settings : extra keys written into the proxy's TOML tables
         (``{"limits": {...}}``) and into one owner's (``{"owner-1": {"policy": {...}}}``);
         they win over the keys this class writes.
@@ -179,6 +181,7 @@ class LocalCluster:
     proxy: ManagedProcess | None = None
     owners: list[ManagedProcess] = field(default_factory=list)
     analyst_ids: tuple[str, ...] = ("analyst",)
+    extra_query_signers: tuple[str, ...] = ()
     allowed_owners: Sequence[str] | None = None
     revoked_owners: Sequence[str] = ()
     proxy_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -347,7 +350,10 @@ class LocalCluster:
                         },
                         "policy": {
                             "accepted_analyst_keys": [self.key_fingerprint],
-                            "accepted_query_signers": [self.query_signer],
+                            "accepted_query_signers": [
+                                self.query_signer,
+                                *self.extra_query_signers,
+                            ],
                             "max_epsilon_per_query": self.max_epsilon_per_query,
                             "allow_not_private": self.allow_not_private,
                             "allow_masked_mode": self.allow_masked_mode,

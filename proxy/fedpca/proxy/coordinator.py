@@ -41,6 +41,7 @@ from typing import Any
 
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import (
+    AuthenticationError,
     ConfigError,
     FedpcaError,
     NotFoundError,
@@ -135,6 +136,7 @@ class Coordinator(OwnerTasks, AnalystRequests):
             decision = self._check_budget(rows, event, budget)
 
             def charge(conn: Any, rows: list[dict[str, Any]] = rows, fits: Any = decision) -> None:
+                self._check_signer(conn, analyst_id, signed.signer)
                 self._check_query_bounds(conn, analyst_id)
                 if self.store.release_ids(conn, analyst_id) != [r["query_id"] for r in rows]:
                     raise _LedgerChanged
@@ -176,6 +178,18 @@ class Coordinator(OwnerTasks, AnalystRequests):
         )
         self._notify()
         return record
+
+    def _check_signer(self, conn: Any, analyst_id: str, signer: str) -> None:
+        """Refuse a query signed by another analyst's key. A signing key belongs to the
+        analyst that first submitted with it: owners see every signed query, so without
+        this another analyst could submit a copy first and have owners decline the
+        original as a replay (review)."""
+        owner = self.store.bind_signer(conn, signer, analyst_id)
+        if owner != analyst_id:
+            raise AuthenticationError(
+                f"the query is signed by {signer[:80]}, the signing key of another analyst; "
+                "submit queries signed with your own key (fedpca analyst keygen)"
+            )
 
     def _check_query_bounds(self, conn: Any, analyst_id: str) -> None:
         """Refuse a new query beyond the analyst's open or daily bound: before any work,

@@ -305,6 +305,18 @@ class ProxyStore(ContributionStore):
             row = conn.execute(sql, parameters).fetchone()
         return int(row["open"]), int(row["recent"])
 
+    def bind_signer(self, conn: sqlite3.Connection, signer: str, analyst_id: str) -> str:
+        """The analyst ``signer`` belongs to: bound to ``analyst_id`` the first time it
+        signs a submission (inside the submission's transaction), never changed."""
+        row = conn.execute("SELECT analyst_id FROM signers WHERE signer=?", (signer,)).fetchone()
+        if row is not None:
+            return str(row["analyst_id"])
+        conn.execute(
+            "INSERT INTO signers(signer, analyst_id, first_seen) VALUES (?, ?, ?)",
+            (signer, analyst_id, self._clock()),
+        )
+        return analyst_id
+
     def has_query(self, query_id: str) -> bool:
         with self._lock:
             row = self._conn.execute(

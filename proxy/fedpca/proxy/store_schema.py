@@ -110,6 +110,11 @@ CREATE TABLE IF NOT EXISTS analysts (
     epsilon_budget REAL NOT NULL,
     delta_budget REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS signers (
+    signer TEXT PRIMARY KEY,
+    analyst_id TEXT NOT NULL,
+    first_seen REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS releases (
     query_id TEXT PRIMARY KEY,
     analyst_id TEXT NOT NULL,
