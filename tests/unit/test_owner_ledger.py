@@ -212,7 +212,37 @@ def test_a_schema_3_ledger_keeps_its_uploads_and_learns_capacities(tmp_path: Pat
     assert again is not None and again.capacity == 40 and again.seed == b"t" * 32
     with sqlite3.connect(path) as check:
         version = check.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    assert version == ("4",)
+    assert version == ("5",)
+
+
+def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
+    tmp_path: Path,
+) -> None:
+    """Schema 5: a decline keeps its signed query's digest, so a proxy replaying it under
+    fresh task ids is recognised after any number of others and after a restart (a
+    bounded memory of digests let >4,096 of them grow the ledger a row per cycle)."""
+    path = tmp_path / "ledger.sqlite3"
+    ledger = BudgetLedger(path)
+    ledger.record_task("alice/q1", TaskOutcome.DECLINED, "policy_refusal: x", spec_digest="d1")
+    assert BudgetLedger(path).answered_under("d1") == "alice/q1"
+    assert BudgetLedger(path).answered_under("d2") is None
+    # A schema-4 ledger gains the column and keeps its rows.
+    old = tmp_path / "old.sqlite3"
+    with sqlite3.connect(old) as conn:
+        conn.executescript(
+            """
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema_version', '4');
+            CREATE TABLE tasks (query_id TEXT PRIMARY KEY, state TEXT NOT NULL,
+                detail TEXT NOT NULL, upload_id TEXT, upload_started INTEGER NOT NULL
+                DEFAULT 0, updated_at REAL NOT NULL, seed BLOB, capacity INTEGER);
+            INSERT INTO tasks VALUES ('alice/q0', 'declined', 'x', NULL, 0, 1.0, NULL, NULL);
+            """
+        )
+    migrated = BudgetLedger(old)
+    assert migrated.is_handled("alice/q0") and migrated.answered_under("d1") is None
+    migrated.record_task("alice/q9", TaskOutcome.DECLINED, "y", spec_digest="d9")
+    assert migrated.answered_under("d9") == "alice/q9"
 
 
 def test_cancel_reservation_only_before_any_upload(tmp_path: Path) -> None:

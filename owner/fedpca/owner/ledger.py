@@ -45,7 +45,10 @@ with *different* parameters is refused: otherwise a proxy could obtain two
 different releases for the price of one. And the same query (``spec_digest``)
 under *another* id is refused too: the task id is the proxy's, not signed by the
 analyst, so a proxy could otherwise replay one signed query under new task ids and
-spend this owner's budget on releases nobody asked for.
+spend this owner's budget on releases nobody asked for. A declined task keeps its
+query's digest too (schema 5), so a replay of a declined query is recognised
+(:meth:`BudgetLedger.answered_under`, :mod:`fedpca.owner.task_intake`) and answered
+without another row.
 """
 
 from __future__ import annotations
@@ -427,24 +430,27 @@ class BudgetLedger:
         upload_id: str | None = None,
         seed: bytes | None = None,
         capacity: int | None = None,
+        spec_digest: str | None = None,
     ) -> None:
         """Record what became of a task (UPLOADING marks that data is about to leave).
 
         ``seed`` and ``capacity`` (the sample's seed and the ``data.max_records`` it was
         drawn under) were recorded by versions that kept no share; tests still use them.
+        ``spec_digest`` is the signed query's, kept for declines (:meth:`answered_under`).
         """
         now = time.time()
         with self._connect() as connection, _immediate(connection):
             connection.execute(
                 "INSERT INTO tasks (query_id, state, detail, upload_id, upload_started, "
-                "updated_at, seed, capacity) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "updated_at, seed, capacity, spec_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (query_id) DO UPDATE SET state = excluded.state, "
                 "detail = excluded.detail, "
                 "upload_id = COALESCE(excluded.upload_id, tasks.upload_id), "
                 "upload_started = MAX(tasks.upload_started, excluded.upload_started), "
                 "updated_at = excluded.updated_at, "
                 "seed = COALESCE(excluded.seed, tasks.seed), "
-                "capacity = COALESCE(excluded.capacity, tasks.capacity)",
+                "capacity = COALESCE(excluded.capacity, tasks.capacity), "
+                "spec_digest = COALESCE(excluded.spec_digest, tasks.spec_digest)",
                 (
                     query_id,
                     outcome.value,
@@ -454,6 +460,7 @@ class BudgetLedger:
                     now,
                     seed,
                     capacity,
+                    spec_digest,
                 ),
             )
 
@@ -488,12 +495,14 @@ class BudgetLedger:
             ).fetchall()
         return {row[0]: row[1] for row in rows}
 
-    def reserved_under(self, digest: str) -> str | None:
-        """The task id the signed query with ``spec_digest`` ``digest`` was reserved
-        under, or None (read only: looked up for every arriving task)."""
+    def answered_under(self, digest: str) -> str | None:
+        """The task id the signed query with ``spec_digest`` ``digest`` was reserved or
+        declined under, or None (read only: looked up for every arriving task)."""
         with self._connect() as connection:
             row = connection.execute(
-                "SELECT query_id FROM releases WHERE spec_digest = ? LIMIT 1", (digest,)
+                "SELECT query_id FROM releases WHERE spec_digest = ? "
+                "UNION ALL SELECT query_id FROM tasks WHERE spec_digest = ? LIMIT 1",
+                (digest, digest),
             ).fetchone()
         return None if row is None else str(row[0])
 

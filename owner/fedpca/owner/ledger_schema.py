@@ -14,7 +14,7 @@ __all__ = ["LEGACY_MIGRATION_FACTOR", "SCHEMA", "SCHEMA_VERSION", "create_or_mig
 
 logger = logging.getLogger("fedpca.owner.ledger")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 LEGACY_MIGRATION_FACTOR = 0.5
 """Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     upload_started INTEGER NOT NULL DEFAULT 0,
     updated_at REAL NOT NULL,
     seed BLOB,
-    capacity INTEGER
+    capacity INTEGER,
+    spec_digest TEXT
 );
 """
 
@@ -64,7 +65,7 @@ def create_or_migrate(
         connection.execute(
             "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
-    elif int(row[0]) in (1, 2, 3):
+    elif int(row[0]) in (1, 2, 3, 4):
         if int(row[0]) == 1:
             _migrate_schema_1(connection, path, neighbouring)
         _migrate_tasks(connection)
@@ -103,11 +104,13 @@ def _migrate_schema_1(
 
 
 def _migrate_tasks(connection: sqlite3.Connection) -> None:
-    """Schemas 2 and 3 -> 4: tasks keep the secret seed of their sample of rows
+    """Schemas 2 to 4 -> 5: tasks keep the secret seed of their sample of rows
     (schema 3) and the capacity it was drawn under (4), so an upload interrupted by
-    a restart resumes with exactly the values it began with."""
+    a restart resumes with exactly the values it began with, and the digest of the
+    signed query a declined task carried (5), so a replay of it under another task id
+    is recognised after any number of others and across restarts."""
     columns = {row[1] for row in connection.execute("PRAGMA table_info(tasks)")}
-    for name, declaration in (("seed", "BLOB"), ("capacity", "INTEGER")):
+    for name, declaration in (("seed", "BLOB"), ("capacity", "INTEGER"), ("spec_digest", "TEXT")):
         if name not in columns:
             connection.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
     connection.execute(

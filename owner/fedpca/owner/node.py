@@ -138,7 +138,7 @@ class OwnerNode(TaskProcessing):
         self._lock = threading.Lock()
         self._call: Any = None  # the open StreamTasks call, cancelled by stop()
         self._queue: queue.Queue[Task | RefusedTask | None] = queue.Queue()
-        self._intake = TaskIntake(config.policy, self.ledger.reserved_under)
+        self._intake = TaskIntake(config.policy, self.ledger.answered_under)
         self._malformed = 0  # task events from the proxy that could not be read
         self._queued: set[str] = set()
         # Ids the proxy cancelled, for a task queued (or arriving just after its

@@ -15,8 +15,9 @@ the worker's time and the ledger's space:
   the reason (cut to what a decline carries), declined, and not recorded in the ledger;
 * a signed query this node already answered (reserved, or declined) or holds under
   another task id is declined as a replay, also without a ledger row: a proxy that
-  replays one signed query under fresh task ids gets no second answer. Reserved queries
-  are looked up in the ledger (durable); others in a bounded memory of
+  replays one signed query under fresh task ids gets no second answer. Reserved and
+  declined queries are looked up in the ledger (durable, across restarts); the others
+  (expired or cancelled before they were looked at) in a bounded memory of
   :data:`REMEMBERED_QUERIES` digests.
 
 Nothing here depends on the node's records: it reads the task and the ledger only.
@@ -69,20 +70,20 @@ class TaskIntake:
     Parameters
     ----------
     policy : the owner's policy (its pinned query signers).
-    reserved_under : ledger lookup: the task id a signed query (digest) was reserved
-        under, or None.
+    answered_under : ledger lookup: the task id a signed query (digest) was reserved or
+        declined under, or None.
     """
 
     def __init__(
         self,
         policy: PolicyConfig,
-        reserved_under: Callable[[str], str | None],
+        answered_under: Callable[[str], str | None],
         *,
         max_waiting: int = MAX_WAITING_TASKS,
         remembered: int = REMEMBERED_QUERIES,
     ) -> None:
         self.policy = policy
-        self.reserved_under = reserved_under
+        self.answered_under = answered_under
         self.max_waiting = max_waiting
         self.remembered = remembered
         self._lock = threading.Lock()  # admit() on the stream thread, the rest on the worker
@@ -108,7 +109,7 @@ class TaskIntake:
         with self._lock:
             earlier = self._waiting_digests.get(digest) or self._answered.get(digest)
         if earlier is None:
-            earlier = self.reserved_under(digest)
+            earlier = self.answered_under(digest)
         if earlier is not None and earlier != task.key:
             detail = (
                 f"task {task.key[:80]!r} carries the same signed query as task "

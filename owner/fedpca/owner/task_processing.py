@@ -192,7 +192,13 @@ class TaskProcessing:
         except PolicyError as exc:
             if resuming:
                 raise
-            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
+            return self._decline(
+                stub,
+                query_id,
+                DeclineReason.POLICY_REFUSAL,
+                str(exc),
+                digest=spec_digest(task.query),
+            )
         if resuming:
             assert record is not None and record.upload_id is not None
             # Data of this task may already be at the proxy: finish what was agreed, and
@@ -315,7 +321,9 @@ class TaskProcessing:
             releases_last_day=self.ledger.reservations_since(day_ago),
         )
         if isinstance(decision, Refusal):
-            return self._decline(stub, query_id, decision.reason, decision.detail)
+            return self._decline(
+                stub, query_id, decision.reason, decision.detail, digest=spec_digest(task.query)
+            )
         plan = decision.plan
         # The ledger keys releases by the task's key (scoped by analyst at the proxy).
         event = replace(plan.privacy_event(analyst=spec.analyst_key_fingerprint), query_id=query_id)
@@ -327,9 +335,21 @@ class TaskProcessing:
                 allow_not_private=self.config.policy.allow_not_private,
             )
         except BudgetExceededError as exc:
-            return self._decline(stub, query_id, DeclineReason.BUDGET_EXHAUSTED, str(exc))
+            return self._decline(
+                stub,
+                query_id,
+                DeclineReason.BUDGET_EXHAUSTED,
+                str(exc),
+                digest=spec_digest(task.query),
+            )
         except (CalibrationError, PolicyError) as exc:
-            return self._decline(stub, query_id, DeclineReason.POLICY_REFUSAL, str(exc))
+            return self._decline(
+                stub,
+                query_id,
+                DeclineReason.POLICY_REFUSAL,
+                str(exc),
+                digest=spec_digest(task.query),
+            )
         logger.info(
             "query %s: budget reserved (epsilon spent %.6g -> %.6g of %g%s)",
             query_id,
@@ -578,9 +598,11 @@ class TaskProcessing:
         detail: str,
         *,
         record: bool = True,
+        digest: str | None = None,
     ) -> TaskOutcome | None:
         """Send DeclineTask (with retries); record it once the proxy acknowledged
-        (unless ``record`` is False: an unsigned task leaves no ledger row).
+        (unless ``record`` is False: an unsigned task leaves no ledger row), with the
+        signed query's ``digest``, so that a replay of it is recognised.
 
         Declines happen only for public reasons (:mod:`fedpca.owner.policy`), so the
         detail goes to the proxy and the analyst as it is logged here.
@@ -611,6 +633,8 @@ class TaskProcessing:
                 )
                 continue
             if record:
-                self.ledger.record_task(query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}")
+                self.ledger.record_task(
+                    query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}", spec_digest=digest
+                )
             return TaskOutcome.DECLINED
         return None  # pragma: no cover - the loop always returns
