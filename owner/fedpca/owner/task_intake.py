@@ -88,9 +88,11 @@ class TaskIntake:
         self.remembered = remembered
         self._lock = threading.Lock()  # admit() on the stream thread, the rest on the worker
         self._answered: OrderedDict[str, str] = OrderedDict()  # digest -> task id
-        self._waiting_digests: dict[str, str] = {}  # digest -> task id, while queued
+        # While queued: digest -> task id, and task id -> digest (each query hashed once).
+        self._waiting_digests: dict[str, str] = {}
+        self._waiting: dict[str, str] = {}
         self.dropped = 0
-        """Tasks dropped so far (too many waiting, or a replayed query)."""
+        """Tasks dropped so far (too many waiting)."""
 
     def admit(self, task: Task, waiting: int) -> Task | RefusedTask | None:
         """What to queue for ``task`` (None: nothing), with ``waiting`` tasks queued.
@@ -119,19 +121,20 @@ class TaskIntake:
             return RefusedTask(task.key, DeclineReason.POLICY_REFUSAL, detail)
         with self._lock:
             self._waiting_digests[digest] = task.key
+            self._waiting[task.key] = digest
         return task
 
     def done(self, task: Task) -> None:
         """The worker finished ``task`` (answered, or gave up until a re-delivery)."""
-        digest = spec_digest(task.query)
         with self._lock:
-            if self._waiting_digests.get(digest) == task.key:
+            digest = self._waiting.pop(task.key, None)
+            if digest is not None and self._waiting_digests.get(digest) == task.key:
                 del self._waiting_digests[digest]
 
     def answered(self, task: Task) -> None:
         """``task`` was declined or its budget reserved: a replay is dropped."""
-        digest = spec_digest(task.query)
         with self._lock:
+            digest = self._waiting.get(task.key) or spec_digest(task.query)
             self._answered[digest] = task.key
             self._answered.move_to_end(digest)
             while len(self._answered) > self.remembered:
@@ -142,4 +145,3 @@ class TaskIntake:
         # Logged for the first drop and then sparingly: a flood must not flood the log.
         if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8, ...
             logger.warning("task %s: %s (%d task(s) dropped so far)", key[:80], why, self.dropped)
-        return None

@@ -192,13 +192,7 @@ class TaskProcessing:
         except PolicyError as exc:
             if resuming:
                 raise
-            return self._decline(
-                stub,
-                query_id,
-                DeclineReason.POLICY_REFUSAL,
-                str(exc),
-                digest=spec_digest(task.query),
-            )
+            return self._decline_task(stub, task, DeclineReason.POLICY_REFUSAL, str(exc))
         if resuming:
             assert record is not None and record.upload_id is not None
             # Data of this task may already be at the proxy: finish what was agreed, and
@@ -321,9 +315,7 @@ class TaskProcessing:
             releases_last_day=self.ledger.reservations_since(day_ago),
         )
         if isinstance(decision, Refusal):
-            return self._decline(
-                stub, query_id, decision.reason, decision.detail, digest=spec_digest(task.query)
-            )
+            return self._decline_task(stub, task, decision.reason, decision.detail)
         plan = decision.plan
         # The ledger keys releases by the task's key (scoped by analyst at the proxy).
         event = replace(plan.privacy_event(analyst=spec.analyst_key_fingerprint), query_id=query_id)
@@ -335,21 +327,9 @@ class TaskProcessing:
                 allow_not_private=self.config.policy.allow_not_private,
             )
         except BudgetExceededError as exc:
-            return self._decline(
-                stub,
-                query_id,
-                DeclineReason.BUDGET_EXHAUSTED,
-                str(exc),
-                digest=spec_digest(task.query),
-            )
+            return self._decline_task(stub, task, DeclineReason.BUDGET_EXHAUSTED, str(exc))
         except (CalibrationError, PolicyError) as exc:
-            return self._decline(
-                stub,
-                query_id,
-                DeclineReason.POLICY_REFUSAL,
-                str(exc),
-                digest=spec_digest(task.query),
-            )
+            return self._decline_task(stub, task, DeclineReason.POLICY_REFUSAL, str(exc))
         logger.info(
             "query %s: budget reserved (epsilon spent %.6g -> %.6g of %g%s)",
             query_id,
@@ -589,6 +569,13 @@ class TaskProcessing:
             self._forget_share(query_id)
         logger.info("query %s: cancelled by the proxy", query_id)
         return TaskOutcome.CANCELLED
+
+    def _decline_task(
+        self, stub: owner_grpc.OwnerServiceStub, task: Task, reason: DeclineReason, detail: str
+    ) -> TaskOutcome | None:
+        """:meth:`_decline` a task looked at, recording its signed query's digest (so
+        a replay of it under another task id is recognised)."""
+        return self._decline(stub, task.key, reason, detail, digest=spec_digest(task.query))
 
     def _decline(
         self,
