@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 from fedpca.messages import QueryState
 from fedpca.proxy.cli import proxy_group
 from fedpca.proxy.coordinator import task_id
+from fedpca.proxy.open_files import needed_open_files
 from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
@@ -51,6 +53,13 @@ processes = 1
     return config, files
 
 
+def _low_open_files_limit() -> None:
+    # Started like a service under a soft limit below what its owners need (one owner:
+    # 258 files), the proxy raises its own limit.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard))
+
+
 def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_path: Path) -> None:
     config, files = write_config(tmp_path)
     process = subprocess.Popen(
@@ -58,6 +67,7 @@ def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_low_open_files_limit,
     )
     try:
         assert process.stdout is not None
@@ -83,6 +93,7 @@ def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_pat
     assert (tmp_path / "state" / "proxy.sqlite3").is_file()
     stderr = process.stderr.read() if process.stderr else ""
     assert "received SIGTERM" in stderr and "INSECURE" not in stderr
+    assert f"open files limit raised from 200 to {needed_open_files(1)}" in stderr
 
 
 def test_insecure_serve_warns(tmp_path: Path) -> None:

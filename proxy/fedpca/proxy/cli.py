@@ -28,6 +28,7 @@ from fedpca.errors import FedpcaError
 from fedpca.logs import configure_logging
 from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.init import init_command
+from fedpca.proxy.open_files import ensure_open_files, needed_open_files
 
 __all__ = ["proxy_group"]
 
@@ -101,6 +102,7 @@ def serve_command(
         )
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
+    ensure_open_files(needed_open_files(len(config.owners.allowed)))
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
