@@ -220,6 +220,12 @@ class Aggregate:
         if not columns:
             raise ConfigError(f"{what}: needs at least one column")
         if len(set(self.read_columns)) != len(self.read_columns):
+            for role, column in (("target", target), ("group", group)):
+                if column is not None and column in columns:
+                    raise ConfigError(
+                        f"{what}: the {role} column {column} is also one of the columns "
+                        f"{columns}: leave it out of them"
+                    )
             raise ConfigError(f"{what}: a column may be read only once, got {self.read_columns}")
         if kind is AggregateKind.HISTOGRAM:
             self._check_histogram()

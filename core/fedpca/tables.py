@@ -193,6 +193,23 @@ def _read_csv_fast(
     return np.ascontiguousarray(table), list(cells) if header_here else None
 
 
+_SEPARATOR_NAMES = {",": "comma", ";": "semicolon", "\t": "tab", "|": "vertical bar"}
+
+
+def _separator_hint(cells: Sequence[str], delimiter: str) -> str:
+    """A note when a record read as one cell looks separated by another character."""
+    if len(cells) != 1:
+        return ""
+    expected = _SEPARATOR_NAMES.get(delimiter, repr(delimiter))
+    for separator, name in _SEPARATOR_NAMES.items():
+        if separator != delimiter and separator in cells[0]:
+            return (
+                f" (the line looks {name}-separated, but this file is read as "
+                f"{expected}-separated: export it with {expected}s between values)"
+            )
+    return ""
+
+
 def _read_csv_checked(
     path: Path, header: HeaderOption, delimiter: str
 ) -> tuple[FloatArray, list[str] | None]:
@@ -215,7 +232,7 @@ def _read_csv_checked(
                     raise DataError(
                         f"{path}: line {line} mixes numbers and text (column {bad + 1}: "
                         f"{cells[bad]!r}); cannot tell whether it is a header, pass "
-                        "header=True or header=False"
+                        "header=True or header=False" + _separator_hint(cells, delimiter)
                     )
                 n_columns = len(cells)
                 if header_here:
@@ -232,6 +249,7 @@ def _read_csv_checked(
                 bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                 raise DataError(
                     f"{path}: line {line}, column {bad + 1}: {cells[bad]!r} is not a number"
+                    + _separator_hint(cells, delimiter)
                 ) from None
             if not all(math.isfinite(value) for value in values):
                 bad = next(j for j, value in enumerate(values) if not math.isfinite(value))
@@ -369,6 +387,7 @@ def load_table(
         if suffix not in _CSV_SUFFIXES:
             raise DataError(f"{file}: only compressed text tables (.csv.gz, .tsv.gz) are read")
     names: Sequence[str] | None = None
+    sep = ","
     if suffix in _CSV_SUFFIXES:
         sep = delimiter if delimiter is not None else ("\t" if suffix == ".tsv" else ",")
         try:
@@ -409,6 +428,7 @@ def load_table(
         raise DataError(
             f"{file}: the table has no records"
             + (" (only a header)" if names is not None and table.shape[1] else "")
+            + ("" if names is None else _separator_hint(names, sep))
         )
     if table.shape[1] == 0:
         raise DataError(f"{file}: the table has no columns")

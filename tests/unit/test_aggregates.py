@@ -400,7 +400,17 @@ def test_aggregate_validation_names_the_problem() -> None:
                 "target_lower": 0,
                 "target_upper": 1,
             },
-            "read only once",
+            r"the target column 0 is also one of the columns \(0,\): leave it out",
+        ),
+        (
+            {
+                "kind": "histogram",
+                "columns": (0,),
+                "bin_edges": ((0, 1),),
+                "group_column": 0,
+                "categories": (1, 2),
+            },
+            "the group column 0 is also one of the columns",
         ),
         ({"kind": "sum", "columns": (0,)}, "unknown aggregate kind"),
     ]

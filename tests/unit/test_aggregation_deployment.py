@@ -379,6 +379,8 @@ def test_cli_commands_write_strict_json(
         result = CliRunner().invoke(analyst_group, [*args, *common, "--out", str(out)])
         assert result.exit_code == 0, result.output
         assert "NOT PRIVATE" in result.output
+        if args[0] == "stats":  # the count is exact here, and says so
+            assert f"records N:   {len(table)}.0 (exact: NOT PRIVATE)" in result.stdout
         assert result.stdout.strip().splitlines()[-1] == str(out)
         document: dict[str, Any] = json.loads(out.read_text())
         assert document["epsilon"] is None and document["not_private"] is True

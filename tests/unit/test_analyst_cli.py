@@ -302,6 +302,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
 
     def GetQueryStatus(self, request: Any, context: Any) -> Any:
         query_id = serde.query_ref_from_proto(request)
+        if query_id not in self.specs:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown query {query_id!r}")
         status = QueryStatus(
             query_id,
             QueryState.DONE,
@@ -697,7 +699,8 @@ def test_cli_budget_names_the_delta_of_every_epsilon(proxy: tuple[FakeProxy, str
     assert "budget:             epsilon 3 at delta 1e-05" in lines
     assert "epsilon spent:      1.25 at delta 1e-05" in lines
     # The value on the same line as its label.
-    assert lines[-1] == "epsilon remaining:  1.75 at delta 1e-05"
+    assert lines[-2] == "epsilon remaining:  1.75 at delta 1e-05"
+    assert "not additive" in lines[-1]
     # Asked at another delta: spent is reported there, the remainder at the budget's.
     other = CliRunner().invoke(
         analyst_group, ["budget", "--proxy", address, "--insecure", "--delta", "1e-6"]
@@ -705,7 +708,7 @@ def test_cli_budget_names_the_delta_of_every_epsilon(proxy: tuple[FakeProxy, str
     assert other.exit_code == 0, other.output
     lines = other.stdout.strip().splitlines()
     assert "epsilon spent:      1.25 at delta 1e-06" in lines
-    assert lines[-1] == "epsilon remaining:  1.75 at delta 1e-05 (the budget's delta)"
+    assert lines[-2] == "epsilon remaining:  1.75 at delta 1e-05 (the budget's delta)"
 
 
 def test_cli_summary_states_owners_of_registered_and_warns_when_fewer(
@@ -787,6 +790,12 @@ def test_cli_list_status_cancel_and_fetch(
     assert "Traceback" not in foreign.output and not stray.exists()
     fake.foreign_key = None
     assert "owners:      1 of 1 registered" in fetched.stdout
+    missing = runner.invoke(
+        analyst_group,
+        ["fetch", "q-nope", *connection, "--key-dir", str(analyst_key), "--out", str(stray)],
+    )
+    assert missing.exit_code == 1, missing.output
+    assert "fetch the result of query 'q-nope': unknown query" in missing.output
 
 
 def test_config_file_is_validated(tmp_path: Path) -> None:

@@ -275,3 +275,39 @@ def test_cli_issue_and_show(tmp_path: Path) -> None:
     assert shown.exit_code == 0, shown.output
     assert "identity:   owner/late-joiner" in shown.output
     assert "fedpca://owner/late-joiner" in shown.output
+
+
+def test_cli_issue_replaces_a_node_certificate_only_when_forced(tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(certs_group, ["init", "--out", str(tmp_path)]).exit_code == 0
+    files = certs.CertificateDirectory(tmp_path).node_files(NodeIdentity(Role.PROXY, "proxy"))
+    before = files.certificate.read_bytes(), files.private_key.read_bytes()
+    args = ["issue", "--dir", str(tmp_path), "--role", "proxy", "--node-id", "proxy"]
+    refused = runner.invoke(certs_group, [*args, "--proxy-host", "proxy.example.org"])
+    assert refused.exit_code != 0
+    assert f"{files.certificate} exists: pass --force" in refused.output
+    assert (files.certificate.read_bytes(), files.private_key.read_bytes()) == before
+    forced = runner.invoke(certs_group, [*args, "--proxy-host", "proxy.example.org", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert files.certificate.read_bytes() != before[0]
+    shown = runner.invoke(certs_group, ["show", str(files.certificate)])
+    assert "proxy.example.org" in shown.output
+
+
+def test_a_world_readable_private_key_is_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = certs.init_certificates(tmp_path, ["owner-1"], ["alice"])
+    owner = files[NodeIdentity(Role.OWNER, "owner-1")]
+    assert certs.private_key_exposure(owner.private_key) is None  # written 0600
+    owner.private_key.chmod(0o640)  # group-readable, as Kubernetes mounts Secrets
+    assert certs.private_key_exposure(owner.private_key) is None
+    owner.private_key.chmod(0o644)
+    exposure = certs.private_key_exposure(owner.private_key)
+    assert exposure == (
+        f"{owner.private_key} is readable by every user of this host (mode 0644): "
+        f"chmod 600 {owner.private_key}"
+    )
+    with caplog.at_level("WARNING", logger="fedpca.transport.certs"):
+        certs.TlsMaterial.load(owner)
+    assert exposure in caplog.text

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import signal
 import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +262,8 @@ def test_owner_probe_against_a_running_proxy(
         assert refused.exit_code == 1
         assert "FAIL  enrolled  PERMISSION_DENIED" in refused.output
         assert "not in this proxy's [owners] allowed list" in refused.output
+        # Served anyway, it logs a refusal, not an outage.
+        assert "refused this owner (PERMISSION_DENIED" in _first_session_log(folders["owner-2"])
         address = running.proxy.address
     # The proxy is gone: the probe says which address refused.
     down = CliRunner().invoke(owner_group, ["probe", "--config", str(folders["owner-1"])])
@@ -270,4 +276,43 @@ def test_owner_probe_against_a_running_proxy(
     )
     assert local.exit_code == 0, local.output
     assert "skip  proxy     not checked (--local)" in local.output
-    assert "FAIL" not in local.output
+    assert "FAIL" not in local.output and "warning" not in local.output
+    # A key every user may read still works, with a warning on its line.
+    key = tmp_path / "owner-1" / "tls" / "key.pem"
+    key.chmod(0o644)
+    exposed = CliRunner().invoke(
+        owner_group, ["probe", "--local", "--config", str(folders["owner-1"])]
+    )
+    assert exposed.exit_code == 0, exposed.output
+    tls_line = next(line for line in exposed.stdout.splitlines() if line.startswith("ok    tls"))
+    assert f"(warning: {key} is readable by every user" in tls_line
+
+
+def _first_session_log(config: Path) -> str:
+    """``fedpca owner serve``'s log up to its first failed session (then SIGTERM)."""
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-c", "from fedpca.owner.cli import owner_group; owner_group()"),
+            *("serve", "--config", str(config)),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    watchdog = threading.Timer(60.0, process.kill)  # a node that never logs it fails
+    watchdog.start()
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if "proxy" in line and ("refused" in line or "unreachable" in line):
+                break
+    finally:
+        watchdog.cancel()
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return "".join(lines)

@@ -93,6 +93,30 @@ class TestCsv:
         with pytest.raises(DataError, match="no records \\(only a header\\)"):
             load_table(_write(tmp_path, "a,b\n", "header.csv"))
 
+    def test_another_separator_is_named(self, tmp_path: Path) -> None:
+        # Many spreadsheets export semicolons; csv reads each such line as one cell.
+        semicolons = "1;2.5;3\n-1;4;0.5\n"
+        with pytest.raises(
+            DataError,
+            match=r"line 1, column 1: .* is not a number \(the "
+            r"line looks semicolon-separated, but this file is read as "
+            r"comma-separated",
+        ):
+            load_table(_write(tmp_path, semicolons), header=False)
+        with pytest.raises(DataError, match="looks semicolon-separated"):
+            load_table(_write(tmp_path, "1;2.5;3\n", "one.csv"))
+        with pytest.raises(DataError, match="looks tab-separated"):
+            load_table(_write(tmp_path, "1\t2.5\t3\n-1\t4\t0.5\n", "tabs.csv"), header=False)
+        # A .tsv is read tab-separated: commas in it are what is named.
+        with pytest.raises(
+            DataError, match="looks comma-separated, but this file is read as tab-separated"
+        ):
+            load_table(_write(tmp_path, "1,2\n3,4\n", "commas.tsv"), header=False)
+        # A genuine one-column table is not second-guessed.
+        with pytest.raises(DataError) as plain:
+            load_table(_write(tmp_path, "1\nx\n", "single.csv"), header=False)
+        assert "separated" not in str(plain.value)
+
     def test_a_declared_width_loads_an_empty_headerless_file(self, tmp_path: Path) -> None:
         empty = _write(tmp_path, "", "empty.csv")
         table = load_table(empty, label_column=0, allow_empty=True, n_columns=4)

@@ -206,7 +206,8 @@ def stats_command(
         )
 
     estimator, path = _fit(factory, params)
-    click.echo(f"records N:   {estimator.n_samples_:.1f}")
+    noisy = " (exact: NOT PRIVATE)" if estimator.not_private_ else " (noisy)"
+    click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
     click.echo(f"mean:        {_format(estimator.mean_)}")
     if estimator.variance_ is not None:
         click.echo(f"variance:    {_format(estimator.variance_)}")

@@ -573,6 +573,8 @@ def budget_command(
         f"epsilon remaining:  {status.epsilon_remaining:.6g} at delta {limit_delta:g}"
         + ("" if limit_delta == status.delta else " (the budget's delta)")
     )
+    # Composition is not additive in epsilon: a query of more than this may still fit.
+    click.echo("                    (display only: not additive; the proxy decides per query)")
 
 
 # `fedpca analyst list|status|fetch|cancel`: defined in their own module with the

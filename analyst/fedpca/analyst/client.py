@@ -292,8 +292,8 @@ class AnalystClient:
         self._diagnosis = None  # a later outage is looked at afresh
 
     def _explain_unavailable(self, action: str, error: FedpcaError) -> tuple[FedpcaError, bool]:
-        """UNAVAILABLE, looked at once per outage (:mod:`fedpca.transport.diagnose`);
-        returns the error to raise and whether retrying may help.
+        """UNAVAILABLE, looked at (:mod:`fedpca.transport.diagnose`); returns the error
+        to raise and whether retrying may help.
 
         A TLS failure no retry fixes becomes an AuthenticationError saying what is
         wrong. A proxy that no address of the target accepts connections for, and that
@@ -302,9 +302,15 @@ class AnalystClient:
         was reached before is retried: it may be restarting.
         """
         diagnosis = self._diagnosis
-        if diagnosis is None:
+        # An outage seen as unreachable is looked at once (each look may wait for a
+        # timeout per address); one that looked reachable is looked at again, since
+        # a proxy shutting down for a restart still answers the first look.
+        if diagnosis is None or diagnosis.reachable:
             diagnosis = self._diagnosis = diagnose_connection(
-                self.proxy_address, self._root_certificates, self._server_name
+                self.proxy_address,
+                self._root_certificates,
+                self._server_name,
+                can_override_name=True,
             )
         if diagnosis.problem is not None:
             return AuthenticationError(f"{action}: {diagnosis.problem}"), False
@@ -329,11 +335,11 @@ class AnalystClient:
         )
         return serde.query_status_from_proto(message)
 
-    def status(self, query_id: str) -> QueryStatus:
-        """The current status of one query."""
+    def status(self, query_id: str, *, action: str = "status of query") -> QueryStatus:
+        """The current status of one query (``action`` names the step in errors)."""
         request = serde.query_ref_to_proto(query_id)
         message = self._unary(
-            f"status of query {query_id!r}",
+            f"{action} {query_id!r}",
             lambda: self._stub.GetQueryStatus(request, timeout=self.timeout),
         )
         return serde.query_status_from_proto(message)

@@ -72,7 +72,9 @@ def write_analyst_folder(
     help="The analyst's folder to create (analyst.toml, tls/).",
 )
 @click.option("--id", "analyst_id", required=True, help="The analyst id (as in its certificate).")
-@click.option("--proxy", required=True, metavar="HOST:PORT")
+@click.option(
+    "--proxy", required=True, metavar="HOST:PORT", help="The proxy, as the analyst dials it."
+)
 @click.option(
     "--key-dir",
     required=True,
@@ -84,11 +86,23 @@ def write_analyst_folder(
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory from `fedpca certs init`; this analyst's files are copied from it.",
 )
-@click.option("--ca", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--key", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--ca",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The deployment's CA certificate (instead of --certs).",
+)
+@click.option(
+    "--cert",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="This node's certificate (instead of --certs).",
+)
+@click.option(
+    "--key",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="This node's private key (instead of --certs; copied with mode 0600).",
+)
 @click.option("--server-name", help="Name to verify the proxy certificate against.")
-@click.option("--force", is_flag=True)
+@click.option("--force", is_flag=True, help="Write the folder again.")
 def init_command(
     out: Path,
     analyst_id: str,

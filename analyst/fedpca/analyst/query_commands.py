@@ -194,7 +194,7 @@ def register(
                 # The result must be of a query this analyst signed: its own signing key
                 # (kept next to the Paillier key) says which.
                 signer = signer_id(keys.load_analyst_signing_key(analyst_key_dir))
-                status = opened.status(query_id)
+                status = opened.status(query_id, action="fetch the result of query")
                 if status.state is not QueryState.DONE:
                     raise QueryStateError(
                         f"query {query_id} is {status.state.value}"

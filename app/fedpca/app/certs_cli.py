@@ -58,8 +58,8 @@ def certs_group() -> None:
     "--proxy-host",
     "proxy_hosts",
     multiple=True,
-    help="DNS name or IP clients use to reach the proxy (repeatable)"
-    f" [{', '.join(DEFAULT_PROXY_HOSTS)}].",
+    help="DNS name or IP clients use to reach the proxy (repeatable; the names given "
+    f"replace the defaults) [{', '.join(DEFAULT_PROXY_HOSTS)}].",
 )
 @click.option("--valid-days", type=click.IntRange(min=1), default=DEFAULT_NODE_VALID_DAYS)
 @click.option("--force", is_flag=True, help="Replace an existing CA (invalidates old certs).")
@@ -105,14 +105,37 @@ def init_command(
 @click.option("--role", type=click.Choice([r.value for r in Role]), required=True)
 @click.option("--node-id", required=True)
 @click.option("--proxy-host", "proxy_hosts", multiple=True, help="Proxy only (repeatable).")
-@click.option("--valid-days", type=click.IntRange(min=1), default=DEFAULT_NODE_VALID_DAYS)
+@click.option(
+    "--valid-days",
+    type=click.IntRange(min=1),
+    default=DEFAULT_NODE_VALID_DAYS,
+    show_default=True,
+    help="Days the certificate is valid.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace the node's existing certificate and key (e.g. new names or renewal).",
+)
 def issue_command(
-    directory: Path, role: str, node_id: str, proxy_hosts: tuple[str, ...], valid_days: int
+    directory: Path,
+    role: str,
+    node_id: str,
+    proxy_hosts: tuple[str, ...],
+    valid_days: int,
+    force: bool,
 ) -> None:
     """Issue one more node certificate from an existing CA (e.g. a new owner)."""
     layout = CertificateDirectory(directory)
     try:
         identity = NodeIdentity(Role(role), node_id)
+        existing = layout.node_files(identity).certificate
+        if existing.exists() and not force:
+            raise ConfigError(
+                f"{existing} exists: pass --force to replace it. The old certificate stays "
+                "valid until it expires unless its serial (`fedpca certs show`) is listed "
+                "in the proxy's tls.revoked_serials"
+            )
         node = issue_node_certificate(
             layout.load_ca(), identity, hosts=proxy_hosts or None, valid_days=valid_days
         )

@@ -28,6 +28,7 @@ import ipaddress
 import logging
 import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -462,6 +463,9 @@ class TlsMaterial:
         ca = read_certificate(files.ca_certificate)
         cert = read_certificate(files.certificate)
         key = read_private_key(files.private_key)
+        exposure = private_key_exposure(files.private_key)
+        if exposure is not None:
+            logger.warning("%s", exposure)
         try:
             cert.verify_directly_issued_by(ca)
         except (ValueError, TypeError, InvalidSignature) as exc:
@@ -486,6 +490,23 @@ class TlsMaterial:
             ),
             identity=identity,
         )
+
+
+def private_key_exposure(path: Path) -> str | None:
+    """What is wrong with a private key file every user of the host may read, or None.
+
+    Group-readable is left alone: Kubernetes mounts Secrets 0440 for the pod's group.
+    """
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # reading it failed or will fail with its own message
+    if not mode & stat.S_IROTH:
+        return None
+    return (
+        f"{path} is readable by every user of this host (mode {stat.S_IMODE(mode):04o}): "
+        f"chmod 600 {path}"
+    )
 
 
 # -------------------------------------------------------------- directory

@@ -90,6 +90,8 @@ def diagnose_connection(
     root_certificates: bytes | None,
     server_name: str | None = None,
     timeout: float = 3.0,
+    *,
+    can_override_name: bool = False,
 ) -> ConnectionDiagnosis:
     """Try every address of ``target`` and, with ``root_certificates``, verify the
     proxy's certificate against them and against ``server_name`` (default: the host).
@@ -100,6 +102,8 @@ def diagnose_connection(
     root_certificates : the fedpca CA (PEM); None for an insecure channel (TCP only).
     server_name : the name the certificate must carry (``--server-name``).
     timeout : seconds per connection attempt.
+    can_override_name : whether the caller may verify against another name than the
+        host it dials (the analyst's ``--server-name``); an owner may not.
     """
     try:
         host, port = split_target(target)
@@ -145,11 +149,14 @@ def diagnose_connection(
                     names = _names(_handshake(sockaddr, family, strict, name, timeout))
                 except OSError:
                     names = []
+                override = (
+                    " (or verify against one with --server-name)" if can_override_name else ""
+                )
                 problem = (
                     f"the proxy's certificate is not valid for {name!r} (it names "
                     f"{', '.join(names) or 'no host'}): dial the proxy by one of those "
-                    "names (or verify against one with a server-name override), or reissue "
-                    f"the proxy certificate with --proxy-host {name}"
+                    f"names{override}, or reissue the proxy certificate with "
+                    f"--proxy-host {name}"
                 )
             else:
                 problem = (

@@ -274,9 +274,21 @@ def _split(values: tuple[str, ...]) -> list[str]:
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory from `fedpca certs init`; this owner's files are copied from it.",
 )
-@click.option("--ca", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--key", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--ca",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The deployment's CA certificate (instead of --certs).",
+)
+@click.option(
+    "--cert",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="This node's certificate (instead of --certs).",
+)
+@click.option(
+    "--key",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="This node's private key (instead of --certs; copied with mode 0600).",
+)
 @click.option(
     "--data",
     required=True,
@@ -284,7 +296,13 @@ def _split(values: tuple[str, ...]) -> list[str]:
     help="The owner's table (CSV, .npy, Parquet) as the node will read it.",
 )
 @click.option("--label-column", type=int, help="Column of the class label (DCA) [none].")
-@click.option("--header", type=click.Choice(["auto", "yes", "no"]), default="auto")
+@click.option(
+    "--header",
+    type=click.Choice(["auto", "yes", "no"]),
+    default="auto",
+    show_default=True,
+    help="Whether the CSV's first line names the columns (auto: when it is not all numbers).",
+)
 @click.option(
     "--max-records",
     type=click.IntRange(min=1),

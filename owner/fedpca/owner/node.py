@@ -75,6 +75,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# The proxy answered, and said no (a certificate it does not trust or an id it does not
+# allow): not an outage, though the owner keeps retrying in case the operator fixes it.
+_REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+
 REMEMBERED_CANCELLATIONS = 1024
 """Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
 
@@ -238,10 +242,13 @@ class OwnerNode(TaskProcessing):
                 except grpc.RpcError as err:
                     if self._stop.is_set():
                         break
-                    logger.warning(
-                        "owner %s: proxy %s unreachable or stream lost (%s: %s)",
+                    refused = status_code(err) in _REFUSALS
+                    logger.log(
+                        logging.ERROR if refused else logging.WARNING,
+                        "owner %s: proxy %s %s (%s: %s)",
                         self.config.owner.id,
                         self.config.owner.proxy,
+                        "refused this owner" if refused else "unreachable or stream lost",
                         status_name(err),
                         status_details(err),
                     )

@@ -131,7 +131,12 @@ def probe_owner(
 def _check_tls(
     config: OwnerConfig, record: Callable[[str, bool | None, str], None]
 ) -> TlsMaterial | None:
-    from fedpca.transport.certs import NodeIdentity, Role, read_certificate
+    from fedpca.transport.certs import (
+        NodeIdentity,
+        Role,
+        private_key_exposure,
+        read_certificate,
+    )
 
     try:
         files = config.tls.files()
@@ -149,11 +154,13 @@ def _check_tls(
         record("tls", False, f"{files.certificate} expired on {expires:%Y-%m-%d}")
         return None
     soon = left.days < EXPIRY_WARNING_DAYS
+    exposure = private_key_exposure(files.private_key)
     record(
         "tls",
         True,
         f"{tls.identity}, valid until {expires:%Y-%m-%d}"
-        + (f" (only {left.days} days left: renew it)" if soon else ""),
+        + (f" (only {left.days} days left: renew it)" if soon else "")
+        + ("" if exposure is None else f" (warning: {exposure})"),
     )
     return tls
 

@@ -158,10 +158,28 @@ def write_proxy_folder(
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory from `fedpca certs init`; the proxy's files are copied from it.",
 )
-@click.option("--ca", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--key", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--id", "proxy_id", default="proxy", show_default=True)
+@click.option(
+    "--ca",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The deployment's CA certificate (instead of --certs).",
+)
+@click.option(
+    "--cert",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="This node's certificate (instead of --certs).",
+)
+@click.option(
+    "--key",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="This node's private key (instead of --certs; copied with mode 0600).",
+)
+@click.option(
+    "--id",
+    "proxy_id",
+    default="proxy",
+    show_default=True,
+    help="The proxy id (in its certificate).",
+)
 @click.option("--listen", default="0.0.0.0:50051", show_default=True, help="host:port to serve.")
 @click.option(
     "--neighbouring",
