@@ -71,7 +71,11 @@ from typing import Self
 import numpy as np
 import numpy.typing as npt
 
-from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle
+from fedpca.codec.matrix import (
+    symmetric_from_upper_triangle,
+    upper_triangle,
+    upper_triangle_length,
+)
 from fedpca.errors import ConfigError, LayoutError
 from fedpca.query import Aggregate, Neighbouring, QueryKind, QuerySpec
 
@@ -99,11 +103,6 @@ SUM = "sum"
 COUNT = "count"
 CLASS_SUMS = "class_sums"
 CLASS_COUNTS = "class_counts"
-
-
-def upper_triangle_length(n_features: int) -> int:
-    """Number of values in the upper triangle (diagonal included) of an M×M matrix."""
-    return n_features * (n_features + 1) // 2
 
 
 def _upper_triangle(matrix: FloatArray) -> FloatArray:

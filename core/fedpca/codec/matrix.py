@@ -16,6 +16,15 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
+from fedpca.errors import ConfigError
+
+
+def upper_triangle_length(dim: int) -> int:
+    """Number of entries i <= j of a ``dim x dim`` matrix: ``dim (dim + 1) / 2``."""
+    if dim < 0:
+        raise ConfigError(f"matrix dimension must be >= 0, got {dim!r}")
+    return dim * (dim + 1) // 2
+
 
 def upper_triangle(
     matrix: NDArray[np.generic], out: NDArray[np.generic] | None = None

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
-from fedpca.codec.matrix import symmetric_from_upper_triangle
+from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle_length
 from fedpca.errors import ConfigError, EncodingOverflowError
 
 __all__ = [
@@ -260,13 +260,6 @@ def vector_noise(
                 f"{limit} (sigma_int={sigma_int!r}); refusing rather than wrapping"
             )
     return noise
-
-
-def upper_triangle_length(dim: int) -> int:
-    """Number of entries i <= j of a ``dim x dim`` matrix: ``dim (dim + 1) / 2``."""
-    if dim < 0:
-        raise ConfigError(f"matrix dimension must be >= 0, got {dim!r}")
-    return dim * (dim + 1) // 2
 
 
 def symmetric_noise(

@@ -38,7 +38,6 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -571,8 +570,3 @@ def encrypt_share(
         )
         start += count
     return shares
-
-
-def share_summary(shares: Mapping[str, PackedCiphertexts]) -> dict[str, Any]:
-    """Public shape of an encrypted share (for logs): ciphertexts per block."""
-    return {name: len(packed.ciphertexts) for name, packed in shares.items()}

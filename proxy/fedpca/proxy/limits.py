@@ -98,10 +98,6 @@ class PeerSlots:
             if self._used[(kind, peer)] <= 0:
                 del self._used[(kind, peer)]
 
-    def in_use(self, kind: str, peer: str) -> int:
-        with self._lock:
-            return self._used[(kind, peer)]
-
 
 class TaskStreams:
     """The one task stream of each owner: a newer stream supersedes the older.

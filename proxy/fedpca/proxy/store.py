@@ -279,14 +279,6 @@ class ProxyStore(ContributionStore):
                 (analyst_id, epsilon, delta),
             )
 
-    def analyst_budget(self, analyst_id: str) -> tuple[float, float] | None:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT epsilon_budget, delta_budget FROM analysts WHERE analyst_id=?",
-                (analyst_id,),
-            ).fetchone()
-        return None if row is None else (float(row["epsilon_budget"]), float(row["delta_budget"]))
-
     def analyst_query_counts(
         self, analyst_id: str, since: float, conn: sqlite3.Connection | None = None
     ) -> tuple[int, int]:
