@@ -338,8 +338,9 @@ class StatisticsSpec:
 
         √(worst_case_change(kind, (1, 1, 1), relation)): √4.5 = 2.121 under either
         relation for PCA and under add/remove for DCA (the swap of a capped owner, or
-        the replacement itself), √6 = 2.449 for DCA under replace-one (a replacement
-        between classes). Aggregate queries: the larger of √(Σ add²) and √(Σ swap²).
+        the replacement itself), √12.5 = 3.536 for DCA under replace-one (a replacement
+        between classes whose two classes are both at their caps). Aggregate queries:
+        the larger of √(Σ add²) and √(Σ swap²).
         """
         return math.sqrt(
             self.worst_case_change(
@@ -566,8 +567,10 @@ def worst_case_change(
     -----
     With ‖x‖, ‖y‖ <= 1 (clip units), t = ⟨x, y⟩, a = w_scatter, b = w_sums,
     g = w_counts: add a + b + g; a swap within a class a(2 − 2t²) + b(2 − 2t), at most
-    2a + 2b + b²/(2a) (t = −b/(2a), b <= 2a) or 4b (t = −1); a swap between classes
-    (DCA, replace-one) 2a + 2b + 2g. Add/remove needs the add case and, unless owner
+    2a + 2b + b²/(2a) (t = −b/(2a), b <= 2a) or 4b (t = −1); a replacement between
+    classes (DCA, replace-one), with s = 4a + 2b + b²/(4a) (b <= 4a) or 4b: 2a + 2b + 2g
+    when neither class is at its cap, s + 2a + b + g when one is, 2s when both are (two
+    same-class swaps at once). Add/remove needs the add case and, unless owner
     tables are bounded, the same-class swap of an owner at its cap (per class for
     DCA); replace-one needs the swaps, and for DCA the add case (a replaced record of
     an unlisted label was left out). Aggregates bound each section on its own: add
@@ -590,7 +593,18 @@ def worst_case_change(
     swap = 2 * a + 2 * b + b * b / (2 * a) if b <= 2 * a else 4 * b
     cases = [swap]
     if kind is QueryKind.DCA and neighbouring is Neighbouring.REPLACE_ONE:
-        cases.append(2 * a + 2 * b + 2 * g)
+        # x of class a replaces y of class b, and each class is sampled at its own cap:
+        # neither class at its cap, one of them, or both (each sample then swaps a record
+        # of its own: x for z in class a, y for w in class b). Two changes of the scatter
+        # add up within its Frobenius norm as ‖A + B‖² <= 2‖A‖² + 2‖B‖².
+        one = 4 * a + 2 * b + b * b / (4 * a) if b <= 4 * a else 4 * b
+        cases.extend(
+            [
+                2 * a + 2 * b + 2 * g,  # neither: two class rows and two counts move
+                one + 2 * a + b + g,  # one: a swap in one class, a record less in the other
+                2 * one,  # both: a swap in each class
+            ]
+        )
     if neighbouring is Neighbouring.ADD_REMOVE or kind is QueryKind.DCA:
         cases.append(add)
     return max(cases)

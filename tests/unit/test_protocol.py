@@ -75,7 +75,8 @@ def test_stats_plan_noise_multiplier_meets_the_privacy_target(
 
 def test_default_split_is_isotropic_with_the_swap_sensitivity() -> None:
     # c = 1, equal weights: one sigma for every section, sqrt(4.5) = 2.121 x z (a capped
-    # owner's swap), and sqrt(6) x z for DCA under replace-one (a swap between classes).
+    # owner's swap), and sqrt(12.5) x z for DCA under replace-one (a replacement between
+    # two classes at their caps: a swap in each).
     z = zcdp_noise_multiplier(0.5, 1e-5)
     pca = ReleasePlan.for_query(spec(), 2048)
     assert {round(s.sigma, 9) for s in pca.sections} == {round(z * math.sqrt(4.5), 9)}
@@ -84,7 +85,7 @@ def test_default_split_is_isotropic_with_the_swap_sensitivity() -> None:
     plan = ReleasePlan.for_query(spec(**dca), 2048)
     assert {round(s.sigma, 9) for s in plan.sections} == {round(z * math.sqrt(4.5), 9)}
     plan = ReleasePlan.for_query(spec(**dca, neighbouring=Neighbouring.REPLACE_ONE), 2048)
-    assert {round(s.sigma, 9) for s in plan.sections} == {round(z * math.sqrt(6.0), 9)}
+    assert {round(s.sigma, 9) for s in plan.sections} == {round(z * math.sqrt(12.5), 9)}
 
 
 @pytest.mark.parametrize("kind", [QueryKind.PCA, QueryKind.DCA])
