@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -172,7 +173,7 @@ class ReleasePlan:
         spec = self.spec
         c2 = spec.clip_norm * spec.clip_norm
         if spec.mode is ProtocolMode.MASKED:
-            return masked_scatter_sensitivity(spec.clip_norm, 1)
+            return masked_release_sensitivity(spec, 1)
         if not self.private:
             statistics = StatisticsSpec.from_query(spec)
             return (
@@ -485,11 +486,42 @@ def masked_scatter_sensitivity(clip_norm: float, n_records: int) -> float:
     ‖y'y'ᵀ − y yᵀ‖_F² = ‖y'‖⁴ + ‖y‖⁴ − 2(yᵀy')² <= 2 (2c)⁴ and ‖d dᵀ‖_F/N <= (2c)²/N,
     so ‖ΔS‖_F <= 4√2 c² + 4c²/N; the upper triangle's L2 norm is at most that.
     The owners' statistics are exact integers of rows quantised with ‖x‖ <= c
-    (:func:`fedpca.exact_statistics.fixed_point_statistics`), and the analyst computes S from
-    them exactly, so no rounding slack is needed.
+    (:func:`fedpca.exact_statistics.fixed_point_statistics`); what the release adds to
+    this is :func:`masked_rounding_slack`.
     """
     c2 = clip_norm * clip_norm
     return math.nextafter(4.0 * math.sqrt(2.0) * c2 + 4.0 * c2 / max(n_records, 1), math.inf)
+
+
+def masked_rounding_slack(clip_norm: float, n_features: int, frac_bits: int) -> float:
+    """L2 slack, in the units of S, of the rounding the masked release applies to v vᵀ/N.
+
+    The analyst's T − v′v′ᵀ is N 2^f (R + E) − v vᵀ + F on the unit grid, with F a
+    uniform residue the proxy adds to every entry (:mod:`fedpca.proxy.masking`):
+    without it the noise, a multiple of N 2^f, left v vᵀ mod N 2^f exact. Writing
+    F − v vᵀ = N 2^f Q + ρ, ρ is uniform and independent of the data, and Q rounds
+    −v vᵀ/(N 2^f) to an integer at a threshold ρ/(N 2^f). Given ρ the release is the
+    discrete Gaussian of R − round(v vᵀ/(N 2^f)), whose rounding differs between
+    neighbours by less than one grid step (2^-f c²) per entry: at most √(M(M+1)/2)
+    steps in L2 over the upper triangle.
+    """
+    steps = math.sqrt(n_features * (n_features + 1) / 2)
+    return math.nextafter(math.ldexp(steps * clip_norm * clip_norm, -frac_bits), math.inf)
+
+
+def masked_residue(scale: int) -> int:
+    """One uniform draw from the ``scale`` integers around 0 (:func:`masked_rounding_slack`).
+
+    From ``secrets``: like the mask, it must be unpredictable to the analyst.
+    """
+    return secrets.randbelow(scale) - scale // 2
+
+
+def masked_release_sensitivity(spec: QuerySpec, n_records: int) -> float:
+    """The masked release's L2 sensitivity: the centred scatter's, plus its rounding."""
+    return masked_scatter_sensitivity(spec.clip_norm, n_records) + masked_rounding_slack(
+        spec.clip_norm, spec.n_features, spec.frac_bits
+    )
 
 
 def mask_width(sum_bound: int) -> int:
@@ -506,7 +538,7 @@ def masked_sigma(plan: ReleasePlan, n_records: int) -> tuple[float, float]:
     spec = plan.spec
     if plan.noise_multiplier == 0:
         return 0.0, 0.0
-    sigma = plan.noise_multiplier * masked_scatter_sensitivity(spec.clip_norm, n_records)
+    sigma = plan.noise_multiplier * masked_release_sensitivity(spec, n_records)
     # Owners send the scatter in clip units (c^2): the integer noise is in the same units.
     sigma_clip = sigma / (spec.clip_norm * spec.clip_norm)
     return sigma, math.ldexp(sigma_clip, spec.frac_bits)
@@ -541,7 +573,8 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
     f = spec.frac_bits
     # Worst case N = 1 sizes the headroom; the actual sigma uses the public N. Clip
     # units (c = 1): owners send R in c^2 and v in c.
-    worst_sigma_int = math.ldexp(z * masked_scatter_sensitivity(1.0, 1), f)
+    worst = masked_scatter_sensitivity(1.0, 1) + masked_rounding_slack(1.0, m, f)
+    worst_sigma_int = math.ldexp(z * worst, f)
     headroom = _headroom(worst_sigma_int, upper_triangle_length(m))
     n_total = spec.max_owners * spec.max_records_per_owner
     per_owner = {
@@ -551,9 +584,9 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
     r_bound = spec.max_owners * owner_value_bound(per_owner["scatter"])
     v_bound = spec.max_owners * owner_value_bound(per_owner["sum"])
     width = mask_width(v_bound)
-    # |T| <= N 2^f |R| + 2 |v| W + W^2 + N 2^f |E| in 2^(2f) units.
+    # |T| <= N 2^f |R| + 2 |v| W + W^2 + N 2^f |E| + |F| in 2^(2f) units (|F| <= N 2^f).
     t_bound = (n_total << f) * r_bound + 2 * v_bound * width + width * width
-    t_bound += (n_total << f) * headroom
+    t_bound += (n_total << f) * (headroom + 1)
     slot_bits = max(t_bound, v_bound + width).bit_length() + 1
     k = (key_bits - 1) // slot_bits
     if k < 1:

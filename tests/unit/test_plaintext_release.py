@@ -89,8 +89,16 @@ def test_plaintext_release_equals_the_decrypted_release(
         assert plaintext.statistics.count != 72  # the count is noised
     else:
         assert plaintext.public_count == decrypted.public_count == 72
-        np.testing.assert_array_equal(plaintext.centred_scatter, decrypted.centred_scatter)
-    np.testing.assert_array_equal(plaintext.pca().components, decrypted.pca().components)
+        # Equal up to the proxy's uniform residues (secret, so not seeded): each moves an
+        # entry by less than 2^-f in clip units (f = 32 here: 2.3e-10).
+        difference = plaintext.centred_scatter - decrypted.centred_scatter
+        assert 0 < np.abs(difference).max() < 2.0**-spec.frac_bits
+    if mode is ProtocolMode.STATS:
+        np.testing.assert_array_equal(plaintext.pca().components, decrypted.pca().components)
+    else:
+        np.testing.assert_allclose(
+            plaintext.pca().components, decrypted.pca().components, rtol=0, atol=1e-6
+        )
 
 
 def test_each_release_from_the_same_fold_draws_fresh_noise(

@@ -199,3 +199,75 @@ def test_aggregate_queries_have_no_data_dependent_oracle(
         max_records_per_owner=30,
     )
     _same_view(first, second)
+
+
+def test_the_masked_release_leaves_no_exact_residue_of_the_sums(tmp_path: Path) -> None:
+    """Masked mode's noise is a multiple of N 2^f; v vᵀ is not. Without the proxy's
+    uniform residue the analyst read v_i v_j mod N 2^f off T − v′v′ᵀ exactly (review):
+    it told replace-one neighbours apart with certainty."""
+    from fedpca.analyst.decode import _decrypt_blocks
+    from fedpca.analyst.result_checks import check_result
+    from fedpca.codec import generate_keypair
+    from fedpca.dp.mechanisms import PrivacyParams
+    from fedpca.exact_statistics import fixed_point_statistics
+    from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, row_aligned_positions
+    from fedpca.query import Neighbouring, ProtocolMode
+    from helpers import make_query
+
+    m, frac_bits = 3, 16
+    public_key, private_key = generate_keypair(512, allow_insecure_test_key=True)  # TEST-ONLY
+    rng = np.random.default_rng(7)
+    tables = [rng.uniform(-0.5, 0.5, size=(12, m)), rng.uniform(-0.5, 0.5, size=(9, m))]
+    query = make_query(
+        public_key,
+        query_id="q-masked-residue",
+        n_features=m,
+        n_components=1,
+        mode=ProtocolMode.MASKED,
+        neighbouring=Neighbouring.REPLACE_ONE,
+        epsilon=1.0,
+        delta=1e-5,
+        feature_lower=(-1.0,) * m,
+        feature_upper=(1.0,) * m,
+        quorum=2,
+        max_owners=4,
+        max_records_per_owner=100,
+        frac_bits=frac_bits,
+    )
+    with (
+        CryptoPool(processes=1) as pool,
+        deployment(
+            workdir=tmp_path,
+            tables={"owner-a": labelled(tables[0]), "owner-b": labelled(tables[1])},
+            pool=pool,
+            public_key=public_key,
+            neighbouring=Neighbouring.REPLACE_ONE,
+            owner_budget=PrivacyParams(10.0, 1e-5),
+            analyst_budget=PrivacyParams(10.0, 1e-5),
+        ) as cluster,
+    ):
+        assert cluster.run(query).state == "done"
+        with cluster.analyst() as client:
+            result = client.fetch(query.query_id, public_key=public_key).result
+        plan = check_result(result, public_key)
+        bounds = {b.name: b.bound for b in plan.result_blocks}
+        values = _decrypt_blocks(
+            [list(result.payload.in_wire_order())], private_key, plan, bounds, pool, None
+        )
+    sums = sum(fixed_point_statistics(t, None, query).sums.astype(object) for t in tables)
+    modulus = result.public_record_count << frac_bits
+    masked_sums = [int(x) for x in values[MASKED_SUM]]
+    k = plan.result_block(SCATTER_ROWS).layout.slots_per_ciphertext
+    exact = 0
+    entries = 0
+    for value, position in zip(values[SCATTER_ROWS], row_aligned_positions(m, k), strict=True):
+        if position is None:
+            continue
+        i, j = position
+        seen = (masked_sums[i] * masked_sums[j] - int(value)) % modulus
+        exact += seen == (int(sums[i]) * int(sums[j])) % modulus
+        entries += 1
+    assert entries == 6
+    # Each entry's residue is now uniform on N 2^16 >= 1.3 million values: a chance match
+    # of even one entry has probability below 5e-6.
+    assert exact == 0

@@ -1550,7 +1550,7 @@ def _unmask(
     coordinator: Coordinator,
     owners: list[Owner],
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(T − v′v′ᵀ)/(N 2^f) − (N 2^f R − v vᵀ)/(N 2^f) as exact integers: the noise E.
+    """(T − v′v′ᵀ − (N 2^f R − v vᵀ))/(N 2^f), rounded: the noise E as exact integers.
 
     Also returns S = (N 2^f R_int − v_int v_intᵀ)/(N 2^(2f)) from the owners' own
     integers and N.
@@ -1573,6 +1573,7 @@ def _unmask(
     scale = n_records << f
     noise = np.zeros((m, m))
     scatter = np.zeros((m, m))
+    residues: list[int] = []
     for slot, position in enumerate(row_aligned_positions(m, k)):
         if position is None:
             assert t_slots[slot] == 0
@@ -1580,10 +1581,17 @@ def _unmask(
         i, j = position
         centred = t_slots[slot] - v_prime[i] * v_prime[j]
         truth = scale * r_int[slot] - v_int[i] * v_int[j]
-        difference = centred - truth
-        assert difference % scale == 0  # the mask cancels exactly; E is an integer
-        noise[i, j] = difference // scale
+        difference = centred - truth  # the mask cancels exactly: N 2^f E + F
+        # F, the uniform residue that hides v vᵀ mod N 2^f, lies in [−⌊scale/2⌋, scale
+        # − ⌊scale/2⌋): rounding to the nearest multiple of scale takes it off.
+        noise[i, j] = (difference + scale // 2) // scale
+        residues.append(difference - scale * int(noise[i, j]))
         scatter[i, j] = truth / (scale * 2.0**f)
+    if noise.any():  # with noise, the residues are uniform draws, not all zero
+        assert all(-(scale // 2) <= r < scale - scale // 2 for r in residues)
+        assert len(set(residues)) > 1
+    else:  # epsilon = inf: nothing to hide, nothing added
+        assert not any(residues)
     return noise, scatter, n_records
 
 

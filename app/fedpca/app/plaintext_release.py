@@ -14,8 +14,9 @@ without encrypting anything, with the roles' own code for every other step:
   (the discrete Gaussian per section that ``fedpca.proxy.prepared_noise`` encrypts);
   masked mode draws a uniform mask b of the plan's width and the scatter noise E with
   :func:`fedpca.dp.noise.symmetric_noise` as ``fedpca.proxy.masking`` does, and forms
-  the slots T = N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E and v + b that its
-  exponentiations produce under encryption;
+  the slots T = N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E + F (F the uniform residue
+  of :func:`fedpca.protocol.masked_residue`) and v + b that its exponentiations
+  produce under encryption;
 * analyst — :func:`fedpca.analyst.decode.decode_values`, the decoding step after
   decryption, so :meth:`DecodedRelease.pca` runs the same solver.
 
@@ -23,7 +24,8 @@ What is left out is exactly what cannot change the numbers: the gRPC transport, 
 encryption and decryption, and the proxy's and owners' durable state (budgets are not
 spent). Used by the benchmarks to measure utility over many repetitions;
 ``tests/unit/test_plaintext_release.py`` checks that the release equals the one a real
-deployment decrypts, bit for bit, with the same seeded noise.
+deployment decrypts, bit for bit, with the same seeded noise (masked mode: up to its
+residues F, drawn from ``secrets``, which move each entry by less than 2^-f).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from fedpca.protocol import (
     SUM_SINGLE,
     ReleasePlan,
     mask_width,
+    masked_residue,
     masked_sigma,
     row_aligned_positions,
 )
@@ -243,5 +246,6 @@ def _masked_values(folded: FoldedShares, sampler: NoiseSampler | None) -> dict[s
             + mask[i] * sums[j]
             + mask[i] * mask[j]
             + scale * e
+            + (masked_residue(scale) if sigma_int > 0 else 0)
         )
     return {SCATTER_ROWS: masked, MASKED_SUM: [v + b for v, b in zip(sums, mask, strict=True)]}

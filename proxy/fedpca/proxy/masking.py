@@ -4,14 +4,16 @@ See :mod:`fedpca.protocol` for the plan and docs/privacy.md for the analysis. Wi
 N = Σ public counts, a uniform mask b ∈ [0, W)^M and discrete Gaussian E on the
 upper triangle, every slot (i, j) of the result holds, in 2^(2f) units,
 
-    T_ij = N 2^f R_ij + v_i b_j + b_i v_j + b_i b_j + N 2^f E_ij,
+    T_ij = N 2^f R_ij + v_i b_j + b_i v_j + b_i b_j + N 2^f E_ij + F_ij,
 
-and the masked sum holds v + b. The analyst computes
-S + E = (T − v′v′ᵀ) / (N 2^(2f)) with v′ = v + b. For the row-aligned packed
+F_ij uniform on N 2^f consecutive integers around 0, and the masked sum holds v + b.
+The analyst computes S + E = (T − v′v′ᵀ) / (N 2^(2f)) with v′ = v + b (F moves each
+entry by less than 2^-(f+1)). For the row-aligned packed
 ciphertext of row i with columns j_0..j_{k'-1} (padding slots get coefficient 0):
 
     Enc(T) = Enc(R_chunk)^(N 2^f) · Enc(v_i)^(Σ_s 2^(B s) b_{j_s})
-             · Enc(window_{j_0})^(b_i) · Enc(Σ_s 2^(B s) (b_i b_{j_s} + N 2^f E_{i j_s})),
+             · Enc(window_{j_0})^(b_i)
+             · Enc(Σ_s 2^(B s) (b_i b_{j_s} + N 2^f E_{i j_s} + F_{i j_s})),
 
 all exponents non-negative, the last factor a fresh encryption by the proxy. The
 exponentiations run on the crypto pool (:mod:`fedpca.proxy._mask_worker`).
@@ -51,6 +53,7 @@ from fedpca.protocol import (
     SUM_WINDOWS,
     ReleasePlan,
     mask_width,
+    masked_residue,
     masked_sigma,
     row_aligned_positions,
 )
@@ -121,6 +124,9 @@ def masked_result(
     timings["sample_seconds"] = time.perf_counter() - started
 
     scale = public_n << f
+    # The noise is a multiple of N 2^f and v vᵀ is not: alone it would leave the analyst
+    # v vᵀ mod N 2^f exactly. A uniform residue F in every entry makes that residue
+    # uniform and independent of the data (protocol.masked_rounding_slack has the proof).
     positions = row_aligned_positions(m, k)
     fresh_values: list[int] = []
     for position in positions:
@@ -128,8 +134,11 @@ def masked_result(
             fresh_values.append(0)
             continue
         i, j = position
-        fresh_values.append(mask[i] * mask[j] + scale * int(noise[_tri_index(i, j, m)]))
-    fresh_bound = width * width + scale * plan.bounds.noise_headroom
+        noise_ij = scale * int(noise[_tri_index(i, j, m)])
+        if sigma_int > 0:  # epsilon = inf: nothing to hide
+            noise_ij += masked_residue(scale)
+        fresh_values.append(mask[i] * mask[j] + noise_ij)
+    fresh_bound = width * width + scale * (plan.bounds.noise_headroom + 1)
     packed = pack_slots(fresh_values, rows_layout, fresh_bound)
     started = time.perf_counter()
     fresh = pool.encrypt(public_key, [p % n for p in packed])
