@@ -56,6 +56,7 @@ from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots
+from fedpca.owner.task_processing import BUDGET_DECLINE_DETAIL
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
@@ -416,6 +417,10 @@ def test_policy_and_budget_refusals_are_declined_with_their_reason(harness: Harn
         key("second"): DeclineReason.BUDGET_EXHAUSTED,
     }
     assert proxy.uploads[0].query_id == key("first")
+    # A budget decline carries no figures: they compose every analyst's releases.
+    second = next(d for d in proxy.declines if d.query_id == key("second"))
+    assert second.detail == BUDGET_DECLINE_DETAIL
+    assert not any(character.isdigit() for character in second.detail)
     # Declines are for public reasons only, so their detail says which: the table's
     # schema (its column count, a public fact), never anything about the rows.
     details = {d.query_id: d.detail for d in proxy.declines}

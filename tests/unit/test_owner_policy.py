@@ -202,6 +202,11 @@ def test_task_rate_cap(test_only_keypair_512: tuple[Any, Any]) -> None:
         DeclineReason.POLICY_REFUSAL,
         "max_tasks_per_day",
     )
+    # The count covers every analyst's releases (another analyst's activity): only the
+    # owner's own limit is stated.
+    refused = check_task(task, config, _table(), releases_last_day=7)
+    assert isinstance(refused, Refusal)
+    assert "limit of 3 releases" in refused.detail and "7" not in refused.detail
 
 
 def test_the_schema_must_fit(test_only_keypair_512: tuple[Any, Any]) -> None:

@@ -173,9 +173,10 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
             f"the query's quorum {spec.quorum} is below policy.min_quorum = {policy.min_quorum}"
         )
     if releases_last_day >= policy.max_tasks_per_day:
+        # The count covers every analyst's releases: only the limit is stated.
         raise PolicyError(
-            f"this owner took part in {releases_last_day} releases in the last 24 hours "
-            f"(policy.max_tasks_per_day = {policy.max_tasks_per_day})"
+            f"this owner has reached its limit of {policy.max_tasks_per_day} releases in "
+            "24 hours (policy.max_tasks_per_day)"
         )
 
 

@@ -63,9 +63,12 @@ from fedpca.query import ProtocolMode, QuerySpec, spec_digest
 from fedpca.transport import serde
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 
-__all__ = ["TaskProcessing", "choose_obfuscation"]
+__all__ = ["BUDGET_DECLINE_DETAIL", "TaskProcessing", "choose_obfuscation"]
 
 logger = logging.getLogger("fedpca.owner.node")
+
+BUDGET_DECLINE_DETAIL = "the query does not fit in this owner's remaining privacy budget"
+"""What a budget decline tells the proxy and the analyst (no figures: see its use)."""
 
 
 def choose_obfuscation(
@@ -327,7 +330,12 @@ class TaskProcessing:
                 allow_not_private=self.config.policy.allow_not_private,
             )
         except BudgetExceededError as exc:
-            return self._decline_task(stub, task, DeclineReason.BUDGET_EXHAUSTED, str(exc))
+            # The figures compose every analyst's releases: they stay in this log, so
+            # that one analyst does not read another's activity at this owner.
+            logger.info("query %s: %s", query_id, exc)
+            return self._decline_task(
+                stub, task, DeclineReason.BUDGET_EXHAUSTED, BUDGET_DECLINE_DETAIL
+            )
         except (CalibrationError, PolicyError) as exc:
             return self._decline_task(stub, task, DeclineReason.POLICY_REFUSAL, str(exc))
         logger.info(
