@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import math
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +53,15 @@ from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.dp.noise import NoiseSampler, noise_headroom, vector_noise
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
 from fedpca.exact_statistics import FixedPointStatistics
+from fedpca.masked_release import (
+    MASK_SECURITY_BITS,
+    mask_width,
+    masked_release_sensitivity,
+    masked_rounding_slack,
+    masked_scatter_sensitivity,
+    row_aligned_length,
+    row_aligned_positions,
+)
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import Section, StatisticsSpec, SufficientStatistics, upper_triangle_length
 
@@ -69,10 +77,6 @@ SUM_WINDOWS = "sum_windows"
 """Masked mode: packed windows v[t : t + k] for every start t."""
 MASKED_SUM = "masked_sum"
 """Masked mode result: packed v + b."""
-
-MASK_SECURITY_BITS = 40
-"""Statistical hiding of the mean mask: each coordinate of v + b is within total
-variation distance 2^-40 of the same for a neighbouring v (see mask_width)."""
 
 
 INT64_VALUE_LIMIT = 1 << 62
@@ -478,61 +482,6 @@ def _check_int64(bounds: PackingBounds) -> None:
 
 
 # -------------------------------------------------------------------- masked mode
-def masked_scatter_sensitivity(clip_norm: float, n_records: int) -> float:
-    """L2 sensitivity of the released centred scatter under replace-one adjacency.
-
-    Replacing record x by x' in a dataset of N records (μ its mean, y = x − μ,
-    y' = x' − μ, d = x' − x) changes S = R − v vᵀ/N by y'y'ᵀ − y yᵀ − d dᵀ/N.
-    ‖y'y'ᵀ − y yᵀ‖_F² = ‖y'‖⁴ + ‖y‖⁴ − 2(yᵀy')² <= 2 (2c)⁴ and ‖d dᵀ‖_F/N <= (2c)²/N,
-    so ‖ΔS‖_F <= 4√2 c² + 4c²/N; the upper triangle's L2 norm is at most that.
-    The owners' statistics are exact integers of rows quantised with ‖x‖ <= c
-    (:func:`fedpca.exact_statistics.fixed_point_statistics`); what the release adds to
-    this is :func:`masked_rounding_slack`.
-    """
-    c2 = clip_norm * clip_norm
-    return math.nextafter(4.0 * math.sqrt(2.0) * c2 + 4.0 * c2 / max(n_records, 1), math.inf)
-
-
-def masked_rounding_slack(clip_norm: float, n_features: int, frac_bits: int) -> float:
-    """L2 slack, in the units of S, of the rounding the masked release applies to v vᵀ/N.
-
-    The analyst's T − v′v′ᵀ is N 2^f (R + E) − v vᵀ + F on the unit grid, with F a
-    uniform residue the proxy adds to every entry (:mod:`fedpca.proxy.masking`):
-    without it the noise, a multiple of N 2^f, left v vᵀ mod N 2^f exact. Writing
-    F − v vᵀ = N 2^f Q + ρ, ρ is uniform and independent of the data, and Q rounds
-    −v vᵀ/(N 2^f) to an integer at a threshold ρ/(N 2^f). Given ρ the release is the
-    discrete Gaussian of R − round(v vᵀ/(N 2^f)), whose rounding differs between
-    neighbours by less than one grid step (2^-f c²) per entry: at most √(M(M+1)/2)
-    steps in L2 over the upper triangle.
-    """
-    steps = math.sqrt(n_features * (n_features + 1) / 2)
-    return math.nextafter(math.ldexp(steps * clip_norm * clip_norm, -frac_bits), math.inf)
-
-
-def masked_residue(scale: int) -> int:
-    """One uniform draw from the ``scale`` integers around 0 (:func:`masked_rounding_slack`).
-
-    From ``secrets``: like the mask, it must be unpredictable to the analyst.
-    """
-    return secrets.randbelow(scale) - scale // 2
-
-
-def masked_release_sensitivity(spec: QuerySpec, n_records: int) -> float:
-    """The masked release's L2 sensitivity: the centred scatter's, plus its rounding."""
-    return masked_scatter_sensitivity(spec.clip_norm, n_records) + masked_rounding_slack(
-        spec.clip_norm, spec.n_features, spec.frac_bits
-    )
-
-
-def mask_width(sum_bound: int) -> int:
-    """Masks are uniform on [0, W) with W = 2^(κ+1) · |v|max.
-
-    For |v|, |v'| <= V the distributions of v + b and v' + b differ in total
-    variation by |v − v'|/W <= 2V/W = 2^-κ per coordinate.
-    """
-    return sum_bound << (MASK_SECURITY_BITS + 1)
-
-
 def masked_sigma(plan: ReleasePlan, n_records: int) -> tuple[float, float]:
     """(sigma, sigma_int) of the scatter noise once the public N is known."""
     spec = plan.spec
@@ -542,11 +491,6 @@ def masked_sigma(plan: ReleasePlan, n_records: int) -> tuple[float, float]:
     # Owners send the scatter in clip units (c^2): the integer noise is in the same units.
     sigma_clip = sigma / (spec.clip_norm * spec.clip_norm)
     return sigma, math.ldexp(sigma_clip, spec.frac_bits)
-
-
-def row_aligned_length(m: int, k: int) -> int:
-    """Values in the row-aligned upper triangle: every row padded to a multiple of k."""
-    return k * sum(-(-(m - i) // k) for i in range(m))
 
 
 def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> ReleasePlan:
@@ -626,17 +570,6 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
         owner_blocks=owner_blocks,
         result_blocks=result_blocks,
     )
-
-
-def row_aligned_positions(m: int, k: int) -> list[tuple[int, int] | None]:
-    """(i, j) of every slot of the row-aligned upper triangle; None for padding."""
-    positions: list[tuple[int, int] | None] = []
-    for i in range(m):
-        columns = list(range(i, m))
-        padded = -(-len(columns) // k) * k
-        positions.extend((i, j) for j in columns)
-        positions.extend([None] * (padded - len(columns)))
-    return positions
 
 
 def _masked_blocks(

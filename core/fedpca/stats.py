@@ -593,18 +593,10 @@ def worst_case_change(
     swap = 2 * a + 2 * b + b * b / (2 * a) if b <= 2 * a else 4 * b
     cases = [swap]
     if kind is QueryKind.DCA and neighbouring is Neighbouring.REPLACE_ONE:
-        # x of class a replaces y of class b, and each class is sampled at its own cap:
-        # neither class at its cap, one of them, or both (each sample then swaps a record
-        # of its own: x for z in class a, y for w in class b). Two changes of the scatter
-        # add up within its Frobenius norm as ‖A + B‖² <= 2‖A‖² + 2‖B‖².
+        # x of class a replaces y of class b; each class is sampled at its own cap, so
+        # neither, one or both samples swap a record (‖A + B‖² <= 2‖A‖² + 2‖B‖²).
         one = 4 * a + 2 * b + b * b / (4 * a) if b <= 4 * a else 4 * b
-        cases.extend(
-            [
-                2 * a + 2 * b + 2 * g,  # neither: two class rows and two counts move
-                one + 2 * a + b + g,  # one: a swap in one class, a record less in the other
-                2 * one,  # both: a swap in each class
-            ]
-        )
+        cases += [2 * a + 2 * b + 2 * g, one + 2 * a + b + g, 2 * one]
     if neighbouring is Neighbouring.ADD_REMOVE or kind is QueryKind.DCA:
         cases.append(add)
     return max(cases)

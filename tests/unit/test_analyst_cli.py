@@ -54,6 +54,7 @@ from fedpca.errors import (
     QueryStateError,
 )
 from fedpca.exact_statistics import fixed_point_statistics
+from fedpca.masked_release import row_aligned_positions
 from fedpca.messages import (
     REFUSAL_METADATA,
     BudgetStatus,
@@ -66,7 +67,12 @@ from fedpca.messages import (
     Refusal,
 )
 from fedpca.preprocess import preprocess_for_query
-from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, SHARES, ReleasePlan, row_aligned_positions
+from fedpca.protocol import (
+    MASKED_SUM,
+    SCATTER_ROWS,
+    SHARES,
+    ReleasePlan,
+)
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, signer_id, verify_query
 from fedpca.transport import serde

@@ -48,6 +48,7 @@ from fedpca.errors import (
     UntrustedKeyError,
 )
 from fedpca.exact_statistics import FixedPointStatistics, fixed_point_statistics
+from fedpca.masked_release import mask_width, row_aligned_positions
 from fedpca.messages import (
     CiphertextPayload,
     QueryResult,
@@ -58,8 +59,6 @@ from fedpca.protocol import (
     SCATTER_ROWS,
     SHARES,
     ReleasePlan,
-    mask_width,
-    row_aligned_positions,
 )
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import SufficientStatistics

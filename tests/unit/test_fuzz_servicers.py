@@ -46,6 +46,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -959,3 +960,78 @@ def test_after_the_fuzz_valid_uploads_still_sum_exactly(world: World) -> None:
     plaintexts = [world.private_key.raw_decrypt(c) for c in result.payload[SHARES]]
     expected = sum(world.expected.values())
     assert unpack_slots(plaintexts, block.layout, world.public_key.n) == list(expected)
+
+
+def test_hostile_sizes_are_refused_at_once_and_quoted_short(world: World) -> None:
+    """Sizes only a hostile peer sends (review): each refused before it costs the proxy
+    time on its event loop, memory, rows or log, and quoted in at most a few KB.
+
+    A header of 100,000 blocks once took minutes (a quadratic duplicate check on the
+    event loop, freezing every peer); a 4 MiB key fingerprint grew the log by 4 MB a
+    refusal; 7 MiB Hello fields were stored in the owners table."""
+    big = world.open_channel(Role.OWNER, "owner-3", max_message_bytes=32 * 1024 * 1024)
+    stub = owner_grpc.OwnerServiceStub(big)
+    before = snapshot(world.store)
+    many = _copy(world.fresh["owner-3"])
+    block = many[0].header.blocks[0]
+    for index in range(100_000):
+        extra = many[0].header.blocks.add()
+        extra.CopyFrom(block)
+        extra.name = f"b{index}"
+    started = time.monotonic()
+    outcome = call(lambda: stub.Upload(iter(many), timeout=TIMEOUT))
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "blocks, more than any plan has" in outcome.details
+    assert time.monotonic() - started < 5.0
+
+    long_fingerprint = _copy(world.fresh["owner-3"])
+    long_fingerprint[0].header.analyst_key_fingerprint = "sha256:" + "f" * (4 << 20)
+    outcome = call(lambda: stub.Upload(iter(long_fingerprint), timeout=TIMEOUT))
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 256" in outcome.details and len(outcome.details) < 3000
+
+    hello = owner_pb.OwnerHello(node_id="x" * (7 << 20), software_version="1.0")
+    outcome = call(lambda: stub.Hello(hello, timeout=TIMEOUT))
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "OwnerHello.node_id" in outcome.details
+    assert snapshot(world.store) == before
+    assert max(len(line) for line in world.refusals.lines) < 3000
+
+
+def test_opening_a_task_stream_takes_one_of_the_owners_call_slots(world: World) -> None:
+    """Reopening task streams in a loop filled the proxy's shared work backlog (each
+    open writes): opening is bounded per owner like every other call (review)."""
+    slots = world.server.peer_slots
+    limit = world.server.config.limits.max_calls_per_peer
+    for _ in range(limit):
+        slots.acquire("calls", "owner/owner-3", limit)
+    try:
+        stream = world.owners["owner-3"].StreamTasks(
+            serde.task_stream_request_to_proto("owner-3"), timeout=TIMEOUT
+        )
+        outcome = call(lambda: next(stream))
+        assert outcome.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "calls in flight" in outcome.details
+    finally:
+        for _ in range(limit):
+            slots.release("calls", "owner/owner-3")
+    # With its slots back, the owner opens its stream as before.
+    stream = world.owners["owner-3"].StreamTasks(
+        serde.task_stream_request_to_proto("owner-3"), timeout=TIMEOUT
+    )
+    assert next(stream).WhichOneof("event") == "heartbeat"
+    stream.cancel()
+
+
+def test_a_cancelled_task_stream_is_not_reported_as_a_failure(world: World) -> None:
+    """A client that cancels its task stream (Ctrl-C, a restart) closes the generator
+    with GeneratorExit: that ended 541 of 2,000 streams in an ERROR traceback (review)."""
+    before = len(world.refusals.lines)
+    for _ in range(20):
+        stream = world.owners["owner-3"].StreamTasks(
+            serde.task_stream_request_to_proto("owner-3"), timeout=TIMEOUT
+        )
+        next(stream)
+        stream.cancel()
+    time.sleep(0.5)  # the proxy notices the cancellations
+    assert not [line for line in world.refusals.lines[before:] if "unexpectedly" in line]

@@ -210,7 +210,11 @@ def test_the_masked_release_leaves_no_exact_residue_of_the_sums(tmp_path: Path) 
     from fedpca.codec import generate_keypair
     from fedpca.dp.mechanisms import PrivacyParams
     from fedpca.exact_statistics import fixed_point_statistics
-    from fedpca.protocol import MASKED_SUM, SCATTER_ROWS, row_aligned_positions
+    from fedpca.masked_release import row_aligned_positions
+    from fedpca.protocol import (
+        MASKED_SUM,
+        SCATTER_ROWS,
+    )
     from fedpca.query import Neighbouring, ProtocolMode
     from helpers import make_query
 

@@ -122,6 +122,24 @@ def test_query_spec_round_trip_is_exact(spec: QuerySpec) -> None:
     assert type(back.kind) is QueryKind and type(back.calibration) is Calibration
 
 
+def test_a_peer_spec_beyond_the_size_or_aggregate_cap_is_refused_before_it_is_built() -> None:
+    # A 1-D histogram of 2^20 bins was 8.4 MB a query and 11 MB of JSON a row, stored,
+    # cached and parsed again every half second (review).
+    wide = serde.query_spec_to_proto(pca_spec())
+    wide.feature_lower.extend([0.0] * 140_000)
+    with pytest.raises(ProtocolError, match=r"bytes, more than 1048576"):
+        serde.query_spec_from_proto(wide)
+    many = serde.query_spec_to_proto(pca_spec())
+    for _ in range(65):
+        many.aggregates.add()  # empty: refused by count before any is decoded
+    with pytest.raises(ProtocolError, match="at most 64 aggregates"):
+        serde.query_spec_from_proto(many)
+    long_key = serde.query_spec_to_proto(pca_spec())
+    long_key.analyst_key_fingerprint = "sha256:" + "a" * 1000
+    with pytest.raises(ProtocolError, match=r"analyst_key_fingerprint .* more than 256"):
+        serde.query_spec_from_proto(long_key)
+
+
 def test_every_non_default_field_is_present_on_the_wire() -> None:
     message = serde.query_spec_to_proto(dca_spec())
     for name in ("clip_norm", "label_column", "quorum", "deadline_seconds", "frac_bits"):

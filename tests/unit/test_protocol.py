@@ -14,6 +14,12 @@ from fedpca.dp.calibration import zcdp_epsilon, zcdp_noise_multiplier
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import ConfigError, EncodingOverflowError
 from fedpca.exact_statistics import fixed_point_statistics
+from fedpca.masked_release import (
+    mask_width,
+    masked_scatter_sensitivity,
+    row_aligned_length,
+    row_aligned_positions,
+)
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -21,10 +27,6 @@ from fedpca.protocol import (
     SUM_SINGLE,
     SUM_WINDOWS,
     ReleasePlan,
-    mask_width,
-    masked_scatter_sensitivity,
-    row_aligned_length,
-    row_aligned_positions,
 )
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import StatisticsSpec, worst_case_change

@@ -41,6 +41,7 @@ from fedpca.errors import (
     QueryStateError,
 )
 from fedpca.exact_statistics import fixed_point_statistics
+from fedpca.masked_release import row_aligned_positions
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     DecodedChunk,
@@ -60,7 +61,6 @@ from fedpca.protocol import (
     SHARES,
     SUM_SINGLE,
     ReleasePlan,
-    row_aligned_positions,
 )
 from fedpca.proxy import prepared_noise
 from fedpca.proxy.config import BudgetConfig, OwnersConfig, PrivacySection, ProxyConfig

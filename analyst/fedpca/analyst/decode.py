@@ -68,6 +68,7 @@ from fedpca.errors import (
     LayoutError,
     ProtocolError,
 )
+from fedpca.masked_release import row_aligned_positions
 from fedpca.messages import (
     CiphertextPayload,
     NoiseDescription,
@@ -83,7 +84,6 @@ from fedpca.protocol import (
     SHARES,
     ReleasePlan,
     masked_sigma,
-    row_aligned_positions,
 )
 from fedpca.query import ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import CLASS_COUNTS, COUNT, SCATTER, SUM, SufficientStatistics

@@ -15,7 +15,7 @@ without encrypting anything, with the roles' own code for every other step:
   masked mode draws a uniform mask b of the plan's width and the scatter noise E with
   :func:`fedpca.dp.noise.symmetric_noise` as ``fedpca.proxy.masking`` does, and forms
   the slots T = N 2^f R + v bᵀ + b vᵀ + b bᵀ + N 2^f E + F (F the uniform residue
-  of :func:`fedpca.protocol.masked_residue`) and v + b that its exponentiations
+  of :func:`fedpca.masked_release.masked_residue`) and v + b that its exponentiations
   produce under encryption;
 * analyst — :func:`fedpca.analyst.decode.decode_values`, the decoding step after
   decryption, so :meth:`DecodedRelease.pca` runs the same solver.
@@ -40,6 +40,7 @@ import numpy.typing as npt
 from fedpca.analyst.decode import DecodedRelease, decode_values, noise_description
 from fedpca.dp.noise import NoiseSampler, symmetric_noise
 from fedpca.errors import ConfigError
+from fedpca.masked_release import mask_width, masked_residue, row_aligned_positions
 from fedpca.owner.compute import QueryColumns, encode_share, record_cap
 from fedpca.protocol import (
     MASKED_SUM,
@@ -47,10 +48,7 @@ from fedpca.protocol import (
     SHARES,
     SUM_SINGLE,
     ReleasePlan,
-    mask_width,
-    masked_residue,
     masked_sigma,
-    row_aligned_positions,
 )
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.tables import OwnerTable

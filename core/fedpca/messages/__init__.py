@@ -38,6 +38,8 @@ from fedpca.messages.chunks import (
     split_into_chunks,
 )
 from fedpca.messages.ciphertexts import (
+    MAX_BLOCK_NAME_LENGTH,
+    MAX_LAYOUT_BLOCKS,
     CiphertextBlock,
     CiphertextPayload,
     blocks_of,
@@ -88,7 +90,9 @@ __all__ = [
     "CHAIN_GENESIS",
     "CHUNK_FRAMING_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_BLOCK_NAME_LENGTH",
     "MAX_DECLINE_DETAIL",
+    "MAX_LAYOUT_BLOCKS",
     "PROTOCOL_VERSION",
     "REFUSAL_METADATA",
     "SHA256_BYTES",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from fedpca.errors import CiphertextError, ConfigError, LayoutError, ProtocolError
 
 __all__ = [
+    "MAX_BLOCK_NAME_LENGTH",
+    "MAX_LAYOUT_BLOCKS",
     "CiphertextBlock",
     "CiphertextPayload",
     "blocks_of",
@@ -26,6 +29,14 @@ __all__ = [
     "ciphertexts_from_bytes",
     "ciphertexts_to_bytes",
 ]
+
+
+MAX_LAYOUT_BLOCKS = 1024
+"""More blocks than any release plan declares (64 aggregates of a few sections each,
+or three for PCA and DCA): a peer's header with more is refused before it is examined."""
+
+MAX_BLOCK_NAME_LENGTH = 64
+"""Longer than any plan's block name; a peer's longer name is refused, not quoted."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,11 @@ class CiphertextBlock:
     def __post_init__(self) -> None:
         if not self.name:
             raise LayoutError("a ciphertext block needs a name")
+        if len(self.name) > MAX_BLOCK_NAME_LENGTH:
+            raise LayoutError(
+                f"block name {self.name[:40]!r}... is longer than {MAX_BLOCK_NAME_LENGTH} "
+                "characters"
+            )
         for attribute in (
             "key_bits",
             "slot_bits",
@@ -102,8 +118,10 @@ def check_layout(blocks: Sequence[CiphertextBlock]) -> int:
     """
     if not blocks:
         raise LayoutError("a ciphertext layout needs at least one block")
-    names = [block.name for block in blocks]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if len(blocks) > MAX_LAYOUT_BLOCKS:
+        raise LayoutError(f"{len(blocks)} blocks, more than any plan has ({MAX_LAYOUT_BLOCKS})")
+    names = Counter(block.name for block in blocks)
+    duplicates = sorted(name for name, count in names.items() if count > 1)
     if duplicates:
         raise LayoutError(f"duplicate block names in layout: {duplicates}")
     key_bits = {block.key_bits for block in blocks}

@@ -46,16 +46,14 @@ from fedpca.codec import (
 )
 from fedpca.dp.noise import NoiseSampler, symmetric_noise
 from fedpca.errors import LayoutError, QueryStateError
+from fedpca.masked_release import mask_width, masked_residue, row_aligned_positions
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
     SUM_SINGLE,
     SUM_WINDOWS,
     ReleasePlan,
-    mask_width,
-    masked_residue,
     masked_sigma,
-    row_aligned_positions,
 )
 from fedpca.proxy import _mask_worker
 from fedpca.proxy.store_records import stored_block
@@ -126,7 +124,7 @@ def masked_result(
     scale = public_n << f
     # The noise is a multiple of N 2^f and v vᵀ is not: alone it would leave the analyst
     # v vᵀ mod N 2^f exactly. A uniform residue F in every entry makes that residue
-    # uniform and independent of the data (protocol.masked_rounding_slack has the proof).
+    # uniform and independent of the data (the proof: masked_release.masked_rounding_slack).
     positions = row_aligned_positions(m, k)
     fresh_values: list[int] = []
     for position in positions:

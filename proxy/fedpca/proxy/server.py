@@ -80,6 +80,8 @@ class ProxyServer:
         self._coordinator: Coordinator | None = None
         self._server: aio.Server | None = None
         self._work: WorkerPool | None = None
+        self.peer_slots = PeerSlots()
+        """What each peer holds of its per-peer bounds (calls, uploads, watches)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._timer_stop = threading.Event()
@@ -210,7 +212,7 @@ class ProxyServer:
         feed = ChangeFeed(asyncio.get_running_loop())
         coordinator.add_listener(feed.notify)
         self._work = WorkerPool(limits)
-        slots = PeerSlots()
+        slots = self.peer_slots = PeerSlots()
         common: dict[str, Any] = {"insecure": tls is None}
         server = channels.create_async_server(
             maximum_concurrent_rpcs=limits.max_concurrent_rpcs,

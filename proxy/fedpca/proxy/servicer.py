@@ -145,10 +145,20 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
     async def StreamTasks(
         self, request: owner_pb.TaskStreamRequest, context: aio.ServicerContext
     ) -> AsyncIterator[owner_pb.TaskEvent]:
-        owner = self._caller(context, Role.OWNER).node_id
-        # The claimed node id is informational only; the in-flight uploads are answered.
-        _, in_flight = serde.task_stream_request_from_proto(request)
-        await self.work.run(self.coordinator.enroll, owner)
+        caller = self._caller(context, Role.OWNER)
+        owner = caller.node_id
+        # Opening writes (enrol) and answers in-flight uploads: bounded per owner like
+        # every other call, so that reopening streams in a loop cannot fill the backlog
+        # of the proxy's workers. The open stream itself is one per owner (below).
+        with self._call_slot(caller):
+            # The claimed node id is informational only; the in-flight uploads are answered.
+            _, in_flight = serde.task_stream_request_from_proto(request)
+            await self.work.run(self.coordinator.enroll, owner)
+            answers = (
+                await self.work.run(self.coordinator.in_flight_answers, owner, in_flight)
+                if in_flight
+                else []
+            )
         # One stream per owner: this one supersedes any older one, which ends.
         generation = self.streams.open(owner)
         self.feed.notify()
@@ -158,11 +168,10 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         try:
             # A heartbeat first tells the owner the stream is live.
             yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
-            if in_flight:
-                for answer in await self.work.run(coordinator.in_flight_answers, owner, in_flight):
-                    if isinstance(answer, Task):
-                        delivered.add(answer.key)
-                    yield serde.task_event_to_proto(answer)
+            for answer in answers:
+                if isinstance(answer, Task):
+                    delivered.add(answer.key)
+                yield serde.task_event_to_proto(answer)
             next_beat = time.monotonic() + self.heartbeat_seconds
             while not coordinator.stopping and self.streams.is_current(owner, generation):
                 changed = self.feed.event

@@ -89,15 +89,23 @@ def status_code_for(error: FedpcaError) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def refuse(context: aio.ServicerContext, method: str, error: BaseException) -> NoReturn:
+MAX_REFUSAL_TEXT = 2000
+"""Characters of a refusal's message kept in the log line and the status details."""
+
+
+async def refuse(context: aio.ServicerContext, method: str, error: Exception) -> NoReturn:
     if isinstance(error, FedpcaError):
         code = status_code_for(error)
-        logger.warning("%s refused (%s): %s", method, code.name, error)
+        # Cut: a refusal may quote what a peer sent, and every refusal is logged.
+        text = str(error)
+        if len(text) > MAX_REFUSAL_TEXT:
+            text = text[:MAX_REFUSAL_TEXT] + f"... ({len(text)} characters)"
+        logger.warning("%s refused (%s): %s", method, code.name, text)
         trailing: tuple[tuple[str, str], ...] = ()
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             refusal = Refusal.BUDGET if isinstance(error, BudgetExceededError) else Refusal.OVERLOAD
             trailing = ((REFUSAL_METADATA, refusal.value),)
-        await context.abort(code, str(error), trailing)
+        await context.abort(code, text, trailing)
     elif isinstance(error, grpc.RpcError | aio.AioRpcError):
         # Reading the request stream failed: the client cancelled or the connection
         # dropped mid-stream. Routine on a network; nobody is left to answer.
@@ -124,7 +132,7 @@ def unary_errors(method: _Method) -> _Method:
             raise
         except aio.AbortError:
             raise
-        except BaseException as error:
+        except Exception as error:
             await refuse(context, method.__name__, error)
 
     return wrapper  # type: ignore[return-value]
@@ -142,7 +150,9 @@ def streaming_errors(method: _Method) -> _Method:
             raise
         except aio.AbortError:
             raise
-        except BaseException as error:
+        except Exception as error:
+            # Not BaseException: the GeneratorExit of a stream the client cancelled
+            # must close the generator, not be reported as a failure of the call.
             await refuse(context, method.__name__, error)
 
     return wrapper  # type: ignore[return-value]

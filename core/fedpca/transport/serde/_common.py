@@ -175,9 +175,24 @@ def timestamp_from_proto(stamp: timestamp_pb2.Timestamp, what: str) -> datetime:
         raise ProtocolError(f"{what} is not a valid timestamp: {exc}") from None
 
 
-def require_text(value: str, what: str) -> str:
+MAX_PEER_TEXT = 256
+"""The longest identifier, fingerprint or version a peer may send (each is far shorter):
+longer text is refused at decoding, before it is stored, logged or quoted."""
+
+
+def require_text(value: str, what: str, *, max_length: int = MAX_PEER_TEXT) -> str:
+    """A non-empty text field of a peer's message, at most ``max_length`` characters."""
     if not value:
         raise ProtocolError(f"{what} is empty")
+    return bounded_text(value, what, max_length=max_length)
+
+
+def bounded_text(value: str, what: str, *, max_length: int = MAX_PEER_TEXT) -> str:
+    """A text field of a peer's message (may be empty), at most ``max_length`` characters."""
+    if len(value) > max_length:
+        raise ProtocolError(
+            f"{what} {short_repr(value)} is {len(value)} characters long, more than {max_length}"
+        )
     return value
 
 

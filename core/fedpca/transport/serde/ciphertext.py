@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from fedpca.errors import LayoutError, ProtocolError
 from fedpca.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_LAYOUT_BLOCKS,
     CiphertextBlock,
     CiphertextPayload,
     EncodedChunk,
@@ -53,6 +54,12 @@ def blocks_from_proto(
     ProtocolError
         If any block or the layout as a whole is invalid.
     """
+    messages = list(messages)
+    if len(messages) > MAX_LAYOUT_BLOCKS:  # before a block is built from a peer's header
+        raise ProtocolError(
+            f"invalid ciphertext layout: {len(messages)} blocks, more than any plan has "
+            f"({MAX_LAYOUT_BLOCKS})"
+        )
     try:
         blocks = tuple(
             CiphertextBlock(

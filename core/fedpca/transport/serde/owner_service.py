@@ -29,6 +29,7 @@ from fedpca.transport.serde._common import (
     OBFUSCATION_TO_PROTO,
     UPLOAD_STATUS_FROM_PROTO,
     UPLOAD_STATUS_TO_PROTO,
+    bounded_text,
     capabilities_from_proto,
     enum_from_proto,
     require_task_key,
@@ -205,8 +206,8 @@ def owner_hello_to_proto(hello: OwnerHello) -> owner_pb.OwnerHello:
 
 def owner_hello_from_proto(message: owner_pb.OwnerHello) -> OwnerHello:
     return OwnerHello(
-        node_id=message.node_id,
-        software_version=message.software_version,
+        node_id=bounded_text(message.node_id, "OwnerHello.node_id"),
+        software_version=bounded_text(message.software_version, "OwnerHello.software_version"),
         obfuscation_variants=capabilities_from_proto(
             message.obfuscation_variants, "OwnerHello.obfuscation_variants"
         ),
@@ -277,7 +278,7 @@ def task_stream_request_from_proto(
         )
     for key in keys:
         require_task_key(key, "TaskStreamRequest.in_flight_tasks")
-    return message.node_id, keys
+    return bounded_text(message.node_id, "TaskStreamRequest.node_id"), keys
 
 
 def task_event_to_proto(event: TaskEvent) -> owner_pb.TaskEvent:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedpca.errors import ConfigError, ProtocolError
-from fedpca.query import Aggregate, QuerySpec
+from fedpca.query import MAX_AGGREGATES, Aggregate, QuerySpec
 from fedpca.transport.serde._common import (
     AGGREGATE_KIND_FROM_PROTO,
     AGGREGATE_KIND_TO_PROTO,
@@ -19,12 +19,17 @@ from fedpca.transport.serde._common import (
     MOMENTS_TO_PROTO,
     NEIGHBOURING_FROM_PROTO,
     NEIGHBOURING_TO_PROTO,
+    bounded_text,
     enum_from_proto,
     extend_repeated,
     set_scalars,
     short_repr,
 )
 from fedpca.v1 import query_pb2 as query_pb
+
+MAX_QUERY_BYTES = 1 << 20
+"""The largest encoded QuerySpec accepted from a peer: 65,536 features' bounds, or
+about 131,000 histogram bin edges. Far above what PCA at M = 5,000 needs (80 KB)."""
 
 
 def _key_modulus_to_bytes(n: int) -> bytes:
@@ -141,6 +146,17 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         message of the underlying ConfigError is kept).
     """
     what = f"QuerySpec {short_repr(message.query_id)}"
+    # Bounded before anything is built from it: a peer's spec is decoded on its way in
+    # (the proxy's event loop, an owner's task stream), stored and read back.
+    size = message.ByteSize()
+    if size > MAX_QUERY_BYTES:
+        raise ProtocolError(
+            f"{what} is {size} bytes, more than {MAX_QUERY_BYTES} (at most "
+            f"{MAX_QUERY_BYTES // 16:,} features or about {MAX_QUERY_BYTES // 8:,} histogram "
+            "bin edges)"
+        )
+    if len(message.aggregates) > MAX_AGGREGATES:
+        raise ProtocolError(f"{what}: at most {MAX_AGGREGATES} aggregates per query")
     kwargs: dict[str, Any] = {
         "query_id": message.query_id,
         "kind": enum_from_proto(message.kind, KIND_FROM_PROTO, f"{what}.kind"),
@@ -154,7 +170,9 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         "noise_weights": tuple(message.noise_weights),
         "bounded_owner_tables": message.bounded_owner_tables,
         "analyst_public_key_n": _key_modulus_from_bytes(message.analyst_public_key_n, what),
-        "analyst_key_fingerprint": message.analyst_key_fingerprint,
+        "analyst_key_fingerprint": bounded_text(
+            message.analyst_key_fingerprint, f"{what}.analyst_key_fingerprint"
+        ),
         "aggregates": tuple(
             _aggregate_from_proto(part, f"{what}.aggregates[{index}]")
             for index, part in enumerate(message.aggregates)
