@@ -128,7 +128,8 @@ def provenance(parameters: Mapping[str, Any]) -> dict[str, Any]:
             "cpu_model": model,
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "note": "cores shared with other work while the run was made",
+            # Measured, not claimed: other work on the machine shows here.
+            "load_average_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         },
         "fedpca_version": __version__,
         "git_commit": commit,

@@ -131,3 +131,31 @@ def test_noise_sampler_reports_its_cost_per_value() -> None:
     low, high = float(result["us_per_value_min"]), float(result["us_per_value_max"])
     assert 0 < low <= high
     assert float(result["max_over_min"]) >= 1.0
+
+
+def test_owner_encrypt_compares_with_the_published_design_and_the_bare_loop() -> None:
+    result = run_benchmark("owner_encrypt.py", "--features", "20", "--published-sample", "5")
+    assert float(result["ratio_vs_published"]) > 0
+    assert float(result["speedup_over_bare"]) > 0
+
+
+def test_primitives_reports_the_cost_of_each_operation() -> None:
+    result = run_benchmark("primitives.py", "--repeat", "5")
+    # Decryption and a full r^n encryption both cost more than a table-driven DJN one.
+    assert float(result["decrypt_over_djn_table"]) > 1
+    assert float(result["full_over_djn_table"]) > 1
+
+
+def test_mode_utility_compares_both_modes() -> None:
+    result = run_benchmark("mode_utility.py", "--trials", "1", "--epsilons", "1")
+    assert result["stats_better_everywhere"] in ("True", "False")
+    assert math.isfinite(float(result["mean_gain"]))
+
+
+def test_discrete_gaussian_gap_and_privacy_cost_print_their_summaries() -> None:
+    gap = run_benchmark("discrete_gaussian_gap.py")
+    assert 0 <= abs(float(gap["max_excess_at_256"])) < 1e-3
+    # The proven zCDP conversion is looser than the continuous PLD at the same z.
+    assert float(gap["zcdp_epsilon"]) > float(gap["pld_epsilon"]) > 0
+    cost = run_benchmark("privacy_cost.py")
+    assert 1 < float(cost["pca_sigma_ratio_min"]) <= float(cost["pca_sigma_ratio_max"])
