@@ -399,11 +399,15 @@ def test_unmask_scatter_is_the_exact_rational() -> None:
     t_values = [rng.randrange(-(2**150), 2**150) if p else 0 for p in positions]
     sums = [rng.randrange(-(2**70), 2**70) for _ in range(m)]
     scatter = unmask_scatter(t_values, sums, m, k, n, f)
+    checked = set()
     for value, position in zip(t_values, positions, strict=True):
         if position is not None:
             i, j = position
             exact = float(Fraction(value - sums[i] * sums[j], n << (2 * f)))
             assert scatter[i, j] == exact == scatter[j, i]
+            checked.add((i, j))
+    # Every entry of the upper triangle was compared (the padding slots hold none).
+    assert checked == {(i, j) for i in range(m) for j in range(i, m)}
 
 
 # ------------------------------------------------------------------- refusals

@@ -12,7 +12,7 @@ import pytest
 
 from fedpca.errors import CiphertextError, ConfigError, LayoutError, ProtocolError
 from fedpca.messages import (
-    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_CHUNK_MESSAGE_BYTES,
     MAX_DECLINE_DETAIL,
     BudgetStatus,
     CiphertextBlock,
@@ -285,7 +285,9 @@ def test_payload_must_match_layout() -> None:
         CiphertextPayload((block("a", 1),), {"b": [5]})
 
 
-@pytest.mark.parametrize("max_bytes", [64 + WIDTH, 64 + 3 * WIDTH, 1000, DEFAULT_MAX_MESSAGE_BYTES])
+@pytest.mark.parametrize(
+    "max_bytes", [64 + WIDTH, 64 + 3 * WIDTH, 1000, DEFAULT_CHUNK_MESSAGE_BYTES]
+)
 def test_chunks_stay_under_max_message_size(max_bytes: int) -> None:
     data = payload(5, 4, 2)
     messages = serde.encode_upload("q1", "fp", "u1", data, max_message_bytes=max_bytes)
@@ -301,7 +303,7 @@ def test_default_chunk_size_with_production_keys() -> None:
     data = CiphertextPayload(blocks, {"scatter": [7] * 9000})
     messages = serde.encode_upload("q1", "fp", "u1", data)
     sizes = [m.ByteSize() for m in messages[1:]]
-    assert max(sizes) <= DEFAULT_MAX_MESSAGE_BYTES
+    assert max(sizes) <= DEFAULT_CHUNK_MESSAGE_BYTES
     assert len(sizes) == 3  # 9000 * 768 B = 6.6 MiB
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from fedpca.errors import AuthenticationError, ConfigError, FedpcaError, ProtocolError
 from fedpca.messages import (
-    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_CHUNK_MESSAGE_BYTES,
     CiphertextBlock,
     CiphertextPayload,
     Heartbeat,
@@ -294,7 +294,7 @@ def test_options() -> None:
         server["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
     )
     assert client["grpc.http2.max_pings_without_data"] == 0
-    assert DEFAULT_MAX_MESSAGE_BYTES < channels.DEFAULT_MAX_MESSAGE_BYTES
+    assert DEFAULT_CHUNK_MESSAGE_BYTES < channels.DEFAULT_MAX_MESSAGE_BYTES
     # Both ends bound what waits per stream: a fixed window, no bandwidth-delay probing.
     for options in (client, server):
         assert options["grpc.http2.bdp_probe"] == 0

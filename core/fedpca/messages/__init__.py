@@ -21,7 +21,7 @@ from __future__ import annotations
 from fedpca.messages.chunks import (
     CHAIN_GENESIS,
     CHUNK_FRAMING_BYTES,
-    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_CHUNK_MESSAGE_BYTES,
     SHA256_BYTES,
     UPLOAD_CHUNK_BYTES,
     ChunkAssembler,
@@ -89,7 +89,7 @@ from fedpca.messages.uploads import (
 __all__ = [
     "CHAIN_GENESIS",
     "CHUNK_FRAMING_BYTES",
-    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_CHUNK_MESSAGE_BYTES",
     "MAX_BLOCK_NAME_LENGTH",
     "MAX_DECLINE_DETAIL",
     "MAX_LAYOUT_BLOCKS",

@@ -35,7 +35,7 @@ from fedpca.messages.ciphertexts import (
 __all__ = [
     "CHAIN_GENESIS",
     "CHUNK_FRAMING_BYTES",
-    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_CHUNK_MESSAGE_BYTES",
     "SHA256_BYTES",
     "UPLOAD_CHUNK_BYTES",
     "ChunkAssembler",
@@ -52,7 +52,7 @@ __all__ = [
     "split_into_chunks",
 ]
 
-DEFAULT_MAX_MESSAGE_BYTES = 3 * 1024 * 1024
+DEFAULT_CHUNK_MESSAGE_BYTES = 3 * 1024 * 1024
 """Default upper bound for one serialised chunk message.
 
 Well below the 8 MiB channel limit (:mod:`fedpca.transport.channels`) and gRPC's
@@ -91,7 +91,7 @@ def check_sha256(value: bytes, what: str) -> bytes:
     return bytes(value)
 
 
-def ciphertexts_per_chunk(width: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int:
+def ciphertexts_per_chunk(width: int, max_message_bytes: int = DEFAULT_CHUNK_MESSAGE_BYTES) -> int:
     """How many ciphertexts of ``width`` bytes fit in one chunk message."""
     per_chunk = (max_message_bytes - CHUNK_FRAMING_BYTES) // width
     if per_chunk < 1:
@@ -155,7 +155,7 @@ def chunk_stream(batches: Iterable[Sequence[int]], width: int, per_chunk: int) -
 
 
 def split_into_chunks(
-    payload: CiphertextPayload, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    payload: CiphertextPayload, max_message_bytes: int = DEFAULT_CHUNK_MESSAGE_BYTES
 ) -> list[EncodedChunk]:
     """Cut a whole payload into chained chunks whose messages each fit ``max_message_bytes``."""
     width = payload.ciphertext_bytes

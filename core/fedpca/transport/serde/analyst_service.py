@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 from fedpca.errors import LayoutError, ProtocolError
 from fedpca.messages import (
-    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_CHUNK_MESSAGE_BYTES,
     BudgetStatus,
     CancelReceipt,
     ChunkAssembler,
@@ -185,7 +185,7 @@ def result_chunk_message(chunk: EncodedChunk) -> analyst_pb.ResultMessage:
 
 def encode_result(
     result: QueryResult,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_message_bytes: int = DEFAULT_CHUNK_MESSAGE_BYTES,
     *,
     query_signature: bytes = b"",
     query_signer: str = "",

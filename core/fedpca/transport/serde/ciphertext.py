@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from fedpca.errors import LayoutError, ProtocolError
 from fedpca.messages import (
-    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_CHUNK_MESSAGE_BYTES,
     MAX_LAYOUT_BLOCKS,
     CiphertextBlock,
     CiphertextPayload,
@@ -95,7 +95,7 @@ def chunk_to_proto(chunk: EncodedChunk) -> ciphertext_pb.CiphertextChunk:
 
 
 def encode_chunks(
-    payload: CiphertextPayload, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    payload: CiphertextPayload, max_message_bytes: int = DEFAULT_CHUNK_MESSAGE_BYTES
 ) -> list[ciphertext_pb.CiphertextChunk]:
     """Chunk messages of a whole payload (:func:`fedpca.messages.split_into_chunks`):
     in order, indices 0, 1, ..., each carrying its link of the stream's hash chain."""

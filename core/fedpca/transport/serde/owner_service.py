@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from fedpca.errors import ConfigError, ProtocolError
 from fedpca.messages import (
-    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_CHUNK_MESSAGE_BYTES,
     MAX_DECLINE_DETAIL,
     UPLOAD_ID_PATTERN,
     CiphertextBlock,
@@ -89,7 +89,7 @@ def encode_upload(
     analyst_key_fingerprint: str,
     upload_id: str,
     payload: CiphertextPayload,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_message_bytes: int = DEFAULT_CHUNK_MESSAGE_BYTES,
     public_record_count: int | None = None,
 ) -> list[owner_pb.UploadMessage]:
     """A whole Upload client stream for a payload encrypted in advance: header, chunks.
