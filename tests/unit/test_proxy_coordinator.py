@@ -1595,6 +1595,29 @@ def _unmask(
     return noise, scatter, n_records
 
 
+def test_a_replaced_upload_breaking_last_does_not_keep_the_newer_ones_place(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    """Stream A (upload u1) stalls, stream B (upload u2) replaces it and breaks, then A
+    breaks: nothing streams, so u2 must be taken out. Streams were counted per owner,
+    so B's break saw A open and A's saw another id: the place was kept (review)."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", signed(make_spec(public_key, "q", deadline_seconds=60)))
+    plan = coordinator.plan(key("q"))
+    owner = owners_for(owner_rows)[0]
+    header, blocks, _ = owner.upload(plan, public_key, pool, key("q"))
+    first = coordinator.begin_upload("owner-0", replace(header, upload_id="u1"))
+    first.add(chunk_of(blocks[SHARES][:1]))
+    second = coordinator.begin_upload("owner-0", replace(header, upload_id="u2"))
+    second.add(chunk_of(blocks[SHARES][:1]))
+    assert [c.upload_id for c in coordinator.store.contributors(key("q"))] == ["u2"]
+    second.abandon()
+    first.abandon()
+    assert coordinator.store.contributors(key("q")) == []
+    assert coordinator.store.aggregate(key("q")) == b""
+
+
 def test_masked_mode_without_noise_unmasks_to_the_centred_scatter(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:

@@ -306,7 +306,9 @@ class Coordinator(OwnerTasks, AnalystRequests):
                 header.upload_id,
                 joined.covered,
             )
-        stream_key = (key, owner_id)
+        # Per upload id: a stream of another upload of this owner (one that replaced it,
+        # or that it replaced) must not keep this one from being taken out when it breaks.
+        stream_key = (key, owner_id, header.upload_id)
         with self._lock:
             self._open_streams[stream_key] += 1
 

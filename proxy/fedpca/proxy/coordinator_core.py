@@ -133,7 +133,7 @@ class CoordinatorCore:
         self._finishing: set[str] = set()
         self._fold_cpu_seconds: dict[str, float] = {}
         self._last_chunk_at: dict[str, float] = {}
-        self._open_streams: Counter[tuple[str, str]] = Counter()
+        self._open_streams: Counter[tuple[str, str, str]] = Counter()
         self._finalizing: set[str] = set()
         self._dirty: set[str] = set()
         self._pages_final: dict[str, int] = {}

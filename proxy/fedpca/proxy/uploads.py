@@ -94,7 +94,7 @@ class UploadStream:
         and folding, after each folded chunk (pages may be final).
     on_ended : called once the stream ended, completed or not (the coordinator
         counts the owner's live streams).
-    streams_open : how many streams of this owner's upload to this query are open,
+    streams_open : how many streams of this upload (its id) to this query are open,
         this one included.
     """
 
