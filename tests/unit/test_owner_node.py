@@ -28,7 +28,7 @@ import pytest
 from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint, unpack_slots
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.errors import DataError, PolicyError
+from fedpca.errors import DataError, PolicyError, ProtocolError
 from fedpca.messages import (
     SHARE_RELEASED_METADATA,
     DeclineReason,
@@ -1028,3 +1028,17 @@ def test_cancellations_of_unknown_tasks_are_bounded_and_write_nothing(harness: H
     assert len(harness.node._cancelled) <= REMEMBERED_CANCELLATIONS
     ledger = harness.ledger
     assert ledger.task(key("made-up-0")) is None and ledger.events() == []
+
+
+def test_an_owner_refuses_a_proxy_of_another_protocol_version(harness: Harness) -> None:
+    """Version 4 changed no message but the mechanism behind them (masked mode's residue,
+    DCA's replace-one calibration): a fixed owner must not answer a proxy without them,
+    which still speaks version 3 (review)."""
+
+    class _OldProxy:
+        def Hello(self, request: owner_pb.OwnerHello, timeout: float) -> owner_pb.ProxyInfo:
+            info = ProxyInfo("proxy", "0.2", "owner-1", 1.0, 1 << 20, datetime.now(UTC), 3)
+            return serde.proxy_info_to_proto(info)
+
+    with pytest.raises(ProtocolError, match="the proxy speaks wire protocol 3, this owner 4"):
+        harness.node._session(_OldProxy())  # type: ignore[arg-type]

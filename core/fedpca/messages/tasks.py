@@ -21,7 +21,7 @@ __all__ = [
     "TaskEvent",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Wire protocol version spoken by this code (messages of package ``fedpca.v1``).
 
 Version 2: chunks carry links of a hash chain instead of per-chunk hashes under a
@@ -33,7 +33,12 @@ Version 3: the proxy acknowledges an upload's header in the call's initial metad
 (:data:`~fedpca.messages.uploads.UPLOAD_ACCEPTED_METADATA`) once it has recorded the
 upload as begun, and the owner sends no chunk before that: an upload refused at its
 header leaves both the owner and the analyst refunded, one accepted leaves both
-charged."""
+charged.
+
+Version 4: the same messages; the mechanism behind them changed, so that an owner
+refuses a proxy without the fixes: masked mode adds a uniform residue to every scatter
+entry (v vᵀ mod N 2^f was exact before), and DCA under replace-one is calibrated for a
+swap in two capped classes at once (docs/privacy.md)."""
 
 
 class ObfuscationVariant(StrEnum):
