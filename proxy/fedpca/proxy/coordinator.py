@@ -306,8 +306,7 @@ class Coordinator(OwnerTasks, AnalystRequests):
                 header.upload_id,
                 joined.covered,
             )
-        # Per upload id: a stream of another upload of this owner (one that replaced it,
-        # or that it replaced) must not keep this one from being taken out when it breaks.
+        # Per upload id: another upload's stream must not keep this one in when it breaks.
         stream_key = (key, owner_id, header.upload_id)
         with self._lock:
             self._open_streams[stream_key] += 1
