@@ -34,6 +34,7 @@ import pytest
 
 from fedpca.analyst.estimators import FederatedPCA
 from fedpca.analyst.keys import load_analyst_signing_key
+from fedpca.analyst.querying import MissingOwnersWarning
 from fedpca.app.cluster import LocalCluster, split_rows
 from fedpca.codec import CryptoPool
 from fedpca.errors import FedpcaError
@@ -149,7 +150,9 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
         store = Store(cluster)
 
         # (a) quorum 2 of 3: the silent owner does not hold the query up.
-        model = _pca(cluster, quorum=2, deadline=WAIT).fit(n_features=34)
+        # The analyst is warned that the result covers 2 of the 3 registered owners.
+        with pytest.warns(MissingOwnersWarning, match="only 2 of 3 registered owners"):
+            model = _pca(cluster, quorum=2, deadline=WAIT).fit(n_features=34)
         key = task_id(ANALYST, model.query_id_)
         record = store.query(key)
         uploaders = store.uploaders(key)
