@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -181,24 +181,32 @@ def _finish(metrics: ProxyMetrics, method: str, code: str) -> None:
 def _counted(handler: Any, method: str, metrics: ProxyMetrics) -> Any:
     """``handler`` with its calls counted (and, for Upload, its bytes)."""
 
-    async def bytes_counted(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        async for request in requests:
-            size = getattr(request, "ByteSize", None)
-            if method == "Upload" and size is not None:
-                metrics.upload_bytes.inc(size())
-            yield request
+    async def bytes_counted(requests: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
+        from fedpca.proxy.servicer_support import close_stream
+
+        iterator = aiter(requests)
+        try:
+            async for request in iterator:
+                size = getattr(request, "ByteSize", None)
+                if method == "Upload" and size is not None:
+                    metrics.upload_bytes.inc(size())
+                yield request
+        finally:
+            await close_stream(iterator)
 
     if handler.request_streaming and not handler.response_streaming:
         behaviour = handler.stream_unary
 
         async def stream_unary(requests: AsyncIterator[Any], context: Any) -> Any:
             error: BaseException | None = None
+            counted = bytes_counted(requests)
             try:
-                return await behaviour(bytes_counted(requests), context)
+                return await behaviour(counted, context)
             except BaseException as exc:
                 error = exc
                 raise
             finally:
+                await counted.aclose()
                 _finish(metrics, method, _code_of(context, error))
 
         return handler._replace(stream_unary=stream_unary)
