@@ -871,3 +871,31 @@ def test_query_summaries_round_trip_with_their_aggregate_kinds() -> None:
     back = serde.query_list_from_proto(serde.query_list_to_proto(summaries))
     assert back == summaries
     assert [item.what for item in back] == ["aggregate:histogram+linreg", "pca"]
+
+
+def test_what_a_peer_answers_is_bounded_before_it_is_kept_or_logged() -> None:
+    """A malicious proxy's text reached the owner's and the analyst's logs in full, and
+    a peer's capability list was decoded entry by entry (review)."""
+    now = datetime.now(UTC)
+    info = serde.proxy_info_to_proto(ProxyInfo("proxy", "1", "owner-1", 1.0, 1 << 20, now))
+    info.authenticated_node_id = "x" * 5_000_000
+    with pytest.raises(ProtocolError, match=r"ProxyInfo\.authenticated_node_id"):
+        serde.proxy_info_from_proto(info)
+    hello = owner_pb.OwnerHello(node_id="owner-1", software_version="1")
+    hello.obfuscation_variants.extend([1] * 17)
+    with pytest.raises(ProtocolError, match="more than 16 obfuscation variants"):
+        serde.owner_hello_from_proto(hello)
+    status = analyst_pb.QueryStatus(query_id="q", state=analyst_pb.QUERY_STATE_COLLECTING)
+    status.declines.add(owner_id="owner-1", reason="policy_refusal", detail="d" * 5000)
+    with pytest.raises(ProtocolError, match=r"declines.detail .* more than 4000"):
+        serde.query_status_from_proto(status)
+    many = analyst_pb.QueryStatus(query_id="q", state=analyst_pb.QUERY_STATE_COLLECTING)
+    for index in range(4097):
+        many.declines.add(owner_id=f"o{index}", reason="policy_refusal")
+    with pytest.raises(ProtocolError, match="more than 4096 declines"):
+        serde.query_status_from_proto(many)
+    noise = analyst_pb.NoiseDescription()
+    for _ in range(1025):
+        noise.sections.add(name="s", sigma=1.0)
+    with pytest.raises(ProtocolError, match="more than 1024 sections"):
+        serde.noise_description_from_proto(noise)

@@ -7,6 +7,7 @@ a ConfigError, a value a peer sent that we cannot decode is a ProtocolError.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -126,12 +127,23 @@ def enum_from_proto(value: _W, mapping: Mapping[_W, _E], what: str) -> _E:
         ) from None
 
 
+MAX_CAPABILITIES = 16
+"""More obfuscation variants than any version of fedpca offers."""
+
+
 def capabilities_from_proto(
     values: Iterable[owner_pb.ObfuscationVariant], what: str
 ) -> tuple[ObfuscationVariant, ...]:
-    """Decode a capability list leniently: a newer peer may offer variants we lack."""
+    """Decode a capability list leniently: a newer peer may offer variants we lack.
+
+    At most :data:`MAX_CAPABILITIES` entries (a peer's 8 million took the proxy's event
+    loop for most of a second per call, review).
+    """
+    listed = list(itertools.islice(values, MAX_CAPABILITIES + 1))
+    if len(listed) > MAX_CAPABILITIES:
+        raise ProtocolError(f"{what}: more than {MAX_CAPABILITIES} obfuscation variants")
     known = []
-    for value in values:
+    for value in listed:
         variant = OBFUSCATION_FROM_PROTO.get(value)
         if variant is None:
             logger.debug("%s: ignoring unknown obfuscation variant %d", what, value)

@@ -38,6 +38,7 @@ from fedpca.transport.serde._common import (
     NEIGHBOURING_TO_PROTO,
     STATE_FROM_PROTO,
     STATE_TO_PROTO,
+    bounded_text,
     enum_from_proto,
     require_query_id,
     require_text,
@@ -111,8 +112,21 @@ def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
     return message
 
 
+MAX_STATUS_DECLINES = 4096
+"""More declining owners than a deployment has: the most a status may list."""
+
+MAX_STATUS_TEXT = 4000
+"""The longest decline detail or failure reason a status may carry (the proxy cuts its
+own far shorter): a proxy's longer text is refused, not logged (review)."""
+
+MAX_NOISE_SECTIONS = 1024
+"""More noise sections than any plan has (64 aggregates of a few sections each)."""
+
+
 def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
     what = f"QueryStatus {short_repr(message.query_id)}"
+    if len(message.declines) > MAX_STATUS_DECLINES:
+        raise ProtocolError(f"{what}: more than {MAX_STATUS_DECLINES} declines")
     return QueryStatus(
         query_id=require_text(message.query_id, "QueryStatus.query_id"),
         state=enum_from_proto(message.state, STATE_FROM_PROTO, f"{what}.state"),
@@ -124,10 +138,22 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
             if message.HasField("deadline")
             else None
         ),
-        failure_reason=message.failure_reason if message.HasField("failure_reason") else None,
+        failure_reason=(
+            bounded_text(
+                message.failure_reason, f"{what}.failure_reason", max_length=MAX_STATUS_TEXT
+            )
+            if message.HasField("failure_reason")
+            else None
+        ),
         owners_uploading=message.owners_uploading,
         declines=tuple(
-            OwnerDecline(owner_id=d.owner_id, reason=d.reason, detail=d.detail)
+            OwnerDecline(
+                owner_id=bounded_text(d.owner_id, f"{what}.declines.owner_id"),
+                reason=bounded_text(d.reason, f"{what}.declines.reason"),
+                detail=bounded_text(
+                    d.detail, f"{what}.declines.detail", max_length=MAX_STATUS_TEXT
+                ),
+            )
             for d in message.declines
         ),
         owners_registered=message.owners_registered,
@@ -147,6 +173,8 @@ def noise_description_to_proto(noise: NoiseDescription) -> analyst_pb.NoiseDescr
 
 
 def noise_description_from_proto(message: analyst_pb.NoiseDescription) -> NoiseDescription:
+    if len(message.sections) > MAX_NOISE_SECTIONS:
+        raise ProtocolError(f"NoiseDescription: more than {MAX_NOISE_SECTIONS} sections")
     return NoiseDescription(
         mechanism=enum_from_proto(
             message.mechanism, MECHANISM_FROM_PROTO, "NoiseDescription.mechanism"
@@ -156,7 +184,10 @@ def noise_description_from_proto(message: analyst_pb.NoiseDescription) -> NoiseD
         ),
         epsilon=message.epsilon,
         delta=message.delta,
-        sections=tuple(NoiseSection(name=s.name, sigma=s.sigma) for s in message.sections),
+        sections=tuple(
+            NoiseSection(name=bounded_text(s.name, "NoiseSection.name"), sigma=s.sigma)
+            for s in message.sections
+        ),
     )
 
 
