@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import signal
 import subprocess
 import sys
@@ -53,25 +52,29 @@ processes = 1
     return config, files
 
 
-def _low_open_files_limit() -> None:
-    # Started like a service under a soft limit below what its owners need (one owner:
-    # 258 files), the proxy raises its own limit.
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard))
+# Started like a service under a soft limit below what its owners need (one owner: 258
+# files), the proxy raises its own limit. Set in the child itself: a preexec_fn is not
+# safe in a test process that runs threads.
+LOW_LIMIT_ENTRY = (
+    "import resource; hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard)); " + ENTRY
+)
 
 
 def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_path: Path) -> None:
     config, files = write_config(tmp_path)
     process = subprocess.Popen(
-        [sys.executable, "-c", ENTRY, "serve", "--config", str(config)],
+        [sys.executable, "-c", LOW_LIMIT_ENTRY, "serve", "--config", str(config)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_low_open_files_limit,
     )
     try:
         assert process.stdout is not None
         line = process.stdout.readline().strip()
+        if not line:  # it ended before listening: say why
+            process.wait(timeout=30)
+            raise AssertionError(process.stderr.read() if process.stderr else "no stderr")
         assert line.startswith("proxy listening on 127.0.0.1:"), line
         address = line.rsplit(" ", 1)[1]
         assert not address.endswith(":0")
