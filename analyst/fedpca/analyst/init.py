@@ -18,6 +18,7 @@ from fedpca.errors import ConfigError, FedpcaError
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import TLS_DIR, config_path, prepare_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles
+from fedpca.transport.tls_options import tls_file_options
 
 __all__ = ["CONFIG_NAME", "init_command", "write_analyst_folder"]
 
@@ -86,21 +87,7 @@ def write_analyst_folder(
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory from `fedpca certs init`; this analyst's files are copied from it.",
 )
-@click.option(
-    "--ca",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The deployment's CA certificate (instead of --certs).",
-)
-@click.option(
-    "--cert",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="This node's certificate (instead of --certs).",
-)
-@click.option(
-    "--key",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="This node's private key (instead of --certs; copied with mode 0600).",
-)
+@tls_file_options
 @click.option("--server-name", help="Name to verify the proxy certificate against.")
 @click.option("--force", is_flag=True, help="Write the folder again.")
 def init_command(

@@ -29,6 +29,7 @@ from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, prepare_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
+from fedpca.transport.tls_options import tls_file_options
 
 __all__ = [
     "CONFIG_NAME",
@@ -274,21 +275,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory from `fedpca certs init`; this owner's files are copied from it.",
 )
-@click.option(
-    "--ca",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The deployment's CA certificate (instead of --certs).",
-)
-@click.option(
-    "--cert",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="This node's certificate (instead of --certs).",
-)
-@click.option(
-    "--key",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="This node's private key (instead of --certs; copied with mode 0600).",
-)
+@tls_file_options
 @click.option(
     "--data",
     required=True,

@@ -21,6 +21,7 @@ from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, prepare_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
+from fedpca.transport.tls_options import tls_file_options
 
 __all__ = ["CONFIG_NAME", "init_command", "render_proxy_config", "write_proxy_folder"]
 
@@ -158,21 +159,7 @@ def write_proxy_folder(
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory from `fedpca certs init`; the proxy's files are copied from it.",
 )
-@click.option(
-    "--ca",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The deployment's CA certificate (instead of --certs).",
-)
-@click.option(
-    "--cert",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="This node's certificate (instead of --certs).",
-)
-@click.option(
-    "--key",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="This node's private key (instead of --certs; copied with mode 0600).",
-)
+@tls_file_options
 @click.option(
     "--id",
     "proxy_id",
