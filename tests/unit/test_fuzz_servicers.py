@@ -83,6 +83,7 @@ from fedpca.proxy.config import (
     TlsConfig,
 )
 from fedpca.proxy.coordinator import task_id
+from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import spec_to_dict
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.store import ProxyStore
@@ -211,6 +212,8 @@ def world(
         budget=BudgetConfig(PrivacyParams(math.inf, 1e-5), {"bob": PrivacyParams(1.0, 1e-5)}),
         crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
         owners=OwnersConfig(frozenset(OWNERS)),
+        # Every refusal is checked for its log line: no per-minute cap on those lines here.
+        limits=PeerLimits(logged_refusals_per_minute=1_000_000),
     )
     refusals = _Refusals()
     servicer_log = logging.getLogger("fedpca.proxy.servicer")

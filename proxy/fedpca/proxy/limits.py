@@ -19,19 +19,24 @@ its share of what remains:
   proxy's ``worker_threads``.
 
 A call beyond a bound is answered RESOURCE_EXHAUSTED at once; nothing waits for a slot.
+Refusals are logged, at most ``logged_refusals_per_minute`` lines per method; the rest
+are counted in one line, so a flood of bad calls cannot fill the disk through the log.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from datetime import UTC, datetime
 from typing import Any
 
 from fedpca.errors import ConfigError, OverloadError
 
-__all__ = ["PeerLimits", "PeerSlots", "TaskStreams"]
+__all__ = ["PeerLimits", "PeerSlots", "RefusalLog", "TaskStreams"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ class PeerLimits:
     worker_threads: int = 16
     max_concurrent_rpcs: int = 20_000
     """gRPC's own bound on calls in flight (task streams of every owner included)."""
+    logged_refusals_per_minute: int = 60
+    """Refusal log lines per method and minute; the others are counted in one line."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -130,3 +137,51 @@ class TaskStreams:
         """Owners with an open task stream."""
         with self._lock:
             return len(self._latest)
+
+
+class RefusalLog:
+    """Which refusals get a log line: at most ``lines_per_window`` per method in each
+    window of ``window_seconds`` (a minute); the others are counted and reported in one
+    line when the next refusal comes after the window.
+
+    A refusal line quotes up to 2,000 characters of what the peer sent; unlimited, a
+    flood of malformed calls wrote about 0.37 MB/s to the proxy's log (review of stop
+    25). With the defaults a flood now costs a few lines a second.
+    """
+
+    def __init__(
+        self,
+        lines_per_window: int,
+        window_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lines_per_window = lines_per_window
+        self.window_seconds = window_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window_start = clock()
+        self._window_started_at = datetime.now(UTC)
+        self._counts: Counter[str] = Counter()
+
+    def admit(self, method: str) -> tuple[bool, list[str]]:
+        """Whether this refusal of ``method`` gets its own line, and summary lines of
+        refusals not logged in a window that has ended (to be logged first)."""
+        with self._lock:
+            summaries: list[str] = []
+            if self._clock() - self._window_start >= self.window_seconds:
+                summaries = self._summaries()
+                self._counts.clear()
+                self._window_start = self._clock()
+                self._window_started_at = datetime.now(UTC)
+            self._counts[method] += 1
+            return self._counts[method] <= self.lines_per_window, summaries
+
+    def _summaries(self) -> list[str]:
+        since = self._window_started_at.isoformat(timespec="seconds")
+        return [
+            f"{count - self.lines_per_window} more refusals of {method} since {since} "
+            f"were not logged (at most {self.lines_per_window} lines per method every "
+            f"{self.window_seconds:g} s)"
+            for method, count in sorted(self._counts.items())
+            if count > self.lines_per_window
+        ]

@@ -71,7 +71,7 @@ from fedpca.messages import (
     UploadStatus,
 )
 from fedpca.proxy import catalog
-from fedpca.proxy.limits import TaskStreams
+from fedpca.proxy.limits import RefusalLog, TaskStreams
 from fedpca.proxy.servicer_support import (
     ChangeFeed,
     LenientRegistration,
@@ -463,6 +463,8 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
 
 def register_services(server: aio.Server, owner: OwnerServicer, analyst: AnalystServicer) -> None:
     """Serve both services on ``server``, refusing undecodable requests precisely."""
-    registration: Any = LenientRegistration(server)
+    registration: Any = LenientRegistration(
+        server, RefusalLog(owner.limits.logged_refusals_per_minute)
+    )
     owner_grpc.add_OwnerServiceServicer_to_server(owner, registration)
     analyst_grpc.add_AnalystServiceServicer_to_server(analyst, registration)

@@ -35,7 +35,7 @@ from fedpca.errors import (
 )
 from fedpca.messages import REFUSAL_METADATA, Refusal
 from fedpca.proxy.coordinator import Coordinator
-from fedpca.proxy.limits import PeerLimits, PeerSlots
+from fedpca.proxy.limits import PeerLimits, PeerSlots, RefusalLog
 from fedpca.transport import certs
 from fedpca.transport.certs import NodeIdentity, Role
 from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
@@ -109,14 +109,28 @@ def _answer(
         context.set_trailing_metadata(trailing)
 
 
-async def refuse(context: aio.ServicerContext, method: str, error: Exception) -> None:
+def _log_refusal(
+    refusals: RefusalLog, method: str, level: int, message: str, *args: Any, **kwargs: Any
+) -> None:
+    logged, summaries = refusals.admit(method)
+    for summary in summaries:
+        logger.warning("%s", summary)
+    if logged:
+        logger.log(level, message, *args, **kwargs)
+
+
+async def refuse(
+    context: aio.ServicerContext, method: str, error: Exception, refusals: RefusalLog
+) -> None:
     if isinstance(error, FedpcaError):
         code = status_code_for(error)
-        # Cut: a refusal may quote what a peer sent, and every refusal is logged.
+        # Cut: a refusal may quote what a peer sent, and refusals are logged.
         text = str(error)
         if len(text) > MAX_REFUSAL_TEXT:
             text = text[:MAX_REFUSAL_TEXT] + f"... ({len(text)} characters)"
-        logger.warning("%s refused (%s): %s", method, code.name, text)
+        _log_refusal(
+            refusals, method, logging.WARNING, "%s refused (%s): %s", method, code.name, text
+        )
         trailing: tuple[tuple[str, str], ...] = ()
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             refusal = Refusal.BUDGET if isinstance(error, BudgetExceededError) else Refusal.OVERLOAD
@@ -125,11 +139,19 @@ async def refuse(context: aio.ServicerContext, method: str, error: Exception) ->
     elif isinstance(error, grpc.RpcError | aio.AioRpcError):
         # Reading the request stream failed: the client cancelled or the connection
         # dropped mid-stream. Routine on a network; nobody is left to answer.
-        logger.warning("%s ended: the client's request stream broke off", method)
+        _log_refusal(
+            refusals,
+            method,
+            logging.WARNING,
+            "%s ended: the client's request stream broke off",
+            method,
+        )
         _answer(context, grpc.StatusCode.CANCELLED, "the request stream broke off")
     else:
         # Internal details (paths, values) stay in the log, not in the reply.
-        logger.error("%s failed unexpectedly", method, exc_info=error)
+        _log_refusal(
+            refusals, method, logging.ERROR, "%s failed unexpectedly", method, exc_info=error
+        )
         _answer(context, grpc.StatusCode.INTERNAL, "internal error in the proxy; see its log")
 
 
@@ -148,7 +170,7 @@ def unary_errors(method: _Method) -> _Method:
         except aio.AbortError:
             raise
         except Exception as error:
-            await refuse(context, method.__name__, error)
+            await refuse(context, method.__name__, error, self.refusal_log)
             return None
 
     return wrapper  # type: ignore[return-value]
@@ -169,7 +191,7 @@ def streaming_errors(method: _Method) -> _Method:
         except Exception as error:
             # Not BaseException: the GeneratorExit of a stream the client cancelled
             # must close the generator, not be reported as a failure of the call.
-            await refuse(context, method.__name__, error)
+            await refuse(context, method.__name__, error, self.refusal_log)
             return
 
     return wrapper  # type: ignore[return-value]
@@ -258,6 +280,7 @@ class ServicerBase:
         self.slots = slots
         self.limits = limits
         self.insecure = insecure
+        self.refusal_log = RefusalLog(limits.logged_refusals_per_minute)
 
     def _caller(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
         identity = self._identity(context, role)
@@ -347,7 +370,7 @@ async def close_stream(iterator: Any) -> None:
         await close()
 
 
-def _guard(handler: Any, method: str) -> Any:
+def _guard(handler: Any, method: str, refusals: RefusalLog) -> Any:
     """The same handler, with undecodable requests refused as INVALID_ARGUMENT."""
     deserialize = handler.request_deserializer
     # Generated handlers deserialize with the bound classmethod <Message>.FromString.
@@ -379,7 +402,7 @@ def _guard(handler: Any, method: str) -> Any:
 
         async def single_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, _Undecodable):
-                await refuse(context, method, request.protocol_error())
+                await refuse(context, method, request.protocol_error(), refusals)
                 return
             async for message in behaviour(request, context):
                 yield message
@@ -389,7 +412,7 @@ def _guard(handler: Any, method: str) -> Any:
 
     async def single(request: Any, context: aio.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
-            await refuse(context, method, request.protocol_error())
+            await refuse(context, method, request.protocol_error(), refusals)
             return None
         return await behaviour(request, context)
 
@@ -403,14 +426,17 @@ class LenientRegistration:
     real server, so the generated code stays the single description of each service.
     """
 
-    def __init__(self, server: aio.Server) -> None:
+    def __init__(self, server: aio.Server, refusals: RefusalLog) -> None:
         self._server = server
+        self._refusals = refusals
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         """Ignored: the registered handlers below carry the same methods."""
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        guarded = {name: _guard(handler, name) for name, handler in handlers.items()}
+        guarded = {
+            name: _guard(handler, name, self._refusals) for name, handler in handlers.items()
+        }
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, guarded),)
         )
