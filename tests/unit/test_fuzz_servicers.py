@@ -1003,6 +1003,28 @@ def test_hostile_sizes_are_refused_at_once_and_quoted_short(world: World) -> Non
     assert max(len(line) for line in world.refusals.lines) < 3000
 
 
+def test_a_submitted_query_is_decoded_off_the_event_loop(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A query may be 1 MiB, about 0.3 s to decode: on the event loop that stalled
+    every other peer's calls meanwhile (review). It is decoded on a worker thread."""
+    decoded_on: list[str] = []
+    decode = serde.submit_query_request_from_proto
+
+    def recording(request: Any) -> Any:
+        decoded_on.append(threading.current_thread().name)
+        return decode(request)
+
+    monkeypatch.setattr(serde, "submit_query_request_from_proto", recording)
+    outcome = call(
+        lambda: world.analysts["alice"].SubmitQuery(
+            analyst_pb.SubmitQueryRequest(), timeout=TIMEOUT
+        )
+    )
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert len(decoded_on) == 1 and decoded_on[0].startswith("fedpca-proxy-work")
+
+
 def test_opening_a_task_stream_takes_one_of_the_owners_call_slots(world: World) -> None:
     """Reopening task streams in a loop filled the proxy's shared work backlog (each
     open writes): opening is bounded per owner like every other call (review)."""
