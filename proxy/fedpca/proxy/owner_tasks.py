@@ -4,7 +4,7 @@ withdrawal of tasks that closed, and declines."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -20,7 +20,7 @@ from fedpca.messages import (
 from fedpca.proxy.coordinator_core import CoordinatorCore
 from fedpca.query import QuerySpec
 
-__all__ = ["OwnerTasks"]
+__all__ = ["OwnerTasks", "SentTasks"]
 
 logger = logging.getLogger("fedpca.proxy.coordinator")
 
@@ -39,6 +39,31 @@ def _one_line(text: str) -> str:
     if len(cleaned) > MAX_DECLINE_DETAIL:
         cleaned = cleaned[: MAX_DECLINE_DETAIL - 3] + "..."
     return cleaned
+
+
+class SentTasks:
+    """The tasks one owner's stream has sent that were still open when last seen.
+
+    The stream sends each open task once; a task it sent that is no longer open (the
+    owner answered it, or the query closed) is reported once, so that the stream can
+    tell the owner whether it was withdrawn.
+    """
+
+    def __init__(self, sent: Iterable[Task] = ()) -> None:
+        self._keys = {task.key for task in sent}
+
+    def unsent(self, open_tasks: Sequence[Task]) -> list[Task]:
+        """The open tasks not sent yet, now counted as sent."""
+        fresh = [task for task in open_tasks if task.key not in self._keys]
+        self._keys.update(task.key for task in fresh)
+        return fresh
+
+    def closed(self, open_tasks: Sequence[Task]) -> list[str]:
+        """Keys of sent tasks that are no longer open, each reported once."""
+        open_keys = {task.key for task in open_tasks}
+        gone = sorted(self._keys - open_keys)
+        self._keys &= open_keys
+        return gone
 
 
 class OwnerTasks(CoordinatorCore):

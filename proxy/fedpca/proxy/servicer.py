@@ -72,6 +72,7 @@ from fedpca.messages import (
 )
 from fedpca.proxy import catalog
 from fedpca.proxy.limits import RefusalLog, TaskStreams
+from fedpca.proxy.owner_tasks import SentTasks
 from fedpca.proxy.servicer_support import (
     ChangeFeed,
     LenientRegistration,
@@ -164,30 +165,24 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         self.feed.notify()
         logger.info("task stream opened by owner %s", owner)
         coordinator = self.coordinator
-        delivered: set[str] = set()
+        sent = SentTasks(answer for answer in answers if isinstance(answer, Task))
         try:
             # A heartbeat first tells the owner the stream is live.
             yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
             for answer in answers:
-                if isinstance(answer, Task):
-                    delivered.add(answer.key)
                 yield serde.task_event_to_proto(answer)
             next_beat = time.monotonic() + self.heartbeat_seconds
             while not coordinator.stopping and self.streams.is_current(owner, generation):
                 changed = self.feed.event
                 tasks = await self.work.run(coordinator.pending_tasks, owner)
-                for task in tasks:
-                    if task.key not in delivered:
-                        delivered.add(task.key)
-                        yield serde.task_event_to_proto(task)
-                open_ids = {task.key for task in tasks}
-                answered = sorted(delivered - open_ids)
-                if answered:
+                for task in sent.unsent(tasks):
+                    yield serde.task_event_to_proto(task)
+                closed = sent.closed(tasks)
+                if closed:
                     for cancellation in await self.work.run(
-                        coordinator.withdrawn_tasks, owner, answered
+                        coordinator.withdrawn_tasks, owner, closed
                     ):
                         yield serde.task_event_to_proto(cancellation)
-                delivered &= open_ids
                 now = time.monotonic()
                 if now >= next_beat:
                     yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
