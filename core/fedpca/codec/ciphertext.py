@@ -15,6 +15,7 @@ from typing import Any
 import gmpy2
 
 from ..errors import CiphertextError, EncodingOverflowError, LayoutError
+from ..messages import ciphertexts as wire
 from .packing import SlotLayout
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ def validate_ciphertexts(ciphertexts: Sequence[int], public_key: Any) -> None:
 
 
 def ciphertexts_to_bytes(ciphertexts: Sequence[int], public_key: Any) -> bytes:
-    """Serialise ciphertexts as concatenated fixed-length big-endian integers.
+    """Serialise ciphertexts of ``public_key`` in the wire format
+    (:func:`fedpca.messages.ciphertexts_to_bytes` at the key's width), after checking
+    that each lies in [1, n^2).
 
     Parameters
     ----------
@@ -71,15 +74,15 @@ def ciphertexts_to_bytes(ciphertexts: Sequence[int], public_key: Any) -> bytes:
     bytes, length count * ciphertext_byte_length(key_bits)
     """
     n_square = public_key.n * public_key.n
-    width = ciphertext_byte_length(public_key.n.bit_length())
     for index, c in enumerate(ciphertexts):
         if not 0 < c < n_square:
             raise CiphertextError(f"ciphertext {index} is outside [1, n^2)")
-    return b"".join(c.to_bytes(width, "big") for c in ciphertexts)
+    return wire.ciphertexts_to_bytes(ciphertexts, ciphertext_byte_length(public_key.n.bit_length()))
 
 
 def ciphertexts_from_bytes(data: bytes, public_key: Any, count: int) -> list[int]:
-    """Parse and validate ``count`` ciphertexts written by :func:`ciphertexts_to_bytes`.
+    """Parse ``count`` ciphertexts in the wire format and check each against the key
+    (:func:`validate_ciphertexts`).
 
     Parameters
     ----------
@@ -103,10 +106,7 @@ def ciphertexts_from_bytes(data: bytes, public_key: Any, count: int) -> list[int
             f"expected {count} ciphertexts of {width} bytes ({count * width} bytes), "
             f"got {len(data)} bytes"
         )
-    view = memoryview(data)
-    ciphertexts = [
-        int.from_bytes(view[start : start + width], "big") for start in range(0, len(data), width)
-    ]
+    ciphertexts = wire.ciphertexts_from_bytes(data, width)
     validate_ciphertexts(ciphertexts, public_key)
     return ciphertexts
 

@@ -216,9 +216,10 @@ class CiphertextPayload:
 def ciphertexts_to_bytes(ciphertexts: Iterable[int], width: int) -> bytes:
     """Concatenate ciphertexts as fixed-width unsigned big-endian integers.
 
-    Accepts ``int`` and anything with ``__index__`` (e.g. gmpy2 ``mpz``). Unlike
-    :func:`fedpca.codec.ciphertexts_to_bytes`, no key is involved: the width is the
-    one the layout declares.
+    The one wire format of ciphertexts. Accepts ``int`` and anything with
+    ``__index__`` (e.g. gmpy2 ``mpz``). No key is involved: the width is the one the
+    layout declares; :func:`fedpca.codec.ciphertexts_to_bytes` adds the key's range
+    check around this.
 
     Raises
     ------
