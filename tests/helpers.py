@@ -5,9 +5,11 @@ are in conftest.py."""
 from __future__ import annotations
 
 import math
+from concurrent import futures
 from datetime import datetime
 from typing import Any, Protocol
 
+import grpc
 import numpy as np
 from hypothesis import HealthCheck, settings
 
@@ -18,6 +20,7 @@ from fedpca.messages import CiphertextPayload, SignedQuery, Task, blocks_of
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.signing import Ed25519PrivateKey, generate_signing_key, sign_query, signer_id
+from fedpca.transport.channels import server_options
 
 TEST_SIGNING_KEY = generate_signing_key()
 """The analyst's query-signing key in tests (owners' test policies pin TEST_SIGNER)."""
@@ -26,6 +29,16 @@ SECOND_TEST_SIGNING_KEY = generate_signing_key()
 """A second analyst's signing key (a proxy binds a signing key to the first analyst that
 submits with it); owners' test policies pin it too."""
 SECOND_TEST_SIGNER = signer_id(SECOND_TEST_SIGNING_KEY)
+
+
+def sync_test_server(max_workers: int) -> grpc.Server:
+    """A synchronous gRPC server with the proxy's options, for the fake proxies of tests
+    (the proxy itself runs on ``grpc.aio``); add ports and servicers to it."""
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="test-grpc"),
+        options=server_options(),
+        maximum_concurrent_rpcs=None,
+    )
 
 
 def signed(spec: QuerySpec, key: Ed25519PrivateKey = TEST_SIGNING_KEY) -> SignedQuery:

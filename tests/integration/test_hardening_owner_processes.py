@@ -42,7 +42,7 @@ from fedpca.proxy.coordinator import task_id
 from fedpca.signing import generate_signing_key
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
-from fedpca.transport.channels import add_secure_port, create_server
+from fedpca.transport.channels import add_secure_port
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import (
     cluster_analyst,
@@ -51,6 +51,7 @@ from helpers import (
     proxy_database_rows,
     query_builder,
     signed_task,
+    sync_test_server,
     wait_until,
 )
 from inprocess import acknowledging, labelled
@@ -291,7 +292,7 @@ def test_an_owner_process_refuses_tasks_the_analyst_did_not_sign(tmp_path: Path)
         dataclasses.replace(genuine, task_id=key("renamed")),
     ]
     proxy = MaliciousProxy(tasks)
-    server = create_server(max_workers=8)
+    server = sync_test_server(max_workers=8)
     owner_grpc.add_OwnerServiceServicer_to_server(proxy, server)
     add_secure_port(
         server, cluster.proxy_address, TlsMaterial.load(cluster.node_tls("proxy", "proxy"))

@@ -89,7 +89,7 @@ def test_event_round_trips_through_dict_and_json() -> None:
     assert PrivacyEvent.from_dict(original.to_dict()) == original
     text = original.to_json()
     assert json.loads(text)["noise_multiplier"] == 3.73
-    assert PrivacyEvent.from_json(text) == original
+    assert PrivacyEvent.from_dict(json.loads(text)) == original
 
 
 def test_non_private_event_round_trips_through_strict_json() -> None:
@@ -97,7 +97,7 @@ def test_non_private_event_round_trips_through_strict_json() -> None:
     assert not original.private
     text = original.to_json()
     assert "Infinity" not in text and json.loads(text)["epsilon"] == "inf"
-    assert PrivacyEvent.from_json(text) == original
+    assert PrivacyEvent.from_dict(json.loads(text)) == original
     assert PrivacyEvent.from_dict(original.to_dict()) == original
 
 
@@ -139,7 +139,3 @@ def test_malformed_records_are_refused_with_the_bad_key() -> None:
         PrivacyEvent.from_dict({**record, "epsilon": "lots"})
     with pytest.raises(ConfigError, match="epsilon"):
         PrivacyEvent.from_dict({**record, "epsilon": True})
-    with pytest.raises(ConfigError, match="malformed"):
-        PrivacyEvent.from_json("{not json")
-    with pytest.raises(ConfigError, match="object"):
-        PrivacyEvent.from_json("[1, 2]")

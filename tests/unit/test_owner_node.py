@@ -67,7 +67,7 @@ from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNER, query_builder, signed_task, wait_until
+from helpers import TEST_SIGNER, query_builder, signed_task, sync_test_server, wait_until
 from inprocess import StubUpload, acknowledging
 
 WAIT = 30.0
@@ -258,7 +258,7 @@ def harness(
         upload_failures=list(options.get("upload_failures", [])),
         close_stream_after_first=options.get("close_stream_after_first", False),
     )
-    server = channels.create_server(max_workers=8)
+    server = sync_test_server(max_workers=8)
     owner_grpc.add_OwnerServiceServicer_to_server(proxy, server)
     proxy_tls = TlsMaterial.load(pki[NodeIdentity(Role.PROXY, "proxy")])
     port = channels.add_secure_port(server, "127.0.0.1:0", proxy_tls)

@@ -30,6 +30,7 @@ from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import sync_test_server
 
 REPLACE_ONE = Neighbouring.REPLACE_ONE
 FINGERPRINT = "sha256:" + "cd" * 32
@@ -175,7 +176,7 @@ def _serve_until(path: Path, marker: str, log: Path, *extra: str) -> str:
 
 def test_serve_connects_over_mtls_and_stops_on_sigterm(tmp_path: Path) -> None:
     files = certs.init_certificates(tmp_path / "pki", ["owner-1"], [])
-    server = channels.create_server(max_workers=4)
+    server = sync_test_server(max_workers=4)
     owner_grpc.add_OwnerServiceServicer_to_server(_HelloOnly(), server)
     port = channels.add_secure_port(
         server, "127.0.0.1:0", TlsMaterial.load(files[NodeIdentity(Role.PROXY, "proxy")])

@@ -30,6 +30,7 @@ from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from helpers import sync_test_server
 from inprocess import accepting_upload
 
 TIMEOUT = 10.0
@@ -116,7 +117,7 @@ def _trusting_our_ca(client: TlsMaterial, ours: certs.TlsFiles) -> TlsMaterial:
 
 
 def _serve(tls: TlsMaterial | None) -> tuple[grpc.Server, int]:
-    server = channels.create_server(max_workers=4)
+    server = sync_test_server(max_workers=4)
     owner_grpc.add_OwnerServiceServicer_to_server(_Servicer(), server)
     if tls is None:
         port = channels.add_insecure_port(server, "127.0.0.1:0")
@@ -304,7 +305,7 @@ def test_options() -> None:
 def test_port_in_use_is_a_config_error(pki: dict[str, TlsMaterial]) -> None:
     server, port = _serve(pki["proxy"])
     try:
-        other = channels.create_server(max_workers=1)
+        other = sync_test_server(max_workers=1)
         with pytest.raises(ConfigError, match=f"cannot bind 127.0.0.1:{port}"):
             channels.add_secure_port(other, f"127.0.0.1:{port}", pki["proxy"])
     finally:

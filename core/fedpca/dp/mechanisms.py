@@ -276,20 +276,3 @@ class PrivacyEvent:
         if math.isinf(self.epsilon):
             record["epsilon"] = "inf"
         return json.dumps(record, allow_nan=False, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> PrivacyEvent:
-        """Inverse of :meth:`to_json`.
-
-        Raises
-        ------
-        ConfigError
-            If ``text`` is not a JSON object describing a valid event.
-        """
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"PrivacyEvent JSON is malformed: {exc}") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"PrivacyEvent JSON must be an object, got {type(record).__name__}")
-        return cls.from_dict(record)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -48,7 +47,6 @@ SERVER_KEEPALIVE_TIMEOUT_MS = 20_000
 # Must not exceed the clients' keepalive interval, or the server treats their
 # pings as abuse and closes the connection.
 SERVER_MIN_PING_INTERVAL_MS = 10_000
-DEFAULT_MAX_WORKERS = 64
 
 ChannelOptions = list[tuple[str, Any]]
 
@@ -155,24 +153,6 @@ def secure_channel(
     options = client_options(max_message_bytes, server_name_override) + list(extra_options)
     logger.debug("opening mTLS channel to %s as %s", target, tls.identity)
     return grpc.secure_channel(target, channel_credentials(tls), options=options)
-
-
-def create_server(
-    max_workers: int = DEFAULT_MAX_WORKERS,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    extra_options: Sequence[tuple[str, Any]] = (),
-) -> grpc.Server:
-    """A synchronous gRPC server with fedpca's options; add ports and servicers to it.
-
-    Every open task stream and status watch holds one worker thread of the
-    synchronous server, so ``max_workers`` must exceed the number of owners plus
-    concurrent watchers plus a margin for unary calls.
-    """
-    return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedpca-grpc"),
-        options=server_options(max_message_bytes) + list(extra_options),
-        maximum_concurrent_rpcs=None,
-    )
 
 
 def create_async_server(
