@@ -7,12 +7,14 @@ exist so that unit tests run in seconds.  Production code refuses keys below
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import settings
 
+from fedpca import logs
 from fedpca.codec import CryptoPool, generate_keypair
 
 # Property tests judge results, not speed: on a shared 2-core machine one example can
@@ -37,3 +39,18 @@ def pool() -> Iterator[CryptoPool]:
     """
     with CryptoPool(processes=2) as crypto_pool:
         yield crypto_pool
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A CLI run in a test configures the process's logging as its entry point does (a
+    root handler to stderr, a level); put it back afterwards, so that one test's CLI
+    does not write log lines into the next test's captured output (the owner CLI's INFO
+    level once put WARNING lines into an analyst CLI test run after it)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    chosen, level_set = logs._chosen, logs._level_set
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logs._chosen, logs._level_set = chosen, level_set
