@@ -37,7 +37,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +63,7 @@ from fedpca.tables import OwnerTable, load_table
 __all__ = [
     "SINGLE_THREAD_BLAS_WORK",
     "EncryptionProgress",
+    "LabelIndex",
     "LocalTable",
     "QueryColumns",
     "analyst_public_key",
@@ -86,6 +87,45 @@ EncryptionProgress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True, eq=False)
+class LabelIndex:
+    """Where each label value's records are, found without a pass over the table.
+
+    Built once when the table is loaded. A DCA query then finds each public class's
+    records by binary search (O(log N)) instead of comparing every record's label with
+    it (O(N) per class, on the path to the owner's first ciphertext: the proxy's clock
+    saw N through it, docs/privacy.md, "Work padded to a public size"). It costs 8
+    bytes per record, and a stable sort of the labels at start-up.
+
+    Attributes
+    ----------
+    order : (N,) int64, the records in order of their label; records of one label in
+        their order in the table (a stable sort).
+    values : the distinct labels, ascending.
+    starts : (len(values) + 1,) where each value's records begin in ``order``.
+    """
+
+    order: IntArray
+    values: FloatArray
+    starts: IntArray
+
+    @classmethod
+    def of(cls, labels: FloatArray) -> LabelIndex:
+        order = np.argsort(labels, kind="stable").astype(np.int64)
+        values, starts = np.unique(labels[order], return_index=True)
+        ends = np.append(starts, order.size).astype(np.int64)
+        for array in (order, values, ends):
+            array.setflags(write=False)
+        return cls(order, values, ends)
+
+    def members(self, label: float) -> IntArray:
+        """Ascending positions of the records whose label equals ``label`` (== on floats)."""
+        i = int(np.searchsorted(self.values, label))
+        if i == self.values.size or self.values[i] != label:
+            return self.order[:0]
+        return self.order[self.starts[i] : self.starts[i + 1]]
+
+
+@dataclass(frozen=True, eq=False)
 class LocalTable:
     """Every column of the owner's file, loaded once at start-up.
 
@@ -94,11 +134,13 @@ class LocalTable:
     columns : (N, K) float64, all columns of the file (label column included).
     label_column : 0-based index of the configured label column, or None.
     source : the file the table was read from (for messages).
+    label_index : the configured label column's :class:`LabelIndex` (None without one).
     """
 
     columns: FloatArray
     label_column: int | None
     source: str
+    label_index: LabelIndex | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # A private read-only copy: a task must never see another task's edits.
@@ -117,6 +159,8 @@ class LocalTable:
                     f"for {k} columns"
                 )
             object.__setattr__(self, "label_column", self.label_column % k)
+            labels = self.columns[:, self.label_column]
+            object.__setattr__(self, "label_index", LabelIndex.of(labels))
 
     @classmethod
     def load(cls, data: DataConfig) -> LocalTable:
@@ -215,7 +259,12 @@ class LocalTable:
                 f"query {spec.query_id!r} has {spec.n_features} features; this owner's data has "
                 f"{len(features)}" + (" (label column excluded)" if label is not None else "")
             )
-        return QueryColumns(self.columns, features, label if spec.kind is QueryKind.DCA else None)
+        if spec.kind is not QueryKind.DCA:
+            return QueryColumns(self.columns, features, None)
+        # Labels from a column not configured as data.label_column have no index: each
+        # class is then found by comparing every record's label (time linear in N).
+        index = self.label_index if label == self.label_column else None
+        return QueryColumns(self.columns, features, label, index)
 
 
 @dataclass(frozen=True)
@@ -232,11 +281,13 @@ class QueryColumns:
     source : (N, K) the owner's read-only file columns (:attr:`LocalTable.columns`).
     feature_columns : the file columns that are the query's features, in order.
     label_column : the file column of the query's labels (DCA), else None.
+    label_index : that column's :class:`LabelIndex`, if the table keeps one.
     """
 
     source: FloatArray
     feature_columns: tuple[int, ...]
     label_column: int | None
+    label_index: LabelIndex | None = None
 
     @classmethod
     def of_table(cls, table: OwnerTable, spec: QuerySpec) -> QueryColumns:
@@ -375,12 +426,14 @@ def contributed_rows(
         return np.sort(generator.choice(count, size=cap, replace=False))
 
     if spec.kind is QueryKind.DCA:
-        labels = table.labels()
-        if labels is None:
+        index = table.label_index
+        labels = table.labels() if index is None else None
+        if index is None and labels is None:
             raise LayoutError("a DCA query needs the owner's labels")
         parts = []
         for label in spec.class_labels:
-            members = np.flatnonzero(labels == label)
+            # With an index, no pass over the N labels (the time depends on K, not N).
+            members = index.members(label) if index is not None else np.flatnonzero(labels == label)
             chosen = sample(members.size)
             parts.append(members if chosen is None else members[chosen])
         keep: npt.NDArray[np.int64] | None = np.sort(np.concatenate(parts))
