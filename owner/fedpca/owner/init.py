@@ -5,8 +5,8 @@ One command per owner instead of six edits of a shared example: the folder
 the owner's TLS files under ``tls/`` and an empty ``state/`` for the budget ledger. The
 analyst's Paillier key fingerprint and query signer (both printed by ``fedpca analyst
 keygen``) are pinned; the public capacity ``max_records`` must be given: it is read by
-every analyst and the proxy, so it is never taken from the data without the operator
-choosing it (a missing flag is refused with a suggestion). The written file is read
+every analyst and the proxy, so it is never taken or suggested from the data (a missing
+flag is refused, showing the table's size to the operator only). The written file is read
 back with the owner's own loader, and the data file's schema is checked when it can be
 read from here.
 """
@@ -35,23 +35,10 @@ __all__ = [
     "CONFIG_NAME",
     "init_command",
     "render_owner_config",
-    "suggest_capacity",
     "write_owner_folder",
 ]
 
 CONFIG_NAME = "owner.toml"
-
-
-def suggest_capacity(n_records: int) -> int:
-    """A round number at or above ``n_records`` (351 -> 400, 5000 -> 5000, 12 -> 20).
-
-    ``max_records`` is public; a round number above the true count says less about
-    it than the count itself.
-    """
-    if n_records <= 10:
-        return 10
-    step = 10 ** (len(str(n_records)) - 1)
-    return -(-n_records // step) * step
 
 
 def render_owner_config(
@@ -193,8 +180,8 @@ def write_owner_folder(
     Raises
     ------
     ConfigError
-        A missing ``max_records`` (with a suggestion from the data), no pinned key or
-        signer, TLS files that are missing or not this owner's, an existing folder
+        A missing ``max_records`` (the table's size is shown, no value suggested), no
+        pinned key or signer, TLS files that are missing or not this owner's, an existing folder
         without ``force``, or values the owner's loader refuses.
     DataError
         The data file exists but cannot be read as a table.
@@ -208,11 +195,14 @@ def write_owner_folder(
                 "contribute to a query. It is PUBLIC (every analyst and the proxy see it); "
                 "queries use a uniform sample when the data holds more"
             )
+        # No suggestion computed from the count: any number derived from it (even a
+        # rounded one) published as max_records tells neighbouring tables apart.
         raise ConfigError(
             f"--max-records is required. It is PUBLIC: every analyst and the proxy see it. "
-            f"{data} holds {facts[0]} records; a round number at or above that, e.g. "
-            f"--max-records {suggest_capacity(facts[0])}, says less about the true count "
-            "(queries use a uniform sample when the data holds more)"
+            f"({data} holds {facts[0]} records today; this is shown here only.) Choose it "
+            "without looking at that count, e.g. the most records this table could ever "
+            "hold by your institution's policy: a value taken or rounded from today's "
+            "count reveals the count. Queries use a uniform sample when the data holds more"
         )
     if not analyst_keys or not signers:
         raise ConfigError(
@@ -293,8 +283,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option(
     "--max-records",
     type=click.IntRange(min=1),
-    help="PUBLIC capacity: the most records a query uses (required; a suggestion is "
-    "printed when missing).",
+    help="PUBLIC capacity: the most records a query uses (required). Choose it without "
+    "looking at the table's size: a value taken or rounded from it reveals it.",
 )
 @click.option(
     "--analyst-key",
