@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import re
+import sqlite3
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,7 @@ __all__ = [
     "WorkerPool",
     "refuse",
     "status_code_for",
+    "storage_unavailable",
     "streaming_errors",
     "unary_errors",
 ]
@@ -87,6 +89,34 @@ def status_code_for(error: FedpcaError) -> grpc.StatusCode:
     # ProtocolError, LayoutError, CiphertextError, ConfigError, EncodingOverflowError,
     # CalibrationError, KeyFileError, DataError: the request itself is at fault.
     return grpc.StatusCode.INVALID_ARGUMENT
+
+
+_TRANSIENT_SQLITE_ERRORS = frozenset(
+    {
+        5,  # SQLITE_BUSY: another connection held the write lock past the busy timeout
+        6,  # SQLITE_LOCKED
+        8,  # SQLITE_READONLY: the file or its folder was made read-only
+        10,  # SQLITE_IOERR: the disk failed a read, write or fsync
+        13,  # SQLITE_FULL: the disk is full
+        14,  # SQLITE_CANTOPEN: the journal or the file could not be opened
+    }
+)
+"""Primary SQLite result codes of a store that cannot be written *now*, not of a
+request at fault: the transaction rolled back, so the caller may simply retry."""
+
+
+def storage_unavailable(error: BaseException) -> bool:
+    """True for an SQLite error of the proxy's storage that a retry may get past (a
+    locked, full, read-only or failing database): answered UNAVAILABLE, which owners
+    and analysts retry, instead of INTERNAL, which owners take as a final refusal (an
+    upload already folded in part then never resumed and its query failed at its
+    deadline, charged: review)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return (
+        isinstance(error, sqlite3.OperationalError)
+        and code is not None
+        and code & 0xFF in _TRANSIENT_SQLITE_ERRORS
+    )
 
 
 MAX_REFUSAL_TEXT = 2000
@@ -147,6 +177,16 @@ async def refuse(
             method,
         )
         _answer(context, grpc.StatusCode.CANCELLED, "the request stream broke off")
+    elif storage_unavailable(error):
+        # The transaction rolled back: nothing was half written, and the same call
+        # (an upload resumes after its mark) goes through once the storage is back.
+        logger.error("%s failed: the proxy's database is unavailable: %s", method, error)
+        _answer(
+            context,
+            grpc.StatusCode.UNAVAILABLE,
+            "the proxy's database is unavailable for now (locked, full or failing); "
+            "nothing was recorded, retry later",
+        )
     else:
         # Internal details (paths, values) stay in the log, not in the reply.
         _log_refusal(

@@ -1,0 +1,100 @@
+"""A proxy whose database cannot be written for a while (locked by another process past
+the busy timeout, disk full, read-only, I/O errors) answers UNAVAILABLE, not INTERNAL.
+
+Found by review with real processes: another process held the proxy's database for 35 s
+(longer than its 30 s busy timeout) while an owner streamed the chunks of an upload whose
+header had been accepted and made it a contributor. The fold failed with "database is
+locked", the proxy answered INTERNAL, and the owner took that as a final refusal
+(REJECTED, its kept share deleted): the upload never resumed, the query waited for it
+until its deadline and failed with every ledger charged.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpca.codec import CryptoPool
+from fedpca.messages import QueryState
+from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.proxy.servicer_support import storage_unavailable
+from helpers import wait_until
+from inprocess import deployment, labelled, unit_box_queries
+
+M = 6
+
+
+def _real_error(tmp_path: Path, kind: str) -> sqlite3.OperationalError:
+    """An OperationalError as SQLite raises it (with its result code)."""
+    path = tmp_path / f"{kind}.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x BLOB)")
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        if kind == "locked":
+            holder.execute("BEGIN EXCLUSIVE")
+            other.execute("INSERT INTO t VALUES (1)")
+        else:  # a database that may not grow: SQLite's "database or disk is full"
+            other.execute("PRAGMA max_page_count = 2")
+            other.execute("INSERT INTO t VALUES (zeroblob(100000))")
+    except sqlite3.OperationalError as error:
+        return error
+    finally:
+        other.close()
+        holder.close()
+    raise AssertionError(f"no {kind} error")
+
+
+def test_only_storage_errors_count_as_unavailable(tmp_path: Path) -> None:
+    assert storage_unavailable(_real_error(tmp_path, "locked"))
+    assert storage_unavailable(_real_error(tmp_path, "full"))
+    connection = sqlite3.connect(":memory:")
+    with pytest.raises(sqlite3.OperationalError) as bug:
+        connection.execute("SELECT * FROM no_such_table")
+    assert not storage_unavailable(bug.value)  # a bug, not the storage
+    assert not storage_unavailable(ValueError("database is locked"))
+
+
+@pytest.mark.parametrize("kind", ["locked", "full"])
+def test_an_upload_whose_fold_meets_an_unavailable_database_resumes(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    public_key, _ = test_only_keypair_512
+    error = _real_error(tmp_path, kind)
+    tables = {"owner-1": labelled(np.random.default_rng(1).uniform(-0.3, 0.3, size=(30, M)))}
+    spec = unit_box_queries(M)(public_key, "locked", quorum=1, deadline_seconds=20.0)
+    with deployment(
+        workdir=tmp_path / "run", tables=tables, pool=pool, public_key=public_key
+    ) as running:
+        assert running.proxy is not None
+        store = running.proxy.coordinator.store
+        fold = store.fold_chunk
+        failures = [0]
+
+        def fold_once_unavailable(*args: Any, **kwargs: Any) -> Any:
+            if failures[0] == 0:  # the first fold: the owner has joined, the query is fixed
+                failures[0] += 1
+                raise error
+            return fold(*args, **kwargs)
+
+        monkeypatch.setattr(store, "fold_chunk", fold_once_unavailable)
+        outcome = running.run(spec, timeout=60.0)
+        assert failures[0] == 1
+        assert (outcome.state, outcome.owners_contributed) == (QueryState.DONE.value, 1), outcome
+        ledger = owner_ledger(running.nodes["owner-1"].config)
+        wait_until(
+            lambda: (
+                (record := ledger.task("alice/locked")) is not None
+                and record.outcome is TaskOutcome.UPLOADED
+            ),
+            "the owner's upload recorded as uploaded",
+        )
+        assert [e.event.query_id for e in ledger.events()] == ["alice/locked"]
