@@ -132,8 +132,13 @@ class LedgerEntry:
 
 
 class TaskOutcome(StrEnum):
-    """What became of a task. All but UPLOADING are final: the task is never redone."""
+    """What became of a task. All but RESERVED and UPLOADING are final: the task is never
+    redone."""
 
+    RESERVED = "reserved"
+    """The budget is reserved and no upload was started (not final: recorded with the
+    reservation, so that a node killed before its upload began still knows the task and
+    ends it, refunded, when the proxy withdraws it after a restart)."""
     UPLOADING = "uploading"
     """An upload was started (not final: a restart resumes it with the same upload id and
     the same kept share, and the proxy continues after the chunks it holds)."""
@@ -148,7 +153,7 @@ class TaskOutcome(StrEnum):
 
     @property
     def final(self) -> bool:
-        return self is not TaskOutcome.UPLOADING
+        return self not in (TaskOutcome.RESERVED, TaskOutcome.UPLOADING)
 
 
 @dataclass(frozen=True)
@@ -359,6 +364,13 @@ class BudgetLedger:
                     event.delta_extra,
                 ),
             )
+            # In the same transaction: a reservation never exists without a task row
+            # (before, a node killed between the two left a charge no restart found).
+            connection.execute(
+                "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at) "
+                "VALUES (?, ?, '', 0, ?) ON CONFLICT (query_id) DO NOTHING",
+                (event.query_id, TaskOutcome.RESERVED.value, time.time()),
+            )
         return decision
 
     def _compose(self, events: list[PrivacyEvent], budget: PrivacyParams) -> float:
@@ -398,6 +410,10 @@ class BudgetLedger:
                 return False
             cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
             removed = cursor.rowcount > 0
+            connection.execute(
+                "DELETE FROM tasks WHERE query_id = ? AND state = ?",
+                (query_id, TaskOutcome.RESERVED.value),
+            )
         if removed:
             logger.info("query %s: nothing was sent, reservation refunded", query_id)
         return removed
@@ -494,6 +510,18 @@ class BudgetLedger:
                 (TaskOutcome.UPLOADING.value,),
             ).fetchall()
         return {row[0]: row[1] for row in rows}
+
+    def unfinished_tasks(self) -> list[str]:
+        """Task keys a node names when its task stream opens: the uploads in flight and
+        the tasks reserved before any upload began (the proxy answers each with the task
+        again or a withdrawal), newest first."""
+        with self._connect() as connection:
+            rows = connection.execute(
+                "SELECT query_id FROM tasks WHERE (state = ? AND upload_id IS NOT NULL) "
+                "OR state = ? ORDER BY updated_at DESC",
+                (TaskOutcome.UPLOADING.value, TaskOutcome.RESERVED.value),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
 
     def answered_under(self, digest: str) -> str | None:
         """The task id the signed query with ``spec_digest`` ``digest`` was reserved or

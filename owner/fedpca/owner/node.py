@@ -332,9 +332,10 @@ class OwnerNode(TaskProcessing):
             )
         if info.max_message_bytes > 0:
             self._max_message_bytes = min(info.max_message_bytes, UPLOAD_CHUNK_BYTES)
-        # The uploads left in flight (by a crash, an outage): the proxy answers each with
-        # its task again (it resumes) or a withdrawal (it ends, and its share is deleted).
-        in_flight = list(self.ledger.uploads_in_flight())
+        # The uploads left in flight (by a crash, an outage) and the tasks reserved before
+        # one began: the proxy answers each with its task again (it resumes) or a
+        # withdrawal (it ends: its share is deleted, a reservation without upload refunded).
+        in_flight = self.ledger.unfinished_tasks()
         call = stub.StreamTasks(serde.task_stream_request_to_proto(self.config.owner.id, in_flight))
         with self._lock:
             self._call = call

@@ -546,7 +546,7 @@ class TaskProcessing:
         """The proxy withdrew a task whose upload this node has in flight but no longer
         runs (its query ended while the node was away): end it and delete its share."""
         record = self.ledger.task(query_id)
-        if record is None:
+        if record is None or record.outcome is TaskOutcome.RESERVED:
             # A task that failed after its reservation, before any upload began: the
             # withdrawal ends it, refunded (the ledger refunds only if nothing started).
             # An id the ledger does not know costs a read, no write.

@@ -1,0 +1,92 @@
+"""A node killed after reserving a task's budget, before its upload began, ends the task
+refunded when it restarts and the proxy withdraws it.
+
+Found by review with real processes (``kill -9`` of ``fedpca owner serve`` right after
+the reservation committed, the analyst then cancelling): the proxy refunded the analyst
+(no upload had begun) but the owner's ledger kept the charge for ever. The reservation
+had no task row, so the restarted node did not name it when its task stream opened and
+the proxy's withdrawal never reached it. Now the reservation writes a RESERVED row in its
+own transaction and the node names such tasks with its uploads in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpca.codec import CryptoPool
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.messages import QueryState
+from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
+from fedpca.owner.node import OwnerNode
+from helpers import TEST_SIGNING_KEY, signed_task, wait_until
+from inprocess import FAST_RETRY, deployment, labelled, unit_box_queries
+
+M = 5
+
+
+def test_a_reservation_left_by_a_crash_is_refunded_when_its_query_is_withdrawn(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    public_key, _ = test_only_keypair_512
+    tables = {"owner-1": labelled(np.random.default_rng(2).uniform(-0.3, 0.3, size=(20, M)))}
+    spec = unit_box_queries(M)(public_key, "crashed", quorum=1, deadline_seconds=120.0)
+    key = "alice/crashed"
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=()
+    ) as running:
+        assert running.proxy is not None
+        data = tmp_path / "data" / "owner-1.csv"
+        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
+        config = running.owner_config("owner-1", data)
+        ledger = owner_ledger(config)
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            # The node reserves the task's budget, as it does before encrypting, and
+            # dies there: nothing else of the task is done or recorded.
+            first = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            due = datetime.now(UTC) + timedelta(seconds=120)
+            accepted = first._accept(None, signed_task(spec, due, "alice"))  # type: ignore[arg-type]
+            assert isinstance(accepted, tuple)
+            assert ledger.has_reservation(key)
+            # The query ends while the node is down, before any upload began: the
+            # analyst is refunded.
+            receipt = client.cancel(spec.query_id)
+            assert receipt.refunded and receipt.status.state is QueryState.FAILED
+            assert client.budget().n_releases == 0
+            # The node restarts: the withdrawal ends the task, refunded here too.
+            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            running.nodes["owner-1"] = restarted
+            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
+            running.threads.append(thread)
+            thread.start()
+            wait_until(lambda: not ledger.has_reservation(key), "the owner's refund", 30.0)
+        record = ledger.task(key)
+        assert record is not None and record.outcome is TaskOutcome.CANCELLED, record
+        assert ledger.events() == []
+
+
+def test_a_refund_before_any_upload_leaves_no_reserved_row(tmp_path: Path) -> None:
+    """A reservation refunded (nothing left the node) leaves the task unknown again, as
+    before RESERVED rows existed; an upload records over the RESERVED row."""
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    budget = PrivacyParams(10.0, 1e-5)
+    for query_id in ("a/1", "a/2"):
+        event = PrivacyEvent(query_id, "a", 2.0, 1.0, 1e-6)
+        ledger.reserve(event, budget, spec_digest=f"digest-{query_id}")
+    record = ledger.task("a/1")
+    assert record is not None and record.outcome is TaskOutcome.RESERVED
+    assert not record.outcome.final and not record.upload_started
+    assert set(ledger.unfinished_tasks()) == {"a/1", "a/2"}
+    assert ledger.cancel_reservation("a/1")
+    assert ledger.task("a/1") is None
+    ledger.record_task("a/2", TaskOutcome.UPLOADING, upload_id="u2")
+    record = ledger.task("a/2")
+    assert record is not None and record.outcome is TaskOutcome.UPLOADING
+    assert record.upload_started
+    assert ledger.unfinished_tasks() == ["a/2"]
+    assert not ledger.cancel_reservation("a/2")  # an upload began: stays charged
