@@ -98,3 +98,27 @@ def test_an_upload_whose_fold_meets_an_unavailable_database_resumes(
             "the owner's upload recorded as uploaded",
         )
         assert [e.event.query_id for e in ledger.events()] == ["alice/locked"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_database_is_named_at_start(tmp_path: Path, damage: str) -> None:
+    """Found by review: a damaged proxy database or owner ledger (random bytes, or the
+    file cut short) stopped ``serve`` with a raw ``sqlite3.DatabaseError`` traceback.
+    Now it is a ConfigError naming the file and the way out (restore a backup)."""
+    from fedpca.errors import ConfigError
+    from fedpca.owner.ledger import BudgetLedger
+    from fedpca.proxy.store import ProxyStore
+
+    proxy_path, ledger_path = tmp_path / "proxy.sqlite3", tmp_path / "ledger.sqlite3"
+    ProxyStore(proxy_path).close()
+    BudgetLedger(ledger_path)
+    for path in (proxy_path, ledger_path):
+        data = path.read_bytes()
+        damaged = np.random.default_rng(0).bytes(len(data)) if damage == "garbage" else data[:4096]
+        path.write_bytes(damaged)
+        for extra in ("-wal", "-shm"):
+            path.with_name(path.name + extra).unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match=r"cannot use the proxy database .*restore it"):
+        ProxyStore(proxy_path)
+    with pytest.raises(ConfigError, match=r"cannot use the budget ledger .*restore it"):
+        BudgetLedger(ledger_path)

@@ -197,13 +197,22 @@ class BudgetLedger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create the ledger folder {self.path.parent}: {exc}") from exc
-        with self._connect() as connection:
-            # WAL is a property of the file; setting it needs no transaction.
-            mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
-            with _immediate(connection):
-                create_or_migrate(connection, self.path, self.neighbouring)
+        try:
+            with self._connect() as connection:
+                # WAL is a property of the file; setting it needs no transaction.
+                mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
+                with _immediate(connection):
+                    create_or_migrate(connection, self.path, self.neighbouring)
+        except sqlite3.DatabaseError as exc:
+            # Not a traceback: a damaged or truncated ledger is named. Never start on a
+            # new, empty one instead: the budget spent would be forgotten.
+            raise ConfigError(
+                f"cannot use the budget ledger {self.path}: {exc}; if the file is damaged, "
+                "restore it from a backup, which forgets the releases made since it was taken "
+                "(docs/operations.md, Backup and restore)"
+            ) from exc
 
     def __repr__(self) -> str:
         return f"BudgetLedger({str(self.path)!r})"

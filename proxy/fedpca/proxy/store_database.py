@@ -4,6 +4,7 @@ commit, and the row helpers every part of :class:`fedpca.proxy.store.ProxyStore`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedpca.errors import NotFoundError
+from fedpca.errors import ConfigError, NotFoundError
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
     PAGE_CIPHERTEXTS,
@@ -66,6 +67,21 @@ class StoreDatabase:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
         self._lock = threading.RLock()
+        try:
+            self._open(page_ciphertexts)
+        except sqlite3.DatabaseError as exc:
+            with contextlib.suppress(AttributeError, sqlite3.Error):
+                self._conn.close()
+            # Not a traceback: a damaged or truncated file (a disk that failed, a copy
+            # taken while the proxy ran) or one that cannot be written is named.
+            raise ConfigError(
+                f"cannot use the proxy database {self.path}: {exc}; if the file is damaged, "
+                "restore it from a backup (docs/operations.md, Backup and restore)"
+            ) from exc
+        self._group = GroupCommit(self.transaction, enabled=group_commit)
+
+    def _open(self, page_ciphertexts: int) -> None:
+        """Connect, set the journal, create or migrate the tables."""
         self._conn = sqlite3.connect(
             str(self.path), isolation_level=None, check_same_thread=False, timeout=30.0
         )
@@ -97,7 +113,6 @@ class StoreDatabase:
         self._conn.execute(
             "CREATE INDEX IF NOT EXISTS queries_by_analyst ON queries(analyst_id, created_at)"
         )
-        self._group = GroupCommit(self.transaction, enabled=group_commit)
 
     @property
     def commit_stats(self) -> tuple[int, int]:
