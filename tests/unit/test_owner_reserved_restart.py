@@ -90,3 +90,47 @@ def test_a_refund_before_any_upload_leaves_no_reserved_row(tmp_path: Path) -> No
     assert record.upload_started
     assert ledger.unfinished_tasks() == ["a/2"]
     assert not ledger.cancel_reservation("a/2")  # an upload began: stays charged
+
+
+def test_a_reservation_left_by_a_crash_does_not_count_against_its_own_task(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """The same crash while the query still collects: the task comes again and resumes.
+    Found with it: the task-rate cap counted the task's own reservation, so under
+    ``max_tasks_per_day = 1`` the re-delivered task was declined ("reached its limit")
+    and the query failed while the owner stayed charged for it."""
+    public_key, _ = test_only_keypair_512
+    tables = {"owner-1": labelled(np.random.default_rng(3).uniform(-0.3, 0.3, size=(20, M)))}
+    spec = unit_box_queries(M)(public_key, "again", quorum=1, deadline_seconds=120.0)
+    key = "alice/again"
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        policy={"max_tasks_per_day": 1},
+    ) as running:
+        data = tmp_path / "data" / "owner-1.csv"
+        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
+        config = running.owner_config("owner-1", data)
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            first = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            due = datetime.now(UTC) + timedelta(seconds=120)
+            assert isinstance(first._accept(None, signed_task(spec, due, "alice")), tuple)  # type: ignore[arg-type]
+            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            running.nodes["owner-1"] = restarted
+            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
+            running.threads.append(thread)
+            thread.start()
+            status = client.wait(spec.query_id, timeout=60.0)
+        assert (status.state, status.owners_contributed) == (QueryState.DONE, 1), status
+        ledger = owner_ledger(config)
+        wait_until(
+            lambda: (
+                (record := ledger.task(key)) is not None and record.outcome is TaskOutcome.UPLOADED
+            ),
+            "the owner's upload recorded as uploaded",
+        )
+        assert [entry.event.query_id for entry in ledger.events()] == [key]

@@ -389,11 +389,13 @@ class BudgetLedger:
             events, budget.delta, self.accountant, neighbouring=self.neighbouring
         )
 
-    def reservations_since(self, timestamp: float) -> int:
-        """Number of releases recorded at or after ``timestamp`` (the task-rate cap)."""
+    def reservations_since(self, timestamp: float, *, excluding: str = "") -> int:
+        """Number of releases recorded at or after ``timestamp`` (the task-rate cap),
+        other than the one of task ``excluding``."""
         with self._connect() as connection:
             row = connection.execute(
-                "SELECT COUNT(*) FROM releases WHERE recorded_at >= ?", (timestamp,)
+                "SELECT COUNT(*) FROM releases WHERE recorded_at >= ? AND query_id != ?",
+                (timestamp, excluding),
             ).fetchone()
         return int(row[0])
 

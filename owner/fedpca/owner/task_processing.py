@@ -310,13 +310,11 @@ class TaskProcessing:
         """
         spec = task.query
         query_id = task.key
+        # A reservation of this very task (left by a crash before its upload) is not
+        # another release: counted, the task coming again was declined at the cap.
         day_ago = time.time() - SECONDS_PER_DAY
-        decision = check_task(
-            task,
-            self.config,
-            self.table,
-            releases_last_day=self.ledger.reservations_since(day_ago),
-        )
+        releases = self.ledger.reservations_since(day_ago, excluding=query_id)
+        decision = check_task(task, self.config, self.table, releases_last_day=releases)
         if isinstance(decision, Refusal):
             return self._decline_task(stub, task, decision.reason, decision.detail)
         plan = decision.plan
