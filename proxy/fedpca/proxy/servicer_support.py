@@ -180,12 +180,19 @@ async def refuse(
     elif storage_unavailable(error):
         # The transaction rolled back: nothing was half written, and the same call
         # (an upload resumes after its mark) goes through once the storage is back.
-        logger.error("%s failed: the proxy's database is unavailable: %s", method, error)
+        _log_refusal(
+            refusals,
+            method,
+            logging.ERROR,
+            "%s failed: the proxy's database is unavailable: %s",
+            method,
+            error,
+        )
         _answer(
             context,
             grpc.StatusCode.UNAVAILABLE,
             "the proxy's database is unavailable for now (locked, full or failing); "
-            "nothing was recorded, retry later",
+            "this step was not recorded, retry later",
         )
     else:
         # Internal details (paths, values) stay in the log, not in the reply.
