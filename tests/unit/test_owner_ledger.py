@@ -252,6 +252,9 @@ def test_cancel_reservation_only_before_any_upload(tmp_path: Path) -> None:
     assert ledger.events() == []
     ledger.reserve(_event("q2"), BUDGET, spec_digest="d2")
     ledger.record_task("q2", TaskOutcome.UPLOADING, upload_id="u2")
+    record = ledger.task("q2")
+    assert record is not None and not record.upload_started  # only the header may leave
+    ledger.mark_upload_started("q2")  # the proxy accepted the header: chunks may leave
     assert not ledger.cancel_reservation("q2")
     # Later outcomes never clear the fact that data left the node.
     ledger.record_task("q2", TaskOutcome.CANCELLED, "cancelled")

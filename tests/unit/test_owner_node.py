@@ -542,7 +542,11 @@ def test_invalid_argument_is_not_retried(
     record = ledger.task(key("q1"))
     assert record is not None and record.outcome is TaskOutcome.REJECTED
     assert "INVALID_ARGUMENT: test failure INVALID_ARGUMENT" in caplog.text
-    # Data left the node: the budget stays charged.
+    # Data left the node: the budget stays charged. The proxy accepted the header, so
+    # the ledger marked the upload started before any chunk was handed out (without
+    # that mark a withdrawal after a crash would refund a release whose chunks left).
+    assert record.upload_started
+    assert not ledger.cancel_reservation(key("q1"))
     assert len(ledger.events()) == 1
 
 
@@ -893,7 +897,8 @@ def test_a_withdrawal_that_arrives_while_the_upload_is_tried_ends_it(
     wait_until(lambda: not list(shares.iterdir()), "the kept share to be deleted", 30.0)
     record = harness.ledger.task(key("q1"))
     assert record is not None and record.outcome is TaskOutcome.CANCELLED
-    assert len(harness.ledger.events()) == 1  # charged: the upload had begun
+    # Refunded: no proxy ever accepted the header, so no chunk left the node.
+    assert harness.ledger.events() == []
     node._queue.put(None)
     worker.join(10.0)
 

@@ -70,6 +70,44 @@ def test_a_reservation_left_by_a_crash_is_refunded_when_its_query_is_withdrawn(
         assert ledger.events() == []
 
 
+def test_an_upload_recorded_but_never_accepted_is_refunded_when_withdrawn(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """The same crash one step later (review): killed after recording the upload as
+    begun, before the proxy accepted its header. The analyst was refunded but the owner
+    stayed charged, since the upload counted as started before anything but the header
+    could leave. It now counts as started only once the proxy accepted the header."""
+    public_key, _ = test_only_keypair_512
+    tables = {"owner-1": labelled(np.random.default_rng(4).uniform(-0.3, 0.3, size=(20, M)))}
+    spec = unit_box_queries(M)(public_key, "header", quorum=1, deadline_seconds=120.0)
+    key = "alice/header"
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=()
+    ) as running:
+        data = tmp_path / "data" / "owner-1.csv"
+        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
+        config = running.owner_config("owner-1", data)
+        ledger = owner_ledger(config)
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            first = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            due = datetime.now(UTC) + timedelta(seconds=120)
+            assert isinstance(first._accept(None, signed_task(spec, due, "alice")), tuple)  # type: ignore[arg-type]
+            # What _upload records before its first call, and then the node dies.
+            ledger.record_task(key, TaskOutcome.UPLOADING, upload_id="u-header")
+            receipt = client.cancel(spec.query_id)
+            assert receipt.refunded and client.budget().n_releases == 0
+            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            running.nodes["owner-1"] = restarted
+            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
+            running.threads.append(thread)
+            thread.start()
+            wait_until(lambda: not ledger.has_reservation(key), "the owner's refund", 30.0)
+        record = ledger.task(key)
+        assert record is not None and record.outcome is TaskOutcome.CANCELLED, record
+        assert ledger.events() == []
+
+
 def test_a_refund_before_any_upload_leaves_no_reserved_row(tmp_path: Path) -> None:
     """A reservation refunded (nothing left the node) leaves the task unknown again, as
     before RESERVED rows existed; an upload records over the RESERVED row."""
@@ -87,9 +125,10 @@ def test_a_refund_before_any_upload_leaves_no_reserved_row(tmp_path: Path) -> No
     ledger.record_task("a/2", TaskOutcome.UPLOADING, upload_id="u2")
     record = ledger.task("a/2")
     assert record is not None and record.outcome is TaskOutcome.UPLOADING
-    assert record.upload_started
+    assert not record.upload_started  # chunks may leave only once the header is accepted
     assert ledger.unfinished_tasks() == ["a/2"]
-    assert not ledger.cancel_reservation("a/2")  # an upload began: stays charged
+    ledger.mark_upload_started("a/2")
+    assert not ledger.cancel_reservation("a/2")  # chunks may have left: stays charged
 
 
 def test_a_reservation_left_by_a_crash_does_not_count_against_its_own_task(

@@ -459,7 +459,8 @@ class BudgetLedger:
         capacity: int | None = None,
         spec_digest: str | None = None,
     ) -> None:
-        """Record what became of a task (UPLOADING marks that data is about to leave).
+        """Record what became of a task (UPLOADING: an upload id and kept share exist;
+        :meth:`mark_upload_started` records when chunks may leave).
 
         ``seed`` and ``capacity`` (the sample's seed and the ``data.max_records`` it was
         drawn under) were recorded by versions that kept no share; tests still use them.
@@ -483,12 +484,24 @@ class BudgetLedger:
                     outcome.value,
                     detail,
                     upload_id,
-                    int(outcome in (TaskOutcome.UPLOADING, TaskOutcome.UPLOADED)),
+                    # UPLOADING alone does not start it: mark_upload_started does, when the
+                    # proxy accepted the header, before any chunk may leave.
+                    int(outcome is TaskOutcome.UPLOADED),
                     now,
                     seed,
                     capacity,
                     spec_digest,
                 ),
+            )
+
+    def mark_upload_started(self, query_id: str) -> None:
+        """Record, durably, that chunks of the task's upload may now leave this node:
+        called when the proxy accepted the header, before the first chunk is handed to
+        gRPC. From then on the reservation is never refunded; before it, a withdrawal
+        refunds it (only the header, which holds nothing of the records, had left)."""
+        with self._connect() as connection, _immediate(connection):
+            connection.execute(
+                "UPDATE tasks SET upload_started = 1 WHERE query_id = ?", (query_id,)
             )
 
     def task(self, query_id: str) -> TaskRecord | None:

@@ -7,6 +7,7 @@ this; the node itself keeps the connection to the proxy and the task stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -434,7 +435,11 @@ class TaskProcessing:
                 logger.warning("query %s: stopping before the upload finished", query_id)
                 return None
             try:
-                acknowledgement = HeaderAcknowledgement()
+                # Chunks leave only once that is on disk: a node killed before it
+                # (the header alone sent) is refunded if the task is then withdrawn.
+                acknowledgement = HeaderAcknowledgement(
+                    functools.partial(self.ledger.mark_upload_started, query_id)
+                )
                 call = stub.Upload.future(
                     upload.messages(acknowledgement.wait), timeout=self.retry.upload_timeout
                 )
