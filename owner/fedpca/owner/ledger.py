@@ -399,13 +399,12 @@ class BudgetLedger:
             ).fetchone()
         return int(row[0])
 
-    def cancel_reservation(self, query_id: str, *, upload_refused: bool = False) -> bool:
+    def cancel_reservation(self, query_id: str) -> bool:
         """Refund a reservation whose data was not released.
 
         Sound only because nothing derived from the data reaches a result: a
-        reservation is refunded while no upload of the task was ever started (checked
-        in the same transaction), or, with ``upload_refused``, when the proxy refused
-        an upload of which the node handed out no chunk (the caller knows that).
+        reservation is refunded while no header of the task's upload was ever accepted
+        (:meth:`mark_upload_started`, checked in the same transaction), in any process.
 
         Returns
         -------
@@ -416,7 +415,7 @@ class BudgetLedger:
             started = connection.execute(
                 "SELECT upload_started FROM tasks WHERE query_id = ?", (query_id,)
             ).fetchone()
-            if started is not None and started[0] and not upload_refused:
+            if started is not None and started[0]:
                 logger.info("query %s: an upload was started; the budget stays charged", query_id)
                 return False
             cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
@@ -494,15 +493,30 @@ class BudgetLedger:
                 ),
             )
 
-    def mark_upload_started(self, query_id: str) -> None:
+    def mark_upload_started(self, query_id: str) -> bool:
         """Record, durably, that chunks of the task's upload may now leave this node:
         called when the proxy accepted the header, before the first chunk is handed to
         gRPC. From then on the reservation is never refunded; before it, a withdrawal
-        refunds it (only the header, which holds nothing of the records, had left)."""
+        refunds it (only the header, which holds nothing of the records, had left).
+
+        Returns False, marking nothing, if the task's reservation is gone (refunded by
+        a withdrawal handled meanwhile, or by another process on this state folder):
+        then no chunk may leave, since it would leave uncharged."""
         with self._connect() as connection, _immediate(connection):
-            connection.execute(
+            charged = connection.execute(
+                "SELECT 1 FROM releases WHERE query_id = ?", (query_id,)
+            ).fetchone()
+            if charged is None:
+                logger.error(
+                    "query %s: the header was accepted but the reservation is gone; no chunk "
+                    "is sent",
+                    query_id,
+                )
+                return False
+            marked = connection.execute(
                 "UPDATE tasks SET upload_started = 1 WHERE query_id = ?", (query_id,)
-            )
+            ).rowcount
+        return marked > 0
 
     def task(self, query_id: str) -> TaskRecord | None:
         """The recorded state of a task, or None if it was never seen."""

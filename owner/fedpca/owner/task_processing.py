@@ -57,6 +57,7 @@ from fedpca.owner.retry import (
     status_name,
 )
 from fedpca.owner.share_snapshots import KeptShare, ShareSnapshots
+from fedpca.owner.task_endings import TaskEndings
 from fedpca.owner.upload import OutgoingUpload
 from fedpca.owner.upload_call import HeaderAcknowledgement, result_when_done, share_unreleased
 from fedpca.protocol import ReleasePlan
@@ -115,7 +116,7 @@ class _ProgressLog:
             self.last_fraction = fraction
 
 
-class TaskProcessing:
+class TaskProcessing(TaskEndings):
     """Answers tasks for :class:`~fedpca.owner.node.OwnerNode` (which sets this state)."""
 
     config: OwnerConfig
@@ -152,13 +153,7 @@ class TaskProcessing:
             return self._finish_cancelled(query_id)
         if task.upload_deadline <= datetime.now(UTC):
             logger.warning("query %s: upload deadline already passed, skipping", query_id)
-            self._drop_upload(query_id)  # one prepared in this process stops encrypting
-            if self._known(query_id):
-                # A task never seen before leaves no row: a proxy replaying old signed
-                # queries under fresh ids with past deadlines grew the ledger without end.
-                self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
-                self._forget_share(query_id)
-            return TaskOutcome.EXPIRED
+            return self._expire(query_id)
         upload = self._prepared.get(query_id)
         if upload is None:
             outcome = self._prepare(stub, task)
@@ -472,18 +467,16 @@ class TaskProcessing:
                         upload_id=upload_id,
                     )
                     self.shares.discard(upload_id)
-                    if upload.began_here and not upload.chunk_handed_out:
-                        # Only the header ever left this node (chunks wait for the
-                        # proxy's acknowledgement, which a refused header never gets):
-                        # no result can hold anything of the share, whatever the proxy
-                        # says. (The proxy's
-                        # word alone is not enough: a proxy could fold every chunk, let
-                        # the analyst read the result, and still say "not released".)
-                        self.ledger.cancel_reservation(query_id, upload_refused=True)
-                    elif share_unreleased(err):
+                    # Refunded if no header of this upload was ever accepted, in this
+                    # process or before a restart (the ledger knows): only headers left,
+                    # so no result holds anything of the share. The proxy's word alone
+                    # is not enough: it could fold every chunk, let the analyst read the
+                    # result, and still say "not released".
+                    refunded = not upload.chunk_handed_out and self._refund_unsent(query_id)
+                    if not refunded and share_unreleased(err):
                         logger.info(
-                            "query %s: the proxy says no result holds this share; chunks of "
-                            "it left this node, so the release stays charged",
+                            "query %s: the proxy says no result holds this share; a header "
+                            "of it was accepted (chunks may have left), so it stays charged",
                             query_id,
                         )
                     return TaskOutcome.REJECTED
@@ -532,54 +525,6 @@ class TaskProcessing:
             )
             return TaskOutcome.UPLOADED
         return None  # pragma: no cover - the loop always returns
-
-    def _drop_upload(self, query_id: str) -> None:
-        upload = self._prepared.pop(query_id, None)
-        if upload is not None:
-            upload.stop()
-
-    def _abandon(self, query_id: str, upload_id: str, why: str) -> TaskOutcome:
-        """Give up an upload that began and cannot go on; the release stays charged."""
-        logger.error("query %s: upload %s abandoned: %s", query_id, upload_id, why)
-        self.ledger.record_task(query_id, TaskOutcome.ABANDONED, why, upload_id=upload_id)
-        self.shares.discard(upload_id)
-        return TaskOutcome.ABANDONED
-
-    def end_withdrawn_upload(self, query_id: str, reason: str) -> None:
-        """The proxy withdrew a task whose upload this node has in flight but no longer
-        runs (its query ended while the node was away): end it and delete its share."""
-        record = self.ledger.task(query_id)
-        if record is None or record.outcome is TaskOutcome.RESERVED:
-            # A task that failed after its reservation, before any upload began: the
-            # withdrawal ends it, refunded (the ledger refunds only if nothing started).
-            # An id the ledger does not know costs a read, no write.
-            if self.ledger.has_reservation(query_id) and self.ledger.cancel_reservation(query_id):
-                self.ledger.record_task(query_id, TaskOutcome.CANCELLED, f"withdrawn: {reason}")
-            return
-        if record.outcome is not TaskOutcome.UPLOADING:
-            return
-        logger.info("query %s: the upload in flight was withdrawn (%s)", query_id, reason)
-        self._finish_cancelled(query_id)
-
-    def _forget_share(self, query_id: str) -> None:
-        """Delete the kept share of a task that ended without its upload completing."""
-        record = self.ledger.task(query_id)
-        if record is not None and record.upload_id is not None:
-            self.shares.discard(record.upload_id)
-
-    def _known(self, query_id: str) -> bool:
-        """The ledger holds a record or a reservation of the task."""
-        return self.ledger.task(query_id) is not None or self.ledger.has_reservation(query_id)
-
-    def _finish_cancelled(self, query_id: str) -> TaskOutcome:
-        self._drop_upload(query_id)
-        if self._known(query_id):  # a task cancelled before it began leaves no row
-            # Refunded only if no upload of the task had begun (the ledger checks).
-            self.ledger.cancel_reservation(query_id)
-            self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
-            self._forget_share(query_id)
-        logger.info("query %s: cancelled by the proxy", query_id)
-        return TaskOutcome.CANCELLED
 
     def _decline_task(
         self, stub: owner_grpc.OwnerServiceStub, task: Task, reason: DeclineReason, detail: str
@@ -634,5 +579,8 @@ class TaskProcessing:
                 self.ledger.record_task(
                     query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}", spec_digest=digest
                 )
+                # A task reserved before a restart and declined when it came again (a
+                # stricter policy now): final, and nothing of it left the node.
+                self._refund_unsent(query_id)
             return TaskOutcome.DECLINED
         return None  # pragma: no cover - the loop always returns

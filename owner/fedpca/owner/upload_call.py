@@ -30,7 +30,7 @@ class HeaderAcknowledgement:
     ``UPLOAD_ACCEPTED_METADATA: yes`` once the proxy recorded the upload as begun
     (protocol version 3); a call that ends without it was refused at the header."""
 
-    def __init__(self, on_accepted: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_accepted: Callable[[], bool] | None = None) -> None:
         self._call: Any = None
         self._started = threading.Event()
         self._on_accepted = on_accepted
@@ -42,12 +42,13 @@ class HeaderAcknowledgement:
 
     def wait(self) -> bool:
         """Block until the proxy answered the header (or the call ended); True if it
-        accepted it, after ``on_accepted`` ran (it runs before any chunk is handed out)."""
+        accepted it and ``on_accepted`` (run before any chunk is handed out) agreed."""
         self._started.wait()
         metadata = dict(self._call.initial_metadata() or ())
         accepted = metadata.get(UPLOAD_ACCEPTED_METADATA) == "yes"
         if accepted and self._on_accepted is not None:
-            self._on_accepted()
+            # False: the chunks may not leave (the reservation is gone).
+            accepted = self._on_accepted()
         return accepted
 
 

@@ -1,0 +1,103 @@
+"""How an owner's task ends without its upload completing (cancelled, withdrawn,
+expired, declined again, refused, abandoned), and when that refunds its reservation.
+
+:class:`TaskEndings` is a part of :class:`fedpca.owner.task_processing.TaskProcessing`.
+One rule decides every refund (docs/privacy.md, "Refunds", Owners): a task's
+reservation is refunded when the task ends and the ledger says no proxy ever accepted
+a header of its upload, in this process or an earlier one
+(:meth:`~fedpca.owner.ledger.BudgetLedger.cancel_reservation`). Chunks leave only after
+that acceptance is marked on disk, and the mark is refused once the reservation is gone
+(:meth:`~fedpca.owner.ledger.BudgetLedger.mark_upload_started`), so no chunk ever leaves
+uncharged and no reservation stays charged for a task of which nothing left the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Container
+
+from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.share_snapshots import ShareSnapshots
+from fedpca.owner.upload import OutgoingUpload
+
+__all__ = ["TaskEndings"]
+
+logger = logging.getLogger("fedpca.owner.node")
+
+
+class TaskEndings:
+    """Ends tasks for :class:`~fedpca.owner.task_processing.TaskProcessing`."""
+
+    ledger: BudgetLedger
+    shares: ShareSnapshots
+    _lock: threading.Lock
+    _cancelled: Container[str]
+    _prepared: dict[str, OutgoingUpload]
+
+    def _refund_unsent(self, query_id: str) -> bool:
+        """Refund the task's reservation if no header of its upload was ever accepted
+        (then nothing of its share left the node). True if a reservation was removed."""
+        return self.ledger.has_reservation(query_id) and self.ledger.cancel_reservation(query_id)
+
+    def _drop_upload(self, query_id: str) -> None:
+        upload = self._prepared.pop(query_id, None)
+        if upload is not None:
+            upload.stop()
+
+    def _expire(self, query_id: str) -> TaskOutcome:
+        """The task came after its upload deadline: end it, refunded if nothing left."""
+        self._drop_upload(query_id)  # one prepared in this process stops encrypting
+        if self._known(query_id):
+            # A task never seen before leaves no row: a proxy replaying old signed
+            # queries under fresh ids with past deadlines grew the ledger without end.
+            self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
+            # Final: a reservation left by a crash or a paused upload whose header was
+            # never accepted is refunded now or never (the analyst is refunded too).
+            self._refund_unsent(query_id)
+            self._forget_share(query_id)
+        return TaskOutcome.EXPIRED
+
+    def _abandon(self, query_id: str, upload_id: str, why: str) -> TaskOutcome:
+        """Give up an upload that began and cannot go on; the release stays charged."""
+        logger.error("query %s: upload %s abandoned: %s", query_id, upload_id, why)
+        self.ledger.record_task(query_id, TaskOutcome.ABANDONED, why, upload_id=upload_id)
+        self.shares.discard(upload_id)
+        return TaskOutcome.ABANDONED
+
+    def end_withdrawn_upload(self, query_id: str, reason: str) -> None:
+        """The proxy withdrew a task whose upload this node has in flight but no longer
+        runs (its query ended while the node was away): end it and delete its share."""
+        record = self.ledger.task(query_id)
+        if record is None or record.outcome is TaskOutcome.RESERVED:
+            # A task that failed after its reservation, before any upload began: the
+            # withdrawal ends it, refunded (the ledger refunds only if nothing started).
+            # An id the ledger does not know costs a read, no write.
+            self._drop_upload(query_id)  # one prepared whose share could not be kept
+            if self._refund_unsent(query_id):
+                self.ledger.record_task(query_id, TaskOutcome.CANCELLED, f"withdrawn: {reason}")
+            return
+        if record.outcome is not TaskOutcome.UPLOADING:
+            return
+        logger.info("query %s: the upload in flight was withdrawn (%s)", query_id, reason)
+        self._finish_cancelled(query_id)
+
+    def _forget_share(self, query_id: str) -> None:
+        """Delete the kept share of a task that ended without its upload completing."""
+        record = self.ledger.task(query_id)
+        if record is not None and record.upload_id is not None:
+            self.shares.discard(record.upload_id)
+
+    def _known(self, query_id: str) -> bool:
+        """The ledger holds a record or a reservation of the task."""
+        return self.ledger.task(query_id) is not None or self.ledger.has_reservation(query_id)
+
+    def _finish_cancelled(self, query_id: str) -> TaskOutcome:
+        self._drop_upload(query_id)
+        if self._known(query_id):  # a task cancelled before it began leaves no row
+            # Refunded only if no upload of the task had begun (the ledger checks).
+            self.ledger.cancel_reservation(query_id)
+            self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
+            self._forget_share(query_id)
+        logger.info("query %s: cancelled by the proxy", query_id)
+        return TaskOutcome.CANCELLED
