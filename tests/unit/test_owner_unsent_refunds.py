@@ -10,6 +10,7 @@ reservation was refunded (a withdrawal handled meanwhile) let chunks leave uncha
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from fedpca.codec import CryptoPool
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
@@ -162,3 +164,38 @@ def test_an_accepted_header_sends_no_chunk_when_the_mark_is_refused() -> None:
     agreed = HeaderAcknowledgement(lambda: True)
     agreed.watch(Accepted())
     assert agreed.wait()
+
+
+def test_a_ledger_that_cannot_mark_the_header_pauses_the_upload(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A locked ledger when the header is accepted: no chunk leaves, and the task stays
+    open (it resumes on a re-delivery) instead of ending rejected for good."""
+    public_key, _ = test_only_keypair_512
+    tables = {"owner-1": labelled(np.random.default_rng(8).uniform(-0.3, 0.3, size=(20, M)))}
+    spec = unit_box_queries(M)(public_key, "locked", quorum=1, deadline_seconds=120.0)
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=()
+    ) as running:
+        data = tmp_path / "data" / "owner-1.csv"
+        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
+        config = running.owner_config("owner-1", data)
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            task = signed_task(spec, datetime.now(UTC) + timedelta(seconds=120), "alice")
+
+            def locked(self: BudgetLedger, query_id: str) -> bool:
+                raise sqlite3.OperationalError("database is locked")
+
+            with monkeypatch.context() as patch:
+                patch.setattr(BudgetLedger, "mark_upload_started", locked)
+                assert _process_at_the_proxy(config, pool, task) is None
+            record = owner_ledger(config).task(task.key)
+            assert record is not None and record.outcome is TaskOutcome.UPLOADING
+            assert not record.upload_started
+            # The ledger works again: the task delivered again resumes and completes.
+            assert _process_at_the_proxy(config, pool, task) is TaskOutcome.UPLOADED
+            assert client.wait(spec.query_id, timeout=60.0).state is QueryState.DONE

@@ -451,7 +451,16 @@ class TaskProcessing(TaskEndings):
                         type(upload.error).__name__,
                     )
                     return None
-                if status_code(err) not in RETRYABLE_CODES:
+                if acknowledgement.failure is not None:
+                    # Not the proxy: this node could not record the accepted header (a
+                    # locked or full ledger). No chunk left; the upload is tried again.
+                    logger.error(
+                        "query %s: cannot record upload %s as started (%s); no chunk was sent",
+                        query_id,
+                        upload_id,
+                        acknowledgement.failure,
+                    )
+                elif status_code(err) not in RETRYABLE_CODES:
                     logger.error(
                         "query %s: the proxy refused upload %s: %s: %s",
                         query_id,

@@ -34,6 +34,9 @@ class HeaderAcknowledgement:
         self._call: Any = None
         self._started = threading.Event()
         self._on_accepted = on_accepted
+        self.failure: BaseException | None = None
+        """What ``on_accepted`` raised (the ledger could not record the acceptance: no
+        chunk was handed out, and gRPC ends the call with UNKNOWN)."""
 
     def watch(self, call: Any) -> None:
         """The upload call whose initial metadata to wait for."""
@@ -48,7 +51,11 @@ class HeaderAcknowledgement:
         accepted = metadata.get(UPLOAD_ACCEPTED_METADATA) == "yes"
         if accepted and self._on_accepted is not None:
             # False: the chunks may not leave (the reservation is gone).
-            accepted = self._on_accepted()
+            try:
+                accepted = self._on_accepted()
+            except BaseException as exc:
+                self.failure = exc
+                raise
         return accepted
 
 
