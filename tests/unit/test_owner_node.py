@@ -508,7 +508,14 @@ def test_epsilon_beyond_the_accountant_is_declined_not_crashed(harness: Harness)
 
 
 @pytest.mark.parametrize(
-    "harness", [{"upload_failures": [grpc.StatusCode.UNAVAILABLE]}], indirect=True
+    "harness",
+    [
+        {"upload_failures": [grpc.StatusCode.UNAVAILABLE]},
+        # An upload cut short (the proxy's answer to a broken request stream): retried,
+        # not given up (a 50-owner round once stalled until its deadline on one).
+        {"upload_failures": [grpc.StatusCode.CANCELLED]},
+    ],
+    indirect=True,
 )
 def test_unavailable_upload_is_retried_with_the_same_id_and_bytes(harness: Harness) -> None:
     proxy = harness.proxy

@@ -22,6 +22,12 @@ RETRYABLE_CODES = frozenset(
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
+        # The proxy never refuses with CANCELLED (it answers a request stream that broke
+        # off with it), and a node that cancels its own call is stopping, so its retry
+        # loop ends anyway. In a 50-owner round on 2 cores one upload ended CANCELLED
+        # before its header was accepted (cause not established); taken as final, the
+        # owner gave the task up and the query waited for it until its deadline.
+        grpc.StatusCode.CANCELLED,
     }
 )
 """Statuses that say "try again later"; every other failure of an upload is final."""
