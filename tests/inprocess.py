@@ -313,6 +313,24 @@ class InProcessDeployment:
             privacy=PrivacyConfig(accountant=self.accountant, neighbouring=self.neighbouring),
         )
 
+    def write_owner_config(self, owner_id: str) -> OwnerConfig:
+        """Write the owner's table to ``data/<owner_id>.csv``; its configuration."""
+        path = self.workdir / "data" / f"{owner_id}.csv"
+        path.parent.mkdir(exist_ok=True)
+        np.savetxt(path, self.tables[owner_id], delimiter=",", fmt="%.17g")
+        return self.owner_config(owner_id, path)
+
+    def start_owner(self, config: OwnerConfig, retry: RetryPolicy = FAST_RETRY) -> OwnerNode:
+        """Run a node for ``config`` on a thread (also a restart: it replaces the node
+        of that owner); stopped with the deployment."""
+        owner_id = config.owner.id
+        node = OwnerNode(config, pool=self.pool, retry=retry)
+        thread = threading.Thread(target=node.run_forever, name=owner_id, daemon=True)
+        thread.start()
+        self.nodes[owner_id] = node
+        self.threads.append(thread)
+        return node
+
     def start(self) -> InProcessDeployment:
         owner_ids = list(self.tables)
         init_certificates(self.workdir / "certs", owner_ids, list(self.analysts), force=True)
@@ -339,17 +357,9 @@ class InProcessDeployment:
         )
         self.proxy = ProxyServer(config, noise_sampler=TestOnlySeededSampler(5), pool=self.pool)
         self.proxy.start()
-        (self.workdir / "data").mkdir(exist_ok=True)
-        for owner_id, table in self.tables.items():
-            if self.running is not None and owner_id not in self.running:
-                continue
-            path = self.workdir / "data" / f"{owner_id}.csv"
-            np.savetxt(path, table, delimiter=",", fmt="%.17g")
-            node = OwnerNode(self.owner_config(owner_id, path), pool=self.pool, retry=FAST_RETRY)
-            thread = threading.Thread(target=node.run_forever, name=owner_id, daemon=True)
-            thread.start()
-            self.nodes[owner_id] = node
-            self.threads.append(thread)
+        for owner_id in self.tables:
+            if self.running is None or owner_id in self.running:
+                self.start_owner(self.write_owner_config(owner_id))
         for owner_id, node in self.nodes.items():
             if not node.connected.wait(30.0):
                 raise RuntimeError(f"owner {owner_id} did not connect")

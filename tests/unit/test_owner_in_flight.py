@@ -77,9 +77,7 @@ def test_a_contributor_that_restarts_after_the_contributors_are_fixed_resumes(
         with running.analyst() as client:
             client.submit(spec, TEST_SIGNING_KEY)
             wait_until(lambda: len(store.uploads(key)) == 1, "owner-2's upload")
-            data = tmp_path / "data" / "owner-1.csv"
-            np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
-            config = running.owner_config("owner-1", data)
+            config = running.write_owner_config("owner-1")
             # Owner 1 joins (which fixes the contributors) and its stream breaks after
             # the first chunk: its node then dies.
             # Chunks of 7 ciphertexts (before and after the restart): several per upload.
@@ -104,11 +102,7 @@ def test_a_contributor_that_restarts_after_the_contributors_are_fixed_resumes(
             assert record is not None and record.outcome is TaskOutcome.UPLOADING
 
             # The restarted node reports the upload in flight; the proxy sends the task.
-            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
-            running.nodes["owner-1"] = restarted
-            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
-            running.threads.append(thread)
-            thread.start()
+            running.start_owner(config)  # a restart; stopped with the deployment
             status = client.wait(spec.query_id, timeout=60.0)
         assert status.state is QueryState.DONE and status.owners_contributed == 2
         # The proxy is done once the last chunk is folded; the receipt comes just after.

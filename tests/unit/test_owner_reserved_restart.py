@@ -11,7 +11,6 @@ own transaction and the node names such tasks with its uploads in flight.
 
 from __future__ import annotations
 
-import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,7 @@ def test_a_reservation_left_by_a_crash_is_refunded_when_its_query_is_withdrawn(
         workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=()
     ) as running:
         assert running.proxy is not None
-        data = tmp_path / "data" / "owner-1.csv"
-        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
-        config = running.owner_config("owner-1", data)
+        config = running.write_owner_config("owner-1")
         ledger = owner_ledger(config)
         with running.analyst() as client:
             client.submit(spec, TEST_SIGNING_KEY)
@@ -59,11 +56,7 @@ def test_a_reservation_left_by_a_crash_is_refunded_when_its_query_is_withdrawn(
             assert receipt.refunded and receipt.status.state is QueryState.FAILED
             assert client.budget().n_releases == 0
             # The node restarts: the withdrawal ends the task, refunded here too.
-            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
-            running.nodes["owner-1"] = restarted
-            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
-            running.threads.append(thread)
-            thread.start()
+            running.start_owner(config)  # a restart; stopped with the deployment
             wait_until(lambda: not ledger.has_reservation(key), "the owner's refund", 30.0)
         record = ledger.task(key)
         assert record is not None and record.outcome is TaskOutcome.CANCELLED, record
@@ -84,9 +77,7 @@ def test_an_upload_recorded_but_never_accepted_is_refunded_when_withdrawn(
     with deployment(
         workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=()
     ) as running:
-        data = tmp_path / "data" / "owner-1.csv"
-        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
-        config = running.owner_config("owner-1", data)
+        config = running.write_owner_config("owner-1")
         ledger = owner_ledger(config)
         with running.analyst() as client:
             client.submit(spec, TEST_SIGNING_KEY)
@@ -97,11 +88,7 @@ def test_an_upload_recorded_but_never_accepted_is_refunded_when_withdrawn(
             ledger.record_task(key, TaskOutcome.UPLOADING, upload_id="u-header")
             receipt = client.cancel(spec.query_id)
             assert receipt.refunded and client.budget().n_releases == 0
-            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
-            running.nodes["owner-1"] = restarted
-            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
-            running.threads.append(thread)
-            thread.start()
+            running.start_owner(config)  # a restart; stopped with the deployment
             wait_until(lambda: not ledger.has_reservation(key), "the owner's refund", 30.0)
         record = ledger.task(key)
         assert record is not None and record.outcome is TaskOutcome.CANCELLED, record
@@ -150,19 +137,13 @@ def test_a_reservation_left_by_a_crash_does_not_count_against_its_own_task(
         running=(),
         policy={"max_tasks_per_day": 1},
     ) as running:
-        data = tmp_path / "data" / "owner-1.csv"
-        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
-        config = running.owner_config("owner-1", data)
+        config = running.write_owner_config("owner-1")
         with running.analyst() as client:
             client.submit(spec, TEST_SIGNING_KEY)
             first = OwnerNode(config, pool=pool, retry=FAST_RETRY)
             due = datetime.now(UTC) + timedelta(seconds=120)
             assert isinstance(first._accept(None, signed_task(spec, due, "alice")), tuple)  # type: ignore[arg-type]
-            restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
-            running.nodes["owner-1"] = restarted
-            thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
-            running.threads.append(thread)
-            thread.start()
+            running.start_owner(config)  # a restart; stopped with the deployment
             status = client.wait(spec.query_id, timeout=60.0)
         assert (status.state, status.owners_contributed) == (QueryState.DONE, 1), status
         ledger = owner_ledger(config)

@@ -48,9 +48,7 @@ def _owner_paused(
     with deployment(
         workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=()
     ) as running:
-        data = tmp_path / "data" / "owner-1.csv"
-        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
-        config = running.owner_config("owner-1", data)
+        config = running.write_owner_config("owner-1")
         with running.analyst() as client:
             client.submit(spec, TEST_SIGNING_KEY)
             task = signed_task(spec, datetime.now(UTC) + timedelta(seconds=120), "alice")
@@ -180,9 +178,7 @@ def test_a_ledger_that_cannot_mark_the_header_pauses_the_upload(
     with deployment(
         workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=()
     ) as running:
-        data = tmp_path / "data" / "owner-1.csv"
-        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
-        config = running.owner_config("owner-1", data)
+        config = running.write_owner_config("owner-1")
         with running.analyst() as client:
             client.submit(spec, TEST_SIGNING_KEY)
             task = signed_task(spec, datetime.now(UTC) + timedelta(seconds=120), "alice")

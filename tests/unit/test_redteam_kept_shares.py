@@ -8,7 +8,6 @@ and a fix.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,7 +23,6 @@ from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.protocol import ReleasePlan
 from helpers import signed_task
 from inprocess import (
-    FAST_RETRY,
     ONE_ATTEMPT,
     deployment,
     labelled,
@@ -69,9 +67,7 @@ def test_the_kept_share_of_an_upload_whose_query_ended_is_deleted(
         capacity=100,
         running=("owner-2",),
     ) as running:
-        data = tmp_path / "data" / "owner-1.csv"
-        np.savetxt(data, tables["owner-1"], delimiter=",", fmt="%.17g")
-        config = running.owner_config("owner-1", data)
+        config = running.write_owner_config("owner-1")
         due = datetime.now(UTC) + timedelta(seconds=60)
         task = signed_task(spec, due, "alice")  # as the proxy names it: alice/ended
         crashed = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
@@ -87,11 +83,7 @@ def test_the_kept_share_of_an_upload_whose_query_ended_is_deleted(
         assert outcome.state == "done" and outcome.owners_contributed == 1
 
         # Owner 1 restarts and stays connected for several heartbeats (1 s each).
-        restarted = OwnerNode(config, pool=pool, retry=FAST_RETRY)
-        running.nodes["owner-1"] = restarted  # stopped with the deployment
-        thread = threading.Thread(target=restarted.run_forever, name="owner-1", daemon=True)
-        running.threads.append(thread)
-        thread.start()
+        restarted = running.start_owner(config)  # stopped with the deployment
         assert restarted.connected.wait(30.0)
         deadline = time.monotonic() + 5.0
         while kept.exists() and time.monotonic() < deadline:
