@@ -133,6 +133,12 @@ def test_noise_sampler_reports_its_cost_per_value() -> None:
     assert float(result["max_over_min"]) >= 1.0
 
 
+def test_owner_task_timing_reports_the_dca_ratio_and_the_sampling_step() -> None:
+    result = run_benchmark("owner_task_timing.py", "--repeats", "1", "--largest", "20000")
+    assert float(result["dca_ratio_largest_over_smallest"]) > 0
+    assert all(float(us) > 0 for us in result["pca_boundary_us"].split(","))
+
+
 def test_owner_encrypt_compares_with_the_published_design_and_the_bare_loop() -> None:
     result = run_benchmark("owner_encrypt.py", "--features", "20", "--published-sample", "5")
     assert float(result["ratio_vs_published"]) > 0

@@ -1,0 +1,108 @@
+"""How long an owner's work before its upload header takes, against its record count N.
+
+The proxy's clock sees when an owner's upload header arrives, so the work an owner does
+for a task before it (choosing the records, computing the padded statistics) should not
+depend on N. docs/privacy.md ("Work padded to a public size") quotes this script for
+two cases:
+
+* DCA at cap K = 1,000, M = 5, two classes, N from 1,000 to 2 million: the classes'
+  records are found through the label index built when the table is loaded, not by a
+  pass over the N labels;
+* PCA at cap K, M = 10, at N = K and N = K + 1: the step where the owner starts to draw
+  a sample (and copies the K records drawn), which remains.
+
+Times are wall-clock medians of repeated calls in this one process (no network, no
+encryption); read them as the size of a step, not as what a deployment's clock shows.
+
+Usage: python benchmarks/owner_task_timing.py [--repeats 15] [--largest 2000000]
+
+The last line reads ``dca_ratio_largest_over_smallest=<x> pca_boundary_us=<a>,<b>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from fedpca.exact_statistics import fixed_point_statistics
+from fedpca.owner.compute import LocalTable, contributed_rows, padded_rows, record_cap
+from fedpca.query import QueryKind, QuerySpec
+
+CAP = 1_000
+PUBLIC_KEY_N = (1 << 2047) + 1  # only its size matters here: nothing is encrypted
+
+
+def _spec(kind: QueryKind, m: int) -> QuerySpec:
+    extra = {"class_labels": (0.0, 1.0), "label_column": m} if kind is QueryKind.DCA else {}
+    return QuerySpec(
+        query_id="timing",
+        kind=kind,
+        n_features=m,
+        epsilon=1.0,
+        delta=1e-6,
+        n_components=1,
+        analyst_public_key_n=PUBLIC_KEY_N,
+        analyst_key_fingerprint="sha256:timing",
+        max_records_per_owner=CAP,
+        max_owners=4,
+        feature_lower=(-1.0,) * m,
+        feature_upper=(1.0,) * m,
+        **extra,
+    )
+
+
+def _task_seconds(table: LocalTable, spec: QuerySpec, repeats: int) -> float:
+    """Median seconds of what a task does before its header: choose, then sum."""
+    cap = record_cap(spec, 10**9)
+    times = []
+    for _ in range(repeats):
+        columns = table.table_for(spec)
+        started = time.perf_counter()
+        rows = contributed_rows(columns, spec, cap)
+        fixed_point_statistics(rows.features, rows.labels, spec, pad_to=padded_rows(spec, cap))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="calls per point (median)")
+    parser.add_argument("--largest", type=int, default=2_000_000, help="largest DCA table")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+
+    m = 5
+    dca = _spec(QueryKind.DCA, m)
+    sizes = sorted({CAP, 10 * CAP, 100 * CAP, args.largest})
+    dca_ms = []
+    print(f"DCA, K = {CAP}, M = {m}, classes 0 and 1 (labels 0, 1, 2 uniformly)")
+    for n in sizes:
+        source = np.column_stack([rng.uniform(-1, 1, (n, m)), rng.integers(0, 3, n)])
+        loading = time.perf_counter()
+        table = LocalTable(source.astype(np.float64), m, "benchmark")
+        loaded = time.perf_counter() - loading
+        dca_ms.append(_task_seconds(table, dca, args.repeats) * 1e3)
+        print(
+            f"  N = {n:>9,}   task {dca_ms[-1]:7.3f} ms   (loading, index included: "
+            f"{loaded * 1e3:.0f} ms)"
+        )
+
+    m = 10
+    pca = _spec(QueryKind.PCA, m)
+    boundary_us = []
+    print(f"PCA, K = {CAP}, M = {m}")
+    for n in (CAP, CAP + 1):
+        table = LocalTable(rng.uniform(-1, 1, (n, m)), None, "benchmark")
+        boundary_us.append(_task_seconds(table, pca, max(args.repeats, 200)) * 1e6)
+        print(f"  N = {n:>9,}   task {boundary_us[-1]:7.1f} µs")
+    print(
+        f"dca_ratio_largest_over_smallest={dca_ms[-1] / dca_ms[0]:.3f} "
+        f"pca_boundary_us={boundary_us[0]:.1f},{boundary_us[1]:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
