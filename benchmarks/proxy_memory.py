@@ -270,14 +270,17 @@ main(args=sys.argv[2:], prog_name="fedpca")
 """
 
 
-def start_proxy(workdir: Path, config: Path, server_options: list[str]) -> ManagedProcess:
+def start_proxy(
+    workdir: Path, config: Path, server_options: list[str], patch: str = PATCHED_PROXY
+) -> ManagedProcess:
+    """``fedpca proxy serve``; with ``server_options``, through ``patch`` given them."""
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
     log_path = logs / "proxy.log"
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed by ManagedProcess.stop
     serve = ["proxy", "serve", "--config", str(config)]
     if server_options:
-        command = [sys.executable, "-c", PATCHED_PROXY, ",".join(server_options), *serve]
+        command = [sys.executable, "-c", patch, ",".join(server_options), *serve]
     else:
         command = [sys.executable, "-m", "fedpca.app.cli", *serve]
     process = subprocess.Popen(

@@ -96,6 +96,11 @@ def test_connection_memory_measures_both_transports() -> None:
     assert math.isfinite(float(result["plaintext_kib_per_connection"]))
 
 
+def test_hostile_calls_memory_compares_the_earlier_limits_with_the_defaults() -> None:
+    result = run_benchmark("hostile_calls_memory.py", "--rounds", "1", "--channels", "2")
+    assert float(result["before_growth_mib"]) >= 0 and float(result["after_growth_mib"]) >= 0
+
+
 def test_end_to_end_reports_the_floor_from_its_own_run() -> None:
     result = run_benchmark("end_to_end.py", "--owners", "2", "--rows", "200", "--features", "20")
     floor = float(result["floor_seconds"])

@@ -92,6 +92,7 @@ from fedpca.query import QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, signer_id
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
+from fedpca.transport.serde.query import MAX_QUERY_BYTES
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
@@ -867,19 +868,49 @@ def test_fuzzed_reads_declines_and_hellos(world: World) -> None:
 
 # ------------------------------------------------------- focused checks
 def test_an_oversized_message_is_refused_by_size(world: World) -> None:
-    """A chunk above the proxy's 8 MiB message limit: RESOURCE_EXHAUSTED, nothing stored.
+    """A chunk above the proxy's 2 MiB receive limit: RESOURCE_EXHAUSTED, nothing stored.
 
     The client may send up to 32 MiB, so it is the proxy that enforces its limit.
     """
     big = world.open_channel(Role.OWNER, "owner-3", max_message_bytes=32 * 1024 * 1024)
     stream = _copy(world.fresh["owner-3"])
-    stream[1].chunk.ciphertexts = b"\x01" * (channels.DEFAULT_MAX_MESSAGE_BYTES + 1024)
+    stream[1].chunk.ciphertexts = b"\x01" * (channels.PROXY_MAX_RECEIVE_BYTES + 1024)
     stream[1].chunk.sha256 = hashlib.sha256(stream[1].chunk.ciphertexts).digest()
     before = snapshot(world.store)
     stub = owner_grpc.OwnerServiceStub(big)
     outcome = call(lambda: stub.Upload(iter(stream), timeout=TIMEOUT))
     assert outcome.code is grpc.StatusCode.RESOURCE_EXHAUSTED and outcome.details.strip()
     assert snapshot(world.store) == before
+
+
+def test_the_receive_limit_admits_the_largest_query_and_refuses_beyond(world: World) -> None:
+    """The proxy reads at most 2 MiB a message (gRPC reads a message whole before any
+    handler refuses it), yet a query up to its own 1 MiB cap still reaches the proxy's
+    checks: below the limit a wide query is refused by those checks with
+    INVALID_ARGUMENT and a reason; above it gRPC refuses it unread."""
+    analyst = world.analysts["alice"]
+    big = world.open_channel(Role.ANALYST, "alice", max_message_bytes=32 * 1024 * 1024)
+    unbounded = analyst_grpc.AnalystServiceStub(big)
+    base = submit_request(_spec(world.other_key, "wide", quorum=1))
+    outcomes = {}
+    for extra in (120_000, 140_000, 300_000):
+        request = analyst_pb.SubmitQueryRequest()
+        request.CopyFrom(base)
+        request.query.feature_lower.extend([0.0] * extra)
+        size = request.ByteSize()
+        stub = unbounded if size > channels.PROXY_MAX_RECEIVE_BYTES else analyst
+        outcomes[extra] = (size, call(lambda r=request, s=stub: s.SubmitQuery(r, timeout=TIMEOUT)))
+    size, near_cap = outcomes[120_000]
+    assert size < MAX_QUERY_BYTES
+    assert near_cap.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than" not in near_cap.details  # decoded, refused for its shape
+    size, over_cap = outcomes[140_000]
+    assert MAX_QUERY_BYTES < size < channels.PROXY_MAX_RECEIVE_BYTES
+    assert over_cap.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 1048576" in over_cap.details
+    size, over_limit = outcomes[300_000]
+    assert size > channels.PROXY_MAX_RECEIVE_BYTES
+    assert over_limit.code is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_undecodable_request_bytes_are_invalid_argument(world: World) -> None:
@@ -973,13 +1004,14 @@ def test_hostile_sizes_are_refused_at_once_and_quoted_short(world: World) -> Non
 
     A header of 100,000 blocks once took minutes (a quadratic duplicate check on the
     event loop, freezing every peer); a 4 MiB key fingerprint grew the log by 4 MB a
-    refusal; 7 MiB Hello fields were stored in the owners table."""
+    refusal; 7 MiB Hello fields were stored in the owners table. The sizes here stay
+    under the proxy's 2 MiB receive limit, so the proxy's own checks refuse them."""
     big = world.open_channel(Role.OWNER, "owner-3", max_message_bytes=32 * 1024 * 1024)
     stub = owner_grpc.OwnerServiceStub(big)
     before = snapshot(world.store)
     many = _copy(world.fresh["owner-3"])
     block = many[0].header.blocks[0]
-    for index in range(100_000):
+    for index in range(40_000):
         extra = many[0].header.blocks.add()
         extra.CopyFrom(block)
         extra.name = f"b{index}"
@@ -990,12 +1022,12 @@ def test_hostile_sizes_are_refused_at_once_and_quoted_short(world: World) -> Non
     assert time.monotonic() - started < 5.0
 
     long_fingerprint = _copy(world.fresh["owner-3"])
-    long_fingerprint[0].header.analyst_key_fingerprint = "sha256:" + "f" * (4 << 20)
+    long_fingerprint[0].header.analyst_key_fingerprint = "sha256:" + "f" * (1 << 20)
     outcome = call(lambda: stub.Upload(iter(long_fingerprint), timeout=TIMEOUT))
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
     assert "more than 256" in outcome.details and len(outcome.details) < 3000
 
-    hello = owner_pb.OwnerHello(node_id="x" * (7 << 20), software_version="1.0")
+    hello = owner_pb.OwnerHello(node_id="x" * (3 << 19), software_version="1.0")
     outcome = call(lambda: stub.Hello(hello, timeout=TIMEOUT))
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT
     assert "OwnerHello.node_id" in outcome.details

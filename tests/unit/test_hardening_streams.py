@@ -126,3 +126,52 @@ def test_one_owner_certificate_cannot_starve_the_proxy(
                 assert upload.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             release.set()
         assert plan.owner_blocks  # the header really was the plan's
+
+
+def test_an_upload_that_trickles_is_ended_after_the_total_time(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """No gap reaches ``upload_idle_seconds``, yet the upload ends at ``upload_total_seconds``.
+
+    An owner sending one message just inside the idle time would otherwise hold its
+    upload slot for as long as it likes; the refused upload leaves nothing behind.
+    """
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(1)
+    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
+    limits = PeerLimits(upload_idle_seconds=2.0, upload_total_seconds=2.5)
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        limits=limits,
+    ) as running:
+        spec = _spec(public_key, "trickle")
+        with running.analyst() as analyst:
+            analyst.submit(spec, TEST_SIGNING_KEY)
+        payload, _ = encrypted_upload(spec, rng.uniform(-0.5, 0.5, (5, M)), public_key, pool)
+        messages = serde.encode_upload(
+            "alice/trickle", spec.analyst_key_fingerprint, "trickle-1", payload
+        )
+
+        gap = 1.5  # under the 2 s idle time; the stream ends after len(messages) gaps
+
+        def trickled() -> Iterator[Any]:
+            for message in messages:
+                yield message
+                time.sleep(gap)
+
+        channel, attacker = _stub(running, "attacker")
+        with channel:
+            started = time.monotonic()
+            upload = attacker.Upload.future(trickled())
+            assert upload.exception(timeout=30) is not None
+            took = time.monotonic() - started
+            assert upload.code() is grpc.StatusCode.DEADLINE_EXCEEDED, upload.details()
+            assert "upload_total_seconds = 2.5" in upload.details()
+            assert limits.upload_total_seconds - 0.1 <= took < gap * len(messages)
+        with running.analyst() as analyst:
+            status = analyst.status("trickle")
+        assert status.owners_contributed == 0 and status.owners_uploading == 0

@@ -25,9 +25,11 @@ from fedpca.messages import (
     UploadReceipt,
     UploadStatus,
 )
+from fedpca.messages.chunks import UPLOAD_CHUNK_BYTES
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
+from fedpca.transport.serde.query import MAX_QUERY_BYTES
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import sync_test_server
@@ -244,9 +246,16 @@ def test_default_sized_chunks_pass_the_channel_limits(
     stub_for: Callable[..., Any], pki: dict[str, TlsMaterial]
 ) -> None:
     messages = serde.encode_upload("q1", "fp", "u2", _payload(14000))  # ~6.8 MiB
-    assert len(messages) == 4 and max(m.ByteSize() for m in messages) > 3_000_000
+    assert len(messages) == 29 and max(m.ByteSize() for m in messages) > 250_000
     reply = stub_for(pki["owner"]).Upload(iter(messages), timeout=TIMEOUT)
     assert reply.ciphertexts_received == 14000
+    # A result page's chunk size is more than the proxy reads: refused unread.
+    too_big = serde.encode_upload(
+        "q1", "fp", "u3", _payload(14000), max_message_bytes=DEFAULT_CHUNK_MESSAGE_BYTES
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        stub_for(pki["owner"]).Upload(iter(too_big), timeout=TIMEOUT)
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_broken_upload_maps_to_invalid_argument(
@@ -288,7 +297,12 @@ def test_options() -> None:
     client = dict(channels.client_options(server_name_override="x"))
     server = dict(channels.server_options())
     assert client["grpc.max_receive_message_length"] == channels.DEFAULT_MAX_MESSAGE_BYTES
-    assert server["grpc.max_receive_message_length"] == channels.DEFAULT_MAX_MESSAGE_BYTES
+    assert server["grpc.max_receive_message_length"] == channels.PROXY_MAX_RECEIVE_BYTES
+    assert server["grpc.max_send_message_length"] == channels.DEFAULT_MAX_MESSAGE_BYTES
+    # The proxy reads every message a peer legitimately sends it: a query at its cap
+    # (plus signature and signer) and an upload chunk.
+    assert MAX_QUERY_BYTES + 64 * 1024 <= channels.PROXY_MAX_RECEIVE_BYTES
+    assert UPLOAD_CHUNK_BYTES <= channels.PROXY_MAX_RECEIVE_BYTES
     assert client["grpc.ssl_target_name_override"] == "x"
     # The server must tolerate the clients' keepalive pings or it sends GOAWAY.
     assert (

@@ -15,8 +15,10 @@ for hours behind NATs and firewalls that drop silent TCP flows:
   it would answer faster pings with GOAWAY ``too_many_pings``) and pings clients
   itself, so it drops vanished owners' streams and frees their worker threads.
 
-Message size limits are raised to :data:`DEFAULT_MAX_MESSAGE_BYTES` on both sides;
-ciphertext chunks are cut well below that (see :mod:`fedpca.transport.serde`).
+Message size limits: clients send and receive up to :data:`DEFAULT_MAX_MESSAGE_BYTES`
+(result pages reach the analyst in chunks well below it); the proxy sends up to the same
+but *receives* at most :data:`PROXY_MAX_RECEIVE_BYTES`, since gRPC reads a message whole
+before any handler can refuse it (see :mod:`fedpca.transport.serde` for the chunking).
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ Without TLS there is no certificate to identify a caller; the proxy in insecure
 mode then reads the node id from this key (and ignores it with TLS)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+PROXY_MAX_RECEIVE_BYTES = 2 * 1024 * 1024
+"""Largest message the proxy reads.
+
+What peers legitimately send it is at most a submitted query (its specification is
+refused beyond 1 MiB, :data:`fedpca.transport.serde.query.MAX_QUERY_BYTES`, plus a
+signature and key of a few KiB) or an upload chunk (cut at
+:data:`fedpca.messages.chunks.UPLOAD_CHUNK_BYTES`, 256 KiB). gRPC in Python reads each
+message whole, with one limit for every method, before a handler can refuse it: at the
+earlier 8 MiB, one owner's ``max_calls_per_peer`` concurrent oversized calls held about
+2 GiB of the proxy's memory (review). Owners learn the limit from ``ProxyInfo``."""
 CLIENT_KEEPALIVE_TIME_MS = 30_000
 CLIENT_KEEPALIVE_TIMEOUT_MS = 10_000
 SERVER_KEEPALIVE_TIME_MS = 60_000
@@ -51,12 +63,13 @@ SERVER_MIN_PING_INTERVAL_MS = 10_000
 ChannelOptions = list[tuple[str, Any]]
 
 
-def _size_options(max_message_bytes: int) -> ChannelOptions:
-    if max_message_bytes < 1:
-        raise ConfigError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
+def _size_options(max_send_bytes: int, max_receive_bytes: int) -> ChannelOptions:
+    for name, value in (("send", max_send_bytes), ("receive", max_receive_bytes)):
+        if value < 1:
+            raise ConfigError(f"max {name} message bytes must be >= 1, got {value}")
     return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_send_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes),
     ]
 
 
@@ -73,7 +86,7 @@ def client_options(
         of the host in the target (e.g. when dialling an IP not in the certificate).
     """
     options = [
-        *_size_options(max_message_bytes),
+        *_size_options(max_message_bytes, max_message_bytes),
         ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", CLIENT_KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -98,10 +111,13 @@ STREAM_WINDOW_BYTES = 1024 * 1024
 """HTTP/2 flow-control window of each stream the proxy receives (see server_options)."""
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ChannelOptions:
+def server_options(
+    max_receive_bytes: int = PROXY_MAX_RECEIVE_BYTES,
+    max_send_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> ChannelOptions:
     """Server options for the proxy."""
     return [
-        *_size_options(max_message_bytes),
+        *_size_options(max_send_bytes, max_receive_bytes),
         ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", SERVER_KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -156,7 +172,7 @@ def secure_channel(
 
 
 def create_async_server(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_receive_bytes: int = PROXY_MAX_RECEIVE_BYTES,
     *,
     maximum_concurrent_rpcs: int | None = None,
     extra_options: Sequence[tuple[str, Any]] = (),
@@ -167,7 +183,7 @@ def create_async_server(
     Calls beyond ``maximum_concurrent_rpcs`` are answered RESOURCE_EXHAUSTED by gRPC.
     """
     return grpc.aio.server(
-        options=server_options(max_message_bytes) + list(extra_options),
+        options=server_options(max_receive_bytes) + list(extra_options),
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         interceptors=list(interceptors) or None,
     )

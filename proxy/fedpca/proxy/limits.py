@@ -52,7 +52,9 @@ class PeerLimits:
     max_submissions_per_analyst: int = 2
     """Submissions of one analyst being checked at once (each composes its ledger, which
     takes seconds under the PLD accountant, on one of the shared worker threads)."""
-    max_calls_per_peer: int = 64
+    max_calls_per_peer: int = 16
+    """Calls of one peer in flight at once, of any kind; each may hold a message of up to
+    2 MiB (:data:`fedpca.transport.channels.PROXY_MAX_RECEIVE_BYTES`) while it lasts."""
     max_pending_work: int = 4096
     worker_threads: int = 16
     max_concurrent_rpcs: int = 20_000

@@ -137,7 +137,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                     software_version=__version__,
                     authenticated_node_id=owner.node_id,
                     heartbeat_interval_seconds=self.heartbeat_seconds,
-                    max_message_bytes=channels.DEFAULT_MAX_MESSAGE_BYTES,
+                    max_message_bytes=channels.PROXY_MAX_RECEIVE_BYTES,
                     server_time=datetime.now(UTC),
                 )
             )

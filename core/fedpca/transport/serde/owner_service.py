@@ -6,8 +6,8 @@ from collections.abc import Iterable, Sequence
 
 from fedpca.errors import ConfigError, ProtocolError
 from fedpca.messages import (
-    DEFAULT_CHUNK_MESSAGE_BYTES,
     MAX_DECLINE_DETAIL,
+    UPLOAD_CHUNK_BYTES,
     UPLOAD_ID_PATTERN,
     CiphertextBlock,
     CiphertextPayload,
@@ -89,10 +89,13 @@ def encode_upload(
     analyst_key_fingerprint: str,
     upload_id: str,
     payload: CiphertextPayload,
-    max_message_bytes: int = DEFAULT_CHUNK_MESSAGE_BYTES,
+    max_message_bytes: int = UPLOAD_CHUNK_BYTES,
     public_record_count: int | None = None,
 ) -> list[owner_pb.UploadMessage]:
     """A whole Upload client stream for a payload encrypted in advance: header, chunks.
+
+    Chunks are cut as owners cut them (:data:`fedpca.messages.UPLOAD_CHUNK_BYTES`), well
+    under what the proxy reads in one message.
 
     Owners stream instead (:meth:`fedpca.owner.node.OwnerNode`); this serves tools
     and tests that hold a complete payload.
