@@ -1,0 +1,210 @@
+"""The proxy's acceptance of a signed query: what it checks, in which order, and how the
+analyst's budget is charged exactly once, even under concurrent submissions.
+
+Checks that need no ledger come first (public facts of the deployment, the signature,
+the release plan, the analyst's bounds on open and daily queries), so that a refused
+submission costs the proxy no accounting work; the budget is composed outside the
+store's transaction and the query inserted only if the ledger did not change meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.errors import (
+    AuthenticationError,
+    ConfigError,
+    FedpcaError,
+    OverloadError,
+    QueryStateError,
+)
+from fedpca.messages import QueryState, SignedQuery
+from fedpca.proxy.coordinator_core import CoordinatorCore, task_id
+from fedpca.proxy.queries import spec_to_dict, validate_query
+from fedpca.proxy.store_records import QueryRecord
+from fedpca.signing import verify_query
+
+__all__ = ["Submissions"]
+
+logger = logging.getLogger("fedpca.proxy.coordinator")
+
+_BUDGET_CHECK_ATTEMPTS = 5
+"""Times a submission recomposes its analyst's ledger if another one changed it meanwhile."""
+
+
+class _LedgerChanged(Exception):
+    """Another submission changed the analyst's ledger during a budget check."""
+
+
+class Submissions(CoordinatorCore):
+    """How the coordinator takes a signed query in (see :meth:`submit`)."""
+
+    def submit(self, analyst_id: str, signed: SignedQuery) -> QueryRecord:
+        """Validate a signed query, charge the analyst's budget and publish it to owners.
+
+        Resubmitting the same query id with the same spec returns the existing
+        record without charging again. The query is stored under
+        :func:`task_id` ``(analyst_id, query_id)``.
+
+        Raises
+        ------
+        ConfigError
+            Short or malformed analyst key, fingerprint mismatch, invalid deadline,
+            a relation other than the deployment's, a delta above the per-query cap,
+            a quorum larger than the allow-list, a missing or invalid signature, or a
+            query the release plan cannot serve (also LayoutError /
+            EncodingOverflowError / CalibrationError from the plan).
+        BudgetExceededError
+            The release would exceed the analyst's total budget.
+        ProtocolError
+            The query id exists with a different spec.
+        """
+        spec = signed.spec
+        self._check_public_facts(signed, analyst_id)
+        context = validate_query(
+            spec,
+            allow_insecure_test_keys=self.allow_insecure_test_keys,
+            max_upload_mib=self.config.proxy.max_upload_mib,
+        )
+        key = task_id(analyst_id, spec.query_id)
+        # Refused before its ledger is composed (seconds under the PLD accountant) when
+        # the analyst is at a bound; a resubmission of a query it has creates nothing.
+        if not self.store.has_query(key):
+            self._check_query_bounds(None, analyst_id)
+        plan = context.plan
+        budget = self.config.budget.for_analyst(analyst_id)
+        event = plan.privacy_event(analyst_id)
+        event = PrivacyEvent.from_dict({**event.to_dict(), "query_id": key})
+        event_record = json.loads(event.to_json())
+        deadline_at = self.clock() + spec.deadline_seconds
+        self.store.set_analyst_budget(analyst_id, budget.epsilon, budget.delta)
+        record: QueryRecord | None = None
+        for _ in range(_BUDGET_CHECK_ATTEMPTS):
+            # Composing a ledger takes a while: do it outside the store's transaction
+            # (which every other call waits for), then insert only if the ledger did
+            # not change meanwhile, else compose again.
+            rows = self.store.releases(analyst_id)
+            decision = self._check_budget(rows, event, budget)
+
+            def charge(conn: Any, rows: list[dict[str, Any]] = rows, fits: Any = decision) -> None:
+                self._check_signer(conn, analyst_id, signed.signer)
+                self._check_query_bounds(conn, analyst_id)
+                if self.store.release_ids(conn, analyst_id) != [r["query_id"] for r in rows]:
+                    raise _LedgerChanged
+                fits.raise_if_exceeded()
+                self.store.record_release(conn, analyst_id, key, event_record)
+
+            try:
+                record = self.store.create_query(
+                    key,
+                    analyst_id,
+                    spec_to_dict(spec),
+                    plan.describe(),
+                    deadline_at,
+                    signature=signed.signature,
+                    signer=signed.signer,
+                    before_insert=charge,
+                )
+                break
+            except _LedgerChanged:
+                continue
+        if record is None:
+            raise QueryStateError(
+                "the analyst's ledger kept changing during the budget check; submit again"
+            )
+        self._contexts.put(key, context)
+        if record.state is QueryState.COLLECTING:
+            self._prepare_noise(key, context)
+        if not spec.private:
+            logger.warning("query %s: epsilon = inf, the result will be NOT PRIVATE", key)
+        logger.info(
+            "query %s: %s %s, M=%d, quorum %d of %d owners, deadline in %.0f s",
+            key,
+            spec.kind.value,
+            spec.mode.value,
+            spec.n_features,
+            spec.quorum,
+            len(self.registered_owners),
+            spec.deadline_seconds,
+        )
+        self._notify()
+        return record
+
+    def _check_signer(self, conn: Any, analyst_id: str, signer: str) -> None:
+        """Refuse a query signed by another analyst's key. A signing key belongs to the
+        analyst that first submitted with it: owners see every signed query, so without
+        this another analyst could submit a copy first and have owners decline the
+        original as a replay (review)."""
+        owner = self.store.bind_signer(conn, signer, analyst_id)
+        if owner != analyst_id:
+            raise AuthenticationError(
+                f"the query is signed by {signer[:80]}, the signing key of another analyst; "
+                "submit queries signed with your own key (fedpca analyst keygen)"
+            )
+
+    def _check_query_bounds(self, conn: Any, analyst_id: str) -> None:
+        """Refuse a new query beyond the analyst's open or daily bound: before any work,
+        and again inside the submission's transaction (``conn``), so two submissions
+        cannot both take the last place.
+
+        Every query costs the proxy its noise draw and a row even when it is cancelled
+        and refunded, so these bound what a small budget can make the proxy do."""
+        limits = self.config.limits
+        open_queries, recent = self.store.analyst_query_counts(
+            analyst_id, self.clock() - 86_400.0, conn
+        )
+        if open_queries >= limits.max_open_queries_per_analyst:
+            raise OverloadError(
+                f"analyst {analyst_id!r} already has {open_queries} queries open, the most "
+                f"this proxy allows (limits.max_open_queries_per_analyst): wait for one to "
+                "finish or cancel one"
+            )
+        if recent >= limits.max_queries_per_analyst_per_day:
+            raise OverloadError(
+                f"analyst {analyst_id!r} submitted {recent} queries in the last 24 hours, the "
+                "most this proxy allows (limits.max_queries_per_analyst_per_day)"
+            )
+
+    def _check_public_facts(self, signed: SignedQuery, analyst_id: str) -> None:
+        """Refuse, before anything is charged, what the deployment can never serve."""
+        spec = signed.spec
+        privacy = self.config.privacy
+        if spec.neighbouring is not privacy.neighbouring:
+            raise ConfigError(
+                f"the query is stated for {spec.neighbouring.value} adjacency; this deployment "
+                f"accounts under {privacy.neighbouring.value}"
+            )
+        cap = privacy.delta_cap(self.config.budget.for_analyst(analyst_id))
+        if spec.private and spec.delta > cap:
+            raise ConfigError(
+                f"delta = {spec.delta:g} is above this proxy's per-query cap {cap:g} "
+                "(privacy.max_delta_per_query)"
+            )
+        registered = len(self.registered_owners)
+        if spec.quorum > registered:
+            raise ConfigError(
+                f"quorum {spec.quorum} is more than the {registered} owners this proxy accepts"
+            )
+        if not signed.signer:
+            raise ConfigError(
+                "the query is not signed; owners answer only queries signed by an analyst "
+                "key they pin (fedpca analyst keygen creates one)"
+            )
+        try:
+            verify_query(spec, signed.signature, signed.signer)
+        except FedpcaError as exc:
+            raise ConfigError(f"invalid query signature: {exc}") from None
+
+    def _check_budget(self, rows: list[dict[str, Any]], event: PrivacyEvent, budget: Any) -> Any:
+        from fedpca.dp.accounting import check_budget  # slow import (dp_accounting)
+
+        return check_budget(
+            [PrivacyEvent.from_dict(r) for r in rows],
+            event,
+            budget,
+            self.config.privacy.accountant,
+            neighbouring=self.config.privacy.neighbouring,
+        )
