@@ -39,7 +39,8 @@ from fedpca.app.cluster import LocalCluster, split_rows
 from fedpca.codec import CryptoPool
 from fedpca.errors import FedpcaError
 from fedpca.owner.config import load_config as load_owner_config
-from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
 from fedpca.proxy.coordinator import task_id
 from fedpca.transport.certs import TlsMaterial

@@ -18,7 +18,8 @@ import pytest
 from fedpca.codec import CryptoPool
 from fedpca.messages import QueryState
 from fedpca.owner import node as node_module
-from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import TEST_SIGNING_KEY, signed_task, wait_until

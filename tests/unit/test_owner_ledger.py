@@ -16,7 +16,8 @@ from fedpca.dp.accounting import Accountant
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, PolicyError
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.ledger import BudgetLedger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.query import Neighbouring
 
 DELTA = 1e-5

@@ -52,7 +52,8 @@ from fedpca.owner.config import (
     PrivacyConfig,
     TlsConfig,
 )
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
+from fedpca.owner.ledger import BudgetLedger, owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots

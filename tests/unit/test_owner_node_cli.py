@@ -24,7 +24,8 @@ from fedpca.messages import (
 )
 from fedpca.owner.cli import owner_group
 from fedpca.owner.config import load_config
-from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.query import Neighbouring
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial

@@ -20,7 +20,8 @@ import numpy as np
 from fedpca.codec import CryptoPool
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.messages import QueryState
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
+from fedpca.owner.ledger import BudgetLedger, owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
 from helpers import TEST_SIGNING_KEY, signed_task, wait_until
 from inprocess import FAST_RETRY, deployment, labelled, unit_box_queries

@@ -25,7 +25,8 @@ from fedpca.codec import CryptoPool
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.messages import UPLOAD_ACCEPTED_METADATA, QueryState, Task
 from fedpca.owner.config import OwnerConfig
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome, owner_ledger
+from fedpca.owner.ledger import BudgetLedger, owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.upload_call import HeaderAcknowledgement
 from fedpca.query import spec_digest

@@ -20,7 +20,8 @@ import pytest
 
 from fedpca.codec import CryptoPool
 from fedpca.messages import QueryState
-from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy.servicer_support import storage_unavailable
 from helpers import wait_until
 from inprocess import deployment, labelled, unit_box_queries

@@ -17,7 +17,8 @@ import numpy as np
 
 from fedpca.codec import CryptoPool
 from fedpca.errors import FedpcaError
-from fedpca.owner.ledger import TaskOutcome, owner_ledger
+from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.protocol import ReleasePlan

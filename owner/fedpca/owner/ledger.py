@@ -60,25 +60,17 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.owner.config import OwnerConfig
+from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
 from fedpca.owner.ledger_schema import create_or_migrate
 from fedpca.query import Neighbouring
 
-__all__ = [
-    "BudgetDecision",
-    "BudgetLedger",
-    "LedgerEntry",
-    "TaskOutcome",
-    "TaskRecord",
-    "owner_ledger",
-]
+__all__ = ["BudgetLedger", "owner_ledger"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,90 +78,6 @@ logger = logging.getLogger(__name__)
 # reservation's critical section is one PLD composition (well under a second),
 # so a minute only expires if something is badly stuck.
 _BUSY_TIMEOUT_SECONDS = 60.0
-
-
-@dataclass(frozen=True)
-class BudgetDecision:
-    """Outcome of a reservation that fit.
-
-    Attributes
-    ----------
-    query_id : the reserved query.
-    budget : the owner's total budget.
-    epsilon_spent_before, epsilon_spent_after : composed epsilon at ``budget.delta``
-        of the private releases without / with this one.
-    epsilon_remaining : ``budget.epsilon - epsilon_spent_after`` (display only:
-        epsilon is not additive).
-    not_private : this was an ``epsilon = inf`` verification release (it exhausts a
-        finite budget).
-    already_reserved : the query id had been reserved before with the same
-        parameters; nothing new was charged.
-    """
-
-    query_id: str
-    budget: PrivacyParams
-    epsilon_spent_before: float
-    epsilon_spent_after: float
-    epsilon_remaining: float
-    not_private: bool = False
-    already_reserved: bool = False
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """One recorded release.
-
-    Attributes
-    ----------
-    event : the privacy event (``noise_multiplier = 0`` for verification mode).
-    not_private : True for an ``epsilon = inf`` release.
-    spec_digest : digest of the public query the reservation was made for.
-    """
-
-    event: PrivacyEvent
-    not_private: bool
-    spec_digest: str
-
-
-class TaskOutcome(StrEnum):
-    """What became of a task. All but RESERVED and UPLOADING are final: the task is never
-    redone."""
-
-    RESERVED = "reserved"
-    """The budget is reserved and no upload was started (not final: recorded with the
-    reservation, so that a node killed before its upload began still knows the task and
-    ends it, refunded, when the proxy withdraws it after a restart)."""
-    UPLOADING = "uploading"
-    """An upload was started (not final: a restart resumes it with the same upload id and
-    the same kept share, and the proxy continues after the chunks it holds)."""
-    UPLOADED = "uploaded"
-    DECLINED = "declined"
-    REJECTED = "rejected"
-    """The proxy refused the upload permanently (invalid, not allowed, wrong state)."""
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-    ABANDONED = "abandoned"
-    """An upload that began and could not go on (its kept share was lost); charged."""
-
-    @property
-    def final(self) -> bool:
-        return self not in (TaskOutcome.RESERVED, TaskOutcome.UPLOADING)
-
-
-@dataclass(frozen=True)
-class TaskRecord:
-    """The recorded state of one task."""
-
-    query_id: str
-    outcome: TaskOutcome
-    detail: str
-    upload_id: str | None
-    upload_started: bool
-    updated_at: float
-    seed: bytes | None = None
-    """Seed of the sample of rows, recorded only by versions that kept no share."""
-    capacity: int | None = None
-    """``data.max_records`` of such an upload when it began (its resume uses it)."""
 
 
 class BudgetLedger:

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fedpca.owner.ledger import TaskOutcome
+from fedpca.owner.ledger_records import TaskOutcome
 
 __all__ = ["OwnerMetrics"]
 

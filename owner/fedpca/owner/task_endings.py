@@ -17,7 +17,8 @@ import logging
 import threading
 from collections.abc import Container
 
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.ledger import BudgetLedger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.owner.upload import OutgoingUpload
 

@@ -41,7 +41,8 @@ from fedpca.messages import (
 )
 from fedpca.owner.compute import LocalTable, encode_share, encrypt_share_stream, record_cap
 from fedpca.owner.config import OwnerConfig
-from fedpca.owner.ledger import BudgetLedger, TaskOutcome
+from fedpca.owner.ledger import BudgetLedger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.policy import (
     SECONDS_PER_DAY,
     Refusal,
