@@ -231,8 +231,10 @@ def _read_csv_checked(
                     bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                     raise DataError(
                         f"{path}: line {line} mixes numbers and text (column {bad + 1}: "
-                        f"{cells[bad]!r}); cannot tell whether it is a header, pass "
-                        "header=True or header=False" + _separator_hint(cells, delimiter)
+                        f"{cells[bad]!r}); cannot tell whether it is a header: say which (header = "
+                        "true or false under [data] in owner.toml, --header yes|no for "
+                        "`fedpca owner init`, header=True or False in Python)"
+                        + _separator_hint(cells, delimiter)
                     )
                 n_columns = len(cells)
                 if header_here:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -436,6 +437,55 @@ def test_interrupting_the_wait_cancels_the_query(
         estimator.fit(4)
     client = FakeClient.instances[-1]
     assert client.cancelled == [client.submitted[0].query_id]
+
+
+def test_interrupting_the_decryption_names_fetch_and_does_not_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+    test_only_keypair_512: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past the wait the query is released and charged: Ctrl-C says so and how to get the
+    result back (a reviewer's Ctrl-C during decryption printed only "Aborted!")."""
+
+    class InterruptedFetch(FakeClient):
+        def fetch_stream(self, query_id: str, timeout: Any = None) -> ResultStream:
+            raise KeyboardInterrupt
+
+    _fake_fit(monkeypatch, test_only_keypair_512[1], InterruptedFetch)
+    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    with (
+        caplog.at_level("WARNING", logger="fedpca.analyst.estimators"),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        estimator.fit(4)
+    client = FakeClient.instances[-1]
+    query_id = client.submitted[0].query_id
+    assert client.cancelled == []
+    assert f"fedpca analyst fetch {query_id}" in caplog.text
+    assert "charge stands" in caplog.text
+
+
+def test_a_query_needing_owners_that_are_not_connected_warns(
+    monkeypatch: pytest.MonkeyPatch,
+    test_only_keypair_512: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DescribeDeployment says how many owners are connected: a query whose quorum
+    exceeds them says so at once instead of waiting silently until its deadline."""
+
+    class Disconnected(FakeClient):
+        def describe(self) -> DeploymentInfo:
+            return dataclasses.replace(deployment(self.registered), owners_connected=0)
+
+    _fake_fit(monkeypatch, test_only_keypair_512[1], Disconnected)
+    with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
+        FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1).fit(4)
+    assert "only 0 of the 2 owners this query needs" in caplog.text
+    caplog.clear()
+    _fake_fit(monkeypatch, test_only_keypair_512[1], FakeClient)
+    with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
+        FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1).fit(4)
+    assert "connected to the proxy now" not in caplog.text
 
 
 def test_fit_refuses_to_submit_from_a_bootstrapping_worker(

@@ -62,6 +62,9 @@ class TestCsv:
         path = _write(tmp_path, "y,1,2\n0,3,4\n")
         with pytest.raises(DataError, match=r"line 1 mixes numbers and text .*header=True"):
             load_table(path)
+        # An operator reads this from `owner probe`/`serve`: it names the config setting.
+        with pytest.raises(DataError, match=r"header = true or false under \[data\]"):
+            load_table(path)
         x, _ = load_table(path, header=True)
         np.testing.assert_array_equal(x, [[0, 3, 4]])
 

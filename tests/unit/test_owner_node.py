@@ -1028,6 +1028,24 @@ def test_the_node_finds_the_blas_pools_when_it_is_built(harness: Harness, pool: 
     assert any(pool_info["user_api"] == "blas" for pool_info in compute.blas_pools().info())
 
 
+def test_a_new_empty_ledger_is_announced(
+    harness: Harness, pool: CryptoPool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: a typo in ``[owner] state_dir`` silently started the node on a
+    new, empty ledger, its budget spent forgotten. Now the node logs a warning naming the
+    file it created; a node reopening its ledger does not."""
+    elsewhere = tmp_path / "stat"
+    config = replace(harness.config, owner=replace(harness.config.owner, state_dir=elsewhere))
+    with caplog.at_level("WARNING", logger="fedpca.owner.node"):
+        OwnerNode(config, pool=pool, retry=FAST_RETRY)
+    assert f"created a new, empty budget ledger {config.ledger_path}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedpca.owner.node"):
+        OwnerNode(config, pool=pool, retry=FAST_RETRY)
+        OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    assert "created a new" not in caplog.text
+
+
 def test_cancellations_of_unknown_tasks_are_bounded_and_write_nothing(harness: Harness) -> None:
     """A proxy sent cancellations of made-up ids by the thousand: each was remembered
     for ever and opened a write transaction on the ledger."""

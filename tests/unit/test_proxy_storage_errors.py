@@ -123,3 +123,22 @@ def test_a_damaged_database_is_named_at_start(tmp_path: Path, damage: str) -> No
         ProxyStore(proxy_path)
     with pytest.raises(ConfigError, match=r"cannot use the budget ledger .*restore it"):
         BudgetLedger(ledger_path)
+
+
+def test_a_new_empty_proxy_database_is_announced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: a typo in ``[proxy] database`` silently started the proxy on a
+    new, empty file, every analyst's budget spent forgotten. Creating one now logs a
+    warning naming the file; reopening an existing one does not (the owner's ledger:
+    test_owner_node.py::test_a_new_empty_ledger_is_announced)."""
+    from fedpca.proxy.store import ProxyStore
+
+    path = tmp_path / "stat" / "proxy.sqlite3"
+    with caplog.at_level("WARNING"):
+        ProxyStore(path).close()
+    assert f"created a new, empty proxy database {path}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        ProxyStore(path).close()
+    assert "created a new" not in caplog.text

@@ -230,6 +230,19 @@ def run_query(
             timings["decrypt"] = finished - start
             timings["tail"] = finished - arrived[0] if arrived[0] else 0.0
             timings["decrypt_cpu"] = _decryption_cpu(active) - cpu_before
+        except KeyboardInterrupt:
+            # Past the wait the query can no longer be cancelled from here: its pages are
+            # being released and it is charged. Say so, and how to get the result back.
+            logger.warning(
+                "interrupted after the contributors were fixed: query %s is not cancelled "
+                "and its charge stands; its result stays stored at the proxy: follow it with "
+                "`fedpca analyst status %s` and fetch it with `fedpca analyst fetch %s "
+                "--out result.json`",
+                spec.query_id,
+                spec.query_id,
+                spec.query_id,
+            )
+            raise
         except FedpcaError as exc:
             # The release happened and is paid for; it stays stored at the proxy.
             raise type(exc)(
@@ -412,6 +425,19 @@ def run_estimator_query(
     ):
         deployment = client.describe()
         spec = build(deployment)
+        if deployment.owners_connected < spec.quorum:
+            # Public (DescribeDeployment): without it the query waits silently for owners
+            # that are not even connected, until its deadline.
+            logger.warning(
+                "only %d of the %d owners this query needs (quorum %d of %d registered) are "
+                "connected to the proxy now; it waits for the others until its deadline "
+                "(%g s)",
+                deployment.owners_connected,
+                spec.quorum,
+                spec.quorum,
+                deployment.owners_registered,
+                spec.deadline_seconds,
+            )
         if not spec.private:
             logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
         prepared = time.perf_counter() - started

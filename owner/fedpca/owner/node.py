@@ -130,7 +130,17 @@ class OwnerNode(TaskProcessing):
                     f"tls.cert {config.tls.cert} is the certificate of {self._tls.identity}, "
                     f"but this node is {expected}"
                 )
+        created = not config.ledger_path.exists()
         self.ledger = owner_ledger(config)
+        if created:
+            # A typo in [owner] state_dir starts the node on an empty ledger: its budget
+            # would start again at zero. Say so where the operator looks.
+            logger.warning(
+                "created a new, empty budget ledger %s: this owner has spent no budget in "
+                "it. Expected on a first start; if this node ran before, [owner] state_dir "
+                "names the wrong folder: stop it and correct the path",
+                config.ledger_path,
+            )
         self.shares = ShareSnapshots(config.owner.state_dir / "shares")
         # Shares kept for uploads that ended while the node was down (or just before).
         self.shares.prune(set(self.ledger.uploads_in_flight().values()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -25,6 +26,8 @@ from fedpca.proxy.store_records import (
 )
 from fedpca.proxy.store_schema import SCHEMA, SCHEMA_VERSION, migrate
 from fedpca.query import Neighbouring
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["StoreDatabase"]
 
@@ -64,6 +67,7 @@ class StoreDatabase:
             raise ValueError(f"page_ciphertexts must be >= 1, got {page_ciphertexts}")
         self.page_ciphertexts = page_ciphertexts
         self.path = Path(path)
+        created = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
         self._lock = threading.RLock()
@@ -79,6 +83,15 @@ class StoreDatabase:
                 "restore it from a backup (docs/operations.md, Backup and restore)"
             ) from exc
         self._group = GroupCommit(self.transaction, enabled=group_commit)
+        if created:
+            # A typo in [proxy] database starts the proxy on an empty ledger: every
+            # analyst's budget would start again at zero. Say so where the operator looks.
+            logger.warning(
+                "created a new, empty proxy database %s: no analyst has spent any budget "
+                "in it. Expected on a first start; if this proxy ran before, [proxy] "
+                "database names the wrong file: stop it and correct the path",
+                self.path,
+            )
 
     def _open(self, page_ciphertexts: int) -> None:
         """Connect, set the journal, create or migrate the tables."""
