@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 
 from fedpca.codec import CryptoPool
 from fedpca.messages import OwnerHello
@@ -175,3 +176,106 @@ def test_an_upload_that_trickles_is_ended_after_the_total_time(
         with running.analyst() as analyst:
             status = analyst.status("trickle")
         assert status.owners_contributed == 0 and status.owners_uploading == 0
+
+
+def test_calls_whose_request_never_arrives_are_bounded_per_peer(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """gRPC starts a single-request handler only once the whole request arrived, so no
+    per-peer bound saw calls whose request never finishes: one certificate held 2.3 GiB
+    of a proxy with 1,000 such calls, and every other peer was refused once it held
+    gRPC's 20,000 call places (review). The proxy now reads the request itself: beyond
+    ``max_calls_per_peer`` such calls of a peer are refused at once, each waits at most
+    ``request_read_seconds``, and other peers are served meanwhile."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(2)
+    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
+    limits = PeerLimits(max_calls_per_peer=4, request_read_seconds=2.0)
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        limits=limits,
+    ) as running:
+        release = threading.Event()
+
+        def never() -> Iterator[bytes]:
+            release.wait(30.0)
+            return
+            yield b""  # a generator that sends nothing before it is released
+
+        channel, _ = _stub(running, "attacker")
+        with channel:
+            hello = channel.stream_unary("/fedpca.v1.OwnerService/Hello")
+            started = time.monotonic()
+            calls = [hello.future(never()) for _ in range(limits.max_calls_per_peer + 3)]
+            time.sleep(0.5)
+            refused = [c for c in calls if c.done()]
+            assert len(refused) == 3
+            for call in refused:
+                assert call.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "requests being read" in call.details()
+            # Another owner is served meanwhile.
+            other_channel, owner_2 = _stub(running, "owner-2")
+            with other_channel:
+                t = time.monotonic()
+                owner_2.Hello(serde.owner_hello_to_proto(OwnerHello("owner-2", "t")), timeout=5)
+                assert time.monotonic() - t < 1.0
+            # The waiting ones end after the read time, without their request.
+            waiting = [c for c in calls if c not in refused]
+            for call in waiting:
+                assert call.exception(timeout=10) is not None
+                assert call.code() is grpc.StatusCode.DEADLINE_EXCEEDED, call.details()
+                assert "request_read_seconds" in call.details()
+            took = time.monotonic() - started
+            assert limits.request_read_seconds - 0.1 <= took < limits.request_read_seconds + 5
+            # Their slots are free again: a complete call of the same peer is answered.
+            again, attacker = _stub(running, "attacker")
+            with again:
+                attacker.Hello(serde.owner_hello_to_proto(OwnerHello("attacker", "t")), timeout=5)
+            release.set()
+
+
+def test_health_watches_are_bounded_per_peer(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """The health service's Watch streams last as long as a peer likes and had no
+    per-peer bound (review): each now holds one of its peer's call slots."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(3)
+    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
+    limits = PeerLimits(max_calls_per_peer=3)
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        limits=limits,
+    ) as running:
+        channel, _ = _stub(running, "attacker")
+        with channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = [
+                health.Watch(health_pb2.HealthCheckRequest(service=""))
+                for _ in range(limits.max_calls_per_peer)
+            ]
+            for watch in watches:
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                next(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5))
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "health calls" in refused.value.details()
+            # Another peer's check is answered meanwhile.
+            other_channel, _ = _stub(running, "owner-2")
+            with other_channel:
+                answer = health_pb2_grpc.HealthStub(other_channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=5
+                )
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            for watch in watches:
+                watch.cancel()

@@ -299,6 +299,9 @@ def test_options() -> None:
     assert client["grpc.max_receive_message_length"] == channels.DEFAULT_MAX_MESSAGE_BYTES
     assert server["grpc.max_receive_message_length"] == channels.PROXY_MAX_RECEIVE_BYTES
     assert server["grpc.max_send_message_length"] == channels.DEFAULT_MAX_MESSAGE_BYTES
+    # A connection that never completes its handshake, or holds no call, is closed.
+    assert server["grpc.server_handshake_timeout_ms"] <= 10_000
+    assert server["grpc.max_connection_idle_ms"] >= 60_000
     # The proxy reads every message a peer legitimately sends it: a query at its cap
     # (plus signature and signer) and an upload chunk.
     assert MAX_QUERY_BYTES + 64 * 1024 <= channels.PROXY_MAX_RECEIVE_BYTES

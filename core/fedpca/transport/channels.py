@@ -56,6 +56,8 @@ CLIENT_KEEPALIVE_TIME_MS = 30_000
 CLIENT_KEEPALIVE_TIMEOUT_MS = 10_000
 SERVER_KEEPALIVE_TIME_MS = 60_000
 SERVER_KEEPALIVE_TIMEOUT_MS = 20_000
+SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
+SERVER_MAX_CONNECTION_IDLE_MS = 300_000
 # Must not exceed the clients' keepalive interval, or the server treats their
 # pings as abuse and closes the connection.
 SERVER_MIN_PING_INTERVAL_MS = 10_000
@@ -126,6 +128,13 @@ def server_options(
         ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.http2.max_pings_without_data", 0),
+        # A connection must finish its TLS handshake within this time (gRPC's default is
+        # 120 s): a review locked every new peer out with 1,000 plain TCP connections
+        # that never began one, held without any certificate.
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
+        # A connection without any call for this long is closed (clients reconnect on
+        # their next call; an owner's open task stream keeps its connection busy).
+        ("grpc.max_connection_idle_ms", SERVER_MAX_CONNECTION_IDLE_MS),
         # gRPC enables SO_REUSEPORT by default: a second proxy on the same port
         # would bind silently and split owners between two separate states.
         ("grpc.so_reuseport", 0),

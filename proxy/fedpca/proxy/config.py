@@ -48,6 +48,7 @@ configuration file, so a deployment directory can be moved as a whole)::
     max_queries_per_analyst_per_day = 500
     max_submissions_per_analyst = 2
     max_calls_per_peer = 16
+    request_read_seconds = 30.0
     max_pending_work = 4096
     worker_threads = 16
     max_concurrent_rpcs = 20000

@@ -9,7 +9,8 @@ its share of what remains:
 * at most ``max_uploads_per_owner`` uploads in flight per owner, each ended after
   ``upload_idle_seconds`` without a message or ``upload_total_seconds`` in all;
 * at most ``max_watches_per_analyst`` status watches per analyst;
-* at most ``max_calls_per_peer`` calls of any kind in flight per peer;
+* at most ``max_calls_per_peer`` calls of any kind in flight per peer, and as many
+  whose one request is still arriving, each for at most ``request_read_seconds``;
 * at most ``max_open_queries_per_analyst`` queries of one analyst not yet done or failed,
   and ``max_queries_per_analyst_per_day`` submitted in any 24 hours (each query costs
   the proxy its noise draw, about 10 µs a value, and a database row, even when it is
@@ -59,6 +60,9 @@ class PeerLimits:
     worker_threads: int = 16
     max_concurrent_rpcs: int = 20_000
     """gRPC's own bound on calls in flight (task streams of every owner included)."""
+    request_read_seconds: float = 30.0
+    """How long a call may take to send its one request (single-request methods); at
+    most ``max_calls_per_peer`` calls of a peer may be sending theirs at once."""
     logged_refusals_per_minute: int = 60
     """Refusal log lines per method and minute; the others are counted in one line."""
 

@@ -26,6 +26,7 @@ the proxy only ever sees ciphertexts, whose sizes the public query fixes.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
@@ -210,6 +211,22 @@ def _counted(handler: Any, method: str, metrics: ProxyMetrics) -> Any:
                 _finish(metrics, method, _code_of(context, error))
 
         return handler._replace(stream_unary=stream_unary)
+    if handler.request_streaming and inspect.iscoroutinefunction(handler.stream_stream):
+        # Responses written with context.write, not yielded (grpcio's health Watch):
+        # before, iterating its coroutine failed every Watch with UNKNOWN.
+        writer = handler.stream_stream
+
+        async def stream_writer(requests: AsyncIterator[Any], context: Any) -> None:
+            error: BaseException | None = None
+            try:
+                await writer(bytes_counted(requests), context)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                _finish(metrics, method, _code_of(context, error))
+
+        return handler._replace(stream_stream=stream_writer)
     if handler.request_streaming:
         both = handler.stream_stream
 
@@ -225,31 +242,6 @@ def _counted(handler: Any, method: str, metrics: ProxyMetrics) -> Any:
                 _finish(metrics, method, _code_of(context, error))
 
         return handler._replace(stream_stream=stream_stream)
-    if handler.response_streaming:
-        streaming = handler.unary_stream
-
-        async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            error: BaseException | None = None
-            try:
-                async for reply in streaming(request, context):
-                    yield reply
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                _finish(metrics, method, _code_of(context, error))
-
-        return handler._replace(unary_stream=unary_stream)
-    single = handler.unary_unary
-
-    async def unary_unary(request: Any, context: Any) -> Any:
-        error: BaseException | None = None
-        try:
-            return await single(request, context)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _finish(metrics, method, _code_of(context, error))
-
-    return handler._replace(unary_unary=unary_unary)
+    # Every service is registered through fedpca.proxy.servicer_support.LenientRegistration,
+    # which reads even a single request from a stream (its per-peer bounds need that).
+    raise TypeError(f"{method}: a single-request handler was not registered as streaming")

@@ -31,9 +31,13 @@ def needed_open_files(owner_count: int) -> int:
 
 
 def ensure_open_files(needed: int) -> int | None:
-    """Raise this process's soft limit on open files to ``needed`` if it is lower.
+    """Raise this process's soft limit on open files to its hard limit.
 
-    Never lowers it, and never goes above the hard limit (only root may raise that).
+    Every connection takes a descriptor, the owners' and anyone else's: a review held
+    the last of a 1,024 soft limit (what systemd gives a service) with one certificate's
+    idle connections and every new connection failed meanwhile. The whole hard limit
+    leaves the most room; ``needed`` (the owners' share) decides only whether to warn.
+    Never lowers the limit (only root may raise the hard one).
 
     Returns
     -------
@@ -46,9 +50,9 @@ def ensure_open_files(needed: int) -> int | None:
     except ImportError:  # Windows
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
+    if soft == resource.RLIM_INFINITY:
         return soft
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    target = max(needed, soft) if hard == resource.RLIM_INFINITY else max(hard, soft)
     if target > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         logger.info("open files limit raised from %d to %d", soft, target)

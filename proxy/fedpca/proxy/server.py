@@ -27,10 +27,10 @@ from fedpca.errors import ConfigError
 from fedpca.monitoring import MonitoringServer
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator import Coordinator
-from fedpca.proxy.limits import PeerSlots
+from fedpca.proxy.limits import PeerSlots, RefusalLog
 from fedpca.proxy.metrics import ProxyMetrics
 from fedpca.proxy.servicer import AnalystServicer, OwnerServicer, register_services
-from fedpca.proxy.servicer_support import ChangeFeed, WorkerPool
+from fedpca.proxy.servicer_support import ChangeFeed, LenientRegistration, WorkerPool
 from fedpca.proxy.store import ProxyStore
 from fedpca.transport import channels
 from fedpca.transport.certs import Role, TlsMaterial
@@ -247,7 +247,18 @@ class ProxyServer:
         self.metrics.watch(coordinator, owners.streams.connected)
         # The standard gRPC health service (grpc.health.v1.Health) on the same port.
         self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        # Through the same guard, each call holding a slot of its peer: a Watch stream
+        # lasts as long as the peer likes.
+        health_pb2_grpc.add_HealthServicer_to_server(
+            self._health,
+            LenientRegistration(
+                server,
+                RefusalLog(limits.logged_refusals_per_minute),
+                slots,
+                limits,
+                bound_calls=True,
+            ),
+        )
         for service in ("", *HEALTH_SERVICES):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         listen = config.proxy.listen

@@ -23,7 +23,7 @@ NotFoundError                                               NOT_FOUND
 BudgetExceededError, OverloadError                          RESOURCE_EXHAUSTED
 AuthenticationError, PolicyError, UntrustedKeyError         PERMISSION_DENIED
 QueryStateError                                             FAILED_PRECONDITION
-UploadTimeoutError                                          DEADLINE_EXCEEDED
+RequestTimeoutError                                          DEADLINE_EXCEEDED
 ProtocolError, LayoutError, CiphertextError, ConfigError,   INVALID_ARGUMENT
 EncodingOverflowError (and every other FedpcaError)
 anything else                                               INTERNAL (generic text)
@@ -77,8 +77,8 @@ from fedpca.proxy.servicer_support import (
     ChangeFeed,
     LenientRegistration,
     PeerSlot,
+    RequestTimeoutError,
     ServicerBase,
-    UploadTimeoutError,
     streaming_errors,
     unary_errors,
 )
@@ -269,7 +269,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         left = deadline - time.monotonic()
         timeout = min(self.limits.upload_idle_seconds, left)
         if timeout <= 0:
-            raise UploadTimeoutError(
+            raise RequestTimeoutError(
                 f"the upload took longer than {self.limits.upload_total_seconds:g} s"
             )
         try:
@@ -277,7 +277,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            raise UploadTimeoutError(
+            raise RequestTimeoutError(
                 f"no upload message for {timeout:g} s (limits.upload_idle_seconds = "
                 f"{self.limits.upload_idle_seconds:g}, upload_total_seconds = "
                 f"{self.limits.upload_total_seconds:g})"
@@ -461,7 +461,7 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
 def register_services(server: aio.Server, owner: OwnerServicer, analyst: AnalystServicer) -> None:
     """Serve both services on ``server``, refusing undecodable requests precisely."""
     registration: Any = LenientRegistration(
-        server, RefusalLog(owner.limits.logged_refusals_per_minute)
+        server, RefusalLog(owner.limits.logged_refusals_per_minute), owner.slots, owner.limits
     )
     owner_grpc.add_OwnerServiceServicer_to_server(owner, registration)
     analyst_grpc.add_AnalystServiceServicer_to_server(analyst, registration)
