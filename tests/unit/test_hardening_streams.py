@@ -47,21 +47,29 @@ def _stub(running: Any, owner_id: str) -> tuple[grpc.Channel, Any]:
     return channel, owner_grpc.OwnerServiceStub(channel)
 
 
+def _driven_by_hand(
+    tmp_path: Path, pool: CryptoPool, public_key: Any, limits: PeerLimits, rng: Any
+) -> Any:
+    """A deployment whose two owners, "attacker" and "owner-2", run no node: the tests
+    drive their calls by hand."""
+    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
+    return deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        limits=limits,
+    )
+
+
 def test_one_owner_certificate_cannot_starve_the_proxy(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
 ) -> None:
     public_key, _ = test_only_keypair_512
     rng = np.random.default_rng(0)
-    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
     limits = PeerLimits(max_uploads_per_owner=2, upload_idle_seconds=3.0)
-    with deployment(
-        workdir=tmp_path,
-        tables=tables,
-        pool=pool,
-        public_key=public_key,
-        running=(),  # both owners are driven by hand below
-        limits=limits,
-    ) as running:
+    with _driven_by_hand(tmp_path, pool, public_key, limits, rng) as running:
         spec = _spec(public_key, "target")
         with running.analyst() as analyst:
             analyst.submit(spec, TEST_SIGNING_KEY)
@@ -139,16 +147,8 @@ def test_an_upload_that_trickles_is_ended_after_the_total_time(
     """
     public_key, _ = test_only_keypair_512
     rng = np.random.default_rng(1)
-    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
     limits = PeerLimits(upload_idle_seconds=2.0, upload_total_seconds=2.5)
-    with deployment(
-        workdir=tmp_path,
-        tables=tables,
-        pool=pool,
-        public_key=public_key,
-        running=(),
-        limits=limits,
-    ) as running:
+    with _driven_by_hand(tmp_path, pool, public_key, limits, rng) as running:
         spec = _spec(public_key, "trickle")
         with running.analyst() as analyst:
             analyst.submit(spec, TEST_SIGNING_KEY)
@@ -189,16 +189,8 @@ def test_calls_whose_request_never_arrives_are_bounded_per_peer(
     ``request_read_seconds``, and other peers are served meanwhile."""
     public_key, _ = test_only_keypair_512
     rng = np.random.default_rng(2)
-    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
     limits = PeerLimits(max_calls_per_peer=4, request_read_seconds=2.0)
-    with deployment(
-        workdir=tmp_path,
-        tables=tables,
-        pool=pool,
-        public_key=public_key,
-        running=(),
-        limits=limits,
-    ) as running:
+    with _driven_by_hand(tmp_path, pool, public_key, limits, rng) as running:
         release = threading.Event()
 
         def never() -> Iterator[bytes]:
@@ -247,16 +239,8 @@ def test_health_watches_are_bounded_per_peer(
 
     public_key, _ = test_only_keypair_512
     rng = np.random.default_rng(3)
-    tables = {o: labelled(rng.uniform(-0.5, 0.5, (10, M))) for o in ("attacker", "owner-2")}
     limits = PeerLimits(max_calls_per_peer=3)
-    with deployment(
-        workdir=tmp_path,
-        tables=tables,
-        pool=pool,
-        public_key=public_key,
-        running=(),
-        limits=limits,
-    ) as running:
+    with _driven_by_hand(tmp_path, pool, public_key, limits, rng) as running:
         channel, _ = _stub(running, "attacker")
         with channel:
             health = health_pb2_grpc.HealthStub(channel)

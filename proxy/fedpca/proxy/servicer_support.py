@@ -438,56 +438,53 @@ class _RequestReader:
     call places with 16-byte ones. Registered as request-streaming (the same wire
     format), a call counts against its peer from its first byte: at most
     ``max_calls_per_peer`` of a peer's calls may wait for their request, each for at
-    most ``request_read_seconds``.
+    most ``request_read_seconds``. With ``bound_calls``, the call then holds one of its
+    peer's slots until it ends (for a service whose servicer takes none, such as
+    health: its Watch streams last as long as a peer likes).
     """
 
-    def __init__(self, slots: PeerSlots, limits: PeerLimits, refusals: RefusalLog) -> None:
+    def __init__(
+        self, slots: PeerSlots, limits: PeerLimits, refusals: RefusalLog, bound_calls: bool
+    ) -> None:
         self._slots, self._limits, self._refusals = slots, limits, refusals
+        self._bound_calls = bound_calls
 
-    async def read(
+    async def open(
         self, requests: AsyncIterator[Any], context: aio.ServicerContext, method: str
-    ) -> Any:
-        """The request, or None once the call was refused (its status is set)."""
+    ) -> tuple[Any, contextlib.AbstractContextManager[Any]] | None:
+        """The request and what the call holds while it runs (enter it at once), or
+        None once the call was refused (its status is set)."""
         iterator = aiter(requests)
+        peer = _requesting_peer(context)
+        limit = self._limits.max_calls_per_peer
+        seconds = self._limits.request_read_seconds
         try:
-            peer = _requesting_peer(context)
-            limit = self._limits.max_calls_per_peer
-            seconds = self._limits.request_read_seconds
-            try:
-                with PeerSlot(self._slots, "requests being read", peer, limit):
-                    try:
-                        request = await asyncio.wait_for(anext(iterator), seconds)
-                    except StopAsyncIteration:
-                        raise ProtocolError(f"{method}: the call carried no request") from None
-                    except TimeoutError:
-                        raise RequestTimeoutError(
-                            f"{method}: the request did not arrive within {seconds:g} s "
-                            "(limits.request_read_seconds)"
-                        ) from None
-            except FedpcaError as error:
-                await refuse(context, method, error, self._refusals)
-                return None
+            with PeerSlot(self._slots, "requests being read", peer, limit):
+                try:
+                    request = await asyncio.wait_for(anext(iterator), seconds)
+                except StopAsyncIteration:
+                    raise ProtocolError(f"{method}: the call carried no request") from None
+                except TimeoutError:
+                    raise RequestTimeoutError(
+                        f"{method}: the request did not arrive within {seconds:g} s "
+                        "(limits.request_read_seconds)"
+                    ) from None
             if isinstance(request, _Undecodable):
-                await refuse(context, method, request.protocol_error(), self._refusals)
-                return None
-            return request
+                raise request.protocol_error()
+            held: contextlib.AbstractContextManager[Any] = (
+                PeerSlot(self._slots, "health calls", peer, limit)
+                if self._bound_calls
+                else contextlib.nullcontext()
+            )
+        except FedpcaError as error:
+            await refuse(context, method, error, self._refusals)
+            return None
         finally:
             await close_stream(iterator)
-
-    def whole_call(self, context: aio.ServicerContext) -> PeerSlot:
-        """A slot held for a whole call, for services without per-peer bounds of their
-        own (the health service: its Watch streams last as long as a peer likes)."""
-        peer = _requesting_peer(context)
-        return PeerSlot(self._slots, "health calls", peer, self._limits.max_calls_per_peer)
+        return request, held
 
 
-def _guard(
-    handler: Any,
-    method: str,
-    refusals: RefusalLog,
-    reader: _RequestReader,
-    bound_calls: bool = False,
-) -> Any:
+def _guard(handler: Any, method: str, reader: _RequestReader) -> Any:
     """The same handler, with undecodable requests refused as INVALID_ARGUMENT and the
     one request of a single-request method read under per-peer bounds
     (:class:`_RequestReader`)."""
@@ -516,79 +513,45 @@ def _guard(
                 await checked.aclose()
 
         return handler._replace(request_deserializer=lenient, stream_unary=streamed)
+    single_request = {"request_streaming": True, "request_deserializer": lenient}
     if handler.response_streaming and inspect.iscoroutinefunction(handler.unary_stream):
         # A handler that writes its responses with context.write (grpcio's health Watch)
         # rather than yielding them: it stays a coroutine.
         writer = handler.unary_stream
 
         async def single_writer(requests: AsyncIterator[Any], context: aio.ServicerContext) -> None:
-            request = await reader.read(requests, context, method)
-            if request is None:
-                return
-            if not bound_calls:
-                await writer(request, context)
-                return
-            try:
-                slot = reader.whole_call(context)
-            except FedpcaError as error:
-                await refuse(context, method, error, refusals)
-                return
-            with slot:
-                await writer(request, context)
+            opened = await reader.open(requests, context, method)
+            if opened is not None:
+                request, held = opened
+                with held:
+                    await writer(request, context)
 
-        return handler._replace(
-            request_streaming=True,
-            request_deserializer=lenient,
-            unary_stream=None,
-            stream_stream=single_writer,
-        )
+        return handler._replace(**single_request, unary_stream=None, stream_stream=single_writer)
     if handler.response_streaming:
         behaviour = handler.unary_stream
 
         async def single_stream(
             requests: AsyncIterator[Any], context: aio.ServicerContext
         ) -> AsyncIterator[Any]:
-            request = await reader.read(requests, context, method)
-            if request is None:
-                return
-            if not bound_calls:
-                async for message in behaviour(request, context):
-                    yield message
-                return
-            try:
-                slot = reader.whole_call(context)
-            except FedpcaError as error:
-                await refuse(context, method, error, refusals)
-                return
-            with slot:
-                async for message in behaviour(request, context):
-                    yield message
+            opened = await reader.open(requests, context, method)
+            if opened is not None:
+                request, held = opened
+                with held:
+                    async for message in behaviour(request, context):
+                        yield message
 
-        return handler._replace(
-            request_streaming=True,
-            request_deserializer=lenient,
-            unary_stream=None,
-            stream_stream=single_stream,
-        )
-    behaviour_unary = handler.unary_unary
+        return handler._replace(**single_request, unary_stream=None, stream_stream=single_stream)
+    answer = handler.unary_unary
 
     async def single(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
-        request = await reader.read(requests, context, method)
-        if request is None:
+        opened = await reader.open(requests, context, method)
+        if opened is None:
             return None
-        if not bound_calls:
-            return await behaviour_unary(request, context)
-        try:
-            slot = reader.whole_call(context)
-        except FedpcaError as error:
-            await refuse(context, method, error, refusals)
-            return None
-        with slot:
-            return await behaviour_unary(request, context)
+        request, held = opened
+        with held:
+            return await answer(request, context)
 
-    return handler._replace(
-        request_streaming=True, request_deserializer=lenient, unary_unary=None, stream_unary=single
-    )
+    return handler._replace(**single_request, unary_unary=None, stream_unary=single)
 
 
 class LenientRegistration:
@@ -610,18 +573,13 @@ class LenientRegistration:
         bound_calls: bool = False,
     ) -> None:
         self._server = server
-        self._refusals = refusals
-        self._reader = _RequestReader(slots, limits, refusals)
-        self._bound_calls = bound_calls
+        self._reader = _RequestReader(slots, limits, refusals, bound_calls)
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         """Ignored: the registered handlers below carry the same methods."""
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        guarded = {
-            name: _guard(handler, name, self._refusals, self._reader, self._bound_calls)
-            for name, handler in handlers.items()
-        }
+        guarded = {name: _guard(handler, name, self._reader) for name, handler in handlers.items()}
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, guarded),)
         )
