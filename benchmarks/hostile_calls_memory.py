@@ -86,7 +86,15 @@ class Measurement:
         return self.hwm_after_mib - self.rss_before_mib
 
 
-def write_config(workdir: Path, files: Any, port: int, setting: Setting) -> Path:
+def write_config(
+    workdir: Path,
+    files: Any,
+    port: int,
+    limits: dict[str, int] | None = None,
+    owners: list[str] | None = None,
+) -> Path:
+    """A proxy configuration: these owners allowed (the attacker alone by default),
+    these ``[limits]`` (the shipped defaults by default), one crypto worker."""
     path = workdir / "proxy.toml"
     (workdir / "state").mkdir(exist_ok=True)
     write_toml(
@@ -97,14 +105,14 @@ def write_config(workdir: Path, files: Any, port: int, setting: Setting) -> Path
                 "listen": f"127.0.0.1:{port}",
                 "database": workdir / "state" / "proxy.sqlite3",
             },
-            "owners": {"allowed": [ATTACKER]},
+            "owners": {"allowed": owners or [ATTACKER]},
             "tls": {
                 "ca": files.ca_certificate,
                 "cert": files.certificate,
                 "key": files.private_key,
             },
             "budget": {"epsilon": 1.0, "delta": 1e-5},
-            "limits": {"max_calls_per_peer": setting.max_calls_per_peer},
+            "limits": limits or {},
             "crypto": {"processes": 1},
         },
     )
@@ -129,7 +137,12 @@ def hello(stub: Any, size: int) -> str:
 def attack(workdir: Path, setting: Setting, rounds: int, n_channels: int) -> Measurement:
     tls = init_certificates(workdir / "certs", owner_ids=[ATTACKER], analyst_ids=["alice"])
     port = free_loopback_port()
-    config = write_config(workdir, tls[NodeIdentity(Role.PROXY, "proxy")], port, setting)
+    config = write_config(
+        workdir,
+        tls[NodeIdentity(Role.PROXY, "proxy")],
+        port,
+        limits={"max_calls_per_peer": setting.max_calls_per_peer},
+    )
     proxy = run_proxy(workdir, config, setting)
     try:
         proxy.wait_for(PROXY_READY_MARKER, timeout=60.0)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedpca.protocol import ReleasePlan
+from fedpca.proxy.limits import PeerLimits
 from fedpca.query import QueryKind, QuerySpec
 
 pytestmark = pytest.mark.slow
@@ -99,6 +100,13 @@ def test_connection_memory_measures_both_transports() -> None:
 def test_hostile_calls_memory_compares_the_earlier_limits_with_the_defaults() -> None:
     result = run_benchmark("hostile_calls_memory.py", "--rounds", "1", "--channels", "2")
     assert float(result["before_growth_mib"]) >= 0 and float(result["after_growth_mib"]) >= 0
+
+
+def test_hostile_stream_reopen_admits_the_allowed_openings_only() -> None:
+    result = run_benchmark("hostile_stream_reopen.py", "--bystanders", "2", "--seconds", "2")
+    # The attacker reopens as fast as it can; the proxy admits the shipped limit a minute.
+    assert int(result["attack_opened"]) == PeerLimits().max_task_stream_opens_per_minute
+    assert float(result["proxy_cpu_attack"]) >= 0 and float(result["hello_ms_attack"]) > 0
 
 
 def test_end_to_end_reports_the_floor_from_its_own_run() -> None:

@@ -34,6 +34,7 @@ from fedpca.messages import (
     TaskDecline,
 )
 from fedpca.proxy.coordinator import task_id
+from fedpca.proxy.limits import PeerLimits
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
@@ -120,13 +121,20 @@ def test_one_owner_certificate_cannot_starve_the_proxy_process(tmp_path: Path) -
             analyst.submit(spec, signing_key)
         channel, attacker = cluster_stub(cluster, "owner", attacker_id)
         with channel:
-            streams = []
+            # Each stream admitted supersedes the previous one; beyond the openings
+            # allowed per minute (20 by default), the others are refused at once.
+            streams, refused = [], []
             for _ in range(STREAMS):
                 stream = attacker.StreamTasks(
                     serde.task_stream_request_to_proto(attacker_id), timeout=60
                 )
-                next(stream)  # the first heartbeat: the stream is open at the proxy
-                streams.append(stream)
+                try:
+                    next(stream)  # the first heartbeat: the stream is open at the proxy
+                    streams.append(stream)
+                except grpc.RpcError as err:
+                    refused.append(err.code())
+            assert len(streams) == PeerLimits().max_task_stream_opens_per_minute
+            assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (STREAMS - len(streams))
 
             def stalled(index: int) -> Iterator[Any]:
                 first = owner_pb.UploadMessage()
@@ -162,7 +170,7 @@ def test_one_owner_certificate_cannot_starve_the_proxy_process(tmp_path: Path) -
                 status, seconds = timed(lambda: analyst.status("target"))
                 assert status.owners_uploading <= 2 and seconds < PROMPT, seconds
 
-            # One task stream per owner: the proxy ended the 60 older ones (cleanly,
+            # One task stream per owner: the proxy ended the 19 older ones (cleanly,
             # long before their own 60 s deadline), the newest one is still open.
             for stream in streams[:-1]:
                 for _ in stream:
@@ -179,7 +187,7 @@ def test_one_owner_certificate_cannot_starve_the_proxy_process(tmp_path: Path) -
         assert cluster.proxy is not None
         log = cluster.proxy.log_text()
         assert log.count(f"task stream of owner {attacker_id} replaced by a newer one") == (
-            STREAMS - 1
+            len(streams) - 1
         )
 
 

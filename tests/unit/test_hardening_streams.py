@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,10 @@ import numpy as np
 import pytest
 
 from fedpca.codec import CryptoPool
+from fedpca.errors import OverloadError
 from fedpca.messages import OwnerHello
 from fedpca.protocol import ReleasePlan
-from fedpca.proxy.limits import PeerLimits
+from fedpca.proxy.limits import PeerLimits, TaskStreams
 from fedpca.transport import serde
 from fedpca.transport.certs import Role, TlsMaterial
 from fedpca.transport.channels import secure_channel
@@ -78,12 +80,18 @@ def test_one_owner_certificate_cannot_starve_the_proxy(
         release = threading.Event()
         channel, attacker = _stub(running, "attacker")
         with channel:
-            # 61 task streams: each new one supersedes the previous one.
-            streams = []
+            # 61 task streams: each one admitted supersedes the previous one; beyond
+            # the openings allowed per minute, the others are refused at once.
+            streams, refused = [], []
             for _ in range(STREAMS):
                 stream = attacker.StreamTasks(serde.task_stream_request_to_proto("attacker"))
-                next(stream)  # the first heartbeat: the stream is open
-                streams.append(stream)
+                try:
+                    next(stream)  # the first heartbeat: the stream is open
+                    streams.append(stream)
+                except grpc.RpcError as err:
+                    refused.append(err.code())
+            assert len(streams) == limits.max_task_stream_opens_per_minute
+            assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (STREAMS - len(streams))
 
             # 62 uploads that send a valid header and then stall.
             def stalled(index: int) -> Iterator[Any]:
@@ -125,7 +133,7 @@ def test_one_owner_certificate_cannot_starve_the_proxy(
                 except grpc.RpcError:
                     pass
                 ended += 1
-            assert ended == STREAMS - 1
+            assert ended == len(streams) - 1
             streams[-1].cancel()
 
             # The stalled uploads end after the idle time, with DEADLINE_EXCEEDED.
@@ -263,3 +271,79 @@ def test_health_watches_are_bounded_per_peer(
                 assert answer.status == health_pb2.HealthCheckResponse.SERVING
             for watch in watches:
                 watch.cancel()
+
+
+def test_task_stream_openings_are_bounded_per_owner_and_minute() -> None:
+    now = [0.0]
+    streams = TaskStreams(opens_per_minute=3, clock=lambda: now[0])
+    for _ in range(3):
+        streams.admit("attacker")
+        now[0] += 1.0
+    with pytest.raises(OverloadError, match="3 times in the last 60 s"):
+        streams.admit("attacker")
+    streams.admit("owner-2")  # another owner's openings are counted apart
+    now[0] = 60.0  # the first opening (at 0 s) has left the window, the others not
+    streams.admit("attacker")
+    with pytest.raises(OverloadError):
+        streams.admit("attacker")
+    now[0] = 62.0  # so have the openings at 1 s and 2 s
+    streams.admit("attacker")
+    streams.admit("attacker")
+
+
+def test_a_new_stream_ends_only_the_one_it_replaces() -> None:
+    streams = TaskStreams()
+    ended: list[str] = []
+    first = streams.open("attacker", lambda: ended.append("attacker, first"))
+    streams.open("owner-2", lambda: ended.append("owner-2"))
+    second = streams.open("attacker", lambda: ended.append("attacker, second"))
+    assert ended == ["attacker, first"] and second != first
+    streams.close("attacker", first)  # the replaced stream's close changes nothing
+    assert streams.connected() == 2
+    streams.close("attacker", second)
+    assert streams.connected() == 1
+
+
+def test_reopening_a_task_stream_does_not_wake_the_other_owners_streams(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each opening used to wake every owner's task stream, each of which then read its
+    pending tasks from the database: one owner reopening in a loop cost the proxy a
+    database read per connected owner and opening."""
+    public_key, _ = test_only_keypair_512
+    limits = PeerLimits()
+    with _driven_by_hand(tmp_path, pool, public_key, limits, np.random.default_rng(0)) as running:
+        coordinator = running.proxy.coordinator
+        reads: Counter[str] = Counter()
+        read_pending = coordinator.pending_tasks
+
+        def counted(owner_id: str) -> Any:
+            reads[owner_id] += 1
+            return read_pending(owner_id)
+
+        monkeypatch.setattr(coordinator, "pending_tasks", counted)
+        request = serde.task_stream_request_to_proto
+        bystander_channel, bystander = _stub(running, "owner-2")
+        attacker_channel, attacker = _stub(running, "attacker")
+        with bystander_channel, attacker_channel:
+            held = bystander.StreamTasks(request("owner-2"))
+            next(held)
+            before, started = reads["owner-2"], time.monotonic()
+            streams = []
+            for _ in range(limits.max_task_stream_opens_per_minute):
+                stream = attacker.StreamTasks(request("attacker"))
+                next(stream)
+                streams.append(stream)
+            for stream in streams[:-1]:  # each replaced stream ended
+                for _ in stream:
+                    pass
+                assert stream.code() is grpc.StatusCode.OK
+            elapsed = time.monotonic() - started
+            # Only its heartbeats (one a second here) woke the bystander's stream.
+            assert reads["owner-2"] - before <= elapsed / 1.0 + 1, (reads, elapsed)
+            assert held.is_active()
+            held.cancel()
+            streams[-1].cancel()

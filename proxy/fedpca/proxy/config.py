@@ -52,6 +52,8 @@ configuration file, so a deployment directory can be moved as a whole)::
     max_pending_work = 4096
     worker_threads = 16
     max_concurrent_rpcs = 20000
+    logged_refusals_per_minute = 60
+    max_task_stream_opens_per_minute = 20
 
 Unknown keys are refused (a typo such as ``epsilion`` must not silently fall
 back to a default budget); every error names the offending key.

@@ -5,7 +5,10 @@ sent a header and stalled each held one of 64 server threads. The asynchronous s
 holds no thread per stream, and these bounds keep any one peer from taking more than
 its share of what remains:
 
-* one task stream per owner: a newer stream replaces the older one, which ends;
+* one task stream per owner: a newer stream replaces the older one, which ends; and at
+  most ``max_task_stream_opens_per_minute`` openings of one owner's stream in any
+  minute (an opening writes to the database and a log line; a review measured one owner
+  reopening in a loop, about 250 times a second, keeping a proxy core busy);
 * at most ``max_uploads_per_owner`` uploads in flight per owner, each ended after
   ``upload_idle_seconds`` without a message or ``upload_total_seconds`` in all;
 * at most ``max_watches_per_analyst`` status watches per analyst;
@@ -29,7 +32,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
@@ -65,6 +68,10 @@ class PeerLimits:
     most ``max_calls_per_peer`` calls of a peer may be sending theirs at once."""
     logged_refusals_per_minute: int = 60
     """Refusal log lines per method and minute; the others are counted in one line."""
+    max_task_stream_opens_per_minute: int = 20
+    """Openings of one owner's task stream in any 60 seconds; the others are refused
+    (RESOURCE_EXHAUSTED) before any database work. An owner node reconnects after
+    0.5-1 s at first and backs off exponentially when refused."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -115,28 +122,63 @@ class PeerSlots:
 class TaskStreams:
     """The one task stream of each owner: a newer stream supersedes the older.
 
-    :meth:`open` returns a generation number; a stream keeps serving while
-    :meth:`is_current` says its generation is still the owner's latest.
+    :meth:`admit` counts an owner's openings and refuses those beyond
+    ``opens_per_minute`` in any 60 seconds; :meth:`open` returns a generation number
+    and tells the stream it replaces (its ``superseded`` callback), which ends. Only
+    that stream is woken: waking every owner's stream (as a change of any query does)
+    on every opening made one owner's reopening loop cost the proxy a database read
+    per connected owner.
+
+    Parameters
+    ----------
+    opens_per_minute : openings admitted per owner in any 60 seconds.
+    clock : monotonic seconds (tests pass their own).
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._latest: dict[str, int] = {}
-        self._next = 0
+    WINDOW_SECONDS = 60.0
 
-    def open(self, owner_id: str) -> int:
+    def __init__(
+        self, opens_per_minute: int = 20, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.opens_per_minute = opens_per_minute
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._latest: dict[str, tuple[int, Callable[[], None]]] = {}
+        self._next = 0
+        # Per owner, the times of its admitted openings in the last window (at most
+        # opens_per_minute each; owners are the allow-listed ones).
+        self._openings: dict[str, deque[float]] = {}
+
+    def admit(self, owner_id: str) -> None:
+        """Count one opening of ``owner_id``'s stream, or raise :class:`OverloadError`."""
+        now = self._clock()
+        with self._lock:
+            recent = self._openings.setdefault(owner_id, deque())
+            while recent and now - recent[0] >= self.WINDOW_SECONDS:
+                recent.popleft()
+            if len(recent) >= self.opens_per_minute:
+                raise OverloadError(
+                    f"{owner_id} opened its task stream {len(recent)} times in the last "
+                    f"{self.WINDOW_SECONDS:g} s, the most this proxy allows; retry later"
+                )
+            recent.append(now)
+
+    def open(self, owner_id: str, superseded: Callable[[], None]) -> int:
+        """Make a new stream the owner's current one; ``superseded`` is called if a
+        newer one replaces it. Returns the new stream's generation."""
         with self._lock:
             self._next += 1
-            self._latest[owner_id] = self._next
-            return self._next
-
-    def is_current(self, owner_id: str, generation: int) -> bool:
-        with self._lock:
-            return self._latest.get(owner_id) == generation
+            previous = self._latest.get(owner_id)
+            self._latest[owner_id] = (self._next, superseded)
+            generation = self._next
+        if previous is not None:
+            previous[1]()
+        return generation
 
     def close(self, owner_id: str, generation: int) -> None:
         with self._lock:
-            if self._latest.get(owner_id) == generation:
+            latest = self._latest.get(owner_id)
+            if latest is not None and latest[0] == generation:
                 del self._latest[owner_id]
 
     def connected(self) -> int:

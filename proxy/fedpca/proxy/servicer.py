@@ -117,7 +117,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         super().__init__(*args, **kwargs)
         self.proxy_id = proxy_id
         self.heartbeat_seconds = heartbeat_seconds
-        self.streams = TaskStreams()
+        self.streams = TaskStreams(self.limits.max_task_stream_opens_per_minute)
 
     @unary_errors
     async def Hello(
@@ -148,6 +148,8 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
     ) -> AsyncIterator[owner_pb.TaskEvent]:
         caller = self._caller(context, Role.OWNER)
         owner = caller.node_id
+        # Openings per owner and minute are bounded before anything is written.
+        self.streams.admit(owner)
         # Opening writes (enrol) and answers in-flight uploads: bounded per owner like
         # every other call, so that reopening streams in a loop cannot fill the backlog
         # of the proxy's workers. The open stream itself is one per owner (below).
@@ -160,9 +162,9 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                 if in_flight
                 else []
             )
-        # One stream per owner: this one supersedes any older one, which ends.
-        generation = self.streams.open(owner)
-        self.feed.notify()
+        # One stream per owner: this one supersedes any older one, which is woken to end.
+        superseded = asyncio.Event()
+        generation = self.streams.open(owner, superseded.set)
         logger.info("task stream opened by owner %s", owner)
         coordinator = self.coordinator
         sent = SentTasks(answer for answer in answers if isinstance(answer, Task))
@@ -172,7 +174,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
             for answer in answers:
                 yield serde.task_event_to_proto(answer)
             next_beat = time.monotonic() + self.heartbeat_seconds
-            while not coordinator.stopping and self.streams.is_current(owner, generation):
+            while not coordinator.stopping and not superseded.is_set():
                 changed = self.feed.event
                 tasks = await self.work.run(coordinator.pending_tasks, owner)
                 for task in sent.unsent(tasks):
@@ -187,10 +189,12 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                 if now >= next_beat:
                     yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))
                     next_beat = now + self.heartbeat_seconds
-                await ChangeFeed.wait(changed, max(0.0, next_beat - time.monotonic()))
+                await ChangeFeed.wait(
+                    changed, max(0.0, next_beat - time.monotonic()), also=superseded
+                )
         finally:
             self.streams.close(owner, generation)
-        if not self.streams.is_current(owner, generation) and not coordinator.stopping:
+        if superseded.is_set() and not coordinator.stopping:
             logger.info("task stream of owner %s replaced by a newer one", owner)
         else:
             logger.info("task stream of owner %s closed", owner)

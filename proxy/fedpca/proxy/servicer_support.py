@@ -301,9 +301,18 @@ class ChangeFeed:
         self.event = asyncio.Event()
 
     @staticmethod
-    async def wait(event: asyncio.Event, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+    async def wait(event: asyncio.Event, timeout: float, also: asyncio.Event | None = None) -> None:
+        """Until ``event`` (or ``also``, if given) is set, or ``timeout`` seconds pass."""
+        if also is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout)
+            return
+        waiters = [asyncio.ensure_future(e.wait()) for e in (event, also)]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
 
 _PEER_RE = re.compile(r"[^A-Za-z0-9._-]+")
