@@ -278,7 +278,7 @@ def start_proxy(
     logs.mkdir(exist_ok=True)
     log_path = logs / "proxy.log"
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed by ManagedProcess.stop
-    serve = ["proxy", "serve", "--config", str(config)]
+    serve = ["proxy", "serve", "--config", str(config), "--new-database"]
     if server_options:
         command = [sys.executable, "-c", patch, ",".join(server_options), *serve]
     else:

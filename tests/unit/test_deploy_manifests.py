@@ -93,7 +93,9 @@ def _check_pod(spec: dict[str, Any], role: str) -> dict[str, Any]:
     }
     (container,) = spec["containers"]
     assert container["image"] == f"fedpca:{_version()}"
-    assert container["args"] == [role, "serve", "--config", f"{NODE_ROOT}/{role}.toml"]
+    # The state volume starts empty: the first start creates the database or ledger.
+    create = {"proxy": "--new-database", "owner": "--new-ledger"}[role]
+    assert container["args"] == [role, "serve", "--config", f"{NODE_ROOT}/{role}.toml", create]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["monitoring"] == 9464
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

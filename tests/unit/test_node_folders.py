@@ -65,11 +65,18 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
     assert stat.S_IMODE((out / "tls" / "ca.pem").stat().st_mode) == 0o644
     assert TlsMaterial.load(config.tls.files()).identity.node_id == "proxy"
-    assert (out / "state").is_dir()
+    # The database is made with the folder (`proxy serve` refuses one that is missing).
+    assert config.proxy.database.is_file()
+    assert f"database        {config.proxy.database}" in result.output
+    inode = config.proxy.database.stat().st_ino
     # Not twice without --force; the CA key never leaves the certificates directory.
     again = CliRunner().invoke(proxy_group, args)
     assert again.exit_code == 1 and "already exists" in again.output
     assert not list(out.rglob("ca-key.pem"))
+    # With --force the folder is written again around the same database.
+    forced = CliRunner().invoke(proxy_group, [*args, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert config.proxy.database.stat().st_ino == inode
 
 
 def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> None:
@@ -133,6 +140,9 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
     assert config.policy.accepted_query_signers == (TEST_SIGNER,)
     assert config.policy.allowed_kinds == RELEASE_KINDS
     assert config.owner.state_dir == out / "state" and config.owner.state_dir.is_dir()
+    # The ledger is made with the folder (`owner serve` refuses one that is missing).
+    assert config.ledger_path.is_file()
+    assert f"budget ledger   {config.ledger_path}" in result.output
     text = (out / "owner.toml").read_text()
     assert 'path = "data/table.csv"' in text and str(tmp_path) not in text
     assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
@@ -276,6 +286,14 @@ def test_owner_probe_against_a_running_proxy(
     assert exposed.exit_code == 0, exposed.output
     tls_line = next(line for line in exposed.stdout.splitlines() if line.startswith("ok    tls"))
     assert f"(warning: {key} is readable by every user" in tls_line
+    # Without its ledger the node would not start (a wrong state_dir): the probe says so.
+    ledger = tmp_path / "owner-1" / "state" / "ledger.sqlite3"
+    ledger.unlink()
+    unledgered = CliRunner().invoke(
+        owner_group, ["probe", "--local", "--config", str(folders["owner-1"])]
+    )
+    assert unledgered.exit_code == 1
+    assert f"FAIL  state     {ledger} does not exist" in unledgered.output
 
 
 def _first_session_log(config: Path) -> str:

@@ -134,9 +134,23 @@ def test_serve_fails_fast_on_bad_config_and_bad_data(tmp_path: Path) -> None:
 
     path = _write_config(tmp_path)
     (tmp_path / "data.csv").write_text("1,2\n3,oops\n")
-    result = CliRunner().invoke(owner_group, ["serve", "--config", str(path)])
+    result = CliRunner().invoke(owner_group, ["serve", "--config", str(path), "--new-ledger"])
     assert result.exit_code == 1
     assert "'oops' is not a number" in result.output
+
+
+def test_serve_refuses_a_ledger_that_does_not_exist(tmp_path: Path) -> None:
+    """A wrong [owner] state_dir would start the owner's budget again at zero: only
+    `owner init` or --new-ledger creates a ledger."""
+    path = _write_config(tmp_path)
+    typo = tmp_path / "stat"
+    result = CliRunner().invoke(
+        owner_group, ["serve", "--config", str(path), "--state-dir", str(typo)]
+    )
+    assert result.exit_code == 1, result.output
+    assert f"the budget ledger {typo / 'ledger.sqlite3'} does not exist" in result.output
+    assert "--new-ledger" in result.output
+    assert not typo.exists()
 
 
 class _HelloOnly(owner_grpc.OwnerServiceServicer):
@@ -157,7 +171,7 @@ def _serve_until(path: Path, marker: str, log: Path, *extra: str) -> str:
     code = "from fedpca.owner.cli import owner_group; owner_group()"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-c", code, "serve", "--config", str(path), *extra],
+            [sys.executable, "-c", code, "serve", "--config", str(path), "--new-ledger", *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -200,7 +214,7 @@ def test_serve_insecure_flag_skips_tls_files_and_warns(tmp_path: Path) -> None:
     tls = 'ca = "x.pem"\ncert = "y.pem"\nkey = "z.pem"'
     path = _write_config(tmp_path, f"127.0.0.1:{free_port()}", tls)
     # Without the flag the missing TLS files are an error at start-up ...
-    result = CliRunner().invoke(owner_group, ["serve", "--config", str(path)])
+    result = CliRunner().invoke(owner_group, ["serve", "--config", str(path), "--new-ledger"])
     assert result.exit_code == 1 and "x.pem" in result.output
     # ... with it they are never read, and every start says so loudly.
     text = _serve_until(path, "reconnecting in", tmp_path / "owner.log", "--insecure")

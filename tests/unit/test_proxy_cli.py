@@ -65,7 +65,7 @@ LOW_LIMIT_ENTRY = (
 def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_path: Path) -> None:
     config, files = write_config(tmp_path)
     process = subprocess.Popen(
-        [sys.executable, "-c", LOW_LIMIT_ENTRY, "serve", "--config", str(config)],
+        [sys.executable, "-c", LOW_LIMIT_ENTRY, "serve", "--config", str(config), "--new-database"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -97,6 +97,7 @@ def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_pat
     assert (tmp_path / "state" / "proxy.sqlite3").is_file()
     stderr = process.stderr.read() if process.stderr else ""
     assert "received SIGTERM" in stderr and "INSECURE" not in stderr
+    assert "created a new, empty proxy database" in stderr
     # To the hard limit, which is at least what one owner needs.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     raised = needed_open_files(1) if hard == resource.RLIM_INFINITY else hard
@@ -106,7 +107,16 @@ def test_serve_prints_its_address_answers_over_mtls_and_stops_on_sigterm(tmp_pat
 def test_insecure_serve_warns(tmp_path: Path) -> None:
     config, _ = write_config(tmp_path)
     process = subprocess.Popen(
-        [sys.executable, "-c", ENTRY, "serve", "--config", str(config), "--insecure"],
+        [
+            sys.executable,
+            "-c",
+            ENTRY,
+            "serve",
+            "--config",
+            str(config),
+            "--insecure",
+            "--new-database",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -121,6 +131,21 @@ def test_insecure_serve_warns(tmp_path: Path) -> None:
             process.kill()
             process.wait()
     assert "INSECURE proxy" in (process.stderr.read() if process.stderr else "")
+
+
+def test_serve_refuses_a_database_that_does_not_exist(tmp_path: Path) -> None:
+    """A wrong [proxy] database would start every analyst's budget again at zero: only
+    `proxy init` or --new-database creates one."""
+    config, _ = write_config(tmp_path)
+    database = tmp_path / "state" / "proxy.sqlite3"
+    typo = tmp_path / "state" / "proxy.sqlite"
+    result = CliRunner().invoke(
+        proxy_group, ["serve", "--config", str(config), "--database", str(typo)]
+    )
+    assert result.exit_code == 1, result.output
+    assert f"the proxy database {typo} does not exist" in result.output
+    assert "--new-database" in result.output
+    assert not typo.exists() and not database.exists()
 
 
 def test_serve_refuses_a_bad_config(tmp_path: Path) -> None:

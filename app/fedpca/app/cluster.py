@@ -406,7 +406,9 @@ class LocalCluster:
         """
         config = ["--config", str(self.proxy_config)]
         if self.proxy_command is None:
-            self.proxy = self._spawn("proxy", ["proxy", "serve", *config])
+            # The cluster writes its configs itself (no `proxy init`), so the first start
+            # creates the database; later starts find it.
+            self.proxy = self._spawn("proxy", ["proxy", "serve", *config, "--new-database"])
         else:
             self.proxy = self._spawn("proxy", config, command=self.proxy_command)
         self.proxy.wait_for(PROXY_READY_MARKER, timeout)
@@ -421,8 +423,12 @@ class LocalCluster:
         unknown = sorted(set(chosen) - set(self.owner_ids))
         if unknown:
             raise ConfigError(f"unknown owners {unknown}; this cluster has {self.owner_ids}")
+        # As for the proxy: no `owner init` here, so the first start creates the ledger.
         started = [
-            self._spawn(owner_id, ["owner", "serve", "--config", str(self.owner_config(owner_id))])
+            self._spawn(
+                owner_id,
+                ["owner", "serve", "--config", str(self.owner_config(owner_id)), "--new-ledger"],
+            )
             for owner_id in chosen
         ]
         self.owners.extend(started)

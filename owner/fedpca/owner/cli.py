@@ -73,6 +73,12 @@ def owner_group() -> None:
     is_flag=True,
     help="Dial the proxy without TLS (local experiments only; overrides tls.insecure).",
 )
+@click.option(
+    "--new-ledger",
+    is_flag=True,
+    help="Create the budget ledger if it does not exist (`fedpca owner init` creates it; "
+    "without this flag a missing ledger is an error).",
+)
 @click.option("-v", "--verbose", count=True, help="Debug log output.")
 def serve_command(
     config_path: Path,
@@ -81,6 +87,7 @@ def serve_command(
     state_dir: Path | None,
     monitoring_listen: str | None,
     insecure: bool,
+    new_ledger: bool,
     verbose: int,
 ) -> None:
     """Connect to the proxy and answer tasks until interrupted (SIGINT/SIGTERM).
@@ -101,6 +108,14 @@ def serve_command(
             insecure=insecure,
             monitoring_listen=monitoring_listen,
         )
+        if not (new_ledger or config.ledger_path.exists()):
+            raise ConfigError(
+                f"the budget ledger {config.ledger_path} does not exist. If this node ran "
+                "before, [owner] state_dir (or --state-dir) names the wrong folder: a new, "
+                "empty ledger would start this owner's budget again at zero. `fedpca owner "
+                "init` creates the ledger with the folder; to start a new one here, pass "
+                "--new-ledger"
+            )
         node = OwnerNode(config)
         monitoring = None
         if config.monitoring.listen is not None:

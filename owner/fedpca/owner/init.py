@@ -25,6 +25,7 @@ from fedpca.owner.config import (
     OwnerConfig,
     load_config,
 )
+from fedpca.owner.ledger import owner_ledger
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, prepare_folder
@@ -244,7 +245,11 @@ def write_owner_folder(
     )
     path = out / CONFIG_NAME
     path.write_text(text, encoding="utf-8")
-    return load_config(path), facts
+    config = load_config(path)
+    # Made here, so that `owner serve` may refuse to start on a ledger that does not
+    # exist: a wrong state_dir would otherwise start this owner's budget again at zero.
+    owner_ledger(config)
+    return config, facts
 
 
 def _split(values: tuple[str, ...]) -> list[str]:
@@ -416,6 +421,7 @@ def init_command(
                 f"                  queries use a uniform sample of {config.data.max_records}"
             )
     click.echo(f"  max_records     {config.data.max_records} (PUBLIC)")
+    click.echo(f"  budget ledger   {config.ledger_path}")
     epsilon = config.budget.epsilon
     click.echo(
         f"  budget          epsilon {epsilon if math.isfinite(epsilon) else 'unlimited'} at "

@@ -101,7 +101,7 @@ def probe_owner(
     else:
         tls = _check_tls(config, record)
 
-    _check_state(config.owner.state_dir, record)
+    _check_state(config.owner.state_dir, config.ledger_path, record)
     if local:
         for name in ("proxy", "enrolled"):
             record(name, None, "not checked (--local)")
@@ -165,15 +165,25 @@ def _check_tls(
     return tls
 
 
-def _check_state(state_dir: Path, record: Callable[[str, bool | None, str], None]) -> None:
+def _check_state(
+    state_dir: Path, ledger: Path, record: Callable[[str, bool | None, str], None]
+) -> None:
     existing = state_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
-        what = "exists" if existing == state_dir else f"will be created in {existing}"
-        record("state", True, f"{state_dir} {what}, writable")
-    else:
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
         record("state", False, f"{state_dir}: {existing} is not a writable folder")
+    elif not ledger.is_file():
+        # `owner serve` refuses to start on a ledger that does not exist.
+        record(
+            "state",
+            False,
+            f"{ledger} does not exist: if this node ran before, state_dir names the wrong "
+            "folder; `fedpca owner init` creates the ledger, or start once with "
+            "`owner serve --new-ledger`",
+        )
+    else:
+        record("state", True, f"{state_dir} holds the budget ledger, writable")
 
 
 def _check_enrolled(

@@ -71,6 +71,12 @@ def proxy_group() -> None:
     help="SQLite database (overrides proxy.database).",
 )
 @click.option(
+    "--new-database",
+    is_flag=True,
+    help="Create the database if it does not exist (`fedpca proxy init` creates it; "
+    "without this flag a missing database is an error).",
+)
+@click.option(
     "--monitoring-listen",
     help="host:port of /metrics, /healthz, /readyz (overrides monitoring.listen).",
 )
@@ -84,6 +90,7 @@ def serve_command(
     config_path: Path,
     listen: str | None,
     database: Path | None,
+    new_database: bool,
     monitoring_listen: str | None,
     insecure: bool,
     verbose: int,
@@ -102,6 +109,14 @@ def serve_command(
         )
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
+    if not (new_database or config.proxy.database.exists()):
+        raise click.ClickException(
+            f"the proxy database {config.proxy.database} does not exist. If this proxy ran "
+            "before, the path is wrong ([proxy] database or --database): a new, empty "
+            "database would start every analyst's budget again at zero. `fedpca proxy init` "
+            "creates the database with the folder; to start a new one here, pass "
+            "--new-database"
+        )
     ensure_open_files(needed_open_files(len(config.owners.allowed)))
     stop = threading.Event()
 

@@ -17,6 +17,7 @@ import click
 
 from fedpca.errors import ConfigError, FedpcaError
 from fedpca.proxy.config import ProxyConfig, load_config
+from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, prepare_folder
@@ -143,7 +144,16 @@ def write_proxy_folder(
     )
     path = out / CONFIG_NAME
     path.write_text(text, encoding="utf-8")
-    return load_config(path)
+    config = load_config(path)
+    if not config.proxy.database.exists():
+        # Made here, so that `proxy serve` may refuse to start on a database that does
+        # not exist: a wrong path would otherwise start every analyst's budget at zero.
+        ProxyStore(
+            config.proxy.database,
+            neighbouring=config.privacy.neighbouring,
+            announce_creation=False,
+        ).close()
+    return config
 
 
 @click.command("init")
@@ -238,4 +248,5 @@ def init_command(
         f"at delta {config.budget.default.delta:g} per analyst"
     )
     click.echo(f"  relation        {config.privacy.neighbouring.value}")
+    click.echo(f"  database        {config.proxy.database}")
     click.echo(f"run: fedpca proxy serve --config {out / CONFIG_NAME}")

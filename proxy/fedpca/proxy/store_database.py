@@ -51,6 +51,8 @@ class StoreDatabase:
     neighbouring : the deployment's relation (used to restate old ledgers).
     group_commit : share transactions between concurrent writers (False: one
         transaction, one fsync, per chunk; benchmarks compare the two).
+    announce_creation : log a warning when the file is created (False: `proxy init`,
+        whose job that is).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class StoreDatabase:
         page_ciphertexts: int = PAGE_CIPHERTEXTS,
         neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
         group_commit: bool = True,
+        announce_creation: bool = True,
     ) -> None:
         self.neighbouring = Neighbouring(neighbouring)
         if page_ciphertexts < 1:
@@ -83,9 +86,9 @@ class StoreDatabase:
                 "restore it from a backup (docs/operations.md, Backup and restore)"
             ) from exc
         self._group = GroupCommit(self.transaction, enabled=group_commit)
-        if created:
-            # A typo in [proxy] database starts the proxy on an empty ledger: every
-            # analyst's budget would start again at zero. Say so where the operator looks.
+        if created and announce_creation:
+            # `proxy serve` creates one only with --new-database; a new, empty ledger
+            # starts every analyst's budget again at zero. Say so where the operator looks.
             logger.warning(
                 "created a new, empty proxy database %s: no analyst has spent any budget "
                 "in it. Expected on a first start; if this proxy ran before, [proxy] "
