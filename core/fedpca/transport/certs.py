@@ -346,7 +346,7 @@ def identity_from_context(context: Any) -> NodeIdentity:
 
 
 # A peer presents the same certificate on every call; parsing it (and its extensions)
-# was about a sixth of the proxy's CPU for a call it refuses at once. Certificates are
+# was about a fifth of the proxy's busy samples for calls it refuses at once. Certificates are
 # immutable and their identity a function of their bytes, so both are kept per PEM
 # (failures are not cached: they raise).
 @functools.lru_cache(maxsize=4096)
