@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from proxy_memory import log, proc_status_kib, start_proxy
+from proxy_memory import log, proc_status_kib, start_proxy, write_proxy_config
 
-from fedpca.app.cluster import PROXY_READY_MARKER, ManagedProcess, free_loopback_port, write_toml
+from fedpca.app.cluster import PROXY_READY_MARKER, ManagedProcess, free_loopback_port
 from fedpca.messages import OwnerHello
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates
@@ -86,39 +86,6 @@ class Measurement:
         return self.hwm_after_mib - self.rss_before_mib
 
 
-def write_config(
-    workdir: Path,
-    files: Any,
-    port: int,
-    limits: dict[str, int] | None = None,
-    owners: list[str] | None = None,
-) -> Path:
-    """A proxy configuration: these owners allowed (the attacker alone by default),
-    these ``[limits]`` (the shipped defaults by default), one crypto worker."""
-    path = workdir / "proxy.toml"
-    (workdir / "state").mkdir(exist_ok=True)
-    write_toml(
-        path,
-        {
-            "proxy": {
-                "id": "proxy",
-                "listen": f"127.0.0.1:{port}",
-                "database": workdir / "state" / "proxy.sqlite3",
-            },
-            "owners": {"allowed": owners or [ATTACKER]},
-            "tls": {
-                "ca": files.ca_certificate,
-                "cert": files.certificate,
-                "key": files.private_key,
-            },
-            "budget": {"epsilon": 1.0, "delta": 1e-5},
-            "limits": limits or {},
-            "crypto": {"processes": 1},
-        },
-    )
-    return path
-
-
 def run_proxy(workdir: Path, config: Path, setting: Setting) -> ManagedProcess:
     if setting.receive_bytes == channels.PROXY_MAX_RECEIVE_BYTES:
         return start_proxy(workdir, config, [])
@@ -137,11 +104,12 @@ def hello(stub: Any, size: int) -> str:
 def attack(workdir: Path, setting: Setting, rounds: int, n_channels: int) -> Measurement:
     tls = init_certificates(workdir / "certs", owner_ids=[ATTACKER], analyst_ids=["alice"])
     port = free_loopback_port()
-    config = write_config(
+    config = write_proxy_config(
         workdir,
         tls[NodeIdentity(Role.PROXY, "proxy")],
         port,
-        limits={"max_calls_per_peer": setting.max_calls_per_peer},
+        [ATTACKER],
+        extra={"limits": {"max_calls_per_peer": setting.max_calls_per_peer}},
     )
     proxy = run_proxy(workdir, config, setting)
     try:

@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from hostile_calls_memory import write_config
-from proxy_memory import log, start_proxy
+from proxy_memory import log, start_proxy, write_proxy_config
 
 from fedpca.app.cluster import PROXY_READY_MARKER, free_loopback_port
 from fedpca.transport import channels
@@ -178,7 +177,7 @@ def main() -> None:
         tls = init_certificates(workdir / "certs", owner_ids=owners, analyst_ids=["alice"])
         port = free_loopback_port()
         address = f"127.0.0.1:{port}"
-        config = write_config(workdir, tls[NodeIdentity(Role.PROXY, "proxy")], port, owners=owners)
+        config = write_proxy_config(workdir, tls[NodeIdentity(Role.PROXY, "proxy")], port, owners)
         proxy = start_proxy(workdir, config, [])
         bystanders: list[Bystander] = []
         try:

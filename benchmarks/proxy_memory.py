@@ -229,29 +229,34 @@ class OwnerThread:
             self.go.abort()
 
 
-def write_proxy_config(workdir: Path, files: TlsFiles, port: int, owner_ids: list[str]) -> Path:
-    path = workdir / "proxy.toml"
-    write_toml(
-        path,
-        {
-            "proxy": {
-                "id": "proxy",
-                "listen": f"127.0.0.1:{port}",
-                "database": workdir / "state" / "proxy.sqlite3",
-                "heartbeat_seconds": 2.0,
-            },
-            "owners": {"allowed": owner_ids},
-            "tls": {
-                "ca": files.ca_certificate,
-                "cert": files.certificate,
-                "key": files.private_key,
-            },
-            # epsilon = inf queries (no noise) only pass an unlimited budget.
-            "budget": {"epsilon": 1.0, "delta": 1e-5},
-            "budget.analysts.alice": {"epsilon": math.inf, "delta": 1.0e-3},
-            "crypto": {"processes": 1},
+def write_proxy_config(
+    workdir: Path,
+    files: TlsFiles,
+    port: int,
+    owner_ids: list[str],
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """A benchmark proxy's configuration: loopback, these owners allowed, a 1e-5 budget,
+    one crypto worker; ``extra``'s tables added (a table already there is updated)."""
+    document: dict[str, dict[str, Any]] = {
+        "proxy": {
+            "id": "proxy",
+            "listen": f"127.0.0.1:{port}",
+            "database": workdir / "state" / "proxy.sqlite3",
         },
-    )
+        "owners": {"allowed": owner_ids},
+        "tls": {
+            "ca": files.ca_certificate,
+            "cert": files.certificate,
+            "key": files.private_key,
+        },
+        "budget": {"epsilon": 1.0, "delta": 1e-5},
+        "crypto": {"processes": 1},
+    }
+    for table, entries in (extra or {}).items():
+        document.setdefault(table, {}).update(entries)
+    path = workdir / "proxy.toml"
+    write_toml(path, document)
     (workdir / "state").mkdir(exist_ok=True)
     return path
 
@@ -314,7 +319,17 @@ def measure(
     tls = init_certificates(workdir / "certs", owner_ids=owner_ids, analyst_ids=["alice"])
     port = free_loopback_port()
     address = f"127.0.0.1:{port}"
-    config = write_proxy_config(workdir, tls[NodeIdentity(Role.PROXY, "proxy")], port, owner_ids)
+    config = write_proxy_config(
+        workdir,
+        tls[NodeIdentity(Role.PROXY, "proxy")],
+        port,
+        owner_ids,
+        extra={
+            "proxy": {"heartbeat_seconds": 2.0},
+            # epsilon = inf queries (no noise) only pass an unlimited budget.
+            "budget.analysts.alice": {"epsilon": math.inf, "delta": 1.0e-3},
+        },
+    )
     log(f"[{owners} owners] starting proxy process")
     with running_proxy(workdir, config, server_options) as proxy:
         pid = proxy.process.pid
