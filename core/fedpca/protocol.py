@@ -50,7 +50,7 @@ from fedpca.codec.packing import PackingBounds, SlotLayout, owner_value_bound
 from fedpca.dp.allocation import normalise_weights
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent
-from fedpca.dp.noise import NoiseSampler, noise_headroom, vector_noise
+from fedpca.dp.noise import MAX_NOISE_BOUND, NoiseSampler, noise_headroom, vector_noise
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
 from fedpca.exact_statistics import FixedPointStatistics
 from fedpca.masked_release import (
@@ -473,11 +473,22 @@ def _unmoved(statistics: StatisticsSpec, section: Section, neighbouring: Neighbo
 
 
 def _check_int64(bounds: PackingBounds) -> None:
-    """Refuse, at planning time, bounds whose owner values could leave int64."""
+    """Refuse, at planning time, bounds whose owner values or noise could leave int64.
+
+    Both are checked here, when the proxy and each owner build the plan, so that such a
+    query is refused before anything is charged: found only when the proxy draws the
+    noise, after the owners have uploaded, it would be charged and release nothing.
+    """
     if owner_value_bound(bounds) >= INT64_VALUE_LIMIT:
         raise EncodingOverflowError(
             f"max_records_per_owner={bounds.max_records_per_owner} at frac_bits="
             f"{bounds.frac_bits} lets one owner's values reach 2^62; lower either"
+        )
+    if bounds.noise_headroom > MAX_NOISE_BOUND:
+        raise EncodingOverflowError(
+            f"at frac_bits={bounds.frac_bits} this epsilon needs noise whose bound "
+            f"{bounds.noise_headroom} exceeds 2^62, the range the noise sampler draws in; "
+            "lower frac_bits or raise epsilon"
         )
 
 

@@ -148,6 +148,18 @@ def _check_bounds(lower: tuple[float, ...], upper: tuple[float, ...], n: int, wh
             raise ConfigError(
                 f"{what}: column {j}: bounds must have lower < upper, got [{lo}, {hi}]"
             )
+        _check_span(lo, hi, f"{what}: column {j}")
+
+
+def _check_span(lo: float, hi: float, what: str) -> None:
+    # Owners scale values by 2 (x - lower) / (upper - lower). A span whose double
+    # overflows is refused with the query, before anything is charged: found by the
+    # owner's encoder, it would fail after the owner's budget was reserved.
+    if not math.isfinite(2.0 * (hi - lo)):
+        raise ConfigError(
+            f"{what}: bounds [{lo}, {hi}] span more than a float can scale "
+            "(2 x (upper - lower) overflows)"
+        )
 
 
 @dataclass(frozen=True)
@@ -250,6 +262,7 @@ class Aggregate:
                 raise ConfigError(
                     f"linreg: target bounds must have lower < upper, got [{bounds[0]}, {bounds[1]}]"
                 )
+            _check_span(bounds[0], bounds[1], "linreg: target")
             object.__setattr__(self, "target_lower", bounds[0])
             object.__setattr__(self, "target_upper", bounds[1])
         elif target is not None or self.target_lower is not None or self.target_upper is not None:
@@ -475,6 +488,7 @@ class QuerySpec:
         for j, (lo, hi) in enumerate(zip(self.feature_lower, self.feature_upper, strict=True)):
             if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
                 raise ConfigError(f"feature {j}: bounds must be finite with lower < upper")
+            _check_span(lo, hi, f"feature {j}")
         if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
             raise ConfigError(f"clip_norm must be finite and > 0, got {self.clip_norm}")
         if not all(math.isfinite(label) for label in self.class_labels):

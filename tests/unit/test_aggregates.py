@@ -351,6 +351,30 @@ def test_aggregate_validation_names_the_problem() -> None:
             "lower < upper",
         ),
         (
+            # Finite bounds whose span the owners' scaling would overflow: refused with
+            # the query, not by each owner's encoder after its budget was reserved.
+            {
+                "kind": "stats",
+                "columns": (0,),
+                "lower": (-1e308,),
+                "upper": (1e308,),
+                "moments": "mean",
+            },
+            "span more than a float can scale",
+        ),
+        (
+            {
+                "kind": "linreg",
+                "columns": (0,),
+                "lower": (0.0,),
+                "upper": (1.0,),
+                "target_column": 1,
+                "target_lower": -1e308,
+                "target_upper": 1e308,
+            },
+            "linreg: target: bounds",
+        ),
+        (
             {
                 "kind": "stats",
                 "columns": (-1,),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fedpca.codec import slot_value_bound
 from fedpca.dp.calibration import zcdp_epsilon, zcdp_noise_multiplier
-from fedpca.dp.noise import TestOnlySeededSampler
+from fedpca.dp.noise import MAX_NOISE_BOUND, TestOnlySeededSampler, vector_noise
 from fedpca.errors import ConfigError, EncodingOverflowError
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.masked_release import (
@@ -385,3 +385,24 @@ def test_masked_owner_blocks_repeat_each_sum_as_the_same_integer() -> None:
             assert windows[t, s] == expected
     # Each of the 40 rows is truncated by less than 2^-16 per coordinate.
     assert np.all(np.abs(singles / 2.0**32 - rows.sum(axis=0)) <= 40 * 2.0**-16)
+
+
+@pytest.mark.parametrize("mode", [{}, MASKED])
+def test_noise_the_sampler_cannot_draw_is_refused_at_planning(mode: dict[str, object]) -> None:
+    # A small epsilon at many fraction bits needs noise beyond the sampler's 2^62. The
+    # plan (built by the proxy on submission and by every owner before charging) must
+    # refuse it: found at the draw, after the uploads, it was charged for no release.
+    query = spec(epsilon=0.001, frac_bits=48, max_records_per_owner=1000, **mode)
+    with pytest.raises(EncodingOverflowError, match="noise sampler"):
+        ReleasePlan.for_query(query, 2048)
+    # The same query at fewer fraction bits plans, and its noise can be drawn.
+    plan = ReleasePlan.for_query(spec(epsilon=0.001, frac_bits=30, **mode), 2048)
+    assert plan.bounds.noise_headroom <= MAX_NOISE_BOUND
+    for section in plan.sections:
+        vector_noise(8, section.sigma_int, sampler=TestOnlySeededSampler(1))
+
+
+def test_feature_bounds_whose_span_overflows_are_refused_with_the_query() -> None:
+    with pytest.raises(ConfigError, match=r"feature 0: bounds .* span more than a float"):
+        spec(feature_lower=(-1e308,) * 6, feature_upper=(1e308,) * 6)
+    spec(feature_lower=(-1e307,) * 6, feature_upper=(1e307,) * 6)

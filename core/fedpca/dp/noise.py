@@ -27,6 +27,7 @@ from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle_le
 from fedpca.errors import ConfigError, EncodingOverflowError
 
 __all__ = [
+    "MAX_NOISE_BOUND",
     "DiscreteGaussianSampler",
     "NoiseSampler",
     "TestOnlySeededSampler",
@@ -43,7 +44,8 @@ IntArray = NDArray[np.int64]
 
 # OpenDP's i64 addition saturates at the type's limits instead of failing; refusing
 # any bound above 2^62 keeps every draw far from that edge.
-_MAX_SUPPORTED_BOUND = 1 << 62
+MAX_NOISE_BOUND = 1 << 62
+"""Largest noise bound (headroom) the sampler accepts; plans refuse a larger one up front."""
 
 
 @runtime_checkable
@@ -240,7 +242,7 @@ def vector_noise(
         logger.warning("sigma_int = 0: adding no noise, the release is NOT PRIVATE")
         return np.zeros(size, dtype=np.int64)
     limit = noise_headroom(sigma_int) if bound is None else bound
-    if limit > _MAX_SUPPORTED_BOUND:
+    if limit > MAX_NOISE_BOUND:
         raise EncodingOverflowError(
             f"noise bound {limit} for sigma_int={sigma_int!r} exceeds 2^62, the range the "
             "64-bit sampler supports; use fewer frac_bits"
