@@ -1,10 +1,13 @@
 """Loading an owner's table: CSV (with or without header), ``.npy`` and Parquet.
 
 Every failure is a :class:`~fedpca.errors.DataError` that names the file and,
-when it is about one cell, the row and column as the owner sees them in the
-file (1-based; for CSV the row is the physical line number, so a header is
-line 1).  Nothing is repaired silently: a statistic computed over a table that
-was half-understood would still be released under the owner's budget.
+when it is about one cell, where it is. Columns are counted from 0, like
+``data.label_column``, ``data.n_columns`` and ``policy.allowed_columns`` in an
+owner's configuration, and the message says "(0-based)"; a CSV row is named by its
+physical line number, as an editor shows it (from 1, a header is line 1), and a row
+of a ``.npy`` or Parquet file by its 0-based index.  Nothing is repaired silently: a
+statistic computed over a table that was half-understood would still be released
+under the owner's budget.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def _resolve_label_column(
         return stripped.index(label_column)
     if not -n_columns <= label_column < n_columns:
         raise DataError(
-            f"{path}: label column {label_column} is out of range for {n_columns} columns"
+            f"{path}: label column {label_column} (0-based) is out of range for {n_columns} "
+            f"columns (0 to {n_columns - 1}, or -1 to -{n_columns} from the end)"
         )
     return label_column % n_columns
 
@@ -230,9 +234,9 @@ def _read_csv_checked(
                 if header_here is None:
                     bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                     raise DataError(
-                        f"{path}: line {line} mixes numbers and text (column {bad + 1}: "
-                        f"{cells[bad]!r}); cannot tell whether it is a header: say which (header = "
-                        "true or false under [data] in owner.toml, --header yes|no for "
+                        f"{path}: line {line} mixes numbers and text (column {bad}, 0-based, "
+                        f"is {cells[bad]!r}); cannot tell whether it is a header: say which "
+                        "(header = true or false under [data] in owner.toml, --header yes|no for "
                         "`fedpca owner init`, header=True or False in Python)"
                         + _separator_hint(cells, delimiter)
                     )
@@ -250,13 +254,14 @@ def _read_csv_checked(
             except ValueError:
                 bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                 raise DataError(
-                    f"{path}: line {line}, column {bad + 1}: {cells[bad]!r} is not a number"
+                    f"{path}: line {line}, column {bad} (0-based): {cells[bad]!r} is not a number"
                     + _separator_hint(cells, delimiter)
                 ) from None
             if not all(math.isfinite(value) for value in values):
                 bad = next(j for j, value in enumerate(values) if not math.isfinite(value))
                 raise DataError(
-                    f"{path}: line {line}, column {bad + 1}: {cells[bad].strip()!r} is not finite"
+                    f"{path}: line {line}, column {bad} (0-based): {cells[bad].strip()!r} "
+                    "is not finite"
                 )
             rows.append(values)
     if first:
@@ -270,7 +275,7 @@ def _check_finite(table: FloatArray, path: Path) -> None:
     bad = np.argwhere(~np.isfinite(table))
     if bad.size:
         r, j = bad[0]
-        raise DataError(f"{path}: row {r + 1}, column {j + 1}: {table[r, j]} is not finite")
+        raise DataError(f"{path}: row {r}, column {j} (both 0-based): {table[r, j]} is not finite")
 
 
 def _load_npy(path: Path) -> FloatArray:
@@ -322,11 +327,13 @@ def _load_parquet(path: Path) -> tuple[FloatArray, list[str]]:
         if not (
             pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
         ):
-            raise DataError(f"{path}: column {j + 1} ({name!r}) has non-numeric type {kind}")
+            raise DataError(
+                f"{path}: column {j} (0-based, named {name!r}) has non-numeric type {kind}"
+            )
         if column.null_count:
             mask = column.is_null().to_numpy(zero_copy_only=False)
             r = int(np.flatnonzero(mask)[0])
-            raise DataError(f"{path}: row {r + 1}, column {j + 1} ({name!r}) is null")
+            raise DataError(f"{path}: row {r}, column {j} (both 0-based; {name!r}) is null")
         columns.append(np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64))
     table = np.column_stack(columns).reshape(arrow_table.num_rows, len(names))
     _check_finite(table, path)
@@ -378,7 +385,8 @@ def load_table(
     DataError
         Missing or empty file, wrong column count, non-numeric / NaN / inf cells,
         or a feature count different from ``n_features``.  The message names the
-        file and, for a single cell, its 1-based row (CSV: line) and column.
+        file and, for a single cell, its 0-based column and its row (a CSV file's
+        line number, from 1; a 0-based row index otherwise).
     """
     file = Path(path)
     if not file.is_file():

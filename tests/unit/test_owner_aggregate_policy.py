@@ -157,7 +157,7 @@ def test_columns_a_query_reads_must_be_allowed(test_only_keypair_512: tuple[Any,
     missing = Aggregate.statistics((7,), (0.0,), (1.0,))
     _refusal(
         check_task(_task(_aggregate_query(public_key, missing)), _config(public_key), table),
-        "query 'q1' reads column 7; this owner's data has 4 columns (0-based)",
+        "query 'q1' reads column 7 (0-based); this owner's data has 4 columns (0 to 3)",
     )
 
 

@@ -45,7 +45,8 @@ class TestCsv:
         np.testing.assert_array_equal(y, [3, 6])
         x, y = load_table(path, label_column=1)
         np.testing.assert_array_equal(x, [[1, 3], [4, 6]])
-        with pytest.raises(DataError, match="label column 3 is out of range for 3 columns"):
+        out_of_range = r"label column 3 \(0-based\) is out of range for 3 columns \(0 to 2,"
+        with pytest.raises(DataError, match=out_of_range):
             load_table(path, label_column=3)
         with pytest.raises(DataError, match="by name, but no header"):
             load_table(path, label_column="y")
@@ -55,7 +56,9 @@ class TestCsv:
         x, _ = load_table(path, header=True)
         np.testing.assert_array_equal(x, [[3, 4]])
         text = _write(tmp_path, "a,b\n3,4\n", "text.csv")
-        with pytest.raises(DataError, match=r"text\.csv: line 1, column 1: 'a' is not a number"):
+        with pytest.raises(
+            DataError, match=r"text\.csv: line 1, column 0 \(0-based\): 'a' is not a number"
+        ):
             load_table(text, header=False)
 
     def test_mixed_first_line_is_not_guessed(self, tmp_path: Path) -> None:
@@ -68,6 +71,24 @@ class TestCsv:
         x, _ = load_table(path, header=True)
         np.testing.assert_array_equal(x, [[0, 3, 4]])
 
+    def test_a_column_in_a_message_is_the_0_based_index_the_configuration_uses(
+        self, tmp_path: Path
+    ) -> None:
+        """A new operator's review: these messages counted columns from 1, while
+        data.label_column, data.n_columns and policy.allowed_columns count from 0."""
+        path = _write(tmp_path, "a,b,c,d\n1,2,3,4\n5,6,seven,8\n")
+        with pytest.raises(DataError) as refused:
+            load_table(path)
+        assert "line 3, column 2 (0-based): 'seven' is not a number" in str(refused.value)
+        # The same number, as data.label_column, names that very column.
+        _, labels = load_table(_write(tmp_path, "a,b,c,d\n1,2,3,4\n", "ok.csv"), label_column=2)
+        assert labels is not None and labels.tolist() == [3.0]
+        mixed = _write(tmp_path, "1,2,y\n3,4,5\n", "mixed.csv")
+        with pytest.raises(
+            DataError, match=r"mixes numbers and text \(column 2, 0-based, is 'y'\)"
+        ):
+            load_table(mixed)
+
     def test_wrong_column_count_names_file_and_line(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "a,b,c\n1,2,3\n4,5\n")
         with pytest.raises(DataError, match=r"owner\.csv: line 3 has 2 columns, expected 3"):
@@ -76,16 +97,18 @@ class TestCsv:
     def test_non_numeric_cell_names_line_and_column(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "1,2,3\n\n4,x5,6\n")
         # The blank line still counts: the error is on physical line 3.
-        with pytest.raises(DataError, match=r"line 3, column 2: 'x5' is not a number"):
+        with pytest.raises(DataError, match=r"line 3, column 1 \(0-based\): 'x5' is not a number"):
             load_table(path)
         empty_cell = _write(tmp_path, "1,2,3\n4,,6\n", "empty_cell.csv")
-        with pytest.raises(DataError, match=r"line 2, column 2: '' is not a number"):
+        with pytest.raises(DataError, match=r"line 2, column 1 \(0-based\): '' is not a number"):
             load_table(empty_cell)
 
     @pytest.mark.parametrize("bad", ["nan", "NaN", "inf", "-Infinity"])
     def test_nan_and_inf_are_refused(self, tmp_path: Path, bad: str) -> None:
         path = _write(tmp_path, f"1,2,3\n4,5,6\n7,8,{bad}\n")
-        with pytest.raises(DataError, match=rf"line 3, column 3: '{bad}' is not finite"):
+        with pytest.raises(
+            DataError, match=rf"line 3, column 2 \(0-based\): '{bad}' is not finite"
+        ):
             load_table(path)
 
     def test_empty_and_header_only(self, tmp_path: Path) -> None:
@@ -101,7 +124,7 @@ class TestCsv:
         semicolons = "1;2.5;3\n-1;4;0.5\n"
         with pytest.raises(
             DataError,
-            match=r"line 1, column 1: .* is not a number \(the "
+            match=r"line 1, column 0 \(0-based\): .* is not a number \(the "
             r"line looks semicolon-separated, but this file is read as "
             r"comma-separated",
         ):
@@ -174,7 +197,9 @@ class TestNpy:
         bad = np.zeros((3, 2))
         bad[2, 1] = np.nan
         np.save(tmp_path / "nan.npy", bad)
-        with pytest.raises(DataError, match=r"nan\.npy: row 3, column 2: nan is not finite"):
+        with pytest.raises(
+            DataError, match=r"nan\.npy: row 2, column 1 \(both 0-based\): nan is not finite"
+        ):
             load_table(tmp_path / "nan.npy")
         np.save(tmp_path / "str.npy", np.array([["a", "b"]]))
         with pytest.raises(DataError, match="not numeric"):
@@ -197,13 +222,17 @@ class TestParquet:
 
     def test_null_and_text_columns(self, tmp_path: Path) -> None:
         pq.write_table(pa.table({"a": [1.0, None, 3.0], "b": [1, 2, 3]}), tmp_path / "n.parquet")
-        with pytest.raises(DataError, match=r"n\.parquet: row 2, column 1 \('a'\) is null"):
+        with pytest.raises(
+            DataError, match=r"n\.parquet: row 1, column 0 \(both 0-based; 'a'\) is null"
+        ):
             load_table(tmp_path / "n.parquet")
         pq.write_table(pa.table({"a": [1.0], "b": ["x"]}), tmp_path / "s.parquet")
-        with pytest.raises(DataError, match=r"column 2 \('b'\) has non-numeric type"):
+        with pytest.raises(
+            DataError, match=r"column 1 \(0-based, named 'b'\) has non-numeric type"
+        ):
             load_table(tmp_path / "s.parquet")
         pq.write_table(pa.table({"a": [1.0, float("inf")]}), tmp_path / "i.parquet")
-        with pytest.raises(DataError, match="row 2, column 1: inf is not finite"):
+        with pytest.raises(DataError, match=r"row 1, column 0 \(both 0-based\): inf is not finite"):
             load_table(tmp_path / "i.parquet")
 
 

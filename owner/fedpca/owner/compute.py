@@ -155,8 +155,8 @@ class LocalTable:
             k = self.n_columns
             if not -k <= self.label_column < k:
                 raise ConfigError(
-                    f"{self.source}: data.label_column = {self.label_column} is out of range "
-                    f"for {k} columns"
+                    f"{self.source}: data.label_column = {self.label_column} (0-based) is out "
+                    f"of range for {k} columns (0 to {k - 1}, or -1 to -{k} from the end)"
                 )
             object.__setattr__(self, "label_column", self.label_column % k)
             labels = self.columns[:, self.label_column]
@@ -228,8 +228,8 @@ class LocalTable:
             missing = [c for c in spec.aggregate_columns if c >= self.n_columns]
             if missing:
                 raise PolicyError(
-                    f"query {spec.query_id!r} reads column {missing[0]}; this owner's data has "
-                    f"{self.n_columns} columns (0-based)"
+                    f"query {spec.query_id!r} reads column {missing[0]} (0-based); this "
+                    f"owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
                 )
             return QueryColumns(self.columns, tuple(spec.aggregate_columns), None)
         if spec.kind is QueryKind.DCA:
@@ -241,15 +241,15 @@ class LocalTable:
                 )
             if not 0 <= label < self.n_columns:
                 raise PolicyError(
-                    f"query {spec.query_id!r} reads labels from column {label}; this owner's "
-                    f"data has {self.n_columns} columns"
+                    f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
+                    f"owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
                 )
             if self.label_column is not None and label != self.label_column:
                 # Using the configured label column as a feature would release labels
                 # the owner declared as such under a feature's bounds.
                 raise PolicyError(
-                    f"query {spec.query_id!r} reads labels from column {label}; this owner's "
-                    f"labels are in column {self.label_column}"
+                    f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
+                    f"owner's labels are in column {self.label_column}"
                 )
         else:
             label = self.label_column

@@ -15,7 +15,7 @@ config can be moved together with its certificates and data)::
     [data]
     path = "data/owner-1.csv"            # CSV (header auto-detected), .npy or .parquet
     header = "auto"                      # "auto" | true | false
-    label_column = 0                     # optional; dropped for PCA, used for DCA
+    label_column = 0                     # optional, 0-based; dropped for PCA, used for DCA
     max_records = 4096                   # public capacity: queries use at most this many rows
     enforce_max_records = false          # true: refuse to start with more rows (no sampling)
     n_columns = 35                       # columns of a CSV without a header row (label included)

@@ -87,7 +87,9 @@ def render_owner_config(
         f"header = {toml_value(header_value)}",
     ]
     if label_column is not None:
-        lines.append(f"label_column = {label_column}   # dropped for PCA, the class for DCA")
+        lines.append(
+            f"label_column = {label_column}   # 0-based; dropped for PCA, the class for DCA"
+        )
     if n_columns is not None:
         lines.append(
             f"n_columns = {n_columns}   # the file's columns, label included: a CSV export "
@@ -277,7 +279,11 @@ def _split(values: tuple[str, ...]) -> list[str]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The owner's table (CSV, .npy, Parquet) as the node will read it.",
 )
-@click.option("--label-column", type=int, help="Column of the class label (DCA) [none].")
+@click.option(
+    "--label-column",
+    type=int,
+    help="0-based column of the class label (DCA; negative counts from the end) [none].",
+)
 @click.option(
     "--header",
     type=click.Choice(["auto", "yes", "no"]),
