@@ -26,6 +26,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from fedpca.errors import ConfigError
+from fedpca.transport.ports import bind_error
 
 __all__ = ["Check", "MonitoringServer", "parse_listen"]
 
@@ -74,12 +75,21 @@ class MonitoringServer:
     listen : ``host:port`` to bind (port 0: any free port, see :attr:`port`).
     registry : the node's Prometheus registry.
     live, ready : the liveness and readiness checks.
+    setting : what an operator changes to move the port (named when it cannot be bound).
     """
 
     def __init__(
-        self, listen: str, registry: CollectorRegistry, *, live: Check, ready: Check
+        self,
+        listen: str,
+        registry: CollectorRegistry,
+        *,
+        live: Check,
+        ready: Check,
+        setting: str = "monitoring.listen (or --monitoring-listen)",
     ) -> None:
         self.host, self.requested_port = parse_listen(listen, "monitoring.listen")
+        self._listen = listen
+        self._setting = setting
         self._metrics = make_wsgi_app(registry)
         self._checks: Mapping[str, Check] = {"/healthz": live, "/readyz": ready}
         self._server: WSGIServer | None = None
@@ -128,10 +138,7 @@ class MonitoringServer:
                 handler_class=_QuietHandler,
             )
         except OSError as exc:
-            raise ConfigError(
-                f"monitoring.listen: cannot bind {self.host}:{self.requested_port}: "
-                f"{exc.strerror or exc}"
-            ) from exc
+            raise bind_error(self._listen, self._setting, exc) from exc
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever, name="fedpca-monitoring", daemon=True

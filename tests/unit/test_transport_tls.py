@@ -323,7 +323,7 @@ def test_port_in_use_is_a_config_error(pki: dict[str, TlsMaterial]) -> None:
     server, port = _serve(pki["proxy"])
     try:
         other = sync_test_server(max_workers=1)
-        with pytest.raises(ConfigError, match=f"cannot bind 127.0.0.1:{port}"):
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: port {port} is already in use"):
             channels.add_secure_port(other, f"127.0.0.1:{port}", pki["proxy"])
     finally:
         server.stop(grace=None)

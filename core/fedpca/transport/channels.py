@@ -32,6 +32,7 @@ import grpc
 
 from fedpca.errors import ConfigError
 from fedpca.transport.certs import TlsMaterial, validate_node_id
+from fedpca.transport.ports import bind_error, check_bindable
 
 logger = logging.getLogger(__name__)
 
@@ -198,15 +199,22 @@ def create_async_server(
     )
 
 
-def add_secure_port(server: grpc.Server | grpc.aio.Server, address: str, tls: TlsMaterial) -> int:
+def add_secure_port(
+    server: grpc.Server | grpc.aio.Server,
+    address: str,
+    tls: TlsMaterial,
+    *,
+    setting: str = "the listening address",
+) -> int:
     """Bind ``address`` with mutual TLS; return the bound port (useful with port 0).
 
     Raises
     ------
     ConfigError
-        If the address cannot be bound.
+        If the address cannot be bound: one line saying why (a port in use is named as
+        such) and naming ``setting``, what the operator changes (e.g. a config key).
     """
-    port = _bind(address, lambda: server.add_secure_port(address, server_credentials(tls)))
+    port = _bind(address, lambda: server.add_secure_port(address, server_credentials(tls)), setting)
     logger.info("listening on %s with mutual TLS as %s", address, tls.identity)
     return port
 
@@ -293,22 +301,30 @@ def insecure_channel(
     return grpc.intercept_channel(channel, _NodeIdInterceptor(node_id))
 
 
-def add_insecure_port(server: grpc.Server | grpc.aio.Server, address: str) -> int:
+def add_insecure_port(
+    server: grpc.Server | grpc.aio.Server,
+    address: str,
+    *,
+    setting: str = "the listening address",
+) -> int:
     """Bind ``address`` without TLS. NOT for deployments; logs a WARNING every time.
 
     Servicers cannot identify callers on such a port:
     :func:`fedpca.transport.certs.identity_from_context` raises AuthenticationError.
     """
     logger.warning("INSECURE port %s: no TLS, callers cannot be authenticated", address)
-    return _bind(address, lambda: server.add_insecure_port(address))
+    return _bind(address, lambda: server.add_insecure_port(address), setting)
 
 
-def _bind(address: str, add_port: Callable[[], int]) -> int:
+def _bind(address: str, add_port: Callable[[], int], setting: str) -> int:
+    # gRPC says neither why a bind failed nor which setting to change, and prints a
+    # C-core error line of its own: a port in use is found first, with its reason.
+    check_bindable(address, setting)
     # Depending on the version, grpc reports a failed bind as port 0 or RuntimeError.
     try:
         port = add_port()
     except RuntimeError as exc:
-        raise ConfigError(f"cannot bind {address}: {exc}") from exc
+        raise bind_error(address, setting) from exc
     if port == 0:
-        raise ConfigError(f"cannot bind {address} (in use or not a local address?)")
+        raise bind_error(address, setting)
     return port

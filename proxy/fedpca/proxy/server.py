@@ -261,11 +261,11 @@ class ProxyServer:
         )
         for service in ("", *HEALTH_SERVICES):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        listen = config.proxy.listen
+        listen, setting = config.proxy.listen, "proxy.listen (or --listen)"
         if tls is None:
-            port = channels.add_insecure_port(server, listen)
+            port = channels.add_insecure_port(server, listen, setting=setting)
         else:
-            port = channels.add_secure_port(server, listen, tls)
+            port = channels.add_secure_port(server, listen, tls, setting=setting)
         await server.start()
         self._server = server
         return port
