@@ -1,20 +1,29 @@
-"""Writing a file so that a crash leaves either the old file or the whole new one.
+"""Writing a file so that a crash leaves either the old file or the whole new one, and
+undoing what a failed command created.
 
-Used for key and certificate files and the owners' kept shares: the file is written
-to a temporary file in the same folder (created with mode 0600, so private material is
-never readable by others), flushed to disk, given its final mode, renamed into place,
-and the folder is flushed so that the rename itself survives a power loss.
+:func:`write_atomically` is used for key and certificate files and the owners' kept
+shares: the file is written to a temporary file in the same folder (created with mode
+0600, so private material is never readable by others), flushed to disk, given its
+final mode, renamed into place, and the folder is flushed so that the rename itself
+survives a power loss.
+
+:func:`undone_on_failure` is used by the ``init`` commands: a run that fails half-way
+removes what it created and puts back the files it replaced, so the command can simply
+be run again.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["write_atomically"]
+__all__ = ["undone_on_failure", "write_atomically"]
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int) -> None:
@@ -44,3 +53,78 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int)
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` (or ``path`` itself) that does not exist yet."""
+    missing = None
+    for candidate in (path, *path.parents):
+        if candidate.exists() or candidate.is_symlink():
+            break
+        missing = candidate
+    return missing
+
+
+def _entries(root: Path) -> set[Path]:
+    """``root`` and everything under it (symbolic links are not followed)."""
+    found = {root}
+    for folder, folders, files in os.walk(root):
+        found.update(Path(folder, name) for name in (*folders, *files))
+    return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def undone_on_failure(roots: Iterable[Path], replaced: Iterable[Path] = ()) -> Iterator[None]:
+    """Undo, if the body raises, what it created under ``roots`` and its replacements.
+
+    Parameters
+    ----------
+    roots : folders the body may create or write into. A root that does not exist
+        yet is removed on failure with the folders made for it; under one that
+        exists, only what did not exist before is removed.
+    replaced : files the body may overwrite (a configuration, TLS files): those that
+        exist are read now and, on failure, written back with their permissions.
+
+    Nothing that existed before is removed. The exception is raised again.
+    """
+    created: list[Path] = []
+    before: dict[Path, set[Path]] = {}
+    for root in roots:
+        absolute = Path(os.path.abspath(root))
+        missing = _first_missing(absolute)
+        if missing is not None:
+            created.append(missing)
+        elif absolute.is_dir():
+            before[absolute] = _entries(absolute)
+    kept: dict[Path, tuple[bytes, int]] = {}
+    for path in replaced:
+        absolute = Path(os.path.abspath(path))
+        if absolute.is_file() and not absolute.is_symlink():
+            kept[absolute] = (absolute.read_bytes(), stat.S_IMODE(absolute.stat().st_mode))
+    try:
+        yield
+    except BaseException:
+        for path in created:
+            _remove(path)
+        for root, entries in before.items():
+            # Outermost first: a new folder goes with everything in it.
+            for path in sorted(_entries(root) - entries, key=lambda p: len(p.parts)):
+                if path.exists() or path.is_symlink():
+                    _remove(path)
+        for path, (content, mode) in kept.items():
+            if path.is_file() and path.read_bytes() == content:
+                os.chmod(path, mode)
+            else:
+                write_atomically(path, _writer(content), mode)
+        raise
+
+
+def _writer(content: bytes) -> Callable[[BinaryIO], object]:
+    return lambda handle: handle.write(content)

@@ -16,7 +16,7 @@ from fedpca.analyst.config import AnalystConfig, load_config
 from fedpca.analyst.keys import AnalystKeyFiles
 from fedpca.errors import ConfigError, FedpcaError
 from fedpca.toml_config import toml_value
-from fedpca.transport.bundle import TLS_DIR, config_path, prepare_folder
+from fedpca.transport.bundle import TLS_DIR, config_path, writing_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles
 from fedpca.transport.tls_options import tls_file_options
 
@@ -41,11 +41,10 @@ def write_analyst_folder(
     Raises
     ------
     ConfigError
-        An existing folder without ``force``, or TLS files that are missing or not
-        this analyst's.
+        An existing folder without ``force``, TLS files that are missing or not this
+        analyst's, or values the analyst's loader refuses. What the call wrote is then
+        undone (:func:`~fedpca.transport.bundle.writing_folder`).
     """
-    folder = prepare_folder(out, CONFIG_NAME, force=force)
-    folder.install_tls(NodeIdentity(Role.ANALYST, analyst_id), certs=certs, files=tls_files)
     lines = [
         "# fedpca analyst, written by `fedpca analyst init`; flags override it.",
         f"proxy = {toml_value(proxy)}",
@@ -60,9 +59,11 @@ def write_analyst_folder(
         f"cert = {toml_value(f'{TLS_DIR}/cert.pem')}",
         f"key = {toml_value(f'{TLS_DIR}/key.pem')}",
     ]
-    path = out / CONFIG_NAME
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return load_config(path)
+    with writing_folder(out, CONFIG_NAME, force=force) as folder:
+        folder.install_tls(NodeIdentity(Role.ANALYST, analyst_id), certs=certs, files=tls_files)
+        path = out / CONFIG_NAME
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return load_config(path)
 
 
 @click.command("init")

@@ -17,10 +17,13 @@ directory (never the CA key), or of files named one by one.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedpca.errors import ConfigError
+from fedpca.files import undone_on_failure
 from fedpca.transport.certs import (
     CertificateDirectory,
     NodeIdentity,
@@ -32,7 +35,7 @@ from fedpca.transport.certs import (
     write_private_key,
 )
 
-__all__ = ["NodeFolder", "config_path", "prepare_folder"]
+__all__ = ["NodeFolder", "config_path", "prepare_folder", "writing_folder"]
 
 TLS_DIR = "tls"
 STATE_DIR = "state"
@@ -126,6 +129,24 @@ def prepare_folder(root: Path, config_name: str, *, force: bool) -> NodeFolder:
         )
     root.mkdir(parents=True, exist_ok=True)
     return NodeFolder(root)
+
+
+@contextmanager
+def writing_folder(
+    root: Path, config_name: str, *, force: bool, also: Iterable[Path] = ()
+) -> Iterator[NodeFolder]:
+    """:func:`prepare_folder`, with everything the body writes undone if it raises.
+
+    A failed ``init`` (TLS files of another node, a value the role's loader refuses)
+    removes what it created, ``root`` itself included when it did not exist, and puts
+    back the configuration and TLS files it replaced (``--force``), so that the command
+    can be run again as it is; nothing that existed before is removed. ``also``: other
+    folders the body writes into (an owner's ``--state-dir``).
+    """
+    tls = NodeFolder(root).tls
+    replaced = (root / config_name, tls.ca_certificate, tls.certificate, tls.private_key)
+    with undone_on_failure((root, *also), replaced):
+        yield prepare_folder(root, config_name, force=force)
 
 
 def config_path(path: Path, config_dir: Path) -> str:

@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedpca.errors import AuthenticationError, ConfigError, KeyFileError
-from fedpca.files import write_atomically
+from fedpca.files import undone_on_failure, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -589,6 +589,8 @@ def init_certificates(
     ------
     ConfigError
         A CA already exists under ``out`` (and not ``force``), or ids repeat / are invalid.
+        Whatever fails once writing began (a proxy host name that is refused, say) undoes
+        what this call wrote and puts back the files it replaced.
     """
     layout = CertificateDirectory(Path(out))
     if layout.ca_key.exists() and not force:
@@ -603,14 +605,19 @@ def init_certificates(
         if identity in seen:
             raise ConfigError(f"node {identity} listed twice")
         seen.add(identity)
-    ca = create_ca()
-    write_private_key(layout.ca_key, ca.key)
-    write_certificate(layout.ca_certificate, ca.certificate)
-    os.chmod(layout.ca_key.parent, 0o700)
-    written: dict[NodeIdentity, TlsFiles] = {}
+    replaced = [layout.ca_key, layout.ca_certificate]
     for identity in identities:
-        hosts = proxy_hosts if identity.role is Role.PROXY else None
-        node = issue_node_certificate(ca, identity, hosts=hosts, valid_days=valid_days)
-        written[identity] = layout.write_node(node)
-        logger.info("issued certificate for %s", identity)
+        files = layout.node_files(identity)
+        replaced += [files.certificate, files.private_key]
+    with undone_on_failure([layout.root], replaced):
+        ca = create_ca()
+        write_private_key(layout.ca_key, ca.key)
+        write_certificate(layout.ca_certificate, ca.certificate)
+        os.chmod(layout.ca_key.parent, 0o700)
+        written: dict[NodeIdentity, TlsFiles] = {}
+        for identity in identities:
+            hosts = proxy_hosts if identity.role is Role.PROXY else None
+            node = issue_node_certificate(ca, identity, hosts=hosts, valid_days=valid_days)
+            written[identity] = layout.write_node(node)
+            logger.info("issued certificate for %s", identity)
     return written

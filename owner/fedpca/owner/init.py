@@ -28,7 +28,7 @@ from fedpca.owner.config import (
 from fedpca.owner.ledger import owner_ledger
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
-from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, prepare_folder
+from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, writing_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
 from fedpca.transport.tls_options import tls_file_options
 
@@ -185,7 +185,8 @@ def write_owner_folder(
     ConfigError
         A missing ``max_records`` (the table's size is shown, no value suggested), no
         pinned key or signer, TLS files that are missing or not this owner's, an existing folder
-        without ``force``, or values the owner's loader refuses.
+        without ``force``, or values the owner's loader refuses. What the call wrote is
+        then undone (:func:`~fedpca.transport.bundle.writing_folder`).
     DataError
         The data file exists but cannot be read as a table.
     """
@@ -212,11 +213,6 @@ def write_owner_folder(
             "pin the analyst: --analyst-key sha256:... and --analyst-signer ed25519:... "
             "(both printed by `fedpca analyst keygen`)"
         )
-    folder = prepare_folder(out, CONFIG_NAME, force=force)
-    folder.install_tls(NodeIdentity(Role.OWNER, owner_id), certs=certs, files=tls_files)
-    state = folder.state if state_dir is None else state_dir
-    if state_dir is None:
-        folder.make_state()
     text = render_owner_config(
         owner_id=owner_id,
         proxy=proxy,
@@ -235,7 +231,7 @@ def write_owner_folder(
         max_tasks_per_day=max_tasks_per_day,
         budget_epsilon=budget_epsilon,
         budget_delta=budget_delta,
-        state_dir=STATE_DIR if state_dir is None else config_path(state, out),
+        state_dir=STATE_DIR if state_dir is None else config_path(state_dir, out),
         monitoring_listen=monitoring_listen,
         # Declared for text and .npy files: without records their export may carry no
         # width (an empty file, an array of shape (0,)); a Parquet schema always does.
@@ -245,12 +241,17 @@ def write_owner_folder(
             else None
         ),
     )
-    path = out / CONFIG_NAME
-    path.write_text(text, encoding="utf-8")
-    config = load_config(path)
-    # Made here, so that `owner serve` may refuse to start on a ledger that does not
-    # exist: a wrong state_dir would otherwise start this owner's budget again at zero.
-    owner_ledger(config)
+    also = () if state_dir is None else (state_dir,)
+    with writing_folder(out, CONFIG_NAME, force=force, also=also) as folder:
+        folder.install_tls(NodeIdentity(Role.OWNER, owner_id), certs=certs, files=tls_files)
+        if state_dir is None:
+            folder.make_state()
+        path = out / CONFIG_NAME
+        path.write_text(text, encoding="utf-8")
+        config = load_config(path)
+        # Made here, so that `owner serve` may refuse to start on a ledger that does not
+        # exist: a wrong state_dir would otherwise start this owner's budget again at zero.
+        owner_ledger(config)
     return config, facts
 
 

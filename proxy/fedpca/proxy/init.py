@@ -20,7 +20,7 @@ from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
-from fedpca.transport.bundle import STATE_DIR, TLS_DIR, prepare_folder
+from fedpca.transport.bundle import STATE_DIR, TLS_DIR, writing_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
 from fedpca.transport.tls_options import tls_file_options
 
@@ -124,35 +124,36 @@ def write_proxy_folder(
     ------
     ConfigError
         No owners, an existing folder without ``force``, TLS files that are missing or
-        not the proxy's, or values the proxy's loader refuses (named by key).
+        not the proxy's, or values the proxy's loader refuses (named by key). What the
+        call wrote is then undone (:func:`~fedpca.transport.bundle.writing_folder`).
     """
     if not owners:
         raise ConfigError("--owners: list the owner ids this proxy accepts (a,b,c)")
-    folder = prepare_folder(out, CONFIG_NAME, force=force)
-    folder.install_tls(NodeIdentity(Role.PROXY, proxy_id), certs=certs, files=tls_files)
-    folder.make_state()
-    text = render_proxy_config(
-        proxy_id=proxy_id,
-        listen=listen,
-        owners=owners,
-        neighbouring=neighbouring,
-        budget_epsilon=budget_epsilon,
-        budget_delta=budget_delta,
-        analyst_budgets=analyst_budgets or [],
-        max_delta_per_query=max_delta_per_query,
-        monitoring_listen=monitoring_listen,
-    )
-    path = out / CONFIG_NAME
-    path.write_text(text, encoding="utf-8")
-    config = load_config(path)
-    if not config.proxy.database.exists():
-        # Made here, so that `proxy serve` may refuse to start on a database that does
-        # not exist: a wrong path would otherwise start every analyst's budget at zero.
-        ProxyStore(
-            config.proxy.database,
-            neighbouring=config.privacy.neighbouring,
-            announce_creation=False,
-        ).close()
+    with writing_folder(out, CONFIG_NAME, force=force) as folder:
+        folder.install_tls(NodeIdentity(Role.PROXY, proxy_id), certs=certs, files=tls_files)
+        folder.make_state()
+        text = render_proxy_config(
+            proxy_id=proxy_id,
+            listen=listen,
+            owners=owners,
+            neighbouring=neighbouring,
+            budget_epsilon=budget_epsilon,
+            budget_delta=budget_delta,
+            analyst_budgets=analyst_budgets or [],
+            max_delta_per_query=max_delta_per_query,
+            monitoring_listen=monitoring_listen,
+        )
+        path = out / CONFIG_NAME
+        path.write_text(text, encoding="utf-8")
+        config = load_config(path)
+        if not config.proxy.database.exists():
+            # Made here, so that `proxy serve` may refuse to start on a database that does
+            # not exist: a wrong path would otherwise start every analyst's budget at zero.
+            ProxyStore(
+                config.proxy.database,
+                neighbouring=config.privacy.neighbouring,
+                announce_creation=False,
+            ).close()
     return config
 
 
