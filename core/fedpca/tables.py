@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from fedpca.errors import DataError
 
-__all__ = ["HeaderOption", "OwnerTable", "load_table"]
+__all__ = ["HeaderOption", "OwnerTable", "describe_columns", "load_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,20 @@ _UNDECLARED_WIDTH = (
 
 class _EmptyFile(DataError):
     """A text file without a single non-blank line: not even its width is known."""
+
+
+def describe_columns(n_columns: int, label_column: int | None) -> str:
+    """A table's layout in the words every owner message uses: columns are what the
+    file holds, features are the columns a PCA reads (the label column excluded).
+
+    ``label_column`` is the 0-based index (not negative), or None without a label column.
+    """
+    if label_column is None:
+        return f"{n_columns} columns, all features (no label column)"
+    return (
+        f"{n_columns} columns: {n_columns - 1} features and the label in column "
+        f"{label_column} (0-based)"
+    )
 
 
 def _is_number(cell: str) -> bool:
@@ -444,11 +458,14 @@ def load_table(
         raise DataError(f"{file}: the table has no columns")
     label_index = _resolve_label_column(label_column, table.shape[1], names, file)
     result = _split(table, label_index, n_features, file)
+    # Only the label column this call was told of is known here (an owner node loads
+    # every column and picks its label later): without one, columns, not features.
     logger.info(
-        "loaded %s: %d records, %d features%s",
+        "loaded %s: %d records, %s",
         file,
-        result.features.shape[0],
-        result.features.shape[1],
-        ", with labels" if result.labels is not None else "",
+        table.shape[0],
+        f"{table.shape[1]} columns"
+        if label_index is None
+        else describe_columns(table.shape[1], label_index),
     )
     return result

@@ -131,7 +131,9 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
 
     result = CliRunner().invoke(owner_group, [*args, "--max-records", "400"])
     assert result.exit_code == 0, result.output
-    assert "351 records, 4 features (label in column 0)" in result.output
+    assert "351 records, 5 columns: 4 features and the label in column 0 (0-based)" in (
+        result.output
+    )
     config = load_owner_config(out / "owner.toml")
     assert config.owner.id == "hospital-a" and config.owner.proxy == "proxy.test:50051"
     assert config.data.path == data and config.data.label_column == 0
@@ -256,7 +258,7 @@ def test_owner_probe_against_a_running_proxy(
             ["ok", "proxy"],
             ["ok", "enrolled"],
         ]
-        assert "3 features (label in column 0)" in ok.output
+        assert "4 columns: 3 features and the label in column 0 (0-based);" in ok.output
         # owner-2 has a valid certificate but is not on the proxy's allow-list.
         refused = CliRunner().invoke(owner_group, ["probe", "--config", str(folders["owner-2"])])
         assert refused.exit_code == 1

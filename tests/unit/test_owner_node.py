@@ -1046,6 +1046,28 @@ def test_a_new_empty_ledger_is_announced(
     assert "created a new" not in caplog.text
 
 
+def test_start_up_lines_count_columns_and_features_alike(
+    harness: Harness, pool: CryptoPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new operator's review: a node logged "loaded ...: 501 features" (every column
+    of the file, the label included) and then "table of 500 features": two counts of
+    features one apart. Columns are what the file holds; features exclude the label."""
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fedpca"):
+        OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    lines = [record.getMessage() for record in caplog.records]
+    loaded = next(line for line in lines if line.startswith("loaded "))
+    assert loaded.endswith(f": {N_ROWS} records, 4 columns")
+    ready = next(line for line in lines if " ready: " in line)
+    assert "ready: table of 4 columns: 3 features and the label in column 0 (0-based);" in ready
+    assert not any("4 features" in line for line in lines)
+    caplog.clear()
+    unlabelled = replace(harness.config, data=replace(harness.config.data, label_column=None))
+    with caplog.at_level("INFO", logger="fedpca"):
+        OwnerNode(unlabelled, pool=pool, retry=FAST_RETRY)
+    assert "ready: table of 4 columns, all features (no label column);" in caplog.text
+
+
 def test_cancellations_of_unknown_tasks_are_bounded_and_write_nothing(harness: Harness) -> None:
     """A proxy sent cancellations of made-up ids by the thousand: each was remembered
     for ever and opened a write transaction on the ledger."""

@@ -420,9 +420,12 @@ def init_command(
             fg="yellow",
         )
     else:
+        from fedpca.tables import describe_columns
+
         records, features = facts
-        label = "no label column" if label_column is None else f"label in column {label_column}"
-        click.echo(f"  data            {records} records, {features} features ({label})")
+        n_columns = features + (label_column is not None)
+        label = None if label_column is None else label_column % n_columns
+        click.echo(f"  data            {records} records, {describe_columns(n_columns, label)}")
         if records > config.data.max_records:
             click.echo(
                 f"                  queries use a uniform sample of {config.data.max_records}"

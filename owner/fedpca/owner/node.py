@@ -62,6 +62,7 @@ from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.owner.task_processing import TaskProcessing
 from fedpca.owner.upload import OutgoingUpload
+from fedpca.tables import describe_columns
 from fedpca.transport import serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.transport.channels import insecure_channel, secure_channel
@@ -170,13 +171,10 @@ class OwnerNode(TaskProcessing):
         self._worker: threading.Thread | None = None
         # The record count is a statistic of the data: logs carry the public capacity.
         logger.info(
-            "owner %s ready: table of %d features (%s), capacity %d records, budget "
+            "owner %s ready: table of %s; capacity %d records, budget "
             "epsilon=%g delta=%g under %s adjacency",
             config.owner.id,
-            self.table.n_features,
-            "no label column"
-            if self.table.label_column is None
-            else f"label in column {self.table.label_column} of {self.table.n_columns}",
+            describe_columns(self.table.n_columns, self.table.label_column),
             config.data.max_records,
             config.budget.epsilon,
             config.budget.delta,

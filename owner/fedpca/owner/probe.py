@@ -61,6 +61,7 @@ def probe_owner(
     does not restart a node that would wait for its proxy anyway."""
     from fedpca.owner.compute import LocalTable
     from fedpca.owner.config import load_config
+    from fedpca.tables import describe_columns
 
     results: list[ProbeResult] = []
 
@@ -83,16 +84,11 @@ def probe_owner(
     except (FedpcaError, ValueError) as exc:
         record("data", False, str(exc))
     else:
-        label = (
-            "no label column"
-            if table.label_column is None
-            else f"label in column {table.label_column}"
-        )
+        layout = describe_columns(table.n_columns, table.label_column)
         record(
             "data",
             True,
-            f"{config.data.path}: {table.n_columns} columns, {table.n_features} features "
-            f"({label}); max_records {config.data.max_records} (public)",
+            f"{config.data.path}: {layout}; max_records {config.data.max_records} (public)",
         )
 
     tls = None
