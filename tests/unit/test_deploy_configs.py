@@ -75,6 +75,20 @@ def test_the_readme_query_fits_the_example_deployment() -> None:
     assert epsilon <= owner.policy.max_epsilon_per_query <= owner.budget.epsilon
 
 
+def test_the_readme_says_where_the_fedpca_command_comes_from() -> None:
+    """A new operator's review: "Running the roles for real" gave bare `fedpca ...`
+    commands without saying that `fedpca` lives in the install step's virtual
+    environment, which a new shell has not activated."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Running the roles for real", 1)[1].split("\n## ", 1)[0]
+    lines = [line.strip() for line in section.splitlines()]
+    first_command = next(i for i, line in enumerate(lines) if line.startswith("fedpca "))
+    activation = next(i for i, line in enumerate(lines) if line.startswith("source "))
+    assert activation < first_command
+    assert lines[activation].endswith("/.venv/bin/activate")
+    assert "/.venv/bin/fedpca` instead of `fedpca`" in " ".join(section.split())
+
+
 def _shown_keys(path: Path) -> set[str]:
     """Keys the example shows, set or commented out (``# name = ...``)."""
     keys = set()
