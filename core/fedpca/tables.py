@@ -460,10 +460,11 @@ def load_table(
     result = _split(table, label_index, n_features, file)
     # Only the label column this call was told of is known here (an owner node loads
     # every column and picks its label later): without one, columns, not features.
+    # No record count: it is a statistic of an owner's data, and an owner's logs carry
+    # only its public capacity (they may be collected by others than the owner).
     logger.info(
-        "loaded %s: %d records, %s",
+        "loaded %s: %s",
         file,
-        table.shape[0],
         f"{table.shape[1]} columns"
         if label_index is None
         else describe_columns(table.shape[1], label_index),
