@@ -23,6 +23,10 @@ from fedpca.errors import ConfigError
 QUERY_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 """Query ids appear in log lines, file names and the proxy's keys: a safe alphabet."""
 
+DEFAULT_QUERY_DELTA = 1e-6
+"""A query's delta when its caller states none: the estimators' default, and the delta
+the budget commands assume for the next query (capped by the per-query delta cap)."""
+
 
 class QueryKind(StrEnum):
     PCA = "pca"

@@ -178,3 +178,9 @@ def test_discrete_gaussian_gap_and_privacy_cost_print_their_summaries() -> None:
     assert float(gap["zcdp_epsilon"]) > float(gap["pld_epsilon"]) > 0
     cost = run_benchmark("privacy_cost.py")
     assert 1 < float(cost["pca_sigma_ratio_min"]) <= float(cost["pca_sigma_ratio_max"])
+
+
+def test_next_query_epsilon_reports_both_accountants() -> None:
+    result = run_benchmark("next_query_epsilon.py", "--runs", "1")
+    assert float(result["zcdp_seconds_max"]) > 0 and float(result["pld_seconds_max"]) > 0
+    assert int(result["checks_max"]) >= 1

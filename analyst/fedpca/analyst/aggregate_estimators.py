@@ -52,6 +52,7 @@ from fedpca.codec.keys import key_fingerprint
 from fedpca.errors import ConfigError
 from fedpca.messages import DeploymentInfo
 from fedpca.query import (
+    DEFAULT_QUERY_DELTA,
     Aggregate,
     Calibration,
     Neighbouring,
@@ -439,7 +440,7 @@ class FederatedQuery(_Settings):
         *,
         weights: Sequence[float] | None = None,
         epsilon: float = 1.0,
-        delta: float = 1e-6,
+        delta: float = DEFAULT_QUERY_DELTA,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
         bounded_owner_tables: bool = False,

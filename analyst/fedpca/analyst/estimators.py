@@ -40,7 +40,7 @@ from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.federated_estimator import FederatedEstimator
 from fedpca.analyst.schema import FeatureBoundsParam
 from fedpca.errors import ConfigError, DataError
-from fedpca.query import Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import DEFAULT_QUERY_DELTA, Calibration, ProtocolMode, QueryKind, QuerySpec
 
 __all__ = ["FederatedDCA", "FederatedPCA"]
 
@@ -210,7 +210,7 @@ class FederatedDCA(FederatedEstimator):
         rho: float | None = None,
         rho_prime: float | None = None,
         epsilon: float = 1.0,
-        delta: float = 1e-6,
+        delta: float = DEFAULT_QUERY_DELTA,
         mode: str = ProtocolMode.STATS.value,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,

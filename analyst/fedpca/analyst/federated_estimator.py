@@ -30,7 +30,14 @@ from fedpca.codec.keys import key_fingerprint
 from fedpca.errors import ConfigError, DataError
 from fedpca.messages import DeploymentInfo
 from fedpca.preprocess import FeatureBounds, preprocess
-from fedpca.query import Calibration, Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import (
+    DEFAULT_QUERY_DELTA,
+    Calibration,
+    Neighbouring,
+    ProtocolMode,
+    QueryKind,
+    QuerySpec,
+)
 
 __all__ = ["FederatedEstimator"]
 
@@ -50,7 +57,7 @@ class FederatedEstimator(SklearnParams):
         n_components: int = 2,
         *,
         epsilon: float = 1.0,
-        delta: float = 1e-6,
+        delta: float = DEFAULT_QUERY_DELTA,
         mode: str = ProtocolMode.STATS.value,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,

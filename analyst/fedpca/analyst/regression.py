@@ -23,7 +23,7 @@ from fedpca.analyst.aggregates import solve_regression
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
 from fedpca.errors import ConfigError, DataError
-from fedpca.query import Aggregate, Calibration
+from fedpca.query import DEFAULT_QUERY_DELTA, Aggregate, Calibration
 
 __all__ = ["FederatedLinearRegression"]
 
@@ -61,7 +61,7 @@ class FederatedLinearRegression(AggregateEstimator):
         tail_probability: float = 0.05,
         budget_split: Mapping[str, float] | Sequence[float] | None = None,
         epsilon: float = 1.0,
-        delta: float = 1e-6,
+        delta: float = DEFAULT_QUERY_DELTA,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
         bounded_owner_tables: bool = False,

@@ -23,7 +23,7 @@ from fedpca.analyst.aggregate_estimators import (
 from fedpca.analyst.aggregates import describe, histogram_counts
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
-from fedpca.query import Aggregate, Calibration, Moments
+from fedpca.query import DEFAULT_QUERY_DELTA, Aggregate, Calibration, Moments
 
 __all__ = ["FederatedHistogram", "FederatedStatistics"]
 
@@ -59,7 +59,7 @@ class FederatedStatistics(AggregateEstimator):
         ddof: int = 0,
         clip: bool = True,
         epsilon: float = 1.0,
-        delta: float = 1e-6,
+        delta: float = DEFAULT_QUERY_DELTA,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
         bounded_owner_tables: bool = False,
@@ -167,7 +167,7 @@ class FederatedHistogram(AggregateEstimator):
         categories: Sequence[float] | None = None,
         clamp: bool = True,
         epsilon: float = 1.0,
-        delta: float = 1e-6,
+        delta: float = DEFAULT_QUERY_DELTA,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
         bounded_owner_tables: bool = False,

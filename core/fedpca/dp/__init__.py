@@ -6,10 +6,11 @@
 * :mod:`~fedpca.dp.noise` - exact discrete Gaussian noise on the fixed-point integer grid.
 * :mod:`~fedpca.dp.allocation` - splitting one release's noise across its sections.
 * :mod:`~fedpca.dp.accounting` - PLD/RDP composition against a total budget.
+* :mod:`~fedpca.dp.next_query` - the largest epsilon one more query is admitted with.
 
-The rationale and proofs are in docs/privacy.md. :mod:`~fedpca.dp.accounting` is not
-imported here because dp_accounting is slow to import; import it where budgets are
-checked.
+The rationale and proofs are in docs/privacy.md. :mod:`~fedpca.dp.accounting` and
+:mod:`~fedpca.dp.next_query` are not imported here because dp_accounting is slow to
+import; import them where budgets are checked.
 """
 
 from __future__ import annotations

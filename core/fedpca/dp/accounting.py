@@ -23,7 +23,9 @@ A ledger is kept under one neighbouring relation (the deployment's); an event
 recorded under another relation is refused, never mixed in.
 
 Epsilon is not additive under composition, so the "remaining" epsilon a decision
-reports is for display only: every check recomposes the whole ledger.
+reports is for display only: every check recomposes the whole ledger. What one more
+release may still ask for is found with the check itself
+(:func:`fedpca.dp.next_query.largest_admissible_epsilon`).
 
 A release with z = 0 (epsilon = inf, the NOT PRIVATE verification mode) composes to
 an infinite epsilon: such a ledger only fits an infinite budget.
@@ -322,6 +324,7 @@ def check_budget(
     *,
     neighbouring: Neighbouring | None = None,
     cross_check: bool = True,
+    log: bool = True,
 ) -> BudgetDecision:
     """Decide whether ``proposed`` may be released after ``ledger`` within ``budget``.
 
@@ -341,6 +344,9 @@ def check_budget(
         reports a smaller epsilon than PLD beyond the numerical slack (both bound the
         continuous Gaussian's epsilon from above; a smaller zcdp value means a numerical
         problem in the PLD).
+    log : bool
+        Log the decision (INFO). A search that makes many checks to answer one
+        question (:func:`fedpca.dp.next_query.largest_admissible_epsilon`) passes False.
 
     Returns
     -------
@@ -421,15 +427,16 @@ def check_budget(
         accountant=kind,
         cross_check_epsilon_after=cross,
     )
-    logger.info(
-        "budget check: %s (epsilon %.6g -> %.6g of %.6g at delta=%g, %s)",
-        "fits" if fits else "refused",
-        before,
-        after,
-        budget.epsilon,
-        budget.delta,
-        kind.value,
-    )
+    if log:
+        logger.info(
+            "budget check: %s (epsilon %.6g -> %.6g of %.6g at delta=%g, %s)",
+            "fits" if fits else "refused",
+            before,
+            after,
+            budget.epsilon,
+            budget.delta,
+            kind.value,
+        )
     return decision
 
 
