@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import stat
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from click.testing import CliRunner
 
 import fedpca.analyst.federated_estimator as estimators_module
 import fedpca.analyst.keys as keys_module
+from fedpca.admission import AdmissionLimit, NextQuery
 from fedpca.analyst.cli import BUDGET_EXIT_CODE, BUSY_EXIT_CODE, analyst_group
 from fedpca.analyst.client import (
     AnalystClient,
@@ -229,6 +231,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.reencrypt_on_reopen = False
         """A re-opened FetchResult sends a fresh encryption instead of the same messages."""
         self.fetched: dict[str, list[Any]] = {}
+        self.next_query: NextQuery | None = NextQuery(0.412345, 1e-6, AdmissionLimit.BUDGET)
+        """What GetBudget reports for the next query (at the delta asked for, if any)."""
 
     def DescribeDeployment(self, request: Any, context: Any) -> Any:
         info = DeploymentInfo(
@@ -400,8 +404,13 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         yield from messages
 
     def GetBudget(self, request: Any, context: Any) -> Any:
-        delta = serde.budget_request_from_proto(request)
-        status = BudgetStatus("alice", delta or 1e-5, 1.25, 1.75, 3.0, 2, limit_delta=1e-5)
+        delta, query_delta = serde.budget_request_from_proto(request)
+        next_query = self.next_query
+        if next_query is not None and query_delta is not None:
+            next_query = dataclasses.replace(next_query, delta=query_delta)
+        status = BudgetStatus(
+            "alice", delta or 1e-5, 1.25, 1.75, 3.0, 2, limit_delta=1e-5, next_query=next_query
+        )
         return serde.budget_status_to_proto(status)
 
 
@@ -468,8 +477,9 @@ def test_client_maps_grpc_errors(proxy: tuple[FakeProxy, str], test_only_keypair
         client.submit(_spec(test_only_keypair_512[0]), TEST_SIGNING_KEY)
         with pytest.raises(QueryStateError, match="quorum of 3 not reached"):
             client.wait("q-client")
-        budget = client.budget(1e-5)
+        budget = client.budget(1e-5, query_delta=1e-7)
     assert budget.delta == 1e-5 and budget.epsilon_remaining == 1.75
+    assert budget.next_query == NextQuery(0.412345, 1e-7, AdmissionLimit.BUDGET)
 
 
 def test_submit_is_retried_with_the_same_query_id_while_the_proxy_is_unavailable(
@@ -710,17 +720,52 @@ def test_cli_budget_names_the_delta_of_every_epsilon(proxy: tuple[FakeProxy, str
     assert "alice" in lines[0]
     assert "budget:             epsilon 3 at delta 1e-05" in lines
     assert "epsilon spent:      1.25 at delta 1e-05" in lines
-    # The value on the same line as its label.
-    assert lines[-2] == "epsilon remaining:  1.75 at delta 1e-05"
-    assert "not additive" in lines[-1]
-    # Asked at another delta: spent is reported there, the remainder at the budget's.
+    # Asked at another delta: spent is reported there.
     other = CliRunner().invoke(
         analyst_group, ["budget", "--proxy", address, "--insecure", "--delta", "1e-6"]
     )
     assert other.exit_code == 0, other.output
     lines = other.stdout.strip().splitlines()
     assert "epsilon spent:      1.25 at delta 1e-06" in lines
-    assert lines[-2] == "epsilon remaining:  1.75 at delta 1e-05 (the budget's delta)"
+
+
+def test_cli_budget_prints_what_the_next_query_may_ask_for(
+    proxy: tuple[FakeProxy, str],
+) -> None:
+    fake, address = proxy
+    runner = CliRunner()
+    result = runner.invoke(analyst_group, ["budget", "--proxy", address, "--insecure"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    # The value on the same line as its label, with the query delta it assumes; not the
+    # "remaining = limit - spent" line (composition is not additive).
+    assert lines[-2] == "next query:         epsilon up to 0.412345 at delta 1e-06"
+    assert "not additive" in lines[-1] and "admits now" in lines[-1]
+    assert "remaining" not in result.output and "1.75" not in result.output
+    # The delta the next query would state is passed on, and named in the answer.
+    asked = runner.invoke(
+        analyst_group, ["budget", "--proxy", address, "--insecure", "--query-delta", "1e-7"]
+    )
+    assert asked.exit_code == 0, asked.output
+    assert "next query:         epsilon up to 0.412345 at delta 1e-07" in asked.output
+    bad = runner.invoke(
+        analyst_group, ["budget", "--proxy", address, "--insecure", "--query-delta", "2"]
+    )
+    assert bad.exit_code == 1 and "--query-delta must be in (0, 1)" in bad.output
+    # Every limit says what it is.
+    for next_query, expected in [
+        (NextQuery(0.0, 1e-6, AdmissionLimit.EXHAUSTED), "none: the budget is exhausted"),
+        (NextQuery(math.inf, 1e-6, AdmissionLimit.UNLIMITED), "any epsilon (the budget is"),
+        (
+            NextQuery(100.721, 1e-6, AdmissionLimit.NOISE_FLOOR),
+            "epsilon up to 100.721 at delta 1e-06 (capped by the least noise the PLD",
+        ),
+        (None, "not reported by this proxy (an older version)"),
+    ]:
+        fake.next_query = next_query
+        result = runner.invoke(analyst_group, ["budget", "--proxy", address, "--insecure"])
+        assert result.exit_code == 0, result.output
+        assert f"next query:         {expected}" in result.output
 
 
 def test_cli_summary_states_owners_of_registered_and_warns_when_fewer(

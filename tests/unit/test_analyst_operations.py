@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fedpca.admission import AdmissionLimit, NextQuery
 from fedpca.codec import CryptoPool
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
@@ -140,6 +141,8 @@ def test_a_query_for_exactly_the_remaining_budget_is_accepted(
         with running.analyst() as client:
             status = client.budget()
             assert status.epsilon_remaining == 0.0 and status.n_releases == 1
+            # Over the wire, from the proxy's own admission rule: nothing more fits.
+            assert status.next_query == NextQuery(0.0, 1e-6, AdmissionLimit.EXHAUSTED)
             with pytest.raises(BudgetExceededError):
                 client.submit(_spec(public_key, "more", quorum=1, epsilon=0.01), TEST_SIGNING_KEY)
 

@@ -209,7 +209,11 @@ _DECODERS: list[tuple[type[Message], Callable[[Any], Any], Callable[[Any], Messa
         serde.noise_description_from_proto,
         serde.noise_description_to_proto,
     ),
-    (analyst_pb.BudgetRequest, serde.budget_request_from_proto, serde.budget_request_to_proto),
+    (
+        analyst_pb.BudgetRequest,
+        serde.budget_request_from_proto,
+        lambda decoded: serde.budget_request_to_proto(*decoded),
+    ),
     (analyst_pb.BudgetStatus, serde.budget_status_from_proto, serde.budget_status_to_proto),
     (analyst_pb.ResultMessage, lambda m: serde.decode_result([m]), None),
 ]

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
+from fedpca.admission import AdmissionLimit, NextQuery
 from fedpca.errors import CiphertextError, ConfigError, LayoutError, ProtocolError
 from fedpca.messages import (
     DEFAULT_CHUNK_MESSAGE_BYTES,
@@ -754,10 +755,39 @@ def test_query_state_terminal() -> None:
 def test_budget_round_trip() -> None:
     status = BudgetStatus("analyst-1", 1e-6, 1.25, 8.75, 10.0, 3)
     assert serde.budget_status_from_proto(serde.budget_status_to_proto(status)) == status
-    assert serde.budget_request_from_proto(serde.budget_request_to_proto()) is None
-    assert serde.budget_request_from_proto(serde.budget_request_to_proto(1e-5)) == 1e-5
+    for next_query in (
+        NextQuery(0.412345, 1e-6, AdmissionLimit.BUDGET),
+        NextQuery(0.0, 1e-7, AdmissionLimit.EXHAUSTED),
+        NextQuery(math.inf, 1e-6, AdmissionLimit.UNLIMITED),
+        NextQuery(100.721, 1e-6, AdmissionLimit.NOISE_FLOOR),
+    ):
+        status = BudgetStatus("analyst-1", 1e-6, 1.25, 8.75, 10.0, 3, 1e-5, next_query)
+        assert serde.budget_status_from_proto(serde.budget_status_to_proto(status)) == status
+    assert serde.budget_request_from_proto(serde.budget_request_to_proto()) == (None, None)
+    assert serde.budget_request_from_proto(serde.budget_request_to_proto(1e-5)) == (1e-5, None)
+    both = serde.budget_request_to_proto(1e-5, query_delta=1e-7)
+    assert serde.budget_request_from_proto(both) == (1e-5, 1e-7)
     with pytest.raises(ProtocolError, match="delta must be in"):
         serde.budget_request_from_proto(serde.budget_request_to_proto(0.0))
+    with pytest.raises(ProtocolError, match="query_delta must be in"):
+        serde.budget_request_from_proto(serde.budget_request_to_proto(query_delta=1.0))
+
+
+def test_a_next_query_a_peer_sends_is_checked() -> None:
+    status = BudgetStatus(
+        "a", 1e-6, 1.25, 8.75, 10.0, 3, 1e-5, NextQuery(0.5, 1e-6, AdmissionLimit.BUDGET)
+    )
+    message = serde.budget_status_to_proto(status)
+    message.next_query.limit = analyst_pb.ADMISSION_LIMIT_UNSPECIFIED
+    with pytest.raises(ProtocolError, match=r"NextQuery\.limit"):
+        serde.budget_status_from_proto(message)
+    message = serde.budget_status_to_proto(status)
+    message.next_query.epsilon = 0.0  # 0 only goes with EXHAUSTED
+    with pytest.raises(ProtocolError, match="does not go with limit budget"):
+        serde.budget_status_from_proto(message)
+    message.next_query.delta = 0.0
+    with pytest.raises(ProtocolError, match="delta must be in"):
+        serde.budget_status_from_proto(message)
 
 
 NOISE = NoiseDescription(

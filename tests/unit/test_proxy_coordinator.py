@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fedpca.admission import AdmissionLimit, NextQuery
 from fedpca.codec import CryptoPool, pack_slots, unpack_slots
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
@@ -70,7 +71,7 @@ from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_records import NotContributingError, UploadCompletion
-from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import DEFAULT_QUERY_DELTA, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, verify_query
 from fedpca.stats import sum_statistics
 from helpers import (
@@ -402,6 +403,68 @@ def test_budget_refusal_happens_at_submit_and_records_nothing(
     assert budget.n_releases == 1 and budget.epsilon_limit == 1.2
     assert 0 < budget.epsilon_spent <= 1.0 + 1e-6
     assert budget.epsilon_remaining == pytest.approx(1.2 - budget.epsilon_spent)
+
+
+@pytest.mark.parametrize("accountant", [Accountant.ZCDP, Accountant.PLD_CONTINUOUS])
+def test_budget_reports_the_largest_epsilon_the_next_submission_is_admitted_with(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, accountant: Accountant
+) -> None:
+    public_key, _ = test_only_keypair_512
+    config = make_config(accountant=accountant, bob=PrivacyParams(2.0, 1e-5))
+    coordinator = make_coordinator(tmp_path, pool, config)
+
+    def submit(query_id: str, epsilon: float, delta: float) -> None:
+        spec = make_spec(public_key, query_id, epsilon=epsilon, delta=delta)
+        coordinator.submit("bob", signed(spec, SECOND_TEST_SIGNING_KEY))
+
+    submit("b1", 0.5, 1e-6)
+    submit("b2", 0.8, 1e-7)
+    budget = coordinator.budget("bob")
+    next_query = budget.next_query
+    assert next_query is not None and next_query.limit is AdmissionLimit.BUDGET
+    # The default query delta: the estimators' 1e-6, under the per-query cap (1e-5).
+    assert next_query.delta == DEFAULT_QUERY_DELTA
+    # Far more than "limit - spent" (composition is not additive), kept on the wire.
+    assert budget.epsilon_remaining == pytest.approx(2.0 - budget.epsilon_spent)
+    assert next_query.epsilon > budget.epsilon_remaining + 0.3
+    # A query asking for a little more is refused at submission, charging nothing; one
+    # asking for exactly the answer is admitted through the whole submission path.
+    with pytest.raises(BudgetExceededError):
+        submit("more", next_query.epsilon * (1 + 1e-3), next_query.delta)
+    assert len(coordinator.store.releases("bob")) == 2
+    submit("exact", next_query.epsilon, next_query.delta)
+    assert coordinator.store.releases("bob")[-1]["query_id"] == "bob/exact"
+
+
+def test_budget_next_query_at_other_deltas_and_of_exhausted_and_unlimited_budgets(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(bob=PrivacyParams(2.0, 1e-5)))
+    unlimited = coordinator.budget("alice").next_query
+    assert unlimited == NextQuery(math.inf, DEFAULT_QUERY_DELTA, AdmissionLimit.UNLIMITED)
+    spec = make_spec(public_key, "b1", epsilon=1.0, delta=1e-6)
+    coordinator.submit("bob", signed(spec, SECOND_TEST_SIGNING_KEY))
+    # At another query delta (less delta: more epsilon for the same noise), never above
+    # the per-query delta cap.
+    at_default = coordinator.budget("bob").next_query
+    other = coordinator.budget("bob", query_delta=1e-8).next_query
+    assert at_default is not None and other is not None and other.delta == 1e-8
+    assert other.epsilon > at_default.epsilon and other.limit is AdmissionLimit.BUDGET
+    with pytest.raises(ConfigError, match="above this proxy's per-query cap 1e-05"):
+        coordinator.budget("bob", query_delta=1e-4)
+    # Metrics ask for the spent epsilon only: no search.
+    assert coordinator.budget("bob", next_query=False).next_query is None
+    coordinator.store.close()
+    # The operator lowers bob's budget below what he has spent.
+    lowered = make_config(bob=PrivacyParams(0.5, 1e-5), max_delta_per_query=1e-7)
+    restarted = make_coordinator(tmp_path, pool, lowered)
+    status = restarted.budget("bob")
+    # A per-query delta cap below 1e-6 is the default query delta.
+    assert status.next_query == NextQuery(0.0, 1e-7, AdmissionLimit.EXHAUSTED)
+    tiny = make_spec(public_key, "b2", epsilon=1e-3, delta=1e-7)
+    with pytest.raises(BudgetExceededError):
+        restarted.submit("bob", signed(tiny, SECOND_TEST_SIGNING_KEY))
 
 
 @pytest.mark.parametrize("budget", [math.inf, 5.0])

@@ -6,7 +6,7 @@ Commands::
     fedpca analyst pca --proxy ADDR --components K --epsilon E --delta D --features M \\
         [--mode stats|masked] [--bounds none|LO:HI|LO:HI,…] [...] --out result.json
     fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
-    fedpca analyst budget --proxy ADDR [--delta D]
+    fedpca analyst budget --proxy ADDR [--delta D] [--query-delta D]
     fedpca analyst list|status QUERY|fetch QUERY --out result.json|cancel QUERY
     fedpca analyst stats|histogram|linreg ...   (fedpca.analyst.aggregate_cli)
 
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import click
 
+from fedpca.admission import NOT_ADDITIVE
 from fedpca.allocator import map_large_blocks
 from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
@@ -46,7 +47,7 @@ from fedpca.analyst.keys import (
     refuse_to_overwrite,
 )
 from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError, OverloadError
-from fedpca.query import Calibration, Neighbouring, ProtocolMode
+from fedpca.query import DEFAULT_QUERY_DELTA, Calibration, Neighbouring, ProtocolMode
 
 __all__ = ["analyst_group"]
 
@@ -536,6 +537,13 @@ def dca_command(label_column: int, classes: tuple[float, ...], **params: Any) ->
 @analyst_group.command("budget")
 @connection_options
 @click.option("--delta", type=float, help="Report epsilon at this delta [the proxy's].")
+@click.option(
+    "--query-delta",
+    type=float,
+    help="The delta your next query would state: the epsilon it may ask for depends on "
+    f"it [{DEFAULT_QUERY_DELTA:g}, the estimators' default, or the proxy's per-query cap "
+    "if lower].",
+)
 def budget_command(
     proxy: str | None,
     config_path: Path | None,
@@ -545,14 +553,18 @@ def budget_command(
     server_name: str | None,
     insecure: bool,
     delta: float | None,
+    query_delta: float | None,
 ) -> None:
-    """Show the analyst's cumulative privacy loss as the proxy accounts it."""
+    """Show the analyst's cumulative privacy loss as the proxy accounts it, and the
+    largest epsilon its next query may ask for (found with the proxy's admission rule,
+    for a query with the default zcdp calibration)."""
     from fedpca.analyst.client import AnalystClient
     from fedpca.transport.certs import TlsMaterial
 
     with _errors():
-        if delta is not None and not 0 < delta < 1:
-            raise ConfigError(f"--delta must be in (0, 1), got {delta}")
+        for name, value in (("--delta", delta), ("--query-delta", query_delta)):
+            if value is not None and not 0 < value < 1:
+                raise ConfigError(f"{name} must be in (0, 1), got {value}")
         connection = connection_config(config_path, proxy, ca, cert, key, insecure, server_name)
         assert connection.proxy is not None
         tls = None if connection.tls is None else TlsMaterial.load(connection.tls)
@@ -562,19 +574,17 @@ def budget_command(
             insecure=connection.insecure,
             server_name_override=connection.server_name,
         ) as client:
-            status = client.budget(delta)
+            status = client.budget(delta, query_delta)
     limit_delta = status.limit_delta if status.limit_delta is not None else status.delta
     click.echo(f"analyst:            {status.analyst_id}")
     click.echo(f"releases:           {status.n_releases}")
     click.echo(f"budget:             epsilon {status.epsilon_limit:.6g} at delta {limit_delta:g}")
     click.echo(f"epsilon spent:      {status.epsilon_spent:.6g} at delta {status.delta:g}")
-    # The limit, and so what remains of it, is stated at the budget's own delta.
-    click.echo(
-        f"epsilon remaining:  {status.epsilon_remaining:.6g} at delta {limit_delta:g}"
-        + ("" if limit_delta == status.delta else " (the budget's delta)")
-    )
-    # Composition is not additive in epsilon: a query of more than this may still fit.
-    click.echo("                    (display only: not additive; the proxy decides per query)")
+    if status.next_query is None:
+        click.echo("next query:         not reported by this proxy (an older version)")
+        return
+    click.echo(f"next query:         {status.next_query.summary()}")
+    click.echo(f"                    ({NOT_ADDITIVE})")
 
 
 # `fedpca analyst list|status|fetch|cancel`: defined in their own module with the

@@ -527,9 +527,11 @@ class AnalystClient:
             raise ProtocolError(f"fetch result of query {query_id!r}: {exc}") from exc
         return FetchedResult(result)
 
-    def budget(self, delta: float | None = None) -> BudgetStatus:
-        """The analyst's cumulative privacy loss (epsilons reported at ``delta``)."""
-        request = serde.budget_request_to_proto(delta)
+    def budget(self, delta: float | None = None, query_delta: float | None = None) -> BudgetStatus:
+        """The analyst's cumulative privacy loss (epsilons reported at ``delta``) and the
+        largest epsilon a next query stating ``query_delta`` may ask for (``next_query``;
+        None: the proxy's default query delta)."""
+        request = serde.budget_request_to_proto(delta, query_delta)
         message = self._unary("budget", lambda: self._stub.GetBudget(request, timeout=self.timeout))
         return serde.budget_status_from_proto(message)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
+from fedpca.admission import NextQuery
 from fedpca.errors import LayoutError
 from fedpca.messages.ciphertexts import CiphertextBlock, CiphertextPayload
 from fedpca.query import Calibration, ProtocolMode, QuerySpec
@@ -256,7 +257,11 @@ class BudgetStatus:
 
     ``epsilon_spent`` is reported at ``delta``; ``epsilon_limit`` and
     ``epsilon_remaining`` at ``limit_delta``, the budget's own delta (None when the
-    proxy did not say, e.g. an older proxy).
+    proxy did not say, e.g. an older proxy). ``epsilon_remaining`` is the limit minus
+    the epsilon spent: composition is not additive, so it is not what the next query
+    may ask for, and it is only kept on the wire for the analysts of earlier versions,
+    which print it. ``next_query`` is that number, computed with the proxy's admission
+    rule (None from an older proxy).
     """
 
     analyst_id: str
@@ -266,3 +271,4 @@ class BudgetStatus:
     epsilon_limit: float
     n_releases: int
     limit_delta: float | None = None
+    next_query: NextQuery | None = None

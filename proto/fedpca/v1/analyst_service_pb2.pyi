@@ -27,6 +27,15 @@ class NoiseMechanism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOISE_MECHANISM_UNSPECIFIED: _ClassVar[NoiseMechanism]
     NOISE_MECHANISM_GAUSSIAN: _ClassVar[NoiseMechanism]
     NOISE_MECHANISM_NONE: _ClassVar[NoiseMechanism]
+
+class AdmissionLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADMISSION_LIMIT_UNSPECIFIED: _ClassVar[AdmissionLimit]
+    ADMISSION_LIMIT_BUDGET: _ClassVar[AdmissionLimit]
+    ADMISSION_LIMIT_PER_QUERY_CAP: _ClassVar[AdmissionLimit]
+    ADMISSION_LIMIT_NOISE_FLOOR: _ClassVar[AdmissionLimit]
+    ADMISSION_LIMIT_EXHAUSTED: _ClassVar[AdmissionLimit]
+    ADMISSION_LIMIT_UNLIMITED: _ClassVar[AdmissionLimit]
 QUERY_STATE_UNSPECIFIED: QueryState
 QUERY_STATE_PENDING: QueryState
 QUERY_STATE_COLLECTING: QueryState
@@ -37,6 +46,12 @@ QUERY_STATE_FAILED: QueryState
 NOISE_MECHANISM_UNSPECIFIED: NoiseMechanism
 NOISE_MECHANISM_GAUSSIAN: NoiseMechanism
 NOISE_MECHANISM_NONE: NoiseMechanism
+ADMISSION_LIMIT_UNSPECIFIED: AdmissionLimit
+ADMISSION_LIMIT_BUDGET: AdmissionLimit
+ADMISSION_LIMIT_PER_QUERY_CAP: AdmissionLimit
+ADMISSION_LIMIT_NOISE_FLOOR: AdmissionLimit
+ADMISSION_LIMIT_EXHAUSTED: AdmissionLimit
+ADMISSION_LIMIT_UNLIMITED: AdmissionLimit
 
 class SubmitQueryRequest(_message.Message):
     __slots__ = ("query", "query_signature", "query_signer")
@@ -147,13 +162,25 @@ class ResultMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[_ciphertext_pb2.CiphertextChunk, _Mapping]] = ...) -> None: ...
 
 class BudgetRequest(_message.Message):
-    __slots__ = ("delta",)
+    __slots__ = ("delta", "query_delta")
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    QUERY_DELTA_FIELD_NUMBER: _ClassVar[int]
     delta: float
-    def __init__(self, delta: _Optional[float] = ...) -> None: ...
+    query_delta: float
+    def __init__(self, delta: _Optional[float] = ..., query_delta: _Optional[float] = ...) -> None: ...
+
+class NextQuery(_message.Message):
+    __slots__ = ("epsilon", "delta", "limit")
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    epsilon: float
+    delta: float
+    limit: AdmissionLimit
+    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., limit: _Optional[_Union[AdmissionLimit, str]] = ...) -> None: ...
 
 class BudgetStatus(_message.Message):
-    __slots__ = ("analyst_id", "delta", "epsilon_spent", "epsilon_remaining", "epsilon_limit", "n_releases", "limit_delta")
+    __slots__ = ("analyst_id", "delta", "epsilon_spent", "epsilon_remaining", "epsilon_limit", "n_releases", "limit_delta", "next_query")
     ANALYST_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +188,7 @@ class BudgetStatus(_message.Message):
     EPSILON_LIMIT_FIELD_NUMBER: _ClassVar[int]
     N_RELEASES_FIELD_NUMBER: _ClassVar[int]
     LIMIT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    NEXT_QUERY_FIELD_NUMBER: _ClassVar[int]
     analyst_id: str
     delta: float
     epsilon_spent: float
@@ -168,7 +196,8 @@ class BudgetStatus(_message.Message):
     epsilon_limit: float
     n_releases: int
     limit_delta: float
-    def __init__(self, analyst_id: _Optional[str] = ..., delta: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., n_releases: _Optional[int] = ..., limit_delta: _Optional[float] = ...) -> None: ...
+    next_query: NextQuery
+    def __init__(self, analyst_id: _Optional[str] = ..., delta: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., n_releases: _Optional[int] = ..., limit_delta: _Optional[float] = ..., next_query: _Optional[_Union[NextQuery, _Mapping]] = ...) -> None: ...
 
 class DescribeDeploymentRequest(_message.Message):
     __slots__ = ()

@@ -9,9 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fedpca.dp.mechanisms import PrivacyEvent
-from fedpca.errors import (
-    QueryStateError,
-)
+from fedpca.errors import ConfigError, QueryStateError
 from fedpca.messages import (
     BudgetStatus,
     CancelReceipt,
@@ -27,6 +25,7 @@ from fedpca.proxy.queries import (
 )
 from fedpca.proxy.results import result_header, whole_result
 from fedpca.proxy.store_records import page_count
+from fedpca.query import DEFAULT_QUERY_DELTA
 
 __all__ = ["CANCELLED_REASON", "AnalystRequests"]
 
@@ -197,19 +196,44 @@ class AnalystRequests(CoordinatorCore):
         self.store.query(key)
         return self.store.result_meta(key) or {}
 
-    def budget(self, analyst_id: str, delta: float | None = None) -> BudgetStatus:
-        """An analyst's cumulative privacy loss.
+    def budget(
+        self,
+        analyst_id: str,
+        delta: float | None = None,
+        query_delta: float | None = None,
+        *,
+        next_query: bool = True,
+    ) -> BudgetStatus:
+        """An analyst's cumulative privacy loss, and what its next query may ask for.
 
         ``epsilon_spent`` is composed at ``delta`` (default: the budget's delta);
-        ``epsilon_remaining`` is always measured at the budget's own delta, the one
-        its epsilon limit refers to.
+        ``epsilon_remaining`` (kept for older analysts) is always measured at the
+        budget's own delta, the one its epsilon limit refers to. ``next_query`` is the
+        largest epsilon a query stating ``query_delta`` would be admitted with now, found
+        with the rule :meth:`submit` applies (:mod:`fedpca.dp.next_query`); the default
+        query delta is :data:`~fedpca.query.DEFAULT_QUERY_DELTA`, or the per-query delta
+        cap if lower. ``next_query=False`` leaves it out (metrics need only the spent
+        epsilon, and the search costs a few compositions of the ledger).
+
+        Raises
+        ------
+        ConfigError
+            ``query_delta`` is above the per-query delta cap: such a query is refused
+            whatever its epsilon.
         """
         from fedpca.dp.accounting import compose_epsilon  # slow import (dp_accounting)
+        from fedpca.dp.next_query import largest_admissible_epsilon
 
         limit = self.config.budget.for_analyst(analyst_id)
         at = limit.delta if delta is None else delta
-        ledger = [PrivacyEvent.from_dict(r) for r in self.store.releases(analyst_id)]
         privacy = self.config.privacy
+        cap = privacy.delta_cap(limit)
+        if query_delta is not None and query_delta > cap:
+            raise ConfigError(
+                f"a query delta of {query_delta:g} is above this proxy's per-query cap {cap:g} "
+                "(privacy.max_delta_per_query): every such query is refused"
+            )
+        ledger = [PrivacyEvent.from_dict(r) for r in self.store.releases(analyst_id)]
 
         def spent_at(delta_: float) -> float:
             return compose_epsilon(
@@ -222,6 +246,15 @@ class AnalystRequests(CoordinatorCore):
         else:
             used = spent if at == limit.delta else spent_at(limit.delta)
             remaining = max(0.0, limit.epsilon - used)
+        admissible = None
+        if next_query:
+            admissible = largest_admissible_epsilon(
+                ledger,
+                limit,
+                min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
+                privacy.accountant,
+                neighbouring=privacy.neighbouring,
+            )
         return BudgetStatus(
             analyst_id=analyst_id,
             delta=at,
@@ -230,4 +263,5 @@ class AnalystRequests(CoordinatorCore):
             epsilon_limit=limit.epsilon,
             n_releases=len(ledger),
             limit_delta=limit.delta,
+            next_query=admissible,
         )

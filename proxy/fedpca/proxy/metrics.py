@@ -137,7 +137,7 @@ class _StateCollector(Collector):
         )
         for analyst in coordinator.store.analyst_ids():
             try:
-                budget = coordinator.budget(analyst)
+                budget = coordinator.budget(analyst, next_query=False)
             except Exception:  # a scrape must not fail on one ledger
                 logger.exception("metrics: cannot compose the budget of analyst %s", analyst)
                 continue

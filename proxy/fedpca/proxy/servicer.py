@@ -421,8 +421,10 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
     ) -> analyst_pb.BudgetStatus:
         analyst = self._caller(context, Role.ANALYST)
         with self._call_slot(analyst):
-            delta = serde.budget_request_from_proto(request)
-            status = await self.work.run(self.coordinator.budget, analyst.node_id, delta)
+            delta, query_delta = serde.budget_request_from_proto(request)
+            status = await self.work.run(
+                self.coordinator.budget, analyst.node_id, delta, query_delta
+            )
             return serde.budget_status_to_proto(status)
 
     @unary_errors

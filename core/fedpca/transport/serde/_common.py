@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
+from fedpca.admission import AdmissionLimit
 from fedpca.errors import ConfigError, ProtocolError
 from fedpca.messages import (
     DeclineReason,
@@ -98,6 +99,13 @@ MECHANISM_TO_PROTO: dict[NoiseMechanism, analyst_pb.NoiseMechanism] = {
     NoiseMechanism.GAUSSIAN: analyst_pb.NOISE_MECHANISM_GAUSSIAN,
     NoiseMechanism.NONE: analyst_pb.NOISE_MECHANISM_NONE,
 }
+ADMISSION_LIMIT_TO_PROTO: dict[AdmissionLimit, analyst_pb.AdmissionLimit] = {
+    AdmissionLimit.BUDGET: analyst_pb.ADMISSION_LIMIT_BUDGET,
+    AdmissionLimit.PER_QUERY_CAP: analyst_pb.ADMISSION_LIMIT_PER_QUERY_CAP,
+    AdmissionLimit.NOISE_FLOOR: analyst_pb.ADMISSION_LIMIT_NOISE_FLOOR,
+    AdmissionLimit.EXHAUSTED: analyst_pb.ADMISSION_LIMIT_EXHAUSTED,
+    AdmissionLimit.UNLIMITED: analyst_pb.ADMISSION_LIMIT_UNLIMITED,
+}
 
 
 def _invert(mapping: Mapping[_E, _W]) -> dict[_W, _E]:
@@ -115,6 +123,7 @@ DECLINE_FROM_PROTO = _invert(DECLINE_TO_PROTO)
 UPLOAD_STATUS_FROM_PROTO = _invert(UPLOAD_STATUS_TO_PROTO)
 STATE_FROM_PROTO = _invert(STATE_TO_PROTO)
 MECHANISM_FROM_PROTO = _invert(MECHANISM_TO_PROTO)
+ADMISSION_LIMIT_FROM_PROTO = _invert(ADMISSION_LIMIT_TO_PROTO)
 
 
 def enum_from_proto(value: _W, mapping: Mapping[_W, _E], what: str) -> _E:

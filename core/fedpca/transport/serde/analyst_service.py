@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from fedpca.errors import LayoutError, ProtocolError
+from fedpca.admission import NextQuery
+from fedpca.errors import ConfigError, LayoutError, ProtocolError
 from fedpca.messages import (
     DEFAULT_CHUNK_MESSAGE_BYTES,
     BudgetStatus,
@@ -24,6 +25,8 @@ from fedpca.messages import (
     SignedQuery,
 )
 from fedpca.transport.serde._common import (
+    ADMISSION_LIMIT_FROM_PROTO,
+    ADMISSION_LIMIT_TO_PROTO,
     AGGREGATE_KIND_FROM_PROTO,
     AGGREGATE_KIND_TO_PROTO,
     CALIBRATION_FROM_PROTO,
@@ -337,20 +340,31 @@ def decode_result(messages: Iterable[analyst_pb.ResultMessage]) -> QueryResult:
         raise ProtocolError(f"result of query {header.query.query_id!r}: {exc}") from exc
 
 
-def budget_request_to_proto(delta: float | None = None) -> analyst_pb.BudgetRequest:
+def budget_request_to_proto(
+    delta: float | None = None, query_delta: float | None = None
+) -> analyst_pb.BudgetRequest:
     message = analyst_pb.BudgetRequest()
     if delta is not None:
         message.delta = delta
+    if query_delta is not None:
+        message.query_delta = query_delta
     return message
 
 
-def budget_request_from_proto(message: analyst_pb.BudgetRequest) -> float | None:
-    """Return the requested delta, or None for the proxy's configured delta."""
-    if not message.HasField("delta"):
-        return None
-    if not 0 < message.delta < 1:
-        raise ProtocolError(f"BudgetRequest.delta must be in (0, 1), got {message.delta}")
-    return message.delta
+def budget_request_from_proto(
+    message: analyst_pb.BudgetRequest,
+) -> tuple[float | None, float | None]:
+    """Return the requested delta and query delta (None: the proxy's defaults)."""
+    deltas: list[float | None] = []
+    for name in ("delta", "query_delta"):
+        if not message.HasField(name):
+            deltas.append(None)
+            continue
+        value = getattr(message, name)
+        if not 0 < value < 1:
+            raise ProtocolError(f"BudgetRequest.{name} must be in (0, 1), got {value}")
+        deltas.append(value)
+    return deltas[0], deltas[1]
 
 
 def budget_status_to_proto(status: BudgetStatus) -> analyst_pb.BudgetStatus:
@@ -367,10 +381,26 @@ def budget_status_to_proto(status: BudgetStatus) -> analyst_pb.BudgetStatus:
     )
     if status.limit_delta is not None:
         set_scalars(message, "BudgetStatus", limit_delta=status.limit_delta)
+    if status.next_query is not None:
+        message.next_query.limit = ADMISSION_LIMIT_TO_PROTO[status.next_query.limit]
+        set_scalars(
+            message.next_query,
+            "NextQuery",
+            epsilon=status.next_query.epsilon,
+            delta=status.next_query.delta,
+        )
     return message
 
 
 def budget_status_from_proto(message: analyst_pb.BudgetStatus) -> BudgetStatus:
+    next_query = None
+    if message.HasField("next_query"):
+        wire = message.next_query
+        limit = enum_from_proto(wire.limit, ADMISSION_LIMIT_FROM_PROTO, "NextQuery.limit")
+        try:
+            next_query = NextQuery(wire.epsilon, wire.delta, limit)
+        except ConfigError as exc:
+            raise ProtocolError(str(exc)) from None
     return BudgetStatus(
         analyst_id=message.analyst_id,
         delta=message.delta,
@@ -380,6 +410,7 @@ def budget_status_from_proto(message: analyst_pb.BudgetStatus) -> BudgetStatus:
         n_releases=message.n_releases,
         # 0 is proto3's "not set" (an older proxy): no budget has delta 0.
         limit_delta=message.limit_delta if message.limit_delta > 0 else None,
+        next_query=next_query,
     )
 
 
