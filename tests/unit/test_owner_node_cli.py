@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import signal
 import socket
 import subprocess
@@ -14,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
+from fedpca.dp.accounting import compose_epsilon
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.errors import BudgetExceededError
 from fedpca.messages import (
     Heartbeat,
     ProxyInfo,
@@ -78,10 +82,25 @@ def test_budget_without_ledger(tmp_path: Path) -> None:
     result = CliRunner().invoke(owner_group, ["budget", "--config", str(_write_config(tmp_path))])
     assert result.exit_code == 0, result.output
     assert "no release recorded" in result.output
+    assert "spent        epsilon=0 at delta=1e-05" in result.output
+    # A fresh budget of 2: the policy's cap of 1 per query binds first.
+    assert "next query   epsilon up to 1.12922 at delta 1e-06 (capped by policy." in result.output
     assert not (tmp_path / "state").exists()  # a read-only command creates nothing
 
 
-def test_budget_lists_spent_remaining_and_queries(tmp_path: Path) -> None:
+def _next_query_epsilon(output: str) -> float:
+    line = next(line for line in output.splitlines() if line.startswith("next query"))
+    match = re.fullmatch(r"next query   epsilon up to (\S+) at delta (\S+)( \(.*\))?", line)
+    assert match is not None, line
+    return float(match.group(1))
+
+
+def _own_epsilon(epsilon: float) -> float:
+    """A release's epsilon at the owner's budget delta, as its policy measures it."""
+    return compose_epsilon([calibrate_noise_multiplier(epsilon, 1e-6)], 1e-5)
+
+
+def test_budget_lists_spent_next_query_and_queries(tmp_path: Path) -> None:
     path = _write_config(tmp_path)
     config = load_config(path)
     ledger = owner_ledger(config)
@@ -91,9 +110,30 @@ def test_budget_lists_spent_remaining_and_queries(tmp_path: Path) -> None:
     result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
     assert result.exit_code == 0, result.output
     assert "spent        epsilon=0.5 at delta=1e-05" in result.output
-    assert "remaining    epsilon=1.5" in result.output
+    # Not "remaining epsilon=1.5": composition is not additive.
+    assert "remaining" not in result.output
+    assert "(capped by policy.max_epsilon_per_query)" in result.output
+    assert "not additive" in result.output
+    capped = _next_query_epsilon(result.output)
+    assert _own_epsilon(capped) <= 1.0 < _own_epsilon(capped * (1 + 1e-3))
     assert "1 private, 0 NOT PRIVATE" in result.output
     assert "alice/q-private" in result.output and "uploaded" in result.output
+
+    # Releases of the cap's size until the budget, not the cap, binds: what is printed
+    # is what the ledger admits, and a little more is refused.
+    z_cap = calibrate_noise_multiplier(capped, 1e-6)
+    for n in range(3):
+        ledger.reserve(PrivacyEvent(f"alice/q{n}", "sha256:a", z_cap, capped, 1e-6), config.budget)
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "capped" not in result.output
+    epsilon = _next_query_epsilon(result.output)
+    assert 0 < epsilon < capped
+    more = calibrate_noise_multiplier(epsilon * (1 + 1e-3), 1e-6)
+    with pytest.raises(BudgetExceededError):
+        ledger.reserve(PrivacyEvent("alice/more", "sha256:a", more, epsilon, 1e-6), config.budget)
+    exact = calibrate_noise_multiplier(epsilon, 1e-6)
+    ledger.reserve(PrivacyEvent("alice/last", "sha256:a", exact, epsilon, 1e-6), config.budget)
 
     # A NOT PRIVATE (epsilon = inf) release exhausts the finite budget.
     ledger.reserve(
@@ -104,12 +144,25 @@ def test_budget_lists_spent_remaining_and_queries(tmp_path: Path) -> None:
     result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
     assert result.exit_code == 0, result.output
     assert "spent        epsilon=inf at delta=1e-05" in result.output
-    assert "remaining    epsilon=0" in result.output
-    assert "1 private, 1 NOT PRIVATE" in result.output
+    assert "next query   none: the budget is exhausted" in result.output
+    assert "5 private, 1 NOT PRIVATE" in result.output
     assert "alice/q-verify" in result.output and "exhausts a finite budget" in result.output
     other = CliRunner().invoke(owner_group, ["budget", "--config", str(path), "--delta", "1e-3"])
     assert other.exit_code == 0
-    assert "at delta=0.001" in other.output and "remaining" not in other.output
+    assert "at delta=0.001" in other.output and "exhausted" in other.output
+
+
+def test_budget_next_query_at_the_query_delta_asked_for(tmp_path: Path) -> None:
+    path = _write_config(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(owner_group, ["budget", "--config", str(path), "--query-delta", "1e-8"])
+    assert result.exit_code == 0, result.output
+    assert "at delta 1e-08 (capped by policy.max_epsilon_per_query)" in result.output
+    # Less delta, more noise for the same epsilon: the cap allows a larger one.
+    assert _next_query_epsilon(result.output) > 1.12922
+    # Above the per-query delta cap (the budget's delta here) every query is refused.
+    above = runner.invoke(owner_group, ["budget", "--config", str(path), "--query-delta", "1e-4"])
+    assert above.exit_code == 1 and "above this owner's per-query delta cap 1e-05" in above.output
 
 
 def test_budget_reads_the_ledger_under_the_configured_relation(tmp_path: Path) -> None:

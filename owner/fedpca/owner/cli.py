@@ -10,7 +10,6 @@ Register in ``fedpca.app.cli`` as ``"owner": ("fedpca.owner.cli", "owner_group",
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 from datetime import UTC, datetime
@@ -19,11 +18,14 @@ from types import FrameType
 
 import click
 
+from fedpca.admission import NOT_ADDITIVE
 from fedpca.allocator import map_large_blocks
 from fedpca.errors import ConfigError, DataError, KeyFileError
 from fedpca.logs import configure_logging
 from fedpca.owner.config import load_config
 from fedpca.owner.init import init_command
+from fedpca.owner.ledger_records import LedgerEntry
+from fedpca.query import DEFAULT_QUERY_DELTA
 
 __all__ = ["owner_group"]
 
@@ -187,8 +189,18 @@ def probe_command(config_path: Path, timeout: float, local: bool) -> None:
     default=None,
     help="Report epsilon at this delta (default: the budget's delta).",
 )
-def budget_command(config_path: Path, delta: float | None) -> None:
-    """Print the epsilon spent and left, and every release recorded in the ledger."""
+@click.option(
+    "--query-delta",
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    default=None,
+    help="The delta a next query would state: the epsilon it may ask for depends on it "
+    f"(default: {DEFAULT_QUERY_DELTA:g}, or the per-query delta cap if lower).",
+)
+def budget_command(config_path: Path, delta: float | None, query_delta: float | None) -> None:
+    """Print the epsilon spent, the largest epsilon a next query may ask for (found with
+    this owner's own checks, for a query with the default zcdp calibration), and every
+    release recorded in the ledger."""
+    from fedpca.dp.next_query import largest_admissible_epsilon
     from fedpca.owner.ledger import owner_ledger
 
     try:
@@ -197,23 +209,41 @@ def budget_command(config_path: Path, delta: float | None) -> None:
         raise click.ClickException(str(exc)) from exc
     budget = config.budget
     at_delta = delta if delta is not None else budget.delta
+    cap = config.policy.delta_cap(budget)
+    if query_delta is not None and query_delta > cap:
+        raise click.ClickException(
+            f"--query-delta {query_delta:g} is above this owner's per-query delta cap {cap:g}: "
+            "every such query is refused"
+        )
     click.echo(f"owner        {config.owner.id}")
     click.echo(f"budget       epsilon={budget.epsilon:g} delta={budget.delta:g}")
-    if not config.ledger_path.exists():
-        click.echo(f"ledger       {config.ledger_path} (none yet: no release recorded)")
-        click.echo(f"spent        epsilon=0 at delta={at_delta:g}")
-        return
+    entries: list[LedgerEntry] = []
+    ledger = None
+    spent = 0.0
     try:
-        ledger = owner_ledger(config)
-        entries = ledger.events()
-        spent = ledger.spent(at_delta)
+        if config.ledger_path.exists():
+            ledger = owner_ledger(config)
+            entries = ledger.events()
+            spent = ledger.spent(at_delta)
+        # The checks this owner makes before it reserves a release: its policy's cap on
+        # one release's epsilon, then its ledger's budget (owner/policy.py, ledger.py).
+        next_query = largest_admissible_epsilon(
+            [entry.event for entry in entries],
+            budget,
+            min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
+            config.privacy.accountant,
+            neighbouring=config.privacy.neighbouring,
+            max_release_epsilon=config.policy.max_epsilon_per_query,
+        )
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"ledger       {config.ledger_path}")
+    none_yet = " (none yet: no release recorded)" if ledger is None else ""
+    click.echo(f"ledger       {config.ledger_path}{none_yet}")
     click.echo(f"spent        epsilon={spent:.6g} at delta={at_delta:g}")
-    if delta is None or delta == budget.delta:
-        remaining = budget.epsilon - spent if math.isfinite(budget.epsilon) else math.inf
-        click.echo(f"remaining    epsilon={max(0.0, remaining):.6g} (display only: not additive)")
+    click.echo(f"next query   {next_query.summary()}")
+    click.echo(f"             ({NOT_ADDITIVE})")
+    if ledger is None:
+        return
     private = sum(1 for e in entries if not e.not_private)
     click.echo(f"releases     {private} private, {len(entries) - private} NOT PRIVATE")
     for entry in entries:
