@@ -172,12 +172,10 @@ def test_a_ledger_that_exactly_fills_the_budget_refuses_one_more() -> None:
     last = check_budget(ledger[:-1], ledger[-1], budget)
     assert last.fits
     assert last.epsilon_spent_after == budget.epsilon
-    assert last.epsilon_remaining == 0.0
     for proposed in (release(3.0, "d"), 1e4):
         refused = check_budget(ledger, proposed, budget)
         assert not refused.fits
         assert refused.epsilon_spent_before == budget.epsilon
-        assert refused.epsilon_remaining == 0.0
         with pytest.raises(BudgetExceededError, match=re.escape(repr(budget.epsilon))):
             refused.raise_if_exceeded()
 
@@ -220,7 +218,7 @@ def test_the_rounding_slack_is_relative_and_tiny() -> None:
     assert not check_budget([], ledger[0], outside).fits
 
 
-def test_remaining_is_consistent_with_spent() -> None:
+def test_a_decision_reports_what_is_spent_before_and_after() -> None:
     budget = PrivacyParams(1.5, DELTA)
     ledger: list[PrivacyEvent | float] = [release(6.0)]
     decision = check_budget(ledger, 6.0, budget)
@@ -229,18 +227,17 @@ def test_remaining_is_consistent_with_spent() -> None:
     assert decision.epsilon_spent_before == pytest.approx(zcdp_epsilon(6.0, DELTA))
     assert decision.epsilon_spent_after == pytest.approx(zcdp_epsilon(6.0 / math.sqrt(2), DELTA))
     assert decision.epsilon_spent_before < decision.epsilon_spent_after <= budget.epsilon
-    assert decision.epsilon_remaining == budget.epsilon - decision.epsilon_spent_after
     assert decision.cross_check_epsilon_after is None  # cross-checks are for the PLD option
     pld = check_budget(ledger, 6.0, budget, PLD)
     assert pld.cross_check_epsilon_after == pytest.approx(decision.epsilon_spent_after)
-    # Spending releases until refused: the remaining value shrinks monotonically and
-    # the refused decision reports what was left before it.
-    remaining = [budget.epsilon]
+    # Spending releases until refused: what is spent grows monotonically, and the
+    # refused decision starts from what the last accepted one reached.
+    spent = [0.0]
     while (decision := check_budget(ledger, 6.0, budget)).fits:
-        assert decision.epsilon_remaining < remaining[-1]
-        remaining.append(decision.epsilon_remaining)
+        assert decision.epsilon_spent_after > spent[-1]
+        spent.append(decision.epsilon_spent_after)
         ledger.append(6.0)
-    assert decision.epsilon_remaining == pytest.approx(remaining[-1])
+    assert decision.epsilon_spent_before == pytest.approx(spent[-1])
     assert decision.epsilon_spent_after > budget.epsilon
     # k releases of z = 6 fit while zcdp_epsilon(6 / sqrt(k)) <= 1.5.
     fitting = [k for k in range(1, 20) if zcdp_epsilon(6.0 / math.sqrt(k), DELTA) <= 1.5]
@@ -264,10 +261,10 @@ def test_non_private_releases_need_an_infinite_budget() -> None:
     finite = PrivacyParams(1e6, DELTA)
     assert not check_budget([], noiseless, finite).fits
     blocked = check_budget([noiseless], 4.0, finite)
-    assert not blocked.fits and blocked.epsilon_remaining == 0.0
+    assert not blocked.fits and blocked.epsilon_spent_before == math.inf
     unlimited = PrivacyParams(math.inf, DELTA)
     accepted = check_budget([noiseless], noiseless, unlimited)
-    assert accepted.fits and accepted.epsilon_remaining == math.inf
+    assert accepted.fits
     assert accepted.epsilon_spent_after == math.inf
     assert check_budget([3.0], 3.0, PrivacyParams(math.inf, 0.0)).fits
 

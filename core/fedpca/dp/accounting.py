@@ -22,9 +22,9 @@ converted: the total failure probability is the Gaussian part's delta plus their
 A ledger is kept under one neighbouring relation (the deployment's); an event
 recorded under another relation is refused, never mixed in.
 
-Epsilon is not additive under composition, so the "remaining" epsilon a decision
-reports is for display only: every check recomposes the whole ledger. What one more
-release may still ask for is found with the check itself
+Epsilon is not additive under composition, so a budget's epsilon minus the epsilon
+spent is not what one more release may ask for: every check recomposes the whole
+ledger, and that question is answered with the check itself
 (:func:`fedpca.dp.next_query.largest_admissible_epsilon`).
 
 A release with z = 0 (epsilon = inf, the NOT PRIVATE verification mode) composes to
@@ -288,10 +288,6 @@ class BudgetDecision:
         Composed epsilon at ``budget.delta`` without / with the proposed release.
         A refused composition beyond the PLD floor (:data:`MIN_NOISE_MULTIPLIER`)
         reports the closed-form epsilon of the composed Gaussian as "after".
-    epsilon_remaining : float
-        ``budget.epsilon - epsilon_spent_after`` if it fits, else
-        ``budget.epsilon - epsilon_spent_before`` (the release is refused, so nothing
-        more is spent); never negative. Not additive: for display only.
     accountant : Accountant
         Which accountant produced the spent values.
     cross_check_epsilon_after : float or None
@@ -302,7 +298,6 @@ class BudgetDecision:
     budget: PrivacyParams
     epsilon_spent_before: float
     epsilon_spent_after: float
-    epsilon_remaining: float
     accountant: Accountant
     cross_check_epsilon_after: float | None = None
 
@@ -378,7 +373,7 @@ def check_budget(
                 compose_epsilon(ledger, budget.delta, kind),
                 compose_epsilon(after_releases, budget.delta, kind),
             )
-        return BudgetDecision(True, budget, spent[0], spent[1], math.inf, kind)
+        return BudgetDecision(True, budget, spent[0], spent[1], kind)
     before = compose_epsilon(ledger, budget.delta, kind)
     z_after = composed_noise_multiplier([*multipliers, z_new])
     beyond_pld = kind is Accountant.PLD_CONTINUOUS and 0 < z_after < MIN_NOISE_MULTIPLIER
@@ -401,7 +396,6 @@ def check_budget(
     # Requiring before < total as well keeps an exactly-full ledger closed even if
     # a very weak release did not move the composed epsilon in floating point.
     fits = after <= budget.epsilon * (1.0 + BUDGET_ROUNDING_SLACK) and before < budget.epsilon
-    remaining = budget.epsilon - (after if fits else before)
     cross: float | None = None
     if (
         cross_check
@@ -423,7 +417,6 @@ def check_budget(
         budget=budget,
         epsilon_spent_before=before,
         epsilon_spent_after=after,
-        epsilon_remaining=max(0.0, remaining) if math.isfinite(remaining) else 0.0,
         accountant=kind,
         cross_check_epsilon_after=cross,
     )

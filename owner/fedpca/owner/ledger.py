@@ -228,7 +228,6 @@ class BudgetLedger:
                     budget,
                     spent,
                     spent,
-                    _remaining(budget, spent),
                     not_private=bool(was_not_private),
                     already_reserved=True,
                 )
@@ -237,9 +236,7 @@ class BudgetLedger:
                 # which it exhausts (its epsilon is infinite).
                 before = self._compose(past, budget)
                 after = math.inf if 0 < budget.delta < 1 else math.nan
-                decision = BudgetDecision(
-                    event.query_id, budget, before, after, _remaining(budget, after), True
-                )
+                decision = BudgetDecision(event.query_id, budget, before, after, not_private=True)
                 logger.warning(
                     "query %s: NOT PRIVATE verification release (epsilon = inf) recorded; a "
                     "finite budget is now exhausted",
@@ -261,7 +258,6 @@ class BudgetLedger:
                     budget,
                     check.epsilon_spent_before,
                     check.epsilon_spent_after,
-                    _remaining(budget, check.epsilon_spent_after),
                 )
             connection.execute(
                 "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
@@ -537,14 +533,6 @@ def _events(connection: sqlite3.Connection) -> list[PrivacyEvent]:
         f"SELECT {_EVENT_COLUMNS} FROM releases ORDER BY recorded_at, query_id"
     ).fetchall()
     return [_event(row) for row in rows]
-
-
-def _remaining(budget: PrivacyParams, spent: float) -> float:
-    if math.isinf(budget.epsilon):
-        return math.inf
-    if math.isnan(spent):
-        return math.nan
-    return max(0.0, budget.epsilon - spent)
 
 
 def owner_ledger(config: OwnerConfig) -> BudgetLedger:

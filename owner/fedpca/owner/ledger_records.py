@@ -21,8 +21,6 @@ class BudgetDecision:
     budget : the owner's total budget.
     epsilon_spent_before, epsilon_spent_after : composed epsilon at ``budget.delta``
         of the private releases without / with this one.
-    epsilon_remaining : ``budget.epsilon - epsilon_spent_after`` (display only:
-        epsilon is not additive).
     not_private : this was an ``epsilon = inf`` verification release (it exhausts a
         finite budget).
     already_reserved : the query id had been reserved before with the same
@@ -33,7 +31,6 @@ class BudgetDecision:
     budget: PrivacyParams
     epsilon_spent_before: float
     epsilon_spent_after: float
-    epsilon_remaining: float
     not_private: bool = False
     already_reserved: bool = False
 
