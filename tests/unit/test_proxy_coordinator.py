@@ -1829,3 +1829,33 @@ def test_uploads_in_progress_are_taken_out_at_restart_while_open_and_resumed_onc
     assert restarted.store.query(Q1).state is QueryState.DONE
     expected = sum(upload[2][SHARES].astype(object) for upload in uploads)
     assert decrypt_block(pool, private_key, restarted, "q1", SHARES) == list(expected)
+
+
+def test_budget_searches_once_per_ledger_and_again_after_a_release(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, monkeypatch: Any
+) -> None:
+    # The search composes the ledger a few times (seconds under pld-continuous): asked
+    # again with the same ledger, the proxy answers from what it found.
+    import fedpca.dp.next_query as next_query_module
+    from fedpca.proxy.analyst_requests import _next_query
+
+    searches: list[int] = []
+    real = next_query_module.largest_admissible_epsilon
+
+    def counted(ledger: Any, *args: Any, **kwargs: Any) -> Any:
+        searches.append(len(ledger))
+        return real(ledger, *args, **kwargs)
+
+    monkeypatch.setattr(next_query_module, "largest_admissible_epsilon", counted)
+    _next_query.cache_clear()  # an earlier test may have asked about the same ledger
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(bob=PrivacyParams(2.0, 1e-5)))
+    first = coordinator.budget("bob").next_query
+    assert coordinator.budget("bob").next_query == first
+    assert searches == [0]
+    coordinator.submit(
+        "bob", signed(make_spec(public_key, "c1", epsilon=1.0, delta=1e-6), SECOND_TEST_SIGNING_KEY)
+    )
+    after = coordinator.budget("bob").next_query
+    assert searches == [0, 1]
+    assert first is not None and after is not None and after.epsilon < first.epsilon

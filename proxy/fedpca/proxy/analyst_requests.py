@@ -3,12 +3,14 @@ header and pages, and the analyst's budget."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from datetime import UTC, datetime
 from typing import Any
 
-from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.admission import NextQuery
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import ConfigError, QueryStateError
 from fedpca.messages import (
     BudgetStatus,
@@ -222,7 +224,6 @@ class AnalystRequests(CoordinatorCore):
             whatever its epsilon.
         """
         from fedpca.dp.accounting import compose_epsilon  # slow import (dp_accounting)
-        from fedpca.dp.next_query import largest_admissible_epsilon
 
         limit = self.config.budget.for_analyst(analyst_id)
         at = limit.delta if delta is None else delta
@@ -248,12 +249,12 @@ class AnalystRequests(CoordinatorCore):
             remaining = max(0.0, limit.epsilon - used)
         admissible = None
         if next_query:
-            admissible = largest_admissible_epsilon(
-                ledger,
+            admissible = _next_query(
+                tuple(ledger),
                 limit,
                 min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
                 privacy.accountant,
-                neighbouring=privacy.neighbouring,
+                privacy.neighbouring,
             )
         return BudgetStatus(
             analyst_id=analyst_id,
@@ -265,3 +266,22 @@ class AnalystRequests(CoordinatorCore):
             limit_delta=limit.delta,
             next_query=admissible,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _next_query(
+    ledger: tuple[PrivacyEvent, ...],
+    limit: PrivacyParams,
+    query_delta: float,
+    accountant: Any,
+    neighbouring: Any,
+) -> NextQuery:
+    """:func:`~fedpca.dp.next_query.largest_admissible_epsilon`, kept for the ledger it
+    was found for: the search composes the ledger a few times (up to seconds of CPU
+    under pld-continuous), and an analyst (or a dashboard) asking again before its
+    next release gets the same answer without it. A new release changes the key."""
+    from fedpca.dp.next_query import largest_admissible_epsilon  # slow import
+
+    return largest_admissible_epsilon(
+        list(ledger), limit, query_delta, accountant, neighbouring=neighbouring
+    )
