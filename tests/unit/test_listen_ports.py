@@ -65,26 +65,20 @@ def test_proxy_serve_on_a_port_in_use_says_so(certs: Path, tmp_path: Path, busy_
     write_proxy_folder(tmp_path / "proxy", owners=["owner-1"], certs=certs, listen="127.0.0.1:0")
     config = str(tmp_path / "proxy" / "proxy.toml")
     address = f"127.0.0.1:{busy_port}"
-    served = subprocess.run(
-        [*_FEDPCA, "proxy", "serve", "--config", config, "--listen", address],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert _one_line_error(served) == (
-        f"Error: cannot start the proxy: cannot listen on {address}: port {busy_port} is "
-        "already in use; change proxy.listen (or --listen)"
-    )
-    monitored = subprocess.run(
-        [*_FEDPCA, "proxy", "serve", "--config", config, "--monitoring-listen", address],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert _one_line_error(monitored) == (
-        f"Error: cannot start the proxy: cannot listen on {address}: port {busy_port} is "
-        "already in use; change monitoring.listen (or --monitoring-listen)"
-    )
+    for option, setting in [
+        ("--listen", "proxy.listen"),
+        ("--monitoring-listen", "monitoring.listen"),
+    ]:
+        served = subprocess.run(
+            [*_FEDPCA, "proxy", "serve", "--config", config, option, address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert _one_line_error(served) == (
+            f"Error: cannot start the proxy: cannot listen on {address}: port {busy_port} is "
+            f"already in use; change {setting} (or {option})"
+        )
 
 
 def test_owner_serve_on_a_monitoring_port_in_use_says_so(

@@ -65,6 +65,7 @@ __all__ = [
     "composed_noise_multiplier",
     "extra_delta",
     "max_epsilon_per_release",
+    "noise_multiplier_of",
     "require_budget",
     "to_dp_event",
 ]
@@ -131,7 +132,8 @@ def _check_relation(releases: Iterable[Release], neighbouring: Neighbouring | No
             )
 
 
-def _noise_multiplier(release: Release) -> float:
+def noise_multiplier_of(release: Release) -> float:
+    """A release's noise multiplier z (its own, or the float given), checked."""
     if isinstance(release, PrivacyEvent):
         return release.noise_multiplier
     z = float(release)
@@ -251,7 +253,7 @@ def compose_epsilon(
     kind = _accountant(accountant)
     listed = list(releases)
     _check_relation(listed, neighbouring)
-    multipliers = [_noise_multiplier(r) for r in listed]
+    multipliers = [noise_multiplier_of(r) for r in listed]
     if not multipliers:
         return 0.0
     if any(z == 0 for z in multipliers):
@@ -359,8 +361,8 @@ def check_budget(
     """
     kind = _accountant(accountant)
     _check_relation([*ledger, proposed], neighbouring)
-    multipliers = [_noise_multiplier(r) for r in ledger]
-    z_new = _noise_multiplier(proposed)
+    multipliers = [noise_multiplier_of(r) for r in ledger]
+    z_new = noise_multiplier_of(proposed)
     after_releases = [*ledger, proposed]
     if kind is Accountant.PLD_CONTINUOUS:
         _check_release_floor(proposed, z_new, budget.delta)

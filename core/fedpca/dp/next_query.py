@@ -24,6 +24,7 @@ from fedpca.dp.accounting import (
     check_budget,
     compose_epsilon,
     extra_delta,
+    noise_multiplier_of,
 )
 from fedpca.dp.calibration import (
     analytic_gaussian_sigma,
@@ -31,7 +32,7 @@ from fedpca.dp.calibration import (
     zcdp_epsilon,
     zcdp_noise_multiplier,
 )
-from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import CalibrationError, ConfigError
 from fedpca.query import Neighbouring
 
@@ -211,9 +212,7 @@ def _admission_guess(
         if math.isfinite(budget.epsilon) and gaussian_delta > 0:
             z_total = max(floor, invert(budget.epsilon, gaussian_delta))
         if z_total > 0:
-            multipliers = [
-                r.noise_multiplier if isinstance(r, PrivacyEvent) else float(r) for r in ledger
-            ]
+            multipliers = [noise_multiplier_of(r) for r in ledger]
             used = math.inf if 0 in multipliers else math.fsum(z**-2 for z in multipliers)
             room = z_total**-2 - used
             if not room > 0:
