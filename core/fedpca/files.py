@@ -10,10 +10,15 @@ survives a power loss.
 :func:`undone_on_failure` is used by the ``init`` commands: a run that fails half-way
 removes what it created and puts back the files it replaced, so the command can simply
 be run again.
+
+:class:`ExclusiveUse` is held by a running daemon on its state (the owner node's state
+folder, the proxy's database): a second daemon started on the same state stops at
+start-up with a message naming the first, instead of both running on one ledger.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import stat
@@ -23,7 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["undone_on_failure", "write_atomically"]
+from fedpca.errors import ConfigError
+
+__all__ = ["ExclusiveUse", "undone_on_failure", "write_atomically"]
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int) -> None:
@@ -128,3 +135,64 @@ def undone_on_failure(roots: Iterable[Path], replaced: Iterable[Path] = ()) -> I
 
 def _writer(content: bytes) -> Callable[[BinaryIO], object]:
     return lambda handle: handle.write(content)
+
+
+class ExclusiveUse:
+    """A lock file that one process at a time holds while it uses some state.
+
+    The lock is the operating system's (``flock``), so it ends with the process that
+    holds it, however that process ends: a crashed daemon never leaves a stale lock
+    behind. The holder's process id is written into the file to name it in the error
+    another process gets. (Advisory: it binds only processes that ask for it, and it
+    holds across processes of one host; two hosts sharing a network folder are not
+    covered.)
+
+    Parameters
+    ----------
+    path : the lock file (created if missing; its folder must exist).
+    what : what it guards, for the error message (e.g. "the state folder state/owner-1").
+
+    Raises
+    ------
+    ConfigError
+        Another process holds the lock, or the file cannot be opened.
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = path
+        self._descriptor: int | None = None
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the lock file {path} of {what}: {exc}") from exc
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 32, 0).decode("ascii", "replace").strip()
+            os.close(descriptor)
+            by = f"process {holder}" if holder.isdigit() else "another process"
+            raise ConfigError(
+                f"{what} is in use by {by} (lock file {path}): stop that process first; "
+                "two processes on the same state would share one ledger"
+            ) from None
+        except BaseException:
+            os.close(descriptor)
+            raise
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"{os.getpid()}\n".encode("ascii"), 0)
+        self._descriptor = descriptor
+
+    def release(self) -> None:
+        """Let another process take the lock; safe to call twice."""
+        descriptor, self._descriptor = self._descriptor, None
+        if descriptor is not None:
+            os.close(descriptor)  # closing the only descriptor releases the flock
+
+    def __enter__(self) -> ExclusiveUse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ import pytest
 from fedpca.codec import CryptoPool, generate_keypair, key_fingerprint, unpack_slots
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.errors import DataError, PolicyError, ProtocolError
+from fedpca.errors import ConfigError, DataError, PolicyError, ProtocolError
 from fedpca.messages import (
     SHARE_RELEASED_METADATA,
     DeclineReason,
@@ -224,6 +225,14 @@ class Harness:
     node: OwnerNode
     config: OwnerConfig
     public_key: Any
+    stop: threading.Event
+    thread: threading.Thread
+
+    def stop_node(self) -> None:
+        """End the running node's process, as it were: its ``run_forever`` returns."""
+        self.stop.set()
+        self.thread.join(WAIT)
+        assert not self.thread.is_alive(), "run_forever did not return after stop"
 
     def spec(self, query_id: str, **overrides: Any) -> QuerySpec:
         return _spec(self.public_key, query_id, **overrides)
@@ -301,7 +310,7 @@ def harness(
     thread.start()
     try:
         assert node.connected.wait(WAIT), "the node did not connect"
-        yield Harness(proxy, node, config, public_key)
+        yield Harness(proxy, node, config, public_key, stop, thread)
     finally:
         stop.set()
         thread.join(WAIT)
@@ -985,10 +994,31 @@ def test_kept_shares_of_ended_uploads_are_deleted_at_start(
     (shares / "0123.tmp").write_bytes(b"half written")  # a crash while saving
     # q2 ended while its node was down (here: the ledger says it was cancelled).
     harness.ledger.record_task(key("q2"), TaskOutcome.CANCELLED, "cancelled by the proxy")
-    OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    harness.stop_node()
+    restarted = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    assert len(list(shares.iterdir())) == 3  # built, not started: nothing deleted yet
+    stop = threading.Event()
+    stop.set()
+    restarted.run_forever(stop)  # starts (deleting what ended), then stops at once
     q1 = harness.ledger.task(key("q1"))
     assert q1 is not None
     assert {path.name for path in shares.iterdir()} == {f"{q1.upload_id}.npz"}
+
+
+def test_a_second_node_on_the_same_state_folder_is_refused_at_start(
+    harness: Harness, pool: CryptoPool
+) -> None:
+    """Two nodes serving one state folder would take the task stream from each other at
+    every reconnection and share one ledger: the second stops at start, naming the
+    first; once the first has stopped, the folder can be served again."""
+    second = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ConfigError, match=rf"state folder .* is in use by process {os.getpid()}"):
+        second.run_forever(stop)
+    assert harness.node.connected.is_set()  # the first node is undisturbed
+    harness.stop_node()
+    second.run_forever(stop)  # the folder is free now: starts, then stops at once
 
 
 def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool) -> None:

@@ -242,6 +242,38 @@ def _serve_until(path: Path, marker: str, log: Path, *extra: str) -> str:
     return log.read_text()
 
 
+def test_a_second_serve_on_the_same_state_folder_stops_at_start(tmp_path: Path) -> None:
+    """Two nodes on one state folder would share a ledger and take the task stream
+    from each other: the second says which process holds the folder and exits 1."""
+    tls = 'ca = "x.pem"\ncert = "y.pem"\nkey = "z.pem"'
+    path = _write_config(tmp_path, f"127.0.0.1:{free_port()}", tls)
+    log = tmp_path / "first.log"
+    code = "from fedpca.owner.cli import owner_group; owner_group()"
+    command = [sys.executable, "-c", code, "serve", "--config", str(path), "--insecure"]
+    with log.open("wb") as out:
+        first = subprocess.Popen([*command, "--new-ledger"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "reconnecting in" not in log.read_text() and time.monotonic() < deadline:
+            assert first.poll() is None, log.read_text()
+            time.sleep(0.05)
+        second = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert (
+            f"the owner's state folder {tmp_path / 'state'} is in use by process {first.pid}"
+            in second.stderr
+        )
+        assert first.poll() is None  # the first node runs on
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0, log.read_text()
+        # Once it has stopped, the folder is free again.
+        restarted = _serve_until(path, "reconnecting in", tmp_path / "again.log", "--insecure")
+        assert "stopped" in restarted
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+
 def test_serve_connects_over_mtls_and_stops_on_sigterm(tmp_path: Path) -> None:
     files = certs.init_certificates(tmp_path / "pki", ["owner-1"], [])
     server = sync_test_server(max_workers=4)

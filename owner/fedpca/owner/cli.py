@@ -138,6 +138,8 @@ def serve_command(
         signal.signal(signal.SIGINT, _on_signal)
     try:
         node.run_forever()
+    except ConfigError as exc:  # another process serves the same state folder
+        raise click.ClickException(str(exc)) from exc
     finally:
         if monitoring is not None:
             monitoring.stop()

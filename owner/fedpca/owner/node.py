@@ -44,6 +44,7 @@ from fedpca.errors import (
     ConfigError,
     ProtocolError,
 )
+from fedpca.files import ExclusiveUse
 from fedpca.messages import (
     PROTOCOL_VERSION,
     UPLOAD_CHUNK_BYTES,
@@ -82,6 +83,20 @@ _REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTH
 
 REMEMBERED_CANCELLATIONS = 1024
 """Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
+
+
+def _use_state_folder(config: OwnerConfig) -> ExclusiveUse:
+    """Hold the node's state folder (its ledger and kept shares) for this process.
+
+    Two nodes on one folder would each take the task stream from the other every
+    time they reconnect and interleave their uploads in one ledger.
+    """
+    folder = config.owner.state_dir
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the state folder {folder}: {exc}") from exc
+    return ExclusiveUse(folder / "node.lock", f"the owner's state folder {folder}")
 
 
 class OwnerNode(TaskProcessing):
@@ -143,8 +158,6 @@ class OwnerNode(TaskProcessing):
                 config.ledger_path,
             )
         self.shares = ShareSnapshots(config.owner.state_dir / "shares")
-        # Shares kept for uploads that ended while the node was down (or just before).
-        self.shares.prune(set(self.ledger.uploads_in_flight().values()))
         self._owns_pool = pool is None
         processes = config.crypto.processes or None
         self._pool = pool if pool is not None else CryptoPool(processes)
@@ -220,7 +233,19 @@ class OwnerNode(TaskProcessing):
         Connection failures and a lost stream are retried with backoff forever; the
         backoff starts again from ``reconnect_initial`` after every session that got
         its task stream up.
+
+        Raises
+        ------
+        ConfigError
+            Another process serves the same state folder (see :func:`_use_state_folder`).
         """
+        with _use_state_folder(self.config):
+            # Shares kept for uploads that ended while the node was down (or just
+            # before): deleted only by the process that holds the folder.
+            self.shares.prune(set(self.ledger.uploads_in_flight().values()))
+            self._serve(stop_event)
+
+    def _serve(self, stop_event: threading.Event | None) -> None:
         if stop_event is not None:
 
             def watch() -> None:

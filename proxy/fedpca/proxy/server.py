@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 from grpc import aio
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fedpca.codec import CryptoPool
 from fedpca.dp.noise import DiscreteGaussianSampler, NoiseSampler
 from fedpca.errors import ConfigError
+from fedpca.files import ExclusiveUse
 from fedpca.monitoring import MonitoringServer
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator import Coordinator
@@ -45,6 +47,18 @@ HEALTH_SERVICES = ("fedpca.v1.OwnerService", "fedpca.v1.AnalystService")
 """Services the health service reports besides the server as a whole ("")."""
 
 _T = TypeVar("_T")
+
+
+def _use_database(database: Path) -> ExclusiveUse:
+    """Hold the proxy's database for this process: two proxies on one database would
+    each admit queries against the same budgets and race for the same uploads."""
+    try:
+        database.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the database folder {database.parent}: {exc}") from exc
+    return ExclusiveUse(
+        database.with_name(database.name + ".lock"), f"the proxy database {database}"
+    )
 
 
 class ProxyServer:
@@ -77,6 +91,7 @@ class ProxyServer:
         self._external_pool = pool
         self._pool: CryptoPool | None = None
         self._store: ProxyStore | None = None
+        self._database_lock: ExclusiveUse | None = None
         self._coordinator: Coordinator | None = None
         self._server: aio.Server | None = None
         self._work: WorkerPool | None = None
@@ -141,6 +156,7 @@ class ProxyServer:
                     tls.identity.node_id,
                 )
         try:
+            self._database_lock = _use_database(config.proxy.database)
             self._store = ProxyStore(
                 config.proxy.database, neighbouring=config.privacy.neighbouring
             )
@@ -314,6 +330,9 @@ class ProxyServer:
         store, self._store = self._store, None
         if store is not None:
             store.close()
+        database_lock, self._database_lock = self._database_lock, None
+        if database_lock is not None:
+            database_lock.release()
         self._terminated.set()
         if server is not None:
             logger.info("proxy stopped")

@@ -1,0 +1,89 @@
+"""One process at a time on a daemon's state.
+
+A new operator's walkthrough: a second ``fedpca owner serve`` on the same configuration
+ran beside the first, the two taking the task stream from each other every second on
+one ledger, and a second ``fedpca proxy serve`` on the same database was not refused
+either. (The owner's case is tested with its node in ``test_owner_node.py`` and
+``test_owner_node_cli.py``.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedpca.errors import ConfigError
+from fedpca.files import ExclusiveUse
+from fedpca.proxy.init import write_proxy_folder
+from fedpca.transport.certs import init_certificates
+
+_FEDPCA = (sys.executable, "-c", "from fedpca.app.cli import main; main()")
+
+
+def test_a_held_lock_is_refused_naming_its_holder_until_released(tmp_path: Path) -> None:
+    path = tmp_path / "state.lock"
+    first = ExclusiveUse(path, "the state folder s")
+    held = rf"the state folder s is in use by process {os.getpid()}"
+    with pytest.raises(ConfigError, match=held):
+        ExclusiveUse(path, "the state folder s")
+    first.release()
+    first.release()  # twice is harmless
+    with ExclusiveUse(path, "the state folder s"), pytest.raises(ConfigError, match="in use"):
+        ExclusiveUse(path, "the state folder s")
+    ExclusiveUse(path, "the state folder s").release()  # free again after the with
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
+    """The lock is the kernel's: it ends with the process, even one killed with SIGKILL."""
+    path = tmp_path / "state.lock"
+    code = (
+        "import sys, time; from pathlib import Path; from fedpca.files import ExclusiveUse; "
+        f"held = ExclusiveUse(Path({str(path)!r}), 'x'); print('held', flush=True); "
+        "time.sleep(600)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match=f"in use by process {holder.pid}"):
+            ExclusiveUse(path, "x")
+    finally:
+        holder.kill()
+        holder.wait(30)
+    ExclusiveUse(path, "x").release()
+
+
+def test_a_second_proxy_on_the_same_database_stops_at_start(tmp_path: Path) -> None:
+    init_certificates(tmp_path / "certs", ["owner-1"], ["alice"])
+    write_proxy_folder(
+        tmp_path / "proxy", owners=["owner-1"], certs=tmp_path / "certs", listen="127.0.0.1:0"
+    )
+    config = str(tmp_path / "proxy" / "proxy.toml")
+    command = [*_FEDPCA, "proxy", "serve", "--config", config]
+    log = tmp_path / "first.log"
+    with log.open("wb") as out:
+        first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "proxy listening on" not in log.read_text() and time.monotonic() < deadline:
+            assert first.poll() is None, log.read_text()
+            time.sleep(0.05)
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stderr
+        database = tmp_path / "proxy" / "state" / "proxy.sqlite3"
+        assert (
+            f"Error: cannot start the proxy: the proxy database {database} is in use by "
+            f"process {first.pid}" in second.stderr
+        ), second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None  # the first proxy serves on
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(60) == 0, log.read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
