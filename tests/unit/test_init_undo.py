@@ -61,13 +61,15 @@ def _cases(certs: Path, out: Path, data: Path) -> dict[str, tuple[click.Command,
     return {
         # Refused when owner.toml is read back, after tls/ and state/ were written.
         "owner": (owner_group, _owner_args(certs, out, data, pin="sha256:abc"), PIN),
+        # Refused when proxy.toml is read back (a malformed --listen is refused before
+        # anything is written, as the tests of the addresses show).
         "proxy": (
             proxy_group,
             [
                 *("init", "--out", str(out), "--owners", "hospital-a", "--certs", str(certs)),
-                *("--listen", "nowhere"),
+                *("--budget-delta", "2"),
             ],
-            "127.0.0.1:0",
+            "1e-5",
         ),
         # No certificate for this analyst id: refused while copying the TLS files.
         "analyst": (
@@ -82,7 +84,7 @@ def _cases(certs: Path, out: Path, data: Path) -> dict[str, tuple[click.Command,
 
 
 def _fixed(role: str, args: list[str], fix: str) -> list[str]:
-    wrong = {"owner": "sha256:abc", "proxy": "nowhere", "analyst": "bob"}[role]
+    wrong = {"owner": "sha256:abc", "proxy": "2", "analyst": "bob"}[role]
     return [fix if arg == wrong else arg for arg in args]
 
 

@@ -99,6 +99,48 @@ def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> No
     assert "fedpca certs init" in not_certs.output and "certs issue" not in not_certs.output
 
 
+@pytest.mark.parametrize(
+    ("role", "flag", "value"),
+    [
+        ("analyst", "--proxy", "localhost"),
+        ("owner", "--proxy", "proxy.test"),
+        ("owner", "--monitoring-listen", "::1:9464"),
+        ("proxy", "--listen", "0.0.0.0"),
+        ("proxy", "--monitoring-listen", "localhost:99999"),
+    ],
+)
+def test_init_refuses_an_address_that_is_not_host_port_before_writing(
+    role: str, flag: str, value: str, certs: Path, tmp_path: Path
+) -> None:
+    """A new operator's review: ``fedpca analyst init --proxy localhost`` succeeded,
+    and the address failed only at the first query."""
+    out = tmp_path / role
+    data = _table(tmp_path / "table.csv")
+    common = ["--out", str(out), "--certs", str(certs)]
+    group, args = {
+        "analyst": (analyst_init, [*common, "--id", "alice", "--key-dir", str(tmp_path)]),
+        "owner": (
+            owner_group,
+            [
+                *("init", *common, "--id", OWNERS[0], "--data", str(data)),
+                *("--max-records", "400", "--analyst-key", "sha256:" + "a" * 64),
+                *("--analyst-signer", TEST_SIGNER),
+            ],
+        ),
+        "proxy": (proxy_group, ["init", *common, "--owners", ",".join(OWNERS)]),
+    }[role]
+    if flag != "--proxy" and role != "proxy":
+        args += ["--proxy", "proxy.test:50051"]
+    elif role != "proxy":
+        args += ["--proxy", value]
+    if flag != "--proxy":
+        args += [flag, value]
+    result = CliRunner().invoke(group, args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}': must be 'host:port'" in result.output
+    assert not out.exists()
+
+
 def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Path) -> None:
     data = _table(tmp_path / "hospital-a" / "data" / "table.csv")
     out = tmp_path / "hospital-a"

@@ -12,6 +12,7 @@ import click
 
 from fedpca.analyst.config import AnalystConfig, load_config
 from fedpca.errors import ConfigError
+from fedpca.transport.addresses import click_address
 from fedpca.transport.certs import TlsFiles
 
 __all__ = ["connection_config", "connection_options"]
@@ -66,7 +67,9 @@ def connection_config(
 
 def connection_options(function: F) -> F:
     options: list[Callable[[Any], Any]] = [
-        click.option("--proxy", metavar="HOST:PORT", help="Address of the proxy."),
+        click.option(
+            "--proxy", metavar="HOST:PORT", callback=click_address(), help="Address of the proxy."
+        ),
         click.option(
             "--config",
             "config_path",

@@ -26,6 +26,7 @@ from typing import Any
 
 from fedpca.errors import ConfigError
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
+from fedpca.transport.addresses import check_address
 from fedpca.transport.certs import TlsFiles
 
 __all__ = ["AnalystConfig", "load_config"]
@@ -60,7 +61,8 @@ class AnalystConfig:
         Raises
         ------
         ConfigError
-            Unknown keys, wrong types or an incomplete [tls] table.
+            Unknown keys, wrong types, a proxy that is not ``host:port`` or an
+            incomplete [tls] table.
         """
         reject_unknown_keys(document, _CONFIG_KEYS)
 
@@ -88,8 +90,9 @@ class AnalystConfig:
         insecure = document.get("insecure", False)
         if not isinstance(insecure, bool):
             raise ConfigError("insecure must be true or false")
+        proxy = text(document, "proxy")
         return cls(
-            proxy=text(document, "proxy"),
+            proxy=None if proxy is None else check_address(proxy, "proxy"),
             key_dir=path(text(document, "key_dir"), "key_dir"),
             tls=tls,
             server_name=text(document, "server_name"),
@@ -103,7 +106,8 @@ def load_config(path: str | os.PathLike[str]) -> AnalystConfig:
     Raises
     ------
     ConfigError
-        Unreadable file, invalid TOML, unknown keys, wrong types or an incomplete
-        [tls] table (the message names the file and the key).
+        Unreadable file, invalid TOML, unknown keys, wrong types, a proxy that is not
+        ``host:port`` or an incomplete [tls] table (the message names the file and
+        the key).
     """
     return load_toml_config(path, "analyst", AnalystConfig.from_mapping)

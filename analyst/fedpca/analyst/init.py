@@ -16,6 +16,7 @@ from fedpca.analyst.config import AnalystConfig, load_config
 from fedpca.analyst.keys import AnalystKeyFiles
 from fedpca.errors import ConfigError, FedpcaError
 from fedpca.toml_config import toml_value
+from fedpca.transport.addresses import check_address, click_address
 from fedpca.transport.bundle import TLS_DIR, config_path, writing_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles
 from fedpca.transport.tls_options import tls_file_options
@@ -41,10 +42,12 @@ def write_analyst_folder(
     Raises
     ------
     ConfigError
-        An existing folder without ``force``, TLS files that are missing or not this
+        A proxy address that is not ``host:port`` (before anything is written), an
+        existing folder without ``force``, TLS files that are missing or not this
         analyst's, or values the analyst's loader refuses. What the call wrote is then
         undone (:func:`~fedpca.transport.bundle.writing_folder`).
     """
+    check_address(proxy, "--proxy")
     lines = [
         "# fedpca analyst, written by `fedpca analyst init`; flags override it.",
         f"proxy = {toml_value(proxy)}",
@@ -75,7 +78,11 @@ def write_analyst_folder(
 )
 @click.option("--id", "analyst_id", required=True, help="The analyst id (as in its certificate).")
 @click.option(
-    "--proxy", required=True, metavar="HOST:PORT", help="The proxy, as the analyst dials it."
+    "--proxy",
+    required=True,
+    metavar="HOST:PORT",
+    callback=click_address(),
+    help="The proxy, as the analyst dials it.",
 )
 @click.option(
     "--key-dir",

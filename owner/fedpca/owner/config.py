@@ -66,6 +66,7 @@ from fedpca.errors import ConfigError
 from fedpca.query import RELEASE_KINDS, Neighbouring, ReleaseKind, release_kind
 from fedpca.signing import parse_signer
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
+from fedpca.transport.addresses import check_address
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
 __all__ = [
@@ -94,8 +95,6 @@ DELTA_CAP = 1e-5
 """The default per-query delta cap never exceeds this (nor the budget's delta)."""
 
 _FINGERPRINT_RE = re.compile(r"sha256:[0-9a-f]{64}")
-# host:port, host may be a bracketed IPv6 literal; the port is checked numerically.
-_ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 
 
 @dataclass(frozen=True)
@@ -537,17 +536,11 @@ def load_config(path: str | os.PathLike[str]) -> OwnerConfig:
 
 # ------------------------------------------------------------------ helpers
 def _proxy_address(proxy: str) -> str:
-    match = _ADDRESS_RE.fullmatch(proxy)
-    if match is None or not 1 <= int(match.group(2)) <= 65535:
-        raise ConfigError(f"owner.proxy must be 'host:port', got {proxy!r}")
-    return proxy
+    return check_address(proxy, "owner.proxy")
 
 
 def _monitoring_listen(listen: str) -> str:
-    match = _ADDRESS_RE.fullmatch(listen)
-    if match is None or not 0 <= int(match.group(2)) <= 65535:
-        raise ConfigError(f"monitoring.listen must be 'host:port', got {listen!r}")
-    return listen
+    return check_address(listen, "monitoring.listen", listening=True)
 
 
 _Choice = TypeVar("_Choice", bound=StrEnum)

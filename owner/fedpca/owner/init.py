@@ -28,6 +28,7 @@ from fedpca.owner.config import (
 from fedpca.owner.ledger import owner_ledger
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
+from fedpca.transport.addresses import check_address, click_address
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, writing_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
 from fedpca.transport.tls_options import tls_file_options
@@ -184,13 +185,17 @@ def write_owner_folder(
     ------
     ConfigError
         A missing ``max_records`` (the table's size is shown, no value suggested), no
-        pinned key or signer, TLS files that are missing or not this owner's, an existing folder
-        without ``force``, or values the owner's loader refuses. What the call wrote is
-        then undone (:func:`~fedpca.transport.bundle.writing_folder`).
+        pinned key or signer, an address that is not ``host:port`` (these before
+        anything is written), TLS files that are missing or not this owner's, an
+        existing folder without ``force``, or values the owner's loader refuses. What
+        the call wrote is then undone (:func:`~fedpca.transport.bundle.writing_folder`).
     DataError
         The data file exists but cannot be read as a table.
     """
     validate_node_id(owner_id)
+    check_address(proxy, "--proxy")
+    if monitoring_listen is not None:
+        check_address(monitoring_listen, "--monitoring-listen", listening=True)
     facts = _table_facts(data, header, label_column)
     if max_records is None:
         if facts is None:
@@ -267,7 +272,13 @@ def _split(values: tuple[str, ...]) -> list[str]:
     help="The owner's folder to create (owner.toml, tls/, state/).",
 )
 @click.option("--id", "owner_id", required=True, help="The owner id (as in its certificate).")
-@click.option("--proxy", required=True, metavar="HOST:PORT", help="The proxy, as owners dial it.")
+@click.option(
+    "--proxy",
+    required=True,
+    metavar="HOST:PORT",
+    callback=click_address(),
+    help="The proxy, as owners dial it.",
+)
 @click.option(
     "--certs",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
@@ -345,7 +356,11 @@ def _split(values: tuple[str, ...]) -> list[str]:
     type=click.Path(file_okay=False, path_type=Path),
     help="Ledger folder [OUT/state].",
 )
-@click.option("--monitoring-listen", help="host:port of /metrics and health (off by default).")
+@click.option(
+    "--monitoring-listen",
+    callback=click_address(listening=True),
+    help="host:port of /metrics and health (off by default).",
+)
 @click.option("--force", is_flag=True, help="Write the folder again (state/ is kept).")
 def init_command(
     out: Path,

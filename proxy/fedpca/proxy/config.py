@@ -75,6 +75,7 @@ from fedpca.errors import ConfigError
 from fedpca.proxy.limits import PeerLimits
 from fedpca.query import Neighbouring
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
+from fedpca.transport.addresses import check_address
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
 __all__ = [
@@ -451,14 +452,4 @@ def _privacy(table: Mapping[str, Any], key: str, default: PrivacyParams) -> Priv
 
 
 def _listen(value: str, key: str) -> str:
-    host, sep, port = value.rpartition(":")
-    # ASCII digits only and at most 5 of them: str.isdigit() also accepts other
-    # scripts' digits, and int() refuses strings of more than 4300 digits.
-    if (
-        not sep
-        or not host
-        or not (port.isascii() and port.isdigit() and len(port) <= 5)
-        or not 0 <= int(port) <= 65535
-    ):
-        raise ConfigError(f"{key} must be host:port (port 0 = any free port), got {value!r}")
-    return value
+    return check_address(value, key, listening=True)

@@ -20,6 +20,7 @@ from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
+from fedpca.transport.addresses import check_address, click_address
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, writing_folder
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
 from fedpca.transport.tls_options import tls_file_options
@@ -123,12 +124,17 @@ def write_proxy_folder(
     Raises
     ------
     ConfigError
-        No owners, an existing folder without ``force``, TLS files that are missing or
-        not the proxy's, or values the proxy's loader refuses (named by key). What the
-        call wrote is then undone (:func:`~fedpca.transport.bundle.writing_folder`).
+        Before anything is written: no owners, a listening address that is not
+        ``host:port``. Then: an existing folder without ``force``, TLS files that are
+        missing or not the proxy's, or values the proxy's loader refuses (named by
+        key). What the call wrote is then undone
+        (:func:`~fedpca.transport.bundle.writing_folder`).
     """
     if not owners:
         raise ConfigError("--owners: list the owner ids this proxy accepts (a,b,c)")
+    check_address(listen, "--listen", listening=True)
+    if monitoring_listen is not None:
+        check_address(monitoring_listen, "--monitoring-listen", listening=True)
     with writing_folder(out, CONFIG_NAME, force=force) as folder:
         folder.install_tls(NodeIdentity(Role.PROXY, proxy_id), certs=certs, files=tls_files)
         folder.make_state()
@@ -178,7 +184,13 @@ def write_proxy_folder(
     show_default=True,
     help="The proxy id (in its certificate).",
 )
-@click.option("--listen", default="0.0.0.0:50051", show_default=True, help="host:port to serve.")
+@click.option(
+    "--listen",
+    default="0.0.0.0:50051",
+    show_default=True,
+    callback=click_address(listening=True),
+    help="host:port to serve.",
+)
 @click.option(
     "--neighbouring",
     type=click.Choice([n.value for n in Neighbouring]),
@@ -194,7 +206,11 @@ def write_proxy_folder(
     help="Per-analyst total budget ID=EPSILON:DELTA (repeatable).",
 )
 @click.option("--max-delta-per-query", type=float, help="[the budget's delta, at most 1e-5]")
-@click.option("--monitoring-listen", help="host:port of /metrics and health (off by default).")
+@click.option(
+    "--monitoring-listen",
+    callback=click_address(listening=True),
+    help="host:port of /metrics and health (off by default).",
+)
 @click.option("--force", is_flag=True, help="Write the folder again (state/ is kept).")
 def init_command(
     out: Path,
