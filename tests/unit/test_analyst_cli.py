@@ -609,6 +609,7 @@ def test_cli_pca_writes_result_and_plots(
     sample = tmp_path / "sample.csv"
     np.savetxt(sample, np.column_stack([LABELS, ROWS]), delimiter=",")
     out = tmp_path / "run" / "result.json"
+    out.parent.mkdir()
     args = ["pca", *_query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6")]
     result = CliRunner().invoke(analyst_group, [*args, "--sample", str(sample)])
 
@@ -825,6 +826,7 @@ def test_cli_list_status_cancel_and_fetch(
     assert unknown.exit_code == 1 and "unknown query 'q-nope'" in unknown.output
 
     out = tmp_path / "again" / "result.json"
+    out.parent.mkdir()
     fetched = runner.invoke(
         analyst_group,
         ["fetch", query_id, *connection, "--key-dir", str(analyst_key), "--out", str(out)],
@@ -838,6 +840,7 @@ def test_cli_list_status_cancel_and_fetch(
     # (fetch once held every page a proxy declared, then failed at decryption).
     fake.foreign_key, _ = generate_keypair(512, allow_insecure_test_key=True)
     stray = tmp_path / "stray" / "result.json"
+    stray.parent.mkdir()
     foreign = runner.invoke(
         analyst_group,
         ["fetch", query_id, *connection, "--key-dir", str(analyst_key), "--out", str(stray)],
@@ -962,3 +965,94 @@ def test_fetch_checks_the_header_before_reading_any_page(
         client.fetch(big.query_id, public_key=public_key, signer=mine)
     assert read == []
     client.close()
+
+
+# ------------------------------------------------------------------ --out checks
+def _command_args(command: str, address: str, key_dir: Path, out: Path) -> list[str]:
+    """Arguments of every analyst command that writes a result, ``--out`` last."""
+    connection = ["--proxy", address, "--insecure", "--key-dir", str(key_dir)]
+    privacy = ["--epsilon", "1", "--delta", "1e-6"]
+    query = {
+        "pca": _query_args(address, key_dir, out, *privacy),
+        "dca": _query_args(address, key_dir, out, *privacy, "--classes", "-1,1"),
+        "stats": [*connection, *privacy, "--columns", "1", "--bounds", "0:1"],
+        "histogram": [*connection, *privacy, "--columns", "1", "--bins", "0,1"],
+        "linreg": [
+            *(*connection, *privacy, "--columns", "1", "--bounds", "0:1"),
+            *("--target", "2", "--target-bounds", "0:1"),
+        ],
+        "fetch": ["q-1", *connection],
+    }[command]
+    if "--out" in query:
+        index = query.index("--out")
+        del query[index : index + 2]
+    return [command, *query, "--out", str(out)]
+
+
+@pytest.mark.parametrize("command", ["pca", "dca", "stats", "histogram", "linreg", "fetch"])
+def test_an_unwritable_out_is_refused_before_anything_is_sent(
+    command: str,
+    proxy: tuple[FakeProxy, str],
+    analyst_key: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new operator's review: a mistyped --out folder was found only once the query
+    had been charged, and a missing folder was created silently."""
+    import os
+    import tempfile
+
+    fake, address = proxy
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "a-folder").mkdir()
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    create = tempfile.mkstemp
+
+    def mkstemp(*args: Any, dir: Any = None, **kwargs: Any) -> Any:
+        if os.geteuid() == 0 and Path(dir) == locked:
+            # Root writes through a mode of 0500: refuse as a read-only mount would.
+            raise PermissionError(13, "Permission denied", str(dir))
+        return create(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    cases = {
+        tmp_path / "missing" / "r.json": "the folder",
+        tmp_path / "a-file" / "r.json": "is not a folder",
+        tmp_path / "a-folder": "is a directory",
+        locked / "r.json": "cannot create files in",
+    }
+    for out, reason in cases.items():
+        args = _command_args(command, address, analyst_key, out)
+        result = CliRunner().invoke(analyst_group, args)
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--out'" in result.output and reason in result.output
+        assert "Traceback" not in result.output
+    assert fake.submitted_ids == [] and fake.cancelled == []
+    assert not (tmp_path / "missing").exists()
+    assert not list(locked.iterdir()) and not list((tmp_path / "a-folder").iterdir())
+
+
+def test_a_result_that_cannot_be_written_after_all_names_fetch(
+    proxy: tuple[FakeProxy, str],
+    analyst_key: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checked before the query, the folder may still go away while it runs: the
+    error then says the result is kept at the proxy and how to write it again."""
+    import fedpca.analyst.report as report_module
+
+    fake, address = proxy
+    out = tmp_path / "r.json"
+
+    def write_report(path: Path, *args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(report_module, "write_report", write_report)
+    args = _command_args("pca", address, analyst_key, out)
+    result = CliRunner().invoke(analyst_group, args)
+    assert result.exit_code == 1, result.output
+    query_id = fake.submitted_ids[-1]
+    assert f"{out}: Permission denied" in result.output
+    assert f"`fedpca analyst fetch {query_id} --out PATH`" in result.output

@@ -27,6 +27,7 @@ import click
 
 from fedpca.analyst import cli as analyst_cli
 from fedpca.analyst.cli_connection import connection_options
+from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
 from fedpca.query import Calibration, Moments, Neighbouring
 
 __all__ = ["histogram_command", "linreg_command", "stats_command"]
@@ -108,12 +109,7 @@ def _aggregate_query_options(function: F) -> F:
         click.option(
             "--workers", type=click.IntRange(min=1), help="Decryption processes [all cores]."
         ),
-        click.option(
-            "--out",
-            required=True,
-            type=click.Path(dir_okay=False, path_type=Path),
-            help="result.json to write.",
-        ),
+        result_out_option("result.json to write."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -140,7 +136,8 @@ def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:
             # The summary below prints the warning in red; Python's copy would repeat it.
             warnings.simplefilter("ignore", MissingOwnersWarning)
             estimator.fit()
-        path = write_aggregate_result(params["out"], estimator)
+        with written_or_fetchable(estimator.query_id_):
+            path = write_aggregate_result(params["out"], estimator)
     click.echo(f"query:       {estimator.query_id_}")
     analyst_cli._print_owners(estimator)
     return estimator, path

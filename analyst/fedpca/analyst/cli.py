@@ -39,6 +39,7 @@ from fedpca.allocator import map_large_blocks
 from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
 from fedpca.analyst.cli_connection import connection_config, connection_options
+from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
 from fedpca.analyst.config import AnalystConfig
 from fedpca.analyst.keys import (
     DEFAULT_KEY_BITS,
@@ -287,12 +288,7 @@ def _query_options(function: F) -> F:
         click.option(
             "--workers", type=click.IntRange(min=1), help="Decryption processes [all cores]."
         ),
-        click.option(
-            "--out",
-            required=True,
-            type=click.Path(dir_okay=False, path_type=Path),
-            help="result.json to write (plots go next to it).",
-        ),
+        result_out_option("result.json to write (plots go next to it)."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -360,7 +356,8 @@ def _run(
         if sample is not None:
             # The sample is raw; the components live in the preprocessed space.
             sample = estimator.preprocess(sample)
-        files = write_report(out, estimator, sample=sample, labels=labels)
+        with written_or_fetchable(estimator.query_id_):
+            files = write_report(out, estimator, sample=sample, labels=labels)
     _print_release_summary(estimator, files)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from fedpca.analyst.cli_output import result_out_option
 from fedpca.errors import ConfigError, QueryStateError
 from fedpca.messages import QueryState, QueryStatus
 
@@ -164,12 +165,7 @@ def register(
         type=click.Path(exists=True, path_type=Path),
         help="Directory of analyst.key.json (or set key_dir in --config).",
     )
-    @click.option(
-        "--out",
-        required=True,
-        type=click.Path(dir_okay=False, path_type=Path),
-        help="result.json to write (plots go next to it).",
-    )
+    @result_out_option("result.json to write (plots go next to it).")
     @click.option("--workers", type=click.IntRange(min=1), help="Decryption processes.")
     def fetch_command(
         query_id: str, key_dir: Path | None, out: Path, workers: int | None, **params: Any
