@@ -81,7 +81,7 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
 
 def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> None:
     runner = CliRunner()
-    base = ["init", "--out", str(tmp_path / "p"), "--owners", "a", "--certs", str(certs)]
+    base = ["init", "--out", str(tmp_path / "p"), "--owners", OWNERS[0], "--certs", str(certs)]
     wrong_id = runner.invoke(proxy_group, [*base, "--id", "other"])
     assert wrong_id.exit_code == 1 and "fedpca certs issue" in wrong_id.output
     budget = runner.invoke(proxy_group, [*base, "--analyst-budget", "alice=1"])
@@ -97,6 +97,59 @@ def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> No
     )
     assert not_certs.exit_code == 1 and "is not a certificates directory" in not_certs.output
     assert "fedpca certs init" in not_certs.output and "certs issue" not in not_certs.output
+
+
+def test_proxy_init_refuses_an_owner_without_a_certificate_before_writing(
+    certs: Path, tmp_path: Path
+) -> None:
+    """A new operator's review: ``--owners`` took an id no certificate was issued
+    for, so that owner could never connect and nothing said so."""
+    out = tmp_path / "proxy"
+    runner = CliRunner()
+
+    def init(owners: str) -> Any:
+        return runner.invoke(
+            proxy_group, ["init", "--out", str(out), "--owners", owners, "--certs", str(certs)]
+        )
+
+    missing = init(f"{OWNERS[0]},hospital-c")
+    assert missing.exit_code == 1
+    assert "owner 'hospital-c' has no certificate" in missing.output
+    assert f"fedpca certs issue --dir {certs} --role owner --node-id hospital-c" in missing.output
+    assert not out.exists()
+    # A certificate under the owner's name must be that owner's, from this CA.
+    stolen = certs / "owner" / "hospital-c"
+    stolen.mkdir()
+    (stolen / "cert.pem").write_bytes((certs / "owner" / OWNERS[1] / "cert.pem").read_bytes())
+    other = tmp_path / "other-ca"
+    init_certificates(other, ["hospital-d"], [])
+    foreign = certs / "owner" / "hospital-d"
+    foreign.mkdir()
+    (foreign / "cert.pem").write_bytes((other / "owner" / "hospital-d" / "cert.pem").read_bytes())
+    for owner in ("hospital-c", "hospital-d"):
+        refused = init(f"{OWNERS[0]},{owner}")
+        assert refused.exit_code == 1, refused.output
+        assert f"owner '{owner}': " in refused.output
+        assert "is not a certificate of" in refused.output
+        assert not out.exists()
+    twice = init(f"{OWNERS[0]},{OWNERS[0]}")
+    assert twice.exit_code == 1 and f"lists owner '{OWNERS[0]}' twice" in twice.output
+    assert init(",".join(OWNERS)).exit_code == 0
+
+
+def test_proxy_init_summary_shows_analyst_budgets_and_monitoring(
+    certs: Path, tmp_path: Path
+) -> None:
+    base = ["init", "--owners", ",".join(OWNERS), "--certs", str(certs)]
+    extra = ["--analyst-budget", "alice=2:1e-6", "--monitoring-listen", "0.0.0.0:9464"]
+    result = CliRunner().invoke(proxy_group, [*base, "--out", str(tmp_path / "a"), *extra])
+    assert result.exit_code == 0, result.output
+    assert "  budget          epsilon 3.0 at delta 1e-05 per analyst" in result.output
+    assert "                  alice: epsilon 2.0 at delta 1e-06" in result.output
+    assert "  monitoring      0.0.0.0:9464 (HTTP /metrics, /healthz, /readyz)" in result.output
+    plain = CliRunner().invoke(proxy_group, [*base, "--out", str(tmp_path / "b")])
+    assert plain.exit_code == 0, plain.output
+    assert "alice" not in plain.output and "  monitoring      off" in plain.output
 
 
 @pytest.mark.parametrize(
@@ -139,6 +192,22 @@ def test_init_refuses_an_address_that_is_not_host_port_before_writing(
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{flag}': must be 'host:port'" in result.output
     assert not out.exists()
+
+
+def test_the_force_hint_names_what_the_folder_holds(certs: Path, tmp_path: Path) -> None:
+    """A new operator's review: a second ``fedpca analyst init`` said that --force
+    keeps the folder's state/, which an analyst's folder does not have."""
+    keys = tmp_path / "keys"
+    analyst = ["--out", str(tmp_path / "alice"), "--id", "alice", "--proxy", "proxy.test:1"]
+    analyst += ["--key-dir", str(keys), "--certs", str(certs)]
+    proxy = ["init", "--out", str(tmp_path / "proxy"), "--owners", OWNERS[0]]
+    proxy += ["--certs", str(certs)]
+    for group, args, config in ((analyst_init, analyst, "analyst"), (proxy_group, proxy, "proxy")):
+        assert CliRunner().invoke(group, args).exit_code == 0
+        again = CliRunner().invoke(group, args)
+        assert again.exit_code == 1
+        assert f"pass --force to write {config}.toml and tls/ again" in again.output
+        assert ("state/" in again.output) is (config == "proxy"), again.output
 
 
 def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Path) -> None:

@@ -123,9 +123,11 @@ def prepare_folder(root: Path, config_name: str, *, force: bool) -> NodeFolder:
     """
     config = root / config_name
     if config.exists() and not force:
+        # Named from what the folder holds: an analyst's folder has no state/.
+        kept = f", its {STATE_DIR}/ included" if (root / STATE_DIR).is_dir() else ""
         raise ConfigError(
-            f"{config} already exists; pass --force to write the node folder again "
-            "(its state/ folder is kept)"
+            f"{config} already exists; pass --force to write {config_name} and {TLS_DIR}/ "
+            f"again (everything else in {root} is kept{kept})"
         )
     root.mkdir(parents=True, exist_ok=True)
     return NodeFolder(root)

@@ -14,15 +14,25 @@ import math
 from pathlib import Path
 
 import click
+from cryptography.exceptions import InvalidSignature
 
-from fedpca.errors import ConfigError, FedpcaError
+from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.errors import AuthenticationError, ConfigError, FedpcaError
 from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
 from fedpca.transport.bundle import STATE_DIR, TLS_DIR, writing_folder
-from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
+from fedpca.transport.certs import (
+    CertificateDirectory,
+    NodeIdentity,
+    Role,
+    TlsFiles,
+    identity_from_certificate,
+    read_certificate,
+    validate_node_id,
+)
 from fedpca.transport.tls_options import tls_file_options
 
 __all__ = ["CONFIG_NAME", "init_command", "render_proxy_config", "write_proxy_folder"]
@@ -42,6 +52,54 @@ def _analyst_budget(text: str) -> tuple[str, float, float]:
         raise ConfigError(
             f"--analyst-budget must be ID=EPSILON:DELTA (e.g. alice=1:1e-6), got {text!r}"
         ) from None
+
+
+def _check_owners(owners: list[str], certs: Path | None) -> None:
+    """Refuse, before anything is written, an owner list the proxy could not serve.
+
+    Every id must be well formed and listed once; with a ``fedpca certs init``
+    directory, every owner must also have a certificate there, issued by its CA for
+    that owner. (Given the proxy's own three TLS files instead, the owners'
+    certificates are not at hand: only the ids are checked.)
+
+    Raises
+    ------
+    ConfigError
+        Naming the owner.
+    """
+    if not owners:
+        raise ConfigError("--owners: list the owner ids this proxy accepts (a,b,c)")
+    for index, owner_id in enumerate(owners):
+        try:
+            validate_node_id(owner_id)
+        except ConfigError as exc:
+            raise ConfigError(f"--owners: {exc}") from None
+        if owner_id in owners[:index]:
+            raise ConfigError(f"--owners lists owner {owner_id!r} twice")
+    layout = None if certs is None else CertificateDirectory(certs)
+    if layout is None or not layout.ca_certificate.is_file():
+        return  # no certificates directory: the TLS step names what is missing
+    ca = read_certificate(layout.ca_certificate)
+    for owner_id in owners:
+        identity = NodeIdentity(Role.OWNER, owner_id)
+        path = layout.node_files(identity).certificate
+        if not path.is_file():
+            raise ConfigError(
+                f"owner {owner_id!r} has no certificate in {certs} ({path} does not exist): "
+                f"issue one with `fedpca certs issue --dir {certs} --role owner --node-id "
+                f"{owner_id}`, or leave {owner_id!r} out of --owners"
+            )
+        certificate = read_certificate(path)
+        try:
+            certificate.verify_directly_issued_by(ca)
+            named = identity_from_certificate(certificate)
+        except (ValueError, TypeError, InvalidSignature, AuthenticationError):
+            named = None
+        if named != identity:
+            raise ConfigError(
+                f"owner {owner_id!r}: {path} is not a certificate of {identity} issued by "
+                f"{layout.ca_certificate}"
+            )
 
 
 def render_proxy_config(
@@ -124,14 +182,14 @@ def write_proxy_folder(
     Raises
     ------
     ConfigError
-        Before anything is written: no owners, a listening address that is not
+        Before anything is written: no owners, an owner without a certificate in
+        ``certs`` (:func:`_check_owners`), a listening address that is not
         ``host:port``. Then: an existing folder without ``force``, TLS files that are
         missing or not the proxy's, or values the proxy's loader refuses (named by
         key). What the call wrote is then undone
         (:func:`~fedpca.transport.bundle.writing_folder`).
     """
-    if not owners:
-        raise ConfigError("--owners: list the owner ids this proxy accepts (a,b,c)")
+    _check_owners(owners, certs)
     check_address(listen, "--listen", listening=True)
     if monitoring_listen is not None:
         check_address(monitoring_listen, "--monitoring-listen", listening=True)
@@ -256,14 +314,23 @@ def init_command(
         )
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
-    epsilon = config.budget.default.epsilon
     click.echo(f"wrote {out / CONFIG_NAME}")
     click.echo(f"  listens on      {config.proxy.listen}")
     click.echo(f"  owners          {', '.join(sorted(config.owners.allowed))}")
-    click.echo(
-        f"  budget          epsilon {epsilon if math.isfinite(epsilon) else 'unlimited'} "
-        f"at delta {config.budget.default.delta:g} per analyst"
-    )
+    click.echo(f"  budget          {_budget_text(config.budget.default)} per analyst")
+    for analyst, budget in sorted(config.budget.analysts.items()):
+        click.echo(f"                  {analyst}: {_budget_text(budget)}")
     click.echo(f"  relation        {config.privacy.neighbouring.value}")
     click.echo(f"  database        {config.proxy.database}")
+    if config.monitoring.listen is None:
+        click.echo("  monitoring      off (--monitoring-listen HOST:PORT serves /metrics)")
+    else:
+        click.echo(
+            f"  monitoring      {config.monitoring.listen} (HTTP /metrics, /healthz, /readyz)"
+        )
     click.echo(f"run: fedpca proxy serve --config {out / CONFIG_NAME}")
+
+
+def _budget_text(budget: PrivacyParams) -> str:
+    epsilon = budget.epsilon
+    return f"epsilon {epsilon if math.isfinite(epsilon) else 'unlimited'} at delta {budget.delta:g}"
