@@ -311,6 +311,24 @@ def test_bad_accounting_arguments_are_named(
 
 
 # ------------------------------------------------- the PLD accountant's floor
+def test_a_release_a_hair_below_the_floor_is_refused_with_different_numbers() -> None:
+    # With 6 (and 4) significant digits this read "z=0.1 is below the minimum 0.1" and
+    # "asks for epsilon=91.8173 ... at most epsilon=91.8173".
+    z = MIN_NOISE_MULTIPLIER * (1 - 1e-9)
+    most = max_epsilon_per_release(DELTA)
+    event = PrivacyEvent("q-hair", "alice", z, most * (1 + 1e-9), DELTA, timestamp=1.0)
+    with pytest.raises(CalibrationError) as info:
+        check_budget([], event, PrivacyParams(math.inf, DELTA), PLD)
+    shown = re.fullmatch(
+        r"query 'q-hair' asks for epsilon=(\S+) at delta=1e-05: its noise multiplier z=(\S+) "
+        r"is below the minimum (\S+) the PLD accountant supports \(at delta=1e-05: at most "
+        r"epsilon=(\S+) per release\); ask for a smaller epsilon",
+        str(info.value),
+    )
+    assert shown is not None, str(info.value)
+    assert float(shown[1]) > float(shown[4]) and float(shown[2]) < float(shown[3])
+
+
 def test_huge_epsilon_is_refused_with_the_floor_named() -> None:
     # epsilon = 1e6 calibrates to z ~ 7e-4, for which dp_accounting's PLD would try to
     # allocate a ~150 GiB array (MemoryError, INTERNAL at the proxy).
@@ -323,7 +341,7 @@ def test_huge_epsilon_is_refused_with_the_floor_named() -> None:
         message = str(info.value)
         assert "'q-huge'" in message and "epsilon=1e+06" in message
         assert f"minimum {MIN_NOISE_MULTIPLIER:g}" in message
-        assert f"{max_epsilon_per_release(DELTA):.4g}" in message
+        assert f"at most epsilon={max_epsilon_per_release(DELTA):.6g} per release" in message
     with pytest.raises(CalibrationError, match=r"z=0\.000709"):
         check_budget([], z, PrivacyParams(math.inf, DELTA), PLD)
     with pytest.raises(CalibrationError, match=r"minimum 0\.1"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import re
 import sqlite3
 import threading
 from multiprocessing.synchronize import Barrier as BarrierType
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fedpca.dp.accounting import Accountant
+from fedpca.dp.accounting import Accountant, compose_epsilon
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, PolicyError
@@ -48,6 +49,22 @@ def test_fits_then_refuses_and_records_nothing_on_refusal(tmp_path: Path) -> Non
     weak = calibrate_noise_multiplier(0.1, DELTA)
     ledger.reserve(_event("q3", weak, 0.1), BUDGET, spec_digest="d3")
     assert 0.7 < ledger.spent(DELTA) <= 1.0
+
+
+def test_a_refusal_prints_two_different_values_differently(tmp_path: Path) -> None:
+    # A budget a hair below what two releases compose to: 6 significant digits printed
+    # the epsilon it would reach and the budget alike.
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    ledger.reserve(_event("q1"), PrivacyParams(math.inf, DELTA), spec_digest="d1")
+    after = compose_epsilon([Z, Z], DELTA)
+    budget = PrivacyParams(after * (1 - 1e-8), DELTA)
+    with pytest.raises(BudgetExceededError) as refused:
+        ledger.reserve(_event("q2"), budget, spec_digest="d2")
+    shown = re.search(
+        r"from (\S+) to (\S+) at delta=1e-05, over the budget epsilon=(\S+)$", str(refused.value)
+    )
+    assert shown is not None, str(refused.value)
+    assert float(shown[2]) > float(shown[3]) > float(shown[1])
 
 
 def test_huge_epsilon_is_refused_by_the_accountant_and_records_nothing(tmp_path: Path) -> None:

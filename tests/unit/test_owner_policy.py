@@ -4,6 +4,7 @@ the deployment's relation, per-query caps, quorum, task rate and the table's sch
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from fedpca.codec import generate_keypair, key_fingerprint
+from fedpca.dp.accounting import compose_epsilon
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
 from fedpca.messages import DeclineReason, Task
@@ -26,6 +28,7 @@ from fedpca.owner.config import (
     TlsConfig,
 )
 from fedpca.owner.policy import Refusal, TaskAccepted, check_task
+from fedpca.protocol import ReleasePlan
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, signer_id
 from helpers import TEST_SIGNER, TEST_SIGNING_KEY, query_builder
@@ -158,6 +161,35 @@ def test_epsilon_is_measured_at_the_owner_budget_delta(
         check_task(_task(big_delta), generous, _table()),
         DeclineReason.POLICY_REFUSAL,
         "at this owner's budget delta 1e-05",
+    )
+
+
+def test_a_decline_prints_two_different_values_differently(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    # Printed with 4 significant digits, a release costing a hair over the cap read
+    # "epsilon = 1 ... above policy.max_epsilon_per_query = 1".
+    public_key, _ = test_only_keypair_512
+    spec = _spec(public_key, epsilon=1.0, delta=1e-5)
+    plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
+    cost = compose_epsilon([plan.privacy_event("alice")], 1e-5)
+    cap = cost * (1 - 1e-9)
+    assert f"{cost:.6g}" == f"{cap:.6g}"
+    result = check_task(_task(spec), _config(public_key, max_epsilon_per_query=cap), _table())
+    assert isinstance(result, Refusal), result
+    shown = re.fullmatch(
+        r"the release costs epsilon = (\S+) at this owner's budget delta 1e-05, above "
+        r"policy.max_epsilon_per_query = (\S+)",
+        result.detail,
+    )
+    assert shown is not None, result.detail
+    assert float(shown[1]) > float(shown[2])
+    # The per-query delta cap likewise.
+    above = _spec(public_key, delta=1.0000001e-5)
+    _refusal(
+        check_task(_task(above), _config(public_key), _table()),
+        DeclineReason.POLICY_REFUSAL,
+        "the query's delta 1.0000001e-05 is above this owner's per-query cap 1e-05",
     )
 
 

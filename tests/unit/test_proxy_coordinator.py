@@ -478,7 +478,7 @@ def test_huge_epsilon_is_refused_at_submit_with_the_accountants_limit(
     coordinator = make_coordinator(tmp_path, pool, config)
     with pytest.raises(CalibrationError, match=r"epsilon=1e\+06.*minimum 0\.1") as info:
         coordinator.submit("alice", signed(make_spec(public_key, "huge", epsilon=1e6)))
-    assert "at most epsilon=91.82" in str(info.value)
+    assert "at most epsilon=91.8173 per release" in str(info.value)
     assert coordinator.store.queries() == []
     assert coordinator.store.releases("alice") == []
     assert coordinator.tasks_for("owner-0") == []

@@ -53,6 +53,7 @@ from dp_accounting.pld import PLDAccountant
 from fedpca.dp.calibration import gaussian_epsilon, zcdp_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, ConfigError
+from fedpca.formatting import distinct
 from fedpca.query import Neighbouring
 
 __all__ = [
@@ -193,13 +194,16 @@ def max_epsilon_per_release(delta: float) -> float:
     return gaussian_epsilon(MIN_NOISE_MULTIPLIER, delta)
 
 
-def _floor_message(z: float, delta: float) -> str:
-    limit = f"below the minimum {MIN_NOISE_MULTIPLIER:g} the PLD accountant supports"
+def _floor_message(z: float, delta: float, asked: float = math.nan) -> str:
+    """Why z is refused; the most epsilon per release is told apart from ``asked``."""
+    z_text, floor = distinct(z, MIN_NOISE_MULTIPLIER)
+    limit = f"below the minimum {floor} the PLD accountant supports"
     if math.isnan(delta) or not 0 < delta < 1:
-        return f"noise multiplier z={z:.6g} is {limit}"
+        return f"noise multiplier z={z_text} is {limit}"
+    most = distinct(max_epsilon_per_release(delta), asked)[0]
     return (
-        f"noise multiplier z={z:.6g} is {limit} (at delta={delta:g}: at most "
-        f"epsilon={max_epsilon_per_release(delta):.4g} per release)"
+        f"noise multiplier z={z_text} is {limit} (at delta={distinct(delta)[0]}: at most "
+        f"epsilon={most} per release)"
     )
 
 
@@ -208,10 +212,15 @@ def _check_release_floor(release: Release, z: float, fallback_delta: float) -> N
     if not 0 < z < MIN_NOISE_MULTIPLIER:
         return
     if isinstance(release, PrivacyEvent):
+        asked = release.epsilon
+        if 0 < release.delta < 1:
+            asked_text = distinct(asked, max_epsilon_per_release(release.delta))[0]
+        else:
+            asked_text = distinct(asked)[0]
         raise CalibrationError(
-            f"query {release.query_id!r} asks for epsilon={release.epsilon:g} at delta="
-            f"{release.delta:g}: its {_floor_message(z, release.delta)}; ask for a smaller "
-            "epsilon"
+            f"query {release.query_id!r} asks for epsilon={asked_text} at delta="
+            f"{distinct(release.delta)[0]}: its {_floor_message(z, release.delta, asked)}; "
+            "ask for a smaller epsilon"
         )
     raise CalibrationError(f"the proposed release's {_floor_message(z, fallback_delta)}")
 
@@ -389,7 +398,7 @@ def check_budget(
             raise CalibrationError(
                 f"{len(multipliers) + 1} composed releases: "
                 f"{_floor_message(z_after, gaussian_delta)}; a budget of epsilon="
-                f"{budget.epsilon:g} cannot be accounted for"
+                f"{distinct(budget.epsilon)[0]} cannot be accounted for"
             )
     else:
         after = compose_epsilon(after_releases, budget.delta, kind)

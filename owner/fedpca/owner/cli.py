@@ -21,6 +21,7 @@ import click
 from fedpca.admission import NOT_ADDITIVE
 from fedpca.allocator import map_large_blocks
 from fedpca.errors import ConfigError, DataError, KeyFileError
+from fedpca.formatting import distinct
 from fedpca.logs import configure_logging
 from fedpca.owner.config import load_config
 from fedpca.owner.init import init_command
@@ -213,8 +214,9 @@ def budget_command(config_path: Path, delta: float | None, query_delta: float | 
     at_delta = delta if delta is not None else budget.delta
     cap = config.policy.delta_cap(budget)
     if query_delta is not None and query_delta > cap:
+        shown, cap_shown = distinct(query_delta, cap)
         raise click.ClickException(
-            f"--query-delta {query_delta:g} is above this owner's per-query delta cap {cap:g}: "
+            f"--query-delta {shown} is above this owner's per-query delta cap {cap_shown}: "
             "every such query is refused"
         )
     click.echo(f"owner        {config.owner.id}")

@@ -65,6 +65,7 @@ from pathlib import Path
 from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
+from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
 from fedpca.owner.ledger_schema import create_or_migrate
@@ -247,11 +248,13 @@ class BudgetLedger:
                     past, event, budget, self.accountant, neighbouring=self.neighbouring
                 )
                 if not check.fits:
+                    was, would, total = distinct(
+                        check.epsilon_spent_before, check.epsilon_spent_after, budget.epsilon
+                    )
                     raise BudgetExceededError(
                         f"query {event.query_id!r} refused: it would bring this owner's epsilon "
-                        f"from {check.epsilon_spent_before:.6g} to "
-                        f"{check.epsilon_spent_after:.6g} at delta={budget.delta:g}, over the "
-                        f"budget epsilon={budget.epsilon:g}"
+                        f"from {was} to {would} at delta={distinct(budget.delta)[0]}, over "
+                        f"the budget epsilon={total}"
                     )
                 decision = BudgetDecision(
                     event.query_id,

@@ -45,6 +45,7 @@ from fedpca.errors import (
     PolicyError,
     UntrustedKeyError,
 )
+from fedpca.formatting import distinct
 from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import LocalTable, QueryColumns, analyst_public_key
 from fedpca.owner.config import OwnerConfig, PolicyConfig
@@ -162,10 +163,8 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
                 "policy.allow_not_private is false"
             )
     elif spec.delta > policy.delta_cap(config.budget):
-        raise PolicyError(
-            f"the query's delta {spec.delta:g} is above this owner's per-query cap "
-            f"{policy.delta_cap(config.budget):g}"
-        )
+        delta, cap = distinct(spec.delta, policy.delta_cap(config.budget))
+        raise PolicyError(f"the query's delta {delta} is above this owner's per-query cap {cap}")
     if spec.bounded_owner_tables:
         _check_bounded_table(spec, config)
     if spec.quorum < policy.min_quorum:
@@ -244,9 +243,11 @@ def _check_epsilon_at_budget_delta(plan: ReleasePlan, config: OwnerConfig) -> No
     except CalibrationError as exc:
         raise PolicyError(f"the release has too little noise to be accounted: {exc}") from None
     if epsilon > config.policy.max_epsilon_per_query:
+        # Enough digits that the two never print alike (4 printed "1 ... above ... = 1").
+        cost, cap = distinct(epsilon, config.policy.max_epsilon_per_query)
         raise PolicyError(
-            f"the release costs epsilon = {epsilon:.4g} at this owner's budget delta {at:g}, "
-            f"above policy.max_epsilon_per_query = {config.policy.max_epsilon_per_query:g}"
+            f"the release costs epsilon = {cost} at this owner's budget delta "
+            f"{distinct(at)[0]}, above policy.max_epsilon_per_query = {cap}"
         )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from fedpca.admission import NextQuery
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import ConfigError, QueryStateError
+from fedpca.formatting import distinct
 from fedpca.messages import (
     BudgetStatus,
     CancelReceipt,
@@ -230,8 +231,9 @@ class AnalystRequests(CoordinatorCore):
         privacy = self.config.privacy
         cap = privacy.delta_cap(limit)
         if query_delta is not None and query_delta > cap:
+            shown, cap_text = distinct(query_delta, cap)
             raise ConfigError(
-                f"a query delta of {query_delta:g} is above this proxy's per-query cap {cap:g} "
+                f"a query delta of {shown} is above this proxy's per-query cap {cap_text} "
                 "(privacy.max_delta_per_query): every such query is refused"
             )
         ledger = [PrivacyEvent.from_dict(r) for r in self.store.releases(analyst_id)]

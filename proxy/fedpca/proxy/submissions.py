@@ -21,6 +21,7 @@ from fedpca.errors import (
     OverloadError,
     QueryStateError,
 )
+from fedpca.formatting import distinct
 from fedpca.messages import QueryState, SignedQuery
 from fedpca.proxy.coordinator_core import CoordinatorCore, task_id
 from fedpca.proxy.queries import spec_to_dict, validate_query
@@ -179,8 +180,9 @@ class Submissions(CoordinatorCore):
             )
         cap = privacy.delta_cap(self.config.budget.for_analyst(analyst_id))
         if spec.private and spec.delta > cap:
+            delta, cap_text = distinct(spec.delta, cap)
             raise ConfigError(
-                f"delta = {spec.delta:g} is above this proxy's per-query cap {cap:g} "
+                f"delta = {delta} is above this proxy's per-query cap {cap_text} "
                 "(privacy.max_delta_per_query)"
             )
         registered = len(self.registered_owners)

@@ -1,0 +1,52 @@
+"""Numbers in messages that compare them: never two different values printed alike.
+
+A refusal such as "epsilon = 1 ... above the cap 1" reads as a bug: both numbers were
+rounded to a few significant digits, and the one above the cap by less than the rounding
+printed as the cap. :func:`distinct` prints every number of one message with as few
+significant digits as it can (at least ``digits``, so "1" and "1e-05" stay short) and as
+many as it must for values that differ to print differently (at most 17, where every
+double prints as itself).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+__all__ = ["distinct"]
+
+_MAX_DIGITS = 17
+"""Significant digits at which every double prints distinctly (IEEE 754 binary64)."""
+
+
+def distinct(*values: float, digits: int = 6) -> tuple[str, ...]:
+    """The values as text, different values as different text.
+
+    Parameters
+    ----------
+    *values : float
+        The numbers one message shows (and a reader compares).
+    digits : int
+        The fewest significant digits used, in ``[1, 17]``.
+
+    Returns
+    -------
+    tuple of str
+        In the order given, in ``g`` format (``1``, ``0.983423``, ``1e-05``, ``inf``)
+        with the smallest precision from ``digits`` on at which every two values that
+        differ (``!=``) print differently; equal values print alike (but 0.0 and -0.0).
+
+    Raises
+    ------
+    ValueError
+        ``digits`` out of range.
+    """
+    if not 1 <= digits <= _MAX_DIGITS:
+        raise ValueError(f"digits must be in [1, {_MAX_DIGITS}], got {digits!r}")
+    pairs = [(i, j) for i, j in combinations(range(len(values)), 2) if values[i] != values[j]]
+    precision = digits
+    while True:
+        texts = tuple(f"{float(value):.{precision}g}" for value in values)
+        # At 17 digits every double prints as itself (NaN, never equal, stops here too).
+        if precision == _MAX_DIGITS or all(texts[i] != texts[j] for i, j in pairs):
+            return texts
+        precision += 1
