@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from fedpca.errors import ConfigError
+from fedpca.formatting import distinct
 
 __all__ = ["NOT_ADDITIVE", "AdmissionLimit", "NextQuery"]
 
@@ -79,24 +80,64 @@ class NextQuery:
                 f"NextQuery: epsilon {self.epsilon!r} does not go with limit {self.limit.value}"
             )
 
-    def summary(self) -> str:
+    def summary(self, *, per_query_cap: tuple[float, float] | None = None) -> str:
         """What the budget commands print, e.g. ``epsilon up to 0.412345 at delta 1e-06``.
 
         The epsilon is printed with 6 significant digits: exactly the value checked.
+        ``per_query_cap``, the cap's (epsilon, delta), is named when it binds: the cap
+        is measured at the budget's delta, the epsilon shown at the query's, so each
+        figure is printed with its own delta (a query's epsilon at a smaller delta is
+        larger than the cap it meets at the budget's).
         """
         if self.limit is AdmissionLimit.EXHAUSTED:
             return "none: the budget is exhausted"
         if self.limit is AdmissionLimit.UNLIMITED:
             return "any epsilon (the budget is unlimited)"
-        return f"epsilon up to {self.epsilon:.6g} at delta {self.delta:g}" + _CAPS.get(
-            self.limit, ""
-        )
+        text = f"epsilon up to {self.epsilon:.6g} at delta {self.delta:g}"
+        if self.limit is AdmissionLimit.PER_QUERY_CAP and per_query_cap is not None:
+            cap, cap_delta = per_query_cap
+            return text + (
+                f" (capped by policy.max_epsilon_per_query: epsilon {distinct(cap)[0]} at "
+                f"the budget's delta {distinct(cap_delta)[0]})"
+            )
+        return text + _CAPS.get(self.limit, "")
+
+    def notes(self, budget_epsilon: float, budget_delta: float) -> tuple[str, ...]:
+        """The explanations the budget commands print under :meth:`summary`.
+
+        None when nothing or everything is admitted. Otherwise, when the epsilon shown
+        is above the budget's own (it is the query's epsilon at the query's delta, and
+        by the zcdp calibration; the budget is composed at its delta by its accountant),
+        a line that says why; then :data:`NOT_ADDITIVE`.
+        """
+        if self.limit in (AdmissionLimit.EXHAUSTED, AdmissionLimit.UNLIMITED):
+            return ()
+        notes: list[str] = []
+        if self.epsilon > budget_epsilon:
+            budget = distinct(self.epsilon, budget_epsilon)[1]
+            if self.delta != budget_delta:
+                query_delta, at = distinct(self.delta, budget_delta)
+                why = (
+                    f"it is at the query's delta {query_delta}, the budget at delta {at}; "
+                    "the same noise costs more epsilon at a smaller delta"
+                )
+            else:
+                why = (
+                    "it is the query's epsilon by the zcdp calibration; the budget's "
+                    "accountant counts the same noise as less epsilon"
+                )
+            notes.append(f"more than the budget's epsilon {budget}: {why}")
+        notes.append(NOT_ADDITIVE)
+        return tuple(notes)
 
 
 _CAPS = {
-    AdmissionLimit.PER_QUERY_CAP: " (capped by policy.max_epsilon_per_query)",
+    AdmissionLimit.PER_QUERY_CAP: (
+        " (capped by policy.max_epsilon_per_query, measured at the budget's delta)"
+    ),
     AdmissionLimit.NOISE_FLOOR: " (capped by the least noise the PLD accountant accepts)",
 }
 
 NOT_ADDITIVE = "composition is not additive; this is what the accountant admits now"
-"""The explanation the budget commands print under :meth:`NextQuery.summary`."""
+"""The explanation the budget commands print under :meth:`NextQuery.summary` (the last
+of :meth:`NextQuery.notes`)."""

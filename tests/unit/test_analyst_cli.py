@@ -752,21 +752,53 @@ def test_cli_budget_prints_what_the_next_query_may_ask_for(
     bad = runner.invoke(
         analyst_group, ["budget", "--proxy", address, "--insecure", "--query-delta", "2"]
     )
-    assert bad.exit_code == 1 and "--query-delta must be in (0, 1)" in bad.output
-    # Every limit says what it is.
-    for next_query, expected in [
-        (NextQuery(0.0, 1e-6, AdmissionLimit.EXHAUSTED), "none: the budget is exhausted"),
-        (NextQuery(math.inf, 1e-6, AdmissionLimit.UNLIMITED), "any epsilon (the budget is"),
+    # A usage error, as `fedpca owner budget` gives (test_budget_options.py).
+    assert bad.exit_code == 2
+    assert "Invalid value for '--query-delta': must be in (0, 1), got 2" in bad.output
+    # Every limit says what it is; "not additive" only where something (not
+    # everything) is admitted.
+    for next_query, expected, not_additive in [
+        (NextQuery(0.0, 1e-6, AdmissionLimit.EXHAUSTED), "none: the budget is exhausted", False),
+        (NextQuery(math.inf, 1e-6, AdmissionLimit.UNLIMITED), "any epsilon (the budget is", False),
         (
             NextQuery(100.721, 1e-6, AdmissionLimit.NOISE_FLOOR),
             "epsilon up to 100.721 at delta 1e-06 (capped by the least noise the PLD",
+            True,
         ),
-        (None, "not reported by this proxy (an older version)"),
+        (None, "not reported by this proxy (an older version)", False),
     ]:
         fake.next_query = next_query
         result = runner.invoke(analyst_group, ["budget", "--proxy", address, "--insecure"])
         assert result.exit_code == 0, result.output
         assert f"next query:         {expected}" in result.output
+        assert ("not additive" in result.output) is not_additive, result.output
+
+
+def test_cli_budget_says_why_the_next_query_may_ask_for_more_than_the_budget(
+    proxy: tuple[FakeProxy, str],
+) -> None:
+    fake, address = proxy
+    runner = CliRunner()
+    args = ["budget", "--proxy", address, "--insecure"]
+    # The fake's budget: epsilon 3 at delta 1e-05.
+    fake.next_query = NextQuery(3.37, 1e-6, AdmissionLimit.BUDGET)
+    lines = runner.invoke(analyst_group, args).stdout.strip().splitlines()
+    assert lines[-3] == "next query:         epsilon up to 3.37 at delta 1e-06"
+    assert lines[-2] == (
+        "                    (more than the budget's epsilon 3: it is at the query's delta "
+        "1e-06, the budget at delta 1e-05; the same noise costs more epsilon at a smaller "
+        "delta)"
+    )
+    assert "not additive" in lines[-1]
+    # Above it at the budget's own delta: only the PLD accountant counts less than the
+    # query's zcdp calibration states.
+    fake.next_query = NextQuery(3.2, 1e-5, AdmissionLimit.BUDGET)
+    output = runner.invoke(analyst_group, [*args, "--query-delta", "1e-5"]).stdout
+    assert "(more than the budget's epsilon 3: it is the query's epsilon by the zcdp" in output
+    # Not above it: no such line.
+    fake.next_query = NextQuery(2.5, 1e-6, AdmissionLimit.BUDGET)
+    output = runner.invoke(analyst_group, args).stdout
+    assert "more than the budget's epsilon" not in output and "not additive" in output
 
 
 def test_cli_summary_states_owners_of_registered_and_warns_when_fewer(

@@ -83,8 +83,15 @@ def test_budget_without_ledger(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "no release recorded" in result.output
     assert "spent        epsilon=0 at delta=1e-05" in result.output
-    # A fresh budget of 2: the policy's cap of 1 per query binds first.
-    assert "next query   epsilon up to 1.12922 at delta 1e-06 (capped by policy." in result.output
+    # A fresh budget of 2: the policy's cap of 1 per query binds first. The cap is
+    # measured at the budget's delta, the epsilon shown at the query's: each figure is
+    # printed with its delta, so 1.12922 above a cap of 1 does not read as a bug.
+    assert (
+        "next query   epsilon up to 1.12922 at delta 1e-06 (capped by "
+        "policy.max_epsilon_per_query: epsilon 1 at the budget's delta 1e-05)\n"
+    ) in result.output
+    # Below the budget's epsilon of 2: no explanation of an epsilon above it.
+    assert "more than the budget's epsilon" not in result.output
     assert not (tmp_path / "state").exists()  # a read-only command creates nothing
 
 
@@ -112,7 +119,7 @@ def test_budget_lists_spent_next_query_and_queries(tmp_path: Path) -> None:
     assert "spent        epsilon=0.5 at delta=1e-05" in result.output
     # Not "remaining epsilon=1.5": composition is not additive.
     assert "remaining" not in result.output
-    assert "(capped by policy.max_epsilon_per_query)" in result.output
+    assert "(capped by policy.max_epsilon_per_query: epsilon 1 at the budget's" in result.output
     assert "not additive" in result.output
     capped = _next_query_epsilon(result.output)
     assert _own_epsilon(capped) <= 1.0 < _own_epsilon(capped * (1 + 1e-3))
@@ -145,6 +152,9 @@ def test_budget_lists_spent_next_query_and_queries(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "spent        epsilon=inf at delta=1e-05" in result.output
     assert "next query   none: the budget is exhausted" in result.output
+    # Nothing is admitted: no "(composition is not additive; this is what the
+    # accountant admits now)" under it.
+    assert "not additive" not in result.output
     assert "5 private, 1 NOT PRIVATE" in result.output
     assert "alice/q-verify" in result.output and "exhausts a finite budget" in result.output
     other = CliRunner().invoke(owner_group, ["budget", "--config", str(path), "--delta", "1e-3"])
@@ -157,12 +167,35 @@ def test_budget_next_query_at_the_query_delta_asked_for(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(owner_group, ["budget", "--config", str(path), "--query-delta", "1e-8"])
     assert result.exit_code == 0, result.output
-    assert "at delta 1e-08 (capped by policy.max_epsilon_per_query)" in result.output
+    assert "at delta 1e-08 (capped by policy.max_epsilon_per_query: epsilon 1 at" in result.output
     # Less delta, more noise for the same epsilon: the cap allows a larger one.
     assert _next_query_epsilon(result.output) > 1.12922
     # Above the per-query delta cap (the budget's delta here) every query is refused.
     above = runner.invoke(owner_group, ["budget", "--config", str(path), "--query-delta", "1e-4"])
     assert above.exit_code == 1 and "above this owner's per-query delta cap 1e-05" in above.output
+
+
+def test_budget_says_why_the_next_query_may_ask_for_more_than_the_budget(tmp_path: Path) -> None:
+    # A budget of 1 at delta 1e-5 and a cap no lower: a fresh ledger admits a query of
+    # epsilon 1.12922 at delta 1e-6, the same noise as epsilon 1 at 1e-5.
+    path = _write_config(tmp_path)
+    path.write_text(path.read_text().replace("epsilon = 2.0", "epsilon = 1.0"))
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert _next_query_epsilon(result.output) == 1.12922
+    lines = result.output.splitlines()
+    hint = lines[lines.index(next(line for line in lines if line.startswith("next query"))) + 1]
+    assert hint == (
+        "             (more than the budget's epsilon 1: it is at the query's delta 1e-06, "
+        "the budget at delta 1e-05; the same noise costs more epsilon at a smaller delta)"
+    )
+    # At the budget's own delta it is not above the budget: no hint.
+    same = CliRunner().invoke(
+        owner_group, ["budget", "--config", str(path), "--query-delta", "1e-5"]
+    )
+    assert same.exit_code == 0, same.output
+    assert _next_query_epsilon(same.output) <= 1.0
+    assert "more than the budget's epsilon" not in same.output
 
 
 def test_budget_reads_the_ledger_under_the_configured_relation(tmp_path: Path) -> None:

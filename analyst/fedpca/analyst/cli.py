@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 import click
 
-from fedpca.admission import NOT_ADDITIVE
 from fedpca.allocator import map_large_blocks
 from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
@@ -47,8 +46,9 @@ from fedpca.analyst.keys import (
     create_analyst_keys,
     refuse_to_overwrite,
 )
+from fedpca.budget_options import budget_delta_options
 from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError, OverloadError
-from fedpca.query import DEFAULT_QUERY_DELTA, Calibration, Neighbouring, ProtocolMode
+from fedpca.query import Calibration, Neighbouring, ProtocolMode
 
 __all__ = ["analyst_group"]
 
@@ -533,14 +533,7 @@ def dca_command(label_column: int, classes: tuple[float, ...], **params: Any) ->
 
 @analyst_group.command("budget")
 @connection_options
-@click.option("--delta", type=float, help="Report epsilon at this delta [the proxy's].")
-@click.option(
-    "--query-delta",
-    type=float,
-    help="The delta your next query would state: the epsilon it may ask for depends on "
-    f"it [{DEFAULT_QUERY_DELTA:g}, the estimators' default, or the proxy's per-query cap "
-    "if lower].",
-)
+@budget_delta_options("the proxy's")
 def budget_command(
     proxy: str | None,
     config_path: Path | None,
@@ -559,9 +552,6 @@ def budget_command(
     from fedpca.transport.certs import TlsMaterial
 
     with _errors():
-        for name, value in (("--delta", delta), ("--query-delta", query_delta)):
-            if value is not None and not 0 < value < 1:
-                raise ConfigError(f"{name} must be in (0, 1), got {value}")
         connection = connection_config(config_path, proxy, ca, cert, key, insecure, server_name)
         assert connection.proxy is not None
         tls = None if connection.tls is None else TlsMaterial.load(connection.tls)
@@ -581,7 +571,8 @@ def budget_command(
         click.echo("next query:         not reported by this proxy (an older version)")
         return
     click.echo(f"next query:         {status.next_query.summary()}")
-    click.echo(f"                    ({NOT_ADDITIVE})")
+    for note in status.next_query.notes(status.epsilon_limit, limit_delta):
+        click.echo(f"                    ({note})")
 
 
 # `fedpca analyst list|status|fetch|cancel`: defined in their own module with the

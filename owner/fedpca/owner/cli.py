@@ -18,8 +18,8 @@ from types import FrameType
 
 import click
 
-from fedpca.admission import NOT_ADDITIVE
 from fedpca.allocator import map_large_blocks
+from fedpca.budget_options import budget_delta_options
 from fedpca.errors import ConfigError, DataError, KeyFileError
 from fedpca.formatting import distinct
 from fedpca.logs import configure_logging
@@ -186,19 +186,7 @@ def probe_command(config_path: Path, timeout: float, local: bool) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The owner's TOML config (owner.toml).",
 )
-@click.option(
-    "--delta",
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    default=None,
-    help="Report epsilon at this delta (default: the budget's delta).",
-)
-@click.option(
-    "--query-delta",
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    default=None,
-    help="The delta a next query would state: the epsilon it may ask for depends on it "
-    f"(default: {DEFAULT_QUERY_DELTA:g}, or the per-query delta cap if lower).",
-)
+@budget_delta_options("this owner's")
 def budget_command(config_path: Path, delta: float | None, query_delta: float | None) -> None:
     """Print the epsilon spent, the largest epsilon a next query may ask for (found with
     this owner's own checks, for a query with the default zcdp calibration), and every
@@ -244,8 +232,10 @@ def budget_command(config_path: Path, delta: float | None, query_delta: float | 
     none_yet = " (none yet: no release recorded)" if ledger is None else ""
     click.echo(f"ledger       {config.ledger_path}{none_yet}")
     click.echo(f"spent        epsilon={spent:.6g} at delta={at_delta:g}")
-    click.echo(f"next query   {next_query.summary()}")
-    click.echo(f"             ({NOT_ADDITIVE})")
+    cap_epsilon = (config.policy.max_epsilon_per_query, budget.delta)
+    click.echo(f"next query   {next_query.summary(per_query_cap=cap_epsilon)}")
+    for note in next_query.notes(budget.epsilon, budget.delta):
+        click.echo(f"             ({note})")
     if ledger is None:
         return
     private = sum(1 for e in entries if not e.not_private)
