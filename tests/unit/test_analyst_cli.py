@@ -689,7 +689,9 @@ def test_cli_refusals_exit_nonzero_without_traceback(
     fake.refuse_budget = True
     refused = runner.invoke(analyst_group, [*args, "--delta", "1e-6"])
     assert refused.exit_code == BUDGET_EXIT_CODE
-    assert "privacy budget exhausted" in refused.output and "Traceback" not in refused.output
+    assert "refused: epsilon 1.0 would exceed the limit 3.0" in refused.output
+    # "Exhausted" only when the proxy says so: this query asked for more than is left.
+    assert "exhausted" not in refused.output and "Traceback" not in refused.output
 
     fake.refuse_budget = False
     # A per-peer bound is no budget refusal: its own exit code, nothing charged. The

@@ -143,7 +143,11 @@ def test_a_query_for_exactly_the_remaining_budget_is_accepted(
             assert status.epsilon_remaining == 0.0 and status.n_releases == 1
             # Over the wire, from the proxy's own admission rule: nothing more fits.
             assert status.next_query == NextQuery(0.0, 1e-6, AdmissionLimit.EXHAUSTED)
-            with pytest.raises(BudgetExceededError):
+            # Over the wire too, the refusal says the budget is exhausted now that it is.
+            exhausted = (
+                r"'more': refused: the privacy budget is exhausted \(epsilon \S+ spent of 1 "
+            )
+            with pytest.raises(BudgetExceededError, match=exhausted):
                 client.submit(_spec(public_key, "more", quorum=1, epsilon=0.01), TEST_SIGNING_KEY)
 
 

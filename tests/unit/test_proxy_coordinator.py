@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -465,6 +466,70 @@ def test_budget_next_query_at_other_deltas_and_of_exhausted_and_unlimited_budget
     tiny = make_spec(public_key, "b2", epsilon=1e-3, delta=1e-7)
     with pytest.raises(BudgetExceededError):
         restarted.submit("bob", signed(tiny, SECOND_TEST_SIGNING_KEY))
+
+
+def test_a_budget_refusal_says_what_still_fits_and_exhausted_only_when_nothing_does(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(bob=PrivacyParams(1.2, 1e-5)))
+
+    def submit(coordinator: Coordinator, query_id: str, epsilon: float) -> None:
+        spec = make_spec(public_key, query_id, epsilon=epsilon, delta=1e-6)
+        coordinator.submit("bob", signed(spec, SECOND_TEST_SIGNING_KEY))
+
+    submit(coordinator, "b1", 1.0)
+    with pytest.raises(BudgetExceededError) as refused:
+        submit(coordinator, "b2", 1.0)
+    message = str(refused.value)
+    # Room is left, only not for this query: no "exhausted", and how much fits, found
+    # by the admission rule (zcdp: closed form, cheap) and readable.
+    assert "exhausted" not in message
+    assert message.startswith("not enough privacy budget left for this query (it would bring")
+    fits = coordinator.budget("bob", query_delta=1e-6).next_query
+    assert fits is not None and 0 < fits.epsilon < 1.0
+    assert message.endswith(
+        f"; it asks for epsilon 1 at delta 1e-06, and a query at that delta may ask for "
+        f"epsilon up to {fits.epsilon:.6g} now (fedpca analyst budget --query-delta 1e-06)"
+    )
+    spent = re.search(
+        r"from (\S+) to (\S+) at delta 1e-05, over the budget (\S+); zcdp accountant\)", message
+    )
+    assert spent is not None, message
+    assert len(spent[1]) <= 8 and float(spent[2]) > float(spent[3]) == 1.2 > float(spent[1])
+    submit(coordinator, "b3", fits.epsilon)  # what the refusal named is admitted
+    coordinator.store.close()
+    # Lowered below what was spent: nothing fits any more, and only now "exhausted".
+    lowered = make_coordinator(tmp_path, pool, make_config(bob=PrivacyParams(0.5, 1e-5)))
+    with pytest.raises(BudgetExceededError, match=r"^the privacy budget is exhausted \("):
+        submit(lowered, "b4", 1e-3)
+
+
+def test_a_budget_refusal_under_pld_points_to_the_budget_command_without_a_search(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, monkeypatch: Any
+) -> None:
+    # Under pld-continuous the search takes up to seconds: the refusal path runs none.
+    import fedpca.dp.next_query as next_query_module
+
+    def no_search(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the refusal searched for the largest epsilon that fits")
+
+    monkeypatch.setattr(next_query_module, "largest_admissible_epsilon", no_search)
+    public_key, _ = test_only_keypair_512
+    config = make_config(accountant=Accountant.PLD_CONTINUOUS, bob=PrivacyParams(1.0, 1e-5))
+    coordinator = make_coordinator(tmp_path, pool, config)
+    for query_id in ("p1", "p2"):
+        spec = make_spec(public_key, query_id, epsilon=1.0, delta=1e-6)
+        if query_id == "p1":
+            coordinator.submit("bob", signed(spec, SECOND_TEST_SIGNING_KEY))
+            continue
+        with pytest.raises(BudgetExceededError) as refused:
+            coordinator.submit("bob", signed(spec, SECOND_TEST_SIGNING_KEY))
+    message = str(refused.value)
+    assert "exhausted" not in message and "not enough privacy budget left" in message
+    assert message.endswith(
+        "; `fedpca analyst budget --query-delta 1e-06` shows the largest epsilon that still fits"
+    )
 
 
 @pytest.mark.parametrize("budget", [math.inf, 5.0])

@@ -272,7 +272,8 @@ class AggregateEstimator(_Settings):
         Raises
         ------
         BudgetExceededError
-            The proxy refused the release: the analyst's budget is exhausted.
+            The proxy refused the release: it does not fit what is left of the
+            analyst's budget (the message says how much does, or how to find out).
         QueryStateError
             The query failed at the proxy (e.g. owners declined it, the quorum was not
             reached by the deadline).

@@ -143,7 +143,9 @@ def error_from_rpc(error: grpc.RpcError, action: str) -> FedpcaError:
         cls = OverloadError
     name = code.name if code is not None else "UNKNOWN"
     if cls is BudgetExceededError:
-        message = f"{action}: refused, privacy budget exhausted: {details}"
+        # The proxy's message says whether the budget is exhausted or the query asked
+        # for more than is left (and how much is); "exhausted" here said so of both.
+        message = f"{action}: refused: {details}"
     elif cls is OverloadError:
         message = (
             f"{action}: refused for now, the proxy is at a limit (nothing was charged): {details}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,7 +31,7 @@ from fedpca.proxy.results import result_header, whole_result
 from fedpca.proxy.store_records import page_count
 from fedpca.query import DEFAULT_QUERY_DELTA
 
-__all__ = ["CANCELLED_REASON", "AnalystRequests"]
+__all__ = ["CANCELLED_REASON", "AnalystRequests", "next_query_for"]
 
 logger = logging.getLogger("fedpca.proxy.coordinator")
 
@@ -251,8 +252,8 @@ class AnalystRequests(CoordinatorCore):
             remaining = max(0.0, limit.epsilon - used)
         admissible = None
         if next_query:
-            admissible = _next_query(
-                tuple(ledger),
+            admissible = next_query_for(
+                ledger,
                 limit,
                 min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
                 privacy.accountant,
@@ -270,6 +271,21 @@ class AnalystRequests(CoordinatorCore):
         )
 
 
+def next_query_for(
+    ledger: Sequence[PrivacyEvent],
+    limit: PrivacyParams,
+    query_delta: float,
+    accountant: Any,
+    neighbouring: Any,
+) -> NextQuery:
+    """The largest epsilon a query at ``query_delta`` is admitted with after ``ledger``
+    (:func:`~fedpca.dp.next_query.largest_admissible_epsilon`), found once per ledger:
+    the search composes the ledger a few times (up to seconds of CPU under
+    pld-continuous), and an analyst (or a dashboard) asking again before its next
+    release gets the same answer without it. A new release changes the key."""
+    return _next_query(tuple(ledger), limit, query_delta, accountant, neighbouring)
+
+
 @functools.lru_cache(maxsize=64)
 def _next_query(
     ledger: tuple[PrivacyEvent, ...],
@@ -278,10 +294,7 @@ def _next_query(
     accountant: Any,
     neighbouring: Any,
 ) -> NextQuery:
-    """:func:`~fedpca.dp.next_query.largest_admissible_epsilon`, kept for the ledger it
-    was found for: the search composes the ledger a few times (up to seconds of CPU
-    under pld-continuous), and an analyst (or a dashboard) asking again before its
-    next release gets the same answer without it. A new release changes the key."""
+    """:func:`next_query_for`, kept for the ledger it was found for."""
     from fedpca.dp.next_query import largest_admissible_epsilon  # slow import
 
     return largest_admissible_epsilon(

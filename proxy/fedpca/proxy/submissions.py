@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fedpca.admission import AdmissionLimit, NextQuery
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import (
     AuthenticationError,
+    BudgetExceededError,
     ConfigError,
     FedpcaError,
     OverloadError,
@@ -23,12 +25,17 @@ from fedpca.errors import (
 )
 from fedpca.formatting import distinct
 from fedpca.messages import QueryState, SignedQuery
+from fedpca.proxy.analyst_requests import next_query_for
 from fedpca.proxy.coordinator_core import CoordinatorCore, task_id
 from fedpca.proxy.queries import spec_to_dict, validate_query
 from fedpca.proxy.store_records import QueryRecord
+from fedpca.query import Calibration, QuerySpec
 from fedpca.signing import verify_query
 
-__all__ = ["Submissions"]
+if TYPE_CHECKING:
+    from fedpca.dp.accounting import BudgetDecision
+
+__all__ = ["Submissions", "budget_refusal"]
 
 logger = logging.getLogger("fedpca.proxy.coordinator")
 
@@ -89,13 +96,18 @@ class Submissions(CoordinatorCore):
             # not change meanwhile, else compose again.
             rows = self.store.releases(analyst_id)
             decision = self._check_budget(rows, event, budget)
+            # Worded outside the transaction too (a refusal may name what still fits).
+            refusal = None if decision.fits else self._budget_refusal(rows, spec, event, decision)
 
-            def charge(conn: Any, rows: list[dict[str, Any]] = rows, fits: Any = decision) -> None:
+            def charge(
+                conn: Any, rows: list[dict[str, Any]] = rows, refusal: str | None = refusal
+            ) -> None:
                 self._check_signer(conn, analyst_id, signed.signer)
                 self._check_query_bounds(conn, analyst_id)
                 if self.store.release_ids(conn, analyst_id) != [r["query_id"] for r in rows]:
                     raise _LedgerChanged
-                fits.raise_if_exceeded()
+                if refusal is not None:
+                    raise BudgetExceededError(refusal)
                 self.store.record_release(conn, analyst_id, key, event_record)
 
             try:
@@ -210,3 +222,84 @@ class Submissions(CoordinatorCore):
             self.config.privacy.accountant,
             neighbouring=self.config.privacy.neighbouring,
         )
+
+    def _budget_refusal(
+        self,
+        rows: list[dict[str, Any]],
+        spec: QuerySpec,
+        event: PrivacyEvent,
+        decision: BudgetDecision,
+    ) -> str:
+        """Why the budget refuses ``event``, with what still fits when that is cheap.
+
+        Under the zcdp accountant the largest epsilon still admitted takes a few
+        closed-form compositions (:func:`next_query_for`, kept per ledger); under
+        pld-continuous it takes up to seconds, so the refusal only points to
+        ``fedpca analyst budget``, which finds it. The search assumes the default
+        calibration and no other delta term (masked mode's mask): for other queries it
+        would overstate what fits, and is left out too.
+        """
+        from fedpca.dp.accounting import Accountant  # slow import (dp_accounting)
+
+        privacy = self.config.privacy
+        next_query = None
+        if (
+            privacy.accountant is Accountant.ZCDP
+            and spec.private
+            and spec.calibration is Calibration.ZCDP
+            and event.delta_extra == 0
+            and decision.epsilon_spent_before < decision.budget.epsilon
+        ):
+            next_query = next_query_for(
+                [PrivacyEvent.from_dict(r) for r in rows],
+                decision.budget,
+                spec.delta,
+                privacy.accountant,
+                privacy.neighbouring,
+            )
+        return budget_refusal(spec, decision, next_query)
+
+
+def budget_refusal(spec: QuerySpec, decision: BudgetDecision, next_query: NextQuery | None) -> str:
+    """The message of a submission the analyst's budget refuses.
+
+    "Exhausted" only when the ledger alone fills the budget (then nothing is admitted);
+    otherwise the query asked for more than is left, and the message says what was
+    spent, what the query would bring it to, and either ``next_query`` (the largest
+    epsilon a query at this query's delta is admitted with now) or where to find it.
+    Every number is printed so that different values never print alike.
+    """
+    budget = decision.budget
+    at = distinct(budget.delta)[0]
+    query_delta = repr(float(spec.delta))
+    command = f"fedpca analyst budget --query-delta {query_delta}"
+    before, total = distinct(decision.epsilon_spent_before, budget.epsilon)
+    if not decision.epsilon_spent_before < budget.epsilon:
+        return (
+            f"the privacy budget is exhausted (epsilon {before} spent of {total} at delta "
+            f"{at}); no query is admitted any more"
+        )
+    if not spec.private:
+        return (
+            f"epsilon = inf (NOT PRIVATE) does not fit a finite privacy budget (epsilon "
+            f"{total} at delta {at})"
+        )
+    before, after, total = distinct(
+        decision.epsilon_spent_before, decision.epsilon_spent_after, budget.epsilon
+    )
+    text = (
+        "not enough privacy budget left for this query "
+        f"(it would bring the epsilon spent from {before} to {after} at delta {at}, over the "
+        f"budget {total}; {decision.accountant.value} accountant)"
+    )
+    if (
+        next_query is not None
+        and next_query.limit is AdmissionLimit.BUDGET
+        and next_query.epsilon < spec.epsilon
+    ):
+        asked, most = distinct(spec.epsilon, next_query.epsilon)
+        return (
+            f"{text}; it asks for epsilon {asked} at delta {query_delta}, and a query at "
+            f"that delta may ask for epsilon up to {most} now ({command})"
+        )
+    return f"{text}; `{command}` shows the largest epsilon that still fits"
