@@ -78,8 +78,26 @@ processes = 1
     return config
 
 
-def test_budget_without_ledger(tmp_path: Path) -> None:
+def test_budget_without_ledger_is_refused(tmp_path: Path) -> None:
+    """A mistyped state_dir must not read as a full budget (it did: rc 0, "spent 0")."""
     result = CliRunner().invoke(owner_group, ["budget", "--config", str(_write_config(tmp_path))])
+    assert result.exit_code == 1, result.output
+    ledger = tmp_path / "state" / "ledger.sqlite3"
+    assert f"Error: the budget ledger {ledger} does not exist." in result.output
+    assert "[owner] state_dir names the wrong folder" in result.output
+    assert "spent" not in result.output and "next query" not in result.output
+    assert not (tmp_path / "state").exists()  # a read-only command creates nothing
+
+
+def _with_new_ledger(config: Path) -> Path:
+    """Create the config's empty ledger, as `owner init` does; return the config."""
+    owner_ledger(load_config(config))
+    return config
+
+
+def test_budget_of_a_new_ledger(tmp_path: Path) -> None:
+    config = _with_new_ledger(_write_config(tmp_path))
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(config)])
     assert result.exit_code == 0, result.output
     assert "no release recorded" in result.output
     assert "spent        epsilon=0 at delta=1e-05" in result.output
@@ -92,7 +110,6 @@ def test_budget_without_ledger(tmp_path: Path) -> None:
     ) in result.output
     # Below the budget's epsilon of 2: no explanation of an epsilon above it.
     assert "more than the budget's epsilon" not in result.output
-    assert not (tmp_path / "state").exists()  # a read-only command creates nothing
 
 
 def _next_query_epsilon(output: str) -> float:
@@ -163,7 +180,7 @@ def test_budget_lists_spent_next_query_and_queries(tmp_path: Path) -> None:
 
 
 def test_budget_next_query_at_the_query_delta_asked_for(tmp_path: Path) -> None:
-    path = _write_config(tmp_path)
+    path = _with_new_ledger(_write_config(tmp_path))
     runner = CliRunner()
     result = runner.invoke(owner_group, ["budget", "--config", str(path), "--query-delta", "1e-8"])
     assert result.exit_code == 0, result.output
@@ -180,6 +197,7 @@ def test_budget_says_why_the_next_query_may_ask_for_more_than_the_budget(tmp_pat
     # epsilon 1.12922 at delta 1e-6, the same noise as epsilon 1 at 1e-5.
     path = _write_config(tmp_path)
     path.write_text(path.read_text().replace("epsilon = 2.0", "epsilon = 1.0"))
+    _with_new_ledger(path)
     result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
     assert result.exit_code == 0, result.output
     assert _next_query_epsilon(result.output) == 1.12922

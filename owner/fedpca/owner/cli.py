@@ -25,7 +25,6 @@ from fedpca.formatting import distinct
 from fedpca.logs import configure_logging
 from fedpca.owner.config import load_config
 from fedpca.owner.init import init_command
-from fedpca.owner.ledger_records import LedgerEntry
 from fedpca.query import DEFAULT_QUERY_DELTA
 
 __all__ = ["owner_group"]
@@ -113,11 +112,9 @@ def serve_command(
         )
         if not (new_ledger or config.ledger_path.exists()):
             raise ConfigError(
-                f"the budget ledger {config.ledger_path} does not exist. If this node ran "
-                "before, [owner] state_dir (or --state-dir) names the wrong folder: a new, "
-                "empty ledger would start this owner's budget again at zero. `fedpca owner "
-                "init` creates the ledger with the folder; to start a new one here, pass "
-                "--new-ledger"
+                _missing_ledger(config.ledger_path, "(or --state-dir)")
+                + " a new, empty ledger would start this owner's budget again at zero. "
+                "To start a new one here, pass --new-ledger"
             )
         node = OwnerNode(config)
         monitoring = None
@@ -209,14 +206,17 @@ def budget_command(config_path: Path, delta: float | None, query_delta: float | 
         )
     click.echo(f"owner        {config.owner.id}")
     click.echo(f"budget       epsilon={budget.epsilon:g} delta={budget.delta:g}")
-    entries: list[LedgerEntry] = []
-    ledger = None
-    spent = 0.0
+    if not config.ledger_path.exists():
+        # Not "nothing spent": a wrong folder would report a full budget.
+        raise click.ClickException(
+            _missing_ledger(config.ledger_path, "")
+            + " its budget cannot be read here. On a node not started yet, `fedpca owner "
+            "serve --new-ledger` creates it"
+        )
     try:
-        if config.ledger_path.exists():
-            ledger = owner_ledger(config)
-            entries = ledger.events()
-            spent = ledger.spent(at_delta)
+        ledger = owner_ledger(config)
+        entries = ledger.events()
+        spent = ledger.spent(at_delta)
         # The checks this owner makes before it reserves a release: its policy's cap on
         # one release's epsilon, then its ledger's budget (owner/policy.py, ledger.py).
         next_query = largest_admissible_epsilon(
@@ -229,14 +229,14 @@ def budget_command(config_path: Path, delta: float | None, query_delta: float | 
         )
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    none_yet = " (none yet: no release recorded)" if ledger is None else ""
+    none_yet = "" if entries else " (no release recorded)"
     click.echo(f"ledger       {config.ledger_path}{none_yet}")
     click.echo(f"spent        epsilon={spent:.6g} at delta={at_delta:g}")
     cap_epsilon = (config.policy.max_epsilon_per_query, budget.delta)
     click.echo(f"next query   {next_query.summary(per_query_cap=cap_epsilon)}")
     for note in next_query.notes(budget.epsilon, budget.delta):
         click.echo(f"             ({note})")
-    if ledger is None:
+    if not entries:
         return
     private = sum(1 for e in entries if not e.not_private)
     click.echo(f"releases     {private} private, {len(entries) - private} NOT PRIVATE")
@@ -252,6 +252,16 @@ def budget_command(config_path: Path, delta: float | None, query_delta: float | 
         click.echo(
             f"  {when}Z  {event.query_id:<24} {cost:<44} {state:<10} analyst {event.analyst}"
         )
+
+
+def _missing_ledger(path: Path, override: str) -> str:
+    """The start of the error for a budget ledger that does not exist."""
+    flag = f" {override}" if override else ""
+    return (
+        f"the budget ledger {path} does not exist. `fedpca owner init` creates it with the "
+        f"node's folder; if this node ran before, [owner] state_dir{flag} names the wrong "
+        "folder:"
+    )
 
 
 owner_group.add_command(init_command)
