@@ -9,6 +9,7 @@ Register in ``fedpca.app.cli`` as ``"owner": ("fedpca.owner.cli", "owner_group",
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -23,7 +24,7 @@ from fedpca.budget_options import budget_delta_options
 from fedpca.errors import ConfigError, DataError, KeyFileError
 from fedpca.formatting import distinct
 from fedpca.logs import configure_logging
-from fedpca.owner.config import load_config
+from fedpca.owner.config import OwnerConfig, load_config
 from fedpca.owner.init import init_command
 from fedpca.query import DEFAULT_QUERY_DELTA
 
@@ -184,7 +185,16 @@ def probe_command(config_path: Path, timeout: float, local: bool) -> None:
     help="The owner's TOML config (owner.toml).",
 )
 @budget_delta_options("this owner's")
-def budget_command(config_path: Path, delta: float | None, query_delta: float | None) -> None:
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the ledger's releases as JSON instead: the file `fedpca proxy "
+    "import-releases` reads after a proxy database was restored from a backup.",
+)
+def budget_command(
+    config_path: Path, delta: float | None, query_delta: float | None, as_json: bool
+) -> None:
     """Print the epsilon spent, the largest epsilon a next query may ask for (found with
     this owner's own checks, for a query with the default zcdp calibration), and every
     release recorded in the ledger."""
@@ -195,6 +205,9 @@ def budget_command(config_path: Path, delta: float | None, query_delta: float | 
         config = load_config(config_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
+    if as_json:
+        _print_releases_json(config)
+        return
     budget = config.budget
     at_delta = delta if delta is not None else budget.delta
     cap = config.policy.delta_cap(budget)
@@ -252,6 +265,25 @@ def budget_command(config_path: Path, delta: float | None, query_delta: float | 
         click.echo(
             f"  {when}Z  {event.query_id:<24} {cost:<44} {state:<10} analyst {event.analyst}"
         )
+
+
+def _print_releases_json(config: OwnerConfig) -> None:
+    """``owner budget --json``: the ledger's releases (fedpca.release_exports)."""
+    from fedpca.owner.ledger import owner_ledger
+    from fedpca.release_exports import owner_releases_document
+
+    if not config.ledger_path.exists():
+        raise click.ClickException(_missing_ledger(config.ledger_path, "") + " nothing to export")
+    try:
+        ledger = owner_ledger(config)
+        releases = []
+        for entry in ledger.events():
+            task = ledger.task(entry.event.query_id)
+            releases.append((entry.event, task.outcome.value if task is not None else "reserved"))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    document = owner_releases_document(config.owner.id, releases)
+    click.echo(json.dumps(document, indent=2, allow_nan=False))
 
 
 def _missing_ledger(path: Path, override: str) -> str:

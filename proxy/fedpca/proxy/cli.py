@@ -183,4 +183,67 @@ def status_command(config_path: Path) -> None:
         click.echo("  ".join([*cells, row[4]]).rstrip())
 
 
+@proxy_group.command("import-releases")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The proxy's TOML configuration (for the database path and relation).",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be charged; change nothing.")
+@click.argument(
+    "exports", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path)
+)
+def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Path, ...]) -> None:
+    """After restoring the database from a backup: charge the releases it forgot.
+
+    EXPORTS are the owners' `fedpca owner budget --json` files. Every release of a
+    query this database does not know is charged to its analyst, once; releases the
+    database has, and queries it refunded, are left alone. Run it with the proxy
+    stopped, before serving again (docs/operations.md, "Backup and restore").
+    """
+    import json
+
+    from fedpca.proxy.release_import import import_releases
+    from fedpca.proxy.store import ProxyStore
+    from fedpca.proxy.store_database import use_database
+    from fedpca.release_exports import read_owner_releases
+
+    try:
+        config = _load(config_path)
+        database = config.proxy.database
+        if not database.is_file():
+            raise click.ClickException(f"no proxy database at {database}")
+        events = []
+        for path in exports:
+            try:
+                document = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise click.ClickException(f"cannot read {path}: {exc}") from exc
+            if not isinstance(document, dict):
+                raise click.ClickException(f"{path}: not an export of `fedpca owner budget --json`")
+            events.extend(read_owner_releases(document, str(path)))
+        with use_database(database):
+            store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
+            try:
+                report = import_releases(
+                    store, events, config.privacy.neighbouring, dry_run=dry_run
+                )
+            finally:
+                store.close()
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    verb = "would charge" if dry_run else "charged"
+    for event in report.entered:
+        click.echo(
+            f"{verb:<13}{event.query_id}  epsilon={event.epsilon:g} delta={event.delta:g} "
+            f"z={event.noise_multiplier:.6g}"
+        )
+    click.echo(
+        f"{len(report.entered)} release(s) {verb}; {len(report.already_recorded)} already "
+        f"recorded; {len(report.refunded)} of queries this database refunded, not charged"
+    )
+
+
 proxy_group.add_command(init_command)

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any, TypeVar
 
 from grpc import aio
@@ -34,6 +33,7 @@ from fedpca.proxy.metrics import ProxyMetrics
 from fedpca.proxy.servicer import AnalystServicer, OwnerServicer, register_services
 from fedpca.proxy.servicer_support import ChangeFeed, LenientRegistration, WorkerPool
 from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_database import use_database
 from fedpca.transport import channels
 from fedpca.transport.certs import Role, TlsMaterial
 
@@ -47,18 +47,6 @@ HEALTH_SERVICES = ("fedpca.v1.OwnerService", "fedpca.v1.AnalystService")
 """Services the health service reports besides the server as a whole ("")."""
 
 _T = TypeVar("_T")
-
-
-def _use_database(database: Path) -> ExclusiveUse:
-    """Hold the proxy's database for this process: two proxies on one database would
-    each admit queries against the same budgets and race for the same uploads."""
-    try:
-        database.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the database folder {database.parent}: {exc}") from exc
-    return ExclusiveUse(
-        database.with_name(database.name + ".lock"), f"the proxy database {database}"
-    )
 
 
 class ProxyServer:
@@ -156,7 +144,7 @@ class ProxyServer:
                     tls.identity.node_id,
                 )
         try:
-            self._database_lock = _use_database(config.proxy.database)
+            self._database_lock = use_database(config.proxy.database)
             self._store = ProxyStore(
                 config.proxy.database, neighbouring=config.privacy.neighbouring
             )

@@ -316,6 +316,18 @@ class ProxyStore(ContributionStore):
             ).fetchone()
         return row is not None
 
+    @staticmethod
+    def release_recorded(conn: sqlite3.Connection, query_id: str) -> bool:
+        """Whether the query's release is on its analyst's ledger (inside a transaction)."""
+        row = conn.execute("SELECT 1 FROM releases WHERE query_id=?", (query_id,)).fetchone()
+        return row is not None
+
+    @staticmethod
+    def query_known(conn: sqlite3.Connection, query_id: str) -> bool:
+        """Whether the database holds the query (inside a transaction)."""
+        row = conn.execute("SELECT 1 FROM queries WHERE query_id=?", (query_id,)).fetchone()
+        return row is not None
+
     def release_ids(self, conn: sqlite3.Connection, analyst_id: str) -> list[str]:
         """Ids of the analyst's recorded releases, in order (inside a transaction)."""
         rows = conn.execute(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpca.errors import ConfigError, NotFoundError
+from fedpca.files import ExclusiveUse
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
     PAGE_CIPHERTEXTS,
@@ -29,11 +30,31 @@ from fedpca.query import Neighbouring
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreDatabase"]
+__all__ = ["StoreDatabase", "use_database"]
 
 
 _OWNER_TABLES = frozenset({"contributors", "declines", "uploads"})
 """Tables whose rows are keyed by (query_id, owner_id)."""
+
+
+def use_database(database: Path) -> ExclusiveUse:
+    """Hold the proxy's database for this process: two proxies on one database would
+    each admit queries against the same budgets and race for the same uploads, and a
+    tool that rewrites the ledgers (``fedpca proxy import-releases``) must not run
+    beside a proxy.
+
+    Raises
+    ------
+    ConfigError
+        Another process holds it (named by its pid), or its folder cannot be created.
+    """
+    try:
+        database.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the database folder {database.parent}: {exc}") from exc
+    return ExclusiveUse(
+        database.with_name(database.name + ".lock"), f"the proxy database {database}"
+    )
 
 
 class StoreDatabase:

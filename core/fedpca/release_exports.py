@@ -1,0 +1,65 @@
+"""An owner's releases as a file: what ``fedpca owner budget --json`` writes and
+``fedpca proxy import-releases`` reads.
+
+The file holds the privacy events of the owner's ledger (query id, analyst, noise
+multiplier, the epsilon and delta the query asked for, relation, sensitivity, time) and
+what became of each task: public facts of the queries, nothing derived from the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.errors import ConfigError
+
+__all__ = ["OWNER_RELEASES_FORMAT", "owner_releases_document", "read_owner_releases"]
+
+OWNER_RELEASES_FORMAT = "fedpca-owner-releases/1"
+"""The ``format`` field of an export."""
+
+
+def owner_releases_document(
+    owner_id: str, releases: Iterable[tuple[PrivacyEvent, str]]
+) -> dict[str, Any]:
+    """The export of an owner's ledger: each release's event and its task's outcome.
+
+    Infinite epsilons (NOT PRIVATE releases) are written as ``"inf"``, so that the
+    document is strict JSON.
+    """
+    records = []
+    for event, outcome in releases:
+        record = event.to_dict()
+        if record["epsilon"] == float("inf"):
+            record["epsilon"] = "inf"
+        records.append({"event": record, "outcome": outcome})
+    return {"format": OWNER_RELEASES_FORMAT, "owner": owner_id, "releases": records}
+
+
+def read_owner_releases(document: Mapping[str, Any], source: str) -> list[PrivacyEvent]:
+    """The releases of one owner's export (``fedpca owner budget --json``).
+
+    Raises
+    ------
+    ConfigError
+        Not such an export, or a release that is not a valid privacy event (named with
+        ``source``).
+    """
+    if document.get("format") != OWNER_RELEASES_FORMAT:
+        raise ConfigError(
+            f"{source}: not an export of `fedpca owner budget --json` (format "
+            f"{OWNER_RELEASES_FORMAT!r} expected)"
+        )
+    releases = document.get("releases")
+    if not isinstance(releases, list):
+        raise ConfigError(f"{source}: 'releases' must be a list")
+    events = []
+    for position, record in enumerate(releases):
+        if not isinstance(record, dict) or not isinstance(record.get("event"), dict):
+            raise ConfigError(f"{source}: release {position} has no 'event' object")
+        try:
+            events.append(PrivacyEvent.from_dict(record["event"]))
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: release {position}: {exc}") from None
+    return events

@@ -1,0 +1,160 @@
+"""Re-entering the releases a restored proxy database forgot.
+
+A new operator's walkthrough restored a proxy database from a backup as
+docs/operations.md says: the analyst's spent epsilon fell back to what it was at the
+backup (4 releases to 3) while the owners' ledgers still listed the lost query, and no
+command could re-enter it. `fedpca owner budget --json` now exports an owner's releases
+and `fedpca proxy import-releases` charges those of queries the database does not know.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_proxy_cli import write_config
+
+from fedpca.dp.accounting import Accountant, compose_epsilon
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.errors import ConfigError
+from fedpca.files import ExclusiveUse
+from fedpca.messages import QueryState
+from fedpca.owner.cli import owner_group
+from fedpca.owner.ledger import BudgetLedger
+from fedpca.proxy.cli import proxy_group
+from fedpca.proxy.release_import import import_releases
+from fedpca.proxy.store import ProxyStore
+from fedpca.query import Neighbouring
+from fedpca.release_exports import owner_releases_document, read_owner_releases
+
+BUDGET = PrivacyParams(10.0, 1e-5)
+
+
+def _event(query_id: str, z: float, *, analyst: str = "alice") -> PrivacyEvent:
+    return PrivacyEvent(f"{analyst}/{query_id}", analyst, z, 0.5, 1e-6)
+
+
+def _owner_export(tmp_path: Path, name: str, events: list[PrivacyEvent]) -> Path:
+    """An owner's ledger holding ``events``, exported with `fedpca owner budget --json`."""
+    folder = tmp_path / name
+    folder.mkdir()
+    config = folder / "owner.toml"
+    config.write_text(
+        f'[owner]\nid = "{name}"\nproxy = "127.0.0.1:9"\nstate_dir = "state"\n'
+        '[tls]\ninsecure = true\n[data]\npath = "data.csv"\nmax_records = 10\nn_columns = 3\n'
+        "[policy]\naccepted_analyst_keys = []\nmax_epsilon_per_query = 1.0\n"
+        "[budget]\nepsilon = 10.0\ndelta = 1e-5\n"
+    )
+    ledger = BudgetLedger(folder / "state" / "ledger.sqlite3")
+    for event in events:
+        ledger.reserve(event, BUDGET)  # raises if it does not fit
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    export = folder / "releases.json"
+    export.write_text(result.output)
+    return export
+
+
+def _spent(store: ProxyStore, analyst: str = "alice") -> float:
+    events = [PrivacyEvent.from_dict(r) for r in store.releases(analyst)]
+    return compose_epsilon(events, 1e-5, Accountant.ZCDP)
+
+
+def test_an_owner_export_reads_back_as_its_ledger(tmp_path: Path) -> None:
+    events = [_event("q1", 2.0), _event("q2", 3.0, analyst="bob")]
+    export = _owner_export(tmp_path, "hospital-a", events)
+    document = json.loads(export.read_text())
+    assert document["owner"] == "hospital-a"
+    assert [r["outcome"] for r in document["releases"]] == ["reserved", "reserved"]
+    read = read_owner_releases(document, str(export))
+    assert [(e.query_id, e.analyst, e.noise_multiplier) for e in read] == [
+        (e.query_id, e.analyst, e.noise_multiplier) for e in events
+    ]
+    with pytest.raises(ConfigError, match="not an export"):
+        read_owner_releases({"releases": []}, "x.json")
+
+
+def test_a_not_private_release_survives_the_round_trip() -> None:
+    event = PrivacyEvent("alice/v", "alice", 0.0, float("inf"), 0.0)
+    document = json.loads(json.dumps(owner_releases_document("o", [(event, "uploaded")])))
+    (read,) = read_owner_releases(document, "o.json")
+    assert read.noise_multiplier == 0.0 and read.epsilon == float("inf")
+
+
+def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> None:
+    config, _ = write_config(tmp_path)
+    database = tmp_path / "state" / "proxy.sqlite3"
+    store = ProxyStore(database)
+    # In the restored database: q1 submitted and charged, q2 submitted and refunded.
+    for query_id in ("q1", "q2"):
+        store.create_query(f"alice/{query_id}", "alice", {"quorum": 2}, {}, time.time() + 60)
+    with store.transaction() as conn:
+        store.record_release(conn, "alice", "alice/q1", _event("q1", 2.0).to_dict())
+    store.set_state("alice/q2", QueryState.FAILED, failure_reason="cancelled by the analyst")
+    before = _spent(store)
+    store.close()
+    # q3 came after the backup; the two owners that took part list it (one with a
+    # larger noise multiplier: the costlier record is charged).
+    exports = [
+        _owner_export(
+            tmp_path, "hospital-a", [_event("q1", 2.0), _event("q2", 2.0), _event("q3", 2.5)]
+        ),
+        _owner_export(tmp_path, "hospital-b", [_event("q1", 2.0), _event("q3", 3.0)]),
+    ]
+    runner = CliRunner()
+    command = ["import-releases", "--config", str(config), *map(str, exports)]
+
+    dry = runner.invoke(proxy_group, [*command[:3], "--dry-run", *command[3:]])
+    assert dry.exit_code == 0, dry.output
+    assert "would charge alice/q3  epsilon=0.5 delta=1e-06 z=2.5" in dry.output
+    store = ProxyStore(database)
+    assert _spent(store) == before  # a dry run changes nothing
+    store.close()
+
+    done = runner.invoke(proxy_group, command)
+    assert done.exit_code == 0, done.output
+    assert done.output.splitlines()[-1] == (
+        "1 release(s) charged; 1 already recorded; 1 of queries this database refunded, not charged"
+    )
+    store = ProxyStore(database)
+    charged = {r["query_id"]: r["noise_multiplier"] for r in store.releases("alice")}
+    assert charged == {"alice/q1": 2.0, "alice/q3": 2.5}
+    after = _spent(store)
+    expected = compose_epsilon([_event("q1", 2.0), _event("q3", 2.5)], 1e-5, Accountant.ZCDP)
+    assert after == pytest.approx(expected) and after > before
+    store.close()
+
+    again = runner.invoke(proxy_group, command)  # idempotent
+    assert again.exit_code == 0 and "0 release(s) charged; 2 already recorded" in again.output
+
+
+def test_import_refuses_while_the_proxy_holds_the_database(tmp_path: Path) -> None:
+    config, _ = write_config(tmp_path)
+    database = tmp_path / "state" / "proxy.sqlite3"
+    ProxyStore(database).close()
+    export = _owner_export(tmp_path, "hospital-a", [_event("q9", 2.0)])
+    with ExclusiveUse(database.with_name("proxy.sqlite3.lock"), f"the proxy database {database}"):
+        result = CliRunner().invoke(
+            proxy_group, ["import-releases", "--config", str(config), str(export)]
+        )
+    assert result.exit_code == 1 and "is in use by process" in result.output
+    store = ProxyStore(database)
+    assert store.releases("alice") == []
+    store.close()
+
+
+def test_an_export_of_another_relation_imports_nothing(tmp_path: Path) -> None:
+    store = ProxyStore(tmp_path / "proxy.sqlite3")
+    other = PrivacyEvent("alice/q1", "alice", 2.0, 0.5, 1e-6, Neighbouring.REPLACE_ONE)
+    mine = _event("q2", 2.0)
+    with pytest.raises(ConfigError, match="another deployment"):
+        import_releases(store, [mine, other], Neighbouring.ADD_REMOVE)
+    assert store.releases("alice") == []
+    with pytest.raises(ConfigError, match="not a query of its analyst"):
+        import_releases(
+            store, [PrivacyEvent("bob/q", "alice", 2.0, 0.5, 1e-6)], Neighbouring.ADD_REMOVE
+        )
+    store.close()
