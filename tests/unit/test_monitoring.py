@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fedpca import logs
 from fedpca.codec import CryptoPool
+from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.monitoring import MonitoringServer
 from fedpca.owner.metrics import OwnerMetrics
 from fedpca.proxy.config import MonitoringSection
@@ -73,7 +74,13 @@ class _MonitoredDeployment(InProcessDeployment):
         original = server_module.ProxyServer.__init__
 
         def with_monitoring(server: Any, config: Any, **kwargs: Any) -> None:
-            config = replace(config, monitoring=MonitoringSection("127.0.0.1:0"))
+            # carol has a budget of her own and has not queried yet.
+            analysts = {**config.budget.analysts, "carol": PrivacyParams(2.0, 1e-5)}
+            config = replace(
+                config,
+                monitoring=MonitoringSection("127.0.0.1:0"),
+                budget=replace(config.budget, analysts=analysts),
+            )
             original(server, config, **kwargs)
 
         server_module.ProxyServer.__init__ = with_monitoring  # type: ignore[method-assign]
@@ -126,6 +133,11 @@ def test_proxy_health_service_and_metrics(
     status, body = _get(f"{base}/readyz")
     assert status == 200 and "2 owners connected" in body
     assert _get(f"{base}/nothing")[0] == 404
+
+    # An analyst with a budget of its own is listed before its first query.
+    before = _samples(_get(f"{base}/metrics")[1])
+    assert before[("fedpca_proxy_analyst_epsilon_spent", (("analyst", "carol"),))] == 0.0
+    assert before[("fedpca_proxy_analyst_epsilon_limit", (("analyst", "carol"),))] == 2.0
 
     outcome = running.run(_spec(public_key, "m1", quorum=2))
     assert outcome.state == "done"

@@ -135,7 +135,10 @@ class _StateCollector(Collector):
             "Each analyst's total epsilon (+Inf: unlimited).",
             labels=["analyst"],
         )
-        for analyst in coordinator.store.analyst_ids():
+        # Analysts given a budget of their own are listed from the start (at 0 spent),
+        # not only once they have submitted a query: a dashboard sees them all.
+        configured = coordinator.config.budget.analysts
+        for analyst in sorted({*coordinator.store.analyst_ids(), *configured}):
             try:
                 budget = coordinator.budget(analyst, next_query=False)
             except Exception:  # a scrape must not fail on one ledger
