@@ -1924,3 +1924,41 @@ def test_budget_searches_once_per_ledger_and_again_after_a_release(
     after = coordinator.budget("bob").next_query
     assert searches == [0, 1]
     assert first is not None and after is not None and after.epsilon < first.epsilon
+
+
+def test_one_budget_search_at_a_time_per_analyst(
+    tmp_path: Path, pool: CryptoPool, monkeypatch: Any
+) -> None:
+    """A search costs up to seconds of CPU under pld-continuous, a new one for every
+    query delta: an analyst asking about many deltas at once gets one search, and each
+    of the others a retryable refusal, instead of holding a worker thread each."""
+    import fedpca.dp.next_query as next_query_module
+    from fedpca.proxy.analyst_requests import _next_query
+
+    started, release = threading.Event(), threading.Event()
+    real = next_query_module.largest_admissible_epsilon
+
+    def slow(ledger: Any, limit: Any, query_delta: float, *args: Any, **kwargs: Any) -> Any:
+        if query_delta == 1e-7:  # bob's first search: held until released
+            started.set()
+            assert release.wait(30)
+        return real(ledger, limit, query_delta, *args, **kwargs)
+
+    monkeypatch.setattr(next_query_module, "largest_admissible_epsilon", slow)
+    _next_query.cache_clear()
+    coordinator = make_coordinator(
+        tmp_path, pool, make_config(bob=PrivacyParams(2.0, 1e-5), carol=PrivacyParams(2.0, 1e-5))
+    )
+    answers: list[Any] = []
+    first = threading.Thread(target=lambda: answers.append(coordinator.budget("bob", None, 1e-7)))
+    first.start()
+    assert started.wait(30)
+    with pytest.raises(OverloadError, match="still being computed"):
+        coordinator.budget("bob", None, 1e-8)
+    # Another analyst is not held up, and the spent epsilon needs no search.
+    assert coordinator.budget("carol", None, 1e-8).next_query is not None
+    assert coordinator.budget("bob", next_query=False).epsilon_spent == 0.0
+    release.set()
+    first.join(30)
+    assert len(answers) == 1 and answers[0].next_query is not None
+    assert coordinator.budget("bob", None, 1e-8).next_query is not None  # free again

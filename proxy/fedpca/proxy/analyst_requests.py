@@ -12,7 +12,7 @@ from typing import Any
 
 from fedpca.admission import NextQuery
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import ConfigError, QueryStateError
+from fedpca.errors import ConfigError, OverloadError, QueryStateError
 from fedpca.formatting import distinct
 from fedpca.messages import (
     BudgetStatus,
@@ -224,6 +224,9 @@ class AnalystRequests(CoordinatorCore):
         ConfigError
             ``query_delta`` is above the per-query delta cap: such a query is refused
             whatever its epsilon.
+        OverloadError
+            The analyst's previous request's search is still running (one at a time
+            per analyst; with ``next_query`` only).
         """
         from fedpca.dp.accounting import compose_epsilon  # slow import (dp_accounting)
 
@@ -252,13 +255,14 @@ class AnalystRequests(CoordinatorCore):
             remaining = max(0.0, limit.epsilon - used)
         admissible = None
         if next_query:
-            admissible = next_query_for(
-                ledger,
-                limit,
-                min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
-                privacy.accountant,
-                privacy.neighbouring,
-            )
+            with _SearchSlot(self, analyst_id):
+                admissible = next_query_for(
+                    ledger,
+                    limit,
+                    min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
+                    privacy.accountant,
+                    privacy.neighbouring,
+                )
         return BudgetStatus(
             analyst_id=analyst_id,
             delta=at,
@@ -269,6 +273,30 @@ class AnalystRequests(CoordinatorCore):
             limit_delta=limit.delta,
             next_query=admissible,
         )
+
+
+class _SearchSlot:
+    """One analyst's next-query search at a time (:meth:`AnalystRequests.budget`)."""
+
+    def __init__(self, requests: AnalystRequests, analyst_id: str) -> None:
+        self._requests = requests
+        self._analyst = analyst_id
+
+    def __enter__(self) -> None:
+        with self._requests._lock:
+            if self._analyst in self._requests._searching:
+                # A search takes up to seconds of CPU under pld-continuous, one new one
+                # per query delta asked about: an analyst asking for many at once would
+                # hold as many worker threads. One runs; the others ask again.
+                raise OverloadError(
+                    "this analyst's previous budget request is still being computed; ask "
+                    "again when it has answered"
+                )
+            self._requests._searching.add(self._analyst)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._requests._lock:
+            self._requests._searching.discard(self._analyst)
 
 
 def next_query_for(

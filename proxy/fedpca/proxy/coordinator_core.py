@@ -131,6 +131,7 @@ class CoordinatorCore:
         self._contexts = ContextCache()
         self._lock = threading.Lock()
         self._finishing: set[str] = set()
+        self._searching: set[str] = set()  # analysts whose next-query search is running
         self._fold_cpu_seconds: dict[str, float] = {}
         self._last_chunk_at: dict[str, float] = {}
         self._open_streams: Counter[tuple[str, str, str]] = Counter()
