@@ -61,6 +61,7 @@ from fedpca.messages import (
     REFUSAL_METADATA,
     BudgetStatus,
     CancelReceipt,
+    Charge,
     DeploymentInfo,
     OwnerDecline,
     QueryState,
@@ -233,6 +234,10 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.fetched: dict[str, list[Any]] = {}
         self.next_query: NextQuery | None = NextQuery(0.412345, 1e-6, AdmissionLimit.BUDGET)
         """What GetBudget reports for the next query (at the delta asked for, if any)."""
+        self.listed: list[QuerySummary] = []
+        """Queries ListQueries reports after the submitted ones."""
+        self.status_charge = (QueryState.DONE, Charge.CHARGED)
+        """The state and charge GetQueryStatus reports."""
 
     def DescribeDeployment(self, request: Any, context: Any) -> Any:
         info = DeploymentInfo(
@@ -261,6 +266,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
                     1,
                     spec.quorum,
                     owners_registered=self.registered,
+                    charge=Charge.CHARGED,
                 ),
                 kind=spec.kind,
                 mode=spec.mode,
@@ -270,7 +276,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             )
             for query_id, spec in list(self.specs.items())[::-1][:limit]
         ]
-        return serde.query_list_to_proto(summaries)
+        return serde.query_list_to_proto(summaries + self.listed)
 
     def CancelQuery(self, request: Any, context: Any) -> Any:
         query_id = serde.query_ref_from_proto(request)
@@ -320,14 +326,16 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         query_id = serde.query_ref_from_proto(request)
         if query_id not in self.specs:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown query {query_id!r}")
+        state, charge = self.status_charge
         status = QueryStatus(
             query_id,
-            QueryState.DONE,
+            state,
             1,
             1,
             owners_declined=1,
             owners_registered=2,
             declines=(OwnerDecline("owner-2", "policy_refusal", "epsilon 9 > 1"),),
+            charge=charge,
         )
         return serde.query_status_to_proto(status)
 
@@ -356,6 +364,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
                 failure_reason=self.fail_reason,
                 declines=self.declines,
                 owners_declined=len(self.declines),
+                charge=Charge.REFUNDED,
             )
         else:
             final = QueryStatus(query_id, QueryState.DONE, quorum, quorum)
@@ -851,6 +860,36 @@ def test_cli_list_status_cancel_and_fetch(
     assert f"query:       {query_id}" in status.stdout
     assert "quorum 1 of 2 registered" in status.stdout
     assert "declined:    owner-2: policy_refusal: epsilon 9 > 1" in status.stdout
+    assert "charge:      charged\n" in status.stdout
+
+    # Two queries cancelled alike, one after an owner began its upload: the listing
+    # says which was charged and which refunded (they printed alike), and what a query
+    # still open reserves.
+    def listed(query: str, state: QueryState, charge: Charge, contributed: int) -> QuerySummary:
+        reason = "cancelled by the analyst" if state is QueryState.FAILED else None
+        return QuerySummary(
+            status=QueryStatus(query, state, contributed, 3, failure_reason=reason, charge=charge),
+            kind=QueryKind.PCA,
+            mode=ProtocolMode.STATS,
+            epsilon=0.5,
+            delta=1e-6,
+            created_at=datetime(2030, 1, 1, tzinfo=UTC),
+        )
+
+    fake.listed = [
+        listed("q-paid", QueryState.FAILED, Charge.CHARGED, 2),
+        listed("q-free", QueryState.FAILED, Charge.REFUNDED, 0),
+        listed("q-open", QueryState.COLLECTING, Charge.RESERVED, 0),
+        listed("q-old", QueryState.FAILED, Charge.UNKNOWN, 0),
+    ]
+    listing = runner.invoke(analyst_group, ["list", *connection])
+    rows = {line.split()[0]: line.split() for line in listing.stdout.strip().splitlines()}
+    assert rows["QUERY"][-2:] == ["CHARGE", "REASON"]
+    assert rows[query_id][-1] == "charged"
+    assert rows["q-paid"][-5:] == ["charged", "cancelled", "by", "the", "analyst"]
+    assert rows["q-free"][-5:] == ["refunded", "cancelled", "by", "the", "analyst"]
+    assert rows["q-open"][-1] == "reserved" and rows["q-old"][-5] == "?"
+    fake.listed = []
 
     cancelled = runner.invoke(analyst_group, ["cancel", query_id, *connection])
     assert cancelled.exit_code == 0, cancelled.output
@@ -945,7 +984,33 @@ def test_cli_shows_each_decline_and_fails_with_the_proxys_reason(
         "owner declined: owner-3: key_not_pinned: sha256:ab... is not pinned",
     ]
     assert lines[-1].startswith("Error: query ") and fake.fail_reason in lines[-1]
+    # ... and whether the query's epsilon stays charged.
+    assert lines[-1].endswith("; its epsilon is refunded (no owner had begun an upload)")
     assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("state", "charge", "line"),
+    [
+        (QueryState.COLLECTING, Charge.RESERVED, "reserved (refunded if the query fails"),
+        (QueryState.COLLECTING, Charge.CHARGED, "charged (an owner has begun an upload"),
+        (QueryState.FAILED, Charge.CHARGED, "charged (an owner had begun an upload"),
+        (QueryState.FAILED, Charge.REFUNDED, "refunded (no owner had begun an upload)"),
+        (QueryState.DONE, Charge.CHARGED, "charged"),
+        (QueryState.FAILED, Charge.UNKNOWN, "not reported by this proxy"),
+    ],
+)
+def test_status_says_where_the_charge_stands(
+    proxy: tuple[FakeProxy, str], state: QueryState, charge: Charge, line: str
+) -> None:
+    fake, address = proxy
+    fake.specs["q-1"] = _spec(fake.public_key, "q-1")
+    fake.status_charge = (state, charge)
+    result = CliRunner().invoke(analyst_group, ["status", "q-1", "--proxy", address, "--insecure"])
+    assert result.exit_code == 0, result.output
+    assert f"state:       {state.value}\n" in result.stdout
+    (shown,) = [text for text in result.stdout.splitlines() if text.startswith("charge:")]
+    assert shown.removeprefix("charge:").strip().startswith(line), shown
 
 
 def test_fetch_checks_the_header_before_reading_any_page(

@@ -481,6 +481,12 @@ def test_a_query_needing_owners_that_are_not_connected_warns(
     with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
         FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1).fit(4)
     assert "only 0 of the 2 owners this query needs" in caplog.text
+    # ... and what that wait may cost: the proxy's refund rule, stated as it is.
+    assert (
+        "If it fails there after any owner began an upload (the connected ones may begin at "
+        "once), its epsilon stays charged in full although nothing is released; it is "
+        "refunded only if no owner began one" in caplog.text
+    )
     caplog.clear()
     _fake_fit(monkeypatch, test_only_keypair_512[1], FakeClient)
     with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):

@@ -17,7 +17,7 @@ from fedpca.codec import CryptoPool
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import BudgetExceededError, NotFoundError, OverloadError, QueryStateError
-from fedpca.messages import QueryState
+from fedpca.messages import Charge, QueryState
 from fedpca.proxy.coordinator import CANCELLED_REASON
 from fedpca.proxy.limits import PeerLimits
 from fedpca.query import Calibration, Neighbouring
@@ -73,16 +73,20 @@ def test_describe_list_and_cancel(
             # A query owner-1 alone completes: DONE cannot be cancelled any more.
             alice.submit(_spec(public_key, "done", quorum=1), TEST_SIGNING_KEY)
             assert alice.wait("done", timeout=30).state is QueryState.DONE
+            assert alice.status("done").charge is Charge.CHARGED
             with pytest.raises(QueryStateError, match="can no longer be cancelled"):
                 alice.cancel("done")
 
             # quorum 2 with owner-2 absent: owner-1 uploads, the query keeps collecting.
             alice.submit(_spec(public_key, "begun", quorum=2), TEST_SIGNING_KEY)
             _wait_until(lambda: alice.status("begun").owners_contributed == 1)
+            # An upload began: the charge stands whatever happens, and the status says so.
+            assert alice.status("begun").charge is Charge.CHARGED
             receipt = alice.cancel("begun")
             assert receipt.status.state is QueryState.FAILED
             assert receipt.status.failure_reason == CANCELLED_REASON
             assert not receipt.refunded  # an upload began: the analyst pays
+            assert receipt.status.charge is Charge.CHARGED
             with pytest.raises(QueryStateError, match=CANCELLED_REASON):
                 alice.wait("begun", timeout=10)
 
@@ -91,8 +95,10 @@ def test_describe_list_and_cancel(
             spent = alice.budget()
             alice.submit(_spec(public_key, "idle", quorum=2), TEST_SIGNING_KEY)
             assert alice.budget().n_releases == spent.n_releases + 1
+            assert alice.status("idle").charge is Charge.RESERVED
             receipt = alice.cancel("idle")
             assert receipt.refunded and receipt.status.failure_reason == CANCELLED_REASON
+            assert receipt.status.charge is Charge.REFUNDED
             assert alice.budget().n_releases == spent.n_releases
             # Cancelling again changes nothing.
             again = alice.cancel("idle")
@@ -108,6 +114,12 @@ def test_describe_list_and_cancel(
                 QueryState.FAILED,
                 QueryState.FAILED,
                 QueryState.DONE,
+            ]
+            # Two failed queries alike but for their charge: the listing tells them apart.
+            assert [q.status.charge for q in listed] == [
+                Charge.REFUNDED,
+                Charge.CHARGED,
+                Charge.CHARGED,
             ]
             assert listed[0].epsilon == 0.5 and listed[0].status.owners_registered == 2
             assert [q.status.query_id for q in alice.list_queries(limit=1)] == ["idle"]

@@ -17,6 +17,7 @@ from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     UPLOAD_CHUNK_BYTES,
     BudgetStatus,
+    Charge,
     CiphertextBlock,
     CiphertextPayload,
     DeclineReason,
@@ -730,10 +731,25 @@ def test_submit_and_query_ref() -> None:
             ),
             owners_registered=3,
         ),
+        # Where the query's epsilon stands on the analyst's ledger.
+        *(QueryStatus("q1", QueryState.FAILED, 1, 2, charge=charge) for charge in Charge),
     ],
 )
 def test_query_status_round_trip(status: QueryStatus) -> None:
     assert serde.query_status_from_proto(serde.query_status_to_proto(status)) == status
+
+
+def test_a_status_without_a_charge_is_read_as_unknown() -> None:
+    """An older proxy sends no charge (and an older analyst ignores it): the status is
+    still read, its charge UNKNOWN; so is a value a later version may add."""
+    message = analyst_pb.QueryStatus(query_id="q", state=analyst_pb.QUERY_STATE_FAILED)
+    assert serde.query_status_from_proto(message).charge is Charge.UNKNOWN
+    message.charge = 99  # type: ignore[assignment]
+    assert serde.query_status_from_proto(message).charge is Charge.UNKNOWN
+    sent = serde.query_status_to_proto(
+        QueryStatus("q", QueryState.FAILED, 0, 2, charge=Charge.REFUNDED)
+    )
+    assert sent.charge == analyst_pb.QUERY_CHARGE_REFUNDED
 
 
 @pytest.mark.parametrize("state", [analyst_pb.QUERY_STATE_PENDING])

@@ -53,6 +53,7 @@ from fedpca.messages import (
     REFUSAL_METADATA,
     BudgetStatus,
     CancelReceipt,
+    Charge,
     CiphertextPayload,
     DecodedChunk,
     DeploymentInfo,
@@ -595,9 +596,7 @@ class AnalystClient:
         if last is None:  # pragma: no cover - watch always yields a status
             raise ProxyError(f"watch of query {query_id!r} ended without a status")
         if last.state is QueryState.FAILED:
-            raise QueryStateError(
-                f"query {query_id!r} failed at the proxy: {last.failure_reason or 'no reason'}"
-            )
+            raise _failed(query_id, last)
         return last
 
     def wait(
@@ -621,7 +620,13 @@ class AnalystClient:
         if last is None:  # pragma: no cover - watch always yields a terminal status
             raise ProxyError(f"watch of query {query_id!r} ended without a status")
         if last.state is QueryState.FAILED:
-            raise QueryStateError(
-                f"query {query_id!r} failed at the proxy: {last.failure_reason or 'no reason'}"
-            )
+            raise _failed(query_id, last)
         return last
+
+
+def _failed(query_id: str, status: QueryStatus) -> QueryStateError:
+    """The error of a query that failed: its reason, and whether its epsilon stays charged."""
+    message = f"query {query_id!r} failed at the proxy: {status.failure_reason or 'no reason'}"
+    if status.charge is not Charge.UNKNOWN:
+        message += f"; its epsilon is {status.charge.describe(status.state)}"
+    return QueryStateError(message)

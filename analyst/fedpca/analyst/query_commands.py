@@ -22,7 +22,7 @@ import click
 
 from fedpca.analyst.cli_output import result_out_option
 from fedpca.errors import ConfigError, QueryStateError
-from fedpca.messages import QueryState, QueryStatus
+from fedpca.messages import Charge, QueryState, QueryStatus
 
 __all__ = ["register"]
 
@@ -41,7 +41,13 @@ def _status_lines(status: QueryStatus) -> list[str]:
     lines.extend(f"declined:    {decline.line()}" for decline in status.declines)
     if status.failure_reason:
         lines.append(f"failed:      {status.failure_reason}")
+    lines.append(f"charge:      {status.charge.describe(status.state)}")
     return lines
+
+
+def _charge_cell(charge: Charge) -> str:
+    """The CHARGE column of ``fedpca analyst list``: one word ("?" from an older proxy)."""
+    return "?" if charge is Charge.UNKNOWN else charge.value
 
 
 def _write_aggregates(release: Any, registered: int, timings: dict[str, float], out: Path) -> None:
@@ -106,13 +112,18 @@ def register(
     @connection_options
     @click.option("--limit", type=click.IntRange(min=1, max=1000), default=50, show_default=True)
     def list_command(limit: int, **params: Any) -> None:
-        """List your queries at the proxy, newest first."""
+        """List your queries at the proxy, newest first.
+
+        CHARGE says where each query's epsilon stands on your ledger: charged,
+        refunded (it failed before any owner began an upload), or reserved (still
+        open: refunded if it fails before any owner begins an upload)."""
         with errors(), client(params) as (opened, _):
             queries = opened.list_queries(limit)
         if not queries:
             click.echo("no queries")
             return
-        rows = [("QUERY", "CREATED (UTC)", "KIND/MODE", "STATE", "OWNERS", "EPSILON", "REASON")]
+        header = ("QUERY", "CREATED (UTC)", "KIND/MODE", "STATE", "OWNERS", "EPSILON", "CHARGE")
+        rows = [(*header, "REASON")]
         for item in queries:
             status = item.status
             registered = status.owners_registered or "?"
@@ -124,19 +135,20 @@ def register(
                     status.state.value,
                     f"{status.owners_contributed}/{status.quorum} of {registered}",
                     f"{item.epsilon:g}",
+                    _charge_cell(status.charge),
                     status.failure_reason or "",
                 )
             )
-        widths = [max(len(row[c]) for row in rows) for c in range(6)]
+        widths = [max(len(row[c]) for row in rows) for c in range(7)]
         for row in rows:
-            cells = [cell.ljust(width) for cell, width in zip(row[:6], widths, strict=True)]
-            click.echo("  ".join([*cells, row[6]]).rstrip())
+            cells = [cell.ljust(width) for cell, width in zip(row[:7], widths, strict=True)]
+            click.echo("  ".join([*cells, row[7]]).rstrip())
 
     @group.command("status")
     @click.argument("query_id")
     @connection_options
     def status_command(query_id: str, **params: Any) -> None:
-        """Show one query's state, owners, declines and failure reason."""
+        """Show one query's state, owners, declines, failure reason and charge."""
         with errors(), client(params) as (opened, _):
             status = opened.status(query_id)
         for line in _status_lines(status):

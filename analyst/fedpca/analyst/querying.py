@@ -427,11 +427,14 @@ def run_estimator_query(
         spec = build(deployment)
         if deployment.owners_connected < spec.quorum:
             # Public (DescribeDeployment): without it the query waits silently for owners
-            # that are not even connected, until its deadline.
+            # that are not even connected, until its deadline. The proxy's refund rule
+            # (docs/privacy.md, "Refunds") makes that wait cost the whole epsilon.
             logger.warning(
                 "only %d of the %d owners this query needs (quorum %d of %d registered) are "
                 "connected to the proxy now; it waits for the others until its deadline "
-                "(%g s)",
+                "(%g s). If it fails there after any owner began an upload (the connected "
+                "ones may begin at once), its epsilon stays charged in full although nothing "
+                "is released; it is refunded only if no owner began one",
                 deployment.owners_connected,
                 spec.quorum,
                 spec.quorum,

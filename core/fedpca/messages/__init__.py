@@ -52,6 +52,7 @@ from fedpca.messages.deployment import CancelReceipt, DeploymentInfo, QuerySumma
 from fedpca.messages.queries import (
     REFUSAL_METADATA,
     BudgetStatus,
+    Charge,
     NoiseDescription,
     NoiseMechanism,
     NoiseSection,
@@ -102,6 +103,7 @@ __all__ = [
     "UPLOAD_ID_PATTERN",
     "BudgetStatus",
     "CancelReceipt",
+    "Charge",
     "ChunkAssembler",
     "ChunkChain",
     "ChunkLike",

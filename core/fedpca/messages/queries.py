@@ -14,6 +14,7 @@ from fedpca.query import Calibration, ProtocolMode, QuerySpec
 __all__ = [
     "REFUSAL_METADATA",
     "BudgetStatus",
+    "Charge",
     "NoiseDescription",
     "NoiseMechanism",
     "NoiseSection",
@@ -71,6 +72,40 @@ class QueryState(StrEnum):
         return self in (QueryState.DONE, QueryState.FAILED)
 
 
+class Charge(StrEnum):
+    """Where a query's epsilon stands on its analyst's ledger at the proxy.
+
+    The proxy charges a query when it accepts it, and refunds the charge when the query
+    fails before any owner began an upload (docs/privacy.md, "Refunds").
+    """
+
+    RESERVED = "reserved"
+    """Charged, but refunded should the query fail before any owner begins an upload."""
+    CHARGED = "charged"
+    """Charged for good: an owner began an upload (or the query is done)."""
+    REFUNDED = "refunded"
+    """The query failed before any owner began an upload; nothing is charged."""
+    UNKNOWN = "unknown"
+    """Not reported (a proxy older than this field)."""
+
+    def describe(self, state: QueryState) -> str:
+        """One line for a query in ``state``, e.g. ``refunded (no owner had begun an
+        upload)``."""
+        if self is Charge.RESERVED:
+            return (
+                "reserved (refunded if the query fails before any owner begins an upload; "
+                "charged for good once one does)"
+            )
+        if self is Charge.CHARGED:
+            if state is QueryState.DONE:
+                return "charged"
+            tense = "had" if state is QueryState.FAILED else "has"
+            return f"charged (an owner {tense} begun an upload: the charge stands)"
+        if self is Charge.REFUNDED:
+            return "refunded (no owner had begun an upload)"
+        return "not reported by this proxy (an older version)"
+
+
 @dataclass(frozen=True)
 class SignedQuery:
     """A query as the analyst submits it: the spec and the analyst's signature over it."""
@@ -112,6 +147,8 @@ class QueryStatus:
     owners_registered : owners the proxy accepts (the most that can contribute).
     pages_final : result pages final so far (noise added; the analyst may fetch them).
     pages_total : result pages the query's result has.
+    charge : whether the query's epsilon is reserved, charged or refunded on the
+        analyst's ledger (UNKNOWN from a proxy older than this field).
     """
 
     query_id: str
@@ -126,6 +163,7 @@ class QueryStatus:
     owners_registered: int = 0
     pages_final: int = 0
     pages_total: int = 0
+    charge: Charge = Charge.UNKNOWN
 
     @property
     def terminal(self) -> bool:

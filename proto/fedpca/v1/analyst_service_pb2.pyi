@@ -22,6 +22,13 @@ class QueryState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     QUERY_STATE_DONE: _ClassVar[QueryState]
     QUERY_STATE_FAILED: _ClassVar[QueryState]
 
+class QueryCharge(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUERY_CHARGE_UNSPECIFIED: _ClassVar[QueryCharge]
+    QUERY_CHARGE_RESERVED: _ClassVar[QueryCharge]
+    QUERY_CHARGE_CHARGED: _ClassVar[QueryCharge]
+    QUERY_CHARGE_REFUNDED: _ClassVar[QueryCharge]
+
 class NoiseMechanism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NOISE_MECHANISM_UNSPECIFIED: _ClassVar[NoiseMechanism]
@@ -43,6 +50,10 @@ QUERY_STATE_AGGREGATING: QueryState
 QUERY_STATE_NOISING: QueryState
 QUERY_STATE_DONE: QueryState
 QUERY_STATE_FAILED: QueryState
+QUERY_CHARGE_UNSPECIFIED: QueryCharge
+QUERY_CHARGE_RESERVED: QueryCharge
+QUERY_CHARGE_CHARGED: QueryCharge
+QUERY_CHARGE_REFUNDED: QueryCharge
 NOISE_MECHANISM_UNSPECIFIED: NoiseMechanism
 NOISE_MECHANISM_GAUSSIAN: NoiseMechanism
 NOISE_MECHANISM_NONE: NoiseMechanism
@@ -70,7 +81,7 @@ class QueryRef(_message.Message):
     def __init__(self, query_id: _Optional[str] = ...) -> None: ...
 
 class QueryStatus(_message.Message):
-    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading", "declines", "owners_registered", "pages_final", "pages_total")
+    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading", "declines", "owners_registered", "pages_final", "pages_total", "charge")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +94,7 @@ class QueryStatus(_message.Message):
     OWNERS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     PAGES_FINAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHARGE_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     state: QueryState
     owners_contributed: int
@@ -95,7 +107,8 @@ class QueryStatus(_message.Message):
     owners_registered: int
     pages_final: int
     pages_total: int
-    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ..., declines: _Optional[_Iterable[_Union[OwnerDecline, _Mapping]]] = ..., owners_registered: _Optional[int] = ..., pages_final: _Optional[int] = ..., pages_total: _Optional[int] = ...) -> None: ...
+    charge: QueryCharge
+    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ..., declines: _Optional[_Iterable[_Union[OwnerDecline, _Mapping]]] = ..., owners_registered: _Optional[int] = ..., pages_final: _Optional[int] = ..., pages_total: _Optional[int] = ..., charge: _Optional[_Union[QueryCharge, str]] = ...) -> None: ...
 
 class OwnerDecline(_message.Message):
     __slots__ = ("owner_id", "reason", "detail")

@@ -17,6 +17,7 @@ from fedpca.formatting import distinct
 from fedpca.messages import (
     BudgetStatus,
     CancelReceipt,
+    Charge,
     OwnerDecline,
     QueryResult,
     QueryState,
@@ -28,7 +29,7 @@ from fedpca.proxy.queries import (
     result_blocks,
 )
 from fedpca.proxy.results import result_header, whole_result
-from fedpca.proxy.store_records import page_count
+from fedpca.proxy.store_records import QueryRecord, page_count
 from fedpca.query import DEFAULT_QUERY_DELTA
 
 __all__ = ["CANCELLED_REASON", "AnalystRequests", "next_query_for"]
@@ -113,7 +114,18 @@ class AnalystRequests(CoordinatorCore):
             owners_registered=len(self.registered_owners),
             pages_final=self.store.pages_final(key),
             pages_total=page_count(result_total, self.store.page_ciphertexts),
+            charge=self._charge(key, record),
         )
+
+    def _charge(self, key: str, record: QueryRecord) -> Charge:
+        """Where the query's epsilon stands on its analyst's ledger. Read after
+        ``record``: a query refunded in between (its failure and the refund are one
+        transaction) reads as refunded, which it is."""
+        if not self.store.has_release(key):
+            return Charge.REFUNDED
+        if record.state.terminal or record.uploads_begun:
+            return Charge.CHARGED
+        return Charge.RESERVED
 
     def result_header(self, analyst_id: str, query_id: str) -> ResultHeader:
         """The header of the analyst's result, known once its contributors are fixed.

@@ -10,6 +10,7 @@ from fedpca.messages import (
     DEFAULT_CHUNK_MESSAGE_BYTES,
     BudgetStatus,
     CancelReceipt,
+    Charge,
     ChunkAssembler,
     CiphertextPayload,
     DecodedChunk,
@@ -89,6 +90,15 @@ def query_ref_from_proto(message: analyst_pb.QueryRef) -> str:
     return require_query_id(message.query_id, "QueryRef.query_id")
 
 
+CHARGE_TO_PROTO: dict[Charge, analyst_pb.QueryCharge] = {
+    Charge.UNKNOWN: analyst_pb.QUERY_CHARGE_UNSPECIFIED,
+    Charge.RESERVED: analyst_pb.QUERY_CHARGE_RESERVED,
+    Charge.CHARGED: analyst_pb.QUERY_CHARGE_CHARGED,
+    Charge.REFUNDED: analyst_pb.QUERY_CHARGE_REFUNDED,
+}
+CHARGE_FROM_PROTO = {wire: domain for domain, wire in CHARGE_TO_PROTO.items()}
+
+
 def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
     message = analyst_pb.QueryStatus()
     set_scalars(
@@ -103,6 +113,7 @@ def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
         owners_registered=status.owners_registered,
         pages_final=status.pages_final,
         pages_total=status.pages_total,
+        charge=CHARGE_TO_PROTO[status.charge],
     )
     message.declines.extend(
         analyst_pb.OwnerDecline(owner_id=d.owner_id, reason=d.reason, detail=d.detail)
@@ -162,6 +173,8 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
         owners_registered=message.owners_registered,
         pages_final=message.pages_final,
         pages_total=message.pages_total,
+        # Lenient, unlike the state: a value a later proxy adds is only not shown.
+        charge=CHARGE_FROM_PROTO.get(message.charge, Charge.UNKNOWN),
     )
 
 
