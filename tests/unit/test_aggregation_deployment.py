@@ -358,6 +358,38 @@ def test_a_result_of_fewer_owners_than_registered_warns(
     }
 
 
+def test_cli_histogram_total_is_the_sum_of_the_noisy_counts_not_of_the_clamped_ones(
+    running: Any, analyst_keys: AnalystKeyFiles, table: np.ndarray, tmp_path: Path
+) -> None:
+    """Many near-empty bins at a small epsilon: the clamped counts are mostly clamped
+    noise (a reviewer's 768 records printed "total count: 3567392"); the total printed is
+    the sum of the noisy counts as released, whose noise has mean 0, and says so."""
+    files = running.tls(Role.ANALYST, "alice")
+    out = tmp_path / "ages.json"
+    edges = ",".join(str(edge) for edge in np.arange(20.0, 90.5, 0.5))  # 140 bins
+    result = CliRunner().invoke(
+        analyst_group,
+        [
+            *("histogram", "--columns", "8", "--bins", edges),
+            *("--proxy", running.proxy.address, "--ca", str(files.ca_certificate)),
+            *("--cert", str(files.certificate), "--key", str(files.private_key)),
+            *("--key-dir", str(analyst_keys.directory), "--epsilon", "0.1", "--delta", "1e-6"),
+            *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
+            *("--out", str(out)),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    raw, clamped = np.array(document["raw_counts"]), np.array(document["counts"])
+    assert raw.size == 140 and clamped.sum() > raw.sum()  # clamping only ever adds
+    sigma = document["noise_sigma"]["counts"] * math.sqrt(raw.size)
+    assert (
+        f"total count: {raw.sum():.0f} (noisy: the sum of the 140 counts, negative ones "
+        f"included, noise sigma {sigma:.3g})\n" in result.stdout
+    )
+    assert abs(raw.sum() - len(table)) < 6 * sigma
+
+
 @pytest.mark.parametrize("running", [{"not_private": True}], indirect=True)
 def test_cli_commands_write_strict_json(
     running: Any,
