@@ -33,7 +33,7 @@ from fedpca.messages import (
     QueryState,
     QueryStatus,
 )
-from fedpca.preprocess import preprocess_for_query
+from fedpca.preprocess import FeatureBounds, preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import Aggregate, Calibration, Neighbouring, QueryKind, QuerySpec
 from fedpca.signing import signer_id
@@ -198,6 +198,47 @@ def test_the_default_calibration_is_the_proven_zcdp(test_only_keypair_512: Any) 
     assert QuerySpec.__dataclass_fields__["calibration"].default is Calibration.ZCDP
     for estimator in (FederatedPCA(2, epsilon=0.7), FederatedDCA(1, classes=(1, 2))):
         assert estimator.build_query(4, public_key, deployment()).calibration is Calibration.ZCDP
+
+
+def test_every_estimator_takes_the_same_bounds_forms(test_only_keypair_512: Any) -> None:
+    """FederatedPCA refused the per-feature pairs FederatedStatistics and
+    FederatedLinearRegression take (a reviewer's bounds=[(0, 17), (0, 200), ...]); one
+    parser reads every form for every estimator."""
+    public_key, _ = test_only_keypair_512
+    lower, upper = (0.0, 0.0, 20.0), (17.0, 200.0, 90.0)
+    forms: list[Any] = [
+        "0:17,0:200,20:90",
+        [(0, 17), (0, 200), (20, 90)],
+        np.array([[0, 17], [0, 200], [20, 90]]),
+        (list(lower), list(upper)),
+        FeatureBounds(lower, upper),
+    ]
+    for bounds in forms:
+        spec = FederatedPCA(1, bounds=bounds).build_query(None, public_key, deployment())
+        assert (spec.n_features, spec.feature_lower, spec.feature_upper) == (3, lower, upper)
+        dca = FederatedDCA(1, bounds=bounds).build_query(3, public_key, deployment())
+        assert (dca.feature_lower, dca.feature_upper) == (lower, upper)
+        part = FederatedStatistics([1, 2, 8], bounds=bounds).aggregate()
+        assert (part.lower, part.upper) == (lower, upper)
+    for bounds in ("0:1", (0, 1), [0.0, 1.0]):
+        spec = FederatedPCA(1, bounds=bounds).build_query(3, public_key, deployment())
+        assert spec.feature_lower == (0.0,) * 3 and spec.feature_upper == (1.0,) * 3
+        assert FederatedStatistics([1, 2, 8], bounds=bounds).aggregate().upper == (1.0,) * 3
+    # Two features: a 2 x 2 is one pair per feature, for PCA as for the aggregates.
+    two = FederatedPCA(1, bounds=[(0, 17), (0, 200)]).build_query(None, public_key, deployment())
+    assert (two.feature_lower, two.feature_upper) == ((0.0, 0.0), (17.0, 200.0))
+    with pytest.raises(ConfigError, match="one \\(lo, hi\\) pair per feature; give"):
+        FederatedPCA(1, bounds=([-1, -2], [1, 2])).build_query(2, public_key, deployment())
+    # What is no form is refused, naming the forms; so are bounds for other features.
+    with pytest.raises(ConfigError, match="one \\(lo, hi\\) pair per feature"):
+        FederatedPCA(1, bounds=[(0, 1, 2)] * 3).build_query(3, public_key, deployment())
+    with pytest.raises(ConfigError, match="cover 3 features"):
+        FederatedPCA(1, bounds=forms[1]).build_query(4, public_key, deployment())
+    # A release read back gives its bounds in the same form, and they read back alike.
+    fitted = FederatedPCA.from_result(release_for())
+    again = FederatedPCA(**fitted.get_params()).build_query(4, public_key, deployment())
+    query = fitted.release_.query
+    assert (again.feature_lower, again.feature_upper) == (query.feature_lower, query.feature_upper)
 
 
 def test_from_result_sets_learned_attributes_and_transforms() -> None:

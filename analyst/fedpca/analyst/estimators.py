@@ -73,7 +73,9 @@ class FederatedPCA(FederatedEstimator):
         ``max_records_per_owner``, decline with a public reason.
     bounds : public per-feature bounds: None (raw values, only the row
         clip applies), "LO:HI" or (lo, hi) for every feature, "LO:HI,LO:HI,…" or
-        (lower, upper) sequences of length M.  Never derive them from private data.
+        one (lo, hi) pair per feature, as the aggregates take them
+        (:data:`~fedpca.analyst.schema.BoundsParam` lists every form).  Never derive
+        them from private data.
     clip_norm : rows are clipped to ‖x‖₂ <= clip_norm before summing.
     quorum : owners that must contribute; collection closes as soon as this many
         uploaded. None (default): every owner the proxy accepts (``fit`` asks the

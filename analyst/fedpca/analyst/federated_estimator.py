@@ -261,7 +261,11 @@ class FederatedEstimator(SklearnParams):
             "calibration": query.calibration.value,
             "neighbouring": query.neighbouring.value,
             "bounded_owner_tables": query.bounded_owner_tables,
-            "bounds": ((query.feature_lower, query.feature_upper) if query.has_bounds else None),
+            "bounds": (
+                list(zip(query.feature_lower, query.feature_upper, strict=True))
+                if query.has_bounds
+                else None
+            ),
             "clip_norm": query.clip_norm,
             "quorum": query.quorum,
             "deadline_seconds": query.deadline_seconds,

@@ -8,68 +8,131 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fedpca.errors import ConfigError
 from fedpca.preprocess import FeatureBounds
 
 __all__ = [
+    "BoundsParam",
     "ColumnBoundsParam",
     "FeatureBoundsParam",
     "check_schema",
     "column_bounds",
     "column_indices",
+    "parse_bounds",
     "resolve_bounds",
 ]
 
-FeatureBoundsParam = str | tuple[Any, Any] | FeatureBounds | None
-"""A PCA/DCA estimator's ``bounds``: "LO:HI[,…]", a (lower, upper) pair of numbers or of
-length-M sequences, :class:`~fedpca.preprocess.FeatureBounds`, or None."""
+BoundsParam = str | FeatureBounds | Sequence[Any] | None
+"""Public bounds, in the forms every estimator takes (PCA and DCA per feature, the
+aggregates per column); :func:`parse_bounds` reads them all:
 
-ColumnBoundsParam = str | Sequence[Any]
-"""An aggregate's ``bounds``: "LO:HI[,…]", a (lo, hi) pair, or one pair per column."""
+* ``"LO:HI"`` (the same for every feature) or ``"LO:HI,LO:HI,…"`` (one per feature);
+* ``(lo, hi)``: a pair of numbers, for every feature;
+* ``[(lo, hi), …]``: one pair per feature (an array of shape (M, 2));
+* ``(lower, upper)``: two sequences of M bounds each (shape (2, M)), for M other than 2:
+  a 2 × 2 is one pair per feature, as the aggregates always read it;
+* :class:`~fedpca.preprocess.FeatureBounds`;
+* ``None`` or ``"none"``: no bounds (PCA and DCA only: raw units, only the row clip).
+"""
+
+FeatureBoundsParam = BoundsParam
+"""A PCA/DCA estimator's ``bounds`` (:data:`BoundsParam`)."""
+
+ColumnBoundsParam = BoundsParam
+"""An aggregate's ``bounds`` (:data:`BoundsParam`, None excepted)."""
+
+
+def parse_bounds(
+    bounds: BoundsParam, n: int | None, what: str = "bounds", unit: str = "feature"
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(lower, upper) of ``n`` features (or columns) from any :data:`BoundsParam`, or
+    None for no bounds. With ``n`` None the number is the one the bounds give, and a
+    form that applies to every feature is refused.
+
+    Raises
+    ------
+    ConfigError
+        Not one of the forms, not numbers, or bounds for another number than ``n``.
+        Whether each lower bound is below its upper one is checked where the bounds
+        are used (:class:`~fedpca.preprocess.FeatureBounds`, the aggregate).
+    """
+    if bounds is None or (isinstance(bounds, str) and bounds.strip().lower() == "none"):
+        return None
+    if isinstance(bounds, FeatureBounds):
+        lower, upper = bounds.lower, bounds.upper
+    elif isinstance(bounds, str):
+        parsed = FeatureBounds.parse(bounds, n)
+        lower, upper = parsed.lower, parsed.upper
+    else:
+        array = _bounds_array(bounds, what, unit)
+        if array.ndim == 1:
+            if n is None:
+                raise ConfigError(
+                    f"{what} {bounds!r} apply to every {unit}: give the number of {unit}s"
+                )
+            lower, upper = (float(array[0]),) * n, (float(array[1]),) * n
+        else:
+            lower, upper = _lower_upper(array)
+    if n is not None and len(lower) != n:
+        raise ConfigError(
+            f"{what} cover {len(lower)} {unit}s, not {n}: give one (lo, hi) pair per "
+            f"{unit}, or one pair for every {unit}"
+        )
+    return lower, upper
+
+
+def _bounds_array(bounds: Any, what: str, unit: str) -> npt.NDArray[np.float64]:
+    """A non-text ``bounds`` as a (2,) pair, (k, 2) pairs or (2, k) lower and upper rows."""
+    forms = (
+        f"{what} must be 'LO:HI' or 'LO:HI,LO:HI,…', a (lo, hi) pair, one (lo, hi) pair per "
+        f"{unit}, (lower, upper) sequences of one bound per {unit}, or FeatureBounds"
+    )
+    try:
+        array = np.asarray(bounds, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{forms}; got {bounds!r}") from None
+    if array.ndim == 1 and array.shape[0] == 2:
+        return array
+    if array.ndim == 2 and 2 in array.shape and array.size > 0:
+        return array
+    raise ConfigError(f"{forms}; got {bounds!r}")
+
+
+def _lower_upper(array: npt.NDArray[np.float64]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Lower and upper bounds of (k, 2) pairs, or of (2, k) lower and upper rows."""
+    rows = array if array.shape[1] == 2 else array.T
+    return tuple(rows[:, 0].tolist()), tuple(rows[:, 1].tolist())
 
 
 def resolve_bounds(bounds: FeatureBoundsParam, n_features: int) -> FeatureBounds | None:
-    if bounds is None:
+    """A PCA/DCA estimator's bounds for ``n_features`` features (None: no bounds)."""
+    parsed = parse_bounds(bounds, n_features)
+    if parsed is None:
         return None
-    if isinstance(bounds, FeatureBounds):
-        bounds = bounds
-    elif isinstance(bounds, str):
-        if bounds.strip().lower() == "none":
-            return None
-        bounds = FeatureBounds.parse(bounds, n_features)
-    else:
-        try:
-            lower, upper = bounds
-        except (TypeError, ValueError):
+    try:
+        return FeatureBounds(*parsed)
+    except ConfigError as exc:
+        if isinstance(bounds, Sequence | np.ndarray) and np.shape(bounds) == (2, 2):
             raise ConfigError(
-                "bounds must be None, 'LO:HI', a (lower, upper) pair of numbers "
-                f"or of length-M sequences, got {bounds!r}"
+                f"{exc} (a 2 x 2 bounds is one (lo, hi) pair per feature; give (lower, "
+                "upper) sequences as FeatureBounds.from_arrays(lower, upper))"
             ) from None
-        if np.ndim(lower) == 0 and np.ndim(upper) == 0:
-            bounds = FeatureBounds((float(lower),) * n_features, (float(upper),) * n_features)
-        else:
-            bounds = FeatureBounds.from_arrays(lower, upper)
-    if bounds.n_features != n_features:
-        raise ConfigError(f"bounds cover {bounds.n_features} features, not {n_features}")
-    return bounds
+        raise
 
 
 def _bounds_length(bounds: FeatureBoundsParam) -> int | None:
     """M implied by per-feature bounds, if they are given per feature."""
-    if isinstance(bounds, FeatureBounds):
-        return bounds.n_features
+    if bounds is None:
+        return None
     if isinstance(bounds, str):
         pairs = [p for p in bounds.split(",") if p.strip()]
-        return len(pairs) if len(pairs) > 1 else None
-    if bounds is not None:
-        try:
-            lower, _ = bounds
-        except (TypeError, ValueError):
-            return None
-        if np.ndim(lower) == 1:
-            return len(lower)
-    return None
+        return len(pairs) if len(pairs) > 1 and bounds.strip().lower() != "none" else None
+    if isinstance(bounds, FeatureBounds):
+        return bounds.n_features
+    array = _bounds_array(bounds, "bounds", "feature")
+    return None if array.ndim == 1 else len(_lower_upper(array)[0])
 
 
 def check_schema(n_features: Any, bounds: FeatureBoundsParam) -> int:
@@ -92,22 +155,11 @@ def check_schema(n_features: Any, bounds: FeatureBoundsParam) -> int:
 
 
 def column_bounds(bounds: ColumnBoundsParam, n: int, what: str) -> tuple[tuple[float, ...], ...]:
-    """(lower, upper) of ``n`` columns from "LO:HI[,…]", a (lo, hi) pair or pairs."""
-    if isinstance(bounds, str):
-        parsed = FeatureBounds.parse(bounds, n)
-        return parsed.lower, parsed.upper
-    try:
-        items = list(bounds)
-    except TypeError:
-        raise ConfigError(
-            f"{what} must be 'LO:HI', a (lo, hi) pair or one pair per column"
-        ) from None
-    if len(items) == 2 and all(np.ndim(v) == 0 for v in items):
-        lo, hi = float(items[0]), float(items[1])
-        return (lo,) * n, (hi,) * n
-    if len(items) != n or not all(np.ndim(v) == 1 and len(v) == 2 for v in items):
-        raise ConfigError(f"{what}: need one (lo, hi) pair per column ({n}), got {bounds!r}")
-    return tuple(float(p[0]) for p in items), tuple(float(p[1]) for p in items)
+    """(lower, upper) of ``n`` columns from any :data:`BoundsParam` but None."""
+    parsed = parse_bounds(bounds, n, what, unit="column")
+    if parsed is None:
+        raise ConfigError(f"{what}: an aggregate needs public bounds of its columns")
+    return parsed
 
 
 def column_indices(columns: int | Sequence[int], what: str) -> tuple[int, ...]:

@@ -38,7 +38,8 @@ class FederatedStatistics(AggregateEstimator):
     ----------
     columns : 0-based file columns to describe.
     bounds : public bounds: "LO:HI" or (lo, hi) for every column, "LO:HI,LO:HI,…" or
-        one (lo, hi) pair per column. Values outside are clipped to them.
+        one (lo, hi) pair per column, as PCA takes them
+        (:data:`~fedpca.analyst.schema.BoundsParam`). Values outside are clipped to them.
     moments : "mean" (count and sums), "variance" (also sums of squares) or
         "covariance" (also every product: covariance and correlation matrices).
     budget_split : relative budget weights of the sections "count", "sums" and
