@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fedpca.errors import ConfigError
 
-__all__ = ["load_toml_config", "read_toml", "reject_unknown_keys", "resolve_path", "toml_value"]
+__all__ = [
+    "load_toml_config",
+    "read_toml",
+    "reject_unknown_keys",
+    "require_keys",
+    "resolve_path",
+    "toml_value",
+]
 
 _Config = TypeVar("_Config")
 
@@ -82,6 +89,24 @@ def reject_unknown_keys(
         where = f"section [{section}]" if section else "the top level"
         names = ", ".join(f"{section}.{key}" if section else key for key in unknown)
         raise ConfigError(f"unknown keys in {where}: {names} (known: {', '.join(sorted(known))})")
+
+
+def require_keys(
+    table: Mapping[str, Any], required: Sequence[str], section: str, condition: str
+) -> None:
+    """Refuse ``table`` unless it has every key of ``required``, naming all that are
+    missing (``[tls] needs ca, cert and key unless tls.insecure = true: tls.cert,
+    tls.key missing``); ``condition`` says when they are needed.
+
+    Raises
+    ------
+    ConfigError
+        Some key of ``required`` is missing.
+    """
+    missing = [f"{section}.{key}" for key in required if key not in table]
+    if missing:
+        names = ", ".join(required[:-1]) + " and " + required[-1] if required[1:] else required[0]
+        raise ConfigError(f"[{section}] needs {names} {condition}: {', '.join(missing)} missing")
 
 
 def resolve_path(value: str, base_dir: Path, key: str) -> Path:

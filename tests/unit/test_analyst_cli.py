@@ -940,8 +940,15 @@ def test_config_file_is_validated(tmp_path: Path) -> None:
     config.write_text('proxi = "x:1"\n')
     with pytest.raises(ConfigError, match="unknown keys"):
         load_config(config)
+    # A [tls] table names what it lacks and what it does not know (it said only
+    # "needs exactly ca, cert and key").
     config.write_text('[tls]\nca = "ca.pem"\n')
-    with pytest.raises(ConfigError, match="exactly ca, cert and key"):
+    with pytest.raises(
+        ConfigError, match=r"needs ca, cert and key together: tls\.cert, tls\.key missing"
+    ):
+        load_config(config)
+    config.write_text('[tls]\ncA = "ca.pem"\ncert = "c.pem"\nkey = "k.pem"\n')
+    with pytest.raises(ConfigError, match=r"unknown keys in section \[tls\]: tls\.cA \("):
         load_config(config)
 
 

@@ -188,6 +188,25 @@ def test_unknown_key_is_named_not_ignored(tmp_path: Path) -> None:
         load_config(_write(tmp_path, text))
 
 
+def test_a_tls_table_names_every_key_it_lacks_and_a_misspelt_one(tmp_path: Path) -> None:
+    """A typo in [tls] is named as such, and every missing file key is named (the first
+    alone was, and an analyst's [tls] named neither)."""
+    typo = GOOD.replace('ca = "certs/ca.pem"', 'cA = "certs/ca.pem"')
+    with pytest.raises(ConfigError, match=r"unknown keys in section \[tls\]: tls\.cA \("):
+        load_config(_write(tmp_path, typo))
+    text = GOOD.replace('cert = "certs/owner-1.pem"\n', "").replace(
+        'key = "certs/owner-1.key"\n', ""
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"\[tls\] needs ca, cert and key unless tls\.insecure = true: "
+        r"tls\.cert, tls\.key missing",
+    ):
+        load_config(_write(tmp_path, text))
+    insecure = text.replace("insecure = false", "insecure = true")
+    assert load_config(_write(tmp_path, insecure)).tls.insecure
+
+
 def test_missing_section_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\[budget\]"):
         load_config(_write(tmp_path, GOOD.split("[budget]")[0]))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpca.errors import ConfigError
-from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
+from fedpca.toml_config import load_toml_config, reject_unknown_keys, require_keys, resolve_path
 from fedpca.transport.addresses import check_address
 from fedpca.transport.certs import TlsFiles
 
@@ -80,8 +80,8 @@ class AnalystConfig:
         if table is not None:
             if not isinstance(table, Mapping):
                 raise ConfigError("[tls] must be a table")
-            if set(table) != _TLS_KEYS:
-                raise ConfigError("[tls] needs exactly ca, cert and key")
+            reject_unknown_keys(table, _TLS_KEYS, "tls")
+            require_keys(table, ("ca", "cert", "key"), "tls", "together")
             ca, cert, key = (
                 path(text(table, k, "tls."), f"tls.{k}") for k in ("ca", "cert", "key")
             )

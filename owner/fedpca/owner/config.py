@@ -65,7 +65,7 @@ from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
 from fedpca.query import RELEASE_KINDS, Neighbouring, ReleaseKind, release_kind
 from fedpca.signing import parse_signer
-from fedpca.toml_config import load_toml_config, reject_unknown_keys, resolve_path
+from fedpca.toml_config import load_toml_config, reject_unknown_keys, require_keys, resolve_path
 from fedpca.transport.addresses import check_address
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
@@ -337,6 +337,8 @@ class OwnerConfig:
         tls_doc = _section(document, "tls", required=False)
         reject_unknown_keys(tls_doc, {"ca", "cert", "key", "insecure"}, "tls")
         insecure = reader.boolean(tls_doc, "tls", "insecure", default=False)
+        if not insecure:
+            require_keys(tls_doc, ("ca", "cert", "key"), "tls", "unless tls.insecure = true")
         tls = TlsConfig(
             ca=reader.path(tls_doc, "tls", "ca", required=not insecure),
             cert=reader.path(tls_doc, "tls", "cert", required=not insecure),
