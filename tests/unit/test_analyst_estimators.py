@@ -25,7 +25,7 @@ from fedpca.analyst.querying import MissingOwnersWarning
 from fedpca.analyst.report import result_document, write_plots, write_report, write_result
 from fedpca.analyst.solvers import pca_from_statistics
 from fedpca.codec import CryptoPool, key_fingerprint
-from fedpca.errors import ConfigError, DataError, QueryStateError
+from fedpca.errors import ConfigError, DataError, NotFoundError, QueryStateError
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import (
     CancelReceipt,
@@ -478,6 +478,39 @@ def test_interrupting_the_wait_cancels_the_query(
         estimator.fit(4)
     client = FakeClient.instances[-1]
     assert client.cancelled == [client.submitted[0].query_id]
+
+
+def test_an_interrupt_during_the_submission_cancels_the_query_if_it_arrived(
+    monkeypatch: pytest.MonkeyPatch,
+    test_only_keypair_512: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The proxy may have accepted a query whose submission was interrupted (a SIGTERM
+    came in that window in a test of the command line): it is cancelled as well; one
+    the proxy does not know is said to cost nothing."""
+
+    class InterruptedSubmission(FakeClient):
+        def submit(self, spec: QuerySpec, signing_key: Any) -> QueryStatus:
+            super().submit(spec, signing_key)
+            raise KeyboardInterrupt
+
+    class NeverArrived(InterruptedSubmission):
+        def cancel(self, query_id: str) -> CancelReceipt:
+            raise NotFoundError(f"unknown query {query_id!r}")
+
+    _fake_fit(monkeypatch, test_only_keypair_512[1], InterruptedSubmission)
+    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    with pytest.raises(KeyboardInterrupt):
+        estimator.fit(4)
+    client = FakeClient.instances[-1]
+    assert client.cancelled == [client.submitted[0].query_id]
+    _fake_fit(monkeypatch, test_only_keypair_512[1], NeverArrived)
+    with (
+        caplog.at_level("WARNING", logger="fedpca.analyst.estimators"),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        estimator.fit(4)
+    assert "is not at the proxy, so nothing is charged for it" in caplog.text
 
 
 def test_interrupting_the_decryption_names_fetch_and_does_not_cancel(

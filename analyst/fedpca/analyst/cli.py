@@ -40,6 +40,7 @@ from fedpca.analyst import query_commands
 from fedpca.analyst.cli_connection import connection_config, connection_options
 from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
 from fedpca.analyst.config import AnalystConfig
+from fedpca.analyst.interrupts import TERMINATED_EXIT_CODE, Terminated, sigterm_interrupts
 from fedpca.analyst.keys import (
     DEFAULT_KEY_BITS,
     SUPPORTED_KEY_BITS,
@@ -118,14 +119,29 @@ def _spinner(message: str) -> Iterator[None]:
         stream.flush()
 
 
-@click.group("analyst")
+class _AnalystGroup(click.Group):
+    """Runs each command with SIGTERM handled like Ctrl-C (:mod:`fedpca.analyst.interrupts`):
+    a query being waited for is cancelled and the decryption pool shut down, then the
+    command exits 143."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with sigterm_interrupts():
+            try:
+                return super().invoke(ctx)
+            except Terminated:
+                click.echo("terminated (SIGTERM)", err=True)
+                raise click.exceptions.Exit(TERMINATED_EXIT_CODE) from None
+
+
+@click.group("analyst", cls=_AnalystGroup)
 def analyst_group() -> None:
     """Analyst: keys, private PCA/DCA and aggregate queries, budget.
 
     \b
     Exit status: 0 done; 1 error; 2 usage error; 3 refused by the privacy
     budget; 4 refused for now by one of the proxy's limits (queries open or
-    submitted today, calls in flight): nothing was charged, retry later.
+    submitted today, calls in flight): nothing was charged, retry later;
+    143 ended by SIGTERM (a query being waited for is cancelled, as by Ctrl-C).
     """
     # A process of its own (the estimators, as library code, leave a host process's
     # allocator alone): what decryption freed goes back to the system before the solve.
@@ -425,7 +441,7 @@ def _submission_announcer() -> Callable[[Any], None]:
             announced.append(status.query_id)
             click.echo(
                 f"query {status.query_id} submitted (quorum {status.quorum} of "
-                f"{status.owners_registered} registered owners; Ctrl-C cancels it)",
+                f"{status.owners_registered} registered owners; Ctrl-C or SIGTERM cancels it)",
                 err=True,
             )
 

@@ -12,14 +12,16 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedpca.analyst.client import ProxyUnavailableError
 from fedpca.analyst.decode import DecodedRelease, decrypt_stream
+from fedpca.analyst.interrupts import interrupted_by
 from fedpca.codec.paillier import CryptoPool
-from fedpca.errors import ConfigError, FedpcaError, QueryStateError
+from fedpca.errors import ConfigError, FedpcaError, NotFoundError, QueryStateError
 from fedpca.messages import DeploymentInfo
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QuerySpec
@@ -179,29 +181,26 @@ def run_query(
         start = time.perf_counter()
         active.start()
         timings["start workers"] = time.perf_counter() - start
-        start = time.perf_counter()
-        submitted = client.submit(spec, signing_key)
-        timings["submit"] = time.perf_counter() - start
-        logger.info("submitted query %s (state %s)", spec.query_id, submitted.state.value)
-        if on_submitted is not None:
-            on_submitted(submitted)
-        start = time.perf_counter()
-        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
-        try:
-            _wait_or_cancel(
-                lambda: client.wait_for_contributors(
+        with _cancelled_on_interrupt(client, spec.query_id):
+            start = time.perf_counter()
+            submitted = client.submit(spec, signing_key)
+            timings["submit"] = time.perf_counter() - start
+            logger.info("submitted query %s (state %s)", spec.query_id, submitted.state.value)
+            if on_submitted is not None:
+                on_submitted(submitted)
+            start = time.perf_counter()
+            deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+            try:
+                client.wait_for_contributors(
                     spec.query_id, on_status=on_status, timeout=wait_timeout
-                ),
-                client,
-                spec.query_id,
-            )
-        except ProxyUnavailableError as exc:
-            # The query is the proxy's now and goes on without this process.
-            raise ProxyUnavailableError(
-                f"{exc} (query {spec.query_id} was submitted and goes on at the proxy: "
-                f"follow it with `fedpca analyst status {spec.query_id}` and fetch its "
-                f"result with `fedpca analyst fetch {spec.query_id}`)"
-            ) from exc
+                )
+            except ProxyUnavailableError as exc:
+                # The query is the proxy's now and goes on without this process.
+                raise ProxyUnavailableError(
+                    f"{exc} (query {spec.query_id} was submitted and goes on at the proxy: "
+                    f"follow it with `fedpca analyst status {spec.query_id}` and fetch its "
+                    f"result with `fedpca analyst fetch {spec.query_id}`)"
+                ) from exc
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             stream = client.fetch_stream(spec.query_id, timeout=remaining)
@@ -230,14 +229,15 @@ def run_query(
             timings["decrypt"] = finished - start
             timings["tail"] = finished - arrived[0] if arrived[0] else 0.0
             timings["decrypt_cpu"] = _decryption_cpu(active) - cpu_before
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             # Past the wait the query can no longer be cancelled from here: its pages are
             # being released and it is charged. Say so, and how to get the result back.
             logger.warning(
-                "interrupted after the contributors were fixed: query %s is not cancelled "
+                "%s after the contributors were fixed: query %s is not cancelled "
                 "and its charge stands; its result stays stored at the proxy: follow it with "
                 "`fedpca analyst status %s` and fetch it with `fedpca analyst fetch %s "
                 "--out result.json`",
+                interrupted_by(exc),
                 spec.query_id,
                 spec.query_id,
                 spec.query_id,
@@ -255,30 +255,45 @@ def run_query(
     return release, timings
 
 
-def _wait_or_cancel(wait: Callable[[], object], client: Any, query_id: str) -> None:
-    """Run ``wait`` (following the query); on Ctrl-C cancel it at the proxy, then re-raise.
+@contextmanager
+def _cancelled_on_interrupt(client: Any, query_id: str) -> Iterator[None]:
+    """Submit and follow the query in the block; on Ctrl-C (or SIGTERM in the command
+    line, :mod:`fedpca.analyst.interrupts`) cancel it at the proxy, then re-raise.
 
     A cancelled query fails at once; its charge is refunded if no owner had begun an
-    upload (the proxy's refund rule), and owners receive a cancellation.
+    upload (the proxy's refund rule), and owners receive a cancellation. An interrupt
+    during the submission cancels too: the proxy may have accepted the query already.
     """
     try:
-        wait()
-    except KeyboardInterrupt:
+        yield
+    except KeyboardInterrupt as interrupt:
+        how = interrupted_by(interrupt)
         try:
             receipt = client.cancel(query_id)
+        except NotFoundError:
+            logger.warning(
+                "%s: query %s is not at the proxy, so nothing is charged for it; should "
+                "its submission still arrive, `fedpca analyst list` shows it and "
+                "`fedpca analyst cancel %s` stops it",
+                how,
+                query_id,
+                query_id,
+            )
         except QueryStateError as exc:
-            logger.warning("interrupted; query %s could not be cancelled: %s", query_id, exc)
+            logger.warning("%s; query %s could not be cancelled: %s", how, query_id, exc)
         except FedpcaError as exc:
             logger.warning(
-                "interrupted; cancelling query %s failed (%s): it may still be collecting; "
+                "%s; cancelling query %s failed (%s): it may still be collecting; "
                 "`fedpca analyst cancel %s` stops it",
+                how,
                 query_id,
                 exc,
                 query_id,
             )
         else:
             logger.warning(
-                "interrupted: query %s cancelled; %s",
+                "%s: query %s cancelled; %s",
+                how,
                 query_id,
                 "its charge was refunded"
                 if receipt.refunded
