@@ -178,8 +178,9 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
 
         # (c2) A late upload that does reach the proxy (the owner's node is handed the
         # old task, as if it had received it before going away) is refused with
-        # FAILED_PRECONDITION; the node logs it and records the refusal; the stored
-        # result does not change.
+        # FAILED_PRECONDITION and the proxy's query-closed marker; the node logs it at
+        # INFO (none of its doing) and records the task cancelled; the stored result
+        # does not change.
         caplog.set_level(logging.INFO, logger="fedpca.owner")
         config = load_owner_config(cluster.owner_config(late_id))
         spec = model.release_.query
@@ -198,14 +199,20 @@ def test_owner_that_never_answers_does_not_block_and_a_late_owner_is_refused(
                 outcome = node.process_task(owner_grpc.OwnerServiceStub(channel), task)
             finally:
                 channel.close()
-        assert outcome is TaskOutcome.REJECTED
+        assert outcome is TaskOutcome.CANCELLED
         refusal = f"query {key!r} is done: uploads are no longer accepted"
-        owner_lines = [r.getMessage() for r in caplog.records if "refused upload" in r.getMessage()]
-        assert len(owner_lines) == 1 and "FAILED_PRECONDITION" in owner_lines[0]
-        assert refusal in owner_lines[0]
+        owner_records = [r for r in caplog.records if "was taken" in r.getMessage()]
+        assert len(owner_records) == 1 and owner_records[0].levelno == logging.INFO
+        owner_lines = [r.getMessage() for r in owner_records]
+        assert "FAILED_PRECONDITION" in owner_lines[0] and refusal in owner_lines[0]
+        assert not [
+            r
+            for r in caplog.records
+            if r.name.startswith("fedpca.owner") and r.levelno >= logging.ERROR
+        ]
         ledger = owner_ledger(config)
         ledger_record = ledger.task(key)
-        assert ledger_record is not None and ledger_record.outcome is TaskOutcome.REJECTED
+        assert ledger_record is not None and ledger_record.outcome is TaskOutcome.CANCELLED
         # The refused share is in no result: the owner's reservation was refunded.
         assert key not in [entry.event.query_id for entry in ledger.events()]
         assert cluster.proxy is not None

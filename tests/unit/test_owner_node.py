@@ -55,6 +55,7 @@ from fedpca.owner.config import (
 )
 from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
+from fedpca.owner.metrics import OwnerMetrics
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots
@@ -108,6 +109,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     """Open task streams to break with UNAVAILABLE (after their first heartbeat)."""
     refuse_headers: int = 0
     """Uploads to refuse 0.5 s after reading their header, without acknowledging it."""
+    refusal_trailing: tuple[tuple[str, str], ...] = ()
+    """Trailing metadata of those refusals."""
     tasks: queue.Queue[TaskEvent] = field(default_factory=queue.Queue)
     hellos: list[str] = field(default_factory=list)
     uploads: list[UploadCall] = field(default_factory=list)
@@ -166,6 +169,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
             self.refuse_headers -= 1
             next(iter(request_iterator))
             time.sleep(0.5)  # gRPC's client would pull the next message meanwhile
+            if self.refusal_trailing:
+                context.set_trailing_metadata(self.refusal_trailing)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "test: query closed")
         header, payload = serde.read_upload(acknowledging(request_iterator, context))
         seen = {call.upload_id for call in self.uploads}
@@ -921,29 +926,37 @@ def test_a_withdrawal_that_arrives_while_the_upload_is_tried_ends_it(
 
 
 class _ClosedQuery(grpc.RpcError):
-    """The proxy's refusal of an upload, saying the share is in no result."""
+    """The proxy's refusal of an upload its query no longer takes (``released``: the
+    value of its ``SHARE_RELEASED_METADATA``; None: a refusal without it)."""
+
+    def __init__(self, released: str | None = "no") -> None:
+        self.released = released
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
 
     def details(self) -> str:
-        return "the query no longer takes uploads"
+        return "query 'analyst-1/q1' is failed: uploads are no longer accepted"
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((SHARE_RELEASED_METADATA, "no"),)
+        return () if self.released is None else ((SHARE_RELEASED_METADATA, self.released),)
 
 
 class _RefusingProxy:
-    """Reads ``read`` messages of the upload (the header first), then refuses it."""
+    """Reads ``read`` messages of the upload (the header first), then refuses it (after
+    ``wait`` seconds) as a query that no longer takes it."""
 
-    def __init__(self, read: int) -> None:
+    def __init__(self, read: int, released: str | None = "no", wait: float = 0.0) -> None:
         self.read = read
+        self.released = released
+        self.wait = wait
         self.Upload = StubUpload(self._upload)
 
     def _upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
         for _ in range(self.read):
             next(messages)
-        raise _ClosedQuery()
+        time.sleep(self.wait)
+        raise _ClosedQuery(self.released)
 
 
 @pytest.mark.parametrize("read", [1, 2], ids=["header-only", "header-and-a-chunk"])
@@ -957,9 +970,75 @@ def test_a_refused_upload_is_refunded_only_if_no_chunk_left_the_node(
     node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
     task = signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
     outcome = node.process_task(_RefusingProxy(read), task)  # type: ignore[arg-type]
-    assert outcome is TaskOutcome.REJECTED
+    assert outcome is TaskOutcome.CANCELLED
     charged = len(harness.ledger.events())
     assert charged == (0 if read == 1 else 1)
+
+
+@pytest.mark.parametrize(
+    ("read", "released"),
+    [(1, "no"), (2, "no"), (2, "yes")],
+    ids=["refused-at-the-header", "refused-after-a-chunk", "share-may-be-released"],
+)
+def test_an_upload_the_query_no_longer_takes_is_cancelled_not_an_error(
+    harness: Harness,
+    pool: CryptoPool,
+    caplog: pytest.LogCaptureFixture,
+    read: int,
+    released: str,
+) -> None:
+    """Found by an operator's walkthrough: when another owner declined and the query
+    failed, every healthy owner logged an ERROR ("the proxy refused upload") and counted
+    the task "rejected", so alerts paged the wrong hospitals. The proxy marks that
+    refusal (FAILED_PRECONDITION with SHARE_RELEASED_METADATA, whatever its value): the
+    owner logs it at INFO and records the task cancelled, as a withdrawal; the refund
+    follows the one rule as before (refunded only if no chunk left)."""
+    node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    task = signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
+    outcome = node.process_task(_RefusingProxy(read, released), task)  # type: ignore[arg-type]
+    assert outcome is TaskOutcome.CANCELLED
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is TaskOutcome.CANCELLED
+    assert "uploads are no longer accepted" in record.detail
+    owner_records = [r for r in caplog.records if r.name.startswith("fedpca.owner")]
+    assert [r.getMessage() for r in owner_records if r.levelno >= logging.WARNING] == []
+    assert any(
+        r.levelno == logging.INFO and "the query ended" in r.getMessage() for r in owner_records
+    )
+    assert len(harness.ledger.events()) == (0 if read == 1 else 1)
+
+
+def test_a_refusal_without_the_query_closed_marker_stays_an_error(
+    harness: Harness, pool: CryptoPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same status without the proxy's metadata (a refusal the proxy does not say
+    is its query's doing) is still an ERROR and "rejected": the owner does not read the
+    proxy's English text to decide."""
+    node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    task = signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
+    outcome = node.process_task(_RefusingProxy(1, released=None), task)  # type: ignore[arg-type]
+    assert outcome is TaskOutcome.REJECTED
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "the proxy refused upload" in errors[0]
+    assert harness.ledger.events() == []  # refunded as before: no chunk left
+
+
+def test_an_upload_refused_after_the_deadline_is_expired_with_a_warning(
+    harness: Harness, pool: CryptoPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A query that closed while this owner's upload came after the upload deadline may
+    be this owner's own lateness: a WARNING and "expired", not INFO."""
+    node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    deadline = datetime.now(UTC) + timedelta(seconds=3)
+    task = signed_task(harness.spec("q1"), deadline, ANALYST)
+    late = _RefusingProxy(1, wait=max(0.0, (deadline - datetime.now(UTC)).total_seconds()) + 0.1)
+    assert node.process_task(late, task) is TaskOutcome.EXPIRED  # type: ignore[arg-type]
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is TaskOutcome.EXPIRED
+    levels = {r.levelno for r in caplog.records if "was not taken" in r.getMessage()}
+    assert levels == {logging.WARNING}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert harness.ledger.events() == []
 
 
 def test_an_upload_refused_at_its_header_is_refunded_although_chunks_were_ready(
@@ -977,6 +1056,24 @@ def test_an_upload_refused_at_its_header_is_refunded_although_chunks_were_ready(
     assert record is not None and record.outcome is TaskOutcome.REJECTED
     assert harness.ledger.events() == []
     assert harness.proxy.uploads == []
+
+
+def test_the_metrics_count_a_closed_query_as_cancelled_not_rejected(harness: Harness) -> None:
+    """``fedpca_owner_tasks_total{outcome="rejected"}`` is what an owner alerts on: an
+    upload refused over gRPC because its query closed (the proxy's marker) is counted
+    "cancelled" instead."""
+    metrics = OwnerMetrics(harness.node)
+    harness.node.metrics = metrics
+    harness.proxy.refuse_headers = 1
+    harness.proxy.refusal_trailing = ((SHARE_RELEASED_METADATA, "no"),)
+    harness.send(harness.spec("q1"))
+
+    def counted(outcome: str) -> float | None:
+        return metrics.registry.get_sample_value("fedpca_owner_tasks_total", {"outcome": outcome})
+
+    wait_until(lambda: counted("cancelled") == 1.0, "the task to be counted", WAIT)
+    assert counted("rejected") is None
+    assert harness.ledger.events() == []  # refunded: the header was never acknowledged
 
 
 def test_kept_shares_of_ended_uploads_are_deleted_at_start(

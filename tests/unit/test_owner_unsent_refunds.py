@@ -85,7 +85,9 @@ def test_a_resumed_upload_refused_at_its_header_is_refunded(
         # fails before its worker uploads: no upload began, the analyst is refunded.
         receipt = client.cancel(task.query.query_id)
         assert receipt.refunded and receipt.status.state is QueryState.FAILED
-        assert _process_at_the_proxy(config, pool, task) is TaskOutcome.REJECTED
+        # Refused because the query no longer takes it (the proxy marks that): the
+        # task ends cancelled, not rejected (an ERROR for the analyst's own cancel).
+        assert _process_at_the_proxy(config, pool, task) is TaskOutcome.CANCELLED
         assert client.budget().n_releases == 0
         assert not owner_ledger(config).has_reservation(task.key)  # was: charged for ever
 

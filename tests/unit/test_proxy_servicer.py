@@ -394,6 +394,8 @@ def test_stats_round_trip_over_grpc(
         owners["owner-2"].Upload(iter(late), timeout=TIMEOUT)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "already contributed a different upload" in (info.value.details() or "")
+    # A fault of the upload itself: not marked as the query's doing.
+    assert SHARE_RELEASED_METADATA not in dict(info.value.trailing_metadata() or ())
     solo = make_spec(public_key, "solo", quorum=1)
     analyst.SubmitQuery(submit_request(solo), timeout=TIMEOUT)
     solo_key = task_id("alice", "solo")
@@ -412,6 +414,43 @@ def test_stats_round_trip_over_grpc(
         analyst.GetQueryStatus(serde.query_ref_to_proto("nope"), timeout=TIMEOUT)
     assert info.value.code() is grpc.StatusCode.NOT_FOUND
     analyst_channel.close()
+
+
+def test_an_upload_refused_by_a_closed_query_is_always_marked(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every refusal of an upload its query no longer takes carries
+    SHARE_RELEASED_METADATA, ``yes`` as well as ``no``: owners tell it from a fault of
+    their own by the key, not the text (before, a refusal whose share may have been
+    released carried nothing, like an invalid upload, and its owner logged an ERROR)."""
+    public_key, _ = test_only_keypair_512
+    spec = make_spec(public_key, "closed-marked", quorum=1)
+    key = task_id("alice", spec.query_id)
+    share, _, _ = owner_share(spec, 1, public_key, pool)
+    with channel_for(server, tls_files, Role.ANALYST, "alice") as channel:
+        analyst_grpc.AnalystServiceStub(channel).SubmitQuery(submit_request(spec), timeout=TIMEOUT)
+    with (
+        channel_for(server, tls_files, Role.OWNER, "owner-1") as first,
+        channel_for(server, tls_files, Role.OWNER, "owner-2") as second,
+    ):
+        owner_grpc.OwnerServiceStub(first).Upload(
+            iter(serde.encode_upload(key, spec.analyst_key_fingerprint, "c1", share)),
+            timeout=TIMEOUT,
+        )
+        # As if the refused owner's share could be in the result (a contributor of a
+        # query that failed after pages were released).
+        monkeypatch.setattr(server.coordinator, "share_released", lambda *_: True)
+        with pytest.raises(grpc.RpcError) as info:
+            owner_grpc.OwnerServiceStub(second).Upload(
+                iter(serde.encode_upload(key, spec.analyst_key_fingerprint, "c2", share)),
+                timeout=TIMEOUT,
+            )
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(info.value.trailing_metadata() or ())[SHARE_RELEASED_METADATA] == "yes"
 
 
 def test_bad_uploads_are_refused_before_their_chunks(

@@ -33,11 +33,15 @@ owner sends its first chunk only after it (protocol version 3)."""
 
 
 SHARE_RELEASED_METADATA = "fedpca-share-released"
-"""Trailing metadata key of an upload refused because its query ended or no longer
-takes this owner. The proxy sets it to ``no`` when no result of the query can contain
-anything of this owner's share: the owner is not one of the query's contributors, or
-the query failed before any page of its result was released. The owner may then refund
-its reservation."""
+"""Trailing metadata key of an upload refused (FAILED_PRECONDITION) because its query
+ended or no longer takes this owner, and of no other refusal: its presence tells the
+owner that nothing of its own is at fault (another owner declined, the analyst
+cancelled, the deadline passed, the quorum was reached without it). The value is ``no``
+when no result of the query can contain anything of this owner's share (the owner is
+not one of the query's contributors, or the query failed before any page of its result
+was released), else ``yes``. Proxies before ``yes`` existed sent the key only with
+``no``. The owner refunds on its own knowledge, not on this word
+(:mod:`fedpca.owner.task_endings`)."""
 
 
 def new_upload_id() -> str:

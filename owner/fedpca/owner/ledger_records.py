@@ -65,9 +65,16 @@ class TaskOutcome(StrEnum):
     UPLOADED = "uploaded"
     DECLINED = "declined"
     REJECTED = "rejected"
-    """The proxy refused the upload permanently (invalid, not allowed, wrong state)."""
+    """The proxy refused the upload permanently for a fault of its own (invalid, not
+    allowed); not for a query that no longer takes it (CANCELLED, EXPIRED)."""
     CANCELLED = "cancelled"
+    """The query ended or closed to this owner before its upload was taken, through
+    nothing this owner did: cancelled or withdrawn by the proxy, or its upload refused
+    because the query no longer takes it (another owner declined, the analyst
+    cancelled, the quorum was reached without this owner)."""
     EXPIRED = "expired"
+    """The task's upload deadline passed before its upload was taken (the task came
+    late, or the proxy refused an upload that came after the deadline)."""
     ABANDONED = "abandoned"
     """An upload that began and could not go on (its kept share was lost); charged."""
 

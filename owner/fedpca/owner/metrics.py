@@ -5,7 +5,7 @@ metric                                     type        what
 =========================================  ==========  ==================================
 ``fedpca_owner_tasks_total{outcome}``      counter     tasks handled, by outcome (uploaded,
                                                        declined, cancelled, rejected,
-                                                       expired, retry, error)
+                                                       expired, retry, error; see below)
 ``fedpca_owner_task_seconds{outcome}``     histogram   time from taking a task up to its
                                                        outcome (checks, encryption, upload)
 ``fedpca_owner_connected``                 gauge       1 while the task stream is open
@@ -13,6 +13,13 @@ metric                                     type        what
                                                        the budget's delta
 ``fedpca_owner_epsilon_limit``             gauge       the owner's total epsilon
 =========================================  ==========  ==================================
+
+The outcomes that deserve an alert at this owner are ``rejected`` (the proxy refused
+an upload for a fault of its own: invalid, not allowed) and ``error`` (a task raised);
+``cancelled`` counts tasks whose query ended or closed to this owner before its upload
+was taken, through nothing this owner did (another owner declined, the analyst
+cancelled, the quorum was reached without it), and ``expired`` those that missed the
+upload deadline.
 
 Nothing here depends on the records: outcomes are decided from public facts, and the
 work per task is padded to the owner's public capacity (docs/privacy.md). The port

@@ -1,6 +1,12 @@
 """How an owner's task ends without its upload completing (cancelled, withdrawn,
 expired, declined again, refused, abandoned), and when that refunds its reservation.
 
+How it ends is also what the node's operators see: a task ends REJECTED, with an
+ERROR, only when the proxy refused its upload for a fault of the upload's own; an
+upload the query no longer takes (another owner declined, the analyst cancelled, the
+quorum was reached without this owner) ends CANCELLED at INFO, as a withdrawn task does,
+so that alerts on either page no organisation for another's decline.
+
 :class:`TaskEndings` is a part of :class:`fedpca.owner.task_processing.TaskProcessing`.
 One rule decides every refund (docs/privacy.md, "Refunds", Owners): a task's
 reservation is refunded when the task ends and the ledger says no proxy ever accepted
@@ -16,11 +22,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Container
+from datetime import UTC, datetime
 
+import grpc
+
+from fedpca.messages import Task
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.ledger_records import TaskOutcome
+from fedpca.owner.retry import status_details, status_name
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.owner.upload import OutgoingUpload
+from fedpca.owner.upload_call import query_closed, share_unreleased
 
 __all__ = ["TaskEndings"]
 
@@ -58,6 +70,54 @@ class TaskEndings:
             self._refund_unsent(query_id)
             self._forget_share(query_id)
         return TaskOutcome.EXPIRED
+
+    def _end_refused(self, task: Task, upload: OutgoingUpload, err: grpc.RpcError) -> TaskOutcome:
+        """The proxy refused the upload for good (a status no retry gets past): end it.
+
+        A refusal because the query no longer takes the upload
+        (:func:`~fedpca.owner.upload_call.query_closed`, told by the status and the
+        proxy's metadata) is none of this owner's doing: INFO, CANCELLED. Past the
+        task's upload deadline this owner may itself have been too late: a WARNING,
+        EXPIRED. Any other refusal (the upload invalid, or not allowed) is an ERROR,
+        REJECTED. The refund rule is the same for the three.
+        """
+        query_id, upload_id = task.key, upload.upload_id
+        refusal = f"{status_name(err)}: {status_details(err)}"
+        if not query_closed(err):
+            logger.error("query %s: the proxy refused upload %s: %s", query_id, upload_id, refusal)
+            outcome, detail = TaskOutcome.REJECTED, refusal
+        elif task.upload_deadline <= datetime.now(UTC):
+            logger.warning(
+                "query %s: upload %s was not taken: it came after the query's upload deadline (%s)",
+                query_id,
+                upload_id,
+                refusal,
+            )
+            outcome, detail = TaskOutcome.EXPIRED, f"deadline passed: {refusal}"
+        else:
+            logger.info(
+                "query %s: the query ended or closed to this owner before upload %s was "
+                "taken, through nothing this owner did (%s)",
+                query_id,
+                upload_id,
+                refusal,
+            )
+            outcome, detail = TaskOutcome.CANCELLED, f"query closed: {refusal}"
+        self._drop_upload(query_id)
+        self.ledger.record_task(query_id, outcome, detail, upload_id=upload_id)
+        self.shares.discard(upload_id)
+        # Refunded if no header of this upload was ever accepted, in this process or
+        # before a restart (the ledger knows): only headers left, so no result holds
+        # anything of the share. The proxy's word alone is not enough: it could fold
+        # every chunk, let the analyst read the result, and still say "not released".
+        refunded = not upload.chunk_handed_out and self._refund_unsent(query_id)
+        if not refunded and share_unreleased(err):
+            logger.info(
+                "query %s: the proxy says no result holds this share; a header of it was "
+                "accepted (chunks may have left), so it stays charged",
+                query_id,
+            )
+        return outcome
 
     def _abandon(self, query_id: str, upload_id: str, why: str) -> TaskOutcome:
         """Give up an upload that began and cannot go on; the release stays charged."""

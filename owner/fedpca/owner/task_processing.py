@@ -60,7 +60,7 @@ from fedpca.owner.retry import (
 from fedpca.owner.share_snapshots import KeptShare, ShareSnapshots
 from fedpca.owner.task_endings import TaskEndings
 from fedpca.owner.upload import OutgoingUpload
-from fedpca.owner.upload_call import HeaderAcknowledgement, result_when_done, share_unreleased
+from fedpca.owner.upload_call import HeaderAcknowledgement, result_when_done
 from fedpca.protocol import ReleasePlan
 from fedpca.query import ProtocolMode, QuerySpec, spec_digest
 from fedpca.transport import serde
@@ -462,34 +462,7 @@ class TaskProcessing(TaskEndings):
                         acknowledgement.failure,
                     )
                 elif status_code(err) not in RETRYABLE_CODES:
-                    logger.error(
-                        "query %s: the proxy refused upload %s: %s: %s",
-                        query_id,
-                        upload_id,
-                        status_name(err),
-                        status_details(err),
-                    )
-                    self._drop_upload(query_id)
-                    self.ledger.record_task(
-                        query_id,
-                        TaskOutcome.REJECTED,
-                        f"{status_name(err)}: {status_details(err)}",
-                        upload_id=upload_id,
-                    )
-                    self.shares.discard(upload_id)
-                    # Refunded if no header of this upload was ever accepted, in this
-                    # process or before a restart (the ledger knows): only headers left,
-                    # so no result holds anything of the share. The proxy's word alone
-                    # is not enough: it could fold every chunk, let the analyst read the
-                    # result, and still say "not released".
-                    refunded = not upload.chunk_handed_out and self._refund_unsent(query_id)
-                    if not refunded and share_unreleased(err):
-                        logger.info(
-                            "query %s: the proxy says no result holds this share; a header "
-                            "of it was accepted (chunks may have left), so it stays charged",
-                            query_id,
-                        )
-                    return TaskOutcome.REJECTED
+                    return self._end_refused(task, upload, err)
                 delay = RetryPolicy.delay(
                     attempt, self.retry.backoff_initial, self.retry.backoff_max
                 )

@@ -12,7 +12,7 @@ import grpc
 from fedpca.messages import SHARE_RELEASED_METADATA, UPLOAD_ACCEPTED_METADATA
 from fedpca.owner.retry import status_code
 
-__all__ = ["HeaderAcknowledgement", "result_when_done", "share_unreleased"]
+__all__ = ["HeaderAcknowledgement", "query_closed", "result_when_done", "share_unreleased"]
 
 
 def result_when_done(call: Any) -> Any:
@@ -59,10 +59,23 @@ class HeaderAcknowledgement:
         return accepted
 
 
-def share_unreleased(err: grpc.RpcError) -> bool:
-    """The proxy's refusal says no result of the query can hold anything of this share."""
+def _share_released(err: grpc.RpcError) -> str | None:
+    """The value of the refusal's ``SHARE_RELEASED_METADATA`` (None: absent)."""
     if status_code(err) is not grpc.StatusCode.FAILED_PRECONDITION:
-        return False
+        return None
     trailing: Callable[[], Any] | None = getattr(err, "trailing_metadata", None)
     metadata = dict(trailing() or ()) if trailing is not None else {}
-    return metadata.get(SHARE_RELEASED_METADATA) == "no"
+    value = metadata.get(SHARE_RELEASED_METADATA)
+    return value if isinstance(value, str) else None
+
+
+def query_closed(err: grpc.RpcError) -> bool:
+    """The proxy refused the upload because its query no longer takes it (it ended,
+    failed or closed to new owners): nothing of this owner is at fault. Told by the
+    status and the metadata key the proxy sets on that refusal only, not by its text."""
+    return _share_released(err) is not None
+
+
+def share_unreleased(err: grpc.RpcError) -> bool:
+    """The proxy's refusal says no result of the query can hold anything of this share."""
+    return _share_released(err) == "no"

@@ -31,6 +31,9 @@ anything else                                               INTERNAL (generic te
 
 A RESOURCE_EXHAUSTED carries trailing metadata saying which it was
 (:data:`fedpca.messages.REFUSAL_METADATA`: ``budget`` or ``overload``).
+An upload refused because its query no longer takes it (QueryClosedError, a
+FAILED_PRECONDITION) carries :data:`fedpca.messages.SHARE_RELEASED_METADATA` (``yes``
+or ``no``), and no other refusal does: the owner tells it from a fault of its own.
 
 Insecure mode (``tls.insecure = true``, local experiments only) has no
 certificates: the caller's node id is then taken from the ``fedpca-node-id``
@@ -53,10 +56,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from fedpca.errors import (
-    ProtocolError,
-    QueryStateError,
-)
+from fedpca.errors import ProtocolError
 from fedpca.messages import (
     SHARE_RELEASED_METADATA,
     UPLOAD_ACCEPTED_METADATA,
@@ -82,7 +82,7 @@ from fedpca.proxy.servicer_support import (
     streaming_errors,
     unary_errors,
 )
-from fedpca.proxy.store_records import UploadCompletion
+from fedpca.proxy.store_records import QueryClosedError, UploadCompletion
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import Role
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
@@ -213,14 +213,14 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
             header = serde.upload_header_from_message(first)
             try:
                 receipt, assembler = await self._receive(owner, header, messages, deadline, context)
-            except QueryStateError:
-                # The query ended or no longer takes this owner: say whether any result
-                # can hold this owner's share, so that it may refund its reservation.
+            except QueryClosedError:
+                # The query ended or no longer takes this owner (none of its doing: the
+                # key tells it so) and whether any result can hold its share.
                 released = await self.work.run(
                     self.coordinator.share_released, header.query_id, owner
                 )
-                if not released:
-                    context.set_trailing_metadata(((SHARE_RELEASED_METADATA, "no"),))
+                answer = "yes" if released else "no"
+                context.set_trailing_metadata(((SHARE_RELEASED_METADATA, answer),))
                 raise
         return serde.upload_receipt_to_proto(
             UploadReceipt(

@@ -22,6 +22,7 @@ from fedpca.proxy.store_records import (
     Folded,
     Joined,
     NotContributingError,
+    QueryClosedError,
     QueryRecord,
     UploadCompletion,
     UploadRecord,
@@ -63,8 +64,11 @@ class ContributionStore(StoreDatabase):
         NotContributingError
             The owner is not a contributor and the query no longer takes new ones
             (contributors fixed, ended, or past its deadline).
-        QueryStateError
+        QueryClosedError
             The query failed (for a contributor).
+        QueryStateError
+            The store is inconsistent (an aggregate page missing when an upload that
+            starts over is taken out).
         ProtocolError
             Another upload of this owner was accepted or is being aggregated.
         """
@@ -86,7 +90,7 @@ class ContributionStore(StoreDatabase):
             mine = self._contributor(conn, query_id, owner_id)
             if mine is not None:
                 if state is QueryState.FAILED:
-                    raise QueryStateError(
+                    raise QueryClosedError(
                         f"query {query_id!r} failed: {query['failure_reason'] or 'no reason'}"
                     )
                 if mine.upload_id == upload_id:
@@ -220,7 +224,7 @@ class ContributionStore(StoreDatabase):
 
         Raises
         ------
-        NotFoundError, QueryStateError
+        NotFoundError, QueryClosedError
             Unknown query, or it no longer aggregates.
         ProtocolError
             The owner is not a contributor with this upload, or the chunk does not
@@ -250,7 +254,7 @@ class ContributionStore(StoreDatabase):
                 )
             state = QueryState(query["state"])
             if state not in OPEN_STATES:
-                raise QueryStateError(
+                raise QueryClosedError(
                     f"query {query_id!r} is {state.value}: uploads are no longer accepted"
                 )
             self._apply(conn, query_id, offset, data, total_ciphertexts, algebra, inverse=False)
@@ -290,7 +294,7 @@ class ContributionStore(StoreDatabase):
             A different upload of this owner was accepted, the folded chunks do not
             cover the layout, or these ciphertexts were accepted for another query
             (a replay; its chunks stay folded, so the query cannot finish).
-        QueryStateError
+        QueryClosedError
             The query failed.
         """
         now = self._clock()
@@ -316,7 +320,7 @@ class ContributionStore(StoreDatabase):
                     f"{query_id!r}"
                 )
             if QueryState(query["state"]) is QueryState.FAILED:
-                raise QueryStateError(
+                raise QueryClosedError(
                     f"query {query_id!r} failed: {query['failure_reason'] or 'no reason'}"
                 )
             mine = self._contributor(conn, query_id, owner_id)

@@ -25,6 +25,7 @@ __all__ = [
     "Folded",
     "Joined",
     "NotContributingError",
+    "QueryClosedError",
     "QueryRecord",
     "UploadCompletion",
     "UploadRecord",
@@ -41,7 +42,18 @@ and rewritten when a chunk is folded, and the unit released to the analyst."""
 OPEN_STATES = (QueryState.COLLECTING, QueryState.AGGREGATING)
 
 
-class NotContributingError(QueryStateError):
+class QueryClosedError(QueryStateError):
+    """The query no longer takes this owner's upload: it ended (done, or failed: past its
+    deadline, declined by too many owners, cancelled by the analyst) or its contributors
+    were fixed without this owner.
+
+    Nothing in the upload is at fault: the servicer says so to the owner (trailing
+    metadata :data:`~fedpca.messages.SHARE_RELEASED_METADATA`), whose operator then is
+    not alerted for another owner's decline or the analyst's cancellation.
+    """
+
+
+class NotContributingError(QueryClosedError):
     """An owner that is not one of the query's contributors may no longer join it.
 
     Nothing of this owner was ever folded into the query, so its share is in no result

@@ -132,7 +132,7 @@ class UploadStream:
         ------
         CiphertextError
             A ciphertext outside Z*_{n^2}.
-        QueryStateError, ProtocolError
+        QueryClosedError, ProtocolError
             From :meth:`ProxyStore.fold_chunk`.
         """
         count = len(chunk.ciphertexts)
@@ -162,7 +162,7 @@ class UploadStream:
         ProtocolError
             A second, different upload from this owner, a replay of ciphertexts
             accepted for another query, or chunks that do not cover the layout.
-        QueryStateError
+        QueryClosedError
             The query failed.
         """
         header = self.header
