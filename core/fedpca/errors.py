@@ -64,6 +64,28 @@ class ProtocolError(FedpcaError, ValueError):
     """A peer sent a message that breaks the protocol (order, size, hash, replay)."""
 
 
+class ProtocolVersionError(ProtocolError):
+    """A peer speaks another wire protocol version than this node
+    (:data:`fedpca.version.PROTOCOL_VERSION`); the message names the peer and both
+    versions.
+
+    Attributes
+    ----------
+    peer : the peer, as the message names it.
+    theirs : the version it states (its own text, cut, if not a number).
+    ours : this node's version.
+    """
+
+    def __init__(self, peer: str, theirs: object, ours: int, here: str) -> None:
+        self.peer = peer
+        self.theirs = theirs
+        self.ours = ours
+        super().__init__(
+            f"{peer} speaks wire protocol {theirs}, {here} {ours}: every node needs a build "
+            "of the same wire protocol (`fedpca --version` prints a build's)"
+        )
+
+
 class QueryStateError(FedpcaError, RuntimeError):
     """An operation does not fit the current state of a query (e.g. late upload)."""
 

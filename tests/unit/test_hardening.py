@@ -259,3 +259,18 @@ def test_refusals_beyond_the_cap_are_counted_in_one_line_after_the_minute() -> N
     # The new minute starts empty: nothing more to report after it.
     now[0] = 125.0
     assert log.admit("Upload") == (True, [])
+
+
+def test_a_refusal_repeated_per_peer_gets_one_line_per_window() -> None:
+    """The proxy's log of refusals a reconnecting peer repeats (another wire protocol):
+    one line per peer and method in each window, then one line counting the others."""
+    now = [0.0]
+    log = RefusalLog(1, window_seconds=600.0, clock=lambda: now[0], per="peer and method")
+    first = [log.admit("Hello by owner/a") for _ in range(20)]
+    assert [logged for logged, _ in first] == [True] + [False] * 19
+    assert log.admit("Hello by owner/b") == (True, [])  # another peer has its own line
+    now[0] = 600.0
+    logged, summaries = log.admit("Hello by owner/a")
+    assert logged
+    assert len(summaries) == 1 and summaries[0].startswith("19 more refusals of Hello by owner/a")
+    assert summaries[0].endswith("(at most 1 line per peer and method every 600 s)")

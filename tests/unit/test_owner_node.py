@@ -111,6 +111,9 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     """Uploads to refuse 0.5 s after reading their header, without acknowledging it."""
     refusal_trailing: tuple[tuple[str, str], ...] = ()
     """Trailing metadata of those refusals."""
+    hello_refusal: str | None = None
+    """Refuse every Hello with INVALID_ARGUMENT and this text (a proxy of another wire
+    protocol)."""
     tasks: queue.Queue[TaskEvent] = field(default_factory=queue.Queue)
     hellos: list[str] = field(default_factory=list)
     uploads: list[UploadCall] = field(default_factory=list)
@@ -133,6 +136,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
 
     def Hello(self, request: owner_pb.OwnerHello, context: Any) -> owner_pb.ProxyInfo:
         identity = certs.require_role(context, Role.OWNER)
+        if self.hello_refusal is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.hello_refusal)
         hello = serde.owner_hello_from_proto(request)
         self.hellos.append(identity.node_id)
         assert hello.node_id == identity.node_id
@@ -1210,6 +1215,25 @@ def test_cancellations_of_unknown_tasks_are_bounded_and_write_nothing(harness: H
     assert len(harness.node._cancelled) <= REMEMBERED_CANCELLATIONS
     ledger = harness.ledger
     assert ledger.task(key("made-up-0")) is None and ledger.events() == []
+
+
+def test_a_proxy_refusing_this_owners_wire_protocol_is_logged_as_a_refusal(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy of another wire protocol refuses the owner's Hello (INVALID_ARGUMENT,
+    naming both versions): an ERROR saying the proxy refused this owner, not a WARNING
+    about a proxy "unreachable or stream lost"."""
+    refusal = "owner/owner-1 speaks wire protocol 4, this proxy 5: every node needs a build"
+    harness.proxy.hello_refusal = refusal
+    harness.proxy.abort_streams = 1  # the node reconnects and says hello again
+
+    def logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if refusal in r.getMessage()]
+
+    wait_until(logged, "the refused Hello to be logged", WAIT)
+    record = logged()[0]
+    assert record.levelno == logging.ERROR and "refused this owner" in record.getMessage()
+    harness.proxy.hello_refusal = None
 
 
 def test_an_owner_refuses_a_proxy_of_another_protocol_version(harness: Harness) -> None:

@@ -11,6 +11,7 @@ certificate but is not on the allow-list.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -80,9 +81,11 @@ from fedpca.transport.certs import (
     init_certificates,
     load_certificate,
 )
-from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
+from fedpca.transport.channels import INSECURE_IDENTITY_METADATA, PROTOCOL_VERSION_METADATA
+from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from fedpca.version import PROTOCOL_VERSION
 from helpers import (
     TEST_SIGNER,
     TEST_SIGNING_KEY,
@@ -280,6 +283,61 @@ def _refuse_strangers(
     assert store.uploads(key) == [] and not store.query(key).uploads_begun
     assert "intruder" not in store.owners() and "owner-3" not in store.owners()
     assert all(q.analyst_id != "mallory" for q in store.queries())
+
+
+def test_a_peer_of_another_wire_protocol_is_refused_and_logged_once_per_peer(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by an operator's walkthrough: an owner of another wire protocol refused the
+    proxy at Hello and said so in its own log, while the proxy's log showed nothing and
+    /readyz only "0 owners connected". Peers state their build's version in request
+    metadata; the proxy refuses another one with both versions, and logs a WARNING
+    naming the peer and both versions once, not at every reconnection."""
+    caplog.set_level(logging.WARNING, logger="fedpca.proxy")
+
+    def raw_channel(role: Role, node_id: str) -> grpc.Channel:
+        # Not channels.secure_channel, which states this build's version on every call.
+        material = TlsMaterial.load(tls_files[NodeIdentity(role, node_id)])
+        credentials = channels.channel_credentials(material)
+        return grpc.secure_channel(server.address, credentials, options=channels.client_options())
+
+    def refused(call: Any) -> str:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        return info.value.details() or ""
+
+    hello = serde.owner_hello_to_proto(OwnerHello("owner-2", "0.2.0"))
+    with raw_channel(Role.OWNER, "owner-2") as channel, raw_channel(Role.ANALYST, "alice") as other:
+        stub = owner_grpc.OwnerServiceStub(channel)
+        stated_3 = ((PROTOCOL_VERSION_METADATA, "3"),)
+        for _ in range(5):  # an owner node reconnecting
+            details = refused(lambda: stub.Hello(hello, metadata=stated_3, timeout=TIMEOUT))
+            assert f"owner/owner-2 speaks wire protocol 3, this proxy {PROTOCOL_VERSION}" in details
+        assert "fedpca --version" in details
+        analyst = analyst_grpc.AnalystServiceStub(other)
+        request = analyst_pb.DescribeDeploymentRequest()
+        for _ in range(3):
+            details = refused(
+                lambda: analyst.DescribeDeployment(
+                    request, metadata=((PROTOCOL_VERSION_METADATA, "5"),), timeout=TIMEOUT
+                )
+            )
+        assert f"analyst/alice speaks wire protocol 5, this proxy {PROTOCOL_VERSION}" in details
+        # The same peers stating this build's version (or, as builds before the
+        # metadata, none) are served.
+        same = ((PROTOCOL_VERSION_METADATA, str(PROTOCOL_VERSION)),)
+        stub.Hello(hello, metadata=same, timeout=TIMEOUT)
+        stub.Hello(hello, timeout=TIMEOUT)
+        analyst.DescribeDeployment(request, metadata=same, timeout=TIMEOUT)
+    lines = [r for r in caplog.records if "speaks wire protocol" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.WARNING, logging.WARNING]
+    owner_line, analyst_line = (r.getMessage() for r in lines)
+    assert "owner/owner-2 speaks wire protocol 3, this proxy 4" in owner_line
+    assert owner_line.startswith("Hello refused (INVALID_ARGUMENT)")
+    assert "analyst/alice speaks wire protocol 5, this proxy 4" in analyst_line
 
 
 def test_domain_errors_map_to_status_codes() -> None:

@@ -21,7 +21,7 @@ import click
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from fedpca import logs
-from fedpca.version import __version__
+from fedpca.version import build_description
 
 # name -> (module, attribute, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -58,7 +58,9 @@ def configure_logging(verbosity: int, log_format: str | None = None) -> None:
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="fedpca")
+# "fedpca, version 0.2.0 (wire protocol 4)": builds of one release may speak different
+# wire protocols, and nodes of different ones cannot work together.
+@click.version_option(build_description(), prog_name="fedpca")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
 @click.option(
     "--log-format",

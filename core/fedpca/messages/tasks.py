@@ -7,6 +7,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from fedpca.query import QuerySpec
+from fedpca.version import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -20,25 +21,6 @@ __all__ = [
     "TaskDecline",
     "TaskEvent",
 ]
-
-PROTOCOL_VERSION = 4
-"""Wire protocol version spoken by this code (messages of package ``fedpca.v1``).
-
-Version 2: chunks carry links of a hash chain instead of per-chunk hashes under a
-content hash declared in the header (uploads stream while the owner encrypts, results
-stream page by page), and an interrupted upload resumes where the proxy's durable
-copy ends.
-
-Version 3: the proxy acknowledges an upload's header in the call's initial metadata
-(:data:`~fedpca.messages.uploads.UPLOAD_ACCEPTED_METADATA`) once it has recorded the
-upload as begun, and the owner sends no chunk before that: an upload refused at its
-header leaves both the owner and the analyst refunded, one accepted leaves both
-charged.
-
-Version 4: the same messages; the mechanism behind them changed, so that an owner
-refuses a proxy without the fixes: masked mode adds a uniform residue to every scatter
-entry (v vᵀ mod N 2^f was exact before), and DCA under replace-one is calibrated for a
-swap in two capped classes at once (docs/privacy.md)."""
 
 
 class ObfuscationVariant(StrEnum):

@@ -33,6 +33,7 @@ import grpc
 from fedpca.errors import ConfigError
 from fedpca.transport.certs import TlsMaterial, validate_node_id
 from fedpca.transport.ports import bind_error, check_bindable
+from fedpca.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ INSECURE_IDENTITY_METADATA = "fedpca-node-id"
 
 Without TLS there is no certificate to identify a caller; the proxy in insecure
 mode then reads the node id from this key (and ignores it with TLS)."""
+
+PROTOCOL_VERSION_METADATA = "fedpca-protocol-version"
+"""Request metadata in which every call of an owner or analyst states the wire protocol
+version of its build (:data:`fedpca.version.PROTOCOL_VERSION`), so that the proxy
+refuses, and logs, a peer of another one instead of leaving only the peer to notice.
+Builds before it existed send nothing, and the proxy cannot tell their version."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 PROXY_MAX_RECEIVE_BYTES = 2 * 1024 * 1024
@@ -175,10 +182,29 @@ def secure_channel(
     server_name_override: str | None = None,
     extra_options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.Channel:
-    """A mutual-TLS channel to the proxy at ``target`` (``host:port``)."""
+    """A mutual-TLS channel to the proxy at ``target`` (``host:port``); every call states
+    this build's wire protocol (:data:`PROTOCOL_VERSION_METADATA`)."""
     options = client_options(max_message_bytes, server_name_override) + list(extra_options)
     logger.debug("opening mTLS channel to %s as %s", target, tls.identity)
-    return grpc.secure_channel(target, channel_credentials(tls), options=options)
+    # Call credentials, not an interceptor: grpc's interceptor keeps a refused unary
+    # call's request in a reference cycle with its error (until the cyclic collector
+    # runs), which a refused 1 MiB query would make costly.
+    stated = grpc.metadata_call_credentials(_StateProtocol(), name=PROTOCOL_VERSION_METADATA)
+    credentials = grpc.composite_channel_credentials(channel_credentials(tls), stated)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def _protocol_entry() -> tuple[str, str]:
+    return (PROTOCOL_VERSION_METADATA, str(PROTOCOL_VERSION))
+
+
+class _StateProtocol(grpc.AuthMetadataPlugin):
+    """Adds :data:`PROTOCOL_VERSION_METADATA` to every call of a mutual-TLS channel."""
+
+    def __call__(
+        self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback
+    ) -> None:
+        callback((_protocol_entry(),), None)
 
 
 def create_async_server(
@@ -229,20 +255,22 @@ class _CallDetails(
     """The details of one call, as grpc's interceptors pass them on."""
 
 
-class _NodeIdInterceptor(
+class _MetadataInterceptor(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds ``fedpca-node-id: <node id>`` to the metadata of every call."""
+    """Adds ``entries`` (key, value) to the metadata of every call, in place of any
+    the caller gave under the same keys."""
 
-    def __init__(self, node_id: str) -> None:
-        self._entry = (INSECURE_IDENTITY_METADATA, node_id)
+    def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
+        self._entries = list(entries)
+        self._keys = {key for key, _ in entries}
 
-    def _with_id(self, details: Any) -> grpc.ClientCallDetails:
-        metadata = [m for m in details.metadata or () if m[0] != INSECURE_IDENTITY_METADATA]
-        metadata.append(self._entry)
+    def _with_entries(self, details: Any) -> grpc.ClientCallDetails:
+        metadata = [m for m in details.metadata or () if m[0] not in self._keys]
+        metadata.extend(self._entries)
         return _CallDetails(
             details.method,
             details.timeout,
@@ -253,20 +281,20 @@ class _NodeIdInterceptor(
         )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_id(details), request)
+        return continuation(self._with_entries(details), request)
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_id(details), request)
+        return continuation(self._with_entries(details), request)
 
     def intercept_stream_unary(
         self, continuation: Any, details: Any, request_iterator: Iterator[Any]
     ) -> Any:
-        return continuation(self._with_id(details), request_iterator)
+        return continuation(self._with_entries(details), request_iterator)
 
     def intercept_stream_stream(
         self, continuation: Any, details: Any, request_iterator: Iterator[Any]
     ) -> Any:
-        return continuation(self._with_id(details), request_iterator)
+        return continuation(self._with_entries(details), request_iterator)
 
 
 def insecure_channel(
@@ -278,6 +306,8 @@ def insecure_channel(
     """A plaintext channel. NOT for deployments: no encryption, no identities.
 
     Logs a WARNING every time it is used so it cannot go unnoticed.
+
+    Every call states this build's wire protocol (:data:`PROTOCOL_VERSION_METADATA`).
 
     Parameters
     ----------
@@ -296,9 +326,10 @@ def insecure_channel(
     logger.warning("INSECURE channel to %s: no TLS, traffic and identities are unprotected", target)
     options = client_options(max_message_bytes) + list(extra_options)
     channel = grpc.insecure_channel(target, options=options)
-    if node_id is None:
-        return channel
-    return grpc.intercept_channel(channel, _NodeIdInterceptor(node_id))
+    entries = [_protocol_entry()]
+    if node_id is not None:
+        entries.append((INSECURE_IDENTITY_METADATA, node_id))
+    return grpc.intercept_channel(channel, _MetadataInterceptor(entries))
 
 
 def add_insecure_port(

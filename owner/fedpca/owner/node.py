@@ -43,6 +43,7 @@ from fedpca.codec.paillier import CryptoPool, Obfuscation
 from fedpca.errors import (
     ConfigError,
     ProtocolError,
+    ProtocolVersionError,
 )
 from fedpca.files import ExclusiveUse
 from fedpca.messages import (
@@ -77,9 +78,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The proxy answered, and said no (a certificate it does not trust or an id it does not
-# allow): not an outage, though the owner keeps retrying in case the operator fixes it.
-_REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+# The proxy answered, and said no (a certificate it does not trust, an id it does not
+# allow, a request it cannot take: another wire protocol version): not an outage, though
+# the owner keeps retrying in case the operator fixes it.
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    }
+)
 
 REMEMBERED_CANCELLATIONS = 1024
 """Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
@@ -353,9 +361,8 @@ class OwnerNode(TaskProcessing):
             stub.Hello(serde.owner_hello_to_proto(hello), timeout=self.retry.call_timeout)
         )
         if info.protocol_version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"the proxy speaks wire protocol {info.protocol_version}, this owner "
-                f"{PROTOCOL_VERSION}"
+            raise ProtocolVersionError(
+                "the proxy", info.protocol_version, PROTOCOL_VERSION, "this owner"
             )
         if info.authenticated_node_id and info.authenticated_node_id != self.config.owner.id:
             logger.warning(
@@ -380,11 +387,12 @@ class OwnerNode(TaskProcessing):
                     # The first event (the proxy sends a heartbeat at once) proves the
                     # proxy has enrolled this owner: only now is the node ready for tasks.
                     logger.info(
-                        "owner %s connected to %s (proxy %s, fedpca %s)",
+                        "owner %s connected to %s (proxy %s, fedpca %s, wire protocol %d)",
                         self.config.owner.id,
                         self.config.owner.proxy,
                         info.proxy_id or "?",
                         info.software_version or "?",
+                        info.protocol_version,
                     )
                     self.connected.set()
                 try:

@@ -25,6 +25,8 @@ its share of what remains:
 A call beyond a bound is answered RESOURCE_EXHAUSTED at once; nothing waits for a slot.
 Refusals are logged, at most ``logged_refusals_per_minute`` lines per method; the rest
 are counted in one line, so a flood of bad calls cannot fill the disk through the log.
+A refusal a peer repeats at every reconnection (another wire protocol version) gets one
+line per peer and method every :data:`REPEATED_REFUSAL_SECONDS`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ from typing import Any
 
 from fedpca.errors import ConfigError, OverloadError
 
-__all__ = ["PeerLimits", "PeerSlots", "RefusalLog", "TaskStreams"]
+__all__ = ["REPEATED_REFUSAL_SECONDS", "PeerLimits", "PeerSlots", "RefusalLog", "TaskStreams"]
+
+REPEATED_REFUSAL_SECONDS = 600.0
+"""Window of the refusals a peer repeats at every reconnection: one line per peer and
+method in it, then one line counting the rest. An owner node of another wire protocol
+reconnects at most 30 s apart: logged every time, its refusal would write some 3,000
+lines a day, and a few such owners would fill the per-method allowance, hiding other
+peers' refusals."""
 
 
 @dataclass(frozen=True)
@@ -202,9 +211,12 @@ class RefusalLog:
         lines_per_window: int,
         window_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        per: str = "method",
     ) -> None:
         self.lines_per_window = lines_per_window
         self.window_seconds = window_seconds
+        self.per = per
         self._clock = clock
         self._lock = threading.Lock()
         self._window_start = clock()
@@ -213,7 +225,10 @@ class RefusalLog:
 
     def admit(self, method: str) -> tuple[bool, list[str]]:
         """Whether this refusal of ``method`` gets its own line, and summary lines of
-        refusals not logged in a window that has ended (to be logged first)."""
+        refusals not logged in a window that has ended (to be logged first).
+
+        ``method`` is what the lines are counted per: a method's name, or (``per``
+        saying so) a method and the peer, ``"Hello by owner/hospital-a"``."""
         with self._lock:
             summaries: list[str] = []
             if self._clock() - self._window_start >= self.window_seconds:
@@ -226,9 +241,10 @@ class RefusalLog:
 
     def _summaries(self) -> list[str]:
         since = self._window_started_at.isoformat(timespec="seconds")
+        lines = "1 line" if self.lines_per_window == 1 else f"{self.lines_per_window} lines"
         return [
             f"{count - self.lines_per_window} more refusals of {method} since {since} "
-            f"were not logged (at most {self.lines_per_window} lines per method every "
+            f"were not logged (at most {lines} per {self.per} every "
             f"{self.window_seconds:g} s)"
             for method, count in sorted(self._counts.items())
             if count > self.lines_per_window

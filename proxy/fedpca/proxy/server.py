@@ -36,6 +36,7 @@ from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_database import use_database
 from fedpca.transport import channels
 from fedpca.transport.certs import Role, TlsMaterial
+from fedpca.version import build_description
 
 __all__ = ["HEALTH_SERVICES", "ProxyServer"]
 
@@ -185,7 +186,12 @@ class ProxyServer:
             raise
         host = config.proxy.listen.rpartition(":")[0]
         self._address = f"{host}:{port}"
-        logger.info("proxy %s serving on %s", config.proxy.id, self._address)
+        logger.info(
+            "proxy %s serving on %s (fedpca %s)",
+            config.proxy.id,
+            self._address,
+            build_description(),
+        )
         return self._address
 
     @property

@@ -32,15 +32,17 @@ from fedpca.errors import (
     OverloadError,
     PolicyError,
     ProtocolError,
+    ProtocolVersionError,
     QueryStateError,
     UntrustedKeyError,
 )
 from fedpca.messages import REFUSAL_METADATA, Refusal
 from fedpca.proxy.coordinator import Coordinator
-from fedpca.proxy.limits import PeerLimits, PeerSlots, RefusalLog
+from fedpca.proxy.limits import REPEATED_REFUSAL_SECONDS, PeerLimits, PeerSlots, RefusalLog
 from fedpca.transport import certs
 from fedpca.transport.certs import NodeIdentity, Role
-from fedpca.transport.channels import INSECURE_IDENTITY_METADATA
+from fedpca.transport.channels import INSECURE_IDENTITY_METADATA, PROTOCOL_VERSION_METADATA
+from fedpca.version import check_peer_protocol
 
 __all__ = [
     "INSECURE_ANALYST_ID",
@@ -152,17 +154,28 @@ def _log_refusal(
 
 
 async def refuse(
-    context: aio.ServicerContext, method: str, error: Exception, refusals: RefusalLog
+    context: aio.ServicerContext,
+    method: str,
+    error: Exception,
+    refusals: RefusalLog,
+    repeated: RefusalLog | None = None,
 ) -> None:
+    """Answer a failed call with its status (and log it, within ``refusals``' bounds).
+
+    ``repeated`` bounds the lines of refusals a peer repeats at every reconnection
+    (another wire protocol version): one line per peer and method in its window.
+    """
     if isinstance(error, FedpcaError):
         code = status_code_for(error)
         # Cut: a refusal may quote what a peer sent, and refusals are logged.
         text = str(error)
         if len(text) > MAX_REFUSAL_TEXT:
             text = text[:MAX_REFUSAL_TEXT] + f"... ({len(text)} characters)"
-        _log_refusal(
-            refusals, method, logging.WARNING, "%s refused (%s): %s", method, code.name, text
-        )
+        if repeated is not None and isinstance(error, ProtocolVersionError):
+            log, key = repeated, f"{method} by {error.peer}"
+        else:
+            log, key = refusals, method
+        _log_refusal(log, key, logging.WARNING, "%s refused (%s): %s", method, code.name, text)
         trailing: tuple[tuple[str, str], ...] = ()
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             refusal = Refusal.BUDGET if isinstance(error, BudgetExceededError) else Refusal.OVERLOAD
@@ -219,7 +232,9 @@ def unary_errors(method: _Method) -> _Method:
         except aio.AbortError:
             raise
         except Exception as error:
-            await refuse(context, method.__name__, error, self.refusal_log)
+            await refuse(
+                context, method.__name__, error, self.refusal_log, self.repeated_refusal_log
+            )
             return None
 
     return wrapper  # type: ignore[return-value]
@@ -240,7 +255,9 @@ def streaming_errors(method: _Method) -> _Method:
         except Exception as error:
             # Not BaseException: the GeneratorExit of a stream the client cancelled
             # must close the generator, not be reported as a failure of the call.
-            await refuse(context, method.__name__, error, self.refusal_log)
+            await refuse(
+                context, method.__name__, error, self.refusal_log, self.repeated_refusal_log
+            )
             return
 
     return wrapper  # type: ignore[return-value]
@@ -339,9 +356,14 @@ class ServicerBase:
         self.limits = limits
         self.insecure = insecure
         self.refusal_log = RefusalLog(limits.logged_refusals_per_minute)
+        self.repeated_refusal_log = RefusalLog(1, REPEATED_REFUSAL_SECONDS, per="peer and method")
 
     def _caller(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
         identity = self._identity(context, role)
+        # A peer of another wire protocol is refused at its first call (an owner's Hello),
+        # naming both versions, in the proxy's log as well as the peer's.
+        stated = dict(context.invocation_metadata() or ()).get(PROTOCOL_VERSION_METADATA)
+        check_peer_protocol(str(identity), stated, "this proxy")
         if role is Role.OWNER:
             # Before anything else of the call (an upload's first message included): an
             # owner off the allow-list holds no slot and waits for nothing.
