@@ -47,6 +47,11 @@ class CalibrationError(FedpcaError, ValueError):
     """DP parameters are outside the range a mechanism is valid for."""
 
 
+class CompositionError(CalibrationError):
+    """A ledger's releases compose to less noise than the accountant can account for;
+    the message counts the ledger's releases (an owner keeps it in its own log)."""
+
+
 class BudgetExceededError(FedpcaError, PermissionError):
     """A release would push cumulative (epsilon, delta) past the configured budget."""
 

@@ -1248,3 +1248,24 @@ def test_an_owner_refuses_a_proxy_of_another_protocol_version(harness: Harness) 
 
     with pytest.raises(ProtocolError, match="the proxy speaks wire protocol 3, this owner 4"):
         harness.node._session(_OldProxy())  # type: ignore[arg-type]
+
+
+def test_a_composition_the_ledger_cannot_account_is_declined_without_its_figures(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ledger's message counts every analyst's releases at this owner: the analyst
+    reads a constant detail, the figures stay in the owner's log (a review found the
+    count of composed releases in the POLICY_REFUSAL detail)."""
+    from fedpca.errors import CompositionError
+    from fedpca.owner.task_processing import UNACCOUNTABLE_DECLINE_DETAIL
+
+    def cannot_account(*args: Any, **kwargs: Any) -> Any:
+        raise CompositionError("7 composed releases: noise multiplier z=0.0999 ...")
+
+    monkeypatch.setattr(harness.node.ledger, "reserve", cannot_account)
+    harness.send(harness.spec("q1"))
+    harness.proxy.wait_for(lambda: len(harness.proxy.declines) == 1)
+    (decline,) = harness.proxy.declines
+    assert decline.reason is DeclineReason.POLICY_REFUSAL
+    assert decline.detail == UNACCOUNTABLE_DECLINE_DETAIL and "7" not in decline.detail
+    assert "7 composed releases" in caplog.text

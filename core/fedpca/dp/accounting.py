@@ -52,7 +52,7 @@ from dp_accounting.pld import PLDAccountant
 
 from fedpca.dp.calibration import gaussian_epsilon, zcdp_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import BudgetExceededError, CalibrationError, ConfigError
+from fedpca.errors import BudgetExceededError, CalibrationError, CompositionError, ConfigError
 from fedpca.formatting import distinct
 from fedpca.query import Neighbouring
 
@@ -275,8 +275,11 @@ def compose_epsilon(
         # rho adds up: the ledger is one Gaussian with z_composed, for every order alpha.
         return zcdp_epsilon(z_composed, gaussian_delta)
     if z_composed < MIN_NOISE_MULTIPLIER:
-        what = "one release" if len(multipliers) == 1 else f"{len(multipliers)} composed releases"
-        raise CalibrationError(f"{what}: {_floor_message(z_composed, gaussian_delta)}")
+        if len(multipliers) == 1:
+            raise CalibrationError(f"one release: {_floor_message(z_composed, gaussian_delta)}")
+        raise CompositionError(
+            f"{len(multipliers)} composed releases: {_floor_message(z_composed, gaussian_delta)}"
+        )
     # The composition of Gaussian releases *is* one Gaussian release with z_composed
     # (their privacy-loss distributions are Gaussian and add), so PLD accounts for
     # that single event: exact, and one PLD per check whatever the ledger's length.
@@ -395,7 +398,7 @@ def check_budget(
         # below it refuses the release as usual, anything else cannot be accounted.
         after = gaussian_epsilon(z_after, gaussian_delta)
         if after <= budget.epsilon:
-            raise CalibrationError(
+            raise CompositionError(
                 f"{len(multipliers) + 1} composed releases: "
                 f"{_floor_message(z_after, gaussian_delta)}; a budget of epsilon="
                 f"{distinct(budget.epsilon)[0]} cannot be accounted for"

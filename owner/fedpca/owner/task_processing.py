@@ -25,6 +25,7 @@ from fedpca.codec.paillier import CryptoPool, Obfuscation
 from fedpca.errors import (
     BudgetExceededError,
     CalibrationError,
+    CompositionError,
     PolicyError,
     UntrustedKeyError,
 )
@@ -66,12 +67,24 @@ from fedpca.query import ProtocolMode, QuerySpec, spec_digest
 from fedpca.transport import serde
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 
-__all__ = ["BUDGET_DECLINE_DETAIL", "TaskProcessing", "choose_obfuscation"]
+__all__ = [
+    "BUDGET_DECLINE_DETAIL",
+    "UNACCOUNTABLE_DECLINE_DETAIL",
+    "TaskProcessing",
+    "choose_obfuscation",
+]
 
 logger = logging.getLogger("fedpca.owner.node")
 
 BUDGET_DECLINE_DETAIL = "the query does not fit in this owner's remaining privacy budget"
 """What a budget decline tells the proxy and the analyst (no figures: see its use)."""
+
+UNACCOUNTABLE_DECLINE_DETAIL = (
+    "this owner's ledger cannot account for one more release of this size (the figures "
+    "are in the owner's log)"
+)
+"""What a decline tells when the ledger's accountant cannot compose one more release
+(no figures: they count every analyst's releases at this owner)."""
 
 
 def choose_obfuscation(
@@ -330,6 +343,13 @@ class TaskProcessing(TaskEndings):
             logger.info("query %s: %s", query_id, exc)
             return self._decline_task(
                 stub, task, DeclineReason.BUDGET_EXHAUSTED, BUDGET_DECLINE_DETAIL
+            )
+        except CompositionError as exc:
+            # The ledger cannot account for the composition: its message counts every
+            # analyst's releases here, so it stays in this log too.
+            logger.info("query %s: %s", query_id, exc)
+            return self._decline_task(
+                stub, task, DeclineReason.POLICY_REFUSAL, UNACCOUNTABLE_DECLINE_DETAIL
             )
         except (CalibrationError, PolicyError) as exc:
             return self._decline_task(stub, task, DeclineReason.POLICY_REFUSAL, str(exc))
