@@ -28,7 +28,7 @@ import pytest
 from fedpca.admission import AdmissionLimit, NextQuery
 from fedpca.codec import CryptoPool, pack_slots, unpack_slots
 from fedpca.dp.accounting import Accountant
-from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import (
     AuthenticationError,
@@ -1962,3 +1962,20 @@ def test_one_budget_search_at_a_time_per_analyst(
     first.join(30)
     assert len(answers) == 1 and answers[0].next_query is not None
     assert coordinator.budget("bob", None, 1e-8).next_query is not None  # free again
+
+
+def test_resubmitting_a_query_whose_charge_was_re_entered_is_refused_clearly(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """After a restore, `proxy import-releases` charges queries the database does not
+    hold; an analyst retrying such a query id got INTERNAL (a duplicate key)."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(bob=PrivacyParams(5.0, 1e-5)))
+    spec = make_spec(public_key, "c1", epsilon=1.0, delta=1e-6)
+    event = PrivacyEvent("bob/c1", "bob", 2.0, 1.0, 1e-6).to_dict()
+    with coordinator.store.transaction() as conn:
+        coordinator.store.record_release(conn, "bob", "bob/c1", event)
+    with pytest.raises(QueryStateError, match=r"restored from a backup.*new query id"):
+        coordinator.submit("bob", signed(spec, SECOND_TEST_SIGNING_KEY))
+    assert not coordinator.store.has_query("bob/c1")
+    assert [r["query_id"] for r in coordinator.store.releases("bob")] == ["bob/c1"]

@@ -33,8 +33,13 @@ from fedpca.release_exports import owner_releases_document, read_owner_releases
 BUDGET = PrivacyParams(10.0, 1e-5)
 
 
+FINGERPRINT = "sha256:" + "ab" * 32
+
+
 def _event(query_id: str, z: float, *, analyst: str = "alice") -> PrivacyEvent:
-    return PrivacyEvent(f"{analyst}/{query_id}", analyst, z, 0.5, 1e-6)
+    """A release as an owner records it: under the task id (analyst/query) and the
+    analyst's key fingerprint (task_processing), not the analyst's id."""
+    return PrivacyEvent(f"{analyst}/{query_id}", FINGERPRINT, z, 0.5, 1e-6)
 
 
 def _owner_export(tmp_path: Path, name: str, events: list[PrivacyEvent]) -> Path:
@@ -88,11 +93,15 @@ def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> 
     config, _ = write_config(tmp_path)
     database = tmp_path / "state" / "proxy.sqlite3"
     store = ProxyStore(database)
-    # In the restored database: q1 submitted and charged, q2 submitted and refunded.
-    for query_id in ("q1", "q2"):
+    # In the restored database: q1 submitted, charged and done; q2 submitted and
+    # refunded; q4 charged and still collecting, no upload begun at the backup.
+    for query_id in ("q1", "q2", "q4"):
         store.create_query(f"alice/{query_id}", "alice", {"quorum": 2}, {}, time.time() + 60)
     with store.transaction() as conn:
-        store.record_release(conn, "alice", "alice/q1", _event("q1", 2.0).to_dict())
+        for query_id in ("q1", "q4"):
+            record = {**_event(query_id, 2.0).to_dict(), "analyst": "alice"}
+            store.record_release(conn, "alice", f"alice/{query_id}", record)
+    store.set_state("alice/q1", QueryState.DONE)
     store.set_state("alice/q2", QueryState.FAILED, failure_reason="cancelled by the analyst")
     before = _spent(store)
     store.close()
@@ -100,7 +109,9 @@ def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> 
     # larger noise multiplier: the costlier record is charged).
     exports = [
         _owner_export(
-            tmp_path, "hospital-a", [_event("q1", 2.0), _event("q2", 2.0), _event("q3", 2.5)]
+            tmp_path,
+            "hospital-a",
+            [_event("q1", 2.0), _event("q2", 2.0), _event("q3", 2.5), _event("q4", 2.0)],
         ),
         _owner_export(tmp_path, "hospital-b", [_event("q1", 2.0), _event("q3", 3.0)]),
     ]
@@ -110,25 +121,43 @@ def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> 
     dry = runner.invoke(proxy_group, [*command[:3], "--dry-run", *command[3:]])
     assert dry.exit_code == 0, dry.output
     assert "would charge alice/q3  epsilon=0.5 delta=1e-06 z=2.5" in dry.output
+    assert "would make final alice/q4" in dry.output
     store = ProxyStore(database)
     assert _spent(store) == before  # a dry run changes nothing
     store.close()
 
     done = runner.invoke(proxy_group, command)
     assert done.exit_code == 0, done.output
+    assert "owners differ alice/q3" in done.output
     assert done.output.splitlines()[-1] == (
-        "1 release(s) charged; 1 already recorded; 1 of queries this database refunded, not charged"
+        "1 release(s) charged; 1 charge(s) made final; 1 already recorded; 1 of queries "
+        "this database refunded, not charged"
     )
     store = ProxyStore(database)
-    charged = {r["query_id"]: r["noise_multiplier"] for r in store.releases("alice")}
-    assert charged == {"alice/q1": 2.0, "alice/q3": 2.5}
+    # Charged to the analyst the query id names, not to the owners' key fingerprint.
+    charged = {
+        r["query_id"]: (r["analyst"], r["noise_multiplier"]) for r in store.releases("alice")
+    }
+    assert charged == {
+        "alice/q1": ("alice", 2.0),
+        "alice/q3": ("alice", 2.5),
+        "alice/q4": ("alice", 2.0),
+    }
     after = _spent(store)
-    expected = compose_epsilon([_event("q1", 2.0), _event("q3", 2.5)], 1e-5, Accountant.ZCDP)
+    expected = compose_epsilon(
+        [_event("q1", 2.0), _event("q3", 2.5), _event("q4", 2.0)], 1e-5, Accountant.ZCDP
+    )
     assert after == pytest.approx(expected) and after > before
+    assert "alice" in store.analyst_ids()
+    # q4 will fail here (the owners' uploads went to the proxy before the restore and
+    # are not sent again): its charge stands, it is not refunded.
+    store.set_state("alice/q4", QueryState.FAILED, failure_reason="deadline passed")
+    assert store.has_release("alice/q4")
     store.close()
 
     again = runner.invoke(proxy_group, command)  # idempotent
-    assert again.exit_code == 0 and "0 release(s) charged; 2 already recorded" in again.output
+    assert again.exit_code == 0, again.output
+    assert "0 release(s) charged; 0 charge(s) made final; 3 already recorded" in again.output
 
 
 def test_import_refuses_while_the_proxy_holds_the_database(tmp_path: Path) -> None:
@@ -148,13 +177,13 @@ def test_import_refuses_while_the_proxy_holds_the_database(tmp_path: Path) -> No
 
 def test_an_export_of_another_relation_imports_nothing(tmp_path: Path) -> None:
     store = ProxyStore(tmp_path / "proxy.sqlite3")
-    other = PrivacyEvent("alice/q1", "alice", 2.0, 0.5, 1e-6, Neighbouring.REPLACE_ONE)
+    other = PrivacyEvent("alice/q1", FINGERPRINT, 2.0, 0.5, 1e-6, Neighbouring.REPLACE_ONE)
     mine = _event("q2", 2.0)
     with pytest.raises(ConfigError, match="another deployment"):
         import_releases(store, [mine, other], Neighbouring.ADD_REMOVE)
     assert store.releases("alice") == []
-    with pytest.raises(ConfigError, match="not a query of its analyst"):
+    with pytest.raises(ConfigError, match="does not name its analyst"):
         import_releases(
-            store, [PrivacyEvent("bob/q", "alice", 2.0, 0.5, 1e-6)], Neighbouring.ADD_REMOVE
+            store, [PrivacyEvent("q", FINGERPRINT, 2.0, 0.5, 1e-6)], Neighbouring.ADD_REMOVE
         )
     store.close()

@@ -230,19 +230,32 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
                 report = import_releases(
                     store, events, config.privacy.neighbouring, dry_run=dry_run
                 )
+                if not dry_run:
+                    # Listed (metrics, status) like an analyst that submitted.
+                    for analyst in sorted({event.analyst for event in report.entered}):
+                        limit = config.budget.for_analyst(analyst)
+                        store.set_analyst_budget(analyst, limit.epsilon, limit.delta)
             finally:
                 store.close()
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     verb = "would charge" if dry_run else "charged"
     for event in report.entered:
-        click.echo(
-            f"{verb:<13}{event.query_id}  epsilon={event.epsilon:g} delta={event.delta:g} "
-            f"z={event.noise_multiplier:.6g}"
+        cost = (
+            "NOT PRIVATE (epsilon=inf: exhausts the analyst's budget)"
+            if event.noise_multiplier == 0
+            else f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.6g}"
         )
+        click.echo(f"{verb:<13}{event.query_id}  {cost}")
+    final = "would make final" if dry_run else "made final"
+    for query_id in report.kept_charged:
+        click.echo(f"{final} {query_id}  (still running here; the owners took part)")
+    for query_id in report.disagreements:
+        click.echo(f"owners differ {query_id}: their noise multipliers differ; the smallest counts")
     click.echo(
-        f"{len(report.entered)} release(s) {verb}; {len(report.already_recorded)} already "
-        f"recorded; {len(report.refunded)} of queries this database refunded, not charged"
+        f"{len(report.entered)} release(s) {verb}; {len(report.kept_charged)} charge(s) "
+        f"{final}; {len(report.already_recorded)} already recorded; {len(report.refunded)} "
+        "of queries this database refunded, not charged"
     )
 
 

@@ -9,7 +9,8 @@ relation). ``fedpca owner budget --json`` exports them
 and charges to the proxy's ledgers every release of a query the database does not know,
 once, however many owners list it:
 
-* a release the database already has is left as it is;
+* a release the database already has is left as it is, and if its query is still
+  running there, its charge is made final (the owners took part after the backup);
 * a query the database knows without a release was refunded (no owner began an upload
   before the backup, and a refund is final): it is not charged again;
 * a query the database does not know at all was submitted after the backup: its release
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import ConfigError
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
+from fedpca.transport.certs import validate_node_id
 
 __all__ = ["ImportReport", "import_releases"]
 
@@ -42,19 +44,43 @@ class ImportReport:
     entered: list[PrivacyEvent] = field(default_factory=list)
     """Releases charged now: their queries were unknown to the database."""
     already_recorded: list[str] = field(default_factory=list)
-    """Query ids whose release the database has."""
+    """Query ids whose release the database has (and whose query has ended)."""
+    kept_charged: list[str] = field(default_factory=list)
+    """Query ids the database holds as still running, with their release: their charge
+    is made final (the owners took part, so a failure must not refund it)."""
     refunded: list[str] = field(default_factory=list)
     """Query ids the database knows without a release (refunded): not charged."""
+    disagreements: list[str] = field(default_factory=list)
+    """Query ids the owners recorded with different noise multipliers."""
 
 
-def _costliest(events: Iterable[PrivacyEvent]) -> dict[str, PrivacyEvent]:
-    """One event per query id: the smallest noise multiplier (0, NOT PRIVATE, wins)."""
+def _analyst_of(query_id: str) -> str:
+    """The analyst a proxy query id names (``analyst/query``)."""
+    analyst, slash, query = query_id.partition("/")
+    if not (slash and query):
+        raise ConfigError(
+            f"release {query_id!r} does not name its analyst (the proxy names queries "
+            "analyst/query): nothing was imported"
+        )
+    try:
+        validate_node_id(analyst)
+    except ConfigError as exc:
+        raise ConfigError(f"release {query_id!r}: {exc}; nothing was imported") from None
+    return analyst
+
+
+def _costliest(events: Iterable[PrivacyEvent]) -> tuple[dict[str, PrivacyEvent], list[str]]:
+    """One event per query id, the smallest noise multiplier (0, NOT PRIVATE, wins), and
+    the ids whose events differ in it."""
     chosen: dict[str, PrivacyEvent] = {}
+    differing: set[str] = set()
     for event in events:
         kept = chosen.get(event.query_id)
+        if kept is not None and kept.noise_multiplier != event.noise_multiplier:
+            differing.add(event.query_id)
         if kept is None or event.noise_multiplier < kept.noise_multiplier:
             chosen[event.query_id] = event
-    return chosen
+    return chosen, sorted(differing)
 
 
 def import_releases(
@@ -66,6 +92,13 @@ def import_releases(
 ) -> ImportReport:
     """Charge the releases of queries ``store`` does not know (module docstring).
 
+    Owners record a release under the analyst's key fingerprint; the proxy's ledgers are
+    kept by analyst id, which the query id names: the event is charged to that analyst.
+    A query the database holds as still running, with its release, gets its charge made
+    final, as if an upload had begun there: the owners' exports show they took part
+    after the backup, and the restored query will fail (their uploads are not sent
+    again), which would otherwise refund a release the analyst may have read.
+
     All or nothing: one transaction. The proxy must not be running (the caller holds
     the database's lock).
 
@@ -73,27 +106,30 @@ def import_releases(
     ------
     ConfigError
         A release stated under another relation than the deployment's (an export of
-        another deployment), or one whose query id does not name its analyst.
+        another deployment), or whose query id does not name an analyst.
     """
-    chosen = _costliest(events)
-    for event in chosen.values():
+    chosen, differing = _costliest(events)
+    charged: dict[str, PrivacyEvent] = {}
+    for query_id, event in chosen.items():
         if event.neighbouring is not Neighbouring(neighbouring):
             raise ConfigError(
-                f"release {event.query_id} is accounted under {event.neighbouring.value}, "
+                f"release {query_id} is accounted under {event.neighbouring.value}, "
                 f"this deployment under {Neighbouring(neighbouring).value}: an export of "
                 "another deployment? Nothing was imported"
             )
-        if not event.query_id.startswith(f"{event.analyst}/"):
-            raise ConfigError(
-                f"release {event.query_id} is not a query of its analyst {event.analyst!r} "
-                "(the proxy names queries analyst/query): nothing was imported"
-            )
-    report = ImportReport()
+        charged[query_id] = replace(event, analyst=_analyst_of(query_id))
+    report = ImportReport(disagreements=differing)
     with store.transaction() as conn:
-        for query_id, event in sorted(chosen.items(), key=lambda item: item[1].timestamp):
+        for query_id, event in sorted(charged.items(), key=lambda item: item[1].timestamp):
+            known = store.query_progress(conn, query_id)
             if store.release_recorded(conn, query_id):
-                report.already_recorded.append(query_id)
-            elif store.query_known(conn, query_id):
+                if known is None or known.state.terminal or known.uploads_begun:
+                    report.already_recorded.append(query_id)
+                else:
+                    report.kept_charged.append(query_id)
+                    if not dry_run:
+                        store.mark_uploads_begun(conn, query_id)
+            elif known is not None:
                 report.refunded.append(query_id)
             else:
                 report.entered.append(event)

@@ -40,7 +40,7 @@ import json
 import logging
 import sqlite3
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
 from fedpca.messages import QueryState
@@ -48,9 +48,16 @@ from fedpca.proxy.store_contributions import ContributionStore
 from fedpca.proxy.store_records import QueryRecord, query_record_of
 from fedpca.proxy.store_schema import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION", "ProxyStore"]
+__all__ = ["SCHEMA_VERSION", "ProxyStore", "QueryProgress"]
 
 logger = logging.getLogger(__name__)
+
+
+class QueryProgress(NamedTuple):
+    """How far a query got: its state and whether any owner began an upload."""
+
+    state: QueryState
+    uploads_begun: bool
 
 
 class ProxyStore(ContributionStore):
@@ -323,10 +330,19 @@ class ProxyStore(ContributionStore):
         return row is not None
 
     @staticmethod
-    def query_known(conn: sqlite3.Connection, query_id: str) -> bool:
-        """Whether the database holds the query (inside a transaction)."""
-        row = conn.execute("SELECT 1 FROM queries WHERE query_id=?", (query_id,)).fetchone()
-        return row is not None
+    def query_progress(conn: sqlite3.Connection, query_id: str) -> QueryProgress | None:
+        """The query's state and whether an upload began (None: unknown), in a transaction."""
+        row = conn.execute(
+            "SELECT state, uploads_begun FROM queries WHERE query_id=?", (query_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        return QueryProgress(QueryState(row["state"]), bool(row["uploads_begun"]))
+
+    @staticmethod
+    def mark_uploads_begun(conn: sqlite3.Connection, query_id: str) -> None:
+        """Record that an upload of the query began: its charge is never refunded."""
+        conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (query_id,))
 
     def release_ids(self, conn: sqlite3.Connection, analyst_id: str) -> list[str]:
         """Ids of the analyst's recorded releases, in order (inside a transaction)."""

@@ -108,6 +108,14 @@ class Submissions(CoordinatorCore):
                     raise _LedgerChanged
                 if refusal is not None:
                     raise BudgetExceededError(refusal)
+                if self.store.release_recorded(conn, key):
+                    # Only `proxy import-releases` charges a query the database does not
+                    # hold: one answered after the backup this database was restored from.
+                    raise QueryStateError(
+                        f"query {spec.query_id!r} was answered before this proxy's database "
+                        "was restored from a backup (its charge was re-entered); its "
+                        "result is not here: submit it again under a new query id"
+                    )
                 self.store.record_release(conn, analyst_id, key, event_record)
 
             try:
