@@ -300,7 +300,10 @@ def test_a_second_serve_on_the_same_state_folder_stops_at_start(tmp_path: Path) 
     path = _write_config(tmp_path, f"127.0.0.1:{free_port()}", tls)
     log = tmp_path / "first.log"
     code = "from fedpca.owner.cli import owner_group; owner_group()"
+    # Both on one monitoring port too: the second says why, not that the port is taken.
+    monitoring = f"127.0.0.1:{free_port()}"
     command = [sys.executable, "-c", code, "serve", "--config", str(path), "--insecure"]
+    command += ["--monitoring-listen", monitoring]
     with log.open("wb") as out:
         first = subprocess.Popen([*command, "--new-ledger"], stdout=out, stderr=subprocess.STDOUT)
     try:

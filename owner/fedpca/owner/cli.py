@@ -118,6 +118,7 @@ def serve_command(
                 "To start a new one here, pass --new-ledger"
             )
         node = OwnerNode(config)
+        node.hold_state_folder()  # before the monitoring port: the reason, not the port
         monitoring = None
         if config.monitoring.listen is not None:
             node.metrics = OwnerMetrics(node)
@@ -137,8 +138,6 @@ def serve_command(
         signal.signal(signal.SIGINT, _on_signal)
     try:
         node.run_forever()
-    except ConfigError as exc:  # another process serves the same state folder
-        raise click.ClickException(str(exc)) from exc
     finally:
         if monitoring is not None:
             monitoring.stop()

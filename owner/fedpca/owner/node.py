@@ -187,6 +187,7 @@ class OwnerNode(TaskProcessing):
         self._max_message_bytes = UPLOAD_CHUNK_BYTES
         self.connected = threading.Event()
         """Set while a task stream is open (for tests and health checks)."""
+        self._state_lock: ExclusiveUse | None = None
         self.metrics: Any = None
         """Told every handled task's outcome and duration (:mod:`fedpca.owner.metrics`)."""
         self._worker: threading.Thread | None = None
@@ -247,11 +248,29 @@ class OwnerNode(TaskProcessing):
         ConfigError
             Another process serves the same state folder (see :func:`_use_state_folder`).
         """
-        with _use_state_folder(self.config):
+        self.hold_state_folder()
+        try:
             # Shares kept for uploads that ended while the node was down (or just
             # before): deleted only by the process that holds the folder.
             self.shares.prune(set(self.ledger.uploads_in_flight().values()))
             self._serve(stop_event)
+        finally:
+            held, self._state_lock = self._state_lock, None
+            if held is not None:
+                held.release()
+
+    def hold_state_folder(self) -> None:
+        """Take the state folder for this process now (:meth:`run_forever` does, if not
+        done before; ``owner serve`` does it before it opens its monitoring port, so a
+        second node on the folder is told why, not that the port is taken).
+
+        Raises
+        ------
+        ConfigError
+            Another process holds it (named by its pid).
+        """
+        if self._state_lock is None:
+            self._state_lock = _use_state_folder(self.config)
 
     def _serve(self, stop_event: threading.Event | None) -> None:
         if stop_event is not None:
