@@ -1902,7 +1902,7 @@ def test_budget_searches_once_per_ledger_and_again_after_a_release(
     # The search composes the ledger a few times (seconds under pld-continuous): asked
     # again with the same ledger, the proxy answers from what it found.
     import fedpca.dp.next_query as next_query_module
-    from fedpca.proxy.analyst_requests import _next_query
+    from fedpca.proxy.analyst_requests import _NEXT_QUERIES
 
     searches: list[int] = []
     real = next_query_module.largest_admissible_epsilon
@@ -1912,7 +1912,7 @@ def test_budget_searches_once_per_ledger_and_again_after_a_release(
         return real(ledger, *args, **kwargs)
 
     monkeypatch.setattr(next_query_module, "largest_admissible_epsilon", counted)
-    _next_query.cache_clear()  # an earlier test may have asked about the same ledger
+    _NEXT_QUERIES.clear()  # an earlier test may have asked about the same ledger
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool, make_config(bob=PrivacyParams(2.0, 1e-5)))
     first = coordinator.budget("bob").next_query
@@ -1933,7 +1933,7 @@ def test_one_budget_search_at_a_time_per_analyst(
     query delta: an analyst asking about many deltas at once gets one search, and each
     of the others a retryable refusal, instead of holding a worker thread each."""
     import fedpca.dp.next_query as next_query_module
-    from fedpca.proxy.analyst_requests import _next_query
+    from fedpca.proxy.analyst_requests import _NEXT_QUERIES
 
     started, release = threading.Event(), threading.Event()
     real = next_query_module.largest_admissible_epsilon
@@ -1945,23 +1945,26 @@ def test_one_budget_search_at_a_time_per_analyst(
         return real(ledger, limit, query_delta, *args, **kwargs)
 
     monkeypatch.setattr(next_query_module, "largest_admissible_epsilon", slow)
-    _next_query.cache_clear()
+    _NEXT_QUERIES.clear()
     coordinator = make_coordinator(
         tmp_path, pool, make_config(bob=PrivacyParams(2.0, 1e-5), carol=PrivacyParams(2.0, 1e-5))
     )
+    kept = coordinator.budget("bob", None, 1e-8).next_query  # found once, then kept
     answers: list[Any] = []
     first = threading.Thread(target=lambda: answers.append(coordinator.budget("bob", None, 1e-7)))
     first.start()
     assert started.wait(30)
     with pytest.raises(OverloadError, match="still being computed"):
-        coordinator.budget("bob", None, 1e-8)
+        coordinator.budget("bob", None, 1e-9)
+    # An answer already kept needs no search: given meanwhile.
+    assert coordinator.budget("bob", None, 1e-8).next_query == kept
     # Another analyst is not held up, and the spent epsilon needs no search.
     assert coordinator.budget("carol", None, 1e-8).next_query is not None
     assert coordinator.budget("bob", next_query=False).epsilon_spent == 0.0
     release.set()
     first.join(30)
     assert len(answers) == 1 and answers[0].next_query is not None
-    assert coordinator.budget("bob", None, 1e-8).next_query is not None  # free again
+    assert coordinator.budget("bob", None, 1e-9).next_query is not None  # free again
 
 
 def test_resubmitting_a_query_whose_charge_was_re_entered_is_refused_clearly(

@@ -3,10 +3,10 @@ header and pages, and the analyst's budget."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +24,12 @@ from fedpca.messages import (
     QueryStatus,
     ResultHeader,
 )
-from fedpca.proxy.coordinator_core import CoordinatorCore, task_id, total_ciphertexts
+from fedpca.proxy.coordinator_core import (
+    CoordinatorCore,
+    RecentlyUsed,
+    task_id,
+    total_ciphertexts,
+)
 from fedpca.proxy.queries import (
     result_blocks,
 )
@@ -267,14 +272,14 @@ class AnalystRequests(CoordinatorCore):
             remaining = max(0.0, limit.epsilon - used)
         admissible = None
         if next_query:
-            with _SearchSlot(self, analyst_id):
-                admissible = next_query_for(
-                    ledger,
-                    limit,
-                    min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
-                    privacy.accountant,
-                    privacy.neighbouring,
-                )
+            admissible = next_query_for(
+                ledger,
+                limit,
+                min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
+                privacy.accountant,
+                privacy.neighbouring,
+                searching=_SearchSlot(self, analyst_id),
+            )
         return BudgetStatus(
             analyst_id=analyst_id,
             delta=at,
@@ -311,32 +316,38 @@ class _SearchSlot:
             self._requests._searching.discard(self._analyst)
 
 
+NEXT_QUERY_CACHE_SIZE = 64
+"""Next-query answers kept (by ledger, budget, query delta and accounting)."""
+
+_NEXT_QUERIES: RecentlyUsed[tuple[Any, ...], NextQuery] = RecentlyUsed(NEXT_QUERY_CACHE_SIZE)
+
+
 def next_query_for(
     ledger: Sequence[PrivacyEvent],
     limit: PrivacyParams,
     query_delta: float,
     accountant: Any,
     neighbouring: Any,
+    *,
+    searching: AbstractContextManager[Any] | None = None,
 ) -> NextQuery:
     """The largest epsilon a query at ``query_delta`` is admitted with after ``ledger``
     (:func:`~fedpca.dp.next_query.largest_admissible_epsilon`), found once per ledger:
     the search composes the ledger a few times (up to seconds of CPU under
     pld-continuous), and an analyst (or a dashboard) asking again before its next
-    release gets the same answer without it. A new release changes the key."""
-    return _next_query(tuple(ledger), limit, query_delta, accountant, neighbouring)
+    release gets the same answer without it. A new release changes the key.
 
-
-@functools.lru_cache(maxsize=64)
-def _next_query(
-    ledger: tuple[PrivacyEvent, ...],
-    limit: PrivacyParams,
-    query_delta: float,
-    accountant: Any,
-    neighbouring: Any,
-) -> NextQuery:
-    """:func:`next_query_for`, kept for the ledger it was found for."""
+    ``searching`` is entered around a search, not around an answer already kept (the
+    per-analyst slot of :meth:`AnalystRequests.budget`).
+    """
     from fedpca.dp.next_query import largest_admissible_epsilon  # slow import
 
-    return largest_admissible_epsilon(
-        list(ledger), limit, query_delta, accountant, neighbouring=neighbouring
-    )
+    key = (tuple(ledger), limit, query_delta, accountant, neighbouring)
+    kept = _NEXT_QUERIES.get(key)
+    if kept is not None:
+        return kept
+    with searching if searching is not None else nullcontext():
+        found = largest_admissible_epsilon(
+            list(ledger), limit, query_delta, accountant, neighbouring=neighbouring
+        )
+    return _NEXT_QUERIES.put(key, found)

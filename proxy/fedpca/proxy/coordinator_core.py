@@ -15,7 +15,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from fedpca.codec import MIN_KEY_BITS, CryptoPool, SerialisedCiphertextGroup
 from fedpca.dp.noise import NoiseSampler
@@ -50,39 +50,53 @@ def task_id(analyst_id: str, query_id: str) -> str:
     return f"{analyst_id}/{query_id}"
 
 
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
 CONTEXT_CACHE_SIZE = 256
 """Query contexts (spec, plan, key) kept in memory. Each is rebuilt from the store on a
 miss, so the bound costs only time; without it every query ever served stayed in memory
 (a flood of submitted and cancelled queries grew the proxy without end)."""
 
 
-class ContextCache:
-    """Query key -> its :class:`QueryContext`, the ``size`` most recently used (thread-safe)."""
+class RecentlyUsed(Generic[_K, _V]):
+    """Key -> value, the ``size`` most recently used (thread-safe)."""
 
-    def __init__(self, size: int = CONTEXT_CACHE_SIZE) -> None:
+    def __init__(self, size: int) -> None:
         self.size = size
         self._lock = threading.Lock()
-        self._contexts: OrderedDict[str, QueryContext] = OrderedDict()
+        self._kept: OrderedDict[_K, _V] = OrderedDict()
 
-    def get(self, key: str) -> QueryContext | None:
+    def get(self, key: _K) -> _V | None:
         with self._lock:
-            context = self._contexts.get(key)
-            if context is not None:
-                self._contexts.move_to_end(key)
-            return context
+            value = self._kept.get(key)
+            if value is not None:
+                self._kept.move_to_end(key)
+            return value
 
-    def put(self, key: str, context: QueryContext) -> QueryContext:
-        """Keep ``context`` unless one is kept already; return the kept one."""
+    def put(self, key: _K, value: _V) -> _V:
+        """Keep ``value`` unless one is kept already; return the kept one."""
         with self._lock:
-            kept = self._contexts.setdefault(key, context)
-            self._contexts.move_to_end(key)
-            while len(self._contexts) > self.size:
-                self._contexts.popitem(last=False)
+            kept = self._kept.setdefault(key, value)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
             return kept
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._contexts)
+            return len(self._kept)
+
+
+class ContextCache(RecentlyUsed[str, QueryContext]):
+    """Query key -> its :class:`QueryContext`, the ``size`` most recently used."""
+
+    def __init__(self, size: int = CONTEXT_CACHE_SIZE) -> None:
+        super().__init__(size)
 
 
 class CoordinatorCore:
