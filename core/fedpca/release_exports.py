@@ -9,15 +9,38 @@ what became of each task: public facts of the queries, nothing derived from the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import ConfigError
 
-__all__ = ["OWNER_RELEASES_FORMAT", "owner_releases_document", "read_owner_releases"]
+__all__ = [
+    "OWNER_RELEASES_FORMAT",
+    "OwnerRelease",
+    "owner_releases_document",
+    "read_owner_releases",
+]
 
 OWNER_RELEASES_FORMAT = "fedpca-owner-releases/1"
 """The ``format`` field of an export."""
+
+
+UNSENT_OUTCOME = "reserved"
+"""The one outcome of a ledger entry whose upload never began: the owner keeps an entry
+after a task ends only while it stays charged, i.e. once an upload began."""
+
+
+class OwnerRelease(NamedTuple):
+    """One release of an owner's export and what became of its task."""
+
+    event: PrivacyEvent
+    outcome: str
+
+    @property
+    def upload_began(self) -> bool:
+        """Whether this owner began an upload of its share (an unknown outcome counts as
+        begun: that charges more, never less)."""
+        return self.outcome != UNSENT_OUTCOME
 
 
 def owner_releases_document(
@@ -37,14 +60,14 @@ def owner_releases_document(
     return {"format": OWNER_RELEASES_FORMAT, "owner": owner_id, "releases": records}
 
 
-def read_owner_releases(document: Mapping[str, Any], source: str) -> list[PrivacyEvent]:
+def read_owner_releases(document: Mapping[str, Any], source: str) -> list[OwnerRelease]:
     """The releases of one owner's export (``fedpca owner budget --json``).
 
     Raises
     ------
     ConfigError
-        Not such an export, or a release that is not a valid privacy event (named with
-        ``source``).
+        Not such an export, or a release that is not a valid privacy event or has no
+        outcome (named with ``source``).
     """
     if document.get("format") != OWNER_RELEASES_FORMAT:
         raise ConfigError(
@@ -54,12 +77,15 @@ def read_owner_releases(document: Mapping[str, Any], source: str) -> list[Privac
     releases = document.get("releases")
     if not isinstance(releases, list):
         raise ConfigError(f"{source}: 'releases' must be a list")
-    events = []
+    read = []
     for position, record in enumerate(releases):
         if not isinstance(record, dict) or not isinstance(record.get("event"), dict):
             raise ConfigError(f"{source}: release {position} has no 'event' object")
+        outcome = record.get("outcome")
+        if not isinstance(outcome, str) or not outcome:
+            raise ConfigError(f"{source}: release {position} has no 'outcome'")
         try:
-            events.append(PrivacyEvent.from_dict(record["event"]))
+            read.append(OwnerRelease(PrivacyEvent.from_dict(record["event"]), outcome))
         except ConfigError as exc:
             raise ConfigError(f"{source}: release {position}: {exc}") from None
-    return events
+    return read

@@ -24,11 +24,12 @@ from fedpca.files import ExclusiveUse
 from fedpca.messages import QueryState
 from fedpca.owner.cli import owner_group
 from fedpca.owner.ledger import BudgetLedger
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy.cli import proxy_group
 from fedpca.proxy.release_import import import_releases
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
-from fedpca.release_exports import owner_releases_document, read_owner_releases
+from fedpca.release_exports import OwnerRelease, owner_releases_document, read_owner_releases
 
 BUDGET = PrivacyParams(10.0, 1e-5)
 
@@ -42,8 +43,16 @@ def _event(query_id: str, z: float, *, analyst: str = "alice") -> PrivacyEvent:
     return PrivacyEvent(f"{analyst}/{query_id}", FINGERPRINT, z, 0.5, 1e-6)
 
 
-def _owner_export(tmp_path: Path, name: str, events: list[PrivacyEvent]) -> Path:
-    """An owner's ledger holding ``events``, exported with `fedpca owner budget --json`."""
+def _owner_export(
+    tmp_path: Path,
+    name: str,
+    events: list[PrivacyEvent],
+    outcomes: dict[str, TaskOutcome] | None = None,
+) -> Path:
+    """An owner's ledger holding ``events``, exported with `fedpca owner budget --json`.
+
+    Each task ends as ``outcomes`` says (by query id), else UPLOADED.
+    """
     folder = tmp_path / name
     folder.mkdir()
     config = folder / "owner.toml"
@@ -56,6 +65,8 @@ def _owner_export(tmp_path: Path, name: str, events: list[PrivacyEvent]) -> Path
     ledger = BudgetLedger(folder / "state" / "ledger.sqlite3")
     for event in events:
         ledger.reserve(event, BUDGET)  # raises if it does not fit
+        outcome = (outcomes or {}).get(event.query_id, TaskOutcome.UPLOADED)
+        ledger.record_task(event.query_id, outcome)
     result = CliRunner().invoke(owner_group, ["budget", "--config", str(config), "--json"])
     assert result.exit_code == 0, result.output
     export = folder / "releases.json"
@@ -73,11 +84,12 @@ def test_an_owner_export_reads_back_as_its_ledger(tmp_path: Path) -> None:
     export = _owner_export(tmp_path, "hospital-a", events)
     document = json.loads(export.read_text())
     assert document["owner"] == "hospital-a"
-    assert [r["outcome"] for r in document["releases"]] == ["reserved", "reserved"]
+    assert [r["outcome"] for r in document["releases"]] == ["uploaded", "uploaded"]
     read = read_owner_releases(document, str(export))
-    assert [(e.query_id, e.analyst, e.noise_multiplier) for e in read] == [
+    assert [(r.event.query_id, r.event.analyst, r.event.noise_multiplier) for r in read] == [
         (e.query_id, e.analyst, e.noise_multiplier) for e in events
     ]
+    assert all(r.upload_began for r in read)
     with pytest.raises(ConfigError, match="not an export"):
         read_owner_releases({"releases": []}, "x.json")
 
@@ -86,32 +98,38 @@ def test_a_not_private_release_survives_the_round_trip() -> None:
     event = PrivacyEvent("alice/v", "alice", 0.0, float("inf"), 0.0)
     document = json.loads(json.dumps(owner_releases_document("o", [(event, "uploaded")])))
     (read,) = read_owner_releases(document, "o.json")
-    assert read.noise_multiplier == 0.0 and read.epsilon == float("inf")
+    assert read.event.noise_multiplier == 0.0 and read.event.epsilon == float("inf")
+    assert read.upload_began
 
 
-def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> None:
+def test_import_charges_what_owners_released_and_the_database_forgot(tmp_path: Path) -> None:
     config, _ = write_config(tmp_path)
     database = tmp_path / "state" / "proxy.sqlite3"
     store = ProxyStore(database)
-    # In the restored database: q1 submitted, charged and done; q2 submitted and
-    # refunded; q4 charged and still collecting, no upload begun at the backup.
-    for query_id in ("q1", "q2", "q4"):
+    # In the restored database: q1 charged and done; q2 and q5 refunded (q5 by a proxy
+    # started before the import: its owners had answered after the backup); q4 and q6
+    # charged and still collecting, no upload begun at the backup.
+    for query_id in ("q1", "q2", "q4", "q5", "q6"):
         store.create_query(f"alice/{query_id}", "alice", {"quorum": 2}, {}, time.time() + 60)
     with store.transaction() as conn:
-        for query_id in ("q1", "q4"):
+        for query_id in ("q1", "q4", "q6"):
             record = {**_event(query_id, 2.0).to_dict(), "analyst": "alice"}
             store.record_release(conn, "alice", f"alice/{query_id}", record)
     store.set_state("alice/q1", QueryState.DONE)
-    store.set_state("alice/q2", QueryState.FAILED, failure_reason="cancelled by the analyst")
+    for query_id in ("q2", "q5"):
+        store.set_state(f"alice/{query_id}", QueryState.FAILED, failure_reason="deadline passed")
     before = _spent(store)
     store.close()
     # q3 came after the backup; the two owners that took part list it (one with a
-    # larger noise multiplier: the costlier record is charged).
+    # larger noise multiplier: the costlier record is charged). hospital-a began
+    # uploads of q4 and q5; of q2 and q6 it holds only reservations.
+    reserved = {"alice/q2": TaskOutcome.RESERVED, "alice/q6": TaskOutcome.RESERVED}
     exports = [
         _owner_export(
             tmp_path,
             "hospital-a",
-            [_event("q1", 2.0), _event("q2", 2.0), _event("q3", 2.5), _event("q4", 2.0)],
+            [_event(q, 2.5 if q == "q3" else 2.0) for q in ("q1", "q2", "q3", "q4", "q5", "q6")],
+            reserved,
         ),
         _owner_export(tmp_path, "hospital-b", [_event("q1", 2.0), _event("q3", 3.0)]),
     ]
@@ -122,6 +140,7 @@ def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> 
     assert dry.exit_code == 0, dry.output
     assert "would charge alice/q3  epsilon=0.5 delta=1e-06 z=2.5" in dry.output
     assert "would make final alice/q4" in dry.output
+    assert "would charge again alice/q5" in dry.output
     store = ProxyStore(database)
     assert _spent(store) == before  # a dry run changes nothing
     store.close()
@@ -130,8 +149,8 @@ def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> 
     assert done.exit_code == 0, done.output
     assert "owners differ alice/q3" in done.output
     assert done.output.splitlines()[-1] == (
-        "1 release(s) charged; 1 charge(s) made final; 1 already recorded; 1 of queries "
-        "this database refunded, not charged"
+        "1 release(s) charged; 1 charge(s) made final; 1 refund(s) undone; 2 already "
+        "recorded; 1 of queries this database refunded with no upload begun, not charged"
     )
     store = ProxyStore(database)
     # Charged to the analyst the query id names, not to the owners' key fingerprint.
@@ -142,22 +161,31 @@ def test_import_charges_only_the_queries_the_database_forgot(tmp_path: Path) -> 
         "alice/q1": ("alice", 2.0),
         "alice/q3": ("alice", 2.5),
         "alice/q4": ("alice", 2.0),
+        "alice/q5": ("alice", 2.0),
+        "alice/q6": ("alice", 2.0),
     }
     after = _spent(store)
     expected = compose_epsilon(
-        [_event("q1", 2.0), _event("q3", 2.5), _event("q4", 2.0)], 1e-5, Accountant.ZCDP
+        [_event(q, 2.5 if q == "q3" else 2.0) for q in ("q1", "q3", "q4", "q5", "q6")],
+        1e-5,
+        Accountant.ZCDP,
     )
     assert after == pytest.approx(expected) and after > before
     assert "alice" in store.analyst_ids()
-    # q4 will fail here (the owners' uploads went to the proxy before the restore and
-    # are not sent again): its charge stands, it is not refunded.
+    # q4 fails here (its owners' uploads went to the proxy before the restore and are
+    # not sent again): its charge stands. q6, of which no upload began, is refunded as
+    # any query failing before an upload.
     store.set_state("alice/q4", QueryState.FAILED, failure_reason="deadline passed")
-    assert store.has_release("alice/q4")
+    store.set_state("alice/q6", QueryState.FAILED, failure_reason="deadline passed")
+    assert store.has_release("alice/q4") and not store.has_release("alice/q6")
     store.close()
 
     again = runner.invoke(proxy_group, command)  # idempotent
     assert again.exit_code == 0, again.output
-    assert "0 release(s) charged; 0 charge(s) made final; 3 already recorded" in again.output
+    assert (
+        "0 release(s) charged; 0 charge(s) made final; 0 refund(s) undone; 4 already recorded"
+        in again.output
+    )
 
 
 def test_import_refuses_while_the_proxy_holds_the_database(tmp_path: Path) -> None:
@@ -180,10 +208,14 @@ def test_an_export_of_another_relation_imports_nothing(tmp_path: Path) -> None:
     other = PrivacyEvent("alice/q1", FINGERPRINT, 2.0, 0.5, 1e-6, Neighbouring.REPLACE_ONE)
     mine = _event("q2", 2.0)
     with pytest.raises(ConfigError, match="another deployment"):
-        import_releases(store, [mine, other], Neighbouring.ADD_REMOVE)
+        import_releases(
+            store, [OwnerRelease(e, "uploaded") for e in (mine, other)], Neighbouring.ADD_REMOVE
+        )
     assert store.releases("alice") == []
     with pytest.raises(ConfigError, match="does not name its analyst"):
         import_releases(
-            store, [PrivacyEvent("q", FINGERPRINT, 2.0, 0.5, 1e-6)], Neighbouring.ADD_REMOVE
+            store,
+            [OwnerRelease(PrivacyEvent("q", FINGERPRINT, 2.0, 0.5, 1e-6), "uploaded")],
+            Neighbouring.ADD_REMOVE,
         )
     store.close()

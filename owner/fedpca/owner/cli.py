@@ -125,7 +125,11 @@ def serve_command(
             monitoring = MonitoringServer(
                 config.monitoring.listen, node.metrics.registry, live=node.alive, ready=node.ready
             )
-            monitoring.start()
+            try:
+                monitoring.start()
+            except BaseException:
+                node.release_state_folder()
+                raise
     except (ConfigError, DataError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -278,7 +282,8 @@ def _print_releases_json(config: OwnerConfig) -> None:
         releases = []
         for entry in ledger.events():
             task = ledger.task(entry.event.query_id)
-            releases.append((entry.event, task.outcome.value if task is not None else "reserved"))
+            # No task record: not known to be unsent (the import then charges it).
+            releases.append((entry.event, task.outcome.value if task is not None else "unknown"))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     document = owner_releases_document(config.owner.id, releases)

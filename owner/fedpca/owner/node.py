@@ -255,9 +255,13 @@ class OwnerNode(TaskProcessing):
             self.shares.prune(set(self.ledger.uploads_in_flight().values()))
             self._serve(stop_event)
         finally:
-            held, self._state_lock = self._state_lock, None
-            if held is not None:
-                held.release()
+            self.release_state_folder()
+
+    def release_state_folder(self) -> None:
+        """Let another process take the state folder (safe to call twice)."""
+        held, self._state_lock = self._state_lock, None
+        if held is not None:
+            held.release()
 
     def hold_state_folder(self) -> None:
         """Take the state folder for this process now (:meth:`run_forever` does, if not

@@ -199,9 +199,10 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
     """After restoring the database from a backup: charge the releases it forgot.
 
     EXPORTS are the owners' `fedpca owner budget --json` files. Every release of a
-    query this database does not know is charged to its analyst, once; releases the
-    database has, and queries it refunded, are left alone. Run it with the proxy
-    stopped, before serving again (docs/operations.md, "Backup and restore").
+    query this database does not know is charged to its analyst, once; a query an
+    owner began an upload of keeps its charge for good (charged again if refunded here,
+    never refunded if still running). Run it with the proxy stopped, right after putting
+    the backup in place (docs/operations.md, "Backup and restore").
     """
     import json
 
@@ -215,7 +216,7 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
         database = config.proxy.database
         if not database.is_file():
             raise click.ClickException(f"no proxy database at {database}")
-        events = []
+        releases = []
         for path in exports:
             try:
                 document = json.loads(path.read_text(encoding="utf-8"))
@@ -223,12 +224,12 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
                 raise click.ClickException(f"cannot read {path}: {exc}") from exc
             if not isinstance(document, dict):
                 raise click.ClickException(f"{path}: not an export of `fedpca owner budget --json`")
-            events.extend(read_owner_releases(document, str(path)))
+            releases.extend(read_owner_releases(document, str(path)))
         with use_database(database):
             store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
             try:
                 report = import_releases(
-                    store, events, config.privacy.neighbouring, dry_run=dry_run
+                    store, releases, config.privacy.neighbouring, dry_run=dry_run
                 )
                 if not dry_run:
                     # Listed (metrics, status) like an analyst that submitted.
@@ -249,13 +250,17 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
         click.echo(f"{verb:<13}{event.query_id}  {cost}")
     final = "would make final" if dry_run else "made final"
     for query_id in report.kept_charged:
-        click.echo(f"{final} {query_id}  (still running here; the owners took part)")
+        click.echo(f"{final} {query_id}  (still running here; an owner began an upload)")
+    undone = "would charge again" if dry_run else "charged again"
+    for query_id in report.refund_undone:
+        click.echo(f"{undone} {query_id}  (refunded here; an owner began an upload)")
     for query_id in report.disagreements:
         click.echo(f"owners differ {query_id}: their noise multipliers differ; the smallest counts")
     click.echo(
         f"{len(report.entered)} release(s) {verb}; {len(report.kept_charged)} charge(s) "
-        f"{final}; {len(report.already_recorded)} already recorded; {len(report.refunded)} "
-        "of queries this database refunded, not charged"
+        f"{final}; {len(report.refund_undone)} refund(s) undone; "
+        f"{len(report.already_recorded)} already recorded; {len(report.refunded)} of "
+        "queries this database refunded with no upload begun, not charged"
     )
 
 

@@ -9,14 +9,18 @@ relation). ``fedpca owner budget --json`` exports them
 and charges to the proxy's ledgers every release of a query the database does not know,
 once, however many owners list it:
 
-* a release the database already has is left as it is, and if its query is still
-  running there, its charge is made final (the owners took part after the backup);
-* a query the database knows without a release was refunded (no owner began an upload
-  before the backup, and a refund is final): it is not charged again;
 * a query the database does not know at all was submitted after the backup: its release
-  is re-entered, as the owners recorded it. (An owner may still hold the reservation of
-  a query whose charge the proxy refunded after the backup; re-entering it costs more
-  than the query did, never less.)
+  is re-entered, as the owners recorded it;
+* where an owner's export shows that it began an upload (any outcome but ``reserved``),
+  the query's charge is made final: re-entered if the database refunded it (a proxy
+  started before the import fails the restored queries whose owners answered after the
+  backup), marked as begun if the query still runs there (its failure would refund it);
+* otherwise what the database holds stands: a release it has, and a refund of a query
+  no owner shows an upload of.
+
+An owner may still hold a charge for a query whose charge the proxy refunded after the
+backup: re-entering it costs more than the query did, never less. An owner whose
+export is missing can leave a release uncharged: import every owner's.
 
 Where owners' records of one query differ, the one with the smallest noise multiplier
 (the largest cost) is charged.
@@ -32,6 +36,7 @@ from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import ConfigError
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
+from fedpca.release_exports import OwnerRelease
 from fedpca.transport.certs import validate_node_id
 
 __all__ = ["ImportReport", "import_releases"]
@@ -49,7 +54,11 @@ class ImportReport:
     """Query ids the database holds as still running, with their release: their charge
     is made final (the owners took part, so a failure must not refund it)."""
     refunded: list[str] = field(default_factory=list)
-    """Query ids the database knows without a release (refunded): not charged."""
+    """Query ids the database knows without a release (refunded) and no owner shows an
+    upload of: not charged."""
+    refund_undone: list[str] = field(default_factory=list)
+    """Query ids the database refunded although an owner's export shows an upload
+    began: charged again."""
     disagreements: list[str] = field(default_factory=list)
     """Query ids the owners recorded with different noise multipliers."""
 
@@ -85,19 +94,21 @@ def _costliest(events: Iterable[PrivacyEvent]) -> tuple[dict[str, PrivacyEvent],
 
 def import_releases(
     store: ProxyStore,
-    events: Iterable[PrivacyEvent],
+    releases: Iterable[OwnerRelease],
     neighbouring: Neighbouring,
     *,
     dry_run: bool = False,
 ) -> ImportReport:
-    """Charge the releases of queries ``store`` does not know (module docstring).
+    """Charge what the owners' exports show was released and ``store`` forgot (module
+    docstring).
 
     Owners record a release under the analyst's key fingerprint; the proxy's ledgers are
     kept by analyst id, which the query id names: the event is charged to that analyst.
-    A query the database holds as still running, with its release, gets its charge made
-    final, as if an upload had begun there: the owners' exports show they took part
-    after the backup, and the restored query will fail (their uploads are not sent
-    again), which would otherwise refund a release the analyst may have read.
+    Where an owner's export shows it began an upload of a query (any outcome but
+    ``reserved``), the query's charge is made final: charged again if the restored
+    database refunded it (a proxy started before the import fails the restored queries
+    whose owners answered after the backup), or marked as begun if it is still running
+    there (its failure would otherwise refund a release the analyst may have read).
 
     All or nothing: one transaction. The proxy must not be running (the caller holds
     the database's lock).
@@ -108,7 +119,9 @@ def import_releases(
         A release stated under another relation than the deployment's (an export of
         another deployment), or whose query id does not name an analyst.
     """
-    chosen, differing = _costliest(events)
+    listed = list(releases)
+    chosen, differing = _costliest(release.event for release in listed)
+    begun = {release.event.query_id for release in listed if release.upload_began}
     charged: dict[str, PrivacyEvent] = {}
     for query_id, event in chosen.items():
         if event.neighbouring is not Neighbouring(neighbouring):
@@ -125,14 +138,21 @@ def import_releases(
             if store.release_recorded(conn, query_id):
                 if known is None or known.state.terminal or known.uploads_begun:
                     report.already_recorded.append(query_id)
-                else:
+                elif query_id in begun:
                     report.kept_charged.append(query_id)
                     if not dry_run:
                         store.mark_uploads_begun(conn, query_id)
-            elif known is not None:
+                else:
+                    report.already_recorded.append(query_id)  # no upload began yet
+            elif known is not None and query_id not in begun:
                 report.refunded.append(query_id)
             else:
-                report.entered.append(event)
+                if known is not None:
+                    report.refund_undone.append(query_id)
+                else:
+                    report.entered.append(event)
                 if not dry_run:
                     store.record_release(conn, event.analyst, query_id, json.loads(event.to_json()))
+                    if known is not None:
+                        store.mark_uploads_begun(conn, query_id)
     return report

@@ -81,6 +81,8 @@ class Submissions(CoordinatorCore):
         # Refused before its ledger is composed (seconds under the PLD accountant) when
         # the analyst is at a bound; a resubmission of a query it has creates nothing.
         if not self.store.has_query(key):
+            if self.store.has_release(key):
+                raise QueryStateError(_re_entered(spec.query_id))
             self._check_query_bounds(None, analyst_id)
         plan = context.plan
         budget = self.config.budget.for_analyst(analyst_id)
@@ -109,13 +111,7 @@ class Submissions(CoordinatorCore):
                 if refusal is not None:
                     raise BudgetExceededError(refusal)
                 if self.store.release_recorded(conn, key):
-                    # Only `proxy import-releases` charges a query the database does not
-                    # hold: one answered after the backup this database was restored from.
-                    raise QueryStateError(
-                        f"query {spec.query_id!r} was answered before this proxy's database "
-                        "was restored from a backup (its charge was re-entered); its "
-                        "result is not here: submit it again under a new query id"
-                    )
+                    raise QueryStateError(_re_entered(spec.query_id))
                 self.store.record_release(conn, analyst_id, key, event_record)
 
             try:
@@ -266,6 +262,17 @@ class Submissions(CoordinatorCore):
                 privacy.neighbouring,
             )
         return budget_refusal(spec, decision, next_query)
+
+
+def _re_entered(query_id: str) -> str:
+    """Why a query id charged but not held is refused: only `proxy import-releases`
+    charges a query the database does not hold, one answered after the backup this
+    database was restored from."""
+    return (
+        f"query {query_id!r} was answered before this proxy's database was restored from "
+        "a backup (its charge was re-entered); its result is not here: submit it again "
+        "under a new query id"
+    )
 
 
 def budget_refusal(spec: QuerySpec, decision: BudgetDecision, next_query: NextQuery | None) -> str:
