@@ -274,3 +274,41 @@ def test_a_refusal_repeated_per_peer_gets_one_line_per_window() -> None:
     assert logged
     assert len(summaries) == 1 and summaries[0].startswith("19 more refusals of Hello by owner/a")
     assert summaries[0].endswith("(at most 1 line per peer and method every 600 s)")
+
+
+class _Context:
+    """The parts of a gRPC servicer context that a refusal sets."""
+
+    def set_code(self, code: Any) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self.trailing = metadata
+
+
+def test_insecure_mode_logs_version_refusals_per_method_not_per_claimed_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In insecure mode a caller names itself: keyed by that name, every made-up name
+    got its own WARNING line (review). There the per-method cap applies; with
+    certificates, one line per peer."""
+    import asyncio
+
+    from fedpca.errors import ProtocolVersionError
+    from fedpca.proxy.servicer_support import ServicerBase, refuse
+
+    limits = PeerLimits(logged_refusals_per_minute=3)
+    caplog.set_level(logging.WARNING, logger="fedpca.proxy")
+    for insecure, expected in ((True, 3), (False, 20)):
+        caplog.clear()
+        base = ServicerBase(None, None, None, None, limits, insecure=insecure)  # type: ignore[arg-type]
+        for number in range(20):
+            error = ProtocolVersionError(f"owner/made-up-{number}", 3, 4, "this proxy")
+            asyncio.run(
+                refuse(_Context(), "Hello", error, base.refusal_log, base.repeated_refusal_log)  # type: ignore[arg-type]
+            )
+        lines = [r for r in caplog.records if "speaks wire protocol" in r.getMessage()]
+        assert len(lines) == expected, (insecure, len(lines))

@@ -356,7 +356,11 @@ class ServicerBase:
         self.limits = limits
         self.insecure = insecure
         self.refusal_log = RefusalLog(limits.logged_refusals_per_minute)
-        self.repeated_refusal_log = RefusalLog(1, REPEATED_REFUSAL_SECONDS, per="peer and method")
+        # Per peer only where a certificate names the peer: in insecure mode a caller
+        # names itself, and made-up names would each get a line (and a counter).
+        self.repeated_refusal_log = (
+            None if insecure else RefusalLog(1, REPEATED_REFUSAL_SECONDS, per="peer and method")
+        )
 
     def _caller(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
         identity = self._identity(context, role)
