@@ -305,3 +305,14 @@ def wait_until(condition: Any, what: str, timeout: float = 60.0) -> Any:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.05)
     return result
+
+
+def wait_for_log(process: Any, log: Any, marker: str, timeout: float = 60.0) -> None:
+    """Wait until the running ``process`` has written ``marker`` to ``log`` (a Path); a
+    process that ends first fails the test with its log."""
+
+    def written() -> bool:
+        assert process.poll() is None, log.read_text()
+        return marker in log.read_text()
+
+    wait_until(written, f"{marker!r} in {log}", timeout)

@@ -149,7 +149,7 @@ class ExclusiveUse:
 
     Parameters
     ----------
-    path : the lock file (created if missing; its folder must exist).
+    path : the lock file (created if missing, with its folder).
     what : what it guards, for the error message (e.g. "the state folder state/owner-1").
 
     Raises
@@ -162,6 +162,7 @@ class ExclusiveUse:
         self.path = path
         self._descriptor: int | None = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise ConfigError(f"cannot open the lock file {path} of {what}: {exc}") from exc

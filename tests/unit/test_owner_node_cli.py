@@ -35,7 +35,7 @@ from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import sync_test_server
+from helpers import sync_test_server, wait_for_log
 
 REPLACE_ONE = Neighbouring.REPLACE_ONE
 FINGERPRINT = "sha256:" + "cd" * 32
@@ -280,11 +280,7 @@ def _serve_until(path: Path, marker: str, log: Path, *extra: str) -> str:
             stderr=subprocess.STDOUT,
         )
         try:
-            deadline = time.monotonic() + 60
-            while marker not in log.read_text() and time.monotonic() < deadline:
-                assert process.poll() is None, log.read_text()
-                time.sleep(0.05)
-            assert marker in log.read_text()
+            wait_for_log(process, log, marker)
             process.send_signal(signal.SIGTERM)
             assert process.wait(30) == 0, log.read_text()
         finally:
@@ -307,10 +303,7 @@ def test_a_second_serve_on_the_same_state_folder_stops_at_start(tmp_path: Path) 
     with log.open("wb") as out:
         first = subprocess.Popen([*command, "--new-ledger"], stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while "reconnecting in" not in log.read_text() and time.monotonic() < deadline:
-            assert first.poll() is None, log.read_text()
-            time.sleep(0.05)
+        wait_for_log(first, log, "reconnecting in")
         second = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1, second.stdout + second.stderr
         assert (

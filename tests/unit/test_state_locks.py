@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from fedpca.errors import ConfigError
 from fedpca.files import ExclusiveUse
 from fedpca.proxy.init import write_proxy_folder
 from fedpca.transport.certs import init_certificates
+from helpers import wait_for_log
 
 _FEDPCA = (sys.executable, "-c", "from fedpca.app.cli import main; main()")
 
@@ -69,10 +69,7 @@ def test_a_second_proxy_on_the_same_database_stops_at_start(tmp_path: Path) -> N
     with log.open("wb") as out:
         first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while "proxy listening on" not in log.read_text() and time.monotonic() < deadline:
-            assert first.poll() is None, log.read_text()
-            time.sleep(0.05)
+        wait_for_log(first, log, "proxy listening on", timeout=120)
         second = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert second.returncode == 1, second.stderr
         database = tmp_path / "proxy" / "state" / "proxy.sqlite3"

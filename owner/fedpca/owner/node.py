@@ -100,10 +100,6 @@ def _use_state_folder(config: OwnerConfig) -> ExclusiveUse:
     time they reconnect and interleave their uploads in one ledger.
     """
     folder = config.owner.state_dir
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the state folder {folder}: {exc}") from exc
     return ExclusiveUse(folder / "node.lock", f"the owner's state folder {folder}")
 
 

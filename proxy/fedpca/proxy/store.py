@@ -175,10 +175,7 @@ class ProxyStore(ContributionStore):
     def has_release(self, query_id: str) -> bool:
         """Whether the query's charge is on its analyst's ledger (False once refunded)."""
         with self._lock:
-            row = self._conn.execute(
-                "SELECT 1 FROM releases WHERE query_id=?", (query_id,)
-            ).fetchone()
-        return row is not None
+            return self.release_recorded(self._conn, query_id)
 
     def set_state(
         self,

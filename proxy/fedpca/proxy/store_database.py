@@ -46,12 +46,8 @@ def use_database(database: Path) -> ExclusiveUse:
     Raises
     ------
     ConfigError
-        Another process holds it (named by its pid), or its folder cannot be created.
+        Another process holds it (named by its pid), or the lock file cannot be made.
     """
-    try:
-        database.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the database folder {database.parent}: {exc}") from exc
     return ExclusiveUse(
         database.with_name(database.name + ".lock"), f"the proxy database {database}"
     )
