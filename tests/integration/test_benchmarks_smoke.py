@@ -8,6 +8,7 @@ The figures themselves come from full runs (docs/performance.md).
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,24 @@ def test_end_to_end_reports_the_floor_from_its_own_run() -> None:
     assert floor > 0 and end_to_end > 0
     # The ratio is the two figures of the same run.
     assert float(result["ratio_vs_floor"]) == pytest.approx(end_to_end / floor, rel=0.05)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--split-cores needs 2 CPUs to split")
+def test_end_to_end_on_split_cores_reports_both_phases() -> None:
+    result = run_benchmark(
+        "end_to_end.py", "--owners", "2", "--rows", "200", "--features", "20", "--split-cores"
+    )
+    encrypting = float(result["encrypting_seconds"])
+    decrypting = float(result["decrypting_seconds"])
+    end_to_end = float(result["end_to_end_seconds"])
+    assert encrypting > 0 and decrypting > 0 and end_to_end > 0
+    # The figures it compares are this run's own.
+    assert float(result["one_after_other_seconds"]) == pytest.approx(
+        encrypting + decrypting, abs=0.002
+    )
+    assert float(result["ratio_vs_longer"]) == pytest.approx(
+        end_to_end / max(encrypting, decrypting), rel=0.01
+    )
 
 
 def test_aggregation_utility_reports_every_setting(tmp_path: Path) -> None:
