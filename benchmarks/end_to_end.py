@@ -109,6 +109,8 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
 
 def split_cpus() -> tuple[set[int], set[int]]:
     """The CPUs for the owners and the CPUs for the proxy and the analyst: two halves."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise SystemExit("--split-cores needs Linux (CPU affinity)")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("--split-cores needs at least 2 CPUs")

@@ -119,7 +119,10 @@ def test_end_to_end_reports_the_floor_from_its_own_run() -> None:
     assert float(result["ratio_vs_floor"]) == pytest.approx(end_to_end / floor, rel=0.05)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--split-cores needs 2 CPUs to split")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="--split-cores needs Linux and 2 CPUs to split",
+)
 def test_end_to_end_on_split_cores_reports_both_phases() -> None:
     result = run_benchmark(
         "end_to_end.py", "--owners", "2", "--rows", "200", "--features", "20", "--split-cores"
