@@ -41,10 +41,15 @@ native library when it starts (what that costs is measured in a fresh interprete
 printed), and this script imports what the analyst's ``fit`` would import at first use
 (gRPC, dp-accounting; printed too) before reading the analyst's idle figure.
 
+It writes a figure (``--plot PATH``, ``--plot ''`` for none; by default
+``docs/figures/high_dimension_<M>.png``): the time of each phase, and each role's
+memory (idle and peak) beside the ciphertexts it holds and twice that.
+
 Usage::
 
     python benchmarks/high_dimension.py [--features 2000] [--owners 2] [--rows 500]
-                                        [--keep DIR]
+                                        [--components 5] [--deadline 7200]
+                                        [--plot PATH] [--keep DIR]
 
 The last line reads ``features=<M> ciphertexts_per_owner=<n> end_to_end_seconds=<s>
 max_peak_over_held=<x> max_growth_over_held=<y> analyst_growth_from_ready_over_held=<z>``:
@@ -80,6 +85,7 @@ from fedpca.protocol import SHARES
 
 KEY_BITS = 2048
 MIB = 1024 * 1024
+FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures"
 
 
 def proc_status_kib(pid: int, field: str) -> int:
@@ -155,6 +161,50 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
+def plot(
+    phases: list[tuple[str, float]], memory: list[RoleMemory], path: Path, n_features: int
+) -> None:
+    """Phases (bars of seconds) and each role's idle and peak memory beside the
+    ciphertexts it holds and twice that."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = [label for label, _ in phases]
+    left.barh(range(len(phases)), [seconds for _, seconds in phases], color="tab:blue")
+    left.set_yticks(range(len(phases)), labels, fontsize=7)
+    left.invert_yaxis()
+    left.set_xlabel("seconds (phases overlap)")
+    left.set_title(f"one private PCA, M = {n_features}: phases", fontsize=9)
+    left.grid(True, axis="x", alpha=0.3)
+    roles = [m.role.replace(" (this process)", "") for m in memory]
+    positions = np.arange(len(memory))
+    right.bar(positions, [m.idle_mib for m in memory], color="tab:gray", label="idle")
+    right.bar(
+        positions,
+        [m.peak_mib - m.idle_mib for m in memory],
+        bottom=[m.idle_mib for m in memory],
+        color="tab:orange",
+        label="peak above idle",
+    )
+    for x, m in zip(positions, memory, strict=True):
+        right.hlines(m.idle_mib + m.held_mib, x - 0.4, x + 0.4, colors="black", linestyles=":")
+        right.hlines(m.idle_mib + 2 * m.held_mib, x - 0.4, x + 0.4, colors="tab:red")
+    right.plot([], [], ":", color="black", label="idle + ciphertexts held")
+    right.plot([], [], "-", color="tab:red", label="idle + 2 × ciphertexts held")
+    right.set_xticks(positions, roles, fontsize=8)
+    right.set_ylabel("MiB (main process)")
+    right.set_title("memory of each role", fontsize=9)
+    right.legend(fontsize=7)
+    right.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--features", type=int, default=2000)
@@ -163,6 +213,12 @@ def main() -> None:
     parser.add_argument("--components", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=7200.0, help="query deadline, s")
     parser.add_argument("--keep", type=Path, default=None, help="keep the working folder here")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help="PNG to write the figure to (default docs/figures/high_dimension_<M>.png; "
+        "'' for none)",
+    )
     args = parser.parse_args()
     tables = owner_tables(args.owners, args.rows, args.features, seed=0)
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="fedpca-highdim-"))
@@ -226,15 +282,20 @@ def main() -> None:
     log(f"{per_owner} ciphertexts per owner ({held_mib:.1f} MiB)")
     for phase, seconds in cluster.timings.items():
         log(f"  {phase:<46}{seconds:9.2f} s (setup, not in end-to-end)")
+    # As benchmarks/end_to_end.py: the clock starts at fit, before the analyst's keys,
+    # connection and decryption workers, which are listed apart.
+    submitted = started + timings["prepare"] + timings.get("start workers", 0.0)
     rows = [
-        ("submit → first owner encrypting", first_start - started),
+        ("analyst: keys, connection, deployment, query", timings["prepare"]),
+        ("analyst: start decryption workers", timings.get("start workers", 0.0)),
+        ("submit → first owner encrypting", first_start - submitted),
         ("owners encrypt (overlapping)", last_end - first_start),
         ("last chunk → every page final (proxy)", float(done["final_after"])),
         ("analyst: waiting for the contributors", timings["wait"]),
         ("analyst: decrypting pages (overlapping)", timings["decrypt"]),
         ("analyst: last page → decrypted", timings["tail"]),
         ("analyst: eigendecomposition", timings["solve"]),
-        ("end to end (submit → components)", end_to_end),
+        ("end to end (fit → components)", end_to_end),
     ]
     for label, seconds in rows:
         log(f"  {label:<46}{seconds:9.2f} s")
@@ -290,6 +351,10 @@ def main() -> None:
         f"libraries ({analyst_libraries_mib:.1f} MiB, imported before its idle figure)"
     )
     log(f"explained variance ratio: {np.round(model.explained_variance_ratio_, 4).tolist()}")
+    figure = FIGURES / f"high_dimension_{args.features}.png" if args.plot is None else args.plot
+    if figure:
+        plot(rows[:-1], memory, Path(figure), args.features)
+        log(f"figure: {figure}")
     log(
         f"features={args.features} ciphertexts_per_owner={per_owner} "
         f"end_to_end_seconds={end_to_end:.2f} "

@@ -8,6 +8,8 @@ what became of each task: public facts of the queries, nothing derived from the 
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -49,11 +51,15 @@ def owner_releases_document(
     """The export of an owner's ledger: each release's event and its task's outcome.
 
     Infinite epsilons (NOT PRIVATE releases) are written as ``"inf"``, so that the
-    document is strict JSON.
+    document is strict JSON. Timestamps are cut to whole seconds: the import only
+    orders releases by them, and the ledger's finer time (taken just before the owner
+    reserved its budget) would help whoever holds the file time the owner's work
+    before its upload header (docs/privacy.md, "Work padded to a public size").
     """
     records = []
     for event, outcome in releases:
         record = event.to_dict()
+        record["timestamp"] = float(math.floor(event.timestamp))
         if record["epsilon"] == float("inf"):
             record["epsilon"] = "inf"
         records.append({"event": record, "outcome": outcome})

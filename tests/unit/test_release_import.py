@@ -94,6 +94,14 @@ def test_an_owner_export_reads_back_as_its_ledger(tmp_path: Path) -> None:
         read_owner_releases({"releases": []}, "x.json")
 
 
+def test_an_export_states_release_times_to_the_second_only() -> None:
+    event = PrivacyEvent("alice/t", "alice", 1.0, 0.5, 1e-6, timestamp=1_700_000_000.987654)
+    document = owner_releases_document("o", [(event, "uploaded")])
+    assert document["releases"][0]["event"]["timestamp"] == 1_700_000_000.0
+    (read,) = read_owner_releases(json.loads(json.dumps(document)), "o.json")
+    assert read.event.timestamp == 1_700_000_000.0
+
+
 def test_a_not_private_release_survives_the_round_trip() -> None:
     event = PrivacyEvent("alice/v", "alice", 0.0, float("inf"), 0.0)
     document = json.loads(json.dumps(owner_releases_document("o", [(event, "uploaded")])))

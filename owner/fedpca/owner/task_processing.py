@@ -339,7 +339,9 @@ class TaskProcessing(TaskEndings):
             )
         except BudgetExceededError as exc:
             # The figures compose every analyst's releases: they stay in this log, so
-            # that one analyst does not read another's activity at this owner.
+            # that one analyst does not read another's spend here to the digit (whether
+            # a query fits still depends on it: docs/privacy.md, "What each party
+            # observes").
             logger.info("query %s: %s", query_id, exc)
             return self._decline_task(
                 stub, task, DeclineReason.BUDGET_EXHAUSTED, BUDGET_DECLINE_DETAIL
