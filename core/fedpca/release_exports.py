@@ -9,7 +9,6 @@ what became of each task: public facts of the queries, nothing derived from the 
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
