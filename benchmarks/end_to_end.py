@@ -20,12 +20,13 @@ round costs where they do not: about the longer of the two, not their sum.
 
 Usage::
 
-    python benchmarks/end_to_end.py [--owners 10] [--key-bits 2048] [--keep DIR]
-    python benchmarks/end_to_end.py --split-cores
+    python benchmarks/end_to_end.py [--owners 10] [--key-bits 2048] [--components 5]
+                                    [--rows N] [--features M] [--split-cores] [--keep DIR]
 
 The last line reads ``end_to_end_seconds=<s> floor_seconds=<s> ratio_vs_floor=<x>``;
 with ``--split-cores``, ``end_to_end_seconds=<s> encrypting_seconds=<s>
-decrypting_seconds=<s> one_after_other_seconds=<s> ratio_vs_longer=<x>``.
+decrypting_seconds=<s> one_after_other_seconds=<s> ratio_vs_longer=<x>
+owner_cpus=<list> analyst_cpus=<list>`` (the CPUs read back from the processes).
 """
 
 from __future__ import annotations
@@ -243,6 +244,11 @@ def main() -> None:
         owners = [owner_record(process.log_text()) for process in cluster.owners]
         done = proxy_record(cluster.proxy.log_text())
         proxy_peak_mib = peak_rss_mib(cluster.proxy.process.pid)
+        if args.split_cores:  # read back where the roles ran, not where they were sent
+            owners_ran_on = set().union(
+                *(os.sched_getaffinity(o.process.pid) for o in cluster.owners)
+            )
+            analyst_ran_on = os.sched_getaffinity(0)
     cores = os.cpu_count() or 1
     timings = model.timings_
     encrypt_cpu = sum(o.cpu_seconds for o in owners)
@@ -273,7 +279,7 @@ def main() -> None:
         ("analyst: decrypting pages (overlapping)", timings["decrypt"]),
         ("analyst: last page → decrypted", timings["tail"]),
         ("analyst: eigendecomposition", timings["solve"]),
-        ("end to end (submit → components)", end_to_end),
+        ("end to end (fit → components)", end_to_end),
     ]
     for label, seconds in rows:
         print(f"  {label:<44}{seconds:8.2f} s")
@@ -331,7 +337,9 @@ def main() -> None:
             f"end_to_end_seconds={end_to_end:.3f} encrypting_seconds={encrypting:.3f} "
             f"decrypting_seconds={decrypting:.3f} "
             f"one_after_other_seconds={encrypting + decrypting:.3f} "
-            f"ratio_vs_longer={end_to_end / max(encrypting, decrypting):.3f}"
+            f"ratio_vs_longer={end_to_end / max(encrypting, decrypting):.3f} "
+            f"owner_cpus={','.join(map(str, sorted(owners_ran_on)))} "
+            f"analyst_cpus={','.join(map(str, sorted(analyst_ran_on)))}"
         )
         return
     print(
