@@ -17,7 +17,8 @@ production discrete Gaussian sampler, the mean mask, the analyst's decoding and 
 minus the transport and Paillier, which are exact on the fixed-point grid; this isolates
 utility from cryptography. Usage::
 
-    python benchmarks/mode_utility.py [--trials 20] [--components 5]
+    python benchmarks/mode_utility.py [--trials 20] [--components 5] [--owners 10]
+                                      [--delta 1e-5] [--epsilons 0.1,0.3,1,3]
 
 The last line reads ``stats_better_everywhere=<bool> mean_gain=<float>``.
 """

@@ -15,6 +15,7 @@ Both timed sections start their process pools cold, so start-up is charged to bo
 The last line is ``ratio_vs_published=<float> speedup_over_bare=<float>``.
 
 Usage: python benchmarks/owner_encrypt.py [--data PATH] [--features 500] [--key-bits 2048]
+       [--processes N] [--obfuscation djn|standard] [--published-sample 200]
 """
 
 from __future__ import annotations

@@ -4,14 +4,22 @@ For each owner count N (``--owners 2,10,100,1000``) one run lays out a fresh
 loopback deployment with :class:`fedpca.app.cluster.LocalCluster` (a new CA, one
 owner certificate per owner on the proxy's allow-list, a 2048-bit analyst Paillier
 key and query-signing key, one data file and one ``owner.toml`` per owner) and
-starts the real proxy process (``fedpca proxy serve``). The owners are the real
-owner code, :class:`fedpca.owner.node.OwnerNode`, run as threads of a few *driver*
-processes (this script with ``--driver``; ``--owners-per-driver`` owners each, as
-1,000 owner processes do not fit on a 2-core machine): every node dials the proxy
-over its own mutual-TLS channel with its own certificate, keeps its task stream,
-checks the signed query against its policy, reserves budget in its own SQLite
-ledger, encrypts its share (M = ``--features``, a few ciphertexts) in the driver's
-shared crypto pool and uploads it. The analyst is this process: a
+starts the real proxy process (``fedpca proxy serve``). The owners run in a few
+*driver* processes (this script with ``--driver``; ``--owners-per-driver`` owners
+each, as 1,000 owner processes do not fit on a 2-core machine), as one of two kinds
+(``--clients``):
+
+* ``async`` (the default, and the owners of every published table): one grpc.aio
+  client per owner, over its own mutual-TLS channel with its own certificate, that
+  says Hello, keeps its task stream, and answers the task with the owner's own
+  functions: the public policy check, the exact fixed-point share, packed DJN
+  encryption in the driver's shared crypto pool, hash-chained chunks. It keeps no
+  budget ledger (no SQLite reservation per owner);
+* ``node``: the owner daemon itself, :class:`fedpca.owner.node.OwnerNode`, as threads,
+  each with its own SQLite budget ledger (completes at 100 owners here, not at 1,000:
+  docs/performance.md says why).
+
+The analyst is this process: a
 :class:`fedpca.analyst.estimators.FederatedPCA` with quorum = N submits the signed
 query, fetches the encrypted result page by page and decrypts it.
 
@@ -44,7 +52,8 @@ Usage::
 
     python benchmarks/scale_owners.py [--owners 2,10,100,1000] [--features 20]
                                       [--rows 16] [--owners-per-driver 250]
-                                      [--plot PATH] [--keep DIR]
+                                      [--clients async|node] [--connect-timeout 600]
+                                      [--deadline 1800] [--plot PATH] [--keep DIR]
 
 The last line reads ``owners=<largest N> end_to_end_seconds=<s>
 seconds_per_owner=<s> proxy_growth_kib_per_owner=<KiB>`` (growth from the smallest
