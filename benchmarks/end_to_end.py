@@ -26,7 +26,8 @@ Usage::
 The last line reads ``end_to_end_seconds=<s> floor_seconds=<s> ratio_vs_floor=<x>``;
 with ``--split-cores``, ``end_to_end_seconds=<s> encrypting_seconds=<s>
 decrypting_seconds=<s> one_after_other_seconds=<s> ratio_vs_longer=<x>
-owner_cpus=<list> analyst_cpus=<list>`` (the CPUs read back from the processes).
+owner_cpus=<list> analyst_cpus=<list>`` (the CPUs the owners' and the analyst's main
+threads may use at the end, read back).
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def main() -> None:
         owners = [owner_record(process.log_text()) for process in cluster.owners]
         done = proxy_record(cluster.proxy.log_text())
         proxy_peak_mib = peak_rss_mib(cluster.proxy.process.pid)
-        if args.split_cores:  # read back where the roles ran, not where they were sent
+        if args.split_cores:  # read back from the main threads, not what was asked for
             owners_ran_on = set().union(
                 *(os.sched_getaffinity(o.process.pid) for o in cluster.owners)
             )
