@@ -102,11 +102,15 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
 
     Linux sets affinity per thread; threads and processes started later inherit it
     from the thread that starts them."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return  # the process ended meanwhile
+    for task in tasks:
         try:
             os.sched_setaffinity(int(task.name), cpus)
         except (FileNotFoundError, ProcessLookupError):
-            continue  # ended meanwhile
+            continue  # the thread ended meanwhile
 
 
 def split_cpus() -> tuple[set[int], set[int]]:
