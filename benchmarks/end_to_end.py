@@ -26,8 +26,9 @@ Usage::
 The last line reads ``end_to_end_seconds=<s> floor_seconds=<s> ratio_vs_floor=<x>``;
 with ``--split-cores``, ``end_to_end_seconds=<s> encrypting_seconds=<s>
 decrypting_seconds=<s> one_after_other_seconds=<s> ratio_vs_longer=<x>
-owner_cpus=<list> analyst_cpus=<list>`` (the CPUs the owners' and the analyst's main
-threads may use at the end, read back).
+owner_cpus=<list> analyst_cpus=<list>`` (the CPUs that any thread of the owners'
+processes and their workers, and of the analyst's process, may use at the end, read
+back from each thread).
 """
 
 from __future__ import annotations
@@ -70,13 +71,33 @@ def process_tree(pid: int) -> list[int]:
     while pending:
         current = pending.pop()
         try:
-            for task in Path(f"/proc/{current}/task").iterdir():
-                children = (task / "children").read_text().split()
-                pending.extend(int(child) for child in children)
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # ended meanwhile
+            tasks = list(Path(f"/proc/{current}/task").iterdir())
+        except FileNotFoundError:
+            continue  # the process ended meanwhile
         found.append(current)
+        for task in tasks:
+            try:
+                children = (task / "children").read_text().split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended meanwhile
+            pending.extend(int(child) for child in children)
     return found
+
+
+def threads_affinity(pids: list[int]) -> set[int]:
+    """The CPUs any thread of these processes may run on (read back from each thread)."""
+    cpus: set[int] = set()
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except FileNotFoundError:
+            continue  # ended meanwhile
+        for task in tasks:
+            try:
+                cpus |= os.sched_getaffinity(int(task.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return cpus
 
 
 def process_tree_cpu_seconds(pid: int) -> float:
@@ -249,11 +270,13 @@ def main() -> None:
         owners = [owner_record(process.log_text()) for process in cluster.owners]
         done = proxy_record(cluster.proxy.log_text())
         proxy_peak_mib = peak_rss_mib(cluster.proxy.process.pid)
-        if args.split_cores:  # read back from the main threads, not what was asked for
-            owners_ran_on = set().union(
-                *(os.sched_getaffinity(o.process.pid) for o in cluster.owners)
+        if args.split_cores:  # read back from every thread, not what was asked for
+            owner_pids = [p for o in cluster.owners for p in process_tree(o.process.pid)]
+            servers = set(owner_pids) | set(process_tree(cluster.proxy.process.pid))
+            owners_ran_on = threads_affinity(owner_pids)
+            analyst_ran_on = threads_affinity(
+                [p for p in process_tree(os.getpid()) if p not in servers]
             )
-            analyst_ran_on = os.sched_getaffinity(0)
     cores = os.cpu_count() or 1
     timings = model.timings_
     encrypt_cpu = sum(o.cpu_seconds for o in owners)

@@ -142,7 +142,8 @@ def test_end_to_end_on_split_cores_reports_both_phases() -> None:
     decrypting = float(result["decrypting_seconds"])
     end_to_end = float(result["end_to_end_seconds"])
     assert encrypting > 0 and decrypting > 0 and end_to_end > 0
-    # The CPUs the owners' and the analyst's main threads may use at the end (read back).
+    # The CPUs any thread of the owners (workers included) and of the analyst may use at
+    # the end, read back from each thread.
     owner_cpus = set(result["owner_cpus"].split(","))
     analyst_cpus = set(result["analyst_cpus"].split(","))
     assert owner_cpus and analyst_cpus and not owner_cpus & analyst_cpus
