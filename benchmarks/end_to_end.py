@@ -64,15 +64,22 @@ DONE = re.compile(
 )
 
 
+def threads(pid: int) -> list[Path]:
+    """The /proc folders of a process's threads; none if the process has ended."""
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+
+
 def process_tree(pid: int) -> list[int]:
     """A process and its live descendants (from /proc)."""
     found = []
     pending = [pid]
     while pending:
         current = pending.pop()
-        try:
-            tasks = list(Path(f"/proc/{current}/task").iterdir())
-        except FileNotFoundError:
+        tasks = threads(current)
+        if not tasks:
             continue  # the process ended meanwhile
         found.append(current)
         for task in tasks:
@@ -88,11 +95,7 @@ def threads_affinity(pids: list[int]) -> set[int]:
     """The CPUs any thread of these processes may run on (read back from each thread)."""
     cpus: set[int] = set()
     for pid in pids:
-        try:
-            tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        except FileNotFoundError:
-            continue  # ended meanwhile
-        for task in tasks:
+        for task in threads(pid):
             try:
                 cpus |= os.sched_getaffinity(int(task.name))
             except (FileNotFoundError, ProcessLookupError):
@@ -123,11 +126,7 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
 
     Linux sets affinity per thread; threads and processes started later inherit it
     from the thread that starts them."""
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return  # the process ended meanwhile
-    for task in tasks:
+    for task in threads(pid):
         try:
             os.sched_setaffinity(int(task.name), cpus)
         except (FileNotFoundError, ProcessLookupError):
