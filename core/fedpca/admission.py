@@ -97,8 +97,8 @@ class NextQuery:
         if self.limit is AdmissionLimit.PER_QUERY_CAP and per_query_cap is not None:
             cap, cap_delta = per_query_cap
             return text + (
-                f" (capped by policy.max_epsilon_per_query: epsilon {distinct(cap)[0]} at "
-                f"the budget's delta {distinct(cap_delta)[0]})"
+                f" (capped by policy.max_epsilon_per_query: epsilon {cap:g} at "
+                f"the budget's delta {cap_delta:g})"
             )
         return text + _CAPS.get(self.limit, "")
 

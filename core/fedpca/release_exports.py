@@ -57,10 +57,8 @@ def owner_releases_document(
     """
     records = []
     for event, outcome in releases:
-        record = event.to_dict()
+        record = event.to_strict_dict()
         record["timestamp"] = float(math.floor(event.timestamp))
-        if record["epsilon"] == float("inf"):
-            record["epsilon"] = "inf"
         records.append({"event": record, "outcome": outcome})
     return {"format": OWNER_RELEASES_FORMAT, "owner": owner_id, "releases": records}
 

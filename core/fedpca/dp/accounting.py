@@ -202,7 +202,7 @@ def _floor_message(z: float, delta: float, asked: float = math.nan) -> str:
         return f"noise multiplier z={z_text} is {limit}"
     most = distinct(max_epsilon_per_release(delta), asked)[0]
     return (
-        f"noise multiplier z={z_text} is {limit} (at delta={distinct(delta)[0]}: at most "
+        f"noise multiplier z={z_text} is {limit} (at delta={delta:g}: at most "
         f"epsilon={most} per release)"
     )
 
@@ -216,10 +216,10 @@ def _check_release_floor(release: Release, z: float, fallback_delta: float) -> N
         if 0 < release.delta < 1:
             asked_text = distinct(asked, max_epsilon_per_release(release.delta))[0]
         else:
-            asked_text = distinct(asked)[0]
+            asked_text = f"{asked:g}"
         raise CalibrationError(
             f"query {release.query_id!r} asks for epsilon={asked_text} at delta="
-            f"{distinct(release.delta)[0]}: its {_floor_message(z, release.delta, asked)}; "
+            f"{release.delta:g}: its {_floor_message(z, release.delta, asked)}; "
             "ask for a smaller epsilon"
         )
     raise CalibrationError(f"the proposed release's {_floor_message(z, fallback_delta)}")
@@ -401,7 +401,7 @@ def check_budget(
             raise CompositionError(
                 f"{len(multipliers) + 1} composed releases: "
                 f"{_floor_message(z_after, gaussian_delta)}; a budget of epsilon="
-                f"{distinct(budget.epsilon)[0]} cannot be accounted for"
+                f"{budget.epsilon:g} cannot be accounted for"
             )
     else:
         after = compose_epsilon(after_releases, budget.delta, kind)

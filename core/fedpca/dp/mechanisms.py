@@ -270,9 +270,14 @@ class PrivacyEvent:
             **extra,
         )
 
-    def to_json(self) -> str:
-        """Strict JSON (no ``Infinity`` token): an infinite epsilon is written as ``"inf"``."""
+    def to_strict_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` for strict JSON (no ``Infinity`` token): an infinite epsilon
+        is written as ``"inf"``, which :meth:`from_dict` reads back."""
         record = self.to_dict()
         if math.isinf(self.epsilon):
             record["epsilon"] = "inf"
-        return json.dumps(record, allow_nan=False, sort_keys=True)
+        return record
+
+    def to_json(self) -> str:
+        """Strict JSON of :meth:`to_strict_dict`, keys sorted."""
+        return json.dumps(self.to_strict_dict(), allow_nan=False, sort_keys=True)

@@ -253,7 +253,7 @@ class BudgetLedger:
                     )
                     raise BudgetExceededError(
                         f"query {event.query_id!r} refused: it would bring this owner's epsilon "
-                        f"from {was} to {would} at delta={distinct(budget.delta)[0]}, over "
+                        f"from {was} to {would} at delta={budget.delta:g}, over "
                         f"the budget epsilon={total}"
                     )
                 decision = BudgetDecision(

@@ -247,7 +247,7 @@ def _check_epsilon_at_budget_delta(plan: ReleasePlan, config: OwnerConfig) -> No
         cost, cap = distinct(epsilon, config.policy.max_epsilon_per_query)
         raise PolicyError(
             f"the release costs epsilon = {cost} at this owner's budget delta "
-            f"{distinct(at)[0]}, above policy.max_epsilon_per_query = {cap}"
+            f"{at:g}, above policy.max_epsilon_per_query = {cap}"
         )
 
 

@@ -88,7 +88,8 @@ class AnalystRequests(CoordinatorCore):
                 f"query {query_id!r} is {record.state.value}: every contribution has arrived "
                 "and its result is being or has been released; it can no longer be cancelled"
             )
-        return CancelReceipt(self.status(analyst_id, query_id), not self.store.has_release(key))
+        status = self.status(analyst_id, query_id)
+        return CancelReceipt(status, status.charge is Charge.REFUNDED)
 
     # ---------------------------------------------------------------- reading
     def status(self, analyst_id: str, query_id: str) -> QueryStatus:

@@ -28,7 +28,6 @@ Where owners' records of one query differ, the one with the smallest noise multi
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -136,14 +135,19 @@ def import_releases(
         for query_id, event in sorted(charged.items(), key=lambda item: item[1].timestamp):
             known = store.query_progress(conn, query_id)
             if store.release_recorded(conn, query_id):
-                if known is None or known.state.terminal or known.uploads_begun:
-                    report.already_recorded.append(query_id)
-                elif query_id in begun:
+                # Charged and still running with no upload begun there, but an owner
+                # began one: it stays charged for good. Otherwise the charge stands as is.
+                if (
+                    known is not None
+                    and not known.state.terminal
+                    and not known.uploads_begun
+                    and query_id in begun
+                ):
                     report.kept_charged.append(query_id)
                     if not dry_run:
                         store.mark_uploads_begun(conn, query_id)
                 else:
-                    report.already_recorded.append(query_id)  # no upload began yet
+                    report.already_recorded.append(query_id)
             elif known is not None and query_id not in begun:
                 report.refunded.append(query_id)
             else:
@@ -152,7 +156,7 @@ def import_releases(
                 else:
                     report.entered.append(event)
                 if not dry_run:
-                    store.record_release(conn, event.analyst, query_id, json.loads(event.to_json()))
+                    store.record_release(conn, event.analyst, query_id, event.to_strict_dict())
                     if known is not None:
                         store.mark_uploads_begun(conn, query_id)
     return report

@@ -9,7 +9,6 @@ store's transaction and the query inserted only if the ledger did not change mea
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +87,7 @@ class Submissions(CoordinatorCore):
         budget = self.config.budget.for_analyst(analyst_id)
         event = plan.privacy_event(analyst_id)
         event = PrivacyEvent.from_dict({**event.to_dict(), "query_id": key})
-        event_record = json.loads(event.to_json())
+        event_record = event.to_strict_dict()
         deadline_at = self.clock() + spec.deadline_seconds
         self.store.set_analyst_budget(analyst_id, budget.epsilon, budget.delta)
         record: QueryRecord | None = None
@@ -285,7 +284,7 @@ def budget_refusal(spec: QuerySpec, decision: BudgetDecision, next_query: NextQu
     Every number is printed so that different values never print alike.
     """
     budget = decision.budget
-    at = distinct(budget.delta)[0]
+    at = f"{budget.delta:g}"
     query_delta = repr(float(spec.delta))
     command = f"fedpca analyst budget --query-delta {query_delta}"
     before, total = distinct(decision.epsilon_spent_before, budget.epsilon)
