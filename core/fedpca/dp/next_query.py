@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from decimal import ROUND_FLOOR, Decimal
 
 from fedpca.admission import AdmissionLimit, NextQuery
@@ -60,6 +60,7 @@ def largest_admissible_epsilon(
     *,
     neighbouring: Neighbouring | None = None,
     max_release_epsilon: float | None = None,
+    fits_share: Callable[[float], bool] | None = None,
     rtol: float = ADMISSION_RTOL,
     max_checks: int = MAX_ADMISSION_CHECKS,
 ) -> NextQuery:
@@ -91,6 +92,10 @@ def largest_admissible_epsilon(
     max_release_epsilon : float, optional
         Also refuse a release whose own epsilon at ``budget.delta`` exceeds this, as an
         owner's ``policy.max_epsilon_per_query`` does.
+    fits_share : callable, optional
+        Also refuse a release whose noise multiplier z it rejects: an analyst's share of
+        an owner's budget (:meth:`fedpca.dp.shares.BudgetShares.check`), checked before
+        the whole budget as the owner does; reported as the BUDGET limit.
     rtol : float
         Relative precision, in ``(0, 0.1]``.
     max_checks : int
@@ -141,6 +146,8 @@ def largest_admissible_epsilon(
                 own = compose_epsilon([z], budget.delta, kind)
                 if own > max_release_epsilon:
                     return AdmissionLimit.PER_QUERY_CAP
+            if fits_share is not None and not fits_share(z):
+                return AdmissionLimit.BUDGET
             decision = check_budget(
                 ledger, z, budget, kind, neighbouring=neighbouring, cross_check=False, log=False
             )

@@ -19,6 +19,7 @@ from types import FrameType
 
 import click
 
+from fedpca.admission import NextQuery
 from fedpca.allocator import map_large_blocks
 from fedpca.budget_options import budget_delta_options
 from fedpca.errors import ConfigError, DataError, KeyFileError
@@ -201,7 +202,7 @@ def budget_command(
     """Print the epsilon spent, the largest epsilon a next query may ask for (found with
     this owner's own checks, for a query with the default zcdp calibration), and every
     release recorded in the ledger."""
-    from fedpca.dp.next_query import largest_admissible_epsilon
+    from fedpca.dp.next_query import MAX_ADMISSION_CHECKS, largest_admissible_epsilon
     from fedpca.owner.ledger import owner_ledger
 
     try:
@@ -232,26 +233,47 @@ def budget_command(
     try:
         ledger = owner_ledger(config)
         entries = ledger.events()
+        events = [entry.event for entry in entries]
         spent = ledger.spent(at_delta)
-        # The checks this owner makes before it reserves a release: its policy's cap on
-        # one release's epsilon, then its ledger's budget (owner/policy.py, ledger.py).
-        next_query = largest_admissible_epsilon(
-            [entry.event for entry in entries],
-            budget,
-            min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
-            config.privacy.accountant,
-            neighbouring=config.privacy.neighbouring,
-            max_release_epsilon=config.policy.max_epsilon_per_query,
-        )
+        shares = ledger.shares
+
+        def next_query_for(analyst: str | None) -> NextQuery:
+            # The checks this owner makes before it reserves a release: its policy's cap
+            # on one release's epsilon, the analyst's share if any, then its ledger's
+            # budget (owner/policy.py, ledger.py).
+            return largest_admissible_epsilon(
+                events,
+                budget,
+                min(DEFAULT_QUERY_DELTA, cap) if query_delta is None else query_delta,
+                config.privacy.accountant,
+                neighbouring=config.privacy.neighbouring,
+                max_release_epsilon=config.policy.max_epsilon_per_query,
+                fits_share=(
+                    None
+                    if shares is None or analyst is None
+                    else lambda z: shares.admits(events, analyst, z)
+                ),
+                max_checks=40 if analyst else MAX_ADMISSION_CHECKS,
+            )
+
+        analysts = sorted(shares.fractions) if shares is not None else [None]
+        next_queries = {analyst: next_query_for(analyst) for analyst in analysts}
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     none_yet = "" if entries else " (no release recorded)"
     click.echo(f"ledger       {config.ledger_path}{none_yet}")
     click.echo(f"spent        epsilon={spent:.6g} at delta={at_delta:g}")
     cap_epsilon = (config.policy.max_epsilon_per_query, budget.delta)
-    click.echo(f"next query   {next_query.summary(per_query_cap=cap_epsilon)}")
-    for note in next_query.notes(budget.epsilon, budget.delta):
-        click.echo(f"             ({note})")
+    for analyst, next_query in next_queries.items():
+        if shares is not None and analyst is not None:
+            used = shares.used(events, analyst)
+            click.echo(
+                f"analyst      {analyst}: share {shares.share_of(analyst):g} of the budget, "
+                f"{used:.2%} of it used"
+            )
+        click.echo(f"next query   {next_query.summary(per_query_cap=cap_epsilon)}")
+        for note in next_query.notes(budget.epsilon, budget.delta):
+            click.echo(f"             ({note})")
     if not entries:
         return
     private = sum(1 for e in entries if not e.not_private)

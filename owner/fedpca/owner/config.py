@@ -36,6 +36,7 @@ config can be moved together with its certificates and data)::
     [budget]
     epsilon = 10.0
     delta = 1e-5
+    analyst_shares = { "sha256:..." = 0.5 }   # optional: each pinned key's fraction
     [crypto]
     processes = 0                        # 0 = all cores
     obfuscation = "djn"                  # "djn" | "standard"
@@ -54,7 +55,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -62,6 +63,7 @@ from typing import Any, Literal, TypeVar
 from fedpca.codec.paillier import Obfuscation
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
+from fedpca.dp.shares import fractions_from_config
 from fedpca.errors import ConfigError
 from fedpca.query import RELEASE_KINDS, Neighbouring, ReleaseKind, release_kind
 from fedpca.signing import parse_signer
@@ -258,6 +260,7 @@ class OwnerConfig:
     Attributes
     ----------
     owner, tls, data, policy, budget, crypto : the sections.
+    analyst_shares : per-analyst fractions of the budget (``[budget] analyst_shares``).
     source : the file it was read from (None when built from a mapping).
     """
 
@@ -270,6 +273,9 @@ class OwnerConfig:
     source: Path | None = None
     privacy: PrivacyConfig = PrivacyConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
+    analyst_shares: Mapping[str, float] = field(default_factory=dict)
+    """``budget.analyst_shares``: each pinned analyst key's fraction of the budget (empty:
+    one budget for all analysts; fedpca.dp.shares)."""
 
     @property
     def ledger_path(self) -> Path:
@@ -481,7 +487,7 @@ class OwnerConfig:
         )
 
         budget_doc = _section(document, "budget", required=True)
-        reject_unknown_keys(budget_doc, {"epsilon", "delta"}, "budget")
+        reject_unknown_keys(budget_doc, {"epsilon", "delta", "analyst_shares"}, "budget")
         budget_epsilon = reader.number(budget_doc, "budget", "epsilon", required=True)
         budget_delta = reader.number(budget_doc, "budget", "delta", required=True)
         if not (budget_epsilon > 0):
@@ -497,6 +503,12 @@ class OwnerConfig:
                 f"policy.max_delta_per_query = {policy.max_delta_per_query:g} exceeds "
                 f"budget.delta = {budget.delta:g}"
             )
+        shares = fractions_from_config(
+            budget_doc.get("analyst_shares", {}),
+            policy.accepted_analyst_keys,
+            budget,
+            allow_not_private=policy.allow_not_private,
+        )
 
         crypto_doc = _section(document, "crypto", required=False)
         reject_unknown_keys(crypto_doc, {"processes", "obfuscation"}, "crypto")
@@ -517,7 +529,8 @@ class OwnerConfig:
         if "listen" in monitoring_doc:
             listen = reader.string(monitoring_doc, "monitoring", "listen")
             monitoring = MonitoringConfig(_monitoring_listen(listen))
-        return cls(node, tls, data, policy, budget, crypto, privacy=privacy, monitoring=monitoring)
+        parts = (node, tls, data, policy, budget, crypto)
+        return cls(*parts, privacy=privacy, monitoring=monitoring, analyst_shares=shares)
 
 
 def load_config(path: str | os.PathLike[str]) -> OwnerConfig:

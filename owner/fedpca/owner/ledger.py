@@ -64,6 +64,7 @@ from pathlib import Path
 
 from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.dp.shares import BudgetShares
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
@@ -90,6 +91,9 @@ class BudgetLedger:
     neighbouring : the deployment's neighbouring relation; every release is accounted
         under it, and a release stated for another one is refused.
     accountant : how releases compose (zcdp, the proven default, or pld-continuous).
+    shares : per-analyst shares of the budget (None: one budget for every analyst). A
+        release must then fit its analyst's share before the whole budget is checked
+        (fedpca.dp.shares).
     """
 
     def __init__(
@@ -98,10 +102,12 @@ class BudgetLedger:
         *,
         neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
         accountant: Accountant = Accountant.ZCDP,
+        shares: BudgetShares | None = None,
     ) -> None:
         self.path = Path(path)
         self.neighbouring = Neighbouring(neighbouring)
         self.accountant = Accountant(accountant)
+        self.shares = shares
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -171,8 +177,9 @@ class BudgetLedger:
         Raises
         ------
         BudgetExceededError
-            If the composition of every recorded private release and this one
-            exceeds ``budget`` at ``budget.delta``. Nothing is recorded.
+            If the release does not fit its analyst's share (with ``shares``), or the
+            composition of every recorded private release and this one exceeds
+            ``budget`` at ``budget.delta``. Nothing is recorded.
         PolicyError
             For a verification (``epsilon = inf``) event without
             ``allow_not_private``, an event stated for another neighbouring relation
@@ -184,6 +191,11 @@ class BudgetLedger:
             e.g. epsilon = 1e6). Nothing is recorded.
         """
         not_private = event.noise_multiplier == 0
+        if not_private and self.shares is not None:
+            raise PolicyError(
+                f"query {event.query_id!r} asks for epsilon = inf (NOT PRIVATE), which "
+                "per-analyst budget shares never admit"
+            )
         if not_private and not allow_not_private:
             raise PolicyError(
                 f"query {event.query_id!r} asks for epsilon = inf (no noise, NOT PRIVATE) and "
@@ -244,6 +256,8 @@ class BudgetLedger:
                     event.query_id,
                 )
             else:
+                if self.shares is not None:
+                    _check_share(self.shares, past, event)
                 check = check_budget(
                     past, event, budget, self.accountant, neighbouring=self.neighbouring
                 )
@@ -296,13 +310,16 @@ class BudgetLedger:
             events, budget.delta, self.accountant, neighbouring=self.neighbouring
         )
 
-    def reservations_since(self, timestamp: float, *, excluding: str = "") -> int:
+    def reservations_since(
+        self, timestamp: float, *, excluding: str = "", analyst: str | None = None
+    ) -> int:
         """Number of releases recorded at or after ``timestamp`` (the task-rate cap),
-        other than the one of task ``excluding``."""
+        other than the one of task ``excluding``; only ``analyst``'s if given."""
         with self._connect() as connection:
             row = connection.execute(
-                "SELECT COUNT(*) FROM releases WHERE recorded_at >= ? AND query_id != ?",
-                (timestamp, excluding),
+                "SELECT COUNT(*) FROM releases WHERE recorded_at >= ? AND query_id != ? "
+                "AND (? IS NULL OR analyst = ?)",
+                (timestamp, excluding, analyst, analyst),
             ).fetchone()
         return int(row[0])
 
@@ -538,10 +555,37 @@ def _events(connection: sqlite3.Connection) -> list[PrivacyEvent]:
     return [_event(row) for row in rows]
 
 
+def _check_share(shares: BudgetShares, past: list[PrivacyEvent], event: PrivacyEvent) -> None:
+    """Refuse ``event`` beyond its analyst's share (read from that analyst's releases only)."""
+    check = shares.check(past, event)
+    if not check.fits:
+        raise BudgetExceededError(
+            f"query {event.query_id!r} refused: it would bring analyst {check.analyst}'s use of "
+            f"its share ({check.share:g} of the budget) from {check.used_before:.4%} to "
+            f"{check.used_after:.4%}"
+        )
+
+
 def owner_ledger(config: OwnerConfig) -> BudgetLedger:
-    """The ledger of an owner's configuration (its state folder, relation and accountant)."""
-    return BudgetLedger(
+    """The ledger of an owner's configuration (state folder, relation, accountant, shares)."""
+    accountant = config.privacy.accountant
+    shares = None
+    if config.analyst_shares:
+        shares = BudgetShares.for_budget(config.analyst_shares, config.budget, accountant)
+    ledger = BudgetLedger(
         config.ledger_path,
         neighbouring=config.privacy.neighbouring,
-        accountant=config.privacy.accountant,
+        accountant=accountant,
+        shares=shares,
     )
+    if shares is not None:
+        over = shares.over_share(entry.event for entry in ledger.events())
+        if over:
+            logger.warning(
+                "the ledger's releases exceed the budget share of %s (recorded before "
+                "budget.analyst_shares, or a share was cut): while they do, the whole "
+                "budget can refuse a query that fits its analyst's share, and a decline can "
+                "again depend on other analysts' releases (docs/privacy.md)",
+                ", ".join(over),
+            )
+    return ledger

@@ -172,10 +172,12 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
             f"the query's quorum {spec.quorum} is below policy.min_quorum = {policy.min_quorum}"
         )
     if releases_last_day >= policy.max_tasks_per_day:
-        # The count covers every analyst's releases: only the limit is stated.
+        # Without shares the count covers every analyst's releases: only the limit is
+        # stated. With shares it counts this analyst's own (task_processing).
+        whose = "for this analyst " if config.analyst_shares else ""
         raise PolicyError(
-            f"this owner has reached its limit of {policy.max_tasks_per_day} releases in "
-            "24 hours (policy.max_tasks_per_day)"
+            f"this owner has reached its limit of {policy.max_tasks_per_day} releases "
+            f"{whose}in 24 hours (policy.max_tasks_per_day)"
         )
 
 

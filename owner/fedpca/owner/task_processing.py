@@ -323,7 +323,10 @@ class TaskProcessing(TaskEndings):
         # A reservation of this very task (left by a crash before its upload) is not
         # another release: counted, the task coming again was declined at the cap.
         day_ago = time.time() - SECONDS_PER_DAY
-        releases = self.ledger.reservations_since(day_ago, excluding=query_id)
+        # With per-analyst shares the daily cap counts this analyst's releases only, so
+        # that its declines do not show the others' activity either.
+        analyst = spec.analyst_key_fingerprint if self.ledger.shares is not None else None
+        releases = self.ledger.reservations_since(day_ago, excluding=query_id, analyst=analyst)
         decision = check_task(task, self.config, self.table, releases_last_day=releases)
         if isinstance(decision, Refusal):
             return self._decline_task(stub, task, decision.reason, decision.detail)

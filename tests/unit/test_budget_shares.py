@@ -1,0 +1,282 @@
+"""Per-analyst shares of an owner's budget (fedpca.dp.shares, ``[budget] analyst_shares``).
+
+What they must do: a decline for lack of budget depends on the asking analyst's own
+releases only, and the owner-wide budget (the rule that protects the rows) still holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fedpca.codec import CryptoPool
+from fedpca.dp.accounting import BUDGET_ROUNDING_SLACK, Accountant, compose_epsilon
+from fedpca.dp.calibration import calibrate_noise_multiplier, zcdp_epsilon
+from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+from fedpca.dp.shares import EXTRA_DELTA_FRACTION, BudgetShares
+from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
+from fedpca.owner.cli import owner_group
+from fedpca.owner.config import load_config
+from fedpca.owner.ledger import BudgetLedger, owner_ledger
+from fedpca.owner.node import OwnerNode
+from helpers import signed_task
+from inprocess import FAST_RETRY, deployment, labelled, unit_box_queries
+
+DELTA = 1e-5
+BUDGET = PrivacyParams(2.0, DELTA)
+A, B, C = ("sha256:" + c * 64 for c in "abc")
+SIGNER = "ed25519:" + "ef" * 32
+M = 5
+
+
+def _event(query_id: str, analyst: str, epsilon: float, *, extra: float = 0.0) -> PrivacyEvent:
+    z = calibrate_noise_multiplier(epsilon, 1e-6)
+    return PrivacyEvent(query_id, analyst, z, epsilon, 1e-6, delta_extra=extra)
+
+
+@pytest.mark.parametrize("accountant", list(Accountant))
+def test_rho_max_is_the_largest_rho_whose_conversion_fits(accountant: Accountant) -> None:
+    shares = BudgetShares.for_budget({A: 1.0}, BUDGET, accountant)
+    gaussian_delta = DELTA * (1 - EXTRA_DELTA_FRACTION)
+    assert shares.extra_delta_cap == pytest.approx(DELTA * EXTRA_DELTA_FRACTION)
+    z = 1 / math.sqrt(2 * shares.rho_max)
+    assert compose_epsilon([z], gaussian_delta, accountant) <= BUDGET.epsilon
+    # A little more rho (a smaller z) no longer fits: rho_max is not set needlessly low.
+    assert compose_epsilon([z * (1 - 1e-3)], gaussian_delta, accountant) > BUDGET.epsilon
+    if accountant is Accountant.ZCDP:
+        assert zcdp_epsilon(z, gaussian_delta) == pytest.approx(BUDGET.epsilon, rel=1e-9)
+
+
+def test_the_owner_wide_budget_never_binds_while_analysts_keep_to_their_shares(
+    tmp_path: Path,
+) -> None:
+    shares = BudgetShares.for_budget({A: 0.5, B: 0.3, C: 0.2}, BUDGET)
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3", shares=shares)
+    rng = random.Random(7)
+    refused = {A: 0, B: 0, C: 0}
+    n = 0
+    while min(refused.values()) < 3:
+        analyst = rng.choice([A, B, C])
+        extra = 2e-10 if rng.random() < 0.2 else 0.0  # masked-mode-like additive delta
+        event = _event(f"q{n}", analyst, rng.uniform(0.05, 0.6), extra=extra)
+        n += 1
+        try:
+            ledger.reserve(event, BUDGET, spec_digest=event.query_id)
+        except BudgetExceededError as exc:
+            # Always the analyst's share, never the whole budget.
+            assert "use of its share" in str(exc), str(exc)
+            refused[analyst] += 1
+    events = [entry.event for entry in ledger.events()]
+    assert len(events) > 6
+    assert shares.over_share(events) == []
+    assert compose_epsilon(events, DELTA) <= BUDGET.epsilon * (1 + BUDGET_ROUNDING_SLACK)
+    # Each analyst got close to its share: the shares do not waste the budget.
+    for analyst in (A, B, C):
+        assert 0.8 < shares.used(events, analyst) <= 1.0
+
+
+def _decisions(ledger: BudgetLedger, analyst: str, epsilons: list[float]) -> list[bool]:
+    accepted = []
+    for n, epsilon in enumerate(epsilons):
+        event = _event(f"{analyst[-4:]}-{n}", analyst, epsilon)
+        try:
+            ledger.reserve(event, BUDGET, spec_digest=event.query_id)
+            accepted.append(True)
+        except BudgetExceededError:
+            accepted.append(False)
+    return accepted
+
+
+@pytest.mark.parametrize("with_shares", [True, False])
+def test_what_one_analyst_is_told_does_not_depend_on_another_analysts_spend(
+    tmp_path: Path, with_shares: bool
+) -> None:
+    probes = [0.9, 0.9, 0.5, 0.5, 0.3, 0.2, 0.2, 0.1]
+    told = []
+    for a_spends in (0, 12):
+        shares = BudgetShares.for_budget({A: 0.5, B: 0.5}, BUDGET) if with_shares else None
+        ledger = BudgetLedger(tmp_path / f"{with_shares}-{a_spends}.sqlite3", shares=shares)
+        _decisions(ledger, A, [0.4] * a_spends)
+        told.append(_decisions(ledger, B, probes))
+    assert any(told[0])
+    if with_shares:
+        assert not all(told[0])  # the probes reach B's share
+        assert told[0] == told[1]
+    else:
+        # The leak the shares close: without them, A's spending changes B's answers.
+        assert told[0] != told[1]
+
+
+def test_a_key_without_a_share_and_verification_releases_are_refused(tmp_path: Path) -> None:
+    shares = BudgetShares.for_budget({A: 1.0}, BUDGET)
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3", shares=shares)
+    with pytest.raises(BudgetExceededError, match="use of its share"):
+        ledger.reserve(_event("q", B, 0.1), BUDGET, spec_digest="q")
+    with pytest.raises(PolicyError, match="NOT PRIVATE"):
+        ledger.reserve(PrivacyEvent("v", A, 0.0, math.inf, 0.0), BUDGET, allow_not_private=True)
+    assert ledger.events() == []
+
+
+def test_the_daily_count_can_be_one_analysts(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    for n, analyst in enumerate([A, A, B]):
+        ledger.reserve(_event(f"q{n}", analyst, 0.1), BUDGET, spec_digest=f"q{n}")
+    assert ledger.reservations_since(0) == 3
+    assert ledger.reservations_since(0, analyst=A) == 2
+    assert ledger.reservations_since(0, analyst=B, excluding="q2") == 0
+
+
+def _config(tmp_path: Path, shares: str, *, extra_policy: str = "", budget: str = "2.0") -> Path:
+    (tmp_path / "data.csv").write_text("1,2\n3,4\n")
+    path = tmp_path / "owner.toml"
+    path.write_text(
+        f"""
+[owner]
+id = "owner-1"
+proxy = "127.0.0.1:9"
+state_dir = "state"
+[tls]
+insecure = true
+[data]
+path = "data.csv"
+max_records = 100
+n_columns = 2
+[policy]
+accepted_analyst_keys = ["{A}", "{B}"]
+accepted_query_signers = ["{SIGNER}"]
+max_epsilon_per_query = 1.0
+{extra_policy}
+[budget]
+epsilon = {budget}
+delta = 1e-5
+{shares}
+"""
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("shares", "extra_policy", "budget", "message"),
+    [
+        (f'analyst_shares = {{ "{A}" = 0.5 }}', "", "2.0", "no share for the pinned"),
+        (f'analyst_shares = {{ "{A}" = 0.6, "{B}" = 0.5 }}', "", "2.0", "add up to 1.1"),
+        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0 }}', "", "2.0", r"must be in \(0, 1\]"),
+        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = "x" }}', "", "2.0", "must be a number"),
+        (
+            f'analyst_shares = {{ "{A}" = 0.4, "{B}" = 0.4, "{C}" = 0.2 }}',
+            "",
+            "2.0",
+            "not in policy.accepted_analyst_keys",
+        ),
+        ("analyst_shares = 0.5", "", "2.0", "must be a table of fractions"),
+        (
+            f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0.5 }}',
+            "allow_not_private = true",
+            "2.0",
+            "cannot be combined with policy.allow_not_private",
+        ),
+        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0.5 }}', "", "inf", "finite budget"),
+    ],
+)
+def test_shares_are_checked_when_the_config_is_read(
+    tmp_path: Path, shares: str, extra_policy: str, budget: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_config(tmp_path, shares, extra_policy=extra_policy, budget=budget))
+
+
+def test_thirds_add_up_and_the_ledger_of_the_config_uses_them(tmp_path: Path) -> None:
+    third = 1 / 3
+    path = _config(tmp_path, f'analyst_shares = {{ "{A}" = {third!r}, "{B}" = {2 * third!r} }}')
+    config = load_config(path)
+    assert config.analyst_shares == {A: third, B: 2 * third}
+    assert load_config(_config(tmp_path, "")).analyst_shares == {}
+    ledger = owner_ledger(config)
+    assert ledger.shares is not None and ledger.shares.share_of(B) == 2 * third
+
+
+def test_releases_beyond_a_share_are_named_when_the_ledger_opens(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Releases recorded before the shares were set: A has used more than its new share.
+    path = _config(tmp_path, "")
+    plain = owner_ledger(load_config(path))
+    for n in range(3):
+        plain.reserve(_event(f"q{n}", A, 0.8), BUDGET, spec_digest=f"q{n}")
+    path = _config(tmp_path, f'analyst_shares = {{ "{A}" = 0.2, "{B}" = 0.8 }}')
+    with caplog.at_level(logging.WARNING, logger="fedpca.owner.ledger"):
+        owner_ledger(load_config(path))
+    assert f"exceed the budget share of {A}" in caplog.text
+
+
+def test_owner_budget_prints_each_analysts_share_and_next_query(tmp_path: Path) -> None:
+    path = _config(tmp_path, f'analyst_shares = {{ "{A}" = 0.25, "{B}" = 0.75 }}')
+    config = load_config(path)
+    ledger = owner_ledger(config)
+    ledger.reserve(_event("a1", A, 0.5), config.budget, spec_digest="a1")
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith(f"analyst      {A}"))
+    assert "share 0.25 of the budget" in lines[header]
+    assert f"analyst      {B}: share 0.75 of the budget, 0.00% of it used" in result.output
+    # A's next query: what is printed fits A's share, a little more does not.
+    epsilon = float(lines[header + 1].split("epsilon up to ")[1].split()[0])
+    assert 0 < epsilon < 1.0
+    shares = ledger.shares
+    assert shares is not None
+    events = [entry.event for entry in ledger.events()]
+    assert shares.admits(events, A, calibrate_noise_multiplier(epsilon, 1e-6))
+    assert not shares.admits(events, A, calibrate_noise_multiplier(epsilon * 1.001, 1e-6))
+    ledger.reserve(_event("a2", A, epsilon), config.budget, spec_digest="a2")
+
+
+class _RecordingStub:
+    """Stands in for the proxy's stub: records the declines sent."""
+
+    def __init__(self) -> None:
+        self.declined: list[Any] = []
+
+    def DeclineTask(self, message: Any, timeout: float) -> None:
+        self.declined.append(message)
+
+
+@pytest.mark.parametrize("with_shares", [True, False])
+def test_with_shares_the_daily_cap_counts_the_asking_analysts_releases(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any], with_shares: bool
+) -> None:
+    public_key, _ = test_only_keypair_512
+    tables = {"owner-1": labelled(np.random.default_rng(3).uniform(-0.3, 0.3, size=(20, M)))}
+    spec = unit_box_queries(M)(public_key, "today", quorum=1, deadline_seconds=120.0)
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        policy={"max_tasks_per_day": 1},
+    ) as running:
+        config = running.write_owner_config("owner-1")
+        # Another analyst's release today, from before the shares (a key pinned then).
+        owner_ledger(config).reserve(_event("other/q", "sha256:" + "0" * 64, 0.1), config.budget)
+        if with_shares:
+            config = replace(config, analyst_shares={spec.analyst_key_fingerprint: 1.0})
+        node = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+        stub = _RecordingStub()
+        due = datetime.now(UTC) + timedelta(seconds=120)
+        accepted = node._accept(stub, signed_task(spec, due, "alice"))  # type: ignore[arg-type]
+    if with_shares:
+        assert isinstance(accepted, tuple) and stub.declined == []
+    else:
+        assert [m.detail for m in stub.declined] == [
+            "this owner has reached its limit of 1 releases in 24 hours (policy.max_tasks_per_day)"
+        ]
