@@ -56,6 +56,11 @@ class BudgetExceededError(FedpcaError, PermissionError):
     """A release would push cumulative (epsilon, delta) past the configured budget."""
 
 
+class ShareExceededError(BudgetExceededError):
+    """A release would take its analyst past its share of an owner's budget. The message
+    reads only that analyst's own releases (fedpca.dp.shares)."""
+
+
 class OverloadError(FedpcaError, RuntimeError):
     """A peer asked the proxy for more than one of its per-peer bounds allows (calls,
     uploads or queries in flight, queries a day): nothing was done; retry later."""

@@ -250,11 +250,12 @@ class _RecordingStub:
         self.declined.append(message)
 
 
-@pytest.mark.parametrize("with_shares", [True, False])
-def test_with_shares_the_daily_cap_counts_the_asking_analysts_releases(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any], with_shares: bool
-) -> None:
-    public_key, _ = test_only_keypair_512
+def _accept_once(
+    tmp_path: Path, pool: CryptoPool, public_key: Any, share: float | None
+) -> tuple[Any, list[Any]]:
+    """One task of a pinned analyst at an owner whose ledger holds another analyst's
+    release of today, under ``max_tasks_per_day = 1``: what ``_accept`` returns, and
+    the declines it sent."""
     tables = {"owner-1": labelled(np.random.default_rng(3).uniform(-0.3, 0.3, size=(20, M)))}
     spec = unit_box_queries(M)(public_key, "today", quorum=1, deadline_seconds=120.0)
     with deployment(
@@ -268,15 +269,34 @@ def test_with_shares_the_daily_cap_counts_the_asking_analysts_releases(
         config = running.write_owner_config("owner-1")
         # Another analyst's release today, from before the shares (a key pinned then).
         owner_ledger(config).reserve(_event("other/q", "sha256:" + "0" * 64, 0.1), config.budget)
-        if with_shares:
-            config = replace(config, analyst_shares={spec.analyst_key_fingerprint: 1.0})
+        if share is not None:
+            config = replace(config, analyst_shares={spec.analyst_key_fingerprint: share})
         node = OwnerNode(config, pool=pool, retry=FAST_RETRY)
         stub = _RecordingStub()
         due = datetime.now(UTC) + timedelta(seconds=120)
         accepted = node._accept(stub, signed_task(spec, due, "alice"))  # type: ignore[arg-type]
+    return accepted, stub.declined
+
+
+@pytest.mark.parametrize("with_shares", [True, False])
+def test_with_shares_the_daily_cap_counts_the_asking_analysts_releases(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any], with_shares: bool
+) -> None:
+    accepted, declined = _accept_once(
+        tmp_path, pool, test_only_keypair_512[0], 1.0 if with_shares else None
+    )
     if with_shares:
-        assert isinstance(accepted, tuple) and stub.declined == []
+        assert isinstance(accepted, tuple) and declined == []
     else:
-        assert [m.detail for m in stub.declined] == [
+        assert [m.detail for m in declined] == [
             "this owner has reached its limit of 1 releases in 24 hours (policy.max_tasks_per_day)"
         ]
+
+
+def test_a_share_decline_tells_the_analyst_its_own_figures(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    accepted, declined = _accept_once(tmp_path, pool, test_only_keypair_512[0], 1e-6)
+    assert not isinstance(accepted, tuple)
+    (decline,) = declined
+    assert "use of its share (1e-06 of the budget) from 0.0000% to" in decline.detail

@@ -43,6 +43,14 @@ def test_owner_example_parses() -> None:
     proxy = load_proxy_config(CONFIG / "proxy.toml")
     assert config.privacy.neighbouring is proxy.privacy.neighbouring
     assert config.owner.id in proxy.owners.allowed
+    assert config.analyst_shares == {}
+
+
+def test_owner_example_with_its_commented_shares_parses(tmp_path: Path) -> None:
+    text = (CONFIG / "owner.toml").read_text().replace("# analyst_shares = ", "analyst_shares = ")
+    (tmp_path / "owner.toml").write_text(text)
+    config = load_owner_config(tmp_path / "owner.toml")
+    assert config.analyst_shares == {config.policy.accepted_analyst_keys[0]: 1.0}
     assert config.policy.delta_cap(config.budget) <= config.budget.delta
 
 

@@ -65,7 +65,7 @@ from pathlib import Path
 from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.dp.shares import BudgetShares
-from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
+from fedpca.errors import BudgetExceededError, ConfigError, PolicyError, ShareExceededError
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
@@ -559,7 +559,7 @@ def _check_share(shares: BudgetShares, past: list[PrivacyEvent], event: PrivacyE
     """Refuse ``event`` beyond its analyst's share (read from that analyst's releases only)."""
     check = shares.check(past, event)
     if not check.fits:
-        raise BudgetExceededError(
+        raise ShareExceededError(
             f"query {event.query_id!r} refused: it would bring analyst {check.analyst}'s use of "
             f"its share ({check.share:g} of the budget) from {check.used_before:.4%} to "
             f"{check.used_after:.4%}"

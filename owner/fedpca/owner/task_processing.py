@@ -27,6 +27,7 @@ from fedpca.errors import (
     CalibrationError,
     CompositionError,
     PolicyError,
+    ShareExceededError,
     UntrustedKeyError,
 )
 from fedpca.messages import (
@@ -340,6 +341,10 @@ class TaskProcessing(TaskEndings):
                 spec_digest=spec_digest(spec),
                 allow_not_private=self.config.policy.allow_not_private,
             )
+        except ShareExceededError as exc:
+            # Its figures are this analyst's own releases against its share: they tell
+            # it nothing about anyone else's, so they go back with the decline.
+            return self._decline_task(stub, task, DeclineReason.BUDGET_EXHAUSTED, str(exc))
         except BudgetExceededError as exc:
             # The figures compose every analyst's releases: they stay in this log, so
             # that one analyst does not read another's spend here to the digit (whether
