@@ -261,6 +261,25 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
     assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
 
 
+def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: Path) -> None:
+    data = _table(tmp_path / "table.csv")
+    keys = ["sha256:" + c * 64 for c in "abc"]
+    out = tmp_path / "hospital-a"
+    args = ["init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"]
+    args += ["--certs", str(certs), "--data", str(data), "--max-records", "400"]
+    args += [arg for key in keys for arg in ("--analyst-key", key)]
+    args += ["--analyst-signer", TEST_SIGNER, "--equal-analyst-shares"]
+    result = CliRunner().invoke(owner_group, args)
+    assert result.exit_code == 0, result.output
+    config = load_owner_config(out / "owner.toml")
+    assert config.analyst_shares == dict.fromkeys(keys, 1 / 3)
+    assert f"share           0.333333 of it for analyst {keys[2]}" in result.output
+    # Without the flag: one budget for every analyst, as before.
+    again = CliRunner().invoke(owner_group, [*args[:-1], "--force"])
+    assert again.exit_code == 0, again.output
+    assert load_owner_config(out / "owner.toml").analyst_shares == {}
+
+
 def test_owner_init_without_readable_data_and_without_pins(certs: Path, tmp_path: Path) -> None:
     common: dict[str, Any] = {
         "owner_id": "hospital-b",

@@ -65,6 +65,7 @@ def render_owner_config(
     state_dir: str,
     monitoring_listen: str | None,
     n_columns: int | None = None,
+    equal_shares: bool = False,
 ) -> str:
     """The text of an owner.toml for a node folder (paths relative to it)."""
     header_value: bool | str = {"yes": True, "no": False}.get(header, "auto")
@@ -124,6 +125,7 @@ def render_owner_config(
         "[budget]   # the total (epsilon, delta) this owner will ever spend",
         f"epsilon = {toml_value(budget_epsilon)}",
         f"delta = {toml_value(budget_delta)}",
+        *_shares_lines(analyst_keys, equal_shares),
         "",
         "[crypto]",
         "processes = 0   # 0 = all cores",
@@ -148,6 +150,18 @@ def _table_facts(path: Path, header: str, label_column: int | None) -> tuple[int
         path, label_column=label_column, header={"yes": True, "no": False}.get(header, "auto")
     )
     return int(table.features.shape[0]), int(table.features.shape[1])
+
+
+def _shares_lines(analyst_keys: list[str], equal_shares: bool) -> list[str]:
+    """``analyst_shares`` giving each pinned key an equal part of the budget, if asked."""
+    if not equal_shares:
+        return []
+    fraction = 1.0 / len(analyst_keys)
+    table = ", ".join(f"{toml_value(key)} = {fraction!r}" for key in analyst_keys)
+    return [
+        "# each analyst key's part: a decline tells an analyst nothing of the others' spend",
+        f"analyst_shares = {{ {table} }}",
+    ]
 
 
 def write_owner_folder(
@@ -175,6 +189,7 @@ def write_owner_folder(
     state_dir: Path | None = None,
     monitoring_listen: str | None = None,
     force: bool = False,
+    equal_shares: bool = False,
 ) -> tuple[OwnerConfig, tuple[int, int] | None]:
     """Write an owner folder; return its configuration and the data's (records, features).
 
@@ -238,6 +253,7 @@ def write_owner_folder(
         budget_delta=budget_delta,
         state_dir=STATE_DIR if state_dir is None else config_path(state_dir, out),
         monitoring_listen=monitoring_listen,
+        equal_shares=equal_shares,
         # Declared for text and .npy files: without records their export may carry no
         # width (an empty file, an array of shape (0,)); a Parquet schema always does.
         n_columns=(
@@ -331,6 +347,12 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--max-delta-per-query", type=float, help="[the budget's delta, at most 1e-5]")
 @click.option("--budget-epsilon", type=float, default=3.0, show_default=True)
 @click.option("--budget-delta", type=float, default=1e-5, show_default=True)
+@click.option(
+    "--equal-analyst-shares",
+    is_flag=True,
+    help="Give each pinned analyst key an equal share of the budget (budget.analyst_shares): "
+    "a decline then tells an analyst nothing of the others' spending.",
+)
 @click.option("--allow-masked-mode", is_flag=True, help="Take part in masked mode (publishes N).")
 @click.option(
     "--kinds",
@@ -381,6 +403,7 @@ def init_command(
     max_delta_per_query: float | None,
     budget_epsilon: float,
     budget_delta: float,
+    equal_analyst_shares: bool,
     allow_masked_mode: bool,
     kinds: str,
     min_quorum: int,
@@ -423,6 +446,7 @@ def init_command(
             state_dir=state_dir,
             monitoring_listen=monitoring_listen,
             force=force,
+            equal_shares=equal_analyst_shares,
         )
     except (FedpcaError, DataError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -453,4 +477,6 @@ def init_command(
         f"delta {config.budget.delta:g}; at most {config.policy.max_epsilon_per_query:g} "
         "per query"
     )
+    for analyst, fraction in config.analyst_shares.items():
+        click.echo(f"  share           {fraction:.6g} of it for analyst {analyst}")
     click.echo(f"run: fedpca owner serve --config {out / CONFIG_NAME}")
