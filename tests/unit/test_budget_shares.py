@@ -56,32 +56,99 @@ def test_rho_max_is_the_largest_rho_whose_conversion_fits(accountant: Accountant
         assert zcdp_epsilon(z, gaussian_delta) == pytest.approx(BUDGET.epsilon, rel=1e-9)
 
 
-def test_the_owner_wide_budget_never_binds_while_analysts_keep_to_their_shares(
+def test_the_pld_floor_caps_rho_max() -> None:
+    # epsilon 100 at delta 1e-5 would need z below the PLD accountant's floor of 0.1.
+    shares = BudgetShares.for_budget({A: 1.0}, PrivacyParams(100.0, DELTA), "pld-continuous")
+    assert shares.rho_max == pytest.approx(1 / (2 * 0.1**2), rel=1e-12)
+    zcdp = BudgetShares.for_budget({A: 1.0}, PrivacyParams(100.0, DELTA), "zcdp")
+    assert zcdp.rho_max > 50
+
+
+@pytest.mark.parametrize(
+    ("accountant", "budget", "fractions"),
+    [
+        (Accountant.ZCDP, BUDGET, (0.5, 0.3, 0.2)),
+        (Accountant.ZCDP, PrivacyParams(0.05, 1e-9), (1 / 3, 1 / 3, 1 / 3)),
+        (Accountant.PLD_CONTINUOUS, BUDGET, (0.5, 0.3, 0.2)),
+        (Accountant.PLD_CONTINUOUS, PrivacyParams(60.0, 1e-5), (0.6, 0.2, 0.2)),
+    ],
+)
+def test_within_their_shares_the_whole_ledger_fits_the_budget(
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    accountant: Accountant,
+    budget: PrivacyParams,
+    fractions: tuple[float, float, float],
 ) -> None:
-    shares = BudgetShares.for_budget({A: 0.5, B: 0.3, C: 0.2}, BUDGET)
-    ledger = BudgetLedger(tmp_path / "ledger.sqlite3", shares=shares)
+    """The owner-wide check is implied by the shares and not made: random interleavings
+    of releases (some with masked-mode-sized additive deltas) filled to every share,
+    then the whole ledger composed apart, by the accountant itself."""
+    shares = BudgetShares.for_budget(
+        dict(zip((A, B, C), fractions, strict=True)), budget, accountant
+    )
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3", accountant=accountant, shares=shares)
+    assert ledger.within_shares
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the owner-wide composition was computed within the shares")
+
+    monkeypatch.setattr("fedpca.owner.ledger.check_budget", never)
+    monkeypatch.setattr("fedpca.owner.ledger.compose_epsilon", never)
     rng = random.Random(7)
     refused = {A: 0, B: 0, C: 0}
     n = 0
     while min(refused.values()) < 3:
         analyst = rng.choice([A, B, C])
-        extra = 2e-10 if rng.random() < 0.2 else 0.0  # masked-mode-like additive delta
-        event = _event(f"q{n}", analyst, rng.uniform(0.05, 0.6), extra=extra)
+        extra = budget.delta * 1e-5 if rng.random() < 0.2 else 0.0
+        epsilon = budget.epsilon * rng.uniform(0.03, 0.3)
+        z = calibrate_noise_multiplier(epsilon, budget.delta)
+        event = PrivacyEvent(f"q{n}", analyst, z, epsilon, budget.delta, delta_extra=extra)
         n += 1
         try:
-            ledger.reserve(event, BUDGET, spec_digest=event.query_id)
+            decision = ledger.reserve(event, budget, spec_digest=event.query_id)
         except BudgetExceededError as exc:
-            # Always the analyst's share, never the whole budget.
             assert "use of its share" in str(exc), str(exc)
             refused[analyst] += 1
+        else:
+            assert decision.share_used is not None
+            assert decision.share_used[0] < decision.share_used[1] <= 1.0
+    monkeypatch.undo()
     events = [entry.event for entry in ledger.events()]
-    assert len(events) > 6
-    assert shares.over_share(events) == []
-    assert compose_epsilon(events, DELTA) <= BUDGET.epsilon * (1 + BUDGET_ROUNDING_SLACK)
+    assert len(events) > 6 and shares.over_share(events) == []
+    assert compose_epsilon(events, budget.delta, accountant) <= budget.epsilon * (
+        1 + BUDGET_ROUNDING_SLACK
+    )
     # Each analyst got close to its share: the shares do not waste the budget.
     for analyst in (A, B, C):
-        assert 0.8 < shares.used(events, analyst) <= 1.0
+        assert 0.6 < shares.used(events, analyst) <= 1.0
+
+
+def test_over_its_shares_the_ledger_checks_the_whole_budget_as_well(tmp_path: Path) -> None:
+    # A's releases were recorded before the shares: more than A's share of 0.2.
+    path = tmp_path / "ledger.sqlite3"
+    plain = BudgetLedger(path)
+    filled = _decisions(plain, A, [0.6] * 30)
+    assert filled[0] and not filled[-1]  # until the budget refuses
+    shares = BudgetShares.for_budget({A: 0.2, B: 0.8}, BUDGET)
+    ledger = BudgetLedger(path, shares=shares)
+    assert not ledger.within_shares
+    probe = _event("b0", B, 0.6)  # refused to A at the end above
+    assert shares.check([e.event for e in ledger.events()], probe).fits
+    # It fits B's share, but not the whole budget A has used.
+    with pytest.raises(BudgetExceededError, match="over the budget epsilon=2"):
+        ledger.reserve(probe, BUDGET, spec_digest="b0")
+    assert [e.event.analyst for e in ledger.events()].count(B) == 0
+
+
+def test_the_additive_delta_has_its_own_share(tmp_path: Path) -> None:
+    shares = BudgetShares.for_budget({A: 0.5, B: 0.5}, BUDGET)
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3", shares=shares)
+    room = 0.5 * shares.extra_delta_cap
+    # Almost no noise budget used (epsilon 0.01), but more than half A's additive delta.
+    ledger.reserve(_event("a0", A, 0.01, extra=0.6 * room), BUDGET, spec_digest="a0")
+    with pytest.raises(BudgetExceededError, match="use of its share"):
+        ledger.reserve(_event("a1", A, 0.01, extra=0.6 * room), BUDGET, spec_digest="a1")
+    ledger.reserve(_event("b0", B, 0.01, extra=0.6 * room), BUDGET, spec_digest="b0")
 
 
 def _decisions(ledger: BudgetLedger, analyst: str, epsilons: list[float]) -> list[bool]:

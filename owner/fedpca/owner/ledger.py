@@ -64,7 +64,7 @@ from pathlib import Path
 
 from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.dp.shares import BudgetShares
+from fedpca.dp.shares import BudgetShares, ShareCheck
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError, ShareExceededError
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
@@ -108,6 +108,9 @@ class BudgetLedger:
         self.neighbouring = Neighbouring(neighbouring)
         self.accountant = Accountant(accountant)
         self.shares = shares
+        self.within_shares = False
+        """Every recorded release fits its analyst's share (found when the ledger opens;
+        releases admitted later keep it so): the owner-wide check is then implied."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -120,6 +123,8 @@ class BudgetLedger:
                     raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
                 with _immediate(connection):
                     create_or_migrate(connection, self.path, self.neighbouring)
+                if shares is not None:
+                    self.within_shares = self._check_within_shares(shares, _events(connection))
         except sqlite3.DatabaseError as exc:
             # Not a traceback: a damaged or truncated ledger is named. Never start on a
             # new, empty one instead: the budget spent would be forgotten.
@@ -131,6 +136,20 @@ class BudgetLedger:
 
     def __repr__(self) -> str:
         return f"BudgetLedger({str(self.path)!r})"
+
+    @staticmethod
+    def _check_within_shares(shares: BudgetShares, events: list[PrivacyEvent]) -> bool:
+        over = shares.over_share(events)
+        if over:
+            logger.warning(
+                "the ledger's releases exceed the budget share of %s (recorded before "
+                "budget.analyst_shares, or a share was cut): while they do, the whole budget "
+                "is checked after each share and can refuse a query that fits its analyst's "
+                "share, and a decline can again depend on other analysts' releases "
+                "(docs/privacy.md)",
+                ", ".join(over),
+            )
+        return not over
 
     # ------------------------------------------------------------ connection
     @contextmanager
@@ -212,7 +231,11 @@ class BudgetLedger:
                 "WHERE query_id = ?",
                 (event.query_id,),
             ).fetchone()
-            past = _events(connection)
+            # Within the shares the owner-wide check is implied (fedpca.dp.shares) and not
+            # made: only the analyst's own releases are read, so neither the answer nor
+            # the time it takes depends on another analyst's releases.
+            own_only = self.shares is not None and self.within_shares
+            past = _events(connection, analyst=event.analyst if own_only else None)
             replayed = (
                 connection.execute(
                     "SELECT query_id FROM releases WHERE spec_digest = ? AND query_id != ?",
@@ -235,6 +258,17 @@ class BudgetLedger:
                         "parameters; refusing a second, different release under the same id"
                     )
                 logger.info("query %s: budget already reserved, not charged again", event.query_id)
+                if own_only:
+                    assert self.shares is not None
+                    used = self.shares.used(past, event.analyst)
+                    return BudgetDecision(
+                        event.query_id,
+                        budget,
+                        math.nan,
+                        math.nan,
+                        already_reserved=True,
+                        share_used=(used, used),
+                    )
                 spent = self._compose(past, budget)
                 return BudgetDecision(
                     event.query_id,
@@ -254,6 +288,16 @@ class BudgetLedger:
                     "query %s: NOT PRIVATE verification release (epsilon = inf) recorded; a "
                     "finite budget is now exhausted",
                     event.query_id,
+                )
+            elif own_only:
+                assert self.shares is not None
+                share = _check_share(self.shares, past, event)
+                decision = BudgetDecision(
+                    event.query_id,
+                    budget,
+                    math.nan,
+                    math.nan,
+                    share_used=(share.used_before, share.used_after),
                 )
             else:
                 if self.shares is not None:
@@ -547,15 +591,18 @@ def _event(row: tuple[object, ...]) -> PrivacyEvent:
     )
 
 
-def _events(connection: sqlite3.Connection) -> list[PrivacyEvent]:
-    """Every recorded release, verification ones included (they compose to inf)."""
+def _events(connection: sqlite3.Connection, analyst: str | None = None) -> list[PrivacyEvent]:
+    """Every recorded release (only ``analyst``'s if given), verification ones included
+    (they compose to inf)."""
     rows = connection.execute(
-        f"SELECT {_EVENT_COLUMNS} FROM releases ORDER BY recorded_at, query_id"
+        f"SELECT {_EVENT_COLUMNS} FROM releases WHERE ? IS NULL OR analyst = ? "
+        "ORDER BY recorded_at, query_id",
+        (analyst, analyst),
     ).fetchall()
     return [_event(row) for row in rows]
 
 
-def _check_share(shares: BudgetShares, past: list[PrivacyEvent], event: PrivacyEvent) -> None:
+def _check_share(shares: BudgetShares, past: list[PrivacyEvent], event: PrivacyEvent) -> ShareCheck:
     """Refuse ``event`` beyond its analyst's share (read from that analyst's releases only)."""
     check = shares.check(past, event)
     if not check.fits:
@@ -564,6 +611,7 @@ def _check_share(shares: BudgetShares, past: list[PrivacyEvent], event: PrivacyE
             f"its share ({check.share:g} of the budget) from {check.used_before:.4%} to "
             f"{check.used_after:.4%}"
         )
+    return check
 
 
 def owner_ledger(config: OwnerConfig) -> BudgetLedger:
@@ -572,20 +620,9 @@ def owner_ledger(config: OwnerConfig) -> BudgetLedger:
     shares = None
     if config.analyst_shares:
         shares = BudgetShares.for_budget(config.analyst_shares, config.budget, accountant)
-    ledger = BudgetLedger(
+    return BudgetLedger(
         config.ledger_path,
         neighbouring=config.privacy.neighbouring,
         accountant=accountant,
         shares=shares,
     )
-    if shares is not None:
-        over = shares.over_share(entry.event for entry in ledger.events())
-        if over:
-            logger.warning(
-                "the ledger's releases exceed the budget share of %s (recorded before "
-                "budget.analyst_shares, or a share was cut): while they do, the whole "
-                "budget can refuse a query that fits its analyst's share, and a decline can "
-                "again depend on other analysts' releases (docs/privacy.md)",
-                ", ".join(over),
-            )
-    return ledger

@@ -25,6 +25,9 @@ class BudgetDecision:
         finite budget).
     already_reserved : the query id had been reserved before with the same
         parameters; nothing new was charged.
+    share_used : with per-analyst shares and a ledger within them, the part of the
+        analyst's share used without / with this release (1 = all of it); the epsilon
+        figures are then NaN: the owner-wide composition is implied and not computed.
     """
 
     query_id: str
@@ -33,6 +36,7 @@ class BudgetDecision:
     epsilon_spent_after: float
     not_private: bool = False
     already_reserved: bool = False
+    share_used: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)

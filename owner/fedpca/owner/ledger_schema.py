@@ -37,6 +37,8 @@ CREATE TABLE IF NOT EXISTS releases (
     sensitivity REAL NOT NULL DEFAULT 1.0,
     delta_extra REAL NOT NULL DEFAULT 0.0
 );
+CREATE INDEX IF NOT EXISTS releases_by_analyst ON releases (analyst);
+CREATE INDEX IF NOT EXISTS releases_by_digest ON releases (spec_digest);
 CREATE TABLE IF NOT EXISTS tasks (
     query_id TEXT PRIMARY KEY,
     state TEXT NOT NULL,

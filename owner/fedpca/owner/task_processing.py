@@ -363,6 +363,16 @@ class TaskProcessing(TaskEndings):
             )
         except (CalibrationError, PolicyError) as exc:
             return self._decline_task(stub, task, DeclineReason.POLICY_REFUSAL, str(exc))
+        if budget.share_used is not None:
+            before, after = budget.share_used
+            logger.info(
+                "query %s: budget reserved (share of analyst %s used %.4g%% -> %.4g%%)",
+                query_id,
+                spec.analyst_key_fingerprint,
+                100 * before,
+                100 * after,
+            )
+            return plan, decision.table
         logger.info(
             "query %s: budget reserved (epsilon spent %.6g -> %.6g of %g%s)",
             query_id,
