@@ -69,6 +69,7 @@ from fedpca.errors import BudgetExceededError, ConfigError, PolicyError, ShareEx
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
+from fedpca.owner.ledger_rows import EVENT_COLUMNS, event_from_row, read_events, top_rowid
 from fedpca.owner.ledger_schema import create_or_migrate
 from fedpca.query import Neighbouring
 
@@ -109,8 +110,10 @@ class BudgetLedger:
         self.accountant = Accountant(accountant)
         self.shares = shares
         self.within_shares = False
-        """Every recorded release fits its analyst's share (found when the ledger opens;
-        releases admitted later keep it so): the owner-wide check is then implied."""
+        """Every recorded release is of this ledger's relation and fits its analyst's
+        share: the owner-wide check is then implied. Found when the ledger opens, and
+        again whenever another connection has added releases (:meth:`_within_shares_now`)."""
+        self._known_top = -1  # the largest release rowid when within_shares was last found
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -124,7 +127,7 @@ class BudgetLedger:
                 with _immediate(connection):
                     create_or_migrate(connection, self.path, self.neighbouring)
                 if shares is not None:
-                    self.within_shares = self._check_within_shares(shares, _events(connection))
+                    self._within_shares_now(connection)
         except sqlite3.DatabaseError as exc:
             # Not a traceback: a damaged or truncated ledger is named. Never start on a
             # new, empty one instead: the budget spent would be forgotten.
@@ -137,8 +140,27 @@ class BudgetLedger:
     def __repr__(self) -> str:
         return f"BudgetLedger({str(self.path)!r})"
 
-    @staticmethod
-    def _check_within_shares(shares: BudgetShares, events: list[PrivacyEvent]) -> bool:
+    def _within_shares_now(self, connection: sqlite3.Connection) -> bool:
+        """Whether the ledger is within its shares (False without shares).
+
+        Read again, from every release, only when the largest rowid of ``releases`` is
+        not the one this ledger last saw: another connection (a node of an older
+        version, one without shares, another host on a network folder) added releases,
+        which may exceed a share. Otherwise it is kept: this ledger records a release
+        only if it fits its share, so without such writers the ledger stays within, and
+        reading only the largest rowid takes the same time whatever the others spent.
+        """
+        if self.shares is None:
+            return False
+        top = top_rowid(connection)
+        if top != self._known_top:
+            self.within_shares = self._check_within_shares(self.shares, read_events(connection))
+            self._known_top = top
+        return self.within_shares
+
+    def _check_within_shares(self, shares: BudgetShares, events: list[PrivacyEvent]) -> bool:
+        if any(event.neighbouring is not self.neighbouring for event in events):
+            return False  # the owner-wide check then refuses to mix the two relations
         over = shares.over_share(events)
         if over:
             logger.warning(
@@ -198,7 +220,8 @@ class BudgetLedger:
         BudgetExceededError
             If the release does not fit its analyst's share (with ``shares``), or the
             composition of every recorded private release and this one exceeds
-            ``budget`` at ``budget.delta``. Nothing is recorded.
+            ``budget`` at ``budget.delta`` (not computed while the ledger is within its
+            shares, which imply it: :attr:`within_shares`). Nothing is recorded.
         PolicyError
             For a verification (``epsilon = inf``) event without
             ``allow_not_private``, an event stated for another neighbouring relation
@@ -234,8 +257,8 @@ class BudgetLedger:
             # Within the shares the owner-wide check is implied (fedpca.dp.shares) and not
             # made: only the analyst's own releases are read, so neither the answer nor
             # the time it takes depends on another analyst's releases.
-            own_only = self.shares is not None and self.within_shares
-            past = _events(connection, analyst=event.analyst if own_only else None)
+            own_only = self._within_shares_now(connection)
+            past = read_events(connection, analyst=event.analyst if own_only else None)
             replayed = (
                 connection.execute(
                     "SELECT query_id FROM releases WHERE spec_digest = ? AND query_id != ?",
@@ -320,7 +343,7 @@ class BudgetLedger:
                     check.epsilon_spent_before,
                     check.epsilon_spent_after,
                 )
-            connection.execute(
+            inserted = connection.execute(
                 "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
                 "recorded_at, not_private, spec_digest, neighbouring, sensitivity, delta_extra) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -345,6 +368,8 @@ class BudgetLedger:
                 "VALUES (?, ?, '', 0, ?) ON CONFLICT (query_id) DO NOTHING",
                 (event.query_id, TaskOutcome.RESERVED.value, time.time()),
             )
+            if own_only:
+                self._known_top = inserted.lastrowid or -1  # a release within its share
         return decision
 
     def _compose(self, events: list[PrivacyEvent], budget: PrivacyParams) -> float:
@@ -360,11 +385,17 @@ class BudgetLedger:
         """Number of releases recorded at or after ``timestamp`` (the task-rate cap),
         other than the one of task ``excluding``; only ``analyst``'s if given."""
         with self._connect() as connection:
-            row = connection.execute(
-                "SELECT COUNT(*) FROM releases WHERE recorded_at >= ? AND query_id != ? "
-                "AND (? IS NULL OR analyst = ?)",
-                (timestamp, excluding, analyst, analyst),
-            ).fetchone()
+            if analyst is None:
+                row = connection.execute(
+                    "SELECT COUNT(*) FROM releases WHERE recorded_at >= ? AND query_id != ?",
+                    (timestamp, excluding),
+                ).fetchone()
+            else:  # by the analyst index: time grows with this analyst's releases only
+                row = connection.execute(
+                    "SELECT COUNT(*) FROM releases WHERE analyst = ? AND recorded_at >= ? "
+                    "AND query_id != ?",
+                    (analyst, timestamp, excluding),
+                ).fetchone()
         return int(row[0])
 
     def cancel_reservation(self, query_id: str) -> bool:
@@ -386,8 +417,12 @@ class BudgetLedger:
             if started is not None and started[0]:
                 logger.info("query %s: an upload was started; the budget stays charged", query_id)
                 return False
+            seen = self.shares is not None and top_rowid(connection) == self._known_top
             cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
             removed = cursor.rowcount > 0
+            # A refund leaves the ledger within its shares; what another connection added
+            # before it is still to be looked at (the next reservation re-reads then).
+            self._known_top = top_rowid(connection) if seen else -1
             connection.execute(
                 "DELETE FROM tasks WHERE query_id = ? AND state = ?",
                 (query_id, TaskOutcome.RESERVED.value),
@@ -400,10 +435,10 @@ class BudgetLedger:
         """Every recorded release, oldest first (verification releases included)."""
         with self._connect() as connection:
             rows = connection.execute(
-                f"SELECT {_EVENT_COLUMNS}, not_private, spec_digest FROM releases "
+                f"SELECT {EVENT_COLUMNS}, not_private, spec_digest FROM releases "
                 "ORDER BY recorded_at, query_id"
             ).fetchall()
-        return [LedgerEntry(_event(row), bool(row[9]), row[10]) for row in rows]
+        return [LedgerEntry(event_from_row(row), bool(row[9]), row[10]) for row in rows]
 
     def spent(self, delta: float) -> float:
         """Composed epsilon at ``delta`` of every release (inf after a NOT PRIVATE one)."""
@@ -567,39 +602,6 @@ def _immediate(connection: sqlite3.Connection) -> Iterator[None]:
         connection.execute("ROLLBACK")
         raise
     connection.execute("COMMIT")
-
-
-_EVENT_COLUMNS = (
-    "query_id, analyst, noise_multiplier, epsilon, delta, recorded_at, neighbouring, "
-    "sensitivity, delta_extra"
-)
-
-
-def _event(row: tuple[object, ...]) -> PrivacyEvent:
-    return PrivacyEvent.from_dict(
-        {
-            "query_id": row[0],
-            "analyst": row[1],
-            "noise_multiplier": row[2],
-            "epsilon": row[3],
-            "delta": row[4],
-            "timestamp": row[5],
-            "neighbouring": row[6],
-            "sensitivity": row[7],
-            "delta_extra": row[8],
-        }
-    )
-
-
-def _events(connection: sqlite3.Connection, analyst: str | None = None) -> list[PrivacyEvent]:
-    """Every recorded release (only ``analyst``'s if given), verification ones included
-    (they compose to inf)."""
-    rows = connection.execute(
-        f"SELECT {_EVENT_COLUMNS} FROM releases WHERE ? IS NULL OR analyst = ? "
-        "ORDER BY recorded_at, query_id",
-        (analyst, analyst),
-    ).fetchall()
-    return [_event(row) for row in rows]
 
 
 def _check_share(shares: BudgetShares, past: list[PrivacyEvent], event: PrivacyEvent) -> ShareCheck:
