@@ -149,6 +149,10 @@ class BudgetLedger:
         which may exceed a share. Otherwise it is kept: this ledger records a release
         only if it fits its share, so without such writers the ledger stays within, and
         reading only the largest rowid takes the same time whatever the others spent.
+        Not noticed: a writer that removes this ledger's latest release and adds one in
+        its place (SQLite gives it the same rowid); a node's state lock rules out a
+        second writer on one host, and two hosts on one network folder are not supported
+        (docs/operations.md).
         """
         if self.shares is None:
             return False
