@@ -13,7 +13,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+from click.testing import CliRunner
+
+from fedpca.owner.cli import owner_group
+from fedpca.proxy.cli import proxy_group
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -93,9 +98,9 @@ def _check_pod(spec: dict[str, Any], role: str) -> dict[str, Any]:
     }
     (container,) = spec["containers"]
     assert container["image"] == f"fedpca:{_version()}"
-    # The state volume starts empty: the first start creates the database or ledger.
-    create = {"proxy": "--new-database", "owner": "--new-ledger"}[role]
-    assert container["args"] == [role, "serve", "--config", f"{NODE_ROOT}/{role}.toml", create]
+    # Never --new-database / --new-ledger: a lost volume is refused, not replaced by
+    # an empty one (the first-start Job creates the state once).
+    assert container["args"] == [role, "serve", "--config", f"{NODE_ROOT}/{role}.toml"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["monitoring"] == 9464
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -161,6 +166,33 @@ def test_kubernetes_owner() -> None:
     claim = spec["volumes"][[v["name"] for v in spec["volumes"]].index("data")]
     claims = [m["metadata"]["name"] for m in manifests if m["kind"] == "PersistentVolumeClaim"]
     assert claim["persistentVolumeClaim"]["claimName"] in claims
+
+
+@pytest.mark.parametrize(("role", "command"), [("owner", "new-ledger"), ("proxy", "new-database")])
+def test_kubernetes_first_start_creates_the_state_once_on_the_pods_volume(
+    role: str, command: str
+) -> None:
+    (stateful,) = [m for m in _manifests(f"{role}.yaml") if m["kind"] == "StatefulSet"]
+    (job,) = _manifests(f"{role}-first-start.yaml")
+    assert job["kind"] == "Job"
+    pod, spec = stateful["spec"]["template"]["spec"], job["spec"]["template"]["spec"]
+    assert spec["securityContext"] == pod["securityContext"]
+    (container,) = spec["containers"]
+    assert container["image"] == f"fedpca:{_version()}"
+    assert container["args"] == [role, command, "--config", f"{NODE_ROOT}/{role}.toml"]
+    group = {"owner": owner_group, "proxy": proxy_group}[role]
+    assert CliRunner().invoke(group, [command, "--help"]).exit_code == 0
+    # The same files at the same paths as the node's own container.
+    assert container["volumeMounts"] == pod["containers"][0]["volumeMounts"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert [v for v in spec["volumes"] if v["name"] != "state"] == pod["volumes"]
+    # The state volume is the claim the StatefulSet made for its pod 0, on its node.
+    (template,) = stateful["spec"]["volumeClaimTemplates"]
+    claim = f"{template['metadata']['name']}-{stateful['metadata']['name']}-0"
+    assert volumes["state"]["persistentVolumeClaim"] == {"claimName": claim}
+    (term,) = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"] == stateful["spec"]["selector"]["matchLabels"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
 
 
 def test_dockerfile_runs_from_the_node_folder() -> None:

@@ -124,6 +124,19 @@ def _own_epsilon(epsilon: float) -> float:
     return compose_epsilon([calibrate_noise_multiplier(epsilon, 1e-6)], 1e-5)
 
 
+def test_new_ledger_creates_it_once_and_never_replaces_one(tmp_path: Path) -> None:
+    path = _write_config(tmp_path)
+    config = load_config(path)
+    created = CliRunner().invoke(owner_group, ["new-ledger", "--config", str(path)])
+    assert created.exit_code == 0, created.output
+    assert f"created the budget ledger {config.ledger_path}" in created.output
+    z = calibrate_noise_multiplier(0.5, 1e-5)
+    owner_ledger(config).reserve(PrivacyEvent("alice/q", "sha256:a", z, 0.5, 1e-5), config.budget)
+    again = CliRunner().invoke(owner_group, ["new-ledger", "--config", str(path)])
+    assert again.exit_code == 0 and "exists: left as it is" in again.output
+    assert [e.event.query_id for e in owner_ledger(config).events()] == ["alice/q"]
+
+
 def test_budget_lists_spent_next_query_and_queries(tmp_path: Path) -> None:
     path = _write_config(tmp_path)
     config = load_config(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -146,6 +147,20 @@ def test_serve_refuses_a_database_that_does_not_exist(tmp_path: Path) -> None:
     assert f"the proxy database {typo} does not exist" in result.output
     assert "--new-database" in result.output
     assert not typo.exists() and not database.exists()
+
+
+def test_new_database_creates_it_once_and_never_replaces_one(tmp_path: Path) -> None:
+    config, _ = write_config(tmp_path)
+    database = tmp_path / "state" / "proxy.sqlite3"
+    created = CliRunner().invoke(proxy_group, ["new-database", "--config", str(config)])
+    assert created.exit_code == 0, created.output
+    assert f"created the proxy database {database}" in created.output
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE marker (x)")
+    again = CliRunner().invoke(proxy_group, ["new-database", "--config", str(config)])
+    assert again.exit_code == 0 and "exists: left as it is" in again.output
+    with sqlite3.connect(database) as connection:  # the same file, not a new one
+        assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'marker'").fetchone()
 
 
 def test_serve_refuses_a_bad_config(tmp_path: Path) -> None:

@@ -116,7 +116,8 @@ def serve_command(
             raise ConfigError(
                 _missing_ledger(config.ledger_path, "(or --state-dir)")
                 + " a new, empty ledger would start this owner's budget again at zero. "
-                "To start a new one here, pass --new-ledger"
+                "To start a new one here, pass --new-ledger (or run `fedpca owner new-ledger` "
+                "once)"
             )
         node = OwnerNode(config)
         node.hold_state_folder()  # before the monitoring port: the reason, not the port
@@ -320,6 +321,34 @@ def _missing_ledger(path: Path, override: str) -> str:
         f"node's folder; if this node ran before, [owner] state_dir{flag} names the wrong "
         "folder:"
     )
+
+
+@owner_group.command("new-ledger")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The owner's TOML configuration.",
+)
+def new_ledger_command(config_path: Path) -> None:
+    """Create this owner's budget ledger in [owner] state_dir, once, before its first
+    `serve` (a ledger already there is left as it is).
+
+    For a node whose state folder starts empty (a Kubernetes volume): `serve` then never
+    needs --new-ledger, so a volume lost or replaced later is refused instead of
+    silently starting the budget at zero."""
+    from fedpca.owner.ledger import owner_ledger
+
+    try:
+        config = load_config(config_path)
+        if config.ledger_path.exists():
+            click.echo(f"the budget ledger {config.ledger_path} exists: left as it is")
+            return
+        owner_ledger(config)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"created the budget ledger {config.ledger_path}: this owner's budget is unspent")
 
 
 owner_group.add_command(init_command)

@@ -115,7 +115,7 @@ def serve_command(
             "before, the path is wrong ([proxy] database or --database): a new, empty "
             "database would start every analyst's budget again at zero. `fedpca proxy init` "
             "creates the database with the folder; to start a new one here, pass "
-            "--new-database"
+            "--new-database (or run `fedpca proxy new-database` once)"
         )
     ensure_open_files(needed_open_files(len(config.owners.allowed)))
     stop = threading.Event()
@@ -262,6 +262,37 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
         f"{len(report.already_recorded)} already recorded; {len(report.refunded)} of "
         "queries this database refunded with no upload begun, not charged"
     )
+
+
+@proxy_group.command("new-database")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The proxy's TOML configuration.",
+)
+def new_database_command(config_path: Path) -> None:
+    """Create the proxy's database at [proxy] database, once, before its first `serve`
+    (a database already there is left as it is).
+
+    For a proxy whose state volume starts empty (Kubernetes): `serve` then never needs
+    --new-database, so a volume lost or replaced later is refused instead of silently
+    starting every analyst's budget at zero."""
+    from fedpca.proxy.store import ProxyStore
+
+    try:
+        config = _load(config_path)
+        database = config.proxy.database
+        if database.exists():
+            click.echo(f"the proxy database {database} exists: left as it is")
+            return
+        ProxyStore(
+            database, neighbouring=config.privacy.neighbouring, announce_creation=False
+        ).close()
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"created the proxy database {database}: every analyst's budget is unspent")
 
 
 proxy_group.add_command(init_command)
