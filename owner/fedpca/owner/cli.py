@@ -13,9 +13,11 @@ import json
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
+from typing import Any, TypeVar
 
 import click
 
@@ -32,6 +34,19 @@ from fedpca.query import DEFAULT_QUERY_DELTA
 __all__ = ["owner_group"]
 
 logger = logging.getLogger(__name__)
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def _config_option() -> Callable[[_Command], _Command]:
+    """The ``--config`` option every owner command takes (its loader names a missing file)."""
+    return click.option(
+        "--config",
+        "config_path",
+        required=True,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="The owner's TOML config (owner.toml).",
+    )
 
 
 def _configure_logging(verbose: int) -> None:
@@ -50,13 +65,7 @@ def owner_group() -> None:
 
 
 @owner_group.command("serve")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The owner's TOML config (owner.toml).",
-)
+@_config_option()
 @click.option("--proxy", metavar="HOST:PORT", help="The proxy (overrides owner.proxy).")
 @click.option(
     "--data",
@@ -150,13 +159,7 @@ def serve_command(
 
 
 @owner_group.command("probe")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The owner's TOML config (owner.toml).",
-)
+@_config_option()
 @click.option(
     "--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds."
 )
@@ -182,13 +185,7 @@ def probe_command(config_path: Path, timeout: float, local: bool) -> None:
 
 
 @owner_group.command("budget")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The owner's TOML config (owner.toml).",
-)
+@_config_option()
 @budget_delta_options("this owner's")
 @click.option(
     "--json",
@@ -324,13 +321,7 @@ def _missing_ledger(path: Path, override: str) -> str:
 
 
 @owner_group.command("new-ledger")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The owner's TOML configuration.",
-)
+@_config_option()
 def new_ledger_command(config_path: Path) -> None:
     """Create this owner's budget ledger in [owner] state_dir, once, before its first
     `serve` (a ledger already there is left as it is).

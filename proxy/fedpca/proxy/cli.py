@@ -18,8 +18,10 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any, TypeVar
 
 import click
 
@@ -33,6 +35,19 @@ from fedpca.proxy.open_files import ensure_open_files, needed_open_files
 __all__ = ["proxy_group"]
 
 logger = logging.getLogger(__name__)
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def _config_option(help: str = "The proxy's TOML configuration.") -> Callable[[_Command], _Command]:
+    """The ``--config`` option every proxy command takes."""
+    return click.option(
+        "--config",
+        "config_path",
+        required=True,
+        type=click.Path(dir_okay=False, exists=True, path_type=Path),
+        help=help,
+    )
 
 
 def _configure_logging(verbose: int) -> None:
@@ -57,13 +72,7 @@ def proxy_group() -> None:
 
 
 @proxy_group.command("serve")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The proxy's TOML configuration.",
-)
+@_config_option()
 @click.option("--listen", help="host:port to bind (overrides proxy.listen; port 0 = any).")
 @click.option(
     "--database",
@@ -142,13 +151,7 @@ def serve_command(
 
 
 @proxy_group.command("status")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The proxy's TOML configuration (for the database path).",
-)
+@_config_option("The proxy's TOML configuration (for the database path).")
 def status_command(config_path: Path) -> None:
     """List the proxy's queries: id, analyst, state, owners, failure reason."""
     from fedpca.proxy.store import ProxyStore
@@ -184,13 +187,7 @@ def status_command(config_path: Path) -> None:
 
 
 @proxy_group.command("import-releases")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The proxy's TOML configuration (for the database path and relation).",
-)
+@_config_option("The proxy's TOML configuration (for the database path and relation).")
 @click.option("--dry-run", is_flag=True, help="Say what would be charged; change nothing.")
 @click.argument(
     "exports", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path)
@@ -265,13 +262,7 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
 
 
 @proxy_group.command("new-database")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="The proxy's TOML configuration.",
-)
+@_config_option()
 def new_database_command(config_path: Path) -> None:
     """Create the proxy's database at [proxy] database, once, before its first `serve`
     (a database already there is left as it is).
