@@ -198,8 +198,9 @@ def budget_command(
     config_path: Path, delta: float | None, query_delta: float | None, as_json: bool
 ) -> None:
     """Print the epsilon spent, the largest epsilon a next query may ask for (found with
-    this owner's own checks, for a query with the default zcdp calibration), and every
-    release recorded in the ledger."""
+    this owner's own checks, for a query with the default zcdp calibration; per analyst,
+    with the part of its share used, under budget.analyst_shares), and every release
+    recorded in the ledger."""
     from fedpca.dp.next_query import MAX_ADMISSION_CHECKS, largest_admissible_epsilon
     from fedpca.owner.ledger import owner_ledger
 
