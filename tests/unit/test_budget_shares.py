@@ -441,8 +441,32 @@ def test_within_its_shares_refunds_and_repeats_read_only_the_analysts_releases(
     assert read[-1] == B
 
 
-def test_one_analysts_releases_are_read_through_its_index(tmp_path: Path) -> None:
+def test_one_analysts_releases_and_a_tasks_digest_are_found_by_index(tmp_path: Path) -> None:
     ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
     with sqlite3.connect(ledger.path) as connection:
-        plan = connection.execute(f"EXPLAIN QUERY PLAN {OWN_RELEASES_SQL}", (A,)).fetchall()
-    assert "USING INDEX releases_by_analyst" in " ".join(str(row) for row in plan)
+        own = connection.execute(f"EXPLAIN QUERY PLAN {OWN_RELEASES_SQL}", (A,)).fetchall()
+        digest = connection.execute(
+            "EXPLAIN QUERY PLAN SELECT query_id FROM tasks WHERE spec_digest = ?", ("d",)
+        ).fetchall()
+    assert "USING INDEX releases_by_analyst" in " ".join(str(row) for row in own)
+    assert "USING INDEX tasks_by_digest" in " ".join(str(row) for row in digest)
+
+
+def test_within_shares_a_ledger_refuses_another_budget(tmp_path: Path) -> None:
+    ledger = BudgetLedger(
+        tmp_path / "ledger.sqlite3", shares=BudgetShares.for_budget({A: 1.0}, BUDGET)
+    )
+    with pytest.raises(ConfigError, match="shares were made for the budget"):
+        ledger.reserve(_event("a0", A, 0.1), PrivacyParams(0.5, DELTA), spec_digest="a0")
+    assert ledger.events() == []
+
+
+def test_the_over_share_warning_is_given_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    _decisions(BudgetLedger(path), A, [0.6] * 3)
+    with caplog.at_level(logging.WARNING, logger="fedpca.owner.ledger"):
+        ledger = BudgetLedger(path, shares=BudgetShares.for_budget({A: 0.1, B: 0.9}, BUDGET))
+        assert _decisions(ledger, B, [0.05] * 3) == [True] * 3
+    assert caplog.text.count("exceed the budget share") == 1

@@ -135,6 +135,12 @@ def test_new_ledger_creates_it_once_and_never_replaces_one(tmp_path: Path) -> No
     again = CliRunner().invoke(owner_group, ["new-ledger", "--config", str(path)])
     assert again.exit_code == 0 and "exists: left as it is" in again.output
     assert [e.event.query_id for e in owner_ledger(config).events()] == ["alice/q"]
+    # A folder a node ran on (its lock file is left) whose ledger is gone: refused.
+    (config.owner.state_dir / "node.lock").touch()
+    config.ledger_path.unlink()
+    refused = CliRunner().invoke(owner_group, ["new-ledger", "--config", str(path)])
+    assert refused.exit_code == 1 and "holds node.lock but no ledger" in refused.output
+    assert not config.ledger_path.exists()
 
 
 def test_budget_lists_spent_next_query_and_queries(tmp_path: Path) -> None:

@@ -161,6 +161,13 @@ def test_new_database_creates_it_once_and_never_replaces_one(tmp_path: Path) -> 
     assert again.exit_code == 0 and "exists: left as it is" in again.output
     with sqlite3.connect(database) as connection:  # the same file, not a new one
         assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'marker'").fetchone()
+    # A proxy ran on it (its lock file is left) and the database is gone: refused.
+    (database.parent / "proxy.sqlite3.lock").touch()
+    for suffix in ("", "-wal", "-shm"):
+        database.with_name(database.name + suffix).unlink(missing_ok=True)
+    refused = CliRunner().invoke(proxy_group, ["new-database", "--config", str(config)])
+    assert refused.exit_code == 1 and "a proxy ran on this database" in refused.output
+    assert not database.exists()
 
 
 def test_serve_refuses_a_bad_config(tmp_path: Path) -> None:

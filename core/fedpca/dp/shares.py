@@ -143,6 +143,8 @@ class BudgetShares:
     fractions: Mapping[str, float]
     rho_max: float
     extra_delta_cap: float
+    budget: PrivacyParams
+    """The budget the shares divide (a ledger refuses to check them against another)."""
 
     @classmethod
     def for_budget(
@@ -168,7 +170,7 @@ class BudgetShares:
             )
         except CalibrationError as exc:
             raise ConfigError(f"budget.analyst_shares: {exc}") from None
-        return cls(dict(fractions), 1.0 / (2.0 * z * z), extra_cap)
+        return cls(dict(fractions), 1.0 / (2.0 * z * z), extra_cap, budget)
 
     def share_of(self, analyst: str) -> float:
         """The analyst's fraction (0 for a key without a share)."""

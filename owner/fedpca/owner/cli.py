@@ -337,6 +337,13 @@ def new_ledger_command(config_path: Path) -> None:
         if config.ledger_path.exists():
             click.echo(f"the budget ledger {config.ledger_path} exists: left as it is")
             return
+        ran = [p for p in ("node.lock", "shares") if (config.owner.state_dir / p).exists()]
+        if ran:
+            raise ConfigError(
+                f"{config.owner.state_dir} holds {ran[0]} but no ledger: a node ran on this "
+                "folder and its ledger is gone. A new one would start this owner's budget "
+                "again at zero; restore the ledger from a backup (docs/operations.md)"
+            )
         owner_ledger(config)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -262,6 +262,10 @@ class BudgetLedger:
             # made: only the analyst's own releases are read, so neither the answer nor
             # the time it takes depends on another analyst's releases.
             own_only = self._within_shares_now(connection)
+            if own_only and self.shares is not None and budget != self.shares.budget:
+                raise ConfigError(
+                    f"the shares were made for the budget {self.shares.budget}, not {budget}"
+                )
             past = read_events(connection, analyst=event.analyst if own_only else None)
             replayed = (
                 connection.execute(
@@ -372,8 +376,8 @@ class BudgetLedger:
                 "VALUES (?, ?, '', 0, ?) ON CONFLICT (query_id) DO NOTHING",
                 (event.query_id, TaskOutcome.RESERVED.value, time.time()),
             )
-            if own_only:
-                self._known_top = inserted.lastrowid or -1  # a release within its share
+            if self.shares is not None:  # a release within its share: nothing new to check
+                self._known_top = inserted.lastrowid or -1
         return decision
 
     def _compose(self, events: list[PrivacyEvent], budget: PrivacyParams) -> float:

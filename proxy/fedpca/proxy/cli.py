@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import click
 
 from fedpca.allocator import map_large_blocks
-from fedpca.errors import FedpcaError
+from fedpca.errors import ConfigError, FedpcaError
 from fedpca.logs import configure_logging
 from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.init import init_command
@@ -278,6 +278,13 @@ def new_database_command(config_path: Path) -> None:
         if database.exists():
             click.echo(f"the proxy database {database} exists: left as it is")
             return
+        lock = database.with_name(database.name + ".lock")
+        if lock.exists():
+            raise ConfigError(
+                f"{lock} exists but {database} does not: a proxy ran on this database and "
+                "it is gone. A new one would start every analyst's budget again at zero; "
+                "restore it from a backup (docs/operations.md)"
+            )
         ProxyStore(
             database, neighbouring=config.privacy.neighbouring, announce_creation=False
         ).close()
