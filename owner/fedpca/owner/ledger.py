@@ -261,12 +261,13 @@ class BudgetLedger:
             # Within the shares the owner-wide check is implied (fedpca.dp.shares) and not
             # made: only the analyst's own releases are read, so neither the answer nor
             # the time it takes depends on another analyst's releases.
-            own_only = self._within_shares_now(connection)
-            if own_only and self.shares is not None and budget != self.shares.budget:
+            # The shares, when the ledger is within them (None otherwise).
+            within = self.shares if self._within_shares_now(connection) else None
+            if within is not None and budget != within.budget:
                 raise ConfigError(
-                    f"the shares were made for the budget {self.shares.budget}, not {budget}"
+                    f"the shares were made for the budget {within.budget}, not {budget}"
                 )
-            past = read_events(connection, analyst=event.analyst if own_only else None)
+            past = read_events(connection, analyst=None if within is None else event.analyst)
             replayed = (
                 connection.execute(
                     "SELECT query_id FROM releases WHERE spec_digest = ? AND query_id != ?",
@@ -289,16 +290,10 @@ class BudgetLedger:
                         "parameters; refusing a second, different release under the same id"
                     )
                 logger.info("query %s: budget already reserved, not charged again", event.query_id)
-                if own_only:
-                    assert self.shares is not None
-                    used = self.shares.used(past, event.analyst)
-                    return BudgetDecision(
-                        event.query_id,
-                        budget,
-                        math.nan,
-                        math.nan,
-                        already_reserved=True,
-                        share_used=(used, used),
+                if within is not None:
+                    used = within.used(past, event.analyst)
+                    return BudgetDecision.within_share(
+                        event.query_id, budget, used, used, already_reserved=True
                     )
                 spent = self._compose(past, budget)
                 return BudgetDecision(
@@ -320,15 +315,10 @@ class BudgetLedger:
                     "finite budget is now exhausted",
                     event.query_id,
                 )
-            elif own_only:
-                assert self.shares is not None
-                share = _check_share(self.shares, past, event)
-                decision = BudgetDecision(
-                    event.query_id,
-                    budget,
-                    math.nan,
-                    math.nan,
-                    share_used=(share.used_before, share.used_after),
+            elif within is not None:
+                share = _check_share(within, past, event)
+                decision = BudgetDecision.within_share(
+                    event.query_id, budget, share.used_before, share.used_after
                 )
             else:
                 if self.shares is not None:

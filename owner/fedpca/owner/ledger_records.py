@@ -3,6 +3,7 @@ reservation's decision, a recorded release, and what became of a task."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -37,6 +38,27 @@ class BudgetDecision:
     not_private: bool = False
     already_reserved: bool = False
     share_used: tuple[float, float] | None = None
+
+    @classmethod
+    def within_share(
+        cls,
+        query_id: str,
+        budget: PrivacyParams,
+        used_before: float,
+        used_after: float,
+        *,
+        already_reserved: bool = False,
+    ) -> BudgetDecision:
+        """A reservation decided by its analyst's share alone (the owner-wide epsilon
+        figures are not computed: NaN)."""
+        return cls(
+            query_id,
+            budget,
+            math.nan,
+            math.nan,
+            already_reserved=already_reserved,
+            share_used=(used_before, used_after),
+        )
 
 
 @dataclass(frozen=True)
