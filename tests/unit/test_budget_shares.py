@@ -410,6 +410,40 @@ def test_releases_another_writer_adds_are_looked_at(
     assert compose_epsilon(events, DELTA) <= BUDGET.epsilon * (1 + BUDGET_ROUNDING_SLACK)
 
 
+def test_a_release_written_in_place_of_the_latest_is_looked_at(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    node = BudgetLedger(path, shares=BudgetShares.for_budget({A: 0.5, B: 0.5}, BUDGET))
+    node.reserve(_event("a0", A, 0.3), BUDGET, spec_digest="a0")
+    with sqlite3.connect(path) as raw:
+        (rowid,) = raw.execute("SELECT rowid FROM releases WHERE query_id = 'a0'").fetchone()
+    # Another writer refunds A's latest release and records one past A's share in its
+    # place: SQLite gives the new row the same rowid, so the largest rowid is unchanged.
+    other = BudgetLedger(path)
+    assert other.cancel_reservation("a0")
+    other.reserve(_event("a-big", A, 1.9), BUDGET, spec_digest="a-big")
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("SELECT MAX(rowid) FROM releases").fetchone() == (rowid,)
+    assert node.within_shares
+    node.reserve(_event("b0", B, 0.1), BUDGET, spec_digest="b0")
+    assert not node.within_shares  # noticed: the owner-wide check is made again
+
+
+def test_every_write_to_the_releases_is_counted_by_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    BudgetLedger(path)
+    counts = []
+    with sqlite3.connect(path) as raw:  # a writer that is not fedpca at all
+        for statement in (
+            "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
+            "recorded_at, not_private, spec_digest) VALUES ('q', 'a', 1, 1, 1e-6, 0, 0, 'd')",
+            "UPDATE releases SET epsilon = 2",
+            "DELETE FROM releases",
+        ):
+            raw.execute(statement)
+            counts.append(ledger_module.release_changes(raw))
+    assert counts == [1, 2, 3]
+
+
 def test_within_its_shares_refunds_and_repeats_read_only_the_analysts_releases(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -69,7 +69,7 @@ from fedpca.errors import BudgetExceededError, ConfigError, PolicyError, ShareEx
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
-from fedpca.owner.ledger_rows import EVENT_COLUMNS, event_from_row, read_events, top_rowid
+from fedpca.owner.ledger_rows import EVENT_COLUMNS, event_from_row, read_events, release_changes
 from fedpca.owner.ledger_schema import create_or_migrate
 from fedpca.query import Neighbouring
 
@@ -112,8 +112,8 @@ class BudgetLedger:
         self.within_shares = False
         """Every recorded release is of this ledger's relation and fits its analyst's
         share: the owner-wide check is then implied. Found when the ledger opens, and
-        again whenever another connection has added releases (:meth:`_within_shares_now`)."""
-        self._known_top = -1  # the largest release rowid when within_shares was last found
+        again whenever another connection has written releases (:meth:`_within_shares_now`)."""
+        self._known_changes = -1  # the ledger's count of release writes when last found
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -143,23 +143,20 @@ class BudgetLedger:
     def _within_shares_now(self, connection: sqlite3.Connection) -> bool:
         """Whether the ledger is within its shares (False without shares).
 
-        Read again, from every release, only when the largest rowid of ``releases`` is
-        not the one this ledger last saw: another connection (a node of an older
-        version, one without shares, another host on a network folder) added releases,
-        which may exceed a share. Otherwise it is kept: this ledger records a release
-        only if it fits its share, so without such writers the ledger stays within, and
-        reading only the largest rowid takes the same time whatever the others spent.
-        Not noticed: a writer that removes this ledger's latest release and adds one in
-        its place (SQLite gives it the same rowid); a node's state lock rules out a
-        second writer on one host, and two hosts on one network folder are not supported
-        (docs/operations.md).
+        Read again, from every release, only when the ledger's count of release writes
+        (kept by triggers in the database file, so by every writer) is not the one this
+        ledger last saw: another connection (a node of an older version, one without
+        shares, another host on a network folder) wrote releases, which may exceed a
+        share. Otherwise it is kept: this ledger records a release only if it fits its
+        share, so without such writers the ledger stays within, and reading one counter
+        takes the same time whatever the others spent.
         """
         if self.shares is None:
             return False
-        top = top_rowid(connection)
-        if top != self._known_top:
+        changes = release_changes(connection)
+        if changes != self._known_changes:
             self.within_shares = self._check_within_shares(self.shares, read_events(connection))
-            self._known_top = top
+            self._known_changes = changes
         return self.within_shares
 
     def _check_within_shares(self, shares: BudgetShares, events: list[PrivacyEvent]) -> bool:
@@ -341,7 +338,7 @@ class BudgetLedger:
                     check.epsilon_spent_before,
                     check.epsilon_spent_after,
                 )
-            inserted = connection.execute(
+            connection.execute(
                 "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
                 "recorded_at, not_private, spec_digest, neighbouring, sensitivity, delta_extra) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -367,7 +364,7 @@ class BudgetLedger:
                 (event.query_id, TaskOutcome.RESERVED.value, time.time()),
             )
             if self.shares is not None:  # a release within its share: nothing new to check
-                self._known_top = inserted.lastrowid or -1
+                self._known_changes = release_changes(connection)
         return decision
 
     def _compose(self, events: list[PrivacyEvent], budget: PrivacyParams) -> float:
@@ -415,12 +412,12 @@ class BudgetLedger:
             if started is not None and started[0]:
                 logger.info("query %s: an upload was started; the budget stays charged", query_id)
                 return False
-            seen = self.shares is not None and top_rowid(connection) == self._known_top
+            seen = self.shares is not None and release_changes(connection) == self._known_changes
             cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
             removed = cursor.rowcount > 0
             # A refund leaves the ledger within its shares; what another connection added
             # before it is still to be looked at (the next reservation re-reads then).
-            self._known_top = top_rowid(connection) if seen else -1
+            self._known_changes = release_changes(connection) if seen else -1
             connection.execute(
                 "DELETE FROM tasks WHERE query_id = ? AND state = ?",
                 (query_id, TaskOutcome.RESERVED.value),

@@ -6,8 +6,9 @@ from __future__ import annotations
 import sqlite3
 
 from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.owner.ledger_schema import RELEASE_CHANGES_KEY
 
-__all__ = ["EVENT_COLUMNS", "OWN_RELEASES_SQL", "event_from_row", "read_events", "top_rowid"]
+__all__ = ["EVENT_COLUMNS", "OWN_RELEASES_SQL", "event_from_row", "read_events", "release_changes"]
 
 EVENT_COLUMNS = (
     "query_id, analyst, noise_multiplier, epsilon, delta, recorded_at, neighbouring, "
@@ -52,6 +53,10 @@ def read_events(connection: sqlite3.Connection, analyst: str | None = None) -> l
     return [event_from_row(row) for row in rows]
 
 
-def top_rowid(connection: sqlite3.Connection) -> int:
-    """The largest rowid of ``releases`` (0 when empty): one step down the table's b-tree."""
-    return int(connection.execute("SELECT COALESCE(MAX(rowid), 0) FROM releases").fetchone()[0])
+def release_changes(connection: sqlite3.Connection) -> int:
+    """How many times any connection has written to ``releases`` (one ``meta`` row kept
+    by triggers, :func:`fedpca.owner.ledger_schema.create_or_migrate`)."""
+    row = connection.execute(
+        "SELECT value FROM meta WHERE key = ?", (RELEASE_CHANGES_KEY,)
+    ).fetchone()
+    return int(row[0])

@@ -10,7 +10,13 @@ from pathlib import Path
 from fedpca.errors import ConfigError
 from fedpca.query import Neighbouring
 
-__all__ = ["LEGACY_MIGRATION_FACTOR", "SCHEMA", "SCHEMA_VERSION", "create_or_migrate"]
+__all__ = [
+    "LEGACY_MIGRATION_FACTOR",
+    "RELEASE_CHANGES_KEY",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "create_or_migrate",
+]
 
 logger = logging.getLogger("fedpca.owner.ledger")
 
@@ -78,6 +84,33 @@ def create_or_migrate(
     # After the migrations: tasks.spec_digest exists from schema 5 on. The replay lookup
     # of every new task (answered_under) searches it instead of scanning every task.
     connection.execute("CREATE INDEX IF NOT EXISTS tasks_by_digest ON tasks (spec_digest)")
+    _count_release_changes(connection)
+
+
+RELEASE_CHANGES_KEY = "releases_changes"
+"""The ``meta`` row counting every write to ``releases`` (see :func:`_count_release_changes`)."""
+
+
+def _count_release_changes(connection: sqlite3.Connection) -> None:
+    """Triggers that add one to ``meta.releases_changes`` at every insert, update and
+    delete of a release, by any connection, whatever fedpca version it runs.
+
+    They live in the database file, so a ledger with budget shares knows whether anyone
+    has written a release since it last looked by reading one row, where the largest
+    rowid missed a writer that removed the latest release and added another in its
+    place (SQLite can give it the same rowid). Added to ledgers of any schema without a
+    version change: an older node writing to the file fires them too.
+    """
+    connection.execute(
+        "INSERT OR IGNORE INTO meta (key, value) VALUES (?, '0')", (RELEASE_CHANGES_KEY,)
+    )
+    for event in ("INSERT", "UPDATE", "DELETE"):
+        connection.execute(
+            f"CREATE TRIGGER IF NOT EXISTS releases_{event.lower()}_counted "
+            f"AFTER {event} ON releases BEGIN "
+            "UPDATE meta SET value = CAST(value AS INTEGER) + 1 "
+            f"WHERE key = '{RELEASE_CHANGES_KEY}'; END"
+        )
 
 
 def _migrate_schema_1(
