@@ -95,6 +95,16 @@ def test_re_reserving_the_same_query_is_idempotent(tmp_path: Path) -> None:
     assert ledger.spent(DELTA) == pytest.approx(0.7, abs=1e-6)
 
 
+def test_the_digest_a_query_was_reserved_for_is_read_by_its_id(tmp_path: Path) -> None:
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    z = calibrate_noise_multiplier(0.3, DELTA)
+    ledger.reserve(_event("q1", z, 0.3), BUDGET, spec_digest="d1")
+    ledger.reserve(_event("q2", z, 0.3), BUDGET, spec_digest="d2")
+    assert ledger.reserved_digest("q1") == "d1"
+    assert ledger.reserved_digest("q2") == "d2"
+    assert ledger.reserved_digest("q3") is None
+
+
 def test_same_query_id_with_other_parameters_is_refused(tmp_path: Path) -> None:
     ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
     ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")

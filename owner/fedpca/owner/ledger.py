@@ -435,6 +435,17 @@ class BudgetLedger:
             ).fetchall()
         return [LedgerEntry(event_from_row(row), bool(row[9]), row[10]) for row in rows]
 
+    def reserved_digest(self, query_id: str) -> str | None:
+        """The signed-query digest ``query_id`` was reserved for (None: not reserved).
+
+        One row by its key: what a resumed upload checks its task against, read in the
+        same time whatever else the ledger holds."""
+        with self._connect() as connection:
+            row = connection.execute(
+                "SELECT spec_digest FROM releases WHERE query_id = ?", (query_id,)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
     def spent(self, delta: float) -> float:
         """Composed epsilon at ``delta`` of every release (inf after a NOT PRIVATE one)."""
         return compose_epsilon(

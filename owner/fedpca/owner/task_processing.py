@@ -212,12 +212,8 @@ class TaskProcessing(TaskEndings):
             # Data of this task may already be at the proxy: finish what was agreed, and
             # only that: the task sent again must be the signed query the budget was
             # reserved for, under the pinned key (the proxy chooses what it sends).
-            reserved = next(
-                (e.spec_digest for e in self.ledger.events() if e.event.query_id == query_id),
-                None,
-            )
             try:
-                check_resumed_task(task, self.config.policy, reserved)
+                check_resumed_task(task, self.config.policy, self.ledger.reserved_digest(query_id))
             except UntrustedKeyError as exc:
                 logger.error("query %s: upload %s not resumed: %s", query_id, record.upload_id, exc)
                 return None
