@@ -105,6 +105,19 @@ def test_the_digest_a_query_was_reserved_for_is_read_by_its_id(tmp_path: Path) -
     assert ledger.reserved_digest("q3") is None
 
 
+def test_release_outcomes_are_the_task_states_of_recorded_releases(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    ledger = BudgetLedger(path)
+    z = calibrate_noise_multiplier(0.2, DELTA)
+    for query_id in ("q1", "q2", "q3"):
+        ledger.reserve(_event(query_id, z, 0.2), BUDGET, spec_digest=query_id)
+    ledger.record_task("q2", TaskOutcome.UPLOADED)
+    ledger.record_task("declined", TaskOutcome.DECLINED)  # a task without a release
+    with sqlite3.connect(path) as raw:  # a release recorded before tasks were kept
+        raw.execute("DELETE FROM tasks WHERE query_id = 'q3'")
+    assert ledger.release_outcomes() == {"q1": TaskOutcome.RESERVED, "q2": TaskOutcome.UPLOADED}
+
+
 def test_same_query_id_with_other_parameters_is_refused(tmp_path: Path) -> None:
     ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
     ledger.reserve(_event("q1"), BUDGET, spec_digest="d1")

@@ -232,6 +232,7 @@ def budget_command(
     try:
         ledger = owner_ledger(config)
         entries = ledger.events()
+        outcomes = ledger.release_outcomes()
         events = [entry.event for entry in entries]
         spent = ledger.spent(at_delta)
         shares = ledger.shares
@@ -280,8 +281,8 @@ def budget_command(
     for entry in entries:
         event = entry.event
         when = datetime.fromtimestamp(event.timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S")
-        task = ledger.task(event.query_id)
-        state = task.outcome.value if task is not None else "reserved"
+        outcome = outcomes.get(event.query_id)
+        state = outcome.value if outcome is not None else "reserved"
         if entry.not_private:
             cost = "NOT PRIVATE (epsilon=inf: exhausts a finite budget)"
         else:
@@ -300,11 +301,13 @@ def _print_releases_json(config: OwnerConfig) -> None:
         raise click.ClickException(_missing_ledger(config.ledger_path, "") + " nothing to export")
     try:
         ledger = owner_ledger(config)
-        releases = []
-        for entry in ledger.events():
-            task = ledger.task(entry.event.query_id)
-            # No task record: not known to be unsent (the import then charges it).
-            releases.append((entry.event, task.outcome.value if task is not None else "unknown"))
+        outcomes = ledger.release_outcomes()
+        # No task record: not known to be unsent (the import then charges it).
+        releases = [
+            (entry.event, outcome.value if outcome is not None else "unknown")
+            for entry in ledger.events()
+            for outcome in [outcomes.get(entry.event.query_id)]
+        ]
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     document = owner_releases_document(config.owner.id, releases)

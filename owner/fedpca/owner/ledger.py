@@ -548,6 +548,16 @@ class BudgetLedger:
             row[7],
         )
 
+    def release_outcomes(self) -> dict[str, TaskOutcome]:
+        """Query id -> recorded task state of every release that has a task record, in
+        one read (a release without one is absent)."""
+        with self._connect() as connection:
+            rows = connection.execute(
+                "SELECT tasks.query_id, tasks.state FROM tasks "
+                "JOIN releases ON releases.query_id = tasks.query_id"
+            ).fetchall()
+        return {query_id: TaskOutcome(state) for query_id, state in rows}
+
     def uploads_in_flight(self) -> dict[str, str]:
         """Task key -> upload id of the tasks whose upload began and has no outcome yet."""
         with self._connect() as connection:
