@@ -29,7 +29,7 @@ from fedpca.dp.accounting import (
 )
 from fedpca.dp.calibration import calibrate_noise_multiplier, gaussian_epsilon, zcdp_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import BudgetExceededError, CalibrationError, ConfigError
+from fedpca.errors import BudgetExceededError, CalibrationError, CompositionError, ConfigError
 from fedpca.query import Neighbouring
 
 DELTA = 1e-5
@@ -385,3 +385,18 @@ def test_a_composition_below_the_floor_is_refused_not_crashed() -> None:
         check_budget(ledger, proposed, PrivacyParams(1000.0, DELTA), PLD)
     with pytest.raises(CalibrationError, match=r"2 composed releases: noise multiplier z=0\.0999"):
         check_budget(ledger, proposed, PrivacyParams(math.inf, DELTA), PLD)
+
+
+def test_a_recorded_release_below_the_floor_is_a_composition_error() -> None:
+    """Found by review: a ledger of one release below the PLD floor (recorded under
+    zcdp, then the owner changed accountant) raised a plain CalibrationError naming that
+    release's z, which an owner sent back with the decline to whichever analyst asked
+    next. It is a CompositionError, which the owner keeps in its own log."""
+    recorded = [0.05]  # another analyst's release, say
+    for budget in (PrivacyParams(10.0, DELTA), PrivacyParams(math.inf, DELTA)):
+        with pytest.raises(CompositionError, match=r"the ledger's one release: .*z=0\.05"):
+            check_budget(recorded, 5.0, budget, PLD)
+    # The asker's own release below the floor is about its own query: not a composition.
+    with pytest.raises(CalibrationError) as own:
+        check_budget([], 0.05, PrivacyParams(10.0, DELTA), PLD)
+    assert not isinstance(own.value, CompositionError)

@@ -288,6 +288,20 @@ def compose_epsilon(
     return float(engine.get_epsilon(gaussian_delta))
 
 
+def _compose_recorded(ledger: Sequence[Release], delta: float, kind: Accountant) -> float:
+    """:func:`compose_epsilon` of the releases already recorded. A ledger of one release
+    below the PLD floor (recorded under zcdp before the owner changed accountant) raises
+    :class:`~fedpca.errors.CompositionError`, as a composition does: its message
+    describes a recorded release, perhaps another analyst's, and an owner keeps it in
+    its own log instead of sending it back with the decline."""
+    try:
+        return compose_epsilon(ledger, delta, kind)
+    except CompositionError:
+        raise
+    except CalibrationError as exc:
+        raise CompositionError(f"the ledger's {exc}") from None
+
+
 @dataclass(frozen=True)
 class BudgetDecision:
     """Whether one more release fits a total budget, and what it leaves.
@@ -384,11 +398,11 @@ def check_budget(
         spent = (math.nan, math.nan)
         if 0 < budget.delta < 1:
             spent = (
-                compose_epsilon(ledger, budget.delta, kind),
+                _compose_recorded(ledger, budget.delta, kind),
                 compose_epsilon(after_releases, budget.delta, kind),
             )
         return BudgetDecision(True, budget, spent[0], spent[1], kind)
-    before = compose_epsilon(ledger, budget.delta, kind)
+    before = _compose_recorded(ledger, budget.delta, kind)
     z_after = composed_noise_multiplier([*multipliers, z_new])
     beyond_pld = kind is Accountant.PLD_CONTINUOUS and 0 < z_after < MIN_NOISE_MULTIPLIER
     gaussian_delta = _gaussian_delta(after_releases, budget.delta)
