@@ -38,11 +38,11 @@ from fedpca.owner.config import (
     DataConfig,
     NodeConfig,
     OwnerConfig,
-    PolicyConfig,
     PrivacyConfig,
     TlsConfig,
 )
 from fedpca.owner.node import OwnerNode
+from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.retry import RetryPolicy
 from fedpca.proxy.config import (
     BudgetConfig,

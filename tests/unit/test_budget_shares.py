@@ -211,7 +211,11 @@ def test_the_daily_count_can_be_one_analysts(tmp_path: Path) -> None:
     assert ledger.reservations_since(0, analyst=B, excluding="q2") == 0
 
 
-def _config(tmp_path: Path, shares: str, *, extra_policy: str = "", budget: str = "2.0") -> Path:
+SIGNER_B = "ed25519:" + "cd" * 32
+PAIRS = f'analyst_key_signers = {{ "{A}" = ["{SIGNER}"], "{B}" = ["{SIGNER_B}"] }}'
+
+
+def _config(tmp_path: Path, shares: str, *, extra_policy: str = PAIRS, budget: str = "2.0") -> Path:
     (tmp_path / "data.csv").write_text("1,2\n3,4\n")
     path = tmp_path / "owner.toml"
     path.write_text(
@@ -228,7 +232,7 @@ max_records = 100
 n_columns = 2
 [policy]
 accepted_analyst_keys = ["{A}", "{B}"]
-accepted_query_signers = ["{SIGNER}"]
+accepted_query_signers = ["{SIGNER}", "{SIGNER_B}"]
 max_epsilon_per_query = 1.0
 {extra_policy}
 [budget]
@@ -243,24 +247,54 @@ delta = 1e-5
 @pytest.mark.parametrize(
     ("shares", "extra_policy", "budget", "message"),
     [
-        (f'analyst_shares = {{ "{A}" = 0.5 }}', "", "2.0", "no share for the pinned"),
-        (f'analyst_shares = {{ "{A}" = 0.6, "{B}" = 0.5 }}', "", "2.0", "add up to 1.1"),
-        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0 }}', "", "2.0", r"must be in \(0, 1\]"),
-        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = "x" }}', "", "2.0", "must be a number"),
+        (f'analyst_shares = {{ "{A}" = 0.5 }}', PAIRS, "2.0", "no share for the pinned"),
+        (f'analyst_shares = {{ "{A}" = 0.6, "{B}" = 0.5 }}', PAIRS, "2.0", "add up to 1.1"),
+        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0 }}', PAIRS, "2.0", r"must be in \(0, 1\]"),
+        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = "x" }}', PAIRS, "2.0", "must be a number"),
         (
-            f'analyst_shares = {{ "{A}" = 0.4, "{B}" = 0.4, "{C}" = 0.2 }}',
-            "",
+            f'analyst_shares = {{ "{A}" = 0.4, "{B}" = 0.4, "{C}" = 0.3 }}',
+            PAIRS,
             "2.0",
-            "not in policy.accepted_analyst_keys",
+            "add up to 1.1",  # a retired key's share counts
         ),
-        ("analyst_shares = 0.5", "", "2.0", "must be a table of fractions"),
+        ("analyst_shares = 0.5", PAIRS, "2.0", "must be a table of fractions"),
         (
             f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0.5 }}',
-            "allow_not_private = true",
+            PAIRS + "\nallow_not_private = true",
             "2.0",
             "cannot be combined with policy.allow_not_private",
         ),
-        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0.5 }}', "", "inf", "finite budget"),
+        (f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0.5 }}', PAIRS, "inf", "finite budget"),
+        (
+            f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0.5 }}',
+            "",
+            "2.0",
+            "needs policy.analyst_key_signers",
+        ),
+        (
+            f'analyst_shares = {{ "{A}" = 0.5, "{B}" = 0.5 }}',
+            f'analyst_key_signers = {{ "{A}" = ["{SIGNER}"] }}',
+            "2.0",
+            f"no signers for the pinned key '{B}'",
+        ),
+        (
+            "",
+            f'analyst_key_signers = {{ "{A}" = ["{SIGNER}"], "{C}" = ["{SIGNER}"] }}',
+            "2.0",
+            "not a key in policy.accepted_analyst_keys",
+        ),
+        (
+            "",
+            f'analyst_key_signers = {{ "{A}" = ["{SIGNER}"], "{B}" = ["ed25519:{"0" * 64}"] }}',
+            "2.0",
+            "is not in policy.accepted_query_signers",
+        ),
+        (
+            "",
+            f'analyst_key_signers = {{ "{A}" = ["{SIGNER}"], "{B}" = [] }}',
+            "2.0",
+            "must be a non-empty list of signers",
+        ),
     ],
 )
 def test_shares_are_checked_when_the_config_is_read(
@@ -268,6 +302,23 @@ def test_shares_are_checked_when_the_config_is_read(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(_config(tmp_path, shares, extra_policy=extra_policy, budget=budget))
+
+
+def test_a_retired_key_keeps_its_share_and_the_ledger_stays_within(tmp_path: Path) -> None:
+    """Found by review: a share had to name a pinned key, so the releases of a key
+    retired from accepted_analyst_keys counted as beyond every share, and the ledger
+    composed every analyst's releases for good. A retired key keeps its share."""
+    path = _config(tmp_path, "")
+    plain = owner_ledger(load_config(path))
+    plain.reserve(_event("c0", C, 0.5), BUDGET, spec_digest="c0")  # C's, before it retired
+    config = load_config(
+        _config(tmp_path, f'analyst_shares = {{ "{A}" = 0.4, "{B}" = 0.4, "{C}" = 0.2 }}')
+    )
+    assert C not in config.policy.accepted_analyst_keys
+    ledger = owner_ledger(config)
+    assert ledger.within_shares
+    assert _decisions(ledger, A, [0.3]) == [True]
+    assert ledger.within_shares
 
 
 def test_thirds_add_up_and_the_ledger_of_the_config_uses_them(tmp_path: Path) -> None:

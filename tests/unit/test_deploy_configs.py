@@ -114,7 +114,7 @@ def test_the_examples_show_every_key_of_these_sections() -> None:
     from dataclasses import fields
 
     from fedpca.analyst.config import _CONFIG_KEYS
-    from fedpca.owner.config import PolicyConfig
+    from fedpca.owner.policy_config import PolicyConfig
     from fedpca.proxy.config import CryptoConfig as ProxyCrypto
     from fedpca.proxy.limits import PeerLimits
 

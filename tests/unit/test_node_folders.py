@@ -264,20 +264,34 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
 def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: Path) -> None:
     data = _table(tmp_path / "table.csv")
     keys = ["sha256:" + c * 64 for c in "abc"]
+    signers = ["ed25519:" + c * 64 for c in "def"]
     out = tmp_path / "hospital-a"
-    args = ["init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"]
-    args += ["--certs", str(certs), "--data", str(data), "--max-records", "400"]
-    args += [arg for key in keys for arg in ("--analyst-key", key)]
-    args += ["--analyst-signer", TEST_SIGNER, "--equal-analyst-shares"]
-    result = CliRunner().invoke(owner_group, args)
+    base = ["init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"]
+    base += ["--certs", str(certs), "--data", str(data), "--max-records", "400"]
+    pin_signers = [arg for signer in signers for arg in ("--analyst-signer", signer)]
+    args = [*base, *[arg for key in keys for arg in ("--analyst-key", key)], *pin_signers]
+    result = CliRunner().invoke(owner_group, [*args, "--equal-analyst-shares"])
     assert result.exit_code == 0, result.output
     config = load_owner_config(out / "owner.toml")
     assert config.analyst_shares == dict.fromkeys(keys, 1 / 3)
+    # Each key is answered for the signer given in the same place only.
+    assert config.policy.analyst_key_signers == {
+        k: (s,) for k, s in zip(keys, signers, strict=True)
+    }
     assert f"share           0.333333 of it for analyst {keys[2]}" in result.output
-    # Without the flag: one budget for every analyst, as before.
-    again = CliRunner().invoke(owner_group, [*args[:-1], "--force"])
+    # Without the flag: one budget for every analyst, as before (still paired).
+    again = CliRunner().invoke(owner_group, [*args, "--force"])
     assert again.exit_code == 0, again.output
-    assert load_owner_config(out / "owner.toml").analyst_shares == {}
+    config = load_owner_config(out / "owner.toml")
+    assert config.analyst_shares == {} and len(config.policy.analyst_key_signers) == 3
+    # Shares need one signer per key: which analyst a share is for must be known.
+    unpaired = [*args[:-2], "--equal-analyst-shares", "--force"]
+    refused = CliRunner().invoke(owner_group, unpaired)
+    assert refused.exit_code != 0 and "got 3 keys and 2 signers" in refused.output
+    # With a team's signers for one key, nothing is paired and no shares can be asked.
+    team = [*base, "--analyst-key", keys[0], *pin_signers, "--force"]
+    assert CliRunner().invoke(owner_group, team).exit_code == 0, team
+    assert load_owner_config(out / "owner.toml").policy.analyst_key_signers == {}
 
 
 def test_owner_init_without_readable_data_and_without_pins(certs: Path, tmp_path: Path) -> None:

@@ -18,11 +18,11 @@ from fedpca.owner.config import (
     DataConfig,
     NodeConfig,
     OwnerConfig,
-    PolicyConfig,
     TlsConfig,
     load_config,
 )
 from fedpca.owner.policy import Refusal, TaskAccepted, check_task
+from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import RELEASE_KINDS, Aggregate, AggregateKind, QueryKind, QuerySpec
 from helpers import TEST_SIGNER, make_query, signed_task

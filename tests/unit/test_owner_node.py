@@ -49,7 +49,6 @@ from fedpca.owner.config import (
     DataConfig,
     NodeConfig,
     OwnerConfig,
-    PolicyConfig,
     PrivacyConfig,
     TlsConfig,
 )
@@ -57,6 +56,7 @@ from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.metrics import OwnerMetrics
 from fedpca.owner.node import OwnerNode
+from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.owner.task_processing import BUDGET_DECLINE_DETAIL

@@ -16,20 +16,20 @@ import pytest
 from fedpca.codec import generate_keypair, key_fingerprint
 from fedpca.dp.accounting import compose_epsilon
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.errors import ConfigError
+from fedpca.errors import ConfigError, UntrustedKeyError
 from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import (
     DataConfig,
     NodeConfig,
     OwnerConfig,
-    PolicyConfig,
     PrivacyConfig,
     TlsConfig,
 )
-from fedpca.owner.policy import Refusal, TaskAccepted, check_task
+from fedpca.owner.policy import Refusal, TaskAccepted, check_resumed_task, check_task
+from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan
-from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec, spec_digest
 from fedpca.signing import generate_signing_key, sign_query, signer_id
 from helpers import TEST_SIGNER, TEST_SIGNING_KEY, query_builder
 
@@ -300,3 +300,37 @@ def test_bounded_owner_tables_need_an_enforced_capacity_within_the_cap(
     )
     # Queries that cover a capped owner's swap are answered either way.
     assert isinstance(check_task(_task(_spec(public_key)), enforced, _table()), TaskAccepted)
+
+
+def test_a_key_is_answered_only_for_the_signers_pinned_to_it(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    """Found by review: signers and keys were pinned separately, so analyst B could
+    sign a query naming analyst A's key: the owner charged A's budget share and its
+    decline told B how much of that share A had used. With analyst_key_signers a key is
+    answered only for its own signers, whatever the proxy delivers."""
+    public_key, _ = test_only_keypair_512
+    key = key_fingerprint(public_key)
+    other = generate_signing_key()
+    both = (TEST_SIGNER, signer_id(other))
+    spec = _spec(public_key)
+    unpaired = _config(public_key, accepted_query_signers=both)
+    paired = _config(
+        public_key,
+        accepted_query_signers=both,
+        analyst_key_signers={key: (TEST_SIGNER,)},
+    )
+    # Without the table any pinned signer may name any pinned key (as before).
+    assert isinstance(check_task(_task(spec, other), unpaired, _table()), TaskAccepted)
+    # With it, the other pinned signer is declined for this key, before any budget.
+    _refusal(
+        check_task(_task(spec, other), paired, _table()),
+        DeclineReason.KEY_NOT_PINNED,
+        "pins to other signers",
+    )
+    assert isinstance(check_task(_task(spec), paired, _table()), TaskAccepted)
+    # An upload in flight is not resumed for a task the other signer sends again.
+    digest = spec_digest(spec)
+    with pytest.raises(UntrustedKeyError, match="pins to other signers"):
+        check_resumed_task(_task(spec, other), paired.policy, digest)
+    check_resumed_task(_task(spec), paired.policy, digest)

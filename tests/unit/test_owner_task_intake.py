@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fedpca.messages import DeclineReason, Task
-from fedpca.owner.config import PolicyConfig
+from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.query import spec_digest
 from fedpca.signing import generate_signing_key

@@ -56,11 +56,16 @@ _PLD_ROUNDS = 200
 def check_fractions(fractions: Mapping[str, float], accepted_keys: Iterable[str]) -> None:
     """Validate the configured shares against the pinned analyst keys.
 
+    A share may name a key that is no longer pinned: a retired key, whose releases stay
+    on the ledger and are counted against its share (it can take no new ones). Without
+    it they would count as beyond any share, and the ledger would compose every
+    analyst's releases for good.
+
     Raises
     ------
     ConfigError
-        A fraction outside (0, 1], a key that is not pinned, a pinned key without a
-        share, or fractions that add up to more than 1.
+        A fraction outside (0, 1], a pinned key without a share, or fractions that add
+        up to more than 1.
     """
     accepted = set(accepted_keys)
     for key, fraction in fractions.items():
@@ -68,10 +73,6 @@ def check_fractions(fractions: Mapping[str, float], accepted_keys: Iterable[str]
             raise ConfigError(f"budget.analyst_shares[{key!r}] must be a number, got {fraction!r}")
         if not 0 < fraction <= 1:
             raise ConfigError(f"budget.analyst_shares[{key!r}] must be in (0, 1], got {fraction!r}")
-        if key not in accepted:
-            raise ConfigError(
-                f"budget.analyst_shares names {key!r}, which is not in policy.accepted_analyst_keys"
-            )
     missing = sorted(accepted - set(fractions))
     if missing:
         raise ConfigError(

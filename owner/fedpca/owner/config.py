@@ -25,6 +25,7 @@ config can be moved together with its certificates and data)::
     [policy]
     accepted_analyst_keys = ["sha256:..."]      # Paillier keys it encrypts under
     accepted_query_signers = ["ed25519:..."]    # analysts whose signed queries it answers
+    analyst_key_signers = { "sha256:..." = ["ed25519:..."] }  # each key's signers
     max_epsilon_per_query = 1.0          # measured at the budget's delta
     max_delta_per_query = 1e-6           # default: the budget's delta, at most 1e-5
     allow_not_private = false
@@ -53,7 +54,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -65,8 +65,15 @@ from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.dp.shares import fractions_from_config
 from fedpca.errors import ConfigError
-from fedpca.query import RELEASE_KINDS, Neighbouring, ReleaseKind, release_kind
-from fedpca.signing import parse_signer
+from fedpca.owner.policy_config import (
+    DEFAULT_MAX_TASKS_PER_DAY,
+    DEFAULT_MIN_QUORUM,
+    PolicyConfig,
+    analyst_keys_from,
+    key_signers_from,
+    query_signers_from,
+)
+from fedpca.query import RELEASE_KINDS, Neighbouring, release_kind
 from fedpca.toml_config import load_toml_config, reject_unknown_keys, require_keys, resolve_path
 from fedpca.transport.addresses import check_address
 from fedpca.transport.certs import TlsFiles, validate_node_id
@@ -78,7 +85,6 @@ __all__ = [
     "MonitoringConfig",
     "NodeConfig",
     "OwnerConfig",
-    "PolicyConfig",
     "PrivacyConfig",
     "TlsConfig",
     "load_config",
@@ -87,16 +93,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HeaderSetting = bool | Literal["auto"]
-
-DEFAULT_MAX_TASKS_PER_DAY = 100
-
-DEFAULT_MIN_QUORUM = 2
-"""An owner contributes to no query of fewer owners unless configured to (a quorum of 1
-releases its statistics alone, noised, which an operator should choose knowingly)."""
-DELTA_CAP = 1e-5
-"""The default per-query delta cap never exceeds this (nor the budget's delta)."""
-
-_FINGERPRINT_RE = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -177,54 +173,6 @@ class PrivacyConfig:
 
     neighbouring: Neighbouring = Neighbouring.ADD_REMOVE
     accountant: Accountant = Accountant.ZCDP
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """``[policy]``: which tasks this owner accepts (decided from public facts only).
-
-    Attributes
-    ----------
-    accepted_analyst_keys : fingerprints (``sha256:<hex>``) of the analyst Paillier
-        keys this owner encrypts under; any other key is declined.
-    accepted_query_signers : the analysts' query-signing keys (``ed25519:<hex>``); a
-        task not signed by one of them is declined.
-    max_epsilon_per_query : largest epsilon of a single release, measured at the
-        owner's budget delta (from the release's noise, not its stated epsilon).
-    max_delta_per_query : largest delta a query may state (None: the budget's delta,
-        at most 1e-5).
-    allow_not_private : accept ``epsilon = inf`` verification queries (no noise:
-        the analyst learns the exact sums; a finite budget is exhausted by one).
-    allow_masked_mode : take part in the masked (published) protocol, in which the
-        proxy learns this owner's record count, and whose guarantee for this owner's
-        records holds only while no other contributing owner colludes with the
-        analyst (docs/privacy.md, masked mode).
-    allowed_kinds : release kinds this owner answers: pca, dca, and the aggregate kinds
-        stats, histogram and linreg (an aggregate query needs every one it combines).
-    allowed_columns : if set, the only file columns (0-based) a query may read; PCA
-        reads every feature column, DCA every column, an aggregate query its columns.
-    min_quorum : smallest quorum of a query this owner contributes to (default
-        :data:`DEFAULT_MIN_QUORUM`, 2: never a release of this owner's statistics alone,
-        unless its operator says so).
-    max_tasks_per_day : releases this owner takes part in per 24 hours.
-    """
-
-    accepted_analyst_keys: tuple[str, ...]
-    max_epsilon_per_query: float
-    allow_not_private: bool = False
-    accepted_query_signers: tuple[str, ...] = ()
-    max_delta_per_query: float | None = None
-    allow_masked_mode: bool = False
-    allowed_kinds: tuple[ReleaseKind, ...] = RELEASE_KINDS
-    allowed_columns: tuple[int, ...] | None = None
-    min_quorum: int = DEFAULT_MIN_QUORUM
-    max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY
-
-    def delta_cap(self, budget: PrivacyParams) -> float:
-        """The largest per-query delta this owner accepts under ``budget``."""
-        if self.max_delta_per_query is not None:
-            return self.max_delta_per_query
-        return min(budget.delta, DELTA_CAP)
 
 
 @dataclass(frozen=True)
@@ -405,6 +353,7 @@ class OwnerConfig:
             {
                 "accepted_analyst_keys",
                 "accepted_query_signers",
+                "analyst_key_signers",
                 "max_epsilon_per_query",
                 "max_delta_per_query",
                 "allow_not_private",
@@ -416,29 +365,8 @@ class OwnerConfig:
             },
             "policy",
         )
-        keys = policy_doc.get("accepted_analyst_keys")
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise ConfigError(
-                "policy.accepted_analyst_keys must be a list of key fingerprints "
-                '("sha256:<64 hex digits>")'
-            )
-        for index, key in enumerate(keys):
-            if not _FINGERPRINT_RE.fullmatch(key):
-                raise ConfigError(
-                    f"policy.accepted_analyst_keys[{index}] = {key!r} is not a key fingerprint "
-                    '("sha256:" + 64 lowercase hex digits, as printed by the analyst)'
-                )
-        signers = policy_doc.get("accepted_query_signers", [])
-        if not isinstance(signers, list) or not all(isinstance(k, str) for k in signers):
-            raise ConfigError(
-                "policy.accepted_query_signers must be a list of query-signing keys "
-                '("ed25519:<64 hex digits>")'
-            )
-        for index, signer in enumerate(signers):
-            try:
-                parse_signer(signer)
-            except ConfigError as exc:
-                raise ConfigError(f"policy.accepted_query_signers[{index}]: {exc}") from None
+        keys = analyst_keys_from(policy_doc)
+        signers = query_signers_from(policy_doc)
         if not signers:
             logger.warning(
                 "policy.accepted_query_signers is empty: this owner declines every task "
@@ -470,10 +398,10 @@ class OwnerConfig:
                 f"policy.allowed_columns must be a list of 0-based column indices, got {columns!r}"
             )
         policy = PolicyConfig(
-            tuple(keys),
+            keys,
             max_epsilon,
             reader.boolean(policy_doc, "policy", "allow_not_private", default=False),
-            accepted_query_signers=tuple(signers),
+            accepted_query_signers=signers,
             max_delta_per_query=max_delta,
             allow_masked_mode=reader.boolean(
                 policy_doc, "policy", "allow_masked_mode", default=False
@@ -484,6 +412,7 @@ class OwnerConfig:
             max_tasks_per_day=_positive_int(
                 policy_doc, "policy", "max_tasks_per_day", DEFAULT_MAX_TASKS_PER_DAY
             ),
+            analyst_key_signers=key_signers_from(policy_doc, keys, signers),
         )
 
         budget_doc = _section(document, "budget", required=True)
@@ -509,6 +438,12 @@ class OwnerConfig:
             budget,
             allow_not_private=policy.allow_not_private,
         )
+        if shares and not policy.analyst_key_signers:
+            raise ConfigError(
+                "budget.analyst_shares needs policy.analyst_key_signers, each pinned key's "
+                "signers: shares are kept by key, and without it one analyst could sign a "
+                'query naming another\'s key, e.g. { "sha256:<key>" = ["ed25519:<its signer>"] }'
+            )
 
         crypto_doc = _section(document, "crypto", required=False)
         reject_unknown_keys(crypto_doc, {"processes", "obfuscation"}, "crypto")

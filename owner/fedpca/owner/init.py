@@ -20,12 +20,11 @@ import click
 
 from fedpca.errors import ConfigError, DataError, FedpcaError
 from fedpca.owner.config import (
-    DEFAULT_MAX_TASKS_PER_DAY,
-    DEFAULT_MIN_QUORUM,
     OwnerConfig,
     load_config,
 )
 from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.policy_config import DEFAULT_MAX_TASKS_PER_DAY, DEFAULT_MIN_QUORUM
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
@@ -111,6 +110,7 @@ def render_owner_config(
         "# The analyst's Paillier key and query-signing key (`fedpca analyst keygen`).",
         f"accepted_analyst_keys = {toml_value(analyst_keys)}",
         f"accepted_query_signers = {toml_value(signers)}",
+        *_pairing_lines(analyst_keys, signers),
         f"max_epsilon_per_query = {toml_value(max_epsilon_per_query)}   # at the budget's delta",
     ]
     if max_delta_per_query is not None:
@@ -150,6 +150,21 @@ def _table_facts(path: Path, header: str, label_column: int | None) -> tuple[int
         path, label_column=label_column, header={"yes": True, "no": False}.get(header, "auto")
     )
     return int(table.features.shape[0]), int(table.features.shape[1])
+
+
+def _pairing_lines(analyst_keys: list[str], signers: list[str]) -> list[str]:
+    """``analyst_key_signers`` pairing the i-th key with the i-th signer, when there are
+    as many of each (one analyst each); otherwise none (any signer may name any key)."""
+    if len(analyst_keys) != len(signers):
+        return []
+    table = ", ".join(
+        f"{toml_value(key)} = {toml_value([signer])}"
+        for key, signer in zip(analyst_keys, signers, strict=True)
+    )
+    return [
+        "# each key answered only for its own analyst's signer",
+        f"analyst_key_signers = {{ {table} }}",
+    ]
 
 
 def _shares_lines(analyst_keys: list[str], equal_shares: bool) -> list[str]:
@@ -232,6 +247,12 @@ def write_owner_folder(
         raise ConfigError(
             "pin the analyst: --analyst-key sha256:... and --analyst-signer ed25519:... "
             "(both printed by `fedpca analyst keygen`)"
+        )
+    if equal_shares and len(analyst_keys) != len(signers):
+        raise ConfigError(
+            "--equal-analyst-shares pairs each --analyst-key with the --analyst-signer given "
+            f"in the same place: give as many of each (got {len(analyst_keys)} keys and "
+            f"{len(signers)} signers)"
         )
     text = render_owner_config(
         owner_id=owner_id,
@@ -335,7 +356,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
     "--analyst-signer",
     "signers",
     multiple=True,
-    help="Pinned query signer ed25519:... (repeatable).",
+    help="Pinned query signer ed25519:... (repeatable). Given once per --analyst-key, in "
+    "the same order, each key is answered only for its own signer.",
 )
 @click.option(
     "--neighbouring",

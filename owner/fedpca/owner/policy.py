@@ -48,12 +48,20 @@ from fedpca.errors import (
 from fedpca.formatting import distinct
 from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import LocalTable, QueryColumns, analyst_public_key
-from fedpca.owner.config import OwnerConfig, PolicyConfig
+from fedpca.owner.config import OwnerConfig
+from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import ProtocolMode, QuerySpec, spec_digest
 from fedpca.signing import verify_query
 
-__all__ = ["Refusal", "TaskAccepted", "check_key", "check_signature", "check_task"]
+__all__ = [
+    "Refusal",
+    "TaskAccepted",
+    "check_key",
+    "check_key_signer",
+    "check_signature",
+    "check_task",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +125,26 @@ def check_key(spec: QuerySpec, policy: PolicyConfig) -> None:
         )
 
 
+def check_key_signer(task: Task, policy: PolicyConfig) -> None:
+    """Refuse a query whose analyst key ``policy.analyst_key_signers`` pins to other
+    signers than the one that signed it (nothing to check without that table).
+
+    Budget shares are kept by key: without this check one analyst could sign a query
+    naming another's key, charge that analyst's share and read its use in the decline.
+
+    Raises
+    ------
+    UntrustedKeyError
+    """
+    pairs = policy.analyst_key_signers
+    key = task.query.analyst_key_fingerprint
+    if pairs and task.query_signer not in pairs.get(key, ()):
+        raise UntrustedKeyError(
+            f"query {task.query.query_id!r} names analyst key {key!r}, which "
+            "policy.analyst_key_signers pins to other signers than the one that signed it"
+        )
+
+
 def check_resumed_task(task: Task, policy: PolicyConfig, reserved_digest: str | None) -> None:
     """Refuse to resume an upload for a task that is not the one it began for.
 
@@ -131,6 +159,7 @@ def check_resumed_task(task: Task, policy: PolicyConfig, reserved_digest: str | 
     """
     check_signature(task, policy)
     check_key(task.query, policy)
+    check_key_signer(task, policy)
     if reserved_digest is None or spec_digest(task.query) != reserved_digest:
         raise UntrustedKeyError(
             f"query {task.query.query_id!r}: the task sent again is not the query this "
@@ -276,6 +305,7 @@ def check_task(
         return Refusal(DeclineReason.UNSIGNED_QUERY, str(exc))
     try:
         check_key(spec, config.policy)
+        check_key_signer(task, config.policy)
     except UntrustedKeyError as exc:
         return Refusal(DeclineReason.KEY_NOT_PINNED, str(exc))
     try:

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from fedpca.errors import UntrustedKeyError
 from fedpca.messages import MAX_DECLINE_DETAIL, DeclineReason, Task
-from fedpca.owner.config import PolicyConfig
 from fedpca.owner.policy import check_signature
+from fedpca.owner.policy_config import PolicyConfig
 from fedpca.query import spec_digest
 
 __all__ = [
