@@ -30,7 +30,13 @@ from typing import BinaryIO
 
 from fedpca.errors import ConfigError
 
-__all__ = ["ExclusiveUse", "undone_on_failure", "write_atomically"]
+__all__ = [
+    "ExclusiveUse",
+    "database_missing",
+    "holds_database",
+    "undone_on_failure",
+    "write_atomically",
+]
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int) -> None:
@@ -60,6 +66,26 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int)
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def holds_database(path: Path) -> bool:
+    """Whether the database file ``path`` exists and has content.
+
+    SQLite writes a WAL database's header when it creates it, so a file of zero bytes
+    (a restore that failed, a full disk, ``: > ledger.sqlite3``) holds no state: it
+    counts as missing, since opening it would silently make a new, empty database.
+    """
+    try:
+        return path.stat().st_size > 0
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def database_missing(path: Path) -> str:
+    """How the database ``path``, for which :func:`holds_database` is False, is missing."""
+    if path.exists():
+        return f"{path} is empty (0 bytes: a copy or restore that failed, or a full disk?)"
+    return f"{path} does not exist"
 
 
 def _first_missing(path: Path) -> Path | None:

@@ -289,6 +289,10 @@ def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: 
     refused = CliRunner().invoke(owner_group, unpaired)
     assert refused.exit_code != 0 and "got 3 keys and 2 signers" in refused.output
     # With a team's signers for one key, nothing is paired and no shares can be asked.
+    # A key given twice is refused by name, not by the TOML parser on a rolled-back file.
+    twice = [*base, "--analyst-key", keys[0], "--analyst-key", keys[0], *pin_signers[:4]]
+    refused = CliRunner().invoke(owner_group, [*twice, "--equal-analyst-shares", "--force"])
+    assert refused.exit_code != 0 and f"--analyst-key {keys[0]} is given twice" in refused.output
     team = [*base, "--analyst-key", keys[0], *pin_signers, "--force"]
     assert CliRunner().invoke(owner_group, team).exit_code == 0, team
     assert load_owner_config(out / "owner.toml").policy.analyst_key_signers == {}

@@ -143,6 +143,32 @@ def test_new_ledger_creates_it_once_and_never_replaces_one(tmp_path: Path) -> No
     assert not config.ledger_path.exists()
 
 
+def test_an_empty_ledger_file_is_a_missing_ledger(tmp_path: Path) -> None:
+    """Found by review: a ledger file of zero bytes (a failed restore, a full disk)
+    was taken for a ledger, and the node started on it with its budget at zero. It is
+    missing, and where a node ran, no new one is made in its place."""
+    path = _write_config(tmp_path)
+    config = load_config(path)
+    config.owner.state_dir.mkdir(parents=True)
+    config.ledger_path.touch()
+    for command in (["serve"], ["budget"], ["budget", "--json"]):
+        refused = CliRunner().invoke(owner_group, [*command, "--config", str(path)])
+        assert refused.exit_code == 1, (command, refused.output)
+        assert f"{config.ledger_path} is empty (0 bytes" in refused.output
+    assert config.ledger_path.stat().st_size == 0
+    # A node ran here (its lock file is left): neither way of making a ledger does.
+    (config.owner.state_dir / "node.lock").touch()
+    for command in (["new-ledger"], ["serve", "--new-ledger"]):
+        refused = CliRunner().invoke(owner_group, [*command, "--config", str(path)])
+        assert refused.exit_code == 1 and "holds node.lock but no ledger" in refused.output
+        assert config.ledger_path.stat().st_size == 0
+    # A first start (no node ran): new-ledger makes the ledger in the empty file.
+    (config.owner.state_dir / "node.lock").unlink()
+    created = CliRunner().invoke(owner_group, ["new-ledger", "--config", str(path)])
+    assert created.exit_code == 0 and "created the budget ledger" in created.output
+    assert owner_ledger(config).events() == []
+
+
 def test_budget_lists_spent_next_query_and_queries(tmp_path: Path) -> None:
     path = _write_config(tmp_path)
     config = load_config(path)

@@ -170,6 +170,39 @@ def test_new_database_creates_it_once_and_never_replaces_one(tmp_path: Path) -> 
     assert not database.exists()
 
 
+def test_an_empty_database_file_is_a_missing_database(tmp_path: Path) -> None:
+    """Found by review: a database file of zero bytes was taken for the proxy's
+    database and `serve` started every analyst's budget at zero without a word; and
+    `serve --new-database` made a new one where a proxy had run."""
+    config, _ = write_config(tmp_path)
+    database = tmp_path / "state" / "proxy.sqlite3"
+    for suffix in ("", "-wal", "-shm"):
+        database.with_name(database.name + suffix).unlink(missing_ok=True)
+    database.parent.mkdir(parents=True, exist_ok=True)
+    database.touch()
+    refused = CliRunner().invoke(proxy_group, ["serve", "--config", str(config)])
+    assert refused.exit_code == 1, refused.output
+    assert f"{database} is empty (0 bytes" in refused.output
+    (database.parent / "proxy.sqlite3.lock").touch()
+    for command in (["new-database"], ["serve", "--new-database"]):
+        refused = CliRunner().invoke(proxy_group, [*command, "--config", str(config)])
+        assert refused.exit_code == 1 and "a proxy ran on this database" in refused.output
+        assert database.stat().st_size == 0
+
+
+def test_new_database_names_a_folder_it_cannot_create(tmp_path: Path) -> None:
+    config, _ = write_config(tmp_path)
+    (tmp_path / "afile").write_text("")
+    text = config.read_text()
+    start = text.index("database = ")
+    end = text.index("\n", start)
+    config.write_text(text[:start] + 'database = "afile/proxy.sqlite3"' + text[end:])
+    result = CliRunner().invoke(proxy_group, ["new-database", "--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert "cannot create the folder of the proxy database" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_serve_refuses_a_bad_config(tmp_path: Path) -> None:
     config = tmp_path / "proxy.toml"
     config.write_text(

@@ -25,6 +25,7 @@ from fedpca.admission import NextQuery
 from fedpca.allocator import map_large_blocks
 from fedpca.budget_options import budget_delta_options
 from fedpca.errors import ConfigError, DataError, KeyFileError
+from fedpca.files import database_missing, holds_database
 from fedpca.formatting import distinct
 from fedpca.logs import configure_logging
 from fedpca.owner.config import OwnerConfig, load_config
@@ -121,13 +122,15 @@ def serve_command(
             insecure=insecure,
             monitoring_listen=monitoring_listen,
         )
-        if not (new_ledger or config.ledger_path.exists()):
-            raise ConfigError(
-                _missing_ledger(config.ledger_path, "(or --state-dir)")
-                + " a new, empty ledger would start this owner's budget again at zero. "
-                "To start a new one here, pass --new-ledger (or run `fedpca owner new-ledger` "
-                "once)"
-            )
+        if not holds_database(config.ledger_path):
+            if not new_ledger:
+                raise ConfigError(
+                    _missing_ledger(config.ledger_path, "(or --state-dir)")
+                    + " a new, empty ledger would start this owner's budget again at zero. "
+                    "To start a new one here, run `fedpca owner new-ledger` once (on "
+                    "Kubernetes, the owner-first-start Job) or pass --new-ledger"
+                )
+            _refuse_where_a_node_ran(config)
         node = OwnerNode(config)
         node.hold_state_folder()  # before the monitoring port: the reason, not the port
         monitoring = None
@@ -222,12 +225,12 @@ def budget_command(
         )
     click.echo(f"owner        {config.owner.id}")
     click.echo(f"budget       epsilon={budget.epsilon:g} delta={budget.delta:g}")
-    if not config.ledger_path.exists():
+    if not holds_database(config.ledger_path):
         # Not "nothing spent": a wrong folder would report a full budget.
         raise click.ClickException(
             _missing_ledger(config.ledger_path, "")
             + " its budget cannot be read here. On a node not started yet, `fedpca owner "
-            "serve --new-ledger` creates it"
+            "new-ledger` creates it"
         )
     try:
         ledger = owner_ledger(config)
@@ -297,7 +300,7 @@ def _print_releases_json(config: OwnerConfig) -> None:
     from fedpca.owner.ledger import owner_ledger
     from fedpca.release_exports import owner_releases_document
 
-    if not config.ledger_path.exists():
+    if not holds_database(config.ledger_path):
         raise click.ClickException(_missing_ledger(config.ledger_path, "") + " nothing to export")
     try:
         ledger = owner_ledger(config)
@@ -315,13 +318,27 @@ def _print_releases_json(config: OwnerConfig) -> None:
 
 
 def _missing_ledger(path: Path, override: str) -> str:
-    """The start of the error for a budget ledger that does not exist."""
+    """The start of the error for a budget ledger that does not exist (or is empty)."""
     flag = f" {override}" if override else ""
     return (
-        f"the budget ledger {path} does not exist. `fedpca owner init` creates it with the "
-        f"node's folder; if this node ran before, [owner] state_dir{flag} names the wrong "
-        "folder:"
+        f"the budget ledger {database_missing(path)}. `fedpca owner init` creates it with "
+        f"the node's folder; if this node ran before, [owner] state_dir{flag} names the "
+        "wrong folder or the ledger was lost (restore it from a backup, docs/operations.md):"
     )
+
+
+def _refuse_where_a_node_ran(config: OwnerConfig) -> None:
+    """Refuse to create a ledger in a state folder a node has run on (its lock file or
+    kept shares are there): its ledger is gone, and a new one would start the budget at
+    zero."""
+    ran = [p for p in ("node.lock", "shares") if (config.owner.state_dir / p).exists()]
+    if ran:
+        raise ConfigError(
+            f"{config.owner.state_dir} holds {ran[0]} but no ledger "
+            f"({database_missing(config.ledger_path)}): a node ran on this folder and its "
+            "ledger is gone. A new one would start this owner's budget again at zero; "
+            "restore the ledger from a backup (docs/operations.md)"
+        )
 
 
 @owner_group.command("new-ledger")
@@ -337,16 +354,10 @@ def new_ledger_command(config_path: Path) -> None:
 
     try:
         config = load_config(config_path)
-        if config.ledger_path.exists():
+        if holds_database(config.ledger_path):
             click.echo(f"the budget ledger {config.ledger_path} exists: left as it is")
             return
-        ran = [p for p in ("node.lock", "shares") if (config.owner.state_dir / p).exists()]
-        if ran:
-            raise ConfigError(
-                f"{config.owner.state_dir} holds {ran[0]} but no ledger: a node ran on this "
-                "folder and its ledger is gone. A new one would start this owner's budget "
-                "again at zero; restore the ledger from a backup (docs/operations.md)"
-            )
+        _refuse_where_a_node_ran(config)
         owner_ledger(config)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -109,7 +109,8 @@ def render_owner_config(
         "[policy]",
         "# The analyst's Paillier key and query-signing key (`fedpca analyst keygen`).",
         f"accepted_analyst_keys = {toml_value(analyst_keys)}",
-        f"accepted_query_signers = {toml_value(signers)}",
+        # A signer given for two keys (one analyst's two keys) is pinned once.
+        f"accepted_query_signers = {toml_value(list(dict.fromkeys(signers)))}",
         *_pairing_lines(analyst_keys, signers),
         f"max_epsilon_per_query = {toml_value(max_epsilon_per_query)}   # at the budget's delta",
     ]
@@ -248,6 +249,9 @@ def write_owner_folder(
             "pin the analyst: --analyst-key sha256:... and --analyst-signer ed25519:... "
             "(both printed by `fedpca analyst keygen`)"
         )
+    repeated = [key for n, key in enumerate(analyst_keys) if key in analyst_keys[:n]]
+    if repeated:
+        raise ConfigError(f"--analyst-key {repeated[0]} is given twice: give each key once")
     if equal_shares and len(analyst_keys) != len(signers):
         raise ConfigError(
             "--equal-analyst-shares pairs each --analyst-key with the --analyst-signer given "

@@ -45,7 +45,7 @@ from fedpca.errors import (
     ProtocolError,
     ProtocolVersionError,
 )
-from fedpca.files import ExclusiveUse
+from fedpca.files import ExclusiveUse, holds_database
 from fedpca.messages import (
     PROTOCOL_VERSION,
     UPLOAD_CHUNK_BYTES,
@@ -150,7 +150,7 @@ class OwnerNode(TaskProcessing):
                     f"tls.cert {config.tls.cert} is the certificate of {self._tls.identity}, "
                     f"but this node is {expected}"
                 )
-        created = not config.ledger_path.exists()
+        created = not holds_database(config.ledger_path)
         self.ledger = owner_ledger(config)
         if created:
             # A typo in [owner] state_dir starts the node on an empty ledger: its budget

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedpca.errors import FedpcaError
+from fedpca.files import database_missing, holds_database
 from fedpca.owner.config import OwnerConfig
 from fedpca.transport.certs import TlsMaterial
 
@@ -169,14 +170,14 @@ def _check_state(
         existing = existing.parent
     if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
         record("state", False, f"{state_dir}: {existing} is not a writable folder")
-    elif not ledger.is_file():
-        # `owner serve` refuses to start on a ledger that does not exist.
+    elif not holds_database(ledger):
+        # `owner serve` refuses to start on a ledger that does not exist (or is empty).
         record(
             "state",
             False,
-            f"{ledger} does not exist: if this node ran before, state_dir names the wrong "
-            "folder; `fedpca owner init` creates the ledger, or start once with "
-            "`owner serve --new-ledger`",
+            f"{database_missing(ledger)}: if this node ran before, state_dir names the wrong "
+            "folder or the ledger was lost (restore it from a backup); on a first start "
+            "`fedpca owner new-ledger` creates it",
         )
     else:
         record("state", True, f"{state_dir} holds the budget ledger, writable")

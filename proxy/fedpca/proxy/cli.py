@@ -27,6 +27,7 @@ import click
 
 from fedpca.allocator import map_large_blocks
 from fedpca.errors import ConfigError, FedpcaError
+from fedpca.files import database_missing, holds_database
 from fedpca.logs import configure_logging
 from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.init import init_command
@@ -118,14 +119,21 @@ def serve_command(
         )
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
-    if not (new_database or config.proxy.database.exists()):
-        raise click.ClickException(
-            f"the proxy database {config.proxy.database} does not exist. If this proxy ran "
-            "before, the path is wrong ([proxy] database or --database): a new, empty "
-            "database would start every analyst's budget again at zero. `fedpca proxy init` "
-            "creates the database with the folder; to start a new one here, pass "
-            "--new-database (or run `fedpca proxy new-database` once)"
-        )
+    if not holds_database(config.proxy.database):
+        if not new_database:
+            raise click.ClickException(
+                f"the proxy database {database_missing(config.proxy.database)}. If this proxy "
+                "ran before, the path is wrong ([proxy] database or --database) or the "
+                "database was lost (restore it from a backup): a new, empty database would "
+                "start every analyst's budget again at zero. `fedpca proxy init` creates the "
+                "database with the folder; to start a new one here, run `fedpca proxy "
+                "new-database` once (on Kubernetes, the proxy-first-start Job) or pass "
+                "--new-database"
+            )
+        try:
+            _refuse_where_a_proxy_ran(config.proxy.database)
+        except FedpcaError as exc:
+            raise click.ClickException(str(exc)) from exc
     ensure_open_files(needed_open_files(len(config.owners.allowed)))
     stop = threading.Event()
 
@@ -275,22 +283,28 @@ def new_database_command(config_path: Path) -> None:
     try:
         config = _load(config_path)
         database = config.proxy.database
-        if database.exists():
+        if holds_database(database):
             click.echo(f"the proxy database {database} exists: left as it is")
             return
-        lock = database.with_name(database.name + ".lock")
-        if lock.exists():
-            raise ConfigError(
-                f"{lock} exists but {database} does not: a proxy ran on this database and "
-                "it is gone. A new one would start every analyst's budget again at zero; "
-                "restore it from a backup (docs/operations.md)"
-            )
+        _refuse_where_a_proxy_ran(database)
         ProxyStore(
             database, neighbouring=config.privacy.neighbouring, announce_creation=False
         ).close()
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"created the proxy database {database}: every analyst's budget is unspent")
+
+
+def _refuse_where_a_proxy_ran(database: Path) -> None:
+    """Refuse to create a database a proxy has run on (its lock file is there): the
+    database is gone, and a new one would start every analyst's budget at zero."""
+    lock = database.with_name(database.name + ".lock")
+    if lock.exists():
+        raise ConfigError(
+            f"{lock} exists but {database_missing(database)}: a proxy ran on this database "
+            "and it is gone. A new one would start every analyst's budget again at zero; "
+            "restore it from a backup (docs/operations.md)"
+        )
 
 
 proxy_group.add_command(init_command)

@@ -18,6 +18,7 @@ from cryptography.exceptions import InvalidSignature
 
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import AuthenticationError, ConfigError, FedpcaError
+from fedpca.files import holds_database
 from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
 from fedpca.query import Neighbouring
@@ -210,7 +211,7 @@ def write_proxy_folder(
         path = out / CONFIG_NAME
         path.write_text(text, encoding="utf-8")
         config = load_config(path)
-        if not config.proxy.database.exists():
+        if not holds_database(config.proxy.database):
             # Made here, so that `proxy serve` may refuse to start on a database that does
             # not exist: a wrong path would otherwise start every analyst's budget at zero.
             ProxyStore(

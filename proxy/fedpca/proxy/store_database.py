@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpca.errors import ConfigError, NotFoundError
-from fedpca.files import ExclusiveUse
+from fedpca.files import ExclusiveUse, holds_database
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
     PAGE_CIPHERTEXTS,
@@ -87,8 +87,13 @@ class StoreDatabase:
             raise ValueError(f"page_ciphertexts must be >= 1, got {page_ciphertexts}")
         self.page_ciphertexts = page_ciphertexts
         self.path = Path(path)
-        created = not self.path.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not holds_database(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the folder of the proxy database {self.path}: {exc}"
+            ) from exc
         self._clock = clock
         self._lock = threading.RLock()
         try:
@@ -98,9 +103,15 @@ class StoreDatabase:
                 self._conn.close()
             # Not a traceback: a damaged or truncated file (a disk that failed, a copy
             # taken while the proxy ran) or one that cannot be written is named.
+            advice = (
+                "check that this process may create and write files in "
+                f"{self.path.parent} (on Kubernetes, the volume's owner)"
+                if created
+                else "if the file is damaged, restore it from a backup (docs/operations.md, "
+                "Backup and restore)"
+            )
             raise ConfigError(
-                f"cannot use the proxy database {self.path}: {exc}; if the file is damaged, "
-                "restore it from a backup (docs/operations.md, Backup and restore)"
+                f"cannot use the proxy database {self.path}: {exc}; {advice}"
             ) from exc
         self._group = GroupCommit(self.transaction, enabled=group_commit)
         if created and announce_creation:
