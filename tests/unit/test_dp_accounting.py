@@ -23,11 +23,17 @@ from fedpca.dp.accounting import (
     BudgetDecision,
     check_budget,
     compose_epsilon,
+    composed_gaussian_epsilon,
     composed_noise_multiplier,
     max_epsilon_per_release,
     require_budget,
 )
-from fedpca.dp.calibration import calibrate_noise_multiplier, gaussian_epsilon, zcdp_epsilon
+from fedpca.dp.calibration import (
+    analytic_gaussian_sigma,
+    calibrate_noise_multiplier,
+    gaussian_epsilon,
+    zcdp_epsilon,
+)
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, CompositionError, ConfigError
 from fedpca.query import Neighbouring
@@ -400,3 +406,18 @@ def test_a_recorded_release_below_the_floor_is_a_composition_error() -> None:
     with pytest.raises(CalibrationError) as own:
         check_budget([], 0.05, PrivacyParams(10.0, DELTA), PLD)
     assert not isinstance(own.value, CompositionError)
+
+
+@pytest.mark.parametrize("multipliers", [[0.8], [2.0, 3.0, 5.0], [0.3] * 4, [40.0]])
+def test_the_closed_form_gauge_is_the_compositions_exact_epsilon(multipliers: list[float]) -> None:
+    """What the owner's monitoring gauge reports: the Gaussian's (epsilon, delta) curve
+    at the composed z (the defining equation, through its analytic calibration), below
+    both accountants' figures and within the PLD's discretisation of it."""
+    events = [release(z, f"q{i}") for i, z in enumerate(multipliers)]
+    exact = composed_gaussian_epsilon(events, DELTA)
+    z = composed_noise_multiplier(multipliers)
+    assert analytic_gaussian_sigma(exact, DELTA) == pytest.approx(z, rel=1e-6)
+    assert exact <= compose_epsilon(events, DELTA, PLD) <= exact * 1.01 + 1e-6
+    assert exact <= compose_epsilon(events, DELTA, Accountant.ZCDP)
+    assert composed_gaussian_epsilon([], DELTA) == 0.0
+    assert composed_gaussian_epsilon([*events, release(0.0, "open")], DELTA) == math.inf

@@ -63,6 +63,7 @@ __all__ = [
     "BudgetDecision",
     "check_budget",
     "compose_epsilon",
+    "composed_gaussian_epsilon",
     "composed_noise_multiplier",
     "extra_delta",
     "max_epsilon_per_release",
@@ -286,6 +287,32 @@ def compose_epsilon(
     engine = PLDAccountant()
     engine.compose(dp_event.GaussianDpEvent(z_composed))
     return float(engine.get_epsilon(gaussian_delta))
+
+
+def composed_gaussian_epsilon(
+    releases: Iterable[Release], delta: float, *, neighbouring: Neighbouring | None = None
+) -> float:
+    """The exact epsilon at ``delta`` of the composition of ``releases``, from the
+    Gaussian's closed form (their composition is one Gaussian with the composed z, the
+    additive delta terms taken off ``delta`` as :func:`compose_epsilon` does).
+
+    Both accountants bound it from above (zcdp loosely, pld-continuous within its
+    discretisation), so it reports what was spent, never what may be admitted; its
+    cost does not grow with the composed rho, as a PLD composition's does, which is why
+    a monitoring gauge reads it: a scrape then takes the same time whatever analysts
+    have spent (docs/privacy.md, "Per-analyst shares").
+    """
+    listed = list(releases)
+    _check_relation(listed, neighbouring)
+    multipliers = [noise_multiplier_of(r) for r in listed]
+    if not multipliers:
+        return 0.0
+    if any(z == 0 for z in multipliers):
+        return math.inf
+    gaussian_delta = _gaussian_delta(listed, delta)
+    if gaussian_delta <= 0:
+        return math.inf
+    return gaussian_epsilon(composed_noise_multiplier(multipliers), gaussian_delta)
 
 
 def _compose_recorded(ledger: Sequence[Release], delta: float, kind: Accountant) -> float:
