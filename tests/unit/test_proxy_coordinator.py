@@ -1441,6 +1441,35 @@ def test_a_slow_progress_report_does_not_hold_up_the_draw(
         prepared.shutdown()
 
 
+def test_an_analyst_holds_a_bounded_amount_of_noise_drawn_in_advance(
+    test_only_keypair_512: Any,
+) -> None:
+    """Found by review: each open query held its whole packed noise from submission until
+    it ended. Beyond a per-analyst bound a query's noise is drawn when its pages need it;
+    other analysts' queries are not held back, and a discarded query frees its part."""
+    public_key, _ = test_only_keypair_512
+    plan = ReleasePlan.for_query(make_spec(public_key, epsilon=1.0), public_key.n.bit_length())
+    size = plan.owner_block(SHARES).layout.n_ciphertexts * ((public_key.n.bit_length() + 7) // 8)
+    prepared = prepared_noise.PreparedNoise(
+        RecordingSampler(3), enabled=True, threads=1, max_prepared_bytes_per_analyst=2 * size
+    )
+    try:
+        for key in ("alice/q1", "alice/q2", "alice/q3", "bob/q1"):
+            prepared.prepare(key, plan, public_key.n)
+        assert [prepared.pending(k) is not None for k in ("alice/q1", "alice/q2")] == [True] * 2
+        assert prepared.pending("alice/q3") is None  # beyond alice's bound
+        assert prepared.pending("bob/q1") is not None  # bob's own bound
+        # Not prepared, it is drawn when its pages need it: the same noise, complete.
+        total = plan.owner_block(SHARES).layout.n_ciphertexts
+        assert prepared.get("alice/q3", plan, public_key.n).drawn() == total
+        prepared.discard("alice/q3")
+        prepared.discard("alice/q1")
+        prepared.prepare("alice/q4", plan, public_key.n)
+        assert prepared.pending("alice/q4") is not None
+    finally:
+        prepared.shutdown()
+
+
 def test_pages_become_final_as_their_noise_is_drawn(
     tmp_path: Path,
     pool: CryptoPool,

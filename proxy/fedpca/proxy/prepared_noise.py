@@ -45,7 +45,14 @@ from fedpca.protocol import SHARES, IntArray, ReleasePlan
 from fedpca.proxy.store_records import page_count
 from fedpca.query import ProtocolMode
 
-__all__ = ["NOISE_THREADS", "PageNoise", "PreparedNoise", "draw_page_noise", "noise_threads"]
+__all__ = [
+    "MAX_PREPARED_BYTES_PER_ANALYST",
+    "NOISE_THREADS",
+    "PageNoise",
+    "PreparedNoise",
+    "draw_page_noise",
+    "noise_threads",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +97,11 @@ class PageNoise:
     def width(self) -> int:
         """Bytes per packed plaintext."""
         return (self.n.bit_length() + 7) // 8
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed noise holds (allocated whole when it is made)."""
+        return len(self._packed)
 
     @property
     def sample_cpu_seconds(self) -> float:
@@ -238,6 +250,20 @@ def noise_threads(sampler: NoiseSampler | None) -> int:
     return NOISE_THREADS if getattr(chosen, "parallel_safe", False) else 1
 
 
+MAX_PREPARED_BYTES_PER_ANALYST = 128 << 20
+"""Most bytes of noise one analyst's open queries may hold drawn in advance. A query's
+packed noise is about half the size of one owner's upload (one n-sized plaintext per
+result ciphertext of n^2): 128 MiB covers one query at the largest upload
+(``limits.max_upload_mib``, 256). Found by review: an analyst's open queries each held
+their whole noise from submission until they ended (up to their deadline while any
+owner stayed offline), 4 of them up to 512 MiB. Beyond the bound a query's noise is
+drawn when its pages need it (:meth:`PreparedNoise.get`), as without preparation."""
+
+
+def _analyst_of(key: str) -> str:
+    return key.partition("/")[0]
+
+
 class PreparedNoise:
     """Query key -> its stats-mode noise, being (or already) drawn.
 
@@ -251,6 +277,9 @@ class PreparedNoise:
         on a thread of its own, once for any number of pieces drawn while it ran, so
         that making pages final (store writes) never holds up the draw.
     threads : threads drawing one query's noise (default :func:`noise_threads`).
+    max_prepared_bytes_per_analyst : most bytes of noise drawn in advance for one
+        analyst's queries (keys ``analyst/query``); beyond it :meth:`prepare` leaves a
+        query's noise to :meth:`get`.
     """
 
     def __init__(
@@ -260,8 +289,10 @@ class PreparedNoise:
         enabled: bool,
         on_progress: Callable[[str], None] | None = None,
         threads: int | None = None,
+        max_prepared_bytes_per_analyst: int = MAX_PREPARED_BYTES_PER_ANALYST,
     ) -> None:
         self.sampler = sampler
+        self.max_prepared_bytes_per_analyst = max_prepared_bytes_per_analyst
         self.on_progress = on_progress
         self.threads = noise_threads(sampler) if threads is None else threads
         self._lock = threading.Lock()
@@ -290,10 +321,28 @@ class PreparedNoise:
         """
         if self._executor is None or not _needs_noise(plan):
             return
+        n_ciphertexts = plan.owner_block(SHARES).layout.n_ciphertexts
+        size = n_ciphertexts * ((n.bit_length() + 7) // 8)
         with self._lock:
             if key in self._draws or self._closed:
                 return
-            noise = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts, prepared=True)
+            analyst = _analyst_of(key)
+            held = sum(
+                noise.nbytes
+                for other, (_, noise) in self._draws.items()
+                if noise.prepared and _analyst_of(other) == analyst
+            )
+            if held + size > self.max_prepared_bytes_per_analyst:
+                logger.info(
+                    "query %s: its noise (%.1f MiB) is drawn when its pages need it: "
+                    "%s's queries hold %.1f MiB of noise drawn in advance",
+                    key,
+                    size / 2**20,
+                    analyst,
+                    held / 2**20,
+                )
+                return
+            noise = PageNoise(n, n_ciphertexts, prepared=True)
             try:
                 future = self._executor.submit(self._draw, key, plan, noise)
             except RuntimeError:  # shutting down: drawn on first use
