@@ -126,3 +126,16 @@ def test_flags_override_the_file() -> None:
     assert config.proxy.listen == "0.0.0.0:0" and config.tls.insecure
     with pytest.raises(ConfigError, match="listen"):
         ProxyConfig().with_overrides(listen="nope")
+
+
+def test_max_concurrent_rpcs_must_leave_room_for_the_allowed_owners(tmp_path: Path) -> None:
+    """Found by review: any value >= 1 was accepted, though every allowed owner keeps a
+    task stream open against it (and may upload beside it)."""
+    # Two owners, each a stream and 2 uploads, and one analyst's 16 calls: 22.
+    for value, fits in ((21, False), (22, True)):
+        text = EXAMPLE + f"[limits]\nmax_concurrent_rpcs = {value}\n"
+        if fits:
+            assert load_config(write(tmp_path, text)).limits.max_concurrent_rpcs == value
+        else:
+            with pytest.raises(ConfigError, match="at least 22 are needed"):
+                load_config(write(tmp_path, text))

@@ -321,14 +321,17 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         processes=processes,
         allow_insecure_test_keys=_bool(crypto_table, "crypto.allow_insecure_test_keys", False),
     )
+    owners = _owners(_table(document, "owners"))
+    limits = PeerLimits.from_mapping(dict(_table(document, "limits")))
+    limits.check_room_for(len(owners.allowed))
     return ProxyConfig(
         proxy=proxy,
         tls=tls,
         budget=budget,
         crypto=crypto,
-        owners=_owners(_table(document, "owners")),
+        owners=owners,
         privacy=_privacy_section(_table(document, "privacy"), default),
-        limits=PeerLimits.from_mapping(dict(_table(document, "limits"))),
+        limits=limits,
         monitoring=_monitoring(_table(document, "monitoring")),
     )
 

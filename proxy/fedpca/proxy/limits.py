@@ -91,6 +91,26 @@ class PeerLimits:
             elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ConfigError(f"limits.{spec.name} must be an integer >= 1, got {value!r}")
 
+    def check_room_for(self, owners: int) -> None:
+        """Refuse a ``max_concurrent_rpcs`` too small for ``owners`` allowed owners: each
+        keeps a task stream open and may upload ``max_uploads_per_owner`` shares at once,
+        and one analyst may make ``max_calls_per_peer`` calls; below that, gRPC itself
+        refuses owners' calls once the allowed owners are connected (found by review:
+        a value of 1 was accepted).
+
+        Raises
+        ------
+        ConfigError
+        """
+        needed = owners * (1 + self.max_uploads_per_owner) + self.max_calls_per_peer
+        if self.max_concurrent_rpcs < needed:
+            raise ConfigError(
+                f"limits.max_concurrent_rpcs = {self.max_concurrent_rpcs} leaves no room for "
+                f"the {owners} allowed owners: each keeps a task stream open and may upload "
+                f"{self.max_uploads_per_owner} shares at once, and an analyst may make "
+                f"{self.max_calls_per_peer} calls; at least {needed} are needed"
+            )
+
     @classmethod
     def from_mapping(cls, table: dict[str, Any]) -> PeerLimits:
         known = {spec.name: spec for spec in fields(cls)}
