@@ -388,6 +388,56 @@ def test_pages_become_final_as_every_contributor_passes_them(store: ProxyStore) 
     assert b"".join(store.result_pages("q1")) == as_bytes(expected)
 
 
+def _aggregate_pages(store: ProxyStore, query_id: str) -> list[int]:
+    with store.transaction() as conn:
+        rows = conn.execute(
+            "SELECT page FROM aggregate_pages WHERE query_id=? ORDER BY page", (query_id,)
+        ).fetchall()
+    return [int(row["page"]) for row in rows]
+
+
+def test_the_aggregate_without_noise_is_dropped_once_its_page_is_released(
+    store: ProxyStore,
+) -> None:
+    """The encrypted aggregate without its noise stayed on the proxy's disk beside every
+    released page, for good: a page's aggregate is now deleted in the transaction that
+    releases the page, and a failed query's with it."""
+    a, b = upload_values(1), upload_values(2)
+    join(store, "o1", "u1")
+    join(store, "o2", "u2")
+    fold(store, "o1", "u1", a)
+    fold(store, "o2", "u2", b, cuts=(4,))
+    assert store.finalize_pages("q1", TOTAL, GROUP, noise_page).pages_final == 1
+    assert _aggregate_pages(store, "q1") == [1, 2]  # page 0 released, its aggregate gone
+    fold(store, "o2", "u2", b, start=4)
+    assert store.finalize_pages("q1", TOTAL, GROUP, noise_page).done
+    assert _aggregate_pages(store, "q1") == []
+    create(store, "q2", quorum=1)
+    join(store, "o1", "u3", query="q2")
+    fold(store, "o1", "u3", a, cuts=(5,), query="q2")
+    assert _aggregate_pages(store, "q2") != []
+    store.set_state("q2", QueryState.FAILED, failure_reason="test")
+    assert _aggregate_pages(store, "q2") == []
+
+
+def test_an_earlier_databases_finished_aggregates_are_dropped_when_it_opens(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.sqlite3"
+    s = ProxyStore(path, page_ciphertexts=PAGE)
+    for query in ("q1", "q2"):
+        create(s, query, quorum=1)
+        join(s, "o1", f"u-{query}", query=query)
+        fold(s, "o1", f"u-{query}", upload_values(1), cuts=(5,), query=query)
+    with s.transaction() as conn:  # q1 finished under an earlier version, its pages kept
+        conn.execute("UPDATE queries SET state = ? WHERE query_id = 'q1'", ("done",))
+    assert _aggregate_pages(s, "q1") == [0, 1]
+    s.close()
+    reopened = ProxyStore(path, page_ciphertexts=PAGE)
+    assert _aggregate_pages(reopened, "q1") == []
+    assert _aggregate_pages(reopened, "q2") == [0, 1]  # still aggregating: kept
+
+
 def test_pages_are_not_released_while_the_contributors_are_open(store: ProxyStore) -> None:
     join(store, "o1", "u1")
     fold(store, "o1", "u1", upload_values(1))

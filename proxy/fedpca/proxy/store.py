@@ -201,7 +201,9 @@ class ProxyStore(ContributionStore):
                     + " or ".join(s.value for s in expect)
                 )
             if state is QueryState.FAILED:
+                # Its staged chunks and its aggregate (without noise) are never used.
                 conn.execute("DELETE FROM staged_chunks WHERE query_id=?", (query_id,))
+                conn.execute("DELETE FROM aggregate_pages WHERE query_id=?", (query_id,))
                 # Refunded only if no owner ever began an upload: then no owner spent
                 # budget on it and the analyst received nothing but a failure that
                 # depends on public facts. Once an upload began (and so before any

@@ -460,6 +460,11 @@ class ContributionStore(StoreDatabase):
                     "INSERT INTO result_pages(query_id, page, data) VALUES (?, ?, ?)",
                     (query_id, page, data),
                 )
+                # The aggregate without its noise is never needed again (a final page is
+                # never recomputed): it does not stay on the proxy's disk beside it.
+                conn.execute(
+                    "DELETE FROM aggregate_pages WHERE query_id=? AND page=?", (query_id, page)
+                )
             done = ready == pages
             if done:
                 conn.execute(
@@ -486,6 +491,7 @@ class ContributionStore(StoreDatabase):
                     "INSERT INTO result_pages(query_id, page, data) VALUES (?, ?, ?)",
                     (query_id, page, data[start : start + step]),
                 )
+            conn.execute("DELETE FROM aggregate_pages WHERE query_id=?", (query_id,))
             self._merge_meta(conn, query_id, meta)
             conn.execute(
                 "UPDATE queries SET state=?, updated_at=? WHERE query_id=?",

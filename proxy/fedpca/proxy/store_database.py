@@ -17,6 +17,7 @@ from typing import Any
 
 from fedpca.errors import ConfigError, NotFoundError
 from fedpca.files import ExclusiveUse, holds_database
+from fedpca.messages import QueryState
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
     PAGE_CIPHERTEXTS,
@@ -157,6 +158,15 @@ class StoreDatabase:
         self._conn.execute(
             "CREATE INDEX IF NOT EXISTS queries_by_analyst ON queries(analyst_id, created_at)"
         )
+        # Earlier proxies kept every finished query's aggregate without its noise
+        # beside the released pages; it is never used again (a released page is never
+        # recomputed), so it does not stay on disk.
+        with self.transaction() as conn:
+            conn.execute(
+                "DELETE FROM aggregate_pages WHERE query_id IN "
+                "(SELECT query_id FROM queries WHERE state IN (?, ?))",
+                (QueryState.DONE.value, QueryState.FAILED.value),
+            )
 
     @property
     def commit_stats(self) -> tuple[int, int]:
