@@ -139,3 +139,17 @@ def test_max_concurrent_rpcs_must_leave_room_for_the_allowed_owners(tmp_path: Pa
         else:
             with pytest.raises(ConfigError, match="at least 22 are needed"):
                 load_config(write(tmp_path, text))
+
+
+def test_keep_results_days(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, EXAMPLE)).proxy.keep_results_days == 30.0
+    text = EXAMPLE.replace(
+        "heartbeat_seconds = 5.0", "heartbeat_seconds = 5.0\nkeep_results_days = 0"
+    )
+    assert load_config(write(tmp_path, text)).proxy.keep_results_days == 0.0
+    for bad in ("-1", "inf", '"a month"'):
+        text = EXAMPLE.replace(
+            "heartbeat_seconds = 5.0", f"heartbeat_seconds = 5.0\nkeep_results_days = {bad}"
+        )
+        with pytest.raises(ConfigError, match="keep_results_days"):
+            load_config(write(tmp_path, text))

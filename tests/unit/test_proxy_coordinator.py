@@ -65,7 +65,13 @@ from fedpca.protocol import (
     ReleasePlan,
 )
 from fedpca.proxy import prepared_noise
-from fedpca.proxy.config import BudgetConfig, OwnersConfig, PrivacySection, ProxyConfig
+from fedpca.proxy.config import (
+    BudgetConfig,
+    OwnersConfig,
+    PrivacySection,
+    ProxyConfig,
+    ProxySection,
+)
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.coordinator_core import ContextCache
 from fedpca.proxy.limits import PeerLimits
@@ -340,6 +346,46 @@ def test_stats_mode_without_noise_equals_the_owners_integer_sums(
     result = coordinator.result(ANALYST, "q1")
     assert result.noise.mechanism is NoiseMechanism.NONE
     assert result.query == spec  # the analyst's own query id, not the task id
+
+
+def test_a_finished_querys_result_is_deleted_after_the_days_it_is_kept(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+) -> None:
+    """Found by review: the proxy kept every result for good. After [proxy]
+    keep_results_days a finished query's pages are deleted; a fetch then says so (not
+    "no result"), and the query and its charge stay."""
+    public_key, _ = test_only_keypair_512
+    config = replace(make_config(), proxy=ProxySection(keep_results_days=2.0))
+    coordinator = make_coordinator(tmp_path, pool, config)
+    clock = coordinator.clock
+    assert isinstance(clock, Clock)
+    run_stats_query(coordinator, pool, public_key, owners_for(owner_rows), make_spec(public_key))
+    assert coordinator.purge_results() == []  # finished just now
+    clock.now += 2 * 86_400 - 60
+    assert coordinator.purge_results() == []
+    clock.now += 120
+    assert coordinator.purge_results() == [Q1]
+    for fetch in (
+        lambda: coordinator.result_header(ANALYST, "q1"),
+        lambda: coordinator.result_pages(ANALYST, "q1", 0),
+        lambda: coordinator.result(ANALYST, "q1"),
+    ):
+        with pytest.raises(QueryStateError, match="keep_results_days"):
+            fetch()
+    assert coordinator.store.query(Q1).state is QueryState.DONE
+    assert coordinator.store.has_release(Q1)  # its charge stands
+    assert coordinator.purge_results() == []  # once
+    # 0 keeps results for good.
+    forever = replace(make_config(), proxy=ProxySection(keep_results_days=0.0))
+    kept = make_coordinator(tmp_path / "forever", pool, forever)
+    run_stats_query(kept, pool, public_key, owners_for(owner_rows), make_spec(public_key))
+    later = kept.clock
+    assert isinstance(later, Clock)
+    later.now += 10_000 * 86_400
+    assert kept.purge_results() == [] and kept.store.result_pages(Q1)
 
 
 def test_stats_mode_noise_has_the_planned_sigma_per_section(

@@ -147,6 +147,7 @@ class AnalystRequests(CoordinatorCore):
         """
         key = task_id(analyst_id, query_id)
         record = self.store.query(key)
+        self._check_not_purged(key, query_id)
         if record.state is QueryState.FAILED:
             raise QueryStateError(
                 f"query {query_id!r} failed: {record.failure_reason or 'no reason'}"
@@ -165,6 +166,15 @@ class AnalystRequests(CoordinatorCore):
             signer=record.signer,
         )
 
+    def _check_not_purged(self, key: str, query_id: str) -> None:
+        purged_at = self.store.result_purged_at(key)
+        if purged_at is not None:
+            when = datetime.fromtimestamp(purged_at, UTC).strftime("%Y-%m-%d")
+            raise QueryStateError(
+                f"the result of query {query_id!r} was deleted on {when}, when it was older "
+                "than the proxy keeps results ([proxy] keep_results_days); its charge stands"
+            )
+
     def result_pages(
         self, analyst_id: str, query_id: str, start: int, limit: int | None = None
     ) -> list[bytes]:
@@ -180,6 +190,7 @@ class AnalystRequests(CoordinatorCore):
         key = task_id(analyst_id, query_id)
         pages = self.store.result_pages(key, start, limit)
         if not pages:
+            self._check_not_purged(key, query_id)
             record = self.store.query(key)
             if record.state is QueryState.FAILED:
                 raise QueryStateError(

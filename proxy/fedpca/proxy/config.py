@@ -8,6 +8,8 @@ configuration file, so a deployment directory can be moved as a whole)::
     listen = "127.0.0.1:50051"
     database = "proxy.sqlite3"
     heartbeat_seconds = 5.0
+    max_upload_mib = 256         # largest upload a query may ask of one owner
+    keep_results_days = 30       # then a finished query's result is deleted (0: never)
 
     [tls]
     ca = "certs/ca/ca.pem"
@@ -96,6 +98,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 DEFAULT_MAX_UPLOAD_MIB = 256.0
+DEFAULT_KEEP_RESULTS_DAYS = 30.0
 DELTA_CAP = 1e-5
 """The default per-query delta cap never exceeds this (nor the default budget's delta)."""
 
@@ -111,6 +114,9 @@ class ProxySection:
     max_upload_mib: float = DEFAULT_MAX_UPLOAD_MIB
     """Largest upload one owner may have to send for a query (MiB of ciphertexts);
     a query whose release plan needs more is refused at submission."""
+    keep_results_days: float = DEFAULT_KEEP_RESULTS_DAYS
+    """Days a finished query's result pages are kept for the analyst to fetch again
+    (0: forever); then they are deleted and a fetch says so. Budgets are never deleted."""
 
 
 @dataclass(frozen=True)
@@ -263,7 +269,9 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     crypto_table = _table(document, "crypto")
 
     reject_unknown_keys(
-        proxy_table, {"id", "listen", "database", "heartbeat_seconds", "max_upload_mib"}, "proxy"
+        proxy_table,
+        {"id", "listen", "database", "heartbeat_seconds", "max_upload_mib", "keep_results_days"},
+        "proxy",
     )
     node_id = _str(proxy_table, "proxy.id", "proxy")
     try:
@@ -276,6 +284,11 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     max_upload = _float(proxy_table, "proxy.max_upload_mib", DEFAULT_MAX_UPLOAD_MIB)
     if not (math.isfinite(max_upload) and max_upload > 0):
         raise ConfigError(f"proxy.max_upload_mib must be finite and > 0, got {max_upload!r}")
+    keep_days = _float(proxy_table, "proxy.keep_results_days", DEFAULT_KEEP_RESULTS_DAYS)
+    if not (math.isfinite(keep_days) and keep_days >= 0):
+        raise ConfigError(
+            f"proxy.keep_results_days must be finite and >= 0 (0: forever), got {keep_days!r}"
+        )
     proxy = ProxySection(
         id=node_id,
         listen=_listen(_str(proxy_table, "proxy.listen", DEFAULT_LISTEN), "proxy.listen"),
@@ -284,6 +297,7 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         ),
         heartbeat_seconds=heartbeat,
         max_upload_mib=max_upload,
+        keep_results_days=keep_days,
     )
 
     reject_unknown_keys(tls_table, {"ca", "cert", "key", "insecure", "revoked_serials"}, "tls")

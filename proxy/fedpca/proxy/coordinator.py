@@ -32,6 +32,7 @@ docs/architecture.md ("The proxy's query lifecycle").
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -63,6 +64,10 @@ __all__ = ["CANCELLED_REASON", "Coordinator", "task_id"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMER_INTERVAL = 0.5
+
+PURGE_INTERVAL_SECONDS = 3600.0
+"""How often finished queries' old results are looked for (:meth:`Coordinator.purge_results`)."""
+SECONDS_PER_DAY = 86_400.0
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
 
 
@@ -419,15 +424,37 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             self._fail(record.query_id, reason)
         return due
 
+    def purge_results(self) -> list[str]:
+        """Delete the result pages of queries finished more than ``[proxy]
+        keep_results_days`` ago (none when it is 0); returns their keys."""
+        days = self.config.proxy.keep_results_days
+        if days <= 0:
+            return []
+        purged = self.store.purge_results(self.clock() - days * SECONDS_PER_DAY)
+        if purged:
+            logger.info(
+                "deleted the results of %d queries finished more than %g days ago "
+                "([proxy] keep_results_days): %s",
+                len(purged),
+                days,
+                ", ".join(purged),
+            )
+        return purged
+
     def run_timers(
         self, stop_event: threading.Event, interval: float = DEFAULT_TIMER_INTERVAL
     ) -> None:
-        """Check deadlines every ``interval`` seconds until ``stop_event`` is set."""
+        """Check deadlines every ``interval`` seconds, and purge old results every
+        :data:`PURGE_INTERVAL_SECONDS`, until ``stop_event`` is set."""
+        last_purge = -math.inf
         while not stop_event.wait(interval):
             try:
                 self.check_deadlines()
+                if time.monotonic() - last_purge >= PURGE_INTERVAL_SECONDS:
+                    last_purge = time.monotonic()
+                    self.purge_results()
             except Exception:
-                logger.exception("deadline check failed; retrying")
+                logger.exception("deadline check or result purge failed; retrying")
 
     def recover(self) -> list[str]:
         """After a (re)start: finish every NOISING query, take out the uploads the old

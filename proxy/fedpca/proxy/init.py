@@ -125,6 +125,7 @@ def render_proxy_config(
         f"listen = {toml_value(listen)}",
         f"database = {toml_value(f'{STATE_DIR}/proxy.sqlite3')}"
         "   # queries, uploads, results, budgets (SQLite)",
+        "keep_results_days = 30   # then a finished query's result is deleted (0: never)",
         "",
         "[tls]",
         f"ca = {toml_value(f'{TLS_DIR}/ca.pem')}",

@@ -254,7 +254,7 @@ MAX_PREPARED_BYTES_PER_ANALYST = 128 << 20
 """Most bytes of noise one analyst's open queries may hold drawn in advance. A query's
 packed noise is about half the size of one owner's upload (one n-sized plaintext per
 result ciphertext of n^2): 128 MiB covers one query at the largest upload
-(``limits.max_upload_mib``, 256). Found by review: an analyst's open queries each held
+(``proxy.max_upload_mib``, 256). Found by review: an analyst's open queries each held
 their whole noise from submission until they ended (up to their deadline while any
 owner stayed offline), 4 of them up to 512 MiB. Beyond the bound a query's noise is
 drawn when its pages need it (:meth:`PreparedNoise.get`), as without preparation."""

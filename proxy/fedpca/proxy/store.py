@@ -315,6 +315,34 @@ class ProxyStore(ContributionStore):
         )
         return analyst_id
 
+    def purge_results(self, finished_before: float) -> list[str]:
+        """Delete the result pages of every query that finished (done or failed) before
+        ``finished_before``, recording when; returns their keys. The query, its charge
+        and its metadata stay."""
+        now = self._clock()
+        with self.transaction() as conn:
+            rows = conn.execute(
+                "SELECT query_id FROM queries WHERE state IN (?, ?) AND updated_at < ? "
+                "AND EXISTS (SELECT 1 FROM result_pages WHERE "
+                "result_pages.query_id = queries.query_id)",
+                (QueryState.DONE.value, QueryState.FAILED.value, finished_before),
+            ).fetchall()
+            keys = [str(row["query_id"]) for row in rows]
+            for key in keys:
+                conn.execute("DELETE FROM result_pages WHERE query_id=?", (key,))
+                conn.execute(
+                    "INSERT INTO purged_results(query_id, purged_at) VALUES (?, ?)", (key, now)
+                )
+        return keys
+
+    def result_purged_at(self, query_id: str) -> float | None:
+        """When the query's result pages were deleted (None: they were not)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT purged_at FROM purged_results WHERE query_id=?", (query_id,)
+            ).fetchone()
+        return None if row is None else float(row["purged_at"])
+
     def has_query(self, query_id: str) -> bool:
         with self._lock:
             row = self._conn.execute(

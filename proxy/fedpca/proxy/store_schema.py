@@ -101,6 +101,10 @@ CREATE TABLE IF NOT EXISTS result_pages (
     data BLOB NOT NULL,
     PRIMARY KEY (query_id, page)
 );
+CREATE TABLE IF NOT EXISTS purged_results (
+    query_id TEXT PRIMARY KEY REFERENCES queries(query_id),
+    purged_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS result_meta (
     query_id TEXT PRIMARY KEY REFERENCES queries(query_id),
     meta TEXT NOT NULL
