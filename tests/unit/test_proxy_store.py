@@ -17,12 +17,13 @@ import pytest
 
 from fedpca.codec import CryptoPool
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
+from fedpca.errors import ConfigError, NotFoundError, ProtocolError, QueryStateError
 from fedpca.messages import (
     UPLOAD_CHUNK_BYTES,
     QueryState,
     ciphertexts_per_chunk,
 )
+from fedpca.owner.ledger import BudgetLedger
 from fedpca.proxy.config import (
     BudgetConfig,
     OwnersConfig,
@@ -767,3 +768,24 @@ def test_the_proxy_migrates_its_database_under_its_configured_relation(
         server.stop(grace=1.0)
     assert {r["neighbouring"] for r in releases} == {"replace-one"}
     assert budget.n_releases == 1 and 0 < budget.epsilon_spent < math.inf
+
+
+def test_an_owner_ledger_and_a_proxy_database_are_told_apart(tmp_path: Path) -> None:
+    """Found by review: the proxy opened an owner's ledger, made its own tables in it,
+    then said its schema version "is not supported"; an owner's ledger did the same to
+    a proxy database. Each names the other's file and leaves it untouched."""
+    ledger_path = tmp_path / "ledger.sqlite3"
+    BudgetLedger(ledger_path)
+    database_path = tmp_path / "proxy.sqlite3"
+    ProxyStore(database_path).close()
+
+    def tables(path: Path) -> set[str]:
+        with sqlite3.connect(path) as raw:
+            return {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+    before = (tables(ledger_path), tables(database_path))
+    with pytest.raises(ConfigError, match="is an owner's budget ledger, not a proxy database"):
+        ProxyStore(ledger_path)
+    with pytest.raises(ConfigError, match="is a proxy database, not an owner's budget ledger"):
+        BudgetLedger(database_path)
+    assert (tables(ledger_path), tables(database_path)) == before

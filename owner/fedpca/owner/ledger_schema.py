@@ -64,6 +64,16 @@ def create_or_migrate(
 ) -> None:
     """Create the tables, or bring an older ledger to :data:`SCHEMA_VERSION` (inside
     the caller's open transaction)."""
+    tables = {
+        str(row[0])
+        for row in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")
+    }
+    if "queries" in tables:
+        # Before any table is made: the proxy's file is left as it was.
+        raise ConfigError(
+            f"{path} is a proxy database, not an owner's budget ledger: check [owner] "
+            "state_dir (or --state-dir)"
+        )
     # executescript would commit the open transaction; run statements singly.
     for statement in SCHEMA.split(";"):
         if statement.strip():

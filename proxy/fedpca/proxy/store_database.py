@@ -99,6 +99,10 @@ class StoreDatabase:
         self._lock = threading.RLock()
         try:
             self._open(page_ciphertexts)
+        except ConfigError:
+            with contextlib.suppress(AttributeError, sqlite3.Error):
+                self._conn.close()
+            raise
         except sqlite3.DatabaseError as exc:
             with contextlib.suppress(AttributeError, sqlite3.Error):
                 self._conn.close()
@@ -135,6 +139,16 @@ class StoreDatabase:
         # FULL: a committed transaction survives power loss, not only a process crash.
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
+        tables = {
+            str(row[0])
+            for row in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+        }
+        if "tasks" in tables and "queries" not in tables:
+            # Before any table is made: the owner's file is left as it was.
+            raise ConfigError(
+                f"{self.path} is an owner's budget ledger, not a proxy database: check "
+                "[proxy] database (or --database)"
+            )
         for statement in SCHEMA.split(";"):
             if statement.strip():
                 self._conn.execute(statement)
