@@ -6,6 +6,7 @@ releases only, and the owner-wide budget (the rule that protects the rows) still
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -477,6 +478,34 @@ def test_a_release_written_in_place_of_the_latest_is_looked_at(tmp_path: Path) -
     assert node.within_shares
     node.reserve(_event("b0", B, 0.1), BUDGET, spec_digest="b0")
     assert not node.within_shares  # noticed: the owner-wide check is made again
+
+
+def test_a_reservation_whose_commit_failed_does_not_move_the_cached_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the count of writes was cached inside the transaction, so a
+    commit that failed (a full disk) left it one ahead of the file, and the next write by
+    another writer brought the file to the cached value unnoticed."""
+    path = tmp_path / "ledger.sqlite3"
+    node = BudgetLedger(path, shares=BudgetShares.for_budget({A: 0.5, B: 0.5}, BUDGET))
+    real = ledger_module._immediate
+
+    @contextlib.contextmanager
+    def failing_commit(connection: sqlite3.Connection) -> Any:
+        connection.execute("BEGIN IMMEDIATE")
+        yield
+        connection.execute("ROLLBACK")
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(ledger_module, "_immediate", failing_commit)
+    with pytest.raises(sqlite3.OperationalError):
+        node.reserve(_event("a0", A, 0.3), BUDGET, spec_digest="a0")
+    monkeypatch.setattr(ledger_module, "_immediate", real)
+    assert node.events() == []
+    # Another writer's one release past A's share brings the file's count to 1.
+    BudgetLedger(path).reserve(_event("a-big", A, 1.9), BUDGET, spec_digest="a-big")
+    node.reserve(_event("b0", B, 0.1), BUDGET, spec_digest="b0")
+    assert not node.within_shares  # noticed
 
 
 def test_every_write_to_the_releases_is_counted_by_the_file(tmp_path: Path) -> None:

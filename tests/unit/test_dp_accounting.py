@@ -29,7 +29,6 @@ from fedpca.dp.accounting import (
     require_budget,
 )
 from fedpca.dp.calibration import (
-    analytic_gaussian_sigma,
     calibrate_noise_multiplier,
     gaussian_epsilon,
     zcdp_epsilon,
@@ -409,14 +408,29 @@ def test_a_recorded_release_below_the_floor_is_a_composition_error() -> None:
 
 
 @pytest.mark.parametrize("multipliers", [[0.8], [2.0, 3.0, 5.0], [0.3] * 4, [40.0]])
-def test_the_closed_form_gauge_is_the_compositions_exact_epsilon(multipliers: list[float]) -> None:
-    """What the owner's monitoring gauge reports: the Gaussian's (epsilon, delta) curve
-    at the composed z (the defining equation, through its analytic calibration), below
-    both accountants' figures and within the PLD's discretisation of it."""
+def test_the_closed_form_gauge_meets_the_gaussians_defining_equation(
+    multipliers: list[float],
+) -> None:
+    """What the owner's monitoring gauge reports under pld-continuous: the epsilon at
+    which the Gaussian's delta curve at the composed z, written out here with scipy's
+    normal CDF (Balle and Wang 2018, Theorem 8), equals the budget's delta; at or below
+    both accountants' figures, and within the PLD's discretisation of it."""
+    from scipy.stats import norm
+
     events = [release(z, f"q{i}") for i, z in enumerate(multipliers)]
     exact = composed_gaussian_epsilon(events, DELTA)
     z = composed_noise_multiplier(multipliers)
-    assert analytic_gaussian_sigma(exact, DELTA) == pytest.approx(z, rel=1e-6)
+
+    def delta_at(epsilon: float) -> float:
+        return float(
+            norm.cdf(1 / (2 * z) - epsilon * z)
+            - math.exp(epsilon) * norm.cdf(-1 / (2 * z) - epsilon * z)
+        )
+
+    if exact > 0:
+        assert delta_at(exact) == pytest.approx(DELTA, rel=1e-6)
+    else:
+        assert delta_at(0.0) <= DELTA
     assert exact <= compose_epsilon(events, DELTA, PLD) <= exact * 1.01 + 1e-6
     assert exact <= compose_epsilon(events, DELTA, Accountant.ZCDP)
     assert composed_gaussian_epsilon([], DELTA) == 0.0

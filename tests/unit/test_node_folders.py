@@ -77,6 +77,14 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     forced = CliRunner().invoke(proxy_group, [*args, "--force"])
     assert forced.exit_code == 0, forced.output
     assert config.proxy.database.stat().st_ino == inode
+    # A proxy ran on it (its lock file is left) and the database is gone: --force
+    # does not make a new one in its place (found by review).
+    (out / "state" / "proxy.sqlite3.lock").touch()
+    for suffix in ("", "-wal", "-shm"):
+        (out / "state" / f"proxy.sqlite3{suffix}").unlink(missing_ok=True)
+    refused = CliRunner().invoke(proxy_group, [*args, "--force"])
+    assert refused.exit_code == 1 and "a proxy ran on this database" in refused.output
+    assert not config.proxy.database.exists()
 
 
 def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> None:
@@ -296,6 +304,16 @@ def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: 
     team = [*base, "--analyst-key", keys[0], *pin_signers, "--force"]
     assert CliRunner().invoke(owner_group, team).exit_code == 0, team
     assert load_owner_config(out / "owner.toml").policy.analyst_key_signers == {}
+    # A node ran on the folder (its lock file is left) and its ledger is gone (here: an
+    # empty file): init --force does not make a new one in its place (found by review).
+    ledger = config.ledger_path
+    (ledger.parent / "node.lock").touch()
+    for suffix in ("-wal", "-shm"):
+        ledger.with_name(ledger.name + suffix).unlink(missing_ok=True)
+    ledger.write_bytes(b"")
+    refused = CliRunner().invoke(owner_group, [*args, "--force"])
+    assert refused.exit_code != 0 and "holds node.lock but no ledger" in refused.output
+    assert ledger.stat().st_size == 0
 
 
 def test_owner_init_without_readable_data_and_without_pins(certs: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from fedpca.dp.accounting import Accountant, compose_epsilon
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import BudgetExceededError, CalibrationError, PolicyError
+from fedpca.errors import BudgetExceededError, CalibrationError, CompositionError, PolicyError
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.query import Neighbouring
@@ -179,6 +179,26 @@ def test_not_private_needs_permission_and_exhausts_a_finite_budget(tmp_path: Pat
         ledger.reserve(_event("q1", calibrate_noise_multiplier(0.83, DELTA), 0.83), budget)
     again = ledger.reserve(_not_private("v1"), budget, spec_digest="v", allow_not_private=True)
     assert again.already_reserved and again.not_private
+
+
+def test_a_recorded_release_below_the_pld_floor_is_never_described_to_an_asker(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a release recorded under zcdp with z below the PLD floor, read
+    by the same ledger under pld-continuous, raised a CalibrationError naming its z
+    from the NOT PRIVATE path, which an owner sends back with the decline. Every path
+    that composes recorded releases raises CompositionError, kept in the owner's log."""
+    path = tmp_path / "ledger.sqlite3"
+    wide = PrivacyParams(500.0, DELTA)
+    BudgetLedger(path).reserve(_event("bob", 0.05, 60.0), wide, spec_digest="bob")
+    pld = BudgetLedger(path, accountant=Accountant.PLD_CONTINUOUS)
+    asks = (
+        lambda: pld.reserve(_not_private("v1"), wide, spec_digest="v", allow_not_private=True),
+        lambda: pld.reserve(_event("q2", 5.0, 1.0), wide, spec_digest="q2"),
+    )
+    for ask in asks:
+        with pytest.raises(CompositionError, match=r"z=0\.05"):
+            ask()
 
 
 def test_a_release_under_another_relation_is_refused(tmp_path: Path) -> None:

@@ -228,15 +228,15 @@ def test_task_rate_cap(test_only_keypair_512: tuple[Any, Any]) -> None:
     public_key, _ = test_only_keypair_512
     config = _config(public_key, max_tasks_per_day=3)
     task = _task(_spec(public_key))
-    assert isinstance(check_task(task, config, _table(), releases_last_day=2), TaskAccepted)
+    assert isinstance(check_task(task, config, _table(), releases_last_day=lambda: 2), TaskAccepted)
     _refusal(
-        check_task(task, config, _table(), releases_last_day=3),
+        check_task(task, config, _table(), releases_last_day=lambda: 3),
         DeclineReason.POLICY_REFUSAL,
         "max_tasks_per_day",
     )
     # The count covers every analyst's releases (another analyst's activity): only the
     # owner's own limit is stated.
-    refused = check_task(task, config, _table(), releases_last_day=7)
+    refused = check_task(task, config, _table(), releases_last_day=lambda: 7)
     assert isinstance(refused, Refusal)
     assert "limit of 3 releases" in refused.detail and "7" not in refused.detail
 
@@ -319,6 +319,16 @@ def test_a_key_is_answered_only_for_the_signers_pinned_to_it(
         public_key,
         accepted_query_signers=both,
         analyst_key_signers={key: (TEST_SIGNER,)},
+    )
+
+    # The pairing is checked before the daily count reads the key's releases.
+    def counted() -> int:
+        raise AssertionError("the named key's releases were read")
+
+    _refusal(
+        check_task(_task(spec, other), paired, _table(), releases_last_day=counted),
+        DeclineReason.KEY_NOT_PINNED,
+        "pins to other signers",
     )
     # Without the table any pinned signer may name any pinned key (as before).
     assert isinstance(check_task(_task(spec, other), unpaired, _table()), TaskAccepted)

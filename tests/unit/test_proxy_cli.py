@@ -180,9 +180,13 @@ def test_an_empty_database_file_is_a_missing_database(tmp_path: Path) -> None:
         database.with_name(database.name + suffix).unlink(missing_ok=True)
     database.parent.mkdir(parents=True, exist_ok=True)
     database.touch()
-    refused = CliRunner().invoke(proxy_group, ["serve", "--config", str(config)])
-    assert refused.exit_code == 1, refused.output
-    assert f"{database} is empty (0 bytes" in refused.output
+    export = tmp_path / "owner-releases.json"
+    export.write_text('{"owner": "o", "releases": []}')
+    for command in (["serve"], ["status"], ["import-releases", str(export)]):
+        refused = CliRunner().invoke(proxy_group, [*command, "--config", str(config)])
+        assert refused.exit_code == 1, (command, refused.output)
+        assert f"{database} is empty (0 bytes" in refused.output
+        assert database.stat().st_size == 0
     (database.parent / "proxy.sqlite3.lock").touch()
     for command in (["new-database"], ["serve", "--new-database"]):
         refused = CliRunner().invoke(proxy_group, [*command, "--config", str(config)])

@@ -1505,10 +1505,17 @@ def test_an_analyst_holds_a_bounded_amount_of_noise_drawn_in_advance(
         assert [prepared.pending(k) is not None for k in ("alice/q1", "alice/q2")] == [True] * 2
         assert prepared.pending("alice/q3") is None  # beyond alice's bound
         assert prepared.pending("bob/q1") is not None  # bob's own bound
-        # Not prepared, it is drawn when its pages need it: the same noise, complete.
+        # Once its contributors are fixed its noise is needed: drawn in the background
+        # whatever the bound (not whole on an owner's upload call).
+        prepared.prepare("alice/q3", plan, public_key.n, bounded=False)
+        future = prepared.pending("alice/q3")
+        assert future is not None
         total = plan.owner_block(SHARES).layout.n_ciphertexts
-        assert prepared.get("alice/q3", plan, public_key.n).drawn() == total
+        assert future.result(timeout=30.0).drawn() == total
         prepared.discard("alice/q3")
+        # Never prepared, it is drawn when its pages need it: the same noise, complete.
+        assert prepared.get("alice/q5", plan, public_key.n).drawn() == total
+        prepared.discard("alice/q5")
         prepared.discard("alice/q1")
         prepared.prepare("alice/q4", plan, public_key.n)
         assert prepared.pending("alice/q4") is not None

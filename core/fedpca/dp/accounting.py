@@ -63,6 +63,7 @@ __all__ = [
     "BudgetDecision",
     "check_budget",
     "compose_epsilon",
+    "compose_recorded",
     "composed_gaussian_epsilon",
     "composed_noise_multiplier",
     "extra_delta",
@@ -292,15 +293,16 @@ def compose_epsilon(
 def composed_gaussian_epsilon(
     releases: Iterable[Release], delta: float, *, neighbouring: Neighbouring | None = None
 ) -> float:
-    """The exact epsilon at ``delta`` of the composition of ``releases``, from the
-    Gaussian's closed form (their composition is one Gaussian with the composed z, the
-    additive delta terms taken off ``delta`` as :func:`compose_epsilon` does).
+    """The epsilon at ``delta`` of the composition of ``releases`` as Gaussian releases,
+    from the Gaussian's closed (epsilon, delta) curve at the composed z (the composition
+    of Gaussian releases is one Gaussian with that z; the additive delta terms are taken
+    off ``delta`` as :func:`compose_epsilon` does).
 
-    Both accountants bound it from above (zcdp loosely, pld-continuous within its
-    discretisation), so it reports what was spent, never what may be admitted; its
-    cost does not grow with the composed rho, as a PLD composition's does, which is why
-    a monitoring gauge reads it: a scrape then takes the same time whatever analysts
-    have spent (docs/privacy.md, "Per-analyst shares").
+    The figure the pld-continuous accountant computes numerically, which it
+    approximates from above within its discretisation (zcdp's conversion bounds it
+    loosely); a monitoring figure, never what a ledger admits by. Its cost does not
+    grow with the composed rho, as a PLD composition's does: an owner's monitoring gauge
+    reads it, so a scrape takes the same time whatever analysts have spent.
     """
     listed = list(releases)
     _check_relation(listed, neighbouring)
@@ -315,14 +317,20 @@ def composed_gaussian_epsilon(
     return gaussian_epsilon(composed_noise_multiplier(multipliers), gaussian_delta)
 
 
-def _compose_recorded(ledger: Sequence[Release], delta: float, kind: Accountant) -> float:
+def compose_recorded(
+    ledger: Sequence[Release],
+    delta: float,
+    kind: Accountant | str,
+    *,
+    neighbouring: Neighbouring | None = None,
+) -> float:
     """:func:`compose_epsilon` of the releases already recorded. A ledger of one release
     below the PLD floor (recorded under zcdp before the owner changed accountant) raises
     :class:`~fedpca.errors.CompositionError`, as a composition does: its message
     describes a recorded release, perhaps another analyst's, and an owner keeps it in
     its own log instead of sending it back with the decline."""
     try:
-        return compose_epsilon(ledger, delta, kind)
+        return compose_epsilon(ledger, delta, kind, neighbouring=neighbouring)
     except CompositionError:
         raise
     except CalibrationError as exc:
@@ -425,11 +433,11 @@ def check_budget(
         spent = (math.nan, math.nan)
         if 0 < budget.delta < 1:
             spent = (
-                _compose_recorded(ledger, budget.delta, kind),
+                compose_recorded(ledger, budget.delta, kind),
                 compose_epsilon(after_releases, budget.delta, kind),
             )
         return BudgetDecision(True, budget, spent[0], spent[1], kind)
-    before = _compose_recorded(ledger, budget.delta, kind)
+    before = compose_recorded(ledger, budget.delta, kind)
     z_after = composed_noise_multiplier([*multipliers, z_new])
     beyond_pld = kind is Accountant.PLD_CONTINUOUS and 0 < z_after < MIN_NOISE_MULTIPLIER
     gaussian_delta = _gaussian_delta(after_releases, budget.delta)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from fedpca.dp.accounting import MIN_NOISE_MULTIPLIER, Accountant, compose_epsilon
 from fedpca.dp.calibration import analytic_gaussian_sigma, zcdp_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import CalibrationError, ConfigError
+from fedpca.errors import CalibrationError, ConfigError, ShareExceededError
 
 __all__ = [
     "EXTRA_DELTA_FRACTION",
@@ -193,6 +193,23 @@ class BudgetShares:
         before = self._used(own, share)
         after = self._used([*own, event], share)
         return ShareCheck(after <= 1.0, event.analyst, share, before, after)
+
+    def require(self, past: Sequence[PrivacyEvent], event: PrivacyEvent) -> ShareCheck:
+        """:meth:`check`, refusing ``event`` beyond its analyst's share.
+
+        Raises
+        ------
+        ShareExceededError
+            With the analyst's own figures (its share used before and after).
+        """
+        check = self.check(past, event)
+        if not check.fits:
+            raise ShareExceededError(
+                f"query {event.query_id!r} refused: it would bring analyst {check.analyst}'s "
+                f"use of its share ({check.share:g} of the budget) from "
+                f"{check.used_before:.4%} to {check.used_after:.4%}"
+            )
+        return check
 
     def admits(self, past: Sequence[PrivacyEvent], analyst: str, noise_multiplier: float) -> bool:
         """Whether a stats-mode release with this z (no additive delta) fits ``analyst``'s

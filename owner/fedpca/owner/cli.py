@@ -111,6 +111,7 @@ def serve_command(
     from fedpca.monitoring import MonitoringServer
     from fedpca.owner.metrics import OwnerMetrics
     from fedpca.owner.node import OwnerNode
+    from fedpca.owner.state_folder import refuse_where_a_node_ran
 
     _configure_logging(verbose)
     map_large_blocks()  # a long-running process: freed arrays go back to the system
@@ -130,7 +131,7 @@ def serve_command(
                     "To start a new one here, run `fedpca owner new-ledger` once (on "
                     "Kubernetes, the owner-first-start Job) or pass --new-ledger"
                 )
-            _refuse_where_a_node_ran(config)
+            refuse_where_a_node_ran(config)
         node = OwnerNode(config)
         node.hold_state_folder()  # before the monitoring port: the reason, not the port
         monitoring = None
@@ -327,20 +328,6 @@ def _missing_ledger(path: Path, override: str) -> str:
     )
 
 
-def _refuse_where_a_node_ran(config: OwnerConfig) -> None:
-    """Refuse to create a ledger in a state folder a node has run on (its lock file or
-    kept shares are there): its ledger is gone, and a new one would start the budget at
-    zero."""
-    ran = [p for p in ("node.lock", "shares") if (config.owner.state_dir / p).exists()]
-    if ran:
-        raise ConfigError(
-            f"{config.owner.state_dir} holds {ran[0]} but no ledger "
-            f"({database_missing(config.ledger_path)}): a node ran on this folder and its "
-            "ledger is gone. A new one would start this owner's budget again at zero; "
-            "restore the ledger from a backup (docs/operations.md)"
-        )
-
-
 @owner_group.command("new-ledger")
 @_config_option()
 def new_ledger_command(config_path: Path) -> None:
@@ -351,13 +338,14 @@ def new_ledger_command(config_path: Path) -> None:
     needs --new-ledger, so a volume lost or replaced later is refused instead of
     silently starting the budget at zero."""
     from fedpca.owner.ledger import owner_ledger
+    from fedpca.owner.state_folder import refuse_where_a_node_ran
 
     try:
         config = load_config(config_path)
         if holds_database(config.ledger_path):
             click.echo(f"the budget ledger {config.ledger_path} exists: left as it is")
             return
-        _refuse_where_a_node_ran(config)
+        refuse_where_a_node_ran(config)
         owner_ledger(config)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc

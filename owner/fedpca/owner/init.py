@@ -19,12 +19,14 @@ from pathlib import Path
 import click
 
 from fedpca.errors import ConfigError, DataError, FedpcaError
+from fedpca.files import holds_database
 from fedpca.owner.config import (
     OwnerConfig,
     load_config,
 )
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.policy_config import DEFAULT_MAX_TASKS_PER_DAY, DEFAULT_MIN_QUORUM
+from fedpca.owner.state_folder import refuse_where_a_node_ran
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
@@ -297,6 +299,9 @@ def write_owner_folder(
         config = load_config(path)
         # Made here, so that `owner serve` may refuse to start on a ledger that does not
         # exist: a wrong state_dir would otherwise start this owner's budget again at zero.
+        # Never where a node ran and its ledger is gone (init --force, --state-dir).
+        if not holds_database(config.ledger_path):
+            refuse_where_a_node_ran(config)
         owner_ledger(config)
     return config, facts
 

@@ -62,10 +62,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon
+from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon, compose_recorded
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.dp.shares import BudgetShares, ShareCheck
-from fedpca.errors import BudgetExceededError, ConfigError, PolicyError, ShareExceededError
+from fedpca.dp.shares import BudgetShares
+from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
@@ -313,13 +313,13 @@ class BudgetLedger:
                     event.query_id,
                 )
             elif within is not None:
-                share = _check_share(within, past, event)
+                share = within.require(past, event)
                 decision = BudgetDecision.within_share(
                     event.query_id, budget, share.used_before, share.used_after
                 )
             else:
                 if self.shares is not None:
-                    _check_share(self.shares, past, event)
+                    self.shares.require(past, event)
                 check = check_budget(
                     past, event, budget, self.accountant, neighbouring=self.neighbouring
                 )
@@ -363,14 +363,18 @@ class BudgetLedger:
                 "VALUES (?, ?, '', 0, ?) ON CONFLICT (query_id) DO NOTHING",
                 (event.query_id, TaskOutcome.RESERVED.value, time.time()),
             )
-            if self.shares is not None:  # a release within its share: nothing new to check
-                self._known_changes = release_changes(connection)
+            changes_after = release_changes(connection)
+        # Only once committed: a commit that failed (a full disk) left the file's count
+        # where it was, and the count cached here must not run ahead of it.
+        if self.shares is not None:  # a release within its share: nothing new to check
+            self._known_changes = changes_after
         return decision
 
     def _compose(self, events: list[PrivacyEvent], budget: PrivacyParams) -> float:
         if not 0 < budget.delta < 1:
             return math.nan  # an unlimited budget may carry delta 0 or 1
-        return compose_epsilon(
+        # What it says of a recorded release stays in this log (CompositionError).
+        return compose_recorded(
             events, budget.delta, self.accountant, neighbouring=self.neighbouring
         )
 
@@ -415,13 +419,15 @@ class BudgetLedger:
             seen = self.shares is not None and release_changes(connection) == self._known_changes
             cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
             removed = cursor.rowcount > 0
-            # A refund leaves the ledger within its shares; what another connection added
-            # before it is still to be looked at (the next reservation re-reads then).
-            self._known_changes = release_changes(connection) if seen else -1
+            changes_after = release_changes(connection)
             connection.execute(
                 "DELETE FROM tasks WHERE query_id = ? AND state = ?",
                 (query_id, TaskOutcome.RESERVED.value),
             )
+        # Once committed: a refund leaves the ledger within its shares; what another
+        # connection added before it is still to be looked at (the next reservation
+        # re-reads then).
+        self._known_changes = changes_after if seen else -1
         if removed:
             logger.info("query %s: nothing was sent, reservation refunded", query_id)
         return removed
@@ -618,18 +624,6 @@ def _immediate(connection: sqlite3.Connection) -> Iterator[None]:
         connection.execute("ROLLBACK")
         raise
     connection.execute("COMMIT")
-
-
-def _check_share(shares: BudgetShares, past: list[PrivacyEvent], event: PrivacyEvent) -> ShareCheck:
-    """Refuse ``event`` beyond its analyst's share (read from that analyst's releases only)."""
-    check = shares.check(past, event)
-    if not check.fits:
-        raise ShareExceededError(
-            f"query {event.query_id!r} refused: it would bring analyst {check.analyst}'s use of "
-            f"its share ({check.share:g} of the budget) from {check.used_before:.4%} to "
-            f"{check.used_after:.4%}"
-        )
-    return check
 
 
 def owner_ledger(config: OwnerConfig) -> BudgetLedger:

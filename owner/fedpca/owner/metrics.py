@@ -9,8 +9,8 @@ metric                                     type        what
 ``fedpca_owner_task_seconds{outcome}``     histogram   time from taking a task up to its
                                                        outcome (checks, encryption, upload)
 ``fedpca_owner_connected``                 gauge       1 while the task stream is open
-``fedpca_owner_epsilon_spent``             gauge       exact composed epsilon of the ledger
-                                                       at the budget's delta (closed form)
+``fedpca_owner_epsilon_spent``             gauge       composed epsilon of the ledger at the
+                                                       budget's delta (closed form)
 ``fedpca_owner_epsilon_limit``             gauge       the owner's total epsilon
 =========================================  ==========  ==================================
 
@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fedpca.dp.accounting import composed_gaussian_epsilon
+from fedpca.dp.accounting import Accountant, composed_gaussian_epsilon
 from fedpca.owner.ledger_records import TaskOutcome
 
 __all__ = ["OwnerMetrics"]
@@ -90,21 +90,27 @@ class _NodeCollector(Collector):
         )
         budget = node.config.budget
         try:
-            # The closed form, not the ledger's accountant: a PLD composition takes
-            # longer the more analysts have spent, and a scrape running in this process
-            # would slow an analyst's task by that much (found by review).
-            spent = composed_gaussian_epsilon(
-                [entry.event for entry in node.ledger.events()],
-                budget.delta,
-                neighbouring=node.ledger.neighbouring,
-            )
+            ledger = node.ledger
+            if ledger.accountant is Accountant.ZCDP:
+                spent = ledger.spent(budget.delta)  # closed form: what the ledger admits by
+            else:
+                # A PLD composition takes longer the more analysts have spent, and a
+                # scrape in this process slowed a task beside it by that much (found by
+                # review): the Gaussian's closed form instead, the figure the PLD
+                # accountant computes numerically (to within its discretisation).
+                spent = composed_gaussian_epsilon(
+                    [entry.event for entry in ledger.events()],
+                    budget.delta,
+                    neighbouring=ledger.neighbouring,
+                )
         except Exception:  # a scrape must not fail on the ledger
             logger.exception("metrics: cannot compose the owner's ledger")
         else:
             yield GaugeMetricFamily(
                 "fedpca_owner_epsilon_spent",
-                "Exact epsilon, at the budget's delta, of the composition of every release "
-                "of this owner's data (the ledger's accountant bounds it from above).",
+                "Composed epsilon of every release of this owner's data at the budget's "
+                "delta (zcdp: the ledger's own figure; pld-continuous: the Gaussian's "
+                "closed form, which the PLD accountant approximates from above).",
                 value=spent,
             )
         yield GaugeMetricFamily(

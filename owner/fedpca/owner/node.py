@@ -61,6 +61,7 @@ from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
 from fedpca.owner.share_snapshots import ShareSnapshots
+from fedpca.owner.state_folder import use_state_folder
 from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.owner.task_processing import TaskProcessing
 from fedpca.owner.upload import OutgoingUpload
@@ -91,16 +92,6 @@ _REFUSALS = frozenset(
 
 REMEMBERED_CANCELLATIONS = 1024
 """Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
-
-
-def _use_state_folder(config: OwnerConfig) -> ExclusiveUse:
-    """Hold the node's state folder (its ledger and kept shares) for this process.
-
-    Two nodes on one folder would each take the task stream from the other every
-    time they reconnect and interleave their uploads in one ledger.
-    """
-    folder = config.owner.state_dir
-    return ExclusiveUse(folder / "node.lock", f"the owner's state folder {folder}")
 
 
 class OwnerNode(TaskProcessing):
@@ -242,7 +233,7 @@ class OwnerNode(TaskProcessing):
         Raises
         ------
         ConfigError
-            Another process serves the same state folder (see :func:`_use_state_folder`).
+            Another process serves the same state folder (see :func:`use_state_folder`).
         """
         self.hold_state_folder()
         try:
@@ -270,7 +261,7 @@ class OwnerNode(TaskProcessing):
             Another process holds it (named by its pid).
         """
         if self._state_lock is None:
-            self._state_lock = _use_state_folder(self.config)
+            self._state_lock = use_state_folder(self.config)
 
     def _serve(self, stop_event: threading.Event | None) -> None:
         if stop_event is not None:

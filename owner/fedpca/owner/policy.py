@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedpca.codec.keys import key_fingerprint
@@ -167,7 +168,9 @@ def check_resumed_task(task: Task, policy: PolicyConfig, reserved_digest: str | 
         )
 
 
-def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) -> None:
+def _check_policy(
+    spec: QuerySpec, config: OwnerConfig, releases_last_day: Callable[[], int]
+) -> None:
     policy = config.policy
     if spec.neighbouring is not config.privacy.neighbouring:
         raise PolicyError(
@@ -200,7 +203,7 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, releases_last_day: int) 
         raise PolicyError(
             f"the query's quorum {spec.quorum} is below policy.min_quorum = {policy.min_quorum}"
         )
-    if releases_last_day >= policy.max_tasks_per_day:
+    if releases_last_day() >= policy.max_tasks_per_day:
         # Without shares the count covers every analyst's releases: only the limit is
         # stated. With shares it counts this analyst's own (task_processing).
         whose = "for this analyst " if config.analyst_shares else ""
@@ -283,7 +286,11 @@ def _check_epsilon_at_budget_delta(plan: ReleasePlan, config: OwnerConfig) -> No
 
 
 def check_task(
-    task: Task, config: OwnerConfig, table: LocalTable, *, releases_last_day: int = 0
+    task: Task,
+    config: OwnerConfig,
+    table: LocalTable,
+    *,
+    releases_last_day: Callable[[], int] = lambda: 0,
 ) -> TaskAccepted | Refusal:
     """Decide from public facts whether this owner takes part in ``task``.
 
@@ -292,7 +299,9 @@ def check_task(
     task : the task as the proxy delivered it (query, signature, signer).
     config : the owner's configuration.
     table : the owner's table (only its schema is looked at).
-    releases_last_day : releases this owner's ledger recorded in the last 24 hours.
+    releases_last_day : reads the releases this owner's ledger recorded in the last 24
+        hours; called only once the signature, the key and its signer have passed, so
+        that a task naming another analyst's key reads nothing of its releases.
 
     Returns
     -------

@@ -323,8 +323,14 @@ class TaskProcessing(TaskEndings):
         # With per-analyst shares the daily cap counts this analyst's releases only, so
         # that its declines do not show the others' activity either.
         analyst = spec.analyst_key_fingerprint if self.ledger.shares is not None else None
-        releases = self.ledger.reservations_since(day_ago, excluding=query_id, analyst=analyst)
-        decision = check_task(task, self.config, self.table, releases_last_day=releases)
+        decision = check_task(
+            task,
+            self.config,
+            self.table,
+            releases_last_day=lambda: self.ledger.reservations_since(
+                day_ago, excluding=query_id, analyst=analyst
+            ),
+        )
         if isinstance(decision, Refusal):
             return self._decline_task(stub, task, decision.reason, decision.detail)
         plan = decision.plan

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import click
 
 from fedpca.allocator import map_large_blocks
-from fedpca.errors import ConfigError, FedpcaError
+from fedpca.errors import FedpcaError
 from fedpca.files import database_missing, holds_database
 from fedpca.logs import configure_logging
 from fedpca.proxy.config import ProxyConfig, load_config
@@ -107,6 +107,7 @@ def serve_command(
 ) -> None:
     """Serve OwnerService and AnalystService until SIGTERM/SIGINT."""
     from fedpca.proxy.server import ProxyServer  # grpc, numpy, phe: only when serving
+    from fedpca.proxy.store_database import refuse_where_a_proxy_ran
 
     _configure_logging(verbose)
     map_large_blocks()  # a long-running process: freed arrays go back to the system
@@ -131,7 +132,7 @@ def serve_command(
                 "--new-database"
             )
         try:
-            _refuse_where_a_proxy_ran(config.proxy.database)
+            refuse_where_a_proxy_ran(config.proxy.database)
         except FedpcaError as exc:
             raise click.ClickException(str(exc)) from exc
     ensure_open_files(needed_open_files(len(config.owners.allowed)))
@@ -166,8 +167,10 @@ def status_command(config_path: Path) -> None:
 
     config = _load(config_path)
     database = config.proxy.database
-    if not database.is_file():
-        raise click.ClickException(f"no proxy database at {database} (has the proxy run?)")
+    if not holds_database(database):
+        raise click.ClickException(
+            f"no proxy database: {database_missing(database)} (has the proxy run here?)"
+        )
     store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
     try:
         records = store.queries()
@@ -219,8 +222,12 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
     try:
         config = _load(config_path)
         database = config.proxy.database
-        if not database.is_file():
-            raise click.ClickException(f"no proxy database at {database}")
+        if not holds_database(database):
+            # Never a new one: the releases would be charged into an empty database.
+            raise click.ClickException(
+                f"no proxy database: {database_missing(database)}; put the backup in place "
+                "first (docs/operations.md, Backup and restore)"
+            )
         releases = []
         for path in exports:
             try:
@@ -279,6 +286,7 @@ def new_database_command(config_path: Path) -> None:
     --new-database, so a volume lost or replaced later is refused instead of silently
     starting every analyst's budget at zero."""
     from fedpca.proxy.store import ProxyStore
+    from fedpca.proxy.store_database import refuse_where_a_proxy_ran
 
     try:
         config = _load(config_path)
@@ -286,25 +294,13 @@ def new_database_command(config_path: Path) -> None:
         if holds_database(database):
             click.echo(f"the proxy database {database} exists: left as it is")
             return
-        _refuse_where_a_proxy_ran(database)
+        refuse_where_a_proxy_ran(database)
         ProxyStore(
             database, neighbouring=config.privacy.neighbouring, announce_creation=False
         ).close()
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"created the proxy database {database}: every analyst's budget is unspent")
-
-
-def _refuse_where_a_proxy_ran(database: Path) -> None:
-    """Refuse to create a database a proxy has run on (its lock file is there): the
-    database is gone, and a new one would start every analyst's budget at zero."""
-    lock = database.with_name(database.name + ".lock")
-    if lock.exists():
-        raise ConfigError(
-            f"{lock} exists but {database_missing(database)}: a proxy ran on this database "
-            "and it is gone. A new one would start every analyst's budget again at zero; "
-            "restore it from a backup (docs/operations.md)"
-        )
 
 
 proxy_group.add_command(init_command)

@@ -117,6 +117,9 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                 key,
                 context.spec.quorum,
             )
+            # Its noise is needed now: drawn in the background even beyond the analyst's
+            # bound on noise drawn in advance (it is then not being drawn yet).
+            self._prepare_noise(key, context, bounded=False)
             self._notify()
         elif joined.covered and not joined.duplicate:
             logger.info(
@@ -486,7 +489,9 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                     removed,
                 )
             # Noise drawn before the restart is gone: pages not yet final get a fresh draw.
-            self._prepare_noise(record.query_id, context)
+            self._prepare_noise(
+                record.query_id, context, bounded=record.state is QueryState.COLLECTING
+            )
             if record.state is QueryState.AGGREGATING:
                 self.advance(record.query_id)
         return handled + self.check_deadlines()

@@ -270,6 +270,6 @@ class CoordinatorCore:
         pages waiting for it may become final (:class:`~fedpca.proxy.coordinator.Coordinator`
         makes them so). Must not raise: an error here would fail the draw."""
 
-    def _prepare_noise(self, key: str, context: QueryContext) -> None:
+    def _prepare_noise(self, key: str, context: QueryContext, *, bounded: bool = True) -> None:
         if not self._stopping.is_set():
-            self._noise.prepare(key, context.plan, context.public_key.n)
+            self._noise.prepare(key, context.plan, context.public_key.n, bounded=bounded)

@@ -21,6 +21,7 @@ from fedpca.errors import AuthenticationError, ConfigError, FedpcaError
 from fedpca.files import holds_database
 from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_database import refuse_where_a_proxy_ran
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
@@ -215,6 +216,8 @@ def write_proxy_folder(
         if not holds_database(config.proxy.database):
             # Made here, so that `proxy serve` may refuse to start on a database that does
             # not exist: a wrong path would otherwise start every analyst's budget at zero.
+            # Never where a proxy ran and its database is gone (init --force).
+            refuse_where_a_proxy_ran(config.proxy.database)
             ProxyStore(
                 config.proxy.database,
                 neighbouring=config.privacy.neighbouring,

@@ -257,7 +257,8 @@ result ciphertext of n^2): 128 MiB covers one query at the largest upload
 (``proxy.max_upload_mib``, 256). Found by review: an analyst's open queries each held
 their whole noise from submission until they ended (up to their deadline while any
 owner stayed offline), 4 of them up to 512 MiB. Beyond the bound a query's noise is
-drawn when its pages need it (:meth:`PreparedNoise.get`), as without preparation."""
+drawn once its contributors are fixed (``prepare(..., bounded=False)``), in the
+background as before."""
 
 
 def _analyst_of(key: str) -> str:
@@ -313,11 +314,15 @@ class PreparedNoise:
             else None
         )
 
-    def prepare(self, key: str, plan: ReleasePlan, n: int) -> None:
+    def prepare(self, key: str, plan: ReleasePlan, n: int, *, bounded: bool = True) -> None:
         """Start drawing a stats-mode query's noise in the background.
 
         ``key`` is the proxy's key of the query (its task id): two analysts' queries
-        may share a query id, never a key.
+        may share a query id, never a key. ``bounded``: within the analyst's bound on
+        noise drawn in advance (:data:`MAX_PREPARED_BYTES_PER_ANALYST`), as from
+        submission; a query whose contributors are fixed needs its noise now, and gets
+        it drawn here in the background whatever the bound (otherwise an owner's upload
+        call would draw it whole when the first page is ready).
         """
         if self._executor is None or not _needs_noise(plan):
             return
@@ -332,7 +337,7 @@ class PreparedNoise:
                 for other, (_, noise) in self._draws.items()
                 if noise.prepared and _analyst_of(other) == analyst
             )
-            if held + size > self.max_prepared_bytes_per_analyst:
+            if bounded and held + size > self.max_prepared_bytes_per_analyst:
                 logger.info(
                     "query %s: its noise (%.1f MiB) is drawn when its pages need it: "
                     "%s's queries hold %.1f MiB of noise drawn in advance",

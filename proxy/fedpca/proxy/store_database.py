@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpca.errors import ConfigError, NotFoundError
-from fedpca.files import ExclusiveUse, holds_database
+from fedpca.files import ExclusiveUse, database_missing, holds_database
 from fedpca.messages import QueryState
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
@@ -31,11 +31,23 @@ from fedpca.query import Neighbouring
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreDatabase", "use_database"]
+__all__ = ["StoreDatabase", "refuse_where_a_proxy_ran", "use_database"]
 
 
 _OWNER_TABLES = frozenset({"contributors", "declines", "uploads"})
 """Tables whose rows are keyed by (query_id, owner_id)."""
+
+
+def refuse_where_a_proxy_ran(database: Path) -> None:
+    """Refuse to create a database a proxy has run on (its lock file is there): the
+    database is gone, and a new one would start every analyst's budget at zero."""
+    lock = database.with_name(database.name + ".lock")
+    if lock.exists():
+        raise ConfigError(
+            f"{lock} exists but {database_missing(database)}: a proxy ran on this database "
+            "and it is gone. A new one would start every analyst's budget again at zero; "
+            "restore it from a backup (docs/operations.md)"
+        )
 
 
 def use_database(database: Path) -> ExclusiveUse:
