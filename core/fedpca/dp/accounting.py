@@ -262,25 +262,18 @@ def compose_epsilon(
     if math.isnan(delta) or not 0 < delta < 1:
         raise ConfigError(f"delta must be in (0, 1), got {delta!r}")
     kind = _accountant(accountant)
-    listed = list(releases)
-    _check_relation(listed, neighbouring)
-    multipliers = [noise_multiplier_of(r) for r in listed]
-    if not multipliers:
-        return 0.0
-    if any(z == 0 for z in multipliers):
-        return math.inf
-    gaussian_delta = _gaussian_delta(listed, delta)
-    if gaussian_delta <= 0:
-        return math.inf
-    z_composed = composed_noise_multiplier(multipliers)
+    composition = _composition(releases, delta, neighbouring)
+    if isinstance(composition, float):
+        return composition
+    z_composed, gaussian_delta, count = composition
     if kind is Accountant.ZCDP:
         # rho adds up: the ledger is one Gaussian with z_composed, for every order alpha.
         return zcdp_epsilon(z_composed, gaussian_delta)
     if z_composed < MIN_NOISE_MULTIPLIER:
-        if len(multipliers) == 1:
+        if count == 1:
             raise CalibrationError(f"one release: {_floor_message(z_composed, gaussian_delta)}")
         raise CompositionError(
-            f"{len(multipliers)} composed releases: {_floor_message(z_composed, gaussian_delta)}"
+            f"{count} composed releases: {_floor_message(z_composed, gaussian_delta)}"
         )
     # The composition of Gaussian releases *is* one Gaussian release with z_composed
     # (their privacy-loss distributions are Gaussian and add), so PLD accounts for
@@ -304,6 +297,19 @@ def composed_gaussian_epsilon(
     grow with the composed rho, as a PLD composition's does: an owner's monitoring gauge
     reads it, so a scrape takes the same time whatever analysts have spent.
     """
+    composition = _composition(releases, delta, neighbouring)
+    if isinstance(composition, float):
+        return composition
+    z_composed, gaussian_delta, _ = composition
+    return gaussian_epsilon(z_composed, gaussian_delta)
+
+
+def _composition(
+    releases: Iterable[Release], delta: float, neighbouring: Neighbouring | None
+) -> float | tuple[float, float, int]:
+    """(composed z, the delta left to the Gaussian part, number of releases), or the
+    epsilon itself where no accountant is needed: 0 for no release, infinity with a
+    release without noise or additive delta terms that use up ``delta``."""
     listed = list(releases)
     _check_relation(listed, neighbouring)
     multipliers = [noise_multiplier_of(r) for r in listed]
@@ -314,7 +320,7 @@ def composed_gaussian_epsilon(
     gaussian_delta = _gaussian_delta(listed, delta)
     if gaussian_delta <= 0:
         return math.inf
-    return gaussian_epsilon(composed_noise_multiplier(multipliers), gaussian_delta)
+    return composed_noise_multiplier(multipliers), gaussian_delta, len(multipliers)
 
 
 def compose_recorded(
