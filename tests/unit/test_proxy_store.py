@@ -421,6 +421,35 @@ def test_the_aggregate_without_noise_is_dropped_once_its_page_is_released(
     assert _aggregate_pages(store, "q2") == []
 
 
+def test_a_released_aggregate_leaves_no_bytes_in_the_database_files(tmp_path: Path) -> None:
+    """Found by review: a DELETE leaves the bytes in SQLite's free pages and in the
+    write-ahead log. With secure_delete (set by the store, whatever SQLite's build
+    default; this machine's Debian build has it on, so only the log's part can fail
+    here) and the log truncated (the proxy does it hourly), the aggregate without noise
+    is in neither file once its pages are released."""
+    path = tmp_path / "p.sqlite3"
+    s = ProxyStore(path, page_ciphertexts=PAGE)
+    create(s)
+    a, b = upload_values(1), upload_values(2)
+    join(s, "o1", "u1")
+    join(s, "o2", "u2")
+    fold(s, "o1", "u1", a)
+    fold(s, "o2", "u2", b)
+    aggregate = product(a, b)
+    pages = [as_bytes(aggregate[0:3]), as_bytes(aggregate[3:6])]
+
+    def on_disk() -> bytes:
+        wal = path.with_name(path.name + "-wal")
+        return path.read_bytes() + (wal.read_bytes() if wal.exists() else b"")
+
+    assert all(page in on_disk() for page in pages)  # stored while it is needed
+    assert s.finalize_pages("q1", TOTAL, GROUP, noise_page).done
+    assert any(page in on_disk() for page in pages)  # the log still holds old frames
+    s.truncate_wal()
+    assert not any(page in on_disk() for page in pages)
+    s.close()
+
+
 def test_an_earlier_databases_finished_aggregates_are_dropped_when_it_opens(
     tmp_path: Path,
 ) -> None:
@@ -439,6 +468,22 @@ def test_an_earlier_databases_finished_aggregates_are_dropped_when_it_opens(
     assert _aggregate_pages(reopened, "q2") == [0, 1]  # still aggregating: kept
 
 
+def test_a_completion_after_the_query_finished_keeps_its_finish_time(tmp_path: Path) -> None:
+    """keep_results_days counts from the finish (updated_at): found by review, an owner's
+    completion arriving after the last fold had finished the query moved it later."""
+    now = [1000.0]
+    s = ProxyStore(tmp_path / "p.sqlite3", page_ciphertexts=PAGE, clock=lambda: now[0])
+    create(s, quorum=1)
+    join(s, "o1", "u1")
+    fold(s, "o1", "u1", upload_values(1))
+    now[0] = 2000.0
+    assert s.finalize_pages("q1", TOTAL, GROUP, None).done
+    now[0] = 3000.0
+    assert complete(s, "o1", "u1", "h1").n_contributed == 1
+    assert s.query("q1").updated_at == 2000.0
+    assert s.purge_results(2500.0) == ["q1"] and s.result_purged_at("q1") == 3000.0
+
+
 def test_pages_are_not_released_while_the_contributors_are_open(store: ProxyStore) -> None:
     join(store, "o1", "u1")
     fold(store, "o1", "u1", upload_values(1))
@@ -453,9 +498,12 @@ def test_a_masked_result_is_stored_once_as_pages_and_survives_reopen(tmp_path: P
     with pytest.raises(QueryStateError, match="cannot store a result"):
         s.store_result("q1", b"", {})
     join(s, "o1", "u1", meta={"n_owners": 1})
+    fold(s, "o1", "u1", upload_values(1), query="q1")
+    assert _aggregate_pages(s, "q1") != []
     s.set_state("q1", QueryState.NOISING, expect=(QueryState.AGGREGATING,))
     data = bytes(range(2 * 7))  # 7 one-byte-key "ciphertexts" of 2 bytes: pages 3, 3, 1
     s.store_result("q1", data, {"timings": {"noise_seconds": 1.0}})
+    assert _aggregate_pages(s, "q1") == []  # the aggregate without the mask is gone
     with pytest.raises(QueryStateError):
         s.store_result("q1", data, {})
     s.close()

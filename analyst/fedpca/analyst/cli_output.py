@@ -81,6 +81,6 @@ def written_or_fetchable(query_id: str) -> Iterator[None]:
     except OSError as exc:
         raise ConfigError(
             f"cannot write the result: {exc.filename or ''}: {exc.strerror or exc}. Query "
-            f"{query_id} was answered and its result stays stored at the proxy: write it with "
-            f"`fedpca analyst fetch {query_id} --out PATH`"
+            f"{query_id} was answered and its result stays stored at the proxy (30 days by "
+            f"default): write it with `fedpca analyst fetch {query_id} --out PATH`"
         ) from exc

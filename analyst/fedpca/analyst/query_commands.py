@@ -1,7 +1,8 @@
 """``fedpca analyst list|status|fetch|cancel``: the analyst's queries by id.
 
 An analyst sees only its own queries (the proxy scopes query ids by analyst). A
-query's result stays stored at the proxy once it is DONE, so ``fetch`` can download
+query's result stays stored at the proxy once it is DONE (for the proxy's
+``keep_results_days``, 30 by default), so ``fetch`` can download
 and decrypt it again, e.g. after the command that submitted it was interrupted during
 decryption; ``cancel`` stops a query that is still collecting uploads (its charge is
 refunded if no owner had begun an upload).

@@ -234,9 +234,9 @@ def run_query(
             # being released and it is charged. Say so, and how to get the result back.
             logger.warning(
                 "%s after the contributors were fixed: query %s is not cancelled "
-                "and its charge stands; its result stays stored at the proxy: follow it with "
-                "`fedpca analyst status %s` and fetch it with `fedpca analyst fetch %s "
-                "--out result.json`",
+                "and its charge stands; its result stays stored at the proxy (30 days by "
+                "default): follow it with `fedpca analyst status %s` and fetch it with "
+                "`fedpca analyst fetch %s --out result.json`",
                 interrupted_by(exc),
                 spec.query_id,
                 spec.query_id,
@@ -246,8 +246,8 @@ def run_query(
         except FedpcaError as exc:
             # The release happened and is paid for; it stays stored at the proxy.
             raise type(exc)(
-                f"{exc} (the result of query {spec.query_id} stays stored at the proxy: "
-                f"fetch it again with `fedpca analyst fetch {spec.query_id}`)"
+                f"{exc} (the result of query {spec.query_id} stays stored at the proxy, 30 days "
+                f"by default: fetch it again with `fedpca analyst fetch {spec.query_id}`)"
             ) from exc
     finally:
         if owned:

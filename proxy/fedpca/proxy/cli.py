@@ -171,7 +171,10 @@ def status_command(config_path: Path) -> None:
         raise click.ClickException(
             f"no proxy database: {database_missing(database)} (has the proxy run here?)"
         )
-    store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
+    try:
+        store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
     try:
         records = store.queries()
     finally:

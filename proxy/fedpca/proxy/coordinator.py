@@ -64,11 +64,11 @@ __all__ = ["CANCELLED_REASON", "Coordinator", "task_id"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMER_INTERVAL = 0.5
+"""Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
 
 PURGE_INTERVAL_SECONDS = 3600.0
 """How often finished queries' old results are looked for (:meth:`Coordinator.purge_results`)."""
 SECONDS_PER_DAY = 86_400.0
-"""Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
 
 
 class Coordinator(Submissions, OwnerTasks, AnalystRequests):
@@ -169,7 +169,11 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             return False
         if self.store.contributor(query_id, owner_id) is None:
             return False
-        return not (record.state is QueryState.FAILED and self.store.pages_final(query_id) == 0)
+        released = (
+            self.store.pages_final(query_id) > 0
+            or self.store.result_purged_at(query_id) is not None  # released, since deleted
+        )
+        return not (record.state is QueryState.FAILED and not released)
 
     def _folded(self, query_id: str, fold_cpu_seconds: float) -> None:
         with self._lock:
@@ -429,11 +433,15 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
 
     def purge_results(self) -> list[str]:
         """Delete the result pages of queries finished more than ``[proxy]
-        keep_results_days`` ago (none when it is 0); returns their keys."""
+        keep_results_days`` ago (none when it is 0), and truncate the database's
+        write-ahead log, which may hold frames of deleted aggregates (any setting);
+        returns the purged keys."""
         days = self.config.proxy.keep_results_days
         if days <= 0:
+            self.store.truncate_wal()
             return []
         purged = self.store.purge_results(self.clock() - days * SECONDS_PER_DAY)
+        self.store.truncate_wal()
         if purged:
             logger.info(
                 "deleted the results of %d queries finished more than %g days ago "

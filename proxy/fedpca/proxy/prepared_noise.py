@@ -339,7 +339,7 @@ class PreparedNoise:
             )
             if bounded and held + size > self.max_prepared_bytes_per_analyst:
                 logger.info(
-                    "query %s: its noise (%.1f MiB) is drawn when its pages need it: "
+                    "query %s: its noise (%.1f MiB) is drawn once its contributors are fixed: "
                     "%s's queries hold %.1f MiB of noise drawn in advance",
                     key,
                     size / 2**20,

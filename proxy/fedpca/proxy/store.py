@@ -319,19 +319,23 @@ class ProxyStore(ContributionStore):
         """Delete the result pages of every query that finished (done or failed) before
         ``finished_before``, recording when; returns their keys. The query, its charge
         and its metadata stay."""
-        now = self._clock()
-        with self.transaction() as conn:
-            rows = conn.execute(
+        with self._lock:
+            rows = self._conn.execute(
                 "SELECT query_id FROM queries WHERE state IN (?, ?) AND updated_at < ? "
                 "AND EXISTS (SELECT 1 FROM result_pages WHERE "
                 "result_pages.query_id = queries.query_id)",
                 (QueryState.DONE.value, QueryState.FAILED.value, finished_before),
             ).fetchall()
-            keys = [str(row["query_id"]) for row in rows]
-            for key in keys:
+        keys = [str(row["query_id"]) for row in rows]
+        # One query per transaction: the store's other work (folds, joins) waits for one
+        # query's pages at a time, not for every result due (the first run after an
+        # upgrade may find months of them).
+        for key in keys:
+            with self.transaction() as conn:
                 conn.execute("DELETE FROM result_pages WHERE query_id=?", (key,))
                 conn.execute(
-                    "INSERT INTO purged_results(query_id, purged_at) VALUES (?, ?)", (key, now)
+                    "INSERT INTO purged_results(query_id, purged_at) VALUES (?, ?)",
+                    (key, self._clock()),
                 )
         return keys
 

@@ -344,9 +344,12 @@ class ContributionStore(StoreDatabase):
                 (query_id, owner_id, upload_id, content_sha256, n_ciphertexts, public_count, now),
             )
             n_contributed = int(query["n_contributed"]) + 1
+            # A completion after the query finished (its last fold finished it first)
+            # leaves updated_at at the finish, which [proxy] keep_results_days counts from.
+            finished = QueryState(query["state"]).terminal
             conn.execute(
                 "UPDATE queries SET n_contributed=?, updated_at=? WHERE query_id=?",
-                (n_contributed, now, query_id),
+                (n_contributed, query["updated_at"] if finished else now, query_id),
             )
             return UploadCompletion(duplicate=False, n_contributed=n_contributed)
 
@@ -384,7 +387,10 @@ class ContributionStore(StoreDatabase):
         ]
 
     def aggregate(self, query_id: str) -> bytes:
-        """The query's encrypted aggregate: all pages, in wire order (b"" before any fold)."""
+        """The query's encrypted aggregate: all pages, in wire order (b"" before any fold).
+
+        Whole only until pages are released: a stats-mode page's aggregate is deleted
+        when its result page is written (masked mode reads this before its result)."""
         with self._lock:
             rows = self._conn.execute(
                 "SELECT page, data FROM aggregate_pages WHERE query_id=? ORDER BY page",

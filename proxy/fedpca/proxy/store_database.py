@@ -151,6 +151,10 @@ class StoreDatabase:
         # FULL: a committed transaction survives power loss, not only a process crash.
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
+        # Deleted content is overwritten, not left in free pages: the aggregates without
+        # noise deleted as their pages are released (and purged results) do not stay
+        # in the database file. Old WAL frames are removed by truncate_wal().
+        self._conn.execute("PRAGMA secure_delete=ON")
         tables = {
             str(row[0])
             for row in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
@@ -193,6 +197,16 @@ class StoreDatabase:
                 "(SELECT query_id FROM queries WHERE state IN (?, ?))",
                 (QueryState.DONE.value, QueryState.FAILED.value),
             )
+
+    def truncate_wal(self) -> None:
+        """Checkpoint the write-ahead log into the database and truncate it to zero
+        bytes, so that frames of deleted content (an aggregate without noise) do not
+        stay in it. Waits for readers (busy timeout); a checkpoint that cannot finish
+        now is left to the next call."""
+        with self._lock:
+            busy, _, _ = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            logger.info("the proxy database's log was not truncated (busy): next time")
 
     @property
     def commit_stats(self) -> tuple[int, int]:
