@@ -1513,8 +1513,12 @@ def test_an_analyst_holds_a_bounded_amount_of_noise_drawn_in_advance(
         total = plan.owner_block(SHARES).layout.n_ciphertexts
         assert future.result(timeout=30.0).drawn() == total
         prepared.discard("alice/q3")
-        # Never prepared, it is drawn when its pages need it: the same noise, complete.
-        assert prepared.get("alice/q5", plan, public_key.n).drawn() == total
+        # Never prepared, it is drawn when its pages need it, in the background too:
+        # the caller gets it as far as drawn and it completes.
+        noise = prepared.get("alice/q5", plan, public_key.n)
+        urgent = prepared.pending("alice/q5")
+        assert urgent is not None and urgent.result(timeout=30.0) is noise
+        assert noise.drawn() == total
         prepared.discard("alice/q5")
         prepared.discard("alice/q1")
         prepared.prepare("alice/q4", plan, public_key.n)
@@ -1671,19 +1675,20 @@ def test_noise_not_prepared_in_time_is_drawn_at_finish_for_that_query_only(
         assert first is not None and second is not None
         assert not second.running()  # queued behind q1's preparation, held by the sampler
         # q2 reaches its quorum first: its preparation has not started, so it is
-        # cancelled and q2's noise is drawn by the finisher (here: this thread).
+        # cancelled and q2's noise is drawn at once on a thread of its own, not by the
+        # caller (in the server: an owner's upload call; found by review).
         finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q2")
-        assert coordinator.store.query(key("q2")).state is QueryState.DONE
+        wait_until(lambda: coordinator.store.query(key("q2")).state is QueryState.DONE, "q2 done")
         assert second.cancelled()
         assert "noise_precomputed" not in coordinator.result_meta(ANALYST, "q2")["timings"]
-        assert sampler.threads()[1:] == ["MainThread"] * 3
+        assert sampler.threads()[1:] == ["fedpca-noise-now"] * 3
         hold.set()
         first.result(timeout=60)
         finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
         assert coordinator.result_meta(ANALYST, "q1")["timings"]["noise_precomputed"] == 1.0
         # Six draws in all, three per query: no vector served two results.
         threads = sampler.threads()
-        assert sorted(threads) == ["MainThread"] * 3 + ["fedpca-noise-prep"] * 3
+        assert sorted(threads) == ["fedpca-noise-now"] * 3 + ["fedpca-noise-prep"] * 3
         noise = [
             np.array(decrypt_block(pool, private_key, coordinator, q, SHARES), dtype=object)
             for q in ("q1", "q2")

@@ -306,6 +306,14 @@ class PreparedNoise:
             if enabled
             else None
         )
+        # Noise a query needs now (its pages are ready) while the preparing thread is
+        # busy with another's: drawn here, not on the caller's thread (an owner's upload
+        # call, which would stall for the whole draw; found by review).
+        self._urgent = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise-now")
+            if enabled
+            else None
+        )
         # Keys with a progress report queued and not yet started (see _report).
         self._reports_queued: set[str] = set()
         self._reporter = (
@@ -404,9 +412,11 @@ class PreparedNoise:
 
     def get(self, key: str, plan: ReleasePlan, n: int) -> PageNoise:
         """The query's noise: as far as drawn if it is being drawn in the background
-        (:meth:`PageNoise.drawn` says how far), drawn now in this thread if it was
-        never prepared or its preparation has not started yet (it is then cancelled:
-        drawing now is as fast as waiting for the queue).
+        (:meth:`PageNoise.drawn` says how far). If it was never prepared, or its
+        preparation has not started yet (it is then cancelled: waiting for the queue
+        would be slower), it is drawn now: on a background thread of its own when
+        preparation is enabled (the caller gets it as far as drawn, and progress is
+        reported as for a prepared draw), in this thread otherwise.
 
         Kept until :meth:`discard`, so every page of the result takes its slice of one
         draw. A failed draw raises its error from :meth:`PageNoise.drawn` (every time:
@@ -414,7 +424,18 @@ class PreparedNoise:
         """
         with self._lock:
             draw = self._draws.get(key)
-            draw_here = draw is None or draw[0].cancel()
+            redraw = draw is None or draw[0].cancel()
+            if redraw and self._urgent is not None and not self._closed:
+                noise = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts)
+                try:
+                    # Inside the lock: the draw's progress checks find it registered.
+                    urgent = self._urgent.submit(self._draw, key, plan, noise)
+                except RuntimeError:  # shutting down: drawn here below
+                    pass
+                else:
+                    self._draws[key] = (urgent, noise)
+                    return noise
+            draw_here = redraw
             if draw_here:
                 future: Future[PageNoise] = Future()
                 future.set_running_or_notify_cancel()  # others read it, never cancel it
@@ -453,8 +474,9 @@ class PreparedNoise:
             draws, self._draws = self._draws, {}
         for future, _ in draws.values():
             future.cancel()
-        if self._executor is not None:
-            self._executor.shutdown(wait=wait, cancel_futures=True)
+        for executor in (self._executor, self._urgent):
+            if executor is not None:
+                executor.shutdown(wait=wait, cancel_futures=True)
         if self._reporter is not None:
             self._reporter.shutdown(wait=wait, cancel_futures=True)
 
