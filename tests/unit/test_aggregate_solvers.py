@@ -128,6 +128,7 @@ def test_describe_post_processing_is_labelled_and_consistent() -> None:
     }
     clipped = describe(part, sections)
     assert clipped.clipped and clipped.n_samples == 1.0
+    assert clipped.moved == ("N", "mean", "covariance")  # what the CLI names
     assert np.all(clipped.mean >= [0.0, 10.0]) and np.all(clipped.mean <= [2.0, 30.0])
     assert np.linalg.eigvalsh(clipped.covariance).min() >= -1e-12
     assert np.all(np.abs(clipped.correlation[~np.isnan(clipped.correlation)]) <= 1.0)
@@ -139,6 +140,10 @@ def test_describe_post_processing_is_labelled_and_consistent() -> None:
     variance = Aggregate.statistics((0,), (0.0,), (2.0,), Moments.VARIANCE)
     out = describe(variance, {"count": [10.0], "sums": [9.0], "squares": [50.0]})
     assert out.variance is not None and out.variance[0] == 1.0 and out.covariance is None
+    assert out.moved == ("variance",)
+    # Values within their ranges: clipping applied, nothing moved.
+    inside = describe(variance, {"count": [10.0], "sums": [9.0], "squares": [10.0]})
+    assert inside.clipped and inside.moved == ()
 
 
 def test_histogram_counts_shapes_and_clamp() -> None:

@@ -287,6 +287,7 @@ def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: 
         k: (s,) for k, s in zip(keys, signers, strict=True)
     }
     assert f"share           0.333333 of it for analyst {keys[2]}" in result.output
+    assert f"analyst key     {keys[1]} for signer {signers[1]}" in result.output
     # Without the flag: one budget for every analyst, as before (still paired).
     again = CliRunner().invoke(owner_group, [*args, "--force"])
     assert again.exit_code == 0, again.output
@@ -302,7 +303,9 @@ def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: 
     refused = CliRunner().invoke(owner_group, [*twice, "--equal-analyst-shares", "--force"])
     assert refused.exit_code != 0 and f"--analyst-key {keys[0]} is given twice" in refused.output
     team = [*base, "--analyst-key", keys[0], *pin_signers, "--force"]
-    assert CliRunner().invoke(owner_group, team).exit_code == 0, team
+    unpaired_run = CliRunner().invoke(owner_group, team)
+    assert unpaired_run.exit_code == 0, unpaired_run.output
+    assert "not paired with keys" in unpaired_run.output
     assert load_owner_config(out / "owner.toml").policy.analyst_key_signers == {}
     # A node ran on the folder (its lock file is left) and its ledger is gone (here: an
     # empty file): init --force does not make a new one in its place (found by review).

@@ -209,6 +209,14 @@ def stats_command(
     click.echo(f"mean:        {_format(estimator.mean_)}")
     if estimator.variance_ is not None:
         click.echo(f"variance:    {_format(estimator.variance_)}")
+    if estimator.clip_moved_:
+        # Found by a new user: a mean clipped to its bound read as a measurement.
+        click.secho(
+            f"clipped:     {', '.join(estimator.clip_moved_)}: noisy values outside their "
+            "public ranges were moved into them (a value at its bound says so, not the "
+            "data); --no-clip keeps the raw values, a larger epsilon makes it rarer",
+            fg="yellow",
+        )
     _finish(estimator, path)
 
 
@@ -251,6 +259,11 @@ def histogram_command(
     estimator, path = _fit(factory, params)
     click.echo(f"cells:       {estimator.counts_.size} (shape {estimator.counts_.shape})")
     click.echo(histogram_total_line(estimator))
+    if estimator.clamped_:
+        click.secho(
+            "clamped:     negative noisy counts were set to 0 (--no-clamp keeps them)",
+            fg="yellow",
+        )
     _finish(estimator, path)
 
 

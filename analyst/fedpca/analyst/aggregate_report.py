@@ -137,6 +137,7 @@ def _part(estimator: AggregateEstimator) -> dict[str, Any]:
                 if estimator.clipped_
                 else "none"
             ),
+            clip_moved=list(estimator.clip_moved_),
         )
     elif isinstance(estimator, FederatedHistogram):
         document.update(

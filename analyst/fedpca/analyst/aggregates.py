@@ -90,6 +90,8 @@ class DescriptiveStatistics:
     variance : (d,) or None (moments = mean).
     covariance, correlation : (d, d) or None (moments other than covariance).
     clipped : whether the consistency post-processing was applied.
+    moved : the quantities it changed ("N", "mean", "variance", "covariance",
+        "correlation"): their noisy values lay outside their public ranges.
     """
 
     n_samples: float
@@ -98,6 +100,7 @@ class DescriptiveStatistics:
     covariance: FloatArray | None
     correlation: FloatArray | None
     clipped: bool
+    moved: tuple[str, ...] = ()
 
 
 def describe(
@@ -116,13 +119,16 @@ def describe(
         raise ConfigError(f"describe needs a stats aggregate, got {part.kind.value}")
     d = len(part.columns)
     centre, scale = _centres_and_scales(part.lower, part.upper)
+    moved: list[str] = []
     n = float(sections[COUNT][0])
-    if clip:
-        n = max(n, 1.0)
+    if clip and n < 1.0:
+        n = 1.0
+        moved.append("N")
     sums = np.asarray(sections[SUMS], dtype=np.float64)
     mean_u = sums / n
-    if clip:
+    if clip and np.any(np.abs(mean_u) > 1.0):
         mean_u = np.clip(mean_u, -1.0, 1.0)
+        moved.append("mean")
     mean = centre + scale * mean_u
     divisor = n - ddof
     if clip:
@@ -130,8 +136,9 @@ def describe(
     variance = covariance = correlation = None
     if part.moments is Moments.VARIANCE:
         var_u = (np.asarray(sections[SQUARES]) - sums * sums / n) / divisor
-        if clip:
+        if clip and np.any((var_u < 0.0) | (var_u > 1.0)):
             var_u = np.clip(var_u, 0.0, 1.0)
+            moved.append("variance")
         variance = scale * scale * var_u
     elif part.moments is Moments.COVARIANCE:
         products = _symmetric(np.asarray(sections[PRODUCTS]), d)
@@ -139,6 +146,8 @@ def describe(
         covariance = np.outer(scale, scale) * cov_u
         if clip:
             values, vectors = np.linalg.eigh(covariance)
+            if np.any(values < 0.0):
+                moved.append("covariance")
             covariance = (vectors * np.maximum(values, 0.0)) @ vectors.T
             covariance = (covariance + covariance.T) / 2.0
         variance = np.diag(covariance).copy()
@@ -146,9 +155,11 @@ def describe(
             sd = np.sqrt(np.maximum(variance, 0.0))
             correlation = covariance / np.outer(sd, sd)
         if clip:
+            if np.any(np.abs(np.nan_to_num(correlation)) > 1.0):
+                moved.append("correlation")
             correlation = np.clip(correlation, -1.0, 1.0)
             np.fill_diagonal(correlation, np.where(sd > 0, 1.0, np.nan))
-    return DescriptiveStatistics(n, mean, variance, covariance, correlation, clip)
+    return DescriptiveStatistics(n, mean, variance, covariance, correlation, clip, tuple(moved))
 
 
 # ------------------------------------------------------------------ histograms

@@ -117,6 +117,7 @@ class FederatedStatistics(AggregateEstimator):
         self.covariance_ = result.covariance
         self.correlation_ = result.correlation
         self.clipped_ = result.clipped
+        self.clip_moved_ = result.moved
 
     columns_: tuple[int, ...]
     n_samples_: float
@@ -125,6 +126,7 @@ class FederatedStatistics(AggregateEstimator):
     covariance_: FloatArray | None
     correlation_: FloatArray | None
     clipped_: bool
+    clip_moved_: tuple[str, ...]
 
 
 FederatedStatistics.__doc__ = (
@@ -138,6 +140,8 @@ FederatedStatistics.__doc__ = (
     variance_ : (d,) or None (moments="mean").
     covariance_, correlation_ : (d, d) or None (moments other than "covariance").
     clipped_ : whether the consistency post-processing was applied.
+    clip_moved_ : what it changed ("N", "mean", "variance", "covariance",
+        "correlation"): noisy values outside their public ranges.
     epsilon_, delta_, not_private_, n_owners_, noise_sigmas_, timings_, query_id_,
     key_fingerprint_, release_ : provenance.
 """

@@ -257,8 +257,9 @@ def write_owner_folder(
     if equal_shares and len(analyst_keys) != len(signers):
         raise ConfigError(
             "--equal-analyst-shares pairs each --analyst-key with the --analyst-signer given "
-            f"in the same place: give as many of each (got {len(analyst_keys)} keys and "
-            f"{len(signers)} signers)"
+            f"in the same place: give as many of each (got {len(analyst_keys)} "
+            f"key{'s' * (len(analyst_keys) != 1)} and {len(signers)} "
+            f"signer{'s' * (len(signers) != 1)})"
         )
     text = render_owner_config(
         owner_id=owner_id,
@@ -510,4 +511,16 @@ def init_command(
     )
     for analyst, fraction in config.analyst_shares.items():
         click.echo(f"  share           {fraction:.6g} of it for analyst {analyst}")
+    pairs = config.policy.analyst_key_signers
+    for pinned in config.policy.accepted_analyst_keys:
+        if pairs:
+            click.echo(f"  analyst key     {pinned} for signer {', '.join(pairs[pinned])}")
+        else:
+            click.echo(f"  analyst key     {pinned}")
+    if not pairs:
+        click.secho(
+            "  signers         not paired with keys (not one --analyst-signer per "
+            "--analyst-key): any pinned signer may name any pinned key",
+            fg="yellow",
+        )
     click.echo(f"run: fedpca owner serve --config {out / CONFIG_NAME}")
