@@ -144,6 +144,19 @@ def test_describe_post_processing_is_labelled_and_consistent() -> None:
     # Values within their ranges: clipping applied, nothing moved.
     inside = describe(variance, {"count": [10.0], "sums": [9.0], "squares": [10.0]})
     assert inside.clipped and inside.moved == ()
+    # Exact sections of real data (float error only) move nothing (found by review:
+    # correlations of 1 + 2e-16 on the diagonal, eigenvalues of -1e-17, were named).
+    rng = np.random.default_rng(5)
+    two = Aggregate.statistics((0, 1), (-1.0, -1.0), (1.0, 1.0))
+    for _ in range(200):
+        x = rng.uniform(-1, 1, size=(50, 1)) @ np.ones((1, 2))  # collinear columns
+        x[:, 1] *= rng.uniform(0.1, 1.0)
+        exact = {
+            "count": np.array([50.0]),
+            "sums": x.sum(axis=0),
+            "products": np.array([x[:, 0] @ x[:, 0], x[:, 0] @ x[:, 1], x[:, 1] @ x[:, 1]]),
+        }
+        assert describe(two, exact).moved == ()
 
 
 def test_histogram_counts_shapes_and_clamp() -> None:

@@ -1527,6 +1527,53 @@ def test_an_analyst_holds_a_bounded_amount_of_noise_drawn_in_advance(
         prepared.shutdown()
 
 
+def test_noise_drawn_at_once_is_drawn_once_and_a_failure_is_reported(
+    test_only_keypair_512: Any,
+) -> None:
+    """Found by review: a query whose urgent draw was still queued had it cancelled and
+    queued again, with a new vector in memory, at every fold; and an urgent draw that
+    failed after the last fold was never looked at again (the query waited for its
+    deadline). Queued or running, an urgent draw is the query's one draw; a failure is
+    reported as progress is, and the noise raises it."""
+    public_key, _ = test_only_keypair_512
+    plan = ReleasePlan.for_query(make_spec(public_key, epsilon=1.0), public_key.n.bit_length())
+    gate = threading.Event()
+    reported: list[str] = []
+    prepared = prepared_noise.PreparedNoise(
+        GatedSampler(3, free=0, gate=gate),
+        enabled=True,
+        on_progress=reported.append,
+        threads=1,
+    )
+    try:
+        keys = [f"alice/q{i}" for i in range(prepared_noise.URGENT_DRAWS + 1)]
+        first = {k: prepared.get(k, plan, public_key.n) for k in keys}
+        # Every urgent worker is busy: the last query's draw is queued. Asked again and
+        # again (every fold asks), it is the same draw and the same noise.
+        for _ in range(3):
+            assert all(prepared.get(k, plan, public_key.n) is first[k] for k in keys)
+        gate.set()
+        total = plan.owner_block(SHARES).layout.n_ciphertexts
+        for k in keys:
+            future = prepared.pending(k)
+            assert future is not None and future.result(timeout=30.0) is first[k]
+            assert first[k].drawn() == total
+    finally:
+        gate.set()
+        prepared.shutdown()
+    failing = prepared_noise.PreparedNoise(
+        RecordingSampler(3, fail=True), enabled=True, on_progress=reported.append, threads=1
+    )
+    try:
+        reported.clear()
+        noise = failing.get("alice/bad", plan, public_key.n)
+        wait_until(lambda: "alice/bad" in reported, "the failed draw's report")
+        with pytest.raises(ConfigError, match="sampler failure"):
+            noise.drawn()
+    finally:
+        failing.shutdown()
+
+
 def test_pages_become_final_as_their_noise_is_drawn(
     tmp_path: Path,
     pool: CryptoPool,
@@ -1699,24 +1746,39 @@ def test_noise_not_prepared_in_time_is_drawn_at_finish_for_that_query_only(
         coordinator.shutdown()
 
 
+class _BrokenSampler(RecordingSampler):
+    """TEST ONLY: a sampler whose every draw raises an error that is not fedpca's own."""
+
+    def sample(self, sigma_int: float, size: int) -> np.ndarray:
+        with self.lock:
+            self.draws.append((threading.current_thread().name, size))
+        raise RuntimeError("sampler crashed (test)")
+
+
+@pytest.mark.parametrize("error", ["ConfigError", "RuntimeError"])
 def test_a_failed_noise_preparation_fails_the_query_without_a_second_draw(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    error: str,
 ) -> None:
     public_key, _ = test_only_keypair_512
-    sampler = RecordingSampler(7, fail=True)
+    sampler = RecordingSampler(7, fail=True) if error == "ConfigError" else _BrokenSampler(7)
     coordinator = make_coordinator(tmp_path, pool, noise_sampler=sampler, precompute_noise=True)
     try:
         coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
         prepared = coordinator.prepared_noise(Q1)
-        assert prepared is not None and isinstance(prepared.exception(timeout=60), ConfigError)
+        assert prepared is not None
+        assert type(prepared.exception(timeout=60)).__name__ == error
         owners = owners_for(owner_rows)
         finish_with_owners(coordinator, pool, public_key, owners[:2], "q1")
         # The third upload completes the first page: its noise is needed, and missing.
-        with pytest.raises(QueryStateError, match=r"failed: adding noise failed \(ConfigError\)"):
+        with pytest.raises(QueryStateError, match=rf"failed: adding noise failed \({error}\)"):
             finish_with_owners(coordinator, pool, public_key, owners[2:], "q1")
         record = coordinator.store.query(Q1)
         assert record.state is QueryState.FAILED
-        assert record.failure_reason is not None and "ConfigError" in record.failure_reason
+        assert record.failure_reason is not None and error in record.failure_reason
         # A redraw after a failed draw would condition the noise on the failure.
         assert len(sampler.draws) == 1
         # Nothing was released, but the owners uploaded (and spent their budgets on

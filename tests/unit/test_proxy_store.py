@@ -421,12 +421,27 @@ def test_the_aggregate_without_noise_is_dropped_once_its_page_is_released(
     assert _aggregate_pages(store, "q2") == []
 
 
-def test_a_released_aggregate_leaves_no_bytes_in_the_database_files(tmp_path: Path) -> None:
+def _connections_without_secure_delete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite as built elsewhere: secure_delete off unless a connection sets it (this
+    machine's Debian build has it on by default)."""
+    real = sqlite3.connect
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        connection = real(*args, **kwargs)
+        connection.execute("PRAGMA secure_delete=OFF")
+        return connection
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+
+
+def test_a_released_aggregate_leaves_no_bytes_in_the_database_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Found by review: a DELETE leaves the bytes in SQLite's free pages and in the
     write-ahead log. With secure_delete (set by the store, whatever SQLite's build
-    default; this machine's Debian build has it on, so only the log's part can fail
-    here) and the log truncated (the proxy does it hourly), the aggregate without noise
-    is in neither file once its pages are released."""
+    default) and the log truncated (the proxy does it hourly), the aggregate without
+    noise is in neither file once its pages are released."""
+    _connections_without_secure_delete(monkeypatch)
     path = tmp_path / "p.sqlite3"
     s = ProxyStore(path, page_ciphertexts=PAGE)
     create(s)
@@ -448,6 +463,31 @@ def test_a_released_aggregate_leaves_no_bytes_in_the_database_files(tmp_path: Pa
     s.truncate_wal()
     assert not any(page in on_disk() for page in pages)
     s.close()
+
+
+def test_free_pages_left_by_an_earlier_proxy_are_scrubbed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An earlier proxy on an SQLite without secure_delete left deleted content in free
+    pages; the first open rewrites the database (VACUUM), once."""
+    _connections_without_secure_delete(monkeypatch)
+    path = tmp_path / "p.sqlite3"
+    marker = b"fedpca-deleted-aggregate-marker" * 64
+    with sqlite3.connect(path) as raw:  # an earlier proxy's leftovers, deleted plainly
+        raw.execute("CREATE TABLE leftovers (data BLOB)")
+        raw.executemany("INSERT INTO leftovers VALUES (?)", [(marker,)] * 400)
+        raw.commit()
+        raw.execute("DELETE FROM leftovers")
+        raw.commit()
+        raw.execute("DROP TABLE leftovers")
+        raw.commit()
+    assert marker in path.read_bytes()
+    s = ProxyStore(path, page_ciphertexts=PAGE)
+    s.truncate_wal()
+    assert marker not in path.read_bytes()
+    assert s._conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    s.close()
+    ProxyStore(path, page_ciphertexts=PAGE).close()  # once: the flag is kept
 
 
 def test_an_earlier_databases_finished_aggregates_are_dropped_when_it_opens(

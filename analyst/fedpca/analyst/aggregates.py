@@ -131,8 +131,10 @@ def describe(
         moved.append("mean")
     mean = centre + scale * mean_u
     divisor = n - ddof
-    if clip:
-        divisor = max(divisor, 1.0)
+    if clip and divisor < 1.0:
+        divisor = 1.0
+        if "N" not in moved:
+            moved.append("N")
     variance = covariance = correlation = None
     if part.moments is Moments.VARIANCE:
         var_u = (np.asarray(sections[SQUARES]) - sums * sums / n) / divisor
@@ -146,7 +148,9 @@ def describe(
         covariance = np.outer(scale, scale) * cov_u
         if clip:
             values, vectors = np.linalg.eigh(covariance)
-            if np.any(values < 0.0):
+            # Below float error of the largest (a constant or collinear column gives
+            # -1e-17): not a move the analyst needs to hear about.
+            if np.any(values < -1e-9 * max(float(np.abs(values).max()), np.finfo(float).tiny)):
                 moved.append("covariance")
             covariance = (vectors * np.maximum(values, 0.0)) @ vectors.T
             covariance = (covariance + covariance.T) / 2.0
@@ -155,7 +159,9 @@ def describe(
             sd = np.sqrt(np.maximum(variance, 0.0))
             correlation = covariance / np.outer(sd, sd)
         if clip:
-            if np.any(np.abs(np.nan_to_num(correlation)) > 1.0):
+            # Off the diagonal, beyond float error (the diagonal is set to 1 below).
+            off = ~np.eye(d, dtype=bool)
+            if np.any(np.abs(np.nan_to_num(correlation[off])) > 1.0 + 1e-9):
                 moved.append("correlation")
             correlation = np.clip(correlation, -1.0, 1.0)
             np.fill_diagonal(correlation, np.where(sd > 0, 1.0, np.nan))

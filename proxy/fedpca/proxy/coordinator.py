@@ -235,9 +235,19 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             return
         try:
             if context.plan.private:
-                noise = self._noise.get(query_id, context.plan, context.public_key.n)
-                # Pages whose noise is still being drawn wait for it (_noise_drawn).
-                ready = min(ready, noise.pages_drawn(size))
+                try:
+                    noise = self._noise.get(query_id, context.plan, context.public_key.n)
+                    # Pages whose noise is still being drawn wait for it (_noise_drawn).
+                    drawn = noise.pages_drawn(size)
+                except FedpcaError:
+                    raise
+                except Exception as exc:  # the sampler's own error: the draw failed
+                    self._fail(
+                        query_id, f"adding noise failed ({type(exc).__name__}); see the proxy log"
+                    )
+                    logger.error("query %s: the noise draw failed: %r", query_id, exc)
+                    return
+                ready = min(ready, drawn)
                 if ready <= final:
                     return
             finalized = self.store.finalize_pages(

@@ -57,6 +57,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+URGENT_DRAWS = 2
+"""Queries whose noise is drawn at once (needed now, never prepared or still queued)
+at the same time, each on a thread of its own."""
+
 NOISE_PIECE_VALUES = 1 << 12
 """Noise values drawn at a time. The sampler takes and returns Python lists (about
 100 bytes a value with its buffers): drawing the 2 million values of M = 2,000 at once
@@ -310,10 +314,11 @@ class PreparedNoise:
         # busy with another's: drawn here, not on the caller's thread (an owner's upload
         # call, which would stall for the whole draw; found by review).
         self._urgent = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpca-noise-now")
+            ThreadPoolExecutor(max_workers=URGENT_DRAWS, thread_name_prefix="fedpca-noise-now")
             if enabled
             else None
         )
+        self._urgent_keys: set[str] = set()  # their draws are never cancelled and redone
         # Keys with a progress report queued and not yet started (see _report).
         self._reports_queued: set[str] = set()
         self._reporter = (
@@ -383,6 +388,12 @@ class PreparedNoise:
             )
         except _Discarded:
             return noise
+        except BaseException:
+            # The noise keeps the error (PageNoise.drawn raises it): a report makes the
+            # coordinator look, and fail the query, even when no fold is left to do so
+            # (found by review: the query waited for its deadline, with a wrong reason).
+            self._queue_report(key)
+            raise
         logger.info("query %s: noise drawn in %.2f s", key, time.monotonic() - started)
         return drawn
 
@@ -424,7 +435,10 @@ class PreparedNoise:
         """
         with self._lock:
             draw = self._draws.get(key)
-            redraw = draw is None or draw[0].cancel()
+            # A queued preparation is cancelled and drawn now; an urgent draw, queued or
+            # not, is the one (cancelled at every fold it would be queued again and
+            # again, each time with a new vector in memory: found by review).
+            redraw = draw is None or (key not in self._urgent_keys and draw[0].cancel())
             if redraw and self._urgent is not None and not self._closed:
                 noise = PageNoise(n, plan.owner_block(SHARES).layout.n_ciphertexts)
                 try:
@@ -434,6 +448,7 @@ class PreparedNoise:
                     pass
                 else:
                     self._draws[key] = (urgent, noise)
+                    self._urgent_keys.add(key)
                     return noise
             draw_here = redraw
             if draw_here:
@@ -457,6 +472,7 @@ class PreparedNoise:
         """Drop a query's noise (it is done or failed); never used again."""
         with self._lock:
             draw = self._draws.pop(key, None)
+            self._urgent_keys.discard(key)
         if draw is not None:
             draw[0].cancel()  # if it is being drawn, its result is simply dropped
             logger.debug("query %s: prepared noise dropped", key)
@@ -472,6 +488,7 @@ class PreparedNoise:
         with self._lock:
             self._closed = True
             draws, self._draws = self._draws, {}
+            self._urgent_keys.clear()
         for future, _ in draws.values():
             future.cancel()
         for executor in (self._executor, self._urgent):
