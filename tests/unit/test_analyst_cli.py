@@ -889,6 +889,29 @@ def test_cli_list_status_cancel_and_fetch(
     assert rows["q-paid"][-5:] == ["charged", "cancelled", "by", "the", "analyst"]
     assert rows["q-free"][-5:] == ["refunded", "cancelled", "by", "the", "analyst"]
     assert rows["q-open"][-1] == "reserved" and rows["q-old"][-5] == "?"
+    # Every owner's decline makes a reason of hundreds of characters: cut in the list
+    # (found by a new user: 700-character lines), whole in `status`.
+    long_reason = "declined by every owner: " + "owner-x: policy_refusal: epsilon 9 > 1; " * 20
+    fake.listed = [
+        QuerySummary(
+            status=QueryStatus(
+                "q-long",
+                QueryState.FAILED,
+                0,
+                3,
+                failure_reason=long_reason,
+                charge=Charge.REFUNDED,
+            ),
+            kind=QueryKind.PCA,
+            mode=ProtocolMode.STATS,
+            epsilon=0.5,
+            delta=1e-6,
+            created_at=datetime(2030, 1, 1, tzinfo=UTC),
+        )
+    ]
+    long_listing = runner.invoke(analyst_group, ["list", *connection]).stdout
+    line = next(row for row in long_listing.splitlines() if row.startswith("q-long"))
+    assert line.endswith("…") and long_reason[:60] in line and len(line) < 250
     fake.listed = []
 
     cancelled = runner.invoke(analyst_group, ["cancel", query_id, *connection])

@@ -46,6 +46,17 @@ def _status_lines(status: QueryStatus) -> list[str]:
     return lines
 
 
+LIST_REASON_CHARACTERS = 100
+"""A failure reason in ``analyst list`` is cut to this length (every owner's decline can
+make it several hundred characters); ``analyst status ID`` prints it whole."""
+
+
+def _shortened(reason: str) -> str:
+    if len(reason) <= LIST_REASON_CHARACTERS:
+        return reason
+    return reason[: LIST_REASON_CHARACTERS - 1].rstrip() + "…"
+
+
 def _charge_cell(charge: Charge) -> str:
     """The CHARGE column of ``fedpca analyst list``: one word ("?" from an older proxy)."""
     return "?" if charge is Charge.UNKNOWN else charge.value
@@ -115,7 +126,8 @@ def register(
     def list_command(limit: int, **params: Any) -> None:
         """List your queries at the proxy, newest first.
 
-        CHARGE says where each query's epsilon stands on your ledger: charged,
+        REASON is cut at 100 characters (`status ID` prints it whole). CHARGE says where
+        each query's epsilon stands on your ledger: charged,
         refunded (it failed before any owner began an upload), or reserved (still
         open: refunded if it fails before any owner begins an upload)."""
         with errors(), client(params) as (opened, _):
@@ -137,7 +149,7 @@ def register(
                     f"{status.owners_contributed}/{status.quorum} of {registered}",
                     f"{item.epsilon:g}",
                     _charge_cell(status.charge),
-                    status.failure_reason or "",
+                    _shortened(status.failure_reason or ""),
                 )
             )
         widths = [max(len(row[c]) for row in rows) for c in range(7)]
