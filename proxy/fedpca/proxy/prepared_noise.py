@@ -48,6 +48,7 @@ from fedpca.query import ProtocolMode
 __all__ = [
     "MAX_PREPARED_BYTES_PER_ANALYST",
     "NOISE_THREADS",
+    "URGENT_DRAWS",
     "PageNoise",
     "PreparedNoise",
     "draw_page_noise",
@@ -283,8 +284,9 @@ class PreparedNoise:
         that making pages final (store writes) never holds up the draw.
     threads : threads drawing one query's noise (default :func:`noise_threads`).
     max_prepared_bytes_per_analyst : most bytes of noise drawn in advance for one
-        analyst's queries (keys ``analyst/query``); beyond it :meth:`prepare` leaves a
-        query's noise to :meth:`get`.
+        analyst's queries (keys ``analyst/query``); beyond it :meth:`prepare` starts a
+        query's draw only once told its contributors are fixed (``bounded=False``), or
+        :meth:`get` when its pages are ready.
     """
 
     def __init__(
