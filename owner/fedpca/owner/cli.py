@@ -306,12 +306,11 @@ def _print_releases_json(config: OwnerConfig) -> None:
     try:
         ledger = owner_ledger(config)
         outcomes = ledger.release_outcomes()
-        # No task record: not known to be unsent (the import then charges it).
-        releases = [
-            (entry.event, outcome.value if outcome is not None else "unknown")
-            for entry in ledger.events()
-            for outcome in [outcomes.get(entry.event.query_id)]
-        ]
+        releases = []
+        for entry in ledger.events():
+            outcome = outcomes.get(entry.event.query_id)
+            # No task record: not known to be unsent (the import then charges it).
+            releases.append((entry.event, outcome.value if outcome is not None else "unknown"))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     document = owner_releases_document(config.owner.id, releases)

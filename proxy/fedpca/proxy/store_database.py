@@ -38,10 +38,15 @@ _OWNER_TABLES = frozenset({"contributors", "declines", "uploads"})
 """Tables whose rows are keyed by (query_id, owner_id)."""
 
 
+def _lock_path(database: Path) -> Path:
+    """The lock file a serving proxy holds beside its database (and leaves there)."""
+    return database.with_name(database.name + ".lock")
+
+
 def refuse_where_a_proxy_ran(database: Path) -> None:
     """Refuse to create a database a proxy has run on (its lock file is there): the
     database is gone, and a new one would start every analyst's budget at zero."""
-    lock = database.with_name(database.name + ".lock")
+    lock = _lock_path(database)
     if lock.exists():
         raise ConfigError(
             f"{lock} exists but {database_missing(database)}: a proxy ran on this database "
@@ -61,9 +66,7 @@ def use_database(database: Path) -> ExclusiveUse:
     ConfigError
         Another process holds it (named by its pid), or the lock file cannot be made.
     """
-    return ExclusiveUse(
-        database.with_name(database.name + ".lock"), f"the proxy database {database}"
-    )
+    return ExclusiveUse(_lock_path(database), f"the proxy database {database}")
 
 
 class StoreDatabase:
