@@ -15,6 +15,7 @@ import pytest
 
 import fedpca.analyst.client as client_module
 import fedpca.analyst.federated_estimator as estimators_module
+import fedpca.files as files
 from fedpca.analyst import FederatedStatistics
 from fedpca.analyst.aggregate_estimators import aggregate_query
 from fedpca.analyst.client import ResultStream
@@ -648,6 +649,26 @@ def test_private_dca_report_and_separate_writers(tmp_path: Path) -> None:
     plots = write_plots(tmp_path / "plots", estimator, sample=estimator.preprocess(ROWS))
     assert [p.name for p in plots] == ["scree.png", "projection.png"]
     assert all(_is_png(p) for p in plots)
+
+
+def test_a_result_write_cut_short_leaves_the_earlier_file_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: result.json was written in place, so a fetch killed while
+    writing truncated it, the earlier copy included, and the proxy deletes results
+    after keep_results_days. Now the new file replaces the old only once on disk."""
+    estimator = FederatedPCA.from_result(release_for(QueryKind.PCA, 1, epsilon=1.0))
+    path = write_result(tmp_path / "result.json", estimator)
+    earlier = path.read_bytes()
+
+    def killed(*args: Any) -> None:
+        raise KeyboardInterrupt  # the process interrupted before the file is replaced
+
+    monkeypatch.setattr(files.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_result(path, estimator, extra={"note": "second"})
+    assert path.read_bytes() == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # no temporary
 
 
 def test_report_of_unfitted_estimator_is_refused(tmp_path: Path) -> None:

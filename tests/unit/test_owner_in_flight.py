@@ -18,7 +18,7 @@ import pytest
 from fedpca.codec import CryptoPool
 from fedpca.messages import QueryState
 from fedpca.owner import node as node_module
-from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
@@ -147,3 +147,59 @@ def test_the_proxy_withdraws_what_cannot_go_on_and_says_nothing_more(
         (again,) = coordinator.in_flight_answers("o-2", ["alice/over"])
         assert type(again).__name__ == "Task" and again.key == "alice/over"
         assert coordinator.in_flight_answers("stranger", ["alice/over"]) == []
+
+
+class _Killed(BaseException):
+    """Stands for the node's process dying at the point it is raised."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # _Killed
+def test_an_owner_killed_after_its_upload_was_accepted_ends_it_uploaded_on_restart(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the proxy accepted the upload, the node died before recording
+    it; restarted, it resumed from its kept share, encrypted again (fresh randomness),
+    and the proxy refused the confirmation for its other ciphertexts: the task ended
+    REJECTED with an ERROR for a normal recovery. The proxy now answers it DUPLICATE."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(3)
+    tables = {n: labelled(rng.uniform(-0.3, 0.3, size=(30, M))) for n in ("owner-1", "owner-2")}
+    spec = unit_box_queries(M)(public_key, "accepted", quorum=2, deadline_seconds=120.0)
+    task_key = "alice/accepted"
+    real_record_task = BudgetLedger.record_task
+    killed = threading.Event()
+
+    def killed_before_recording_it(
+        self: BudgetLedger, query_id: str, outcome: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if outcome is TaskOutcome.UPLOADED and "owner-1" in str(self.path) and not killed.is_set():
+            killed.set()
+            raise _Killed
+        real_record_task(self, query_id, outcome, *args, **kwargs)
+
+    monkeypatch.setattr(BudgetLedger, "record_task", killed_before_recording_it)
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=("owner-1",)
+    ) as running:
+        assert running.proxy is not None
+        store = running.proxy.coordinator.store
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            wait_until(killed.is_set, "owner-1's upload accepted, the node killed")
+            assert [u.owner_id for u in store.uploads(task_key)] == ["owner-1"]
+            config = running.nodes["owner-1"].config
+            record = owner_ledger(config).task(task_key)
+            assert record is not None and record.outcome is TaskOutcome.UPLOADING
+            running.stop_owner("owner-1")
+            running.start_owner(config)  # the same state folder
+            wait_until(
+                lambda: owner_ledger(config).task(task_key).outcome is not TaskOutcome.UPLOADING,  # type: ignore[union-attr]
+                "the restarted node ends the task",
+            )
+            record = owner_ledger(config).task(task_key)
+            assert record is not None
+            assert record.outcome is TaskOutcome.UPLOADED, record.detail  # was: REJECTED
+            assert [u.owner_id for u in store.uploads(task_key)] == ["owner-1"]  # kept once

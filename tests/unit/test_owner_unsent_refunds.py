@@ -198,3 +198,54 @@ def test_a_ledger_that_cannot_mark_the_header_pauses_the_upload(
             # The ledger works again: the task delivered again resumes and completes.
             assert _process_at_the_proxy(config, pool, task) is TaskOutcome.UPLOADED
             assert client.wait(spec.query_id, timeout=60.0).state is QueryState.DONE
+
+
+class _Killed(BaseException):
+    """Stands for the node's process dying at the point it is raised."""
+
+
+@pytest.mark.parametrize("ending", ["expired", "declined"])
+def test_a_crash_as_a_task_ends_never_leaves_it_final_and_charged(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    ending: str,
+) -> None:
+    """Found by review: the final outcome was written before the refund, so a crash
+    between the two left a task no restart looks at again (final) still charged,
+    though nothing of it left the node. The refund now comes first: the node dies
+    right after writing the outcome, and the reservation is already gone."""
+    public_key, _ = test_only_keypair_512
+    final = TaskOutcome.EXPIRED if ending == "expired" else TaskOutcome.DECLINED
+    real_record_task = BudgetLedger.record_task
+
+    def killed_after_writing(
+        self: BudgetLedger, query_id: str, outcome: TaskOutcome, *args: Any, **kwargs: Any
+    ) -> None:
+        real_record_task(self, query_id, outcome, *args, **kwargs)
+        if outcome is final:
+            raise _Killed
+
+    with _owner_paused(tmp_path, pool, public_key, ending, reserve_only=True) as (
+        config,
+        task,
+        client,
+    ):
+        monkeypatch.setattr(BudgetLedger, "record_task", killed_after_writing)
+        if ending == "expired":
+            assert client.cancel(task.query.query_id).refunded
+            late = replace(task, upload_deadline=datetime.now(UTC) - timedelta(seconds=1))
+            restarted = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
+            try:
+                with pytest.raises(_Killed):
+                    restarted.process_task(unreachable_proxy(), late)
+            finally:
+                restarted.stop()
+        else:
+            stricter = replace(config, policy=replace(config.policy, max_epsilon_per_query=0.5))
+            with pytest.raises(_Killed):
+                _process_at_the_proxy(stricter, pool, task)
+        ledger = owner_ledger(config)
+        assert ledger.is_handled(task.key)
+        assert not ledger.has_reservation(task.key)  # was: charged for ever

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import math
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -73,7 +74,7 @@ from fedpca.proxy.config import (
     ProxySection,
 )
 from fedpca.proxy.coordinator import Coordinator, task_id
-from fedpca.proxy.coordinator_core import ContextCache
+from fedpca.proxy.coordinator_core import ContextCache, total_ciphertexts
 from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore
@@ -2132,3 +2133,190 @@ def test_resubmitting_a_query_whose_charge_was_re_entered_is_refused_clearly(
         coordinator.submit("bob", signed(spec, SECOND_TEST_SIGNING_KEY))
     assert not coordinator.store.has_query("bob/c1")
     assert [r["query_id"] for r in coordinator.store.releases("bob")] == ["bob/c1"]
+
+
+# ------------------------------------------------ steps a crash or a locked store stalls
+def _locked_error(tmp_path: Path) -> sqlite3.OperationalError:
+    """A real "database is locked" error (another connection holds the write lock)."""
+    path = tmp_path / "held.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(sqlite3.OperationalError) as caught:
+            sqlite3.connect(path, timeout=0.0).execute("BEGIN IMMEDIATE")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    return caught.value
+
+
+def test_a_masked_result_that_meets_a_locked_store_is_stored_later(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    # Found by review: a "database is locked" while storing a masked-mode result failed
+    # the query for good, every owner and the analyst charged. Nothing was stored (the
+    # transaction rolled back), so the timer tries again and the query completes.
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(neighbouring=REPLACE_ONE))
+    store = coordinator.store
+    real_store_result = store.store_result
+    error = _locked_error(tmp_path)
+    attempts = [0]
+
+    def locked_once(*args: Any, **kwargs: Any) -> Any:
+        attempts[0] += 1
+        if attempts[0] == 1:
+            raise error
+        return real_store_result(*args, **kwargs)
+
+    store.store_result = locked_once  # type: ignore[method-assign]
+    spec = make_spec(public_key, quorum=2, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE)
+    coordinator.submit("alice", signed(spec))
+    finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
+    assert attempts[0] == 1
+    assert store.query(Q1).state is QueryState.NOISING  # was: FAILED, charged
+    assert coordinator.retry_stalled() == [Q1]
+    assert store.query(Q1).state is QueryState.DONE
+    assert coordinator.retry_stalled() == []  # nothing left to retry
+    assert store.has_release(Q1)
+
+
+def test_pages_a_locked_store_kept_from_being_final_are_made_final_later(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    # Found by review: pages are made final after a fold or a noise piece; when that
+    # step met a locked database after the last fold, nothing tried again, and the query
+    # with every chunk folded failed at its deadline, charged.
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    store = coordinator.store
+    real_finalize = store.finalize_pages
+    error = _locked_error(tmp_path)
+    failed = [0]
+
+    def locked_when_finishing(query_id: str, total: int, *args: Any, **kwargs: Any) -> Any:
+        if not failed[0] and store.aggregated_through(query_id) >= total:
+            failed[0] += 1
+            raise error
+        return real_finalize(query_id, total, *args, **kwargs)
+
+    store.finalize_pages = locked_when_finishing  # type: ignore[method-assign]
+    coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
+    with pytest.raises(sqlite3.OperationalError):
+        # The last fold is durable; the step after it fails (the owner is answered
+        # UNAVAILABLE and its retry finds every chunk folded).
+        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q1")
+    assert failed[0] == 1
+    assert store.query(Q1).state is QueryState.AGGREGATING
+    assert store.aggregated_through(Q1) == total_ciphertexts(coordinator._context(Q1))
+    assert coordinator.retry_stalled() == [Q1]
+    assert store.query(Q1).state is QueryState.DONE
+
+
+def test_a_query_whose_chunks_are_all_in_is_not_failed_at_its_deadline(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: every upload accepted, part of the result released, the rest
+    # waiting for its noise (as after a restart, which draws it afresh): the deadline
+    # failed the query. What is left is the proxy's own work; an owner that has not
+    # delivered its chunks still fails it (the control below).
+    public_key, _ = test_only_keypair_512
+    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 64)
+    gate = threading.Event()
+    sampler = GatedSampler(7, free=1, gate=gate)
+    clock = Clock()
+    store = ProxyStore(tmp_path / "proxy.sqlite3", clock=clock, page_ciphertexts=1)
+    coordinator = Coordinator(
+        store,
+        make_config(),
+        pool,
+        noise_sampler=sampler,
+        clock=clock,
+        allow_insecure_test_keys=True,
+        background=False,
+        precompute_noise=True,
+    )
+    try:
+        coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
+        assert sampler.waiting.wait(30.0)
+        owners = owners_for(owner_rows)
+        finish_with_owners(coordinator, pool, public_key, owners, "q1")
+        pages = coordinator.plan(Q1).owner_block(SHARES).layout.n_ciphertexts
+        assert 0 < store.pages_final(Q1) < pages  # released in part, the rest waits
+        clock.now += 3600.0
+        assert coordinator.check_deadlines() == []
+        assert store.query(Q1).state is QueryState.AGGREGATING
+        gate.set()
+        wait_until(lambda: store.query(Q1).state is QueryState.DONE, "the last pages final")
+        # Control: a contributor that has not delivered every chunk fails the query.
+        coordinator.submit("alice", signed(make_spec(public_key, "q2", epsilon=1.0)))
+        plan = coordinator.plan(key("q2"))
+        for owner in owners[:2]:
+            header, blocks, _ = owner.upload(plan, public_key, pool, key("q2"))
+            accept_upload(coordinator, owner.owner_id, header, blocks)
+        header, blocks, _ = owners[2].upload(plan, public_key, pool, key("q2"))
+        partial = coordinator.begin_upload(owners[2].owner_id, header)
+        partial.add(chunk_of(blocks[plan.owner_blocks[0].name][:10]))  # 10 ciphertexts only
+        clock.now += 3600.0
+        assert coordinator.check_deadlines() == [key("q2")]
+        failed = store.query(key("q2"))
+        assert failed.state is QueryState.FAILED and "owner-2" in failed.failure_reason
+    finally:
+        gate.set()
+        coordinator.shutdown()
+
+
+def test_a_broken_stream_cannot_take_out_the_upload_a_new_stream_just_joined(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+) -> None:
+    # Found by review (by reading): the retry of an upload joined (resuming from its
+    # mark) before it was counted as open; the broken stream's take-out in between
+    # removed the contributor, and the new stream failed at its mark, the owner's
+    # contribution lost. Now the join holds the upload's turn, and the take-out waits.
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    store = coordinator.store
+    coordinator.submit("alice", signed(make_spec(public_key)))  # quorum 3: still COLLECTING
+    plan = coordinator.plan(Q1)
+    owner = owners_for(owner_rows)[0]
+    header, blocks, _ = owner.upload(plan, public_key, pool)
+    first = plan.owner_blocks[0]
+    broken = coordinator.begin_upload(owner.owner_id, header)
+    broken.add(chunk_of(blocks[first.name]))
+    real_join = store.join
+    taking_out: list[threading.Thread] = []
+
+    def join_then_break_the_old_stream(*args: Any, **kwargs: Any) -> Any:
+        joined = real_join(*args, **kwargs)
+        # The old stream breaks right after the new one's join: its take-out must not
+        # run until the new stream is counted.
+        thread = threading.Thread(target=broken.abandon)
+        thread.start()
+        thread.join(0.5)
+        taking_out.append(thread)
+        return joined
+
+    store.join = join_then_break_the_old_stream  # type: ignore[method-assign]
+    resumed = coordinator.begin_upload(owner.owner_id, header)
+    store.join = real_join  # type: ignore[method-assign]
+    taking_out[0].join(30.0)
+    assert not taking_out[0].is_alive()
+    assert resumed.covered == first.layout.n_ciphertexts
+    contributor = store.contributor(Q1, owner.owner_id)
+    assert contributor is not None and contributor.covered == first.layout.n_ciphertexts
+    position = 0
+    content = hashlib.sha256()
+    for index, block in enumerate(plan.owner_blocks):
+        data = ciphertexts_to_bytes(blocks[block.name], header.blocks[0].ciphertext_bytes)
+        resumed.add(DecodedChunk(index, position, list(blocks[block.name]), data))
+        content.update(data)
+        position += block.layout.n_ciphertexts
+    assert not resumed.complete(content.digest()).duplicate

@@ -22,7 +22,7 @@ from fedpca.codec import CryptoPool
 from fedpca.messages import QueryState
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
-from fedpca.proxy.servicer_support import storage_unavailable
+from fedpca.proxy.store_database import storage_unavailable
 from helpers import wait_until
 from inprocess import deployment, labelled, unit_box_queries
 
@@ -142,3 +142,37 @@ def test_a_new_empty_proxy_database_is_announced(
     with caplog.at_level("WARNING"):
         ProxyStore(path).close()
     assert "created a new" not in caplog.text
+
+
+def test_the_last_pages_a_locked_database_held_back_are_made_final_by_the_timer(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: after the last fold committed, making the last pages final met
+    a locked database; the owner's retry found every chunk folded, nothing tried the
+    step again, and the query failed at its deadline, charged. The serving proxy's
+    timer now tries it again."""
+    public_key, _ = test_only_keypair_512
+    error = _real_error(tmp_path, "locked")
+    tables = {"owner-1": labelled(np.random.default_rng(1).uniform(-0.3, 0.3, size=(30, M)))}
+    spec = unit_box_queries(M)(public_key, "lastpages", quorum=1, deadline_seconds=60.0)
+    with deployment(
+        workdir=tmp_path / "run", tables=tables, pool=pool, public_key=public_key
+    ) as running:
+        assert running.proxy is not None
+        store = running.proxy.coordinator.store
+        finalize = store.finalize_pages
+        failures = [0]
+
+        def locked_when_finishing(query_id: str, total: int, *args: Any, **kwargs: Any) -> Any:
+            if not failures[0] and store.aggregated_through(query_id) >= total:
+                failures[0] += 1
+                raise error
+            return finalize(query_id, total, *args, **kwargs)
+
+        monkeypatch.setattr(store, "finalize_pages", locked_when_finishing)
+        outcome = running.run(spec, timeout=30.0)  # well before the query's deadline
+        assert failures[0] == 1
+        assert (outcome.state, outcome.owners_contributed) == (QueryState.DONE.value, 1), outcome

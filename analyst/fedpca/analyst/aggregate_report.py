@@ -9,7 +9,6 @@ changes released values (clipping, clamping) is labelled in the document.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from datetime import UTC, datetime
@@ -22,7 +21,12 @@ from fedpca.analyst.aggregate_estimators import AggregateEstimator, FederatedQue
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.querying import warn_if_owners_missing
 from fedpca.analyst.regression import FederatedLinearRegression
-from fedpca.analyst.report import REPORT_FORMAT, REPORT_VERSION, _strict, owners_summary
+from fedpca.analyst.report import (
+    REPORT_FORMAT,
+    REPORT_VERSION,
+    owners_summary,
+    write_report_json,
+)
 from fedpca.analyst.statistics import FederatedHistogram, FederatedStatistics
 from fedpca.errors import ConfigError
 from fedpca.query import Aggregate, AggregateKind, QueryKind
@@ -188,12 +192,4 @@ def aggregate_document(fitted: Fitted) -> dict[str, Any]:
 
 def write_aggregate_result(path: str | os.PathLike[str], fitted: Fitted) -> Path:
     """Write :func:`aggregate_document` to ``path`` as strict JSON (folders created)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        text = json.dumps(_strict(aggregate_document(fitted)), indent=2, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"cannot write {out} as JSON: {exc}") from None
-    out.write_text(text + "\n", encoding="utf-8")
-    logger.info("wrote %s", out)
-    return out
+    return write_report_json(path, aggregate_document(fitted))

@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
 from fedpca.errors import ConfigError, DataError
+from fedpca.files import write_atomically
 from fedpca.version import __version__
 
 __all__ = [
@@ -350,18 +351,31 @@ def write_result(
     -------
     The path written.
     """
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     document = result_document(estimator)
     document.update(extra or {})
+    return write_report_json(path, document)
+
+
+def write_report_json(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:
+    """Write ``document`` to ``path`` as strict JSON (non-finite floats as null; parent
+    folders created), replacing any earlier file only once the new one is on disk: a
+    fetch killed while writing leaves the earlier result whole (found by review; the
+    proxy deletes results after ``keep_results_days``, so a lost file may be the only
+    copy of a release already paid for)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
     # allow_nan=False: the report must be strict JSON for any consumer.
     try:
-        text = json.dumps(_strict(document), indent=2, allow_nan=False)
+        text = json.dumps(_strict(document), indent=2, allow_nan=False) + "\n"
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"cannot write {out} as JSON: {exc}") from None
-    out.write_text(text + "\n", encoding="utf-8")
+    write_atomically(out, lambda handle: handle.write(text.encode("utf-8")), REPORT_FILE_MODE)
     logger.info("wrote %s", out)
     return out
+
+
+REPORT_FILE_MODE = 0o644
+"""A result file's permissions (what ``write_text`` gave it under the usual umask)."""
 
 
 def _strict(value: Any) -> Any:

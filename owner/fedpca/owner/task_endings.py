@@ -64,10 +64,12 @@ class TaskEndings:
         if self._known(query_id):
             # A task never seen before leaves no row: a proxy replaying old signed
             # queries under fresh ids with past deadlines grew the ledger without end.
-            self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
             # Final: a reservation left by a crash or a paused upload whose header was
-            # never accepted is refunded now or never (the analyst is refunded too).
+            # never accepted is refunded now or never (the analyst is refunded too):
+            # before the outcome is written, so that a crash between the two leaves a
+            # task that is named again at restart, not a final one still charged.
             self._refund_unsent(query_id)
+            self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
             self._forget_share(query_id)
         return TaskOutcome.EXPIRED
 
@@ -104,13 +106,14 @@ class TaskEndings:
             )
             outcome, detail = TaskOutcome.CANCELLED, f"query closed: {refusal}"
         self._drop_upload(query_id)
-        self.ledger.record_task(query_id, outcome, detail, upload_id=upload_id)
-        self.shares.discard(upload_id)
         # Refunded if no header of this upload was ever accepted, in this process or
         # before a restart (the ledger knows): only headers left, so no result holds
         # anything of the share. The proxy's word alone is not enough: it could fold
         # every chunk, let the analyst read the result, and still say "not released".
+        # Refunded before the final outcome is written (see _expire).
         refunded = not upload.chunk_handed_out and self._refund_unsent(query_id)
+        self.ledger.record_task(query_id, outcome, detail, upload_id=upload_id)
+        self.shares.discard(upload_id)
         if not refunded and share_unreleased(err):
             logger.info(
                 "query %s: the proxy says no result holds this share; a header of it was "

@@ -601,11 +601,12 @@ class TaskProcessing(TaskEndings):
                 )
                 continue
             if record:
+                # A task reserved before a restart and declined when it came again (a
+                # stricter policy now): final, and nothing of it left the node. Refunded
+                # before the final outcome is written (see TaskEndings._expire).
+                self._refund_unsent(query_id)
                 self.ledger.record_task(
                     query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}", spec_digest=digest
                 )
-                # A task reserved before a restart and declined when it came again (a
-                # stricter policy now): final, and nothing of it left the node.
-                self._refund_unsent(query_id)
             return TaskOutcome.DECLINED
         return None  # pragma: no cover - the loop always returns

@@ -49,11 +49,12 @@ from fedpca.messages import (
     UploadHeader,
 )
 from fedpca.proxy.analyst_requests import CANCELLED_REASON, AnalystRequests
-from fedpca.proxy.coordinator_core import task_id, total_ciphertexts
+from fedpca.proxy.coordinator_core import OpenUpload, task_id, total_ciphertexts
 from fedpca.proxy.masking import masked_result
 from fedpca.proxy.owner_tasks import OwnerTasks
 from fedpca.proxy.prepared_noise import PageNoise
 from fedpca.proxy.results import aggregate_blocks, result_meta
+from fedpca.proxy.store_database import storage_unavailable
 from fedpca.proxy.store_records import Contributor, QueryRecord, page_count
 from fedpca.proxy.submissions import Submissions
 from fedpca.proxy.uploads import UploadStream, check_upload_header
@@ -102,15 +103,39 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                 context.plan, len(contributors), [c.public_count for c in contributors]
             )
 
-        joined = self.store.join(
-            key,
-            owner_id,
-            header.upload_id,
-            total_ciphertexts=total,
-            algebra=self._algebra(key),
-            public_count=header.public_record_count,
-            on_fixed=meta_when_fixed,
-        )
+        # Per upload id: another upload's stream must not keep this one in when it breaks.
+        # Counted before the join, which holds the upload's turn: a broken stream of the
+        # same upload takes it out either before the join (which then starts over) or
+        # not at all (it sees this stream open).
+        stream_key = (key, owner_id, header.upload_id)
+        with self._lock:
+            upload = self._open_streams.setdefault(stream_key, OpenUpload())
+            upload.streams += 1
+
+        def ended() -> None:
+            with self._lock:
+                upload.streams -= 1
+                if upload.streams <= 0:
+                    del self._open_streams[stream_key]
+
+        def streams_open() -> int:
+            with self._lock:
+                return upload.streams
+
+        try:
+            with upload.turn:
+                joined = self.store.join(
+                    key,
+                    owner_id,
+                    header.upload_id,
+                    total_ciphertexts=total,
+                    algebra=self._algebra(key),
+                    public_count=header.public_record_count,
+                    on_fixed=meta_when_fixed,
+                )
+        except BaseException:
+            ended()
+            raise
         if joined.fixed:
             logger.info(
                 "query %s: its %d contributors are fixed; pages become final as they complete",
@@ -129,21 +154,6 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                 header.upload_id,
                 joined.covered,
             )
-        # Per upload id: another upload's stream must not keep this one in when it breaks.
-        stream_key = (key, owner_id, header.upload_id)
-        with self._lock:
-            self._open_streams[stream_key] += 1
-
-        def ended() -> None:
-            with self._lock:
-                self._open_streams[stream_key] -= 1
-                if self._open_streams[stream_key] <= 0:
-                    del self._open_streams[stream_key]
-
-        def streams_open() -> int:
-            with self._lock:
-                return self._open_streams[stream_key]
-
         return UploadStream(
             self.store,
             owner_id,
@@ -154,6 +164,7 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             on_completed=self._completed,
             on_ended=ended,
             streams_open=streams_open,
+            turn=upload.turn,
         )
 
     def share_released(self, query_id: str, owner_id: str) -> bool:
@@ -193,8 +204,10 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
         """Make final whatever the folded chunks allow: result pages of a stats-mode
         query, or (masked mode) the whole result once every contribution is in.
 
-        Called after every fold, and at start-up; concurrent calls for one query
-        collapse into one pass that repeats while more folds arrived meanwhile.
+        Called after every fold and noise piece, and at start-up; concurrent calls for
+        one query collapse into one pass that repeats while more folds arrived
+        meanwhile. A pass that met a store that could not be written is tried again by
+        :meth:`run_timers`.
         """
         with self._lock:
             self._dirty.add(query_id)
@@ -209,9 +222,13 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                         return
                     self._dirty.discard(query_id)
                 self._advance_once(query_id)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._finalizing.discard(query_id)
+                if storage_unavailable(exc):
+                    # The fold that called this is durable: without a retry, the last
+                    # one's pages would never be made final (found by review).
+                    self._stalled.add(query_id)
             raise
 
     def _advance_once(self, query_id: str) -> None:
@@ -344,7 +361,9 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
 
         A DONE or FAILED query is returned as is. Errors while adding noise fail the
         query (the reason names the error class only: messages may carry noise
-        values). A crash (process death) leaves it NOISING for :meth:`recover`.
+        values), except a store that cannot be written now (locked, full, failing),
+        after which :meth:`run_timers` tries again. A crash (process death) leaves it
+        NOISING for :meth:`recover`.
         """
         with self._lock:
             if query_id in self._finishing:
@@ -367,6 +386,17 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                         query_id,
                         type(exc).__name__,
                     )
+                    return self.store.query(query_id)
+                if storage_unavailable(exc):
+                    # Nothing was stored (the transaction rolled back): the timer tries
+                    # again; the query must not fail, charged, for a locked database.
+                    logger.warning(
+                        "query %s: its result could not be stored (%s); trying again",
+                        query_id,
+                        exc,
+                    )
+                    with self._lock:
+                        self._stalled.add(query_id)
                     return self.store.query(query_id)
                 if isinstance(exc, FedpcaError):
                     logger.error("query %s: noise step failed: %s", query_id, type(exc).__name__)
@@ -417,7 +447,8 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
         their ids.
 
         A COLLECTING query fails when fewer than ``quorum`` owners began an upload in
-        time; an AGGREGATING one when a contributor did not deliver all its chunks.
+        time; an AGGREGATING one when a contributor did not deliver all its chunks (one
+        whose every chunk is folded waits for its noise and pages, however late).
         Result pages already released stay released (and charged, like every query
         some owner began an upload for).
         """
@@ -426,20 +457,51 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
         for record in self.store.queries(QueryState.COLLECTING, QueryState.AGGREGATING):
             if record.deadline_at > now:
                 continue
-            due.append(record.query_id)
             if record.state is QueryState.COLLECTING:
                 joined = self.store.contributor_count(record.query_id)
                 reason = (
                     f"deadline passed with {joined} of {record.quorum} required owners uploading"
                 )
             else:
-                late = sorted(self.store.partial_uploads(record.query_id))
-                reason = (
-                    f"deadline passed before contributors {', '.join(late) or '?'} delivered "
-                    "all their chunks"
+                total = total_ciphertexts(self._context(record.query_id))
+                late = sorted(
+                    owner
+                    for owner, covered in self.store.partial_uploads(record.query_id).items()
+                    if covered < total
                 )
+                if not late:
+                    # Every chunk is in: what is left (noise, pages) is the proxy's own
+                    # work, which the owners' deadline does not bound (found by review:
+                    # a restart's fresh noise draw failed such queries, charged).
+                    continue
+                reason = (
+                    f"deadline passed before contributors {', '.join(late)} delivered all "
+                    "their chunks"
+                )
+            due.append(record.query_id)
             self._fail(record.query_id, reason)
         return due
+
+    def retry_stalled(self) -> list[str]:
+        """Try again the steps that met a store that could not be written (making a
+        stats-mode query's pages final, storing a masked-mode result); returns the
+        queries tried. One that fails again is tried at the next call."""
+        with self._lock:
+            stalled = sorted(self._stalled)
+            self._stalled.clear()
+        for query_id in stalled:
+            try:
+                state = self.store.query(query_id).state
+                if state is QueryState.NOISING:
+                    self._schedule(query_id)
+                elif state is QueryState.AGGREGATING:
+                    self.advance(query_id)
+            except Exception as exc:
+                if storage_unavailable(exc):
+                    with self._lock:
+                        self._stalled.add(query_id)
+                logger.warning("query %s: retrying its last step failed: %s", query_id, exc)
+        return stalled
 
     def purge_results(self) -> list[str]:
         """Delete the result pages of queries finished more than ``[proxy]
@@ -465,11 +527,13 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
     def run_timers(
         self, stop_event: threading.Event, interval: float = DEFAULT_TIMER_INTERVAL
     ) -> None:
-        """Check deadlines every ``interval`` seconds, and purge old results every
+        """Check deadlines and retry stalled steps (:meth:`retry_stalled`) every
+        ``interval`` seconds, and purge old results every
         :data:`PURGE_INTERVAL_SECONDS`, until ``stop_event`` is set."""
         last_purge = -math.inf
         while not stop_event.wait(interval):
             try:
+                self.retry_stalled()
                 self.check_deadlines()
                 if time.monotonic() - last_purge >= PURGE_INTERVAL_SECONDS:
                     last_purge = time.monotonic()

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from fedpca.codec import MIN_KEY_BITS, CryptoPool, SerialisedCiphertextGroup
@@ -32,7 +33,14 @@ from fedpca.proxy.prepared_noise import PreparedNoise
 from fedpca.proxy.queries import QueryContext, spec_from_dict
 from fedpca.proxy.store import ProxyStore
 
-__all__ = ["CONTEXT_CACHE_SIZE", "ContextCache", "CoordinatorCore", "task_id", "total_ciphertexts"]
+__all__ = [
+    "CONTEXT_CACHE_SIZE",
+    "ContextCache",
+    "CoordinatorCore",
+    "OpenUpload",
+    "task_id",
+    "total_ciphertexts",
+]
 
 logger = logging.getLogger("fedpca.proxy.coordinator")
 
@@ -99,6 +107,18 @@ class ContextCache(RecentlyUsed[str, QueryContext]):
         super().__init__(size)
 
 
+@dataclass
+class OpenUpload:
+    """The streams open for one upload id of one owner and query, and the turn its
+    join and its take-out hold: a stream that broke must not take the contributor out
+    between a new stream's join (which resumes from its mark) and its being counted
+    (found by review: the new stream then failed at the mark and the owner's
+    contribution was lost)."""
+
+    streams: int = 0
+    turn: threading.Lock = field(default_factory=threading.Lock)
+
+
 class CoordinatorCore:
     """The state every part of the coordinator shares, and its constructor.
 
@@ -148,7 +168,10 @@ class CoordinatorCore:
         self._searching: set[str] = set()  # analysts whose next-query search is running
         self._fold_cpu_seconds: dict[str, float] = {}
         self._last_chunk_at: dict[str, float] = {}
-        self._open_streams: Counter[tuple[str, str, str]] = Counter()
+        self._open_streams: dict[tuple[str, str, str], OpenUpload] = {}
+        # Queries whose last step (making pages final, a masked result) met a store that
+        # could not be written then: the timer tries again (run_timers).
+        self._stalled: set[str] = set()
         self._finalizing: set[str] = set()
         self._dirty: set[str] = set()
         self._pages_final: dict[str, int] = {}

@@ -15,7 +15,6 @@ import functools
 import inspect
 import logging
 import re
-import sqlite3
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from fedpca.errors import (
 from fedpca.messages import REFUSAL_METADATA, Refusal
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import REPEATED_REFUSAL_SECONDS, PeerLimits, PeerSlots, RefusalLog
+from fedpca.proxy.store_database import storage_unavailable
 from fedpca.transport import certs
 from fedpca.transport.certs import NodeIdentity, Role
 from fedpca.transport.channels import INSECURE_IDENTITY_METADATA, PROTOCOL_VERSION_METADATA
@@ -54,7 +54,6 @@ __all__ = [
     "WorkerPool",
     "refuse",
     "status_code_for",
-    "storage_unavailable",
     "streaming_errors",
     "unary_errors",
 ]
@@ -93,34 +92,6 @@ def status_code_for(error: FedpcaError) -> grpc.StatusCode:
     # ProtocolError, LayoutError, CiphertextError, ConfigError, EncodingOverflowError,
     # CalibrationError, KeyFileError, DataError: the request itself is at fault.
     return grpc.StatusCode.INVALID_ARGUMENT
-
-
-_TRANSIENT_SQLITE_ERRORS = frozenset(
-    {
-        5,  # SQLITE_BUSY: another connection held the write lock past the busy timeout
-        6,  # SQLITE_LOCKED
-        8,  # SQLITE_READONLY: the file or its folder was made read-only
-        10,  # SQLITE_IOERR: the disk failed a read, write or fsync
-        13,  # SQLITE_FULL: the disk is full
-        14,  # SQLITE_CANTOPEN: the journal or the file could not be opened
-    }
-)
-"""Primary SQLite result codes of a store that cannot be written *now*, not of a
-request at fault: the transaction rolled back, so the caller may simply retry."""
-
-
-def storage_unavailable(error: BaseException) -> bool:
-    """True for an SQLite error of the proxy's storage that a retry may get past (a
-    locked, full, read-only or failing database): answered UNAVAILABLE, which owners
-    and analysts retry, instead of INTERNAL, which owners take as a final refusal (an
-    upload already folded in part then never resumed and its query failed at its
-    deadline, charged: review)."""
-    code = getattr(error, "sqlite_errorcode", None)
-    return (
-        isinstance(error, sqlite3.OperationalError)
-        and code is not None
-        and code & 0xFF in _TRANSIENT_SQLITE_ERRORS
-    )
 
 
 MAX_REFUSAL_TEXT = 2000

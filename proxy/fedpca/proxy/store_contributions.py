@@ -282,11 +282,15 @@ class ContributionStore(StoreDatabase):
         n_ciphertexts: int,
         *,
         public_count: int | None = None,
+        resent: bool = False,
     ) -> UploadCompletion:
         """Record a contributor's fully received upload as accepted, exactly once.
 
         A retry of an already accepted upload (same owner, upload id and ciphertexts)
-        changes nothing and returns ``duplicate=True``.
+        changes nothing and returns ``duplicate=True``; so does one whose stream joined
+        after that upload was accepted (``resent``: nothing of it was folded), whatever
+        its ciphertexts (an owner that restarted before recording the acceptance
+        encrypts its kept share again, with fresh randomness: found by review).
 
         Raises
         ------
@@ -307,7 +311,7 @@ class ContributionStore(StoreDatabase):
             ).fetchone()
             if previous is not None:
                 if previous["upload_id"] == upload_id:
-                    if previous["content_sha256"] != content_sha256:
+                    if previous["content_sha256"] != content_sha256 and not resent:
                         raise ProtocolError(
                             f"upload {upload_id!r} was accepted with other ciphertexts; a "
                             "retry must resend the very same upload"

@@ -31,7 +31,7 @@ from fedpca.query import Neighbouring
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreDatabase", "refuse_where_a_proxy_ran", "use_database"]
+__all__ = ["StoreDatabase", "refuse_where_a_proxy_ran", "storage_unavailable", "use_database"]
 
 
 _OWNER_TABLES = frozenset({"contributors", "declines", "uploads"})
@@ -254,10 +254,12 @@ class StoreDatabase:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self._conn
+                self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                # Also when COMMIT itself failed and SQLite left the transaction open.
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
 
     def query(self, query_id: str) -> QueryRecord:
         """The stored record of one query."""
@@ -328,3 +330,31 @@ class StoreDatabase:
             "ON CONFLICT(query_id) DO UPDATE SET meta=excluded.meta",
             (query_id, json.dumps(merged, sort_keys=True)),
         )
+
+
+_TRANSIENT_SQLITE_ERRORS = frozenset(
+    {
+        5,  # SQLITE_BUSY: another connection held the write lock past the busy timeout
+        6,  # SQLITE_LOCKED
+        8,  # SQLITE_READONLY: the file or its folder was made read-only
+        10,  # SQLITE_IOERR: the disk failed a read, write or fsync
+        13,  # SQLITE_FULL: the disk is full
+        14,  # SQLITE_CANTOPEN: the journal or the file could not be opened
+    }
+)
+"""Primary SQLite result codes of a store that cannot be written *now*, not of a
+request at fault: the transaction rolled back, so the caller may simply retry."""
+
+
+def storage_unavailable(error: BaseException) -> bool:
+    """True for an SQLite error of the proxy's storage that a retry may get past (a
+    locked, full, read-only or failing database): servicers answer it UNAVAILABLE, which
+    owners and analysts retry, instead of INTERNAL, which owners take as a final refusal
+    (an upload already folded in part then never resumed and its query failed at its
+    deadline, charged: review), and the coordinator retries its own step from its timer."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return (
+        isinstance(error, sqlite3.OperationalError)
+        and code is not None
+        and code & 0xFF in _TRANSIENT_SQLITE_ERRORS
+    )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 from fedpca.codec import SerialisedCiphertextGroup, validate_ciphertexts
 from fedpca.errors import CiphertextError, FedpcaError, LayoutError, ProtocolError
@@ -110,6 +112,7 @@ class UploadStream:
         on_completed: Callable[[str], None],
         on_ended: Callable[[], None],
         streams_open: Callable[[], int],
+        turn: AbstractContextManager[Any],
     ) -> None:
         self.store = store
         self.owner_id = owner_id
@@ -123,6 +126,7 @@ class UploadStream:
         self._on_completed = on_completed
         self._on_ended = on_ended
         self._streams_open = streams_open
+        self._turn = turn
         self._ended = False
 
     def add(self, chunk: DecodedChunk) -> None:
@@ -174,6 +178,7 @@ class UploadStream:
                 content_sha256.hex(),
                 self.total,
                 public_count=header.public_record_count,
+                resent=self.duplicate,
             )
         finally:
             self._end()
@@ -188,21 +193,26 @@ class UploadStream:
         stream of this upload is still open, take its chunks out and free its place;
         afterwards keep them so that the upload resumes."""
         try:
-            if self.duplicate or self._streams_open() > 1:
-                return
-            try:
-                removed = self.store.abandon(
-                    self.header.query_id,
-                    self.owner_id,
-                    self.header.upload_id,
-                    total_ciphertexts=self.total,
-                    algebra=self.algebra,
-                )
-            except FedpcaError as exc:
-                logger.warning(
-                    "%s: could not take the unfinished upload out: %s", self.header.label, exc
-                )
-                return
+            # The upload's turn: a new stream of it joins before or after, never between
+            # this check and the take-out.
+            with self._turn:
+                if self.duplicate or self._streams_open() > 1:
+                    return
+                try:
+                    removed = self.store.abandon(
+                        self.header.query_id,
+                        self.owner_id,
+                        self.header.upload_id,
+                        total_ciphertexts=self.total,
+                        algebra=self.algebra,
+                    )
+                except FedpcaError as exc:
+                    logger.warning(
+                        "%s: could not take the unfinished upload out: %s",
+                        self.header.label,
+                        exc,
+                    )
+                    return
             if removed:
                 self._on_folded(self.header.query_id, 0.0)
         finally:
