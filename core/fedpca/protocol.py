@@ -50,7 +50,13 @@ from fedpca.codec.packing import PackingBounds, SlotLayout, owner_value_bound
 from fedpca.dp.allocation import normalise_weights
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent
-from fedpca.dp.noise import MAX_NOISE_BOUND, NoiseSampler, noise_headroom, vector_noise
+from fedpca.dp.noise import (
+    MAX_NOISE_BOUND,
+    NoiseSampler,
+    noise_headroom,
+    refusal_delta,
+    vector_noise,
+)
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
 from fedpca.exact_statistics import FixedPointStatistics
 from fedpca.masked_release import (
@@ -191,10 +197,13 @@ class ReleasePlan:
 
     @property
     def delta_extra(self) -> float:
-        """delta spent outside the Gaussian part (masked mode's mean mask: M 2^-40)."""
+        """delta spent outside the Gaussian part: refusing draws beyond the headroom
+        (n 2^-100 over the n values that may be noised), and masked mode's mean mask
+        (M 2^-40)."""
+        m = self.spec.n_features
         if self.spec.mode is ProtocolMode.MASKED:
-            return self.spec.n_features * 2.0**-MASK_SECURITY_BITS
-        return 0.0
+            return m * 2.0**-MASK_SECURITY_BITS + refusal_delta(upper_triangle_length(m))
+        return refusal_delta(self.statistics.value_count)
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready public description (stored by the proxy, shown to the analyst)."""
@@ -282,7 +291,7 @@ class ReleasePlan:
                         size,
                         s.sigma_int,
                         sampler=sampler,
-                        bound=_headroom(s.sigma_int, s.length),
+                        bound=_headroom(s.sigma_int, s.length, self.noise_multiplier),
                     )
 
     def section_values(self, values: npt.ArrayLike) -> dict[str, npt.NDArray[np.float64]]:
@@ -367,16 +376,25 @@ def _no_noise(size: int) -> IntArray:
     return np.zeros(size, dtype=np.int64)
 
 
-def _headroom(sigma_int: float, length: int) -> int:
-    return noise_headroom(sigma_int) if sigma_int > 0 and length > 0 else 0
+def _headroom(sigma_int: float, length: int, z: float) -> int:
+    """The largest |draw| of a section's noise that is used (a larger one is refused):
+    the tail bound of :func:`noise_headroom` plus ``sigma_int / z``, the most one
+    coordinate can move between neighbours (sum over coordinates of (change/sigma)^2 is
+    at most 1/z^2). With that margin a refusal can tell neighbours apart only when a
+    draw passes the tail bound, which :func:`refusal_delta` charges."""
+    if sigma_int <= 0 or length <= 0:
+        return 0
+    return noise_headroom(sigma_int) + math.ceil(sigma_int / z)
 
 
-def _noise_multiplier(spec: QuerySpec) -> float:
-    return calibrate_noise_multiplier(spec.epsilon, spec.delta, spec.calibration)
+def _noise_multiplier(spec: QuerySpec, statistics: StatisticsSpec) -> float:
+    """z for the query's (epsilon, delta), the headroom refusal's delta paid first."""
+    delta = spec.delta - refusal_delta(statistics.value_count) if spec.private else spec.delta
+    return calibrate_noise_multiplier(spec.epsilon, delta, spec.calibration)
 
 
 def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> ReleasePlan:
-    z = _noise_multiplier(spec)
+    z = _noise_multiplier(spec, statistics)
     names = [s.name for s in statistics.sections]
     weights = list(spec.noise_weights) or [1.0] * len(names)
     if len(weights) != len(names):
@@ -437,7 +455,7 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
             SectionNoise(s.name, s.length, s.l2_sensitivity, 0.0, 0.0) for s in statistics.sections
         ]
         z_effective = 0.0
-    headroom = max(_headroom(s.sigma_int, s.length) for s in sections)
+    headroom = max(_headroom(s.sigma_int, s.length, z_effective) for s in sections)
     bounds = PackingBounds(
         max_abs_per_record=1.0,  # clip units
         # DCA caps every class at max_records_per_owner (docs/privacy.md).
@@ -522,15 +540,16 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
         raise ConfigError(
             f"masked mode spends delta {mask_delta:.3g} on the mean mask; delta must exceed it"
         )
+    additive = mask_delta + refusal_delta(upper_triangle_length(m))
     z = calibrate_noise_multiplier(
-        spec.epsilon, spec.delta - mask_delta if spec.private else spec.delta, spec.calibration
+        spec.epsilon, spec.delta - additive if spec.private else spec.delta, spec.calibration
     )
     f = spec.frac_bits
     # Worst case N = 1 sizes the headroom; the actual sigma uses the public N. Clip
     # units (c = 1): owners send R in c^2 and v in c.
     worst = masked_scatter_sensitivity(1.0, 1) + masked_rounding_slack(1.0, m, f)
     worst_sigma_int = math.ldexp(z * worst, f)
-    headroom = _headroom(worst_sigma_int, upper_triangle_length(m))
+    headroom = _headroom(worst_sigma_int, upper_triangle_length(m), z)
     n_total = spec.max_owners * spec.max_records_per_owner
     per_owner = {
         "scatter": PackingBounds(1.0, spec.max_records_per_owner, 1, f, 0),

@@ -15,7 +15,7 @@ try:
 except metadata.PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Wire protocol version spoken by this build (messages of package ``fedpca.v1``;
 re-exported as :data:`fedpca.messages.PROTOCOL_VERSION`). Builds of one distribution
 version may speak different ones: ``fedpca --version`` prints both.
@@ -36,9 +36,14 @@ refuses a proxy without the fixes: masked mode adds a uniform residue to every s
 entry (v vᵀ mod N 2^f was exact before), and DCA under replace-one is calibrated for a
 swap in two capped classes at once (docs/privacy.md).
 
+Version 5: the same messages; every private query's noise headroom grows by the most one
+coordinate can move between neighbours (sigma / z), so that the proxy's refusal of a
+draw beyond it is accounted as an additive delta of n 2^-100 (docs/privacy.md,
+"Headroom"): slots, and so layouts, differ from version 4 for the same query.
+
 Owners and analysts state this version on every call (request metadata
 :data:`fedpca.transport.channels.PROTOCOL_VERSION_METADATA`, which adds nothing to the
-messages, so builds without it still work with version 4 ones) and the proxy refuses
+messages, so builds without it still work with version 5 ones) and the proxy refuses
 another (:func:`check_peer_protocol`)."""
 
 

@@ -1237,16 +1237,16 @@ def test_a_proxy_refusing_this_owners_wire_protocol_is_logged_as_a_refusal(
 
 
 def test_an_owner_refuses_a_proxy_of_another_protocol_version(harness: Harness) -> None:
-    """Version 4 changed no message but the mechanism behind them (masked mode's residue,
-    DCA's replace-one calibration): a fixed owner must not answer a proxy without them,
-    which still speaks version 3 (review)."""
+    """Versions 4 and 5 changed no message but the mechanism behind them (masked mode's
+    residue, DCA's replace-one calibration; the noise headroom): a fixed owner must not
+    answer a proxy without them, which still speaks version 4 (review)."""
 
     class _OldProxy:
         def Hello(self, request: owner_pb.OwnerHello, timeout: float) -> owner_pb.ProxyInfo:
-            info = ProxyInfo("proxy", "0.2", "owner-1", 1.0, 1 << 20, datetime.now(UTC), 3)
+            info = ProxyInfo("proxy", "0.2", "owner-1", 1.0, 1 << 20, datetime.now(UTC), 4)
             return serde.proxy_info_to_proto(info)
 
-    with pytest.raises(ProtocolError, match="the proxy speaks wire protocol 3, this owner 4"):
+    with pytest.raises(ProtocolError, match="the proxy speaks wire protocol 4, this owner 5"):
         harness.node._session(_OldProxy())  # type: ignore[arg-type]
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.stats import norm
 
 from fedpca.codec import slot_value_bound
 from fedpca.dp.calibration import zcdp_epsilon, zcdp_noise_multiplier
@@ -27,6 +28,7 @@ from fedpca.protocol import (
     SUM_SINGLE,
     SUM_WINDOWS,
     ReleasePlan,
+    masked_sigma,
 )
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import StatisticsSpec, worst_case_change
@@ -71,7 +73,9 @@ def test_stats_plan_noise_multiplier_meets_the_privacy_target(
     scatter, total_sum, _ = plan.sections
     assert scatter.sigma / scatter.l2_sensitivity < total_sum.sigma / total_sum.l2_sensitivity
     event = plan.privacy_event("alice")
-    assert event.neighbouring is neighbouring and event.delta_extra == 0.0
+    # Its additive delta: the headroom refusal, 2^-100 per value that may be noised.
+    assert event.neighbouring is neighbouring
+    assert event.delta_extra == plan.statistics.value_count * 2.0**-100
     assert event.sensitivity == pytest.approx(scatter.sigma / plan.noise_multiplier)
 
 
@@ -385,6 +389,56 @@ def test_masked_owner_blocks_repeat_each_sum_as_the_same_integer() -> None:
             assert windows[t, s] == expected
     # Each of the 40 rows is truncated by less than 2^-16 per coordinate.
     assert np.all(np.abs(singles / 2.0**32 - rows.sum(axis=0)) <= 40 * 2.0**-16)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"neighbouring": Neighbouring.REPLACE_ONE},
+        {"epsilon": 20.0},  # z well below 1: the margin is several sigma
+        {"kind": QueryKind.DCA, "label_column": 0, "class_labels": (0.0, 1.0)},
+        MASKED,
+    ],
+)
+def test_the_headroom_covers_the_tail_bound_plus_one_coordinates_change(
+    overrides: dict[str, object],
+) -> None:
+    # docs/privacy.md, "Headroom": a draw beyond B is refused. For that refusal to cost
+    # only n 2^-100 of delta, B less the most one coordinate moves between neighbours
+    # (sigma_int / z: the sum over coordinates of (change / sigma)^2 is at most 1/z^2)
+    # must still be a 2^-100 tail point of the section's noise.
+    plan = ReleasePlan.for_query(spec(**overrides), 2048)
+    z = plan.noise_multiplier
+    masked = plan.spec.mode is ProtocolMode.MASKED
+    # Masked mode draws at the public N; N = 1 gives the largest sigma_int.
+    sigmas = (
+        [masked_sigma(plan, 1)[1]]
+        if masked
+        else [s.sigma_int for s in plan.sections if s.sigma_int > 0]
+    )
+    for sigma_int in sigmas:
+        tail_point = plan.bounds.noise_headroom - sigma_int / z
+        # Rounded continuous tail (|round(x)| > t implies |x| > t - 1/2) as in test_dp_noise.
+        assert 2 * norm.sf((tail_point - 0.5) / sigma_int) < 2.0**-100
+    if not masked:
+        # Each section's draws are refused beyond its own such bound, at most the slots'.
+        draws = plan.noise_piece_draws(TestOnlySeededSampler(1))
+        for draw, section in zip(draws, plan.sections, strict=True):
+            if section.sigma_int == 0:
+                continue
+            bound = draw.keywords["bound"]  # type: ignore[attr-defined]
+            assert bound <= plan.bounds.noise_headroom
+            assert 2 * norm.sf((bound - section.sigma_int / z - 0.5) / section.sigma_int) < (
+                2.0**-100
+            )
+    # The refusal's delta is charged: 2^-100 for each value that may be noised (and
+    # masked mode's mask, M 2^-40).
+    m = plan.spec.n_features
+    noised = m * (m + 1) // 2 if masked else plan.statistics.value_count
+    mask = m * 2.0**-40 if masked else 0.0
+    assert plan.delta_extra == mask + noised * 2.0**-100
+    assert plan.privacy_event("alice").delta_extra == plan.delta_extra
 
 
 @pytest.mark.parametrize("mode", [{}, MASKED])

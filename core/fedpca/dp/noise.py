@@ -27,12 +27,14 @@ from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle_le
 from fedpca.errors import ConfigError, EncodingOverflowError
 
 __all__ = [
+    "HEADROOM_SECURITY_BITS",
     "MAX_NOISE_BOUND",
     "DiscreteGaussianSampler",
     "NoiseSampler",
     "TestOnlySeededSampler",
     "mirror_upper_triangle",
     "noise_headroom",
+    "refusal_delta",
     "symmetric_noise",
     "upper_triangle_length",
     "vector_noise",
@@ -46,6 +48,25 @@ IntArray = NDArray[np.int64]
 # any bound above 2^62 keeps every draw far from that edge.
 MAX_NOISE_BOUND = 1 << 62
 """Largest noise bound (headroom) the sampler accepts; plans refuse a larger one up front."""
+
+HEADROOM_SECURITY_BITS = 100
+"""k of :func:`noise_headroom`: a draw lies beyond a query's headroom with probability
+below 2^-k per value, and is then refused (docs/privacy.md, "Headroom")."""
+
+
+def refusal_delta(n_values: int) -> float:
+    """The additive delta a release pays for refusing draws beyond its headroom:
+    ``n_values`` 2^-k, k = :data:`HEADROOM_SECURITY_BITS`.
+
+    Derivation (docs/privacy.md, "Headroom"): with the headroom B at least the tail
+    bound plus the most one coordinate can move between neighbours, the proxy's
+    refusal flag can differ between neighbours, for the same noisy output, only when a
+    draw passes the tail bound: probability below 2^-k per noised value. Outside that
+    event the release is a function of the exact mechanism's output.
+    """
+    if n_values < 0:
+        raise ConfigError(f"n_values must be >= 0, got {n_values!r}")
+    return n_values * 2.0**-HEADROOM_SECURITY_BITS
 
 
 @runtime_checkable
@@ -163,7 +184,9 @@ def _check_sigma_int(sigma_int: float) -> None:
         raise ConfigError(f"sigma_int must be finite and > 0, got {sigma_int!r}")
 
 
-def noise_headroom(sigma_int: float, *, security_bits: int = 100, n_values: int = 1) -> int:
+def noise_headroom(
+    sigma_int: float, *, security_bits: int = HEADROOM_SECURITY_BITS, n_values: int = 1
+) -> int:
     """Integer B with P(|Z| > B) < 2^-security_bits for each of ``n_values`` draws jointly.
 
     Derivation. The continuous Gaussian X ~ N(0, s^2) has the Chernoff tail

@@ -28,7 +28,7 @@ from fedpca.proxy.analyst_requests import next_query_for
 from fedpca.proxy.coordinator_core import CoordinatorCore, task_id
 from fedpca.proxy.queries import spec_to_dict, validate_query
 from fedpca.proxy.store_records import QueryRecord
-from fedpca.query import Calibration, QuerySpec
+from fedpca.query import Calibration, ProtocolMode, QuerySpec
 from fedpca.signing import verify_query
 
 if TYPE_CHECKING:
@@ -239,8 +239,11 @@ class Submissions(CoordinatorCore):
         closed-form compositions (:func:`next_query_for`, kept per ledger); under
         pld-continuous it takes up to seconds, so the refusal only points to
         ``fedpca analyst budget``, which finds it. The search assumes the default
-        calibration and no other delta term (masked mode's mask): for other queries it
-        would overstate what fits, and is left out too.
+        calibration and no additive delta term in the next query: masked mode's mask
+        (M 2^-40) would make it overstate what fits, so it is left out there; a stats
+        query's headroom refusal term (n 2^-100) is below the rounding of any delta the
+        accountant computes with, and the suggestion is checked by the admission rule
+        like any query.
         """
         from fedpca.dp.accounting import Accountant  # slow import (dp_accounting)
 
@@ -250,7 +253,7 @@ class Submissions(CoordinatorCore):
             privacy.accountant is Accountant.ZCDP
             and spec.private
             and spec.calibration is Calibration.ZCDP
-            and event.delta_extra == 0
+            and spec.mode is ProtocolMode.STATS
             and decision.epsilon_spent_before < decision.budget.epsilon
         ):
             next_query = next_query_for(
