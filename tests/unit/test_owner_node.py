@@ -397,6 +397,34 @@ def test_unsigned_and_foreign_signed_tasks_are_declined_without_upload(harness: 
     assert ledger.events() == []
 
 
+def test_a_task_with_an_oversized_modulus_is_a_malformed_event_not_a_lost_session(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: a task whose query carried a 15,000-bit modulus (with a garbage
+    signature) made the query's digest fail (Python's limit on int-to-text conversion),
+    which ended the owner's session with a traceback, at the proxy's will each time. The
+    modulus is now bounded when the event is decoded: a malformed event, skipped."""
+    proxy = harness.proxy
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    good = signed_task(harness.spec("good"), due, ANALYST)
+    oversized = replace(
+        good,
+        query=replace(harness.spec("oversized"), analyst_public_key_n=(1 << 15_000) + 1),
+        task_id=key("oversized"),
+        query_signature=b"\0" * 64,
+    )
+    streams = proxy.streams
+    for _ in range(3):
+        proxy.tasks.put(oversized)
+    proxy.tasks.put(good)
+    proxy.wait_for(lambda: len(proxy.uploads) == 1)
+    assert proxy.streams == streams  # the same session throughout
+    assert proxy.declines == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("unexpected failure of the session" in m for m in messages)
+    assert any("ignoring a malformed task event" in m and "8,192" in m for m in messages)
+
+
 def test_not_pinned_and_substituted_keys_are_declined_without_upload(harness: Harness) -> None:
     proxy = harness.proxy
     other, _ = generate_keypair(512, allow_insecure_test_key=True)
@@ -1269,3 +1297,33 @@ def test_a_composition_the_ledger_cannot_account_is_declined_without_its_figures
     assert decline.reason is DeclineReason.POLICY_REFUSAL
     assert decline.detail == UNACCOUNTABLE_DECLINE_DETAIL and "7" not in decline.detail
     assert "7 composed releases" in caplog.text
+
+
+def test_events_a_proxy_can_send_at_will_are_logged_sparingly(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: cancellations of tasks not waiting, re-deliveries of handled
+    tasks and replays of an answered query under new task ids each wrote a log line
+    (two for a replay): 0.3-0.45 MB/s of an owner's log at a proxy's will. Each kind
+    is now logged for its 1st, 2nd, 4th, 8th, ... occurrence."""
+    proxy = harness.proxy
+    due = datetime.now(UTC) + timedelta(seconds=600)
+    answered = signed_task(harness.spec("q1"), due, ANALYST)
+    proxy.tasks.put(answered)
+    proxy.wait_for(lambda: harness.ledger.is_handled(key("q1")))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fedpca"):
+        for i in range(100):
+            proxy.tasks.put(TaskCancellation(key(f"gone-{i}"), "x" * 1000))
+            proxy.tasks.put(answered)  # re-delivered
+            proxy.tasks.put(replace(answered, task_id=key(f"replay-{i}")))
+        proxy.wait_for(lambda: len(proxy.declines) == 100)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("fedpca")]
+    # 1, 2, 4, ..., 64: seven lines of each kind for 100 events (the replay's decline
+    # line included), where there were 100 (200 for replays).
+    assert sum("cancelled by the proxy" in m for m in lines) == 7
+    assert sum("re-delivered task" in m for m in lines) == 7
+    assert sum("carries the same signed query" in m and "replay(s) so far" in m for m in lines) == 7
+    assert sum("declined (policy_refusal)" in m for m in lines) == 7
+    assert max(len(m) for m in lines) < 1000  # the proxy's 1,000-character reason is cut
+    assert len(proxy.declines) == 100  # every replay is still declined

@@ -177,6 +177,10 @@ def test_pca_without_label_column_has_no_presence() -> None:
             lambda m: setattr(m, "analyst_public_key_n", b"\x00" + m.analyst_public_key_n),
             r"leading zero byte",
         ),
+        (
+            lambda m: setattr(m, "analyst_public_key_n", b"\x01" + bytes(1024)),
+            r"has 8,193 bits; at most 8,192",
+        ),
         (lambda m: setattr(m, "epsilon", -1.0), r"invalid QuerySpec 'q-pca': epsilon must be"),
         (lambda m: m.feature_lower.append(0.0), r"same length"),
     ],

@@ -253,7 +253,9 @@ def _print_summary(
 @click.option(
     "--clip-norm", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True
 )
-@click.option("--key-bits", type=click.IntRange(min=2048), default=2048, show_default=True)
+@click.option(
+    "--key-bits", type=click.IntRange(min=2048, max=8192), default=2048, show_default=True
+)
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),

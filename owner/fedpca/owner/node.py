@@ -46,6 +46,7 @@ from fedpca.errors import (
     ProtocolVersionError,
 )
 from fedpca.files import ExclusiveUse, holds_database
+from fedpca.logs import SparseLog
 from fedpca.messages import (
     PROTOCOL_VERSION,
     UPLOAD_CHUNK_BYTES,
@@ -162,7 +163,12 @@ class OwnerNode(TaskProcessing):
         self._call: Any = None  # the open StreamTasks call, cancelled by stop()
         self._queue: queue.Queue[Task | RefusedTask | None] = queue.Queue()
         self._intake = TaskIntake(config.policy, self.ledger.answered_under)
-        self._malformed = 0  # task events from the proxy that could not be read
+        # Events a proxy can send at will, logged sparingly: task events that could not
+        # be read, re-deliveries of handled tasks, cancellations of tasks not waiting.
+        self._malformed = SparseLog()
+        self._redelivered = SparseLog()
+        self._cancellations = SparseLog()
+        self._unrecorded_declines = SparseLog()  # unsigned or replayed tasks declined
         self._queued: set[str] = set()
         # Ids the proxy cancelled, for a task queued (or arriving just after its
         # cancellation): the newest REMEMBERED_CANCELLATIONS, so a flood of made-up ids
@@ -408,13 +414,11 @@ class OwnerNode(TaskProcessing):
                 try:
                     event = serde.task_event_from_proto(message)
                 except ProtocolError as exc:
-                    self._malformed += 1
-                    # Logged for the 1st, 2nd, 4th, 8th, ... only, and cut: a proxy
-                    # sending malformed events must not fill the disk with the log.
-                    if self._malformed & (self._malformed - 1) == 0:
+                    # Cut, and logged for the 1st, 2nd, 4th, 8th, ... only.
+                    if self._malformed.due():
                         logger.error(
                             "ignoring a malformed task event (%d so far): %s",
-                            self._malformed,
+                            self._malformed.count,
                             str(exc)[:300],
                         )
                     continue
@@ -430,12 +434,20 @@ class OwnerNode(TaskProcessing):
             logger.debug("heartbeat from the proxy (sent %s)", event.sent_at.isoformat())
             return
         if isinstance(event, TaskCancellation):
-            logger.info("query %s: cancelled by the proxy (%s)", event.query_id, event.reason)
+            # Only a waiting task's is logged at once: ending one in flight logs itself
+            # (end_withdrawn_upload), and the proxy may send any number of others.
             with self._lock:
                 self._cancelled[event.query_id] = None
                 while len(self._cancelled) > REMEMBERED_CANCELLATIONS:
                     self._cancelled.popitem(last=False)
                 queued = event.query_id in self._queued
+            if queued or self._cancellations.due():
+                logger.info(
+                    "query %s: cancelled by the proxy (%s)%s",
+                    event.query_id[:80],
+                    event.reason[:300],
+                    "" if queued else f" ({self._cancellations.count} such so far)",
+                )
             if not queued:
                 # Not waiting for the worker (which ends queued tasks itself): an upload
                 # left in flight whose query ended while this node was away (an id the
@@ -449,7 +461,12 @@ class OwnerNode(TaskProcessing):
                 return
             waiting = len(self._queued)
         if self.ledger.is_handled(query_id):
-            logger.info("query %s: already handled, ignoring the re-delivered task", query_id)
+            if self._redelivered.due():
+                logger.info(
+                    "query %s: already handled, ignoring the re-delivered task (%d so far)",
+                    query_id,
+                    self._redelivered.count,
+                )
             return
         admitted = self._intake.admit(event, waiting)
         if admitted is None:

@@ -90,7 +90,15 @@ def status_name(err: grpc.RpcError) -> str:
     return status_code(err).name
 
 
+MAX_STATUS_DETAILS = 300
+"""Characters of a peer's status details kept in a log line or a ledger row: the proxy
+chooses the text, and it was logged and stored whole (found by review)."""
+
+
 def status_details(err: grpc.RpcError) -> str:
+    """The status's details (a peer's text), cut to :data:`MAX_STATUS_DETAILS`."""
     details: Callable[[], str | None] | None = getattr(err, "details", None)
-    text = details() if details is not None else None
-    return text or str(err)
+    text = (details() if details is not None else None) or str(err)
+    if len(text) > MAX_STATUS_DETAILS:
+        return text[:MAX_STATUS_DETAILS] + f"... ({len(text)} characters)"
+    return text

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedpca.errors import UntrustedKeyError
+from fedpca.logs import SparseLog
 from fedpca.messages import MAX_DECLINE_DETAIL, DeclineReason, Task
 from fedpca.owner.policy import check_signature
 from fedpca.owner.policy_config import PolicyConfig
@@ -91,8 +92,8 @@ class TaskIntake:
         # While queued: digest -> task id, and task id -> digest (each query hashed once).
         self._waiting_digests: dict[str, str] = {}
         self._waiting: dict[str, str] = {}
-        self.dropped = 0
-        """Tasks dropped so far (too many waiting)."""
+        self._dropped = SparseLog()  # tasks dropped (too many waiting)
+        self._replays = SparseLog()  # signed queries already answered under another id
 
     def admit(self, task: Task, waiting: int) -> Task | RefusedTask | None:
         """What to queue for ``task`` (None: nothing), with ``waiting`` tasks queued.
@@ -117,7 +118,8 @@ class TaskIntake:
                 f"task {task.key[:80]!r} carries the same signed query as task "
                 f"{earlier[:80]!r}; a query is answered once, whatever task id it comes under"
             )
-            logger.warning("%s", detail)
+            if self._replays.due():  # a proxy may replay at will: logged sparingly
+                logger.warning("%s (%d replay(s) so far)", detail, self._replays.count)
             return RefusedTask(task.key, DeclineReason.POLICY_REFUSAL, detail)
         with self._lock:
             self._waiting_digests[digest] = task.key
@@ -140,8 +142,12 @@ class TaskIntake:
             while len(self._answered) > self.remembered:
                 self._answered.popitem(last=False)
 
+    @property
+    def dropped(self) -> int:
+        """Tasks dropped so far (too many waiting)."""
+        return self._dropped.count
+
     def _drop(self, key: str, why: str) -> None:
-        self.dropped += 1
         # Logged for the first drop and then sparingly: a flood must not flood the log.
-        if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8, ...
+        if self._dropped.due():
             logger.warning("task %s: %s (%d task(s) dropped so far)", key[:80], why, self.dropped)

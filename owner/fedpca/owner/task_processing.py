@@ -30,6 +30,7 @@ from fedpca.errors import (
     ShareExceededError,
     UntrustedKeyError,
 )
+from fedpca.logs import SparseLog
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     DeclineReason,
@@ -145,6 +146,7 @@ class TaskProcessing(TaskEndings):
     _cancelled: Container[str]
     _prepared: dict[str, OutgoingUpload]
     _max_message_bytes: int
+    _unrecorded_declines: SparseLog
 
     def _is_cancelled(self, query_id: str) -> bool:
         with self._lock:
@@ -576,7 +578,10 @@ class TaskProcessing(TaskEndings):
         detail goes to the proxy and the analyst as it is logged here.
         """
         detail = detail[:MAX_DECLINE_DETAIL]  # what the proxy keeps; a peer's text may be long
-        logger.warning("query %s: declined (%s): %s", query_id, reason.value, detail)
+        # A declined signed query costs a ledger row and is logged; an unsigned or
+        # replayed task (not recorded) is the proxy's to send at will: logged sparingly.
+        if record or self._unrecorded_declines.due():
+            logger.warning("query %s: declined (%s): %s", query_id, reason.value, detail)
         message = serde.task_decline_to_proto(TaskDecline(query_id, reason, detail))
         for attempt in range(self.retry.decline_attempts):
             try:

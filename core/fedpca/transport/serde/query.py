@@ -38,16 +38,31 @@ def _key_modulus_to_bytes(n: int) -> bytes:
     return n.to_bytes((n.bit_length() + 7) // 8, "big")
 
 
+MAX_KEY_MODULUS_BITS = 8_192
+"""The longest analyst Paillier modulus accepted from a peer (4 times the 2,048-bit
+default; 2,467 decimal digits). Unbounded, a modulus of more than about 14,280 bits in a
+task made the query's digest fail (Python's limit of 4,300 digits on int-to-text
+conversion): the owner's session ended with a traceback on each such event, at a
+proxy's will (found by review)."""
+
+
 def _key_modulus_from_bytes(data: bytes, what: str) -> int:
     if not data:
         raise ProtocolError(f"{what}.analyst_public_key_n is empty")
+
     # One canonical encoding per key: fingerprints and equality checks on the
     # raw bytes must not depend on how a peer padded the modulus.
     if data[0] == 0:
         raise ProtocolError(
             f"{what}.analyst_public_key_n has a leading zero byte (not minimal big-endian)"
         )
-    return int.from_bytes(data, "big")
+    n = int.from_bytes(data, "big")
+    if n.bit_length() > MAX_KEY_MODULUS_BITS:
+        raise ProtocolError(
+            f"{what}.analyst_public_key_n has {n.bit_length():,} bits; at most "
+            f"{MAX_KEY_MODULUS_BITS:,} are accepted"
+        )
+    return n
 
 
 #: Names of the QuerySpec fields on the wire; equal to the dataclass field names.
