@@ -8,12 +8,14 @@ exist so that unit tests run in seconds.  Production code refuses keys below
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import settings
 
+import helpers
 from fedpca import logs
 from fedpca.codec import CryptoPool, generate_keypair
 
@@ -54,3 +56,10 @@ def _logging_as_it_was() -> Iterator[None]:
     root.handlers[:] = handlers
     root.setLevel(level)
     logs._chosen, logs._level_set = chosen, level_set
+
+
+@pytest.fixture(autouse=True)
+def _queries_signed_now() -> None:
+    """Queries built by helpers.make_query in a test carry the test's start as their
+    signing time: owners answer a query only until issued_at + deadline_seconds."""
+    helpers.QUERY_TIME[0] = time.time()

@@ -4,7 +4,9 @@ are in conftest.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from concurrent import futures
 from datetime import datetime
 from typing import Any, Protocol
@@ -43,7 +45,9 @@ def sync_test_server(max_workers: int) -> grpc.Server:
 
 def signed(spec: QuerySpec, key: Ed25519PrivateKey = TEST_SIGNING_KEY) -> SignedQuery:
     """``spec`` signed with ``key`` (default :data:`TEST_SIGNING_KEY`), as the analyst
-    submits it."""
+    submits it: stamped with the time of signing unless it carries one."""
+    if spec.issued_at is None:
+        spec = dataclasses.replace(spec, issued_at=time.time())
     return SignedQuery(spec, sign_query(spec, key), signer_id(key))
 
 
@@ -92,12 +96,19 @@ def fuzz_settings(max_examples: int) -> settings:
 
 
 # ---------------------------------------------------------------------- queries
+QUERY_TIME = [time.time()]
+"""The signing time :func:`make_query` stamps: the start of the running test (set by
+an autouse fixture in conftest.py), so that the queries one test builds twice are equal
+and every test's queries are fresh for the owners that check it."""
+
+
 def make_query(public_key: Any, **fields: Any) -> QuerySpec:
     """A query encrypted to ``public_key``; ``fields`` override the defaults.
 
     Defaults: query_id "q1", PCA, 3 features, 2 components, epsilon = inf (no
-    noise, so results can be compared exactly) and delta 1e-5; everything else
-    is the :class:`~fedpca.query.QuerySpec` default.
+    noise, so results can be compared exactly), delta 1e-5 and ``issued_at`` the start
+    of the running test (:data:`QUERY_TIME`; the analyst's client stamps a query it
+    signs); everything else is the :class:`~fedpca.query.QuerySpec` default.
     """
     values: dict[str, Any] = {
         "query_id": "q1",
@@ -108,6 +119,7 @@ def make_query(public_key: Any, **fields: Any) -> QuerySpec:
         "n_components": 2,
         "analyst_public_key_n": public_key.n,
         "analyst_key_fingerprint": key_fingerprint(public_key),
+        "issued_at": QUERY_TIME[0],
     }
     values.update(fields)
     return QuerySpec(**values)

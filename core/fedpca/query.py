@@ -427,6 +427,10 @@ class QuerySpec:
         other labels out of its statistics (the sensitivity accounts for it).
     quorum : minimum number of owners that must contribute.
     deadline_seconds : how long the proxy waits for uploads after the query is published.
+    issued_at : UNIX time the analyst's client signed the query at (it sets it when it
+        submits; None before). Owners answer a query only until ``issued_at +
+        deadline_seconds`` (plus an allowance for clocks), so a proxy cannot keep signed
+        queries and deliver them later, or state a later upload deadline.
     max_records_per_owner, max_owners : public bounds used to size packed slots; an
         owner holding more records contributes a uniform sample of this many.
     frac_bits : fixed-point fractional bits.
@@ -463,9 +467,14 @@ class QuerySpec:
     frac_bits: int = 32
     noise_weights: tuple[float, ...] = field(default=())
     aggregates: tuple[Aggregate, ...] = ()
+    issued_at: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aggregates", tuple(self.aggregates))
+        if self.issued_at is not None and not (
+            math.isfinite(self.issued_at) and self.issued_at > 0
+        ):
+            raise ConfigError(f"issued_at must be a finite UNIX time, got {self.issued_at!r}")
         if not QUERY_ID_PATTERN.fullmatch(self.query_id):
             raise ConfigError(
                 f"query_id must be 1 to 128 letters, digits, '.', '_' or '-', got "
@@ -593,8 +602,11 @@ def spec_digest(spec: QuerySpec) -> str:
         fields["aggregates"] = [dataclasses.asdict(part) for part in spec.aggregates]
     else:
         del fields["aggregates"]
-    # Likewise a query that does not ask for bounded owner tables.
+    # Likewise a query that does not ask for bounded owner tables, or carries no signing
+    # time (stored queries of analysts before wire protocol 5).
     if not spec.bounded_owner_tables:
         del fields["bounded_owner_tables"]
+    if spec.issued_at is None:
+        del fields["issued_at"]
     text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()

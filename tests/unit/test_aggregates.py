@@ -487,6 +487,8 @@ def test_digest_encodes_every_field_as_dataclasses_asdict_does() -> None:
             del fields["aggregates"]
         if not fields["bounded_owner_tables"]:
             del fields["bounded_owner_tables"]
+        if fields["issued_at"] is None:
+            del fields["issued_at"]
         text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -506,9 +508,11 @@ def test_digest_encodes_every_field_as_dataclasses_asdict_does() -> None:
     )
     combined = query(STATS, VARIANCE, JOINT, LINREG, noise_weights=tuple(range(1, 15)))
     bounded = dataclasses.replace(combined, bounded_owner_tables=True)
-    for spec in (dca, combined, bounded):
+    stamped = dataclasses.replace(combined, issued_at=1_795_000_000.25)
+    for spec in (dca, combined, bounded, stamped):
         assert spec_digest(spec) == reference(spec)
     assert spec_digest(bounded) != spec_digest(combined)
+    assert spec_digest(stamped) != spec_digest(combined)
 
 
 def test_wire_and_store_round_trips_are_exact() -> None:

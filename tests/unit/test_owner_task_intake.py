@@ -5,6 +5,7 @@ ledger with a row per declined one (10,000 rows in 30 s)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -12,14 +13,15 @@ from typing import Any
 import pytest
 
 from fedpca.messages import DeclineReason, Task
+from fedpca.owner.policy import CLOCK_ALLOWANCE_SECONDS
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.query import spec_digest
-from fedpca.signing import generate_signing_key
-from helpers import TEST_SIGNER, query_builder, signed_task
+from fedpca.signing import generate_signing_key, sign_query
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY, query_builder, signed_task
 
 _spec = query_builder(n_features=3, n_components=1, epsilon=0.5, delta=1e-6)
-DUE = datetime.now(UTC) + timedelta(hours=1)
+DUE = datetime.now(UTC) + timedelta(minutes=5)  # within what the queries below sign
 
 
 @pytest.fixture
@@ -96,3 +98,40 @@ def test_the_memory_of_answered_queries_is_bounded(intake: Any) -> None:
     oldest = replace(tasks[0], task_id="alice/late")
     assert gate.admit(oldest, waiting=0) is oldest  # forgotten (remembered=2)
     assert _is_replay(gate.admit(replace(tasks[2], task_id="alice/late2"), waiting=0))
+
+
+def test_a_task_is_answered_only_within_the_deadline_its_analyst_signed(intake: Any) -> None:
+    """Found by review: owners checked only the deadline the proxy states, so a proxy
+    could keep signed queries (cancelled or refunded ones included) and deliver them to
+    owners at any later time, with any deadline. The query now carries the time its
+    analyst signed it, and its deadline_seconds bound the answer (plus 5 minutes for
+    clocks)."""
+    gate, _, public_key = intake
+    now = time.time()
+    allowance = timedelta(seconds=CLOCK_ALLOWANCE_SECONDS)
+    # A proxy stating a later deadline than the signed one: held to the signed one.
+    fresh = _spec(public_key, "fresh", issued_at=now, deadline_seconds=60.0)
+    far = datetime(9999, 1, 1, tzinfo=UTC)
+    admitted = gate.admit(signed_task(fresh, far), waiting=0)
+    assert isinstance(admitted, Task)
+    signed_deadline = datetime.fromtimestamp(now, UTC) + timedelta(seconds=60) + allowance
+    assert admitted.upload_deadline == signed_deadline
+    # Kept and delivered after its signed deadline: declined, not recorded.
+    old = _spec(
+        public_key, "old", issued_at=now - 60.0 - CLOCK_ALLOWANCE_SECONDS - 1, deadline_seconds=60.0
+    )
+    stale = gate.admit(signed_task(old, far), waiting=0)
+    assert isinstance(stale, RefusedTask) and stale.reason is DeclineReason.POLICY_REFUSAL
+    assert "a stale query is not answered" in stale.detail
+    # Signed in this owner's future beyond the allowance: the analyst's clock is wrong.
+    future = _spec(public_key, "future", issued_at=now + CLOCK_ALLOWANCE_SECONDS + 60.0)
+    refused = gate.admit(signed_task(future, far), waiting=0)
+    assert isinstance(refused, RefusedTask) and "in this owner's future" in refused.detail
+    # A query without a signing time (an analyst before wire protocol 5) is not answered.
+    unstamped = _spec(public_key, "unstamped", issued_at=None)
+    signature = sign_query(unstamped, TEST_SIGNING_KEY)
+    task = Task(
+        unstamped, DUE, query_signature=signature, query_signer=TEST_SIGNER, task_id="alice/x"
+    )
+    refused = gate.admit(task, waiting=0)
+    assert isinstance(refused, RefusedTask) and "no signing time" in refused.detail

@@ -96,6 +96,7 @@ def dca_spec() -> QuerySpec:
         max_owners=7,
         frac_bits=20,
         noise_weights=(0.5, 0.25, 0.25),
+        issued_at=1_795_000_000.125,
     )
 
 

@@ -30,7 +30,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -330,6 +330,9 @@ class AnalystClient:
         ConfigError
             The proxy refused the query (its message says why).
         """
+        if spec.issued_at is None:
+            # Signed now: owners answer it only until issued_at + deadline_seconds.
+            spec = replace(spec, issued_at=time.time())
         signed = SignedQuery(spec, sign_query(spec, signing_key), signer_id(signing_key))
         request = serde.submit_query_request_to_proto(signed)
         message = self._unary(

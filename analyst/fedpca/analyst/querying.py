@@ -13,7 +13,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,10 @@ def run_query(
     """
     if spec.analyst_public_key_n != private_key.public_key.n:
         raise ConfigError("the query is not addressed to this private key")
+    if spec.issued_at is None:
+        # Stamped here, not only by the client, so that the result is checked against
+        # the query as signed.
+        spec = replace(spec, issued_at=time.time())
     # The analyst's own plan of the release, derived before anything is charged: a
     # query whose result it could not check fails here.
     ReleasePlan.for_query(spec, private_key.public_key.n.bit_length())

@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 
 from fedpca.codec.keys import key_fingerprint
 from fedpca.dp.accounting import compose_epsilon
@@ -103,6 +104,53 @@ def check_signature(task: Task, policy: PolicyConfig) -> None:
         verify_query(spec, task.query_signature, task.query_signer)
     except ConfigError as exc:
         raise UntrustedKeyError(str(exc)) from None
+
+
+CLOCK_ALLOWANCE_SECONDS = 300.0
+"""How far an analyst's clock may be from an owner's when the owner checks how old a
+signed query is (NTP keeps clocks within a second; five minutes forgives a machine
+without it)."""
+
+
+def within_signed_deadline(task: Task, now: datetime) -> Task:
+    """``task`` with an upload deadline no later than the one its analyst signed:
+    ``issued_at + deadline_seconds``, plus :data:`CLOCK_ALLOWANCE_SECONDS`.
+
+    A proxy chooses the task's stated deadline; the signed one bounds it, so that a
+    proxy cannot keep signed queries (even cancelled or refunded ones) and deliver them
+    to owners later, or keep an upload open beyond what the analyst asked for (found by
+    review). Call only after :func:`check_signature`.
+
+    Raises
+    ------
+    PolicyError
+        The query carries no signing time, was signed in the future, or its signed
+        deadline has passed.
+    """
+    spec = task.query
+    if spec.issued_at is None:
+        raise PolicyError(
+            f"query {spec.query_id!r} carries no signing time (an analyst build before wire "
+            "protocol 5): owners answer only queries signed with one"
+        )
+    signed = datetime.fromtimestamp(spec.issued_at, UTC)
+    allowance = timedelta(seconds=CLOCK_ALLOWANCE_SECONDS)
+    if signed > now + allowance:
+        raise PolicyError(
+            f"query {spec.query_id!r} was signed at {signed.isoformat(timespec='seconds')}, "
+            f"in this owner's future ({now.isoformat(timespec='seconds')}): check the analyst's "
+            "clock"
+        )
+    deadline = signed + timedelta(seconds=spec.deadline_seconds) + allowance
+    if now >= deadline:
+        raise PolicyError(
+            f"query {spec.query_id!r} was signed at {signed.isoformat(timespec='seconds')} "
+            f"with uploads due within {spec.deadline_seconds:g} s; it is "
+            f"{now.isoformat(timespec='seconds')} here: a stale query is not answered"
+        )
+    if task.upload_deadline <= deadline:
+        return task
+    return replace(task, upload_deadline=deadline)
 
 
 def check_key(spec: QuerySpec, policy: PolicyConfig) -> None:

@@ -13,6 +13,9 @@ the worker's time and the ledger's space:
   stays far below it;
 * a task whose query is not signed by a pinned analyst is kept only as its task id and
   the reason (cut to what a decline carries), declined, and not recorded in the ledger;
+  so is one whose signed deadline (``issued_at + deadline_seconds``, plus an allowance
+  for clocks) has passed, and a task's stated upload deadline never extends it: a proxy
+  cannot keep signed queries and deliver them later;
 * a signed query this node already answered (reserved, or declined) or holds under
   another task id is declined as a replay, also without a ledger row: a proxy that
   replays one signed query under fresh task ids gets no second answer. Reserved and
@@ -30,11 +33,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
-from fedpca.errors import UntrustedKeyError
+from fedpca.errors import PolicyError, UntrustedKeyError
 from fedpca.logs import SparseLog
 from fedpca.messages import MAX_DECLINE_DETAIL, DeclineReason, Task
-from fedpca.owner.policy import check_signature
+from fedpca.owner.policy import check_signature, within_signed_deadline
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.query import spec_digest
 
@@ -107,6 +111,12 @@ class TaskIntake:
         except UntrustedKeyError as exc:
             return RefusedTask(
                 task.key, DeclineReason.UNSIGNED_QUERY, str(exc)[:MAX_DECLINE_DETAIL]
+            )
+        try:
+            task = within_signed_deadline(task, datetime.now(UTC))
+        except PolicyError as exc:
+            return RefusedTask(
+                task.key, DeclineReason.POLICY_REFUSAL, str(exc)[:MAX_DECLINE_DETAIL]
             )
         digest = spec_digest(task.query)
         with self._lock:

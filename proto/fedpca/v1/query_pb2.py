@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64pca/v1/query.proto\x12\tfedpca.v1\"\xa2\x06\n\tQuerySpec\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.fedpca.v1.QueryKind\x12\x12\n\nn_features\x18\n \x01(\r\x12\x15\n\rfeature_lower\x18\x0b \x03(\x01\x12\x15\n\rfeature_upper\x18\x0c \x03(\x01\x12\x16\n\tclip_norm\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07\x65psilon\x18\x14 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x15 \x01(\x01\x12+\n\x0b\x63\x61libration\x18\x16 \x01(\x0e\x32\x16.fedpca.v1.Calibration\x12\x15\n\rnoise_weights\x18\x17 \x03(\x01\x12-\n\x0cneighbouring\x18\x18 \x01(\x0e\x32\x17.fedpca.v1.Neighbouring\x12\x1c\n\x14\x62ounded_owner_tables\x18\x19 \x01(\x08\x12%\n\x04mode\x18\x1e \x01(\x0e\x32\x17.fedpca.v1.ProtocolMode\x12\x14\n\x0cn_components\x18\x1f \x01(\r\x12\x19\n\x0clabel_column\x18( \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0c\x63lass_labels\x18) \x03(\x01\x12\x13\n\x06quorum\x18\x32 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10\x64\x65\x61\x64line_seconds\x18\x33 \x01(\x01H\x03\x88\x01\x01\x12\"\n\x15max_records_per_owner\x18\x34 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_owners\x18\x35 \x01(\rH\x05\x88\x01\x01\x12\x16\n\tfrac_bits\x18\x36 \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x14\x61nalyst_public_key_n\x18< \x01(\x0c\x12\x1f\n\x17\x61nalyst_key_fingerprint\x18= \x01(\t\x12(\n\naggregates\x18\x46 \x03(\x0b\x32\x14.fedpca.v1.AggregateB\x0c\n\n_clip_normB\x0f\n\r_label_columnB\t\n\x07_quorumB\x13\n\x11_deadline_secondsB\x18\n\x16_max_records_per_ownerB\r\n\x0b_max_ownersB\x0c\n\n_frac_bits\"\x19\n\x08\x42inEdges\x12\r\n\x05\x65\x64ges\x18\x01 \x03(\x01\"\xf5\x02\n\tAggregate\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.fedpca.v1.AggregateKind\x12\x0f\n\x07\x63olumns\x18\n \x03(\r\x12\r\n\x05lower\x18\x0b \x03(\x01\x12\r\n\x05upper\x18\x0c \x03(\x01\x12#\n\x07moments\x18\x14 \x01(\x0e\x32\x12.fedpca.v1.Moments\x12&\n\tbin_edges\x18\x1e \x03(\x0b\x32\x13.fedpca.v1.BinEdges\x12\x19\n\x0cgroup_column\x18\x1f \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncategories\x18  \x03(\x01\x12\x1a\n\rtarget_column\x18( \x01(\rH\x01\x88\x01\x01\x12\x19\n\x0ctarget_lower\x18) \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0ctarget_upper\x18* \x01(\x01H\x03\x88\x01\x01\x42\x0f\n\r_group_columnB\x10\n\x0e_target_columnB\x0f\n\r_target_lowerB\x0f\n\r_target_upper*i\n\tQueryKind\x12\x1a\n\x16QUERY_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eQUERY_KIND_PCA\x10\x01\x12\x12\n\x0eQUERY_KIND_DCA\x10\x02\x12\x18\n\x14QUERY_KIND_AGGREGATE\x10\x03*\x82\x01\n\rAggregateKind\x12\x1e\n\x1a\x41GGREGATE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41GGREGATE_KIND_STATS\x10\x01\x12\x1c\n\x18\x41GGREGATE_KIND_HISTOGRAM\x10\x02\x12\x19\n\x15\x41GGREGATE_KIND_LINREG\x10\x03*b\n\x07Moments\x12\x17\n\x13MOMENTS_UNSPECIFIED\x10\x00\x12\x10\n\x0cMOMENTS_MEAN\x10\x01\x12\x14\n\x10MOMENTS_VARIANCE\x10\x02\x12\x16\n\x12MOMENTS_COVARIANCE\x10\x03*`\n\x0cProtocolMode\x12\x1d\n\x19PROTOCOL_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13PROTOCOL_MODE_STATS\x10\x01\x12\x18\n\x14PROTOCOL_MODE_MASKED\x10\x02*s\n\x0b\x43\x61libration\x12\x1b\n\x17\x43\x41LIBRATION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41LIBRATION_ANALYTIC\x10\x01\x12\x17\n\x13\x43\x41LIBRATION_CLASSIC\x10\x02\x12\x14\n\x10\x43\x41LIBRATION_ZCDP\x10\x03*g\n\x0cNeighbouring\x12\x1c\n\x18NEIGHBOURING_UNSPECIFIED\x10\x00\x12\x1b\n\x17NEIGHBOURING_ADD_REMOVE\x10\x01\x12\x1c\n\x18NEIGHBOURING_REPLACE_ONE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64pca/v1/query.proto\x12\tfedpca.v1\"\xc8\x06\n\tQuerySpec\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.fedpca.v1.QueryKind\x12\x12\n\nn_features\x18\n \x01(\r\x12\x15\n\rfeature_lower\x18\x0b \x03(\x01\x12\x15\n\rfeature_upper\x18\x0c \x03(\x01\x12\x16\n\tclip_norm\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07\x65psilon\x18\x14 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x15 \x01(\x01\x12+\n\x0b\x63\x61libration\x18\x16 \x01(\x0e\x32\x16.fedpca.v1.Calibration\x12\x15\n\rnoise_weights\x18\x17 \x03(\x01\x12-\n\x0cneighbouring\x18\x18 \x01(\x0e\x32\x17.fedpca.v1.Neighbouring\x12\x1c\n\x14\x62ounded_owner_tables\x18\x19 \x01(\x08\x12%\n\x04mode\x18\x1e \x01(\x0e\x32\x17.fedpca.v1.ProtocolMode\x12\x14\n\x0cn_components\x18\x1f \x01(\r\x12\x19\n\x0clabel_column\x18( \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0c\x63lass_labels\x18) \x03(\x01\x12\x13\n\x06quorum\x18\x32 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10\x64\x65\x61\x64line_seconds\x18\x33 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tissued_at\x18\x37 \x01(\x01H\x04\x88\x01\x01\x12\"\n\x15max_records_per_owner\x18\x34 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_owners\x18\x35 \x01(\rH\x06\x88\x01\x01\x12\x16\n\tfrac_bits\x18\x36 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x14\x61nalyst_public_key_n\x18< \x01(\x0c\x12\x1f\n\x17\x61nalyst_key_fingerprint\x18= \x01(\t\x12(\n\naggregates\x18\x46 \x03(\x0b\x32\x14.fedpca.v1.AggregateB\x0c\n\n_clip_normB\x0f\n\r_label_columnB\t\n\x07_quorumB\x13\n\x11_deadline_secondsB\x0c\n\n_issued_atB\x18\n\x16_max_records_per_ownerB\r\n\x0b_max_ownersB\x0c\n\n_frac_bits\"\x19\n\x08\x42inEdges\x12\r\n\x05\x65\x64ges\x18\x01 \x03(\x01\"\xf5\x02\n\tAggregate\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.fedpca.v1.AggregateKind\x12\x0f\n\x07\x63olumns\x18\n \x03(\r\x12\r\n\x05lower\x18\x0b \x03(\x01\x12\r\n\x05upper\x18\x0c \x03(\x01\x12#\n\x07moments\x18\x14 \x01(\x0e\x32\x12.fedpca.v1.Moments\x12&\n\tbin_edges\x18\x1e \x03(\x0b\x32\x13.fedpca.v1.BinEdges\x12\x19\n\x0cgroup_column\x18\x1f \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncategories\x18  \x03(\x01\x12\x1a\n\rtarget_column\x18( \x01(\rH\x01\x88\x01\x01\x12\x19\n\x0ctarget_lower\x18) \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0ctarget_upper\x18* \x01(\x01H\x03\x88\x01\x01\x42\x0f\n\r_group_columnB\x10\n\x0e_target_columnB\x0f\n\r_target_lowerB\x0f\n\r_target_upper*i\n\tQueryKind\x12\x1a\n\x16QUERY_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eQUERY_KIND_PCA\x10\x01\x12\x12\n\x0eQUERY_KIND_DCA\x10\x02\x12\x18\n\x14QUERY_KIND_AGGREGATE\x10\x03*\x82\x01\n\rAggregateKind\x12\x1e\n\x1a\x41GGREGATE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41GGREGATE_KIND_STATS\x10\x01\x12\x1c\n\x18\x41GGREGATE_KIND_HISTOGRAM\x10\x02\x12\x19\n\x15\x41GGREGATE_KIND_LINREG\x10\x03*b\n\x07Moments\x12\x17\n\x13MOMENTS_UNSPECIFIED\x10\x00\x12\x10\n\x0cMOMENTS_MEAN\x10\x01\x12\x14\n\x10MOMENTS_VARIANCE\x10\x02\x12\x16\n\x12MOMENTS_COVARIANCE\x10\x03*`\n\x0cProtocolMode\x12\x1d\n\x19PROTOCOL_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13PROTOCOL_MODE_STATS\x10\x01\x12\x18\n\x14PROTOCOL_MODE_MASKED\x10\x02*s\n\x0b\x43\x61libration\x12\x1b\n\x17\x43\x41LIBRATION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41LIBRATION_ANALYTIC\x10\x01\x12\x17\n\x13\x43\x41LIBRATION_CLASSIC\x10\x02\x12\x14\n\x10\x43\x41LIBRATION_ZCDP\x10\x03*g\n\x0cNeighbouring\x12\x1c\n\x18NEIGHBOURING_UNSPECIFIED\x10\x00\x12\x1b\n\x17NEIGHBOURING_ADD_REMOVE\x10\x01\x12\x1c\n\x18NEIGHBOURING_REPLACE_ONE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpca.v1.query_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QUERYKIND']._serialized_start=1244
-  _globals['_QUERYKIND']._serialized_end=1349
-  _globals['_AGGREGATEKIND']._serialized_start=1352
-  _globals['_AGGREGATEKIND']._serialized_end=1482
-  _globals['_MOMENTS']._serialized_start=1484
-  _globals['_MOMENTS']._serialized_end=1582
-  _globals['_PROTOCOLMODE']._serialized_start=1584
-  _globals['_PROTOCOLMODE']._serialized_end=1680
-  _globals['_CALIBRATION']._serialized_start=1682
-  _globals['_CALIBRATION']._serialized_end=1797
-  _globals['_NEIGHBOURING']._serialized_start=1799
-  _globals['_NEIGHBOURING']._serialized_end=1902
+  _globals['_QUERYKIND']._serialized_start=1282
+  _globals['_QUERYKIND']._serialized_end=1387
+  _globals['_AGGREGATEKIND']._serialized_start=1390
+  _globals['_AGGREGATEKIND']._serialized_end=1520
+  _globals['_MOMENTS']._serialized_start=1522
+  _globals['_MOMENTS']._serialized_end=1620
+  _globals['_PROTOCOLMODE']._serialized_start=1622
+  _globals['_PROTOCOLMODE']._serialized_end=1718
+  _globals['_CALIBRATION']._serialized_start=1720
+  _globals['_CALIBRATION']._serialized_end=1835
+  _globals['_NEIGHBOURING']._serialized_start=1837
+  _globals['_NEIGHBOURING']._serialized_end=1940
   _globals['_QUERYSPEC']._serialized_start=37
-  _globals['_QUERYSPEC']._serialized_end=839
-  _globals['_BINEDGES']._serialized_start=841
-  _globals['_BINEDGES']._serialized_end=866
-  _globals['_AGGREGATE']._serialized_start=869
-  _globals['_AGGREGATE']._serialized_end=1242
+  _globals['_QUERYSPEC']._serialized_end=877
+  _globals['_BINEDGES']._serialized_start=879
+  _globals['_BINEDGES']._serialized_end=904
+  _globals['_AGGREGATE']._serialized_start=907
+  _globals['_AGGREGATE']._serialized_end=1280
 # @@protoc_insertion_point(module_scope)

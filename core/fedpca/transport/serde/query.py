@@ -103,6 +103,8 @@ def query_spec_to_proto(spec: QuerySpec) -> query_pb.QuerySpec:
     )
     if spec.label_column is not None:
         set_scalars(message, what, label_column=spec.label_column)
+    if spec.issued_at is not None:
+        set_scalars(message, what, issued_at=spec.issued_at)
     extend_repeated(message, what, "feature_lower", spec.feature_lower)
     extend_repeated(message, what, "feature_upper", spec.feature_upper)
     extend_repeated(message, what, "class_labels", spec.class_labels)
@@ -211,6 +213,7 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         "max_records_per_owner",
         "max_owners",
         "frac_bits",
+        "issued_at",
     ):
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
