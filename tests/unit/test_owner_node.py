@@ -42,7 +42,8 @@ from fedpca.messages import (
     UploadReceipt,
     UploadStatus,
 )
-from fedpca.owner import compute
+from fedpca.owner import compute, task_endings
+from fedpca.owner import node as node_module
 from fedpca.owner.compute import LocalTable, encode_share
 from fedpca.owner.config import (
     CryptoConfig,
@@ -1327,3 +1328,32 @@ def test_events_a_proxy_can_send_at_will_are_logged_sparingly(
     assert sum("declined (policy_refusal)" in m for m in lines) == 7
     assert max(len(m) for m in lines) < 1000  # the proxy's 1,000-character reason is cut
     assert len(proxy.declines) == 100  # every replay is still declined
+
+
+def test_an_upload_paused_past_its_deadline_is_ended_and_its_share_deleted(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: an upload that paused (the proxy unavailable until its deadline)
+    waited for the proxy to deliver its task again or withdraw it; a proxy that did
+    neither kept its ciphertexts in the node's memory and its share on disk as long as
+    the node ran. The idle worker now ends it once its deadline has passed."""
+    monkeypatch.setattr(node_module, "PAUSED_SWEEP_SECONDS", 0.2)
+    monkeypatch.setattr(task_endings, "PAUSED_UPLOAD_GRACE_SECONDS", 0.0)
+    proxy, node = harness.proxy, harness.node
+    proxy.upload_failures.extend([grpc.StatusCode.UNAVAILABLE] * 1000)  # every attempt
+    for i in range(3):
+        harness.send(harness.spec(f"p{i}", epsilon=0.2), deadline=2.0)
+    ledger = harness.ledger
+    shares = harness.config.owner.state_dir / "shares"
+    proxy.wait_for(
+        lambda: all(
+            (record := ledger.task(key(f"p{i}"))) is not None
+            and record.outcome is TaskOutcome.EXPIRED
+            for i in range(3)
+        ),
+        timeout=30.0,
+    )
+    assert node._prepared == {} and node._paused == {}
+    assert not shares.exists() or list(shares.iterdir()) == []
+    # Headers were accepted (chunks may have left): they stay charged.
+    assert {e.event.query_id for e in ledger.events()} == {key(f"p{i}") for i in range(3)}

@@ -242,6 +242,7 @@ def aggregate_query(
             frac_bits=int(frac_bits),
             noise_weights=tuple(noise_weights),
             aggregates=tuple(aggregates),
+            issued_at=time.time(),  # as build_query: a resubmission is the same query
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -174,6 +174,10 @@ class FederatedEstimator(SklearnParams):
             max_owners=int(self.max_owners),
             frac_bits=int(self.frac_bits),
             noise_weights=tuple(self.noise_weights or ()),
+            # Signed with this time: a resubmission of the same query (after a proxy
+            # restart) is then the same query, and owners answer it only until
+            # issued_at + deadline_seconds.
+            issued_at=time.time(),
             **self._query_extras(),
         )
 

@@ -171,7 +171,9 @@ def run_query(
         raise ConfigError("the query is not addressed to this private key")
     if spec.issued_at is None:
         # Stamped here, not only by the client, so that the result is checked against
-        # the query as signed.
+        # the query as signed. A caller that may run the same query again (after a
+        # proxy restart) passes it stamped, as build_query makes it: a second stamp
+        # would make it another query, which the proxy refuses under the same id.
         spec = replace(spec, issued_at=time.time())
     # The analyst's own plan of the release, derived before anything is charged: a
     # query whose result it could not check fails here.

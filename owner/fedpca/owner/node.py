@@ -35,6 +35,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -90,6 +91,10 @@ _REFUSALS = frozenset(
         grpc.StatusCode.INVALID_ARGUMENT,
     }
 )
+
+PAUSED_SWEEP_SECONDS = 15.0
+"""How often an idle worker looks for uploads paused past their deadline
+(:meth:`~fedpca.owner.task_endings.TaskEndings.end_paused_past_deadline`)."""
 
 REMEMBERED_CANCELLATIONS = 1024
 """Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
@@ -169,6 +174,7 @@ class OwnerNode(TaskProcessing):
         self._redelivered = SparseLog()
         self._cancellations = SparseLog()
         self._unrecorded_declines = SparseLog()  # unsigned or replayed tasks declined
+        self._paused: dict[str, datetime] = {}  # uploads paused here -> their deadline
         self._queued: set[str] = set()
         # Ids the proxy cancelled, for a task queued (or arriving just after its
         # cancellation): the newest REMEMBERED_CANCELLATIONS, so a flood of made-up ids
@@ -478,7 +484,16 @@ class OwnerNode(TaskProcessing):
 
     def _work(self, stub: owner_grpc.OwnerServiceStub) -> None:
         while True:
-            task = self._queue.get()
+            try:
+                task = self._queue.get(timeout=PAUSED_SWEEP_SECONDS)
+            except queue.Empty:
+                # Idle: end the uploads paused past their deadline (this thread runs
+                # every task, so none is being resumed meanwhile).
+                try:
+                    self.end_paused_past_deadline(datetime.now(UTC))
+                except Exception:
+                    logger.exception("ending paused uploads past their deadline failed")
+                continue
             if task is None or self._stop.is_set():
                 return
             if isinstance(task, RefusedTask):

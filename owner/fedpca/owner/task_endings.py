@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Container
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import grpc
 
@@ -38,6 +38,10 @@ __all__ = ["TaskEndings"]
 
 logger = logging.getLogger("fedpca.owner.node")
 
+PAUSED_UPLOAD_GRACE_SECONDS = 60.0
+"""How long after its deadline a paused upload waits for its task to come again before
+the node ends it (the proxy fails a query whose contributor is late at the deadline)."""
+
 
 class TaskEndings:
     """Ends tasks for :class:`~fedpca.owner.task_processing.TaskProcessing`."""
@@ -47,11 +51,42 @@ class TaskEndings:
     _lock: threading.Lock
     _cancelled: Container[str]
     _prepared: dict[str, OutgoingUpload]
+    _paused: dict[str, datetime]
 
     def _refund_unsent(self, query_id: str) -> bool:
         """Refund the task's reservation if no header of its upload was ever accepted
         (then nothing of its share left the node). True if a reservation was removed."""
         return self.ledger.has_reservation(query_id) and self.ledger.cancel_reservation(query_id)
+
+    def end_paused_past_deadline(self, now: datetime) -> list[str]:
+        """End the uploads paused in this process whose upload deadline passed
+        :data:`PAUSED_UPLOAD_GRACE_SECONDS` ago: EXPIRED, refunded if nothing of them
+        left, their ciphertexts dropped and their kept share deleted. Returns their keys.
+
+        Before, a paused upload waited for the proxy to deliver its task again or
+        withdraw it, so a proxy that did neither kept every ciphertext in memory and the
+        share on disk for as long as the node ran (found by review). Called by the
+        node's worker between tasks, so never beside the task's own processing.
+        """
+        ended = []
+        grace = timedelta(seconds=PAUSED_UPLOAD_GRACE_SECONDS)
+        for query_id, deadline in list(self._paused.items()):
+            if now < deadline + grace:
+                continue
+            del self._paused[query_id]
+            record = self.ledger.task(query_id)
+            if record is None or record.outcome is not TaskOutcome.UPLOADING:
+                continue
+            logger.warning(
+                "query %s: upload %s paused past its deadline (%s) and not delivered again: "
+                "ended, its kept share deleted",
+                query_id,
+                record.upload_id,
+                deadline.isoformat(timespec="seconds"),
+            )
+            self._expire(query_id)
+            ended.append(query_id)
+        return ended
 
     def _drop_upload(self, query_id: str) -> None:
         upload = self._prepared.pop(query_id, None)

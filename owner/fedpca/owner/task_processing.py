@@ -147,6 +147,7 @@ class TaskProcessing(TaskEndings):
     _prepared: dict[str, OutgoingUpload]
     _max_message_bytes: int
     _unrecorded_declines: SparseLog
+    _paused: dict[str, datetime]
 
     def _is_cancelled(self, query_id: str) -> bool:
         with self._lock:
@@ -163,6 +164,7 @@ class TaskProcessing(TaskEndings):
             open for a re-delivery).
         """
         query_id = task.key
+        self._paused.pop(query_id, None)  # delivered again: it runs (or ends) now
         if self.ledger.is_handled(query_id):
             logger.info("query %s: already handled", query_id)
             return None
@@ -523,6 +525,7 @@ class TaskProcessing(TaskEndings):
                         status_name(err),
                         status_details(err),
                     )
+                    self._paused[query_id] = task.upload_deadline
                     return None
                 logger.warning(
                     "query %s: upload attempt %d/%d failed (%s: %s); retrying upload %s in %.1f s",
