@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sqlite3
 import time
 from concurrent import futures
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -328,3 +330,25 @@ def wait_for_log(process: Any, log: Any, marker: str, timeout: float = 60.0) -> 
         return marker in log.read_text()
 
     wait_until(written, f"{marker!r} in {log}", timeout)
+
+
+def sqlite_error(folder: Path, kind: str) -> sqlite3.OperationalError:
+    """An OperationalError as SQLite raises it, with its result code: ``"locked"``
+    (another connection holds the write lock) or ``"full"`` (the database may not grow)."""
+    path = folder / f"{kind}.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x BLOB)")
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        if kind == "locked":
+            holder.execute("BEGIN EXCLUSIVE")
+            other.execute("INSERT INTO t VALUES (1)")
+        else:  # a database that may not grow: SQLite's "database or disk is full"
+            other.execute("PRAGMA max_page_count = 2")
+            other.execute("INSERT INTO t VALUES (zeroblob(100000))")
+    except sqlite3.OperationalError as error:
+        return error
+    finally:
+        other.close()
+        holder.close()
+    raise AssertionError(f"no {kind} error")

@@ -57,6 +57,7 @@ from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.metrics import OwnerMetrics
 from fedpca.owner.node import OwnerNode
+from fedpca.owner.policy import CLOCK_ALLOWANCE_SECONDS
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots
@@ -1357,3 +1358,21 @@ def test_an_upload_paused_past_its_deadline_is_ended_and_its_share_deleted(
     assert not shares.exists() or list(shares.iterdir()) == []
     # Headers were accepted (chunks may have left): they stay charged.
     assert {e.event.query_id for e in ledger.events()} == {key(f"p{i}") for i in range(3)}
+
+
+def test_a_signed_query_delivered_after_its_signed_deadline_is_not_answered(
+    harness: Harness,
+) -> None:
+    """Found by review: a proxy could keep signed queries and deliver them to owners
+    at any later time with a deadline of its choosing. Past the deadline its analyst
+    signed, a task ends as too late: no upload, no charge, no ledger row."""
+    proxy = harness.proxy
+    issued = time.time() - 60.0 - CLOCK_ALLOWANCE_SECONDS - 1.0
+    kept = harness.spec("kept", issued_at=issued, deadline_seconds=60.0)
+    proxy.tasks.put(signed_task(kept, datetime(9999, 1, 1, tzinfo=UTC), ANALYST))
+    harness.send(harness.spec("fresh"))
+    proxy.wait_for(lambda: len(proxy.uploads) == 1)
+    assert [u.query_id for u in proxy.uploads] == [key("fresh")]
+    ledger = harness.ledger
+    assert ledger.task(key("kept")) is None and proxy.declines == []
+    assert [e.event.query_id for e in ledger.events()] == [key("fresh")]

@@ -90,6 +90,7 @@ from helpers import (
     query_builder,
     reference_statistics,
     signed,
+    sqlite_error,
     wait_until,
 )
 
@@ -1575,6 +1576,28 @@ def test_noise_drawn_at_once_is_drawn_once_and_a_failure_is_reported(
         failing.shutdown()
 
 
+def gated_coordinator(
+    tmp_path: Path, pool: CryptoPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Coordinator, GatedSampler, threading.Event]:
+    """A coordinator with one-ciphertext pages whose noise, drawn 64 values a piece in
+    advance, stops after its first piece until the returned gate is set."""
+    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 64)
+    gate = threading.Event()
+    sampler = GatedSampler(7, free=1, gate=gate)
+    store = ProxyStore(tmp_path / "proxy.sqlite3", clock=clock, page_ciphertexts=1)
+    coordinator = Coordinator(
+        store,
+        make_config(),
+        pool,
+        noise_sampler=sampler,
+        clock=clock,
+        allow_insecure_test_keys=True,
+        background=False,
+        precompute_noise=True,
+    )
+    return coordinator, sampler, gate
+
+
 def test_pages_become_final_as_their_noise_is_drawn(
     tmp_path: Path,
     pool: CryptoPool,
@@ -1586,19 +1609,8 @@ def test_pages_become_final_as_their_noise_is_drawn(
     # noise is drawn are final at once, the others as soon as their noise is, and the
     # release is the same as with the noise drawn whole before any page.
     public_key, private_key = test_only_keypair_512
-    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 64)
-    gate = threading.Event()
-    sampler = GatedSampler(7, free=1, gate=gate)
-    store = ProxyStore(tmp_path / "proxy.sqlite3", clock=Clock(), page_ciphertexts=1)
-    coordinator = Coordinator(
-        store,
-        make_config(),
-        pool,
-        noise_sampler=sampler,
-        allow_insecure_test_keys=True,
-        background=False,
-        precompute_noise=True,
-    )
+    coordinator, sampler, gate = gated_coordinator(tmp_path, pool, Clock(), monkeypatch)
+    store = coordinator.store
     try:
         coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
         assert sampler.waiting.wait(30.0)  # the first piece is drawn and packed
@@ -2136,21 +2148,6 @@ def test_resubmitting_a_query_whose_charge_was_re_entered_is_refused_clearly(
 
 
 # ------------------------------------------------ steps a crash or a locked store stalls
-def _locked_error(tmp_path: Path) -> sqlite3.OperationalError:
-    """A real "database is locked" error (another connection holds the write lock)."""
-    path = tmp_path / "held.sqlite3"
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("CREATE TABLE t (x)")
-    holder.execute("BEGIN IMMEDIATE")
-    try:
-        with pytest.raises(sqlite3.OperationalError) as caught:
-            sqlite3.connect(path, timeout=0.0).execute("BEGIN IMMEDIATE")
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
-    return caught.value
-
-
 def test_a_masked_result_that_meets_a_locked_store_is_stored_later(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:
@@ -2161,7 +2158,7 @@ def test_a_masked_result_that_meets_a_locked_store_is_stored_later(
     coordinator = make_coordinator(tmp_path, pool, make_config(neighbouring=REPLACE_ONE))
     store = coordinator.store
     real_store_result = store.store_result
-    error = _locked_error(tmp_path)
+    error = sqlite_error(tmp_path, "locked")
     attempts = [0]
 
     def locked_once(*args: Any, **kwargs: Any) -> Any:
@@ -2192,7 +2189,7 @@ def test_pages_a_locked_store_kept_from_being_final_are_made_final_later(
     coordinator = make_coordinator(tmp_path, pool)
     store = coordinator.store
     real_finalize = store.finalize_pages
-    error = _locked_error(tmp_path)
+    error = sqlite_error(tmp_path, "locked")
     failed = [0]
 
     def locked_when_finishing(query_id: str, total: int, *args: Any, **kwargs: Any) -> Any:
@@ -2226,21 +2223,9 @@ def test_a_query_whose_chunks_are_all_in_is_not_failed_at_its_deadline(
     # failed the query. What is left is the proxy's own work; an owner that has not
     # delivered its chunks still fails it (the control below).
     public_key, _ = test_only_keypair_512
-    monkeypatch.setattr(prepared_noise, "NOISE_PIECE_VALUES", 64)
-    gate = threading.Event()
-    sampler = GatedSampler(7, free=1, gate=gate)
     clock = Clock()
-    store = ProxyStore(tmp_path / "proxy.sqlite3", clock=clock, page_ciphertexts=1)
-    coordinator = Coordinator(
-        store,
-        make_config(),
-        pool,
-        noise_sampler=sampler,
-        clock=clock,
-        allow_insecure_test_keys=True,
-        background=False,
-        precompute_noise=True,
-    )
+    coordinator, sampler, gate = gated_coordinator(tmp_path, pool, clock, monkeypatch)
+    store = coordinator.store
     try:
         coordinator.submit("alice", signed(make_spec(public_key, epsilon=1.0)))
         assert sampler.waiting.wait(30.0)

@@ -23,36 +23,15 @@ from fedpca.messages import QueryState
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy.store_database import storage_unavailable
-from helpers import wait_until
+from helpers import sqlite_error, wait_until
 from inprocess import deployment, labelled, unit_box_queries
 
 M = 6
 
 
-def _real_error(tmp_path: Path, kind: str) -> sqlite3.OperationalError:
-    """An OperationalError as SQLite raises it (with its result code)."""
-    path = tmp_path / f"{kind}.sqlite3"
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("CREATE TABLE t (x BLOB)")
-    other = sqlite3.connect(path, isolation_level=None, timeout=0)
-    try:
-        if kind == "locked":
-            holder.execute("BEGIN EXCLUSIVE")
-            other.execute("INSERT INTO t VALUES (1)")
-        else:  # a database that may not grow: SQLite's "database or disk is full"
-            other.execute("PRAGMA max_page_count = 2")
-            other.execute("INSERT INTO t VALUES (zeroblob(100000))")
-    except sqlite3.OperationalError as error:
-        return error
-    finally:
-        other.close()
-        holder.close()
-    raise AssertionError(f"no {kind} error")
-
-
 def test_only_storage_errors_count_as_unavailable(tmp_path: Path) -> None:
-    assert storage_unavailable(_real_error(tmp_path, "locked"))
-    assert storage_unavailable(_real_error(tmp_path, "full"))
+    assert storage_unavailable(sqlite_error(tmp_path, "locked"))
+    assert storage_unavailable(sqlite_error(tmp_path, "full"))
     connection = sqlite3.connect(":memory:")
     with pytest.raises(sqlite3.OperationalError) as bug:
         connection.execute("SELECT * FROM no_such_table")
@@ -69,7 +48,7 @@ def test_an_upload_whose_fold_meets_an_unavailable_database_resumes(
     kind: str,
 ) -> None:
     public_key, _ = test_only_keypair_512
-    error = _real_error(tmp_path, kind)
+    error = sqlite_error(tmp_path, kind)
     tables = {"owner-1": labelled(np.random.default_rng(1).uniform(-0.3, 0.3, size=(30, M)))}
     spec = unit_box_queries(M)(public_key, "locked", quorum=1, deadline_seconds=20.0)
     with deployment(
@@ -155,7 +134,7 @@ def test_the_last_pages_a_locked_database_held_back_are_made_final_by_the_timer(
     step again, and the query failed at its deadline, charged. The serving proxy's
     timer now tries it again."""
     public_key, _ = test_only_keypair_512
-    error = _real_error(tmp_path, "locked")
+    error = sqlite_error(tmp_path, "locked")
     tables = {"owner-1": labelled(np.random.default_rng(1).uniform(-0.3, 0.3, size=(30, M)))}
     spec = unit_box_queries(M)(public_key, "lastpages", quorum=1, deadline_seconds=60.0)
     with deployment(

@@ -121,11 +121,15 @@ def within_signed_deadline(task: Task, now: datetime) -> Task:
     to owners later, or keep an upload open beyond what the analyst asked for (found by
     review). Call only after :func:`check_signature`.
 
+    A task past its signed deadline comes back with that deadline, in the past: the
+    node then ends it as it ends any task that came too late (no ledger row for one it
+    never saw; EXPIRED, refunded if nothing left, for one it holds, e.g. an upload a
+    restart left in flight), instead of declining it while its upload is in flight.
+
     Raises
     ------
     PolicyError
-        The query carries no signing time, was signed in the future, or its signed
-        deadline has passed.
+        The query carries no signing time, or was signed in this owner's future.
     """
     spec = task.query
     if spec.issued_at is None:
@@ -142,12 +146,6 @@ def within_signed_deadline(task: Task, now: datetime) -> Task:
             "clock"
         )
     deadline = signed + timedelta(seconds=spec.deadline_seconds) + allowance
-    if now >= deadline:
-        raise PolicyError(
-            f"query {spec.query_id!r} was signed at {signed.isoformat(timespec='seconds')} "
-            f"with uploads due within {spec.deadline_seconds:g} s; it is "
-            f"{now.isoformat(timespec='seconds')} here: a stale query is not answered"
-        )
     if task.upload_deadline <= deadline:
         return task
     return replace(task, upload_deadline=deadline)

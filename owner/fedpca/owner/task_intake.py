@@ -13,9 +13,11 @@ the worker's time and the ledger's space:
   stays far below it;
 * a task whose query is not signed by a pinned analyst is kept only as its task id and
   the reason (cut to what a decline carries), declined, and not recorded in the ledger;
-  so is one whose signed deadline (``issued_at + deadline_seconds``, plus an allowance
-  for clocks) has passed, and a task's stated upload deadline never extends it: a proxy
-  cannot keep signed queries and deliver them later;
+  so is one without a signing time or signed in this owner's future; and a task's
+  stated upload deadline never extends the signed one (``issued_at +
+  deadline_seconds``, plus an allowance for clocks), so a task delivered after it ends
+  as expired (no ledger row if the node never saw it): a proxy cannot keep signed
+  queries and deliver them later;
 * a signed query this node already answered (reserved, or declined) or holds under
   another task id is declined as a replay, also without a ledger row: a proxy that
   replays one signed query under fresh task ids gets no second answer. Reserved and

@@ -171,7 +171,12 @@ class TaskProcessing(TaskEndings):
         if self._is_cancelled(query_id):
             return self._finish_cancelled(query_id)
         if task.upload_deadline <= datetime.now(UTC):
-            logger.warning("query %s: upload deadline already passed, skipping", query_id)
+            logger.warning(
+                "query %s: upload deadline (%s, at most the signed one: issued_at + "
+                "deadline_seconds + 5 min) already passed, skipping",
+                query_id,
+                task.upload_deadline.isoformat(timespec="seconds"),
+            )
             return self._expire(query_id)
         upload = self._prepared.get(query_id)
         if upload is None:
