@@ -398,6 +398,14 @@ class Aggregate:
             raise ConfigError(f"invalid aggregate: {exc}") from None
 
 
+MAX_DEADLINE_SECONDS = 366 * 24 * 3600.0
+"""The longest upload deadline a query may ask for: one year."""
+
+LAST_ISSUED_AT = 253_370_764_800.0 - 2 * MAX_DEADLINE_SECONDS
+"""Signing times end two years before 9999-01-01 (UTC), so that a deadline after one is
+still a date."""
+
+
 @dataclass(frozen=True)
 class QuerySpec:
     """Public description of one query.
@@ -471,10 +479,11 @@ class QuerySpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aggregates", tuple(self.aggregates))
-        if self.issued_at is not None and not (
-            math.isfinite(self.issued_at) and self.issued_at > 0
-        ):
-            raise ConfigError(f"issued_at must be a finite UNIX time, got {self.issued_at!r}")
+        # Before year 9999 (so that it is a datetime, and the deadline after it too).
+        if self.issued_at is not None and not (0 < self.issued_at < LAST_ISSUED_AT):
+            raise ConfigError(
+                f"issued_at must be a UNIX time before year 9999, got {self.issued_at!r}"
+            )
         if not QUERY_ID_PATTERN.fullmatch(self.query_id):
             raise ConfigError(
                 f"query_id must be 1 to 128 letters, digits, '.', '_' or '-', got "
@@ -517,8 +526,15 @@ class QuerySpec:
                 raise ConfigError("class_labels must be distinct")
         if self.quorum < 1 or self.quorum > self.max_owners:
             raise ConfigError(f"quorum must be in [1, max_owners={self.max_owners}]")
-        if self.deadline_seconds <= 0:
-            raise ConfigError("deadline_seconds must be > 0")
+        # The deadline travels as a timestamp (task stream, query status) and owners add
+        # it to the signing time: a query whose deadline lay past year 9999 was stored
+        # and charged, and then every status and task stream failed (datetime out of
+        # range); a signed one of 1e12 s ended owners' sessions (found by review).
+        if not (0 < self.deadline_seconds <= MAX_DEADLINE_SECONDS):
+            raise ConfigError(
+                f"deadline_seconds must be > 0 and at most {MAX_DEADLINE_SECONDS:.0f} (one "
+                f"year), got {self.deadline_seconds!r}"
+            )
         if self.max_records_per_owner < 1:
             raise ConfigError("max_records_per_owner must be >= 1")
         if not (8 <= self.frac_bits <= 48):

@@ -970,12 +970,14 @@ def test_a_deadline_beyond_any_timestamp_is_refused(world: World, deadline: floa
     """Found by fuzzing: deadline_seconds=1e12 was stored and charged, then its status
     (and every owner's task stream) failed with INTERNAL: year 33715 is out of range."""
     # (A valid query id: "+" is not in the query-id alphabet.)
-    message = _spec_message(world, [("query_id", f"sq-far-{deadline:.0e}".replace("+", ""))])
-    message.deadline_seconds = deadline
+    valid = _spec_message(world, [("query_id", f"sq-far-{deadline:.0e}".replace("+", ""))])
+    message = query_pb.QuerySpec()
+    message.CopyFrom(valid)
+    message.deadline_seconds = deadline  # refused where the query is read (stop 34)
     before = snapshot(world.store)
     outcome = call(
         lambda: world.analysts["alice"].SubmitQuery(
-            _signed_request(message, message, "valid"), timeout=TIMEOUT
+            _signed_request(message, valid, "valid"), timeout=TIMEOUT
         )
     )
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT and "deadline" in outcome.details

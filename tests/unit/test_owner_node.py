@@ -1346,14 +1346,31 @@ def test_an_upload_paused_past_its_deadline_is_ended_and_its_share_deleted(
         harness.send(harness.spec(f"p{i}", epsilon=0.2), deadline=2.0)
     ledger = harness.ledger
     shares = harness.config.owner.state_dir / "shares"
-    proxy.wait_for(
-        lambda: all(
-            (record := ledger.task(key(f"p{i}"))) is not None
-            and record.outcome is TaskOutcome.EXPIRED
-            for i in range(3)
-        ),
-        timeout=30.0,
-    )
+    # Meanwhile the proxy keeps the worker busy with unsigned tasks, more often than the
+    # sweep's period: the sweep runs by the clock, not only when the worker is idle.
+    junk = harness.spec("junk")
+    flooding = threading.Event()
+
+    def flood() -> None:
+        for n in range(2000):
+            if flooding.wait(0.05):
+                return
+            proxy.tasks.put(Task(junk, datetime.now(UTC), task_id=key(f"junk-{n}")))
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        proxy.wait_for(
+            lambda: all(
+                (record := ledger.task(key(f"p{i}"))) is not None
+                and record.outcome is TaskOutcome.EXPIRED
+                for i in range(3)
+            ),
+            timeout=30.0,
+        )
+    finally:
+        flooding.set()
+        flooder.join(5.0)
     assert node._prepared == {} and node._paused == {}
     assert not shares.exists() or list(shares.iterdir()) == []
     # Headers were accepted (chunks may have left): they stay charged.

@@ -249,3 +249,25 @@ def test_a_crash_as_a_task_ends_never_leaves_it_final_and_charged(
         ledger = owner_ledger(config)
         assert ledger.is_handled(task.key)
         assert not ledger.has_reservation(task.key)  # was: charged for ever
+
+
+def test_a_task_refunded_as_it_ended_before_a_restart_ends_when_it_comes_again(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Found by review of the refund-first order: a node that refunded an upload which
+    never started and died before writing how it ended left it UPLOADING without a
+    reservation; the task delivered again was refused as "not the query this owner's
+    upload began for", and stayed open with its kept share. It now ends, cancelled."""
+    public_key, _ = test_only_keypair_512
+    with _owner_paused(tmp_path, pool, public_key, "refunded") as (config, task, _client):
+        ledger = owner_ledger(config)
+        record = ledger.task(task.key)
+        assert record is not None and record.upload_id is not None
+        assert ledger.cancel_reservation(task.key)  # the refund, then the node died
+        shares = config.owner.state_dir / "shares"
+        assert any(shares.iterdir())
+        assert _process_at_the_proxy(config, pool, task) is TaskOutcome.CANCELLED
+        ended = ledger.task(task.key)
+        assert ended is not None and ended.outcome is TaskOutcome.CANCELLED
+        assert not ledger.has_reservation(task.key)
+        assert not any(shares.iterdir())

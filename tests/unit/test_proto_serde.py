@@ -183,6 +183,9 @@ def test_pca_without_label_column_has_no_presence() -> None:
             r"has 8,193 bits; at most 8,192",
         ),
         (lambda m: setattr(m, "epsilon", -1.0), r"invalid QuerySpec 'q-pca': epsilon must be"),
+        # Owners add these to dates: beyond them a signed query ended their session.
+        (lambda m: setattr(m, "deadline_seconds", 1e12), r"deadline_seconds must be > 0 and"),
+        (lambda m: setattr(m, "issued_at", 1e15), r"issued_at must be a UNIX time before"),
         (lambda m: m.feature_lower.append(0.0), r"same length"),
     ],
 )

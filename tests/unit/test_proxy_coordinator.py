@@ -65,7 +65,7 @@ from fedpca.protocol import (
     SUM_SINGLE,
     ReleasePlan,
 )
-from fedpca.proxy import prepared_noise
+from fedpca.proxy import coordinator_core, prepared_noise
 from fedpca.proxy.config import (
     BudgetConfig,
     OwnersConfig,
@@ -73,7 +73,7 @@ from fedpca.proxy.config import (
     ProxyConfig,
     ProxySection,
 )
-from fedpca.proxy.coordinator import Coordinator, task_id
+from fedpca.proxy.coordinator import PROXY_WORK_LIMIT_SECONDS, Coordinator, task_id
 from fedpca.proxy.coordinator_core import ContextCache, total_ciphertexts
 from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
@@ -2149,7 +2149,11 @@ def test_resubmitting_a_query_whose_charge_was_re_entered_is_refused_clearly(
 
 # ------------------------------------------------ steps a crash or a locked store stalls
 def test_a_masked_result_that_meets_a_locked_store_is_stored_later(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Found by review: a "database is locked" while storing a masked-mode result failed
     # the query for good, every owner and the analyst charged. Nothing was stored (the
@@ -2173,6 +2177,11 @@ def test_a_masked_result_that_meets_a_locked_store_is_stored_later(
     finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
     assert attempts[0] == 1
     assert store.query(Q1).state is QueryState.NOISING  # was: FAILED, charged
+    # Not tried again at once: the wait doubles from half a second (a disk full for
+    # hours must not cost a recomputed result every half second).
+    assert coordinator.retry_stalled() == []
+    monkeypatch.setattr(coordinator_core, "STALL_BACKOFF_FIRST", 0.0)
+    coordinator._stall(Q1)  # its second failure, due at once
     assert coordinator.retry_stalled() == [Q1]
     assert store.query(Q1).state is QueryState.DONE
     assert coordinator.retry_stalled() == []  # nothing left to retry
@@ -2180,7 +2189,11 @@ def test_a_masked_result_that_meets_a_locked_store_is_stored_later(
 
 
 def test_pages_a_locked_store_kept_from_being_final_are_made_final_later(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Found by review: pages are made final after a fold or a noise piece; when that
     # step met a locked database after the last fold, nothing tried again, and the query
@@ -2207,6 +2220,8 @@ def test_pages_a_locked_store_kept_from_being_final_are_made_final_later(
     assert failed[0] == 1
     assert store.query(Q1).state is QueryState.AGGREGATING
     assert store.aggregated_through(Q1) == total_ciphertexts(coordinator._context(Q1))
+    monkeypatch.setattr(coordinator_core, "STALL_BACKOFF_FIRST", 0.0)
+    coordinator._stall(Q1)  # due at once
     assert coordinator.retry_stalled() == [Q1]
     assert store.query(Q1).state is QueryState.DONE
 
@@ -2236,8 +2251,14 @@ def test_a_query_whose_chunks_are_all_in_is_not_failed_at_its_deadline(
         clock.now += 3600.0
         assert coordinator.check_deadlines() == []
         assert store.query(Q1).state is QueryState.AGGREGATING
+        # ... but not for ever: a day after the deadline the query fails (found by
+        # review: a step failing other than on the store would have held it for good).
+        clock.now += PROXY_WORK_LIMIT_SECONDS
+        assert coordinator.check_deadlines() == [Q1]
+        failed = store.query(Q1)
+        assert failed.state is QueryState.FAILED
+        assert "could not finish the result" in failed.failure_reason
         gate.set()
-        wait_until(lambda: store.query(Q1).state is QueryState.DONE, "the last pages final")
         # Control: a contributor that has not delivered every chunk fails the query.
         coordinator.submit("alice", signed(make_spec(public_key, "q2", epsilon=1.0)))
         plan = coordinator.plan(key("q2"))
@@ -2305,3 +2326,44 @@ def test_a_broken_stream_cannot_take_out_the_upload_a_new_stream_just_joined(
         content.update(data)
         position += block.layout.n_ciphertexts
     assert not resumed.complete(content.digest()).duplicate
+
+
+def test_a_new_stream_of_an_upload_being_taken_out_joins_after_the_take_out(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+) -> None:
+    # The other order than the test above (review of stop 34): the broken stream has
+    # seen itself alone and is taking its upload out when a new stream of it arrives.
+    # The new stream's join waits for the take-out, then starts over from 0; without
+    # the upload's turn it joined first, resumed from the mark, and the take-out then
+    # removed the row it resumed.
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    store = coordinator.store
+    coordinator.submit("alice", signed(make_spec(public_key)))  # quorum 3: still COLLECTING
+    plan = coordinator.plan(Q1)
+    owner = owners_for(owner_rows)[0]
+    header, blocks, _ = owner.upload(plan, public_key, pool)
+    first = plan.owner_blocks[0]
+    broken = coordinator.begin_upload(owner.owner_id, header)
+    broken.add(chunk_of(blocks[first.name]))
+    real_abandon = store.abandon
+    resumed: list[Any] = []
+
+    def new_stream_arrives_then_take_out(*args: Any, **kwargs: Any) -> Any:
+        thread = threading.Thread(
+            target=lambda: resumed.append(coordinator.begin_upload(owner.owner_id, header))
+        )
+        thread.start()
+        thread.join(0.5)  # the new stream's join, if nothing holds it back
+        return real_abandon(*args, **kwargs)
+
+    store.abandon = new_stream_arrives_then_take_out  # type: ignore[method-assign]
+    broken.abandon()
+    store.abandon = real_abandon  # type: ignore[method-assign]
+    wait_until(lambda: len(resumed) == 1, "the new stream's join")
+    contributor = store.contributor(Q1, owner.owner_id)
+    assert contributor is not None
+    assert resumed[0].covered == contributor.covered == 0  # starts over, consistently

@@ -175,6 +175,7 @@ class OwnerNode(TaskProcessing):
         self._cancellations = SparseLog()
         self._unrecorded_declines = SparseLog()  # unsigned or replayed tasks declined
         self._paused: dict[str, datetime] = {}  # uploads paused here -> their deadline
+        self._endings = threading.Lock()  # a withdrawal and the paused-upload sweep
         self._queued: set[str] = set()
         # Ids the proxy cancelled, for a task queued (or arriving just after its
         # cancellation): the newest REMEMBERED_CANCELLATIONS, so a flood of made-up ids
@@ -483,16 +484,24 @@ class OwnerNode(TaskProcessing):
         self._queue.put(admitted)
 
     def _work(self, stub: owner_grpc.OwnerServiceStub) -> None:
+        swept = time.monotonic()
         while True:
+            idle = False
             try:
                 task = self._queue.get(timeout=PAUSED_SWEEP_SECONDS)
             except queue.Empty:
-                # Idle: end the uploads paused past their deadline (this thread runs
-                # every task, so none is being resumed meanwhile).
+                idle = True
+            if time.monotonic() - swept >= PAUSED_SWEEP_SECONDS:
+                # End the uploads paused past their deadline: by the clock, not only when
+                # idle (a proxy sending junk tasks kept the worker from ever being idle:
+                # review), and on this thread, which runs every task, so none is being
+                # resumed meanwhile.
+                swept = time.monotonic()
                 try:
                     self.end_paused_past_deadline(datetime.now(UTC))
                 except Exception:
                     logger.exception("ending paused uploads past their deadline failed")
+            if idle:
                 continue
             if task is None or self._stop.is_set():
                 return

@@ -52,6 +52,7 @@ class TaskEndings:
     _cancelled: Container[str]
     _prepared: dict[str, OutgoingUpload]
     _paused: dict[str, datetime]
+    _endings: threading.Lock
 
     def _refund_unsent(self, query_id: str) -> bool:
         """Refund the task's reservation if no header of its upload was ever accepted
@@ -74,17 +75,18 @@ class TaskEndings:
             if now < deadline + grace:
                 continue
             del self._paused[query_id]
-            record = self.ledger.task(query_id)
-            if record is None or record.outcome is not TaskOutcome.UPLOADING:
-                continue
-            logger.warning(
-                "query %s: upload %s paused past its deadline (%s) and not delivered again: "
-                "ended, its kept share deleted",
-                query_id,
-                record.upload_id,
-                deadline.isoformat(timespec="seconds"),
-            )
-            self._expire(query_id)
+            with self._endings:  # not beside a withdrawal of the same task
+                record = self.ledger.task(query_id)
+                if record is None or record.outcome is not TaskOutcome.UPLOADING:
+                    continue
+                logger.warning(
+                    "query %s: upload %s paused past its deadline (%s) and not delivered "
+                    "again: ended, its kept share deleted",
+                    query_id,
+                    record.upload_id,
+                    deadline.isoformat(timespec="seconds"),
+                )
+                self._expire(query_id)
             ended.append(query_id)
         return ended
 
@@ -167,6 +169,10 @@ class TaskEndings:
     def end_withdrawn_upload(self, query_id: str, reason: str) -> None:
         """The proxy withdrew a task whose upload this node has in flight but no longer
         runs (its query ended while the node was away): end it and delete its share."""
+        with self._endings:  # the task stream's thread, beside the worker's sweep
+            self._end_withdrawn_upload(query_id, reason)
+
+    def _end_withdrawn_upload(self, query_id: str, reason: str) -> None:
         record = self.ledger.task(query_id)
         if record is None or record.outcome is TaskOutcome.RESERVED:
             # A task that failed after its reservation, before any upload began: the

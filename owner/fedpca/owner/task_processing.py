@@ -218,6 +218,14 @@ class TaskProcessing(TaskEndings):
             return self._decline_task(stub, task, DeclineReason.POLICY_REFUSAL, str(exc))
         if resuming:
             assert record is not None and record.upload_id is not None
+            if not record.upload_started and not self.ledger.has_reservation(query_id):
+                # Refunded as it ended, and stopped before writing how (the refund comes
+                # first): it ended, whatever comes now (found by review).
+                self.ledger.record_task(
+                    query_id, TaskOutcome.CANCELLED, "ended before a restart, refunded"
+                )
+                self.shares.discard(record.upload_id)
+                return TaskOutcome.CANCELLED
             # Data of this task may already be at the proxy: finish what was agreed, and
             # only that: the task sent again must be the signed query the budget was
             # reserved for, under the pinned key (the proxy chooses what it sends).

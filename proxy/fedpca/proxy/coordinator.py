@@ -67,6 +67,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMER_INTERVAL = 0.5
 """Seconds between deadline checks of :meth:`Coordinator.run_timers`."""
 
+PROXY_WORK_LIMIT_SECONDS = 86_400.0
+"""How long after its deadline a query whose every chunk arrived may wait for the
+proxy's own work (noise, result pages) before it fails: a day."""
+
 PURGE_INTERVAL_SECONDS = 3600.0
 """How often finished queries' old results are looked for (:meth:`Coordinator.purge_results`)."""
 SECONDS_PER_DAY = 86_400.0
@@ -219,16 +223,17 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                 with self._lock:
                     if query_id not in self._dirty:
                         self._finalizing.discard(query_id)
+                        self._stalled.pop(query_id, None)  # a whole pass went through
                         return
                     self._dirty.discard(query_id)
                 self._advance_once(query_id)
         except BaseException as exc:
             with self._lock:
                 self._finalizing.discard(query_id)
-                if storage_unavailable(exc):
-                    # The fold that called this is durable: without a retry, the last
-                    # one's pages would never be made final (found by review).
-                    self._stalled.add(query_id)
+            if storage_unavailable(exc):
+                # The fold that called this is durable: without a retry, the last one's
+                # pages would never be made final (found by review).
+                self._stall(query_id)
             raise
 
     def _advance_once(self, query_id: str) -> None:
@@ -372,6 +377,7 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
         try:
             record = self.store.query(query_id)
             if record.state is not QueryState.NOISING:
+                self._unstall(query_id)
                 return record
             try:
                 data, meta = self._masked_result(record)
@@ -389,15 +395,20 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                     return self.store.query(query_id)
                 if storage_unavailable(exc):
                     # Nothing was stored (the transaction rolled back): the timer tries
-                    # again; the query must not fail, charged, for a locked database.
-                    logger.warning(
-                        "query %s: its result could not be stored (%s); trying again",
-                        query_id,
-                        exc,
-                    )
-                    with self._lock:
-                        self._stalled.add(query_id)
+                    # again, later each time; the query must not fail, charged, for a
+                    # locked or full database. (Stalled before _finishing is cleared
+                    # below: its first retry is due half a second later.)
+                    failures = self._stall(query_id)
+                    if failures & (failures - 1) == 0:  # logged the 1st, 2nd, 4th, ... time
+                        logger.warning(
+                            "query %s: its result could not be stored (%s; %d time(s) so "
+                            "far); trying again",
+                            query_id,
+                            exc,
+                            failures,
+                        )
                     return self.store.query(query_id)
+                self._unstall(query_id)
                 if isinstance(exc, FedpcaError):
                     logger.error("query %s: noise step failed: %s", query_id, type(exc).__name__)
                 else:
@@ -406,6 +417,7 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                     query_id, f"adding noise failed ({type(exc).__name__}); see the proxy log"
                 )
                 return self.store.query(query_id)
+            self._unstall(query_id)
             logger.info(
                 "query %s done: %d owners, noise step %.2f s",
                 query_id,
@@ -469,10 +481,24 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                     for owner, covered in self.store.partial_uploads(record.query_id).items()
                     if covered < total
                 )
-                if not late:
+                if not late and now < record.deadline_at + PROXY_WORK_LIMIT_SECONDS:
                     # Every chunk is in: what is left (noise, pages) is the proxy's own
                     # work, which the owners' deadline does not bound (found by review:
-                    # a restart's fresh noise draw failed such queries, charged).
+                    # a restart's fresh noise draw failed such queries, charged). Its
+                    # step is tried again, backing off, whatever stopped it.
+                    with self._lock:
+                        stalled = record.query_id in self._stalled
+                    if not stalled:
+                        self._stall(record.query_id)
+                    continue
+                if not late:
+                    due.append(record.query_id)
+                    self._fail(
+                        record.query_id,
+                        f"every chunk arrived, but the proxy could not finish the result "
+                        f"within {PROXY_WORK_LIMIT_SECONDS / 3600:g} h after the deadline; "
+                        "see the proxy log",
+                    )
                     continue
                 reason = (
                     f"deadline passed before contributors {', '.join(late)} delivered all "
@@ -483,25 +509,32 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
         return due
 
     def retry_stalled(self) -> list[str]:
-        """Try again the steps that met a store that could not be written (making a
-        stats-mode query's pages final, storing a masked-mode result); returns the
-        queries tried. One that fails again is tried at the next call."""
+        """Try again the stalled steps that are due (making a stats-mode query's pages
+        final, storing a masked-mode result); returns the queries tried. One that fails
+        again is tried later (:meth:`_stall`); one that succeeds, or whose query ended,
+        is forgotten."""
+        now = time.monotonic()
         with self._lock:
-            stalled = sorted(self._stalled)
-            self._stalled.clear()
-        for query_id in stalled:
+            due = sorted(q for q, step in self._stalled.items() if step.due <= now)
+            for query_id in due:
+                self._stalled[query_id].due = math.inf  # being tried
+        for query_id in due:
             try:
                 state = self.store.query(query_id).state
                 if state is QueryState.NOISING:
-                    self._schedule(query_id)
+                    self._schedule(query_id)  # finish() stalls or forgets it
                 elif state is QueryState.AGGREGATING:
-                    self.advance(query_id)
+                    self.advance(query_id)  # likewise
+                else:
+                    self._unstall(query_id)
             except Exception as exc:
-                if storage_unavailable(exc):
-                    with self._lock:
-                        self._stalled.add(query_id)
+                with self._lock:
+                    step = self._stalled.get(query_id)
+                    again = step is not None and math.isinf(step.due)
+                if again:  # failed before its step could record it (e.g. reading it)
+                    self._stall(query_id)
                 logger.warning("query %s: retrying its last step failed: %s", query_id, exc)
-        return stalled
+        return due
 
     def purge_results(self) -> list[str]:
         """Delete the result pages of queries finished more than ``[proxy]

@@ -38,6 +38,7 @@ __all__ = [
     "ContextCache",
     "CoordinatorCore",
     "OpenUpload",
+    "StalledStep",
     "task_id",
     "total_ciphertexts",
 ]
@@ -119,6 +120,21 @@ class OpenUpload:
     turn: threading.Lock = field(default_factory=threading.Lock)
 
 
+STALL_BACKOFF_FIRST = 0.5
+"""Seconds before a stalled step (:class:`StalledStep`) is first tried again."""
+STALL_BACKOFF_MAX = 60.0
+"""The longest wait between two tries of a stalled step (the wait doubles up to it)."""
+
+
+@dataclass
+class StalledStep:
+    """A query's step that met a store that could not be written: how often it failed,
+    and when (``time.monotonic``) it is next tried (infinity while it is being tried)."""
+
+    failures: int = 0
+    due: float = 0.0
+
+
 class CoordinatorCore:
     """The state every part of the coordinator shares, and its constructor.
 
@@ -170,8 +186,8 @@ class CoordinatorCore:
         self._last_chunk_at: dict[str, float] = {}
         self._open_streams: dict[tuple[str, str, str], OpenUpload] = {}
         # Queries whose last step (making pages final, a masked result) met a store that
-        # could not be written then: the timer tries again (run_timers).
-        self._stalled: set[str] = set()
+        # could not be written then: the timer tries again (run_timers), backing off.
+        self._stalled: dict[str, StalledStep] = {}
         self._finalizing: set[str] = set()
         self._dirty: set[str] = set()
         self._pages_final: dict[str, int] = {}
@@ -192,6 +208,23 @@ class CoordinatorCore:
         self.observer: Any = None
         """Told each upload's fold seconds and each query's noise seconds
         (``chunk_folded`` / ``noise_added``; :class:`fedpca.proxy.metrics.ProxyMetrics`)."""
+
+    # ---------------------------------------------------------- stalled steps
+    def _stall(self, query_id: str) -> int:
+        """Record that ``query_id``'s step failed on the store: it is tried again after
+        a wait doubling from :data:`STALL_BACKOFF_FIRST` to :data:`STALL_BACKOFF_MAX`
+        (a disk full for hours must not cost a recomputed masked result every half
+        second: found by review). Returns how often it has failed in a row."""
+        with self._lock:
+            step = self._stalled.setdefault(query_id, StalledStep())
+            step.failures += 1
+            wait = min(STALL_BACKOFF_MAX, STALL_BACKOFF_FIRST * 2.0 ** (step.failures - 1))
+            step.due = time.monotonic() + wait
+            return step.failures
+
+    def _unstall(self, query_id: str) -> None:
+        with self._lock:
+            self._stalled.pop(query_id, None)
 
     # ------------------------------------------------------------ change feed
     @property

@@ -29,7 +29,6 @@ from fedpca.query import (
 )
 
 __all__ = [
-    "MAX_DEADLINE_SECONDS",
     "QueryContext",
     "result_blocks",
     "spec_from_dict",
@@ -37,10 +36,6 @@ __all__ = [
     "validate_query",
     "wire_blocks",
 ]
-
-
-MAX_DEADLINE_SECONDS = 366 * 24 * 3600.0
-"""Longest ``deadline_seconds`` a query may ask for (one year)."""
 
 
 @dataclass(frozen=True)
@@ -83,14 +78,6 @@ def validate_query(
         raise ConfigError(
             "analyst_key_fingerprint does not match analyst_public_key_n "
             f"(expected {key_fingerprint(public_key)})"
-        )
-    # The deadline travels as a timestamp (task stream, query status): a query whose
-    # deadline lies past year 9999 was stored and charged, and then every status
-    # and every owner's task stream failed with INTERNAL (datetime out of range).
-    if not (math.isfinite(spec.deadline_seconds) and spec.deadline_seconds <= MAX_DEADLINE_SECONDS):
-        raise ConfigError(
-            f"deadline_seconds must be finite and at most {MAX_DEADLINE_SECONDS:.0f} (one year),"
-            f" got {spec.deadline_seconds!r}"
         )
     plan = ReleasePlan.for_query(spec, bits)
     # Uploads are held in memory while their content hash is checked, so the
