@@ -79,6 +79,7 @@ from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
 from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_records import NotContributingError, UploadCompletion
+from fedpca.proxy.uploads import UploadStream
 from fedpca.query import DEFAULT_QUERY_DELTA, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, verify_query
 from fedpca.stats import sum_statistics
@@ -2277,6 +2278,22 @@ def test_a_query_whose_chunks_are_all_in_is_not_failed_at_its_deadline(
         coordinator.shutdown()
 
 
+def _upload_with_one_chunk_folded(
+    tmp_path: Path, pool: CryptoPool, keypair: Any, owner_rows: list[np.ndarray]
+) -> tuple[Coordinator, Owner, UploadHeader, dict[str, list[int]], UploadStream]:
+    """A COLLECTING query (quorum 3) whose first owner's stream folded its first chunk:
+    the coordinator, the owner, its header and ciphertexts, and the open stream."""
+    public_key, _ = keypair
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", signed(make_spec(public_key)))
+    plan = coordinator.plan(Q1)
+    owner = owners_for(owner_rows)[0]
+    header, blocks, _ = owner.upload(plan, public_key, pool)
+    stream = coordinator.begin_upload(owner.owner_id, header)
+    stream.add(chunk_of(blocks[plan.owner_blocks[0].name]))
+    return coordinator, owner, header, blocks, stream
+
+
 def test_a_broken_stream_cannot_take_out_the_upload_a_new_stream_just_joined(
     tmp_path: Path,
     pool: CryptoPool,
@@ -2287,16 +2304,11 @@ def test_a_broken_stream_cannot_take_out_the_upload_a_new_stream_just_joined(
     # mark) before it was counted as open; the broken stream's take-out in between
     # removed the contributor, and the new stream failed at its mark, the owner's
     # contribution lost. Now the join holds the upload's turn, and the take-out waits.
-    public_key, _ = test_only_keypair_512
-    coordinator = make_coordinator(tmp_path, pool)
-    store = coordinator.store
-    coordinator.submit("alice", signed(make_spec(public_key)))  # quorum 3: still COLLECTING
-    plan = coordinator.plan(Q1)
-    owner = owners_for(owner_rows)[0]
-    header, blocks, _ = owner.upload(plan, public_key, pool)
+    coordinator, owner, header, blocks, broken = _upload_with_one_chunk_folded(
+        tmp_path, pool, test_only_keypair_512, owner_rows
+    )
+    store, plan = coordinator.store, coordinator.plan(Q1)
     first = plan.owner_blocks[0]
-    broken = coordinator.begin_upload(owner.owner_id, header)
-    broken.add(chunk_of(blocks[first.name]))
     real_join = store.join
     taking_out: list[threading.Thread] = []
 
@@ -2339,16 +2351,10 @@ def test_a_new_stream_of_an_upload_being_taken_out_joins_after_the_take_out(
     # The new stream's join waits for the take-out, then starts over from 0; without
     # the upload's turn it joined first, resumed from the mark, and the take-out then
     # removed the row it resumed.
-    public_key, _ = test_only_keypair_512
-    coordinator = make_coordinator(tmp_path, pool)
+    coordinator, owner, header, _, broken = _upload_with_one_chunk_folded(
+        tmp_path, pool, test_only_keypair_512, owner_rows
+    )
     store = coordinator.store
-    coordinator.submit("alice", signed(make_spec(public_key)))  # quorum 3: still COLLECTING
-    plan = coordinator.plan(Q1)
-    owner = owners_for(owner_rows)[0]
-    header, blocks, _ = owner.upload(plan, public_key, pool)
-    first = plan.owner_blocks[0]
-    broken = coordinator.begin_upload(owner.owner_id, header)
-    broken.add(chunk_of(blocks[first.name]))
     real_abandon = store.abandon
     resumed: list[Any] = []
 
