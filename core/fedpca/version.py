@@ -36,10 +36,13 @@ refuses a proxy without the fixes: masked mode adds a uniform residue to every s
 entry (v vᵀ mod N 2^f was exact before), and DCA under replace-one is calibrated for a
 swap in two capped classes at once (docs/privacy.md).
 
-Version 5: the same messages; every private query's noise headroom grows by the most one
-coordinate can move between neighbours (sigma / z), so that the proxy's refusal of a
-draw beyond it is accounted as an additive delta of n 2^-100 (docs/privacy.md,
-"Headroom"): slots, and so layouts, differ from version 4 for the same query.
+Version 5: every private query's noise headroom grows by the most one coordinate can
+move between neighbours (sigma / z), so that the proxy's refusal of a draw beyond it is
+accounted as an additive delta of n 2^-100 (docs/privacy.md, "Headroom refusal"):
+slots, and so layouts, differ from version 4 for the same query. And a query carries
+the time its analyst's client signed it (``QuerySpec.issued_at``, in the signed
+digest): owners answer it only until issued_at + deadline_seconds (plus 5 minutes),
+and decline a query without one.
 
 Owners and analysts state this version on every call (request metadata
 :data:`fedpca.transport.channels.PROTOCOL_VERSION_METADATA`, which adds nothing to the
