@@ -4,7 +4,6 @@ are in conftest.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sqlite3
 import time
@@ -22,7 +21,7 @@ from fedpca.data import dataset_path
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import CiphertextPayload, SignedQuery, Task, blocks_of
 from fedpca.protocol import ReleasePlan
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.query import QueryKind, QuerySpec, stamped
 from fedpca.signing import Ed25519PrivateKey, generate_signing_key, sign_query, signer_id
 from fedpca.transport.channels import server_options
 
@@ -48,8 +47,7 @@ def sync_test_server(max_workers: int) -> grpc.Server:
 def signed(spec: QuerySpec, key: Ed25519PrivateKey = TEST_SIGNING_KEY) -> SignedQuery:
     """``spec`` signed with ``key`` (default :data:`TEST_SIGNING_KEY`), as the analyst
     submits it: stamped with the time of signing unless it carries one."""
-    if spec.issued_at is None:
-        spec = dataclasses.replace(spec, issued_at=time.time())
+    spec = stamped(spec)
     return SignedQuery(spec, sign_query(spec, key), signer_id(key))
 
 

@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -599,6 +600,13 @@ class QuerySpec:
         if self.kind is QueryKind.AGGREGATE:
             return tuple(dict.fromkeys(part.kind for part in self.aggregates))
         return (self.kind,)
+
+
+def stamped(spec: QuerySpec) -> QuerySpec:
+    """``spec`` with its signing time (``issued_at``) now, unless it carries one."""
+    if spec.issued_at is not None:
+        return spec
+    return dataclasses.replace(spec, issued_at=time.time())
 
 
 def spec_digest(spec: QuerySpec) -> str:

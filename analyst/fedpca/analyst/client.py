@@ -30,7 +30,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -65,7 +65,7 @@ from fedpca.messages import (
     ResultHeader,
     SignedQuery,
 )
-from fedpca.query import QuerySpec
+from fedpca.query import QuerySpec, stamped
 from fedpca.signing import Ed25519PrivateKey, sign_query, signer_id, verify_query
 from fedpca.transport import serde
 from fedpca.transport.certs import TlsMaterial
@@ -330,9 +330,8 @@ class AnalystClient:
         ConfigError
             The proxy refused the query (its message says why).
         """
-        if spec.issued_at is None:
-            # Signed now: owners answer it only until issued_at + deadline_seconds.
-            spec = replace(spec, issued_at=time.time())
+        # Signed now: owners answer it only until issued_at + deadline_seconds.
+        spec = stamped(spec)
         signed = SignedQuery(spec, sign_query(spec, signing_key), signer_id(signing_key))
         request = serde.submit_query_request_to_proto(signed)
         message = self._unary(

@@ -13,7 +13,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import ConfigError, FedpcaError, NotFoundError, QueryStateError
 from fedpca.messages import DeploymentInfo
 from fedpca.protocol import ReleasePlan
-from fedpca.query import QuerySpec
+from fedpca.query import QuerySpec, stamped
 from fedpca.transport.certs import TlsFiles, TlsMaterial
 
 __all__ = [
@@ -169,12 +169,11 @@ def run_query(
     """
     if spec.analyst_public_key_n != private_key.public_key.n:
         raise ConfigError("the query is not addressed to this private key")
-    if spec.issued_at is None:
-        # Stamped here, not only by the client, so that the result is checked against
-        # the query as signed. A caller that may run the same query again (after a
-        # proxy restart) passes it stamped, as build_query makes it: a second stamp
-        # would make it another query, which the proxy refuses under the same id.
-        spec = replace(spec, issued_at=time.time())
+    # Stamped here, not only by the client, so that the result is checked against the
+    # query as signed. A caller that may run the same query again (after a proxy
+    # restart) passes it stamped, as build_query makes it: a second stamp would make it
+    # another query, which the proxy refuses under the same id.
+    spec = stamped(spec)
     # The analyst's own plan of the release, derived before anything is charged: a
     # query whose result it could not check fails here.
     ReleasePlan.for_query(spec, private_key.public_key.n.bit_length())

@@ -93,8 +93,8 @@ _REFUSALS = frozenset(
 )
 
 PAUSED_SWEEP_SECONDS = 15.0
-"""How often an idle worker looks for uploads paused past their deadline
-(:meth:`~fedpca.owner.task_endings.TaskEndings.end_paused_past_deadline`)."""
+"""How often the worker, between tasks or idle, looks for uploads paused past their
+deadline (:meth:`~fedpca.owner.task_endings.TaskEndings.end_paused_past_deadline`)."""
 
 REMEMBERED_CANCELLATIONS = 1024
 """Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
