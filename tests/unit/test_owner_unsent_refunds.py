@@ -200,55 +200,68 @@ def test_a_ledger_that_cannot_mark_the_header_pauses_the_upload(
             assert client.wait(spec.query_id, timeout=60.0).state is QueryState.DONE
 
 
-class _Killed(BaseException):
-    """Stands for the node's process dying at the point it is raised."""
+@contextmanager
+def _final_writes_failing(config: OwnerConfig, final: TaskOutcome) -> Iterator[None]:
+    """The ledger's write of ``final`` to a task row fails (a trigger aborts it), as a
+    full disk or a node killed inside the transaction would leave it."""
+    with sqlite3.connect(config.ledger_path) as connection:
+        connection.execute(
+            f"CREATE TRIGGER no_final BEFORE UPDATE ON tasks WHEN NEW.state = '{final.value}' "
+            "BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        )
+    try:
+        yield
+    finally:
+        with sqlite3.connect(config.ledger_path) as connection:
+            connection.execute("DROP TRIGGER no_final")
 
 
 @pytest.mark.parametrize("ending", ["expired", "declined"])
-def test_a_crash_as_a_task_ends_never_leaves_it_final_and_charged(
-    tmp_path: Path,
-    pool: CryptoPool,
-    test_only_keypair_512: tuple[Any, Any],
-    monkeypatch: pytest.MonkeyPatch,
-    ending: str,
+def test_a_task_ends_refunded_and_final_or_neither(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any], ending: str
 ) -> None:
-    """Found by review: the final outcome was written before the refund, so a crash
-    between the two left a task no restart looks at again (final) still charged,
-    though nothing of it left the node. The refund now comes first: the node dies
-    right after writing the outcome, and the reservation is already gone."""
+    """Found by review: the final outcome and the refund were two transactions, so a
+    crash between them left a task final and still charged (never looked at again) or
+    refunded with no outcome. They are now one (BudgetLedger.end_task): when writing
+    the outcome fails, the reservation is still there and the task still open, and the
+    task delivered again (or withdrawn, after the decline reached the proxy) ends,
+    refunded."""
     public_key, _ = test_only_keypair_512
     final = TaskOutcome.EXPIRED if ending == "expired" else TaskOutcome.DECLINED
-    real_record_task = BudgetLedger.record_task
-
-    def killed_after_writing(
-        self: BudgetLedger, query_id: str, outcome: TaskOutcome, *args: Any, **kwargs: Any
-    ) -> None:
-        real_record_task(self, query_id, outcome, *args, **kwargs)
-        if outcome is final:
-            raise _Killed
-
     with _owner_paused(tmp_path, pool, public_key, ending, reserve_only=True) as (
         config,
         task,
         client,
     ):
-        monkeypatch.setattr(BudgetLedger, "record_task", killed_after_writing)
         if ending == "expired":
             assert client.cancel(task.query.query_id).refunded
-            late = replace(task, upload_deadline=datetime.now(UTC) - timedelta(seconds=1))
+            task = replace(task, upload_deadline=datetime.now(UTC) - timedelta(seconds=1))
+        else:
+            config = replace(config, policy=replace(config.policy, max_epsilon_per_query=0.5))
+        ledger = owner_ledger(config)
+
+        def end_it() -> Any:
+            if ending == "declined":
+                return _process_at_the_proxy(config, pool, task)
             restarted = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
             try:
-                with pytest.raises(_Killed):
-                    restarted.process_task(unreachable_proxy(), late)
+                return restarted.process_task(unreachable_proxy(), task)
             finally:
                 restarted.stop()
-        else:
-            stricter = replace(config, policy=replace(config.policy, max_epsilon_per_query=0.5))
-            with pytest.raises(_Killed):
-                _process_at_the_proxy(stricter, pool, task)
-        ledger = owner_ledger(config)
-        assert ledger.is_handled(task.key)
-        assert not ledger.has_reservation(task.key)  # was: charged for ever
+
+        with _final_writes_failing(config, final), pytest.raises(sqlite3.IntegrityError):
+            end_it()
+        assert ledger.has_reservation(task.key)  # was: refunded, and no outcome written
+        assert not ledger.is_handled(task.key)
+        if ending == "expired":  # delivered again
+            assert end_it() is final
+        else:  # the decline reached the proxy, which failed the query and withdraws it
+            restarted = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
+            restarted.end_withdrawn_upload(task.key, "query failed")
+            restarted.stop()
+        record = ledger.task(task.key)
+        assert record is not None and record.outcome.final
+        assert not ledger.has_reservation(task.key)
 
 
 def test_a_task_refunded_as_it_ended_before_a_restart_ends_when_it_comes_again(

@@ -69,7 +69,13 @@ from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
-from fedpca.owner.ledger_rows import EVENT_COLUMNS, event_from_row, read_events, release_changes
+from fedpca.owner.ledger_rows import (
+    EVENT_COLUMNS,
+    event_from_row,
+    read_events,
+    release_changes,
+    write_task_row,
+)
 from fedpca.owner.ledger_schema import create_or_migrate
 from fedpca.query import Neighbouring
 
@@ -398,37 +404,56 @@ class BudgetLedger:
         return int(row[0])
 
     def cancel_reservation(self, query_id: str) -> bool:
-        """Refund a reservation whose data was not released.
+        """Refund a reservation whose data was not released; True if one was removed.
 
         Sound only because nothing derived from the data reaches a result: a
         reservation is refunded while no header of the task's upload was ever accepted
         (:meth:`mark_upload_started`, checked in the same transaction), in any process.
+        """
+        return self.end_task(query_id, None)
 
-        Returns
-        -------
-        bool
-            True if a reservation was removed.
+    def end_task(
+        self,
+        query_id: str,
+        outcome: TaskOutcome | None,
+        detail: str = "",
+        *,
+        refund: bool = True,
+        upload_id: str | None = None,
+        spec_digest: str | None = None,
+    ) -> bool:
+        """End a task in one transaction: refund its reservation if ``refund`` and no
+        header of its upload was ever accepted (as :meth:`cancel_reservation`), and
+        record ``outcome`` (None: delete the task's RESERVED row instead).
+
+        One transaction, so that no crash or failed write leaves a task final and still
+        charged though nothing of it left (never looked at again), or refunded with no
+        outcome written. Returns True if a reservation was removed.
         """
         with self._connect() as connection, _immediate(connection):
+            seen = self.shares is not None and release_changes(connection) == self._known_changes
             started = connection.execute(
                 "SELECT upload_started FROM tasks WHERE query_id = ?", (query_id,)
             ).fetchone()
-            if started is not None and started[0]:
+            removed = False
+            if refund and started is not None and started[0]:
                 logger.info("query %s: an upload was started; the budget stays charged", query_id)
-                return False
-            seen = self.shares is not None and release_changes(connection) == self._known_changes
-            cursor = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
-            removed = cursor.rowcount > 0
+            elif refund:
+                deleted = connection.execute("DELETE FROM releases WHERE query_id = ?", (query_id,))
+                removed = deleted.rowcount > 0
             changes_after = release_changes(connection)
-            connection.execute(
-                "DELETE FROM tasks WHERE query_id = ? AND state = ?",
-                (query_id, TaskOutcome.RESERVED.value),
-            )
-        # Once committed: a refund leaves the ledger within its shares; what another
-        # connection added before it is still to be looked at (the next reservation
-        # re-reads then).
-        self._known_changes = changes_after if seen else -1
+            if outcome is None:
+                connection.execute(
+                    "DELETE FROM tasks WHERE query_id = ? AND state = ?",
+                    (query_id, TaskOutcome.RESERVED.value),
+                )
+            else:
+                write_task_row(connection, query_id, outcome, detail, upload_id, spec_digest)
         if removed:
+            # Once committed: a refund leaves the ledger within its shares; what another
+            # connection added before it is still to be looked at (the next reservation
+            # re-reads then).
+            self._known_changes = changes_after if seen else -1
             logger.info("query %s: nothing was sent, reservation refunded", query_id)
         return removed
 
@@ -480,32 +505,9 @@ class BudgetLedger:
         drawn under) were recorded by versions that kept no share; tests still use them.
         ``spec_digest`` is the signed query's, kept for declines (:meth:`answered_under`).
         """
-        now = time.time()
         with self._connect() as connection, _immediate(connection):
-            connection.execute(
-                "INSERT INTO tasks (query_id, state, detail, upload_id, upload_started, "
-                "updated_at, seed, capacity, spec_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (query_id) DO UPDATE SET state = excluded.state, "
-                "detail = excluded.detail, "
-                "upload_id = COALESCE(excluded.upload_id, tasks.upload_id), "
-                "upload_started = MAX(tasks.upload_started, excluded.upload_started), "
-                "updated_at = excluded.updated_at, "
-                "seed = COALESCE(excluded.seed, tasks.seed), "
-                "capacity = COALESCE(excluded.capacity, tasks.capacity), "
-                "spec_digest = COALESCE(excluded.spec_digest, tasks.spec_digest)",
-                (
-                    query_id,
-                    outcome.value,
-                    detail,
-                    upload_id,
-                    # UPLOADING alone does not start it: mark_upload_started does, when the
-                    # proxy accepted the header, before any chunk may leave.
-                    int(outcome is TaskOutcome.UPLOADED),
-                    now,
-                    seed,
-                    capacity,
-                    spec_digest,
-                ),
+            write_task_row(
+                connection, query_id, outcome, detail, upload_id, spec_digest, seed, capacity
             )
 
     def mark_upload_started(self, query_id: str) -> bool:

@@ -1,14 +1,24 @@
-"""Reading releases from the owner's budget ledger database (:mod:`fedpca.owner.ledger`):
-rows to :class:`~fedpca.dp.mechanisms.PrivacyEvent`, every analyst's or one analyst's."""
+"""Rows of the owner's budget ledger database (:mod:`fedpca.owner.ledger`): releases read
+as :class:`~fedpca.dp.mechanisms.PrivacyEvent` (every analyst's or one analyst's), and a
+task's row written inside a caller's transaction."""
 
 from __future__ import annotations
 
 import sqlite3
+import time
 
 from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.ledger_schema import RELEASE_CHANGES_KEY
 
-__all__ = ["EVENT_COLUMNS", "OWN_RELEASES_SQL", "event_from_row", "read_events", "release_changes"]
+__all__ = [
+    "EVENT_COLUMNS",
+    "OWN_RELEASES_SQL",
+    "event_from_row",
+    "read_events",
+    "release_changes",
+    "write_task_row",
+]
 
 EVENT_COLUMNS = (
     "query_id, analyst, noise_multiplier, epsilon, delta, recorded_at, neighbouring, "
@@ -60,3 +70,43 @@ def release_changes(connection: sqlite3.Connection) -> int:
         "SELECT value FROM meta WHERE key = ?", (RELEASE_CHANGES_KEY,)
     ).fetchone()
     return int(row[0])
+
+
+def write_task_row(
+    connection: sqlite3.Connection,
+    query_id: str,
+    outcome: TaskOutcome,
+    detail: str,
+    upload_id: str | None,
+    spec_digest: str | None,
+    seed: bytes | None = None,
+    capacity: int | None = None,
+) -> None:
+    """Insert or update a task's row, inside the caller's transaction
+    (:meth:`fedpca.owner.ledger.BudgetLedger.record_task` says what each column holds)."""
+    now = time.time()
+    connection.execute(
+        "INSERT INTO tasks (query_id, state, detail, upload_id, upload_started, "
+        "updated_at, seed, capacity, spec_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (query_id) DO UPDATE SET state = excluded.state, "
+        "detail = excluded.detail, "
+        "upload_id = COALESCE(excluded.upload_id, tasks.upload_id), "
+        "upload_started = MAX(tasks.upload_started, excluded.upload_started), "
+        "updated_at = excluded.updated_at, "
+        "seed = COALESCE(excluded.seed, tasks.seed), "
+        "capacity = COALESCE(excluded.capacity, tasks.capacity), "
+        "spec_digest = COALESCE(excluded.spec_digest, tasks.spec_digest)",
+        (
+            query_id,
+            outcome.value,
+            detail,
+            upload_id,
+            # UPLOADING alone does not start it: mark_upload_started does, when the
+            # proxy accepted the header, before any chunk may leave.
+            int(outcome is TaskOutcome.UPLOADED),
+            now,
+            seed,
+            capacity,
+            spec_digest,
+        ),
+    )

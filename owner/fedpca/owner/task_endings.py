@@ -11,7 +11,8 @@ so that alerts on either page no organisation for another's decline.
 One rule decides every refund (docs/privacy.md, "Refunds", Owners): a task's
 reservation is refunded when the task ends and the ledger says no proxy ever accepted
 a header of its upload, in this process or an earlier one
-(:meth:`~fedpca.owner.ledger.BudgetLedger.cancel_reservation`). Chunks leave only after
+(:meth:`~fedpca.owner.ledger.BudgetLedger.end_task`, in the transaction that writes
+how the task ended). Chunks leave only after
 that acceptance is marked on disk, and the mark is refused once the reservation is gone
 (:meth:`~fedpca.owner.ledger.BudgetLedger.mark_upload_started`), so no chunk ever leaves
 uncharged and no reservation stays charged for a task of which nothing left the node.
@@ -53,11 +54,6 @@ class TaskEndings:
     _prepared: dict[str, OutgoingUpload]
     _paused: dict[str, datetime]
     _endings: threading.Lock
-
-    def _refund_unsent(self, query_id: str) -> bool:
-        """Refund the task's reservation if no header of its upload was ever accepted
-        (then nothing of its share left the node). True if a reservation was removed."""
-        return self.ledger.has_reservation(query_id) and self.ledger.cancel_reservation(query_id)
 
     def end_paused_past_deadline(self, now: datetime) -> list[str]:
         """End the uploads paused in this process whose upload deadline passed
@@ -102,11 +98,9 @@ class TaskEndings:
             # A task never seen before leaves no row: a proxy replaying old signed
             # queries under fresh ids with past deadlines grew the ledger without end.
             # Final: a reservation left by a crash or a paused upload whose header was
-            # never accepted is refunded now or never (the analyst is refunded too):
-            # before the outcome is written, so that a crash between the two leaves a
-            # task that is named again at restart, not a final one still charged.
-            self._refund_unsent(query_id)
-            self.ledger.record_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
+            # never accepted is refunded now or never (the analyst is refunded too), in
+            # the transaction that writes the outcome (BudgetLedger.end_task).
+            self.ledger.end_task(query_id, TaskOutcome.EXPIRED, "deadline passed")
             self._forget_share(query_id)
         return TaskOutcome.EXPIRED
 
@@ -147,9 +141,9 @@ class TaskEndings:
         # before a restart (the ledger knows): only headers left, so no result holds
         # anything of the share. The proxy's word alone is not enough: it could fold
         # every chunk, let the analyst read the result, and still say "not released".
-        # Refunded before the final outcome is written (see _expire).
-        refunded = not upload.chunk_handed_out and self._refund_unsent(query_id)
-        self.ledger.record_task(query_id, outcome, detail, upload_id=upload_id)
+        refunded = self.ledger.end_task(
+            query_id, outcome, detail, refund=not upload.chunk_handed_out, upload_id=upload_id
+        )
         self.shares.discard(upload_id)
         if not refunded and share_unreleased(err):
             logger.info(
@@ -179,8 +173,8 @@ class TaskEndings:
             # withdrawal ends it, refunded (the ledger refunds only if nothing started).
             # An id the ledger does not know costs a read, no write.
             self._drop_upload(query_id)  # one prepared whose share could not be kept
-            if self._refund_unsent(query_id):
-                self.ledger.record_task(query_id, TaskOutcome.CANCELLED, f"withdrawn: {reason}")
+            if self.ledger.has_reservation(query_id):
+                self.ledger.end_task(query_id, TaskOutcome.CANCELLED, f"withdrawn: {reason}")
             return
         if record.outcome is not TaskOutcome.UPLOADING:
             return
@@ -201,8 +195,7 @@ class TaskEndings:
         self._drop_upload(query_id)
         if self._known(query_id):  # a task cancelled before it began leaves no row
             # Refunded only if no upload of the task had begun (the ledger checks).
-            self.ledger.cancel_reservation(query_id)
-            self.ledger.record_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
+            self.ledger.end_task(query_id, TaskOutcome.CANCELLED, "cancelled by the proxy")
             self._forget_share(query_id)
         logger.info("query %s: cancelled by the proxy", query_id)
         return TaskOutcome.CANCELLED

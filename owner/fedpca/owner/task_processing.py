@@ -219,8 +219,9 @@ class TaskProcessing(TaskEndings):
         if resuming:
             assert record is not None and record.upload_id is not None
             if not record.upload_started and not self.ledger.has_reservation(query_id):
-                # Refunded as it ended, and stopped before writing how (the refund comes
-                # first): it ended, whatever comes now (found by review).
+                # Refunded as it ended, and stopped before writing how: a ledger left by
+                # a node before the refund and the outcome were one transaction (found
+                # by review). It ended, whatever comes now.
                 self.ledger.record_task(
                     query_id, TaskOutcome.CANCELLED, "ended before a restart, refunded"
                 )
@@ -624,9 +625,8 @@ class TaskProcessing(TaskEndings):
             if record:
                 # A task reserved before a restart and declined when it came again (a
                 # stricter policy now): final, and nothing of it left the node. Refunded
-                # before the final outcome is written (see TaskEndings._expire).
-                self._refund_unsent(query_id)
-                self.ledger.record_task(
+                # in the transaction that writes the outcome.
+                self.ledger.end_task(
                     query_id, TaskOutcome.DECLINED, f"{reason.value}: {detail}", spec_digest=digest
                 )
             return TaskOutcome.DECLINED
