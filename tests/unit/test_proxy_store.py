@@ -877,3 +877,20 @@ def test_an_owner_ledger_and_a_proxy_database_are_told_apart(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="is a proxy database, not an owner's budget ledger"):
         BudgetLedger(database_path)
     assert (tables(ledger_path), tables(database_path)) == before
+
+
+def test_a_commit_that_fails_is_rolled_back_and_the_store_goes_on(tmp_path: Path) -> None:
+    """A COMMIT that fails (here a deferred foreign key, checked only at COMMIT; in use
+    a full disk or a lock) left SQLite's transaction open: every later transaction of
+    the proxy then failed with "cannot start a transaction within a transaction". It is
+    now rolled back, and what it wrote is gone."""
+    s = ProxyStore(tmp_path / "proxy.sqlite3", page_ciphertexts=PAGE)
+    with s.transaction() as conn:
+        conn.execute(
+            "CREATE TABLE checked_at_commit (query_id TEXT REFERENCES queries(query_id) "
+            "DEFERRABLE INITIALLY DEFERRED)"
+        )
+    with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"), s.transaction() as conn:
+        conn.execute("INSERT INTO checked_at_commit VALUES ('no such query')")
+    with s.transaction() as conn:  # was: OperationalError, a transaction within one
+        assert conn.execute("SELECT COUNT(*) FROM checked_at_commit").fetchone()[0] == 0
