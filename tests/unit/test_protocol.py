@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from fedpca.errors import ConfigError, EncodingOverflowError
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.masked_release import (
     mask_width,
+    masked_rounding_slack,
     masked_scatter_sensitivity,
     row_aligned_length,
     row_aligned_positions,
@@ -330,6 +332,74 @@ def test_masked_sensitivity_bounds_a_replacement(n: int, m: int, seed: int) -> N
     change = centred(neighbour) - centred(rows)
     upper = change[np.triu_indices(m)]
     assert np.linalg.norm(upper) <= masked_scatter_sensitivity(1.0, n)
+
+
+def _masked_integer_query(
+    stats: Any, n: int, f: int, rho: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """What the masked release noises, given the proxy's residue, for every ρ in ``rho``.
+
+    The analyst reads N 2^f (R + E + Q) + ρ on each upper-triangle entry, where the
+    residue F (uniform on [−h, s − h), s = N 2^f, h = s // 2: masked_residue) fixes Q as
+    the one integer with −h <= v vᵀ + s Q + ρ < s − h. Returns (R + Q per entry and ρ,
+    shape (len(rho), entries); 2^f S exactly, as floats, per entry)."""
+    rows, cols = np.triu_indices(stats.sums.shape[0])
+    r = stats.scatter[rows, cols].astype(np.int64)
+    t = stats.sums[rows].astype(np.int64) * stats.sums[cols].astype(np.int64)
+    scale = n << f
+    q = r[None, :] - (scale // 2 + t[None, :] + rho[:, None]) // scale
+    return q, r - t / scale
+
+
+def test_the_masked_rounding_slack_covers_every_residue_of_the_worst_pairs() -> None:
+    """Masked mode's integer query, searched over neighbouring pairs and every residue:
+    a replacement moves each entry by at most its change in 2^f S plus less than one
+    step (the rounding at thresholds the residue sets), so by at most the calibrated
+    masked_scatter_sensitivity + masked_rounding_slack in L2; and the rounding does add
+    to 2^f S's change, so the slack is needed (the privacy review of stop 34 found the
+    slack term without a worst-pair test)."""
+    f = 8  # the smallest frac_bits: the rounding is largest against the grid
+    rng = np.random.default_rng(17)
+    rounding_adds = 0.0
+    for n, m in ((1, 1), (2, 2), (3, 3), (5, 2)):
+        spec = QuerySpec(
+            query_id="q",
+            kind=QueryKind.PCA,
+            n_features=m,
+            epsilon=1.0,
+            delta=1e-5,
+            n_components=1,
+            analyst_public_key_n=3,
+            analyst_key_fingerprint="sha256:x",
+            frac_bits=f,
+            clip_norm=1.0,
+        )
+        rho = np.arange(n << f, dtype=np.int64)
+        bound = math.ldexp(masked_scatter_sensitivity(1.0, n) + masked_rounding_slack(1.0, m, f), f)
+        for trial in range(60):
+            rows = rng.normal(size=(n, m))
+            rows /= np.linalg.norm(rows, axis=1)[:, None]
+            rows *= rng.uniform(0.2, 1.0, size=(n, 1)) if trial % 2 else 1.0
+            neighbour = rows.copy()
+            neighbour[0] = -rows[0] if trial % 3 == 0 else _unit_row(rng, m)
+            q, exact = _masked_integer_query(fixed_point_statistics(rows, None, spec), n, f, rho)
+            q2, exact2 = _masked_integer_query(
+                fixed_point_statistics(neighbour, None, spec), n, f, rho
+            )
+            moved = np.abs(q2 - q)  # per residue and entry
+            exact_moved = np.abs(exact2 - exact)
+            assert np.all(moved < exact_moved[None, :] + 1 + 1e-9)
+            worst_per_entry = moved.max(axis=0)  # each entry's residue drawn apart
+            slack = math.ldexp(masked_rounding_slack(1.0, m, f), f)
+            assert np.linalg.norm(worst_per_entry) <= np.linalg.norm(exact_moved) + slack
+            assert float(np.linalg.norm(worst_per_entry)) <= bound
+            rounding_adds = max(rounding_adds, float(np.max(worst_per_entry - exact_moved)))
+    assert rounding_adds > 0.5
+
+
+def _unit_row(rng: np.random.Generator, m: int) -> np.ndarray:
+    row = rng.normal(size=m)
+    return row / np.linalg.norm(row)
 
 
 def test_a_colluding_owner_amplifies_honest_sums_in_masked_mode_only() -> None:
