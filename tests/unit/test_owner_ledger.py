@@ -272,7 +272,7 @@ def test_a_schema_3_ledger_keeps_its_uploads_and_learns_capacities(tmp_path: Pat
     assert again is not None and again.capacity == 40 and again.seed == b"t" * 32
     with sqlite3.connect(path) as check:
         version = check.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    assert version == ("5",)
+    assert version == ("6",)
 
 
 def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
@@ -303,6 +303,35 @@ def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
     assert migrated.is_handled("alice/q0") and migrated.answered_under("d1") is None
     migrated.record_task("alice/q9", TaskOutcome.DECLINED, "y", spec_digest="d9")
     assert migrated.answered_under("d9") == "alice/q9"
+
+
+def test_open_tasks_keep_their_deadline_and_a_schema_5_ledger_gains_it(tmp_path: Path) -> None:
+    """Schema 6: a reserved task and an upload in flight keep their upload deadline, so
+    a restarted node can end them if the proxy never delivers them again; a schema-5
+    ledger gains the column, and its open rows (no deadline known) are left to the
+    proxy as before."""
+    old = tmp_path / "v5.sqlite3"
+    with sqlite3.connect(old) as conn:
+        conn.executescript(
+            """
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema_version', '5');
+            CREATE TABLE tasks (query_id TEXT PRIMARY KEY, state TEXT NOT NULL,
+                detail TEXT NOT NULL, upload_id TEXT, upload_started INTEGER NOT NULL
+                DEFAULT 0, updated_at REAL NOT NULL, seed BLOB, capacity INTEGER,
+                spec_digest TEXT);
+            INSERT INTO tasks VALUES ('q0', 'uploading', '', 'u0', 1, 1.0, NULL, NULL, NULL);
+            """
+        )
+    ledger = BudgetLedger(old)
+    assert ledger.unfinished_tasks() == ["q0"] and ledger.open_task_deadlines() == {}
+    ample = PrivacyParams(100.0, DELTA)
+    ledger.reserve(_event("q1"), ample, spec_digest="d1", upload_deadline=100.0)
+    ledger.reserve(_event("q2"), ample, spec_digest="d2", upload_deadline=200.0)
+    ledger.record_task("q2", TaskOutcome.UPLOADING, upload_id="u2")  # keeps its deadline
+    ledger.reserve(_event("q3"), ample, spec_digest="d3", upload_deadline=300.0)
+    ledger.record_task("q3", TaskOutcome.UPLOADED, upload_id="u3")  # ended: not open
+    assert BudgetLedger(old).open_task_deadlines() == {"q1": 100.0, "q2": 200.0}
 
 
 def test_cancel_reservation_only_before_any_upload(tmp_path: Path) -> None:

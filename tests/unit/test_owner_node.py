@@ -1393,3 +1393,50 @@ def test_a_signed_query_delivered_after_its_signed_deadline_is_not_answered(
     ledger = harness.ledger
     assert ledger.task(key("kept")) is None and proxy.declines == []
     assert [e.event.query_id for e in ledger.events()] == [key("fresh")]
+
+
+def test_tasks_a_restart_left_open_end_at_their_deadline_if_the_proxy_stays_silent(
+    harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a node restarted with tasks open (an upload in flight, or a
+    task reserved before its upload began) named them to the proxy and waited for it to
+    deliver them again or withdraw them; a proxy that did neither kept the share on
+    disk and the reservation for as long as the node ran. The ledger now keeps each
+    task's deadline (schema 6), and the restarted node ends them past it: refunded if
+    nothing left, charged if a header was accepted, every kept share deleted."""
+    monkeypatch.setattr(node_module, "PAUSED_SWEEP_SECONDS", 0.2)
+    monkeypatch.setattr(task_endings, "PAUSED_UPLOAD_GRACE_SECONDS", 0.0)
+    shares = harness.config.owner.state_dir / "shares"
+    harness.stop_node()
+    first = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+    unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
+    due = datetime.now(UTC) + timedelta(seconds=2)
+    for query_id in ("unsent", "started"):  # paused before any header was accepted
+        task = signed_task(harness.spec(query_id, epsilon=0.2), due, ANALYST)
+        assert first.process_task(unreachable, task) is None
+    reserved = signed_task(harness.spec("reserved", epsilon=0.2), due, ANALYST)
+    assert isinstance(first._accept(None, reserved), tuple)  # type: ignore[arg-type]
+    first.stop()
+    ledger = harness.ledger
+    assert ledger.mark_upload_started(key("started"))  # as if its header had been accepted
+    assert len(list(shares.iterdir())) == 2
+    restarted = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    stop = threading.Event()
+    thread = threading.Thread(target=restarted.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_until(
+            lambda: all(
+                (record := ledger.task(key(q))) is not None
+                and record.outcome is TaskOutcome.EXPIRED
+                for q in ("unsent", "started", "reserved")
+            ),
+            "the open tasks to end",
+            30.0,
+        )
+    finally:
+        stop.set()
+        thread.join(WAIT)
+    assert list(shares.iterdir()) == []
+    assert [entry.event.query_id for entry in ledger.events()] == [key("started")]
+    assert restarted._paused == {}

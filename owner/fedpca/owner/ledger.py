@@ -48,7 +48,8 @@ analyst, so a proxy could otherwise replay one signed query under new task ids a
 spend this owner's budget on releases nobody asked for. A declined task keeps its
 query's digest too (schema 5), so a replay of a declined query is recognised
 (:meth:`BudgetLedger.answered_under`, :mod:`fedpca.owner.task_intake`) and answered
-without another row.
+without another row. An open task keeps its upload deadline (schema 6), so a restarted
+node ends it past that if the proxy never delivers it again.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from fedpca.dp.shares import BudgetShares
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
-from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome, TaskRecord
+from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome
 from fedpca.owner.ledger_rows import (
     EVENT_COLUMNS,
     event_from_row,
@@ -77,6 +78,7 @@ from fedpca.owner.ledger_rows import (
     write_task_row,
 )
 from fedpca.owner.ledger_schema import create_or_migrate
+from fedpca.owner.ledger_tasks import LedgerTaskReads
 from fedpca.query import Neighbouring
 
 __all__ = ["BudgetLedger", "owner_ledger"]
@@ -89,7 +91,7 @@ logger = logging.getLogger(__name__)
 _BUSY_TIMEOUT_SECONDS = 60.0
 
 
-class BudgetLedger:
+class BudgetLedger(LedgerTaskReads):
     """Durable, process-safe privacy budget ledger of one owner.
 
     Parameters
@@ -206,6 +208,7 @@ class BudgetLedger:
         *,
         spec_digest: str = "",
         allow_not_private: bool = False,
+        upload_deadline: float | None = None,
     ) -> BudgetDecision:
         """Charge ``event`` to the budget if it fits, atomically.
 
@@ -217,6 +220,8 @@ class BudgetLedger:
             query id must carry the same digest.
         allow_not_private : accept an ``epsilon = inf`` event (it exhausts a finite
             budget: every later private release is refused).
+        upload_deadline : the task's upload deadline (POSIX seconds), kept on its row
+            (:meth:`open_task_deadlines`).
 
         Returns
         -------
@@ -365,9 +370,9 @@ class BudgetLedger:
             # In the same transaction: a reservation never exists without a task row
             # (before, a node killed between the two left a charge no restart found).
             connection.execute(
-                "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at) "
-                "VALUES (?, ?, '', 0, ?) ON CONFLICT (query_id) DO NOTHING",
-                (event.query_id, TaskOutcome.RESERVED.value, time.time()),
+                "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at, "
+                "upload_deadline) VALUES (?, ?, '', 0, ?, ?) ON CONFLICT (query_id) DO NOTHING",
+                (event.query_id, TaskOutcome.RESERVED.value, time.time(), upload_deadline),
             )
             changes_after = release_changes(connection)
         # Only once committed: a commit that failed (a full disk) left the file's count
@@ -466,17 +471,6 @@ class BudgetLedger:
             ).fetchall()
         return [LedgerEntry(event_from_row(row), bool(row[9]), row[10]) for row in rows]
 
-    def reserved_digest(self, query_id: str) -> str | None:
-        """The signed-query digest ``query_id`` was reserved for (None: not reserved).
-
-        One row by its key: what a resumed upload checks its task against, read in the
-        same time whatever else the ledger holds."""
-        with self._connect() as connection:
-            row = connection.execute(
-                "SELECT spec_digest FROM releases WHERE query_id = ?", (query_id,)
-            ).fetchone()
-        return None if row is None else str(row[0])
-
     def spent(self, delta: float) -> float:
         """Composed epsilon at ``delta`` of every release (inf after a NOT PRIVATE one)."""
         return compose_epsilon(
@@ -497,17 +491,27 @@ class BudgetLedger:
         seed: bytes | None = None,
         capacity: int | None = None,
         spec_digest: str | None = None,
+        upload_deadline: float | None = None,
     ) -> None:
         """Record what became of a task (UPLOADING: an upload id and kept share exist;
         :meth:`mark_upload_started` records when chunks may leave).
 
         ``seed`` and ``capacity`` (the sample's seed and the ``data.max_records`` it was
         drawn under) were recorded by versions that kept no share; tests still use them.
-        ``spec_digest`` is the signed query's, kept for declines (:meth:`answered_under`).
+        ``spec_digest`` is the signed query's, kept for declines (:meth:`answered_under`);
+        ``upload_deadline`` (POSIX seconds) for :meth:`open_task_deadlines`.
         """
         with self._connect() as connection, _immediate(connection):
             write_task_row(
-                connection, query_id, outcome, detail, upload_id, spec_digest, seed, capacity
+                connection,
+                query_id,
+                outcome,
+                detail,
+                upload_id,
+                spec_digest,
+                seed,
+                capacity,
+                upload_deadline,
             )
 
     def mark_upload_started(self, query_id: str) -> bool:
@@ -534,83 +538,6 @@ class BudgetLedger:
                 "UPDATE tasks SET upload_started = 1 WHERE query_id = ?", (query_id,)
             ).rowcount
         return marked > 0
-
-    def task(self, query_id: str) -> TaskRecord | None:
-        """The recorded state of a task, or None if it was never seen."""
-        with self._connect() as connection:
-            row = connection.execute(
-                "SELECT query_id, state, detail, upload_id, upload_started, updated_at, seed, "
-                "capacity FROM tasks WHERE query_id = ?",
-                (query_id,),
-            ).fetchone()
-        if row is None:
-            return None
-        return TaskRecord(
-            row[0],
-            TaskOutcome(row[1]),
-            row[2],
-            row[3],
-            bool(row[4]),
-            row[5],
-            None if row[6] is None else bytes(row[6]),
-            row[7],
-        )
-
-    def release_outcomes(self) -> dict[str, TaskOutcome]:
-        """Query id -> recorded task state of every release that has a task record, in
-        one read (a release without one is absent)."""
-        with self._connect() as connection:
-            rows = connection.execute(
-                "SELECT tasks.query_id, tasks.state FROM tasks "
-                "JOIN releases ON releases.query_id = tasks.query_id"
-            ).fetchall()
-        return {query_id: TaskOutcome(state) for query_id, state in rows}
-
-    def uploads_in_flight(self) -> dict[str, str]:
-        """Task key -> upload id of the tasks whose upload began and has no outcome yet."""
-        with self._connect() as connection:
-            rows = connection.execute(
-                "SELECT query_id, upload_id FROM tasks WHERE state = ? AND upload_id IS NOT "
-                "NULL ORDER BY updated_at DESC",
-                (TaskOutcome.UPLOADING.value,),
-            ).fetchall()
-        return {row[0]: row[1] for row in rows}
-
-    def unfinished_tasks(self) -> list[str]:
-        """Task keys a node names when its task stream opens: the uploads in flight and
-        the tasks reserved before any upload began (the proxy answers each with the task
-        again or a withdrawal), newest first."""
-        with self._connect() as connection:
-            rows = connection.execute(
-                "SELECT query_id FROM tasks WHERE (state = ? AND upload_id IS NOT NULL) "
-                "OR state = ? ORDER BY updated_at DESC",
-                (TaskOutcome.UPLOADING.value, TaskOutcome.RESERVED.value),
-            ).fetchall()
-        return [str(row[0]) for row in rows]
-
-    def answered_under(self, digest: str) -> str | None:
-        """The task id the signed query with ``spec_digest`` ``digest`` was reserved or
-        declined under, or None (read only: looked up for every arriving task)."""
-        with self._connect() as connection:
-            row = connection.execute(
-                "SELECT query_id FROM releases WHERE spec_digest = ? "
-                "UNION ALL SELECT query_id FROM tasks WHERE spec_digest = ? LIMIT 1",
-                (digest, digest),
-            ).fetchone()
-        return None if row is None else str(row[0])
-
-    def has_reservation(self, query_id: str) -> bool:
-        """True if a release is reserved under ``query_id`` (read only)."""
-        with self._connect() as connection:
-            row = connection.execute(
-                "SELECT 1 FROM releases WHERE query_id = ? LIMIT 1", (query_id,)
-            ).fetchone()
-        return row is not None
-
-    def is_handled(self, query_id: str) -> bool:
-        """True if the task reached a final outcome (it must not be redone)."""
-        record = self.task(query_id)
-        return record is not None and record.outcome.final
 
 
 # ------------------------------------------------------------------ helpers

@@ -81,13 +81,15 @@ def write_task_row(
     spec_digest: str | None,
     seed: bytes | None = None,
     capacity: int | None = None,
+    upload_deadline: float | None = None,
 ) -> None:
     """Insert or update a task's row, inside the caller's transaction
     (:meth:`fedpca.owner.ledger.BudgetLedger.record_task` says what each column holds)."""
     now = time.time()
     connection.execute(
         "INSERT INTO tasks (query_id, state, detail, upload_id, upload_started, "
-        "updated_at, seed, capacity, spec_digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        "updated_at, seed, capacity, spec_digest, upload_deadline) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
         "ON CONFLICT (query_id) DO UPDATE SET state = excluded.state, "
         "detail = excluded.detail, "
         "upload_id = COALESCE(excluded.upload_id, tasks.upload_id), "
@@ -95,7 +97,8 @@ def write_task_row(
         "updated_at = excluded.updated_at, "
         "seed = COALESCE(excluded.seed, tasks.seed), "
         "capacity = COALESCE(excluded.capacity, tasks.capacity), "
-        "spec_digest = COALESCE(excluded.spec_digest, tasks.spec_digest)",
+        "spec_digest = COALESCE(excluded.spec_digest, tasks.spec_digest), "
+        "upload_deadline = COALESCE(excluded.upload_deadline, tasks.upload_deadline)",
         (
             query_id,
             outcome.value,
@@ -108,5 +111,6 @@ def write_task_row(
             seed,
             capacity,
             spec_digest,
+            upload_deadline,
         ),
     )

@@ -20,7 +20,7 @@ __all__ = [
 
 logger = logging.getLogger("fedpca.owner.ledger")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 LEGACY_MIGRATION_FACTOR = 0.5
 """Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     updated_at REAL NOT NULL,
     seed BLOB,
     capacity INTEGER,
-    spec_digest TEXT
+    spec_digest TEXT,
+    upload_deadline REAL
 );
 """
 
@@ -83,7 +84,7 @@ def create_or_migrate(
         connection.execute(
             "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
-    elif int(row[0]) in (1, 2, 3, 4):
+    elif int(row[0]) in (1, 2, 3, 4, 5):
         if int(row[0]) == 1:
             _migrate_schema_1(connection, path, neighbouring)
         _migrate_tasks(connection)
@@ -152,13 +153,20 @@ def _migrate_schema_1(
 
 
 def _migrate_tasks(connection: sqlite3.Connection) -> None:
-    """Schemas 2 to 4 -> 5: tasks keep the secret seed of their sample of rows
+    """Schemas 2 to 5 -> 6: tasks keep the secret seed of their sample of rows
     (schema 3) and the capacity it was drawn under (4), so an upload interrupted by
-    a restart resumes with exactly the values it began with, and the digest of the
+    a restart resumes with exactly the values it began with, the digest of the
     signed query a declined task carried (5), so a replay of it under another task id
-    is recognised after any number of others and across restarts."""
+    is recognised after any number of others and across restarts, and the task's
+    upload deadline (6), so a restarted node ends a task left open whose proxy never
+    delivers it again (rows written before have none, and wait for the proxy)."""
     columns = {row[1] for row in connection.execute("PRAGMA table_info(tasks)")}
-    for name, declaration in (("seed", "BLOB"), ("capacity", "INTEGER"), ("spec_digest", "TEXT")):
+    for name, declaration in (
+        ("seed", "BLOB"),
+        ("capacity", "INTEGER"),
+        ("spec_digest", "TEXT"),
+        ("upload_deadline", "REAL"),
+    ):
         if name not in columns:
             connection.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
     connection.execute(

@@ -253,6 +253,12 @@ class OwnerNode(TaskProcessing):
             # Shares kept for uploads that ended while the node was down (or just
             # before): deleted only by the process that holds the folder.
             self.shares.prune(set(self.ledger.uploads_in_flight().values()))
+            # The tasks a restart left open wait for the proxy to deliver them again,
+            # as uploads paused here do, and end the same way past their deadline: a
+            # proxy that did neither kept the share on disk (and the reservation) for
+            # as long as the node ran (found by review).
+            for query_id, deadline in self.ledger.open_task_deadlines().items():
+                self._paused.setdefault(query_id, datetime.fromtimestamp(deadline, UTC))
             self._serve(stop_event)
         finally:
             self.release_state_folder()

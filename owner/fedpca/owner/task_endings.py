@@ -44,6 +44,9 @@ PAUSED_UPLOAD_GRACE_SECONDS = 60.0
 the node ends it (the proxy fails a query whose contributor is late at the deadline)."""
 
 
+_OPEN = (TaskOutcome.UPLOADING, TaskOutcome.RESERVED)
+
+
 class TaskEndings:
     """Ends tasks for :class:`~fedpca.owner.task_processing.TaskProcessing`."""
 
@@ -56,7 +59,8 @@ class TaskEndings:
     _endings: threading.Lock
 
     def end_paused_past_deadline(self, now: datetime) -> list[str]:
-        """End the uploads paused in this process whose upload deadline passed
+        """End the uploads paused in this process, and the tasks a restart left open
+        (reserved, or with an upload in flight), whose upload deadline passed
         :data:`PAUSED_UPLOAD_GRACE_SECONDS` ago: EXPIRED, refunded if nothing of them
         left, their ciphertexts dropped and their kept share deleted. Returns their keys.
 
@@ -73,14 +77,15 @@ class TaskEndings:
             del self._paused[query_id]
             with self._endings:  # not beside a withdrawal of the same task
                 record = self.ledger.task(query_id)
-                if record is None or record.outcome is not TaskOutcome.UPLOADING:
+                if record is None or record.outcome not in _OPEN:
                     continue
                 logger.warning(
-                    "query %s: upload %s paused past its deadline (%s) and not delivered "
-                    "again: ended, its kept share deleted",
+                    "query %s: %s, and the proxy did not deliver it again by its deadline "
+                    "(%s): ended%s",
                     query_id,
-                    record.upload_id,
+                    "reserved" if record.upload_id is None else f"upload {record.upload_id} paused",
                     deadline.isoformat(timespec="seconds"),
+                    "" if record.upload_id is None else ", its kept share deleted",
                 )
                 self._expire(query_id)
             ended.append(query_id)

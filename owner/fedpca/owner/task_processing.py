@@ -360,6 +360,7 @@ class TaskProcessing(TaskEndings):
                 self.config.budget,
                 spec_digest=spec_digest(spec),
                 allow_not_private=self.config.policy.allow_not_private,
+                upload_deadline=task.upload_deadline.timestamp(),
             )
         except ShareExceededError as exc:
             # Its figures are this analyst's own releases against its share: they tell
@@ -484,7 +485,12 @@ class TaskProcessing(TaskEndings):
                 )
                 return None
             upload.share = None
-        self.ledger.record_task(query_id, TaskOutcome.UPLOADING, upload_id=upload_id)
+        self.ledger.record_task(
+            query_id,
+            TaskOutcome.UPLOADING,
+            upload_id=upload_id,
+            upload_deadline=task.upload_deadline.timestamp(),
+        )
         attempts = self.retry.upload_attempts
         for attempt in range(attempts):
             if self._stop.is_set():
