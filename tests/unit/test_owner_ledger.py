@@ -7,6 +7,8 @@ import multiprocessing
 import re
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.synchronize import Barrier as BarrierType
 from pathlib import Path
 from typing import Any
@@ -408,3 +410,32 @@ def test_concurrent_processes_never_both_pass(tmp_path: Path) -> None:
         assert process.exitcode == 0
     assert results == ["fit", "refused"]
     assert len(BudgetLedger(path).events()) == 1
+
+
+def test_the_open_tasks_are_found_by_index_not_by_scanning_every_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node names its open tasks at every connection: each read of them searches the
+    ``tasks_by_state`` index, so its time grows with the open tasks, not with every
+    task the ledger has recorded (it scanned the whole table before)."""
+    ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
+    statements: list[str] = []
+    real_connect = BudgetLedger._connect
+
+    @contextmanager
+    def traced(self: BudgetLedger) -> Iterator[sqlite3.Connection]:
+        with real_connect(self) as connection:
+            connection.set_trace_callback(statements.append)
+            yield connection
+
+    monkeypatch.setattr(BudgetLedger, "_connect", traced)
+    ledger.unfinished_tasks()
+    ledger.open_task_deadlines()
+    ledger.uploads_in_flight()
+    reads = [s for s in statements if s.startswith("SELECT") and "FROM tasks" in s]
+    assert len(reads) == 3
+    with sqlite3.connect(ledger.path) as connection:
+        for read in reads:
+            plan = [row[3] for row in connection.execute(f"EXPLAIN QUERY PLAN {read}")]
+            assert not any(step.startswith("SCAN tasks") for step in plan), (read, plan)
+            assert any("USING INDEX tasks_by_state" in step for step in plan), (read, plan)

@@ -95,6 +95,10 @@ def create_or_migrate(
     # After the migrations: tasks.spec_digest exists from schema 5 on. The replay lookup
     # of every new task (answered_under) searches it instead of scanning every task.
     connection.execute("CREATE INDEX IF NOT EXISTS tasks_by_digest ON tasks (spec_digest)")
+    # The open tasks a node names at every connection (unfinished_tasks) and ends past
+    # their deadline are found by state, in time that grows with them, not with every
+    # task the ledger has recorded.
+    connection.execute("CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks (state)")
     _count_release_changes(connection)
 
 
