@@ -10,6 +10,7 @@ and `fedpca proxy import-releases` charges those of queries the database does no
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from pathlib import Path
 
@@ -128,6 +129,11 @@ def test_import_charges_what_owners_released_and_the_database_forgot(tmp_path: P
         store.set_state(f"alice/{query_id}", QueryState.FAILED, failure_reason="deadline passed")
     before = _spent(store)
     store.close()
+    # An earlier proxy left q1's aggregate without noise: opening the database drops it.
+    with sqlite3.connect(database) as conn:
+        conn.execute("INSERT INTO aggregate_pages VALUES ('alice/q1', 0, 2, x'00')")
+    files = sorted(database.parent.glob(database.name + "*"))
+    contents = {path.name: path.read_bytes() for path in files}
     # q3 came after the backup; the two owners that took part list it (one with a
     # larger noise multiplier: the costlier record is charged). hospital-a began
     # uploads of q4 and q5; of q2 and q6 it holds only reservations.
@@ -149,8 +155,11 @@ def test_import_charges_what_owners_released_and_the_database_forgot(tmp_path: P
     assert "would charge alice/q3  epsilon=0.5 delta=1e-06 z=2.5" in dry.output
     assert "would make final alice/q4" in dry.output
     assert "would charge again alice/q5" in dry.output
+    # A dry run changes nothing, not even what opening the database would (it opened a
+    # copy: before, it dropped q1's aggregate in the restored database).
+    assert {path.name: path.read_bytes() for path in files} == contents
     store = ProxyStore(database)
-    assert _spent(store) == before  # a dry run changes nothing
+    assert _spent(store) == before
     store.close()
 
     done = runner.invoke(proxy_group, command)

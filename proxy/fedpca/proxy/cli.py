@@ -14,6 +14,7 @@ folder (:mod:`fedpca.proxy.init`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -219,7 +220,7 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
 
     from fedpca.proxy.release_import import import_releases
     from fedpca.proxy.store import ProxyStore
-    from fedpca.proxy.store_database import use_database
+    from fedpca.proxy.store_database import scratch_copy, use_database
     from fedpca.release_exports import read_owner_releases
 
     try:
@@ -240,8 +241,11 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
             if not isinstance(document, dict):
                 raise click.ClickException(f"{path}: not an export of `fedpca owner budget --json`")
             releases.extend(read_owner_releases(document, str(path)))
-        with use_database(database):
-            store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
+        with (
+            use_database(database),
+            scratch_copy(database) if dry_run else contextlib.nullcontext(database) as opened,
+        ):
+            store = ProxyStore(opened, neighbouring=config.privacy.neighbouring)
             try:
                 report = import_releases(
                     store, releases, config.privacy.neighbouring, dry_run=dry_run

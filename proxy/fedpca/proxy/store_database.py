@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -31,7 +33,13 @@ from fedpca.query import Neighbouring
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreDatabase", "refuse_where_a_proxy_ran", "storage_unavailable", "use_database"]
+__all__ = [
+    "StoreDatabase",
+    "refuse_where_a_proxy_ran",
+    "scratch_copy",
+    "storage_unavailable",
+    "use_database",
+]
 
 
 _OWNER_TABLES = frozenset({"contributors", "declines", "uploads"})
@@ -53,6 +61,24 @@ def refuse_where_a_proxy_ran(database: Path) -> None:
             "and it is gone. A new one would start every analyst's budget again at zero; "
             "restore it from a backup (docs/operations.md)"
         )
+
+
+@contextmanager
+def scratch_copy(database: Path) -> Iterator[Path]:
+    """A copy of ``database`` (with its write-ahead log) in a temporary folder, deleted
+    after use: what a dry run opens, since opening a database can write to it (its
+    migrations, the aggregates of finished queries it drops). Only while the database
+    is held (:func:`use_database`), so that no proxy writes to it during the copy."""
+    with tempfile.TemporaryDirectory(prefix="fedpca-dry-run-") as folder:
+        copy = Path(folder) / database.name
+        try:
+            shutil.copyfile(database, copy)
+            log = database.with_name(database.name + "-wal")
+            if log.exists():
+                shutil.copyfile(log, copy.with_name(copy.name + "-wal"))
+        except OSError as exc:
+            raise ConfigError(f"cannot copy {database} for a dry run: {exc}") from exc
+        yield copy
 
 
 def use_database(database: Path) -> ExclusiveUse:
