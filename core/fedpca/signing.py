@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -26,10 +27,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from fedpca.errors import ConfigError, KeyFileError, UntrustedKeyError
+from fedpca.errors import ConfigError, KeyFileError, PolicyError, UntrustedKeyError
 from fedpca.query import QuerySpec, spec_digest
 
 __all__ = [
+    "CLOCK_ALLOWANCE_SECONDS",
     "SIGNER_PREFIX",
     "Ed25519PrivateKey",
     "generate_signing_key",
@@ -37,6 +39,7 @@ __all__ = [
     "parse_signer",
     "save_signing_key",
     "sign_query",
+    "signed_deadline",
     "signer_id",
     "verify_query",
 ]
@@ -102,6 +105,41 @@ def verify_query(spec: QuerySpec, signature: bytes, signer: str) -> None:
         raise UntrustedKeyError(
             f"query {spec.query_id!r}: the signature does not verify under {signer}"
         ) from None
+
+
+CLOCK_ALLOWANCE_SECONDS = 300.0
+"""How far an analyst's clock may be from an owner's (or the proxy's) when the signing
+time of a query is checked (NTP keeps clocks within a second; five minutes forgives a
+machine without it)."""
+
+
+def signed_deadline(spec: QuerySpec, now: float) -> float:
+    """The last time (UNIX seconds) a signed query may be answered: ``issued_at +
+    deadline_seconds`` plus :data:`CLOCK_ALLOWANCE_SECONDS`. Owners answer only until
+    then (a proxy could otherwise keep signed queries and deliver them later); the
+    proxy refuses at submission a query already past it.
+
+    Raises
+    ------
+    PolicyError
+        The query carries no signing time, or was signed in the future of ``now`` by
+        more than the allowance.
+    """
+    if spec.issued_at is None:
+        raise PolicyError(
+            f"query {spec.query_id!r} carries no signing time (an analyst build before wire "
+            "protocol 5): owners answer only queries signed with one"
+        )
+    if spec.issued_at > now + CLOCK_ALLOWANCE_SECONDS:
+        raise PolicyError(
+            f"query {spec.query_id!r} was signed at {_utc(spec.issued_at)}, in the future "
+            f"of this node's clock ({_utc(now)}): check the analyst's clock"
+        )
+    return spec.issued_at + spec.deadline_seconds + CLOCK_ALLOWANCE_SECONDS
+
+
+def _utc(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
 
 
 def save_signing_key(key: Ed25519PrivateKey, path: str | os.PathLike[str]) -> Path:

@@ -57,7 +57,6 @@ from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.metrics import OwnerMetrics
 from fedpca.owner.node import OwnerNode
-from fedpca.owner.policy import CLOCK_ALLOWANCE_SECONDS
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots
@@ -67,7 +66,7 @@ from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
 from fedpca.proxy.config import TlsConfig as ProxyTlsConfig
 from fedpca.proxy.server import ProxyServer
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.signing import generate_signing_key, sign_query, signer_id
+from fedpca.signing import CLOCK_ALLOWANCE_SECONDS, generate_signing_key, sign_query, signer_id
 from fedpca.transport import certs, channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
 from fedpca.v1 import owner_service_pb2 as owner_pb

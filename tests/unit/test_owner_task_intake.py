@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 
 from fedpca.messages import DeclineReason, Task
-from fedpca.owner.policy import CLOCK_ALLOWANCE_SECONDS
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.query import spec_digest
-from fedpca.signing import generate_signing_key, sign_query
+from fedpca.signing import CLOCK_ALLOWANCE_SECONDS, generate_signing_key, sign_query
 from helpers import TEST_SIGNER, TEST_SIGNING_KEY, query_builder, signed_task
 
 _spec = query_builder(n_features=3, n_components=1, epsilon=0.5, delta=1e-6)
@@ -127,10 +126,12 @@ def test_a_task_is_answered_only_within_the_deadline_its_analyst_signed(intake: 
     assert stale.upload_deadline == (
         datetime.fromtimestamp(issued, UTC) + timedelta(seconds=60) + allowance
     )
-    # Signed in this owner's future beyond the allowance: the analyst's clock is wrong.
+    # Signed in the owner's future beyond the allowance: the analyst's clock is wrong.
     future = _spec(public_key, "future", issued_at=now + CLOCK_ALLOWANCE_SECONDS + 60.0)
     refused = gate.admit(signed_task(future, far), waiting=0)
-    assert isinstance(refused, RefusedTask) and "in this owner's future" in refused.detail
+    assert (
+        isinstance(refused, RefusedTask) and "in the future of this node's clock" in refused.detail
+    )
     # A query without a signing time (an analyst before wire protocol 5) is not answered.
     unstamped = _spec(public_key, "unstamped", issued_at=None)
     signature = sign_query(unstamped, TEST_SIGNING_KEY)

@@ -81,12 +81,18 @@ from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_records import NotContributingError, UploadCompletion
 from fedpca.proxy.uploads import UploadStream
 from fedpca.query import DEFAULT_QUERY_DELTA, Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.signing import generate_signing_key, sign_query, verify_query
+from fedpca.signing import (
+    CLOCK_ALLOWANCE_SECONDS,
+    generate_signing_key,
+    sign_query,
+    verify_query,
+)
 from fedpca.stats import sum_statistics
 from helpers import (
     QUANTISATION_STEP,
     SECOND_TEST_SIGNING_KEY,
     TEST_SIGNER,
+    TEST_SIGNING_KEY,
     dataset_table,
     query_builder,
     reference_statistics,
@@ -807,6 +813,38 @@ def test_submit_refuses_short_keys_and_wrong_fingerprints(
         )
     assert coordinator.store.queries() == [] and strict.store.queries() == []
     assert coordinator.store.releases("alice") == []
+
+
+def test_submit_refuses_a_query_no_owner_would_answer_by_its_signing_time(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """Owners answer a query only from its signing time (less 5 minutes for clocks)
+    until its signed deadline: the proxy refuses at once what none would answer, so
+    an analyst whose clock is wrong learns it at submission, not from every owner
+    ending its task as too late (before, the proxy took it and charged the analyst).
+    A resubmission of a query it already holds is not checked again."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0))
+    now = time.time()
+
+    def signed_at(query_id: str, issued_at: float | None) -> SignedQuery:
+        spec = make_spec(public_key, query_id=query_id, issued_at=issued_at, epsilon=1.0)
+        return SignedQuery(spec, sign_query(spec, TEST_SIGNING_KEY), TEST_SIGNER)
+
+    with pytest.raises(ConfigError, match="carries no signing time"):
+        coordinator.submit("alice", signed_at("none", None))
+    with pytest.raises(ConfigError, match="in the future of this node's clock"):
+        coordinator.submit("alice", signed_at("future", now + CLOCK_ALLOWANCE_SECONDS + 60))
+    deadline = make_spec(public_key).deadline_seconds
+    late = now - deadline - CLOCK_ALLOWANCE_SECONDS - 1
+    with pytest.raises(ConfigError, match="passed before it reached this proxy"):
+        coordinator.submit("alice", signed_at("late", late))
+    assert coordinator.store.queries() == [] and coordinator.store.releases("alice") == []
+    # Within the allowance either way: taken.
+    coordinator.submit("alice", signed_at("ahead", now + CLOCK_ALLOWANCE_SECONDS - 60))
+    behind = signed_at("behind", now - deadline - CLOCK_ALLOWANCE_SECONDS + 60)
+    coordinator.submit("alice", behind)
+    assert {r.query_id for r in coordinator.store.queries()} == {"alice/ahead", "alice/behind"}
 
 
 def test_submit_refuses_what_the_deployment_cannot_serve(

@@ -35,7 +35,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 from fedpca.codec.keys import key_fingerprint
 from fedpca.dp.accounting import compose_epsilon
@@ -54,7 +54,7 @@ from fedpca.owner.config import OwnerConfig
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import ProtocolMode, QuerySpec, spec_digest
-from fedpca.signing import verify_query
+from fedpca.signing import signed_deadline, verify_query
 
 __all__ = [
     "Refusal",
@@ -106,15 +106,10 @@ def check_signature(task: Task, policy: PolicyConfig) -> None:
         raise UntrustedKeyError(str(exc)) from None
 
 
-CLOCK_ALLOWANCE_SECONDS = 300.0
-"""How far an analyst's clock may be from an owner's when the owner checks how old a
-signed query is (NTP keeps clocks within a second; five minutes forgives a machine
-without it)."""
-
-
 def within_signed_deadline(task: Task, now: datetime) -> Task:
     """``task`` with an upload deadline no later than the one its analyst signed:
-    ``issued_at + deadline_seconds``, plus :data:`CLOCK_ALLOWANCE_SECONDS`.
+    ``issued_at + deadline_seconds``, plus :data:`fedpca.signing.CLOCK_ALLOWANCE_SECONDS`
+    (:func:`fedpca.signing.signed_deadline`).
 
     A proxy chooses the task's stated deadline; the signed one bounds it, so that a
     proxy cannot keep signed queries (even cancelled or refunded ones) and deliver them
@@ -129,23 +124,9 @@ def within_signed_deadline(task: Task, now: datetime) -> Task:
     Raises
     ------
     PolicyError
-        The query carries no signing time, or was signed in this owner's future.
+        The query carries no signing time, or was signed in the future of its clock.
     """
-    spec = task.query
-    if spec.issued_at is None:
-        raise PolicyError(
-            f"query {spec.query_id!r} carries no signing time (an analyst build before wire "
-            "protocol 5): owners answer only queries signed with one"
-        )
-    signed = datetime.fromtimestamp(spec.issued_at, UTC)
-    allowance = timedelta(seconds=CLOCK_ALLOWANCE_SECONDS)
-    if signed > now + allowance:
-        raise PolicyError(
-            f"query {spec.query_id!r} was signed at {signed.isoformat(timespec='seconds')}, "
-            f"in this owner's future ({now.isoformat(timespec='seconds')}): check the analyst's "
-            "clock"
-        )
-    deadline = signed + timedelta(seconds=spec.deadline_seconds) + allowance
+    deadline = datetime.fromtimestamp(signed_deadline(task.query, now.timestamp()), UTC)
     if task.upload_deadline <= deadline:
         return task
     return replace(task, upload_deadline=deadline)

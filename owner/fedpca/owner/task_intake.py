@@ -13,7 +13,7 @@ the worker's time and the ledger's space:
   stays far below it;
 * a task whose query is not signed by a pinned analyst is kept only as its task id and
   the reason (cut to what a decline carries), declined, and not recorded in the ledger;
-  so is one without a signing time or signed in this owner's future; and a task's
+  so is one without a signing time or signed in the future of its clock; and a task's
   stated upload deadline never extends the signed one (``issued_at +
   deadline_seconds``, plus an allowance for clocks), so a task delivered after it ends
   as expired (no ledger row if the node never saw it): a proxy cannot keep signed

@@ -10,6 +10,8 @@ store's transaction and the query inserted only if the ledger did not change mea
 from __future__ import annotations
 
 import logging
+import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from fedpca.admission import AdmissionLimit, NextQuery
@@ -20,6 +22,7 @@ from fedpca.errors import (
     ConfigError,
     FedpcaError,
     OverloadError,
+    PolicyError,
     QueryStateError,
 )
 from fedpca.formatting import distinct
@@ -29,7 +32,7 @@ from fedpca.proxy.coordinator_core import CoordinatorCore, task_id
 from fedpca.proxy.queries import spec_to_dict, validate_query
 from fedpca.proxy.store_records import QueryRecord
 from fedpca.query import Calibration, ProtocolMode, QuerySpec
-from fedpca.signing import verify_query
+from fedpca.signing import CLOCK_ALLOWANCE_SECONDS, signed_deadline, verify_query
 
 if TYPE_CHECKING:
     from fedpca.dp.accounting import BudgetDecision
@@ -44,6 +47,28 @@ _BUDGET_CHECK_ATTEMPTS = 5
 
 class _LedgerChanged(Exception):
     """Another submission changed the analyst's ledger during a budget check."""
+
+
+def _check_signing_time(spec: QuerySpec) -> None:
+    """Refuse a new query no owner would answer: without a signing time, signed in the
+    future, or past its signed deadline (:func:`fedpca.signing.signed_deadline`), by
+    this machine's clock as owners check it by theirs. Owners enforce it whatever the
+    proxy does; here an analyst whose clock is wrong learns it at once, not from owners
+    ending its task as too late."""
+    now = time.time()
+    try:
+        last = signed_deadline(spec, now)
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    if last <= now:
+        signed = datetime.fromtimestamp(spec.issued_at or 0.0, UTC).isoformat(timespec="seconds")
+        raise ConfigError(
+            f"query {spec.query_id!r} was signed at {signed}, and its deadline "
+            f"({spec.deadline_seconds:g} s, plus {CLOCK_ALLOWANCE_SECONDS:g} s for clocks) "
+            f"passed before it reached this proxy "
+            f"({datetime.fromtimestamp(now, UTC).isoformat(timespec='seconds')}): owners "
+            "would not answer it; check the analyst's clock, or submit it again"
+        )
 
 
 class Submissions(CoordinatorCore):
@@ -82,6 +107,7 @@ class Submissions(CoordinatorCore):
         if not self.store.has_query(key):
             if self.store.has_release(key):
                 raise QueryStateError(_re_entered(spec.query_id))
+            _check_signing_time(spec)
             self._check_query_bounds(None, analyst_id)
         plan = context.plan
         budget = self.config.budget.for_analyst(analyst_id)
