@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
+from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
@@ -508,6 +510,39 @@ def test_slot_beyond_the_declared_bound_is_refused(
     result = result_from_packed(spec, 1, {SHARES: packed})
     with pytest.raises(EncodingOverflowError, match="outside the declared bound"):
         decrypt_result(result, private_key, pool=pool)
+
+
+def test_a_page_that_fails_to_decode_is_reported_only_after_the_last(
+    test_only_keypair_512: Any, pool: CryptoPool
+) -> None:
+    """Found by review: decryption stopped at the first page that did not decode, so a
+    proxy saw where the analyst hung up, and learnt which page held the first value
+    beyond the bound: built from an owner's ciphertext and thresholds, a decryption
+    oracle for its share without noise. Every page is now read and decrypted, the
+    error raised after the last; and it does not carry the decrypted value."""
+    public_key, private_key = test_only_keypair_512
+    spec = make_spec(public_key, n_features=6, feature_lower=(), feature_upper=(), n_components=1)
+    plan = ReleasePlan.for_query(spec, 512)
+    block = plan.owner_block(SHARES)
+    values = [0] * block.layout.value_count
+    values[0] = block.layout.slot_capacity  # beyond the declared sum bound, in page 0
+    packed = pool.encrypt_packed(public_key, values, block.layout, block.layout.slot_capacity)
+    result = result_from_packed(spec, 1, {SHARES: packed})
+    ciphertexts = list(result.payload.in_wire_order())
+    assert len(ciphertexts) >= 3
+    pulled: list[int] = []
+
+    def pages() -> Iterator[list[int]]:
+        for index, ciphertext in enumerate(ciphertexts):
+            if index:
+                time.sleep(0.2)  # pages trickle in: the one before is decrypted meanwhile
+            pulled.append(index)
+            yield [ciphertext]
+
+    with pytest.raises(EncodingOverflowError, match="outside the declared bound") as raised:
+        decrypt_stream(result, pages(), private_key, pool=pool)
+    assert pulled == list(range(len(ciphertexts)))  # was: [0]
+    assert str(block.layout.slot_capacity) not in str(raised.value)
 
 
 def test_decoded_release_reports_what_it_is(

@@ -65,6 +65,7 @@ from fedpca.codec.packing import owner_value_bound, unpack_range
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import (
     ConfigError,
+    EncodingOverflowError,
     LayoutError,
     ProtocolError,
 )
@@ -266,6 +267,7 @@ def _decrypt_blocks(
         for block in blocks
     }
     done = 0
+    undecodable: EncodingOverflowError | None = None
     try:
         for decrypted in active.decrypt_stream(private_key, batches):
             if done + len(decrypted) > expected:
@@ -273,7 +275,13 @@ def _decrypt_blocks(
                     f"result of query {plan.spec.query_id!r}: more than {expected} "
                     f"ciphertexts, the plan has {expected}"
                 )
-            _unpack_wire_range(decrypted, done, plan, n, bounds, values)
+            try:
+                _unpack_wire_range(decrypted, done, plan, n, bounds, values)
+            except EncodingOverflowError as exc:
+                # Raised only after the last page: where the analyst stopped reading
+                # told a proxy which page first failed, a decryption oracle for any
+                # ciphertext (an owner's share) it built pages from (found by review).
+                undecodable = undecodable or exc
             done += len(decrypted)
             if progress is not None:
                 progress(done)
@@ -284,6 +292,8 @@ def _decrypt_blocks(
         raise ProtocolError(
             f"result of query {plan.spec.query_id!r}: {done} ciphertexts, the plan has {expected}"
         )
+    if undecodable is not None:
+        raise undecodable
     return values
 
 
