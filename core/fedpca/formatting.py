@@ -6,13 +6,17 @@ printed as the cap. :func:`distinct` prints every number of one message with as 
 significant digits as it can (at least ``digits``, so "1" and "1e-05" stay short) and as
 many as it must for values that differ to print differently (at most 17, where every
 double prints as itself).
+
+:func:`printable` shows a peer's text (a decline's reason, a status's details) with its
+control characters escaped, so that it cannot move the cursor, retitle a window or
+forge a log line wherever it is printed.
 """
 
 from __future__ import annotations
 
 from itertools import combinations
 
-__all__ = ["distinct"]
+__all__ = ["distinct", "printable"]
 
 _MAX_DIGITS = 17
 """Significant digits at which every double prints distinctly (IEEE 754 binary64)."""
@@ -50,3 +54,12 @@ def distinct(*values: float, digits: int = 6) -> tuple[str, ...]:
         if precision == _MAX_DIGITS or all(texts[i] != texts[j] for i, j in pairs):
             return texts
         precision += 1
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (control characters such as
+    ESC, BEL or a line break, format characters) shown as its Python escape (``\\x1b``);
+    spaces stay."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

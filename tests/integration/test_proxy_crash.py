@@ -52,11 +52,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpca.analyst.client import AnalystClient, ProxyUnavailableError
+from fedpca.analyst.client import AnalystClient
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.estimators import FederatedPCA
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.analyst.querying import run_query
+from fedpca.analyst.rpc_errors import ProxyUnavailableError
 from fedpca.app.cluster import OWNER_READY_MARKER, LocalCluster, ManagedProcess, split_rows
 from fedpca.codec import CryptoPool
 from fedpca.proxy.coordinator import task_id

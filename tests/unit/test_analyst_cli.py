@@ -451,7 +451,7 @@ def test_client_submits_watches_fetches_and_decrypts_masked_mode(
         assert client.submit(spec, TEST_SIGNING_KEY).state is QueryState.COLLECTING
         states = [s.state for s in client.watch(spec.query_id)]
         assert states == [QueryState.COLLECTING, QueryState.DONE]
-        fetched = client.fetch(spec.query_id)
+        fetched = client.fetch(spec.query_id, public_key=public_key, signer=TEST_SIGNER)
     # The client signed the query with the key it was given.
     assert [signer for _, signer in fake.signatures] == [TEST_SIGNER]
     # The public N travels in the result header (ResultHeader.public_record_count).
@@ -480,7 +480,7 @@ def test_client_maps_grpc_errors(proxy: tuple[FakeProxy, str], test_only_keypair
         with pytest.raises(BudgetExceededError, match=r"would exceed the limit 3\.0"):
             client.submit(_spec(test_only_keypair_512[0]), TEST_SIGNING_KEY)
         with pytest.raises(NotFoundError, match="no query 'nope'"):
-            client.fetch("nope")
+            client.fetch("nope", public_key=test_only_keypair_512[0], signer=TEST_SIGNER)
         fake.refuse_budget = False
         fake.fail_reason = "quorum of 3 not reached by the deadline"
         client.submit(_spec(test_only_keypair_512[0]), TEST_SIGNING_KEY)
@@ -517,13 +517,14 @@ def test_a_broken_result_stream_is_reopened_and_must_repeat_itself(
     spec = _spec(public_key)
     with AnalystClient(address, None, insecure=True, retry_delays=(0.01,) * 3) as client:
         client.submit(spec, TEST_SIGNING_KEY)
-        expected = client.fetch(spec.query_id).result  # the messages every fetch repeats
+        mine = {"public_key": public_key, "signer": TEST_SIGNER}
+        expected = client.fetch(spec.query_id, **mine).result  # what every fetch repeats
         fake.fetch_breaks = 1
-        again = client.fetch(spec.query_id).result
+        again = client.fetch(spec.query_id, **mine).result
         assert list(again.payload.in_wire_order()) == list(expected.payload.in_wire_order())
         fake.fetch_breaks, fake.reencrypt_on_reopen = 1, True
         with pytest.raises(ProtocolError, match="differs from the one received"):
-            client.fetch(spec.query_id)
+            client.fetch(spec.query_id, **mine)
     release = decrypt_result(again, private_key, expected_query=spec, pool=pool)
     assert release.statistics is not None
 
@@ -1070,13 +1071,20 @@ def test_fetch_checks_the_header_before_reading_any_page(
 
     client = AnalystClient("127.0.0.1:1", None, insecure=True)
     monkeypatch.setattr(client, "fetch_stream", lambda *a, **k: ResultStream(header, pages()))
+    mine = signer_id(TEST_SIGNING_KEY)
+    # Signed by the analyst, but under another Paillier key.
+    signed_header = dataclasses.replace(
+        header, query_signature=sign_query(spec, TEST_SIGNING_KEY), query_signer=mine
+    )
+    monkeypatch.setattr(
+        client, "fetch_stream", lambda *a, **k: ResultStream(signed_header, pages())
+    )
     with pytest.raises(UntrustedKeyError, match="not your key"):
-        client.fetch(spec.query_id, public_key=public_key)
+        client.fetch(spec.query_id, public_key=public_key, signer=mine)
     with pytest.raises(ProtocolError, match="sent the result of"):
-        client.fetch("another-query", public_key=public_key)
+        client.fetch("another-query", public_key=public_key, signer=mine)
     # Under the analyst's own key but for a query it never signed (any size the proxy
     # likes, 20,000 features in the review): refused by the signature, before any page.
-    mine = signer_id(TEST_SIGNING_KEY)
     big = _spec(public_key, n_features=2000)
     big_header = dataclasses.replace(
         header,

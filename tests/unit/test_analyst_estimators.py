@@ -764,8 +764,8 @@ def test_an_unreachable_proxy_after_submission_says_how_to_follow_the_query(
 ) -> None:
     """An operator's review: the analyst gave up on a restarting proxy with only
     "proxy unavailable", though its query went on at the proxy."""
-    from fedpca.analyst.client import ProxyUnavailableError
     from fedpca.analyst.querying import run_query
+    from fedpca.analyst.rpc_errors import ProxyUnavailableError
     from helpers import query_builder
 
     public_key, private_key = test_only_keypair_512

@@ -199,9 +199,7 @@ def test_unpack_detects_a_wrapped_slot() -> None:
         unpack_slots(corrupted, layout, n)
     # A slot outside the declared bound is refused when the bound is given.
     over = [p % n for p in pack_slots([0] * 29 + [11], layout, 11)]
-    with pytest.raises(
-        EncodingOverflowError, match="slot 29 decoded outside the declared bound"
-    ):
+    with pytest.raises(EncodingOverflowError, match="slot 29 decoded outside the declared bound"):
         unpack_slots(over, layout, n, bound=10)
 
 
@@ -274,9 +272,7 @@ def test_unpacking_a_range_equals_the_slice_of_the_whole() -> None:
         unpack_range(plaintexts[1:], layout, n, first=2)
     # Messages name positions in the whole layout.
     over = [p % n for p in pack_slots([0] * 59 + [31], layout, 31)]
-    with pytest.raises(
-        EncodingOverflowError, match="slot 59 decoded outside the declared bound"
-    ):
+    with pytest.raises(EncodingOverflowError, match="slot 59 decoded outside the declared bound"):
         unpack_range(over[2:], layout, n, 30, first=2)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpca.analyst.client import AnalystClient, ProxyUnavailableError
+from fedpca.analyst.client import AnalystClient
+from fedpca.analyst.rpc_errors import ProxyUnavailableError
 from fedpca.app.cluster import free_loopback_port
 from fedpca.codec import CryptoPool
 from fedpca.errors import AuthenticationError

@@ -26,7 +26,7 @@ from fedpca.codec import CryptoPool
 from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.query import Neighbouring, ProtocolMode
 from fedpca.tables import OwnerTable
-from helpers import query_builder
+from helpers import TEST_SIGNER, query_builder
 from inprocess import deployment, labelled
 
 M = 5
@@ -68,7 +68,7 @@ def test_plaintext_release_equals_the_decrypted_release(
         outcome = running.run(spec)
         assert outcome.state == "done", outcome
         with running.analyst() as client:
-            fetched = client.fetch(spec.query_id)
+            fetched = client.fetch(spec.query_id, public_key=public_key, signer=TEST_SIGNER)
     decrypted = decrypt_result(fetched.result, private_key, expected_query=spec, pool=pool)
 
     plaintext = plaintext_release(

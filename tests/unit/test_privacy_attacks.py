@@ -24,7 +24,7 @@ import pytest
 
 from fedpca.codec import CryptoPool
 from fedpca.query import Aggregate, QueryKind
-from helpers import query_builder
+from helpers import TEST_SIGNER, query_builder
 from inprocess import Outcome, deployment, labelled
 
 M = 4
@@ -252,7 +252,7 @@ def test_the_masked_release_leaves_no_exact_residue_of_the_sums(tmp_path: Path) 
     ):
         assert cluster.run(query).state == "done"
         with cluster.analyst() as client:
-            result = client.fetch(query.query_id, public_key=public_key).result
+            result = client.fetch(query.query_id, public_key=public_key, signer=TEST_SIGNER).result
         plan = check_result(result, public_key)
         bounds = {b.name: b.bound for b in plan.result_blocks}
         values = _decrypt_blocks(

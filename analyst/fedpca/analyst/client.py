@@ -37,20 +37,17 @@ from typing import Any, TypeVar
 import grpc
 
 from fedpca.analyst.result_checks import check_result
+from fedpca.analyst.rpc_errors import ProxyError, ProxyUnavailableError, error_from_rpc
 from fedpca.errors import (
     AuthenticationError,
-    BudgetExceededError,
     ConfigError,
     FedpcaError,
     LayoutError,
-    NotFoundError,
-    OverloadError,
     ProtocolError,
     QueryStateError,
     UntrustedKeyError,
 )
 from fedpca.messages import (
-    REFUSAL_METADATA,
     BudgetStatus,
     CancelReceipt,
     Charge,
@@ -61,7 +58,6 @@ from fedpca.messages import (
     QueryState,
     QueryStatus,
     QuerySummary,
-    Refusal,
     ResultHeader,
     SignedQuery,
 )
@@ -78,8 +74,6 @@ __all__ = [
     "DEFAULT_INSECURE_ANALYST_ID",
     "AnalystClient",
     "FetchedResult",
-    "ProxyError",
-    "ProxyUnavailableError",
     "ResultStream",
 ]
 
@@ -95,69 +89,14 @@ DEFAULT_INSECURE_ANALYST_ID = "analyst"
 """The id an insecure client claims (``fedpca-node-id`` metadata) unless told otherwise."""
 
 
-class ProxyError(FedpcaError, RuntimeError):
-    """The proxy failed a call for a reason the protocol does not name."""
-
-
-class ProxyUnavailableError(FedpcaError, ConnectionError):
-    """The proxy could not be reached (or did not answer in time)."""
-
-
-_STATUS_ERRORS: dict[grpc.StatusCode, type[FedpcaError]] = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED: BudgetExceededError,
-    grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
-    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.NOT_FOUND: NotFoundError,
-    grpc.StatusCode.FAILED_PRECONDITION: QueryStateError,
-    grpc.StatusCode.ALREADY_EXISTS: QueryStateError,
-    grpc.StatusCode.ABORTED: QueryStateError,
-    grpc.StatusCode.UNAVAILABLE: ProxyUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: ProxyUnavailableError,
-}
-
-
-def _refusal(error: grpc.RpcError) -> Refusal | None:
-    """What the proxy said a RESOURCE_EXHAUSTED was (None: it did not say)."""
-    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
-    for key, value in trailing or ():
-        if key == REFUSAL_METADATA:
-            try:
-                return Refusal(value)
-            except ValueError:
-                return None
-    return None
-
-
-def error_from_rpc(error: grpc.RpcError, action: str) -> FedpcaError:
-    """Translate a failed call into the matching FedpcaError.
-
-    Parameters
-    ----------
-    error : the ``grpc.RpcError`` (also a ``grpc.Call``).
-    action : what was attempted, e.g. "submit query 'q1'", for the message.
-    """
-    code = error.code() if isinstance(error, grpc.Call) else None
-    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
-    cls = _STATUS_ERRORS.get(code, ProxyError) if code is not None else ProxyError
-    if cls is BudgetExceededError and _refusal(error) is not Refusal.BUDGET:
-        cls = OverloadError
-    name = code.name if code is not None else "UNKNOWN"
-    if cls is BudgetExceededError:
-        # The proxy's message says whether the budget is exhausted or the query asked
-        # for more than is left (and how much is); "exhausted" here said so of both.
-        message = f"{action}: refused: {details}"
-    elif cls is OverloadError:
-        message = (
-            f"{action}: refused for now, the proxy is at a limit (nothing was charged): {details}"
+def _status_of(query_id: str, status: QueryStatus, action: str) -> QueryStatus:
+    """``status`` if it is of ``query_id``; a proxy's status of another query was taken
+    for the one asked about (found by review)."""
+    if status.query_id != query_id:
+        raise ProtocolError(
+            f"{action} {query_id!r}: the proxy answered with the status of {status.query_id[:80]!r}"
         )
-    elif cls is ConfigError:
-        message = f"{action}: refused by the proxy: {details}"
-    elif cls is ProxyUnavailableError:
-        message = f"{action}: proxy unavailable ({name}): {details}"
-    else:
-        message = f"{action}: {details} ({name})"
-    return cls(message)
+    return status
 
 
 @dataclass(frozen=True)
@@ -347,7 +286,7 @@ class AnalystClient:
             f"{action} {query_id!r}",
             lambda: self._stub.GetQueryStatus(request, timeout=self.timeout),
         )
-        return serde.query_status_from_proto(message)
+        return _status_of(query_id, serde.query_status_from_proto(message), action)
 
     def watch(self, query_id: str, timeout: float | None = None) -> Iterator[QueryStatus]:
         """Status updates until the query is done or failed (the last one is terminal).
@@ -371,7 +310,9 @@ class AnalystClient:
                 )
                 try:
                     for message in stream:
-                        status = serde.query_status_from_proto(message)
+                        status = _status_of(
+                            query_id, serde.query_status_from_proto(message), action
+                        )
                         self._reached()
                         failures = 0
                         yield status
@@ -393,11 +334,18 @@ class AnalystClient:
                 logger.warning("%s; reconnecting in %.0f s", mapped, delay)
                 time.sleep(delay)
                 continue
-            # The stream ended without a terminal status: ask once, then re-watch.
+            # The stream ended without a terminal status: ask once, then re-watch, after
+            # a pause (a proxy ending every stream at once made this loop spin).
             status = self.status(query_id)
             if status.terminal:
                 yield status
                 return
+            if failures >= len(self.retry_delays):
+                raise ProxyUnavailableError(
+                    f"{action}: the proxy keeps ending the status stream before the query finishes"
+                )
+            time.sleep(self.retry_delays[failures])
+            failures += 1
 
     def fetch_stream(self, query_id: str, timeout: float | None = None) -> ResultStream:
         """Open a query's result: its header once the contributors are fixed, then its
@@ -478,8 +426,8 @@ class AnalystClient:
         query_id: str,
         timeout: float | None = None,
         *,
-        public_key: Any = None,
-        signer: str | None = None,
+        public_key: Any,
+        signer: str,
     ) -> FetchedResult:
         """Download and validate the whole encrypted result of a query.
 
@@ -487,7 +435,9 @@ class AnalystClient:
         ``public_key`` (and the layout of the query it names), and, with the analyst's
         ``signer`` id, that the query is one this analyst signed (the header carries the
         signature it was submitted with). A proxy can then make the analyst hold pages
-        only of a query it asked for, of the size that query has.
+        only of a query it asked for, of the size that query has. Both are required:
+        with defaults that skipped the checks, a library caller held every page a proxy
+        declared (found by review).
 
         Raises
         ------
@@ -506,15 +456,13 @@ class AnalystClient:
                 f"{stream.header.query.query_id!r}"
             )
         header = stream.header
-        if signer is not None:
-            if header.query_signer != signer:
-                raise UntrustedKeyError(
-                    f"fetch result of query {query_id!r}: the query is signed by "
-                    f"{header.query_signer[:80] or 'nobody'}, not by you ({signer})"
-                )
-            verify_query(header.query, header.query_signature, header.query_signer)
-        if public_key is not None:
-            check_result(header, public_key)
+        if header.query_signer != signer:
+            raise UntrustedKeyError(
+                f"fetch result of query {query_id!r}: the query is signed by "
+                f"{header.query_signer[:80] or 'nobody'}, not by you ({signer})"
+            )
+        verify_query(header.query, header.query_signature, header.query_signer)
+        check_result(header, public_key)
         flat: list[int] = []
         for chunk in stream.chunks:
             flat.extend(chunk.ciphertexts)

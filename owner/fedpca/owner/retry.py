@@ -13,6 +13,7 @@ import grpc
 from fedpca.errors import (
     ConfigError,
 )
+from fedpca.formatting import printable
 
 __all__ = ["RETRYABLE_CODES", "RetryPolicy", "status_code", "status_details", "status_name"]
 
@@ -96,9 +97,10 @@ chooses the text, and it was logged and stored whole (found by review)."""
 
 
 def status_details(err: grpc.RpcError) -> str:
-    """The status's details (a peer's text), cut to :data:`MAX_STATUS_DETAILS`."""
+    """The status's details (a peer's text), cut to :data:`MAX_STATUS_DETAILS`, its
+    control characters escaped."""
     details: Callable[[], str | None] | None = getattr(err, "details", None)
-    text = (details() if details is not None else None) or str(err)
+    text = printable((details() if details is not None else None) or str(err))
     if len(text) > MAX_STATUS_DETAILS:
         return text[:MAX_STATUS_DETAILS] + f"... ({len(text)} characters)"
     return text

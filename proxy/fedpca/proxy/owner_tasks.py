@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from fedpca.errors import (
     NotFoundError,
 )
+from fedpca.formatting import printable
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     QueryState,
@@ -34,8 +35,9 @@ class _OpenQuery:
 
 
 def _one_line(text: str) -> str:
-    """A peer-supplied text as one bounded log/status line (no forged line breaks)."""
-    cleaned = " ".join(text.split())
+    """A peer-supplied text as one bounded log/status line (no forged line breaks, no
+    terminal control characters)."""
+    cleaned = printable(" ".join(text.split()))
     if len(cleaned) > MAX_DECLINE_DETAIL:
         cleaned = cleaned[: MAX_DECLINE_DETAIL - 3] + "..."
     return cleaned

@@ -17,6 +17,7 @@ from google.protobuf import timestamp_pb2
 
 from fedpca.admission import AdmissionLimit
 from fedpca.errors import ConfigError, ProtocolError
+from fedpca.formatting import printable
 from fedpca.messages import (
     DeclineReason,
     NoiseMechanism,
@@ -215,6 +216,14 @@ def bounded_text(value: str, what: str, *, max_length: int = MAX_PEER_TEXT) -> s
             f"{what} {short_repr(value)} is {len(value)} characters long, more than {max_length}"
         )
     return value
+
+
+def shown_text(value: str, what: str, *, max_length: int = MAX_PEER_TEXT) -> str:
+    """:func:`bounded_text` for a field only shown to people (a reason, a version), its
+    control characters escaped (:func:`fedpca.formatting.printable`): a peer's ESC or BEL
+    reached terminals and logs (found by review). Never for a field that is compared or
+    signed: that must stay exactly what was sent."""
+    return printable(bounded_text(value, what, max_length=max_length))
 
 
 def short_repr(text: str, limit: int = 40) -> str:

@@ -48,6 +48,7 @@ from fedpca.transport.serde._common import (
     require_text,
     set_scalars,
     short_repr,
+    shown_text,
     timestamp_from_proto,
     timestamp_to_proto,
 )
@@ -153,20 +154,16 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
             else None
         ),
         failure_reason=(
-            bounded_text(
-                message.failure_reason, f"{what}.failure_reason", max_length=MAX_STATUS_TEXT
-            )
+            shown_text(message.failure_reason, f"{what}.failure_reason", max_length=MAX_STATUS_TEXT)
             if message.HasField("failure_reason")
             else None
         ),
         owners_uploading=message.owners_uploading,
         declines=tuple(
             OwnerDecline(
-                owner_id=bounded_text(d.owner_id, f"{what}.declines.owner_id"),
-                reason=bounded_text(d.reason, f"{what}.declines.reason"),
-                detail=bounded_text(
-                    d.detail, f"{what}.declines.detail", max_length=MAX_STATUS_TEXT
-                ),
+                owner_id=shown_text(d.owner_id, f"{what}.declines.owner_id"),
+                reason=shown_text(d.reason, f"{what}.declines.reason"),
+                detail=shown_text(d.detail, f"{what}.declines.detail", max_length=MAX_STATUS_TEXT),
             )
             for d in message.declines
         ),

@@ -36,6 +36,7 @@ from fedpca.transport.serde._common import (
     require_text,
     set_scalars,
     short_repr,
+    shown_text,
     timestamp_from_proto,
     timestamp_to_proto,
 )
@@ -210,7 +211,7 @@ def owner_hello_to_proto(hello: OwnerHello) -> owner_pb.OwnerHello:
 def owner_hello_from_proto(message: owner_pb.OwnerHello) -> OwnerHello:
     return OwnerHello(
         node_id=bounded_text(message.node_id, "OwnerHello.node_id"),
-        software_version=bounded_text(message.software_version, "OwnerHello.software_version"),
+        software_version=shown_text(message.software_version, "OwnerHello.software_version"),
         obfuscation_variants=capabilities_from_proto(
             message.obfuscation_variants, "OwnerHello.obfuscation_variants"
         ),
@@ -238,8 +239,8 @@ def proxy_info_from_proto(message: owner_pb.ProxyInfo) -> ProxyInfo:
     # Bounded like every peer's text: an owner logs these (a proxy's 5 MB ids grew an
     # owner's log by 10 MB/s, review).
     return ProxyInfo(
-        proxy_id=bounded_text(message.proxy_id, "ProxyInfo.proxy_id"),
-        software_version=bounded_text(message.software_version, "ProxyInfo.software_version"),
+        proxy_id=shown_text(message.proxy_id, "ProxyInfo.proxy_id"),
+        software_version=shown_text(message.software_version, "ProxyInfo.software_version"),
         protocol_version=message.protocol_version,
         authenticated_node_id=bounded_text(
             message.authenticated_node_id, "ProxyInfo.authenticated_node_id"

@@ -1,0 +1,162 @@
+"""What a malicious or broken proxy can make the analyst's client do through query
+statuses (found by a review of the analyst's side, stop 35): statuses of another query
+taken for the one asked about, a watch loop that spun when every status stream ended at
+once, declines of ever new owners held and logged without end, and terminal control
+characters passed through to the analyst's screen and logs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from fedpca.analyst.client import AnalystClient
+from fedpca.analyst.querying import MAX_DECLINES_SHOWN, DeclineLog
+from fedpca.analyst.rpc_errors import ProxyUnavailableError, error_from_rpc
+from fedpca.errors import ProtocolError
+from fedpca.messages import OwnerDecline, QueryState, QueryStatus
+from fedpca.transport import serde
+from fedpca.transport.channels import add_insecure_port
+from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+from helpers import sync_test_server
+
+ESCAPES = "\x1b]0;owned\x07\x1b[2J"
+"""An OSC window title and a CSI screen clear: what a hostile peer's text carried."""
+
+
+class _StatusProxy(analyst_grpc.AnalystServiceServicer):
+    """Answers status calls about any query with ``answer_for``'s COLLECTING status;
+    its status streams end at once, with no status (``empty``) or after one."""
+
+    def __init__(self) -> None:
+        self.answer_for: str | None = None
+        self.empty = True
+        self.watches = 0
+
+    def _status(self, query_id: str) -> Any:
+        status = QueryStatus(self.answer_for or query_id, QueryState.COLLECTING, 0, 1)
+        return serde.query_status_to_proto(status)
+
+    def GetQueryStatus(self, request: Any, context: Any) -> Any:
+        return self._status(serde.query_ref_from_proto(request))
+
+    def WatchQueryStatus(self, request: Any, context: Any) -> Iterator[Any]:
+        self.watches += 1
+        if not self.empty:
+            yield self._status(serde.query_ref_from_proto(request))
+
+
+@pytest.fixture
+def status_proxy() -> Iterator[tuple[_StatusProxy, str]]:
+    fake = _StatusProxy()
+    server = sync_test_server(max_workers=4)
+    analyst_grpc.add_AnalystServiceServicer_to_server(fake, server)
+    port = add_insecure_port(server, "127.0.0.1:0")
+    server.start()
+    yield fake, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_status_streams_that_end_at_once_are_reopened_after_a_pause_then_given_up(
+    status_proxy: tuple[_StatusProxy, str],
+) -> None:
+    """Before, every stream that ended without a terminal status was re-opened at once:
+    2,534 calls in 2 s, for ever (estimators wait without a timeout)."""
+    fake, address = status_proxy
+    with (
+        AnalystClient(address, None, insecure=True, retry_delays=(0.05,) * 3) as client,
+        pytest.raises(ProxyUnavailableError, match="keeps ending the status stream"),
+    ):
+        for _ in client.watch("q1", timeout=10.0):
+            pass
+    assert fake.watches == 4  # the first, then one after each of the three pauses
+
+
+def test_status_streams_that_end_after_one_status_are_reopened_at_a_pace(
+    status_proxy: tuple[_StatusProxy, str],
+) -> None:
+    """A stream that sends a status before it ends is re-opened after the first pause
+    each time, as long as the caller waits (the query may still finish)."""
+    fake, address = status_proxy
+    fake.empty = False
+    started = time.monotonic()
+    with (
+        AnalystClient(address, None, insecure=True, retry_delays=(0.1,) * 3) as client,
+        pytest.raises(ProxyUnavailableError, match="DEADLINE_EXCEEDED"),
+    ):
+        for _ in client.watch("q1", timeout=1.0):
+            pass
+    pauses = (time.monotonic() - started) / 0.1
+    assert 2 <= fake.watches <= pauses + 1  # one per 0.1 s pause (was: thousands in 1 s)
+
+
+def test_a_status_of_another_query_is_refused(status_proxy: tuple[_StatusProxy, str]) -> None:
+    fake, address = status_proxy
+    fake.answer_for, fake.empty = "q-someone-else", False
+    with AnalystClient(address, None, insecure=True, retry_delays=()) as client:
+        with pytest.raises(ProtocolError, match="status of 'q-someone-else'"):
+            client.status("q-mine")
+        with pytest.raises(ProtocolError, match="status of 'q-someone-else'"):
+            next(iter(client.watch("q-mine")))
+        with pytest.raises(ProtocolError, match="status of 'q-someone-else'"):
+            client.wait_for_contributors("q-mine")
+
+
+def test_declines_of_ever_new_owners_are_shown_up_to_a_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = DeclineLog()
+    caplog.set_level(logging.WARNING, logger="fedpca.analyst")
+    for batch in range(3):
+        declines = tuple(
+            OwnerDecline(f"owner-{batch}-{i}", "policy_refusal", "no") for i in range(4096)
+        )
+        log.status(QueryStatus("q1", QueryState.COLLECTING, 0, 1, declines=declines))
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("owner declined" in line for line in lines) == MAX_DECLINES_SHOWN
+    assert sum("no more are shown" in line for line in lines) == 1  # was: 12,288 lines
+
+
+def test_a_peers_control_characters_reach_no_screen_or_log() -> None:
+    status = QueryStatus(
+        "q1",
+        QueryState.FAILED,
+        0,
+        1,
+        failure_reason=f"owner-x said {ESCAPES}",
+        declines=(OwnerDecline(f"owner{ESCAPES}", "policy_refusal", f"detail {ESCAPES}"),),
+    )
+    decoded = serde.query_status_from_proto(serde.query_status_to_proto(status))
+    shown = [decoded.failure_reason or "", decoded.declines[0].line()]
+    assert all("\x1b" not in text and "\x07" not in text for text in shown)
+    assert "\\x1b]0;owned\\x07" in shown[0]  # escaped, still readable
+
+    class _Refused(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.FAILED_PRECONDITION
+
+        def details(self) -> str:
+            return f"query failed: {ESCAPES}"
+
+        def trailing_metadata(self) -> Any:
+            return ()
+
+    message = str(error_from_rpc(_Refused(), "fetch result of query 'q1'"))
+    assert "\x1b" not in message and "\\x1b[2J" in message
+
+
+def test_the_proxy_and_owners_escape_a_peers_text_before_logging_it() -> None:
+    from fedpca.owner.retry import status_details
+    from fedpca.proxy.owner_tasks import _one_line
+
+    assert "\x1b" not in _one_line(f"declined {ESCAPES}")
+
+    class _Error(grpc.RpcError):
+        def details(self) -> str:
+            return f"refused {ESCAPES}"
+
+    assert status_details(_Error()) == "refused \\x1b]0;owned\\x07\\x1b[2J"
