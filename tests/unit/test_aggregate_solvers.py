@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from fedpca.analyst.aggregates import (
     noise_spectral_bound,
     solve_regression,
 )
+from fedpca.analyst.querying import charged_release
 from fedpca.errors import ConfigError
 from fedpca.query import Aggregate, Moments
 
@@ -128,7 +130,7 @@ def test_describe_post_processing_is_labelled_and_consistent() -> None:
     }
     clipped = describe(part, sections)
     assert clipped.clipped and clipped.n_samples == 1.0
-    assert clipped.moved == ("N", "mean", "covariance")  # what the CLI names
+    assert clipped.moved == ("N", "mean", "covariance", "variance")  # what the CLI names
     assert np.all(clipped.mean >= [0.0, 10.0]) and np.all(clipped.mean <= [2.0, 30.0])
     assert np.linalg.eigvalsh(clipped.covariance).min() >= -1e-12
     assert np.all(np.abs(clipped.correlation[~np.isnan(clipped.correlation)]) <= 1.0)
@@ -157,6 +159,29 @@ def test_describe_post_processing_is_labelled_and_consistent() -> None:
             "products": np.array([x[:, 0] @ x[:, 0], x[:, 0] @ x[:, 1], x[:, 1] @ x[:, 1]]),
         }
         assert describe(two, exact).moved == ()
+
+
+def test_covariance_mode_keeps_variances_within_the_bounds_and_names_the_divisor() -> None:
+    """Found by review: the covariance mode only projected onto the PSD matrices, so
+    with bounds -1:1 it reported variances of 2.5 (459 in another run) as clipped into
+    [0, (hi - lo)^2/4 = 1]; and a ddof at or above the noisy N raised the divisor while
+    the report said N had moved."""
+    part = Aggregate.statistics((0, 1), (-1.0, -1.0), (1.0, 1.0))
+    # Noise of epsilon 0.02: products far above what 10 records in [-1, 1] allow.
+    sections = {"count": [10.0], "sums": [1.0, -2.0], "products": [60.0, 8.0, 4.0]}
+    raw = describe(part, sections, clip=False)
+    assert raw.variance is not None and raw.variance[0] > 5.0
+    out = describe(part, sections)
+    assert out.variance is not None and out.covariance is not None
+    assert np.all(out.variance <= 1.0 + 1e-12) and out.variance[0] == pytest.approx(1.0)
+    assert out.variance[1] == pytest.approx(raw.variance[1])  # within its bound: kept
+    assert np.linalg.eigvalsh(out.covariance).min() >= -1e-12
+    assert out.correlation is not None  # the rescaling keeps the correlation
+    assert out.correlation[0, 1] == pytest.approx(raw.correlation[0, 1])
+    assert "variance" in out.moved
+    # ddof above N: the divisor N - ddof is raised to 1 and named as such; N is not.
+    late = describe(part, {**sections, "count": [10.0]}, ddof=500)
+    assert late.n_samples == 10.0 and late.moved[0] == "N - ddof" and "N" not in late.moved
 
 
 def test_histogram_counts_shapes_and_clamp() -> None:
@@ -222,3 +247,30 @@ def test_score_is_the_coefficient_of_determination() -> None:
     reference = LinearRegression().fit(x, y)
     assert model.score(x, y) == pytest.approx(reference.score(x, y), rel=1e-9)
     np.testing.assert_allclose(model.predict(x), reference.predict(x), rtol=1e-9)
+
+
+@pytest.mark.parametrize("alpha", [-1.0, math.nan, math.inf, "ridge"])
+def test_a_regression_parameter_that_cannot_work_is_refused_before_any_query(
+    alpha: float | str, tmp_path: Any
+) -> None:
+    """Found by review: ``--alpha -1`` (or nan, inf) was checked only after the query was
+    charged and decrypted, and the result could not be rebuilt with the alpha meant.
+    Refused now before keys or the network are touched (none exist here: the error
+    would be about them if the check came later)."""
+    settings = {"proxy": "127.0.0.1:1", "private_key_path": tmp_path / "no-such-key"}
+    model = FederatedLinearRegression(
+        [1], bounds="0:1", target=2, target_bounds=(0, 1), alpha=alpha, **settings
+    )
+    with pytest.raises(ConfigError, match="alpha must be 'auto' or a"):
+        model.fit()
+    stats = FederatedStatistics([1], bounds="0:1", **settings)
+    with pytest.raises(ConfigError, match="alpha must be 'auto' or a"):
+        FederatedQuery([stats, model], **settings).fit()
+
+
+def test_an_error_after_a_release_names_the_query_and_how_to_fetch_it() -> None:
+    with pytest.raises(ConfigError) as raised, charged_release("q-1234"):
+        raise ConfigError("DCA needs at least two classes")
+    message = str(raised.value)
+    assert message.startswith("DCA needs at least two classes (query q-1234 is charged")
+    assert "`fedpca analyst fetch q-1234 --out result.json`" in message

@@ -42,6 +42,7 @@ from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.analyst.params import NotFittedError, SklearnParams
 from fedpca.analyst.querying import (
+    charged_release,
     new_query_id,
     refuse_in_bootstrapping_child,
     resolve_quorum,
@@ -283,10 +284,16 @@ class AggregateEstimator(_Settings):
             raise ConfigError(
                 f"{type(self).__name__}.fit() takes no data: the rows stay with their owners"
             )
+        self.check_post_processing()
         release, timings, registered = self._run([self.aggregate()], self.section_weights())
-        self._fit_release(release, 0, timings, registered)
+        with charged_release(release.query.query_id):
+            self._fit_release(release, 0, timings, registered)
         warn_if_owners_missing(release, registered)
         return self
+
+    def check_post_processing(self) -> None:
+        """Refuse post-processing parameters that cannot work, before anything is
+        submitted (and charged); the estimators that have such parameters check them."""
 
     @classmethod
     def from_result(
@@ -491,9 +498,12 @@ class FederatedQuery(_Settings):
         if X is not None or y is not None:
             raise ConfigError("FederatedQuery.fit() takes no data: the rows stay with their owners")
         estimators = list(self.estimators)
+        for estimator in estimators:
+            estimator.check_post_processing()
         weights = self.noise_weights()
         release, timings, registered = self._run([e.aggregate() for e in estimators], weights)
-        self._fit_release(estimators, release, timings, registered)
+        with charged_release(release.query.query_id):
+            self._fit_release(estimators, release, timings, registered)
         warn_if_owners_missing(release, registered)
         return self
 

@@ -136,8 +136,9 @@ def _part(estimator: AggregateEstimator) -> dict[str, Any]:
             correlation=_list(estimator.correlation_),
             ddof=int(estimator.ddof),
             postprocessing=(
-                "clipped: N >= 1, means within the bounds, variances in [0, (hi - lo)^2/4], "
-                "covariance projected onto the positive semidefinite matrices"
+                "clipped: N >= 1, N - ddof >= 1, means within the bounds, variances in "
+                "[0, (hi - lo)^2/4], covariance projected onto the positive semidefinite "
+                "matrices and its rows and columns scaled down to those variances"
                 if estimator.clipped_
                 else "none"
             ),

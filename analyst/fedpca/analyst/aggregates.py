@@ -133,8 +133,7 @@ def describe(
     divisor = n - ddof
     if clip and divisor < 1.0:
         divisor = 1.0
-        if "N" not in moved:
-            moved.append("N")
+        moved.append("N - ddof")  # N itself is as released (or moved above)
     variance = covariance = correlation = None
     if part.moments is Moments.VARIANCE:
         var_u = (np.asarray(sections[SQUARES]) - sums * sums / n) / divisor
@@ -154,6 +153,16 @@ def describe(
                 moved.append("covariance")
             covariance = (vectors * np.maximum(values, 0.0)) @ vectors.T
             covariance = (covariance + covariance.T) / 2.0
+            # Variances at most (hi - lo)^2/4 = scale^2, as in the variance mode: each
+            # row and column rescaled (D C D keeps C positive semidefinite and its
+            # correlations). Before, only the projection ran and variances far above
+            # what the bounds allow were reported as clipped (found by review).
+            sd = np.sqrt(np.maximum(np.diag(covariance), 0.0))
+            with np.errstate(divide="ignore"):
+                factor = np.where(sd > scale, scale / sd, 1.0)
+            if np.any(factor < 1.0):
+                moved.append("variance")
+                covariance = covariance * np.outer(factor, factor)
         variance = np.diag(covariance).copy()
         with np.errstate(invalid="ignore", divide="ignore"):
             sd = np.sqrt(np.maximum(variance, 0.0))

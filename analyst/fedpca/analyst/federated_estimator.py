@@ -19,6 +19,7 @@ from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.analyst.params import NotFittedError, SklearnParams
 from fedpca.analyst.querying import (
+    charged_release,
     new_query_id,
     refuse_in_bootstrapping_child,
     resolve_quorum,
@@ -224,11 +225,12 @@ class FederatedEstimator(SklearnParams):
             signing_key,
             lambda deployment: self.build_query(n_features, private_key.public_key, deployment),
         )
-        self._fit_release(
-            run.release,
-            {"prepare": checked + run.prepare_seconds, **run.timings},
-            owners_registered=run.owners_registered,
-        )
+        with charged_release(run.release.query.query_id):
+            self._fit_release(
+                run.release,
+                {"prepare": checked + run.prepare_seconds, **run.timings},
+                owners_registered=run.owners_registered,
+            )
         return self
 
     @classmethod

@@ -151,6 +151,26 @@ class DeclineLog:
             logger.warning("query %s: owner declined: %s", status.query_id, decline.line())
 
 
+@contextmanager
+def charged_release(query_id: str) -> Iterator[None]:
+    """Post-processing of a release already paid for: an error it raises names the
+    query and how to get the release again, at no new charge (before, a bad parameter
+    found there left only its own message, after the budget was spent: review)."""
+    try:
+        yield
+    except FedpcaError as exc:
+        note = (
+            f"{exc} (query {query_id} is charged and its result kept at the proxy: "
+            f"`fedpca analyst fetch {query_id} --out result.json` fetches it again at no "
+            "new charge)"
+        )
+        try:
+            again = type(exc)(note)
+        except TypeError:  # an error whose constructor takes more than a message
+            raise exc from None
+        raise again from exc
+
+
 def new_query_id() -> str:
     """A fresh, unguessable query id."""
     return f"q-{uuid.uuid4().hex}"

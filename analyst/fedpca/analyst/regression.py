@@ -8,6 +8,7 @@ solved from them (:func:`fedpca.analyst.aggregates.solve_regression`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,16 @@ class FederatedLinearRegression(AggregateEstimator):
         self.tail_probability = tail_probability
         self.budget_split = budget_split
         self._store_settings(locals())
+
+    def check_post_processing(self) -> None:
+        alpha = self.alpha
+        if isinstance(alpha, str):
+            if alpha != "auto":
+                raise ConfigError(f"alpha must be 'auto' or a number >= 0, got {alpha!r}")
+        elif not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
+            raise ConfigError(f"alpha must be 'auto' or a finite number >= 0, got {alpha!r}")
+        if not 0 < float(self.tail_probability) < 1:
+            raise ConfigError(f"tail_probability must be in (0, 1), got {self.tail_probability!r}")
 
     def aggregate(self) -> Aggregate:
         columns = column_indices(self.columns, "columns")

@@ -140,8 +140,9 @@ FederatedStatistics.__doc__ = (
     variance_ : (d,) or None (moments="mean").
     covariance_, correlation_ : (d, d) or None (moments other than "covariance").
     clipped_ : whether the consistency post-processing was applied.
-    clip_moved_ : what it changed ("N", "mean", "variance", "covariance",
-        "correlation"): noisy values outside their public ranges.
+    clip_moved_ : what it changed ("N", "N - ddof" (the divisor, raised to 1), "mean",
+        "variance", "covariance", "correlation"): noisy values outside their public
+        ranges.
     epsilon_, delta_, not_private_, n_owners_, noise_sigmas_, timings_, query_id_,
     key_fingerprint_, release_ : provenance.
 """
