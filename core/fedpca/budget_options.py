@@ -1,5 +1,7 @@
 """The ``--delta`` and ``--query-delta`` options of ``fedpca analyst budget`` and
-``fedpca owner budget``.
+``fedpca owner budget``, and :data:`NUMBER`, the type of the budget flags of the
+``init`` commands (a number, never NaN: a NaN budget reached the configuration writer
+as a traceback, found by review).
 
 Both commands report the epsilon spent at a delta and what a next query stating a delta
 may ask for; the two options are declared once here so that both commands accept the
@@ -16,7 +18,7 @@ import click
 
 from fedpca.query import DEFAULT_QUERY_DELTA
 
-__all__ = ["DELTA", "Delta", "budget_delta_options"]
+__all__ = ["DELTA", "NUMBER", "Delta", "Number", "budget_delta_options"]
 
 _Command = TypeVar("_Command", bound=Callable[..., Any])
 
@@ -40,6 +42,25 @@ class Delta(click.ParamType):
 
 
 DELTA = Delta()
+
+
+class Number(click.ParamType):
+    """A number (``inf`` allowed: an unlimited budget), not NaN; its range is checked
+    where it is used, with the other settings."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if number != number:
+            self.fail("must be a number, got nan", param, ctx)
+        return number
+
+
+NUMBER = Number()
 
 
 def budget_delta_options(cap: str) -> Callable[[_Command], _Command]:

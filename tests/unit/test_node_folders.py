@@ -107,6 +107,40 @@ def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> No
     assert "fedpca certs init" in not_certs.output and "certs issue" not in not_certs.output
 
 
+def test_init_budget_flags_refuse_nan_and_a_cap_above_the_budget(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Found by review: ``nan`` for any budget flag of ``proxy init`` or ``owner init``
+    ended in a TypeError traceback from the configuration writer, and the proxy took a
+    per-query delta cap above its budget's delta that an owner refuses."""
+    runner = CliRunner()
+    base = ["init", "--out", str(tmp_path / "p"), "--owners", OWNERS[0], "--certs", str(certs)]
+    for flag in ("--budget-epsilon", "--budget-delta", "--max-delta-per-query"):
+        refused = runner.invoke(proxy_group, [*base, flag, "nan"])
+        assert refused.exit_code == 2, refused.output
+        assert f"Invalid value for '{flag}': must be a number, got nan" in refused.output
+        assert refused.exception is None or isinstance(refused.exception, SystemExit)
+    for text in ("alice=nan:1e-6", "alice=1:nan"):
+        refused = runner.invoke(proxy_group, [*base, "--analyst-budget", text])
+        assert refused.exit_code == 1 and "ID=EPSILON:DELTA" in refused.output
+    over = runner.invoke(proxy_group, [*base, "--max-delta-per-query", "0.5"])
+    assert over.exit_code == 1
+    assert "privacy.max_delta_per_query = 0.5 exceeds budget.delta = 1e-05" in over.output
+    assert not (tmp_path / "p").exists()
+    data = _table(tmp_path / "hospital-a" / "data" / "table.csv")
+    owner = [
+        *("init", "--out", str(tmp_path / "hospital-a"), "--id", "hospital-a"),
+        *("--proxy", "proxy.test:50051", "--certs", str(certs), "--data", str(data)),
+        *("--label-column", "0", "--max-records", "400", "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER),
+    ]
+    for flag in ("--budget-epsilon", "--budget-delta", "--max-epsilon-per-query"):
+        refused = runner.invoke(owner_group, [*owner, flag, "nan"])
+        assert refused.exit_code == 2, refused.output
+        assert "must be a number, got nan" in refused.output
+    assert not (tmp_path / "hospital-a" / "owner.toml").exists()
+
+
 def test_proxy_init_refuses_an_owner_without_a_certificate_before_writing(
     certs: Path, tmp_path: Path
 ) -> None:

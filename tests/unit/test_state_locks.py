@@ -84,3 +84,36 @@ def test_a_second_proxy_on_the_same_database_stops_at_start(tmp_path: Path) -> N
     finally:
         if first.poll() is None:
             first.kill()
+
+
+def test_a_symbolic_link_to_held_state_is_refused(tmp_path: Path) -> None:
+    """Found by review: the lock's path was built from the path as given, so a second
+    proxy started on a symbolic link to the database a proxy serves (or a node on a
+    link to a served state folder) took its own lock and ran beside the first."""
+    from fedpca.owner.state_folder import LOCK_NAME
+    from fedpca.proxy.store_database import use_database
+
+    database = tmp_path / "state" / "proxy.sqlite3"
+    database.parent.mkdir()
+    database.write_bytes(b"")
+    link = tmp_path / "link.sqlite3"
+    link.symlink_to(database)
+    with use_database(database), pytest.raises(ConfigError, match="in use by process"):
+        use_database(link)
+    with use_database(link), pytest.raises(ConfigError, match="in use by process"):
+        use_database(database)
+    folder = tmp_path / "owner-state"
+    folder.mkdir()
+    (tmp_path / "owner-link").symlink_to(folder)
+    held = ExclusiveUse(folder / LOCK_NAME, "the owner's state folder")
+    try:
+        from fedpca.owner import state_folder
+
+        class _Config:
+            class owner:
+                state_dir = tmp_path / "owner-link"
+
+        with pytest.raises(ConfigError, match="in use by process"):
+            state_folder.use_state_folder(_Config())  # type: ignore[arg-type]
+    finally:
+        held.release()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from fedpca.budget_options import NUMBER
 from fedpca.errors import ConfigError, DataError, FedpcaError
 from fedpca.files import holds_database
 from fedpca.owner.config import (
@@ -375,10 +376,10 @@ def _split(values: tuple[str, ...]) -> list[str]:
     default=Neighbouring.ADD_REMOVE.value,
     show_default=True,
 )
-@click.option("--max-epsilon-per-query", type=float, default=1.0, show_default=True)
-@click.option("--max-delta-per-query", type=float, help="[the budget's delta, at most 1e-5]")
-@click.option("--budget-epsilon", type=float, default=3.0, show_default=True)
-@click.option("--budget-delta", type=float, default=1e-5, show_default=True)
+@click.option("--max-epsilon-per-query", type=NUMBER, default=1.0, show_default=True)
+@click.option("--max-delta-per-query", type=NUMBER, help="[the budget's delta, at most 1e-5]")
+@click.option("--budget-epsilon", type=NUMBER, default=3.0, show_default=True)
+@click.option("--budget-delta", type=NUMBER, default=1e-5, show_default=True)
 @click.option(
     "--equal-analyst-shares",
     is_flag=True,

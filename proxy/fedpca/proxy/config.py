@@ -338,13 +338,25 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     owners = _owners(_table(document, "owners"))
     limits = PeerLimits.from_mapping(dict(_table(document, "limits")))
     limits.check_room_for(len(owners.allowed))
+    privacy = _privacy_section(_table(document, "privacy"), default)
+    cap = privacy.max_delta_per_query
+    for name, limit in (
+        ("budget", default),
+        *((f"budget.analysts.{a}", b) for a, b in overrides.items()),
+    ):
+        # As an owner's policy.max_delta_per_query (found by review: the proxy took
+        # 0.5, the owner refused it).
+        if cap is not None and cap > limit.delta:
+            raise ConfigError(
+                f"privacy.max_delta_per_query = {cap:g} exceeds {name}.delta = {limit.delta:g}"
+            )
     return ProxyConfig(
         proxy=proxy,
         tls=tls,
         budget=budget,
         crypto=crypto,
         owners=owners,
-        privacy=_privacy_section(_table(document, "privacy"), default),
+        privacy=privacy,
         limits=limits,
         monitoring=_monitoring(_table(document, "monitoring")),
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 from cryptography.exceptions import InvalidSignature
 
+from fedpca.budget_options import NUMBER
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import AuthenticationError, ConfigError, FedpcaError
 from fedpca.files import holds_database
@@ -49,7 +50,10 @@ def _analyst_budget(text: str) -> tuple[str, float, float]:
         if not (sep and sep2):
             raise ValueError
         validate_node_id(name)
-        return name, float(epsilon_text), float(delta_text)
+        epsilon, delta = float(epsilon_text), float(delta_text)
+        if epsilon != epsilon or delta != delta:  # NaN
+            raise ValueError
+        return name, epsilon, delta
     except (ValueError, ConfigError):
         raise ConfigError(
             f"--analyst-budget must be ID=EPSILON:DELTA (e.g. alice=1:1e-6), got {text!r}"
@@ -260,15 +264,15 @@ def write_proxy_folder(
     default=Neighbouring.ADD_REMOVE.value,
     show_default=True,
 )
-@click.option("--budget-epsilon", type=float, default=3.0, show_default=True)
-@click.option("--budget-delta", type=float, default=1e-5, show_default=True)
+@click.option("--budget-epsilon", type=NUMBER, default=3.0, show_default=True)
+@click.option("--budget-delta", type=NUMBER, default=1e-5, show_default=True)
 @click.option(
     "--analyst-budget",
     "analyst_budgets",
     multiple=True,
     help="Per-analyst total budget ID=EPSILON:DELTA (repeatable).",
 )
-@click.option("--max-delta-per-query", type=float, help="[the budget's delta, at most 1e-5]")
+@click.option("--max-delta-per-query", type=NUMBER, help="[the budget's delta, at most 1e-5]")
 @click.option(
     "--monitoring-listen",
     callback=click_address(listening=True),

@@ -47,8 +47,11 @@ _OWNER_TABLES = frozenset({"contributors", "declines", "uploads"})
 
 
 def _lock_path(database: Path) -> Path:
-    """The lock file a serving proxy holds beside its database (and leaves there)."""
-    return database.with_name(database.name + ".lock")
+    """The lock file a serving proxy holds beside its database (and leaves there):
+    beside the file itself, whatever symbolic links name it (a second proxy started on
+    a link to a served database ran beside the first: review)."""
+    real = database.resolve()
+    return real.with_name(real.name + ".lock")
 
 
 def refuse_where_a_proxy_ran(database: Path) -> None:
