@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -311,3 +312,47 @@ def test_a_world_readable_private_key_is_reported(
     with caplog.at_level("WARNING", logger="fedpca.transport.certs"):
         certs.TlsMaterial.load(owner)
     assert exposure in caplog.text
+
+
+@pytest.mark.parametrize("which", ["expired", "not yet valid", "expired CA"])
+def test_a_certificate_outside_its_validity_is_refused_when_loaded(
+    tmp_path: Path, which: str
+) -> None:
+    """Found by review: a node's own expired certificate was never named; the analyst
+    retried for 5½ minutes ("proxy unavailable ... certificate valid"), the owner for
+    ever, and a proxy started with one without a word."""
+    import datetime as dt
+
+    files = certs.init_certificates(tmp_path, ["o1"], [])[NodeIdentity(Role.OWNER, "o1")]
+    layout = certs.CertificateDirectory(tmp_path)
+    ca_key = certs.read_private_key(layout.ca_key)
+    now = dt.datetime.now(dt.UTC)
+    window = {
+        "expired": (now - dt.timedelta(days=400), now - dt.timedelta(days=35)),
+        "not yet valid": (now + dt.timedelta(days=2), now + dt.timedelta(days=400)),
+        "expired CA": (now - dt.timedelta(days=400), now - dt.timedelta(days=1)),
+    }[which]
+    target = files.ca_certificate if which == "expired CA" else files.certificate
+    original = certs.read_certificate(target)
+    ca = certs.read_certificate(files.ca_certificate)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(original.subject)
+        .issuer_name(ca.subject)
+        .public_key(original.public_key())
+        .serial_number(original.serial_number)
+        .not_valid_before(window[0])
+        .not_valid_after(window[1])
+    )
+    for extension in original.extensions:
+        builder = builder.add_extension(extension.value, extension.critical)
+    certs.write_certificate(target, builder.sign(ca_key, hashes.SHA256()))
+    message = {
+        "expired": rf"{re.escape(str(files.certificate))} expired on {window[1]:%Y-%m-%d}: "
+        "issue a new one",
+        "not yet valid": rf"{re.escape(str(files.certificate))} is valid only from .* check "
+        "this machine's clock",
+        "expired CA": rf"{re.escape(str(files.ca_certificate))} expired on {window[1]:%Y-%m-%d}",
+    }[which]
+    with pytest.raises(ConfigError, match=message):
+        certs.TlsMaterial.load(files)

@@ -468,12 +468,16 @@ class TlsMaterial:
         ------
         ConfigError
             If the certificate was not issued by the CA, does not match the key,
-            or carries no fedpca identity.
+            carries no fedpca identity, or it or the CA's is not valid now (expired,
+            or not yet valid by this machine's clock).
         KeyFileError
             If the key file is unreadable.
         """
         ca = read_certificate(files.ca_certificate)
         cert = read_certificate(files.certificate)
+        now = dt.datetime.now(dt.UTC)
+        for path, certificate in ((files.ca_certificate, ca), (files.certificate, cert)):
+            _check_valid_at(certificate, path, now)
         key = read_private_key(files.private_key)
         exposure = private_key_exposure(files.private_key)
         if exposure is not None:
@@ -501,6 +505,22 @@ class TlsMaterial:
                 serialization.NoEncryption(),
             ),
             identity=identity,
+        )
+
+
+def _check_valid_at(certificate: x509.Certificate, path: Path, now: dt.datetime) -> None:
+    """Refuse a certificate outside its validity period at ``now``: every peer refuses it
+    then, and a node started with it retried for ever behind a message about the
+    network or the CA (found by review)."""
+    if now > certificate.not_valid_after_utc:
+        raise ConfigError(
+            f"certificate {path} expired on {certificate.not_valid_after_utc:%Y-%m-%d}: "
+            "issue a new one (`fedpca certs issue`, docs/operations.md, Certificates)"
+        )
+    if now + _CLOCK_SKEW < certificate.not_valid_before_utc:
+        raise ConfigError(
+            f"certificate {path} is valid only from "
+            f"{certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC: check this machine's clock"
         )
 
 
