@@ -350,3 +350,29 @@ def sqlite_error(folder: Path, kind: str) -> sqlite3.OperationalError:
         other.close()
         holder.close()
     raise AssertionError(f"no {kind} error")
+
+
+def resign_certificate(layout: Any, target: Path, not_before: Any, not_after: Any) -> None:
+    """Replace the certificate at ``target`` (a node's or the CA's own, in the
+    :class:`~fedpca.transport.certs.CertificateDirectory` ``layout``) by the same one
+    valid only from ``not_before`` to ``not_after``, signed by the layout's CA: an
+    expired or not yet valid certificate, which the CA commands never issue."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    from fedpca.transport import certs
+
+    original = certs.read_certificate(target)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(original.subject)
+        .issuer_name(certs.read_certificate(layout.ca_certificate).subject)
+        .public_key(original.public_key())
+        .serial_number(original.serial_number)
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+    )
+    for extension in original.extensions:
+        builder = builder.add_extension(extension.value, extension.critical)
+    ca_key = certs.read_private_key(layout.ca_key)
+    certs.write_certificate(target, builder.sign(ca_key, hashes.SHA256()))

@@ -18,6 +18,7 @@ from fedpca.app.certs_cli import certs_group
 from fedpca.errors import AuthenticationError, ConfigError, KeyFileError
 from fedpca.transport import certs
 from fedpca.transport.certs import NodeIdentity, Role
+from helpers import resign_certificate
 
 OWNER = NodeIdentity(Role.OWNER, "hospital-a")
 ANALYST = NodeIdentity(Role.ANALYST, "analyst-1")
@@ -324,8 +325,6 @@ def test_a_certificate_outside_its_validity_is_refused_when_loaded(
     import datetime as dt
 
     files = certs.init_certificates(tmp_path, ["o1"], [])[NodeIdentity(Role.OWNER, "o1")]
-    layout = certs.CertificateDirectory(tmp_path)
-    ca_key = certs.read_private_key(layout.ca_key)
     now = dt.datetime.now(dt.UTC)
     window = {
         "expired": (now - dt.timedelta(days=400), now - dt.timedelta(days=35)),
@@ -333,20 +332,7 @@ def test_a_certificate_outside_its_validity_is_refused_when_loaded(
         "expired CA": (now - dt.timedelta(days=400), now - dt.timedelta(days=1)),
     }[which]
     target = files.ca_certificate if which == "expired CA" else files.certificate
-    original = certs.read_certificate(target)
-    ca = certs.read_certificate(files.ca_certificate)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(original.subject)
-        .issuer_name(ca.subject)
-        .public_key(original.public_key())
-        .serial_number(original.serial_number)
-        .not_valid_before(window[0])
-        .not_valid_after(window[1])
-    )
-    for extension in original.extensions:
-        builder = builder.add_extension(extension.value, extension.critical)
-    certs.write_certificate(target, builder.sign(ca_key, hashes.SHA256()))
+    resign_certificate(certs.CertificateDirectory(tmp_path), target, *window)
     message = {
         "expired": rf"{re.escape(str(files.certificate))} expired on {window[1]:%Y-%m-%d}: "
         "issue a new one",

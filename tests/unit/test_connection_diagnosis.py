@@ -3,6 +3,10 @@ at once and by name; a closed port is retried and reported per address."""
 
 from __future__ import annotations
 
+import datetime as dt
+import socket
+import ssl
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +28,7 @@ from fedpca.transport.certs import (
     init_certificates,
 )
 from fedpca.transport.diagnose import diagnose_connection, split_target
+from helpers import resign_certificate
 
 
 @pytest.fixture
@@ -145,3 +150,40 @@ def test_a_proxy_reached_before_is_retried(
             client.budget()
         assert "reachable" not in str(info.value)
     assert sum("retrying in" in r.message for r in caplog.records) == 3
+
+
+def test_an_expired_proxy_certificate_is_named_as_such(tmp_path: Path) -> None:
+    """Found by review: a proxy serving an expired certificate sent the analyst to
+    check its CA ("does not verify against your CA (certificate has expired): is tls.ca
+    the CA of this deployment?"). The proxy now refuses to start with one; a TLS server
+    that still serves one (another build, a proxy running since before it expired) is
+    diagnosed as expired, not as a foreign CA."""
+    init_certificates(tmp_path / "certs", ["owner-1"], ["alice"], proxy_hosts=("proxy.test",))
+    layout = CertificateDirectory(tmp_path / "certs")
+    files = layout.node_files(NodeIdentity(Role.PROXY, "proxy"))
+    now = dt.datetime.now(dt.UTC)
+    resign_certificate(
+        layout, files.certificate, now - dt.timedelta(days=400), now - dt.timedelta(days=3)
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(files.certificate, files.private_key)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            try:
+                connection, _ = listener.accept()
+                with context.wrap_socket(connection, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError):
+                pass  # the client gives up at the handshake
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        diagnosis = diagnose_connection(
+            f"127.0.0.1:{port}", _alice(layout).root_certificates, "proxy.test"
+        )
+        server.join(10.0)
+    assert diagnosis.reachable and diagnosis.problem is not None
+    assert "outside its validity period" in diagnosis.problem
+    assert "fedpca certs issue" in diagnosis.problem and "tls.ca" not in diagnosis.problem

@@ -158,6 +158,13 @@ def diagnose_connection(
                     f"names{override}, or reissue the proxy certificate with "
                     f"--proxy-host {name}"
                 )
+            elif "expired" in reason.lower() or "not yet valid" in reason.lower():
+                # Not a wrong CA (the hint below sent an analyst to check tls.ca: review).
+                problem = (
+                    f"the proxy's certificate is outside its validity period ({reason}): "
+                    "its operator must issue it a new one (fedpca certs issue), or the "
+                    "clocks of this machine and the proxy's disagree"
+                )
             else:
                 problem = (
                     f"the proxy's certificate does not verify against your CA ({reason}): "
