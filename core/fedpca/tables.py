@@ -150,15 +150,30 @@ def _load_csv(
 
 
 def _header_decision(cells: Sequence[str], header: HeaderOption) -> bool | None:
-    """Whether the first record is a header; None for an auto header that mixes kinds."""
+    """Whether the first record is a header; None for an auto header that mixes kinds
+    or numbers its columns (:func:`_numbers_its_columns`)."""
     if header != "auto":
         return bool(header)
     numeric = [_is_number(cell) for cell in cells]
     if all(numeric):
-        return False
+        return None if _numbers_its_columns(cells) else False
     if not any(numeric):
         return True
     return None
+
+
+def _numbers_its_columns(cells: Sequence[str]) -> bool:
+    """The record reads 0, 1, 2, 3, ... or 1, 2, 3, 4, ... (at least four columns): the header
+    pandas writes for unnamed columns (``to_csv(index=False)``), which was read as a
+    record, label 0 and all (found by review)."""
+    if len(cells) < 4:  # a real record of three small integers is not rare
+        return False
+    try:
+        numbers = [float(cell) for cell in cells]
+    except ValueError:
+        return False
+    first = numbers[0]
+    return first in (0.0, 1.0) and numbers == [first + i for i in range(len(numbers))]
 
 
 def _read_csv_fast(
@@ -245,6 +260,14 @@ def _read_csv_checked(
             if first:
                 first = False
                 header_here = _header_decision(cells, header)
+                if header_here is None and _numbers_its_columns(cells):
+                    raise DataError(
+                        f"{path}: line {line} reads {cells[0]}, {cells[1]}, ..., {cells[-1]}: "
+                        "column numbers (the header pandas writes for unnamed columns) or a "
+                        "record? Say which (header = true or false under [data] in owner.toml, "
+                        "--header yes|no for `fedpca owner init`, header=True or False in "
+                        "Python)"
+                    )
                 if header_here is None:
                     bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                     raise DataError(

@@ -71,6 +71,22 @@ class TestCsv:
         x, _ = load_table(path, header=True)
         np.testing.assert_array_equal(x, [[0, 3, 4]])
 
+    def test_a_first_line_numbering_the_columns_is_not_guessed(self, tmp_path: Path) -> None:
+        """Found by review: pandas writes 0, 1, ..., n-1 as the header of unnamed columns
+        (``to_csv(index=False)``); it was read as a record (label 0, and its features
+        clipped to the bounds) in every release."""
+        for first in ("0,1,2,3,4", "1,2,3,4,5", "0.0,1.0,2.0,3.0,4.0"):
+            path = _write(tmp_path, f"{first}\n-1,0.5,0.2,0.1,0.3\n", "pandas.csv")
+            with pytest.raises(DataError, match=r"line 1 reads .*: column numbers .* or a record"):
+                load_table(path)
+            x, _ = load_table(path, header=True)
+            np.testing.assert_array_equal(x, [[-1, 0.5, 0.2, 0.1, 0.3]])
+        # Any other record of numbers is a record, three consecutive integers too.
+        for first in ("0,1,2,4,5", "2,3,4,5,6", "1,2,3"):
+            path = _write(tmp_path, f"{first}\n1,1,1{',1,1' if first != '1,2,3' else ''}\n")
+            x, _ = load_table(path)
+            assert x.shape[0] == 2
+
     def test_a_column_in_a_message_is_the_0_based_index_the_configuration_uses(
         self, tmp_path: Path
     ) -> None:
@@ -149,12 +165,12 @@ class TestCsv:
         assert table.features.shape == (0, 3) and table.labels is not None
         assert table.labels.shape == (0,)
         # Without it an owner's loader refuses a headerless file, empty or not.
-        for text in ("", "1,2,3,4\n"):
+        for text in ("", "1,2,3,5\n"):
             path = _write(tmp_path, text, "undeclared.csv")
             with pytest.raises(DataError, match=r"needs its column count declared"):
                 load_table(path, allow_empty=True)
         with pytest.raises(DataError, match="4 columns, but the configuration declares 5"):
-            load_table(_write(tmp_path, "1,2,3,4\n", "wide.csv"), n_columns=5)
+            load_table(_write(tmp_path, "1,2,3,5\n", "wide.csv"), n_columns=5)
 
     def test_expected_feature_count(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "1,2,3\n4,5,6\n")
