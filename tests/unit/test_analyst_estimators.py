@@ -20,7 +20,7 @@ from fedpca.analyst import FederatedStatistics
 from fedpca.analyst.aggregate_estimators import aggregate_query
 from fedpca.analyst.client import ResultStream
 from fedpca.analyst.decode import DecodedRelease, result_from_packed
-from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
+from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, WeakClassWarning
 from fedpca.analyst.params import NotFittedError
 from fedpca.analyst.querying import MissingOwnersWarning
 from fedpca.analyst.report import result_document, write_plots, write_report, write_result
@@ -73,7 +73,7 @@ def release_for(
 ) -> DecodedRelease:
     """A decoded release built directly from plaintext statistics (no crypto needed)."""
     if kind is QueryKind.DCA:
-        extra |= {"label_column": 0, "class_labels": (-1.0, 1.0)}
+        extra = {"label_column": 0, "class_labels": (-1.0, 1.0)} | extra
     spec = QuerySpec(
         query_id="q-est",
         kind=kind,
@@ -785,3 +785,17 @@ def test_an_unreachable_proxy_after_submission_says_how_to_follow_the_query(
     message = str(raised.value)
     assert "goes on at the proxy" in message
     assert "fedpca analyst status q-away" in message and "fedpca analyst fetch q-away" in message
+
+
+def test_a_dca_class_the_labels_do_not_hold_is_warned_of() -> None:
+    """Found by review: ``--classes 0,1`` on labels -1/1 gave a result (class 0's count
+    8.6 of noise) without a word. A class whose noisy count is within 3 sigma of zero
+    is named; classes the owners hold are not."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WeakClassWarning)
+        FederatedDCA.from_result(release_for(QueryKind.DCA, 1, epsilon=1.0))
+    release = release_for(QueryKind.DCA, 1, epsilon=1.0, class_labels=(-1.0, 0.0, 1.0))
+    assert release.statistics is not None and release.statistics.class_counts is not None
+    assert release.statistics.class_counts[1] == 0.0  # no label is 0
+    with pytest.warns(WeakClassWarning, match=r"class\(es\) 0 \(0\) are within 3 sigma"):
+        FederatedDCA.from_result(release)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,9 @@ from fedpca.analyst.federated_estimator import FederatedEstimator
 from fedpca.analyst.schema import FeatureBoundsParam
 from fedpca.errors import ConfigError, DataError
 from fedpca.query import DEFAULT_QUERY_DELTA, Calibration, ProtocolMode, QueryKind, QuerySpec
+from fedpca.stats import CLASS_COUNTS
 
-__all__ = ["FederatedDCA", "FederatedPCA"]
+__all__ = ["FederatedDCA", "FederatedPCA", "WeakClassWarning"]
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +285,7 @@ class FederatedDCA(FederatedEstimator):
         return {"classes": query.class_labels, "label_column": query.label_column}
 
     def _solve(self, release: DecodedRelease) -> None:
+        _warn_of_weak_classes(release)
         result = release.dca(int(self.n_components), rho=self.rho, rho_prime=self.rho_prime)
         self.classes_ = np.asarray(release.query.class_labels, dtype=np.float64)
         self.components_ = result.components
@@ -295,3 +298,32 @@ class FederatedDCA(FederatedEstimator):
         self.rho_prime_ = result.rho_prime
         self.n_discriminant_ = result.n_discriminant
         self.n_components_ = result.n_components
+
+
+class WeakClassWarning(UserWarning):
+    """A DCA class's noisy count is within three noise deviations of zero."""
+
+
+def _warn_of_weak_classes(release: DecodedRelease) -> None:
+    """Warn of classes whose noisy count cannot be told from zero (3 sigma): classes the
+    owners' labels may not hold at all (``classes`` that name no label gave a result
+    whose discriminant was noise, without a word: review)."""
+    statistics = release.statistics
+    sigma = release.sigmas.get(CLASS_COUNTS)
+    if statistics is None or statistics.class_counts is None or not sigma:
+        return
+    labels = release.query.class_labels
+    weak = [
+        f"{label:g} ({count:.3g})"
+        for label, count in zip(labels, statistics.class_counts, strict=True)
+        if count < 3.0 * sigma
+    ]
+    if weak:
+        warnings.warn(
+            f"query {release.query.query_id}: the noisy counts of class(es) {', '.join(weak)} "
+            f"are within 3 sigma ({3.0 * sigma:.3g}) of zero: the owners may hold no records "
+            "of them (are the classes the labels' values?); their discriminant directions "
+            "are mostly noise",
+            WeakClassWarning,
+            stacklevel=4,
+        )
