@@ -1394,15 +1394,19 @@ def test_a_signed_query_delivered_after_its_signed_deadline_is_not_answered(
     assert [e.event.query_id for e in ledger.events()] == [key("fresh")]
 
 
+@pytest.mark.parametrize("redelivered", [False, True])
 def test_tasks_a_restart_left_open_end_at_their_deadline_if_the_proxy_stays_silent(
-    harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch
+    harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch, redelivered: bool
 ) -> None:
     """Found by review: a node restarted with tasks open (an upload in flight, or a
     task reserved before its upload began) named them to the proxy and waited for it to
     deliver them again or withdraw them; a proxy that did neither kept the share on
     disk and the reservation for as long as the node ran. The ledger now keeps each
     task's deadline (schema 6), and the restarted node ends them past it: refunded if
-    nothing left, charged if a header was accepted, every kept share deleted."""
+    nothing left, charged if a header was accepted, every kept share deleted. Also
+    when the proxy first delivers one of them once more in a form that leaves it open
+    (another query under its id, later deadline: not resumed), which took it out of
+    the sweep for good (found by review of the fix)."""
     monkeypatch.setattr(node_module, "PAUSED_SWEEP_SECONDS", 0.2)
     monkeypatch.setattr(task_endings, "PAUSED_UPLOAD_GRACE_SECONDS", 0.0)
     shares = harness.config.owner.state_dir / "shares"
@@ -1424,6 +1428,10 @@ def test_tasks_a_restart_left_open_end_at_their_deadline_if_the_proxy_stays_sile
     thread = threading.Thread(target=restarted.run_forever, args=(stop,), daemon=True)
     thread.start()
     try:
+        if redelivered:  # another signed query under the task's id, a later deadline
+            other = harness.spec("started", epsilon=0.3)
+            later = datetime.now(UTC) + timedelta(seconds=3600)
+            harness.proxy.tasks.put(signed_task(other, later, ANALYST))
         wait_until(
             lambda: all(
                 (record := ledger.task(key(q))) is not None

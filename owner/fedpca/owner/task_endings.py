@@ -91,6 +91,25 @@ class TaskEndings:
             ended.append(query_id)
         return ended
 
+    def _pause_if_still_open(self, task: Task, earlier: datetime | None) -> None:
+        """After a delivery of ``task``: if its task is still open (reserved, or with an
+        upload in flight), keep it where :meth:`end_paused_past_deadline` ends it, by the
+        earlier of its deadlines. Before, one delivery that left it open (a query that
+        did not match the reservation, a decline the proxy refused, a share that could
+        not be kept) took it out of that sweep for good (found by review)."""
+        query_id = task.key
+        deadline = task.upload_deadline if earlier is None else min(earlier, task.upload_deadline)
+        if query_id in self._paused:  # paused by this delivery
+            self._paused[query_id] = min(self._paused[query_id], deadline)
+            return
+        try:
+            record = self.ledger.task(query_id)
+        except Exception:  # not over the delivery's own error
+            logger.exception("query %s: cannot read its task after a delivery", query_id)
+            record = None
+        if record is not None and record.outcome in _OPEN:
+            self._paused[query_id] = deadline
+
     def _drop_upload(self, query_id: str) -> None:
         upload = self._prepared.pop(query_id, None)
         if upload is not None:

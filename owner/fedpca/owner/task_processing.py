@@ -161,10 +161,16 @@ class TaskProcessing(TaskEndings):
         TaskOutcome or None
             The recorded outcome, or None if the task was skipped (already
             handled) or the upload gave up on a transient failure (it stays
-            open for a re-delivery).
+            open for a re-delivery, or until its deadline: :meth:`_pause_if_still_open`).
         """
+        earlier = self._paused.pop(task.key, None)  # delivered again: it runs (or ends) now
+        try:
+            return self._process_task(stub, task)
+        finally:
+            self._pause_if_still_open(task, earlier)
+
+    def _process_task(self, stub: owner_grpc.OwnerServiceStub, task: Task) -> TaskOutcome | None:
         query_id = task.key
-        self._paused.pop(query_id, None)  # delivered again: it runs (or ends) now
         if self.ledger.is_handled(query_id):
             logger.info("query %s: already handled", query_id)
             return None
