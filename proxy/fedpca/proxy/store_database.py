@@ -72,7 +72,8 @@ def scratch_copy(database: Path) -> Iterator[Path]:
     after use: what a dry run opens, since opening a database can write to it (its
     migrations, the aggregates of finished queries it drops). Only while the database
     is held (:func:`use_database`), so that no proxy writes to it during the copy."""
-    with tempfile.TemporaryDirectory(prefix="fedpca-dry-run-") as folder:
+    # Beside the database: the system's temporary folder may be too small for it.
+    with tempfile.TemporaryDirectory(prefix=".fedpca-dry-run-", dir=database.parent) as folder:
         copy = Path(folder) / database.name
         try:
             shutil.copyfile(database, copy)

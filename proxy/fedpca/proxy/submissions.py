@@ -67,7 +67,7 @@ def _check_signing_time(spec: QuerySpec) -> None:
             f"({spec.deadline_seconds:g} s, plus {CLOCK_ALLOWANCE_SECONDS:g} s for clocks) "
             f"passed before it reached this proxy "
             f"({datetime.fromtimestamp(now, UTC).isoformat(timespec='seconds')}): owners "
-            "would not answer it; check the analyst's clock, or submit it again"
+            "would not answer it; check the analyst's clock, then sign and submit it again"
         )
 
 
