@@ -18,7 +18,14 @@ from fedpca.analyst.client import AnalystClient
 from fedpca.analyst.querying import MAX_DECLINES_SHOWN, DeclineLog
 from fedpca.analyst.rpc_errors import ProxyUnavailableError, error_from_rpc
 from fedpca.errors import ProtocolError
-from fedpca.messages import OwnerDecline, QueryState, QueryStatus
+from fedpca.messages import (
+    BudgetStatus,
+    CancelReceipt,
+    OwnerDecline,
+    QueryState,
+    QueryStatus,
+    TaskCancellation,
+)
 from fedpca.transport import serde
 from fedpca.transport.channels import add_insecure_port
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
@@ -86,7 +93,7 @@ def test_status_streams_that_end_after_one_status_are_reopened_at_a_pace(
     started = time.monotonic()
     with (
         AnalystClient(address, None, insecure=True, retry_delays=(0.1,) * 3) as client,
-        pytest.raises(ProxyUnavailableError, match="DEADLINE_EXCEEDED"),
+        pytest.raises(ProxyUnavailableError, match=r"DEADLINE_EXCEEDED|timed out"),
     ):
         for _ in client.watch("q1", timeout=1.0):
             pass
@@ -160,3 +167,55 @@ def test_the_proxy_and_owners_escape_a_peers_text_before_logging_it() -> None:
             return f"refused {ESCAPES}"
 
     assert status_details(_Error()) == "refused \\x1b]0;owned\\x07\\x1b[2J"
+
+
+def test_other_peer_texts_are_escaped_too() -> None:
+    """Found by review of the escaping: a withdrawal's reason (the owner logs and keeps
+    it), the analyst id a budget reports and the query ids a listing shows still
+    carried a peer's control characters."""
+    cancellation = serde.task_event_from_proto(
+        serde.task_event_to_proto(TaskCancellation("alice/q1", f"withdrawn {ESCAPES}"))
+    )
+    assert isinstance(cancellation, TaskCancellation)
+    assert "\x1b" not in cancellation.reason and "\\x07" in cancellation.reason
+    budget = serde.budget_status_from_proto(
+        serde.budget_status_to_proto(BudgetStatus(f"alice{ESCAPES}", 1e-5, 0.0, 1.0, 1.0, 0))
+    )
+    assert budget.analyst_id.isprintable()
+
+
+def test_a_cancel_receipt_of_another_query_is_refused() -> None:
+    class _Receipts(_StatusProxy):
+        def CancelQuery(self, request: Any, context: Any) -> Any:
+            status = QueryStatus("q-other", QueryState.FAILED, 0, 1)
+            return serde.cancel_receipt_to_proto(CancelReceipt(status, refunded=True))
+
+    fake = _Receipts()
+    server = sync_test_server(max_workers=2)
+    analyst_grpc.add_AnalystServiceServicer_to_server(fake, server)
+    port = add_insecure_port(server, "127.0.0.1:0")
+    server.start()
+    try:
+        with (
+            AnalystClient(f"127.0.0.1:{port}", None, insecure=True) as client,
+            pytest.raises(ProtocolError, match="status of 'q-other'"),
+        ):
+            client.cancel("q-mine")
+    finally:
+        server.stop(None)
+
+
+def test_a_pause_between_status_streams_ends_with_the_callers_timeout(
+    status_proxy: tuple[_StatusProxy, str],
+) -> None:
+    """Found by review: the pause slept its whole back-off past the caller's timeout
+    (3 s for a timeout of 0.5 s here; up to 30 s with the default delays)."""
+    _, address = status_proxy
+    started = time.monotonic()
+    with (
+        AnalystClient(address, None, insecure=True, retry_delays=(3.0,) * 3) as client,
+        pytest.raises(ProxyUnavailableError),
+    ):
+        for _ in client.watch("q1", timeout=0.5):
+            pass
+    assert time.monotonic() - started < 2.5

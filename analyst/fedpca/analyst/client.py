@@ -344,7 +344,15 @@ class AnalystClient:
                 raise ProxyUnavailableError(
                     f"{action}: the proxy keeps ending the status stream before the query finishes"
                 )
-            time.sleep(self.retry_delays[failures])
+            pause = self.retry_delays[failures]
+            if give_up is not None:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise ProxyUnavailableError(
+                        f"{action}: timed out: no final status within {timeout:g} s"
+                    )
+                pause = min(pause, left)
+            time.sleep(pause)
             failures += 1
 
     def fetch_stream(self, query_id: str, timeout: float | None = None) -> ResultStream:
@@ -516,11 +524,11 @@ class AnalystClient:
             No such query of this analyst.
         """
         request = serde.query_ref_to_proto(query_id)
-        message = self._unary(
-            f"cancel query {query_id!r}",
-            lambda: self._stub.CancelQuery(request, timeout=self.timeout),
-        )
-        return serde.cancel_receipt_from_proto(message)
+        action = f"cancel query {query_id!r}"
+        message = self._unary(action, lambda: self._stub.CancelQuery(request, timeout=self.timeout))
+        receipt = serde.cancel_receipt_from_proto(message)
+        _status_of(query_id, receipt.status, "cancel query")
+        return receipt
 
     def wait_for_contributors(
         self,

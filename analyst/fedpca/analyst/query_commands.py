@@ -23,6 +23,7 @@ import click
 
 from fedpca.analyst.cli_output import result_out_option
 from fedpca.errors import ConfigError, QueryStateError
+from fedpca.formatting import printable
 from fedpca.messages import Charge, QueryState, QueryStatus
 
 __all__ = ["register"]
@@ -142,7 +143,7 @@ def register(
             registered = status.owners_registered or "?"
             rows.append(
                 (
-                    status.query_id,
+                    printable(status.query_id),  # the proxy's text, shown in a terminal
                     item.created_at.strftime("%Y-%m-%d %H:%M:%S"),
                     f"{item.what}/{item.mode.value}",
                     status.state.value,

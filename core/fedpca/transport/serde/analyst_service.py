@@ -412,7 +412,7 @@ def budget_status_from_proto(message: analyst_pb.BudgetStatus) -> BudgetStatus:
         except ConfigError as exc:
             raise ProtocolError(str(exc)) from None
     return BudgetStatus(
-        analyst_id=message.analyst_id,
+        analyst_id=shown_text(message.analyst_id, "BudgetStatus.analyst_id"),
         delta=message.delta,
         epsilon_spent=message.epsilon_spent,
         epsilon_remaining=message.epsilon_remaining,

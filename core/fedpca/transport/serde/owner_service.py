@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from fedpca.errors import ConfigError, ProtocolError
+from fedpca.formatting import printable
 from fedpca.messages import (
     MAX_DECLINE_DETAIL,
     UPLOAD_CHUNK_BYTES,
@@ -344,7 +345,8 @@ def task_event_from_proto(message: owner_pb.TaskEvent) -> TaskEvent:
     if kind == "cancellation":
         return TaskCancellation(
             query_id=require_task_key(message.cancellation.query_id, "TaskCancellation.query_id"),
-            reason=" ".join(message.cancellation.reason.split())[:MAX_DECLINE_DETAIL],
+            # One line, its control characters escaped: the owner logs it and keeps it.
+            reason=printable(" ".join(message.cancellation.reason.split())[:MAX_DECLINE_DETAIL]),
         )
     raise ProtocolError("TaskEvent carries no event (unknown to this version or empty)")
 
