@@ -102,6 +102,12 @@ def test_compose_prints_epsilon_last() -> None:
 def test_compose_errors_are_clear() -> None:
     code, output = run("compose", "--delta", "1e-5", "--", "-2")
     assert code != 0 and "-2.0" in output and "Traceback" not in output
+    # Found by review: a multiplier whose square underflows (ZeroDivisionError) and
+    # one below what the PLD accountant supports (CalibrationError) were tracebacks.
+    code, output = run("compose", "--delta", "1e-5", "1e-300")
+    assert code == 0 and "NOT PRIVATE" in output
+    code, output = run("compose", "--delta", "1e-5", "--accountant", "pld-continuous", "0.01")
+    assert code == 1 and "below the minimum 0.1 the PLD accountant supports" in output
 
 
 def test_real_subprocess_of_the_console_script() -> None:

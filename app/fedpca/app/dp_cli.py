@@ -11,7 +11,7 @@ import math
 import click
 
 from fedpca.dp.calibration import calibrate_sigma, classic_gaussian_sigma
-from fedpca.errors import CalibrationError, ConfigError
+from fedpca.errors import CalibrationError, FedpcaError
 from fedpca.query import Calibration
 
 __all__ = ["dp_group"]
@@ -84,7 +84,7 @@ def compose_command(noise_multipliers: tuple[float, ...], delta: float, accounta
 
     try:
         epsilon = compose_epsilon(noise_multipliers, delta, accountant)
-    except ConfigError as exc:
+    except FedpcaError as exc:  # CalibrationError too: z below what PLD supports
         raise click.ClickException(str(exc)) from None
     click.echo(f"{len(noise_multipliers)} Gaussian release(s), {accountant} accountant")
     if math.isinf(epsilon):

@@ -183,7 +183,11 @@ def composed_noise_multiplier(noise_multipliers: Iterable[float]) -> float:
     multipliers = list(noise_multipliers)
     if any(z == 0 for z in multipliers):
         return 0.0
-    inverse_squares = math.fsum(1.0 / (z * z) for z in multipliers)
+    # 1/z squared, not 1/(z*z): z*z underflows to 0 below 1e-162 (a ZeroDivisionError
+    # from `fedpca dp compose 1e-300`, found by review); beyond the float range it is inf.
+    inverse_squares = math.fsum(
+        (1.0 / z) ** 2 if 1.0 / z < 1e154 else math.inf for z in multipliers
+    )
     return math.inf if inverse_squares == 0 else 1.0 / math.sqrt(inverse_squares)
 
 
