@@ -127,8 +127,12 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     owner_tables = [full[index] for index in parts]
 
     workdir = settings.out / "work"
-    if workdir.exists():
-        shutil.rmtree(workdir)
+    try:  # before any process starts: an --out under a file, or where no folder can be
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {settings.out}: cannot make a folder there ({exc})") from None
     private = math.isfinite(settings.epsilon)
     cluster = LocalCluster(
         workdir=workdir,
