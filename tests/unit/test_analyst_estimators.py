@@ -22,7 +22,7 @@ from fedpca.analyst.client import ResultStream
 from fedpca.analyst.decode import DecodedRelease, result_from_packed
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, WeakClassWarning
 from fedpca.analyst.params import NotFittedError
-from fedpca.analyst.querying import MissingOwnersWarning
+from fedpca.analyst.querying import MissingOwnersWarning, resolve_quorum
 from fedpca.analyst.report import result_document, write_plots, write_report, write_result
 from fedpca.analyst.solvers import pca_from_statistics
 from fedpca.codec import CryptoPool, key_fingerprint
@@ -799,3 +799,12 @@ def test_a_dca_class_the_labels_do_not_hold_is_warned_of() -> None:
     assert release.statistics.class_counts[1] == 0.0  # no label is 0
     with pytest.warns(WeakClassWarning, match=r"class\(es\) 0 \(0\) are within 3 sigma"):
         FederatedDCA.from_result(release)
+
+
+def test_a_quorum_above_the_owners_the_proxy_accepts_is_refused_before_anything() -> None:
+    """Found by review: ``--quorum 5`` against 3 registered owners first printed a long
+    warning about owners not connected, then the proxy's refusal."""
+    with pytest.raises(ConfigError, match=r"quorum 5 is more than the 3 owners proxy"):
+        resolve_quorum(5, deployment(owners=3))
+    assert resolve_quorum(3, deployment(owners=3)) == 3
+    assert resolve_quorum(None, deployment(owners=3)) == 3

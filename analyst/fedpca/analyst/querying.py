@@ -79,10 +79,16 @@ def resolve_quorum(quorum: int | None, deployment: DeploymentInfo | None) -> int
     Raises
     ------
     ConfigError
-        ``quorum=None`` without a deployment to count the owners of, or a deployment
-        that accepts no owners.
+        ``quorum=None`` without a deployment to count the owners of, a deployment
+        that accepts no owners, or a quorum above the owners it accepts (the proxy
+        refuses it too; here before the warnings about owners not connected).
     """
     if quorum is not None:
+        if deployment is not None and int(quorum) > deployment.owners_registered:
+            raise ConfigError(
+                f"quorum {int(quorum)} is more than the {deployment.owners_registered} "
+                f"owners proxy {deployment.proxy_id!r} accepts"
+            )
         return int(quorum)
     if deployment is None:
         raise ConfigError(
