@@ -159,6 +159,18 @@ def test_readable_private_key_file_is_warned_about(
     with caplog.at_level(logging.WARNING, logger="fedpca.codec.keys"):
         load_private_key(path, allow_insecure_test_key=True)
     assert "group or others" in caplog.text
+    # A public key file given as the private key (readable by all, as it may be) is
+    # refused as such, without the warning about an exposed private key (review).
+    caplog.clear()
+    public = tmp_path / "key.pub.json"
+    save_public_key(public, private_key.public_key)
+    os.chmod(public, 0o644)
+    with (
+        caplog.at_level(logging.WARNING, logger="fedpca.codec.keys"),
+        pytest.raises(KeyFileError, match="format"),
+    ):
+        load_private_key(public, allow_insecure_test_key=True)
+    assert "group or others" not in caplog.text
 
 
 def test_missing_key_file_is_an_os_error(tmp_path: Path) -> None:

@@ -219,6 +219,10 @@ def test_serve_refuses_a_bad_config(tmp_path: Path) -> None:
     config.write_text("[tls]\ninsecure = true\n")
     result = CliRunner().invoke(proxy_group, ["serve", "--config", str(config)])
     assert result.exit_code == 1 and "owners.allowed is required" in result.output
+    # An empty list is refused too (it started, and analysts learnt it much later).
+    config.write_text("[tls]\ninsecure = true\n[owners]\nallowed = []\n")
+    result = CliRunner().invoke(proxy_group, ["serve", "--config", str(config)])
+    assert result.exit_code == 1 and "owners.allowed is empty" in result.output
 
 
 def test_status_lists_queries(tmp_path: Path) -> None:

@@ -196,9 +196,11 @@ def load_private_key(
         :func:`load_public_key` fail.
     """
     file = Path(path)
+    document = _read_document(file, _PRIVATE_FORMAT)
+    # Once it is known to be a private key (a public key file given instead was first
+    # warned about as an exposed private key: review).
     if os.name == "posix" and file.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         logger.warning("private key file %s is accessible by group or others", file)
-    document = _read_document(file, _PRIVATE_FORMAT)
     public_key = _public_key_from(file, document, allow_insecure_test_key)
     p = _hex_field(file, document, "p")
     q = _hex_field(file, document, "q")

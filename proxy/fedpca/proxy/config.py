@@ -394,6 +394,11 @@ def _owners(table: Mapping[str, Any]) -> OwnersConfig:
         )
     if not isinstance(allowed, list) or not all(isinstance(a, str) for a in allowed):
         raise ConfigError(f"owners.allowed must be a list of owner ids, got {allowed!r}")
+    if not allowed:  # it started, and analysts learnt it later ("accepts no owners")
+        raise ConfigError(
+            "owners.allowed is empty: this proxy would accept no owner; list the owner ids "
+            'it accepts, e.g. allowed = ["hospital-a", "hospital-b"]'
+        )
     for index, owner_id in enumerate(allowed):
         try:
             validate_node_id(owner_id)
