@@ -225,7 +225,8 @@ COLLECTION_OPTIONS: list[Callable[[Any], Any]] = [
         type=click.IntRange(min=1),
         default=1 << 20,
         show_default=True,
-        help="Public bound that sizes packed slots.",
+        help="Public bound on the records each owner contributes; it sizes packed slots. "
+        "An owner with more uses a random sample of this many (docs/privacy.md).",
     ),
     click.option(
         "--max-owners",
