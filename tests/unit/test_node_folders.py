@@ -303,6 +303,43 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
     assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
 
 
+def test_owner_init_and_probe_refuse_a_relation_other_than_the_ledgers(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Found by review: ``owner init --force --neighbouring replace-one`` on a ledger
+    with add-remove releases succeeded and ``owner probe`` said ok, then the node
+    declined every query ("this deployment accounts under replace-one")."""
+    from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
+    from fedpca.owner.ledger import owner_ledger
+
+    data = _table(tmp_path / "hospital-a" / "data" / "table.csv")
+    out = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--label-column", "0"),
+        *("--max-records", "400", "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER),
+    ]
+    runner = CliRunner()
+    assert runner.invoke(owner_group, args).exit_code == 0
+    config = load_owner_config(out / "owner.toml")
+    event = PrivacyEvent("alice/q1", "sha256:" + "a" * 64, 5.0, 0.5, 1e-6)
+    owner_ledger(config).reserve(event, PrivacyParams(3.0, 1e-5), spec_digest="d1")
+    before = (out / "owner.toml").read_text()
+    other = [*args, "--force", "--neighbouring", "replace-one"]
+    refused = runner.invoke(owner_group, other)
+    assert refused.exit_code == 1, refused.output
+    assert "holds releases recorded under add-remove adjacency" in refused.output
+    assert (out / "owner.toml").read_text() == before  # the folder as it was
+    # A configuration edited by hand to the other relation: the probe says so.
+    edited = before.replace('neighbouring = "add-remove"', 'neighbouring = "replace-one"')
+    assert edited != before
+    (out / "owner.toml").write_text(edited)
+    probe = runner.invoke(owner_group, ["probe", "--config", str(out / "owner.toml"), "--local"])
+    assert probe.exit_code != 0
+    assert "but this configuration accounts under replace-one" in probe.output
+
+
 def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: Path) -> None:
     data = _table(tmp_path / "table.csv")
     keys = ["sha256:" + c * 64 for c in "abc"]

@@ -26,6 +26,7 @@ from fedpca.owner.config import (
     load_config,
 )
 from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.ledger_rows import recorded_relations
 from fedpca.owner.policy_config import DEFAULT_MAX_TASKS_PER_DAY, DEFAULT_MIN_QUORUM
 from fedpca.owner.state_folder import refuse_where_a_node_ran
 from fedpca.query import RELEASE_KINDS, Neighbouring
@@ -304,6 +305,16 @@ def write_owner_folder(
         # Never where a node ran and its ledger is gone (init --force, --state-dir).
         if not holds_database(config.ledger_path):
             refuse_where_a_node_ran(config)
+        relation = config.privacy.neighbouring.value
+        others = recorded_relations(config.ledger_path) - {relation}
+        if others:
+            raise ConfigError(
+                f"the budget ledger {config.ledger_path} holds releases recorded under "
+                f"{', '.join(sorted(others))} adjacency; with --neighbouring {relation} "
+                "this node would decline every query. A deployment keeps one relation "
+                "(docs/privacy.md); keep its relation, or start a new ledger in another "
+                "state folder"
+            )
         owner_ledger(config)
     return config, facts
 

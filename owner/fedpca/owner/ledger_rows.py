@@ -4,8 +4,10 @@ task's row written inside a caller's transaction."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
+from pathlib import Path
 
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.owner.ledger_records import TaskOutcome
@@ -16,6 +18,7 @@ __all__ = [
     "OWN_RELEASES_SQL",
     "event_from_row",
     "read_events",
+    "recorded_relations",
     "release_changes",
     "write_task_row",
 ]
@@ -114,3 +117,17 @@ def write_task_row(
             upload_deadline,
         ),
     )
+
+
+def recorded_relations(ledger: Path) -> set[str]:
+    """The neighbouring relations the ledger file's releases were recorded under, read
+    without writing (no migration, no lock). A ledger is kept under one relation, and a
+    node configured for another declines every query: ``owner init --force`` and
+    ``owner probe`` say so first (found by review)."""
+    uri = f"{ledger.resolve().as_uri()}?mode=ro"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:
+            rows = connection.execute("SELECT DISTINCT neighbouring FROM releases").fetchall()
+    except sqlite3.Error:
+        return set()  # no ledger yet, or not one: the other checks name that
+    return {str(row[0]) for row in rows}

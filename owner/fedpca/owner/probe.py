@@ -28,6 +28,7 @@ from pathlib import Path
 from fedpca.errors import FedpcaError
 from fedpca.files import database_missing, holds_database
 from fedpca.owner.config import OwnerConfig
+from fedpca.owner.ledger_rows import recorded_relations
 from fedpca.transport.certs import TlsMaterial
 
 __all__ = ["ProbeResult", "probe_owner"]
@@ -98,7 +99,7 @@ def probe_owner(
     else:
         tls = _check_tls(config, record)
 
-    _check_state(config.owner.state_dir, config.ledger_path, record)
+    _check_state(config, record)
     if local:
         for name in ("proxy", "enrolled"):
             record(name, None, "not checked (--local)")
@@ -159,9 +160,9 @@ def _check_tls(
     return tls
 
 
-def _check_state(
-    state_dir: Path, ledger: Path, record: Callable[[str, bool | None, str], None]
-) -> None:
+def _check_state(config: OwnerConfig, record: Callable[[str, bool | None, str], None]) -> None:
+    state_dir, ledger = config.owner.state_dir, config.ledger_path
+    relation = config.privacy.neighbouring.value
     existing = state_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -175,6 +176,13 @@ def _check_state(
             f"{database_missing(ledger)}: if this node ran before, state_dir names the wrong "
             "folder or the ledger was lost (restore it from a backup); on a first start "
             "`fedpca owner new-ledger` creates it",
+        )
+    elif others := recorded_relations(ledger) - {relation}:
+        record(
+            "state",
+            False,
+            f"{ledger} holds releases recorded under {', '.join(sorted(others))} adjacency, "
+            f"but this configuration accounts under {relation}: every query would be declined",
         )
     else:
         record("state", True, f"{state_dir} holds the budget ledger, writable")
