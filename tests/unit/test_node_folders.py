@@ -340,6 +340,34 @@ def test_owner_init_and_probe_refuse_a_relation_other_than_the_ledgers(
     assert "but this configuration accounts under replace-one" in probe.output
 
 
+def test_allowed_columns_the_table_does_not_have_are_refused(
+    certs: Path, tmp_path: Path, pool: CryptoPool
+) -> None:
+    """Found by review: ``policy.allowed_columns = [1, 99]`` on a 5-column table passed
+    the configuration and ``owner probe``; queries reading column 99 could never come."""
+    from fedpca.owner.node import OwnerNode
+
+    data = _table(tmp_path / "hospital-a" / "data" / "table.csv")
+    out = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--label-column", "0"),
+        *("--max-records", "400", "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER),
+    ]
+    runner = CliRunner()
+    assert runner.invoke(owner_group, args).exit_code == 0
+    path = out / "owner.toml"
+    text = path.read_text()
+    assert "\n[policy]\n" in text
+    path.write_text(text.replace("\n[policy]\n", "\n[policy]\nallowed_columns = [1, 99]\n"))
+    probe = runner.invoke(owner_group, ["probe", "--config", str(path), "--local"])
+    assert probe.exit_code != 0
+    assert "policy.allowed_columns names column 99 (0-based), but" in probe.output
+    with pytest.raises(ConfigError, match=r"has 5 columns \(0 to 4\)"):
+        OwnerNode(load_owner_config(path), pool=pool)
+
+
 def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: Path) -> None:
     data = _table(tmp_path / "table.csv")
     keys = ["sha256:" + c * 64 for c in "abc"]

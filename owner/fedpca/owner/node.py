@@ -61,6 +61,7 @@ from fedpca.messages import (
 from fedpca.owner.compute import LocalTable, blas_pools
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.policy import check_allowed_columns
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
 from fedpca.owner.share_snapshots import ShareSnapshots
 from fedpca.owner.state_folder import use_state_folder
@@ -132,6 +133,7 @@ class OwnerNode(TaskProcessing):
         self.config = config
         self.retry = retry if retry is not None else RetryPolicy()
         self.table = LocalTable.load(config.data)
+        check_allowed_columns(config.policy, self.table)
         self._tls: TlsMaterial | None = None
         if config.tls.insecure:
             logger.warning(

@@ -282,6 +282,23 @@ def _check_bounded_table(spec: QuerySpec, config: OwnerConfig) -> None:
         )
 
 
+def check_allowed_columns(policy: PolicyConfig, table: LocalTable) -> None:
+    """Refuse ``policy.allowed_columns`` that name a column the table does not have (a
+    typo made every query that reads columns decline, while the configuration and
+    ``owner probe`` said ok: review). The label column is allowed to be listed.
+
+    Raises
+    ------
+    ConfigError
+    """
+    outside = [c for c in policy.allowed_columns or () if not 0 <= c < table.n_columns]
+    if outside:
+        raise ConfigError(
+            f"policy.allowed_columns names column {outside[0]} (0-based), but "
+            f"{table.source} has {table.n_columns} columns (0 to {table.n_columns - 1})"
+        )
+
+
 def _check_columns(spec: QuerySpec, policy: PolicyConfig, table: LocalTable) -> None:
     allowed = policy.allowed_columns
     if allowed is None:

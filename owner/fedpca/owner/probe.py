@@ -63,6 +63,7 @@ def probe_owner(
     does not restart a node that would wait for its proxy anyway."""
     from fedpca.owner.compute import LocalTable
     from fedpca.owner.config import load_config
+    from fedpca.owner.policy import check_allowed_columns
     from fedpca.tables import describe_columns
 
     results: list[ProbeResult] = []
@@ -83,6 +84,7 @@ def probe_owner(
 
     try:
         table = LocalTable.load(config.data)
+        check_allowed_columns(config.policy, table)
     except (FedpcaError, ValueError) as exc:
         record("data", False, str(exc))
     else:
