@@ -1193,3 +1193,18 @@ def test_a_result_that_cannot_be_written_after_all_names_fetch(
     query_id = fake.submitted_ids[-1]
     assert f"{out}: Permission denied" in result.output
     assert f"`fedpca analyst fetch {query_id} --out PATH`" in result.output
+
+
+@pytest.mark.parametrize("command", ["pca", "dca", "stats", "histogram", "linreg"])
+@pytest.mark.parametrize("delta", ["0", "1", "-1", "nan"])
+def test_a_bad_delta_is_a_usage_error_as_a_bad_epsilon_is(
+    command: str, delta: str, tmp_path: Path
+) -> None:
+    """Found by review: a bad --delta exited 1 ("Error: delta must be in (0, 1)") while
+    a bad --epsilon is a usage error (exit 2), refused by the option itself."""
+    (tmp_path / "keys").mkdir()
+    args = _command_args(command, "127.0.0.1:1", tmp_path / "keys", tmp_path / "r.json")
+    args[args.index("--delta") + 1] = delta
+    result = CliRunner().invoke(analyst_group, args)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--delta'" in result.output

@@ -29,6 +29,7 @@ from fedpca.aggregates import COUNTS
 from fedpca.analyst import cli as analyst_cli
 from fedpca.analyst.cli_connection import connection_options
 from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
+from fedpca.budget_options import DELTA
 from fedpca.query import Calibration, Moments, Neighbouring
 
 __all__ = ["histogram_command", "histogram_total_line", "linreg_command", "stats_command"]
@@ -90,7 +91,7 @@ def _aggregate_query_options(function: F) -> F:
             help="Privacy loss of this release ('inf' = no noise, NOT PRIVATE).",
         ),
         click.option(
-            "--delta", type=float, help="Privacy failure probability (required unless inf)."
+            "--delta", type=DELTA, help="Privacy failure probability (required unless inf)."
         ),
         click.option(
             "--calibration",

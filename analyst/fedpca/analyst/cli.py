@@ -47,7 +47,7 @@ from fedpca.analyst.keys import (
     create_analyst_keys,
     refuse_to_overwrite,
 )
-from fedpca.budget_options import budget_delta_options
+from fedpca.budget_options import DELTA, budget_delta_options
 from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
 
@@ -264,7 +264,7 @@ def _query_options(function: F) -> F:
             help="Privacy loss of this release ('inf' = no noise, NOT PRIVATE).",
         ),
         click.option(
-            "--delta", type=float, help="Privacy failure probability (required unless inf)."
+            "--delta", type=DELTA, help="Privacy failure probability (required unless inf)."
         ),
         click.option(
             "--calibration",
