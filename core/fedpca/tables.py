@@ -149,6 +149,14 @@ def _load_csv(
     return fast if fast is not None else _read_csv_checked(path, header, delimiter)
 
 
+_TEXT_HINT = (
+    "; every cell of a record must be a number: recode a column of text, such as class "
+    "labels written as words, as numeric codes (e.g. 0 and 1)"
+)
+"""Said with both errors of a text cell (found by review: text labels were reported as
+a header problem, then as "not a number", with no word on what to do)."""
+
+
 def _header_decision(cells: Sequence[str], header: HeaderOption) -> bool | None:
     """Whether the first record is a header; None for an auto header that mixes kinds
     or numbers its columns (:func:`_numbers_its_columns`)."""
@@ -275,7 +283,7 @@ def _read_csv_checked(
                         f"is {cells[bad]!r}); cannot tell whether it is a header: say which "
                         "(header = true or false under [data] in owner.toml, --header yes|no for "
                         "`fedpca owner init`, header=True or False in Python)"
-                        + _separator_hint(cells, delimiter)
+                        + (_separator_hint(cells, delimiter) or _TEXT_HINT)
                     )
                 n_columns = len(cells)
                 if header_here:
@@ -292,7 +300,7 @@ def _read_csv_checked(
                 bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                 raise DataError(
                     f"{path}: line {line}, column {bad} (0-based): {cells[bad]!r} is not a number"
-                    + _separator_hint(cells, delimiter)
+                    + (_separator_hint(cells, delimiter) or _TEXT_HINT)
                 ) from None
             if not all(math.isfinite(value) for value in values):
                 bad = next(j for j, value in enumerate(values) if not math.isfinite(value))
@@ -439,6 +447,15 @@ def load_table(
         sep = delimiter if delimiter is not None else ("\t" if suffix == ".tsv" else ",")
         try:
             table, names = _load_csv(file, header, sep)
+            if header is True and names is not None and all(map(_is_number, names)):
+                # Said, not refused: numbers can name columns (review: a headerless
+                # file read with header = true silently lost its first record).
+                logger.warning(
+                    "%s: line 1 is read as a header (header = true), though every cell of "
+                    "it is a number; if the file has no header, that record is left out "
+                    "(set header = false or auto)",
+                    file,
+                )
         except _EmptyFile:
             if not allow_empty:
                 raise

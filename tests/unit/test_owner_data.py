@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -51,15 +52,32 @@ class TestCsv:
         with pytest.raises(DataError, match="by name, but no header"):
             load_table(path, label_column="y")
 
-    def test_explicit_header_option(self, tmp_path: Path) -> None:
+    def test_explicit_header_option(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         path = _write(tmp_path, "1,2\n3,4\n")
-        x, _ = load_table(path, header=True)
+        with caplog.at_level(logging.WARNING, logger="fedpca.tables"):
+            x, _ = load_table(path, header=True)
         np.testing.assert_array_equal(x, [[3, 4]])
+        # A header of numbers only is taken as asked, and said (review: a headerless
+        # file read with header = true lost its first record without a word).
+        assert "line 1 is read as a header (header = true), though every cell" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fedpca.tables"):
+            load_table(_write(tmp_path, "a,b\n3,4\n", "named.csv"), header=True)
+        assert caplog.text == ""
         text = _write(tmp_path, "a,b\n3,4\n", "text.csv")
         with pytest.raises(
             DataError, match=r"text\.csv: line 1, column 0 \(0-based\): 'a' is not a number"
         ):
             load_table(text, header=False)
+
+    def test_text_labels_are_told_to_be_recoded(self, tmp_path: Path) -> None:
+        """Found by review: the UCI original's 'g'/'b' labels were reported as a header
+        problem, then (header = false) as "not a number", with no word on the fix."""
+        path = _write(tmp_path, "0.5,0.2,g\n0.1,0.3,b\n")
+        with pytest.raises(DataError, match="recode a column of text, such as class labels"):
+            load_table(path)
+        with pytest.raises(DataError, match=r"'g' is not a number; every cell .* numeric codes"):
+            load_table(path, header=False)
 
     def test_mixed_first_line_is_not_guessed(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "y,1,2\n0,3,4\n")

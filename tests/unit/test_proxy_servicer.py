@@ -844,3 +844,29 @@ def test_chunks_fold_as_they_arrive_and_a_broken_stream_is_taken_out(
     assert unpack_slots(plaintexts, plan.result_block(SHARES).layout, public_key.n) == list(
         expected
     )
+
+
+def test_a_task_stream_replaced_by_a_newer_one_is_told_why(
+    server: ProxyServer, tls_files: dict[NodeIdentity, TlsFiles]
+) -> None:
+    """Found by review: two nodes run with one owner's certificate took the task stream
+    from each other, each told only that the proxy had closed it. The replaced stream
+    now ends ABORTED, saying what replaced it and what that likely means."""
+    with (
+        channel_for(server, tls_files, Role.OWNER, "owner-1") as first_channel,
+        channel_for(server, tls_files, Role.OWNER, "owner-1") as second_channel,
+    ):
+        request = serde.task_stream_request_to_proto("owner-1")
+        first = owner_grpc.OwnerServiceStub(first_channel).StreamTasks(request, timeout=TIMEOUT)
+        next(first)  # the heartbeat: the stream is open
+        second = owner_grpc.OwnerServiceStub(second_channel).StreamTasks(request, timeout=TIMEOUT)
+        next(second)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in first:
+                pass
+        assert ended.value.code() is grpc.StatusCode.ABORTED
+        assert "a newer task stream of owner owner-1 replaced this one" in (
+            ended.value.details() or ""
+        )
+        assert "two nodes run with this owner's certificate" in (ended.value.details() or "")
+        second.cancel()

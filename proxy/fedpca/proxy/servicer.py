@@ -196,6 +196,15 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
             self.streams.close(owner, generation)
         if superseded.is_set() and not coordinator.stopping:
             logger.info("task stream of owner %s replaced by a newer one", owner)
+            # Said to the owner too: a second node run with this owner's certificate had
+            # the two take the stream from each other, each told only that the proxy
+            # closed it (found by review). A node that reconnected after a broken
+            # connection never reads this on its old stream.
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"a newer task stream of owner {owner} replaced this one: if this repeats, "
+                "two nodes run with this owner's certificate (stop one)",
+            )
         else:
             logger.info("task stream of owner %s closed", owner)
 
