@@ -17,6 +17,12 @@ from fedpca.owner.ledger_records import TaskOutcome, TaskRecord
 __all__ = ["LedgerTaskReads"]
 
 
+_OPEN = "(state = ? AND upload_id IS NOT NULL OR state = ?)"
+"""A task left open: an upload in flight, or reserved before one began (its parameters
+are :data:`_OPEN_STATES`)."""
+_OPEN_STATES = (TaskOutcome.UPLOADING.value, TaskOutcome.RESERVED.value)
+
+
 class LedgerTaskReads:
     """Task reads of :class:`~fedpca.owner.ledger.BudgetLedger`."""
 
@@ -80,9 +86,7 @@ class LedgerTaskReads:
         again or a withdrawal), newest first."""
         with self._connect() as connection:
             rows = connection.execute(
-                "SELECT query_id FROM tasks WHERE (state = ? AND upload_id IS NOT NULL) "
-                "OR state = ? ORDER BY updated_at DESC",
-                (TaskOutcome.UPLOADING.value, TaskOutcome.RESERVED.value),
+                f"SELECT query_id FROM tasks WHERE {_OPEN} ORDER BY updated_at DESC", _OPEN_STATES
             ).fetchall()
         return [str(row[0]) for row in rows]
 
@@ -92,8 +96,8 @@ class LedgerTaskReads:
         with self._connect() as connection:
             rows = connection.execute(
                 "SELECT query_id, upload_deadline FROM tasks WHERE upload_deadline IS NOT "
-                "NULL AND (state = ? AND upload_id IS NOT NULL OR state = ?)",
-                (TaskOutcome.UPLOADING.value, TaskOutcome.RESERVED.value),
+                f"NULL AND {_OPEN}",
+                _OPEN_STATES,
             ).fetchall()
         return {str(row[0]): float(row[1]) for row in rows}
 
