@@ -153,3 +153,17 @@ def test_keep_results_days(tmp_path: Path) -> None:
         )
         with pytest.raises(ConfigError, match="keep_results_days"):
             load_config(write(tmp_path, text))
+
+
+def test_the_per_query_delta_cap_is_checked_against_the_default_budget_only(
+    tmp_path: Path,
+) -> None:
+    """As an owner's cap against its budget: above the default budget's delta it is
+    refused; an analyst given a smaller delta than the cap is not an error (found by
+    review: checking every analyst's budget refused configurations that worked)."""
+    text = 'max_delta_per_query = {cap}\n[budget]\ndelta = 1e-5\n[budget.analysts.student]\n'
+    base = f"[tls]\ninsecure = true\n{OWNERS}[privacy]\n"
+    with pytest.raises(ConfigError, match=r"max_delta_per_query = 0\.5 exceeds budget\.delta"):
+        load_config(write(tmp_path, base + text.format(cap=0.5) + "delta = 1e-7\n"))
+    config = load_config(write(tmp_path, base + text.format(cap=1e-6) + "delta = 1e-7\n"))
+    assert config.privacy.max_delta_per_query == 1e-6
