@@ -120,6 +120,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     uploads: list[UploadCall] = field(default_factory=list)
     declines: list[TaskDecline] = field(default_factory=list)
     streams: int = 0
+    open_streams: int = 0
+    """Task streams not yet ended on this side (a stopped node's may linger a poll)."""
     changed: threading.Condition = field(default_factory=threading.Condition)
 
     def _notify(self) -> None:
@@ -153,19 +155,24 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     ) -> Iterator[owner_pb.TaskEvent]:
         certs.require_role(context, Role.OWNER)
         self.streams += 1
+        self.open_streams += 1
         self._notify()
-        yield serde.task_event_to_proto(Heartbeat(datetime.now(UTC)))
-        while context.is_active():
-            if self.abort_streams > 0:
-                self.abort_streams -= 1
-                context.abort(grpc.StatusCode.UNAVAILABLE, "test: stream lost")
-            try:
-                event = self.tasks.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            yield serde.task_event_to_proto(event)
-            if self.close_stream_after_first and self.streams == 1:
-                return
+        try:
+            yield serde.task_event_to_proto(Heartbeat(datetime.now(UTC)))
+            while context.is_active():
+                if self.abort_streams > 0:
+                    self.abort_streams -= 1
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "test: stream lost")
+                try:
+                    event = self.tasks.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                yield serde.task_event_to_proto(event)
+                if self.close_stream_after_first and self.streams == 1:
+                    return
+        finally:
+            self.open_streams -= 1
+            self._notify()
 
     def Upload(
         self, request_iterator: Iterator[owner_pb.UploadMessage], context: Any
@@ -1396,7 +1403,11 @@ def test_a_signed_query_delivered_after_its_signed_deadline_is_not_answered(
 
 @pytest.mark.parametrize("redelivered", [False, True])
 def test_tasks_a_restart_left_open_end_at_their_deadline_if_the_proxy_stays_silent(
-    harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch, redelivered: bool
+    harness: Harness,
+    pool: CryptoPool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    redelivered: bool,
 ) -> None:
     """Found by review: a node restarted with tasks open (an upload in flight, or a
     task reserved before its upload began) named them to the proxy and waited for it to
@@ -1413,7 +1424,7 @@ def test_tasks_a_restart_left_open_end_at_their_deadline_if_the_proxy_stays_sile
     harness.stop_node()
     first = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
     unreachable = owner_grpc.OwnerServiceStub(grpc.insecure_channel("127.0.0.1:1"))
-    due = datetime.now(UTC) + timedelta(seconds=2)
+    due = datetime.now(UTC) + timedelta(seconds=4)
     for query_id in ("unsent", "started"):  # paused before any header was accepted
         task = signed_task(harness.spec(query_id, epsilon=0.2), due, ANALYST)
         assert first.process_task(unreachable, task) is None
@@ -1429,9 +1440,14 @@ def test_tasks_a_restart_left_open_end_at_their_deadline_if_the_proxy_stays_sile
     thread.start()
     try:
         if redelivered:  # another signed query under the task's id, a later deadline
+            # Only to the restarted node (the stopped one's stream may linger a poll and
+            # take it: review found the test passing without the fix that way).
+            assert restarted.connected.wait(WAIT)
+            harness.proxy.wait_for(lambda: harness.proxy.open_streams == 1)
             other = harness.spec("started", epsilon=0.3)
             later = datetime.now(UTC) + timedelta(seconds=3600)
             harness.proxy.tasks.put(signed_task(other, later, ANALYST))
+            wait_until(lambda: "not resumed" in caplog.text, "the re-delivery", WAIT)
         wait_until(
             lambda: all(
                 (record := ledger.task(key(q))) is not None

@@ -161,7 +161,7 @@ def test_the_per_query_delta_cap_is_checked_against_the_default_budget_only(
     """As an owner's cap against its budget: above the default budget's delta it is
     refused; an analyst given a smaller delta than the cap is not an error (found by
     review: checking every analyst's budget refused configurations that worked)."""
-    text = 'max_delta_per_query = {cap}\n[budget]\ndelta = 1e-5\n[budget.analysts.student]\n'
+    text = "max_delta_per_query = {cap}\n[budget]\ndelta = 1e-5\n[budget.analysts.student]\n"
     base = f"[tls]\ninsecure = true\n{OWNERS}[privacy]\n"
     with pytest.raises(ConfigError, match=r"max_delta_per_query = 0\.5 exceeds budget\.delta"):
         load_config(write(tmp_path, base + text.format(cap=0.5) + "delta = 1e-7\n"))
