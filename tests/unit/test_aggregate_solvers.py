@@ -261,11 +261,41 @@ def test_a_regression_parameter_that_cannot_work_is_refused_before_any_query(
     model = FederatedLinearRegression(
         [1], bounds="0:1", target=2, target_bounds=(0, 1), alpha=alpha, **settings
     )
-    with pytest.raises(ConfigError, match="alpha must be 'auto' or a"):
+    with pytest.raises(ConfigError, match="alpha must be"):
         model.fit()
     stats = FederatedStatistics([1], bounds="0:1", **settings)
-    with pytest.raises(ConfigError, match="alpha must be 'auto' or a"):
+    with pytest.raises(ConfigError, match="alpha must be"):
         FederatedQuery([stats, model], **settings).fit()
+
+
+def test_parameters_checked_before_a_query_take_numpy_numbers_and_cover_every_estimator(
+    tmp_path: Any,
+) -> None:
+    """Review of the check: numpy scalars (a grid of alphas from np.arange) were refused,
+    a tail_probability was checked where it is unused, and DCA's ridges and the
+    statistics' ddof were still checked only after the release was charged."""
+    import numpy as np
+
+    from fedpca.analyst.estimators import FederatedDCA
+
+    settings = {"proxy": "127.0.0.1:1", "private_key_path": tmp_path / "no-such-key"}
+    for alpha in (np.float32(0.5), np.int64(1), 0):
+        model = FederatedLinearRegression([1], bounds="0:1", target=2, alpha=alpha)
+        model.check_post_processing()
+    FederatedLinearRegression(
+        [1], bounds="0:1", alpha=1.0, tail_probability=2.0
+    ).check_post_processing()
+    with pytest.raises(ConfigError, match=r"tail_probability must be a finite number in \(0, 1\)"):
+        FederatedLinearRegression([1], bounds="0:1", tail_probability="x").check_post_processing()
+    with pytest.raises(ConfigError, match="alpha must be a finite number"):
+        FederatedLinearRegression([1], bounds="0:1", alpha=True).check_post_processing()
+    for ddof in (-1, 1.5, "x"):
+        with pytest.raises(ConfigError, match="ddof must be an integer >= 0"):
+            FederatedStatistics([1], bounds="0:1", ddof=ddof, **settings).fit()
+    for rho in (-1.0, math.nan, math.inf):
+        dca = FederatedDCA(1, classes=(0, 1), bounds=(0, 1), rho=rho, **settings)
+        with pytest.raises(ConfigError, match="rho must be a finite number"):
+            dca.fit(n_features=2)
 
 
 def test_an_error_after_a_release_names_the_query_and_how_to_fetch_it() -> None:

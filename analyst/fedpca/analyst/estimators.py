@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.federated_estimator import FederatedEstimator
+from fedpca.analyst.params import check_number
 from fedpca.analyst.schema import FeatureBoundsParam
 from fedpca.errors import ConfigError, DataError
 from fedpca.query import DEFAULT_QUERY_DELTA, Calibration, ProtocolMode, QueryKind, QuerySpec
@@ -283,6 +284,12 @@ class FederatedDCA(FederatedEstimator):
     @classmethod
     def _params_from_query(cls, query: QuerySpec) -> dict[str, Any]:
         return {"classes": query.class_labels, "label_column": query.label_column}
+
+    def check_post_processing(self) -> None:
+        for name in ("rho", "rho_prime"):
+            value = getattr(self, name)
+            if value is not None:
+                check_number(value, name, low=0.0, low_open=False)
 
     def _solve(self, release: DecodedRelease) -> None:
         _warn_of_weak_classes(release)

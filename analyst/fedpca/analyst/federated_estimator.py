@@ -216,6 +216,7 @@ class FederatedEstimator(SklearnParams):
             raise ConfigError(
                 "set private_key_path to the analyst's key file (or its key directory)"
             )
+        self.check_post_processing()
         private_key = load_analyst_private_key(self.private_key_path)
         signing_key = load_analyst_signing_key(self.private_key_path)
         checked = time.perf_counter() - fit_started
@@ -317,6 +318,10 @@ class FederatedEstimator(SklearnParams):
         self.noise_sigmas_ = dict(release.sigmas)
         self.timings_ = all_timings
         warn_if_owners_missing(release, owners_registered, stacklevel=3)
+
+    def check_post_processing(self) -> None:
+        """Refuse post-processing parameters that cannot work, before anything is
+        submitted (and charged); the estimators that have such parameters check them."""
 
     def _solve(self, release: DecodedRelease) -> None:
         raise NotImplementedError

@@ -9,6 +9,7 @@ because scikit-learn is not a runtime dependency of fedpca.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Self
 
 from fedpca.errors import ConfigError, FedpcaError
@@ -56,3 +57,30 @@ def _differs(value: Any, default: Any) -> bool:
         return bool(value != default)
     except ValueError:  # numpy arrays compare elementwise
         return True
+
+
+def check_number(
+    value: Any, name: str, *, low: float, high: float | None = None, low_open: bool = True
+) -> float:
+    """``value`` as a finite float above ``low`` (or at it, unless ``low_open``) and below
+    ``high``: what an estimator's post-processing parameter must be, checked before
+    anything is submitted (numpy scalars welcome, booleans and text not).
+
+    Raises
+    ------
+    ConfigError
+    """
+    number = None
+    if not isinstance(value, bool | str):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+    inside = number is not None and math.isfinite(number)
+    if inside and number is not None:
+        inside = (number > low if low_open else number >= low) and (high is None or number < high)
+    if not inside or number is None:
+        side = "(" if low_open else "["
+        span = f"{side}{low:g}, {high:g})" if high is not None else f"{side}{low:g}, inf)"
+        raise ConfigError(f"{name} must be a finite number in {span}, got {value!r}")
+    return number

@@ -168,12 +168,16 @@ def charged_release(query_id: str) -> Iterator[None]:
         note = (
             f"{exc} (query {query_id} is charged and its result kept at the proxy: "
             f"`fedpca analyst fetch {query_id} --out result.json` fetches it again at no "
-            "new charge)"
+            "new charge, post-processed with the defaults; in Python, AnalystClient.fetch, "
+            "decrypt_result and the estimator's from_result(release, ...) rebuild it with "
+            "other parameters)"
         )
         try:
             again = type(exc)(note)
         except TypeError:  # an error whose constructor takes more than a message
-            raise exc from None
+            again = None
+        if again is None:
+            raise
         raise again from exc
 
 

@@ -8,7 +8,6 @@ solved from them (:func:`fedpca.analyst.aggregates.solve_regression`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from fedpca.analyst.aggregate_estimators import (
 )
 from fedpca.analyst.aggregates import solve_regression
 from fedpca.analyst.decode import DecodedRelease
+from fedpca.analyst.params import check_number
 from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
 from fedpca.errors import ConfigError, DataError
 from fedpca.query import DEFAULT_QUERY_DELTA, Aggregate, Calibration
@@ -97,10 +97,9 @@ class FederatedLinearRegression(AggregateEstimator):
         if isinstance(alpha, str):
             if alpha != "auto":
                 raise ConfigError(f"alpha must be 'auto' or a number >= 0, got {alpha!r}")
-        elif not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
-            raise ConfigError(f"alpha must be 'auto' or a finite number >= 0, got {alpha!r}")
-        if not 0 < float(self.tail_probability) < 1:
-            raise ConfigError(f"tail_probability must be in (0, 1), got {self.tail_probability!r}")
+            check_number(self.tail_probability, "tail_probability", low=0.0, high=1.0)
+        else:  # numpy scalars too, as the solver takes them (review)
+            check_number(alpha, "alpha", low=0.0, low_open=False)
 
     def aggregate(self) -> Aggregate:
         columns = column_indices(self.columns, "columns")

@@ -9,6 +9,7 @@ release through :class:`~fedpca.analyst.aggregate_estimators.FederatedQuery`.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from fedpca.analyst.aggregate_estimators import (
 from fedpca.analyst.aggregates import describe, histogram_counts
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
+from fedpca.errors import ConfigError
 from fedpca.query import DEFAULT_QUERY_DELTA, Aggregate, Calibration, Moments
 
 __all__ = ["FederatedHistogram", "FederatedStatistics"]
@@ -101,6 +103,11 @@ class FederatedStatistics(AggregateEstimator):
             "bounds": list(zip(part.lower, part.upper, strict=True)),
             "moments": part.moments.value,
         }
+
+    def check_post_processing(self) -> None:
+        ddof = self.ddof
+        if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral) or ddof < 0:
+            raise ConfigError(f"ddof must be an integer >= 0, got {ddof!r}")
 
     def _solve(
         self,
