@@ -406,8 +406,10 @@ def load_table(
         file's columns (negative counts from the end), a column name (CSV with a
         header, Parquet), or None (default, PCA) when every column is a feature.
     header : CSV only.  "auto" (default) treats the first non-blank line as a
-        header when none of its cells is a number, as data when all are, and
-        refuses a mixed line; True/False force the choice.
+        header when none of its cells is a number, as data when all are (unless they
+        number the columns, 0, 1, 2, 3, ... or 1, 2, 3, 4, ...: the header pandas
+        writes, which is refused as ambiguous), and refuses a mixed line; True/False
+        force the choice.
     n_features : if given, the expected number of feature columns M (the label
         column excluded); any other count is refused.
     delimiter : CSV field separator; default "," (tab for ``.tsv``).
@@ -447,7 +449,12 @@ def load_table(
         sep = delimiter if delimiter is not None else ("\t" if suffix == ".tsv" else ",")
         try:
             table, names = _load_csv(file, header, sep)
-            if header is True and names is not None and all(map(_is_number, names)):
+            if (
+                header is True
+                and names is not None
+                and all(map(_is_number, names))
+                and not _numbers_its_columns(names)  # asked for by the refusal under auto
+            ):
                 # Said, not refused: numbers can name columns (review: a headerless
                 # file read with header = true silently lost its first record).
                 logger.warning(

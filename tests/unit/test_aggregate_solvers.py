@@ -179,6 +179,12 @@ def test_covariance_mode_keeps_variances_within_the_bounds_and_names_the_divisor
     assert out.correlation is not None  # the rescaling keeps the correlation
     assert out.correlation[0, 1] == pytest.approx(raw.correlation[0, 1])
     assert "variance" in out.moved
+    # With ddof = 1 the largest sample variance is (hi - lo)^2/4 * N/(N - 1): exact
+    # data {lo, hi} is not clipped (review: it was, to half its variance).
+    ends = {"count": [2.0], "sums": [0.0, 0.0], "products": [2.0, 2.0, 2.0]}
+    pair = describe(part, ends, ddof=1)
+    assert pair.variance is not None and pair.variance == pytest.approx([2.0, 2.0])
+    assert pair.moved == ()
     # ddof above N: the divisor N - ddof is raised to 1 and named as such; N is not.
     late = describe(part, {**sections, "count": [10.0]}, ddof=500)
     assert late.n_samples == 10.0 and late.moved[0] == "N - ddof" and "N" not in late.moved

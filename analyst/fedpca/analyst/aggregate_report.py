@@ -137,8 +137,8 @@ def _part(estimator: AggregateEstimator) -> dict[str, Any]:
             ddof=int(estimator.ddof),
             postprocessing=(
                 "clipped: N >= 1, N - ddof >= 1, means within the bounds, variances in "
-                "[0, (hi - lo)^2/4], covariance projected onto the positive semidefinite "
-                "matrices and its rows and columns scaled down to those variances"
+                "[0, (hi - lo)^2/4 * N/(N - ddof)], covariance projected onto the positive "
+                "semidefinite matrices and its rows and columns scaled down to those variances"
                 if estimator.clipped_
                 else "none"
             ),

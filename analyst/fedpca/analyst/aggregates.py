@@ -90,8 +90,9 @@ class DescriptiveStatistics:
     variance : (d,) or None (moments = mean).
     covariance, correlation : (d, d) or None (moments other than covariance).
     clipped : whether the consistency post-processing was applied.
-    moved : the quantities it changed ("N", "mean", "variance", "covariance",
-        "correlation"): their noisy values lay outside their public ranges.
+    moved : the quantities it changed ("N", "N - ddof", "mean", "variance",
+        "covariance", "correlation"): their noisy values lay outside their public
+        ranges.
     """
 
     n_samples: float
@@ -135,10 +136,14 @@ def describe(
         divisor = 1.0
         moved.append("N - ddof")  # N itself is as released (or moved above)
     variance = covariance = correlation = None
+    # The largest variance values in [-1, 1] can have: 1 (half at each end) times
+    # N / (N - ddof): with ddof = 1, {lo, hi} has the sample variance (hi - lo)^2 / 2,
+    # which a bound of (hi - lo)^2 / 4 clipped (found by review).
+    most = max(n / divisor, 1.0)
     if part.moments is Moments.VARIANCE:
         var_u = (np.asarray(sections[SQUARES]) - sums * sums / n) / divisor
-        if clip and np.any((var_u < 0.0) | (var_u > 1.0)):
-            var_u = np.clip(var_u, 0.0, 1.0)
+        if clip and np.any((var_u < 0.0) | (var_u > most)):
+            var_u = np.clip(var_u, 0.0, most)
             moved.append("variance")
         variance = scale * scale * var_u
     elif part.moments is Moments.COVARIANCE:
@@ -158,8 +163,9 @@ def describe(
             # correlations). Before, only the projection ran and variances far above
             # what the bounds allow were reported as clipped (found by review).
             sd = np.sqrt(np.maximum(np.diag(covariance), 0.0))
+            largest = scale * math.sqrt(most)
             with np.errstate(divide="ignore"):
-                factor = np.where(sd > scale, scale / sd, 1.0)
+                factor = np.where(sd > largest, largest / sd, 1.0)
             if np.any(factor < 1.0):
                 moved.append("variance")
                 covariance = covariance * np.outer(factor, factor)

@@ -25,8 +25,7 @@ def use_state_folder(config: OwnerConfig) -> ExclusiveUse:
     time they reconnect and interleave their uploads in one ledger.
     """
     folder = config.owner.state_dir
-    # The folder itself, whatever symbolic links name it.
-    return ExclusiveUse(folder.resolve() / LOCK_NAME, f"the owner's state folder {folder}")
+    return ExclusiveUse(folder / LOCK_NAME, f"the owner's state folder {folder}")
 
 
 def refuse_where_a_node_ran(config: OwnerConfig) -> None:

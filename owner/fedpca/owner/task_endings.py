@@ -106,7 +106,8 @@ class TaskEndings:
             record = self.ledger.task(query_id)
         except Exception:  # not over the delivery's own error
             logger.exception("query %s: cannot read its task after a delivery", query_id)
-            record = None
+            self._paused[query_id] = deadline  # the sweep reads the ledger again
+            return
         if record is not None and record.outcome in _OPEN:
             self._paused[query_id] = deadline
 
