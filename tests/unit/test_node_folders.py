@@ -338,6 +338,9 @@ def test_owner_init_and_probe_refuse_a_relation_other_than_the_ledgers(
     probe = runner.invoke(owner_group, ["probe", "--config", str(out / "owner.toml"), "--local"])
     assert probe.exit_code != 0
     assert "but this configuration accounts under replace-one" in probe.output
+    # The probe wrote nothing in the state folder (a read-only connection left the
+    # write-ahead log's files behind: review).
+    assert sorted(p.name for p in config.ledger_path.parent.iterdir() if "sqlite3-" in p.name) == []
 
 
 def test_allowed_columns_the_table_does_not_have_are_refused(

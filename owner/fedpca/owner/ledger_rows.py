@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.files import holds_database
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.ledger_schema import RELEASE_CHANGES_KEY
 
@@ -121,13 +122,17 @@ def write_task_row(
 
 def recorded_relations(ledger: Path) -> set[str]:
     """The neighbouring relations the ledger file's releases were recorded under, read
-    without writing (no migration, no lock). A ledger is kept under one relation, and a
-    node configured for another declines every query: ``owner init --force`` and
+    without writing (no migration; ``query_only``). A ledger is kept under one relation,
+    and a node configured for another declines every query: ``owner init --force`` and
     ``owner probe`` say so first (found by review)."""
-    uri = f"{ledger.resolve().as_uri()}?mode=ro"
+    if not holds_database(ledger):
+        return set()  # no ledger yet: the other checks name that
     try:
-        with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:
+        # Not mode=ro: a read-only connection to a WAL database leaves its -wal and -shm
+        # files behind, in a folder a probe must not write to (review).
+        with contextlib.closing(sqlite3.connect(ledger)) as connection:
+            connection.execute("PRAGMA query_only = 1")
             rows = connection.execute("SELECT DISTINCT neighbouring FROM releases").fetchall()
     except sqlite3.Error:
-        return set()  # no ledger yet, or not one: the other checks name that
+        return set()  # not a ledger (or unreadable): the other checks name that
     return {str(row[0]) for row in rows}
