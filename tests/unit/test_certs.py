@@ -342,3 +342,19 @@ def test_a_certificate_outside_its_validity_is_refused_when_loaded(
     }[which]
     with pytest.raises(ConfigError, match=message):
         certs.TlsMaterial.load(files)
+
+
+def test_material_that_expires_while_a_node_runs_is_named(tmp_path: Path) -> None:
+    """Found by review: the validity check ran only at load, so a node whose certificate
+    expired while it ran retried for ever, its log saying TLS was fine as far as
+    checked. A node that cannot connect now asks its material (OwnerNode's diagnosis)."""
+    import datetime as dt
+
+    files = certs.init_certificates(tmp_path, ["o1"], [])[NodeIdentity(Role.OWNER, "o1")]
+    material = certs.TlsMaterial.load(files)
+    assert material.expiry_problem() is None
+    ends = certs.read_certificate(files.certificate).not_valid_after_utc
+    later = material.expiry_problem(ends + dt.timedelta(days=1))
+    assert later is not None
+    assert later.startswith(f"this node's certificate expired on {ends:%Y-%m-%d}")
+    assert "fedpca certs issue" in later

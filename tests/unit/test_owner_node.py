@@ -68,7 +68,8 @@ from fedpca.proxy.server import ProxyServer
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import CLOCK_ALLOWANCE_SECONDS, generate_signing_key, sign_query, signer_id
 from fedpca.transport import certs, channels, serde
-from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial
+from fedpca.transport import certs as certs_module
+from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, load_certificate
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import TEST_SIGNER, query_builder, signed_task, sync_test_server, wait_until
@@ -1463,3 +1464,24 @@ def test_tasks_a_restart_left_open_end_at_their_deadline_if_the_proxy_stays_sile
     assert list(shares.iterdir()) == []
     assert [entry.event.query_id for entry in ledger.events()] == [key("started")]
     assert restarted._paused == {}
+
+
+def test_a_certificate_that_expired_while_the_node_ran_is_named_when_it_cannot_connect(
+    harness: Harness, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: checked only at start, a certificate that expired while the
+    node ran left it retrying for ever, its log saying TLS was fine as far as checked."""
+    node = harness.node
+    assert node._tls is not None
+    ends = load_certificate(node._tls.certificate_chain).not_valid_after_utc
+    real_now = datetime.now(UTC)
+
+    class _Later(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> datetime:
+            return real_now + (ends - real_now) + timedelta(days=1)
+
+    monkeypatch.setattr(certs_module.dt, "datetime", _Later)
+    with caplog.at_level(logging.ERROR, logger="fedpca.owner"):
+        node._explain_unavailable()
+    assert f"this node's certificate expired on {ends:%Y-%m-%d}" in caplog.text

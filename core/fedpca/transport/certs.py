@@ -6,10 +6,9 @@ SAN URI ``fedpca://<role>/<node-id>`` (authoritative) and repeated in the subjec
 (CN = node id, OU = role) for humans reading ``openssl x509 -text``. Message
 fields that repeat a node id are informational only.
 
-Key type: EC P-256 (ECDSA with SHA-256) for the CA and all nodes. It gives
-~128-bit security like RSA-3072, every TLS 1.2/1.3 stack (gRPC's BoringSSL
-included) supports it, and keys are generated in milliseconds, which keeps test
-fixtures fast.
+Key type: EC P-256 (ECDSA with SHA-256) for the CA and all nodes: ~128-bit security
+like RSA-3072, supported by every TLS 1.2/1.3 stack (gRPC's BoringSSL included), and
+generated in milliseconds, which keeps test fixtures fast.
 
 Extended key usage follows the direction of connections: owners and analysts
 only dial out (clientAuth), the proxy only serves (serverAuth) and carries the
@@ -460,6 +459,17 @@ class TlsMaterial:
         # Never print key material, even in a traceback.
         return f"TlsMaterial(identity={self.identity})"
 
+    def expiry_problem(self, now: dt.datetime | None = None) -> str | None:
+        """What of this material is not valid at ``now`` (default: now), or None: asked
+        by a node that cannot connect (review: one whose certificate expired while it
+        ran retried for ever, its log saying TLS was fine as far as checked)."""
+        now = dt.datetime.now(dt.UTC) if now is None else now
+        pems = {"this node's": self.certificate_chain, "the CA": self.root_certificates}
+        for what, pem in pems.items():
+            if problem := _outside_validity(load_certificate(pem), now):
+                return f"{what} certificate {problem}, and restart with it"
+        return None
+
     @classmethod
     def load(cls, files: TlsFiles) -> TlsMaterial:
         """Read and cross-check a node's CA certificate, certificate and key.
@@ -477,7 +487,10 @@ class TlsMaterial:
         cert = read_certificate(files.certificate)
         now = dt.datetime.now(dt.UTC)
         for path, certificate in ((files.ca_certificate, ca), (files.certificate, cert)):
-            _check_valid_at(certificate, path, now)
+            # A node started with it retried for ever behind a message about the
+            # network or the CA (found by review).
+            if problem := _outside_validity(certificate, now):
+                raise ConfigError(f"certificate {path} {problem}")
         key = read_private_key(files.private_key)
         exposure = private_key_exposure(files.private_key)
         if exposure is not None:
@@ -508,20 +521,17 @@ class TlsMaterial:
         )
 
 
-def _check_valid_at(certificate: x509.Certificate, path: Path, now: dt.datetime) -> None:
-    """Refuse a certificate outside its validity period at ``now``: every peer refuses it
-    then, and a node started with it retried for ever behind a message about the
-    network or the CA (found by review)."""
+def _outside_validity(certificate: x509.Certificate, now: dt.datetime) -> str | None:
+    """Why ``certificate`` is not valid at ``now`` (every peer refuses it then), or None."""
     if now > certificate.not_valid_after_utc:
-        raise ConfigError(
-            f"certificate {path} expired on {certificate.not_valid_after_utc:%Y-%m-%d}: "
-            "issue a new one (`fedpca certs issue`, docs/operations.md, Certificates)"
+        return (
+            f"expired on {certificate.not_valid_after_utc:%Y-%m-%d}: issue a new one "
+            "(`fedpca certs issue`, docs/operations.md, Certificates)"
         )
     if now + _CLOCK_SKEW < certificate.not_valid_before_utc:
-        raise ConfigError(
-            f"certificate {path} is valid only from "
-            f"{certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC: check this machine's clock"
-        )
+        starts = certificate.not_valid_before_utc
+        return f"is valid only from {starts:%Y-%m-%d %H:%M} UTC: check this machine's clock"
+    return None
 
 
 def private_key_exposure(path: Path) -> str | None:

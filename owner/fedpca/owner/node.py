@@ -361,7 +361,12 @@ class OwnerNode(TaskProcessing):
 
     def _explain_unavailable(self) -> None:
         """Log what each address of the proxy answers, and a TLS failure no retry fixes
-        (a certificate that does not name the proxy's host) as an ERROR."""
+        (a certificate that does not name the proxy's host, or this node's own that
+        expired while it ran) as an ERROR."""
+        expired = None if self._tls is None else self._tls.expiry_problem()
+        if expired is not None:
+            logger.error("owner %s: cannot connect: %s", self.config.owner.id, expired)
+            return
         diagnosis = diagnose_connection(
             self.config.owner.proxy,
             None if self._tls is None else self._tls.root_certificates,
