@@ -1474,12 +1474,11 @@ def test_a_certificate_that_expired_while_the_node_ran_is_named_when_it_cannot_c
     node = harness.node
     assert node._tls is not None
     ends = load_certificate(node._tls.certificate_chain).not_valid_after_utc
-    real_now = datetime.now(UTC)
 
-    class _Later(datetime):
+    class _Later(datetime):  # the clock a day after the certificate's end
         @classmethod
         def now(cls, tz: Any = None) -> datetime:
-            return real_now + (ends - real_now) + timedelta(days=1)
+            return ends + timedelta(days=1)
 
     monkeypatch.setattr(certs_module.dt, "datetime", _Later)
     with caplog.at_level(logging.ERROR, logger="fedpca.owner"):
