@@ -330,6 +330,8 @@ class AnalystClient:
                 if failures >= len(self.retry_delays):
                     raise mapped from None
                 delay = self.retry_delays[failures]
+                if give_up is not None:  # not past the caller's timeout (review)
+                    delay = min(delay, max(give_up - time.monotonic(), 0.0))
                 failures += 1
                 logger.warning("%s; reconnecting in %.0f s", mapped, delay)
                 time.sleep(delay)

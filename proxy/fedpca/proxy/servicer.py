@@ -199,11 +199,12 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
             # Said to the owner too: a second node run with this owner's certificate had
             # the two take the stream from each other, each told only that the proxy
             # closed it (found by review). A node that reconnected after a broken
-            # connection never reads this on its old stream.
-            await context.abort(
-                grpc.StatusCode.ABORTED,
+            # connection never reads this on its old stream. Set, not abort(): as every
+            # other refusal here (abort's exception holds the frame: a reference cycle).
+            context.set_code(grpc.StatusCode.ABORTED)
+            context.set_details(
                 f"a newer task stream of owner {owner} replaced this one: if this repeats, "
-                "two nodes run with this owner's certificate (stop one)",
+                "two nodes run with this owner's certificate (stop one)"
             )
         else:
             logger.info("task stream of owner %s closed", owner)
