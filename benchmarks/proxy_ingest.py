@@ -60,7 +60,7 @@ from fedpca.proxy.config import BudgetConfig, OwnersConfig, ProxyConfig
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.proxy.queries import wire_blocks
 from fedpca.proxy.store import ProxyStore
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.query import QueryKind, QuerySpec, stamped
 from fedpca.signing import generate_signing_key, sign_query, signer_id
 from fedpca.transport import serde
 
@@ -161,7 +161,9 @@ def run_trial(
     try:
         for owner_id in owner_ids:
             coordinator.enroll(owner_id)
-        spec = make_spec(public_key, args.features, args.uploaders, f"ingest-{index}")
+        # Stamped with its signing time, as the analyst's client does (the proxy refuses
+        # a query no owner would answer).
+        spec = stamped(make_spec(public_key, args.features, args.uploaders, f"ingest-{index}"))
         signed = SignedQuery(spec, sign_query(spec, signing_key), signer_id(signing_key))
         coordinator.submit(ANALYST, signed)
         uploads = [make_upload(spec, public_key.n, owner_id) for owner_id in owner_ids]

@@ -84,7 +84,7 @@ from fedpca.messages import (
 )
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.queries import wire_blocks
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.query import QueryKind, QuerySpec, stamped
 from fedpca.signing import generate_signing_key, sign_query, signer_id
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, init_certificates
@@ -130,6 +130,8 @@ check nothing; the proxy refuses unsigned queries)."""
 
 
 def signed_query(spec: QuerySpec) -> SignedQuery:
+    """``spec`` (stamped with its signing time, as the analyst's client stamps it: the
+    proxy refuses a query no owner would answer) signed."""
     return SignedQuery(spec, sign_query(spec, SIGNING_KEY), signer_id(SIGNING_KEY))
 
 
@@ -338,7 +340,7 @@ def measure(
         analyst_tls = TlsMaterial.load(tls[NodeIdentity(Role.ANALYST, "alice")])
         with channels.secure_channel(address, analyst_tls) as analyst_channel:
             analyst = analyst_grpc.AnalystServiceStub(analyst_channel)
-            spec = make_spec(public_key, f"memory-{owners}", n_features, owners)
+            spec = stamped(make_spec(public_key, f"memory-{owners}", n_features, owners))
             status = serde.query_status_from_proto(
                 analyst.SubmitQuery(
                     serde.submit_query_request_to_proto(signed_query(spec)), timeout=60.0
