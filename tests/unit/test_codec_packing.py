@@ -369,3 +369,36 @@ def test_unpacking_takes_any_integer_type() -> None:
     plaintexts = [p % n for p in pack_slots([1, -2, 3, -4, 5], layout, 5)]
     for converted in ([gmpy2.mpz(p) for p in plaintexts], np.array(plaintexts)):
         assert unpack_slots(converted, layout, n) == [1, -2, 3, -4, 5]
+
+
+@pytest.mark.parametrize("slot_bits", [20, 80])  # 64-bit words, and Python ints
+def test_a_page_is_unpacked_whole_before_a_bad_plaintext_is_reported(
+    slot_bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: unpacking stopped at the first plaintext that did not decode, so
+    how long a page took said where that plaintext was, to a proxy that built the page
+    from an owner's ciphertext. Every plaintext is now unpacked, then the first
+    failure raised."""
+    from fedpca.codec import packing
+
+    k = 500 // slot_bits
+    layout = SlotLayout(512, slot_bits, k, 8 * k)
+    n = _smallest_modulus(512)
+    packed = [p % n for p in pack_slots([0] * (8 * k), layout, 10)]
+    wrapped = (packed[0] + (1 << (slot_bits * k))) % n  # a carry past its last slot
+    real_signed = packing._signed
+    signed_calls: list[int] = []
+
+    def counted(plaintext: int, modulus: int, index: int) -> int:
+        signed_calls.append(index)
+        return real_signed(plaintext, modulus, index)
+
+    monkeypatch.setattr(packing, "_signed", counted)
+    with pytest.raises(EncodingOverflowError, match="packed plaintext 0 does not decode"):
+        unpack_range([wrapped, *packed[1:]], layout, n, 10)
+    assert signed_calls == list(range(8))  # was: [0]
+    signed_calls.clear()
+    over = [p % n for p in pack_slots([11] + [0] * (8 * k - 1), layout, 11)]
+    with pytest.raises(EncodingOverflowError, match="slot 0 decoded outside"):
+        unpack_range(over, layout, n, 10)
+    assert signed_calls == list(range(8))
