@@ -18,6 +18,7 @@ from fedpca.errors import ConfigError, EncodingOverflowError
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.masked_release import (
     mask_width,
+    masked_residue,
     masked_rounding_slack,
     masked_scatter_sensitivity,
     row_aligned_length,
@@ -395,6 +396,17 @@ def test_the_masked_rounding_slack_covers_every_residue_of_the_worst_pairs() -> 
             assert float(np.linalg.norm(worst_per_entry)) <= bound
             rounding_adds = max(rounding_adds, float(np.max(worst_per_entry - exact_moved)))
     assert rounding_adds > 0.5
+
+
+def test_the_residue_is_drawn_on_the_range_the_slack_assumes() -> None:
+    """The slack test above models the residue F as uniform on the s = N 2^f integers
+    [-s//2, s - s//2); the proxy draws it with masked_residue(s) (fedpca.proxy.masking,
+    scale = N << f). A draw on another range would break that model: every value of
+    the range, and no other, comes out (review: the slack test took the range as
+    given)."""
+    for scale in (1, 2, 7, 256):
+        draws = {masked_residue(scale) for _ in range(60 * scale)}
+        assert draws == set(range(-(scale // 2), scale - scale // 2)), scale
 
 
 def _unit_row(rng: np.random.Generator, m: int) -> np.ndarray:
