@@ -291,10 +291,6 @@ class AggregateEstimator(_Settings):
         warn_if_owners_missing(release, registered)
         return self
 
-    def check_post_processing(self) -> None:
-        """Refuse post-processing parameters that cannot work, before anything is
-        submitted (and charged); the estimators that have such parameters check them."""
-
     @classmethod
     def from_result(
         cls,

@@ -319,10 +319,6 @@ class FederatedEstimator(SklearnParams):
         self.timings_ = all_timings
         warn_if_owners_missing(release, owners_registered, stacklevel=3)
 
-    def check_post_processing(self) -> None:
-        """Refuse post-processing parameters that cannot work, before anything is
-        submitted (and charged); the estimators that have such parameters check them."""
-
     def _solve(self, release: DecodedRelease) -> None:
         raise NotImplementedError
 

@@ -22,7 +22,12 @@ class NotFittedError(FedpcaError, ValueError, AttributeError):
 
 
 class SklearnParams:
-    """``get_params``, ``set_params`` and ``__repr__`` over ``__init__``'s parameters."""
+    """``get_params``, ``set_params`` and ``__repr__`` over ``__init__``'s parameters, and
+    the hook that checks post-processing parameters before a query is submitted."""
+
+    def check_post_processing(self) -> None:
+        """Refuse post-processing parameters that cannot work, before anything is
+        submitted (and charged); the estimators that have such parameters check them."""
 
     @classmethod
     def _param_names(cls) -> list[str]:

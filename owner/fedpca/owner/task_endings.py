@@ -93,15 +93,13 @@ class TaskEndings:
 
     def _pause_if_still_open(self, task: Task, earlier: datetime | None) -> None:
         """After a delivery of ``task``: if its task is still open (reserved, or with an
-        upload in flight), keep it where :meth:`end_paused_past_deadline` ends it, by the
-        earlier of its deadlines. Before, one delivery that left it open (a query that
+        upload in flight: paused here among others), keep it where
+        :meth:`end_paused_past_deadline` ends it, by the earlier of its deadlines. Before,
+        one delivery that left it open (a query that
         did not match the reservation, a decline the proxy refused, a share that could
         not be kept) took it out of that sweep for good (found by review)."""
         query_id = task.key
         deadline = task.upload_deadline if earlier is None else min(earlier, task.upload_deadline)
-        if query_id in self._paused:  # paused by this delivery
-            self._paused[query_id] = min(self._paused[query_id], deadline)
-            return
         try:
             record = self.ledger.task(query_id)
         except Exception:  # not over the delivery's own error

@@ -551,8 +551,7 @@ class TaskProcessing(TaskEndings):
                         status_name(err),
                         status_details(err),
                     )
-                    self._paused[query_id] = task.upload_deadline
-                    return None
+                    return None  # kept for the deadline sweep (_pause_if_still_open)
                 logger.warning(
                     "query %s: upload attempt %d/%d failed (%s: %s); retrying upload %s in %.1f s",
                     query_id,
