@@ -157,6 +157,25 @@ _TEXT_HINT = (
 a header problem, then as "not a number", with no word on what to do)."""
 
 
+def _empty_cell_error(path: Path, line: int, cells: Sequence[str]) -> DataError | None:
+    """The error for a record with an empty cell, or None when every cell has text.
+
+    A trailing separator on every line (a spreadsheet's export of an empty last column)
+    was reported as a header that "mixes numbers and text", naming a cell '' (found by
+    review)."""
+    empty = [j for j, cell in enumerate(cells) if not cell.strip()]
+    if not empty:
+        return None
+    if empty == [len(cells) - 1]:
+        what = "ends with a separator (an empty last column): remove the trailing separator"
+    else:
+        what = (
+            f"has an empty cell (column {empty[0]}, 0-based): a missing value; fill it "
+            "in or leave the record out"
+        )
+    return DataError(f"{path}: line {line} {what}")
+
+
 def _header_decision(cells: Sequence[str], header: HeaderOption) -> bool | None:
     """Whether the first record is a header; None for an auto header that mixes kinds
     or numbers its columns (:func:`_numbers_its_columns`)."""
@@ -277,6 +296,9 @@ def _read_csv_checked(
                         "Python)"
                     )
                 if header_here is None:
+                    empty_cell = _empty_cell_error(path, line, cells)
+                    if empty_cell is not None:
+                        raise empty_cell
                     bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                     raise DataError(
                         f"{path}: line {line} mixes numbers and text (column {bad}, 0-based, "
@@ -297,6 +319,9 @@ def _read_csv_checked(
             try:
                 values = [float(cell) for cell in cells]
             except ValueError:
+                empty_cell = _empty_cell_error(path, line, cells)
+                if empty_cell is not None:
+                    raise empty_cell from None
                 bad = next(j for j, cell in enumerate(cells) if not _is_number(cell))
                 raise DataError(
                     f"{path}: line {line}, column {bad} (0-based): {cells[bad]!r} is not a number"
