@@ -237,6 +237,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.listed: list[QuerySummary] = []
         """Queries ListQueries reports after the submitted ones."""
         self.status_charge = (QueryState.DONE, Charge.CHARGED)
+        self.result_deleted_at: datetime | None = None
         """The state and charge GetQueryStatus reports."""
 
     def DescribeDeployment(self, request: Any, context: Any) -> Any:
@@ -336,6 +337,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             owners_registered=2,
             declines=(OwnerDecline("owner-2", "policy_refusal", "epsilon 9 > 1"),),
             charge=charge,
+            result_deleted_at=self.result_deleted_at,
         )
         return serde.query_status_to_proto(status)
 
@@ -1042,6 +1044,24 @@ def test_status_says_where_the_charge_stands(
     assert f"state:       {state.value}\n" in result.stdout
     (shown,) = [text for text in result.stdout.splitlines() if text.startswith("charge:")]
     assert shown.removeprefix("charge:").strip().startswith(line), shown
+
+
+def test_status_says_when_the_proxy_deleted_the_result(proxy: tuple[FakeProxy, str]) -> None:
+    """Review: a result the proxy had deleted (keep_results_days) showed as a plain DONE
+    query, and only ``fetch`` found out."""
+    fake, address = proxy
+    fake.specs["q-1"] = _spec(fake.public_key, "q-1")
+    arguments = ["status", "q-1", "--proxy", address, "--insecure"]
+    kept = CliRunner().invoke(analyst_group, arguments)
+    assert kept.exit_code == 0, kept.output
+    assert "result:" not in kept.stdout
+    fake.result_deleted_at = datetime(2026, 11, 2, 3, 4, 5, tzinfo=UTC)
+    deleted = CliRunner().invoke(analyst_group, arguments)
+    assert deleted.exit_code == 0, deleted.output
+    assert (
+        "result:      deleted by the proxy on 2026-11-02T03:04:05+00:00, older than it keeps "
+        "results: it can no longer be fetched\n" in deleted.stdout
+    )
 
 
 def test_fetch_checks_the_header_before_reading_any_page(

@@ -741,6 +741,8 @@ def test_submit_and_query_ref() -> None:
         ),
         # Where the query's epsilon stands on the analyst's ledger.
         *(QueryStatus("q1", QueryState.FAILED, 1, 2, charge=charge) for charge in Charge),
+        # A result the proxy has deleted.
+        QueryStatus("q1", QueryState.DONE, 2, 2, result_deleted_at=NOW),
     ],
 )
 def test_query_status_round_trip(status: QueryStatus) -> None:

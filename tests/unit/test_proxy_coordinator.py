@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -376,7 +377,10 @@ def test_a_finished_querys_result_is_deleted_after_the_days_it_is_kept(
     clock.now += 2 * 86_400 - 60
     assert coordinator.purge_results() == []
     clock.now += 120
+    assert coordinator.status(ANALYST, "q1").result_deleted_at is None
     assert coordinator.purge_results() == [Q1]
+    deleted_at = coordinator.status(ANALYST, "q1").result_deleted_at
+    assert deleted_at == datetime.fromtimestamp(clock.now, UTC)
     for fetch in (
         lambda: coordinator.result_header(ANALYST, "q1"),
         lambda: coordinator.result_pages(ANALYST, "q1", 0),

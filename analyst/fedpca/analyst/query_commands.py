@@ -43,6 +43,12 @@ def _status_lines(status: QueryStatus) -> list[str]:
     lines.extend(f"declined:    {decline.line()}" for decline in status.declines)
     if status.failure_reason:
         lines.append(f"failed:      {status.failure_reason}")
+    if status.result_deleted_at is not None:
+        lines.append(
+            f"result:      deleted by the proxy on "
+            f"{status.result_deleted_at.isoformat(timespec='seconds')}, older than it keeps "
+            "results: it can no longer be fetched"
+        )
     lines.append(f"charge:      {status.charge.describe(status.state)}")
     return lines
 

@@ -149,6 +149,8 @@ class QueryStatus:
     pages_total : result pages the query's result has.
     charge : whether the query's epsilon is reserved, charged or refunded on the
         analyst's ledger (UNKNOWN from a proxy older than this field).
+    result_deleted_at : when the proxy deleted the query's result (its pages can no
+        longer be fetched; the charge stands), None while it is kept.
     """
 
     query_id: str
@@ -164,6 +166,7 @@ class QueryStatus:
     pages_final: int = 0
     pages_total: int = 0
     charge: Charge = Charge.UNKNOWN
+    result_deleted_at: datetime | None = None
 
     @property
     def terminal(self) -> bool:

@@ -27,55 +27,55 @@ from fedpca.v1 import query_pb2 as fedpca_dot_v1_dot_query__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64pca/v1/analyst_service.proto\x12\tfedpca.v1\x1a\x1a\x66\x65\x64pca/v1/ciphertext.proto\x1a\x15\x66\x65\x64pca/v1/query.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x12SubmitQueryRequest\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x17\n\x0fquery_signature\x18\x02 \x01(\x0c\x12\x14\n\x0cquery_signer\x18\x03 \x01(\t\"\x1c\n\x08QueryRef\x12\x10\n\x08query_id\x18\x01 \x01(\t\"\x9a\x03\n\x0bQueryStatus\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.fedpca.v1.QueryState\x12\x1a\n\x12owners_contributed\x18\x03 \x01(\r\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12\x17\n\x0fowners_declined\x18\x05 \x01(\r\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x0e\x66\x61ilure_reason\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10owners_uploading\x18\x08 \x01(\r\x12)\n\x08\x64\x65\x63lines\x18\t \x03(\x0b\x32\x17.fedpca.v1.OwnerDecline\x12\x19\n\x11owners_registered\x18\n \x01(\r\x12\x13\n\x0bpages_final\x18\x0b \x01(\r\x12\x13\n\x0bpages_total\x18\x0c \x01(\r\x12&\n\x06\x63harge\x18\r \x01(\x0e\x32\x16.fedpca.v1.QueryChargeB\x11\n\x0f_failure_reason\"@\n\x0cOwnerDecline\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"+\n\x0cNoiseSection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05sigma\x18\x02 \x01(\x01\"\xb8\x01\n\x10NoiseDescription\x12,\n\tmechanism\x18\x01 \x01(\x0e\x32\x19.fedpca.v1.NoiseMechanism\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0e\x32\x16.fedpca.v1.Calibration\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12)\n\x08sections\x18\x05 \x03(\x0b\x32\x17.fedpca.v1.NoiseSection\"\xea\x02\n\x0cResultHeader\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x10\n\x08n_owners\x18\x02 \x01(\r\x12*\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1a.fedpca.v1.CiphertextBlock\x12*\n\x05noise\x18\x04 \x01(\x0b\x32\x1b.fedpca.v1.NoiseDescription\x12\x1e\n\x11masked_mean_block\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0ctotal_chunks\x18\x06 \x01(\r\x12\x16\n\x0e\x63ontent_sha256\x18\x07 \x01(\x0c\x12 \n\x13public_record_count\x18\x08 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\x0fquery_signature\x18\t \x01(\x0c\x12\x14\n\x0cquery_signer\x18\n \x01(\tB\x14\n\x12_masked_mean_blockB\x16\n\x14_public_record_count\"r\n\rResultMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpca.v1.ResultHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.fedpca.v1.CiphertextChunkH\x00\x42\t\n\x07payload\"W\n\rBudgetRequest\x12\x12\n\x05\x64\x65lta\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bquery_delta\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_deltaB\x0e\n\x0c_query_delta\"U\n\tNextQuery\x12\x0f\n\x07\x65psilon\x18\x01 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12(\n\x05limit\x18\x03 \x01(\x0e\x32\x19.fedpca.v1.AdmissionLimit\"\xcd\x01\n\x0c\x42udgetStatus\x12\x12\n\nanalyst_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\x15\n\repsilon_spent\x18\x03 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x04 \x01(\x01\x12\x15\n\repsilon_limit\x18\x05 \x01(\x01\x12\x12\n\nn_releases\x18\x06 \x01(\r\x12\x13\n\x0blimit_delta\x18\x07 \x01(\x01\x12(\n\nnext_query\x18\x08 \x01(\x0b\x32\x14.fedpca.v1.NextQuery\"\x1b\n\x19\x44\x65scribeDeploymentRequest\"\xde\x02\n\x0e\x44\x65ploymentInfo\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x19\n\x11owners_registered\x18\x04 \x01(\r\x12\x18\n\x10owners_connected\x18\x05 \x01(\r\x12-\n\x0cneighbouring\x18\x06 \x01(\x0e\x32\x17.fedpca.v1.Neighbouring\x12\x1b\n\x13max_delta_per_query\x18\x07 \x01(\x01\x12\x12\n\naccountant\x18\x08 \x01(\t\x12\x12\n\nanalyst_id\x18\t \x01(\t\x12\x16\n\x0e\x62udget_epsilon\x18\n \x01(\x01\x12\x14\n\x0c\x62udget_delta\x18\x0b \x01(\x01\x12/\n\x0bserver_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"#\n\x12ListQueriesRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"\xff\x01\n\x0cQuerySummary\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.fedpca.v1.QueryStatus\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.fedpca.v1.QueryKind\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.fedpca.v1.ProtocolMode\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\naggregates\x18\x07 \x03(\x0e\x32\x18.fedpca.v1.AggregateKind\"5\n\tQueryList\x12(\n\x07queries\x18\x01 \x03(\x0b\x32\x17.fedpca.v1.QuerySummary\"I\n\rCancelReceipt\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.fedpca.v1.QueryStatus\x12\x10\n\x08refunded\x18\x02 \x01(\x08*\xc2\x01\n\nQueryState\x12\x1b\n\x17QUERY_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUERY_STATE_PENDING\x10\x01\x12\x1a\n\x16QUERY_STATE_COLLECTING\x10\x02\x12\x1b\n\x17QUERY_STATE_AGGREGATING\x10\x03\x12\x17\n\x13QUERY_STATE_NOISING\x10\x04\x12\x14\n\x10QUERY_STATE_DONE\x10\x05\x12\x16\n\x12QUERY_STATE_FAILED\x10\x06*{\n\x0bQueryCharge\x12\x1c\n\x18QUERY_CHARGE_UNSPECIFIED\x10\x00\x12\x19\n\x15QUERY_CHARGE_RESERVED\x10\x01\x12\x18\n\x14QUERY_CHARGE_CHARGED\x10\x02\x12\x19\n\x15QUERY_CHARGE_REFUNDED\x10\x03*i\n\x0eNoiseMechanism\x12\x1f\n\x1bNOISE_MECHANISM_UNSPECIFIED\x10\x00\x12\x1c\n\x18NOISE_MECHANISM_GAUSSIAN\x10\x01\x12\x18\n\x14NOISE_MECHANISM_NONE\x10\x02*\xcf\x01\n\x0e\x41\x64missionLimit\x12\x1f\n\x1b\x41\x44MISSION_LIMIT_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x44MISSION_LIMIT_BUDGET\x10\x01\x12!\n\x1d\x41\x44MISSION_LIMIT_PER_QUERY_CAP\x10\x02\x12\x1f\n\x1b\x41\x44MISSION_LIMIT_NOISE_FLOOR\x10\x03\x12\x1d\n\x19\x41\x44MISSION_LIMIT_EXHAUSTED\x10\x04\x12\x1d\n\x19\x41\x44MISSION_LIMIT_UNLIMITED\x10\x05\x32\xb1\x04\n\x0e\x41nalystService\x12\x44\n\x0bSubmitQuery\x12\x1d.fedpca.v1.SubmitQueryRequest\x1a\x16.fedpca.v1.QueryStatus\x12=\n\x0eGetQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus\x12\x41\n\x10WatchQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus0\x01\x12>\n\x0b\x46\x65tchResult\x12\x13.fedpca.v1.QueryRef\x1a\x18.fedpca.v1.ResultMessage0\x01\x12>\n\tGetBudget\x12\x18.fedpca.v1.BudgetRequest\x1a\x17.fedpca.v1.BudgetStatus\x12U\n\x12\x44\x65scribeDeployment\x12$.fedpca.v1.DescribeDeploymentRequest\x1a\x19.fedpca.v1.DeploymentInfo\x12\x42\n\x0bListQueries\x12\x1d.fedpca.v1.ListQueriesRequest\x1a\x14.fedpca.v1.QueryList\x12<\n\x0b\x43\x61ncelQuery\x12\x13.fedpca.v1.QueryRef\x1a\x18.fedpca.v1.CancelReceiptb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64pca/v1/analyst_service.proto\x12\tfedpca.v1\x1a\x1a\x66\x65\x64pca/v1/ciphertext.proto\x1a\x15\x66\x65\x64pca/v1/query.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x12SubmitQueryRequest\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x17\n\x0fquery_signature\x18\x02 \x01(\x0c\x12\x14\n\x0cquery_signer\x18\x03 \x01(\t\"\x1c\n\x08QueryRef\x12\x10\n\x08query_id\x18\x01 \x01(\t\"\xd1\x03\n\x0bQueryStatus\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.fedpca.v1.QueryState\x12\x1a\n\x12owners_contributed\x18\x03 \x01(\r\x12\x0e\n\x06quorum\x18\x04 \x01(\r\x12\x17\n\x0fowners_declined\x18\x05 \x01(\r\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x0e\x66\x61ilure_reason\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10owners_uploading\x18\x08 \x01(\r\x12)\n\x08\x64\x65\x63lines\x18\t \x03(\x0b\x32\x17.fedpca.v1.OwnerDecline\x12\x19\n\x11owners_registered\x18\n \x01(\r\x12\x13\n\x0bpages_final\x18\x0b \x01(\r\x12\x13\n\x0bpages_total\x18\x0c \x01(\r\x12&\n\x06\x63harge\x18\r \x01(\x0e\x32\x16.fedpca.v1.QueryCharge\x12\x35\n\x11result_deleted_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x11\n\x0f_failure_reason\"@\n\x0cOwnerDecline\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"+\n\x0cNoiseSection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05sigma\x18\x02 \x01(\x01\"\xb8\x01\n\x10NoiseDescription\x12,\n\tmechanism\x18\x01 \x01(\x0e\x32\x19.fedpca.v1.NoiseMechanism\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0e\x32\x16.fedpca.v1.Calibration\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12)\n\x08sections\x18\x05 \x03(\x0b\x32\x17.fedpca.v1.NoiseSection\"\xea\x02\n\x0cResultHeader\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x10\n\x08n_owners\x18\x02 \x01(\r\x12*\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1a.fedpca.v1.CiphertextBlock\x12*\n\x05noise\x18\x04 \x01(\x0b\x32\x1b.fedpca.v1.NoiseDescription\x12\x1e\n\x11masked_mean_block\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0ctotal_chunks\x18\x06 \x01(\r\x12\x16\n\x0e\x63ontent_sha256\x18\x07 \x01(\x0c\x12 \n\x13public_record_count\x18\x08 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\x0fquery_signature\x18\t \x01(\x0c\x12\x14\n\x0cquery_signer\x18\n \x01(\tB\x14\n\x12_masked_mean_blockB\x16\n\x14_public_record_count\"r\n\rResultMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpca.v1.ResultHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.fedpca.v1.CiphertextChunkH\x00\x42\t\n\x07payload\"W\n\rBudgetRequest\x12\x12\n\x05\x64\x65lta\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bquery_delta\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_deltaB\x0e\n\x0c_query_delta\"U\n\tNextQuery\x12\x0f\n\x07\x65psilon\x18\x01 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12(\n\x05limit\x18\x03 \x01(\x0e\x32\x19.fedpca.v1.AdmissionLimit\"\xcd\x01\n\x0c\x42udgetStatus\x12\x12\n\nanalyst_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x01\x12\x15\n\repsilon_spent\x18\x03 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x04 \x01(\x01\x12\x15\n\repsilon_limit\x18\x05 \x01(\x01\x12\x12\n\nn_releases\x18\x06 \x01(\r\x12\x13\n\x0blimit_delta\x18\x07 \x01(\x01\x12(\n\nnext_query\x18\x08 \x01(\x0b\x32\x14.fedpca.v1.NextQuery\"\x1b\n\x19\x44\x65scribeDeploymentRequest\"\xde\x02\n\x0e\x44\x65ploymentInfo\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x19\n\x11owners_registered\x18\x04 \x01(\r\x12\x18\n\x10owners_connected\x18\x05 \x01(\r\x12-\n\x0cneighbouring\x18\x06 \x01(\x0e\x32\x17.fedpca.v1.Neighbouring\x12\x1b\n\x13max_delta_per_query\x18\x07 \x01(\x01\x12\x12\n\naccountant\x18\x08 \x01(\t\x12\x12\n\nanalyst_id\x18\t \x01(\t\x12\x16\n\x0e\x62udget_epsilon\x18\n \x01(\x01\x12\x14\n\x0c\x62udget_delta\x18\x0b \x01(\x01\x12/\n\x0bserver_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"#\n\x12ListQueriesRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"\xff\x01\n\x0cQuerySummary\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.fedpca.v1.QueryStatus\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.fedpca.v1.QueryKind\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.fedpca.v1.ProtocolMode\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\naggregates\x18\x07 \x03(\x0e\x32\x18.fedpca.v1.AggregateKind\"5\n\tQueryList\x12(\n\x07queries\x18\x01 \x03(\x0b\x32\x17.fedpca.v1.QuerySummary\"I\n\rCancelReceipt\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.fedpca.v1.QueryStatus\x12\x10\n\x08refunded\x18\x02 \x01(\x08*\xc2\x01\n\nQueryState\x12\x1b\n\x17QUERY_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUERY_STATE_PENDING\x10\x01\x12\x1a\n\x16QUERY_STATE_COLLECTING\x10\x02\x12\x1b\n\x17QUERY_STATE_AGGREGATING\x10\x03\x12\x17\n\x13QUERY_STATE_NOISING\x10\x04\x12\x14\n\x10QUERY_STATE_DONE\x10\x05\x12\x16\n\x12QUERY_STATE_FAILED\x10\x06*{\n\x0bQueryCharge\x12\x1c\n\x18QUERY_CHARGE_UNSPECIFIED\x10\x00\x12\x19\n\x15QUERY_CHARGE_RESERVED\x10\x01\x12\x18\n\x14QUERY_CHARGE_CHARGED\x10\x02\x12\x19\n\x15QUERY_CHARGE_REFUNDED\x10\x03*i\n\x0eNoiseMechanism\x12\x1f\n\x1bNOISE_MECHANISM_UNSPECIFIED\x10\x00\x12\x1c\n\x18NOISE_MECHANISM_GAUSSIAN\x10\x01\x12\x18\n\x14NOISE_MECHANISM_NONE\x10\x02*\xcf\x01\n\x0e\x41\x64missionLimit\x12\x1f\n\x1b\x41\x44MISSION_LIMIT_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x44MISSION_LIMIT_BUDGET\x10\x01\x12!\n\x1d\x41\x44MISSION_LIMIT_PER_QUERY_CAP\x10\x02\x12\x1f\n\x1b\x41\x44MISSION_LIMIT_NOISE_FLOOR\x10\x03\x12\x1d\n\x19\x41\x44MISSION_LIMIT_EXHAUSTED\x10\x04\x12\x1d\n\x19\x41\x44MISSION_LIMIT_UNLIMITED\x10\x05\x32\xb1\x04\n\x0e\x41nalystService\x12\x44\n\x0bSubmitQuery\x12\x1d.fedpca.v1.SubmitQueryRequest\x1a\x16.fedpca.v1.QueryStatus\x12=\n\x0eGetQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus\x12\x41\n\x10WatchQueryStatus\x12\x13.fedpca.v1.QueryRef\x1a\x16.fedpca.v1.QueryStatus0\x01\x12>\n\x0b\x46\x65tchResult\x12\x13.fedpca.v1.QueryRef\x1a\x18.fedpca.v1.ResultMessage0\x01\x12>\n\tGetBudget\x12\x18.fedpca.v1.BudgetRequest\x1a\x17.fedpca.v1.BudgetStatus\x12U\n\x12\x44\x65scribeDeployment\x12$.fedpca.v1.DescribeDeploymentRequest\x1a\x19.fedpca.v1.DeploymentInfo\x12\x42\n\x0bListQueries\x12\x1d.fedpca.v1.ListQueriesRequest\x1a\x14.fedpca.v1.QueryList\x12<\n\x0b\x43\x61ncelQuery\x12\x13.fedpca.v1.QueryRef\x1a\x18.fedpca.v1.CancelReceiptb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpca.v1.analyst_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QUERYSTATE']._serialized_start=2650
-  _globals['_QUERYSTATE']._serialized_end=2844
-  _globals['_QUERYCHARGE']._serialized_start=2846
-  _globals['_QUERYCHARGE']._serialized_end=2969
-  _globals['_NOISEMECHANISM']._serialized_start=2971
-  _globals['_NOISEMECHANISM']._serialized_end=3076
-  _globals['_ADMISSIONLIMIT']._serialized_start=3079
-  _globals['_ADMISSIONLIMIT']._serialized_end=3286
+  _globals['_QUERYSTATE']._serialized_start=2705
+  _globals['_QUERYSTATE']._serialized_end=2899
+  _globals['_QUERYCHARGE']._serialized_start=2901
+  _globals['_QUERYCHARGE']._serialized_end=3024
+  _globals['_NOISEMECHANISM']._serialized_start=3026
+  _globals['_NOISEMECHANISM']._serialized_end=3131
+  _globals['_ADMISSIONLIMIT']._serialized_start=3134
+  _globals['_ADMISSIONLIMIT']._serialized_end=3341
   _globals['_SUBMITQUERYREQUEST']._serialized_start=130
   _globals['_SUBMITQUERYREQUEST']._serialized_end=234
   _globals['_QUERYREF']._serialized_start=236
   _globals['_QUERYREF']._serialized_end=264
   _globals['_QUERYSTATUS']._serialized_start=267
-  _globals['_QUERYSTATUS']._serialized_end=677
-  _globals['_OWNERDECLINE']._serialized_start=679
-  _globals['_OWNERDECLINE']._serialized_end=743
-  _globals['_NOISESECTION']._serialized_start=745
-  _globals['_NOISESECTION']._serialized_end=788
-  _globals['_NOISEDESCRIPTION']._serialized_start=791
-  _globals['_NOISEDESCRIPTION']._serialized_end=975
-  _globals['_RESULTHEADER']._serialized_start=978
-  _globals['_RESULTHEADER']._serialized_end=1340
-  _globals['_RESULTMESSAGE']._serialized_start=1342
-  _globals['_RESULTMESSAGE']._serialized_end=1456
-  _globals['_BUDGETREQUEST']._serialized_start=1458
-  _globals['_BUDGETREQUEST']._serialized_end=1545
-  _globals['_NEXTQUERY']._serialized_start=1547
-  _globals['_NEXTQUERY']._serialized_end=1632
-  _globals['_BUDGETSTATUS']._serialized_start=1635
-  _globals['_BUDGETSTATUS']._serialized_end=1840
-  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_start=1842
-  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_end=1869
-  _globals['_DEPLOYMENTINFO']._serialized_start=1872
-  _globals['_DEPLOYMENTINFO']._serialized_end=2222
-  _globals['_LISTQUERIESREQUEST']._serialized_start=2224
-  _globals['_LISTQUERIESREQUEST']._serialized_end=2259
-  _globals['_QUERYSUMMARY']._serialized_start=2262
-  _globals['_QUERYSUMMARY']._serialized_end=2517
-  _globals['_QUERYLIST']._serialized_start=2519
-  _globals['_QUERYLIST']._serialized_end=2572
-  _globals['_CANCELRECEIPT']._serialized_start=2574
-  _globals['_CANCELRECEIPT']._serialized_end=2647
-  _globals['_ANALYSTSERVICE']._serialized_start=3289
-  _globals['_ANALYSTSERVICE']._serialized_end=3850
+  _globals['_QUERYSTATUS']._serialized_end=732
+  _globals['_OWNERDECLINE']._serialized_start=734
+  _globals['_OWNERDECLINE']._serialized_end=798
+  _globals['_NOISESECTION']._serialized_start=800
+  _globals['_NOISESECTION']._serialized_end=843
+  _globals['_NOISEDESCRIPTION']._serialized_start=846
+  _globals['_NOISEDESCRIPTION']._serialized_end=1030
+  _globals['_RESULTHEADER']._serialized_start=1033
+  _globals['_RESULTHEADER']._serialized_end=1395
+  _globals['_RESULTMESSAGE']._serialized_start=1397
+  _globals['_RESULTMESSAGE']._serialized_end=1511
+  _globals['_BUDGETREQUEST']._serialized_start=1513
+  _globals['_BUDGETREQUEST']._serialized_end=1600
+  _globals['_NEXTQUERY']._serialized_start=1602
+  _globals['_NEXTQUERY']._serialized_end=1687
+  _globals['_BUDGETSTATUS']._serialized_start=1690
+  _globals['_BUDGETSTATUS']._serialized_end=1895
+  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_start=1897
+  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_end=1924
+  _globals['_DEPLOYMENTINFO']._serialized_start=1927
+  _globals['_DEPLOYMENTINFO']._serialized_end=2277
+  _globals['_LISTQUERIESREQUEST']._serialized_start=2279
+  _globals['_LISTQUERIESREQUEST']._serialized_end=2314
+  _globals['_QUERYSUMMARY']._serialized_start=2317
+  _globals['_QUERYSUMMARY']._serialized_end=2572
+  _globals['_QUERYLIST']._serialized_start=2574
+  _globals['_QUERYLIST']._serialized_end=2627
+  _globals['_CANCELRECEIPT']._serialized_start=2629
+  _globals['_CANCELRECEIPT']._serialized_end=2702
+  _globals['_ANALYSTSERVICE']._serialized_start=3344
+  _globals['_ANALYSTSERVICE']._serialized_end=3905
 # @@protoc_insertion_point(module_scope)

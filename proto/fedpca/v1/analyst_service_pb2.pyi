@@ -81,7 +81,7 @@ class QueryRef(_message.Message):
     def __init__(self, query_id: _Optional[str] = ...) -> None: ...
 
 class QueryStatus(_message.Message):
-    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading", "declines", "owners_registered", "pages_final", "pages_total", "charge")
+    __slots__ = ("query_id", "state", "owners_contributed", "quorum", "owners_declined", "deadline", "failure_reason", "owners_uploading", "declines", "owners_registered", "pages_final", "pages_total", "charge", "result_deleted_at")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class QueryStatus(_message.Message):
     PAGES_FINAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CHARGE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_DELETED_AT_FIELD_NUMBER: _ClassVar[int]
     query_id: str
     state: QueryState
     owners_contributed: int
@@ -108,7 +109,8 @@ class QueryStatus(_message.Message):
     pages_final: int
     pages_total: int
     charge: QueryCharge
-    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ..., declines: _Optional[_Iterable[_Union[OwnerDecline, _Mapping]]] = ..., owners_registered: _Optional[int] = ..., pages_final: _Optional[int] = ..., pages_total: _Optional[int] = ..., charge: _Optional[_Union[QueryCharge, str]] = ...) -> None: ...
+    result_deleted_at: _timestamp_pb2.Timestamp
+    def __init__(self, query_id: _Optional[str] = ..., state: _Optional[_Union[QueryState, str]] = ..., owners_contributed: _Optional[int] = ..., quorum: _Optional[int] = ..., owners_declined: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., owners_uploading: _Optional[int] = ..., declines: _Optional[_Iterable[_Union[OwnerDecline, _Mapping]]] = ..., owners_registered: _Optional[int] = ..., pages_final: _Optional[int] = ..., pages_total: _Optional[int] = ..., charge: _Optional[_Union[QueryCharge, str]] = ..., result_deleted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class OwnerDecline(_message.Message):
     __slots__ = ("owner_id", "reason", "detail")

@@ -121,6 +121,7 @@ class AnalystRequests(CoordinatorCore):
             pages_final=self.store.pages_final(key),
             pages_total=page_count(result_total, self.store.page_ciphertexts),
             charge=self._charge(key, record),
+            result_deleted_at=_utc(self.store.result_purged_at(key)),
         )
 
     def _charge(self, key: str, record: QueryRecord) -> Charge:
@@ -167,9 +168,9 @@ class AnalystRequests(CoordinatorCore):
         )
 
     def _check_not_purged(self, key: str, query_id: str) -> None:
-        purged_at = self.store.result_purged_at(key)
+        purged_at = _utc(self.store.result_purged_at(key))
         if purged_at is not None:
-            when = datetime.fromtimestamp(purged_at, UTC).strftime("%Y-%m-%d")
+            when = purged_at.strftime("%Y-%m-%d")
             raise QueryStateError(
                 f"the result of query {query_id!r} was deleted on {when}, when it was older "
                 "than the proxy keeps results ([proxy] keep_results_days); its charge stands"
@@ -363,3 +364,7 @@ def next_query_for(
             list(ledger), limit, query_delta, accountant, neighbouring=neighbouring
         )
     return _NEXT_QUERIES.put(key, found)
+
+
+def _utc(timestamp: float | None) -> datetime | None:
+    return None if timestamp is None else datetime.fromtimestamp(timestamp, UTC)

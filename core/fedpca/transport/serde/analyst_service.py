@@ -124,6 +124,10 @@ def query_status_to_proto(status: QueryStatus) -> analyst_pb.QueryStatus:
         message.deadline.CopyFrom(timestamp_to_proto(status.deadline, "QueryStatus.deadline"))
     if status.failure_reason is not None:
         message.failure_reason = status.failure_reason
+    if status.result_deleted_at is not None:
+        message.result_deleted_at.CopyFrom(
+            timestamp_to_proto(status.result_deleted_at, "QueryStatus.result_deleted_at")
+        )
     return message
 
 
@@ -172,6 +176,11 @@ def query_status_from_proto(message: analyst_pb.QueryStatus) -> QueryStatus:
         pages_total=message.pages_total,
         # Lenient, unlike the state: a value a later proxy adds is only not shown.
         charge=CHARGE_FROM_PROTO.get(message.charge, Charge.UNKNOWN),
+        result_deleted_at=(
+            timestamp_from_proto(message.result_deleted_at, f"{what}.result_deleted_at")
+            if message.HasField("result_deleted_at")
+            else None
+        ),
     )
 
 
