@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import secrets
 
+from fedpca.codec.packing import PackingBounds, owner_value_bound
 from fedpca.query import QuerySpec
 
 MASK_SECURITY_BITS = 40
@@ -71,6 +72,15 @@ def mask_width(sum_bound: int) -> int:
     variation by |v − v'|/W <= 2V/W = 2^-κ per coordinate.
     """
     return sum_bound << (MASK_SECURITY_BITS + 1)
+
+
+def masked_sum_bound(spec: QuerySpec) -> int:
+    """|v|max of the summed sum vector in masked mode, in clip units (c = 1: owners send
+    v in units of c) on the 2^-f grid: the plan sizes its slots with it and the proxy its
+    mean mask, so both read it here (the proxy used c itself, and refused a query with
+    c != 1 after its owners had uploaded; found by review)."""
+    per_owner = PackingBounds(1.0, spec.max_records_per_owner, 1, spec.frac_bits, 0)
+    return spec.max_owners * owner_value_bound(per_owner)
 
 
 def row_aligned_length(m: int, k: int) -> int:

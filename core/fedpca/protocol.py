@@ -65,6 +65,7 @@ from fedpca.masked_release import (
     masked_release_sensitivity,
     masked_rounding_slack,
     masked_scatter_sensitivity,
+    masked_sum_bound,
     row_aligned_length,
     row_aligned_positions,
 )
@@ -551,12 +552,10 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
     worst_sigma_int = math.ldexp(z * worst, f)
     headroom = _headroom(worst_sigma_int, upper_triangle_length(m), z)
     n_total = spec.max_owners * spec.max_records_per_owner
-    per_owner = {
-        "scatter": PackingBounds(1.0, spec.max_records_per_owner, 1, f, 0),
-        "sum": PackingBounds(1.0, spec.max_records_per_owner, 1, f, 0),
-    }
-    r_bound = spec.max_owners * owner_value_bound(per_owner["scatter"])
-    v_bound = spec.max_owners * owner_value_bound(per_owner["sum"])
+    # An owner's R and v entries have one bound (clip units), the sum's W is sized from v.
+    per_owner = owner_value_bound(PackingBounds(1.0, spec.max_records_per_owner, 1, f, 0))
+    r_bound = spec.max_owners * per_owner
+    v_bound = masked_sum_bound(spec)
     width = mask_width(v_bound)
     # |T| <= N 2^f |R| + 2 |v| W + W^2 + N 2^f |E| + |F| in 2^(2f) units (|F| <= N 2^f).
     t_bound = (n_total << f) * r_bound + 2 * v_bound * width + width * width
@@ -576,13 +575,11 @@ def _masked_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> 
         noise_headroom=headroom,
     )
     _check_int64(bounds)
-    scatter_bound = owner_value_bound(per_owner["scatter"])
-    sum_bound = owner_value_bound(per_owner["sum"])
     rows = SlotLayout(key_bits, slot_bits, k, row_aligned_length(m, k))
     owner_blocks = (
-        Block(SCATTER_ROWS, rows, scatter_bound),
-        Block(SUM_SINGLE, SlotLayout(key_bits, slot_bits, 1, m), sum_bound),
-        Block(SUM_WINDOWS, SlotLayout(key_bits, slot_bits, k, m * k), sum_bound),
+        Block(SCATTER_ROWS, rows, per_owner),
+        Block(SUM_SINGLE, SlotLayout(key_bits, slot_bits, 1, m), per_owner),
+        Block(SUM_WINDOWS, SlotLayout(key_bits, slot_bits, k, m * k), per_owner),
     )
     result_blocks = (
         Block(SCATTER_ROWS, rows, (1 << (slot_bits - 1)) - 1),

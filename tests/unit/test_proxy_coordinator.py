@@ -1951,12 +1951,21 @@ def test_a_replaced_upload_breaking_last_does_not_keep_the_newer_ones_place(
     assert coordinator.store.aggregate(key("q")) == b""
 
 
+@pytest.mark.parametrize("clip_norm", [1.0, 2.5])
 def test_masked_mode_without_noise_unmasks_to_the_centred_scatter(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    clip_norm: float,
 ) -> None:
+    """At a clip norm other than 1 the proxy sized its mean mask in data units, the plan
+    in clip units, and failed every such query after its owners had uploaded (review)."""
     public_key, private_key = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool, make_config(neighbouring=REPLACE_ONE))
-    spec = make_spec(public_key, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE)
+    spec = make_spec(
+        public_key, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE, clip_norm=clip_norm
+    )
     coordinator.submit("alice", signed(spec))
     plan = coordinator.plan(Q1)
     assert plan.owner_block(SCATTER_ROWS).layout.slots_per_ciphertext == 2  # 512-bit key
@@ -1976,12 +1985,15 @@ def test_masked_mode_without_noise_unmasks_to_the_centred_scatter(
     centred = x.T @ x - np.outer(x.sum(axis=0), x.sum(axis=0)) / len(x)
     upper = np.triu_indices(34)
     tolerance = 4 * len(x) * QUANTISATION_STEP
-    np.testing.assert_allclose(scatter[upper], centred[upper], rtol=0, atol=tolerance)
+    # Owners send the scatter in units of c^2 and the sum in units of c.
+    np.testing.assert_allclose(
+        scatter[upper] * clip_norm**2, centred[upper], rtol=0, atol=tolerance * clip_norm**2
+    )
     result = coordinator.result(ANALYST, "q1")
     assert result.masked_mean_block == MASKED_SUM and n_records == 351
     # The masked sum is v + b: far from v (the mask is 2^40 times wider than |v|).
     v_prime = decrypt_block(pool, private_key, coordinator, "q1", MASKED_SUM)
-    v_true = x.sum(axis=0) * 2.0**spec.frac_bits
+    v_true = x.sum(axis=0) * 2.0**spec.frac_bits / clip_norm
     assert min(abs(a - b) for a, b in zip(v_prime, v_true, strict=True)) > 2**40
 
 

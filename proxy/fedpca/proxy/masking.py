@@ -38,15 +38,18 @@ from phe.paillier import PaillierPublicKey
 
 from fedpca.codec import (
     CryptoPool,
-    PackingBounds,
     ciphertexts_from_bytes,
     ciphertexts_to_bytes,
-    owner_value_bound,
     pack_slots,
 )
 from fedpca.dp.noise import NoiseSampler, symmetric_noise
 from fedpca.errors import LayoutError, QueryStateError
-from fedpca.masked_release import mask_width, masked_residue, row_aligned_positions
+from fedpca.masked_release import (
+    mask_width,
+    masked_residue,
+    masked_sum_bound,
+    row_aligned_positions,
+)
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,
@@ -178,16 +181,10 @@ def masked_result(
 
 
 def _mask_width(plan: ReleasePlan) -> int:
-    """W of the mean mask, from the query's public bounds.
-
-    protocol._masked_plan derives it from the bound on the summed sum vector,
-    v_bound = max_owners · owner_value_bound(c, max_records_per_owner, 1 owner, f);
-    it is recomputed here the same way (protocol.py exposes no helper) and
-    cross-checked against the plan's masked-sum bound, v_bound + W.
-    """
-    spec = plan.spec
-    per_owner = PackingBounds(spec.clip_norm, spec.max_records_per_owner, 1, spec.frac_bits, 0)
-    v_bound = spec.max_owners * owner_value_bound(per_owner)
+    """W of the mean mask, from the query's public bounds (the bound on the summed sum
+    vector, as the plan sizes it), cross-checked against the plan's masked-sum bound,
+    v_bound + W."""
+    v_bound = masked_sum_bound(plan.spec)
     width = mask_width(v_bound)
     if plan.result_block(MASKED_SUM).bound != v_bound + width:
         raise LayoutError("the masked-sum bound of the plan does not match the mask width")
