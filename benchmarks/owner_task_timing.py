@@ -9,14 +9,18 @@ two cases:
   records are found through the label index built when the table is loaded, not by a
   pass over the N labels;
 * PCA at cap K, M = 10, at N = K and N = K + 1: the step where the owner starts to draw
-  a sample (and copies the K records drawn), which remains.
+  a sample (and copies the K records drawn), which remains;
+* histograms at cap K_H = 100,000: 1,000 bins of a column whose values are spread or all
+  in one bin, and 2 bins in each of 50 listed categories with K_H records or none (the
+  bins and categories were looked up with steps that depend on the values).
 
 Times are wall-clock medians of repeated calls in this one process (no network, no
 encryption); read them as the size of a step, not as what a deployment's clock shows.
 
 Usage: python benchmarks/owner_task_timing.py [--repeats 15] [--largest 2000000]
 
-The last line reads ``dca_ratio_largest_over_smallest=<x> pca_boundary_us=<a>,<b>``.
+The last line reads ``dca_ratio_largest_over_smallest=<x> pca_boundary_us=<a>,<b>
+histogram_ratio_spread_over_one_bin=<y> grouped_ratio_full_over_empty=<z>``.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import time
 
 import numpy as np
 
+from fedpca.aggregates import fixed_point_aggregates
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner.compute import LocalTable, contributed_rows, padded_rows, record_cap
-from fedpca.query import QueryKind, QuerySpec
+from fedpca.query import Aggregate, QueryKind, QuerySpec
 
 CAP = 1_000
 PUBLIC_KEY_N = (1 << 2047) + 1  # only its size matters here: nothing is encrypted
@@ -67,6 +72,32 @@ def _task_seconds(table: LocalTable, spec: QuerySpec, repeats: int) -> float:
     return statistics.median(times)
 
 
+HISTOGRAM_CAP = 100_000
+
+
+def _histogram_ms(part: Aggregate, rows: np.ndarray, repeats: int) -> float:
+    """Median milliseconds of an owner's padded histogram of ``rows``."""
+    spec = QuerySpec(
+        query_id="timing",
+        kind=QueryKind.AGGREGATE,
+        n_features=len(part.read_columns),
+        epsilon=1.0,
+        delta=1e-6,
+        n_components=1,
+        analyst_public_key_n=PUBLIC_KEY_N,
+        analyst_key_fingerprint="sha256:timing",
+        aggregates=(part,),
+        max_records_per_owner=HISTOGRAM_CAP,
+        max_owners=4,
+    )
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fixed_point_aggregates(rows, spec, pad_to=HISTOGRAM_CAP)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="calls per point (median)")
@@ -98,9 +129,27 @@ def main() -> None:
         table = LocalTable(rng.uniform(-1, 1, (n, m)), None, "benchmark")
         boundary_us.append(_task_seconds(table, pca, max(args.repeats, 200)) * 1e6)
         print(f"  N = {n:>9,}   task {boundary_us[-1]:7.1f} µs")
+    k = HISTOGRAM_CAP
+    bins = Aggregate.histogram((0,), (tuple(np.linspace(0.0, 1.0, 1001)),))
+    print(f"histogram, K = {k:,}, 1,000 bins")
+    one_bin = _histogram_ms(bins, np.full((k, 1), 0.5), args.repeats)
+    spread = _histogram_ms(bins, rng.uniform(0.0, 1.0, (k, 1)), args.repeats)
+    print(
+        f"  values all in one bin   {one_bin:7.3f} ms\n  values spread           {spread:7.3f} ms"
+    )
+    grouped = Aggregate.histogram(
+        (1,), ((0.0, 0.5, 1.0),), group_column=0, categories=tuple(range(1, 51))
+    )
+    listed = np.column_stack([rng.integers(1, 51, k), rng.uniform(0, 1, k)]).astype(float)
+    print(f"histogram, K = {k:,}, 2 bins in each of 50 categories")
+    empty = _histogram_ms(grouped, listed[:0], args.repeats)
+    full = _histogram_ms(grouped, listed, args.repeats)
+    print(f"  no records              {empty:7.3f} ms\n  K records, all listed   {full:7.3f} ms")
     print(
         f"dca_ratio_largest_over_smallest={dca_ms[-1] / dca_ms[0]:.3f} "
-        f"pca_boundary_us={boundary_us[0]:.1f},{boundary_us[1]:.1f}"
+        f"pca_boundary_us={boundary_us[0]:.1f},{boundary_us[1]:.1f} "
+        f"histogram_ratio_spread_over_one_bin={spread / one_bin:.3f} "
+        f"grouped_ratio_full_over_empty={full / empty:.3f}"
     )
 
 

@@ -332,6 +332,54 @@ def test_histogram_cells_follow_numpy_and_the_edge_bin_rule() -> None:
     assert cells.tolist() == [2, 1, -1]  # category 7 is the second table; 6 is left out
 
 
+@pytest.mark.parametrize("n_edges", [2, 3, 4, 5, 8, 9, 17, 1001])
+def test_histogram_cells_are_numpys_bins_for_every_edge_count(n_edges: int) -> None:
+    """The owner's bin search does the same steps for every value (review: numpy's
+    searchsorted branched on the data, so the time showed how spread a column is); it
+    must still give numpy's bins, edges and values outside them included."""
+    rng = np.random.default_rng(n_edges)
+    edges = np.sort(rng.choice(np.arange(-5000, 5001), n_edges, replace=False)) / 1000
+    part = Aggregate.histogram((0,), (tuple(edges),))
+    values = np.concatenate(
+        [
+            edges,  # exactly on every edge
+            np.nextafter(edges, -np.inf),
+            np.nextafter(edges, np.inf),
+            rng.uniform(-6, 6, 500),
+            [-1e300, 1e300, -0.0, 0.0],
+        ]
+    )
+    expected = np.clip(np.searchsorted(edges, values, side="right") - 1, 0, n_edges - 2)
+    assert histogram_cells(part, values[:, None], None).tolist() == expected.tolist()
+
+
+def test_grouped_histogram_cells_match_a_row_by_row_reading() -> None:
+    rng = np.random.default_rng(3)
+    categories = (2.0, -1.0, 0.0, 9.5)
+    part = Aggregate.histogram(
+        (0, 1), ((0.0, 1.0, 2.0), (0.0, 0.5, 1.0, 1.5)), group_column=2, categories=categories
+    )
+    raw = rng.uniform(-0.5, 2.5, (400, 2))
+    group = rng.choice([2.0, -1.0, 0.0, -0.0, 9.5, 3.0, 0.5], 400)
+    cells = histogram_cells(part, raw, group)
+    for row, g, cell in zip(raw, group, cells, strict=True):
+        if g not in categories:
+            assert cell == -1
+            continue
+        first = min(max(int(np.searchsorted((0.0, 1.0, 2.0), row[0], "right")) - 1, 0), 1)
+        second = min(max(int(np.searchsorted((0.0, 0.5, 1.0, 1.5), row[1], "right")) - 1, 0), 2)
+        assert cell == categories.index(g) * 6 + first * 3 + second
+
+
+def test_a_histogram_counts_only_the_real_rows_of_a_padded_block() -> None:
+    part = Aggregate.histogram((0,), ((0.0, 1.0, 2.0),), group_column=1, categories=(0.0, 1.0))
+    rows = np.array([[0.5, 0.0], [1.5, 1.0], [1.5, 1.0], [0.5, 7.0]])
+    spec = query(part)
+    padded = fixed_point_aggregates(rows, spec, pad_to=50).values
+    assert padded.tolist() == [1, 0, 0, 2]
+    assert fixed_point_aggregates(rows[:0], spec, pad_to=50).values.tolist() == [0, 0, 0, 0]
+
+
 # --------------------------------------------------------------------- the query
 def test_aggregate_validation_names_the_problem() -> None:
     cases: list[tuple[dict[str, Any], str]] = [

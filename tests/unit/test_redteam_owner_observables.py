@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fedpca.aggregates import fixed_point_aggregates
 from fedpca.errors import FedpcaError
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import DataConfig
 from fedpca.preprocess import clip_rows
-from fedpca.query import QueryKind
+from fedpca.query import Aggregate, QueryKind, QuerySpec
 from helpers import make_query
 
 # ------------------------------------------------------------ whether a node starts
@@ -139,6 +140,54 @@ def test_dca_statistics_take_the_same_time_whatever_the_number_of_records_below_
     assert ratio < 1.25, (
         f"{best['at the cap'] * 1e3:.1f} ms at the cap against "
         f"{best['one record'] * 1e3:.1f} ms for one record ({ratio:.2f}x), same padding"
+    )
+
+
+@pytest.mark.slow  # wall-clock ratios: with the other timing checks, off the fast tier
+@pytest.mark.parametrize("grouped", [False, True], ids=["1000 bins", "50 categories"])
+def test_a_histogram_takes_the_same_time_whatever_the_rows_hold(grouped: bool) -> None:
+    """An owner's histogram took time that showed its data to the proxy's clock (review,
+    K = 100,000): numpy's binary search branched on the values, so a 1,000-bin histogram
+    of a spread column took 7.9 ms against 2.7 ms for a constant one, and the category
+    lookup wrote only the matching rows, so 50 listed categories took 10.6 ms with K
+    records against 6.9 ms with none."""
+    k = 100_000
+    if grouped:
+        part = Aggregate.histogram(
+            (1,), ((0.0, 0.5, 1.0),), group_column=0, categories=tuple(range(1, 51))
+        )
+    else:
+        part = Aggregate.histogram((0,), (tuple(np.linspace(0.0, 1.0, 1001)),))
+    spec = QuerySpec(
+        query_id="timing",
+        kind=QueryKind.AGGREGATE,
+        n_features=len(part.read_columns),
+        epsilon=1.0,
+        delta=1e-6,
+        n_components=1,
+        analyst_public_key_n=3,
+        analyst_key_fingerprint="sha256:timing",
+        aggregates=(part,),
+        max_records_per_owner=k,
+        max_owners=4,
+    )
+    rng = np.random.default_rng(1)
+    if grouped:  # every record in a listed category, or none at all
+        spread = np.column_stack([rng.integers(1, 51, k), rng.uniform(0, 1, k)]).astype(float)
+        other = spread[:0]
+    else:  # every value in its own place, or all in one bin
+        spread = rng.uniform(0.0, 1.0, (k, 1))
+        other = np.full((k, 1), 0.5)
+
+    def histogram(rows: np.ndarray) -> Callable[[], object]:
+        return lambda: fixed_point_aggregates(rows, spec, pad_to=k)
+
+    best = _fastest_of(9, {"spread": histogram(spread), "other": histogram(other)})
+    ratio = max(best.values()) / min(best.values())
+    assert ratio < 1.15, (
+        f"spread records: {best['spread'] * 1e3:.2f} ms; "
+        f"{'no records' if grouped else 'one value'}: {best['other'] * 1e3:.2f} ms "
+        f"({ratio:.2f}x)"
     )
 
 
