@@ -439,7 +439,10 @@ def _stats_plan(spec: QuerySpec, key_bits: int, statistics: StatisticsSpec) -> R
                     math.ldexp(sigma_clip, section.bits(f)),
                 )
             )
-        z_effective = 1.0 / math.sqrt(
+        # Rounded down by 2^-50, more than the few ulps the floating-point sum can be
+        # high by (review: one ulp above the exact worst case), and far less than the
+        # 2^-48 added to the scale above, so z_effective stays at or above z.
+        z_effective = (1.0 - 2.0**-50) / math.sqrt(
             statistics.worst_case_change(
                 [
                     math.inf

@@ -168,6 +168,47 @@ def test_one_record_moves_each_section_within_its_bound(kind: str, frac_bits: in
     assert attained == {name: Fraction(add) for name, (add, _) in bounds.items()}
 
 
+@pytest.mark.parametrize("frac_bits", [8, 9, 17, 32, 33, 41, 48])
+def test_the_recorded_noise_multiplier_covers_the_exact_worst_case(frac_bits: int) -> None:
+    """The ledger records z_effective, recomputed in floating point from the integer
+    noise scales; the worst neighbouring change, in exact fractions, must not exceed
+    1/z_effective^2 (review: it was one ulp above, loss * z^2 = 1 + 1.1e-16)."""
+    rng = np.random.default_rng(frac_bits)
+    kinds = list(PARTS)
+    for neighbouring, bounded in (
+        (Neighbouring.ADD_REMOVE, False),
+        (Neighbouring.ADD_REMOVE, True),
+        (Neighbouring.REPLACE_ONE, False),
+    ):
+        for _ in range(4):
+            weights = tuple(float(w) for w in rng.uniform(0.1, 3.0, 12))
+            spec = query(
+                *(PARTS[kind] for kind in kinds),
+                frac_bits=frac_bits,
+                neighbouring=neighbouring,
+                bounded_owner_tables=bounded,
+                noise_weights=weights,
+            )
+            plan = ReleasePlan.for_query(spec, 2048)
+            add_loss, swap_loss = Fraction(0), Fraction(0)
+            sections = zip(plan.statistics.sections, plan.sections, strict=True)
+            for info, noise in sections:
+                index, name = info.name.split(".", 1)
+                add, swap = SQUARED_BOUNDS[kinds[int(index)]][name]
+                if noise.sigma_int == 0:  # released exactly: it must not move
+                    assert neighbouring is Neighbouring.REPLACE_ONE and swap == 0, info.name
+                    continue
+                per_unit = Fraction(4 ** info.bits(frac_bits)) / Fraction(noise.sigma_int) ** 2
+                add_loss += Fraction(add) * per_unit
+                swap_loss += Fraction(swap) * per_unit
+            if neighbouring is Neighbouring.REPLACE_ONE:
+                worst = swap_loss
+            else:
+                worst = add_loss if bounded else max(add_loss, swap_loss)
+            z = Fraction(plan.noise_multiplier)
+            assert worst * z * z <= 1, (neighbouring, bounded, float(worst * z * z - 1))
+
+
 def test_swap_bounds_are_attained_or_nearly() -> None:
     spec = query(STATS, JOINT)
     base = _table(2, 10)
