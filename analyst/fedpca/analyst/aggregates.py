@@ -10,9 +10,10 @@ Descriptive statistics
     mean = m + s·Σu/N; variance and covariance from the centred second moments,
     (Σuuᵀ − ΣuΣuᵀ/N)/(N − ddof), scaled by s_i s_j. With ``clip=True`` (the default,
     labelled in every result) the post-processing keeps them consistent: N at least 1,
-    means inside the public bounds, variances in [0, s²], the covariance projected onto
-    the positive semidefinite matrices (negative eigenvalues set to 0), correlations
-    from that covariance.
+    means inside the public bounds, variances in [0, s² · N/(N − ddof)], the covariance
+    projected onto the positive semidefinite matrices (negative eigenvalues set to 0)
+    and its rows and columns scaled down to those variances, correlations from that
+    covariance.
 
 Histograms
     The noisy counts are integers (discrete Gaussian noise on the integer grid).
@@ -85,7 +86,7 @@ class DescriptiveStatistics:
 
     Attributes
     ----------
-    n_samples : the noisy count N.
+    n_samples : the count N (noisy under add/remove, exact under replace-one).
     mean : (d,) in the columns' units.
     variance : (d,) or None (moments = mean).
     covariance, correlation : (d, d) or None (moments other than covariance).

@@ -49,7 +49,8 @@ class FederatedStatistics(AggregateEstimator):
     ddof : variances and covariances divide by N − ddof (0 as numpy.var, 1 as
         numpy.cov).
     clip : post-process for consistency (N >= 1, means within the bounds, variances in
-        [0, (hi − lo)²/4], covariance positive semidefinite); labelled ``clipped_``.
+        [0, (hi − lo)²/4 · N/(N − ddof)], covariance positive semidefinite and scaled
+        to those variances); labelled ``clipped_``.
     """
 
     def __init__(
@@ -142,7 +143,8 @@ FederatedStatistics.__doc__ = (
     + """
     Attributes
     ----------
-    n_samples_ : noisy count N.
+    n_samples_ : the count N: noisy under add/remove, exact under replace-one (where
+        every owner's record count is public).
     mean_ : (d,) means in the columns' units.
     variance_ : (d,) or None (moments="mean").
     covariance_, correlation_ : (d, d) or None (moments other than "covariance").
