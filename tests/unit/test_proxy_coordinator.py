@@ -1225,6 +1225,38 @@ def test_declines_are_public_one_line_and_fail_a_query_whose_quorum_is_out_of_re
         coordinator.decline("owner-1", key("q3"), "policy_refusal")
 
 
+def test_a_quorum_put_out_of_reach_before_a_restart_fails_the_query_at_start(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """A process stopped between a decline's commit and the quorum check left the query
+    collecting to its deadline; an owner's upload meanwhile made it fail charged, where
+    it should have failed at once, refunded (review). The same holds for an allow-list
+    that shrank below the quorum across a restart."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", signed(make_spec(public_key, "q1", quorum=3)))
+    coordinator.submit("alice", signed(make_spec(public_key, "q2", quorum=2)))
+    charged = coordinator.budget("alice").n_releases
+    # The decline committed; the process stopped before its check.
+    coordinator.store.record_decline(Q1, "owner-0", "policy_refusal")
+    coordinator.store.close()
+    restarted = make_coordinator(tmp_path, pool)
+    assert restarted.recover() == [Q1]
+    record = restarted.store.query(Q1)
+    assert record.state is QueryState.FAILED
+    assert record.failure_reason is not None
+    assert "1 of 3 owners declined (owner-0: policy_refusal)" in record.failure_reason
+    assert restarted.budget("alice").n_releases == charged - 1  # refunded
+    assert restarted.store.query(key("q2")).state is QueryState.COLLECTING
+    restarted.store.close()
+    fewer = replace(make_config(), owners=OwnersConfig(frozenset({"owner-1"})))
+    shrunk = make_coordinator(tmp_path, pool, fewer)
+    assert shrunk.recover() == [key("q2")]
+    assert shrunk.store.query(key("q2")).failure_reason == (
+        "the quorum of 2 can no longer be reached: the proxy now accepts 1 owner(s)"
+    )
+
+
 def test_pages_left_unreleased_by_a_crash_are_released_at_restart(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
 ) -> None:

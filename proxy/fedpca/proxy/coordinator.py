@@ -591,6 +591,9 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             handled.append(record.query_id)
             self._schedule(record.query_id)
         for record in self.store.queries(QueryState.COLLECTING, QueryState.AGGREGATING):
+            if self._fail_if_quorum_unreachable(record.query_id):
+                handled.append(record.query_id)
+                continue
             context = self._context(record.query_id)
             removed = self.store.discard_partial_uploads(
                 record.query_id,

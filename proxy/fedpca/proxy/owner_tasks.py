@@ -215,18 +215,24 @@ class OwnerTasks(CoordinatorCore):
         self._fail_if_quorum_unreachable(query_id)
         self._notify()
 
-    def _fail_if_quorum_unreachable(self, query_id: str) -> None:
+    def _fail_if_quorum_unreachable(self, query_id: str) -> bool:
+        """Fail a collecting query that too few owners are left to reach its quorum;
+        whether it did. Also called at start (:meth:`Coordinator.recover`): a process
+        stopped between a decline's commit and this check left the query collecting
+        to its deadline, where an owner's upload made it fail charged (found by review)."""
         record = self.store.query(query_id)
         if record.state is not QueryState.COLLECTING:
-            return
+            return False
         quorum = int(record.spec.get("quorum", 1))
         declines = self.store.declines(query_id)
         available = len(self.registered_owners - set(declines))
         if available >= quorum:
-            return
+            return False
         listed = "; ".join(f"{owner}: {why}" for owner, why in sorted(declines.items()))
-        reason = (
-            f"the quorum of {quorum} can no longer be reached: {len(declines)} of "
-            f"{len(self.registered_owners)} owners declined ({listed})"
+        reason = f"the quorum of {quorum} can no longer be reached: " + (
+            f"{len(declines)} of {len(self.registered_owners)} owners declined ({listed})"
+            if declines  # else the allow-list shrank below the quorum across a restart
+            else f"the proxy now accepts {len(self.registered_owners)} owner(s)"
         )
         self._fail(query_id, reason)
+        return True
