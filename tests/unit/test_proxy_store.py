@@ -477,9 +477,7 @@ def test_free_pages_left_by_an_earlier_proxy_are_scrubbed_once(
         raw.execute("CREATE TABLE leftovers (data BLOB)")
         raw.executemany("INSERT INTO leftovers VALUES (?)", [(marker,)] * 400)
         raw.commit()
-        raw.execute("DELETE FROM leftovers")
-        raw.commit()
-        raw.execute("DROP TABLE leftovers")
+        raw.execute("DELETE FROM leftovers")  # the table stays: a file of no tables is refused
         raw.commit()
     assert marker in path.read_bytes()
     s = ProxyStore(path, page_ciphertexts=PAGE)
@@ -758,6 +756,42 @@ def _old_database(path: Path, version: int) -> None:
 
 
 _OLD_EVENTS = {("alice", "q-stats"): 2.0, ("bob", "q-masked"): 4.0}
+
+
+def test_a_reader_leaves_an_older_database_as_it_is(tmp_path: Path) -> None:
+    """``proxy status`` opened the database as the proxy does, so the new version's
+    status migrated a file that the older proxy serving it still used (review)."""
+    path = tmp_path / "old.sqlite3"
+    _old_database(path, 3)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match=r"schema version 3, this fedpca reads 4.*proxy serve"):
+        ProxyStore(path, page_ciphertexts=PAGE, read_only=True)
+    assert path.read_bytes() == before
+    ProxyStore(path, page_ciphertexts=PAGE).close()  # the proxy itself migrates it
+    reader = ProxyStore(path, page_ciphertexts=PAGE, read_only=True)
+    assert {r.query_id for r in reader.queries()} == {"alice/q-stats", "bob/q-masked"}
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.create_query("alice/q-new", "alice", {}, {}, deadline_at=10.0)
+    reader.close()
+    with pytest.raises(ConfigError, match="no proxy database"):
+        ProxyStore(tmp_path / "missing.sqlite3", read_only=True)
+    assert not (tmp_path / "missing.sqlite3").exists()
+
+
+def test_an_sqlite_file_without_tables_is_not_taken_for_a_new_database(tmp_path: Path) -> None:
+    """A backup taken of the wrong path is an SQLite file with no tables; a proxy
+    started on it created its tables and started every budget again (review)."""
+    path = tmp_path / "backup.sqlite3"
+    source = sqlite3.connect(str(tmp_path / "nothing-here.sqlite3"))
+    target = sqlite3.connect(str(path))
+    source.backup(target)
+    source.close()
+    target.close()
+    assert path.stat().st_size > 0
+    with pytest.raises(ConfigError, match="SQLite file with no tables"):
+        ProxyStore(path, page_ciphertexts=PAGE)
+    with sqlite3.connect(str(path)) as check:
+        assert check.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])

@@ -173,7 +173,7 @@ def status_command(config_path: Path) -> None:
             f"no proxy database: {database_missing(database)} (has the proxy run here?)"
         )
     try:
-        store = ProxyStore(database, neighbouring=config.privacy.neighbouring)
+        store = ProxyStore(database, neighbouring=config.privacy.neighbouring, read_only=True)
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     try:

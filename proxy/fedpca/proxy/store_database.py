@@ -116,6 +116,9 @@ class StoreDatabase:
         transaction, one fsync, per chunk; benchmarks compare the two).
     announce_creation : log a warning when the file is created (False: `proxy init`,
         whose job that is).
+    read_only : read an existing database of this version, changing nothing (``proxy
+        status``, which runs beside a serving proxy without its lock: it migrated the
+        file under a running older proxy, found by review).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class StoreDatabase:
         neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
         group_commit: bool = True,
         announce_creation: bool = True,
+        read_only: bool = False,
     ) -> None:
         self.neighbouring = Neighbouring(neighbouring)
         if page_ciphertexts < 1:
@@ -134,6 +138,8 @@ class StoreDatabase:
         self.page_ciphertexts = page_ciphertexts
         self.path = Path(path)
         created = not holds_database(self.path)
+        if created and read_only:
+            raise ConfigError(f"no proxy database: {database_missing(self.path)}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -143,7 +149,7 @@ class StoreDatabase:
         self._clock = clock
         self._lock = threading.RLock()
         try:
-            self._open(page_ciphertexts)
+            self._open(page_ciphertexts, created=created, read_only=read_only)
         except ConfigError:
             with contextlib.suppress(AttributeError, sqlite3.Error):
                 self._conn.close()
@@ -174,13 +180,15 @@ class StoreDatabase:
                 self.path,
             )
 
-    def _open(self, page_ciphertexts: int) -> None:
-        """Connect, set the journal, create or migrate the tables."""
+    def _open(self, page_ciphertexts: int, *, created: bool, read_only: bool) -> None:
+        """Connect, set the journal, create or migrate the tables (check their version,
+        ``read_only``)."""
         self._conn = sqlite3.connect(
             str(self.path), isolation_level=None, check_same_thread=False, timeout=30.0
         )
         self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
+        if not read_only:  # the journal mode is the file's: a reader leaves it as it is
+            self._conn.execute("PRAGMA journal_mode=WAL")
         # FULL: a committed transaction survives power loss, not only a process crash.
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
@@ -198,6 +206,26 @@ class StoreDatabase:
                 f"{self.path} is an owner's budget ledger, not a proxy database: check "
                 "[proxy] database (or --database)"
             )
+        if not tables and not created:
+            # Not a new database: an SQLite file with nothing in it, e.g. a backup taken
+            # of a path where no database was (which SQLite creates). Starting on it
+            # would start every analyst's budget again (found by review).
+            raise ConfigError(
+                f"{self.path} is an SQLite file with no tables, not a proxy database (a "
+                "backup taken of the wrong path?): restore the right file, or delete this "
+                "one if the proxy is meant to start with a new, empty database"
+            )
+        if read_only:
+            self._conn.execute("PRAGMA query_only=ON")
+            row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None or int(row["value"]) != SCHEMA_VERSION:
+                found = "none" if row is None else row["value"]
+                raise ConfigError(
+                    f"{self.path}: schema version {found}, this fedpca reads {SCHEMA_VERSION}; "
+                    "it is migrated by `fedpca proxy serve` of this version (once the "
+                    "proxy that serves it now has stopped), not by a command that reads it"
+                )
+            return
         for statement in SCHEMA.split(";"):
             if statement.strip():
                 self._conn.execute(statement)
