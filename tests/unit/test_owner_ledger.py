@@ -18,7 +18,13 @@ import pytest
 from fedpca.dp.accounting import Accountant, compose_epsilon
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import BudgetExceededError, CalibrationError, CompositionError, PolicyError
+from fedpca.errors import (
+    BudgetExceededError,
+    CalibrationError,
+    CompositionError,
+    ConfigError,
+    PolicyError,
+)
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.query import Neighbouring
@@ -305,6 +311,53 @@ def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
     assert migrated.is_handled("alice/q0") and migrated.answered_under("d1") is None
     migrated.record_task("alice/q9", TaskOutcome.DECLINED, "y", spec_digest="d9")
     assert migrated.answered_under("d9") == "alice/q9"
+
+
+def test_a_reader_leaves_an_older_ledger_as_it_is(tmp_path: Path) -> None:
+    """``owner budget`` opened the ledger as the node does, so the new version's command
+    migrated the ledger of a running older node, which then refused to restart (review)."""
+    old = tmp_path / "old.sqlite3"
+    with sqlite3.connect(old) as conn:
+        conn.executescript(
+            """
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema_version', '5');
+            CREATE TABLE tasks (query_id TEXT PRIMARY KEY, state TEXT NOT NULL,
+                detail TEXT NOT NULL, upload_id TEXT, upload_started INTEGER NOT NULL
+                DEFAULT 0, updated_at REAL NOT NULL, seed BLOB, capacity INTEGER,
+                spec_digest TEXT);
+            """
+        )
+    conn.close()
+    before = old.read_bytes()
+    with pytest.raises(ConfigError, match=r"version 5, this fedpca reads 6.*owner serve"):
+        BudgetLedger(old, read_only=True)
+    assert old.read_bytes() == before
+    BudgetLedger(old).reserve(_event("alice/q1"), BUDGET, spec_digest="d1")  # the node migrates
+    reader = BudgetLedger(old, read_only=True)
+    assert [entry.event.query_id for entry in reader.events()] == ["alice/q1"]
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.reserve(_event("alice/q2"), BUDGET, spec_digest="d2")
+    with pytest.raises(ConfigError, match="no budget ledger"):
+        BudgetLedger(tmp_path / "missing.sqlite3", read_only=True)
+    assert not (tmp_path / "missing.sqlite3").exists()
+
+
+def test_an_sqlite_file_without_tables_is_not_taken_for_a_new_ledger(tmp_path: Path) -> None:
+    """A backup taken of the wrong path is an SQLite file with no tables; a node started
+    on it made a new ledger of it, and the owner's budget started again (review)."""
+    path = tmp_path / "ledger.sqlite3"
+    source = sqlite3.connect(tmp_path / "nothing-here.sqlite3")
+    target = sqlite3.connect(path)
+    source.backup(target)
+    source.close()
+    target.close()
+    for read_only in (False, True):
+        with pytest.raises(ConfigError, match="SQLite file with no tables"):
+            BudgetLedger(path, read_only=read_only)
+    with sqlite3.connect(path) as check:
+        assert check.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+    check.close()
 
 
 def test_open_tasks_keep_their_deadline_and_a_schema_5_ledger_gains_it(tmp_path: Path) -> None:

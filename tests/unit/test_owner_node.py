@@ -14,6 +14,8 @@ import logging
 import math
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +62,7 @@ from fedpca.owner.node import OwnerNode
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots
+from fedpca.owner.state_folder import LOCK_NAME
 from fedpca.owner.task_processing import BUDGET_DECLINE_DETAIL
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
@@ -1158,6 +1161,39 @@ def test_a_second_node_on_the_same_state_folder_is_refused_at_start(
     assert harness.node.connected.is_set()  # the first node is undisturbed
     harness.stop_node()
     second.run_forever(stop)  # the folder is free now: starts, then stops at once
+
+
+def test_a_node_on_a_folder_another_process_serves_is_refused_before_its_ledger_opens(
+    harness: Harness, pool: CryptoPool, tmp_path: Path
+) -> None:
+    """Opening the ledger migrates it: a newer node started beside a running older one
+    migrated that node's ledger before it was refused the folder, and the older node
+    then refused to restart (review). It is now refused before the ledger is opened."""
+    folder = tmp_path / "served"
+    config = replace(harness.config, owner=replace(harness.config.owner, state_dir=folder))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from fedpca.files import ExclusiveUse\n"
+            f"held = ExclusiveUse(Path({str(folder / LOCK_NAME)!r}), 'the folder')\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match=rf"is in use by process {holder.pid}"):
+            OwnerNode(config, pool=pool, retry=FAST_RETRY)
+        assert not config.ledger_path.exists()  # not created, so not migrated either
+    finally:
+        holder.communicate("")
+    OwnerNode(config, pool=pool, retry=FAST_RETRY)  # free again
 
 
 def test_restart_does_not_redo_a_handled_task(harness: Harness, pool: CryptoPool) -> None:

@@ -234,7 +234,7 @@ def budget_command(
             "new-ledger` creates it"
         )
     try:
-        ledger = owner_ledger(config)
+        ledger = owner_ledger(config, read_only=True)
         entries = ledger.events()
         outcomes = ledger.release_outcomes()
         events = [entry.event for entry in entries]
@@ -304,7 +304,7 @@ def _print_releases_json(config: OwnerConfig) -> None:
     if not holds_database(config.ledger_path):
         raise click.ClickException(_missing_ledger(config.ledger_path, "") + " nothing to export")
     try:
-        ledger = owner_ledger(config)
+        ledger = owner_ledger(config, read_only=True)
         outcomes = ledger.release_outcomes()
         releases = []
         for entry in ledger.events():

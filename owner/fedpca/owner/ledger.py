@@ -67,6 +67,7 @@ from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon, comp
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.dp.shares import BudgetShares
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
+from fedpca.files import database_missing, holds_database
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome
@@ -77,7 +78,7 @@ from fedpca.owner.ledger_rows import (
     release_changes,
     write_task_row,
 )
-from fedpca.owner.ledger_schema import create_or_migrate
+from fedpca.owner.ledger_schema import check_version, create_or_migrate
 from fedpca.owner.ledger_tasks import LedgerTaskReads
 from fedpca.query import Neighbouring
 
@@ -112,8 +113,13 @@ class BudgetLedger(LedgerTaskReads):
         neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
         accountant: Accountant = Accountant.ZCDP,
         shares: BudgetShares | None = None,
+        read_only: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.read_only = read_only
+        """Read an existing ledger of this version, changing nothing (``owner budget``,
+        which runs beside a serving node without its lock: it migrated the ledger of a
+        running older node, which then refused to restart; found by review)."""
         self.neighbouring = Neighbouring(neighbouring)
         self.accountant = Accountant(accountant)
         self.shares = shares
@@ -122,18 +128,24 @@ class BudgetLedger(LedgerTaskReads):
         share: the owner-wide check is then implied. Found when the ledger opens, and
         again whenever another connection has written releases (:meth:`_within_shares_now`)."""
         self._known_changes = -1  # the ledger's count of release writes when last found
+        existed = holds_database(self.path)
+        if read_only and not existed:
+            raise ConfigError(f"no budget ledger: {database_missing(self.path)}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create the ledger folder {self.path.parent}: {exc}") from exc
         try:
             with self._connect() as connection:
-                # WAL is a property of the file; setting it needs no transaction.
-                mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-                if str(mode).lower() != "wal":
-                    raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
-                with _immediate(connection):
-                    create_or_migrate(connection, self.path, self.neighbouring)
+                if read_only:
+                    check_version(connection, self.path)
+                else:
+                    # WAL is a property of the file; setting it needs no transaction.
+                    mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                    if str(mode).lower() != "wal":
+                        raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
+                    with _immediate(connection):
+                        create_or_migrate(connection, self.path, self.neighbouring, existed=existed)
                 if shares is not None:
                     self._within_shares_now(connection)
         except sqlite3.DatabaseError as exc:
@@ -196,6 +208,8 @@ class BudgetLedger(LedgerTaskReads):
         try:
             connection.execute("PRAGMA synchronous=FULL")
             connection.execute("PRAGMA foreign_keys=ON")
+            if self.read_only:
+                connection.execute("PRAGMA query_only=ON")
             yield connection
         finally:
             connection.close()
@@ -555,8 +569,9 @@ def _immediate(connection: sqlite3.Connection) -> Iterator[None]:
     connection.execute("COMMIT")
 
 
-def owner_ledger(config: OwnerConfig) -> BudgetLedger:
-    """The ledger of an owner's configuration (state folder, relation, accountant, shares)."""
+def owner_ledger(config: OwnerConfig, *, read_only: bool = False) -> BudgetLedger:
+    """The ledger of an owner's configuration (state folder, relation, accountant,
+    shares); ``read_only`` for commands that only read it (:attr:`BudgetLedger.read_only`)."""
     accountant = config.privacy.accountant
     shares = None
     if config.analyst_shares:
@@ -566,4 +581,5 @@ def owner_ledger(config: OwnerConfig) -> BudgetLedger:
         neighbouring=config.privacy.neighbouring,
         accountant=accountant,
         shares=shares,
+        read_only=read_only,
     )

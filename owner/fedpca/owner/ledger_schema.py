@@ -61,20 +61,12 @@ CREATE TABLE IF NOT EXISTS tasks (
 
 
 def create_or_migrate(
-    connection: sqlite3.Connection, path: Path, neighbouring: Neighbouring
+    connection: sqlite3.Connection, path: Path, neighbouring: Neighbouring, *, existed: bool
 ) -> None:
     """Create the tables, or bring an older ledger to :data:`SCHEMA_VERSION` (inside
-    the caller's open transaction)."""
-    tables = {
-        str(row[0])
-        for row in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")
-    }
-    if "queries" in tables:
-        # Before any table is made: the proxy's file is left as it was.
-        raise ConfigError(
-            f"{path} is a proxy database, not an owner's budget ledger: check [owner] "
-            "state_dir (or --state-dir)"
-        )
+    the caller's open transaction). ``existed``: the file held content before it was
+    opened (:func:`fedpca.files.holds_database`)."""
+    _checked_tables(connection, path, existed=existed)
     # executescript would commit the open transaction; run statements singly.
     for statement in SCHEMA.split(";"):
         if statement.strip():
@@ -154,6 +146,43 @@ def _migrate_schema_1(
         migrated,
         neighbouring.value,
     )
+
+
+def check_version(connection: sqlite3.Connection, path: Path) -> None:
+    """Refuse a ledger a reader cannot read as it is: not a ledger, or of another
+    version (which only the node of this version migrates, holding the folder)."""
+    _checked_tables(connection, path, existed=True)
+    row = connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    found = "none" if row is None else row[0]
+    if found != str(SCHEMA_VERSION):
+        raise ConfigError(
+            f"{path}: ledger schema version {found}, this fedpca reads {SCHEMA_VERSION}; it "
+            "is migrated by `fedpca owner serve` of this version (once the node that "
+            "serves it now has stopped), not by a command that reads it"
+        )
+
+
+def _checked_tables(connection: sqlite3.Connection, path: Path, *, existed: bool) -> set[str]:
+    tables = {
+        str(row[0])
+        for row in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")
+    }
+    if "queries" in tables:
+        # Before any table is made: the proxy's file is left as it was.
+        raise ConfigError(
+            f"{path} is a proxy database, not an owner's budget ledger: check [owner] "
+            "state_dir (or --state-dir)"
+        )
+    if existed and not tables:
+        # An SQLite file with nothing in it (a backup taken of a path where no ledger
+        # was, which SQLite creates): made a new ledger of it, the budget spent would be
+        # forgotten (found by review).
+        raise ConfigError(
+            f"{path} is an SQLite file with no tables, not a budget ledger (a backup taken "
+            "of the wrong path?): restore the right file, or delete this one if the owner "
+            "has never released anything"
+        )
+    return tables
 
 
 def _migrate_tasks(connection: sqlite3.Connection) -> None:

@@ -64,7 +64,7 @@ from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.policy import check_allowed_columns
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
 from fedpca.owner.share_snapshots import ShareSnapshots
-from fedpca.owner.state_folder import use_state_folder
+from fedpca.owner.state_folder import refuse_if_another_process_serves, use_state_folder
 from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.owner.task_processing import TaskProcessing
 from fedpca.owner.upload import OutgoingUpload
@@ -149,6 +149,10 @@ class OwnerNode(TaskProcessing):
                     f"tls.cert {config.tls.cert} is the certificate of {self._tls.identity}, "
                     f"but this node is {expected}"
                 )
+        # Before the ledger is opened, which migrates it: a node started on a folder
+        # another serves is refused here, not after it has changed that node's ledger
+        # (found by review: an older node then refused to restart). run_forever holds it.
+        refuse_if_another_process_serves(config)
         created = not holds_database(config.ledger_path)
         self.ledger = owner_ledger(config)
         if created:

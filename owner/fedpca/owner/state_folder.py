@@ -9,11 +9,18 @@ but without a ledger lost its ledger, and a new one would start the budget at ze
 
 from __future__ import annotations
 
+import os
+
 from fedpca.errors import ConfigError
 from fedpca.files import ExclusiveUse, database_missing
 from fedpca.owner.config import OwnerConfig
 
-__all__ = ["LOCK_NAME", "refuse_where_a_node_ran", "use_state_folder"]
+__all__ = [
+    "LOCK_NAME",
+    "refuse_if_another_process_serves",
+    "refuse_where_a_node_ran",
+    "use_state_folder",
+]
 
 LOCK_NAME = "node.lock"
 
@@ -26,6 +33,25 @@ def use_state_folder(config: OwnerConfig) -> ExclusiveUse:
     """
     folder = config.owner.state_dir
     return ExclusiveUse(folder / LOCK_NAME, f"the owner's state folder {folder}")
+
+
+def refuse_if_another_process_serves(config: OwnerConfig) -> None:
+    """Refuse, before a node opens (and so migrates) the ledger, a folder another
+    process holds: a newer node started beside a running older one migrated the
+    ledger, then was refused the folder, and the older node could not restart (found
+    by review). A holder in this very process (another node object, as tests build) is
+    left to :func:`use_state_folder` when the node serves.
+
+    Raises
+    ------
+    ConfigError
+    """
+    try:
+        use_state_folder(config).release()
+    except ConfigError:
+        holder = (config.owner.state_dir / LOCK_NAME).read_text(errors="replace").strip()
+        if holder != str(os.getpid()):
+            raise
 
 
 def refuse_where_a_node_ran(config: OwnerConfig) -> None:
