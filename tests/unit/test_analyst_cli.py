@@ -14,6 +14,7 @@ import json
 import math
 import random
 import stat
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -237,8 +238,10 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.listed: list[QuerySummary] = []
         """Queries ListQueries reports after the submitted ones."""
         self.status_charge = (QueryState.DONE, Charge.CHARGED)
-        self.result_deleted_at: datetime | None = None
         """The state and charge GetQueryStatus reports."""
+        self.result_deleted_at: datetime | None = None
+        self.slow_submits = 0
+        """Submissions answered only after SLOW_SUBMIT_SECONDS (each still accepted)."""
 
     def DescribeDeployment(self, request: Any, context: Any) -> Any:
         info = DeploymentInfo(
@@ -309,6 +312,9 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         if self.unavailable_submits:
             self.unavailable_submits -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "proxy restarting")
+        if self.slow_submits:
+            self.slow_submits -= 1
+            time.sleep(SLOW_SUBMIT_SECONDS)
         if self.refuse_budget:
             # Like the proxy: which RESOURCE_EXHAUSTED it is goes in trailing metadata.
             context.set_trailing_metadata(((REFUSAL_METADATA, Refusal.BUDGET.value),))
@@ -435,6 +441,8 @@ def proxy(test_only_keypair_512: Any, pool: CryptoPool) -> Iterator[tuple[FakePr
     yield fake, f"127.0.0.1:{port}"
     server.stop(None)
 
+
+SLOW_SUBMIT_SECONDS = 0.5
 
 _spec = query_builder(
     query_id="q-client", delta=1e-6, max_records_per_owner=64, max_owners=4, frac_bits=16
@@ -1062,6 +1070,29 @@ def test_status_says_when_the_proxy_deleted_the_result(proxy: tuple[FakeProxy, s
         "result:      deleted by the proxy on 2026-11-02T03:04:05+00:00, older than it keeps "
         "results: it can no longer be fetched\n" in deleted.stdout
     )
+
+
+def test_a_submission_that_times_out_is_sent_again_and_then_explained(
+    proxy: tuple[FakeProxy, str], test_only_keypair_512: Any
+) -> None:
+    """A submission the proxy committed after the client's timeout failed at once as
+    "proxy unavailable", and the analyst's next fit() charged a second query (review).
+    The same request is now sent again, and a final failure says the query may exist."""
+    fake, address = proxy
+    spec = _spec(test_only_keypair_512[0])
+    fake.slow_submits = 1
+    with AnalystClient(address, None, insecure=True, timeout=0.2, retry_delays=(0.01,)) as client:
+        assert client.submit(spec, TEST_SIGNING_KEY).state is QueryState.COLLECTING
+    assert fake.submitted_ids == [spec.query_id, spec.query_id]
+    assert fake.signatures[0] == fake.signatures[1]  # the very same request
+    fake.slow_submits = 2
+    with (
+        AnalystClient(address, None, insecure=True, timeout=0.2, retry_delays=(0.01,)) as client,
+        pytest.raises(ProxyUnavailableError, match="DEADLINE_EXCEEDED") as failed,
+    ):
+        client.submit(_spec(test_only_keypair_512[0], query_id="q-2"), TEST_SIGNING_KEY)
+    assert "`fedpca analyst status q-2` says whether it did" in str(failed.value)
+    assert "`fedpca analyst cancel q-2`" in str(failed.value)
 
 
 def test_fetch_checks_the_header_before_reading_any_page(

@@ -219,6 +219,12 @@ class AnalystClient:
                 retry = False
                 if error.code() is grpc.StatusCode.UNAVAILABLE:
                     mapped, retry = self._explain_unavailable(action, mapped)
+                elif error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # The proxy did not answer in time, but may still act on the call
+                    # (a submission it commits after the client gave up): the very same
+                    # request is sent again (found by review: one timed-out submission
+                    # failed at once, and the analyst's next fit() charged a new query).
+                    retry = True
                 if not retry or failures >= len(self.retry_delays):
                     raise mapped from None
                 delay = self.retry_delays[failures]
@@ -273,10 +279,17 @@ class AnalystClient:
         spec = stamped(spec)
         signed = SignedQuery(spec, sign_query(spec, signing_key), signer_id(signing_key))
         request = serde.submit_query_request_to_proto(signed)
-        message = self._unary(
-            f"submit query {spec.query_id!r}",
-            lambda: self._stub.SubmitQuery(request, timeout=self.timeout),
-        )
+        try:
+            message = self._unary(
+                f"submit query {spec.query_id!r}",
+                lambda: self._stub.SubmitQuery(request, timeout=self.timeout),
+            )
+        except ProxyUnavailableError as exc:
+            raise ProxyUnavailableError(
+                f"{exc} (if the proxy received query {spec.query_id} it goes on there, "
+                f"charged: `fedpca analyst status {spec.query_id}` says whether it did, "
+                f"and `fedpca analyst cancel {spec.query_id}` withdraws it)"
+            ) from exc
         return serde.query_status_from_proto(message)
 
     def status(self, query_id: str, *, action: str = "status of query") -> QueryStatus:
@@ -424,6 +437,12 @@ class AnalystClient:
                 retry = False
                 if error.code() is grpc.StatusCode.UNAVAILABLE:
                     mapped, retry = self._explain_unavailable(action, mapped)
+                elif error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # The proxy did not answer in time, but may still act on the call
+                    # (a submission it commits after the client gave up): the very same
+                    # request is sent again (found by review: one timed-out submission
+                    # failed at once, and the analyst's next fit() charged a new query).
+                    retry = True
                 if not retry or failures >= len(self.retry_delays):
                     raise mapped from None
                 delay = self.retry_delays[failures]
