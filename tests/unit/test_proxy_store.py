@@ -702,6 +702,13 @@ def test_declines_are_recorded_only_while_collecting_and_before_an_upload(
         store.record_decline("q2", "o1", "policy_refusal")
     with pytest.raises(NotFoundError):
         store.record_decline("nope", "o1", "policy_refusal")
+    # An owner whose upload runs is not also counted as declined (review: the quorum
+    # was fixed with an owner that would never finish).
+    create(store, "q3", quorum=3)
+    join(store, "o1", "u1", query="q3")
+    with pytest.raises(QueryStateError, match="is uploading to it"):
+        store.record_decline("q3", "o1", "policy_refusal")
+    assert store.declines("q3") == {}
     join(store, "o1", "u1")
     join(store, "o3", "u3")  # fixed: nobody else is needed, declines are not recorded
     with pytest.raises(QueryStateError, match="no longer recorded"):

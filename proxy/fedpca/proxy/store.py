@@ -233,7 +233,7 @@ class ProxyStore(ContributionStore):
         NotFoundError
             Unknown query.
         QueryStateError
-            The query no longer collects, or this owner already uploaded to it.
+            The query no longer collects, or this owner uploaded to it or is uploading.
         """
         with self.transaction() as conn:
             row = conn.execute("SELECT state FROM queries WHERE query_id=?", (query_id,)).fetchone()
@@ -246,6 +246,14 @@ class ProxyStore(ContributionStore):
             if self._has_owner_row(conn, "uploads", query_id, owner_id):
                 raise QueryStateError(
                     f"query {query_id!r}: owner {owner_id!r} already uploaded; it cannot decline"
+                )
+            if self._has_owner_row(conn, "contributors", query_id, owner_id):
+                # Counted as declined and as a contributor, it left the quorum fixed with
+                # an owner that would never finish (found by review). Its upload is taken
+                # out when its stream ends; it may decline then.
+                raise QueryStateError(
+                    f"query {query_id!r}: owner {owner_id!r} is uploading to it; it cannot "
+                    "decline while that upload runs"
                 )
             conn.execute(
                 "INSERT INTO declines(query_id, owner_id, reason, declined_at) VALUES (?, ?, ?, ?) "
