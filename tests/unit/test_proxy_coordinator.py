@@ -2275,6 +2275,38 @@ def test_a_masked_result_that_meets_a_locked_store_is_stored_later(
     assert store.has_release(Q1)
 
 
+def test_a_masked_result_that_can_never_be_stored_fails_a_day_past_the_deadline(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    """A NOISING query whose result could not be stored was retried for ever, holding
+    one of its analyst's open-query places (review); an aggregating query's pages were
+    already bounded by PROXY_WORK_LIMIT_SECONDS."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(neighbouring=REPLACE_ONE))
+    store = coordinator.store
+    error = sqlite_error(tmp_path, "locked")
+
+    def always_locked(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    store.store_result = always_locked  # type: ignore[method-assign]
+    spec = make_spec(public_key, quorum=2, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE)
+    coordinator.submit("alice", signed(spec))
+    finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
+    assert store.query(Q1).state is QueryState.NOISING
+    clock = coordinator.clock
+    assert isinstance(clock, Clock)
+    clock.now = store.query(Q1).deadline_at + PROXY_WORK_LIMIT_SECONDS - 1
+    assert coordinator.check_deadlines() == []
+    assert store.query(Q1).state is QueryState.NOISING
+    clock.now += 2
+    assert coordinator.check_deadlines() == [Q1]
+    record = store.query(Q1)
+    assert record.state is QueryState.FAILED
+    assert record.failure_reason is not None and "could not finish" in record.failure_reason
+    assert store.has_release(Q1)  # every owner uploaded: charged
+
+
 def test_pages_a_locked_store_kept_from_being_final_are_made_final_later(
     tmp_path: Path,
     pool: CryptoPool,

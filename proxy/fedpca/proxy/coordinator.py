@@ -460,14 +460,28 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
 
         A COLLECTING query fails when fewer than ``quorum`` owners began an upload in
         time; an AGGREGATING one when a contributor did not deliver all its chunks (one
-        whose every chunk is folded waits for its noise and pages, however late).
-        Result pages already released stay released (and charged, like every query
+        whose every chunk is folded waits for its noise and pages, however late), and
+        such a query, or a NOISING one, once :data:`PROXY_WORK_LIMIT_SECONDS` past
+        its deadline. Result pages already released stay released (and charged, like every query
         some owner began an upload for).
         """
         now = self.clock()
         due = []
-        for record in self.store.queries(QueryState.COLLECTING, QueryState.AGGREGATING):
+        unfinished = (
+            f"every chunk arrived, but the proxy could not finish the result within "
+            f"{PROXY_WORK_LIMIT_SECONDS / 3600:g} h after the deadline; see the proxy log"
+        )
+        states = (QueryState.COLLECTING, QueryState.AGGREGATING, QueryState.NOISING)
+        for record in self.store.queries(*states):
             if record.deadline_at > now:
+                continue
+            if record.state is QueryState.NOISING:
+                # Masked mode's last step, retried while it fails; bounded like the
+                # pages of an aggregating query (found by review: it was retried for
+                # ever, holding one of its analyst's open-query places).
+                if now >= record.deadline_at + PROXY_WORK_LIMIT_SECONDS:
+                    due.append(record.query_id)
+                    self._fail(record.query_id, unfinished)
                 continue
             if record.state is QueryState.COLLECTING:
                 joined = self.store.contributor_count(record.query_id)
@@ -493,12 +507,7 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                     continue
                 if not late:
                     due.append(record.query_id)
-                    self._fail(
-                        record.query_id,
-                        f"every chunk arrived, but the proxy could not finish the result "
-                        f"within {PROXY_WORK_LIMIT_SECONDS / 3600:g} h after the deadline; "
-                        "see the proxy log",
-                    )
+                    self._fail(record.query_id, unfinished)
                     continue
                 reason = (
                     f"deadline passed before contributors {', '.join(late)} delivered all "
