@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import queue
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -1418,6 +1419,41 @@ def test_an_upload_paused_past_its_deadline_is_ended_and_its_share_deleted(
     assert not shares.exists() or list(shares.iterdir()) == []
     # Headers were accepted (chunks may have left): they stay charged.
     assert {e.event.query_id for e in ledger.events()} == {key(f"p{i}") for i in range(3)}
+
+
+def test_a_task_whose_ending_cannot_be_written_stays_in_the_deadline_sweep(
+    harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep dropped a task before writing its ending: one failed write (a full
+    disk, a locked ledger) kept its reservation and share until a restart (review)."""
+    monkeypatch.setattr(task_endings, "PAUSED_UPLOAD_GRACE_SECONDS", 0.0)
+    harness.stop_node()
+    node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    for name in ("first", "second"):
+        task = signed_task(harness.spec(name, epsilon=0.2), due, ANALYST)
+        assert isinstance(node._accept(None, task), tuple)  # type: ignore[arg-type]
+        node._paused[key(name)] = due
+    ledger = node.ledger
+    real_end_task = ledger.end_task
+    failures = [key("first")]
+
+    def end_task(query_id: str, *args: Any, **kwargs: Any) -> Any:
+        if query_id in failures:
+            failures.remove(query_id)
+            raise sqlite3.OperationalError("disk I/O error")
+        return real_end_task(query_id, *args, **kwargs)
+
+    monkeypatch.setattr(ledger, "end_task", end_task)
+    later = due + timedelta(seconds=1)
+    assert node.end_paused_past_deadline(later) == [key("second")]  # the other still ends
+    assert list(node._paused) == [key("first")]
+    assert node.end_paused_past_deadline(later) == [key("first")]
+    assert node._paused == {}
+    for name in ("first", "second"):
+        record = ledger.task(key(name))
+        assert record is not None and record.outcome is TaskOutcome.EXPIRED
+    assert ledger.events() == []  # nothing left the node: both refunded
 
 
 def test_a_signed_query_delivered_after_its_signed_deadline_is_not_answered(

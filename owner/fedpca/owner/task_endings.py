@@ -74,21 +74,29 @@ class TaskEndings:
         for query_id, deadline in list(self._paused.items()):
             if now < deadline + grace:
                 continue
-            del self._paused[query_id]
-            with self._endings:  # not beside a withdrawal of the same task
-                record = self.ledger.task(query_id)
-                if record is None or record.outcome not in _OPEN:
-                    continue
-                logger.warning(
-                    "query %s: %s, and the proxy did not deliver it again by its deadline "
-                    "(%s): ended%s",
-                    query_id,
-                    "reserved" if record.upload_id is None else f"upload {record.upload_id} paused",
-                    deadline.isoformat(timespec="seconds"),
-                    "" if record.upload_id is None else ", its kept share deleted",
-                )
-                self._expire(query_id)
-            ended.append(query_id)
+            try:
+                with self._endings:  # not beside a withdrawal of the same task
+                    record = self.ledger.task(query_id)
+                    if record is not None and record.outcome in _OPEN:
+                        logger.warning(
+                            "query %s: %s, and the proxy did not deliver it again by its "
+                            "deadline (%s): ended%s",
+                            query_id,
+                            "reserved"
+                            if record.upload_id is None
+                            else f"upload {record.upload_id} paused",
+                            deadline.isoformat(timespec="seconds"),
+                            "" if record.upload_id is None else ", its kept share deleted",
+                        )
+                        self._expire(query_id)
+                        ended.append(query_id)
+            except Exception:
+                # Kept for the next sweep, and the others still ended now: a task whose
+                # ending could not be written (a full disk, a locked ledger) was dropped
+                # from the sweep for good, its reservation and share kept (found by review).
+                logger.exception("query %s: cannot end it yet; tried again later", query_id)
+                continue
+            self._paused.pop(query_id, None)
         return ended
 
     def _pause_if_still_open(self, task: Task, earlier: datetime | None) -> None:
