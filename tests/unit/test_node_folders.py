@@ -23,6 +23,7 @@ from fedpca.owner.cli import owner_group
 from fedpca.owner.config import load_config as load_owner_config
 from fedpca.owner.init import write_owner_folder
 from fedpca.proxy.cli import proxy_group
+from fedpca.proxy.config import BudgetConfig
 from fedpca.proxy.config import load_config as load_proxy_config
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.transport.certs import TlsMaterial, init_certificates
@@ -57,6 +58,8 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     assert config.proxy.database == out / "state" / "proxy.sqlite3"
     assert config.tls.files().private_key == out / "tls" / "key.pem"
     assert config.budget.analysts["alice"].epsilon == 1.0
+    # The default budget init writes is the one a configuration without [budget] gets.
+    assert config.budget.default == BudgetConfig().default
     assert config.monitoring.listen == "0.0.0.0:9464"
     assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
     # Paths are relative in the file: the folder can move or be mounted anywhere.

@@ -81,6 +81,13 @@ def test_defaults_and_unlimited_budget(tmp_path: Path) -> None:
     assert config.privacy.delta_cap(config.budget.default) == 1e-5
 
 
+def test_without_a_budget_section_every_analyst_gets_what_init_writes(tmp_path: Path) -> None:
+    """A configuration without [budget] gave every analyst epsilon 10, said nowhere;
+    `proxy init` writes 3 by default (review). The two are now the same value."""
+    config = load_config(write(tmp_path, "[tls]\ninsecure = true\n" + OWNERS))
+    assert config.budget.default == PrivacyParams(3.0, 1e-5)  # init's: test_node_folders.py
+
+
 def test_the_owner_allow_list_is_required(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"owners\.allowed is required"):
         load_config(write(tmp_path, "[tls]\ninsecure = true\n"))

@@ -20,7 +20,7 @@ from fedpca.budget_options import NUMBER
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import AuthenticationError, ConfigError, FedpcaError
 from fedpca.files import holds_database
-from fedpca.proxy.config import ProxyConfig, load_config
+from fedpca.proxy.config import DEFAULT_ANALYST_BUDGET, ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_database import refuse_where_a_proxy_ran
 from fedpca.query import Neighbouring
@@ -177,8 +177,8 @@ def write_proxy_folder(
     tls_files: TlsFiles | None = None,
     listen: str = "0.0.0.0:50051",
     neighbouring: Neighbouring = Neighbouring.ADD_REMOVE,
-    budget_epsilon: float = 3.0,
-    budget_delta: float = 1e-5,
+    budget_epsilon: float = DEFAULT_ANALYST_BUDGET.epsilon,
+    budget_delta: float = DEFAULT_ANALYST_BUDGET.delta,
     analyst_budgets: list[tuple[str, float, float]] | None = None,
     max_delta_per_query: float | None = None,
     monitoring_listen: str | None = None,
@@ -264,8 +264,12 @@ def write_proxy_folder(
     default=Neighbouring.ADD_REMOVE.value,
     show_default=True,
 )
-@click.option("--budget-epsilon", type=NUMBER, default=3.0, show_default=True)
-@click.option("--budget-delta", type=NUMBER, default=1e-5, show_default=True)
+@click.option(
+    "--budget-epsilon", type=NUMBER, default=DEFAULT_ANALYST_BUDGET.epsilon, show_default=True
+)
+@click.option(
+    "--budget-delta", type=NUMBER, default=DEFAULT_ANALYST_BUDGET.delta, show_default=True
+)
 @click.option(
     "--analyst-budget",
     "analyst_budgets",
