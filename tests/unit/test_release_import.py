@@ -20,7 +20,7 @@ from test_proxy_cli import write_config
 
 from fedpca.dp.accounting import Accountant, compose_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
-from fedpca.errors import ConfigError
+from fedpca.errors import ConfigError, NotFoundError
 from fedpca.files import ExclusiveUse
 from fedpca.messages import QueryState
 from fedpca.owner.cli import owner_group
@@ -189,6 +189,12 @@ def test_import_charges_what_owners_released_and_the_database_forgot(tmp_path: P
     )
     assert after == pytest.approx(expected) and after > before
     assert "alice" in store.analyst_ids()
+    # q3's record is gone with the restore; asked for it, the proxy says so, not
+    # "unknown" (review: a charged query read as one never made).
+    with pytest.raises(NotFoundError, match=r"lost with a restore.*charge.*stands"):
+        store.query("alice/q3")
+    with pytest.raises(NotFoundError, match="unknown query 'alice/q9'"):
+        store.query("alice/q9")
     # q4 fails here (its owners' uploads went to the proxy before the restore and are
     # not sent again): its charge stands. q6, of which no upload began, is refunded as
     # any query failing before an upload.

@@ -325,7 +325,19 @@ class StoreDatabase:
             row = self._conn.execute(
                 "SELECT * FROM queries WHERE query_id=?", (query_id,)
             ).fetchone()
+            if row is None:
+                charged = self._conn.execute(
+                    "SELECT 1 FROM releases WHERE query_id=?", (query_id,)
+                ).fetchone()
         if row is None:
+            if charged is not None:
+                # Re-entered by `proxy import-releases` after a restore that lost the
+                # query: it was "unknown" to status and fetch, yet charged (found by review).
+                raise NotFoundError(
+                    f"query {query_id!r} has no record here: it was lost with a restore of "
+                    "the proxy's database, and its charge, re-entered from the owners' "
+                    "ledgers, stands; its result cannot be fetched"
+                )
             raise NotFoundError(f"unknown query {query_id!r}")
         return query_record_of(row)
 
