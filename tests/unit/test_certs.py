@@ -277,6 +277,10 @@ def test_cli_issue_and_show(tmp_path: Path) -> None:
     assert shown.exit_code == 0, shown.output
     assert "identity:   owner/late-joiner" in shown.output
     assert "fedpca://owner/late-joiner" in shown.output
+    # issue prints the serial a revocation names, as show does.
+    serial = f"{certs.read_certificate(files.certificate).serial_number:x}"
+    assert f"serial:     {serial}" in shown.output
+    assert result.output.splitlines()[-1].split() == ["serial", serial]
 
 
 def test_cli_issue_replaces_a_node_certificate_only_when_forced(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -270,7 +271,9 @@ def _refuse_strangers(
     with channel_for(server, tls_files, Role.OWNER, "owner-3") as channel:
         stub = owner_grpc.OwnerServiceStub(channel)
         hello = serde.owner_hello_to_proto(OwnerHello("owner-3", "test"))
-        assert "revoked" in refused(lambda: stub.Hello(hello, timeout=TIMEOUT))
+        # Named, with its serial, as the proxy logs it (review: "the peer's certificate").
+        why = refused(lambda: stub.Hello(hello, timeout=TIMEOUT))
+        assert re.search(r"the certificate of owner/owner-3 \(serial [0-9a-f]+\) is revoked", why)
         refused(lambda: next(stub.StreamTasks(serde.task_stream_request_to_proto("x"))))
     with channel_for(server, tls_files, Role.ANALYST, "mallory") as channel:
         stub_a = analyst_grpc.AnalystServiceStub(channel)

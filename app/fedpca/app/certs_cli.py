@@ -143,6 +143,8 @@ def issue_command(
     except (ConfigError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc
     _print_files({identity: files})
+    # What a revocation names (found by review: only `certs show` printed it).
+    click.echo(f"  {'':<24} serial {read_certificate(files.certificate).serial_number:x}")
 
 
 @certs_group.command("show")

@@ -365,10 +365,10 @@ def require_role(
     AuthenticationError
         No usable certificate, a revoked one, or a role not in ``roles``.
     """
-    if revoked_serials:
-        pems = context.auth_context().get("x509_pem_cert") or []
-        if pems and _peer_facts(pems[0])[1] in revoked_serials:
-            raise AuthenticationError("the peer's certificate is revoked")
+    if revoked_serials and (pems := context.auth_context().get("x509_pem_cert")):
+        peer, serial = _peer_facts(pems[0])  # named in the proxy's log (found by review)
+        if serial in revoked_serials:
+            raise AuthenticationError(f"the certificate of {peer} (serial {serial:x}) is revoked")
     identity = identity_from_context(context)
     if identity.role not in roles:
         allowed = ", ".join(str(role) for role in roles)
