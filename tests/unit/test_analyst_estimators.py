@@ -743,10 +743,12 @@ def test_progress_off_a_terminal_is_plain_lines_and_says_when_contributors_are_f
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Piped, the bars came out as fragments joined by carriage returns, and their last
-    state ("aggregating, 2 uploading: owners 0/2") read as owners missing."""
+    state ("aggregating, 2 uploading: owners 0/2") read as owners missing. Then, without
+    bars, nothing at all was shown while a query waited (review): a line per change."""
     from fedpca.analyst.querying import ProgressDisplay
 
     display = ProgressDisplay()
+    display.status(QueryStatus("q1", QueryState.COLLECTING, 0, 2, owners_registered=2))
     display.status(QueryStatus("q1", QueryState.COLLECTING, 0, 2, owners_registered=2))
     display.status(
         QueryStatus("q1", QueryState.AGGREGATING, 0, 2, owners_registered=2, owners_uploading=2)
@@ -756,7 +758,13 @@ def test_progress_off_a_terminal_is_plain_lines_and_says_when_contributors_are_f
         display.decrypted(done)
     err = capsys.readouterr().err
     assert "\r" not in err and "0/2" not in err
-    assert err.splitlines() == ["contributors fixed: 2 owners; decrypting pages as they arrive"]
+    assert err.splitlines() == [
+        "collecting: 0 owner(s) contributed; quorum 2",  # once: the second is no change
+        "aggregating: 0 owner(s) contributed, 2 uploading; quorum 2",
+        "contributors fixed: 2 owners; decrypting pages as they arrive",
+        "decrypted 4/10 ciphertexts",
+        "decrypted 10/10 ciphertexts",
+    ]
 
 
 def test_an_unreachable_proxy_after_submission_says_how_to_follow_the_query(

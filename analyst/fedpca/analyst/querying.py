@@ -385,6 +385,7 @@ class ProgressDisplay:
         self._decrypt: Any = None
         self._new_declines = NewDeclines()
         self._quorum = 0
+        self._last_shown = ""
 
     def status(self, status: Any) -> None:
         self._quorum = status.quorum
@@ -407,11 +408,18 @@ class ProgressDisplay:
         bar.n = status.owners_contributed
         declined = f", {status.owners_declined} declined" if status.owners_declined else ""
         uploading = f", {status.owners_uploading} uploading" if status.owners_uploading else ""
-        bar.set_description_str(
-            f"{status.state.value}{uploading}{declined}: owners (quorum {status.quorum})",
-            refresh=False,
-        )
+        line = f"{status.state.value}{uploading}{declined}: owners (quorum {status.quorum})"
+        bar.set_description_str(line, refresh=False)
         bar.refresh()
+        plain = (
+            f"{status.state.value}: {status.owners_contributed} owner(s) contributed"
+            f"{uploading}{declined}; quorum {status.quorum}"
+        )
+        if bar.disable and plain != self._last_shown:
+            # No bar where stderr is a pipe or a log file: a line per change instead
+            # (found by review: a query that waited minutes showed nothing there).
+            self._last_shown = plain
+            print(plain, file=sys.stderr, flush=True)
         if status.terminal:
             bar.close()
 
@@ -430,10 +438,13 @@ class ProgressDisplay:
 
     def decrypted(self, done: int) -> None:
         if self._decrypt is not None:
-            self._decrypt.n = done
-            self._decrypt.refresh()
-            if done >= self._decrypt.total:
-                self._decrypt.close()
+            bar = self._decrypt
+            if bar.disable and bar.total and done * 4 // bar.total > bar.n * 4 // bar.total:
+                print(f"decrypted {done}/{bar.total} ciphertexts", file=sys.stderr, flush=True)
+            bar.n = done
+            bar.refresh()
+            if done >= bar.total:
+                bar.close()
 
 
 def tls_material(
