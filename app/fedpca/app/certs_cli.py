@@ -61,7 +61,13 @@ def certs_group() -> None:
     help="DNS name or IP clients use to reach the proxy (repeatable; the names given "
     f"replace the defaults) [{', '.join(DEFAULT_PROXY_HOSTS)}].",
 )
-@click.option("--valid-days", type=click.IntRange(min=1), default=DEFAULT_NODE_VALID_DAYS)
+@click.option(
+    "--valid-days",
+    type=click.IntRange(min=1),
+    default=DEFAULT_NODE_VALID_DAYS,
+    show_default=True,
+    help="Days the node certificates are valid.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing CA (invalidates old certs).")
 def init_command(
     out: Path,
