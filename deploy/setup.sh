@@ -11,6 +11,12 @@
 #
 # PROXY_HOST is the name owners and the analyst dial (default "proxy", the compose
 # service name); it goes into the proxy's certificate together with "localhost".
+#
+# Two choices differ from docs/operations.md's walk-through, on purpose: monitoring is
+# served on every interface (the containers' probes reach it from outside, which
+# loopback would refuse), and the analyst's key has 2048 bits rather than the CLI's
+# 3072 (key generation and the example's queries run faster; 2048 is the protocol's
+# smallest real key size).
 set -eu
 FEDPCA=${FEDPCA:-fedpca}
 PROXY_HOST=${PROXY_HOST:-proxy}
