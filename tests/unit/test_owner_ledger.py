@@ -313,11 +313,10 @@ def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
     assert migrated.answered_under("d9") == "alice/q9"
 
 
-def test_a_reader_leaves_an_older_ledger_as_it_is(tmp_path: Path) -> None:
-    """``owner budget`` opened the ledger as the node does, so the new version's command
-    migrated the ledger of a running older node, which then refused to restart (review)."""
-    old = tmp_path / "old.sqlite3"
-    with sqlite3.connect(old) as conn:
+def _schema_5_ledger(path: Path, rows: str) -> Path:
+    """A ledger as fedpca's schema 5 left it, with ``rows`` (SQL) added."""
+    conn = sqlite3.connect(path)
+    with conn:
         conn.executescript(
             """
             CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -327,8 +326,16 @@ def test_a_reader_leaves_an_older_ledger_as_it_is(tmp_path: Path) -> None:
                 DEFAULT 0, updated_at REAL NOT NULL, seed BLOB, capacity INTEGER,
                 spec_digest TEXT);
             """
+            + rows
         )
     conn.close()
+    return path
+
+
+def test_a_reader_leaves_an_older_ledger_as_it_is(tmp_path: Path) -> None:
+    """``owner budget`` opened the ledger as the node does, so the new version's command
+    migrated the ledger of a running older node, which then refused to restart (review)."""
+    old = _schema_5_ledger(tmp_path / "old.sqlite3", "")
     before = old.read_bytes()
     with pytest.raises(ConfigError, match=r"version 5, this fedpca reads 6.*owner serve"):
         BudgetLedger(old, read_only=True)
@@ -365,19 +372,10 @@ def test_open_tasks_keep_their_deadline_and_a_schema_5_ledger_gains_it(tmp_path:
     a restarted node can end them if the proxy never delivers them again; a schema-5
     ledger gains the column, and its open rows (no deadline known) are left to the
     proxy as before."""
-    old = tmp_path / "v5.sqlite3"
-    with sqlite3.connect(old) as conn:
-        conn.executescript(
-            """
-            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-            INSERT INTO meta VALUES ('schema_version', '5');
-            CREATE TABLE tasks (query_id TEXT PRIMARY KEY, state TEXT NOT NULL,
-                detail TEXT NOT NULL, upload_id TEXT, upload_started INTEGER NOT NULL
-                DEFAULT 0, updated_at REAL NOT NULL, seed BLOB, capacity INTEGER,
-                spec_digest TEXT);
-            INSERT INTO tasks VALUES ('q0', 'uploading', '', 'u0', 1, 1.0, NULL, NULL, NULL);
-            """
-        )
+    old = _schema_5_ledger(
+        tmp_path / "v5.sqlite3",
+        "INSERT INTO tasks VALUES ('q0', 'uploading', '', 'u0', 1, 1.0, NULL, NULL, NULL);",
+    )
     ledger = BudgetLedger(old)
     assert ledger.unfinished_tasks() == ["q0"] and ledger.open_task_deadlines() == {}
     ample = PrivacyParams(100.0, DELTA)

@@ -21,7 +21,7 @@ from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import DataConfig
 from fedpca.preprocess import clip_rows
-from fedpca.query import Aggregate, QueryKind, QuerySpec
+from fedpca.query import Aggregate, QueryKind
 from helpers import make_query
 
 # ------------------------------------------------------------ whether a node starts
@@ -145,7 +145,9 @@ def test_dca_statistics_take_the_same_time_whatever_the_number_of_records_below_
 
 @pytest.mark.slow  # wall-clock ratios: with the other timing checks, off the fast tier
 @pytest.mark.parametrize("grouped", [False, True], ids=["1000 bins", "50 categories"])
-def test_a_histogram_takes_the_same_time_whatever_the_rows_hold(grouped: bool) -> None:
+def test_a_histogram_takes_the_same_time_whatever_the_rows_hold(
+    grouped: bool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
     """An owner's histogram took time that showed its data to the proxy's clock (review,
     K = 100,000): numpy's binary search branched on the values, so a 1,000-bin histogram
     of a spread column took 7.9 ms against 2.7 ms for a constant one, and the category
@@ -158,15 +160,12 @@ def test_a_histogram_takes_the_same_time_whatever_the_rows_hold(grouped: bool) -
         )
     else:
         part = Aggregate.histogram((0,), (tuple(np.linspace(0.0, 1.0, 1001)),))
-    spec = QuerySpec(
-        query_id="timing",
+    spec = make_query(
+        test_only_keypair_512[0],
         kind=QueryKind.AGGREGATE,
         n_features=len(part.read_columns),
         epsilon=1.0,
-        delta=1e-6,
         n_components=1,
-        analyst_public_key_n=3,
-        analyst_key_fingerprint="sha256:timing",
         aggregates=(part,),
         max_records_per_owner=k,
         max_owners=4,

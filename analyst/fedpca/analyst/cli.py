@@ -153,8 +153,7 @@ def analyst_group() -> None:
     "--out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Directory for analyst.key.json and analyst.signing.pem (both 0600) and "
-    "analyst.pub.json.",
+    help="Directory for analyst.key.json and analyst.signing.pem (both 0600) and analyst.pub.json.",
 )
 @click.option(
     "--bits",

@@ -37,6 +37,15 @@ def _print_files(files: Mapping[NodeIdentity, TlsFiles]) -> None:
         click.echo(f"  {'':<24} key  {paths.private_key}")
 
 
+_valid_days = click.option(
+    "--valid-days",
+    type=click.IntRange(min=1),
+    default=DEFAULT_NODE_VALID_DAYS,
+    show_default=True,
+    help="Days each node certificate issued is valid.",
+)
+
+
 @click.group("certs")
 def certs_group() -> None:
     """Create and inspect the TLS certificates of a fedpca deployment."""
@@ -61,13 +70,7 @@ def certs_group() -> None:
     help="DNS name or IP clients use to reach the proxy (repeatable; the names given "
     f"replace the defaults) [{', '.join(DEFAULT_PROXY_HOSTS)}].",
 )
-@click.option(
-    "--valid-days",
-    type=click.IntRange(min=1),
-    default=DEFAULT_NODE_VALID_DAYS,
-    show_default=True,
-    help="Days the node certificates are valid.",
-)
+@_valid_days
 @click.option("--force", is_flag=True, help="Replace an existing CA (invalidates old certs).")
 def init_command(
     out: Path,
@@ -111,13 +114,7 @@ def init_command(
 @click.option("--role", type=click.Choice([r.value for r in Role]), required=True)
 @click.option("--node-id", required=True)
 @click.option("--proxy-host", "proxy_hosts", multiple=True, help="Proxy only (repeatable).")
-@click.option(
-    "--valid-days",
-    type=click.IntRange(min=1),
-    default=DEFAULT_NODE_VALID_DAYS,
-    show_default=True,
-    help="Days the certificate is valid.",
-)
+@_valid_days
 @click.option(
     "--force",
     is_flag=True,
