@@ -43,6 +43,7 @@ class _StatusProxy(analyst_grpc.AnalystServiceServicer):
         self.answer_for: str | None = None
         self.empty = True
         self.watches = 0
+        self.fetches = 0
 
     def _status(self, query_id: str) -> Any:
         status = QueryStatus(self.answer_for or query_id, QueryState.COLLECTING, 0, 1)
@@ -55,6 +56,12 @@ class _StatusProxy(analyst_grpc.AnalystServiceServicer):
         self.watches += 1
         if not self.empty:
             yield self._status(serde.query_ref_from_proto(request))
+
+    def FetchResult(self, request: Any, context: Any) -> Iterator[Any]:
+        self.fetches += 1
+        while context.is_active():  # never a message: the caller's time runs out
+            time.sleep(0.01)
+        yield from ()
 
 
 @pytest.fixture
@@ -81,6 +88,22 @@ def test_status_streams_that_end_at_once_are_reopened_after_a_pause_then_given_u
         for _ in client.watch("q1", timeout=10.0):
             pass
     assert fake.watches == 4  # the first, then one after each of the three pauses
+
+
+def test_a_fetch_gives_up_at_the_callers_timeout(
+    status_proxy: tuple[_StatusProxy, str],
+) -> None:
+    """The retry of a timed-out call, right for a call with its own timeout, was also
+    made where the timeout is the caller's whole wait: a fetch with timeout 1 s went on
+    re-opening and pausing through every retry delay (review of the change)."""
+    fake, address = status_proxy
+    started = time.monotonic()
+    with (
+        AnalystClient(address, None, insecure=True, retry_delays=(0.5, 1.0, 2.0)) as client,
+        pytest.raises(ProxyUnavailableError, match="DEADLINE_EXCEEDED"),
+    ):
+        client.fetch_stream("q1", timeout=0.5)
+    assert time.monotonic() - started < 1.5 and fake.fetches == 1
 
 
 def test_status_streams_that_end_after_one_status_are_reopened_at_a_pace(

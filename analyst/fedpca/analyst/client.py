@@ -437,12 +437,6 @@ class AnalystClient:
                 retry = False
                 if error.code() is grpc.StatusCode.UNAVAILABLE:
                     mapped, retry = self._explain_unavailable(action, mapped)
-                elif error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # The proxy did not answer in time, but may still act on the call
-                    # (a submission it commits after the client gave up): the very same
-                    # request is sent again (found by review: one timed-out submission
-                    # failed at once, and the analyst's next fit() charged a new query).
-                    retry = True
                 if not retry or failures >= len(self.retry_delays):
                     raise mapped from None
                 delay = self.retry_delays[failures]
