@@ -2294,6 +2294,9 @@ def test_a_masked_result_that_can_never_be_stored_fails_a_day_past_the_deadline(
     coordinator.submit("alice", signed(spec))
     finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
     assert store.query(Q1).state is QueryState.NOISING
+    # Its failed step stays due for a retry (review: the pass that scheduled it cleared
+    # it, so it was never tried again).
+    assert Q1 in coordinator._stalled
     clock = coordinator.clock
     assert isinstance(clock, Clock)
     clock.now = store.query(Q1).deadline_at + PROXY_WORK_LIMIT_SECONDS - 1
@@ -2305,6 +2308,37 @@ def test_a_masked_result_that_can_never_be_stored_fails_a_day_past_the_deadline(
     assert record.state is QueryState.FAILED
     assert record.failure_reason is not None and "could not finish" in record.failure_reason
     assert store.has_release(Q1)  # every owner uploaded: charged
+
+
+def test_a_noising_query_a_restart_finds_long_past_its_deadline_is_finished(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    """The bound on a NOISING query's retries failed, charged, a query that a proxy
+    restarted a day after its deadline had queued to finish (review of that fix)."""
+    public_key, _ = test_only_keypair_512
+
+    def crash(*args: Any) -> Any:
+        raise SimulatedCrash
+
+    config = make_config(neighbouring=REPLACE_ONE)
+    coordinator = make_coordinator(tmp_path, pool, config)
+    coordinator._masked_result = crash  # type: ignore[method-assign]
+    spec = make_spec(public_key, quorum=2, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE)
+    coordinator.submit("alice", signed(spec))
+    with pytest.raises(SimulatedCrash):
+        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
+    assert coordinator.store.query(Q1).state is QueryState.NOISING
+    deadline = coordinator.store.query(Q1).deadline_at
+    coordinator.store.close()
+    later = Clock()
+    later.now = deadline + PROXY_WORK_LIMIT_SECONDS + 60
+    restarted = make_coordinator(tmp_path, pool, config, clock=later)
+    queued: list[str] = []
+    restarted._schedule = queued.append  # type: ignore[method-assign]  # as the executor
+    restarted.recover()
+    assert queued == [Q1]
+    assert restarted.store.query(Q1).state is QueryState.NOISING  # not failed meanwhile
+    assert restarted.finish(Q1).state is QueryState.DONE
 
 
 def test_pages_a_locked_store_kept_from_being_final_are_made_final_later(

@@ -223,7 +223,13 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                 with self._lock:
                     if query_id not in self._dirty:
                         self._finalizing.discard(query_id)
-                        self._stalled.pop(query_id, None)  # a whole pass went through
+                        step = self._stalled.get(query_id)
+                        # A whole pass went through; a failed noise step of masked
+                        # mode, stalled during it, is still to be tried again (found
+                        # by review: the pass cleared it, and the query was never
+                        # retried).
+                        if step is not None and not step.noise_step:
+                            del self._stalled[query_id]
                         return
                     self._dirty.discard(query_id)
                 self._advance_once(query_id)
@@ -398,7 +404,7 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
                     # again, later each time; the query must not fail, charged, for a
                     # locked or full database. (Stalled before _finishing is cleared
                     # below: its first retry is due half a second later.)
-                    failures = self._stall(query_id)
+                    failures = self._stall(query_id, noise_step=True)
                     if failures & (failures - 1) == 0:  # logged the 1st, 2nd, 4th, ... time
                         logger.warning(
                             "query %s: its result could not be stored (%s; %d time(s) so "
@@ -478,8 +484,14 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             if record.state is QueryState.NOISING:
                 # Masked mode's last step, retried while it fails; bounded like the
                 # pages of an aggregating query (found by review: it was retried for
-                # ever, holding one of its analyst's open-query places).
-                if now >= record.deadline_at + PROXY_WORK_LIMIT_SECONDS:
+                # ever, holding one of its analyst's open-query places). Only a step
+                # that failed and is not being tried: one queued or running (at a
+                # restart long after the deadline) finishes (review of that fix).
+                with self._lock:
+                    failing = (
+                        record.query_id in self._stalled and record.query_id not in self._finishing
+                    )
+                if failing and now >= record.deadline_at + PROXY_WORK_LIMIT_SECONDS:
                     due.append(record.query_id)
                     self._fail(record.query_id, unfinished)
                 continue

@@ -133,6 +133,9 @@ class StalledStep:
 
     failures: int = 0
     due: float = 0.0
+    noise_step: bool = False
+    """Masked mode's result (:meth:`Coordinator.finish`), not a page: a pass of
+    :meth:`Coordinator.advance` that goes through does not clear it."""
 
 
 class CoordinatorCore:
@@ -210,13 +213,14 @@ class CoordinatorCore:
         (``chunk_folded`` / ``noise_added``; :class:`fedpca.proxy.metrics.ProxyMetrics`)."""
 
     # ---------------------------------------------------------- stalled steps
-    def _stall(self, query_id: str) -> int:
+    def _stall(self, query_id: str, *, noise_step: bool = False) -> int:
         """Record that ``query_id``'s step failed on the store: it is tried again after
         a wait doubling from :data:`STALL_BACKOFF_FIRST` to :data:`STALL_BACKOFF_MAX`
         (a disk full for hours must not cost a recomputed masked result every half
         second: found by review). Returns how often it has failed in a row."""
         with self._lock:
             step = self._stalled.setdefault(query_id, StalledStep())
+            step.noise_step = step.noise_step or noise_step
             step.failures += 1
             wait = min(STALL_BACKOFF_MAX, STALL_BACKOFF_FIRST * 2.0 ** (step.failures - 1))
             step.due = time.monotonic() + wait
