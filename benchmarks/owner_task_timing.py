@@ -12,7 +12,9 @@ two cases:
   a sample (and copies the K records drawn), which remains;
 * histograms at cap K_H = 100,000: 1,000 bins of a column whose values are spread or all
   in one bin, and 2 bins in each of 50 listed categories with K_H records or none (the
-  bins and categories were looked up with steps that depend on the values).
+  bins and categories were looked up with steps that depend on the values); then the
+  same spread-or-one-bin pair at 65,536 and at ``--most-bins`` bins (2^20, the most a
+  histogram may have), where the bins no longer fit in the processor's caches.
 
 Times are wall-clock medians of repeated calls in this one process (no network, no
 encryption); read them as the size of a step, not as what a deployment's clock shows.
@@ -20,7 +22,8 @@ encryption); read them as the size of a step, not as what a deployment's clock s
 Usage: python benchmarks/owner_task_timing.py [--repeats 15] [--largest 2000000]
 
 The last line reads ``dca_ratio_largest_over_smallest=<x> pca_boundary_us=<a>,<b>
-histogram_ratio_spread_over_one_bin=<y> grouped_ratio_full_over_empty=<z>``.
+histogram_ratio_spread_over_one_bin=<y> grouped_ratio_full_over_empty=<z>
+large_histogram_ratios=<r1>,<r2>``.
 """
 
 from __future__ import annotations
@@ -102,6 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="calls per point (median)")
     parser.add_argument("--largest", type=int, default=2_000_000, help="largest DCA table")
+    parser.add_argument(
+        "--most-bins", type=int, default=1 << 20, help="bins of the largest histogram"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
 
@@ -145,11 +151,23 @@ def main() -> None:
     empty = _histogram_ms(grouped, listed[:0], args.repeats)
     full = _histogram_ms(grouped, listed, args.repeats)
     print(f"  no records              {empty:7.3f} ms\n  K records, all listed   {full:7.3f} ms")
+    large = []
+    for n_bins in (min(1 << 16, args.most_bins), args.most_bins):
+        part = Aggregate.histogram((0,), (tuple(np.linspace(0.0, 1.0, n_bins + 1)),))
+        repeats = max(3, args.repeats // 3)
+        at_one = _histogram_ms(part, np.full((k, 1), 0.5), repeats)
+        at_spread = _histogram_ms(part, rng.uniform(0.0, 1.0, (k, 1)), repeats)
+        large.append(at_spread / at_one)
+        print(
+            f"histogram, K = {k:,}, {n_bins:,} bins: one bin {at_one:8.1f} ms, "
+            f"spread {at_spread:8.1f} ms ({large[-1]:.3f}x)"
+        )
     print(
         f"dca_ratio_largest_over_smallest={dca_ms[-1] / dca_ms[0]:.3f} "
         f"pca_boundary_us={boundary_us[0]:.1f},{boundary_us[1]:.1f} "
         f"histogram_ratio_spread_over_one_bin={spread / one_bin:.3f} "
-        f"grouped_ratio_full_over_empty={full / empty:.3f}"
+        f"grouped_ratio_full_over_empty={full / empty:.3f} "
+        f"large_histogram_ratios={large[0]:.3f},{large[1]:.3f}"
     )
 
 
