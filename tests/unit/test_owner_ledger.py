@@ -133,6 +133,10 @@ def test_same_query_id_with_other_parameters_is_refused(tmp_path: Path) -> None:
         ledger.reserve(_event("q1"), BUDGET, spec_digest="other")
     with pytest.raises(PolicyError, match="different parameters"):
         ledger.reserve(_event("q1", Z * 2, 0.35), BUDGET, spec_digest="d1")
+    # The same signed query planned by a later version, whose z differs in its last
+    # bits (rounded down by 2^-50), is the same release: reserved already, not refused.
+    again = ledger.reserve(_event("q1", Z * (1 - 2**-50)), BUDGET, spec_digest="d1")
+    assert again.already_reserved
 
 
 def test_the_same_query_under_another_id_is_refused(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ from fedpca.owner.node import OwnerNode
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.retry import RetryPolicy
 from fedpca.owner.share_snapshots import ShareSnapshots
-from fedpca.owner.state_folder import LOCK_NAME
+from fedpca.owner.state_folder import LOCK_NAME, refuse_if_another_process_serves
 from fedpca.owner.task_processing import BUDGET_DECLINE_DETAIL
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.proxy.config import OwnersConfig, ProxyConfig, ProxySection
@@ -1172,6 +1172,10 @@ def test_a_node_on_a_folder_another_process_serves_is_refused_before_its_ledger_
     then refused to restart (review). It is now refused before the ledger is opened."""
     folder = tmp_path / "served"
     config = replace(harness.config, owner=replace(harness.config.owner, state_dir=folder))
+    # On a folder no node ran on, the check leaves no lock file behind (one without a
+    # ledger reads as a folder whose ledger was lost; review of the change).
+    refuse_if_another_process_serves(config)
+    assert not (folder / LOCK_NAME).exists()
     holder = subprocess.Popen(
         [
             sys.executable,

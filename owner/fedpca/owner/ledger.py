@@ -306,7 +306,11 @@ class BudgetLedger(LedgerTaskReads):
                 )
             if existing is not None:
                 digest, z, was_not_private = existing
-                if digest != spec_digest or z != event.noise_multiplier:
+                # The same signed query planned by a later version may differ in z's
+                # last bits (its rounding changed): the same release (review).
+                if digest != spec_digest or not math.isclose(
+                    z, event.noise_multiplier, rel_tol=1e-12
+                ):
                     raise PolicyError(
                         f"query id {event.query_id!r} was already reserved with different "
                         "parameters; refusing a second, different release under the same id"

@@ -46,6 +46,8 @@ def refuse_if_another_process_serves(config: OwnerConfig) -> None:
     ------
     ConfigError
     """
+    if not (config.owner.state_dir / LOCK_NAME).exists():
+        return  # nobody holds it; taking it here would leave a lock file with no ledger
     try:
         use_state_folder(config).release()
     except ConfigError:
