@@ -66,7 +66,7 @@ from fedpca.protocol import (
     SUM_SINGLE,
     ReleasePlan,
 )
-from fedpca.proxy import coordinator_core, prepared_noise
+from fedpca.proxy import catalog, coordinator_core, prepared_noise
 from fedpca.proxy.config import (
     BudgetConfig,
     OwnersConfig,
@@ -1255,6 +1255,33 @@ def test_a_quorum_put_out_of_reach_before_a_restart_fails_the_query_at_start(
     assert shrunk.store.query(key("q2")).failure_reason == (
         "the quorum of 2 can no longer be reached: the proxy now accepts 1 owner(s)"
     )
+
+
+def test_a_query_this_version_cannot_plan_fails_at_start_instead_of_stopping_it(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """A stored in-flight query a later version could not plan stopped the proxy at
+    every start, naming no query, with no way to fail it by hand (review)."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool)
+    coordinator.submit("alice", signed(make_spec(public_key, "q1", quorum=2)))
+    coordinator.submit("alice", signed(make_spec(public_key, "q2", quorum=2)))
+    charged = coordinator.budget("alice").n_releases
+    coordinator.store.close()
+    with sqlite3.connect(tmp_path / "proxy.sqlite3") as raw:  # as if its format changed
+        raw.execute("UPDATE queries SET spec = '{\"quorum\": 2}' WHERE query_id = ?", (Q1,))
+    raw.close()
+    restarted = make_coordinator(tmp_path, pool)
+    assert restarted.recover() == [Q1]
+    record = restarted.store.query(Q1)
+    assert record.state is QueryState.FAILED and record.failure_reason is not None
+    assert record.failure_reason.startswith("this proxy's version cannot plan the query")
+    assert restarted.budget("alice").n_releases == charged - 1  # no upload began: refunded
+    assert restarted.store.query(key("q2")).state is QueryState.COLLECTING
+    # Its analyst still reads its status, and lists its other queries.
+    assert restarted.status(ANALYST, "q1").state is QueryState.FAILED
+    listed = catalog.list_queries(restarted, ANALYST, 10)
+    assert [q.status.query_id for q in listed] == ["q2"]  # the other queries still list
 
 
 def test_pages_left_unreleased_by_a_crash_are_released_at_restart(

@@ -100,9 +100,13 @@ class AnalystRequests(CoordinatorCore):
         for owner, text in sorted(self.store.declines(key).items()):
             code, _, detail = text.partition(": ")
             declines.append(OwnerDecline(owner, code, detail))
-        context = self._context(key)
-        result_total = sum(block.n_ciphertexts for block in result_blocks(context.plan))
-        total = total_ciphertexts(context)
+        try:
+            context = self._context(key)
+        except ConfigError:  # a stored query this version cannot plan (failed at start)
+            result_total = total = 0
+        else:
+            result_total = sum(block.n_ciphertexts for block in result_blocks(context.plan))
+            total = total_ciphertexts(context)
         contributors = self.store.contributors(key)
         # A contribution counts once all its chunks are folded (its stream's own end
         # may be acknowledged a moment later); the others are still uploading.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from fedpca.errors import ConfigError
 from fedpca.messages import PROTOCOL_VERSION, DeploymentInfo, QuerySummary
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.queries import spec_from_dict
@@ -60,7 +61,12 @@ def list_queries(
     summaries = []
     prefix = f"{analyst_id}/"
     for record in records:
-        spec = spec_from_dict(record.spec)
+        try:
+            spec = spec_from_dict(record.spec)
+        except ConfigError:
+            # A stored query this version cannot read (failed at start, saying so):
+            # `status ID` shows it; the list of every other query still works.
+            continue
         query_id = record.query_id.removeprefix(prefix)
         summaries.append(
             QuerySummary(

@@ -615,7 +615,18 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             if self._fail_if_quorum_unreachable(record.query_id):
                 handled.append(record.query_id)
                 continue
-            context = self._context(record.query_id)
+            try:
+                context = self._context(record.query_id)
+            except FedpcaError as exc:
+                # Not a start refused for good, naming no query (found by review): a
+                # query this version cannot plan (a stored query a protocol change
+                # made invalid) fails, under the refund rule of every failure.
+                self._fail(
+                    record.query_id,
+                    f"this proxy's version cannot plan the query after a restart: {exc}",
+                )
+                handled.append(record.query_id)
+                continue
             removed = self.store.discard_partial_uploads(
                 record.query_id,
                 total_ciphertexts=total_ciphertexts(context),
