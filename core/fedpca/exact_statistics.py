@@ -183,17 +183,20 @@ def fixed_point_statistics(
         if y.shape != (n,):
             raise LayoutError(f"{n} records but {y.shape[0]} labels")
         # Every row up to max(N, pad_to) is looked up, padding rows with the first class
-        # (they are zeroed below), in one vectorised search: the time does not depend
-        # on N, unlike a lookup per real record.
+        # (they are zeroed below), by comparing it with every class: the same work for
+        # every row whatever its label. (numpy's binary search branched on the labels,
+        # so their mix and order showed in the time; found by review.)
         classes = np.asarray(spec.class_labels, dtype=np.float64)
-        order = np.argsort(classes, kind="stable")
-        ordered = classes[order]
         padded = np.full(total, classes[0])
         padded[:n] = y
-        position = np.minimum(np.searchsorted(ordered, padded), ordered.size - 1)
-        if not np.array_equal(ordered[position], padded):
+        class_index = np.zeros(total, dtype=np.int64)
+        matches = np.zeros(total, dtype=np.int64)
+        for c, label in enumerate(classes):
+            equal = padded == label
+            class_index += equal * c
+            matches += equal
+        if not np.all(matches == 1):  # class labels are distinct: 0 means none matched
             raise LayoutError("every label must be one of the query's class labels")
-        class_index = order[position]
         class_sums = np.zeros((spec.n_classes, m), dtype=np.int64)
         class_counts = np.zeros(spec.n_classes, dtype=np.int64)
     buffer = np.zeros((block, m), dtype=np.float64)

@@ -383,6 +383,48 @@ def test_dca_finds_each_class_without_a_pass_over_the_labels(
     assert contributed_rows(empty, spec, 400).features.shape == (0, 3)
 
 
+def test_dca_keeping_every_record_reads_them_in_place_without_sorting(
+    test_only_keypair_512: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DCA task sorted the positions of its records even when it kept all of them:
+    work growing with N below the cap, which the proxy's clock reads (review). The
+    class lookup compares every row with every class; a label outside them is refused."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(6)
+    n = 2_000
+    labels = rng.choice([0.0, 1.0], n)
+    source = np.column_stack([rng.uniform(-1, 1, (n, 3)), labels])
+    spec = query_builder(n_features=3, epsilon=1.0, max_records_per_owner=5_000)(
+        public_key, kind=QueryKind.DCA, label_column=3, class_labels=(1.0, 0.0)
+    )
+    table = LocalTable(source, 3, "test").table_for(spec)
+    sorts = []
+    real_sort = np.sort
+
+    def counted_sort(*args: Any, **kwargs: Any) -> Any:
+        sorts.append(1)
+        return real_sort(*args, **kwargs)
+
+    monkeypatch.setattr(compute.np, "sort", counted_sort)
+    rows = contributed_rows(table, spec, 5_000)
+    assert sorts == []
+    np.testing.assert_array_equal(rows.features, source[:, :3])
+    np.testing.assert_array_equal(rows.labels, labels)
+    monkeypatch.undo()
+    # The statistics' lookup: the same class sums as a row-by-row reading.
+    stats = fixed_point_statistics(rows.features, rows.labels, spec, pad_to=10_000)
+    ones = labels == 1.0
+    expected = fixed_point_statistics(rows.features[ones], labels[ones], spec)
+    assert stats.class_sums is not None and expected.class_sums is not None
+    np.testing.assert_array_equal(
+        stats.class_sums,
+        expected.class_sums * [[1], [0]]
+        + (fixed_point_statistics(rows.features[~ones], labels[~ones], spec).class_sums),
+    )
+    with pytest.raises(LayoutError, match="one of the query's class labels"):
+        fixed_point_statistics(rows.features[:3], np.array([0.0, 1.0, 0.5]), spec)
+
+
 def test_values_outside_the_bounds_are_clipped_not_refused(
     test_only_keypair_512: tuple[Any, Any], pool: CryptoPool, ionosphere: LocalTable
 ) -> None:

@@ -431,12 +431,20 @@ def contributed_rows(
         if index is None and labels is None:
             raise LayoutError("a DCA query needs the owner's labels")
         parts = []
+        sampled = False
         for label in spec.class_labels:
             # With an index, no pass over the N labels (the time depends on K, not N).
             members = index.members(label) if index is not None else np.flatnonzero(labels == label)
             chosen = sample(members.size)
+            sampled = sampled or chosen is not None
             parts.append(members if chosen is None else members[chosen])
-        keep: npt.NDArray[np.int64] | None = np.sort(np.concatenate(parts))
+        keep: npt.NDArray[np.int64] | None
+        if not sampled and sum(part.size for part in parts) == table.n_records:
+            # Every record kept, in order: not sorted first (found by review: the sort
+            # of the N positions was work growing with N below the cap).
+            keep = None
+        else:
+            keep = np.sort(np.concatenate(parts))
     else:
         keep = sample(table.n_records)
     if keep is not None and keep.size == table.n_records:
