@@ -14,7 +14,12 @@ two cases:
   in one bin, and 2 bins in each of 50 listed categories with K_H records or none (the
   bins and categories were looked up with steps that depend on the values); then the
   same spread-or-one-bin pair at 65,536 and at ``--most-bins`` bins (2^20, the most a
-  histogram may have), where the bins no longer fit in the processor's caches.
+  histogram may have), where the bins no longer fit in the processor's caches;
+* three residuals a review of owners' observables measured (docs/privacy.md): the mean
+  of 3 columns of a 200-column file at K_H, with no record against K_H records (real
+  rows are read from the file, padding rows only written); PCA without public bounds,
+  K = N = 20,000, M = 10, on values of order 1 against subnormal ones (1e-310); and
+  PCA at K = 10,000, M = 10 for N from K to 100 K (the sample drawn past the cap).
 
 Times are wall-clock medians of repeated calls in this one process (no network, no
 encryption); read them as the size of a step, not as what a deployment's clock shows.
@@ -23,7 +28,8 @@ Usage: python benchmarks/owner_task_timing.py [--repeats 15] [--largest 2000000]
 
 The last line reads ``dca_ratio_largest_over_smallest=<x> pca_boundary_us=<a>,<b>
 histogram_ratio_spread_over_one_bin=<y> grouped_ratio_full_over_empty=<z>
-large_histogram_ratios=<r1>,<r2>``.
+large_histogram_ratios=<r1>,<r2> wide_file_ratio=<w> subnormal_ratio=<s>
+sampling_ratios=<p1>,<p2>,<p3>`` (each the second case over the first, or over N = K).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -70,9 +77,59 @@ def _task_seconds(table: LocalTable, spec: QuerySpec, repeats: int) -> float:
         columns = table.table_for(spec)
         started = time.perf_counter()
         rows = contributed_rows(columns, spec, cap)
-        fixed_point_statistics(rows.features, rows.labels, spec, pad_to=padded_rows(spec, cap))
+        if spec.kind is QueryKind.AGGREGATE:
+            fixed_point_aggregates(rows.features, spec, pad_to=padded_rows(spec, cap))
+        else:
+            fixed_point_statistics(rows.features, rows.labels, spec, pad_to=padded_rows(spec, cap))
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def _residuals(
+    rng: np.random.Generator, repeats: int, scale: int
+) -> tuple[float, float, list[float]]:
+    """The three residuals of docs/privacy.md measured here; ``scale`` divides the sizes
+    (1 for the documented run, larger for the smoke test)."""
+    k = HISTOGRAM_CAP // scale
+    mean = Aggregate.statistics((0, 1, 2), (-1.0,) * 3, (1.0,) * 3)
+    wide = QuerySpec(
+        query_id="timing",
+        kind=QueryKind.AGGREGATE,
+        n_features=3,
+        epsilon=1.0,
+        delta=1e-6,
+        n_components=1,
+        analyst_public_key_n=PUBLIC_KEY_N,
+        analyst_key_fingerprint="sha256:timing",
+        aggregates=(mean,),
+        max_records_per_owner=k,
+        max_owners=4,
+    )
+    source = rng.uniform(-1, 1, (k, 200))
+    empty = _task_seconds(LocalTable(source[:0], None, "benchmark"), wide, repeats)
+    full = _task_seconds(LocalTable(source, None, "benchmark"), wide, repeats)
+    print(
+        f"mean of 3 of 200 columns, K = {k:,}: no record {empty * 1e3:.2f} ms, "
+        f"K records {full * 1e3:.2f} ms ({full / empty:.3f}x)"
+    )
+    n, m = 20_000 // scale, 10
+    unbounded = replace(_spec(QueryKind.PCA, m), feature_lower=(), feature_upper=())
+    unbounded = replace(unbounded, max_records_per_owner=n)
+    usual = rng.uniform(-1, 1, (n, m))
+    plain = _task_seconds(LocalTable(usual, None, "benchmark"), unbounded, repeats)
+    tiny = _task_seconds(LocalTable(usual * 1e-310, None, "benchmark"), unbounded, repeats)
+    print(
+        f"PCA without bounds, K = N = {n:,}: values of order 1 {plain * 1e3:.2f} ms, "
+        f"subnormal values {tiny * 1e3:.2f} ms ({tiny / plain:.3f}x)"
+    )
+    cap = 10_000 // scale
+    sampled = replace(_spec(QueryKind.PCA, m), max_records_per_owner=cap)
+    times = []
+    for count in (cap, cap + 1, 10 * cap, 100 * cap):
+        table = LocalTable(rng.uniform(-1, 1, (count, m)), None, "benchmark")
+        times.append(_task_seconds(table, sampled, repeats))
+        print(f"PCA, K = {cap:,}, M = {m}, N = {count:>9,}: {times[-1] * 1e3:.2f} ms")
+    return full / empty, tiny / plain, [t / times[0] for t in times[1:]]
 
 
 HISTOGRAM_CAP = 100_000
@@ -107,6 +164,9 @@ def main() -> None:
     parser.add_argument("--largest", type=int, default=2_000_000, help="largest DCA table")
     parser.add_argument(
         "--most-bins", type=int, default=1 << 20, help="bins of the largest histogram"
+    )
+    parser.add_argument(
+        "--residual-scale", type=int, default=1, help="divide the residuals' sizes by this"
     )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -162,12 +222,15 @@ def main() -> None:
             f"histogram, K = {k:,}, {n_bins:,} bins: one bin {at_one:8.1f} ms, "
             f"spread {at_spread:8.1f} ms ({large[-1]:.3f}x)"
         )
+    wide, subnormal, sampling = _residuals(rng, args.repeats, args.residual_scale)
     print(
         f"dca_ratio_largest_over_smallest={dca_ms[-1] / dca_ms[0]:.3f} "
         f"pca_boundary_us={boundary_us[0]:.1f},{boundary_us[1]:.1f} "
         f"histogram_ratio_spread_over_one_bin={spread / one_bin:.3f} "
         f"grouped_ratio_full_over_empty={full / empty:.3f} "
-        f"large_histogram_ratios={large[0]:.3f},{large[1]:.3f}"
+        f"large_histogram_ratios={large[0]:.3f},{large[1]:.3f} "
+        f"wide_file_ratio={wide:.3f} subnormal_ratio={subnormal:.3f} "
+        f"sampling_ratios={','.join(f'{r:.3f}' for r in sampling)}"
     )
 
 

@@ -189,13 +189,23 @@ def test_noise_sampler_reports_its_cost_per_value() -> None:
 
 def test_owner_task_timing_reports_the_dca_ratio_and_the_sampling_step() -> None:
     result = run_benchmark(
-        "owner_task_timing.py", "--repeats", "1", "--largest", "20000", "--most-bins", "4096"
+        "owner_task_timing.py",
+        "--repeats",
+        "1",
+        "--largest",
+        "20000",
+        "--most-bins",
+        "4096",
+        "--residual-scale",
+        "10",
     )
     assert float(result["dca_ratio_largest_over_smallest"]) > 0
     assert all(float(us) > 0 for us in result["pca_boundary_us"].split(","))
     assert float(result["histogram_ratio_spread_over_one_bin"]) > 0
     assert float(result["grouped_ratio_full_over_empty"]) > 0
     assert all(float(r) > 0 for r in result["large_histogram_ratios"].split(","))
+    assert float(result["wide_file_ratio"]) > 0 and float(result["subnormal_ratio"]) > 0
+    assert len(result["sampling_ratios"].split(",")) == 3
 
 
 def test_owner_encrypt_compares_with_the_published_design_and_the_bare_loop() -> None:
