@@ -92,19 +92,7 @@ def _residuals(
     (1 for the documented run, larger for the smoke test)."""
     k = HISTOGRAM_CAP // scale
     mean = Aggregate.statistics((0, 1, 2), (-1.0,) * 3, (1.0,) * 3)
-    wide = QuerySpec(
-        query_id="timing",
-        kind=QueryKind.AGGREGATE,
-        n_features=3,
-        epsilon=1.0,
-        delta=1e-6,
-        n_components=1,
-        analyst_public_key_n=PUBLIC_KEY_N,
-        analyst_key_fingerprint="sha256:timing",
-        aggregates=(mean,),
-        max_records_per_owner=k,
-        max_owners=4,
-    )
+    wide = _aggregate_spec(mean, k)
     source = rng.uniform(-1, 1, (k, 200))
     empty = _task_seconds(LocalTable(source[:0], None, "benchmark"), wide, repeats)
     full = _task_seconds(LocalTable(source, None, "benchmark"), wide, repeats)
@@ -135,9 +123,9 @@ def _residuals(
 HISTOGRAM_CAP = 100_000
 
 
-def _histogram_ms(part: Aggregate, rows: np.ndarray, repeats: int) -> float:
-    """Median milliseconds of an owner's padded histogram of ``rows``."""
-    spec = QuerySpec(
+def _aggregate_spec(part: Aggregate, cap: int) -> QuerySpec:
+    """An aggregate query of ``part`` alone, at cap ``cap``."""
+    return QuerySpec(
         query_id="timing",
         kind=QueryKind.AGGREGATE,
         n_features=len(part.read_columns),
@@ -147,9 +135,14 @@ def _histogram_ms(part: Aggregate, rows: np.ndarray, repeats: int) -> float:
         analyst_public_key_n=PUBLIC_KEY_N,
         analyst_key_fingerprint="sha256:timing",
         aggregates=(part,),
-        max_records_per_owner=HISTOGRAM_CAP,
+        max_records_per_owner=cap,
         max_owners=4,
     )
+
+
+def _histogram_ms(part: Aggregate, rows: np.ndarray, repeats: int) -> float:
+    """Median milliseconds of an owner's padded histogram of ``rows``."""
+    spec = _aggregate_spec(part, HISTOGRAM_CAP)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()

@@ -1335,11 +1335,10 @@ class SimulatedCrash(BaseException):
     """Stands in for the process dying (not an Exception: nothing may catch it)."""
 
 
-def test_recover_finishes_a_query_interrupted_in_noising_exactly_once(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
-) -> None:
-    public_key, private_key = test_only_keypair_512
-    coordinator = make_coordinator(tmp_path, pool)
+def _masked_query_interrupted_in_noising(
+    tmp_path: Path, pool: CryptoPool, public_key: Any, owner_rows: list[np.ndarray]
+) -> tuple[Coordinator, ProxyConfig]:
+    """A masked query whose owners all uploaded, whose process died adding noise."""
 
     def crash(*args: Any) -> Any:
         raise SimulatedCrash
@@ -1351,8 +1350,18 @@ def test_recover_finishes_a_query_interrupted_in_noising_exactly_once(
     coordinator.submit("alice", signed(spec))
     with pytest.raises(SimulatedCrash):
         finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
+    assert coordinator.store.query(Q1).state is QueryState.NOISING
+    return coordinator, config
+
+
+def test_recover_finishes_a_query_interrupted_in_noising_exactly_once(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+) -> None:
+    public_key, private_key = test_only_keypair_512
+    coordinator, config = _masked_query_interrupted_in_noising(
+        tmp_path, pool, public_key, owner_rows
+    )
     store = coordinator.store
-    assert store.query(Q1).state is QueryState.NOISING
     aggregate_before = store.aggregate(Q1)
     store.close()
 
@@ -2342,19 +2351,9 @@ def test_a_noising_query_a_restart_finds_long_past_its_deadline_is_finished(
 ) -> None:
     """The bound on a NOISING query's retries failed, charged, a query that a proxy
     restarted a day after its deadline had queued to finish (review of that fix)."""
-    public_key, _ = test_only_keypair_512
-
-    def crash(*args: Any) -> Any:
-        raise SimulatedCrash
-
-    config = make_config(neighbouring=REPLACE_ONE)
-    coordinator = make_coordinator(tmp_path, pool, config)
-    coordinator._masked_result = crash  # type: ignore[method-assign]
-    spec = make_spec(public_key, quorum=2, mode=ProtocolMode.MASKED, neighbouring=REPLACE_ONE)
-    coordinator.submit("alice", signed(spec))
-    with pytest.raises(SimulatedCrash):
-        finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows)[:2], "q1")
-    assert coordinator.store.query(Q1).state is QueryState.NOISING
+    coordinator, config = _masked_query_interrupted_in_noising(
+        tmp_path, pool, test_only_keypair_512[0], owner_rows
+    )
     deadline = coordinator.store.query(Q1).deadline_at
     coordinator.store.close()
     later = Clock()
