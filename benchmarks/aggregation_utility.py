@@ -64,7 +64,8 @@ from fedpca.app.cluster import split_rows
 from fedpca.data import dataset_path
 from fedpca.dp.allocation import allocate_noise, normalise_weights
 from fedpca.dp.noise import DiscreteGaussianSampler
-from fedpca.owner.compute import LocalTable, encode_share
+from fedpca.owner.compute import encode_share
+from fedpca.owner.local_table import LocalTable
 from fedpca.protocol import ReleasePlan
 from fedpca.query import Aggregate, AggregateKind, Neighbouring, QuerySpec
 

@@ -233,8 +233,8 @@ def build_upload(task: Any, config: Any, table: Any, pool: Any) -> list[Any]:
 async def async_owner(path: str, pool: Any, connected: list[int], stop: asyncio.Event) -> None:
     """``--clients async``: one owner as a grpc.aio client on this driver's event loop."""
     from fedpca.messages import ObfuscationVariant, OwnerHello, Task, UploadStatus
-    from fedpca.owner.compute import LocalTable
     from fedpca.owner.config import load_config
+    from fedpca.owner.local_table import LocalTable
     from fedpca.transport import serde
     from fedpca.transport.channels import channel_credentials, client_options
     from fedpca.v1 import owner_service_pb2_grpc as owner_grpc

@@ -312,7 +312,7 @@ class _PartAccumulator:
             unit = np.hstack([unit, target])
         # |u| <= 1 and truncation toward zero keep |q| <= 2^g exactly.
         q = np.trunc(np.ldexp(unit, self.g)).astype(np.int64)
-        q[real:] = 0
+        q *= (np.arange(q.shape[0]) < real)[:, None]  # the same work whatever is real
         self.count += real
         self.sums += q.sum(axis=0)
         qf = q.astype(np.float64)
@@ -344,7 +344,7 @@ class _PartAccumulator:
 
 
 def fixed_point_aggregates(
-    columns: npt.ArrayLike, query: QuerySpec, *, pad_to: int = 0
+    columns: npt.ArrayLike, query: QuerySpec, *, pad_to: int = 0, n_real: int | None = None
 ) -> AggregateIntegers:
     """Exact integer statistics of an owner's rows for an aggregate query.
 
@@ -355,6 +355,9 @@ def fixed_point_aggregates(
     query : the public aggregate query.
     pad_to : process at least this many rows, the extra ones left out of every
         statistic: the work done depends on max(N, pad_to) only, not on N.
+    n_real : the first ``n_real`` rows of ``columns`` are the records, the rest zero
+        rows of the same table that pad them (read like the records, so that reading a
+        wide table costs the same whatever N; left out of every statistic).
 
     Returns
     -------
@@ -371,6 +374,10 @@ def fixed_point_aggregates(
     positions = {column: j for j, column in enumerate(query.aggregate_columns)}
     accumulators = [_PartAccumulator(part, positions, g) for part in query.aggregates]
     n = x.shape[0]
+    if n_real is not None:
+        if not 0 <= n_real <= n:
+            raise LayoutError(f"n_real = {n_real} is not within the {n} rows given")
+        n = n_real
     total = max(n, pad_to)
     # Products of two coordinates sit on the 2^(2g) grid: blocks of at most 2^(53 - 2g)
     # rows keep every partial float64 sum an exact integer.
@@ -379,8 +386,9 @@ def fixed_point_aggregates(
     for start in range(0, total, block):
         size = min(block, total - start)
         real = max(0, min(size, n - start))
-        buffer[:real] = x[start : start + real]
-        buffer[real:] = 0.0
+        present = max(0, min(size, x.shape[0] - start))  # rows of x: real, or its padding
+        buffer[:present] = x[start : start + present]
+        buffer[present:] = 0.0
         for accumulator in accumulators:
             accumulator.add(buffer[:size], real)
     parts = [array for acc in accumulators for array in acc.integers(f)]

@@ -135,6 +135,7 @@ def fixed_point_statistics(
     query: QuerySpec,
     *,
     pad_to: int = 0,
+    n_real: int | None = None,
 ) -> FixedPointStatistics:
     """Exact fixed-point statistics of raw records under a query (what an owner releases).
 
@@ -154,6 +155,9 @@ def fixed_point_statistics(
     pad_to : process at least this many rows, the extra ones all-zero and left out of
         every statistic: the work done (and the time taken) depends on
         max(N, pad_to) only, not on N.
+    n_real : PCA only: the first ``n_real`` rows of ``features`` are the records, the
+        rest zero rows of the same table that pad them (read like the records, so that
+        reading a wide table costs the same whatever N; left out of every statistic).
 
     Returns
     -------
@@ -165,6 +169,10 @@ def fixed_point_statistics(
     if x.ndim != 2 or x.shape[1] != spec.n_features:
         raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")
     n, m = x.shape
+    if n_real is not None:
+        if spec.kind is QueryKind.DCA or not 0 <= n_real <= n:
+            raise LayoutError(f"n_real = {n_real} needs a PCA query and at most {n} rows")
+        n = n_real
     f = query.frac_bits
     g = row_bits(f)
     # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and about 2 MiB
@@ -204,12 +212,13 @@ def fixed_point_statistics(
     for start in range(0, total, block):
         size = min(block, total - start)
         real = max(0, min(size, n - start))
-        buffer[:real] = x[start : start + real]
-        buffer[real:] = 0.0
+        present = max(0, min(size, x.shape[0] - start))  # rows of x: real, or its padding
+        buffer[:present] = x[start : start + present]
+        buffer[present:] = 0.0
         # The same work for real and padding rows; padding is zeroed after scaling.
         unit = preprocess_for_query(buffer[:size], query) * inverse_clip
         q = quantize_unit_rows(unit, g)
-        q[real:] = 0
+        q *= (np.arange(size) < real)[:, None]
         qf = q.astype(np.float64)
         _add_upper_gram(gram, qf)
         sums += q.sum(axis=0)

@@ -13,7 +13,7 @@ from fedpca.codec import key_fingerprint
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
 from fedpca.messages import DeclineReason, Task
-from fedpca.owner.compute import LocalTable, encode_share
+from fedpca.owner.compute import encode_share
 from fedpca.owner.config import (
     DataConfig,
     NodeConfig,
@@ -21,6 +21,7 @@ from fedpca.owner.config import (
     TlsConfig,
     load_config,
 )
+from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import Refusal, TaskAccepted, check_task
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan

@@ -47,7 +47,7 @@ from fedpca.messages import (
 )
 from fedpca.owner import compute, task_endings
 from fedpca.owner import node as node_module
-from fedpca.owner.compute import LocalTable, encode_share
+from fedpca.owner.compute import encode_share
 from fedpca.owner.config import (
     CryptoConfig,
     DataConfig,
@@ -58,6 +58,7 @@ from fedpca.owner.config import (
 )
 from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
+from fedpca.owner.local_table import LocalTable
 from fedpca.owner.metrics import OwnerMetrics
 from fedpca.owner.node import OwnerNode
 from fedpca.owner.policy_config import PolicyConfig

@@ -23,8 +23,6 @@ from fedpca.errors import ConfigError, LayoutError
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.owner import compute
 from fedpca.owner.compute import (
-    LocalTable,
-    QueryColumns,
     contributed_rows,
     encode_share,
     encrypt_share,
@@ -32,10 +30,11 @@ from fedpca.owner.compute import (
     record_cap,
 )
 from fedpca.owner.config import DataConfig
+from fedpca.owner.local_table import LocalTable, QueryColumns
 from fedpca.owner.upload import OutgoingUpload
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
-from fedpca.query import Aggregate, Neighbouring, ProtocolMode, QueryKind, spec_digest
+from fedpca.query import Aggregate, Moments, Neighbouring, ProtocolMode, QueryKind, spec_digest
 from helpers import query_builder, reference_statistics
 
 IONOSPHERE = dataset_path("ionosphere")
@@ -449,19 +448,65 @@ def test_the_work_is_padded_to_the_public_cap(
     public_key, _ = test_only_keypair_512
     spec = _spec(public_key)
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int | None]] = []
     real = compute.fixed_point_statistics
 
-    def recording(features: Any, labels: Any, query: Any, *, pad_to: int = 0) -> Any:
-        seen.append((len(features), pad_to))
-        return real(features, labels, query, pad_to=pad_to)
+    def recording(
+        features: Any, labels: Any, query: Any, *, pad_to: int = 0, n_real: int | None = None
+    ) -> Any:
+        seen.append((len(features), pad_to, n_real))
+        return real(features, labels, query, pad_to=pad_to, n_real=n_real)
 
     monkeypatch.setattr(compute, "fixed_point_statistics", recording)
     table = ionosphere.table_for(spec)
     for n in (10, 351):
         small = LocalTable(table.rows().features[:n], None, "first rows").table_for(spec)
         encode_share(spec, small, plan, capacity=CAPACITY)
-    assert seen == [(10, 1000), (351, 1000)]
+    assert seen == [(10, 1000, None), (351, 1000, None)]
+    # A table kept padded to its capacity gives its records and its zero rows alike.
+    seen.clear()
+    for n in (10, 351):
+        rows = table.rows().features[:n]
+        padded = LocalTable(rows, None, "first rows", CAPACITY).table_for(spec)
+        encode_share(spec, padded, plan, capacity=CAPACITY)
+    assert seen == [(1000, 1000, 10), (1000, 1000, 351)]
+
+
+def test_a_table_padded_to_its_capacity_gives_the_same_share(
+    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable
+) -> None:
+    """Reading the padding from the table (review: real rows were read, padding rows
+    only written, so N showed in the time for a file wider than the query) changes no
+    value: PCA, an aggregate of consecutive columns and one of scattered columns."""
+    public_key, _ = test_only_keypair_512
+    source = ionosphere.columns[:200]
+    specs = [
+        _spec(public_key),
+        query_builder(n_features=3, n_components=1, epsilon=1.0, max_records_per_owner=CAPACITY)(
+            public_key,
+            kind=QueryKind.AGGREGATE,
+            aggregates=(Aggregate.statistics((4, 5, 6), (-1.0,) * 3, (1.0,) * 3),),
+        ),
+        query_builder(n_features=4, n_components=1, epsilon=1.0, max_records_per_owner=CAPACITY)(
+            public_key,
+            kind=QueryKind.AGGREGATE,
+            aggregates=(
+                Aggregate.statistics((2, 9, 30), (-1.0,) * 3, (1.0,) * 3, Moments.COVARIANCE),
+                Aggregate.histogram((7,), ((-1.0, 0.0, 1.0),)),
+            ),
+        ),
+    ]
+    for spec in specs:
+        plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
+        label = ionosphere.label_column
+        plain = LocalTable(source, label, "plain").table_for(spec)
+        padded = LocalTable(source, label, "padded", CAPACITY).table_for(spec)
+        assert padded.padded_features(CAPACITY) is not None
+        expected = encode_share(spec, plain, plan, capacity=CAPACITY)
+        got = encode_share(spec, padded, plan, capacity=CAPACITY)
+        assert expected.keys() == got.keys()
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name])
 
 
 def _blas_threads() -> int:
@@ -492,9 +537,9 @@ def test_statistics_of_a_small_table_run_on_one_blas_thread(
         seen: list[int] = []
         real = compute.fixed_point_statistics
 
-        def recording(features: Any, labels: Any, query: Any, *, pad_to: int = 0) -> Any:
+        def recording(features: Any, labels: Any, query: Any, **padding: Any) -> Any:
             seen.append(_blas_threads())
-            return real(features, labels, query, pad_to=pad_to)
+            return real(features, labels, query, **padding)
 
         monkeypatch.setattr(compute, "fixed_point_statistics", recording)
         table = ionosphere.table_for(spec)

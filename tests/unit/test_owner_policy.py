@@ -18,7 +18,6 @@ from fedpca.dp.accounting import compose_epsilon
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError, UntrustedKeyError
 from fedpca.messages import DeclineReason, Task
-from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import (
     DataConfig,
     NodeConfig,
@@ -26,6 +25,7 @@ from fedpca.owner.config import (
     PrivacyConfig,
     TlsConfig,
 )
+from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import Refusal, TaskAccepted, check_resumed_task, check_task
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan

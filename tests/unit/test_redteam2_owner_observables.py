@@ -1,5 +1,5 @@
 """Red-team findings (second pass) on what an observer sees of an owner's records
-(fedpca.owner.compute.LocalTable, fedpca.tables.load_table).
+(fedpca.owner.local_table.LocalTable, fedpca.tables.load_table).
 
 They fail on the code they were written against (98d67ee); REDTEAM2.md describes each
 finding and a fix. Nothing here is marked xfail.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from fedpca.errors import FedpcaError
-from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import DataConfig
+from fedpca.owner.local_table import LocalTable
 
 
 def _starts(config: DataConfig) -> str:

@@ -1,5 +1,5 @@
 """Red-team findings (third pass) on what an observer sees of an owner's records
-(fedpca.owner.compute.LocalTable, fedpca.tables.load_table).
+(fedpca.owner.local_table.LocalTable, fedpca.tables.load_table).
 
 They fail on the code they were written against (0cde958); REDTEAM3.md describes each
 finding and a fix. Nothing here is marked xfail.
@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from fedpca.errors import FedpcaError
-from fedpca.owner.compute import LocalTable
 from fedpca.owner.config import DataConfig
+from fedpca.owner.local_table import LocalTable
 
 RECORDS = [[1.0, 0.25, -0.5, 0.75]]  # label in column 0, three features
 NAMES = ["label", "x1", "x2", "x3"]

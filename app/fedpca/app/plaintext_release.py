@@ -41,7 +41,8 @@ from fedpca.analyst.decode import DecodedRelease, decode_values, noise_descripti
 from fedpca.dp.noise import NoiseSampler, symmetric_noise
 from fedpca.errors import ConfigError
 from fedpca.masked_release import mask_width, masked_residue, row_aligned_positions
-from fedpca.owner.compute import QueryColumns, encode_share, record_cap
+from fedpca.owner.compute import encode_share, record_cap
+from fedpca.owner.local_table import QueryColumns
 from fedpca.protocol import (
     MASKED_SUM,
     SCATTER_ROWS,

@@ -58,9 +58,10 @@ from fedpca.messages import (
     TaskCancellation,
     TaskEvent,
 )
-from fedpca.owner.compute import LocalTable, blas_pools
+from fedpca.owner.compute import blas_pools
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
+from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import check_allowed_columns
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
 from fedpca.owner.share_snapshots import ShareSnapshots

@@ -49,8 +49,9 @@ from fedpca.errors import (
 )
 from fedpca.formatting import distinct
 from fedpca.messages import DeclineReason, Task
-from fedpca.owner.compute import LocalTable, QueryColumns, analyst_public_key
+from fedpca.owner.compute import analyst_public_key
 from fedpca.owner.config import OwnerConfig
+from fedpca.owner.local_table import LocalTable, QueryColumns
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import ProtocolMode, QuerySpec, spec_digest

@@ -61,8 +61,8 @@ def probe_owner(
     With ``local``, only this node's own setup (config, data, TLS files, state): the
     proxy and the enrolment are reported as skipped, so a container's startup probe
     does not restart a node that would wait for its proxy anyway."""
-    from fedpca.owner.compute import LocalTable
     from fedpca.owner.config import load_config
+    from fedpca.owner.local_table import LocalTable
     from fedpca.owner.policy import check_allowed_columns
     from fedpca.tables import describe_columns
 

@@ -42,10 +42,11 @@ from fedpca.messages import (
     ciphertexts_per_chunk,
     new_upload_id,
 )
-from fedpca.owner.compute import LocalTable, encode_share, encrypt_share_stream, record_cap
+from fedpca.owner.compute import encode_share, encrypt_share_stream, record_cap
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.ledger_records import TaskOutcome
+from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import (
     SECONDS_PER_DAY,
     Refusal,
