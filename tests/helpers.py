@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +44,23 @@ def sync_test_server(max_workers: int) -> grpc.Server:
         options=server_options(),
         maximum_concurrent_rpcs=None,
     )
+
+
+@contextmanager
+def fake_analyst_service(servicer: Any, max_workers: int = 4) -> Iterator[str]:
+    """``servicer`` (a fake proxy's AnalystService) served on a free loopback port,
+    plaintext; yields its address and stops it afterwards."""
+    from fedpca.transport.channels import add_insecure_port
+    from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
+
+    server = sync_test_server(max_workers=max_workers)
+    analyst_grpc.add_AnalystServiceServicer_to_server(servicer, server)
+    port = add_insecure_port(server, "127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
 
 
 def signed(spec: QuerySpec, key: Ed25519PrivateKey = TEST_SIGNING_KEY) -> SignedQuery:

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fedpca.errors import LayoutError
-from fedpca.exact_statistics import row_bits
+from fedpca.exact_statistics import padded_blocks, real_rows, row_bits
 from fedpca.preprocess import FeatureBounds, scale_to_unit_box
 from fedpca.query import Aggregate, AggregateKind, Moments, QueryKind, QuerySpec
 from fedpca.stats import Section, upper_triangle_length
@@ -373,23 +373,13 @@ def fixed_point_aggregates(
     g = row_bits(f)
     positions = {column: j for j, column in enumerate(query.aggregate_columns)}
     accumulators = [_PartAccumulator(part, positions, g) for part in query.aggregates]
-    n = x.shape[0]
-    if n_real is not None:
-        if not 0 <= n_real <= n:
-            raise LayoutError(f"n_real = {n_real} is not within the {n} rows given")
-        n = n_real
+    n = real_rows(x, n_real)
     total = max(n, pad_to)
     # Products of two coordinates sit on the 2^(2g) grid: blocks of at most 2^(53 - 2g)
     # rows keep every partial float64 sum an exact integer.
     block = max(1, min(4096, 1 << (53 - 2 * g)))
-    buffer = np.zeros((block, width), dtype=np.float64)
-    for start in range(0, total, block):
-        size = min(block, total - start)
-        real = max(0, min(size, n - start))
-        present = max(0, min(size, x.shape[0] - start))  # rows of x: real, or its padding
-        buffer[:present] = x[start : start + present]
-        buffer[present:] = 0.0
+    for _, rows, real in padded_blocks(x, n, total, block):
         for accumulator in accumulators:
-            accumulator.add(buffer[:size], real)
+            accumulator.add(rows, real)
     parts = [array for acc in accumulators for array in acc.integers(f)]
     return AggregateIntegers(f, np.concatenate(parts).astype(np.int64))

@@ -8,6 +8,7 @@ with no rounding slack (the sensitivities of :mod:`fedpca.stats`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,9 @@ __all__ = [
     "ROW_BITS_MAX",
     "FixedPointStatistics",
     "fixed_point_statistics",
+    "padded_blocks",
     "quantize_unit_rows",
+    "real_rows",
     "row_bits",
 ]
 
@@ -129,6 +132,32 @@ def _mirror_upper(matrix: npt.NDArray[np.int64]) -> None:
         matrix[i + 1 :, i] = matrix[i, i + 1 :]
 
 
+def real_rows(x: FloatArray, n_real: int | None) -> int:
+    """How many of the rows of ``x`` are records: all, or the first ``n_real`` (the
+    rest zero rows of the owner's padded table, read like the records)."""
+    if n_real is None:
+        return int(x.shape[0])
+    if not 0 <= n_real <= x.shape[0]:
+        raise LayoutError(f"n_real = {n_real} is not within the {x.shape[0]} rows given")
+    return n_real
+
+
+def padded_blocks(
+    x: FloatArray, n: int, total: int, block: int
+) -> Iterator[tuple[int, FloatArray, int]]:
+    """``total`` rows in blocks of at most ``block``: the rows of ``x`` (its first ``n``
+    the records), then zero rows; yields each block's first row, its rows (one buffer,
+    overwritten by the next block) and how many of them are records. Every block is
+    the same work whatever ``n`` (the statistics of PCA, DCA and aggregates use it)."""
+    buffer = np.zeros((block, x.shape[1]), dtype=np.float64)
+    for start in range(0, total, block):
+        size = min(block, total - start)
+        present = max(0, min(size, x.shape[0] - start))  # rows of x: records, or padding
+        buffer[:present] = x[start : start + present]
+        buffer[present:] = 0.0
+        yield start, buffer[:size], max(0, min(size, n - start))
+
+
 def fixed_point_statistics(
     features: npt.ArrayLike,
     labels: npt.ArrayLike | None,
@@ -168,11 +197,9 @@ def fixed_point_statistics(
     x = np.asarray(features, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] != spec.n_features:
         raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")
-    n, m = x.shape
-    if n_real is not None:
-        if spec.kind is QueryKind.DCA or not 0 <= n_real <= n:
-            raise LayoutError(f"n_real = {n_real} needs a PCA query and at most {n} rows")
-        n = n_real
+    if n_real is not None and spec.kind is QueryKind.DCA:
+        raise LayoutError("n_real is for PCA queries (DCA gathers each class's records)")
+    n, m = real_rows(x, n_real), x.shape[1]
     f = query.frac_bits
     g = row_bits(f)
     # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and about 2 MiB
@@ -207,16 +234,11 @@ def fixed_point_statistics(
             raise LayoutError("every label must be one of the query's class labels")
         class_sums = np.zeros((spec.n_classes, m), dtype=np.int64)
         class_counts = np.zeros(spec.n_classes, dtype=np.int64)
-    buffer = np.zeros((block, m), dtype=np.float64)
     inverse_clip = 1.0 / query.clip_norm
-    for start in range(0, total, block):
-        size = min(block, total - start)
-        real = max(0, min(size, n - start))
-        present = max(0, min(size, x.shape[0] - start))  # rows of x: real, or its padding
-        buffer[:present] = x[start : start + present]
-        buffer[present:] = 0.0
+    for start, rows, real in padded_blocks(x, n, total, block):
+        size = rows.shape[0]
         # The same work for real and padding rows; padding is zeroed after scaling.
-        unit = preprocess_for_query(buffer[:size], query) * inverse_clip
+        unit = preprocess_for_query(rows, query) * inverse_clip
         q = quantize_unit_rows(unit, g)
         q *= (np.arange(size) < real)[:, None]
         qf = q.astype(np.float64)

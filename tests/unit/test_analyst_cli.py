@@ -80,14 +80,13 @@ from fedpca.protocol import (
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, signer_id, verify_query
 from fedpca.transport import serde
-from fedpca.transport.channels import add_insecure_port
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from helpers import (
     TEST_SIGNER,
     TEST_SIGNING_KEY,
+    fake_analyst_service,
     quantisation_step,
     query_builder,
-    sync_test_server,
 )
 
 ROWS = np.random.default_rng(1).uniform(-1.0, 1.0, size=(40, 3)) * [1.0, 0.5, 0.2]
@@ -434,12 +433,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
 @pytest.fixture
 def proxy(test_only_keypair_512: Any, pool: CryptoPool) -> Iterator[tuple[FakeProxy, str]]:
     fake = FakeProxy(test_only_keypair_512[0], pool)
-    server = sync_test_server(max_workers=4)
-    analyst_grpc.add_AnalystServiceServicer_to_server(fake, server)
-    port = add_insecure_port(server, "127.0.0.1:0")
-    server.start()
-    yield fake, f"127.0.0.1:{port}"
-    server.stop(None)
+    with fake_analyst_service(fake) as address:
+        yield fake, address
 
 
 SLOW_SUBMIT_SECONDS = 0.5

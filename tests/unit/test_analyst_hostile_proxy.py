@@ -27,9 +27,8 @@ from fedpca.messages import (
     TaskCancellation,
 )
 from fedpca.transport import serde
-from fedpca.transport.channels import add_insecure_port
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
-from helpers import sync_test_server
+from helpers import fake_analyst_service
 
 ESCAPES = "\x1b]0;owned\x07\x1b[2J"
 """An OSC window title and a CSI screen clear: what a hostile peer's text carried."""
@@ -67,12 +66,8 @@ class _StatusProxy(analyst_grpc.AnalystServiceServicer):
 @pytest.fixture
 def status_proxy() -> Iterator[tuple[_StatusProxy, str]]:
     fake = _StatusProxy()
-    server = sync_test_server(max_workers=4)
-    analyst_grpc.add_AnalystServiceServicer_to_server(fake, server)
-    port = add_insecure_port(server, "127.0.0.1:0")
-    server.start()
-    yield fake, f"127.0.0.1:{port}"
-    server.stop(None)
+    with fake_analyst_service(fake) as address:
+        yield fake, address
 
 
 def test_status_streams_that_end_at_once_are_reopened_after_a_pause_then_given_up(
@@ -213,19 +208,12 @@ def test_a_cancel_receipt_of_another_query_is_refused() -> None:
             status = QueryStatus("q-other", QueryState.FAILED, 0, 1)
             return serde.cancel_receipt_to_proto(CancelReceipt(status, refunded=True))
 
-    fake = _Receipts()
-    server = sync_test_server(max_workers=2)
-    analyst_grpc.add_AnalystServiceServicer_to_server(fake, server)
-    port = add_insecure_port(server, "127.0.0.1:0")
-    server.start()
-    try:
-        with (
-            AnalystClient(f"127.0.0.1:{port}", None, insecure=True) as client,
-            pytest.raises(ProtocolError, match="status of 'q-other'"),
-        ):
-            client.cancel("q-mine")
-    finally:
-        server.stop(None)
+    with (
+        fake_analyst_service(_Receipts(), max_workers=2) as address,
+        AnalystClient(address, None, insecure=True) as client,
+        pytest.raises(ProtocolError, match="status of 'q-other'"),
+    ):
+        client.cancel("q-mine")
 
 
 def test_a_pause_between_status_streams_ends_with_the_callers_timeout(

@@ -91,24 +91,19 @@ class LocalTable:
     padded: FloatArray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # A private read-only copy: a task must never see another task's edits.
         given = np.asarray(self.columns, dtype=np.float64)
-        rows = max(given.shape[0], self.capacity or 0) if given.ndim == 2 else 0
-        if given.ndim == 2 and rows > given.shape[0]:
-            # np.full writes every page (np.zeros would map the zero page, which reads
-            # faster than memory the records occupy).
-            padded = np.full((rows, given.shape[1]), 0.0)
-            padded[: given.shape[0]] = given
-        else:
-            padded = np.array(given, dtype=np.float64)
-        padded.setflags(write=False)
-        object.__setattr__(self, "padded", padded)
-        columns = padded[: given.shape[0]] if given.ndim == 2 else padded
-        object.__setattr__(self, "columns", columns)
         # No records is a valid table (an owner whose last record was removed takes part
         # as before); no columns is not.
-        if self.columns.ndim != 2 or self.columns.shape[1] == 0:
+        if given.ndim != 2 or given.shape[1] == 0:
             raise ValueError(f"{self.source}: expected a 2-D table with columns")
+        # A private read-only copy (a task must never see another task's edits), padded
+        # with zero rows up to the capacity. np.full writes every page (np.zeros would
+        # map the zero page, which reads faster than memory the records occupy).
+        padded = np.full((max(given.shape[0], self.capacity or 0), given.shape[1]), 0.0)
+        padded[: given.shape[0]] = given
+        padded.setflags(write=False)
+        object.__setattr__(self, "padded", padded)
+        object.__setattr__(self, "columns", padded[: given.shape[0]])
         if self.label_column is not None:
             k = self.n_columns
             if not -k <= self.label_column < k:
@@ -258,13 +253,18 @@ class QueryColumns:
         """
         if self.padding is None or self.padding.shape[0] < count:
             return None
+        return self._features_of(self.padding[:count])
+
+    def _features_of(self, rows: FloatArray) -> FloatArray:
+        """The feature columns of ``rows`` (rows of the table): a read-only view when
+        they are consecutive, else a contiguous copy."""
         columns = list(self.feature_columns)
         first = columns[0] if columns else 0
         if columns == list(range(first, first + len(columns))):
-            view = self.padding[:count, first : first + len(columns)]
+            view = rows[:, first : first + len(columns)]
             view.flags.writeable = False
             return view
-        return np.ascontiguousarray(self.padding[:count][:, columns])
+        return np.ascontiguousarray(rows[:, columns])
 
     @classmethod
     def of_table(cls, table: OwnerTable, spec: QuerySpec) -> QueryColumns:
@@ -292,18 +292,11 @@ class QueryColumns:
         """The records ``keep`` (row indices; None: every record), in order: copies, or
         for every record of consecutive columns a read-only view of the table (a copy
         would sit beside the statistics being computed: 7.6 MiB at 500 x 2,000)."""
-        columns = list(self.feature_columns)
         if keep is None:
             labels = None if self.label_column is None else self.source[:, self.label_column]
-            first = columns[0] if columns else 0
-            if columns == list(range(first, first + len(columns))):
-                view = self.source[:, first : first + len(columns)]
-                view.flags.writeable = False
-                return OwnerTable(view, None if labels is None else np.array(labels))
-            features = self.source[:, columns]
+            features = self._features_of(self.source)
         else:
-            features = self.source[np.ix_(keep, np.asarray(columns, dtype=np.int64))]
+            columns = np.asarray(self.feature_columns, dtype=np.int64)
+            features = np.ascontiguousarray(self.source[np.ix_(keep, columns)])
             labels = None if self.label_column is None else self.source[keep, self.label_column]
-        return OwnerTable(
-            np.ascontiguousarray(features), None if labels is None else np.array(labels)
-        )
+        return OwnerTable(features, None if labels is None else np.array(labels))
