@@ -11,6 +11,10 @@ survives a power loss.
 removes what it created and puts back the files it replaced, so the command can simply
 be run again.
 
+:func:`create_database` makes a new SQLite database (the proxy's store, an owner's
+budget ledger) whole or not at all: a crash while its tables are made leaves no file
+that reads as "an SQLite file with no tables", which a later start must refuse.
+
 :class:`ExclusiveUse` is held by a running daemon on its state (the owner node's state
 folder, the proxy's database): a second daemon started on the same state stops at
 start-up with a message naming the first, instead of both running on one ledger.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sqlite3
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +37,7 @@ from fedpca.errors import ConfigError
 
 __all__ = [
     "ExclusiveUse",
+    "create_database",
     "database_missing",
     "holds_database",
     "undone_on_failure",
@@ -79,6 +85,62 @@ def holds_database(path: Path) -> bool:
         return path.stat().st_size > 0
     except (FileNotFoundError, NotADirectoryError):
         return False
+
+
+def create_database(path: Path, build: Callable[[sqlite3.Connection], object]) -> None:
+    """Create the SQLite database ``path`` with what ``build`` writes, or leave none.
+
+    ``build`` runs in one transaction on a new file beside ``path`` (rollback journal,
+    synchronous commits), which is then linked to ``path`` and the folder flushed. A
+    crash before the link leaves only that hidden file (``.NAME.*.creating``, which
+    holds nothing but empty tables), never a ``path`` without its tables. If another
+    process made ``path`` meanwhile, its database is kept and this one discarded; a
+    ``path`` of zero bytes (no database, :func:`holds_database`) is replaced.
+
+    Raises
+    ------
+    OSError, sqlite3.Error
+        From the folder or SQLite; nothing is left at ``path``.
+    """
+    descriptor, temporary = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=".creating", dir=path.parent
+    )
+    os.close(descriptor)
+    try:
+        connection = sqlite3.connect(temporary, isolation_level=None)
+        try:
+            connection.execute("PRAGMA synchronous=FULL")
+            connection.execute("BEGIN IMMEDIATE")
+            build(connection)
+            connection.execute("COMMIT")
+        finally:
+            connection.close()
+        # The permissions SQLite itself would have given a file it created.
+        os.chmod(temporary, 0o666 & ~_umask())
+        try:
+            os.link(temporary, path)  # never over a database another process made
+        except FileExistsError:
+            if not holds_database(path):
+                os.replace(temporary, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, for every
+    thread, while it reads it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def database_missing(path: Path) -> str:

@@ -67,7 +67,7 @@ from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon, comp
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.dp.shares import BudgetShares
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
-from fedpca.files import database_missing, holds_database
+from fedpca.files import create_database, database_missing, holds_database
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome
@@ -136,6 +136,15 @@ class BudgetLedger(LedgerTaskReads):
         except OSError as exc:
             raise ConfigError(f"cannot create the ledger folder {self.path.parent}: {exc}") from exc
         try:
+            if not existed and not read_only:
+                # Whole or not at all: a crash while the tables were made left a file
+                # with none, which the next start refused (fedpca.files).
+                create_database(
+                    self.path,
+                    lambda connection: create_or_migrate(
+                        connection, self.path, self.neighbouring, existed=False
+                    ),
+                )
             with self._connect() as connection:
                 if read_only:
                     check_version(connection, self.path)
@@ -148,6 +157,8 @@ class BudgetLedger(LedgerTaskReads):
                         create_or_migrate(connection, self.path, self.neighbouring, existed=existed)
                 if shares is not None:
                     self._within_shares_now(connection)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the budget ledger {self.path}: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             # Not a traceback: a damaged or truncated ledger is named. Never start on a
             # new, empty one instead: the budget spent would be forgotten.

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpca.errors import ConfigError, NotFoundError
-from fedpca.files import ExclusiveUse, database_missing, holds_database
+from fedpca.files import ExclusiveUse, create_database, database_missing, holds_database
 from fedpca.messages import QueryState
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
@@ -99,6 +99,21 @@ def use_database(database: Path) -> ExclusiveUse:
     return ExclusiveUse(_lock_path(database), f"the proxy database {database}")
 
 
+def _create_tables(connection: sqlite3.Connection) -> None:
+    """Every table of :data:`SCHEMA` that is missing (a new database's, and those an
+    older one lacks before :func:`migrate`)."""
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            connection.execute(statement)
+
+
+def _new_database(connection: sqlite3.Connection) -> None:
+    _create_tables(connection)
+    connection.execute(
+        "INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+    )
+
+
 class StoreDatabase:
     """Thread-safe access to the proxy's SQLite database.
 
@@ -149,12 +164,16 @@ class StoreDatabase:
         self._clock = clock
         self._lock = threading.RLock()
         try:
+            if created and not read_only:
+                # Whole or not at all: a crash while the tables are made left a file
+                # with none, which the next start refused (fedpca.files).
+                create_database(self.path, _new_database)
             self._open(page_ciphertexts, created=created, read_only=read_only)
         except ConfigError:
             with contextlib.suppress(AttributeError, sqlite3.Error):
                 self._conn.close()
             raise
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, OSError) as exc:
             with contextlib.suppress(AttributeError, sqlite3.Error):
                 self._conn.close()
             # Not a traceback: a damaged or truncated file (a disk that failed, a copy
@@ -226,9 +245,7 @@ class StoreDatabase:
                     "proxy that serves it now has stopped), not by a command that reads it"
                 )
             return
-        for statement in SCHEMA.split(";"):
-            if statement.strip():
-                self._conn.execute(statement)
+        _create_tables(self._conn)
         with self.transaction() as conn:
             row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
