@@ -22,7 +22,7 @@ from fedpca.analyst.aggregate_estimators import (
 from fedpca.analyst.aggregates import solve_regression
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.params import check_number
-from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
+from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices, required
 from fedpca.errors import ConfigError, DataError
 from fedpca.query import DEFAULT_QUERY_DELTA, Aggregate, Calibration
 
@@ -41,6 +41,9 @@ class FederatedLinearRegression(AggregateEstimator):
     bounds : public bounds of the features (as :class:`FederatedStatistics`).
     target : 0-based file column of the target.
     target_bounds : (lo, hi) public bounds of the target.
+
+    ``columns``, ``bounds``, ``target`` and ``target_bounds`` are required: public
+    facts only the analyst knows, with no default that could be right.
     fit_intercept : fit an intercept (as scikit-learn).
     alpha : "auto" (a ridge at the noise's spectral bound: the noisy XᵀX + alpha·I is
         positive semidefinite with probability 1 − tail_probability), or a fixed
@@ -52,11 +55,11 @@ class FederatedLinearRegression(AggregateEstimator):
 
     def __init__(
         self,
-        columns: int | Sequence[int] = (0,),
+        columns: int | Sequence[int] | None = None,
         *,
-        bounds: ColumnBoundsParam = (0.0, 1.0),
-        target: int = 1,
-        target_bounds: Sequence[float] = (0.0, 1.0),
+        bounds: ColumnBoundsParam = None,
+        target: int | None = None,
+        target_bounds: Sequence[float] | None = None,
         fit_intercept: bool = True,
         alpha: float | str = "auto",
         tail_probability: float = 0.05,
@@ -104,15 +107,17 @@ class FederatedLinearRegression(AggregateEstimator):
     def aggregate(self) -> Aggregate:
         columns = column_indices(self.columns, "columns")
         lower, upper = column_bounds(self.bounds, len(columns), "bounds")
+        target = required(self.target, "target", "the 0-based column to predict")
+        target_bounds = required(
+            self.target_bounds, "target_bounds", "the target's public (lo, hi)"
+        )
         try:
-            target_lo, target_hi = (float(v) for v in self.target_bounds)
+            target_lo, target_hi = (float(v) for v in target_bounds)
         except (TypeError, ValueError):
             raise ConfigError(
                 f"target_bounds must be (lo, hi), got {self.target_bounds!r}"
             ) from None
-        return Aggregate.linear_regression(
-            columns, lower, upper, int(self.target), target_lo, target_hi
-        )
+        return Aggregate.linear_regression(columns, lower, upper, int(target), target_lo, target_hi)
 
     @classmethod
     def _params_from_aggregate(cls, part: Aggregate) -> dict[str, Any]:

@@ -5,7 +5,7 @@ number of features and their bounds (PCA/DCA), or the columns and their bounds
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -21,8 +21,11 @@ __all__ = [
     "column_bounds",
     "column_indices",
     "parse_bounds",
+    "required",
     "resolve_bounds",
 ]
+
+T = TypeVar("T")
 
 BoundsParam = str | FeatureBounds | Sequence[Any] | None
 """Public bounds, in the forms every estimator takes (PCA and DCA per feature, the
@@ -154,16 +157,32 @@ def check_schema(n_features: Any, bounds: FeatureBoundsParam) -> int:
 # ---------------------------------------------------------------------- base
 
 
-def column_bounds(bounds: ColumnBoundsParam, n: int, what: str) -> tuple[tuple[float, ...], ...]:
+def column_bounds(
+    bounds: ColumnBoundsParam | None, n: int, what: str
+) -> tuple[tuple[float, ...], ...]:
     """(lower, upper) of ``n`` columns from any :data:`BoundsParam` but None."""
     parsed = parse_bounds(bounds, n, what, unit="column")
     if parsed is None:
-        raise ConfigError(f"{what}: an aggregate needs public bounds of its columns")
+        raise ConfigError(
+            f"give {what}: an aggregate needs public bounds of its columns, "
+            '"LO:HI" or one (lo, hi) per column (there is no default)'
+        )
     return parsed
 
 
-def column_indices(columns: int | Sequence[int], what: str) -> tuple[int, ...]:
+def required(value: T | None, name: str, what: str) -> T:
+    """``value``, which has no default: a public fact only the analyst knows (a
+    column, its bounds, bin edges). Defaults of [0, 1] had silently clipped every
+    value of a wider column into them, and spent the budget doing so (review)."""
+    if value is None:
+        raise ConfigError(f"give {name}: {what} (there is no default)")
+    return value
+
+
+def column_indices(columns: int | Sequence[int] | None, what: str) -> tuple[int, ...]:
     """The column indices ``columns`` names (one index or a sequence of them)."""
+    if columns is None:
+        raise ConfigError(f"give {what}: the 0-based file columns to read (there is no default)")
     if isinstance(columns, int | np.integer):
         return (int(columns),)
     try:

@@ -23,7 +23,7 @@ from fedpca.analyst.aggregate_estimators import (
 )
 from fedpca.analyst.aggregates import describe, histogram_counts
 from fedpca.analyst.decode import DecodedRelease
-from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices
+from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices, required
 from fedpca.errors import ConfigError
 from fedpca.query import DEFAULT_QUERY_DELTA, Aggregate, Calibration, Moments
 
@@ -38,8 +38,8 @@ class FederatedStatistics(AggregateEstimator):
 
     Parameters
     ----------
-    columns : 0-based file columns to describe.
-    bounds : public bounds: "LO:HI" or (lo, hi) for every column, "LO:HI,LO:HI,…" or
+    columns : 0-based file columns to describe (required, like ``bounds``).
+    bounds : public bounds (required): "LO:HI" or (lo, hi) for every column, "LO:HI,LO:HI,…" or
         one (lo, hi) pair per column, as PCA takes them
         (:data:`~fedpca.analyst.schema.BoundsParam`). Values outside are clipped to them.
     moments : "mean" (count and sums), "variance" (also sums of squares) or
@@ -55,9 +55,9 @@ class FederatedStatistics(AggregateEstimator):
 
     def __init__(
         self,
-        columns: int | Sequence[int] = (0,),
+        columns: int | Sequence[int] | None = None,
         *,
-        bounds: ColumnBoundsParam = (0.0, 1.0),
+        bounds: ColumnBoundsParam = None,
         moments: str = Moments.COVARIANCE.value,
         budget_split: Mapping[str, float] | Sequence[float] | None = None,
         ddof: int = 0,
@@ -164,8 +164,8 @@ class FederatedHistogram(AggregateEstimator):
 
     Parameters
     ----------
-    columns : one 0-based file column, or two for a contingency table.
-    bins : the public bin edges: one increasing sequence (one column) or one per
+    columns : one 0-based file column, or two for a contingency table (required).
+    bins : the public bin edges (required): one increasing sequence (one column) or one per
         column. Bins are [e_i, e_i+1), the last one closed (numpy's convention); a value
         outside the edges is counted in the nearest edge bin.
     groupby, categories : optional public categorical column and its public
@@ -175,9 +175,9 @@ class FederatedHistogram(AggregateEstimator):
 
     def __init__(
         self,
-        columns: int | Sequence[int] = 0,
+        columns: int | Sequence[int] | None = None,
         *,
-        bins: Sequence[Any] = (0.0, 1.0),
+        bins: Sequence[Any] | None = None,
         groupby: int | None = None,
         categories: Sequence[float] | None = None,
         clamp: bool = True,
@@ -211,7 +211,9 @@ class FederatedHistogram(AggregateEstimator):
 
     def aggregate(self) -> Aggregate:
         columns = column_indices(self.columns, "columns")
-        bins = list(self.bins)
+        bins = list(
+            required(self.bins, "bins", "the public bin edges, one sequence or one per column")
+        )
         edges = [bins] if bins and all(np.ndim(b) == 0 for b in bins) else bins
         return Aggregate.histogram(
             columns,
