@@ -406,10 +406,13 @@ def test_cli_commands_write_strict_json(
         *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
     ]
 
+    printed: dict[str, str] = {}
+
     def run(*args: str) -> dict[str, Any]:
         out = tmp_path / f"{args[0]}.json"
         result = CliRunner().invoke(analyst_group, [*args, *common, "--out", str(out)])
         assert result.exit_code == 0, result.output
+        printed[args[0]] = result.stdout
         assert "NOT PRIVATE" in result.output
         if args[0] == "stats":  # the count is exact here, and says so
             assert f"records N:   {len(table)}.0 (exact: NOT PRIVATE)" in result.stdout
@@ -431,9 +434,32 @@ def test_cli_commands_write_strict_json(
     _within(np.array(stats["variance"]), x.var(axis=0), 4 * np.array([8.5, 100.0]) ** 2 * STEP)
     assert stats["covariance"] is None and stats["postprocessing"].startswith("clipped")
 
+    # The summary prints every number computed, labelled by column (an analyst's
+    # walkthrough found only N, the means and the variances, unlabelled).
+    lines = printed["stats"].splitlines()
+    assert "column        " + f"{'col 1':>12}{'col 2':>12}" in lines
+    for name, values in (("mean", stats["mean"]), ("variance", stats["variance"])):
+        assert f"{name} ".ljust(14) + "".join(f"{v:>12.6g}" for v in values) in lines
+    covariance = run("stats", "--columns", "1,2", "--bounds", "0:17,0:200", "--ddof", "1")
+    for name in ("covariance", "correlation"):
+        at = printed["stats"].splitlines().index(f"{name}:")
+        rows = printed["stats"].splitlines()[at + 2 : at + 4]
+        for row, label, values in zip(rows, ("col 1", "col 2"), covariance[name], strict=True):
+            assert row == f"  {label}".ljust(14) + "".join(f"{v:>12.6g}" for v in values)
+    _within(
+        np.array(covariance["covariance"]),
+        np.cov(x, rowvar=False),
+        4 * np.outer([8.5, 100.0], [8.5, 100.0]) * STEP,
+    )
+
     histogram = run("histogram", "--columns", "8", "--bins", ",".join(map(str, AGE_EDGES)))
     expected, _ = np.histogram(table[:, 8], bins=AGE_EDGES)
     assert histogram["counts"] == expected.tolist() == histogram["raw_counts"]
+    labels = [f"[{lo:.6g}, {hi:.6g})" for lo, hi in zip(AGE_EDGES[:-1], AGE_EDGES[1:], strict=True)]
+    labels[-1] = labels[-1][:-1] + "]"  # the last bin is closed
+    for label, count in zip(labels, expected, strict=True):
+        assert f"  {label:<22}{count}" in printed["histogram"].splitlines()
+    assert "clamped" not in printed["histogram"]  # nothing negative to clamp
 
     model = run(
         *("linreg", "--columns", "6,8", "--bounds", "0:70,20:90"),
@@ -446,6 +472,10 @@ def test_cli_commands_write_strict_json(
     np.testing.assert_allclose(model["coef"], reference.coef_, rtol=1e-8)
     assert model["intercept"] == pytest.approx(reference.intercept_, rel=1e-8)
     assert model["alpha"] == 0.0 and model["alpha_rule"].startswith("auto")
+    summary = printed["linreg"].splitlines()
+    at = summary.index("coefficient   " + f"{'col 6':>12}{'col 8':>12}")
+    assert summary[at + 1] == " " * 14 + "".join(f"{v:>12.6g}" for v in model["coef"])
+    assert "target:      col 2" in summary
 
     # The stored release read back by id: the same document, bar timings and time.
     monkeypatch.setattr(
@@ -468,3 +498,22 @@ def test_cli_commands_write_strict_json(
     assert {k: v for k, v in again.items() if k not in volatile} == {
         k: v for k, v in model.items() if k not in volatile
     }
+    assert "--- linreg of columns 6,8" in fetched.stdout
+    assert summary[at + 1] in fetched.stdout.splitlines()
+
+    # A fetch given the query's own post-processing options rebuilds its result (it
+    # could not: the stats of a --ddof 1 query came back with ddof 0).
+    refetched = CliRunner().invoke(
+        analyst_group,
+        [
+            *("fetch", covariance["query_id"], *common[:8], *common[8:10]),
+            *("--workers", "1", "--ddof", "1", "--out", str(fetched_path)),
+        ],
+    )
+    assert refetched.exit_code == 0, refetched.output
+    again = json.loads(fetched_path.read_text())
+    assert {k: v for k, v in again.items() if k not in volatile} == {
+        k: v for k, v in covariance.items() if k not in volatile
+    }
+    assert "--- stats of columns 1,2" in refetched.stdout
+    assert "covariance:" in refetched.stdout

@@ -25,14 +25,13 @@ from typing import Any, TypeVar
 
 import click
 
-from fedpca.aggregates import COUNTS
 from fedpca.analyst import cli as analyst_cli
 from fedpca.analyst.cli_connection import connection_options
 from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
 from fedpca.budget_options import DELTA
 from fedpca.query import Calibration, Moments, Neighbouring
 
-__all__ = ["histogram_command", "histogram_total_line", "linreg_command", "stats_command"]
+__all__ = ["echo_summary", "histogram_command", "linreg_command", "stats_command"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -153,8 +152,15 @@ def _finish(estimator: Any, path: Path) -> None:
     click.echo(str(path))
 
 
-def _format(values: Any) -> str:
-    return ", ".join(f"{v:.6g}" for v in values)
+def echo_summary(estimator: Any) -> None:
+    """Print :func:`~fedpca.analyst.aggregate_summary.summary_lines` of ``estimator``."""
+    from fedpca.analyst.aggregate_summary import summary_lines
+
+    for line, colour in summary_lines(estimator):
+        if colour is None:
+            click.echo(line)
+        else:
+            click.secho(line, fg=colour)
 
 
 @click.command("stats")
@@ -205,19 +211,7 @@ def stats_command(
         )
 
     estimator, path = _fit(factory, params)
-    noisy = " (exact: NOT PRIVATE)" if estimator.not_private_ else " (noisy)"
-    click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
-    click.echo(f"mean:        {_format(estimator.mean_)}")
-    if estimator.variance_ is not None:
-        click.echo(f"variance:    {_format(estimator.variance_)}")
-    if estimator.clip_moved_:
-        # Found by a new user: a mean clipped to its bound read as a measurement.
-        click.secho(
-            f"clipped:     {', '.join(estimator.clip_moved_)}: noisy values outside their "
-            "public ranges were moved into them (a value at its bound says so, not the "
-            "data); --no-clip keeps the raw values, a larger epsilon makes it rarer",
-            fg="yellow",
-        )
+    echo_summary(estimator)
     _finish(estimator, path)
 
 
@@ -258,32 +252,8 @@ def histogram_command(
         )
 
     estimator, path = _fit(factory, params)
-    click.echo(f"cells:       {estimator.counts_.size} (shape {estimator.counts_.shape})")
-    click.echo(histogram_total_line(estimator))
-    if estimator.clamped_:
-        click.secho(
-            "clamped:     negative noisy counts were set to 0 (--no-clamp keeps them)",
-            fg="yellow",
-        )
+    echo_summary(estimator)
     _finish(estimator, path)
-
-
-def histogram_total_line(estimator: Any) -> str:
-    """The summary's total of a fitted :class:`~fedpca.analyst.statistics.FederatedHistogram`.
-
-    It sums the released noisy counts as they are, negative ones included: their noise
-    has mean 0, so the sum is unbiased, with k cells of noise sigma s adding noise of
-    sigma s·√k. The counts clamped at 0 are not summed: clamping raises the mean of a
-    near-empty cell by about 0.4 s, so over many cells their sum is mostly noise (two
-    columns of 400 bins each at epsilon 0.1 summed to millions for 768 records).
-    """
-    raw = estimator.raw_counts_
-    total = f"total count: {float(raw.sum()):.0f}"
-    if estimator.not_private_:
-        return f"{total} (exact: NOT PRIVATE)"
-    sigma = estimator.noise_sigmas_.get(COUNTS)
-    spread = "" if sigma is None else f", noise sigma {sigma * math.sqrt(raw.size):.3g}"
-    return f"{total} (noisy: the sum of the {raw.size} counts, negative ones included{spread})"
 
 
 @click.command("linreg")
@@ -340,9 +310,7 @@ def linreg_command(
         )
 
     estimator, path = _fit(factory, params)
-    click.echo(f"coef:        {_format(estimator.coef_)}")
-    click.echo(f"intercept:   {estimator.intercept_:.6g}")
-    click.echo(f"alpha:       {estimator.alpha_:.6g}")
+    echo_summary(estimator)
     _finish(estimator, path)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,12 +55,16 @@ def fitted_from_release(
     *,
     owners_registered: int | None = None,
     timings: dict[str, float] | None = None,
+    post_processing: Mapping[str, Any] | None = None,
 ) -> Fitted:
     """Fitted estimators from a decrypted aggregate release read back (no network).
 
     One aggregate: the estimator of its kind, as ``fedpca analyst stats|histogram|linreg``
     fits it; several: a :class:`FederatedQuery` of them. Post-processing parameters are
-    the defaults; everything else is the release's query.
+    the defaults but for those in ``post_processing`` (``ddof``, ``clip``, ``clamp``,
+    ``alpha``, ``fit_intercept``, …), each given to every estimator that has it, so a
+    fetch rebuilds what its query's own command computed; everything else is the
+    release's query.
     """
     query = release.query
     if query.kind is not QueryKind.AGGREGATE:
@@ -68,6 +73,10 @@ def fitted_from_release(
         _ESTIMATOR_OF[part.kind](**_ESTIMATOR_OF[part.kind]._params_from_aggregate(part))
         for part in query.aggregates
     ]
+    for estimator in estimators:
+        names = estimator.get_params(deep=False)
+        estimator.set_params(**{k: v for k, v in (post_processing or {}).items() if k in names})
+        estimator.check_post_processing()
     fitted: Fitted
     if len(estimators) == 1:
         fitted = estimators[0]

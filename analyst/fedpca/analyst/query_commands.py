@@ -69,11 +69,19 @@ def _charge_cell(charge: Charge) -> str:
     return "?" if charge is Charge.UNKNOWN else charge.value
 
 
-def _write_aggregates(release: Any, registered: int, timings: dict[str, float], out: Path) -> None:
+def _write_aggregates(
+    release: Any,
+    registered: int,
+    timings: dict[str, float],
+    out: Path,
+    post_processing: dict[str, Any],
+) -> None:
     """result.json of a fetched aggregate release, as the command that asked for it
-    writes it (default post-processing), and the summary lines."""
+    writes it (its post-processing options given again), and the summary of every
+    aggregate, as that command prints it."""
     import warnings
 
+    from fedpca.analyst.aggregate_cli import echo_summary
     from fedpca.analyst.aggregate_report import fitted_from_release, write_aggregate_result
     from fedpca.analyst.cli import _print_owners
     from fedpca.analyst.querying import MissingOwnersWarning
@@ -81,12 +89,21 @@ def _write_aggregates(release: Any, registered: int, timings: dict[str, float], 
     with warnings.catch_warnings():
         # _print_owners prints the warning in red; Python's copy would repeat it.
         warnings.simplefilter("ignore", MissingOwnersWarning)
-        fitted = fitted_from_release(release, owners_registered=registered, timings=timings)
+        fitted = fitted_from_release(
+            release,
+            owners_registered=registered,
+            timings=timings,
+            post_processing=post_processing,
+        )
     path = write_aggregate_result(out, fitted)
     click.echo(f"query:       {fitted.query_id_}")
     _print_owners(fitted)
     kinds = ", ".join(part.kind.value for part in release.query.aggregates)
     click.echo(f"aggregates:  {kinds}")
+    for estimator in getattr(fitted, "estimators_", [fitted]):
+        part = estimator.aggregate()
+        click.echo(f"--- {part.kind.value} of columns {','.join(map(str, part.columns))}")
+        echo_summary(estimator)
     if fitted.not_private_:
         click.secho("release: NOT PRIVATE (epsilon = inf)", fg="red", bold=True)
     else:
@@ -199,10 +216,48 @@ def register(
     )
     @result_out_option("result.json to write (plots go next to it).")
     @click.option("--workers", type=click.IntRange(min=1), help="Decryption processes.")
+    @click.option(
+        "--ddof",
+        type=click.IntRange(min=0),
+        help="stats: divide variances by N - DDOF, as the query's own --ddof (default 0).",
+    )
+    @click.option("--no-clip", is_flag=True, help="stats: keep raw noisy values (as stats).")
+    @click.option("--no-clamp", is_flag=True, help="histogram: keep negative noisy counts.")
+    @click.option("--alpha", help="linreg: ridge regulariser, auto or a number >= 0.")
+    @click.option("--no-intercept", is_flag=True, help="linreg: fit through the origin.")
     def fetch_command(
-        query_id: str, key_dir: Path | None, out: Path, workers: int | None, **params: Any
+        query_id: str,
+        key_dir: Path | None,
+        out: Path,
+        workers: int | None,
+        ddof: int | None,
+        no_clip: bool,
+        no_clamp: bool,
+        alpha: str | None,
+        no_intercept: bool,
+        **params: Any,
     ) -> None:
-        """Download and decrypt the stored result of a DONE query again."""
+        """Download and decrypt the stored result of a DONE query again.
+
+        An aggregate release is post-processed with the defaults of ``stats``,
+        ``histogram`` and ``linreg`` unless the options below say otherwise: give the
+        ones the query's own command was given to get its result again (post-processing
+        is free: nothing is charged).
+        """
+        post_processing: dict[str, Any] = {
+            "clip": not no_clip,
+            "clamp": not no_clamp,
+            "fit_intercept": not no_intercept,
+        }
+        if ddof is not None:
+            post_processing["ddof"] = ddof
+        if alpha is not None:
+            try:
+                post_processing["alpha"] = alpha if alpha == "auto" else float(alpha)
+            except ValueError:
+                raise click.BadParameter(
+                    f"--alpha must be 'auto' or a number, got {alpha!r}"
+                ) from None
         from fedpca.analyst import keys
         from fedpca.analyst.cli import _print_release_summary
         from fedpca.analyst.decode import decrypt_result
@@ -238,7 +293,7 @@ def register(
                 release = decrypt_result(fetched.result, private_key, pool=pool)
             timings = {"fetch": fetch_seconds, "decrypt": time.perf_counter() - started}
             if release.kind is QueryKind.AGGREGATE:
-                _write_aggregates(release, registered, timings, out)
+                _write_aggregates(release, registered, timings, out, post_processing)
                 return
             estimator: FederatedPCA | FederatedDCA
             if release.kind is QueryKind.PCA:
