@@ -20,6 +20,12 @@ class DataError(FedpcaError, ValueError):
     """An owner's input table is malformed (names file, row and column when known)."""
 
 
+class UnusableReleaseError(DataError):
+    """A release, already charged, from which no post-processing gives what was asked
+    (e.g. DCA with fewer than two classes present): fetching it again cannot help, a
+    new query with other parameters may."""
+
+
 class EncodingOverflowError(FedpcaError, OverflowError):
     """A value could exceed the declared bounds of a packed slot.
 

@@ -22,7 +22,7 @@ from fedpca.analyst.aggregates import (
     solve_regression,
 )
 from fedpca.analyst.querying import charged_release
-from fedpca.errors import ConfigError
+from fedpca.errors import ConfigError, UnusableReleaseError
 from fedpca.query import Aggregate, Moments
 
 FEATURES = Aggregate.linear_regression((0, 1, 2), (-1.0, 0.0, 5.0), (1.0, 10.0, 15.0), 3, 0.0, 4.0)
@@ -310,6 +310,18 @@ def test_an_error_after_a_release_names_the_query_and_how_to_fetch_it() -> None:
     message = str(raised.value)
     assert message.startswith("DCA needs at least two classes (query q-1234 is charged")
     assert "`fedpca analyst fetch q-1234 --out result.json`" in message
+
+
+def test_an_error_no_post_processing_mends_does_not_advise_fetching_again() -> None:
+    """Found by an analyst's walkthrough: DCA asked for classes 0,1 of labels -1,1 was
+    charged, failed for want of two classes, and advised a fetch that failed the same
+    way."""
+    with pytest.raises(UnusableReleaseError) as raised, charged_release("q-1234"):
+        raise UnusableReleaseError("DCA needs at least two classes")
+    message = str(raised.value)
+    assert message.startswith("DCA needs at least two classes (query q-1234 is charged;")
+    assert "fetching it again would fail the same way" in message
+    assert "fedpca analyst fetch" not in message
 
 
 def test_an_aggregate_has_no_default_columns_bounds_or_bins(tmp_path: Any) -> None:

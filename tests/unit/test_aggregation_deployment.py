@@ -18,6 +18,7 @@ insulin, BMI, pedigree and age.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -455,7 +456,7 @@ def test_cli_commands_write_strict_json(
     histogram = run("histogram", "--columns", "8", "--bins", ",".join(map(str, AGE_EDGES)))
     expected, _ = np.histogram(table[:, 8], bins=AGE_EDGES)
     assert histogram["counts"] == expected.tolist() == histogram["raw_counts"]
-    labels = [f"[{lo:.6g}, {hi:.6g})" for lo, hi in zip(AGE_EDGES[:-1], AGE_EDGES[1:], strict=True)]
+    labels = [f"[{lo:.6g}, {hi:.6g})" for lo, hi in itertools.pairwise(AGE_EDGES)]
     labels[-1] = labels[-1][:-1] + "]"  # the last bin is closed
     for label, count in zip(labels, expected, strict=True):
         assert f"  {label:<22}{count}" in printed["histogram"].splitlines()

@@ -18,7 +18,7 @@ from fedpca.analyst.solvers import (
     pca_from_upper_triangle,
 )
 from fedpca.data import load_dataset
-from fedpca.errors import ConfigError, DataError
+from fedpca.errors import ConfigError, DataError, UnusableReleaseError
 from fedpca.preprocess import FeatureBounds, preprocess
 from fedpca.query import QueryKind
 from fedpca.stats import StatisticsSpec, SufficientStatistics, sum_statistics
@@ -377,8 +377,10 @@ def test_dca_drops_classes_with_count_below_one() -> None:
     lonely = SufficientStatistics.for_classes(
         stats.scatter, stats.class_sums, stats.class_counts * [1.0, 0.0, 0.0]
     )
-    with pytest.raises(DataError, match="at least two classes"):
+    with pytest.raises(UnusableReleaseError, match="at least two classes") as raised:
         dca_from_statistics(lonely, n_components=1)
+    counts = stats.class_counts * [1.0, 0.0, 0.0]
+    assert f"class counts [{counts[0]:.4g}, 0, 0]" in str(raised.value)
 
 
 def test_dca_on_noisy_statistics_stays_well_defined() -> None:

@@ -21,7 +21,13 @@ from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.analyst.interrupts import interrupted_by
 from fedpca.analyst.rpc_errors import ProxyUnavailableError
 from fedpca.codec.paillier import CryptoPool
-from fedpca.errors import ConfigError, FedpcaError, NotFoundError, QueryStateError
+from fedpca.errors import (
+    ConfigError,
+    FedpcaError,
+    NotFoundError,
+    QueryStateError,
+    UnusableReleaseError,
+)
 from fedpca.messages import DeploymentInfo
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QuerySpec, stamped
@@ -165,8 +171,13 @@ def charged_release(query_id: str) -> Iterator[None]:
     try:
         yield
     except FedpcaError as exc:
+        # No post-processing helps: "fetch it again" would fail the same way (review).
         note = (
-            f"{exc} (query {query_id} is charged and its result kept at the proxy: "
+            f"{exc} (query {query_id} is charged; no post-processing of its result gives "
+            "this, so fetching it again would fail the same way: check the query's "
+            "parameters and ask a new query)"
+            if isinstance(exc, UnusableReleaseError)
+            else f"{exc} (query {query_id} is charged and its result kept at the proxy: "
             f"`fedpca analyst fetch {query_id} --out result.json` fetches it again at no "
             "new charge, post-processed with the defaults; in Python, AnalystClient.fetch, "
             "decrypt_result and the estimator's from_result(release, ...) rebuild it with "

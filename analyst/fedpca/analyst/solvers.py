@@ -40,7 +40,7 @@ import scipy.linalg
 
 from fedpca.analyst.packed_eigen import packed_spectrum
 from fedpca.codec.matrix import upper_triangle
-from fedpca.errors import ConfigError, DataError
+from fedpca.errors import ConfigError, DataError, UnusableReleaseError
 from fedpca.stats import SufficientStatistics
 
 __all__ = [
@@ -454,9 +454,12 @@ def dca_from_statistics(
             _MIN_CLASS_COUNT,
         )
     if usable.sum() < 2:
-        raise DataError(
-            f"DCA needs at least two classes with count >= {_MIN_CLASS_COUNT}, "
-            f"got counts {class_counts.tolist()}"
+        shown = ", ".join(f"{c:.4g}" for c in class_counts)
+        raise UnusableReleaseError(
+            f"DCA needs at least two classes with count >= {_MIN_CLASS_COUNT}, got noisy "
+            f"class counts [{shown}] in the order of the query's classes: a count near 0 "
+            "is usually a class the owners' labels do not hold (e.g. classes 0,1 for "
+            "labels -1,1)"
         )
     v = statistics.sums
     n = _check_count(statistics.count, "record count N = Σ_c N_c")
