@@ -137,6 +137,33 @@ def test_fit_takes_the_public_schema_not_data() -> None:
         estimator.fit(ROWS)  # type: ignore[arg-type]
 
 
+def test_n_components_is_checked_not_truncated(test_only_keypair_512: Any) -> None:
+    """Found by an analyst's walkthrough: n_components=2.5 was submitted as 2 and
+    charged, and None (all components) raised a bare TypeError."""
+    public_key, _ = test_only_keypair_512
+    for wrong in (2.5, "2", 0, 6, True):
+        with pytest.raises(ConfigError, match="n_components must be"):
+            FederatedPCA(wrong, quorum=1).build_query(5, public_key)  # type: ignore[arg-type]
+    assert FederatedPCA(None, quorum=1).build_query(5, public_key).n_components == 5
+    assert FederatedPCA(np.int64(3), quorum=1).build_query(5, public_key).n_components == 3
+
+
+def test_scikit_learn_helpers_work_on_the_estimators() -> None:
+    """Found by an analyst's walkthrough: scikit-learn 1.6+ asks every estimator for
+    __sklearn_tags__, so check_is_fitted raised AttributeError on ours."""
+    from sklearn.base import clone
+    from sklearn.exceptions import NotFittedError as SklearnNotFitted
+    from sklearn.utils.validation import check_is_fitted
+
+    with pytest.raises(SklearnNotFitted):
+        check_is_fitted(FederatedPCA(2, epsilon=0.5))
+    check_is_fitted(FederatedPCA.from_result(release_for(n_components=2)))
+    stats = FederatedStatistics([1, 2], bounds="0:1", ddof=1)
+    assert clone(stats).get_params() == stats.get_params()
+    with pytest.raises(SklearnNotFitted):
+        check_is_fitted(stats)
+
+
 def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
     public_key, _ = test_only_keypair_512
     spec = FederatedPCA(2, epsilon=0.7, bounds="0:10", quorum=3).build_query(5, public_key)

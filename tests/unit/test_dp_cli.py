@@ -132,3 +132,15 @@ def test_real_subprocess_of_the_console_script() -> None:
     )  # fmt: skip
     assert failed.returncode != 0
     assert "analytic" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_a_command_prints_a_python_warning_as_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by an analyst's walkthrough: DCA's warnings reached the terminal as
+    "/path/decode.py:214: DCAComponentsWarning: …" followed by a line of source."""
+    import warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after
+    result = CliRunner().invoke(main, ["dp", "calibrate", "--epsilon", "1", "--delta", "1e-5"])
+    assert result.exit_code == 0, result.output
+    line = warnings.formatwarning(UserWarning("keep 2 components"), UserWarning, __file__, 7)
+    assert line == "warning: keep 2 components (UserWarning)\n"

@@ -126,8 +126,10 @@ class DecodedRelease:
     centred_scatter : masked mode: S + E (M, M), symmetric; None in stats mode.
     public_count : masked mode: the exact record count N, public under the
         replace-one adjacency of that mode; None in stats mode.
-    sigmas : section name -> standard deviation of the Gaussian noise in real
-        units, as the analyst's own plan derives it (0 = no noise).
+    sigmas : section name -> standard deviation of the Gaussian noise, as the
+        analyst's own plan derives it (0 = no noise), in the section's decoded units
+        (not fixed point): records for counts, the features scaled by their public
+        bounds for sums and products (not the data's own units).
     noise : the noise description the proxy sent, if any.
     aggregates : aggregate queries: per aggregate, its noisy sections by name (real
         units of the scaled space, see :mod:`fedpca.aggregates`); empty otherwise.

@@ -116,7 +116,10 @@ class FederatedPCA(FederatedEstimator):
     quorum_ : the quorum the query stated.
     epsilon_, delta_ : privacy parameters of the release (delta_ = 0 without noise).
     not_private_ : True for epsilon = inf.
-    noise_sigmas_ : section -> Gaussian sigma in real units.
+    noise_sigmas_ : section -> standard deviation of the noise added to it, in the
+        section's own units: records for a count; for sums and products the features
+        as scaled by their public bounds (each (lo, hi) mapped to [−1, 1], i.e. divided
+        by (hi − lo)/2 after centring; raw units without bounds), not the data's units.
     timings_ : phase -> seconds ("prepare": keys, connection, the deployment's facts and
         the query, before anything is submitted; then "start workers", "submit", "wait",
         "decrypt", "tail", "decrypt_cpu", "solve"; see :func:`run_query`).

@@ -27,6 +27,7 @@ from fedpca.analyst.querying import (
     warn_if_owners_missing,
 )
 from fedpca.analyst.schema import FeatureBoundsParam, check_schema, resolve_bounds
+from fedpca.analyst.solvers import check_n_components
 from fedpca.codec.keys import key_fingerprint
 from fedpca.errors import ConfigError, DataError
 from fedpca.messages import DeploymentInfo
@@ -159,7 +160,7 @@ class FederatedEstimator(SklearnParams):
             n_features=m,
             epsilon=float(self.epsilon),
             delta=float(self.delta),
-            n_components=int(self.n_components),
+            n_components=check_n_components(self.n_components, m),
             analyst_public_key_n=public_key.n,
             analyst_key_fingerprint=key_fingerprint(public_key),
             feature_lower=() if bounds is None else bounds.lower,

@@ -47,6 +47,21 @@ class SklearnParams:
             setattr(self, name, value)
         return self
 
+    def __sklearn_tags__(self) -> Any:
+        """scikit-learn's tags, for its helpers (``check_is_fitted``, ``clone``) when it
+        is installed; called only by scikit-learn (1.6 and later ask every estimator for
+        them: ``check_is_fitted`` raised AttributeError without them, found by an
+        analyst's walkthrough). ``fit`` takes a schema, not data (no input validation),
+        and its results are noisy (non-deterministic)."""
+        from sklearn.utils import Tags, TargetTags
+
+        return Tags(
+            estimator_type=None,
+            target_tags=TargetTags(required=False),
+            no_validation=True,
+            non_deterministic=True,
+        )
+
     def __repr__(self) -> str:
         signature = inspect.signature(type(self).__init__)
         changed = [

@@ -47,6 +47,7 @@ __all__ = [
     "DCAComponentsWarning",
     "DCAResult",
     "PCAResult",
+    "check_n_components",
     "dca_from_statistics",
     "pca_from_centred_scatter",
     "pca_from_statistics",
@@ -81,7 +82,8 @@ def _flip_signs(components: FloatArray) -> FloatArray:
     return components * signs[:, None]
 
 
-def _check_n_components(n_components: int | None, n_features: int) -> int:
+def check_n_components(n_components: int | None, n_features: int) -> int:
+    """``n_components`` as an int in [1, n_features] (None: all of them)."""
     if n_components is None:
         return n_features
     if isinstance(n_components, bool) or not isinstance(n_components, int | np.integer):
@@ -202,7 +204,7 @@ def pca_from_statistics(
     PCAResult
     """
     scatter, v, n = _pca_inputs(statistics, sums, count)
-    k = _check_n_components(n_components, scatter.shape[0])
+    k = check_n_components(n_components, scatter.shape[0])
     n, mean = _check_sums(v, n)
 
     def covariance(out: FloatArray) -> None:
@@ -240,7 +242,7 @@ def pca_from_upper_triangle(
     v = np.asarray(sums, dtype=np.float64)
     if v.shape != (m,):
         raise DataError(f"sums v must have shape ({m},), got {v.shape}")
-    k = _check_n_components(n_components, m)
+    k = check_n_components(n_components, m)
     n, mean = _check_sums(v, float(count))
 
     def covariance(out: FloatArray) -> None:
@@ -295,7 +297,7 @@ def pca_from_centred_scatter(
     """
     scatter = np.asarray(centred_scatter, dtype=np.float64)
     _check_square(scatter, "centred scatter S")
-    k = _check_n_components(n_components, scatter.shape[0])
+    k = check_n_components(n_components, scatter.shape[0])
     n = _check_count(float(count))
 
     def covariance(out: FloatArray) -> None:
@@ -439,7 +441,7 @@ def dca_from_statistics(
         raise ConfigError("DCA needs per-class statistics (class_sums and class_counts)")
     scatter = statistics.scatter
     m = scatter.shape[0]
-    k = _check_n_components(n_components, m)
+    k = check_n_components(n_components, m)
     class_sums = statistics.class_sums
     class_counts = statistics.class_counts
     if not (np.isfinite(class_sums).all() and np.isfinite(class_counts).all()):

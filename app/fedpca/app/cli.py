@@ -75,6 +75,7 @@ def main(verbose: int, log_format: str | None, **_: Any) -> None:
     aggregates them and adds calibrated noise under encryption, and the analyst
     decrypts only differentially private statistics.
     """
+    logs.one_line_warnings()
     try:
         configure_logging(verbose, log_format)
     except ValueError as exc:
