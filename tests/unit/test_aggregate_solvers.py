@@ -350,3 +350,18 @@ def test_an_aggregate_has_no_default_columns_bounds_or_bins(tmp_path: Any) -> No
         FederatedQuery(
             [FederatedStatistics([1]), FederatedHistogram(8, bins=[0, 1])], **settings
         ).fit()
+
+
+def test_write_report_names_the_writer_of_aggregates(tmp_path: Any) -> None:
+    """Found by an analyst's walkthrough: write_report of a fitted FederatedStatistics
+    raised AttributeError about components_; the aggregate writer was not exported."""
+    import fedpca.analyst as analyst
+
+    for estimator in (
+        FederatedStatistics([1], bounds="0:1"),
+        FederatedQuery([FederatedHistogram(0, bins=[0, 1])]),
+    ):
+        with pytest.raises(ConfigError, match="write_aggregate_result"):
+            analyst.write_report(tmp_path / "result.json", estimator)  # type: ignore[arg-type]
+    assert analyst.write_aggregate_result.__module__ == "fedpca.analyst.aggregate_report"
+    assert not (tmp_path / "result.json").exists()

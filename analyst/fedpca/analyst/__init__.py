@@ -10,7 +10,8 @@ and ``keygen`` do not pay for importing grpc, scipy and matplotlib.
 * :class:`AnalystClient` - the gRPC client of the proxy's AnalystService.
 * :func:`decrypt_result`, :class:`DecodedRelease` - from ciphertexts to noisy statistics.
 * :func:`create_analyst_keys`, :func:`load_analyst_private_key` - the analyst's keypair.
-* :func:`write_report` - result.json and plots.
+* :func:`write_report` - result.json and plots of PCA/DCA;
+  :func:`write_aggregate_result` - result.json of aggregates.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .aggregate_estimators import FederatedQuery
+    from .aggregate_report import write_aggregate_result
     from .client import AnalystClient, FetchedResult
     from .decode import DecodedRelease, decrypt_result, result_from_packed
     from .estimators import FederatedDCA, FederatedPCA
@@ -35,6 +37,7 @@ _EXPORTS = {
     "fedpca.analyst.estimators": ("FederatedDCA", "FederatedPCA"),
     "fedpca.analyst.querying": ("MissingOwnersWarning", "run_query"),
     "fedpca.analyst.aggregate_estimators": ("FederatedQuery",),
+    "fedpca.analyst.aggregate_report": ("write_aggregate_result",),
     "fedpca.analyst.statistics": ("FederatedHistogram", "FederatedStatistics"),
     "fedpca.analyst.regression": ("FederatedLinearRegression",),
     "fedpca.analyst.keys": (
@@ -63,6 +66,7 @@ __all__ = [
     "load_analyst_public_key",
     "result_from_packed",
     "run_query",
+    "write_aggregate_result",
     "write_report",
 ]
 

@@ -446,7 +446,22 @@ def write_report(
     Returns
     -------
     ReportFiles
+
+    Raises
+    ------
+    ConfigError
+        ``estimator`` is an aggregate (statistics, histogram, regression, or a
+        :class:`~fedpca.analyst.FederatedQuery`): its writer is
+        :func:`~fedpca.analyst.write_aggregate_result` (an AttributeError about
+        ``components_`` before, found by an analyst's walkthrough).
     """
+    from fedpca.analyst.aggregate_estimators import AggregateEstimator, FederatedQuery
+
+    if isinstance(estimator, AggregateEstimator | FederatedQuery):
+        raise ConfigError(
+            f"write_report writes PCA and DCA results; a {type(estimator).__name__} is "
+            "written by fedpca.analyst.write_aggregate_result(path, estimator)"
+        )
     out = Path(path)
     plots = write_plots(out.parent, estimator, sample=sample, labels=labels, prefix=f"{out.stem}.")
     names = {"scree": plots[0].name, "projection": plots[1].name if len(plots) > 1 else None}
