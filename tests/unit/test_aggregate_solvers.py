@@ -22,7 +22,7 @@ from fedpca.analyst.aggregates import (
     solve_regression,
 )
 from fedpca.analyst.querying import charged_release
-from fedpca.errors import ConfigError, UnusableReleaseError
+from fedpca.errors import ConfigError, KeyFileError, UnusableReleaseError
 from fedpca.query import Aggregate, Moments
 
 FEATURES = Aggregate.linear_regression((0, 1, 2), (-1.0, 0.0, 5.0), (1.0, 10.0, 15.0), 3, 0.0, 4.0)
@@ -365,3 +365,23 @@ def test_write_report_names_the_writer_of_aggregates(tmp_path: Any) -> None:
             analyst.write_report(tmp_path / "result.json", estimator)  # type: ignore[arg-type]
     assert analyst.write_aggregate_result.__module__ == "fedpca.analyst.aggregate_report"
     assert not (tmp_path / "result.json").exists()
+
+
+def test_a_combined_query_refuses_settings_of_its_estimators_it_would_ignore(
+    tmp_path: Any,
+) -> None:
+    """Found by an analyst's walkthrough: FederatedQuery([FederatedStatistics(...,
+    epsilon=5.0)], epsilon=0.5) spent 0.5 and reported epsilon_ = 0.5 without a word.
+    Refused before keys or the network (none exist here)."""
+    settings = {"proxy": "127.0.0.1:1", "private_key_path": tmp_path / "no-such-key"}
+    inner = FederatedStatistics([1], bounds="0:1", epsilon=5.0)
+    with pytest.raises(ConfigError, match=r"FederatedStatistics\(epsilon=5\.0\): inside a"):
+        FederatedQuery([inner], epsilon=0.5, **settings).fit()
+    # The same settings as the query's, or the defaults, are no conflict: the error is
+    # then about the missing key, after the check.
+    for agreeing in (
+        FederatedStatistics([1], bounds="0:1", epsilon=0.5, **settings),
+        FederatedStatistics([1], bounds="0:1"),
+    ):
+        with pytest.raises(KeyFileError):
+            FederatedQuery([agreeing], epsilon=0.5, **settings).fit()

@@ -27,6 +27,7 @@ and must not be derived from the private rows. Learned attributes end in ``_``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -40,7 +41,7 @@ import numpy.typing as npt
 from fedpca.aggregates import part_sections
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
-from fedpca.analyst.params import NotFittedError, SklearnParams
+from fedpca.analyst.params import NotFittedError, SklearnParams, differs
 from fedpca.analyst.querying import (
     charged_release,
     new_query_id,
@@ -496,12 +497,32 @@ class FederatedQuery(_Settings):
         estimators = list(self.estimators)
         for estimator in estimators:
             estimator.check_post_processing()
+            self._refuse_settings_of(estimator)
         weights = self.noise_weights()
         release, timings, registered = self._run([e.aggregate() for e in estimators], weights)
         with charged_release(release.query.query_id):
             self._fit_release(estimators, release, timings, registered)
         warn_if_owners_missing(release, registered)
         return self
+
+    def _refuse_settings_of(self, estimator: AggregateEstimator) -> None:
+        """Refuse an estimator whose own privacy or connection parameters would be
+        ignored: this query's apply (``FederatedQuery([FederatedStatistics(...,
+        epsilon=5.0)], epsilon=0.5)`` spent 0.5 without a word; found by an analyst's
+        walkthrough)."""
+        defaults = inspect.signature(type(estimator).__init__).parameters
+        ignored = [
+            f"{name}={getattr(estimator, name)!r}"
+            for name in _PRIVACY_PARAMETERS
+            if differs(getattr(estimator, name), defaults[name].default)
+            and differs(getattr(estimator, name), getattr(self, name))
+        ]
+        if ignored:
+            raise ConfigError(
+                f"{type(estimator).__name__}({', '.join(ignored)}): inside a FederatedQuery "
+                "only an estimator's aggregate and post-processing parameters are used; "
+                "set privacy and connection parameters on the FederatedQuery"
+            )
 
     def _fit_release(
         self,

@@ -14,7 +14,7 @@ from typing import Any, Self
 
 from fedpca.errors import ConfigError, FedpcaError
 
-__all__ = ["NotFittedError", "SklearnParams"]
+__all__ = ["NotFittedError", "SklearnParams", "check_number", "differs"]
 
 
 class NotFittedError(FedpcaError, ValueError, AttributeError):
@@ -67,12 +67,13 @@ class SklearnParams:
         changed = [
             f"{name}={getattr(self, name)!r}"
             for name, parameter in signature.parameters.items()
-            if name != "self" and _differs(getattr(self, name), parameter.default)
+            if name != "self" and differs(getattr(self, name), parameter.default)
         ]
         return f"{type(self).__name__}({', '.join(changed)})"
 
 
-def _differs(value: Any, default: Any) -> bool:
+def differs(value: Any, default: Any) -> bool:
+    """Whether a parameter's ``value`` is not ``default`` (arrays always differ)."""
     try:
         return bool(value != default)
     except ValueError:  # numpy arrays compare elementwise
