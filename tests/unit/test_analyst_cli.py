@@ -28,7 +28,12 @@ from click.testing import CliRunner
 import fedpca.analyst.federated_estimator as estimators_module
 import fedpca.analyst.keys as keys_module
 from fedpca.admission import AdmissionLimit, NextQuery
-from fedpca.analyst.cli import BUDGET_EXIT_CODE, BUSY_EXIT_CODE, analyst_group
+from fedpca.analyst.cli import (
+    BUDGET_EXIT_CODE,
+    BUSY_EXIT_CODE,
+    OWNERS_CAP_NOTE,
+    analyst_group,
+)
 from fedpca.analyst.client import (
     AnalystClient,
     ProxyUnavailableError,
@@ -757,8 +762,11 @@ def test_cli_budget_prints_what_the_next_query_may_ask_for(
     lines = result.stdout.strip().splitlines()
     # The value on the same line as its label, with the query delta it assumes; not the
     # "remaining = limit - spent" line (composition is not additive).
-    assert lines[-2] == "next query:         epsilon up to 0.412345 at delta 1e-06"
-    assert "not additive" in lines[-1] and "admits now" in lines[-1]
+    assert lines[-3] == "next query:         epsilon up to 0.412345 at delta 1e-06"
+    assert "not additive" in lines[-2] and "admits now" in lines[-2]
+    # Found by an analyst's walkthrough: an epsilon every owner would decline was shown
+    # without a word about the owners' own caps.
+    assert lines[-1] == f"                    ({OWNERS_CAP_NOTE})"
     assert "remaining" not in result.output and "1.75" not in result.output
     # The delta the next query would state is passed on, and named in the answer.
     asked = runner.invoke(
@@ -789,6 +797,8 @@ def test_cli_budget_prints_what_the_next_query_may_ask_for(
         assert result.exit_code == 0, result.output
         assert f"next query:         {expected}" in result.output
         assert ("not additive" in result.output) is not_additive, result.output
+        exhausted = next_query is not None and next_query.epsilon == 0
+        assert (OWNERS_CAP_NOTE in result.output) is (next_query is not None and not exhausted)
 
 
 def test_cli_budget_says_why_the_next_query_may_ask_for_more_than_the_budget(
@@ -800,13 +810,13 @@ def test_cli_budget_says_why_the_next_query_may_ask_for_more_than_the_budget(
     # The fake's budget: epsilon 3 at delta 1e-05.
     fake.next_query = NextQuery(3.37, 1e-6, AdmissionLimit.BUDGET)
     lines = runner.invoke(analyst_group, args).stdout.strip().splitlines()
-    assert lines[-3] == "next query:         epsilon up to 3.37 at delta 1e-06"
-    assert lines[-2] == (
+    assert lines[-4] == "next query:         epsilon up to 3.37 at delta 1e-06"
+    assert lines[-3] == (
         "                    (more than the budget's epsilon 3: it is at the query's delta "
         "1e-06, the budget at delta 1e-05; the same noise costs more epsilon at a smaller "
         "delta)"
     )
-    assert "not additive" in lines[-1]
+    assert "not additive" in lines[-2]
     # Above it at the budget's own delta: only the PLD accountant counts less than the
     # query's zcdp calibration states.
     fake.next_query = NextQuery(3.2, 1e-5, AdmissionLimit.BUDGET)

@@ -866,8 +866,13 @@ def test_submit_refuses_what_the_deployment_cannot_serve(
     with pytest.raises(ConfigError, match="not a query-signing key"):
         coordinator.submit("alice", replace(signed(spec), signer="ed25519:nothex"))
     # A relation other than the deployment's (the owners' ledgers could not compose it).
-    with pytest.raises(ConfigError, match="stated for replace-one adjacency"):
+    with pytest.raises(ConfigError, match="stated for replace-one adjacency;") as raised:
         coordinator.submit("alice", signed(make_spec(public_key, neighbouring=REPLACE_ONE)))
+    assert "masked" not in str(raised.value)
+    # Masked mode as the analyst's tools state it (replace-one): the refusal says why.
+    masked = make_spec(public_key, neighbouring=REPLACE_ONE, mode=ProtocolMode.MASKED)
+    with pytest.raises(ConfigError, match=r"a masked-mode query always is.*ask in stats mode"):
+        coordinator.submit("alice", signed(masked))
     # Masked mode publishes N: refused under add/remove by the plan.
     with pytest.raises(ConfigError, match="no finite epsilon under add-remove"):
         coordinator.submit("alice", signed(make_spec(public_key, mode=ProtocolMode.MASKED)))

@@ -590,6 +590,16 @@ def budget_command(
     click.echo(f"next query:         {status.next_query.summary()}")
     for note in status.next_query.notes(status.epsilon_limit, limit_delta):
         click.echo(f"                    ({note})")
+    # Found by an analyst's walkthrough: an epsilon every owner would decline was shown
+    # as what the next query may ask for. The owners' caps are theirs, not the proxy's.
+    if status.next_query.epsilon > 0:
+        click.echo(f"                    ({OWNERS_CAP_NOTE})")
+
+
+OWNERS_CAP_NOTE = (
+    "what this proxy admits; each owner may cap a query lower "
+    "(policy.max_epsilon_per_query) and declines one above its cap"
+)
 
 
 # `fedpca analyst list|status|fetch|cancel`: defined in their own module with the

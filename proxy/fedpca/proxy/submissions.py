@@ -215,9 +215,17 @@ class Submissions(CoordinatorCore):
         spec = signed.spec
         privacy = self.config.privacy
         if spec.neighbouring is not privacy.neighbouring:
+            # Masked mode is stated for replace-one whatever the analyst asks: say so,
+            # rather than leave the analyst to guess why (found by an analyst's walkthrough).
+            masked = (
+                " (a masked-mode query always is: it has a finite epsilon under replace-one "
+                "only, docs/privacy.md; ask in stats mode here)"
+                if spec.mode is ProtocolMode.MASKED
+                else ""
+            )
             raise ConfigError(
-                f"the query is stated for {spec.neighbouring.value} adjacency; this deployment "
-                f"accounts under {privacy.neighbouring.value}"
+                f"the query is stated for {spec.neighbouring.value} adjacency{masked}; this "
+                f"deployment accounts under {privacy.neighbouring.value}"
             )
         cap = privacy.delta_cap(self.config.budget.for_analyst(analyst_id))
         if spec.private and spec.delta > cap:
