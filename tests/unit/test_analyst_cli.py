@@ -836,6 +836,8 @@ def test_cli_summary_states_owners_of_registered_and_warns_when_fewer(
     args = ["pca", *_query_args(address, analyst_key, out, "--epsilon", "inf")]
     every = CliRunner().invoke(analyst_group, args)
     assert every.exit_code == 0, every.output
+    # Exact for want of noise, not because it is public (it printed "exact, public").
+    assert "(exact: NOT PRIVATE)" in every.stdout and "exact, public" not in every.stdout
     # No --quorum: the query waited for every owner the proxy accepts.
     assert fake.specs[fake.submitted_ids[-1]].quorum == 1
     assert "owners:      1 of 1 registered (quorum 1)" in every.stdout

@@ -479,7 +479,14 @@ def _print_release_summary(estimator: Any, files: Any) -> None:
 
     click.echo(f"query:       {estimator.query_id_}")
     _print_owners(estimator)
-    noisy = " (noisy)" if estimator.n_samples_is_noisy_ else " (exact, public)"
+    # Exact without noise too (epsilon = inf), where it is not public (review).
+    noisy = (
+        " (noisy)"
+        if estimator.n_samples_is_noisy_
+        else " (exact: NOT PRIVATE)"
+        if estimator.not_private_
+        else " (exact, public)"
+    )
     click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
     if isinstance(estimator, FederatedPCA):
         ratios = ", ".join(f"{r:.4f}" for r in estimator.explained_variance_ratio_)

@@ -243,7 +243,9 @@ def scree_figure(estimator: Estimator) -> Any:
     else:
         index = np.arange(1, k + 1)
         axes.bar(index, np.asarray(estimator.eigenvalues_), color="tab:green")
-        axes.set_ylabel("generalized eigenvalue (between / within)")
+        # λ of (S_B + S_W + (ρ + ρ′)I, S_W + ρI): about 1 + between / within, so a
+        # component without class signal sits near 1, not 0 (an analyst's walkthrough).
+        axes.set_ylabel("generalized eigenvalue λ (≈ 1 + between / within)")
         axes.set_xlabel("discriminant component")
         axes.set_xticks(index)
         title = "Federated DCA"
