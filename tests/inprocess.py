@@ -181,6 +181,11 @@ class _StubUploadCall:
                 return
         callback(self)
 
+    def cancel(self) -> bool:
+        """As grpc's future; a fake server's handler cannot be interrupted: it runs to
+        its end, and the call is reported as not cancelled."""
+        return False
+
     def initial_metadata(self) -> tuple[tuple[str, str], ...]:
         self._answered.wait()
         return ((UPLOAD_ACCEPTED_METADATA, "yes"),) if self._accepted.is_set() else ()

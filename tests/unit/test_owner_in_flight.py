@@ -18,6 +18,7 @@ import pytest
 from fedpca.codec import CryptoPool
 from fedpca.messages import QueryState
 from fedpca.owner import node as node_module
+from fedpca.owner import task_processing
 from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
@@ -203,3 +204,73 @@ def test_an_owner_killed_after_its_upload_was_accepted_ends_it_uploaded_on_resta
             assert record is not None
             assert record.outcome is TaskOutcome.UPLOADED, record.detail  # was: REJECTED
             assert [u.owner_id for u in store.uploads(task_key)] == ["owner-1"]  # kept once
+
+
+def test_a_node_stopped_while_it_encrypts_pauses_its_upload_and_resumes_it(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an operator's review: a node stopped (SIGTERM: a restart, an upgrade)
+    while it encrypted ended its upload's messages, so the stream closed cleanly after
+    the header; the proxy refused it as short of its chunks, the node recorded the task
+    as rejected, and the query, its contributors fixed, waited for it until its
+    deadline and failed, charged. Now stopping cancels the call: the task stays open
+    and the restarted node's upload completes the query."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(6)
+    tables = {
+        name: labelled(rng.uniform(-0.3, 0.3, size=(40, M))) for name in ("owner-1", "owner-2")
+    }
+    spec = _spec(public_key, "stopped", quorum=2, deadline_seconds=120.0)
+    key = "alice/stopped"
+    real_stream = task_processing.encrypt_share_stream
+    encrypting, go_on = threading.Event(), threading.Event()
+
+    def held_before_the_first_batch(*args: Any, **kwargs: Any) -> Iterator[list[int]]:
+        encrypting.set()
+        go_on.wait(30.0)
+        yield from real_stream(*args, **kwargs)
+
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=("owner-2",)
+    ) as running:
+        assert running.proxy is not None
+        store = running.proxy.coordinator.store
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            wait_until(lambda: len(store.uploads(key)) == 1, "owner-2's upload")
+            config = running.write_owner_config("owner-1")
+            first = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+            monkeypatch.setattr(
+                task_processing, "encrypt_share_stream", held_before_the_first_batch
+            )
+            stub = owner_grpc.OwnerServiceStub(first._open_channel())
+            due = datetime.now(UTC) + timedelta(seconds=120)
+            outcome: list[Any] = []
+            worker = threading.Thread(
+                target=lambda: outcome.append(
+                    first.process_task(stub, signed_task(spec, due, "alice"))
+                ),
+                daemon=True,
+            )
+            worker.start()
+            assert encrypting.wait(30.0)
+            # The proxy has the header (owner-1 is a contributor); no chunk exists yet.
+            wait_until(
+                lambda: any(c.owner_id == "owner-1" for c in store.contributors(key)),
+                "owner-1's upload header",
+            )
+            first.stop()
+            worker.join(30.0)
+            go_on.set()
+            assert outcome == [None]
+            record = owner_ledger(config).task(key)
+            assert record is not None and record.outcome is TaskOutcome.UPLOADING
+            assert store.query(key).state is QueryState.AGGREGATING
+
+            monkeypatch.setattr(task_processing, "encrypt_share_stream", real_stream)
+            running.start_owner(config)  # the restart; stopped with the deployment
+            status = client.wait(spec.query_id, timeout=60.0)
+        assert status.state is QueryState.DONE and status.owners_contributed == 2

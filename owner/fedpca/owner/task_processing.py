@@ -512,8 +512,21 @@ class TaskProcessing(TaskEndings):
                 call = stub.Upload.future(
                     upload.messages(acknowledgement.wait), timeout=self.retry.upload_timeout
                 )
+                upload.attach(call)
                 acknowledgement.watch(call)
                 response = result_when_done(call)
+            except grpc.FutureCancelledError:
+                # upload.stop cancelled the call: the node stops (the proxy keeps what it
+                # folded, and the task stays open for the restart), or the task was
+                # ended here (withdrawn, expired), by code that records how.
+                if self._stop.is_set():
+                    logger.warning(
+                        "query %s: stopping during upload %s; it resumes when the node "
+                        "starts again",
+                        query_id,
+                        upload_id,
+                    )
+                return None
             except grpc.RpcError as err:
                 if upload.error is not None:
                     # Encrypting failed (a bug or a dead worker), not the proxy: the task

@@ -29,6 +29,11 @@ __all__ = ["OutgoingUpload"]
 logger = logging.getLogger(__name__)
 
 
+_ATTACH_WAIT = 5.0
+"""Seconds a stopped upload's messages wait for their call (:meth:`OutgoingUpload.attach`)
+before they end; the caller attaches it right after creating it."""
+
+
 class OutgoingUpload:
     """The messages of one upload: a header, then chunks produced while encrypting.
 
@@ -71,6 +76,7 @@ class OutgoingUpload:
         self._complete = False
         self._error: BaseException | None = None
         self._stopped = threading.Event()
+        self._call: Any = None  # the upload call sending these messages (attach)
         self._thread = threading.Thread(
             target=self._produce, name="owner-upload-producer", daemon=True
         )
@@ -138,6 +144,12 @@ class OutgoingUpload:
             with self._changed:
                 self._changed.wait_for(functools.partial(more, index))
                 if self._stopped.is_set():
+                    # Ending the messages here would close the stream cleanly, which the
+                    # proxy refuses as an upload short of its chunks and this node then
+                    # recorded as rejected: a stop during encryption wrecked the query
+                    # (found by an operator's review). The call is cancelled instead
+                    # (stop, attach), and the upload resumes when the node starts again.
+                    self._changed.wait_for(lambda: self._call is not None, _ATTACH_WAIT)
                     return
                 if index < len(self._messages):
                     message = self._messages[index]
@@ -157,8 +169,24 @@ class OutgoingUpload:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def attach(self, call: Any) -> None:
+        """The upload call sending :meth:`messages`: :meth:`stop` cancels it (at once,
+        if it came first)."""
+        with self._changed:
+            self._call = call
+            stopped = self._stopped.is_set()
+            self._changed.notify_all()
+        if stopped:
+            call.cancel()
+
     def stop(self) -> None:
-        """Stop producing (the node is stopping or the task was cancelled)."""
+        """Stop producing (the node is stopping or the task was cancelled), and cancel
+        the upload call, if any, before its messages end: the proxy sees a cancelled
+        upload, which it keeps for a resumption, not a short one, which it refuses."""
+        with self._changed:
+            call = self._call
+        if call is not None:
+            call.cancel()
         self._stopped.set()
         with self._changed:
             self._changed.notify_all()
