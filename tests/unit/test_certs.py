@@ -281,6 +281,10 @@ def test_cli_issue_and_show(tmp_path: Path) -> None:
     serial = f"{certs.read_certificate(files.certificate).serial_number:x}"
     assert f"serial:     {serial}" in shown.output
     assert result.output.splitlines()[-1].split() == ["serial", serial]
+    # The CA's certificate too, whose expiry an operator watches (it failed: no names).
+    ca = runner.invoke(certs_group, ["show", str(tmp_path / "ca" / "ca.pem")])
+    assert ca.exit_code == 0, ca.output
+    assert "identity:   certificate authority" in ca.output and "valid:" in ca.output
 
 
 def test_cli_issue_replaces_a_node_certificate_only_when_forced(tmp_path: Path) -> None:
@@ -298,6 +302,14 @@ def test_cli_issue_replaces_a_node_certificate_only_when_forced(tmp_path: Path) 
     assert files.certificate.read_bytes() != before[0]
     shown = runner.invoke(certs_group, ["show", str(files.certificate)])
     assert "proxy.example.org" in shown.output
+    # A renewal without --proxy-host keeps the names peers connect to (it fell back to
+    # localhost: every owner then failed the host name check; an operator's review).
+    renewed = runner.invoke(certs_group, [*args, "--force"])
+    assert renewed.exit_code == 0, renewed.output
+    assert "keeping the names of the certificate it replaces: proxy.example.org" in renewed.output
+    shown = runner.invoke(certs_group, ["show", str(files.certificate)])
+    names = next(line for line in shown.output.splitlines() if line.startswith("names:"))
+    assert "proxy.example.org" in names and "localhost" not in names
 
 
 def test_a_world_readable_private_key_is_reported(
