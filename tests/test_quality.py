@@ -90,6 +90,20 @@ def test_no_source_module_grows_past_the_size_limit() -> None:
     assert too_long == [], "\n".join(too_long)
 
 
+def test_no_product_module_uses_the_test_only_noise_sampler() -> None:
+    """The seeded float sampler is insecure (and repeats its noise); only its own module
+    defines it. A test audit found that a product default switched to it passed every
+    test of the fast tier."""
+    users = []
+    for folder in (KERNEL, *ROLES, APP):
+        for path in sorted((ROOT / folder / "fedpca").rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() == "core/fedpca/dp/noise.py":
+                continue
+            if "TestOnlySeededSampler" in path.read_text(encoding="utf-8"):
+                users.append(str(path.relative_to(ROOT)))
+    assert users == []
+
+
 def test_every_source_folder_is_a_portion_of_the_fedpca_namespace() -> None:
     """Folder = import path: <folder>/fedpca/... and no fedpca/__init__.py anywhere."""
     for folder in (KERNEL, *ROLES, APP, "proto"):

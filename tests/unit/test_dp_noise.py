@@ -18,6 +18,7 @@ from scipy.special import logsumexp
 from scipy.stats import norm
 
 from fedpca.codec.matrix import upper_triangle
+from fedpca.dp import noise as noise_module
 from fedpca.dp.noise import (
     DiscreteGaussianSampler,
     NoiseSampler,
@@ -59,11 +60,26 @@ def test_opendp_discrete_gaussian_has_the_requested_variance() -> None:
     assert_variance_matches(noise, sigma)
 
 
-def test_default_sampler_is_the_production_one_and_values_are_integers() -> None:
+def test_default_sampler_is_the_production_one_and_values_are_integers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default goes through OpenDP's exact sampler (a test audit found the check a
+    tautology: a default switched to the seeded float sampler passed it)."""
+    calls: list[tuple[float, int]] = []
+    real = noise_module._opendp_gaussian
+
+    def recorded(sigma_int: float, size: int) -> object:
+        calls.append((sigma_int, size))
+        return real(sigma_int, size)
+
+    monkeypatch.setattr(noise_module, "_opendp_gaussian", recorded)
     noise = vector_noise(2_000, 7.5)
+    assert calls == [(7.5, 2_000)]
     assert noise.dtype == np.int64 and noise.shape == (2_000,)
     # Small sigma: values are genuinely spread over several integers.
     assert len(np.unique(noise)) > 10
+    # Fresh randomness every draw (the seeded sampler repeats itself).
+    assert not np.array_equal(noise, vector_noise(2_000, 7.5))
     assert isinstance(DiscreteGaussianSampler(), NoiseSampler)
 
 

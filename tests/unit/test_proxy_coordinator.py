@@ -433,6 +433,39 @@ def test_stats_mode_noise_has_the_planned_sigma_per_section(
     assert coordinator.result(ANALYST, "q1").noise.mechanism is NoiseMechanism.GAUSSIAN
 
 
+def test_a_coordinator_without_a_sampler_draws_every_section_with_opendp(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The proxy's default is the exact sampler, at each section's own scale (a test
+    audit found no test that would notice a default switched to the seeded one)."""
+    from fedpca.dp import noise as noise_module
+
+    calls: list[tuple[float, int]] = []
+    real = noise_module._opendp_gaussian
+
+    def recorded(sigma_int: float, size: int) -> Any:
+        calls.append((sigma_int, size))
+        return real(sigma_int, size)
+
+    monkeypatch.setattr(noise_module, "_opendp_gaussian", recorded)
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0), noise_sampler=None)
+    spec = make_spec(public_key, epsilon=1.0)
+    run_stats_query(coordinator, pool, public_key, owners_for(owner_rows), spec)
+    plan = coordinator.plan(Q1)
+    drawn: dict[float, int] = {}
+    for sigma_int, size in calls:
+        drawn[sigma_int] = drawn.get(sigma_int, 0) + size
+    expected: dict[float, int] = {}
+    for section in plan.sections:
+        expected[section.sigma_int] = expected.get(section.sigma_int, 0) + section.length
+    assert drawn == expected
+
+
 # ------------------------------------------------------------------ budget
 def test_budget_refusal_happens_at_submit_and_records_nothing(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
@@ -1854,7 +1887,10 @@ def test_noise_not_prepared_in_time_is_drawn_at_finish_for_that_query_only(
         # cancelled and q2's noise is drawn at once on a thread of its own, not by the
         # caller (in the server: an owner's upload call; found by review).
         finish_with_owners(coordinator, pool, public_key, owners_for(owner_rows), "q2")
-        wait_until(lambda: coordinator.store.query(key("q2")).state is QueryState.DONE, "q2 done")
+        # The timings are written just after the state turns DONE (flaky: 2 runs in 37
+        # read them too early, found by a test audit).
+        wait_until(lambda: "timings" in coordinator.result_meta(ANALYST, "q2"), "q2 done, timed")
+        assert coordinator.store.query(key("q2")).state is QueryState.DONE
         assert second.cancelled()
         assert "noise_precomputed" not in coordinator.result_meta(ANALYST, "q2")["timings"]
         assert sampler.threads()[1:] == ["fedpca-noise-now"] * 3
