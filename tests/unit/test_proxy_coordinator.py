@@ -2122,7 +2122,15 @@ def test_masked_mode_noise_has_the_expected_sigma(
     noise, _, _ = _unmask(pool, private_key, coordinator, owners)
     upper = noise[np.triu_indices(34)]
     sigma_int = coordinator.result_meta(ANALYST, "q1")["sections"][0]["sigma_int"]
-    assert sigma_int > 0
+    # The defining value, written out (a test audit halved masked_sigma and this test,
+    # which read the expected sigma from the code that draws the noise, still passed):
+    # sigma = z (4√2 c² + 4c²/N + √(M(M+1)/2) 2^-f c²), drawn in units of 2^-f c².
+    c2, n, m, f = spec.clip_norm**2, sum(len(rows) for rows in owner_rows), 34, spec.frac_bits
+    sensitivity = 4 * math.sqrt(2) * c2 + 4 * c2 / n + math.sqrt(m * (m + 1) / 2) * 2.0**-f * c2
+    assert plan.noise_multiplier > 0
+    assert sigma_int == pytest.approx(
+        math.ldexp(plan.noise_multiplier * sensitivity / c2, f), rel=1e-12
+    )
     # 595 draws: sample sd within 5 relative standard errors (1/sqrt(2 * 595) ≈ 3%).
     assert np.std(upper) == pytest.approx(sigma_int, rel=5 / math.sqrt(2 * upper.size))
     assert abs(np.mean(upper)) < 5 * sigma_int / math.sqrt(upper.size)
