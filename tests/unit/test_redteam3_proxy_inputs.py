@@ -101,6 +101,11 @@ def test_a_task_that_failed_before_its_upload_began_is_refunded_when_withdrawn(
         node.process_task(proxy, task)  # type: ignore[arg-type]
     except Exception as exc:  # failing the task is fine; keeping the charge is not
         failure.append(f"{type(exc).__name__}: {exc}")
+    # Today the node refuses such a proxy before it reserves anything: said, and checked
+    # (a test audit found the end assertion passed as well when nothing was reserved).
+    assert len(failure) == 1 and "max_message_bytes=100 cannot hold" in failure[0]
+    assert owner_ledger(config).task(task.key) is None
+    assert [e.event.query_id for e in owner_ledger(config).events()] == []
     # The query fails at the proxy (this owner never uploaded); it withdraws the task.
     node._dispatch(TaskCancellation(task.key, "query failed: deadline passed"))
 
