@@ -18,7 +18,6 @@ from scipy.special import logsumexp
 from scipy.stats import norm
 
 from fedpca.codec.matrix import upper_triangle
-from fedpca.dp import noise as noise_module
 from fedpca.dp.noise import (
     DiscreteGaussianSampler,
     NoiseSampler,
@@ -30,6 +29,7 @@ from fedpca.dp.noise import (
     vector_noise,
 )
 from fedpca.errors import ConfigError, EncodingOverflowError
+from helpers import record_opendp_draws
 
 
 def variance_tolerance(n: int, standard_errors: float = 5.0) -> float:
@@ -65,14 +65,7 @@ def test_default_sampler_is_the_production_one_and_values_are_integers(
 ) -> None:
     """The default goes through OpenDP's exact sampler (a test audit found the check a
     tautology: a default switched to the seeded float sampler passed it)."""
-    calls: list[tuple[float, int]] = []
-    real = noise_module._opendp_gaussian
-
-    def recorded(sigma_int: float, size: int) -> object:
-        calls.append((sigma_int, size))
-        return real(sigma_int, size)
-
-    monkeypatch.setattr(noise_module, "_opendp_gaussian", recorded)
+    calls = record_opendp_draws(monkeypatch)
     noise = vector_noise(2_000, 7.5)
     assert calls == [(7.5, 2_000)]
     assert noise.dtype == np.int64 and noise.shape == (2_000,)

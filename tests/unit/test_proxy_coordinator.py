@@ -96,6 +96,7 @@ from helpers import (
     TEST_SIGNING_KEY,
     dataset_table,
     query_builder,
+    record_opendp_draws,
     reference_statistics,
     signed,
     sqlite_error,
@@ -442,16 +443,7 @@ def test_a_coordinator_without_a_sampler_draws_every_section_with_opendp(
 ) -> None:
     """The proxy's default is the exact sampler, at each section's own scale (a test
     audit found no test that would notice a default switched to the seeded one)."""
-    from fedpca.dp import noise as noise_module
-
-    calls: list[tuple[float, int]] = []
-    real = noise_module._opendp_gaussian
-
-    def recorded(sigma_int: float, size: int) -> Any:
-        calls.append((sigma_int, size))
-        return real(sigma_int, size)
-
-    monkeypatch.setattr(noise_module, "_opendp_gaussian", recorded)
+    calls = record_opendp_draws(monkeypatch)
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0), noise_sampler=None)
     spec = make_spec(public_key, epsilon=1.0)
