@@ -25,6 +25,8 @@ MONITORING=0.0.0.0:9464
 OWNERS="hospital-a hospital-b hospital-c"
 FORCE=${1:-}
 case "$FORCE" in "" | --force) ;; *) echo "usage: $0 [--force]" >&2; exit 2 ;; esac
+# Starting over replaces every setting (the new analyst keys included) on purpose.
+REPLACE=${FORCE:+--replace-settings}
 cd "$(dirname "$0")/example"
 
 # 1. The private CA and one certificate per node (keep certs/ca/ca-key.pem offline).
@@ -40,14 +42,14 @@ FINGERPRINT=$(tail -n 1 analyst/keygen.txt)
 # 3. The proxy's folder: proxy.toml, tls/, state/.
 $FEDPCA proxy init --out proxy --certs certs --owners hospital-a,hospital-b,hospital-c \
     --listen "0.0.0.0:$PORT" --monitoring-listen "$MONITORING" \
-    --budget-epsilon 3 --budget-delta 1e-5 $FORCE
+    --budget-epsilon 3 --budget-delta 1e-5 $FORCE $REPLACE
 
 # 4. One folder per owner; its data is already in <owner>/data/.
 for owner in $OWNERS; do
     $FEDPCA owner init --out "$owner" --id "$owner" --proxy "$PROXY_HOST:$PORT" \
         --certs certs --data "$owner/data/$owner.csv" --label-column 0 \
         --max-records 200 --analyst-key "$FINGERPRINT" --analyst-signer "$SIGNER" \
-        --monitoring-listen "$MONITORING" $FORCE
+        --monitoring-listen "$MONITORING" $FORCE $REPLACE
 done
 
 # 5. The analyst's folder; from the Docker host the proxy is localhost:50051.

@@ -76,8 +76,18 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     again = CliRunner().invoke(proxy_group, args)
     assert again.exit_code == 1 and "already exists" in again.output
     assert not list(out.rglob("ca-key.pem"))
+    # --force without the flags that wrote a setting refuses to drop it (it dropped
+    # budget overrides, revoked serials and monitoring: an operator's review), names
+    # each change and leaves the folder as it was.
+    text = (out / "proxy.toml").read_text()
+    dropped = CliRunner().invoke(proxy_group, [*args, "--force"])
+    assert dropped.exit_code == 1
+    assert "budget.analysts.alice.epsilon: 1.0 dropped" in dropped.output
+    assert "monitoring.listen: '0.0.0.0:9464' dropped" in dropped.output
+    assert "--replace-settings" in dropped.output
+    assert (out / "proxy.toml").read_text() == text
     # With --force the folder is written again around the same database.
-    forced = CliRunner().invoke(proxy_group, [*args, "--force"])
+    forced = CliRunner().invoke(proxy_group, [*args, *extra, "--force"])
     assert forced.exit_code == 0, forced.output
     assert config.proxy.database.stat().st_ino == inode
     # A proxy ran on it (its lock file is left) and the database is gone: --force
@@ -85,7 +95,7 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     (out / "state" / "proxy.sqlite3.lock").touch()
     for suffix in ("", "-wal", "-shm"):
         (out / "state" / f"proxy.sqlite3{suffix}").unlink(missing_ok=True)
-    refused = CliRunner().invoke(proxy_group, [*args, "--force"])
+    refused = CliRunner().invoke(proxy_group, [*args, *extra, "--force"])
     assert refused.exit_code == 1 and "a proxy ran on this database" in refused.output
     assert not config.proxy.database.exists()
 
@@ -329,7 +339,7 @@ def test_owner_init_and_probe_refuse_a_relation_other_than_the_ledgers(
     event = PrivacyEvent("alice/q1", "sha256:" + "a" * 64, 5.0, 0.5, 1e-6)
     owner_ledger(config).reserve(event, PrivacyParams(3.0, 1e-5), spec_digest="d1")
     before = (out / "owner.toml").read_text()
-    other = [*args, "--force", "--neighbouring", "replace-one"]
+    other = [*args, "--force", "--replace-settings", "--neighbouring", "replace-one"]
     refused = runner.invoke(owner_group, other)
     assert refused.exit_code == 1, refused.output
     assert "holds releases recorded under add-remove adjacency" in refused.output
@@ -395,6 +405,8 @@ def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: 
     assert f"analyst key     {keys[1]} for signer {signers[1]}" in result.output
     # Without the flag: one budget for every analyst, as before (still paired).
     again = CliRunner().invoke(owner_group, [*args, "--force"])
+    assert again.exit_code == 1 and "budget.analyst_shares." in again.output  # named
+    again = CliRunner().invoke(owner_group, [*args, "--force", "--replace-settings"])
     assert again.exit_code == 0, again.output
     config = load_owner_config(out / "owner.toml")
     assert config.analyst_shares == {} and len(config.policy.analyst_key_signers) == 3
@@ -407,7 +419,7 @@ def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: 
     twice = [*base, "--analyst-key", keys[0], "--analyst-key", keys[0], *pin_signers[:4]]
     refused = CliRunner().invoke(owner_group, [*twice, "--equal-analyst-shares", "--force"])
     assert refused.exit_code != 0 and f"--analyst-key {keys[0]} is given twice" in refused.output
-    team = [*base, "--analyst-key", keys[0], *pin_signers, "--force"]
+    team = [*base, "--analyst-key", keys[0], *pin_signers, "--force", "--replace-settings"]
     unpaired_run = CliRunner().invoke(owner_group, team)
     assert unpaired_run.exit_code == 0, unpaired_run.output
     assert "not paired with keys" in unpaired_run.output
@@ -419,7 +431,7 @@ def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: 
     for suffix in ("-wal", "-shm"):
         ledger.with_name(ledger.name + suffix).unlink(missing_ok=True)
     ledger.write_bytes(b"")
-    refused = CliRunner().invoke(owner_group, [*args, "--force"])
+    refused = CliRunner().invoke(owner_group, [*args, "--force", "--replace-settings"])
     assert refused.exit_code != 0 and "holds node.lock but no ledger" in refused.output
     assert ledger.stat().st_size == 0
 

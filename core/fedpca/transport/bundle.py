@@ -17,10 +17,12 @@ directory (never the CA key), or of files named one by one.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+import tomllib
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fedpca.errors import ConfigError
 from fedpca.files import undone_on_failure
@@ -35,7 +37,13 @@ from fedpca.transport.certs import (
     write_private_key,
 )
 
-__all__ = ["NodeFolder", "config_path", "prepare_folder", "writing_folder"]
+__all__ = [
+    "NodeFolder",
+    "config_path",
+    "prepare_folder",
+    "refuse_changed_settings",
+    "writing_folder",
+]
 
 TLS_DIR = "tls"
 STATE_DIR = "state"
@@ -160,3 +168,52 @@ def config_path(path: Path, config_dir: Path) -> str:
         return absolute.relative_to(base).as_posix()
     except ValueError:
         return str(absolute)
+
+
+def _flat(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def refuse_changed_settings(path: Path, new_text: str, *, replace_settings: bool) -> None:
+    """Refuse to replace the configuration ``path`` with ``new_text`` when that changes
+    or drops a setting, unless ``replace_settings``.
+
+    ``init --force`` writes every setting from its flags and their defaults: run again
+    to pin one more analyst key, it had silently raised an owner's budget from 1 to 3,
+    lowered its quorum and dropped its other limits, and a proxy's had dropped revoked
+    certificates and budget overrides (found by an operator's review). The error lists
+    each change; a file that cannot be read as TOML is not compared.
+
+    Raises
+    ------
+    ConfigError
+    """
+    if replace_settings or not path.is_file():
+        return
+    try:
+        old = _flat(tomllib.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return
+    new = _flat(tomllib.loads(new_text))
+    changes = [
+        f"{key}: {old[key]!r} -> {new[key]!r}" if key in new else f"{key}: {old[key]!r} dropped"
+        for key in sorted(old)
+        if new.get(key, _MISSING) != old[key]
+    ]
+    if changes:
+        raise ConfigError(
+            f"{path} would change these settings: {'; '.join(changes)}. `init --force` "
+            "writes every setting from its flags and their defaults: give the flags that "
+            f"keep them, edit {path.name} by hand instead, or pass --replace-settings to "
+            "accept the changes"
+        )
+
+
+_MISSING = object()

@@ -32,7 +32,13 @@ from fedpca.owner.state_folder import refuse_where_a_node_ran
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
-from fedpca.transport.bundle import STATE_DIR, TLS_DIR, config_path, writing_folder
+from fedpca.transport.bundle import (
+    STATE_DIR,
+    TLS_DIR,
+    config_path,
+    refuse_changed_settings,
+    writing_folder,
+)
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
 from fedpca.transport.tls_options import tls_file_options
 
@@ -209,6 +215,7 @@ def write_owner_folder(
     state_dir: Path | None = None,
     monitoring_listen: str | None = None,
     force: bool = False,
+    replace_settings: bool = False,
     equal_shares: bool = False,
 ) -> tuple[OwnerConfig, tuple[int, int] | None]:
     """Write an owner folder; return its configuration and the data's (records, features).
@@ -298,6 +305,7 @@ def write_owner_folder(
         if state_dir is None:
             folder.make_state()
         path = out / CONFIG_NAME
+        refuse_changed_settings(path, text, replace_settings=replace_settings)
         path.write_text(text, encoding="utf-8")
         config = load_config(path)
         # Made here, so that `owner serve` may refuse to start on a ledger that does not
@@ -428,6 +436,11 @@ def _split(values: tuple[str, ...]) -> list[str]:
     help="host:port of /metrics and health (off by default).",
 )
 @click.option("--force", is_flag=True, help="Write the folder again (state/ is kept).")
+@click.option(
+    "--replace-settings",
+    is_flag=True,
+    help="With --force: accept changes to the existing configuration's settings.",
+)
 def init_command(
     out: Path,
     owner_id: str,
@@ -455,6 +468,7 @@ def init_command(
     state_dir: Path | None,
     monitoring_listen: str | None,
     force: bool,
+    replace_settings: bool,
 ) -> None:
     """Write a complete owner folder: owner.toml, its TLS files and state/."""
     try:
@@ -490,6 +504,7 @@ def init_command(
             state_dir=state_dir,
             monitoring_listen=monitoring_listen,
             force=force,
+            replace_settings=replace_settings,
             equal_shares=equal_analyst_shares,
         )
     except (FedpcaError, DataError) as exc:

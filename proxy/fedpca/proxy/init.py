@@ -26,7 +26,12 @@ from fedpca.proxy.store_database import refuse_where_a_proxy_ran
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
-from fedpca.transport.bundle import STATE_DIR, TLS_DIR, writing_folder
+from fedpca.transport.bundle import (
+    STATE_DIR,
+    TLS_DIR,
+    refuse_changed_settings,
+    writing_folder,
+)
 from fedpca.transport.certs import (
     CertificateDirectory,
     NodeIdentity,
@@ -183,6 +188,7 @@ def write_proxy_folder(
     max_delta_per_query: float | None = None,
     monitoring_listen: str | None = None,
     force: bool = False,
+    replace_settings: bool = False,
 ) -> ProxyConfig:
     """Write a proxy folder and return its configuration as the proxy will read it.
 
@@ -215,6 +221,7 @@ def write_proxy_folder(
             monitoring_listen=monitoring_listen,
         )
         path = out / CONFIG_NAME
+        refuse_changed_settings(path, text, replace_settings=replace_settings)
         path.write_text(text, encoding="utf-8")
         config = load_config(path)
         if not holds_database(config.proxy.database):
@@ -283,6 +290,11 @@ def write_proxy_folder(
     help="host:port of /metrics and health (off by default).",
 )
 @click.option("--force", is_flag=True, help="Write the folder again (state/ is kept).")
+@click.option(
+    "--replace-settings",
+    is_flag=True,
+    help="With --force: accept changes to the existing configuration's settings.",
+)
 def init_command(
     out: Path,
     owners: str,
@@ -299,6 +311,7 @@ def init_command(
     max_delta_per_query: float | None,
     monitoring_listen: str | None,
     force: bool,
+    replace_settings: bool,
 ) -> None:
     """Write a complete proxy folder: proxy.toml, its TLS files and state/."""
     try:
@@ -324,6 +337,7 @@ def init_command(
             max_delta_per_query=max_delta_per_query,
             monitoring_listen=monitoring_listen,
             force=force,
+            replace_settings=replace_settings,
         )
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
