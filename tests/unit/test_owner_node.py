@@ -709,13 +709,21 @@ def test_insecure_owner_keeps_its_identity_across_reconnects(
     assert not thread.is_alive()
 
 
-def test_expired_and_cancelled_tasks_send_nothing(harness: Harness) -> None:
+def test_expired_and_cancelled_tasks_send_nothing_but_a_decline_for_the_expired(
+    harness: Harness,
+) -> None:
     proxy = harness.proxy
     harness.send(harness.spec("late"), deadline=-1.0)
     proxy.tasks.put(TaskCancellation(key("gone"), "analyst cancelled"))
     harness.send(harness.spec("gone"))
     harness.send(harness.spec("marker", epsilon=2.0))  # declined: marks the others as read
-    proxy.wait_for(lambda: len(proxy.declines) == 1)
+    proxy.wait_for(lambda: len(proxy.declines) == 2)
+    # The task past its deadline (by this node's clock) is declined at once: silence
+    # left the query waiting for this owner until its deadline, then failed it, charged
+    # (a node whose clock ran 20 minutes fast; an operator's review).
+    late = proxy.declines[0]
+    assert late.query_id == key("late") and late.reason is DeclineReason.POLICY_REFUSAL
+    assert "has passed by this owner's clock" in late.detail
     # Neither leaves a row: the node had never seen them (a proxy replaying old signed
     # queries under fresh ids with past deadlines once grew the ledger without end).
     ledger = harness.ledger
@@ -1475,7 +1483,12 @@ def test_a_signed_query_delivered_after_its_signed_deadline_is_not_answered(
     proxy.wait_for(lambda: len(proxy.uploads) == 1)
     assert [u.query_id for u in proxy.uploads] == [key("fresh")]
     ledger = harness.ledger
-    assert ledger.task(key("kept")) is None and proxy.declines == []
+    assert ledger.task(key("kept")) is None
+    # Answered only with a decline for its public reason (too late by this owner's
+    # clock), which the proxy refuses for a query no longer collecting.
+    assert [(d.query_id, d.reason) for d in proxy.declines] == [
+        (key("kept"), DeclineReason.POLICY_REFUSAL)
+    ]
     assert [e.event.query_id for e in ledger.events()] == [key("fresh")]
 
 
@@ -1561,3 +1574,22 @@ def test_a_certificate_that_expired_while_the_node_ran_is_named_when_it_cannot_c
     with caplog.at_level(logging.ERROR, logger="fedpca.owner"):
         node._explain_unavailable()
     assert f"this node's certificate expired on {ends:%Y-%m-%d}" in caplog.text
+
+
+def test_a_clock_far_from_the_proxys_is_logged_at_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by an operator's review: a node 20 minutes fast read every task as past its
+    deadline, and nothing said why. Its Hello carries the proxy's time."""
+    from fedpca.owner.node import warn_of_clock_skew
+
+    now = datetime.now(UTC)
+    with caplog.at_level(logging.WARNING, logger="fedpca.owner.node"):
+        warn_of_clock_skew(now - timedelta(seconds=30), now)  # latency, small drift
+        warn_of_clock_skew(None, now)  # an older proxy sends none
+        assert caplog.records == []
+        warn_of_clock_skew(now - timedelta(minutes=20), now)
+        warn_of_clock_skew(now + timedelta(seconds=90), now)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("this node's clock is 1200 s ahead of the proxy's")
+    assert messages[1].startswith("this node's clock is 90 s behind the proxy's")

@@ -102,6 +102,28 @@ REMEMBERED_CANCELLATIONS = 1024
 """Cancelled task ids an owner remembers at most (see ``OwnerNode._cancelled``)."""
 
 
+CLOCK_SKEW_WARNING_SECONDS = 60.0
+"""A proxy clock this far from the node's is logged at connection: upload deadlines are
+read on the node's clock (a node 20 minutes fast dropped every task; an operator's
+review)."""
+
+
+def warn_of_clock_skew(server_time: datetime | None, now: datetime) -> None:
+    """Log a WARNING when the proxy's clock (its Hello) and this node's differ by more
+    than :data:`CLOCK_SKEW_WARNING_SECONDS` (the call's own latency is far less)."""
+    if server_time is None:
+        return
+    skew = (now - server_time).total_seconds()
+    if abs(skew) > CLOCK_SKEW_WARNING_SECONDS:
+        logger.warning(
+            "this node's clock is %.0f s %s the proxy's: tasks are read against their "
+            "upload deadlines on this clock (a clock ahead declines fresh tasks as past "
+            "their deadline); synchronise it (NTP)",
+            abs(skew),
+            "ahead of" if skew > 0 else "behind",
+        )
+
+
 class OwnerNode(TaskProcessing):
     """A data owner's long-running node.
 
@@ -413,6 +435,7 @@ class OwnerNode(TaskProcessing):
             )
         if info.max_message_bytes > 0:
             self._max_message_bytes = min(info.max_message_bytes, UPLOAD_CHUNK_BYTES)
+        warn_of_clock_skew(info.server_time, datetime.now(UTC))
         # The uploads left in flight (by a crash, an outage) and the tasks reserved before
         # one began: the proxy answers each with its task again (it resumes) or a
         # withdrawal (it ends: its share is deleted, a reservation without upload refunded).

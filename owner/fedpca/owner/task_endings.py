@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Container
+from collections.abc import Callable, Container
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 
-from fedpca.messages import Task
+from fedpca.messages import DeclineReason, Task
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.retry import status_details, status_name
@@ -57,6 +58,33 @@ class TaskEndings:
     _prepared: dict[str, OutgoingUpload]
     _paused: dict[str, datetime]
     _endings: threading.Lock
+    _decline: Callable[..., TaskOutcome | None]
+
+    def _past_deadline(self, stub: Any, task: Task) -> TaskOutcome:
+        """A task that came after its upload deadline (by this node's clock): declined
+        at once if new, then ended (:meth:`_expire`)."""
+        query_id = task.key
+        deadline = task.upload_deadline.isoformat(timespec="seconds")
+        logger.warning(
+            "query %s: upload deadline (%s, at most the signed one: issued_at + "
+            "deadline_seconds + 5 min) already passed, skipping",
+            query_id,
+            deadline,
+        )
+        if not self._known(query_id):
+            # Said at once, for a public reason: silence left the query waiting for this
+            # owner until its deadline, then failed it, charged (an owner whose clock ran
+            # 20 minutes fast; an operator's review). The proxy refuses a decline of a
+            # query no longer collecting, which changes nothing.
+            self._decline(
+                stub,
+                query_id,
+                DeclineReason.POLICY_REFUSAL,
+                f"the task's upload deadline {deadline} has passed by this owner's clock "
+                "(if the query is new, this owner's clock is wrong)",
+                record=False,
+            )
+        return self._expire(query_id)
 
     def end_paused_past_deadline(self, now: datetime) -> list[str]:
         """End the uploads paused in this process, and the tasks a restart left open

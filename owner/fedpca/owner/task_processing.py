@@ -178,13 +178,7 @@ class TaskProcessing(TaskEndings):
         if self._is_cancelled(query_id):
             return self._finish_cancelled(query_id)
         if task.upload_deadline <= datetime.now(UTC):
-            logger.warning(
-                "query %s: upload deadline (%s, at most the signed one: issued_at + "
-                "deadline_seconds + 5 min) already passed, skipping",
-                query_id,
-                task.upload_deadline.isoformat(timespec="seconds"),
-            )
-            return self._expire(query_id)
+            return self._past_deadline(stub, task)
         upload = self._prepared.get(query_id)
         if upload is None:
             outcome = self._prepare(stub, task)
@@ -520,12 +514,8 @@ class TaskProcessing(TaskEndings):
                 # folded, and the task stays open for the restart), or the task was
                 # ended here (withdrawn, expired), by code that records how.
                 if self._stop.is_set():
-                    logger.warning(
-                        "query %s: stopping during upload %s; it resumes when the node "
-                        "starts again",
-                        query_id,
-                        upload_id,
-                    )
+                    logger.warning("query %s: stopping during upload %s; it resumes at "
+                                   "the next start", query_id, upload_id)  # fmt: skip
                 return None
             except grpc.RpcError as err:
                 if upload.error is not None:
