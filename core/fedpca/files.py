@@ -40,6 +40,7 @@ __all__ = [
     "create_database",
     "database_missing",
     "holds_database",
+    "sync_folder",
     "undone_on_failure",
     "write_atomically",
 ]
@@ -67,11 +68,17 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
+    sync_folder(path.parent)
+
+
+def sync_folder(folder: Path) -> None:
+    """Flush ``folder`` itself, so that a file created or renamed in it survives a
+    power loss."""
+    descriptor = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(folder)
+        os.fsync(descriptor)
     finally:
-        os.close(folder)
+        os.close(descriptor)
 
 
 def holds_database(path: Path) -> bool:
@@ -87,8 +94,13 @@ def holds_database(path: Path) -> bool:
         return False
 
 
-def create_database(path: Path, build: Callable[[sqlite3.Connection], object]) -> None:
+def create_database(
+    path: Path, build: Callable[[sqlite3.Connection], object], mode: int | None = None
+) -> None:
     """Create the SQLite database ``path`` with what ``build`` writes, or leave none.
+
+    ``mode``: the file's permissions (None: those SQLite gives a file it creates, 0666
+    less the umask; SQLite gives its ``-wal`` and ``-shm`` files the database's).
 
     ``build`` runs in one transaction on a new file beside ``path`` (rollback journal,
     synchronous commits), which is then linked to ``path`` and the folder flushed. A
@@ -115,18 +127,13 @@ def create_database(path: Path, build: Callable[[sqlite3.Connection], object]) -
             connection.execute("COMMIT")
         finally:
             connection.close()
-        # The permissions SQLite itself would have given a file it created.
-        os.chmod(temporary, 0o666 & ~_umask())
+        os.chmod(temporary, 0o666 & ~_umask() if mode is None else mode)
         try:
             os.link(temporary, path)  # never over a database another process made
         except FileExistsError:
             if not holds_database(path):
                 os.replace(temporary, path)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        sync_folder(path.parent)
     finally:
         Path(temporary).unlink(missing_ok=True)
 

@@ -283,6 +283,35 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
     )
 
 
+@proxy_group.command("backup")
+@_config_option("The proxy's TOML configuration (for the database path).")
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="A new file."
+)
+@click.option(
+    "--wait",
+    "wait_seconds",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds to wait for running queries to finish (0: refuse at once while any runs).",
+)
+def backup_command(config_path: Path, out: Path, wait_seconds: float) -> None:
+    """Copy the proxy's database, beside a serving proxy, when no query holds uploads
+    without their noise (mode 0600; docs/operations.md, Backup and restore)."""
+    from fedpca.proxy.backup import backup_database
+
+    try:
+        config = _load(config_path)
+        report = backup_database(config.proxy.database, out, wait_seconds=wait_seconds)
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(
+        f"backed up {report.queries} queries ({report.bytes} bytes) to {report.path} "
+        "(mode 0600): it holds no owner's upload or aggregate without its noise"
+    )
+
+
 @proxy_group.command("new-database")
 @_config_option()
 def new_database_command(config_path: Path) -> None:
