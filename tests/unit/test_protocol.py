@@ -190,6 +190,22 @@ def test_noise_values_follow_each_section_sigma() -> None:
     sample_sd = float(np.std(noise[: scatter.length].astype(float)))
     # 1830 draws: the standard error of the sample sd is about 1.7 %.
     assert sample_sd == pytest.approx(scatter.sigma_int, rel=0.07)
+    # Every section is drawn at its own scale, not only the first (a test audit drew
+    # them all at the scatter's and this test still passed): the sampler's calls are
+    # recorded, and the unequal weights make the scales differ.
+    calls: list[tuple[float, int]] = []
+
+    class Recording:
+        def sample(self, sigma_int: float, size: int) -> np.ndarray:
+            calls.append((sigma_int, size))
+            return TestOnlySeededSampler(7).sample(sigma_int, size)
+
+    plan.noise_values(Recording())
+    # The scale of every value, in order, as drawn and as planned.
+    drawn = np.concatenate([np.full(size, sigma_int) for sigma_int, size in calls])
+    planned = np.concatenate([np.full(s.length, s.sigma_int) for s in plan.sections])
+    assert np.array_equal(drawn, planned)
+    assert len({section.sigma_int for section in plan.sections}) >= 2
 
 
 @pytest.mark.parametrize("piece_values", [1, 7, 64, 10_000])
