@@ -142,18 +142,22 @@ def _floats(values: Any, what: str) -> tuple[float, ...]:
     return out
 
 
-def _check_bounds(lower: tuple[float, ...], upper: tuple[float, ...], n: int, what: str) -> None:
+def _check_bounds(
+    lower: tuple[float, ...], upper: tuple[float, ...], columns: tuple[int, ...], what: str
+) -> None:
+    n = len(columns)
     if len(lower) != n or len(upper) != n:
         raise ConfigError(
             f"{what}: need one public lower and upper bound per column ({n}), got "
             f"{len(lower)} and {len(upper)}"
         )
-    for j, (lo, hi) in enumerate(zip(lower, upper, strict=True)):
+    # Named by file column, not by position in the list (an analyst's walkthrough).
+    for column, lo, hi in zip(columns, lower, upper, strict=True):
         if not lo < hi:
             raise ConfigError(
-                f"{what}: column {j}: bounds must have lower < upper, got [{lo}, {hi}]"
+                f"{what}: column {column}: bounds must have lower < upper, got [{lo}, {hi}]"
             )
-        _check_span(lo, hi, f"{what}: column {j}")
+        _check_span(lo, hi, f"{what}: column {column}")
 
 
 def _check_span(lo: float, hi: float, what: str) -> None:
@@ -247,7 +251,7 @@ class Aggregate:
         if kind is AggregateKind.HISTOGRAM:
             self._check_histogram()
         else:
-            _check_bounds(lower, upper, len(columns), what)
+            _check_bounds(lower, upper, columns, what)
             if edges or group is not None or categories:
                 raise ConfigError(
                     f"{what}: bin_edges, group_column and categories are for histograms"

@@ -385,3 +385,16 @@ def test_a_combined_query_refuses_settings_of_its_estimators_it_would_ignore(
     ):
         with pytest.raises(KeyFileError):
             FederatedQuery([agreeing], epsilon=0.5, **settings).fit()
+
+
+def test_a_bounds_error_names_the_file_column() -> None:
+    """Found by an analyst's walkthrough: ``--columns 1 --bounds 5:1`` was refused for
+    "feature 0", the position of the pair, not the column it bounds."""
+    with pytest.raises(ConfigError, match=r"bounds of column 3: .*got \[5\.0, 1\.0\]"):
+        FederatedStatistics([3], bounds="5:1").aggregate()
+    with pytest.raises(ConfigError, match=r"column 6: bounds must have lower < upper"):
+        FederatedStatistics([1, 6], bounds=[(0, 17), (5, 1)]).aggregate()
+    with pytest.raises(ConfigError, match=r"column 8: bounds must have lower < upper"):
+        FederatedLinearRegression(
+            [2, 8], bounds=[(0, 1), (9, 9)], target=3, target_bounds=(0, 1)
+        ).aggregate()

@@ -106,7 +106,7 @@ class FederatedLinearRegression(AggregateEstimator):
 
     def aggregate(self) -> Aggregate:
         columns = column_indices(self.columns, "columns")
-        lower, upper = column_bounds(self.bounds, len(columns), "bounds")
+        lower, upper = column_bounds(self.bounds, columns, "bounds")
         target = required(self.target, "target", "the 0-based column to predict")
         target_bounds = required(
             self.target_bounds, "target_bounds", "the target's public (lo, hi)"

@@ -4,6 +4,7 @@ number of features and their bounds (PCA/DCA), or the columns and their bounds
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -158,10 +159,20 @@ def check_schema(n_features: Any, bounds: FeatureBoundsParam) -> int:
 
 
 def column_bounds(
-    bounds: ColumnBoundsParam | None, n: int, what: str
+    bounds: ColumnBoundsParam | None, columns: Sequence[int], what: str
 ) -> tuple[tuple[float, ...], ...]:
-    """(lower, upper) of ``n`` columns from any :data:`BoundsParam` but None."""
-    parsed = parse_bounds(bounds, n, what, unit="column")
+    """(lower, upper) of the file ``columns`` from any :data:`BoundsParam` but None.
+
+    An error about the i-th pair names its file column (it said "feature 0" of
+    ``--columns 1 --bounds 5:1``; an analyst's walkthrough)."""
+    try:
+        parsed = parse_bounds(bounds, len(columns), what, unit="column")
+    except ConfigError as exc:
+        named = re.match(r"feature (\d+): ", str(exc))
+        if named is None or int(named.group(1)) >= len(columns):
+            raise
+        column = columns[int(named.group(1))]
+        raise ConfigError(f"{what} of column {column}: {str(exc)[named.end() :]}") from None
     if parsed is None:
         raise ConfigError(
             f"give {what}: an aggregate needs public bounds of its columns, "

@@ -93,7 +93,7 @@ class FederatedStatistics(AggregateEstimator):
 
     def aggregate(self) -> Aggregate:
         columns = column_indices(self.columns, "columns")
-        lower, upper = column_bounds(self.bounds, len(columns), "bounds")
+        lower, upper = column_bounds(self.bounds, columns, "bounds")
         return Aggregate.statistics(columns, lower, upper, Moments(self.moments))
 
     @classmethod
