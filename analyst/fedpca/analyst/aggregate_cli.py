@@ -31,7 +31,7 @@ from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
 from fedpca.budget_options import DELTA
 from fedpca.query import Calibration, Moments, Neighbouring
 
-__all__ = ["echo_summary", "histogram_command", "linreg_command", "stats_command"]
+__all__ = ["histogram_command", "linreg_command", "stats_command"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -152,17 +152,6 @@ def _finish(estimator: Any, path: Path) -> None:
     click.echo(str(path))
 
 
-def echo_summary(estimator: Any) -> None:
-    """Print :func:`~fedpca.analyst.aggregate_summary.summary_lines` of ``estimator``."""
-    from fedpca.analyst.aggregate_summary import summary_lines
-
-    for line, colour in summary_lines(estimator):
-        if colour is None:
-            click.echo(line)
-        else:
-            click.secho(line, fg=colour)
-
-
 @click.command("stats")
 @click.option(
     "--columns", required=True, callback=_indices, help="Columns to describe (0-based, a,b,…)."
@@ -197,6 +186,7 @@ def stats_command(
     **params: Any,
 ) -> None:
     """Private count, means, variances and covariance/correlation of columns."""
+    from fedpca.analyst.aggregate_summary import echo_summary
     from fedpca.analyst.statistics import FederatedStatistics
 
     def factory(**kwargs: Any) -> FederatedStatistics:
@@ -239,6 +229,7 @@ def histogram_command(
     **params: Any,
 ) -> None:
     """Private counts over public bins of one column, or two jointly (per category)."""
+    from fedpca.analyst.aggregate_summary import echo_summary
     from fedpca.analyst.statistics import FederatedHistogram
 
     edges = [_numbers(b, "--bins") for b in bins]
@@ -287,6 +278,7 @@ def linreg_command(
     **params: Any,
 ) -> None:
     """Private linear (ridge) regression from noisy sufficient statistics."""
+    from fedpca.analyst.aggregate_summary import echo_summary
     from fedpca.analyst.regression import FederatedLinearRegression
 
     if alpha != "auto":

@@ -3,9 +3,9 @@ every number the release computed, labelled with its file column (an analyst wal
 found the covariance, the histogram's counts and the coefficients' columns only in
 result.json, and ``fetch`` printing none of them).
 
-Pure text: each function returns the lines, with the colour of a warning line, and the
-commands print them. Large tables are cut to :data:`MAX_ROWS` rows (result.json has
-them all).
+:func:`summary_lines` returns the lines, each with the colour of a warning line, and
+:func:`echo_summary` prints them. Large tables are cut to :data:`MAX_ROWS` rows
+(result.json has them all).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import click
 import numpy as np
 
 from fedpca.aggregates import COUNTS
 from fedpca.analyst.schema import column_indices
 
-__all__ = ["MAX_ROWS", "SummaryLine", "histogram_total_line", "summary_lines"]
+__all__ = ["MAX_ROWS", "SummaryLine", "echo_summary", "histogram_total_line", "summary_lines"]
 
 MAX_ROWS = 40
 """Rows of a matrix or of a histogram's cells printed at most."""
@@ -42,6 +43,15 @@ def summary_lines(estimator: Any) -> list[SummaryLine]:
     if isinstance(estimator, FederatedLinearRegression):
         return _regression(estimator)
     raise TypeError(f"no summary for {type(estimator).__name__}")
+
+
+def echo_summary(estimator: Any) -> None:
+    """Print :func:`summary_lines` of ``estimator`` (warnings in their colour)."""
+    for line, colour in summary_lines(estimator):
+        if colour is None:
+            click.echo(line)
+        else:
+            click.secho(line, fg=colour)
 
 
 def _cell(value: float) -> str:

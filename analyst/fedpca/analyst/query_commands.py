@@ -81,8 +81,8 @@ def _write_aggregates(
     aggregate, as that command prints it."""
     import warnings
 
-    from fedpca.analyst.aggregate_cli import echo_summary
     from fedpca.analyst.aggregate_report import fitted_from_release, write_aggregate_result
+    from fedpca.analyst.aggregate_summary import echo_summary
     from fedpca.analyst.cli import _print_owners
     from fedpca.analyst.querying import MissingOwnersWarning
 
