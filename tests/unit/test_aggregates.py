@@ -31,7 +31,6 @@ from fedpca.dp.noise import TestOnlySeededSampler
 from fedpca.errors import ConfigError, LayoutError
 from fedpca.exact_statistics import row_bits
 from fedpca.protocol import ReleasePlan
-from fedpca.proxy.queries import spec_from_dict, spec_to_dict
 from fedpca.query import (
     Aggregate,
     AggregateKind,
@@ -41,6 +40,7 @@ from fedpca.query import (
     QuerySpec,
     spec_digest,
 )
+from fedpca.query_records import spec_from_dict, spec_to_dict
 from fedpca.stats import worst_case_change
 from fedpca.transport import serde
 from fedpca.v1 import query_pb2 as query_pb

@@ -84,11 +84,11 @@ from fedpca.proxy.config import (
 )
 from fedpca.proxy.coordinator import task_id
 from fedpca.proxy.limits import PeerLimits
-from fedpca.proxy.queries import spec_to_dict
 from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_records import QueryRecord
 from fedpca.query import QuerySpec
+from fedpca.query_records import spec_to_dict
 from fedpca.signing import generate_signing_key, sign_query, signer_id
 from fedpca.transport import channels, serde
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial, init_certificates

@@ -77,11 +77,12 @@ from fedpca.proxy.config import (
 from fedpca.proxy.coordinator import PROXY_WORK_LIMIT_SECONDS, Coordinator, task_id
 from fedpca.proxy.coordinator_core import ContextCache, total_ciphertexts
 from fedpca.proxy.limits import PeerLimits
-from fedpca.proxy.queries import spec_from_dict, spec_to_dict, wire_blocks
+from fedpca.proxy.queries import wire_blocks
 from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_records import NotContributingError, UploadCompletion
 from fedpca.proxy.uploads import UploadStream
 from fedpca.query import DEFAULT_QUERY_DELTA, Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query_records import spec_from_dict, spec_to_dict
 from fedpca.signing import (
     CLOCK_ALLOWANCE_SECONDS,
     generate_signing_key,

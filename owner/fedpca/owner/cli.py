@@ -9,6 +9,7 @@ Register in ``fedpca.app.cli`` as ``"owner": ("fedpca.owner.cli", "owner_group",
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -293,6 +294,89 @@ def budget_command(
             cost = f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.4g}"
         click.echo(
             f"  {when}Z  {event.query_id:<24} {cost:<44} {state:<10} analyst {event.analyst}"
+        )
+
+
+@owner_group.command("import-releases")
+@_config_option()
+@click.option("--dry-run", is_flag=True, help="Say what would be charged; change nothing.")
+@click.argument("export", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+def import_releases_command(config_path: Path, dry_run: bool, export: Path) -> None:
+    """After restoring the ledger from a backup: charge the releases it forgot.
+
+    EXPORT is the proxy's `fedpca proxy export-releases --owner ID` file: the queries
+    with a release this owner's uploads joined, as their analysts signed them. Each one
+    the ledger does not hold is charged at the cost the signed query states (what this
+    node charged when it answered it); one whose signature does not verify fails the
+    whole import. Run it with the node stopped, right after putting the backup in place
+    (docs/operations.md, "Backup and restore").
+    """
+    from fedpca.dp.accounting import compose_epsilon
+    from fedpca.owner.ledger import owner_ledger
+    from fedpca.owner.release_reentry import reenter_releases
+    from fedpca.owner.state_folder import use_state_folder
+    from fedpca.release_exports import read_contributed_releases
+
+    try:
+        config = load_config(config_path)
+        if not holds_database(config.ledger_path):
+            # Never a new one: the releases would be charged into an empty ledger.
+            raise ConfigError(
+                _missing_ledger(config.ledger_path, "") + " put the backup in place first"
+            )
+        try:
+            document = json.loads(export.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read {export}: {exc}") from exc
+        if not isinstance(document, dict):
+            raise ConfigError(f"{export}: not an export of `fedpca proxy export-releases`")
+        owner, releases = read_contributed_releases(document, str(export))
+        if owner != config.owner.id:
+            raise ConfigError(
+                f"{export} lists the releases of owner {owner!r}; this node is "
+                f"{config.owner.id!r}: nothing was re-entered"
+            )
+        # A dry run reads the ledger as it is, beside a serving node if need be.
+        with contextlib.nullcontext() if dry_run else use_state_folder(config):
+            ledger = owner_ledger(config, read_only=dry_run)
+            report = reenter_releases(ledger, releases, config.policy, dry_run=dry_run)
+            events = [entry.event for entry in ledger.events()]
+            if dry_run:
+                events += report.entered
+            spent = compose_epsilon(
+                events,
+                config.budget.delta,
+                config.privacy.accountant,
+                neighbouring=config.privacy.neighbouring,
+            )
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    verb = "would charge" if dry_run else "charged"
+    for event in report.entered:
+        cost = (
+            "NOT PRIVATE (epsilon=inf)"
+            if event.noise_multiplier == 0
+            else f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.6g}"
+        )
+        click.echo(f"{verb:<13}{event.query_id}  {cost}")
+    for task_id, signer in report.unaccepted:
+        click.echo(
+            f"not charged  {task_id}  signed by {signer[:80]}, not in "
+            "policy.accepted_query_signers (add the key back to charge it)"
+        )
+    click.echo(
+        f"{len(report.entered)} release(s) {verb}; {len(report.already_recorded)} already "
+        f"recorded; {len(report.unaccepted)} signed by keys this owner does not accept"
+    )
+    state = "after this import" if dry_run else "now"
+    click.echo(
+        f"epsilon spent {state}: {spent:g} of {config.budget.epsilon:g} at "
+        f"delta={config.budget.delta:g}"
+    )
+    if spent > config.budget.epsilon:
+        click.echo(
+            "the ledger is over its budget: this node refuses every private query (a "
+            "higher [budget] would let it answer again)"
         )
 
 

@@ -59,7 +59,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -74,6 +74,7 @@ from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome
 from fedpca.owner.ledger_rows import (
     EVENT_COLUMNS,
     event_from_row,
+    insert_release,
     read_events,
     release_changes,
     write_task_row,
@@ -85,6 +86,9 @@ from fedpca.query import Neighbouring
 __all__ = ["BudgetLedger", "owner_ledger"]
 
 logger = logging.getLogger(__name__)
+
+REENTERED = "re-entered by `fedpca owner import-releases` from the proxy's export"
+"""The detail of the task row of a release re-entered after a restore."""
 
 # How long a reservation waits for another one holding the write lock. A
 # reservation's critical section is one PLD composition (well under a second),
@@ -378,24 +382,7 @@ class BudgetLedger(LedgerTaskReads):
                     check.epsilon_spent_before,
                     check.epsilon_spent_after,
                 )
-            connection.execute(
-                "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
-                "recorded_at, not_private, spec_digest, neighbouring, sensitivity, delta_extra) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    event.query_id,
-                    event.analyst,
-                    event.noise_multiplier,
-                    event.epsilon,
-                    event.delta,
-                    event.timestamp,
-                    int(not_private),
-                    spec_digest,
-                    event.neighbouring.value,
-                    event.sensitivity,
-                    event.delta_extra,
-                ),
-            )
+            insert_release(connection, event, spec_digest)
             # In the same transaction: a reservation never exists without a task row
             # (before, a node killed between the two left a charge no restart found).
             connection.execute(
@@ -491,6 +478,51 @@ class BudgetLedger(LedgerTaskReads):
             logger.info("query %s: nothing was sent, reservation refunded", query_id)
         return removed
 
+    def reenter(
+        self, releases: Sequence[tuple[PrivacyEvent, str]], *, dry_run: bool = False
+    ) -> tuple[list[str], list[str]]:
+        """Charge releases this ledger forgot (restored from a backup), without a budget
+        check: they happened. Each is ``(event, spec_digest)``; one transaction.
+
+        A release whose query id the ledger holds stays as it is. A re-entered one gets
+        an UPLOADED task row unless its task has one, so that the task is never answered
+        again. Returns the query ids re-entered (in a dry run, that would be) and those
+        already recorded.
+        """
+        entered: list[str] = []
+        recorded: list[str] = []
+        with (
+            self._connect() as connection,
+            _read(connection) if dry_run else _immediate(connection),
+        ):
+            for event, digest in releases:
+                if event.neighbouring is not self.neighbouring:
+                    raise ConfigError(
+                        f"release {event.query_id} is stated for {event.neighbouring.value} "
+                        f"adjacency; this ledger accounts under {self.neighbouring.value}: "
+                        "nothing was re-entered"
+                    )
+                if event.query_id in entered or event.query_id in recorded:
+                    continue
+                known = connection.execute(
+                    "SELECT 1 FROM releases WHERE query_id = ?", (event.query_id,)
+                ).fetchone()
+                if known is not None:
+                    recorded.append(event.query_id)
+                    continue
+                entered.append(event.query_id)
+                if dry_run:
+                    continue
+                insert_release(connection, event, digest)
+                connection.execute(
+                    "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at, "
+                    "spec_digest) VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (query_id) DO NOTHING",
+                    (event.query_id, TaskOutcome.UPLOADED.value, REENTERED, time.time(), digest),
+                )
+        if not dry_run:
+            self._known_changes = -1  # the shares are looked at again
+        return entered, recorded
+
     def events(self) -> list[LedgerEntry]:
         """Every recorded release, oldest first (verification releases included)."""
         with self._connect() as connection:
@@ -582,6 +614,16 @@ def _immediate(connection: sqlite3.Connection) -> Iterator[None]:
         connection.execute("ROLLBACK")
         raise
     connection.execute("COMMIT")
+
+
+@contextmanager
+def _read(connection: sqlite3.Connection) -> Iterator[None]:
+    """An explicit read transaction (one snapshot), which a read-only ledger allows."""
+    connection.execute("BEGIN")
+    try:
+        yield
+    finally:
+        connection.execute("ROLLBACK")
 
 
 def owner_ledger(config: OwnerConfig, *, read_only: bool = False) -> BudgetLedger:

@@ -18,6 +18,7 @@ __all__ = [
     "EVENT_COLUMNS",
     "OWN_RELEASES_SQL",
     "event_from_row",
+    "insert_release",
     "read_events",
     "recorded_relations",
     "release_changes",
@@ -136,3 +137,25 @@ def recorded_relations(ledger: Path) -> set[str]:
     except sqlite3.Error:
         return set()  # not a ledger (or unreadable): the other checks name that
     return {str(row[0]) for row in rows}
+
+
+def insert_release(connection: sqlite3.Connection, event: PrivacyEvent, spec_digest: str) -> None:
+    """Insert a release's row, inside the caller's transaction."""
+    connection.execute(
+        "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
+        "recorded_at, not_private, spec_digest, neighbouring, sensitivity, delta_extra) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            event.query_id,
+            event.analyst,
+            event.noise_multiplier,
+            event.epsilon,
+            event.delta,
+            event.timestamp,
+            int(event.noise_multiplier == 0),
+            spec_digest,
+            event.neighbouring.value,
+            event.sensitivity,
+            event.delta_extra,
+        ),
+    )

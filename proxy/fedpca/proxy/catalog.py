@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from fedpca.errors import ConfigError
 from fedpca.messages import PROTOCOL_VERSION, DeploymentInfo, QuerySummary
 from fedpca.proxy.coordinator import Coordinator
-from fedpca.proxy.queries import spec_from_dict
+from fedpca.query_records import spec_from_dict
 from fedpca.version import __version__
 
 __all__ = ["DEFAULT_LISTED_QUERIES", "describe_deployment", "list_queries"]

@@ -283,6 +283,51 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
     )
 
 
+@proxy_group.command("export-releases")
+@_config_option("The proxy's TOML configuration (for the database path).")
+@click.option("--owner", "owner_id", required=True, help="The owner's id (its certificate's).")
+def export_releases_command(config_path: Path, owner_id: str) -> None:
+    """Print, as JSON, the queries with a release that an owner's uploads joined: the
+    file `fedpca owner import-releases` reads after that owner's ledger was restored
+    from a backup. Runs beside a serving proxy (it only reads the database)."""
+    import json
+
+    from fedpca.proxy.store import ProxyStore
+    from fedpca.query_records import spec_from_dict
+    from fedpca.release_exports import ContributedRelease, contributed_releases_document
+    from fedpca.transport.certs import validate_node_id
+
+    try:
+        validate_node_id(owner_id)
+        config = _load(config_path)
+        database = config.proxy.database
+        if not holds_database(database):
+            raise click.ClickException(
+                f"no proxy database: {database_missing(database)} (has the proxy run here?)"
+            )
+        store = ProxyStore(database, neighbouring=config.privacy.neighbouring, read_only=True)
+        try:
+            joined = store.contributed_releases(owner_id)
+        finally:
+            store.close()
+        releases = [
+            ContributedRelease(
+                record.query_id, spec_from_dict(record.spec), record.signature, record.signer, at
+            )
+            for record, at in joined
+        ]
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if not releases:
+        # On stderr: the JSON on stdout stays a valid (empty) export.
+        click.echo(
+            f"owner {owner_id!r} contributed to no query with a release here (is the id right?)",
+            err=True,
+        )
+    document = contributed_releases_document(owner_id, releases)
+    click.echo(json.dumps(document, indent=2, allow_nan=False))
+
+
 @proxy_group.command("backup")
 @_config_option("The proxy's TOML configuration (for the database path).")
 @click.option(

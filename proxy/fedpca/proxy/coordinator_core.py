@@ -30,8 +30,9 @@ from fedpca.messages import (
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.prepared_noise import PreparedNoise
-from fedpca.proxy.queries import QueryContext, spec_from_dict
+from fedpca.proxy.queries import QueryContext
 from fedpca.proxy.store import ProxyStore
+from fedpca.query_records import spec_from_dict
 
 __all__ = [
     "CONTEXT_CACHE_SIZE",

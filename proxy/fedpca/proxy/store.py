@@ -148,6 +148,19 @@ class ProxyStore(ContributionStore):
                 rows = self._conn.execute("SELECT * FROM queries ORDER BY created_at").fetchall()
         return [query_record_of(r) for r in rows]
 
+    def contributed_releases(self, owner_id: str) -> list[tuple[QueryRecord, float]]:
+        """The queries with a release on their analyst's ledger that ``owner_id``'s upload
+        joined, each with the time it joined, in that order (``proxy export-releases``)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT q.*, c.joined_at AS joined_at FROM queries q "
+                "JOIN contributors c ON c.query_id = q.query_id "
+                "JOIN releases r ON r.query_id = q.query_id "
+                "WHERE c.owner_id=? ORDER BY c.joined_at, q.query_id",
+                (owner_id,),
+            ).fetchall()
+        return [(query_record_of(r), float(r["joined_at"])) for r in rows]
+
     def analyst_queries(self, analyst_id: str, limit: int) -> list[QueryRecord]:
         """The analyst's ``limit`` newest queries, newest first."""
         with self._lock:

@@ -29,9 +29,10 @@ from fedpca.formatting import distinct
 from fedpca.messages import QueryState, SignedQuery
 from fedpca.proxy.analyst_requests import next_query_for
 from fedpca.proxy.coordinator_core import CoordinatorCore, task_id
-from fedpca.proxy.queries import spec_to_dict, validate_query
+from fedpca.proxy.queries import validate_query
 from fedpca.proxy.store_records import QueryRecord
 from fedpca.query import Calibration, ProtocolMode, QuerySpec
+from fedpca.query_records import spec_to_dict
 from fedpca.signing import CLOCK_ALLOWANCE_SECONDS, signed_deadline, verify_query
 
 if TYPE_CHECKING:
