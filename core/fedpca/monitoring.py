@@ -20,15 +20,19 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
 
 from fedpca.errors import ConfigError
 from fedpca.transport.ports import bind_error
 
-__all__ = ["Check", "MonitoringServer", "parse_listen"]
+if TYPE_CHECKING:
+    from fedpca.transport.certs import TlsMaterial
+
+__all__ = ["Check", "MonitoringServer", "certificate_expiry", "parse_listen"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,26 @@ def parse_listen(value: str, key: str) -> tuple[str, int]:
     if number > 65535:
         raise ConfigError(f"{key}: port {number} is out of range")
     return host.strip("[]"), number
+
+
+def certificate_expiry(role: str, tls: TlsMaterial | None) -> GaugeMetricFamily | None:
+    """``fedpca_<role>_certificate_expiry_timestamp_seconds{certificate}``: when the
+    certificate this process serves with (``node``) and its CA's (``ca``) stop being
+    valid, in POSIX seconds (None without TLS). Peers refuse an expired one, and a
+    renewed file is read only at the next start: alert well before (deploy/prometheus)."""
+    if tls is None:
+        return None
+    from fedpca.transport.certs import load_certificate
+
+    family = GaugeMetricFamily(
+        f"fedpca_{role}_certificate_expiry_timestamp_seconds",
+        "When the certificate this process uses (node) and its CA's (ca) expire, POSIX "
+        "seconds (the files as read at start).",
+        labels=["certificate"],
+    )
+    for name, pem in (("node", tls.certificate_chain), ("ca", tls.root_certificates)):
+        family.add_metric([name], load_certificate(pem).not_valid_after_utc.timestamp())
+    return family
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

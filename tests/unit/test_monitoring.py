@@ -26,9 +26,9 @@ from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.monitoring import MonitoringServer
 from fedpca.owner.metrics import OwnerMetrics
 from fedpca.proxy.config import MonitoringSection
-from fedpca.transport.certs import Role, TlsMaterial
+from fedpca.transport.certs import Role, TlsMaterial, read_certificate
 from fedpca.transport.channels import secure_channel
-from helpers import query_builder
+from helpers import TEST_SIGNING_KEY, query_builder
 from inprocess import InProcessDeployment, labelled
 
 M = 3
@@ -163,6 +163,15 @@ def test_proxy_health_service_and_metrics(
     assert samples[("fedpca_proxy_rpcs_total", (("code", "OK"), ("method", "SubmitQuery")))] == 1
     assert samples[("fedpca_proxy_owners_registered", ())] == 2
     assert samples[("fedpca_proxy_owners_connected", ())] == 2
+    for owner in ("owner-1", "owner-2"):
+        assert samples[("fedpca_proxy_owner_connected", (("owner", owner),))] == 1
+    assert samples[("fedpca_proxy_oldest_open_query_age_seconds", ())] == 0  # none open
+    # The expiry of the certificates the proxy serves with, as the files state it.
+    proxy_files = running.tls(Role.PROXY, "proxy")
+    for label, path in (("node", proxy_files.certificate), ("ca", proxy_files.ca_certificate)):
+        expires = read_certificate(path).not_valid_after_utc.timestamp()
+        name = "fedpca_proxy_certificate_expiry_timestamp_seconds"
+        assert samples[(name, (("certificate", label),))] == expires
     spent = samples[("fedpca_proxy_analyst_epsilon_spent", (("analyst", "alice"),))]
     with running.analyst() as client:
         assert spent == pytest.approx(client.budget().epsilon_spent)
@@ -192,6 +201,21 @@ def test_proxy_health_service_and_metrics(
         ledger_spent = node.ledger.spent(node.config.budget.delta)
         assert ledger_spent > 0
         assert owner_samples[("fedpca_owner_epsilon_spent", ())] == pytest.approx(ledger_spent)
+        owner_certificate = read_certificate(running.tls(Role.OWNER, owner).certificate)
+        expiry = ("fedpca_owner_certificate_expiry_timestamp_seconds", (("certificate", "node"),))
+        assert owner_samples[expiry] == owner_certificate.not_valid_after_utc.timestamp()
+
+    # An owner gone is named, and a query left waiting for it ages.
+    running.stop_owner("owner-2")
+    gone = ("fedpca_proxy_owner_connected", (("owner", "owner-2"),))
+    _eventually(lambda: _samples(_get(f"{base}/metrics")[1]).get(gone) == 0)
+    with running.analyst() as client:
+        client.submit(_spec(public_key, "m2", quorum=2), TEST_SIGNING_KEY)
+    time.sleep(0.2)
+    samples = _samples(_get(f"{base}/metrics")[1])
+    assert samples[("fedpca_proxy_owner_connected", (("owner", "owner-1"),))] == 1
+    age = samples[("fedpca_proxy_oldest_open_query_age_seconds", ())]
+    assert 0.2 <= age < 60
 
 
 def test_owner_health_endpoints_follow_the_node(running: _MonitoredDeployment) -> None:
@@ -251,3 +275,31 @@ def test_log_format_from_the_environment(
     monkeypatch.setenv(logs.LOG_FORMAT_ENV, "yaml")
     with pytest.raises(ValueError):
         logs.configure_logging(logging.INFO)
+
+
+def test_the_shipped_alert_rules_name_only_metrics_the_nodes_export(
+    running: _MonitoredDeployment,
+) -> None:
+    """deploy/prometheus/alerts.yaml: every metric its rules use is one a proxy or an
+    owner node serves (a renamed metric would leave an alert that never fires)."""
+    import re
+
+    import yaml
+
+    proxy = running.proxy
+    assert proxy is not None and proxy.monitoring_port is not None
+    served = set()
+    texts = [_get(f"http://127.0.0.1:{proxy.monitoring_port}/metrics")[1]]
+    texts += [
+        generate_latest(OwnerMetrics(node).registry).decode() for node in running.nodes.values()
+    ]
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            served.update(sample.name for sample in family.samples)
+    rules_file = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yaml"
+    document = yaml.safe_load(rules_file.read_text())
+    rules = [rule for group in document["groups"] for rule in group["rules"]]
+    assert len(rules) >= 6 and all({"alert", "expr"} <= set(rule) for rule in rules)
+    used = {name for rule in rules for name in re.findall(r"fedpca_[a-z_]+", rule["expr"])}
+    assert "fedpca_proxy_owner_connected" in used
+    assert used - served == set()

@@ -12,6 +12,8 @@ metric                                     type        what
 ``fedpca_owner_epsilon_spent``             gauge       composed epsilon of the ledger at the
                                                        budget's delta (closed form)
 ``fedpca_owner_epsilon_limit``             gauge       the owner's total epsilon
+``fedpca_owner_certificate_expiry_``       gauge       when the node's certificate and its
+``timestamp_seconds{certificate}``                     CA's expire (POSIX seconds)
 =========================================  ==========  ==================================
 
 The outcomes that deserve an alert at this owner are ``rejected`` (the proxy refused
@@ -37,6 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fedpca.dp.accounting import Accountant, composed_gaussian_epsilon
+from fedpca.monitoring import certificate_expiry
 from fedpca.owner.ledger_records import TaskOutcome
 
 __all__ = ["OwnerMetrics"]
@@ -64,6 +67,11 @@ class OwnerMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=self.registry,
         )
+        # Every outcome's series exists from the start, at 0: Prometheus' increase()
+        # misses the first count of a series that appears at 1, so an alert on the first
+        # rejected upload would never fire.
+        for label in ("retry", "error", *(outcome.value for outcome in TaskOutcome)):
+            self.tasks.labels(label)
         self.registry.register(_NodeCollector(node))
 
     def task_finished(self, outcome: TaskOutcome | None, seconds: float) -> None:
@@ -118,3 +126,5 @@ class _NodeCollector(Collector):
             "The owner's total epsilon (+Inf: unlimited).",
             value=budget.epsilon,
         )
+        if (expiry := certificate_expiry("owner", node.tls_material)) is not None:
+            yield expiry

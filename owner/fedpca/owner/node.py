@@ -233,6 +233,11 @@ class OwnerNode(TaskProcessing):
         )
 
     # ------------------------------------------------------------ lifecycle
+    @property
+    def tls_material(self) -> TlsMaterial | None:
+        """The TLS material the node connects with (None: tls.insecure)."""
+        return self._tls
+
     def alive(self) -> tuple[bool, str]:
         """Liveness: the node runs and its task worker thread is alive."""
         if self._stop.is_set():

@@ -215,6 +215,11 @@ class TaskStreams:
         with self._lock:
             return len(self._latest)
 
+    def connected_owners(self) -> frozenset[str]:
+        """The owners with an open task stream."""
+        with self._lock:
+            return frozenset(self._latest)
+
 
 class RefusalLog:
     """Which refusals get a log line: at most ``lines_per_window`` per method in each

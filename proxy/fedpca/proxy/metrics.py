@@ -11,6 +11,13 @@ metric                                     type        what
 ``fedpca_proxy_rpcs_total{method,code}``   counter     every call, by method and status
 ``fedpca_proxy_owners_registered``         gauge       owners on the allow-list
 ``fedpca_proxy_owners_connected``          gauge       owners with a task stream open
+``fedpca_proxy_owner_connected{owner}``    gauge       1 while that allowed owner's task
+                                                       stream is open, else 0
+``fedpca_proxy_oldest_open_query_age_``    gauge       seconds since the oldest query not
+``seconds``                                            yet done or failed was created (0:
+                                                       none)
+``fedpca_proxy_certificate_expiry_``       gauge       when the proxy's certificate and
+``timestamp_seconds{certificate}``                     its CA's expire (POSIX seconds)
 ``fedpca_proxy_analyst_epsilon_spent``     gauge       composed epsilon per analyst, at the
 ``{analyst}``                                          budget's delta
 ``fedpca_proxy_analyst_epsilon_limit``     gauge       the analyst's total epsilon
@@ -29,7 +36,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc import aio
@@ -38,6 +45,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fedpca.messages import QueryState
+from fedpca.monitoring import certificate_expiry
+
+if TYPE_CHECKING:
+    from fedpca.transport.certs import TlsMaterial
 
 __all__ = ["ProxyMetrics"]
 
@@ -91,9 +102,15 @@ class ProxyMetrics:
         self.noise_seconds.observe(seconds)
 
     # ---------------------------------------------------- read when scraped
-    def watch(self, coordinator: Any, connected_owners: Callable[[], int]) -> None:
-        """Report queries by state, owners and budgets of ``coordinator`` at each scrape."""
-        self.registry.register(_StateCollector(coordinator, connected_owners))
+    def watch(
+        self,
+        coordinator: Any,
+        connected_owners: Callable[[], frozenset[str]],
+        tls: TlsMaterial | None = None,
+    ) -> None:
+        """Report queries by state, owners and budgets of ``coordinator``, and the
+        expiry of ``tls``'s certificates, at each scrape."""
+        self.registry.register(_StateCollector(coordinator, connected_owners, tls))
 
     # ------------------------------------------------------------ interceptor
     def interceptor(self) -> aio.ServerInterceptor:
@@ -102,9 +119,15 @@ class ProxyMetrics:
 
 
 class _StateCollector(Collector):
-    def __init__(self, coordinator: Any, connected_owners: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        coordinator: Any,
+        connected_owners: Callable[[], frozenset[str]],
+        tls: TlsMaterial | None,
+    ) -> None:
         self._coordinator = coordinator
         self._connected = connected_owners
+        self._tls = tls
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         coordinator = self._coordinator
@@ -120,11 +143,29 @@ class _StateCollector(Collector):
             "Owners on the allow-list ([owners] allowed).",
             value=len(coordinator.registered_owners),
         )
+        connected = self._connected()
         yield GaugeMetricFamily(
             "fedpca_proxy_owners_connected",
             "Allowed owners with a task stream open.",
-            value=self._connected(),
+            value=len(connected),
         )
+        # Every allowed owner, at 0 too: an alert names the one that is gone.
+        each = GaugeMetricFamily(
+            "fedpca_proxy_owner_connected",
+            "1 while the allowed owner's task stream is open, else 0.",
+            labels=["owner"],
+        )
+        for owner in sorted(coordinator.registered_owners):
+            each.add_metric([owner], 1.0 if owner in connected else 0.0)
+        yield each
+        oldest = coordinator.store.oldest_open_query_created()
+        yield GaugeMetricFamily(
+            "fedpca_proxy_oldest_open_query_age_seconds",
+            "Seconds since the oldest query not yet done or failed was created (0: none).",
+            value=0.0 if oldest is None else max(0.0, coordinator.clock() - oldest),
+        )
+        if (expiry := certificate_expiry("proxy", self._tls)) is not None:
+            yield expiry
         spent = GaugeMetricFamily(
             "fedpca_proxy_analyst_epsilon_spent",
             "Composed epsilon of each analyst's releases, at its budget's delta.",

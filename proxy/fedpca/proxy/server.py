@@ -254,7 +254,7 @@ class ProxyServer:
             ),
         )
         self._task_streams = owners.streams
-        self.metrics.watch(coordinator, owners.streams.connected)
+        self.metrics.watch(coordinator, owners.streams.connected_owners, tls)
         # The standard gRPC health service (grpc.health.v1.Health) on the same port.
         self._health = health.aio.HealthServicer()
         # Through the same guard, each call holding a slot of its peer: a Watch stream

@@ -179,6 +179,17 @@ class ProxyStore(ContributionStore):
             ).fetchall()
         return {QueryState(r["state"]): int(r["n"]) for r in rows}
 
+    def oldest_open_query_created(self) -> float | None:
+        """When the oldest query not yet done or failed was created (None: no such query)."""
+        open_states = [state.value for state in QueryState if not state.terminal]
+        marks = ",".join("?" for _ in open_states)
+        with self._lock:
+            row = self._conn.execute(
+                f"SELECT MIN(created_at) AS oldest FROM queries WHERE state IN ({marks})",
+                open_states,
+            ).fetchone()
+        return None if row["oldest"] is None else float(row["oldest"])
+
     def analyst_ids(self) -> list[str]:
         """Analysts with a recorded budget (every analyst that ever submitted)."""
         with self._lock:
