@@ -16,9 +16,11 @@ records (the metrics count queries, uploads, bytes and seconds, and report budge
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -32,7 +34,15 @@ from fedpca.transport.ports import bind_error
 if TYPE_CHECKING:
     from fedpca.transport.certs import TlsMaterial
 
-__all__ = ["Check", "MonitoringServer", "certificate_expiry", "parse_listen"]
+__all__ = [
+    "LOW_FREE_SPACE_BYTES",
+    "Check",
+    "MonitoringServer",
+    "certificate_expiry",
+    "free_space",
+    "free_space_problem",
+    "parse_listen",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +85,41 @@ def certificate_expiry(role: str, tls: TlsMaterial | None) -> GaugeMetricFamily 
     for name, pem in (("node", tls.certificate_chain), ("ca", tls.root_certificates)):
         family.add_metric([name], load_certificate(pem).not_valid_after_utc.timestamp())
     return family
+
+
+LOW_FREE_SPACE_BYTES = 100 * 2**20
+"""Below this much free space in the folder of its state a node reports itself not
+ready: writes to its database (ledger, uploads, results) are about to fail. Alert
+earlier on the free-space metric (deploy/prometheus/alerts.yaml)."""
+
+
+def free_space_problem(folder: Path, what: str) -> str | None:
+    """Why ``folder`` (``what``: e.g. "the state folder") is too full for the node to
+    work, or None. A full disk had read as the node's other symptoms (review)."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as exc:
+        return f"cannot read the free space of {what} {folder}: {exc}"
+    if free < LOW_FREE_SPACE_BYTES:
+        return (
+            f"{what} {folder} has {free / 2**20:.0f} MiB free (less than "
+            f"{LOW_FREE_SPACE_BYTES // 2**20} MiB): its database writes are about to fail"
+        )
+    return None
+
+
+def free_space(role: str, folder: Path) -> GaugeMetricFamily:
+    """``fedpca_<role>_state_free_bytes``: free space in the folder of the node's database
+    (NaN if it cannot be read)."""
+    try:
+        free = float(shutil.disk_usage(folder).free)
+    except OSError:
+        free = float("nan")
+    return GaugeMetricFamily(
+        f"fedpca_{role}_state_free_bytes",
+        "Bytes free in the file system of the folder that holds this node's database.",
+        value=free,
+    )
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

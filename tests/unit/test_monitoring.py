@@ -303,3 +303,35 @@ def test_the_shipped_alert_rules_name_only_metrics_the_nodes_export(
     used = {name for rule in rules for name in re.findall(r"fedpca_[a-z_]+", rule["expr"])}
     assert "fedpca_proxy_owner_connected" in used
     assert used - served == set()
+
+
+def test_a_nearly_full_disk_is_what_readiness_says(
+    running: _MonitoredDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk had read as "not connected" at an owner (review): readiness and a
+    metric now name the free space of each node's database folder."""
+    import shutil
+
+    from fedpca import monitoring
+
+    proxy = running.proxy
+    assert proxy is not None and proxy.monitoring_port is not None
+    base = f"http://127.0.0.1:{proxy.monitoring_port}"
+    node = running.nodes["owner-1"]
+    assert node.ready()[0] and _get(f"{base}/readyz")[0] == 200
+    real = shutil.disk_usage
+
+    def nearly_full(path: Any) -> Any:
+        usage = real(path)
+        return usage._replace(free=10 * 2**20)
+
+    monkeypatch.setattr(monitoring.shutil, "disk_usage", nearly_full)
+    ready, why = node.ready()
+    assert not ready
+    assert why.startswith(f"the state folder {node.config.owner.state_dir} has 10 MiB free")
+    status, body = _get(f"{base}/readyz")
+    assert status == 503 and "the database's folder" in body and "10 MiB free" in body
+    samples = _samples(_get(f"{base}/metrics")[1])
+    assert samples[("fedpca_proxy_state_free_bytes", ())] == 10 * 2**20
+    owner_samples = _samples(generate_latest(OwnerMetrics(node).registry).decode())
+    assert owner_samples[("fedpca_owner_state_free_bytes", ())] == 10 * 2**20

@@ -14,6 +14,7 @@ metric                                     type        what
 ``fedpca_owner_epsilon_limit``             gauge       the owner's total epsilon
 ``fedpca_owner_certificate_expiry_``       gauge       when the node's certificate and its
 ``timestamp_seconds{certificate}``                     CA's expire (POSIX seconds)
+``fedpca_owner_state_free_bytes``          gauge       free space beside the ledger
 =========================================  ==========  ==================================
 
 The outcomes that deserve an alert at this owner are ``rejected`` (the proxy refused
@@ -39,7 +40,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fedpca.dp.accounting import Accountant, composed_gaussian_epsilon
-from fedpca.monitoring import certificate_expiry
+from fedpca.monitoring import certificate_expiry, free_space
 from fedpca.owner.ledger_records import TaskOutcome
 
 __all__ = ["OwnerMetrics"]
@@ -128,3 +129,4 @@ class _NodeCollector(Collector):
         )
         if (expiry := certificate_expiry("owner", node.tls_material)) is not None:
             yield expiry
+        yield free_space("owner", node.config.owner.state_dir)

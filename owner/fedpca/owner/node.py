@@ -58,6 +58,7 @@ from fedpca.messages import (
     TaskCancellation,
     TaskEvent,
 )
+from fedpca.monitoring import free_space_problem
 from fedpca.owner.compute import blas_pools
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
@@ -247,7 +248,11 @@ class OwnerNode(TaskProcessing):
         return True, "running"
 
     def ready(self) -> tuple[bool, str]:
-        """Readiness: the task stream to the proxy is open."""
+        """Readiness: the task stream to the proxy is open and the state folder (the
+        ledger, kept shares) has room to write."""
+        folder = self.config.owner.state_dir
+        if (problem := free_space_problem(folder, "the state folder")) is not None:
+            return False, problem
         if self.connected.is_set():
             return True, f"task stream to {self.config.owner.proxy} open"
         return False, f"not connected to {self.config.owner.proxy}"

@@ -18,6 +18,7 @@ metric                                     type        what
                                                        none)
 ``fedpca_proxy_certificate_expiry_``       gauge       when the proxy's certificate and
 ``timestamp_seconds{certificate}``                     its CA's expire (POSIX seconds)
+``fedpca_proxy_state_free_bytes``          gauge       free space beside the database
 ``fedpca_proxy_analyst_epsilon_spent``     gauge       composed epsilon per analyst, at the
 ``{analyst}``                                          budget's delta
 ``fedpca_proxy_analyst_epsilon_limit``     gauge       the analyst's total epsilon
@@ -45,7 +46,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fedpca.messages import QueryState
-from fedpca.monitoring import certificate_expiry
+from fedpca.monitoring import certificate_expiry, free_space
 
 if TYPE_CHECKING:
     from fedpca.transport.certs import TlsMaterial
@@ -166,6 +167,7 @@ class _StateCollector(Collector):
         )
         if (expiry := certificate_expiry("proxy", self._tls)) is not None:
             yield expiry
+        yield free_space("proxy", coordinator.store.path.parent)
         spent = GaugeMetricFamily(
             "fedpca_proxy_analyst_epsilon_spent",
             "Composed epsilon of each analyst's releases, at its budget's delta.",

@@ -25,7 +25,7 @@ from fedpca.codec import CryptoPool
 from fedpca.dp.noise import DiscreteGaussianSampler, NoiseSampler
 from fedpca.errors import ConfigError
 from fedpca.files import ExclusiveUse
-from fedpca.monitoring import MonitoringServer
+from fedpca.monitoring import MonitoringServer, free_space_problem
 from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import PeerSlots, RefusalLog
@@ -213,6 +213,9 @@ class ProxyServer:
         coordinator = self._coordinator
         if self._server is None or coordinator is None or coordinator.stopping:
             return False, "not serving (starting or stopping)"
+        database = self.config.proxy.database.parent
+        if (problem := free_space_problem(database, "the database's folder")) is not None:
+            return False, problem
         return True, f"serving; {self._task_streams.connected()} owners connected"
 
     async def _serve(self, tls: TlsMaterial | None) -> int:
