@@ -82,7 +82,7 @@ from fedpca.protocol import (
     SHARES,
     ReleasePlan,
 )
-from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
+from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, signer_id, verify_query
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
@@ -894,11 +894,17 @@ def test_cli_list_status_cancel_and_fetch(
             created_at=datetime(2030, 1, 1, tzinfo=UTC),
         )
 
+    aggregate = dataclasses.replace(
+        listed("q-agg", QueryState.DONE, Charge.CHARGED, 3),
+        kind=QueryKind.AGGREGATE,
+        aggregates=(AggregateKind.STATS, AggregateKind.HISTOGRAM),
+    )
     fake.listed = [
         listed("q-paid", QueryState.FAILED, Charge.CHARGED, 2),
         listed("q-free", QueryState.FAILED, Charge.REFUNDED, 0),
         listed("q-open", QueryState.COLLECTING, Charge.RESERVED, 0),
         listed("q-old", QueryState.FAILED, Charge.UNKNOWN, 0),
+        aggregate,
     ]
     listing = runner.invoke(analyst_group, ["list", *connection])
     rows = {line.split()[0]: line.split() for line in listing.stdout.strip().splitlines()}
@@ -907,6 +913,9 @@ def test_cli_list_status_cancel_and_fetch(
     assert rows["q-paid"][-5:] == ["charged", "cancelled", "by", "the", "analyst"]
     assert rows["q-free"][-5:] == ["refunded", "cancelled", "by", "the", "analyst"]
     assert rows["q-open"][-1] == "reserved" and rows["q-old"][-5] == "?"
+    # An aggregate query has one mode: it read "aggregate:stats+histogram/stats".
+    assert rows["q-paid"][3] == "pca/stats"
+    assert rows["q-agg"][3] == "aggregate:stats+histogram"
     # Every owner's decline makes a reason of hundreds of characters: cut in the list
     # (found by a new user: 700-character lines), whole in `status`.
     long_reason = "declined by every owner: " + "owner-x: policy_refusal: epsilon 9 > 1; " * 20

@@ -24,7 +24,7 @@ import click
 from fedpca.analyst.cli_output import result_out_option
 from fedpca.errors import ConfigError, QueryStateError
 from fedpca.formatting import printable
-from fedpca.messages import Charge, QueryState, QueryStatus
+from fedpca.messages import Charge, QueryState, QueryStatus, QuerySummary
 
 __all__ = ["register"]
 
@@ -62,6 +62,13 @@ def _shortened(reason: str) -> str:
     if len(reason) <= LIST_REASON_CHARACTERS:
         return reason
     return reason[: LIST_REASON_CHARACTERS - 1].rstrip() + "…"
+
+
+def kind_cell(item: QuerySummary) -> str:
+    """The KIND/MODE column of ``fedpca analyst list``: ``pca/masked``, ``dca/stats``;
+    an aggregate query only as ``aggregate:stats+histogram``, since it has one mode (it
+    read ``aggregate:stats/stats``)."""
+    return item.what if item.aggregates else f"{item.what}/{item.mode.value}"
 
 
 def _charge_cell(charge: Charge) -> str:
@@ -168,7 +175,7 @@ def register(
                 (
                     printable(status.query_id),  # the proxy's text, shown in a terminal
                     item.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-                    f"{item.what}/{item.mode.value}",
+                    kind_cell(item),
                     status.state.value,
                     f"{status.owners_contributed}/{status.quorum} of {registered}",
                     f"{item.epsilon:g}",

@@ -25,6 +25,7 @@ import numpy.typing as npt
 from fedpca.app.cluster import LocalCluster, split_rows
 from fedpca.data import dataset_path
 from fedpca.errors import ConfigError, FedpcaError
+from fedpca.query import DEFAULT_QUERY_DELTA
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +244,9 @@ def _print_summary(
 @click.option(
     "--delta",
     type=click.FloatRange(min=0.0, max=1.0, min_open=True, max_open=True),
-    default=1e-5,
+    default=DEFAULT_QUERY_DELTA,
     show_default=True,
+    help="The query's delta (the default is FederatedPCA's).",
 )
 @click.option("--components", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--mode", type=click.Choice(["stats", "masked"]), default="stats", show_default=True)
