@@ -81,7 +81,7 @@ def spec_from_dict(record: Mapping[str, Any]) -> QuerySpec:
                 value = float(value)
             kwargs[name] = value
         return QuerySpec(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"stored query cannot be read back: {exc}") from exc
 
 

@@ -178,7 +178,15 @@ def read_contributed_releases(
                 raise ConfigError("'joined_at' must be a number")
             signature = bytes.fromhex(str(record.get("signature")))
             spec = spec_from_dict(query)
-        except (ConfigError, ValueError, TypeError, AttributeError, KeyError) as exc:
+            joined = float(joined_at)
+        except (
+            ConfigError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            KeyError,
+            OverflowError,
+        ) as exc:
             raise ConfigError(f"{source}: release {position}: {exc}") from None
-        read.append(ContributedRelease(task_id, spec, signature, signer, float(joined_at)))
+        read.append(ContributedRelease(task_id, spec, signature, signer, joined))
     return owner, read

@@ -11,6 +11,7 @@ states.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from fedpca.owner.cli import owner_group
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy.cli import proxy_group
+from fedpca.query_records import spec_from_dict, spec_to_dict
 from fedpca.release_exports import read_contributed_releases
 from helpers import SECOND_TEST_SIGNER, TEST_SIGNER, dataset_table, signed
 
@@ -129,7 +131,7 @@ def test_import_charges_what_the_restored_ledger_forgot_at_the_signed_cost(
     result = _import(deployment, export)
     assert result.exit_code == 0, result.output
     assert f"charged      {key('q2')}" in result.output
-    assert "1 release(s) charged; 1 already recorded; 0 signed by keys" in result.output
+    assert "1 release(s) charged; 1 already recorded (0 made final); 0 " in result.output
     entries = {entry.event.query_id: entry.event for entry in ledger.events()}
     assert sorted(entries) == [key("q1"), key("q2")]
     # The cost is the one the proxy charged the analyst for the same query.
@@ -187,7 +189,7 @@ def test_a_query_signed_by_a_key_this_owner_does_not_accept_is_listed_not_charge
     config.write_text(config.read_text().replace(TEST_SIGNER, SECOND_TEST_SIGNER))
     result = _import(deployment, _export(deployment))
     assert result.exit_code == 0, result.output
-    assert f"not charged  {key('q2')}  signed by {TEST_SIGNER}" in result.output
+    assert f"not charged  {key('q2')}  signed by {TEST_SIGNER}, not in" in result.output
     assert [e.event.query_id for e in deployment["ledger"].events()] == [key("q1")]
 
 
@@ -220,3 +222,83 @@ def test_a_malformed_export_is_named() -> None:
     }
     with pytest.raises(ConfigError, match=r"x.json: release 0: "):
         read_contributed_releases(document, "x.json")
+
+
+def test_a_release_the_backup_held_as_not_begun_is_never_refunded_after(
+    deployment: dict[str, Any],
+) -> None:
+    """Review: a backup taken after the reservation of q2 and before its upload began
+    held q2 as reserved; the import left it so, and the withdrawal a restarted node
+    handles refunded a release the proxy had folded."""
+    ledger: BudgetLedger = deployment["ledger"]
+    q2 = PrivacyEvent.from_dict(
+        {**deployment["charged"]["q2"].to_dict(), "analyst": deployment["fingerprint"]}
+    )
+    ledger.reserve(q2, BUDGET)  # reserved; its upload had not begun at the backup
+    result = _import(deployment, _export(deployment))
+    assert result.exit_code == 0, result.output
+    assert f"made final {key('q2')}" in result.output
+    assert "0 release(s) charged; 2 already recorded (1 made final)" in result.output
+    assert not ledger.end_task(key("q2"), TaskOutcome.CANCELLED)  # nothing refunded
+    assert [e.event.query_id for e in ledger.events()] == [key("q1"), key("q2")]
+
+
+def test_two_queries_under_one_task_id_fail_the_import(deployment: dict[str, Any]) -> None:
+    """Review: a proxy listed another (cheaper) signed query under q2's task id ahead of
+    q2; the ledger kept the cheaper one while the output printed q2's cost."""
+    export = _export(deployment)
+    document = json.loads(export.read_text())
+    real = document["releases"][1]
+    # Another query with q2's id, validly signed (e.g. another analyst's), far cheaper.
+    cheaper = signed(dataclasses.replace(spec_from_dict(real["query"]), epsilon=0.05))
+    forged = {
+        **real,
+        "query": spec_to_dict(cheaper.spec),
+        "signature": cheaper.signature.hex(),
+        "signer": cheaper.signer,
+    }
+    document["releases"].insert(1, forged)
+    export.write_text(json.dumps(document))
+    result = _import(deployment, export)
+    assert result.exit_code == 1
+    assert f"two different queries under task '{key('q2')}'" in result.output
+    assert [e.event.query_id for e in deployment["ledger"].events()] == [key("q1")]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("joined_at", 10**400, "release 1: int too large"),
+        ("joined_at", 4e9, "joined in the future"),
+        ("epsilon", 10**400, "release 1: stored query cannot be read back"),
+    ],
+)
+def test_out_of_range_numbers_are_named_not_a_traceback(
+    deployment: dict[str, Any], field: str, value: Any, message: str
+) -> None:
+    export = _export(deployment)
+    document = json.loads(export.read_text())
+    if field == "epsilon":
+        document["releases"][1]["query"]["epsilon"] = value
+    else:
+        document["releases"][1][field] = value
+    export.write_text(json.dumps(document))
+    result = _import(deployment, export)
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert [e.event.query_id for e in deployment["ledger"].events()] == [key("q1")]
+
+
+def test_a_query_this_node_would_not_have_answered_is_not_charged(
+    deployment: dict[str, Any],
+) -> None:
+    """Review: only the signer was checked; a NOT PRIVATE query, or one for an analyst
+    key this node does not pin, was charged (an infinite spend for the former)."""
+    config: Path = deployment["owner_config"]
+    text = config.read_text()
+    config.write_text(text.replace(deployment["fingerprint"], "sha256:" + "cd" * 32))
+    result = _import(deployment, _export(deployment))
+    assert result.exit_code == 0, result.output
+    assert f"not charged  {key('q2')}" in result.output
+    assert "is not in policy.accepted_analyst_keys" in result.output
+    assert [e.event.query_id for e in deployment["ledger"].events()] == [key("q1")]

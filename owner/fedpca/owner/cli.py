@@ -359,14 +359,15 @@ def import_releases_command(config_path: Path, dry_run: bool, export: Path) -> N
             else f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.6g}"
         )
         click.echo(f"{verb:<13}{event.query_id}  {cost}")
-    for task_id, signer in report.unaccepted:
-        click.echo(
-            f"not charged  {task_id}  signed by {signer[:80]}, not in "
-            "policy.accepted_query_signers (add the key back to charge it)"
-        )
+    final = "would make final" if dry_run else "made final"
+    for task_id in report.kept_charged:
+        click.echo(f"{final} {task_id}  (held as not begun; the proxy holds its upload)")
+    for task_id, why in report.refused:
+        click.echo(f"not charged  {task_id}  {why} (this node would not have answered it)")
     click.echo(
         f"{len(report.entered)} release(s) {verb}; {len(report.already_recorded)} already "
-        f"recorded; {len(report.unaccepted)} signed by keys this owner does not accept"
+        f"recorded ({len(report.kept_charged)} {final}); {len(report.refused)} this "
+        "node's policy would not have answered, not charged"
     )
     state = "after this import" if dry_run else "now"
     click.echo(

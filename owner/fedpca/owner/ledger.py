@@ -70,12 +70,13 @@ from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.files import create_database, database_missing, holds_database
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
-from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, TaskOutcome
+from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, Reentered, TaskOutcome
 from fedpca.owner.ledger_rows import (
     EVENT_COLUMNS,
     event_from_row,
     insert_release,
     read_events,
+    reenter_release,
     release_changes,
     write_task_row,
 )
@@ -87,8 +88,6 @@ __all__ = ["BudgetLedger", "owner_ledger"]
 
 logger = logging.getLogger(__name__)
 
-REENTERED = "re-entered by `fedpca owner import-releases` from the proxy's export"
-"""The detail of the task row of a release re-entered after a restore."""
 
 # How long a reservation waits for another one holding the write lock. A
 # reservation's critical section is one PLD composition (well under a second),
@@ -480,17 +479,16 @@ class BudgetLedger(LedgerTaskReads):
 
     def reenter(
         self, releases: Sequence[tuple[PrivacyEvent, str]], *, dry_run: bool = False
-    ) -> tuple[list[str], list[str]]:
+    ) -> Reentered:
         """Charge releases this ledger forgot (restored from a backup), without a budget
         check: they happened. Each is ``(event, spec_digest)``; one transaction.
 
-        A release whose query id the ledger holds stays as it is. A re-entered one gets
-        an UPLOADED task row unless its task has one, so that the task is never answered
-        again. Returns the query ids re-entered (in a dry run, that would be) and those
-        already recorded.
+        A release the ledger holds keeps its cost. Every listed release's task is marked
+        begun (never refunded; UPLOADED where it has no row, so that it is never
+        answered again): the backup may predate its upload's start, and a withdrawal
+        would then refund what was sent (found by review).
         """
-        entered: list[str] = []
-        recorded: list[str] = []
+        done = Reentered()
         with (
             self._connect() as connection,
             _read(connection) if dry_run else _immediate(connection),
@@ -502,26 +500,11 @@ class BudgetLedger(LedgerTaskReads):
                         f"adjacency; this ledger accounts under {self.neighbouring.value}: "
                         "nothing was re-entered"
                     )
-                if event.query_id in entered or event.query_id in recorded:
-                    continue
-                known = connection.execute(
-                    "SELECT 1 FROM releases WHERE query_id = ?", (event.query_id,)
-                ).fetchone()
-                if known is not None:
-                    recorded.append(event.query_id)
-                    continue
-                entered.append(event.query_id)
-                if dry_run:
-                    continue
-                insert_release(connection, event, digest)
-                connection.execute(
-                    "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at, "
-                    "spec_digest) VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (query_id) DO NOTHING",
-                    (event.query_id, TaskOutcome.UPLOADED.value, REENTERED, time.time(), digest),
-                )
+                if event.query_id not in done.entered + done.already_recorded:
+                    reenter_release(connection, event, digest, done, dry_run=dry_run)
         if not dry_run:
             self._known_changes = -1  # the shares are looked at again
-        return entered, recorded
+        return done
 
     def events(self) -> list[LedgerEntry]:
         """Every recorded release, oldest first (verification releases included)."""

@@ -4,7 +4,7 @@ reservation's decision, a recorded release, and what became of a task."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
@@ -123,3 +123,16 @@ class TaskRecord:
     """Seed of the sample of rows, recorded only by versions that kept no share."""
     capacity: int | None = None
     """``data.max_records`` of such an upload when it began (its resume uses it)."""
+
+
+@dataclass
+class Reentered:
+    """What :meth:`fedpca.owner.ledger.BudgetLedger.reenter` did (in a dry run, would do),
+    by query id."""
+
+    entered: list[str] = field(default_factory=list)
+    """Releases charged now."""
+    already_recorded: list[str] = field(default_factory=list)
+    """Releases the ledger held."""
+    kept_charged: list[str] = field(default_factory=list)
+    """Of those, the ones whose task was not marked begun: now it is, never refunded."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.files import holds_database
-from fedpca.owner.ledger_records import TaskOutcome
+from fedpca.owner.ledger_records import Reentered, TaskOutcome
 from fedpca.owner.ledger_schema import RELEASE_CHANGES_KEY
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "insert_release",
     "read_events",
     "recorded_relations",
+    "reenter_release",
     "release_changes",
     "write_task_row",
 ]
@@ -159,3 +160,39 @@ def insert_release(connection: sqlite3.Connection, event: PrivacyEvent, spec_dig
             event.delta_extra,
         ),
     )
+
+
+REENTERED = "re-entered by `fedpca owner import-releases` from the proxy's export"
+"""The detail of the task row of a release re-entered after a restore."""
+
+
+def reenter_release(
+    connection: sqlite3.Connection,
+    event: PrivacyEvent,
+    digest: str,
+    done: Reentered,
+    *,
+    dry_run: bool,
+) -> None:
+    """One release of :meth:`fedpca.owner.ledger.BudgetLedger.reenter`, inside its
+    transaction: charged if missing, its task marked begun; recorded in ``done``."""
+    query_id = event.query_id
+    known = connection.execute("SELECT 1 FROM releases WHERE query_id = ?", (query_id,))
+    task = connection.execute(
+        "SELECT upload_started FROM tasks WHERE query_id = ?", (query_id,)
+    ).fetchone()
+    if known.fetchone() is None:
+        done.entered.append(query_id)
+        if not dry_run:
+            insert_release(connection, event, digest)
+    else:
+        done.already_recorded.append(query_id)
+        if task is None or not task[0]:
+            done.kept_charged.append(query_id)
+    if not dry_run:
+        connection.execute(
+            "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at, "
+            "spec_digest) VALUES (?, ?, ?, 1, ?, ?) "
+            "ON CONFLICT (query_id) DO UPDATE SET upload_started = 1",
+            (query_id, TaskOutcome.UPLOADED.value, REENTERED, time.time(), digest),
+        )
