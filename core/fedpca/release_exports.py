@@ -29,6 +29,7 @@ __all__ = [
     "OWNER_RELEASES_FORMAT",
     "ContributedRelease",
     "OwnerRelease",
+    "charged_lines",
     "contributed_releases_document",
     "owner_releases_document",
     "read_contributed_releases",
@@ -190,3 +191,18 @@ def read_contributed_releases(
             raise ConfigError(f"{source}: release {position}: {exc}") from None
         read.append(ContributedRelease(task_id, spec, signature, signer, joined))
     return owner, read
+
+
+def charged_lines(events: Iterable[PrivacyEvent], *, dry_run: bool, not_private: str) -> list[str]:
+    """One line per release an import charges (``import-releases`` of either role):
+    its query id and cost; ``not_private`` says what an epsilon = inf release does."""
+    verb = "would charge" if dry_run else "charged"
+    lines = []
+    for event in events:
+        cost = (
+            f"NOT PRIVATE (epsilon=inf{not_private})"
+            if event.noise_multiplier == 0
+            else f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.6g}"
+        )
+        lines.append(f"{verb:<13}{event.query_id}  {cost}")
+    return lines

@@ -315,7 +315,7 @@ def import_releases_command(config_path: Path, dry_run: bool, export: Path) -> N
     from fedpca.owner.ledger import owner_ledger
     from fedpca.owner.release_reentry import reenter_releases
     from fedpca.owner.state_folder import use_state_folder
-    from fedpca.release_exports import read_contributed_releases
+    from fedpca.release_exports import charged_lines, read_contributed_releases
 
     try:
         config = load_config(config_path)
@@ -352,13 +352,8 @@ def import_releases_command(config_path: Path, dry_run: bool, export: Path) -> N
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     verb = "would charge" if dry_run else "charged"
-    for event in report.entered:
-        cost = (
-            "NOT PRIVATE (epsilon=inf)"
-            if event.noise_multiplier == 0
-            else f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.6g}"
-        )
-        click.echo(f"{verb:<13}{event.query_id}  {cost}")
+    for line in charged_lines(report.entered, dry_run=dry_run, not_private=""):
+        click.echo(line)
     final = "would make final" if dry_run else "made final"
     for task_id in report.kept_charged:
         click.echo(f"{final} {task_id}  (held as not begun; the proxy holds its upload)")

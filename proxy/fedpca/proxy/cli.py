@@ -221,7 +221,7 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
     from fedpca.proxy.release_import import import_releases
     from fedpca.proxy.store import ProxyStore
     from fedpca.proxy.store_database import scratch_copy, use_database
-    from fedpca.release_exports import read_owner_releases
+    from fedpca.release_exports import charged_lines, read_owner_releases
 
     try:
         config = _load(config_path)
@@ -260,13 +260,9 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     verb = "would charge" if dry_run else "charged"
-    for event in report.entered:
-        cost = (
-            "NOT PRIVATE (epsilon=inf: exhausts the analyst's budget)"
-            if event.noise_multiplier == 0
-            else f"epsilon={event.epsilon:g} delta={event.delta:g} z={event.noise_multiplier:.6g}"
-        )
-        click.echo(f"{verb:<13}{event.query_id}  {cost}")
+    not_private = ": exhausts the analyst's budget"
+    for line in charged_lines(report.entered, dry_run=dry_run, not_private=not_private):
+        click.echo(line)
     final = "would make final" if dry_run else "made final"
     for query_id in report.kept_charged:
         click.echo(f"{final} {query_id}  (still running here; an owner began an upload)")
