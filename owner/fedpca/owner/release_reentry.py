@@ -127,10 +127,10 @@ def reenter_releases(
     """
     report = ReentryReport()
     charged: dict[str, tuple[PrivacyEvent, str]] = {}
+    listed: dict[str, str] = {}  # task id -> digest, of every release (refused ones too)
     for release in releases:
         event, digest = _event_of(release), spec_digest(release.spec)
-        listed = charged.get(release.task_id)
-        if listed is not None and listed[1] != digest:
+        if listed.setdefault(release.task_id, digest) != digest:
             raise ConfigError(
                 f"the export lists two different queries under task {release.task_id!r}: "
                 "nothing was re-entered"
