@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,9 +20,11 @@ from fedpca.codec import CryptoPool
 from fedpca.messages import QueryState
 from fedpca.owner import node as node_module
 from fedpca.owner import task_processing
+from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.owner.node import OwnerNode
+from fedpca.query import QuerySpec
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
 from helpers import TEST_SIGNING_KEY, signed_task, wait_until
 from inprocess import FAST_RETRY, StubUpload, deployment, labelled, unit_box_queries
@@ -53,6 +56,25 @@ class _StreamThatBreaks:
         return self.real.Upload(first_chunk_only(), timeout=8.0)
 
 
+@contextmanager
+def _owner_2_uploaded(
+    tmp_path: Path, pool: CryptoPool, public_key: Any, tables: dict[str, Any], spec: QuerySpec
+) -> Iterator[tuple[Any, Any, OwnerConfig]]:
+    """A deployment running owner-2 only, ``spec`` submitted by alice and owner-2's
+    upload accepted: the deployment, alice's client and owner-1's configuration (its node
+    not started)."""
+    with deployment(
+        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=("owner-2",)
+    ) as running:
+        assert running.proxy is not None
+        store = running.proxy.coordinator.store
+        with running.analyst() as client:
+            client.submit(spec, TEST_SIGNING_KEY)
+            key = f"alice/{spec.query_id}"
+            wait_until(lambda: len(store.uploads(key)) == 1, "owner-2's upload")
+            yield running, client, running.write_owner_config("owner-1")
+
+
 def test_a_contributor_that_restarts_after_the_contributors_are_fixed_resumes(
     tmp_path: Path,
     pool: CryptoPool,
@@ -71,41 +93,34 @@ def test_a_contributor_that_restarts_after_the_contributors_are_fixed_resumes(
     }
     spec = _spec(public_key, "fixed", quorum=2, deadline_seconds=120.0)
     key = "alice/fixed"
-    with deployment(
-        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=("owner-2",)
-    ) as running:
-        assert running.proxy is not None
+    with _owner_2_uploaded(tmp_path, pool, public_key, tables, spec) as (running, client, config):
         store = running.proxy.coordinator.store
-        with running.analyst() as client:
-            client.submit(spec, TEST_SIGNING_KEY)
-            wait_until(lambda: len(store.uploads(key)) == 1, "owner-2's upload")
-            config = running.write_owner_config("owner-1")
-            # Owner 1 joins (which fixes the contributors) and its stream breaks after
-            # the first chunk: its node then dies.
-            # Chunks of 7 ciphertexts (before and after the restart): several per upload.
-            monkeypatch.setattr(node_module, "UPLOAD_CHUNK_BYTES", 1024)
-            first = OwnerNode(config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
-            folded = threading.Event()
-            broken = _StreamThatBreaks(owner_grpc.OwnerServiceStub(first._open_channel()), folded)
+        # Owner 1 joins (which fixes the contributors) and its stream breaks after
+        # the first chunk: its node then dies.
+        # Chunks of 7 ciphertexts (before and after the restart): several per upload.
+        monkeypatch.setattr(node_module, "UPLOAD_CHUNK_BYTES", 1024)
+        first = OwnerNode(config, pool=pool, retry=replace(FAST_RETRY, upload_attempts=1))
+        folded = threading.Event()
+        broken = _StreamThatBreaks(owner_grpc.OwnerServiceStub(first._open_channel()), folded)
 
-            def first_chunk_folded() -> bool:
-                mine = [c for c in store.contributors(key) if c.owner_id == "owner-1"]
-                return bool(mine) and mine[0].covered > 0
+        def first_chunk_folded() -> bool:
+            mine = [c for c in store.contributors(key) if c.owner_id == "owner-1"]
+            return bool(mine) and mine[0].covered > 0
 
-            watcher = threading.Thread(
-                target=lambda: (wait_until(first_chunk_folded, "chunk 0"), folded.set()),
-                daemon=True,
-            )
-            watcher.start()
-            due = datetime.now(UTC) + timedelta(seconds=120)
-            assert first.process_task(broken, signed_task(spec, due, "alice")) is None
-            assert store.query(key).state is QueryState.AGGREGATING
-            record = owner_ledger(config).task(key)
-            assert record is not None and record.outcome is TaskOutcome.UPLOADING
+        watcher = threading.Thread(
+            target=lambda: (wait_until(first_chunk_folded, "chunk 0"), folded.set()),
+            daemon=True,
+        )
+        watcher.start()
+        due = datetime.now(UTC) + timedelta(seconds=120)
+        assert first.process_task(broken, signed_task(spec, due, "alice")) is None
+        assert store.query(key).state is QueryState.AGGREGATING
+        record = owner_ledger(config).task(key)
+        assert record is not None and record.outcome is TaskOutcome.UPLOADING
 
-            # The restarted node reports the upload in flight; the proxy sends the task.
-            running.start_owner(config)  # a restart; stopped with the deployment
-            status = client.wait(spec.query_id, timeout=60.0)
+        # The restarted node reports the upload in flight; the proxy sends the task.
+        running.start_owner(config)  # a restart; stopped with the deployment
+        status = client.wait(spec.query_id, timeout=60.0)
         assert status.state is QueryState.DONE and status.owners_contributed == 2
         # The proxy is done once the last chunk is folded; the receipt comes just after.
         final = wait_until(
@@ -233,44 +248,35 @@ def test_a_node_stopped_while_it_encrypts_pauses_its_upload_and_resumes_it(
         go_on.wait(30.0)
         yield from real_stream(*args, **kwargs)
 
-    with deployment(
-        workdir=tmp_path, tables=tables, pool=pool, public_key=public_key, running=("owner-2",)
-    ) as running:
-        assert running.proxy is not None
+    with _owner_2_uploaded(tmp_path, pool, public_key, tables, spec) as (running, client, config):
         store = running.proxy.coordinator.store
-        with running.analyst() as client:
-            client.submit(spec, TEST_SIGNING_KEY)
-            wait_until(lambda: len(store.uploads(key)) == 1, "owner-2's upload")
-            config = running.write_owner_config("owner-1")
-            first = OwnerNode(config, pool=pool, retry=FAST_RETRY)
-            monkeypatch.setattr(
-                task_processing, "encrypt_share_stream", held_before_the_first_batch
-            )
-            stub = owner_grpc.OwnerServiceStub(first._open_channel())
-            due = datetime.now(UTC) + timedelta(seconds=120)
-            outcome: list[Any] = []
-            worker = threading.Thread(
-                target=lambda: outcome.append(
-                    first.process_task(stub, signed_task(spec, due, "alice"))
-                ),
-                daemon=True,
-            )
-            worker.start()
-            assert encrypting.wait(30.0)
-            # The proxy has the header (owner-1 is a contributor); no chunk exists yet.
-            wait_until(
-                lambda: any(c.owner_id == "owner-1" for c in store.contributors(key)),
-                "owner-1's upload header",
-            )
-            first.stop()
-            worker.join(30.0)
-            go_on.set()
-            assert outcome == [None]
-            record = owner_ledger(config).task(key)
-            assert record is not None and record.outcome is TaskOutcome.UPLOADING
-            assert store.query(key).state is QueryState.AGGREGATING
+        first = OwnerNode(config, pool=pool, retry=FAST_RETRY)
+        monkeypatch.setattr(task_processing, "encrypt_share_stream", held_before_the_first_batch)
+        stub = owner_grpc.OwnerServiceStub(first._open_channel())
+        due = datetime.now(UTC) + timedelta(seconds=120)
+        outcome: list[Any] = []
+        worker = threading.Thread(
+            target=lambda: outcome.append(
+                first.process_task(stub, signed_task(spec, due, "alice"))
+            ),
+            daemon=True,
+        )
+        worker.start()
+        assert encrypting.wait(30.0)
+        # The proxy has the header (owner-1 is a contributor); no chunk exists yet.
+        wait_until(
+            lambda: any(c.owner_id == "owner-1" for c in store.contributors(key)),
+            "owner-1's upload header",
+        )
+        first.stop()
+        worker.join(30.0)
+        go_on.set()
+        assert outcome == [None]
+        record = owner_ledger(config).task(key)
+        assert record is not None and record.outcome is TaskOutcome.UPLOADING
+        assert store.query(key).state is QueryState.AGGREGATING
 
-            monkeypatch.setattr(task_processing, "encrypt_share_stream", real_stream)
-            running.start_owner(config)  # the restart; stopped with the deployment
-            status = client.wait(spec.query_id, timeout=60.0)
+        monkeypatch.setattr(task_processing, "encrypt_share_stream", real_stream)
+        running.start_owner(config)  # the restart; stopped with the deployment
+        status = client.wait(spec.query_id, timeout=60.0)
         assert status.state is QueryState.DONE and status.owners_contributed == 2

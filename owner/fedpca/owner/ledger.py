@@ -489,6 +489,7 @@ class BudgetLedger(LedgerTaskReads):
         would then refund what was sent (found by review).
         """
         done = Reentered()
+        seen: set[str] = set()
         with (
             self._connect() as connection,
             _read(connection) if dry_run else _immediate(connection),
@@ -500,7 +501,8 @@ class BudgetLedger(LedgerTaskReads):
                         f"adjacency; this ledger accounts under {self.neighbouring.value}: "
                         "nothing was re-entered"
                     )
-                if event.query_id not in done.entered + done.already_recorded:
+                if event.query_id not in seen:
+                    seen.add(event.query_id)
                     reenter_release(connection, event, digest, done, dry_run=dry_run)
         if not dry_run:
             self._known_changes = -1  # the shares are looked at again

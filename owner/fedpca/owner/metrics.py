@@ -89,6 +89,8 @@ class OwnerMetrics:
 class _NodeCollector(Collector):
     def __init__(self, node: Any) -> None:
         self._node = node
+        # The node's TLS material is read once, at start: its expiry is parsed once too.
+        self._expiry = certificate_expiry("owner", node.tls_material)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         node = self._node
@@ -127,6 +129,6 @@ class _NodeCollector(Collector):
             "The owner's total epsilon (+Inf: unlimited).",
             value=budget.epsilon,
         )
-        if (expiry := certificate_expiry("owner", node.tls_material)) is not None:
-            yield expiry
+        if self._expiry is not None:
+            yield self._expiry
         yield free_space("owner", node.config.owner.state_dir)

@@ -128,7 +128,8 @@ class _StateCollector(Collector):
     ) -> None:
         self._coordinator = coordinator
         self._connected = connected_owners
-        self._tls = tls
+        # The material is read once, at start: its expiry is parsed once too.
+        self._expiry = certificate_expiry("proxy", tls)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         coordinator = self._coordinator
@@ -165,8 +166,8 @@ class _StateCollector(Collector):
             "Seconds since the oldest query not yet done or failed was created (0: none).",
             value=0.0 if oldest is None else max(0.0, coordinator.clock() - oldest),
         )
-        if (expiry := certificate_expiry("proxy", self._tls)) is not None:
-            yield expiry
+        if self._expiry is not None:
+            yield self._expiry
         yield free_space("proxy", coordinator.store.path.parent)
         spent = GaugeMetricFamily(
             "fedpca_proxy_analyst_epsilon_spent",
