@@ -242,6 +242,8 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.listed: list[QuerySummary] = []
         """Queries ListQueries reports after the submitted ones."""
         self.status_charge = (QueryState.DONE, Charge.CHARGED)
+        # False: a proxy older than ListQueriesRequest.query_id, which lists every query.
+        self.honours_query_filter = True
         """The state and charge GetQueryStatus reports."""
         self.result_deleted_at: datetime | None = None
         self.slow_submits = 0
@@ -266,6 +268,9 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
 
     def ListQueries(self, request: Any, context: Any) -> Any:
         limit = serde.list_queries_request_from_proto(request) or 50
+        only = serde.listed_query_from_proto(request) if self.honours_query_filter else None
+        if only is not None and only not in self.specs:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown query {only!r}")
         summaries = [
             QuerySummary(
                 status=QueryStatus(
@@ -283,8 +288,9 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
                 created_at=datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC),
             )
             for query_id, spec in list(self.specs.items())[::-1][:limit]
+            if only in (None, query_id)
         ]
-        return serde.query_list_to_proto(summaries + self.listed)
+        return serde.query_list_to_proto(summaries + ([] if only else self.listed))
 
     def CancelQuery(self, request: Any, context: Any) -> Any:
         query_id = serde.query_ref_from_proto(request)
@@ -876,6 +882,10 @@ def test_cli_list_status_cancel_and_fetch(
     status = runner.invoke(analyst_group, ["status", query_id, *connection])
     assert status.exit_code == 0, status.output
     assert f"query:       {query_id}" in status.stdout
+    # What the query states, as `list` shows it (review: `status` left it out).
+    assert "kind:        pca/stats\n" in status.stdout
+    assert "privacy:     NOT PRIVATE (epsilon = inf)\n" in status.stdout
+    assert "created:     2030-01-02 03:04:05 UTC\n" in status.stdout
     assert "quorum 1 of 2 registered" in status.stdout
     assert "declined:    owner-2: policy_refusal: epsilon 9 > 1" in status.stdout
     assert "charge:      charged\n" in status.stdout
@@ -1275,3 +1285,24 @@ def test_a_bad_delta_is_a_usage_error_as_a_bad_epsilon_is(
     result = CliRunner().invoke(analyst_group, args)
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--delta'" in result.output
+
+
+@pytest.mark.parametrize("honours_filter", [True, False], ids=["proxy", "older-proxy"])
+def test_status_names_the_querys_kind_and_privacy_parameters(
+    proxy: tuple[FakeProxy, str], honours_filter: bool
+) -> None:
+    """`status ID` says what the query asked for, also from a proxy that ignores the
+    listing's query filter (it lists every query, and the client keeps the one)."""
+    fake, address = proxy
+    fake.honours_query_filter = honours_filter
+    fake.specs["other"] = _spec(fake.public_key, "other")
+    fake.specs["q-1"] = dataclasses.replace(_spec(fake.public_key, "q-1"), epsilon=0.25, delta=1e-7)
+    result = CliRunner().invoke(analyst_group, ["status", "q-1", "--proxy", address, "--insecure"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[:4] == [
+        "query:       q-1",
+        "kind:        pca/stats",
+        "privacy:     epsilon 0.25, delta 1e-07",
+        "created:     2030-01-02 03:04:05 UTC",
+    ]

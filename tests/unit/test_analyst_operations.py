@@ -126,6 +126,13 @@ def test_describe_list_and_cancel(
             assert bob.list_queries() == []
             with pytest.raises(NotFoundError):
                 bob.cancel("begun")
+            # One query by id (what `analyst status` prints beside the status): the
+            # caller's own only; another analyst's is as unknown as a made-up id.
+            (one,) = alice.list_queries(query_id="begun")
+            assert one == listed[1]
+            for caller, query in ((bob, "begun"), (alice, "no-such-query")):
+                with pytest.raises(NotFoundError):
+                    caller.list_queries(query_id=query)
 
 
 def test_a_query_for_exactly_the_remaining_budget_is_accepted(

@@ -520,13 +520,19 @@ class AnalystClient:
         )
         return serde.deployment_info_from_proto(message)
 
-    def list_queries(self, limit: int = 0) -> list[QuerySummary]:
-        """This analyst's queries, newest first (``limit`` 0: the proxy's default)."""
-        request = serde.list_queries_request_to_proto(limit)
+    def list_queries(self, limit: int = 0, query_id: str | None = None) -> list[QuerySummary]:
+        """This analyst's queries, newest first (``limit`` 0: the proxy's default), or
+        only its query ``query_id`` (NotFoundError unless it is one of them; empty if
+        the proxy cannot read the query's statement, or is older and did not list it)."""
+        request = serde.list_queries_request_to_proto(limit, query_id)
         message = self._unary(
             "list queries", lambda: self._stub.ListQueries(request, timeout=self.timeout)
         )
-        return serde.query_list_from_proto(message)
+        listed = serde.query_list_from_proto(message)
+        if query_id is None:
+            return listed
+        # A proxy older than the filter lists every query: keep the one asked for.
+        return [item for item in listed if item.status.query_id == query_id]
 
     def cancel(self, query_id: str) -> CancelReceipt:
         """Cancel a query that is still collecting uploads (it fails; see CancelReceipt).

@@ -13,6 +13,7 @@ its connection options, so that both share one definition of how to reach the pr
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,10 +30,22 @@ from fedpca.messages import Charge, QueryState, QueryStatus, QuerySummary
 __all__ = ["register"]
 
 
-def _status_lines(status: QueryStatus) -> list[str]:
+def _status_lines(status: QueryStatus, summary: QuerySummary | None = None) -> list[str]:
     registered = status.owners_registered or "?"
-    lines = [
-        f"query:       {status.query_id}",
+    lines = [f"query:       {status.query_id}"]
+    if summary is not None:
+        privacy = (
+            "NOT PRIVATE (epsilon = inf)"
+            if math.isinf(summary.epsilon)
+            else f"epsilon {summary.epsilon:g}, delta {summary.delta:g}"
+        )
+        created = summary.created_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+        lines += [
+            f"kind:        {kind_cell(summary)}",
+            f"privacy:     {privacy}",
+            f"created:     {created}",
+        ]
+    lines += [
         f"state:       {status.state.value}",
         f"owners:      {status.owners_contributed} contributed, {status.owners_uploading} "
         f"uploading, {status.owners_declined} declined; quorum {status.quorum} of "
@@ -192,10 +205,14 @@ def register(
     @click.argument("query_id")
     @connection_options
     def status_command(query_id: str, **params: Any) -> None:
-        """Show one query's state, owners, declines, failure reason and charge."""
+        """Show one query's kind, privacy parameters, creation time, state, owners,
+        declines, failure reason and charge."""
         with errors(), client(params) as (opened, _):
             status = opened.status(query_id)
-        for line in _status_lines(status):
+            # What the query states, as `list` shows it (absent if the proxy cannot
+            # read the query's statement any more: the status still prints).
+            listed = opened.list_queries(query_id=query_id)
+        for line in _status_lines(status, listed[0] if listed else None):
             click.echo(line)
 
     @group.command("cancel")

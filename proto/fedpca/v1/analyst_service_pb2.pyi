@@ -247,10 +247,12 @@ class DeploymentInfo(_message.Message):
     def __init__(self, proxy_id: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., owners_registered: _Optional[int] = ..., owners_connected: _Optional[int] = ..., neighbouring: _Optional[_Union[_query_pb2.Neighbouring, str]] = ..., max_delta_per_query: _Optional[float] = ..., accountant: _Optional[str] = ..., analyst_id: _Optional[str] = ..., budget_epsilon: _Optional[float] = ..., budget_delta: _Optional[float] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ListQueriesRequest(_message.Message):
-    __slots__ = ("limit",)
+    __slots__ = ("limit", "query_id")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     limit: int
-    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+    query_id: str
+    def __init__(self, limit: _Optional[int] = ..., query_id: _Optional[str] = ...) -> None: ...
 
 class QuerySummary(_message.Message):
     __slots__ = ("status", "kind", "mode", "epsilon", "delta", "created_at", "aggregates")

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from fedpca.errors import ConfigError
 from fedpca.messages import PROTOCOL_VERSION, DeploymentInfo, QuerySummary
-from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.query_records import spec_from_dict
 from fedpca.version import __version__
 
@@ -54,23 +54,32 @@ def describe_deployment(
 
 
 def list_queries(
-    coordinator: Coordinator, analyst_id: str, limit: int | None = None
+    coordinator: Coordinator,
+    analyst_id: str,
+    limit: int | None = None,
+    query_id: str | None = None,
 ) -> list[QuerySummary]:
-    """The analyst's newest queries (``limit``, default :data:`DEFAULT_LISTED_QUERIES`)."""
-    records = coordinator.store.analyst_queries(analyst_id, limit or DEFAULT_LISTED_QUERIES)
+    """The analyst's newest queries (``limit``, default :data:`DEFAULT_LISTED_QUERIES`),
+    or only its query ``query_id`` (NotFoundError unless the analyst has it).
+
+    A stored query this version cannot read (it failed at start, saying so) is left
+    out: ``status ID`` shows it, and the list of every other query still works.
+    """
+    if query_id is not None:
+        records = [coordinator.store.query(task_id(analyst_id, query_id))]
+    else:
+        records = coordinator.store.analyst_queries(analyst_id, limit or DEFAULT_LISTED_QUERIES)
     summaries = []
     prefix = f"{analyst_id}/"
     for record in records:
         try:
             spec = spec_from_dict(record.spec)
         except ConfigError:
-            # A stored query this version cannot read (failed at start, saying so):
-            # `status ID` shows it; the list of every other query still works.
             continue
-        query_id = record.query_id.removeprefix(prefix)
+        listed_id = record.query_id.removeprefix(prefix)
         summaries.append(
             QuerySummary(
-                status=coordinator.status(analyst_id, query_id),
+                status=coordinator.status(analyst_id, listed_id),
                 kind=spec.kind,
                 mode=spec.mode,
                 epsilon=spec.epsilon,

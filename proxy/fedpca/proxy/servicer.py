@@ -458,8 +458,9 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
         analyst = self._caller(context, Role.ANALYST)
         with self._call_slot(analyst):
             limit = serde.list_queries_request_from_proto(request)
+            only = serde.listed_query_from_proto(request)
             queries = await self.work.run(
-                catalog.list_queries, self.coordinator, analyst.node_id, limit
+                catalog.list_queries, self.coordinator, analyst.node_id, limit, only
             )
             return serde.query_list_to_proto(queries)
 

@@ -477,9 +477,11 @@ def deployment_info_from_proto(message: analyst_pb.DeploymentInfo) -> Deployment
     )
 
 
-def list_queries_request_to_proto(limit: int = 0) -> analyst_pb.ListQueriesRequest:
+def list_queries_request_to_proto(
+    limit: int = 0, query_id: str | None = None
+) -> analyst_pb.ListQueriesRequest:
     message = analyst_pb.ListQueriesRequest()
-    set_scalars(message, "ListQueriesRequest", limit=limit)
+    set_scalars(message, "ListQueriesRequest", limit=limit, query_id=query_id or "")
     return message
 
 
@@ -488,6 +490,13 @@ def list_queries_request_from_proto(message: analyst_pb.ListQueriesRequest) -> i
     if message.limit == 0:
         return None
     return min(message.limit, MAX_LISTED_QUERIES)
+
+
+def listed_query_from_proto(message: analyst_pb.ListQueriesRequest) -> str | None:
+    """The one query asked for (ProtocolError unless a valid query id); None: every one."""
+    if not message.query_id:
+        return None
+    return require_query_id(message.query_id, "ListQueriesRequest.query_id")
 
 
 def query_list_to_proto(queries: Iterable[QuerySummary]) -> analyst_pb.QueryList:
