@@ -7,6 +7,7 @@ key decrypts into exact per-owner statistics) in a file readable by every user."
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import stat
 from pathlib import Path
@@ -14,10 +15,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from fedpca.codec import CryptoPool
 from fedpca.errors import ConfigError
 from fedpca.proxy.backup import backup_database
 from fedpca.proxy.cli import proxy_group
+from fedpca.proxy.config import load_config
+from fedpca.proxy.server import ProxyServer
 from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_database import restore_pending_since
 
 
 def _database(tmp_path: Path) -> Path:
@@ -116,3 +121,56 @@ def test_the_proxy_database_is_readable_by_its_user_only(tmp_path: Path) -> None
     assert not wal.exists() or stat.S_IMODE(wal.stat().st_mode) == 0o600
     reader = ProxyStore(path, read_only=True)  # a reader changes nothing, mode included
     reader.close()
+
+
+def test_a_restored_backup_is_served_only_after_its_releases_are_reentered(
+    tmp_path: Path, pool: CryptoPool
+) -> None:
+    """Review: a backup put back in place was served at once, so an operator who started
+    the proxy before `import-releases` let the analysts spend the forgotten releases
+    again (docs only said to import first). A copy by `proxy backup` is marked; the
+    proxy refuses to serve it until an import has run, and the source is unmarked."""
+    path = _database(tmp_path)
+    restored = tmp_path / "restored" / "proxy.sqlite3"
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        f'[proxy]\nid = "proxy"\nlisten = "127.0.0.1:0"\ndatabase = "{restored}"\n'
+        '[owners]\nallowed = ["owner-1"]\n[tls]\ninsecure = true\n'
+    )
+    backup_database(path, restored)
+    assert _restore_pending(path) is None  # the serving proxy's own database
+    taken = _restore_pending(restored)
+    assert taken is not None
+
+    proxy_config = load_config(config)
+    refusal = rf"is a backup taken on {re.escape(taken)} .*import-releases"
+    with pytest.raises(ConfigError, match=refusal):
+        ProxyServer(proxy_config, pool=pool).start()
+
+    runner = CliRunner()
+    arguments = ["import-releases", "--config", str(config)]
+    neither = runner.invoke(proxy_group, arguments)
+    assert neither.exit_code == 2 and "--no-owner-exports" in neither.output
+    dry = runner.invoke(proxy_group, [*arguments, "--dry-run", "--no-owner-exports"])
+    assert dry.exit_code == 0, dry.output
+    assert f"would then serve this database (a backup taken on {taken})" in dry.output
+    assert _restore_pending(restored) == taken  # a dry run changes nothing
+
+    imported = runner.invoke(proxy_group, [*arguments, "--no-owner-exports"])
+    assert imported.exit_code == 0, imported.output
+    assert "will now serve this database" in imported.output
+    assert _restore_pending(restored) is None
+    server = ProxyServer(proxy_config, pool=pool)
+    server.start()
+    try:
+        assert [q.query_id for q in server.coordinator.store.queries()] == ["alice/q1"]
+    finally:
+        server.stop(grace=1.0)
+
+
+def _restore_pending(path: Path) -> str | None:
+    raw = sqlite3.connect(path)
+    try:
+        return restore_pending_since(raw)
+    finally:
+        raw.close()

@@ -9,6 +9,12 @@ snapshot is made with SQLite's backup API (safe beside the serving proxy and its
 checked, and kept only if it holds no staged chunk and no aggregate page; otherwise it
 is discarded and taken again until ``wait_seconds`` have passed. The file is written
 0600 under a hidden name and renamed into place once flushed.
+
+The copy is marked as a backup (:func:`~fedpca.proxy.store_database.mark_restore_pending`):
+put back in place, it forgets the releases made since it was taken, so the proxy
+refuses to serve it until ``fedpca proxy import-releases`` has re-entered them from
+the owners' ledgers (an operator could otherwise start it first and let the analysts
+spend those releases again).
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fedpca.errors import ConfigError
 from fedpca.files import database_missing, holds_database, sync_folder
+from fedpca.proxy.store_database import mark_restore_pending
 
 __all__ = ["BACKUP_MODE", "BackupReport", "backup_database"]
 
@@ -90,6 +98,7 @@ def backup_database(
                     source.backup(copy)
                     held = _unnoised(copy)
                     queries = int(copy.execute("SELECT COUNT(*) FROM queries").fetchone()[0])
+                    mark_restore_pending(copy, datetime.now(UTC))
                 finally:
                     copy.close()
                 if not held:

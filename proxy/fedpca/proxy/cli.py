@@ -204,17 +204,24 @@ def status_command(config_path: Path) -> None:
 @proxy_group.command("import-releases")
 @_config_option("The proxy's TOML configuration (for the database path and relation).")
 @click.option("--dry-run", is_flag=True, help="Say what would be charged; change nothing.")
-@click.argument(
-    "exports", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path)
+@click.option(
+    "--no-owner-exports",
+    is_flag=True,
+    help="Import nothing, only let the proxy serve the restored backup: only when no "
+    "owner answered a query since the backup was taken.",
 )
-def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Path, ...]) -> None:
+@click.argument("exports", nargs=-1, type=click.Path(dir_okay=False, exists=True, path_type=Path))
+def import_releases_command(
+    config_path: Path, dry_run: bool, no_owner_exports: bool, exports: tuple[Path, ...]
+) -> None:
     """After restoring the database from a backup: charge the releases it forgot.
 
     EXPORTS are the owners' `fedpca owner budget --json` files. Every release of a
     query this database does not know is charged to its analyst, once; a query an
     owner began an upload of keeps its charge for good (charged again if refunded here,
     never refunded if still running). Run it with the proxy stopped, right after putting
-    the backup in place (docs/operations.md, "Backup and restore").
+    the backup in place (docs/operations.md, "Backup and restore"). The proxy refuses
+    to serve a copy written by `fedpca proxy backup` until this command has run on it.
     """
     import json
 
@@ -223,6 +230,11 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
     from fedpca.proxy.store_database import scratch_copy, use_database
     from fedpca.release_exports import charged_lines, read_owner_releases
 
+    if bool(exports) == no_owner_exports:
+        raise click.UsageError(
+            "name every owner's `fedpca owner budget --json` export, or pass "
+            "--no-owner-exports (only if no owner answered a query since the backup)"
+        )
     try:
         config = _load(config_path)
         database = config.proxy.database
@@ -277,6 +289,9 @@ def import_releases_command(config_path: Path, dry_run: bool, exports: tuple[Pat
         f"{len(report.already_recorded)} already recorded; {len(report.refunded)} of "
         "queries this database refunded with no upload begun, not charged"
     )
+    if report.backup_taken_at is not None:
+        may = "would then serve" if dry_run else "will now serve"
+        click.echo(f"the proxy {may} this database (a backup taken on {report.backup_taken_at})")
 
 
 @proxy_group.command("export-releases")

@@ -24,6 +24,9 @@ export is missing can leave a release uncharged: import every owner's.
 
 Where owners' records of one query differ, the one with the smallest noise multiplier
 (the largest cost) is charged.
+
+A copy written by ``fedpca proxy backup`` is marked as such; the proxy refuses to
+serve it until an import (not a dry run) has run on it, which removes the mark.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import ConfigError
 from fedpca.proxy.store import ProxyStore
+from fedpca.proxy.store_database import clear_restore_pending, restore_pending_since
 from fedpca.query import Neighbouring
 from fedpca.release_exports import OwnerRelease
 from fedpca.transport.certs import validate_node_id
@@ -60,6 +64,10 @@ class ImportReport:
     began: charged again."""
     disagreements: list[str] = field(default_factory=list)
     """Query ids the owners recorded with different noise multipliers."""
+    backup_taken_at: str | None = None
+    """When the backup the database was restored from was taken (``fedpca proxy
+    backup`` marks its copies), None if not marked; the proxy serves the database once
+    the import has run (not a dry run)."""
 
 
 def _analyst_of(query_id: str) -> str:
@@ -132,6 +140,9 @@ def import_releases(
         charged[query_id] = replace(event, analyst=_analyst_of(query_id))
     report = ImportReport(disagreements=differing)
     with store.transaction() as conn:
+        report.backup_taken_at = restore_pending_since(conn)
+        if not dry_run:
+            clear_restore_pending(conn)
         for query_id, event in sorted(charged.items(), key=lambda item: item[1].timestamp):
             known = store.query_progress(conn, query_id)
             if store.release_recorded(conn, query_id):

@@ -149,6 +149,16 @@ class ProxyServer:
             self._store = ProxyStore(
                 config.proxy.database, neighbouring=config.privacy.neighbouring
             )
+            taken = self._store.restore_pending_since()
+            if taken is not None:
+                raise ConfigError(
+                    f"{config.proxy.database} is a backup taken on {taken} by `fedpca proxy "
+                    "backup`: it forgets the releases made since, which the analysts could "
+                    "spend again. Re-enter them from every owner's ledger first: `fedpca "
+                    "proxy import-releases --config PROXY.toml OWNER-EXPORTS...` (with "
+                    "--no-owner-exports if no owner answered a query since the backup; "
+                    "docs/operations.md, Backup and restore)"
+                )
             self._pool = self._external_pool or CryptoPool(config.crypto.pool_processes)
             self._pool.start()
             if self._noise_sampler is None:

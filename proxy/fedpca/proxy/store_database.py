@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,12 @@ from fedpca.query import Neighbouring
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "RESTORE_PENDING_KEY",
     "StoreDatabase",
+    "clear_restore_pending",
+    "mark_restore_pending",
     "refuse_where_a_proxy_ran",
+    "restore_pending_since",
     "scratch_copy",
     "storage_unavailable",
     "use_database",
@@ -53,6 +58,34 @@ def _lock_path(database: Path) -> Path:
     a link to a served database ran beside the first: review)."""
     real = database.resolve()
     return real.with_name(real.name + ".lock")
+
+
+RESTORE_PENDING_KEY = "restore_pending_since"
+"""``meta`` key of a copy written by ``fedpca proxy backup``: when it was taken (ISO
+8601, UTC). Present, the proxy refuses to serve the database; ``fedpca proxy
+import-releases`` removes it."""
+
+
+def mark_restore_pending(conn: sqlite3.Connection, taken_at: datetime) -> None:
+    """Mark the database of ``conn`` (a backup copy) as not to be served before the
+    releases since ``taken_at`` are re-entered, and commit."""
+    conn.execute(
+        "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+        (RESTORE_PENDING_KEY, taken_at.isoformat(timespec="seconds")),
+    )
+    conn.commit()
+
+
+def restore_pending_since(conn: sqlite3.Connection) -> str | None:
+    """When the backup this database was restored from was taken, while the releases
+    made since are not re-entered (None: the database may be served)."""
+    row = conn.execute("SELECT value FROM meta WHERE key=?", (RESTORE_PENDING_KEY,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def clear_restore_pending(conn: sqlite3.Connection) -> None:
+    """The releases since the backup are re-entered: the database may be served."""
+    conn.execute("DELETE FROM meta WHERE key=?", (RESTORE_PENDING_KEY,))
 
 
 def refuse_where_a_proxy_ran(database: Path) -> None:
@@ -324,6 +357,12 @@ class StoreDatabase:
                 return
         with self.transaction() as conn:
             conn.execute("INSERT INTO meta(key, value) VALUES ('free_pages_scrubbed', '1')")
+
+    def restore_pending_since(self) -> str | None:
+        """When the backup this database was restored from was taken, while the
+        releases since are not re-entered (None: it may be served)."""
+        with self._lock:
+            return restore_pending_since(self._conn)
 
     def truncate_wal(self) -> None:
         """Checkpoint the write-ahead log into the database and truncate it to zero
