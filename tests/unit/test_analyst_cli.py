@@ -969,6 +969,28 @@ def test_cli_list_status_cancel_and_fetch(
     assert again["query_id"] == query_id
     assert again["components"] == json.loads((tmp_path / "a.json").read_text())["components"]
     assert set(again["timings"]) == {"fetch", "decrypt", "solve"}
+    # Fewer components from the same release: post-processing, nothing submitted.
+    fewer = tmp_path / "again" / "fewer.json"
+    submitted = list(fake.submitted_ids)
+    one = runner.invoke(
+        analyst_group,
+        [
+            "fetch",
+            query_id,
+            *connection,
+            "--key-dir",
+            str(analyst_key),
+            "--out",
+            str(fewer),
+            "--n-components",
+            "1",
+        ],
+    )
+    assert one.exit_code == 0, one.output
+    np.testing.assert_allclose(
+        json.loads(fewer.read_text())["components"], again["components"][:1], atol=1e-12
+    )
+    assert fake.submitted_ids == submitted
     # A result under another key is refused at its header, before any page is kept
     # (fetch once held every page a proxy declared, then failed at decryption).
     fake.foreign_key, _ = generate_keypair(512, allow_insecure_test_key=True)

@@ -287,6 +287,24 @@ def test_from_result_sets_learned_attributes_and_transforms() -> None:
         estimator.transform(rows[:, :3])
     with pytest.raises(ConfigError, match="fixed by the release"):
         FederatedPCA.from_result(release_for(), epsilon=1.0)
+
+
+def test_from_result_takes_any_number_of_components_of_the_release() -> None:
+    """Found in review: the components kept were fixed by the query (n_components was
+    refused as "fixed by the release"), though choosing them is post-processing of
+    the one release: the analyst had to ask, and pay, again for another number."""
+    release = release_for(n_components=4)
+    every = FederatedPCA.from_result(release)
+    two = FederatedPCA.from_result(release, n_components=2)
+    assert two.n_components_ == 2 and two.components_.shape == (2, 4)
+    np.testing.assert_allclose(two.components_, every.components_[:2])
+    np.testing.assert_allclose(two.explained_variance_, every.explained_variance_[:2])
+    assert (
+        FederatedPCA.from_result(release_for(n_components=1), n_components=None).n_components_ == 4
+    )
+    for wrong in (0, 5, 2.5, True):
+        with pytest.raises(ConfigError, match="n_components must be"):
+            FederatedPCA.from_result(release, n_components=wrong)
     with pytest.raises(ConfigError, match="needs a dca release"):
         FederatedDCA.from_result(release_for())
 

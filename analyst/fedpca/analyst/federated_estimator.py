@@ -253,8 +253,10 @@ class FederatedEstimator(SklearnParams):
             ``n_owners_registered_`` and the warning when fewer contributed).
         timings : phase -> seconds already spent (e.g. "fetch", "decrypt").
         **params : constructor parameters beyond those the query fixes
-            (e.g. ``rho`` for DCA, ``proxy``); query parameters are taken from
-            the release and may not be overridden.
+            (e.g. ``rho`` for DCA, ``proxy``), and ``n_components``: how many
+            components to take from the release (default the query's; any number is
+            post-processing of the one release, charged nothing more). Other query
+            parameters are taken from the release and may not be overridden.
         """
         if release.kind is not cls._kind:
             raise ConfigError(
@@ -283,10 +285,15 @@ class FederatedEstimator(SklearnParams):
             "noise_weights": query.noise_weights or None,
             **cls._params_from_query(query),
         }
-        clash = sorted(set(params) & set(from_query))
+        clash = sorted(set(params) & set(from_query) - {"n_components"})
         if clash:
             raise ConfigError(f"{clash} are fixed by the release's query")
-        estimator = cls(**from_query, **params)
+        if "n_components" in params:
+            params = {
+                **params,
+                "n_components": check_n_components(params["n_components"], query.n_features),
+            }
+        estimator = cls(**{**from_query, **params})
         estimator._fit_release(release, timings or {}, owners_registered=owners_registered)
         return estimator
 

@@ -241,6 +241,12 @@ def register(
     @result_out_option("result.json to write (plots go next to it).")
     @click.option("--workers", type=click.IntRange(min=1), help="Decryption processes.")
     @click.option(
+        "--n-components",
+        type=click.IntRange(min=1),
+        help="pca/dca: components to take from the release (default the query's; any "
+        "number up to the features, charged nothing more).",
+    )
+    @click.option(
         "--ddof",
         type=click.IntRange(min=0),
         help="stats: divide variances by N - DDOF, as the query's own --ddof (default 0).",
@@ -254,6 +260,7 @@ def register(
         key_dir: Path | None,
         out: Path,
         workers: int | None,
+        n_components: int | None,
         ddof: int | None,
         no_clip: bool,
         no_clamp: bool,
@@ -317,16 +324,19 @@ def register(
                 release = decrypt_result(fetched.result, private_key, pool=pool)
             timings = {"fetch": fetch_seconds, "decrypt": time.perf_counter() - started}
             if release.kind is QueryKind.AGGREGATE:
+                if n_components is not None:
+                    raise ConfigError(f"--n-components: query {query_id} has no components")
                 _write_aggregates(release, registered, timings, out, post_processing)
                 return
+            chosen = {} if n_components is None else {"n_components": n_components}
             estimator: FederatedPCA | FederatedDCA
             if release.kind is QueryKind.PCA:
                 estimator = FederatedPCA.from_result(
-                    release, owners_registered=registered, timings=timings
+                    release, owners_registered=registered, timings=timings, **chosen
                 )
             elif release.kind is QueryKind.DCA:
                 estimator = FederatedDCA.from_result(
-                    release, owners_registered=registered, timings=timings
+                    release, owners_registered=registered, timings=timings, **chosen
                 )
             else:
                 raise ConfigError(f"fetch cannot report {release.kind.value} queries")
