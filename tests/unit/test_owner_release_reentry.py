@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 from test_proxy_cli import write_config
 from test_proxy_coordinator import (
+    Clock,
     finish_with_owners,
     key,
     make_config,
@@ -36,6 +38,7 @@ from fedpca.owner.cli import owner_group
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy.cli import proxy_group
+from fedpca.query import spec_digest
 from fedpca.query_records import spec_from_dict, spec_to_dict
 from fedpca.release_exports import read_contributed_releases
 from helpers import SECOND_TEST_SIGNER, TEST_SIGNER, dataset_table, signed
@@ -55,12 +58,18 @@ def deployment(tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any) -> 
     owner-0 ledger backed up after q1: it holds q1 only."""
     public_key, _ = test_only_keypair_512
     (tmp_path / "state").mkdir()
-    coordinator = make_coordinator(tmp_path / "state", pool, make_config(10.0))
+    clock = Clock()
+    clock.now = time.time()  # the proxy checks the signing time against the real one
+    coordinator = make_coordinator(tmp_path / "state", pool, make_config(10.0), clock=clock)
     features = dataset_table("ionosphere")[:, 1:]
     owners = owners_for([features[0:120], features[120:240], features[240:]])
     runs = {"q1": (1.0, owners), "q2": (0.5, owners[:2]), "q3": (0.7, owners[1:])}
+    digests: dict[str, str] = {}
     for query_id, (epsilon, joined) in runs.items():
         spec = make_spec(public_key, query_id, epsilon=epsilon, delta=1e-6, quorum=len(joined))
+        # Signed by the analyst at the proxy's time: uploads join within the query's life.
+        spec = dataclasses.replace(spec, issued_at=clock.now)
+        digests[query_id] = spec_digest(spec)
         coordinator.submit("alice", signed(spec))
         finish_with_owners(coordinator, pool, public_key, joined, query_id)
     charged = {q: _charged_by_proxy(coordinator.store, key(q)) for q in runs}
@@ -77,7 +86,7 @@ def deployment(tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any) -> 
     ledger = BudgetLedger(tmp_path / "owner-0" / "state" / "ledger.sqlite3")
     # What the node recorded when it answered q1: the release, under the analyst's key.
     q1 = PrivacyEvent.from_dict({**charged["q1"].to_dict(), "analyst": key_fingerprint(public_key)})
-    ledger.reserve(q1, BUDGET)
+    ledger.reserve(q1, BUDGET, spec_digest=digests["q1"])
     ledger.record_task(q1.query_id, TaskOutcome.UPLOADED)
     return {
         "coordinator": coordinator,
@@ -190,6 +199,64 @@ def test_a_query_signed_by_a_key_this_owner_does_not_accept_is_listed_not_charge
     result = _import(deployment, _export(deployment))
     assert result.exit_code == 0, result.output
     assert f"not charged  {key('q2')}  signed by {TEST_SIGNER}, not in" in result.output
+    # q1, which the ledger holds, stays charged and is not said to be "not charged".
+    assert f"not charged  {key('q1')}" not in result.output
+    assert "1 already recorded" in result.output
+    assert [e.event.query_id for e in deployment["ledger"].events()] == [key("q1")]
+
+
+def test_a_release_held_as_reserved_is_made_final_even_if_its_signer_was_rotated(
+    deployment: dict[str, Any],
+) -> None:
+    """Review: the backup held q2 as reserved, then the operator rotated the query
+    signer (routine). The import skipped q2 as "not charged" and left it reserved, so
+    the next withdrawal refunded a release the proxy had folded."""
+    ledger: BudgetLedger = deployment["ledger"]
+    q2 = PrivacyEvent.from_dict(
+        {**deployment["charged"]["q2"].to_dict(), "analyst": deployment["fingerprint"]}
+    )
+    ledger.reserve(q2, BUDGET)
+    config: Path = deployment["owner_config"]
+    config.write_text(config.read_text().replace(TEST_SIGNER, SECOND_TEST_SIGNER))
+    result = _import(deployment, _export(deployment))
+    assert result.exit_code == 0, result.output
+    assert f"made final {key('q2')}" in result.output and "not charged  " not in result.output
+    assert not ledger.end_task(key("q2"), TaskOutcome.CANCELLED)  # nothing refunded
+    assert [e.event.query_id for e in ledger.events()] == [key("q1"), key("q2")]
+
+
+def test_one_query_is_charged_once_whatever_its_task_ids(deployment: dict[str, Any]) -> None:
+    """Review: a proxy listed q2 again under p0/q2 ... p299/q2; each was charged, and one
+    signed query drained the owner's budget (ε 10.8 of 10). A node answers a signed
+    query once whatever its task id: the import refuses such an export, and one that
+    lists under a new id a query the ledger holds under another."""
+    export = _export(deployment)
+    document = json.loads(export.read_text())
+    q1, q2 = document["releases"]
+    for copies, why in (
+        ([q2, {**q2, "task": "p0/q2"}], f"one query under tasks '{key('q2')}' and 'p0/q2'"),
+        ([{**q1, "task": "p0/q1"}], f"is the query this ledger holds as '{key('q1')}'"),
+    ):
+        export.write_text(json.dumps({**document, "releases": copies}))
+        result = _import(deployment, export)
+        assert result.exit_code == 1, result.output
+        assert why in result.output and "nothing was re-entered" in result.output
+        assert [e.event.query_id for e in deployment["ledger"].events()] == [key("q1")]
+
+
+def test_a_task_id_that_names_no_analyst_is_refused_and_printed_escaped(
+    deployment: dict[str, Any],
+) -> None:
+    """Review: the analyst part of a task id was never checked, so terminal control
+    sequences reached the ledger and the operator's screen."""
+    export = _export(deployment)
+    document = json.loads(export.read_text())
+    document["releases"][1]["task"] = "\x1b[2K\r\x1b[1Ax/q2"
+    export.write_text(json.dumps(document))
+    result = _import(deployment, export)
+    assert result.exit_code == 1, result.output
+    assert "is not the proxy's key of query 'q2'" in result.output
+    assert "\x1b" not in result.output and "\r" not in result.output
     assert [e.event.query_id for e in deployment["ledger"].events()] == [key("q1")]
 
 
@@ -208,7 +275,7 @@ def test_a_release_of_another_relation_is_refused_by_the_ledger(tmp_path: Path) 
         "alice/q", "sha256:" + "ab" * 32, 2.0, 1.0, 1e-6, neighbouring=Neighbouring.REPLACE_ONE
     )
     with pytest.raises(ConfigError, match=r"replace-one adjacency.*nothing was re-entered"):
-        ledger.reenter([(event, "sha256:x")])
+        ledger.reenter([(event, "sha256:x", True)])
     assert ledger.events() == []
 
 
@@ -269,7 +336,10 @@ def test_two_queries_under_one_task_id_fail_the_import(deployment: dict[str, Any
     ("field", "value", "message"),
     [
         ("joined_at", 10**400, "release 1: int too large"),
-        ("joined_at", 4e9, "joined in the future"),
+        ("joined_at", 4e9, "outside the time from the query's signing to its deadline"),
+        # Review: a join long past counted towards no day's policy.max_tasks_per_day.
+        ("joined_at", -1e15, "outside the time from the query's signing to its deadline"),
+        ("joined_at", "signed-1h", "outside the time from the query's signing to its deadline"),
         ("epsilon", 10**400, "release 1: stored query cannot be read back"),
     ],
 )
@@ -280,6 +350,9 @@ def test_out_of_range_numbers_are_named_not_a_traceback(
     document = json.loads(export.read_text())
     if field == "epsilon":
         document["releases"][1]["query"]["epsilon"] = value
+    elif value == "signed-1h":
+        signed_at = spec_from_dict(document["releases"][1]["query"]).issued_at
+        document["releases"][1][field] = signed_at - 3600
     else:
         document["releases"][1][field] = value
     export.write_text(json.dumps(document))

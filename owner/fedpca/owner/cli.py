@@ -27,7 +27,7 @@ from fedpca.allocator import map_large_blocks
 from fedpca.budget_options import budget_delta_options
 from fedpca.errors import ConfigError, DataError, KeyFileError
 from fedpca.files import database_missing, holds_database
-from fedpca.formatting import distinct
+from fedpca.formatting import distinct, printable
 from fedpca.logs import configure_logging
 from fedpca.owner.config import OwnerConfig, load_config
 from fedpca.owner.init import init_command
@@ -358,7 +358,10 @@ def import_releases_command(config_path: Path, dry_run: bool, export: Path) -> N
     for task_id in report.kept_charged:
         click.echo(f"{final} {task_id}  (held as not begun; the proxy holds its upload)")
     for task_id, why in report.refused:
-        click.echo(f"not charged  {task_id}  {why} (this node would not have answered it)")
+        # ``why`` quotes the export's signer: the proxy's text, shown in a terminal.
+        click.echo(
+            f"not charged  {task_id}  {printable(why)} (this node would not have answered it)"
+        )
     click.echo(
         f"{len(report.entered)} release(s) {verb}; {len(report.already_recorded)} already "
         f"recorded ({len(report.kept_charged)} {final}); {len(report.refused)} this "

@@ -478,15 +478,16 @@ class BudgetLedger(LedgerTaskReads):
         return removed
 
     def reenter(
-        self, releases: Sequence[tuple[PrivacyEvent, str]], *, dry_run: bool = False
+        self, releases: Sequence[tuple[PrivacyEvent, str, bool]], *, dry_run: bool = False
     ) -> Reentered:
         """Charge releases this ledger forgot (restored from a backup), without a budget
-        check: they happened. Each is ``(event, spec_digest)``; one transaction.
+        check: they happened. Each is ``(event, spec_digest, chargeable)``; one
+        transaction. One the ledger does not hold is charged only if chargeable.
 
-        A release the ledger holds keeps its cost. Every listed release's task is marked
-        begun (never refunded; UPLOADED where it has no row, so that it is never
-        answered again): the backup may predate its upload's start, and a withdrawal
-        would then refund what was sent (found by review).
+        A release the ledger holds keeps its cost. Every release held or charged has its
+        task marked begun (never refunded; UPLOADED where it has no row, so that it is
+        never answered again): the backup may predate its upload's start, and a
+        withdrawal would then refund what was sent (found by review).
         """
         done = Reentered()
         seen: set[str] = set()
@@ -494,7 +495,7 @@ class BudgetLedger(LedgerTaskReads):
             self._connect() as connection,
             _read(connection) if dry_run else _immediate(connection),
         ):
-            for event, digest in releases:
+            for event, digest, chargeable in releases:
                 if event.neighbouring is not self.neighbouring:
                     raise ConfigError(
                         f"release {event.query_id} is stated for {event.neighbouring.value} "
@@ -503,7 +504,9 @@ class BudgetLedger(LedgerTaskReads):
                     )
                 if event.query_id not in seen:
                     seen.add(event.query_id)
-                    reenter_release(connection, event, digest, done, dry_run=dry_run)
+                    reenter_release(
+                        connection, event, digest, done, dry_run=dry_run, chargeable=chargeable
+                    )
         if not dry_run:
             self._known_changes = -1  # the shares are looked at again
         return done

@@ -136,3 +136,6 @@ class Reentered:
     """Releases the ledger held."""
     kept_charged: list[str] = field(default_factory=list)
     """Of those, the ones whose task was not marked begun: now it is, never refunded."""
+    left_out: list[str] = field(default_factory=list)
+    """Releases not to be charged (the node's policy would not have answered them) that
+    the ledger does not hold: nothing written."""

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from fedpca.dp.mechanisms import PrivacyEvent
+from fedpca.errors import ConfigError
 from fedpca.files import holds_database
 from fedpca.owner.ledger_records import Reentered, TaskOutcome
 from fedpca.owner.ledger_schema import RELEASE_CHANGES_KEY
@@ -173,15 +174,37 @@ def reenter_release(
     done: Reentered,
     *,
     dry_run: bool,
+    chargeable: bool = True,
 ) -> None:
     """One release of :meth:`fedpca.owner.ledger.BudgetLedger.reenter`, inside its
-    transaction: charged if missing, its task marked begun; recorded in ``done``."""
+    transaction: charged if missing (and ``chargeable``), its task marked begun if
+    held or charged; recorded in ``done``.
+
+    Raises
+    ------
+    ConfigError
+        The ledger holds the same signed query under another task id: a node answers
+        a query once, whatever its task id, so an export listing it again would charge
+        it twice (found by review: one query under 300 ids drained a budget).
+    """
     query_id = event.query_id
+    other = connection.execute(
+        "SELECT query_id FROM releases WHERE spec_digest = ? AND query_id != ?",
+        (digest, query_id),
+    ).fetchone()
+    if other is not None:
+        raise ConfigError(
+            f"release {query_id!r} is the query this ledger holds as {other[0]!r}: a "
+            "signed query is answered once, whatever its task id; nothing was re-entered"
+        )
     known = connection.execute("SELECT 1 FROM releases WHERE query_id = ?", (query_id,))
     task = connection.execute(
         "SELECT upload_started FROM tasks WHERE query_id = ?", (query_id,)
     ).fetchone()
     if known.fetchone() is None:
+        if not chargeable:
+            done.left_out.append(query_id)
+            return
         done.entered.append(query_id)
         if not dry_run:
             insert_release(connection, event, digest)

@@ -14,10 +14,13 @@ export-releases`` writes them, each as the analyst signed it
 * a query this node's policy would not have answered (signed by a key not in
   ``policy.accepted_query_signers``, for an analyst key not pinned or not paired with
   that signer, or NOT PRIVATE where ``policy.allow_not_private`` is false) is listed and
-  not charged: it did not take part (put back a key removed since the backup to charge
-  its queries);
+  not charged unless the ledger holds it: it did not take part (put back a key removed
+  since the backup to charge its queries);
 * two different queries under one task id fail the import (a proxy that lists a cheaper
-  query under the id of a costlier one);
+  query under the id of a costlier one), and so does one query under two task ids, in
+  the export or beside the ledger's own (a node answers a signed query once);
+* a task id whose analyst part is not a node id, and a join time outside the query's
+  signed life (from its signing to its deadline, with the clock allowance), fail it;
 * a release the ledger holds keeps its cost, and its task is made final as begun, so
   that no later withdrawal refunds it (the backup may predate the upload's start).
 
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import ConfigError, UntrustedKeyError
+from fedpca.formatting import printable
 from fedpca.owner.ledger import BudgetLedger
 from fedpca.owner.policy import check_key
 from fedpca.owner.policy_config import PolicyConfig
@@ -42,6 +46,7 @@ from fedpca.protocol import ReleasePlan
 from fedpca.query import spec_digest
 from fedpca.release_exports import ContributedRelease
 from fedpca.signing import CLOCK_ALLOWANCE_SECONDS, verify_query
+from fedpca.transport.certs import validate_node_id
 
 __all__ = ["ReentryReport", "reenter_releases"]
 
@@ -79,11 +84,15 @@ def _policy_refusal(release: ContributedRelease, policy: PolicyConfig) -> str | 
 def _event_of(release: ContributedRelease) -> PrivacyEvent:
     """The release as this node recorded it when it answered the query (task_processing)."""
     spec = release.spec
-    analyst, slash, query_id = release.task_id.partition("/")
-    if not (analyst and slash and query_id == spec.query_id):
+    analyst, slash, query_id = release.task_id.rpartition("/")
+    try:
+        validate_node_id(analyst)  # as a live task's id is checked (found by review)
+    except ConfigError:
+        slash = ""
+    if not (slash and query_id == spec.query_id):
         raise ConfigError(
-            f"release {release.task_id!r} is not the proxy's key of query {spec.query_id!r} "
-            "(analyst/query): nothing was re-entered"
+            f"release {printable(release.task_id[:200])} is not the proxy's key of query "
+            f"{spec.query_id!r} (analyst/query): nothing was re-entered"
         )
     try:
         verify_query(spec, release.signature, release.signer)
@@ -96,14 +105,22 @@ def _event_of(release: ContributedRelease) -> PrivacyEvent:
         plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
     except ConfigError as exc:
         raise ConfigError(f"release {release.task_id!r}: {exc}; nothing was re-entered") from None
-    if not math.isfinite(release.joined_at) or release.joined_at > (
-        time.time() + CLOCK_ALLOWANCE_SECONDS
+    # Kept as the release's time, which policy.max_tasks_per_day counts: a future one
+    # would count for ever, one long past not at all (found by review). An upload
+    # joins after the analyst signed the query and before its signed deadline.
+    earliest, latest = 0.0, time.time()
+    if spec.issued_at is not None:
+        earliest = spec.issued_at
+        latest = min(latest, spec.issued_at + spec.deadline_seconds)
+    joined = release.joined_at
+    if not (
+        math.isfinite(joined)
+        and earliest - CLOCK_ALLOWANCE_SECONDS <= joined <= latest + CLOCK_ALLOWANCE_SECONDS
     ):
-        # Kept as the release's time: a future one would count towards
-        # policy.max_tasks_per_day for ever.
         raise ConfigError(
-            f"release {release.task_id!r}: its upload joined in the future "
-            f"({release.joined_at!r}); nothing was re-entered"
+            f"release {release.task_id!r}: its upload joined at {joined!r}, outside the "
+            "time from the query's signing to its deadline (or in the future); nothing "
+            "was re-entered"
         )
     event = plan.privacy_event(analyst=spec.analyst_key_fingerprint)
     return replace(event, query_id=release.task_id, timestamp=release.joined_at)
@@ -126,21 +143,33 @@ def reenter_releases(
         query, or that is stated for another relation than the ledger's.
     """
     report = ReentryReport()
-    charged: dict[str, tuple[PrivacyEvent, str]] = {}
-    listed: dict[str, str] = {}  # task id -> digest, of every release (refused ones too)
+    listed: dict[str, tuple[PrivacyEvent, str, bool]] = {}
+    refusals: dict[str, str] = {}
+    task_of_digest: dict[str, str] = {}
     for release in releases:
         event, digest = _event_of(release), spec_digest(release.spec)
-        if listed.setdefault(release.task_id, digest) != digest:
+        kept = listed.get(release.task_id)
+        if kept is not None and kept[1] != digest:
             raise ConfigError(
                 f"the export lists two different queries under task {release.task_id!r}: "
                 "nothing was re-entered"
             )
-        if (why := _policy_refusal(release, policy)) is not None:
-            report.refused.append((release.task_id, why))
-            continue
-        charged[release.task_id] = (event, digest)
-    recorded = ledger.reenter(list(charged.values()), dry_run=dry_run)
+        if task_of_digest.setdefault(digest, release.task_id) != release.task_id:
+            # A node answers a signed query once, whatever its task id (found by
+            # review: one query under 300 ids drained a budget).
+            raise ConfigError(
+                f"the export lists one query under tasks {task_of_digest[digest]!r} and "
+                f"{release.task_id!r}: nothing was re-entered"
+            )
+        why = _policy_refusal(release, policy)
+        if why is not None:
+            refusals[release.task_id] = why
+        # A refused query is still made final where the ledger holds its release (a
+        # key rotated since the backup must not let a withdrawal refund it).
+        listed[release.task_id] = (event, digest, why is None)
+    recorded = ledger.reenter(list(listed.values()), dry_run=dry_run)
     report.already_recorded = recorded.already_recorded
     report.kept_charged = recorded.kept_charged
-    report.entered = [charged[task_id][0] for task_id in recorded.entered]
+    report.entered = [listed[task_id][0] for task_id in recorded.entered]
+    report.refused = [(task_id, refusals[task_id]) for task_id in recorded.left_out]
     return report
