@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-__all__ = ["distinct", "printable"]
+__all__ = ["distinct", "printable", "shortened"]
 
 _MAX_DIGITS = 17
 """Significant digits at which every double prints distinctly (IEEE 754 binary64)."""
@@ -63,3 +63,11 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shortened(text: str, characters: int) -> str:
+    """``text`` cut to at most ``characters``, ending in "…" where it was cut (a cut
+    list read as a whole one)."""
+    if len(text) <= characters:
+        return text
+    return text[: characters - 1].rstrip() + "…"

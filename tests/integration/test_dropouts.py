@@ -66,13 +66,16 @@ def _cluster(tmp_path: Path) -> LocalCluster:
     )
 
 
-def _pca(cluster: LocalCluster, quorum: int, deadline: float) -> FederatedPCA:
+def _pca(
+    cluster: LocalCluster, quorum: int, deadline: float, wait_for_owners: bool = False
+) -> FederatedPCA:
     return FederatedPCA(
         n_components=2,
         epsilon=1.0,
         delta=1e-5,
         quorum=quorum,
         deadline_seconds=deadline,
+        wait_for_owners=wait_for_owners,
         **cluster.analyst_connection(),
     )
 
@@ -240,7 +243,10 @@ def test_fewer_than_quorum_by_the_deadline_fails_with_the_reason(tmp_path: Path)
 
         def analyst() -> None:
             try:
-                _pca(cluster, quorum=N_OWNERS, deadline=deadline).fit(n_features=34)
+                # Submitted although an owner is gone (else refused, nothing submitted).
+                _pca(cluster, quorum=N_OWNERS, deadline=deadline, wait_for_owners=True).fit(
+                    n_features=34
+                )
             except BaseException as exc:
                 failure.append(exc)
 

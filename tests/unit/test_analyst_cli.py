@@ -244,6 +244,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.status_charge = (QueryState.DONE, Charge.CHARGED)
         # False: a proxy older than ListQueriesRequest.query_id, which lists every query.
         self.honours_query_filter = True
+        self.connected: int | None = None  # None: every registered owner
         """The state and charge GetQueryStatus reports."""
         self.result_deleted_at: datetime | None = None
         self.slow_submits = 0
@@ -255,7 +256,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             software_version="test",
             protocol_version=1,
             owners_registered=self.registered,
-            owners_connected=self.registered,
+            owners_connected=self.registered if self.connected is None else self.connected,
             neighbouring=self.neighbouring,
             max_delta_per_query=1e-5,
             accountant="zcdp",
@@ -1328,3 +1329,18 @@ def test_status_names_the_querys_kind_and_privacy_parameters(
         "privacy:     epsilon 0.25, delta 1e-07",
         "created:     2030-01-02 03:04:05 UTC",
     ]
+
+
+def test_deployment_says_how_many_owners_are_connected(proxy: tuple[FakeProxy, str]) -> None:
+    """Found by a new user's walkthrough: no command said how many owners were
+    connected (a query of the default quorum waits for every registered one)."""
+    fake, address = proxy
+    fake.registered, fake.connected = 3, 1
+    result = CliRunner().invoke(analyst_group, ["deployment", "--proxy", address, "--insecure"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("proxy:            proxy (fedpca test, protocol 1)")
+    assert lines[1] == "owners:           1 of 3 registered connected now (2 not connected)"
+    assert "neighbouring:     " in lines[2] and lines[3] == "accountant:       zcdp"
+    assert lines[4] == "delta per query:  at most 1e-05"
+    assert lines[5].startswith("budget:           epsilon 3 at delta 1e-05 (analyst alice;")

@@ -15,6 +15,7 @@ import pytest
 
 import fedpca.analyst.client as client_module
 import fedpca.analyst.federated_estimator as estimators_module
+import fedpca.analyst.querying as querying_module
 import fedpca.files as files
 from fedpca.analyst import FederatedStatistics
 from fedpca.analyst.aggregate_estimators import aggregate_query
@@ -585,21 +586,52 @@ def test_interrupting_the_decryption_names_fetch_and_does_not_cancel(
     assert "charge stands" in caplog.text
 
 
-def test_a_query_needing_owners_that_are_not_connected_warns(
+def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
     monkeypatch: pytest.MonkeyPatch,
     test_only_keypair_512: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """DescribeDeployment says how many owners are connected: a query whose quorum
-    exceeds them says so at once instead of waiting silently until its deadline."""
+    """DescribeDeployment says how many owners are connected. Found by a new user's
+    walkthrough: with one owner offline, a query of the default quorum was submitted
+    with a warning, the others began their uploads at once, and it failed at its
+    deadline charged in full. Now ``fit`` waits a little for them, then refuses,
+    submitting nothing; ``wait_for_owners=True`` submits anyway, with the warning."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(querying_module.time, "sleep", sleeps.append)
+    monkeypatch.setattr(querying_module, "OWNERS_CONNECT_SECONDS", 0.0)
 
     class Disconnected(FakeClient):
         def describe(self) -> DeploymentInfo:
             return dataclasses.replace(deployment(self.registered), owners_connected=0)
 
-    _fake_fit(monkeypatch, test_only_keypair_512[1], Disconnected)
+    def fit(client: type[FakeClient], **params: Any) -> FakeClient:
+        _fake_fit(monkeypatch, test_only_keypair_512[1], client)
+        estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+        estimator.set_params(**params).fit(4)
+        return FakeClient.instances[-1]
+
+    with pytest.raises(ConfigError, match=r"only 0 of the 2 owners .* nothing was submitted"):
+        fit(Disconnected)
+    assert FakeClient.instances[-1].submitted == []
+
+    # Owners still starting: asked again each second until they are connected.
+    class Connecting(FakeClient):
+        asked = 0
+
+        def describe(self) -> DeploymentInfo:
+            Connecting.asked += 1
+            connected = 2 if Connecting.asked >= 3 else 1
+            return dataclasses.replace(deployment(self.registered), owners_connected=connected)
+
+    monkeypatch.setattr(querying_module, "OWNERS_CONNECT_SECONDS", 60.0)
     with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
-        FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1).fit(4)
+        connected = fit(Connecting)
+    assert len(connected.submitted) == 1 and sleeps == [1.0, 1.0]
+    assert "connected to the proxy now" not in caplog.text
+
+    with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
+        waiting = fit(Disconnected, wait_for_owners=True)
+    assert len(waiting.submitted) == 1
     assert "only 0 of the 2 owners this query needs" in caplog.text
     # ... and what that wait may cost: the proxy's refund rule, stated as it is.
     assert (
@@ -607,11 +639,6 @@ def test_a_query_needing_owners_that_are_not_connected_warns(
         "once), its epsilon stays charged in full although nothing is released; it is "
         "refunded only if no owner began one" in caplog.text
     )
-    caplog.clear()
-    _fake_fit(monkeypatch, test_only_keypair_512[1], FakeClient)
-    with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
-        FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1).fit(4)
-    assert "connected to the proxy now" not in caplog.text
 
 
 def test_fit_refuses_to_submit_from_a_bootstrapping_worker(

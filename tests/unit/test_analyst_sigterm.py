@@ -72,6 +72,7 @@ def test_sigterm_cancels_the_waiting_query_and_exits_cleanly(
             *("--epsilon", "0.5", "--delta", "1e-6", "--bounds", "-1:1", "--workers", "1"),
             *("--max-records-per-owner", "64", "--max-owners", "4", "--deadline", "120"),
             *("--out", str(tmp_path / "result.json")),
+            "--wait-for-owners",  # no owner runs: the query waits for them
         ]
         process = subprocess.Popen(
             [sys.executable, "-c", ENTRY, *args],

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedpca.formatting import distinct
+from fedpca.formatting import distinct, shortened
 
 finite = st.floats(allow_nan=False, allow_infinity=True)
 
@@ -41,3 +41,11 @@ def test_different_values_print_differently_and_keep_their_order(a: float, b: fl
 def test_digits_out_of_range() -> None:
     with pytest.raises(ValueError, match="digits"):
         distinct(1.0, digits=0)
+
+
+def test_a_shortened_text_says_it_was_cut() -> None:
+    """Found by a new user: a cancellation's list of declines, cut at 300 characters,
+    ended mid-list ("hospital-b: )") and read as the whole list."""
+    assert shortened("abc", 3) == "abc"
+    assert shortened("owner-1: x, owner-2: y", 12) == "owner-1: x,…"
+    assert len(shortened("a" * 500, 300)) == 300

@@ -25,6 +25,7 @@ from fedpca.owner.init import write_owner_folder
 from fedpca.proxy.cli import proxy_group
 from fedpca.proxy.config import BudgetConfig
 from fedpca.proxy.config import load_config as load_proxy_config
+from fedpca.proxy.store_database import use_database
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.transport.certs import TlsMaterial, init_certificates
 from helpers import TEST_SIGNER
@@ -90,6 +91,16 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     forced = CliRunner().invoke(proxy_group, [*args, *extra, "--force"])
     assert forced.exit_code == 0, forced.output
     assert config.proxy.database.stat().st_ino == inode
+    assert "run: fedpca proxy serve" in forced.output
+    # Beside a running proxy (it holds the database's lock) the new settings wait for
+    # its restart, which init now says (it said "run: fedpca proxy serve", which the
+    # lock refused: a new user's walkthrough).
+    with use_database(config.proxy.database):
+        serving = CliRunner().invoke(proxy_group, [*args, *extra, "--force"])
+    assert serving.exit_code == 0, serving.output
+    assert "a proxy still serves this folder with its old settings" in serving.output
+    assert "in use by process" in serving.output and "restart it" in serving.output
+    assert "run: fedpca proxy serve" not in serving.output
     # A proxy ran on it (its lock file is left) and the database is gone: --force
     # does not make a new one in its place (found by review).
     (out / "state" / "proxy.sqlite3.lock").touch()

@@ -928,6 +928,49 @@ def test_a_decline_the_proxy_does_not_acknowledge_is_left_for_a_redelivery(
     assert harness.ledger.events() == []
 
 
+class _DeclineRefused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "query alice/q1 is failed: declines are no longer recorded"
+
+
+@pytest.mark.parametrize(
+    ("code", "level"),
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, logging.INFO),
+        (grpc.StatusCode.INTERNAL, logging.WARNING),
+    ],
+)
+def test_a_decline_the_ended_query_no_longer_takes_is_not_a_warning(
+    harness: Harness,
+    pool: CryptoPool,
+    caplog: pytest.LogCaptureFixture,
+    code: grpc.StatusCode,
+    level: int,
+) -> None:
+    """Found by a new user's walkthrough: when another owner's decline had failed the
+    query, this owner's own decline came back FAILED_PRECONDITION and was logged as a
+    warning, though it is an expected race; other refusals still warn."""
+
+    class Refusing:
+        def DeclineTask(self, message: Any, timeout: float) -> None:
+            raise _DeclineRefused(code)
+
+    node = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, decline_attempts=1))
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    over_budget = signed_task(harness.spec("q1", epsilon=2.0), due, ANALYST)
+    with caplog.at_level(logging.INFO, logger="fedpca.owner"):
+        assert node.process_task(Refusing(), over_budget) is None  # type: ignore[arg-type]
+    (record,) = [r for r in caplog.records if "could not deliver the decline" in r.getMessage()]
+    assert record.levelno == level
+    assert "declines are no longer recorded" in record.getMessage()
+
+
 def test_a_share_that_cannot_be_kept_is_not_uploaded(
     harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -76,6 +76,7 @@ _PRIVACY_PARAMETERS = (
     "bounded_owner_tables",
     "quorum",
     "deadline_seconds",
+    "wait_for_owners",
     "max_records_per_owner",
     "max_owners",
     "frac_bits",
@@ -125,6 +126,7 @@ class _Settings(SklearnParams):
     bounded_owner_tables: bool
     quorum: int | None
     deadline_seconds: float
+    wait_for_owners: bool
     max_records_per_owner: int
     max_owners: int
     frac_bits: int
@@ -409,6 +411,11 @@ COMMON_PARAMETERS_DOC = """
         fewer owners: ``fit`` then warns
         (:class:`~fedpca.analyst.estimators.MissingOwnersWarning`).
     deadline_seconds : seconds the proxy collects uploads.
+    wait_for_owners : submit even when fewer owners than the quorum are connected to
+        the proxy (they may connect before the deadline). False (default): ``fit``
+        waits up to :data:`~fedpca.analyst.querying.OWNERS_CONNECT_SECONDS` for them,
+        then refuses, submitting nothing: a query that fails for want of its quorum
+        after an owner began an upload stays charged in full.
     max_records_per_owner, max_owners : public bounds that size packed slots; an owner
         with more records contributes a uniform sample of this many.
     frac_bits : fixed-point fractional bits.
@@ -452,6 +459,7 @@ class FederatedQuery(_Settings):
         bounded_owner_tables: bool = False,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
+        wait_for_owners: bool = False,
         max_records_per_owner: int = 1 << 20,
         max_owners: int = 1 << 8,
         frac_bits: int = 32,

@@ -221,6 +221,13 @@ COLLECTION_OPTIONS: list[Callable[[Any], Any]] = [
         help="Seconds the proxy collects uploads.",
     ),
     click.option(
+        "--wait-for-owners",
+        is_flag=True,
+        help="Submit even when fewer owners than the quorum are connected (the query "
+        "waits for them until its deadline, and stays charged if it fails after an "
+        "upload began). Without it the command waits 15 s for them, then refuses.",
+    ),
+    click.option(
         "--max-records-per-owner",
         type=click.IntRange(min=1),
         default=1 << 20,
@@ -413,6 +420,7 @@ def _estimator_settings(
         "neighbouring": params["neighbouring"],
         "quorum": params["quorum"],
         "deadline_seconds": params["deadline"],
+        "wait_for_owners": params["wait_for_owners"],
         "max_records_per_owner": params["max_records_per_owner"],
         "max_owners": params["max_owners"],
         "bounded_owner_tables": params["bounded_owner_tables"],

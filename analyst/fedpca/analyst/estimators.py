@@ -85,6 +85,11 @@ class FederatedPCA(FederatedEstimator):
         proxy and states the number in the signed query). A smaller quorum lets a
         result cover fewer owners: ``fit`` then warns (:class:`MissingOwnersWarning`).
     deadline_seconds : seconds the proxy collects uploads.
+    wait_for_owners : submit even when fewer owners than the quorum are connected to
+        the proxy (they may connect before the deadline). False (default): ``fit``
+        waits up to :data:`~fedpca.analyst.querying.OWNERS_CONNECT_SECONDS` for them,
+        then refuses, submitting nothing: a query that fails for want of its quorum
+        after an owner began an upload stays charged in full.
     max_records_per_owner, max_owners : public bounds that size packed slots.
     frac_bits : fixed-point fractional bits.
     noise_weights : relative budget split over the released sections.
@@ -227,6 +232,7 @@ class FederatedDCA(FederatedEstimator):
         clip_norm: float = 1.0,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
+        wait_for_owners: bool = False,
         max_records_per_owner: int = 1 << 20,
         max_owners: int = 1 << 8,
         frac_bits: int = 32,
@@ -254,6 +260,7 @@ class FederatedDCA(FederatedEstimator):
             clip_norm=clip_norm,
             quorum=quorum,
             deadline_seconds=deadline_seconds,
+            wait_for_owners=wait_for_owners,
             max_records_per_owner=max_records_per_owner,
             max_owners=max_owners,
             frac_bits=frac_bits,

@@ -68,6 +68,7 @@ class FederatedEstimator(SklearnParams):
         clip_norm: float = 1.0,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
+        wait_for_owners: bool = False,
         max_records_per_owner: int = 1 << 20,
         max_owners: int = 1 << 8,
         frac_bits: int = 32,
@@ -94,6 +95,7 @@ class FederatedEstimator(SklearnParams):
         self.clip_norm = clip_norm
         self.quorum = quorum
         self.deadline_seconds = deadline_seconds
+        self.wait_for_owners = wait_for_owners
         self.max_records_per_owner = max_records_per_owner
         self.max_owners = max_owners
         self.frac_bits = frac_bits

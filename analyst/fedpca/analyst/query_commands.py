@@ -1,4 +1,5 @@
-"""``fedpca analyst list|status|fetch|cancel``: the analyst's queries by id.
+"""``fedpca analyst list|status|fetch|cancel``: the analyst's queries by id; and
+``fedpca analyst deployment``: the deployment's public facts (owners connected).
 
 An analyst sees only its own queries (the proxy scopes query ids by analyst). A
 query's result stays stored at the proxy once it is DONE (for the proxy's
@@ -24,8 +25,8 @@ import click
 
 from fedpca.analyst.cli_output import result_out_option
 from fedpca.errors import ConfigError, QueryStateError
-from fedpca.formatting import printable
-from fedpca.messages import Charge, QueryState, QueryStatus, QuerySummary
+from fedpca.formatting import printable, shortened
+from fedpca.messages import Charge, DeploymentInfo, QueryState, QueryStatus, QuerySummary
 
 __all__ = ["register"]
 
@@ -66,15 +67,25 @@ def _status_lines(status: QueryStatus, summary: QuerySummary | None = None) -> l
     return lines
 
 
+def _deployment_lines(info: DeploymentInfo) -> list[str]:
+    offline = info.owners_registered - info.owners_connected
+    return [
+        f"proxy:            {printable(info.proxy_id)} (fedpca "
+        f"{printable(info.software_version)}, protocol {info.protocol_version})",
+        f"owners:           {info.owners_connected} of {info.owners_registered} registered "
+        "connected now" + (f" ({offline} not connected)" if offline > 0 else ""),
+        f"neighbouring:     {info.neighbouring.value}",
+        f"accountant:       {printable(info.accountant)}",
+        f"delta per query:  at most {info.max_delta_per_query:g}",
+        f"budget:           epsilon {info.budget_epsilon:g} at delta {info.budget_delta:g} "
+        f"(analyst {printable(info.analyst_id)}; `fedpca analyst budget` shows the spend)",
+        f"proxy clock:      {info.server_time.isoformat(timespec='seconds')}",
+    ]
+
+
 LIST_REASON_CHARACTERS = 100
 """A failure reason in ``analyst list`` is cut to this length (every owner's decline can
 make it several hundred characters); ``analyst status ID`` prints it whole."""
-
-
-def _shortened(reason: str) -> str:
-    if len(reason) <= LIST_REASON_CHARACTERS:
-        return reason
-    return reason[: LIST_REASON_CHARACTERS - 1].rstrip() + "…"
 
 
 def kind_cell(item: QuerySummary) -> str:
@@ -137,7 +148,8 @@ def register(
     errors: Callable[[], Any],
     connection: Callable[..., Any],
 ) -> None:
-    """Add ``list``, ``status``, ``fetch`` and ``cancel`` to the analyst ``group``.
+    """Add ``list``, ``deployment``, ``status``, ``fetch`` and ``cancel`` to the analyst
+    ``group``.
 
     Parameters
     ----------
@@ -193,13 +205,24 @@ def register(
                     f"{status.owners_contributed}/{status.quorum} of {registered}",
                     f"{item.epsilon:g}",
                     _charge_cell(status.charge),
-                    _shortened(status.failure_reason or ""),
+                    shortened(status.failure_reason or "", LIST_REASON_CHARACTERS),
                 )
             )
         widths = [max(len(row[c]) for row in rows) for c in range(7)]
         for row in rows:
             cells = [cell.ljust(width) for cell, width in zip(row[:7], widths, strict=True)]
             click.echo("  ".join([*cells, row[7]]).rstrip())
+
+    @group.command("deployment")
+    @connection_options
+    def deployment_command(**params: Any) -> None:
+        """Show the deployment as the proxy states it to you: owners registered and
+        connected now (a query's default quorum is every registered owner), the
+        neighbouring relation and accountant, the delta cap and your budget."""
+        with errors(), client(params) as (opened, _):
+            info = opened.describe()
+        for line in _deployment_lines(info):
+            click.echo(line)
 
     @group.command("status")
     @click.argument("query_id")

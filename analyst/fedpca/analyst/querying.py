@@ -475,6 +475,59 @@ def tls_material(
     return TlsMaterial.load(TlsFiles(Path(ca), Path(cert), Path(key)))
 
 
+OWNERS_CONNECT_SECONDS = 15.0
+"""How long ``fit`` waits for the owners a query needs to be connected to the proxy
+before it refuses to submit (unless ``wait_for_owners``)."""
+
+
+def _owners_connected(
+    client: Any, deployment: DeploymentInfo, spec: QuerySpec, wait_for_owners: bool
+) -> DeploymentInfo:
+    """The deployment once at least ``spec.quorum`` owners are connected, asked again
+    each second for up to :data:`OWNERS_CONNECT_SECONDS` (they may be starting).
+
+    Found by a new user's walkthrough: with an owner offline, a query of the default
+    quorum (every owner) was submitted with a warning, the connected owners began their
+    uploads at once, and its deadline failed it charged in full (the proxy's refund
+    rule, docs/privacy.md, "Refunds"), with nothing released.
+
+    Raises
+    ------
+    ConfigError
+        Still too few after the wait, unless ``wait_for_owners`` (then a warning and
+        the query waits for them until its deadline). Nothing was submitted.
+    """
+    waited_until = time.monotonic() + OWNERS_CONNECT_SECONDS
+    while deployment.owners_connected < spec.quorum and not wait_for_owners:
+        if time.monotonic() >= waited_until:
+            raise ConfigError(
+                f"only {deployment.owners_connected} of the {spec.quorum} owners this "
+                f"query needs (quorum {spec.quorum} of {deployment.owners_registered} "
+                "registered) are connected to the proxy (`fedpca analyst deployment` "
+                "shows how many are): nothing was submitted. A query "
+                "that fails for want of its quorum after a connected owner began its "
+                "upload stays charged in full. Ask a smaller quorum (--quorum N), or pass "
+                "--wait-for-owners (wait_for_owners=True) to submit anyway and let it wait "
+                "for them until its deadline"
+            )
+        time.sleep(1.0)
+        deployment = client.describe()
+    if deployment.owners_connected < spec.quorum:
+        logger.warning(
+            "only %d of the %d owners this query needs (quorum %d of %d registered) are "
+            "connected to the proxy now; it waits for the others until its deadline "
+            "(%g s). If it fails there after any owner began an upload (the connected "
+            "ones may begin at once), its epsilon stays charged in full although nothing "
+            "is released; it is refunded only if no owner began one",
+            deployment.owners_connected,
+            spec.quorum,
+            spec.quorum,
+            deployment.owners_registered,
+            spec.deadline_seconds,
+        )
+    return deployment
+
+
 @dataclass(frozen=True)
 class EstimatorRun:
     """What :func:`run_estimator_query` hands back to an estimator's ``fit``."""
@@ -527,22 +580,7 @@ def run_estimator_query(
     ):
         deployment = client.describe()
         spec = build(deployment)
-        if deployment.owners_connected < spec.quorum:
-            # Public (DescribeDeployment): without it the query waits silently for owners
-            # that are not even connected, until its deadline. The proxy's refund rule
-            # (docs/privacy.md, "Refunds") makes that wait cost the whole epsilon.
-            logger.warning(
-                "only %d of the %d owners this query needs (quorum %d of %d registered) are "
-                "connected to the proxy now; it waits for the others until its deadline "
-                "(%g s). If it fails there after any owner began an upload (the connected "
-                "ones may begin at once), its epsilon stays charged in full although nothing "
-                "is released; it is refunded only if no owner began one",
-                deployment.owners_connected,
-                spec.quorum,
-                spec.quorum,
-                deployment.owners_registered,
-                spec.deadline_seconds,
-            )
+        deployment = _owners_connected(client, deployment, spec, bool(estimator.wait_for_owners))
         if not spec.private:
             logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
         prepared = time.perf_counter() - started

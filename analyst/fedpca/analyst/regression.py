@@ -71,6 +71,7 @@ class FederatedLinearRegression(AggregateEstimator):
         bounded_owner_tables: bool = False,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
+        wait_for_owners: bool = False,
         max_records_per_owner: int = 1 << 20,
         max_owners: int = 1 << 8,
         frac_bits: int = 32,

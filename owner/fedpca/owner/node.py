@@ -47,6 +47,7 @@ from fedpca.errors import (
     ProtocolVersionError,
 )
 from fedpca.files import ExclusiveUse, holds_database
+from fedpca.formatting import shortened
 from fedpca.logs import SparseLog
 from fedpca.messages import (
     PROTOCOL_VERSION,
@@ -503,7 +504,7 @@ class OwnerNode(TaskProcessing):
                 logger.info(
                     "query %s: cancelled by the proxy (%s)%s",
                     event.query_id[:80],
-                    event.reason[:300],
+                    shortened(event.reason, 300),
                     "" if queued else f" ({self._cancellations.count} such so far)",
                 )
             if not queued:

@@ -619,14 +619,16 @@ class TaskProcessing(TaskEndings):
             try:
                 stub.DeclineTask(message, timeout=self.retry.call_timeout)
             except grpc.RpcError as err:
-                retry = (
-                    status_code(err) in RETRYABLE_CODES
-                    and attempt + 1 < self.retry.decline_attempts
-                )
-                logger.warning(
+                code = status_code(err)
+                retry = code in RETRYABLE_CODES and attempt + 1 < self.retry.decline_attempts
+                # FAILED_PRECONDITION: the query ended meanwhile (another owner's decline
+                # failed it), an expected race (a new user read a warning as a fault).
+                ended = code is grpc.StatusCode.FAILED_PRECONDITION
+                logger.log(
+                    logging.INFO if ended else logging.WARNING,
                     "query %s: could not deliver the decline (%s: %s)%s",
                     query_id,
-                    status_name(err),
+                    code.name,
                     status_details(err),
                     "; retrying" if retry else "",
                 )

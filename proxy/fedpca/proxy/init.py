@@ -22,7 +22,7 @@ from fedpca.errors import AuthenticationError, ConfigError, FedpcaError
 from fedpca.files import holds_database
 from fedpca.proxy.config import DEFAULT_ANALYST_BUDGET, ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
-from fedpca.proxy.store_database import refuse_where_a_proxy_ran
+from fedpca.proxy.store_database import refuse_where_a_proxy_ran, serving_process
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
@@ -355,6 +355,16 @@ def init_command(
         click.echo(
             f"  monitoring      {config.monitoring.listen} (HTTP /metrics, /healthz, /readyz)"
         )
+    serving = serving_process(config.proxy.database)
+    if serving is not None:
+        # Found by a new user: `init --force` rewrote the folder of a running proxy and
+        # then said "run: fedpca proxy serve", which that proxy's lock refused.
+        click.echo(
+            f"a proxy still serves this folder with its old settings ({serving}): restart "
+            f"it (stop it, then `fedpca proxy serve --config {out / CONFIG_NAME}`) for the "
+            "new ones to take effect"
+        )
+        return
     click.echo(f"run: fedpca proxy serve --config {out / CONFIG_NAME}")
 
 

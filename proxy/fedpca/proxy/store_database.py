@@ -43,6 +43,7 @@ __all__ = [
     "refuse_where_a_proxy_ran",
     "restore_pending_since",
     "scratch_copy",
+    "serving_process",
     "storage_unavailable",
     "use_database",
 ]
@@ -131,6 +132,18 @@ def use_database(database: Path) -> ExclusiveUse:
         Another process holds it (named by its pid), or the lock file cannot be made.
     """
     return ExclusiveUse(_lock_path(database), f"the proxy database {database}")
+
+
+def serving_process(database: Path) -> str | None:
+    """Why ``database`` is in use (a proxy serves it, named by pid), or None; a
+    database no proxy ever served is left without a lock file."""
+    if not _lock_path(database).exists():
+        return None
+    try:
+        use_database(database).release()
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 DATABASE_MODE = 0o600
