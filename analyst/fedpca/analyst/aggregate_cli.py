@@ -168,7 +168,13 @@ def _finish(estimator: Any, path: Path) -> None:
     show_default=True,
     help="mean: count and sums; variance: + squares; covariance: + every product.",
 )
-@click.option("--ddof", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--ddof",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Divide variances by N - DDOF (1: the sample variance); post-processing.",
+)
 @click.option("--no-clip", is_flag=True, help="Report the raw noisy values (no clipping).")
 @click.option(
     "--budget-split",

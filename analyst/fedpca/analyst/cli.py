@@ -262,7 +262,12 @@ the packed slots, and the analyst's key directory."""
 def _query_options(function: F) -> F:
     options: list[Callable[[Any], Any]] = [
         click.option(
-            "--components", "n_components", type=click.IntRange(min=1), required=True, help="k."
+            "--components",
+            "n_components",
+            type=click.IntRange(min=1),
+            required=True,
+            help="Components to report (k, at most the features); `fetch ID "
+            "--n-components K` takes another number from the same release, free.",
         ),
         click.option(
             "--epsilon",
@@ -302,7 +307,14 @@ def _query_options(function: F) -> F:
             show_default=True,
             help="Public feature bounds: none, LO:HI (every feature) or LO:HI,LO:HI,… (M).",
         ),
-        click.option("--clip-norm", type=float, default=1.0, show_default=True),
+        click.option(
+            "--clip-norm",
+            type=float,
+            default=1.0,
+            show_default=True,
+            help="Each row, scaled by --bounds, is clipped to this L2 norm: it bounds one "
+            "record's effect, so the noise (docs/privacy.md).",
+        ),
         *COLLECTION_OPTIONS,
         click.option(
             "--sample",

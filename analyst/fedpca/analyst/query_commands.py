@@ -178,7 +178,13 @@ def register(
 
     @group.command("list")
     @connection_options
-    @click.option("--limit", type=click.IntRange(min=1, max=1000), default=50, show_default=True)
+    @click.option(
+        "--limit",
+        type=click.IntRange(min=1, max=1000),
+        default=50,
+        show_default=True,
+        help="List at most this many queries, newest first.",
+    )
     def list_command(limit: int, **params: Any) -> None:
         """List your queries at the proxy, newest first.
 

@@ -111,8 +111,13 @@ def init_command(
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory created by `fedpca certs init`.",
 )
-@click.option("--role", type=click.Choice([r.value for r in Role]), required=True)
-@click.option("--node-id", required=True)
+@click.option(
+    "--role",
+    type=click.Choice([r.value for r in Role]),
+    required=True,
+    help="What the certificate lets its holder act as.",
+)
+@click.option("--node-id", required=True, help="The node's id, named in its certificate.")
 @click.option("--proxy-host", "proxy_hosts", multiple=True, help="Proxy only (repeatable).")
 @_valid_days
 @click.option(

@@ -226,7 +226,13 @@ def _print_summary(
 
 
 @click.command("demo")
-@click.option("--owners", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option(
+    "--owners",
+    type=click.IntRange(1, 64),
+    default=4,
+    show_default=True,
+    help="Owner processes; the dataset's rows are split among them.",
+)
 @click.option(
     "--dataset",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -248,8 +254,20 @@ def _print_summary(
     show_default=True,
     help="The query's delta (the default is FederatedPCA's).",
 )
-@click.option("--components", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--mode", type=click.Choice(["stats", "masked"]), default="stats", show_default=True)
+@click.option(
+    "--components",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Principal components to report.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["stats", "masked"]),
+    default="stats",
+    show_default=True,
+    help="What owners send: their statistics, or masked ones (publishes each N).",
+)
 @click.option(
     "--bounds",
     default="none",
@@ -257,16 +275,25 @@ def _print_summary(
     help="Public bounds LO:HI applied to every feature, or 'none' to keep raw values.",
 )
 @click.option(
-    "--clip-norm", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True
+    "--clip-norm",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="L2 norm each scaled row is clipped to (it bounds one record's effect).",
 )
 @click.option(
-    "--key-bits", type=click.IntRange(min=2048, max=8192), default=2048, show_default=True
+    "--key-bits",
+    type=click.IntRange(min=2048, max=8192),
+    default=2048,
+    show_default=True,
+    help="The analyst's Paillier modulus size.",
 )
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("demo-out"),
     show_default=True,
+    help="Folder for result.json and the plots.",
 )
 def demo_command(
     owners: int,

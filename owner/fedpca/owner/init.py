@@ -394,11 +394,26 @@ def _split(values: tuple[str, ...]) -> list[str]:
     type=click.Choice([n.value for n in Neighbouring]),
     default=Neighbouring.ADD_REMOVE.value,
     show_default=True,
+    help="The adjacency the ledger accounts under; must be the proxy's (docs/privacy.md).",
 )
-@click.option("--max-epsilon-per-query", type=NUMBER, default=1.0, show_default=True)
+@click.option(
+    "--max-epsilon-per-query",
+    type=NUMBER,
+    default=1.0,
+    show_default=True,
+    help="Decline any query asking more (policy.max_epsilon_per_query).",
+)
 @click.option("--max-delta-per-query", type=NUMBER, help="[the budget's delta, at most 1e-5]")
-@click.option("--budget-epsilon", type=NUMBER, default=3.0, show_default=True)
-@click.option("--budget-delta", type=NUMBER, default=1e-5, show_default=True)
+@click.option(
+    "--budget-epsilon",
+    type=NUMBER,
+    default=3.0,
+    show_default=True,
+    help="This owner's total privacy budget over every query it answers.",
+)
+@click.option(
+    "--budget-delta", type=NUMBER, default=1e-5, show_default=True, help="The budget's delta."
+)
 @click.option(
     "--equal-analyst-shares",
     is_flag=True,
@@ -424,6 +439,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
     type=click.IntRange(min=1),
     default=DEFAULT_MAX_TASKS_PER_DAY,
     show_default=True,
+    help="Queries answered in any 24 hours, at most (policy.max_tasks_per_day).",
 )
 @click.option(
     "--state-dir",

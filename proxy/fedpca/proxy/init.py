@@ -270,12 +270,21 @@ def write_proxy_folder(
     type=click.Choice([n.value for n in Neighbouring]),
     default=Neighbouring.ADD_REMOVE.value,
     show_default=True,
+    help="The adjacency every query states and the ledgers account under (docs/privacy.md).",
 )
 @click.option(
-    "--budget-epsilon", type=NUMBER, default=DEFAULT_ANALYST_BUDGET.epsilon, show_default=True
+    "--budget-epsilon",
+    type=NUMBER,
+    default=DEFAULT_ANALYST_BUDGET.epsilon,
+    show_default=True,
+    help="Each analyst's total privacy budget at this proxy (--analyst-budget: one's own).",
 )
 @click.option(
-    "--budget-delta", type=NUMBER, default=DEFAULT_ANALYST_BUDGET.delta, show_default=True
+    "--budget-delta",
+    type=NUMBER,
+    default=DEFAULT_ANALYST_BUDGET.delta,
+    show_default=True,
+    help="The budget's delta.",
 )
 @click.option(
     "--analyst-budget",
