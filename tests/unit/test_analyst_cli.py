@@ -1318,8 +1318,9 @@ def test_status_names_the_querys_kind_and_privacy_parameters(
     listing's query filter (it lists every query, and the client keeps the one)."""
     fake, address = proxy
     fake.honours_query_filter = honours_filter
-    fake.specs["other"] = _spec(fake.public_key, "other")
+    # q-1 first: the fake lists newest first, so "other" comes before it unfiltered.
     fake.specs["q-1"] = dataclasses.replace(_spec(fake.public_key, "q-1"), epsilon=0.25, delta=1e-7)
+    fake.specs["other"] = _spec(fake.public_key, "other")
     result = CliRunner().invoke(analyst_group, ["status", "q-1", "--proxy", address, "--insecure"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()

@@ -597,7 +597,7 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
     deadline charged in full. Now ``fit`` waits a little for them, then refuses,
     submitting nothing; ``wait_for_owners=True`` submits anyway, with the warning."""
     sleeps: list[float] = []
-    monkeypatch.setattr(querying_module.time, "sleep", sleeps.append)
+    monkeypatch.setattr(querying_module, "_pause", sleeps.append)
     monkeypatch.setattr(querying_module, "OWNERS_CONNECT_SECONDS", 0.0)
 
     class Disconnected(FakeClient):
@@ -627,6 +627,10 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
     with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
         connected = fit(Connecting)
     assert len(connected.submitted) == 1 and sleeps == [1.0, 1.0]
+    assert (
+        "only 1 of the 2 owners this query needs are connected to the proxy; waiting up to 60 s"
+        in caplog.text
+    )
     assert "connected to the proxy now" not in caplog.text
 
     with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):

@@ -34,6 +34,7 @@ from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError, DataError, PolicyError, ProtocolError
 from fedpca.messages import (
+    DECLINES_CLOSED,
     SHARE_RELEASED_METADATA,
     DeclineReason,
     Heartbeat,
@@ -929,37 +930,37 @@ def test_a_decline_the_proxy_does_not_acknowledge_is_left_for_a_redelivery(
 
 
 class _DeclineRefused(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
+    def __init__(self, details: str) -> None:
+        self._details = details
 
     def code(self) -> grpc.StatusCode:
-        return self._code
+        return grpc.StatusCode.FAILED_PRECONDITION
 
     def details(self) -> str:
-        return "query alice/q1 is failed: declines are no longer recorded"
+        return self._details
 
 
 @pytest.mark.parametrize(
-    ("code", "level"),
+    ("details", "level"),
     [
-        (grpc.StatusCode.FAILED_PRECONDITION, logging.INFO),
-        (grpc.StatusCode.INTERNAL, logging.WARNING),
+        (f"query 'alice/q1' is failed: {DECLINES_CLOSED}", logging.INFO),
+        ("query 'alice/q1': owner 'owner-1' already uploaded; it cannot decline", logging.WARNING),
     ],
 )
 def test_a_decline_the_ended_query_no_longer_takes_is_not_a_warning(
     harness: Harness,
     pool: CryptoPool,
     caplog: pytest.LogCaptureFixture,
-    code: grpc.StatusCode,
+    details: str,
     level: int,
 ) -> None:
     """Found by a new user's walkthrough: when another owner's decline had failed the
-    query, this owner's own decline came back FAILED_PRECONDITION and was logged as a
-    warning, though it is an expected race; other refusals still warn."""
+    query, this owner's own decline was refused and logged as a warning, though it is
+    an expected race; other refusals of a decline still warn (a review)."""
 
     class Refusing:
         def DeclineTask(self, message: Any, timeout: float) -> None:
-            raise _DeclineRefused(code)
+            raise _DeclineRefused(details)
 
     node = OwnerNode(harness.config, pool=pool, retry=replace(FAST_RETRY, decline_attempts=1))
     due = datetime.now(UTC) + timedelta(seconds=60)
@@ -968,7 +969,7 @@ def test_a_decline_the_ended_query_no_longer_takes_is_not_a_warning(
         assert node.process_task(Refusing(), over_budget) is None  # type: ignore[arg-type]
     (record,) = [r for r in caplog.records if "could not deliver the decline" in r.getMessage()]
     assert record.levelno == level
-    assert "declines are no longer recorded" in record.getMessage()
+    assert details in record.getMessage()
 
 
 def test_a_share_that_cannot_be_kept_is_not_uploaded(

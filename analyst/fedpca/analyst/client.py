@@ -524,6 +524,9 @@ class AnalystClient:
         """This analyst's queries, newest first (``limit`` 0: the proxy's default), or
         only its query ``query_id`` (NotFoundError unless it is one of them; empty if
         the proxy cannot read the query's statement, or is older and did not list it)."""
+        if query_id is not None:
+            # A proxy older than the filter ignores it: ask for as many as it lists.
+            limit = serde.MAX_LISTED_QUERIES
         request = serde.list_queries_request_to_proto(limit, query_id)
         message = self._unary(
             "list queries", lambda: self._stub.ListQueries(request, timeout=self.timeout)

@@ -479,6 +479,9 @@ OWNERS_CONNECT_SECONDS = 15.0
 """How long ``fit`` waits for the owners a query needs to be connected to the proxy
 before it refuses to submit (unless ``wait_for_owners``)."""
 
+_pause = time.sleep
+"""How that wait sleeps between two questions (tests replace it, not time.sleep)."""
+
 
 def _owners_connected(
     client: Any, deployment: DeploymentInfo, spec: QuerySpec, wait_for_owners: bool
@@ -498,6 +501,15 @@ def _owners_connected(
         the query waits for them until its deadline). Nothing was submitted.
     """
     waited_until = time.monotonic() + OWNERS_CONNECT_SECONDS
+    if deployment.owners_connected < spec.quorum and not wait_for_owners:
+        # Said at once: the wait is otherwise a silent pause (a review).
+        logger.warning(
+            "only %d of the %d owners this query needs are connected to the proxy; "
+            "waiting up to %g s for them before submitting",
+            deployment.owners_connected,
+            spec.quorum,
+            OWNERS_CONNECT_SECONDS,
+        )
     while deployment.owners_connected < spec.quorum and not wait_for_owners:
         if time.monotonic() >= waited_until:
             raise ConfigError(
@@ -510,7 +522,7 @@ def _owners_connected(
                 "--wait-for-owners (wait_for_owners=True) to submit anyway and let it wait "
                 "for them until its deadline"
             )
-        time.sleep(1.0)
+        _pause(1.0)
         deployment = client.describe()
     if deployment.owners_connected < spec.quorum:
         logger.warning(

@@ -65,6 +65,7 @@ from fedpca.messages.queries import (
     SignedQuery,
 )
 from fedpca.messages.tasks import (
+    DECLINES_CLOSED,
     MAX_DECLINE_DETAIL,
     PROTOCOL_VERSION,
     DeclineReason,
@@ -90,6 +91,7 @@ from fedpca.messages.uploads import (
 __all__ = [
     "CHAIN_GENESIS",
     "CHUNK_FRAMING_BYTES",
+    "DECLINES_CLOSED",
     "DEFAULT_CHUNK_MESSAGE_BYTES",
     "MAX_BLOCK_NAME_LENGTH",
     "MAX_DECLINE_DETAIL",

@@ -10,6 +10,7 @@ from fedpca.query import QuerySpec
 from fedpca.version import PROTOCOL_VERSION
 
 __all__ = [
+    "DECLINES_CLOSED",
     "PROTOCOL_VERSION",
     "DeclineReason",
     "Heartbeat",
@@ -111,6 +112,11 @@ class DeclineReason(StrEnum):
 
 MAX_DECLINE_DETAIL = 300
 """Characters of a decline's detail the proxy keeps and shows the analyst."""
+
+
+DECLINES_CLOSED = "declines are no longer recorded"
+"""What the proxy says when a query that has left COLLECTING is declined: the owner
+logs that expected race quietly (an owner's decline that failed the query first)."""
 
 
 @dataclass(frozen=True)

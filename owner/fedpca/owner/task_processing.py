@@ -32,6 +32,7 @@ from fedpca.errors import (
 )
 from fedpca.logs import SparseLog
 from fedpca.messages import (
+    DECLINES_CLOSED,
     MAX_DECLINE_DETAIL,
     DeclineReason,
     ObfuscationVariant,
@@ -619,17 +620,16 @@ class TaskProcessing(TaskEndings):
             try:
                 stub.DeclineTask(message, timeout=self.retry.call_timeout)
             except grpc.RpcError as err:
-                code = status_code(err)
+                code, details = status_code(err), status_details(err)
                 retry = code in RETRYABLE_CODES and attempt + 1 < self.retry.decline_attempts
-                # FAILED_PRECONDITION: the query ended meanwhile (another owner's decline
-                # failed it), an expected race (a new user read a warning as a fault).
-                ended = code is grpc.StatusCode.FAILED_PRECONDITION
+                # The query ended meanwhile (another owner's decline failed it): an
+                # expected race (a new user read a warning as a fault).
                 logger.log(
-                    logging.INFO if ended else logging.WARNING,
+                    logging.INFO if DECLINES_CLOSED in details else logging.WARNING,
                     "query %s: could not deliver the decline (%s: %s)%s",
                     query_id,
                     code.name,
-                    status_details(err),
+                    details,
                     "; retrying" if retry else "",
                 )
                 if not retry:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
-from fedpca.messages import QueryState
+from fedpca.messages import DECLINES_CLOSED, QueryState
 from fedpca.proxy.store_contributions import ContributionStore
 from fedpca.proxy.store_records import QueryRecord, query_record_of
 from fedpca.proxy.store_schema import SCHEMA_VERSION
@@ -264,9 +264,7 @@ class ProxyStore(ContributionStore):
             if row is None:
                 raise NotFoundError(f"unknown query {query_id!r}")
             if QueryState(row["state"]) is not QueryState.COLLECTING:
-                raise QueryStateError(
-                    f"query {query_id!r} is {row['state']}: declines are no longer recorded"
-                )
+                raise QueryStateError(f"query {query_id!r} is {row['state']}: {DECLINES_CLOSED}")
             if self._has_owner_row(conn, "uploads", query_id, owner_id):
                 raise QueryStateError(
                     f"query {query_id!r}: owner {owner_id!r} already uploaded; it cannot decline"

@@ -20,6 +20,7 @@ block at fault, so the servicer can return it verbatim as INVALID_ARGUMENT.
 from __future__ import annotations
 
 from fedpca.transport.serde.analyst_service import (
+    MAX_LISTED_QUERIES,
     budget_request_from_proto,
     budget_request_to_proto,
     budget_status_from_proto,
@@ -85,6 +86,7 @@ from fedpca.transport.serde.query import (
 
 __all__ = [
     "MAX_IN_FLIGHT_TASKS",
+    "MAX_LISTED_QUERIES",
     "QUERY_SPEC_WIRE_FIELDS",
     "blocks_from_proto",
     "blocks_to_proto",
