@@ -258,8 +258,8 @@ class FederatedEstimator(SklearnParams):
             (e.g. ``rho`` for DCA, ``proxy``), and ``n_components``: how many
             components to take from the release (default the query's; None: all of
             them; any number is post-processing of the one release, charged nothing
-            more). Other query
-            parameters are taken from the release and may not be overridden.
+            more). Other query parameters are taken from the release and may not be
+            overridden.
         """
         if release.kind is not cls._kind:
             raise ConfigError(

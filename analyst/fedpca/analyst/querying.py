@@ -500,17 +500,32 @@ def _owners_connected(
         Still too few after the wait, unless ``wait_for_owners`` (then a warning and
         the query waits for them until its deadline). Nothing was submitted.
     """
+    short = deployment.owners_connected < spec.quorum
+    if wait_for_owners or not short:
+        if short:
+            logger.warning(
+                "only %d of the %d owners this query needs (quorum %d of %d registered) are "
+                "connected to the proxy now; it waits for the others until its deadline "
+                "(%g s). If it fails there after any owner began an upload (the connected "
+                "ones may begin at once), its epsilon stays charged in full although "
+                "nothing is released; it is refunded only if no owner began one",
+                deployment.owners_connected,
+                spec.quorum,
+                spec.quorum,
+                deployment.owners_registered,
+                spec.deadline_seconds,
+            )
+        return deployment
+    # Said at once: the wait is otherwise a silent pause (a review).
+    logger.warning(
+        "only %d of the %d owners this query needs are connected to the proxy; "
+        "waiting up to %g s for them before submitting",
+        deployment.owners_connected,
+        spec.quorum,
+        OWNERS_CONNECT_SECONDS,
+    )
     waited_until = time.monotonic() + OWNERS_CONNECT_SECONDS
-    if deployment.owners_connected < spec.quorum and not wait_for_owners:
-        # Said at once: the wait is otherwise a silent pause (a review).
-        logger.warning(
-            "only %d of the %d owners this query needs are connected to the proxy; "
-            "waiting up to %g s for them before submitting",
-            deployment.owners_connected,
-            spec.quorum,
-            OWNERS_CONNECT_SECONDS,
-        )
-    while deployment.owners_connected < spec.quorum and not wait_for_owners:
+    while deployment.owners_connected < spec.quorum:
         if time.monotonic() >= waited_until:
             raise ConfigError(
                 f"only {deployment.owners_connected} of the {spec.quorum} owners this "
@@ -524,19 +539,6 @@ def _owners_connected(
             )
         _pause(1.0)
         deployment = client.describe()
-    if deployment.owners_connected < spec.quorum:
-        logger.warning(
-            "only %d of the %d owners this query needs (quorum %d of %d registered) are "
-            "connected to the proxy now; it waits for the others until its deadline "
-            "(%g s). If it fails there after any owner began an upload (the connected "
-            "ones may begin at once), its epsilon stays charged in full although nothing "
-            "is released; it is refunded only if no owner began one",
-            deployment.owners_connected,
-            spec.quorum,
-            spec.quorum,
-            deployment.owners_registered,
-            spec.deadline_seconds,
-        )
     return deployment
 
 

@@ -84,12 +84,13 @@ def _policy_refusal(release: ContributedRelease, policy: PolicyConfig) -> str | 
 def _event_of(release: ContributedRelease) -> PrivacyEvent:
     """The release as this node recorded it when it answered the query (task_processing)."""
     spec = release.spec
-    analyst, slash, query_id = release.task_id.rpartition("/")
+    analyst, _, query_id = release.task_id.rpartition("/")
     try:
         validate_node_id(analyst)  # as a live task's id is checked (found by review)
+        named = query_id == spec.query_id
     except ConfigError:
-        slash = ""
-    if not (slash and query_id == spec.query_id):
+        named = False
+    if not named:
         raise ConfigError(
             f"release {printable(release.task_id[:200])} is not the proxy's key of query "
             f"{spec.query_id!r} (analyst/query): nothing was re-entered"
