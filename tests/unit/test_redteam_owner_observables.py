@@ -182,7 +182,9 @@ def test_a_histogram_takes_the_same_time_whatever_the_rows_hold(
     def histogram(rows: np.ndarray) -> Callable[[], object]:
         return lambda: fixed_point_aggregates(rows, spec, pad_to=k)
 
-    best = _fastest_of(9, {"spread": histogram(spread), "other": histogram(other)})
+    # 25 interleaved runs (9 failed once in CI at 1.40x while the machine was busy;
+    # 5 ms each, so a burst of other work spans only some runs of each case).
+    best = _fastest_of(25, {"spread": histogram(spread), "other": histogram(other)})
     ratio = max(best.values()) / min(best.values())
     assert ratio < 1.15, (
         f"spread records: {best['spread'] * 1e3:.2f} ms; "
