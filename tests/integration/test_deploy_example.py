@@ -234,11 +234,8 @@ def _healthy(network: Network, name: str, service: dict[str, Any]) -> bool:
 def test_the_compose_services_run_across_hosts(example: Path, tmp_path: Path) -> None:
     reason = namespaces_unavailable()
     if reason is not None:
-        message = f"multi-host deployment test needs network namespaces: {reason}"
-        # CI must not pass without it: .ci/run sets this, so the skip becomes a failure.
-        if os.environ.get("FEDPCA_REQUIRE_NETNS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        # Under .ci/run (FEDPCA_NO_SKIPS=1, tests/conftest.py) this skip is a failure.
+        pytest.skip(f"multi-host deployment test needs network namespaces: {reason}")
     services = _services(example)
     analyst = example / "example" / "analyst"
     with Network([*services, "analyst"]) as network:
