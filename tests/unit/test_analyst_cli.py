@@ -64,6 +64,7 @@ from fedpca.errors import (
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.masked_release import row_aligned_positions
 from fedpca.messages import (
+    CANCELLED_REASON,
     REFUSAL_METADATA,
     BudgetStatus,
     CancelReceipt,
@@ -232,6 +233,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         """Owners the fake deployment accepts (results carry one owner's statistics)."""
         self.declines: tuple[OwnerDecline, ...] = ()
         self.cancelled: list[str] = []
+        self.failed_before: dict[str, str] = {}
         self.fetch_breaks = 0
         """FetchResult streams to break (UNAVAILABLE) after their first two messages."""
         self.reencrypt_on_reopen = False
@@ -298,10 +300,12 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         if query_id not in self.specs:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown query {query_id!r}")
         self.cancelled.append(query_id)
-        status = QueryStatus(
-            query_id, QueryState.FAILED, 0, 1, failure_reason="cancelled by the analyst"
-        )
-        return serde.cancel_receipt_to_proto(CancelReceipt(status, refunded=True))
+        # A query that failed before (its reason) is cancelled again as the proxy does:
+        # nothing changes and its charge stands.
+        reason = self.failed_before.get(query_id, CANCELLED_REASON)
+        status = QueryStatus(query_id, QueryState.FAILED, 0, 1, failure_reason=reason)
+        refunded = query_id not in self.failed_before
+        return serde.cancel_receipt_to_proto(CancelReceipt(status, refunded=refunded))
 
     def SubmitQuery(self, request: Any, context: Any) -> Any:
         signed = serde.submit_query_request_from_proto(request)
@@ -958,6 +962,15 @@ def test_cli_list_status_cancel_and_fetch(
     assert "cancelled by the analyst" in cancelled.stdout and "refunded" in cancelled.stdout
     unknown = runner.invoke(analyst_group, ["cancel", "q-nope", *connection])
     assert unknown.exit_code == 1 and "unknown query 'q-nope'" in unknown.output
+    # Cancelling a query that had failed for another reason says so, not "cancelled".
+    fake.failed_before[query_id] = "deadline passed with 1 of 2 owners"
+    again = runner.invoke(analyst_group, ["cancel", query_id, *connection])
+    assert again.exit_code == 0, again.output
+    assert f"query {query_id} had already failed, nothing to cancel: deadline passed" in (
+        again.stdout
+    )
+    assert "cancelled by the analyst" not in again.stdout and "charge: stands" in again.stdout
+    del fake.failed_before[query_id]
 
     out = tmp_path / "again" / "result.json"
     out.parent.mkdir()

@@ -17,8 +17,7 @@ from fedpca.codec import CryptoPool
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import BudgetExceededError, NotFoundError, OverloadError, QueryStateError
-from fedpca.messages import Charge, QueryState
-from fedpca.proxy.coordinator import CANCELLED_REASON
+from fedpca.messages import CANCELLED_REASON, Charge, QueryState
 from fedpca.proxy.limits import PeerLimits
 from fedpca.query import Calibration, Neighbouring
 from helpers import SECOND_TEST_SIGNING_KEY, TEST_SIGNING_KEY, query_builder

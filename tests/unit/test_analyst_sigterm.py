@@ -23,8 +23,7 @@ import pytest
 from fedpca.analyst.keys import create_analyst_keys, load_analyst_private_key
 from fedpca.codec import CryptoPool
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.messages import QueryState
-from fedpca.proxy.coordinator import CANCELLED_REASON
+from fedpca.messages import CANCELLED_REASON, QueryState
 from fedpca.transport.certs import Role
 from inprocess import deployment, labelled
 

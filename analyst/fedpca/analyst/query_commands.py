@@ -26,7 +26,14 @@ import click
 from fedpca.analyst.cli_output import result_out_option
 from fedpca.errors import ConfigError, QueryStateError
 from fedpca.formatting import printable, shortened
-from fedpca.messages import Charge, DeploymentInfo, QueryState, QueryStatus, QuerySummary
+from fedpca.messages import (
+    CANCELLED_REASON,
+    Charge,
+    DeploymentInfo,
+    QueryState,
+    QueryStatus,
+    QuerySummary,
+)
 
 __all__ = ["register"]
 
@@ -253,7 +260,12 @@ def register(
         The charge is refunded only if no owner had begun an upload."""
         with errors(), client(params) as (opened, _):
             receipt = opened.cancel(query_id)
-        click.echo(f"query {query_id}: {receipt.status.failure_reason or 'failed'}")
+        reason = receipt.status.failure_reason or "failed"
+        if reason != CANCELLED_REASON:
+            # Cancelling changes nothing then; the query's end is not news of this call.
+            click.echo(f"query {query_id} had already failed, nothing to cancel: {reason}")
+        else:
+            click.echo(f"query {query_id}: {reason}")
         if receipt.refunded:
             click.echo("charge: refunded (no owner had begun an upload)")
         else:

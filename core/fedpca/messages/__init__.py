@@ -48,7 +48,7 @@ from fedpca.messages.ciphertexts import (
     ciphertexts_from_bytes,
     ciphertexts_to_bytes,
 )
-from fedpca.messages.deployment import CancelReceipt, DeploymentInfo, QuerySummary
+from fedpca.messages.deployment import CANCELLED_REASON, CancelReceipt, DeploymentInfo, QuerySummary
 from fedpca.messages.queries import (
     REFUSAL_METADATA,
     BudgetStatus,
@@ -89,6 +89,7 @@ from fedpca.messages.uploads import (
 )
 
 __all__ = [
+    "CANCELLED_REASON",
     "CHAIN_GENESIS",
     "CHUNK_FRAMING_BYTES",
     "DECLINES_CLOSED",

@@ -13,7 +13,7 @@ from datetime import datetime
 from fedpca.messages.queries import QueryStatus
 from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind
 
-__all__ = ["CancelReceipt", "DeploymentInfo", "QuerySummary"]
+__all__ = ["CANCELLED_REASON", "CancelReceipt", "DeploymentInfo", "QuerySummary"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,11 @@ class QuerySummary:
         if self.aggregates:
             return f"{self.kind.value}:{'+'.join(kind.value for kind in self.aggregates)}"
         return self.kind.value
+
+
+CANCELLED_REASON = "cancelled by the analyst"
+"""The failure reason of a query its analyst cancelled (any other reason: the query
+had failed before it was cancelled)."""
 
 
 @dataclass(frozen=True)

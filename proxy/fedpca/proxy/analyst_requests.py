@@ -15,6 +15,7 @@ from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import ConfigError, OverloadError, QueryStateError
 from fedpca.formatting import distinct
 from fedpca.messages import (
+    CANCELLED_REASON,
     BudgetStatus,
     CancelReceipt,
     Charge,
@@ -37,12 +38,9 @@ from fedpca.proxy.results import result_header, whole_result
 from fedpca.proxy.store_records import QueryRecord, page_count
 from fedpca.query import DEFAULT_QUERY_DELTA
 
-__all__ = ["CANCELLED_REASON", "AnalystRequests", "next_query_for"]
+__all__ = ["AnalystRequests", "next_query_for"]
 
 logger = logging.getLogger("fedpca.proxy.coordinator")
-
-CANCELLED_REASON = "cancelled by the analyst"
-"""The failure reason of a query its analyst cancelled."""
 
 
 class AnalystRequests(CoordinatorCore):

@@ -48,7 +48,7 @@ from fedpca.messages import (
     QueryState,
     UploadHeader,
 )
-from fedpca.proxy.analyst_requests import CANCELLED_REASON, AnalystRequests
+from fedpca.proxy.analyst_requests import AnalystRequests
 from fedpca.proxy.coordinator_core import OpenUpload, task_id, total_ciphertexts
 from fedpca.proxy.masking import masked_result
 from fedpca.proxy.owner_tasks import OwnerTasks
@@ -60,7 +60,7 @@ from fedpca.proxy.submissions import Submissions
 from fedpca.proxy.uploads import UploadStream, check_upload_header
 from fedpca.query import ProtocolMode
 
-__all__ = ["CANCELLED_REASON", "Coordinator", "task_id"]
+__all__ = ["Coordinator", "task_id"]
 
 logger = logging.getLogger(__name__)
 
