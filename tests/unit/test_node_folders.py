@@ -111,6 +111,52 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     assert not config.proxy.database.exists()
 
 
+def test_init_force_accepts_the_changes_its_flags_ask_for(certs: Path, tmp_path: Path) -> None:
+    """A new user's ``proxy init --force --owners a,b`` was refused for changing the
+    owners, the change asked for, until --replace-settings was added. Changes by
+    flags given are accepted; changes by defaults (a dropped setting) are not."""
+    out = tmp_path / "proxy"
+    base = ["init", "--out", str(out), "--certs", str(certs), "--force"]
+    budget = ["--analyst-budget", "alice=1:1e-6"]
+    first = CliRunner().invoke(proxy_group, [*base, "--owners", OWNERS[0], *budget])
+    assert first.exit_code == 0, first.output
+    wider = [*base, "--owners", ",".join(OWNERS), "--budget-epsilon", "2"]
+    # The analyst's budget, not given again, would be dropped: refused, by name only.
+    refused = CliRunner().invoke(proxy_group, wider)
+    assert refused.exit_code == 1
+    assert "budget.analysts.alice.epsilon: 1.0 dropped" in refused.output
+    assert "owners.allowed" not in refused.output and "budget.epsilon" not in refused.output
+    assert load_proxy_config(out / "proxy.toml").owners.allowed == {OWNERS[0]}
+    changed = CliRunner().invoke(proxy_group, [*wider, "--analyst-budget", "alice=3:1e-6"])
+    assert changed.exit_code == 0, changed.output
+    config = load_proxy_config(out / "proxy.toml")
+    assert config.owners.allowed == frozenset(OWNERS)
+    assert config.budget.default.epsilon == 2.0
+    assert config.budget.analysts["alice"].epsilon == 3.0
+    # An owner folder alike: a new --max-records and one more analyst key are asked for;
+    # the monitoring address, not given again, is not.
+    data = _table(tmp_path / "table.csv")
+    owner = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(owner), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--analyst-signer", TEST_SIGNER),
+        *("--analyst-key", "sha256:" + "a" * 64, "--force"),
+    ]
+    monitoring = ["--monitoring-listen", "127.0.0.1:9464"]
+    made = CliRunner().invoke(owner_group, [*args, "--max-records", "400", *monitoring])
+    assert made.exit_code == 0, made.output
+    more = [*args, "--analyst-key", "sha256:" + "b" * 64, "--max-records", "500"]
+    refused = CliRunner().invoke(owner_group, more)
+    assert refused.exit_code == 1 and "monitoring.listen: '127.0.0.1:9464' dropped" in (
+        refused.output
+    )
+    assert "max_records" not in refused.output and "accepted_analyst_keys" not in refused.output
+    changed = CliRunner().invoke(owner_group, [*more, *monitoring])
+    assert changed.exit_code == 0, changed.output
+    loaded = load_owner_config(owner / "owner.toml")
+    assert loaded.data.max_records == 500 and len(loaded.policy.accepted_analyst_keys) == 2
+
+
 def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     base = ["init", "--out", str(tmp_path / "p"), "--owners", OWNERS[0], "--certs", str(certs)]

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
+from click.core import ParameterSource
+
 from fedpca.errors import ConfigError
 from fedpca.files import undone_on_failure
 from fedpca.transport.certs import (
@@ -42,6 +45,7 @@ __all__ = [
     "config_path",
     "prepare_folder",
     "refuse_changed_settings",
+    "settings_given",
     "writing_folder",
 ]
 
@@ -181,15 +185,22 @@ def _flat(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def refuse_changed_settings(path: Path, new_text: str, *, replace_settings: bool) -> None:
+def refuse_changed_settings(
+    path: Path, new_text: str, *, replace_settings: bool, requested: Iterable[str] = ()
+) -> None:
     """Refuse to replace the configuration ``path`` with ``new_text`` when that changes
-    or drops a setting, unless ``replace_settings``.
+    or drops a setting, unless ``replace_settings`` or the setting is ``requested``.
 
     ``init --force`` writes every setting from its flags and their defaults: run again
     to pin one more analyst key, it had silently raised an owner's budget from 1 to 3,
     lowered its quorum and dropped its other limits, and a proxy's had dropped revoked
     certificates and budget overrides (found by an operator's review). The error lists
     each change; a file that cannot be read as TOML is not compared.
+
+    ``requested`` names the settings (dotted keys, e.g. ``owners.allowed``; a table's
+    name covers its keys) whose flags were given (:func:`settings_given`): changing
+    them is what was asked. A new user's ``proxy init --force --owners a,b,c`` was
+    refused for changing the owners until ``--replace-settings`` was added.
 
     Raises
     ------
@@ -202,18 +213,38 @@ def refuse_changed_settings(path: Path, new_text: str, *, replace_settings: bool
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return
     new = _flat(tomllib.loads(new_text))
+    asked = tuple(requested)
     changes = [
         f"{key}: {old[key]!r} -> {new[key]!r}" if key in new else f"{key}: {old[key]!r} dropped"
         for key in sorted(old)
         if new.get(key, _MISSING) != old[key]
+        and not any(key == name or key.startswith(f"{name}.") for name in asked)
     ]
     if changes:
         raise ConfigError(
             f"{path} would change these settings: {'; '.join(changes)}. `init --force` "
-            "writes every setting from its flags and their defaults: give the flags that "
-            f"keep them, edit {path.name} by hand instead, or pass --replace-settings to "
-            "accept the changes"
+            "writes every setting from its flags and their defaults; changes by flags "
+            "given are accepted, not those of defaults: give the flags that keep them, "
+            f"edit {path.name} by hand instead, or pass --replace-settings to accept the "
+            "changes"
         )
 
 
 _MISSING = object()
+
+
+def settings_given(flag_settings: Mapping[str, Iterable[str]]) -> list[str]:
+    """The settings (dotted keys) of the current click command's flags that were given
+    on its command line or in the environment, not left at their defaults.
+
+    ``flag_settings`` maps each parameter's name to the settings it writes; the result
+    is the ``requested`` of :func:`refuse_changed_settings`.
+    """
+    context = click.get_current_context()
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return [
+        key
+        for name, keys in flag_settings.items()
+        if context.get_parameter_source(name) in given
+        for key in keys
+    ]

@@ -14,6 +14,7 @@ read from here.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -37,6 +38,7 @@ from fedpca.transport.bundle import (
     TLS_DIR,
     config_path,
     refuse_changed_settings,
+    settings_given,
     writing_folder,
 )
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, validate_node_id
@@ -217,11 +219,15 @@ def write_owner_folder(
     force: bool = False,
     replace_settings: bool = False,
     equal_shares: bool = False,
+    requested_settings: Sequence[str] = (),
 ) -> tuple[OwnerConfig, tuple[int, int] | None]:
     """Write an owner folder; return its configuration and the data's (records, features).
 
     ``data`` is the table's path on this machine (relative paths: to the current
     folder); the configuration names it relative to ``out`` when it lies inside it.
+    With ``force`` over an existing owner.toml, a changed setting is refused unless
+    ``replace_settings`` or it is among ``requested_settings`` (dotted keys, those of
+    the flags given: :func:`~fedpca.transport.bundle.refuse_changed_settings`).
 
     Raises
     ------
@@ -305,7 +311,9 @@ def write_owner_folder(
         if state_dir is None:
             folder.make_state()
         path = out / CONFIG_NAME
-        refuse_changed_settings(path, text, replace_settings=replace_settings)
+        refuse_changed_settings(
+            path, text, replace_settings=replace_settings, requested=requested_settings
+        )
         path.write_text(text, encoding="utf-8")
         config = load_config(path)
         # Made here, so that `owner serve` may refuse to start on a ledger that does not
@@ -329,6 +337,33 @@ def write_owner_folder(
 
 def _split(values: tuple[str, ...]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+_FLAG_SETTINGS = {
+    "owner_id": ("owner.id",),
+    "proxy": ("owner.proxy",),
+    "state_dir": ("owner.state_dir",),
+    "data": ("data.path", "data.n_columns"),
+    "label_column": ("data.label_column", "data.n_columns"),
+    "header": ("data.header",),
+    "max_records": ("data.max_records",),
+    "neighbouring": ("privacy.neighbouring",),
+    "analyst_keys": ("policy.accepted_analyst_keys", "policy.analyst_key_signers"),
+    "signers": ("policy.accepted_query_signers", "policy.analyst_key_signers"),
+    "max_epsilon_per_query": ("policy.max_epsilon_per_query",),
+    "max_delta_per_query": ("policy.max_delta_per_query",),
+    "allow_masked_mode": ("policy.allow_masked_mode",),
+    "kinds": ("policy.allowed_kinds",),
+    "min_quorum": ("policy.min_quorum",),
+    "max_tasks_per_day": ("policy.max_tasks_per_day",),
+    "budget_epsilon": ("budget.epsilon",),
+    "budget_delta": ("budget.delta",),
+    "equal_analyst_shares": ("budget.analyst_shares",),
+    "monitoring_listen": ("monitoring",),
+}
+"""The settings in owner.toml each flag of ``init`` writes: with ``--force``, changes
+to them are what was asked (shares dropped only with ``--equal-analyst-shares`` given
+or ``--replace-settings``)."""
 
 
 @click.command("init")
@@ -522,6 +557,7 @@ def init_command(
             force=force,
             replace_settings=replace_settings,
             equal_shares=equal_analyst_shares,
+            requested_settings=settings_given(_FLAG_SETTINGS),
         )
     except (FedpcaError, DataError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -11,6 +11,7 @@ command succeeds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -30,6 +31,7 @@ from fedpca.transport.bundle import (
     STATE_DIR,
     TLS_DIR,
     refuse_changed_settings,
+    settings_given,
     writing_folder,
 )
 from fedpca.transport.certs import (
@@ -189,8 +191,13 @@ def write_proxy_folder(
     monitoring_listen: str | None = None,
     force: bool = False,
     replace_settings: bool = False,
+    requested_settings: Sequence[str] = (),
 ) -> ProxyConfig:
     """Write a proxy folder and return its configuration as the proxy will read it.
+
+    With ``force`` over an existing proxy.toml, a changed setting is refused unless
+    ``replace_settings`` or it is among ``requested_settings`` (dotted keys, those of
+    the flags given: :func:`~fedpca.transport.bundle.refuse_changed_settings`).
 
     Raises
     ------
@@ -221,7 +228,9 @@ def write_proxy_folder(
             monitoring_listen=monitoring_listen,
         )
         path = out / CONFIG_NAME
-        refuse_changed_settings(path, text, replace_settings=replace_settings)
+        refuse_changed_settings(
+            path, text, replace_settings=replace_settings, requested=requested_settings
+        )
         path.write_text(text, encoding="utf-8")
         config = load_config(path)
         if not holds_database(config.proxy.database):
@@ -235,6 +244,20 @@ def write_proxy_folder(
                 announce_creation=False,
             ).close()
     return config
+
+
+_FLAG_SETTINGS = {
+    "owners": ("owners.allowed",),
+    "proxy_id": ("proxy.id",),
+    "listen": ("proxy.listen",),
+    "neighbouring": ("privacy.neighbouring",),
+    "budget_epsilon": ("budget.epsilon",),
+    "budget_delta": ("budget.delta",),
+    "max_delta_per_query": ("privacy.max_delta_per_query",),
+    "monitoring_listen": ("monitoring",),
+}
+"""The settings in proxy.toml each flag of ``init`` writes (``--analyst-budget ID=…``:
+``budget.analysts.ID``): with ``--force``, changes to them are what was asked."""
 
 
 @click.command("init")
@@ -332,6 +355,7 @@ def init_command(
             files = TlsFiles(ca, cert, key)
         elif certs is None:
             raise ConfigError("give --certs DIR (from `fedpca certs init`) or --ca/--cert/--key")
+        parsed_budgets = [_analyst_budget(text) for text in analyst_budgets]
         config = write_proxy_folder(
             out,
             proxy_id=proxy_id,
@@ -342,11 +366,15 @@ def init_command(
             neighbouring=Neighbouring(neighbouring),
             budget_epsilon=budget_epsilon,
             budget_delta=budget_delta,
-            analyst_budgets=[_analyst_budget(text) for text in analyst_budgets],
+            analyst_budgets=parsed_budgets,
             max_delta_per_query=max_delta_per_query,
             monitoring_listen=monitoring_listen,
             force=force,
             replace_settings=replace_settings,
+            requested_settings=[
+                *settings_given(_FLAG_SETTINGS),
+                *(f"budget.analysts.{analyst}" for analyst, _, _ in parsed_budgets),
+            ],
         )
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
