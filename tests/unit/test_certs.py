@@ -285,6 +285,12 @@ def test_cli_issue_and_show(tmp_path: Path) -> None:
     ca = runner.invoke(certs_group, ["show", str(tmp_path / "ca" / "ca.pem")])
     assert ca.exit_code == 0, ca.output
     assert "identity:   certificate authority" in ca.output and "valid:" in ca.output
+    # The names the init commands use for the same things (--certs DIR, --id) work too.
+    aliased = ["issue", "--certs", str(tmp_path), "--role", "analyst", "--id", "bob"]
+    result = runner.invoke(certs_group, aliased)
+    assert result.exit_code == 0, result.output
+    files = certs.CertificateDirectory(tmp_path).node_files(NodeIdentity(Role.ANALYST, "bob"))
+    assert certs.TlsMaterial.load(files).identity.node_id == "bob"
 
 
 def test_cli_issue_replaces_a_node_certificate_only_when_forced(tmp_path: Path) -> None:

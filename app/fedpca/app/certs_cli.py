@@ -106,10 +106,11 @@ def init_command(
 @certs_group.command("issue")
 @click.option(
     "--dir",
+    "--certs",
     "directory",
     required=True,
     type=click.Path(file_okay=False, exists=True, path_type=Path),
-    help="Directory created by `fedpca certs init`.",
+    help="Directory created by `fedpca certs init` (--certs, as the init commands name it).",
 )
 @click.option(
     "--role",
@@ -117,7 +118,13 @@ def init_command(
     required=True,
     help="What the certificate lets its holder act as.",
 )
-@click.option("--node-id", required=True, help="The node's id, named in its certificate.")
+@click.option(
+    "--node-id",
+    "--id",
+    "node_id",
+    required=True,
+    help="The node's id, named in its certificate (--id, as the init commands name it).",
+)
 @click.option("--proxy-host", "proxy_hosts", multiple=True, help="Proxy only (repeatable).")
 @_valid_days
 @click.option(
