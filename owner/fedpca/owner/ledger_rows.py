@@ -216,6 +216,19 @@ def reenter_release(
         connection.execute(
             "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at, "
             "spec_digest) VALUES (?, ?, ?, 1, ?, ?) "
-            "ON CONFLICT (query_id) DO UPDATE SET upload_started = 1",
-            (query_id, TaskOutcome.UPLOADED.value, REENTERED, time.time(), digest),
+            "ON CONFLICT (query_id) DO UPDATE SET upload_started = 1, "
+            # A task held as reserved is final now: left open, a proxy delivering it
+            # again had it answered with a new share (review). One uploading resumes
+            # its own upload, the same share.
+            "state = CASE WHEN state = ? THEN excluded.state ELSE state END, "
+            "detail = CASE WHEN state = ? THEN excluded.detail ELSE detail END",
+            (
+                query_id,
+                TaskOutcome.UPLOADED.value,
+                REENTERED,
+                time.time(),
+                digest,
+                TaskOutcome.RESERVED.value,
+                TaskOutcome.RESERVED.value,
+            ),
         )
