@@ -1300,7 +1300,11 @@ def test_a_query_this_version_cannot_plan_fails_at_start_instead_of_stopping_it(
     charged = coordinator.budget("alice").n_releases
     coordinator.store.close()
     with sqlite3.connect(tmp_path / "proxy.sqlite3") as raw:  # as if its format changed
-        raw.execute("UPDATE queries SET spec = '{\"quorum\": 2}' WHERE query_id = ?", (Q1,))
+        raw.execute(
+            "UPDATE queries SET spec = '{\"quorum\": 2}', summary = '{\"quorum\": 2}' "
+            "WHERE query_id = ?",
+            (Q1,),
+        )
     raw.close()
     restarted = make_coordinator(tmp_path, pool)
     assert restarted.recover() == [Q1]

@@ -771,7 +771,7 @@ def test_a_reader_leaves_an_older_database_as_it_is(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite3"
     _old_database(path, 3)
     before = path.read_bytes()
-    with pytest.raises(ConfigError, match=r"schema version 3, this fedpca reads 4.*proxy serve"):
+    with pytest.raises(ConfigError, match=r"schema version 3, this fedpca reads 5.*proxy serve"):
         ProxyStore(path, page_ciphertexts=PAGE, read_only=True)
     assert path.read_bytes() == before
     ProxyStore(path, page_ciphertexts=PAGE).close()  # the proxy itself migrates it
@@ -819,7 +819,7 @@ def test_older_databases_are_migrated_with_results_as_pages(tmp_path: Path, vers
     conn.close()
     assert not {"aggregates", "results", "upload_chunks"} & tables
     assert {"contributors", "staged_chunks", "result_pages"} <= tables
-    assert stored == str(SCHEMA_VERSION) == "4"
+    assert stored == str(SCHEMA_VERSION) == "5"
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])

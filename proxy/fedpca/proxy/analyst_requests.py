@@ -29,10 +29,6 @@ from fedpca.proxy.coordinator_core import (
     CoordinatorCore,
     RecentlyUsed,
     task_id,
-    total_ciphertexts,
-)
-from fedpca.proxy.queries import (
-    result_blocks,
 )
 from fedpca.proxy.results import result_header, whole_result
 from fedpca.proxy.store_records import QueryRecord, page_count
@@ -98,13 +94,9 @@ class AnalystRequests(CoordinatorCore):
         for owner, text in sorted(self.store.declines(key).items()):
             code, _, detail = text.partition(": ")
             declines.append(OwnerDecline(owner, code, detail))
-        try:
-            context = self._context(key)
-        except ConfigError:  # a stored query this version cannot plan (failed at start)
-            result_total = total = 0
-        else:
-            result_total = sum(block.n_ciphertexts for block in result_blocks(context.plan))
-            total = total_ciphertexts(context)
+        # From the stored summary, not the query: reading a large one took seconds.
+        result_total = int(record.summary.get("result_ciphertexts", 0))
+        total = int(record.summary.get("owner_ciphertexts", 0))
         contributors = self.store.contributors(key)
         # A contribution counts once all its chunks are folded (its stream's own end
         # may be acknowledged a moment later); the others are still uploading.

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from fedpca.errors import ConfigError
 from fedpca.messages import PROTOCOL_VERSION, DeploymentInfo, QuerySummary
 from fedpca.proxy.coordinator import Coordinator, task_id
-from fedpca.query_records import spec_from_dict
+from fedpca.query import AggregateKind, ProtocolMode, QueryKind
 from fedpca.version import __version__
 
 __all__ = ["DEFAULT_LISTED_QUERIES", "describe_deployment", "list_queries"]
@@ -72,20 +71,27 @@ def list_queries(
     summaries = []
     prefix = f"{analyst_id}/"
     for record in records:
+        # From the stored summary (the query itself can be megabytes of JSON: a review
+        # listed 30 large ones in 14.5 s a call).
+        summary = record.summary
         try:
-            spec = spec_from_dict(record.spec)
-        except ConfigError:
+            kind = QueryKind(summary["kind"])
+            mode = ProtocolMode(summary["mode"])
+            epsilon = float(summary["epsilon"])
+            delta = float(summary["delta"])
+            aggregates = tuple(AggregateKind(name) for name in summary["aggregates"])
+        except (KeyError, TypeError, ValueError):
             continue
         listed_id = record.query_id.removeprefix(prefix)
         summaries.append(
             QuerySummary(
                 status=coordinator.status(analyst_id, listed_id),
-                kind=spec.kind,
-                mode=spec.mode,
-                epsilon=spec.epsilon,
-                delta=spec.delta,
+                kind=kind,
+                mode=mode,
+                epsilon=epsilon,
+                delta=delta,
                 created_at=datetime.fromtimestamp(record.created_at, UTC),
-                aggregates=tuple(dict.fromkeys(part.kind for part in spec.aggregates)),
+                aggregates=aggregates,
             )
         )
     return summaries

@@ -48,6 +48,7 @@ configuration file, so a deployment directory can be moved as a whole)::
     max_watches_per_analyst = 8
     max_open_queries_per_analyst = 4
     max_queries_per_analyst_per_day = 500
+    max_query_mib_per_analyst_per_day = 64.0
     max_submissions_per_analyst = 2
     max_calls_per_peer = 16
     request_read_seconds = 30.0

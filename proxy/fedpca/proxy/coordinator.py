@@ -559,14 +559,17 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
 
     def purge_results(self) -> list[str]:
         """Delete the result pages of queries finished more than ``[proxy]
-        keep_results_days`` ago (none when it is 0), and truncate the database's
-        write-ahead log, which may hold frames of deleted aggregates (any setting);
-        returns the purged keys."""
+        keep_results_days`` ago (none when it is 0) and queries failed refunded as long
+        ago (a day at least: the daily bound counts them), truncate the write-ahead log,
+        which may hold frames of deleted aggregates; returns the purged results' keys."""
         days = self.config.proxy.keep_results_days
         if days <= 0:
             self.store.truncate_wal()
             return []
         purged = self.store.purge_results(self.clock() - days * SECONDS_PER_DAY)
+        cutoff = self.clock() - max(days, 1) * SECONDS_PER_DAY
+        if forgotten := self.store.forget_refunded_failures(cutoff):
+            logger.info("deleted %d queries that failed refunded: %s", len(forgotten), forgotten)
         self.store.truncate_wal()
         if purged:
             logger.info(

@@ -18,7 +18,9 @@ its share of what remains:
   and ``max_queries_per_analyst_per_day`` submitted in any 24 hours (each query costs
   the proxy its noise draw, about 10 µs a value, and a database row, even when it is
   cancelled and refunded, so a small budget must not buy an unbounded amount of them),
-  and at most ``max_submissions_per_analyst`` submissions of one analyst checked at once;
+  no new one once its queries of the last 24 hours take ``max_query_mib_per_analyst_per_day``
+  in the database (a query can be 2 MiB stored: a histogram's public bin edges), and at
+  most ``max_submissions_per_analyst`` submissions of one analyst checked at once;
 * at most ``max_pending_work`` blocking jobs (database, folding) waiting for the
   proxy's ``worker_threads``.
 
@@ -62,6 +64,10 @@ class PeerLimits:
     max_watches_per_analyst: int = 8
     max_open_queries_per_analyst: int = 4
     max_queries_per_analyst_per_day: int = 500
+    max_query_mib_per_analyst_per_day: float = 64.0
+    """MiB of the database an analyst's queries of the last 24 hours may take (the query
+    and its plan as stored) before its next submission is refused. A review filled
+    1.1 GiB a day with cancelled, refunded histogram queries of 2.2 MiB each."""
     max_submissions_per_analyst: int = 2
     """Submissions of one analyst being checked at once (each composes its ledger, which
     takes seconds under the PLD accountant, on one of the shared worker threads)."""

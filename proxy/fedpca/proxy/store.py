@@ -45,12 +45,24 @@ from typing import Any, NamedTuple
 from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
 from fedpca.messages import DECLINES_CLOSED, QueryState
 from fedpca.proxy.store_contributions import ContributionStore
-from fedpca.proxy.store_records import QueryRecord, query_record_of
+from fedpca.proxy.store_records import QueryRecord, query_record_of, query_summary
 from fedpca.proxy.store_schema import SCHEMA_VERSION
 
 __all__ = ["SCHEMA_VERSION", "ProxyStore", "QueryProgress"]
 
 logger = logging.getLogger(__name__)
+
+_QUERY_TABLES = (
+    "contributors",
+    "uploads",
+    "declines",
+    "aggregate_pages",
+    "staged_chunks",
+    "result_pages",
+    "purged_results",
+    "result_meta",
+)
+"""The tables whose rows belong to one query (``query_id`` references ``queries``)."""
 
 
 class QueryProgress(NamedTuple):
@@ -105,6 +117,8 @@ class ProxyStore(ContributionStore):
         """
         now = self._clock()
         spec_json = json.dumps(dict(spec), sort_keys=True)
+        plan_json = json.dumps(dict(plan), sort_keys=True)
+        summary = json.dumps(query_summary(spec, plan), sort_keys=True)
         with self.transaction() as conn:
             row = conn.execute(
                 "SELECT spec, analyst_id FROM queries WHERE query_id=?", (query_id,)
@@ -119,19 +133,21 @@ class ProxyStore(ContributionStore):
                     before_insert(conn)
                 conn.execute(
                     "INSERT INTO queries(query_id, analyst_id, spec, plan, state, created_at, "
-                    "deadline_at, updated_at, signature, signer) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "deadline_at, updated_at, signature, signer, summary, stored_bytes) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         query_id,
                         analyst_id,
                         spec_json,
-                        json.dumps(dict(plan), sort_keys=True),
+                        plan_json,
                         QueryState.COLLECTING.value,
                         now,
                         deadline_at,
                         now,
                         signature,
                         signer,
+                        summary,
+                        len(spec_json) + len(plan_json) + len(signature),
                     ),
                 )
         return self.query(query_id)
@@ -317,21 +333,23 @@ class ProxyStore(ContributionStore):
 
     def analyst_query_counts(
         self, analyst_id: str, since: float, conn: sqlite3.Connection | None = None
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """(queries of the analyst not yet done or failed, queries it submitted at or
-        after ``since``): what its per-analyst bounds count (pass ``conn`` inside a
-        transaction)."""
+        after ``since``, the bytes they take in the database): what its per-analyst
+        bounds count (pass ``conn`` inside a transaction)."""
         sql = (
             "SELECT COALESCE(SUM(state NOT IN (?, ?)), 0) AS open, "
-            "COALESCE(SUM(created_at >= ?), 0) AS recent FROM queries WHERE analyst_id=?"
+            "COALESCE(SUM(created_at >= ?), 0) AS recent, "
+            "COALESCE(SUM(CASE WHEN created_at >= ? THEN stored_bytes END), 0) AS bytes "
+            "FROM queries WHERE analyst_id=?"
         )
-        parameters = (QueryState.DONE.value, QueryState.FAILED.value, since, analyst_id)
+        parameters = (QueryState.DONE.value, QueryState.FAILED.value, since, since, analyst_id)
         if conn is None:
             with self._lock:
                 row = self._conn.execute(sql, parameters).fetchone()
         else:
             row = conn.execute(sql, parameters).fetchone()
-        return int(row["open"]), int(row["recent"])
+        return int(row["open"]), int(row["recent"]), int(row["bytes"])
 
     def bind_signer(self, conn: sqlite3.Connection, signer: str, analyst_id: str) -> str:
         """The analyst ``signer`` belongs to: bound to ``analyst_id`` the first time it
@@ -367,6 +385,31 @@ class ProxyStore(ContributionStore):
                     "INSERT INTO purged_results(query_id, purged_at) VALUES (?, ?)",
                     (key, self._clock()),
                 )
+        return keys
+
+    def forget_refunded_failures(self, failed_before: float) -> list[str]:
+        """Delete every query that failed before ``failed_before`` with its charge
+        refunded (no release recorded: no owner began an upload), with what it left
+        (declines, staged chunks); returns their keys.
+
+        Such a query is on no ledger; kept, each was up to 2 MiB a row for good (a review
+        filled 1.1 GiB a day with cancelled histogram queries). A charged one stays: its
+        release is on the analyst's ledger and owners may import it
+        (``proxy export-releases``)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT query_id FROM queries WHERE state=? AND updated_at < ? AND NOT "
+                "EXISTS (SELECT 1 FROM releases WHERE releases.query_id = queries.query_id)",
+                (QueryState.FAILED.value, failed_before),
+            ).fetchall()
+        keys = [str(row["query_id"]) for row in rows]
+        for key in keys:  # one query per transaction, as purge_results
+            with self.transaction() as conn:
+                if self.release_recorded(conn, key):  # re-entered meanwhile (import-releases)
+                    continue
+                for table in _QUERY_TABLES:
+                    conn.execute(f"DELETE FROM {table} WHERE query_id=?", (key,))
+                conn.execute("DELETE FROM queries WHERE query_id=?", (key,))
         return keys
 
     def result_purged_at(self, query_id: str) -> float | None:

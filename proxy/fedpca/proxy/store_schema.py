@@ -20,13 +20,14 @@ from pathlib import Path
 
 from fedpca.errors import QueryStateError
 from fedpca.messages import QueryState
+from fedpca.proxy.store_records import query_summary
 from fedpca.query import Neighbouring
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "migrate"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -52,7 +53,9 @@ CREATE TABLE IF NOT EXISTS queries (
     failure_reason TEXT,
     signature BLOB NOT NULL DEFAULT x'',
     signer TEXT NOT NULL DEFAULT '',
-    uploads_begun INTEGER NOT NULL DEFAULT 0
+    uploads_begun INTEGER NOT NULL DEFAULT 0,
+    summary TEXT NOT NULL DEFAULT '{}',
+    stored_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS contributors (
     query_id TEXT NOT NULL REFERENCES queries(query_id),
@@ -137,7 +140,8 @@ def migrate(
     page_ciphertexts: int,
 ) -> None:
     """Bring a database of schema ``version`` to :data:`SCHEMA_VERSION` (inside ``conn``'s
-    transaction). Versions 1 to 3 can only be migrated with no query in flight.
+    transaction). Versions 1 to 3 can only be migrated with no query in flight; version
+    4 at any time (:func:`_queries_summarised`).
 
     Raises
     ------
@@ -145,6 +149,10 @@ def migrate(
         An unknown version, or queries still collecting or being noised.
     """
     if version == SCHEMA_VERSION:
+        return
+    if version == 4:
+        _queries_summarised(conn)
+        _set_version(conn, path, version)
         return
     if version not in (1, 2, 3):
         raise QueryStateError(
@@ -168,8 +176,35 @@ def migrate(
         _restate_releases(conn, path, neighbouring)
     _results_as_pages(conn, page_ciphertexts)
     conn.execute("DROP TABLE IF EXISTS upload_chunks")
+    _queries_summarised(conn)
+    _set_version(conn, path, version)
+
+
+def _set_version(conn: sqlite3.Connection, path: Path, version: int) -> None:
     conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
     logger.warning("%s: migrated from schema version %d to %d", path, version, SCHEMA_VERSION)
+
+
+def _queries_summarised(conn: sqlite3.Connection) -> None:
+    """Version 5 keeps each query's :func:`~fedpca.proxy.store_records.query_summary` and
+    stored size in columns of their own (its status and listing no longer read the
+    query; the analyst's daily allowance of stored bytes counts the size)."""
+    columns = {row["name"] for row in conn.execute("PRAGMA table_info(queries)")}
+    for name, declaration in (
+        ("summary", "TEXT NOT NULL DEFAULT '{}'"),
+        ("stored_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ):
+        if name not in columns:
+            conn.execute(f"ALTER TABLE queries ADD COLUMN {name} {declaration}")
+    for row in conn.execute("SELECT query_id, spec, plan FROM queries").fetchall():
+        conn.execute(
+            "UPDATE queries SET summary=?, stored_bytes=? WHERE query_id=?",
+            (
+                json.dumps(query_summary(json.loads(row["spec"]), json.loads(row["plan"]))),
+                len(row["spec"]) + len(row["plan"]),
+                row["query_id"],
+            ),
+        )
 
 
 def _restate_releases(conn: sqlite3.Connection, path: Path, neighbouring: Neighbouring) -> None:

@@ -196,7 +196,7 @@ class Submissions(CoordinatorCore):
         Every query costs the proxy its noise draw and a row even when it is cancelled
         and refunded, so these bound what a small budget can make the proxy do."""
         limits = self.config.limits
-        open_queries, recent = self.store.analyst_query_counts(
+        open_queries, recent, stored_bytes = self.store.analyst_query_counts(
             analyst_id, self.clock() - 86_400.0, conn
         )
         if open_queries >= limits.max_open_queries_per_analyst:
@@ -209,6 +209,12 @@ class Submissions(CoordinatorCore):
             raise OverloadError(
                 f"analyst {analyst_id!r} submitted {recent} queries in the last 24 hours, the "
                 "most this proxy allows (limits.max_queries_per_analyst_per_day)"
+            )
+        if stored_bytes >= limits.max_query_mib_per_analyst_per_day * 2**20:
+            raise OverloadError(
+                f"analyst {analyst_id!r}'s queries of the last 24 hours take "
+                f"{stored_bytes / 2**20:.1f} MiB at the proxy, the most it keeps "
+                "(limits.max_query_mib_per_analyst_per_day): wait, or ask smaller queries"
             )
 
     def _check_public_facts(self, signed: SignedQuery, analyst_id: str) -> None:

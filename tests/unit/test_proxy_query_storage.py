@@ -1,0 +1,226 @@
+"""What one analyst's queries may cost the proxy in storage and reading them.
+
+Found by review: cancelled, refunded histogram queries of 125,000 public bin edges
+(2.2 MiB each as stored) filled 1.1 GiB of the database a day and were never deleted,
+and listing 30 of them took 14.5 s a call while other analysts' calls waited: every
+listed query was read back and planned. Now a query's status and listing come from a
+small summary stored beside it, an analyst's queries of the last 24 hours may take at
+most ``limits.max_query_mib_per_analyst_per_day``, and a query that failed refunded is
+deleted after the days results are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_proxy_coordinator import Clock, key, make_config, make_coordinator, make_spec
+
+from fedpca.codec import CryptoPool
+from fedpca.errors import NotFoundError, OverloadError
+from fedpca.messages import Charge, QueryState
+from fedpca.proxy import catalog, coordinator_core
+from fedpca.proxy.config import ProxySection
+from fedpca.proxy.coordinator import Coordinator
+from fedpca.proxy.coordinator_core import QueryContext
+from fedpca.proxy.limits import PeerLimits
+from fedpca.proxy.queries import result_blocks
+from fedpca.proxy.store_records import QueryRecord, page_count
+from fedpca.query import Aggregate, AggregateKind, QueryKind, QuerySpec
+from helpers import SECOND_TEST_SIGNING_KEY, signed
+
+ANALYST = "alice"
+DAY = 86_400.0
+
+
+def _histogram(public_key: Any, query_id: str, edges: int) -> QuerySpec:
+    """An aggregate query of one histogram with ``edges`` public bin edges."""
+    bins = tuple(float(i) + 0.123456789 for i in range(edges))
+    return make_spec(
+        public_key,
+        query_id,
+        kind=QueryKind.AGGREGATE,
+        n_features=1,
+        n_components=1,
+        feature_lower=(),
+        feature_upper=(),
+        epsilon=0.5,
+        quorum=1,
+        aggregates=(Aggregate.histogram([1], [bins]),),
+    )
+
+
+def _stored_bytes(coordinator: Coordinator, query_id: str) -> int:
+    with sqlite3.connect(coordinator.store.path) as conn:
+        row = conn.execute(
+            "SELECT stored_bytes FROM queries WHERE query_id=?", (key(query_id),)
+        ).fetchone()
+    return int(row[0])
+
+
+def _uploads_began(coordinator: Coordinator, query_id: str) -> None:
+    """As if an owner had begun its upload: the query's charge then stands."""
+    with coordinator.store.transaction() as conn:
+        conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (key(query_id),))
+
+
+def test_status_and_listing_do_not_read_the_queries(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(10.0))
+    histogram = _histogram(public_key, "h1", 20_000)
+    pca = make_spec(public_key, "p1", epsilon=0.25, delta=1e-6)
+    for spec in (histogram, pca):
+        coordinator.submit(ANALYST, signed(spec))
+    assert coordinator.cancel(ANALYST, "h1").refunded
+    pages = {
+        spec.query_id: page_count(
+            sum(block.n_ciphertexts for block in result_blocks(QueryContext.of(spec).plan)),
+            coordinator.store.page_ciphertexts,
+        )
+        for spec in (histogram, pca)
+    }
+    assert pages["h1"] > pages["p1"] >= 1
+
+    def read(*_: Any) -> Any:
+        raise AssertionError("a query was read back to show its status")
+
+    coordinator._contexts.clear()
+    monkeypatch.setattr(QueryRecord, "spec", property(read))
+    monkeypatch.setattr(coordinator_core.QueryContext, "of", read)
+    listed = {q.status.query_id: q for q in catalog.list_queries(coordinator, ANALYST, 10)}
+    assert set(listed) == {"h1", "p1"}
+    assert listed["h1"].kind is QueryKind.AGGREGATE
+    assert listed["h1"].aggregates == (AggregateKind.HISTOGRAM,)
+    assert (listed["h1"].epsilon, listed["h1"].delta) == (0.5, histogram.delta)
+    assert listed["p1"].kind is QueryKind.PCA and listed["p1"].aggregates == ()
+    assert (listed["p1"].epsilon, listed["p1"].delta) == (0.25, 1e-6)
+    for query_id, summary in listed.items():
+        status = coordinator.status(ANALYST, query_id)
+        assert status.pages_total == summary.status.pages_total == pages[query_id]
+        assert status.quorum == {"h1": 1, "p1": 3}[query_id]
+    assert listed["h1"].status.state is QueryState.FAILED
+    assert listed["p1"].status.state is QueryState.COLLECTING
+
+
+def test_an_analysts_queries_take_a_bounded_size_a_day(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    limits = PeerLimits(max_query_mib_per_analyst_per_day=0.25)
+    clock = Clock()
+    coordinator = make_coordinator(
+        tmp_path, pool, replace(make_config(10.0), limits=limits), clock=clock
+    )
+    coordinator.submit(ANALYST, signed(_histogram(public_key, "h1", 20_000)))
+    assert coordinator.cancel(ANALYST, "h1").refunded
+    stored = _stored_bytes(coordinator, "h1")
+    with sqlite3.connect(coordinator.store.path) as conn:
+        spec, plan = conn.execute(
+            "SELECT length(spec), length(plan) FROM queries WHERE query_id=?", (key("h1"),)
+        ).fetchone()
+    assert spec + plan < stored < spec + plan + 200  # the query, its plan and signature
+    assert stored > 0.25 * 2**20
+    # Beyond the allowance a new query, however small, is refused before anything.
+    small = make_spec(public_key, "p1", epsilon=0.25)
+    with pytest.raises(OverloadError, match=r"last 24 hours take 0\.\d+ MiB.*max_query_mib"):
+        coordinator.submit(ANALYST, signed(small))
+    assert not coordinator.store.has_query(key("p1"))
+    assert coordinator.budget(ANALYST).n_releases == 0
+    # Another analyst's allowance is its own.
+    bob = signed(make_spec(public_key, "p1", epsilon=0.25), SECOND_TEST_SIGNING_KEY)
+    coordinator.submit("bob", bob)
+    # 24 hours after the large one, there is room again.
+    clock.now += DAY + 1.0
+    coordinator.submit(ANALYST, signed(small))
+
+
+def test_a_query_failed_refunded_is_deleted_after_the_days_results_are_kept(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    public_key, _ = test_only_keypair_512
+    config = replace(make_config(10.0), proxy=ProxySection(keep_results_days=2.0))
+    coordinator = make_coordinator(tmp_path, pool, config)
+    clock = coordinator.clock
+    assert isinstance(clock, Clock)
+    for query_id in ("free", "paid", "open"):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, query_id, epsilon=0.25)))
+    coordinator.store.record_decline(key("free"), "owner-1", "policy_refusal: epsilon")
+    _uploads_began(coordinator, "paid")
+    assert coordinator.cancel(ANALYST, "free").refunded
+    assert not coordinator.cancel(ANALYST, "paid").refunded
+    clock.now += 2 * DAY - 60
+    coordinator.purge_results()
+    assert coordinator.status(ANALYST, "free").charge is Charge.REFUNDED  # not yet
+    clock.now += 120
+    coordinator.purge_results()
+    with pytest.raises(NotFoundError):
+        coordinator.status(ANALYST, "free")
+    with sqlite3.connect(coordinator.store.path) as conn:
+        left = conn.execute("SELECT count(*) FROM declines WHERE query_id=?", (key("free"),))
+        assert left.fetchone()[0] == 0
+    # A charged failure stays with its charge, and a query still open is untouched.
+    assert coordinator.status(ANALYST, "paid").charge is Charge.CHARGED
+    assert coordinator.store.has_release(key("paid"))
+    assert coordinator.status(ANALYST, "open").state is QueryState.COLLECTING
+
+
+def test_a_refunded_failure_is_kept_a_day_at_least(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """With results kept less than a day, the daily bound on submissions still counts
+    every query of the last 24 hours: none is deleted sooner."""
+    public_key, _ = test_only_keypair_512
+    limits = PeerLimits(max_queries_per_analyst_per_day=1)
+    config = replace(make_config(10.0), proxy=ProxySection(keep_results_days=0.1), limits=limits)
+    coordinator = make_coordinator(tmp_path, pool, config)
+    clock = coordinator.clock
+    assert isinstance(clock, Clock)
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "q1", epsilon=0.25)))
+    assert coordinator.cancel(ANALYST, "q1").refunded
+    clock.now += DAY - 60
+    coordinator.purge_results()
+    assert coordinator.store.has_query(key("q1"))
+    with pytest.raises(OverloadError, match="1 queries in the last 24 hours"):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, "q2", epsilon=0.25)))
+    clock.now += 120
+    coordinator.purge_results()
+    assert not coordinator.store.has_query(key("q1"))
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "q2", epsilon=0.25)))
+
+
+def test_a_version_4_database_gets_its_queries_summarised(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """Schema 5 adds each query's summary and stored size; a database of schema 4 is
+    migrated with its queries in flight (nothing in them changes)."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(10.0))
+    coordinator.submit(ANALYST, signed(_histogram(public_key, "h1", 100)))
+    expected = catalog.list_queries(coordinator, ANALYST, 10)
+    coordinator.store.close()
+    path = tmp_path / "proxy.sqlite3"
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE queries DROP COLUMN summary")
+        conn.execute("ALTER TABLE queries DROP COLUMN stored_bytes")
+        conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+        spec, plan = conn.execute("SELECT spec, plan FROM queries").fetchone()
+    conn.close()
+    migrated = make_coordinator(tmp_path, pool, make_config(10.0))
+    assert catalog.list_queries(migrated, ANALYST, 10) == expected
+    assert expected[0].aggregates == (AggregateKind.HISTOGRAM,)
+    assert _stored_bytes(migrated, "h1") == len(spec) + len(plan)
+    assert migrated.store.query(key("h1")).state is QueryState.COLLECTING
+    with sqlite3.connect(path) as conn:
+        version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        summary = json.loads(conn.execute("SELECT summary FROM queries").fetchone()[0])
+    conn.close()
+    assert version[0] == "5" and summary["kind"] == "aggregate"
