@@ -179,13 +179,17 @@ class ProxyStore(ContributionStore):
 
     def analyst_queries(self, analyst_id: str, limit: int) -> list[QueryRecord]:
         """The analyst's ``limit`` newest queries, newest first."""
+        # Chosen by the index, then read: sorting whole rows copied every query (up to
+        # 2 MiB each) through SQLite's sorter, most of a listing's time.
         with self._lock:
             rows = self._conn.execute(
-                "SELECT * FROM queries WHERE analyst_id=? ORDER BY created_at DESC, query_id "
-                "LIMIT ?",
+                "SELECT q.* FROM (SELECT query_id FROM queries WHERE analyst_id=? "
+                "ORDER BY created_at DESC, query_id LIMIT ?) AS newest "
+                "JOIN queries q ON q.query_id = newest.query_id",
                 (analyst_id, limit),
             ).fetchall()
-        return [query_record_of(r) for r in rows]
+        records = [query_record_of(r) for r in rows]
+        return sorted(records, key=lambda record: (-record.created_at, record.query_id))
 
     def state_counts(self) -> dict[QueryState, int]:
         """How many queries are in each state (for monitoring)."""
