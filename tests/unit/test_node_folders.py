@@ -133,6 +133,17 @@ def test_init_force_accepts_the_changes_its_flags_ask_for(certs: Path, tmp_path:
     assert config.owners.allowed == frozenset(OWNERS)
     assert config.budget.default.epsilon == 2.0
     assert config.budget.analysts["alice"].epsilon == 3.0
+    # Revocations are kept whatever the flags: no flag writes them, and an operator
+    # re-adding an owner could keep them only by editing the file or dropping them
+    # with --replace-settings (an operator's walkthrough).
+    path = out / "proxy.toml"
+    path.write_text(path.read_text().replace("revoked_serials = []", 'revoked_serials = ["1a2b"]'))
+    again = [*wider, "--analyst-budget", "alice=3:1e-6"]
+    for extra in ([], ["--replace-settings"]):
+        kept = CliRunner().invoke(proxy_group, [*again, *extra])
+        assert kept.exit_code == 0, kept.output
+        assert "revoked         1 certificate serial(s), kept" in kept.output
+        assert load_proxy_config(path).tls.revoked_serials == frozenset({0x1A2B})
     # An owner folder alike: a new --max-records and one more analyst key are asked for;
     # the monitoring address, not given again, is not.
     data = _table(tmp_path / "table.csv")

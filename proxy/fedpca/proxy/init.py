@@ -11,6 +11,7 @@ command succeeds.
 from __future__ import annotations
 
 import math
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -126,6 +127,7 @@ def render_proxy_config(
     analyst_budgets: list[tuple[str, float, float]],
     max_delta_per_query: float | None,
     monitoring_listen: str | None,
+    revoked_serials: Sequence[str] = (),
 ) -> str:
     """The text of a proxy.toml for a node folder (paths relative to it)."""
     lines = [
@@ -143,7 +145,8 @@ def render_proxy_config(
         f"ca = {toml_value(f'{TLS_DIR}/ca.pem')}",
         f"cert = {toml_value(f'{TLS_DIR}/cert.pem')}",
         f"key = {toml_value(f'{TLS_DIR}/key.pem')}",
-        "revoked_serials = []   # hex serials (`fedpca certs show`) refused although signed",
+        f"revoked_serials = {toml_value(list(revoked_serials))}   # hex serials (`fedpca "
+        "certs show`) refused although signed",
         "",
         "[owners]   # the only owners this proxy accepts (ids in their certificates)",
         f"allowed = {toml_value(owners)}",
@@ -216,6 +219,7 @@ def write_proxy_folder(
     with writing_folder(out, CONFIG_NAME, force=force) as folder:
         folder.install_tls(NodeIdentity(Role.PROXY, proxy_id), certs=certs, files=tls_files)
         folder.make_state()
+        path = out / CONFIG_NAME
         text = render_proxy_config(
             proxy_id=proxy_id,
             listen=listen,
@@ -226,8 +230,8 @@ def write_proxy_folder(
             analyst_budgets=analyst_budgets or [],
             max_delta_per_query=max_delta_per_query,
             monitoring_listen=monitoring_listen,
+            revoked_serials=_kept_revocations(path),
         )
-        path = out / CONFIG_NAME
         refuse_changed_settings(
             path, text, replace_settings=replace_settings, requested=requested_settings
         )
@@ -244,6 +248,18 @@ def write_proxy_folder(
                 announce_creation=False,
             ).close()
     return config
+
+
+def _kept_revocations(path: Path) -> list[str]:
+    """The revoked serials of the proxy.toml ``init --force`` rewrites: no flag writes
+    them, and rewriting the file must never take a revocation back (an operator re-adding
+    an owner was told to give "the flags that keep them", and there is none)."""
+    try:
+        tls = tomllib.loads(path.read_text(encoding="utf-8")).get("tls", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    serials = tls.get("revoked_serials", []) if isinstance(tls, dict) else []
+    return [str(serial) for serial in serials] if isinstance(serials, list) else []
 
 
 _FLAG_SETTINGS = {
@@ -384,6 +400,11 @@ def init_command(
     click.echo(f"  budget          {_budget_text(config.budget.default)} per analyst")
     for analyst, budget in sorted(config.budget.analysts.items()):
         click.echo(f"                  {analyst}: {_budget_text(budget)}")
+    if config.tls.revoked_serials:
+        click.echo(
+            f"  revoked         {len(config.tls.revoked_serials)} certificate serial(s), kept "
+            "(edit tls.revoked_serials by hand to take one back)"
+        )
     click.echo(f"  relation        {config.privacy.neighbouring.value}")
     click.echo(f"  database        {config.proxy.database}")
     if config.monitoring.listen is None:
