@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import re
@@ -336,7 +337,9 @@ def _schema_5_ledger(path: Path, rows: str) -> Path:
     return path
 
 
-def test_a_reader_leaves_an_older_ledger_as_it_is(tmp_path: Path) -> None:
+def test_a_reader_leaves_an_older_ledger_as_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """``owner budget`` opened the ledger as the node does, so the new version's command
     migrated the ledger of a running older node, which then refused to restart (review)."""
     old = _schema_5_ledger(tmp_path / "old.sqlite3", "")
@@ -344,7 +347,10 @@ def test_a_reader_leaves_an_older_ledger_as_it_is(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"version 5, this fedpca reads 6.*owner serve"):
         BudgetLedger(old, read_only=True)
     assert old.read_bytes() == before
-    BudgetLedger(old).reserve(_event("alice/q1"), BUDGET, spec_digest="d1")  # the node migrates
+    with caplog.at_level(logging.WARNING, logger="fedpca.owner.ledger"):
+        BudgetLedger(old).reserve(_event("alice/q1"), BUDGET, spec_digest="d1")  # it migrates
+    # ... and says so (an operator's walkthrough saw nothing of it).
+    assert "migrated the budget ledger from schema version 5 to 6" in caplog.text
     reader = BudgetLedger(old, read_only=True)
     assert [entry.event.query_id for entry in reader.events()] == ["alice/q1"]
     with pytest.raises(sqlite3.OperationalError, match="readonly"):

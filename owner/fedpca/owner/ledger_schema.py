@@ -80,6 +80,14 @@ def create_or_migrate(
         if int(row[0]) == 1:
             _migrate_schema_1(connection, path, neighbouring)
         _migrate_tasks(connection)
+        # Said, as the proxy says its own: an operator upgrading saw nothing of it.
+        logger.warning(
+            "%s: migrated the budget ledger from schema version %s to %d (one way: an "
+            "earlier fedpca no longer reads it)",
+            path,
+            row[0],
+            SCHEMA_VERSION,
+        )
     elif int(row[0]) != SCHEMA_VERSION:
         raise ConfigError(
             f"{path}: ledger schema version {row[0]}, this fedpca understands {SCHEMA_VERSION}"
