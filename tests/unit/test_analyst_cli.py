@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import random
 import stat
@@ -1358,3 +1359,30 @@ def test_deployment_says_how_many_owners_are_connected(proxy: tuple[FakeProxy, s
     assert "neighbouring:     " in lines[2] and lines[3] == "accountant:       zcdp"
     assert lines[4] == "delta per query:  at most 1e-05"
     assert lines[5].startswith("budget:           epsilon 3 at delta 1e-05 (analyst alice;")
+
+
+def test_ctrl_c_while_waiting_for_owners_exits_130_saying_nothing_was_submitted(
+    proxy: tuple[FakeProxy, str],
+    analyst_key: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator's walkthrough: Ctrl-C exited 1 with click's bare "Aborted!", and
+    during the wait for owners nothing said whether a query had been sent."""
+    from fedpca.analyst import querying
+
+    fake, address = proxy
+    fake.registered, fake.connected = 3, 1
+
+    def interrupt(_: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(querying, "_pause", interrupt)
+    args = _command_args("pca", address, analyst_key, tmp_path / "r.json")
+    with caplog.at_level(logging.WARNING, logger="fedpca"):
+        result = CliRunner().invoke(analyst_group, args)
+    assert result.exit_code == 130, result.output
+    assert "interrupted (Ctrl-C)" in result.output and "Aborted!" not in result.output
+    assert "interrupted while waiting for owners: nothing was submitted" in caplog.text
+    assert fake.submitted_ids == [] and fake.cancelled == []

@@ -40,7 +40,12 @@ from fedpca.analyst import query_commands
 from fedpca.analyst.cli_connection import connection_config, connection_options
 from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
 from fedpca.analyst.config import AnalystConfig
-from fedpca.analyst.interrupts import TERMINATED_EXIT_CODE, Terminated, sigterm_interrupts
+from fedpca.analyst.interrupts import (
+    INTERRUPTED_EXIT_CODE,
+    TERMINATED_EXIT_CODE,
+    Terminated,
+    sigterm_interrupts,
+)
 from fedpca.analyst.keys import (
     DEFAULT_KEY_BITS,
     SUPPORTED_KEY_BITS,
@@ -122,7 +127,7 @@ def _spinner(message: str) -> Iterator[None]:
 class _AnalystGroup(click.Group):
     """Runs each command with SIGTERM handled like Ctrl-C (:mod:`fedpca.analyst.interrupts`):
     a query being waited for is cancelled and the decryption pool shut down, then the
-    command exits 143."""
+    command exits 143 (130 for Ctrl-C, which click reported as "Aborted!", exit 1)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         with sigterm_interrupts():
@@ -131,6 +136,9 @@ class _AnalystGroup(click.Group):
             except Terminated:
                 click.echo("terminated (SIGTERM)", err=True)
                 raise click.exceptions.Exit(TERMINATED_EXIT_CODE) from None
+            except KeyboardInterrupt:
+                click.echo("interrupted (Ctrl-C)", err=True)
+                raise click.exceptions.Exit(INTERRUPTED_EXIT_CODE) from None
 
 
 @click.group("analyst", cls=_AnalystGroup)
@@ -141,7 +149,8 @@ def analyst_group() -> None:
     Exit status: 0 done; 1 error; 2 usage error; 3 refused by the privacy
     budget; 4 refused for now by one of the proxy's limits (queries open or
     submitted today, calls in flight): nothing was charged, retry later;
-    143 ended by SIGTERM (a query being waited for is cancelled, as by Ctrl-C).
+    130 interrupted by Ctrl-C, 143 ended by SIGTERM (a query being waited for is
+    cancelled).
     """
     # A process of its own (the estimators, as library code, leave a host process's
     # allocator alone): what decryption freed goes back to the system before the solve.

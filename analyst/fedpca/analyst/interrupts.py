@@ -18,11 +18,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["TERMINATED_EXIT_CODE", "Terminated", "interrupted_by", "sigterm_interrupts"]
+__all__ = [
+    "INTERRUPTED_EXIT_CODE",
+    "TERMINATED_EXIT_CODE",
+    "Terminated",
+    "interrupted_by",
+    "sigterm_interrupts",
+]
 
 TERMINATED_EXIT_CODE = 128 + signal.SIGTERM
 """What a command ended by SIGTERM exits with, as a shell reports a process killed by
 it (143)."""
+
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+"""What a command interrupted by Ctrl-C exits with, as a shell reports SIGINT (130)."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -525,21 +525,33 @@ def _owners_connected(
         OWNERS_CONNECT_SECONDS,
     )
     waited_until = time.monotonic() + OWNERS_CONNECT_SECONDS
-    while deployment.owners_connected < spec.quorum:
-        if time.monotonic() >= waited_until:
-            raise ConfigError(
-                f"only {deployment.owners_connected} of the {spec.quorum} owners this "
-                f"query needs (quorum {spec.quorum} of {deployment.owners_registered} "
-                "registered) are connected to the proxy (`fedpca analyst deployment` "
-                "shows how many are): nothing was submitted. A query "
-                "that fails for want of its quorum after a connected owner began its "
-                "upload stays charged in full. Ask a smaller quorum (--quorum N), or pass "
-                "--wait-for-owners (wait_for_owners=True) to submit anyway and let it wait "
-                "for them until its deadline"
-            )
-        _pause(1.0)
-        deployment = client.describe()
+    try:
+        while deployment.owners_connected < spec.quorum:
+            _wait_once(client, deployment, spec, waited_until)
+            deployment = client.describe()
+    except KeyboardInterrupt as exc:
+        # Said: after a Ctrl-C here an analyst could not tell whether a query was sent.
+        logger.warning("%s while waiting for owners: nothing was submitted", interrupted_by(exc))
+        raise
     return deployment
+
+
+def _wait_once(
+    client: Any, deployment: DeploymentInfo, spec: QuerySpec, waited_until: float
+) -> None:
+    """Pause a second before asking again, or refuse once the wait is over (ConfigError)."""
+    if time.monotonic() >= waited_until:
+        raise ConfigError(
+            f"only {deployment.owners_connected} of the {spec.quorum} owners this "
+            f"query needs (quorum {spec.quorum} of {deployment.owners_registered} "
+            "registered) are connected to the proxy (`fedpca analyst deployment` "
+            "shows how many are): nothing was submitted. A query "
+            "that fails for want of its quorum after a connected owner began its "
+            "upload stays charged in full. Ask a smaller quorum (--quorum N), or pass "
+            "--wait-for-owners (wait_for_owners=True) to submit anyway and let it wait "
+            "for them until its deadline"
+        )
+    _pause(1.0)
 
 
 @dataclass(frozen=True)
