@@ -91,6 +91,7 @@ FAST_RETRY = RetryPolicy(
     backoff_max=0.2,
     reconnect_initial=0.05,
     reconnect_max=0.2,
+    refused_reconnect_max=0.8,
     call_timeout=5.0,
     upload_timeout=30.0,
 )
@@ -120,6 +121,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     refusal_trailing: tuple[tuple[str, str], ...] = ()
     """Trailing metadata of those refusals."""
     hello_refusal: str | None = None
+    refused_at: list[float] = field(default_factory=list)
+    """When each Hello was refused (``hello_refusal``), monotonic seconds."""
     """Refuse every Hello with INVALID_ARGUMENT and this text (a proxy of another wire
     protocol)."""
     tasks: queue.Queue[TaskEvent] = field(default_factory=queue.Queue)
@@ -147,6 +150,8 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     def Hello(self, request: owner_pb.OwnerHello, context: Any) -> owner_pb.ProxyInfo:
         identity = certs.require_role(context, Role.OWNER)
         if self.hello_refusal is not None:
+            self.refused_at.append(time.monotonic())
+            self._notify()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.hello_refusal)
         hello = serde.owner_hello_from_proto(request)
         self.hellos.append(identity.node_id)
@@ -1365,6 +1370,29 @@ def test_a_proxy_refusing_this_owners_wire_protocol_is_logged_as_a_refusal(
     record = logged()[0]
     assert record.levelno == logging.ERROR and "refused this owner" in record.getMessage()
     harness.proxy.hello_refusal = None
+
+
+def test_a_lasting_refusal_is_retried_less_often_and_logged_sparingly(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's walkthrough: a revoked owner logged the proxy's refusal every 20-30 s
+    for as long as it ran (and the proxy a warning each time). A refusal takes an
+    operator to fix: the node backs off to ``refused_reconnect_max`` and logs the 1st,
+    2nd, 4th, 8th ... refusal in a row."""
+    refusal = "the certificate of owner/owner-1 (serial 1a2b) is revoked"
+    proxy = harness.proxy
+    proxy.hello_refusal = refusal
+    proxy.abort_streams = 1  # the node reconnects and says hello again
+    proxy.wait_for(lambda: len(proxy.refused_at) >= 9)
+    proxy.hello_refusal = None
+    logged = [r.getMessage() for r in caplog.records if refusal in r.getMessage()]
+    counts = [
+        int(m.split("; ")[-1].split(" times")[0]) if "times in a row" in m else 1 for m in logged
+    ]
+    assert counts[:4] == [1, 2, 4, 8] and all(c & (c - 1) == 0 for c in counts)
+    assert "retrying less and less often (at most every 0.8 s)" in logged[1]
+    # Past the usual cap (0.2 s): the 9th came 0.4-0.8 s after the 8th.
+    assert proxy.refused_at[8] - proxy.refused_at[7] > FAST_RETRY.reconnect_max
 
 
 def test_an_owner_refuses_a_proxy_of_another_protocol_version(harness: Harness) -> None:

@@ -344,24 +344,32 @@ class OwnerNode(TaskProcessing):
         self._worker = worker
         worker.start()
         try:
-            attempt = 0
+            attempt = refusals = 0
             while not self._stop.is_set():
                 try:
                     if self._session(stub):
                         attempt = 0
+                    refusals = 0
                 except grpc.RpcError as err:
                     if self._stop.is_set():
                         break
                     refused = status_code(err) in _REFUSALS
-                    logger.log(
-                        logging.ERROR if refused else logging.WARNING,
-                        "owner %s: proxy %s %s (%s: %s)",
-                        self.config.owner.id,
-                        self.config.owner.proxy,
-                        "refused this owner" if refused else "unreachable or stream lost",
-                        status_name(err),
-                        status_details(err),
-                    )
+                    refusals = refusals + 1 if refused else 0
+                    # The 1st, 2nd, 4th, 8th ... refusal in a row: it takes an operator.
+                    if refusals & (refusals - 1) == 0:
+                        logger.log(
+                            logging.ERROR if refused else logging.WARNING,
+                            "owner %s: proxy %s %s (%s: %s)%s",
+                            self.config.owner.id,
+                            self.config.owner.proxy,
+                            "refused this owner" if refused else "unreachable or stream lost",
+                            status_name(err),
+                            status_details(err),
+                            f"; {refusals} times in a row, retrying less and less often "
+                            f"(at most every {self.retry.refused_reconnect_max:g} s)"
+                            if refusals > 1
+                            else "",
+                        )
                     if attempt == 0 and status_code(err) is grpc.StatusCode.UNAVAILABLE:
                         self._explain_unavailable()
                 except ProtocolError as exc:
@@ -382,9 +390,8 @@ class OwnerNode(TaskProcessing):
                     self.connected.clear()
                 if self._stop.is_set():
                     break
-                delay = RetryPolicy.delay(
-                    attempt, self.retry.reconnect_initial, self.retry.reconnect_max
-                )
+                cap = self.retry.refused_reconnect_max if refusals else self.retry.reconnect_max
+                delay = RetryPolicy.delay(attempt, self.retry.reconnect_initial, cap)
                 attempt += 1
                 logger.info("owner %s: reconnecting in %.1f s", self.config.owner.id, delay)
                 self._stop.wait(delay)

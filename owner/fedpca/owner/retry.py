@@ -45,6 +45,9 @@ class RetryPolicy:
         from ``[d/2, d]`` with ``d = min(backoff_max, backoff_initial 2^a)``
         (jitter keeps owners that lost the proxy together from retrying in lockstep).
     reconnect_initial, reconnect_max : the same for re-opening the task stream.
+    refused_reconnect_max : the cap instead while the proxy refuses this owner (revoked,
+        not on its allow-list, another protocol): a fix takes an operator, and a node
+        retrying every 30 s for days filled both sides' logs (an operator's walkthrough).
     call_timeout : seconds for Hello and DeclineTask.
     upload_timeout : seconds for one Upload call.
     decline_attempts : attempts to deliver a decline.
@@ -55,6 +58,7 @@ class RetryPolicy:
     backoff_max: float = 30.0
     reconnect_initial: float = 1.0
     reconnect_max: float = 30.0
+    refused_reconnect_max: float = 300.0
     call_timeout: float = 30.0
     upload_timeout: float = 600.0
     decline_attempts: int = 3
@@ -67,6 +71,7 @@ class RetryPolicy:
             "backoff_max",
             "reconnect_initial",
             "reconnect_max",
+            "refused_reconnect_max",
             "call_timeout",
             "upload_timeout",
         ):
