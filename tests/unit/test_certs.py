@@ -285,6 +285,7 @@ def test_cli_issue_and_show(tmp_path: Path) -> None:
     ca = runner.invoke(certs_group, ["show", str(tmp_path / "ca" / "ca.pem")])
     assert ca.exit_code == 0, ca.output
     assert "identity:   certificate authority" in ca.output and "valid:" in ca.output
+    assert re.search(r"valid: .* \(expires in \d+ days\)", shown.output)
     # The names the init commands use for the same things (--certs DIR, --id) work too.
     aliased = ["issue", "--certs", str(tmp_path), "--role", "analyst", "--id", "bob"]
     result = runner.invoke(certs_group, aliased)
@@ -362,8 +363,17 @@ def test_a_certificate_outside_its_validity_is_refused_when_loaded(
         "this machine's clock",
         "expired CA": rf"{re.escape(str(files.ca_certificate))} expired on {window[1]:%Y-%m-%d}",
     }[which]
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as refused:
         certs.TlsMaterial.load(files)
+    if which == "expired":
+        # The section it names exists (it named "Certificates", which did not).
+        assert '"Revoking a certificate", step 4' in str(refused.value)
+        docs = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+        assert "\n### Revoking a certificate\n" in docs.read_text()
+    # `certs show` says it in words, not only with dates (an operator's walkthrough).
+    shown = CliRunner().invoke(certs_group, ["show", str(target)])
+    assert shown.exit_code == 0, shown.output
+    assert ("(NOT YET VALID)" if which == "not yet valid" else "(EXPIRED)") in shown.output
 
 
 def test_material_that_expires_while_a_node_runs_is_named(tmp_path: Path) -> None:

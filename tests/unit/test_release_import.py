@@ -167,7 +167,7 @@ def test_import_charges_what_owners_released_and_the_database_forgot(tmp_path: P
     assert "owners differ alice/q3" in done.output
     assert done.output.splitlines()[-1] == (
         "1 release(s) charged; 1 charge(s) made final; 1 refund(s) undone; 2 already "
-        "recorded; 1 of queries this database refunded with no upload begun, not charged"
+        "recorded; 1 not charged (refunded here, no upload begun)"
     )
     store = ProxyStore(database)
     # Charged to the analyst the query id names, not to the owners' key fingerprint.
@@ -224,6 +224,20 @@ def test_import_refuses_while_the_proxy_holds_the_database(tmp_path: Path) -> No
     store = ProxyStore(database)
     assert store.releases("alice") == []
     store.close()
+
+
+def test_a_file_that_is_no_export_is_named_as_such(tmp_path: Path) -> None:
+    """An operator's walkthrough gave a log file: "cannot read serve.log: Extra data:
+    line 1 column 5", which did not say the file was the wrong one."""
+    config, _ = write_config(tmp_path)
+    ProxyStore(tmp_path / "state" / "proxy.sqlite3").close()
+    log = tmp_path / "serve.log"
+    log.write_text("2026 proxy serving\n")
+    result = CliRunner().invoke(proxy_group, ["import-releases", "--config", str(config), str(log)])
+    assert result.exit_code == 1
+    assert f"{log} is not an owner's export (the JSON of `fedpca owner budget --json`)" in (
+        result.output.replace("\n", " ")
+    )
 
 
 def test_an_export_of_another_relation_imports_nothing(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -207,4 +208,12 @@ def show_command(certificate: Path) -> None:
         click.echo(f"names:      {', '.join(str(v.value) for v in san)}")
     except x509.ExtensionNotFound:
         click.echo("names:      none")
-    click.echo(f"valid:      {cert.not_valid_before_utc} .. {cert.not_valid_after_utc}")
+    # Said in words (an operator's walkthrough read the dates of an expired one).
+    now = datetime.now(UTC)
+    if now > cert.not_valid_after_utc:
+        state = "EXPIRED"
+    elif now < cert.not_valid_before_utc:
+        state = "NOT YET VALID"
+    else:
+        state = f"expires in {(cert.not_valid_after_utc - now).days} days"
+    click.echo(f"valid:      {cert.not_valid_before_utc} .. {cert.not_valid_after_utc} ({state})")

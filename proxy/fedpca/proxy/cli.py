@@ -248,8 +248,13 @@ def import_releases_command(
         for path in exports:
             try:
                 document = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except OSError as exc:
                 raise click.ClickException(f"cannot read {path}: {exc}") from exc
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise click.ClickException(
+                    f"{path} is not an owner's export (the JSON of `fedpca owner budget "
+                    f"--json`): {exc}"
+                ) from exc
             if not isinstance(document, dict):
                 raise click.ClickException(f"{path}: not an export of `fedpca owner budget --json`")
             releases.extend(read_owner_releases(document, str(path)))
@@ -286,8 +291,8 @@ def import_releases_command(
     click.echo(
         f"{len(report.entered)} release(s) {verb}; {len(report.kept_charged)} charge(s) "
         f"{final}; {len(report.refund_undone)} refund(s) undone; "
-        f"{len(report.already_recorded)} already recorded; {len(report.refunded)} of "
-        "queries this database refunded with no upload begun, not charged"
+        f"{len(report.already_recorded)} already recorded; {len(report.refunded)} not "
+        "charged (refunded here, no upload begun)"
     )
     if report.backup_taken_at is not None:
         may = "would then serve" if dry_run else "will now serve"
