@@ -526,8 +526,7 @@ def _outside_validity(certificate: x509.Certificate, now: dt.datetime) -> str | 
     if now > certificate.not_valid_after_utc:
         return (
             f"expired on {certificate.not_valid_after_utc:%Y-%m-%d}: issue a new one "
-            '(`fedpca certs issue … --force`, docs/operations.md, "Revoking a '
-            'certificate", step 4)'
+            '(`fedpca certs issue … --force`, docs/operations.md "Revoking a certificate")'
         )
     if now + _CLOCK_SKEW < certificate.not_valid_before_utc:
         starts = certificate.not_valid_before_utc
