@@ -45,6 +45,7 @@ from fedpca.owner.node import OwnerNode
 from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner.retry import RetryPolicy
 from fedpca.proxy.config import (
+    AnalystsConfig,
     BudgetConfig,
     OwnersConfig,
     PrivacySection,
@@ -272,6 +273,9 @@ class InProcessDeployment:
     revoked: tuple[str, ...] = ()
     """Owners whose certificate the proxy lists as revoked."""
     analysts: tuple[str, ...] = ("alice",)
+    """Analysts with a certificate of the deployment's CA."""
+    allowed_analysts: tuple[str, ...] | None = None
+    """The proxy's ``[analysts] allowed`` (default: none, any certified analyst)."""
     limits: PeerLimits = field(default_factory=PeerLimits)
     """The proxy's per-peer bounds."""
     accountant: Accountant = Accountant.ZCDP
@@ -357,6 +361,9 @@ class InProcessDeployment:
             budget=BudgetConfig(self.analyst_budget),
             crypto=ProxyCryptoConfig(processes=1, allow_insecure_test_keys=True),
             owners=OwnersConfig(frozenset(self.allowed if self.allowed else owner_ids)),
+            analysts=AnalystsConfig(
+                None if self.allowed_analysts is None else frozenset(self.allowed_analysts)
+            ),
             limits=self.limits,
             privacy=PrivacySection(accountant=self.accountant, neighbouring=self.neighbouring),
         )

@@ -16,7 +16,13 @@ from fedpca.admission import AdmissionLimit, NextQuery
 from fedpca.codec import CryptoPool
 from fedpca.dp.accounting import Accountant
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.errors import BudgetExceededError, NotFoundError, OverloadError, QueryStateError
+from fedpca.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    NotFoundError,
+    OverloadError,
+    QueryStateError,
+)
 from fedpca.messages import CANCELLED_REASON, Charge, QueryState
 from fedpca.proxy.limits import PeerLimits
 from fedpca.query import Calibration, Neighbouring
@@ -167,6 +173,42 @@ def test_a_query_for_exactly_the_remaining_budget_is_accepted(
             )
             with pytest.raises(BudgetExceededError, match=exhausted):
                 client.submit(_spec(public_key, "more", quorum=1, epsilon=0.01), TEST_SIGNING_KEY)
+
+
+def test_only_allowed_analysts_are_served_when_the_proxy_lists_them(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """With ``[analysts] allowed``, an analyst certificate the CA signed for another id
+    (by mistake, or by whoever holds the CA key) is refused on every call before any
+    work, and gets no budget of its own at the proxy."""
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1"),
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        analysts=("alice", "mallory"),
+        allowed_analysts=("alice",),
+    ) as running:
+        with running.analyst("mallory") as stranger:
+            calls = (
+                stranger.describe,
+                stranger.budget,
+                stranger.list_queries,
+                lambda: stranger.submit(_spec(public_key, "q1", quorum=1), SECOND_TEST_SIGNING_KEY),
+            )
+            for call in calls:
+                with pytest.raises(
+                    AuthenticationError, match=r"'mallory' is not in .*\[analysts\]"
+                ):
+                    call()
+        with running.analyst("alice") as alice:
+            assert alice.describe().owners_registered == 1
+            alice.submit(_spec(public_key, "q1", quorum=1), TEST_SIGNING_KEY)
+        assert running.proxy is not None
+        store = running.proxy.coordinator.store
+        assert store.releases("mallory") == [] and len(store.releases("alice")) == 1
 
 
 def test_a_proxy_limit_reaches_the_analyst_as_a_limit_not_as_an_exhausted_budget(

@@ -168,6 +168,22 @@ def test_init_force_accepts_the_changes_its_flags_ask_for(certs: Path, tmp_path:
     assert loaded.data.max_records == 500 and len(loaded.policy.accepted_analyst_keys) == 2
 
 
+def test_proxy_init_can_list_the_analysts_it_serves(certs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "proxy"
+    args = ["init", "--out", str(out), "--owners", OWNERS[0], "--certs", str(certs)]
+    anyone = CliRunner().invoke(proxy_group, args)
+    assert anyone.exit_code == 0, anyone.output
+    assert "analysts        any the CA certified (--analysts A,B to list them)" in anyone.output
+    assert load_proxy_config(out / "proxy.toml").analysts.allowed is None
+    listed = CliRunner().invoke(proxy_group, [*args, "--force", "--analysts", "alice, bob"])
+    assert listed.exit_code == 0, listed.output
+    assert "analysts        alice, bob" in listed.output
+    assert load_proxy_config(out / "proxy.toml").analysts.allowed == {"alice", "bob"}
+    # Not dropped by a re-run that does not give it (a default, not a request).
+    again = CliRunner().invoke(proxy_group, [*args, "--force"])
+    assert again.exit_code == 1 and "analysts.allowed: ['alice', 'bob'] dropped" in again.output
+
+
 def test_proxy_init_refusals_name_the_problem(certs: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     base = ["init", "--out", str(tmp_path / "p"), "--owners", OWNERS[0], "--certs", str(certs)]

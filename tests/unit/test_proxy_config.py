@@ -93,6 +93,27 @@ def test_the_owner_allow_list_is_required(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[tls]\ninsecure = true\n"))
 
 
+def test_the_analyst_allow_list_is_optional_and_checked(tmp_path: Path) -> None:
+    base = "[tls]\ninsecure = true\n" + OWNERS
+    assert load_config(write(tmp_path, base)).analysts.allowed is None  # any certified one
+    listed = base + '[analysts]\nallowed = ["alice", "bob"]\n[budget.analysts.bob]\nepsilon = 1\n'
+    assert load_config(write(tmp_path, listed)).analysts.allowed == frozenset({"alice", "bob"})
+    refusals = {
+        "[analysts]\n": r"analysts\.allowed is required in \[analysts\]",
+        "[analysts]\nallowed = []\n": r"analysts\.allowed is empty: this proxy would accept no",
+        "[analysts]\nallowed = ['a', 'a']\n": r"analysts\.allowed lists an analyst twice",
+        "[analysts]\nallowed = ['a b']\n": r"analysts\.allowed\[0\]",
+        "[analysts]\nallowd = ['a']\n": r"allowd",
+        # A budget for an analyst the list leaves out is a typo or a forgotten entry.
+        "[analysts]\nallowed = ['alice']\n[budget.analysts.bob]\nepsilon = 1\n": (
+            r"\[budget\.analysts\.bob\] names an analyst that analysts\.allowed does not list"
+        ),
+    }
+    for text, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(write(tmp_path, base + text))
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [

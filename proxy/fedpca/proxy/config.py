@@ -21,6 +21,9 @@ configuration file, so a deployment directory can be moved as a whole)::
     [owners]                     # the owners this proxy accepts (their certificate ids)
     allowed = ["hospital-a", "hospital-b"]
 
+    [analysts]                   # optional: the only analysts it serves (default: any
+    allowed = ["alice"]          # analyst certificate the CA signed)
+
     [privacy]
     neighbouring = "add-remove"  # the deployment's relation: "add-remove" | "replace-one"
     accountant = "zcdp"          # "zcdp" (proven) | "pld-continuous"
@@ -174,6 +177,19 @@ class OwnersConfig:
 
 
 @dataclass(frozen=True)
+class AnalystsConfig:
+    """``[analysts]``: which analysts this proxy serves.
+
+    ``allowed`` None (no ``[analysts]`` table): any analyst certificate the CA signed,
+    each with its own budget here. A list: only these analyst ids may call; another
+    certificate the CA signed (by mistake, or by whoever holds its key) is refused
+    before anything, and gets no budget of its own here.
+    """
+
+    allowed: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
 class PrivacySection:
     """``[privacy]``: the deployment's neighbouring relation and per-query caps."""
 
@@ -220,6 +236,7 @@ class ProxyConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     crypto: CryptoConfig = field(default_factory=CryptoConfig)
     owners: OwnersConfig = field(default_factory=OwnersConfig)
+    analysts: AnalystsConfig = field(default_factory=AnalystsConfig)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     limits: PeerLimits = field(default_factory=PeerLimits)
     monitoring: MonitoringSection = field(default_factory=MonitoringSection)
@@ -268,7 +285,17 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
     """
     reject_unknown_keys(
         document,
-        {"proxy", "tls", "owners", "privacy", "budget", "crypto", "limits", "monitoring"},
+        {
+            "proxy",
+            "tls",
+            "owners",
+            "analysts",
+            "privacy",
+            "budget",
+            "crypto",
+            "limits",
+            "monitoring",
+        },
     )
     proxy_table = _table(document, "proxy")
     tls_table = _table(document, "tls")
@@ -355,12 +382,20 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
         raise ConfigError(
             f"privacy.max_delta_per_query = {cap:g} exceeds budget.delta = {default.delta:g}"
         )
+    analysts = _analysts(document)
+    strangers = sorted(set(budget.analysts) - (analysts.allowed or set(budget.analysts)))
+    if strangers:
+        raise ConfigError(
+            f"[budget.analysts.{strangers[0]}] names an analyst that analysts.allowed does not "
+            "list: add it there, or remove its budget"
+        )
     return ProxyConfig(
         proxy=proxy,
         tls=tls,
         budget=budget,
         crypto=crypto,
         owners=owners,
+        analysts=analysts,
         privacy=privacy,
         limits=limits,
         monitoring=_monitoring(_table(document, "monitoring")),
@@ -390,28 +425,52 @@ def _serials(serials: Any) -> frozenset[int]:
 
 
 def _owners(table: Mapping[str, Any]) -> OwnersConfig:
-    reject_unknown_keys(table, {"allowed"}, "owners")
-    allowed = table.get("allowed")
+    allowed = _allowed_ids(table, "owners", "owner", 'e.g. allowed = ["hospital-a", "hospital-b"]')
     if allowed is None:
         raise ConfigError(
             "owners.allowed is required: the list of owner ids (as in their certificates) this "
             'proxy accepts, e.g. allowed = ["hospital-a", "hospital-b"]'
         )
+    return OwnersConfig(allowed)
+
+
+def _analysts(document: Mapping[str, Any]) -> AnalystsConfig:
+    if "analysts" not in document:
+        return AnalystsConfig()
+    table = _table(document, "analysts")
+    allowed = _allowed_ids(table, "analysts", "analyst", 'e.g. allowed = ["alice"]')
+    if allowed is None:
+        raise ConfigError(
+            "analysts.allowed is required in [analysts]: the analyst ids (as in their "
+            'certificates) this proxy serves, e.g. allowed = ["alice"]; leave out the '
+            "table to serve any analyst the CA certified"
+        )
+    return AnalystsConfig(allowed)
+
+
+def _allowed_ids(
+    table: Mapping[str, Any], section: str, role: str, example: str
+) -> frozenset[str] | None:
+    """``[section] allowed``: node ids, none twice and at least one (None: no key)."""
+    reject_unknown_keys(table, {"allowed"}, section)
+    allowed = table.get("allowed")
+    if allowed is None:
+        return None
     if not isinstance(allowed, list) or not all(isinstance(a, str) for a in allowed):
-        raise ConfigError(f"owners.allowed must be a list of owner ids, got {allowed!r}")
+        raise ConfigError(f"{section}.allowed must be a list of {role} ids, got {allowed!r}")
     if not allowed:  # it started, and analysts learnt it later ("accepts no owners")
         raise ConfigError(
-            "owners.allowed is empty: this proxy would accept no owner; list the owner ids "
-            'it accepts, e.g. allowed = ["hospital-a", "hospital-b"]'
+            f"{section}.allowed is empty: this proxy would accept no {role}; list the "
+            f"{role} ids it accepts, {example}"
         )
-    for index, owner_id in enumerate(allowed):
+    for index, node_id in enumerate(allowed):
         try:
-            validate_node_id(owner_id)
+            validate_node_id(node_id)
         except ConfigError as exc:
-            raise ConfigError(f"owners.allowed[{index}]: {exc}") from exc
+            raise ConfigError(f"{section}.allowed[{index}]: {exc}") from exc
     if len(set(allowed)) != len(allowed):
-        raise ConfigError("owners.allowed lists an owner twice")
-    return OwnersConfig(frozenset(allowed))
+        raise ConfigError(f"{section}.allowed lists an {role} twice")
+    return frozenset(allowed)
 
 
 def _privacy_section(table: Mapping[str, Any], budget: PrivacyParams) -> PrivacySection:

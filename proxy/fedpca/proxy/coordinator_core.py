@@ -293,6 +293,19 @@ class CoordinatorCore:
                 f"owner {owner_id!r} is not in this proxy's [owners] allowed list"
             )
 
+    def require_analyst(self, analyst_id: str) -> None:
+        """Refuse an analyst that is not on the allow-list, if there is one.
+
+        Raises
+        ------
+        AuthenticationError
+        """
+        allowed = self.config.analysts.allowed
+        if allowed is not None and analyst_id not in allowed:
+            raise AuthenticationError(
+                f"analyst {analyst_id!r} is not in this proxy's [analysts] allowed list"
+            )
+
     def enroll(self, owner_id: str, info: Mapping[str, Any] | None = None) -> None:
         """Record that an allowed owner said hello (or is alive on its task stream)."""
         self.require_owner(owner_id)

@@ -128,6 +128,7 @@ def render_proxy_config(
     max_delta_per_query: float | None,
     monitoring_listen: str | None,
     revoked_serials: Sequence[str] = (),
+    analysts: Sequence[str] = (),
 ) -> str:
     """The text of a proxy.toml for a node folder (paths relative to it)."""
     lines = [
@@ -151,6 +152,14 @@ def render_proxy_config(
         "[owners]   # the only owners this proxy accepts (ids in their certificates)",
         f"allowed = {toml_value(owners)}",
         "",
+    ]
+    if analysts:
+        lines += [
+            "[analysts]   # the only analysts this proxy serves (ids in their certificates)",
+            f"allowed = {toml_value(list(analysts))}",
+            "",
+        ]
+    lines += [
         "[privacy]",
         f"neighbouring = {toml_value(neighbouring.value)}   # every owner states the same",
     ]
@@ -195,6 +204,7 @@ def write_proxy_folder(
     force: bool = False,
     replace_settings: bool = False,
     requested_settings: Sequence[str] = (),
+    analysts: Sequence[str] = (),
 ) -> ProxyConfig:
     """Write a proxy folder and return its configuration as the proxy will read it.
 
@@ -231,6 +241,7 @@ def write_proxy_folder(
             max_delta_per_query=max_delta_per_query,
             monitoring_listen=monitoring_listen,
             revoked_serials=_kept_revocations(path),
+            analysts=analysts,
         )
         refuse_changed_settings(
             path, text, replace_settings=replace_settings, requested=requested_settings
@@ -271,6 +282,7 @@ _FLAG_SETTINGS = {
     "budget_delta": ("budget.delta",),
     "max_delta_per_query": ("privacy.max_delta_per_query",),
     "monitoring_listen": ("monitoring",),
+    "analysts": ("analysts",),
 }
 """The settings in proxy.toml each flag of ``init`` writes (``--analyst-budget ID=…``:
 ``budget.analysts.ID``): with ``--force``, changes to them are what was asked."""
@@ -284,6 +296,11 @@ _FLAG_SETTINGS = {
     help="The proxy's folder to create (proxy.toml, tls/, state/).",
 )
 @click.option("--owners", required=True, help="Comma-separated owner ids the proxy accepts.")
+@click.option(
+    "--analysts",
+    help="Comma-separated analyst ids the proxy serves (default: any analyst certificate "
+    "the CA signed).",
+)
 @click.option(
     "--certs",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
@@ -346,6 +363,7 @@ _FLAG_SETTINGS = {
 def init_command(
     out: Path,
     owners: str,
+    analysts: str | None,
     certs: Path | None,
     ca: Path | None,
     cert: Path | None,
@@ -376,6 +394,7 @@ def init_command(
             out,
             proxy_id=proxy_id,
             owners=[o.strip() for o in owners.split(",") if o.strip()],
+            analysts=[a.strip() for a in (analysts or "").split(",") if a.strip()],
             certs=certs,
             tls_files=files,
             listen=listen,
@@ -397,6 +416,10 @@ def init_command(
     click.echo(f"wrote {out / CONFIG_NAME}")
     click.echo(f"  listens on      {config.proxy.listen}")
     click.echo(f"  owners          {', '.join(sorted(config.owners.allowed))}")
+    if config.analysts.allowed is None:
+        click.echo("  analysts        any the CA certified (--analysts A,B to list them)")
+    else:
+        click.echo(f"  analysts        {', '.join(sorted(config.analysts.allowed))}")
     click.echo(f"  budget          {_budget_text(config.budget.default)} per analyst")
     for analyst, budget in sorted(config.budget.analysts.items()):
         click.echo(f"                  {analyst}: {_budget_text(budget)}")

@@ -339,10 +339,12 @@ class ServicerBase:
         # naming both versions, in the proxy's log as well as the peer's.
         stated = dict(context.invocation_metadata() or ()).get(PROTOCOL_VERSION_METADATA)
         check_peer_protocol(str(identity), stated, "this proxy")
+        # Before anything else of the call (an upload's first message included): a peer
+        # off its allow-list holds no slot and waits for nothing.
         if role is Role.OWNER:
-            # Before anything else of the call (an upload's first message included): an
-            # owner off the allow-list holds no slot and waits for nothing.
             self.coordinator.require_owner(identity.node_id)
+        elif role is Role.ANALYST:
+            self.coordinator.require_analyst(identity.node_id)
         return identity
 
     def _identity(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
