@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import stat
 import subprocess
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from fedpca.analyst.config import load_config as load_analyst_config
 from fedpca.analyst.init import init_command as analyst_init
 from fedpca.codec import CryptoPool, key_fingerprint
+from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import ConfigError
 from fedpca.owner.cli import owner_group
 from fedpca.owner.config import load_config as load_owner_config
@@ -25,6 +27,7 @@ from fedpca.owner.init import write_owner_folder
 from fedpca.proxy.cli import proxy_group
 from fedpca.proxy.config import BudgetConfig
 from fedpca.proxy.config import load_config as load_proxy_config
+from fedpca.proxy.store import ProxyStore
 from fedpca.proxy.store_database import use_database
 from fedpca.query import RELEASE_KINDS, Neighbouring
 from fedpca.transport.certs import TlsMaterial, init_certificates
@@ -111,7 +114,9 @@ def test_proxy_init_writes_a_folder_the_proxy_loads(certs: Path, tmp_path: Path)
     assert not config.proxy.database.exists()
 
 
-def test_init_force_accepts_the_changes_its_flags_ask_for(certs: Path, tmp_path: Path) -> None:
+def test_init_force_accepts_the_changes_its_flags_ask_for(
+    certs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A new user's ``proxy init --force --owners a,b`` was refused for changing the
     owners, the change asked for, until --replace-settings was added. Changes by
     flags given are accepted; changes by defaults (a dropped setting) are not."""
@@ -127,8 +132,15 @@ def test_init_force_accepts_the_changes_its_flags_ask_for(certs: Path, tmp_path:
     assert "budget.analysts.alice.epsilon: 1.0 dropped" in refused.output
     assert "owners.allowed" not in refused.output and "budget.epsilon" not in refused.output
     assert load_proxy_config(out / "proxy.toml").owners.allowed == {OWNERS[0]}
-    changed = CliRunner().invoke(proxy_group, [*wider, "--analyst-budget", "alice=3:1e-6"])
+    with caplog.at_level(logging.WARNING, logger="fedpca.transport.bundle"):
+        changed = CliRunner().invoke(proxy_group, [*wider, "--analyst-budget", "alice=3:1e-6"])
     assert changed.exit_code == 0, changed.output
+    # Each change is said, the asked ones too: --owners is required, so a re-run with
+    # fewer owners would otherwise drop some without a word (review).
+    assert "proxy.toml: owners.allowed: ['hospital-a'] -> ['hospital-a', 'hospital-b']" in (
+        caplog.text
+    )
+    assert "proxy.toml: budget.epsilon: 3.0 -> 2.0" in caplog.text
     config = load_proxy_config(out / "proxy.toml")
     assert config.owners.allowed == frozenset(OWNERS)
     assert config.budget.default.epsilon == 2.0
@@ -166,6 +178,29 @@ def test_init_force_accepts_the_changes_its_flags_ask_for(certs: Path, tmp_path:
     assert changed.exit_code == 0, changed.output
     loaded = load_owner_config(owner / "owner.toml")
     assert loaded.data.max_records == 500 and len(loaded.policy.accepted_analyst_keys) == 2
+
+
+def test_proxy_init_keeps_the_relation_its_releases_were_recorded_under(
+    certs: Path, tmp_path: Path
+) -> None:
+    """As ``owner init`` for an owner's ledger (review): a proxy whose database holds
+    releases under one relation, configured for the other, refuses every analyst
+    with a release; init says so before writing."""
+    out = tmp_path / "proxy"
+    args = ["init", "--out", str(out), "--owners", OWNERS[0], "--certs", str(certs)]
+    assert CliRunner().invoke(proxy_group, args).exit_code == 0
+    config = load_proxy_config(out / "proxy.toml")
+    store = ProxyStore(config.proxy.database)
+    event = PrivacyEvent("alice/q1", "alice", 5.0, 0.5, 1e-6).to_strict_dict()
+    with store.transaction() as conn:
+        store.record_release(conn, "alice", "alice/q1", event)
+    store.close()
+    before = (out / "proxy.toml").read_text()
+    other = [*args, "--force", "--neighbouring", "replace-one"]
+    refused = CliRunner().invoke(proxy_group, other)
+    assert refused.exit_code == 1
+    assert "holds releases recorded under add-remove adjacency" in refused.output
+    assert (out / "proxy.toml").read_text() == before
 
 
 def test_proxy_init_can_list_the_analysts_it_serves(certs: Path, tmp_path: Path) -> None:

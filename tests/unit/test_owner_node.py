@@ -120,9 +120,9 @@ class FakeProxy(owner_grpc.OwnerServiceServicer):
     """Uploads to refuse 0.5 s after reading their header, without acknowledging it."""
     refusal_trailing: tuple[tuple[str, str], ...] = ()
     """Trailing metadata of those refusals."""
-    hello_refusal: str | None = None
     refused_at: list[float] = field(default_factory=list)
     """When each Hello was refused (``hello_refusal``), monotonic seconds."""
+    hello_refusal: str | None = None
     """Refuse every Hello with INVALID_ARGUMENT and this text (a proxy of another wire
     protocol)."""
     tasks: queue.Queue[TaskEvent] = field(default_factory=queue.Queue)

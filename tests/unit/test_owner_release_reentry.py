@@ -309,7 +309,7 @@ def test_a_release_the_backup_held_as_not_begun_is_never_refunded_after(
     # Final, so never answered again: a proxy delivering q2 again had it answered with
     # a new share (the task stayed reserved, and a reservation found is answered).
     assert ledger.is_handled(key("q2"))
-    assert ledger.task(key("q2")).outcome is TaskOutcome.UPLOADED
+    assert ledger.task(key("q2")).outcome is TaskOutcome.ABANDONED  # began, cannot go on
     assert not ledger.end_task(key("q2"), TaskOutcome.CANCELLED)  # nothing refunded
     assert [e.event.query_id for e in ledger.events()] == [key("q1"), key("q2")]
 

@@ -19,18 +19,22 @@ from typing import Any
 
 import pytest
 from test_proxy_coordinator import Clock, key, make_config, make_coordinator, make_spec
+from test_release_import import _event, _owner_export
 
 from fedpca.codec import CryptoPool
-from fedpca.errors import NotFoundError, OverloadError
-from fedpca.messages import Charge, QueryState
+from fedpca.errors import OverloadError, ProtocolError
+from fedpca.messages import QueryState
+from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy import catalog, coordinator_core
 from fedpca.proxy.config import ProxySection
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.coordinator_core import QueryContext
 from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import result_blocks
+from fedpca.proxy.release_import import import_releases
 from fedpca.proxy.store_records import QueryRecord, page_count
-from fedpca.query import Aggregate, AggregateKind, QueryKind, QuerySpec
+from fedpca.query import Aggregate, AggregateKind, Neighbouring, QueryKind, QuerySpec
+from fedpca.release_exports import read_owner_releases
 from helpers import SECOND_TEST_SIGNING_KEY, signed
 
 ANALYST = "alice"
@@ -96,6 +100,7 @@ def test_status_and_listing_do_not_read_the_queries(
     coordinator._contexts.clear()
     monkeypatch.setattr(QueryRecord, "spec", property(read))
     monkeypatch.setattr(coordinator_core.QueryContext, "of", read)
+    monkeypatch.setattr(type(coordinator.store), "query_spec", read)
     listed = {q.status.query_id: q for q in catalog.list_queries(coordinator, ANALYST, 10)}
     assert set(listed) == {"h1", "p1"}
     assert listed["h1"].kind is QueryKind.AGGREGATE
@@ -115,7 +120,7 @@ def test_an_analysts_queries_take_a_bounded_size_a_day(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:
     public_key, _ = test_only_keypair_512
-    limits = PeerLimits(max_query_mib_per_analyst_per_day=0.25)
+    limits = PeerLimits(max_query_mib_per_analyst_per_day=0.5)
     clock = Clock()
     coordinator = make_coordinator(
         tmp_path, pool, replace(make_config(10.0), limits=limits), clock=clock
@@ -124,26 +129,29 @@ def test_an_analysts_queries_take_a_bounded_size_a_day(
     assert coordinator.cancel(ANALYST, "h1").refunded
     stored = _stored_bytes(coordinator, "h1")
     with sqlite3.connect(coordinator.store.path) as conn:
-        spec, plan = conn.execute(
-            "SELECT length(spec), length(plan) FROM queries WHERE query_id=?", (key("h1"),)
+        spec, plan, signature = conn.execute(
+            "SELECT length(spec), length(plan), length(signature) FROM queries WHERE query_id=?",
+            (key("h1"),),
         ).fetchone()
-    assert spec + plan < stored < spec + plan + 200  # the query, its plan and signature
-    assert stored > 0.25 * 2**20
-    # Beyond the allowance a new query, however small, is refused before anything.
-    small = make_spec(public_key, "p1", epsilon=0.25)
-    with pytest.raises(OverloadError, match=r"last 24 hours take 0\.\d+ MiB.*max_query_mib"):
-        coordinator.submit(ANALYST, signed(small))
-    assert not coordinator.store.has_query(key("p1"))
+    conn.close()
+    assert stored == spec + plan + signature and 0.25 * 2**20 < stored < 0.5 * 2**20
+    # A second such query would take the analyst past its allowance: refused before
+    # anything, whatever is left of it.
+    second = signed(_histogram(public_key, "h2", 20_000))
+    with pytest.raises(OverloadError, match=r"take 0\.\d MiB .* with this one \(0\.\d MiB\)"):
+        coordinator.submit(ANALYST, second)
+    assert not coordinator.store.has_query(key("h2"))
     assert coordinator.budget(ANALYST).n_releases == 0
-    # Another analyst's allowance is its own.
-    bob = signed(make_spec(public_key, "p1", epsilon=0.25), SECOND_TEST_SIGNING_KEY)
+    # A small one still fits, and another analyst's allowance is its own.
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "p1", epsilon=0.25)))
+    bob = signed(_histogram(public_key, "h2", 20_000), SECOND_TEST_SIGNING_KEY)
     coordinator.submit("bob", bob)
-    # 24 hours after the large one, there is room again.
+    # 24 hours after the first, there is room again.
     clock.now += DAY + 1.0
-    coordinator.submit(ANALYST, signed(small))
+    coordinator.submit(ANALYST, second)
 
 
-def test_a_query_failed_refunded_is_deleted_after_the_days_results_are_kept(
+def test_a_refunded_failure_keeps_only_its_summary_after_the_days_results_are_kept(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:
     public_key, _ = test_only_keypair_512
@@ -151,50 +159,64 @@ def test_a_query_failed_refunded_is_deleted_after_the_days_results_are_kept(
     coordinator = make_coordinator(tmp_path, pool, config)
     clock = coordinator.clock
     assert isinstance(clock, Clock)
-    for query_id in ("free", "paid", "open"):
+    free = signed(_histogram(public_key, "free", 20_000))
+    coordinator.submit(ANALYST, free)
+    for query_id in ("paid", "open"):
         coordinator.submit(ANALYST, signed(make_spec(public_key, query_id, epsilon=0.25)))
     coordinator.store.record_decline(key("free"), "owner-1", "policy_refusal: epsilon")
     _uploads_began(coordinator, "paid")
     assert coordinator.cancel(ANALYST, "free").refunded
     assert not coordinator.cancel(ANALYST, "paid").refunded
+    before = {q: coordinator.status(ANALYST, q) for q in ("free", "paid", "open")}
+    large = _stored_bytes(coordinator, "free")
     clock.now += 2 * DAY - 60
     coordinator.purge_results()
-    assert coordinator.status(ANALYST, "free").charge is Charge.REFUNDED  # not yet
+    assert _stored_bytes(coordinator, "free") == large  # not yet
     clock.now += 120
     coordinator.purge_results()
-    with pytest.raises(NotFoundError):
-        coordinator.status(ANALYST, "free")
+    assert _stored_bytes(coordinator, "free") < 200 < large
     with sqlite3.connect(coordinator.store.path) as conn:
-        left = conn.execute("SELECT count(*) FROM declines WHERE query_id=?", (key("free"),))
-        assert left.fetchone()[0] == 0
-    # A charged failure stays with its charge, and a query still open is untouched.
-    assert coordinator.status(ANALYST, "paid").charge is Charge.CHARGED
-    assert coordinator.store.has_release(key("paid"))
-    assert coordinator.status(ANALYST, "open").state is QueryState.COLLECTING
+        statement = conn.execute("SELECT spec, plan FROM queries WHERE query_id=?", (key("free"),))
+        assert statement.fetchone() == ("{}", "{}")
+    conn.close()
+    # Its status, declines included, and its listing are what they were.
+    assert {q: coordinator.status(ANALYST, q) for q in ("free", "paid", "open")} == before
+    listed = {q.status.query_id: q for q in catalog.list_queries(coordinator, ANALYST, 10)}
+    assert listed["free"].kind is QueryKind.AGGREGATE and listed["free"].epsilon == 0.5
+    # Its id stays taken: the same signed query is not a new one, charged anew.
+    with pytest.raises(ProtocolError, match="already exists with a different spec"):
+        coordinator.submit(ANALYST, free)
+    # An owner's export listing it (reserved, no upload begun) does not charge it.
+    export = _owner_export(
+        tmp_path, "owner-1", [_event("free", 2.0)], {key("free"): TaskOutcome.RESERVED}
+    )
+    releases = read_owner_releases(json.loads(export.read_text()), str(export))
+    report = import_releases(coordinator.store, releases, Neighbouring.ADD_REMOVE, dry_run=True)
+    assert report.refunded == [key("free")] and report.entered == []
+    # A charged failure keeps its statement (owners may import it), an open one too.
+    assert coordinator.store.query_spec(key("paid"))["query_id"] == "paid"
+    assert coordinator.store.query_spec(key("open"))["query_id"] == "open"
 
 
-def test_a_refunded_failure_is_kept_a_day_at_least(
+def test_a_refunded_failure_is_kept_whole_a_day_at_least(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:
-    """With results kept less than a day, the daily bound on submissions still counts
-    every query of the last 24 hours: none is deleted sooner."""
+    """With results kept less than a day, the daily allowance of stored bytes still
+    counts every query of the last 24 hours: none is shrunk sooner."""
     public_key, _ = test_only_keypair_512
-    limits = PeerLimits(max_queries_per_analyst_per_day=1)
-    config = replace(make_config(10.0), proxy=ProxySection(keep_results_days=0.1), limits=limits)
+    config = replace(make_config(10.0), proxy=ProxySection(keep_results_days=0.1))
     coordinator = make_coordinator(tmp_path, pool, config)
     clock = coordinator.clock
     assert isinstance(clock, Clock)
     coordinator.submit(ANALYST, signed(make_spec(public_key, "q1", epsilon=0.25)))
     assert coordinator.cancel(ANALYST, "q1").refunded
+    size = _stored_bytes(coordinator, "q1")
     clock.now += DAY - 60
     coordinator.purge_results()
-    assert coordinator.store.has_query(key("q1"))
-    with pytest.raises(OverloadError, match="1 queries in the last 24 hours"):
-        coordinator.submit(ANALYST, signed(make_spec(public_key, "q2", epsilon=0.25)))
+    assert _stored_bytes(coordinator, "q1") == size
     clock.now += 120
     coordinator.purge_results()
-    assert not coordinator.store.has_query(key("q1"))
-    coordinator.submit(ANALYST, signed(make_spec(public_key, "q2", epsilon=0.25)))
+    assert _stored_bytes(coordinator, "q1") < size
 
 
 def test_a_version_4_database_gets_its_queries_summarised(
@@ -212,12 +234,12 @@ def test_a_version_4_database_gets_its_queries_summarised(
         conn.execute("ALTER TABLE queries DROP COLUMN summary")
         conn.execute("ALTER TABLE queries DROP COLUMN stored_bytes")
         conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
-        spec, plan = conn.execute("SELECT spec, plan FROM queries").fetchone()
+        spec, plan, signature = conn.execute("SELECT spec, plan, signature FROM queries").fetchone()
     conn.close()
     migrated = make_coordinator(tmp_path, pool, make_config(10.0))
     assert catalog.list_queries(migrated, ANALYST, 10) == expected
     assert expected[0].aggregates == (AggregateKind.HISTOGRAM,)
-    assert _stored_bytes(migrated, "h1") == len(spec) + len(plan)
+    assert _stored_bytes(migrated, "h1") == len(spec) + len(plan) + len(signature)
     assert migrated.store.query(key("h1")).state is QueryState.COLLECTING
     with sqlite3.connect(path) as conn:
         version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()

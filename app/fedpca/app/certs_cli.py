@@ -215,5 +215,6 @@ def show_command(certificate: Path) -> None:
     elif now < cert.not_valid_before_utc:
         state = "NOT YET VALID"
     else:
-        state = f"expires in {(cert.not_valid_after_utc - now).days} days"
+        days = (cert.not_valid_after_utc - now).days
+        state = f"expires in {days} days" if days else "expires within a day"
     click.echo(f"valid:      {cert.not_valid_before_utc} .. {cert.not_valid_after_utc} ({state})")

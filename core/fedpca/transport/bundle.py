@@ -16,6 +16,7 @@ directory (never the CA key), or of files named one by one.
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping
@@ -48,6 +49,8 @@ __all__ = [
     "settings_given",
     "writing_folder",
 ]
+
+logger = logging.getLogger(__name__)
 
 TLS_DIR = "tls"
 STATE_DIR = "state"
@@ -200,13 +203,15 @@ def refuse_changed_settings(
     ``requested`` names the settings (dotted keys, e.g. ``owners.allowed``; a table's
     name covers its keys) whose flags were given (:func:`settings_given`): changing
     them is what was asked. A new user's ``proxy init --force --owners a,b,c`` was
-    refused for changing the owners until ``--replace-settings`` was added.
+    refused for changing the owners until ``--replace-settings`` was added. Each change
+    accepted is logged (a WARNING): a required flag is always given, so a re-run with
+    fewer owners or a larger ``--max-records`` changes them without another word.
 
     Raises
     ------
     ConfigError
     """
-    if replace_settings or not path.is_file():
+    if not path.is_file():
         return
     try:
         old = _flat(tomllib.loads(path.read_text(encoding="utf-8")))
@@ -214,13 +219,21 @@ def refuse_changed_settings(
         return
     new = _flat(tomllib.loads(new_text))
     asked = tuple(requested)
-    changes = [
-        f"{key}: {old[key]!r} -> {new[key]!r}" if key in new else f"{key}: {old[key]!r} dropped"
+    changed = {
+        key: f"{key}: {old[key]!r} -> {new[key]!r}"
+        if key in new
+        else f"{key}: {old[key]!r} dropped"
         for key in sorted(old)
         if new.get(key, _MISSING) != old[key]
-        and not any(key == name or key.startswith(f"{name}.") for name in asked)
+    }
+    changes = [
+        change
+        for key, change in changed.items()
+        if not any(key == name or key.startswith(f"{name}.") for name in asked)
     ]
-    if changes:
+    # Settings the file did not have are not refused (a newer init may write more).
+    changed.update({key: f"{key}: {new[key]!r} added" for key in sorted(set(new) - set(old))})
+    if changes and not replace_settings:
         raise ConfigError(
             f"{path} would change these settings: {'; '.join(changes)}. `init --force` "
             "writes every setting from its flags and their defaults; changes by flags "
@@ -228,6 +241,8 @@ def refuse_changed_settings(
             f"edit {path.name} by hand instead, or pass --replace-settings to accept the "
             "changes"
         )
+    for change in changed.values():
+        logger.warning("%s: %s", path.name, change)
 
 
 _MISSING = object()

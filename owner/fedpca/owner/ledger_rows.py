@@ -217,10 +217,11 @@ def reenter_release(
             "INSERT INTO tasks (query_id, state, detail, upload_started, updated_at, "
             "spec_digest) VALUES (?, ?, ?, 1, ?, ?) "
             "ON CONFLICT (query_id) DO UPDATE SET upload_started = 1, "
-            # A task held as reserved is final now: left open, a proxy delivering it
+            # A task held as reserved is final now, abandoned (its upload began, as the
+            # proxy shows, and cannot go on from here): left open, a proxy delivering it
             # again had it answered with a new share (review). One uploading resumes
             # its own upload, the same share.
-            "state = CASE WHEN state = ? THEN excluded.state ELSE state END, "
+            "state = CASE WHEN state = ? THEN ? ELSE state END, "
             "detail = CASE WHEN state = ? THEN excluded.detail ELSE detail END",
             (
                 query_id,
@@ -229,6 +230,7 @@ def reenter_release(
                 time.time(),
                 digest,
                 TaskOutcome.RESERVED.value,
+                TaskOutcome.ABANDONED.value,
                 TaskOutcome.RESERVED.value,
             ),
         )

@@ -185,7 +185,7 @@ def status_command(config_path: Path) -> None:
         return
     rows = [("QUERY", "ANALYST", "STATE", "OWNERS", "REASON")]
     for record in records:
-        quorum = record.spec.get("quorum", 1)
+        quorum = record.quorum
         rows.append(
             (
                 record.query_id,

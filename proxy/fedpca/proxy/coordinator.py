@@ -559,8 +559,8 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
 
     def purge_results(self) -> list[str]:
         """Delete the result pages of queries finished more than ``[proxy]
-        keep_results_days`` ago (none when it is 0) and queries failed refunded as long
-        ago (a day at least: the daily bound counts them), truncate the write-ahead log,
+        keep_results_days`` ago (none when it is 0) and the statements of queries failed
+        refunded as long ago (a day at least), truncate the write-ahead log,
         which may hold frames of deleted aggregates; returns the purged results' keys."""
         days = self.config.proxy.keep_results_days
         if days <= 0:
@@ -568,8 +568,8 @@ class Coordinator(Submissions, OwnerTasks, AnalystRequests):
             return []
         purged = self.store.purge_results(self.clock() - days * SECONDS_PER_DAY)
         cutoff = self.clock() - max(days, 1) * SECONDS_PER_DAY
-        if forgotten := self.store.forget_refunded_failures(cutoff):
-            logger.info("deleted %d queries that failed refunded: %s", len(forgotten), forgotten)
+        if dropped := self.store.drop_refunded_statements(cutoff):
+            logger.info("dropped the statements of %d refunded failures: %s", len(dropped), dropped)
         self.store.truncate_wal()
         if purged:
             logger.info(

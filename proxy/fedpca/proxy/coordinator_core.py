@@ -315,8 +315,8 @@ class CoordinatorCore:
         context = self._contexts.get(query_id)
         if context is not None:
             return context
-        record = self.store.query(query_id)  # NotFoundError for unknown ids
-        return self._contexts.put(query_id, QueryContext.of(spec_from_dict(record.spec)))
+        spec = self.store.query_spec(query_id)  # NotFoundError for unknown ids
+        return self._contexts.put(query_id, QueryContext.of(spec_from_dict(spec)))
 
     def plan(self, query_id: str) -> ReleasePlan:
         """The release plan of a stored query."""

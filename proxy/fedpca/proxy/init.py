@@ -24,7 +24,11 @@ from fedpca.errors import AuthenticationError, ConfigError, FedpcaError
 from fedpca.files import holds_database
 from fedpca.proxy.config import DEFAULT_ANALYST_BUDGET, ProxyConfig, load_config
 from fedpca.proxy.store import ProxyStore
-from fedpca.proxy.store_database import refuse_where_a_proxy_ran, serving_process
+from fedpca.proxy.store_database import (
+    recorded_relations,
+    refuse_where_a_proxy_ran,
+    serving_process,
+)
 from fedpca.query import Neighbouring
 from fedpca.toml_config import toml_value
 from fedpca.transport.addresses import check_address, click_address
@@ -248,6 +252,15 @@ def write_proxy_folder(
         )
         path.write_text(text, encoding="utf-8")
         config = load_config(path)
+        others = recorded_relations(config.proxy.database) - {neighbouring.value}
+        if others:
+            raise ConfigError(
+                f"the database {config.proxy.database} holds releases recorded under "
+                f"{', '.join(sorted(others))} adjacency; with --neighbouring "
+                f"{neighbouring.value} this proxy would refuse every analyst that has one. A "
+                "deployment keeps one relation (docs/privacy.md); keep its relation, or start "
+                "a new database"
+            )
         if not holds_database(config.proxy.database):
             # Made here, so that `proxy serve` may refuse to start on a database that does
             # not exist: a wrong path would otherwise start every analyst's budget at zero.

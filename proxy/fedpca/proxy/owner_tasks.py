@@ -223,7 +223,7 @@ class OwnerTasks(CoordinatorCore):
         record = self.store.query(query_id)
         if record.state is not QueryState.COLLECTING:
             return False
-        quorum = int(record.spec.get("quorum", 1))
+        quorum = record.quorum
         declines = self.store.declines(query_id)
         available = len(self.registered_owners - set(declines))
         if available >= quorum:

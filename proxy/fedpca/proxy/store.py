@@ -45,24 +45,18 @@ from typing import Any, NamedTuple
 from fedpca.errors import NotFoundError, ProtocolError, QueryStateError
 from fedpca.messages import DECLINES_CLOSED, QueryState
 from fedpca.proxy.store_contributions import ContributionStore
-from fedpca.proxy.store_records import QueryRecord, query_record_of, query_summary
+from fedpca.proxy.store_records import (
+    QUERY_HEAD,
+    QueryRecord,
+    query_record_of,
+    query_summary,
+    stored_size,
+)
 from fedpca.proxy.store_schema import SCHEMA_VERSION
 
 __all__ = ["SCHEMA_VERSION", "ProxyStore", "QueryProgress"]
 
 logger = logging.getLogger(__name__)
-
-_QUERY_TABLES = (
-    "contributors",
-    "uploads",
-    "declines",
-    "aggregate_pages",
-    "staged_chunks",
-    "result_pages",
-    "purged_results",
-    "result_meta",
-)
-"""The tables whose rows belong to one query (``query_id`` references ``queries``)."""
 
 
 class QueryProgress(NamedTuple):
@@ -147,7 +141,7 @@ class ProxyStore(ContributionStore):
                         signature,
                         signer,
                         summary,
-                        len(spec_json) + len(plan_json) + len(signature),
+                        stored_size(spec_json, plan_json, signature),
                     ),
                 )
         return self.query(query_id)
@@ -157,11 +151,14 @@ class ProxyStore(ContributionStore):
             if states:
                 marks = ",".join("?" for _ in states)
                 rows = self._conn.execute(
-                    f"SELECT * FROM queries WHERE state IN ({marks}) ORDER BY created_at",
+                    f"SELECT {QUERY_HEAD} FROM queries WHERE state IN ({marks}) "
+                    "ORDER BY created_at",
                     [s.value for s in states],
                 ).fetchall()
             else:
-                rows = self._conn.execute("SELECT * FROM queries ORDER BY created_at").fetchall()
+                rows = self._conn.execute(
+                    f"SELECT {QUERY_HEAD} FROM queries ORDER BY created_at"
+                ).fetchall()
         return [query_record_of(r) for r in rows]
 
     def contributed_releases(self, owner_id: str) -> list[tuple[QueryRecord, float]]:
@@ -179,17 +176,15 @@ class ProxyStore(ContributionStore):
 
     def analyst_queries(self, analyst_id: str, limit: int) -> list[QueryRecord]:
         """The analyst's ``limit`` newest queries, newest first."""
-        # Chosen by the index, then read: sorting whole rows copied every query (up to
-        # 2 MiB each) through SQLite's sorter, most of a listing's time.
+        # Without the queries themselves (up to 2 MiB each): sorting whole rows copied
+        # every one through SQLite's sorter, most of a listing's time.
         with self._lock:
             rows = self._conn.execute(
-                "SELECT q.* FROM (SELECT query_id FROM queries WHERE analyst_id=? "
-                "ORDER BY created_at DESC, query_id LIMIT ?) AS newest "
-                "JOIN queries q ON q.query_id = newest.query_id",
+                f"SELECT {QUERY_HEAD} FROM queries WHERE analyst_id=? "
+                "ORDER BY created_at DESC, query_id LIMIT ?",
                 (analyst_id, limit),
             ).fetchall()
-        records = [query_record_of(r) for r in rows]
-        return sorted(records, key=lambda record: (-record.created_at, record.query_id))
+        return [query_record_of(r) for r in rows]
 
     def state_counts(self) -> dict[QueryState, int]:
         """How many queries are in each state (for monitoring)."""
@@ -391,29 +386,30 @@ class ProxyStore(ContributionStore):
                 )
         return keys
 
-    def forget_refunded_failures(self, failed_before: float) -> list[str]:
-        """Delete every query that failed before ``failed_before`` with its charge
-        refunded (no release recorded: no owner began an upload), with what it left
-        (declines, staged chunks); returns their keys.
+    def drop_refunded_statements(self, failed_before: float) -> list[str]:
+        """Drop the statement and plan of every query that failed before
+        ``failed_before`` with its charge refunded (no release recorded: no owner began
+        an upload); returns their keys.
 
-        Such a query is on no ledger; kept, each was up to 2 MiB a row for good (a review
-        filled 1.1 GiB a day with cancelled histogram queries). A charged one stays: its
-        release is on the analyst's ledger and owners may import it
-        (``proxy export-releases``)."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT query_id FROM queries WHERE state=? AND updated_at < ? AND NOT "
-                "EXISTS (SELECT 1 FROM releases WHERE releases.query_id = queries.query_id)",
+        Such a query is on no ledger, yet each kept up to 2 MiB for good (a review filled
+        1.1 GiB a day with cancelled histogram queries). Its row stays, small: its
+        status and listing (from the summary), its id (a resubmission of it is refused
+        as another query under a taken id, not charged anew) and that it was refunded
+        (``proxy import-releases`` does not charge it from an owner's export). A charged
+        one keeps its statement: owners may import it (``proxy export-releases``)."""
+        with self.transaction() as conn:
+            rows = conn.execute(
+                "SELECT query_id FROM queries q WHERE state=? AND updated_at < ? AND spec != '{}' "
+                "AND NOT EXISTS (SELECT 1 FROM releases r WHERE r.query_id = q.query_id)",
                 (QueryState.FAILED.value, failed_before),
             ).fetchall()
-        keys = [str(row["query_id"]) for row in rows]
-        for key in keys:  # one query per transaction, as purge_results
-            with self.transaction() as conn:
-                if self.release_recorded(conn, key):  # re-entered meanwhile (import-releases)
-                    continue
-                for table in _QUERY_TABLES:
-                    conn.execute(f"DELETE FROM {table} WHERE query_id=?", (key,))
-                conn.execute("DELETE FROM queries WHERE query_id=?", (key,))
+            keys = [str(row["query_id"]) for row in rows]
+            for key in keys:
+                conn.execute(
+                    "UPDATE queries SET spec='{}', plan='{}', stored_bytes=length(signature) + 4 "
+                    "WHERE query_id=?",
+                    (key,),
+                )
         return keys
 
     def result_purged_at(self, query_id: str) -> float | None:

@@ -122,7 +122,7 @@ class ContributionStore(StoreDatabase):
                 (query_id, owner_id, upload_id, public_count, self._clock()),
             )
             conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (query_id,))
-            quorum = int(json.loads(query["spec"]).get("quorum", 1))
+            quorum = int(json.loads(query["summary"]).get("quorum", 1))
             if self._contributor_count(conn, query_id) < quorum:
                 return Joined(covered=0)
             contributors = self._contributors(conn, query_id)
@@ -494,7 +494,7 @@ class ContributionStore(StoreDatabase):
                 raise QueryStateError(
                     f"query {query_id!r} is {query['state']}: cannot store a result"
                 )
-            width = 2 * ((int(json.loads(query["plan"])["key_bits"]) + 7) // 8)
+            width = 2 * ((int(json.loads(query["summary"])["key_bits"]) + 7) // 8)
             step = size * width
             for page, start in enumerate(range(0, len(data), step)):
                 conn.execute(

@@ -25,6 +25,7 @@ from fedpca.messages import QueryState
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
     PAGE_CIPHERTEXTS,
+    QUERY_HEAD,
     Contributor,
     QueryRecord,
     contributor_of,
@@ -132,6 +133,24 @@ def use_database(database: Path) -> ExclusiveUse:
         Another process holds it (named by its pid), or the lock file cannot be made.
     """
     return ExclusiveUse(_lock_path(database), f"the proxy database {database}")
+
+
+def recorded_relations(database: Path) -> set[str]:
+    """The neighbouring relations the releases in ``database`` were recorded under,
+    read without writing (``query_only``): a ledger is kept under one relation, and a
+    proxy configured for another refuses every analyst with a release (``proxy init``
+    says so first, as ``owner init`` does for an owner's ledger)."""
+    if not holds_database(database):
+        return set()
+    try:
+        with contextlib.closing(sqlite3.connect(database)) as connection:
+            connection.execute("PRAGMA query_only = 1")
+            rows = connection.execute(
+                "SELECT DISTINCT json_extract(event, '$.neighbouring') FROM releases"
+            ).fetchall()
+    except sqlite3.Error:
+        return set()  # not a proxy database (or unreadable): the other checks name that
+    return {str(row[0]) for row in rows if row[0] is not None}
 
 
 def serving_process(database: Path) -> str | None:
@@ -415,7 +434,7 @@ class StoreDatabase:
         """The stored record of one query."""
         with self._lock:
             row = self._conn.execute(
-                "SELECT * FROM queries WHERE query_id=?", (query_id,)
+                f"SELECT {QUERY_HEAD} FROM queries WHERE query_id=?", (query_id,)
             ).fetchone()
             if row is None:
                 charged = self._conn.execute(
@@ -433,8 +452,22 @@ class StoreDatabase:
             raise NotFoundError(f"unknown query {query_id!r}")
         return query_record_of(row)
 
+    def query_spec(self, query_id: str) -> dict[str, Any]:
+        """The stored statement of one query (:func:`fedpca.query_records.spec_to_dict`'s
+        form): read only where it is used, as it can be megabytes (NotFoundError)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT spec FROM queries WHERE query_id=?", (query_id,)
+            ).fetchone()
+        if row is None:
+            raise NotFoundError(f"unknown query {query_id!r}")
+        spec: dict[str, Any] = json.loads(row["spec"])
+        return spec
+
     def _query_row(self, conn: sqlite3.Connection, query_id: str) -> sqlite3.Row:
-        row = conn.execute("SELECT * FROM queries WHERE query_id=?", (query_id,)).fetchone()
+        row = conn.execute(
+            f"SELECT {QUERY_HEAD} FROM queries WHERE query_id=?", (query_id,)
+        ).fetchone()
         if row is None:
             raise NotFoundError(f"unknown query {query_id!r}")
         return row

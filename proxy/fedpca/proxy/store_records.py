@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from functools import cached_property
 from typing import Any, Protocol
 
 from fedpca.errors import LayoutError, QueryStateError
 from fedpca.messages import QueryState
+from fedpca.query import QuerySpec
 
 __all__ = [
     "OPEN_STATES",
     "PAGE_CIPHERTEXTS",
+    "QUERY_HEAD",
     "CiphertextAlgebra",
     "Contributor",
     "Finalized",
@@ -35,6 +37,7 @@ __all__ = [
     "query_record_of",
     "query_summary",
     "stored_block",
+    "stored_size",
 ]
 
 PAGE_CIPHERTEXTS = 512
@@ -67,8 +70,9 @@ class NotContributingError(QueryClosedError):
 class QueryRecord:
     query_id: str
     analyst_id: str
-    spec_json: str
-    """The stored query as JSON (:attr:`spec` reads it when asked)."""
+    spec_json: str | None
+    """The stored query as JSON, when the record was read with it (None: read without
+    it, :data:`QUERY_HEAD`; ``ProxyStore.query_spec`` reads it)."""
     summary: Mapping[str, Any]
     """:func:`query_summary` of the query: what its status and listing show."""
     state: QueryState
@@ -86,12 +90,33 @@ class QueryRecord:
     def spec(self) -> dict[str, Any]:
         """The stored query (:func:`fedpca.query_records.spec_to_dict`'s form), read
         from its JSON on first use only: a histogram's can be megabytes."""
+        if self.spec_json is None:
+            raise QueryStateError(f"query {self.query_id!r} was read without its statement")
         spec: dict[str, Any] = json.loads(self.spec_json)
         return spec
 
     @property
     def quorum(self) -> int:
         return int(self.summary.get("quorum", 1))
+
+
+QUERY_HEAD = (
+    "query_id, analyst_id, state, created_at, deadline_at, updated_at, n_contributed, "
+    "failure_reason, signature, signer, uploads_begun, summary, stored_bytes"
+)
+"""The columns of ``queries`` every read takes: all but the query and its plan, which
+can be megabytes each (read only where they are used)."""
+
+_SPEC_DEFAULTS = {
+    spec_field.name: spec_field.default
+    for spec_field in fields(QuerySpec)
+    if spec_field.default is not MISSING
+}
+
+
+def stored_size(spec_json: str, plan_json: str, signature: bytes) -> int:
+    """The bytes a query takes in ``queries`` (its statement, plan and signature)."""
+    return len(spec_json) + len(plan_json) + len(signature)
 
 
 def query_summary(spec: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,15 +131,20 @@ def query_summary(spec: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str,
     def ciphertexts(blocks: str) -> int:
         return sum(int(block.get("n_ciphertexts", 0)) for block in plan.get(blocks, ()))
 
+    def value(name: str) -> Any:  # a key an older version left out: the field's default
+        found = spec.get(name, _SPEC_DEFAULTS.get(name))
+        return getattr(found, "value", found)
+
     return {
-        "kind": spec.get("kind"),
-        "mode": spec.get("mode"),
-        "epsilon": spec.get("epsilon"),
-        "delta": spec.get("delta"),
-        "quorum": int(spec.get("quorum", 1)),
+        "kind": value("kind"),
+        "mode": value("mode"),
+        "epsilon": value("epsilon"),
+        "delta": value("delta"),
+        "quorum": int(value("quorum") or 1),
         "aggregates": list(dict.fromkeys(part.get("kind") for part in spec.get("aggregates", ()))),
         "owner_ciphertexts": ciphertexts("owner_blocks"),
         "result_ciphertexts": ciphertexts("result_blocks"),
+        "key_bits": plan.get("key_bits"),
     }
 
 
@@ -216,7 +246,8 @@ def query_record_of(row: sqlite3.Row) -> QueryRecord:
     return QueryRecord(
         query_id=str(row["query_id"]),
         analyst_id=str(row["analyst_id"]),
-        spec_json=str(row["spec"]),
+        # sqlite3.Row's `in` looks among the values, not the column names.
+        spec_json=str(row["spec"]) if "spec" in row.keys() else None,  # noqa: SIM118
         summary=json.loads(row["summary"]),
         state=QueryState(row["state"]),
         created_at=float(row["created_at"]),

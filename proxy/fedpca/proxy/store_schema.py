@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fedpca.errors import QueryStateError
 from fedpca.messages import QueryState
-from fedpca.proxy.store_records import query_summary
+from fedpca.proxy.store_records import query_summary, stored_size
 from fedpca.query import Neighbouring
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "migrate"]
@@ -196,13 +196,27 @@ def _queries_summarised(conn: sqlite3.Connection) -> None:
     ):
         if name not in columns:
             conn.execute(f"ALTER TABLE queries ADD COLUMN {name} {declaration}")
-    for row in conn.execute("SELECT query_id, spec, plan FROM queries").fetchall():
+    # One query at a time: a database this version is meant for may hold gigabytes
+    # of them. One this version cannot read gets an empty summary (its status still
+    # shows; the listing leaves it out), not a proxy that cannot start.
+    keys = [str(row["query_id"]) for row in conn.execute("SELECT query_id FROM queries")]
+    for key in keys:
+        row = conn.execute(
+            "SELECT spec, plan, signature FROM queries WHERE query_id=?", (key,)
+        ).fetchone()
+        try:
+            summary = query_summary(json.loads(row["spec"]), json.loads(row["plan"]))
+        except (TypeError, ValueError, AttributeError) as exc:
+            logger.warning(
+                "query %s: cannot summarise it (%s); its listing leaves it out", key, exc
+            )
+            summary = {}
         conn.execute(
             "UPDATE queries SET summary=?, stored_bytes=? WHERE query_id=?",
             (
-                json.dumps(query_summary(json.loads(row["spec"]), json.loads(row["plan"]))),
-                len(row["spec"]) + len(row["plan"]),
-                row["query_id"],
+                json.dumps(summary, sort_keys=True),
+                stored_size(row["spec"], row["plan"], bytes(row["signature"])),
+                key,
             ),
         )
 

@@ -9,6 +9,7 @@ store's transaction and the query inserted only if the ledger did not change mea
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from datetime import UTC, datetime
@@ -30,7 +31,7 @@ from fedpca.messages import QueryState, SignedQuery
 from fedpca.proxy.analyst_requests import next_query_for
 from fedpca.proxy.coordinator_core import CoordinatorCore, task_id
 from fedpca.proxy.queries import validate_query
-from fedpca.proxy.store_records import QueryRecord
+from fedpca.proxy.store_records import QueryRecord, stored_size
 from fedpca.query import Calibration, ProtocolMode, QuerySpec
 from fedpca.query_records import spec_to_dict
 from fedpca.signing import CLOCK_ALLOWANCE_SECONDS, signed_deadline, verify_query
@@ -103,13 +104,19 @@ class Submissions(CoordinatorCore):
             max_upload_mib=self.config.proxy.max_upload_mib,
         )
         key = task_id(analyst_id, spec.query_id)
+        spec_record, plan_record = spec_to_dict(spec), context.plan.describe()
+        size = stored_size(
+            json.dumps(spec_record, sort_keys=True),
+            json.dumps(plan_record, sort_keys=True),
+            signed.signature,
+        )
         # Refused before its ledger is composed (seconds under the PLD accountant) when
         # the analyst is at a bound; a resubmission of a query it has creates nothing.
         if not self.store.has_query(key):
             if self.store.has_release(key):
                 raise QueryStateError(_re_entered(spec.query_id))
             _check_signing_time(spec)
-            self._check_query_bounds(None, analyst_id)
+            self._check_query_bounds(None, analyst_id, size)
         plan = context.plan
         budget = self.config.budget.for_analyst(analyst_id)
         event = plan.privacy_event(analyst_id)
@@ -131,7 +138,7 @@ class Submissions(CoordinatorCore):
                 conn: Any, rows: list[dict[str, Any]] = rows, refusal: str | None = refusal
             ) -> None:
                 self._check_signer(conn, analyst_id, signed.signer)
-                self._check_query_bounds(conn, analyst_id)
+                self._check_query_bounds(conn, analyst_id, size)
                 if self.store.release_ids(conn, analyst_id) != [r["query_id"] for r in rows]:
                     raise _LedgerChanged
                 if refusal is not None:
@@ -144,8 +151,8 @@ class Submissions(CoordinatorCore):
                 record = self.store.create_query(
                     key,
                     analyst_id,
-                    spec_to_dict(spec),
-                    plan.describe(),
+                    spec_record,
+                    plan_record,
                     deadline_at,
                     signature=signed.signature,
                     signer=signed.signer,
@@ -188,7 +195,7 @@ class Submissions(CoordinatorCore):
                 "submit queries signed with your own key (fedpca analyst keygen)"
             )
 
-    def _check_query_bounds(self, conn: Any, analyst_id: str) -> None:
+    def _check_query_bounds(self, conn: Any, analyst_id: str, size: int) -> None:
         """Refuse a new query beyond the analyst's open or daily bound: before any work,
         and again inside the submission's transaction (``conn``), so two submissions
         cannot both take the last place.
@@ -210,10 +217,11 @@ class Submissions(CoordinatorCore):
                 f"analyst {analyst_id!r} submitted {recent} queries in the last 24 hours, the "
                 "most this proxy allows (limits.max_queries_per_analyst_per_day)"
             )
-        if stored_bytes >= limits.max_query_mib_per_analyst_per_day * 2**20:
+        if stored_bytes + size > limits.max_query_mib_per_analyst_per_day * 2**20:
             raise OverloadError(
                 f"analyst {analyst_id!r}'s queries of the last 24 hours take "
-                f"{stored_bytes / 2**20:.1f} MiB at the proxy, the most it keeps "
+                f"{stored_bytes / 2**20:.1f} MiB at the proxy; with this one "
+                f"({size / 2**20:.1f} MiB) they would take more than it keeps for an analyst "
                 "(limits.max_query_mib_per_analyst_per_day): wait, or ask smaller queries"
             )
 
