@@ -26,7 +26,7 @@ from fedpca.errors import OverloadError, ProtocolError
 from fedpca.messages import QueryState
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy import catalog, coordinator_core
-from fedpca.proxy.config import ProxySection
+from fedpca.proxy.config import OwnersConfig, ProxySection
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.coordinator_core import QueryContext
 from fedpca.proxy.limits import PeerLimits
@@ -246,3 +246,20 @@ def test_a_version_4_database_gets_its_queries_summarised(
         summary = json.loads(conn.execute("SELECT summary FROM queries").fetchone()[0])
     conn.close()
     assert version[0] == "5" and summary["kind"] == "aggregate"
+
+
+def test_a_status_names_the_owners_registered_when_the_query_was_asked(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """An operator's walkthrough: `analyst list` showed an old query as "0/3 of 2"
+    after the allow-list shrank to 2 owners, today's count beside its quorum of 3."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(10.0))
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "q1", epsilon=0.25)))
+    assert coordinator.cancel(ANALYST, "q1").refunded
+    assert coordinator.status(ANALYST, "q1").owners_registered == 3
+    coordinator.store.close()
+    fewer = replace(make_config(10.0), owners=OwnersConfig(frozenset({"owner-1", "owner-2"})))
+    shrunk = make_coordinator(tmp_path, pool, fewer)
+    assert shrunk.status(ANALYST, "q1").owners_registered == 3
+    assert len(shrunk.registered_owners) == 2  # what the deployment has today

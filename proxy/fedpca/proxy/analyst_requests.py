@@ -111,7 +111,11 @@ class AnalystRequests(CoordinatorCore):
             failure_reason=record.failure_reason,
             owners_uploading=len(contributors) - delivered,
             declines=tuple(declines),
-            owners_registered=len(self.registered_owners),
+            # As it was when the query was asked (a list of old queries showed "0/3 of
+            # 2" after the allow-list shrank: an operator's walkthrough).
+            owners_registered=int(
+                record.summary.get("owners_registered", len(self.registered_owners))
+            ),
             pages_final=self.store.pages_final(key),
             pages_total=page_count(result_total, self.store.page_ciphertexts),
             charge=self._charge(key, record),

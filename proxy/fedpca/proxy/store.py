@@ -100,8 +100,12 @@ class ProxyStore(ContributionStore):
         signature: bytes = b"",
         signer: str = "",
         before_insert: Callable[[sqlite3.Connection], None] | None = None,
+        owners_registered: int | None = None,
     ) -> QueryRecord:
         """Create a query in state COLLECTING.
+
+        ``owners_registered`` (the allow-list's size now) is kept in its summary: its
+        status says "k of n registered" with the n it was asked under, not today's.
 
         ``before_insert`` runs inside the same transaction (the budget check uses
         it so that two concurrent submissions cannot both pass). Submitting the
@@ -112,7 +116,10 @@ class ProxyStore(ContributionStore):
         now = self._clock()
         spec_json = json.dumps(dict(spec), sort_keys=True)
         plan_json = json.dumps(dict(plan), sort_keys=True)
-        summary = json.dumps(query_summary(spec, plan), sort_keys=True)
+        summary_record = query_summary(spec, plan)
+        if owners_registered is not None:
+            summary_record["owners_registered"] = owners_registered
+        summary = json.dumps(summary_record, sort_keys=True)
         with self.transaction() as conn:
             row = conn.execute(
                 "SELECT spec, analyst_id FROM queries WHERE query_id=?", (query_id,)

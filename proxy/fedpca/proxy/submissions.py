@@ -157,6 +157,7 @@ class Submissions(CoordinatorCore):
                     signature=signed.signature,
                     signer=signed.signer,
                     before_insert=charge,
+                    owners_registered=len(self.registered_owners),
                 )
                 break
             except _LedgerChanged:
