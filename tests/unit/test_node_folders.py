@@ -180,6 +180,38 @@ def test_init_force_accepts_the_changes_its_flags_ask_for(
     assert loaded.data.max_records == 500 and len(loaded.policy.accepted_analyst_keys) == 2
 
 
+def test_init_force_refuses_what_would_lose_or_weaken_a_setting_unseen(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Review: over a proxy.toml that did not parse, `init --force` wrote a new one from
+    the flags alone (revocations and a database elsewhere gone, exit 0); a file without
+    `listen` (loopback when loaded) got 0.0.0.0 without a refusal; a revoked serial
+    written as a TOML number was kept as another serial; `--analysts ""` (an unset
+    variable) turned the analyst allow-list off."""
+    out = tmp_path / "proxy"
+    path = out / "proxy.toml"
+    args = ["init", "--out", str(out), "--owners", OWNERS[0], "--certs", str(certs)]
+    assert CliRunner().invoke(proxy_group, args).exit_code == 0
+    good = path.read_text()
+    path.write_text(good.replace("revoked_serials = []", 'revoked_serials = ["1a2b]'))
+    broken = path.read_text()
+    for extra in ([], ["--replace-settings"]):
+        refused = CliRunner().invoke(proxy_group, [*args, "--force", *extra])
+        assert refused.exit_code == 1, refused.output
+        assert "exists and cannot be read" in refused.output and "fix it first" in refused.output
+        assert path.read_text() == broken
+    path.write_text(good.replace("revoked_serials = []", "revoked_serials = [0x1a2b]"))
+    refused = CliRunner().invoke(proxy_group, [*args, "--force", "--replace-settings"])
+    assert refused.exit_code == 1 and "hex serials in quotes" in refused.output
+    path.write_text("\n".join(line for line in good.splitlines() if "listen" not in line))
+    added = CliRunner().invoke(proxy_group, [*args, "--force"])
+    assert added.exit_code == 1 and "proxy.listen: '0.0.0.0:50051' added" in added.output
+    chosen = CliRunner().invoke(proxy_group, [*args, "--force", "--listen", "127.0.0.1:50051"])
+    assert chosen.exit_code == 0, chosen.output
+    empty = CliRunner().invoke(proxy_group, [*args, "--force", "--analysts", " "])
+    assert empty.exit_code == 1 and "--analysts names no analyst" in empty.output
+
+
 def test_proxy_init_keeps_the_relation_its_releases_were_recorded_under(
     certs: Path, tmp_path: Path
 ) -> None:

@@ -94,7 +94,7 @@ def test_the_owner_allow_list_is_required(tmp_path: Path) -> None:
 
 
 def test_the_analyst_allow_list_is_optional_and_checked(tmp_path: Path) -> None:
-    base = "[tls]\ninsecure = true\n" + OWNERS
+    base = '[tls]\nca = "ca.pem"\ncert = "c.pem"\nkey = "k.pem"\n' + OWNERS
     assert load_config(write(tmp_path, base)).analysts.allowed is None  # any certified one
     listed = base + '[analysts]\nallowed = ["alice", "bob"]\n[budget.analysts.bob]\nepsilon = 1\n'
     assert load_config(write(tmp_path, listed)).analysts.allowed == frozenset({"alice", "bob"})
@@ -112,6 +112,10 @@ def test_the_analyst_allow_list_is_optional_and_checked(tmp_path: Path) -> None:
     for text, message in refusals.items():
         with pytest.raises(ConfigError, match=message):
             load_config(write(tmp_path, base + text))
+    # Without certificates a caller names itself: a list would only look like a guard.
+    insecure = "[tls]\ninsecure = true\n" + OWNERS + "[analysts]\nallowed = ['alice']\n"
+    with pytest.raises(ConfigError, match=r"means nothing with tls\.insecure"):
+        load_config(write(tmp_path, insecure))
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from fedpca.proxy.coordinator_core import QueryContext
 from fedpca.proxy.limits import PeerLimits
 from fedpca.proxy.queries import result_blocks
 from fedpca.proxy.release_import import import_releases
-from fedpca.proxy.store_records import QueryRecord, page_count
+from fedpca.proxy.store_records import UNREACHABLE_QUORUM, QueryRecord, page_count
 from fedpca.query import Aggregate, AggregateKind, Neighbouring, QueryKind, QuerySpec
 from fedpca.release_exports import read_owner_releases
 from helpers import SECOND_TEST_SIGNING_KEY, signed
@@ -263,3 +263,34 @@ def test_a_status_names_the_owners_registered_when_the_query_was_asked(
     shrunk = make_coordinator(tmp_path, pool, fewer)
     assert shrunk.status(ANALYST, "q1").owners_registered == 3
     assert len(shrunk.registered_owners) == 2  # what the deployment has today
+
+
+def test_a_row_the_migration_cannot_summarise_neither_stops_the_proxy_nor_loses_its_quorum(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """Review: a stored plan with an infinite count stopped the migration (and the
+    proxy's start); an empty summary read as quorum 1, so one owner's upload would
+    have finished a query of quorum 3."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(10.0))
+    for query_id in ("odd-plan", "odd-quorum"):
+        coordinator.submit(ANALYST, signed(make_spec(public_key, query_id, epsilon=0.25)))
+    coordinator.store.close()
+    path = tmp_path / "proxy.sqlite3"
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE queries DROP COLUMN summary")
+        conn.execute("ALTER TABLE queries DROP COLUMN stored_bytes")
+        conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+        conn.execute(
+            "UPDATE queries SET plan=? WHERE query_id=?",
+            ('{"owner_blocks": [{"n_ciphertexts": Infinity}]}', key("odd-plan")),
+        )
+        conn.execute(
+            "UPDATE queries SET plan=?, spec=json_set(spec, '$.quorum', 'three') WHERE query_id=?",
+            ("[]", key("odd-quorum")),
+        )
+    conn.close()
+    migrated = make_coordinator(tmp_path, pool, make_config(10.0))
+    assert migrated.store.query(key("odd-plan")).quorum == 3  # read from the statement
+    assert migrated.store.query(key("odd-quorum")).quorum == UNREACHABLE_QUORUM
+    assert migrated.status(ANALYST, "odd-plan").quorum == 3

@@ -198,7 +198,10 @@ def refuse_changed_settings(
     to pin one more analyst key, it had silently raised an owner's budget from 1 to 3,
     lowered its quorum and dropped its other limits, and a proxy's had dropped revoked
     certificates and budget overrides (found by an operator's review). The error lists
-    each change; a file that cannot be read as TOML is not compared.
+    each change. A setting the file lacks that a default would add is a change too (a
+    file without ``listen`` read as loopback; rewritten, it listened on every address:
+    review). A file that cannot be read as TOML is refused whatever the flags: what it
+    holds (revocations, a database elsewhere) would be lost without a word (review).
 
     ``requested`` names the settings (dotted keys, e.g. ``owners.allowed``; a table's
     name covers its keys) whose flags were given (:func:`settings_given`): changing
@@ -215,8 +218,12 @@ def refuse_changed_settings(
         return
     try:
         old = _flat(tomllib.loads(path.read_text(encoding="utf-8")))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(
+            f"{path} exists and cannot be read ({exc}): `init --force` keeps what it holds "
+            "(revocations, paths, limits), so fix it first, or move it away to write a "
+            "new one from the flags alone"
+        ) from exc
     new = _flat(tomllib.loads(new_text))
     asked = tuple(requested)
     changed = {
@@ -226,13 +233,12 @@ def refuse_changed_settings(
         for key in sorted(old)
         if new.get(key, _MISSING) != old[key]
     }
+    changed.update({key: f"{key}: {new[key]!r} added" for key in sorted(set(new) - set(old))})
     changes = [
         change
         for key, change in changed.items()
         if not any(key == name or key.startswith(f"{name}.") for name in asked)
     ]
-    # Settings the file did not have are not refused (a newer init may write more).
-    changed.update({key: f"{key}: {new[key]!r} added" for key in sorted(set(new) - set(old))})
     if changes and not replace_settings:
         raise ConfigError(
             f"{path} would change these settings: {'; '.join(changes)}. `init --force` "

@@ -383,6 +383,11 @@ def parse_config(document: Mapping[str, Any], base_dir: Path) -> ProxyConfig:
             f"privacy.max_delta_per_query = {cap:g} exceeds budget.delta = {default.delta:g}"
         )
     analysts = _analysts(document)
+    if analysts.allowed is not None and tls.insecure:
+        raise ConfigError(
+            "[analysts] allowed means nothing with tls.insecure: without certificates a "
+            "caller names itself; remove one of them"
+        )
     strangers = sorted(set(budget.analysts) - (analysts.allowed or set(budget.analysts)))
     if strangers:
         raise ConfigError(

@@ -281,9 +281,15 @@ def _kept_revocations(path: Path) -> list[str]:
     try:
         tls = tomllib.loads(path.read_text(encoding="utf-8")).get("tls", {})
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return []
+        return []  # refused by name (refuse_changed_settings)
     serials = tls.get("revoked_serials", []) if isinstance(tls, dict) else []
-    return [str(serial) for serial in serials] if isinstance(serials, list) else []
+    if not isinstance(serials, list) or not all(isinstance(s, str) for s in serials):
+        # A TOML number is another serial once written as text (0x1a2b is 6699).
+        raise ConfigError(
+            f"{path}: tls.revoked_serials must list hex serials in quotes, as `fedpca certs "
+            f'show` prints them (e.g. ["1a2b"]), got {serials!r}: fix it first'
+        )
+    return list(serials)
 
 
 _FLAG_SETTINGS = {
@@ -403,11 +409,15 @@ def init_command(
         elif certs is None:
             raise ConfigError("give --certs DIR (from `fedpca certs init`) or --ca/--cert/--key")
         parsed_budgets = [_analyst_budget(text) for text in analyst_budgets]
+        listed = [a.strip() for a in (analysts or "").split(",") if a.strip()]
+        if analysts is not None and not listed:
+            # An unset variable in a script must not turn the allow-list off.
+            raise ConfigError("--analysts names no analyst: give ids, or leave the flag out")
         config = write_proxy_folder(
             out,
             proxy_id=proxy_id,
             owners=[o.strip() for o in owners.split(",") if o.strip()],
-            analysts=[a.strip() for a in (analysts or "").split(",") if a.strip()],
+            analysts=listed,
             certs=certs,
             tls_files=files,
             listen=listen,

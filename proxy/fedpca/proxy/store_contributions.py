@@ -27,6 +27,7 @@ from fedpca.proxy.store_records import (
     UploadCompletion,
     UploadRecord,
     page_count,
+    quorum_of,
 )
 
 __all__ = ["ContributionStore"]
@@ -122,7 +123,7 @@ class ContributionStore(StoreDatabase):
                 (query_id, owner_id, upload_id, public_count, self._clock()),
             )
             conn.execute("UPDATE queries SET uploads_begun=1 WHERE query_id=?", (query_id,))
-            quorum = int(json.loads(query["summary"]).get("quorum", 1))
+            quorum = quorum_of(json.loads(query["summary"]))
             if self._contributor_count(conn, query_id) < quorum:
                 return Joined(covered=0)
             contributors = self._contributors(conn, query_id)

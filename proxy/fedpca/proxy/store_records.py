@@ -36,6 +36,7 @@ __all__ = [
     "page_count",
     "query_record_of",
     "query_summary",
+    "quorum_of",
     "stored_block",
     "stored_size",
 ]
@@ -97,7 +98,19 @@ class QueryRecord:
 
     @property
     def quorum(self) -> int:
-        return int(self.summary.get("quorum", 1))
+        return quorum_of(self.summary)
+
+
+def quorum_of(summary: Mapping[str, Any]) -> int:
+    """A stored summary's quorum; one that names none (a row the migration could not
+    read) is never reached, so such a query closes on no number of owners (review: it
+    read as 1, and one owner's upload finished a query of quorum 3)."""
+    quorum = summary.get("quorum")
+    return quorum if isinstance(quorum, int) and quorum >= 1 else UNREACHABLE_QUORUM
+
+
+UNREACHABLE_QUORUM = 2**31
+"""The quorum of a query whose stored summary names none (:func:`quorum_of`)."""
 
 
 QUERY_HEAD = (

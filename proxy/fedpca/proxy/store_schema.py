@@ -17,6 +17,7 @@ import json
 import logging
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from fedpca.errors import QueryStateError
 from fedpca.messages import QueryState
@@ -206,11 +207,11 @@ def _queries_summarised(conn: sqlite3.Connection) -> None:
         ).fetchone()
         try:
             summary = query_summary(json.loads(row["spec"]), json.loads(row["plan"]))
-        except (TypeError, ValueError, AttributeError) as exc:
+        except Exception as exc:  # any row: the proxy must start (review: an infinite count)
             logger.warning(
                 "query %s: cannot summarise it (%s); its listing leaves it out", key, exc
             )
-            summary = {}
+            summary = _quorum_only(row["spec"])
         conn.execute(
             "UPDATE queries SET summary=?, stored_bytes=? WHERE query_id=?",
             (
@@ -314,3 +315,13 @@ def _results_as_pages(conn: sqlite3.Connection, page_ciphertexts: int) -> None:
                 (query_id, page, data[start : start + size]),
             )
     conn.execute("DROP TABLE results")
+
+
+def _quorum_only(spec_text: str) -> dict[str, Any]:
+    """The summary of a query that cannot be summarised: its quorum if that can be read
+    (else none, which no number of owners reaches: ``store_records.quorum_of``)."""
+    try:
+        quorum = json.loads(spec_text).get("quorum")
+    except Exception:
+        return {}
+    return {"quorum": quorum} if isinstance(quorum, int) and quorum >= 1 else {}

@@ -98,24 +98,28 @@ class Submissions(CoordinatorCore):
         """
         spec = signed.spec
         self._check_public_facts(signed, analyst_id)
+        key = task_id(analyst_id, spec.query_id)
+        # Refused before it is planned and its ledger composed (seconds under the PLD
+        # accountant) when the analyst is at a bound; a resubmission of a query it has
+        # creates nothing.
+        new = not self.store.has_query(key)
+        if new:
+            if self.store.has_release(key):
+                raise QueryStateError(_re_entered(spec.query_id))
+            _check_signing_time(spec)
+            self._check_query_bounds(None, analyst_id, 0)
         context = validate_query(
             spec,
             allow_insecure_test_keys=self.allow_insecure_test_keys,
             max_upload_mib=self.config.proxy.max_upload_mib,
         )
-        key = task_id(analyst_id, spec.query_id)
         spec_record, plan_record = spec_to_dict(spec), context.plan.describe()
         size = stored_size(
             json.dumps(spec_record, sort_keys=True),
             json.dumps(plan_record, sort_keys=True),
             signed.signature,
         )
-        # Refused before its ledger is composed (seconds under the PLD accountant) when
-        # the analyst is at a bound; a resubmission of a query it has creates nothing.
-        if not self.store.has_query(key):
-            if self.store.has_release(key):
-                raise QueryStateError(_re_entered(spec.query_id))
-            _check_signing_time(spec)
+        if new:  # and with its own size
             self._check_query_bounds(None, analyst_id, size)
         plan = context.plan
         budget = self.config.budget.for_analyst(analyst_id)
