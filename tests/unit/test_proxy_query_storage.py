@@ -26,7 +26,7 @@ from fedpca.errors import OverloadError, ProtocolError
 from fedpca.messages import QueryState
 from fedpca.owner.ledger_records import TaskOutcome
 from fedpca.proxy import catalog, coordinator_core
-from fedpca.proxy.config import OwnersConfig, ProxySection
+from fedpca.proxy.config import AnalystsConfig, OwnersConfig, ProxySection
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.coordinator_core import QueryContext
 from fedpca.proxy.limits import PeerLimits
@@ -294,3 +294,20 @@ def test_a_row_the_migration_cannot_summarise_neither_stops_the_proxy_nor_loses_
     assert migrated.store.query(key("odd-plan")).quorum == 3  # read from the statement
     assert migrated.store.query(key("odd-quorum")).quorum == UNREACHABLE_QUORUM
     assert migrated.status(ANALYST, "odd-plan").quorum == 3
+
+
+def test_queries_of_an_analyst_taken_off_the_list_are_no_longer_handed_to_owners(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
+) -> None:
+    """Review: after a restart with alice removed from [analysts] allowed, her open
+    queries were still handed to owners, who spent budget on results she cannot fetch."""
+    public_key, _ = test_only_keypair_512
+    coordinator = make_coordinator(tmp_path, pool, make_config(10.0))
+    coordinator.submit(ANALYST, signed(make_spec(public_key, "q1", epsilon=0.25)))
+    assert [task.task_id for task in coordinator.pending_tasks("owner-1")] == [key("q1")]
+    coordinator.store.close()
+    for allowed, expected in (({"bob"}, []), ({"alice", "bob"}, [key("q1")])):
+        config = replace(make_config(10.0), analysts=AnalystsConfig(frozenset(allowed)))
+        restarted = make_coordinator(tmp_path, pool, config)
+        assert [task.task_id for task in restarted.pending_tasks("owner-1")] == expected
+        restarted.store.close()

@@ -90,7 +90,12 @@ class OwnerTasks(CoordinatorCore):
             if self._snapshot is not None and self._snapshot[0] == version:
                 return self._snapshot[1]
         snapshot = []
+        allowed = self.config.analysts.allowed
         for record in self.store.queries(QueryState.COLLECTING):
+            if allowed is not None and record.analyst_id not in allowed:
+                # Its analyst was taken off [analysts] allowed: owners no longer spend
+                # budget on it; it ends at its deadline (review).
+                continue
             answered = self.store.answered_owners(record.query_id)
             task = Task(
                 query=self._context(record.query_id).spec,
