@@ -66,6 +66,13 @@ def _stored_bytes(coordinator: Coordinator, query_id: str) -> int:
     return int(row[0])
 
 
+def _as_schema_4(conn: sqlite3.Connection) -> None:
+    """Turn a database of this version into one as schema 4 left it."""
+    conn.execute("ALTER TABLE queries DROP COLUMN summary")
+    conn.execute("ALTER TABLE queries DROP COLUMN stored_bytes")
+    conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+
+
 def _uploads_began(coordinator: Coordinator, query_id: str) -> None:
     """As if an owner had begun its upload: the query's charge then stands."""
     with coordinator.store.transaction() as conn:
@@ -231,9 +238,7 @@ def test_a_version_4_database_gets_its_queries_summarised(
     coordinator.store.close()
     path = tmp_path / "proxy.sqlite3"
     with sqlite3.connect(path) as conn:
-        conn.execute("ALTER TABLE queries DROP COLUMN summary")
-        conn.execute("ALTER TABLE queries DROP COLUMN stored_bytes")
-        conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+        _as_schema_4(conn)
         spec, plan, signature = conn.execute("SELECT spec, plan, signature FROM queries").fetchone()
     conn.close()
     migrated = make_coordinator(tmp_path, pool, make_config(10.0))
@@ -278,9 +283,7 @@ def test_a_row_the_migration_cannot_summarise_neither_stops_the_proxy_nor_loses_
     coordinator.store.close()
     path = tmp_path / "proxy.sqlite3"
     with sqlite3.connect(path) as conn:
-        conn.execute("ALTER TABLE queries DROP COLUMN summary")
-        conn.execute("ALTER TABLE queries DROP COLUMN stored_bytes")
-        conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+        _as_schema_4(conn)
         conn.execute(
             "UPDATE queries SET plan=? WHERE query_id=?",
             ('{"owner_blocks": [{"n_ciphertexts": Infinity}]}', key("odd-plan")),
