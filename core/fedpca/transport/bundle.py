@@ -208,7 +208,7 @@ def refuse_changed_settings(
     them is what was asked. A new user's ``proxy init --force --owners a,b,c`` was
     refused for changing the owners until ``--replace-settings`` was added. Each change
     accepted is logged (a WARNING): a required flag is always given, so a re-run with
-    fewer owners or a larger ``--max-records`` changes them without another word.
+    fewer owners or a larger ``--max-records`` is accepted, and the log says so.
 
     Raises
     ------

@@ -22,6 +22,7 @@ __all__ = [
     "OPEN_STATES",
     "PAGE_CIPHERTEXTS",
     "QUERY_HEAD",
+    "UNREACHABLE_QUORUM",
     "CiphertextAlgebra",
     "Contributor",
     "Finalized",
