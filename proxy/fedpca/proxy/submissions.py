@@ -98,8 +98,14 @@ class Submissions(CoordinatorCore):
         """
         spec = signed.spec
         self._check_public_facts(signed, analyst_id)
+        # A malformed query is told so precisely, whatever the analyst's bounds.
+        context = validate_query(
+            spec,
+            allow_insecure_test_keys=self.allow_insecure_test_keys,
+            max_upload_mib=self.config.proxy.max_upload_mib,
+        )
         key = task_id(analyst_id, spec.query_id)
-        # Refused before it is planned and its ledger composed (seconds under the PLD
+        # Refused before it is serialised and its ledger composed (seconds under the PLD
         # accountant) when the analyst is at a bound; a resubmission of a query it has
         # creates nothing.
         new = not self.store.has_query(key)
@@ -108,11 +114,6 @@ class Submissions(CoordinatorCore):
                 raise QueryStateError(_re_entered(spec.query_id))
             _check_signing_time(spec)
             self._check_query_bounds(None, analyst_id, 0)
-        context = validate_query(
-            spec,
-            allow_insecure_test_keys=self.allow_insecure_test_keys,
-            max_upload_mib=self.config.proxy.max_upload_mib,
-        )
         spec_record, plan_record = spec_to_dict(spec), context.plan.describe()
         size = stored_size(
             json.dumps(spec_record, sort_keys=True),
