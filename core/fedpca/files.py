@@ -39,6 +39,7 @@ __all__ = [
     "ExclusiveUse",
     "create_database",
     "database_missing",
+    "distinct_values",
     "holds_database",
     "sync_folder",
     "undone_on_failure",
@@ -92,6 +93,28 @@ def holds_database(path: Path) -> bool:
         return path.stat().st_size > 0
     except (FileNotFoundError, NotADirectoryError):
         return False
+
+
+def distinct_values(database: Path, sql: str) -> set[str]:
+    """The non-null values of the one-column query ``sql`` on ``database``, read without
+    writing (no migration; ``query_only``); empty where no database is, or one that
+    cannot be read (the callers' other checks name that).
+
+    Not ``mode=ro``: a read-only connection to a WAL database leaves its -wal and -shm
+    files behind, in a folder a probe must not write to (review).
+    """
+    if not holds_database(database):
+        return set()
+    try:
+        connection = sqlite3.connect(database)
+        try:
+            connection.execute("PRAGMA query_only = 1")
+            rows = connection.execute(sql).fetchall()
+        finally:
+            connection.close()
+    except sqlite3.Error:
+        return set()
+    return {str(row[0]) for row in rows if row[0] is not None}
 
 
 def create_database(

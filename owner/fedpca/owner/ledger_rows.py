@@ -4,14 +4,13 @@ task's row written inside a caller's transaction."""
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 import time
 from pathlib import Path
 
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.errors import ConfigError
-from fedpca.files import holds_database
+from fedpca.files import distinct_values
 from fedpca.owner.ledger_records import Reentered, TaskOutcome
 from fedpca.owner.ledger_schema import RELEASE_CHANGES_KEY
 
@@ -128,17 +127,7 @@ def recorded_relations(ledger: Path) -> set[str]:
     without writing (no migration; ``query_only``). A ledger is kept under one relation,
     and a node configured for another declines every query: ``owner init --force`` and
     ``owner probe`` say so first (found by review)."""
-    if not holds_database(ledger):
-        return set()  # no ledger yet: the other checks name that
-    try:
-        # Not mode=ro: a read-only connection to a WAL database leaves its -wal and -shm
-        # files behind, in a folder a probe must not write to (review).
-        with contextlib.closing(sqlite3.connect(ledger)) as connection:
-            connection.execute("PRAGMA query_only = 1")
-            rows = connection.execute("SELECT DISTINCT neighbouring FROM releases").fetchall()
-    except sqlite3.Error:
-        return set()  # not a ledger (or unreadable): the other checks name that
-    return {str(row[0]) for row in rows}
+    return distinct_values(ledger, "SELECT DISTINCT neighbouring FROM releases")
 
 
 def insert_release(connection: sqlite3.Connection, event: PrivacyEvent, spec_digest: str) -> None:

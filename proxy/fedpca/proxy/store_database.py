@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from fedpca.errors import ConfigError, NotFoundError
-from fedpca.files import ExclusiveUse, create_database, database_missing, holds_database
+from fedpca.files import (
+    ExclusiveUse,
+    create_database,
+    database_missing,
+    distinct_values,
+    holds_database,
+)
 from fedpca.messages import QueryState
 from fedpca.proxy.group_commit import GroupCommit
 from fedpca.proxy.store_records import (
@@ -140,17 +146,9 @@ def recorded_relations(database: Path) -> set[str]:
     read without writing (``query_only``): a ledger is kept under one relation, and a
     proxy configured for another refuses every analyst with a release (``proxy init``
     says so first, as ``owner init`` does for an owner's ledger)."""
-    if not holds_database(database):
-        return set()
-    try:
-        with contextlib.closing(sqlite3.connect(database)) as connection:
-            connection.execute("PRAGMA query_only = 1")
-            rows = connection.execute(
-                "SELECT DISTINCT json_extract(event, '$.neighbouring') FROM releases"
-            ).fetchall()
-    except sqlite3.Error:
-        return set()  # not a proxy database (or unreadable): the other checks name that
-    return {str(row[0]) for row in rows if row[0] is not None}
+    return distinct_values(
+        database, "SELECT DISTINCT json_extract(event, '$.neighbouring') FROM releases"
+    )
 
 
 def serving_process(database: Path) -> str | None:
