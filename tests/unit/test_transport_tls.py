@@ -28,6 +28,12 @@ from fedpca.messages import (
 from fedpca.messages.chunks import UPLOAD_CHUNK_BYTES
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.transport import certs, channels, serde
+from fedpca.transport.cert_requests import (
+    certify_request,
+    create_request,
+    read_request,
+    write_request,
+)
 from fedpca.transport.certs import NodeIdentity, Role, TlsMaterial
 from fedpca.transport.serde.query import MAX_QUERY_BYTES
 from fedpca.v1 import owner_service_pb2 as owner_pb
@@ -103,7 +109,19 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsMaterial]:
     wrong_host = certs.issue_node_certificate(
         layout.load_ca(), NodeIdentity(Role.PROXY, "elsewhere"), hosts=["proxy.example.org"]
     )
+    # An owner whose key never left its host: certified from its request (CSR).
+    requested = NodeIdentity(Role.OWNER, "owner-csr")
+    key = certs.generate_private_key()
+    write_request(root / "owner-csr.pem", create_request(requested, key))
+    request = read_request(root / "owner-csr.pem")
+    certificate = certify_request(layout.load_ca(), request, requested)
+    requested_files = certs.TlsFiles(
+        ours[OWNER].ca_certificate, root / "owner-csr-cert.pem", root / "owner-csr-key.pem"
+    )
+    certs.write_certificate(requested_files.certificate, certificate)
+    certs.write_private_key(requested_files.private_key, key)
     return {
+        "requested_owner": TlsMaterial.load(requested_files),
         "proxy": TlsMaterial.load(ours[PROXY]),
         "owner": TlsMaterial.load(ours[OWNER]),
         "analyst": TlsMaterial.load(ours[ANALYST]),
@@ -161,6 +179,13 @@ def test_mtls_with_valid_certificates_sees_the_caller(
     info = serde.proxy_info_from_proto(reply)
     # The node id comes from the certificate, not from the message's claim.
     assert info.authenticated_node_id == "owner-1"
+
+
+def test_a_certificate_signed_from_a_request_connects_as_its_id(
+    stub_for: Callable[..., Any], pki: dict[str, TlsMaterial]
+) -> None:
+    reply = stub_for(pki["requested_owner"]).Hello(_hello(), timeout=TIMEOUT)
+    assert serde.proxy_info_from_proto(reply).authenticated_node_id == "owner-csr"
 
 
 def test_wrong_role_is_refused_by_the_servicer(

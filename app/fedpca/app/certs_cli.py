@@ -10,6 +10,13 @@ import click
 from cryptography import x509
 
 from fedpca.errors import AuthenticationError, ConfigError, KeyFileError
+from fedpca.transport.cert_requests import (
+    certify_request,
+    create_request,
+    public_key_fingerprint,
+    read_request,
+    write_request,
+)
 from fedpca.transport.certs import (
     DEFAULT_NODE_VALID_DAYS,
     DEFAULT_PROXY_HOSTS,
@@ -17,10 +24,13 @@ from fedpca.transport.certs import (
     NodeIdentity,
     Role,
     TlsFiles,
+    generate_private_key,
     identity_from_certificate,
     init_certificates,
     issue_node_certificate,
     read_certificate,
+    write_certificate,
+    write_private_key,
 )
 
 
@@ -169,6 +179,128 @@ def issue_command(
     _print_files({identity: files})
     # What a revocation names (found by review: only `certs show` printed it).
     click.echo(f"  {'':<24} serial {read_certificate(files.certificate).serial_number:x}")
+
+
+_role_option = click.option(
+    "--role",
+    type=click.Choice([r.value for r in Role]),
+    required=True,
+    help="What the certificate lets its holder act as.",
+)
+
+
+@certs_group.command("request")
+@_role_option
+@click.option("--id", "node_id", required=True, help="The node's id.")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder on this node's host for <role>-<id>-key.pem (0600; stays here) and "
+    "<role>-<id>-request.pem (sent to the CA's operator).",
+)
+@click.option("--force", is_flag=True, help="Replace a key and request already there.")
+def request_command(role: str, node_id: str, out: Path, force: bool) -> None:
+    """Make this node's private key and a certificate request (CSR) for the CA.
+
+    Run on the node's own host: the key never leaves it. The CA's operator signs the
+    request with `fedpca certs sign` and sends back the certificate.
+    """
+    try:
+        identity = NodeIdentity(Role(role), node_id)
+        key_path = out / f"{role}-{node_id}-key.pem"
+        request_path = out / f"{role}-{node_id}-request.pem"
+        for path in (key_path, request_path):
+            if path.exists() and not force:
+                raise ConfigError(
+                    f"{path} exists: pass --force to make a new key and request (a "
+                    "certificate signed for the old key no longer matches it)"
+                )
+        key = generate_private_key()
+        request = create_request(identity, key)
+        out.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private_key(key_path, key)
+        write_request(request_path, request)
+    except (ConfigError, KeyFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"private key (stays on this host, 0600): {key_path}")
+    click.echo(f"certificate request (send to the CA's operator): {request_path}")
+    click.echo(f"public key {public_key_fingerprint(key.public_key())}")
+    click.echo(
+        "Read this fingerprint to the CA's operator by another channel (phone, signed "
+        "mail): `certs sign` prints the one it certifies."
+    )
+
+
+@certs_group.command("sign")
+@click.option(
+    "--certs",
+    "--dir",
+    "directory",
+    required=True,
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="The CA's directory, from `fedpca certs init`.",
+)
+@click.option(
+    "--request",
+    "request_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The node's request, from `fedpca certs request`.",
+)
+@_role_option
+@click.option("--id", "node_id", required=True, help="The node's id; the request must name it.")
+@click.option("--proxy-host", "proxy_hosts", multiple=True, help="Proxy only (repeatable).")
+@_valid_days
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The certificate to send back [<role>-<id>-cert.pem beside the request].",
+)
+@click.option("--force", is_flag=True, help="Replace the node's certificate in the CA's directory.")
+def sign_command(
+    directory: Path,
+    request_path: Path,
+    role: str,
+    node_id: str,
+    proxy_hosts: tuple[str, ...],
+    valid_days: int,
+    out: Path | None,
+    force: bool,
+) -> None:
+    """Certify a node's request (CSR) as the role and id given here.
+
+    The certificate is recorded in the CA's directory (<role>/<id>/cert.pem, where
+    `proxy init --certs` looks for owners) and written to --out for the node. Only the
+    request's key is taken from it: its names and extensions are not.
+    """
+    layout = CertificateDirectory(directory)
+    try:
+        identity = NodeIdentity(Role(role), node_id)
+        request = read_request(request_path)
+        recorded = layout.node_files(identity)
+        if recorded.certificate.exists() and not force:
+            raise ConfigError(
+                f"{recorded.certificate} exists: pass --force to replace it. The old "
+                "certificate stays valid until it expires unless its serial (`fedpca certs "
+                "show`) is listed in the proxy's tls.revoked_serials"
+            )
+        target = out or request_path.with_name(f"{role}-{node_id}-cert.pem")
+        if target.exists() and not force:
+            raise ConfigError(f"{target} exists: pass --force to replace it, or name --out")
+        certificate = certify_request(
+            layout.load_ca(), request, identity, list(proxy_hosts) or None, valid_days
+        )
+        write_certificate(recorded.certificate, certificate)
+        # A key left there by `certs issue` belongs to the certificate just replaced.
+        recorded.private_key.unlink(missing_ok=True)
+        write_certificate(target, certificate)
+    except (ConfigError, KeyFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"certified {identity}, public key {public_key_fingerprint(request.public_key())}")
+    click.echo(f"certificate (send to the node): {target}")
+    click.echo(f"recorded in the CA's directory: {recorded.certificate}")
+    click.echo(f"serial {certificate.serial_number:x}")
 
 
 def _is_ca(cert: x509.Certificate) -> bool:

@@ -127,6 +127,18 @@ def _validity(valid_days: int) -> tuple[dt.datetime, dt.datetime]:
     return now - _CLOCK_SKEW, now + dt.timedelta(days=valid_days)
 
 
+def _key_usage(*, signs_certificates: bool) -> x509.KeyUsage:
+    """Signatures only (TLS 1.3 with EC keys), plus certificates and CRLs for the CA."""
+    flags = dict.fromkeys(("content_commitment", "key_encipherment", "data_encipherment"), False)
+    flags |= dict.fromkeys(("key_agreement", "encipher_only", "decipher_only"), False)
+    return x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=signs_certificates,
+        crl_sign=signs_certificates,
+        **flags,
+    )
+
+
 def create_ca(
     common_name: str = "fedpca CA", valid_days: int = DEFAULT_CA_VALID_DAYS
 ) -> CertificateAuthority:
@@ -149,20 +161,7 @@ def create_ca(
         .not_valid_before(not_before)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(signs_certificates=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -187,15 +186,24 @@ def issue_node_certificate(
     hosts: Sequence[str] | None = None,
     valid_days: int = DEFAULT_NODE_VALID_DAYS,
 ) -> NodeCertificate:
-    """Issue a certificate for one node.
+    """A fresh key for one node and its certificate (see :func:`certify_public_key`)."""
+    key = generate_private_key()
+    return NodeCertificate(
+        identity, key, certify_public_key(ca, identity, key.public_key(), hosts, valid_days)
+    )
 
-    Parameters
-    ----------
-    ca : the issuing CA.
-    identity : role and node id to certify.
-    hosts : proxy only: DNS names / IP addresses clients dial; defaults to
-        :data:`DEFAULT_PROXY_HOSTS`. Must be empty or None for owners and analysts.
-    valid_days : validity period.
+
+def certify_public_key(
+    ca: CertificateAuthority,
+    identity: NodeIdentity,
+    public_key: ec.EllipticCurvePublicKey,
+    hosts: Sequence[str] | None = None,
+    valid_days: int = DEFAULT_NODE_VALID_DAYS,
+) -> x509.Certificate:
+    """The CA's certificate binding ``public_key`` to ``identity``.
+
+    ``hosts``: proxy only, the DNS names / IP addresses clients dial (default
+    :data:`DEFAULT_PROXY_HOSTS`); none for owners and analysts.
 
     Raises
     ------
@@ -212,7 +220,6 @@ def issue_node_certificate(
             raise ConfigError(f"only the proxy certificate carries host names, not {identity}")
         hosts = ()
         usage = ExtendedKeyUsageOID.CLIENT_AUTH
-    key = generate_private_key()
     not_before, not_after = _validity(valid_days)
     subject = x509.Name(
         [
@@ -222,39 +229,25 @@ def issue_node_certificate(
         ]
     )
     ca_key_id = ca.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
-    certificate = (
+    return (
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(ca.certificate.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(not_before)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(signs_certificates=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(x509.SubjectAlternativeName(_san_entries(identity, hosts)), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_key_id.value),
             critical=False,
         )
         .sign(ca.key, hashes.SHA256())
     )
-    return NodeCertificate(identity, key, certificate)
 
 
 # --------------------------------------------------------------- identities
