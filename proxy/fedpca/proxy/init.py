@@ -105,7 +105,8 @@ def _check_owners(owners: list[str], certs: Path | None) -> None:
             raise ConfigError(
                 f"owner {owner_id!r} has no certificate in {certs} ({path} does not exist): "
                 f"issue one with `fedpca certs issue --dir {certs} --role owner --node-id "
-                f"{owner_id}`, or leave {owner_id!r} out of --owners"
+                f"{owner_id}` (or sign the owner's request: `fedpca certs sign`), or leave "
+                f"{owner_id!r} out of --owners"
             )
         certificate = read_certificate(path)
         try:
