@@ -37,6 +37,7 @@ from fedpca.errors import ConfigError
 
 __all__ = [
     "ExclusiveUse",
+    "copy_database",
     "create_database",
     "database_missing",
     "distinct_values",
@@ -157,6 +158,37 @@ def create_database(
             if not holds_database(path):
                 os.replace(temporary, path)
         sync_folder(path.parent)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def copy_database(source: sqlite3.Connection, out: Path, mode: int = 0o600) -> None:
+    """Write what the database open in ``source`` holds (its committed content, the
+    write-ahead log's included: SQLite's backup API) to the new file ``out``, flushed,
+    with ``mode``.
+
+    Raises
+    ------
+    FileExistsError
+        ``out`` exists: it is never replaced.
+    OSError, sqlite3.Error
+        From the folder or SQLite; nothing is left at ``out``.
+    """
+    descriptor, temporary = tempfile.mkstemp(
+        prefix=f".{out.name}.", suffix=".partial", dir=out.parent
+    )
+    os.close(descriptor)  # mkstemp made it 0600; SQLite writes into it
+    try:
+        copy = sqlite3.connect(temporary)
+        try:
+            source.backup(copy)
+        finally:
+            copy.close()
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.chmod(temporary, mode)
+        os.link(temporary, out)  # never over a file that appeared meanwhile
+        sync_folder(out.parent)
     finally:
         Path(temporary).unlink(missing_ok=True)
 

@@ -7,6 +7,7 @@ import math
 import multiprocessing
 import re
 import sqlite3
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -500,3 +501,31 @@ def test_the_open_tasks_are_found_by_index_not_by_scanning_every_task(
             plan = [row[3] for row in connection.execute(f"EXPLAIN QUERY PLAN {read}")]
             assert not any(step.startswith("SCAN tasks") for step in plan), (read, plan)
             assert any("USING INDEX tasks_by_state" in step for step in plan), (read, plan)
+
+
+def test_an_older_ledger_is_copied_before_it_is_migrated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A migration is one way: the ledger as the earlier version left it stays beside
+    it, for an operator who did not back up before upgrading."""
+    old = _schema_5_ledger(
+        tmp_path / "ledger.sqlite3",
+        "INSERT INTO tasks VALUES ('alice/q0', 'declined', 'x', NULL, 0, 1.0, NULL, NULL, 'd0');",
+    )
+    with caplog.at_level(logging.WARNING, logger="fedpca.owner.ledger"):
+        BudgetLedger(old).reserve(_event("alice/q1"), BUDGET, spec_digest="d1")
+    copy = tmp_path / "ledger.sqlite3.schema-5.bak"
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+    assert str(copy) in caplog.text
+    with sqlite3.connect(f"file:{copy}?immutable=1", uri=True) as kept:  # no -wal beside
+        version = kept.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        tasks = kept.execute("SELECT query_id FROM tasks").fetchall()
+    assert version == ("5",) and tasks == [("alice/q0",)]  # before the migration and q1
+    before = copy.read_bytes()
+    BudgetLedger(old)  # of this version now: no other copy, the first one kept
+    assert copy.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if ".bak" in p.name) == [copy.name]
+    fresh = BudgetLedger(tmp_path / "new.sqlite3")
+    fresh.reserve(_event("alice/q2"), BUDGET, spec_digest="d2")
+    BudgetLedger(tmp_path / "new.sqlite3")
+    assert not list(tmp_path.glob("new.sqlite3.schema-*"))

@@ -80,7 +80,11 @@ from fedpca.owner.ledger_rows import (
     release_changes,
     write_task_row,
 )
-from fedpca.owner.ledger_schema import check_version, create_or_migrate
+from fedpca.owner.ledger_schema import (
+    check_version,
+    create_or_migrate,
+    keep_copy_before_migrating,
+)
 from fedpca.owner.ledger_tasks import LedgerTaskReads
 from fedpca.query import Neighbouring
 
@@ -156,6 +160,7 @@ class BudgetLedger(LedgerTaskReads):
                     mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                     if str(mode).lower() != "wal":
                         raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
+                    keep_copy_before_migrating(connection, self.path)
                     with _immediate(connection):
                         create_or_migrate(connection, self.path, self.neighbouring, existed=existed)
                 if shares is not None:

@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 from fedpca.errors import ConfigError
+from fedpca.files import copy_database
 from fedpca.query import Neighbouring
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "create_or_migrate",
+    "keep_copy_before_migrating",
 ]
 
 logger = logging.getLogger("fedpca.owner.ledger")
@@ -154,6 +156,35 @@ def _migrate_schema_1(
         migrated,
         neighbouring.value,
     )
+
+
+def keep_copy_before_migrating(connection: sqlite3.Connection, path: Path) -> Path | None:
+    """Copy a ledger of an earlier schema, before :func:`create_or_migrate` changes it, to
+    ``<name>.schema-<version>.bak`` beside it (0600); return the copy's path, or None for a
+    ledger of this version. A migration is one way: the copy is what an operator who did
+    not back up before upgrading goes back to with the earlier fedpca (docs/operations.md,
+    Upgrading the proxy). A copy already there, from an earlier start that failed, is kept.
+    """
+    tables = {
+        str(row[0])
+        for row in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")
+    }
+    if "meta" not in tables:
+        return None
+    row = connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if row is None or not str(row[0]).isdigit() or int(row[0]) >= SCHEMA_VERSION:
+        return None
+    copy = path.with_name(f"{path.name}.schema-{int(row[0])}.bak")
+    if not copy.exists():
+        copy_database(connection, copy)
+    logger.warning(
+        "%s: the ledger of schema version %s, as it was before this version migrates it, "
+        "is kept in %s (an earlier fedpca reads it; releases made after now are not in it)",
+        path,
+        row[0],
+        copy,
+    )
+    return copy
 
 
 def check_version(connection: sqlite3.Connection, path: Path) -> None:
