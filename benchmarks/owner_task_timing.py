@@ -5,11 +5,11 @@ for a task before it (choosing the records, computing the padded statistics) sho
 depend on N. docs/privacy.md ("Work padded to a public size") quotes this script for
 two cases:
 
-* DCA at cap K = 1,000, M = 5, two classes, N from 1,000 to 2 million: the classes'
-  records are found through the label index built when the table is loaded, not by a
-  pass over the N labels;
-* PCA at cap K, M = 10, at N = K and N = K + 1: the step where the owner starts to draw
-  a sample (and copies the K records drawn), which remains;
+* DCA at cap K = 1,000, M = 5, two classes, N from 1,000 to 2 million, each table
+  padded to a capacity of 2 million as a node keeps it: the records are chosen with
+  work of the capacity's size (:func:`fedpca.owner.compute.chosen_rows`);
+* PCA at cap K, M = 10, at N = K and N = K + 1 (capacity 2 K): where the owner
+  sampled (and copied the K records drawn) only above the cap, until stop 41;
 * histograms at cap K_H = 100,000: 1,000 bins of a column whose values are spread or all
   in one bin, and 2 bins in each of 50 listed categories with K_H records or none (the
   bins and categories were looked up with steps that depend on the values); then the
@@ -19,7 +19,8 @@ two cases:
   of 3 columns of a 200-column file at K_H, with no record against K_H records (real
   rows are read from the file, padding rows only written); PCA without public bounds,
   K = N = 20,000, M = 10, on values of order 1 against subnormal ones (1e-310); and
-  PCA at K = 10,000, M = 10 for N from K to 100 K (the sample drawn past the cap).
+  PCA at K = 10,000, M = 10 for N from K to 100 K, capacity 100 K (the sample drawn
+  past the cap grew with N until stop 41).
 
 Times are wall-clock medians of repeated calls in this one process (no network, no
 encryption); read them as the size of a step, not as what a deployment's clock shows.
@@ -134,7 +135,7 @@ def _residuals(
     sampled = replace(_spec(QueryKind.PCA, m), max_records_per_owner=cap)
     times = []
     for count in (cap, cap + 1, 10 * cap, 100 * cap):
-        table = LocalTable(rng.uniform(-1, 1, (count, m)), None, "benchmark")
+        table = LocalTable(rng.uniform(-1, 1, (count, m)), None, "benchmark", 100 * cap)
         times.append(_task_seconds(table, sampled, repeats))
         print(f"PCA, K = {cap:,}, M = {m}, N = {count:>9,}: {times[-1] * 1e3:.2f} ms")
     return full / empty, tiny / plain, [t / times[0] for t in times[1:]]
@@ -192,7 +193,8 @@ def main() -> None:
     for n in sizes:
         source = np.column_stack([rng.uniform(-1, 1, (n, m)), rng.integers(0, 3, n)])
         loading = time.perf_counter()
-        table = LocalTable(source.astype(np.float64), m, "benchmark")
+        # As a node keeps it: padded to its declared capacity (here the largest N).
+        table = LocalTable(source.astype(np.float64), m, "benchmark", args.largest)
         loaded = time.perf_counter() - loading
         dca_ms.append(_task_seconds(table, dca, args.repeats) * 1e3)
         print(
@@ -205,7 +207,7 @@ def main() -> None:
     boundary_us = []
     print(f"PCA, K = {CAP}, M = {m}")
     for n in (CAP, CAP + 1):
-        table = LocalTable(rng.uniform(-1, 1, (n, m)), None, "benchmark")
+        table = LocalTable(rng.uniform(-1, 1, (n, m)), None, "benchmark", 2 * CAP)
         boundary_us.append(_task_seconds(table, pca, max(args.repeats, 200)) * 1e6)
         print(f"  N = {n:>9,}   task {boundary_us[-1]:7.1f} µs")
     k = HISTOGRAM_CAP

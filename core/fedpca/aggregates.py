@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fedpca.errors import LayoutError
-from fedpca.exact_statistics import padded_blocks, real_rows, row_bits
+from fedpca.exact_statistics import ChosenRows, padded_blocks, real_rows, row_bits
 from fedpca.preprocess import FeatureBounds, scale_to_unit_box
 from fedpca.query import Aggregate, AggregateKind, Moments, QueryKind, QuerySpec
 from fedpca.stats import Section, upper_triangle_length
@@ -344,14 +344,19 @@ class _PartAccumulator:
 
 
 def fixed_point_aggregates(
-    columns: npt.ArrayLike, query: QuerySpec, *, pad_to: int = 0, n_real: int | None = None
+    columns: npt.ArrayLike | ChosenRows,
+    query: QuerySpec,
+    *,
+    pad_to: int = 0,
+    n_real: int | None = None,
 ) -> AggregateIntegers:
     """Exact integer statistics of an owner's rows for an aggregate query.
 
     Parameters
     ----------
     columns : (N, K) raw values of the query's columns, in the order of
-        ``query.aggregate_columns`` (the file columns it reads, sorted).
+        ``query.aggregate_columns`` (the file columns it reads, sorted), or the rows
+        chosen from the owner's table (:class:`~fedpca.exact_statistics.ChosenRows`).
     query : the public aggregate query.
     pad_to : process at least this many rows, the extra ones left out of every
         statistic: the work done depends on max(N, pad_to) only, not on N.
@@ -365,20 +370,26 @@ def fixed_point_aggregates(
     """
     if query.kind is not QueryKind.AGGREGATE:
         raise LayoutError(f"a {query.kind.value} query has no aggregates")
-    x = np.asarray(columns, dtype=np.float64)
     width = len(query.aggregate_columns)
-    if x.ndim != 2 or x.shape[1] != width:
-        raise LayoutError(f"the query reads {width} columns, got values of shape {x.shape}")
+    if isinstance(columns, ChosenRows):
+        chosen: ChosenRows | None = columns
+        x, n, total = np.zeros((0, 0)), columns.n_real, columns.total
+        shape: tuple[int, ...] = (total, len(columns.columns))
+    else:
+        chosen, x = None, np.asarray(columns, dtype=np.float64)
+        n, shape = real_rows(x, n_real), x.shape
+        total = max(n, pad_to)
+    if len(shape) != 2 or shape[1] != width:
+        raise LayoutError(f"the query reads {width} columns, got values of shape {shape}")
     f = query.frac_bits
     g = row_bits(f)
     positions = {column: j for j, column in enumerate(query.aggregate_columns)}
     accumulators = [_PartAccumulator(part, positions, g) for part in query.aggregates]
-    n = real_rows(x, n_real)
-    total = max(n, pad_to)
     # Products of two coordinates sit on the 2^(2g) grid: blocks of at most 2^(53 - 2g)
     # rows keep every partial float64 sum an exact integer.
     block = max(1, min(4096, 1 << (53 - 2 * g)))
-    for _, rows, real in padded_blocks(x, n, total, block):
+    blocks = chosen.blocks(block) if chosen is not None else padded_blocks(x, n, total, block)
+    for _, rows, real in blocks:
         for accumulator in accumulators:
             accumulator.add(rows, real)
     parts = [array for acc in accumulators for array in acc.integers(f)]

@@ -22,6 +22,7 @@ from fedpca.stats import StatisticsSpec, refuse_aggregate
 
 __all__ = [
     "ROW_BITS_MAX",
+    "ChosenRows",
     "FixedPointStatistics",
     "fixed_point_statistics",
     "padded_blocks",
@@ -158,8 +159,51 @@ def padded_blocks(
         yield start, buffer[:size], max(0, min(size, n - start))
 
 
+@dataclass(frozen=True)
+class ChosenRows:
+    """Rows of a table chosen by position, which the statistics read block by block (a
+    copy of them all would cost memory for every chosen row at once).
+
+    The first ``n_real`` positions are the records; the rows at the other positions
+    are read exactly like them and then left out of every statistic, so the work
+    depends on the number of positions, not on ``n_real``.
+
+    Attributes
+    ----------
+    table : (U, width) the rows chosen from (read-only).
+    positions : (total,) int64, the rows read, in this order.
+    n_real : how many of the first positions are records.
+    columns : the columns of ``table`` read, in the query's order.
+    labels : (n_real,) the records' labels (DCA), else None.
+    """
+
+    table: FloatArray
+    positions: npt.NDArray[np.int64]
+    n_real: int
+    columns: tuple[int, ...]
+    labels: FloatArray | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.n_real <= self.positions.size:
+            raise LayoutError(f"n_real = {self.n_real} of {self.positions.size} positions")
+        if self.labels is not None and self.labels.shape != (self.n_real,):
+            raise LayoutError(f"{self.n_real} records but labels of shape {self.labels.shape}")
+
+    @property
+    def total(self) -> int:
+        return int(self.positions.size)
+
+    def blocks(self, block: int) -> Iterator[tuple[int, FloatArray, int]]:
+        """As :func:`padded_blocks`: each block's first row, its rows, its records."""
+        columns = np.asarray(self.columns, dtype=np.int64)
+        for start in range(0, self.total, block):
+            chosen = self.positions[start : start + block]
+            rows = self.table[np.ix_(chosen, columns)]
+            yield start, rows, max(0, min(chosen.size, self.n_real - start))
+
+
 def fixed_point_statistics(
-    features: npt.ArrayLike,
+    features: npt.ArrayLike | ChosenRows,
     labels: npt.ArrayLike | None,
     query: QuerySpec,
     *,
@@ -178,7 +222,8 @@ def fixed_point_statistics(
 
     Parameters
     ----------
-    features : (N, M) raw records.
+    features : (N, M) raw records, or the rows chosen from the owner's table
+        (:class:`ChosenRows`, which then brings its labels and number of records).
     labels : (N,) labels for DCA, each one of ``query.class_labels``; None for PCA.
     query : the public query (bounds, clip norm, kind, class labels, frac_bits).
     pad_to : process at least this many rows, the extra ones all-zero and left out of
@@ -194,18 +239,26 @@ def fixed_point_statistics(
     """
     spec = StatisticsSpec.from_query(query)
     refuse_aggregate(spec)
-    x = np.asarray(features, dtype=np.float64)
-    if x.ndim != 2 or x.shape[1] != spec.n_features:
-        raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")
-    if n_real is not None and spec.kind is QueryKind.DCA:
-        raise LayoutError("n_real is for PCA queries (DCA gathers each class's records)")
-    n, m = real_rows(x, n_real), x.shape[1]
+    if isinstance(features, ChosenRows):
+        chosen = features
+        labels, n, m, total = chosen.labels, chosen.n_real, len(chosen.columns), chosen.total
+    else:
+        chosen = None
+        x = np.asarray(features, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != spec.n_features:
+            raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")
+        if n_real is not None and spec.kind is QueryKind.DCA:
+            raise LayoutError("n_real is for PCA queries (DCA gathers each class's records)")
+        n, m = real_rows(x, n_real), x.shape[1]
+        total = max(n, pad_to)
+    if m != spec.n_features:
+        raise LayoutError(f"records must have {spec.n_features} features, got {m}")
     f = query.frac_bits
     g = row_bits(f)
     # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and about 2 MiB
     # (each of the few arrays one block's rows pass through has that size).
     block = max(1, min(4096, 1 << (53 - 2 * g), max(64, (1 << 18) // m)))
-    total = max(n, pad_to)
+    blocks = chosen.blocks(block) if chosen is not None else padded_blocks(x, n, total, block)
     gram = np.zeros((m, m), dtype=np.int64)
     sums = np.zeros(m, dtype=np.int64)
     class_index: npt.NDArray[np.int64] | None = None
@@ -235,7 +288,7 @@ def fixed_point_statistics(
         class_sums = np.zeros((spec.n_classes, m), dtype=np.int64)
         class_counts = np.zeros(spec.n_classes, dtype=np.int64)
     inverse_clip = 1.0 / query.clip_norm
-    for start, rows, real in padded_blocks(x, n, total, block):
+    for start, rows, real in blocks:
         size = rows.shape[0]
         # The same work for real and padding rows; padding is zeroed after scaling.
         unit = preprocess_for_query(rows, query) * inverse_clip

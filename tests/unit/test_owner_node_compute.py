@@ -20,10 +20,10 @@ from fedpca.codec import CryptoPool, ciphertext_byte_length, ciphertexts_from_by
 from fedpca.codec.paillier import stream_task_ciphertexts
 from fedpca.data import dataset_path
 from fedpca.errors import ConfigError, LayoutError
-from fedpca.exact_statistics import fixed_point_statistics
+from fedpca.exact_statistics import ChosenRows, fixed_point_statistics
 from fedpca.owner import compute
 from fedpca.owner.compute import (
-    contributed_rows,
+    chosen_rows,
     encode_share,
     encrypt_share,
     padded_rows,
@@ -35,11 +35,31 @@ from fedpca.owner.upload import OutgoingUpload
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import SHARES, SUM_SINGLE, SUM_WINDOWS, ReleasePlan
 from fedpca.query import Aggregate, Moments, Neighbouring, ProtocolMode, QueryKind, spec_digest
+from fedpca.tables import OwnerTable
 from helpers import query_builder, reference_statistics
 
 IONOSPHERE = dataset_path("ionosphere")
 FRAC_BITS = 32
 CAPACITY = 1000
+
+
+def _records(table: QueryColumns) -> OwnerTable:
+    """Every record of the query's columns, as a plain reading of the table gives them."""
+    features = np.array(table.source[:, list(table.feature_columns)])
+    label = table.label_column
+    return OwnerTable(features, None if label is None else np.array(table.source[:, label]))
+
+
+def _picked(chosen: ChosenRows) -> OwnerTable:
+    """The records among the chosen rows (the rest fill the cap and count for nothing)."""
+    records = chosen.positions[: chosen.n_real]
+    return OwnerTable(chosen.table[np.ix_(records, chosen.columns)], chosen.labels)
+
+
+def _contributed(
+    table: QueryColumns, spec: Any, cap: int, rng: np.random.Generator | None = None
+) -> OwnerTable:
+    return _picked(chosen_rows(table, spec, cap, rng))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +91,7 @@ def test_decrypted_share_is_the_exact_statistics_of_the_rows(
         extra = {"kind": kind, "label_column": 0, "class_labels": (-1.0, 1.0)}
     spec = _spec(public_key, **extra)
     table = ionosphere.table_for(spec)
-    assert table.rows().features.shape == (351, 34)
+    assert _records(table).features.shape == (351, 34)
     progress: list[tuple[int, int]] = []
     shares = encrypt_share(
         spec, table, pool, capacity=CAPACITY, progress=lambda d, t: progress.append((d, t))
@@ -83,15 +103,15 @@ def test_decrypted_share_is_the_exact_statistics_of_the_rows(
     assert len(shares[SHARES].ciphertexts) == n_ciphertexts
     assert progress[-1] == (n_ciphertexts, n_ciphertexts)
     integers = pool.decrypt_packed(private_key, shares[SHARES])
-    exact = fixed_point_statistics(table.rows().features, table.rows().labels, spec).to_vector(
-        plan.statistics
-    )
+    exact = fixed_point_statistics(
+        _records(table).features, _records(table).labels, spec
+    ).to_vector(plan.statistics)
     assert integers == exact.tolist()
     # ... which are the float statistics to within the rows' quantisation (2^-16 per
     # coordinate, 351 rows).
     received = plan.statistics_from_integers(integers)
     expected = reference_statistics(
-        preprocess_for_query(table.rows().features, spec), table.rows().labels, spec
+        preprocess_for_query(_records(table).features, spec), _records(table).labels, spec
     )
     tolerance = 351 * 2 * 2.0**-16
     np.testing.assert_allclose(received.scatter, expected.scatter, rtol=0, atol=tolerance)
@@ -126,7 +146,7 @@ def test_masked_mode_blocks_decrypt_to_the_planned_values(
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     shares = encrypt_share(spec, table, pool, capacity=CAPACITY, plan=plan)
     assert list(shares) == [block.name for block in plan.owner_blocks]
-    expected = plan.owner_integers(fixed_point_statistics(table.rows().features, None, spec))
+    expected = plan.owner_integers(fixed_point_statistics(_records(table).features, None, spec))
     integers = {name: pool.decrypt_packed(private_key, packed) for name, packed in shares.items()}
     for name, values in integers.items():
         assert values == expected[name].tolist()
@@ -217,44 +237,37 @@ def test_more_rows_than_the_cap_contribute_a_sample_of_exactly_the_cap(
     # The owner's declared capacity caps it the same way.
     assert _count(_spec(public_key), table, capacity=50) == 50.0
     assert _count(_spec(public_key), table, capacity=CAPACITY) == 351.0
-    rows = contributed_rows(table, _spec(public_key), 100, np.random.default_rng(3))
+    rows = _contributed(table, _spec(public_key), 100, np.random.default_rng(3))
     assert rows.features.shape == (100, 34)
     # A uniform sample without replacement: distinct rows of the table.
     assert len({row.tobytes() for row in rows.features}) == 100
 
 
-def test_only_the_records_a_query_uses_are_copied(
-    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable, monkeypatch: Any
+def test_the_chosen_rows_are_read_from_the_table_not_copied(
+    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable
 ) -> None:
     """Copying the query's columns of every record cost time linear in N on each task
-    (visible to the proxy): now the columns are named, the records chosen, and only
-    they are copied."""
+    (visible to the proxy), and a copy of the records kept sat beside the statistics:
+    the rows are chosen by position in the table kept padded to the capacity, which
+    the statistics read block by block."""
     public_key, _ = test_only_keypair_512
     dca = _spec(
         public_key, kind=QueryKind.DCA, label_column=0, class_labels=(-1.0, 1.0), n_components=1
     )
-    copied: list[int] = []
-    rows_of = QueryColumns.rows
-
-    def recording(self: QueryColumns, keep: Any = None) -> Any:
-        copied.append(self.n_records if keep is None else len(keep))
-        return rows_of(self, keep)
-
     for spec in (_spec(public_key), dca):
         table = ionosphere.table_for(spec)
-        assert table.source is ionosphere.columns  # nothing copied
-        copied.clear()
-        monkeypatch.setattr(QueryColumns, "rows", recording)
-        rows = contributed_rows(table, spec, 40, np.random.default_rng(1))
-        monkeypatch.undo()
+        assert table.source is ionosphere.columns and table.padding is ionosphere.padded
+        chosen = chosen_rows(table, spec, 40, np.random.default_rng(1))
+        assert chosen.table is ionosphere.padded and not chosen.table.flags.writeable
         per_class = 2 if spec.kind is QueryKind.DCA else 1
-        assert copied == [40 * per_class] and rows.features.shape == (40 * per_class, 34)
-        # The copies are the table's records in the query's columns.
+        assert chosen.total == chosen.n_real == 40 * per_class
+        assert len(set(chosen.positions.tolist())) == chosen.total  # without replacement
+        rows = _picked(chosen)
         source = {row.tobytes() for row in ionosphere.columns[:, 1:]}
         assert all(row.tobytes() in source for row in rows.features)
-        assert rows.features.flags.c_contiguous and rows.features.flags.writeable
         if spec.kind is QueryKind.DCA:
             assert rows.labels is not None and np.sum(rows.labels == 1.0) == 40
+            np.testing.assert_array_equal(rows.labels, ionosphere.columns[chosen.positions, 0])
         else:
             assert rows.labels is None
 
@@ -323,9 +336,9 @@ def test_bounded_owner_tables_never_sample(
     assert LocalTable.load(DataConfig(path, max_records=350, n_columns=35)).n_records == 351
     bounded = _spec(public_key, bounded_owner_tables=True)
     table = ionosphere.table_for(bounded)
-    assert contributed_rows(table, bounded, 351).features.shape[0] == 351
+    assert _contributed(table, bounded, 351).features.shape[0] == 351
     with pytest.raises(LayoutError, match="bounded owner tables reached an owner that samples"):
-        contributed_rows(table, bounded, 350)
+        _contributed(table, bounded, 350)
 
 
 def test_dca_caps_each_class_and_leaves_unknown_labels_out(
@@ -336,20 +349,17 @@ def test_dca_caps_each_class_and_leaves_unknown_labels_out(
         public_key, kind=QueryKind.DCA, label_column=0, class_labels=(1.0, 5.0), n_components=1
     )
     table = ionosphere.table_for(spec)  # labels -1 and 1; -1 is not a class of this query
-    rows = contributed_rows(table, spec, 60, np.random.default_rng(0))
+    rows = _contributed(table, spec, 60, np.random.default_rng(0))
     assert rows.labels is not None and set(np.unique(rows.labels)) == {1.0}
     assert rows.features.shape[0] == 60
     assert record_cap(spec, 40) == 40 and padded_rows(spec, 40) == 80  # per class
 
 
-def test_dca_finds_each_class_without_a_pass_over_the_labels(
-    test_only_keypair_512: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+def test_dca_takes_each_class_up_to_the_cap_and_nothing_else(
+    test_only_keypair_512: tuple[Any, Any],
 ) -> None:
-    """Before: every DCA task compared all N labels with each class (O(N C) on the way
-    to the first ciphertext): at K = 1,000 and M = 5 the task took 8.7 ms at N = 2
-    million against 0.54 ms at N = 1,000, so the proxy's clock read N (review). The
-    configured label column is now indexed once at load; a task never reads every
-    label, and keeps exactly the records the per-query comparison kept."""
+    """Each class gives all its records below the cap and a sample of exactly the cap
+    above it; a label outside the query's classes, and the padding, never count."""
     public_key, _ = test_only_keypair_512
     rng = np.random.default_rng(5)
     n = 3_000
@@ -358,36 +368,30 @@ def test_dca_finds_each_class_without_a_pass_over_the_labels(
     spec = query_builder(n_features=3, epsilon=1.0, max_records_per_owner=400)(
         public_key, kind=QueryKind.DCA, label_column=3, class_labels=(2.5, 0.0, 1.0, 4.0)
     )
-    table = LocalTable(source, 3, "test").table_for(spec)
-
-    def expected(cap: int) -> np.ndarray:
-        generator = np.random.default_rng(11)
-        parts = []
-        for label in spec.class_labels:  # what the per-query comparison kept
-            members = np.flatnonzero(labels == label)
-            if members.size > cap:
-                members = members[np.sort(generator.choice(members.size, cap, replace=False))]
-            parts.append(members)
-        return np.sort(np.concatenate(parts))
-
-    def no_pass(self: QueryColumns) -> None:
-        raise AssertionError("a DCA task read every record's label")
-
-    monkeypatch.setattr(QueryColumns, "labels", no_pass)
+    table = LocalTable(source, 3, "test", 4_000).table_for(spec)
     for cap in (400, 5_000):  # sampled classes, then every record of each class
-        rows = contributed_rows(table, spec, cap, np.random.default_rng(11))
-        np.testing.assert_array_equal(rows.features, source[expected(cap), :3])
-        np.testing.assert_array_equal(rows.labels, labels[expected(cap)])
-    empty = LocalTable(np.zeros((0, 4)), 3, "empty").table_for(spec)
-    assert contributed_rows(empty, spec, 400).features.shape == (0, 3)
+        chosen = chosen_rows(table, spec, cap, np.random.default_rng(11))
+        assert chosen.total == 4 * cap
+        records = chosen.positions[: chosen.n_real]
+        assert len(set(records.tolist())) == records.size and records.max() < n
+        assert chosen.labels is not None
+        np.testing.assert_array_equal(chosen.labels, labels[records])
+        for label in spec.class_labels:
+            members = set(np.flatnonzero(labels == label).tolist())
+            taken = set(records[chosen.labels == label].tolist())
+            assert taken <= members and len(taken) == min(len(members), cap)
+        assert not np.isin(labels[records], [7.0]).any()
+    empty = LocalTable(np.zeros((0, 4)), 3, "empty", 50).table_for(spec)
+    assert _contributed(empty, spec, 50).features.shape == (0, 3)
+    in_memory = QueryColumns(np.zeros((0, 4)), (0, 1, 2), 3)  # no padding, no records
+    assert chosen_rows(in_memory, spec, 50).n_real == 0
 
 
-def test_dca_keeping_every_record_reads_them_in_place_without_sorting(
-    test_only_keypair_512: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+def test_dca_keeping_every_record_gives_the_row_by_row_statistics(
+    test_only_keypair_512: tuple[Any, Any],
 ) -> None:
-    """A DCA task sorted the positions of its records even when it kept all of them:
-    work growing with N below the cap, which the proxy's clock reads (review). The
-    class lookup compares every row with every class; a label outside them is refused."""
+    """The class lookup compares every row with every class; the class sums are those
+    of a row-by-row reading."""
     public_key, _ = test_only_keypair_512
     rng = np.random.default_rng(6)
     n = 2_000
@@ -397,29 +401,23 @@ def test_dca_keeping_every_record_reads_them_in_place_without_sorting(
         public_key, kind=QueryKind.DCA, label_column=3, class_labels=(1.0, 0.0)
     )
     table = LocalTable(source, 3, "test").table_for(spec)
-    sorts = []
-    real_sort = np.sort
-
-    def counted_sort(*args: Any, **kwargs: Any) -> Any:
-        sorts.append(1)
-        return real_sort(*args, **kwargs)
-
-    monkeypatch.setattr(compute.np, "sort", counted_sort)
-    rows = contributed_rows(table, spec, 5_000)
-    assert sorts == []
-    np.testing.assert_array_equal(rows.features, source[:, :3])
-    np.testing.assert_array_equal(rows.labels, labels)
-    monkeypatch.undo()
+    rows = _contributed(table, spec, 5_000)
+    order = np.lexsort(rows.features.T[::-1])
+    expected_order = np.lexsort(source[:, :3].T[::-1])
+    np.testing.assert_array_equal(rows.features[order], source[expected_order, :3])
+    assert rows.labels is not None
+    np.testing.assert_array_equal(rows.labels[order], labels[expected_order])
     # The statistics' lookup: the same class sums as a row-by-row reading.
-    stats = fixed_point_statistics(rows.features, rows.labels, spec, pad_to=10_000)
+    stats = fixed_point_statistics(chosen_rows(table, spec, 5_000), None, spec)
     ones = labels == 1.0
-    expected = fixed_point_statistics(rows.features[ones], labels[ones], spec)
+    expected = fixed_point_statistics(source[ones, :3], labels[ones], spec)
+    zeros = fixed_point_statistics(source[~ones, :3], labels[~ones], spec)
     assert stats.class_sums is not None and expected.class_sums is not None
+    assert zeros.class_sums is not None
     np.testing.assert_array_equal(
-        stats.class_sums,
-        expected.class_sums * [[1], [0]]
-        + (fixed_point_statistics(rows.features[~ones], labels[~ones], spec).class_sums),
+        stats.class_sums, expected.class_sums * [[1], [0]] + zeros.class_sums
     )
+    np.testing.assert_array_equal(stats.scatter, expected.scatter + zeros.scatter)
     with pytest.raises(LayoutError, match="one of the query's class labels"):
         fixed_point_statistics(rows.features[:3], np.array([0.0, 1.0, 0.5]), spec)
 
@@ -432,7 +430,7 @@ def test_values_outside_the_bounds_are_clipped_not_refused(
     spec = _spec(public_key, feature_lower=(0.0,) * m, feature_upper=(0.5,) * m)
     table = ionosphere.table_for(spec)
     shares = encrypt_share(spec, table, pool, capacity=CAPACITY)
-    clipped = np.clip(table.rows().features, 0.0, 0.5)
+    clipped = np.clip(_records(table).features, 0.0, 0.5)
     expected = fixed_point_statistics(clipped, None, spec)
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
     assert (
@@ -448,28 +446,21 @@ def test_the_work_is_padded_to_the_public_cap(
     public_key, _ = test_only_keypair_512
     spec = _spec(public_key)
     plan = ReleasePlan.for_query(spec, public_key.n.bit_length())
-    seen: list[tuple[int, int, int | None]] = []
+    seen: list[tuple[int, int]] = []
     real = compute.fixed_point_statistics
 
-    def recording(
-        features: Any, labels: Any, query: Any, *, pad_to: int = 0, n_real: int | None = None
-    ) -> Any:
-        seen.append((len(features), pad_to, n_real))
-        return real(features, labels, query, pad_to=pad_to, n_real=n_real)
+    def recording(rows: ChosenRows, labels: Any, query: Any) -> Any:
+        seen.append((rows.total, rows.n_real))
+        return real(rows, labels, query)
 
     monkeypatch.setattr(compute, "fixed_point_statistics", recording)
-    table = ionosphere.table_for(spec)
+    every = _records(ionosphere.table_for(spec)).features
     for n in (10, 351):
-        small = LocalTable(table.rows().features[:n], None, "first rows").table_for(spec)
+        small = LocalTable(every[:n], None, "first rows").table_for(spec)
         encode_share(spec, small, plan, capacity=CAPACITY)
-    assert seen == [(10, 1000, None), (351, 1000, None)]
-    # A table kept padded to its capacity gives its records and its zero rows alike.
-    seen.clear()
-    for n in (10, 351):
-        rows = table.rows().features[:n]
-        padded = LocalTable(rows, None, "first rows", CAPACITY).table_for(spec)
+        padded = LocalTable(every[:n], None, "first rows", CAPACITY).table_for(spec)
         encode_share(spec, padded, plan, capacity=CAPACITY)
-    assert seen == [(1000, 1000, 10), (1000, 1000, 351)]
+    assert seen == [(1000, 10), (1000, 10), (1000, 351), (1000, 351)]
 
 
 def test_a_table_padded_to_its_capacity_gives_the_same_share(
@@ -501,7 +492,7 @@ def test_a_table_padded_to_its_capacity_gives_the_same_share(
         label = ionosphere.label_column
         plain = LocalTable(source, label, "plain").table_for(spec)
         padded = LocalTable(source, label, "padded", CAPACITY).table_for(spec)
-        assert padded.padded_features(CAPACITY) is not None
+        assert padded.padding is not None and padded.padding.shape[0] == CAPACITY
         expected = encode_share(spec, plain, plan, capacity=CAPACITY)
         got = encode_share(spec, padded, plan, capacity=CAPACITY)
         assert expected.keys() == got.keys()
@@ -554,8 +545,8 @@ def test_pca_drops_the_configured_label_column(
 ) -> None:
     public_key, _ = test_only_keypair_512
     table = ionosphere.table_for(_spec(public_key))
-    np.testing.assert_array_equal(table.rows().features, ionosphere.columns[:, 1:])
-    assert table.rows().labels is None
+    np.testing.assert_array_equal(_records(table).features, ionosphere.columns[:, 1:])
+    assert _records(table).labels is None
 
 
 def test_spec_digest_binds_every_public_parameter(test_only_keypair_512: tuple[Any, Any]) -> None:
@@ -567,16 +558,42 @@ def test_spec_digest_binds_every_public_parameter(test_only_keypair_512: tuple[A
     assert spec_digest(base) != spec_digest(_spec(public_key, query_id="other"))
 
 
-def test_every_record_of_consecutive_columns_is_read_in_place_and_read_only(
-    test_only_keypair_512: tuple[Any, Any], ionosphere: LocalTable
+@pytest.mark.parametrize("kind", [QueryKind.PCA, QueryKind.DCA])
+def test_choosing_the_rows_does_the_same_work_whatever_n(
+    test_only_keypair_512: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, kind: QueryKind
 ) -> None:
-    """No copy of the records beside the statistics when the query reads every record
-    of consecutive columns: the table itself, read-only; a sample is still a copy."""
+    """The owner sampled (and copied) only when N exceeded the analyst's cap K, and the
+    sample's cost grew with N: the time to its upload header timed N exactly by
+    bisecting K (an outside attack). Every step of the choice now has the same sizes
+    whatever N is, below, at or above K: one random ordering and one sort of all U rows
+    of the padded table, the cap's number of positions per class."""
     public_key, _ = test_only_keypair_512
-    table = ionosphere.table_for(_spec(public_key))
-    every = table.rows()
-    assert np.shares_memory(every.features, table.source)
-    assert not every.features.flags.writeable
-    chosen = np.arange(table.source.shape[0])
-    np.testing.assert_array_equal(every.features, table.rows(chosen).features, strict=True)
-    assert not np.shares_memory(table.rows(chosen).features, table.source)
+    cap, capacity = 50, 400
+    extra: dict[str, Any] = {}
+    if kind is QueryKind.DCA:
+        extra = {"kind": kind, "label_column": 3, "class_labels": (1.0, 2.0)}
+    spec = query_builder(n_features=3, epsilon=1.0, max_records_per_owner=cap)(public_key, **extra)
+    calls: list[tuple[str, tuple[int, ...], str]] = []
+    real_argsort, real_permutation = np.argsort, np.random.Generator.permutation
+
+    def argsort(values: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(("argsort", np.shape(values), str(np.asarray(values).dtype)))
+        return real_argsort(values, *args, **kwargs)
+
+    class Recording:
+        def permutation(self, size: int) -> Any:
+            calls.append(("permutation", (size,), "int"))
+            return real_permutation(np.random.default_rng(0), size)
+
+    monkeypatch.setattr(compute.np, "argsort", argsort)
+    work = {}
+    for n in (0, cap - 1, cap, cap + 1, 3 * cap, capacity):
+        rng = np.random.default_rng(n)
+        source = np.column_stack([rng.uniform(-1, 1, (n, 3)), rng.choice([1.0, 2.0], n)])
+        table = LocalTable(source, 3, "test", capacity).table_for(spec)
+        calls.clear()
+        chosen = chosen_rows(table, spec, cap, Recording())  # type: ignore[arg-type]
+        blocks = [(start, rows.shape) for start, rows, _ in chosen.blocks(64)]
+        work[n] = (tuple(calls), chosen.total, chosen.table.shape, tuple(blocks))
+        assert chosen.n_real <= chosen.total
+    assert len(set(work.values())) == 1, work

@@ -252,3 +252,46 @@ def test_clipping_costs_the_same_whatever_the_rows_hold() -> None:
         f"rows beyond the clip norm: {best['beyond'] * 1e3:.2f} ms; within: "
         f"{best['within'] * 1e3:.2f} ms ({ratio:.2f}x)"
     )
+
+
+@pytest.mark.slow  # wall-clock ratios: with the other timing checks, off the fast tier
+@pytest.mark.parametrize("kind", [QueryKind.PCA, QueryKind.DCA])
+def test_a_table_one_record_above_the_cap_takes_the_time_of_one_at_the_cap(
+    test_only_keypair_512: tuple[Any, Any], kind: QueryKind
+) -> None:
+    """An outside attack timed the owner's upload header against its query: the owner
+    sampled and copied its records only when N exceeded the analyst's cap K, which took
+    14.0 ms at N = K and 16.8 ms at N = K + 1 (PCA, K = 50,000, M = 4; a DCA class the
+    same), so bisecting K timed N (or a class's size) exactly. The rows are now chosen
+    with work of the capacity's size whatever N."""
+    k, capacity = 50_000, 100_000
+    extra: dict[str, Any] = {}
+    if kind is QueryKind.DCA:
+        extra = {"label_column": 4, "class_labels": (1.0, 2.0), "n_components": 1}
+    spec = make_query(
+        test_only_keypair_512[0],
+        kind=kind,
+        n_features=4,
+        epsilon=1.0,
+        feature_lower=(-1.0,) * 4,
+        feature_upper=(1.0,) * 4,
+        max_records_per_owner=k,
+        max_owners=4,
+        **extra,
+    )
+    rng = np.random.default_rng(0)
+    # n records; for DCA n of class 1.0 and one more of class 2.0.
+    source = np.column_stack([rng.uniform(-1, 1, (k + 2, 4)), np.ones(k + 2)])
+    source[-1, 4] = 2.0
+
+    def statistics(n: int) -> Callable[[], object]:
+        rows = np.vstack([source[:n], source[-1:]]) if kind is QueryKind.DCA else source[:n]
+        table = LocalTable(rows, 4, "test", capacity).table_for(spec)
+        return lambda: share_statistics(spec, table, capacity=capacity)
+
+    best = _fastest_of(15, {"at the cap": statistics(k), "one above": statistics(k + 1)})
+    ratio = max(best.values()) / min(best.values())
+    assert ratio < 1.1, (
+        f"{best['one above'] * 1e3:.2f} ms one record above the cap against "
+        f"{best['at the cap'] * 1e3:.2f} ms at it ({ratio:.3f}x)"
+    )

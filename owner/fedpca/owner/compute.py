@@ -8,12 +8,12 @@ refuse: whatever the rows hold, the owner uploads a share of the agreed shape.
    (:meth:`LocalTable.table_for`; the label column is dropped for PCA and
    used for DCA); a schema that does not fit (feature count, label column) is a
    public fact, checked before the budget. Nothing is copied yet;
-2. :func:`contributed_rows`: for DCA leave out records whose label is not one of
+2. :func:`chosen_rows`: for DCA leave out records whose label is not one of
    the query's public classes (aggregates leave out a histogram's unlisted categories
    later, in step 3); if more records remain than the public cap
    (the query's ``max_records_per_owner`` or this owner's declared capacity,
    whichever is smaller; for DCA per class), keep a uniform random sample of exactly
-   that many, and copy only the records kept. The sensitivity the noise is calibrated
+   that many, with work of a public size either way. The sensitivity the noise is calibrated
    with covers both (a record left out, or one record displacing another of its class:
    :func:`fedpca.stats.worst_case_change`);
 3. :func:`fedpca.exact_statistics.fixed_point_statistics` (aggregates:
@@ -53,11 +53,10 @@ from fedpca.codec.paillier import (
     stream_task_ciphertexts,
 )
 from fedpca.errors import ConfigError, EncodingOverflowError, LayoutError
-from fedpca.exact_statistics import FixedPointStatistics, fixed_point_statistics
+from fedpca.exact_statistics import ChosenRows, FixedPointStatistics, fixed_point_statistics
 from fedpca.owner.local_table import QueryColumns
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QueryKind, QuerySpec
-from fedpca.tables import OwnerTable
 
 __all__ = [
     "SINGLE_THREAD_BLAS_WORK",
@@ -65,7 +64,7 @@ __all__ = [
     "analyst_public_key",
     "blas_pools",
     "blas_threads_for",
-    "contributed_rows",
+    "chosen_rows",
     "encode_share",
     "encrypt_share",
     "encrypt_share_stream",
@@ -142,17 +141,29 @@ def padded_rows(spec: QuerySpec, cap: int) -> int:
     return cap * (len(spec.class_labels) if spec.kind is QueryKind.DCA else 1)
 
 
-def contributed_rows(
+def chosen_rows(
     table: QueryColumns, spec: QuerySpec, cap: int, rng: np.random.Generator | None = None
-) -> OwnerTable:
-    """The records that enter this owner's statistics for ``spec`` (read-only).
+) -> ChosenRows:
+    """The rows that enter this owner's statistics for ``spec``, chosen with work whose
+    size is public.
 
     DCA: records whose label is not one of the query's public class labels are left
     out, and the cap applies to each class. Then, if more than ``cap`` records
     remain (of a class), a uniform sample of exactly ``cap`` of them (without
-    replacement) is kept. Neither step refuses anything. Only the kept records are
-    copied, and none when every record of consecutive columns is kept
-    (:meth:`QueryColumns.rows`).
+    replacement) is kept; otherwise all of them, and rows that are no record of the
+    class fill the cap (read like records, left out of every statistic). Neither step
+    refuses anything.
+
+    The records are chosen from the table kept padded to the owner's public capacity
+    (:attr:`~fedpca.owner.local_table.LocalTable.padded`, U = max(N, capacity) rows):
+    one random ordering of all U rows, in which each class's records are moved first
+    (a stable sort of one small key per row) and the first ``cap`` of each class
+    taken. Every step touches all U rows or exactly ``cap`` per class whatever N and
+    the classes' sizes hold, so the time taken does not show whether N (or a class's
+    size) is above the cap, which the analyst chooses (found by an outside attack:
+    sampling only above the cap, and copying only the records kept, timed N exactly
+    by bisecting ``max_records_per_owner``). Nothing is copied: the statistics read
+    the chosen rows block by block (:class:`ChosenRows`).
 
     Parameters
     ----------
@@ -163,44 +174,43 @@ def contributed_rows(
         secret: the sample is part of the mechanism.
     """
     generator = rng if rng is not None else np.random.default_rng()
-
-    def sample(count: int) -> npt.NDArray[np.int64] | None:
-        """Sorted positions of ``cap`` of ``count`` records, or None (keep them all)."""
-        if count <= cap:
-            return None
-        if spec.bounded_owner_tables:
-            # Unreachable for a node: it refuses to start with more records than its
-            # capacity and declines a bounded query whose cap is below it (policy).
-            raise LayoutError("a query for bounded owner tables reached an owner that samples")
-        # Only the positions are drawn (time proportional to cap when count is much
-        # larger, to count otherwise); the same draws as choice(arange(count), ...).
-        return np.sort(generator.choice(count, size=cap, replace=False))
-
-    if spec.kind is QueryKind.DCA:
-        index = table.label_index
-        labels = table.labels() if index is None else None
-        if index is None and labels is None:
+    universe = table.padding if table.padding is not None else table.source
+    if universe.shape[0] == 0:  # no records and no padding (an in-memory table)
+        universe = np.zeros((1, universe.shape[1]))
+    size, n = int(universe.shape[0]), table.n_records
+    is_record = np.arange(size) < n
+    dca = spec.kind is QueryKind.DCA
+    classes = np.asarray(spec.class_labels if dca else (0.0,), dtype=np.float64)
+    # Each row's key: the index of its class, or len(classes) for no record of one
+    # (16 bits when they fit: numpy sorts them by radix, in time linear in U).
+    key_type = np.int16 if len(classes) < np.iinfo(np.int16).max else np.int32
+    key = np.full(size, len(classes), dtype=key_type)
+    if dca:
+        if table.label_column is None:
             raise LayoutError("a DCA query needs the owner's labels")
-        parts = []
-        sampled = False
-        for label in spec.class_labels:
-            # With an index, no pass over the N labels (the time depends on K, not N).
-            members = index.members(label) if index is not None else np.flatnonzero(labels == label)
-            chosen = sample(members.size)
-            sampled = sampled or chosen is not None
-            parts.append(members if chosen is None else members[chosen])
-        keep: npt.NDArray[np.int64] | None
-        if not sampled and sum(part.size for part in parts) == table.n_records:
-            # Every record kept, in order: not sorted first (found by review: the sort
-            # of the N positions was work growing with N below the cap).
-            keep = None
-        else:
-            keep = np.sort(np.concatenate(parts))
+        labels = universe[:, table.label_column]
+        for index, label in enumerate(classes):
+            key = np.where((labels == label) & is_record, index, key).astype(key_type)
     else:
-        keep = sample(table.n_records)
-    if keep is not None and keep.size == table.n_records:
-        keep = None  # every record, in order
-    return table.rows(keep)
+        key = np.where(is_record, 0, key).astype(key_type)
+    counts = np.bincount(key, minlength=len(classes) + 1)
+    if spec.bounded_owner_tables and int(counts[:-1].max()) > cap:
+        # Unreachable for a node: it refuses to start with more records than its
+        # capacity and declines a bounded query whose cap is below it (policy).
+        raise LayoutError("a query for bounded owner tables reached an owner that samples")
+    shuffled = generator.permutation(size)
+    grouped = shuffled[np.argsort(key[shuffled], kind="stable")]
+    # Slices of ``cap`` past the end read row 0, as filler (cap more positions).
+    grouped = np.concatenate([grouped, np.zeros(cap, dtype=np.int64)])
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    positions = np.concatenate([grouped[starts[c] : starts[c] + cap] for c in range(len(classes))])
+    taken = np.concatenate([np.arange(cap) < counts[c] for c in range(len(classes))])
+    records_first = np.argsort(~taken, kind="stable")
+    n_real = int(np.count_nonzero(taken))
+    slot_labels = np.repeat(classes, cap)[records_first[:n_real]] if dca else None
+    return ChosenRows(
+        universe, positions[records_first], n_real, table.feature_columns, slot_labels
+    )
 
 
 def share_statistics(
@@ -211,28 +221,13 @@ def share_statistics(
     rng: np.random.Generator | None = None,
 ) -> FixedPointStatistics | AggregateIntegers:
     """The owner's exact statistics for ``spec`` (steps 2 and 3 above), over the public
-    number of rows. Below the cap, a table kept padded to its capacity
-    (:attr:`~fedpca.owner.local_table.LocalTable.padded`) gives its records and the zero
-    rows after them alike, so reading the table costs the same whatever N."""
+    number of rows: the rows of :func:`chosen_rows`, the same work whatever N."""
     cap = record_cap(spec, capacity)
-    padded = padded_rows(spec, cap)
-    in_place = (
-        table.padded_features(padded)
-        if spec.kind is not QueryKind.DCA and table.n_records <= cap
-        else None
-    )
-    if in_place is not None:
-        rows = OwnerTable(in_place, None)
-        n_real: int | None = table.n_records
-    else:
-        rows = contributed_rows(table, spec, cap, rng)
-        n_real = None
-    with blas_threads_for(padded * spec.n_features**2):
+    rows = chosen_rows(table, spec, cap, rng)
+    with blas_threads_for(padded_rows(spec, cap) * spec.n_features**2):
         if spec.kind is QueryKind.AGGREGATE:
-            return fixed_point_aggregates(rows.features, spec, pad_to=padded, n_real=n_real)
-        return fixed_point_statistics(
-            rows.features, rows.labels, spec, pad_to=padded, n_real=n_real
-        )
+            return fixed_point_aggregates(rows, spec)
+        return fixed_point_statistics(rows, None, spec)
 
 
 def encode_share(

@@ -1,9 +1,9 @@
 """The owner's table, loaded once at start-up, and the columns one query reads.
 
 :class:`LocalTable` holds every column of the owner's file (padded with zero rows up to
-the owner's declared capacity), :class:`LabelIndex` where each label's records are,
-and :class:`QueryColumns` the columns a query reads, named, not copied
-(:mod:`fedpca.owner.compute` chooses the records and computes the statistics).
+the owner's declared capacity), and :class:`QueryColumns` the columns a query reads,
+named, not copied (:mod:`fedpca.owner.compute` chooses the records and computes the
+statistics).
 """
 
 from __future__ import annotations
@@ -18,49 +18,10 @@ from fedpca.owner.config import DataConfig
 from fedpca.query import QueryKind, QuerySpec
 from fedpca.tables import OwnerTable, load_table
 
-__all__ = ["LabelIndex", "LocalTable", "QueryColumns"]
+__all__ = ["LocalTable", "QueryColumns"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, eq=False)
-class LabelIndex:
-    """Where each label value's records are, found without a pass over the table.
-
-    Built once when the table is loaded. A DCA query then finds each public class's
-    records by binary search (O(log N)) instead of comparing every record's label with
-    it (O(N) per class, on the path to the owner's first ciphertext: the proxy's clock
-    saw N through it, docs/privacy.md, "Work padded to a public size"). It costs 8
-    bytes per record, and a stable sort of the labels at start-up.
-
-    Attributes
-    ----------
-    order : (N,) int64, the records in order of their label; records of one label in
-        their order in the table (a stable sort).
-    values : the distinct labels, ascending.
-    starts : (len(values) + 1,) where each value's records begin in ``order``.
-    """
-
-    order: IntArray
-    values: FloatArray
-    starts: IntArray
-
-    @classmethod
-    def of(cls, labels: FloatArray) -> LabelIndex:
-        order = np.argsort(labels, kind="stable").astype(np.int64)
-        values, starts = np.unique(labels[order], return_index=True)
-        ends = np.append(starts, order.size).astype(np.int64)
-        for array in (order, values, ends):
-            array.setflags(write=False)
-        return cls(order, values, ends)
-
-    def members(self, label: float) -> IntArray:
-        """Ascending positions of the records whose label equals ``label`` (== on floats)."""
-        i = int(np.searchsorted(self.values, label))
-        if i == self.values.size or self.values[i] != label:
-            return self.order[:0]
-        return self.order[self.starts[i] : self.starts[i + 1]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +35,6 @@ class LocalTable:
     source : the file the table was read from (for messages).
     capacity : the owner's declared capacity (``data.max_records``), or None. Below it
         the table is kept padded with zero rows up to it, in one array (:attr:`padded`).
-    label_index : the configured label column's :class:`LabelIndex` (None without one).
     padded : (max(N, capacity), K): the records, then zero rows at the same stride.
         A task below its cap reads its K rows from here, records and padding alike, so
         that reading a file wider than the query costs the same whatever N (found by
@@ -87,7 +47,6 @@ class LocalTable:
     label_column: int | None
     source: str
     capacity: int | None = None
-    label_index: LabelIndex | None = field(default=None, init=False, repr=False)
     padded: FloatArray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,8 +71,6 @@ class LocalTable:
                     f"of range for {k} columns (0 to {k - 1}, or -1 to -{k} from the end)"
                 )
             object.__setattr__(self, "label_column", self.label_column % k)
-            labels = self.columns[:, self.label_column]
-            object.__setattr__(self, "label_index", LabelIndex.of(labels))
 
     @classmethod
     def load(cls, data: DataConfig) -> LocalTable:
@@ -214,57 +171,31 @@ class LocalTable:
                 f"query {spec.query_id!r} has {spec.n_features} features; this owner's data has "
                 f"{len(features)}" + (" (label column excluded)" if label is not None else "")
             )
-        if spec.kind is not QueryKind.DCA:
-            return QueryColumns(self.columns, features, None, padding=self.padded)
-        # Labels from a column not configured as data.label_column have no index: each
-        # class is then found by comparing every record's label (time linear in N).
-        index = self.label_index if label == self.label_column else None
-        return QueryColumns(self.columns, features, label, index)
+        dca_label = label if spec.kind is QueryKind.DCA else None
+        return QueryColumns(self.columns, features, dca_label, padding=self.padded)
 
 
 @dataclass(frozen=True)
 class QueryColumns:
-    """The columns of the owner's table that one query reads, not copied yet.
+    """The columns of the owner's table that one query reads, not copied.
 
-    Copying the query's columns of all N records before choosing the records would
-    cost time linear in N on every task, time the proxy can observe. The records are
-    chosen first (:func:`contributed_rows`) and only the chosen ones are copied
-    (:meth:`rows`; all of them, of consecutive columns, are read in place).
+    Copying the query's columns of all N records would cost time linear in N on every
+    task, time the proxy can observe: :func:`fedpca.owner.compute.chosen_rows` chooses
+    the rows, and the statistics read only those, block by block.
 
     Attributes
     ----------
     source : (N, K) the owner's read-only file columns (:attr:`LocalTable.columns`).
     feature_columns : the file columns that are the query's features, in order.
     label_column : the file column of the query's labels (DCA), else None.
-    label_index : that column's :class:`LabelIndex`, if the table keeps one.
-    padding : the table's :attr:`LocalTable.padded` (PCA and aggregate queries), or None.
+    padding : the table's :attr:`LocalTable.padded` (the records, then zero rows up to
+        the public capacity), or None for an in-memory table (:meth:`of_table`).
     """
 
     source: FloatArray
     feature_columns: tuple[int, ...]
     label_column: int | None
-    label_index: LabelIndex | None = None
     padding: FloatArray | None = None
-
-    def padded_features(self, count: int) -> FloatArray | None:
-        """The feature columns of the first ``count`` rows of the padded table (records,
-        then zero rows), or None if it has fewer rows or there is none: a read-only view
-        for consecutive columns, else a copy of ``count`` rows (the same work whatever N).
-        """
-        if self.padding is None or self.padding.shape[0] < count:
-            return None
-        return self._features_of(self.padding[:count])
-
-    def _features_of(self, rows: FloatArray) -> FloatArray:
-        """The feature columns of ``rows`` (rows of the table): a read-only view when
-        they are consecutive, else a contiguous copy."""
-        columns = list(self.feature_columns)
-        first = columns[0] if columns else 0
-        if columns == list(range(first, first + len(columns))):
-            view = rows[:, first : first + len(columns)]
-            view.flags.writeable = False
-            return view
-        return np.ascontiguousarray(rows[:, columns])
 
     @classmethod
     def of_table(cls, table: OwnerTable, spec: QuerySpec) -> QueryColumns:
@@ -283,20 +214,3 @@ class QueryColumns:
     @property
     def n_features(self) -> int:
         return len(self.feature_columns)
-
-    def labels(self) -> FloatArray | None:
-        """The label column as a read-only view (nothing copied), or None."""
-        return None if self.label_column is None else self.source[:, self.label_column]
-
-    def rows(self, keep: IntArray | None = None) -> OwnerTable:
-        """The records ``keep`` (row indices; None: every record), in order: copies, or
-        for every record of consecutive columns a read-only view of the table (a copy
-        would sit beside the statistics being computed: 7.6 MiB at 500 x 2,000)."""
-        if keep is None:
-            labels = None if self.label_column is None else self.source[:, self.label_column]
-            features = self._features_of(self.source)
-        else:
-            columns = np.asarray(self.feature_columns, dtype=np.int64)
-            features = np.ascontiguousarray(self.source[np.ix_(keep, columns)])
-            labels = None if self.label_column is None else self.source[keep, self.label_column]
-        return OwnerTable(features, None if labels is None else np.array(labels))
