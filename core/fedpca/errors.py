@@ -106,6 +106,15 @@ class QueryStateError(FedpcaError, RuntimeError):
     """An operation does not fit the current state of a query (e.g. late upload)."""
 
 
+class DeclinedForBudgetError(QueryStateError):
+    """A query failed, and every owner that declined it did so for its privacy budget
+    (the analyst's CLI exits as for a refusal of its own budget)."""
+
+
+BUDGET_REFUSALS = (BudgetExceededError, DeclinedForBudgetError)
+"""What the analyst's CLI reports as a refusal by a privacy budget (its exit status 3)."""
+
+
 class NotFoundError(FedpcaError, LookupError):
     """An unknown query, owner or analyst was referenced."""
 

@@ -1094,6 +1094,36 @@ def test_cli_shows_each_decline_and_fails_with_the_proxys_reason(
 
 
 @pytest.mark.parametrize(
+    ("reasons", "exit_code"),
+    [
+        (("budget_exhausted", "budget_exhausted"), BUDGET_EXIT_CODE),
+        (("budget_exhausted", "policy_refusal"), 1),
+    ],
+)
+def test_a_query_every_owner_declined_for_its_budget_exits_as_a_budget_refusal(
+    proxy: tuple[FakeProxy, str],
+    analyst_key: Path,
+    tmp_path: Path,
+    reasons: tuple[str, str],
+    exit_code: int,
+) -> None:
+    """An analyst's walkthrough: owners' budget declines exited 1, where the help says
+    3 is a refusal by the privacy budget (a script checking for 3 missed it)."""
+    fake, address = proxy
+    fake.registered = 2
+    fake.declines = tuple(
+        OwnerDecline(f"owner-{i}", reason, "the query does not fit")
+        for i, reason in enumerate(reasons, start=1)
+    )
+    fake.fail_reason = "the quorum of 2 can no longer be reached: 2 of 2 owners declined"
+    out = tmp_path / "r.json"
+    args = ["pca", *_query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6")]
+    result = CliRunner().invoke(analyst_group, args)
+    assert result.exit_code == exit_code, result.output
+    assert fake.fail_reason in result.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
     ("state", "charge", "line"),
     [
         (QueryState.COLLECTING, Charge.RESERVED, "reserved (refunded if the query fails"),
@@ -1386,3 +1416,27 @@ def test_ctrl_c_while_waiting_for_owners_exits_130_saying_nothing_was_submitted(
     assert "interrupted (Ctrl-C)" in result.output and "Aborted!" not in result.output
     assert "interrupted while waiting for owners: nothing was submitted" in caplog.text
     assert fake.submitted_ids == [] and fake.cancelled == []
+
+
+@pytest.mark.parametrize(
+    ("command", "why"),
+    [
+        (["stats", "--columns", "1,,6", "--bounds", "0:1"], "'1,,6' is not a comma-separated"),
+        (["stats", "--columns", "1,6,", "--bounds", "0:1"], "is not a comma-separated"),
+        (["histogram", "--columns", "1", "--bins", "5,1"], "at least two strictly increasing"),
+        (["histogram", "--columns", "1", "--bins", "0,,1"], "is not a comma-separated list"),
+        (["histogram", "--columns", "1", "--bins", "3"], "at least two strictly increasing"),
+    ],
+)
+def test_a_typo_in_a_list_is_a_usage_error_before_anything_is_sent(
+    command: list[str], why: str, tmp_path: Path
+) -> None:
+    """An analyst's walkthrough: '--columns 1,,6' was read as columns 1 and 6, and bins
+    out of order were refused by the query's check as 'bin_edges[0]', exit 1."""
+    unreachable = ["--proxy", "127.0.0.1:9", "--insecure", "--key-dir", str(tmp_path)]
+    unreachable += ["--out", str(tmp_path / "result.json")]
+    result = CliRunner().invoke(
+        analyst_group, [*command, *unreachable, "--epsilon", "1", "--delta", "1e-6"]
+    )
+    assert result.exit_code == 2, result.output
+    assert why in result.output and "bin_edges" not in result.output

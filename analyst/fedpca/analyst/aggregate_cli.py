@@ -17,6 +17,7 @@ on :data:`fedpca.analyst.cli.analyst_group`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Callable
@@ -40,21 +41,29 @@ def _indices(_: click.Context, __: click.Parameter, value: str | None) -> tuple[
     if value is None:
         return ()
     try:
-        columns = tuple(int(part) for part in value.split(",") if part.strip())
+        # Every item, empty ones included: '1,,6' is a typo, not the columns 1 and 6.
+        columns = tuple(int(part) for part in value.split(","))
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of columns") from None
-    if not columns or min(columns) < 0:
+    if min(columns) < 0:
         raise click.BadParameter("columns are 0-based indices >= 0")
     return columns
 
 
 def _numbers(value: str, what: str) -> tuple[float, ...]:
     try:
-        return tuple(float(part) for part in value.split(",") if part.strip())
+        numbers = tuple(float(part) for part in value.split(","))
     except ValueError:
         raise click.BadParameter(
             f"{what} {value!r} is not a comma-separated list of numbers"
         ) from None
+    if what == "--bins" and (
+        len(numbers) < 2 or any(b <= a for a, b in itertools.pairwise(numbers))
+    ):
+        raise click.BadParameter(
+            f"--bins {value!r}: give the bins' edges, at least two strictly increasing numbers"
+        )
+    return numbers
 
 
 def _pair(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, float] | None:

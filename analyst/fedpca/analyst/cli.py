@@ -14,7 +14,8 @@ Connection settings may come from ``--config analyst.toml``
 (:mod:`fedpca.analyst.config`); flags override it.
 
 Refused or failed queries exit with a one-line message and no traceback: exit
-code 3 when the privacy budget refused the release, 4 when one of the proxy's limits
+code 3 when a privacy budget refused the release (the proxy's, or that of every owner
+that declined it), 4 when one of the proxy's limits
 refused it for now (nothing charged), 1 for every other error.
 """
 
@@ -53,7 +54,7 @@ from fedpca.analyst.keys import (
     refuse_to_overwrite,
 )
 from fedpca.budget_options import DELTA, budget_delta_options
-from fedpca.errors import BudgetExceededError, ConfigError, FedpcaError, OverloadError
+from fedpca.errors import BUDGET_REFUSALS, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
 
 __all__ = ["analyst_group"]
@@ -84,7 +85,7 @@ def _errors() -> Iterator[None]:
     """Turn fedpca errors into one-line CLI errors (no traceback)."""
     try:
         yield
-    except BudgetExceededError as exc:
+    except BUDGET_REFUSALS as exc:
         raise _Refused(str(exc)) from None
     except OverloadError as exc:
         raise _Busy(str(exc)) from None
@@ -147,8 +148,9 @@ def analyst_group() -> None:
 
     \b
     Exit status: 0 done; 1 error; 2 usage error; 3 refused by the privacy
-    budget; 4 refused for now by one of the proxy's limits (queries open or
-    submitted today, calls in flight): nothing was charged, retry later;
+    budget (the proxy's, or every declining owner's); 4 refused for now by one
+    of the proxy's limits (queries open or submitted today, calls in flight):
+    nothing was charged, retry later;
     130 interrupted by Ctrl-C, 143 ended by SIGTERM (a query being waited for is
     cancelled).
     """

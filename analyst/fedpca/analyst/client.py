@@ -41,6 +41,7 @@ from fedpca.analyst.rpc_errors import ProxyError, ProxyUnavailableError, error_f
 from fedpca.errors import (
     AuthenticationError,
     ConfigError,
+    DeclinedForBudgetError,
     FedpcaError,
     LayoutError,
     ProtocolError,
@@ -52,6 +53,7 @@ from fedpca.messages import (
     CancelReceipt,
     Charge,
     CiphertextPayload,
+    DeclineReason,
     DecodedChunk,
     DeploymentInfo,
     QueryResult,
@@ -611,4 +613,7 @@ def _failed(query_id: str, status: QueryStatus) -> QueryStateError:
     message = f"query {query_id!r} failed at the proxy: {status.failure_reason or 'no reason'}"
     if status.charge is not Charge.UNKNOWN:
         message += f"; its epsilon is {status.charge.describe(status.state)}"
+    budget = DeclineReason.BUDGET_EXHAUSTED.value
+    if status.declines and all(decline.reason == budget for decline in status.declines):
+        return DeclinedForBudgetError(message)
     return QueryStateError(message)

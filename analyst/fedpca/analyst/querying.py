@@ -62,8 +62,10 @@ def missing_owners_message(query_id: str, contributed: int, registered: int, quo
     """The warning for a result that covers ``contributed`` of ``registered`` owners."""
     return (
         f"query {query_id}: only {contributed} of {registered} registered owners contributed "
-        f"(quorum {quorum}); the result covers their records only. Leave the quorum unset "
-        "to wait for every registered owner."
+        f"(quorum {quorum}); the result covers their records only. The others declined (see "
+        "the declines reported) or had not uploaded when the quorum closed collection; a "
+        "query with the quorum unset waits for every registered owner, and fails if one "
+        "declines."
     )
 
 
