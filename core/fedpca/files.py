@@ -162,10 +162,19 @@ def create_database(
         Path(temporary).unlink(missing_ok=True)
 
 
-def copy_database(source: sqlite3.Connection, out: Path, mode: int = 0o600) -> None:
+def copy_database(
+    source: sqlite3.Connection,
+    out: Path,
+    mode: int = 0o600,
+    prepare: Callable[[sqlite3.Connection], bool] | None = None,
+) -> bool:
     """Write what the database open in ``source`` holds (its committed content, the
     write-ahead log's included: SQLite's backup API) to the new file ``out``, flushed,
     with ``mode``.
+
+    ``prepare`` is given the copy before it is put in place, to read or mark it; if it
+    returns False the copy is discarded and nothing is written. Returns whether ``out``
+    was written.
 
     Raises
     ------
@@ -182,6 +191,8 @@ def copy_database(source: sqlite3.Connection, out: Path, mode: int = 0o600) -> N
         copy = sqlite3.connect(temporary)
         try:
             source.backup(copy)
+            if prepare is not None and not prepare(copy):
+                return False
         finally:
             copy.close()
         with open(temporary, "rb") as handle:
@@ -189,6 +200,7 @@ def copy_database(source: sqlite3.Connection, out: Path, mode: int = 0o600) -> N
         os.chmod(temporary, mode)
         os.link(temporary, out)  # never over a file that appeared meanwhile
         sync_folder(out.parent)
+        return True
     finally:
         Path(temporary).unlink(missing_ok=True)
 

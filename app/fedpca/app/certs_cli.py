@@ -114,8 +114,7 @@ def init_command(
     _print_files(files)
 
 
-@certs_group.command("issue")
-@click.option(
+_ca_directory_option = click.option(
     "--dir",
     "--certs",
     "directory",
@@ -123,12 +122,17 @@ def init_command(
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Directory created by `fedpca certs init` (--certs, as the init commands name it).",
 )
-@click.option(
+_role_option = click.option(
     "--role",
     type=click.Choice([r.value for r in Role]),
     required=True,
     help="What the certificate lets its holder act as.",
 )
+
+
+@certs_group.command("issue")
+@_ca_directory_option
+@_role_option
 @click.option(
     "--node-id",
     "--id",
@@ -181,14 +185,6 @@ def issue_command(
     click.echo(f"  {'':<24} serial {read_certificate(files.certificate).serial_number:x}")
 
 
-_role_option = click.option(
-    "--role",
-    type=click.Choice([r.value for r in Role]),
-    required=True,
-    help="What the certificate lets its holder act as.",
-)
-
-
 @certs_group.command("request")
 @_role_option
 @click.option("--id", "node_id", required=True, help="The node's id.")
@@ -233,14 +229,7 @@ def request_command(role: str, node_id: str, out: Path, force: bool) -> None:
 
 
 @certs_group.command("sign")
-@click.option(
-    "--certs",
-    "--dir",
-    "directory",
-    required=True,
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    help="The CA's directory, from `fedpca certs init`.",
-)
+@_ca_directory_option
 @click.option(
     "--request",
     "request_path",

@@ -19,9 +19,7 @@ spend those releases again).
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from fedpca.errors import ConfigError
-from fedpca.files import database_missing, holds_database, sync_folder
+from fedpca.files import copy_database, database_missing, holds_database
 from fedpca.proxy.store_database import mark_restore_pending
 
 __all__ = ["BACKUP_MODE", "BackupReport", "backup_database"]
@@ -85,31 +83,22 @@ def backup_database(
     source = sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=30.0)
     started = clock()
     attempts = 0
+    held: dict[str, int] = {}
+    queries = 0
+
+    def inspect(copy: sqlite3.Connection) -> bool:
+        """Whether the copy holds nothing unnoised (then it is marked and kept)."""
+        nonlocal held, queries
+        held = _unnoised(copy)
+        queries = int(copy.execute("SELECT COUNT(*) FROM queries").fetchone()[0])
+        mark_restore_pending(copy, datetime.now(UTC))
+        return not held
+
     try:
         while True:
             attempts += 1
-            descriptor, temporary = tempfile.mkstemp(
-                prefix=f".{out.name}.", suffix=".partial", dir=out.parent
-            )
-            os.close(descriptor)  # mkstemp made it 0600; SQLite writes into it
-            try:
-                copy = sqlite3.connect(temporary)
-                try:
-                    source.backup(copy)
-                    held = _unnoised(copy)
-                    queries = int(copy.execute("SELECT COUNT(*) FROM queries").fetchone()[0])
-                    mark_restore_pending(copy, datetime.now(UTC))
-                finally:
-                    copy.close()
-                if not held:
-                    with open(temporary, "rb") as handle:
-                        os.fsync(handle.fileno())
-                    os.chmod(temporary, BACKUP_MODE)
-                    os.link(temporary, out)  # never over a file that appeared meanwhile
-                    sync_folder(out.parent)
-                    return BackupReport(out, queries, out.stat().st_size, attempts)
-            finally:
-                Path(temporary).unlink(missing_ok=True)
+            if copy_database(source, out, BACKUP_MODE, prepare=inspect):
+                return BackupReport(out, queries, out.stat().st_size, attempts)
             if clock() - started >= wait_seconds:
                 what = ", ".join(f"{n} with {table.replace('_', ' ')}" for table, n in held.items())
                 raise ConfigError(
