@@ -29,6 +29,14 @@ DEFAULT_QUERY_DELTA = 1e-6
 the budget commands assume for the next query (capped by the per-query delta cap)."""
 
 
+MIN_CLIP_NORM = 1e-100
+"""The smallest clip norm a query may ask for. Below about 1e-154 the squares of a row's
+entries are subnormal, the norm is imprecise and clipping shaves the rows that hold
+records in extra passes that zero rows never need, so an owner's time showed how many
+of its rows were records (found by review). Rows are compared with the clip norm after
+scaling by the query's bounds, to [-1, 1]; a norm this small has no use."""
+
+
 class QueryKind(StrEnum):
     PCA = "pca"
     DCA = "dca"
@@ -516,8 +524,10 @@ class QuerySpec:
             if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
                 raise ConfigError(f"feature {j}: bounds must be finite with lower < upper")
             _check_span(lo, hi, f"feature {j}")
-        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            raise ConfigError(f"clip_norm must be finite and > 0, got {self.clip_norm}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm >= MIN_CLIP_NORM):
+            raise ConfigError(
+                f"clip_norm must be finite and at least {MIN_CLIP_NORM:g}, got {self.clip_norm}"
+            )
         if not all(math.isfinite(label) for label in self.class_labels):
             raise ConfigError("class_labels must be finite numbers")
         if self.kind is QueryKind.PCA and self.class_labels:

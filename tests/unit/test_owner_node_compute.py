@@ -566,7 +566,8 @@ def test_choosing_the_rows_does_the_same_work_whatever_n(
     sample's cost grew with N: the time to its upload header timed N exactly by
     bisecting K (an outside attack). Every step of the choice now has the same sizes
     whatever N is, below, at or above K: one random ordering and one sort of all U rows
-    of the padded table, the cap's number of positions per class."""
+    of the padded table, the cap's number of positions per class. (A re-attack of the
+    fix: the sort returned at once when all its keys were alike, N = 0 or N = U.)"""
     public_key, _ = test_only_keypair_512
     cap, capacity = 50, 400
     extra: dict[str, Any] = {}
@@ -577,7 +578,9 @@ def test_choosing_the_rows_does_the_same_work_whatever_n(
     real_argsort, real_permutation = np.argsort, np.random.Generator.permutation
 
     def argsort(values: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(("argsort", np.shape(values), str(np.asarray(values).dtype)))
+        # Whether every key is alike too: numpy's radix sort then returns at once.
+        alike = bool(np.all(np.asarray(values) == np.asarray(values).flat[0]))
+        calls.append(("argsort", np.shape(values), f"{np.asarray(values).dtype} {alike}"))
         return real_argsort(values, *args, **kwargs)
 
     class Recording:
@@ -597,3 +600,36 @@ def test_choosing_the_rows_does_the_same_work_whatever_n(
         work[n] = (tuple(calls), chosen.total, chosen.table.shape, tuple(blocks))
         assert chosen.n_real <= chosen.total
     assert len(set(work.values())) == 1, work
+
+
+def test_rows_past_a_class_are_random_rows_not_one_row_read_again(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    """A re-attack of the choice: the slots past the last row read row 0 again and
+    again, which stayed in cache, so the classes after a large first class were read
+    faster, by its size. They read random rows now."""
+    public_key, _ = test_only_keypair_512
+    capacity = cap = 400
+    spec = query_builder(n_features=3, epsilon=1.0, max_records_per_owner=cap)(
+        public_key, kind=QueryKind.DCA, label_column=3, class_labels=(1.0, 2.0)
+    )
+    rng = np.random.default_rng(2)
+    source = np.column_stack([rng.uniform(-1, 1, (capacity, 3)), np.ones(capacity)])
+    table = LocalTable(source, 3, "test", capacity).table_for(spec)
+    chosen = chosen_rows(table, spec, cap, np.random.default_rng(3))
+    assert chosen.n_real == cap  # every record, all of class 1.0
+    fillers = chosen.positions[chosen.n_real :]  # class 2.0's slots, all past the rows
+    assert fillers.size == cap and len(set(fillers.tolist())) > cap // 2
+
+
+def test_a_clip_norm_whose_squares_would_be_subnormal_is_refused(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    """A re-attack of the choice: at clip_norm 1e-155 the squares of a row's entries are
+    subnormal, and clipping shaved rows that hold records in up to 8 more passes than
+    zero rows (the reviewer timed N = 1 against N = 0 by hand). Such a norm is refused
+    with the query."""
+    public_key, _ = test_only_keypair_512
+    with pytest.raises(ConfigError, match="at least 1e-100"):
+        _spec(public_key, clip_norm=1e-155)
+    assert _spec(public_key, clip_norm=1e-100).clip_norm == 1e-100

@@ -199,18 +199,44 @@ def chosen_rows(
         # capacity and declines a bounded query whose cap is below it (policy).
         raise LayoutError("a query for bounded owner tables reached an owner that samples")
     shuffled = generator.permutation(size)
-    grouped = shuffled[np.argsort(key[shuffled], kind="stable")]
-    # Slices of ``cap`` past the end read row 0, as filler (cap more positions).
-    grouped = np.concatenate([grouped, np.zeros(cap, dtype=np.int64)])
-    starts = np.concatenate([[0], np.cumsum(counts)])
+    # Two sentinels, the smallest key and the largest, so that the keys are never all
+    # equal: numpy's radix sort returns at once when they are, which an owner with no
+    # record (or, for DCA, no record of the query's classes) showed in its time (an
+    # outside attack on this fix). A sentinel sorts after every row of its key, where
+    # no class's records are taken from.
+    sort_keys = np.concatenate([key[shuffled], np.array([0, len(classes)], dtype=key_type)])
+    order = np.argsort(sort_keys, kind="stable")
+    # Slices of ``cap`` past the rows read random rows as filler (cap more positions;
+    # one fixed row read again and again stayed in cache, so a class listed first
+    # showed its size by how much faster the classes after it were read: same attack).
+    filler = np.resize(shuffled, max(cap, 2))
+    grouped = np.concatenate([np.concatenate([shuffled, filler[:2]])[order], filler])
+    with_sentinels = counts + np.eye(1, len(classes) + 1, 0, dtype=np.int64)[0]
+    with_sentinels[-1] += 1
+    starts = np.concatenate([[0], np.cumsum(with_sentinels)])
     positions = np.concatenate([grouped[starts[c] : starts[c] + cap] for c in range(len(classes))])
-    taken = np.concatenate([np.arange(cap) < counts[c] for c in range(len(classes))])
-    records_first = np.argsort(~taken, kind="stable")
-    n_real = int(np.count_nonzero(taken))
-    slot_labels = np.repeat(classes, cap)[records_first[:n_real]] if dca else None
-    return ChosenRows(
-        universe, positions[records_first], n_real, table.feature_columns, slot_labels
+    # The records first, then the other rows, each slot's place found by arithmetic on
+    # every slot (a sort of the taken flags returned at once when all were alike, i.e.
+    # exactly when every class reached the cap).
+    taken_per_class = np.minimum(counts[:-1], cap)
+    before = np.concatenate([[0], np.cumsum(taken_per_class)[:-1]])
+    n_real = int(taken_per_class.sum())
+    slot = np.tile(np.arange(cap), len(classes))
+    slot_class = np.repeat(np.arange(len(classes)), cap)
+    taken = slot < taken_per_class[slot_class]
+    place = np.where(
+        taken,
+        before[slot_class] + slot,
+        n_real + slot_class * cap - before[slot_class] + slot - taken_per_class[slot_class],
     )
+    ordered = np.empty_like(positions)
+    ordered[place] = positions
+    slot_labels = None
+    if dca:
+        slot_labels = np.empty(positions.size)
+        slot_labels[place] = classes[slot_class]
+        slot_labels = slot_labels[:n_real]
+    return ChosenRows(universe, ordered, n_real, table.feature_columns, slot_labels)
 
 
 def share_statistics(
