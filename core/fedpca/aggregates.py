@@ -37,8 +37,9 @@ combines them into the release's noise multiplier.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -371,14 +372,14 @@ def fixed_point_aggregates(
     if query.kind is not QueryKind.AGGREGATE:
         raise LayoutError(f"a {query.kind.value} query has no aggregates")
     width = len(query.aggregate_columns)
+    blocks_of: Callable[[int], Iterator[tuple[int, FloatArray, int]]]
     if isinstance(columns, ChosenRows):
-        chosen: ChosenRows | None = columns
-        x, n, total = np.zeros((0, 0)), columns.n_real, columns.total
-        shape: tuple[int, ...] = (total, len(columns.columns))
+        shape: tuple[int, ...] = (columns.total, len(columns.columns))
+        blocks_of = columns.blocks
     else:
-        chosen, x = None, np.asarray(columns, dtype=np.float64)
+        x = np.asarray(columns, dtype=np.float64)
         n, shape = real_rows(x, n_real), x.shape
-        total = max(n, pad_to)
+        blocks_of = functools.partial(padded_blocks, x, n, max(n, pad_to))
     if len(shape) != 2 or shape[1] != width:
         raise LayoutError(f"the query reads {width} columns, got values of shape {shape}")
     f = query.frac_bits
@@ -388,8 +389,7 @@ def fixed_point_aggregates(
     # Products of two coordinates sit on the 2^(2g) grid: blocks of at most 2^(53 - 2g)
     # rows keep every partial float64 sum an exact integer.
     block = max(1, min(4096, 1 << (53 - 2 * g)))
-    blocks = chosen.blocks(block) if chosen is not None else padded_blocks(x, n, total, block)
-    for _, rows, real in blocks:
+    for _, rows, real in blocks_of(block):
         for accumulator in accumulators:
             accumulator.add(rows, real)
     parts = [array for acc in accumulators for array in acc.integers(f)]

@@ -8,7 +8,8 @@ with no rounding slack (the sensitivities of :mod:`fedpca.stats`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -239,11 +240,12 @@ def fixed_point_statistics(
     """
     spec = StatisticsSpec.from_query(query)
     refuse_aggregate(spec)
+    blocks_of: Callable[[int], Iterator[tuple[int, FloatArray, int]]]
     if isinstance(features, ChosenRows):
-        chosen = features
-        labels, n, m, total = chosen.labels, chosen.n_real, len(chosen.columns), chosen.total
+        labels, n, total = features.labels, features.n_real, features.total
+        m = len(features.columns)
+        blocks_of = features.blocks
     else:
-        chosen = None
         x = np.asarray(features, dtype=np.float64)
         if x.ndim != 2 or x.shape[1] != spec.n_features:
             raise LayoutError(f"records must have shape (N, {spec.n_features}), got {x.shape}")
@@ -251,6 +253,7 @@ def fixed_point_statistics(
             raise LayoutError("n_real is for PCA queries (DCA gathers each class's records)")
         n, m = real_rows(x, n_real), x.shape[1]
         total = max(n, pad_to)
+        blocks_of = functools.partial(padded_blocks, x, n, total)
     if m != spec.n_features:
         raise LayoutError(f"records must have {spec.n_features} features, got {m}")
     f = query.frac_bits
@@ -258,7 +261,6 @@ def fixed_point_statistics(
     # Blocks small enough for exact float64 sums (<= 2^(53-2g) rows) and about 2 MiB
     # (each of the few arrays one block's rows pass through has that size).
     block = max(1, min(4096, 1 << (53 - 2 * g), max(64, (1 << 18) // m)))
-    blocks = chosen.blocks(block) if chosen is not None else padded_blocks(x, n, total, block)
     gram = np.zeros((m, m), dtype=np.int64)
     sums = np.zeros(m, dtype=np.int64)
     class_index: npt.NDArray[np.int64] | None = None
@@ -288,7 +290,7 @@ def fixed_point_statistics(
         class_sums = np.zeros((spec.n_classes, m), dtype=np.int64)
         class_counts = np.zeros(spec.n_classes, dtype=np.int64)
     inverse_clip = 1.0 / query.clip_norm
-    for start, rows, real in blocks:
+    for start, rows, real in blocks_of(block):
         size = rows.shape[0]
         # The same work for real and padding rows; padding is zeroed after scaling.
         unit = preprocess_for_query(rows, query) * inverse_clip

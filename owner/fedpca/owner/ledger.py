@@ -160,7 +160,7 @@ class BudgetLedger(LedgerTaskReads):
                     mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                     if str(mode).lower() != "wal":
                         raise ConfigError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
-                    keep_copy_before_migrating(connection, self.path)
+                    keep_copy_before_migrating(connection, self.path, existed=existed)
                     with _immediate(connection):
                         create_or_migrate(connection, self.path, self.neighbouring, existed=existed)
                 if shares is not None:

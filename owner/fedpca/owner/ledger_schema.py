@@ -158,18 +158,18 @@ def _migrate_schema_1(
     )
 
 
-def keep_copy_before_migrating(connection: sqlite3.Connection, path: Path) -> Path | None:
+def keep_copy_before_migrating(
+    connection: sqlite3.Connection, path: Path, *, existed: bool
+) -> Path | None:
     """Copy a ledger of an earlier schema, before :func:`create_or_migrate` changes it, to
     ``<name>.schema-<version>.bak`` beside it (0600); return the copy's path, or None for a
     ledger of this version. A migration is one way: the copy is what an operator who did
     not back up before upgrading goes back to with the earlier fedpca (docs/operations.md,
     Upgrading the proxy). A copy already there, from an earlier start that failed, is kept.
     """
-    tables = {
-        str(row[0])
-        for row in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")
-    }
-    if "meta" not in tables:
+    # The checks create_or_migrate starts with: another file (a proxy's database) is
+    # refused before anything is copied.
+    if "meta" not in _checked_tables(connection, path, existed=existed):
         return None
     row = connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     if row is None or not str(row[0]).isdigit() or int(row[0]) >= SCHEMA_VERSION:
