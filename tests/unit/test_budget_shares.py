@@ -207,9 +207,9 @@ def test_the_daily_count_can_be_one_analysts(tmp_path: Path) -> None:
     ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
     for n, analyst in enumerate([A, A, B]):
         ledger.reserve(_event(f"q{n}", analyst, 0.1), BUDGET, spec_digest=f"q{n}")
-    assert ledger.reservations_since(0) == 3
-    assert ledger.reservations_since(0, analyst=A) == 2
-    assert ledger.reservations_since(0, analyst=B, excluding="q2") == 0
+    assert ledger.tasks_started_since(0) == 3
+    assert ledger.tasks_started_since(0, analyst=A) == 2
+    assert ledger.tasks_started_since(0, analyst=B, excluding="q2") == 0
 
 
 SIGNER_B = "ed25519:" + "cd" * 32
@@ -420,8 +420,41 @@ def test_with_shares_the_daily_cap_counts_the_asking_analysts_releases(
         assert isinstance(accepted, tuple) and declined == []
     else:
         assert [m.detail for m in declined] == [
-            "this owner has reached its limit of 1 releases in 24 hours (policy.max_tasks_per_day)"
+            "this owner has reached its limit of tasks begun in 24 hours "
+            "(policy.max_tasks_per_day = 1, refunded tasks included)"
         ]
+
+
+def test_a_refunded_task_still_counts_toward_the_daily_cap(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Found by review (stop 42): a refund removed the release the cap counted, so queries
+    cancelled before any upload (charged nothing) kept an owner computing without bound."""
+    public_key = test_only_keypair_512[0]
+    tables = {"owner-1": labelled(np.random.default_rng(5).uniform(-0.3, 0.3, size=(20, M)))}
+    queries = unit_box_queries(M)
+    first = queries(public_key, "first", quorum=1, deadline_seconds=120.0)
+    second = queries(public_key, "second", quorum=1, deadline_seconds=120.0)
+    with deployment(
+        workdir=tmp_path,
+        tables=tables,
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        policy={"max_tasks_per_day": 1},
+    ) as running:
+        node = OwnerNode(running.write_owner_config("owner-1"), pool=pool, retry=FAST_RETRY)
+        stub = _RecordingStub()
+        due = datetime.now(UTC) + timedelta(seconds=120)
+        assert isinstance(node._accept(stub, signed_task(first, due, "alice")), tuple)  # type: ignore[arg-type]
+        assert node.ledger.cancel_reservation("alice/first")  # withdrawn before any upload
+        assert node.ledger.events() == []
+        again = node._accept(stub, signed_task(second, due, "alice"))  # type: ignore[arg-type]
+    assert not isinstance(again, tuple)
+    assert [m.detail for m in stub.declined] == [
+        "this owner has reached its limit of tasks begun in 24 hours "
+        "(policy.max_tasks_per_day = 1, refunded tasks included)"
+    ]
 
 
 def test_a_share_decline_tells_the_analyst_its_own_figures(

@@ -9,6 +9,7 @@ import re
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.synchronize import Barrier as BarrierType
@@ -286,7 +287,7 @@ def test_a_schema_3_ledger_keeps_its_uploads_and_learns_capacities(tmp_path: Pat
     assert again is not None and again.capacity == 40 and again.seed == b"t" * 32
     with sqlite3.connect(path) as check:
         version = check.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    assert version == ("6",)
+    assert version == ("7",)
 
 
 def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
@@ -319,6 +320,34 @@ def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
     assert migrated.answered_under("d9") == "alice/q9"
 
 
+def test_the_daily_cap_counts_refunded_tasks_and_forgets_old_ones(tmp_path: Path) -> None:
+    """Schema 7: a task's start outlives its refund (the cap bounds the computing as well
+    as the releases); starts older than the cap's window and a day are dropped."""
+    path = tmp_path / "ledger.sqlite3"
+    ledger = BudgetLedger(path)
+    budget = PrivacyParams(10.0, 1e-5)
+    now = time.time()
+    old = PrivacyEvent("a/old", "a", 2.0, 1.0, 1e-6, timestamp=now - 3 * 86400)
+    ledger.reserve(old, budget, spec_digest="d-old")
+    ledger.reserve(PrivacyEvent("a/1", "a", 2.0, 1.0, 1e-6), budget, spec_digest="d1")
+    assert ledger.cancel_reservation("a/1")
+    assert [entry.event.query_id for entry in ledger.events()] == ["a/old"]
+    assert ledger.tasks_started_since(now - 86400) == 1
+    assert ledger.tasks_started_since(now - 86400, excluding="a/1") == 0
+    assert ledger.tasks_started_since(0) == 1  # the 3-day-old start was dropped
+    ledger.reserve(PrivacyEvent("b/2", "b", 2.0, 1.0, 1e-6), budget, spec_digest="d2")
+    assert ledger.tasks_started_since(now - 86400) == 2
+    assert ledger.tasks_started_since(now - 86400, analyst="b") == 1
+    # A schema-6 ledger (no starts kept) counts the releases it holds as begun.
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE task_starts")
+        conn.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
+    conn.close()
+    migrated = BudgetLedger(path)
+    assert migrated.tasks_started_since(now - 86400) == 1  # b/2; a/1's refund is lost
+    assert migrated.tasks_started_since(0) == 2  # a/old, until the next reservation
+
+
 def _schema_5_ledger(path: Path, rows: str) -> Path:
     """A ledger as fedpca's schema 5 left it, with ``rows`` (SQL) added."""
     conn = sqlite3.connect(path)
@@ -345,13 +374,13 @@ def test_a_reader_leaves_an_older_ledger_as_it_is(
     migrated the ledger of a running older node, which then refused to restart (review)."""
     old = _schema_5_ledger(tmp_path / "old.sqlite3", "")
     before = old.read_bytes()
-    with pytest.raises(ConfigError, match=r"version 5, this fedpca reads 6.*owner serve"):
+    with pytest.raises(ConfigError, match=r"version 5, this fedpca reads 7.*owner serve"):
         BudgetLedger(old, read_only=True)
     assert old.read_bytes() == before
     with caplog.at_level(logging.WARNING, logger="fedpca.owner.ledger"):
         BudgetLedger(old).reserve(_event("alice/q1"), BUDGET, spec_digest="d1")  # it migrates
     # ... and says so (an operator's walkthrough saw nothing of it).
-    assert "migrated the budget ledger from schema version 5 to 6" in caplog.text
+    assert "migrated the budget ledger from schema version 5 to 7" in caplog.text
     reader = BudgetLedger(old, read_only=True)
     assert [entry.event.query_id for entry in reader.events()] == ["alice/q1"]
     with pytest.raises(sqlite3.OperationalError, match="readonly"):

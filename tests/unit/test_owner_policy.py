@@ -228,17 +228,17 @@ def test_task_rate_cap(test_only_keypair_512: tuple[Any, Any]) -> None:
     public_key, _ = test_only_keypair_512
     config = _config(public_key, max_tasks_per_day=3)
     task = _task(_spec(public_key))
-    assert isinstance(check_task(task, config, _table(), releases_last_day=lambda: 2), TaskAccepted)
+    assert isinstance(check_task(task, config, _table(), tasks_last_day=lambda: 2), TaskAccepted)
     _refusal(
-        check_task(task, config, _table(), releases_last_day=lambda: 3),
+        check_task(task, config, _table(), tasks_last_day=lambda: 3),
         DeclineReason.POLICY_REFUSAL,
         "max_tasks_per_day",
     )
-    # The count covers every analyst's releases (another analyst's activity): only the
+    # The count covers every analyst's tasks (another analyst's activity): only the
     # owner's own limit is stated.
-    refused = check_task(task, config, _table(), releases_last_day=lambda: 7)
+    refused = check_task(task, config, _table(), tasks_last_day=lambda: 7)
     assert isinstance(refused, Refusal)
-    assert "limit of 3 releases" in refused.detail and "7" not in refused.detail
+    assert "max_tasks_per_day = 3," in refused.detail and "7" not in refused.detail
 
 
 def test_the_schema_must_fit(test_only_keypair_512: tuple[Any, Any]) -> None:
@@ -326,7 +326,7 @@ def test_a_key_is_answered_only_for_the_signers_pinned_to_it(
         raise AssertionError("the named key's releases were read")
 
     _refusal(
-        check_task(_task(spec, other), paired, _table(), releases_last_day=counted),
+        check_task(_task(spec, other), paired, _table(), tasks_last_day=counted),
         DeclineReason.KEY_NOT_PINNED,
         "pins to other signers",
     )

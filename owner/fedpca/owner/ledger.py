@@ -409,20 +409,20 @@ class BudgetLedger(LedgerTaskReads):
             events, budget.delta, self.accountant, neighbouring=self.neighbouring
         )
 
-    def reservations_since(
+    def tasks_started_since(
         self, timestamp: float, *, excluding: str = "", analyst: str | None = None
     ) -> int:
-        """Number of releases recorded at or after ``timestamp`` (the task-rate cap),
-        other than the one of task ``excluding``; only ``analyst``'s if given."""
+        """Number of tasks begun at or after ``timestamp`` (the task-rate cap), refunded
+        ones included, other than task ``excluding``; only ``analyst``'s if given."""
         with self._connect() as connection:
             if analyst is None:
                 row = connection.execute(
-                    "SELECT COUNT(*) FROM releases WHERE recorded_at >= ? AND query_id != ?",
+                    "SELECT COUNT(*) FROM task_starts WHERE started_at >= ? AND query_id != ?",
                     (timestamp, excluding),
                 ).fetchone()
-            else:  # by the analyst index: time grows with this analyst's releases only
+            else:  # by the analyst index: time grows with this analyst's tasks only
                 row = connection.execute(
-                    "SELECT COUNT(*) FROM releases WHERE analyst = ? AND recorded_at >= ? "
+                    "SELECT COUNT(*) FROM task_starts WHERE analyst = ? AND started_at >= ? "
                     "AND query_id != ?",
                     (analyst, timestamp, excluding),
                 ).fetchone()

@@ -17,6 +17,7 @@ from fedpca.owner.ledger_schema import RELEASE_CHANGES_KEY
 __all__ = [
     "EVENT_COLUMNS",
     "OWN_RELEASES_SQL",
+    "TASK_STARTS_KEPT_SECONDS",
     "event_from_row",
     "insert_release",
     "read_events",
@@ -130,8 +131,26 @@ def recorded_relations(ledger: Path) -> set[str]:
     return distinct_values(ledger, "SELECT DISTINCT neighbouring FROM releases")
 
 
+TASK_STARTS_KEPT_SECONDS = 2 * 24 * 3600.0
+"""How long a task's start is kept for ``policy.max_tasks_per_day``: past its 24 hours,
+with a day to spare for a clock set back."""
+
+
 def insert_release(connection: sqlite3.Connection, event: PrivacyEvent, spec_digest: str) -> None:
-    """Insert a release's row, inside the caller's transaction."""
+    """Insert a release's row and its task's start, inside the caller's transaction.
+
+    The start stays when a refund removes the release: the daily task cap counts the
+    tasks an owner computed for, so that queries cancelled before anything was sent
+    (charged nothing) cannot keep an owner computing without bound. Starts older than
+    :data:`TASK_STARTS_KEPT_SECONDS` are dropped here, keeping the table small.
+    """
+    connection.execute(
+        "DELETE FROM task_starts WHERE started_at < ?", (time.time() - TASK_STARTS_KEPT_SECONDS,)
+    )
+    connection.execute(
+        "INSERT OR IGNORE INTO task_starts (query_id, analyst, started_at) VALUES (?, ?, ?)",
+        (event.query_id, event.analyst, event.timestamp),
+    )
     connection.execute(
         "INSERT INTO releases (query_id, analyst, noise_multiplier, epsilon, delta, "
         "recorded_at, not_private, spec_digest, neighbouring, sensitivity, delta_extra) "

@@ -22,7 +22,7 @@ __all__ = [
 
 logger = logging.getLogger("fedpca.owner.ledger")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 LEGACY_MIGRATION_FACTOR = 0.5
 """Schema 1 noise multipliers are multiplied by this when a ledger is migrated."""
@@ -59,6 +59,13 @@ CREATE TABLE IF NOT EXISTS tasks (
     spec_digest TEXT,
     upload_deadline REAL
 );
+CREATE TABLE IF NOT EXISTS task_starts (
+    query_id TEXT PRIMARY KEY,
+    analyst TEXT NOT NULL,
+    started_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS task_starts_by_time ON task_starts (started_at);
+CREATE INDEX IF NOT EXISTS task_starts_by_analyst ON task_starts (analyst, started_at);
 """
 
 
@@ -78,10 +85,11 @@ def create_or_migrate(
         connection.execute(
             "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
-    elif int(row[0]) in (1, 2, 3, 4, 5):
+    elif int(row[0]) in (1, 2, 3, 4, 5, 6):
         if int(row[0]) == 1:
             _migrate_schema_1(connection, path, neighbouring)
         _migrate_tasks(connection)
+        _migrate_task_starts(connection)
         # Said, as the proxy says its own: an operator upgrading saw nothing of it.
         logger.warning(
             "%s: migrated the budget ledger from schema version %s to %d (one way: an "
@@ -243,4 +251,14 @@ def _migrate_tasks(connection: sqlite3.Connection) -> None:
             connection.execute(f"ALTER TABLE tasks ADD COLUMN {name} {declaration}")
     connection.execute(
         "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
+    )
+
+
+def _migrate_task_starts(connection: sqlite3.Connection) -> None:
+    """Schemas 1 to 6 -> 7: the daily task cap counts the tasks an owner began computing
+    (``task_starts``), refunded ones included; before, it counted the releases held,
+    which a refund removes. The releases held are the tasks known to have begun."""
+    connection.execute(
+        "INSERT OR IGNORE INTO task_starts (query_id, analyst, started_at) "
+        "SELECT query_id, analyst, recorded_at FROM releases"
     )

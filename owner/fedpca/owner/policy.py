@@ -20,10 +20,11 @@ Checks, in order, with the decline reason each failure is reported under:
    kinds (every aggregate's kind for an aggregate query), the columns the query reads
    (``policy.allowed_columns``), masked mode only if allowed, ``epsilon = inf`` only
    if allowed, delta at most the per-query cap, the query's quorum at least
-   ``policy.min_quorum``, at most ``policy.max_tasks_per_day`` releases in the last 24
-   hours, the table's schema, a release plan this owner can derive, and epsilon at most
-   ``policy.max_epsilon_per_query`` *measured at the owner's budget delta* from the
-   release's own noise (a large stated delta cannot make a weak release look cheap).
+   ``policy.min_quorum``, at most ``policy.max_tasks_per_day`` tasks begun in the last
+   24 hours (refunded ones included), the table's schema, a release plan this owner
+   can derive, and epsilon at most ``policy.max_epsilon_per_query`` *measured at the
+   owner's budget delta* from the release's own noise (a large stated delta cannot
+   make a weak release look cheap).
 
 The budget itself (BUDGET_EXHAUSTED) is checked by the ledger when the release is
 reserved.
@@ -196,9 +197,7 @@ def check_resumed_task(task: Task, policy: PolicyConfig, reserved_digest: str | 
         )
 
 
-def _check_policy(
-    spec: QuerySpec, config: OwnerConfig, releases_last_day: Callable[[], int]
-) -> None:
+def _check_policy(spec: QuerySpec, config: OwnerConfig, tasks_last_day: Callable[[], int]) -> None:
     policy = config.policy
     if spec.neighbouring is not config.privacy.neighbouring:
         raise PolicyError(
@@ -231,13 +230,14 @@ def _check_policy(
         raise PolicyError(
             f"the query's quorum {spec.quorum} is below policy.min_quorum = {policy.min_quorum}"
         )
-    if releases_last_day() >= policy.max_tasks_per_day:
-        # Without shares the count covers every analyst's releases: only the limit is
+    if tasks_last_day() >= policy.max_tasks_per_day:
+        # Without shares the count covers every analyst's tasks: only the limit is
         # stated. With shares it counts this analyst's own (task_processing).
         whose = "for this analyst " if config.analyst_shares else ""
         raise PolicyError(
-            f"this owner has reached its limit of {policy.max_tasks_per_day} releases "
-            f"{whose}in 24 hours (policy.max_tasks_per_day)"
+            f"this owner has reached its limit of tasks begun {whose}in 24 hours "
+            f"(policy.max_tasks_per_day = {policy.max_tasks_per_day}, refunded tasks "
+            "included)"
         )
 
 
@@ -335,7 +335,7 @@ def check_task(
     config: OwnerConfig,
     table: LocalTable,
     *,
-    releases_last_day: Callable[[], int] = lambda: 0,
+    tasks_last_day: Callable[[], int] = lambda: 0,
 ) -> TaskAccepted | Refusal:
     """Decide from public facts whether this owner takes part in ``task``.
 
@@ -344,9 +344,10 @@ def check_task(
     task : the task as the proxy delivered it (query, signature, signer).
     config : the owner's configuration.
     table : the owner's table (only its schema is looked at).
-    releases_last_day : reads the releases this owner's ledger recorded in the last 24
-        hours; called only once the signature, the key and its signer have passed, so
-        that a task naming another analyst's key reads nothing of its releases.
+    tasks_last_day : reads the tasks this owner's ledger recorded as begun in the last
+        24 hours, refunded ones included; called only once the signature, the key and
+        its signer have passed, so that a task naming another analyst's key reads
+        nothing of its tasks.
 
     Returns
     -------
@@ -363,7 +364,7 @@ def check_task(
     except UntrustedKeyError as exc:
         return Refusal(DeclineReason.KEY_NOT_PINNED, str(exc))
     try:
-        _check_policy(spec, config, releases_last_day)
+        _check_policy(spec, config, tasks_last_day)
         _check_columns(spec, config.policy, table)
         columns = table.table_for(spec)
         plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())

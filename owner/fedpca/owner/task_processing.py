@@ -338,16 +338,16 @@ class TaskProcessing(TaskEndings):
         spec = task.query
         query_id = task.key
         # A reservation of this very task (left by a crash before its upload) is not
-        # another release: counted, the task coming again was declined at the cap.
+        # another task: counted, the task coming again was declined at the cap.
         day_ago = time.time() - SECONDS_PER_DAY
-        # With per-analyst shares the daily cap counts this analyst's releases only, so
+        # With per-analyst shares the daily cap counts this analyst's tasks only, so
         # that its declines do not show the others' activity either.
         analyst = spec.analyst_key_fingerprint if self.ledger.shares is not None else None
         decision = check_task(
             task,
             self.config,
             self.table,
-            releases_last_day=lambda: self.ledger.reservations_since(
+            tasks_last_day=lambda: self.ledger.tasks_started_since(
                 day_ago, excluding=query_id, analyst=analyst
             ),
         )
