@@ -535,6 +535,35 @@ def test_allowed_columns_the_table_does_not_have_are_refused(
         OwnerNode(load_owner_config(path), pool=pool)
 
 
+def test_owner_init_writes_the_columns_queries_may_read(certs: Path, tmp_path: Path) -> None:
+    """An operator could restrict the columns only by editing owner.toml by hand."""
+    data = _table(tmp_path / "table.csv")
+    out = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--label-column", "0"),
+        *("--max-records", "400", "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER, "--allowed-columns"),
+    ]
+    runner = CliRunner()
+    for value, message in [
+        ("1,,2", "'1,,2' is not a comma-separated list of columns"),
+        ("1,2,1", "column 1 is given twice"),
+        ("-1", "columns are 0-based indices >= 0"),
+    ]:
+        usage = runner.invoke(owner_group, [*args, value])
+        assert usage.exit_code == 2 and message in usage.output, usage.output
+    outside = runner.invoke(owner_group, [*args, "1,5"])
+    assert outside.exit_code == 1
+    assert "--allowed-columns names column 5, but" in outside.output
+    assert "has 5 columns (0 to 4, the label included)" in outside.output
+    assert not out.exists()
+    result = runner.invoke(owner_group, [*args, "0,2,4"])
+    assert result.exit_code == 0, result.output
+    assert "queries may read only columns 0, 2, 4" in result.output
+    assert load_owner_config(out / "owner.toml").policy.allowed_columns == (0, 2, 4)
+
+
 def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: Path) -> None:
     data = _table(tmp_path / "table.csv")
     keys = ["sha256:" + c * 64 for c in "abc"]

@@ -30,24 +30,12 @@ from fedpca.analyst import cli as analyst_cli
 from fedpca.analyst.cli_connection import connection_options
 from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
 from fedpca.budget_options import DELTA
+from fedpca.column_options import COLUMNS
 from fedpca.query import Calibration, Moments, Neighbouring
 
 __all__ = ["histogram_command", "linreg_command", "stats_command"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _indices(_: click.Context, __: click.Parameter, value: str | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    try:
-        # Every item, empty ones included: '1,,6' is a typo, not the columns 1 and 6.
-        columns = tuple(int(part) for part in value.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of columns") from None
-    if min(columns) < 0:
-        raise click.BadParameter("columns are 0-based indices >= 0")
-    return columns
 
 
 def _numbers(value: str, what: str) -> tuple[float, ...]:
@@ -163,7 +151,7 @@ def _finish(estimator: Any, path: Path) -> None:
 
 @click.command("stats")
 @click.option(
-    "--columns", required=True, callback=_indices, help="Columns to describe (0-based, a,b,…)."
+    "--columns", required=True, type=COLUMNS, help="Columns to describe (0-based, a,b,…)."
 )
 @click.option(
     "--bounds",
@@ -221,9 +209,7 @@ def stats_command(
 
 
 @click.command("histogram")
-@click.option(
-    "--columns", required=True, callback=_indices, help="One column, or two (a,b) jointly."
-)
+@click.option("--columns", required=True, type=COLUMNS, help="One column, or two (a,b) jointly.")
 @click.option(
     "--bins",
     "bins",
@@ -263,7 +249,7 @@ def histogram_command(
 
 
 @click.command("linreg")
-@click.option("--columns", required=True, callback=_indices, help="Feature columns (0-based).")
+@click.option("--columns", required=True, type=COLUMNS, help="Feature columns (0-based).")
 @click.option(
     "--bounds", required=True, help="Public feature bounds: LO:HI or LO:HI,LO:HI,… (per column)."
 )

@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from fedpca.budget_options import NUMBER
+from fedpca.column_options import COLUMNS
 from fedpca.errors import ConfigError, DataError, FedpcaError
 from fedpca.files import holds_database
 from fedpca.owner.config import (
@@ -77,6 +78,7 @@ def render_owner_config(
     monitoring_listen: str | None,
     n_columns: int | None = None,
     equal_shares: bool = False,
+    allowed_columns: Sequence[int] | None = None,
 ) -> str:
     """The text of an owner.toml for a node folder (paths relative to it)."""
     header_value: bool | str = {"yes": True, "no": False}.get(header, "auto")
@@ -132,6 +134,14 @@ def render_owner_config(
         "allow_not_private = false   # never answer epsilon = inf queries",
         f"allow_masked_mode = {toml_value(allow_masked_mode)}   # masked mode publishes N",
         f"allowed_kinds = {toml_value(kinds)}",
+        *(
+            []
+            if allowed_columns is None
+            else [
+                f"allowed_columns = {toml_value(list(allowed_columns))}   # the only file "
+                "columns (0-based) a query may read"
+            ]
+        ),
         f"min_quorum = {min_quorum}   # never contribute to a query of fewer owners",
         f"max_tasks_per_day = {max_tasks_per_day}",
         "",
@@ -210,6 +220,7 @@ def write_owner_folder(
     max_delta_per_query: float | None = None,
     allow_masked_mode: bool = False,
     kinds: list[str] | None = None,
+    allowed_columns: Sequence[int] | None = None,
     min_quorum: int = DEFAULT_MIN_QUORUM,
     max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY,
     budget_epsilon: float = 3.0,
@@ -245,6 +256,14 @@ def write_owner_folder(
     if monitoring_listen is not None:
         check_address(monitoring_listen, "--monitoring-listen", listening=True)
     facts = _table_facts(data, header, label_column)
+    if allowed_columns is not None and facts is not None:
+        width = facts[1] + (label_column is not None)
+        outside = [c for c in allowed_columns if c >= width]
+        if outside:
+            raise ConfigError(
+                f"--allowed-columns names column {outside[0]}, but {data} has {width} "
+                f"columns (0 to {width - 1}, the label included)"
+            )
     if max_records is None:
         if facts is None:
             raise ConfigError(
@@ -290,6 +309,7 @@ def write_owner_folder(
         max_delta_per_query=max_delta_per_query,
         allow_masked_mode=allow_masked_mode,
         kinds=kinds or [k.value for k in RELEASE_KINDS],
+        allowed_columns=allowed_columns,
         min_quorum=min_quorum,
         max_tasks_per_day=max_tasks_per_day,
         budget_epsilon=budget_epsilon,
@@ -354,6 +374,7 @@ _FLAG_SETTINGS = {
     "max_delta_per_query": ("policy.max_delta_per_query",),
     "allow_masked_mode": ("policy.allow_masked_mode",),
     "kinds": ("policy.allowed_kinds",),
+    "allowed_columns": ("policy.allowed_columns",),
     "min_quorum": ("policy.min_quorum",),
     "max_tasks_per_day": ("policy.max_tasks_per_day",),
     "budget_epsilon": ("budget.epsilon",),
@@ -463,6 +484,12 @@ or ``--replace-settings``)."""
     help="Release kinds answered (policy.allowed_kinds).",
 )
 @click.option(
+    "--allowed-columns",
+    type=COLUMNS,
+    help="The only file columns (0-based, the label's counted) a query may read, e.g. "
+    "1,2,5 (policy.allowed_columns) [every column].",
+)
+@click.option(
     "--min-quorum",
     type=click.IntRange(min=1),
     default=DEFAULT_MIN_QUORUM,
@@ -515,6 +542,7 @@ def init_command(
     equal_analyst_shares: bool,
     allow_masked_mode: bool,
     kinds: str,
+    allowed_columns: tuple[int, ...] | None,
     min_quorum: int,
     max_tasks_per_day: int,
     state_dir: Path | None,
@@ -549,6 +577,7 @@ def init_command(
             max_delta_per_query=max_delta_per_query,
             allow_masked_mode=allow_masked_mode,
             kinds=_split((kinds,)),
+            allowed_columns=allowed_columns,
             min_quorum=min_quorum,
             max_tasks_per_day=max_tasks_per_day,
             budget_epsilon=budget_epsilon,
@@ -589,6 +618,9 @@ def init_command(
         f"delta {config.budget.delta:g}; at most {config.policy.max_epsilon_per_query:g} "
         "per query"
     )
+    if config.policy.allowed_columns is not None:
+        listed = ", ".join(str(c) for c in config.policy.allowed_columns)
+        click.echo(f"  columns         queries may read only columns {listed}")
     for analyst, fraction in config.analyst_shares.items():
         click.echo(f"  share           {fraction:.6g} of it for analyst {analyst}")
     pairs = config.policy.analyst_key_signers
