@@ -11,6 +11,7 @@ import logging
 import math
 import random
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,7 +29,7 @@ from fedpca.dp.shares import EXTRA_DELTA_FRACTION, BudgetShares
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
 from fedpca.owner import ledger as ledger_module
 from fedpca.owner.cli import owner_group
-from fedpca.owner.config import load_config
+from fedpca.owner.config import OwnerConfig, load_config
 from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.owner.ledger_rows import OWN_RELEASES_SQL
 from fedpca.owner.node import OwnerNode
@@ -378,14 +379,13 @@ class _RecordingStub:
         self.declined.append(message)
 
 
-def _accept_once(
-    tmp_path: Path, pool: CryptoPool, public_key: Any, share: float | None
-) -> tuple[Any, list[Any]]:
-    """One task of a pinned analyst at an owner whose ledger holds another analyst's
-    release of today, under ``max_tasks_per_day = 1``: what ``_accept`` returns, and
-    the declines it sent."""
+@contextlib.contextmanager
+def _owner_of_one_task_a_day(
+    tmp_path: Path, pool: CryptoPool, public_key: Any
+) -> Iterator[OwnerConfig]:
+    """The configuration of an owner under ``max_tasks_per_day = 1`` that is not
+    serving: the test hands it tasks itself (:func:`_offer`)."""
     tables = {"owner-1": labelled(np.random.default_rng(3).uniform(-0.3, 0.3, size=(20, M)))}
-    spec = unit_box_queries(M)(public_key, "today", quorum=1, deadline_seconds=120.0)
     with deployment(
         workdir=tmp_path,
         tables=tables,
@@ -394,7 +394,23 @@ def _accept_once(
         running=(),
         policy={"max_tasks_per_day": 1},
     ) as running:
-        config = running.write_owner_config("owner-1")
+        yield running.write_owner_config("owner-1")
+
+
+def _offer(node: OwnerNode, stub: _RecordingStub, spec: Any) -> Any:
+    """What ``node._accept`` returns for ``spec`` delivered as alice's task."""
+    due = datetime.now(UTC) + timedelta(seconds=120)
+    return node._accept(stub, signed_task(spec, due, "alice"))  # type: ignore[arg-type]
+
+
+def _accept_once(
+    tmp_path: Path, pool: CryptoPool, public_key: Any, share: float | None
+) -> tuple[Any, list[Any]]:
+    """One task of a pinned analyst at an owner whose ledger holds another analyst's
+    release of today, under ``max_tasks_per_day = 1``: what ``_accept`` returns, and
+    the declines it sent."""
+    spec = unit_box_queries(M)(public_key, "today", quorum=1, deadline_seconds=120.0)
+    with _owner_of_one_task_a_day(tmp_path, pool, public_key) as config:
         # Another analyst's release today, from before the shares (a key pinned then).
         owner_ledger(config).reserve(_event("other/q", "sha256:" + "0" * 64, 0.1), config.budget)
         if share is not None:
@@ -404,8 +420,7 @@ def _accept_once(
         # The other analyst's release fits its share: the node works within the shares.
         assert node.ledger.within_shares == (share is not None)
         stub = _RecordingStub()
-        due = datetime.now(UTC) + timedelta(seconds=120)
-        accepted = node._accept(stub, signed_task(spec, due, "alice"))  # type: ignore[arg-type]
+        accepted = _offer(node, stub, spec)
     return accepted, stub.declined
 
 
@@ -431,25 +446,16 @@ def test_a_refunded_task_still_counts_toward_the_daily_cap(
     """Found by review (stop 42): a refund removed the release the cap counted, so queries
     cancelled before any upload (charged nothing) kept an owner computing without bound."""
     public_key = test_only_keypair_512[0]
-    tables = {"owner-1": labelled(np.random.default_rng(5).uniform(-0.3, 0.3, size=(20, M)))}
     queries = unit_box_queries(M)
     first = queries(public_key, "first", quorum=1, deadline_seconds=120.0)
     second = queries(public_key, "second", quorum=1, deadline_seconds=120.0)
-    with deployment(
-        workdir=tmp_path,
-        tables=tables,
-        pool=pool,
-        public_key=public_key,
-        running=(),
-        policy={"max_tasks_per_day": 1},
-    ) as running:
-        node = OwnerNode(running.write_owner_config("owner-1"), pool=pool, retry=FAST_RETRY)
+    with _owner_of_one_task_a_day(tmp_path, pool, public_key) as config:
+        node = OwnerNode(config, pool=pool, retry=FAST_RETRY)
         stub = _RecordingStub()
-        due = datetime.now(UTC) + timedelta(seconds=120)
-        assert isinstance(node._accept(stub, signed_task(first, due, "alice")), tuple)  # type: ignore[arg-type]
+        assert isinstance(_offer(node, stub, first), tuple)
         assert node.ledger.cancel_reservation("alice/first")  # withdrawn before any upload
         assert node.ledger.events() == []
-        again = node._accept(stub, signed_task(second, due, "alice"))  # type: ignore[arg-type]
+        again = _offer(node, stub, second)
     assert not isinstance(again, tuple)
     assert [m.detail for m in stub.declined] == [
         "this owner has reached its limit of tasks begun in 24 hours "
