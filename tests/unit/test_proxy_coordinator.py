@@ -1213,7 +1213,12 @@ def test_a_failed_query_is_refunded_only_if_no_upload_ever_began(
 
 
 def test_declines_are_public_one_line_and_fail_a_query_whose_quorum_is_out_of_reach(
-    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any, owner_rows: list[np.ndarray]
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: Any,
+    owner_rows: list[np.ndarray],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool)
@@ -1235,6 +1240,14 @@ def test_declines_are_public_one_line_and_fail_a_query_whose_quorum_is_out_of_re
     assert "\n" not in decline.detail and "\r" not in decline.detail
     assert len(decline.detail) == MAX_DECLINE_DETAIL and decline.detail.endswith("...")
     assert decline.detail.startswith("fine owner-2: budget_exhausted: forged line x")
+    # The same decline again is acknowledged and does nothing: no write, no log line,
+    # no wake-up of every stream (review, stop 42: 882 a second from one owner).
+    wakeups: list[None] = []
+    monkeypatch.setattr(coordinator, "_notify", lambda: wakeups.append(None))
+    with caplog.at_level(logging.INFO, logger="fedpca.proxy"):
+        coordinator.decline("owner-1", Q1, "budget_exhausted", "another reason")
+    assert "declined" not in caplog.text and wakeups == []
+    assert coordinator.status(ANALYST, "q1").declines == (decline,)
     # owner-0 uploaded, owner-2 may still: the quorum of 2 is in reach.
     assert coordinator.store.query(Q1).state is QueryState.COLLECTING
 

@@ -691,9 +691,16 @@ def test_a_failed_query_is_refunded_only_if_no_upload_began(store: ProxyStore) -
 def test_declines_are_recorded_only_while_collecting_and_before_an_upload(
     store: ProxyStore,
 ) -> None:
-    store.record_decline("q1", "o2", "policy_refusal: epsilon")
-    store.record_decline("q1", "o2", "key_not_pinned")  # a second decline replaces the first
-    assert store.declines("q1") == {"o2": "key_not_pinned"}
+    assert store.record_decline("q1", "o2", "policy_refusal: epsilon")
+    # A second decline changes nothing (review, stop 42: each was a write, at the owner's
+    # rate, and rewrote the reason the analyst reads).
+    assert not store.record_decline("q1", "o2", "key_not_pinned")
+    assert store.declines("q1") == {"o2": "policy_refusal: epsilon"}
+    # An owner that declined does not become a contributor as well (review, stop 42:
+    # counted as both, it made the quorum look unreachable and failed the query).
+    with pytest.raises(NotContributingError, match="'o2' declined it"):
+        join(store, "o2", "u2")
+    assert store.contributors("q1") == []
     create(store, "q2", quorum=1)
     join(store, "o1", "u1", query="q2")
     fold(store, "o1", "u1", upload_values(1), query="q2")
@@ -713,7 +720,7 @@ def test_declines_are_recorded_only_while_collecting_and_before_an_upload(
     join(store, "o3", "u3")  # fixed: nobody else is needed, declines are not recorded
     with pytest.raises(QueryStateError, match="no longer recorded"):
         store.record_decline("q1", "o4", "policy_refusal")
-    assert store.declines("q1") == {"o2": "key_not_pinned"}
+    assert store.declines("q1") == {"o2": "policy_refusal: epsilon"}
 
 
 # -------------------------------------------------------------------- migrations

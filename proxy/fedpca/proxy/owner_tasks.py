@@ -204,7 +204,8 @@ class OwnerTasks(CoordinatorCore):
         """Record an owner's refusal of a task (it is not offered again).
 
         Accepted only from an allowed owner while the query collects and before that
-        owner uploaded; the detail is cut to one line of at most
+        owner uploaded; a repeated decline is acknowledged and changes nothing. The
+        detail is cut to one line of at most
         :data:`~fedpca.messages.MAX_DECLINE_DETAIL` characters. When the declines
         leave fewer owners than the quorum, the query fails at once (the declines are
         public, so failing early releases nothing new) instead of at its deadline.
@@ -215,7 +216,10 @@ class OwnerTasks(CoordinatorCore):
         """
         self.require_owner(owner_id)
         line = _one_line(detail)
-        self.store.record_decline(query_id, owner_id, f"{reason}: {line}" if line else reason)
+        if not self.store.record_decline(
+            query_id, owner_id, f"{reason}: {line}" if line else reason
+        ):
+            return  # declined before: nothing new to say or to check
         logger.info("query %s: owner %s declined (%s)", query_id, owner_id, reason)
         self._fail_if_quorum_unreachable(query_id)
         self._notify()

@@ -271,8 +271,11 @@ class ProxyStore(ContributionStore):
             )
         return self.query(query_id)
 
-    def record_decline(self, query_id: str, owner_id: str, reason: str) -> None:
-        """Record an owner's decline while the query collects uploads.
+    def record_decline(self, query_id: str, owner_id: str, reason: str) -> bool:
+        """Record an owner's decline while the query collects uploads; False if the owner
+        had declined it already (the first decline and its reason stay, nothing is
+        written: repeated, each was a transaction, a log line and a wake-up of every
+        stream, at a rate the owner chose; review, stop 42).
 
         Raises
         ------
@@ -299,11 +302,12 @@ class ProxyStore(ContributionStore):
                     f"query {query_id!r}: owner {owner_id!r} is uploading to it; it cannot "
                     "decline while that upload runs"
                 )
-            conn.execute(
+            inserted = conn.execute(
                 "INSERT INTO declines(query_id, owner_id, reason, declined_at) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(query_id, owner_id) DO UPDATE SET reason=excluded.reason",
+                "ON CONFLICT(query_id, owner_id) DO NOTHING",
                 (query_id, owner_id, reason, self._clock()),
             )
+            return inserted.rowcount > 0
 
     def has_declined(self, query_id: str, owner_id: str) -> bool:
         """Whether this owner declined the query (one indexed row)."""

@@ -64,7 +64,7 @@ class ContributionStore(StoreDatabase):
             Unknown query.
         NotContributingError
             The owner is not a contributor and the query no longer takes new ones
-            (contributors fixed, ended, or past its deadline).
+            (contributors fixed, ended, or past its deadline), or the owner declined it.
         QueryClosedError
             The query failed (for a contributor).
         QueryStateError
@@ -109,6 +109,10 @@ class ContributionStore(StoreDatabase):
                     (upload_id, public_count, self._clock(), query_id, owner_id),
                 )
                 return Joined(covered=0)
+            if self._has_owner_row(conn, "declines", query_id, owner_id):
+                # Counted as declined and as a contributor, it failed the query early
+                # (quorum unreachable) though it could still be reached (review, stop 42).
+                raise NotContributingError(f"query {query_id!r}: owner {owner_id!r} declined it")
             if state is not QueryState.COLLECTING:
                 raise NotContributingError(
                     f"query {query_id!r} is {state.value}: its contributors are fixed"
