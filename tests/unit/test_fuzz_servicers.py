@@ -212,10 +212,13 @@ def world(
         crypto=CryptoConfig(processes=1, allow_insecure_test_keys=True),
         owners=OwnersConfig(frozenset(OWNERS)),
         # Every refusal is checked for its log line: no per-minute cap on those lines here;
-        # and the tests of this module open far more task streams per owner than an owner
-        # may in a minute (that bound has its own tests in test_hardening_streams.py).
+        # and the tests of this module open far more task streams and uploads per owner
+        # than an owner may in a minute (those bounds have their own tests in
+        # test_hardening_streams.py).
         limits=PeerLimits(
-            logged_refusals_per_minute=1_000_000, max_task_stream_opens_per_minute=1_000_000
+            logged_refusals_per_minute=1_000_000,
+            max_task_stream_opens_per_minute=1_000_000,
+            max_upload_starts_per_minute=1_000_000,
         ),
     )
     refusals = _Refusals()

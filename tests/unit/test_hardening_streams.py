@@ -292,6 +292,40 @@ def test_task_stream_openings_are_bounded_per_owner_and_minute() -> None:
     streams.admit("attacker")
 
 
+def test_hellos_and_upload_starts_are_bounded_per_owner_and_minute(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Review, stop 42: one owner calling Hello in a loop (each a database write, 707 a
+    second) or beginning uploads and breaking them off (each written, folded in and taken
+    out again, 355 a second) kept a proxy core busy and filled its log."""
+    public_key, _ = test_only_keypair_512
+    limits = PeerLimits(max_task_stream_opens_per_minute=3, max_upload_starts_per_minute=2)
+    rng = np.random.default_rng(1)
+    with _driven_by_hand(tmp_path, pool, public_key, limits, rng) as running:
+        channel, attacker = _stub(running, "attacker")
+        other_channel, owner_2 = _stub(running, "owner-2")
+        with channel, other_channel:
+            hello = serde.owner_hello_to_proto(OwnerHello("attacker", "t"))
+            for _ in range(3):
+                attacker.Hello(hello, timeout=5)
+            with pytest.raises(grpc.RpcError) as refused:
+                attacker.Hello(hello, timeout=5)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "attacker said hello 3 times in the last 60 s" in refused.value.details()
+            owner_2.Hello(serde.owner_hello_to_proto(OwnerHello("owner-2", "t")), timeout=5)
+            for _ in range(2):  # refused for their content (no header), but counted
+                with pytest.raises(grpc.RpcError) as empty:
+                    attacker.Upload(iter(()), timeout=5)
+                assert empty.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as refused:
+                attacker.Upload(iter(()), timeout=5)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "attacker began an upload 2 times" in refused.value.details()
+            with pytest.raises(grpc.RpcError) as empty:
+                owner_2.Upload(iter(()), timeout=5)
+            assert empty.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_a_new_stream_ends_only_the_one_it_replaces() -> None:
     streams = TaskStreams()
     ended: list[str] = []

@@ -8,9 +8,13 @@ its share of what remains:
 * one task stream per owner: a newer stream replaces the older one, which ends; and at
   most ``max_task_stream_opens_per_minute`` openings of one owner's stream in any
   minute (an opening writes to the database and a log line; a review measured one owner
-  reopening in a loop, about 250 times a second, keeping a proxy core busy);
+  reopening in a loop, about 250 times a second, keeping a proxy core busy), and as
+  many Hello calls (each writes too: 707 a second in a review of stop 42);
 * at most ``max_uploads_per_owner`` uploads in flight per owner, each ended after
-  ``upload_idle_seconds`` without a message or ``upload_total_seconds`` in all;
+  ``upload_idle_seconds`` without a message or ``upload_total_seconds`` in all, and
+  at most ``max_upload_starts_per_minute`` uploads begun by one owner in any minute
+  (each begun and broken off is written, folded in and taken out again: 355 a second
+  from one owner in the same review);
 * at most ``max_watches_per_analyst`` status watches per analyst;
 * at most ``max_calls_per_peer`` calls of any kind in flight per peer, and as many
   whose one request is still arriving, each for at most ``request_read_seconds``;
@@ -44,7 +48,14 @@ from typing import Any
 
 from fedpca.errors import ConfigError, OverloadError
 
-__all__ = ["REPEATED_REFUSAL_SECONDS", "PeerLimits", "PeerSlots", "RefusalLog", "TaskStreams"]
+__all__ = [
+    "REPEATED_REFUSAL_SECONDS",
+    "PeerLimits",
+    "PeerRate",
+    "PeerSlots",
+    "RefusalLog",
+    "TaskStreams",
+]
 
 REPEATED_REFUSAL_SECONDS = 600.0
 """Window of the refusals a peer repeats at every reconnection: one line per peer and
@@ -84,9 +95,13 @@ class PeerLimits:
     logged_refusals_per_minute: int = 60
     """Refusal log lines per method and minute; the others are counted in one line."""
     max_task_stream_opens_per_minute: int = 20
-    """Openings of one owner's task stream in any 60 seconds; the others are refused
-    (RESOURCE_EXHAUSTED) before any database work. An owner node reconnects after
-    0.5-1 s at first and backs off exponentially when refused."""
+    """Openings of one owner's task stream in any 60 seconds, and as many of its Hello
+    calls; the others are refused (RESOURCE_EXHAUSTED) before any database work. An
+    owner node reconnects after 0.5-1 s at first and backs off exponentially when
+    refused."""
+    max_upload_starts_per_minute: int = 60
+    """Uploads one owner begins (a header sent) in any 60 seconds, resumed ones included;
+    the others are refused (RESOURCE_EXHAUSTED) before any database work."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -154,6 +169,44 @@ class PeerSlots:
                 del self._used[(kind, peer)]
 
 
+class PeerRate:
+    """At most ``per_minute`` events of each peer in any 60 seconds.
+
+    Parameters
+    ----------
+    per_minute : events admitted per peer in any 60 seconds.
+    doing : what the event is, for the refusal ("opened its task stream").
+    clock : monotonic seconds (tests pass their own).
+    """
+
+    WINDOW_SECONDS = 60.0
+
+    def __init__(
+        self, per_minute: int, doing: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.per_minute = per_minute
+        self._doing = doing
+        self._clock = clock
+        self._lock = threading.Lock()
+        # Per peer, the times of its admitted events in the last window (at most
+        # per_minute each; the peers are the allow-listed ones).
+        self._times: dict[str, deque[float]] = {}
+
+    def admit(self, peer: str) -> None:
+        """Count one event of ``peer``, or raise :class:`OverloadError`."""
+        now = self._clock()
+        with self._lock:
+            recent = self._times.setdefault(peer, deque())
+            while recent and now - recent[0] >= self.WINDOW_SECONDS:
+                recent.popleft()
+            if len(recent) >= self.per_minute:
+                raise OverloadError(
+                    f"{peer} {self._doing} {len(recent)} times in the last "
+                    f"{self.WINDOW_SECONDS:g} s, the most this proxy allows; retry later"
+                )
+            recent.append(now)
+
+
 class TaskStreams:
     """The one task stream of each owner: a newer stream supersedes the older.
 
@@ -170,33 +223,17 @@ class TaskStreams:
     clock : monotonic seconds (tests pass their own).
     """
 
-    WINDOW_SECONDS = 60.0
-
     def __init__(
         self, opens_per_minute: int = 20, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.opens_per_minute = opens_per_minute
-        self._clock = clock
+        self._openings = PeerRate(opens_per_minute, "opened its task stream", clock)
         self._lock = threading.Lock()
         self._latest: dict[str, tuple[int, Callable[[], None]]] = {}
         self._next = 0
-        # Per owner, the times of its admitted openings in the last window (at most
-        # opens_per_minute each; owners are the allow-listed ones).
-        self._openings: dict[str, deque[float]] = {}
 
     def admit(self, owner_id: str) -> None:
         """Count one opening of ``owner_id``'s stream, or raise :class:`OverloadError`."""
-        now = self._clock()
-        with self._lock:
-            recent = self._openings.setdefault(owner_id, deque())
-            while recent and now - recent[0] >= self.WINDOW_SECONDS:
-                recent.popleft()
-            if len(recent) >= self.opens_per_minute:
-                raise OverloadError(
-                    f"{owner_id} opened its task stream {len(recent)} times in the last "
-                    f"{self.WINDOW_SECONDS:g} s, the most this proxy allows; retry later"
-                )
-            recent.append(now)
+        self._openings.admit(owner_id)
 
     def open(self, owner_id: str, superseded: Callable[[], None]) -> int:
         """Make a new stream the owner's current one; ``superseded`` is called if a

@@ -71,7 +71,7 @@ from fedpca.messages import (
     UploadStatus,
 )
 from fedpca.proxy import catalog
-from fedpca.proxy.limits import RefusalLog, TaskStreams
+from fedpca.proxy.limits import PeerRate, RefusalLog, TaskStreams
 from fedpca.proxy.owner_tasks import SentTasks
 from fedpca.proxy.servicer_support import (
     ChangeFeed,
@@ -118,12 +118,15 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         self.proxy_id = proxy_id
         self.heartbeat_seconds = heartbeat_seconds
         self.streams = TaskStreams(self.limits.max_task_stream_opens_per_minute)
+        self.hellos = PeerRate(self.limits.max_task_stream_opens_per_minute, "said hello")
+        self.upload_starts = PeerRate(self.limits.max_upload_starts_per_minute, "began an upload")
 
     @unary_errors
     async def Hello(
         self, request: owner_pb.OwnerHello, context: aio.ServicerContext
     ) -> owner_pb.ProxyInfo:
         owner = self._caller(context, Role.OWNER)
+        self.hellos.admit(owner.node_id)  # before the database write it makes
         with self._call_slot(owner):
             hello = serde.owner_hello_from_proto(request)
             await self.work.run(
@@ -214,6 +217,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         self, request_iterator: AsyncIterator[Any], context: aio.ServicerContext
     ) -> owner_pb.UploadReceipt:
         owner = self._caller(context, Role.OWNER).node_id
+        self.upload_starts.admit(owner)
         with PeerSlot(self.slots, "uploads", owner, self.limits.max_uploads_per_owner):
             deadline = time.monotonic() + self.limits.upload_total_seconds
             messages = aiter(request_iterator)
