@@ -2311,6 +2311,49 @@ def test_one_budget_search_at_a_time_per_analyst(
     assert coordinator.budget("bob", None, 1e-9).next_query is not None  # free again
 
 
+def test_one_budget_composition_at_a_time_per_analyst_each_kept(
+    tmp_path: Path, pool: CryptoPool, monkeypatch: Any
+) -> None:
+    """Review, stop 42: only the next-query search was one at a time. A composition at a
+    delta asked for the first time (up to a second under pld-continuous) was not, so an
+    analyst asking at fresh deltas from 16 threads held 16 of the proxy's workers."""
+    import fedpca.dp.accounting as accounting_module
+    from fedpca.proxy.analyst_requests import _COMPOSED
+
+    started, release = threading.Event(), threading.Event()
+    composed_at: list[float] = []
+    real = accounting_module.compose_epsilon
+
+    def slow(ledger: Any, delta: float, *args: Any, **kwargs: Any) -> Any:
+        composed_at.append(delta)
+        if delta == 3e-6:  # bob's first composition: held until released
+            started.set()
+            assert release.wait(30)
+        return real(ledger, delta, *args, **kwargs)
+
+    monkeypatch.setattr(accounting_module, "compose_epsilon", slow)
+    _COMPOSED.clear()
+    coordinator = make_coordinator(
+        tmp_path, pool, make_config(bob=PrivacyParams(2.0, 1e-5), carol=PrivacyParams(2.0, 1e-5))
+    )
+    coordinator.budget("bob", 2e-6)  # composed once, then kept
+    answers: list[Any] = []
+    first = threading.Thread(target=lambda: answers.append(coordinator.budget("bob", 3e-6)))
+    first.start()
+    assert started.wait(30)
+    with pytest.raises(OverloadError, match="still being computed"):
+        coordinator.budget("bob", 4e-6)
+    before = len(composed_at)
+    assert coordinator.budget("bob", 2e-6).delta == 2e-6  # kept: answered meanwhile
+    assert coordinator.budget("carol", 4e-6).delta == 4e-6  # another analyst: not held
+    assert coordinator.budget("bob", 4e-6, next_query=False).delta == 4e-6  # the metrics'
+    release.set()
+    first.join(30)
+    assert len(answers) == 1 and answers[0].delta == 3e-6
+    assert composed_at[before:].count(2e-6) == 0  # the kept value was not composed again
+    assert coordinator.budget("bob", 5e-6).delta == 5e-6  # free again
+
+
 def test_resubmitting_a_query_whose_charge_was_re_entered_is_refused_clearly(
     tmp_path: Path, pool: CryptoPool, test_only_keypair_512: Any
 ) -> None:
