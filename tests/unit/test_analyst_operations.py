@@ -286,3 +286,51 @@ def test_an_analysts_concurrent_submissions_are_bounded(
                 first.join(30)
             client.submit(_spec(public_key, "next", quorum=1), TEST_SIGNING_KEY)
             assert {q.status.query_id for q in client.list_queries(10)} == {"slow", "next"}
+
+
+def test_an_analysts_listings_are_one_at_a_time_and_bounded_per_minute(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review, stop 42: a listing of 1,000 queries reads each one's status (0.1 s of
+    the proxy's CPU); one analyst listing from 16 threads kept a core busy and slowed
+    another analyst's status calls 70-fold."""
+    public_key, _ = test_only_keypair_512
+    with deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1"),
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        analysts=("alice", "bob"),
+        limits=PeerLimits(max_listings_per_analyst_per_minute=3),
+    ) as running:
+        coordinator = running.proxy.coordinator
+        entered, release = threading.Event(), threading.Event()
+        original = coordinator.status
+
+        def slow_status(analyst_id: str, query_id: str) -> Any:
+            if query_id == "slow":
+                entered.set()
+                release.wait(30)
+            return original(analyst_id, query_id)
+
+        with running.analyst() as client:
+            client.submit(_spec(public_key, "slow", quorum=1), TEST_SIGNING_KEY)
+            monkeypatch.setattr(coordinator, "status", slow_status)
+            first = threading.Thread(target=client.list_queries)
+            first.start()
+            assert entered.wait(30)
+            try:
+                with pytest.raises(OverloadError, match="listings"):
+                    client.list_queries()
+                with running.analyst("bob") as other:  # another analyst is not held up
+                    assert other.list_queries() == []
+            finally:
+                release.set()
+                first.join(30)
+            assert len(client.list_queries()) == 1  # the third of the minute
+            with pytest.raises(OverloadError, match="alice listed its queries 3 times"):
+                client.list_queries()

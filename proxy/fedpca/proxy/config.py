@@ -61,6 +61,7 @@ configuration file, so a deployment directory can be moved as a whole)::
     logged_refusals_per_minute = 60
     max_task_stream_opens_per_minute = 20
     max_upload_starts_per_minute = 60
+    max_listings_per_analyst_per_minute = 60
 
 Unknown keys are refused (a typo such as ``epsilion`` must not silently fall
 back to a default budget); every error names the offending key.

@@ -15,7 +15,8 @@ its share of what remains:
   at most ``max_upload_starts_per_minute`` uploads begun by one owner in any minute
   (each begun and broken off is written, folded in and taken out again: 355 a second
   from one owner in the same review);
-* at most ``max_watches_per_analyst`` status watches per analyst;
+* at most ``max_watches_per_analyst`` status watches per analyst, and
+  ``max_listings_per_analyst_per_minute`` listings of its queries, one at a time;
 * at most ``max_calls_per_peer`` calls of any kind in flight per peer, and as many
   whose one request is still arriving, each for at most ``request_read_seconds``;
 * at most ``max_open_queries_per_analyst`` queries of one analyst not yet done or failed,
@@ -102,6 +103,10 @@ class PeerLimits:
     max_upload_starts_per_minute: int = 60
     """Uploads one owner begins (a header sent) in any 60 seconds, resumed ones included;
     the others are refused (RESOURCE_EXHAUSTED) before any database work."""
+    max_listings_per_analyst_per_minute: int = 60
+    """``ListQueries`` calls of one analyst in any 60 seconds, one at a time: a listing
+    of 1,000 queries reads each one's status (0.1 s of the proxy's CPU; a review of stop
+    42 kept a core busy listing from 16 threads)."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):

@@ -345,6 +345,9 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
         self.watch_poll_seconds = watch_poll_seconds
         self.proxy_id = proxy_id
         self.task_streams = task_streams if task_streams is not None else TaskStreams()
+        self.listings = PeerRate(
+            self.limits.max_listings_per_analyst_per_minute, "listed its queries"
+        )
 
     @unary_errors
     async def SubmitQuery(
@@ -460,7 +463,8 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
         self, request: analyst_pb.ListQueriesRequest, context: aio.ServicerContext
     ) -> analyst_pb.QueryList:
         analyst = self._caller(context, Role.ANALYST)
-        with self._call_slot(analyst):
+        self.listings.admit(analyst.node_id)
+        with self._call_slot(analyst), PeerSlot(self.slots, "listings", analyst.node_id, 1):
             limit = serde.list_queries_request_from_proto(request)
             only = serde.listed_query_from_proto(request)
             queries = await self.work.run(
