@@ -23,6 +23,7 @@ start-up with a message naming the first, instead of both running on one ledger.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import sqlite3
@@ -36,16 +37,41 @@ from typing import BinaryIO
 from fedpca.errors import ConfigError
 
 __all__ = [
+    "DATABASE_MODE",
     "ExclusiveUse",
     "copy_database",
     "create_database",
     "database_missing",
     "distinct_values",
     "holds_database",
+    "restrict_database",
     "sync_folder",
     "undone_on_failure",
     "write_atomically",
 ]
+
+
+logger = logging.getLogger(__name__)
+
+DATABASE_MODE = 0o600
+"""The permissions of a node's database (the proxy's, an owner's budget ledger). The
+proxy's holds owners' uploads and aggregates without their noise while a query runs,
+which the analyst's key decrypts, and an owner's lists every query it answered (0644,
+SQLite's default, let every user of the host read them; an operator's reviews)."""
+
+
+def restrict_database(path: Path) -> None:
+    """Make an existing database (and its ``-wal`` and ``-shm``) :data:`DATABASE_MODE`,
+    if others may read it; a file this process does not own is left, with a warning."""
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if file.stat().st_mode & 0o077:
+                os.chmod(file, DATABASE_MODE)
+                logger.info("made %s readable by this user only (mode 0600)", file)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.warning("cannot make %s readable by this user only: %s", file, exc)
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int) -> None:

@@ -348,6 +348,20 @@ def test_the_daily_cap_counts_refunded_tasks_and_forgets_old_ones(tmp_path: Path
     assert migrated.tasks_started_since(0) == 2  # a/old, until the next reservation
 
 
+def test_the_ledger_is_readable_by_its_user_only(tmp_path: Path) -> None:
+    """An operator's walkthrough (stop 42): the ledger, which lists every query the owner
+    answered, was made 0644 (SQLite's default) where the docs said 0600. New ledgers are
+    0600, and an older 0644 one is made so when the node opens it."""
+    path = tmp_path / "ledger.sqlite3"
+    BudgetLedger(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.chmod(0o644)
+    BudgetLedger(path, read_only=True)  # a reader changes nothing, mode included
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    BudgetLedger(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
 def _schema_5_ledger(path: Path, rows: str) -> Path:
     """A ledger as fedpca's schema 5 left it, with ``rows`` (SQL) added."""
     conn = sqlite3.connect(path)

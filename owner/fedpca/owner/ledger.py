@@ -67,7 +67,13 @@ from fedpca.dp.accounting import Accountant, check_budget, compose_epsilon, comp
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.dp.shares import BudgetShares
 from fedpca.errors import BudgetExceededError, ConfigError, PolicyError
-from fedpca.files import create_database, database_missing, holds_database
+from fedpca.files import (
+    DATABASE_MODE,
+    create_database,
+    database_missing,
+    holds_database,
+    restrict_database,
+)
 from fedpca.formatting import distinct
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_records import BudgetDecision, LedgerEntry, Reentered, TaskOutcome
@@ -151,7 +157,10 @@ class BudgetLedger(LedgerTaskReads):
                     lambda connection: create_or_migrate(
                         connection, self.path, self.neighbouring, existed=False
                     ),
+                    DATABASE_MODE,
                 )
+            elif not read_only:
+                restrict_database(self.path)
             with self._connect() as connection:
                 if read_only:
                     check_version(connection, self.path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import sqlite3
 import tempfile
@@ -21,11 +20,13 @@ from typing import Any
 
 from fedpca.errors import ConfigError, NotFoundError
 from fedpca.files import (
+    DATABASE_MODE,
     ExclusiveUse,
     create_database,
     database_missing,
     distinct_values,
     holds_database,
+    restrict_database,
 )
 from fedpca.messages import QueryState
 from fedpca.proxy.group_commit import GroupCommit
@@ -163,26 +164,6 @@ def serving_process(database: Path) -> str | None:
     return None
 
 
-DATABASE_MODE = 0o600
-"""The proxy database's permissions: while a query runs it holds owners' uploads and
-aggregates without their noise, which the analyst's key decrypts (0644, SQLite's
-default, let every user of the host read them; an operator's review)."""
-
-
-def _restrict(path: Path) -> None:
-    """Make an existing database (and its ``-wal`` and ``-shm``) :data:`DATABASE_MODE`,
-    if others may read it; a file this process does not own is left, with a warning."""
-    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        try:
-            if file.stat().st_mode & 0o077:
-                os.chmod(file, DATABASE_MODE)
-                logger.info("made %s readable by this user only (mode 0600)", file)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            logger.warning("cannot make %s readable by this user only: %s", file, exc)
-
-
 def _create_tables(connection: sqlite3.Connection) -> None:
     """Every table of :data:`SCHEMA` that is missing (a new database's, and those an
     older one lacks before :func:`migrate`)."""
@@ -253,7 +234,7 @@ class StoreDatabase:
                 # with none, which the next start refused (fedpca.files).
                 create_database(self.path, _new_database, DATABASE_MODE)
             elif not read_only:
-                _restrict(self.path)
+                restrict_database(self.path)
             self._open(page_ciphertexts, created=created, read_only=read_only)
         except ConfigError:
             with contextlib.suppress(AttributeError, sqlite3.Error):
