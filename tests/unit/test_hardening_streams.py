@@ -12,6 +12,7 @@ idle time, and that an owner keeps exactly one task stream.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ from fedpca.transport import serde
 from fedpca.transport.certs import Role, TlsMaterial
 from fedpca.transport.channels import secure_channel
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNING_KEY, encrypted_upload, query_builder
+from helpers import TEST_SIGNING_KEY, encrypted_upload, query_builder, wait_until
 from inprocess import deployment, labelled
 
 M = 3
@@ -324,6 +325,33 @@ def test_hellos_and_upload_starts_are_bounded_per_owner_and_minute(
             with pytest.raises(grpc.RpcError) as empty:
                 owner_2.Upload(iter(()), timeout=5)
             assert empty.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_owner_leaving_is_logged(
+    tmp_path: Path,
+    pool: CryptoPool,
+    test_only_keypair_512: tuple[Any, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator's walkthrough (stop 42): an owner that stopped or was killed cancels
+    its task stream, which skipped the proxy's "closed" line: the log showed owners
+    connecting, never leaving."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(2)
+    with (
+        caplog.at_level(logging.INFO, logger="fedpca.proxy"),
+        _driven_by_hand(tmp_path, pool, public_key, PeerLimits(), rng) as running,
+    ):
+        channel, owner_2 = _stub(running, "owner-2")
+        with channel:
+            stream = owner_2.StreamTasks(serde.task_stream_request_to_proto("owner-2"))
+            next(stream)
+            assert "task stream opened by owner owner-2" in caplog.text
+            stream.cancel()
+            wait_until(
+                lambda: "task stream of owner owner-2 closed" in caplog.text,
+                "the proxy's line for the stream's end",
+            )
 
 
 def test_a_new_stream_ends_only_the_one_it_replaces() -> None:

@@ -197,8 +197,16 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                 )
         finally:
             self.streams.close(owner, generation)
-        if superseded.is_set() and not coordinator.stopping:
-            logger.info("task stream of owner %s replaced by a newer one", owner)
+            replaced = superseded.is_set() and not coordinator.stopping
+            # Here, not after: an owner that goes away cancels the stream, which skipped
+            # a line after the block (the log showed owners connecting, never leaving:
+            # an operator's walkthrough, stop 42).
+            logger.info(
+                "task stream of owner %s %s",
+                owner,
+                "replaced by a newer one" if replaced else "closed",
+            )
+        if replaced:
             # Said to the owner too: a second node run with this owner's certificate had
             # the two take the stream from each other, each told only that the proxy
             # closed it (found by review). A node that reconnected after a broken
@@ -209,8 +217,6 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                 f"a newer task stream of owner {owner} replaced this one: if this repeats, "
                 "two nodes run with this owner's certificate (stop one)"
             )
-        else:
-            logger.info("task stream of owner %s closed", owner)
 
     @unary_errors
     async def Upload(
