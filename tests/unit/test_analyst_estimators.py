@@ -871,6 +871,40 @@ def test_an_unreachable_proxy_after_submission_says_how_to_follow_the_query(
     assert "fedpca analyst status q-away" in message and "fedpca analyst fetch q-away" in message
 
 
+@pytest.mark.parametrize("state", [QueryState.FAILED, QueryState.AGGREGATING])
+def test_fetching_again_is_suggested_only_where_a_result_is_stored(
+    test_only_keypair_512: tuple[Any, Any], pool: CryptoPool, state: QueryState
+) -> None:
+    """An operator's walkthrough (stop 42): a query that failed after its contributors
+    were fixed ended with "fetch it again with `fedpca analyst fetch`", which then said
+    only a DONE query has a result."""
+    from fedpca.analyst.querying import run_query
+    from helpers import query_builder
+
+    public_key, private_key = test_only_keypair_512
+    spec = query_builder(n_features=3, n_components=1, epsilon=1.0, delta=1e-6)(
+        public_key, "q-late"
+    )
+
+    class FailingProxy:
+        def submit(self, *_: Any) -> Any:
+            return QueryStatus("q-late", QueryState.COLLECTING, 0, 1)
+
+        def wait_for_contributors(self, *_: Any, **__: Any) -> None:
+            return None
+
+        def fetch_stream(self, *_: Any, **__: Any) -> Any:
+            raise QueryStateError("fetch result of query 'q-late': query failed: deadline")
+
+        def status(self, query_id: str) -> Any:
+            return QueryStatus(query_id, state, 1, 1)
+
+    with pytest.raises(QueryStateError) as raised:
+        run_query(spec, FailingProxy(), private_key, TEST_SIGNING_KEY, pool=pool)
+    hinted = "fetch it again with `fedpca analyst fetch q-late`" in str(raised.value)
+    assert hinted == (state is not QueryState.FAILED), str(raised.value)
+
+
 def test_a_dca_class_the_labels_do_not_hold_is_warned_of() -> None:
     """Found by review: ``--classes 0,1`` on labels -1/1 gave a result (class 0's count
     8.6 of noise) without a word. A class whose noisy count is within 3 sigma of zero

@@ -28,7 +28,7 @@ from fedpca.errors import (
     QueryStateError,
     UnusableReleaseError,
 )
-from fedpca.messages import DeploymentInfo
+from fedpca.messages import DeploymentInfo, QueryState
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QuerySpec, stamped
 from fedpca.transport.certs import TlsFiles, TlsMaterial
@@ -324,6 +324,8 @@ def run_query(
             )
             raise
         except FedpcaError as exc:
+            if _failed(client, spec.query_id):
+                raise  # no result is stored to fetch again (an operator's walkthrough)
             # The release happened and is paid for; it stays stored at the proxy.
             raise type(exc)(
                 f"{exc} (the result of query {spec.query_id} stays stored at the proxy, 30 days "
@@ -624,3 +626,11 @@ def run_estimator_query(
             pool=pool,
         )
     return EstimatorRun(release, timings, deployment.owners_registered, prepared)
+
+
+def _failed(client: Any, query_id: str) -> bool:
+    """Whether the proxy says the query failed (False if it cannot be asked)."""
+    try:
+        return bool(client.status(query_id).state is QueryState.FAILED)
+    except FedpcaError:
+        return False
