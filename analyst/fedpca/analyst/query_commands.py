@@ -330,10 +330,13 @@ def register(
                 raise click.BadParameter(
                     f"--alpha must be 'auto' or a number, got {alpha!r}"
                 ) from None
+        import warnings
+
         from fedpca.analyst import keys
         from fedpca.analyst.cli import _print_release_summary
         from fedpca.analyst.decode import decrypt_result
         from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
+        from fedpca.analyst.querying import MissingOwnersWarning
         from fedpca.analyst.report import write_report
         from fedpca.codec.paillier import CryptoPool
         from fedpca.query import QueryKind
@@ -356,7 +359,10 @@ def register(
                         + (f" ({status.failure_reason})" if status.failure_reason else "")
                         + ": only a DONE query has a result"
                     )
-                registered = opened.describe().owners_registered
+                # As the proxy recorded it when the query was asked: the allow-list may
+                # have changed since (an operator's walkthrough, stop 42). An older
+                # proxy does not say: today's count then.
+                registered = status.owners_registered or opened.describe().owners_registered
                 started = time.perf_counter()
                 fetched = opened.fetch(query_id, public_key=private_key.public_key, signer=signer)
                 fetch_seconds = time.perf_counter() - started
@@ -371,15 +377,15 @@ def register(
                 return
             chosen = {} if n_components is None else {"n_components": n_components}
             estimator: FederatedPCA | FederatedDCA
-            if release.kind is QueryKind.PCA:
-                estimator = FederatedPCA.from_result(
-                    release, owners_registered=registered, timings=timings, **chosen
-                )
-            elif release.kind is QueryKind.DCA:
-                estimator = FederatedDCA.from_result(
-                    release, owners_registered=registered, timings=timings, **chosen
-                )
-            else:
+            if release.kind not in (QueryKind.PCA, QueryKind.DCA):
                 raise ConfigError(f"fetch cannot report {release.kind.value} queries")
+            factory = FederatedPCA if release.kind is QueryKind.PCA else FederatedDCA
+            with warnings.catch_warnings():
+                # The summary prints the warning in red; Python's copy repeated it (an
+                # operator's walkthrough, stop 42), as `pca` and `dca` already knew.
+                warnings.simplefilter("ignore", MissingOwnersWarning)
+                estimator = factory.from_result(
+                    release, owners_registered=registered, timings=timings, **chosen
+                )
             files = write_report(out, estimator)
         _print_release_summary(estimator, files)
