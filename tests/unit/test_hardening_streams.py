@@ -26,7 +26,7 @@ import pytest
 
 from fedpca.codec import CryptoPool
 from fedpca.errors import OverloadError
-from fedpca.messages import OwnerHello
+from fedpca.messages import OwnerHello, Task, TaskCancellation
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.limits import PeerLimits, TaskStreams
 from fedpca.transport import serde
@@ -352,6 +352,46 @@ def test_an_owner_leaving_is_logged(
                 lambda: "task stream of owner owner-2 closed" in caplog.text,
                 "the proxy's line for the stream's end",
             )
+
+
+def test_an_owner_uploading_is_told_at_once_when_the_query_fails(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """An operator's walkthrough (stop 42): a contributor kept its task whatever befell
+    the query, so an owner uploading to a query that was cancelled or ran past its
+    deadline encrypted on until its next chunk was refused (18 to 60 s there)."""
+    public_key, _ = test_only_keypair_512
+    rng = np.random.default_rng(3)
+    with _driven_by_hand(tmp_path, pool, public_key, PeerLimits(), rng) as running:
+        spec = _spec(public_key, "doomed")
+        payload, _ = encrypted_upload(spec, rng.uniform(-0.5, 0.5, (5, M)), public_key, pool)
+        release = threading.Event()
+
+        def header_then_stall() -> Iterator[Any]:
+            yield serde.encode_upload(
+                "alice/doomed", spec.analyst_key_fingerprint, "u-doomed", payload
+            )[0]
+            release.wait(30.0)
+
+        channel, owner_2 = _stub(running, "owner-2")
+        with channel, running.analyst() as analyst:
+            analyst.submit(spec, TEST_SIGNING_KEY)
+            stream = owner_2.StreamTasks(
+                serde.task_stream_request_to_proto("owner-2"), timeout=20.0
+            )
+            events = (serde.task_event_from_proto(message) for message in stream)
+            assert any(isinstance(event, Task) for event in events)  # the task, delivered
+            upload = owner_2.Upload.future(header_then_stall())
+            wait_until(lambda: analyst.status("doomed").owners_uploading == 1, "the upload")
+            analyst.cancel("doomed")
+            started = time.monotonic()
+            withdrawal = next(e for e in events if isinstance(e, TaskCancellation))
+            assert time.monotonic() - started < 5.0
+            assert withdrawal.query_id == "alice/doomed"
+            assert withdrawal.reason == "query failed: cancelled by the analyst"
+            stream.cancel()
+            release.set()
+            assert upload.exception(timeout=30) is not None
 
 
 def test_a_new_stream_ends_only_the_one_it_replaces() -> None:

@@ -1076,6 +1076,11 @@ def test_no_more_owners_than_the_quorum_contribute(
     assert coordinator.withdrawn_tasks("owner-0", [Q1]) == []
     (withdrawn,) = coordinator.withdrawn_tasks("owner-1", [Q1])
     assert withdrawn.query_id == Q1 and "uploads are closed" in withdrawn.reason
+    # Once the query failed, the contributor is told at once (before, it encrypted on
+    # until its next chunk was refused: an operator's walkthrough, stop 42).
+    coordinator.store.set_state(Q1, QueryState.FAILED, failure_reason="deadline passed")
+    (stopped,) = coordinator.withdrawn_tasks("owner-0", [Q1])
+    assert stopped.reason == "query failed: deadline passed"
 
 
 def test_what_one_owner_asks_reads_that_owners_rows_not_every_owners(

@@ -4,7 +4,7 @@ withdrawal of tasks that closed, and declines."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -43,6 +43,11 @@ def _one_line(text: str) -> str:
     return cleaned
 
 
+ANSWERED_WATCH_SECONDS = 60.0
+"""How long past its upload deadline an answered task's query is watched for a failure
+(:meth:`SentTasks.failed`): a query whose contributors are late fails at its deadline."""
+
+
 class SentTasks:
     """The tasks one owner's stream has sent that were still open when last seen.
 
@@ -52,20 +57,47 @@ class SentTasks:
     """
 
     def __init__(self, sent: Iterable[Task] = ()) -> None:
-        self._keys = {task.key for task in sent}
+        self._deadlines = {task.key: task.upload_deadline.timestamp() for task in sent}
+        # Closed tasks the owner answered (it contributes, or declined), until their
+        # deadline and a minute: their query may still fail (:meth:`failed`).
+        self._answered: dict[str, float] = {}
 
     def unsent(self, open_tasks: Sequence[Task]) -> list[Task]:
         """The open tasks not sent yet, now counted as sent."""
-        fresh = [task for task in open_tasks if task.key not in self._keys]
-        self._keys.update(task.key for task in fresh)
+        fresh = [task for task in open_tasks if task.key not in self._deadlines]
+        self._deadlines.update((task.key, task.upload_deadline.timestamp()) for task in fresh)
         return fresh
 
     def closed(self, open_tasks: Sequence[Task]) -> list[str]:
         """Keys of sent tasks that are no longer open, each reported once."""
         open_keys = {task.key for task in open_tasks}
-        gone = sorted(self._keys - open_keys)
-        self._keys &= open_keys
+        gone = sorted(set(self._deadlines) - open_keys)
+        for key in gone:
+            self._answered[key] = self._deadlines.pop(key) + ANSWERED_WATCH_SECONDS
         return gone
+
+    def withdrawn(self, keys: Iterable[str]) -> None:
+        """Closed tasks the owner was told are withdrawn: nothing more to watch."""
+        for key in keys:
+            self._answered.pop(key, None)
+
+    def failed(self, failure_of: Callable[[str], str | None], now: float) -> list[TaskCancellation]:
+        """Withdrawals of answered tasks whose query has failed since (``failure_of``
+        gives the reason, or None), each once; tasks past their watch are dropped.
+
+        An owner uploading to a query that failed went on encrypting until its next
+        chunk was refused: 18 to 60 s of its CPU in an operator's walkthrough (stop 42).
+        """
+        cancellations = []
+        for key, until in list(self._answered.items()):
+            reason = failure_of(key)
+            if reason is not None:
+                cancellations.append(
+                    TaskCancellation(query_id=key, reason=f"query failed: {reason}")
+                )
+            if reason is not None or until < now:
+                del self._answered[key]
+        return cancellations
 
 
 class OwnerTasks(CoordinatorCore):
@@ -171,9 +203,9 @@ class OwnerTasks(CoordinatorCore):
         """Cancellations for delivered tasks the owner should no longer answer.
 
         A task is withdrawn when its query stopped collecting (quorum reached,
-        failed, done) or its deadline passed before this owner answered. Tasks
-        the owner contributes to (its upload complete or not) or declined are never
-        withdrawn.
+        failed, done) or its deadline passed before this owner answered. A task the
+        owner declined is never withdrawn, nor one it contributes to (its upload
+        complete or not) unless the query failed: its upload can no longer be taken.
         """
         now = self.clock()
         cancellations = []
@@ -182,11 +214,13 @@ class OwnerTasks(CoordinatorCore):
                 record = self.store.query(query_id)
             except NotFoundError:
                 continue
-            # A contributor keeps its task whatever the state: its upload may still be
-            # streaming in (or resume after a restart of either side).
-            if (
-                self.store.has_declined(query_id, owner_id)
-                or self.store.contributor(query_id, owner_id) is not None
+            # A contributor keeps its task while its upload may still stream in (or
+            # resume after a restart of either side); once the query failed it is told
+            # at once, so that it stops encrypting (it went on until its next chunk was
+            # refused: 18 to 60 s of owners' CPU in an operator's walkthrough, stop 42).
+            if self.store.has_declined(query_id, owner_id) or (
+                record.state is not QueryState.FAILED
+                and self.store.contributor(query_id, owner_id) is not None
             ):
                 continue
             if record.state is QueryState.FAILED:

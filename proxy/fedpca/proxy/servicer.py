@@ -184,10 +184,13 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                     yield serde.task_event_to_proto(task)
                 closed = sent.closed(tasks)
                 if closed:
-                    for cancellation in await self.work.run(
-                        coordinator.withdrawn_tasks, owner, closed
-                    ):
+                    withdrawn = await self.work.run(coordinator.withdrawn_tasks, owner, closed)
+                    sent.withdrawn(cancellation.query_id for cancellation in withdrawn)
+                    for cancellation in withdrawn:
                         yield serde.task_event_to_proto(cancellation)
+                # From memory, no read: an answered task whose query failed since.
+                for cancellation in sent.failed(coordinator.store.recent_failure, time.time()):
+                    yield serde.task_event_to_proto(cancellation)
                 now = time.monotonic()
                 if now >= next_beat:
                     yield serde.task_event_to_proto(Heartbeat(sent_at=datetime.now(UTC)))

@@ -54,9 +54,12 @@ from fedpca.proxy.store_records import (
 )
 from fedpca.proxy.store_schema import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION", "ProxyStore", "QueryProgress"]
+__all__ = ["RECENT_FAILURES_KEPT", "SCHEMA_VERSION", "ProxyStore", "QueryProgress"]
 
 logger = logging.getLogger(__name__)
+
+RECENT_FAILURES_KEPT = 1024
+"""Failed queries whose reasons :meth:`ProxyStore.recent_failure` keeps in memory."""
 
 
 class QueryProgress(NamedTuple):
@@ -269,7 +272,18 @@ class ProxyStore(ContributionStore):
                 "UPDATE queries SET state=?, failure_reason=?, updated_at=? WHERE query_id=?",
                 (state.value, failure_reason, self._clock(), query_id),
             )
+        if state is QueryState.FAILED:  # committed
+            with self._lock:
+                self._recent_failures[query_id] = failure_reason or "no reason"
+                while len(self._recent_failures) > RECENT_FAILURES_KEPT:
+                    self._recent_failures.popitem(last=False)
         return self.query(query_id)
+
+    def recent_failure(self, query_id: str) -> str | None:
+        """The reason ``query_id`` failed, if it is among the latest
+        :data:`RECENT_FAILURES_KEPT` queries this process failed (memory only, no read)."""
+        with self._lock:
+            return self._recent_failures.get(query_id)
 
     def record_decline(self, query_id: str, owner_id: str, reason: str) -> bool:
         """Record an owner's decline while the query collects uploads; False if the owner

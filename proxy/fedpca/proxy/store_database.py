@@ -12,6 +12,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
@@ -228,6 +229,9 @@ class StoreDatabase:
             ) from exc
         self._clock = clock
         self._lock = threading.RLock()
+        # The latest queries this process failed, with their reasons (memory only): the
+        # owners' task streams tell their contributors without a read each.
+        self._recent_failures: OrderedDict[str, str] = OrderedDict()
         try:
             if created and not read_only:
                 # Whole or not at all: a crash while the tables are made left a file
