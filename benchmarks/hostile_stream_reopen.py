@@ -20,7 +20,9 @@ allow-listed owners, each holding its task stream open on its own channel. Then,
 
 Reported per window, from ``/proc/<pid>/stat`` and the proxy's log file: the proxy's CPU
 seconds per wall second, the bytes its log grew per second, the median time a
-bystander's ``Hello`` took (one every 0.1 s), and the attacker's openings by outcome.
+bystander's ``Hello`` took (one every 0.1 s, or less often with few bystanders: they
+take turns, each staying within the proxy's limit of Hello calls a minute), and the
+attacker's openings by outcome.
 The attacker runs in this process: on a machine of its own it could send more.
 
 Usage::
@@ -122,14 +124,22 @@ def reopen_in_a_loop(stub: Any, until: float) -> Counter[str]:
     return outcomes
 
 
-def time_hellos(stub: Any, until: float, latencies: list[float]) -> None:
-    """A bystander's Hello every 0.1 s until ``until``: milliseconds each took."""
+HELLOS_PER_BYSTANDER_PER_MINUTE = 9
+"""Hellos each bystander sends a minute: within the proxy's limit (20) over both windows."""
+
+
+def time_hellos(stubs: list[Any], until: float, latencies: list[float]) -> None:
+    """The bystanders' Hellos in turn until ``until``, one every 0.1 s or less often (each
+    bystander within :data:`HELLOS_PER_BYSTANDER_PER_MINUTE`): milliseconds each took."""
     hello = owner_pb.OwnerHello(node_id="", software_version="1")
+    interval = max(0.1, 60.0 / (len(stubs) * HELLOS_PER_BYSTANDER_PER_MINUTE))
+    turn = 0
     while time.monotonic() < until:
         started = time.monotonic()
-        stub.Hello(hello, timeout=30.0)
+        stubs[turn % len(stubs)].Hello(hello, timeout=30.0)
+        turn += 1
         latencies.append((time.monotonic() - started) * 1000)
-        time.sleep(0.1)
+        time.sleep(interval)
 
 
 def measure(
@@ -146,7 +156,11 @@ def measure(
     hello_ms: list[float] = []
     prober = threading.Thread(
         target=time_hellos,
-        args=(owner_grpc.OwnerServiceStub(bystanders[0].channel), started + seconds, hello_ms),
+        args=(
+            [owner_grpc.OwnerServiceStub(b.channel) for b in bystanders],
+            started + seconds,
+            hello_ms,
+        ),
     )
     prober.start()
     if attacker is None:
