@@ -526,3 +526,37 @@ def test_a_long_budget_check_does_not_hold_up_another_analyst(tmp_path: Path) ->
     assert len(latencies) > 20 and max(latencies) < min(PROMPT, longest / 2), (
         f"Bob waited up to {max(latencies):.2f} s; Alice's checks took {checks}"
     )
+
+
+def test_a_proxy_stopped_with_uploads_in_flight_stops_cleanly(tmp_path: Path) -> None:
+    """An operator's walkthrough (stop 42): SIGTERM (`systemctl stop`) with uploads in
+    flight logged "Task was destroyed but it is pending!" and tracebacks after "proxy
+    stopped": the event loop was closed with the upload handlers still pending."""
+    cluster = _cluster(tmp_path, 2)
+    owner_id = cluster.owner_ids[0]
+    public_key, signing_key = cluster_keys(cluster)
+    spec = _spec(public_key, "cut", quorum=2)
+    key = task_id(cluster.analyst_ids[0], "cut")
+    messages = _upload_messages(cluster, spec, key, "cut-0")
+    release = threading.Event()
+    with cluster:
+        cluster.start_proxy()
+        with cluster_analyst(cluster) as analyst:
+            analyst.submit(spec, signing_key)
+        channel, owner = cluster_stub(cluster, "owner", owner_id)
+        with channel:
+
+            def header_only() -> Iterator[Any]:
+                yield messages[0]
+                release.wait(60.0)
+
+            upload = owner.Upload.future(header_only())
+            with cluster_analyst(cluster) as analyst:
+                wait_until(lambda: analyst.status("cut").owners_uploading == 1, "the upload")
+            assert cluster.proxy is not None
+            cluster.proxy.stop()
+            release.set()
+            assert upload.exception(timeout=30) is not None
+        log = cluster.proxy.log_path.read_text(errors="replace")  # stopped: the log closed
+    assert "proxy stopped" in log
+    assert "Traceback" not in log and "was destroyed but it is pending" not in log, log

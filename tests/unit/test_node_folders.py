@@ -564,6 +564,38 @@ def test_owner_init_writes_the_columns_queries_may_read(certs: Path, tmp_path: P
     assert load_owner_config(out / "owner.toml").policy.allowed_columns == (0, 2, 4)
 
 
+def test_init_force_names_the_settings_no_flag_keeps(certs: Path, tmp_path: Path) -> None:
+    """An operator's walkthrough (stop 42): over an owner.toml edited by hand
+    (``[crypto] processes = 1``), `init --force` said "give the flags that keep them",
+    and `owner init` has no such flag."""
+    data = _table(tmp_path / "table.csv")
+    out = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--label-column", "0"),
+        *("--max-records", "400", "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER),
+    ]
+    runner = CliRunner()
+    assert runner.invoke(owner_group, args).exit_code == 0
+    path = out / "owner.toml"
+    edited = (
+        path.read_text()
+        .replace("processes = 0", "processes = 1")
+        .replace("epsilon = 3.0", "epsilon = 2.0")
+    )
+    path.write_text(edited)
+    refused = runner.invoke(owner_group, [*args, "--force"])
+    assert refused.exit_code == 1
+    message = " ".join(refused.output.split())
+    assert "crypto.processes: 1 -> 0" in message and "budget.epsilon: 2.0 -> 3.0" in message
+    # The budget has a flag (--budget-epsilon); the number of processes none.
+    assert "No flag of `init` writes crypto.processes: keep it by editing owner.toml" in (
+        message
+    )
+    assert path.read_text() == edited
+
+
 def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: Path) -> None:
     data = _table(tmp_path / "table.csv")
     keys = ["sha256:" + c * 64 for c in "abc"]

@@ -189,7 +189,12 @@ def _flat(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def refuse_changed_settings(
-    path: Path, new_text: str, *, replace_settings: bool, requested: Iterable[str] = ()
+    path: Path,
+    new_text: str,
+    *,
+    replace_settings: bool,
+    requested: Iterable[str] = (),
+    settable: Iterable[str] | None = None,
 ) -> None:
     """Refuse to replace the configuration ``path`` with ``new_text`` when that changes
     or drops a setting, unless ``replace_settings`` or the setting is ``requested``.
@@ -209,6 +214,11 @@ def refuse_changed_settings(
     refused for changing the owners until ``--replace-settings`` was added. Each change
     accepted is logged (a WARNING): a required flag is always given, so a re-run with
     fewer owners or a larger ``--max-records`` is accepted, and the log says so.
+
+    ``settable`` names the settings some flag of the command writes (None: all of
+    them). A change to one no flag writes (``crypto.processes`` of an owner) is named
+    apart, as kept only by editing the file: the error told an operator to "give the
+    flags that keep them", flags that do not exist (an operator's walkthrough, stop 42).
 
     Raises
     ------
@@ -240,12 +250,28 @@ def refuse_changed_settings(
         if not any(key == name or key.startswith(f"{name}.") for name in asked)
     ]
     if changes and not replace_settings:
+        flags = None if settable is None else tuple(settable)
+        unflagged = [
+            key
+            for key in changed
+            if flags is not None
+            and not any(key == name or key.startswith(f"{name}.") for name in asked)
+            and not any(key == name or key.startswith(f"{name}.") for name in flags)
+        ]
+        them = "it" if len(unflagged) == 1 else "them"
+        no_flag = (
+            f" No flag of `init` writes {', '.join(unflagged)}: keep {them} by editing "
+            f"{path.name} by hand instead of running `init --force`, or set {them} again "
+            "by hand after --replace-settings."
+            if unflagged
+            else ""
+        )
         raise ConfigError(
             f"{path} would change these settings: {'; '.join(changes)}. `init --force` "
             "writes every setting from its flags and their defaults; changes by flags "
             "given are accepted, not those of defaults: give the flags that keep them, "
             f"edit {path.name} by hand instead, or pass --replace-settings to accept the "
-            "changes"
+            f"changes.{no_flag}"
         )
     for change in changed.values():
         logger.warning("%s: %s", path.name, change)

@@ -332,7 +332,11 @@ def write_owner_folder(
             folder.make_state()
         path = out / CONFIG_NAME
         refuse_changed_settings(
-            path, text, replace_settings=replace_settings, requested=requested_settings
+            path,
+            text,
+            replace_settings=replace_settings,
+            requested=requested_settings,
+            settable=[key for keys in _FLAG_SETTINGS.values() for key in keys],
         )
         path.write_text(text, encoding="utf-8")
         config = load_config(path)

@@ -249,7 +249,11 @@ def write_proxy_folder(
             analysts=analysts,
         )
         refuse_changed_settings(
-            path, text, replace_settings=replace_settings, requested=requested_settings
+            path,
+            text,
+            replace_settings=replace_settings,
+            requested=requested_settings,
+            settable=[key for keys in _FLAG_SETTINGS.values() for key in keys],
         )
         path.write_text(text, encoding="utf-8")
         config = load_config(path)

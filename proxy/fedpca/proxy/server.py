@@ -315,6 +315,12 @@ class ProxyServer:
             self._on_loop(asyncio.sleep(min(grace, 0.2)))
         if server is not None:
             self._on_loop(server.stop(grace))
+            # The calls gRPC cut at the grace's end are still unwinding (an upload's
+            # stream hands its unfinished chunks back on a worker thread): let them
+            # finish before the loop closes. Closed under them, they were logged as
+            # "Task was destroyed but it is pending!" and tracebacks (an operator's
+            # walkthrough, stop 42).
+            self._on_loop(_settle(SETTLE_SECONDS))
         loop, self._loop = self._loop, None
         if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
@@ -347,3 +353,22 @@ class ProxyServer:
     def wait(self) -> None:
         """Block until the server is stopped (by :meth:`stop` from another thread)."""
         self._terminated.wait()
+
+
+SETTLE_SECONDS = 10.0
+"""How long a stopping proxy lets the calls it cut finish unwinding (:func:`_settle`)."""
+
+
+async def _settle(timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for every other task of the loop to finish; cancel
+    the ones left (and give them a second to unwind), saying how many."""
+    current = asyncio.current_task()
+    pending = [task for task in asyncio.all_tasks() if task is not current]
+    if not pending:
+        return
+    _, left = await asyncio.wait(pending, timeout=timeout)
+    if left:
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=1.0)
+        logger.info("stopping: %d call(s) cut while still unwinding", len(left))
