@@ -72,6 +72,11 @@ class OverloadError(FedpcaError, RuntimeError):
     uploads or queries in flight, queries a day): nothing was done; retry later."""
 
 
+class OwnersNotConnectedError(OverloadError, ConfigError):
+    """Fewer owners than a query's quorum are connected to the proxy: nothing was
+    submitted; retry later (or ask a smaller quorum)."""
+
+
 class PolicyError(FedpcaError, PermissionError):
     """A task violates an owner's local policy (other than the budget)."""
 

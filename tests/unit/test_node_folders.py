@@ -590,9 +590,7 @@ def test_init_force_names_the_settings_no_flag_keeps(certs: Path, tmp_path: Path
     message = " ".join(refused.output.split())
     assert "crypto.processes: 1 -> 0" in message and "budget.epsilon: 2.0 -> 3.0" in message
     # The budget has a flag (--budget-epsilon); the number of processes none.
-    assert "No flag of `init` writes crypto.processes: keep it by editing owner.toml" in (
-        message
-    )
+    assert "No flag of `init` writes crypto.processes: keep it by editing owner.toml" in (message)
     assert path.read_text() == edited
 
 

@@ -149,8 +149,8 @@ def analyst_group() -> None:
     \b
     Exit status: 0 done; 1 error; 2 usage error; 3 refused by the privacy
     budget (the proxy's, or every declining owner's); 4 refused for now by one
-    of the proxy's limits (queries open or submitted today, calls in flight):
-    nothing was charged, retry later;
+    of the proxy's limits (queries open or submitted today, calls in flight), or
+    fewer owners connected than the quorum: nothing was charged, retry later;
     130 interrupted by Ctrl-C, 143 ended by SIGTERM (a query being waited for is
     cancelled).
     """

@@ -25,6 +25,7 @@ from fedpca.errors import (
     ConfigError,
     FedpcaError,
     NotFoundError,
+    OwnersNotConnectedError,
     QueryStateError,
     UnusableReleaseError,
 )
@@ -545,7 +546,7 @@ def _wait_once(
 ) -> None:
     """Pause a second before asking again, or refuse once the wait is over (ConfigError)."""
     if time.monotonic() >= waited_until:
-        raise ConfigError(
+        raise OwnersNotConnectedError(
             f"only {deployment.owners_connected} of the {spec.quorum} owners this "
             f"query needs (quorum {spec.quorum} of {deployment.owners_registered} "
             "registered) are connected to the proxy (`fedpca analyst deployment` "
