@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -254,7 +255,9 @@ def test_json_log_lines(fresh_logging: None, capsys: pytest.CaptureFixture[str])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     record = json.loads(line)
     assert record["level"] == "WARNING" and record["logger"] == "fedpca.test"
-    assert record["message"] == "owner hospital-a declined" and "time" in record
+    assert record["message"] == "owner hospital-a declined"
+    # ISO 8601 in UTC with milliseconds (whole seconds of local time before).
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", record["time"])
     # A later call (a serve subcommand) keeps the format and only lowers the level.
     logs.configure_logging(logging.DEBUG)
     logging.getLogger("fedpca.test").debug("more")
