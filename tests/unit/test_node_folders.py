@@ -24,6 +24,7 @@ from fedpca.errors import ConfigError
 from fedpca.owner.cli import owner_group
 from fedpca.owner.config import load_config as load_owner_config
 from fedpca.owner.init import write_owner_folder
+from fedpca.owner.ledger import BudgetLedger, owner_ledger
 from fedpca.proxy.cli import proxy_group
 from fedpca.proxy.config import BudgetConfig
 from fedpca.proxy.config import load_config as load_proxy_config
@@ -592,6 +593,45 @@ def test_init_force_names_the_settings_no_flag_keeps(certs: Path, tmp_path: Path
     # The budget has a flag (--budget-epsilon); the number of processes none.
     assert "No flag of `init` writes crypto.processes: keep it by editing owner.toml" in (message)
     assert path.read_text() == edited
+
+
+def test_owner_backup_copies_the_ledger_and_the_kept_shares(certs: Path, tmp_path: Path) -> None:
+    """An operator's walkthrough (stop 42): owners had no backup command, only a Python
+    one-liner in the docs whose copy landed beside the ledger."""
+    data = _table(tmp_path / "table.csv")
+    out = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--label-column", "0"),
+        *("--max-records", "400", "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER),
+    ]
+    runner = CliRunner()
+    assert runner.invoke(owner_group, args).exit_code == 0
+    config = load_owner_config(out / "owner.toml")
+    owner_ledger(config).reserve(
+        PrivacyEvent("alice/q1", "alice", 2.0, 1.0, 1e-6), config.budget, spec_digest="d1"
+    )
+    shares = config.owner.state_dir / "shares"
+    shares.mkdir(mode=0o700)
+    (shares / ("0" * 32 + ".npz")).write_bytes(b"share")
+    copy = tmp_path / "backups" / "today"
+    copy.parent.mkdir()
+    command = ["backup", "--config", str(out / "owner.toml"), "--out", str(copy)]
+    result = runner.invoke(owner_group, command)
+    assert result.exit_code == 0, result.output
+    assert "(1 releases) and 1 kept share(s)" in result.output
+    restored = BudgetLedger(copy / "ledger.sqlite3", read_only=True)
+    assert [entry.event.query_id for entry in restored.events()] == ["alice/q1"]
+    assert (copy / "shares" / ("0" * 32 + ".npz")).read_bytes() == b"share"
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o700
+    assert stat.S_IMODE((copy / "ledger.sqlite3").stat().st_mode) == 0o600
+    again = runner.invoke(owner_group, command)
+    assert again.exit_code == 1 and "exists: give a new folder" in again.output
+    (config.owner.state_dir / "ledger.sqlite3").unlink()
+    missing = runner.invoke(owner_group, [*command[:-1], str(tmp_path / "other")])
+    assert missing.exit_code == 1 and "no budget ledger at" in missing.output
+    assert not (tmp_path / "other").exists()
 
 
 def test_owner_init_can_give_each_analyst_an_equal_share(certs: Path, tmp_path: Path) -> None:

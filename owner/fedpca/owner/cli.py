@@ -410,6 +410,30 @@ def _missing_ledger(path: Path, override: str) -> str:
     )
 
 
+@owner_group.command("backup")
+@_config_option()
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A new folder for the copy (ledger.sqlite3 and shares/), off the state folder's disk.",
+)
+def backup_command(config_path: Path, out: Path) -> None:
+    """Copy this owner's budget ledger, then the shares of its uploads in flight, into a
+    new folder, beside a serving node (docs/operations.md, Backup and restore)."""
+    from fedpca.owner.backup import backup_owner_state
+
+    try:
+        backup = backup_owner_state(load_config(config_path), out)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(
+        f"backed up the budget ledger ({backup.releases} releases) and {backup.shares} "
+        f"kept share(s) of uploads in flight to {backup.folder} (readable by this user "
+        "only): restore them together, as state_dir/ledger.sqlite3 and state_dir/shares"
+    )
+
+
 @owner_group.command("new-ledger")
 @_config_option()
 def new_ledger_command(config_path: Path) -> None:

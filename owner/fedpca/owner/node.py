@@ -66,7 +66,7 @@ from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import check_allowed_columns
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
-from fedpca.owner.share_snapshots import ShareSnapshots
+from fedpca.owner.share_snapshots import SHARES_FOLDER, ShareSnapshots
 from fedpca.owner.state_folder import refuse_if_another_process_serves, use_state_folder
 from fedpca.owner.task_intake import RefusedTask, TaskIntake
 from fedpca.owner.task_processing import TaskProcessing
@@ -189,7 +189,7 @@ class OwnerNode(TaskProcessing):
                 "names the wrong folder: stop it and correct the path",
                 config.ledger_path,
             )
-        self.shares = ShareSnapshots(config.owner.state_dir / "shares")
+        self.shares = ShareSnapshots(config.owner.state_dir / SHARES_FOLDER)
         self._owns_pool = pool is None
         processes = config.crypto.processes or None
         self._pool = pool if pool is not None else CryptoPool(processes)

@@ -30,7 +30,10 @@ import numpy.typing as npt
 from fedpca.files import write_atomically
 from fedpca.protocol import ReleasePlan
 
-__all__ = ["KeptShare", "ShareSnapshots"]
+__all__ = ["SHARES_FOLDER", "KeptShare", "ShareSnapshots"]
+
+SHARES_FOLDER = "shares"
+"""The folder of the shares of uploads in flight, in the node's state folder."""
 
 logger = logging.getLogger(__name__)
 

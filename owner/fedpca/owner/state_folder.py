@@ -14,6 +14,7 @@ import os
 from fedpca.errors import ConfigError
 from fedpca.files import ExclusiveUse, database_missing
 from fedpca.owner.config import OwnerConfig
+from fedpca.owner.share_snapshots import SHARES_FOLDER
 
 __all__ = [
     "LOCK_NAME",
@@ -65,7 +66,7 @@ def refuse_where_a_node_ran(config: OwnerConfig) -> None:
     ------
     ConfigError
     """
-    ran = [p for p in (LOCK_NAME, "shares") if (config.owner.state_dir / p).exists()]
+    ran = [p for p in (LOCK_NAME, SHARES_FOLDER) if (config.owner.state_dir / p).exists()]
     if ran:
         raise ConfigError(
             f"{config.owner.state_dir} holds {ran[0]} but no ledger "
