@@ -362,6 +362,22 @@ def test_the_ledger_is_readable_by_its_user_only(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def test_a_later_ledger_names_the_copy_kept_before_its_migration(tmp_path: Path) -> None:
+    """An operator's walkthrough (stop 42): going back a version, the refusal of the
+    migrated ledger did not say that the later version had kept a copy to go back to."""
+    path = tmp_path / "ledger.sqlite3"
+    BudgetLedger(path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.close()
+    with pytest.raises(ConfigError, match=r"version 99, this fedpca understands 7$"):
+        BudgetLedger(path)
+    kept = tmp_path / "ledger.sqlite3.schema-7.bak"
+    kept.write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"kept the ledger as it was in {re.escape(str(kept))}"):
+        BudgetLedger(path)
+
+
 def _schema_5_ledger(path: Path, rows: str) -> Path:
     """A ledger as fedpca's schema 5 left it, with ``rows`` (SQL) added."""
     conn = sqlite3.connect(path)

@@ -100,7 +100,8 @@ def create_or_migrate(
         )
     elif int(row[0]) != SCHEMA_VERSION:
         raise ConfigError(
-            f"{path}: ledger schema version {row[0]}, this fedpca understands {SCHEMA_VERSION}"
+            f"{path}: ledger schema version {row[0]}, this fedpca understands "
+            f"{SCHEMA_VERSION}{_kept_copy_hint(path)}"
         )
     # After the migrations: tasks.spec_digest exists from schema 5 on. The replay lookup
     # of every new task (answered_under) searches it instead of scanning every task.
@@ -193,6 +194,20 @@ def keep_copy_before_migrating(
         copy,
     )
     return copy
+
+
+def _kept_copy_hint(path: Path) -> str:
+    """Where the copy a later fedpca kept before migrating lies, if it is there: going
+    back to this version means going back to it (an operator's walkthrough, stop 42:
+    the error did not say the copy existed)."""
+    copy = path.with_name(f"{path.name}.schema-{SCHEMA_VERSION}.bak")
+    if not copy.is_file():
+        return ""
+    return (
+        f". A later fedpca migrated it and kept the ledger as it was in {copy}: to go "
+        "back to this version, run the later one, or restore that copy (the releases "
+        "made since are then forgotten: docs/operations.md, Upgrading)"
+    )
 
 
 def check_version(connection: sqlite3.Connection, path: Path) -> None:
