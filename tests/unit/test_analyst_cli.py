@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import random
+import re
 import stat
 import time
 from collections.abc import Iterator
@@ -983,6 +984,8 @@ def test_cli_list_status_cancel_and_fetch(
     # Said once, as the summary says it (Python's copy repeated it: an operator's
     # walkthrough, stop 42), of the owners registered when the query was asked.
     assert fetched.output.count("registered owners contributed") == 1, fetched.output
+    # Decryption shows its progress, as `pca` does (5-10 s of silence before).
+    assert re.search(r"decrypted (\d+)/\1 ciphertexts", fetched.output), fetched.output
     again = json.loads(out.read_text())
     assert again["query_id"] == query_id
     assert again["components"] == json.loads((tmp_path / "a.json").read_text())["components"]

@@ -336,7 +336,7 @@ def register(
         from fedpca.analyst.cli import _print_release_summary
         from fedpca.analyst.decode import decrypt_result
         from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
-        from fedpca.analyst.querying import MissingOwnersWarning
+        from fedpca.analyst.querying import MissingOwnersWarning, ProgressDisplay
         from fedpca.analyst.report import write_report
         from fedpca.codec.paillier import CryptoPool
         from fedpca.query import QueryKind
@@ -367,8 +367,14 @@ def register(
                 fetched = opened.fetch(query_id, public_key=private_key.public_key, signer=signer)
                 fetch_seconds = time.perf_counter() - started
             started = time.perf_counter()
+            # Progress as `pca` shows it (5-10 s of silence here before: an operator's
+            # walkthrough, stop 42).
+            display = ProgressDisplay()
+            display.fetched(fetched.result.payload.total_ciphertexts)
             with CryptoPool(workers) as pool:
-                release = decrypt_result(fetched.result, private_key, pool=pool)
+                release = decrypt_result(
+                    fetched.result, private_key, pool=pool, progress=display.decrypted
+                )
             timings = {"fetch": fetch_seconds, "decrypt": time.perf_counter() - started}
             if release.kind is QueryKind.AGGREGATE:
                 if n_components is not None:
