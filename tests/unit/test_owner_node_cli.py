@@ -6,6 +6,7 @@ import math
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -87,6 +88,17 @@ def test_budget_without_ledger_is_refused(tmp_path: Path) -> None:
     assert "[owner] state_dir names the wrong folder" in result.output
     assert "spent" not in result.output and "next query" not in result.output
     assert not (tmp_path / "state").exists()  # a read-only command creates nothing
+
+
+def test_budget_of_a_ledger_of_another_version_prints_only_the_refusal(tmp_path: Path) -> None:
+    """An operator's walkthrough (stop 42): two header lines came before the refusal."""
+    config = _with_new_ledger(_write_config(tmp_path))
+    with sqlite3.connect(tmp_path / "state" / "ledger.sqlite3") as conn:
+        conn.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
+    conn.close()
+    result = CliRunner().invoke(owner_group, ["budget", "--config", str(config)])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: ") and "ledger schema version 6" in result.output
 
 
 def _with_new_ledger(config: Path) -> Path:

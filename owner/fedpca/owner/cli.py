@@ -225,8 +225,6 @@ def budget_command(
             f"--query-delta {shown} is above this owner's per-query delta cap {cap_shown}: "
             "every such query is refused"
         )
-    click.echo(f"owner        {config.owner.id}")
-    click.echo(f"budget       epsilon={budget.epsilon:g} delta={budget.delta:g}")
     if not holds_database(config.ledger_path):
         # Not "nothing spent": a wrong folder would report a full budget.
         raise click.ClickException(
@@ -236,6 +234,10 @@ def budget_command(
         )
     try:
         ledger = owner_ledger(config, read_only=True)
+        # Once the ledger opened: before, a ledger of another version was refused
+        # below these lines (an operator's walkthrough, stop 42).
+        click.echo(f"owner        {config.owner.id}")
+        click.echo(f"budget       epsilon={budget.epsilon:g} delta={budget.delta:g}")
         entries = ledger.events()
         outcomes = ledger.release_outcomes()
         events = [entry.event for entry in entries]
