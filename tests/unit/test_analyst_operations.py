@@ -241,6 +241,19 @@ def test_a_proxy_limit_reaches_the_analyst_as_a_limit_not_as_an_exhausted_budget
         assert client.status("second").state is QueryState.COLLECTING
 
 
+def _alice_and_bob(tmp_path: Path, pool: CryptoPool, public_key: Any, limits: PeerLimits) -> Any:
+    """A deployment of one owner, not serving, and two analysts, under ``limits``."""
+    return deployment(
+        workdir=tmp_path,
+        tables=_tables("owner-1"),
+        pool=pool,
+        public_key=public_key,
+        running=(),
+        analysts=("alice", "bob"),
+        limits=limits,
+    )
+
+
 def test_an_analysts_concurrent_submissions_are_bounded(
     tmp_path: Path,
     pool: CryptoPool,
@@ -250,15 +263,8 @@ def test_an_analysts_concurrent_submissions_are_bounded(
     """Each submission holds one of the proxy's worker threads while it is checked: one
     analyst may not hold more than ``max_submissions_per_analyst`` of them."""
     public_key, _ = test_only_keypair_512
-    with deployment(
-        workdir=tmp_path,
-        tables=_tables("owner-1"),
-        pool=pool,
-        public_key=public_key,
-        running=(),
-        analysts=("alice", "bob"),
-        limits=PeerLimits(max_submissions_per_analyst=1),
-    ) as running:
+    limits = PeerLimits(max_submissions_per_analyst=1)
+    with _alice_and_bob(tmp_path, pool, public_key, limits) as running:
         coordinator = running.proxy.coordinator
         entered, release = threading.Event(), threading.Event()
         original = coordinator.submit
@@ -298,15 +304,8 @@ def test_an_analysts_listings_are_one_at_a_time_and_bounded_per_minute(
     the proxy's CPU); one analyst listing from 16 threads kept a core busy and slowed
     another analyst's status calls 70-fold."""
     public_key, _ = test_only_keypair_512
-    with deployment(
-        workdir=tmp_path,
-        tables=_tables("owner-1"),
-        pool=pool,
-        public_key=public_key,
-        running=(),
-        analysts=("alice", "bob"),
-        limits=PeerLimits(max_listings_per_analyst_per_minute=3),
-    ) as running:
+    limits = PeerLimits(max_listings_per_analyst_per_minute=3)
+    with _alice_and_bob(tmp_path, pool, public_key, limits) as running:
         coordinator = running.proxy.coordinator
         entered, release = threading.Event(), threading.Event()
         original = coordinator.status
