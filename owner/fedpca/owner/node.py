@@ -519,6 +519,12 @@ class OwnerNode(TaskProcessing):
                 # left in flight whose query ended while this node was away (an id the
                 # ledger does not know costs one read).
                 self.end_withdrawn_upload(event.query_id, event.reason)
+            elif (upload := self._prepared.get(event.query_id)) is not None:
+                # Its encryption and upload stop now; the worker then ends the task as
+                # withdrawn (under the one refund rule). Left to the worker, an upload
+                # to a query that failed went on until its next chunk was refused (a
+                # review of stop 42).
+                upload.stop()
             return
         query_id = event.key
         with self._lock:
