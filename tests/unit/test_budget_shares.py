@@ -208,9 +208,9 @@ def test_the_daily_count_can_be_one_analysts(tmp_path: Path) -> None:
     ledger = BudgetLedger(tmp_path / "ledger.sqlite3")
     for n, analyst in enumerate([A, A, B]):
         ledger.reserve(_event(f"q{n}", analyst, 0.1), BUDGET, spec_digest=f"q{n}")
-    assert ledger.tasks_started_since(0) == 3
-    assert ledger.tasks_started_since(0, analyst=A) == 2
-    assert ledger.tasks_started_since(0, analyst=B, excluding="q2") == 0
+    assert ledger.tasks_started_since(0, asking=A) == 3
+    assert ledger.tasks_started_since(0, asking=A, own_only=True) == 2
+    assert ledger.tasks_started_since(0, asking=B, excluding="q2", own_only=True) == 0
 
 
 SIGNER_B = "ed25519:" + "cd" * 32
@@ -436,7 +436,7 @@ def test_with_shares_the_daily_cap_counts_the_asking_analysts_releases(
     else:
         assert [m.detail for m in declined] == [
             "this owner has reached its limit of tasks begun in 24 hours "
-            "(policy.max_tasks_per_day = 1, refunded tasks included)"
+            "(policy.max_tasks_per_day = 1, this analyst's refunded tasks included)"
         ]
 
 
@@ -459,7 +459,7 @@ def test_a_refunded_task_still_counts_toward_the_daily_cap(
     assert not isinstance(again, tuple)
     assert [m.detail for m in stub.declined] == [
         "this owner has reached its limit of tasks begun in 24 hours "
-        "(policy.max_tasks_per_day = 1, refunded tasks included)"
+        "(policy.max_tasks_per_day = 1, this analyst's refunded tasks included)"
     ]
 
 

@@ -322,7 +322,9 @@ def test_a_declined_query_replayed_under_another_id_is_known_across_restarts(
 
 def test_the_daily_cap_counts_refunded_tasks_and_forgets_old_ones(tmp_path: Path) -> None:
     """Schema 7: a task's start outlives its refund (the cap bounds the computing as well
-    as the releases); starts older than the cap's window and a day are dropped."""
+    as the releases), counted against its own analyst only (review, stop 42: against
+    every analyst, one analyst's cancelled queries locked the others out for free);
+    starts older than the cap's window and a day are dropped."""
     path = tmp_path / "ledger.sqlite3"
     ledger = BudgetLedger(path)
     budget = PrivacyParams(10.0, 1e-5)
@@ -332,20 +334,25 @@ def test_the_daily_cap_counts_refunded_tasks_and_forgets_old_ones(tmp_path: Path
     ledger.reserve(PrivacyEvent("a/1", "a", 2.0, 1.0, 1e-6), budget, spec_digest="d1")
     assert ledger.cancel_reservation("a/1")
     assert [entry.event.query_id for entry in ledger.events()] == ["a/old"]
-    assert ledger.tasks_started_since(now - 86400) == 1
-    assert ledger.tasks_started_since(now - 86400, excluding="a/1") == 0
-    assert ledger.tasks_started_since(0) == 1  # the 3-day-old start was dropped
+    day_ago = now - 86400
+    assert ledger.tasks_started_since(day_ago, asking="a") == 1  # its refunded task
+    assert ledger.tasks_started_since(day_ago, asking="a", excluding="a/1") == 0
+    assert ledger.tasks_started_since(day_ago, asking="b") == 0  # not a's refund
+    # The 3-day-old start was dropped (its release is still held).
+    assert ledger.tasks_started_since(0, asking="a", own_only=True) == 1
+    assert ledger.tasks_started_since(0, asking="a") == 2
     ledger.reserve(PrivacyEvent("b/2", "b", 2.0, 1.0, 1e-6), budget, spec_digest="d2")
-    assert ledger.tasks_started_since(now - 86400) == 2
-    assert ledger.tasks_started_since(now - 86400, analyst="b") == 1
+    assert ledger.tasks_started_since(day_ago, asking="b") == 1  # its release
+    assert ledger.tasks_started_since(day_ago, asking="a") == 2  # b's release, a's refund
+    assert ledger.tasks_started_since(day_ago, asking="b", own_only=True) == 1
     # A schema-6 ledger (no starts kept) counts the releases it holds as begun.
     with sqlite3.connect(path) as conn:
         conn.execute("DROP TABLE task_starts")
         conn.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
     conn.close()
     migrated = BudgetLedger(path)
-    assert migrated.tasks_started_since(now - 86400) == 1  # b/2; a/1's refund is lost
-    assert migrated.tasks_started_since(0) == 2  # a/old, until the next reservation
+    assert migrated.tasks_started_since(day_ago, asking="a") == 1  # b/2; a/1's refund lost
+    assert migrated.tasks_started_since(0, asking="a", own_only=True) == 1  # a/old
 
 
 def test_the_ledger_is_readable_by_its_user_only(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ config can be moved together with its certificates and data)::
     allowed_kinds = ["pca", "dca"]       # and "stats", "histogram", "linreg" (default: all)
     allowed_columns = [1, 2, 3]          # optional: the only file columns queries may read
     min_quorum = 2                       # smallest number of owners it contributes with
-    max_tasks_per_day = 100              # tasks it begins per 24 hours, refunded included
+    max_tasks_per_day = 100              # releases per 24 hours, and each analyst's refunded tasks
     [budget]
     epsilon = 10.0
     delta = 1e-5

@@ -505,8 +505,8 @@ or ``--replace-settings``)."""
     type=click.IntRange(min=1),
     default=DEFAULT_MAX_TASKS_PER_DAY,
     show_default=True,
-    help="Queries begun in any 24 hours, refunded ones included, at most "
-    "(policy.max_tasks_per_day).",
+    help="Queries answered in any 24 hours, at most; an analyst's refunded ones count "
+    "against it (policy.max_tasks_per_day).",
 )
 @click.option(
     "--state-dir",

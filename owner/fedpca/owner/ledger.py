@@ -419,23 +419,29 @@ class BudgetLedger(LedgerTaskReads):
         )
 
     def tasks_started_since(
-        self, timestamp: float, *, excluding: str = "", analyst: str | None = None
+        self, timestamp: float, *, asking: str, excluding: str = "", own_only: bool = False
     ) -> int:
-        """Number of tasks begun at or after ``timestamp`` (the task-rate cap), refunded
-        ones included, other than task ``excluding``; only ``analyst``'s if given."""
+        """The task-rate cap's count, since ``timestamp`` and but for task ``excluding``,
+        for a task of analyst ``asking``: its own tasks, refunded ones included, if
+        ``own_only`` (shares); else every analyst's releases held and its own refunded
+        tasks. A refund counts against its own analyst only: counted against all, an
+        analyst cancelling before any upload used up every owner's allowance for free,
+        locking the other analysts out for a day (review, stop 42)."""
         with self._connect() as connection:
-            if analyst is None:
-                row = connection.execute(
-                    "SELECT COUNT(*) FROM task_starts WHERE started_at >= ? AND query_id != ?",
-                    (timestamp, excluding),
-                ).fetchone()
-            else:  # by the analyst index: time grows with this analyst's tasks only
-                row = connection.execute(
-                    "SELECT COUNT(*) FROM task_starts WHERE analyst = ? AND started_at >= ? "
-                    "AND query_id != ?",
-                    (analyst, timestamp, excluding),
-                ).fetchone()
-        return int(row[0])
+            # By the analyst index: time grows with this analyst's tasks only.
+            own = connection.execute(
+                "SELECT COUNT(*) FROM task_starts s WHERE s.analyst = ? AND s.started_at >= ? "
+                "AND s.query_id != ?"
+                + ("" if own_only else " AND s.query_id NOT IN (SELECT query_id FROM releases)"),
+                (asking, timestamp, excluding),
+            ).fetchone()
+            if own_only:
+                return int(own[0])
+            held = connection.execute(
+                "SELECT COUNT(*) FROM releases WHERE recorded_at >= ? AND query_id != ?",
+                (timestamp, excluding),
+            ).fetchone()
+        return int(own[0]) + int(held[0])
 
     def cancel_reservation(self, query_id: str) -> bool:
         """Refund a reservation whose data was not released; True if one was removed.

@@ -271,8 +271,9 @@ def _migrate_tasks(connection: sqlite3.Connection) -> None:
 
 def _migrate_task_starts(connection: sqlite3.Connection) -> None:
     """Schemas 1 to 6 -> 7: the daily task cap counts the tasks an owner began computing
-    (``task_starts``), refunded ones included; before, it counted the releases held,
-    which a refund removes. The releases held are the tasks known to have begun."""
+    (``task_starts``), a refunded one against its own analyst; before, it counted the
+    releases held, which a refund removes. The releases held are the tasks known to
+    have begun."""
     connection.execute(
         "INSERT OR IGNORE INTO task_starts (query_id, analyst, started_at) "
         "SELECT query_id, analyst, recorded_at FROM releases"

@@ -20,11 +20,11 @@ Checks, in order, with the decline reason each failure is reported under:
    kinds (every aggregate's kind for an aggregate query), the columns the query reads
    (``policy.allowed_columns``), masked mode only if allowed, ``epsilon = inf`` only
    if allowed, delta at most the per-query cap, the query's quorum at least
-   ``policy.min_quorum``, at most ``policy.max_tasks_per_day`` tasks begun in the last
-   24 hours (refunded ones included), the table's schema, a release plan this owner
-   can derive, and epsilon at most ``policy.max_epsilon_per_query`` *measured at the
-   owner's budget delta* from the release's own noise (a large stated delta cannot
-   make a weak release look cheap).
+   ``policy.min_quorum``, at most ``policy.max_tasks_per_day`` tasks in the last 24
+   hours (releases, and the asking analyst's refunded tasks), the table's schema, a
+   release plan this owner can derive, and epsilon at most
+   ``policy.max_epsilon_per_query`` *measured at the owner's budget delta* from the
+   release's own noise (a large stated delta cannot make a weak release look cheap).
 
 The budget itself (BUDGET_EXHAUSTED) is checked by the ledger when the release is
 reserved.
@@ -236,8 +236,8 @@ def _check_policy(spec: QuerySpec, config: OwnerConfig, tasks_last_day: Callable
         whose = "for this analyst " if config.analyst_shares else ""
         raise PolicyError(
             f"this owner has reached its limit of tasks begun {whose}in 24 hours "
-            f"(policy.max_tasks_per_day = {policy.max_tasks_per_day}, refunded tasks "
-            "included)"
+            f"(policy.max_tasks_per_day = {policy.max_tasks_per_day}, this analyst's "
+            "refunded tasks included)"
         )
 
 
@@ -344,10 +344,10 @@ def check_task(
     task : the task as the proxy delivered it (query, signature, signer).
     config : the owner's configuration.
     table : the owner's table (only its schema is looked at).
-    tasks_last_day : reads the tasks this owner's ledger recorded as begun in the last
-        24 hours, refunded ones included; called only once the signature, the key and
-        its signer have passed, so that a task naming another analyst's key reads
-        nothing of its tasks.
+    tasks_last_day : reads the tasks this owner's ledger counts against the asking
+        analyst's cap in the last 24 hours (BudgetLedger.tasks_started_since); called
+        only once the signature, the key and its signer have passed, so that a task
+        naming another analyst's key reads nothing of its tasks.
 
     Returns
     -------

@@ -72,9 +72,10 @@ class PolicyConfig:
     min_quorum : smallest quorum of a query this owner contributes to (default
         :data:`DEFAULT_MIN_QUORUM`, 2: never a release of this owner's statistics alone,
         unless its operator says so).
-    max_tasks_per_day : tasks this owner begins per 24 hours (a task counts from its
-        reservation on, refunded or not: the cap bounds the computing a stream of
-        cancelled queries costs it, as well as its releases).
+    max_tasks_per_day : releases this owner takes part in per 24 hours; a task refunded
+        (its query cancelled before any upload) still counts, against its own analyst
+        only: the cap bounds the computing cancelled queries cost the owner, without
+        letting one analyst use up the others' allowance for free.
     """
 
     accepted_analyst_keys: tuple[str, ...]

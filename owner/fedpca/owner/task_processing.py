@@ -337,18 +337,17 @@ class TaskProcessing(TaskEndings):
         """
         spec = task.query
         query_id = task.key
-        # A reservation of this very task (left by a crash before its upload) is not
-        # another task: counted, the task coming again was declined at the cap.
-        day_ago = time.time() - SECONDS_PER_DAY
-        # With per-analyst shares the daily cap counts this analyst's tasks only, so
-        # that its declines do not show the others' activity either.
-        analyst = spec.analyst_key_fingerprint if self.ledger.shares is not None else None
+        # The task's own reservation (a crash before its upload) is not another task:
+        # counted, the task coming again was declined at the cap. With shares the cap
+        # counts this analyst's tasks only (its declines tell nothing of the others).
+        day_ago, own_only = time.time() - SECONDS_PER_DAY, self.ledger.shares is not None
+        analyst = spec.analyst_key_fingerprint
         decision = check_task(
             task,
             self.config,
             self.table,
             tasks_last_day=lambda: self.ledger.tasks_started_since(
-                day_ago, excluding=query_id, analyst=analyst
+                day_ago, asking=analyst, excluding=query_id, own_only=own_only
             ),
         )
         if isinstance(decision, Refusal):
