@@ -132,6 +132,8 @@ def test_init_force_accepts_the_changes_its_flags_ask_for(
     assert refused.exit_code == 1
     assert "budget.analysts.alice.epsilon: 1.0 dropped" in refused.output
     assert "owners.allowed" not in refused.output and "budget.epsilon" not in refused.output
+    # --analyst-budget writes it: not named as a setting no flag writes (review, stop 42).
+    assert "No flag" not in refused.output
     assert load_proxy_config(out / "proxy.toml").owners.allowed == {OWNERS[0]}
     with caplog.at_level(logging.WARNING, logger="fedpca.transport.bundle"):
         changed = CliRunner().invoke(proxy_group, [*wider, "--analyst-budget", "alice=3:1e-6"])

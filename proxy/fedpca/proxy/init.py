@@ -253,7 +253,11 @@ def write_proxy_folder(
             text,
             replace_settings=replace_settings,
             requested=requested_settings,
-            settable=[key for keys in _FLAG_SETTINGS.values() for key in keys],
+            # --analyst-budget ID=... writes budget.analysts.ID (review, stop 42).
+            settable=[
+                *(key for keys in _FLAG_SETTINGS.values() for key in keys),
+                "budget.analysts",
+            ],
         )
         path.write_text(text, encoding="utf-8")
         config = load_config(path)
