@@ -104,9 +104,9 @@ class PeerLimits:
     """Uploads one owner begins (a header sent) in any 60 seconds, resumed ones included;
     the others are refused (RESOURCE_EXHAUSTED) before any database work."""
     max_listings_per_analyst_per_minute: int = 60
-    """``ListQueries`` calls of one analyst in any 60 seconds, one at a time: a listing
-    of 1,000 queries reads each one's status (0.1 s of the proxy's CPU; a review of stop
-    42 kept a core busy listing from 16 threads)."""
+    """``ListQueries`` listings of one analyst in any 60 seconds, one at a time (a lookup
+    of one query is not counted): a listing of 1,000 queries reads each one's status
+    (0.1 s of the proxy's CPU; a review of stop 42 kept a core busy from 16 threads)."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):
