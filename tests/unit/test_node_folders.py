@@ -617,14 +617,17 @@ def test_owner_backup_copies_the_ledger_and_the_kept_shares(certs: Path, tmp_pat
     shares = config.owner.state_dir / "shares"
     shares.mkdir(mode=0o700)
     (shares / ("0" * 32 + ".npz")).write_bytes(b"share")
-    copy = tmp_path / "backups" / "today"
-    copy.parent.mkdir()
+    # Neither a share being written nor anything else there is a kept share (review).
+    (shares / ".1234.npz.tmp").write_bytes(b"half")
+    (shares / "stray").mkdir()
+    copy = tmp_path / "backups" / "today"  # backups/ made too, as in the docs' example
     command = ["backup", "--config", str(out / "owner.toml"), "--out", str(copy)]
     result = runner.invoke(owner_group, command)
     assert result.exit_code == 0, result.output
     assert "(1 releases) and 1 kept share(s)" in result.output
     restored = BudgetLedger(copy / "ledger.sqlite3", read_only=True)
     assert [entry.event.query_id for entry in restored.events()] == ["alice/q1"]
+    assert [p.name for p in (copy / "shares").iterdir()] == ["0" * 32 + ".npz"]
     assert (copy / "shares" / ("0" * 32 + ".npz")).read_bytes() == b"share"
     assert stat.S_IMODE(copy.stat().st_mode) == 0o700
     assert stat.S_IMODE((copy / "ledger.sqlite3").stat().st_mode) == 0o600

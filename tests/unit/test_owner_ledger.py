@@ -383,6 +383,11 @@ def test_a_later_ledger_names_the_copy_kept_before_its_migration(tmp_path: Path)
     kept.write_bytes(b"")
     with pytest.raises(ConfigError, match=rf"kept the ledger as it was in {re.escape(str(kept))}"):
         BudgetLedger(path)
+    # A reading command (owner budget, owner backup) says the same, not that this
+    # version's `owner serve` would migrate it (review, stop 42).
+    with pytest.raises(ConfigError, match=r"a later fedpca wrote it.*kept the ledger") as read:
+        BudgetLedger(path, read_only=True)
+    assert "migrated by" not in str(read.value)
 
 
 def _schema_5_ledger(path: Path, rows: str) -> Path:

@@ -21,7 +21,7 @@ from fedpca.errors import ConfigError
 from fedpca.files import copy_database, holds_database, sync_folder
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
-from fedpca.owner.share_snapshots import SHARES_FOLDER
+from fedpca.owner.share_snapshots import SHARES_FOLDER, ShareSnapshots
 
 __all__ = ["LEDGER_NAME", "OwnerBackup", "backup_owner_state"]
 
@@ -55,7 +55,8 @@ def backup_owner_state(config: OwnerConfig, out: Path) -> OwnerBackup:
         )
     releases = len(owner_ledger(config, read_only=True).events())  # a ledger of this version
     try:
-        out.mkdir(mode=0o700, parents=False)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.mkdir(mode=0o700)
     except FileExistsError:
         raise ConfigError(f"{out} exists: give a new folder for the backup") from None
     except OSError as exc:
@@ -68,7 +69,9 @@ def backup_owner_state(config: OwnerConfig, out: Path) -> OwnerBackup:
             source.close()
         # After the ledger: a share of an upload that ended meanwhile is deleted by the
         # restored node at its start; one missing would make an upload start over.
-        shares = _copy_shares(config.owner.state_dir / SHARES_FOLDER, out / SHARES_FOLDER)
+        shares = _copy_shares(
+            ShareSnapshots(config.owner.state_dir / SHARES_FOLDER), out / SHARES_FOLDER
+        )
         sync_folder(out)
     except (OSError, sqlite3.Error) as exc:
         shutil.rmtree(out, ignore_errors=True)
@@ -76,15 +79,15 @@ def backup_owner_state(config: OwnerConfig, out: Path) -> OwnerBackup:
     return OwnerBackup(out, releases, shares)
 
 
-def _copy_shares(folder: Path, out: Path) -> int:
+def _copy_shares(shares: ShareSnapshots, out: Path) -> int:
+    """Copy the kept shares (not files being written, nor anything else there)."""
     out.mkdir(mode=0o700)
     copied = 0
-    if folder.is_dir():
-        for share in sorted(folder.iterdir()):
-            # A share whose upload ends while it is copied is deleted under us.
-            with contextlib.suppress(FileNotFoundError):
-                shutil.copy2(share, out / share.name)
-                (out / share.name).chmod(0o600)
-                copied += 1
+    for share in shares.kept_files():
+        # A share whose upload ends while it is copied is deleted under us.
+        with contextlib.suppress(FileNotFoundError):
+            shutil.copy2(share, out / share.name)
+            (out / share.name).chmod(0o600)
+            copied += 1
     sync_folder(out)
     return copied

@@ -49,7 +49,8 @@ spend this owner's budget on releases nobody asked for. A declined task keeps it
 query's digest too (schema 5), so a replay of a declined query is recognised
 (:meth:`BudgetLedger.answered_under`, :mod:`fedpca.owner.task_intake`) and answered
 without another row. An open task keeps its upload deadline (schema 6), so a restarted
-node ends it past that if the proxy never delivers it again.
+node ends it past that if the proxy never delivers it again; every task, its start for
+``policy.max_tasks_per_day``, which a refund does not remove (schema 7).
 """
 
 from __future__ import annotations
@@ -427,12 +428,11 @@ class BudgetLedger(LedgerTaskReads):
         tasks. A refund counts against its own analyst only: counted against all, an
         analyst cancelling before any upload used up every owner's allowance for free,
         locking the other analysts out for a day (review, stop 42)."""
-        with self._connect() as connection:
-            # By the analyst index: time grows with this analyst's tasks only.
+        refunded = " AND NOT EXISTS (SELECT 1 FROM releases r WHERE r.query_id = s.query_id)"
+        with self._connect() as connection:  # by the analyst index: its own tasks only
             own = connection.execute(
                 "SELECT COUNT(*) FROM task_starts s WHERE s.analyst = ? AND s.started_at >= ? "
-                "AND s.query_id != ?"
-                + ("" if own_only else " AND s.query_id NOT IN (SELECT query_id FROM releases)"),
+                "AND s.query_id != ?" + ("" if own_only else refunded),
                 (asking, timestamp, excluding),
             ).fetchone()
             if own_only:

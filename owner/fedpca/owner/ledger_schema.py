@@ -216,6 +216,11 @@ def check_version(connection: sqlite3.Connection, path: Path) -> None:
     _checked_tables(connection, path, existed=True)
     row = connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     found = "none" if row is None else row[0]
+    if str(found).isdigit() and int(found) > SCHEMA_VERSION:
+        raise ConfigError(
+            f"{path}: ledger schema version {found}, this fedpca reads {SCHEMA_VERSION}: a "
+            f"later fedpca wrote it; run that version's command{_kept_copy_hint(path)}"
+        )
     if found != str(SCHEMA_VERSION):
         raise ConfigError(
             f"{path}: ledger schema version {found}, this fedpca reads {SCHEMA_VERSION}; it "

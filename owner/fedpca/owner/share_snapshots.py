@@ -126,6 +126,18 @@ class ShareSnapshots:
         """Delete the snapshot of an upload that ended (nothing if there is none)."""
         self._path(upload_id).unlink(missing_ok=True)
 
+    def kept_files(self) -> list[Path]:
+        """The snapshot files in the folder (temporary files being written left out)."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(
+            path
+            for path in self.folder.iterdir()
+            if path.suffix == _SUFFIX
+            and _UPLOAD_ID.fullmatch(path.name.removesuffix(_SUFFIX))
+            and path.is_file()
+        )
+
     def prune(self, in_flight: Collection[str]) -> int:
         """Delete every snapshot (and stray temporary file) not of an upload in flight.
 

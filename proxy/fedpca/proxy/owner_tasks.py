@@ -58,7 +58,8 @@ class SentTasks:
 
     def __init__(self, sent: Iterable[Task] = ()) -> None:
         self._deadlines = {task.key: task.upload_deadline.timestamp() for task in sent}
-        # Closed tasks the owner answered (it contributes, or declined), until their
+        # Closed tasks the owner answered (it contributes, or declined: withdrawn too
+        # should the query fail, which costs that owner one ledger read), until their
         # deadline and a minute: their query may still fail (:meth:`failed`).
         self._answered: dict[str, float] = {}
 
@@ -249,6 +250,8 @@ class OwnerTasks(CoordinatorCore):
         AuthenticationError, NotFoundError, QueryStateError
         """
         self.require_owner(owner_id)
+        if self.store.has_declined(query_id, owner_id):
+            return  # repeated: a read, not a write transaction (review, stop 42)
         line = _one_line(detail)
         if not self.store.record_decline(
             query_id, owner_id, f"{reason}: {line}" if line else reason
