@@ -24,7 +24,9 @@ def test_proxy_example_parses() -> None:
     assert config.tls.revoked_serials == frozenset()
     assert config.privacy.neighbouring is Neighbouring.ADD_REMOVE
     assert config.privacy.accountant is Accountant.ZCDP
-    assert config.monitoring.listen == "0.0.0.0:9464"
+    # Its metrics show every analyst's spend: on loopback in the example (an operator's
+    # walkthrough, stop 42, found it on every address).
+    assert config.monitoring.listen == "127.0.0.1:9464"
     # The per-query delta cap is within every analyst's budget delta.
     cap = config.privacy.delta_cap(config.budget.default)
     budgets = [config.budget.default, *config.budget.analysts.values()]
