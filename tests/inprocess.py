@@ -124,13 +124,18 @@ class StubUpload:
     and wait for the call's initial metadata before their first chunk. ``handler`` is
     called as ``handler(messages, timeout)`` on a thread, like a server; the header
     counts as accepted once the handler asks for the message after it (a handler that
-    refuses after reading the header alone never acknowledges it)."""
+    refuses after reading the header alone never acknowledges it). ``cancellable``: the
+    owner's ``cancel`` ends the call at once with FutureCancelledError, as gRPC's does
+    (the handler runs on, unheard)."""
 
-    def __init__(self, handler: Callable[[Iterator[Any], float | None], Any]) -> None:
+    def __init__(
+        self, handler: Callable[[Iterator[Any], float | None], Any], *, cancellable: bool = False
+    ) -> None:
         self.handler = handler
+        self.cancellable = cancellable
 
     def future(self, messages: Iterable[Any], timeout: float | None = None) -> _StubUploadCall:
-        return _StubUploadCall(self.handler, messages, timeout)
+        return _StubUploadCall(self.handler, messages, timeout, cancellable=self.cancellable)
 
     def __call__(self, messages: Iterable[Any], timeout: float | None = None) -> Any:
         return self.future(messages, timeout).result()
@@ -142,7 +147,10 @@ class _StubUploadCall:
         handler: Callable[[Iterator[Any], float | None], Any],
         messages: Iterable[Any],
         timeout: float | None,
+        *,
+        cancellable: bool = False,
     ) -> None:
+        self._cancellable = cancellable
         self._accepted = threading.Event()
         self._answered = threading.Event()  # accepted, or the handler ended without it
         self._ended = threading.Event()
@@ -161,19 +169,25 @@ class _StubUploadCall:
             yield from source
 
         def run() -> None:
+            outcome: tuple[bool, Any]
             try:
-                self._outcome = (True, handler(server_side(), timeout))
+                outcome = (True, handler(server_side(), timeout))
             except BaseException as exc:
-                self._outcome = (False, exc)
-            finally:
-                self._answered.set()
-                with self._lock:
-                    self._ended.set()
-                    callbacks, self._callbacks = self._callbacks, []
-                for callback in callbacks:
-                    callback(self)
+                outcome = (False, exc)
+            self._answered.set()
+            self._end(outcome)
 
         threading.Thread(target=run, name="stub-upload", daemon=True).start()
+
+    def _end(self, outcome: tuple[bool, Any]) -> None:
+        with self._lock:
+            if self._ended.is_set():
+                return  # cancelled first: the handler's outcome is not heard
+            self._outcome = outcome
+            self._ended.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         with self._lock:
@@ -183,9 +197,14 @@ class _StubUploadCall:
         callback(self)
 
     def cancel(self) -> bool:
-        """As grpc's future; a fake server's handler cannot be interrupted: it runs to
-        its end, and the call is reported as not cancelled."""
-        return False
+        """As grpc's future. A fake server's handler cannot be interrupted: it runs to
+        its end; unless the stub is ``cancellable``, the call is reported as not
+        cancelled and ends with the handler."""
+        if not self._cancellable:
+            return False
+        self._answered.set()
+        self._end((False, grpc.FutureCancelledError()))
+        return True
 
     def initial_metadata(self) -> tuple[tuple[str, str], ...]:
         self._answered.wait()

@@ -36,7 +36,6 @@ from fedpca.errors import ConfigError, DataError, PolicyError, ProtocolError
 from fedpca.messages import (
     DECLINES_CLOSED,
     SHARE_RELEASED_METADATA,
-    UPLOAD_ACCEPTED_METADATA,
     DeclineReason,
     Heartbeat,
     ProxyInfo,
@@ -1030,60 +1029,20 @@ def test_a_withdrawal_that_arrives_while_the_upload_is_tried_ends_it(
     worker.join(10.0)
 
 
-class _CancellableCall:
-    """An upload call that takes the header and one chunk, then waits until the owner
-    cancels it (the call then fails with FutureCancelledError, as gRPC's does)."""
-
-    def __init__(self, messages: Iterator[Any], took_a_chunk: threading.Event) -> None:
-        self._accepted, self._ended = threading.Event(), threading.Event()
-        self._callbacks: list[Callable[[Any], None]] = []
-        self._lock = threading.Lock()
-
-        def read() -> None:
-            source = iter(messages)
-            next(source)
-            self._accepted.set()
-            if next(source, None) is not None:
-                took_a_chunk.set()
-
-        threading.Thread(target=read, daemon=True).start()
-
-    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
-        self._accepted.wait()
-        return ((UPLOAD_ACCEPTED_METADATA, "yes"),)
-
-    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
-        with self._lock:
-            if not self._ended.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
-
-    def cancel(self) -> bool:
-        with self._lock:
-            self._ended.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
-        return True
-
-    def result(self, timeout: float | None = None) -> Any:
-        self._ended.wait(timeout)
-        raise grpc.FutureCancelledError()
-
-
 class _StallingProxy:
-    """Takes an upload's header and first chunk, then waits for the owner."""
+    """Takes an upload's header and first chunk, then waits; the owner's cancel ends the
+    call at once, as gRPC's does."""
 
     def __init__(self) -> None:
         self.took_a_chunk = threading.Event()
+        self.released = threading.Event()
+        self.Upload = StubUpload(self._upload, cancellable=True)
 
-    @property
-    def Upload(self) -> Any:
-        return self
-
-    def future(self, messages: Iterator[Any], timeout: float | None = None) -> _CancellableCall:
-        return _CancellableCall(messages, self.took_a_chunk)
+    def _upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
+        next(messages)
+        next(messages)
+        self.took_a_chunk.set()
+        self.released.wait(30.0)
 
 
 def test_a_withdrawal_of_the_task_being_uploaded_stops_it_at_once(
@@ -1107,6 +1066,7 @@ def test_a_withdrawal_of_the_task_being_uploaded_stops_it_at_once(
         return record is not None and record.outcome is TaskOutcome.CANCELLED
 
     wait_until(ended, "the task to end withdrawn", 15.0)
+    proxy.released.set()
     assert node._prepared == {}
     # A chunk had left the node: the release stays charged.
     assert [entry.event.query_id for entry in harness.ledger.events()] == [key("q1")]
