@@ -1272,6 +1272,10 @@ def test_declines_are_public_one_line_and_fail_a_query_whose_quorum_is_out_of_re
     assert coordinator.tasks_for("owner-2") == [make_spec(public_key, quorum=2)]
     with pytest.raises(QueryStateError, match="no longer recorded"):
         coordinator.decline("owner-1", key("q3"), "policy_refusal")
+    # So is a repeat of the decline that failed it: only a collecting query's repeat is
+    # acknowledged without a word.
+    with pytest.raises(QueryStateError, match="no longer recorded"):
+        coordinator.decline("owner-2", key("q3"), "key_not_pinned", "again")
 
 
 def test_a_quorum_put_out_of_reach_before_a_restart_fails_the_query_at_start(

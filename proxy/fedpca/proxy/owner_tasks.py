@@ -250,8 +250,11 @@ class OwnerTasks(CoordinatorCore):
         AuthenticationError, NotFoundError, QueryStateError
         """
         self.require_owner(owner_id)
-        if self.store.has_declined(query_id, owner_id):
-            return  # repeated: a read, not a write transaction (review, stop 42)
+        if (
+            self.store.has_declined(query_id, owner_id)
+            and self.store.query(query_id).state is QueryState.COLLECTING
+        ):
+            return  # repeated while it collects: reads, no write transaction (stop 42)
         line = _one_line(detail)
         if not self.store.record_decline(
             query_id, owner_id, f"{reason}: {line}" if line else reason
