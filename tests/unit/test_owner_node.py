@@ -1030,8 +1030,8 @@ def test_a_withdrawal_that_arrives_while_the_upload_is_tried_ends_it(
 
 
 class _StallingProxy:
-    """Takes an upload's header and first chunk, then waits; the owner's cancel ends the
-    call at once, as gRPC's does."""
+    """Takes an upload's header and first chunk, then waits until ``released``, and
+    takes the rest; the owner's cancel ends the call at once, as gRPC's does."""
 
     def __init__(self) -> None:
         self.took_a_chunk = threading.Event()
@@ -1039,18 +1039,32 @@ class _StallingProxy:
         self.Upload = StubUpload(self._upload, cancellable=True)
 
     def _upload(self, messages: Iterator[Any], timeout: float | None = None) -> Any:
-        next(messages)
+        header = serde.upload_header_from_message(next(messages))
         next(messages)
         self.took_a_chunk.set()
         self.released.wait(30.0)
+        chunks = 2 + sum(1 for _ in messages)
+        receipt = UploadReceipt(header.query_id, header.upload_id, UploadStatus.ACCEPTED, chunks, 0)
+        return serde.upload_receipt_to_proto(receipt)
 
 
-def test_a_withdrawal_of_the_task_being_uploaded_stops_it_at_once(
-    harness: Harness, pool: CryptoPool
+@pytest.mark.parametrize(
+    ("reason", "outcome"),
+    [
+        ("query failed: cancelled by the analyst", TaskOutcome.CANCELLED),
+        ("this upload can no longer go on at this proxy", TaskOutcome.UPLOADED),
+    ],
+    ids=["query-failed", "other-withdrawal"],
+)
+def test_a_withdrawal_of_the_task_being_uploaded_stops_it_at_once_if_its_query_failed(
+    harness: Harness, pool: CryptoPool, reason: str, outcome: TaskOutcome
 ) -> None:
     """Review of stop 42: the proxy now withdraws a contributor's task when its query
     fails, but the node left a withdrawal of its task in hand to the worker, whose upload
-    went on until the proxy refused its next chunk. It stops now, and ends withdrawn."""
+    went on until the proxy refused its next chunk. It stops now, and ends withdrawn.
+    Only then: another withdrawal may come for an upload whose chunks are all folded
+    (the proxy killed before acknowledging it; the crash trials), and its resend is
+    acknowledged; stopped at once, it ended cancelled and the proxy never recorded it."""
     node = OwnerNode(harness.config, pool=pool, retry=FAST_RETRY)
     proxy = _StallingProxy()
     worker = threading.Thread(target=node._work, args=(proxy,), daemon=True)
@@ -1059,16 +1073,21 @@ def test_a_withdrawal_of_the_task_being_uploaded_stops_it_at_once(
         signed_task(harness.spec("q1"), datetime.now(UTC) + timedelta(seconds=60), ANALYST)
     )
     assert proxy.took_a_chunk.wait(30)
-    node._dispatch(TaskCancellation(key("q1"), "query failed: cancelled by the analyst"))
+    node._dispatch(TaskCancellation(key("q1"), reason))
 
     def ended() -> bool:
         record = harness.ledger.task(key("q1"))
-        return record is not None and record.outcome is TaskOutcome.CANCELLED
+        return record is not None and record.outcome.final
 
-    wait_until(ended, "the task to end withdrawn", 15.0)
+    if outcome is TaskOutcome.UPLOADED:
+        time.sleep(1.0)  # not stopped: still uploading until the proxy answers
+        assert not ended()
     proxy.released.set()
+    wait_until(ended, "the task to end", 15.0)
+    record = harness.ledger.task(key("q1"))
+    assert record is not None and record.outcome is outcome
     assert node._prepared == {}
-    # A chunk had left the node: the release stays charged.
+    # A chunk had left the node: the release stays charged either way.
     assert [entry.event.query_id for entry in harness.ledger.events()] == [key("q1")]
     node._queue.put(None)
     worker.join(10.0)

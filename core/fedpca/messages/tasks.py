@@ -96,6 +96,23 @@ class TaskCancellation:
     query_id: str
     reason: str
 
+    @classmethod
+    def failed(cls, query_id: str, failure_reason: str | None) -> TaskCancellation:
+        """The withdrawal of a task whose query failed (:attr:`query_failed`)."""
+        return cls(query_id, f"{QUERY_FAILED_PREFIX}{failure_reason or 'no reason'}")
+
+    @property
+    def query_failed(self) -> bool:
+        """Whether the query failed: no upload of it is taken any more, so an owner
+        stops one in flight at once. Other withdrawals (the quorum reached, an upload
+        that cannot go on here) leave an upload in flight to finish: its chunks may all
+        be folded, and its resend is then acknowledged."""
+        return self.reason.startswith(QUERY_FAILED_PREFIX)
+
+
+QUERY_FAILED_PREFIX = "query failed: "
+"""How the reason of a withdrawal for a failed query begins (:meth:`TaskCancellation.failed`)."""
+
 
 TaskEvent = Heartbeat | Task | TaskCancellation
 """One event on an owner's task stream."""

@@ -519,11 +519,12 @@ class OwnerNode(TaskProcessing):
                 # left in flight whose query ended while this node was away (an id the
                 # ledger does not know costs one read).
                 self.end_withdrawn_upload(event.query_id, event.reason)
-            elif (upload := self._prepared.get(event.query_id)) is not None:
+            elif event.query_failed and (upload := self._prepared.get(event.query_id)):
                 # Its encryption and upload stop now; the worker then ends the task as
                 # withdrawn (under the one refund rule). Left to the worker, an upload
                 # to a query that failed went on until its next chunk was refused (a
-                # review of stop 42).
+                # review of stop 42). Only then: another withdrawal may come for an
+                # upload whose chunks are all folded, and its resend is acknowledged.
                 upload.stop()
             return
         query_id = event.key

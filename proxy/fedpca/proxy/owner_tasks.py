@@ -93,9 +93,7 @@ class SentTasks:
         for key, until in list(self._answered.items()):
             reason = failure_of(key)
             if reason is not None:
-                cancellations.append(
-                    TaskCancellation(query_id=key, reason=f"query failed: {reason}")
-                )
+                cancellations.append(TaskCancellation.failed(key, reason))
             if reason is not None or until < now:
                 del self._answered[key]
         return cancellations
@@ -225,14 +223,13 @@ class OwnerTasks(CoordinatorCore):
             ):
                 continue
             if record.state is QueryState.FAILED:
-                reason = f"query failed: {record.failure_reason}"
+                cancellations.append(TaskCancellation.failed(query_id, record.failure_reason))
             elif record.state is not QueryState.COLLECTING:
-                reason = "uploads are closed (the quorum was reached)"
+                cancellations.append(
+                    TaskCancellation(query_id, "uploads are closed (the quorum was reached)")
+                )
             elif record.deadline_at <= now:
-                reason = "the upload deadline has passed"
-            else:
-                continue
-            cancellations.append(TaskCancellation(query_id=query_id, reason=reason))
+                cancellations.append(TaskCancellation(query_id, "the upload deadline has passed"))
         return cancellations
 
     def decline(self, owner_id: str, query_id: str, reason: str, detail: str = "") -> None:
