@@ -244,20 +244,11 @@ def refuse_changed_settings(
         if new.get(key, _MISSING) != old[key]
     }
     changed.update({key: f"{key}: {new[key]!r} added" for key in sorted(set(new) - set(old))})
-    changes = [
-        change
-        for key, change in changed.items()
-        if not any(key == name or key.startswith(f"{name}.") for name in asked)
-    ]
+    unasked = [key for key in changed if not _covered(key, asked)]
+    changes = [changed[key] for key in unasked]
     if changes and not replace_settings:
         flags = None if settable is None else tuple(settable)
-        unflagged = [
-            key
-            for key in changed
-            if flags is not None
-            and not any(key == name or key.startswith(f"{name}.") for name in asked)
-            and not any(key == name or key.startswith(f"{name}.") for name in flags)
-        ]
+        unflagged = [key for key in unasked if flags is not None and not _covered(key, flags)]
         them = "it" if len(unflagged) == 1 else "them"
         no_flag = (
             f" No flag of `init` writes {', '.join(unflagged)}: keep {them} by editing "
@@ -278,6 +269,11 @@ def refuse_changed_settings(
 
 
 _MISSING = object()
+
+
+def _covered(key: str, names: Iterable[str]) -> bool:
+    """Whether the dotted setting ``key`` is one of ``names`` or in a table among them."""
+    return any(key == name or key.startswith(f"{name}.") for name in names)
 
 
 def settings_given(flag_settings: Mapping[str, Iterable[str]]) -> list[str]:

@@ -23,10 +23,7 @@ from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.share_snapshots import SHARES_FOLDER, ShareSnapshots
 
-__all__ = ["LEDGER_NAME", "OwnerBackup", "backup_owner_state"]
-
-LEDGER_NAME = "ledger.sqlite3"
-"""The ledger's name in a backup folder (as in the state folder)."""
+__all__ = ["OwnerBackup", "backup_owner_state"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ def backup_owner_state(config: OwnerConfig, out: Path) -> OwnerBackup:
     try:
         source = sqlite3.connect(f"file:{ledger_path}?mode=ro", uri=True)
         try:
-            copy_database(source, out / LEDGER_NAME)
+            copy_database(source, out / ledger_path.name)  # named as in the state folder
         finally:
             source.close()
         # After the ledger: a share of an upload that ended meanwhile is deleted by the

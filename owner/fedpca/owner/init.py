@@ -29,6 +29,7 @@ from fedpca.owner.config import (
 )
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.ledger_rows import recorded_relations
+from fedpca.owner.policy import columns_outside
 from fedpca.owner.policy_config import DEFAULT_MAX_TASKS_PER_DAY, DEFAULT_MIN_QUORUM
 from fedpca.owner.state_folder import refuse_where_a_node_ran
 from fedpca.query import RELEASE_KINDS, Neighbouring
@@ -258,7 +259,7 @@ def write_owner_folder(
     facts = _table_facts(data, header, label_column)
     if allowed_columns is not None and facts is not None:
         width = facts[1] + (label_column is not None)
-        outside = [c for c in allowed_columns if c >= width]
+        outside = columns_outside(allowed_columns, width)
         if outside:
             raise ConfigError(
                 f"--allowed-columns names column {outside[0]}, but {data} has {width} "

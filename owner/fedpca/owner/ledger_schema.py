@@ -183,7 +183,7 @@ def keep_copy_before_migrating(
     row = connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     if row is None or not str(row[0]).isdigit() or int(row[0]) >= SCHEMA_VERSION:
         return None
-    copy = path.with_name(f"{path.name}.schema-{int(row[0])}.bak")
+    copy = _kept_copy(path, int(row[0]))
     if not copy.exists():
         copy_database(connection, copy)
     logger.warning(
@@ -196,11 +196,16 @@ def keep_copy_before_migrating(
     return copy
 
 
+def _kept_copy(path: Path, version: int) -> Path:
+    """Where the ledger of schema ``version`` is kept before a later one migrates it."""
+    return path.with_name(f"{path.name}.schema-{version}.bak")
+
+
 def _kept_copy_hint(path: Path) -> str:
     """Where the copy a later fedpca kept before migrating lies, if it is there: going
     back to this version means going back to it (an operator's walkthrough, stop 42:
     the error did not say the copy existed)."""
-    copy = path.with_name(f"{path.name}.schema-{SCHEMA_VERSION}.bak")
+    copy = _kept_copy(path, SCHEMA_VERSION)
     if not copy.is_file():
         return ""
     return (

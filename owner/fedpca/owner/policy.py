@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -65,6 +65,7 @@ __all__ = [
     "check_key_signer",
     "check_signature",
     "check_task",
+    "columns_outside",
 ]
 
 logger = logging.getLogger(__name__)
@@ -283,6 +284,11 @@ def _check_bounded_table(spec: QuerySpec, config: OwnerConfig) -> None:
         )
 
 
+def columns_outside(columns: Iterable[int], width: int) -> list[int]:
+    """The ``columns`` a table of ``width`` columns (the label's counted) does not have."""
+    return [c for c in columns if not 0 <= c < width]
+
+
 def check_allowed_columns(policy: PolicyConfig, table: LocalTable) -> None:
     """Refuse ``policy.allowed_columns`` that name a column the table does not have (a
     typo made every query that reads columns decline, while the configuration and
@@ -292,7 +298,7 @@ def check_allowed_columns(policy: PolicyConfig, table: LocalTable) -> None:
     ------
     ConfigError
     """
-    outside = [c for c in policy.allowed_columns or () if not 0 <= c < table.n_columns]
+    outside = columns_outside(policy.allowed_columns or (), table.n_columns)
     if outside:
         raise ConfigError(
             f"policy.allowed_columns names column {outside[0]} (0-based), but "

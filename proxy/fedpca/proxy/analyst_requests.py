@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from fedpca.admission import NextQuery
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
@@ -332,6 +332,8 @@ class _SearchSlot:
             self._requests._searching.discard(self._analyst)
 
 
+_V = TypeVar("_V")
+
 NEXT_QUERY_CACHE_SIZE = 64
 """Next-query answers kept (by ledger, budget, query delta and accounting), and as many
 compositions (by ledger, delta and accounting)."""
@@ -354,13 +356,12 @@ def composed(
     a composition, not around a value already kept (as for :func:`next_query_for`)."""
     from fedpca.dp.accounting import compose_epsilon  # slow import (dp_accounting)
 
-    key = (tuple(ledger), delta, accountant, neighbouring)
-    kept = _COMPOSED.get(key)
-    if kept is not None:
-        return kept
-    with searching if searching is not None else nullcontext():
-        value = compose_epsilon(list(ledger), delta, accountant, neighbouring=neighbouring)
-    return _COMPOSED.put(key, value)
+    return _kept_or_found(
+        _COMPOSED,
+        (tuple(ledger), delta, accountant, neighbouring),
+        lambda: compose_epsilon(list(ledger), delta, accountant, neighbouring=neighbouring),
+        searching,
+    )
 
 
 def next_query_for(
@@ -383,15 +384,30 @@ def next_query_for(
     """
     from fedpca.dp.next_query import largest_admissible_epsilon  # slow import
 
-    key = (tuple(ledger), limit, query_delta, accountant, neighbouring)
-    kept = _NEXT_QUERIES.get(key)
-    if kept is not None:
-        return kept
-    with searching if searching is not None else nullcontext():
-        found = largest_admissible_epsilon(
+    return _kept_or_found(
+        _NEXT_QUERIES,
+        (tuple(ledger), limit, query_delta, accountant, neighbouring),
+        lambda: largest_admissible_epsilon(
             list(ledger), limit, query_delta, accountant, neighbouring=neighbouring
-        )
-    return _NEXT_QUERIES.put(key, found)
+        ),
+        searching,
+    )
+
+
+def _kept_or_found(
+    kept: RecentlyUsed[tuple[Any, ...], _V],
+    key: tuple[Any, ...],
+    find: Callable[[], _V],
+    searching: AbstractContextManager[Any] | None,
+) -> _V:
+    """The value ``kept`` holds for ``key``, or ``find()``'s, found inside ``searching``
+    (not entered for a value already kept) and kept."""
+    value = kept.get(key)
+    if value is not None:
+        return value
+    with searching if searching is not None else nullcontext():
+        found = find()
+    return kept.put(key, found)
 
 
 def _utc(timestamp: float | None) -> datetime | None:
