@@ -15,8 +15,10 @@ run of issue 15) that it fails on. The owner-side points (3, 4, 5 and the timing
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fedpca.app.cluster import LocalCluster
+from fedpca.app.cluster import LocalCluster, write_toml
 from fedpca.codec import CryptoPool
 from fedpca.messages import (
     UPLOAD_ACCEPTED_METADATA,
@@ -37,6 +39,7 @@ from fedpca.messages import (
 from fedpca.proxy.coordinator import task_id
 from fedpca.proxy.limits import PeerLimits
 from fedpca.transport import serde
+from fedpca.transport.certs import read_certificate
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from helpers import (
@@ -271,6 +274,50 @@ def test_unlisted_and_revoked_owner_certificates_are_refused_by_the_proxy_proces
             assert (status.owners_contributed, status.owners_declined) == (2, 0)
         for node in refused_nodes:
             assert "connected to" not in node.log_text()
+
+
+def test_sighup_reloads_the_allow_list_and_revocations_of_the_serving_proxy(
+    tmp_path: Path,
+) -> None:
+    """Before: revoking a certificate or taking an owner off the allow-list took a
+    restart of the proxy (every upload in flight broken), and an owner's open task
+    stream was never checked again. Now ``kill -HUP`` (``systemctl reload``) takes the
+    file's allow-lists and revocations; a file that changes anything else is refused
+    whole, and the proxy serves on as before."""
+    cluster = _cluster(tmp_path, 3)
+    with cluster:
+        proxy = cluster.start_proxy()
+        nodes = dict(zip(cluster.owner_ids, cluster.start_owners(), strict=True))
+        document = tomllib.loads(cluster.proxy_config.read_text())
+        serial = read_certificate(cluster.node_tls("owner", "owner-3").certificate).serial_number
+        document["owners"]["allowed"] = ["owner-1", "owner-3"]
+        document["tls"]["revoked_serials"] = [format(serial, "x")]
+        write_toml(cluster.proxy_config, document)
+        proxy.process.send_signal(signal.SIGHUP)
+        proxy.wait_for("reloaded", 30.0)
+        assert (
+            f"owners.allowed removed: owner-2; tls.revoked_serials added: {serial:x}"
+            in proxy.log_text()
+        )
+        # The two nodes' open task streams end, refused; owner-1's stays.
+        for owner_id in ("owner-2", "owner-3"):
+            node = nodes[owner_id]
+            wait_until(lambda node=node: "PERMISSION_DENIED" in node.log_text(), owner_id)
+        with cluster_analyst(cluster) as analyst:
+            wait_until(lambda: analyst.describe().owners_connected == 1, "one owner left")
+            assert analyst.describe().owners_registered == 2
+        # A file that also changes a setting read only at start: nothing is applied.
+        document["owners"]["allowed"] = ["owner-1"]
+        document["limits"] = {"max_calls_per_peer": 3}
+        write_toml(cluster.proxy_config, document)
+        proxy.process.send_signal(signal.SIGHUP)
+        proxy.wait_for("reload refused", 30.0)
+        assert "limits.max_calls_per_peer changed" in proxy.log_text()
+        with cluster_analyst(cluster) as analyst:
+            info = analyst.describe()
+            assert (info.owners_registered, info.owners_connected) == (2, 1)
+        assert proxy.process.poll() is None
+        assert "connected to" in nodes["owner-1"].log_text()
 
 
 # ------------------------------------------------------------ 6. query ids

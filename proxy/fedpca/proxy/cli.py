@@ -1,7 +1,8 @@
 """``fedpca proxy``: run the proxy and inspect its state.
 
 ``fedpca proxy serve --config proxy.toml`` runs until SIGTERM or SIGINT, then
-stops gracefully. Once the port is bound it prints exactly one line,
+stops gracefully; on SIGHUP it reads its allow-lists and revoked certificates again.
+Once the port is bound it prints exactly one line,
 ``proxy listening on HOST:PORT`` (flushed), so a parent process can wait for it;
 everything else goes to the log (stderr).
 
@@ -106,19 +107,28 @@ def serve_command(
     insecure: bool,
     verbose: int,
 ) -> None:
-    """Serve OwnerService and AnalystService until SIGTERM/SIGINT."""
+    """Serve OwnerService and AnalystService until SIGTERM/SIGINT.
+
+    On SIGHUP (`systemctl reload`) it reads the configuration file again and takes
+    its owners.allowed, analysts.allowed and tls.revoked_serials, ending the calls of
+    peers no longer accepted; a file that changes anything else is refused whole.
+    """
     from fedpca.proxy.server import ProxyServer  # grpc, numpy, phe: only when serving
     from fedpca.proxy.store_database import refuse_where_a_proxy_ran
 
     _configure_logging(verbose)
     map_large_blocks()  # a long-running process: freed arrays go back to the system
-    try:
-        config = _load(config_path).with_overrides(
+
+    def read_config() -> ProxyConfig:
+        return _load(config_path).with_overrides(
             listen=listen,
             insecure=insecure,
             database=database,
             monitoring_listen=monitoring_listen,
         )
+
+    try:
+        config = read_config()
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     if not holds_database(config.proxy.database):
@@ -137,13 +147,19 @@ def serve_command(
         except FedpcaError as exc:
             raise click.ClickException(str(exc)) from exc
     ensure_open_files(needed_open_files(len(config.owners.allowed)))
-    stop = threading.Event()
+    stop, reload, wake = threading.Event(), threading.Event(), threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
         logger.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
+        wake.set()
+
+    def request_reload(signum: int, frame: FrameType | None) -> None:
+        reload.set()
+        wake.set()
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, request_reload)
     server = ProxyServer(config)
     try:
         try:
@@ -152,12 +168,32 @@ def serve_command(
             raise click.ClickException(f"cannot start the proxy: {exc}") from exc
         click.echo(f"proxy listening on {address}")
         sys.stdout.flush()
-        while not stop.wait(1.0):
-            pass
+        while not stop.is_set():
+            wake.wait()
+            wake.clear()
+            if reload.is_set() and not stop.is_set():
+                reload.clear()
+                _reload(server, config_path, read_config)
     finally:
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _reload(server: Any, config_path: Path, read_config: Callable[[], ProxyConfig]) -> None:
+    """SIGHUP: take the allow-lists and revocations of ``config_path`` as it is now."""
+    logger.info("received SIGHUP, reading %s again", config_path)
+    try:
+        config = read_config()
+        changes = server.reload(config)
+    except FedpcaError as exc:
+        logger.error("reload refused, still serving as before: %s", exc)
+        return
+    ensure_open_files(needed_open_files(len(config.owners.allowed)))
+    if changes:
+        logger.warning("reloaded %s: %s", config_path, "; ".join(changes))
+    else:
+        logger.info("reloaded %s: no change", config_path)
 
 
 @proxy_group.command("status")

@@ -73,7 +73,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,7 @@ from fedpca.transport.addresses import check_address
 from fedpca.transport.certs import TlsFiles, validate_node_id
 
 __all__ = [
+    "RELOADABLE_SETTINGS",
     "BudgetConfig",
     "CryptoConfig",
     "MonitoringSection",
@@ -97,6 +98,7 @@ __all__ = [
     "TlsConfig",
     "load_config",
     "parse_config",
+    "reload_changes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -263,6 +265,72 @@ class ProxyConfig:
             _listen(monitoring_listen, "monitoring.listen")
             config = replace(config, monitoring=MonitoringSection(monitoring_listen))
         return config
+
+
+# ------------------------------------------------------------------ reloading
+RELOADABLE_SETTINGS = ("owners.allowed", "analysts.allowed", "tls.revoked_serials")
+"""What a serving proxy takes from its configuration file again on SIGHUP
+(``systemctl reload``): who may call it. Everything else is read at start only."""
+
+
+def reload_changes(current: ProxyConfig, new: ProxyConfig) -> list[str]:
+    """What taking ``new`` in place of the serving ``current`` changes, one line each.
+
+    All or nothing: a file that also changes a setting outside
+    :data:`RELOADABLE_SETTINGS` is refused whole. Applying only its allow-lists could
+    serve an analyst that it adds before the budget it gives that analyst (the default
+    budget, perhaps larger, until a restart).
+
+    Raises
+    ------
+    ConfigError
+        ``new`` differs from ``current`` in a setting that needs a restart (named).
+    """
+    others = replace(
+        new,
+        owners=current.owners,
+        analysts=current.analysts,
+        tls=replace(new.tls, revoked_serials=current.tls.revoked_serials),
+    )
+    if others != current:
+        changed = [
+            f"{section.name}.{setting.name}"
+            for section in fields(ProxyConfig)
+            for setting in fields(getattr(current, section.name))
+            if getattr(getattr(others, section.name), setting.name)
+            != getattr(getattr(current, section.name), setting.name)
+        ]
+        raise ConfigError(
+            f"{', '.join(changed)} changed, which take effect only when the proxy restarts; "
+            f"nothing was applied (a reload takes {', '.join(RELOADABLE_SETTINGS)} only: "
+            "undo the other changes, or restart the proxy)"
+        )
+    changes = _set_changes("owners.allowed", current.owners.allowed, new.owners.allowed)
+    if current.analysts.allowed != new.analysts.allowed:
+        if new.analysts.allowed is None:
+            changes.append("analysts.allowed removed: any analyst the CA certified is served")
+        elif current.analysts.allowed is None:
+            changes.append(
+                f"analysts.allowed set: only {', '.join(sorted(new.analysts.allowed))} served"
+            )
+        else:
+            changes += _set_changes(
+                "analysts.allowed", current.analysts.allowed, new.analysts.allowed
+            )
+    hex_serials = (
+        frozenset(f"{serial:x}" for serial in serials)
+        for serials in (current.tls.revoked_serials, new.tls.revoked_serials)
+    )
+    return changes + _set_changes("tls.revoked_serials", *hex_serials)
+
+
+def _set_changes(name: str, before: frozenset[str], after: frozenset[str]) -> list[str]:
+    lines = []
+    if added := sorted(after - before):
+        lines.append(f"{name} added: {', '.join(added)}")
+    if removed := sorted(before - after):
+        lines.append(f"{name} removed: {', '.join(removed)}")
+    return lines
 
 
 # ------------------------------------------------------------------ parsing

@@ -6,8 +6,8 @@ recovery sound: the store and the pool come first, then the coordinator finishes
 every query a previous run left in NOISING (:meth:`Coordinator.recover`), and only
 then does the gRPC port open. The gRPC server is asynchronous (:mod:`grpc.aio`) and
 runs its event loop on a thread of its own, so :meth:`ProxyServer.start` and
-:meth:`ProxyServer.stop` can be called from ordinary code and tests. Signal handling
-lives in the CLI entry point (:mod:`fedpca.proxy.cli`), not here.
+:meth:`ProxyServer.stop` (and :meth:`ProxyServer.reload`) can be called from ordinary
+code and tests. Signal handling lives in the CLI entry point (:mod:`fedpca.proxy.cli`), not here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fedpca.dp.noise import DiscreteGaussianSampler, NoiseSampler
 from fedpca.errors import ConfigError
 from fedpca.files import ExclusiveUse
 from fedpca.monitoring import MonitoringServer, free_space_problem
-from fedpca.proxy.config import ProxyConfig
+from fedpca.proxy.config import ProxyConfig, reload_changes
 from fedpca.proxy.coordinator import Coordinator
 from fedpca.proxy.limits import PeerSlots, RefusalLog
 from fedpca.proxy.metrics import ProxyMetrics
@@ -203,6 +203,23 @@ class ProxyServer:
             build_description(),
         )
         return self._address
+
+    def reload(self, config: ProxyConfig) -> list[str]:
+        """Serve with ``config``'s allow-lists and revoked certificates from now on.
+
+        Returns the changes, one line each (empty: the same lists). The calls of peers
+        no longer accepted end at their next message or wake, refused as at their start.
+
+        Raises
+        ------
+        ConfigError
+            ``config`` also changes a setting read only at start; nothing is applied.
+        """
+        changes = reload_changes(self.config, config)
+        if changes:
+            self.config = config
+            self.coordinator.reconfigure(config)
+        return changes
 
     @property
     def monitoring_port(self) -> int | None:

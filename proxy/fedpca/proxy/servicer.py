@@ -180,6 +180,9 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
             next_beat = time.monotonic() + self.heartbeat_seconds
             while not coordinator.stopping and not superseded.is_set():
                 changed = self.feed.event
+                # Asked again at every wake: a reload that revokes the owner's
+                # certificate or takes it off the allow-list ends its open stream.
+                self._caller(context, Role.OWNER)
                 tasks = await self.work.run(coordinator.pending_tasks, owner)
                 for task in sent.unsent(tasks):
                     yield serde.task_event_to_proto(task)
@@ -276,6 +279,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
             # does the owner send chunks (protocol version 3).
             await context.send_initial_metadata(((UPLOAD_ACCEPTED_METADATA, "yes"),))
             while (message := await self._next(messages, deadline)) is not None:
+                self._caller(context, Role.OWNER)  # still accepted (a reload may revoke)
                 chunk = assembler.add(serde.upload_chunk_from_message(message))
                 if folding is not None:
                     await folding
@@ -396,6 +400,7 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
             last: QueryStatus | None = None
             while not coordinator.stopping:
                 changed = self.feed.event
+                self._caller(context, Role.ANALYST)  # still accepted (a reload may revoke)
                 status = await self.work.run(coordinator.status, analyst, query_id)
                 if status != last:
                     yield serde.query_status_to_proto(status)
@@ -406,9 +411,10 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
         # Shutting down before the query ended. A clean end of the stream would read as
         # "nothing more to come" (the client then asks for the status once, finds no
         # proxy and gives up); UNAVAILABLE makes it reconnect to the restarted proxy.
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE, "the proxy is shutting down; reconnect to keep watching"
-        )
+        # Set, not abort(): with the client gone, abort() raised inside gRPC and the
+        # shutdown logged it as an ERROR with a traceback.
+        context.set_code(grpc.StatusCode.UNAVAILABLE)
+        context.set_details("the proxy is shutting down; reconnect to keep watching")
 
     @streaming_errors
     async def FetchResult(
@@ -427,6 +433,7 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
             sent = 0
             while sent < header.total_chunks:
                 changed = self.feed.event
+                self._caller(context, Role.ANALYST)  # still accepted (a reload may revoke)
                 pages = await self.work.run(
                     coordinator.result_pages, analyst, query_id, sent, RESULT_PAGES_PER_READ
                 )
@@ -434,11 +441,12 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
                     yield serde.result_chunk_message(chain.next(data))
                     sent += 1
                 if sent < header.total_chunks and not pages:
-                    if coordinator.stopping:
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            "the proxy is shutting down; fetch again after it restarts",
+                    if coordinator.stopping:  # set, not abort(): as in WatchQueryStatus
+                        context.set_code(grpc.StatusCode.UNAVAILABLE)
+                        context.set_details(
+                            "the proxy is shutting down; fetch again after it restarts"
                         )
+                        return
                     await ChangeFeed.wait(changed, self.watch_poll_seconds)
             logger.info("result of query %s fetched by %s", query_id, analyst)
 
