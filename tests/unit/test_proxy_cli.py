@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -243,10 +245,34 @@ def test_status_lists_queries(tmp_path: Path) -> None:
     result = runner.invoke(proxy_group, ["status", "--config", str(config)])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].split() == ["QUERY", "ANALYST", "STATE", "OWNERS", "REASON"]
-    assert lines[1].split() == ["alice/q-ok", "alice", "collecting", "0/2"]
+    assert lines[0].split() == ["QUERY", "ANALYST", "STATE", "OWNERS", "CREATED", "(UTC)", "REASON"]
+    created = time.strftime("%Y-%m-%dT%H:", time.gmtime(time.time()))  # within this hour
+    assert lines[1].split()[:4] == ["alice/q-ok", "alice", "collecting", "0/2"]
+    assert lines[1].split()[4].startswith(created[:11]) and lines[1].split()[4].endswith("Z")
+    assert len(lines[1].split()) == 5
     assert lines[2].split()[:4] == ["bob/q-late", "bob", "failed", "0/3"]
     assert lines[2].endswith("deadline passed with 1 of 3 required owners")
+
+    # Filtered by state or analyst; as JSON for scripts.
+    def status(*flags: str) -> str:
+        outcome = runner.invoke(proxy_group, ["status", "--config", str(config), *flags])
+        assert outcome.exit_code == 0, outcome.output
+        return outcome.output
+
+    assert [line.split()[0] for line in status("--state", "failed").splitlines()[1:]] == [late]
+    both = status("--state", "failed", "--state", "collecting").splitlines()[1:]
+    assert [line.split()[0] for line in both] == [ok, late]
+    assert [line.split()[0] for line in status("--analyst", "alice").splitlines()[1:]] == [ok]
+    assert status("--analyst", "carol") == "no such queries\n"
+    listed = json.loads(status("--json", "--state", "failed"))
+    assert [(q["query"], q["analyst"], q["state"]) for q in listed] == [(late, "bob", "failed")]
+    assert (listed[0]["owners_contributed"], listed[0]["quorum"]) == (0, 3)
+    assert listed[0]["reason"] == "deadline passed with 1 of 3 required owners"
+    deadline = datetime.fromisoformat(listed[0]["deadline"])
+    assert abs(deadline.timestamp() - (time.time() + 60)) < 30 and deadline.tzinfo is not None
+    assert json.loads(status("--json", "--analyst", "carol")) == []
+    refused = runner.invoke(proxy_group, ["status", "--config", str(config), "--state", "x"])
+    assert refused.exit_code == 2 and "collecting" in refused.output
 
 
 def test_serve_help_lists_the_overriding_flags() -> None:

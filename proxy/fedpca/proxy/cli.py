@@ -16,11 +16,13 @@ folder (:mod:`fedpca.proxy.init`).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
@@ -30,7 +32,9 @@ import click
 from fedpca.allocator import map_large_blocks
 from fedpca.errors import FedpcaError
 from fedpca.files import database_missing, holds_database
+from fedpca.formatting import printable
 from fedpca.logs import configure_logging
+from fedpca.messages import QueryState
 from fedpca.proxy.config import ProxyConfig, load_config
 from fedpca.proxy.init import init_command
 from fedpca.proxy.open_files import ensure_open_files, needed_open_files
@@ -198,8 +202,24 @@ def _reload(server: Any, config_path: Path, read_config: Callable[[], ProxyConfi
 
 @proxy_group.command("status")
 @_config_option("The proxy's TOML configuration (for the database path).")
-def status_command(config_path: Path) -> None:
-    """List the proxy's queries: id, analyst, state, owners, failure reason."""
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice([state.value for state in QueryState]),
+    help="Only queries in this state (repeat for several; default: every state).",
+)
+@click.option("--analyst", help="Only the queries of this analyst id.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print a JSON list (one object per query, times in UTC ISO 8601) for scripts.",
+)
+def status_command(
+    config_path: Path, states: tuple[str, ...], analyst: str | None, as_json: bool
+) -> None:
+    """List the proxy's queries, oldest first: id, analyst, state, owners, times, reason."""
     from fedpca.proxy.store import ProxyStore
 
     config = _load(config_path)
@@ -213,28 +233,57 @@ def status_command(config_path: Path) -> None:
     except FedpcaError as exc:
         raise click.ClickException(str(exc)) from exc
     try:
-        records = store.queries()
+        records = store.queries(*(QueryState(state) for state in states))
     finally:
         store.close()
-    if not records:
-        click.echo("no queries")
-        return
-    rows = [("QUERY", "ANALYST", "STATE", "OWNERS", "REASON")]
-    for record in records:
-        quorum = record.quorum
-        rows.append(
-            (
-                record.query_id,
-                record.analyst_id,
-                record.state.value,
-                f"{record.n_contributed}/{quorum}",
-                record.failure_reason or "",
+    listed = [r for r in records if analyst is None or r.analyst_id == analyst]
+    if as_json:
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        "query": record.query_id,
+                        "analyst": record.analyst_id,
+                        "state": record.state.value,
+                        "owners_contributed": record.n_contributed,
+                        "quorum": record.quorum,
+                        "created": _utc(record.created_at),
+                        "deadline": _utc(record.deadline_at),
+                        "updated": _utc(record.updated_at),
+                        "reason": record.failure_reason,
+                    }
+                    for record in listed
+                ],
+                indent=2,
             )
         )
-    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+        return
+    if not listed:
+        click.echo("no queries" if not (states or analyst) else "no such queries")
+        return
+    rows = [("QUERY", "ANALYST", "STATE", "OWNERS", "CREATED (UTC)", "REASON")]
+    rows += [
+        (
+            record.query_id,
+            record.analyst_id,
+            record.state.value,
+            f"{record.n_contributed}/{record.quorum}",
+            _utc(record.created_at)[:16] + "Z",
+            # A reason quotes a peer's text in part: shown escaped.
+            printable(record.failure_reason or ""),
+        )
+        for record in listed
+    ]
+    widths = [max(len(row[c]) for row in rows) for c in range(5)]
     for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
-        click.echo("  ".join([*cells, row[4]]).rstrip())
+        cells = [cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True)]
+        click.echo("  ".join([*cells, row[5]]).rstrip())
+
+
+def _utc(timestamp: float) -> str:
+    return (
+        datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    )
 
 
 @proxy_group.command("import-releases")
