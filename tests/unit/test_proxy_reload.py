@@ -166,7 +166,9 @@ def test_a_reload_ends_the_open_calls_of_peers_it_no_longer_accepts(
             analysts = {analyst: stub(Role.ANALYST, analyst) for analyst in ANALYSTS}
             spec = _spec(public_key, "reloaded")
             analysts["alice"].SubmitQuery(submit_request(spec), timeout=TIMEOUT)
-            request = submit_request(spec, SECOND_TEST_SIGNING_KEY)
+            # bob's query needs one owner: owner-1's upload below fixes its contributors.
+            bobs = _spec(public_key, "reloaded-b", quorum=1)
+            request = submit_request(bobs, SECOND_TEST_SIGNING_KEY)
             analysts["bob"].SubmitQuery(request, timeout=TIMEOUT)
             streams = {
                 owner: owners[owner].StreamTasks(
@@ -176,20 +178,32 @@ def test_a_reload_ends_the_open_calls_of_peers_it_no_longer_accepts(
             }
             for stream in streams.values():
                 assert next(stream).WhichOneof("event") == "heartbeat"
-            ref = analyst_pb.QueryRef(query_id=spec.query_id)
-            watches = {a: analysts[a].WatchQueryStatus(ref, timeout=TIMEOUT) for a in ANALYSTS}
+            watches = {
+                analyst: analysts[analyst].WatchQueryStatus(
+                    analyst_pb.QueryRef(query_id=query.query_id), timeout=TIMEOUT
+                )
+                for analyst, query in (("alice", spec), ("bob", bobs))
+            }
             for watch in watches.values():
                 next(watch)  # the current status
-            # owner-3 has begun its upload (the proxy accepted its header).
-            payload, _ = encrypted_upload(spec, unit_ball_rows(3, 10, M), public_key, pool)
-            held = _HeldUpload(
-                serde.encode_upload(
-                    task_id("alice", spec.query_id), spec.analyst_key_fingerprint, "up-3", payload
-                )
-            )
-            upload = owners["owner-3"].Upload.future(iter(held), timeout=TIMEOUT)
+            # owner-3 has begun its upload to alice's query, owner-1 to bob's (the proxy
+            # accepted their headers); their chunks wait.
+            uploads, held = {}, {}
             store = server.coordinator.store
-            _wait(lambda: store.query(task_id("alice", spec.query_id)).uploads_begun)
+            for owner, analyst, query in (("owner-3", "alice", spec), ("owner-1", "bob", bobs)):
+                rows = unit_ball_rows(int(owner[-1]), 10, M)
+                payload, _ = encrypted_upload(query, rows, public_key, pool)
+                key = task_id(analyst, query.query_id)
+                held[owner] = _HeldUpload(
+                    serde.encode_upload(key, query.analyst_key_fingerprint, f"up-{owner}", payload)
+                )
+                uploads[owner] = owners[owner].Upload.future(iter(held[owner]), timeout=TIMEOUT)
+                _wait(lambda key=key: store.query(key).uploads_begun)
+            # bob fetches: the header (contributors fixed), then waits for the pages.
+            fetch = analysts["bob"].FetchResult(
+                analyst_pb.QueryRef(query_id=bobs.query_id), timeout=TIMEOUT
+            )
+            assert next(fetch).WhichOneof("payload") == "header"
 
             # Reload: owner-2 off the allow-list, owner-3's certificate revoked, bob off
             # the analysts' list.
@@ -208,11 +222,17 @@ def test_a_reload_ends_the_open_calls_of_peers_it_no_longer_accepts(
             assert _ended_with(streams["owner-2"]) is grpc.StatusCode.PERMISSION_DENIED
             assert _ended_with(streams["owner-3"]) is grpc.StatusCode.PERMISSION_DENIED
             assert _ended_with(watches["bob"]) is grpc.StatusCode.PERMISSION_DENIED
-            held.release()  # owner-3's next chunk is refused
+            assert _ended_with(fetch) is grpc.StatusCode.PERMISSION_DENIED
+            held["owner-3"].release()  # owner-3's next chunk is refused
             with pytest.raises(grpc.RpcError) as refused:
-                upload.result(timeout=TIMEOUT)
+                uploads["owner-3"].result(timeout=TIMEOUT)
             assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
             assert "revoked" in refused.value.details()
+            # owner-1, still accepted, finishes its upload (into the query bob asked,
+            # begun before: it is kept, not lost).
+            held["owner-1"].release()
+            receipt = uploads["owner-1"].result(timeout=TIMEOUT)
+            assert receipt.status == owner_pb.UploadReceipt.STATUS_ACCEPTED
             # New calls are refused as at their start.
             hello = owner_pb.OwnerHello(node_id="owner-2", software_version="1")
             with pytest.raises(grpc.RpcError) as unlisted:
