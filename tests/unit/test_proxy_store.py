@@ -24,6 +24,7 @@ from fedpca.messages import (
     ciphertexts_per_chunk,
 )
 from fedpca.owner.ledger import BudgetLedger
+from fedpca.proxy import store as proxy_store
 from fedpca.proxy.config import (
     BudgetConfig,
     OwnersConfig,
@@ -942,3 +943,47 @@ def test_a_commit_that_fails_is_rolled_back_and_the_store_goes_on(tmp_path: Path
         conn.execute("INSERT INTO checked_at_commit VALUES ('no such query')")
     with s.transaction() as conn:  # was: OperationalError, a transaction within one
         assert conn.execute("SELECT COUNT(*) FROM checked_at_commit").fetchone()[0] == 0
+
+
+def test_recent_failures_are_kept_and_read_without_waiting_for_the_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owners' task streams read them on the proxy's event loop: under the
+    database's lock, a transaction waiting for a busy database (up to 30 s) froze every
+    peer's calls for as long (red team, stop 43)."""
+    monkeypatch.setattr(proxy_store, "RECENT_FAILURES_KEPT", 3)
+    store = ProxyStore(tmp_path / "proxy.sqlite3")
+    for index in range(5):
+        store.create_query(f"a/q{index}", "a", {"quorum": 2}, {}, deadline_at=10**10)
+        store.set_state(f"a/q{index}", QueryState.FAILED, failure_reason=f"reason {index}")
+    store.create_query("a/open", "a", {"quorum": 2}, {}, deadline_at=10**10)
+    # The latest three, in memory; older ones and queries that did not fail: None.
+    assert [store.recent_failure(f"a/q{index}") for index in range(5)] == [
+        None,
+        None,
+        "reason 2",
+        "reason 3",
+        "reason 4",
+    ]
+    assert store.recent_failure("a/open") is None
+    # Read while another thread holds a transaction open.
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.transaction():
+            inside.set()
+            leave.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert inside.wait(10)
+        answers: list[str | None] = []
+        reader = threading.Thread(target=lambda: answers.append(store.recent_failure("a/q4")))
+        reader.start()
+        reader.join(5)
+        assert answers == ["reason 4"], "recent_failure waited for the database's lock"
+    finally:
+        leave.set()
+        holder.join()
+        store.close()

@@ -273,7 +273,7 @@ class ProxyStore(ContributionStore):
                 (state.value, failure_reason, self._clock(), query_id),
             )
         if state is QueryState.FAILED:  # committed
-            with self._lock:
+            with self._recent_failures_lock:
                 self._recent_failures[query_id] = failure_reason or "no reason"
                 while len(self._recent_failures) > RECENT_FAILURES_KEPT:
                     self._recent_failures.popitem(last=False)
@@ -281,8 +281,9 @@ class ProxyStore(ContributionStore):
 
     def recent_failure(self, query_id: str) -> str | None:
         """The reason ``query_id`` failed, if it is among the latest
-        :data:`RECENT_FAILURES_KEPT` queries this process failed (memory only, no read)."""
-        with self._lock:
+        :data:`RECENT_FAILURES_KEPT` queries this process failed (memory only, no read,
+        no wait for the database: the event loop calls it)."""
+        with self._recent_failures_lock:
             return self._recent_failures.get(query_id)
 
     def record_decline(self, query_id: str, owner_id: str, reason: str) -> bool:

@@ -231,7 +231,11 @@ class StoreDatabase:
         self._lock = threading.RLock()
         # The latest queries this process failed, with their reasons (memory only): the
         # owners' task streams tell their contributors without a read each.
+        # Under a lock of their own, not the connection's: the event loop reads them, and
+        # the connection's lock is held for a whole transaction, which waits up to 30 s
+        # for a busy database (a red team froze every peer's calls for as long).
         self._recent_failures: OrderedDict[str, str] = OrderedDict()
+        self._recent_failures_lock = threading.Lock()
         try:
             if created and not read_only:
                 # Whole or not at all: a crash while the tables are made left a file
