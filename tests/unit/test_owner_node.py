@@ -1473,6 +1473,38 @@ def test_an_owner_refuses_a_proxy_of_another_protocol_version(harness: Harness) 
         harness.node._session(_OldProxy())  # type: ignore[arg-type]
 
 
+def test_an_owner_refuses_a_proxy_whose_message_limit_holds_no_chunk(harness: Harness) -> None:
+    """A proxy's Hello stating 100 bytes made every task fail after the owner had
+    reserved its budget and computed its share; the refunded task was computed again on
+    every re-delivery, uncharged and past the daily cap (red team, stop 43). Such a
+    Hello is refused before the task stream opens."""
+    from fedpca.transport.serde.owner_service import SMALLEST_PROXY_MESSAGE_BYTES
+
+    class _TinyLimitProxy:
+        def __init__(self, limit: int) -> None:
+            self.limit = limit
+            self.streams = 0
+
+        def Hello(self, request: owner_pb.OwnerHello, timeout: float) -> owner_pb.ProxyInfo:
+            info = ProxyInfo("proxy", "0.2", "owner-1", 1.0, self.limit, datetime.now(UTC))
+            return serde.proxy_info_to_proto(info)
+
+        def StreamTasks(self, request: Any, timeout: float | None = None) -> Any:
+            self.streams += 1
+            raise RuntimeError("the task stream must not be opened")
+
+    tiny = _TinyLimitProxy(100)
+    with pytest.raises(ProtocolError, match="message limit of 100 bytes, below the 2112"):
+        harness.node._session(tiny)  # type: ignore[arg-type]
+    assert tiny.streams == 0
+    # The smallest limit that holds one chunk at the largest key is accepted.
+    assert SMALLEST_PROXY_MESSAGE_BYTES == 64 + 2 * 8192 // 8
+    enough = _TinyLimitProxy(SMALLEST_PROXY_MESSAGE_BYTES)
+    with pytest.raises(RuntimeError, match="must not be opened"):
+        harness.node._session(enough)  # type: ignore[arg-type]
+    assert enough.streams == 1
+
+
 def test_a_composition_the_ledger_cannot_account_is_declined_without_its_figures(
     harness: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

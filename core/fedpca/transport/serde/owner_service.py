@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from fedpca.errors import ConfigError, ProtocolError
 from fedpca.formatting import printable
 from fedpca.messages import (
+    CHUNK_FRAMING_BYTES,
     MAX_DECLINE_DETAIL,
     UPLOAD_CHUNK_BYTES,
     UPLOAD_ID_PATTERN,
@@ -47,7 +48,11 @@ from fedpca.transport.serde.ciphertext import (
     chunk_to_proto,
     encode_chunks,
 )
-from fedpca.transport.serde.query import query_spec_from_proto, query_spec_to_proto
+from fedpca.transport.serde.query import (
+    MAX_KEY_MODULUS_BITS,
+    query_spec_from_proto,
+    query_spec_to_proto,
+)
 from fedpca.v1 import ciphertext_pb2 as ciphertext_pb
 from fedpca.v1 import owner_service_pb2 as owner_pb
 
@@ -234,9 +239,21 @@ def proxy_info_to_proto(info: ProxyInfo) -> owner_pb.ProxyInfo:
     return message
 
 
+SMALLEST_PROXY_MESSAGE_BYTES = CHUNK_FRAMING_BYTES + 2 * MAX_KEY_MODULUS_BITS // 8
+"""The smallest message limit a proxy may state (0: not stated): one chunk of one
+ciphertext under the largest analyst key. Below it no upload can be cut, which an owner
+found only after it had reserved its budget and computed its share; the refunded task was
+then computed again on every re-delivery (red team, stop 43)."""
+
+
 def proxy_info_from_proto(message: owner_pb.ProxyInfo) -> ProxyInfo:
     if not message.HasField("server_time"):
         raise ProtocolError("ProxyInfo.server_time is missing")
+    if 0 < message.max_message_bytes < SMALLEST_PROXY_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"the proxy states a message limit of {message.max_message_bytes} bytes, below "
+            f"the {SMALLEST_PROXY_MESSAGE_BYTES} bytes of one chunk of one ciphertext"
+        )
     # Bounded like every peer's text: an owner logs these (a proxy's 5 MB ids grew an
     # owner's log by 10 MB/s, review).
     return ProxyInfo(
