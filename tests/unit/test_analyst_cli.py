@@ -615,10 +615,29 @@ def _query_args(address: str, key_dir: Path, out: Path, *extra: str) -> list[str
         "4",
         "--workers",
         "1",
+        "--bounds",
+        "none",
         "--out",
         str(out),
         *extra,
     ]
+
+
+@pytest.mark.parametrize("command", ["pca", "dca"])
+def test_pca_and_dca_need_bounds_stated_none_included(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path, command: str
+) -> None:
+    """``--bounds`` defaulted to none: a forgotten flag submitted a query whose rows were
+    clipped in raw units, charged, with only a note (a new analyst's walkthrough, stop
+    43). Now it is required, as for stats and linreg; ``none`` is still accepted."""
+    fake, address = proxy
+    args = _query_args(address, analyst_key, tmp_path / "r.json", "--epsilon", "1")
+    index = args.index("--bounds")
+    del args[index : index + 2]
+    classes = ["--classes", "-1,1"] if command == "dca" else []
+    result = CliRunner().invoke(analyst_group, [command, *args, "--delta", "1e-6", *classes])
+    assert result.exit_code == 2 and "Missing option '--bounds'" in result.output
+    assert fake.submitted_ids == []
 
 
 def test_cli_asks_for_bounded_owner_tables_only_when_told(

@@ -4,7 +4,7 @@ Commands::
 
     fedpca analyst keygen --out DIR [--bits 2048|3072] [--force]
     fedpca analyst pca --proxy ADDR --components K --epsilon E --delta D --features M \\
-        [--mode stats|masked] [--bounds none|LO:HI|LO:HI,…] [...] --out result.json
+        --bounds LO:HI|LO:HI,…|none [--mode stats|masked] [...] --out result.json
     fedpca analyst dca ... --label-column C --classes -1,1 --out result.json
     fedpca analyst budget --proxy ADDR [--delta D] [--query-delta D]
     fedpca analyst list|status QUERY|fetch QUERY --out result.json|cancel QUERY
@@ -314,9 +314,9 @@ def _query_options(function: F) -> F:
         ),
         click.option(
             "--bounds",
-            default="none",
-            show_default=True,
-            help="Public feature bounds: none, LO:HI (every feature) or LO:HI,LO:HI,… (M).",
+            required=True,
+            help="Public feature bounds: LO:HI (every feature) or LO:HI,LO:HI,… (M); or "
+            "none (raw units, each row clipped to --clip-norm: say so explicitly).",
         ),
         click.option(
             "--clip-norm",
