@@ -215,7 +215,8 @@ def stats_command(
     "bins",
     required=True,
     multiple=True,
-    help="Public bin edges of a column, increasing (e1,e2,…); once per column.",
+    help="Public bin edges of a column, increasing (e1,e2,…); once per column. A value "
+    "outside the edges is counted in the first or the last bin.",
 )
 @click.option("--group-by", type=click.IntRange(min=0), help="A public categorical column.")
 @click.option("--categories", help="Its public categories, comma-separated.")

@@ -302,8 +302,8 @@ def _query_options(function: F) -> F:
             type=click.Choice([n.value for n in Neighbouring]),
             default=None,
             help="The neighbouring relation (epsilon, delta) are stated for; it must be the "
-            "deployment's. Default: replace-one for --mode masked, else the relation the "
-            "proxy reports for the deployment.",
+            "deployment's. Default: the relation the proxy reports for the deployment "
+            "(replace-one for pca --mode masked).",
         ),
         click.option(
             "--features",
