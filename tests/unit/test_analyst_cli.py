@@ -1031,6 +1031,20 @@ def test_cli_list_status_cancel_and_fetch(
         json.loads(fewer.read_text())["components"], again["components"][:1], atol=1e-12
     )
     assert fake.submitted_ids == submitted
+    # Options the release cannot take are refused as usage errors before decrypting
+    # (after it, or ignored: a new analyst's walkthrough, stop 43).
+    never = str(tmp_path / "never.json")
+    for flags, said in (
+        (["--n-components", "4"], "--n-components 4: query q-"),
+        (["--alpha", "1"], "--alpha applies to linreg; query q-"),
+        (["--no-clip"], "--no-clip applies to stats; query q-"),
+    ):
+        refused = runner.invoke(
+            analyst_group,
+            ["fetch", query_id, *connection, "--key-dir", str(analyst_key), *flags, "--out", never],
+        )
+        assert refused.exit_code == 2 and said in refused.output, refused.output
+        assert "decrypted" not in refused.output and not Path(never).exists()
     # A result under another key is refused at its header, before any page is kept
     # (fetch once held every page a proxy declared, then failed at decryption).
     fake.foreign_key, _ = generate_keypair(512, allow_insecure_test_key=True)

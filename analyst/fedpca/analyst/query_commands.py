@@ -366,6 +366,15 @@ def register(
                 started = time.perf_counter()
                 fetched = opened.fetch(query_id, public_key=private_key.public_key, signer=signer)
                 fetch_seconds = time.perf_counter() - started
+            # Before decrypting, the slow part (a reviewer waited 12 s for this refusal).
+            given = {
+                "--ddof": ddof is not None,
+                "--no-clip": no_clip,
+                "--no-clamp": no_clamp,
+                "--alpha": alpha is not None,
+                "--no-intercept": no_intercept,
+            }
+            _check_fetch_options(fetched.query, n_components, [k for k, v in given.items() if v])
             started = time.perf_counter()
             # Progress as `pca` shows it (5-10 s of silence here before: an operator's
             # walkthrough, stop 42).
@@ -377,8 +386,6 @@ def register(
                 )
             timings = {"fetch": fetch_seconds, "decrypt": time.perf_counter() - started}
             if release.kind is QueryKind.AGGREGATE:
-                if n_components is not None:
-                    raise ConfigError(f"--n-components: query {query_id} has no components")
                 _write_aggregates(release, registered, timings, out, post_processing)
                 return
             chosen = {} if n_components is None else {"n_components": n_components}
@@ -395,3 +402,34 @@ def register(
                 )
             files = write_report(out, estimator)
         _print_release_summary(estimator, files)
+
+
+_FETCH_OPTION_KINDS = {
+    "--ddof": "stats",
+    "--no-clip": "stats",
+    "--no-clamp": "histogram",
+    "--alpha": "linreg",
+    "--no-intercept": "linreg",
+}
+"""The aggregate each post-processing option of ``fetch`` applies to."""
+
+
+def _check_fetch_options(spec: Any, n_components: int | None, given: list[str]) -> None:
+    """Refuse, as a usage error, an option of ``fetch`` that the query's release cannot
+    take: they were checked only after the decryption, or silently ignored."""
+    released = {part.kind.value for part in spec.aggregates}
+    what = spec.kind.value + (f" ({', '.join(sorted(released))})" if released else "")
+    if n_components is not None:
+        if released:
+            raise click.UsageError(f"--n-components: query {spec.query_id} is {what}")
+        if n_components > spec.n_features:
+            raise click.UsageError(
+                f"--n-components {n_components}: query {spec.query_id} has "
+                f"{spec.n_features} features"
+            )
+    for option in given:
+        if _FETCH_OPTION_KINDS[option] not in released:
+            raise click.UsageError(
+                f"{option} applies to {_FETCH_OPTION_KINDS[option]}; query {spec.query_id} "
+                f"is {what}"
+            )
