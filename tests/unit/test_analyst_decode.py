@@ -145,7 +145,15 @@ def test_stats_pca_without_noise_equals_sklearn_on_pooled_rows(
     shares = owner_statistics(spec, rows, labels)
     result = encrypted_stats_result(spec, shares, public_key, pool)
 
-    release = decrypt_result(result, private_key, expected_query=spec, pool=pool)
+    progress: list[int] = []
+    release = decrypt_result(
+        result, private_key, expected_query=spec, pool=pool, progress=progress.append
+    )
+    # Progress moves as batches are decrypted (one call at the end before: `fetch`
+    # showed nothing for 12 s at madelon's width).
+    total = result.payload.total_ciphertexts
+    assert total > 32 and len(progress) > 1
+    assert progress == sorted(progress) and progress[-1] == total
     estimator = FederatedPCA.from_result(release)
     # Without noise the decoded statistics are exactly the owners' summed integers.
     assert release.statistics is not None
