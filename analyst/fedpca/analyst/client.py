@@ -484,7 +484,9 @@ class AnalystClient:
         if header.query_signer != signer:
             raise UntrustedKeyError(
                 f"fetch result of query {query_id!r}: the query is signed by "
-                f"{header.query_signer[:80] or 'nobody'}, not by you ({signer})"
+                f"{header.query_signer[:80] or 'nobody'}, not by you ({signer}): if you "
+                "asked it, --key-dir (or key_dir in --config) names another key folder "
+                "than the one you asked it with"
             )
         verify_query(header.query, header.query_signature, header.query_signer)
         check_result(header, public_key)
