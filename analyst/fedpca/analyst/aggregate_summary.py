@@ -123,12 +123,14 @@ def _histogram(estimator: Any) -> list[SummaryLine]:
         else [f"category {c:.6g} of col {estimator.groupby}:" for c in estimator.categories_]
     )
     rows_left = MAX_ROWS
-    for name, table in zip(names, tables, strict=True):
+    for position, (name, table) in enumerate(zip(names, tables, strict=True)):
         if rows_left <= 0:
             lines.append(("… more tables in result.json", None))
             break
         if name is not None:
             lines.append((name, None))
+            if (weak := _weak_category(estimator, position)) is not None:
+                lines.append((weak, "yellow"))
         first = _bin_labels(estimator.bin_edges_[0])
         if table.ndim == 1:
             lines.append((f"  col {columns[0]} bin".ljust(24) + "count", None))
@@ -152,6 +154,24 @@ def _histogram(estimator: Any) -> list[SummaryLine]:
             ("clamped:     negative noisy counts were set to 0 (--no-clamp keeps them)", "yellow")
         )
     return lines
+
+
+def _weak_category(estimator: Any, position: int) -> str | None:
+    """A warning for a category whose noisy counts sum to within 3 sigma of zero: the
+    owners may hold none of its records (a category that is no value of the column gave
+    a table of noise without a word, where DCA warns of such a class: a new analyst's
+    walkthrough). ``position``: the category's index; its raw counts are summed."""
+    sigma = estimator.noise_sigmas_.get(COUNTS)
+    if estimator.not_private_ or not sigma:
+        return None
+    raw = np.asarray(estimator.raw_counts_[position])
+    spread = 3.0 * sigma * math.sqrt(raw.size)
+    if float(raw.sum()) >= spread:
+        return None
+    return (
+        f"  its counts sum to {float(raw.sum()):.0f}, within 3 sigma ({spread:.3g}) of zero: "
+        "the owners may hold no records of this category (is it a value of the column?)"
+    )
 
 
 def histogram_total_line(estimator: Any) -> str:

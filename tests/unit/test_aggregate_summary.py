@@ -1,0 +1,50 @@
+"""The printed summary of a histogram per category: a category the owners may not hold.
+
+Found by a new analyst's walkthrough (stop 43): ``--categories 0,1`` on a label of
+-1/+1 printed category 0 with counts of pure noise and no word, where DCA warns of such
+a class. The summary now says when a category's noisy counts sum to within 3 sigma of
+zero (the sum of k cells of noise sigma s has sigma s·√k).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedpca.aggregates import COUNTS
+from fedpca.analyst.aggregate_summary import summary_lines
+from fedpca.analyst.statistics import FederatedHistogram
+
+
+def _fitted(raw: np.ndarray, sigma: float, *, not_private: bool = False) -> FederatedHistogram:
+    histogram = FederatedHistogram(6, bins=[0.0, 1.0, 2.0, 3.0], groupby=0, categories=[0, 1])
+    histogram.columns_ = (6,)
+    histogram.bin_edges_ = [np.array([0.0, 1.0, 2.0, 3.0])]
+    histogram.categories_ = np.array([0.0, 1.0])
+    histogram.raw_counts_ = raw
+    histogram.counts_ = np.maximum(raw, 0.0)
+    histogram.clamped_ = True
+    histogram.noise_sigmas_ = {COUNTS: sigma}
+    histogram.not_private_ = not_private
+    return histogram
+
+
+def _warnings(histogram: FederatedHistogram) -> list[str]:
+    return [line for line, colour in summary_lines(histogram) if "within 3 sigma" in line]
+
+
+def test_a_category_whose_counts_sum_to_noise_is_named() -> None:
+    # Category 0: three cells summing to 4 with sigma 2 each: 3·2·√3 = 10.4 > 4.
+    # Category 1: 300 records, far from zero.
+    raw = np.array([[3.0, -1.0, 2.0], [100.0, 120.0, 80.0]])
+    (warning,) = _warnings(_fitted(raw, 2.0))
+    assert warning.startswith("  its counts sum to 4, within 3 sigma (10.4) of zero")
+    lines = [line for line, _ in summary_lines(_fitted(raw, 2.0))]
+    # Said under the category it concerns.
+    assert lines[lines.index(warning) - 1] == "category 0 of col 0:"
+
+
+def test_no_warning_beyond_3_sigma_or_without_noise() -> None:
+    raw = np.array([[4.0, 4.0, 3.0], [100.0, 120.0, 80.0]])  # 11 > 10.4
+    assert _warnings(_fitted(raw, 2.0)) == []
+    empty = np.array([[0.0, 0.0, 0.0], [100.0, 120.0, 80.0]])
+    assert _warnings(_fitted(empty, 0.0, not_private=True)) == []
