@@ -310,6 +310,7 @@ def test_the_compose_services_run_across_hosts(example: Path, tmp_path: Path) ->
         document = json.loads((tmp_path / "pca.json").read_text())
         assert document["owners"]["contributed"] == 3 and document["owners"]["registered"] == 3
         assert len(document["components"]) == 3 and len(document["components"][0]) == 34
+        assert document["space"].startswith("each feature scaled by feature_bounds onto")
         tolerance = 6 * max(document["noise_sigma"].values()) + 1
         assert abs(document["n_samples"] - 351) < tolerance
 

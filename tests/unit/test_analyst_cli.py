@@ -670,6 +670,9 @@ def test_cli_pca_writes_result_and_plots(
     document = json.loads(out.read_text())
     assert document["epsilon"] == 1.0 and document["not_private"] is False
     assert document["n_samples_noisy"] is True and document["mode"] == "stats"
+    # What the components and the mean are of (--bounds none here), said in the file.
+    assert document["space"].startswith("raw units, each row clipped to L2 norm clip_norm")
+    assert document["clip_norm"] == 1.0 and document["feature_bounds"] is None
     assert (out.parent / "result.scree.png").stat().st_size > 0
     assert (out.parent / "result.projection.png").stat().st_size > 0
     # Signed with the signing key of the key directory (owners pin its signer).

@@ -82,7 +82,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     mean (None when not released), n_samples with n_samples_noisy, n_owners,
     owners (contributed, registered, quorum), epsilon (None for inf), delta,
     not_private, mechanism, calibration, neighbouring, bounded_owner_tables,
-    noise_sigma, key_fingerprint, timings.
+    noise_sigma, clip_norm, space (what the components and the mean are of: the rows as
+    scaled by feature_bounds and clipped), key_fingerprint, timings.
     """
     release = getattr(estimator, "release_", None)
     if release is None:
@@ -133,6 +134,14 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
         noise_multiplier=float(release.plan.noise_multiplier),
         noise_sigma={name: float(sigma) for name, sigma in estimator.noise_sigmas_.items()},
         clip_norm=query.clip_norm,
+        # Said in the file (a new analyst's walkthrough read the mean as the data's).
+        space=(
+            "each feature scaled by feature_bounds onto [-1, 1], then each row clipped to "
+            "L2 norm clip_norm: components, mean and variances are of the rows so scaled"
+            if query.has_bounds
+            else "raw units, each row clipped to L2 norm clip_norm: components, mean and "
+            "variances are of the rows so clipped"
+        ),
         feature_bounds=(
             {"lower": list(query.feature_lower), "upper": list(query.feature_upper)}
             if query.has_bounds
