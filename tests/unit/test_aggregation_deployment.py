@@ -297,7 +297,9 @@ def test_owners_decline_forbidden_kinds_with_a_public_reason(
     statuses: list[Any] = []
     # Quorum 1: the query fails only once every owner has declined, so all are seen.
     connection = {**_connection(running, analyst_keys), "quorum": 1}
-    histogram = FederatedHistogram(8, bins=AGE_EDGES, on_status=statuses.append, **connection)
+    histogram = FederatedHistogram(
+        8, bins=AGE_EDGES, on_status=statuses.append, epsilon=1.0, **connection
+    )
     with pytest.raises(QueryStateError):
         histogram.fit()
     declines = statuses[-1].declines
@@ -322,7 +324,7 @@ def test_owners_decline_columns_their_policy_does_not_allow(
     statuses: list[Any] = []
     connection = {**_connection(running, analyst_keys), "quorum": 1}
     stats = FederatedStatistics(
-        [2, 6], bounds=[(0, 200), (0, 70)], on_status=statuses.append, **connection
+        [2, 6], bounds=[(0, 200), (0, 70)], on_status=statuses.append, epsilon=1.0, **connection
     )
     with pytest.raises(QueryStateError):
         stats.fit()
@@ -332,7 +334,11 @@ def test_owners_decline_columns_their_policy_does_not_allow(
     }
     # Allowed columns are served.
     allowed = FederatedStatistics(
-        [2, 8], bounds=[(0, 200), (20, 90)], moments="mean", **_connection(running, analyst_keys)
+        [2, 8],
+        bounds=[(0, 200), (20, 90)],
+        moments="mean",
+        epsilon=1.0,
+        **_connection(running, analyst_keys),
     ).fit()
     assert allowed.mean_.shape == (2,) and allowed.covariance_ is None
 

@@ -151,9 +151,12 @@ def test_n_components_is_checked_not_truncated(test_only_keypair_512: Any) -> No
     public_key, _ = test_only_keypair_512
     for wrong in (2.5, "2", 0, 6, True):
         with pytest.raises(ConfigError, match="n_components must be"):
-            FederatedPCA(wrong, quorum=1).build_query(5, public_key)  # type: ignore[arg-type]
-    assert FederatedPCA(None, quorum=1).build_query(5, public_key).n_components == 5
-    assert FederatedPCA(np.int64(3), quorum=1).build_query(5, public_key).n_components == 3
+            FederatedPCA(wrong, quorum=1, epsilon=1.0).build_query(5, public_key)  # type: ignore[arg-type]
+    assert FederatedPCA(None, quorum=1, epsilon=1.0).build_query(5, public_key).n_components == 5
+    assert (
+        FederatedPCA(np.int64(3), quorum=1, epsilon=1.0).build_query(5, public_key).n_components
+        == 3
+    )
 
 
 def test_scikit_learn_helpers_work_on_the_estimators() -> None:
@@ -166,7 +169,7 @@ def test_scikit_learn_helpers_work_on_the_estimators() -> None:
     with pytest.raises(SklearnNotFitted):
         check_is_fitted(FederatedPCA(2, epsilon=0.5))
     check_is_fitted(FederatedPCA.from_result(release_for(n_components=2)))
-    stats = FederatedStatistics([1, 2], bounds="0:1", ddof=1)
+    stats = FederatedStatistics([1, 2], bounds="0:1", ddof=1, epsilon=1.0)
     assert clone(stats).get_params() == stats.get_params()
     with pytest.raises(SklearnNotFitted):
         check_is_fitted(stats)
@@ -179,25 +182,33 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
     assert spec.quorum == 3 and spec.epsilon == 0.7 and spec.kind is QueryKind.PCA
     assert spec.analyst_key_fingerprint == key_fingerprint(public_key)
     # Per-feature bounds imply M; a conflicting M is refused.
-    per_feature = FederatedPCA(1, bounds=([0, 0, 0], [1, 2, 3]))
+    per_feature = FederatedPCA(1, bounds=([0, 0, 0], [1, 2, 3]), epsilon=1.0)
     assert per_feature.build_query(None, public_key, deployment()).n_features == 3
     with pytest.raises(ConfigError, match="cover 3 features"):
         per_feature.build_query(4, public_key, deployment())
-    dca = FederatedDCA(1, classes=(1, 2, 3), label_column=4)
+    dca = FederatedDCA(1, classes=(1, 2, 3), label_column=4, epsilon=1.0)
     spec = dca.build_query(4, public_key, deployment())
     assert spec.class_labels == (1.0, 2.0, 3.0) and spec.label_column == 4
     with pytest.raises(ConfigError, match="stats mode"):
-        FederatedDCA(1, mode="masked").build_query(4, public_key, deployment())
-    assert not FederatedPCA(2).build_query(4, public_key, deployment()).bounded_owner_tables
-    bounded = FederatedDCA(1, bounded_owner_tables=True).build_query(4, public_key, deployment())
+        FederatedDCA(1, mode="masked", epsilon=1.0).build_query(4, public_key, deployment())
+    assert (
+        not FederatedPCA(2, epsilon=1.0)
+        .build_query(4, public_key, deployment())
+        .bounded_owner_tables
+    )
+    bounded = FederatedDCA(1, bounded_owner_tables=True, epsilon=1.0).build_query(
+        4, public_key, deployment()
+    )
     assert bounded.bounded_owner_tables and bounded.neighbouring is Neighbouring.ADD_REMOVE
-    assert FederatedPCA(2, bounded_owner_tables=True).get_params()["bounded_owner_tables"]
+    assert FederatedPCA(2, bounded_owner_tables=True, epsilon=1.0).get_params()[
+        "bounded_owner_tables"
+    ]
     # A release read back states the calibration it was made with.
     fitted = FederatedPCA.from_result(release_for(epsilon=1.0, bounded_owner_tables=True))
     assert fitted.bounded_owner_tables and fitted.neighbouring == "add-remove"
     document = result_document(fitted)
     assert document["bounded_owner_tables"] is True and document["neighbouring"] == "add-remove"
-    stats = FederatedStatistics([0], bounds=[(0.0, 1.0)], bounded_owner_tables=True)
+    stats = FederatedStatistics([0], bounds=[(0.0, 1.0)], bounded_owner_tables=True, epsilon=1.0)
     settings = stats._query_settings(deployment())
     aggregate = aggregate_query(
         [Aggregate.statistics((0,), (0.0,), (1.0,))], public_key, **settings
@@ -207,12 +218,14 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
 
 def test_default_quorum_is_every_registered_owner(test_only_keypair_512: Any) -> None:
     public_key, _ = test_only_keypair_512
-    estimator = FederatedPCA(2)
+    estimator = FederatedPCA(2, epsilon=1.0)
     assert estimator.quorum is None
     # The query states the number explicitly (owners and the proxy see it, signed).
     assert estimator.build_query(4, public_key, deployment(7)).quorum == 7
     # An explicit quorum wins; without a deployment the default cannot be resolved.
-    assert FederatedPCA(2, quorum=2).build_query(4, public_key, deployment(7)).quorum == 2
+    assert (
+        FederatedPCA(2, quorum=2, epsilon=1.0).build_query(4, public_key, deployment(7)).quorum == 2
+    )
     with pytest.raises(ConfigError, match="every owner the proxy accepts"):
         estimator.build_query(4, public_key)
     with pytest.raises(ConfigError, match="accepts no owners"):
@@ -222,17 +235,17 @@ def test_default_quorum_is_every_registered_owner(test_only_keypair_512: Any) ->
     assert estimator.build_query(4, public_key, replace_one).neighbouring is (
         Neighbouring.REPLACE_ONE
     )
-    assert FederatedPCA(2).build_query(4, public_key, deployment()).neighbouring is (
+    assert FederatedPCA(2, epsilon=1.0).build_query(4, public_key, deployment()).neighbouring is (
         Neighbouring.ADD_REMOVE
     )
-    masked = FederatedPCA(2, mode="masked").build_query(4, public_key, deployment())
+    masked = FederatedPCA(2, mode="masked", epsilon=1.0).build_query(4, public_key, deployment())
     assert masked.neighbouring is Neighbouring.REPLACE_ONE
 
 
 def test_the_default_calibration_is_the_proven_zcdp(test_only_keypair_512: Any) -> None:
     public_key, _ = test_only_keypair_512
     assert QuerySpec.__dataclass_fields__["calibration"].default is Calibration.ZCDP
-    for estimator in (FederatedPCA(2, epsilon=0.7), FederatedDCA(1, classes=(1, 2))):
+    for estimator in (FederatedPCA(2, epsilon=0.7), FederatedDCA(1, classes=(1, 2), epsilon=1.0)):
         assert estimator.build_query(4, public_key, deployment()).calibration is Calibration.ZCDP
 
 
@@ -250,26 +263,37 @@ def test_every_estimator_takes_the_same_bounds_forms(test_only_keypair_512: Any)
         FeatureBounds(lower, upper),
     ]
     for bounds in forms:
-        spec = FederatedPCA(1, bounds=bounds).build_query(None, public_key, deployment())
+        spec = FederatedPCA(1, bounds=bounds, epsilon=1.0).build_query(
+            None, public_key, deployment()
+        )
         assert (spec.n_features, spec.feature_lower, spec.feature_upper) == (3, lower, upper)
-        dca = FederatedDCA(1, bounds=bounds).build_query(3, public_key, deployment())
+        dca = FederatedDCA(1, bounds=bounds, epsilon=1.0).build_query(3, public_key, deployment())
         assert (dca.feature_lower, dca.feature_upper) == (lower, upper)
-        part = FederatedStatistics([1, 2, 8], bounds=bounds).aggregate()
+        part = FederatedStatistics([1, 2, 8], bounds=bounds, epsilon=1.0).aggregate()
         assert (part.lower, part.upper) == (lower, upper)
     for bounds in ("0:1", (0, 1), [0.0, 1.0]):
-        spec = FederatedPCA(1, bounds=bounds).build_query(3, public_key, deployment())
+        spec = FederatedPCA(1, bounds=bounds, epsilon=1.0).build_query(3, public_key, deployment())
         assert spec.feature_lower == (0.0,) * 3 and spec.feature_upper == (1.0,) * 3
-        assert FederatedStatistics([1, 2, 8], bounds=bounds).aggregate().upper == (1.0,) * 3
+        assert (
+            FederatedStatistics([1, 2, 8], bounds=bounds, epsilon=1.0).aggregate().upper
+            == (1.0,) * 3
+        )
     # Two features: a 2 x 2 is one pair per feature, for PCA as for the aggregates.
-    two = FederatedPCA(1, bounds=[(0, 17), (0, 200)]).build_query(None, public_key, deployment())
+    two = FederatedPCA(1, bounds=[(0, 17), (0, 200)], epsilon=1.0).build_query(
+        None, public_key, deployment()
+    )
     assert (two.feature_lower, two.feature_upper) == ((0.0, 0.0), (17.0, 200.0))
     with pytest.raises(ConfigError, match="one \\(lo, hi\\) pair per feature; give"):
-        FederatedPCA(1, bounds=([-1, -2], [1, 2])).build_query(2, public_key, deployment())
+        FederatedPCA(1, bounds=([-1, -2], [1, 2]), epsilon=1.0).build_query(
+            2, public_key, deployment()
+        )
     # What is no form is refused, naming the forms; so are bounds for other features.
     with pytest.raises(ConfigError, match="one \\(lo, hi\\) pair per feature"):
-        FederatedPCA(1, bounds=[(0, 1, 2)] * 3).build_query(3, public_key, deployment())
+        FederatedPCA(1, bounds=[(0, 1, 2)] * 3, epsilon=1.0).build_query(
+            3, public_key, deployment()
+        )
     with pytest.raises(ConfigError, match="cover 3 features"):
-        FederatedPCA(1, bounds=forms[1]).build_query(4, public_key, deployment())
+        FederatedPCA(1, bounds=forms[1], epsilon=1.0).build_query(4, public_key, deployment())
     # A release read back gives its bounds in the same form, and they read back alike.
     fitted = FederatedPCA.from_result(release_for())
     again = FederatedPCA(**fitted.get_params()).build_query(4, public_key, deployment())
@@ -457,7 +481,9 @@ def test_failed_query_raises_with_the_proxy_reason(
     monkeypatch.setattr(
         estimators_module, "load_analyst_signing_key", lambda path: TEST_SIGNING_KEY
     )
-    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    estimator = FederatedPCA(
+        proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
+    )
     with pytest.raises(QueryStateError, match="quorum not reached"):
         estimator.fit(4)
     assert not hasattr(estimator, "components_")
@@ -527,7 +553,9 @@ def test_interrupting_the_wait_cancels_the_query(
             raise KeyboardInterrupt
 
     _fake_fit(monkeypatch, test_only_keypair_512[1], Interrupted)
-    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    estimator = FederatedPCA(
+        proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
+    )
     with pytest.raises(KeyboardInterrupt):
         estimator.fit(4)
     client = FakeClient.instances[-1]
@@ -553,7 +581,9 @@ def test_an_interrupt_during_the_submission_cancels_the_query_if_it_arrived(
             raise NotFoundError(f"unknown query {query_id!r}")
 
     _fake_fit(monkeypatch, test_only_keypair_512[1], InterruptedSubmission)
-    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    estimator = FederatedPCA(
+        proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
+    )
     with pytest.raises(KeyboardInterrupt):
         estimator.fit(4)
     client = FakeClient.instances[-1]
@@ -580,7 +610,9 @@ def test_interrupting_the_decryption_names_fetch_and_does_not_cancel(
             raise KeyboardInterrupt
 
     _fake_fit(monkeypatch, test_only_keypair_512[1], InterruptedFetch)
-    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    estimator = FederatedPCA(
+        proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
+    )
     with (
         caplog.at_level("WARNING", logger="fedpca.analyst.estimators"),
         pytest.raises(KeyboardInterrupt),
@@ -613,7 +645,9 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
 
     def fit(client: type[FakeClient], **params: Any) -> FakeClient:
         _fake_fit(monkeypatch, test_only_keypair_512[1], client)
-        estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+        estimator = FederatedPCA(
+            proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
+        )
         estimator.set_params(**params).fit(4)
         return FakeClient.instances[-1]
 
@@ -664,7 +698,9 @@ def test_fit_refuses_to_submit_from_a_bootstrapping_worker(
     before = len(FakeClient.instances)
     # What multiprocessing sets while a spawned worker imports its parent's script.
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
-    estimator = FederatedPCA(proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1)
+    estimator = FederatedPCA(
+        proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
+    )
     with pytest.raises(ConfigError, match="worker process was importing the main script"):
         estimator.fit(4)
     assert len(FakeClient.instances) == before  # never connected, nothing submitted

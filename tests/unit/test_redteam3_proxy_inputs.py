@@ -89,12 +89,16 @@ def test_a_task_that_failed_before_its_upload_began_is_refunded_when_withdrawn(
         software_version="x",
         authenticated_node_id="owner-1",
         heartbeat_interval_seconds=5.0,
-        max_message_bytes=100,
+        max_message_bytes=1 << 20,
         server_time=datetime.now(UTC),
     )
     proxy = _Proxy(info, [Heartbeat(datetime.now(UTC))])
     node = OwnerNode(config, pool=pool, retry=ONE_ATTEMPT)
     node._session(proxy)  # type: ignore[arg-type]  # Hello, then the (short) task stream
+    # Such a Hello is refused since stop 43 (test_owner_node.py::
+    # test_an_owner_refuses_a_proxy_whose_message_limit_holds_no_chunk); the limit it
+    # set stands here for any failure to cut the upload after the reservation.
+    node._max_message_bytes = 100
 
     failure: list[str] = []
     try:

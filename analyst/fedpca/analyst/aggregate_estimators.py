@@ -41,7 +41,7 @@ import numpy.typing as npt
 from fedpca.aggregates import part_sections
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
-from fedpca.analyst.params import NotFittedError, SklearnParams, differs
+from fedpca.analyst.params import NotFittedError, SklearnParams, differs, required_epsilon
 from fedpca.analyst.querying import (
     charged_release,
     new_query_id,
@@ -185,7 +185,7 @@ class _Settings(SklearnParams):
         if neighbouring is None and deployment is not None:
             neighbouring = deployment.neighbouring.value
         return {
-            "epsilon": float(self.epsilon),
+            "epsilon": required_epsilon(self.epsilon),
             "delta": float(self.delta),
             "calibration": self.calibration,
             "neighbouring": neighbouring,
@@ -394,8 +394,8 @@ class AggregateEstimator(_Settings):
 
 
 COMMON_PARAMETERS_DOC = """
-    epsilon, delta : privacy parameters of the release (``epsilon=inf``: no noise, NOT
-        PRIVATE, verification only).
+    epsilon, delta : privacy parameters of the release; epsilon is required (no default
+        spends budget unasked; ``epsilon=inf``: no noise, NOT PRIVATE, verification only).
     calibration : "zcdp" (default, proven for the discrete Gaussian), "analytic" or
         "classic" (the continuous Gaussian's).
     neighbouring : "add-remove" or "replace-one": the deployment's relation (None, the
@@ -452,7 +452,7 @@ class FederatedQuery(_Settings):
         estimators: Sequence[AggregateEstimator] = (),
         *,
         weights: Sequence[float] | None = None,
-        epsilon: float = 1.0,
+        epsilon: float | None = None,
         delta: float = DEFAULT_QUERY_DELTA,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,

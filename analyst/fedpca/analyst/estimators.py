@@ -60,8 +60,9 @@ class FederatedPCA(FederatedEstimator):
     Parameters
     ----------
     n_components : k, components to compute (1 <= k <= M).
-    epsilon, delta : privacy parameters of the release (``epsilon=inf``: no
-        noise, NOT PRIVATE, verification only).
+    epsilon, delta : privacy parameters of the release; epsilon is required (no
+        default spends budget unasked; ``epsilon=inf``: no noise, NOT PRIVATE,
+        verification only).
     mode : "stats" (noisy sufficient statistics, default) or "masked"
         (corrected Wang & Chang: the mean is never released).
     calibration : "zcdp" (default: proven for the discrete Gaussian fedpca samples),
@@ -222,7 +223,7 @@ class FederatedDCA(FederatedEstimator):
         label_column: int = 0,
         rho: float | None = None,
         rho_prime: float | None = None,
-        epsilon: float = 1.0,
+        epsilon: float | None = None,
         delta: float = DEFAULT_QUERY_DELTA,
         mode: str = ProtocolMode.STATS.value,
         calibration: str = Calibration.ZCDP.value,

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
-from fedpca.analyst.params import NotFittedError, SklearnParams
+from fedpca.analyst.params import NotFittedError, SklearnParams, required_epsilon
 from fedpca.analyst.querying import (
     charged_release,
     new_query_id,
@@ -58,7 +58,7 @@ class FederatedEstimator(SklearnParams):
         self,
         n_components: int = 2,
         *,
-        epsilon: float = 1.0,
+        epsilon: float | None = None,
         delta: float = DEFAULT_QUERY_DELTA,
         mode: str = ProtocolMode.STATS.value,
         calibration: str = Calibration.ZCDP.value,
@@ -160,7 +160,7 @@ class FederatedEstimator(SklearnParams):
             query_id=new_query_id(),
             kind=self._kind,
             n_features=m,
-            epsilon=float(self.epsilon),
+            epsilon=required_epsilon(self.epsilon),
             delta=float(self.delta),
             n_components=check_n_components(self.n_components, m),
             analyst_public_key_n=public_key.n,

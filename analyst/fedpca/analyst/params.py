@@ -14,7 +14,7 @@ from typing import Any, Self
 
 from fedpca.errors import ConfigError, FedpcaError
 
-__all__ = ["NotFittedError", "SklearnParams", "check_number", "differs"]
+__all__ = ["NotFittedError", "SklearnParams", "check_number", "differs", "required_epsilon"]
 
 
 class NotFittedError(FedpcaError, ValueError, AttributeError):
@@ -105,3 +105,21 @@ def check_number(
         span = f"{side}{low:g}, {high:g})" if high is not None else f"{side}{low:g}, inf)"
         raise ConfigError(f"{name} must be a finite number in {span}, got {value!r}")
     return number
+
+
+def required_epsilon(epsilon: Any) -> float:
+    """The estimator's ``epsilon`` as a float, refused when not given.
+
+    It defaulted to 1: an estimator built without it spent 1 of the analyst's budget
+    unasked, where the CLI requires ``--epsilon`` (a new analyst's walkthrough).
+
+    Raises
+    ------
+    ConfigError
+    """
+    if epsilon is None:
+        raise ConfigError(
+            "epsilon is required: the privacy cost of the release, charged to your budget "
+            "(epsilon=float('inf') releases without noise, NOT PRIVATE, to verify a deployment)"
+        )
+    return float(epsilon)

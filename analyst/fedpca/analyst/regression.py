@@ -64,7 +64,7 @@ class FederatedLinearRegression(AggregateEstimator):
         alpha: float | str = "auto",
         tail_probability: float = 0.05,
         budget_split: Mapping[str, float] | Sequence[float] | None = None,
-        epsilon: float = 1.0,
+        epsilon: float | None = None,
         delta: float = DEFAULT_QUERY_DELTA,
         calibration: str = Calibration.ZCDP.value,
         neighbouring: str | None = None,
