@@ -972,3 +972,16 @@ def test_a_quorum_above_the_owners_the_proxy_accepts_is_refused_before_anything(
         resolve_quorum(5, deployment(owners=3))
     assert resolve_quorum(3, deployment(owners=3)) == 3
     assert resolve_quorum(None, deployment(owners=3)) == 3
+
+
+def test_epsilon_is_required_where_a_query_is_built(test_only_keypair_512: Any) -> None:
+    """It defaulted to 1: an estimator built without it spent 1 of the analyst's
+    budget unasked, where the CLI requires --epsilon (a new analyst's walkthrough)."""
+    public_key, _ = test_only_keypair_512
+    with pytest.raises(ConfigError, match="epsilon is required"):
+        FederatedPCA(2).build_query(4, public_key, deployment())
+    with pytest.raises(ConfigError, match="epsilon is required"):
+        FederatedStatistics([1], bounds=[(0, 1)])._query_settings(deployment())
+    assert FederatedPCA(2).get_params()["epsilon"] is None
+    spec = FederatedPCA(2, epsilon=0.25).build_query(4, public_key, deployment())
+    assert spec.epsilon == 0.25
