@@ -313,6 +313,17 @@ def test_sighup_reloads_the_allow_list_and_revocations_of_the_serving_proxy(
         proxy.process.send_signal(signal.SIGHUP)
         proxy.wait_for("reload refused", 30.0)
         assert "limits.max_calls_per_peer changed" in proxy.log_text()
+        # A file that cannot be read (an invalid id, a line of TOML cut short) is refused
+        # too, and the proxy serves on: a review's malformed id stopped it.
+        document["owners"]["allowed"] = ["owner-1", "bad id!"]
+        del document["limits"]
+        write_toml(cluster.proxy_config, document)
+        proxy.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: proxy.log_text().count("reload refused") == 2, "a second refusal")
+        assert "owners.allowed[1]" in proxy.log_text()
+        cluster.proxy_config.write_text(cluster.proxy_config.read_text() + "\n[owners\n")
+        proxy.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: proxy.log_text().count("reload refused") == 3, "a third refusal")
         with cluster_analyst(cluster) as analyst:
             info = analyst.describe()
             assert (info.owners_registered, info.owners_connected) == (2, 1)

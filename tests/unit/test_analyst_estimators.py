@@ -983,5 +983,12 @@ def test_epsilon_is_required_where_a_query_is_built(test_only_keypair_512: Any) 
     with pytest.raises(ConfigError, match="epsilon is required"):
         FederatedStatistics([1], bounds=[(0, 1)])._query_settings(deployment())
     assert FederatedPCA(2).get_params()["epsilon"] is None
+    # fit says so before keys or the network (no proxy listens at nowhere:1).
+    pca = FederatedPCA(2, proxy="nowhere:1", private_key_path="/nonexistent")
+    with pytest.raises(ConfigError, match="epsilon is required"):
+        pca.fit(n_features=4)
+    stats = FederatedStatistics([1], bounds=[(0, 1)], proxy="nowhere:1")
+    with pytest.raises(ConfigError, match="epsilon is required"):
+        stats.fit()
     spec = FederatedPCA(2, epsilon=0.25).build_query(4, public_key, deployment())
     assert spec.epsilon == 0.25

@@ -1478,7 +1478,10 @@ def test_an_owner_refuses_a_proxy_whose_message_limit_holds_no_chunk(harness: Ha
     reserved its budget and computed its share; the refunded task was computed again on
     every re-delivery, uncharged and past the daily cap (red team, stop 43). Such a
     Hello is refused before the task stream opens."""
+    from fedpca.codec.ciphertext import ciphertext_byte_length
+    from fedpca.messages import ciphertexts_per_chunk
     from fedpca.transport.serde.owner_service import SMALLEST_PROXY_MESSAGE_BYTES
+    from fedpca.transport.serde.query import MAX_KEY_MODULUS_BITS
 
     class _TinyLimitProxy:
         def __init__(self, limit: int) -> None:
@@ -1493,12 +1496,14 @@ def test_an_owner_refuses_a_proxy_whose_message_limit_holds_no_chunk(harness: Ha
             self.streams += 1
             raise RuntimeError("the task stream must not be opened")
 
-    tiny = _TinyLimitProxy(100)
-    with pytest.raises(ProtocolError, match="message limit of 100 bytes, below the 2112"):
-        harness.node._session(tiny)  # type: ignore[arg-type]
-    assert tiny.streams == 0
-    # The smallest limit that holds one chunk at the largest key is accepted.
-    assert SMALLEST_PROXY_MESSAGE_BYTES == 64 + 2 * 8192 // 8
+    for limit in (100, SMALLEST_PROXY_MESSAGE_BYTES - 1):
+        tiny = _TinyLimitProxy(limit)
+        with pytest.raises(ProtocolError, match=f"message limit of {limit} bytes, below the"):
+            harness.node._session(tiny)  # type: ignore[arg-type]
+        assert tiny.streams == 0
+    # The smallest limit accepted holds one chunk of one ciphertext at the largest key.
+    largest = ciphertext_byte_length(MAX_KEY_MODULUS_BITS)
+    assert ciphertexts_per_chunk(largest, SMALLEST_PROXY_MESSAGE_BYTES) == 1
     enough = _TinyLimitProxy(SMALLEST_PROXY_MESSAGE_BYTES)
     with pytest.raises(RuntimeError, match="must not be opened"):
         harness.node._session(enough)  # type: ignore[arg-type]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import queue
 import resource
 import signal
 import sqlite3
@@ -12,8 +14,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
+from fedpca.errors import ConfigError
 from fedpca.messages import QueryState
 from fedpca.proxy.cli import proxy_group
 from fedpca.proxy.coordinator import task_id
@@ -278,3 +282,46 @@ def test_status_lists_queries(tmp_path: Path) -> None:
 def test_serve_help_lists_the_overriding_flags() -> None:
     result = CliRunner().invoke(proxy_group, ["serve", "--help"])
     assert result.exit_code == 0 and "--listen" in result.output and "--insecure" in result.output
+
+
+def test_a_reload_never_stops_the_proxy_and_pending_sighups_coalesce(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review's malformed owner id in the file made the reload's error stop the proxy
+    (and systemd's restart failed on the same file). A reload that cannot read the file
+    or fails otherwise is logged and the proxy serves on; SIGHUPs pending together
+    make one reload; SIGTERM ends the loop."""
+    from fedpca.proxy.cli import _serve_until_stopped
+    from fedpca.proxy.config import ProxyConfig
+
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+    reloaded: list[ProxyConfig] = []
+
+    class _Server:
+        def reload(self, config: ProxyConfig) -> list[str]:
+            reloaded.append(config)
+            return ["owners.allowed added: c"]
+
+    reads = 0
+
+    def read_config() -> ProxyConfig:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            signals.put(signal.SIGHUP)
+            raise ConfigError("proxy.toml: owners.allowed[1]: bad id")
+        if reads == 2:
+            signals.put(signal.SIGHUP)
+            signals.put(signal.SIGHUP)
+            raise RuntimeError("a bug")
+        signals.put(signal.SIGTERM)
+        return ProxyConfig()
+
+    signals.put(signal.SIGHUP)
+    with caplog.at_level(logging.INFO, logger="fedpca.proxy.cli"):
+        _serve_until_stopped(signals, _Server(), tmp_path / "proxy.toml", read_config)
+    assert reads == 3 and len(reloaded) == 1  # the two pending SIGHUPs made one reload
+    text = caplog.text
+    assert "reload refused, still serving as before: proxy.toml: owners.allowed[1]" in text
+    assert "reload failed, still serving as before" in text and "RuntimeError: a bug" in text
+    assert "owners.allowed added: c" in text and "received SIGTERM, stopping" in text

@@ -238,9 +238,14 @@ def test_a_reload_ends_the_open_calls_of_peers_it_no_longer_accepts(
             with pytest.raises(grpc.RpcError) as unlisted:
                 owners["owner-2"].Hello(hello, timeout=TIMEOUT)
             assert unlisted.value.code() is grpc.StatusCode.PERMISSION_DENIED
-            # The peers still accepted go on: owner-1's stream beats, alice's watch is open.
+            # The peers still accepted go on: owner-1's stream beats, and alice's watch
+            # tells her that her query failed at once: with two owners left, its quorum
+            # of 3 cannot be reached (left collecting, owner-1's upload would have begun
+            # and the deadline failed it: found by review).
             _beats(streams["owner-1"], 2)
-            assert not watches["alice"].done()
+            statuses = list(watches["alice"])  # ends, not refused
+            assert statuses[-1].state == analyst_pb.QUERY_STATE_FAILED
+            assert "the proxy now accepts 2 owner(s)" in statuses[-1].failure_reason
             info = analysts["alice"].DescribeDeployment(
                 analyst_pb.DescribeDeploymentRequest(), timeout=TIMEOUT
             )
@@ -252,7 +257,6 @@ def test_a_reload_ends_the_open_calls_of_peers_it_no_longer_accepts(
             assert server.config == new and server.coordinator.config == new
             _beats(streams["owner-1"], 2)
             streams["owner-1"].cancel()
-            watches["alice"].cancel()
         finally:
             for channel in opened:
                 channel.close()

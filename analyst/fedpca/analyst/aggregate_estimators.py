@@ -287,6 +287,7 @@ class AggregateEstimator(_Settings):
             raise ConfigError(
                 f"{type(self).__name__}.fit() takes no data: the rows stay with their owners"
             )
+        required_epsilon(self.epsilon)  # before keys and the network
         self.check_post_processing()
         release, timings, registered = self._run([self.aggregate()], self.section_weights())
         with charged_release(release.query.query_id):
@@ -502,6 +503,7 @@ class FederatedQuery(_Settings):
         """
         if X is not None or y is not None:
             raise ConfigError("FederatedQuery.fit() takes no data: the rows stay with their owners")
+        required_epsilon(self.epsilon)  # before keys and the network
         estimators = list(self.estimators)
         for estimator in estimators:
             estimator.check_post_processing()

@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -118,80 +118,116 @@ def serve_command(
     peers no longer accepted; a file that changes anything else is refused whole.
     """
     from fedpca.proxy.server import ProxyServer  # grpc, numpy, phe: only when serving
-    from fedpca.proxy.store_database import refuse_where_a_proxy_ran
 
-    _configure_logging(verbose)
-    map_large_blocks()  # a long-running process: freed arrays go back to the system
+    # First of all: SIGHUP's default action ends the process, which systemd counts as a
+    # clean exit (no restart), so a `systemctl reload` during start-up stopped the proxy
+    # for good (found by review). The handlers only queue the signal: SimpleQueue.put is
+    # reentrant, where Event.set() taken inside the main thread's own Event.clear()
+    # deadlocked it (a review reproduced it with SIGHUPs 0-2 ms apart).
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
 
-    def read_config() -> ProxyConfig:
-        return _load(config_path).with_overrides(
-            listen=listen,
-            insecure=insecure,
-            database=database,
-            monitoring_listen=monitoring_listen,
-        )
+    def queue_signal(signum: int, frame: FrameType | None) -> None:
+        signals.put(signum)
 
+    previous = {
+        sig: signal.signal(sig, queue_signal)
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
+    }
     try:
-        config = read_config()
-    except FedpcaError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if not holds_database(config.proxy.database):
-        if not new_database:
-            raise click.ClickException(
-                f"the proxy database {database_missing(config.proxy.database)}. If this proxy "
-                "ran before, the path is wrong ([proxy] database or --database) or the "
-                "database was lost (restore it from a backup): a new, empty database would "
-                "start every analyst's budget again at zero. `fedpca proxy init` creates the "
-                "database with the folder; to start a new one here, run `fedpca proxy "
-                "new-database` once (on Kubernetes, the proxy-first-start Job) or pass "
-                "--new-database"
+        _configure_logging(verbose)
+        map_large_blocks()  # a long-running process: freed arrays go back to the system
+
+        def read_config() -> ProxyConfig:
+            return load_config(config_path).with_overrides(
+                listen=listen,
+                insecure=insecure,
+                database=database,
+                monitoring_listen=monitoring_listen,
             )
+
         try:
-            refuse_where_a_proxy_ran(config.proxy.database)
+            config = read_config()
         except FedpcaError as exc:
             raise click.ClickException(str(exc)) from exc
-    ensure_open_files(needed_open_files(len(config.owners.allowed)))
-    stop, reload, wake = threading.Event(), threading.Event(), threading.Event()
-
-    def request_stop(signum: int, frame: FrameType | None) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-        wake.set()
-
-    def request_reload(signum: int, frame: FrameType | None) -> None:
-        reload.set()
-        wake.set()
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, request_reload)
-    server = ProxyServer(config)
-    try:
+        _check_database(config, new_database)
+        ensure_open_files(needed_open_files(len(config.owners.allowed)))
+        server = ProxyServer(config)
         try:
-            address = server.start()
-        except (FedpcaError, OSError) as exc:
-            raise click.ClickException(f"cannot start the proxy: {exc}") from exc
-        click.echo(f"proxy listening on {address}")
-        sys.stdout.flush()
-        while not stop.is_set():
-            wake.wait()
-            wake.clear()
-            if reload.is_set() and not stop.is_set():
-                reload.clear()
-                _reload(server, config_path, read_config)
+            try:
+                address = server.start()
+            except (FedpcaError, OSError) as exc:
+                raise click.ClickException(f"cannot start the proxy: {exc}") from exc
+            click.echo(f"proxy listening on {address}")
+            sys.stdout.flush()
+            _serve_until_stopped(signals, server, config_path, read_config)
+        finally:
+            server.stop()
     finally:
-        server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
+def _check_database(config: ProxyConfig, new_database: bool) -> None:
+    """Refuse to start on a missing database unless a new one is asked for."""
+    from fedpca.proxy.store_database import refuse_where_a_proxy_ran
+
+    if holds_database(config.proxy.database):
+        return
+    if not new_database:
+        raise click.ClickException(
+            f"the proxy database {database_missing(config.proxy.database)}. If this proxy "
+            "ran before, the path is wrong ([proxy] database or --database) or the "
+            "database was lost (restore it from a backup): a new, empty database would "
+            "start every analyst's budget again at zero. `fedpca proxy init` creates the "
+            "database with the folder; to start a new one here, run `fedpca proxy "
+            "new-database` once (on Kubernetes, the proxy-first-start Job) or pass "
+            "--new-database"
+        )
+    try:
+        refuse_where_a_proxy_ran(config.proxy.database)
+    except FedpcaError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _serve_until_stopped(
+    signals: queue.SimpleQueue[int],
+    server: Any,
+    config_path: Path,
+    read_config: Callable[[], ProxyConfig],
+) -> None:
+    """Reload on SIGHUP (several pending ones once) until SIGTERM or SIGINT."""
+    while True:
+        try:
+            # With a timeout: the queued signal is also taken if the wait itself is not
+            # interrupted by the handler's return.
+            pending = [signals.get(timeout=1.0)]
+        except queue.Empty:
+            continue
+        while not signals.empty():
+            pending.append(signals.get())
+        stops = [signum for signum in pending if signum != signal.SIGHUP]
+        if stops:
+            logger.info("received %s, stopping", signal.Signals(stops[0]).name)
+            return
+        _reload(server, config_path, read_config)
+
+
 def _reload(server: Any, config_path: Path, read_config: Callable[[], ProxyConfig]) -> None:
-    """SIGHUP: take the allow-lists and revocations of ``config_path`` as it is now."""
+    """SIGHUP: take the allow-lists and revocations of ``config_path`` as it is now.
+
+    Never ends the serving process: a file that cannot be read, or any other failure,
+    is logged and the proxy serves on as before (a review's malformed owner id had the
+    reload's error stop the proxy).
+    """
     logger.info("received SIGHUP, reading %s again", config_path)
     try:
         config = read_config()
         changes = server.reload(config)
     except FedpcaError as exc:
         logger.error("reload refused, still serving as before: %s", exc)
+        return
+    except Exception:
+        logger.exception("reload failed, still serving as before")
         return
     ensure_open_files(needed_open_files(len(config.owners.allowed)))
     if changes:

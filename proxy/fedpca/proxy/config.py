@@ -286,10 +286,12 @@ def reload_changes(current: ProxyConfig, new: ProxyConfig) -> list[str]:
     ConfigError
         ``new`` differs from ``current`` in a setting that needs a restart (named).
     """
+    # Field by field: a setting added to these sections later is not reloadable unless
+    # listed here.
     others = replace(
         new,
-        owners=current.owners,
-        analysts=current.analysts,
+        owners=replace(new.owners, allowed=current.owners.allowed),
+        analysts=replace(new.analysts, allowed=current.analysts.allowed),
         tls=replace(new.tls, revoked_serials=current.tls.revoked_serials),
     )
     if others != current:

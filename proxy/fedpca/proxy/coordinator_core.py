@@ -281,17 +281,6 @@ class CoordinatorCore:
         """The owners this proxy accepts (its allow-list)."""
         return self.config.owners.allowed
 
-    def reconfigure(self, config: ProxyConfig) -> None:
-        """Serve with ``config`` from now on (a reload: its allow-lists and revoked
-        certificates, checked by :func:`~fedpca.proxy.config.reload_changes`).
-
-        Every stream is woken: each checks its peer against the new lists and ends
-        if it is no longer accepted, and the owners' tasks are read again (an analyst
-        taken off its list no longer has its queries handed out).
-        """
-        self.config = config
-        self._notify()
-
     def require_owner(self, owner_id: str) -> None:
         """Refuse an owner that is not on the allow-list.
 

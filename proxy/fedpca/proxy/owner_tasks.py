@@ -18,6 +18,7 @@ from fedpca.messages import (
     Task,
     TaskCancellation,
 )
+from fedpca.proxy.config import ProxyConfig
 from fedpca.proxy.coordinator_core import CoordinatorCore
 from fedpca.query import QuerySpec
 
@@ -260,6 +261,22 @@ class OwnerTasks(CoordinatorCore):
         logger.info("query %s: owner %s declined (%s)", query_id, owner_id, reason)
         self._fail_if_quorum_unreachable(query_id)
         self._notify()
+
+    def reconfigure(self, config: ProxyConfig) -> None:
+        """Serve with ``config`` from now on (a reload: its allow-lists and revoked
+        certificates, checked by :func:`~fedpca.proxy.config.reload_changes`).
+
+        Every stream is woken: each checks its peer against the new lists and ends
+        if it is no longer accepted, and the owners' tasks are read again (an analyst
+        taken off its list no longer has its queries handed out). A collecting query
+        whose quorum the owners left can no longer reach fails at once, as at a
+        restart: left collecting, the first upload of a remaining owner fixed its charge
+        and its deadline failed it with nothing released (found by review).
+        """
+        self.config = config
+        self._notify()
+        for record in self.store.queries(QueryState.COLLECTING):
+            self._fail_if_quorum_unreachable(record.query_id)
 
     def _fail_if_quorum_unreachable(self, query_id: str) -> bool:
         """Fail a collecting query that too few owners are left to reach its quorum;

@@ -217,8 +217,8 @@ class ProxyServer:
         """
         changes = reload_changes(self.config, config)
         if changes:
+            self.coordinator.reconfigure(config)  # raises if not serving: nothing swapped
             self.config = config
-            self.coordinator.reconfigure(config)
         return changes
 
     @property

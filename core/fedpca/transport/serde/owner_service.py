@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from fedpca.codec.ciphertext import ciphertext_byte_length
 from fedpca.errors import ConfigError, ProtocolError
 from fedpca.formatting import printable
 from fedpca.messages import (
@@ -239,7 +240,7 @@ def proxy_info_to_proto(info: ProxyInfo) -> owner_pb.ProxyInfo:
     return message
 
 
-SMALLEST_PROXY_MESSAGE_BYTES = CHUNK_FRAMING_BYTES + 2 * MAX_KEY_MODULUS_BITS // 8
+SMALLEST_PROXY_MESSAGE_BYTES = CHUNK_FRAMING_BYTES + ciphertext_byte_length(MAX_KEY_MODULUS_BITS)
 """The smallest message limit a proxy may state (0: not stated): one chunk of one
 ciphertext under the largest analyst key. Below it no upload can be cut, which an owner
 found only after it had reserved its budget and computed its share; the refunded task was
