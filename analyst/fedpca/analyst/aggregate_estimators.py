@@ -287,9 +287,10 @@ class AggregateEstimator(_Settings):
             raise ConfigError(
                 f"{type(self).__name__}.fit() takes no data: the rows stay with their owners"
             )
-        required_epsilon(self.epsilon)  # before keys and the network
         self.check_post_processing()
-        release, timings, registered = self._run([self.aggregate()], self.section_weights())
+        parts = [self.aggregate()]
+        required_epsilon(self.epsilon)  # before keys and the network
+        release, timings, registered = self._run(parts, self.section_weights())
         with charged_release(release.query.query_id):
             self._fit_release(release, 0, timings, registered)
         warn_if_owners_missing(release, registered)
@@ -503,13 +504,14 @@ class FederatedQuery(_Settings):
         """
         if X is not None or y is not None:
             raise ConfigError("FederatedQuery.fit() takes no data: the rows stay with their owners")
-        required_epsilon(self.epsilon)  # before keys and the network
         estimators = list(self.estimators)
         for estimator in estimators:
             estimator.check_post_processing()
             self._refuse_settings_of(estimator)
         weights = self.noise_weights()
-        release, timings, registered = self._run([e.aggregate() for e in estimators], weights)
+        parts = [e.aggregate() for e in estimators]
+        required_epsilon(self.epsilon)  # before keys and the network
+        release, timings, registered = self._run(parts, weights)
         with charged_release(release.query.query_id):
             self._fit_release(estimators, release, timings, registered)
         warn_if_owners_missing(release, registered)

@@ -219,8 +219,8 @@ class FederatedEstimator(SklearnParams):
             raise ConfigError(
                 "set private_key_path to the analyst's key file (or its key directory)"
             )
-        required_epsilon(self.epsilon)  # before keys and the network
         self.check_post_processing()
+        required_epsilon(self.epsilon)  # before keys and the network
         private_key = load_analyst_private_key(self.private_key_path)
         signing_key = load_analyst_signing_key(self.private_key_path)
         checked = time.perf_counter() - fit_started
