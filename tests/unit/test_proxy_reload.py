@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import queue
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -56,6 +55,7 @@ from helpers import (
     query_builder,
     submit_request,
     unit_ball_rows,
+    wait_until,
 )
 
 TIMEOUT = 30.0
@@ -198,7 +198,9 @@ def test_a_reload_ends_the_open_calls_of_peers_it_no_longer_accepts(
                     serde.encode_upload(key, query.analyst_key_fingerprint, f"up-{owner}", payload)
                 )
                 uploads[owner] = owners[owner].Upload.future(iter(held[owner]), timeout=TIMEOUT)
-                _wait(lambda key=key: store.query(key).uploads_begun)
+                wait_until(
+                    lambda key=key: store.query(key).uploads_begun, f"{owner}'s header", TIMEOUT
+                )
             # bob fetches: the header (contributors fixed), then waits for the pages.
             fetch = analysts["bob"].FetchResult(
                 analyst_pb.QueryRef(query_id=bobs.query_id), timeout=TIMEOUT
@@ -268,10 +270,3 @@ def _beats(stream: Any, count: int) -> None:
     beats = 0
     while beats < count:
         beats += next(stream).WhichOneof("event") == "heartbeat"
-
-
-def _wait(condition: Any, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)

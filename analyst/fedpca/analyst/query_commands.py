@@ -34,6 +34,7 @@ from fedpca.messages import (
     QueryStatus,
     QuerySummary,
 )
+from fedpca.query import AggregateKind
 
 __all__ = ["register"]
 
@@ -405,11 +406,11 @@ def register(
 
 
 _FETCH_OPTION_KINDS = {
-    "--ddof": "stats",
-    "--no-clip": "stats",
-    "--no-clamp": "histogram",
-    "--alpha": "linreg",
-    "--no-intercept": "linreg",
+    "--ddof": AggregateKind.STATS,
+    "--no-clip": AggregateKind.STATS,
+    "--no-clamp": AggregateKind.HISTOGRAM,
+    "--alpha": AggregateKind.LINREG,
+    "--no-intercept": AggregateKind.LINREG,
 }
 """The aggregate each post-processing option of ``fetch`` applies to."""
 
@@ -417,8 +418,10 @@ _FETCH_OPTION_KINDS = {
 def _check_fetch_options(spec: Any, n_components: int | None, given: list[str]) -> None:
     """Refuse, as a usage error, an option of ``fetch`` that the query's release cannot
     take: they were checked only after the decryption, or silently ignored."""
-    released = {part.kind.value for part in spec.aggregates}
-    what = spec.kind.value + (f" ({', '.join(sorted(released))})" if released else "")
+    released = {part.kind for part in spec.aggregates}
+    what = spec.kind.value + (
+        f" ({', '.join(sorted(k.value for k in released))})" if released else ""
+    )
     if n_components is not None:
         if released:
             raise click.UsageError(f"--n-components: query {spec.query_id} is {what}")
@@ -430,6 +433,6 @@ def _check_fetch_options(spec: Any, n_components: int | None, given: list[str]) 
     for option in given:
         if _FETCH_OPTION_KINDS[option] not in released:
             raise click.UsageError(
-                f"{option} applies to {_FETCH_OPTION_KINDS[option]}; query {spec.query_id} "
+                f"{option} applies to {_FETCH_OPTION_KINDS[option].value}; query {spec.query_id} "
                 f"is {what}"
             )
