@@ -36,10 +36,9 @@ least its peak above idle can be):
   LAPACK's packed eigensolver.
 
 The analyst's peak is also read just before the eigendecomposition (decryption and
-decoding alone). Idle figures include each role's libraries: the proxy loads OpenDP's
-native library when it starts (what that costs is measured in a fresh interpreter and
-printed), and this script imports what the analyst's ``fit`` would import at first use
-(gRPC, dp-accounting; printed too) before reading the analyst's idle figure.
+decoding alone). Idle figures include each role's libraries: this script imports what
+the analyst's ``fit`` would import at first use (gRPC, dp-accounting; printed) before
+reading the analyst's idle figure.
 
 It writes a figure (``--plot PATH``, ``--plot ''`` for none; by default
 ``docs/figures/high_dimension_<M>.png``): the time of each phase, and each role's
@@ -65,8 +64,6 @@ import argparse
 import importlib
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -94,32 +91,6 @@ def proc_status_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise SystemExit(f"no {field} for process {pid}")
-
-
-OPENDP_LOAD_COST = """
-import sys
-from pathlib import Path
-import fedpca.proxy.server
-from fedpca.dp.noise import DiscreteGaussianSampler
-
-def rss():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-
-before = rss()
-DiscreteGaussianSampler.load()
-print(rss() - before)
-"""
-
-
-def opendp_load_mib() -> float:
-    """Resident MiB that loading OpenDP adds to a fresh interpreter holding the proxy's
-    modules (what the proxy's idle figure includes since it loads OpenDP at start-up)."""
-    completed = subprocess.run(
-        [sys.executable, "-c", OPENDP_LOAD_COST], capture_output=True, text=True, check=True
-    )
-    return int(completed.stdout.strip().splitlines()[-1]) / 1024
 
 
 @dataclass(frozen=True)
@@ -346,9 +317,8 @@ def main() -> None:
         f"{ready:.1f} MiB; (peak-ready)/held {from_ready:.2f}"
     )
     log(
-        f"  idle includes: OpenDP's library in the proxy (loaded at start-up; "
-        f"{opendp_load_mib():.1f} MiB in a fresh interpreter), the analyst's client "
-        f"libraries ({analyst_libraries_mib:.1f} MiB, imported before its idle figure)"
+        f"  the analyst's idle figure includes its client libraries "
+        f"({analyst_libraries_mib:.1f} MiB, imported before it was read)"
     )
     log(f"explained variance ratio: {np.round(model.explained_variance_ratio_, 4).tolist()}")
     figure = FIGURES / f"high_dimension_{args.features}.png" if args.plot is None else args.plot

@@ -397,18 +397,18 @@ def resign_certificate(layout: Any, target: Path, not_before: Any, not_after: An
     certs.write_certificate(target, builder.sign(ca_key, hashes.SHA256()))
 
 
-def record_opendp_draws(monkeypatch: Any) -> list[tuple[float, int]]:
-    """Record every (sigma_int, size) drawn through OpenDP's exact sampler, which still
-    draws: the list fills as noise is drawn (for checks that the production sampler, not
-    a test one, is the default)."""
+def record_exact_draws(monkeypatch: Any) -> list[tuple[float, int]]:
+    """Record every (sigma_int, size) drawn through the production exact sampler, which
+    still draws: the list fills as noise is drawn (for checks that the production
+    sampler, not a test one, is the default)."""
     from fedpca.dp import noise as noise_module
 
     calls: list[tuple[float, int]] = []
-    real = noise_module._opendp_gaussian
+    real = noise_module.sample_discrete_gaussian
 
     def recorded(sigma_int: float, size: int) -> Any:
         calls.append((sigma_int, size))
         return real(sigma_int, size)
 
-    monkeypatch.setattr(noise_module, "_opendp_gaussian", recorded)
+    monkeypatch.setattr(noise_module, "sample_discrete_gaussian", recorded)
     return calls

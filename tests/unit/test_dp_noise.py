@@ -29,7 +29,7 @@ from fedpca.dp.noise import (
     vector_noise,
 )
 from fedpca.errors import ConfigError, EncodingOverflowError
-from helpers import record_opendp_draws
+from helpers import record_exact_draws
 
 
 def variance_tolerance(n: int, standard_errors: float = 5.0) -> float:
@@ -49,8 +49,8 @@ def assert_variance_matches(noise: NDArray[np.int64], sigma: float) -> None:
     assert abs(float(np.mean(sample))) < 5.0 * sigma / math.sqrt(n)
 
 
-def test_opendp_discrete_gaussian_has_the_requested_variance() -> None:
-    # OpenDP draws from the OS CSPRNG and cannot be seeded; 40 000 draws (~0.4 s)
+def test_production_discrete_gaussian_has_the_requested_variance() -> None:
+    # The production sampler draws from the OS CSPRNG; 40 000 draws (~0.05 s)
     # give a 3.5 % acceptance band on the variance, so a 3 % error in sigma (6 % in
     # variance) fails. For sigma >= 1 the discrete Gaussian's variance equals sigma^2
     # to within 1e-15 (Canonne, Kamath & Steinke 2020).
@@ -63,9 +63,9 @@ def test_opendp_discrete_gaussian_has_the_requested_variance() -> None:
 def test_default_sampler_is_the_production_one_and_values_are_integers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The default goes through OpenDP's exact sampler (a test audit found the check a
+    """The default goes through the exact sampler (a test audit found the check a
     tautology: a default switched to the seeded float sampler passed it)."""
-    calls = record_opendp_draws(monkeypatch)
+    calls = record_exact_draws(monkeypatch)
     noise = vector_noise(2_000, 7.5)
     assert calls == [(7.5, 2_000)]
     assert noise.dtype == np.int64 and noise.shape == (2_000,)
@@ -78,20 +78,30 @@ def test_default_sampler_is_the_production_one_and_values_are_integers(
 
 @pytest.mark.parametrize("z", [0.7, 3.73, 40.0])
 @pytest.mark.parametrize("sensitivity", [1.0, 2.0**32 + 354.0])
-def test_opendp_states_the_continuous_gaussian_zcdp_for_its_discrete_gaussian(
+def test_opendp_states_the_continuous_gaussian_zcdp_for_the_discrete_gaussian(
     z: float, sensitivity: float
 ) -> None:
-    rho = DiscreteGaussianSampler.zcdp_rho(z * sensitivity, sensitivity)
-    assert rho == pytest.approx(1 / (2 * z**2), rel=1e-12)
-    # A fractional integer-grid sensitivity is rounded up, never down.
-    fractional = 256 + math.sqrt(3)
-    assert DiscreteGaussianSampler.zcdp_rho(z * 256, fractional) == pytest.approx(
-        (258 / (z * 256)) ** 2 / 2, rel=1e-12
+    """The claim docs/privacy.md relies on, checked against the privacy map OpenDP
+    attaches to its own discrete Gaussian on i64 (OpenDP is a test dependency only)."""
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+
+    def rho(sigma_int: float, l2_sensitivity: int) -> float:
+        measurement = dp.m.make_gaussian(
+            dp.vector_domain(dp.atom_domain(T="i64"), size=1),
+            dp.l2_distance(T="i64"),
+            scale=sigma_int,
+        )
+        return float(measurement.map(l2_sensitivity))
+
+    assert rho(z * sensitivity, math.ceil(sensitivity)) == pytest.approx(
+        1 / (2 * z**2), rel=1e-12
     )
 
 
-def test_opendp_sampler_reaches_beyond_32_bits() -> None:
-    # The i32 default would saturate at 2^31 - 1; fixed-point noise is far larger.
+def test_production_sampler_reaches_beyond_32_bits() -> None:
+    # Fixed-point noise is far larger than 32-bit integers hold.
     noise = vector_noise(200, 2.0**40)
     assert int(np.max(np.abs(noise))) > 2**31
 

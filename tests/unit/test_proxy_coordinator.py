@@ -97,7 +97,7 @@ from helpers import (
     TEST_SIGNING_KEY,
     dataset_table,
     query_builder,
-    record_opendp_draws,
+    record_exact_draws,
     reference_statistics,
     signed,
     sqlite_error,
@@ -435,7 +435,7 @@ def test_stats_mode_noise_has_the_planned_sigma_per_section(
     assert coordinator.result(ANALYST, "q1").noise.mechanism is NoiseMechanism.GAUSSIAN
 
 
-def test_a_coordinator_without_a_sampler_draws_every_section_with_opendp(
+def test_a_coordinator_without_a_sampler_draws_every_section_with_the_exact_sampler(
     tmp_path: Path,
     pool: CryptoPool,
     test_only_keypair_512: Any,
@@ -444,7 +444,7 @@ def test_a_coordinator_without_a_sampler_draws_every_section_with_opendp(
 ) -> None:
     """The proxy's default is the exact sampler, at each section's own scale (a test
     audit found no test that would notice a default switched to the seeded one)."""
-    calls = record_opendp_draws(monkeypatch)
+    calls = record_exact_draws(monkeypatch)
     public_key, _ = test_only_keypair_512
     coordinator = make_coordinator(tmp_path, pool, make_config(epsilon=100.0), noise_sampler=None)
     spec = make_spec(public_key, epsilon=1.0)

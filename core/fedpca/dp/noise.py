@@ -5,8 +5,8 @@ so the noise itself must be an integer. Rounding a floating-point Gaussian sampl
 is not safe: floating-point samplers leave the noiseless value recoverable from the
 low-order bits of the output (Mironov 2012). We therefore sample an exact
 **discrete Gaussian** N_Z(0, sigma^2), P[Y = y] proportional to exp(-y^2 / (2 sigma^2)),
-with OpenDP's implementation of the Canonne-Kamath-Steinke sampler, which uses only
-integer/rational arithmetic and the operating system's cryptographic RNG.
+with :mod:`fedpca.dp.discrete_gaussian`, which uses only integer arithmetic and the
+operating system's cryptographic RNG.
 docs/privacy.md states the privacy claim relied on and its conditions.
 
 Every draw is checked against :func:`noise_headroom`, the public bound used to size
@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
 
 from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle_length
+from fedpca.dp.discrete_gaussian import sample_discrete_gaussian
 from fedpca.errors import ConfigError, EncodingOverflowError
 
 __all__ = [
@@ -44,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 IntArray = NDArray[np.int64]
 
-# OpenDP's i64 addition saturates at the type's limits instead of failing; refusing
-# any bound above 2^62 keeps every draw far from that edge.
+# Draws are int64; refusing any bound above 2^62 keeps every draw far from the type's
+# limits (and the scale within the sampler's 2^58).
 MAX_NOISE_BOUND = 1 << 62
 """Largest noise bound (headroom) the sampler accepts; plans refuse a larger one up front."""
 
@@ -83,73 +84,22 @@ class NoiseSampler(Protocol):
 
 
 class DiscreteGaussianSampler:
-    """Production sampler: exact discrete Gaussian from OpenDP, OS randomness.
+    """Production sampler: exact discrete Gaussian, OS randomness.
 
-    Uses ``opendp.measurements.make_gaussian`` on an ``i64`` vector domain (``T="i64"``
-    matters: the default integer type is 32-bit and saturates). OpenDP draws its
-    randomness from the operating system's CSPRNG; there is deliberately no seed.
+    Draws with :func:`fedpca.dp.discrete_gaussian.sample_discrete_gaussian` (Karney's
+    algorithm with Canonne, Kamath & Steinke's coins, integer arithmetic only) from
+    the operating system's CSPRNG; there is deliberately no seed.
     """
 
     parallel_safe = True
     """Calls from several threads at once are independent draws (OS randomness, no
-    state kept between calls), and OpenDP's native code runs without holding Python's
-    GIL, so they draw in parallel. A sampler without this attribute (the seeded test
+    state kept between calls); numpy's array loops run without Python's GIL, so they
+    partly draw in parallel. A sampler without this attribute (the seeded test
     sampler, whose output depends on the order of calls) is used from one thread."""
 
     def sample(self, sigma_int: float, size: int) -> IntArray:
         _check_sigma_int(sigma_int)
-        if size < 0:
-            raise ConfigError(f"noise size must be >= 0, got {size!r}")
-        if size == 0:
-            return np.zeros(0, dtype=np.int64)
-        # Adding noise to zeros yields the noise itself; the proxy then adds it to the
-        # encrypted statistics homomorphically. The zeros go in as an int64 array, which
-        # OpenDP takes without checking and converting each element in Python (a list
-        # cost ~1 µs per value of the ~10 µs a draw takes, holding the GIL).
-        zeros = np.zeros(size, dtype=np.int64)
-        return np.asarray(_opendp_gaussian(sigma_int, size)(zeros), dtype=np.int64)
-
-    @staticmethod
-    def load() -> None:
-        """Load OpenDP's native library now rather than at the first draw.
-
-        The library is large (about 130 MiB resident once loaded, half of it
-        relocated data); a long-running process that will draw noise (the proxy)
-        loads it at start-up, so that it is part of its standing footprint and not
-        of its first query's time and memory.
-        """
-        _opendp_gaussian(1.0, 1)
-
-    @staticmethod
-    def zcdp_rho(sigma_int: float, l2_sensitivity_int: float) -> float:
-        """OpenDP's own privacy map for this measurement: rho of rho-zCDP.
-
-        For an integer query with L2 sensitivity ``l2_sensitivity_int`` OpenDP states
-        rho = (Delta / sigma)^2 / 2, the continuous Gaussian's value (the claim
-        docs/privacy.md relies on). Exposed so that the claim is checked against the
-        library rather than restated. OpenDP measures i64 sensitivities in integers, so
-        a fractional bound is rounded up (a larger bound is still a valid bound).
-        """
-        _check_sigma_int(sigma_int)
-        if not (math.isfinite(l2_sensitivity_int) and l2_sensitivity_int >= 0):
-            raise ConfigError(
-                f"l2_sensitivity_int must be finite and >= 0, got {l2_sensitivity_int!r}"
-            )
-        bound = math.ceil(l2_sensitivity_int)
-        return float(_opendp_gaussian(sigma_int, 1).map(bound))
-
-
-def _opendp_gaussian(sigma_int: float, size: int) -> Any:
-    # Imported here: opendp loads a native library and is needed only by the role that
-    # adds noise (the proxy), not by every import of fedpca.dp.
-    import opendp.prelude as dp
-
-    dp.enable_features("contrib")
-    return dp.m.make_gaussian(
-        dp.vector_domain(dp.atom_domain(T="i64"), size=size),
-        dp.l2_distance(T="i64"),
-        scale=float(sigma_int),
-    )
+        return sample_discrete_gaussian(sigma_int, size)
 
 
 class TestOnlySeededSampler:

@@ -22,7 +22,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedpca.codec import CryptoPool
-from fedpca.dp.noise import DiscreteGaussianSampler, NoiseSampler
+from fedpca.dp.noise import NoiseSampler
 from fedpca.errors import ConfigError
 from fedpca.files import ExclusiveUse
 from fedpca.monitoring import MonitoringServer, free_space_problem
@@ -161,8 +161,6 @@ class ProxyServer:
                 )
             self._pool = self._external_pool or CryptoPool(config.crypto.pool_processes)
             self._pool.start()
-            if self._noise_sampler is None:
-                DiscreteGaussianSampler.load()  # ~130 MiB: at start-up, not in a query
             self._coordinator = Coordinator(
                 self._store, config, self._pool, noise_sampler=self._noise_sampler
             )

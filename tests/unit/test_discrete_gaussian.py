@@ -1,0 +1,176 @@
+"""The exact discrete Gaussian sampler against the distribution's defining equation.
+
+P[Y = y] = exp(-y^2 / (2 sigma^2)) / sum_z exp(-z^2 / (2 sigma^2)). Each frequency test
+draws from a seeded byte source (reproducible, so it cannot flake) and compares the
+counts with those probabilities by Pearson's chi-square: the p-value must exceed 1e-6,
+and the same counts must fail against sigma 3 % off, to show the test has power.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+from scipy.stats import chi2
+
+from fedpca.dp import discrete_gaussian
+from fedpca.dp.discrete_gaussian import (
+    BATCH_CANDIDATES,
+    LARGEST_K,
+    LARGEST_SIGMA,
+    exact_scale,
+    sample_discrete_gaussian,
+)
+from fedpca.errors import ConfigError, EncodingOverflowError
+
+
+def seeded_bytes(seed: int) -> Callable[[int], bytes]:
+    return np.random.default_rng(seed).bytes
+
+
+def chi_square_p_value(draws: NDArray[np.int64], sigma: float) -> float:
+    """Pearson's test of the draws against N_Z(0, sigma^2), bins with >= 5 expected
+    (the two tails beyond them pooled into one bin each)."""
+    reach = int(12 * sigma) + 3
+    support = np.arange(-reach, reach + 1)
+    log_weights = -(support.astype(np.float64) ** 2) / (2 * sigma**2)
+    probabilities = np.exp(log_weights - log_weights.max())
+    probabilities /= probabilities.sum()
+    counts = np.bincount(draws + reach, minlength=support.size)
+    assert counts.size == support.size, "a draw beyond 12 sigma"
+    expected = probabilities * draws.size
+    inner = np.flatnonzero(expected >= 5)
+    low, high = inner[0], inner[-1]
+    observed_bins = np.concatenate(
+        ([counts[:low].sum()], counts[low : high + 1], [counts[high + 1 :].sum()])
+    )
+    expected_bins = np.concatenate(
+        ([expected[:low].sum()], expected[low : high + 1], [expected[high + 1 :].sum()])
+    )
+    used = expected_bins > 0
+    statistic = float(
+        (((observed_bins - expected_bins) ** 2)[used] / expected_bins[used]).sum()
+    )
+    return float(chi2.sf(statistic, int(used.sum()) - 1))
+
+
+@pytest.mark.parametrize(
+    ("sigma", "seed"),
+    [(1 / 3, 1), (0.7, 2), (1.0, 3), (2.5, 4), (3.0, 5), (12.25, 6), (100.0 / 7.0, 7)],
+)
+def test_frequencies_match_the_discrete_gaussian(sigma: float, seed: int) -> None:
+    draws = sample_discrete_gaussian(sigma, 200_000, random_bytes=seeded_bytes(seed))
+    assert draws.dtype == np.int64 and draws.shape == (200_000,)
+    assert chi_square_p_value(draws, sigma) > 1e-6
+    assert chi_square_p_value(draws, sigma * 1.03) < 1e-6
+
+
+def test_more_values_than_one_batch_keep_the_distribution() -> None:
+    size = BATCH_CANDIDATES * 2 + 123
+    draws = sample_discrete_gaussian(4.5, size, random_bytes=seeded_bytes(11))
+    assert draws.shape == (size,)
+    assert chi_square_p_value(draws, 4.5) > 1e-6
+    # Batches are not copies of each other.
+    assert not np.array_equal(draws[:1000], draws[BATCH_CANDIDATES : BATCH_CANDIDATES + 1000])
+
+
+def test_large_scales_have_the_requested_spread_and_reach_beyond_32_bits() -> None:
+    sigma = 4e10
+    draws = sample_discrete_gaussian(sigma, 100_000, random_bytes=seeded_bytes(12))
+    ratio = float(np.var(draws.astype(np.float64), ddof=1)) / sigma**2
+    # Relative standard error of a sample variance: sqrt(2 / (n - 1)) = 0.0045.
+    assert abs(ratio - 1) < 5 * 0.0045
+    assert abs(float(np.mean(draws))) < 5 * sigma / np.sqrt(draws.size)
+    assert int(np.max(np.abs(draws))) > 2**31
+
+
+def test_the_same_seed_draws_the_same_values_and_the_os_source_differs() -> None:
+    first = sample_discrete_gaussian(9.0, 5_000, random_bytes=seeded_bytes(13))
+    again = sample_discrete_gaussian(9.0, 5_000, random_bytes=seeded_bytes(13))
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(
+        sample_discrete_gaussian(9.0, 5_000), sample_discrete_gaussian(9.0, 5_000)
+    )
+
+
+def test_the_scale_is_the_float_itself_or_rounded_up_below_one() -> None:
+    assert exact_scale(2.5) == (5, 2)
+    assert exact_scale(4e10) == (40_000_000_000, 1)
+    p, q = exact_scale(1234.0625)
+    assert p / q == 1234.0625 and q == 16
+    for small in (1 / 3, 0.1, 1e-30):
+        p, q = exact_scale(small)
+        assert q == 2**52
+        assert p * 2**52 >= small * 2**52 * 1  # never less noise than asked ...
+        assert p - 1 < small * 2**52  # ... and less than one step of 2^-52 more
+    assert exact_scale(LARGEST_SIGMA) == (2**58, 1)
+
+
+@pytest.mark.parametrize("sigma", [0.0, -1.0, float("inf"), float("nan"), LARGEST_SIGMA * 2])
+def test_a_scale_outside_the_supported_range_is_refused(sigma: float) -> None:
+    with pytest.raises(ConfigError, match="sigma"):
+        sample_discrete_gaussian(sigma, 10)
+
+
+def test_sizes_zero_and_negative() -> None:
+    assert sample_discrete_gaussian(3.0, 0).shape == (0,)
+    with pytest.raises(ConfigError, match="size"):
+        sample_discrete_gaussian(3.0, -1)
+
+
+def test_a_short_byte_source_is_an_error_not_a_biased_draw() -> None:
+    with pytest.raises(ConfigError, match="random_bytes returned"):
+        sample_discrete_gaussian(3.0, 10, random_bytes=lambda n: bytes(n - 1))
+
+
+def test_uniform_words_in_the_biased_range_are_redrawn() -> None:
+    # Bound 3 on bytes: 256 mod 3 = 1, so the byte 0 would make 0 one count too likely
+    # (86 of 256 against 85 for 1 and 2). It is redrawn: the next byte, 5, gives 2.
+    supplied = iter([bytes([0]), bytes([5])])
+    coins = discrete_gaussian._Coins(lambda n: next(supplied))
+    assert coins.below(np.array([3], dtype=np.uint64)).tolist() == [2]
+    # Bounds above a byte take 16-bit or 64-bit words.
+    wide = discrete_gaussian._Coins(lambda n: (7).to_bytes(8, "little") * (n // 8))
+    assert wide.below(np.array([2**40], dtype=np.uint64)).tolist() == [7]
+
+
+def test_the_bernoulli_exp_loop_has_the_defining_probability() -> None:
+    # CKS algorithm 1 for gamma = 1/2 and for gamma = 0.9 (coins a / b): 200,000 flips
+    # each, within 5 standard errors of exp(-gamma).
+    coins = discrete_gaussian._Coins(seeded_bytes(14))
+    n = 200_000
+    half = coins.exp_minus_half(n).mean()
+    numerators = np.full(n, 9, dtype=np.uint64)
+    point_nine = coins.exp_minus(
+        n, lambda looping, k: coins.fraction(numerators[looping], 10) & coins.one_in(k)
+    ).mean()
+    for observed, gamma in ((half, 0.5), (point_nine, 0.9)):
+        p = np.exp(-gamma)
+        assert abs(observed - p) < 5 * np.sqrt(p * (1 - p) / n)
+
+
+def test_a_draw_beyond_every_headroom_is_refused_not_wrapped() -> None:
+    """k above LARGEST_K would overflow 64-bit products; it is refused instead (an
+    event below exp(-450) a value, forced here with coins that always succeed for the
+    first candidate's run and its k (k - 1) further coins)."""
+
+    class Forced(discrete_gaussian._Coins):
+        """One stream of Bernoulli(exp(-1/2)) coins: LARGEST_K + 1 successes (the first
+        candidate's k), a failure ending it, three more (k = 0 for the other three
+        candidates), then successes only (so the first candidate's k (k - 1) further
+        coins all succeed)."""
+
+        def __init__(self) -> None:
+            super().__init__(seeded_bytes(15))
+            self.position = 0
+
+        def exp_minus_half(self, count: int) -> NDArray[np.bool_]:
+            positions = np.arange(self.position, self.position + count)
+            self.position += count
+            return ~((positions > LARGEST_K) & (positions <= LARGEST_K + 4))
+
+    p, q = exact_scale(3.0)
+    with pytest.raises(EncodingOverflowError, match="31 sigma"):
+        discrete_gaussian._survivors(p, q, 4, Forced())
