@@ -8,7 +8,7 @@ and never sample), each query is answered
 * ``fed`` — federated: the rows split over four owners, each owner's exact integer
   statistics computed by the owner code (``fedpca.owner.compute.encode_share``: public
   bounds, clipping, the 2^-16 grid, padding), summed, and noised with the plan's discrete
-  Gaussian noise (``ReleasePlan.noise_values``, OpenDP's sampler), then decoded and
+  Gaussian noise (``ReleasePlan.noise_values``, the production exact sampler), then decoded and
   post-processed by the analyst code (``FederatedStatistics.from_result`` …).
   Encryption is left out: packed Paillier adds these integers exactly (the codec tests
   and the slow tier check it), so it cannot change utility;

@@ -89,7 +89,9 @@ def main() -> None:
             f"  {sigma:9.0e}   {per_value:15.2f}   {opendp_per_value:15.2f}   "
             f"{opendp_per_value / per_value:13.1f}   {spread:8.3f}"
         )
-    speedups = [theirs_cost / ours_cost for theirs_cost, ours_cost in zip(opendp_costs, costs)]
+    speedups = [
+        theirs_cost / ours_cost for theirs_cost, ours_cost in zip(opendp_costs, costs, strict=True)
+    ]
     print(
         f"us_per_value_min={min(costs):.3f} us_per_value_max={max(costs):.3f} "
         f"opendp_us_per_value_min={min(opendp_costs):.3f} "

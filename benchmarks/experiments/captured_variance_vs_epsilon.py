@@ -16,7 +16,7 @@ components capture; 1 = as good as non-private PCA) for
 
 δ = 1/N as published (``--delta`` fixes it instead). Each point is the mean and sample
 standard deviation over ``--runs`` runs; every run draws the noise afresh (fedpca's from
-the production OpenDP discrete Gaussian sampler).
+the production exact discrete Gaussian sampler).
 
 Datasets: zero-mean synthetic stand-ins with the published shapes (108,000 × 29,
 199,030 × 54, 515,345 × 90) and a spiked covariance (``reproduction.spiked_rows``, k = 5

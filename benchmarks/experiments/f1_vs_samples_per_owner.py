@@ -18,7 +18,7 @@ the fixed-point grid (a test shows the same numbers as a real deployment).
 
 For each (dataset, samples per owner) the owners' split is fixed (seeded); each of the
 ``--runs`` runs draws the mechanisms' randomness afresh (fedpca's discrete Gaussian noise
-from the production OpenDP sampler and its mask, PrivateLocalPCA's Wishart noise, the
+from the production exact sampler and its mask, PrivateLocalPCA's Wishart noise, the
 random subspace). Non-private PCA is deterministic: one value per dataset.
 
 Datasets: stand-ins with the published shapes (1,080 × 857 with 9 classes, 7,797 × 617

@@ -16,14 +16,17 @@ from numpy.typing import NDArray
 from scipy.stats import chi2
 
 from fedpca.dp import discrete_gaussian
+from fedpca.dp import noise as noise_module
 from fedpca.dp.discrete_gaussian import (
     BATCH_CANDIDATES,
     LARGEST_K,
     LARGEST_SIGMA,
+    MAX_NOISE_BOUND,
+    SATURATED,
     exact_scale,
     sample_discrete_gaussian,
 )
-from fedpca.errors import ConfigError, EncodingOverflowError
+from fedpca.errors import ConfigError
 
 
 def seeded_bytes(seed: int) -> Callable[[int], bytes]:
@@ -50,9 +53,7 @@ def chi_square_p_value(draws: NDArray[np.int64], sigma: float) -> float:
         ([expected[:low].sum()], expected[low : high + 1], [expected[high + 1 :].sum()])
     )
     used = expected_bins > 0
-    statistic = float(
-        (((observed_bins - expected_bins) ** 2)[used] / expected_bins[used]).sum()
-    )
+    statistic = float((((observed_bins - expected_bins) ** 2)[used] / expected_bins[used]).sum())
     return float(chi2.sf(statistic, int(used.sum()) - 1))
 
 
@@ -151,19 +152,19 @@ def test_the_bernoulli_exp_loop_has_the_defining_probability() -> None:
         assert abs(observed - p) < 5 * np.sqrt(p * (1 - p) / n)
 
 
-def test_a_draw_beyond_every_headroom_is_refused_not_wrapped() -> None:
-    """k above LARGEST_K would overflow 64-bit products; it is refused instead (an
-    event below exp(-450) a value, forced here with coins that always succeed for the
-    first candidate's run and its k (k - 1) further coins)."""
+def test_a_draw_beyond_64_bit_products_is_exact_or_saturated_not_wrapped() -> None:
+    """k above LARGEST_K would overflow 64-bit products (an event below exp(-450) a
+    value, forced here: coins that always succeed for the first candidate's run and for
+    its k (k - 1) further coins). It is worked out in Python's integers: exact at a small
+    scale, saturated at 2^62 + 1 where the value is beyond every headroom."""
 
     class Forced(discrete_gaussian._Coins):
         """One stream of Bernoulli(exp(-1/2)) coins: LARGEST_K + 1 successes (the first
         candidate's k), a failure ending it, three more (k = 0 for the other three
-        candidates), then successes only (so the first candidate's k (k - 1) further
-        coins all succeed)."""
+        candidates), then successes only."""
 
-        def __init__(self) -> None:
-            super().__init__(seeded_bytes(15))
+        def __init__(self, seed: int) -> None:
+            super().__init__(seeded_bytes(seed))
             self.position = 0
 
         def exp_minus_half(self, count: int) -> NDArray[np.bool_]:
@@ -171,6 +172,15 @@ def test_a_draw_beyond_every_headroom_is_refused_not_wrapped() -> None:
             self.position += count
             return ~((positions > LARGEST_K) & (positions <= LARGEST_K + 4))
 
-    p, q = exact_scale(3.0)
-    with pytest.raises(EncodingOverflowError, match="31 sigma"):
-        discrete_gaussian._survivors(p, q, 4, Forced())
+    k = LARGEST_K + 1
+    seen_small, seen_large = [], []
+    for seed in range(40):
+        # sigma = 3: the candidate is k sigma + j, j in {0, 1, 2}, kept unless step 3's
+        # coins refuse it (j = 0, x = 0, always passes).
+        small = discrete_gaussian._survivors(3, 1, 4, Forced(seed))
+        seen_small += [int(v) for v in small if abs(int(v)) >= 3 * k]
+        large = discrete_gaussian._survivors(1 << 58, 1, 4, Forced(seed))
+        seen_large += [int(v) for v in large if v != 0 and abs(int(v)) > MAX_NOISE_BOUND]
+    assert seen_small and {abs(v) for v in seen_small} <= {3 * k, 3 * k + 1, 3 * k + 2}
+    assert seen_large and {abs(v) for v in seen_large} == {SATURATED}
+    assert SATURATED > MAX_NOISE_BOUND == noise_module.MAX_NOISE_BOUND

@@ -95,9 +95,7 @@ def test_opendp_states_the_continuous_gaussian_zcdp_for_the_discrete_gaussian(
         )
         return float(measurement.map(l2_sensitivity))
 
-    assert rho(z * sensitivity, math.ceil(sensitivity)) == pytest.approx(
-        1 / (2 * z**2), rel=1e-12
-    )
+    assert rho(z * sensitivity, math.ceil(sensitivity)) == pytest.approx(1 / (2 * z**2), rel=1e-12)
 
 
 def test_production_sampler_reaches_beyond_32_bits() -> None:

@@ -44,9 +44,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedpca.errors import ConfigError, EncodingOverflowError
+from fedpca.errors import ConfigError
 
-__all__ = ["LARGEST_SIGMA", "RandomBytes", "exact_scale", "sample_discrete_gaussian"]
+__all__ = [
+    "LARGEST_SIGMA",
+    "MAX_NOISE_BOUND",
+    "SATURATED",
+    "RandomBytes",
+    "exact_scale",
+    "sample_discrete_gaussian",
+]
 
 RandomBytes = Callable[[int], bytes]
 """Source of uniformly random bytes: ``random_bytes(n)`` returns ``n`` of them."""
@@ -55,10 +62,17 @@ LARGEST_SIGMA = float(1 << 58)
 """Largest scale accepted: it keeps every product below in 64 bits (a noise bound of
 2^62, :data:`fedpca.dp.noise.MAX_NOISE_BOUND`, already implies sigma below 2^58.5)."""
 
+MAX_NOISE_BOUND = 1 << 62
+"""Largest noise bound (headroom) fedpca accepts (:mod:`fedpca.dp.noise` and the plans
+refuse a larger one up front); every draw beyond the bound in use is refused."""
+
+SATURATED = MAX_NOISE_BOUND + 1
+"""What a draw beyond :data:`MAX_NOISE_BOUND` in magnitude is returned as (with its
+sign): int64 cannot hold every such draw, and every caller refuses it either way."""
+
 LARGEST_K = 30
-"""Largest k (|value| < (k + 1) sigma) computed in 64 bits. A survivor with a larger k is
-at least 31 sigma from 0, beyond every slot headroom (about 12 to 16 sigma), so it is
-refused as a headroom refusal would refuse it; the chance is below exp(-450) a value."""
+"""Largest k (|value| < (k + 1) sigma) worked out in 64-bit words; a larger one, whose
+chance is below exp(-450) a value, is worked out in Python's integers."""
 
 BATCH_CANDIDATES = 1 << 16
 """Candidates drawn at a time, which bounds the memory of one call (some 100 bytes a
@@ -91,15 +105,13 @@ def exact_scale(sigma: float) -> tuple[int, int]:
 def sample_discrete_gaussian(
     sigma: float, size: int, *, random_bytes: RandomBytes = os.urandom
 ) -> NDArray[np.int64]:
-    """``size`` independent draws of N_Z(0, sigma^2), exactly (see the module's text).
+    """``size`` independent draws of N_Z(0, sigma^2), exactly (see the module's text),
+    except that a draw beyond 2^62 in magnitude comes back as +-:data:`SATURATED`.
 
     Raises
     ------
     ConfigError
         For a sigma that is not finite, not positive or above 2^58, or a negative size.
-    EncodingOverflowError
-        For a draw at least 31 sigma from 0 (probability below exp(-450) a value),
-        which every headroom refuses anyway.
     """
     if size < 0:
         raise ConfigError(f"noise size must be >= 0, got {size!r}")
@@ -209,19 +221,12 @@ def _survivors(p: int, q: int, candidates: int, coins: _Coins) -> NDArray[np.int
     stop = np.cumsum(needed).astype(np.intp)
     start = stop - needed.astype(np.intp)
     k = k[failures_before[stop] == failures_before[start]]
-    if k.size and int(k.max()) > LARGEST_K:
-        raise EncodingOverflowError(
-            "a discrete Gaussian draw landed at least 31 sigma from 0, beyond every slot "
-            "headroom; refusing it as the headroom check would"
-        )
     # Step 2. Integer form of x = (i0 + j - k sigma) / sigma = a / p.
     count = k.size
-    p64, q64 = np.uint64(p), np.uint64(q)
     negative = coins.one_in(np.full(count, 2, dtype=np.uint64))
-    i0 = (k * p64 + q64 - _U1) // q64
     j = coins.below(np.full(count, (p + q - 1) // q, dtype=np.uint64))
-    a = q64 * (i0 + j) - k * p64
-    keep = (a < p64) & ~((a == 0) & (k == 0) & negative)
+    in_range, a, magnitudes = _position(k, j, p, q)
+    keep = in_range & ~((a == 0) & (k == 0) & negative)
     # Step 3, for the candidates still kept: exp(-x)^k, as k independent
     # Bernoulli(exp(-x)) that must all succeed (Bernoulli(x / K) is Bernoulli(x) and
     # Bernoulli(1 / K), independent coins) ...
@@ -244,5 +249,30 @@ def _survivors(p: int, q: int, candidates: int, coins: _Coins) -> NDArray[np.int
         ),
     )
     keep = alive[survived]
-    magnitude = (i0 + j)[keep].astype(np.int64)
+    magnitude = magnitudes[keep]
     return np.where(negative[keep], -magnitude, magnitude)
+
+
+def _position(
+    k: UIntArray, j: UIntArray, p: int, q: int
+) -> tuple[BoolArray, UIntArray, NDArray[np.int64]]:
+    """For each candidate: whether x < 1, a = x p (meaningful where x < 1) and the
+    magnitude i0 + j, saturated at :data:`SATURATED`.
+
+    In 64-bit words while k <= :data:`LARGEST_K`, where no product can overflow
+    (k p + q and q (i0 + j) stay below 31 * 2^59 + 2^53 < 2^64); otherwise, an event
+    below exp(-450) a value, in Python's integers.
+    """
+    if k.size == 0 or int(k.max()) <= LARGEST_K:
+        p64, q64 = np.uint64(p), np.uint64(q)
+        i0 = (k * p64 + q64 - _U1) // q64
+        a = q64 * (i0 + j) - k * p64
+        magnitude = np.minimum(i0 + j, np.uint64(SATURATED)).astype(np.int64)
+        return a < p64, a, magnitude
+    big_k, big_j = k.astype(object), j.astype(object)
+    big_i0 = (big_k * p + q - 1) // q
+    big_a = q * (big_i0 + big_j) - big_k * p
+    in_range = (big_a < p).astype(bool)
+    a = np.where(in_range, big_a, 0).astype(np.uint64)
+    magnitude = np.minimum(big_i0 + big_j, SATURATED).astype(np.int64)
+    return in_range, a, magnitude

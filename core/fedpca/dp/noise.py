@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedpca.codec.matrix import symmetric_from_upper_triangle, upper_triangle_length
-from fedpca.dp.discrete_gaussian import sample_discrete_gaussian
+from fedpca.dp.discrete_gaussian import MAX_NOISE_BOUND, sample_discrete_gaussian
 from fedpca.errors import ConfigError, EncodingOverflowError
 
 __all__ = [
@@ -44,11 +44,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 IntArray = NDArray[np.int64]
-
-# Draws are int64; refusing any bound above 2^62 keeps every draw far from the type's
-# limits (and the scale within the sampler's 2^58).
-MAX_NOISE_BOUND = 1 << 62
-"""Largest noise bound (headroom) the sampler accepts; plans refuse a larger one up front."""
 
 HEADROOM_SECURITY_BITS = 100
 """k of :func:`noise_headroom`: a draw lies beyond a query's headroom with probability

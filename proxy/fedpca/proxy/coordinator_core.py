@@ -148,7 +148,7 @@ class CoordinatorCore:
     config : the proxy configuration (budgets, test-key switch).
     pool : a started or lazily starting crypto pool (noise encryption, mask).
     noise_sampler : integer Gaussian sampler; default the production discrete
-        Gaussian (OpenDP). Tests inject a seeded one.
+        Gaussian (:mod:`fedpca.dp.discrete_gaussian`). Tests inject a seeded one.
     clock : wall-clock seconds (injected by tests of deadlines).
     allow_insecure_test_keys : TEST ONLY: accept analyst keys below 2048 bits
         (also enabled by ``[crypto] allow_insecure_test_keys`` in the config).
