@@ -51,6 +51,7 @@ from fedpca.dp.allocation import normalise_weights
 from fedpca.dp.calibration import calibrate_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyEvent
 from fedpca.dp.noise import (
+    FLOAT_MARGIN,
     MAX_NOISE_BOUND,
     NoiseSampler,
     noise_headroom,
@@ -385,7 +386,8 @@ def _headroom(sigma_int: float, length: int, z: float) -> int:
     draw passes the tail bound, which :func:`refusal_delta` charges."""
     if sigma_int <= 0 or length <= 0:
         return 0
-    return noise_headroom(sigma_int) + math.ceil(sigma_int / z)
+    # FLOAT_MARGIN: the rounded-up move is at least the real sigma_int / z.
+    return noise_headroom(sigma_int) + math.ceil(sigma_int / z * FLOAT_MARGIN)
 
 
 def _noise_multiplier(spec: QuerySpec, statistics: StatisticsSpec) -> float:

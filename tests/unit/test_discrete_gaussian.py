@@ -9,6 +9,8 @@ and the same counts must fail against sigma 3 % off, to show the test has power.
 from __future__ import annotations
 
 from collections.abc import Callable
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from fedpca.dp.discrete_gaussian import (
     exact_scale,
     sample_discrete_gaussian,
 )
+from fedpca.dp.noise import noise_headroom
 from fedpca.errors import ConfigError
 
 
@@ -106,13 +109,41 @@ def test_the_scale_is_the_float_itself_or_rounded_up_below_one() -> None:
         assert q == 2**52
         assert p * 2**52 >= small * 2**52 * 1  # never less noise than asked ...
         assert p - 1 < small * 2**52  # ... and less than one step of 2^-52 more
-    assert exact_scale(LARGEST_SIGMA) == (2**58, 1)
+    assert exact_scale(LARGEST_SIGMA) == (2**59, 1)
 
 
 @pytest.mark.parametrize("sigma", [0.0, -1.0, float("inf"), float("nan"), LARGEST_SIGMA * 2])
 def test_a_scale_outside_the_supported_range_is_refused(sigma: float) -> None:
     with pytest.raises(ConfigError, match="sigma"):
         sample_discrete_gaussian(sigma, 10)
+
+
+@pytest.mark.parametrize(
+    "sigma", [np.longdouble(2**59) - np.longdouble(0.5), Fraction(7, 3), Decimal("2.5"), True]
+)
+def test_a_scale_that_is_not_a_float_is_refused(sigma: object) -> None:
+    # A longdouble or a Decimal can carry more bits than the 64-bit arithmetic allows
+    # for; only floats (numpy's float64 included) and ints are read exactly.
+    with pytest.raises(ConfigError, match="must be a float"):
+        exact_scale(sigma)  # type: ignore[arg-type]
+    assert exact_scale(np.float64(2.5)) == (5, 2)
+    assert exact_scale(7) == (7, 1)
+
+
+def test_every_scale_a_noise_bound_allows_can_be_drawn() -> None:
+    """A plan accepts a scale when its bound is at most 2^62; the sampler must draw every
+    such scale (a review found plans at 2^58.07 that a 2^58 limit refused at the draw)."""
+    assert noise_headroom(LARGEST_SIGMA) > MAX_NOISE_BOUND
+    # The largest scale whose headroom fits, found by bisection, draws as asked.
+    low, high = 2.0**50, LARGEST_SIGMA
+    for _ in range(80):
+        middle = (low + high) / 2
+        low, high = (middle, high) if noise_headroom(middle) <= MAX_NOISE_BOUND else (low, middle)
+    assert low > 2.0**58
+    draws = sample_discrete_gaussian(low, 20_000, random_bytes=seeded_bytes(16))
+    ratio = float(np.var(draws.astype(np.float64), ddof=1)) / low**2
+    assert abs(ratio - 1) < 5 * np.sqrt(2 / 19_999)
+    assert int(np.max(np.abs(draws))) < MAX_NOISE_BOUND
 
 
 def test_sizes_zero_and_negative() -> None:

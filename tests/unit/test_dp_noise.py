@@ -169,6 +169,18 @@ def test_headroom_bounds_the_tail_below_2_to_the_minus_100(sigma: float) -> None
     assert 2 * norm.sf(0.8 * bound / sigma) > 2.0**-100
 
 
+@pytest.mark.parametrize("sigma", [2.161923103019736e17, 2.0**57.3, 3.0e15 + 1.0, 2.0**52 * 1.37])
+def test_headroom_is_at_least_the_exact_tail_point_at_large_scales(sigma: float) -> None:
+    """B >= t = sigma sqrt(2 ln 2^101) exactly, not only up to float error: without the
+    margin, a review found B 28.9 below t at the first scale (float error of sigma t)."""
+    import mpmath
+
+    mpmath.mp.dps = 60
+    exact = mpmath.mpf(sigma) * mpmath.sqrt(2 * mpmath.log(mpmath.mpf(2) ** 101))
+    assert noise_headroom(sigma) > exact
+    assert noise_headroom(sigma) - exact < sigma * 2.0**-45  # and not wastefully more
+
+
 def test_headroom_grows_with_the_number_of_values_and_security() -> None:
     sigma = 1e6
     per_value = noise_headroom(sigma)

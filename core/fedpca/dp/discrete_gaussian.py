@@ -58,9 +58,10 @@ __all__ = [
 RandomBytes = Callable[[int], bytes]
 """Source of uniformly random bytes: ``random_bytes(n)`` returns ``n`` of them."""
 
-LARGEST_SIGMA = float(1 << 58)
-"""Largest scale accepted: it keeps every product below in 64 bits (a noise bound of
-2^62, :data:`fedpca.dp.noise.MAX_NOISE_BOUND`, already implies sigma below 2^58.5)."""
+LARGEST_SIGMA = float(1 << 59)
+"""Largest scale accepted: it keeps every product below in 64 bits, and it is above every
+scale a noise bound of at most 2^62 (:data:`MAX_NOISE_BOUND`) allows (about 2^58.4), so
+whatever a plan accepts can be drawn."""
 
 MAX_NOISE_BOUND = 1 << 62
 """Largest noise bound (headroom) fedpca accepts (:mod:`fedpca.dp.noise` and the plans
@@ -86,19 +87,25 @@ BoolArray = NDArray[np.bool_]
 
 
 def exact_scale(sigma: float) -> tuple[int, int]:
-    """The scale drawn at, as a fraction p / q >= sigma with q <= 2^52 and p < 2^59.
+    """The scale drawn at, as a fraction p / q >= sigma with q <= 2^52 and p <= 2^59.
 
     A float at or above 1 is already such a fraction, exactly; below 1 it is rounded up
     to a multiple of 2^-52 (more noise, never less).
     """
+    # Only a float or an int is read exactly as p / q with p and q in the ranges the
+    # 64-bit arithmetic below relies on (a longdouble or a Decimal could carry more bits).
+    if isinstance(sigma, bool) or not isinstance(sigma, float | int):
+        raise ConfigError(f"the discrete Gaussian's sigma must be a float, got {sigma!r}")
     if not (math.isfinite(sigma) and 0 < sigma <= LARGEST_SIGMA):
         raise ConfigError(
-            f"the discrete Gaussian's sigma must be finite, > 0 and at most 2^58, got {sigma!r}"
+            f"the discrete Gaussian's sigma must be finite, > 0 and at most 2^59, got {sigma!r}"
         )
-    p, q = sigma.as_integer_ratio()
+    p, q = float(sigma).as_integer_ratio()
     if q > 1 << _DENOMINATOR_BITS:
         p = math.ceil(Fraction(p, q) * (1 << _DENOMINATOR_BITS))
         q = 1 << _DENOMINATOR_BITS
+    if not (0 < p <= 1 << 59 and 0 < q <= 1 << _DENOMINATOR_BITS):
+        raise ConfigError(f"sigma {sigma!r} read as {p}/{q}, outside the sampler's range")
     return p, q
 
 
@@ -111,7 +118,7 @@ def sample_discrete_gaussian(
     Raises
     ------
     ConfigError
-        For a sigma that is not finite, not positive or above 2^58, or a negative size.
+        For a sigma that is not a finite float or int in (0, 2^59], or a negative size.
     """
     if size < 0:
         raise ConfigError(f"noise size must be >= 0, got {size!r}")
@@ -259,9 +266,10 @@ def _position(
     """For each candidate: whether x < 1, a = x p (meaningful where x < 1) and the
     magnitude i0 + j, saturated at :data:`SATURATED`.
 
-    In 64-bit words while k <= :data:`LARGEST_K`, where no product can overflow
-    (k p + q and q (i0 + j) stay below 31 * 2^59 + 2^53 < 2^64); otherwise, an event
-    below exp(-450) a value, in Python's integers.
+    In 64-bit words while k <= :data:`LARGEST_K`, where no product can overflow (with
+    p <= 2^59 and q <= 2^52, k p + q and q (i0 + j) <= (k + 1) p + q stay below
+    31 * 2^59 + 2^52 < 2^64); otherwise, an event below exp(-450) a value, in Python's
+    integers.
     """
     if k.size == 0 or int(k.max()) <= LARGEST_K:
         p64, q64 = np.uint64(p), np.uint64(q)

@@ -28,6 +28,7 @@ from fedpca.dp.discrete_gaussian import MAX_NOISE_BOUND, sample_discrete_gaussia
 from fedpca.errors import ConfigError, EncodingOverflowError
 
 __all__ = [
+    "FLOAT_MARGIN",
     "HEADROOM_SECURITY_BITS",
     "MAX_NOISE_BOUND",
     "DiscreteGaussianSampler",
@@ -44,6 +45,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 IntArray = NDArray[np.int64]
+
+FLOAT_MARGIN = 1.0 + 2.0**-50
+"""Factor a bound computed in floats is raised by before rounding up, so that the
+integer bound is at least the real one (float error is a few parts in 2^52)."""
 
 HEADROOM_SECURITY_BITS = 100
 """k of :func:`noise_headroom`: a draw lies beyond a query's headroom with probability
@@ -139,10 +144,11 @@ def noise_headroom(
     subgaussian with the same parameter (Canonne, Kamath & Steinke 2020:
     E[exp(lambda Y)] <= exp(lambda^2 s^2 / 2)), so the same bound holds for it.
     Requiring n * 2 exp(-t^2 / (2 s^2)) <= 2^-k (a union bound over n draws) gives
-    t = s * sqrt(2 ln(n * 2^(k+1))). Rounding a continuous draw (the test-only
-    sampler) moves it by at most 1/2, and ceil + 1 absorbs that as well as float
-    error in t, so B = ceil(t) + 1 holds for every sampler in this module with a
-    strict inequality.
+    t = s * sqrt(2 ln(n * 2^(k+1))). t is computed in floats and multiplied by
+    :data:`FLOAT_MARGIN` before rounding up, which covers the float error (a few ulps)
+    at any scale; rounding a continuous draw (the test-only sampler) moves it by at
+    most 1/2, which the + 1 absorbs, so B = ceil(t') + 1 holds for every sampler in
+    this module with a strict inequality.
 
     Parameters
     ----------
@@ -167,7 +173,9 @@ def noise_headroom(
     if sigma_int == 0:
         return 0
     log_inverse_failure = math.log(n_values) + (security_bits + 1) * math.log(2.0)
-    return math.ceil(sigma_int * math.sqrt(2.0 * log_inverse_failure)) + 1
+    # The float product is within a few ulps (2^-52 relative) of t; raised by 2^-50 of
+    # itself before rounding up, it is at least t whatever sigma's size.
+    return math.ceil(sigma_int * math.sqrt(2.0 * log_inverse_failure) * FLOAT_MARGIN) + 1
 
 
 def vector_noise(
