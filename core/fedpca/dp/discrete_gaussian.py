@@ -89,8 +89,8 @@ BoolArray = NDArray[np.bool_]
 def exact_scale(sigma: float) -> tuple[int, int]:
     """The scale drawn at, as a fraction p / q >= sigma with q <= 2^52 and p <= 2^59.
 
-    A float at or above 1 is already such a fraction, exactly; below 1 it is rounded up
-    to a multiple of 2^-52 (more noise, never less).
+    A float at or above 1, or an int, is already such a fraction, exactly; below 1 a
+    float is rounded up to a multiple of 2^-52 (more noise, never less).
     """
     # Only a float or an int is read exactly as p / q with p and q in the ranges the
     # 64-bit arithmetic below relies on (a longdouble or a Decimal could carry more bits).
@@ -100,7 +100,9 @@ def exact_scale(sigma: float) -> tuple[int, int]:
         raise ConfigError(
             f"the discrete Gaussian's sigma must be finite, > 0 and at most 2^59, got {sigma!r}"
         )
-    p, q = float(sigma).as_integer_ratio()
+    # An int is its own fraction: float() would round one above 2^53 to the nearest
+    # float, sometimes below it (less noise than asked; found by review).
+    p, q = (sigma, 1) if isinstance(sigma, int) else sigma.as_integer_ratio()
     if q > 1 << _DENOMINATOR_BITS:
         p = math.ceil(Fraction(p, q) * (1 << _DENOMINATOR_BITS))
         q = 1 << _DENOMINATOR_BITS
