@@ -1609,6 +1609,61 @@ def test_an_upload_paused_past_its_deadline_is_ended_and_its_share_deleted(
     assert {e.event.query_id for e in ledger.events()} == {key(f"p{i}") for i in range(3)}
 
 
+def test_only_the_last_paused_uploads_keep_their_ciphertexts_in_memory(
+    harness: Harness, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Found by review: a proxy answering every upload with UNAVAILABLE made the node
+    keep every paused upload's ciphertexts until its deadline (about 30 MiB each at
+    M = 2,000). Older paused uploads are dropped from memory and, delivered again, are
+    resumed from their kept share: same upload id, same share, charged once."""
+    _, private_key = test_only_keypair_512
+    proxy, node = harness.proxy, harness.node
+    proxy.upload_failures.extend([grpc.StatusCode.UNAVAILABLE] * 1000)  # every attempt
+    names = [f"p{i}" for i in range(4)]
+    for name in names:
+        harness.send(harness.spec(name, epsilon=0.2))
+    proxy.wait_for(lambda: all(key(name) in node._paused for name in names), timeout=30.0)
+    held = [query_id for query_id in node._paused if query_id in node._prepared]
+    assert held == [key("p2"), key("p3")]  # the two paused last
+    ledger = harness.ledger
+    upload_ids = {}
+    for name in names:
+        record = ledger.task(key(name))
+        assert record is not None and record.outcome is TaskOutcome.UPLOADING
+        upload_ids[key(name)] = record.upload_id
+
+    proxy.upload_failures.clear()
+    attempts = len(proxy.uploads)
+    for name in names:
+        harness.send(harness.spec(name, epsilon=0.2))  # delivered again
+    proxy.wait_for(
+        lambda: all(
+            (record := ledger.task(key(name))) is not None
+            and record.outcome is TaskOutcome.UPLOADED
+            for name in names
+        )
+    )
+    resent = proxy.uploads[attempts:]
+    assert sorted(call.query_id for call in resent) == sorted(upload_ids)
+    spec = harness.spec("p0", epsilon=0.2)  # the same plan as every p<i>
+    plan = ReleasePlan.for_query(spec, private_key.public_key.n.bit_length())
+    for call in resent:
+        assert call.upload_id == upload_ids[call.query_id]  # resumed, not begun again
+        earlier = [c for c in proxy.uploads[:attempts] if c.query_id == call.query_id]
+        # The same share (fresh encryption randomness for the dropped ones).
+        first, again = (
+            unpack_slots(
+                pool.decrypt(private_key, list(c.ciphertexts)),
+                plan.owner_block(SHARES).layout,
+                private_key.public_key.n,
+            )
+            for c in (earlier[0], call)
+        )
+        assert first == again
+    assert sorted(e.event.query_id for e in ledger.events()) == sorted(upload_ids)  # once each
+    assert node._prepared == {} and node._paused == {}
+
+
 def test_a_task_whose_ending_cannot_be_written_stays_in_the_deadline_sweep(
     harness: Harness, pool: CryptoPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -242,9 +242,7 @@ class TaskProcessing(TaskEndings):
             kept = self.shares.load(upload_id, plan)
             if kept is not None:
                 logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
-                self._begin_upload(
-                    spec, query_id, upload_id, plan, kept, obfuscation, began_here=False
-                )
+                self._begin_upload(spec, query_id, upload_id, plan, kept, obfuscation)
                 return None
             if record.seed is None:
                 # Begun by a version that keeps every share before its first chunk may
@@ -299,7 +297,6 @@ class TaskProcessing(TaskEndings):
                 plan,
                 KeptShare(encoded, record_count),
                 obfuscation,
-                began_here=not resuming,
             )
         except BaseException:
             # Not a decline: nothing here depends on the records (a bug, or a proxy whose
@@ -318,14 +315,11 @@ class TaskProcessing(TaskEndings):
         plan: ReleasePlan,
         share: KeptShare,
         obfuscation: Obfuscation,
-        *,
-        began_here: bool,
     ) -> None:
         upload = self._start_upload(
             spec, query_id, upload_id, plan, share.values, obfuscation, share.record_count
         )
         upload.share = share
-        upload.began_here = began_here
         self._prepared[query_id] = upload
 
     def _accept(

@@ -59,9 +59,6 @@ class OutgoingUpload:
         on_done: Callable[[], None] | None = None,
     ) -> None:
         self.upload_id = upload_id
-        self.began_here = True
-        """False for an upload resumed after a restart (earlier chunks may have left);
-        the task processing sets it."""
         self.chunk_handed_out = False
         """True once any chunk message was handed to gRPC (it may have left the node)."""
         self.share: KeptShare | None = None
