@@ -510,7 +510,9 @@ def load_table(
         table = np.zeros((0, n_columns))  # an empty array of unknown width
     if n_columns is not None and table.shape[1] != n_columns:
         raise DataError(
-            f"{file}: {table.shape[1]} columns, but the configuration declares {n_columns}"
+            f"{file}: {table.shape[1]} columns, but the configuration declares {n_columns} "
+            "(data.n_columns): if the export's columns changed, set it to the new count, "
+            "check policy.allowed_columns, and start the node again"
         )
     if (
         allow_empty

@@ -1470,6 +1470,11 @@ def test_ctrl_c_while_waiting_for_owners_exits_130_saying_nothing_was_submitted(
         (["histogram", "--columns", "1", "--bins", "5,1"], "at least two strictly increasing"),
         (["histogram", "--columns", "1", "--bins", "0,,1"], "is not a comma-separated list"),
         (["histogram", "--columns", "1", "--bins", "3"], "at least two strictly increasing"),
+        # Two columns' edges in one --bins: the hint, and not the whole argument echoed.
+        (
+            ["histogram", "--columns", "1,2", "--bins", ",".join(["1"] * 400) + ";2,3"],
+            "1,1'... is not a comma-separated list of numbers: '1;2' (give --bins once per column)",
+        ),
     ],
 )
 def test_a_typo_in_a_list_is_a_usage_error_before_anything_is_sent(

@@ -33,3 +33,18 @@ def test_every_option_has_help() -> None:
         if isinstance(option, click.Option) and not (option.help or "").strip()
     ]
     assert silent == []
+
+
+def test_the_wait_for_owners_help_states_the_wait_the_code_uses() -> None:
+    """A new user's walkthrough: every query command's help said 15 s; it waits 40 s."""
+    from fedpca.analyst.querying import OWNERS_CONNECT_SECONDS
+
+    helps = {
+        path: option.help or ""
+        for path, command in _commands(main, "fedpca")
+        for option in command.params
+        if isinstance(option, click.Option) and option.opts[0] == "--wait-for-owners"
+    }
+    assert {"fedpca analyst pca", "fedpca analyst stats"} <= set(helps)
+    for path, text in helps.items():
+        assert f"waits {OWNERS_CONNECT_SECONDS:g} s for them" in text, path

@@ -510,6 +510,40 @@ def test_owner_init_and_probe_refuse_a_relation_other_than_the_ledgers(
     assert sorted(p.name for p in config.ledger_path.parent.iterdir() if "sqlite3-" in p.name) == []
 
 
+@pytest.mark.parametrize("max_records", [100, 351])
+def test_a_table_beyond_its_capacity_is_said_locally(
+    certs: Path,
+    tmp_path: Path,
+    pool: CryptoPool,
+    max_records: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new user's walkthrough: a table of 256 rows under max_records = 100 lost 156
+    rows from every query, and after init nothing said so. The probe and the node's
+    start-up now say it, in the owner's own terminal and log, without the count."""
+    from fedpca.owner.node import OwnerNode
+
+    data = _table(tmp_path / "hospital-a" / "data" / "table.csv")  # 351 rows
+    out = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--label-column", "0"),
+        *("--max-records", str(max_records), "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER),
+    ]
+    runner = CliRunner()
+    assert runner.invoke(owner_group, args).exit_code == 0
+    path = out / "owner.toml"
+    probe = runner.invoke(owner_group, ["probe", "--config", str(path), "--local"])
+    said = f"queries use a uniform sample of {max_records} (raise data.max_records"
+    assert (said in probe.output) is (max_records < 351), probe.output
+    with caplog.at_level(logging.WARNING, logger="fedpca.owner"):
+        OwnerNode(load_owner_config(path), pool=pool)
+    warned = [r.getMessage() for r in caplog.records if "uniform sample" in r.getMessage()]
+    assert len(warned) == (max_records < 351)
+    assert not any("351" in message for message in warned)  # the count stays unsaid
+
+
 def test_allowed_columns_the_table_does_not_have_are_refused(
     certs: Path, tmp_path: Path, pool: CryptoPool
 ) -> None:
@@ -750,6 +784,9 @@ def test_owner_serve_flags_override_the_file(certs: Path, tmp_path: Path) -> Non
     )
     assert overridden.owner.proxy == "other.test:1" and overridden.data.path == tmp_path / "x.csv"
     assert overridden.owner.state_dir == tmp_path / "s" and overridden.tls.insecure
+    monitored = config.with_overrides(monitoring_listen="127.0.0.1:9464")
+    assert monitored.monitoring.listen == "127.0.0.1:9464"
+    assert monitored.with_overrides(monitoring_listen="off").monitoring.listen is None
     runner = CliRunner()
     serve = ["serve", "--config", str(tmp_path / "o" / "owner.toml")]
     # The node refuses to start with what the flags name, before connecting anywhere.

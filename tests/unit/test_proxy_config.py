@@ -158,6 +158,11 @@ def test_flags_override_the_file() -> None:
     assert config.proxy.listen == "0.0.0.0:0" and config.tls.insecure
     with pytest.raises(ConfigError, match="listen"):
         ProxyConfig().with_overrides(listen="nope")
+    # "off" turns a configured monitoring port off (a new user's walkthrough: no value
+    # of the flag could, and the error suggested "off:50051").
+    monitored = ProxyConfig().with_overrides(monitoring_listen="127.0.0.1:9464")
+    assert monitored.monitoring.listen == "127.0.0.1:9464"
+    assert monitored.with_overrides(monitoring_listen="off").monitoring.listen is None
 
 
 def test_max_concurrent_rpcs_must_leave_room_for_the_allowed_owners(tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ from fedpca.analyst.keys import (
     create_analyst_keys,
     refuse_to_overwrite,
 )
+from fedpca.analyst.querying import OWNERS_CONNECT_SECONDS
 from fedpca.budget_options import DELTA, budget_delta_options
 from fedpca.errors import BUDGET_REFUSALS, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
@@ -74,8 +75,7 @@ class _Refused(click.ClickException):
 
 
 class _Busy(click.ClickException):
-    """A call refused by one of the proxy's per-peer bounds: nothing was charged and
-    the same command may succeed later (distinct exit code, so scripts can retry)."""
+    """Refused for now by a proxy bound, nothing charged (distinct exit code: retry)."""
 
     exit_code = BUSY_EXIT_CODE
 
@@ -234,9 +234,9 @@ COLLECTION_OPTIONS: list[Callable[[Any], Any]] = [
     click.option(
         "--wait-for-owners",
         is_flag=True,
-        help="Submit even when fewer owners than the quorum are connected (the query "
-        "waits for them until its deadline, and stays charged if it fails after an "
-        "upload began). Without it the command waits 15 s for them, then refuses.",
+        help="Submit even when fewer owners than the quorum are connected (the query waits "
+        "for them until its deadline, stays charged if it fails after an upload began). "
+        f"Without it the command waits {OWNERS_CONNECT_SECONDS:g} s for them, then refuses.",
     ),
     click.option(
         "--max-records-per-owner",

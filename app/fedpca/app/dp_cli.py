@@ -47,7 +47,7 @@ def dp_group() -> None:
     "Gaussian's analytic (Balle & Wang 2018) or classic (epsilon < 1 only) calibration.",
 )
 def calibrate_command(epsilon: float, delta: float, sensitivity: float, mechanism: str) -> None:
-    """Print the Gaussian noise sigma for one (EPSILON, DELTA) release."""
+    """Print the Gaussian noise sigma for one release of --epsilon, --delta."""
     calibration = Calibration(mechanism)
     try:
         sigma = calibrate_sigma(epsilon, delta, sensitivity, calibration)

@@ -81,7 +81,7 @@ def owner_group() -> None:
 )
 @click.option(
     "--monitoring-listen",
-    help="host:port of /metrics, /healthz, /readyz (overrides monitoring.listen).",
+    help="host:port of /metrics, /healthz, /readyz, or off (overrides monitoring.listen).",
 )
 @click.option(
     "--insecure",

@@ -259,7 +259,9 @@ class OwnerConfig:
             config = replace(config, owner=replace(config.owner, state_dir=state_dir))
         if insecure:
             config = config.with_insecure()
-        if monitoring_listen is not None:
+        if monitoring_listen == "off":
+            config = replace(config, monitoring=MonitoringConfig(None))
+        elif monitoring_listen is not None:
             _monitoring_listen(monitoring_listen)
             config = replace(config, monitoring=MonitoringConfig(monitoring_listen))
         return config

@@ -600,8 +600,9 @@ def init_command(
     click.echo(f"  owner           {config.owner.id} -> proxy {config.owner.proxy}")
     if facts is None:
         click.secho(
-            f"  data            {config.data.path} is not readable from here; the node checks "
-            "it when it starts (`fedpca owner probe` checks everything)",
+            f"  data            {config.data.path} is not readable from here: set data.n_columns "
+            "by hand, or run this again with --force once the table is there (until then "
+            "`fedpca owner probe` and the node refuse to start)",
             fg="yellow",
         )
     else:

@@ -233,6 +233,19 @@ class OwnerNode(TaskProcessing):
             config.budget.delta,
             config.privacy.neighbouring.value,
         )
+        if self.table.n_records > config.data.max_records:
+            # Said without the count (one bit, in this owner's own log): records beyond
+            # the capacity were left out of every query without a word (a new user's
+            # walkthrough).
+            logger.warning(
+                "owner %s: %s holds more records than data.max_records = %d: every query "
+                "uses a uniform sample of %d of them (raise data.max_records, a public "
+                "figure, in the configuration to use them all)",
+                config.owner.id,
+                config.data.path,
+                config.data.max_records,
+                config.data.max_records,
+            )
 
     # ------------------------------------------------------------ lifecycle
     @property

@@ -89,11 +89,14 @@ def probe_owner(
         record("data", False, str(exc))
     else:
         layout = describe_columns(table.n_columns, table.label_column)
-        record(
-            "data",
-            True,
-            f"{config.data.path}: {layout}; max_records {config.data.max_records} (public)",
+        cap = config.data.max_records
+        sampled = (
+            f"; it holds more records than max_records: queries use a uniform sample of {cap} "
+            "(raise data.max_records to use them all)"
+            if table.n_records > cap
+            else ""
         )
+        record("data", True, f"{config.data.path}: {layout}; max_records {cap} (public){sampled}")
 
     tls = None
     if config.tls.insecure:

@@ -94,7 +94,7 @@ def proxy_group() -> None:
 )
 @click.option(
     "--monitoring-listen",
-    help="host:port of /metrics, /healthz, /readyz (overrides monitoring.listen).",
+    help="host:port of /metrics, /healthz, /readyz, or off (overrides monitoring.listen).",
 )
 @click.option(
     "--insecure",

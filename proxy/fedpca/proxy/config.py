@@ -261,7 +261,9 @@ class ProxyConfig:
             config = replace(config, tls=replace(config.tls, insecure=True))
         if database is not None:
             config = replace(config, proxy=replace(config.proxy, database=database))
-        if monitoring_listen is not None:
+        if monitoring_listen == "off":
+            config = replace(config, monitoring=MonitoringSection(None))
+        elif monitoring_listen is not None:
             _listen(monitoring_listen, "monitoring.listen")
             config = replace(config, monitoring=MonitoringSection(monitoring_listen))
         return config
