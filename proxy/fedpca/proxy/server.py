@@ -216,7 +216,9 @@ class ProxyServer:
         changes = reload_changes(self.config, config)
         if changes:
             self.coordinator.reconfigure(config)  # raises if not serving: nothing swapped
-            self.config = config
+            before, self.config = self.config, config
+            if config.owners.allowed != before.owners.allowed and self._task_streams:
+                changes.extend(_absent_owners(config, self._task_streams.connected_owners()))
         return changes
 
     @property
@@ -387,3 +389,18 @@ async def _settle(timeout: float) -> None:
             task.cancel()
         await asyncio.wait(left, timeout=1.0)
         logger.info("stopping: %d call(s) cut while still unwinding", len(left))
+
+
+def _absent_owners(config: ProxyConfig, connected: frozenset[str]) -> list[str]:
+    """A line naming the allowed owners not connected, if any: an owner added before it
+    runs made every analyst's default query (quorum: every allowed owner) wait 40 s and
+    refuse, and nothing said which owner was missing (a new user's walkthrough)."""
+    absent = sorted(config.owners.allowed - connected)
+    if not absent:
+        return []
+    shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
+    return [
+        f"allowed owners not connected now: {shown} (an analyst's query asks for all "
+        f"{len(config.owners.allowed)} allowed owners unless given a smaller --quorum, "
+        "and waits for them)"
+    ]
