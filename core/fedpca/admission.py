@@ -138,6 +138,9 @@ _CAPS = {
     AdmissionLimit.NOISE_FLOOR: " (capped by the least noise the PLD accountant accepts)",
 }
 
-NOT_ADDITIVE = "composition is not additive; this is what the accountant admits now"
+NOT_ADDITIVE = (
+    "composition is not additive; this is what the accountant admits now for a query at "
+    "this delta (another delta admits another epsilon: --query-delta)"
+)
 """The explanation the budget commands print under :meth:`NextQuery.summary` (the last
 of :meth:`NextQuery.notes`)."""
