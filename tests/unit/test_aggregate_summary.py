@@ -48,3 +48,14 @@ def test_no_warning_beyond_3_sigma_or_without_noise() -> None:
     assert _warnings(_fitted(raw, 2.0)) == []
     empty = np.array([[0.0, 0.0, 0.0], [100.0, 120.0, 80.0]])
     assert _warnings(_fitted(empty, 0.0, not_private=True)) == []
+
+
+def test_the_outer_bins_are_labelled_with_the_values_they_count() -> None:
+    """A new user's walkthrough: bins 30,40,50 printed '[30, 40) 538', a count that held
+    every age below 40 (values beyond the outer edges count in the outer bins)."""
+    raw = np.array([[4.0, 4.0, 3.0], [100.0, 120.0, 80.0]])
+    lines = [line for line, _ in summary_lines(_fitted(raw, 2.0))]
+    labels = [line.split()[0] + " " + line.split()[1] for line in lines if line.startswith("  (")]
+    labels += [line.split()[0] + " " + line.split()[1] for line in lines if line.startswith("  [")]
+    assert sorted(set(labels)) == ["(-inf, 1)", "[1, 2)", "[2, inf)"]
+    assert "edges:       0 to 3; values beyond them count in the outer bins" in lines

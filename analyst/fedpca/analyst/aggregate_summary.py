@@ -105,9 +105,13 @@ def _statistics(estimator: Any) -> list[SummaryLine]:
 
 
 def _bin_labels(edges: Any) -> list[str]:
+    """Each bin as the values it counts: the first and the last bins also count the
+    values beyond the outer edges (a new user read ``[30, 40)`` as ages 30 to 39, where
+    it held every age below 40)."""
     last = len(edges) - 2
     return [
-        f"[{edges[i]:.6g}, {edges[i + 1]:.6g}{']' if i == last else ')'}"
+        f"{'(-inf' if i == 0 else f'[{edges[i]:.6g}'}, "
+        f"{'inf)' if i == last else f'{edges[i + 1]:.6g})'}"
         for i in range(len(edges) - 1)
     ]
 
@@ -147,6 +151,8 @@ def _histogram(estimator: Any) -> list[SummaryLine]:
         rows_left -= min(len(first), rows_left)
         if len(first) > MAX_ROWS:
             lines.append(("  … more bins in result.json", None))
+    outer = ", ".join(f"{e[0]:.6g} to {e[-1]:.6g}" for e in estimator.bin_edges_)
+    lines.append((f"edges:       {outer}; values beyond them count in the outer bins", None))
     lines.append((histogram_total_line(estimator), None))
     if estimator.clamped_ and bool(np.any(np.asarray(estimator.raw_counts_) < 0)):
         # Only when a count changed: exact releases said so with nothing negative.
