@@ -463,7 +463,8 @@ def test_cli_commands_write_strict_json(
     expected, _ = np.histogram(table[:, 8], bins=AGE_EDGES)
     assert histogram["counts"] == expected.tolist() == histogram["raw_counts"]
     labels = [f"[{lo:.6g}, {hi:.6g})" for lo, hi in itertools.pairwise(AGE_EDGES)]
-    labels[-1] = labels[-1][:-1] + "]"  # the last bin is closed
+    # The outer bins also count the values beyond the outer edges.
+    labels[0], labels[-1] = f"(-inf, {AGE_EDGES[1]:g})", f"[{AGE_EDGES[-2]:g}, inf)"
     for label, count in zip(labels, expected, strict=True):
         assert f"  {label:<22}{count}" in printed["histogram"].splitlines()
     assert "clamped" not in printed["histogram"]  # nothing negative to clamp

@@ -29,6 +29,7 @@ import click
 from fedpca.analyst import cli as analyst_cli
 from fedpca.analyst.cli_connection import connection_options
 from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
+from fedpca.analyst.release_summary import print_owners
 from fedpca.budget_options import DELTA
 from fedpca.column_options import COLUMNS
 from fedpca.query import Calibration, Moments, Neighbouring
@@ -149,7 +150,7 @@ def _fit(estimator_factory: Callable[..., Any], params: dict[str, Any]) -> Any:
         with written_or_fetchable(estimator.query_id_):
             path = write_aggregate_result(params["out"], estimator)
     click.echo(f"query:       {estimator.query_id_}")
-    analyst_cli._print_owners(estimator)
+    print_owners(estimator)
     return estimator, path
 
 

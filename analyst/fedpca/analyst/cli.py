@@ -54,6 +54,7 @@ from fedpca.analyst.keys import (
     refuse_to_overwrite,
 )
 from fedpca.analyst.querying import OWNERS_CONNECT_SECONDS
+from fedpca.analyst.release_summary import print_release_summary
 from fedpca.budget_options import DELTA, budget_delta_options
 from fedpca.errors import BUDGET_REFUSALS, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
@@ -405,7 +406,7 @@ def _run(
             sample = estimator.preprocess(sample)
         with written_or_fetchable(estimator.query_id_):
             files = write_report(out, estimator, sample=sample, labels=labels)
-    _print_release_summary(estimator, files)
+    print_release_summary(estimator, files)
 
 
 def _params_connection(params: dict[str, Any], key_dir: Path | None = None) -> AnalystConfig:
@@ -478,63 +479,6 @@ def _submission_announcer() -> Callable[[Any], None]:
             )
 
     return on_status
-
-
-def _print_owners(estimator: Any) -> None:
-    """The summary's owners line: k of n registered (quorum q), and a red warning when
-    fewer than the registered owners contributed."""
-    from fedpca.analyst.querying import missing_owners_message
-
-    registered = estimator.n_owners_registered_
-    if registered is None:
-        click.echo(f"owners:      {estimator.n_owners_} (quorum {estimator.quorum_})")
-    else:
-        click.echo(
-            f"owners:      {estimator.n_owners_} of {registered} registered "
-            f"(quorum {estimator.quorum_})"
-        )
-        if estimator.n_owners_ < registered:
-            click.secho(
-                "WARNING: "
-                + missing_owners_message(
-                    estimator.query_id_, estimator.n_owners_, registered, estimator.quorum_
-                ),
-                fg="red",
-                bold=True,
-                err=True,
-            )
-
-
-def _print_release_summary(estimator: Any, files: Any) -> None:
-    from fedpca.analyst.estimators import FederatedPCA
-
-    click.echo(f"query:       {estimator.query_id_}")
-    _print_owners(estimator)
-    # Exact without noise too (epsilon = inf), where it is not public (review).
-    noisy = (
-        " (noisy)"
-        if estimator.n_samples_is_noisy_
-        else " (exact: NOT PRIVATE)"
-        if estimator.not_private_
-        else " (exact, public)"
-    )
-    click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
-    if isinstance(estimator, FederatedPCA):
-        ratios = ", ".join(f"{r:.4f}" for r in estimator.explained_variance_ratio_)
-        click.echo(f"explained variance ratio: {ratios}")
-    else:
-        values = ", ".join(f"{v:.4g}" for v in estimator.eigenvalues_)
-        click.echo(f"generalized eigenvalues: {values}")
-    if estimator.not_private_:
-        click.secho("release: NOT PRIVATE (epsilon = inf)", fg="red", bold=True)
-    else:
-        click.echo(f"release: ({estimator.epsilon_:g}, {estimator.delta_:g})-DP")
-    timings = ", ".join(f"{k} {v:.2f} s" for k, v in estimator.timings_.items())
-    click.echo(f"timings: {timings}")
-    for plot in (files.scree, files.projection):
-        if plot is not None:
-            click.echo(f"plot: {plot}")
-    click.echo(str(files.json))
 
 
 @analyst_group.command("pca")

@@ -115,6 +115,8 @@ class FederatedPCA(FederatedEstimator):
         public in masked mode.
     n_samples_is_noisy_ : bool
     noise_variance_ : mean of the discarded eigenvalues.
+    n_eigenvalues_clipped_ : eigenvalues of the M that noise made negative, set to 0
+        (the ratios are over the others).
     n_components_ : k.
     n_features_in_ : M.
     n_owners_ : owners aggregated.
@@ -139,6 +141,7 @@ class FederatedPCA(FederatedEstimator):
     explained_variance_ratio_: FloatArray
     singular_values_: FloatArray
     noise_variance_: float
+    n_eigenvalues_clipped_: int
     n_components_: int
     n_samples_is_noisy_: bool
 
@@ -152,6 +155,7 @@ class FederatedPCA(FederatedEstimator):
         self.n_samples_ = result.n_samples
         self.n_samples_is_noisy_ = release.n_samples_is_noisy
         self.noise_variance_ = result.noise_variance
+        self.n_eigenvalues_clipped_ = result.n_eigenvalues_clipped
         self.n_components_ = result.n_components
 
     def inverse_transform(self, X: npt.ArrayLike) -> FloatArray:

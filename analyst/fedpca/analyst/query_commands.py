@@ -122,11 +122,11 @@ def _write_aggregates(
 
     from fedpca.analyst.aggregate_report import fitted_from_release, write_aggregate_result
     from fedpca.analyst.aggregate_summary import echo_summary
-    from fedpca.analyst.cli import _print_owners
     from fedpca.analyst.querying import MissingOwnersWarning
+    from fedpca.analyst.release_summary import print_owners
 
     with warnings.catch_warnings():
-        # _print_owners prints the warning in red; Python's copy would repeat it.
+        # print_owners prints the warning in red; Python's copy would repeat it.
         warnings.simplefilter("ignore", MissingOwnersWarning)
         fitted = fitted_from_release(
             release,
@@ -136,7 +136,7 @@ def _write_aggregates(
         )
     path = write_aggregate_result(out, fitted)
     click.echo(f"query:       {fitted.query_id_}")
-    _print_owners(fitted)
+    print_owners(fitted)
     kinds = ", ".join(part.kind.value for part in release.query.aggregates)
     click.echo(f"aggregates:  {kinds}")
     for estimator in getattr(fitted, "estimators_", [fitted]):
@@ -334,10 +334,10 @@ def register(
         import warnings
 
         from fedpca.analyst import keys
-        from fedpca.analyst.cli import _print_release_summary
         from fedpca.analyst.decode import decrypt_result
         from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
         from fedpca.analyst.querying import MissingOwnersWarning, ProgressDisplay
+        from fedpca.analyst.release_summary import print_release_summary
         from fedpca.analyst.report import write_report
         from fedpca.codec.paillier import CryptoPool
         from fedpca.query import QueryKind
@@ -402,7 +402,7 @@ def register(
                     release, owners_registered=registered, timings=timings, **chosen
                 )
             files = write_report(out, estimator)
-        _print_release_summary(estimator, files)
+        print_release_summary(estimator, files)
 
 
 _FETCH_OPTION_KINDS = {

@@ -142,6 +142,8 @@ class PCAResult:
     n_samples : N (a float: the noisy count under DP).
     noise_variance : mean of the discarded clipped eigenvalues (sklearn's
         probabilistic-PCA noise estimate; 0 when k = min(M, N)).
+    n_eigenvalues_clipped : how many of the M eigenvalues were negative (noise larger
+        than the variance in their directions) and were set to 0.
     """
 
     components: FloatArray
@@ -151,6 +153,7 @@ class PCAResult:
     mean: FloatArray | None
     n_samples: float
     noise_variance: float
+    n_eigenvalues_clipped: int = 0
 
     @property
     def n_components(self) -> int:
@@ -355,6 +358,7 @@ def _pca(
         mean=mean,
         n_samples=n,
         noise_variance=noise_variance,
+        n_eigenvalues_clipped=int(negative.sum()),
     )
 
 

@@ -1,0 +1,70 @@
+"""What ``pca`` and ``dca`` print after a release: rows clipped below the longest row
+the bounds allow, and eigenvalues that noise made negative (a new user's walkthrough:
+the default --clip-norm 1 clipped 98.7 % of an 8-feature table's rows, and a noisy
+spectrum printed ratios summing to 1 over two of eight eigenvalues, without a word)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fedpca.analyst.estimators import FederatedPCA
+from fedpca.analyst.release_summary import clip_note, print_release_summary
+from fedpca.analyst.solvers import pca_from_statistics
+
+
+def _query(n_features: int, clip_norm: float, bounded: bool = True) -> Any:
+    bounds = (-1.0,) * n_features if bounded else ()
+    return SimpleNamespace(n_features=n_features, clip_norm=clip_norm, feature_lower=bounds)
+
+
+def test_a_clip_below_the_longest_row_the_bounds_allow_is_said() -> None:
+    note = clip_note(_query(8, 1.0))
+    assert note is not None and "clipped to L2 norm 1 " in note and "reach 2.83" in note
+    assert clip_note(_query(8, 2.9)) is None  # at least sqrt(8): nothing is clipped
+    assert clip_note(_query(8, 1.0, bounded=False)) is None  # raw units: no longest row
+
+
+def test_negative_eigenvalues_are_counted_and_said() -> None:
+    # A noisy scatter with two negative eigenvalues (of four).
+    rng = np.random.default_rng(1)
+    basis, _ = np.linalg.qr(rng.normal(size=(4, 4)))
+    scatter = (basis * np.array([50.0, 20.0, -3.0, -1.0])) @ basis.T
+    result = pca_from_statistics(scatter, np.zeros(4), 100.0, 2)
+    assert result.n_eigenvalues_clipped == 2
+    assert float(result.explained_variance_ratio.sum()) == pytest.approx(1.0)  # the other two
+
+    estimator = FederatedPCA.__new__(FederatedPCA)
+    fitted = {
+        "query_id_": "q",
+        "n_owners_": 2,
+        "n_owners_registered_": 2,
+        "quorum_": 2,
+        "n_samples_is_noisy_": True,
+        "not_private_": False,
+        "n_samples_": 100.0,
+        "release_": SimpleNamespace(query=_query(4, 2.0)),
+        "explained_variance_ratio_": result.explained_variance_ratio,
+        "n_eigenvalues_clipped_": result.n_eigenvalues_clipped,
+        "n_features_in_": 4,
+        "epsilon_": 1.0,
+        "delta_": 1e-6,
+        "timings_": {},
+    }
+    estimator.__dict__.update(fitted)
+    files = SimpleNamespace(scree=None, projection=None, json="result.json")
+
+    @click.command()
+    def show() -> None:
+        print_release_summary(estimator, files)
+
+    printed = CliRunner().invoke(show).output
+    assert "2 of the 4 noisy eigenvalues were negative" in printed
+    assert "clipped to L2 norm" not in printed  # 2 >= sqrt(4)
+    estimator.n_eigenvalues_clipped_ = 0
+    assert "noisy eigenvalues" not in CliRunner().invoke(show).output
