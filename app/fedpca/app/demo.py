@@ -87,7 +87,8 @@ def unscaled_warning(rows: FloatArray, bounds: tuple[float, float] | None) -> st
     return (
         f"--bounds none, but the features range over [{low:.4g}, {high:.4g}], not [-1, 1]: "
         "features in larger units dominate and the components say little. Give public "
-        f"bounds, e.g. --bounds {low:.4g}:{high:.4g} (or per feature via fedpca analyst)"
+        f"bounds, e.g. --bounds {low:.4g}:{high:.4g} here (read from this public dataset; "
+        "with private data take them from the variables' definitions, never from the data)"
     )
 
 
