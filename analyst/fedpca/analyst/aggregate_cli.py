@@ -40,16 +40,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _numbers(value: str, what: str) -> tuple[float, ...]:
-    try:
-        numbers = tuple(float(part) for part in value.split(","))
-    except ValueError:
-        # Quoted at most 80 characters (a user's 3 KB edges list was echoed whole).
-        shown = repr(value) if len(value) <= 80 else f"{value[:77]!r}..."
-        hint = " (give --bins once per column)" if what == "--bins" else ""
-        bad = next(p for p in value.split(",") if not _is_number(p))
-        raise click.BadParameter(
-            f"{what} {shown} is not a comma-separated list of numbers: {bad[:40]!r}{hint}"
-        ) from None
+    parsed = []
+    for piece in value.split(","):
+        try:
+            parsed.append(float(piece))
+        except ValueError:
+            # Quoted at most 80 characters (a user's 3 KB edges list was echoed whole).
+            shown = repr(value) if len(value) <= 80 else f"{value[:77]!r}..."
+            hint = " (give --bins once per column)" if what == "--bins" else ""
+            raise click.BadParameter(
+                f"{what} {shown} is not a comma-separated list of numbers: {piece[:40]!r}{hint}"
+            ) from None
+    numbers = tuple(parsed)
     if what == "--bins" and (
         len(numbers) < 2 or any(b <= a for a, b in itertools.pairwise(numbers))
     ):
@@ -57,14 +59,6 @@ def _numbers(value: str, what: str) -> tuple[float, ...]:
             f"--bins {value!r}: give the bins' edges, at least two strictly increasing numbers"
         )
     return numbers
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _pair(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, float] | None:

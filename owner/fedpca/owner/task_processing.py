@@ -241,7 +241,8 @@ class TaskProcessing(TaskEndings):
             upload_id = record.upload_id
             kept = self.shares.load(upload_id, plan)
             if kept is not None:
-                logger.info("query %s: resuming upload %s after a restart", query_id, upload_id)
+                # After a restart, or a pause whose ciphertexts were dropped (task_endings).
+                logger.info("query %s: resuming upload %s from its kept share", query_id, upload_id)
                 self._begin_upload(spec, query_id, upload_id, plan, kept, obfuscation)
                 return None
             if record.seed is None:
