@@ -215,9 +215,10 @@ class ProxyServer:
         """
         changes = reload_changes(self.config, config)
         if changes:
+            owners_changed = config.owners.allowed != self.config.owners.allowed
             self.coordinator.reconfigure(config)  # raises if not serving: nothing swapped
-            before, self.config = self.config, config
-            if config.owners.allowed != before.owners.allowed and self._task_streams:
+            self.config = config
+            if owners_changed and self._task_streams:
                 changes.extend(_absent_owners(config, self._task_streams.connected_owners()))
         return changes
 
