@@ -23,7 +23,15 @@ class DataError(FedpcaError, ValueError):
 class UnusableReleaseError(DataError):
     """A release, already charged, from which no post-processing gives what was asked
     (e.g. DCA with fewer than two classes present): fetching it again cannot help, a
-    new query with other parameters may."""
+    new query with other parameters may.
+
+    ``still_gives``: the option of ``fedpca analyst fetch`` that gets something else
+    from the same release, and what (a DCA release's PCA), if any.
+    """
+
+    def __init__(self, message: str, *, still_gives: tuple[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.still_gives = still_gives
 
 
 class EncodingOverflowError(FedpcaError, OverflowError):

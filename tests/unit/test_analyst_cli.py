@@ -418,8 +418,11 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         else:
             plan = ReleasePlan.for_query(spec, 512)
             block = plan.owner_block(SHARES)
-            labels = LABELS if spec.kind is QueryKind.DCA else None
-            share = fixed_point_statistics(ROWS, labels, spec)
+            if spec.kind is QueryKind.DCA:  # the owner leaves out the other labels' rows
+                kept = np.isin(LABELS, spec.class_labels)
+                share = fixed_point_statistics(ROWS[kept], LABELS[kept], spec)
+            else:
+                share = fixed_point_statistics(ROWS, None, spec)
             values = plan.owner_integers(share)[SHARES]
             if plan.private:
                 values = values + plan.noise_values(TestOnlySeededSampler(1))
@@ -729,6 +732,79 @@ def test_cli_dca(proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
     result = CliRunner().invoke(analyst_group, ["dca", *args])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["classes"] == [-1.0, 1.0]
+
+
+def test_a_dca_release_is_solved_again_with_other_ridges_or_read_as_a_pca(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    """A DCA whose within-class scatter was singular said "pass a positive rho", which
+    only Python could; one with a single class found had nothing to offer, though its
+    release holds the scatter of the classes' records (an analyst's walkthrough)."""
+    fake, address = proxy
+    runner = CliRunner()
+    connection = ["--proxy", address, "--insecure", "--key-dir", str(analyst_key)]
+
+    def fetch(query_id: str, name: str, *options: str) -> Any:
+        out = tmp_path / name
+        return out, runner.invoke(
+            analyst_group, ["fetch", query_id, *connection, "--out", str(out), *options]
+        )
+
+    args = _query_args(address, analyst_key, tmp_path / "d.json", "--epsilon", "inf")
+    args[args.index("--components") + 1] = "1"
+    ridged = runner.invoke(analyst_group, ["dca", *args, "--classes", "-1,1", "--rho", "0.5"])
+    assert ridged.exit_code == 0, ridged.output
+    dca_id = fake.submitted_ids[-1]
+    default = json.loads((tmp_path / "d.json").read_text())
+    assert (default["rho"], default["rho_prime"]) == (0.5, 0.05)
+    assert default["kind"] == default["query_kind"] == "dca"
+
+    out, again = fetch(dca_id, "again.json", "--rho", "2", "--rho-prime", "0.3")
+    assert again.exit_code == 0, again.output
+    document = json.loads(out.read_text())
+    assert (document["rho"], document["rho_prime"]) == (2.0, 0.3)
+    assert not np.allclose(document["eigenvalues"], default["eigenvalues"])
+
+    # The PCA of a DCA release of every record equals the PCA query of the same rows.
+    pca_out = tmp_path / "p.json"
+    asked = runner.invoke(
+        analyst_group, ["pca", *_query_args(address, analyst_key, pca_out, "--epsilon", "inf")]
+    )
+    assert asked.exit_code == 0, asked.output
+    pca_id = fake.submitted_ids[-1]
+    out, as_pca = fetch(dca_id, "as-pca.json", "--as-pca", "--n-components", "2")
+    assert as_pca.exit_code == 0, as_pca.output
+    assert "pca of:      the records of classes -1, 1 (the dca release)" in as_pca.stdout
+    document, expected = json.loads(out.read_text()), json.loads(pca_out.read_text())
+    assert document["kind"] == "pca" and document["query_kind"] == "dca"
+    assert document["query_id"] == dca_id and document["n_samples"] == len(ROWS)
+    np.testing.assert_allclose(document["components"], expected["components"], atol=1e-9)
+    np.testing.assert_allclose(
+        document["explained_variance"], expected["explained_variance"], rtol=1e-9
+    )
+
+    # Only one class found: the DCA fails charged, and says what the release still gives.
+    one_class = runner.invoke(analyst_group, ["dca", *args, "--classes", "-1,5"])
+    assert one_class.exit_code == 1, one_class.output
+    lonely_id = fake.submitted_ids[-1]
+    assert f"`fedpca analyst fetch {lonely_id} --as-pca --out result.json` gives the " in (
+        " ".join(one_class.output.split())
+    )
+    out, rescued = fetch(lonely_id, "rescued.json", "--as-pca")
+    assert rescued.exit_code == 0, rescued.output
+    assert json.loads(out.read_text())["n_samples"] == int((LABELS == -1).sum())
+
+    # What a release cannot take is refused before anything is decrypted.
+    for query_id, options, said in (
+        (pca_id, ["--rho", "1"], "--rho applies to dca; query"),
+        (pca_id, ["--as-pca"], "--as-pca applies to dca; query"),
+        (dca_id, ["--as-pca", "--rho-prime", "1"], "--as-pca takes none"),
+        (dca_id, ["--rho", "nan"], "must be a finite number"),
+        (dca_id, ["--rho", "-1"], "x>=0"),
+    ):
+        _, refused = fetch(query_id, "refused.json", *options)
+        assert refused.exit_code == 2 and said in refused.output, (options, refused.output)
+        assert "decrypted" not in refused.output
 
 
 def test_cli_refusals_exit_nonzero_without_traceback(

@@ -39,7 +39,7 @@ from fedpca.allocator import map_large_blocks
 from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
 from fedpca.analyst.cli_connection import connection_config, connection_options
-from fedpca.analyst.cli_output import result_out_option, written_or_fetchable
+from fedpca.analyst.cli_output import dca_ridge_options, result_out_option, written_or_fetchable
 from fedpca.analyst.config import AnalystConfig
 from fedpca.analyst.interrupts import (
     INTERRUPTED_EXIT_CODE,
@@ -519,13 +519,27 @@ def pca_command(mode: str, no_label: bool, **params: Any) -> None:
     callback=_parse_classes,
     help="Public class labels, comma-separated (e.g. -1,1).",
 )
+@dca_ridge_options
 @_query_options
-def dca_command(label_column: int, classes: tuple[float, ...], **params: Any) -> None:
+def dca_command(
+    label_column: int,
+    classes: tuple[float, ...],
+    rho: float | None,
+    rho_prime: float | None,
+    **params: Any,
+) -> None:
     """Run a differentially private federated DCA and write result.json and plots."""
     from fedpca.analyst.estimators import FederatedDCA
 
     def factory(n_components: int, **kwargs: Any) -> FederatedDCA:
-        return FederatedDCA(n_components, classes=classes, label_column=label_column, **kwargs)
+        return FederatedDCA(
+            n_components,
+            classes=classes,
+            label_column=label_column,
+            rho=rho,
+            rho_prime=rho_prime,
+            **kwargs,
+        )
 
     _run(factory, params, label_column)
 

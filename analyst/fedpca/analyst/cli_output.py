@@ -8,10 +8,14 @@ not created: a mistyped folder is more likely than a wanted new one), be a folde
 take a new file, and the path must not be a folder or a file that cannot be replaced.
 Should the write still fail later (the folder removed meanwhile), the error says how
 to write the stored result again with ``fetch``.
+
+Also the DCA ridges, which ``dca`` and ``fetch`` both take (post-processing of a DCA
+release: another ridge costs nothing).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,7 +27,7 @@ import click
 
 from fedpca.errors import ConfigError
 
-__all__ = ["output_problem", "result_out_option", "written_or_fetchable"]
+__all__ = ["dca_ridge_options", "output_problem", "result_out_option", "written_or_fetchable"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -84,3 +88,29 @@ def written_or_fetchable(query_id: str) -> Iterator[None]:
             f"{query_id} was answered and its result stays stored at the proxy (30 days by "
             f"default): write it with `fedpca analyst fetch {query_id} --out PATH`"
         ) from exc
+
+
+def _finite_ridge(
+    _: click.Context, parameter: click.Parameter, value: float | None
+) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
+    return value
+
+
+def dca_ridge_options(function: F) -> F:
+    """``--rho`` and ``--rho-prime``: the ridges of Kung's DCA (default: derived from the
+    noisy release, :func:`fedpca.analyst.solvers.dca_from_statistics`)."""
+    function = click.option(
+        "--rho-prime",
+        type=click.FloatRange(min=0.0),
+        callback=_finite_ridge,
+        help="dca: ridge on the between-class scatter (default 0.1 x rho).",
+    )(function)
+    return click.option(
+        "--rho",
+        type=click.FloatRange(min=0.0),
+        callback=_finite_ridge,
+        help="dca: ridge on the within-class scatter (default 0.02 x its largest "
+        "eigenvalue); larger when the within-class scatter is singular.",
+    )(function)

@@ -58,6 +58,7 @@ from fedpca.analyst.solvers import (
     PCAResult,
     dca_from_statistics,
     pca_from_centred_scatter,
+    pca_from_statistics,
     pca_from_upper_triangle,
 )
 from fedpca.codec.keys import key_fingerprint
@@ -191,10 +192,16 @@ class DecodedRelease:
         return self.values is not None and self.private
 
     def pca(self, n_components: int | None = None) -> PCAResult:
-        """PCA of the release (k = the query's n_components unless given)."""
+        """PCA of the release (k = the query's n_components unless given).
+
+        A DCA release holds the noisy R, v and N of the records of its classes (v and
+        N as sums over the classes), so it gives their principal components too, as
+        post-processing at no further charge."""
+        k = self.query.n_components if n_components is None else n_components
+        if self.kind is QueryKind.DCA and self.statistics is not None:
+            return pca_from_statistics(self.statistics, n_components=k)
         if self.kind is not QueryKind.PCA:
             raise ConfigError(f"query {self.query.query_id!r} is a {self.kind.value} release")
-        k = self.query.n_components if n_components is None else n_components
         if self.centred_scatter is not None:
             assert self.public_count is not None
             return pca_from_centred_scatter(self.centred_scatter, self.public_count, k)

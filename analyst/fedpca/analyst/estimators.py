@@ -136,6 +136,8 @@ class FederatedPCA(FederatedEstimator):
     """
 
     _kind = QueryKind.PCA
+    # A DCA release's R, v and N give the principal components of its classes' records.
+    _also_fits_from = (QueryKind.DCA,)
 
     explained_variance_: FloatArray
     explained_variance_ratio_: FloatArray

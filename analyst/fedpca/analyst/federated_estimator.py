@@ -53,6 +53,9 @@ class FederatedEstimator(SklearnParams):
     """Shared parameters, query building and the fit pipeline."""
 
     _kind: QueryKind
+    _also_fits_from: tuple[QueryKind, ...] = ()
+    """Kinds of release beside ``_kind`` whose statistics :meth:`from_result` can fit
+    this estimator from (post-processing of what they released)."""
 
     def __init__(
         self,
@@ -251,7 +254,8 @@ class FederatedEstimator(SklearnParams):
 
         Parameters
         ----------
-        release : the decrypted release.
+        release : the decrypted release (for :class:`FederatedPCA`, a DCA release too:
+            the principal components of the records of its classes).
         owners_registered : owners the proxy accepts, if known (for
             ``n_owners_registered_`` and the warning when fewer contributed).
         timings : phase -> seconds already spent (e.g. "fetch", "decrypt").
@@ -262,7 +266,7 @@ class FederatedEstimator(SklearnParams):
             more). Other query parameters are taken from the release and may not be
             overridden.
         """
-        if release.kind is not cls._kind:
+        if release.kind is not cls._kind and release.kind not in cls._also_fits_from:
             raise ConfigError(
                 f"{cls.__name__} needs a {cls._kind.value} release, got {release.kind.value}"
             )

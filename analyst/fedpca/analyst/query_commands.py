@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from fedpca.analyst.cli_output import result_out_option
+from fedpca.analyst.cli_output import dca_ridge_options, result_out_option
 from fedpca.errors import ConfigError, QueryStateError
 from fedpca.formatting import printable, shortened
 from fedpca.messages import (
@@ -34,7 +34,7 @@ from fedpca.messages import (
     QueryStatus,
     QuerySummary,
 )
-from fedpca.query import AggregateKind
+from fedpca.query import AggregateKind, QueryKind
 
 __all__ = ["register"]
 
@@ -297,6 +297,13 @@ def register(
     @click.option("--no-clamp", is_flag=True, help="histogram: keep negative noisy counts.")
     @click.option("--alpha", help="linreg: ridge regulariser, auto or a number >= 0.")
     @click.option("--no-intercept", is_flag=True, help="linreg: fit through the origin.")
+    @dca_ridge_options
+    @click.option(
+        "--as-pca",
+        is_flag=True,
+        help="dca: the principal components of the records of the query's classes, from "
+        "the same release (e.g. when too few classes were found for a DCA).",
+    )
     def fetch_command(
         query_id: str,
         key_dir: Path | None,
@@ -308,6 +315,9 @@ def register(
         no_clamp: bool,
         alpha: str | None,
         no_intercept: bool,
+        rho: float | None,
+        rho_prime: float | None,
+        as_pca: bool,
         **params: Any,
     ) -> None:
         """Download and decrypt the stored result of a DONE query again.
@@ -315,7 +325,9 @@ def register(
         An aggregate release is post-processed with the defaults of ``stats``,
         ``histogram`` and ``linreg`` unless the options below say otherwise: give the
         ones the query's own command was given to get its result again (post-processing
-        is free: nothing is charged).
+        is free: nothing is charged). A DCA release may also be solved with other ridges
+        (``--rho``, ``--rho-prime``) or read as a PCA of its classes' records
+        (``--as-pca``).
         """
         post_processing: dict[str, Any] = {
             "clip": not no_clip,
@@ -340,7 +352,6 @@ def register(
         from fedpca.analyst.release_summary import print_release_summary
         from fedpca.analyst.report import write_report
         from fedpca.codec.paillier import CryptoPool
-        from fedpca.query import QueryKind
         from fedpca.signing import signer_id
 
         with errors():
@@ -374,6 +385,9 @@ def register(
                 "--no-clamp": no_clamp,
                 "--alpha": alpha is not None,
                 "--no-intercept": no_intercept,
+                "--rho": rho is not None,
+                "--rho-prime": rho_prime is not None,
+                "--as-pca": as_pca,
             }
             _check_fetch_options(fetched.query, n_components, [k for k, v in given.items() if v])
             started = time.perf_counter()
@@ -389,11 +403,14 @@ def register(
             if release.kind is QueryKind.AGGREGATE:
                 _write_aggregates(release, registered, timings, out, post_processing)
                 return
-            chosen = {} if n_components is None else {"n_components": n_components}
+            chosen: dict[str, Any] = {} if n_components is None else {"n_components": n_components}
             estimator: FederatedPCA | FederatedDCA
             if release.kind not in (QueryKind.PCA, QueryKind.DCA):
                 raise ConfigError(f"fetch cannot report {release.kind.value} queries")
-            factory = FederatedPCA if release.kind is QueryKind.PCA else FederatedDCA
+            factory: type[FederatedPCA | FederatedDCA] = FederatedPCA
+            if release.kind is QueryKind.DCA and not as_pca:
+                factory = FederatedDCA
+                chosen.update(rho=rho, rho_prime=rho_prime)
             with warnings.catch_warnings():
                 # The summary prints the warning in red; Python's copy repeated it (an
                 # operator's walkthrough, stop 42), as `pca` and `dca` already knew.
@@ -405,14 +422,17 @@ def register(
         print_release_summary(estimator, files)
 
 
-_FETCH_OPTION_KINDS = {
+_FETCH_OPTION_KINDS: dict[str, AggregateKind | QueryKind] = {
     "--ddof": AggregateKind.STATS,
     "--no-clip": AggregateKind.STATS,
     "--no-clamp": AggregateKind.HISTOGRAM,
     "--alpha": AggregateKind.LINREG,
     "--no-intercept": AggregateKind.LINREG,
+    "--rho": QueryKind.DCA,
+    "--rho-prime": QueryKind.DCA,
+    "--as-pca": QueryKind.DCA,
 }
-"""The aggregate each post-processing option of ``fetch`` applies to."""
+"""The aggregate, or kind of query, each post-processing option of ``fetch`` applies to."""
 
 
 def _check_fetch_options(spec: Any, n_components: int | None, given: list[str]) -> None:
@@ -430,8 +450,11 @@ def _check_fetch_options(spec: Any, n_components: int | None, given: list[str]) 
                 f"--n-components {n_components}: query {spec.query_id} has "
                 f"{spec.n_features} features"
             )
+    if "--as-pca" in given and {"--rho", "--rho-prime"} & set(given):
+        raise click.UsageError("--rho and --rho-prime are DCA ridges; --as-pca takes none")
+    applicable = {*released, spec.kind}
     for option in given:
-        if _FETCH_OPTION_KINDS[option] not in released:
+        if _FETCH_OPTION_KINDS[option] not in applicable:
             raise click.UsageError(
                 f"{option} applies to {_FETCH_OPTION_KINDS[option].value}; query {spec.query_id} "
                 f"is {what}"

@@ -174,11 +174,18 @@ def charged_release(query_id: str) -> Iterator[None]:
     try:
         yield
     except FedpcaError as exc:
-        # No post-processing helps: "fetch it again" would fail the same way (review).
+        # No post-processing gives what was asked: "fetch it again" would fail the same
+        # way (review); the release may still give something else.
         note = (
             f"{exc} (query {query_id} is charged; no post-processing of its result gives "
             "this, so fetching it again would fail the same way: check the query's "
-            "parameters and ask a new query)"
+            "parameters and ask a new query"
+            + (
+                f"; `fedpca analyst fetch {query_id} {exc.still_gives[0]} --out result.json` "
+                f"gives {exc.still_gives[1]} from the same release at no new charge)"
+                if exc.still_gives is not None
+                else ")"
+            )
             if isinstance(exc, UnusableReleaseError)
             else f"{exc} (query {query_id} is charged and its result kept at the proxy: "
             f"`fedpca analyst fetch {query_id} --out result.json` fetches it again at no "

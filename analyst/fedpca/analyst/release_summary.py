@@ -59,8 +59,15 @@ def clip_note(query: Any) -> str | None:
 def print_release_summary(estimator: Any, files: Any) -> None:
     """The summary of a PCA or DCA release and the files written for it."""
     from fedpca.analyst.estimators import FederatedPCA
+    from fedpca.query import QueryKind
 
     click.echo(f"query:       {estimator.query_id_}")
+    query = estimator.release_.query
+    if isinstance(estimator, FederatedPCA) and query.kind is not QueryKind.PCA:
+        classes = ", ".join(f"{c:g}" for c in query.class_labels)
+        click.echo(
+            f"pca of:      the records of classes {classes} (the {query.kind.value} release)"
+        )
     print_owners(estimator)
     # Exact without noise too (epsilon = inf), where it is not public (review).
     noisy = (
@@ -71,7 +78,7 @@ def print_release_summary(estimator: Any, files: Any) -> None:
         else " (exact, public)"
     )
     click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
-    if (note := clip_note(estimator.release_.query)) is not None:
+    if (note := clip_note(query)) is not None:
         click.echo(note)
     if isinstance(estimator, FederatedPCA):
         ratios = ", ".join(f"{r:.4f}" for r in estimator.explained_variance_ratio_)

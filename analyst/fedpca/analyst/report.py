@@ -77,7 +77,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
 
     Returns
     -------
-    dict with at least: query_id, kind, mode, components (k × M),
+    dict with at least: query_id, kind (pca or dca: what the components are),
+    query_kind (the query's: a PCA taken from a DCA release says dca), mode, components (k × M),
     explained_variance / explained_variance_ratio (PCA) or eigenvalues (DCA),
     mean (None when not released), n_samples with n_samples_noisy, n_owners,
     owners (contributed, registered, quorum), epsilon (None for inf), delta,
@@ -95,7 +96,10 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
         "fedpca_version": __version__,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "query_id": query.query_id,
-        "kind": query.kind.value,
+        # What the components are: a PCA may come from a DCA query's release
+        # (`fetch ID --as-pca`), whose kind query_kind keeps.
+        "kind": "pca" if isinstance(estimator, FederatedPCA) else "dca",
+        "query_kind": query.kind.value,
         "mode": query.mode.value,
         "n_features": query.n_features,
         "n_components": int(estimator.components_.shape[0]),

@@ -465,7 +465,11 @@ def dca_from_statistics(
             f"DCA needs at least two classes with count >= {_MIN_CLASS_COUNT}, got noisy "
             f"class counts [{shown}] in the order of the query's classes: a count near 0 "
             "is usually a class the owners' labels do not hold (e.g. classes 0,1 for "
-            "labels -1,1)"
+            "labels -1,1)",
+            still_gives=(
+                "--as-pca",
+                "the principal components of the records of the query's classes",
+            ),
         )
     v = statistics.sums
     n = _check_count(statistics.count, "record count N = Σ_c N_c")
@@ -494,7 +498,7 @@ def dca_from_statistics(
         raise DataError(
             "S_W + rho·I is singular (rho = "
             f"{rho}); the within-class scatter has no variance to regularise against — "
-            "pass a positive rho explicitly"
+            "pass a positive rho explicitly (`--rho` of `fedpca analyst dca` and `fetch`)"
         )
     left = between + within + (rho + rho_prime) * np.eye(m)
 
