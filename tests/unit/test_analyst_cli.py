@@ -249,6 +249,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         # False: a proxy older than ListQueriesRequest.query_id, which lists every query.
         self.honours_query_filter = True
         self.connected: int | None = None  # None: every registered owner
+        self.absent: tuple[str, ...] = ()  # the owners not connected, as the proxy names them
         """The state and charge GetQueryStatus reports."""
         self.result_deleted_at: datetime | None = None
         self.slow_submits = 0
@@ -268,6 +269,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             budget_epsilon=3.0,
             budget_delta=1e-5,
             server_time=datetime.now(UTC),
+            owners_absent=self.absent,
         )
         return serde.deployment_info_to_proto(info)
 
@@ -1505,10 +1507,28 @@ def test_deployment_says_how_many_owners_are_connected(proxy: tuple[FakeProxy, s
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].startswith("proxy:            proxy (fedpca test, protocol 1)")
+    # A proxy older than the field's names says how many only.
     assert lines[1] == "owners:           1 of 3 registered connected now (2 not connected)"
     assert "neighbouring:     " in lines[2] and lines[3] == "accountant:       zcdp"
     assert lines[4] == "delta per query:  at most 1e-05"
     assert lines[5].startswith("budget:           epsilon 3 at delta 1e-05 (analyst alice;")
+
+    # Which ones, as the proxy names them (the walkthrough of stop 45 had to ask the
+    # proxy's operator), the first ten of many, a peer's text with its escapes shown.
+    fake.absent = ("hospital-b", "hospital-\x1b[2Jc")
+    named = CliRunner().invoke(analyst_group, ["deployment", "--proxy", address, "--insecure"])
+    assert named.stdout.splitlines()[1] == (
+        "owners:           1 of 3 registered connected now (not connected: hospital-b, "
+        "hospital-\\x1b[2Jc)"
+    )
+    fake.registered, fake.connected = 20, 5
+    fake.absent = tuple(f"owner-{i:02d}" for i in range(15))
+    many = CliRunner().invoke(analyst_group, ["deployment", "--proxy", address, "--insecure"])
+    assert many.stdout.splitlines()[1] == (
+        "owners:           5 of 20 registered connected now (not connected: "
+        + ", ".join(f"owner-{i:02d}" for i in range(10))
+        + " and 5 more)"
+    )
 
 
 def test_ctrl_c_while_waiting_for_owners_exits_130_saying_nothing_was_submitted(
@@ -1520,7 +1540,7 @@ def test_ctrl_c_while_waiting_for_owners_exits_130_saying_nothing_was_submitted(
 ) -> None:
     """An operator's walkthrough: Ctrl-C exited 1 with click's bare "Aborted!", and
     during the wait for owners nothing said whether a query had been sent."""
-    from fedpca.analyst import querying
+    from fedpca.analyst import owner_wait
 
     fake, address = proxy
     fake.registered, fake.connected = 3, 1
@@ -1528,7 +1548,7 @@ def test_ctrl_c_while_waiting_for_owners_exits_130_saying_nothing_was_submitted(
     def interrupt(_: float) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(querying, "_pause", interrupt)
+    monkeypatch.setattr(owner_wait, "_pause", interrupt)
     args = _command_args("pca", address, analyst_key, tmp_path / "r.json")
     with caplog.at_level(logging.WARNING, logger="fedpca"):
         result = CliRunner().invoke(analyst_group, args)

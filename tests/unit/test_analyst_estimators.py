@@ -15,7 +15,7 @@ import pytest
 
 import fedpca.analyst.client as client_module
 import fedpca.analyst.federated_estimator as estimators_module
-import fedpca.analyst.querying as querying_module
+import fedpca.analyst.owner_wait as owner_wait
 import fedpca.files as files
 from fedpca.analyst import FederatedStatistics
 from fedpca.analyst.aggregate_estimators import aggregate_query
@@ -636,12 +636,16 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
     deadline charged in full. Now ``fit`` waits a little for them, then refuses,
     submitting nothing; ``wait_for_owners=True`` submits anyway, with the warning."""
     sleeps: list[float] = []
-    monkeypatch.setattr(querying_module, "_pause", sleeps.append)
-    monkeypatch.setattr(querying_module, "OWNERS_CONNECT_SECONDS", 0.0)
+    monkeypatch.setattr(owner_wait, "_pause", sleeps.append)
+    monkeypatch.setattr(owner_wait, "OWNERS_CONNECT_SECONDS", 0.0)
 
     class Disconnected(FakeClient):
         def describe(self) -> DeploymentInfo:
-            return dataclasses.replace(deployment(self.registered), owners_connected=0)
+            return dataclasses.replace(
+                deployment(self.registered),
+                owners_connected=0,
+                owners_absent=("hospital-a", "hospital-b"),
+            )
 
     def fit(client: type[FakeClient], **params: Any) -> FakeClient:
         _fake_fit(monkeypatch, test_only_keypair_512[1], client)
@@ -653,28 +657,36 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
 
     with pytest.raises(ConfigError, match=r"only 0 of the 2 owners .* nothing was submitted") as e:
         fit(Disconnected)
+    # Named, as the proxy names them: what an operator needs to bring them back.
+    assert "registered) are connected to the proxy (not connected: hospital-a, hospital-b)" in (
+        str(e.value)
+    )
     assert FakeClient.instances[-1].submitted == []
     # Retry later, as a proxy limit (the CLI's exit code 4; it was 1: an operator's
     # walkthrough, stop 42), and still a ConfigError for code that caught that.
     assert isinstance(e.value, OwnersNotConnectedError) and isinstance(e.value, OverloadError)
 
-    # Owners still starting: asked again each second until they are connected.
+    # Owners still starting: asked again each second until they are connected, saying
+    # so whenever one comes (a walkthrough waited 40 s in silence).
     class Connecting(FakeClient):
         asked = 0
 
         def describe(self) -> DeploymentInfo:
             Connecting.asked += 1
-            connected = 2 if Connecting.asked >= 3 else 1
-            return dataclasses.replace(deployment(self.registered), owners_connected=connected)
+            absent = [("a", "b"), ("b",), ("b",), ()][min(Connecting.asked, 4) - 1]
+            return dataclasses.replace(
+                deployment(self.registered), owners_connected=2 - len(absent), owners_absent=absent
+            )
 
-    monkeypatch.setattr(querying_module, "OWNERS_CONNECT_SECONDS", 60.0)
+    monkeypatch.setattr(owner_wait, "OWNERS_CONNECT_SECONDS", 60.0)
     with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):
         connected = fit(Connecting)
-    assert len(connected.submitted) == 1 and sleeps == [1.0, 1.0]
+    assert len(connected.submitted) == 1 and sleeps == [1.0, 1.0, 1.0]
     assert (
-        "only 1 of the 2 owners this query needs are connected to the proxy; waiting up to 60 s"
-        in caplog.text
+        "only 0 of the 2 owners this query needs are connected to the proxy (not connected: "
+        "a, b); waiting up to 60 s" in caplog.text
     )
+    assert caplog.text.count("1 of the 2 owners connected (not connected: b); still waiting") == 1
     assert "connected to the proxy now" not in caplog.text
 
     with caplog.at_level("WARNING", logger="fedpca.analyst.estimators"):

@@ -71,6 +71,7 @@ def test_describe_list_and_cancel(
         with running.analyst() as alice, running.analyst("bob") as bob:
             info = alice.describe()
             assert (info.owners_registered, info.owners_connected) == (2, 1)
+            assert info.owners_absent == ("owner-2",)  # the allowed owner not running
             assert info.neighbouring is Neighbouring.ADD_REMOVE and info.accountant == "zcdp"
             assert info.max_delta_per_query == 1e-5 and info.analyst_id == "alice"
             assert (info.budget_epsilon, info.budget_delta) == (3.0, 1e-5)

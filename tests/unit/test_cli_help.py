@@ -37,7 +37,7 @@ def test_every_option_has_help() -> None:
 
 def test_the_wait_for_owners_help_states_the_wait_the_code_uses() -> None:
     """A new user's walkthrough: every query command's help said 15 s; it waits 40 s."""
-    from fedpca.analyst.querying import OWNERS_CONNECT_SECONDS
+    from fedpca.analyst.owner_wait import OWNERS_CONNECT_SECONDS
 
     helps = {
         path: option.help or ""

@@ -415,7 +415,7 @@ COMMON_PARAMETERS_DOC = """
     deadline_seconds : seconds the proxy collects uploads.
     wait_for_owners : submit even when fewer owners than the quorum are connected to
         the proxy (they may connect before the deadline). False (default): ``fit``
-        waits up to :data:`~fedpca.analyst.querying.OWNERS_CONNECT_SECONDS` for them,
+        waits up to :data:`~fedpca.analyst.owner_wait.OWNERS_CONNECT_SECONDS` for them,
         then refuses, submitting nothing: a query that fails for want of its quorum
         after an owner began an upload stays charged in full.
     max_records_per_owner, max_owners : public bounds that size packed slots; an owner

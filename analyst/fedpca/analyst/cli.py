@@ -53,7 +53,7 @@ from fedpca.analyst.keys import (
     create_analyst_keys,
     refuse_to_overwrite,
 )
-from fedpca.analyst.querying import OWNERS_CONNECT_SECONDS
+from fedpca.analyst.owner_wait import OWNERS_CONNECT_SECONDS
 from fedpca.analyst.release_summary import print_release_summary
 from fedpca.budget_options import DELTA, budget_delta_options
 from fedpca.errors import BUDGET_REFUSALS, ConfigError, FedpcaError, OverloadError

@@ -76,12 +76,12 @@ def _status_lines(status: QueryStatus, summary: QuerySummary | None = None) -> l
 
 
 def _deployment_lines(info: DeploymentInfo) -> list[str]:
-    offline = info.owners_registered - info.owners_connected
+    absent = info.absent_owners_note()
     return [
         f"proxy:            {printable(info.proxy_id)} (fedpca "
         f"{printable(info.software_version)}, protocol {info.protocol_version})",
         f"owners:           {info.owners_connected} of {info.owners_registered} registered "
-        "connected now" + (f" ({offline} not connected)" if offline > 0 else ""),
+        "connected now" + (f" ({absent})" if absent else ""),
         f"neighbouring:     {info.neighbouring.value}",
         f"accountant:       {printable(info.accountant)}",
         f"delta per query:  at most {info.max_delta_per_query:g}",

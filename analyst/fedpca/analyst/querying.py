@@ -19,13 +19,13 @@ from typing import Any
 
 from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.analyst.interrupts import interrupted_by
+from fedpca.analyst.owner_wait import wait_for_quorum
 from fedpca.analyst.rpc_errors import ProxyUnavailableError
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import (
     ConfigError,
     FedpcaError,
     NotFoundError,
-    OwnersNotConnectedError,
     QueryStateError,
     UnusableReleaseError,
 )
@@ -487,88 +487,6 @@ def tls_material(
     return TlsMaterial.load(TlsFiles(Path(ca), Path(cert), Path(key)))
 
 
-OWNERS_CONNECT_SECONDS = 40.0
-"""How long ``fit`` waits for the owners a query needs to be connected to the proxy
-before it refuses to submit (unless ``wait_for_owners``). Longer than an owner waits
-between two reconnections (``fedpca.owner.retry.Retry.reconnect_max``, 30 s): at 15 s, a
-query sent in the half-minute after a proxy restart was refused while owners were still
-coming back (a new analyst's walkthrough, stop 43). It returns as soon as they are."""
-
-_pause = time.sleep
-"""How that wait sleeps between two questions (tests replace it, not time.sleep)."""
-
-
-def _owners_connected(
-    client: Any, deployment: DeploymentInfo, spec: QuerySpec, wait_for_owners: bool
-) -> DeploymentInfo:
-    """The deployment once at least ``spec.quorum`` owners are connected, asked again
-    each second for up to :data:`OWNERS_CONNECT_SECONDS` (they may be starting).
-
-    Found by a new user's walkthrough: with an owner offline, a query of the default
-    quorum (every owner) was submitted with a warning, the connected owners began their
-    uploads at once, and its deadline failed it charged in full (the proxy's refund
-    rule, docs/privacy.md, "Refunds"), with nothing released.
-
-    Raises
-    ------
-    ConfigError
-        Still too few after the wait, unless ``wait_for_owners`` (then a warning and
-        the query waits for them until its deadline). Nothing was submitted.
-    """
-    short = deployment.owners_connected < spec.quorum
-    if wait_for_owners or not short:
-        if short:
-            logger.warning(
-                "only %d of the %d owners this query needs (quorum %d of %d registered) are "
-                "connected to the proxy now; it waits for the others until its deadline "
-                "(%g s). If it fails there after any owner began an upload (the connected "
-                "ones may begin at once), its epsilon stays charged in full although "
-                "nothing is released; it is refunded only if no owner began one",
-                deployment.owners_connected,
-                spec.quorum,
-                spec.quorum,
-                deployment.owners_registered,
-                spec.deadline_seconds,
-            )
-        return deployment
-    # Said at once: the wait is otherwise a silent pause (a review).
-    logger.warning(
-        "only %d of the %d owners this query needs are connected to the proxy; "
-        "waiting up to %g s for them before submitting",
-        deployment.owners_connected,
-        spec.quorum,
-        OWNERS_CONNECT_SECONDS,
-    )
-    waited_until = time.monotonic() + OWNERS_CONNECT_SECONDS
-    try:
-        while deployment.owners_connected < spec.quorum:
-            _wait_once(client, deployment, spec, waited_until)
-            deployment = client.describe()
-    except KeyboardInterrupt as exc:
-        # Said: after a Ctrl-C here an analyst could not tell whether a query was sent.
-        logger.warning("%s while waiting for owners: nothing was submitted", interrupted_by(exc))
-        raise
-    return deployment
-
-
-def _wait_once(
-    client: Any, deployment: DeploymentInfo, spec: QuerySpec, waited_until: float
-) -> None:
-    """Pause a second before asking again, or refuse once the wait is over (ConfigError)."""
-    if time.monotonic() >= waited_until:
-        raise OwnersNotConnectedError(
-            f"only {deployment.owners_connected} of the {spec.quorum} owners this "
-            f"query needs (quorum {spec.quorum} of {deployment.owners_registered} "
-            "registered) are connected to the proxy (`fedpca analyst deployment` "
-            "shows how many are): nothing was submitted. A query "
-            "that fails for want of its quorum after a connected owner began its "
-            "upload stays charged in full. Ask a smaller quorum (--quorum N), or pass "
-            "--wait-for-owners (wait_for_owners=True) to submit anyway and let it wait "
-            "for them until its deadline"
-        )
-    _pause(1.0)
-
-
 @dataclass(frozen=True)
 class EstimatorRun:
     """What :func:`run_estimator_query` hands back to an estimator's ``fit``."""
@@ -621,7 +539,7 @@ def run_estimator_query(
     ):
         deployment = client.describe()
         spec = build(deployment)
-        deployment = _owners_connected(client, deployment, spec, bool(estimator.wait_for_owners))
+        deployment = wait_for_quorum(client, deployment, spec, bool(estimator.wait_for_owners))
         if not spec.private:
             logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
         prepared = time.perf_counter() - started

@@ -10,10 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from fedpca.formatting import printable
 from fedpca.messages.queries import QueryStatus
 from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind
 
-__all__ = ["CANCELLED_REASON", "CancelReceipt", "DeploymentInfo", "QuerySummary"]
+__all__ = [
+    "ABSENT_OWNERS_SHOWN",
+    "CANCELLED_REASON",
+    "CancelReceipt",
+    "DeploymentInfo",
+    "QuerySummary",
+]
+
+ABSENT_OWNERS_SHOWN = 10
+"""Owners a message names as not connected; it counts the others (a deployment of
+hundreds of owners would otherwise print them all)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,8 @@ class DeploymentInfo:
     analyst_id : the caller, as its certificate names it.
     budget_epsilon, budget_delta : the caller's total budget.
     server_time : the proxy's clock.
+    owners_absent : the allowed owners without a task stream open at this moment, by
+        node id, sorted (empty from a proxy too old to say; then only the counts do).
     """
 
     proxy_id: str
@@ -46,6 +59,18 @@ class DeploymentInfo:
     budget_epsilon: float
     budget_delta: float
     server_time: datetime
+    owners_absent: tuple[str, ...] = ()
+
+    def absent_owners_note(self, shown: int = ABSENT_OWNERS_SHOWN) -> str:
+        """Which allowed owners are not connected, for a message: ``"not connected:
+        owner-a, owner-b"``, the first ``shown`` of them and how many more; with no
+        names (none absent, or a proxy too old to name them) how many, or ``""``."""
+        offline = self.owners_registered - self.owners_connected
+        if not self.owners_absent:
+            return f"{offline} not connected" if offline > 0 else ""
+        names = ", ".join(printable(name) for name in self.owners_absent[:shown])
+        more = len(self.owners_absent) - shown
+        return f"not connected: {names}" + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass(frozen=True)

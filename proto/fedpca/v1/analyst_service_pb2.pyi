@@ -219,7 +219,7 @@ class DescribeDeploymentRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeploymentInfo(_message.Message):
-    __slots__ = ("proxy_id", "software_version", "protocol_version", "owners_registered", "owners_connected", "neighbouring", "max_delta_per_query", "accountant", "analyst_id", "budget_epsilon", "budget_delta", "server_time")
+    __slots__ = ("proxy_id", "software_version", "protocol_version", "owners_registered", "owners_connected", "neighbouring", "max_delta_per_query", "accountant", "analyst_id", "budget_epsilon", "budget_delta", "server_time", "owners_absent")
     PROXY_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class DeploymentInfo(_message.Message):
     BUDGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
     BUDGET_DELTA_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_ABSENT_FIELD_NUMBER: _ClassVar[int]
     proxy_id: str
     software_version: str
     protocol_version: int
@@ -244,7 +245,8 @@ class DeploymentInfo(_message.Message):
     budget_epsilon: float
     budget_delta: float
     server_time: _timestamp_pb2.Timestamp
-    def __init__(self, proxy_id: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., owners_registered: _Optional[int] = ..., owners_connected: _Optional[int] = ..., neighbouring: _Optional[_Union[_query_pb2.Neighbouring, str]] = ..., max_delta_per_query: _Optional[float] = ..., accountant: _Optional[str] = ..., analyst_id: _Optional[str] = ..., budget_epsilon: _Optional[float] = ..., budget_delta: _Optional[float] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    owners_absent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, proxy_id: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., owners_registered: _Optional[int] = ..., owners_connected: _Optional[int] = ..., neighbouring: _Optional[_Union[_query_pb2.Neighbouring, str]] = ..., max_delta_per_query: _Optional[float] = ..., accountant: _Optional[str] = ..., analyst_id: _Optional[str] = ..., budget_epsilon: _Optional[float] = ..., budget_delta: _Optional[float] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., owners_absent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListQueriesRequest(_message.Message):
     __slots__ = ("limit", "query_id")

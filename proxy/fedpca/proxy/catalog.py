@@ -23,7 +23,7 @@ DEFAULT_LISTED_QUERIES = 50
 
 
 def describe_deployment(
-    coordinator: Coordinator, analyst_id: str, *, proxy_id: str, owners_connected: int
+    coordinator: Coordinator, analyst_id: str, *, proxy_id: str, connected: frozenset[str]
 ) -> DeploymentInfo:
     """The deployment as analyst ``analyst_id`` may know it.
 
@@ -32,7 +32,7 @@ def describe_deployment(
     coordinator : the proxy's coordinator (configuration and store).
     analyst_id : the caller, from its certificate.
     proxy_id : this proxy's node id.
-    owners_connected : allowed owners with a task stream open now.
+    connected : the owners with a task stream open now.
     """
     config = coordinator.config
     budget = config.budget.for_analyst(analyst_id)
@@ -41,7 +41,7 @@ def describe_deployment(
         software_version=__version__,
         protocol_version=PROTOCOL_VERSION,
         owners_registered=len(coordinator.registered_owners),
-        owners_connected=owners_connected,
+        owners_connected=len(connected),
         neighbouring=config.privacy.neighbouring,
         max_delta_per_query=config.privacy.delta_cap(budget),
         accountant=config.privacy.accountant.value,
@@ -49,6 +49,7 @@ def describe_deployment(
         budget_epsilon=budget.epsilon,
         budget_delta=budget.delta,
         server_time=datetime.now(UTC),
+        owners_absent=tuple(sorted(set(coordinator.registered_owners) - connected)),
     )
 
 

@@ -472,7 +472,7 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
                 self.coordinator,
                 analyst.node_id,
                 proxy_id=self.proxy_id,
-                owners_connected=self.task_streams.connected(),
+                connected=self.task_streams.connected_owners(),
             )
             return serde.deployment_info_to_proto(info)
 

@@ -455,6 +455,7 @@ def deployment_info_to_proto(info: DeploymentInfo) -> analyst_pb.DeploymentInfo:
         budget_delta=info.budget_delta,
     )
     message.server_time.CopyFrom(timestamp_to_proto(info.server_time, "DeploymentInfo.server_time"))
+    message.owners_absent.extend(info.owners_absent)
     return message
 
 
@@ -474,6 +475,7 @@ def deployment_info_from_proto(message: analyst_pb.DeploymentInfo) -> Deployment
         budget_epsilon=message.budget_epsilon,
         budget_delta=message.budget_delta,
         server_time=timestamp_from_proto(message.server_time, "DeploymentInfo.server_time"),
+        owners_absent=tuple(message.owners_absent),
     )
 
 
