@@ -470,6 +470,40 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
     assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
 
 
+@pytest.mark.parametrize(
+    ("labels", "said"),
+    [
+        ([1.0, -1.0, 0.1, 1.0], "-1, 0.1, 1"),
+        (list(range(12)), "0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and 2 more"),
+        ([0.30000000000000004, 1.0], "0.30000000000000004, 1"),
+    ],
+)
+def test_owner_probe_names_the_label_values_to_the_owner_alone(
+    certs: Path, tmp_path: Path, labels: list[float], said: str
+) -> None:
+    """A walkthrough of stop 45: a DCA query names its classes exactly as the owners'
+    tables hold them (one naming values a table lacks is charged for noise), and the
+    probe said nothing of the labels, so an owner could not tell the analyst -1,1 from
+    0,1. Every digit is shown: a class must equal a label exactly."""
+    rows = np.resize(np.asarray(labels, dtype=np.float64), 24)
+    data = tmp_path / "hospital-a" / "data" / "table.csv"
+    data.parent.mkdir(parents=True)
+    np.savetxt(data, np.column_stack([rows, np.zeros((24, 4))]), delimiter=",", fmt="%.17g")
+    out = tmp_path / "hospital-a"
+    args = [
+        *("init", "--out", str(out), "--id", "hospital-a", "--proxy", "proxy.test:50051"),
+        *("--certs", str(certs), "--data", str(data), "--label-column", "0"),
+        *("--max-records", "1000", "--analyst-key", "sha256:" + "a" * 64),
+        *("--analyst-signer", TEST_SIGNER),
+    ]
+    runner = CliRunner()
+    initialised = runner.invoke(owner_group, args)
+    assert initialised.exit_code == 0, initialised.output
+    probe = runner.invoke(owner_group, ["probe", "--config", str(out / "owner.toml"), "--local"])
+    assert probe.exit_code == 0, probe.output
+    assert f"; label values (this machine only, never sent): {said}\n" in probe.output
+
+
 def test_owner_init_and_probe_refuse_a_relation_other_than_the_ledgers(
     certs: Path, tmp_path: Path
 ) -> None:

@@ -24,12 +24,18 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from fedpca.errors import FedpcaError
 from fedpca.files import database_missing, holds_database
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_rows import recorded_relations
 from fedpca.transport.certs import TlsMaterial
+
+if TYPE_CHECKING:
+    from fedpca.owner.local_table import LocalTable
 
 __all__ = ["ProbeResult", "probe_owner"]
 
@@ -47,6 +53,28 @@ class ProbeResult:
     def line(self) -> str:
         mark = {True: "ok  ", False: "FAIL", None: "skip"}[self.ok]
         return f"{mark}  {self.name:<9} {self.detail}"
+
+
+LABEL_VALUES_SHOWN = 10
+"""Distinct label values the probe names; it counts the others."""
+
+
+def _label_values(table: LocalTable) -> str:
+    """The label column's distinct values, for the owner's operator alone: a DCA query
+    names its classes exactly as the tables hold them, and one naming values a table
+    lacks is charged for noise (a walkthrough of stop 45: the probe said nothing of
+    them, so an owner could not tell the analyst -1,1 from 0,1)."""
+    if table.label_column is None or table.n_records == 0:
+        return ""
+    values = np.unique(table.columns[:, table.label_column])
+    # Every digit: a query's class must equal a label exactly (0.1 is not 0.1000001).
+    shown = ", ".join(
+        repr(float(value)).removesuffix(".0") for value in values[:LABEL_VALUES_SHOWN]
+    )
+    more = len(values) - LABEL_VALUES_SHOWN
+    return f"; label values (this machine only, never sent): {shown}" + (
+        f" and {more} more" if more > 0 else ""
+    )
 
 
 def probe_owner(
@@ -96,7 +124,12 @@ def probe_owner(
             if table.n_records > cap
             else ""
         )
-        record("data", True, f"{config.data.path}: {layout}; max_records {cap} (public){sampled}")
+        record(
+            "data",
+            True,
+            f"{config.data.path}: {layout}; max_records {cap} (public){sampled}"
+            + _label_values(table),
+        )
 
     tls = None
     if config.tls.insecure:
