@@ -7,8 +7,11 @@ ids that leak across analysts, and the resource exhaustion of one owner certific
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +315,93 @@ def test_insecure_mode_logs_version_refusals_per_method_not_per_claimed_name(
             )
         lines = [r for r in caplog.records if "speaks wire protocol" in r.getMessage()]
         assert len(lines) == expected, (insecure, len(lines))
+
+
+def test_one_peers_calls_cannot_hold_every_worker_thread(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """A red team's suspicion at stop 45: one analyst may make ``max_calls_per_peer``
+    (16) calls at once and the proxy has 16 worker threads, so 16 slow calls of one
+    peer (a status read stuck on the database) held every thread, and every other
+    peer's database work, an owner's Hello here, waited behind them. A peer's jobs now
+    take at most ``max_worker_jobs_per_peer`` (4) of the threads."""
+    public_key, _ = test_only_keypair_512
+    limits = PeerLimits()
+    assert limits.max_calls_per_peer >= limits.worker_threads > limits.max_worker_jobs_per_peer
+    with deployment(
+        workdir=tmp_path, tables=_tables("owner-1"), pool=pool, public_key=public_key
+    ) as running:
+        assert running.proxy is not None
+        coordinator = running.proxy.coordinator
+        stuck = threading.Event()
+        on_threads: list[str] = []
+
+        def slow_status(analyst_id: str, query_id: str) -> Any:
+            on_threads.append(query_id)
+            stuck.wait(30)
+            raise NotFoundError(f"unknown query {query_id!r}")
+
+        coordinator.status = slow_status  # type: ignore[method-assign]
+        with running.analyst() as alice, ThreadPoolExecutor(limits.max_calls_per_peer) as calls:
+            slow = [calls.submit(alice.status, f"q{i}") for i in range(limits.max_calls_per_peer)]
+            deadline = time.monotonic() + 10
+            while len(on_threads) < limits.max_worker_jobs_per_peer:
+                assert time.monotonic() < deadline, on_threads
+                time.sleep(0.01)
+            channel, stub = _owner_stub(running, "owner-1")
+            try:
+                with channel:
+                    hello = serde.owner_hello_to_proto(OwnerHello("owner-1", "test"))
+                    answered = stub.Hello(hello, timeout=5)  # timed out before: no thread free
+                assert answered.authenticated_node_id == "owner-1"
+                assert len(on_threads) == limits.max_worker_jobs_per_peer  # the others wait
+            finally:
+                stuck.set()
+            for call in slow:
+                with pytest.raises(NotFoundError):
+                    call.result(timeout=30)
+        assert len(on_threads) == limits.max_calls_per_peer  # each ran, in turn
+
+
+def test_a_peers_turns_on_the_worker_threads_are_bounded_and_let_go() -> None:
+    """The pool itself: a peer's jobs beyond its share wait off the threads, jobs of
+    no call (the proxy's own) take no turn, and nothing is kept for a peer afterwards."""
+    from fedpca.proxy.servicer_support import CALLER, WorkerPool
+
+    work = WorkerPool(PeerLimits(worker_threads=4, max_worker_jobs_per_peer=3))
+    release = threading.Event()
+    running: list[str] = []
+    lock = threading.Lock()
+
+    def job(name: str) -> str:
+        with lock:
+            running.append(name)
+        release.wait(10)
+        return name
+
+    async def call(peer: str | None, name: str) -> str:
+        CALLER.set(peer)
+        return await work.run(job, name)
+
+    async def scenario() -> None:
+        hog = [asyncio.ensure_future(call("analyst:mallory", f"m{i}")) for i in range(6)]
+        await asyncio.sleep(0.2)
+        # At most half the 4 threads (3 asked): the rest stay free for others.
+        assert sorted(running) == ["m0", "m1"]
+        other = asyncio.ensure_future(call("owner:hospital-a", "h"))
+        own = asyncio.ensure_future(call(None, "proxy"))
+        await asyncio.sleep(0.2)
+        assert sorted(running) == ["h", "m0", "m1", "proxy"]
+        release.set()
+        assert await asyncio.gather(*hog, other, own) == [
+            *(f"m{i}" for i in range(6)),
+            "h",
+            "proxy",
+        ]
+        assert work._turns == {}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        work.shutdown()

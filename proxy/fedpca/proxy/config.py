@@ -57,6 +57,7 @@ configuration file, so a deployment directory can be moved as a whole)::
     request_read_seconds = 30.0
     max_pending_work = 4096
     worker_threads = 16
+    max_worker_jobs_per_peer = 4
     max_concurrent_rpcs = 20000
     logged_refusals_per_minute = 60
     max_task_stream_opens_per_minute = 20

@@ -27,7 +27,10 @@ its share of what remains:
   in the database (a query can be 2 MiB stored: a histogram's public bin edges), and at
   most ``max_submissions_per_analyst`` submissions of one analyst checked at once;
 * at most ``max_pending_work`` blocking jobs (database, folding) waiting for the
-  proxy's ``worker_threads``.
+  proxy's ``worker_threads``, and at most ``max_worker_jobs_per_peer`` of one peer's
+  jobs on them at once (its others wait their turn): one peer's ``max_calls_per_peer``
+  calls could otherwise hold every worker thread, and every other peer's database
+  work waited behind them (a red team's suspicion at stop 45, confirmed by a test).
 
 A call beyond a bound is answered RESOURCE_EXHAUSTED at once; nothing waits for a slot.
 Refusals are logged, at most ``logged_refusals_per_minute`` lines per method; the rest
@@ -88,6 +91,9 @@ class PeerLimits:
     2 MiB (:data:`fedpca.transport.channels.PROXY_MAX_RECEIVE_BYTES`) while it lasts."""
     max_pending_work: int = 4096
     worker_threads: int = 16
+    max_worker_jobs_per_peer: int = 4
+    """Jobs of one peer on the ``worker_threads`` at once (never more than half of them,
+    and at least 1); its further jobs wait, off the threads, for one of these to end."""
     max_concurrent_rpcs: int = 20_000
     """gRPC's own bound on calls in flight (task streams of every owner included)."""
     request_read_seconds: float = 30.0

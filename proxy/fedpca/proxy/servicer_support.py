@@ -18,6 +18,7 @@ import re
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import grpc
@@ -45,6 +46,7 @@ from fedpca.transport.channels import INSECURE_IDENTITY_METADATA, PROTOCOL_VERSI
 from fedpca.version import check_peer_protocol
 
 __all__ = [
+    "CALLER",
     "INSECURE_ANALYST_ID",
     "ChangeFeed",
     "LenientRegistration",
@@ -234,11 +236,19 @@ def streaming_errors(method: _Method) -> _Method:
     return wrapper  # type: ignore[return-value]
 
 
+CALLER: ContextVar[str | None] = ContextVar("fedpca_proxy_caller", default=None)
+"""The peer a call's handler serves (set by :meth:`ServicerBase._caller`), read by
+:class:`WorkerPool` to take that peer's turn; None outside a call."""
+
+
 class WorkerPool:
     """Runs the coordinator's blocking calls off the event loop, with a bounded backlog.
 
     A call beyond ``limits.max_pending_work`` waiting jobs is refused with
-    :class:`OverloadError` instead of queueing without end.
+    :class:`OverloadError` instead of queueing without end. At most
+    ``limits.max_worker_jobs_per_peer`` jobs of the calling peer (:data:`CALLER`), and
+    never more than half the threads, are on the threads at once; its further jobs wait
+    on the event loop, so that the other peers' jobs find a free thread.
     """
 
     def __init__(self, limits: PeerLimits) -> None:
@@ -246,8 +256,11 @@ class WorkerPool:
             max_workers=limits.worker_threads, thread_name_prefix="fedpca-proxy-work"
         )
         self._limit = limits.max_pending_work
+        self._per_peer = max(1, min(limits.max_worker_jobs_per_peer, limits.worker_threads // 2))
         self._pending = 0
         self._lock = threading.Lock()
+        # Peer -> (its turns, jobs holding or awaiting one); touched on the loop only.
+        self._turns: dict[str, tuple[asyncio.Semaphore, int]] = {}
 
     async def run(self, function: Callable[..., _T], *args: Any) -> _T:
         with self._lock:
@@ -256,12 +269,28 @@ class WorkerPool:
                     f"the proxy has {self._pending} calls waiting for a worker; try again later"
                 )
             self._pending += 1
+        peer = CALLER.get()
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, functools.partial(function, *args))
+            if peer is None:
+                return await self._on_a_thread(function, *args)
+            turns, users = self._turns.get(peer) or (asyncio.Semaphore(self._per_peer), 0)
+            self._turns[peer] = (turns, users + 1)
+            try:
+                async with turns:
+                    return await self._on_a_thread(function, *args)
+            finally:
+                turns, users = self._turns[peer]
+                if users == 1:
+                    del self._turns[peer]
+                else:
+                    self._turns[peer] = (turns, users - 1)
         finally:
             with self._lock:
                 self._pending -= 1
+
+    async def _on_a_thread(self, function: Callable[..., _T], *args: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(function, *args))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -345,6 +374,7 @@ class ServicerBase:
             self.coordinator.require_owner(identity.node_id)
         elif role is Role.ANALYST:
             self.coordinator.require_analyst(identity.node_id)
+        CALLER.set(str(identity))  # the worker pool's turns are per peer
         return identity
 
     def _identity(self, context: aio.ServicerContext, role: Role) -> NodeIdentity:
