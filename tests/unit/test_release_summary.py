@@ -16,11 +16,14 @@ from click.testing import CliRunner
 from fedpca.analyst.estimators import FederatedPCA
 from fedpca.analyst.release_summary import clip_note, print_release_summary
 from fedpca.analyst.solvers import pca_from_statistics
+from fedpca.query import QueryKind
 
 
 def _query(n_features: int, clip_norm: float, bounded: bool = True) -> Any:
     bounds = (-1.0,) * n_features if bounded else ()
-    return SimpleNamespace(n_features=n_features, clip_norm=clip_norm, feature_lower=bounds)
+    return SimpleNamespace(
+        kind=QueryKind.PCA, n_features=n_features, clip_norm=clip_norm, feature_lower=bounds
+    )
 
 
 def test_a_clip_below_the_longest_row_the_bounds_allow_is_said() -> None:
