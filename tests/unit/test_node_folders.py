@@ -470,6 +470,23 @@ def test_owner_init_needs_max_records_and_suggests_one(certs: Path, tmp_path: Pa
     assert stat.S_IMODE((out / "tls" / "key.pem").stat().st_mode) == 0o600
 
 
+def test_init_refuses_a_folder_of_fedpcas_own_sources(certs: Path, tmp_path: Path) -> None:
+    """A new user's walkthrough ran `proxy init --out proxy` in a clone of fedpca: the
+    proxy's keys, configuration and database went into proxy/, the proxy's sources."""
+    sources = tmp_path / "proxy" / "fedpca" / "proxy"
+    sources.mkdir(parents=True)
+    (sources / "server.py").write_text("")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    args = ["init", "--out", str(tmp_path / "proxy"), "--owners", OWNERS[0], "--certs", str(certs)]
+    refused = CliRunner().invoke(proxy_group, [*args, "--force"])
+    assert refused.exit_code == 1, refused.output
+    assert "looks like a folder of fedpca's own repository" in refused.output
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # A folder that merely has a fedpca/ subfolder without sources is a folder like any.
+    (sources / "server.py").unlink()
+    assert CliRunner().invoke(proxy_group, args).exit_code == 0
+
+
 @pytest.mark.parametrize(
     ("labels", "said"),
     [

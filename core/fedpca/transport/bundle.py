@@ -134,9 +134,19 @@ def prepare_folder(root: Path, config_name: str, *, force: bool) -> NodeFolder:
     Raises
     ------
     ConfigError
-        ``root/config_name`` exists and ``force`` is False.
+        ``root/config_name`` exists and ``force`` is False, or ``root`` holds fedpca's
+        sources (a folder of its repository: the roles' folders share their names).
     """
     config = root / config_name
+    sources = root / "fedpca"
+    if sources.is_dir() and next(sources.rglob("*.py"), None) is not None:
+        # A new user's walkthrough ran `proxy init --out proxy` in a clone of fedpca,
+        # whose proxy/ holds the proxy's sources: its keys and database went in there.
+        raise ConfigError(
+            f"{root} holds Python sources ({sources}/): it looks like a folder of fedpca's "
+            "own repository. Run init in a folder of your own (e.g. cd ~/deployment), "
+            "not in the repository"
+        )
     if config.exists() and not force:
         # Named from what the folder holds: an analyst's folder has no state/.
         kept = f", its {STATE_DIR}/ included" if (root / STATE_DIR).is_dir() else ""
