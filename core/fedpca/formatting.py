@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-__all__ = ["distinct", "printable", "shortened"]
+__all__ = ["distinct", "exact", "printable", "shortened"]
 
 _MAX_DIGITS = 17
 """Significant digits at which every double prints distinctly (IEEE 754 binary64)."""
@@ -54,6 +54,13 @@ def distinct(*values: float, digits: int = 6) -> tuple[str, ...]:
         if precision == _MAX_DIGITS or all(texts[i] != texts[j] for i, j in pairs):
             return texts
         precision += 1
+
+
+def exact(value: float) -> str:
+    """``value`` with every digit it has (Python's shortest round-trip form), without a
+    trailing ``.0``: a class label or category a query must name exactly (``1`` and
+    ``1.0000000001`` differ, ``-0.0`` equals ``0``)."""
+    return repr(float(value) + 0.0).removesuffix(".0")
 
 
 def printable(text: str) -> str:

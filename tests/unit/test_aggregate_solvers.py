@@ -320,7 +320,7 @@ def test_an_error_no_post_processing_mends_does_not_advise_fetching_again() -> N
         raise UnusableReleaseError("DCA needs at least two classes")
     message = str(raised.value)
     assert message.startswith("DCA needs at least two classes (query q-1234 is charged;")
-    assert "fetching it again would fail the same way" in message
+    assert "fetching it as asked would fail the same way" in message
     assert "fedpca analyst fetch" not in message
 
 

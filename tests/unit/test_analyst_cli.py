@@ -789,12 +789,18 @@ def test_a_dca_release_is_solved_again_with_other_ridges_or_read_as_a_pca(
     one_class = runner.invoke(analyst_group, ["dca", *args, "--classes", "-1,5"])
     assert one_class.exit_code == 1, one_class.output
     lonely_id = fake.submitted_ids[-1]
-    assert f"`fedpca analyst fetch {lonely_id} --as-pca --out result.json` gives the " in (
-        " ".join(one_class.output.split())
-    )
+    hint = f"`fedpca analyst fetch {lonely_id} --as-pca --out result.json` with your --config gives"
+    assert hint in " ".join(one_class.output.split())
+    # A plain fetch of it later says so too (a walkthrough's said nothing of --as-pca).
+    _, plain = fetch(lonely_id, "plain.json")
+    assert plain.exit_code == 1 and hint in " ".join(plain.output.split()), plain.output
     out, rescued = fetch(lonely_id, "rescued.json", "--as-pca")
     assert rescued.exit_code == 0, rescued.output
-    assert json.loads(out.read_text())["n_samples"] == int((LABELS == -1).sum())
+    rescued_document = json.loads(out.read_text())
+    assert rescued_document["n_samples"] == int((LABELS == -1).sum())
+    # Which records the PCA is of, in the file too (the classes the query named).
+    assert rescued_document["classes"] == [-1.0, 5.0]
+    assert "pca of:      the records of classes -1, 5 (the dca release)" in rescued.stdout
 
     # What a release cannot take is refused before anything is decrypted.
     for query_id, options, said in (
@@ -802,7 +808,10 @@ def test_a_dca_release_is_solved_again_with_other_ridges_or_read_as_a_pca(
         (pca_id, ["--as-pca"], "--as-pca applies to dca; query"),
         (dca_id, ["--as-pca", "--rho-prime", "1"], "--as-pca takes none"),
         (dca_id, ["--rho", "nan"], "must be a finite number"),
-        (dca_id, ["--rho", "-1"], "x>=0"),
+        (dca_id, ["--rho", "-1"], "x>0"),
+        # S_W is projected onto the PSD cone: without a ridge it is singular (a
+        # walkthrough's --rho 0 was charged, then failed).
+        (dca_id, ["--rho", "0"], "x>0"),
     ):
         _, refused = fetch(query_id, "refused.json", *options)
         assert refused.exit_code == 2 and said in refused.output, (options, refused.output)

@@ -25,7 +25,7 @@ from fedpca.analyst.estimators import FederatedDCA, FederatedPCA, WeakClassWarni
 from fedpca.analyst.params import NotFittedError
 from fedpca.analyst.querying import MissingOwnersWarning, resolve_quorum
 from fedpca.analyst.report import result_document, write_plots, write_report, write_result
-from fedpca.analyst.solvers import pca_from_statistics
+from fedpca.analyst.solvers import dca_from_statistics, pca_from_statistics
 from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.errors import (
     ConfigError,
@@ -975,6 +975,30 @@ def test_a_dca_class_the_labels_do_not_hold_is_warned_of() -> None:
     assert release.statistics.class_counts[1] == 0.0  # no label is 0
     with pytest.warns(WeakClassWarning, match=r"class\(es\) 0 \(0\) are within 3 sigma"):
         FederatedDCA.from_result(release)
+    # Named with every digit: "class 1" read as the label 1, which the owners hold
+    # (a walkthrough's --classes -1,1.0000000001).
+    classes = (-1.0, 1.0, 1.0000000001)
+    release = release_for(QueryKind.DCA, 1, epsilon=1.0, class_labels=classes)
+    with pytest.warns(WeakClassWarning, match=r"class\(es\) 1\.0000000001 \("):
+        FederatedDCA.from_result(release)
+
+
+def test_a_singular_within_class_scatter_names_the_ridge_to_change() -> None:
+    """A walkthrough's --rho 0 was told "no variance to regularise against ... pass a
+    positive rho explicitly", though it had passed one and the classes varied."""
+    rng = np.random.default_rng(3)
+    rows, labels = rng.normal(size=(40, 3)), np.repeat([0, 1], 20)
+    rows[:, 2] = 0.5  # a constant feature: S_W is singular without a ridge
+    sums = np.stack([rows[labels == c].sum(axis=0) for c in (0, 1)])
+    statistics = SufficientStatistics.for_classes(rows.T @ rows, sums, np.array([20.0, 20.0]))
+    with pytest.raises(DataError, match=r"\(rho = 0\.0\): pass a larger rho \(`--rho` of"):
+        dca_from_statistics(statistics, 1, rho=0.0)
+    assert dca_from_statistics(statistics, 1, rho=0.1).rho == 0.1
+    flat = SufficientStatistics.for_classes(
+        np.zeros((3, 3)), np.zeros((2, 3)), np.array([20.0, 20.0])
+    )
+    with pytest.raises(DataError, match="has no variance to regularise against"):
+        dca_from_statistics(flat, 1)
 
 
 def test_a_quorum_above_the_owners_the_proxy_accepts_is_refused_before_anything() -> None:

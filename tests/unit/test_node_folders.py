@@ -493,6 +493,7 @@ def test_init_refuses_a_folder_of_fedpcas_own_sources(certs: Path, tmp_path: Pat
         ([1.0, -1.0, 0.1, 1.0], "-1, 0.1, 1"),
         (list(range(12)), "0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and 2 more"),
         ([0.30000000000000004, 1.0], "0.30000000000000004, 1"),
+        ([-0.0, 0.0, 1.0], "0, 1"),  # one class: -0.0 == 0.0
     ],
 )
 def test_owner_probe_names_the_label_values_to_the_owner_alone(
@@ -518,7 +519,7 @@ def test_owner_probe_names_the_label_values_to_the_owner_alone(
     assert initialised.exit_code == 0, initialised.output
     probe = runner.invoke(owner_group, ["probe", "--config", str(out / "owner.toml"), "--local"])
     assert probe.exit_code == 0, probe.output
-    assert f"; label values (this machine only, never sent): {said}\n" in probe.output
+    assert f"; label values (shown here only, not sent to the proxy): {said}\n" in probe.output
 
 
 def test_owner_init_and_probe_refuse_a_relation_other_than_the_ledgers(

@@ -94,7 +94,7 @@ def _finite_ridge(
     _: click.Context, parameter: click.Parameter, value: float | None
 ) -> float | None:
     if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
+        raise click.BadParameter(f"must be a finite number, got {value}")
     return value
 
 
@@ -107,9 +107,11 @@ def dca_ridge_options(function: F) -> F:
         callback=_finite_ridge,
         help="dca: ridge on the between-class scatter (default 0.1 x rho).",
     )(function)
+    # rho > 0: the noisy S_W is projected onto the PSD cone, so without a ridge it is
+    # singular (a walkthrough's --rho 0 was charged, then failed).
     return click.option(
         "--rho",
-        type=click.FloatRange(min=0.0),
+        type=click.FloatRange(min=0.0, min_open=True),
         callback=_finite_ridge,
         help="dca: ridge on the within-class scatter (default 0.02 x its largest "
         "eigenvalue); larger when the within-class scatter is singular.",

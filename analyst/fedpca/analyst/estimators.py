@@ -42,6 +42,7 @@ from fedpca.analyst.federated_estimator import FederatedEstimator
 from fedpca.analyst.params import check_number
 from fedpca.analyst.schema import FeatureBoundsParam
 from fedpca.errors import ConfigError, DataError
+from fedpca.formatting import exact
 from fedpca.query import DEFAULT_QUERY_DELTA, Calibration, ProtocolMode, QueryKind, QuerySpec
 from fedpca.stats import CLASS_COUNTS
 
@@ -338,7 +339,7 @@ def _warn_of_weak_classes(release: DecodedRelease) -> None:
         return
     labels = release.query.class_labels
     weak = [
-        f"{label:g} ({count:.3g})"
+        f"{exact(label)} ({count:.3g})"
         for label, count in zip(labels, statistics.class_counts, strict=True)
         if count < 3.0 * sigma
     ]

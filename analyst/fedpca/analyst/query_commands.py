@@ -322,12 +322,12 @@ def register(
     ) -> None:
         """Download and decrypt the stored result of a DONE query again.
 
-        An aggregate release is post-processed with the defaults of ``stats``,
-        ``histogram`` and ``linreg`` unless the options below say otherwise: give the
-        ones the query's own command was given to get its result again (post-processing
-        is free: nothing is charged). A DCA release may also be solved with other ridges
-        (``--rho``, ``--rho-prime``) or read as a PCA of its classes' records
-        (``--as-pca``).
+        A release is post-processed with the defaults of its command (``dca``,
+        ``stats``, ``histogram``, ``linreg``) unless the options below say otherwise: give
+        the ones the query's own command was given (e.g. its ``--rho``, which is not
+        stored with the query) to get its result again; others give another result of
+        the same release (post-processing is free: nothing is charged). A DCA release may
+        also be read as a PCA of its classes' records (``--as-pca``).
         """
         post_processing: dict[str, Any] = {
             "clip": not no_clip,
@@ -348,7 +348,11 @@ def register(
         from fedpca.analyst import keys
         from fedpca.analyst.decode import decrypt_result
         from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
-        from fedpca.analyst.querying import MissingOwnersWarning, ProgressDisplay
+        from fedpca.analyst.querying import (
+            MissingOwnersWarning,
+            ProgressDisplay,
+            charged_release,
+        )
         from fedpca.analyst.release_summary import print_release_summary
         from fedpca.analyst.report import write_report
         from fedpca.codec.paillier import CryptoPool
@@ -415,9 +419,12 @@ def register(
                 # The summary prints the warning in red; Python's copy repeated it (an
                 # operator's walkthrough, stop 42), as `pca` and `dca` already knew.
                 warnings.simplefilter("ignore", MissingOwnersWarning)
-                estimator = factory.from_result(
-                    release, owners_registered=registered, timings=timings, **chosen
-                )
+                # Its error says what the release still gives (a DCA's PCA), as the
+                # query's own command does (a walkthrough's plain fetch did not).
+                with charged_release(query_id):
+                    estimator = factory.from_result(
+                        release, owners_registered=registered, timings=timings, **chosen
+                    )
             files = write_report(out, estimator)
         print_release_summary(estimator, files)
 

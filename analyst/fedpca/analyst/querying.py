@@ -176,23 +176,28 @@ def charged_release(query_id: str) -> Iterator[None]:
     except FedpcaError as exc:
         # No post-processing gives what was asked: "fetch it again" would fail the same
         # way (review); the release may still give something else.
-        note = (
-            f"{exc} (query {query_id} is charged; no post-processing of its result gives "
-            "this, so fetching it again would fail the same way: check the query's "
-            "parameters and ask a new query"
-            + (
-                f"; `fedpca analyst fetch {query_id} {exc.still_gives[0]} --out result.json` "
-                f"gives {exc.still_gives[1]} from the same release at no new charge)"
-                if exc.still_gives is not None
-                else ")"
+        fetch = f"`fedpca analyst fetch {query_id} --out result.json`"
+        if isinstance(exc, UnusableReleaseError):
+            note = (
+                f"{exc} (query {query_id} is charged; no post-processing of its result gives "
+                "what was asked, so fetching it as asked would fail the same way: check the "
+                "query's parameters and ask a new query"
             )
-            if isinstance(exc, UnusableReleaseError)
-            else f"{exc} (query {query_id} is charged and its result kept at the proxy: "
-            f"`fedpca analyst fetch {query_id} --out result.json` fetches it again at no "
-            "new charge, post-processed with the defaults; in Python, AnalystClient.fetch, "
-            "decrypt_result and the estimator's from_result(release, ...) rebuild it with "
-            "other parameters)"
-        )
+            if exc.still_gives is not None:
+                option, what = exc.still_gives
+                note += (
+                    f"; {fetch.replace(' --out', f' {option} --out')} with your --config "
+                    f"gives {what} from the same release at no new charge"
+                )
+            note += ")"
+        else:
+            note = (
+                f"{exc} (query {query_id} is charged and its result kept at the proxy: {fetch} "
+                "with your --config fetches it again at no new charge, with other "
+                "post-processing options if need be (`fetch --help`); in Python, "
+                "AnalystClient.fetch, decrypt_result and the estimator's "
+                "from_result(release, ...) rebuild it with other parameters)"
+            )
         try:
             again = type(exc)(note)
         except TypeError:  # an error whose constructor takes more than a message

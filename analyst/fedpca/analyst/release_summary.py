@@ -59,12 +59,13 @@ def clip_note(query: Any) -> str | None:
 def print_release_summary(estimator: Any, files: Any) -> None:
     """The summary of a PCA or DCA release and the files written for it."""
     from fedpca.analyst.estimators import FederatedPCA
+    from fedpca.formatting import exact
     from fedpca.query import QueryKind
 
     click.echo(f"query:       {estimator.query_id_}")
     query = estimator.release_.query
     if isinstance(estimator, FederatedPCA) and query.kind is not QueryKind.PCA:
-        classes = ", ".join(f"{c:g}" for c in query.class_labels)
+        classes = ", ".join(exact(c) for c in query.class_labels)
         click.echo(
             f"pca of:      the records of classes {classes} (the {query.kind.value} release)"
         )

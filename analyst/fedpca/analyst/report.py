@@ -29,6 +29,7 @@ import numpy.typing as npt
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
 from fedpca.errors import ConfigError, DataError
 from fedpca.files import write_atomically
+from fedpca.query import QueryKind
 from fedpca.version import __version__
 
 __all__ = [
@@ -106,6 +107,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
         "components": _list(estimator.components_),
     }
     if isinstance(estimator, FederatedPCA):
+        if query.kind is not QueryKind.PCA:  # a DCA release read as a PCA: of these classes
+            document.update(classes=_list(np.asarray(query.class_labels, dtype=np.float64)))
         document.update(
             explained_variance=_list(estimator.explained_variance_),
             explained_variance_ratio=_list(estimator.explained_variance_ratio_),

@@ -484,6 +484,7 @@ def dca_from_statistics(
     within = _psd_part((within + within.T) / 2.0)
 
     lambda_max_within = float(np.linalg.eigvalsh(within)[-1])
+    chosen = rho is not None
     if rho is None:
         rho = 0.02 * lambda_max_within
     if not (math.isfinite(rho) and rho >= 0.0):
@@ -496,9 +497,14 @@ def dca_from_statistics(
     floor = _RIDGE_FLOOR_RELATIVE * max(lambda_max_within, float(np.max(np.abs(scatter))), 1.0)
     if float(np.linalg.eigvalsh(right)[0]) <= floor:
         raise DataError(
-            "S_W + rho·I is singular (rho = "
-            f"{rho}); the within-class scatter has no variance to regularise against — "
-            "pass a positive rho explicitly (`--rho` of `fedpca analyst dca` and `fetch`)"
+            f"S_W + rho·I is singular (rho = {rho}): "
+            + (
+                "pass a larger rho"
+                if chosen
+                else "the within-class scatter has no variance to regularise against (the "
+                "default rho is 0.02 of its largest eigenvalue); pass a positive rho"
+            )
+            + " (`--rho` of `fedpca analyst dca` and `fetch`)"
         )
     left = between + within + (rho + rho_prime) * np.eye(m)
 
