@@ -727,13 +727,26 @@ def test_cli_masked_mode_against_a_replace_one_deployment(
 
 
 def test_cli_dca(proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path) -> None:
-    _, address = proxy
+    fake, address = proxy
     out = tmp_path / "dca.json"
     args = _query_args(address, analyst_key, out, "--epsilon", "inf", "--classes", "-1,1")
     args[args.index("--components") + 1] = "1"
     result = CliRunner().invoke(analyst_group, ["dca", *args])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["classes"] == [-1.0, 1.0]
+    # Usage errors, submitting nothing (a walkthrough's `--classes 1,1` exited 1).
+    submitted = len(fake.submitted_ids)
+    base = args[: args.index("--classes")]
+    for classes, said in (
+        ("1,1", "name at least two different classes"),
+        ("1", "name at least two different classes"),
+        ("0,-0", "name at least two different classes"),
+        ("1,nan", "class labels must be finite numbers"),
+        ("a,b", "is not a comma-separated list of numbers"),
+    ):
+        refused = CliRunner().invoke(analyst_group, ["dca", *base, "--classes", classes])
+        assert refused.exit_code == 2 and said in refused.output, (classes, refused.output)
+    assert len(fake.submitted_ids) == submitted
 
 
 def test_a_dca_release_is_solved_again_with_other_ridges_or_read_as_a_pca(

@@ -212,9 +212,15 @@ def _parse_classes(_: click.Context, __: click.Parameter, value: str | None) -> 
     if value is None:
         return ()
     try:
-        return tuple(float(part) for part in value.split(",") if part.strip())
+        classes = tuple(float(part) for part in value.split(",") if part.strip())
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    # A usage error, before keys or the network (a walkthrough's `--classes 1,1` exited 1).
+    if len(classes) < 2 or len(set(classes)) != len(classes):
+        raise click.BadParameter(f"{value!r}: name at least two different classes")
+    if not all(math.isfinite(c) for c in classes):
+        raise click.BadParameter(f"{value!r}: class labels must be finite numbers")
+    return classes
 
 
 COLLECTION_OPTIONS: list[Callable[[Any], Any]] = [
