@@ -14,9 +14,10 @@ forge a log line wherever it is printed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import combinations
 
-__all__ = ["distinct", "exact", "printable", "shortened"]
+__all__ = ["distinct", "exact", "first_of", "printable", "shortened"]
 
 _MAX_DIGITS = 17
 """Significant digits at which every double prints distinctly (IEEE 754 binary64)."""
@@ -61,6 +62,13 @@ def exact(value: float) -> str:
     trailing ``.0``: a class label or category a query must name exactly (``1`` and
     ``1.0000000001`` differ, ``-0.0`` equals ``0``)."""
     return repr(float(value) + 0.0).removesuffix(".0")
+
+
+def first_of(items: Sequence[str], shown: int) -> str:
+    """The first ``shown`` of ``items``, comma-separated, and how many more:
+    ``"a, b and 3 more"`` (a list of hundreds of owners or labels would fill the line)."""
+    more = len(items) - shown
+    return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def printable(text: str) -> str:

@@ -83,13 +83,9 @@ def wait_for_quorum(
     try:
         while deployment.owners_connected < spec.quorum:
             _wait_once(deployment, spec, waited_until)
-            before = deployment
+            said = _absent(deployment)
             deployment = client.describe()
-            changed = (deployment.owners_connected, deployment.owners_absent) != (
-                before.owners_connected,
-                before.owners_absent,
-            )
-            if changed and deployment.owners_connected < spec.quorum:
+            if deployment.owners_connected < spec.quorum and _absent(deployment) != said:
                 logger.warning(
                     "%d of the %d owners connected%s; still waiting",
                     deployment.owners_connected,

@@ -108,7 +108,7 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     }
     if isinstance(estimator, FederatedPCA):
         if query.kind is not QueryKind.PCA:  # a DCA release read as a PCA: of these classes
-            document.update(classes=_list(np.asarray(query.class_labels, dtype=np.float64)))
+            document.update(classes=list(query.class_labels))
         document.update(
             explained_variance=_list(estimator.explained_variance_),
             explained_variance_ratio=_list(estimator.explained_variance_ratio_),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from fedpca.formatting import printable
+from fedpca.formatting import first_of, printable
 from fedpca.messages.queries import QueryStatus
 from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind
 
@@ -68,9 +68,7 @@ class DeploymentInfo:
         offline = self.owners_registered - self.owners_connected
         if not self.owners_absent:
             return f"{offline} not connected" if offline > 0 else ""
-        names = ", ".join(printable(name) for name in self.owners_absent[:shown])
-        more = len(self.owners_absent) - shown
-        return f"not connected: {names}" + (f" and {more} more" if more > 0 else "")
+        return f"not connected: {first_of([printable(n) for n in self.owners_absent], shown)}"
 
 
 @dataclass(frozen=True)

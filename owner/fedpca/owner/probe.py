@@ -30,7 +30,7 @@ import numpy as np
 
 from fedpca.errors import FedpcaError
 from fedpca.files import database_missing, holds_database
-from fedpca.formatting import exact
+from fedpca.formatting import exact, first_of
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger_rows import recorded_relations
 from fedpca.transport.certs import TlsMaterial
@@ -69,11 +69,8 @@ def _label_values(table: LocalTable) -> str:
         return ""
     values = np.unique(table.columns[:, table.label_column])
     # Every digit: a query's class must equal a label exactly (0.1 is not 0.1000001).
-    shown = ", ".join(exact(value) for value in values[:LABEL_VALUES_SHOWN])
-    more = len(values) - LABEL_VALUES_SHOWN
-    return f"; label values (shown here only, not sent to the proxy): {shown}" + (
-        f" and {more} more" if more > 0 else ""
-    )
+    shown = first_of([exact(value) for value in values], LABEL_VALUES_SHOWN)
+    return f"; label values (shown here only, not sent to the proxy): {shown}"
 
 
 def probe_owner(

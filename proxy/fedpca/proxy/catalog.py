@@ -49,7 +49,7 @@ def describe_deployment(
         budget_epsilon=budget.epsilon,
         budget_delta=budget.delta,
         server_time=datetime.now(UTC),
-        owners_absent=tuple(sorted(set(coordinator.registered_owners) - connected)),
+        owners_absent=tuple(sorted(coordinator.registered_owners - connected)),
     )
 
 

@@ -25,6 +25,7 @@ from fedpca.codec import CryptoPool
 from fedpca.dp.noise import NoiseSampler
 from fedpca.errors import ConfigError
 from fedpca.files import ExclusiveUse
+from fedpca.formatting import first_of
 from fedpca.monitoring import MonitoringServer, free_space_problem
 from fedpca.proxy.config import ProxyConfig, reload_changes
 from fedpca.proxy.coordinator import Coordinator
@@ -399,9 +400,8 @@ def _absent_owners(config: ProxyConfig, connected: frozenset[str]) -> list[str]:
     absent = sorted(config.owners.allowed - connected)
     if not absent:
         return []
-    shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
     return [
-        f"allowed owners not connected now: {shown} (an analyst's query asks for all "
-        f"{len(config.owners.allowed)} allowed owners unless given a smaller --quorum, "
+        f"allowed owners not connected now: {first_of(absent, 20)} (an analyst's query asks "
+        f"for all {len(config.owners.allowed)} allowed owners unless given a smaller --quorum, "
         "and waits for them)"
     ]
