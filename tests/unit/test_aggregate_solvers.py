@@ -190,6 +190,55 @@ def test_covariance_mode_keeps_variances_within_the_bounds_and_names_the_divisor
     assert late.n_samples == 10.0 and late.moved[0] == "N - ddof" and "N" not in late.moved
 
 
+@pytest.mark.parametrize(
+    ("moments", "second", "ddof"),
+    [(Moments.VARIANCE, "squares", 0), (Moments.COVARIANCE, "products", 1)],
+)
+def test_noise_sd_of_means_and_variances_is_the_spread_of_noisy_releases(
+    moments: Moments, second: str, ddof: int
+) -> None:
+    """The printed noise sd is checked against its definition: the standard deviation
+    of the estimates over many releases of the same records, each with fresh Gaussian
+    noise of the sigmas (the first-order formula is within a few per cent at N = 400)."""
+    rng = np.random.default_rng(11)
+    part = Aggregate.statistics((0, 1), (0.0, -5.0), (10.0, 5.0), moments)
+    x = np.column_stack([rng.uniform(6.0, 10.0, 400), rng.uniform(-5.0, 0.0, 400)])
+    u = _scaled(x, part.lower, part.upper)
+    exact = {
+        "count": np.array([400.0]),
+        "sums": u.sum(axis=0),
+        "squares": (u * u).sum(axis=0),
+        "products": (u.T @ u)[np.triu_indices(2)],
+    }
+    sigmas = {"count": 30.0, "sums": 25.0, second: 20.0}
+    runs = 20_000
+    means, variances = np.empty((runs, 2)), np.empty((runs, 2))
+    for r in range(runs):
+        noisy = {
+            name: exact[name] + rng.normal(0.0, sigma, exact[name].shape)
+            for name, sigma in sigmas.items()
+        }
+        out = describe(part, noisy, ddof=ddof, clip=False)
+        assert out.variance is not None
+        means[r], variances[r] = out.mean, out.variance
+    at_exact = describe(part, exact, ddof=ddof, clip=False, sigmas=sigmas)
+    assert at_exact.n_samples_noise_sd == 30.0
+    assert at_exact.mean_noise_sd is not None and at_exact.variance_noise_sd is not None
+    np.testing.assert_allclose(at_exact.mean_noise_sd, means.std(axis=0), rtol=0.05)
+    np.testing.assert_allclose(at_exact.variance_noise_sd, variances.std(axis=0), rtol=0.05)
+    # Without the count's noise term (as if N were exact) the mean's sd is too small
+    # here: the test tells the terms apart.
+    assert np.all(0.9 * means.std(axis=0) > 25.0 * 5.0 / 400.0)
+    # Evaluated at a noisy release it is close to the same.
+    noisy = {k: exact[k] + rng.normal(0.0, v, exact[k].shape) for k, v in sigmas.items()}
+    again = describe(part, noisy, ddof=ddof, clip=False, sigmas=sigmas)
+    assert again.mean_noise_sd is not None
+    np.testing.assert_allclose(again.mean_noise_sd, at_exact.mean_noise_sd, rtol=0.2)
+    # No sigmas, no spread; exact N under replace-one (no count sigma) gives sd 0 for N.
+    assert describe(part, exact).mean_noise_sd is None
+    assert describe(part, exact, sigmas={"sums": 1.0}).n_samples_noise_sd == 0.0
+
+
 def test_histogram_counts_shapes_and_clamp() -> None:
     part = Aggregate.histogram((0, 1), ((0, 1, 2), (0, 1, 2, 3)), 2, (1.0, 2.0))
     raw = np.arange(-3.0, 9.0)

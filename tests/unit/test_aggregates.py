@@ -638,5 +638,7 @@ def test_replace_one_releases_unmoved_counts_exactly() -> None:
     assert np.count_nonzero(noise[slices["0.sums"]]) == 3
     assert np.count_nonzero(noise[slices["1.counts"]]) > 0  # a replacement moves cells
     assert plan.privacy_event("alice").sensitivity > 0
+    # Its sigma is 0, so the noise sd printed beside N is 0 (the summary calls N exact).
+    assert {s.name: s.sigma for s in plan.sections}["0.count"] == 0.0
     add_remove = ReleasePlan.for_query(query(STATS, JOINT), 2048)
     assert all(s.sigma > 0 for s in add_remove.sections)

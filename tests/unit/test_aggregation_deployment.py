@@ -397,6 +397,46 @@ def test_cli_histogram_total_is_the_sum_of_the_noisy_counts_not_of_the_clamped_o
     assert abs(raw.sum() - len(table)) < 6 * sigma
 
 
+def test_cli_stats_prints_the_noise_sd_of_each_mean_and_variance(
+    running: Any, analyst_keys: AnalystKeyFiles, table: np.ndarray, tmp_path: Path
+) -> None:
+    """A new analyst could not tell a noisy mean's digits from its noise: under each
+    mean and variance is its noise sd, the first-order spread the release's own sigmas
+    give it (recomputed here from the document's numbers), and result.json has them."""
+    files = running.tls(Role.ANALYST, "alice")
+    out = tmp_path / "stats.json"
+    result = CliRunner().invoke(
+        analyst_group,
+        [
+            *("stats", "--columns", "1,2", "--bounds", "0:17,0:200", "--moments", "variance"),
+            *("--proxy", running.proxy.address, "--ca", str(files.ca_certificate)),
+            *("--cert", str(files.certificate), "--key", str(files.private_key)),
+            *("--key-dir", str(analyst_keys.directory), "--epsilon", "1", "--delta", "1e-6"),
+            *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
+            *("--out", str(out)),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    sigma = document["noise_sigma"]
+    n, scale = document["n_samples"], np.array([8.5, 100.0])
+    mean_u = (np.array(document["mean"]) - scale) / scale
+    expected = scale * np.sqrt(sigma["sums"] ** 2 + mean_u**2 * sigma["count"] ** 2) / n
+    np.testing.assert_allclose(document["mean_noise_sd"], expected, rtol=1e-9)
+    assert document["n_samples_noise_sd"] == sigma["count"] > 0
+    assert document["n_samples_noisy"] is True
+    lines = result.stdout.splitlines()
+    assert f"records N:   {n:.1f} (noisy, noise sd {sigma['count']:.3g})" in lines
+    at = lines.index("mean          " + "".join(f"{v:>12.6g}" for v in document["mean"]))
+    assert lines[at + 1] == "  noise sd    " + "".join(f"{v:>12.3g}" for v in expected)
+    at = lines.index("variance      " + "".join(f"{v:>12.6g}" for v in document["variance"]))
+    spread = document["variance_noise_sd"]
+    assert lines[at + 1] == "  noise sd    " + "".join(f"{v:>12.3g}" for v in spread)
+    # The exact means are within a few noise sds of the noisy ones.
+    x = table[:, [1, 2]]
+    assert np.all(np.abs(np.array(document["mean"]) - x.mean(axis=0)) < 6 * expected)
+
+
 @pytest.mark.parametrize("running", [{"not_private": True}], indirect=True)
 def test_cli_commands_write_strict_json(
     running: Any,
@@ -421,8 +461,9 @@ def test_cli_commands_write_strict_json(
         assert result.exit_code == 0, result.output
         printed[args[0]] = result.stdout
         assert "NOT PRIVATE" in result.output
-        if args[0] == "stats":  # the count is exact here, and says so
+        if args[0] == "stats":  # the count is exact here, and says so; no noise sd row
             assert f"records N:   {len(table)}.0 (exact: NOT PRIVATE)" in result.stdout
+            assert "noise sd" not in result.stdout
         assert result.stdout.strip().splitlines()[-1] == str(out)
         document: dict[str, Any] = json.loads(out.read_text())
         assert document["epsilon"] is None and document["not_private"] is True

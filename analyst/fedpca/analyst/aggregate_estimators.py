@@ -340,6 +340,13 @@ class AggregateEstimator(_Settings):
             raise ConfigError(
                 f"aggregate {index} of the release is not the one {type(self).__name__} asks for"
             )
+        prefix = f"{index}."
+        # Before _solve: statistics derive their noise's standard deviations from it.
+        self.noise_sigmas_ = {
+            name.removeprefix(prefix): sigma
+            for name, sigma in release.sigmas.items()
+            if name.startswith(prefix)
+        }
         start = time.perf_counter()
         self._solve(part, release.aggregates[index], release, index)
         query = release.query
@@ -355,12 +362,6 @@ class AggregateEstimator(_Settings):
         self.not_private_ = not release.private
         self.query_id_ = query.query_id
         self.key_fingerprint_ = release.key_fingerprint
-        prefix = f"{index}."
-        self.noise_sigmas_ = {
-            name.removeprefix(prefix): sigma
-            for name, sigma in release.sigmas.items()
-            if name.startswith(prefix)
-        }
         self.timings_ = all_timings
 
     def _solve(

@@ -54,8 +54,8 @@ def echo_summary(estimator: Any) -> None:
             click.secho(line, fg=colour)
 
 
-def _cell(value: float) -> str:
-    return f"{value:>{_WIDTH}.6g}"
+def _cell(value: float, digits: int = 6) -> str:
+    return f"{value:>{_WIDTH}.{digits}g}"
 
 
 def _header(columns: Sequence[int], first: str) -> str:
@@ -75,16 +75,39 @@ def _matrix(name: str, columns: Sequence[int], matrix: Any) -> list[SummaryLine]
 
 def _statistics(estimator: Any) -> list[SummaryLine]:
     columns = list(estimator.columns_)
-    noisy = " (exact: NOT PRIVATE)" if estimator.not_private_ else " (noisy)"
+    # A new analyst could not tell a noisy mean's third digit from its noise: each
+    # estimate's noise sd is printed under it (post-processing, see aggregates.py).
+    private = not estimator.not_private_
+    n_sd = estimator.n_samples_noise_sd_
+    if not private:
+        noisy = " (exact: NOT PRIVATE)"
+    elif n_sd:
+        noisy = f" (noisy, noise sd {n_sd:.3g})"
+    else:
+        noisy = " (exact: public under replace-one)"
     lines: list[SummaryLine] = [(f"records N:   {estimator.n_samples_:.1f}{noisy}", None)]
     shown = columns[:MAX_ROWS]
     lines.append((_header(shown, "column"), None))
     lines.append(("mean          " + "".join(_cell(v) for v in estimator.mean_[:MAX_ROWS]), None))
+    if private and estimator.mean_noise_sd_ is not None:
+        spread = estimator.mean_noise_sd_[:MAX_ROWS]
+        lines.append(("  noise sd    " + "".join(_cell(v, 3) for v in spread), None))
     if estimator.variance_ is not None:
         variance = estimator.variance_[:MAX_ROWS]
         lines.append(("variance      " + "".join(_cell(v) for v in variance), None))
+        if private and estimator.variance_noise_sd_ is not None:
+            spread = estimator.variance_noise_sd_[:MAX_ROWS]
+            lines.append(("  noise sd    " + "".join(_cell(v, 3) for v in spread), None))
         deviation = np.sqrt(np.maximum(variance, 0.0))
         lines.append(("std           " + "".join(_cell(v) for v in deviation), None))
+    if private:
+        lines.append(
+            (
+                "noise sd:    one standard deviation of the privacy noise in the value above "
+                "it (first order; not the records' sampling error)",
+                None,
+            )
+        )
     if len(columns) > len(shown):
         lines.append((f"… {len(columns) - len(shown)} more columns in result.json", None))
     if estimator.covariance_ is not None and len(columns) > 1:

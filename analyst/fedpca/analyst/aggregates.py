@@ -61,6 +61,7 @@ __all__ = [
     "describe",
     "histogram_counts",
     "noise_spectral_bound",
+    "noise_standard_deviations",
     "solve_regression",
 ]
 
@@ -94,6 +95,9 @@ class DescriptiveStatistics:
     moved : the quantities it changed ("N", "N - ddof", "mean", "variance",
         "covariance", "correlation"): their noisy values lay outside their public
         ranges.
+    n_samples_noise_sd, mean_noise_sd, variance_noise_sd : the standard deviation the
+        privacy noise gives N, each mean and each variance (None without the noise's
+        sigmas, or for variances with moments = mean); see :func:`noise_standard_deviations`.
     """
 
     n_samples: float
@@ -103,10 +107,53 @@ class DescriptiveStatistics:
     correlation: FloatArray | None
     clipped: bool
     moved: tuple[str, ...] = ()
+    n_samples_noise_sd: float | None = None
+    mean_noise_sd: FloatArray | None = None
+    variance_noise_sd: FloatArray | None = None
+
+
+def noise_standard_deviations(
+    part: Aggregate,
+    sigmas: Mapping[str, float],
+    *,
+    n: float,
+    mean_u: FloatArray,
+    var_u: FloatArray | None,
+    divisor: float,
+) -> tuple[float, FloatArray, FloatArray | None]:
+    """How far the privacy noise alone moves N, the means and the variances (one
+    standard deviation, in the columns' units), to first order (the delta method).
+
+    The sections get independent noise: the count sd σ_N (0 where N is exact), each
+    sum σ_S and each square (or diagonal product) σ_Q, in the scaled units u. With
+    m = S/N and v = (Q − S²/N)/D, D = N − ddof, the first-order terms give
+
+        sd(m) = √(σ_S² + m² σ_N²) / N,
+        sd(v) = √(σ_Q² + 4 m² σ_S² + (m² − v)² σ_N²) / D
+
+    (∂v/∂Q = 1/D, ∂v/∂S = −2m/D, ∂v/∂N = (m² − v)/D), evaluated at the released
+    values and scaled by s and s². Post-processing of the release and of the public
+    sigmas: nothing here costs budget. Not the sampling error of the records, only the
+    noise's; first order, so it is rough when N is within a few σ_N of 0.
+    """
+    _, scale = _centres_and_scales(part.lower, part.upper)
+    sd_n = float(sigmas.get(COUNT, 0.0))
+    sd_s = float(sigmas.get(SUMS, 0.0))
+    mean_sd = scale * np.sqrt(sd_s**2 + mean_u**2 * sd_n**2) / n
+    if var_u is None:
+        return sd_n, mean_sd, None
+    sd_q = float(sigmas.get(SQUARES, sigmas.get(PRODUCTS, 0.0)))
+    terms = sd_q**2 + 4.0 * mean_u**2 * sd_s**2 + (mean_u**2 - var_u) ** 2 * sd_n**2
+    return sd_n, mean_sd, scale * scale * np.sqrt(terms) / divisor
 
 
 def describe(
-    part: Aggregate, sections: Mapping[str, FloatArray], *, ddof: int = 0, clip: bool = True
+    part: Aggregate,
+    sections: Mapping[str, FloatArray],
+    *,
+    ddof: int = 0,
+    clip: bool = True,
+    sigmas: Mapping[str, float] | None = None,
 ) -> DescriptiveStatistics:
     """Means, variances and covariances from a ``stats`` aggregate's noisy sections.
 
@@ -116,6 +163,8 @@ def describe(
     sections : its noisy sections by name ("count", "sums", "squares" or "products").
     ddof : the divisor is N − ddof (0 as numpy.var; 1 as numpy.cov).
     clip : apply the consistency post-processing (see the module docstring).
+    sigmas : the noise's standard deviation by section name, for the ``*_noise_sd``
+        fields (None: they are None).
     """
     if part.kind is not AggregateKind.STATS:
         raise ConfigError(f"describe needs a stats aggregate, got {part.kind.value}")
@@ -181,7 +230,15 @@ def describe(
                 moved.append("correlation")
             correlation = np.clip(correlation, -1.0, 1.0)
             np.fill_diagonal(correlation, np.where(sd > 0, 1.0, np.nan))
-    return DescriptiveStatistics(n, mean, variance, covariance, correlation, clip, tuple(moved))
+    spread: tuple[float | None, FloatArray | None, FloatArray | None] = (None, None, None)
+    if sigmas is not None:
+        released_u = None if variance is None else variance / (scale * scale)
+        spread = noise_standard_deviations(
+            part, sigmas, n=n, mean_u=mean_u, var_u=released_u, divisor=divisor
+        )
+    return DescriptiveStatistics(
+        n, mean, variance, covariance, correlation, clip, tuple(moved), *spread
+    )
 
 
 # ------------------------------------------------------------------ histograms

@@ -118,7 +118,9 @@ class FederatedStatistics(AggregateEstimator):
         release: DecodedRelease,
         index: int,
     ) -> None:
-        result = describe(part, sections, ddof=int(self.ddof), clip=bool(self.clip))
+        result = describe(
+            part, sections, ddof=int(self.ddof), clip=bool(self.clip), sigmas=self.noise_sigmas_
+        )
         self.columns_ = part.columns
         self.n_samples_ = result.n_samples
         self.mean_ = result.mean
@@ -127,6 +129,9 @@ class FederatedStatistics(AggregateEstimator):
         self.correlation_ = result.correlation
         self.clipped_ = result.clipped
         self.clip_moved_ = result.moved
+        self.n_samples_noise_sd_ = result.n_samples_noise_sd
+        self.mean_noise_sd_ = result.mean_noise_sd
+        self.variance_noise_sd_ = result.variance_noise_sd
 
     columns_: tuple[int, ...]
     n_samples_: float
@@ -136,6 +141,9 @@ class FederatedStatistics(AggregateEstimator):
     correlation_: FloatArray | None
     clipped_: bool
     clip_moved_: tuple[str, ...]
+    n_samples_noise_sd_: float | None
+    mean_noise_sd_: FloatArray | None
+    variance_noise_sd_: FloatArray | None
 
 
 FederatedStatistics.__doc__ = (
@@ -153,6 +161,9 @@ FederatedStatistics.__doc__ = (
     clip_moved_ : what it changed ("N", "N - ddof" (the divisor, raised to 1), "mean",
         "variance", "covariance", "correlation"): noisy values outside their public
         ranges.
+    n_samples_noise_sd_, mean_noise_sd_, variance_noise_sd_ : one standard deviation of
+        the privacy noise in N, each mean and each variance (first order, in the
+        columns' units; 0 without noise; not the records' sampling error).
     epsilon_, delta_, not_private_, n_owners_, noise_sigmas_, timings_, query_id_,
     key_fingerprint_, release_ : provenance.
 """
