@@ -19,6 +19,7 @@ from fedpca.analyst.aggregates import (
     describe,
     histogram_counts,
     noise_spectral_bound,
+    regression_noise_sd,
     solve_regression,
 )
 from fedpca.analyst.querying import charged_release
@@ -97,6 +98,49 @@ def test_automatic_alpha_is_the_spectral_bound_of_the_noise() -> None:
     # row 0: 2² + 3·3², rows 1-3: 3² + 3·5².
     v = max(4 + 3 * 9, 9 + 3 * 25)
     assert fit.alpha == pytest.approx(math.sqrt(2 * v * math.log(2 * 4 / 0.05)), rel=1e-12)
+
+
+@pytest.mark.parametrize("fit_intercept", [True, False])
+def test_regression_noise_sd_is_the_spread_of_noisy_releases(fit_intercept: bool) -> None:
+    """The coefficients' noise sd, a bootstrap from one noisy release, is checked against
+    its definition: the spread of the coefficients over many releases of the same
+    records, each with fresh noise of the sigmas, solved with the same regulariser."""
+    x, y = _data(3, n=3000)
+    exact = _regression_sections(x, y)
+    sigmas = {"count": 4.0, "x_sums": 6.0, "y_sum": 3.0, "xtx": 8.0, "xty": 5.0}
+    rng = np.random.default_rng(8)
+
+    def noisy() -> dict[str, np.ndarray]:
+        return {k: v + rng.normal(0.0, sigmas[k], np.shape(v)) for k, v in exact.items()}
+
+    released = noisy()
+    fit = solve_regression(FEATURES, released, sigmas, fit_intercept=fit_intercept)
+    assert fit.alpha > 0
+    runs = [
+        solve_regression(FEATURES, noisy(), sigmas, alpha=fit.alpha, fit_intercept=fit_intercept)
+        for _ in range(4000)
+    ]
+    coef_sd = np.std([run.coef for run in runs], axis=0)
+    intercept_sd = np.std([run.intercept for run in runs])
+    sd, intercept, draws = regression_noise_sd(
+        FEATURES, released, sigmas, fit, fit_intercept=fit_intercept, draws=1000, seed=1
+    )
+    assert draws == 1000
+    np.testing.assert_allclose(sd, coef_sd, rtol=0.15)
+    if fit_intercept:
+        assert intercept == pytest.approx(intercept_sd, rel=0.15)
+    else:
+        assert intercept == 0.0 == intercept_sd
+    # The default number of draws (200 at 3 features) and the seed make it repeatable.
+    again = regression_noise_sd(FEATURES, released, sigmas, fit, fit_intercept=fit_intercept)
+    assert again[2] == 200
+    assert np.array_equal(
+        again[0],
+        regression_noise_sd(FEATURES, released, sigmas, fit, fit_intercept=fit_intercept)[0],
+    )
+    # No noise: no spread, no draws.
+    none = regression_noise_sd(FEATURES, exact, NO_NOISE, fit, fit_intercept=fit_intercept)
+    assert none[2] == 0 and not np.any(none[0]) and none[1] == 0.0
 
 
 def test_spectral_bound_holds_for_sampled_noise() -> None:

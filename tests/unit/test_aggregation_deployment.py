@@ -397,22 +397,26 @@ def test_cli_histogram_total_is_the_sum_of_the_noisy_counts_not_of_the_clamped_o
     assert abs(raw.sum() - len(table)) < 6 * sigma
 
 
-def test_cli_stats_prints_the_noise_sd_of_each_mean_and_variance(
+def test_cli_prints_the_noise_sd_of_each_estimate(
     running: Any, analyst_keys: AnalystKeyFiles, table: np.ndarray, tmp_path: Path
 ) -> None:
     """A new analyst could not tell a noisy mean's digits from its noise: under each
     mean and variance is its noise sd, the first-order spread the release's own sigmas
-    give it (recomputed here from the document's numbers), and result.json has them."""
+    give it (recomputed here from the document's numbers), under each coefficient its
+    bootstrap spread, and result.json has them."""
     files = running.tls(Role.ANALYST, "alice")
     out = tmp_path / "stats.json"
+    common = [
+        *("--proxy", running.proxy.address, "--ca", str(files.ca_certificate)),
+        *("--cert", str(files.certificate), "--key", str(files.private_key)),
+        *("--key-dir", str(analyst_keys.directory), "--epsilon", "1", "--delta", "1e-6"),
+        *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
+    ]
     result = CliRunner().invoke(
         analyst_group,
         [
             *("stats", "--columns", "1,2", "--bounds", "0:17,0:200", "--moments", "variance"),
-            *("--proxy", running.proxy.address, "--ca", str(files.ca_certificate)),
-            *("--cert", str(files.certificate), "--key", str(files.private_key)),
-            *("--key-dir", str(analyst_keys.directory), "--epsilon", "1", "--delta", "1e-6"),
-            *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
+            *common,
             *("--out", str(out)),
         ],
     )
@@ -435,6 +439,30 @@ def test_cli_stats_prints_the_noise_sd_of_each_mean_and_variance(
     # The exact means are within a few noise sds of the noisy ones.
     x = table[:, [1, 2]]
     assert np.all(np.abs(np.array(document["mean"]) - x.mean(axis=0)) < 6 * expected)
+
+    # A regression's coefficients and intercept get theirs from simulated releases.
+    result = CliRunner().invoke(
+        analyst_group,
+        [
+            *("linreg", "--columns", "6,8", "--bounds", "0:70,20:90"),
+            *("--target", "2", "--target-bounds", "0:200"),
+            *common,
+            *("--out", str(tmp_path / "model.json")),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    model = json.loads((tmp_path / "model.json").read_text())
+    assert model["noise_sd_draws"] == 200 and np.all(np.array(model["coef_noise_sd"]) > 0)
+    lines = result.stdout.splitlines()
+    at = lines.index(" " * 14 + "".join(f"{v:>12.6g}" for v in model["coef"]))
+    assert lines[at + 1] == "  noise sd    " + "".join(
+        f"{v:>12.3g}" for v in model["coef_noise_sd"]
+    )
+    intercept = (
+        f"intercept:   {model['intercept']:.6g} (noise sd {model['intercept_noise_sd']:.3g})"
+    )
+    assert intercept in lines
+    assert any(line.startswith("noise sd:") and "200 simulated releases" in line for line in lines)
 
 
 @pytest.mark.parametrize("running", [{"not_private": True}], indirect=True)
@@ -525,6 +553,7 @@ def test_cli_commands_write_strict_json(
     at = summary.index("coefficient   " + f"{'col 6':>12}{'col 8':>12}")
     assert summary[at + 1] == " " * 14 + "".join(f"{v:>12.6g}" for v in model["coef"])
     assert "target:      col 2" in summary
+    assert "noise sd" not in printed["linreg"] and model["noise_sd_draws"] == 0
 
     # The stored release read back by id: the same document, bar timings and time.
     monkeypatch.setattr(

@@ -171,7 +171,10 @@ def _part(estimator: AggregateEstimator) -> dict[str, Any]:
             target_column=part.target_column,
             target_bounds=[part.target_lower, part.target_upper],
             coef=_list(estimator.coef_),
+            coef_noise_sd=_list(estimator.coef_noise_sd_),
             intercept=float(estimator.intercept_),
+            intercept_noise_sd=float(estimator.intercept_noise_sd_),
+            noise_sd_draws=int(estimator.noise_sd_draws_),
             fit_intercept=bool(estimator.fit_intercept),
             alpha=float(estimator.alpha_),
             alpha_rule=(

@@ -226,7 +226,15 @@ def _regression(estimator: Any) -> list[SummaryLine]:
     lines: list[SummaryLine] = [(f"target:      col {int(estimator.target)}", None)]
     lines.append(("coefficient   " + "".join(f"{f'col {c}':>{_WIDTH}}" for c in columns), None))
     lines.append(("              " + "".join(_cell(v) for v in estimator.coef_), None))
-    lines.append((f"intercept:   {estimator.intercept_:.6g}", None))
+    draws = estimator.noise_sd_draws_
+    if draws:
+        lines.append(
+            ("  noise sd    " + "".join(_cell(v, 3) for v in estimator.coef_noise_sd_), None)
+        )
+        intercept_sd = f" (noise sd {estimator.intercept_noise_sd_:.3g})"
+    else:
+        intercept_sd = ""
+    lines.append((f"intercept:   {estimator.intercept_:.6g}{intercept_sd}", None))
     lines.append((f"alpha:       {estimator.alpha_:.6g}", None))
     if estimator.alpha_ > 0:
         lines.append(
@@ -235,6 +243,14 @@ def _regression(estimator: Any) -> list[SummaryLine]:
                 "regulariser that keeps the noisy XᵀX invertible); --alpha 0 for least "
                 "squares on the noisy statistics",
                 "yellow",
+            )
+        )
+    if draws:
+        lines.append(
+            (
+                "noise sd:    one standard deviation of the privacy noise in each value, from "
+                f"{draws} simulated releases (not the records' sampling error)",
+                None,
             )
         )
     return lines

@@ -62,6 +62,7 @@ __all__ = [
     "histogram_counts",
     "noise_spectral_bound",
     "noise_standard_deviations",
+    "regression_noise_sd",
     "solve_regression",
 ]
 
@@ -409,3 +410,47 @@ def solve_regression(
     coef = y_scale * weights / scale
     intercept = float(y_centre + y_scale * theta0 - coef @ centre)
     return RegressionFit(np.asarray(coef, dtype=np.float64), intercept, used, n)
+
+
+def regression_noise_sd(
+    part: Aggregate,
+    sections: Mapping[str, FloatArray],
+    sigmas: Mapping[str, float],
+    fit: RegressionFit,
+    *,
+    fit_intercept: bool = True,
+    draws: int | None = None,
+    seed: int = 0,
+) -> tuple[FloatArray, float, int]:
+    """How far the privacy noise alone moves the coefficients and the intercept (one
+    standard deviation each), by a parametric bootstrap of the release.
+
+    Each draw adds fresh Gaussian noise of the sections' public sigmas to the released
+    sections and solves again with the same regulariser (``fit.alpha``); the spread of
+    the solutions estimates the spread of the estimator under the noise (the
+    estimator's own clipping and centring included, which a closed form would miss).
+    Post-processing of the release and the public sigmas, at no charge; ``seed`` makes
+    it repeatable (the caller derives it from the query id). Not the records' sampling
+    error; a ridge's bias toward 0 is not in it either.
+
+    Returns the coefficients' and the intercept's standard deviations and the number
+    of draws: ``draws``, or by default 200 up to 100 features and fewer above (each
+    draw is one d × d solve; at least 30, a relative error of about 13 %).
+    """
+    d = len(part.columns)
+    if not any(float(sigma) > 0.0 for sigma in sigmas.values()):
+        return np.zeros(d), 0.0, 0
+    if draws is None:
+        draws = min(200, max(30, int(2e8 / (d + 1) ** 3)))
+    rng = np.random.default_rng(seed)
+    coefs = np.empty((draws, d))
+    intercepts = np.empty(draws)
+    for draw in range(draws):
+        noisy = {
+            name: np.asarray(values, dtype=np.float64)
+            + rng.normal(0.0, float(sigmas.get(name, 0.0)), np.shape(values))
+            for name, values in sections.items()
+        }
+        again = solve_regression(part, noisy, sigmas, alpha=fit.alpha, fit_intercept=fit_intercept)
+        coefs[draw], intercepts[draw] = again.coef, again.intercept
+    return coefs.std(axis=0, ddof=1), float(intercepts.std(ddof=1)), draws

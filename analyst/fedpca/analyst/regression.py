@@ -8,6 +8,7 @@ solved from them (:func:`fedpca.analyst.aggregates.solve_regression`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from fedpca.analyst.aggregate_estimators import (
     COMMON_PARAMETERS_DOC,
     AggregateEstimator,
 )
-from fedpca.analyst.aggregates import solve_regression
+from fedpca.analyst.aggregates import regression_noise_sd, solve_regression
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.params import check_number
 from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices, required
@@ -136,12 +137,7 @@ class FederatedLinearRegression(AggregateEstimator):
         release: DecodedRelease,
         index: int,
     ) -> None:
-        prefix = f"{index}."
-        sigmas = {
-            name.removeprefix(prefix): sigma
-            for name, sigma in release.sigmas.items()
-            if name.startswith(prefix)
-        }
+        sigmas = self.noise_sigmas_
         fit = solve_regression(
             part,
             sections,
@@ -152,6 +148,13 @@ class FederatedLinearRegression(AggregateEstimator):
         )
         self.coef_ = fit.coef
         self.intercept_ = fit.intercept
+        # Seeded by the query and the aggregate: a fetch prints the same spread.
+        seed = int.from_bytes(
+            hashlib.sha256(f"{release.query.query_id}/{index}".encode()).digest()[:8]
+        )
+        self.coef_noise_sd_, self.intercept_noise_sd_, self.noise_sd_draws_ = regression_noise_sd(
+            part, sections, sigmas, fit, fit_intercept=bool(self.fit_intercept), seed=seed
+        )
         self.alpha_ = fit.alpha
         self.n_samples_ = fit.n_samples
         self.n_features_in_ = len(part.columns)
@@ -185,6 +188,9 @@ class FederatedLinearRegression(AggregateEstimator):
 
     coef_: FloatArray
     intercept_: float
+    coef_noise_sd_: FloatArray
+    intercept_noise_sd_: float
+    noise_sd_draws_: int
     alpha_: float
     n_samples_: float
     n_features_in_: int
@@ -198,6 +204,10 @@ FederatedLinearRegression.__doc__ = (
     ----------
     coef_ : (d,) coefficients in the features' units.
     intercept_ : the intercept (0.0 with fit_intercept=False).
+    coef_noise_sd_, intercept_noise_sd_ : one standard deviation of the privacy noise in
+        each coefficient and in the intercept, by a parametric bootstrap of the release
+        (:func:`~fedpca.analyst.aggregates.regression_noise_sd`; 0 without noise; not the
+        records' sampling error); ``noise_sd_draws_`` draws (0 without noise).
     alpha_ : the regulariser used (see fedpca.analyst.aggregates.solve_regression).
     n_samples_ : noisy count N.
     n_features_in_ : d.
