@@ -392,8 +392,10 @@ def test_cli_histogram_total_is_the_sum_of_the_noisy_counts_not_of_the_clamped_o
     sigma = document["noise_sigma"]["counts"] * math.sqrt(raw.size)
     assert (
         f"total count: {raw.sum():.0f} (noisy: the sum of the 140 counts, negative ones "
-        f"included, noise sigma {sigma:.3g})\n" in result.stdout
+        f"included, noise sd {sigma:.3g})\n" in result.stdout
     )
+    each = document["noise_sigma"]["counts"]
+    assert f"noise sd:    {each:.3g} in each count (the privacy noise's)\n" in result.stdout
     assert abs(raw.sum() - len(table)) < 6 * sigma
 
 
@@ -537,6 +539,7 @@ def test_cli_commands_write_strict_json(
     for label, count in zip(labels, expected, strict=True):
         assert f"  {label:<22}{count}" in printed["histogram"].splitlines()
     assert "clamped" not in printed["histogram"]  # nothing negative to clamp
+    assert "noise sd" not in printed["histogram"]
 
     model = run(
         *("linreg", "--columns", "6,8", "--bounds", "0:70,20:90"),

@@ -177,6 +177,8 @@ def _histogram(estimator: Any) -> list[SummaryLine]:
     outer = ", ".join(f"{e[0]:.6g} to {e[-1]:.6g}" for e in estimator.bin_edges_)
     lines.append((f"edges:       {outer}; values beyond them count in the outer bins", None))
     lines.append((histogram_total_line(estimator), None))
+    if not estimator.not_private_ and (sigma := estimator.noise_sigmas_.get(COUNTS)):
+        lines.append((f"noise sd:    {sigma:.3g} in each count (the privacy noise's)", None))
     if estimator.clamped_ and bool(np.any(np.asarray(estimator.raw_counts_) < 0)):
         # Only when a count changed: exact releases said so with nothing negative.
         lines.append(
@@ -217,7 +219,7 @@ def histogram_total_line(estimator: Any) -> str:
     if estimator.not_private_:
         return f"{total} (exact: NOT PRIVATE)"
     sigma = estimator.noise_sigmas_.get(COUNTS)
-    spread = "" if sigma is None else f", noise sigma {sigma * math.sqrt(raw.size):.3g}"
+    spread = "" if sigma is None else f", noise sd {sigma * math.sqrt(raw.size):.3g}"
     return f"{total} (noisy: the sum of the {raw.size} counts, negative ones included{spread})"
 
 
