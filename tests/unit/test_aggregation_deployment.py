@@ -286,6 +286,73 @@ def test_combined_query_is_charged_once_at_the_composed_cost(
     assert listed[query.query_id_].what == "aggregate:stats+histogram+linreg"
 
 
+def test_cli_combined_runs_the_aggregates_of_a_file_in_one_release(
+    running: Any, analyst_keys: AnalystKeyFiles, tmp_path: Path
+) -> None:
+    """From the command line, several aggregates cost one release (each of stats,
+    histogram and linreg was a release of its own), split by the file's weights."""
+    files = running.tls(Role.ANALYST, "alice")
+    spec = tmp_path / "aggregates.toml"
+    spec.write_text(
+        """
+[[aggregate]]
+kind = "stats"
+weight = 2
+columns = [1, 2]
+bounds = "0:17,0:200"
+moments = "variance"
+
+[[aggregate]]
+kind = "histogram"
+columns = [8]
+bins = [[20, 30, 40, 50, 60, 70, 90]]
+
+[[aggregate]]
+kind = "linreg"
+columns = [6, 8]
+bounds = [[0, 70], [20, 90]]
+target = 2
+target_bounds = [0, 200]
+"""
+    )
+    out = tmp_path / "combined.json"
+    result = CliRunner().invoke(
+        analyst_group,
+        [
+            *("combined", str(spec)),
+            *("--proxy", running.proxy.address, "--ca", str(files.ca_certificate)),
+            *("--cert", str(files.certificate), "--key", str(files.private_key)),
+            *("--key-dir", str(analyst_keys.directory), "--epsilon", "1", "--delta", "1e-6"),
+            *("--max-records-per-owner", "1000", "--max-owners", "4", "--workers", "1"),
+            *("--out", str(out)),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    parts = document["aggregates"]
+    assert [p["aggregate"] for p in parts] == ["stats", "histogram", "linreg"]
+    assert parts[0]["columns"] == [1, 2] and parts[2]["target_column"] == 2
+    # One charge: one event in the proxy's ledger and in every owner's.
+    assert len(running.proxy.coordinator.store.releases("alice")) == 1
+    for node in running.nodes.values():
+        assert [e.event.query_id for e in node.ledger.events()] == [f"alice/{document['query_id']}"]
+    # The weights split the budget: the statistics got twice the histogram's share.
+    sigma = document["noise_sigma"]
+    worst = {  # section -> the larger of its add and swap changes (2 columns)
+        "0.count": 1.0,
+        "0.sums": 2 * math.sqrt(2),
+        "0.squares": math.sqrt(2),
+        "1.counts": math.sqrt(2),
+    }
+    share = {name: (change / sigma[name]) ** 2 for name, change in worst.items()}
+    stats_share = share["0.count"] + share["0.sums"] + share["0.squares"]
+    assert stats_share == pytest.approx(2 * share["1.counts"], rel=1e-9)
+    lines = result.stdout.splitlines()
+    assert "aggregates:  stats, histogram, linreg" in lines
+    assert "--- histogram of columns 8" in lines and "--- linreg of columns 6,8" in lines
+    assert lines[-2:] == ["release: (1, 1e-06)-DP", str(out)]
+
+
 @pytest.mark.parametrize(
     "running",
     [{"policy": {"allowed_kinds": (QueryKind.PCA, QueryKind.DCA), "max_epsilon_per_query": 10}}],

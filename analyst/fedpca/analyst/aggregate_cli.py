@@ -1,4 +1,4 @@
-"""``fedpca analyst stats|histogram|linreg``: private aggregates from the command line.
+"""``fedpca analyst stats|histogram|linreg|combined``: private aggregates from the command line.
 
 Commands::
 
@@ -8,6 +8,7 @@ Commands::
         [--columns 8,6 --bins ... --bins ...] [--group-by 0 --categories -1,1] ...
     fedpca analyst linreg --columns 1,3,4 --bounds 0:17,0:130,0:100 \\
         --target 2 --target-bounds 0:200 [--alpha auto|A] [--no-intercept] ...
+    fedpca analyst combined aggregates.toml ...   (several in one release)
 
 Columns are 0-based indices into the owners' files. Connection, key and query
 options are those of ``fedpca analyst pca``; the JSON written is described in
@@ -34,7 +35,7 @@ from fedpca.budget_options import DELTA
 from fedpca.column_options import COLUMNS
 from fedpca.query import Calibration, Moments, Neighbouring
 
-__all__ = ["histogram_command", "linreg_command", "stats_command"]
+__all__ = ["combined_command", "histogram_command", "linreg_command", "stats_command"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -315,5 +316,36 @@ def linreg_command(
     _finish(estimator, path)
 
 
-for _command in (stats_command, histogram_command, linreg_command):
+@click.command("combined")
+@click.argument(
+    "query_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE"
+)
+@_aggregate_query_options
+def combined_command(query_file: Path, **params: Any) -> None:
+    """Several aggregates in one release, charged once: the stats, histograms and
+    regressions FILE lists as [[aggregate]] tables (kind, optional weight, and the
+    parameters of its Python estimator; docs/aggregation.md shows one).
+
+    The options set the whole release: epsilon and delta are split across the
+    aggregates by their weights (default equal), and each is noised with its share.
+    """
+    from fedpca.analyst.aggregate_estimators import FederatedQuery
+    from fedpca.analyst.aggregate_summary import echo_aggregates
+    from fedpca.analyst.query_file import read_query_file
+    from fedpca.errors import ConfigError
+
+    try:
+        listed = read_query_file(query_file)
+    except ConfigError as exc:  # before keys or the network
+        raise click.BadParameter(str(exc), param_hint="FILE") from None
+
+    def factory(**kwargs: Any) -> FederatedQuery:
+        return FederatedQuery(list(listed.estimators), weights=list(listed.weights), **kwargs)
+
+    fitted, path = _fit(factory, params)
+    echo_aggregates(fitted)
+    _finish(fitted, path)
+
+
+for _command in (stats_command, histogram_command, linreg_command, combined_command):
     analyst_cli.analyst_group.add_command(_command)

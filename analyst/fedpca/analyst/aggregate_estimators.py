@@ -62,13 +62,13 @@ from fedpca.query import (
     QuerySpec,
 )
 
-__all__ = ["COMMON_PARAMETERS_DOC", "FederatedQuery", "aggregate_query"]
+__all__ = ["COMMON_PARAMETERS_DOC", "PRIVACY_PARAMETERS", "FederatedQuery", "aggregate_query"]
 
 logger = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
 
-_PRIVACY_PARAMETERS = (
+PRIVACY_PARAMETERS = (
     "epsilon",
     "delta",
     "calibration",
@@ -91,6 +91,8 @@ _PRIVACY_PARAMETERS = (
     "verbose",
     "on_status",
 )
+"""The parameters every aggregate estimator shares: privacy, collection and connection.
+Inside a :class:`FederatedQuery` only the query's are used."""
 
 
 def _split(
@@ -143,7 +145,7 @@ class _Settings(SklearnParams):
 
     def _store_settings(self, arguments: Mapping[str, Any]) -> None:
         """Store the shared constructor arguments (scikit-learn: parameters as given)."""
-        for name in _PRIVACY_PARAMETERS:
+        for name in PRIVACY_PARAMETERS:
             setattr(self, name, arguments[name])
 
     def _run(
@@ -526,7 +528,7 @@ class FederatedQuery(_Settings):
         defaults = inspect.signature(type(estimator).__init__).parameters
         ignored = [
             f"{name}={getattr(estimator, name)!r}"
-            for name in _PRIVACY_PARAMETERS
+            for name in PRIVACY_PARAMETERS
             if differs(getattr(estimator, name), defaults[name].default)
             and differs(getattr(estimator, name), getattr(self, name))
         ]

@@ -20,7 +20,14 @@ import numpy as np
 from fedpca.aggregates import COUNTS
 from fedpca.analyst.schema import column_indices
 
-__all__ = ["MAX_ROWS", "SummaryLine", "echo_summary", "histogram_total_line", "summary_lines"]
+__all__ = [
+    "MAX_ROWS",
+    "SummaryLine",
+    "echo_aggregates",
+    "echo_summary",
+    "histogram_total_line",
+    "summary_lines",
+]
 
 MAX_ROWS = 40
 """Rows of a matrix or of a histogram's cells printed at most."""
@@ -52,6 +59,17 @@ def echo_summary(estimator: Any) -> None:
             click.echo(line)
         else:
             click.secho(line, fg=colour)
+
+
+def echo_aggregates(fitted: Any) -> None:
+    """Print the summary of every aggregate of a fitted combined query (or of one
+    estimator), each under a line naming its kind and columns."""
+    estimators = getattr(fitted, "estimators_", [fitted])
+    click.echo(f"aggregates:  {', '.join(e.aggregate().kind.value for e in estimators)}")
+    for estimator in estimators:
+        part = estimator.aggregate()
+        click.echo(f"--- {part.kind.value} of columns {','.join(map(str, part.columns))}")
+        echo_summary(estimator)
 
 
 def _cell(value: float, digits: int = 6) -> str:

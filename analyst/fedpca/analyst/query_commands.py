@@ -121,7 +121,7 @@ def _write_aggregates(
     import warnings
 
     from fedpca.analyst.aggregate_report import fitted_from_release, write_aggregate_result
-    from fedpca.analyst.aggregate_summary import echo_summary
+    from fedpca.analyst.aggregate_summary import echo_aggregates
     from fedpca.analyst.querying import MissingOwnersWarning
     from fedpca.analyst.release_summary import print_owners
 
@@ -137,12 +137,7 @@ def _write_aggregates(
     path = write_aggregate_result(out, fitted)
     click.echo(f"query:       {fitted.query_id_}")
     print_owners(fitted)
-    kinds = ", ".join(part.kind.value for part in release.query.aggregates)
-    click.echo(f"aggregates:  {kinds}")
-    for estimator in getattr(fitted, "estimators_", [fitted]):
-        part = estimator.aggregate()
-        click.echo(f"--- {part.kind.value} of columns {','.join(map(str, part.columns))}")
-        echo_summary(estimator)
+    echo_aggregates(fitted)
     if fitted.not_private_:
         click.secho("release: NOT PRIVATE (epsilon = inf)", fg="red", bold=True)
     else:
