@@ -412,3 +412,15 @@ def record_exact_draws(monkeypatch: Any) -> list[tuple[float, int]]:
 
     monkeypatch.setattr(noise_module, "sample_discrete_gaussian", recorded)
     return calls
+
+
+LINREG_AGGREGATE = """
+[[aggregate]]
+kind = "linreg"
+columns = [6, 8]
+bounds = [[0, 70], [20, 90]]
+target = 2
+target_bounds = [0, 200]
+"""
+"""A regression of the diabetes table's glucose on BMI and age, as an ``[[aggregate]]``
+table of a ``fedpca analyst combined`` file."""

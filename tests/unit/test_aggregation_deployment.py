@@ -53,7 +53,7 @@ from fedpca.errors import QueryStateError
 from fedpca.messages import DeclineReason
 from fedpca.query import QueryKind
 from fedpca.transport.certs import Role
-from helpers import dataset_table, quantisation_step
+from helpers import LINREG_AGGREGATE, dataset_table, quantisation_step
 from inprocess import deployment
 
 OWNERS = ("owner-1", "owner-2", "owner-3")
@@ -306,14 +306,8 @@ moments = "variance"
 kind = "histogram"
 columns = [8]
 bins = [[20, 30, 40, 50, 60, 70, 90]]
-
-[[aggregate]]
-kind = "linreg"
-columns = [6, 8]
-bounds = [[0, 70], [20, 90]]
-target = 2
-target_bounds = [0, 200]
 """
+        + LINREG_AGGREGATE
     )
     out = tmp_path / "combined.json"
     result = CliRunner().invoke(

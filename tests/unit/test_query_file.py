@@ -13,6 +13,7 @@ from fedpca.analyst.query_file import read_query_file
 from fedpca.analyst.regression import FederatedLinearRegression
 from fedpca.analyst.statistics import FederatedHistogram, FederatedStatistics
 from fedpca.errors import ConfigError
+from helpers import LINREG_AGGREGATE
 
 VALID = """
 [[aggregate]]
@@ -41,14 +42,7 @@ alpha = 4.0
 fit_intercept = false
 """
 
-LINREG = """
-[[aggregate]]
-kind = "linreg"
-columns = [6, 8]
-bounds = [[0, 70], [20, 90]]
-target = 2
-target_bounds = [0, 200]
-"""
+LINREG = LINREG_AGGREGATE
 
 
 def _file(tmp_path: Path, text: str) -> Path:
