@@ -61,9 +61,9 @@ __all__ = [
     "describe",
     "histogram_counts",
     "noise_spectral_bound",
-    "noise_standard_deviations",
     "regression_noise_sd",
     "solve_regression",
+    "statistics_noise_sd",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -98,7 +98,7 @@ class DescriptiveStatistics:
         ranges.
     n_samples_noise_sd, mean_noise_sd, variance_noise_sd : the standard deviation the
         privacy noise gives N, each mean and each variance (None without the noise's
-        sigmas, or for variances with moments = mean); see :func:`noise_standard_deviations`.
+        sigmas, or for variances with moments = mean); see :func:`statistics_noise_sd`.
     """
 
     n_samples: float
@@ -113,7 +113,7 @@ class DescriptiveStatistics:
     variance_noise_sd: FloatArray | None = None
 
 
-def noise_standard_deviations(
+def statistics_noise_sd(
     part: Aggregate,
     sigmas: Mapping[str, float],
     *,
@@ -234,7 +234,7 @@ def describe(
     spread: tuple[float | None, FloatArray | None, FloatArray | None] = (None, None, None)
     if sigmas is not None:
         released_u = None if variance is None else variance / (scale * scale)
-        spread = noise_standard_deviations(
+        spread = statistics_noise_sd(
             part, sigmas, n=n, mean_u=mean_u, var_u=released_u, divisor=divisor
         )
     return DescriptiveStatistics(
