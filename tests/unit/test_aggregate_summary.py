@@ -12,7 +12,7 @@ import numpy as np
 
 from fedpca.aggregates import COUNTS
 from fedpca.analyst.aggregate_summary import summary_lines
-from fedpca.analyst.statistics import FederatedHistogram
+from fedpca.analyst.statistics import FederatedHistogram, FederatedStatistics
 
 
 def _fitted(raw: np.ndarray, sigma: float, *, not_private: bool = False) -> FederatedHistogram:
@@ -59,3 +59,22 @@ def test_the_outer_bins_are_labelled_with_the_values_they_count() -> None:
     labels += [line.split()[0] + " " + line.split()[1] for line in lines if line.startswith("  [")]
     assert sorted(set(labels)) == ["(-inf, 1)", "[1, 2)", "[2, inf)"]
     assert "edges:       0 to 3; values beyond them count in the outer bins" in lines
+
+
+def test_the_widest_numbers_stay_apart() -> None:
+    """A walkthrough read '0.504076-0.000947619' as one number: a %.6g value of 12
+    characters filled its 12-character column."""
+    stats = FederatedStatistics([1, 2], bounds="0:1")
+    stats.columns_ = (1, 2)
+    stats.not_private_ = False
+    stats.n_samples_, stats.n_samples_noise_sd_ = 700.0, 6.4
+    stats.mean_ = np.array([0.504076, -0.000947619])
+    stats.mean_noise_sd_ = np.array([-1.23456e-05, 0.5])
+    stats.variance_ = stats.covariance_ = None
+    stats.clip_moved_ = ()
+    lines = [line for line, _ in summary_lines(stats)]
+    assert lines[2].split() == ["mean", "0.504076", "-0.000947619"]
+    assert lines[3].split() == ["noise", "sd", "-1.23e-05", "0.5"]
+    assert lines[1].split() == ["column", "col", "1", "col", "2"]
+    # The columns line up under their headers.
+    assert len(lines[1]) == len(lines[2]) == len(lines[3])

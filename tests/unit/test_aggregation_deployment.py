@@ -494,11 +494,11 @@ def test_cli_prints_the_noise_sd_of_each_estimate(
     assert document["n_samples_noisy"] is True
     lines = result.stdout.splitlines()
     assert f"records N:   {n:.1f} (noisy, noise sd {sigma['count']:.3g})" in lines
-    at = lines.index("mean          " + "".join(f"{v:>12.6g}" for v in document["mean"]))
-    assert lines[at + 1] == "  noise sd    " + "".join(f"{v:>12.3g}" for v in expected)
-    at = lines.index("variance      " + "".join(f"{v:>12.6g}" for v in document["variance"]))
+    at = lines.index("mean          " + "".join(f"{v:>13.6g}" for v in document["mean"]))
+    assert lines[at + 1] == "  noise sd    " + "".join(f"{v:>13.3g}" for v in expected)
+    at = lines.index("variance      " + "".join(f"{v:>13.6g}" for v in document["variance"]))
     spread = document["variance_noise_sd"]
-    assert lines[at + 1] == "  noise sd    " + "".join(f"{v:>12.3g}" for v in spread)
+    assert lines[at + 1] == "  noise sd    " + "".join(f"{v:>13.3g}" for v in spread)
     # The exact means are within a few noise sds of the noisy ones.
     x = table[:, [1, 2]]
     assert np.all(np.abs(np.array(document["mean"]) - x.mean(axis=0)) < 6 * expected)
@@ -517,9 +517,9 @@ def test_cli_prints_the_noise_sd_of_each_estimate(
     model = json.loads((tmp_path / "model.json").read_text())
     assert model["noise_sd_draws"] == 200 and np.all(np.array(model["coef_noise_sd"]) > 0)
     lines = result.stdout.splitlines()
-    at = lines.index(" " * 14 + "".join(f"{v:>12.6g}" for v in model["coef"]))
+    at = lines.index(" " * 14 + "".join(f"{v:>13.6g}" for v in model["coef"]))
     assert lines[at + 1] == "  noise sd    " + "".join(
-        f"{v:>12.3g}" for v in model["coef_noise_sd"]
+        f"{v:>13.3g}" for v in model["coef_noise_sd"]
     )
     intercept = (
         f"intercept:   {model['intercept']:.6g} (noise sd {model['intercept_noise_sd']:.3g})"
@@ -576,15 +576,15 @@ def test_cli_commands_write_strict_json(
     # The summary prints every number computed, labelled by column (an analyst's
     # walkthrough found only N, the means and the variances, unlabelled).
     lines = printed["stats"].splitlines()
-    assert "column        " + f"{'col 1':>12}{'col 2':>12}" in lines
+    assert "column        " + f"{'col 1':>13}{'col 2':>13}" in lines
     for name, values in (("mean", stats["mean"]), ("variance", stats["variance"])):
-        assert f"{name} ".ljust(14) + "".join(f"{v:>12.6g}" for v in values) in lines
+        assert f"{name} ".ljust(14) + "".join(f"{v:>13.6g}" for v in values) in lines
     covariance = run("stats", "--columns", "1,2", "--bounds", "0:17,0:200", "--ddof", "1")
     for name in ("covariance", "correlation"):
         at = printed["stats"].splitlines().index(f"{name}:")
         rows = printed["stats"].splitlines()[at + 2 : at + 4]
         for row, label, values in zip(rows, ("col 1", "col 2"), covariance[name], strict=True):
-            assert row == f"  {label}".ljust(14) + "".join(f"{v:>12.6g}" for v in values)
+            assert row == f"  {label}".ljust(14) + "".join(f"{v:>13.6g}" for v in values)
     _within(
         np.array(covariance["covariance"]),
         np.cov(x, rowvar=False),
@@ -614,8 +614,8 @@ def test_cli_commands_write_strict_json(
     assert model["intercept"] == pytest.approx(reference.intercept_, rel=1e-8)
     assert model["alpha"] == 0.0 and model["alpha_rule"].startswith("auto")
     summary = printed["linreg"].splitlines()
-    at = summary.index("coefficient   " + f"{'col 6':>12}{'col 8':>12}")
-    assert summary[at + 1] == " " * 14 + "".join(f"{v:>12.6g}" for v in model["coef"])
+    at = summary.index("coefficient   " + f"{'col 6':>13}{'col 8':>13}")
+    assert summary[at + 1] == " " * 14 + "".join(f"{v:>13.6g}" for v in model["coef"])
     assert "target:      col 2" in summary
     assert "noise sd" not in printed["linreg"] and model["noise_sd_draws"] == 0
 

@@ -69,14 +69,32 @@ def test_a_query_file_makes_its_estimators_in_order_with_their_weights(tmp_path:
     [
         ("", "no aggregates: list each as an [[aggregate]] table"),
         ("aggregates = 1", "unknown keys in the top level: aggregates"),
-        ("[[aggregate]]\ncolumns = [1]", "aggregate 1: kind must be one of stats, histogram"),
-        ('[[aggregate]]\nkind = "pca"', "kind must be one of stats, histogram, linreg, got 'pca'"),
+        (
+            "[[aggregate]]\ncolumns = [1]",
+            "aggregate 1: kind must be one of stats, histogram, linreg; it has none",
+        ),
+        ("epsilon = 1\n" + LINREG, "epsilon is set for the whole release by the command's"),
+        (
+            '[[aggregate]]\nkind = "histogram"\ncolumns = [8]\nbins = "123"',
+            "aggregate 1 (histogram): bins must be numbers: one list of edges, or one list "
+            "per column, got '123'",
+        ),
+        (
+            '[[aggregate]]\nkind = "histogram"\ncolumns = [8]\nbins = ["20,30,40"]',
+            "bins must be numbers",
+        ),
+        (
+            '[[aggregate]]\nkind = "histogram"\ncolumns = [8]\nbins = [1, 2]\ngroupby = 0\n'
+            'categories = "12"',
+            "categories must be numbers, got '12'",
+        ),
+        ('[[aggregate]]\nkind = "pca"', "kind must be one of stats, histogram, linreg; got 'pca'"),
         (LINREG + "colums = [1]", "aggregate 1 (linreg): unknown keys colums (known: alpha,"),
         (
             LINREG + "epsilon = 5",
             "unknown keys epsilon (known: alpha, bounds, budget_split, columns, fit_intercept, "
-            "kind, tail_probability, target, target_bounds, weight); epsilon are the whole "
-            "release's: give them as the command's options",
+            "kind, tail_probability, target, target_bounds, weight); epsilon is set for the "
+            "whole release, by the command's options",
         ),
         (LINREG + "weight = 0", "aggregate 1 (linreg): weight must be a number > 0, got 0"),
         (LINREG + "weight = true", "weight must be a number > 0, got True"),

@@ -326,8 +326,10 @@ def combined_command(query_file: Path, **params: Any) -> None:
     regressions FILE lists as [[aggregate]] tables (kind, optional weight, and the
     parameters of its Python estimator; docs/aggregation.md shows one).
 
-    The options set the whole release: epsilon and delta are split across the
-    aggregates by their weights (default equal), and each is noised with its share.
+    The options set the whole release, which is (epsilon, delta)-DP as one Gaussian
+    release: the weights (default equal) set each aggregate's share of the noise
+    budget (docs/privacy.md gives the allocation). A later fetch applies its own
+    post-processing options (--ddof, --no-clip, ...), not the file's.
     """
     from fedpca.analyst.aggregate_estimators import FederatedQuery
     from fedpca.analyst.aggregate_summary import echo_aggregates

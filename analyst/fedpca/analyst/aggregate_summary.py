@@ -35,7 +35,7 @@ MAX_ROWS = 40
 SummaryLine = tuple[str, str | None]
 """A line and its colour (None, or "yellow" for a note on post-processing)."""
 
-_WIDTH = 12
+_WIDTH = 13  # the widest %.6g, -1.23457e-05, is 12: one space always separates
 
 
 def summary_lines(estimator: Any) -> list[SummaryLine]:
@@ -137,8 +137,8 @@ def _statistics(estimator: Any) -> list[SummaryLine]:
             (
                 f"clipped:     {', '.join(estimator.clip_moved_)}: noisy values outside "
                 "their public ranges were moved into them (a value at its bound says so, "
-                "not the data); --no-clip keeps the raw values, a larger epsilon makes it "
-                "rarer",
+                "not the data); --no-clip (clip = false in a combined file) keeps the raw "
+                "values, a larger epsilon makes it rarer",
                 "yellow",
             )
         )
@@ -200,7 +200,11 @@ def _histogram(estimator: Any) -> list[SummaryLine]:
     if estimator.clamped_ and bool(np.any(np.asarray(estimator.raw_counts_) < 0)):
         # Only when a count changed: exact releases said so with nothing negative.
         lines.append(
-            ("clamped:     negative noisy counts were set to 0 (--no-clamp keeps them)", "yellow")
+            (
+                "clamped:     negative noisy counts were set to 0 (--no-clamp, or clamp = false "
+                "in a combined file, keeps them)",
+                "yellow",
+            )
         )
     return lines
 
@@ -260,7 +264,8 @@ def _regression(estimator: Any) -> list[SummaryLine]:
         lines.append(
             (
                 "ridge:       alpha > 0 shrinks the coefficients toward 0 (the price of a "
-                "regulariser that keeps the noisy XᵀX invertible); --alpha 0 for least "
+                "regulariser that keeps the noisy XᵀX invertible); --alpha 0 (alpha = 0 in a "
+                "combined file) for least "
                 "squares on the noisy statistics",
                 "yellow",
             )

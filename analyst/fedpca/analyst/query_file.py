@@ -76,16 +76,16 @@ def _estimator(entry: Any, position: int) -> tuple[AggregateEstimator, float]:
         raise ConfigError(f"{where}: expected a table of the aggregate's parameters")
     kind = entry.get("kind")
     if kind not in ESTIMATOR_KINDS:
-        raise ConfigError(
-            f"{where}: kind must be one of {', '.join(ESTIMATOR_KINDS)}, got {kind!r}"
-        )
+        got = "it has none" if kind is None else f"got {kind!r}"
+        raise ConfigError(f"{where}: kind must be one of {', '.join(ESTIMATOR_KINDS)}; {got}")
     where = f"{where} ({kind})"
     known = _known_keys(ESTIMATOR_KINDS[kind])
     unknown = sorted(set(entry) - set(known))
     if unknown:
         privacy = [key for key in unknown if key in PRIVACY_PARAMETERS]
         hint = (
-            f"; {', '.join(privacy)} are the whole release's: give them as the command's options"
+            f"; {' and '.join(privacy)} {'is' if len(privacy) == 1 else 'are'} set for the "
+            "whole release, by the command's options"
             if privacy
             else ""
         )
@@ -107,6 +107,12 @@ def _estimator(entry: Any, position: int) -> tuple[AggregateEstimator, float]:
 
 
 def _build(document: Mapping[str, Any], _base_dir: Path) -> QueryFile:
+    privacy = sorted(set(document) & set(PRIVACY_PARAMETERS))
+    if privacy:
+        raise ConfigError(
+            f"{' and '.join(privacy)} {'is' if len(privacy) == 1 else 'are'} set for the "
+            "whole release by the command's options, not in the file"
+        )
     reject_unknown_keys(document, ("aggregate",))
     entries = document.get("aggregate")
     if not isinstance(entries, list) or not entries:

@@ -32,6 +32,10 @@ __all__ = ["FederatedHistogram", "FederatedStatistics"]
 FloatArray = npt.NDArray[np.float64]
 
 
+def _has_string(values: Any) -> bool:
+    return isinstance(values, Sequence) and any(isinstance(v, str) for v in values)
+
+
 # ---------------------------------------------------------------- statistics
 class FederatedStatistics(AggregateEstimator):
     """Private count, means, variances, covariance and correlation of columns.
@@ -228,6 +232,15 @@ class FederatedHistogram(AggregateEstimator):
             required(self.bins, "bins", "the public bin edges, one sequence or one per column")
         )
         edges = [bins] if bins and all(np.ndim(b) == 0 for b in bins) else bins
+        # A string is a sequence of characters: bins = "123" ran as edges 1, 2, 3 (a
+        # walkthrough of `combined`'s file, where bounds may be a string).
+        if any(isinstance(column, str) or _has_string(column) for column in edges):
+            raise ConfigError(
+                f"bins must be numbers: one list of edges, or one list per column, "
+                f"got {self.bins!r}"
+            )
+        if isinstance(self.categories, str) or _has_string(self.categories or ()):
+            raise ConfigError(f"categories must be numbers, got {self.categories!r}")
         return Aggregate.histogram(
             columns,
             [tuple(float(e) for e in column) for column in edges],
