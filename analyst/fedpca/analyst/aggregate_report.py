@@ -33,13 +33,13 @@ from fedpca.errors import ConfigError
 from fedpca.query import Aggregate, AggregateKind, QueryKind
 from fedpca.version import __version__
 
-__all__ = ["aggregate_document", "fitted_from_release", "write_aggregate_result"]
+__all__ = ["ESTIMATOR_OF", "aggregate_document", "fitted_from_release", "write_aggregate_result"]
 
 logger = logging.getLogger(__name__)
 
 Fitted = AggregateEstimator | FederatedQuery
 
-_ESTIMATOR_OF: dict[AggregateKind, type[AggregateEstimator]] = {
+ESTIMATOR_OF: dict[AggregateKind, type[AggregateEstimator]] = {
     AggregateKind.STATS: FederatedStatistics,
     AggregateKind.HISTOGRAM: FederatedHistogram,
     AggregateKind.LINREG: FederatedLinearRegression,
@@ -70,7 +70,7 @@ def fitted_from_release(
     if query.kind is not QueryKind.AGGREGATE:
         raise ConfigError(f"query {query.query_id!r} is a {query.kind.value} query")
     estimators = [
-        _ESTIMATOR_OF[part.kind](**_ESTIMATOR_OF[part.kind]._params_from_aggregate(part))
+        ESTIMATOR_OF[part.kind](**ESTIMATOR_OF[part.kind]._params_from_aggregate(part))
         for part in query.aggregates
     ]
     for estimator in estimators:

@@ -65,9 +65,9 @@ def echo_aggregates(fitted: Any) -> None:
     """Print the summary of every aggregate of a fitted combined query (or of one
     estimator), each under a line naming its kind and columns."""
     estimators = getattr(fitted, "estimators_", [fitted])
-    click.echo(f"aggregates:  {', '.join(e.aggregate().kind.value for e in estimators)}")
-    for estimator in estimators:
-        part = estimator.aggregate()
+    parts = [estimator.aggregate() for estimator in estimators]
+    click.echo(f"aggregates:  {', '.join(part.kind.value for part in parts)}")
+    for estimator, part in zip(estimators, parts, strict=True):
         click.echo(f"--- {part.kind.value} of columns {','.join(map(str, part.columns))}")
         echo_summary(estimator)
 

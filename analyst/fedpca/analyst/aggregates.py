@@ -443,13 +443,13 @@ def regression_noise_sd(
     if draws is None:
         draws = min(200, max(30, int(2e8 / (d + 1) ** 3)))
     rng = np.random.default_rng(seed)
+    released = {name: np.asarray(values, dtype=np.float64) for name, values in sections.items()}
     coefs = np.empty((draws, d))
     intercepts = np.empty(draws)
     for draw in range(draws):
         noisy = {
-            name: np.asarray(values, dtype=np.float64)
-            + rng.normal(0.0, float(sigmas.get(name, 0.0)), np.shape(values))
-            for name, values in sections.items()
+            name: values + rng.normal(0.0, float(sigmas.get(name, 0.0)), values.shape)
+            for name, values in released.items()
         }
         again = solve_regression(part, noisy, sigmas, alpha=fit.alpha, fit_intercept=fit_intercept)
         coefs[draw], intercepts[draw] = again.coef, again.intercept

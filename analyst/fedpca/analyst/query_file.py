@@ -33,19 +33,22 @@ from pathlib import Path
 from typing import Any
 
 from fedpca.analyst.aggregate_estimators import PRIVACY_PARAMETERS, AggregateEstimator
-from fedpca.analyst.regression import FederatedLinearRegression
-from fedpca.analyst.statistics import FederatedHistogram, FederatedStatistics
+from fedpca.analyst.aggregate_report import ESTIMATOR_OF
 from fedpca.errors import ConfigError
 from fedpca.toml_config import load_toml_config, reject_unknown_keys
 
 __all__ = ["ESTIMATOR_KINDS", "QueryFile", "read_query_file"]
 
 ESTIMATOR_KINDS: dict[str, type[AggregateEstimator]] = {
-    "stats": FederatedStatistics,
-    "histogram": FederatedHistogram,
-    "linreg": FederatedLinearRegression,
+    kind.value: estimator for kind, estimator in ESTIMATOR_OF.items()
 }
 """The ``kind`` of an ``[[aggregate]]`` table and the estimator it makes."""
+
+
+def _set_by_options(keys: list[str]) -> str:
+    """``epsilon is`` / ``epsilon and quorum are``: the start of the sentence saying the
+    command's options set these keys for the whole release."""
+    return f"{' and '.join(keys)} {'is' if len(keys) == 1 else 'are'} set for the whole release"
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,7 @@ def _estimator(entry: Any, position: int) -> tuple[AggregateEstimator, float]:
     unknown = sorted(set(entry) - set(known))
     if unknown:
         privacy = [key for key in unknown if key in PRIVACY_PARAMETERS]
-        hint = (
-            f"; {' and '.join(privacy)} {'is' if len(privacy) == 1 else 'are'} set for the "
-            "whole release, by the command's options"
-            if privacy
-            else ""
-        )
+        hint = f"; {_set_by_options(privacy)}, by the command's options" if privacy else ""
         raise ConfigError(
             f"{where}: unknown keys {', '.join(unknown)} (known: {', '.join(known)}){hint}"
         )
@@ -109,10 +107,7 @@ def _estimator(entry: Any, position: int) -> tuple[AggregateEstimator, float]:
 def _build(document: Mapping[str, Any], _base_dir: Path) -> QueryFile:
     privacy = sorted(set(document) & set(PRIVACY_PARAMETERS))
     if privacy:
-        raise ConfigError(
-            f"{' and '.join(privacy)} {'is' if len(privacy) == 1 else 'are'} set for the "
-            "whole release by the command's options, not in the file"
-        )
+        raise ConfigError(f"{_set_by_options(privacy)} by the command's options, not in the file")
     reject_unknown_keys(document, ("aggregate",))
     entries = document.get("aggregate")
     if not isinstance(entries, list) or not entries:
