@@ -686,6 +686,69 @@ def test_cli_pca_writes_result_and_plots(
     ]
 
 
+def test_cli_pca_prints_and_writes_the_components_noise_spread(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    """How far the noise alone moves each component and its explained variance: printed
+    and written by `pca`, the same again by `fetch` (seeded by the query id), with as
+    many redraws as asked, none with --noise-sd-draws 0, refused for an aggregate."""
+    from fedpca.analyst.component_noise import default_draws
+
+    fake, address = proxy
+    runner = CliRunner()
+    out = tmp_path / "r.json"
+    args = _query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6")
+    result = runner.invoke(analyst_group, ["pca", *args])
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    assert document["noise_sd_draws"] == default_draws(3) and not document["noise_sd_failure"]
+    spread, angles = (
+        document["explained_variance_noise_sd"],
+        document["components_noise_angle_degrees"],
+    )
+    assert len(spread) == len(angles) == 2
+    assert all(value > 0 for value in spread) and all(0 < angle <= 90 for angle in angles)
+    lines = result.stdout.splitlines()
+    assert "  noise sd:  " + ", ".join(f"{v:.4g}" for v in spread) in lines
+    assert "noise angle: " + ", ".join(f"{a:.1f}" for a in angles) + " degrees" in lines
+
+    connection = ["--proxy", address, "--insecure", "--key-dir", str(analyst_key)]
+    query_id = fake.submitted_ids[-1]
+
+    def fetch(*options: str) -> tuple[Any, dict[str, Any]]:
+        again = tmp_path / "again.json"
+        fetched = runner.invoke(
+            analyst_group, ["fetch", query_id, *connection, "--out", str(again), *options]
+        )
+        assert fetched.exit_code == 0, fetched.output
+        return fetched, json.loads(again.read_text())
+
+    _, same = fetch()
+    assert same["explained_variance_noise_sd"] == spread
+    assert same["components_noise_angle_degrees"] == angles
+    _, fewer = fetch("--noise-sd-draws", "7")
+    assert fewer["noise_sd_draws"] == 7 and fewer["explained_variance_noise_sd"] != spread
+    skipped, none = fetch("--noise-sd-draws", "0")
+    assert none["noise_sd_draws"] == 0 and "explained_variance_noise_sd" not in none
+    assert "noise angle" not in skipped.stdout and "noise sd" not in skipped.stdout
+
+    # An aggregate's release has no components (the check runs before decryption).
+    from types import SimpleNamespace
+
+    import click
+
+    from fedpca.analyst.query_commands import _check_fetch_options
+
+    aggregate = SimpleNamespace(
+        kind=QueryKind.AGGREGATE,
+        aggregates=(SimpleNamespace(kind=AggregateKind.STATS),),
+        query_id="q-stats",
+        n_features=3,
+    )
+    with pytest.raises(click.UsageError, match="--noise-sd-draws applies to pca and dca; query"):
+        _check_fetch_options(aggregate, None, ["--noise-sd-draws"])
+
+
 def test_cli_not_private_warning_and_config_file(
     proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
 ) -> None:

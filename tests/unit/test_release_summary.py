@@ -53,6 +53,7 @@ def test_negative_eigenvalues_are_counted_and_said() -> None:
         "n_samples_": 100.0,
         "release_": SimpleNamespace(query=_query(4, 2.0)),
         "explained_variance_ratio_": result.explained_variance_ratio,
+        "explained_variance_": result.explained_variance,
         "n_eigenvalues_clipped_": result.n_eigenvalues_clipped,
         "n_features_in_": 4,
         "epsilon_": 1.0,

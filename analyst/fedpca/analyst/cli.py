@@ -39,7 +39,12 @@ from fedpca.allocator import map_large_blocks
 from fedpca.analyst import init as analyst_init
 from fedpca.analyst import query_commands
 from fedpca.analyst.cli_connection import connection_config, connection_options
-from fedpca.analyst.cli_output import dca_ridge_options, result_out_option, written_or_fetchable
+from fedpca.analyst.cli_output import (
+    dca_ridge_options,
+    noise_sd_draws_option,
+    result_out_option,
+    written_or_fetchable,
+)
 from fedpca.analyst.config import AnalystConfig
 from fedpca.analyst.interrupts import (
     INTERRUPTED_EXIT_CODE,
@@ -54,7 +59,7 @@ from fedpca.analyst.keys import (
     refuse_to_overwrite,
 )
 from fedpca.analyst.owner_wait import OWNERS_CONNECT_SECONDS
-from fedpca.analyst.release_summary import print_release_summary
+from fedpca.analyst.release_summary import measure_component_noise, print_release_summary
 from fedpca.budget_options import DELTA, budget_delta_options
 from fedpca.errors import BUDGET_REFUSALS, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
@@ -343,6 +348,7 @@ def _query_options(function: F) -> F:
             "--workers", type=click.IntRange(min=1), help="Decryption processes [all cores]."
         ),
         result_out_option("result.json to write (plots go next to it)."),
+        noise_sd_draws_option,
     ]
     for option in reversed(options):
         function = option(function)
@@ -410,6 +416,7 @@ def _run(
         if sample is not None:
             # The sample is raw; the components live in the preprocessed space.
             sample = estimator.preprocess(sample)
+        measure_component_noise(estimator, params["noise_sd_draws"])
         with written_or_fetchable(estimator.query_id_):
             files = write_report(out, estimator, sample=sample, labels=labels)
     print_release_summary(estimator, files)

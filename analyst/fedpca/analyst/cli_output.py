@@ -9,8 +9,9 @@ take a new file, and the path must not be a folder or a file that cannot be repl
 Should the write still fail later (the folder removed meanwhile), the error says how
 to write the stored result again with ``fetch``.
 
-Also the DCA ridges, which ``dca`` and ``fetch`` both take (post-processing of a DCA
-release: another ridge costs nothing).
+Also the options ``pca``, ``dca`` and ``fetch`` share for post-processing a PCA or
+DCA release (free: nothing more is charged): the DCA ridges, and how many redraws of
+the noise measure the components' noise sd.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ import click
 
 from fedpca.errors import ConfigError
 
-__all__ = ["dca_ridge_options", "output_problem", "result_out_option", "written_or_fetchable"]
+__all__ = [
+    "dca_ridge_options",
+    "noise_sd_draws_option",
+    "output_problem",
+    "result_out_option",
+    "written_or_fetchable",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -115,4 +122,16 @@ def dca_ridge_options(function: F) -> F:
         callback=_finite_ridge,
         help="dca: ridge on the within-class scatter (default 0.02 x its largest "
         "eigenvalue); larger when the within-class scatter is singular.",
+    )(function)
+
+
+def noise_sd_draws_option(function: F) -> F:
+    """``--noise-sd-draws``: redraws of the noise for the components' noise sd
+    (:mod:`fedpca.analyst.component_noise`); None: the automatic number."""
+    return click.option(
+        "--noise-sd-draws",
+        type=click.IntRange(min=0),
+        help="pca/dca: redraws of the noise that measure how far it moves each component "
+        "and its value (free; 0 skips it) [200 up to about 170 features, fewer above, "
+        "at least 30: each is one eigendecomposition].",
     )(function)

@@ -118,6 +118,9 @@ class FederatedPCA(FederatedEstimator):
     noise_variance_ : mean of the discarded eigenvalues.
     n_eigenvalues_clipped_ : eigenvalues of the M that noise made negative, set to 0
         (the ratios are over the others).
+    component_noise_ : after :meth:`component_noise`: the standard deviation the
+        privacy noise alone gives each explained variance, and the angle it turns each
+        component by (:class:`~fedpca.analyst.component_noise.ComponentNoise`).
     n_components_ : k.
     n_features_in_ : M.
     n_owners_ : owners aggregated.
@@ -160,6 +163,13 @@ class FederatedPCA(FederatedEstimator):
         self.noise_variance_ = result.noise_variance
         self.n_eigenvalues_clipped_ = result.n_eigenvalues_clipped
         self.n_components_ = result.n_components
+
+    def _solution(self, release: DecodedRelease) -> tuple[FloatArray, FloatArray]:
+        result = release.pca(self.n_components_)
+        return result.explained_variance, result.components
+
+    def _released_solution(self) -> tuple[FloatArray, FloatArray]:
+        return self.explained_variance_, self.components_
 
     def inverse_transform(self, X: npt.ArrayLike) -> FloatArray:
         """Map scores back to the preprocessed space: X @ components_ + mean_.
@@ -208,6 +218,8 @@ class FederatedDCA(FederatedEstimator):
     n_samples_ : noisy N.
     rho_, rho_prime_ : ridges used.
     n_discriminant_ : usable classes − 1.
+    component_noise_ : after :meth:`component_noise`: as :class:`FederatedPCA`'s, for
+        the generalized eigenvalues and the discriminant directions.
     Provenance attributes as :class:`FederatedPCA`.
     """
 
@@ -323,6 +335,14 @@ class FederatedDCA(FederatedEstimator):
         self.rho_prime_ = result.rho_prime
         self.n_discriminant_ = result.n_discriminant
         self.n_components_ = result.n_components
+
+    def _solution(self, release: DecodedRelease) -> tuple[FloatArray, FloatArray]:
+        # The ridges of the fit: as a regression's redraws keep its alpha.
+        result = release.dca(self.n_components_, rho=self.rho_, rho_prime=self.rho_prime_)
+        return result.eigenvalues, result.components
+
+    def _released_solution(self) -> tuple[FloatArray, FloatArray]:
+        return self.eigenvalues_, self.components_
 
 
 class WeakClassWarning(UserWarning):

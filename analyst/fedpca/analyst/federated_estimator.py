@@ -15,6 +15,7 @@ from typing import Any, Self
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.analyst.component_noise import ComponentNoise, component_noise, release_seed
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.keys import load_analyst_private_key, load_analyst_signing_key
 from fedpca.analyst.params import NotFittedError, SklearnParams, required_epsilon
@@ -338,6 +339,43 @@ class FederatedEstimator(SklearnParams):
     def _solve(self, release: DecodedRelease) -> None:
         raise NotImplementedError
 
+    def _solution(self, release: DecodedRelease) -> tuple[FloatArray, FloatArray]:
+        """The values and components of ``release`` solved as this fit was."""
+        raise NotImplementedError
+
+    def _released_solution(self) -> tuple[FloatArray, FloatArray]:
+        """The fitted values and components."""
+        raise NotImplementedError
+
+    def component_noise(
+        self, draws: int | None = None, progress: Callable[[int], None] | None = None
+    ) -> ComponentNoise:
+        """How far the privacy noise alone moves each component and its value, by
+        redrawing the noise of the release (:mod:`fedpca.analyst.component_noise`):
+        post-processing of the release and its public sigmas, at no privacy charge.
+
+        Parameters
+        ----------
+        draws : redraws of the noise; default 200 up to about 170 features, fewer
+            above (each is one M x M eigendecomposition), at least 30.
+        progress : called with 1 after each draw.
+
+        Returns the :class:`~fedpca.analyst.component_noise.ComponentNoise`, also kept
+        in ``component_noise_``. Seeded by the query id: the same release gives the
+        same numbers every time.
+        """
+        release = self._check_fitted()
+        spread = component_noise(
+            release,
+            self._solution,
+            self._released_solution(),
+            draws=draws,
+            seed=release_seed(release.query.query_id, "components"),
+            progress=progress,
+        )
+        self.component_noise_ = spread
+        return spread
+
     # ------------------------------------------------------------ projection
     def _check_fitted(self) -> DecodedRelease:
         release: DecodedRelease | None = getattr(self, "release_", None)
@@ -403,3 +441,4 @@ class FederatedEstimator(SklearnParams):
     noise_sigmas_: dict[str, float]
     timings_: dict[str, float]
     n_samples_: float
+    component_noise_: ComponentNoise

@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from fedpca.analyst.cli_output import dca_ridge_options, result_out_option
+from fedpca.analyst.cli_output import dca_ridge_options, noise_sd_draws_option, result_out_option
 from fedpca.errors import ConfigError, QueryStateError
 from fedpca.formatting import printable, shortened
 from fedpca.messages import (
@@ -293,6 +293,7 @@ def register(
     @click.option("--alpha", help="linreg: ridge regulariser, auto or a number >= 0.")
     @click.option("--no-intercept", is_flag=True, help="linreg: fit through the origin.")
     @dca_ridge_options
+    @noise_sd_draws_option
     @click.option(
         "--as-pca",
         is_flag=True,
@@ -312,6 +313,7 @@ def register(
         no_intercept: bool,
         rho: float | None,
         rho_prime: float | None,
+        noise_sd_draws: int | None,
         as_pca: bool,
         **params: Any,
     ) -> None:
@@ -348,7 +350,7 @@ def register(
             ProgressDisplay,
             charged_release,
         )
-        from fedpca.analyst.release_summary import print_release_summary
+        from fedpca.analyst.release_summary import measure_component_noise, print_release_summary
         from fedpca.analyst.report import write_report
         from fedpca.codec.paillier import CryptoPool
         from fedpca.signing import signer_id
@@ -387,6 +389,7 @@ def register(
                 "--rho": rho is not None,
                 "--rho-prime": rho_prime is not None,
                 "--as-pca": as_pca,
+                "--noise-sd-draws": noise_sd_draws is not None,
             }
             _check_fetch_options(fetched.query, n_components, [k for k, v in given.items() if v])
             started = time.perf_counter()
@@ -420,19 +423,21 @@ def register(
                     estimator = factory.from_result(
                         release, owners_registered=registered, timings=timings, **chosen
                     )
+            measure_component_noise(estimator, noise_sd_draws)
             files = write_report(out, estimator)
         print_release_summary(estimator, files)
 
 
-_FETCH_OPTION_KINDS: dict[str, AggregateKind | QueryKind] = {
-    "--ddof": AggregateKind.STATS,
-    "--no-clip": AggregateKind.STATS,
-    "--no-clamp": AggregateKind.HISTOGRAM,
-    "--alpha": AggregateKind.LINREG,
-    "--no-intercept": AggregateKind.LINREG,
-    "--rho": QueryKind.DCA,
-    "--rho-prime": QueryKind.DCA,
-    "--as-pca": QueryKind.DCA,
+_FETCH_OPTION_KINDS: dict[str, tuple[AggregateKind | QueryKind, ...]] = {
+    "--ddof": (AggregateKind.STATS,),
+    "--no-clip": (AggregateKind.STATS,),
+    "--no-clamp": (AggregateKind.HISTOGRAM,),
+    "--alpha": (AggregateKind.LINREG,),
+    "--no-intercept": (AggregateKind.LINREG,),
+    "--rho": (QueryKind.DCA,),
+    "--rho-prime": (QueryKind.DCA,),
+    "--as-pca": (QueryKind.DCA,),
+    "--noise-sd-draws": (QueryKind.PCA, QueryKind.DCA),
 }
 """The aggregate, or kind of query, each post-processing option of ``fetch`` applies to."""
 
@@ -456,8 +461,9 @@ def _check_fetch_options(spec: Any, n_components: int | None, given: list[str]) 
         raise click.UsageError("--rho and --rho-prime are DCA ridges; --as-pca takes none")
     applicable = {*released, spec.kind}
     for option in given:
-        if _FETCH_OPTION_KINDS[option] not in applicable:
+        kinds = _FETCH_OPTION_KINDS[option]
+        if not applicable.intersection(kinds):
             raise click.UsageError(
-                f"{option} applies to {_FETCH_OPTION_KINDS[option].value}; query {spec.query_id} "
-                f"is {what}"
+                f"{option} applies to {' and '.join(kind.value for kind in kinds)}; query "
+                f"{spec.query_id} is {what}"
             )

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-__all__ = ["print_owners", "print_release_summary"]
+__all__ = ["measure_component_noise", "print_owners", "print_release_summary"]
 
 
 def print_owners(estimator: Any) -> None:
@@ -37,6 +37,47 @@ def print_owners(estimator: Any) -> None:
                 bold=True,
                 err=True,
             )
+
+
+def measure_component_noise(estimator: Any, draws: int | None) -> None:
+    """The components' noise spread (``estimator.component_noise``), with a progress bar
+    on a terminal: at a few thousand features each draw takes a second or more. ``draws``
+    0: not measured (nothing is printed or written of it)."""
+    from tqdm.auto import tqdm
+
+    from fedpca.analyst.component_noise import default_draws
+
+    if draws == 0 or estimator.not_private_:
+        return
+    total = default_draws(estimator.n_features_in_) if draws is None else draws
+    with tqdm(total=total, desc="noise sd", unit="draw", disable=None, leave=False) as bar:
+        estimator.component_noise(draws, progress=bar.update)
+
+
+def _numbers(values: Any) -> str:
+    return ", ".join(f"{v:.4g}" for v in values)
+
+
+def _print_component_noise(estimator: Any, values_name: str) -> None:
+    """The noise sd of the components' values and the angles the noise turns them by."""
+    spread = getattr(estimator, "component_noise_", None)
+    if spread is None or not spread.draws:
+        return
+    if spread.values_sd is None or spread.angles_degrees is None:
+        click.secho(
+            f"noise sd:    not available: redraw {spread.draws + 1} of the noise could not "
+            f"be solved ({spread.failure}); the noise can make this release unusable",
+            fg="yellow",
+        )
+        return
+    click.echo(f"  noise sd:  {_numbers(spread.values_sd)}")
+    angles = ", ".join(f"{a:.1f}" for a in spread.angles_degrees)
+    click.echo(f"noise angle: {angles} degrees")
+    click.echo(
+        f"             how far the privacy noise alone moves each {values_name} and turns "
+        f"each component: sd and rms angle over {spread.draws} simulated releases (near "
+        "90 degrees: the noise decides that component)"
+    )
 
 
 def clip_note(query: Any) -> str | None:
@@ -91,9 +132,11 @@ def print_release_summary(estimator: Any, files: Any) -> None:
                 "were set to 0: the ratios are over the others",
                 fg="yellow",
             )
+        click.echo(f"explained variance: {_numbers(estimator.explained_variance_)}")
+        _print_component_noise(estimator, "explained variance")
     else:
-        values = ", ".join(f"{v:.4g}" for v in estimator.eigenvalues_)
-        click.echo(f"generalized eigenvalues: {values}")
+        click.echo(f"generalized eigenvalues: {_numbers(estimator.eigenvalues_)}")
+        _print_component_noise(estimator, "eigenvalue")
     if estimator.not_private_:
         click.secho("release: NOT PRIVATE (epsilon = inf)", fg="red", bold=True)
     else:

@@ -85,7 +85,9 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     owners (contributed, registered, quorum), epsilon (None for inf), delta,
     not_private, mechanism, calibration, neighbouring, bounded_owner_tables,
     noise_sigma, clip_norm, space (what the components and the mean are of: the rows as
-    scaled by feature_bounds and clipped), key_fingerprint, timings.
+    scaled by feature_bounds and clipped), noise_sd_draws (0 when the noise spread was
+    not measured; else also explained_variance_noise_sd or eigenvalues_noise_sd,
+    components_noise_angle_degrees and noise_sd_failure), key_fingerprint, timings.
     """
     release = getattr(estimator, "release_", None)
     if release is None:
@@ -154,12 +156,29 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
             if query.has_bounds
             else None
         ),
+        **_component_noise(estimator),
         quorum=query.quorum,
         owners=owners_summary(estimator),
         key_fingerprint=estimator.key_fingerprint_,
         timings={phase: float(seconds) for phase, seconds in estimator.timings_.items()},
     )
     return document
+
+
+def _component_noise(estimator: Estimator) -> dict[str, Any]:
+    """The components' noise spread, when measured (``component_noise``): the sd of
+    each value (explained variance or eigenvalue), the rms angle of each component,
+    the draws, and why a redraw failed (None when none did)."""
+    spread = getattr(estimator, "component_noise_", None)
+    if spread is None:
+        return {"noise_sd_draws": 0}
+    values = "explained_variance" if isinstance(estimator, FederatedPCA) else "eigenvalues"
+    return {
+        f"{values}_noise_sd": _list(spread.values_sd),
+        "components_noise_angle_degrees": _list(spread.angles_degrees),
+        "noise_sd_draws": spread.draws,
+        "noise_sd_failure": spread.failure,
+    }
 
 
 class CoversOwners(Protocol):
