@@ -526,6 +526,11 @@ def test_cli_prints_the_noise_sd_of_each_estimate(
     )
     assert intercept in lines
     assert any(line.startswith("noise sd:") and "200 simulated releases" in line for line in lines)
+    # Its N too, with the count section's noise sd (printed nowhere before).
+    assert model["n_samples_noise_sd"] == model["noise_sigma"]["count"] > 0
+    assert model["n_samples_noisy"] is True
+    n_sd = model["n_samples_noise_sd"]
+    assert f"records N:   {model['n_samples']:.1f} (noisy, noise sd {n_sd:.3g})" in lines
 
 
 @pytest.mark.parametrize("running", [{"not_private": True}], indirect=True)
@@ -552,7 +557,7 @@ def test_cli_commands_write_strict_json(
         assert result.exit_code == 0, result.output
         printed[args[0]] = result.stdout
         assert "NOT PRIVATE" in result.output
-        if args[0] == "stats":  # the count is exact here, and says so; no noise sd row
+        if args[0] in ("stats", "linreg"):  # the count is exact here, and says so
             assert f"records N:   {len(table)}.0 (exact: NOT PRIVATE)" in result.stdout
             assert "noise sd" not in result.stdout
         assert result.stdout.strip().splitlines()[-1] == str(out)

@@ -184,6 +184,8 @@ def _part(estimator: AggregateEstimator) -> dict[str, Any]:
                 else "fixed"
             ),
             n_samples=float(estimator.n_samples_),
+            n_samples_noisy=bool(estimator.n_samples_noise_sd_),
+            n_samples_noise_sd=float(estimator.n_samples_noise_sd_),
         )
     return document
 

@@ -91,19 +91,24 @@ def _matrix(name: str, columns: Sequence[int], matrix: Any) -> list[SummaryLine]
     return lines
 
 
-def _statistics(estimator: Any) -> list[SummaryLine]:
-    columns = list(estimator.columns_)
-    # A new analyst could not tell a noisy mean's third digit from its noise: each
-    # estimate's noise sd is printed under it (post-processing, see aggregates.py).
-    private = not estimator.not_private_
+def _records_line(estimator: Any) -> SummaryLine:
+    """N, and whether it is noisy (with its noise sd) or exact, and why."""
     n_sd = estimator.n_samples_noise_sd_
-    if not private:
+    if estimator.not_private_:
         noisy = " (exact: NOT PRIVATE)"
     elif n_sd:
         noisy = f" (noisy, noise sd {n_sd:.3g})"
     else:
         noisy = " (exact: public under replace-one)"
-    lines: list[SummaryLine] = [(f"records N:   {estimator.n_samples_:.1f}{noisy}", None)]
+    return (f"records N:   {estimator.n_samples_:.1f}{noisy}", None)
+
+
+def _statistics(estimator: Any) -> list[SummaryLine]:
+    columns = list(estimator.columns_)
+    # A new analyst could not tell a noisy mean's third digit from its noise: each
+    # estimate's noise sd is printed under it (post-processing, see aggregates.py).
+    private = not estimator.not_private_
+    lines: list[SummaryLine] = [_records_line(estimator)]
     shown = columns[:MAX_ROWS]
     lines.append((_header(shown, "column"), None))
     lines.append(("mean          " + "".join(_cell(v) for v in estimator.mean_[:MAX_ROWS]), None))
@@ -247,7 +252,11 @@ def histogram_total_line(estimator: Any) -> str:
 
 def _regression(estimator: Any) -> list[SummaryLine]:
     columns = column_indices(estimator.columns, "columns")
-    lines: list[SummaryLine] = [(f"target:      col {int(estimator.target)}", None)]
+    # Its N was in result.json only (a review of stop 47).
+    lines: list[SummaryLine] = [
+        _records_line(estimator),
+        (f"target:      col {int(estimator.target)}", None),
+    ]
     lines.append(("coefficient   " + "".join(f"{f'col {c}':>{_WIDTH}}" for c in columns), None))
     lines.append(("              " + "".join(_cell(v) for v in estimator.coef_), None))
     draws = estimator.noise_sd_draws_

@@ -8,7 +8,6 @@ solved from them (:func:`fedpca.analyst.aggregates.solve_regression`).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedpca.aggregates import COUNT
 from fedpca.analyst.aggregate_estimators import (
     COMMON_PARAMETERS_DOC,
     AggregateEstimator,
 )
 from fedpca.analyst.aggregates import regression_noise_sd, solve_regression
+from fedpca.analyst.component_noise import release_seed
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.params import check_number
 from fedpca.analyst.schema import ColumnBoundsParam, column_bounds, column_indices, required
@@ -149,14 +150,14 @@ class FederatedLinearRegression(AggregateEstimator):
         self.coef_ = fit.coef
         self.intercept_ = fit.intercept
         # Seeded by the query and the aggregate: a fetch prints the same spread.
-        seed = int.from_bytes(
-            hashlib.sha256(f"{release.query.query_id}/{index}".encode()).digest()[:8]
-        )
+        seed = release_seed(release.query.query_id, str(index))
         self.coef_noise_sd_, self.intercept_noise_sd_, self.noise_sd_draws_ = regression_noise_sd(
             part, sections, sigmas, fit, fit_intercept=bool(self.fit_intercept), seed=seed
         )
         self.alpha_ = fit.alpha
         self.n_samples_ = fit.n_samples
+        # The count is released as a section of its own: its sigma is N's noise sd.
+        self.n_samples_noise_sd_ = float(sigmas.get(COUNT, 0.0))
         self.n_features_in_ = len(part.columns)
 
     def _check_X(self, X: npt.ArrayLike) -> FloatArray:
@@ -193,6 +194,7 @@ class FederatedLinearRegression(AggregateEstimator):
     noise_sd_draws_: int
     alpha_: float
     n_samples_: float
+    n_samples_noise_sd_: float
     n_features_in_: int
 
 
@@ -209,7 +211,8 @@ FederatedLinearRegression.__doc__ = (
         (:func:`~fedpca.analyst.aggregates.regression_noise_sd`; 0 without noise; not the
         records' sampling error); ``noise_sd_draws_`` draws (0 without noise).
     alpha_ : the regulariser used (see fedpca.analyst.aggregates.solve_regression).
-    n_samples_ : noisy count N.
+    n_samples_ : count N (noisy under add/remove, exact under replace-one).
+    n_samples_noise_sd_ : the noise sd of N (0 where it is exact).
     n_features_in_ : d.
     Provenance attributes as :class:`FederatedStatistics`.
 """
