@@ -14,15 +14,17 @@ their values; this module holds the part they share:
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fedpca.errors import ConfigError
 
 __all__ = [
+    "did_you_mean",
     "load_toml_config",
     "read_toml",
     "reject_unknown_keys",
@@ -88,7 +90,21 @@ def reject_unknown_keys(
     if unknown:
         where = f"section [{section}]" if section else "the top level"
         names = ", ".join(f"{section}.{key}" if section else key for key in unknown)
-        raise ConfigError(f"unknown keys in {where}: {names} (known: {', '.join(sorted(known))})")
+        raise ConfigError(
+            f"unknown keys in {where}: {names} (known: {', '.join(sorted(known))})"
+            + did_you_mean(unknown, known)
+        )
+
+
+def did_you_mean(unknown: Iterable[str], known: Collection[str]) -> str:
+    """``"; did you mean columns for colums?"`` for the unknown names close to a known
+    one (difflib's ratio at least 0.75), or "" when none is."""
+    pairs = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+        if close:
+            pairs.append(f"{close[0]} for {name}")
+    return f"; did you mean {', '.join(pairs)}?" if pairs else ""
 
 
 def require_keys(

@@ -219,3 +219,10 @@ def test_missing_section_missing_file_and_bad_toml(tmp_path: Path) -> None:
 def test_from_mapping_names_section_type_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\[owner\] must be a table"):
         OwnerConfig.from_mapping({"owner": 3}, tmp_path)
+
+
+def test_a_misspelt_config_key_gets_the_name_it_is_closest_to(tmp_path: Path) -> None:
+    text = GOOD.replace("max_epsilon_per_query = 1.0", "max_epsilon_per_querry = 1.0")
+    with pytest.raises(ConfigError) as caught:
+        load_config(_write(tmp_path, text))
+    assert "did you mean max_epsilon_per_query for max_epsilon_per_querry?" in str(caught.value)

@@ -118,6 +118,32 @@ def test_a_query_file_error_names_the_file_and_the_aggregate(
     assert str(caught.value).startswith(str(path)) and message in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "suggestion"),
+    [
+        (LINREG + "colums = [1]", "; did you mean columns for colums?"),
+        (
+            LINREG + "fit_intercep = false\ntarget_bound = [0, 1]",
+            "; did you mean fit_intercept for fit_intercep, target_bounds for target_bound?",
+        ),
+        ("aggregates = 1", "; did you mean aggregate for aggregates?"),
+        ('[[aggregate]]\nkind = "histogramm"', "; did you mean histogram for histogramm?"),
+    ],
+)
+def test_a_misspelt_key_or_kind_gets_the_name_it_is_closest_to(
+    tmp_path: Path, text: str, suggestion: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        read_query_file(_file(tmp_path, text))
+    assert str(caught.value).endswith(suggestion)
+
+
+def test_a_key_close_to_no_known_one_gets_no_suggestion(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        read_query_file(_file(tmp_path, LINREG + "colour = 1"))
+    assert "did you mean" not in str(caught.value)
+
+
 def test_the_command_refuses_a_bad_file_before_keys_or_the_network(tmp_path: Path) -> None:
     path = _file(tmp_path, LINREG + "colums = [1]")
     result = CliRunner().invoke(

@@ -35,7 +35,7 @@ from typing import Any
 from fedpca.analyst.aggregate_estimators import PRIVACY_PARAMETERS, AggregateEstimator
 from fedpca.analyst.aggregate_report import ESTIMATOR_OF
 from fedpca.errors import ConfigError
-from fedpca.toml_config import load_toml_config, reject_unknown_keys
+from fedpca.toml_config import did_you_mean, load_toml_config, reject_unknown_keys
 
 __all__ = ["ESTIMATOR_KINDS", "QueryFile", "read_query_file"]
 
@@ -80,7 +80,10 @@ def _estimator(entry: Any, position: int) -> tuple[AggregateEstimator, float]:
     kind = entry.get("kind")
     if kind not in ESTIMATOR_KINDS:
         got = "it has none" if kind is None else f"got {kind!r}"
-        raise ConfigError(f"{where}: kind must be one of {', '.join(ESTIMATOR_KINDS)}; {got}")
+        close = did_you_mean([kind], ESTIMATOR_KINDS) if isinstance(kind, str) else ""
+        raise ConfigError(
+            f"{where}: kind must be one of {', '.join(ESTIMATOR_KINDS)}; {got}{close}"
+        )
     where = f"{where} ({kind})"
     known = _known_keys(ESTIMATOR_KINDS[kind])
     unknown = sorted(set(entry) - set(known))
@@ -89,6 +92,7 @@ def _estimator(entry: Any, position: int) -> tuple[AggregateEstimator, float]:
         hint = f"; {_set_by_options(privacy)}, by the command's options" if privacy else ""
         raise ConfigError(
             f"{where}: unknown keys {', '.join(unknown)} (known: {', '.join(known)}){hint}"
+            + did_you_mean(unknown, known)
         )
     weight = _weight(entry.get("weight", 1.0), where)
     parameters = {key: value for key, value in entry.items() if key not in ("kind", "weight")}
