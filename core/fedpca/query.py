@@ -291,19 +291,23 @@ class Aggregate:
                 f"histogram: one column, or two for a joint table, got {len(self.columns)}"
             )
         if self.lower or self.upper:
-            raise ConfigError("histogram: bounds are its bin_edges (lower/upper are for stats)")
+            raise ConfigError("histogram: its bounds are its bins' edges (bounds are for stats)")
         if len(self.bin_edges) != len(self.columns):
             raise ConfigError(
-                f"histogram: one list of bin edges per column ({len(self.columns)}), got "
+                f"histogram: bins: one list of edges per column ({len(self.columns)}), got "
                 f"{len(self.bin_edges)}"
             )
-        for i, edges in enumerate(self.bin_edges):
+        # Named as the analyst gives them (bins, groupby), not by the wire's field names
+        # (a walkthrough's analyst read 'bin_edges[0]' and did not know it for --bins).
+        for column, edges in zip(self.columns, self.bin_edges, strict=True):
             if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)):
+                shown = ", ".join(f"{edge:g}" for edge in edges)
                 raise ConfigError(
-                    f"histogram: bin_edges[{i}] must be at least two strictly increasing numbers"
+                    f"histogram: the bins of column {column} must be at least two strictly "
+                    f"increasing edges, got [{shown}]"
                 )
         if (self.group_column is None) != (not self.categories):
-            raise ConfigError("histogram: group_column and categories go together")
+            raise ConfigError("histogram: groupby (the group column) and categories go together")
         if len(set(self.categories)) != len(self.categories):
             raise ConfigError("histogram: categories must be distinct")
         if self.n_cells > MAX_HISTOGRAM_CELLS:

@@ -642,3 +642,19 @@ def test_replace_one_releases_unmoved_counts_exactly() -> None:
     assert {s.name: s.sigma for s in plan.sections}["0.count"] == 0.0
     add_remove = ReleasePlan.for_query(query(STATS, JOINT), 2048)
     assert all(s.sigma > 0 for s in add_remove.sections)
+
+
+def test_histogram_errors_name_the_column_and_the_analysts_words() -> None:
+    """bins and groupby as the analyst gives them, the column and the edges given (a
+    walkthrough's analyst read 'bin_edges[0]' and did not know it for --bins)."""
+    from fedpca.analyst import FederatedHistogram
+
+    with pytest.raises(ConfigError) as caught:
+        FederatedHistogram(columns=[2, 8], bins=[[0, 1], [3, 2, 1]], epsilon=1).aggregate()
+    said = str(caught.value)
+    assert (
+        "the bins of column 8 must be at least two strictly increasing edges, got [3, 2, 1]" in said
+    )
+    assert "bin_edges" not in said
+    with pytest.raises(ConfigError, match=r"groupby \(the group column\) and categories"):
+        FederatedHistogram(columns=[8], bins=[[0, 1]], groupby=0, epsilon=1).aggregate()
