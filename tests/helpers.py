@@ -215,6 +215,25 @@ def reference_statistics(rows: Any, labels: Any, spec: QuerySpec) -> Any:
     return SufficientStatistics.for_classes(scatter, class_sums, class_counts)
 
 
+def plaintext_release(spec: QuerySpec, rows: Any, labels: Any = None) -> Any:
+    """A stats-mode :class:`~fedpca.analyst.decode.DecodedRelease` of already
+    preprocessed rows without noise (no crypto), with the sigmas its plan states."""
+    from fedpca.analyst.decode import DecodedRelease
+
+    plan = ReleasePlan.for_query(spec, 512)
+    statistics = reference_statistics(rows, labels, spec)
+    return DecodedRelease(
+        query=spec,
+        plan=plan,
+        n_owners=2,
+        key_fingerprint="sha256:test",
+        values=statistics.to_vector(plan.statistics),
+        centred_scatter=None,
+        public_count=None,
+        sigmas={s.name: s.sigma for s in plan.sections},
+    )
+
+
 def quantisation_step(frac_bits: int = 32) -> float:
     """The grid owners quantise every coordinate of a (clip-unit) row to
     (:func:`fedpca.exact_statistics.row_bits`): the largest difference between a coordinate and

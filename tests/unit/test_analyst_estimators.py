@@ -48,7 +48,12 @@ from fedpca.query import Aggregate, Calibration, Neighbouring, QueryKind, QueryS
 from fedpca.signing import signer_id
 from fedpca.stats import SufficientStatistics
 from fedpca.transport import serde
-from helpers import TEST_SIGNER, TEST_SIGNING_KEY, exact_statistics, reference_statistics
+from helpers import (
+    TEST_SIGNER,
+    TEST_SIGNING_KEY,
+    exact_statistics,
+    plaintext_release,
+)
 
 RNG = np.random.default_rng(0)
 ROWS = RNG.uniform(-3.0, 3.0, size=(60, 4)) @ np.diag([1.0, 0.6, 0.3, 0.1])
@@ -95,19 +100,8 @@ def release_for(
         feature_upper=(3.0,) * 4,
         **extra,
     )
-    plan = ReleasePlan.for_query(spec, 512)
     rows = preprocess_for_query(ROWS, spec)
-    statistics = reference_statistics(rows, LABELS if kind is QueryKind.DCA else None, spec)
-    return DecodedRelease(
-        query=spec,
-        plan=plan,
-        n_owners=2,
-        key_fingerprint="sha256:test",
-        values=statistics.to_vector(plan.statistics),
-        centred_scatter=None,
-        public_count=None,
-        sigmas={s.name: s.sigma for s in plan.sections},
-    )
+    return plaintext_release(spec, rows, LABELS if kind is QueryKind.DCA else None)
 
 
 # ----------------------------------------------------------- sklearn conventions

@@ -22,7 +22,7 @@ from fedpca.errors import DataError
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import ReleasePlan, masked_sigma
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from helpers import reference_statistics
+from helpers import plaintext_release, reference_statistics
 
 M = 5
 ROWS = np.random.default_rng(7).normal(size=(3000, M)) * np.array([1.0, 0.7, 0.45, 0.25, 0.1])
@@ -68,16 +68,7 @@ def exact_release(query: QuerySpec, rows: Any = ROWS) -> DecodedRelease:
             public_count=len(x),
             sigmas={"scatter": masked_sigma(plan, len(x))[0]},
         )
-    return DecodedRelease(
-        query=query,
-        plan=plan,
-        n_owners=2,
-        key_fingerprint="sha256:test",
-        values=statistics.to_vector(plan.statistics),
-        centred_scatter=None,
-        public_count=None,
-        sigmas={s.name: s.sigma for s in plan.sections},
-    )
+    return plaintext_release(query, x, LABELS[: len(x)])
 
 
 def simulated_release(exact: DecodedRelease, rng: np.random.Generator) -> DecodedRelease:
