@@ -708,7 +708,12 @@ def test_cli_pca_prints_and_writes_the_components_noise_spread(
     )
     assert len(spread) == len(angles) == 2
     assert all(value > 0 for value in spread) and all(0 < angle <= 90 for angle in angles)
+    assert document["timings"]["noise sd"] > 0
     lines = result.stdout.splitlines()
+    # N's noise sd is the count section's sigma (it said only "noisy").
+    n_sd = document["noise_sigma"]["count"]
+    assert document["n_samples_noise_sd"] == n_sd > 0
+    assert f"records N:   {document['n_samples']:.1f} (noisy, noise sd {n_sd:.3g})" in lines
     assert "  noise sd:  " + ", ".join(f"{v:.4g}" for v in spread) in lines
     assert "noise angle: " + ", ".join(f"{a:.1f}" for a in angles) + " degrees" in lines
 
@@ -729,8 +734,24 @@ def test_cli_pca_prints_and_writes_the_components_noise_spread(
     _, fewer = fetch("--noise-sd-draws", "7")
     assert fewer["noise_sd_draws"] == 7 and fewer["explained_variance_noise_sd"] != spread
     skipped, none = fetch("--noise-sd-draws", "0")
-    assert none["noise_sd_draws"] == 0 and "explained_variance_noise_sd" not in none
-    assert "noise angle" not in skipped.stdout and "noise sd" not in skipped.stdout
+    assert none["noise_sd_draws"] == 0 and none["explained_variance_noise_sd"] is None
+    assert none["components_noise_angle_degrees"] is None and "noise sd" not in none["timings"]
+    assert "noise angle" not in skipped.stdout and "  noise sd:" not in skipped.stdout
+    # One draw has no spread: refused when the command line is read.
+    one = runner.invoke(
+        analyst_group,
+        [
+            "fetch",
+            query_id,
+            *connection,
+            "--out",
+            str(tmp_path / "one.json"),
+            "--noise-sd-draws",
+            "1",
+        ],
+    )
+    assert one.exit_code == 2 and "0 (skip) or at least 2" in one.output, one.output
+    assert not (tmp_path / "one.json").exists()
 
     # An aggregate's release has no components (the check runs before decryption).
     from types import SimpleNamespace

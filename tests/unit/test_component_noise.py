@@ -208,3 +208,29 @@ def test_angles_are_root_mean_square_and_ignore_sign() -> None:
     spread = component_noise(exact, solve, (np.array([1.0]), np.eye(M)[:1]), draws=10)
     assert spread.angles_degrees is not None
     assert spread.angles_degrees[0] == pytest.approx(math.sqrt((9 + 16) / 2))
+
+
+def test_a_value_the_noise_cannot_move_has_zero_sd_not_a_rounding_error() -> None:
+    """DCA's components beyond C − 1 on a constant feature have the value 1 + rho'/rho
+    in every draw, up to rounding: a walkthrough's summary printed sd 2.104e-15."""
+    exact = exact_release(spec())
+    jitter = iter(np.random.default_rng(0).normal(size=(10, 2)))
+
+    def solve(release: DecodedRelease) -> Any:
+        step = next(jitter)
+        return np.array([2.0 + 0.1 * step[0], 1.1 + 1e-15 * step[1]]), np.eye(M)[:2]
+
+    spread = component_noise(exact, solve, (np.array([2.0, 1.1]), np.eye(M)[:2]), draws=10)
+    assert spread.values_sd is not None
+    assert spread.values_sd[1] == 0.0 and spread.values_sd[0] > 0.01
+
+
+def test_n_samples_noise_sd_is_the_count_sigma_and_for_dca_sums_the_class_noise() -> None:
+    dca = exact_release(spec(QueryKind.DCA))
+    # N = the sum of C = 2 noisy class counts: sigma times sqrt(2).
+    assert dca.n_samples_noise_sd == pytest.approx(dca.sigmas["class_counts"] * math.sqrt(2))
+    pca = exact_release(spec())
+    assert pca.n_samples_noise_sd == pca.sigmas["count"] > 0
+    assert exact_release(spec(epsilon=math.inf)).n_samples_noise_sd == 0.0
+    masked = exact_release(spec(mode=ProtocolMode.MASKED, neighbouring=Neighbouring.REPLACE_ONE))
+    assert masked.n_samples_noise_sd == 0.0  # N is exact and public in masked mode

@@ -51,7 +51,7 @@ def test_negative_eigenvalues_are_counted_and_said() -> None:
         "n_samples_is_noisy_": True,
         "not_private_": False,
         "n_samples_": 100.0,
-        "release_": SimpleNamespace(query=_query(4, 2.0)),
+        "release_": SimpleNamespace(query=_query(4, 2.0), n_samples_noise_sd=3.0),
         "explained_variance_ratio_": result.explained_variance_ratio,
         "explained_variance_": result.explained_variance,
         "n_eigenvalues_clipped_": result.n_eigenvalues_clipped,

@@ -125,13 +125,22 @@ def dca_ridge_options(function: F) -> F:
     )(function)
 
 
+def _draws(_: click.Context, __: click.Parameter, value: int | None) -> int | None:
+    # One draw has no spread; refused when the command line is read, not after the
+    # decryption (a walkthrough's --noise-sd-draws 1 failed 1.5 s in).
+    if value == 1:
+        raise click.BadParameter("0 (skip) or at least 2: one draw has no spread")
+    return value
+
+
 def noise_sd_draws_option(function: F) -> F:
     """``--noise-sd-draws``: redraws of the noise for the components' noise sd
     (:mod:`fedpca.analyst.component_noise`); None: the automatic number."""
     return click.option(
         "--noise-sd-draws",
         type=click.IntRange(min=0),
+        callback=_draws,
         help="pca/dca: redraws of the noise that measure how far it moves each component "
-        "and its value (free; 0 skips it) [200 up to about 170 features, fewer above, "
-        "at least 30: each is one eigendecomposition].",
+        "and its value (free; 0 skips it, else at least 2) [200 up to about 170 features, "
+        "fewer above, at least 30: each is one eigendecomposition].",
     )(function)

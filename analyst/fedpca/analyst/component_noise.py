@@ -162,8 +162,12 @@ def component_noise(
         angles[draw] = _angles_degrees(components, again_components)
         if progress is not None:
             progress(1)
+    values_sd = redrawn_values.std(axis=0, ddof=1)
+    # A value the noise cannot move (DCA's components beyond C − 1 are 1 + ρ′/ρ by
+    # construction) varies at rounding level only: 2e-15 was printed.
+    values_sd[values_sd <= 1e-12 * np.maximum(np.abs(values), 1e-300)] = 0.0
     return ComponentNoise(
-        values_sd=redrawn_values.std(axis=0, ddof=1),
+        values_sd=values_sd,
         angles_degrees=np.sqrt(np.mean(angles**2, axis=0)),
         draws=draws,
     )

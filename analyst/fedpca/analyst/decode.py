@@ -43,6 +43,7 @@ Masked mode
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -185,6 +186,17 @@ class DecodedRelease:
                 "carries its own count"
             )
         return float(self.public_count)
+
+    @property
+    def n_samples_noise_sd(self) -> float:
+        """The noise sd of :attr:`n_samples`: the count section's sigma, or for DCA
+        (N the sum of C noisy class counts) that sigma times √C; 0 where N is exact."""
+        if not self.n_samples_is_noisy:
+            return 0.0
+        if self.kind is QueryKind.DCA:
+            classes = len(self.query.class_labels)
+            return float(self.sigmas.get(CLASS_COUNTS, 0.0)) * math.sqrt(classes)
+        return float(self.sigmas.get(COUNT, 0.0))
 
     @property
     def n_samples_is_noisy(self) -> bool:

@@ -132,6 +132,7 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
         mean_released=estimator.mean_ is not None,
         n_samples=float(estimator.n_samples_),
         n_samples_noisy=release.n_samples_is_noisy,
+        n_samples_noise_sd=release.n_samples_noise_sd,
         n_owners=int(estimator.n_owners_),
         epsilon=_finite_or_none(estimator.epsilon_),
         delta=float(estimator.delta_),
@@ -170,9 +171,14 @@ def _component_noise(estimator: Estimator) -> dict[str, Any]:
     each value (explained variance or eigenvalue), the rms angle of each component,
     the draws, and why a redraw failed (None when none did)."""
     spread = getattr(estimator, "component_noise_", None)
-    if spread is None:
-        return {"noise_sd_draws": 0}
     values = "explained_variance" if isinstance(estimator, FederatedPCA) else "eigenvalues"
+    if spread is None:  # not measured: the same keys, null (a walkthrough's were missing)
+        return {
+            f"{values}_noise_sd": None,
+            "components_noise_angle_degrees": None,
+            "noise_sd_draws": 0,
+            "noise_sd_failure": None,
+        }
     return {
         f"{values}_noise_sd": _list(spread.values_sd),
         "components_noise_angle_degrees": _list(spread.angles_degrees),
