@@ -293,18 +293,12 @@ class Aggregate:
         if self.lower or self.upper:
             raise ConfigError("histogram: its bounds are its bins' edges (bounds are for stats)")
         if len(self.bin_edges) != len(self.columns):
-            raise ConfigError(
-                f"histogram: bins: one list of edges per column ({len(self.columns)}), got "
-                f"{len(self.bin_edges)}"
-            )
-        # Named as the analyst gives them (bins, groupby), not by the wire's field names
-        # (a walkthrough's analyst read 'bin_edges[0]' and did not know it for --bins).
-        for column, edges in zip(self.columns, self.bin_edges, strict=True):
+            raise ConfigError(f"histogram: bins: one list per column, got {len(self.bin_edges)}")
+        for column, edges in zip(self.columns, self.bin_edges, strict=True):  # as --bins
             if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)):
-                shown = ", ".join(f"{edge:g}" for edge in edges)
                 raise ConfigError(
                     f"histogram: the bins of column {column} must be at least two strictly "
-                    f"increasing edges, got [{shown}]"
+                    f"increasing edges, got [{', '.join(f'{edge:g}' for edge in edges)}]"
                 )
         if (self.group_column is None) != (not self.categories):
             raise ConfigError("histogram: groupby (the group column) and categories go together")
