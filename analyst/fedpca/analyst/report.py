@@ -85,9 +85,10 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     owners (contributed, registered, quorum), epsilon (None for inf), delta,
     not_private, mechanism, calibration, neighbouring, bounded_owner_tables,
     noise_sigma, clip_norm, space (what the components and the mean are of: the rows as
-    scaled by feature_bounds and clipped), noise_sd_draws (0 when the noise spread was
-    not measured; else also explained_variance_noise_sd or eigenvalues_noise_sd,
-    components_noise_angle_degrees and noise_sd_failure), key_fingerprint, timings.
+    scaled by feature_bounds and clipped), n_samples_noise_sd, noise_sd_draws (0 when
+    the noise spread was not measured), explained_variance_noise_sd or
+    eigenvalues_noise_sd and components_noise_angle_degrees (null when not measured),
+    noise_sd_failure (null unless a redraw failed), key_fingerprint, timings.
     """
     release = getattr(estimator, "release_", None)
     if release is None:
