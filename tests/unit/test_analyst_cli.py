@@ -716,6 +716,15 @@ def test_cli_pca_prints_and_writes_the_components_noise_spread(
     assert f"records N:   {document['n_samples']:.1f} (noisy, noise sd {n_sd:.3g})" in lines
     assert "  noise sd:  " + ", ".join(f"{v:.4g}" for v in spread) in lines
     assert "noise angle: " + ", ".join(f"{a:.1f}" for a in angles) + " degrees" in lines
+    bound = document["explained_variance_noise_bound"]
+    assert bound > 0
+    assert any(line.startswith(f"noise bound: +/- {bound:.4g} on every") for line in lines)
+    below = [str(rank) for rank, v in enumerate(document["explained_variance"], 1) if v <= bound]
+    if below:
+        plural = "s" if len(below) > 1 else ""
+        assert f"component{plural} {', '.join(below)}: explained variance within" in result.stdout
+    else:
+        assert "within the bound of 0" not in result.stdout
 
     connection = ["--proxy", address, "--insecure", "--key-dir", str(analyst_key)]
     query_id = fake.submitted_ids[-1]
@@ -731,11 +740,13 @@ def test_cli_pca_prints_and_writes_the_components_noise_spread(
     _, same = fetch()
     assert same["explained_variance_noise_sd"] == spread
     assert same["components_noise_angle_degrees"] == angles
+    assert same["explained_variance_noise_bound"] == bound
     _, fewer = fetch("--noise-sd-draws", "7")
     assert fewer["noise_sd_draws"] == 7 and fewer["explained_variance_noise_sd"] != spread
     skipped, none = fetch("--noise-sd-draws", "0")
     assert none["noise_sd_draws"] == 0 and none["explained_variance_noise_sd"] is None
     assert none["components_noise_angle_degrees"] is None and "noise sd" not in none["timings"]
+    assert none["explained_variance_noise_bound"] is None
     assert "noise angle" not in skipped.stdout and "  noise sd:" not in skipped.stdout
     # One draw has no spread: refused when the command line is read.
     one = runner.invoke(

@@ -15,6 +15,7 @@ from fedpca.analyst.component_noise import (
     component_noise,
     default_draws,
     redraw_release,
+    spectral_norm,
 )
 from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.estimators import FederatedDCA, FederatedPCA
@@ -133,6 +134,54 @@ def test_pca_spread_matches_simulated_releases(mode: str) -> None:
     assert estimator.component_noise_ is spread
 
 
+def covariance_of(release: DecodedRelease) -> Any:
+    """The sample covariance of a release, written here from its definition."""
+    if release.centred_scatter is not None:
+        assert release.public_count is not None
+        return release.centred_scatter / (release.public_count - 1)
+    statistics = release.statistics
+    assert statistics is not None
+    n = statistics.count
+    return (statistics.scatter - np.outer(statistics.sums, statistics.sums) / n) / (n - 1)
+
+
+@pytest.mark.parametrize("mode", ["stats", "masked"])
+def test_pca_noise_bound_is_the_quantile_of_the_noise_norm_and_covers_every_value(
+    mode: str,
+) -> None:
+    """The bound against simulated releases: it is the 95th percentile of the spectral
+    norm the noise adds to the covariance, and no explained variance (of all M, clipped
+    at 0 as PCA does) moves further than it in at least about 95 % of them (Weyl)."""
+    extra: dict[str, Any] = {"mode": ProtocolMode(mode), "epsilon": 2.0}
+    if mode == "masked":
+        extra.update(neighbouring=Neighbouring.REPLACE_ONE)
+    exact = exact_release(spec(**extra))
+    exact_covariance = covariance_of(exact)
+    exact_values = np.clip(np.linalg.eigvalsh(exact_covariance), 0.0, None)
+    rng = np.random.default_rng(11)
+    norms, moved = [], []
+    for _ in range(SIMULATED):
+        noisy = covariance_of(simulated_release(exact, rng))
+        norms.append(np.linalg.norm(noisy - exact_covariance, 2))
+        moved.append(np.max(np.abs(np.clip(np.linalg.eigvalsh(noisy), 0.0, None) - exact_values)))
+    released = simulated_release(exact, np.random.default_rng(3))
+    spread = FederatedPCA.from_result(released).component_noise(draws=DRAWS)
+    assert spread.values_bound is not None
+    assert spread.values_bound == pytest.approx(np.quantile(norms, 0.95), rel=0.08)
+    covered = np.mean(np.array(moved) <= spread.values_bound)
+    assert 0.93 <= covered <= 1.0
+    # Not vacuous: the noise moves the values by a good part of the bound.
+    assert np.quantile(moved, 0.95) > 0.5 * spread.values_bound
+
+
+def test_spectral_norm_is_the_largest_eigenvalue_magnitude_of_the_mirrored_triangle() -> None:
+    for shift in (-3.0, 3.0):  # the largest |eigenvalue| negative, then positive
+        upper = np.triu(np.random.default_rng(4).normal(size=(6, 6)))
+        matrix = upper + np.triu(upper, 1).T + shift * np.eye(6)
+        expected = np.linalg.norm(matrix, 2)
+        assert spectral_norm(matrix[np.triu_indices(6)]) == pytest.approx(expected, rel=1e-12)
+
+
 def test_dca_spread_matches_simulated_releases() -> None:
     exact = exact_release(spec(QueryKind.DCA, n_components=1))
 
@@ -169,6 +218,9 @@ def test_no_noise_gives_zero_spread_without_draws() -> None:
     assert spread.draws == 0
     assert spread.values_sd is not None and not spread.values_sd.any()
     assert spread.angles_degrees is not None and not spread.angles_degrees.any()
+    assert spread.values_bound == 0.0
+    dca = exact_release(spec(QueryKind.DCA, epsilon=math.inf, n_components=1))
+    assert FederatedDCA.from_result(dca).component_noise().values_bound is None
 
 
 def test_a_redraw_the_solver_refuses_is_reported_not_hidden() -> None:
@@ -181,6 +233,7 @@ def test_a_redraw_the_solver_refuses_is_reported_not_hidden() -> None:
         released, pca_solution, pca_solution(released), draws=200, progress=calls.append
     )
     assert spread.values_sd is None and spread.angles_degrees is None
+    assert spread.values_bound is None
     assert spread.failure is not None and "record count" in spread.failure
     assert spread.draws == len(calls) < 200
 

@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from fedpca.analyst.component_noise import ComponentNoise
 from fedpca.analyst.estimators import FederatedPCA
-from fedpca.analyst.release_summary import clip_note, print_release_summary
+from fedpca.analyst.release_summary import (
+    _print_component_noise,
+    clip_note,
+    print_release_summary,
+)
 from fedpca.analyst.solvers import pca_from_statistics
 from fedpca.query import QueryKind
 
@@ -72,3 +77,37 @@ def test_negative_eigenvalues_are_counted_and_said() -> None:
     assert "clipped to L2 norm" not in printed  # 2 >= sqrt(4)
     estimator.n_eigenvalues_clipped_ = 0
     assert "noisy eigenvalues" not in CliRunner().invoke(show).output
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ([0.5, 0.3], None),
+        ([0.5, 0.1, 0.04], "component 3: explained variance within the bound of 0"),
+        ([0.5, 0.05, 0.01], "components 2, 3: explained variance within the bound of 0"),
+    ],
+)
+def test_the_noise_bound_names_the_components_the_noise_alone_could_give(
+    values: list[float], said: str | None
+) -> None:
+    estimator = FederatedPCA.__new__(FederatedPCA)
+    estimator.__dict__["component_noise_"] = ComponentNoise(
+        np.full(len(values), 0.01), np.full(len(values), 5.0), 40, values_bound=0.05
+    )
+
+    @click.command()
+    def show() -> None:
+        _print_component_noise(estimator, np.array(values), "explained variance")
+
+    printed = CliRunner().invoke(show).output
+    assert "noise bound: +/- 0.05 on every explained variance at once" in printed
+    assert "the bound below covers both" in printed
+    if said is None:
+        assert "within the bound of 0" not in printed
+    else:
+        assert said in printed
+    estimator.__dict__["component_noise_"] = ComponentNoise(
+        np.full(len(values), 0.01), np.full(len(values), 5.0), 40
+    )
+    without = CliRunner().invoke(show).output  # DCA: no bound
+    assert "noise bound" not in without and "the bound below" not in without

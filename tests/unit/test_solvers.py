@@ -12,7 +12,11 @@ from sklearn.decomposition import PCA
 
 from fedpca.analyst.solvers import (
     DCAComponentsWarning,
+    covariance_from_centred_scatter,
+    covariance_from_statistics,
+    covariance_from_upper_triangle,
     dca_from_statistics,
+    pca_from_covariance,
     pca_from_centred_scatter,
     pca_from_statistics,
     pca_from_upper_triangle,
@@ -423,3 +427,28 @@ def test_dca_argument_errors() -> None:
     with pytest.raises(DataError, match="singular"):
         dca_from_statistics(flat, n_components=1)
     assert dca_from_statistics(flat, n_components=1, rho=0.1).components.shape == (1, 2)
+
+
+def test_the_covariance_each_form_gives_is_the_sample_covariance() -> None:
+    x, _ = _rows("australian", "clip")
+    expected = np.cov(x, rowvar=False)
+    upper = np.triu_indices(x.shape[1])
+    stats = SufficientStatistics(scatter=x.T @ x, sums=x.sum(axis=0), count=float(len(x)))
+    centred = (x - x.mean(axis=0)).T @ (x - x.mean(axis=0))
+    forms = [
+        covariance_from_statistics(stats),
+        covariance_from_upper_triangle((x.T @ x)[upper], x.sum(axis=0), len(x)),
+        covariance_from_centred_scatter(centred, len(x)),
+    ]
+    for covariance in forms:
+        np.testing.assert_allclose(covariance.triangle, expected[upper], rtol=1e-9, atol=1e-12)
+        assert covariance.n_features == x.shape[1] and covariance.n_samples == len(x)
+    assert forms[2].mean is None and forms[0].mean is not None
+    # The solver copies the triangle unless told it may overwrite it.
+    kept = forms[0].triangle.copy()
+    result = pca_from_covariance(forms[0], 2)
+    assert np.array_equal(forms[0].triangle, kept)
+    reference = PCA(n_components=2, svd_solver="covariance_eigh").fit(x)
+    np.testing.assert_allclose(result.explained_variance, reference.explained_variance_)
+    pca_from_covariance(forms[0], 2, overwrite=True)
+    assert not np.array_equal(forms[0].triangle, kept)

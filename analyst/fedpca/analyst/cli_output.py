@@ -134,13 +134,14 @@ def _draws(_: click.Context, __: click.Parameter, value: int | None) -> int | No
 
 
 def noise_sd_draws_option(function: F) -> F:
-    """``--noise-sd-draws``: redraws of the noise for the components' noise sd
-    (:mod:`fedpca.analyst.component_noise`); None: the automatic number."""
+    """``--noise-sd-draws``: redraws of the noise for the components' noise sd and
+    bound (:mod:`fedpca.analyst.component_noise`); None: the automatic number."""
     return click.option(
         "--noise-sd-draws",
         type=click.IntRange(min=0),
         callback=_draws,
         help="pca/dca: redraws of the noise that measure how far it moves each component "
-        "and its value (free; 0 skips it, else at least 2) [200 up to about 170 features, "
-        "fewer above, at least 30: each is one eigendecomposition].",
+        "and its value, and for pca the explained variances' noise bound (free; 0 skips "
+        "it, else at least 2) [200 up to about 170 features, fewer above, at least 30: "
+        "each is one eigendecomposition].",
     )(function)

@@ -55,12 +55,14 @@ import numpy.typing as npt
 from fedpca.aggregates import split_parts
 from fedpca.analyst.result_checks import check_noise, check_result
 from fedpca.analyst.solvers import (
+    Covariance,
     DCAResult,
     PCAResult,
+    covariance_from_centred_scatter,
+    covariance_from_statistics,
+    covariance_from_upper_triangle,
     dca_from_statistics,
-    pca_from_centred_scatter,
-    pca_from_statistics,
-    pca_from_upper_triangle,
+    pca_from_covariance,
 )
 from fedpca.codec.keys import key_fingerprint
 from fedpca.codec.packing import owner_value_bound, unpack_range
@@ -210,16 +212,19 @@ class DecodedRelease:
         N as sums over the classes), so it gives their principal components too, as
         post-processing at no further charge."""
         k = self.query.n_components if n_components is None else n_components
+        return pca_from_covariance(self.pca_covariance(), k, overwrite=True)
+
+    def pca_covariance(self) -> Covariance:
+        """The sample covariance :meth:`pca` decomposes (a new one at each call)."""
         if self.kind is QueryKind.DCA and self.statistics is not None:
-            return pca_from_statistics(self.statistics, n_components=k)
+            return covariance_from_statistics(self.statistics)
         if self.kind is not QueryKind.PCA:
             raise ConfigError(f"query {self.query.query_id!r} is a {self.kind.value} release")
         if self.centred_scatter is not None:
             assert self.public_count is not None
-            return pca_from_centred_scatter(self.centred_scatter, self.public_count, k)
-        assert self.values is not None
-        return pca_from_upper_triangle(
-            self._section(SCATTER), self._section(SUM), self._section(COUNT)[0], k
+            return covariance_from_centred_scatter(self.centred_scatter, self.public_count)
+        return covariance_from_upper_triangle(
+            self._section(SCATTER), self._section(SUM), self._section(COUNT)[0]
         )
 
     def dca(

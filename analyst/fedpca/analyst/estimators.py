@@ -41,6 +41,7 @@ from fedpca.analyst.decode import DecodedRelease
 from fedpca.analyst.federated_estimator import FederatedEstimator
 from fedpca.analyst.params import check_number
 from fedpca.analyst.schema import FeatureBoundsParam
+from fedpca.analyst.solvers import Covariance
 from fedpca.errors import ConfigError, DataError
 from fedpca.formatting import exact
 from fedpca.query import DEFAULT_QUERY_DELTA, Calibration, ProtocolMode, QueryKind, QuerySpec
@@ -170,6 +171,9 @@ class FederatedPCA(FederatedEstimator):
 
     def _released_solution(self) -> tuple[FloatArray, FloatArray]:
         return self.explained_variance_, self.components_
+
+    def _values_covariance(self) -> Callable[[DecodedRelease], Covariance]:
+        return DecodedRelease.pca_covariance
 
     def inverse_transform(self, X: npt.ArrayLike) -> FloatArray:
         """Map scores back to the preprocessed space: X @ components_ + mean_.

@@ -28,7 +28,7 @@ from fedpca.analyst.querying import (
     warn_if_owners_missing,
 )
 from fedpca.analyst.schema import FeatureBoundsParam, check_schema, resolve_bounds
-from fedpca.analyst.solvers import check_n_components
+from fedpca.analyst.solvers import Covariance, check_n_components
 from fedpca.codec.keys import key_fingerprint
 from fedpca.errors import ConfigError, DataError
 from fedpca.messages import DeploymentInfo
@@ -347,6 +347,11 @@ class FederatedEstimator(SklearnParams):
         """The fitted values and components."""
         raise NotImplementedError
 
+    def _values_covariance(self) -> Callable[[DecodedRelease], Covariance] | None:
+        """The symmetric matrix whose eigenvalues the values are (PCA's covariance), for
+        their noise bound; None where there is none (DCA's generalized problem)."""
+        return None
+
     def component_noise(
         self, draws: int | None = None, progress: Callable[[int], None] | None = None
     ) -> ComponentNoise:
@@ -372,6 +377,7 @@ class FederatedEstimator(SklearnParams):
             draws=draws,
             seed=release_seed(release.query.query_id, "components"),
             progress=progress,
+            covariance=self._values_covariance(),
         )
         self.component_noise_ = spread
         return spread

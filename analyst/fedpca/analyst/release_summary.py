@@ -62,8 +62,9 @@ def _numbers(values: Any) -> str:
     return ", ".join(f"{v:.4g}" for v in values)
 
 
-def _print_component_noise(estimator: Any, values_name: str) -> None:
-    """The noise sd of the components' values and the angles the noise turns them by."""
+def _print_component_noise(estimator: Any, values: Any, values_name: str) -> None:
+    """The noise sd of the components' values (``values``) and the angles the noise
+    turns them by; for PCA the values' noise bound."""
     spread = getattr(estimator, "component_noise_", None)
     if spread is None or not spread.draws:
         return
@@ -77,13 +78,37 @@ def _print_component_noise(estimator: Any, values_name: str) -> None:
     click.echo(f"  noise sd:  {_numbers(spread.values_sd)}")
     angles = ", ".join(f"{a:.1f}" for a in spread.angles_degrees)
     click.echo(f"noise angle: {angles} degrees")
+    shift = f"pushes the leading {values_name}s up, by more than their sd when the angles are large"
+    if spread.values_bound is None:
+        shift += ": the sd is their spread, not that shift (docs/analyst.md)"
+    else:
+        shift += (
+            ": the sd is their spread, not that shift; the bound below covers both "
+            "(docs/analyst.md)"
+        )
     click.echo(
         f"             how far the privacy noise alone moves each {values_name} and turns "
         f"each component: sd and rms angle over {spread.draws} simulated releases (near "
-        "90 degrees: the noise decides that component). The noise also pushes the "
-        f"leading {values_name}s up, by more than their sd when the angles are large: "
-        "the sd is their spread, not that shift (docs/analyst.md)"
+        f"90 degrees: the noise decides that component). The noise also {shift}"
     )
+    if spread.values_bound is not None:
+        _print_noise_bound(spread.values_bound, values, values_name)
+
+
+def _print_noise_bound(bound: float, values: Any, values_name: str) -> None:
+    """The values' noise bound, and which components are within it of 0."""
+    click.echo(
+        f"noise bound: +/- {bound:.4g} on every {values_name} at once: in 95 % of the "
+        "simulated releases the noise moved none of them further (Weyl's inequality)"
+    )
+    within = [str(rank) for rank, value in enumerate(values, start=1) if value <= bound]
+    if within:
+        click.secho(
+            f"             component{'s' if len(within) > 1 else ''} {', '.join(within)}: "
+            f"{values_name} within the bound of 0, so the noise alone could give "
+            f"{'them' if len(within) > 1 else 'it'}",
+            fg="yellow",
+        )
 
 
 def clip_note(query: Any) -> str | None:
@@ -139,10 +164,10 @@ def print_release_summary(estimator: Any, files: Any) -> None:
                 fg="yellow",
             )
         click.echo(f"explained variance: {_numbers(estimator.explained_variance_)}")
-        _print_component_noise(estimator, "explained variance")
+        _print_component_noise(estimator, estimator.explained_variance_, "explained variance")
     else:
         click.echo(f"generalized eigenvalues: {_numbers(estimator.eigenvalues_)}")
-        _print_component_noise(estimator, "eigenvalue")
+        _print_component_noise(estimator, estimator.eigenvalues_, "eigenvalue")
     if estimator.not_private_:
         click.secho("release: NOT PRIVATE (epsilon = inf)", fg="red", bold=True)
     else:

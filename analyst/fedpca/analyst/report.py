@@ -88,7 +88,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     scaled by feature_bounds and clipped), n_samples_noise_sd, noise_sd_draws (0 when
     the noise spread was not measured), explained_variance_noise_sd or
     eigenvalues_noise_sd and components_noise_angle_degrees (null when not measured),
-    noise_sd_failure (null unless a redraw failed), key_fingerprint, timings.
+    for PCA explained_variance_noise_bound (null when not measured), noise_sd_failure
+    (null unless a redraw failed), key_fingerprint, timings.
     """
     release = getattr(estimator, "release_", None)
     if release is None:
@@ -170,19 +171,24 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
 def _component_noise(estimator: Estimator) -> dict[str, Any]:
     """The components' noise spread, when measured (``component_noise``): the sd of
     each value (explained variance or eigenvalue), the rms angle of each component,
-    the draws, and why a redraw failed (None when none did)."""
+    for PCA the explained variances' noise bound, the draws, and why a redraw failed
+    (None when none did)."""
     spread = getattr(estimator, "component_noise_", None)
-    values = "explained_variance" if isinstance(estimator, FederatedPCA) else "eigenvalues"
+    pca = isinstance(estimator, FederatedPCA)
+    values = "explained_variance" if pca else "eigenvalues"
+    bound = {"explained_variance_noise_bound": None if spread is None else spread.values_bound}
     if spread is None:  # not measured: the same keys, null (a walkthrough's were missing)
         return {
             f"{values}_noise_sd": None,
             "components_noise_angle_degrees": None,
+            **(bound if pca else {}),
             "noise_sd_draws": 0,
             "noise_sd_failure": None,
         }
     return {
         f"{values}_noise_sd": _list(spread.values_sd),
         "components_noise_angle_degrees": _list(spread.angles_degrees),
+        **(bound if pca else {}),
         "noise_sd_draws": spread.draws,
         "noise_sd_failure": spread.failure,
     }

@@ -44,12 +44,17 @@ from fedpca.errors import ConfigError, DataError, UnusableReleaseError
 from fedpca.stats import SufficientStatistics
 
 __all__ = [
+    "Covariance",
     "DCAComponentsWarning",
     "DCAResult",
     "PCAResult",
     "check_n_components",
+    "covariance_from_centred_scatter",
+    "covariance_from_statistics",
+    "covariance_from_upper_triangle",
     "dca_from_statistics",
     "pca_from_centred_scatter",
+    "pca_from_covariance",
     "pca_from_statistics",
     "pca_from_upper_triangle",
 ]
@@ -180,6 +185,90 @@ def _pca_inputs(
     return scatter, v, float(count)
 
 
+@dataclass(frozen=True, eq=False)
+class Covariance:
+    """The sample covariance C that PCA decomposes, as its row-major upper triangle.
+
+    C = (R − v vᵀ/N) / (N − 1) from the statistics, or S / (N − 1) from a centred
+    scatter (masked mode). Noisy statistics give a C that is symmetric but need not be
+    positive semi-definite; :func:`pca_from_covariance` clips its negative eigenvalues.
+
+    Attributes
+    ----------
+    triangle : (M(M+1)/2,) C's upper triangle, i <= j, row by row.
+    n_samples : N (> 1; the noisy count under DP in stats mode).
+    mean : (M,) v / N, or None when the statistics do not reveal it (masked mode).
+    """
+
+    triangle: FloatArray
+    n_samples: float
+    mean: FloatArray | None
+
+    @property
+    def n_features(self) -> int:
+        return (math.isqrt(8 * self.triangle.size + 1) - 1) // 2
+
+
+def covariance_from_statistics(
+    statistics: SufficientStatistics | npt.ArrayLike,
+    sums: npt.ArrayLike | None = None,
+    count: float | None = None,
+) -> Covariance:
+    """C = (R − v vᵀ/N) / (N − 1) from R = Σxxᵀ, v = Σx and N; called as
+    :func:`pca_from_statistics` is. N <= 1 raises DataError (see there)."""
+    scatter, v, n = _pca_inputs(statistics, sums, count)
+    n, mean = _check_sums(v, n)
+    triangle = np.empty(scatter.shape[0] * (scatter.shape[0] + 1) // 2, dtype=np.float64)
+
+    def covariance(out: FloatArray) -> None:
+        upper_triangle(scatter, out=out)
+        _centre(out, v, n)
+
+    _fill_finite(covariance, triangle)
+    return Covariance(triangle, n, mean)
+
+
+def covariance_from_upper_triangle(
+    scatter_triangle: npt.ArrayLike, sums: npt.ArrayLike, count: float
+) -> Covariance:
+    """C from R given as its row-major upper triangle (the released layout), v and N,
+    without an M x M matrix anywhere."""
+    triangle = np.asarray(scatter_triangle, dtype=np.float64)
+    m = (math.isqrt(8 * triangle.size + 1) - 1) // 2
+    if triangle.ndim != 1 or m * (m + 1) // 2 != triangle.size:
+        raise DataError(f"{triangle.shape} values are not the upper triangle of a scatter R")
+    if not np.isfinite(triangle).all():
+        raise DataError("scatter R has non-finite entries")
+    v = np.asarray(sums, dtype=np.float64)
+    if v.shape != (m,):
+        raise DataError(f"sums v must have shape ({m},), got {v.shape}")
+    n, mean = _check_sums(v, float(count))
+    out = np.empty_like(triangle)
+
+    def covariance(out: FloatArray) -> None:
+        np.copyto(out, triangle)
+        _centre(out, v, n)
+
+    _fill_finite(covariance, out)
+    return Covariance(out, n, mean)
+
+
+def covariance_from_centred_scatter(centred_scatter: npt.ArrayLike, count: float) -> Covariance:
+    """C = S / (N − 1) from an already centred scatter S (+ noise) and N: the masked
+    mode's release, whose mean the analyst never sees (``mean`` is None)."""
+    scatter = np.asarray(centred_scatter, dtype=np.float64)
+    _check_square(scatter, "centred scatter S")
+    n = _check_count(float(count))
+    triangle = np.empty(scatter.shape[0] * (scatter.shape[0] + 1) // 2, dtype=np.float64)
+
+    def covariance(out: FloatArray) -> None:
+        upper_triangle(scatter, out=out)
+        out /= n - 1.0
+
+    _fill_finite(covariance, triangle)
+    return Covariance(triangle, n, None)
+
+
 def pca_from_statistics(
     statistics: SufficientStatistics | npt.ArrayLike,
     sums: npt.ArrayLike | None = None,
@@ -206,15 +295,8 @@ def pca_from_statistics(
     -------
     PCAResult
     """
-    scatter, v, n = _pca_inputs(statistics, sums, count)
-    k = check_n_components(n_components, scatter.shape[0])
-    n, mean = _check_sums(v, n)
-
-    def covariance(out: FloatArray) -> None:
-        upper_triangle(scatter, out=out)
-        _centre(out, v, n)
-
-    return _pca(covariance, scatter.shape[0], n, k, mean)
+    covariance = covariance_from_statistics(statistics, sums, count)
+    return pca_from_covariance(covariance, n_components, overwrite=True)
 
 
 def pca_from_upper_triangle(
@@ -236,23 +318,8 @@ def pca_from_upper_triangle(
     count : N (> 1; see :func:`pca_from_statistics`).
     n_components : k, default all M.
     """
-    triangle = np.asarray(scatter_triangle, dtype=np.float64)
-    m = (math.isqrt(8 * triangle.size + 1) - 1) // 2
-    if triangle.ndim != 1 or m * (m + 1) // 2 != triangle.size:
-        raise DataError(f"{triangle.shape} values are not the upper triangle of a scatter R")
-    if not np.isfinite(triangle).all():
-        raise DataError("scatter R has non-finite entries")
-    v = np.asarray(sums, dtype=np.float64)
-    if v.shape != (m,):
-        raise DataError(f"sums v must have shape ({m},), got {v.shape}")
-    k = check_n_components(n_components, m)
-    n, mean = _check_sums(v, float(count))
-
-    def covariance(out: FloatArray) -> None:
-        np.copyto(out, triangle)
-        _centre(out, v, n)
-
-    return _pca(covariance, m, n, k, mean)
+    covariance = covariance_from_upper_triangle(scatter_triangle, sums, count)
+    return pca_from_covariance(covariance, n_components, overwrite=True)
 
 
 def _check_sums(v: FloatArray, count: float) -> tuple[float, FloatArray]:
@@ -270,7 +337,7 @@ def _centre(out: FloatArray, v: FloatArray, n: float) -> None:
 
     Row by row of the triangle, with the same operations, entry by entry, as
     (R − np.outer(v, v) / N) / (N − 1). With noise, S is symmetric (the noise E is) but
-    need not be positive semi-definite; the clipping in _pca handles that.
+    need not be positive semi-definite; the clipping in pca_from_covariance handles that.
     """
     start = 0
     m = v.shape[0]
@@ -298,16 +365,8 @@ def pca_from_centred_scatter(
     count : N (> 1; see :func:`pca_from_statistics`).
     n_components : k, default all M.
     """
-    scatter = np.asarray(centred_scatter, dtype=np.float64)
-    _check_square(scatter, "centred scatter S")
-    k = check_n_components(n_components, scatter.shape[0])
-    n = _check_count(float(count))
-
-    def covariance(out: FloatArray) -> None:
-        upper_triangle(scatter, out=out)
-        out /= n - 1.0
-
-    return _pca(covariance, scatter.shape[0], n, k, None)
+    covariance = covariance_from_centred_scatter(centred_scatter, count)
+    return pca_from_covariance(covariance, n_components, overwrite=True)
 
 
 def _fill_finite(covariance: Callable[[FloatArray], None], out: FloatArray) -> None:
@@ -318,10 +377,10 @@ def _fill_finite(covariance: Callable[[FloatArray], None], out: FloatArray) -> N
         raise DataError("the covariance overflows float64: the statistics are out of range")
 
 
-def _pca(
-    covariance: Callable[[FloatArray], None], m: int, n: float, k: int, mean: FloatArray | None
+def pca_from_covariance(
+    covariance: Covariance, n_components: int | None = None, *, overwrite: bool = False
 ) -> PCAResult:
-    """PCA of the covariance whose upper triangle ``covariance(out)`` writes into ``out``.
+    """PCA of a :class:`Covariance`.
 
     Every eigenvalue is needed (the explained variance ratio and the noise variance
     are over all of them) but only k eigenvectors: one reduction of the packed
@@ -329,9 +388,16 @@ def _pca(
     (:func:`fedpca.analyst.packed_eigen.packed_spectrum`). numpy's eigh would compute
     all M eigenvectors with four M x M arrays (128 MiB at M = 2,000) and take about 20
     times as long; scipy's eigh works on the full matrix, twice the packed triangle.
+
+    Parameters
+    ----------
+    covariance : the covariance.
+    n_components : k, default all M.
+    overwrite : let the eigensolver overwrite ``covariance.triangle`` (no copy of it).
     """
-    buffer = np.empty(m * (m + 1) // 2, dtype=np.float64)
-    _fill_finite(covariance, buffer)
+    m, n, mean = covariance.n_features, covariance.n_samples, covariance.mean
+    k = check_n_components(n_components, m)
+    buffer = covariance.triangle if overwrite else covariance.triangle.copy()
     eigenvalues, components = packed_spectrum(buffer, k)
     del buffer
     negative = eigenvalues < 0.0
