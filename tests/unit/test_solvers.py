@@ -16,8 +16,8 @@ from fedpca.analyst.solvers import (
     covariance_from_statistics,
     covariance_from_upper_triangle,
     dca_from_statistics,
-    pca_from_covariance,
     pca_from_centred_scatter,
+    pca_from_covariance,
     pca_from_statistics,
     pca_from_upper_triangle,
 )
