@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from fedpca.errors import ConfigError
+from fedpca.query_checks import check_bounds, check_span, column_indices, finite_numbers
 
 QUERY_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 """Query ids appear in log lines, file names and the proxy's keys: a safe alphabet."""
@@ -124,61 +125,6 @@ class Neighbouring(StrEnum):
     """D' is D with one record replaced by another (record counts are public)."""
 
 
-def _ints(values: Any, what: str) -> tuple[int, ...]:
-    try:
-        items = tuple(values)
-    except TypeError:
-        raise ConfigError(f"{what} must be a sequence of column indices") from None
-    out = []
-    for value in items:
-        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        if isinstance(value, bool) or not whole:
-            raise ConfigError(f"{what} must hold whole column indices, got {value!r}")
-        if value < 0:
-            raise ConfigError(f"{what} must hold column indices >= 0, got {value!r}")
-        out.append(int(value))
-    return tuple(out)
-
-
-def _floats(values: Any, what: str) -> tuple[float, ...]:
-    try:
-        out = tuple(float(v) for v in values)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be a sequence of numbers") from None
-    if not all(math.isfinite(v) for v in out):
-        raise ConfigError(f"{what} must be finite numbers")
-    return out
-
-
-def _check_bounds(
-    lower: tuple[float, ...], upper: tuple[float, ...], columns: tuple[int, ...], what: str
-) -> None:
-    n = len(columns)
-    if len(lower) != n or len(upper) != n:
-        raise ConfigError(
-            f"{what}: need one public lower and upper bound per column ({n}), got "
-            f"{len(lower)} and {len(upper)}"
-        )
-    # Named by file column, not by position in the list (an analyst's walkthrough).
-    for column, lo, hi in zip(columns, lower, upper, strict=True):
-        if not lo < hi:
-            raise ConfigError(
-                f"{what}: column {column}: bounds must have lower < upper, got [{lo}, {hi}]"
-            )
-        _check_span(lo, hi, f"{what}: column {column}")
-
-
-def _check_span(lo: float, hi: float, what: str) -> None:
-    # Owners scale values by 2 (x - lower) / (upper - lower). A span whose double
-    # overflows is refused with the query, before anything is charged: found by the
-    # owner's encoder, it would fail after the owner's budget was reserved.
-    if not math.isfinite(2.0 * (hi - lo)):
-        raise ConfigError(
-            f"{what}: bounds [{lo}, {hi}] span more than a float can scale "
-            "(2 x (upper - lower) overflows)"
-        )
-
-
 @dataclass(frozen=True)
 class Aggregate:
     """One private aggregate of an aggregate query: its columns and public parameters.
@@ -226,14 +172,18 @@ class Aggregate:
                 f"{', '.join(k.value for k in AggregateKind)}"
             ) from None
         what = kind.value
-        columns = _ints(self.columns, f"{what}: columns")
-        lower = _floats(self.lower, f"{what}: lower")
-        upper = _floats(self.upper, f"{what}: upper")
-        edges = tuple(_floats(e, f"{what}: bin_edges[{i}]") for i, e in enumerate(self.bin_edges))
-        categories = _floats(self.categories, f"{what}: categories")
+        columns = column_indices(self.columns, f"{what}: columns")
+        lower = finite_numbers(self.lower, f"{what}: lower")
+        upper = finite_numbers(self.upper, f"{what}: upper")
+        edges = tuple(
+            finite_numbers(e, f"{what}: bin_edges[{i}]") for i, e in enumerate(self.bin_edges)
+        )
+        categories = finite_numbers(self.categories, f"{what}: categories")
         moments = None if self.moments is None else Moments(self.moments)
-        group = None if self.group_column is None else _ints((self.group_column,), what)[0]
-        target = None if self.target_column is None else _ints((self.target_column,), what)[0]
+        group = None if self.group_column is None else column_indices((self.group_column,), what)[0]
+        target = (
+            None if self.target_column is None else column_indices((self.target_column,), what)[0]
+        )
         for name, value in (
             ("kind", kind),
             ("columns", columns),
@@ -259,7 +209,7 @@ class Aggregate:
         if kind is AggregateKind.HISTOGRAM:
             self._check_histogram()
         else:
-            _check_bounds(lower, upper, columns, what)
+            check_bounds(lower, upper, columns, what)
             if edges or group is not None or categories:
                 raise ConfigError(
                     f"{what}: bin_edges, group_column and categories are for histograms"
@@ -274,12 +224,12 @@ class Aggregate:
         if kind is AggregateKind.LINREG:
             if target is None or self.target_lower is None or self.target_upper is None:
                 raise ConfigError("linreg: needs target_column, target_lower and target_upper")
-            bounds = _floats((self.target_lower, self.target_upper), "linreg: target bounds")
+            bounds = finite_numbers((self.target_lower, self.target_upper), "linreg: target bounds")
             if not bounds[0] < bounds[1]:
                 raise ConfigError(
                     f"linreg: target bounds must have lower < upper, got [{bounds[0]}, {bounds[1]}]"
                 )
-            _check_span(bounds[0], bounds[1], "linreg: target")
+            check_span(bounds[0], bounds[1], "linreg: target")
             object.__setattr__(self, "target_lower", bounds[0])
             object.__setattr__(self, "target_upper", bounds[1])
         elif target is not None or self.target_lower is not None or self.target_upper is not None:
@@ -444,6 +394,8 @@ class QuerySpec:
     label_column : column holding the class label (DCA), counted in the owners' files.
     class_labels : the public list of class labels (DCA); an owner leaves records of
         other labels out of its statistics (the sensitivity accounts for it).
+    feature_columns : PCA and DCA: the owners' file columns (0-based) that are the M
+        features, in order; empty (the default) for every column but the label.
     quorum : minimum number of owners that must contribute.
     deadline_seconds : how long the proxy waits for uploads after the query is published.
     issued_at : UNIX time the analyst's client signed the query at (it sets it when it
@@ -479,6 +431,7 @@ class QuerySpec:
     mode: ProtocolMode = ProtocolMode.STATS
     label_column: int | None = None
     class_labels: tuple[float, ...] = ()
+    feature_columns: tuple[int, ...] = ()
     quorum: int = 1
     deadline_seconds: float = 300.0
     max_records_per_owner: int = 1 << 20
@@ -521,7 +474,7 @@ class QuerySpec:
         for j, (lo, hi) in enumerate(zip(self.feature_lower, self.feature_upper, strict=True)):
             if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
                 raise ConfigError(f"feature {j}: bounds must be finite with lower < upper")
-            _check_span(lo, hi, f"feature {j}")
+            check_span(lo, hi, f"feature {j}")
         if not (math.isfinite(self.clip_norm) and self.clip_norm >= MIN_CLIP_NORM):
             raise ConfigError(
                 f"clip_norm must be finite and at least {MIN_CLIP_NORM:g}, got {self.clip_norm}"
@@ -559,7 +512,27 @@ class QuerySpec:
                 "bounded_owner_tables changes the add/remove calibration only: under "
                 "replace-one the swap of a record is the relation itself"
             )
+        self._check_feature_columns()
         self._check_aggregates()
+
+    def _check_feature_columns(self) -> None:
+        columns = column_indices(self.feature_columns, "feature_columns")
+        object.__setattr__(self, "feature_columns", columns)  # 1.0 read back from JSON: 1
+        if not columns:
+            return
+        if self.kind is QueryKind.AGGREGATE:
+            raise ConfigError("an aggregate query names its columns per aggregate")
+        if len(set(columns)) != len(columns):
+            raise ConfigError(f"feature_columns names a column twice: {list(columns)}")
+        if len(columns) != self.n_features:
+            raise ConfigError(
+                f"feature_columns names {len(columns)} columns, the query has "
+                f"n_features = {self.n_features}"
+            )
+        if self.label_column is not None and self.label_column in columns:
+            raise ConfigError(
+                f"the label column {self.label_column} cannot also be a feature column"
+            )
 
     def _check_aggregates(self) -> None:
         if self.kind is not QueryKind.AGGREGATE:
@@ -644,5 +617,7 @@ def spec_digest(spec: QuerySpec) -> str:
         del fields["bounded_owner_tables"]
     if spec.issued_at is None:
         del fields["issued_at"]
+    if not spec.feature_columns:  # every column but the label, as before they existed
+        del fields["feature_columns"]
     text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()

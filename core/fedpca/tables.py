@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from fedpca.errors import DataError
 
-__all__ = ["HeaderOption", "OwnerTable", "describe_columns", "load_table"]
+__all__ = ["HeaderOption", "OwnerTable", "describe_columns", "load_columns", "load_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -544,3 +544,17 @@ def load_table(
         else describe_columns(table.shape[1], label_index),
     )
     return result
+
+
+def load_columns(
+    path: str | os.PathLike[str], columns: Sequence[int], label_column: int | None = None
+) -> OwnerTable:
+    """Some columns of a table in the owners' file layout: ``columns`` (0-based file
+    columns, in this order) as its features, and ``label_column`` as its labels (None:
+    no labels), as a query that names its feature columns reads them."""
+    table = load_table(path).features
+    wanted = [*columns, *(() if label_column is None else (label_column,))]
+    if max(wanted) >= table.shape[1]:
+        raise DataError(f"{path} has {table.shape[1]} columns; column {max(wanted)} is read")
+    labels = None if label_column is None else table[:, label_column]
+    return OwnerTable(table[:, list(columns)], labels)

@@ -215,3 +215,30 @@ def test_demo_command_writes_exact_result(tmp_path: Path, mode: str) -> None:
     assert result["n_owners"] == 2
     pngs = sorted(out.glob("*.png"))
     assert pngs and all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_pca_of_named_columns_is_the_pca_of_those_columns(tmp_path: Path) -> None:
+    """A query naming its feature columns (one owner allows only those: before, its
+    policy made it decline every PCA) releases exactly the PCA of those file columns."""
+    table = _unit_rows(_dataset("ionosphere.csv"))
+    columns = (12, 3, 7, 20)  # file columns (column 0 is the label), in this order
+    allowed = {"owner-1": {"policy": {"allowed_columns": sorted(columns)}}}
+    with _cluster(
+        tmp_path, table, owners=2, allow_not_private=True, owner_settings=allowed
+    ) as cluster:
+        cluster.prepare()
+        cluster.start()
+        model = FederatedPCA(
+            n_components=2,
+            epsilon=math.inf,
+            delta=1e-5,
+            columns=columns,
+            **_estimator_kwargs(cluster),
+        ).fit()
+    assert model.n_owners_ == 2 and model.release_.query.feature_columns == columns
+    rows = table[:, list(columns)]
+    exact = pca_from_statistics(exact_statistics(rows, None, model.release_.query), n_components=2)
+    _same_up_to_sign(model.components_, exact.components, atol=1e-9)
+    np.testing.assert_allclose(model.explained_variance_, exact.explained_variance, rtol=1e-9)
+    reference = PCA(n_components=2, svd_solver="covariance_eigh").fit(rows)
+    np.testing.assert_allclose(model.explained_variance_, reference.explained_variance_, rtol=1e-3)

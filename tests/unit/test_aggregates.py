@@ -555,6 +555,40 @@ def test_query_spec_rules_for_aggregates() -> None:
     )
 
 
+def test_feature_columns_are_checked_and_enter_the_digest_only_when_named() -> None:
+    def pca(**fields: Any) -> QuerySpec:
+        return QuerySpec("q1", QueryKind.PCA, 3, 1.0, 1e-5, 2, 35, "sha256:x", **fields)
+
+    named = pca(feature_columns=(4, 1.0, 2))  # as read back from JSON: 1.0 is column 1
+    assert named.feature_columns == (4, 1, 2) and type(named.feature_columns[1]) is int
+    assert spec_digest(named) != spec_digest(pca())
+    assert spec_digest(named) == spec_digest(pca(feature_columns=[4, 1, 2]))
+    with pytest.raises(ConfigError, match="names a column twice"):
+        pca(feature_columns=(1, 1, 2))
+    with pytest.raises(ConfigError, match="names 2 columns, the query has n_features = 3"):
+        pca(feature_columns=(1, 2))
+    with pytest.raises(ConfigError, match="whole column indices"):
+        pca(feature_columns=(1, 2.5, 3))
+    with pytest.raises(ConfigError, match="indices >= 0"):
+        pca(feature_columns=(1, -2, 3))
+    with pytest.raises(ConfigError, match="label column 0 cannot also be a feature column"):
+        QuerySpec(
+            "q1",
+            QueryKind.DCA,
+            3,
+            1.0,
+            1e-5,
+            1,
+            35,
+            "sha256:x",
+            label_column=0,
+            class_labels=(0.0, 1.0),
+            feature_columns=(0, 1, 2),
+        )
+    with pytest.raises(ConfigError, match="names its columns per aggregate"):
+        query(STATS, feature_columns=(1, 2))
+
+
 def test_pca_digest_is_unchanged_and_aggregates_enter_it() -> None:
     # The digest older analyst clients sign (fedpca before aggregates): unchanged.
     pca = QuerySpec("q1", QueryKind.PCA, 3, 1.0, 1e-5, 2, 35, "sha256:x")
@@ -581,6 +615,8 @@ def test_digest_encodes_every_field_as_dataclasses_asdict_does() -> None:
             del fields["bounded_owner_tables"]
         if fields["issued_at"] is None:
             del fields["issued_at"]
+        if not fields["feature_columns"]:
+            del fields["feature_columns"]
         text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -601,7 +637,8 @@ def test_digest_encodes_every_field_as_dataclasses_asdict_does() -> None:
     combined = query(STATS, VARIANCE, JOINT, LINREG, noise_weights=tuple(range(1, 15)))
     bounded = dataclasses.replace(combined, bounded_owner_tables=True)
     stamped = dataclasses.replace(combined, issued_at=1_795_000_000.25)
-    for spec in (dca, combined, bounded, stamped):
+    named = dataclasses.replace(dca, feature_columns=(3, 1, 2))
+    for spec in (dca, combined, bounded, stamped, named):
         assert spec_digest(spec) == reference(spec)
     assert spec_digest(bounded) != spec_digest(combined)
     assert spec_digest(stamped) != spec_digest(combined)

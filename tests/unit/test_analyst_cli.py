@@ -1702,3 +1702,46 @@ def test_a_typo_in_a_list_is_a_usage_error_before_anything_is_sent(
     )
     assert result.exit_code == 2, result.output
     assert why in result.output and "bin_edges" not in result.output
+
+
+def test_cli_pca_of_named_columns_states_them_and_reads_the_sample_alike(
+    proxy: tuple[FakeProxy, str], analyst_key: Path, tmp_path: Path
+) -> None:
+    """``--columns`` names the owners' file columns that are the features: M is their
+    number (``--features`` may be left out or must agree), the signed query carries
+    them, the summary and result.json say them, and a --sample in the owners' file
+    layout is read at the same columns."""
+    fake, address = proxy
+    out = tmp_path / "result.json"
+    args = _query_args(address, analyst_key, out, "--epsilon", "1", "--delta", "1e-6")
+    index = args.index("--features")
+    del args[index : index + 2]
+    sample = tmp_path / "sample.csv"
+    # The owners' layout: the label in column 0, then 6 columns of which 5, 2, 4 are read.
+    wide = np.column_stack([LABELS, ROWS[:, :1], ROWS[:, 1:2], ROWS[:, :1], ROWS[:, 2:], ROWS])
+    np.savetxt(sample, wide[:, :7], delimiter=",")
+    result = CliRunner().invoke(
+        analyst_group, ["pca", *args, "--columns", "5,2,4", "--sample", str(sample)]
+    )
+    assert result.exit_code == 0, result.output
+    assert fake.specs[fake.submitted_ids[-1]].feature_columns == (5, 2, 4)
+    assert "columns:     5, 2, 4 (the owners' file columns, 0-based)" in result.stdout
+    document = json.loads(out.read_text())
+    assert document["feature_columns"] == [5, 2, 4] and document["n_features"] == 3
+    assert (tmp_path / "result.projection.png").stat().st_size > 0
+    # Without either, or with both disagreeing: refused before anything is submitted.
+    submitted = len(fake.submitted_ids)
+    neither = CliRunner().invoke(analyst_group, ["pca", *args])
+    assert neither.exit_code == 2 and "give --features M (or --columns" in neither.output
+    both = CliRunner().invoke(analyst_group, ["pca", *args, "--columns", "5,2", "--features", "3"])
+    assert both.exit_code != 0 and "n_features=3 but columns names 2: [5, 2]" in both.output
+    beyond = CliRunner().invoke(
+        analyst_group, ["pca", *args, "--columns", "5,2,9", "--sample", str(sample)]
+    )
+    assert beyond.exit_code != 0 and "has 7 columns; column 9 is read" in beyond.output
+    assert len(fake.submitted_ids) == submitted
+    # Without --columns, result.json says every column but the label.
+    plain = tmp_path / "plain.json"
+    every = _query_args(address, analyst_key, plain, "--epsilon", "1", "--delta", "1e-6")
+    assert CliRunner().invoke(analyst_group, ["pca", *every]).exit_code == 0
+    assert json.loads(plain.read_text())["feature_columns"] is None

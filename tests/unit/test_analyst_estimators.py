@@ -197,6 +197,19 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
     assert FederatedPCA(2, bounded_owner_tables=True, epsilon=1.0).get_params()[
         "bounded_owner_tables"
     ]
+    # Named feature columns give M and travel in the query; a release read back keeps them.
+    named = FederatedPCA(2, epsilon=1.0, columns=(4, 1, 7), bounds="0:1")
+    spec = named.build_query(None, public_key, deployment())
+    assert spec.feature_columns == (4, 1, 7) and spec.n_features == 3
+    assert named.build_query(3, public_key, deployment()).feature_columns == (4, 1, 7)
+    with pytest.raises(ConfigError, match="n_features=5 but columns names 3"):
+        named.build_query(5, public_key, deployment())
+    with pytest.raises(ConfigError, match="columns names no column"):
+        FederatedPCA(2, epsilon=1.0, columns=()).build_query(None, public_key, deployment())
+    rows = np.random.default_rng(0).uniform(-1, 1, (50, 3))
+    back = FederatedPCA.from_result(plaintext_release(spec, rows))
+    assert back.get_params()["columns"] == (4, 1, 7)
+    assert FederatedPCA(2, epsilon=1.0).get_params()["columns"] is None
     # A release read back states the calibration it was made with.
     fitted = FederatedPCA.from_result(release_for(epsilon=1.0, bounded_owner_tables=True))
     assert fitted.bounded_owner_tables and fitted.neighbouring == "add-remove"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,52 @@ def test_columns_a_query_reads_must_be_allowed(test_only_keypair_512: tuple[Any,
     _refusal(
         check_task(_task(_aggregate_query(public_key, missing)), _config(public_key), table),
         "query 'q1' reads column 7 (0-based); this owner's data has 4 columns (0 to 3)",
+    )
+
+
+def test_a_pca_or_dca_naming_its_columns_reads_those_and_is_allowed_by_them(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    """An owner whose policy leaves a column out declined every PCA (PCA read every
+    feature column); a query naming allowed feature columns is now answered, and reads
+    exactly those columns, in the query's order."""
+    public_key, _ = test_only_keypair_512
+    table = _table()
+    config = _config(public_key, allowed_columns=(0, 1, 2))
+    named = make_query(public_key, n_features=2, feature_columns=(2, 1), epsilon=1.0, quorum=2)
+    assert table.columns_read(named) == (1, 2)
+    assert isinstance(check_task(_task(named), config, table), TaskAccepted)
+    chosen = table.table_for(named)
+    assert chosen.feature_columns == (2, 1) and chosen.label_column is None
+    # PCA may read the configured label column as a feature (as an aggregate may).
+    with_label = make_query(public_key, n_features=2, feature_columns=(0, 3))
+    assert table.table_for(with_label).feature_columns == (0, 3)
+    _refusal(
+        check_task(_task(dataclasses.replace(named, feature_columns=(3, 1))), config, table),
+        "the query reads column 3 (0-based), which is not in policy.allowed_columns (0, 1, 2)",
+    )
+    beyond = make_query(public_key, n_features=2, feature_columns=(1, 9), epsilon=1.0, quorum=2)
+    _refusal(
+        check_task(_task(beyond), _config(public_key), table),
+        "query 'q1' reads feature column 9 (0-based); this owner's data has 4 columns (0 to 3)",
+    )
+    # DCA reads its labels too: the label column must be allowed.
+    dca = make_query(
+        public_key,
+        kind=QueryKind.DCA,
+        n_features=2,
+        n_components=1,
+        feature_columns=(2, 1),
+        label_column=0,
+        class_labels=(-1.0, 1.0),
+        epsilon=1.0,
+        quorum=2,
+    )
+    assert table.columns_read(dca) == (0, 1, 2)
+    assert table.table_for(dca).label_column == 0
+    _refusal(
+        check_task(_task(dca), _config(public_key, allowed_columns=(1, 2)), table),
+        "the query reads column 0 (0-based), which is not in policy.allowed_columns (1, 2)",
     )
 
 

@@ -90,6 +90,7 @@ def dca_spec() -> QuerySpec:
         mode=ProtocolMode.MASKED,
         label_column=0,
         class_labels=(0.0, 1.0, 2.0),
+        feature_columns=(3, 1, 2),
         quorum=3,
         deadline_seconds=12.5,
         max_records_per_owner=5000,

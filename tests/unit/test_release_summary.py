@@ -27,7 +27,11 @@ from fedpca.query import QueryKind
 def _query(n_features: int, clip_norm: float, bounded: bool = True) -> Any:
     bounds = (-1.0,) * n_features if bounded else ()
     return SimpleNamespace(
-        kind=QueryKind.PCA, n_features=n_features, clip_norm=clip_norm, feature_lower=bounds
+        kind=QueryKind.PCA,
+        n_features=n_features,
+        clip_norm=clip_norm,
+        feature_lower=bounds,
+        feature_columns=(),
     )
 
 

@@ -61,6 +61,7 @@ from fedpca.analyst.keys import (
 from fedpca.analyst.owner_wait import OWNERS_CONNECT_SECONDS
 from fedpca.analyst.release_summary import measure_component_noise, print_release_summary
 from fedpca.budget_options import DELTA, budget_delta_options
+from fedpca.column_options import COLUMNS
 from fedpca.errors import BUDGET_REFUSALS, ConfigError, FedpcaError, OverloadError
 from fedpca.query import Calibration, Neighbouring, ProtocolMode
 
@@ -321,8 +322,15 @@ def _query_options(function: F) -> F:
             "--features",
             "n_features",
             type=click.IntRange(min=1),
-            required=True,
-            help="Number of feature columns M in the owners' files (label excluded).",
+            help="Number of feature columns M in the owners' files (label excluded); "
+            "with --columns, their number (required without --columns).",
+        ),
+        click.option(
+            "--columns",
+            type=COLUMNS,
+            help="The owners' file columns (0-based) that are the features, in order, "
+            "e.g. 1,2,5; --bounds are then theirs, in this order [every column but the "
+            "label].",
         ),
         click.option(
             "--bounds",
@@ -376,7 +384,7 @@ def _run(
     """Shared body of ``pca`` and ``dca``: fit, report, summarise."""
     from fedpca.analyst.querying import MissingOwnersWarning
     from fedpca.analyst.report import write_report
-    from fedpca.tables import load_table
+    from fedpca.tables import load_columns, load_table
 
     epsilon: float = params["epsilon"]
     delta: float | None = params["delta"]
@@ -385,6 +393,8 @@ def _run(
     if not math.isfinite(epsilon):
         _warn_not_private()
     out: Path = params["out"]
+    if params["n_features"] is None and params["columns"] is None:
+        raise click.UsageError("give --features M (or --columns naming the feature columns)")
     if params["bounds"].strip().lower() == "none":
         click.secho(
             "note: --bounds none: features are used in raw units and each row is clipped to "
@@ -397,7 +407,9 @@ def _run(
     with _errors():
         connection = _estimator_connection(params)
         sample = labels = None
-        if params["sample"] is not None:
+        if params["sample"] is not None and params["columns"] is not None:
+            sample, labels = load_columns(params["sample"], params["columns"], sample_label_column)
+        elif params["sample"] is not None:
             sample, labels = load_table(
                 params["sample"],
                 label_column=sample_label_column,
@@ -406,6 +418,7 @@ def _run(
         estimator = estimator_factory(
             params["n_components"],
             bounds=params["bounds"],
+            columns=params["columns"],
             clip_norm=params["clip_norm"],
             **_estimator_settings(params, connection, epsilon, delta),
         )

@@ -82,6 +82,11 @@ class FederatedPCA(FederatedEstimator):
         one (lo, hi) pair per feature, as the aggregates take them
         (:data:`~fedpca.analyst.schema.BoundsParam` lists every form).  Never derive
         them from private data.
+    columns : the owners' file columns (0-based) that are the features, in order, e.g.
+        ``(1, 2, 5)``; None (default): every column but the label. M is then their
+        number, and ``bounds`` are given for them in this order. Owners whose
+        ``policy.allowed_columns`` leave a column out answer only queries that name
+        their columns.
     clip_norm : rows are clipped to ‖x‖₂ <= clip_norm before summing.
     quorum : owners that must contribute; collection closes as soon as this many
         uploaded. None (default): every owner the proxy accepts (``fit`` asks the
@@ -253,6 +258,7 @@ class FederatedDCA(FederatedEstimator):
         neighbouring: str | None = None,
         bounded_owner_tables: bool = False,
         bounds: FeatureBoundsParam = None,
+        columns: Sequence[int] | None = None,
         clip_norm: float = 1.0,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
@@ -281,6 +287,7 @@ class FederatedDCA(FederatedEstimator):
             neighbouring=neighbouring,
             bounded_owner_tables=bounded_owner_tables,
             bounds=bounds,
+            columns=columns,
             clip_norm=clip_norm,
             quorum=quorum,
             deadline_seconds=deadline_seconds,

@@ -41,6 +41,7 @@ from fedpca.query import (
     QueryKind,
     QuerySpec,
 )
+from fedpca.query_checks import column_indices
 
 __all__ = ["FederatedEstimator"]
 
@@ -69,6 +70,7 @@ class FederatedEstimator(SklearnParams):
         neighbouring: str | None = None,
         bounded_owner_tables: bool = False,
         bounds: FeatureBoundsParam = None,
+        columns: Sequence[int] | None = None,
         clip_norm: float = 1.0,
         quorum: int | None = None,
         deadline_seconds: float = 300.0,
@@ -96,6 +98,7 @@ class FederatedEstimator(SklearnParams):
         self.neighbouring = neighbouring
         self.bounded_owner_tables = bounded_owner_tables
         self.bounds = bounds
+        self.columns = columns
         self.clip_norm = clip_norm
         self.quorum = quorum
         self.deadline_seconds = deadline_seconds
@@ -143,7 +146,7 @@ class FederatedEstimator(SklearnParams):
             ``quorum=None`` without a deployment to count the owners of, or a
             deployment that accepts no owners.
         """
-        m = check_schema(n_features, self.bounds)
+        m = check_schema(self._n_features(n_features), self.bounds)
         bounds = resolve_bounds(self.bounds, m)
         quorum = resolve_quorum(self.quorum, deployment)
         try:
@@ -182,12 +185,26 @@ class FederatedEstimator(SklearnParams):
             max_owners=int(self.max_owners),
             frac_bits=int(self.frac_bits),
             noise_weights=tuple(self.noise_weights or ()),
+            feature_columns=() if self.columns is None else tuple(self.columns),
             # Signed with this time: a resubmission of the same query (after a proxy
             # restart) is then the same query, and owners answer it only until
             # issued_at + deadline_seconds.
             issued_at=time.time(),
             **self._query_extras(),
         )
+
+    def _n_features(self, n_features: int | None) -> int | None:
+        """M: ``n_features``, or the number of ``columns`` named (which it must match)."""
+        if self.columns is None:
+            return n_features
+        columns = column_indices(self.columns, "columns")
+        if not columns:
+            raise ConfigError("columns names no column: give at least one, or None for all")
+        if n_features is not None and n_features != len(columns):
+            raise ConfigError(
+                f"n_features={n_features} but columns names {len(columns)}: {list(columns)}"
+            )
+        return len(columns)
 
     # ------------------------------------------------------------------ fit
     def fit(self, n_features: int | None = None) -> Self:
@@ -216,7 +233,7 @@ class FederatedEstimator(SklearnParams):
         refuse_in_bootstrapping_child()
         fit_started = time.perf_counter()
         # Refuse data passed as the schema before touching keys or the network.
-        check_schema(n_features, self.bounds)
+        check_schema(self._n_features(n_features), self.bounds)
         if self.proxy is None:
             raise ConfigError("set proxy='host:port' to fit against a proxy")
         if self.private_key_path is None:
@@ -292,6 +309,7 @@ class FederatedEstimator(SklearnParams):
             "max_owners": query.max_owners,
             "frac_bits": query.frac_bits,
             "noise_weights": query.noise_weights or None,
+            "columns": query.feature_columns or None,
             **cls._params_from_query(query),
         }
         clash = sorted(set(params) & set(from_query) - {"n_components"})

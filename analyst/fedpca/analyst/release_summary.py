@@ -141,6 +141,9 @@ def print_release_summary(estimator: Any, files: Any) -> None:
         click.echo(
             f"pca of:      the records of classes {classes} (the {query.kind.value} release)"
         )
+    if query.feature_columns:
+        listed = ", ".join(str(c) for c in query.feature_columns)
+        click.echo(f"columns:     {listed} (the owners' file columns, 0-based)")
     print_owners(estimator)
     # Exact without noise too (epsilon = inf), where it is not public (review).
     noisy = (

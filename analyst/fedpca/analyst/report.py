@@ -79,7 +79,9 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
     Returns
     -------
     dict with at least: query_id, kind (pca or dca: what the components are),
-    query_kind (the query's: a PCA taken from a DCA release says dca), mode, components (k × M),
+    query_kind (the query's: a PCA taken from a DCA release says dca), mode,
+    feature_columns (the owners' file columns of the features; null: all but the
+    label), components (k × M),
     explained_variance / explained_variance_ratio (PCA) or eigenvalues (DCA),
     mean (None when not released), n_samples with n_samples_noisy, n_owners,
     owners (contributed, registered, quorum), epsilon (None for inf), delta,
@@ -107,6 +109,8 @@ def result_document(estimator: Estimator) -> dict[str, Any]:
         "query_kind": query.kind.value,
         "mode": query.mode.value,
         "n_features": query.n_features,
+        # The owners' file columns the features are (null: every column but the label).
+        "feature_columns": list(query.feature_columns) or None,
         "n_components": int(estimator.components_.shape[0]),
         "components": _list(estimator.components_),
     }

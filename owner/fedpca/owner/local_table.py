@@ -108,11 +108,15 @@ class LocalTable:
     def columns_read(self, spec: QuerySpec) -> tuple[int, ...]:
         """The file columns ``spec`` reads (0-based): what ``policy.allowed_columns`` limits.
 
-        PCA reads every feature column, DCA every column (the label too), an aggregate
-        query the columns its aggregates name.
+        PCA reads every feature column, DCA every column (the label too), unless the
+        query names its feature columns (then those, and DCA's label); an aggregate
+        query reads the columns its aggregates name.
         """
         if spec.kind is QueryKind.AGGREGATE:
             return spec.aggregate_columns
+        if spec.feature_columns:
+            label = () if spec.kind is QueryKind.PCA else (self._dca_label(spec),)
+            return tuple(sorted({*spec.feature_columns, *label}))
         everything = tuple(range(self.n_columns))
         if spec.kind is QueryKind.PCA and self.label_column is not None:
             return tuple(c for c in everything if c != self.label_column)
@@ -144,28 +148,16 @@ class LocalTable:
             return QueryColumns(
                 self.columns, tuple(spec.aggregate_columns), None, padding=self.padded
             )
-        if spec.kind is QueryKind.DCA:
-            label = spec.label_column if spec.label_column is not None else self.label_column
-            if label is None:
+        if spec.feature_columns:
+            missing = [c for c in spec.feature_columns if c >= self.n_columns]
+            if missing:
                 raise PolicyError(
-                    f"query {spec.query_id!r} is a DCA query without a label column, and this "
-                    "owner has no data.label_column"
+                    f"query {spec.query_id!r} reads feature column {missing[0]} (0-based); "
+                    f"this owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
                 )
-            if not 0 <= label < self.n_columns:
-                raise PolicyError(
-                    f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
-                    f"owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
-                )
-            if self.label_column is not None and label != self.label_column:
-                # Using the configured label column as a feature would release labels
-                # the owner declared as such under a feature's bounds.
-                raise PolicyError(
-                    f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
-                    f"owner's labels are in column {self.label_column}"
-                )
-        else:
-            label = self.label_column
-        features = tuple(c for c in range(self.n_columns) if c != label)
+        label = self._dca_label(spec) if spec.kind is QueryKind.DCA else self.label_column
+        # A query's own label column is never among its feature columns (QuerySpec).
+        features = spec.feature_columns or tuple(c for c in range(self.n_columns) if c != label)
         if len(features) != spec.n_features:
             raise PolicyError(
                 f"query {spec.query_id!r} has {spec.n_features} features; this owner's data has "
@@ -173,6 +165,28 @@ class LocalTable:
             )
         dca_label = label if spec.kind is QueryKind.DCA else None
         return QueryColumns(self.columns, features, dca_label, padding=self.padded)
+
+    def _dca_label(self, spec: QuerySpec) -> int:
+        """The column a DCA query reads its labels from, checked against the table."""
+        label = spec.label_column if spec.label_column is not None else self.label_column
+        if label is None:
+            raise PolicyError(
+                f"query {spec.query_id!r} is a DCA query without a label column, and this "
+                "owner has no data.label_column"
+            )
+        if not 0 <= label < self.n_columns:
+            raise PolicyError(
+                f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
+                f"owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
+            )
+        if self.label_column is not None and label != self.label_column:
+            # Using the configured label column as a feature would release labels
+            # the owner declared as such under a feature's bounds.
+            raise PolicyError(
+                f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
+                f"owner's labels are in column {self.label_column}"
+            )
+        return label
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ NEIGHBOURING_ADD_REMOVE: Neighbouring
 NEIGHBOURING_REPLACE_ONE: Neighbouring
 
 class QuerySpec(_message.Message):
-    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "neighbouring", "bounded_owner_tables", "mode", "n_components", "label_column", "class_labels", "quorum", "deadline_seconds", "issued_at", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint", "aggregates")
+    __slots__ = ("query_id", "kind", "n_features", "feature_lower", "feature_upper", "clip_norm", "epsilon", "delta", "calibration", "noise_weights", "neighbouring", "bounded_owner_tables", "mode", "n_components", "label_column", "class_labels", "feature_columns", "quorum", "deadline_seconds", "issued_at", "max_records_per_owner", "max_owners", "frac_bits", "analyst_public_key_n", "analyst_key_fingerprint", "aggregates")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     N_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class QuerySpec(_message.Message):
     N_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     LABEL_COLUMN_FIELD_NUMBER: _ClassVar[int]
     CLASS_LABELS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +113,7 @@ class QuerySpec(_message.Message):
     n_components: int
     label_column: int
     class_labels: _containers.RepeatedScalarFieldContainer[float]
+    feature_columns: _containers.RepeatedScalarFieldContainer[int]
     quorum: int
     deadline_seconds: float
     issued_at: float
@@ -121,7 +123,7 @@ class QuerySpec(_message.Message):
     analyst_public_key_n: bytes
     analyst_key_fingerprint: str
     aggregates: _containers.RepeatedCompositeFieldContainer[Aggregate]
-    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., bounded_owner_tables: _Optional[bool] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., issued_at: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ..., aggregates: _Optional[_Iterable[_Union[Aggregate, _Mapping]]] = ...) -> None: ...
+    def __init__(self, query_id: _Optional[str] = ..., kind: _Optional[_Union[QueryKind, str]] = ..., n_features: _Optional[int] = ..., feature_lower: _Optional[_Iterable[float]] = ..., feature_upper: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., calibration: _Optional[_Union[Calibration, str]] = ..., noise_weights: _Optional[_Iterable[float]] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., bounded_owner_tables: _Optional[bool] = ..., mode: _Optional[_Union[ProtocolMode, str]] = ..., n_components: _Optional[int] = ..., label_column: _Optional[int] = ..., class_labels: _Optional[_Iterable[float]] = ..., feature_columns: _Optional[_Iterable[int]] = ..., quorum: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., issued_at: _Optional[float] = ..., max_records_per_owner: _Optional[int] = ..., max_owners: _Optional[int] = ..., frac_bits: _Optional[int] = ..., analyst_public_key_n: _Optional[bytes] = ..., analyst_key_fingerprint: _Optional[str] = ..., aggregates: _Optional[_Iterable[_Union[Aggregate, _Mapping]]] = ...) -> None: ...
 
 class BinEdges(_message.Message):
     __slots__ = ("edges",)

@@ -108,6 +108,7 @@ def query_spec_to_proto(spec: QuerySpec) -> query_pb.QuerySpec:
     extend_repeated(message, what, "feature_lower", spec.feature_lower)
     extend_repeated(message, what, "feature_upper", spec.feature_upper)
     extend_repeated(message, what, "class_labels", spec.class_labels)
+    extend_repeated(message, what, "feature_columns", spec.feature_columns)
     extend_repeated(message, what, "noise_weights", spec.noise_weights)
     for index, part in enumerate(spec.aggregates):
         _aggregate_to_proto(part, message.aggregates.add(), f"{what}.aggregates[{index}]")
@@ -184,6 +185,7 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         "delta": message.delta,
         "n_components": message.n_components,
         "class_labels": tuple(message.class_labels),
+        "feature_columns": tuple(message.feature_columns),
         "noise_weights": tuple(message.noise_weights),
         "bounded_owner_tables": message.bounded_owner_tables,
         "analyst_public_key_n": _key_modulus_from_bytes(message.analyst_public_key_n, what),
