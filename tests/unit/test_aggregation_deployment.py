@@ -558,7 +558,7 @@ def test_cli_commands_write_strict_json(
         printed[args[0]] = result.stdout
         assert "NOT PRIVATE" in result.output
         if args[0] in ("stats", "linreg"):  # the count is exact here, and says so
-            assert f"records N:   {len(table)}.0 (exact: NOT PRIVATE)" in result.stdout
+            assert f"records N:   {len(table)} (exact: NOT PRIVATE)" in result.stdout
             assert "noise sd" not in result.stdout
         assert result.stdout.strip().splitlines()[-1] == str(out)
         document: dict[str, Any] = json.loads(out.read_text())

@@ -19,6 +19,7 @@ from fedpca.analyst.release_summary import (
     _print_component_noise,
     clip_note,
     print_release_summary,
+    records_line,
 )
 from fedpca.analyst.solvers import pca_from_statistics
 from fedpca.query import QueryKind
@@ -115,3 +116,9 @@ def test_the_noise_bound_names_the_components_the_noise_alone_could_give(
     )
     without = CliRunner().invoke(show).output  # DCA: no bound
     assert "noise bound" not in without and "the bound below" not in without
+
+
+def test_the_records_line_prints_an_exact_count_whole_and_says_why_it_is_exact() -> None:
+    assert records_line(351.0, 0.0, True) == "records N:   351 (exact: NOT PRIVATE)"
+    assert records_line(351.0, 0.0, False) == ("records N:   351 (exact: public under replace-one)")
+    assert records_line(350.62, 4.25, False) == "records N:   350.6 (noisy, noise sd 4.25)"

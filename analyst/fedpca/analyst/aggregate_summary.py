@@ -18,6 +18,7 @@ import click
 import numpy as np
 
 from fedpca.aggregates import COUNTS
+from fedpca.analyst.release_summary import records_line
 from fedpca.analyst.schema import column_indices
 
 __all__ = [
@@ -93,14 +94,8 @@ def _matrix(name: str, columns: Sequence[int], matrix: Any) -> list[SummaryLine]
 
 def _records_line(estimator: Any) -> SummaryLine:
     """N, and whether it is noisy (with its noise sd) or exact, and why."""
-    n_sd = estimator.n_samples_noise_sd_
-    if estimator.not_private_:
-        noisy = " (exact: NOT PRIVATE)"
-    elif n_sd:
-        noisy = f" (noisy, noise sd {n_sd:.3g})"
-    else:
-        noisy = " (exact: public under replace-one)"
-    return (f"records N:   {estimator.n_samples_:.1f}{noisy}", None)
+    line = records_line(estimator.n_samples_, estimator.n_samples_noise_sd_, estimator.not_private_)
+    return (line, None)
 
 
 def _statistics(estimator: Any) -> list[SummaryLine]:

@@ -12,7 +12,12 @@ from typing import Any
 
 import click
 
-__all__ = ["measure_component_noise", "print_owners", "print_release_summary"]
+__all__ = [
+    "measure_component_noise",
+    "print_owners",
+    "print_release_summary",
+    "records_line",
+]
 
 
 def print_owners(estimator: Any) -> None:
@@ -38,6 +43,17 @@ def print_owners(estimator: Any) -> None:
                 bold=True,
                 err=True,
             )
+
+
+def records_line(n_samples: float, noise_sd: float, not_private: bool) -> str:
+    """The summaries' ``records N`` line: a noisy N with its noise sd, or an exact N (a
+    whole number) and why it is exact: no noise at all (epsilon = inf; not public, a
+    review found it called so), or public under replace-one (masked PCA, aggregates)."""
+    if not_private:
+        return f"records N:   {n_samples:.0f} (exact: NOT PRIVATE)"
+    if noise_sd:
+        return f"records N:   {n_samples:.1f} (noisy, noise sd {noise_sd:.3g})"
+    return f"records N:   {n_samples:.0f} (exact: public under replace-one)"
 
 
 def measure_component_noise(estimator: Any, draws: int | None) -> None:
@@ -145,15 +161,11 @@ def print_release_summary(estimator: Any, files: Any) -> None:
         listed = ", ".join(str(c) for c in query.feature_columns)
         click.echo(f"columns:     {listed} (the owners' file columns, 0-based)")
     print_owners(estimator)
-    # Exact without noise too (epsilon = inf), where it is not public (review).
-    noisy = (
-        f" (noisy, noise sd {estimator.release_.n_samples_noise_sd:.3g})"
-        if estimator.n_samples_is_noisy_
-        else " (exact: NOT PRIVATE)"
-        if estimator.not_private_
-        else " (exact, public)"
+    click.echo(
+        records_line(
+            estimator.n_samples_, estimator.release_.n_samples_noise_sd, estimator.not_private_
+        )
     )
-    click.echo(f"records N:   {estimator.n_samples_:.1f}{noisy}")
     if (note := clip_note(query)) is not None:
         click.echo(note)
     if isinstance(estimator, FederatedPCA):
