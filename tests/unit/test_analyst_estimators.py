@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 import warnings
 from datetime import UTC, datetime
 from pathlib import Path
@@ -654,11 +655,14 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
                 owners_absent=("hospital-a", "hospital-b"),
             )
 
+    fitted: list[FederatedPCA] = []
+
     def fit(client: type[FakeClient], **params: Any) -> FakeClient:
         _fake_fit(monkeypatch, test_only_keypair_512[1], client)
         estimator = FederatedPCA(
             proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
         )
+        fitted.append(estimator)
         estimator.set_params(**params).fit(4)
         return FakeClient.instances[-1]
 
@@ -706,6 +710,14 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
         "once), its epsilon stays charged in full although nothing is released; it is "
         "refunded only if no owner began one" in caplog.text
     )
+    assert "owners connect" not in fitted[-1].timings_  # it did not wait
+
+    # The wait for owners is a timing of its own; it was counted as "prepare".
+    Connecting.asked = 0
+    monkeypatch.setattr(owner_wait, "_pause", lambda seconds: time.sleep(0.25))
+    fit(Connecting)
+    timings = fitted[-1].timings_
+    assert timings["owners connect"] >= 0.75 and timings["prepare"] < 0.5
 
 
 def test_fit_refuses_to_submit_from_a_bootstrapping_worker(

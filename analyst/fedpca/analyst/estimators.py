@@ -139,8 +139,9 @@ class FederatedPCA(FederatedEstimator):
         as scaled by their public bounds (each (lo, hi) mapped to [−1, 1], i.e. divided
         by (hi − lo)/2 after centring; raw units without bounds), not the data's units.
     timings_ : phase -> seconds ("prepare": keys, connection, the deployment's facts and
-        the query, before anything is submitted; then "start workers", "submit", "wait",
-        "decrypt", "tail", "decrypt_cpu", "solve"; see :func:`run_query`).
+        the query, before anything is submitted; "owners connect" when it waited for
+        owners to connect; then "start workers", "submit", "wait", "decrypt", "tail",
+        "decrypt_cpu", "solve"; see :func:`run_query`).
     query_id_, key_fingerprint_, mode_ : provenance.
     release_ : the decrypted :class:`~fedpca.analyst.decode.DecodedRelease`.
     """
