@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from fedpca.errors import ConfigError
 
 __all__ = ["check_bounds", "check_span", "column_indices", "finite_numbers"]
@@ -19,7 +21,9 @@ def column_indices(values: Any, what: str) -> tuple[int, ...]:
         raise ConfigError(f"{what} must be a sequence of column indices") from None
     out = []
     for value in items:
-        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        whole = isinstance(value, int | np.integer) or (
+            isinstance(value, float | np.floating) and float(value).is_integer()
+        )
         if isinstance(value, bool) or not whole:
             raise ConfigError(f"{what} must hold whole column indices, got {value!r}")
         if value < 0:

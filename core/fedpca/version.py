@@ -15,7 +15,7 @@ try:
 except metadata.PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Wire protocol version spoken by this build (messages of package ``fedpca.v1``;
 re-exported as :data:`fedpca.messages.PROTOCOL_VERSION`). Builds of one distribution
 version may speak different ones: ``fedpca --version`` prints both.
@@ -43,6 +43,10 @@ slots, and so layouts, differ from version 4 for the same query. And a query car
 the time its analyst's client signed it (``QuerySpec.issued_at``, in the signed
 digest): owners answer it only until issued_at + deadline_seconds (plus 5 minutes),
 and decline a query without one.
+
+Version 6: a PCA or DCA query may name the owners' file columns that are its features
+(``QuerySpec.feature_columns``, in the signed digest when named). An owner of version 5
+would drop the field and decline the query as badly signed; the version says why.
 
 Owners and analysts state this version on every call (request metadata
 :data:`fedpca.transport.channels.PROTOCOL_VERSION_METADATA`, which adds nothing to the

@@ -561,6 +561,8 @@ def test_feature_columns_are_checked_and_enter_the_digest_only_when_named() -> N
 
     named = pca(feature_columns=(4, 1.0, 2))  # as read back from JSON: 1.0 is column 1
     assert named.feature_columns == (4, 1, 2) and type(named.feature_columns[1]) is int
+    from_numpy = pca(feature_columns=np.flatnonzero([0, 1, 1, 0, 1]))
+    assert from_numpy.feature_columns == (1, 2, 4) and type(from_numpy.feature_columns[0]) is int
     assert spec_digest(named) != spec_digest(pca())
     assert spec_digest(named) == spec_digest(pca(feature_columns=[4, 1, 2]))
     with pytest.raises(ConfigError, match="names a column twice"):

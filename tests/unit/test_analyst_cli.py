@@ -719,10 +719,10 @@ def test_cli_pca_prints_and_writes_the_components_noise_spread(
     bound = document["explained_variance_noise_bound"]
     assert bound > 0
     assert any(line.startswith(f"noise bound: +/- {bound:.4g} on every") for line in lines)
-    below = [str(rank) for rank, v in enumerate(document["explained_variance"], 1) if v <= bound]
+    below = [rank for rank, v in enumerate(document["explained_variance"], 1) if v <= bound]
     if below:
-        plural = "s" if len(below) > 1 else ""
-        assert f"component{plural} {', '.join(below)}: explained variance within" in result.stdout
+        which = f"component {below[0]}" if len(below) == 1 else f"components {below[0]} to 2"
+        assert f"{which}: explained variance within" in result.stdout
     else:
         assert "within the bound of 0" not in result.stdout
 

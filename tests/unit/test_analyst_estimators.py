@@ -205,6 +205,8 @@ def test_build_query_from_parameters(test_only_keypair_512: Any) -> None:
     assert named.build_query(3, public_key, deployment()).feature_columns == (4, 1, 7)
     with pytest.raises(ConfigError, match="n_features=5 but columns names 3"):
         named.build_query(5, public_key, deployment())
+    with pytest.raises(ConfigError, match="fit\\(\\) takes the public schema, not data"):
+        named.set_params(proxy="fake:1", private_key_path="k").fit(np.ones((4, 3)))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="columns names no column"):
         FederatedPCA(2, epsilon=1.0, columns=()).build_query(None, public_key, deployment())
     rows = np.random.default_rng(0).uniform(-1, 1, (50, 3))

@@ -169,7 +169,7 @@ def test_pca_noise_bound_is_the_quantile_of_the_noise_norm_and_covers_every_valu
     assert spread.values_bound is not None
     assert spread.values_bound == pytest.approx(np.quantile(norms, 0.95), rel=0.08)
     covered = np.mean(np.array(moved) <= spread.values_bound)
-    assert 0.93 <= covered <= 1.0
+    assert covered >= 0.93
     # Not vacuous: the noise moves the values by a good part of the bound.
     assert np.quantile(moved, 0.95) > 0.5 * spread.values_bound
 

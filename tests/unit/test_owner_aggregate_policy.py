@@ -177,9 +177,13 @@ def test_a_pca_or_dca_naming_its_columns_reads_those_and_is_allowed_by_them(
     assert isinstance(check_task(_task(named), config, table), TaskAccepted)
     chosen = table.table_for(named)
     assert chosen.feature_columns == (2, 1) and chosen.label_column is None
-    # PCA may read the configured label column as a feature (as an aggregate may).
-    with_label = make_query(public_key, n_features=2, feature_columns=(0, 3))
-    assert table.table_for(with_label).feature_columns == (0, 3)
+    # Not the owner's label column as a feature: before columns were named, a PCA never
+    # read it (an aggregate may, within policy.allowed_columns).
+    with_label = make_query(public_key, n_features=2, feature_columns=(0, 3), epsilon=1.0, quorum=2)
+    _refusal(
+        check_task(_task(with_label), _config(public_key), table),
+        "query 'q1' reads column 0, this owner's label column, as a feature",
+    )
     _refusal(
         check_task(_task(dataclasses.replace(named, feature_columns=(3, 1))), config, table),
         "the query reads column 3 (0-based), which is not in policy.allowed_columns (0, 1, 2)",

@@ -12,7 +12,7 @@ import pytest
 
 from fedpca.data import dataset_path
 from fedpca.errors import DataError
-from fedpca.tables import load_table
+from fedpca.tables import load_columns, load_table
 
 
 def _write(tmp_path: Path, text: str, name: str = "owner.csv") -> Path:
@@ -301,3 +301,18 @@ def test_real_dataset_with_label_in_column_zero() -> None:
     raw = np.loadtxt(dataset_path("ionosphere"), delimiter=",")
     np.testing.assert_array_equal(x, raw[:, 1:])
     np.testing.assert_array_equal(y, raw[:, 0])
+
+
+def test_load_columns_reads_the_named_file_columns_in_order_and_the_labels(
+    tmp_path: Path,
+) -> None:
+    table = np.arange(24, dtype=np.float64).reshape(4, 6) + 0.5  # no header-like row
+    path = tmp_path / "sample.csv"
+    np.savetxt(path, table, delimiter=",")
+    features, labels = load_columns(path, (5, 2, 4), 0)
+    np.testing.assert_array_equal(features, table[:, [5, 2, 4]])
+    assert labels is not None
+    np.testing.assert_array_equal(labels, table[:, 0])
+    assert load_columns(path, (1,)).labels is None
+    with pytest.raises(DataError, match="has 6 columns; column 6 is read"):
+        load_columns(path, (1, 2), 6)

@@ -325,10 +325,10 @@ def test_a_peer_of_another_wire_protocol_is_refused_and_logged_once_per_peer(
         for _ in range(3):
             details = refused(
                 lambda: analyst.DescribeDeployment(
-                    request, metadata=((PROTOCOL_VERSION_METADATA, "6"),), timeout=TIMEOUT
+                    request, metadata=((PROTOCOL_VERSION_METADATA, "7"),), timeout=TIMEOUT
                 )
             )
-        assert f"analyst/alice speaks wire protocol 6, this proxy {PROTOCOL_VERSION}" in details
+        assert f"analyst/alice speaks wire protocol 7, this proxy {PROTOCOL_VERSION}" in details
         # The same peers stating this build's version (or, as builds before the
         # metadata, none) are served.
         same = ((PROTOCOL_VERSION_METADATA, str(PROTOCOL_VERSION)),)
@@ -340,7 +340,7 @@ def test_a_peer_of_another_wire_protocol_is_refused_and_logged_once_per_peer(
     owner_line, analyst_line = (r.getMessage() for r in lines)
     assert f"owner/owner-2 speaks wire protocol 3, this proxy {PROTOCOL_VERSION}" in owner_line
     assert owner_line.startswith("Hello refused (INVALID_ARGUMENT)")
-    assert f"analyst/alice speaks wire protocol 6, this proxy {PROTOCOL_VERSION}" in analyst_line
+    assert f"analyst/alice speaks wire protocol 7, this proxy {PROTOCOL_VERSION}" in analyst_line
 
 
 def test_domain_errors_map_to_status_codes() -> None:

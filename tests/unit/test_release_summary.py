@@ -89,7 +89,8 @@ def test_negative_eigenvalues_are_counted_and_said() -> None:
     [
         ([0.5, 0.3], None),
         ([0.5, 0.1, 0.04], "component 3: explained variance within the bound of 0"),
-        ([0.5, 0.05, 0.01], "components 2, 3: explained variance within the bound of 0"),
+        ([0.5, 0.05, 0.01], "components 2 to 3: explained variance within the bound of 0"),
+        ([0.5, 0.05, 0.01, 0.0], "components 2 to 4: explained variance within the bound of 0"),
     ],
 )
 def test_the_noise_bound_names_the_components_the_noise_alone_could_give(

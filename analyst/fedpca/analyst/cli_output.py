@@ -143,5 +143,6 @@ def noise_sd_draws_option(function: F) -> F:
         help="pca/dca: redraws of the noise that measure how far it moves each component "
         "and its value, and for pca the explained variances' noise bound (free; 0 skips "
         "it, else at least 2) [200 up to about 170 features, fewer above, at least 30: "
-        "each is one eigendecomposition].",
+        "each is one eigendecomposition, for pca with the bound one more of every "
+        "eigenvalue].",
     )(function)

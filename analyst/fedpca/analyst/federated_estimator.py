@@ -195,8 +195,8 @@ class FederatedEstimator(SklearnParams):
 
     def _n_features(self, n_features: int | None) -> int | None:
         """M: ``n_features``, or the number of ``columns`` named (which it must match)."""
-        if self.columns is None:
-            return n_features
+        if self.columns is None or not isinstance(n_features, int | np.integer | None):
+            return n_features  # data passed as the schema: check_schema says so
         columns = column_indices(self.columns, "columns")
         if not columns:
             raise ConfigError("columns names no column: give at least one, or None for all")

@@ -553,6 +553,8 @@ def run_estimator_query(
         waiting = time.perf_counter()
         deployment = wait_for_quorum(client, deployment, spec, bool(estimator.wait_for_owners))
         waited = time.perf_counter() - waiting
+        if waited < OWNER_WAIT_SHOWN_SECONDS:
+            waited = 0.0  # no wait, one question to the proxy: part of "prepare"
         if not spec.private:
             logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
         prepared = time.perf_counter() - started - waited
@@ -567,7 +569,7 @@ def run_estimator_query(
             decrypt_progress=None if display is None else display.decrypted,
             pool=pool,
         )
-    if waited >= OWNER_WAIT_SHOWN_SECONDS:  # said apart: it was counted as "prepare"
+    if waited:  # said apart: it was counted as "prepare"
         timings = {"owners connect": waited, **timings}
     return EstimatorRun(release, timings, deployment.owners_registered, prepared)
 

@@ -117,12 +117,17 @@ def _print_noise_bound(bound: float, values: Any, values_name: str) -> None:
         f"noise bound: +/- {bound:.4g} on every {values_name} at once: in 95 % of the "
         "simulated releases the noise moved none of them further (Weyl's inequality)"
     )
-    within = [str(rank) for rank, value in enumerate(values, start=1) if value <= bound]
+    # The values are in descending order: those within the bound are the trailing ones.
+    within = [rank for rank, value in enumerate(values, start=1) if value <= bound]
     if within:
+        which = (
+            f"component {within[0]}"
+            if len(within) == 1
+            else f"components {within[0]} to {within[-1]}"
+        )
         click.secho(
-            f"             component{'s' if len(within) > 1 else ''} {', '.join(within)}: "
-            f"{values_name} within the bound of 0, so the noise alone could give "
-            f"{'them' if len(within) > 1 else 'it'}",
+            f"             {which}: {values_name} within the bound of 0, so the noise "
+            f"alone could give {'them' if len(within) > 1 else 'it'}",
             fg="yellow",
         )
 

@@ -156,7 +156,13 @@ class LocalTable:
                     f"this owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
                 )
         label = self._dca_label(spec) if spec.kind is QueryKind.DCA else self.label_column
-        # A query's own label column is never among its feature columns (QuerySpec).
+        if label is not None and label in spec.feature_columns:
+            # The column the owner declared as its labels is not a PCA feature (nor a
+            # DCA one: a query's own label column is never among its features).
+            raise PolicyError(
+                f"query {spec.query_id!r} reads column {label}, this owner's label column, "
+                "as a feature"
+            )
         features = spec.feature_columns or tuple(c for c in range(self.n_columns) if c != label)
         if len(features) != spec.n_features:
             raise PolicyError(
