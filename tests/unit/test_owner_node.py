@@ -78,6 +78,7 @@ from fedpca.transport import certs as certs_module
 from fedpca.transport.certs import NodeIdentity, Role, TlsFiles, TlsMaterial, load_certificate
 from fedpca.v1 import owner_service_pb2 as owner_pb
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
+from fedpca.version import PROTOCOL_VERSION
 from helpers import TEST_SIGNER, query_builder, signed_task, sync_test_server, wait_until
 from inprocess import StubUpload, acknowledging
 
@@ -1462,14 +1463,16 @@ def test_a_lasting_refusal_is_retried_less_often_and_logged_sparingly(
 def test_an_owner_refuses_a_proxy_of_another_protocol_version(harness: Harness) -> None:
     """Versions 4 and 5 changed no message but the mechanism behind them (masked mode's
     residue, DCA's replace-one calibration; the noise headroom): a fixed owner must not
-    answer a proxy without them, which still speaks version 4 (review)."""
+    answer a proxy without them, which still speaks version 4 (review). (Version 6 added
+    a query field, feature_columns.)"""
 
     class _OldProxy:
         def Hello(self, request: owner_pb.OwnerHello, timeout: float) -> owner_pb.ProxyInfo:
             info = ProxyInfo("proxy", "0.2", "owner-1", 1.0, 1 << 20, datetime.now(UTC), 4)
             return serde.proxy_info_to_proto(info)
 
-    with pytest.raises(ProtocolError, match="the proxy speaks wire protocol 4, this owner 5"):
+    stated = f"the proxy speaks wire protocol 4, this owner {PROTOCOL_VERSION}"
+    with pytest.raises(ProtocolError, match=stated):
         harness.node._session(_OldProxy())  # type: ignore[arg-type]
 
 
