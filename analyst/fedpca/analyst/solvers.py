@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,14 +217,7 @@ def covariance_from_statistics(
     :func:`pca_from_statistics` is. N <= 1 raises DataError (see there)."""
     scatter, v, n = _pca_inputs(statistics, sums, count)
     n, mean = _check_sums(v, n)
-    triangle = np.empty(scatter.shape[0] * (scatter.shape[0] + 1) // 2, dtype=np.float64)
-
-    def covariance(out: FloatArray) -> None:
-        upper_triangle(scatter, out=out)
-        _centre(out, v, n)
-
-    _fill_finite(covariance, triangle)
-    return Covariance(triangle, n, mean)
+    return _covariance(_float_triangle(scatter), n, mean, v)
 
 
 def covariance_from_upper_triangle(
@@ -243,14 +235,7 @@ def covariance_from_upper_triangle(
     if v.shape != (m,):
         raise DataError(f"sums v must have shape ({m},), got {v.shape}")
     n, mean = _check_sums(v, float(count))
-    out = np.empty_like(triangle)
-
-    def covariance(out: FloatArray) -> None:
-        np.copyto(out, triangle)
-        _centre(out, v, n)
-
-    _fill_finite(covariance, out)
-    return Covariance(out, n, mean)
+    return _covariance(triangle.copy(), n, mean, v)
 
 
 def covariance_from_centred_scatter(centred_scatter: npt.ArrayLike, count: float) -> Covariance:
@@ -259,14 +244,7 @@ def covariance_from_centred_scatter(centred_scatter: npt.ArrayLike, count: float
     scatter = np.asarray(centred_scatter, dtype=np.float64)
     _check_square(scatter, "centred scatter S")
     n = _check_count(float(count))
-    triangle = np.empty(scatter.shape[0] * (scatter.shape[0] + 1) // 2, dtype=np.float64)
-
-    def covariance(out: FloatArray) -> None:
-        upper_triangle(scatter, out=out)
-        out /= n - 1.0
-
-    _fill_finite(covariance, triangle)
-    return Covariance(triangle, n, None)
+    return _covariance(_float_triangle(scatter), n, None, None)
 
 
 def pca_from_statistics(
@@ -369,12 +347,28 @@ def pca_from_centred_scatter(
     return pca_from_covariance(covariance, n_components, overwrite=True)
 
 
-def _fill_finite(covariance: Callable[[FloatArray], None], out: FloatArray) -> None:
+def _float_triangle(matrix: FloatArray) -> FloatArray:
+    """A new float64 copy of a square matrix's row-major upper triangle."""
+    m = matrix.shape[0]
+    out = np.empty(m * (m + 1) // 2, dtype=np.float64)
+    upper_triangle(matrix, out=out)
+    return out
+
+
+def _covariance(
+    triangle: FloatArray, n: float, mean: FloatArray | None, sums: FloatArray | None
+) -> Covariance:
+    """R's (``sums`` given: centred by them) or S's upper triangle, a copy of the
+    caller's, made C's in place and checked finite."""
     with np.errstate(over="ignore", invalid="ignore"):  # reported below, as an error
-        covariance(out)
+        if sums is None:
+            triangle /= n - 1.0
+        else:
+            _centre(triangle, sums, n)
     # Finite inputs can still overflow when centred or scaled; LAPACK would return NaN.
-    if not np.isfinite(out).all():
+    if not np.isfinite(triangle).all():
         raise DataError("the covariance overflows float64: the statistics are out of range")
+    return Covariance(triangle, n, mean)
 
 
 def pca_from_covariance(
