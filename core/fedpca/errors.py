@@ -89,6 +89,11 @@ class PolicyError(FedpcaError, PermissionError):
     """A task violates an owner's local policy (other than the budget)."""
 
 
+class OwnersWouldDeclineError(PolicyError):
+    """The terms the connected owners stated leave fewer owners than a query's quorum
+    that would accept it: nothing was submitted."""
+
+
 class ProtocolError(FedpcaError, ValueError):
     """A peer sent a message that breaks the protocol (order, size, hash, replay)."""
 

@@ -86,3 +86,15 @@ def shortened(text: str, characters: int) -> str:
     if len(text) <= characters:
         return text
     return text[: characters - 1].rstrip() + "…"
+
+
+def column_ranges(columns: Sequence[int]) -> str:
+    """0-based column indices as runs, in the order given: ``"0-3, 7, 9-10"`` (an
+    owner allowing 2,000 columns would otherwise print 2,000 numbers)."""
+    runs: list[list[int]] = []
+    for column in columns:
+        if runs and column == runs[-1][1] + 1:
+            runs[-1][1] = column
+        else:
+            runs.append([column, column])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -78,6 +78,7 @@ from fedpca.messages import (
     QuerySummary,
     Refusal,
 )
+from fedpca.owner_terms import OwnerTerms
 from fedpca.preprocess import preprocess_for_query
 from fedpca.protocol import (
     MASKED_SUM,
@@ -87,6 +88,7 @@ from fedpca.protocol import (
 )
 from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.signing import generate_signing_key, sign_query, signer_id, verify_query
+from fedpca.table_schema import TableSchema
 from fedpca.transport import serde
 from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from helpers import (
@@ -250,6 +252,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
         self.honours_query_filter = True
         self.connected: int | None = None  # None: every registered owner
         self.absent: tuple[str, ...] = ()  # the owners not connected, as the proxy names them
+        self.terms: tuple[tuple[str, OwnerTerms], ...] = ()  # stated by connected owners
         """The state and charge GetQueryStatus reports."""
         self.result_deleted_at: datetime | None = None
         self.slow_submits = 0
@@ -270,6 +273,7 @@ class FakeProxy(analyst_grpc.AnalystServiceServicer):
             budget_delta=1e-5,
             server_time=datetime.now(UTC),
             owners_absent=self.absent,
+            owner_terms=self.terms if request.with_owner_terms else (),
         )
         return serde.deployment_info_to_proto(info)
 
@@ -1646,6 +1650,65 @@ def test_deployment_says_how_many_owners_are_connected(proxy: tuple[FakeProxy, s
         + ", ".join(f"owner-{i:02d}" for i in range(10))
         + " and 5 more)"
     )
+
+
+def test_deployment_shows_each_owners_terms_owners_of_equal_terms_together(
+    proxy: tuple[FakeProxy, str],
+) -> None:
+    fake, address = proxy
+    fake.registered, fake.connected = 4, 4
+    common = OwnerTerms(
+        schema=TableSchema(35, 0),
+        neighbouring=Neighbouring.ADD_REMOVE,
+        allowed_kinds=(QueryKind.PCA, AggregateKind.STATS),
+        allowed_columns=(1, 2, 3, 4, 9),
+        allow_masked_mode=False,
+        allow_not_private=False,
+        max_delta_per_query=1e-6,
+        max_epsilon_per_query=2.0,
+        budget_delta=1e-5,
+        accountant="zcdp",
+        min_quorum=2,
+        max_tasks_per_day=50,
+    )
+    other = dataclasses.replace(
+        common, allowed_columns=None, allow_masked_mode=True, max_records=5000
+    )
+    fake.terms = (("hospital-a", common), ("hospital-b", other), ("hospital-c", common))
+    result = CliRunner().invoke(analyst_group, ["deployment", "--proxy", address, "--insecure"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    start = lines.index(
+        "owners' terms:    as each connected owner states them (the owner decides; a query "
+        "they do not meet is declined)"
+    )
+    assert lines[start + 1 :] == [
+        "  hospital-a, hospital-c:",
+        "    answers:          pca, stats",
+        "    file columns:     35 (0 to 34, labels in column 0); a query may read only 1-4, 9",
+        "    epsilon:          at most 2 per query, measured at delta 1e-05 (zcdp)",
+        "    delta:            at most 1e-06 per query",
+        "    quorum:           at least 2",
+        "    masked mode:      declined",
+        "    epsilon = inf:    declined",
+        "    tasks per day:    at most 50",
+        "    neighbouring:     add-remove",
+        "  hospital-b:",
+        "    answers:          pca, stats",
+        "    file columns:     35 (0 to 34, labels in column 0); a query may read any of them",
+        "    epsilon:          at most 2 per query, measured at delta 1e-05 (zcdp)",
+        "    delta:            at most 1e-06 per query",
+        "    quorum:           at least 2",
+        "    masked mode:      accepted",
+        "    epsilon = inf:    declined",
+        "    tasks per day:    at most 50",
+        "    neighbouring:     add-remove",
+        "    capacity:         5000 records (enforced)",
+        "  1 connected owners state no terms (fedpca older than them)",
+    ]
+    fake.terms, fake.connected = (), 0
+    none = CliRunner().invoke(analyst_group, ["deployment", "--proxy", address, "--insecure"])
+    assert none.stdout.splitlines()[-1] == "owners' terms:    none stated (no owner connected)"
 
 
 def test_ctrl_c_while_waiting_for_owners_exits_130_saying_nothing_was_submitted(

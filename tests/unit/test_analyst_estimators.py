@@ -34,6 +34,7 @@ from fedpca.errors import (
     NotFoundError,
     OverloadError,
     OwnersNotConnectedError,
+    OwnersWouldDeclineError,
     QueryStateError,
 )
 from fedpca.exact_statistics import fixed_point_statistics
@@ -43,11 +44,13 @@ from fedpca.messages import (
     QueryState,
     QueryStatus,
 )
+from fedpca.owner_terms import OwnerTerms
 from fedpca.preprocess import FeatureBounds, preprocess_for_query
 from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import Aggregate, Calibration, Neighbouring, QueryKind, QuerySpec
 from fedpca.signing import signer_id
 from fedpca.stats import SufficientStatistics
+from fedpca.table_schema import TableSchema
 from fedpca.transport import serde
 from helpers import (
     TEST_SIGNER,
@@ -368,7 +371,7 @@ class FakeClient:
         self.cancelled: list[str] = []
         FakeClient.instances.append(self)
 
-    def describe(self) -> DeploymentInfo:
+    def describe(self, with_owner_terms: bool = False) -> DeploymentInfo:
         return deployment(self.registered)  # type: ignore[no-any-return]
 
     def cancel(self, query_id: str) -> CancelReceipt:
@@ -650,7 +653,7 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
     monkeypatch.setattr(owner_wait, "OWNERS_CONNECT_SECONDS", 0.0)
 
     class Disconnected(FakeClient):
-        def describe(self) -> DeploymentInfo:
+        def describe(self, with_owner_terms: bool = False) -> DeploymentInfo:
             return dataclasses.replace(
                 deployment(self.registered),
                 owners_connected=0,
@@ -684,7 +687,7 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
     class Connecting(FakeClient):
         asked = 0
 
-        def describe(self) -> DeploymentInfo:
+        def describe(self, with_owner_terms: bool = False) -> DeploymentInfo:
             Connecting.asked += 1
             absent = [("a", "b"), ("b",), ("b",), ()][min(Connecting.asked, 4) - 1]
             return dataclasses.replace(
@@ -720,6 +723,92 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
     fit(Connecting)
     timings = fitted[-1].timings_
     assert timings["owners connect"] >= 0.75 and timings["prepare"] < 0.5
+
+
+def _terms(*kinds: QueryKind) -> OwnerTerms:
+    """Terms of an owner of 4 feature columns answering ``kinds``."""
+    return OwnerTerms(
+        schema=TableSchema(4),
+        neighbouring=Neighbouring.ADD_REMOVE,
+        allowed_kinds=kinds,
+        allowed_columns=None,
+        allow_masked_mode=False,
+        allow_not_private=False,
+        max_delta_per_query=1e-5,
+        max_epsilon_per_query=10.0,
+        budget_delta=1e-5,
+        accountant="zcdp",
+        min_quorum=1,
+        max_tasks_per_day=100,
+    )
+
+
+def test_a_query_the_owners_stated_terms_refuse_is_not_submitted(
+    monkeypatch: pytest.MonkeyPatch, test_only_keypair_512: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The connected owners' terms judge the query before it is submitted: an owner that
+    would decline it is named with its reason, and a query too few owners would accept
+    is refused with nothing submitted (it would fail for want of its quorum, charged in
+    full once the others began their uploads)."""
+
+    class Stating(FakeClient):
+        registered = 3
+        connected = 3
+        asked_terms: ClassVar[list[bool]] = []
+
+        def describe(self, with_owner_terms: bool = False) -> DeploymentInfo:
+            Stating.asked_terms.append(with_owner_terms)
+            stated = (
+                ("hospital-a", _terms(QueryKind.PCA, QueryKind.DCA)),
+                ("hospital-b", _terms(QueryKind.DCA)),
+                ("hospital-c", _terms(QueryKind.DCA)),
+            )[: self.connected]
+            return dataclasses.replace(
+                deployment(self.registered),
+                owners_connected=self.connected,
+                owner_terms=stated if with_owner_terms else (),
+            )
+
+    def fit(quorum: int, **params: Any) -> FakeClient:
+        _fake_fit(monkeypatch, test_only_keypair_512[1], Stating)
+        estimator = FederatedPCA(
+            proxy="fake:1", insecure=True, private_key_path="k", n_jobs=1, epsilon=1.0
+        )
+        estimator.set_params(quorum=quorum, **params).fit(4)
+        return FakeClient.instances[-1]
+
+    refusal = "pca queries are not in policy.allowed_kinds (dca)"
+    with (
+        caplog.at_level("WARNING", logger="fedpca.analyst.estimators"),
+        pytest.raises(OwnersWouldDeclineError) as refused,
+    ):
+        fit(2)
+    assert FakeClient.instances[-1].submitted == []
+    assert Stating.asked_terms[0] is True
+    assert (
+        "2 of the 3 connected owners would decline this query (reasons above), which "
+        "leaves 1 for its quorum of 2: nothing was submitted" in str(refused.value)
+    )
+    for owner in ("hospital-b", "hospital-c"):
+        assert f"owner {owner} states terms this query does not meet: {refusal}" in caplog.text
+    assert "hospital-a states" not in caplog.text
+
+    # One owner accepting is enough for a quorum of 1: submitted, the others named.
+    caplog.clear()
+    with (
+        caplog.at_level("WARNING", logger="fedpca.analyst.estimators"),
+        pytest.warns(MissingOwnersWarning),  # 2 of the 3 contribute here
+    ):
+        assert len(fit(1).submitted) == 1
+    assert f"owner hospital-b states terms this query does not meet: {refusal}" in caplog.text
+
+    # Waiting for owners not connected yet: they may accept (no terms known), so a
+    # quorum the connected ones cannot meet alone is submitted to wait for them.
+    Stating.connected = 2  # hospital-c absent; hospital-b declines
+    with pytest.warns(MissingOwnersWarning):
+        assert len(fit(2, wait_for_owners=True).submitted) == 1
+    with pytest.raises(OwnersWouldDeclineError, match="leaves 2 for its quorum of 3"):
+        fit(3, wait_for_owners=True)
 
 
 def test_fit_refuses_to_submit_from_a_bootstrapping_worker(

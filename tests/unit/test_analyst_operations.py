@@ -24,8 +24,9 @@ from fedpca.errors import (
     QueryStateError,
 )
 from fedpca.messages import CANCELLED_REASON, Charge, QueryState
+from fedpca.owner.policy import stated_terms
 from fedpca.proxy.limits import PeerLimits
-from fedpca.query import Calibration, Neighbouring
+from fedpca.query import Calibration, Neighbouring, QueryKind
 from helpers import SECOND_TEST_SIGNING_KEY, TEST_SIGNING_KEY, query_builder
 from inprocess import deployment, labelled
 
@@ -139,6 +140,47 @@ def test_describe_list_and_cancel(
             for caller, query in ((bob, "begun"), (alice, "no-such-query")):
                 with pytest.raises(NotFoundError):
                     caller.list_queries(query_id=query)
+
+
+def test_connected_owners_state_their_terms_to_the_analyst(
+    tmp_path: Path, pool: CryptoPool, test_only_keypair_512: tuple[Any, Any]
+) -> None:
+    """Each owner node states its terms when it opens its task stream; the proxy passes
+    the connected owners' terms to an analyst who asks for them, as the owners stated
+    them, and forgets an owner's when its stream closes."""
+    public_key, _ = test_only_keypair_512
+    with (
+        deployment(
+            workdir=tmp_path,
+            tables=_tables("owner-1", "owner-2"),
+            pool=pool,
+            public_key=public_key,
+            owner_policies={
+                "owner-2": {"allowed_kinds": (QueryKind.PCA,), "allowed_columns": (0, 1)}
+            },
+        ) as running,
+        running.analyst() as alice,
+    ):
+        _wait_until(lambda: alice.describe().owners_connected == 2)
+        assert alice.describe().owner_terms == ()  # only when asked for
+        info = alice.describe(with_owner_terms=True)
+        stated = dict(info.owner_terms)
+        assert [owner for owner, _ in info.owner_terms] == ["owner-1", "owner-2"]
+        for owner, node in running.nodes.items():
+            assert stated[owner] == stated_terms(node.config, node.table)
+        assert stated["owner-2"].allowed_kinds == (QueryKind.PCA,)
+        assert stated["owner-2"].allowed_columns == (0, 1)
+        assert stated["owner-1"].schema.n_columns == M + 1  # the label, then M features
+        # The analyst reads owner-2's refusal of a DCA query before submitting it.
+        dca = _spec(public_key, "dca", kind=QueryKind.DCA, label_column=0, class_labels=(1.0, 2.0))
+        assert stated["owner-1"].refusal(dca) is None
+        reason = stated["owner-2"].refusal(dca)
+        assert reason is not None and "dca queries are not in policy.allowed_kinds" in reason
+
+        running.stop_owner("owner-1")
+        _wait_until(lambda: alice.describe().owners_connected == 1)
+        after = alice.describe(with_owner_terms=True).owner_terms
+        assert [owner for owner, _ in after] == ["owner-2"]
 
 
 def test_a_query_for_exactly_the_remaining_budget_is_accepted(

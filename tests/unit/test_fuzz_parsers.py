@@ -216,6 +216,11 @@ _DECODERS: list[tuple[type[Message], Callable[[Any], Any], Callable[[Any], Messa
     ),
     (analyst_pb.BudgetStatus, serde.budget_status_from_proto, serde.budget_status_to_proto),
     (analyst_pb.ResultMessage, lambda m: serde.decode_result([m]), None),
+    (
+        query_pb.OwnerTerms,
+        lambda message: serde.owner_terms_from_proto(message, "OwnerTerms"),
+        serde.owner_terms_to_proto,
+    ),
 ]
 
 

@@ -873,3 +873,34 @@ def test_a_task_stream_replaced_by_a_newer_one_is_told_why(
         )
         assert "two nodes run with this owner's certificate" in (ended.value.details() or "")
         second.cancel()
+
+
+def test_terms_the_proxy_cannot_read_are_not_passed_on_and_the_stream_is_served(
+    server: ProxyServer,
+    tls_files: dict[NodeIdentity, TlsFiles],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An owner's terms out of range (or of a newer version) cost it nothing but their
+    display: its stream is served, analysts see no terms of it, the proxy says why."""
+    caplog.set_level(logging.WARNING, logger="fedpca.proxy")
+    request = serde.task_stream_request_to_proto("owner-2")
+    request.terms.n_columns = 0
+    request.terms.min_quorum = 2
+    owner = channel_for(server, tls_files, Role.OWNER, "owner-2")
+    analyst = channel_for(server, tls_files, Role.ANALYST, "alice")
+    try:
+        stream = owner_grpc.OwnerServiceStub(owner).StreamTasks(request, timeout=TIMEOUT)
+        assert isinstance(serde.task_event_from_proto(next(stream)), Heartbeat)
+        asked = analyst_pb.DescribeDeploymentRequest(with_owner_terms=True)
+        info = serde.deployment_info_from_proto(
+            analyst_grpc.AnalystServiceStub(analyst).DescribeDeployment(asked, timeout=TIMEOUT)
+        )
+        assert info.owners_connected >= 1 and "owner-2" not in dict(info.owner_terms)
+        stream.cancel()
+    finally:
+        owner.close()
+        analyst.close()
+    assert (
+        "owner owner-2: its terms are not passed on to analysts: "
+        "TaskStreamRequest.terms.n_columns = 0" in caplog.text
+    )

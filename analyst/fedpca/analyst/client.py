@@ -515,9 +515,10 @@ class AnalystClient:
         message = self._unary("budget", lambda: self._stub.GetBudget(request, timeout=self.timeout))
         return serde.budget_status_from_proto(message)
 
-    def describe(self) -> DeploymentInfo:
-        """The deployment's public facts: owners registered, relation, delta cap, budget."""
-        request = analyst_pb.DescribeDeploymentRequest()
+    def describe(self, with_owner_terms: bool = False) -> DeploymentInfo:
+        """The deployment's public facts: owners registered, relation, delta cap, budget;
+        ``with_owner_terms``: also the terms each connected owner stated."""
+        request = analyst_pb.DescribeDeploymentRequest(with_owner_terms=with_owner_terms)
         message = self._unary(
             "describe the deployment",
             lambda: self._stub.DescribeDeployment(request, timeout=self.timeout),

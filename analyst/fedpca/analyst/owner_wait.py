@@ -1,4 +1,4 @@
-"""Before a query is submitted: waiting for the owners its quorum needs to be connected.
+"""Before a query is submitted: the owners its quorum needs, connected and accepting it.
 
 Found by a new user's walkthrough: with an owner offline, a query of the default quorum
 (every owner) was submitted with a warning, the connected owners began their uploads at
@@ -7,6 +7,11 @@ docs/privacy.md, "Refunds"), with nothing released. So a query command asks the 
 each second, for up to :data:`OWNERS_CONNECT_SECONDS`, until enough owners are
 connected, saying which are not (the proxy names them) and whenever that changes; then
 it submits, or refuses with nothing submitted.
+
+Then :func:`check_owner_terms` judges the query by the terms each connected owner
+stated (fedpca.owner_terms): an owner that would decline it is named with its reason,
+and a query too few owners would accept is refused before it is submitted (it would
+fail for want of its quorum, charged in full once any owner began an upload).
 """
 
 from __future__ import annotations
@@ -16,11 +21,21 @@ import time
 from typing import Any
 
 from fedpca.analyst.interrupts import interrupted_by
-from fedpca.errors import OwnersNotConnectedError
+from fedpca.errors import OwnersNotConnectedError, OwnersWouldDeclineError
+from fedpca.formatting import printable
 from fedpca.messages import DeploymentInfo
+from fedpca.owner_terms import OwnerTerms
 from fedpca.query import QuerySpec
 
-__all__ = ["OWNERS_CONNECT_SECONDS", "wait_for_quorum"]
+__all__ = [
+    "DECLINING_OWNERS_SHOWN",
+    "OWNERS_CONNECT_SECONDS",
+    "check_owner_terms",
+    "wait_for_quorum",
+]
+
+DECLINING_OWNERS_SHOWN = 10
+"""Owners :func:`check_owner_terms` names with their reasons; it counts the others."""
 
 logger = logging.getLogger("fedpca.analyst.estimators")
 
@@ -112,3 +127,54 @@ def _wait_once(deployment: DeploymentInfo, spec: QuerySpec, waited_until: float)
             "for them until its deadline"
         )
     _pause(1.0)
+
+
+def check_owner_terms(
+    deployment: DeploymentInfo, spec: QuerySpec, wait_for_owners: bool
+) -> dict[str, str]:
+    """Judge ``spec`` by the terms the connected owners stated (``deployment`` asked
+    with them): a warning names each owner that would decline it, and why.
+
+    An owner that stated no terms (older than them), and with ``wait_for_owners`` an
+    owner not connected yet, is counted as accepting. The proxy passes the terms on, so
+    they are advice: each owner still judges the signed query itself.
+
+    Returns
+    -------
+    The reason each declining owner would give, by node id.
+
+    Raises
+    ------
+    OwnersWouldDeclineError
+        The owners that could accept are fewer than the quorum: nothing was submitted.
+    """
+    judged: dict[OwnerTerms, str | None] = {}  # owners mostly state alike terms
+    declining: dict[str, str] = {}
+    for owner_id, terms in deployment.owner_terms:
+        if terms not in judged:
+            judged[terms] = terms.refusal(spec)
+        reason = judged[terms]
+        if reason is not None:
+            declining[owner_id] = reason
+    if not declining:
+        return declining
+    for owner_id in sorted(declining)[:DECLINING_OWNERS_SHOWN]:
+        logger.warning(
+            "owner %s states terms this query does not meet: %s",
+            printable(owner_id),
+            declining[owner_id],
+        )
+    if len(declining) > DECLINING_OWNERS_SHOWN:
+        logger.warning("and %d more owners", len(declining) - DECLINING_OWNERS_SHOWN)
+    reachable = deployment.owners_registered if wait_for_owners else deployment.owners_connected
+    accepting = reachable - len(declining)
+    if accepting < spec.quorum:
+        raise OwnersWouldDeclineError(
+            f"by the terms the owners stated, {len(declining)} of the "
+            f"{deployment.owners_connected} connected owners would decline this query "
+            f"(reasons above), which leaves {max(accepting, 0)} for its quorum of "
+            f"{spec.quorum}: nothing was submitted. Change the query to meet their terms, "
+            "or ask a smaller quorum (--quorum N); `fedpca analyst deployment` shows "
+            "every owner's terms"
+        )
+    return declining

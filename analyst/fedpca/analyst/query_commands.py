@@ -24,6 +24,7 @@ from typing import Any
 import click
 
 from fedpca.analyst.cli_output import dca_ridge_options, noise_sd_draws_option, result_out_option
+from fedpca.analyst.owner_terms_view import owner_terms_lines
 from fedpca.errors import ConfigError, QueryStateError
 from fedpca.formatting import printable, shortened
 from fedpca.messages import (
@@ -227,10 +228,12 @@ def register(
     def deployment_command(**params: Any) -> None:
         """Show the deployment as the proxy states it to you: owners registered and
         connected now (a query's default quorum is every registered owner), the
-        neighbouring relation and accountant, the delta cap and your budget."""
+        neighbouring relation and accountant, the delta cap, your budget, and the
+        terms each connected owner states (what it answers: kinds, columns, epsilon and
+        delta per query, quorum)."""
         with errors(), client(params) as (opened, _):
-            info = opened.describe()
-        for line in _deployment_lines(info):
+            info = opened.describe(with_owner_terms=True)
+        for line in [*_deployment_lines(info), *owner_terms_lines(info)]:
             click.echo(line)
 
     @group.command("status")

@@ -19,7 +19,7 @@ from typing import Any
 
 from fedpca.analyst.decode import DecodedRelease, decrypt_stream
 from fedpca.analyst.interrupts import interrupted_by
-from fedpca.analyst.owner_wait import wait_for_quorum
+from fedpca.analyst.owner_wait import check_owner_terms, wait_for_quorum
 from fedpca.analyst.rpc_errors import ProxyUnavailableError
 from fedpca.codec.paillier import CryptoPool
 from fedpca.errors import (
@@ -548,10 +548,14 @@ def run_estimator_query(
         ) as client,
         CryptoPool(estimator.n_jobs) as pool,
     ):
-        deployment = client.describe()
+        deployment = client.describe(with_owner_terms=True)
         spec = build(deployment)
         waiting = time.perf_counter()
+        stated = deployment
         deployment = wait_for_quorum(client, deployment, spec, bool(estimator.wait_for_owners))
+        if deployment is not stated:  # owners connected meanwhile: their terms too
+            stated = client.describe(with_owner_terms=True)
+        check_owner_terms(stated, spec, bool(estimator.wait_for_owners))
         waited = time.perf_counter() - waiting
         if waited < OWNER_WAIT_SHOWN_SECONDS:
             waited = 0.0  # no wait, one question to the proxy: part of "prepare"

@@ -12,6 +12,7 @@ from datetime import datetime
 
 from fedpca.formatting import first_of, printable
 from fedpca.messages.queries import QueryStatus
+from fedpca.owner_terms import OwnerTerms
 from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind
 
 __all__ = [
@@ -45,6 +46,8 @@ class DeploymentInfo:
     server_time : the proxy's clock.
     owners_absent : the allowed owners without a task stream open at this moment, by
         node id, sorted (empty from a proxy too old to say; then only the counts do).
+    owner_terms : when asked for, the terms each connected owner stated, as (node id,
+        terms) sorted by node id (an owner too old to state them is not listed).
     """
 
     proxy_id: str
@@ -60,6 +63,7 @@ class DeploymentInfo:
     budget_delta: float
     server_time: datetime
     owners_absent: tuple[str, ...] = ()
+    owner_terms: tuple[tuple[str, OwnerTerms], ...] = ()
 
     def absent_owners_note(self, shown: int = ABSENT_OWNERS_SHOWN) -> str:
         """Which allowed owners are not connected, for a message: ``"not connected:

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from fedpca.errors import ConfigError, PolicyError
+from fedpca.errors import ConfigError
 from fedpca.owner.config import DataConfig
 from fedpca.query import QueryKind, QuerySpec
+from fedpca.table_schema import TableSchema
 from fedpca.tables import OwnerTable, load_table
 
 __all__ = ["LocalTable", "QueryColumns"]
@@ -105,94 +106,28 @@ class LocalTable:
         """Feature columns (the configured label column excluded): a schema fact."""
         return self.n_columns - (1 if self.label_column is not None else 0)
 
-    def columns_read(self, spec: QuerySpec) -> tuple[int, ...]:
-        """The file columns ``spec`` reads (0-based): what ``policy.allowed_columns`` limits.
+    @property
+    def schema(self) -> TableSchema:
+        """The file's column count and configured label column: public facts."""
+        return TableSchema(self.n_columns, self.label_column)
 
-        PCA reads every feature column, DCA every column (the label too), unless the
-        query names its feature columns (then those, and DCA's label); an aggregate
-        query reads the columns its aggregates name.
-        """
-        if spec.kind is QueryKind.AGGREGATE:
-            return spec.aggregate_columns
-        if spec.feature_columns:
-            label = () if spec.kind is QueryKind.PCA else (self._dca_label(spec),)
-            return tuple(sorted({*spec.feature_columns, *label}))
-        everything = tuple(range(self.n_columns))
-        if spec.kind is QueryKind.PCA and self.label_column is not None:
-            return tuple(c for c in everything if c != self.label_column)
-        return everything
+    def columns_read(self, spec: QuerySpec) -> tuple[int, ...]:
+        """The file columns ``spec`` reads (:meth:`TableSchema.columns_read`)."""
+        return self.schema.columns_read(spec)
 
     def table_for(self, spec: QuerySpec) -> QueryColumns:
         """The columns ``spec`` reads (its features, and its labels for DCA), not copied.
 
-        Only the table's schema is checked (its column count and configured label
-        column, public facts the owner could declare); the records are not looked at.
-
-        Aggregate queries read the columns they name (``spec.aggregate_columns``, in that
-        order) as features; any column of the file may be read, the label column too.
+        Only the table's schema is checked (:meth:`TableSchema.query_columns`); the
+        records are not looked at.
 
         Raises
         ------
         PolicyError
-            If the query's feature count does not match this owner's columns, or its
-            label column does not exist or differs from the configured one, or an
-            aggregate reads a column the file does not have.
+            The query does not fit this owner's columns.
         """
-        if spec.kind is QueryKind.AGGREGATE:
-            missing = [c for c in spec.aggregate_columns if c >= self.n_columns]
-            if missing:
-                raise PolicyError(
-                    f"query {spec.query_id!r} reads column {missing[0]} (0-based); this "
-                    f"owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
-                )
-            return QueryColumns(
-                self.columns, tuple(spec.aggregate_columns), None, padding=self.padded
-            )
-        if spec.feature_columns:
-            missing = [c for c in spec.feature_columns if c >= self.n_columns]
-            if missing:
-                raise PolicyError(
-                    f"query {spec.query_id!r} reads feature column {missing[0]} (0-based); "
-                    f"this owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
-                )
-        label = self._dca_label(spec) if spec.kind is QueryKind.DCA else self.label_column
-        if label is not None and label in spec.feature_columns:
-            # The column the owner declared as its labels is not a PCA feature (nor a
-            # DCA one: a query's own label column is never among its features).
-            raise PolicyError(
-                f"query {spec.query_id!r} reads column {label}, this owner's label column, "
-                "as a feature"
-            )
-        features = spec.feature_columns or tuple(c for c in range(self.n_columns) if c != label)
-        if len(features) != spec.n_features:
-            raise PolicyError(
-                f"query {spec.query_id!r} has {spec.n_features} features; this owner's data has "
-                f"{len(features)}" + (" (label column excluded)" if label is not None else "")
-            )
-        dca_label = label if spec.kind is QueryKind.DCA else None
-        return QueryColumns(self.columns, features, dca_label, padding=self.padded)
-
-    def _dca_label(self, spec: QuerySpec) -> int:
-        """The column a DCA query reads its labels from, checked against the table."""
-        label = spec.label_column if spec.label_column is not None else self.label_column
-        if label is None:
-            raise PolicyError(
-                f"query {spec.query_id!r} is a DCA query without a label column, and this "
-                "owner has no data.label_column"
-            )
-        if not 0 <= label < self.n_columns:
-            raise PolicyError(
-                f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
-                f"owner's data has {self.n_columns} columns (0 to {self.n_columns - 1})"
-            )
-        if self.label_column is not None and label != self.label_column:
-            # Using the configured label column as a feature would release labels
-            # the owner declared as such under a feature's bounds.
-            raise PolicyError(
-                f"query {spec.query_id!r} reads labels from column {label} (0-based); this "
-                f"owner's labels are in column {self.label_column}"
-            )
-        return label
+        features, label = self.schema.query_columns(spec)
+        return QueryColumns(self.columns, features, label, padding=self.padded)
 
 
 @dataclass(frozen=True)

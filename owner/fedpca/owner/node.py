@@ -64,7 +64,7 @@ from fedpca.owner.compute import blas_pools
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.ledger import owner_ledger
 from fedpca.owner.local_table import LocalTable
-from fedpca.owner.policy import check_allowed_columns
+from fedpca.owner.policy import check_allowed_columns, stated_terms
 from fedpca.owner.retry import RetryPolicy, status_code, status_details, status_name
 from fedpca.owner.share_snapshots import SHARES_FOLDER, ShareSnapshots
 from fedpca.owner.state_folder import refuse_if_another_process_serves, use_state_folder
@@ -471,7 +471,11 @@ class OwnerNode(TaskProcessing):
         # one began: the proxy answers each with its task again (it resumes) or a
         # withdrawal (it ends: its share is deleted, a reservation without upload refunded).
         in_flight = self.ledger.unfinished_tasks()
-        call = stub.StreamTasks(serde.task_stream_request_to_proto(self.config.owner.id, in_flight))
+        # With this owner's terms, which the proxy shows to analysts (public facts only).
+        terms = stated_terms(self.config, self.table)
+        call = stub.StreamTasks(
+            serde.task_stream_request_to_proto(self.config.owner.id, in_flight, terms)
+        )
         with self._lock:
             self._call = call
         if self._stop.is_set():

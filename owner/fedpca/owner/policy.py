@@ -25,6 +25,9 @@ Checks, in order, with the decline reason each failure is reported under:
    release plan this owner can derive, and epsilon at most
    ``policy.max_epsilon_per_query`` *measured at the owner's budget delta* from the
    release's own noise (a large stated delta cannot make a weak release look cheap).
+   Every one of these but the daily task count is a rule of the owner's terms
+   (:class:`fedpca.owner_terms.OwnerTerms`, :func:`stated_terms`), which the node also
+   states on its task stream so that an analyst can check a query against them first.
 
 The budget itself (BUDGET_EXHAUSTED) is checked by the ledger when the release is
 reserved.
@@ -33,13 +36,11 @@ reserved.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from fedpca.codec.keys import key_fingerprint
-from fedpca.dp.accounting import compose_epsilon
 from fedpca.errors import (
     CalibrationError,
     ConfigError,
@@ -48,14 +49,14 @@ from fedpca.errors import (
     PolicyError,
     UntrustedKeyError,
 )
-from fedpca.formatting import distinct
 from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import analyst_public_key
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.local_table import LocalTable, QueryColumns
 from fedpca.owner.policy_config import PolicyConfig
+from fedpca.owner_terms import OwnerTerms
 from fedpca.protocol import ReleasePlan
-from fedpca.query import ProtocolMode, QuerySpec, spec_digest
+from fedpca.query import QuerySpec, spec_digest
 from fedpca.signing import signed_deadline, verify_query
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "check_signature",
     "check_task",
     "columns_outside",
+    "stated_terms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -198,39 +200,29 @@ def check_resumed_task(task: Task, policy: PolicyConfig, reserved_digest: str | 
         )
 
 
-def _check_policy(spec: QuerySpec, config: OwnerConfig, tasks_last_day: Callable[[], int]) -> None:
+def stated_terms(config: OwnerConfig, table: LocalTable) -> OwnerTerms:
+    """This owner's terms: the public facts its decisions are made from, as it states
+    them on its task stream."""
+    policy, data = config.policy, config.data
+    return OwnerTerms(
+        schema=table.schema,
+        neighbouring=config.privacy.neighbouring,
+        allowed_kinds=policy.allowed_kinds,
+        allowed_columns=policy.allowed_columns,
+        allow_masked_mode=policy.allow_masked_mode,
+        allow_not_private=policy.allow_not_private,
+        max_delta_per_query=policy.delta_cap(config.budget),
+        max_epsilon_per_query=policy.max_epsilon_per_query,
+        budget_delta=config.budget.delta,
+        accountant=config.privacy.accountant.value,
+        min_quorum=policy.min_quorum,
+        max_tasks_per_day=policy.max_tasks_per_day,
+        max_records=data.max_records if data.enforce_max_records else None,
+    )
+
+
+def _check_tasks_per_day(config: OwnerConfig, tasks_last_day: Callable[[], int]) -> None:
     policy = config.policy
-    if spec.neighbouring is not config.privacy.neighbouring:
-        raise PolicyError(
-            f"the query is stated for {spec.neighbouring.value} adjacency; this deployment "
-            f"accounts under {config.privacy.neighbouring.value}"
-        )
-    for kind in spec.release_kinds:
-        if kind not in policy.allowed_kinds:
-            raise PolicyError(
-                f"{kind.value} queries are not in policy.allowed_kinds "
-                f"({', '.join(k.value for k in policy.allowed_kinds)})"
-            )
-    if spec.mode is ProtocolMode.MASKED and not policy.allow_masked_mode:
-        raise PolicyError(
-            "masked mode reveals this owner's record count to the proxy; "
-            "policy.allow_masked_mode is false"
-        )
-    if math.isinf(spec.epsilon):
-        if not policy.allow_not_private:
-            raise PolicyError(
-                "the query asks for epsilon = inf (no noise, NOT PRIVATE); "
-                "policy.allow_not_private is false"
-            )
-    elif spec.delta > policy.delta_cap(config.budget):
-        delta, cap = distinct(spec.delta, policy.delta_cap(config.budget))
-        raise PolicyError(f"the query's delta {delta} is above this owner's per-query cap {cap}")
-    if spec.bounded_owner_tables:
-        _check_bounded_table(spec, config)
-    if spec.quorum < policy.min_quorum:
-        raise PolicyError(
-            f"the query's quorum {spec.quorum} is below policy.min_quorum = {policy.min_quorum}"
-        )
     if tasks_last_day() >= policy.max_tasks_per_day:
         # Without shares the count covers every analyst's tasks: only the limit is
         # stated. With shares it counts this analyst's own (task_processing).
@@ -267,23 +259,6 @@ def check_resumable(spec: QuerySpec, config: OwnerConfig, capacity: int) -> None
         )
 
 
-def _check_bounded_table(spec: QuerySpec, config: OwnerConfig) -> None:
-    """A query calibrated for owners that never sample: from public facts only."""
-    data = config.data
-    if not data.enforce_max_records:
-        raise PolicyError(
-            "the query is calibrated for bounded owner tables; this owner does not "
-            "enforce its max_records (data.enforce_max_records is false), so it could "
-            "have to sample"
-        )
-    if spec.max_records_per_owner < data.max_records:
-        raise PolicyError(
-            f"the query is calibrated for bounded owner tables, but its "
-            f"max_records_per_owner {spec.max_records_per_owner} is below this owner's "
-            f"public max_records {data.max_records}, so it could have to sample"
-        )
-
-
 def columns_outside(columns: Iterable[int], width: int) -> list[int]:
     """The ``columns`` a table of ``width`` columns (the label's counted) does not have."""
     return [c for c in columns if not 0 <= c < width]
@@ -303,36 +278,6 @@ def check_allowed_columns(policy: PolicyConfig, table: LocalTable) -> None:
         raise ConfigError(
             f"policy.allowed_columns names column {outside[0]} (0-based), but "
             f"{table.source} has {table.n_columns} columns (0 to {table.n_columns - 1})"
-        )
-
-
-def _check_columns(spec: QuerySpec, policy: PolicyConfig, table: LocalTable) -> None:
-    allowed = policy.allowed_columns
-    if allowed is None:
-        return
-    refused = [c for c in table.columns_read(spec) if c not in allowed]
-    if refused:
-        raise PolicyError(
-            f"the query reads column {refused[0]} (0-based), which is not in "
-            f"policy.allowed_columns ({', '.join(str(c) for c in allowed)})"
-        )
-
-
-def _check_epsilon_at_budget_delta(plan: ReleasePlan, config: OwnerConfig) -> None:
-    if not plan.private:
-        return
-    event = plan.privacy_event(analyst=plan.spec.analyst_key_fingerprint)
-    at = config.budget.delta
-    try:
-        epsilon = compose_epsilon([event], at, config.privacy.accountant)
-    except CalibrationError as exc:
-        raise PolicyError(f"the release has too little noise to be accounted: {exc}") from None
-    if epsilon > config.policy.max_epsilon_per_query:
-        # Enough digits that the two never print alike (4 printed "1 ... above ... = 1").
-        cost, cap = distinct(epsilon, config.policy.max_epsilon_per_query)
-        raise PolicyError(
-            f"the release costs epsilon = {cost} at this owner's budget delta "
-            f"{at:g}, above policy.max_epsilon_per_query = {cap}"
         )
 
 
@@ -370,11 +315,13 @@ def check_task(
     except UntrustedKeyError as exc:
         return Refusal(DeclineReason.KEY_NOT_PINNED, str(exc))
     try:
-        _check_policy(spec, config, tasks_last_day)
-        _check_columns(spec, config.policy, table)
+        terms = stated_terms(config, table)
+        terms.check_statement(spec)
+        _check_tasks_per_day(config, tasks_last_day)
+        terms.check_columns(spec)
         columns = table.table_for(spec)
         plan = ReleasePlan.for_query(spec, spec.analyst_public_key_n.bit_length())
-        _check_epsilon_at_budget_delta(plan, config)
+        terms.check_epsilon(plan)
     except (PolicyError, ConfigError, CalibrationError, LayoutError, EncodingOverflowError) as exc:
         return Refusal(DeclineReason.POLICY_REFUSAL, str(exc))
     return TaskAccepted(plan, columns)

@@ -215,11 +215,21 @@ class BudgetStatus(_message.Message):
     def __init__(self, analyst_id: _Optional[str] = ..., delta: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., epsilon_limit: _Optional[float] = ..., n_releases: _Optional[int] = ..., limit_delta: _Optional[float] = ..., next_query: _Optional[_Union[NextQuery, _Mapping]] = ...) -> None: ...
 
 class DescribeDeploymentRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("with_owner_terms",)
+    WITH_OWNER_TERMS_FIELD_NUMBER: _ClassVar[int]
+    with_owner_terms: bool
+    def __init__(self, with_owner_terms: _Optional[bool] = ...) -> None: ...
+
+class StatedOwnerTerms(_message.Message):
+    __slots__ = ("owner_id", "terms")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    terms: _query_pb2.OwnerTerms
+    def __init__(self, owner_id: _Optional[str] = ..., terms: _Optional[_Union[_query_pb2.OwnerTerms, _Mapping]] = ...) -> None: ...
 
 class DeploymentInfo(_message.Message):
-    __slots__ = ("proxy_id", "software_version", "protocol_version", "owners_registered", "owners_connected", "neighbouring", "max_delta_per_query", "accountant", "analyst_id", "budget_epsilon", "budget_delta", "server_time", "owners_absent")
+    __slots__ = ("proxy_id", "software_version", "protocol_version", "owners_registered", "owners_connected", "neighbouring", "max_delta_per_query", "accountant", "analyst_id", "budget_epsilon", "budget_delta", "server_time", "owners_absent", "owner_terms")
     PROXY_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +243,7 @@ class DeploymentInfo(_message.Message):
     BUDGET_DELTA_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     OWNERS_ABSENT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TERMS_FIELD_NUMBER: _ClassVar[int]
     proxy_id: str
     software_version: str
     protocol_version: int
@@ -246,7 +257,8 @@ class DeploymentInfo(_message.Message):
     budget_delta: float
     server_time: _timestamp_pb2.Timestamp
     owners_absent: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, proxy_id: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., owners_registered: _Optional[int] = ..., owners_connected: _Optional[int] = ..., neighbouring: _Optional[_Union[_query_pb2.Neighbouring, str]] = ..., max_delta_per_query: _Optional[float] = ..., accountant: _Optional[str] = ..., analyst_id: _Optional[str] = ..., budget_epsilon: _Optional[float] = ..., budget_delta: _Optional[float] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., owners_absent: _Optional[_Iterable[str]] = ...) -> None: ...
+    owner_terms: _containers.RepeatedCompositeFieldContainer[StatedOwnerTerms]
+    def __init__(self, proxy_id: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., owners_registered: _Optional[int] = ..., owners_connected: _Optional[int] = ..., neighbouring: _Optional[_Union[_query_pb2.Neighbouring, str]] = ..., max_delta_per_query: _Optional[float] = ..., accountant: _Optional[str] = ..., analyst_id: _Optional[str] = ..., budget_epsilon: _Optional[float] = ..., budget_delta: _Optional[float] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., owners_absent: _Optional[_Iterable[str]] = ..., owner_terms: _Optional[_Iterable[_Union[StatedOwnerTerms, _Mapping]]] = ...) -> None: ...
 
 class ListQueriesRequest(_message.Message):
     __slots__ = ("limit", "query_id")

@@ -27,43 +27,43 @@ from fedpca.v1 import query_pb2 as fedpca_dot_v1_dot_query__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65\x64pca/v1/owner_service.proto\x12\tfedpca.v1\x1a\x1a\x66\x65\x64pca/v1/ciphertext.proto\x1a\x15\x66\x65\x64pca/v1/query.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"t\n\nOwnerHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12;\n\x14obfuscation_variants\x18\x03 \x03(\x0e\x32\x1d.fedpca.v1.ObfuscationVariant\"\xe0\x01\n\tProxyInfo\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x1d\n\x15\x61uthenticated_node_id\x18\x04 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x05 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12/\n\x0bserver_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"=\n\x11TaskStreamRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0fin_flight_tasks\x18\x02 \x03(\t\"\x95\x01\n\tTaskEvent\x12)\n\theartbeat\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.HeartbeatH\x00\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x0f.fedpca.v1.TaskH\x00\x12\x33\n\x0c\x63\x61ncellation\x18\x03 \x01(\x0b\x32\x1b.fedpca.v1.TaskCancellationH\x00\x42\x07\n\x05\x65vent\"8\n\tHeartbeat\x12+\n\x07sent_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe6\x01\n\x04Task\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x33\n\x0fupload_deadline\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x44\n\x1d\x61\x63\x63\x65pted_obfuscation_variants\x18\x03 \x03(\x0e\x32\x1d.fedpca.v1.ObfuscationVariant\x12\x17\n\x0fquery_signature\x18\x04 \x01(\x0c\x12\x14\n\x0cquery_signer\x18\x05 \x01(\t\x12\x0f\n\x07task_id\x18\x06 \x01(\t\"4\n\x10TaskCancellation\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xe8\x01\n\x0cUploadHeader\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x1f\n\x17\x61nalyst_key_fingerprint\x18\x02 \x01(\t\x12\x11\n\tupload_id\x18\x03 \x01(\t\x12*\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x1a.fedpca.v1.CiphertextBlock\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\x16\n\x0e\x63ontent_sha256\x18\x06 \x01(\x0c\x12 \n\x13public_record_count\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x16\n\x14_public_record_count\"r\n\rUploadMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpca.v1.UploadHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.fedpca.v1.CiphertextChunkH\x00\x42\t\n\x07payload\"\xe9\x01\n\rUploadReceipt\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x11\n\tupload_id\x18\x02 \x01(\t\x12/\n\x06status\x18\x03 \x01(\x0e\x32\x1f.fedpca.v1.UploadReceipt.Status\x12\x17\n\x0f\x63hunks_received\x18\x04 \x01(\r\x12\x1c\n\x14\x63iphertexts_received\x18\x05 \x01(\x04\"K\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATUS_ACCEPTED\x10\x01\x12\x14\n\x10STATUS_DUPLICATE\x10\x02\"Y\n\x0bTaskDecline\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.fedpca.v1.DeclineReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\"\n\x0e\x44\x65\x63lineReceipt\x12\x10\n\x08query_id\x18\x01 \x01(\t*\x83\x01\n\x12ObfuscationVariant\x12#\n\x1fOBFUSCATION_VARIANT_UNSPECIFIED\x10\x00\x12\x1c\n\x18OBFUSCATION_VARIANT_FULL\x10\x01\x12*\n&OBFUSCATION_VARIANT_DJN_SHORT_EXPONENT\x10\x02*\xbd\x01\n\rDeclineReason\x12\x1e\n\x1a\x44\x45\x43LINE_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x44\x45\x43LINE_REASON_POLICY_REFUSAL\x10\x01\x12!\n\x1d\x44\x45\x43LINE_REASON_KEY_NOT_PINNED\x10\x02\x12#\n\x1f\x44\x45\x43LINE_REASON_BUDGET_EXHAUSTED\x10\x03\x12!\n\x1d\x44\x45\x43LINE_REASON_UNSIGNED_QUERY\x10\x04\x32\x8b\x02\n\x0cOwnerService\x12\x34\n\x05Hello\x12\x15.fedpca.v1.OwnerHello\x1a\x14.fedpca.v1.ProxyInfo\x12\x43\n\x0bStreamTasks\x12\x1c.fedpca.v1.TaskStreamRequest\x1a\x14.fedpca.v1.TaskEvent0\x01\x12>\n\x06Upload\x12\x18.fedpca.v1.UploadMessage\x1a\x18.fedpca.v1.UploadReceipt(\x01\x12@\n\x0b\x44\x65\x63lineTask\x12\x16.fedpca.v1.TaskDecline\x1a\x19.fedpca.v1.DeclineReceiptb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65\x64pca/v1/owner_service.proto\x12\tfedpca.v1\x1a\x1a\x66\x65\x64pca/v1/ciphertext.proto\x1a\x15\x66\x65\x64pca/v1/query.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"t\n\nOwnerHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12;\n\x14obfuscation_variants\x18\x03 \x03(\x0e\x32\x1d.fedpca.v1.ObfuscationVariant\"\xe0\x01\n\tProxyInfo\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x1d\n\x15\x61uthenticated_node_id\x18\x04 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x05 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12/\n\x0bserver_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"c\n\x11TaskStreamRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0fin_flight_tasks\x18\x02 \x03(\t\x12$\n\x05terms\x18\x03 \x01(\x0b\x32\x15.fedpca.v1.OwnerTerms\"\x95\x01\n\tTaskEvent\x12)\n\theartbeat\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.HeartbeatH\x00\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x0f.fedpca.v1.TaskH\x00\x12\x33\n\x0c\x63\x61ncellation\x18\x03 \x01(\x0b\x32\x1b.fedpca.v1.TaskCancellationH\x00\x42\x07\n\x05\x65vent\"8\n\tHeartbeat\x12+\n\x07sent_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe6\x01\n\x04Task\x12#\n\x05query\x18\x01 \x01(\x0b\x32\x14.fedpca.v1.QuerySpec\x12\x33\n\x0fupload_deadline\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x44\n\x1d\x61\x63\x63\x65pted_obfuscation_variants\x18\x03 \x03(\x0e\x32\x1d.fedpca.v1.ObfuscationVariant\x12\x17\n\x0fquery_signature\x18\x04 \x01(\x0c\x12\x14\n\x0cquery_signer\x18\x05 \x01(\t\x12\x0f\n\x07task_id\x18\x06 \x01(\t\"4\n\x10TaskCancellation\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xe8\x01\n\x0cUploadHeader\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x1f\n\x17\x61nalyst_key_fingerprint\x18\x02 \x01(\t\x12\x11\n\tupload_id\x18\x03 \x01(\t\x12*\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x1a.fedpca.v1.CiphertextBlock\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\x16\n\x0e\x63ontent_sha256\x18\x06 \x01(\x0c\x12 \n\x13public_record_count\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x16\n\x14_public_record_count\"r\n\rUploadMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpca.v1.UploadHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.fedpca.v1.CiphertextChunkH\x00\x42\t\n\x07payload\"\xe9\x01\n\rUploadReceipt\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x11\n\tupload_id\x18\x02 \x01(\t\x12/\n\x06status\x18\x03 \x01(\x0e\x32\x1f.fedpca.v1.UploadReceipt.Status\x12\x17\n\x0f\x63hunks_received\x18\x04 \x01(\r\x12\x1c\n\x14\x63iphertexts_received\x18\x05 \x01(\x04\"K\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATUS_ACCEPTED\x10\x01\x12\x14\n\x10STATUS_DUPLICATE\x10\x02\"Y\n\x0bTaskDecline\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.fedpca.v1.DeclineReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\"\n\x0e\x44\x65\x63lineReceipt\x12\x10\n\x08query_id\x18\x01 \x01(\t*\x83\x01\n\x12ObfuscationVariant\x12#\n\x1fOBFUSCATION_VARIANT_UNSPECIFIED\x10\x00\x12\x1c\n\x18OBFUSCATION_VARIANT_FULL\x10\x01\x12*\n&OBFUSCATION_VARIANT_DJN_SHORT_EXPONENT\x10\x02*\xbd\x01\n\rDeclineReason\x12\x1e\n\x1a\x44\x45\x43LINE_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x44\x45\x43LINE_REASON_POLICY_REFUSAL\x10\x01\x12!\n\x1d\x44\x45\x43LINE_REASON_KEY_NOT_PINNED\x10\x02\x12#\n\x1f\x44\x45\x43LINE_REASON_BUDGET_EXHAUSTED\x10\x03\x12!\n\x1d\x44\x45\x43LINE_REASON_UNSIGNED_QUERY\x10\x04\x32\x8b\x02\n\x0cOwnerService\x12\x34\n\x05Hello\x12\x15.fedpca.v1.OwnerHello\x1a\x14.fedpca.v1.ProxyInfo\x12\x43\n\x0bStreamTasks\x12\x1c.fedpca.v1.TaskStreamRequest\x1a\x14.fedpca.v1.TaskEvent0\x01\x12>\n\x06Upload\x12\x18.fedpca.v1.UploadMessage\x1a\x18.fedpca.v1.UploadReceipt(\x01\x12@\n\x0b\x44\x65\x63lineTask\x12\x16.fedpca.v1.TaskDecline\x1a\x19.fedpca.v1.DeclineReceiptb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpca.v1.owner_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OBFUSCATIONVARIANT']._serialized_start=1748
-  _globals['_OBFUSCATIONVARIANT']._serialized_end=1879
-  _globals['_DECLINEREASON']._serialized_start=1882
-  _globals['_DECLINEREASON']._serialized_end=2071
+  _globals['_OBFUSCATIONVARIANT']._serialized_start=1786
+  _globals['_OBFUSCATIONVARIANT']._serialized_end=1917
+  _globals['_DECLINEREASON']._serialized_start=1920
+  _globals['_DECLINEREASON']._serialized_end=2109
   _globals['_OWNERHELLO']._serialized_start=128
   _globals['_OWNERHELLO']._serialized_end=244
   _globals['_PROXYINFO']._serialized_start=247
   _globals['_PROXYINFO']._serialized_end=471
   _globals['_TASKSTREAMREQUEST']._serialized_start=473
-  _globals['_TASKSTREAMREQUEST']._serialized_end=534
-  _globals['_TASKEVENT']._serialized_start=537
-  _globals['_TASKEVENT']._serialized_end=686
-  _globals['_HEARTBEAT']._serialized_start=688
-  _globals['_HEARTBEAT']._serialized_end=744
-  _globals['_TASK']._serialized_start=747
-  _globals['_TASK']._serialized_end=977
-  _globals['_TASKCANCELLATION']._serialized_start=979
-  _globals['_TASKCANCELLATION']._serialized_end=1031
-  _globals['_UPLOADHEADER']._serialized_start=1034
-  _globals['_UPLOADHEADER']._serialized_end=1266
-  _globals['_UPLOADMESSAGE']._serialized_start=1268
-  _globals['_UPLOADMESSAGE']._serialized_end=1382
-  _globals['_UPLOADRECEIPT']._serialized_start=1385
-  _globals['_UPLOADRECEIPT']._serialized_end=1618
-  _globals['_UPLOADRECEIPT_STATUS']._serialized_start=1543
-  _globals['_UPLOADRECEIPT_STATUS']._serialized_end=1618
-  _globals['_TASKDECLINE']._serialized_start=1620
-  _globals['_TASKDECLINE']._serialized_end=1709
-  _globals['_DECLINERECEIPT']._serialized_start=1711
-  _globals['_DECLINERECEIPT']._serialized_end=1745
-  _globals['_OWNERSERVICE']._serialized_start=2074
-  _globals['_OWNERSERVICE']._serialized_end=2341
+  _globals['_TASKSTREAMREQUEST']._serialized_end=572
+  _globals['_TASKEVENT']._serialized_start=575
+  _globals['_TASKEVENT']._serialized_end=724
+  _globals['_HEARTBEAT']._serialized_start=726
+  _globals['_HEARTBEAT']._serialized_end=782
+  _globals['_TASK']._serialized_start=785
+  _globals['_TASK']._serialized_end=1015
+  _globals['_TASKCANCELLATION']._serialized_start=1017
+  _globals['_TASKCANCELLATION']._serialized_end=1069
+  _globals['_UPLOADHEADER']._serialized_start=1072
+  _globals['_UPLOADHEADER']._serialized_end=1304
+  _globals['_UPLOADMESSAGE']._serialized_start=1306
+  _globals['_UPLOADMESSAGE']._serialized_end=1420
+  _globals['_UPLOADRECEIPT']._serialized_start=1423
+  _globals['_UPLOADRECEIPT']._serialized_end=1656
+  _globals['_UPLOADRECEIPT_STATUS']._serialized_start=1581
+  _globals['_UPLOADRECEIPT_STATUS']._serialized_end=1656
+  _globals['_TASKDECLINE']._serialized_start=1658
+  _globals['_TASKDECLINE']._serialized_end=1747
+  _globals['_DECLINERECEIPT']._serialized_start=1749
+  _globals['_DECLINERECEIPT']._serialized_end=1783
+  _globals['_OWNERSERVICE']._serialized_start=2112
+  _globals['_OWNERSERVICE']._serialized_end=2379
 # @@protoc_insertion_point(module_scope)

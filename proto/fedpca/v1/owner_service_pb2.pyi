@@ -63,12 +63,14 @@ class ProxyInfo(_message.Message):
     def __init__(self, proxy_id: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., authenticated_node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class TaskStreamRequest(_message.Message):
-    __slots__ = ("node_id", "in_flight_tasks")
+    __slots__ = ("node_id", "in_flight_tasks", "terms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_TASKS_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     in_flight_tasks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., in_flight_tasks: _Optional[_Iterable[str]] = ...) -> None: ...
+    terms: _query_pb2.OwnerTerms
+    def __init__(self, node_id: _Optional[str] = ..., in_flight_tasks: _Optional[_Iterable[str]] = ..., terms: _Optional[_Union[_query_pb2.OwnerTerms, _Mapping]] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
     __slots__ = ("heartbeat", "task", "cancellation")

@@ -156,3 +156,37 @@ class Aggregate(_message.Message):
     target_lower: float
     target_upper: float
     def __init__(self, kind: _Optional[_Union[AggregateKind, str]] = ..., columns: _Optional[_Iterable[int]] = ..., lower: _Optional[_Iterable[float]] = ..., upper: _Optional[_Iterable[float]] = ..., moments: _Optional[_Union[Moments, str]] = ..., bin_edges: _Optional[_Iterable[_Union[BinEdges, _Mapping]]] = ..., group_column: _Optional[int] = ..., categories: _Optional[_Iterable[float]] = ..., target_column: _Optional[int] = ..., target_lower: _Optional[float] = ..., target_upper: _Optional[float] = ...) -> None: ...
+
+class OwnerTerms(_message.Message):
+    __slots__ = ("n_columns", "label_column", "neighbouring", "allowed_kinds", "columns_limited", "allowed_columns", "allow_masked_mode", "allow_not_private", "max_delta_per_query", "max_epsilon_per_query", "budget_delta", "accountant", "min_quorum", "max_tasks_per_day", "max_records")
+    N_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_KINDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_LIMITED_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_MASKED_MODE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NOT_PRIVATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELTA_PER_QUERY_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPSILON_PER_QUERY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_DELTA_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    MIN_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_PER_DAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    n_columns: int
+    label_column: int
+    neighbouring: Neighbouring
+    allowed_kinds: _containers.RepeatedScalarFieldContainer[str]
+    columns_limited: bool
+    allowed_columns: _containers.RepeatedScalarFieldContainer[int]
+    allow_masked_mode: bool
+    allow_not_private: bool
+    max_delta_per_query: float
+    max_epsilon_per_query: float
+    budget_delta: float
+    accountant: str
+    min_quorum: int
+    max_tasks_per_day: int
+    max_records: int
+    def __init__(self, n_columns: _Optional[int] = ..., label_column: _Optional[int] = ..., neighbouring: _Optional[_Union[Neighbouring, str]] = ..., allowed_kinds: _Optional[_Iterable[str]] = ..., columns_limited: _Optional[bool] = ..., allowed_columns: _Optional[_Iterable[int]] = ..., allow_masked_mode: _Optional[bool] = ..., allow_not_private: _Optional[bool] = ..., max_delta_per_query: _Optional[float] = ..., max_epsilon_per_query: _Optional[float] = ..., budget_delta: _Optional[float] = ..., accountant: _Optional[str] = ..., min_quorum: _Optional[int] = ..., max_tasks_per_day: _Optional[int] = ..., max_records: _Optional[int] = ...) -> None: ...

@@ -9,9 +9,11 @@ own queries (query ids are scoped by analyst, :func:`~fedpca.proxy.coordinator.t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from fedpca.messages import PROTOCOL_VERSION, DeploymentInfo, QuerySummary
+from fedpca.owner_terms import OwnerTerms
 from fedpca.proxy.coordinator import Coordinator, task_id
 from fedpca.query import AggregateKind, ProtocolMode, QueryKind
 from fedpca.version import __version__
@@ -23,7 +25,12 @@ DEFAULT_LISTED_QUERIES = 50
 
 
 def describe_deployment(
-    coordinator: Coordinator, analyst_id: str, *, proxy_id: str, connected: frozenset[str]
+    coordinator: Coordinator,
+    analyst_id: str,
+    *,
+    proxy_id: str,
+    connected: frozenset[str],
+    stated_terms: Mapping[str, OwnerTerms] | None = None,
 ) -> DeploymentInfo:
     """The deployment as analyst ``analyst_id`` may know it.
 
@@ -33,6 +40,9 @@ def describe_deployment(
     analyst_id : the caller, from its certificate.
     proxy_id : this proxy's node id.
     connected : the owners with a task stream open now.
+    stated_terms : the terms connected owners stated, by node id (passed on to the
+        analyst as the owners stated them: they are public facts of the owners'
+        configuration and schema, fedpca.owner_terms).
     """
     config = coordinator.config
     budget = config.budget.for_analyst(analyst_id)
@@ -50,6 +60,7 @@ def describe_deployment(
         budget_delta=budget.delta,
         server_time=datetime.now(UTC),
         owners_absent=tuple(sorted(coordinator.registered_owners - connected)),
+        owner_terms=tuple(sorted((stated_terms or {}).items())),
     )
 
 

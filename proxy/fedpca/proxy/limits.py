@@ -51,6 +51,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fedpca.errors import ConfigError, OverloadError
+from fedpca.owner_terms import OwnerTerms
 
 __all__ = [
     "REPEATED_REFUSAL_SECONDS",
@@ -239,20 +240,23 @@ class TaskStreams:
     ) -> None:
         self._openings = PeerRate(opens_per_minute, "opened its task stream", clock)
         self._lock = threading.Lock()
-        self._latest: dict[str, tuple[int, Callable[[], None]]] = {}
+        self._latest: dict[str, tuple[int, Callable[[], None], OwnerTerms | None]] = {}
         self._next = 0
 
     def admit(self, owner_id: str) -> None:
         """Count one opening of ``owner_id``'s stream, or raise :class:`OverloadError`."""
         self._openings.admit(owner_id)
 
-    def open(self, owner_id: str, superseded: Callable[[], None]) -> int:
+    def open(
+        self, owner_id: str, superseded: Callable[[], None], terms: OwnerTerms | None = None
+    ) -> int:
         """Make a new stream the owner's current one; ``superseded`` is called if a
-        newer one replaces it. Returns the new stream's generation."""
+        newer one replaces it; ``terms`` are the terms the owner stated on it. Returns
+        the new stream's generation."""
         with self._lock:
             self._next += 1
             previous = self._latest.get(owner_id)
-            self._latest[owner_id] = (self._next, superseded)
+            self._latest[owner_id] = (self._next, superseded, terms)
             generation = self._next
         if previous is not None:
             previous[1]()
@@ -273,6 +277,14 @@ class TaskStreams:
         """The owners with an open task stream."""
         with self._lock:
             return frozenset(self._latest)
+
+    def stated_terms(self) -> dict[str, OwnerTerms]:
+        """The terms each connected owner stated on its open stream (owners that stated
+        none are left out)."""
+        with self._lock:
+            return {
+                owner: terms for owner, (_, _, terms) in self._latest.items() if terms is not None
+            }
 
 
 class RefusalLog:

@@ -71,6 +71,7 @@ from fedpca.messages import (
     UploadReceipt,
     UploadStatus,
 )
+from fedpca.owner_terms import OwnerTerms
 from fedpca.proxy import catalog
 from fedpca.proxy.limits import PeerRate, RefusalLog, TaskStreams
 from fedpca.proxy.owner_tasks import SentTasks
@@ -160,6 +161,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
         with self._call_slot(caller):
             # The claimed node id is informational only; the in-flight uploads are answered.
             _, in_flight = serde.task_stream_request_from_proto(request)
+            terms = self._stated_terms(owner, request)
             await self.work.run(self.coordinator.enroll, owner)
             answers = (
                 await self.work.run(self.coordinator.in_flight_answers, owner, in_flight)
@@ -168,7 +170,7 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
             )
         # One stream per owner: this one supersedes any older one, which is woken to end.
         superseded = asyncio.Event()
-        generation = self.streams.open(owner, superseded.set)
+        generation = self.streams.open(owner, superseded.set, terms)
         logger.info("task stream opened by owner %s", owner)
         coordinator = self.coordinator
         sent = SentTasks(answer for answer in answers if isinstance(answer, Task))
@@ -224,6 +226,17 @@ class OwnerServicer(ServicerBase, owner_grpc.OwnerServiceServicer):
                 f"a newer task stream of owner {owner} replaced this one: if this repeats, "
                 "two nodes run with this owner's certificate (stop one)"
             )
+
+    def _stated_terms(self, owner: str, request: owner_pb.TaskStreamRequest) -> OwnerTerms | None:
+        """The owner's terms, or None if it states none or terms this proxy cannot read
+        (a newer owner may name a release kind this version does not know): its stream
+        is served either way, only analysts do not see them."""
+        try:
+            return serde.stated_terms_from_proto(request)
+        except ProtocolError as exc:
+            # A line per opening at most, and openings are bounded per owner and minute.
+            logger.warning("owner %s: its terms are not passed on to analysts: %s", owner, exc)
+            return None
 
     @unary_errors
     async def Upload(
@@ -473,6 +486,7 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
                 analyst.node_id,
                 proxy_id=self.proxy_id,
                 connected=self.task_streams.connected_owners(),
+                stated_terms=self.task_streams.stated_terms() if request.with_owner_terms else {},
             )
             return serde.deployment_info_to_proto(info)
 

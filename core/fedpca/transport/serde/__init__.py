@@ -65,6 +65,7 @@ from fedpca.transport.serde.owner_service import (
     proxy_info_from_proto,
     proxy_info_to_proto,
     read_upload,
+    stated_terms_from_proto,
     task_decline_from_proto,
     task_decline_to_proto,
     task_event_from_proto,
@@ -80,6 +81,8 @@ from fedpca.transport.serde.owner_service import (
 )
 from fedpca.transport.serde.query import (
     QUERY_SPEC_WIRE_FIELDS,
+    owner_terms_from_proto,
+    owner_terms_to_proto,
     query_spec_from_proto,
     query_spec_to_proto,
 )
@@ -112,6 +115,8 @@ __all__ = [
     "noise_description_to_proto",
     "owner_hello_from_proto",
     "owner_hello_to_proto",
+    "owner_terms_from_proto",
+    "owner_terms_to_proto",
     "proxy_info_from_proto",
     "proxy_info_to_proto",
     "query_list_from_proto",
@@ -127,6 +132,7 @@ __all__ = [
     "result_chunk_message",
     "result_header_from_message",
     "result_header_message",
+    "stated_terms_from_proto",
     "submit_query_request_from_proto",
     "submit_query_request_to_proto",
     "task_decline_from_proto",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 from fedpca.admission import NextQuery
 from fedpca.errors import ConfigError, LayoutError, ProtocolError
+from fedpca.formatting import printable
 from fedpca.messages import (
     DEFAULT_CHUNK_MESSAGE_BYTES,
     BudgetStatus,
@@ -25,6 +27,7 @@ from fedpca.messages import (
     ResultHeader,
     SignedQuery,
 )
+from fedpca.owner_terms import OwnerTerms
 from fedpca.transport.serde._common import (
     ADMISSION_LIMIT_FROM_PROTO,
     ADMISSION_LIMIT_TO_PROTO,
@@ -58,8 +61,15 @@ from fedpca.transport.serde.ciphertext import (
     chunk_to_proto,
     encode_chunks,
 )
-from fedpca.transport.serde.query import query_spec_from_proto, query_spec_to_proto
+from fedpca.transport.serde.query import (
+    owner_terms_from_proto,
+    owner_terms_to_proto,
+    query_spec_from_proto,
+    query_spec_to_proto,
+)
 from fedpca.v1 import analyst_service_pb2 as analyst_pb
+
+logger = logging.getLogger(__name__)
 
 MAX_SIGNATURE_BYTES = 256
 
@@ -456,7 +466,22 @@ def deployment_info_to_proto(info: DeploymentInfo) -> analyst_pb.DeploymentInfo:
     )
     message.server_time.CopyFrom(timestamp_to_proto(info.server_time, "DeploymentInfo.server_time"))
     message.owners_absent.extend(info.owners_absent)
+    for owner_id, terms in info.owner_terms:
+        message.owner_terms.add(owner_id=owner_id).terms.CopyFrom(owner_terms_to_proto(terms))
     return message
+
+
+def _stated_terms(message: analyst_pb.DeploymentInfo) -> tuple[tuple[str, OwnerTerms], ...]:
+    """The owners' terms a proxy passed on; one this version cannot read is left out (a
+    newer owner may answer a release kind it does not know), logged, as if not stated."""
+    stated = []
+    for entry in message.owner_terms:
+        owner_id = bounded_text(entry.owner_id, "StatedOwnerTerms.owner_id")
+        try:
+            stated.append((owner_id, owner_terms_from_proto(entry.terms, "StatedOwnerTerms")))
+        except ProtocolError as exc:
+            logger.info("the terms of owner %s are left out: %s", printable(owner_id), exc)
+    return tuple(stated)
 
 
 def deployment_info_from_proto(message: analyst_pb.DeploymentInfo) -> DeploymentInfo:
@@ -476,6 +501,7 @@ def deployment_info_from_proto(message: analyst_pb.DeploymentInfo) -> Deployment
         budget_delta=message.budget_delta,
         server_time=timestamp_from_proto(message.server_time, "DeploymentInfo.server_time"),
         owners_absent=tuple(message.owners_absent),
+        owner_terms=_stated_terms(message),
     )
 
 

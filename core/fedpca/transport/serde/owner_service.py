@@ -26,6 +26,7 @@ from fedpca.messages import (
     UploadReceipt,
     collect_payload,
 )
+from fedpca.owner_terms import OwnerTerms
 from fedpca.transport.serde._common import (
     DECLINE_FROM_PROTO,
     DECLINE_TO_PROTO,
@@ -51,6 +52,8 @@ from fedpca.transport.serde.ciphertext import (
 )
 from fedpca.transport.serde.query import (
     MAX_KEY_MODULUS_BITS,
+    owner_terms_from_proto,
+    owner_terms_to_proto,
     query_spec_from_proto,
     query_spec_to_proto,
 )
@@ -276,16 +279,32 @@ owner has one upload in flight at a time, and a few after a long outage)."""
 
 
 def task_stream_request_to_proto(
-    node_id: str, in_flight_tasks: Sequence[str] = ()
+    node_id: str, in_flight_tasks: Sequence[str] = (), terms: OwnerTerms | None = None
 ) -> owner_pb.TaskStreamRequest:
     """Open the task stream; the node id is informational (the certificate decides).
 
     ``in_flight_tasks``: keys of the tasks whose upload began and has not finished
-    (the first :data:`MAX_IN_FLIGHT_TASKS` are sent).
+    (the first :data:`MAX_IN_FLIGHT_TASKS` are sent). ``terms``: the owner's terms.
     """
-    return owner_pb.TaskStreamRequest(
+    message = owner_pb.TaskStreamRequest(
         node_id=node_id, in_flight_tasks=list(in_flight_tasks)[:MAX_IN_FLIGHT_TASKS]
     )
+    if terms is not None:
+        message.terms.CopyFrom(owner_terms_to_proto(terms))
+    return message
+
+
+def stated_terms_from_proto(message: owner_pb.TaskStreamRequest) -> OwnerTerms | None:
+    """The terms the owner states on its task stream (None from an older owner).
+
+    Raises
+    ------
+    ProtocolError
+        Terms out of range (:func:`owner_terms_from_proto`).
+    """
+    if not message.HasField("terms"):
+        return None
+    return owner_terms_from_proto(message.terms, "TaskStreamRequest.terms")
 
 
 def task_stream_request_from_proto(

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fedpca.errors import ConfigError, ProtocolError
-from fedpca.query import MAX_AGGREGATES, Aggregate, QuerySpec
+from fedpca.owner_terms import OwnerTerms
+from fedpca.query import MAX_AGGREGATES, RELEASE_KINDS, Aggregate, QuerySpec, release_kind
+from fedpca.table_schema import TableSchema
 from fedpca.transport.serde._common import (
     AGGREGATE_KIND_FROM_PROTO,
     AGGREGATE_KIND_TO_PROTO,
@@ -223,3 +225,114 @@ def query_spec_from_proto(message: query_pb.QuerySpec) -> QuerySpec:
         return QuerySpec(**kwargs)
     except ConfigError as exc:
         raise ProtocolError(f"invalid {what}: {exc}") from exc
+
+
+MAX_STATED_COLUMNS = 1 << 16
+"""The widest owner file whose terms are taken: 65,536 columns (the query's own bound,
+:data:`MAX_QUERY_BYTES`, allows no more features)."""
+
+MAX_STATED_ALLOWED_COLUMNS = 8_192
+"""Most allowed columns an owner's terms may list (the GISETTE width of the protocol's
+evaluation is 5,000): a proxy keeps each connected owner's terms in memory."""
+
+MAX_STATED_TASKS_PER_DAY = 1 << 31
+
+
+def owner_terms_to_proto(terms: OwnerTerms) -> query_pb.OwnerTerms:
+    """An owner's terms for its task stream (absent fields: no label column, no
+    enforced capacity)."""
+    what = "OwnerTerms"
+    message = query_pb.OwnerTerms(neighbouring=NEIGHBOURING_TO_PROTO[terms.neighbouring])
+    set_scalars(
+        message,
+        what,
+        n_columns=terms.schema.n_columns,
+        columns_limited=terms.allowed_columns is not None,
+        allow_masked_mode=terms.allow_masked_mode,
+        allow_not_private=terms.allow_not_private,
+        max_delta_per_query=terms.max_delta_per_query,
+        max_epsilon_per_query=terms.max_epsilon_per_query,
+        budget_delta=terms.budget_delta,
+        accountant=terms.accountant,
+        min_quorum=terms.min_quorum,
+        max_tasks_per_day=terms.max_tasks_per_day,
+    )
+    if terms.schema.label_column is not None:
+        set_scalars(message, what, label_column=terms.schema.label_column)
+    if terms.max_records is not None:
+        set_scalars(message, what, max_records=terms.max_records)
+    extend_repeated(message, what, "allowed_kinds", (kind.value for kind in terms.allowed_kinds))
+    extend_repeated(message, what, "allowed_columns", terms.allowed_columns or ())
+    return message
+
+
+def owner_terms_from_proto(message: query_pb.OwnerTerms, what: str) -> OwnerTerms:
+    """The terms an owner stated, checked for range (they are shown to analysts and
+    judge their queries).
+
+    Raises
+    ------
+    ProtocolError
+        A field out of range: no columns or more than :data:`MAX_STATED_COLUMNS`, a
+        label or allowed column outside the file, more than
+        :data:`MAX_STATED_ALLOWED_COLUMNS` allowed columns, an unknown release kind, a
+        delta outside [0, 1), a negative or NaN epsilon, a quorum of 0.
+    """
+    n_columns = message.n_columns
+    if not 1 <= n_columns <= MAX_STATED_COLUMNS:
+        raise ProtocolError(f"{what}.n_columns = {n_columns}: not in 1..{MAX_STATED_COLUMNS}")
+    label = message.label_column if message.HasField("label_column") else None
+    if label is not None and label >= n_columns:
+        raise ProtocolError(f"{what}.label_column = {label}: the file has {n_columns} columns")
+    allowed: tuple[int, ...] | None = None
+    if message.columns_limited:
+        if len(message.allowed_columns) > MAX_STATED_ALLOWED_COLUMNS:
+            raise ProtocolError(
+                f"{what}.allowed_columns: more than {MAX_STATED_ALLOWED_COLUMNS} columns"
+            )
+        allowed = tuple(message.allowed_columns)
+        outside = [c for c in allowed if c >= n_columns]
+        if outside:
+            raise ProtocolError(
+                f"{what}.allowed_columns names column {outside[0]}; the file has "
+                f"{n_columns} columns"
+            )
+    elif message.allowed_columns:
+        raise ProtocolError(f"{what}.allowed_columns given without columns_limited")
+    if len(message.allowed_kinds) > len(RELEASE_KINDS):
+        raise ProtocolError(f"{what}.allowed_kinds: more than {len(RELEASE_KINDS)} kinds")
+    try:
+        kinds = tuple(release_kind(name) for name in message.allowed_kinds)
+    except ConfigError as exc:
+        raise ProtocolError(f"{what}.allowed_kinds: {exc}") from None
+    for name, value in (
+        ("max_delta_per_query", message.max_delta_per_query),
+        ("budget_delta", message.budget_delta),
+    ):
+        if not 0.0 <= value < 1.0:
+            raise ProtocolError(f"{what}.{name} = {value!r}: not in [0, 1)")
+    if not message.max_epsilon_per_query >= 0.0:  # NaN fails too
+        raise ProtocolError(
+            f"{what}.max_epsilon_per_query = {message.max_epsilon_per_query!r}: not >= 0"
+        )
+    if message.min_quorum < 1:
+        raise ProtocolError(f"{what}.min_quorum = {message.min_quorum}: not >= 1")
+    if message.max_tasks_per_day > MAX_STATED_TASKS_PER_DAY:
+        raise ProtocolError(f"{what}.max_tasks_per_day = {message.max_tasks_per_day}: too large")
+    return OwnerTerms(
+        schema=TableSchema(n_columns, label),
+        neighbouring=enum_from_proto(
+            message.neighbouring, NEIGHBOURING_FROM_PROTO, f"{what}.neighbouring"
+        ),
+        allowed_kinds=kinds,
+        allowed_columns=allowed,
+        allow_masked_mode=message.allow_masked_mode,
+        allow_not_private=message.allow_not_private,
+        max_delta_per_query=message.max_delta_per_query,
+        max_epsilon_per_query=message.max_epsilon_per_query,
+        budget_delta=message.budget_delta,
+        accountant=bounded_text(message.accountant, f"{what}.accountant", max_length=40),
+        min_quorum=message.min_quorum,
+        max_tasks_per_day=message.max_tasks_per_day,
+        max_records=message.max_records if message.HasField("max_records") else None,
+    )
