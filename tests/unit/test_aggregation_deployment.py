@@ -32,6 +32,7 @@ from sklearn.linear_model import LinearRegression
 
 import fedpca.analyst.aggregate_estimators as aggregate_estimators_module
 import fedpca.analyst.keys as keys_module
+import fedpca.analyst.querying as querying
 from fedpca.analyst import (
     FederatedHistogram,
     FederatedLinearRegression,
@@ -49,7 +50,7 @@ from fedpca.analyst.querying import MissingOwnersWarning
 from fedpca.codec import CryptoPool
 from fedpca.dp.calibration import zcdp_noise_multiplier
 from fedpca.dp.mechanisms import PrivacyParams
-from fedpca.errors import QueryStateError
+from fedpca.errors import OwnersWouldDeclineError, QueryStateError
 from fedpca.messages import DeclineReason
 from fedpca.query import QueryKind
 from fedpca.transport.certs import Role
@@ -353,7 +354,10 @@ bins = [[20, 30, 40, 50, 60, 70, 90]]
     indirect=True,
 )
 def test_owners_decline_forbidden_kinds_with_a_public_reason(
-    running: Any, analyst_keys: AnalystKeyFiles, caplog: pytest.LogCaptureFixture
+    running: Any,
+    analyst_keys: AnalystKeyFiles,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     statuses: list[Any] = []
     # Quorum 1: the query fails only once every owner has declined, so all are seen.
@@ -361,13 +365,24 @@ def test_owners_decline_forbidden_kinds_with_a_public_reason(
     histogram = FederatedHistogram(
         8, bins=AGE_EDGES, on_status=statuses.append, epsilon=1.0, **connection
     )
+    reason = "histogram queries are not in policy.allowed_kinds (pca, dca)"
+    # The owners' stated terms refuse it before it is submitted, with their reason.
+    with pytest.raises(OwnersWouldDeclineError, match="nothing was submitted"):
+        histogram.fit()
+    assert statuses == []
+    for owner in OWNERS:
+        assert f"owner {owner} states terms this query does not meet: {reason}" in caplog.text
+    caplog.clear()
+    # An analyst that does not judge the terms (a fedpca older than them, or a proxy
+    # that misstated them): each owner declines the signed query itself, alike.
+    monkeypatch.setattr(querying, "check_owner_terms", lambda *args: {})
     with pytest.raises(QueryStateError):
         histogram.fit()
     declines = statuses[-1].declines
     assert {d.owner_id for d in declines} == set(OWNERS)
     for decline in declines:
         assert decline.reason == DeclineReason.POLICY_REFUSAL
-        assert decline.detail == "histogram queries are not in policy.allowed_kinds (pca, dca)"
+        assert decline.detail == reason
     # Without a progress display each decline is logged, once per owner.
     logged = [r.getMessage() for r in caplog.records if "owner declined" in r.getMessage()]
     assert sorted(logged) == sorted(
@@ -380,19 +395,25 @@ def test_owners_decline_forbidden_kinds_with_a_public_reason(
 
 @pytest.mark.parametrize("running", [{"policy": {"allowed_columns": (0, 1, 2, 8)}}], indirect=True)
 def test_owners_decline_columns_their_policy_does_not_allow(
-    running: Any, analyst_keys: AnalystKeyFiles
+    running: Any, analyst_keys: AnalystKeyFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     statuses: list[Any] = []
     connection = {**_connection(running, analyst_keys), "quorum": 1}
     stats = FederatedStatistics(
         [2, 6], bounds=[(0, 200), (0, 70)], on_status=statuses.append, epsilon=1.0, **connection
     )
+    reason = (
+        "the query reads column 6 (0-based), which is not in policy.allowed_columns (0, 1, 2, 8)"
+    )
+    with pytest.raises(OwnersWouldDeclineError, match="3 of the 3 connected owners"):
+        stats.fit()  # by the terms they stated: nothing submitted
+    assert statuses == []
+    # Submitted without judging the terms, the owners decline it themselves, alike.
+    monkeypatch.setattr(querying, "check_owner_terms", lambda *args: {})
     with pytest.raises(QueryStateError):
         stats.fit()
     details = {d.detail for d in statuses[-1].declines}
-    assert details == {
-        "the query reads column 6 (0-based), which is not in policy.allowed_columns (0, 1, 2, 8)"
-    }
+    assert details == {reason}
     # Allowed columns are served.
     allowed = FederatedStatistics(
         [2, 8],
