@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,11 +21,16 @@ from hypothesis import HealthCheck, settings
 
 from fedpca.codec import CryptoPool, key_fingerprint
 from fedpca.data import dataset_path
+from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.exact_statistics import fixed_point_statistics
 from fedpca.messages import CiphertextPayload, SignedQuery, Task, blocks_of
+from fedpca.owner.config import DataConfig, NodeConfig, OwnerConfig, PrivacyConfig, TlsConfig
+from fedpca.owner.policy_config import PolicyConfig
+from fedpca.owner_terms import OwnerTerms
 from fedpca.protocol import ReleasePlan
-from fedpca.query import QueryKind, QuerySpec, stamped
+from fedpca.query import RELEASE_KINDS, Neighbouring, QueryKind, QuerySpec, stamped
 from fedpca.signing import Ed25519PrivateKey, generate_signing_key, sign_query, signer_id
+from fedpca.table_schema import TableSchema
 from fedpca.transport.channels import server_options
 
 TEST_SIGNING_KEY = generate_signing_key()
@@ -96,6 +102,48 @@ def signed_task(
         query_signer=query.signer,
         task_id=f"{analyst}/{spec.query_id}",
     )
+
+
+def owner_policy_config(
+    public_key: Any, data: DataConfig | None = None, **policy: Any
+) -> OwnerConfig:
+    """An owner's configuration for policy tests: it pins ``public_key`` and
+    :data:`TEST_SIGNER`, answers up to epsilon 1.5 per query of a budget (10, 1e-5), and
+    declares 100 records (not enforced) unless ``data`` says otherwise."""
+    fields: dict[str, Any] = {
+        "accepted_analyst_keys": (key_fingerprint(public_key),),
+        "accepted_query_signers": (TEST_SIGNER,),
+        "max_epsilon_per_query": 1.5,
+        **policy,
+    }
+    return OwnerConfig(
+        owner=NodeConfig("owner-1", "127.0.0.1:1", Path("state")),
+        tls=TlsConfig(None, None, None, insecure=True),
+        data=data or DataConfig(Path("data.csv"), max_records=100),
+        policy=PolicyConfig(**fields),
+        budget=PrivacyParams(10.0, 1e-5),
+        privacy=PrivacyConfig(),
+    )
+
+
+def example_owner_terms(**changes: Any) -> OwnerTerms:
+    """An owner's stated terms: 4 columns, no label column, every kind, epsilon 10 per
+    query at delta 1e-5 (zcdp), delta 1e-5, quorum 1; ``changes`` replace fields."""
+    terms = OwnerTerms(
+        schema=TableSchema(4),
+        neighbouring=Neighbouring.ADD_REMOVE,
+        allowed_kinds=RELEASE_KINDS,
+        allowed_columns=None,
+        allow_masked_mode=False,
+        allow_not_private=False,
+        max_delta_per_query=1e-5,
+        max_epsilon_per_query=10.0,
+        budget_delta=1e-5,
+        accountant="zcdp",
+        min_quorum=1,
+        max_tasks_per_day=100,
+    )
+    return replace(terms, **changes)
 
 
 def dataset_table(name: str) -> np.ndarray:

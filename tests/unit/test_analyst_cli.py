@@ -94,6 +94,7 @@ from fedpca.v1 import analyst_service_pb2_grpc as analyst_grpc
 from helpers import (
     TEST_SIGNER,
     TEST_SIGNING_KEY,
+    example_owner_terms,
     fake_analyst_service,
     quantisation_step,
     query_builder,
@@ -1657,17 +1658,12 @@ def test_deployment_shows_each_owners_terms_owners_of_equal_terms_together(
 ) -> None:
     fake, address = proxy
     fake.registered, fake.connected = 4, 4
-    common = OwnerTerms(
+    common = example_owner_terms(
         schema=TableSchema(35, 0),
-        neighbouring=Neighbouring.ADD_REMOVE,
         allowed_kinds=(QueryKind.PCA, AggregateKind.STATS),
         allowed_columns=(1, 2, 3, 4, 9),
-        allow_masked_mode=False,
-        allow_not_private=False,
         max_delta_per_query=1e-6,
         max_epsilon_per_query=2.0,
-        budget_delta=1e-5,
-        accountant="zcdp",
         min_quorum=2,
         max_tasks_per_day=50,
     )

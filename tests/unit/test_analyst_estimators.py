@@ -50,12 +50,12 @@ from fedpca.protocol import SHARES, ReleasePlan
 from fedpca.query import Aggregate, Calibration, Neighbouring, QueryKind, QuerySpec
 from fedpca.signing import signer_id
 from fedpca.stats import SufficientStatistics
-from fedpca.table_schema import TableSchema
 from fedpca.transport import serde
 from helpers import (
     TEST_SIGNER,
     TEST_SIGNING_KEY,
     exact_statistics,
+    example_owner_terms,
     plaintext_release,
 )
 
@@ -727,20 +727,7 @@ def test_a_query_needing_owners_that_are_not_connected_is_not_submitted(
 
 def _terms(*kinds: QueryKind) -> OwnerTerms:
     """Terms of an owner of 4 feature columns answering ``kinds``."""
-    return OwnerTerms(
-        schema=TableSchema(4),
-        neighbouring=Neighbouring.ADD_REMOVE,
-        allowed_kinds=kinds,
-        allowed_columns=None,
-        allow_masked_mode=False,
-        allow_not_private=False,
-        max_delta_per_query=1e-5,
-        max_epsilon_per_query=10.0,
-        budget_delta=1e-5,
-        accountant="zcdp",
-        min_quorum=1,
-        max_tasks_per_day=100,
-    )
+    return example_owner_terms(allowed_kinds=kinds)
 
 
 def test_a_query_the_owners_stated_terms_refuse_is_not_submitted(

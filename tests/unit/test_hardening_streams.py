@@ -27,16 +27,20 @@ import pytest
 from fedpca.codec import CryptoPool
 from fedpca.errors import OverloadError
 from fedpca.messages import OwnerHello, Task, TaskCancellation
-from fedpca.owner_terms import OwnerTerms
 from fedpca.protocol import ReleasePlan
 from fedpca.proxy.limits import PeerLimits, TaskStreams
-from fedpca.query import Neighbouring, QueryKind
 from fedpca.table_schema import TableSchema
 from fedpca.transport import serde
 from fedpca.transport.certs import Role, TlsMaterial
 from fedpca.transport.channels import secure_channel
 from fedpca.v1 import owner_service_pb2_grpc as owner_grpc
-from helpers import TEST_SIGNING_KEY, encrypted_upload, query_builder, wait_until
+from helpers import (
+    TEST_SIGNING_KEY,
+    encrypted_upload,
+    example_owner_terms,
+    query_builder,
+    wait_until,
+)
 from inprocess import deployment, labelled
 
 M = 3
@@ -412,23 +416,7 @@ def test_a_new_stream_ends_only_the_one_it_replaces() -> None:
 
 def test_the_terms_stated_are_those_of_each_owners_current_stream() -> None:
     streams = TaskStreams()
-    old, new = (
-        OwnerTerms(
-            schema=TableSchema(n_columns),
-            neighbouring=Neighbouring.ADD_REMOVE,
-            allowed_kinds=(QueryKind.PCA,),
-            allowed_columns=None,
-            allow_masked_mode=False,
-            allow_not_private=False,
-            max_delta_per_query=1e-5,
-            max_epsilon_per_query=1.0,
-            budget_delta=1e-5,
-            accountant="zcdp",
-            min_quorum=2,
-            max_tasks_per_day=100,
-        )
-        for n_columns in (3, 4)
-    )
+    old, new = (example_owner_terms(schema=TableSchema(n)) for n in (3, 4))
     first = streams.open("owner-1", lambda: None, old)
     streams.open("owner-2", lambda: None)  # an older owner states none
     assert streams.stated_terms() == {"owner-1": old}

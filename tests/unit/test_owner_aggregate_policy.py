@@ -10,24 +10,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import key_fingerprint
-from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError
 from fedpca.messages import DeclineReason, Task
 from fedpca.owner.compute import encode_share
 from fedpca.owner.config import (
-    DataConfig,
-    NodeConfig,
     OwnerConfig,
-    TlsConfig,
     load_config,
 )
 from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import Refusal, TaskAccepted, check_task
-from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import RELEASE_KINDS, Aggregate, AggregateKind, QueryKind, QuerySpec
-from helpers import TEST_SIGNER, make_query, signed_task
+from helpers import make_query, owner_policy_config, signed_task
 
 TOML = f"""
 [owner]
@@ -67,19 +61,7 @@ def _aggregate_query(public_key: Any, *aggregates: Aggregate, **fields: Any) -> 
 
 
 def _config(public_key: Any, **policy: Any) -> OwnerConfig:
-    fields: dict[str, Any] = {
-        "accepted_analyst_keys": (key_fingerprint(public_key),),
-        "accepted_query_signers": (TEST_SIGNER,),
-        "max_epsilon_per_query": 1.5,
-        **policy,
-    }
-    return OwnerConfig(
-        owner=NodeConfig("owner-1", "127.0.0.1:1", Path("state")),
-        tls=TlsConfig(None, None, None, insecure=True),
-        data=DataConfig(Path("data.csv"), max_records=100),
-        policy=PolicyConfig(**fields),
-        budget=PrivacyParams(10.0, 1e-5),
-    )
+    return owner_policy_config(public_key, **policy)
 
 
 def _task(spec: QuerySpec) -> Task:

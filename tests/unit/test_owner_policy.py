@@ -15,42 +15,25 @@ import pytest
 
 from fedpca.codec import generate_keypair, key_fingerprint
 from fedpca.dp.accounting import compose_epsilon
-from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ConfigError, UntrustedKeyError
 from fedpca.messages import DeclineReason, Task
 from fedpca.owner.config import (
     DataConfig,
-    NodeConfig,
     OwnerConfig,
     PrivacyConfig,
-    TlsConfig,
 )
 from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import Refusal, TaskAccepted, check_resumed_task, check_task
-from fedpca.owner.policy_config import PolicyConfig
 from fedpca.protocol import ReleasePlan
 from fedpca.query import Neighbouring, ProtocolMode, QueryKind, QuerySpec, spec_digest
 from fedpca.signing import generate_signing_key, sign_query, signer_id
-from helpers import TEST_SIGNER, TEST_SIGNING_KEY, query_builder
+from helpers import TEST_SIGNER, TEST_SIGNING_KEY, owner_policy_config, query_builder
 
 _spec = query_builder(epsilon=1.0, quorum=2)
 
 
 def _config(public_key: Any, **policy: Any) -> OwnerConfig:
-    fields: dict[str, Any] = {
-        "accepted_analyst_keys": (key_fingerprint(public_key),),
-        "accepted_query_signers": (TEST_SIGNER,),
-        "max_epsilon_per_query": 1.5,
-    }
-    fields.update(policy)
-    return OwnerConfig(
-        owner=NodeConfig("owner-1", "127.0.0.1:1", Path("state")),
-        tls=TlsConfig(None, None, None, insecure=True),
-        data=DataConfig(Path("data.csv"), max_records=100),
-        policy=PolicyConfig(**fields),
-        budget=PrivacyParams(10.0, 1e-5),
-        privacy=PrivacyConfig(),
-    )
+    return owner_policy_config(public_key, **policy)
 
 
 def _task(spec: QuerySpec, key: Any = TEST_SIGNING_KEY) -> Task:

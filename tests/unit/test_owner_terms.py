@@ -18,39 +18,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedpca.codec import key_fingerprint
-from fedpca.dp.mechanisms import PrivacyParams
 from fedpca.errors import ProtocolError
 from fedpca.formatting import column_ranges
 from fedpca.messages import Task
-from fedpca.owner.config import DataConfig, NodeConfig, OwnerConfig, PrivacyConfig, TlsConfig
+from fedpca.owner.config import DataConfig, OwnerConfig, PrivacyConfig
 from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import Refusal, TaskAccepted, check_task, stated_terms
-from fedpca.owner.policy_config import PolicyConfig
 from fedpca.owner_terms import OwnerTerms
 from fedpca.query import Aggregate, Neighbouring, ProtocolMode, QueryKind, QuerySpec
-from fedpca.signing import sign_query, signer_id
 from fedpca.table_schema import TableSchema
 from fedpca.transport import serde
 from fedpca.v1 import query_pb2 as query_pb
-from helpers import TEST_SIGNER, TEST_SIGNING_KEY, make_query
+from helpers import make_query, owner_policy_config, signed_task
 
 
 def _config(public_key: Any, data: DataConfig | None = None, **policy: Any) -> OwnerConfig:
-    fields: dict[str, Any] = {
-        "accepted_analyst_keys": (key_fingerprint(public_key),),
-        "accepted_query_signers": (TEST_SIGNER,),
-        "max_epsilon_per_query": 1.5,
-        **policy,
-    }
-    return OwnerConfig(
-        owner=NodeConfig("owner-1", "127.0.0.1:1", Path("state")),
-        tls=TlsConfig(None, None, None, insecure=True),
-        data=data or DataConfig(Path("data.csv"), max_records=100),
-        policy=PolicyConfig(**fields),
-        budget=PrivacyParams(10.0, 1e-5),
-        privacy=PrivacyConfig(),
-    )
+    return owner_policy_config(public_key, data, **policy)
 
 
 def _table(label_column: int | None = 0) -> LocalTable:
@@ -60,13 +43,7 @@ def _table(label_column: int | None = 0) -> LocalTable:
 
 
 def _task(spec: QuerySpec) -> Task:
-    return Task(
-        query=spec,
-        upload_deadline=datetime.now(UTC) + timedelta(minutes=5),
-        query_signature=sign_query(spec, TEST_SIGNING_KEY),
-        query_signer=signer_id(TEST_SIGNING_KEY),
-        task_id=f"alice/{spec.query_id}",
-    )
+    return signed_task(spec, datetime.now(UTC) + timedelta(minutes=5))
 
 
 def _pca(public_key: Any, **fields: Any) -> QuerySpec:
