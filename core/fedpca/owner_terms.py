@@ -13,13 +13,15 @@ an owner would send without spending a round on it.
 A proxy could misstate an owner's terms: what the analyst reads is advice, and the
 owner's own check of the signed query is what counts. What the terms leave out:
 which analyst keys and signers an owner pins (that would tell one analyst about the
-others), its budget and what is spent of it, and its tasks in the last 24 hours.
+others), its total budget and what is spent of it (only the budget's delta is stated,
+at which its epsilon cap is measured), and its tasks in the last 24 hours.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fedpca.errors import (
     CalibrationError,
@@ -29,11 +31,18 @@ from fedpca.errors import (
     PolicyError,
 )
 from fedpca.formatting import distinct
-from fedpca.protocol import ReleasePlan
-from fedpca.query import Neighbouring, ProtocolMode, QuerySpec, ReleaseKind
+from fedpca.query import Accountant, Neighbouring, ProtocolMode, QuerySpec, ReleaseKind
 from fedpca.table_schema import TableSchema
 
-__all__ = ["OwnerTerms"]
+if TYPE_CHECKING:
+    from fedpca.protocol import ReleasePlan
+
+__all__ = ["MAX_STATED_COUNT", "OwnerTerms"]
+
+MAX_STATED_COUNT = 1 << 31
+"""The largest quorum or daily task cap terms state: an owner states a larger one as
+this, which binds no query differently (no deployment has 2**31 owners, nor an owner
+2**31 tasks a day), and the wire carries it."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,7 @@ class OwnerTerms:
     max_epsilon_per_query : the largest epsilon of one release, measured at
         ``budget_delta`` from the release's noise (``policy.max_epsilon_per_query``).
     budget_delta : the delta of its budget, at which a release's epsilon is measured.
-    accountant : how its ledger composes releases ("zcdp" or "pld-continuous").
+    accountant : how its ledger composes releases.
     min_quorum : the smallest quorum it contributes to (``policy.min_quorum``).
     max_tasks_per_day : tasks it begins per 24 hours (``policy.max_tasks_per_day``).
     max_records : its capacity when it enforces it (``data.max_records`` with
@@ -71,7 +80,7 @@ class OwnerTerms:
     max_delta_per_query: float
     max_epsilon_per_query: float
     budget_delta: float
-    accountant: str
+    accountant: Accountant
     min_quorum: int
     max_tasks_per_day: int
     max_records: int | None = None
@@ -144,7 +153,8 @@ class OwnerTerms:
         """
         allowed = self.allowed_columns
         if allowed is not None:
-            refused = [c for c in self.schema.columns_read(spec) if c not in allowed]
+            members = frozenset(allowed)  # terms may allow thousands of columns
+            refused = [c for c in self.schema.columns_read(spec) if c not in members]
             if refused:
                 raise PolicyError(
                     f"the query reads column {refused[0]} (0-based), which is not in "
@@ -163,20 +173,12 @@ class OwnerTerms:
         if not plan.private:
             return
         # dp_accounting takes about a second to import: only where a plan is judged.
-        from fedpca.dp.accounting import Accountant, compose_epsilon
+        from fedpca.dp.accounting import compose_epsilon
 
-        try:
-            accountant = Accountant(self.accountant)
-        except ValueError:
-            # A newer owner's terms, as an analyst of an older version reads them.
-            raise PolicyError(
-                f"this owner accounts with {self.accountant!r}, which this version of "
-                "fedpca does not know"
-            ) from None
         event = plan.privacy_event(analyst=plan.spec.analyst_key_fingerprint)
         at = self.budget_delta
         try:
-            epsilon = compose_epsilon([event], at, accountant)
+            epsilon = compose_epsilon([event], at, self.accountant)
         except CalibrationError as exc:
             raise PolicyError(f"the release has too little noise to be accounted: {exc}") from None
         if epsilon > self.max_epsilon_per_query:
@@ -190,6 +192,10 @@ class OwnerTerms:
     def refusal(self, spec: QuerySpec) -> str | None:
         """Why an owner with these terms would decline ``spec``, or None if they accept
         it (its daily task limit aside, which the terms cannot tell)."""
+        # Imported here: fedpca.protocol imports dp_accounting (about a second), and
+        # the messages that carry terms are imported by every analyst command.
+        from fedpca.protocol import ReleasePlan
+
         try:
             self.check_statement(spec)
             self.check_columns(spec)

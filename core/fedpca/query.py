@@ -125,6 +125,17 @@ class Neighbouring(StrEnum):
     """D' is D with one record replaced by another (record counts are public)."""
 
 
+class Accountant(StrEnum):
+    """How a ledger composes releases (:mod:`fedpca.dp.accounting`; defined here, with the
+    deployment's other public choices, so that naming one does not import dp_accounting)."""
+
+    ZCDP = "zcdp"
+    """Default: rho-zCDP of the discrete Gaussian, converted by dp_accounting's RDP
+    accountant (a proven bound)."""
+    PLD_CONTINUOUS = "pld-continuous"
+    """dp_accounting's PLD accountant for the continuous Gaussian (labelled option)."""
+
+
 @dataclass(frozen=True)
 class Aggregate:
     """One private aggregate of an aggregate query: its columns and public parameters.

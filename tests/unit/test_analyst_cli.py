@@ -1700,7 +1700,8 @@ def test_deployment_shows_each_owners_terms_owners_of_equal_terms_together(
         "    tasks per day:    at most 50",
         "    neighbouring:     add-remove",
         "    capacity:         5000 records (enforced)",
-        "  1 connected owners state no terms (fedpca older than them)",
+        "  1 connected owners state no terms this version can read (a fedpca older than "
+        "terms, or newer)",
     ]
     fake.terms, fake.connected = (), 0
     none = CliRunner().invoke(analyst_group, ["deployment", "--proxy", address, "--insecure"])

@@ -152,21 +152,23 @@ def test_connected_owners_state_their_terms_to_the_analyst(
     with (
         deployment(
             workdir=tmp_path,
-            tables=_tables("owner-1", "owner-2"),
+            tables=_tables("owner-1", "owner-2", "owner-3"),
             pool=pool,
             public_key=public_key,
             owner_policies={
-                "owner-2": {"allowed_kinds": (QueryKind.PCA,), "allowed_columns": (0, 1)}
+                "owner-2": {"allowed_kinds": (QueryKind.PCA,), "allowed_columns": (0, 1)},
+                "owner-3": {"state_terms": False},  # its operator keeps them to itself
             },
         ) as running,
         running.analyst() as alice,
     ):
-        _wait_until(lambda: alice.describe().owners_connected == 2)
+        _wait_until(lambda: alice.describe().owners_connected == 3)
         assert alice.describe().owner_terms == ()  # only when asked for
         info = alice.describe(with_owner_terms=True)
         stated = dict(info.owner_terms)
         assert [owner for owner, _ in info.owner_terms] == ["owner-1", "owner-2"]
-        for owner, node in running.nodes.items():
+        for owner in ("owner-1", "owner-2"):
+            node = running.nodes[owner]
             assert stated[owner] == stated_terms(node.config, node.table)
         assert stated["owner-2"].allowed_kinds == (QueryKind.PCA,)
         assert stated["owner-2"].allowed_columns == (0, 1)
@@ -178,7 +180,7 @@ def test_connected_owners_state_their_terms_to_the_analyst(
         assert reason is not None and "dca queries are not in policy.allowed_kinds" in reason
 
         running.stop_owner("owner-1")
-        _wait_until(lambda: alice.describe().owners_connected == 1)
+        _wait_until(lambda: alice.describe().owners_connected == 2)
         after = alice.describe(with_owner_terms=True).owner_terms
         assert [owner for owner, _ in after] == ["owner-2"]
 

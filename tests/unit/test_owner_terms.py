@@ -20,11 +20,11 @@ import pytest
 
 from fedpca.errors import ProtocolError
 from fedpca.formatting import column_ranges
-from fedpca.messages import Task
+from fedpca.messages import DeploymentInfo, Task
 from fedpca.owner.config import DataConfig, OwnerConfig, PrivacyConfig
 from fedpca.owner.local_table import LocalTable
 from fedpca.owner.policy import Refusal, TaskAccepted, check_task, stated_terms
-from fedpca.owner_terms import OwnerTerms
+from fedpca.owner_terms import MAX_STATED_COUNT, OwnerTerms
 from fedpca.query import Aggregate, Neighbouring, ProtocolMode, QueryKind, QuerySpec
 from fedpca.table_schema import TableSchema
 from fedpca.transport import serde
@@ -257,7 +257,9 @@ def _wire(public_key: Any, **fields: Any) -> Any:
         ({"max_epsilon_per_query": -1.0}, "max_epsilon_per_query = -1.0"),
         ({"min_quorum": 0}, "min_quorum = 0"),
         ({"neighbouring": 0}, "neighbouring"),
-        ({"accountant": "z" * 41}, "accountant"),
+        # A newer owner's accountant: left out like terms not stated, not a refusal.
+        ({"accountant": "rdp-2031"}, "unknown accountant 'rdp-2031'"),
+        ({"min_quorum": (1 << 31) + 1}, "min_quorum = 2147483649: too large"),
     ],
 )
 def test_terms_out_of_range_are_a_protocol_error(
@@ -286,13 +288,82 @@ def serde_limit() -> int:
     return MAX_STATED_ALLOWED_COLUMNS
 
 
-def test_an_unknown_accountant_is_a_refusal_not_a_crash(
+def test_a_long_unknown_kind_is_quoted_short() -> None:
+    """The proxy logs why it does not pass an owner's terms on: a peer's million-
+    character kind name must not reach the log whole (found by review)."""
+    message = query_pb.OwnerTerms(n_columns=3, min_quorum=1, allowed_kinds=["x" * 1_000_000])
+    with pytest.raises(ProtocolError) as refused:
+        serde.owner_terms_from_proto(message, "OwnerTerms")
+    assert len(str(refused.value)) < 200 and "unknown release kind" in str(refused.value)
+
+
+def test_counts_beyond_the_wire_are_stated_as_its_bound(
     test_only_keypair_512: tuple[Any, Any],
 ) -> None:
-    public_key, _ = test_only_keypair_512
-    terms = replace(stated_terms(_config(public_key), _table()), accountant="rdp-2031")
-    reason = terms.refusal(_pca(public_key))
-    assert reason is not None and "rdp-2031" in reason
+    """An operator's "no limit" (max_tasks_per_day = 2**40) made the terms unencodable
+    and the node reconnect forever without serving (found by review)."""
+    config = _config(test_only_keypair_512[0], max_tasks_per_day=1 << 40, min_quorum=1 << 33)
+    terms = stated_terms(config, _table())
+    assert (terms.max_tasks_per_day, terms.min_quorum) == (MAX_STATED_COUNT, MAX_STATED_COUNT)
+    sent = serde.task_stream_request_to_proto("owner-1", (), terms)
+    assert serde.stated_terms_from_proto(sent) == terms
+
+
+def test_an_analyst_reads_terms_of_at_most_the_connected_owners(
+    test_only_keypair_512: tuple[Any, Any],
+) -> None:
+    """Each stated terms costs the analyst a judgement of its query: a proxy sending
+    terms of more owners than it says are connected is refused (found by review); an
+    entry with an overlong owner id is left out, not the whole answer."""
+    terms = stated_terms(_config(test_only_keypair_512[0]), _table())
+    info = DeploymentInfo(
+        proxy_id="proxy",
+        software_version="test",
+        protocol_version=6,
+        owners_registered=3,
+        owners_connected=2,
+        neighbouring=Neighbouring.ADD_REMOVE,
+        max_delta_per_query=1e-5,
+        accountant="zcdp",
+        analyst_id="alice",
+        budget_epsilon=1.0,
+        budget_delta=1e-5,
+        server_time=datetime.now(UTC),
+        owner_terms=(("owner-1", terms), ("x" * 10_000, terms)),
+    )
+    decoded = serde.deployment_info_from_proto(serde.deployment_info_to_proto(info))
+    assert decoded.owner_terms == (("owner-1", terms),)
+    too_many = replace(info, owners_connected=1)
+    with pytest.raises(ProtocolError, match="terms of 2 owners, but 1 connected"):
+        serde.deployment_info_from_proto(serde.deployment_info_to_proto(too_many))
+
+
+def test_an_owner_may_keep_its_terms_to_itself(tmp_path: Path) -> None:
+    """``policy.state_terms = false``: the node states none (default: it states them)."""
+    from fedpca.owner.config import load_config
+
+    config_text = f"""
+[owner]
+id = "owner-1"
+proxy = "127.0.0.1:50051"
+[tls]
+insecure = true
+[data]
+path = "data.csv"
+max_records = 100
+[policy]
+accepted_analyst_keys = ["sha256:{"ab" * 32}"]
+max_epsilon_per_query = 1.0
+STATE_TERMS
+[budget]
+epsilon = 10.0
+delta = 1e-5
+"""
+    path = tmp_path / "owner.toml"
+    path.write_text(config_text.replace("STATE_TERMS", ""))
+    assert load_config(path).policy.state_terms is True
+    path.write_text(config_text.replace("STATE_TERMS", "state_terms = false"))
+    assert load_config(path).policy.state_terms is False
 
 
 def test_column_ranges() -> None:

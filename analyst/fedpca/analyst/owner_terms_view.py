@@ -65,7 +65,10 @@ def owner_terms_lines(info: DeploymentInfo) -> list[str]:
         lines.extend(_terms_lines(terms))
     silent = info.owners_connected - len(info.owner_terms)
     if silent > 0:
-        lines.append(f"  {silent} connected owners state no terms (fedpca older than them)")
+        lines.append(
+            f"  {silent} connected owners state no terms this version can read (a fedpca "
+            "older than terms, or newer)"
+        )
     if len(lines) == 1:
         lines[0] = "owners' terms:    none stated (no owner connected)"
     return lines

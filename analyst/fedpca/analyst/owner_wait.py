@@ -169,12 +169,19 @@ def check_owner_terms(
     reachable = deployment.owners_registered if wait_for_owners else deployment.owners_connected
     accepting = reachable - len(declining)
     if accepting < spec.quorum:
+        absent = deployment.owners_registered - deployment.owners_connected
+        waiting = (
+            f", or pass --wait-for-owners (wait_for_owners=True) to let it wait for the {absent} "
+            "owners not connected, which may accept it"
+            if absent > 0 and not wait_for_owners
+            else ""
+        )
         raise OwnersWouldDeclineError(
             f"by the terms the owners stated, {len(declining)} of the "
             f"{deployment.owners_connected} connected owners would decline this query "
             f"(reasons above), which leaves {max(accepting, 0)} for its quorum of "
             f"{spec.quorum}: nothing was submitted. Change the query to meet their terms, "
-            "or ask a smaller quorum (--quorum N); `fedpca analyst deployment` shows "
-            "every owner's terms"
+            f"or ask a smaller quorum (--quorum N){waiting}; `fedpca analyst deployment` "
+            "shows every owner's terms"
         )
     return declining

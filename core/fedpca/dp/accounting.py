@@ -44,7 +44,6 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TypeAlias
 
 from dp_accounting import dp_event
@@ -54,7 +53,7 @@ from fedpca.dp.calibration import gaussian_epsilon, zcdp_epsilon
 from fedpca.dp.mechanisms import PrivacyEvent, PrivacyParams
 from fedpca.errors import BudgetExceededError, CalibrationError, CompositionError, ConfigError
 from fedpca.formatting import distinct
-from fedpca.query import Neighbouring
+from fedpca.query import Accountant, Neighbouring
 
 __all__ = [
     "BUDGET_ROUNDING_SLACK",
@@ -99,14 +98,6 @@ array. Below z = 0.1 a release protects next to nothing (epsilon above 90 at
 delta 1e-5, see :func:`max_epsilon_per_release`), so such queries are refused with a
 CalibrationError naming this limit. The RDP accountant (closed form) has no floor.
 """
-
-
-class Accountant(StrEnum):
-    ZCDP = "zcdp"
-    """Default: rho-zCDP of the discrete Gaussian, converted by dp_accounting's RDP
-    accountant (a proven bound)."""
-    PLD_CONTINUOUS = "pld-continuous"
-    """dp_accounting's PLD accountant for the continuous Gaussian (labelled option)."""
 
 
 Release: TypeAlias = PrivacyEvent | float

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from fedpca.formatting import first_of, printable
 from fedpca.messages.queries import QueryStatus
-from fedpca.owner_terms import OwnerTerms
 from fedpca.query import AggregateKind, Neighbouring, ProtocolMode, QueryKind
+
+if TYPE_CHECKING:
+    from fedpca.owner_terms import OwnerTerms
 
 __all__ = [
     "ABSENT_OWNERS_SHOWN",

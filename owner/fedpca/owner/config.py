@@ -34,6 +34,7 @@ config can be moved together with its certificates and data)::
     allowed_columns = [1, 2, 3]          # optional: the only file columns queries may read
     min_quorum = 2                       # smallest number of owners it contributes with
     max_tasks_per_day = 100              # releases per 24 hours, and each analyst's refunded tasks
+    state_terms = true                   # state these settings to analysts (fedpca.owner_terms)
     [budget]
     epsilon = 10.0
     delta = 1e-5
@@ -364,6 +365,7 @@ class OwnerConfig:
                 "allowed_columns",
                 "min_quorum",
                 "max_tasks_per_day",
+                "state_terms",
             },
             "policy",
         )
@@ -415,6 +417,7 @@ class OwnerConfig:
                 policy_doc, "policy", "max_tasks_per_day", DEFAULT_MAX_TASKS_PER_DAY
             ),
             analyst_key_signers=key_signers_from(policy_doc, keys, signers),
+            state_terms=reader.boolean(policy_doc, "policy", "state_terms", default=True),
         )
 
         budget_doc = _section(document, "budget", required=True)

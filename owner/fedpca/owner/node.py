@@ -471,8 +471,9 @@ class OwnerNode(TaskProcessing):
         # one began: the proxy answers each with its task again (it resumes) or a
         # withdrawal (it ends: its share is deleted, a reservation without upload refunded).
         in_flight = self.ledger.unfinished_tasks()
-        # With this owner's terms, which the proxy shows to analysts (public facts only).
-        terms = stated_terms(self.config, self.table)
+        # With this owner's terms, which the proxy shows to analysts (public facts only),
+        # unless its operator keeps them to itself (policy.state_terms = false).
+        terms = stated_terms(self.config, self.table) if self.config.policy.state_terms else None
         call = stub.StreamTasks(
             serde.task_stream_request_to_proto(self.config.owner.id, in_flight, terms)
         )

@@ -54,7 +54,7 @@ from fedpca.owner.compute import analyst_public_key
 from fedpca.owner.config import OwnerConfig
 from fedpca.owner.local_table import LocalTable, QueryColumns
 from fedpca.owner.policy_config import PolicyConfig
-from fedpca.owner_terms import OwnerTerms
+from fedpca.owner_terms import MAX_STATED_COUNT, OwnerTerms
 from fedpca.protocol import ReleasePlan
 from fedpca.query import QuerySpec, spec_digest
 from fedpca.signing import signed_deadline, verify_query
@@ -214,9 +214,9 @@ def stated_terms(config: OwnerConfig, table: LocalTable) -> OwnerTerms:
         max_delta_per_query=policy.delta_cap(config.budget),
         max_epsilon_per_query=policy.max_epsilon_per_query,
         budget_delta=config.budget.delta,
-        accountant=config.privacy.accountant.value,
-        min_quorum=policy.min_quorum,
-        max_tasks_per_day=policy.max_tasks_per_day,
+        accountant=config.privacy.accountant,
+        min_quorum=min(policy.min_quorum, MAX_STATED_COUNT),
+        max_tasks_per_day=min(policy.max_tasks_per_day, MAX_STATED_COUNT),
         max_records=data.max_records if data.enforce_max_records else None,
     )
 

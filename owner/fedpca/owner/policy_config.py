@@ -76,6 +76,9 @@ class PolicyConfig:
         (its query cancelled before any upload) still counts, against its own analyst
         only: the cap bounds the computing cancelled queries cost the owner, without
         letting one analyst use up the others' allowance for free.
+    state_terms : state this policy, with the table's schema, on the task stream, for
+        the proxy to show to analysts (:class:`fedpca.owner_terms.OwnerTerms`; default
+        true). False: analysts learn a setting only from a decline, as before terms.
     """
 
     accepted_analyst_keys: tuple[str, ...]
@@ -89,6 +92,7 @@ class PolicyConfig:
     min_quorum: int = DEFAULT_MIN_QUORUM
     max_tasks_per_day: int = DEFAULT_MAX_TASKS_PER_DAY
     analyst_key_signers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    state_terms: bool = True
 
     def delta_cap(self, budget: PrivacyParams) -> float:
         """The largest per-query delta this owner accepts under ``budget``."""

@@ -481,12 +481,20 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
     ) -> analyst_pb.DeploymentInfo:
         analyst = self._caller(context, Role.ANALYST)
         with self._call_slot(analyst):
+            connected = self.task_streams.connected_owners()
+            # Only of owners counted as connected (one may connect in between): an
+            # analyst counts the owners that state no terms from the two.
+            stated = (
+                {o: t for o, t in self.task_streams.stated_terms().items() if o in connected}
+                if request.with_owner_terms
+                else {}
+            )
             info = catalog.describe_deployment(
                 self.coordinator,
                 analyst.node_id,
                 proxy_id=self.proxy_id,
-                connected=self.task_streams.connected_owners(),
-                stated_terms=self.task_streams.stated_terms() if request.with_owner_terms else {},
+                connected=connected,
+                stated_terms=stated,
             )
             return serde.deployment_info_to_proto(info)
 

@@ -7,7 +7,6 @@ from collections.abc import Iterable, Iterator
 
 from fedpca.admission import NextQuery
 from fedpca.errors import ConfigError, LayoutError, ProtocolError
-from fedpca.formatting import printable
 from fedpca.messages import (
     DEFAULT_CHUNK_MESSAGE_BYTES,
     BudgetStatus,
@@ -473,14 +472,26 @@ def deployment_info_to_proto(info: DeploymentInfo) -> analyst_pb.DeploymentInfo:
 
 def _stated_terms(message: analyst_pb.DeploymentInfo) -> tuple[tuple[str, OwnerTerms], ...]:
     """The owners' terms a proxy passed on; one this version cannot read is left out (a
-    newer owner may answer a release kind it does not know), logged, as if not stated."""
+    newer owner may answer a release kind it does not know), logged, as if not stated.
+
+    Raises
+    ------
+    ProtocolError
+        Terms of more owners than are connected (each costs the analyst's tools a
+        judgement of its query: a proxy could otherwise keep them busy at will).
+    """
+    if len(message.owner_terms) > message.owners_connected:
+        raise ProtocolError(
+            f"DeploymentInfo: terms of {len(message.owner_terms)} owners, but "
+            f"{message.owners_connected} connected"
+        )
     stated = []
     for entry in message.owner_terms:
-        owner_id = bounded_text(entry.owner_id, "StatedOwnerTerms.owner_id")
         try:
+            owner_id = bounded_text(entry.owner_id, "StatedOwnerTerms.owner_id")
             stated.append((owner_id, owner_terms_from_proto(entry.terms, "StatedOwnerTerms")))
         except ProtocolError as exc:
-            logger.info("the terms of owner %s are left out: %s", printable(owner_id), exc)
+            logger.info("the terms of an owner are left out: %s", exc)
     return tuple(stated)
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from fedpca.errors import ConfigError, ProtocolError
-from fedpca.owner_terms import OwnerTerms
-from fedpca.query import MAX_AGGREGATES, RELEASE_KINDS, Aggregate, QuerySpec, release_kind
+from fedpca.owner_terms import MAX_STATED_COUNT, OwnerTerms
+from fedpca.query import (
+    MAX_AGGREGATES,
+    RELEASE_KINDS,
+    Accountant,
+    Aggregate,
+    QuerySpec,
+    release_kind,
+)
 from fedpca.table_schema import TableSchema
 from fedpca.transport.serde._common import (
     AGGREGATE_KIND_FROM_PROTO,
@@ -235,8 +242,6 @@ MAX_STATED_ALLOWED_COLUMNS = 8_192
 """Most allowed columns an owner's terms may list (the GISETTE width of the protocol's
 evaluation is 5,000): a proxy keeps each connected owner's terms in memory."""
 
-MAX_STATED_TASKS_PER_DAY = 1 << 31
-
 
 def owner_terms_to_proto(terms: OwnerTerms) -> query_pb.OwnerTerms:
     """An owner's terms for its task stream (absent fields: no label column, no
@@ -275,8 +280,9 @@ def owner_terms_from_proto(message: query_pb.OwnerTerms, what: str) -> OwnerTerm
     ProtocolError
         A field out of range: no columns or more than :data:`MAX_STATED_COLUMNS`, a
         label or allowed column outside the file, more than
-        :data:`MAX_STATED_ALLOWED_COLUMNS` allowed columns, an unknown release kind, a
-        delta outside [0, 1), a negative or NaN epsilon, a quorum of 0.
+        :data:`MAX_STATED_ALLOWED_COLUMNS` allowed columns, an unknown release kind or
+        accountant (a newer owner's: its terms are then as good as not stated), a delta
+        outside [0, 1), a negative or NaN epsilon, a quorum of 0.
     """
     n_columns = message.n_columns
     if not 1 <= n_columns <= MAX_STATED_COLUMNS:
@@ -301,10 +307,21 @@ def owner_terms_from_proto(message: query_pb.OwnerTerms, what: str) -> OwnerTerm
         raise ProtocolError(f"{what}.allowed_columns given without columns_limited")
     if len(message.allowed_kinds) > len(RELEASE_KINDS):
         raise ProtocolError(f"{what}.allowed_kinds: more than {len(RELEASE_KINDS)} kinds")
+    kinds = []
+    for name in message.allowed_kinds:
+        try:
+            kinds.append(release_kind(name))
+        except ConfigError:
+            # Quoted short: the proxy logs this, and a peer chooses the name's length.
+            raise ProtocolError(
+                f"{what}.allowed_kinds: unknown release kind {short_repr(name)}"
+            ) from None
     try:
-        kinds = tuple(release_kind(name) for name in message.allowed_kinds)
-    except ConfigError as exc:
-        raise ProtocolError(f"{what}.allowed_kinds: {exc}") from None
+        accountant = Accountant(message.accountant)
+    except ValueError:
+        raise ProtocolError(
+            f"{what}.accountant: unknown accountant {short_repr(message.accountant)}"
+        ) from None
     for name, value in (
         ("max_delta_per_query", message.max_delta_per_query),
         ("budget_delta", message.budget_delta),
@@ -317,21 +334,23 @@ def owner_terms_from_proto(message: query_pb.OwnerTerms, what: str) -> OwnerTerm
         )
     if message.min_quorum < 1:
         raise ProtocolError(f"{what}.min_quorum = {message.min_quorum}: not >= 1")
-    if message.max_tasks_per_day > MAX_STATED_TASKS_PER_DAY:
+    if message.min_quorum > MAX_STATED_COUNT:
+        raise ProtocolError(f"{what}.min_quorum = {message.min_quorum}: too large")
+    if message.max_tasks_per_day > MAX_STATED_COUNT:
         raise ProtocolError(f"{what}.max_tasks_per_day = {message.max_tasks_per_day}: too large")
     return OwnerTerms(
         schema=TableSchema(n_columns, label),
         neighbouring=enum_from_proto(
             message.neighbouring, NEIGHBOURING_FROM_PROTO, f"{what}.neighbouring"
         ),
-        allowed_kinds=kinds,
+        allowed_kinds=tuple(kinds),
         allowed_columns=allowed,
         allow_masked_mode=message.allow_masked_mode,
         allow_not_private=message.allow_not_private,
         max_delta_per_query=message.max_delta_per_query,
         max_epsilon_per_query=message.max_epsilon_per_query,
         budget_delta=message.budget_delta,
-        accountant=bounded_text(message.accountant, f"{what}.accountant", max_length=40),
+        accountant=accountant,
         min_quorum=message.min_quorum,
         max_tasks_per_day=message.max_tasks_per_day,
         max_records=message.max_records if message.HasField("max_records") else None,
