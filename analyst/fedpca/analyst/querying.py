@@ -553,12 +553,12 @@ def run_estimator_query(
         waiting = time.perf_counter()
         stated = deployment
         deployment = wait_for_quorum(client, deployment, spec, bool(estimator.wait_for_owners))
-        if deployment is not stated:  # owners connected meanwhile: their terms too
-            stated = client.describe(with_owner_terms=True)
-        check_owner_terms(stated, spec, bool(estimator.wait_for_owners))
         waited = time.perf_counter() - waiting
         if waited < OWNER_WAIT_SHOWN_SECONDS:
             waited = 0.0  # no wait, one question to the proxy: part of "prepare"
+        if deployment is not stated:  # owners connected meanwhile: their terms too
+            stated = client.describe(with_owner_terms=True)
+        check_owner_terms(stated, spec, bool(estimator.wait_for_owners))
         if not spec.private:
             logger.warning("epsilon = inf: the release is NOT PRIVATE (no noise at all)")
         prepared = time.perf_counter() - started - waited
