@@ -282,9 +282,16 @@ class TaskStreams:
         """The terms each connected owner stated on its open stream (owners that stated
         none are left out)."""
         with self._lock:
-            return {
-                owner: terms for owner, (_, _, terms) in self._latest.items() if terms is not None
-            }
+            return self._stated_terms()
+
+    def connected_and_terms(self) -> tuple[frozenset[str], dict[str, OwnerTerms]]:
+        """The owners with an open stream and the terms they stated, read at one moment
+        (read apart, an owner connecting in between was in the terms but not counted)."""
+        with self._lock:
+            return frozenset(self._latest), self._stated_terms()
+
+    def _stated_terms(self) -> dict[str, OwnerTerms]:
+        return {owner: terms for owner, (_, _, terms) in self._latest.items() if terms is not None}
 
 
 class RefusalLog:

@@ -481,20 +481,14 @@ class AnalystServicer(ServicerBase, analyst_grpc.AnalystServiceServicer):
     ) -> analyst_pb.DeploymentInfo:
         analyst = self._caller(context, Role.ANALYST)
         with self._call_slot(analyst):
-            connected = self.task_streams.connected_owners()
-            # Only of owners counted as connected (one may connect in between): an
-            # analyst counts the owners that state no terms from the two.
-            stated = (
-                {o: t for o, t in self.task_streams.stated_terms().items() if o in connected}
-                if request.with_owner_terms
-                else {}
-            )
+            # One reading of both: an analyst counts the owners stating no terms from them.
+            connected, stated = self.task_streams.connected_and_terms()
             info = catalog.describe_deployment(
                 self.coordinator,
                 analyst.node_id,
                 proxy_id=self.proxy_id,
                 connected=connected,
-                stated_terms=stated,
+                stated_terms=stated if request.with_owner_terms else {},
             )
             return serde.deployment_info_to_proto(info)
 
